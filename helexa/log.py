@@ -1,0 +1,38 @@
+"""structlog set-up: one JSON object per line on stderr.
+
+Every line carries `event` and `component` (`router` or `neuron`); request
+events add `req_id`, `model` and `principal` (bind them with
+`log.bind(...)`). Request spans are `request.start` → `request.done` or
+`request.rejected`; `helexa journal concurrency` reads them back.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import structlog
+
+
+def setup_logging(component: str, level: str = "info", stream: Any = None) -> structlog.BoundLogger:
+    """Configure structlog for this process and return a logger bound to `component`."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(sort_keys=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
+        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+    return structlog.get_logger().bind(component=component)
+
+
+def get_logger(component: str) -> structlog.BoundLogger:
+    """A logger bound to `component` (uses whatever configuration is in force)."""
+    return structlog.get_logger().bind(component=component)

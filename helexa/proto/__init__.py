@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/helexa/neuron/v1/neuron.proto (see helexa.proto_gen)."""

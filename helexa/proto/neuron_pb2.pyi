@@ -1,0 +1,356 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class ModelState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODEL_STATE_UNSPECIFIED: _ClassVar[ModelState]
+    MODEL_STATE_LOADING: _ClassVar[ModelState]
+    MODEL_STATE_READY: _ClassVar[ModelState]
+    MODEL_STATE_SWITCHING: _ClassVar[ModelState]
+    MODEL_STATE_DRAINING: _ClassVar[ModelState]
+    MODEL_STATE_FAILED: _ClassVar[ModelState]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+MODEL_STATE_UNSPECIFIED: ModelState
+MODEL_STATE_LOADING: ModelState
+MODEL_STATE_READY: ModelState
+MODEL_STATE_SWITCHING: ModelState
+MODEL_STATE_DRAINING: ModelState
+MODEL_STATE_FAILED: ModelState
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "top_logprobs", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    seed: int
+    top_logprobs: int
+    logprobs: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("req_id", "model", "principal", "chat", "text", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "deadline_unix_ms", "return_prompt_token_ids")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    model: str
+    principal: str
+    chat: Chat
+    text: str
+    token_ids: TokenIds
+    max_tokens: int
+    sampling: SamplingParams
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    ignore_eos: bool
+    deadline_unix_ms: int
+    return_prompt_token_ids: bool
+    def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefill_ms", "decode_ms", "queue_ms")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    prefill_ms: float
+    decode_ms: float
+    queue_ms: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    finish_reason: FinishReason
+    usage: Usage
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop_reason: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("heartbeat_ms",)
+    HEARTBEAT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_ms: int
+    def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
+
+class KvLedger(_message.Message):
+    __slots__ = ("total_bytes", "free_bytes", "cached_bytes", "reserved_bytes", "used_bytes", "block_size", "bytes_per_token")
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    total_bytes: int
+    free_bytes: int
+    cached_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    block_size: int
+    bytes_per_token: int
+    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+
+class AdmissionLimits(_message.Message):
+    __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs")
+    MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_PER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    ANON_MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_MAX_WAIT_SECS_FIELD_NUMBER: _ClassVar[int]
+    max_in_flight: int
+    max_queue_depth: int
+    max_per_principal: int
+    anon_max_in_flight: int
+    max_slots: int
+    max_batched_tokens: int
+    kv_max_wait_secs: float
+    def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ...) -> None: ...
+
+class ModelLimits(_message.Message):
+    __slots__ = ("context", "input", "output")
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    context: int
+    input: int
+    output: int
+    def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ...) -> None: ...
+
+class ModelStatus(_message.Message):
+    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    KV_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_PER_SEC_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    state: ModelState
+    error: str
+    kv: KvLedger
+    in_flight: int
+    queued: int
+    running: int
+    admission: AdmissionLimits
+    limits: ModelLimits
+    decode_tokens_per_sec: float
+    prefill_tokens_per_sec: float
+    profile: str
+    kv_dtype: str
+    tp: int
+    last_used_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ...) -> None: ...
+
+class NeuronStatus(_message.Message):
+    __slots__ = ("neuron", "models", "draining", "seq", "unix_ms", "catalogue")
+    NEURON_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    CATALOGUE_FIELD_NUMBER: _ClassVar[int]
+    neuron: str
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    draining: bool
+    seq: int
+    unix_ms: int
+    catalogue: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, neuron: _Optional[str] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ..., draining: _Optional[bool] = ..., seq: _Optional[int] = ..., unix_ms: _Optional[int] = ..., catalogue: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CatalogueEntry(_message.Message):
+    __slots__ = ("model", "tp", "priority", "profile", "resident")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tp: int
+    priority: int
+    profile: str
+    resident: bool
+    def __init__(self, model: _Optional[str] = ..., tp: _Optional[int] = ..., priority: _Optional[int] = ..., profile: _Optional[str] = ..., resident: _Optional[bool] = ...) -> None: ...
+
+class ModelsResponse(_message.Message):
+    __slots__ = ("catalogue", "models")
+    CATALOGUE_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    catalogue: _containers.RepeatedCompositeFieldContainer[CatalogueEntry]
+    models: _containers.RepeatedCompositeFieldContainer[ModelStatus]
+    def __init__(self, catalogue: _Optional[_Iterable[_Union[CatalogueEntry, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("model", "principal")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    principal: str
+    def __init__(self, model: _Optional[str] = ..., principal: _Optional[str] = ...) -> None: ...
+
+class LoadResponse(_message.Message):
+    __slots__ = ("status", "evicted")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    status: ModelStatus
+    evicted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[ModelStatus, _Mapping]] = ..., evicted: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UnloadRequest(_message.Message):
+    __slots__ = ("model", "drain", "force")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    drain: bool
+    force: bool
+    def __init__(self, model: _Optional[str] = ..., drain: _Optional[bool] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class UnloadResponse(_message.Message):
+    __slots__ = ("unloaded",)
+    UNLOADED_FIELD_NUMBER: _ClassVar[int]
+    unloaded: bool
+    def __init__(self, unloaded: _Optional[bool] = ...) -> None: ...
+
+class SetProfileRequest(_message.Message):
+    __slots__ = ("model", "profile")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    profile: str
+    def __init__(self, model: _Optional[str] = ..., profile: _Optional[str] = ...) -> None: ...
+
+class SetProfileResponse(_message.Message):
+    __slots__ = ("status", "changed")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    status: ModelStatus
+    changed: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Union[ModelStatus, _Mapping]] = ..., changed: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "neuron", "version")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    NEURON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    neuron: str
+    version: str
+    def __init__(self, status: _Optional[str] = ..., neuron: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,144 @@
+"""Typed messages between the neuron daemon and a model's engine process.
+
+The daemon and the engine exchange token ids, never text: one `ToEngine`
+message per engine step inbound (new requests, aborts, control) and one
+`FromEngine` per step outbound (each request's new tokens, admissions,
+refusals, completions, and the model's status). Encoded with msgspec
+(msgpack) over a pipe.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended (values match the proto's FinishReason)."""
+
+    STOP = 1  # eos, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the context limit
+    ABORT = 3  # caller gone, deadline, drain, explicit abort
+    ERROR = 4  # the engine failed while running this request
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick the next token; defaults are greedy-free OpenAI defaults."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # alternatives per token (0..20)
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request handed to the engine (already tokenised and context-checked)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int | None = None  # None = min(default_output_tokens, context - prompt)
+    principal: str = ""  # "" = anonymous
+    stop_token_ids: list[int] = []  # eos ids are added by the daemon unless ignore_eos
+    deadline_unix: float = 0.0  # absolute deadline (time.time()); 0 = none
+    arrival_unix: float = 0.0
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True):
+    """Abort a request wherever it is; the engine answers with ABORT finished."""
+
+    req_id: str
+    reason: str = "client_gone"  # client_gone | deadline | stop_string | drain | unload
+
+
+class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """Runtime (reload-safe) knobs; None leaves a knob as it is."""
+
+    max_in_flight: int | None = None
+    max_queue_depth: int | None = None
+    max_per_principal: int | None = None
+    anon_max_in_flight: int | None = None
+    kv_max_wait_secs: float | None = None
+    max_slots: int | None = None
+    max_batched_tokens: int | None = None
+    prefill_chunk_tokens: int | None = None
+    default_output_tokens: int | None = None
+
+
+class ToEngine(msgspec.Struct, kw_only=True):
+    """One inbound message: everything the daemon has for the next step."""
+
+    new: list[NewRequest] = []
+    aborts: list[Abort] = []
+    limits: SetLimits | None = None
+    stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
+    shutdown: bool = False  # exit after aborting everything
+
+
+class TopToken(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[TopToken]
+
+
+class RequestUpdate(msgspec.Struct, kw_only=True):
+    """What happened to one request in one step."""
+
+    req_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    admitted: bool = False  # became in flight in this step (reservation held)
+    prompt_tokens: int = 0  # set when admitted
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when admitted)
+    finished: FinishReason | None = None
+    # A refusal ends the request before it produced anything: code is the
+    # OpenAI-style code (overloaded, rate_limit_exceeded, shutting_down, ...).
+    refused_code: str | None = None
+    refused_message: str = ""
+    retry_after_ms: int = 0
+    error: str = ""  # set with finished=ERROR
+
+
+class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
+    """The pool in bytes per card: total = free + cached + reserved + used."""
+
+    total_bytes: int
+    free_bytes: int  # free + cached: what a new reservation may take
+    cached_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    block_size: int
+    bytes_per_token: int
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The model's live figures, sent with every outbound message that changed them."""
+
+    kv: KvLedger
+    in_flight: int
+    queued: int
+    running: int
+    decode_tokens_per_sec: float = 0.0
+    prefill_tokens_per_sec: float = 0.0
+    admitting: bool = True
+
+
+class FromEngine(msgspec.Struct, kw_only=True):
+    """One outbound message per step."""
+
+    updates: list[RequestUpdate] = []
+    status: EngineStatus | None = None
+    step_ms: float = 0.0
+    fatal: str = ""  # the engine is going down; every open request is failed
