@@ -1,0 +1,35 @@
+"""Shared fixtures: tiny checkpoints made once per test session.
+
+`tiny_model_dir` is the default qwen3 tiny checkpoint (hidden 64, 2 layers,
+vocab 512). `tiny_checkpoint(arch, **kw)` makes any other (the keywords of
+`helexa.tiny.init_tiny`), once per distinct set of arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from helexa.tiny import init_tiny
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    made: dict[str, Path] = {}
+
+    def make(arch: str = "qwen3", **kw) -> Path:
+        key = json.dumps({"arch": arch, **kw}, sort_keys=True, default=str)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            made[key] = init_tiny(out, arch=arch, **kw)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    return tiny_checkpoint("qwen3")
