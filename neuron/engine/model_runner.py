@@ -1,0 +1,185 @@
+"""ModelRunner: runs one engine step of the model over the paged KV pool.
+
+The engine hands it a list of SeqInput (each sequence's new tokens, how many
+of its tokens are already cached, and its block table). The runner lays the
+batch out flat — single-token (decode) rows first, then prefill chunks —
+builds every index the attention layers need once per step as tensors
+(positions, slot mapping, gather indices, masks), runs one forward over all
+rows, and returns next-token logits for the sequences that asked for them,
+in the order they were given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from helexa.kernels.attention import AttentionMetadata, PrefillChunk
+from helexa.neuron.models.config import load_model_config, parse_dtype
+from helexa.neuron.models.loader import load_model
+
+_KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # tokens to process this step (prefill chunk, or 1 for decode)
+    num_computed: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # physical block ids covering num_computed + len(token_ids)
+    need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    """"auto" → the model's dtype; returns the canonical name and the storage dtype."""
+    if kv_dtype == "auto":
+        return _KV_NAMES[model_dtype], model_dtype
+    try:
+        dt = parse_dtype(kv_dtype)
+    except ValueError:
+        raise ValueError(
+            f"kv_dtype {kv_dtype!r} is not supported by this runner (auto, fp32, fp16, bf16)"
+        ) from None
+    return _KV_NAMES[dt], dt
+
+
+class ModelRunner:
+    """Owns the model's weights and this rank's KV pool; executes steps."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
+                 num_blocks: int, block_size: int, kv_dtype: str = "auto", max_num_seqs: int,
+                 max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.hf_config, self.config = load_model_config(model_dir)
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
+                                tp_size=tp_size, progress=progress)
+        self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
+        self.vocab_size = self.config.vocab_size
+        self._attn = self.model.attention_layers
+        self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
+        self.k_caches: list[torch.Tensor] = []
+        self.v_caches: list[torch.Tensor] = []
+        self.reset_kv(num_blocks, kv_dtype)
+
+    # ---- KV pool -------------------------------------------------------------------------
+
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
+        """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
+        self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
+        for attn in self._attn:  # free the old pool before allocating the new one
+            attn.k_cache = attn.v_cache = torch.empty(0)
+        self.k_caches, self.v_caches = [], []
+        self.num_blocks = num_blocks
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
+        for attn in self._attn:
+            # Zeroed, so padded gather rows (masked out) never hold NaN/inf.
+            attn.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
+            self.k_caches.append(attn.k_cache)
+            self.v_caches.append(attn.v_cache)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        k = self.k_caches[0]
+        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run one step; returns fp32 logits [num seqs with need_logits, vocab] in input order."""
+        if not seqs:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        input_ids, positions, meta, logits_rows = self._prepare(seqs)
+        return self.model(input_ids, positions, meta, logits_rows)
+
+    def _prepare(self, seqs: list[SeqInput]):
+        bs = self.block_size
+        dev = self.device
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        flat_row: dict[int, int] = {}  # seq index -> flat row of its last new token
+        ids: list[int] = []
+        pos_list: list[int] = []
+        for row, i in enumerate(decode):
+            s = seqs[i]
+            ids.append(s.token_ids[0])
+            pos_list.append(s.num_computed)
+            flat_row[i] = row
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
+        slot_parts: list[torch.Tensor] = []
+        max_pos = 0
+        if decode:
+            slot_parts.append(self._decode_plan(meta, [seqs[i] for i in decode], pos_list))
+            max_pos = max(pos_list)
+        start = len(decode)
+        pos_parts = [torch.tensor(pos_list, dtype=torch.long)] if decode else []
+        for i in prefill:
+            s = seqs[i]
+            n, c = len(s.token_ids), s.num_computed
+            if n == 0:
+                raise ValueError("SeqInput with no tokens")
+            ids.extend(s.token_ids)
+            ctx = torch.arange(c + n)
+            slots = self._slots(s.block_table, ctx, c + n)
+            chunk = PrefillChunk(start=start, end=start + n)
+            if c > 0:
+                q_pos = ctx[c:]
+                chunk.context_slots = slots.to(dev)
+                chunk.mask = (ctx[None, :] <= q_pos[:, None]).to(dev)
+            slot_parts.append(slots[c:])
+            pos_parts.append(ctx[c:])
+            meta.prefills.append(chunk)
+            start += n
+            flat_row[i] = start - 1
+            max_pos = max(max_pos, c + n - 1)
+        self.model.rotary.ensure(max_pos + 1)
+        meta.slot_mapping = torch.cat(slot_parts).to(dev)
+        positions = torch.cat(pos_parts).to(dev)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        want = [flat_row[i] for i, s in enumerate(seqs) if s.need_logits]
+        # All rows in order (pure decode where every row wants logits): skip the gather.
+        logits_rows = None if want == list(range(len(ids))) else torch.tensor(want, device=dev)
+        return input_ids, positions, meta, logits_rows
+
+    def _slots(self, block_table: list[int], token_pos: torch.Tensor, needed: int) -> torch.Tensor:
+        """Flat cache slots of the given token positions of one sequence."""
+        bs = self.block_size
+        if len(block_table) * bs < needed:
+            raise ValueError(
+                f"block table of {len(block_table)} blocks × {bs} cannot hold {needed} tokens")
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[token_pos // bs] * bs + token_pos % bs
+
+    def _decode_plan(self, meta: AttentionMetadata, rows: list[SeqInput],
+                     pos_list: list[int]) -> torch.Tensor:
+        """Gather indices [B*T] and padding mask for the decode rows; returns their write slots."""
+        bs = self.block_size
+        b = len(rows)
+        t = max(pos_list) + 1
+        nblk = -(-t // bs)
+        table = torch.zeros(b, nblk, dtype=torch.long)
+        for r, s in enumerate(rows):
+            need = s.num_computed + 1
+            if len(s.block_table) * bs < need:
+                raise ValueError(
+                    f"block table of {len(s.block_table)} blocks × {bs} cannot hold {need} tokens")
+            used = -(-need // bs)
+            table[r, :used] = torch.tensor(s.block_table[:used], dtype=torch.long)
+        ar = torch.arange(t)
+        slots = table[:, ar // bs] * bs + ar % bs  # [B, T]; padding points at slot 0..bs-1
+        pos = torch.tensor(pos_list, dtype=torch.long)
+        meta.decode_slots = slots.reshape(-1).to(self.device)
+        meta.decode_len = t
+        if b > 1 and min(pos_list) != t - 1:
+            meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
+        return slots[torch.arange(b), pos]

@@ -1,0 +1,154 @@
+"""The dense Llama family: Llama, Qwen2 (QKV bias) and Qwen3 (q/k RMSNorm).
+
+Reads like single-device code; the parallel-layer classes carry the sharding.
+A forward step takes the flat batch of new tokens (all sequences
+concatenated, decode rows first), their positions, and the step's
+AttentionMetadata; K/V caches are attached to each attention layer by the
+model runner (``attn.k_cache`` / ``attn.v_cache``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from helexa.kernels.rotary import RotaryTable, apply_rotary
+from helexa.neuron.models.config import ModelConfig
+from helexa.neuron.models.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.qkv_bias, **kw)
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_bias, **kw)
+        self.eps = cfg.rms_norm_eps
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+        # Attached by the model runner; [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+        self._qk_norm_weight: torch.Tensor | None = None
+
+    def finalize(self) -> None:
+        """After loading: one [q_heads + kv_heads, head_dim] weight so q and k norm in one op."""
+        if self.qk_norm:
+            self._qk_norm_weight = torch.cat([
+                self.q_norm.weight.expand(self.num_heads, -1),
+                self.k_norm.weight.expand(self.num_kv_heads, -1),
+            ])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
+        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
+        if self._qk_norm_weight is not None:
+            if qk.dtype == torch.float32:
+                qk = F.rms_norm(qk, (d,), None, self.eps) * self._qk_norm_weight
+            else:  # normalise in fp32 as transformers does, scale in the model dtype
+                qk = F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype) * self._qk_norm_weight
+        qk = apply_rotary(qk, cos, sin)  # [n, h + kvh, d]
+        q, k = qk[:, :h], qk[:, h:]
+        write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
+        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        return self.o_proj(o.reshape(n, h * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, **kw)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           bias=cfg.mlp_bias, **kw)
+        self.inter = self.gate_up_proj.weight.shape[0] // 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw) -> None:
+        super().__init__()
+        norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        self.self_attn = Attention(cfg, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        self.mlp = MLP(cfg, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, **kw) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 decoder with a paged KV cache."""
+
+    # checkpoint projection name -> (our fused module, shard id)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
+        self.model = Backbone(cfg, **kw)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.rope.rope_type, cfg.rope.theta, cfg.head_dim,
+                                  cfg.rope.params, dtype=dtype, device=device,
+                                  initial_len=min(cfg.max_position_embeddings, 4096))
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers]
+
+    def finalize(self) -> None:
+        for attn in self.attention_layers:
+            attn.finalize()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
+        cos, sin = self.rotary.cos_sin(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()

@@ -1,0 +1,150 @@
+"""Load a Hugging Face checkpoint folder into our model, streaming tensor by tensor.
+
+Parameters are allocated once at their final (per-rank) size and dtype; each
+checkpoint tensor is then opened lazily with ``safe_open(...).get_slice`` and
+handed to its parameter's ``weight_loader``, which reads only this rank's
+rows or columns. Peak memory is therefore about the model's size plus one
+tensor, never twice the model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from helexa.neuron.models.config import (
+    ModelConfig,
+    UnsupportedArchitecture,
+    load_model_config,
+    parse_dtype,
+)
+from helexa.neuron.models.llama import LlamaForCausalLM
+
+# progress(loaded_bytes, total_bytes), called after each tensor.
+ProgressFn = Callable[[int, int], None]
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# Checkpoint tensors that carry no weights we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class MissingTensor(Exception):
+    """A tensor the model needs is not in the checkpoint."""
+
+
+def resolve_dtype(cfg: ModelConfig, dtype: str | torch.dtype) -> torch.dtype:
+    """"auto" means the checkpoint's own dtype (config torch_dtype / dtype)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    return parse_dtype(cfg.torch_dtype if dtype == "auto" else dtype)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files: from model.safetensors.index.json when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise MissingTensor(f"{model_dir}: shard files listed in {index.name} are missing: {missing}")
+        return [model_dir / f for f in files]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(model_dir.glob("*.safetensors"))
+    if not found:
+        raise MissingTensor(f"{model_dir}: no *.safetensors weights (only safetensors are supported)")
+    return found
+
+
+def _target(name: str, model: nn.Module, params: dict[str, nn.Parameter]):
+    """Map a checkpoint tensor name to (our parameter name, shard id)."""
+    packed = getattr(model, "packed_modules", {})
+    for src, (dst, shard) in packed.items():
+        token = f".{src}."
+        if token in name:
+            return name.replace(token, f".{dst}."), shard
+    return name, None
+
+
+def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bool,
+                 progress: ProgressFn | None = None) -> None:
+    """Stream every checkpoint tensor into its parameter; MissingTensor if any is absent."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # Every (parameter, shard) we expect to fill, and the checkpoint name that fills it.
+    expected: dict[tuple[str, object], str] = {}
+    packed = getattr(model, "packed_modules", {})
+    for pname in params:
+        if tie_word_embeddings and pname == "lm_head.weight":
+            continue
+        shards = [(src, shard) for src, (dst, shard) in packed.items() if f".{dst}." in pname]
+        if shards:
+            for src, shard in shards:
+                dst = packed[src][0]
+                expected[(pname, shard)] = pname.replace(f".{dst}.", f".{src}.")
+        else:
+            expected[(pname, None)] = pname
+    total = sum(f.stat().st_size for f in files)
+    done_bytes = 0
+    loaded: set[tuple[str, object]] = set()
+    for path in files:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if tie_word_embeddings and name == "lm_head.weight":
+                    continue  # tied: the embedding is the head
+                pname, shard = _target(name, model, params)
+                param = params.get(pname)
+                if param is None:
+                    raise UnsupportedArchitecture(f"{path.name}: unexpected tensor {name!r}")
+                sl = f.get_slice(name)
+                with torch.no_grad():
+                    param.weight_loader(param, sl, shard)
+                loaded.add((pname, shard))
+                shape = sl.get_shape()
+                numel = 1
+                for s in shape:
+                    numel *= s
+                done_bytes += numel * _dtype_bytes(sl.get_dtype())
+                if progress is not None:
+                    progress(min(done_bytes, total), total)
+    missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
+    if missing:
+        raise MissingTensor(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}"
+            + (" …" if len(missing) > 8 else "")
+        )
+
+
+def _dtype_bytes(name: str) -> int:
+    return {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4}.get(name, 1)
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
+               tp_rank: int = 0, tp_size: int = 1, progress: ProgressFn | None = None) -> nn.Module:
+    """Build the model for ``model_dir`` and load this rank's weights."""
+    model_dir = Path(model_dir)
+    _, cfg = load_model_config(model_dir)
+    cls = MODEL_CLASSES.get(cfg.architecture)
+    if cls is None:
+        raise UnsupportedArchitecture(f"architecture {cfg.architecture!r} is not supported")
+    torch_dtype = resolve_dtype(cfg, dtype)
+    files = checkpoint_files(model_dir)
+    with torch.device(device):
+        model = cls(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype, device=device)
+    load_weights(model, files, tie_word_embeddings=cfg.tie_word_embeddings, progress=progress)
+    model.finalize()
+    model.eval()
+    return model
