@@ -1,0 +1,261 @@
+"""The KV block pool and its ledger: mechanism only, it never decides.
+
+The pool is `num_blocks` fixed-size blocks, made once at load. Every block
+is in exactly one state:
+
+- free: holds nothing useful; on the free list (FIFO: released blocks go to
+  the back, new reservations take from the front);
+- cached: holds a full block of prefix-cache content that no request
+  references; reclaimable, so it counts as free for new reservations, and is
+  evicted least recently released first;
+- reserved: set aside for an admitted request that has not written it yet;
+- used: referenced by one or more requests (`ref_count`), written or being
+  written. A shared prefix block is one used block with ref_count > 1.
+
+A request's life in the pool: `reserve(req_id, n, reuse)` pins the cached
+blocks it will reuse and takes `n` more as reserved, all or nothing;
+`draw(req_id)` turns one of its reserved blocks into a used one as its
+sequence grows; `release(req_id)` gives back everything it holds, exactly
+once (a second call is a no-op and says so). Admission (policy) decides who
+may reserve; this file only answers and mutates.
+
+Prefix sharing: a full block's content is named by a chain hash (the parent
+block's hash and the block's token ids), so equal hashes mean equal prefixes
+up to and including that block. `register` files a used full block under its
+hash; `match_prefix` finds the longest chain of filed blocks for a prompt.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from helexa.neuron.engine import messages
+
+
+class BlockState(enum.IntEnum):
+    FREE = 0
+    CACHED = 1
+    RESERVED = 2
+    USED = 3
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    state: BlockState = BlockState.FREE
+    ref_count: int = 0  # requests referencing it (used blocks only)
+    block_hash: int | None = None  # set while filed in the prefix index
+
+
+class PoolError(RuntimeError):
+    """A caller broke the pool's protocol (drew without a reservation, reserved twice)."""
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """Chain hash of one full block: depends on every token before it, too."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a pool needs blocks: num_blocks={num_blocks}, block_size={block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.bytes_per_block = bytes_per_block
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self._index: dict[int, int] = {}  # block hash -> block id
+        self._reserved: dict[str, deque[int]] = {}  # req -> reserved, not yet drawn
+        self._held: dict[str, list[int]] = {}  # req -> used blocks it references, in order
+        self._num_reserved = 0
+        # Blocks made available again (free or cached) since start: admission
+        # measures the pool's drain rate from it.
+        self.num_released_total = 0
+        self.num_evicted_total = 0
+
+    # --- reports -----------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free + cached: what a new reservation may take."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def num_reserved_blocks(self) -> int:
+        return self._num_reserved
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._cached) - self._num_reserved
+
+    def free_block_ids(self) -> list[int]:
+        """The free list in allocation order (tests and debugging)."""
+        return list(self._free)
+
+    def cached_block_ids(self) -> list[int]:
+        """Cached blocks, next to be evicted first."""
+        return list(self._cached)
+
+    def holds(self, req_id: str) -> bool:
+        return req_id in self._reserved or req_id in self._held
+
+    def num_reserved_for(self, req_id: str) -> int:
+        return len(self._reserved.get(req_id, ()))
+
+    def can_reserve(self, n: int, reuse: Sequence[int] = ()) -> bool:
+        """Would `reserve(_, n, reuse)` succeed now? Reused cached blocks count against free."""
+        return n + self._num_unreferenced(reuse) <= self.num_free_blocks
+
+    def ledger(self) -> messages.KvLedger:
+        b = self.bytes_per_block
+        return messages.KvLedger(
+            total_bytes=self.num_blocks * b,
+            free_bytes=self.num_free_blocks * b,
+            cached_bytes=self.num_cached_blocks * b,
+            reserved_bytes=self.num_reserved_blocks * b,
+            used_bytes=self.num_used_blocks * b,
+            block_size=self.block_size,
+            bytes_per_token=b // self.block_size,
+        )
+
+    # --- mutations ---------------------------------------------------------
+
+    def reserve(self, req_id: str, n: int, reuse: Sequence[int] = ()) -> bool:
+        """Pin `reuse` (filed blocks) and set aside `n` blocks for req_id; all or nothing."""
+        if self.holds(req_id):
+            raise PoolError(f"{req_id} already holds a reservation")
+        if n < 0 or not self.can_reserve(n, reuse):
+            return False
+        held: list[int] = []
+        for block_id in reuse:  # pin first, so taking the n below cannot evict them
+            block = self.blocks[block_id]
+            if block.block_hash is None or block.state not in (BlockState.CACHED, BlockState.USED):
+                raise PoolError(f"block {block_id} is not prefix-cache content")
+            if block.state == BlockState.CACHED:
+                del self._cached[block_id]
+                block.state = BlockState.USED
+            block.ref_count += 1
+            held.append(block_id)
+        taken: deque[int] = deque()
+        for _ in range(n):
+            block_id = self._take_block()
+            self.blocks[block_id].state = BlockState.RESERVED
+            taken.append(block_id)
+        self._num_reserved += n
+        self._reserved[req_id] = taken
+        self._held[req_id] = held
+        return True
+
+    def draw(self, req_id: str) -> int:
+        """Turn one of req_id's reserved blocks into a used block and return its id."""
+        taken = self._reserved.get(req_id)
+        if not taken:
+            raise PoolError(f"{req_id} has no reserved block left to draw")
+        block_id = taken.popleft()
+        block = self.blocks[block_id]
+        block.state = BlockState.USED
+        block.ref_count = 1
+        self._num_reserved -= 1
+        self._held[req_id].append(block_id)
+        return block_id
+
+    def release(self, req_id: str) -> bool:
+        """Give back all req_id holds; False (and nothing changes) if it holds nothing."""
+        if not self.holds(req_id):
+            return False
+        # Tail blocks first, so that a shared prefix's later blocks are
+        # evicted before its earlier ones (they are worth less).
+        for block_id in reversed(self._held.pop(req_id, [])):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count > 0:
+                continue
+            if block.block_hash is not None:
+                block.state = BlockState.CACHED
+                self._cached[block_id] = None
+            else:
+                block.state = BlockState.FREE
+                self._free.append(block_id)
+            self.num_released_total += 1
+        taken = self._reserved.pop(req_id, deque())
+        for block_id in taken:
+            self.blocks[block_id].state = BlockState.FREE
+            self._free.append(block_id)
+        self._num_reserved -= len(taken)
+        self.num_released_total += len(taken)
+        return True
+
+    # --- prefix cache ------------------------------------------------------
+
+    def register(self, block_id: int, block_hash: int) -> bool:
+        """File a full used block under its chain hash; False if that content is filed already."""
+        block = self.blocks[block_id]
+        if block.state != BlockState.USED:
+            raise PoolError(f"block {block_id} is {block.state.name}, only used blocks are filed")
+        if block.block_hash is not None or block_hash in self._index:
+            return False
+        block.block_hash = block_hash
+        self._index[block_hash] = block_id
+        return True
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self._index.get(block_hash)
+
+    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest filed chain that starts the given hashes."""
+        hits: list[int] = []
+        for h in block_hashes:
+            block_id = self._index.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    # --- internals ---------------------------------------------------------
+
+    def _num_unreferenced(self, reuse: Sequence[int]) -> int:
+        return sum(1 for i in reuse if self.blocks[i].state == BlockState.CACHED)
+
+    def _take_block(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block_id, _ = self._cached.popitem(last=False)  # evict the least recently released
+        block = self.blocks[block_id]
+        del self._index[block.block_hash]  # type: ignore[arg-type]
+        block.block_hash = None
+        self.num_evicted_total += 1
+        return block_id
+
+    def check(self) -> None:
+        """Assert the ledger's invariants (tests call it after every mutation)."""
+        counts = {s: 0 for s in BlockState}
+        for block in self.blocks:
+            counts[block.state] += 1
+            if block.state == BlockState.USED:
+                assert block.ref_count > 0, block
+            else:
+                assert block.ref_count == 0, block
+            if block.state == BlockState.CACHED:
+                assert block.block_hash is not None, block
+            if block.block_hash is not None:
+                assert self._index[block.block_hash] == block.block_id, block
+        assert counts[BlockState.FREE] == len(self._free) == len(set(self._free))
+        assert counts[BlockState.CACHED] == len(self._cached)
+        assert counts[BlockState.RESERVED] == self._num_reserved
+        assert self._num_reserved == sum(len(t) for t in self._reserved.values())
+        refs: dict[int, int] = {}
+        for held in self._held.values():
+            for block_id in held:
+                refs[block_id] = refs.get(block_id, 0) + 1
+        for block in self.blocks:
+            assert refs.get(block.block_id, 0) == block.ref_count, block
+        assert len(self._index) == sum(1 for b in self.blocks if b.block_hash is not None)

@@ -1,0 +1,368 @@
+"""EngineCore: one model's step loop — admit, schedule, execute, sample, stop, release.
+
+`step(inbound)` takes everything the daemon sent since the last step (new
+requests, aborts, limits) and returns one FromEngine: every request's new
+tokens, admissions, refusals and completions, and the model's status. It is
+plain synchronous code, used in the engine process (process.py), in-process
+by tests, benchmarks and `helexa generate`.
+
+One step:
+1. apply limits, new requests (queued or refused at once), aborts;
+2. expire queued requests that waited too long for KV, abort those past
+   their deadline;
+3. admit queued requests in flight (admission.py: fair order, whole
+   reservation or nothing);
+4. schedule the step (scheduler.py: decode first, then prefill chunks);
+5. draw the blocks the step writes, run the model, sample the next tokens;
+6. stop requests on eos / stop ids / output budget / context.
+
+Blocks go back to the pool in one place, `_finish`, whatever ended the
+request (finish, abort, refusal, error). An exception in step 5 fails the
+requests of that step (their blocks return) and the engine goes on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from helexa.neuron.engine import messages
+from helexa.neuron.engine.admission import Admission, Refusal
+from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
+from helexa.neuron.engine.scheduler import Scheduler, StepPlan
+from helexa.neuron.engine.spec import EngineSpec, full_limits, merge_limits
+
+_EWMA_ALPHA = 0.2
+
+
+class EngineCore:
+    def __init__(self, spec: EngineSpec, runner: Any = None, *, sampler: Any = None,
+                 clock=time.monotonic, wall_clock=time.time, logger: Any = None) -> None:
+        self.spec = spec
+        self.limits = full_limits(spec.limits)
+        self.runner = runner if runner is not None else make_runner(spec, self.limits)
+        self.sampler, self._make_sampling_state = make_sampler(sampler)
+        self._seq_input = seq_input_type()
+        self.pool = BlockPool(spec.num_blocks, spec.block_size, spec.bytes_per_block)
+        self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
+                                   clock=clock, wall_clock=wall_clock)
+        self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
+                                   self.limits.prefill_chunk_tokens)
+        self.clock = clock
+        self.log = logger
+        self.requests: dict[str, Request] = {}  # queued, in flight or running
+        self.running: list[Request] = []  # batch rows, in order
+        self.waiting: list[Request] = []  # in flight, no batch row yet (admission order)
+        self.decode_tokens_per_sec = 0.0
+        self.prefill_tokens_per_sec = 0.0
+        self.num_failed_steps = 0
+        self._last_step_end = clock()
+        self._updates: dict[str, messages.RequestUpdate] = {}
+
+    # --- the step ----------------------------------------------------------
+
+    def step(self, inbound: messages.ToEngine | None = None) -> messages.FromEngine:
+        started = time.perf_counter()
+        self._updates = {}
+        if inbound is not None:
+            self.apply(inbound)
+        self.admission.observe_pool()
+        timed_out, late = self.admission.expire()
+        for req, refusal in timed_out:
+            self._refuse(req, refusal)
+        for req in late:
+            self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
+        for req in self.admission.admit():
+            upd = self._update(req)
+            upd.admitted = True
+            upd.prompt_tokens = req.num_prompt_tokens
+            upd.cached_tokens = req.num_cached_tokens
+            self.waiting.append(req)
+        plan = self.scheduler.schedule(self.running, self.waiting)
+        if not plan.is_empty:
+            self._execute(plan)
+        out = messages.FromEngine(updates=list(self._updates.values()), status=self.status(),
+                                  step_ms=(time.perf_counter() - started) * 1000)
+        self._updates = {}
+        return out
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def apply(self, inbound: messages.ToEngine) -> None:
+        if inbound.limits is not None:
+            self.set_limits(inbound.limits)
+        self.admission.admitting = not inbound.stop_admitting
+        for new in inbound.new:  # new before aborts: an abort may follow its request at once
+            self.add_request(new)
+        for abort in inbound.aborts:
+            req = self.requests.get(abort.req_id)
+            if req is not None:
+                self._finish(req, RequestStatus.FINISHED_ABORTED, abort.reason)
+        if inbound.shutdown:
+            for req in list(self.requests.values()):
+                self._finish(req, RequestStatus.FINISHED_ABORTED, "shutdown")
+
+    def set_limits(self, update: messages.SetLimits) -> None:
+        """Runtime knobs; the pool is not touched."""
+        self.limits = merge_limits(self.limits, update)
+        self.admission.limits = self.limits
+        self.scheduler.max_slots = self.limits.max_slots
+        self.scheduler.max_batched_tokens = self.limits.max_batched_tokens
+        self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
+
+    def add_request(self, new: messages.NewRequest) -> None:
+        prompt = list(new.prompt_token_ids)
+        context = self.spec.context
+        if new.max_tokens is not None:
+            budget = new.max_tokens
+        else:
+            budget = min(self.limits.default_output_tokens, context - len(prompt))
+            if self.spec.max_output_tokens is not None:
+                budget = min(budget, self.spec.max_output_tokens)
+        req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
+                      sampling=new.sampling, principal=new.principal,
+                      stop_token_ids=frozenset(new.stop_token_ids),
+                      deadline_unix=new.deadline_unix)
+        if new.req_id in self.requests:
+            self._refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
+            return
+        if not prompt or budget < 1 or len(prompt) + budget > context:
+            self._refuse(req, Refusal(
+                "context_length_exceeded",
+                f"prompt {len(prompt)} + output {budget} tokens; the context is {context}"))
+            return
+        if self.spec.prefix_cache:
+            req.block_hashes = self._prompt_block_hashes(prompt)
+        refusal = self.admission.submit(req)
+        if refusal is not None:
+            self._refuse(req, refusal)
+            return
+        req.sampling_state = self._make_sampling_state(req)
+        self.requests[req.req_id] = req
+
+    def status(self) -> messages.EngineStatus:
+        return messages.EngineStatus(
+            kv=self.pool.ledger(),
+            in_flight=self.admission.num_in_flight,
+            queued=self.admission.num_queued,
+            running=len(self.running),
+            decode_tokens_per_sec=round(self.decode_tokens_per_sec, 1),
+            prefill_tokens_per_sec=round(self.prefill_tokens_per_sec, 1),
+            admitting=self.admission.admitting,
+        )
+
+    # --- execution ---------------------------------------------------------
+
+    def _execute(self, plan: StepPlan) -> None:
+        for req_id in plan.promoted:
+            req = self.requests[req_id]
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        reqs = [self.requests[c.req_id] for c in plan.chunks]
+        try:
+            seqs, sampled = [], []
+            for req, chunk in zip(reqs, plan.chunks, strict=True):
+                start = req.num_computed_tokens
+                end = start + chunk.num_tokens
+                need = blocks_for_tokens(end, self.pool.block_size)
+                while len(req.block_table) < need:
+                    req.block_table.append(self.pool.draw(req.req_id))
+                need_logits = end == req.num_tokens
+                seqs.append(self._seq_input(token_ids=req.token_slice(start, end), num_computed=start,
+                                            block_table=req.block_table, need_logits=need_logits))
+                if need_logits:
+                    sampled.append(req)
+            logits = self.runner.execute(seqs)
+            picks = self.sampler(logits, [r.sampling_state for r in sampled]) if sampled else []
+        except Exception as e:  # the step's requests fail; the engine goes on
+            self.num_failed_steps += 1
+            if self.log is not None:
+                self.log.exception("engine.step_failed", requests=len(reqs))
+            for req in reqs:
+                self._finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
+            return
+        num_prefill = 0
+        for req, chunk in zip(reqs, plan.chunks, strict=True):
+            req.num_computed_tokens += chunk.num_tokens
+            num_prefill += chunk.num_tokens if chunk.is_prefill else 0
+            if self.spec.prefix_cache:
+                self._file_full_blocks(req)
+        for req, (token_id, logprob) in zip(sampled, picks, strict=True):
+            self._append_token(req, token_id, logprob)
+        self._measure(len(plan.chunks) - len(plan.prefill), num_prefill)
+        if len(plan.decode_ids) < sum(1 for r in self.running if not r.is_prefilling):
+            # The budget cut decodes short: rotate so the skipped ones go first next step.
+            done = set(plan.decode_ids)
+            self.running.sort(key=lambda r: r.req_id in done)
+
+    def _append_token(self, req: Request, token_id: int, logprob: Any) -> None:
+        req.output_token_ids.append(token_id)
+        upd = self._update(req)
+        upd.new_token_ids.append(token_id)
+        if req.sampling.logprobs and logprob is not None:
+            if upd.logprobs is None:
+                upd.logprobs = []
+            upd.logprobs.append(logprob)
+        if token_id in req.stop_token_ids:
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= req.output_budget or req.num_tokens >= self.spec.context:
+            self._finish(req, RequestStatus.FINISHED_LENGTH)
+
+    def _measure(self, num_decode: int, num_prefill: int) -> None:
+        now = self.clock()
+        dt = max(min(now - self._last_step_end, 1.0), 1e-6)  # idle gaps beyond 1 s don't count
+        self._last_step_end = now
+        a = _EWMA_ALPHA
+        self.decode_tokens_per_sec += a * (num_decode / dt - self.decode_tokens_per_sec)
+        self.prefill_tokens_per_sec += a * (num_prefill / dt - self.prefill_tokens_per_sec)
+
+    # --- prefix cache ------------------------------------------------------
+
+    def _prompt_block_hashes(self, prompt: list[int]) -> list[int]:
+        bs, hashes, parent = self.pool.block_size, [], None
+        for i in range(len(prompt) // bs):
+            parent = hash_block_tokens(parent, prompt[i * bs:(i + 1) * bs])
+            hashes.append(parent)
+        return hashes
+
+    def _file_full_blocks(self, req: Request) -> None:
+        """File every newly completed block of `req` under its chain hash."""
+        bs = self.pool.block_size
+        start = max(req.num_filed_blocks, req.num_cached_tokens // bs)
+        for i in range(start, req.num_computed_tokens // bs):
+            if i >= len(req.block_hashes):
+                parent = req.block_hashes[i - 1] if i else None
+                req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
+            self.pool.register(req.block_table[i], req.block_hashes[i])
+            req.num_filed_blocks = i + 1
+
+    # --- the one place requests end ----------------------------------------
+
+    def _finish(self, req: Request, status: RequestStatus, reason: str = "") -> None:
+        if req.is_finished:
+            return
+        req.status = status
+        self.admission.remove(req)
+        self.pool.release(req.req_id)
+        self.requests.pop(req.req_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        upd = self._update(req)
+        upd.finished = status.finish_reason
+        upd.error = reason if status != RequestStatus.FINISHED_STOPPED else ""
+
+    def _refuse(self, req: Request, refusal: Refusal) -> None:
+        self._finish(req, RequestStatus.FINISHED_REFUSED)
+        upd = self._update(req)
+        upd.refused_code = refusal.code
+        upd.refused_message = refusal.message
+        upd.retry_after_ms = refusal.retry_after_ms
+
+    def _update(self, req: Request) -> messages.RequestUpdate:
+        upd = self._updates.get(req.req_id)
+        if upd is None:
+            upd = self._updates[req.req_id] = messages.RequestUpdate(req_id=req.req_id)
+        return upd
+
+
+# --- seams: the model runner and the sampler -----------------------------------
+# The real ModelRunner and Sampler live in model_runner.py and sampler.py; the
+# engine reaches them through these few functions so that tests (and the
+# serving path's benchmarks) can run on a deterministic stand-in.
+
+
+@dataclass
+class _SeqInput:
+    """Same fields as model_runner.SeqInput, for when only the fake runner is used."""
+
+    token_ids: list[int]
+    num_computed: int
+    block_table: list[int]
+    need_logits: bool
+
+
+def seq_input_type() -> Any:
+    try:
+        from helexa.neuron.engine.model_runner import SeqInput
+    except ImportError:
+        return _SeqInput
+    return SeqInput
+
+
+def make_runner(spec: EngineSpec, limits: messages.SetLimits) -> Any:
+    if spec.fake_runner:
+        return FakeRunner(spec.fake_vocab_size, spec.num_blocks, spec.block_size,
+                          step_secs=spec.fake_step_secs)
+    from helexa.neuron.engine.model_runner import ModelRunner
+    return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
+                       num_blocks=spec.num_blocks, block_size=spec.block_size,
+                       kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
+                       max_batched_tokens=limits.max_batched_tokens)
+
+
+def make_sampler(sampler: Any = None) -> tuple[Any, Any]:
+    """(sampler(logits, states) -> [(token, logprob)], make_state(request) -> state)."""
+    try:
+        from helexa.neuron.engine.sampler import Sampler, SamplingState
+    except ImportError:  # greedy until the sampler lands
+        def greedy(logits: Any, states: list[Any]) -> list[tuple[int, None]]:
+            return [(int(t), None) for t in logits.argmax(dim=-1).tolist()]
+        return sampler or greedy, lambda req: None
+
+    def make_state(req: Request) -> Any:
+        return SamplingState.for_request(req.sampling, req.prompt_token_ids, req.output_token_ids) \
+            if hasattr(SamplingState, "for_request") else \
+            SamplingState(req.sampling, req.prompt_token_ids, req.output_token_ids)
+    return sampler or Sampler(), make_state
+
+
+def fake_next_token(context: list[int], vocab_size: int) -> int:
+    """The fake model: one past the last token, nudged by a hash of the whole context,
+    so that a wrong block table (any misplaced token) changes what comes next."""
+    return (context[-1] + 1 + hash(tuple(context)) % 3) % vocab_size
+
+
+class FakeRunner:
+    """A ModelRunner stand-in: token ids stored in a paged "KV cache", read back
+    through the block tables, and logits peaked at fake_next_token(context)."""
+
+    def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *,
+                 step_secs: float = 0.0) -> None:
+        import torch
+        self.torch = torch
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.step_secs = step_secs
+        self.kv = [[-1] * block_size for _ in range(num_blocks)]
+        self.num_steps = 0
+
+    def execute(self, seqs: list[Any]) -> Any:
+        torch, bs = self.torch, self.block_size
+        rows: list[int] = []
+        for seq in seqs:
+            end = seq.num_computed + len(seq.token_ids)
+            if len(seq.block_table) * bs < end:
+                raise RuntimeError(f"block table of {len(seq.block_table)} blocks for {end} tokens")
+            table = seq.block_table
+            for pos, token in enumerate(seq.token_ids, start=seq.num_computed):
+                self.kv[table[pos // bs]][pos % bs] = token
+            if seq.need_logits:
+                context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
+                rows.append(fake_next_token(context, self.vocab_size))
+        if self.step_secs:
+            time.sleep(self.step_secs)
+        self.num_steps += 1
+        # logits fall off with the (circular) distance from the chosen token
+        ids = torch.arange(self.vocab_size)
+        target = torch.tensor(rows, dtype=torch.long).unsqueeze(1)
+        dist = (ids.unsqueeze(0) - target).remainder(self.vocab_size)
+        dist = torch.minimum(dist, self.vocab_size - dist)
+        return -dist.to(torch.float32)

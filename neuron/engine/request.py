@@ -1,0 +1,127 @@
+"""One request's state inside the engine process: counters plus derived properties.
+
+A request moves QUEUED → IN_FLIGHT (admitted: its whole KV reservation is
+held) → RUNNING (it has a row in the batch: prefill chunks, then decode) →
+one of the FINISHED_* states. The status is an ordered enum so that
+"is it finished?" is one comparison and "has it been admitted?" another.
+
+Everything else is counters: how many tokens are already in the KV cache
+(`num_computed_tokens`), how many of those came from the prefix cache, the
+physical blocks it holds (`block_table`), and how many blocks its reservation
+covers. The token sequence the model sees is `prompt_token_ids +
+output_token_ids`; the scheduler feeds `all_token_ids[num_computed_tokens:]`
+in chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from helexa.neuron.engine import messages
+
+
+class RequestStatus(enum.IntEnum):
+    QUEUED = 0  # holds a place in the admission queue, nothing else
+    IN_FLIGHT = 1  # admitted: holds its KV reservation, waits for a batch row
+    RUNNING = 2  # holds a batch row: prefilling or decoding
+    # Everything from here on is finished; the order among them carries no meaning.
+    FINISHED_STOPPED = 3  # eos or a stop token
+    FINISHED_LENGTH = 4  # output budget or context reached
+    FINISHED_ABORTED = 5  # caller gone, deadline, drain, shutdown
+    FINISHED_ERROR = 6  # the engine failed while running it
+    FINISHED_REFUSED = 7  # never admitted: queue full, rate limit, KV wait, draining
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> messages.FinishReason | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: messages.FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: messages.FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: messages.FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: messages.FinishReason.ERROR,
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """A request as the engine tracks it (identity equality: one object per req_id)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_budget: int  # most new tokens it may produce (its reservation covers them)
+    sampling: messages.SamplingParams = field(default_factory=messages.SamplingParams)
+    principal: str = ""  # "" = anonymous
+    stop_token_ids: frozenset[int] = frozenset()
+    deadline_unix: float = 0.0  # 0 = none
+    queued_at: float = 0.0  # monotonic time it entered the queue
+
+    status: RequestStatus = RequestStatus.QUEUED
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    num_reserved_blocks: int = 0  # the whole reservation, set at admission
+    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks
+    num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
+    sampling_state: object | None = None  # the sampler's per-request state
+
+    # --- derived -----------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens not yet in the KV cache: a prompt remainder, or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def is_admitted(self) -> bool:
+        """Holds (or held) a reservation: in flight, running, or finished after that."""
+        return self.status >= RequestStatus.IN_FLIGHT and self.status != RequestStatus.FINISHED_REFUSED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Prompt plus the whole output budget: what the reservation covers."""
+        return self.num_prompt_tokens + self.output_budget
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids()[start:end] without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): the blocks that hold that many tokens."""
+    return -(-num_tokens // block_size)

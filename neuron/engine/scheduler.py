@@ -1,0 +1,96 @@
+"""The step scheduler: which tokens of which requests go into the next engine step.
+
+Plain data in (the running requests in batch order, the in-flight requests
+waiting for a batch row in admission order, three limits), a plain StepPlan
+out; it touches no tensors and no pool, and mutates nothing.
+
+The algorithm, under a token budget of `max_batched_tokens` per step:
+
+1. Decode first: every running request whose prompt is fully in the cache
+   gets its one next token, in batch order, while budget lasts. Running
+   decodes are never stalled by prefill.
+2. Then prefill chunks of running requests that are still prefilling (in
+   batch order), each at most `prefill_chunk_tokens` and what budget is left.
+3. Then, while fewer than `max_slots` requests are running and budget is
+   left, promote waiting in-flight requests (admission order) to running and
+   give each its first prefill chunk.
+
+A prompt longer than the chunk limit is therefore prefilled over several
+steps, interleaved with everyone else's decode tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from helexa.neuron.engine.request import Request
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    req_id: str
+    num_tokens: int  # tokens to compute this step
+    is_prefill: bool  # part of the prompt (else one decode token)
+
+
+@dataclass
+class StepPlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
+    promoted: list[str] = field(default_factory=list)  # in flight -> running this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def decode_ids(self) -> list[str]:
+        return [c.req_id for c in self.chunks if not c.is_prefill]
+
+    @property
+    def prefill(self) -> list[tuple[str, int]]:
+        return [(c.req_id, c.num_tokens) for c in self.chunks if c.is_prefill]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class Scheduler:
+    max_slots: int
+    max_batched_tokens: int
+    prefill_chunk_tokens: int
+
+    def schedule(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_batched_tokens
+        for req in running:  # 1. decode
+            if budget == 0:
+                break
+            if not req.is_prefilling and req.num_uncomputed_tokens > 0:
+                plan.chunks.append(ScheduledChunk(req.req_id, 1, is_prefill=False))
+                budget -= 1
+        for req in running:  # 2. prefill already running
+            if budget == 0:
+                break
+            if req.is_prefilling:
+                n = self._chunk(req, budget)
+                plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
+                budget -= n
+        num_running = len(running)
+        for req in waiting:  # 3. promote
+            if budget == 0 or num_running >= self.max_slots:
+                break
+            n = self._chunk(req, budget)
+            plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
+            plan.promoted.append(req.req_id)
+            budget -= n
+            num_running += 1
+        return plan
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        # Prefill covers the prompt only; the first output token comes from
+        # the logits of the chunk that ends the prompt.
+        remaining = req.num_prompt_tokens - req.num_computed_tokens
+        return min(remaining, self.prefill_chunk_tokens, budget)

@@ -1,0 +1,121 @@
+"""EngineSpec: everything an engine process needs to start, as one msgspec struct.
+
+The daemon builds it from the neuron config and the model's plan (KV
+arithmetic from helexa.plan) and hands it to the spawned engine process, so
+the engine never reads TOML. `limits` always has every knob set (see
+`full_limits`); runtime changes arrive later as partial `SetLimits` and are
+merged with `merge_limits`.
+
+`fake_runner` swaps the model for a deterministic stand-in (tests, and
+benchmarks of the serving path without a model).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from helexa.neuron.engine import messages
+
+# The defaults of helexa.config's [admission], [kv] and [engine] sections.
+DEFAULT_LIMITS = messages.SetLimits(
+    max_in_flight=16,
+    max_queue_depth=256,
+    max_per_principal=64,
+    anon_max_in_flight=4,
+    kv_max_wait_secs=30.0,
+    max_slots=8,
+    max_batched_tokens=2048,
+    prefill_chunk_tokens=512,
+    default_output_tokens=1024,
+)
+
+
+class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
+    model_id: str
+    model_dir: str = ""
+    devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    dtype: str = "auto"  # weights: auto | fp32 | fp16 | bf16
+    tp: int = 1
+    num_blocks: int
+    block_size: int = 16
+    kv_dtype: str = "auto"
+    bytes_per_token: int = 0  # per card, from helexa.plan (0 when unknown: ledger in blocks only)
+    context: int  # most prompt + output tokens of one request
+    max_output_tokens: int | None = None  # advertised output cap (None = context - 1)
+    prefix_cache: bool = True
+    torch_threads: int | None = None
+    limits: messages.SetLimits = DEFAULT_LIMITS  # every knob set
+    # A stand-in for the model (tests): next token a fixed function of the context.
+    fake_runner: bool = False
+    fake_vocab_size: int = 512
+    fake_step_secs: float = 0.0  # sleep per step, to make timing observable
+    fake_eos_token_id: int | None = None
+
+    @property
+    def device(self) -> str:
+        return self.devices[0] if self.devices else "cpu"
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token
+
+
+def merge_limits(current: messages.SetLimits, update: messages.SetLimits | None) -> messages.SetLimits:
+    """`current` with every knob that `update` sets replaced."""
+    if update is None:
+        return current
+    changed = {f: v for f in update.__struct_fields__ if (v := getattr(update, f)) is not None}
+    return msgspec.structs.replace(current, **changed)
+
+
+def full_limits(partial: messages.SetLimits | None = None) -> messages.SetLimits:
+    """DEFAULT_LIMITS overlaid with `partial`: every knob set."""
+    return merge_limits(DEFAULT_LIMITS, partial)
+
+
+def limits_from_config(cfg: Any, profile: Any = None) -> messages.SetLimits:
+    """All runtime knobs from a helexa.config.NeuronConfig, a ProfileConfig overriding."""
+    adm, kv, eng = cfg.admission, cfg.kv, cfg.engine
+    limits = messages.SetLimits(
+        max_in_flight=adm.max_in_flight,
+        max_queue_depth=adm.max_queue_depth,
+        max_per_principal=adm.max_per_principal,
+        anon_max_in_flight=adm.anon_max_in_flight,
+        kv_max_wait_secs=adm.kv_max_wait_secs,
+        max_slots=eng.max_slots,
+        max_batched_tokens=eng.max_batched_tokens,
+        prefill_chunk_tokens=eng.prefill_chunk_tokens,
+        default_output_tokens=kv.default_output_tokens,
+    )
+    if profile is not None:
+        limits = merge_limits(limits, messages.SetLimits(
+            max_in_flight=profile.max_in_flight,
+            max_slots=profile.max_slots,
+            max_batched_tokens=profile.max_batched_tokens,
+            default_output_tokens=profile.default_output_tokens,
+        ))
+    return limits
+
+
+def spec_from_plan(plan: Any, cfg: Any, entry: Any, model_dir: str, *,
+                   profile: Any = None, **overrides: Any) -> EngineSpec:
+    """An EngineSpec from a helexa.plan.ModelPlan, the NeuronConfig and its ModelEntry."""
+    fields: dict[str, Any] = dict(
+        model_id=entry.id,
+        model_dir=str(model_dir),
+        devices=list(entry.devices or cfg.server.devices[: entry.tp]),
+        dtype=entry.dtype,
+        tp=entry.tp,
+        num_blocks=plan.num_blocks,
+        block_size=plan.block_size,
+        kv_dtype=plan.kv_dtype,
+        bytes_per_token=plan.bytes_per_token,
+        context=plan.context,
+        max_output_tokens=plan.output,
+        prefix_cache=cfg.kv.prefix_cache,
+        torch_threads=cfg.engine.torch_threads,
+        limits=limits_from_config(cfg, profile),
+    )
+    fields.update(overrides)
+    return EngineSpec(**fields)
