@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Annotated
 
 import msgspec
 
@@ -32,7 +33,7 @@ class LogLine(msgspec.Struct):
     """The fields of a log line this report reads; the rest are ignored."""
 
     event: str = ""
-    ts: datetime | None = None
+    ts: Annotated[datetime, msgspec.Meta(tz=True)] | None = None  # naive stamps: line skipped
     component: str | None = None
     req_id: str | None = None
     model: str | None = None
@@ -47,8 +48,7 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _micros(ts: datetime) -> int:
-    if ts.tzinfo is None:  # structlog writes UTC; a naive stamp is taken as UTC too
-        ts = ts.replace(tzinfo=UTC)
+    """Microseconds since the epoch of an aware datetime."""
     d = ts - _EPOCH
     return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
 
@@ -94,50 +94,56 @@ class Journal:
     exclude: frozenset[str] = frozenset()
     lines: int = 0
     json_lines: int = 0
-    first_us: int | None = None
-    last_us: int | None = None
+    first_ts: datetime | None = None
+    last_ts: datetime | None = None
     models: dict[str, Stats] = field(default_factory=dict)
 
     def read(self, lines: Iterable[bytes]) -> None:
+        """Pair the spans of these lines (may be called again with more lines)."""
         open_spans: dict[str, tuple[int, str, str | None]] = {}  # req_id -> (t, model, principal)
-        component, first, last = self.component, self.first_us, self.last_us
+        component, decode = self.component, _decode
+        first, last = self.first_ts, self.last_ts
         n = n_json = 0
-        for raw in lines:
+        for raw in lines:  # the hot loop: decoding dominates (about 1 µs a line)
             n += 1
-            i = raw.find(b"{")
-            if i < 0:
-                continue
+            if raw[:1] != b"{":
+                i = raw.find(b"{")  # a `journalctl` prefix, or not JSON at all
+                if i < 0:
+                    continue
+                raw = raw[i:]
             try:
-                rec = _decode(raw[i:] if i else raw)
+                rec = decode(raw)
             except msgspec.DecodeError:
                 continue
-            if rec.ts is None or rec.component != component:
+            ts = rec.ts
+            if ts is None or rec.component != component:
                 continue
             n_json += 1
-            t = _micros(rec.ts)
-            if first is None or t < first:
-                first = t
-            if last is None or t > last:
-                last = t
+            if first is None:
+                first = last = ts
+            elif ts < first:
+                first = ts
+            elif ts > last:
+                last = ts
             ev = rec.event
-            if not ev.startswith("request.") or rec.req_id is None:
-                continue
             if ev == _START:
+                if rec.req_id is None:
+                    continue
                 earlier = open_spans.get(rec.req_id)
                 if earlier is not None:  # a repeated id: the earlier start never ended here
                     self._unpaired_start(earlier[1], earlier[2])
-                open_spans[rec.req_id] = (t, rec.model or "(none)", rec.principal)
+                open_spans[rec.req_id] = (_micros(ts), rec.model or "(none)", rec.principal)
             elif ev == _DONE or ev == _REJECTED:
-                begun = open_spans.pop(rec.req_id, None)
+                begun = open_spans.pop(rec.req_id, None) if rec.req_id is not None else None
                 if begun is None:
                     self._unpaired_end(rec)
                 else:
-                    self._paired(begun, t, rec)
+                    self._paired(begun, _micros(ts), rec)
         for _, model, principal in open_spans.values():
             self._unpaired_start(model, principal)
         self.lines += n
         self.json_lines += n_json
-        self.first_us, self.last_us = first, last
+        self.first_ts, self.last_ts = first, last
 
     def _stats(self, model: str) -> Stats:
         s = self.models.get(model)
@@ -240,13 +246,16 @@ def format_stats(title: str, s: Stats, wall_us: int) -> list[str]:
 
 def format_report(j: Journal, model: str | None = None) -> str:
     """The whole report: header, all models together, then each model."""
-    wall = (j.last_us - j.first_us) if j.first_us is not None and j.last_us is not None else 0
+    if j.first_ts is None or j.last_ts is None:
+        out = [f"journal concurrency: component {j.component}, {j.lines} lines,"
+               f" {j.json_lines} JSON lines of {j.component}",
+               "no timestamped lines: nothing to report"]
+        return "\n".join(out) + "\n"
+    first_us, last_us = _micros(j.first_ts), _micros(j.last_ts)
+    wall = last_us - first_us
     out = [f"journal concurrency: component {j.component}, {j.lines} lines,"
            f" {j.json_lines} JSON lines of {j.component}"]
-    if j.first_us is None or j.last_us is None:
-        out.append("no timestamped lines: nothing to report")
-        return "\n".join(out) + "\n"
-    out.append(f"window {_iso(j.first_us)} to {_iso(j.last_us)}: {_hours(wall)} h")
+    out.append(f"window {_iso(first_us)} to {_iso(last_us)}: {_hours(wall)} h")
     if j.exclude:
         out.append(f"excluding principals: {', '.join(sorted(j.exclude))}")
     names = sorted(j.models)
