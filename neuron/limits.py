@@ -1,0 +1,121 @@
+"""What one request may ask of a model, and the refusals the neuron answers with.
+
+The limits a model advertises (`context`, `input`, `output`) come from its
+plan (helexa.plan); the context check here is the one place the neuron
+compares a tokenised prompt against them. `Refusal` is the one shape every
+refusal takes inside the daemon — an OpenAI-style code, a message and an
+optional retry-after — turned into a gRPC status only at the edge.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from helexa.neuron.engine import messages
+
+from helexa.config import NeuronConfig
+
+# The OpenAI-style code → the gRPC status the router maps back to HTTP
+# (DESIGN.md's error table). Codes not listed are INTERNAL.
+STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
+    "invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
+    "context_length_exceeded": grpc.StatusCode.INVALID_ARGUMENT,
+    "invalid_api_key": grpc.StatusCode.UNAUTHENTICATED,
+    "model_not_found": grpc.StatusCode.NOT_FOUND,
+    "rate_limit_exceeded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "model_loading": grpc.StatusCode.UNAVAILABLE,
+    "shutting_down": grpc.StatusCode.UNAVAILABLE,
+    "service_unavailable": grpc.StatusCode.UNAVAILABLE,
+    "model_busy": grpc.StatusCode.FAILED_PRECONDITION,
+    "upstream_error": grpc.StatusCode.INTERNAL,
+}
+
+
+class Refusal(Exception):
+    """A request (or operation) the neuron will not serve, and why."""
+
+    def __init__(self, code: str, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = max(0, int(retry_after_ms))
+
+    @property
+    def status(self) -> grpc.StatusCode:
+        return STATUS_OF_CODE.get(self.code, grpc.StatusCode.INTERNAL)
+
+    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+        md: list[tuple[str, str]] = [("helexa-code", self.code)]
+        if self.retry_after_ms:
+            md.append(("helexa-retry-after-ms", str(self.retry_after_ms)))
+        return tuple(md)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """The limits a model advertises: context = prompt + output tokens of one request."""
+
+    context: int
+    input: int
+    output: int
+
+    @classmethod
+    def from_plan(cls, plan: object) -> ModelLimits:
+        """From a helexa.plan.ModelPlan (its context, input and output fields)."""
+        return cls(context=int(plan.context), input=int(plan.input),  # type: ignore[attr-defined]
+                   output=int(plan.output))  # type: ignore[attr-defined]
+
+
+def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimits) -> None:
+    """Refuse a request that cannot fit the model's context, stating both numbers.
+
+    A prompt of `context` tokens leaves no room for even one output token, so
+    it is refused as well as a prompt whose requested output would overflow.
+    """
+    if prompt_tokens >= limits.context:
+        raise Refusal(
+            "context_length_exceeded",
+            f"This model's maximum context length is {limits.context} tokens; "
+            f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise Refusal("invalid_request_error",
+                          f"max_tokens: expected at least 1, got {max_tokens}")
+        if prompt_tokens + max_tokens > limits.context:
+            raise Refusal(
+                "context_length_exceeded",
+                f"This model's maximum context length is {limits.context} tokens; "
+                f"the request asks for {prompt_tokens + max_tokens} tokens "
+                f"({prompt_tokens} in the prompt + {max_tokens} max_tokens).")
+        if max_tokens > limits.output:
+            raise Refusal("invalid_request_error",
+                          f"max_tokens: this model generates at most {limits.output} tokens "
+                          f"per request, got {max_tokens}")
+
+
+def effective_limits(cfg: NeuronConfig, profile: str = "") -> messages.SetLimits:
+    """Every runtime knob of a model under `cfg`, with its profile's overrides."""
+    p = cfg.profiles.get(profile) if profile else None
+
+    def pick(override: int | None, base: int) -> int:
+        return base if override is None else override
+
+    return messages.SetLimits(
+        max_in_flight=pick(p and p.max_in_flight, cfg.admission.max_in_flight),
+        max_queue_depth=cfg.admission.max_queue_depth,
+        max_per_principal=cfg.admission.max_per_principal,
+        anon_max_in_flight=cfg.admission.anon_max_in_flight,
+        kv_max_wait_secs=cfg.admission.kv_max_wait_secs,
+        max_slots=pick(p and p.max_slots, cfg.engine.max_slots),
+        max_batched_tokens=pick(p and p.max_batched_tokens, cfg.engine.max_batched_tokens),
+        prefill_chunk_tokens=cfg.engine.prefill_chunk_tokens,
+        default_output_tokens=pick(p and p.default_output_tokens, cfg.kv.default_output_tokens),
+    )
+
+
+def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:
+    """The KV dtype a model runs under its profile (may be "auto")."""
+    p = cfg.profiles.get(profile) if profile else None
+    return (p.kv_dtype if p is not None and p.kv_dtype is not None else cfg.kv.kv_dtype)

@@ -1,0 +1,84 @@
+"""Prometheus metrics of the neuron (served on server.metrics_listen).
+
+The pool ledger, in-flight and queued figures are read from the residency at
+scrape time (a custom collector), so they are never stale and never counted
+twice; request outcomes, refusals, token counts and latencies are recorded
+by the servicer as requests end. Each daemon has its own registry so that
+tests can build several in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from helexa.neuron.residency import Residency
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+_LEDGER = ("total", "free", "cached", "reserved", "used")
+
+
+class _ResidencyCollector(Collector):
+    """helexa_kv_*_bytes{model}, helexa_requests_{in_flight,queued,running}{model}."""
+
+    def __init__(self, residency: Residency) -> None:
+        self._residency = residency
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        kv = {k: GaugeMetricFamily(f"helexa_kv_{k}_bytes", f"KV pool bytes {k} (per card)",
+                                   labels=["model"]) for k in _LEDGER}
+        counts = {k: GaugeMetricFamily(f"helexa_requests_{k}", f"Requests {k.replace('_', ' ')}",
+                                       labels=["model"]) for k in ("in_flight", "queued", "running")}
+        state = GaugeMetricFamily("helexa_model_state",
+                                  "Model lifecycle state (1 loading, 2 ready, 3 switching, "
+                                  "4 draining, 5 failed)", labels=["model"])
+        for r in list(self._residency.models.values()):
+            state.add_metric([r.model_id], int(r.state))
+            s = r.engine_status
+            if s is None:
+                continue
+            for k in _LEDGER:
+                kv[k].add_metric([r.model_id], getattr(s.kv, f"{k}_bytes"))
+            counts["in_flight"].add_metric([r.model_id], s.in_flight)
+            counts["queued"].add_metric([r.model_id], s.queued)
+            counts["running"].add_metric([r.model_id], s.running)
+        yield from kv.values()
+        yield from counts.values()
+        yield state
+
+
+class NeuronMetrics:
+    """The neuron's metric objects, on a registry of its own."""
+
+    def __init__(self, residency: Residency) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_ResidencyCollector(residency))
+        r = self.registry
+        self.requests = Counter("helexa_requests", "Requests finished, by outcome "
+                                "(stop, length, abort, error, client_gone, rejected)",
+                                ["model", "outcome"], registry=r)
+        self.refusals = Counter("helexa_refusals", "Requests refused, by code",
+                                ["model", "code"], registry=r)
+        self.ttft = Histogram("helexa_ttft_seconds", "Time from arrival to the first token",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("helexa_inter_token_latency_seconds",
+                             "Time between successive streamed tokens", ["model"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill_tokens = Counter("helexa_prefill_tokens", "Prompt tokens computed "
+                                      "(not served from the prefix cache)", ["model"], registry=r)
+        self.cached_tokens = Counter("helexa_cached_prompt_tokens",
+                                     "Prompt tokens served from the prefix cache", ["model"],
+                                     registry=r)
+        self.decode_tokens = Counter("helexa_decode_tokens", "Tokens generated", ["model"],
+                                     registry=r)
+
+    def serve(self, listen: str) -> tuple[str, Any]:
+        """Start the HTTP endpoint on host:port (port 0 allowed); returns the bound address."""
+        host, _, port = listen.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host or "127.0.0.1",
+                                            registry=self.registry)
+        return f"{host or '127.0.0.1'}:{server.server_port}", server

@@ -1,0 +1,292 @@
+"""The neuron's gRPC service (helexa.neuron.v1.Neuron) on grpc.aio.
+
+`Generate` is the request path inside the daemon: tokenise (the checkpoint's
+chat template), check the context, hand a `NewRequest` to the model's engine,
+and turn its per-step `RequestUpdate`s into text deltas (incremental
+detokenisation, stop strings) ending with usage. Admission itself happens in
+the engine process; its refusals come back as `refused_code` and leave here
+as gRPC statuses with `helexa-code` / `helexa-retry-after-ms`. A caller that
+goes away cancels this handler, which closes the engine iterator, which
+aborts the request wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import Refusal, check_context
+from helexa.neuron.metrics import NeuronMetrics
+from helexa.neuron.residency import ModelState, Residency, ResidentModel
+from helexa.neuron.status import StatusHub, model_status
+
+from helexa import __version__
+from helexa.log import get_logger
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc
+
+log = get_logger("neuron")
+
+
+def sampling_params(s: pb.SamplingParams) -> messages.SamplingParams:
+    """Proto sampling → engine sampling; proto zeros that mean "off" become the off value."""
+    return messages.SamplingParams(
+        temperature=max(0.0, s.temperature), top_p=s.top_p if 0 < s.top_p <= 1 else 1.0,
+        top_k=max(0, s.top_k), min_p=max(0.0, s.min_p), presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
+        seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs or s.top_logprobs > 0,
+        top_logprobs=max(0, s.top_logprobs))
+
+
+def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
+    """The prompt's token ids: chat via the chat template, text as is, or ids given."""
+    which = request.WhichOneof("prompt")
+    if which == "chat":
+        msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not msgs:
+            raise Refusal("invalid_request_error", "messages: expected at least one message")
+        return list(tokenizer.encode_chat(msgs))
+    if which == "text":
+        return list(tokenizer.encode(request.text))
+    if which == "token_ids":
+        ids = list(request.token_ids.ids)
+        bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise Refusal("invalid_request_error",
+                          f"prompt: token id {bad} is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+        return ids
+    raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
+
+
+class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
+    """The RPCs; one instance per daemon, all on the daemon's asyncio loop."""
+
+    def __init__(self, name: str, residency: Residency, hub: StatusHub,
+                 metrics: NeuronMetrics) -> None:
+        self.name = name
+        self.residency = residency
+        self.hub = hub
+        self.metrics = metrics
+        self.draining = False
+
+    # ------------------------------------------------------------------ Generate
+
+    async def Generate(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.time()
+        req_id = request.req_id or uuid.uuid4().hex
+        principal = request.principal
+        blog = log.bind(req_id=req_id, model=request.model, principal=principal or "anonymous")
+        try:
+            if self.draining:
+                raise Refusal("shutting_down", "This neuron is shutting down.",
+                              int(self.residency.cfg.server.drain_secs * 1000))
+            r = self.residency.serving(request.model)
+            prompt_ids = tokenise(r.tokenizer, request)
+            max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+            check_context(len(prompt_ids), max_tokens, r.limits)
+        except Refusal as e:
+            await self._refuse(context, blog, request.model, e)
+            return
+        stop_ids = list(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids += [i for i in r.tokenizer.eos_token_ids if i not in stop_ids]
+        deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
+                    else arrival + self.residency.cfg.server.request_timeout_secs)
+        new = messages.NewRequest(
+            req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling_params(request.sampling),
+            max_tokens=max_tokens, principal=principal, stop_token_ids=stop_ids,
+            deadline_unix=deadline, arrival_unix=arrival)
+        blog.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
+        r.begin()
+        try:
+            async for resp in self._stream(r, new, request, context, blog):
+                yield resp
+        finally:
+            r.end()
+            self.hub.changed()
+
+    async def _stream(self, r: ResidentModel, new: messages.NewRequest,
+                      request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                      blog: Any) -> AsyncIterator[pb.GenerateResponse]:
+        from helexa.neuron.engine.detokenizer import IncrementalDetokenizer, StopChecker
+
+        tok, model = r.tokenizer, r.model_id
+        detok = IncrementalDetokenizer(tok, new.prompt_token_ids)
+        stopper = StopChecker(list(request.stop))
+        out_ids: list[int] = []
+        t_admit = t_first = t_last = 0.0
+        cached = 0
+        finish: int | None = None
+        stop_reason, error, client_gone, sent_first = "", "", True, False
+        deadline_hit: list[bool] = []
+
+        def on_deadline() -> None:
+            deadline_hit.append(True)
+            r.client.abort(new.req_id, "deadline")
+
+        # the deadline is the daemon's to enforce, wherever the request is
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, new.deadline_unix - time.time()), on_deadline)
+        updates = r.client.generate(new)
+        try:
+            async for upd in updates:
+                if upd.refused_code:
+                    raise Refusal(upd.refused_code, upd.refused_message or upd.refused_code,
+                                  upd.retry_after_ms)
+                if upd.admitted:
+                    t_admit, cached = time.time(), upd.cached_tokens
+                resp = pb.GenerateResponse()
+                if not sent_first and request.return_prompt_token_ids:
+                    resp.prompt_token_ids.extend(new.prompt_token_ids)
+                if upd.new_token_ids:
+                    now = time.time()
+                    if t_first == 0.0:
+                        t_first = now
+                        self.metrics.ttft.labels(model).observe(now - new.arrival_unix)
+                    else:
+                        self.metrics.itl.labels(model).observe((now - t_last) / len(upd.new_token_ids))
+                    t_last = now
+                    out_ids += upd.new_token_ids
+                    resp.token_ids.extend(upd.new_token_ids)
+                    if upd.logprobs:
+                        resp.logprobs.extend(_logprobs(tok, upd.logprobs))
+                    text, matched = stopper.feed(detok.add(upd.new_token_ids))
+                    resp.text = text
+                    if matched is not None:
+                        r.client.abort(new.req_id, "stop_string")
+                        finish, stop_reason = pb.FINISH_REASON_STOP, matched
+                if finish is None and upd.finished is not None:
+                    finish = int(upd.finished)
+                    error = upd.error
+                    if upd.finished == messages.FinishReason.ERROR and not out_ids:
+                        raise Refusal("upstream_error", f"the engine failed: {error}")
+                    if upd.finished != messages.FinishReason.ABORT:
+                        resp.text += stopper.flush()
+                    if upd.finished == messages.FinishReason.STOP and out_ids and \
+                            out_ids[-1] in request.stop_token_ids:
+                        stop_reason = str(out_ids[-1])
+                    elif upd.finished == messages.FinishReason.ERROR:
+                        stop_reason = error
+                    elif upd.finished == messages.FinishReason.ABORT and deadline_hit:
+                        stop_reason = "deadline"
+                if finish is not None:
+                    resp.finish_reason = finish
+                    resp.stop_reason = stop_reason
+                    resp.usage.CopyFrom(_usage(new, out_ids, cached, t_admit, t_first, t_last))
+                if resp.ByteSize() or finish is not None:
+                    sent_first = True
+                    yield resp
+                if finish is not None:
+                    break
+            client_gone = False
+        except Refusal as e:
+            client_gone = False
+            await self._refuse(context, blog, model, e)
+        except Exception as e:  # the engine link broke: not the caller's doing
+            client_gone, error = False, f"{type(e).__name__}: {e}"
+            finish = finish or pb.FINISH_REASON_ERROR
+            raise
+        finally:
+            timer.cancel()
+            await updates.aclose()
+            outcome = ("client_gone" if client_gone
+                       else pb.FinishReason.Name(finish or 0).removeprefix("FINISH_REASON_").lower())
+            if finish is not None or client_gone:
+                self.metrics.requests.labels(model, outcome).inc()
+                self.metrics.prefill_tokens.labels(model).inc(len(new.prompt_token_ids) - cached)
+                self.metrics.cached_tokens.labels(model).inc(cached)
+                self.metrics.decode_tokens.labels(model).inc(len(out_ids))
+                u = _usage(new, out_ids, cached, t_admit, t_first, t_last)
+                blog.info("request.done", prompt_tokens=len(new.prompt_token_ids),
+                          completion_tokens=len(out_ids), cached_tokens=cached,
+                          queue_ms=round(u.queue_ms, 3), prefill_ms=round(u.prefill_ms, 3),
+                          decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
+                          stop_reason=stop_reason, client_gone=client_gone, error=error or None)
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, blog: Any, model: str,
+                      e: Refusal) -> None:
+        self.metrics.refusals.labels(model, e.code).inc()
+        self.metrics.requests.labels(model, "rejected").inc()
+        blog.info("request.rejected", code=e.code, message=e.message,
+                  retry_after_ms=e.retry_after_ms or None)
+        await context.abort(e.status, e.message, e.trailing_metadata())
+
+    # ------------------------------------------------------------------ status
+
+    async def Watch(self, request: pb.WatchRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[pb.NeuronStatus]:
+        async for status in self.hub.watch(request.heartbeat_ms):
+            yield status
+
+    async def Models(self, request: pb.ModelsRequest,
+                     context: grpc.aio.ServicerContext) -> pb.ModelsResponse:
+        res = self.residency
+        return pb.ModelsResponse(
+            catalogue=[pb.CatalogueEntry(model=e.id, tp=e.tp, priority=e.priority,
+                                         profile=res.profile_of(e.id),
+                                         resident=e.id in res.models and
+                                         res.models[e.id].state != ModelState.FAILED)
+                       for e in res.catalogue()],
+            models=[model_status(r) for r in list(res.models.values())])
+
+    async def Health(self, request: pb.HealthRequest,
+                     context: grpc.aio.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(status="DRAINING" if self.draining else "SERVING",
+                                 neuron=self.name, version=__version__)
+
+    # ------------------------------------------------------------------ operations
+
+    async def Load(self, request: pb.LoadRequest,
+                   context: grpc.aio.ServicerContext) -> pb.LoadResponse:
+        try:
+            if self.draining:
+                raise Refusal("shutting_down", "This neuron is shutting down.")
+            log.info("model.load_requested", model=request.model,
+                     principal=request.principal or "anonymous")
+            r, evicted = await self.residency.load(request.model)
+        except Refusal as e:
+            await context.abort(e.status, e.message, e.trailing_metadata())
+        return pb.LoadResponse(status=model_status(r), evicted=evicted)
+
+    async def Unload(self, request: pb.UnloadRequest,
+                     context: grpc.aio.ServicerContext) -> pb.UnloadResponse:
+        try:
+            done = await self.residency.unload(request.model, drain=request.drain,
+                                               force=request.force)
+        except Refusal as e:
+            await context.abort(e.status, e.message, e.trailing_metadata())
+        return pb.UnloadResponse(unloaded=done)
+
+    async def SetProfile(self, request: pb.SetProfileRequest,
+                         context: grpc.aio.ServicerContext) -> pb.SetProfileResponse:
+        try:
+            r, changed = await self.residency.set_profile(request.model, request.profile)
+        except Refusal as e:
+            await context.abort(e.status, e.message, e.trailing_metadata())
+        return pb.SetProfileResponse(status=model_status(r), changed=changed)
+
+
+def _usage(new: messages.NewRequest, out_ids: list[int], cached: int, t_admit: float,
+           t_first: float, t_last: float) -> pb.Usage:
+    ms = 1000.0
+    return pb.Usage(
+        prompt_tokens=len(new.prompt_token_ids), completion_tokens=len(out_ids),
+        cached_tokens=cached,
+        queue_ms=(t_admit - new.arrival_unix) * ms if t_admit else 0.0,
+        prefill_ms=(t_first - new.arrival_unix) * ms if t_first else 0.0,
+        decode_ms=(t_last - t_first) * ms if t_first else 0.0)
+
+
+def _logprobs(tok: Any, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
+                            logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t.token_id, token=tok.decode([t.token_id]),
+                                               logprob=t.logprob) for t in lp.top])
+            for lp in lps]

@@ -1,0 +1,64 @@
+"""The context check and the limits a model runs under (base config + profile)."""
+
+from __future__ import annotations
+
+import grpc
+import msgspec
+import pytest
+
+from helexa.config import NeuronConfig
+from helexa.neuron.limits import (
+    ModelLimits,
+    Refusal,
+    check_context,
+    effective_kv_dtype,
+    effective_limits,
+)
+
+LIMITS = ModelLimits(context=100, input=99, output=60)
+
+
+def test_a_prompt_that_fits_with_its_output_passes() -> None:
+    check_context(40, 60, LIMITS)
+    check_context(99, None, LIMITS)
+
+
+@pytest.mark.parametrize("prompt, max_tokens", [(100, None), (150, None), (41, 60), (99, 2)])
+def test_too_long_is_context_length_exceeded_stating_both_numbers(prompt: int,
+                                                                  max_tokens: int | None) -> None:
+    with pytest.raises(Refusal) as e:
+        check_context(prompt, max_tokens, LIMITS)
+    assert e.value.code == "context_length_exceeded"
+    assert e.value.status == grpc.StatusCode.INVALID_ARGUMENT
+    assert "100" in e.value.message and str(prompt) in e.value.message
+
+
+def test_max_tokens_over_the_output_limit_is_refused_naming_the_param() -> None:
+    with pytest.raises(Refusal) as e:
+        check_context(10, 61, LIMITS)
+    assert e.value.code == "invalid_request_error" and "max_tokens" in e.value.message
+
+
+def test_refusal_carries_code_and_retry_after_as_trailing_metadata() -> None:
+    r = Refusal("overloaded", "queue full", 1500)
+    assert r.status == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(r.trailing_metadata()) == {"helexa-code": "overloaded",
+                                           "helexa-retry-after-ms": "1500"}
+    assert dict(Refusal("shutting_down", "x").trailing_metadata()) == {
+        "helexa-code": "shutting_down"}
+
+
+def test_profile_overrides_only_what_it_sets() -> None:
+    cfg = msgspec.convert({
+        "admission": {"max_in_flight": 8, "max_queue_depth": 5},
+        "engine": {"max_slots": 4},
+        "kv": {"kv_dtype": "fp16"},
+        "profiles": {"batch": {"max_in_flight": 32, "kv_dtype": "int8"}, "plain": {}},
+    }, NeuronConfig)
+    base = effective_limits(cfg)
+    assert (base.max_in_flight, base.max_queue_depth, base.max_slots) == (8, 5, 4)
+    batch = effective_limits(cfg, "batch")
+    assert (batch.max_in_flight, batch.max_queue_depth, batch.max_slots) == (32, 5, 4)
+    assert effective_kv_dtype(cfg, "batch") == "int8"
+    assert effective_kv_dtype(cfg, "plain") == "fp16"
+    assert effective_kv_dtype(cfg) == "fp16"
