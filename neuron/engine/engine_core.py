@@ -40,10 +40,11 @@ _EWMA_ALPHA = 0.2
 
 class EngineCore:
     def __init__(self, spec: EngineSpec, runner: Any = None, *, sampler: Any = None,
-                 clock=time.monotonic, wall_clock=time.time, logger: Any = None) -> None:
+                 clock=time.monotonic, wall_clock=time.time, logger: Any = None,
+                 progress: Any = None) -> None:
         self.spec = spec
         self.limits = full_limits(spec.limits)
-        self.runner = runner if runner is not None else make_runner(spec, self.limits)
+        self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
         self.sampler, self._make_sampling_state = make_sampler(sampler)
         self._seq_input = seq_input_type()
         self.pool = BlockPool(spec.num_blocks, spec.block_size, spec.bytes_per_block)
@@ -297,7 +298,7 @@ def seq_input_type() -> Any:
     return SeqInput
 
 
-def make_runner(spec: EngineSpec, limits: messages.SetLimits) -> Any:
+def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = None) -> Any:
     if spec.fake_runner:
         return FakeRunner(spec.fake_vocab_size, spec.num_blocks, spec.block_size,
                           step_secs=spec.fake_step_secs)
@@ -305,7 +306,7 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits) -> Any:
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
-                       max_batched_tokens=limits.max_batched_tokens)
+                       max_batched_tokens=limits.max_batched_tokens, progress=progress)
 
 
 def make_sampler(sampler: Any = None) -> tuple[Any, Any]:

@@ -142,3 +142,7 @@ class FromEngine(msgspec.Struct, kw_only=True):
     status: EngineStatus | None = None
     step_ms: float = 0.0
     fatal: str = ""  # the engine is going down; every open request is failed
+    # Start-up only (added by the engine helper): loading progress text, and
+    # ready=True once, when the model is loaded and the engine takes requests.
+    progress: str = ""
+    ready: bool = False

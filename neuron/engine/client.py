@@ -1,0 +1,227 @@
+"""EngineClient: the daemon's handle on one engine process, for its asyncio loop.
+
+It spawns the engine process (process.py), then talks to it over a pipe
+without ever blocking the event loop: a reader thread receives and decodes
+FromEngine messages and hands them to the loop; a writer thread sends. What
+the loop wants to send within one iteration (new requests, aborts, limits)
+is coalesced into one ToEngine.
+
+The loop alone owns the client's state: the open request streams, the last
+status, whether the engine is alive. A request's updates arrive on its own
+asyncio.Queue; `generate` yields them until the request finishes or is
+refused, and closing it early sends Abort(reason="client_gone"). If the
+engine process dies, every open request gets finished=ERROR and on_fatal is
+called once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from helexa.neuron.engine import messages
+from helexa.neuron.engine.process import engine_main
+from helexa.neuron.engine.spec import EngineSpec, merge_limits
+
+
+class EngineError(RuntimeError):
+    """The engine process failed to start, or died."""
+
+
+def _is_terminal(upd: messages.RequestUpdate) -> bool:
+    return upd.finished is not None or upd.refused_code is not None
+
+
+class EngineClient:
+    def __init__(self, spec: EngineSpec, process: Any, conn: Any, loop: asyncio.AbstractEventLoop,
+                 on_status: Callable | None, on_fatal: Callable | None,
+                 on_progress: Callable | None) -> None:
+        self.spec = spec
+        self.process = process
+        self._conn = conn
+        self._loop = loop
+        self.on_status, self.on_fatal, self.on_progress = on_status, on_fatal, on_progress
+        self.status: messages.EngineStatus | None = None
+        self.alive = True
+        self.fatal = ""
+        self._closing = False
+        self._streams: dict[str, asyncio.Queue[messages.RequestUpdate]] = {}
+        self._pending_new: list[messages.NewRequest] = []
+        self._pending_aborts: list[messages.Abort] = []
+        self._pending_limits: messages.SetLimits | None = None
+        self._pending_shutdown = False
+        self._flush_scheduled = False
+        self._stop_admitting = False
+        self._ready: asyncio.Future[None] = loop.create_future()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._encoder = msgspec.msgpack.Encoder()
+        threading.Thread(target=self._read, name=f"engine-reader-{spec.model_id}", daemon=True).start()
+        threading.Thread(target=self._write, name=f"engine-writer-{spec.model_id}", daemon=True).start()
+
+    @classmethod
+    async def start(cls, spec: EngineSpec, *, on_status: Callable | None = None,
+                    on_fatal: Callable | None = None, on_progress: Callable | None = None,
+                    timeout_secs: float | None = None) -> EngineClient:
+        """Spawn the engine process; return once its model is loaded (EngineError if not)."""
+        loop = asyncio.get_running_loop()
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe(duplex=True)
+        # Not daemonic: an engine with tp > 1 starts its own rank processes.
+        process = ctx.Process(target=engine_main, args=(msgspec.msgpack.encode(spec), child_conn),
+                              name=f"helexa-engine-{spec.model_id}")
+        await loop.run_in_executor(None, process.start)
+        child_conn.close()  # so that the child's death reads as EOF here
+        client = cls(spec, process, parent_conn, loop, on_status, on_fatal, on_progress)
+        try:
+            await asyncio.wait_for(asyncio.shield(client._ready), timeout_secs)
+        except BaseException:
+            await client.shutdown(timeout_secs=2.0)
+            raise
+        return client
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid
+
+    # --- requests ----------------------------------------------------------
+
+    async def generate(self, req: messages.NewRequest) -> AsyncIterator[messages.RequestUpdate]:
+        """Updates of `req` until it finishes or is refused; closing early aborts it."""
+        if not self.alive or self._closing:
+            yield messages.RequestUpdate(req_id=req.req_id, finished=messages.FinishReason.ERROR,
+                                         error=self.fatal or "the engine is shut down")
+            return
+        if req.req_id in self._streams:
+            raise ValueError(f"req_id {req.req_id} is already streaming")
+        updates: asyncio.Queue[messages.RequestUpdate] = asyncio.Queue()
+        self._streams[req.req_id] = updates
+        self._pending_new.append(req)
+        self._schedule_flush()
+        done = False
+        try:
+            while True:
+                upd = await updates.get()
+                done = _is_terminal(upd)
+                yield upd
+                if done:
+                    return
+        finally:
+            self._streams.pop(req.req_id, None)
+            if not done and self.alive:
+                self.abort(req.req_id, "client_gone")
+
+    def abort(self, req_id: str, reason: str = "client_gone") -> None:
+        self._pending_aborts.append(messages.Abort(req_id=req_id, reason=reason))
+        self._schedule_flush()
+
+    def set_limits(self, limits: messages.SetLimits) -> None:
+        self._pending_limits = merge_limits(self._pending_limits, limits) \
+            if self._pending_limits is not None else limits
+        self._schedule_flush()
+
+    def stop_admitting(self, flag: bool = True) -> None:
+        self._stop_admitting = flag
+        self._schedule_flush()
+
+    @property
+    def num_open_requests(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, timeout_secs: float = 10.0) -> None:
+        """Abort everything, let the process exit (killed after timeout_secs)."""
+        self._closing = True
+        if self.alive:
+            self._pending_shutdown = True
+            self._schedule_flush()
+        await self._loop.run_in_executor(None, self.process.join, timeout_secs)
+        if self.process.is_alive():
+            self.process.kill()
+            await self._loop.run_in_executor(None, self.process.join, 5.0)
+        self._outbox.put(None)
+        self._died("the engine was shut down")
+
+    # --- plumbing ----------------------------------------------------------
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if not self.alive:
+            return
+        msg = messages.ToEngine(new=self._pending_new, aborts=self._pending_aborts,
+                                limits=self._pending_limits, stop_admitting=self._stop_admitting,
+                                shutdown=self._pending_shutdown)
+        self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
+        self._outbox.put(self._encoder.encode(msg))
+
+    def _write(self) -> None:  # writer thread
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._conn.send_bytes(data)
+            except (OSError, ValueError):
+                return  # the reader sees the pipe close and reports it
+
+    def _read(self) -> None:  # reader thread
+        decoder = msgspec.msgpack.Decoder(messages.FromEngine)
+        reason = "the engine process exited"
+        while True:
+            try:
+                msg = decoder.decode(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            except msgspec.DecodeError as e:
+                reason = f"undecodable message from the engine: {e}"
+                break
+            if not self._call_soon(self._dispatch, msg):
+                return
+        code = self.process.exitcode if not self.process.is_alive() else None
+        if code not in (None, 0):
+            reason += f" (exit code {code})"
+        self._call_soon(self._died, reason)
+
+    def _call_soon(self, fn: Callable, *args: Any) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+            return True
+        except RuntimeError:  # the loop is closed
+            return False
+
+    def _dispatch(self, msg: messages.FromEngine) -> None:
+        if msg.progress and self.on_progress is not None:
+            self.on_progress(msg.progress)
+        if msg.status is not None:
+            self.status = msg.status
+        if msg.ready and not self._ready.done():
+            self._ready.set_result(None)
+        for upd in msg.updates:
+            stream = self._streams.get(upd.req_id)
+            if stream is not None:
+                stream.put_nowait(upd)
+        if msg.status is not None and self.on_status is not None:
+            self.on_status(msg.status)
+        if msg.fatal:
+            self._died(msg.fatal)
+
+    def _died(self, reason: str) -> None:
+        """The engine is gone: fail open requests, tell the owner (once)."""
+        if not self.alive:
+            return
+        self.alive = False
+        self.fatal = reason
+        self._outbox.put(None)
+        for req_id, stream in self._streams.items():
+            stream.put_nowait(messages.RequestUpdate(
+                req_id=req_id, finished=messages.FinishReason.ERROR, error=reason))
+        if not self._ready.done():
+            self._ready.set_exception(EngineError(reason))
+            self._ready.exception()  # retrieved: start() raises it
+        elif not self._closing and self.on_fatal is not None:
+            self.on_fatal(reason)

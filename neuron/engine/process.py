@@ -1,0 +1,123 @@
+"""The engine process: one loaded model's EngineCore behind a pipe.
+
+Started by EngineClient (client.py) with multiprocessing's spawn context, so
+the daemon's GIL never slows a step and the model's memory goes when the
+process exits. The protocol on the pipe, msgspec msgpack both ways:
+
+- out: FromEngine(progress=...) while loading, then FromEngine(ready=True,
+  status=...) once, or FromEngine(fatal=...) if loading failed;
+- in: ToEngine messages (new requests, aborts, limits, stop_admitting,
+  shutdown); everything that arrived since the last step is merged into one;
+- out: one FromEngine per step that changed something.
+
+The loop blocks on the pipe while the engine has no work, else polls it
+without blocking and steps. A closed pipe (the daemon went away) ends the
+process, as does ToEngine(shutdown=True) after every request was aborted.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+from helexa.neuron.engine import messages
+from helexa.neuron.engine.spec import EngineSpec, merge_limits
+
+# A step with nothing to run (everything queued behind a stopped admission)
+# waits this long for the pipe instead of spinning.
+_IDLE_POLL_SECS = 0.005
+# Status goes out with every step that has updates, else at most this often.
+_STATUS_EVERY_SECS = 0.5
+_PROGRESS_EVERY_SECS = 0.1
+
+
+def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
+    """Everything the daemon sent since the last step, as one message (order kept)."""
+    if len(batch) == 1:
+        return batch[0]
+    merged = messages.ToEngine()
+    merged.new, merged.aborts = [], []
+    for msg in batch:
+        merged.new.extend(msg.new)
+        merged.aborts.extend(msg.aborts)
+        if msg.limits is not None:
+            merged.limits = msg.limits if merged.limits is None else \
+                merge_limits(merged.limits, msg.limits)
+        merged.shutdown = merged.shutdown or msg.shutdown
+    merged.stop_admitting = batch[-1].stop_admitting  # each message carries the current flag
+    return merged
+
+
+def engine_main(spec_bytes: bytes, conn: Connection) -> None:
+    """Entry point of the spawned process."""
+    encoder = msgspec.msgpack.Encoder()
+    spec = msgspec.msgpack.decode(spec_bytes, type=EngineSpec)
+    try:
+        core = _load(spec, conn, encoder)
+    except BaseException:  # a load failure is reported, never raised into the void
+        _send(conn, encoder, messages.FromEngine(fatal=f"loading {spec.model_id} failed:\n"
+                                                 f"{traceback.format_exc()}"))
+        conn.close()
+        return
+    _send(conn, encoder, messages.FromEngine(ready=True, status=core.status()))
+    try:
+        run_loop(core, conn, encoder)
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # the daemon is gone; so are we
+    except BaseException:
+        _send(conn, encoder, messages.FromEngine(fatal=traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        conn.close()
+
+
+def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder):
+    import torch
+    from helexa.neuron.engine.engine_core import EngineCore
+
+    from helexa.log import get_logger, setup_logging
+
+    setup_logging("neuron")
+    if spec.torch_threads:
+        torch.set_num_threads(spec.torch_threads)
+    last = 0.0
+
+    def progress(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done == total or now - last >= _PROGRESS_EVERY_SECS:
+            last = now
+            _send(conn, encoder, messages.FromEngine(progress=f"{done}/{total}"))
+
+    log = get_logger("neuron").bind(model=spec.model_id)
+    return EngineCore(spec, logger=log, progress=progress)
+
+
+def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+    decoder = msgspec.msgpack.Decoder(messages.ToEngine)
+    last_status: tuple | None = None
+    last_status_at = 0.0
+    while True:
+        batch: list[messages.ToEngine] = []
+        if not core.has_work:
+            conn.poll(None)  # idle: sleep until the daemon sends something
+        elif not core.running and not core.waiting:
+            conn.poll(_IDLE_POLL_SECS)  # only queued work that cannot move: don't spin
+        while conn.poll(0):
+            batch.append(decoder.decode(conn.recv_bytes()))
+        inbound = merge_inbound(batch) if batch else None
+        out = core.step(inbound)
+        status = out.status
+        key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
+        now = time.monotonic()
+        if out.updates or key != last_status or now - last_status_at >= _STATUS_EVERY_SECS:
+            _send(conn, encoder, out)
+            last_status, last_status_at = key, now
+        if inbound is not None and inbound.shutdown:
+            return
+
+
+def _send(conn: Connection, encoder: msgspec.msgpack.Encoder, msg: messages.FromEngine) -> None:
+    conn.send_bytes(encoder.encode(msg))
