@@ -1,0 +1,140 @@
+"""`helexa plan` arithmetic: KV bytes per token, fixed bytes, pool, context, trade table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helexa.cli import main as helexa_main
+from helexa.config import load_neuron_config
+from helexa.plan import (
+    MIB,
+    PlanError,
+    check_neuron_config,
+    fixed_bytes_per_request,
+    kv_bytes_per_token,
+    kv_token_head_bytes,
+    plan_model,
+    read_model_shape,
+)
+
+ASSET = Path(__file__).resolve().parent.parent / "asset"
+HYBRID = ASSET / "models" / "Qwen" / "Qwen3.5-27B" / "config.json"
+DENSE = ASSET / "models" / "Qwen" / "Qwen3-8B" / "config.json"
+
+
+def neuron_toml(tmp_path: Path, body: str, name: str = "n.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(body)
+    return path
+
+
+def plan_of(tmp_path: Path, body: str):
+    path = neuron_toml(tmp_path, body)
+    cfg = load_neuron_config(path)
+    return plan_model(cfg, cfg.models[0], path)
+
+
+def test_worked_check_hybrid_27b_at_tp2(tmp_path):
+    shape = read_model_shape(HYBRID)
+    assert (shape.num_layers, shape.full_attention_layers, shape.num_kv_heads, shape.head_dim) == (
+        64, 16, 4, 256)
+    assert kv_bytes_per_token(shape, 2, "bf16") == 32 * 1024
+    p = plan_of(tmp_path, f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\nconfig = "{HYBRID}"\ntp = 2\n')
+    assert p.bytes_per_token == 32 * 1024 and p.kv_dtype == "bf16"
+    assert p.pool_tokens == 150_816  # "about 150,800"
+    assert p.num_blocks == 9_426
+
+
+def test_kv_token_head_bytes_per_dtype():
+    assert kv_token_head_bytes("fp32", 128, "bf16") == 512
+    assert kv_token_head_bytes("bf16", 128, "fp32") == 256
+    assert kv_token_head_bytes("auto", 128, "bfloat16") == 256
+    assert kv_token_head_bytes("auto", 128, "float32") == 512
+    assert kv_token_head_bytes("fp8_e4m3", 128, "bf16") == 128 + 4  # + fp32 scale
+    assert kv_token_head_bytes("int8", 128, "bf16") == 132
+    assert kv_token_head_bytes("int4", 128, "bf16") == 64 + 4 * 4  # 4 groups of 32
+    assert kv_token_head_bytes("int4", 80, "bf16") == 40 + 4 * 3
+
+
+def test_kv_heads_replicated_when_tp_exceeds_them():
+    shape = read_model_shape(DENSE)  # 8 kv heads, 36 layers, head_dim 128
+    per_head = 2 * 36 * 256
+    assert kv_bytes_per_token(shape, 1, "bf16") == 8 * per_head
+    assert kv_bytes_per_token(shape, 8, "bf16") == 1 * per_head
+    assert kv_bytes_per_token(shape, 16, "bf16") == 1 * per_head  # replicated, not halved
+
+
+def test_full_attention_interval_and_fixed_bytes_of_linear_layers():
+    raw = json.loads(HYBRID.read_text())
+    text = dict(raw["text_config"])
+    del text["layer_types"]  # Qwen3-Next style: only the interval
+    shape = read_model_shape(text)
+    assert shape.full_attention_layers == 16 and shape.linear_attention_layers == 48
+    # per linear layer per card at tp=2: 24 v heads × 128 × 128 recurrent
+    # + (2 × 16 × 128 + 48 × 128) / 2 channels × 3 conv window, bf16
+    per_layer = (24 * 128 * 128 + 5120 * 3) * 2
+    assert fixed_bytes_per_request(shape, 2) == 48 * per_layer
+    assert fixed_bytes_per_request(read_model_shape(DENSE), 1) == 0
+
+
+def test_published_sizes_of_the_dense_8b():
+    shape = read_model_shape(DENSE)
+    assert 8.1e9 < shape.param_count < 8.3e9  # Qwen3-8B: 8.2 B parameters
+    assert shape.torch_dtype == "bf16" and shape.max_position_embeddings == 40960
+
+
+def test_legacy_and_todays_config_read_alike(tiny_checkpoint):
+    new = read_model_shape(tiny_checkpoint("qwen3") / "config.json")
+    old = read_model_shape(tiny_checkpoint("qwen3", legacy_config=True) / "config.json")
+    assert new == old
+
+
+def test_advertised_limits_and_trade_table(tmp_path):
+    p = plan_of(tmp_path, f'[kv]\nkv_budget_mb = 1000\nblock_size = 32\n[[models]]\nid = "d"\n'
+                          f'config = "{DENSE}"\nmax_output_tokens = 4096\n')
+    assert p.num_blocks == 1000 * MIB // (32 * 147456)
+    assert p.context == min(40960, p.pool_tokens) // 32 * 32 == p.pool_tokens
+    assert (p.input, p.output) == (p.context - 1, 4096)
+    assert p.trade[0] == (1, p.context)
+    for n, each in p.trade:
+        assert each == p.num_blocks // n * 32
+    big = plan_of(tmp_path, f'[kv]\nkv_budget_mb = 20000\n[[models]]\nid = "d"\nconfig = "{DENSE}"\n')
+    assert big.context == 40960 and big.output == 40959  # capped by the model's positions
+    assert big.trade[0] == (1, 40960) and big.trade[3][1] < 40960
+
+
+def test_budget_from_device_memory(tmp_path):
+    p = plan_of(tmp_path, f'[server]\ndevice_memory_mb = 24576\n[kv]\nmemory_fraction = 0.9\n'
+                          f'activation_headroom_mb = 1024\n[[models]]\nid = "d"\nconfig = "{DENSE}"\n')
+    assert p.kv_budget_bytes == int(24576 * MIB * 0.9) - p.weight_bytes_per_card - 1024 * MIB
+
+
+def test_context_that_cannot_fit_fails_with_the_arithmetic(tmp_path, capsys):
+    body = (f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\nconfig = "{HYBRID}"\ntp = 2\n'
+            'context = 200000\n')
+    path = neuron_toml(tmp_path, body)
+    with pytest.raises(PlanError, match=r"models\[0\]\.context: expected at most 149,616 tokens"):
+        check_neuron_config(path, load_neuron_config(path))
+    assert helexa_main(["plan", str(path)]) != 0
+    err = capsys.readouterr().err
+    assert "12,500 blocks" in err and "9,426 blocks" in err and str(path) in err
+    assert helexa_main(["config", "check", str(path)]) == 2
+
+
+def test_missing_model_config_names_the_key(tmp_path):
+    path = neuron_toml(tmp_path, '[kv]\nkv_budget_mb = 100\n[[models]]\nid = "x"\npath = "nowhere"\n')
+    with pytest.raises(PlanError, match=r"models\[0\]\.path: expected a model config.json"):
+        check_neuron_config(path, load_neuron_config(path))
+
+
+def test_plan_prints_the_table(tmp_path, capsys):
+    path = neuron_toml(tmp_path, f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\n'
+                                 f'config = "{HYBRID}"\ntp = 2\n')
+    assert helexa_main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "32,768 B" in out and "150,816 tokens" in out and "fixed per request" in out
+    assert helexa_main(["plan", str(path), "--kv-dtype", "int8"]) == 0
+    assert "(int8, head_dim 256)" in capsys.readouterr().out
