@@ -186,7 +186,12 @@ class NeuronDaemon:
                     profile_changes.append((key.split(".", 1)[1].rsplit(".", 1)[0], value or ""))
             else:
                 log.warning("config.needs_restart", key=key, old=old, new=value)
-        self.cfg = merge_reloadable(self.cfg, new)
+        try:
+            merged = merge_reloadable(self.cfg, new)
+        except msgspec.ValidationError as e:  # e.g. a removed model still names a removed profile
+            log.error("config.reload_refused", error=str(e), kept="running config")
+            return []
+        self.cfg = merged
         self.hub.heartbeat_secs = self.cfg.server.heartbeat_secs
         for r in self.residency.models.values():
             r.entry = self.cfg.model(r.model_id)

@@ -102,11 +102,13 @@ class Residency:
 
     def __init__(self, cfg: NeuronConfig, config_path: Path, *,
                  client_factory: ClientFactory | None = None,
+                 tokenizer_loader: Callable[[Path], Any] | None = None,
                  on_change: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
         self.config_path = Path(config_path)
         self.models: dict[str, ResidentModel] = {}
         self._client_factory = client_factory or _start_engine
+        self._tokenizer_loader = tokenizer_loader or _load_tokenizer
         self._on_change = on_change
         self._loads: dict[str, asyncio.Task[ResidentModel]] = {}
         self._room = asyncio.Lock()  # one memory decision at a time
@@ -194,7 +196,7 @@ class Residency:
             async with self._room:
                 evicted = await self._make_room(r)
             model_dir = resolve_path(self.config_path, entry.path)
-            r.tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
+            r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
             spec = build_spec(self.cfg, r, model_dir)
             r.client = await self._client_factory(
                 spec,
