@@ -355,12 +355,22 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
     """Plan every model of a neuron config; raises PlanError on the first that cannot work.
 
-    A model whose budget depends on a live device's memory is skipped here.
+    A profile that switches the KV dtype re-plans the pool at runtime, so
+    each model is also planned under every such profile. A model whose budget
+    depends on a live device's memory is skipped here.
     """
     plans = []
     for entry in cfg.models:
         try:
             plans.append(plan_model(cfg, entry, path))
+            for name, profile in cfg.profiles.items():
+                if profile.kv_dtype is None:
+                    continue
+                try:
+                    plan_model(cfg, entry, path, kv_dtype=profile.kv_dtype)
+                except PlanError as e:
+                    raise PlanError(f"{e} (under [profiles.{name}] kv_dtype = "
+                                    f"{profile.kv_dtype!r})") from None
         except UnknownBudget:
             continue
     return plans
@@ -376,6 +386,10 @@ def _size(n: float) -> str:
     return f"{n:,.0f} B"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def format_plan(p: ModelPlan) -> str:
     s = p.shape
     assert s is not None
@@ -384,7 +398,7 @@ def format_plan(p: ModelPlan) -> str:
     layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
               else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
     lines = [
-        f"  {p.model_id}  ({s.architecture}, {s.param_count / 1e9:.2f} B params, tp={p.tp})",
+        f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
         f"    weights per card    {_size(p.weight_bytes_per_card)} ({p.weight_dtype})",
         f"    KV per token/card   {p.bytes_per_token:,} B ({_size(p.bytes_per_token)}) = 2 × {layers}"
         f" × {heads} kv heads × {per_head:,} B ({p.kv_dtype}, head_dim {s.head_dim})",

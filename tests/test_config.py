@@ -1,0 +1,110 @@
+"""Config files: the shipped assets pass, and each bad file gets one clear line and exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from helexa.cli import main as helexa_main
+from helexa.config import ModelsCatalogue, load_config, resolve_path
+from helexa.tiny import init_tiny
+
+ASSET = Path(__file__).resolve().parent.parent / "asset"
+NEURONS = sorted((ASSET / "neuron").glob("*.toml"))
+
+
+def check(path: Path, capsys) -> tuple[int, list[str]]:
+    rc = helexa_main(["config", "check", str(path)])
+    err = capsys.readouterr().err
+    return rc, err.splitlines()
+
+
+def test_every_shipped_config_checks(capsys):
+    files = [*NEURONS, ASSET / "router.toml", ASSET / "models.toml"]
+    assert {p.stem for p in NEURONS} >= {"beast", "benjy", "local"}
+    assert helexa_main(["config", "check", *map(str, files)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok") == len(files)
+
+
+@pytest.mark.parametrize("path", NEURONS, ids=lambda p: p.stem)
+def test_plan_works_on_every_shipped_neuron_config(path, capsys):
+    assert helexa_main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token/card" in out and "sessions  tokens each" in out
+
+
+def test_catalogue_configs_exist():
+    cat_file = ASSET / "models.toml"
+    for m in load_config(cat_file, ModelsCatalogue).models:
+        cfg = json.loads(resolve_path(cat_file, m.config).read_text())
+        assert cfg["architectures"], m.id
+
+
+def test_committed_tiny_config_is_what_init_tiny_writes(tmp_path):
+    # local.toml plans from the committed config.json; `helexa up` writes
+    # the weights with init-tiny defaults, which must give the same config.
+    made = json.loads((init_tiny(tmp_path / "t") / "config.json").read_text())
+    committed = json.loads((ASSET / "models" / "helexa" / "tiny-qwen3" / "config.json").read_text())
+    assert made == committed
+
+
+BAD = {
+    "unknown key": ("[kv]\nblok_size = 16\n", "kv.blok_size", "unknown key"),
+    "wrong type": ('[kv]\nblock_size = "16"\n', "kv.block_size", "expected int, got str"),
+    "missing field": ('[[models]]\npath = "m"\n', "models[0].id", "missing required key"),
+    "zero slots": ("[engine]\nmax_slots = 0\n", "engine.max_slots", "expected int >= 1"),
+    "negative wait": ("[admission]\nkv_max_wait_secs = -1.0\n", "admission.kv_max_wait_secs",
+                      "expected float >= 0"),
+    "block size": ("[kv]\nblock_size = 24\n", "kv.block_size", "expected a power of two"),
+    "bad enum": ('[kv]\nkv_dtype = "fp7"\n', "kv.kv_dtype", "fp7"),
+    "devices vs tp": ('[[models]]\nid = "a"\nconfig = "c.json"\ntp = 2\ndevices = ["cpu"]\n',
+                      "models[0].devices", "expected 2 devices"),
+    "table as value": ("server = 3\n", "server", "expected object, got int"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_neuron_config_one_clear_line(tmp_path, capsys, case):
+    body, key, expected = BAD[case]
+    path = tmp_path / "host.toml"
+    path.write_text(body)
+    rc, lines = check(path, capsys)
+    assert rc == 2
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{path}: {key}: "), lines[0]
+    assert expected in lines[0]
+
+
+def test_bad_router_config(tmp_path, capsys):
+    path = tmp_path / "router.toml"
+    path.write_text('[timeouts]\nrequest_secs = 0\n[aliases]\n"helexa/x" = "m"\n')
+    rc, lines = check(path, capsys)
+    assert rc == 2 and len(lines) == 1
+    assert re.match(rf"{re.escape(str(path))}: timeouts\.request_secs: expected .*> 0", lines[0])
+
+
+def test_syntax_error_and_missing_file(tmp_path, capsys):
+    path = tmp_path / "n.toml"
+    path.write_text("[kv\n")
+    rc, lines = check(path, capsys)
+    assert rc == 2 and lines[0].startswith(f"{path}: (syntax): ")
+    rc, lines = check(tmp_path / "absent.toml", capsys)
+    assert rc == 2 and "no such file" in lines[0]
+
+
+def test_good_and_bad_files_together(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine]\nmax_slots = 0\n")
+    rc = helexa_main(["config", "check", str(ASSET / "neuron" / "local.toml"), str(bad)])
+    captured = capsys.readouterr()
+    assert rc == 2 and "local.toml: ok" in captured.out and "engine.max_slots" in captured.err
+
+
+def test_render_fills_defaults(capsys):
+    assert helexa_main(["config", "render", str(ASSET / "neuron" / "local.toml")]) == 0
+    out = capsys.readouterr().out
+    assert "memory_fraction = 0.9" in out and 'id = "helexa/tiny-qwen3"' in out
