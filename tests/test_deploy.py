@@ -1,0 +1,191 @@
+"""`helexa deploy ship` to a local folder target: what an operator sees and what lands.
+
+The folder stands in for the hosts (DIR/HOST/etc/helexa/neuron.toml); the
+systemctl calls a real ship would make are recorded in DIR/HOST/actions.log.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from helexa.deploy import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_CONFIG = ROOT / "asset" / "models" / "helexa" / "tiny-qwen3" / "config.json"
+NEURON_SECRET = "neuron-token-7f3a9c1e-never-print"
+KEYS_SECRET = "sk-keys-file-b41d-never-print"
+
+NEURON = """\
+[server]
+name = "gpu-1"
+listen = "0.0.0.0:7070"
+token_file = "{token}"
+
+[admission]
+max_in_flight = 16
+
+[kv]
+kv_budget_mb = 64
+kv_dtype = "auto"
+
+[[models]]
+id = "helexa/tiny-qwen3"
+path = "/srv/models/helexa/tiny-qwen3"
+config = "../models/tiny-qwen3/config.json"
+"""
+
+ROUTER = """\
+[auth]
+keys_file = "{keys}"
+require_auth = true
+
+[neurons]
+token_file = "{token}"
+
+[[neurons.endpoints]]
+name = "gpu-1"
+address = "gpu-1.internal:7070"
+"""
+
+
+class Shipper:
+    """An asset folder with one neuron host and a router, a target folder, and the outputs seen."""
+
+    def __init__(self, tmp: Path, capsys) -> None:
+        self.assets, self.hosts, self.capsys = tmp / "asset", tmp / "hosts", capsys
+        (self.assets / "neuron").mkdir(parents=True)
+        (self.assets / "models" / "tiny-qwen3").mkdir(parents=True)
+        shutil.copy(TINY_CONFIG, self.assets / "models" / "tiny-qwen3" / "config.json")
+        secrets = tmp / "secrets"
+        secrets.mkdir()
+        (secrets / "neuron.token").write_text(NEURON_SECRET + "\n")
+        (secrets / "keys.toml").write_text(f'"{KEYS_SECRET}" = "alice"\n')
+        self.neuron_file = self.assets / "neuron" / "gpu-1.toml"
+        self.neuron_file.write_text(NEURON.format(token=secrets / "neuron.token"))
+        (self.assets / "router.toml").write_text(
+            ROUTER.format(keys=secrets / "keys.toml", token=secrets / "neuron.token"))
+        self.outputs: list[str] = []
+
+    def ship(self, *args: str) -> tuple[int, str, str]:
+        rc = main(["ship", *args, "--assets", str(self.assets), "--target", f"local:{self.hosts}"])
+        out, err = self.capsys.readouterr()
+        self.outputs += [out, err]
+        return rc, out, err
+
+    def edit(self, old: str, new: str) -> None:
+        text = self.neuron_file.read_text()
+        assert old in text
+        self.neuron_file.write_text(text.replace(old, new))
+
+    def shipped(self, host: str = "gpu-1", name: str = "neuron.toml") -> dict:
+        return tomllib.loads((self.hosts / host / "etc" / "helexa" / name).read_text())
+
+    def actions(self, host: str = "gpu-1") -> list[str]:
+        log = self.hosts / host / "actions.log"
+        return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.fixture
+def shipper(tmp_path: Path, capsys) -> Shipper:
+    return Shipper(tmp_path, capsys)
+
+
+def test_first_ship_copies_the_effective_config_and_restarts(shipper: Shipper) -> None:
+    rc, out, _ = shipper.ship("gpu-1", "--router", "edge-1")
+    assert rc == 0
+    cfg = shipper.shipped()
+    assert cfg["admission"]["max_in_flight"] == 16
+    assert cfg["engine"]["max_slots"] == 8  # defaults are filled in
+    assert cfg["models"] == [{"id": "helexa/tiny-qwen3", "path": "/srv/models/helexa/tiny-qwen3",
+                              "tp": 1, "dtype": "auto", "preload": True, "priority": 0}]
+    assert "models[0].config (../models/tiny-qwen3/config.json) not shipped" in out
+    assert shipper.shipped("edge-1", "router.toml")["neurons"]["endpoints"][0]["name"] == "gpu-1"
+    assert shipper.actions() == ["systemctl restart helexa-neuron"]
+    assert shipper.actions("edge-1") == ["systemctl restart helexa-router"]
+    assert "restart helexa-neuron (first ship: the host has no config)" in out
+
+
+def test_second_ship_of_the_same_config_does_nothing(shipper: Shipper) -> None:
+    shipper.ship("gpu-1")
+    target = shipper.hosts / "gpu-1" / "etc" / "helexa" / "neuron.toml"
+    before = target.stat().st_mtime_ns
+    rc, out, _ = shipper.ship("gpu-1")
+    assert rc == 0
+    assert "unchanged: nothing copied, nothing to do" in out
+    assert target.stat().st_mtime_ns == before
+    assert shipper.actions() == ["systemctl restart helexa-neuron"]
+
+
+def test_a_reload_safe_change_reloads(shipper: Shipper) -> None:
+    shipper.ship("gpu-1")
+    shipper.edit("max_in_flight = 16", "max_in_flight = 32")
+    rc, out, _ = shipper.ship("gpu-1")
+    assert rc == 0
+    assert "  admission.max_in_flight: 16 -> 32 (reload)\n" in out
+    assert "reload helexa-neuron (only reload-safe fields changed: admission.max_in_flight)" in out
+    assert shipper.shipped()["admission"]["max_in_flight"] == 32
+    assert shipper.actions() == ["systemctl restart helexa-neuron", "systemctl reload helexa-neuron"]
+
+
+def test_a_load_time_change_restarts_and_names_the_field(shipper: Shipper) -> None:
+    shipper.ship("gpu-1")
+    shipper.edit('kv_dtype = "auto"', 'kv_dtype = "int8"')
+    shipper.edit("max_in_flight = 16", "max_in_flight = 8")
+    rc, out, _ = shipper.ship("gpu-1")
+    assert rc == 0
+    assert "  kv.kv_dtype: \"auto\" -> \"int8\" (restart)\n" in out
+    assert "restart helexa-neuron (load-time fields changed: kv.kv_dtype)" in out
+    assert shipper.actions()[-1] == "systemctl restart helexa-neuron"
+
+
+def test_dry_run_shows_the_diff_and_copies_nothing(shipper: Shipper) -> None:
+    shipper.ship("gpu-1")
+    shipper.edit("max_in_flight = 16", "max_in_flight = 32")
+    rc, out, _ = shipper.ship("gpu-1", "--dry-run")
+    assert rc == 0
+    assert "  -max_in_flight = 16\n" in out and "  +max_in_flight = 32\n" in out
+    assert "would reload helexa-neuron" in out and "dry run: nothing copied" in out
+    assert shipper.shipped()["admission"]["max_in_flight"] == 16
+    assert shipper.actions() == ["systemctl restart helexa-neuron"]
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("max_in_flight = 16", "max_in_flght = 16", "admission.max_in_flght: unknown key"),
+    ("max_in_flight = 16", 'max_in_flight = "many"', "admission.max_in_flight: expected `int`"),
+    ('config = "../models', 'context = 999999\nconfig = "../models', "models[0].context: expected at most"),
+], ids=["unknown-key", "wrong-type", "context-cannot-fit"])
+def test_an_invalid_config_is_refused_and_nothing_copied(shipper: Shipper, old, new, message) -> None:
+    shipper.edit(old, new)
+    rc, out, err = shipper.ship("gpu-1", "--router", "edge-1")
+    assert rc == 2
+    assert message.replace("`int`", "int") in err
+    assert "refused, nothing copied" in err
+    assert not shipper.hosts.exists()  # not even the valid router config went out
+
+
+def test_no_secret_in_any_output_or_shipped_file(shipper: Shipper) -> None:
+    shipper.ship("gpu-1", "--router", "edge-1")
+    shipper.edit("max_in_flight = 16", "max_in_flight = 32")
+    shipper.ship("gpu-1", "--router", "edge-1", "--dry-run")
+    shipper.ship("gpu-1", "--router", "edge-1")
+    # a rotated secret is not a config change: the file is never read
+    token = Path(shipper.shipped()["server"]["token_file"])
+    token.write_text("rotated-" + NEURON_SECRET)
+    rc, out, _ = shipper.ship("gpu-1")
+    assert rc == 0 and "unchanged" in out
+    shipped = [p.read_text() for p in shipper.hosts.rglob("*") if p.is_file()]
+    assert shipper.outputs and shipped
+    for text in shipper.outputs + shipped:
+        assert NEURON_SECRET not in text and KEYS_SECRET not in text
+    assert str(token) in shipper.shipped()["server"]["token_file"]  # the path is shipped
+
+
+def test_unknown_host_is_refused(shipper: Shipper) -> None:
+    rc, _, err = shipper.ship("gpu-9")
+    assert rc == 2
+    assert "gpu-9: no " in err and "refused, nothing copied" in err
+    assert not shipper.hosts.exists()
