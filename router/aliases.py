@@ -1,0 +1,34 @@
+"""Model aliases such as `helexa/balanced` → a concrete model id, from the router config.
+
+Aliases are resolved once, at the router, before selection; neurons only
+ever see concrete model ids. An alias may not point at another alias (one
+hop keeps `/v1/models` and error messages unambiguous).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+
+class Aliases:
+    """An immutable alias table; SIGHUP swaps in a new one."""
+
+    def __init__(self, table: Mapping[str, str] | None = None) -> None:
+        self._table = dict(table or {})
+        for alias, target in self._table.items():
+            if target in self._table:
+                raise ValueError(f"aliases.{alias}: points at another alias `{target}`;"
+                                 " expected a model id")
+
+    def resolve(self, name: str) -> str:
+        """The model id a client's `model` names (itself when it is not an alias)."""
+        return self._table.get(name, name)
+
+    def is_alias(self, name: str) -> bool:
+        return name in self._table
+
+    def items(self) -> list[tuple[str, str]]:
+        return sorted(self._table.items())
+
+    def targets(self) -> set[str]:
+        return set(self._table.values())

@@ -1,0 +1,211 @@
+"""`helexa router --config FILE`: the OpenAI-compatible HTTP front door.
+
+Builds the aiohttp application (the generation endpoints in `serve.py`,
+`/v1/models`, `/health`, `/metrics`), starts the neuron registry, prints
+`ROUTER LISTENING http://HOST:PORT` once bound (port 0 allowed) and writes
+`server.address_file`. SIGHUP re-reads the config and applies what can be
+applied live (aliases, keys, auth policy, neuron list, timeouts) without
+dropping requests; SIGTERM or SIGINT stops it, letting in-flight requests end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+
+from aiohttp import web
+from helexa.router import serve
+from helexa.router.aliases import Aliases
+from helexa.router.auth import Authenticator, load_keys_file
+from helexa.router.dispatch import Dispatcher, DispatchSettings
+from helexa.router.errors import ApiError
+from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
+from helexa.router.registry import Registry
+
+from helexa.config import ConfigError, RouterConfig, load_router_config, read_secret, resolve_path
+from helexa.log import get_logger, setup_logging
+
+SHUTDOWN_GRACE_SECS = 10.0
+STATE = serve.STATE
+
+
+class RouterState:
+    """Everything the handlers share; one per process (or per in-process test router)."""
+
+    def __init__(self, cfg: RouterConfig, config_path: Path | None) -> None:
+        self.config_path = config_path
+        self.log = get_logger("router")
+        self.registry = Registry([], token=None, unhealthy_after_secs=2.0, reconnect_max_secs=5.0)
+        self.metrics = RouterMetrics(lambda: list(self.registry.links.values()))
+        self.dispatcher = Dispatcher(self.registry, self.metrics, DispatchSettings(["*"], 60, 600))
+        self.max_body_bytes = cfg.server.max_body_bytes
+        self.apply(cfg)
+
+    def apply(self, cfg: RouterConfig) -> None:
+        """Take the reloadable parts of a config (raises ConfigError before changing anything)."""
+        base = self.config_path or Path("router.toml")
+        keys = load_keys_file(resolve_path(base, cfg.auth.keys_file)) if cfg.auth.keys_file else {}
+        token = read_secret(base, cfg.neurons.token_file)
+        try:
+            aliases = Aliases(cfg.aliases)
+        except ValueError as e:
+            raise ConfigError(f"{base}: {e}") from None
+        self.cfg = cfg
+        self.auth = Authenticator(keys, cfg.auth.require_auth)
+        self.aliases = aliases
+        self.request_secs = cfg.timeouts.request_secs
+        self.dispatcher.settings = DispatchSettings(
+            list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
+        self.registry.token = token
+        self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
+        self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
+
+    async def reload(self) -> None:
+        if self.config_path is None:
+            return
+        try:
+            cfg = load_router_config(self.config_path)
+            old = self.cfg
+            self.apply(cfg)
+            await self.registry.set_endpoints(cfg.neurons.endpoints)
+        except (ConfigError, OSError) as e:
+            self.log.error("config.reload_failed", error=str(e))
+            return
+        if cfg.server != old.server:
+            self.log.warning("config.restart_needed", section="server")
+        self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],
+                      aliases=len(cfg.aliases))
+
+
+@web.middleware
+async def error_envelope(request: web.Request, handler):
+    """Every error, including aiohttp's own 404/405/413, in the OpenAI envelope."""
+    try:
+        return await handler(request)
+    except ApiError as e:
+        return e.response()
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
+            e.status, "invalid_request_error")
+        return ApiError(e.status, e.reason, code=code).response()
+
+
+async def models(request: web.Request) -> web.Response:
+    state: RouterState = request.app[STATE]
+    limits = state.registry.ready_limits()
+
+    def entry(model_id: str, target: str) -> dict:
+        context, input_, output = limits[target]
+        e = {"id": model_id, "object": "model", "created": 0, "owned_by": "helexa",
+             "limit": {"context": context, "input": input_, "output": output}}
+        if model_id != target:
+            e["alias_of"] = target
+        return e
+
+    data = [entry(m, m) for m in sorted(limits)]
+    data += [entry(a, t) for a, t in state.aliases.items() if t in limits]
+    if "model" in request.match_info:
+        found = next((e for e in data if e["id"] == request.match_info["model"]), None)
+        if found is None:
+            raise ApiError(404, f"The model `{request.match_info['model']}` does not exist",
+                           code="model_not_found", param="model")
+        return web.json_response(found)
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    state: RouterState = request.app[STATE]
+    neurons = {name: {"healthy": link.healthy(),
+                      "models": [m.model for m in link.status.models] if link.status else []}
+               for name, link in state.registry.links.items()}
+    ok = any(n["healthy"] for n in neurons.values())
+    return web.json_response({"status": "ok" if ok else "no_healthy_neuron", "neurons": neurons},
+                             status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: RouterState = request.app[STATE]
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(state: RouterState) -> web.Application:
+    app = web.Application(middlewares=[error_envelope], client_max_size=state.max_body_bytes)
+    app[STATE] = state
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request, "chat")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request, "completion")
+
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start(cfg: RouterConfig, config_path: Path | None = None
+                ) -> tuple[web.AppRunner, RouterState, str]:
+    """Start a router in this event loop; returns (runner, state, "host:port")."""
+    state = RouterState(cfg, config_path)
+    await state.registry.start()
+    await state.registry.set_endpoints(cfg.neurons.endpoints)
+    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_SECS)
+    await runner.setup()
+    host, _, port = cfg.server.listen.rpartition(":")
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    await site.start()
+    bound = runner.addresses[0]
+    return runner, state, f"{bound[0]}:{bound[1]}"
+
+
+async def stop(runner: web.AppRunner, state: RouterState) -> None:
+    await runner.cleanup()
+    await state.dispatcher.close()
+    await state.registry.close()
+
+
+async def _serve(cfg: RouterConfig, config_path: Path) -> None:
+    runner, state, address = await start(cfg, config_path)
+    if cfg.server.address_file:
+        path = resolve_path(config_path, cfg.server.address_file)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(address + "\n")
+        os.replace(tmp, path)  # readers never see half an address
+    state.log.info("router.listening", address=address, neurons=len(cfg.neurons.endpoints))
+    print(f"ROUTER LISTENING http://{address}", flush=True)
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(state.reload()))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    state.log.info("router.stopping")
+    await stop(runner, state)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="helexa router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="router TOML config file")
+    parser.add_argument("--log-level", default=os.environ.get("HELEXA_LOG_LEVEL", "info"))
+    args = parser.parse_args(argv)
+    setup_logging("router", args.log_level)
+    try:
+        cfg = load_router_config(args.config)
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_serve(cfg, Path(args.config)))
+    except (ConfigError, OSError) as e:
+        print(f"helexa router: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,161 @@
+"""From a GenerateRequest to an open stream on some neuron: selection, on-demand load, one retry.
+
+This is where policy (selection.rank) meets the registry's soft state and the
+gRPC edge. A request whose model is not READY anywhere waits (up to
+`timeouts.load_wait_secs`) for a load it may cause itself, if its principal
+is in `auth.load_principals`; a refusal before the first byte
+(UNAVAILABLE, RESOURCE_EXHAUSTED) is retried once on the next neuron in the
+preference order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+
+import grpc
+from helexa.router.auth import may_load
+from helexa.router.errors import ApiError
+from helexa.router.forward import (
+    RETRYABLE,
+    OpenStream,
+    UpstreamClosed,
+    map_rpc_error,
+    open_generate,
+)
+from helexa.router.metrics import RouterMetrics
+from helexa.router.registry import NeuronLink, Registry
+from helexa.router.selection import Estimate, rank, rendezvous_score, reservation_bytes
+
+from helexa.log import get_logger
+from helexa.proto import neuron_pb2 as pb
+
+log = get_logger("router")
+LOAD_RETRY_AFTER_SECS = 5
+_WAITING = (pb.MODEL_STATE_LOADING, pb.MODEL_STATE_SWITCHING)
+
+
+@dataclass
+class DispatchSettings:
+    load_principals: list[str]
+    load_wait_secs: float
+    request_secs: float
+
+
+class Dispatcher:
+    """Opens Generate streams for the request handlers."""
+
+    def __init__(self, registry: Registry, metrics: RouterMetrics,
+                 settings: DispatchSettings) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.settings = settings
+        self._loads: dict[str, asyncio.Task] = {}  # model -> the one Load call this router made
+
+    async def open(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, *,
+                   principal: str, kind: str) -> OpenStream:
+        """An open stream for greq, or the ApiError the client should see."""
+        model = greq.model
+        load_deadline = time.monotonic() + self.settings.load_wait_secs
+        tried: set[str] = set()
+        refusal: ApiError | None = None
+        while True:
+            candidates = [c for c in self.registry.candidates(model) if c.neuron not in tried]
+            if not candidates:
+                if refusal is not None:
+                    raise refusal  # nobody else to try: the client sees the neuron's answer
+                await self._await_model(model, principal, load_deadline)
+                continue
+            order = rank(candidates, est, key)
+            name = order[0]
+            cand = next(c for c in candidates if c.neuron == name)
+            link = self.registry.links[name]
+            send = self.registry.note_send(name, model, reservation_bytes(cand, est))
+            self.metrics.selections.labels(name, model).inc()
+            try:
+                return await open_generate(link.stub, name, greq, metadata=link.metadata,
+                                           timeout_secs=self.settings.request_secs + 5)
+            except grpc.aio.AioRpcError as e:
+                err = map_rpc_error(e, kind)
+                self.metrics.refusals.labels(name, model, err.code).inc()
+                log.info("request.refused", req_id=greq.req_id, neuron=name, model=model,
+                         grpc=e.code().name, code=err.code, retry=refusal is None)
+                if e.code() not in RETRYABLE or refusal is not None:
+                    raise err from None
+                refusal = err
+                tried.add(name)
+            except UpstreamClosed as e:
+                raise ApiError(502, str(e), code="upstream_error") from None
+            finally:
+                send.answered()
+
+    async def _await_model(self, model: str, principal: str, deadline: float) -> None:
+        """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx."""
+        reg = self.registry
+        if not reg.healthy_links():
+            raise ApiError(503, "no neuron is reachable", code="service_unavailable")
+        draining = [link.name for link in reg.healthy_links()
+                    if (m := link.model_status(model)) is not None
+                    and m.state == pb.MODEL_STATE_READY]
+        if draining:  # READY but not a candidate: its neuron is draining, or the model is
+            raise ApiError(503, f"every neuron serving `{model}` is shutting down",
+                           code="shutting_down")
+        if reg.models_in_state(model, pb.MODEL_STATE_DRAINING):
+            raise ApiError(503, f"`{model}` is draining", code="shutting_down")
+        if not reg.models_in_state(model, *_WAITING):
+            self._maybe_start_load(model, principal)
+        task = self._loads.get(model)
+        if task is not None and task.done() and task.exception() is not None \
+                and not reg.models_in_state(model, *_WAITING):
+            self._loads.pop(model, None)
+            raise ApiError(503, f"loading `{model}` failed: {task.exception()}",
+                           code="service_unavailable")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ApiError(503, f"`{model}` is loading; retry shortly", code="model_loading",
+                           retry_after_secs=LOAD_RETRY_AFTER_SECS)
+        await reg.wait_changed(min(remaining, 0.5))
+
+    def _maybe_start_load(self, model: str, principal: str) -> None:
+        reg = self.registry
+        holders = reg.catalogue_holders(model)
+        if not holders:
+            failed = reg.models_in_state(model, pb.MODEL_STATE_FAILED)
+            if failed:
+                raise ApiError(503, f"`{model}` failed on {', '.join(failed)}",
+                               code="service_unavailable")
+            if model in reg.known_models():
+                raise ApiError(503, f"no healthy neuron serves `{model}`",
+                               code="service_unavailable")
+            raise ApiError(404, f"The model `{model}` does not exist", code="model_not_found",
+                           param="model")
+        if not may_load(principal, self.settings.load_principals):
+            raise ApiError(503, f"`{model}` is not loaded and this key may not cause loads",
+                           code="service_unavailable")
+        task = self._loads.get(model)
+        if task is not None and not task.done():
+            return
+        # Both router replicas pick the same neuron for a model: no double loads.
+        link = max(holders, key=lambda h: rendezvous_score(model.encode(), h.name))
+        self._loads[model] = asyncio.get_running_loop().create_task(
+            self._load(link, model, principal))
+
+    async def _load(self, link: NeuronLink, model: str, principal: str) -> None:
+        log.info("model.load_requested", neuron=link.name, model=model, principal=principal)
+        try:
+            await link.stub.Load(pb.LoadRequest(model=model, principal=principal),
+                                 metadata=link.metadata, timeout=max(600.0, self.settings.load_wait_secs))
+        except grpc.aio.AioRpcError as e:
+            log.warning("model.load_failed", neuron=link.name, model=model, grpc=e.code().name,
+                        detail=e.details())
+            raise RuntimeError(e.details() or e.code().name) from None
+        finally:
+            self.registry.notify()
+
+    async def close(self) -> None:
+        for task in self._loads.values():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task

@@ -1,0 +1,175 @@
+"""OpenAI response encoding: neuron `GenerateResponse` deltas → JSON bodies and SSE chunks.
+
+Chat and completions differ only in the shape of a choice (`message`/`delta`
+vs `text`) and of logprobs (`{"content": [...]}` vs the legacy parallel
+lists). `return_token_ids` adds `prompt_token_ids` (top level) and
+per-choice `token_ids`, as vLLM does; usage carries
+`prompt_tokens_details.cached_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+from helexa.router.openai_api import ParsedRequest
+
+from helexa.proto import neuron_pb2 as pb
+
+FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
+
+
+@dataclass
+class Choice:
+    """What one choice has produced so far (accumulated for non-streaming replies)."""
+
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    usage: pb.Usage | None = None
+    prompt_token_ids: list[int] | None = None
+    text_chars: int = 0  # for completions' text_offset
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The fields every body of one reply shares."""
+
+    id: str
+    created: int
+    model: str
+    req: ParsedRequest
+
+    @property
+    def chat(self) -> bool:
+        return self.req.kind == "chat"
+
+
+def usage_dict(choices: list[Choice]) -> dict:
+    """Usage summed over choices; the prompt is counted once (as OpenAI does for n > 1)."""
+    done = [c.usage for c in choices if c.usage is not None]
+    prompt = max((u.prompt_tokens for u in done), default=0)
+    cached = max((u.cached_tokens for u in done), default=0)
+    completion = sum(u.completion_tokens for u in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict:
+    def entry(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+    return {"content": [
+        {**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
+        for t in lps]}
+
+
+def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict:
+    offsets = []
+    for t in lps:
+        offsets.append(offset)
+        offset += len(t.token)
+    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in lps],
+            "text_offset": offsets}
+
+
+def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict | None:
+    if not env.req.logprobs:
+        return None
+    return _chat_logprobs(lps) if env.chat else _completion_logprobs(lps, offset)
+
+
+def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
+    """Fold one neuron message into a choice's running totals (after `delta_chunk`)."""
+    choice.text.append(msg.text)
+    choice.text_chars += len(msg.text)
+    choice.token_ids.extend(msg.token_ids)
+    choice.logprobs.extend(msg.logprobs)
+    if msg.prompt_token_ids:
+        choice.prompt_token_ids = list(msg.prompt_token_ids)
+    if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+        choice.finish_reason = FINISH_REASONS.get(msg.finish_reason)
+        choice.stop_reason = msg.stop_reason or None
+        choice.usage = msg.usage
+
+
+def full_body(env: Envelope, choices: list[Choice]) -> dict:
+    """The non-streaming reply."""
+    out_choices = []
+    for c in choices:
+        text = "".join(c.text)
+        body: dict = {"index": c.index}
+        if env.chat:
+            body["message"] = {"role": "assistant", "content": text}
+        else:
+            body["text"] = text
+        body["logprobs"] = _logprobs(env, c.logprobs, 0)
+        body["finish_reason"] = c.finish_reason
+        body["stop_reason"] = c.stop_reason
+        if env.req.return_token_ids:
+            body["token_ids"] = c.token_ids
+        out_choices.append(body)
+    reply = {"id": env.id, "object": "chat.completion" if env.chat else "text_completion",
+             "created": env.created, "model": env.model, "choices": out_choices,
+             "usage": usage_dict(choices)}
+    if env.req.return_token_ids:
+        reply["prompt_token_ids"] = choices[0].prompt_token_ids if choices else None
+    return reply
+
+
+def _chunk(env: Envelope, choices: list[dict], *, usage: dict | None = None,
+           with_usage_key: bool = False) -> dict:
+    chunk = {"id": env.id, "object": "chat.completion.chunk" if env.chat else "text_completion",
+             "created": env.created, "model": env.model, "choices": choices}
+    if with_usage_key:
+        chunk["usage"] = usage  # OpenAI sends `usage: null` on every chunk but the last
+    return chunk
+
+
+def first_chunk(env: Envelope, choice: Choice) -> dict | None:
+    """Chat opens each choice with the assistant role; completions have no such chunk."""
+    if not env.chat:
+        return None
+    body = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+            "logprobs": None, "finish_reason": None}
+    return _chunk(env, [body], with_usage_key=env.req.include_usage)
+
+
+def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
+                first: bool) -> dict | None:
+    """One SSE chunk for one neuron message (None when it carries nothing to say)."""
+    finish = (FINISH_REASONS.get(msg.finish_reason)
+              if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
+    if not msg.text and not msg.token_ids and finish is None:
+        return None
+    body: dict = {"index": choice.index}
+    if env.chat:
+        body["delta"] = {"content": msg.text} if msg.text or finish is None else {}
+    else:
+        body["text"] = msg.text
+    body["logprobs"] = _logprobs(env, list(msg.logprobs), choice.text_chars)
+    body["finish_reason"] = finish
+    if finish is not None:
+        body["stop_reason"] = msg.stop_reason or None
+    if env.req.return_token_ids:
+        body["token_ids"] = list(msg.token_ids)
+    chunk = _chunk(env, [body], with_usage_key=env.req.include_usage)
+    if env.req.return_token_ids and first:
+        chunk["prompt_token_ids"] = list(msg.prompt_token_ids) or None
+    return chunk
+
+
+def usage_chunk(env: Envelope, choices: list[Choice]) -> dict:
+    """The extra last chunk `stream_options.include_usage` asks for."""
+    return _chunk(env, [], usage=usage_dict(choices), with_usage_key=True)
+
+
+def sse(obj: dict) -> bytes:
+    return b"data: " + msgspec.json.encode(obj) + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"

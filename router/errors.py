@@ -1,0 +1,76 @@
+"""The router's client-facing errors: one exception type, one envelope.
+
+Every refusal a client sees is an `ApiError`, rendered as the OpenAI error
+envelope `{"error": {"message", "type", "code", "param"}}` with the HTTP
+status and, where DESIGN.md's error table says so, a `Retry-After` header.
+Codes are the ones of that table (`invalid_request_error`,
+`context_length_exceeded`, `invalid_api_key`, `model_not_found`,
+`rate_limit_exceeded`, `overloaded`, `model_loading`, `shutting_down`,
+`service_unavailable`, `upstream_error`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from aiohttp import web
+
+# OpenAI's `type` field for each status family (clients branch on the status).
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+# Codes that always tell the client when to come back (DESIGN.md error table).
+RETRYABLE_CODES = frozenset(
+    {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable"})
+DEFAULT_RETRY_AFTER_SECS = 1
+
+
+class ApiError(Exception):
+    """A refusal rendered as the OpenAI error envelope."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
+                 retry_after_secs: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        if retry_after_secs is None and code in RETRYABLE_CODES:
+            retry_after_secs = DEFAULT_RETRY_AFTER_SECS
+        self.retry_after_secs = retry_after_secs
+
+    @property
+    def type(self) -> str:
+        return _TYPES.get(self.status, "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_secs is None:
+            return {}
+        # Retry-After is whole seconds; never 0, which would invite a hot loop.
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_secs)))}
+
+    def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
+        headers = {**self.headers(), **(extra_headers or {})}
+        return web.Response(status=self.status, text=json.dumps(self.body()),
+                            content_type="application/json", headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, code="invalid_request_error", param=param)
+
+
+def unsupported(param: str, what: str | None = None) -> ApiError:
+    return bad_request(f"`{param}` is not supported by helexa yet{': ' + what if what else ''}",
+                       param)

@@ -1,0 +1,139 @@
+"""The gRPC edge toward neurons: build a GenerateRequest, open the stream, map refusals to HTTP.
+
+A neuron refuses with a gRPC status plus trailing metadata `helexa-code`
+(the OpenAI-style code) and `helexa-retry-after-ms`; `map_rpc_error` turns
+that into the `ApiError` of DESIGN.md's error table, with `Retry-After`
+from the neuron's estimate. `open_generate` returns only once the first
+message has arrived, so a refusal (which the neuron sends before any
+token) is seen before the router commits to an HTTP status.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import ParsedRequest
+
+from helexa.proto import neuron_pb2 as pb
+
+# Refusals before the first byte that another neuron may well accept.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+_CODE_STATUS = {
+    "rate_limit_exceeded": 429,
+    "overloaded": 503, "model_loading": 503, "shutting_down": 503, "service_unavailable": 503,
+    "context_length_exceeded": 400, "invalid_request_error": 400,
+    "model_not_found": 404,
+}
+_FALLBACK = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "overloaded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    # The neuron refused the router's own token: a deployment fault, not the client's.
+    grpc.StatusCode.UNAUTHENTICATED: (503, "service_unavailable"),
+    grpc.StatusCode.PERMISSION_DENIED: (503, "service_unavailable"),
+}
+
+
+def trailing(e: grpc.aio.AioRpcError) -> dict[str, str]:
+    md = e.trailing_metadata() or ()
+    return {k: v if isinstance(v, str) else v.decode() for k, v in md}
+
+
+def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
+    """The client-facing error for a neuron's refusal or failure."""
+    md = trailing(e)
+    code = md.get("helexa-code")
+    if code in _CODE_STATUS:
+        status = _CODE_STATUS[code]
+    else:
+        status, code = _FALLBACK.get(e.code(), (502, "upstream_error"))
+    retry_after = None
+    if md.get("helexa-retry-after-ms", "").isdigit():
+        retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
+    param = md.get("helexa-param")
+    if code == "context_length_exceeded" and not param:
+        param = "messages" if kind == "chat" else "prompt"
+    message = e.details() or f"neuron answered {e.code().name}"
+    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        message = "no neuron accepted the router's credentials"
+    return ApiError(status, message, code=code, param=param, retry_after_secs=retry_after)
+
+
+def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: str,
+                     deadline_unix_ms: int, choice: int = 0) -> pb.GenerateRequest:
+    """The GenerateRequest for one choice of a parsed request."""
+    sampling = pb.SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0, min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        logprobs=req.logprobs, top_logprobs=req.top_logprobs)
+    if req.seed is not None:
+        # Choices of one seeded request differ from each other yet stay reproducible.
+        sampling.seed = (req.seed + choice + 2**63) % 2**64 - 2**63
+    g = pb.GenerateRequest(
+        req_id=req_id, model=model, principal=principal, sampling=sampling, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
+        deadline_unix_ms=deadline_unix_ms, return_prompt_token_ids=req.return_token_ids)
+    if req.max_tokens is not None:
+        g.max_tokens = req.max_tokens
+    if req.messages is not None:
+        g.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in req.messages)
+    elif req.prompt_ids is not None:
+        g.token_ids.ids.extend(req.prompt_ids)
+    else:
+        g.text = req.prompt_text or ""
+    return g
+
+
+@dataclass
+class OpenStream:
+    """A Generate call whose first message has arrived; iterate it for the rest."""
+
+    neuron: str
+    call: grpc.aio.UnaryStreamCall
+    first: pb.GenerateResponse
+
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        yield self.first
+        if self.first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            return
+        while True:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            yield msg
+            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                return
+
+    def cancel(self) -> None:
+        """Abort on the neuron (a no-op once the call has ended)."""
+        self.call.cancel()
+
+
+class UpstreamClosed(Exception):
+    """The neuron ended the stream without a finish message."""
+
+
+async def open_generate(stub, neuron: str, greq: pb.GenerateRequest, *,
+                        metadata: tuple, timeout_secs: float) -> OpenStream:
+    """Start Generate and wait for its first message; raises AioRpcError on a refusal."""
+    call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
+    try:
+        first = await call.read()
+    except BaseException:
+        call.cancel()
+        raise
+    if first is grpc.aio.EOF:
+        call.cancel()
+        raise UpstreamClosed(f"neuron {neuron} closed the stream before any message")
+    return OpenStream(neuron, call, first)

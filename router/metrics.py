@@ -1,0 +1,94 @@
+"""The router's Prometheus metrics, on its own registry (so in-process tests can run several).
+
+Request metrics are counted as requests happen; the neuron mirror
+(`helexa_neuron_kv_*_bytes`, `helexa_neuron_in_flight`,
+`helexa_neuron_queued`, labelled `neuron` and `model`) is read from the
+registry's last Watch status at scrape time, so it is never stale and a
+neuron that leaves the config leaves the metrics with it. An operator (or a
+test) can see from the router alone that every KV block came back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from helexa.proto import neuron_pb2 as pb
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
+                    30, 60, 120, 300)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_KV_FIELDS = ("total", "free", "cached", "reserved", "used")
+_STATES = {v.number: v.name.removeprefix("MODEL_STATE_").lower()
+           for v in pb.ModelState.DESCRIPTOR.values}
+
+
+class NeuronMirror:
+    """A custom collector: each neuron's last Watch status, as gauges."""
+
+    def __init__(self, links: Callable[[], Iterable]) -> None:
+        self.links = links
+
+    def collect(self):
+        labels = ["neuron", "model"]
+        kv = {f: GaugeMetricFamily(f"helexa_neuron_kv_{f}_bytes",
+                                   f"KV pool {f} bytes on the neuron, as last reported on Watch",
+                                   labels=labels) for f in _KV_FIELDS}
+        in_flight = GaugeMetricFamily("helexa_neuron_in_flight",
+                                      "Requests holding a KV reservation on the neuron", labels=labels)
+        queued = GaugeMetricFamily("helexa_neuron_queued",
+                                   "Requests waiting for admission on the neuron", labels=labels)
+        state = GaugeMetricFamily("helexa_neuron_model_state",
+                                  "1 for the model's lifecycle state on the neuron",
+                                  labels=[*labels, "state"])
+        up = GaugeMetricFamily("helexa_neuron_up", "1 while the neuron is in rotation",
+                               labels=["neuron"])
+        for link in self.links():
+            up.add_metric([link.name], 1.0 if link.healthy() else 0.0)
+            if link.status is None:
+                continue
+            for m in link.status.models:
+                lv = [link.name, m.model]
+                for f in _KV_FIELDS:
+                    kv[f].add_metric(lv, float(getattr(m.kv, f"{f}_bytes")))
+                in_flight.add_metric(lv, float(m.in_flight))
+                queued.add_metric(lv, float(m.queued))
+                state.add_metric([*lv, _STATES.get(m.state, "unknown")], 1.0)
+        yield from kv.values()
+        yield in_flight
+        yield queued
+        yield state
+        yield up
+
+
+class RouterMetrics:
+    """Everything /metrics shows."""
+
+    def __init__(self, links: Callable[[], Iterable]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("helexa_router_requests", "Requests answered, by model and HTTP code",
+                                ["model", "code"], registry=r)
+        self.ttft = Histogram("helexa_router_ttft_seconds",
+                              "Time from request arrival to the first token", ["model"],
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("helexa_router_inter_token_seconds",
+                                     "Time between successive tokens of a stream", ["model"],
+                                     buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("helexa_router_request_seconds",
+                             "Time from request arrival to the last byte", ["model"],
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.refusals = Counter("helexa_router_refusals",
+                                "Neuron refusals seen by the router (retried or passed on)",
+                                ["neuron", "model", "code"], registry=r)
+        self.selections = Counter("helexa_router_selections",
+                                  "Requests sent to each neuron", ["neuron", "model"], registry=r)
+        self.in_progress = Gauge("helexa_router_requests_in_progress",
+                                 "Requests the router is serving now", registry=r)
+        r.register(NeuronMirror(links))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,273 @@
+"""The router's soft state: what each neuron last said on its Watch stream.
+
+One `NeuronLink` per configured endpoint owns a gRPC channel and one task
+reading `Watch`; that task alone writes the link's status. A neuron is in
+rotation while its stream is connected and it spoke within
+`timeouts.unhealthy_after_secs` (the router asks for a heartbeat well inside
+that); a broken stream is reopened with exponential backoff up to
+`timeouts.reconnect_max_secs`, and the neuron is back as soon as it speaks.
+
+The registry also remembers the router's own sends that the neuron has not
+reported yet (`PendingSend`): selection adds them to the neuron's load and
+subtracts their KV, so a burst spreads instead of herding onto whichever
+neuron looked idle in the last report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from helexa.router.selection import Candidate
+
+from helexa.config import NeuronEndpoint
+from helexa.log import get_logger
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc as pbg
+
+log = get_logger("router")
+PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
+HEALTH_TICK_SECS = 0.1
+
+
+@dataclass
+class PendingSend:
+    neuron: str
+    model: str
+    kv_bytes: int
+    sent_at: float = field(default_factory=time.monotonic)
+    answered_at: float | None = None  # first byte, refusal or end: the neuron has seen it
+
+    def answered(self) -> None:
+        if self.answered_at is None:
+            self.answered_at = time.monotonic()
+
+
+def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(reconnect_max_secs * 1000)),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ]
+
+
+class NeuronLink:
+    """One neuron: its channel, its last status and the task that keeps it fresh."""
+
+    def __init__(self, endpoint: NeuronEndpoint, registry: Registry) -> None:
+        self.endpoint = endpoint
+        self.name = endpoint.name
+        self.registry = registry
+        if endpoint.tls:
+            roots = open(endpoint.ca_file, "rb").read() if endpoint.ca_file else None
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
+            self.channel = grpc.aio.secure_channel(
+                endpoint.address, creds, options=channel_options(registry.reconnect_max_secs))
+        else:
+            self.channel = grpc.aio.insecure_channel(
+                endpoint.address, options=channel_options(registry.reconnect_max_secs))
+        self.stub = pbg.NeuronStub(self.channel)
+        self.status: pb.NeuronStatus | None = None
+        self.connected = False
+        self.last_seen = 0.0
+        self.was_healthy = False
+        self.pending: list[PendingSend] = []
+        self.task: asyncio.Task | None = None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self.registry.token
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    def healthy(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return (self.connected and self.status is not None
+                and now - self.last_seen <= self.registry.unhealthy_after_secs)
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._watch_forever())
+
+    async def close(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        await self.channel.close(grace=None)
+
+    async def _watch_forever(self) -> None:
+        backoff = 0.1
+        # A heartbeat at a third of the silence bound: one lost beat is not an outage.
+        heartbeat_ms = max(50, int(self.registry.unhealthy_after_secs * 1000 / 3))
+        while True:
+            call = self.stub.Watch(pb.WatchRequest(heartbeat_ms=heartbeat_ms),
+                                   metadata=self.metadata)
+            try:
+                while True:
+                    # Silence far past the bound: the stream is dead even if TCP says not.
+                    status = await asyncio.wait_for(
+                        call.read(), timeout=3 * self.registry.unhealthy_after_secs + 1)
+                    if status is grpc.aio.EOF:
+                        break
+                    self._on_status(status)
+                    backoff = 0.1
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.aio.AioRpcError, TimeoutError) as e:
+                detail = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "silent"
+                if self.connected:
+                    log.warning("neuron.watch_lost", neuron=self.name, reason=detail)
+            finally:
+                call.cancel()
+            self.connected = False
+            self.registry.notify()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.registry.reconnect_max_secs)
+
+    def _on_status(self, status: pb.NeuronStatus) -> None:
+        now = time.monotonic()
+        self.status = status
+        self.last_seen = now
+        self.connected = True
+        # Sends the neuron had seen before this report are now in its counters.
+        self.pending = [p for p in self.pending
+                        if p.answered_at is None and now - p.sent_at < PENDING_TTL_SECS]
+        self.registry.notify()
+
+    def model_status(self, model: str) -> pb.ModelStatus | None:
+        if self.status is None:
+            return None
+        return next((m for m in self.status.models if m.model == model), None)
+
+
+class Registry:
+    """All neuron links, plus a change signal for requests waiting on a load."""
+
+    def __init__(self, endpoints: Iterable[NeuronEndpoint], *, token: str | None,
+                 unhealthy_after_secs: float, reconnect_max_secs: float) -> None:
+        self.token = token
+        self.unhealthy_after_secs = unhealthy_after_secs
+        self.reconnect_max_secs = reconnect_max_secs
+        self.links: dict[str, NeuronLink] = {}
+        self._endpoints = list(endpoints)
+        self._changed = asyncio.Event()
+        self._health_task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.set_endpoints(self._endpoints)
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()
+
+    async def set_endpoints(self, endpoints: Iterable[NeuronEndpoint]) -> None:
+        """Add, replace or drop links so they match the config (SIGHUP); in-flight calls finish."""
+        wanted = {e.name: e for e in endpoints}
+        for name, link in list(self.links.items()):
+            if wanted.get(name) != link.endpoint:
+                del self.links[name]
+                # Let requests already on this channel finish before it closes.
+                asyncio.get_running_loop().create_task(self._close_later(link))
+        for name, endpoint in wanted.items():
+            if name not in self.links:
+                link = NeuronLink(endpoint, self)
+                self.links[name] = link
+                link.start()
+        self.notify()
+
+    async def _close_later(self, link: NeuronLink, grace_secs: float = 600.0) -> None:
+        if link.task is not None:
+            link.task.cancel()
+        await link.channel.close(grace=grace_secs)
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_secs: float) -> None:
+        """Return at the next status change, or after timeout_secs."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_secs)
+
+    async def _health_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            for link in self.links.values():
+                healthy = link.healthy(now)
+                if healthy != link.was_healthy:
+                    link.was_healthy = healthy
+                    log.info("neuron.up" if healthy else "neuron.down", neuron=link.name)
+                    self.notify()
+            await asyncio.sleep(HEALTH_TICK_SECS)
+
+    # ------------------------------------------------------------ queries
+
+    def healthy_links(self) -> list[NeuronLink]:
+        now = time.monotonic()
+        return [link for link in self.links.values() if link.healthy(now)]
+
+    def candidates(self, model: str) -> list[Candidate]:
+        """Healthy, non-draining neurons with `model` READY, with the router's unreported sends."""
+        out = []
+        for link in self.healthy_links():
+            if link.status.draining:
+                continue
+            m = link.model_status(model)
+            if m is None or m.state != pb.MODEL_STATE_READY:
+                continue
+            mine = [p for p in link.pending if p.model == model]
+            out.append(Candidate(
+                neuron=link.name, kv_free_bytes=m.kv.free_bytes,
+                bytes_per_token=m.kv.bytes_per_token, block_size=m.kv.block_size or 16,
+                context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
+                pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine)))
+        return out
+
+    def note_send(self, neuron: str, model: str, kv_bytes: int) -> PendingSend:
+        send = PendingSend(neuron, model, kv_bytes)
+        link = self.links.get(neuron)
+        if link is not None:
+            link.pending.append(send)
+        return send
+
+    def models_in_state(self, model: str, *states: int, healthy_only: bool = True) -> list[str]:
+        links = self.healthy_links() if healthy_only else list(self.links.values())
+        return [link.name for link in links
+                if (m := link.model_status(model)) is not None and m.state in states]
+
+    def catalogue_holders(self, model: str) -> list[NeuronLink]:
+        return [link for link in self.healthy_links()
+                if not link.status.draining and model in link.status.catalogue]
+
+    def known_models(self) -> set[str]:
+        """Every model any neuron (healthy or not) has reported resident or in its catalogue."""
+        out: set[str] = set()
+        for link in self.links.values():
+            if link.status is not None:
+                out.update(m.model for m in link.status.models)
+                out.update(link.status.catalogue)
+        return out
+
+    def ready_limits(self) -> dict[str, tuple[int, int, int]]:
+        """Model → (context, input, output), the smallest among healthy neurons serving it."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models:
+                if m.state != pb.MODEL_STATE_READY:
+                    continue
+                lim = (m.limits.context, m.limits.input, m.limits.output)
+                prev = out.get(m.model)
+                out[m.model] = lim if prev is None else tuple(map(min, prev, lim))
+        return out

@@ -1,0 +1,229 @@
+"""The two generation endpoints: POST /v1/chat/completions and POST /v1/completions.
+
+One handler serves both. Its steps follow DESIGN.md's path of a request:
+principal, body, alias, selection (Dispatcher), then either an SSE stream
+or one JSON body. `n > 1` fans out into n Generate calls (one per choice).
+HTTP headers go out only after every choice's first neuron message, so a
+neuron's refusal is still a proper HTTP error; after that, a neuron failing
+mid-stream ends the SSE stream with an `upstream_error` event. If the client
+goes away the handler is cancelled (aiohttp handler cancellation) and the
+`finally` below cancels the gRPC calls, which aborts them on the neuron.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+from aiohttp import web
+from helexa.router import encode
+from helexa.router.errors import ApiError, bad_request
+from helexa.router.forward import OpenStream, generate_request, map_rpc_error
+from helexa.router.openai_api import ParsedRequest, parse_request
+from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
+
+from helexa.proto import neuron_pb2 as pb
+
+_FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
+           pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
+STATE: web.AppKey = web.AppKey("state")  # the app's RouterState
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class UpstreamFailed(Exception):
+    """A neuron failed after its first message."""
+
+
+async def read_body(request: web.Request, max_body_bytes: int) -> object:
+    if (request.content_length or 0) > max_body_bytes:
+        raise ApiError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, f"request body over {max_body_bytes} bytes",
+                       code="request_too_large") from None
+    try:
+        return msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise bad_request(f"The body is not valid JSON: {e}") from None
+
+
+def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes, str]:
+    if req.messages is not None:
+        prompt = estimate_prompt_tokens(req.prompt_chars, len(req.messages))
+        # The opening of the conversation: its system prompt and first user turn.
+        head = [text for _, text in req.messages[:2]]
+    elif req.prompt_ids is not None:
+        prompt = estimate_prompt_tokens(0, num_token_ids=len(req.prompt_ids))
+        head = [",".join(map(str, req.prompt_ids[:256]))]
+    else:
+        prompt = estimate_prompt_tokens(req.prompt_chars)
+        head = [(req.prompt_text or "")[:1024]]
+    return Estimate(prompt, req.max_tokens), affinity_key(req.model, head), str(prompt)
+
+
+async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """Messages of all choices as they come, as (choice index, message)."""
+    if len(streams) == 1:
+        async for msg in streams[0].messages():
+            yield 0, msg
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, s: OpenStream) -> None:
+        try:
+            async for msg in s.messages():
+                queue.put_nowait((i, msg))
+        except BaseException as e:  # handed to the consumer, which decides
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.get_running_loop().create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_count = len(streams)
+        while open_count:
+            i, item = await queue.get()
+            if item is done:
+                open_count -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def handle(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    t0 = time.monotonic()
+    req_id = uuid.uuid4().hex[:24]
+    log = state.log.bind(req_id=req_id)
+    model = "-"
+    code = "200"
+    streams: list[OpenStream] = []
+    state.metrics.in_progress.inc()
+    try:
+        principal = state.auth.principal(request.headers.get("Authorization"))
+        log = log.bind(principal=principal)
+        req = parse_request(await read_body(request, state.max_body_bytes), kind)
+        model = state.aliases.resolve(req.model)
+        log = log.bind(model=model)
+        est, key, _ = _estimate(req)
+        deadline_ms = int((time.time() + state.request_secs) * 1000)
+        greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
+                                  else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
+                                  deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
+        log.info("request.start", kind=kind, stream=req.stream, n=req.n,
+                 est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
+        opened = await asyncio.gather(*(state.dispatcher.open(
+            g, est, key, principal=principal, kind=kind) for g in greqs), return_exceptions=True)
+        streams = [s for s in opened if isinstance(s, OpenStream)]
+        errors = [e for e in opened if isinstance(e, BaseException)]
+        if errors:
+            raise errors[0]
+        env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
+                              created=int(time.time()), model=model, req=req)
+        choices = [encode.Choice(index=i) for i in range(req.n)]
+        if req.stream:
+            resp = await _stream(request, env, choices, streams, state, t0, req_id)
+        else:
+            resp = await _collect(env, choices, streams, state, t0, req_id)
+        log.info("request.done", neurons=[s.neuron for s in streams],
+                 usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
+                 finish=[c.finish_reason for c in choices])
+        return resp
+    except ApiError as e:
+        code = str(e.status)
+        log.info("request.rejected", status=e.status, code=e.code, message=e.message)
+        return e.response({"x-request-id": req_id})
+    except asyncio.CancelledError:
+        code = "499"  # nginx's "client closed request"
+        log.info("request.done", outcome="client_gone", secs=round(time.monotonic() - t0, 4))
+        raise
+    except ConnectionResetError:  # a write to a client that has gone
+        code = "499"
+        log.info("request.done", outcome="client_gone", secs=round(time.monotonic() - t0, 4))
+        return web.Response(status=499)
+    finally:
+        for s in streams:
+            s.cancel()
+        state.metrics.in_progress.dec()
+        state.metrics.requests.labels(model, code).inc()
+        state.metrics.e2e.labels(model).observe(time.monotonic() - t0)
+
+
+def _check_finish(msg: pb.GenerateResponse) -> None:
+    if msg.finish_reason in _FAILED:
+        raise UpstreamFailed(_FAILED[msg.finish_reason])
+
+
+def _timing(state, model: str, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
+    n = len(msg.token_ids)
+    if not n:
+        return
+    now = time.monotonic()
+    if last[0] == 0.0:
+        state.metrics.ttft.labels(model).observe(now - t0)
+    else:
+        state.metrics.inter_token.labels(model).observe((now - last[0]) / n)
+    last[0] = now
+
+
+async def _collect(env, choices, streams, state, t0, req_id) -> web.Response:
+    last = [0.0]
+    try:
+        async for i, msg in _merge(streams):
+            _timing(state, env.model, t0, last, msg)
+            _check_finish(msg)
+            encode.add_delta(choices[i], msg)
+    except grpc.aio.AioRpcError as e:
+        raise ApiError(502, f"the neuron failed: {map_rpc_error(e, env.req.kind).message}",
+                       code="upstream_error") from None
+    except UpstreamFailed as e:
+        raise ApiError(502, str(e), code="upstream_error") from None
+    if any(c.finish_reason is None for c in choices):
+        raise ApiError(502, "the neuron ended the stream without finishing", code="upstream_error")
+    return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
+                        content_type="application/json", headers={"x-request-id": req_id})
+
+
+async def _stream(request, env, choices, streams, state, t0, req_id) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
+    await resp.prepare(request)
+    for c in choices:
+        if (chunk := encode.first_chunk(env, c)) is not None:
+            await resp.write(encode.sse(chunk))
+    last = [0.0]
+    seen_first = [False] * len(choices)
+    try:
+        async for i, msg in _merge(streams):
+            _timing(state, env.model, t0, last, msg)
+            _check_finish(msg)
+            chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
+            seen_first[i] = True
+            encode.add_delta(choices[i], msg)
+            if chunk is not None:
+                await resp.write(encode.sse(chunk))
+        if any(c.finish_reason is None for c in choices):
+            raise UpstreamFailed("the neuron ended the stream without finishing")
+    except (grpc.aio.AioRpcError, UpstreamFailed) as e:
+        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        state.log.warning("request.upstream_failed", req_id=req_id, model=env.model,
+                          detail=detail)
+        err = ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
+        await resp.write(encode.sse(err.body()))
+        await resp.write_eof()
+        return resp
+    if env.req.include_usage:
+        await resp.write(encode.sse(encode.usage_chunk(env, choices)))
+    await resp.write(encode.SSE_DONE)
+    await resp.write_eof()
+    return resp

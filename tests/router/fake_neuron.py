@@ -1,0 +1,252 @@
+"""A minimal in-process Neuron servicer (grpc.aio) that the router's tests drive.
+
+It implements Generate, Watch, Models and Load of neuron.proto with a KV
+ledger that reserves per request and releases exactly once (finish, error or
+cancellation), and can be told to refuse, fail mid-stream, be slow or fall
+silent — through attributes (in-process tests) or through markers in the
+prompt text (tests against a separate process):
+
+    [[refuse:RESOURCE_EXHAUSTED:overloaded:1500]]   refuse with that status/code/retry-after ms
+    [[fail:3]]                                      INTERNAL error after 3 tokens
+    [[slow:0.05]]                                   seconds between tokens
+    [[tokens:5]]                                    produce 5 tokens (default 8, capped by max_tokens)
+
+Generated tokens are "w0 ", "w1 ", ... with ids 100, 101, ...; a prompt's
+tokens are estimated as one per 4 characters (token-id prompts are exact).
+Run as a script it serves one fake neuron and prints `NEURON LISTENING host:port`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc as pbg
+
+_MARK = re.compile(r"\[\[(\w+):([^\]]*)\]\]")
+
+
+@dataclass
+class FakeModel:
+    model: str
+    state: int = pb.MODEL_STATE_READY
+    context: int = 2048
+    output: int = 1024
+    num_blocks: int = 512
+    block_size: int = 16
+    bytes_per_token: int = 1024
+    max_in_flight: int = 64
+    used_bytes: int = 0
+    in_flight: int = 0
+    queued: int = 0
+
+    def status(self) -> pb.ModelStatus:
+        total = self.num_blocks * self.block_size * self.bytes_per_token
+        return pb.ModelStatus(
+            model=self.model, state=self.state,
+            kv=pb.KvLedger(total_bytes=total, free_bytes=total - self.used_bytes,
+                           used_bytes=self.used_bytes, block_size=self.block_size,
+                           bytes_per_token=self.bytes_per_token),
+            in_flight=self.in_flight, queued=self.queued, running=self.in_flight,
+            admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight),
+            limits=pb.ModelLimits(context=self.context, input=self.context - 1,
+                                  output=self.output))
+
+
+@dataclass
+class Behaviour:
+    refuse: tuple[str, str, int] | None = None  # (grpc status name, helexa-code, retry-after ms)
+    refuse_times: int = -1  # refuse this many times (-1: always while set)
+    fail_after: int | None = None
+    token_delay_secs: float = 0.0
+    first_delay_secs: float = 0.0
+    default_tokens: int = 8
+    silent: bool = False  # Watch stops sending (the neuron looks hung)
+    load_secs: float = 0.2
+    load_fails: bool = False
+
+
+class FakeNeuron(pbg.NeuronServicer):
+    def __init__(self, name: str, models: list[str], catalogue: list[str] | None = None,
+                 token: str | None = None) -> None:
+        self.name = name
+        self.models = {m: FakeModel(m) for m in models}
+        self.catalogue = list(catalogue or []) + [m for m in models if m not in (catalogue or [])]
+        self.token = token
+        self.b = Behaviour()
+        self.requests: list[pb.GenerateRequest] = []
+        self.cancelled = 0
+        self.loads: list[str] = []
+        self.draining = False
+        self.seq = 0
+        self._changed = asyncio.Event()
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+
+    # ----------------------------------------------------------- plumbing
+
+    def changed(self) -> None:
+        self._changed.set()
+
+    def _status(self) -> pb.NeuronStatus:
+        self.seq += 1
+        return pb.NeuronStatus(neuron=self.name, models=[m.status() for m in self.models.values()],
+                               draining=self.draining, seq=self.seq,
+                               unix_ms=int(time.time() * 1000), catalogue=self.catalogue)
+
+    async def _auth(self, context) -> None:
+        if self.token is None:
+            return
+        md = dict(context.invocation_metadata() or ())
+        if md.get("authorization") != f"Bearer {self.token}":
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad neuron token")
+
+    async def start(self, address: str = "127.0.0.1:0") -> str:
+        self.server = grpc.aio.server()
+        pbg.add_NeuronServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port(address)
+        await self.server.start()
+        self.address = f"{address.rpartition(':')[0]}:{port}"
+        return self.address
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+
+    # ----------------------------------------------------------- RPCs
+
+    async def Watch(self, request, context):
+        await self._auth(context)
+        beat = (request.heartbeat_ms or 1000) / 1000
+        while True:
+            if not self.b.silent:
+                yield self._status()
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), beat)
+            except TimeoutError:
+                pass
+
+    async def Models(self, request, context):
+        await self._auth(context)
+        return pb.ModelsResponse(
+            catalogue=[pb.CatalogueEntry(model=m, resident=m in self.models) for m in self.catalogue],
+            models=[m.status() for m in self.models.values()])
+
+    async def Load(self, request, context):
+        await self._auth(context)
+        self.loads.append(request.model)
+        if request.model not in self.catalogue:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.model} not in catalogue")
+        m = self.models.setdefault(request.model, FakeModel(request.model))
+        m.state = pb.MODEL_STATE_LOADING
+        self.changed()
+        await asyncio.sleep(self.b.load_secs)
+        m.state = pb.MODEL_STATE_FAILED if self.b.load_fails else pb.MODEL_STATE_READY
+        self.changed()
+        if self.b.load_fails:
+            await context.abort(grpc.StatusCode.INTERNAL, "fake load failure")
+        return pb.LoadResponse(status=m.status())
+
+    async def Health(self, request, context):
+        return pb.HealthResponse(status="DRAINING" if self.draining else "SERVING", neuron=self.name)
+
+    async def Generate(self, request, context):
+        await self._auth(context)
+        self.requests.append(request)
+        text = _prompt_text(request)
+        marks = dict(_MARK.findall(text))
+        refuse = self.b.refuse
+        if "refuse" in marks:
+            status, code, ms = marks["refuse"].split(":")
+            refuse = (status, code, int(ms))
+        if refuse is not None and self.b.refuse_times != 0:
+            self.b.refuse_times -= 1 if self.b.refuse_times > 0 else 0
+            md = [("helexa-code", refuse[1])]
+            if refuse[2]:
+                md.append(("helexa-retry-after-ms", str(refuse[2])))
+            context.set_trailing_metadata(md)
+            await context.abort(grpc.StatusCode[refuse[0]], f"fake refusal: {refuse[1]}")
+        m = self.models.get(request.model)
+        if m is None or m.state != pb.MODEL_STATE_READY:
+            context.set_trailing_metadata([("helexa-code", "model_not_found")])
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model} not resident")
+        prompt_ids = (list(request.token_ids.ids) if request.HasField("token_ids")
+                      else list(range(1, 1 + max(1, math.ceil(len(text) / 4)))))
+        if len(prompt_ids) >= m.context:
+            context.set_trailing_metadata([("helexa-code", "context_length_exceeded")])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"prompt has {len(prompt_ids)} tokens; the context is {m.context}")
+        budget = request.max_tokens if request.HasField("max_tokens") else m.output
+        n = min(int(marks.get("tokens", self.b.default_tokens)), budget)
+        reserve = math.ceil((len(prompt_ids) + budget) / m.block_size) * m.block_size \
+            * m.bytes_per_token
+        fail_after = int(marks["fail"]) if "fail" in marks else self.b.fail_after
+        delay = float(marks.get("slow", self.b.token_delay_secs))
+        m.used_bytes += reserve
+        m.in_flight += 1
+        self.changed()
+        finished = False
+        try:
+            if self.b.first_delay_secs:
+                await asyncio.sleep(self.b.first_delay_secs)
+            for i in range(n):
+                if fail_after is not None and i >= fail_after:
+                    await context.abort(grpc.StatusCode.INTERNAL, "fake engine failure")
+                if delay and i:
+                    await asyncio.sleep(delay)
+                msg = pb.GenerateResponse(text=f"w{i} ", token_ids=[100 + i])
+                if request.sampling.logprobs:
+                    msg.logprobs.append(pb.TokenLogprob(
+                        token_id=100 + i, token=f"w{i} ", logprob=-0.5,
+                        top=[pb.TopLogprob(token_id=100 + i + k, token=f"w{i + k} ", logprob=-0.5 - k)
+                             for k in range(request.sampling.top_logprobs)]))
+                if i == 0 and request.return_prompt_token_ids:
+                    msg.prompt_token_ids.extend(prompt_ids)
+                yield msg
+            finished = True
+            yield pb.GenerateResponse(
+                finish_reason=pb.FINISH_REASON_LENGTH if n == budget else pb.FINISH_REASON_STOP,
+                usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=n,
+                               cached_tokens=len(prompt_ids) // 2))
+        finally:
+            if not finished and context.cancelled():
+                self.cancelled += 1
+            m.used_bytes -= reserve
+            m.in_flight -= 1
+            self.changed()
+
+
+def _prompt_text(request: pb.GenerateRequest) -> str:
+    if request.HasField("chat"):
+        return "\n".join(m.content for m in request.chat.messages)
+    return request.text
+
+
+async def _main(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--name", default="fake")
+    p.add_argument("--models", default="tiny")
+    p.add_argument("--catalogue", default="")
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--token", default=None)
+    p.add_argument("--token-delay", type=float, default=0.0)
+    args = p.parse_args(argv)
+    neuron = FakeNeuron(args.name, [m for m in args.models.split(",") if m],
+                        [m for m in args.catalogue.split(",") if m], token=args.token)
+    neuron.b.token_delay_secs = args.token_delay
+    address = await neuron.start(args.listen)
+    print(f"NEURON LISTENING {address}", flush=True)
+    await neuron.server.wait_for_termination()
+
+
+if __name__ == "__main__":
+    asyncio.run(_main(sys.argv[1:]))

@@ -1,0 +1,55 @@
+"""Keys file parsing and key → principal resolution."""
+
+from __future__ import annotations
+
+import pytest
+from helexa.router.auth import ANONYMOUS, Authenticator, hash_key, load_keys_file, may_load
+from helexa.router.errors import ApiError
+
+from helexa.config import ConfigError
+
+
+def test_keys_file_maps_hashes_to_principals(tmp_path):
+    f = tmp_path / "keys.toml"
+    f.write_text(f'[keys]\n"{hash_key("k1")}" = "alice"\n"{hash_key("k2").upper()}" = "bob"\n')
+    keys = load_keys_file(f)
+    auth = Authenticator(keys, require_auth=True)
+    assert auth.principal("Bearer k1") == "alice"
+    assert auth.principal("bearer  k2 ") == "bob"
+    assert "k1" not in f.read_text()  # only hashes are stored
+
+
+@pytest.mark.parametrize("text,where", [
+    ('[keys]\n"abc" = "alice"\n', "keys.abc"),
+    (f'[keys]\n"{hash_key("x")}" = "anonymous"\n', "anonymous"),
+    (f'[keys]\n"{hash_key("x")}" = "has space"\n', "principal"),
+    ('other = 1\n', "other"),
+    ('[keys\n', "syntax"),
+])
+def test_bad_keys_file_names_the_problem(tmp_path, text, where):
+    f = tmp_path / "keys.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        load_keys_file(f)
+    assert str(f) in str(e.value) and where in str(e.value)
+
+
+def test_require_auth_refuses_missing_or_unknown_keys_401():
+    auth = Authenticator({hash_key("good"): "alice"}, require_auth=True)
+    for header in (None, "", "Bearer wrong", "Basic Z29vZA=="):
+        with pytest.raises(ApiError) as e:
+            auth.principal(header)
+        assert (e.value.status, e.value.code) == (401, "invalid_api_key")
+
+
+def test_without_require_auth_unknown_callers_are_anonymous():
+    auth = Authenticator({hash_key("good"): "alice"}, require_auth=False)
+    assert auth.principal(None) == ANONYMOUS
+    assert auth.principal("Bearer sk-whatever") == ANONYMOUS
+    assert auth.principal("Bearer good") == "alice"
+
+
+def test_may_load():
+    assert may_load("x", ["*"])
+    assert may_load("alice", ["alice"]) and not may_load("bob", ["alice"])
+    assert may_load("anonymous", ["anonymous"]) and not may_load("anonymous", [])

@@ -1,0 +1,100 @@
+"""Request validation: what is accepted, and the 400 (naming the param) for what is not."""
+
+from __future__ import annotations
+
+import pytest
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import parse_request
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def refused(body: dict, kind: str = "chat") -> ApiError:
+    with pytest.raises(ApiError) as e:
+        parse_request(body, kind)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_chat_with_all_supported_fields():
+    r = parse_request({
+        "model": "m", "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": "ok", "name": "bot"},
+            {"role": "developer", "content": "dev"}],
+        "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.5, "seed": 3,
+        "stop": "\n", "presence_penalty": 1, "frequency_penalty": -1, "logprobs": True,
+        "top_logprobs": 2, "n": 2, "user": "u", "stream": True,
+        "stream_options": {"include_usage": True}, "return_token_ids": True,
+        "metadata": {"a": "b"}, "tools": None}, "chat")
+    assert r.messages == [("system", "be brief"), ("user", "ab"), ("assistant", "ok"),
+                          ("system", "dev")]
+    assert r.max_tokens == 7  # max_completion_tokens wins
+    assert (r.temperature, r.top_p, r.seed, r.stop) == (0.0, 0.5, 3, ["\n"])
+    assert (r.logprobs, r.top_logprobs, r.n, r.include_usage, r.return_token_ids) == (
+        True, 2, 2, True, True)
+    assert r.prompt_chars == len("be briefabokdev")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logit_bias", {"1": 2}),
+    ("response_format", {"type": "json_object"}), ("functions", [{}]),
+])
+def test_unsupported_fields_are_refused_naming_the_param(field, value):
+    e = refused({"model": "m", "messages": MSG, field: value})
+    assert e.param == field and "not supported" in e.message and e.code == "invalid_request_error"
+
+
+def test_unknown_field_is_refused_and_harmless_ones_pass():
+    assert refused({"model": "m", "messages": MSG, "frobnicate": 1}).param == "frobnicate"
+    parse_request({"model": "m", "messages": MSG, "store": False, "service_tier": "auto",
+                   "response_format": {"type": "text"}}, "chat")
+
+
+def test_image_part_and_tool_role_are_refused():
+    e = refused({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert e.param == "messages[0].content[1].type"
+    assert refused({"model": "m", "messages": [{"role": "tool", "content": "x"}]}).param == \
+        "messages[0].role"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": MSG}, "model"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "m", "messages": MSG, "temperature": 3}, "temperature"),
+    ({"model": "m", "messages": MSG, "temperature": "hot"}, "temperature"),
+    ({"model": "m", "messages": MSG, "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": MSG, "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "messages": MSG, "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "messages": MSG, "n": 0}, "n"),
+    ({"model": "m", "messages": MSG, "n": 17}, "n"),
+    ({"model": "m", "messages": MSG, "top_logprobs": 3}, "top_logprobs"),
+    ({"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "m", "messages": MSG, "stop": [""]}, "stop"),
+    ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"model": "m", "messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
+])
+def test_ranges_and_types(body, param):
+    assert refused(body).param == param
+
+
+def test_completion_prompt_forms():
+    assert parse_request({"model": "m", "prompt": "hi"}, "completion").prompt_text == "hi"
+    assert parse_request({"model": "m", "prompt": ["hi"]}, "completion").prompt_text == "hi"
+    r = parse_request({"model": "m", "prompt": [1, 2, 3], "logprobs": 2}, "completion")
+    assert (r.prompt_ids, r.logprobs, r.top_logprobs) == ([1, 2, 3], True, 2)
+    assert parse_request({"model": "m", "prompt": [[4, 5]]}, "completion").prompt_ids == [4, 5]
+    assert refused({"model": "m", "prompt": ["a", "b"]}, "completion").param == "prompt"
+    assert refused({"model": "m", "prompt": [1, -2]}, "completion").param == "prompt"
+    assert refused({"model": "m", "prompt": "x", "echo": True}, "completion").param == "echo"
+    assert refused({"model": "m", "prompt": "x", "logprobs": 6}, "completion").param == "logprobs"
+    # Chat-only fields are unknown to completions.
+    assert refused({"model": "m", "prompt": "x", "messages": MSG}, "completion").param == "messages"
+
+
+def test_body_must_be_an_object():
+    assert refused([1, 2]).param is None
