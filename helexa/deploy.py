@@ -43,6 +43,8 @@ from helexa.config import (
 )
 
 UNITS = {"neuron": "helexa-neuron", "router": "helexa-router"}
+UNIT_DIR = Path(__file__).resolve().parents[1] / "deploy"  # the repo's systemd units
+DRAIN_MARGIN_SECS = 30.0  # after the drain, engines need this long to exit before SIGKILL
 SCHEMAS: dict[str, type[msgspec.Struct]] = {"neuron": NeuronConfig, "router": RouterConfig}
 
 
@@ -68,19 +70,40 @@ class Shipment:
 # ------------------------------------------------------------------ validating
 
 
-def validate(assets: Path) -> tuple[dict[str, Any], list[str]]:
+def stop_timeout_secs(unit_file: Path) -> float | None:
+    """TimeoutStopSec of a systemd unit in seconds (plain seconds, `Ns` or `Nmin`)."""
+    if not unit_file.exists():
+        return None
+    for line in unit_file.read_text().splitlines():
+        if line.startswith("TimeoutStopSec="):
+            value = line.split("=", 1)[1].strip()
+            if value.endswith("min"):
+                return float(value[:-3]) * 60
+            return float(value.removesuffix("s"))
+    return None
+
+
+def validate(assets: Path, unit_dir: Path = UNIT_DIR) -> tuple[dict[str, Any], list[str]]:
     """Load and plan every config under `assets`; returns (configs by file, errors)."""
     from helexa.plan import check_neuron_config  # the same arithmetic as `helexa plan`
 
     loaded: dict[str, Any] = {}
     errors: list[str] = []
+    stop_secs = stop_timeout_secs(unit_dir / f"{UNITS['neuron']}.service")
     for path in sorted((assets / "neuron").glob("*.toml")):
         try:
             cfg = load_config(path, NeuronConfig)
             check_neuron_config(path, cfg)
-            loaded[str(path)] = cfg
         except ConfigError as e:
             errors.append(str(e))
+            continue
+        drain = cfg.server.drain_secs
+        if stop_secs is not None and drain + DRAIN_MARGIN_SECS > stop_secs:
+            errors.append(f"{path}: server.drain_secs: expected at most {stop_secs - DRAIN_MARGIN_SECS:g}"
+                          f" (TimeoutStopSec={stop_secs:g} of {UNITS['neuron']}.service less"
+                          f" {DRAIN_MARGIN_SECS:g} s for the engines to exit), got {drain:g}")
+            continue
+        loaded[str(path)] = cfg
     router = assets / "router.toml"
     if router.exists():
         try:
@@ -341,6 +364,8 @@ def main(argv: list[str]) -> int:
     ship.add_argument("--assets", default="asset", help="the asset folder (default asset)")
     ship.add_argument("--target", default="ssh",
                       help="ssh (rsync + systemctl over ssh) or local:DIR (DIR/HOST/etc/helexa/…)")
+    ship.add_argument("--units", default=str(UNIT_DIR),
+                      help="folder of the systemd units (their TimeoutStopSec bounds drain_secs)")
     ship.add_argument("--remote-dir", default="/etc/helexa", help="config folder on the hosts")
     ship.add_argument("--sudo", action="store_true", help="run systemctl and writes with sudo (ssh)")
     ship.add_argument("--dry-run", action="store_true", help="show the diff and the action; copy nothing")
@@ -349,7 +374,7 @@ def main(argv: list[str]) -> int:
         ap.error("name at least one HOST or --router HOST")
 
     assets = Path(args.assets)
-    loaded, errors = validate(assets)
+    loaded, errors = validate(assets, Path(args.units))
     ships, missing = plan_shipments(args.hosts, args.router, assets, loaded)
     if errors or missing:
         for e in errors + missing:

@@ -189,3 +189,12 @@ def test_unknown_host_is_refused(shipper: Shipper) -> None:
     assert rc == 2
     assert "gpu-9: no " in err and "refused, nothing copied" in err
     assert not shipper.hosts.exists()
+
+
+def test_a_drain_longer_than_the_unit_stop_timeout_is_refused(shipper: Shipper) -> None:
+    # helexa-neuron.service: TimeoutStopSec=90 covers drain_secs + 30 s, so 60 is the most
+    shipper.edit('name = "gpu-1"', 'name = "gpu-1"\ndrain_secs = 75')
+    rc, _, err = shipper.ship("gpu-1")
+    assert rc == 2
+    assert "server.drain_secs: expected at most 60 (TimeoutStopSec=90 of helexa-neuron.service" in err
+    assert not shipper.hosts.exists()
