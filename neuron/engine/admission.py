@@ -187,7 +187,7 @@ class Admission:
 
     def remove(self, req: Request) -> None:
         """Forget `req` (finished, aborted or refused while queued). The pool is not touched."""
-        if req.req_id in self.in_flight:
+        if self.in_flight.get(req.req_id) is req:
             del self.in_flight[req.req_id]
             if req.principal == "":
                 self._anon_in_flight -= 1

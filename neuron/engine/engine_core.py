@@ -76,12 +76,7 @@ class EngineCore:
             self._refuse(req, refusal)
         for req in late:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
-        for req in self.admission.admit():
-            upd = self._update(req)
-            upd.admitted = True
-            upd.prompt_tokens = req.num_prompt_tokens
-            upd.cached_tokens = req.num_cached_tokens
-            self.waiting.append(req)
+        self._admit()
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
             self._execute(plan)
@@ -89,6 +84,14 @@ class EngineCore:
                                   step_ms=(time.perf_counter() - started) * 1000)
         self._updates = {}
         return out
+
+    def _admit(self) -> None:
+        for req in self.admission.admit():
+            upd = self._update(req)
+            upd.admitted = True
+            upd.prompt_tokens = req.num_prompt_tokens
+            upd.cached_tokens = req.num_cached_tokens
+            self.waiting.append(req)
 
     @property
     def has_work(self) -> bool:
@@ -100,6 +103,7 @@ class EngineCore:
         self.admission.admitting = not inbound.stop_admitting
         for new in inbound.new:  # new before aborts: an abort may follow its request at once
             self.add_request(new)
+            self._admit()  # so the queue depth a newcomer meets is the real one
         for abort in inbound.aborts:
             req = self.requests.get(abort.req_id)
             if req is not None:
@@ -249,13 +253,14 @@ class EngineCore:
         if req.is_finished:
             return
         req.status = status
-        self.admission.remove(req)
-        self.pool.release(req.req_id)
-        self.requests.pop(req.req_id, None)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        if self.requests.get(req.req_id) is req:  # not a refused duplicate of a live req_id
+            del self.requests[req.req_id]
+            self.admission.remove(req)
+            self.pool.release(req.req_id)
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
         upd = self._update(req)
         upd.finished = status.finish_reason
         upd.error = reason if status != RequestStatus.FINISHED_STOPPED else ""

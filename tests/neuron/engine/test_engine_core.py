@@ -1,0 +1,235 @@
+"""EngineCore on the fake runner: tokens, stops, aborts, failures, refusals, prefix cache,
+and a whole ledger after any of it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore, FakeRunner, fake_next_token
+from helexa.neuron.engine.spec import EngineSpec
+
+VOCAB = 100
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+def make_core(*, num_blocks: int = 64, block_size: int = 4, context: int = 256,
+              prefix_cache: bool = False, runner=None, **limits) -> EngineCore:
+    spec = EngineSpec(model_id="fake", num_blocks=num_blocks, block_size=block_size,
+                      context=context, bytes_per_token=2, prefix_cache=prefix_cache,
+                      fake_runner=True, fake_vocab_size=VOCAB,
+                      limits=m.SetLimits(**{"anon_max_in_flight": 64, **limits}))
+    return EngineCore(spec, runner)
+
+
+def new(rid: str, prompt: list[int], max_tokens: int | None = 8, **kw) -> m.NewRequest:
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY, **kw)
+
+
+def expected(prompt: list[int], n: int, stop: int | None = None) -> list[int]:
+    ctx = list(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        t = fake_next_token(ctx, VOCAB)
+        out.append(t)
+        ctx.append(t)
+        if t == stop:
+            break
+    return out
+
+
+def drive(core: EngineCore, first: m.ToEngine | None = None, max_steps: int = 10_000):
+    """Step until idle; per request: tokens, the final update, and the admitted update."""
+    tokens: dict[str, list[int]] = {}
+    final: dict[str, m.RequestUpdate] = {}
+    admitted: dict[str, m.RequestUpdate] = {}
+    inbound = first
+    for _ in range(max_steps):
+        out = core.step(inbound)
+        inbound = None
+        for u in out.updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.admitted:
+                admitted[u.req_id] = u
+            if u.finished is not None or u.refused_code is not None:
+                final[u.req_id] = u
+        if not core.has_work:
+            return tokens, final, admitted
+    raise AssertionError("engine did not go idle")
+
+
+def assert_whole(core: EngineCore) -> None:
+    core.pool.check()
+    led = core.pool.ledger()
+    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
+    st = core.status()
+    assert (st.in_flight, st.queued, st.running) == (0, 0, 0)
+    assert not core.requests and not core.running and not core.waiting
+
+
+def test_single_request_greedy_tokens_and_length_finish():
+    core = make_core()
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    tokens, final, admitted = drive(core, m.ToEngine(new=[new("a", prompt, 12)]))
+    assert tokens["a"] == expected(prompt, 12)
+    assert final["a"].finished == m.FinishReason.LENGTH
+    assert admitted["a"].prompt_tokens == 7 and admitted["a"].cached_tokens == 0
+    assert_whole(core)
+
+
+def test_stop_token_ends_with_stop_and_is_reported():
+    core = make_core()
+    prompt = [1, 2, 3]
+    want = expected(prompt, 20)
+    stop = want[4]
+    tokens, final, _ = drive(core, m.ToEngine(new=[new("a", prompt, 20, stop_token_ids=[stop])]))
+    assert tokens["a"] == want[:5]
+    assert final["a"].finished == m.FinishReason.STOP
+    assert_whole(core)
+
+
+def test_output_budget_defaults_to_context_left():
+    core = make_core(context=24, default_output_tokens=1000)
+    tokens, final, _ = drive(core, m.ToEngine(new=[new("a", [1] * 20, None)]))
+    assert len(tokens["a"]) == 4 and final["a"].finished == m.FinishReason.LENGTH
+    tokens, final, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5)]))
+    assert final["b"].refused_code == "context_length_exceeded"
+    assert_whole(core)
+
+
+def test_concurrent_chunked_requests_match_single_runs():
+    prompts = [[(7 * i + j) % VOCAB for j in range(3 + 9 * i)] for i in range(8)]
+    solo = []
+    for i, p in enumerate(prompts):
+        tokens, _, _ = drive(make_core(), m.ToEngine(new=[new(f"s{i}", p, 10 + i)]))
+        solo.append(tokens[f"s{i}"])
+        assert solo[-1] == expected(p, 10 + i)
+    core = make_core(max_slots=8, max_batched_tokens=24, prefill_chunk_tokens=5)
+    tokens, final, _ = drive(core, m.ToEngine(new=[new(f"c{i}", p, 10 + i)
+                                                   for i, p in enumerate(prompts)]))
+    assert [tokens[f"c{i}"] for i in range(8)] == solo
+    assert all(u.finished == m.FinishReason.LENGTH for u in final.values())
+    assert_whole(core)
+
+
+def test_abort_wherever_the_request_is():
+    core = make_core(num_blocks=12, max_slots=1, max_in_flight=2)
+    # r0 running, r1 in flight (waits for the one slot), r2 queued (in-flight cap)
+    core.step(m.ToEngine(new=[new(f"r{i}", [1, 2, 3, 4], 8) for i in range(3)]))
+    assert [r.status.name for r in core.requests.values()] == ["RUNNING", "IN_FLIGHT", "QUEUED"]
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id=f"r{i}", reason="client_gone")
+                                       for i in range(3)] + [m.Abort(req_id="nobody")]))
+    ends = {u.req_id: (u.finished, u.error) for u in out.updates if u.finished}
+    assert ends == {f"r{i}": (m.FinishReason.ABORT, "client_gone") for i in range(3)}
+    assert_whole(core)
+
+
+def test_new_and_abort_in_one_message():
+    core = make_core()
+    out = core.step(m.ToEngine(new=[new("a", [1, 2], 4)], aborts=[m.Abort(req_id="a")]))
+    assert [(u.req_id, u.finished) for u in out.updates] == [("a", m.FinishReason.ABORT)]
+    assert_whole(core)
+
+
+class FlakyRunner(FakeRunner):
+    def __init__(self, fail_on: set[int], **kw) -> None:
+        super().__init__(VOCAB, 64, 4, **kw)
+        self.fail_on = fail_on
+        self.calls = 0
+
+    def execute(self, seqs):
+        self.calls += 1
+        if self.calls in self.fail_on:
+            raise RuntimeError("injected failure")
+        return super().execute(seqs)
+
+
+def test_failed_step_fails_its_requests_and_the_engine_goes_on():
+    core = make_core(runner=FlakyRunner({2}), max_slots=2)
+    out = core.step(m.ToEngine(new=[new("a", [1, 2, 3], 5), new("b", [4, 5], 5),
+                                     new("c", [6, 7], 5)]))
+    assert {u.req_id for u in out.updates if u.new_token_ids} == {"a", "b"}
+    out = core.step()  # the runner raises: a and b fail, their blocks return
+    failed = {u.req_id: u for u in out.updates if u.finished == m.FinishReason.ERROR}
+    assert set(failed) == {"a", "b"} and "injected failure" in failed["a"].error
+    assert core.num_failed_steps == 1
+    tokens, final, _ = drive(core)
+    assert tokens["c"] == expected([6, 7], 5) and final["c"].finished == m.FinishReason.LENGTH
+    assert_whole(core)
+
+
+def test_refusals_reach_the_update():
+    core = make_core(max_in_flight=1, max_queue_depth=1, max_per_principal=5)
+    out = core.step(m.ToEngine(new=[new("a", [1, 2], 8, principal="x"),
+                                     new("b", [1, 2], 8, principal="y"),
+                                     new("c", [1, 2], 8, principal="z")]))
+    refused = {u.req_id: u for u in out.updates if u.refused_code}
+    assert list(refused) == ["c"] and refused["c"].refused_code == "overloaded"
+    assert refused["c"].retry_after_ms > 0 and refused["c"].finished is None
+    out = core.step(m.ToEngine(new=[new("a", [3], 2)]))
+    assert [u.refused_code for u in out.updates if u.req_id == "a"] == ["invalid_request_error"]
+    drive(core)
+    assert_whole(core)
+
+
+def test_deadline_aborts_a_running_request():
+    now = [1000.0]
+    core = make_core()
+    core.admission.wall_clock = lambda: now[0]
+    core.step(m.ToEngine(new=[new("a", [1, 2], 50, deadline_unix=1001.0)]))
+    now[0] = 1002.0
+    out = core.step()
+    assert [(u.finished, u.error) for u in out.updates] == [(m.FinishReason.ABORT, "deadline")]
+    assert_whole(core)
+
+
+def test_set_limits_and_stop_admitting_through_messages():
+    core = make_core(max_in_flight=1)
+    core.step(m.ToEngine(new=[new("a", [1], 30), new("b", [2], 30, principal="q")]))
+    assert core.status().in_flight == 1 and core.status().queued == 1
+    ledger = core.pool.ledger()
+    core.step(m.ToEngine(limits=m.SetLimits(max_in_flight=4)))
+    assert core.status().in_flight == 2 and core.pool.num_blocks * 8 == ledger.total_bytes
+    out = core.step(m.ToEngine(new=[new("c", [3], 4)], stop_admitting=True))
+    assert [u.refused_code for u in out.updates if u.req_id == "c"] == ["shutting_down"]
+    assert core.status().admitting is False
+    out = core.step(m.ToEngine(shutdown=True))
+    assert {u.req_id: u.error for u in out.updates if u.finished} == {"a": "shutdown", "b": "shutdown"}
+    assert_whole(core)
+
+
+@pytest.mark.parametrize("prefix_cache", [False, True])
+def test_ledger_whole_after_a_storm(prefix_cache: bool):
+    rng = random.Random(1)
+    runner = FlakyRunner({rng.randrange(400) for _ in range(25)})
+    core = make_core(num_blocks=40, runner=runner, prefix_cache=prefix_cache, max_in_flight=6,
+                     max_slots=4, max_batched_tokens=16, prefill_chunk_tokens=6,
+                     max_queue_depth=10, max_per_principal=6)
+    shared = [rng.randrange(VOCAB) for _ in range(12)]
+    live: list[str] = []
+    outcomes: dict[str, str] = {}
+    for i in range(400):
+        inbound = m.ToEngine()
+        if rng.random() < 0.3:
+            prompt = (shared[: rng.randrange(13)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))])
+            inbound.new = [new(f"r{i}", prompt, rng.randrange(1, 30), principal=rng.choice("abc"))]
+            live.append(f"r{i}")
+        if live and rng.random() < 0.15:
+            inbound.aborts = [m.Abort(req_id=rng.choice(live))]
+        out = core.step(inbound)
+        for u in out.updates:
+            if u.finished is not None:
+                outcomes[u.req_id] = u.finished.name
+            elif u.refused_code:
+                outcomes[u.req_id] = u.refused_code
+        core.pool.check()
+        led = core.pool.ledger()
+        assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
+    _, final, _ = drive(core)
+    outcomes.update({rid: u.finished.name for rid, u in final.items() if u.finished})
+    assert_whole(core)
+    kinds = set(outcomes.values())
+    assert {"ABORT", "ERROR", "LENGTH"} <= kinds, kinds
+    assert len(outcomes) == len(live)

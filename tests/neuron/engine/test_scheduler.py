@@ -1,0 +1,84 @@
+"""Scheduler: decode first, prefill chunks under the token budget, max_slots — exact plans."""
+
+from __future__ import annotations
+
+from helexa.neuron.engine.request import Request, RequestStatus
+from helexa.neuron.engine.scheduler import ScheduledChunk, Scheduler
+
+
+def req(rid: str, prompt: int, computed: int = 0, outputs: int = 0) -> Request:
+    r = Request(req_id=rid, prompt_token_ids=list(range(prompt)), output_budget=100)
+    r.output_token_ids = [7] * outputs
+    r.num_computed_tokens = computed
+    r.status = RequestStatus.RUNNING if computed or outputs else RequestStatus.IN_FLIGHT
+    return r
+
+
+def decoding(rid: str, prompt: int = 10, outputs: int = 1) -> Request:
+    # prompt and all but the last sampled token are in the cache
+    return req(rid, prompt, computed=prompt + outputs - 1, outputs=outputs)
+
+
+def test_decode_first_then_running_prefill_then_promotions():
+    s = Scheduler(max_slots=4, max_batched_tokens=20, prefill_chunk_tokens=8)
+    running = [decoding("d1"), req("p1", 30, computed=8), decoding("d2", outputs=3)]
+    waiting = [req("w1", 5), req("w2", 50)]
+    plan = s.schedule(running, waiting)
+    assert plan.chunks == [
+        ScheduledChunk("d1", 1, False),
+        ScheduledChunk("d2", 1, False),
+        ScheduledChunk("p1", 8, True),
+        ScheduledChunk("w1", 5, True),
+    ]
+    assert plan.promoted == ["w1"]  # slots: 3 running + w1 = 4 = max_slots
+    assert plan.num_tokens == 15
+    assert plan.decode_ids == ["d1", "d2"]
+    assert plan.prefill == [("p1", 8), ("w1", 5)]
+
+
+def test_budget_caps_the_last_chunk():
+    s = Scheduler(max_slots=8, max_batched_tokens=12, prefill_chunk_tokens=8)
+    plan = s.schedule([decoding("d1"), decoding("d2")], [req("w1", 40), req("w2", 40)])
+    assert plan.chunks == [ScheduledChunk("d1", 1, False), ScheduledChunk("d2", 1, False),
+                           ScheduledChunk("w1", 8, True), ScheduledChunk("w2", 2, True)]
+    assert plan.promoted == ["w1", "w2"]
+
+
+def test_long_prompt_never_stalls_decodes():
+    s = Scheduler(max_slots=2, max_batched_tokens=16, prefill_chunk_tokens=16)
+    d, p = decoding("d"), req("p", 100)
+    steps = []
+    running, waiting = [d], [p]
+    while p.is_prefilling:
+        plan = s.schedule(running, waiting)
+        steps.append([(c.req_id, c.num_tokens) for c in plan.chunks])
+        for c in plan.chunks:
+            r = d if c.req_id == "d" else p
+            r.num_computed_tokens += c.num_tokens
+            if c.req_id == "d":
+                d.output_token_ids.append(1)
+        if plan.promoted:
+            running, waiting = [d, p], []
+    # every step carries d's decode token; p's 100 tokens go 15 at a time
+    assert all(step[0] == ("d", 1) for step in steps)
+    assert [n for step in steps for rid, n in step if rid == "p"] == [15] * 6 + [10]
+
+
+def test_max_slots_holds_waiting_back_and_empty_plan():
+    s = Scheduler(max_slots=2, max_batched_tokens=100, prefill_chunk_tokens=100)
+    plan = s.schedule([decoding("a"), decoding("b")], [req("w", 5)])
+    assert plan.promoted == [] and [c.req_id for c in plan.chunks] == ["a", "b"]
+    assert s.schedule([], []).is_empty
+
+
+def test_decode_budget_smaller_than_batch():
+    s = Scheduler(max_slots=8, max_batched_tokens=2, prefill_chunk_tokens=4)
+    plan = s.schedule([decoding("a"), decoding("b"), decoding("c")], [req("w", 5)])
+    assert plan.decode_ids == ["a", "b"] and plan.promoted == []
+
+
+def test_prefix_hit_prefills_only_the_rest():
+    s = Scheduler(max_slots=2, max_batched_tokens=100, prefill_chunk_tokens=100)
+    w = req("w", 37)
+    w.num_computed_tokens = 32  # 2 cached blocks of 16
+    assert s.schedule([], [w]).chunks == [ScheduledChunk("w", 5, True)]
