@@ -3,7 +3,8 @@
 `start_neuron(config_path)` starts `helexa neuron` as a subprocess, waits for
 its `NEURON LISTENING host:port` line and returns a handle (address, logs,
 signals, stop). `write_neuron_config` writes a TOML config from plain data.
-`FakeEngineClient` stands in for `EngineClient` in unit tests of the daemon:
+`NeuronClient` is an async gRPC client of a neuron with the helpers tests
+want (generate, refusal, watch_until). `FakeEngineClient` stands in for `EngineClient` in unit tests of the daemon:
 no process, tokens from a script, one per step.
 """
 
@@ -22,7 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import tomli_w
+
+from helexa.neuron.auth import bearer
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc
 
 
 def write_neuron_config(path: str | Path, config: dict[str, Any]) -> Path:
@@ -121,6 +127,75 @@ def start_neuron(config_path: str | Path, *, log_path: str | Path | None = None,
     return NeuronProcess(proc=proc, address=found["address"], config_path=config_path,
                          log_path=log_path, metrics_address=found.get("metrics", ""),
                          stdout_lines=lines)
+
+
+# ---------------------------------------------------------------------------- gRPC client
+
+
+def chat_request(req_id: str, text: str = "Tell me a story", *, principal: str = "alice",
+                 model: str = "tiny", max_tokens: int | None = 8, **kw: Any) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(
+        req_id=req_id, model=model, principal=principal,
+        chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=text)]),
+        sampling=pb.SamplingParams(temperature=0.0), **kw)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    return req
+
+
+class NeuronClient:
+    """An async gRPC client of one neuron (make one per event loop)."""
+
+    def __init__(self, address: str, token: str) -> None:
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = neuron_pb2_grpc.NeuronStub(self.channel)
+        self.md = bearer(token)
+
+    async def __aenter__(self) -> NeuronClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.channel.close()
+
+    async def generate(self, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+        return [r async for r in self.stub.Generate(req, metadata=self.md)]
+
+    async def refusal(self, req: pb.GenerateRequest) -> tuple[grpc.StatusCode, dict[str, str]]:
+        """The status and trailing metadata of a call expected to be refused."""
+        try:
+            out = await self.generate(req)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), dict(e.trailing_metadata() or ())
+        raise AssertionError(f"expected a refusal, got {len(out)} messages")
+
+    async def status(self) -> pb.NeuronStatus:
+        call = self.stub.Watch(pb.WatchRequest(), metadata=self.md)
+        st = await call.read()
+        call.cancel()
+        return st
+
+    async def watch_until(self, pred: Callable[[pb.NeuronStatus], bool],
+                          timeout_secs: float = 10.0) -> pb.NeuronStatus:
+        """Read Watch until `pred(status)`; the status that satisfied it."""
+        call = self.stub.Watch(pb.WatchRequest(heartbeat_ms=200), metadata=self.md)
+        try:
+            async with asyncio.timeout(timeout_secs):
+                async for st in call:
+                    if pred(st):
+                        return st
+        finally:
+            call.cancel()
+        raise AssertionError("Watch ended")
+
+
+def model_of(st: pb.NeuronStatus, model: str = "tiny") -> pb.ModelStatus:
+    return next(m for m in st.models if m.model == model)
+
+
+def ledger_whole(st: pb.NeuronStatus, model: str = "tiny") -> bool:
+    m = model_of(st, model)
+    return (m.kv.free_bytes == m.kv.total_bytes > 0 and m.kv.reserved_bytes == 0
+            and m.kv.used_bytes == 0 and m.in_flight == 0 and m.queued == 0)
 
 
 # ---------------------------------------------------------------------------- fake engine

@@ -174,7 +174,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                         stop_reason = str(out_ids[-1])
                     elif upd.finished == messages.FinishReason.ERROR:
                         stop_reason = error
-                    elif upd.finished == messages.FinishReason.ABORT and deadline_hit:
+                    elif upd.finished == messages.FinishReason.ABORT and (
+                            deadline_hit or time.time() >= new.deadline_unix):
                         stop_reason = "deadline"
                 if finish is not None:
                     resp.finish_reason = finish

@@ -1,0 +1,91 @@
+"""Real `helexa neuron` daemons on tiny checkpoints, shared across the test session.
+
+- `neuron_main`: the default tiny model, admission roomy enough for fairness,
+  cancellation storms and deadlines (max_in_flight 2, so work queues).
+- `neuron_tight`: a model with fat KV tokens in a 1 MiB pool (256 tokens),
+  a short queue, a low per-principal cap and a short KV wait — for refusals.
+
+Each test must leave its daemon idle. Clients: helexa.testing.NeuronClient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
+
+TOKEN = "integration-token"
+
+
+@pytest.fixture(scope="session")
+def neuron_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("neurons")
+    (d / "token").write_text(TOKEN + "\n")
+    return d
+
+
+def _base(name: str, model_dir: Path, **over: dict[str, Any]) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "server": {"name": name, "listen": "127.0.0.1:0", "token_file": "token",
+                   "address_file": f"{name}.addr", "metrics_listen": "127.0.0.1:0",
+                   "drain_secs": 10.0, "heartbeat_secs": 1.0},
+        "engine": {"torch_threads": 1, "max_slots": 4},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(model_dir)}],
+    }
+    for section, body in over.items():
+        cfg[section] = {**cfg.get(section, {}), **body} if isinstance(body, dict) else body
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def start_daemon(neuron_dir: Path) -> Iterator[Callable[..., NeuronProcess]]:
+    """Start a daemon from a config dict; every one started is stopped at session end."""
+    started: list[NeuronProcess] = []
+
+    def start(name: str, config: dict[str, Any]) -> NeuronProcess:
+        path = write_neuron_config(neuron_dir / f"{name}.toml", config)
+        proc = start_neuron(path, log_path=neuron_dir / f"{name}.log")
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop(timeout_secs=15)
+
+
+@pytest.fixture(scope="session")
+def neuron_main_config(tiny_model_dir: Path) -> dict[str, Any]:
+    return _base("main", tiny_model_dir,
+                 admission={"max_in_flight": 2, "max_queue_depth": 200, "max_per_principal": 150,
+                            "anon_max_in_flight": 2, "kv_max_wait_secs": 30.0})
+
+
+@pytest.fixture(scope="session")
+def neuron_main(start_daemon: Callable[..., NeuronProcess],
+                neuron_main_config: dict[str, Any]) -> NeuronProcess:
+    return start_daemon("main", neuron_main_config)
+
+
+@pytest.fixture(scope="session")
+def fat_kv_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
+    # 2 layers × 2 (K, V) × 4 kv heads × 64 dims × 4 B = 4 KiB per token: 256 tokens per MiB
+    return tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def neuron_tight(start_daemon: Callable[..., NeuronProcess],
+                 fat_kv_model_dir: Path) -> NeuronProcess:
+    return start_daemon("tight", _base(
+        "tight", fat_kv_model_dir,
+        admission={"max_in_flight": 4, "max_queue_depth": 2, "max_per_principal": 3,
+                   "kv_max_wait_secs": 0.3}))
+
+
+@pytest.fixture(scope="session")
+def neuron_token() -> str:
+    return TOKEN

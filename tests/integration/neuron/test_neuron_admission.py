@@ -1,0 +1,98 @@
+"""Admission seen from outside: fair shares under a flood, and refusals with codes and retry-after."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
+
+
+def test_a_flooding_principal_does_not_starve_another(neuron_main: NeuronProcess,
+                                                      neuron_token: str) -> None:
+    """max_in_flight 2: 16 queued requests of `flood`, then 4 of `polite`; order of completion."""
+    async def run() -> list[str]:
+        finished: list[str] = []
+
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            async def one(principal: str, i: int) -> None:
+                out = await c.generate(chat_request(f"{principal}-{i}", principal=principal,
+                                                    max_tokens=10, ignore_eos=True))
+                assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+                finished.append(principal)
+
+            flood = [asyncio.ensure_future(one("flood", i)) for i in range(16)]
+            await c.watch_until(lambda st: model_of(st).queued >= 10)
+            done_before = len(finished)
+            polite = [asyncio.ensure_future(one("polite", i)) for i in range(4)]
+            await asyncio.gather(*flood, *polite)
+            await c.watch_until(ledger_whole)
+        return finished[done_before:]
+
+    after = asyncio.run(run())
+    # Round-robin from polite's arrival: polite's 4 are among the first ~8 to finish
+    # (FIFO would put them after every queued flood request).
+    window = after[:9]
+    share = window.count("polite") / len(window)
+    assert window.count("polite") >= 3, (share, after)
+    assert after[-1] == "flood"
+
+
+def test_queue_full_and_kv_timeout_are_overloaded_with_retry_after(neuron_tight: NeuronProcess,
+                                                                   neuron_token: str) -> None:
+    """A 256-token pool: one 215-token request holds it; two wait (queue depth 2), a fourth
+    is refused at once (queue full); the waiting two are refused after kv_max_wait_secs."""
+    async def run() -> tuple[list, tuple, list[float]]:
+        async with NeuronClient(neuron_tight.address, neuron_token) as c:
+            hog = asyncio.ensure_future(c.generate(chat_request(
+                "hog", principal="p0", max_tokens=200, ignore_eos=True)))
+            await c.watch_until(lambda st: model_of(st).in_flight == 1)
+
+            async def waiter(i: int) -> tuple:
+                t0 = time.monotonic()
+                r = await c.refusal(chat_request(f"wait-{i}", principal=f"p{i}", max_tokens=150))
+                return (*r, time.monotonic() - t0)
+
+            waiters = [asyncio.ensure_future(waiter(i)) for i in (1, 2)]
+            await c.watch_until(lambda st: model_of(st).queued == 2)
+            t0 = time.monotonic()
+            full = await c.refusal(chat_request("full", principal="p3", max_tokens=150))
+            full_secs = time.monotonic() - t0
+            timed_out = await asyncio.gather(*waiters)
+            await hog
+            await c.watch_until(ledger_whole)
+        return timed_out, full, [full_secs]
+
+    timed_out, (code, md), (full_secs,) = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["helexa-code"] == "overloaded"
+    assert int(md["helexa-retry-after-ms"]) > 0 and full_secs < 0.3
+    for code, md, secs in timed_out:
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["helexa-code"] == "overloaded"
+        assert int(md["helexa-retry-after-ms"]) > 0 and secs >= 0.3
+
+
+def test_a_principal_over_its_cap_is_refused_429_at_once(neuron_tight: NeuronProcess,
+                                                         neuron_token: str) -> None:
+    """max_per_principal 3: a fourth concurrent request of one principal is refused."""
+    async def run() -> list:
+        async with NeuronClient(neuron_tight.address, neuron_token) as c:
+            async def one(i: int) -> object:
+                try:
+                    return await c.generate(chat_request(f"greedy-{i}", principal="greedy",
+                                                         max_tokens=60, ignore_eos=True))
+                except grpc.aio.AioRpcError as e:
+                    return e.code(), dict(e.trailing_metadata() or ())
+
+            held = [asyncio.ensure_future(one(i)) for i in range(3)]
+            await c.watch_until(lambda st: model_of(st).in_flight + model_of(st).queued == 3)
+            fourth = await c.refusal(chat_request("greedy-3", principal="greedy", max_tokens=4))
+            await asyncio.gather(*held)
+            await c.watch_until(ledger_whole)
+        return [fourth]
+
+    [(code, md)] = asyncio.run(run())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert md["helexa-code"] == "rate_limit_exceeded" and int(md["helexa-retry-after-ms"]) > 0

@@ -1,0 +1,104 @@
+"""SIGHUP applies reload-safe changes without reloading; a broken config is refused; SIGTERM drains."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import signal
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.testing import (
+    NeuronClient,
+    NeuronProcess,
+    chat_request,
+    ledger_whole,
+    model_of,
+    write_neuron_config,
+)
+
+
+def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
+        neuron_main: NeuronProcess, neuron_main_config: dict[str, Any],
+        neuron_token: str) -> None:
+    raised = copy.deepcopy(neuron_main_config)
+    raised["admission"]["max_in_flight"] = 3
+    loads_before = len(neuron_main.logs("model.loading"))
+
+    async def run() -> tuple[int, int]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            write_neuron_config(neuron_main.config_path, raised)
+            neuron_main.signal(signal.SIGHUP)
+            await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 3)
+            runs = [asyncio.ensure_future(c.generate(chat_request(
+                f"hup-{i}", principal=f"h{i}", max_tokens=150, ignore_eos=True)))
+                for i in range(5)]
+            st = await c.watch_until(lambda st: model_of(st).in_flight == 3)
+            peak = model_of(st).in_flight
+            await asyncio.gather(*runs)
+            write_neuron_config(neuron_main.config_path, neuron_main_config)
+            neuron_main.signal(signal.SIGHUP)
+            st = await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 2)
+            await c.watch_until(ledger_whole)
+            return peak, model_of(st).admission.max_in_flight
+
+    try:
+        peak, restored = asyncio.run(run())
+    finally:
+        write_neuron_config(neuron_main.config_path, neuron_main_config)
+    assert peak == 3 and restored == 2
+    assert len(neuron_main.logs("model.loading")) == loads_before  # weights untouched
+    change = neuron_main.wait_for_log(
+        "config.changed", where=lambda r: r.get("key") == "admission.max_in_flight")
+    assert (change["old"], change["new"]) in ((2, 3), (3, 2))
+
+
+def test_a_broken_config_on_sighup_is_refused_and_the_running_one_kept(
+        neuron_main: NeuronProcess, neuron_main_config: dict[str, Any],
+        neuron_token: str) -> None:
+    path = neuron_main.config_path
+    try:
+        path.write_text("[admission]\nmax_in_flight = \"many\"\n")
+        neuron_main.signal(signal.SIGHUP)
+        refused = neuron_main.wait_for_log("config.reload_refused")
+
+        async def run() -> tuple[pb.NeuronStatus, list[pb.GenerateResponse]]:
+            async with NeuronClient(neuron_main.address, neuron_token) as c:
+                out = await c.generate(chat_request("after-broken", max_tokens=4))
+                return await c.status(), out
+
+        st, out = asyncio.run(run())
+    finally:
+        write_neuron_config(path, neuron_main_config)
+    assert "admission.max_in_flight" in refused["error"]
+    assert model_of(st).admission.max_in_flight == 2 and out[-1].usage.completion_tokens > 0
+
+
+def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
+        start_daemon: Callable[..., NeuronProcess], tiny_model_dir: Path,
+        neuron_main_config: dict[str, Any], neuron_token: str) -> None:
+    cfg = copy.deepcopy(neuron_main_config)
+    cfg["server"].update(name="drain", address_file="drain.addr")
+    cfg["server"].pop("metrics_listen")
+    daemon = start_daemon("drain", cfg)
+
+    async def run() -> tuple[list[pb.GenerateResponse], tuple]:
+        async with NeuronClient(daemon.address, neuron_token) as c:
+            running = asyncio.ensure_future(c.generate(chat_request(
+                "long", max_tokens=300, ignore_eos=True)))
+            await c.watch_until(lambda st: model_of(st).in_flight == 1)
+            daemon.signal(signal.SIGTERM)
+            await c.watch_until(lambda st: st.draining)
+            refused = await c.refusal(chat_request("late", max_tokens=4))
+            return await running, refused
+
+    out, (code, md) = asyncio.run(run())
+    assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
+    assert int(md["helexa-retry-after-ms"]) > 0
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert out[-1].usage.completion_tokens == 300
+    assert daemon.proc.wait(timeout=30) == 0

@@ -1,0 +1,258 @@
+"""The daemon's request path over real gRPC, in-process, with a scripted engine stand-in.
+
+The engine is `helexa.testing.FakeEngineClient` (one scripted token per
+step), so these tests check what the daemon itself does: tokenising,
+the context check, detokenising and stop strings, usage, refusals as gRPC
+statuses with their codes, auth, deadlines, cancellation and draining.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from helexa.neuron.auth import bearer
+from helexa.neuron.daemon import NeuronDaemon
+from helexa.neuron.tokenizer import Tokenizer
+
+from helexa.config import load_neuron_config
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc
+from helexa.testing import FakeEngineClient, write_neuron_config
+
+TOKEN = "s3cret"
+ANSWER = "Hello world. STOP here and then more words follow"
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    d = tmp_path_factory.mktemp("neuron-unit")
+    (d / "token").write_text(TOKEN + "\n")
+    return write_neuron_config(d / "neuron.toml", {
+        "server": {"name": "unit", "listen": "127.0.0.1:0", "token_file": "token",
+                   "drain_secs": 5.0},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+    })
+
+
+Body = Callable[[neuron_pb2_grpc.NeuronStub, NeuronDaemon, FakeEngineClient], Awaitable[Any]]
+
+
+def serve(config_path: Path, tok: Tokenizer, body: Body, *, step_secs: float = 0.001) -> Any:
+    """Run `body(stub, daemon, engine)` against a fresh in-process daemon."""
+    answer = tok.encode(ANSWER, add_special_tokens=False)
+    eos = tok.eos_token_ids[0]
+
+    def script(_prompt: list[int], i: int) -> int:
+        return answer[i] if i < len(answer) else eos
+
+    factory = FakeEngineClient.factory(script, step_secs=step_secs)
+
+    async def run() -> Any:
+        daemon = NeuronDaemon(config_path, load_neuron_config(config_path), client_factory=factory)
+        await daemon.start()
+        await daemon.residency.preload()
+        try:
+            async with grpc.aio.insecure_channel(daemon.address) as ch:
+                return await body(neuron_pb2_grpc.NeuronStub(ch), daemon, factory.made[0])
+        finally:
+            await daemon.drain()
+
+    return asyncio.run(run())
+
+
+def chat(text: str = "Say hello", **kw: Any) -> pb.GenerateRequest:
+    return pb.GenerateRequest(req_id=kw.pop("req_id", "r1"), model=kw.pop("model", "tiny"),
+                              principal="alice",
+                              chat=pb.Chat(messages=[pb.ChatMessage(role="user", content=text)]),
+                              **kw)
+
+
+async def collect(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
+                  token: str = TOKEN) -> list[pb.GenerateResponse]:
+    return [r async for r in stub.Generate(req, metadata=bearer(token))]
+
+
+async def refusal(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
+                  token: str = TOKEN) -> tuple[grpc.StatusCode, dict[str, str], str]:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await collect(stub, req, token)
+    return e.value.code(), dict(e.value.trailing_metadata() or ()), e.value.details()
+
+
+def test_streams_text_deltas_and_ends_with_usage(config_path: Path, tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        return await collect(stub, chat(max_tokens=5))
+
+    out = serve(config_path, tok, body)
+    answer = tok.encode(ANSWER, add_special_tokens=False)
+    assert [i for r in out for i in r.token_ids] == answer[:5]
+    assert "".join(r.text for r in out) == tok.decode(answer[:5])
+    last = out[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    prompt = tok.encode_chat([{"role": "user", "content": "Say hello"}])
+    assert last.usage.prompt_tokens == len(prompt)
+    assert last.usage.completion_tokens == 5
+    assert last.usage.prefill_ms >= last.usage.queue_ms >= 0 and last.usage.decode_ms >= 0
+    assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in out[:-1])
+
+
+def test_eos_ends_with_stop_and_is_a_stop_token_unless_ignored(config_path: Path,
+                                                               tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        a = await collect(stub, chat(req_id="a"))
+        b = await collect(stub, chat(req_id="b", ignore_eos=True, max_tokens=3))
+        return a, b, engine.requests
+
+    a, b, reqs = serve(config_path, tok, body)
+    assert a[-1].finish_reason == pb.FINISH_REASON_STOP
+    assert "".join(r.text for r in a) == ANSWER  # eos itself is not shown
+    assert set(tok.eos_token_ids) <= set(reqs[0].stop_token_ids)
+    assert not set(tok.eos_token_ids) & set(reqs[1].stop_token_ids)
+
+
+def test_a_stop_string_ends_generation_before_it_and_aborts_the_engine_request(
+        config_path: Path, tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        out = await collect(stub, chat(stop=["STOP"]))
+        await asyncio.sleep(0.01)
+        return out, dict(engine.aborts)
+
+    out, aborts = serve(config_path, tok, body)
+    text = "".join(r.text for r in out)
+    assert text == ANSWER[:ANSWER.index("STOP")]
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP and out[-1].stop_reason == "STOP"
+    assert aborts == {"r1": "stop_string"}
+
+
+def test_prompt_over_the_context_is_refused_400_stating_both_numbers(config_path: Path,
+                                                                     tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        context = daemon.residency.models["tiny"].limits.context
+        too_long = pb.GenerateRequest(req_id="x", model="tiny",
+                                      token_ids=pb.TokenIds(ids=[5] * context))
+        fits_not = pb.GenerateRequest(req_id="y", model="tiny", max_tokens=10,
+                                      token_ids=pb.TokenIds(ids=[5] * (context - 5)))
+        return context, await refusal(stub, too_long), await refusal(stub, fits_not)
+
+    context, (code, md, msg), (code2, md2, msg2) = serve(config_path, tok, body)
+    assert code == code2 == grpc.StatusCode.INVALID_ARGUMENT
+    assert md["helexa-code"] == md2["helexa-code"] == "context_length_exceeded"
+    assert str(context) in msg and str(context) in msg2 and str(context + 5) in msg2
+
+
+def test_without_the_token_every_call_is_unauthenticated(config_path: Path,
+                                                         tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        gen = await refusal(stub, chat(), token="wrong")
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Models(pb.ModelsRequest())
+        return gen, e.value.code(), len(engine.requests)
+
+    (code, md, _), models_code, seen = serve(config_path, tok, body)
+    assert code == models_code == grpc.StatusCode.UNAUTHENTICATED
+    assert md["helexa-code"] == "invalid_api_key"
+    assert seen == 0
+
+
+def test_engine_refusals_and_unknown_models_map_to_statuses_with_codes(config_path: Path,
+                                                                       tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        engine.refuse = ("overloaded", "queue full", 1234)
+        over = await refusal(stub, chat())
+        engine.refuse = ("rate_limit_exceeded", "too many", 50)
+        rate = await refusal(stub, chat())
+        missing = await refusal(stub, chat(model="nope"))
+        return over, rate, missing
+
+    over, rate, missing = serve(config_path, tok, body)
+    assert over[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert over[1] == {"helexa-code": "overloaded", "helexa-retry-after-ms": "1234"}
+    assert rate[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert rate[1]["helexa-code"] == "rate_limit_exceeded"
+    assert missing[0] == grpc.StatusCode.NOT_FOUND and missing[1]["helexa-code"] == "model_not_found"
+
+
+def test_a_request_past_its_deadline_is_aborted(config_path: Path, tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        deadline = int((time.time() + 0.15) * 1000)
+        t0 = time.monotonic()
+        out = await collect(stub, chat(deadline_unix_ms=deadline, ignore_eos=True,
+                                       max_tokens=1000))
+        return out, time.monotonic() - t0, dict(engine.aborts)
+
+    out, secs, aborts = serve(config_path, tok, body, step_secs=0.01)
+    assert out[-1].finish_reason == pb.FINISH_REASON_ABORT and out[-1].stop_reason == "deadline"
+    assert secs < 1.0 and aborts == {"r1": "deadline"}
+
+
+def test_a_caller_that_goes_away_aborts_its_request(config_path: Path, tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        call = stub.Generate(chat(ignore_eos=True, max_tokens=1000), metadata=bearer(TOKEN))
+        async for _ in call:
+            break
+        call.cancel()
+        for _ in range(100):
+            if not engine.active and daemon.residency.models["tiny"].active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return dict(engine.aborts), engine.active, daemon.residency.models["tiny"].active
+
+    aborts, active, daemon_active = serve(config_path, tok, body, step_secs=0.01)
+    assert aborts == {"r1": "client_gone"} and not active and daemon_active == 0
+
+
+def test_draining_refuses_new_work_and_lets_running_work_finish(config_path: Path,
+                                                                tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        running = asyncio.ensure_future(collect(stub, chat(req_id="old", ignore_eos=True,
+                                                           max_tokens=20)))
+        await asyncio.sleep(0.05)
+        drain = asyncio.ensure_future(daemon.drain())
+        await asyncio.sleep(0.01)
+        refused = await refusal(stub, chat(req_id="new"))
+        out = await running
+        await drain
+        return refused, out
+
+    (code, md, _), out = serve(config_path, tok, body, step_secs=0.01)
+    assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
+    assert int(md["helexa-retry-after-ms"]) > 0
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH and out[-1].usage.completion_tokens == 20
+
+
+def test_watch_shows_the_model_ready_with_its_ledger_and_limits(config_path: Path,
+                                                                tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        watch = stub.Watch(pb.WatchRequest(), metadata=bearer(TOKEN))
+        first = await watch.read()
+        gen = asyncio.ensure_future(collect(stub, chat(ignore_eos=True, max_tokens=30)))
+        busy = None
+        for _ in range(20):
+            st = await watch.read()
+            if st.models[0].in_flight == 1:
+                busy = st
+                break
+        await gen
+        watch.cancel()
+        return first, busy
+
+    first, busy = serve(config_path, tok, body, step_secs=0.01)
+    m = first.models[0]
+    assert first.neuron == "unit" and list(first.catalogue) == ["tiny"]
+    assert m.state == pb.MODEL_STATE_READY and m.kv.total_bytes == m.kv.free_bytes > 0
+    assert m.limits.context > 0 and m.limits.input == m.limits.context - 1
+    assert m.admission.max_in_flight == 16
+    assert busy is not None and busy.models[0].kv.free_bytes < busy.models[0].kv.total_bytes
+    assert busy.seq > first.seq
