@@ -27,7 +27,6 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 
 def _in_process(model_dir: Path, max_tokens: int):  # -> callable measuring one request
     import torch
-
     from helexa.neuron.engine import messages
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.spec import EngineSpec, full_limits
@@ -78,8 +77,8 @@ def _pct(xs: list[float], p: float) -> float:
 
 async def _run(args: argparse.Namespace, work: Path) -> None:
     import grpc
-
     from helexa.neuron.auth import bearer
+
     from helexa.proto import neuron_pb2_grpc
     from helexa.testing import start_neuron, write_neuron_config
     from helexa.tiny import init_tiny
