@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from helexa.kernels.attention import AttentionMetadata, PrefillChunk
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
@@ -103,7 +102,6 @@ class ModelRunner:
         return self.model(input_ids, positions, meta, logits_rows)
 
     def _prepare(self, seqs: list[SeqInput]):
-        bs = self.block_size
         dev = self.device
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
@@ -148,7 +146,7 @@ class ModelRunner:
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         want = [flat_row[i] for i, s in enumerate(seqs) if s.need_logits]
         # All rows in order (pure decode where every row wants logits): skip the gather.
-        logits_rows = None if want == list(range(len(ids))) else torch.tensor(want, device=dev)
+        logits_rows = None if want == list(range(len(ids))) else torch.tensor(want, dtype=torch.long, device=dev)
         return input_ids, positions, meta, logits_rows
 
     def _slots(self, block_table: list[int], token_pos: torch.Tensor, needed: int) -> torch.Tensor:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from helexa.kernels.attention import AttentionMetadata, paged_attention, write_kv
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.neuron.models.config import ModelConfig
@@ -24,6 +22,7 @@ from helexa.neuron.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from torch import nn
 
 
 class Attention(nn.Module):

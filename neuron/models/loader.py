@@ -14,9 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from torch import nn
-
 from helexa.neuron.models.config import (
     ModelConfig,
     UnsupportedArchitecture,
@@ -24,6 +21,8 @@ from helexa.neuron.models.config import (
     parse_dtype,
 )
 from helexa.neuron.models.llama import LlamaForCausalLM
+from safetensors import safe_open
+from torch import nn
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
 ProgressFn = Callable[[int, int], None]
@@ -95,7 +94,7 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                 expected[(pname, shard)] = pname.replace(f".{dst}.", f".{src}.")
         else:
             expected[(pname, None)] = pname
-    total = sum(f.stat().st_size for f in files)
+    total = sum(_tensor_bytes(f) for f in files)
     done_bytes = 0
     loaded: set[tuple[str, object]] = set()
     for path in files:
@@ -113,11 +112,7 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                 with torch.no_grad():
                     param.weight_loader(param, sl, shard)
                 loaded.add((pname, shard))
-                shape = sl.get_shape()
-                numel = 1
-                for s in shape:
-                    numel *= s
-                done_bytes += numel * _dtype_bytes(sl.get_dtype())
+                done_bytes += _slice_bytes(sl)
                 if progress is not None:
                     progress(min(done_bytes, total), total)
     missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
@@ -128,8 +123,17 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
         )
 
 
-def _dtype_bytes(name: str) -> int:
-    return {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4}.get(name, 1)
+def _slice_bytes(sl) -> int:
+    numel = 1
+    for dim in sl.get_shape():
+        numel *= dim
+    return numel * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8, "I64": 8, "I32": 4}.get(sl.get_dtype(), 1)
+
+
+def _tensor_bytes(path: Path) -> int:
+    """Bytes of tensor data in one safetensors file (headers only are read)."""
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return sum(_slice_bytes(f.get_slice(name)) for name in f.keys())
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",

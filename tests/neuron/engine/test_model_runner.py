@@ -1,0 +1,91 @@
+"""ModelRunner steps give transformers' logits, whatever the batch layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir) -> ModelRunner:
+    torch.set_num_threads(1)
+    return ModelRunner(tiny_model_dir, num_blocks=64, block_size=4, max_num_seqs=8,
+                       max_batched_tokens=256)
+
+
+@pytest.fixture(scope="module")
+def hf_logits(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return model(torch.tensor([ids])).logits[0].float()
+
+    return run
+
+
+def seq(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_mixed_step_logits_match_reference_in_input_order(runner, hf_logits):
+    a, b, c = seq(10, 1), seq(7, 2), seq(13, 3)
+    ta, tb, tc = [5, 9, 2], [11, 1], [20, 30, 40, 50]
+    # Step 1: prefill a fully, b partly (no logits), c's first chunk.
+    runner.execute([SeqInput(a, 0, ta, True), SeqInput(b[:4], 0, tb, False),
+                    SeqInput(c[:6], 0, tc, False)])
+    # Step 2, prefill rows before decode rows: c's next chunk with logits, a decodes, b finishes.
+    out = runner.execute([SeqInput(c[6:], 6, tc, True), SeqInput([7], 10, ta, True),
+                          SeqInput(b[4:], 4, tb, True)])
+    assert out.shape == (3, runner.vocab_size) and out.dtype == torch.float32
+    torch.testing.assert_close(out[0], hf_logits(c)[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[1], hf_logits(a + [7])[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out[2], hf_logits(b)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_decode_rows_of_different_lengths_in_one_forward(runner, hf_logits):
+    prompts = [seq(n, 10 + n) for n in (3, 9, 6)]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    runner.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+    nxt = [4, 8, 15]
+    out = runner.execute([SeqInput([x], len(p), t, True)
+                          for p, t, x in zip(prompts, tables, nxt, strict=True)])
+    for i, (p, x) in enumerate(zip(prompts, nxt, strict=True)):
+        torch.testing.assert_close(out[i], hf_logits(p + [x])[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_short_block_table_is_refused(runner):
+    with pytest.raises(ValueError, match="cannot hold"):
+        runner.execute([SeqInput(seq(9, 4), 0, [1, 2], True)])
+
+
+def test_reset_kv_changes_pool_and_keeps_weights(tiny_model_dir, hf_logits):
+    r = ModelRunner(tiny_model_dir, num_blocks=8, block_size=4, max_num_seqs=2,
+                    max_batched_tokens=64)
+    before = r.kv_bytes_per_block
+    assert r.kv_dtype == "fp32"
+    r.reset_kv(16, "bf16")
+    assert r.num_blocks == 16 and r.kv_dtype == "bf16"
+    assert r.k_caches[0].shape[0] == 16 and r.k_caches[0].dtype == torch.bfloat16
+    assert r.kv_bytes_per_block == before // 2
+    p = seq(6, 5)
+    out = r.execute([SeqInput(p, 0, [3, 9], True)])
+    torch.testing.assert_close(out[0], hf_logits(p)[-1], atol=5e-2, rtol=5e-2)
+    with pytest.raises(ValueError, match="kv_dtype"):
+        r.reset_kv(16, "int3")
+
+
+def test_bf16_weights_load_and_decode(tiny_model_dir, hf_logits):
+    progress: list[tuple[int, int]] = []
+    r = ModelRunner(tiny_model_dir, dtype="bfloat16", num_blocks=8, block_size=4, max_num_seqs=1,
+                    max_batched_tokens=64, progress=lambda done, total: progress.append((done, total)))
+    assert r.dtype == torch.bfloat16 and r.kv_dtype == "bf16"
+    assert progress and progress[-1][0] == progress[-1][1]
+    assert [d for d, _ in progress] == sorted(d for d, _ in progress)
+    p = seq(8, 6)
+    out = r.execute([SeqInput(p, 0, [0, 1], True)])
+    ref = hf_logits(p)[-1]
+    assert int(out[0].argmax()) == int(ref.argmax())

@@ -1,0 +1,77 @@
+"""Reference greedy decoding with transformers, shared by the model tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+# The issue's rule: outputs must agree up to the first step where the
+# reference's top-two logits are closer than this (a near-tie).
+NEAR_TIE = 0.02
+
+
+@cache
+def _hf_model(model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompt: Sequence[int], max_new: int) -> tuple[list[int], int]:
+    """transformers' greedy continuation and the first near-tie step (max_new if none)."""
+    return _hf_greedy(str(model_dir), tuple(prompt), max_new)
+
+
+@cache
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> tuple[list[int], int]:
+    model = _hf_model(model_dir)
+    tokens: list[int] = []
+    first_tie = max_new
+    past = None
+    x = torch.tensor([list(prompt)])
+    with torch.inference_mode():
+        for step in range(max_new):
+            out = model(x, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[0, -1].float()
+            top2 = logits.topk(2).values
+            if first_tie == max_new and float(top2[0] - top2[1]) < NEAR_TIE:
+                first_tie = step
+            tokens.append(int(logits.argmax()))
+            x = torch.tensor([[tokens[-1]]])
+    return tokens, first_tie
+
+
+def assert_greedy_matches(model_dir: Path, prompt: Sequence[int], ours: list[int],
+                          min_agree: int = 8) -> None:
+    ref, tie = hf_greedy(model_dir, prompt, len(ours))
+    assert tie >= min_agree, f"reference near-tie at step {tie}: test would prove little"
+    assert ours[:tie] == ref[:tie], (
+        f"greedy tokens diverge from transformers before the first near-tie (step {tie}):\n"
+        f"ours {ours[:tie]}\nref  {ref[:tie]}")
+
+
+def pick_prompt(model_dir: Path, seed: int, length: int, max_new: int = 64,
+                min_agree: int = 24, vocab: int = 500) -> list[int]:
+    """A random prompt whose reference continuation has no near-tie in its first
+    min_agree steps (chosen from the reference alone), so a comparison proves something."""
+    for attempt in range(50):
+        g = torch.Generator().manual_seed(seed * 1000 + attempt)
+        prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
+        if hf_greedy(model_dir, prompt, max_new)[1] >= min_agree:
+            return prompt
+    raise AssertionError(f"{model_dir}: every prompt tried hits a near-tie early")
+
+
+@pytest.fixture(scope="session")
+def prompt_picker() -> Callable[..., list[int]]:
+    return pick_prompt
+
+
+@pytest.fixture(scope="session")
+def greedy_reference() -> Callable[..., None]:
+    return assert_greedy_matches
