@@ -40,6 +40,7 @@ class LogLine(msgspec.Struct):
     principal: str | None = None
     finish_reason: str | None = None
     client_gone: bool | None = None
+    outcome: str | None = None  # the router's request.done says outcome="client_gone"
     code: str | None = None
 
 
@@ -61,6 +62,7 @@ class Stats:
     client_gone: int = 0
     finish_error: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)  # rejected before request.start
     start_only: int = 0  # start seen, end outside the window
     end_only: int = 0  # end seen, start outside the window
     excluded: int = 0
@@ -162,6 +164,8 @@ class Journal:
         s = self._stats(rec.model or "(none)")
         if rec.principal in self.exclude:
             s.excluded += 1
+        elif rec.event == _REJECTED:  # refused on arrival (bad request, draining): no span
+            s.refused[rec.code or "(no code)"] += 1
         else:
             s.end_only += 1
 
@@ -173,7 +177,7 @@ class Journal:
             return
         if rec.event == _REJECTED:
             s.rejected[rec.code or "(no code)"] += 1
-        elif rec.client_gone:
+        elif rec.client_gone or rec.outcome == "client_gone":
             s.client_gone += 1
         elif rec.finish_reason == "error":
             s.finish_error += 1
@@ -190,6 +194,7 @@ class Journal:
             out.client_gone += s.client_gone
             out.finish_error += s.finish_error
             out.rejected.update(s.rejected)
+            out.refused.update(s.refused)
             out.start_only += s.start_only
             out.end_only += s.end_only
             out.excluded += s.excluded
@@ -227,6 +232,9 @@ def format_stats(title: str, s: Stats, wall_us: int) -> list[str]:
     out.append(ends)
     out.append(f"    unpaired (window edge): {s.start_only} start without end,"
                f" {s.end_only} end without start")
+    if s.refused:
+        codes = ", ".join(f"{c} {k}" for c, k in sorted(s.refused.items()))
+        out.append(f"  refused before start (no span): {sum(s.refused.values())}: {codes}")
     held = s.in_flight_micros()
     busy = sum(held.values())
     out.append(f"  utilisation: {_hours(busy)} busy h / {_hours(wall_us)} wall h"

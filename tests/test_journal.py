@@ -43,7 +43,8 @@ def generate_log() -> str:
 
     Model A spans (minutes): a1 [10,40] finished, a2 [20,30] client gone,
     a3 [25,50] finish_reason error, a4 [60,60] rejected 429, a5 [60,66]
-    rejected overloaded, a6 starts at 110 (no end), a0 ends at 5 (no start);
+    rejected overloaded, a6 starts at 110 (no end), a0 ends at 5 (no start),
+    a7 is refused at 70 before it starts (no span, not a window edge);
     bench [15,75] is a load generator. Model B: b1 [90,105], b2 starts at 100
     (no end; would make B's peak 2 if unpaired starts counted).
     """
@@ -59,11 +60,14 @@ def generate_log() -> str:
     events += _span("a6", A, "alice", 110, None)
     events += _span("a0", A, "alice", None, 5)
     events += _span("bench-1", A, "bench", 15, 75)
+    events += _span("a7", A, "bob", None, 70, "request.rejected", code="context_length_exceeded")
     events += _span("b1", B, "alice", 90, 105)
     events += _span("b2", B, "bob", 100, None)
     # the router logs the same req_ids with its own times: never paired with the neuron's
-    events += [(m + 0.5, _line(m + 0.5, e, component="router", req_id="a1", model=A, principal="alice"))
-               for m, e in ((1, "request.start"), (100, "request.done"))]
+    # (and says a client left with outcome="client_gone", as router/serve.py logs it)
+    router = {"component": "router", "req_id": "a1", "model": A, "principal": "alice"}
+    events += [(1.5, _line(1.5, "request.start", **router)),
+               (100.5, _line(100.5, "request.done", **router, outcome="client_gone"))]
     events.sort(key=lambda e: e[0])
     lines = [line for _, line in events]
     lines.insert(3, "-- Boot 0123456789abcdef --")
@@ -74,7 +78,7 @@ def generate_log() -> str:
 
 
 EXPECTED_EXCLUDING_BENCH = """\
-journal concurrency: component neuron, 23 lines, 19 JSON lines of neuron
+journal concurrency: component neuron, 24 lines, 20 JSON lines of neuron
 window 2026-11-30T08:00:00Z to 2026-11-30T10:00:00Z: 2.000 h
 excluding principals: bench
 
@@ -82,6 +86,7 @@ all models
   spans: 6 paired, 3 unpaired, 1 excluded
     paired: 2 finished, 1 client gone, 3 error (1 finish_reason error; 2 rejected: overloaded 1, rate_limit_exceeded 1)
     unpaired (window edge): 2 start without end, 1 end without start
+  refused before start (no span): 1: context_length_exceeded 1
   utilisation: 1.017 busy h / 2.000 wall h = 50.8%
   in flight over busy time: peak 3, mean 1.41
     in flight   busy h    share   cumulative
@@ -93,6 +98,7 @@ model Qwen/Qwen3-8B
   spans: 5 paired, 2 unpaired, 1 excluded
     paired: 1 finished, 1 client gone, 3 error (1 finish_reason error; 2 rejected: overloaded 1, rate_limit_exceeded 1)
     unpaired (window edge): 1 start without end, 1 end without start
+  refused before start (no span): 1: context_length_exceeded 1
   utilisation: 0.767 busy h / 2.000 wall h = 38.3%
   in flight over busy time: peak 3, mean 1.54
     in flight   busy h    share   cumulative
@@ -139,8 +145,9 @@ def test_stdin_and_router_component(log_file: Path) -> None:
         [sys.executable, "-m", "helexa.cli", "journal", "concurrency", "-", "--component", "router"],
         input=log_file.read_bytes(), capture_output=True, check=True)
     out = done.stdout.decode()
-    assert "journal concurrency: component router, 23 lines, 2 JSON lines of router\n" in out
+    assert "journal concurrency: component router, 24 lines, 2 JSON lines of router\n" in out
     assert "  spans: 1 paired, 0 unpaired\n" in out
+    assert "    paired: 0 finished, 1 client gone, 0 error\n" in out
     assert "  utilisation: 1.650 busy h / 1.650 wall h = 100.0%\n" in out
 
 
