@@ -21,6 +21,7 @@ from typing import Any
 
 import grpc
 import msgspec
+import structlog
 from helexa.neuron.auth import TokenAuthInterceptor, server_credentials
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.residency import ClientFactory, ModelState, Residency
@@ -28,10 +29,11 @@ from helexa.neuron.servicer import NeuronServicer
 from helexa.neuron.status import StatusHub, snapshot
 
 from helexa.config import ConfigError, NeuronConfig, field_apply, load_neuron_config, read_secret
-from helexa.log import get_logger, setup_logging
+from helexa.log import setup_logging
 from helexa.proto import neuron_pb2_grpc
 
-log = get_logger("neuron")
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="neuron")
 
 
 def config_diff(old: NeuronConfig, new: NeuronConfig) -> list[tuple[str, str, Any, Any]]:

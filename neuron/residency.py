@@ -22,14 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
 
 from helexa.config import ModelEntry, NeuronConfig, resolve_path
-from helexa.log import get_logger
 
 MIB = 1024 * 1024
-log = get_logger("neuron")
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="neuron")
 
 # (spec, on_status, on_fatal, on_progress) -> a started client. Tests pass a fake.
 ClientFactory = Callable[..., Awaitable[Any]]

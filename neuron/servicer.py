@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import structlog
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import Refusal, check_context
 from helexa.neuron.metrics import NeuronMetrics
@@ -26,11 +27,11 @@ from helexa.neuron.residency import ModelState, Residency, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 
 from helexa import __version__
-from helexa.log import get_logger
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 
-log = get_logger("neuron")
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="neuron")
 
 
 def sampling_params(s: pb.SamplingParams) -> messages.SamplingParams:
@@ -168,7 +169,12 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                     if upd.finished == messages.FinishReason.ERROR and not out_ids:
                         raise Refusal("upstream_error", f"the engine failed: {error}")
                     if upd.finished != messages.FinishReason.ABORT:
-                        resp.text += stopper.flush()
+                        tail, matched = stopper.feed(detok.flush())
+                        resp.text += tail
+                        if matched is not None:
+                            finish, stop_reason = pb.FINISH_REASON_STOP, matched
+                        else:
+                            resp.text += stopper.flush()
                     if upd.finished == messages.FinishReason.STOP and out_ids and \
                             out_ids[-1] in request.stop_token_ids:
                         stop_reason = str(out_ids[-1])
