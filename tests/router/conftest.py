@@ -12,9 +12,9 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
 import openai
 import pytest
+import tomli_w
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -22,7 +22,7 @@ from fake_neuron import Behaviour, FakeModel, FakeNeuron  # noqa: E402
 from helexa.router import app as router_app  # noqa: E402
 from helexa.router.auth import hash_key  # noqa: E402
 
-from helexa.config import RouterConfig  # noqa: E402
+from helexa.config import load_router_config  # noqa: E402
 
 ALICE_KEY = "sk-alice-test-key"
 
@@ -82,14 +82,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     n2 = FakeNeuron("n2", ["tiny", "other"], token="neuron-secret")
     a1 = lt.run(n1.start())
     a2 = lt.run(n2.start())
-    cfg = msgspec.convert({
+    raw = {
         "server": {"listen": "127.0.0.1:0", "max_body_bytes": 64 * 1024},
         "auth": {"keys_file": str(keys)},
         "neurons": {"token_file": str(tmp / "token"), "endpoints": [
             {"name": "n1", "address": a1}, {"name": "n2", "address": a2}]},
         "aliases": {"helexa/balanced": "tiny"},
         "timeouts": {"unhealthy_after_secs": 0.6, "load_wait_secs": 2.0, "request_secs": 30},
-    }, RouterConfig)
+    }
+    (tmp / "router.toml").write_text(tomli_w.dumps(raw))
+    cfg = load_router_config(tmp / "router.toml")
     runner, state, address = lt.run(router_app.start(cfg, tmp / "router.toml"))
     f = Fleet(lt, n1, n2, state, f"http://{address}")
     f.reset()

@@ -194,7 +194,6 @@ class FakeNeuron(pbg.NeuronServicer):
         m.used_bytes += reserve
         m.in_flight += 1
         self.changed()
-        finished = False
         try:
             if self.b.first_delay_secs:
                 await asyncio.sleep(self.b.first_delay_secs)
@@ -212,14 +211,14 @@ class FakeNeuron(pbg.NeuronServicer):
                 if i == 0 and request.return_prompt_token_ids:
                     msg.prompt_token_ids.extend(prompt_ids)
                 yield msg
-            finished = True
             yield pb.GenerateResponse(
                 finish_reason=pb.FINISH_REASON_LENGTH if n == budget else pb.FINISH_REASON_STOP,
                 usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=n,
                                cached_tokens=len(prompt_ids) // 2))
+        except asyncio.CancelledError:
+            self.cancelled += 1  # the caller cancelled the call (client gone)
+            raise
         finally:
-            if not finished and context.cancelled():
-                self.cancelled += 1
             m.used_bytes -= reserve
             m.in_flight -= 1
             self.changed()

@@ -1,0 +1,146 @@
+"""The HTTP contract against fake neurons: bodies, streams, models, errors (official openai client)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import openai
+import pytest
+from conftest import ALICE_KEY
+from helexa.router.auth import Authenticator, hash_key
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def test_chat_non_streaming(fl):
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=4)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == "w0 w1 w2 w3 "
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens >= 1
+    assert r.usage.prompt_tokens_details.cached_tokens == r.usage.prompt_tokens // 2
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 4
+
+
+def test_chat_streaming_with_usage_ends_with_done(fl):
+    with httpx2.stream("POST", fl.url + "/v1/chat/completions", json={
+            "model": "helexa/balanced", "messages": MSG, "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "w0 w1 w2 "
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[0]["model"] == "tiny"  # the alias resolved
+
+
+def test_completions_token_ids_with_return_token_ids(fl):
+    r = fl.client().completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=2,
+                                       extra_body={"return_token_ids": True})
+    body = r.model_dump()
+    assert body["choices"][0]["text"] == "w0 w1 "
+    assert body["prompt_token_ids"] == [5, 6, 7]
+    assert body["choices"][0]["token_ids"] == [100, 101]
+    assert fl.n1.requests[-1:] or fl.n2.requests[-1:]
+    sent = (fl.n1.requests + fl.n2.requests)[-1]
+    assert list(sent.token_ids.ids) == [5, 6, 7] and sent.return_prompt_token_ids
+
+
+def test_completions_streaming_text(fl):
+    s = fl.client().completions.create(model="tiny", prompt="once upon", max_tokens=2, stream=True)
+    assert "".join(c.choices[0].text for c in s) == "w0 w1 "
+
+
+def test_logprobs_chat_and_completion_forms(fl):
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2,
+                                            logprobs=True, top_logprobs=2)
+    lp = r.choices[0].logprobs.content
+    assert [t.token for t in lp] == ["w0 ", "w1 "] and lp[0].logprob == -0.5
+    assert len(lp[0].top_logprobs) == 2 and lp[0].bytes == list(b"w0 ")
+    r = fl.client().completions.create(model="tiny", prompt="x", max_tokens=2, logprobs=1)
+    assert r.choices[0].logprobs.tokens == ["w0 ", "w1 "]
+    assert r.choices[0].logprobs.text_offset == [0, 3]
+    assert r.choices[0].logprobs.top_logprobs[0] == {"w0 ": -0.5}
+
+
+def test_n_fans_out_into_choices(fl):
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2, n=3, seed=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 6
+    seeds = sorted(q.sampling.seed for q in fl.n1.requests + fl.n2.requests)
+    assert seeds == [1, 2, 3]
+
+
+def test_principal_comes_from_the_key_only(fl):
+    fl.client(ALICE_KEY, default_headers={"X-Helexa-Principal": "mallory"}).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=1)
+    fl.client("sk-unknown").chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    principals = [q.principal for q in fl.n1.requests + fl.n2.requests]
+    assert sorted(principals) == ["", "alice"]
+
+
+def test_models_lists_models_and_aliases_with_smallest_limits(fl):
+    fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "context", 1000), fl.n2.changed()))
+    import time
+    time.sleep(0.2)
+    data = {m.id: m.model_dump() for m in fl.client().models.list()}
+    assert data["tiny"]["limit"] == {"context": 1000, "input": 999, "output": 1024}
+    assert data["other"]["limit"] == {"context": 512, "input": 511, "output": 256}
+    assert data["helexa/balanced"]["limit"] == data["tiny"]["limit"]
+    assert data["helexa/balanced"]["alias_of"] == "tiny"
+    assert fl.client().models.retrieve("other").id == "other"
+
+
+def test_unsupported_and_unknown_fields_are_400_naming_the_param(fl):
+    c = fl.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MSG,
+                                  tools=[{"type": "function", "function": {"name": "f"}}])
+    assert e.value.body["param"] == "tools" and e.value.code == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MSG, extra_body={"wat": 1})
+    assert e.value.body["param"] == "wat"
+    r = httpx2.post(fl.url + "/v1/chat/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(fl):
+    with pytest.raises(openai.NotFoundError) as e:
+        fl.client().chat.completions.create(model="nope", messages=MSG)
+    assert e.value.code == "model_not_found"
+
+
+def test_body_over_the_limit_is_413(fl):
+    r = httpx2.post(fl.url + "/v1/chat/completions",
+                    json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_require_auth_401(fl):
+    old = fl.state.auth
+    fl.state.auth = Authenticator({hash_key(ALICE_KEY): "alice"}, require_auth=True)
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            fl.client("sk-wrong").chat.completions.create(model="tiny", messages=MSG)
+        assert e.value.code == "invalid_api_key"
+        fl.client(ALICE_KEY).chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    finally:
+        fl.state.auth = old
+
+
+def test_health_and_metrics(fl):
+    h = httpx2.get(fl.url + "/health").json()
+    assert h["status"] == "ok" and h["neurons"]["n1"]["healthy"]
+    fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    m = httpx2.get(fl.url + "/metrics").text
+    assert 'helexa_router_requests_total{code="200",model="tiny"}' in m
+    assert 'helexa_neuron_kv_free_bytes{model="tiny",neuron="n1"}' in m
+    assert "helexa_router_ttft_seconds_bucket" in m
+    assert "helexa_router_selections_total" in m

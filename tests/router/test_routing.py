@@ -1,0 +1,199 @@
+"""Routing behaviour against fake neurons: failover, refusals, mid-stream failure, disconnects,
+health, on-demand loads and bursts."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+
+import httpx2
+import openai
+import pytest
+from helexa.router.dispatch import DispatchSettings
+
+from helexa.proto import neuron_pb2 as pb
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def set_b(fl, neuron, **kw):
+    def go():
+        for k, v in kw.items():
+            setattr(neuron.b, k, v)
+        neuron.changed()
+    fl.lt.call(go)
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_refusal_before_first_byte_fails_over_to_the_other_neuron(fl):
+    set_b(fl, fl.n1, refuse=("RESOURCE_EXHAUSTED", "overloaded", 1000))
+    set_b(fl, fl.n2, refuse=("RESOURCE_EXHAUSTED", "overloaded", 1000))
+    fl.lt.call(lambda: setattr(fl.n2.b, "refuse_times", 0))  # n2 accepts
+    for _ in range(4):
+        r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+        assert r.choices[0].message.content == "w0 w1 "
+    assert len(fl.n2.requests) == 4
+
+
+@pytest.mark.parametrize("status,code,err,retry", [
+    ("RESOURCE_EXHAUSTED", "rate_limit_exceeded", openai.RateLimitError, "3"),
+    ("RESOURCE_EXHAUSTED", "overloaded", openai.InternalServerError, "3"),
+    ("UNAVAILABLE", "shutting_down", openai.InternalServerError, "3"),
+])
+def test_refused_everywhere_reaches_the_client_with_retry_after(fl, status, code, err, retry):
+    for n in (fl.n1, fl.n2):
+        set_b(fl, n, refuse=(status, code, 2500))
+    with pytest.raises(err) as e:
+        fl.client().chat.completions.create(model="tiny", messages=MSG)
+    assert e.value.code == code and e.value.response.headers["retry-after"] == retry
+    assert len(fl.n1.requests) + len(fl.n2.requests) == 2  # retried once, not more
+
+
+def test_context_length_exceeded_is_not_retried(fl):
+    with pytest.raises(openai.BadRequestError) as e:
+        fl.client().completions.create(model="tiny", prompt=list(range(3000)), max_tokens=1)
+    assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "prompt"
+    assert len(fl.n1.requests) + len(fl.n2.requests) == 1
+
+
+def test_neuron_failing_mid_stream_ends_the_stream_with_an_error_event(fl):
+    s = fl.client().chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "[[fail:2]]"}], max_tokens=6,
+        stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as e:
+        for chunk in s:
+            got.append(chunk)
+    assert "mid-stream" in e.value.message
+    assert e.value.body["code"] == "upstream_error"
+    assert "".join(c.choices[0].delta.content or "" for c in got) == "w0 w1 "
+    # Non-streaming: a 502 with the same code.
+    with pytest.raises(openai.APIStatusError) as e:
+        fl.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "[[fail:2]]"}], max_tokens=6)
+    assert e.value.status_code == 502 and e.value.code == "upstream_error"
+
+
+def test_client_disconnect_cancels_the_neuron_call_and_frees_kv(fl):
+    set_b(fl, fl.n1, token_delay_secs=0.05, default_tokens=500)
+    set_b(fl, fl.n2, token_delay_secs=0.05, default_tokens=500)
+    before = fl.n1.cancelled + fl.n2.cancelled
+    with httpx2.stream("POST", fl.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": MSG, "max_tokens": 500, "stream": True}) as r:
+        for line in r.iter_lines():
+            if "w1 " in line:
+                break  # leave mid-stream: the context manager closes the connection
+    assert wait_for(lambda: fl.n1.cancelled + fl.n2.cancelled == before + 1)
+    models = [fl.n1.models["tiny"], fl.n2.models["tiny"]]
+    assert wait_for(lambda: all(m.used_bytes == 0 and m.in_flight == 0 for m in models))
+    # The router's mirror shows the blocks back too.
+    assert wait_for(lambda: 'helexa_neuron_kv_used_bytes{model="tiny",neuron="n1"} 0.0'
+                    in httpx2.get(fl.url + "/metrics").text)
+
+
+def test_silent_neuron_leaves_rotation_and_comes_back(fl):
+    set_b(fl, fl.n1, silent=True)
+    t0 = time.monotonic()
+    assert wait_for(lambda: not fl.state.registry.links["n1"].healthy(), 3)
+    assert time.monotonic() - t0 < 2.0
+    for _ in range(3):
+        fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    assert fl.n1.requests == [] and len(fl.n2.requests) == 3
+    set_b(fl, fl.n1, silent=False)
+    assert wait_for(lambda: fl.state.registry.links["n1"].healthy(), 3)
+
+
+def test_no_healthy_neuron_is_503_service_unavailable(fl):
+    for n in (fl.n1, fl.n2):
+        set_b(fl, n, silent=True)
+    assert wait_for(lambda: not fl.state.registry.healthy_links(), 3)
+    with pytest.raises(openai.InternalServerError) as e:
+        fl.client().chat.completions.create(model="tiny", messages=MSG)
+    assert e.value.status_code == 503 and e.value.code == "service_unavailable"
+    assert "retry-after" in e.value.response.headers
+
+
+def test_draining_neuron_is_skipped_and_all_draining_is_shutting_down(fl):
+    fl.lt.call(lambda: (setattr(fl.n1, "draining", True), fl.n1.changed()))
+    time.sleep(0.1)
+    fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    assert fl.n1.requests == []
+    fl.lt.call(lambda: (setattr(fl.n2, "draining", True), fl.n2.changed()))
+    time.sleep(0.1)
+    with pytest.raises(openai.InternalServerError) as e:
+        fl.client().chat.completions.create(model="tiny", messages=MSG)
+    assert e.value.code == "shutting_down" and e.value.response.headers["retry-after"]
+
+
+def test_on_demand_load_then_serve(fl):
+    r = fl.client().chat.completions.create(model="lazy", messages=MSG, max_tokens=1)
+    assert r.choices[0].message.content == "w0 "
+    assert fl.n1.loads == ["lazy"]
+    assert fl.n1.models["lazy"].state == pb.MODEL_STATE_READY
+
+
+def test_slow_load_is_503_model_loading_with_retry_after(fl):
+    set_b(fl, fl.n1, load_secs=3.0)
+    with pytest.raises(openai.InternalServerError) as e:
+        fl.client().chat.completions.create(model="lazy", messages=MSG, max_tokens=1)
+    assert e.value.code == "model_loading" and int(e.value.response.headers["retry-after"]) >= 1
+    assert fl.n1.loads == ["lazy"]
+
+
+def test_principal_not_allowed_to_load(fl):
+    old = fl.state.dispatcher.settings
+    fl.state.dispatcher.settings = DispatchSettings(["alice"], 2.0, 30)
+    try:
+        with pytest.raises(openai.InternalServerError) as e:
+            fl.client().chat.completions.create(model="lazy", messages=MSG, max_tokens=1)
+        assert e.value.code == "service_unavailable" and fl.n1.loads == []
+    finally:
+        fl.state.dispatcher.settings = old
+
+
+def test_burst_spreads_over_both_neurons(fl):
+    for n in (fl.n1, fl.n2):
+        set_b(fl, n, first_delay_secs=0.2)
+    client = fl.client()
+
+    def one(i):
+        return client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "same conversation"}], max_tokens=1)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, range(8)))
+    assert len(fl.n1.requests) >= 3 and len(fl.n2.requests) >= 3
+
+
+def test_sighup_reload_changes_aliases_and_neurons(fl, tmp_path):
+    cfg = tmp_path / "router.toml"
+    a1, a2 = fl.n1.address, fl.n2.address
+    cfg.write_text(f'''
+[aliases]
+"helexa/fast" = "other"
+[[neurons.endpoints]]
+name = "n2"
+address = "{a2}"
+[neurons]
+token_file = "{fl.state.config_path.parent / 'token'}"
+''')
+    old_path, old_cfg = fl.state.config_path, fl.state.cfg
+    fl.state.config_path = cfg
+    try:
+        fl.lt.run(fl.state.reload())
+        assert sorted(fl.state.registry.links) == ["n2"]
+        r = fl.client().chat.completions.create(model="helexa/fast", messages=MSG, max_tokens=1)
+        assert r.model == "other"
+    finally:
+        fl.state.config_path = old_path
+        fl.lt.run(fl.state.reload())
+        assert sorted(fl.state.registry.links) == ["n1", "n2"]
+        assert fl.state.cfg.aliases == old_cfg.aliases and a1
