@@ -1,0 +1,103 @@
+"""Token ids → text deltas as they are generated, and stop strings over the stream.
+
+`IncrementalDetokenizer` decodes a short window of recent tokens and emits
+only what the newest tokens added, holding text back while it ends in an
+incomplete UTF-8 character (byte-level BPE splits characters across
+tokens: an emoji can take four). Decoding a window rather than one token at
+a time keeps decoders that depend on neighbours (spaces, merges) correct.
+
+`StopChecker` finds stop strings that may span token boundaries: it holds
+back any tail that could be the start of a stop string, and never emits a
+matched stop string or anything after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"  # what a byte-level decoder yields for an incomplete character
+# Tokens of the prompt decoded as left context for the first output token.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Feed generated ids; get back the text they add, never half a character."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_ids)
+        # ids[prefix_offset:read_offset] decoded is what was already emitted
+        # (plus left context); ids[read_offset:] is pending.
+        self.prefix_offset = max(len(self.ids) - _CONTEXT_TOKENS, 0)
+        self.read_offset = len(self.ids)
+        self.text = ""  # all output text emitted so far
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated ids; return the new complete text (possibly "")."""
+        self.ids.extend(token_ids)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """At the end of the stream: whatever is held, replacement characters included."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        # A trailing U+FFFD is an incomplete character still waiting for its
+        # next bytes (or, rarely, a real one: flush() lets it out).
+        if len(full) <= len(prefix) or (full.endswith(REPLACEMENT) and not final):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.text += delta
+        return delta
+
+
+class StopChecker:
+    """Cuts the text stream at the first stop string; emits nothing that might be one."""
+
+    def __init__(self, stop: list[str]) -> None:
+        self.stop = [s for s in stop if s]
+        self._held = ""
+        self.matched: str | None = None
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """(text safe to emit, the stop string matched now or None)."""
+        if self.matched is not None:
+            return "", None
+        if not self.stop:
+            return text, None
+        buf = self._held + text
+        hit: tuple[int, str] | None = None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (hit is None or i < hit[0]):
+                hit = (i, s)
+        if hit is not None:
+            self.matched, self._held = hit[1], ""
+            return buf[:hit[0]], hit[1]
+        hold = self._partial_len(buf)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], None
+
+    def _partial_len(self, buf: str) -> int:
+        """Length of the longest tail of buf that is a proper prefix of a stop string."""
+        best = 0
+        for s in self.stop:
+            for k in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:k]):
+                    best = k
+                    break
+        return best
+
+    def flush(self) -> str:
+        """At the end of the stream: the held tail (it never became a stop string)."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held

@@ -1,0 +1,148 @@
+"""A checkpoint's tokenizer and chat template, without transformers.
+
+`Tokenizer.from_dir(DIR)` reads tokenizer.json (the `tokenizers` library),
+the chat template (tokenizer_config.json `chat_template`, or the
+chat_template.jinja file transformers 5 writes) and the eos ids
+(generation_config.json, config.json and tokenizer_config.json together).
+The template is rendered in the same sandboxed jinja2 environment
+transformers uses, so prompts are token-for-token what the model was
+trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+
+class TemplateError(Exception):
+    """The chat template refused the messages (its raise_exception), or is missing."""
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _compile_template(source: str) -> Any:
+    """The jinja2 environment of transformers' apply_chat_template."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one checkpoint."""
+
+    def __init__(self, tok: Any, *, chat_template: str | None, eos_token_ids: list[int],
+                 special_tokens: dict[str, str | None]) -> None:
+        self._tok = tok  # tokenizers.Tokenizer
+        self.chat_template = chat_template
+        self.eos_token_ids = eos_token_ids
+        self.special_tokens = special_tokens  # bos_token, eos_token, pad_token, unk_token
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        d = Path(model_dir)
+        tok = HfTokenizer.from_file(str(d / "tokenizer.json"))
+        tcfg = _read_json(d / "tokenizer_config.json")
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name", "template"}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = d / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        special = {k: _token_text(tcfg.get(k)) for k in
+                   ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos: list[int] = []
+        for source in (_read_json(d / "generation_config.json").get("eos_token_id"),
+                       _read_json(d / "config.json").get("eos_token_id")):
+            eos += [i for i in _ids(source) if i not in eos]
+        if special["eos_token"] is not None:
+            i = tok.token_to_id(special["eos_token"])
+            if i is not None and i not in eos:
+                eos.append(i)
+        return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+
+    # ---------------------------------------------------------------- tokens
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    # ------------------------------------------------------------------ chat
+
+    @cached_property
+    def _template(self) -> Any:
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; send a plain prompt instead")
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) does.
+
+        Extra keywords (tools, enable_thinking, …) are passed to the template.
+        """
+        ctx = {k: v for k, v in self.special_tokens.items() if v is not None}
+        ctx.update(kwargs)
+        return self._template.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt, **ctx)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        # The template writes any bos itself, so the text is encoded without
+        # adding special tokens (as transformers does for chat).
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)

@@ -1,0 +1,90 @@
+"""Incremental detokenisation never splits a character; stop strings span tokens and are cut."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from helexa.neuron.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from helexa.neuron.tokenizer import Tokenizer
+
+TEXTS = [
+    " The harbour at dawn, 7 boats.",
+    " emoji 🙂🚀👨‍👩‍👧 flags 🇵🇱🇯🇵 and CJK 日本語のテキスト",
+    " def f(x):\n    return {'é': x ** 2}  # ∑ ≈ π\n",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir) -> Tokenizer:
+    return Tokenizer.from_dir(tiny_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_by_token_never_emits_half_a_character(tok, text):
+    prompt = tok.encode("Once upon a time")
+    ids = tok.encode(text)
+    assert any("\ufffd" in tok.decode([i]) for i in ids) or text.isascii()  # really split
+    d = IncrementalDetokenizer(tok, prompt)
+    deltas = [d.add([i]) for i in ids]
+    assert all("\ufffd" not in x for x in deltas)
+    assert "".join(deltas) == text and d.flush() == ""
+
+
+def test_several_tokens_per_step_and_special_tokens(tok):
+    ids = tok.encode(TEXTS[1]) + [tok.token_to_id("<|im_end|>")]
+    d = IncrementalDetokenizer(tok, tok.encode("<|im_start|>assistant\n"))
+    out = "".join(d.add(ids[i:i + 3]) for i in range(0, len(ids), 3))
+    assert out == TEXTS[1]  # the eos is skipped
+    keep = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+    assert keep.add(ids) == TEXTS[1] + "<|im_end|>"
+
+
+def test_random_tokens_match_a_full_decode(tok):
+    rng = random.Random(0)
+    prompt = tok.encode("Some context.")
+    base = tok.decode(prompt)
+    for _ in range(20):
+        out = [rng.randrange(tok.vocab_size - 3) for _ in range(rng.randrange(1, 30))]
+        d = IncrementalDetokenizer(tok, prompt)
+        text = "".join(d.add([i]) for i in out) + d.flush()
+        assert text == tok.decode(prompt + out)[len(base):]
+
+
+def feed_all(checker: StopChecker, pieces: list[str]) -> tuple[str, str | None]:
+    emitted, matched = "", None
+    for p in pieces:
+        text, m = checker.feed(p)
+        emitted += text
+        matched = matched or m
+    return emitted + checker.flush(), matched
+
+
+def test_stop_string_spanning_pieces_is_cut_and_not_emitted():
+    c = StopChecker(["STOP"])
+    assert c.feed("Hello S") == ("Hello ", None)  # "S" may start STOP: held
+    assert c.feed("T") == ("", None)
+    assert c.feed("OP and more") == ("", "STOP")
+    assert c.feed("later") == ("", None) and c.flush() == ""
+
+
+def test_held_text_that_is_not_a_stop_is_released():
+    c = StopChecker(["</answer>"])
+    assert c.feed("a </ans") == ("a ", None)
+    assert c.feed("wer is here") == ("</answer is here", None)
+    assert c.feed("</") == ("", None)
+    assert c.flush() == "</"  # the stream ended: it never became a stop
+
+
+def test_earliest_of_several_stops_wins():
+    assert feed_all(StopChecker(["world", "lo w"]), ["hel", "lo", " wor", "ld"]) == ("hel", "lo w")
+    assert feed_all(StopChecker([]), ["no", " stops"]) == ("no stops", None)
+    assert feed_all(StopChecker(["\n\n"]), ["a\n", "\nb"]) == ("a", "\n\n")
+
+
+def test_stop_over_detokenized_stream(tok):
+    text = " Result: 42 🙂 and then ### more text"
+    ids = tok.encode(text)
+    d, c = IncrementalDetokenizer(tok, []), StopChecker(["###", "🙂 an"])
+    emitted, matched = feed_all(c, [d.add([i]) for i in ids])
+    assert (emitted, matched) == (" Result: 42 ", "🙂 an")

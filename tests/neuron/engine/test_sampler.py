@@ -1,0 +1,120 @@
+"""Sampler: greedy, seeded reproducibility, top_k/top_p/min_p distributions, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helexa.neuron.engine.messages import SamplingParams
+from helexa.neuron.engine.sampler import Sampler, SamplingState
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.1])
+LOGITS = PROBS.log()
+N = 6000  # draws per distribution check: 4σ of a 0.5 frequency is ~0.026
+
+
+def state(prompt=(), **kw) -> SamplingState:
+    return SamplingState.for_request(SamplingParams(**kw), list(prompt), [])
+
+
+def frequencies(logits: torch.Tensor, **kw) -> torch.Tensor:
+    """Empirical distribution of N unseeded draws (one batch of N identical rows)."""
+    torch.manual_seed(1234)
+    picks = Sampler()(logits.repeat(N, 1), [state(**kw) for _ in range(N)])
+    counts = torch.bincount(torch.tensor([t for t, _ in picks]), minlength=logits.numel())
+    return counts.float() / N
+
+
+def assert_close(freq: torch.Tensor, expected: list[float]) -> None:
+    exp = torch.tensor(expected)
+    tol = 4 * torch.sqrt(exp * (1 - exp) / N) + 1e-9  # zero-probability tokens: never drawn
+    assert (freq - exp).abs().le(tol).all(), (freq.tolist(), expected)
+
+
+def test_greedy_is_argmax_and_leaves_the_input_alone():
+    logits = torch.randn(5, 50)
+    before = logits.clone()
+    picks = Sampler()(logits, [state(temperature=0.0, repetition_penalty=1.3) for _ in range(5)])
+    assert torch.equal(logits, before)
+    plain = Sampler()(logits, [state(temperature=0.0) for _ in range(5)])
+    assert [t for t, _ in plain] == logits.argmax(-1).tolist()
+    assert all(lp is None for _, lp in plain)
+    assert len(picks) == 5
+
+
+@pytest.mark.parametrize("kw, expected", [
+    ({}, [0.5, 0.25, 0.15, 0.1]),
+    ({"temperature": 2.0}, (PROBS.sqrt() / PROBS.sqrt().sum()).tolist()),
+    ({"top_k": 2}, [2 / 3, 1 / 3, 0, 0]),
+    ({"top_p": 0.7}, [2 / 3, 1 / 3, 0, 0]),  # 0.5 < 0.7, 0.75 reaches it: two tokens
+    ({"top_p": 0.8}, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]),
+    ({"min_p": 0.35}, [2 / 3, 1 / 3, 0, 0]),  # floor 0.175
+    ({"min_p": 0.3}, [0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]),  # floor 0.15 keeps 0.15
+    ({"top_k": 3, "top_p": 0.6}, [2 / 3, 1 / 3, 0, 0]),
+])
+def test_sampled_distribution(kw, expected):
+    assert_close(frequencies(LOGITS, **kw), expected)
+
+
+def run(target: SamplingState, others: list[SamplingState], steps: int, vocab: int = 64) -> list[int]:
+    """Decode `steps` tokens for target, batched second among `others`; its logits are the
+    same whatever the batch, the neighbours' are noise."""
+    mine, noise = torch.Generator().manual_seed(99), torch.Generator().manual_seed(5)
+    sampler, out = Sampler(), []
+    for _ in range(steps):
+        row = torch.randn(1, vocab, generator=mine)
+        logits = torch.cat([torch.randn(1, vocab, generator=noise), row,
+                            torch.randn(len(others) - 1, vocab, generator=noise)]) if others else row
+        batch = [others[0], target, *others[1:]] if others else [target]
+        tok = sampler(logits, batch)[1 if others else 0][0]
+        target.output_token_ids.append(tok)
+        for o in others:
+            o.output_token_ids.append(0)
+        out.append(tok)
+    return out
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    alone = run(state(seed=7, temperature=1.0), [], 30)
+    torch.manual_seed(0)  # the unseeded neighbours use the default generator
+    crowd = [state(temperature=0.8), state(seed=8, top_p=0.9), state(temperature=0.0),
+             state(temperature=1.0, repetition_penalty=1.2, logprobs=True, top_logprobs=2)]
+    batched = run(state(seed=7, temperature=1.0), crowd, 30)
+    assert alone == batched
+    other_seed = run(state(seed=70, temperature=1.0), [], 30)
+    assert other_seed != alone
+
+
+def test_repetition_frequency_and_presence_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.0, 0.5]])
+    rep = state(prompt=[0, 1], repetition_penalty=2.0, temperature=0.0, logprobs=True)
+    rep.output_token_ids.append(4)
+    (_, lp), = Sampler()(logits, [rep])
+    expect = torch.tensor([1.0, -4.0, 1.0, 0.0, 0.25]).log_softmax(-1)  # seen: ÷2 if >0, ×2 if <0
+    assert lp.logprob == pytest.approx(expect[lp.token_id].item(), abs=1e-6)
+
+    s = state(frequency_penalty=0.5, presence_penalty=1.0, temperature=0.0, top_logprobs=5)
+    s.output_token_ids.extend([1, 1, 2])
+    zeros = torch.zeros(1, 5)
+    (tok, lp), = Sampler()(zeros, [s])
+    expect = torch.tensor([0.0, -2.0, -1.5, 0.0, 0.0]).log_softmax(-1)
+    got = {t.token_id: t.logprob for t in lp.top}
+    assert all(got[i] == pytest.approx(expect[i].item(), abs=1e-6) for i in range(5))
+    s.output_token_ids.append(0)  # counts follow the growing output
+    (tok, lp), = Sampler()(zeros, [s])
+    assert tok in (3, 4)
+    assert {t.token_id: t.logprob for t in lp.top}[0] == pytest.approx(
+        torch.tensor([-1.5, -2.0, -1.5, 0.0, 0.0]).log_softmax(-1)[0].item(), abs=1e-6)
+
+
+def test_logprobs_are_raw_pre_temperature_with_top_alternatives():
+    logits = torch.tensor([[3.0, 1.0, 0.5, -1.0, 2.0, 0.0]] * 2)
+    sts = [state(temperature=0.5, seed=1, logprobs=True, top_logprobs=3), state(temperature=0.0)]
+    (tok, lp), (greedy_tok, none) = Sampler()(logits, sts)
+    raw = logits[0].log_softmax(-1)
+    assert none is None and greedy_tok == 0
+    assert lp.token_id == tok and lp.logprob == pytest.approx(raw[tok].item(), abs=1e-6)
+    assert [t.token_id for t in lp.top] == [0, 4, 1]
+    assert [t.logprob for t in lp.top] == pytest.approx(raw[[0, 4, 1]].tolist(), abs=1e-6)
+    assert math.isclose(sum(math.exp(x) for x in raw.tolist()), 1.0, rel_tol=1e-5)

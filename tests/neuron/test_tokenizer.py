@@ -1,0 +1,96 @@
+"""neuron.tokenizer renders and encodes chats exactly as transformers does."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from helexa.neuron.tokenizer import TemplateError, Tokenizer
+from transformers import AutoTokenizer
+
+CHATS = [
+    [{"role": "user", "content": "Hello!"}],
+    [{"role": "system", "content": "You answer in one line."},
+     {"role": "user", "content": "Zażółć gęślą jaźń 🙂 — what is this?"},
+     {"role": "assistant", "content": "A Polish pangram."},
+     {"role": "user", "content": "def f(x):\n    return x"}],
+    [{"role": "user", "content": [{"type": "text", "text": "parts "}, {"type": "text", "text": "joined"}]}],
+]
+
+# A template in the style of today's checkpoints: tojson, loop controls,
+# raise_exception, a namespace and extra keywords (tools, enable_thinking).
+RICH_TEMPLATE = """{%- if tools %}<|im_start|>system
+Tools: {{ tools | tojson }}<|im_end|>
+{% endif %}
+{%- for m in messages %}
+  {%- if m.role not in ['system', 'user', 'assistant'] %}{{ raise_exception('bad role ' + m.role) }}{% endif %}
+  {%- if loop.first and m.role == 'system' %}{% continue %}{% endif %}
+<|im_start|>{{ m.role }}
+{{ m.content | trim }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model_dir):
+    return Tokenizer.from_dir(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize("chat", range(len(CHATS)))
+@pytest.mark.parametrize("gen", [True, False])
+def test_chat_renders_and_encodes_as_transformers(pair, chat, gen):
+    ours, ref = pair
+    msgs = CHATS[chat]
+    text = ref.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+    assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == text
+    ref_ids = ref.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen)
+    ref_ids = ref_ids["input_ids"] if isinstance(ref_ids, dict) or hasattr(ref_ids, "keys") else ref_ids
+    assert ours.encode_chat(msgs, add_generation_prompt=gen) == list(ref_ids)
+
+
+def test_rich_template_from_chat_template_jinja(tiny_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]  # transformers 5 keeps it in chat_template.jinja
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (d / "chat_template.jinja").write_text(RICH_TEMPLATE)
+    ours, ref = Tokenizer.from_dir(d), AutoTokenizer.from_pretrained(d)
+    msgs = CHATS[1]
+    tools = [{"type": "function", "function": {"name": "wetter", "description": "Temperatur in °C"}}]
+    for kw in ({}, {"tools": tools}, {"enable_thinking": False}):
+        assert ours.apply_chat_template(msgs, **kw) == ref.apply_chat_template(
+            msgs, tokenize=False, add_generation_prompt=True, **kw)
+    with pytest.raises(TemplateError, match="bad role tool"):
+        ours.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_encode_decode_eos_and_vocab(pair, tiny_model_dir):
+    ours, ref = pair
+    text = "Straße 🚀 <|im_end|> x = {'a': [1, 2]}\n"
+    ids = ours.encode(text)
+    assert ids == ref(text).input_ids
+    assert ours.decode(ids) == text
+    assert "<|im_end|>" not in ours.decode(ids, skip_special_tokens=True)
+    gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert set(ours.eos_token_ids) == set(gen["eos_token_id"])
+    assert ours.token_to_id("<|im_end|>") in ours.eos_token_ids
+    assert ours.vocab_size == len(ref)
+    assert ours.id_to_token(ours.token_to_id("<|im_start|>")) == "<|im_start|>"
+    assert ours.token_to_id("<|endoftext|>") in ours.special_token_ids
+
+
+def test_model_without_template_says_so(tiny_model_dir, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_dir, d)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TemplateError, match="no chat template"):
+        Tokenizer.from_dir(d).encode_chat(CHATS[0])
