@@ -112,3 +112,77 @@ def test_a_broken_example_would_be_caught(tmp_path: Path) -> None:
                    .replace("max_slots = 4", "max_slot = 4"))
     with pytest.raises(ConfigError, match="engine.max_slot: unknown key"):
         load_config(bad, NeuronConfig)
+
+
+# ------------------------------------------------------------- prose vs code
+
+PROSE = [ROOT / "docs" / "architecture.md", ROOT / "docs" / "operating.md"]
+_TOP_KEYS = {f.name for schema in (config.NeuronConfig, config.RouterConfig)
+             for f in msgspec.structs.fields(schema)}
+
+
+def test_sample_output_in_operating_md_is_what_the_command_prints(monkeypatch, capsys) -> None:
+    from helexa.plan import main as plan_main
+
+    text = (ROOT / "docs" / "operating.md").read_text()
+    m = re.search(r"<!-- output of: helexa plan (\S+) -->\n```\n(.*?)```", text, re.S)
+    assert m, "operating.md lost its `helexa plan` sample"
+    monkeypatch.chdir(ROOT)
+    assert plan_main([m.group(1)]) == 0
+    assert capsys.readouterr().out == m.group(2), (
+        f"docs/operating.md: the `helexa plan {m.group(1)}` sample is stale; paste the new output")
+
+
+def test_config_keys_named_in_the_docs_exist() -> None:
+    named = set()
+    for doc in PROSE:
+        for key in re.findall(r"`([a-z_]+(?:\[\])?(?:\.(?:<name>|[a-z_]+)(?:\[\])?)+)`", doc.read_text()):
+            if key.split(".")[0].removesuffix("[]") in _TOP_KEYS:
+                named.add((doc.name, key))
+    assert len(named) > 20
+    for doc, key in sorted(named):
+        path = key.replace("[]", "").replace(".<name>", "")
+        found = []
+        for schema in (config.NeuronConfig, config.RouterConfig):
+            try:
+                field_apply(schema, path)
+                found.append(schema)
+            except KeyError:
+                pass
+        assert found, f"docs/{doc} names `{key}`, which no config schema has"
+
+
+def _source_metric_patterns() -> list[re.Pattern[str]]:
+    patterns = []
+    for folder in ("neuron", "router"):
+        for py in (ROOT / folder).rglob("*.py"):
+            for lit in re.findall(r"\"(helexa_[a-z_{}]+)\"", py.read_text()):
+                patterns.append(re.compile(re.sub(r"\\\{[a-z_]*\\\}", "[a-z_]+", re.escape(lit)) + "$"))
+    return patterns
+
+
+def _expand(name: str) -> list[str]:
+    m = re.search(r"\{([a-z_,]+)\}", name)
+    if not m:
+        return [name]
+    return [x for alt in m.group(1).split(",") for x in _expand(name[:m.start()] + alt + name[m.end():])]
+
+
+def test_metric_names_in_the_docs_exist_in_the_code() -> None:
+    patterns = _source_metric_patterns()
+    names = {n for doc in PROSE
+             for raw in re.findall(r"`(helexa_[a-z_{},]+)`", doc.read_text()) for n in _expand(raw)}
+    assert len(names) > 20
+    for name in sorted(names):
+        base = name.removesuffix("_total")  # prometheus_client adds _total to counters
+        assert any(p.match(name) or p.match(base) for p in patterns), \
+            f"the docs name metric `{name}`, which neither neuron/ nor router/ defines"
+
+
+def test_commands_named_in_the_docs_exist() -> None:
+    from helexa.cli import COMMANDS
+
+    for doc in PROSE:
+        for cmd in re.findall(r"(?<![\w/.-])helexa ([a-z]+)\b", doc.read_text()):
+            if cmd not in {"serves"}:  # prose, not a command
+                assert cmd in COMMANDS, f"docs/{doc.name} names `helexa {cmd}`"
