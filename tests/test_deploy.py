@@ -198,3 +198,47 @@ def test_a_drain_longer_than_the_unit_stop_timeout_is_refused(shipper: Shipper) 
     assert rc == 2
     assert "server.drain_secs: expected at most 60 (TimeoutStopSec=90 of helexa-neuron.service" in err
     assert not shipper.hosts.exists()
+
+
+def _fake_bin(folder: Path, log: Path) -> None:
+    """`ssh`, `rsync`, `sudo` and `systemctl` stand-ins that act locally and log their calls."""
+    folder.mkdir()
+    scripts = {
+        # ssh -o BatchMode=yes HOST COMMAND
+        "ssh": f'echo "ssh $3 $4" >> {log}\nexec sh -c "$4"\n',
+        # rsync [--rsync-path P] --checksum --chmod=F644 SRC HOST:DEST
+        "rsync": f'echo "rsync $*" >> {log}\nfor a; do last=$a; done\n'
+                 'src=""; for a; do case $a in /*) src=$a;; esac; done\n'
+                 'mkdir -p "$(dirname "${last#*:}")" && cp "$src" "${last#*:}"\n',
+        "sudo": 'exec "$@"\n',
+        "systemctl": f'echo "systemctl $*" >> {log}\n',
+    }
+    for name, body in scripts.items():
+        p = folder / name
+        p.write_text("#!/bin/sh\n" + body)
+        p.chmod(0o755)
+
+
+def test_ssh_target_reads_copies_and_reloads_over_ssh(shipper: Shipper, tmp_path: Path,
+                                                       monkeypatch) -> None:
+    log, remote = tmp_path / "calls.log", tmp_path / "remote" / "etc" / "helexa"
+    _fake_bin(tmp_path / "bin", log)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")
+
+    def ship(*extra: str) -> tuple[int, str]:
+        rc = main(["ship", "gpu-1", "--assets", str(shipper.assets), "--target", "ssh",
+                   "--remote-dir", str(remote), "--sudo", *extra])
+        return rc, shipper.capsys.readouterr().out
+
+    rc, out = ship()
+    assert rc == 0 and "first ship" in out
+    assert tomllib.loads((remote / "neuron.toml").read_text())["admission"]["max_in_flight"] == 16
+    shipper.edit("max_in_flight = 16", "max_in_flight = 24")
+    rc, out = ship()
+    assert rc == 0 and "reload helexa-neuron" in out
+    calls = log.read_text().splitlines()
+    assert [c for c in calls if c.startswith("systemctl")] == [
+        "systemctl restart helexa-neuron", "systemctl reload helexa-neuron"]
+    assert "ssh gpu-1 sudo systemctl reload helexa-neuron" in calls
+    assert any(c.startswith("rsync --rsync-path sudo rsync --checksum") and
+               c.endswith(f"gpu-1:{remote}/neuron.toml") for c in calls)
