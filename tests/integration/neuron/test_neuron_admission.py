@@ -33,11 +33,14 @@ def test_a_flooding_principal_does_not_starve_another(neuron_main: NeuronProcess
         return finished[done_before:]
 
     after = asyncio.run(run())
-    # Round-robin from polite's arrival: polite's 4 are among the first ~8 to finish
-    # (FIFO would put them after every queued flood request).
-    window = after[:9]
-    share = window.count("polite") / len(window)
-    assert window.count("polite") >= 3, (share, after)
+    # Round-robin from polite's arrival: once polite's first request is admitted, the two
+    # take turns, so polite's 4 finish within ~2 (already running) + 2 × 4 completions;
+    # FIFO would put them after all 14 queued flood requests.
+    first, last = after.index("polite"), len(after) - 1 - after[::-1].index("polite")
+    share = after[first:last + 1].count("polite") / (last - first + 1)
+    print(f"completion order after polite arrived: {after}; polite share while both "
+          f"queued: {share:.2f}")
+    assert last <= 12 and share >= 0.4, (share, after)
     assert after[-1] == "flood"
 
 
