@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import structlog
 from helexa.router.auth import may_load
 from helexa.router.errors import ApiError
 from helexa.router.forward import (
@@ -29,10 +30,10 @@ from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
 from helexa.router.selection import Estimate, rank, rendezvous_score, reservation_bytes
 
-from helexa.log import get_logger
 from helexa.proto import neuron_pb2 as pb
 
-log = get_logger("router")
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="router")
 LOAD_RETRY_AFTER_SECS = 5
 _WAITING = (pb.MODEL_STATE_LOADING, pb.MODEL_STATE_SWITCHING)
 

@@ -22,14 +22,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import grpc
+import structlog
 from helexa.router.selection import Candidate
 
 from helexa.config import NeuronEndpoint
-from helexa.log import get_logger
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 
-log = get_logger("router")
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
 HEALTH_TICK_SECS = 0.1
 
