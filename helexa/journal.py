@@ -206,8 +206,9 @@ def _iso(us: int) -> str:
     return datetime.fromtimestamp(us / 1e6, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _hours(us: int) -> str:
-    return f"{us / _US_PER_HOUR:.3f}"
+def _unit(wall_us: int) -> tuple[str, int]:
+    """Hours for a log of an hour or more; seconds for a shorter one (tests, short captures)."""
+    return ("h", _US_PER_HOUR) if wall_us >= _US_PER_HOUR else ("s", 1_000_000)
 
 
 def _pct(part: int, whole: int) -> str:
@@ -216,6 +217,7 @@ def _pct(part: int, whole: int) -> str:
 
 def format_stats(title: str, s: Stats, wall_us: int) -> list[str]:
     """The report block of one model (or of all models)."""
+    unit, scale = _unit(wall_us)
     unpaired = s.start_only + s.end_only
     n_err = s.finish_error + sum(s.rejected.values())
     head = f"  spans: {s.paired} paired, {unpaired} unpaired"
@@ -237,18 +239,18 @@ def format_stats(title: str, s: Stats, wall_us: int) -> list[str]:
         out.append(f"  refused before start (no span): {sum(s.refused.values())}: {codes}")
     held = s.in_flight_micros()
     busy = sum(held.values())
-    out.append(f"  utilisation: {_hours(busy)} busy h / {_hours(wall_us)} wall h"
+    out.append(f"  utilisation: {busy / scale:.3f} busy {unit} / {wall_us / scale:.3f} wall {unit}"
                f" = {_pct(busy, wall_us)}")
     if not busy:
         out.append("  in flight: never (no paired span with a duration)")
         return out
     mean = sum(k * us for k, us in held.items()) / busy
     out.append(f"  in flight over busy time: peak {max(held)}, mean {mean:.2f}")
-    out.append("    in flight   busy h    share   cumulative")
+    out.append(f"    in flight   busy {unit}    share   cumulative")
     cum = 0
     for k in sorted(held):
         cum += held[k]
-        out.append(f"    {k:>9}  {_hours(held[k]):>7}  {_pct(held[k], busy):>7}  {_pct(cum, busy):>11}")
+        out.append(f"    {k:>9}  {held[k] / scale:>7.3f}  {_pct(held[k], busy):>7}  {_pct(cum, busy):>11}")
     return out
 
 
@@ -263,7 +265,8 @@ def format_report(j: Journal, model: str | None = None) -> str:
     wall = last_us - first_us
     out = [f"journal concurrency: component {j.component}, {j.lines} lines,"
            f" {j.json_lines} JSON lines of {j.component}"]
-    out.append(f"window {_iso(first_us)} to {_iso(last_us)}: {_hours(wall)} h")
+    unit, scale = _unit(wall)
+    out.append(f"window {_iso(first_us)} to {_iso(last_us)}: {wall / scale:.3f} {unit}")
     if j.exclude:
         out.append(f"excluding principals: {', '.join(sorted(j.exclude))}")
     names = sorted(j.models)

@@ -156,3 +156,16 @@ def test_empty_input_says_so(tmp_path: Path, capsys) -> None:
     p.write_text("not json\n")
     assert main(["concurrency", str(p)]) == 0
     assert "no timestamped lines: nothing to report" in capsys.readouterr().out
+
+
+def test_a_log_shorter_than_an_hour_is_reported_in_seconds(tmp_path: Path, capsys) -> None:
+    lines = [line for _, line in sorted(_span("x", A, "alice", 0, 1) + _span("y", A, "bob", 0.5, 1.5))]
+    p = tmp_path / "short.log"
+    p.write_text("\n".join(lines) + "\n")
+    assert main(["concurrency", str(p), "--model", A]) == 0
+    out = capsys.readouterr().out
+    assert "window 2026-11-30T08:00:00Z to 2026-11-30T08:01:30Z: 90.000 s\n" in out
+    assert "  utilisation: 90.000 busy s / 90.000 wall s = 100.0%\n" in out
+    assert ("    in flight   busy s    share   cumulative\n"
+            "            1   60.000    66.7%        66.7%\n"
+            "            2   30.000    33.3%       100.0%\n") in out
