@@ -1,0 +1,138 @@
+"""EngineClient against a real spawned engine process (fake runner): streaming, early
+close → abort, limits, drain refusals, a dead engine failing open requests, start errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.client import EngineClient, EngineError
+from helexa.neuron.engine.engine_core import fake_next_token
+from helexa.neuron.engine.spec import EngineSpec
+
+VOCAB = 64
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+def spec(**kw) -> EngineSpec:
+    fields = dict(model_id="fake", num_blocks=512, block_size=4, context=512, bytes_per_token=2,
+                  fake_runner=True, fake_vocab_size=VOCAB, torch_threads=1,
+                  limits=m.SetLimits(max_in_flight=8, anon_max_in_flight=8))
+    fields.update(kw)
+    return EngineSpec(**fields)
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    ctx = list(prompt)
+    for _ in range(n):
+        ctx.append(fake_next_token(ctx, VOCAB))
+    return ctx[len(prompt):]
+
+
+async def collect(client: EngineClient, req: m.NewRequest) -> tuple[list[int], m.RequestUpdate]:
+    tokens: list[int] = []
+    async for upd in client.generate(req):
+        tokens += upd.new_token_ids
+        last = upd
+    return tokens, last
+
+
+async def until(pred, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_aborts_limits_and_shutdown():
+    statuses: list[m.EngineStatus] = []
+
+    async def main() -> None:
+        client = await EngineClient.start(spec(fake_step_secs=0.002), on_status=statuses.append)
+        assert client.alive and client.pid
+        # concurrent streams, each token for token what the fake model gives alone
+        prompts = [[i, i + 1, i + 2] * (i + 1) for i in range(10)]
+        results = await asyncio.gather(*[
+            collect(client, m.NewRequest(req_id=f"g{i}", prompt_token_ids=p, max_tokens=12,
+                                         sampling=GREEDY))
+            for i, p in enumerate(prompts)])
+        for p, (tokens, last) in zip(prompts, results, strict=True):
+            assert tokens == expected(p, 12) and last.finished == m.FinishReason.LENGTH
+        await until(lambda: client.status.in_flight == 0)
+        assert statuses and client.status.kv.free_bytes == client.status.kv.total_bytes
+
+        # closing a stream early aborts the request in the engine
+        stream = client.generate(m.NewRequest(req_id="long", prompt_token_ids=[1, 2],
+                                              max_tokens=400, sampling=GREEDY))
+        got = 0
+        async for upd in stream:
+            got += len(upd.new_token_ids)
+            if got >= 3:
+                break
+        await stream.aclose()
+        await until(lambda: client.status.in_flight == 0
+                    and client.status.kv.free_bytes == client.status.kv.total_bytes)
+
+        # limits at runtime: one in flight at a time, the second waits in the queue
+        client.set_limits(m.SetLimits(max_in_flight=1))
+        slow = asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id="s1", prompt_token_ids=[3], max_tokens=60, sampling=GREEDY)))
+        await until(lambda: client.status.in_flight == 1)
+        second = asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id="s2", prompt_token_ids=[4], max_tokens=5, sampling=GREEDY, principal="p")))
+        await until(lambda: client.status.queued == 1)
+        assert (await slow)[1].finished == m.FinishReason.LENGTH
+        assert (await second)[0] == expected([4], 5)
+
+        # draining: new requests are refused shutting_down, then admitted again
+        client.stop_admitting(True)
+        _, last = await collect(client, m.NewRequest(req_id="d", prompt_token_ids=[1]))
+        assert last.refused_code == "shutting_down" and last.retry_after_ms > 0
+        client.stop_admitting(False)
+        tokens, last = await collect(client, m.NewRequest(req_id="d2", prompt_token_ids=[1],
+                                                          max_tokens=2, sampling=GREEDY))
+        assert last.finished == m.FinishReason.LENGTH
+
+        # shutdown aborts what is open and the process exits 0
+        open_one = asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id="o", prompt_token_ids=[5], max_tokens=400, sampling=GREEDY)))
+        await until(lambda: client.status.running == 1)
+        await client.shutdown(timeout_secs=10)
+        assert (await open_one)[1].finished == m.FinishReason.ABORT
+        assert client.process.exitcode == 0 and not client.alive
+        _, last = await collect(client, m.NewRequest(req_id="after", prompt_token_ids=[1]))
+        assert last.finished == m.FinishReason.ERROR
+
+    asyncio.run(main())
+
+
+def test_dead_engine_fails_open_requests_and_calls_on_fatal():
+    fatal: list[str] = []
+
+    async def main() -> None:
+        client = await EngineClient.start(spec(fake_step_secs=0.005), on_fatal=fatal.append)
+        streams = [asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id=f"k{i}", prompt_token_ids=[i + 1], max_tokens=400, sampling=GREEDY)))
+            for i in range(3)]
+        await until(lambda: client.status is not None and client.status.running == 3)
+        os.kill(client.pid, signal.SIGKILL)
+        for fut in streams:
+            tokens, last = await asyncio.wait_for(fut, 5)
+            assert last.finished == m.FinishReason.ERROR and "exit" in last.error
+        assert not client.alive and len(fatal) == 1
+        await client.shutdown(timeout_secs=1)
+        assert len(fatal) == 1
+
+    asyncio.run(main())
+
+
+def test_start_failure_raises_with_the_engines_reason(tmp_path):
+    async def main() -> None:
+        with pytest.raises(EngineError, match="loading fake failed"):
+            await EngineClient.start(spec(fake_runner=False, model_dir=str(tmp_path / "missing")))
+
+    asyncio.run(main())
