@@ -123,3 +123,13 @@ def test_cli_init_tiny(tmp_path, capsys):
     assert (cfg["model_type"], cfg["hidden_size"], cfg["num_hidden_layers"]) == ("qwen2", 32, 1)
     with pytest.raises(SystemExit):
         helexa_main(["model", "init-tiny", str(out), "--heads", "4", "--kv-heads", "3"])
+
+
+def test_vocab_beyond_what_the_corpus_teaches_keeps_spare_rows(tiny_checkpoint):
+    path = tiny_checkpoint("llama", vocab_size=16384, hidden_size=32, num_layers=1)
+    cfg = json.loads((path / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(path)
+    assert cfg["vocab_size"] == 16384 > len(tok)  # as Qwen's checkpoints have spare rows
+    model, info = _load(path)
+    assert not info["missing_keys"] and model.lm_head.weight.shape[0] == 16384
+    assert tok.decode(tok("Straße 🚀").input_ids) == "Straße 🚀"
