@@ -341,6 +341,8 @@ def plan_shipments(hosts: list[str], routers: list[str], assets: Path,
                 errors.append(f"{host}: no {path} (a neuron host needs its config)")
             continue
         text, notes = render(path, loaded[str(path)])
+        if loaded[str(path)].server.name != host:  # routers and logs will call it by that name
+            notes.append(f"warning: server.name is `{loaded[str(path)].server.name}`, not `{host}`")
         ships.append(Shipment(host, "neuron", path, text, notes))
     router = assets / "router.toml"
     for host in routers:
