@@ -210,7 +210,7 @@ class EngineCore:
         req.output_token_ids.append(token_id)
         upd = self._update(req)
         upd.new_token_ids.append(token_id)
-        if req.sampling.logprobs and logprob is not None:
+        if logprob is not None:
             if upd.logprobs is None:
                 upd.logprobs = []
             upd.logprobs.append(logprob)
@@ -324,9 +324,8 @@ def make_sampler(sampler: Any = None) -> tuple[Any, Any]:
         return sampler or greedy, lambda req: None
 
     def make_state(req: Request) -> Any:
-        return SamplingState.for_request(req.sampling, req.prompt_token_ids, req.output_token_ids) \
-            if hasattr(SamplingState, "for_request") else \
-            SamplingState(req.sampling, req.prompt_token_ids, req.output_token_ids)
+        # shares the request's output list: the sampler sees every appended token
+        return SamplingState.for_request(req.sampling, req.prompt_token_ids, req.output_token_ids)
     return sampler or Sampler(), make_state
 
 

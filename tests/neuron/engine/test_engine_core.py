@@ -233,3 +233,31 @@ def test_ledger_whole_after_a_storm(prefix_cache: bool):
     kinds = set(outcomes.values())
     assert {"ABORT", "ERROR", "LENGTH"} <= kinds, kinds
     assert len(outcomes) == len(live)
+
+
+def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):
+    """Real ModelRunner: 8 concurrent requests of different lengths, prefill in chunks smaller
+    than the prompts, give the same greedy tokens as each request alone."""
+    import torch
+    torch.set_num_threads(1)
+
+    def tiny_core(prefix_cache: bool, **limits) -> EngineCore:
+        spec = EngineSpec(model_id="tiny", model_dir=str(tiny_model_dir), num_blocks=128,
+                          block_size=8, context=256, prefix_cache=prefix_cache,
+                          limits=m.SetLimits(anon_max_in_flight=8, **limits))
+        return EngineCore(spec)
+
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 500) for _ in range(20)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(3, 500) for _ in range(5 + 7 * i)]
+               for i in range(8)]
+    solo_core = tiny_core(False, max_slots=1, prefill_chunk_tokens=512)
+    solo = []
+    for i, p in enumerate(prompts):
+        tokens, _, _ = drive(solo_core, m.ToEngine(new=[new(f"s{i}", p, 16)]))
+        solo.append(tokens[f"s{i}"])
+    core = tiny_core(True, max_slots=8, max_batched_tokens=40, prefill_chunk_tokens=11)
+    tokens, final, admitted = drive(core, m.ToEngine(new=[new(f"c{i}", p, 16)
+                                                          for i, p in enumerate(prompts)]))
+    assert [tokens[f"c{i}"] for i in range(8)] == solo
+    assert_whole(core)
