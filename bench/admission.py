@@ -2,14 +2,18 @@
 
     .venv/bin/python bench/admission.py [--requests 200] [--max-tokens 1]
 
-Both contenders run the same tiny checkpoint with one torch thread and the
+All contenders run the same tiny checkpoint with one torch thread and the
 same admission code; each request is a short text prompt generating
 `--max-tokens` tokens. In-process: tokenise, then step an EngineCore until
-the request finishes. Daemon: a real `helexa neuron` subprocess, one gRPC
-Generate call (tokenising, context check, the engine process over its pipe,
-detokenising, streaming back). Requests alternate between the two; the
-figures are medians (p50) and p90 of each and their difference, the
-overhead the daemon path adds (target: < 1 ms p50).
+the request finishes. IPC: tokenise, then EngineClient.generate against an
+engine process (the pipe, no gRPC, no daemon). Daemon: a real `helexa
+neuron` subprocess, one gRPC Generate call (tokenising, context check, the
+engine process over its pipe, detokenising, streaming back). Requests
+rotate between the contenders; the figures are medians (p50) and p90 of
+each and the differences: what the daemon path adds over in-process
+(target: < 1 ms p50), split into the engine pipe (IPC − in-process) and
+gRPC + daemon (daemon − IPC), next to the floor of an empty gRPC call. `--fake-model` uses the engine's fake runner
+for the in-process and IPC contenders to show the pipe's cost without a model.
 """
 
 from __future__ import annotations
@@ -25,18 +29,45 @@ from pathlib import Path
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
-def _in_process(model_dir: Path, max_tokens: int):  # -> callable measuring one request
+def _spec(model_dir: Path, fake: bool):
+    from helexa.neuron.engine.spec import EngineSpec, full_limits
+
+    return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=128, block_size=16,
+                      bytes_per_token=512, context=2048, limits=full_limits(), torch_threads=1,
+                      prefix_cache=False, fake_runner=fake)
+
+
+async def _ipc(model_dir: Path, max_tokens: int, fake: bool):  # -> (client, coroutine fn)
+    from helexa.neuron.engine import messages
+    from helexa.neuron.engine.client import EngineClient
+    from helexa.neuron.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    client = await EngineClient.start(_spec(model_dir, fake))
+    counter = iter(range(10**9))
+
+    async def one() -> float:
+        t0 = time.perf_counter()
+        ids = tok.encode(PROMPT)
+        req = messages.NewRequest(req_id=f"ipc-{next(counter)}", prompt_token_ids=ids,
+                                  max_tokens=max_tokens, principal="bench",
+                                  sampling=messages.SamplingParams(temperature=0.0))
+        async for _ in client.generate(req):
+            pass
+        return (time.perf_counter() - t0) * 1000
+
+    return client, one
+
+
+def _in_process(model_dir: Path, max_tokens: int, fake: bool):  # -> callable measuring one request
     import torch
     from helexa.neuron.engine import messages
     from helexa.neuron.engine.engine_core import EngineCore
-    from helexa.neuron.engine.spec import EngineSpec, full_limits
     from helexa.neuron.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(model_dir)
-    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=128, block_size=16,
-                      bytes_per_token=512, context=2048, limits=full_limits(), torch_threads=1)
-    core = EngineCore(spec)
+    core = EngineCore(_spec(model_dir, fake))
     counter = iter(range(10**9))
 
     def one() -> float:
@@ -79,6 +110,7 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
     import grpc
     from helexa.neuron.auth import bearer
 
+    from helexa.proto import neuron_pb2 as pb
     from helexa.proto import neuron_pb2_grpc
     from helexa.testing import start_neuron, write_neuron_config
     from helexa.tiny import init_tiny
@@ -92,31 +124,53 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
         "models": [{"id": "tiny", "path": str(model_dir)}],
     })
     neuron = start_neuron(cfg)
+    client = None
     try:
-        in_process = _in_process(model_dir, args.max_tokens)
+        in_process = _in_process(model_dir, args.max_tokens, args.fake_model)
+        client, ipc = await _ipc(model_dir, args.max_tokens, args.fake_model)
         async with grpc.aio.insecure_channel(neuron.address) as ch:
             stub, md = neuron_pb2_grpc.NeuronStub(ch), bearer("bench")
-            for i in range(args.warmup):  # both sides warm (allocator, JIT-free paths, caches)
-                in_process()
-                await _daemon_one(stub, md, -i - 1, args.max_tokens)
-            ip, dm = [], []
-            for i in range(args.requests):  # interleaved, so noise hits both alike
-                if i % 2:
-                    ip.append(in_process())
-                    dm.append(await _daemon_one(stub, md, i, args.max_tokens))
-                else:
-                    dm.append(await _daemon_one(stub, md, i, args.max_tokens))
-                    ip.append(in_process())
+            counter = iter(range(10**9))
+
+            async def daemon() -> float:
+                return await _daemon_one(stub, md, next(counter), args.max_tokens)
+
+            async def local() -> float:
+                return in_process()
+
+            async def floor() -> float:  # gRPC's own round trip: an empty unary call
+                t0 = time.perf_counter()
+                await stub.Health(pb.HealthRequest(), metadata=md)
+                return (time.perf_counter() - t0) * 1000
+
+            contenders = {"engine in-process": local, "engine over its pipe (IPC)": ipc,
+                          "daemon (gRPC + IPC)": daemon, "gRPC floor (unary Health)": floor}
+            times: dict[str, list[float]] = {k: [] for k in contenders}
+            names = list(contenders)
+            for i in range(args.warmup + args.requests):
+                # rotate the order so that noise and warm caches hit every contender alike
+                for name in names[i % 4:] + names[:i % 4]:
+                    t = await contenders[name]()
+                    if i >= args.warmup:
+                        times[name].append(t)
     finally:
+        if client is not None:
+            await client.shutdown()
         neuron.stop()
-    p50_ip, p50_dm = statistics.median(ip), statistics.median(dm)
+    p50 = {k: statistics.median(v) for k, v in times.items()}
+    model = "fake runner (engine) vs tiny qwen3 (daemon)" if args.fake_model else "tiny qwen3"
     print(f"requests: {args.requests} per contender, max_tokens {args.max_tokens}, "
-          f"tiny qwen3 on CPU, 1 torch thread")
-    print(f"{'contender':<26} {'p50 ms':>8} {'p90 ms':>8}")
-    print(f"{'engine in-process':<26} {p50_ip:8.3f} {_pct(ip, 0.9):8.3f}")
-    print(f"{'daemon (gRPC + IPC)':<26} {p50_dm:8.3f} {_pct(dm, 0.9):8.3f}")
-    print(f"daemon path adds p50 {p50_dm - p50_ip:.3f} ms "
-          f"(median of paired differences {statistics.median(d - i for d, i in zip(dm, ip, strict=True)):.3f} ms)")
+          f"{model} on CPU, 1 torch thread")
+    print(f"{'contender':<28} {'p50 ms':>8} {'p90 ms':>8}")
+    for k, v in times.items():
+        print(f"{k:<28} {p50[k]:8.3f} {_pct(v, 0.9):8.3f}")
+    ip, dm = times[names[0]], times[names[2]]
+    paired = statistics.median(d - i for d, i in zip(dm, ip, strict=True))
+    print(f"daemon path adds p50 {p50[names[2]] - p50[names[0]]:.3f} ms over in-process "
+          f"(median of paired differences {paired:.3f} ms)")
+    print(f"  engine pipe (IPC - in-process): {p50[names[1]] - p50[names[0]]:.3f} ms;"
+          f" gRPC + daemon (daemon - IPC): {p50[names[2]] - p50[names[1]]:.3f} ms,"
+          f" of which an empty gRPC call takes {p50[names[3]]:.3f} ms")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--fake-model", action="store_true",
+                   help="engine's fake runner for the in-process and IPC contenders")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         asyncio.run(_run(args, Path(d)))
