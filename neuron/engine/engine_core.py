@@ -60,6 +60,8 @@ class EngineCore:
         self.decode_tokens_per_sec = 0.0
         self.prefill_tokens_per_sec = 0.0
         self.num_failed_steps = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
 
@@ -92,6 +94,9 @@ class EngineCore:
             upd.prompt_tokens = req.num_prompt_tokens
             upd.cached_tokens = req.num_cached_tokens
             self.waiting.append(req)
+            if self.spec.prefix_cache:
+                self.prefix_query_tokens += req.num_prompt_tokens
+                self.prefix_hit_tokens += req.num_cached_tokens
 
     @property
     def has_work(self) -> bool:
@@ -159,6 +164,8 @@ class EngineCore:
             decode_tokens_per_sec=round(self.decode_tokens_per_sec, 1),
             prefill_tokens_per_sec=round(self.prefill_tokens_per_sec, 1),
             admitting=self.admission.admitting,
+            prefix_query_tokens=self.prefix_query_tokens,
+            prefix_hit_tokens=self.prefix_hit_tokens,
         )
 
     # --- execution ---------------------------------------------------------

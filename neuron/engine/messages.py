@@ -133,6 +133,10 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     decode_tokens_per_sec: float = 0.0
     prefill_tokens_per_sec: float = 0.0
     admitting: bool = True
+    # Prefix cache, cumulative since start (added by the engine helper):
+    # prompt tokens of admitted requests, and how many of them were reused.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class FromEngine(msgspec.Struct, kw_only=True):

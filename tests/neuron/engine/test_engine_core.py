@@ -261,3 +261,102 @@ def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):
                                                           for i, p in enumerate(prompts)]))
     assert [tokens[f"c{i}"] for i in range(8)] == solo
     assert_whole(core)
+
+
+# --- prefix cache -----------------------------------------------------------------
+
+
+def staggered(core: EngineCore, requests: list[m.NewRequest], every: int = 3):
+    """Feed one request every `every` steps (so earlier prefixes get filed), then drain."""
+    tokens: dict[str, list[int]] = {}
+    admitted: dict[str, m.RequestUpdate] = {}
+    pending = list(requests)
+    step = 0
+    while pending or core.has_work:
+        inbound = m.ToEngine(new=[pending.pop(0)]) if pending and step % every == 0 else None
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.admitted:
+                admitted[u.req_id] = u
+            assert u.finished in (None, m.FinishReason.LENGTH, m.FinishReason.STOP), u
+        step += 1
+        core.pool.check()
+    return tokens, admitted
+
+
+def test_prefix_cache_same_tokens_on_and_off_with_shared_prefixes():
+    rng = random.Random(5)
+    system = [rng.randrange(VOCAB) for _ in range(18)]
+    reqs = [new(f"q{i}", system[: 9 + (i % 3) * 4] + [rng.randrange(VOCAB) for _ in range(i % 5 + 1)],
+                6 + i % 4) for i in range(12)]
+    runs = {}
+    for on in (False, True):
+        core = make_core(prefix_cache=on, max_slots=4, max_batched_tokens=12, prefill_chunk_tokens=5)
+        runs[on] = staggered(core, reqs)
+        assert_whole(core)
+    assert runs[True][0] == runs[False][0]
+    cached = {rid: u.cached_tokens for rid, u in runs[True][1].items()}
+    assert cached["q0"] == 0 and sum(cached.values()) > 0
+    assert all(c % 4 == 0 for c in cached.values())
+    assert not any(u.cached_tokens for u in runs[False][1].values())
+    # q3 shares 9 prompt tokens with q0: two full blocks of 4, the rest computed
+    assert cached["q3"] == 8
+
+
+def test_multi_turn_second_turn_reuses_the_first_turns_blocks():
+    core = make_core(prefix_cache=True)
+    turn1 = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    tokens, _, _ = drive(core, m.ToEngine(new=[new("t1", turn1, 9)]))
+    turn2 = turn1 + tokens["t1"] + [7, 7, 7]
+    tokens2, _, admitted = drive(core, m.ToEngine(new=[new("t2", turn2, 5)]))
+    # prompt and output blocks of turn 1 were filed: 19 tokens -> 4 full blocks (16 tokens)
+    assert admitted["t2"].cached_tokens == 16
+    assert tokens2["t2"] == expected(turn2, 5)
+    st = core.status()
+    assert (st.prefix_query_tokens, st.prefix_hit_tokens) == (10 + 22, 16)
+    assert st.kv.cached_bytes > 0 and st.kv.free_bytes == st.kv.total_bytes
+
+
+def test_whole_prompt_cached_still_computes_its_last_token():
+    core = make_core(prefix_cache=True)
+    prompt = list(range(1, 13))  # exactly 3 blocks
+    drive(core, m.ToEngine(new=[new("a", prompt, 3)]))
+    tokens, _, admitted = drive(core, m.ToEngine(new=[new("b", prompt, 3)]))
+    assert admitted["b"].cached_tokens == 8  # the last block is recomputed for its logits
+    assert tokens["b"] == expected(prompt, 3)
+
+
+def test_eviction_under_pressure_keeps_outputs_and_the_ledger():
+    rng = random.Random(9)
+    prefixes = [[rng.randrange(VOCAB) for _ in range(12)] for _ in range(6)]
+    # one hot prefix every other request, cold ones between that push it out now and then
+    reqs = [new(f"e{i}", prefixes[0 if i % 2 else 1 + i % 5] + [rng.randrange(VOCAB)], 7)
+            for i in range(30)]
+    runs = {}
+    for on in (False, True):
+        # 16 blocks: 2 requests of 5 blocks in flight, little room left to keep prefixes
+        core = make_core(num_blocks=16, prefix_cache=on, max_in_flight=2, max_slots=2)
+        runs[on] = staggered(core, reqs, every=2)
+        assert_whole(core)
+        if on:
+            assert core.pool.num_evicted_total > 0
+            hits = sum(u.cached_tokens > 0 for u in runs[on][1].values())
+            assert 0 < hits < 30
+    assert runs[True][0] == runs[False][0]
+
+
+def test_pinned_prefix_cannot_be_evicted_before_its_prefill():
+    # b reuses a's cached blocks; c's reservation must not take them while b waits for a row
+    core = make_core(num_blocks=9, prefix_cache=True, max_slots=1, max_in_flight=3)
+    prompt = list(range(20, 29))  # 9 tokens: 2 full blocks
+    drive(core, m.ToEngine(new=[new("a", prompt, 3)]))
+    assert core.pool.num_cached_blocks == 2
+    out = core.step(m.ToEngine(new=[new("x", [1, 2, 3], 9, principal="x"),
+                                     new("b", prompt + [5], 2, principal="b"),
+                                     new("c", [9] * 9, 7, principal="c")]))
+    adm = {u.req_id: u.cached_tokens for u in out.updates if u.admitted}
+    # x: 3 blocks, b: 1 new + 2 pinned, c would need 4 > 9 - 6 left: it waits
+    assert adm == {"x": 0, "b": 8}
+    tokens, _, _ = drive(core)
+    assert tokens["b"] == expected(prompt + [5], 2)
+    assert_whole(core)
