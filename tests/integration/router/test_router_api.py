@@ -1,0 +1,62 @@
+"""The OpenAI surface end to end: real router and neuron processes, the official client."""
+
+from __future__ import annotations
+
+import httpx2
+
+MSG = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_chat_non_streaming_and_streaming_agree(router):
+    c = router.client()
+    full = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert 0 < full.usage.completion_tokens <= 12
+    stream = c.chat.completions.create(model="helexa/balanced", messages=MSG, max_tokens=12,
+                                       temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content  # greedy: same tokens either way
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[0].model == "tiny"
+
+
+def test_completions_with_token_ids_and_return_token_ids(router):
+    c = router.client()
+    r = c.completions.create(model="tiny", prompt=[10, 20, 30, 40], max_tokens=5, temperature=0,
+                             extra_body={"return_token_ids": True, "ignore_eos": True})
+    body = r.model_dump()
+    assert body["prompt_token_ids"] == [10, 20, 30, 40]
+    assert len(body["choices"][0]["token_ids"]) == 5 == r.usage.completion_tokens
+    assert r.usage.prompt_tokens == 4
+    s = c.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5,
+                             temperature=0, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in s)
+
+
+def test_models_lists_aliases_and_the_smallest_limits(router):
+    data = {m.id: m.model_dump() for m in router.client().models.list()}
+    # na's pool (1 MiB) holds 2048 tiny tokens, nb's (2 MiB) 4096: the smaller wins.
+    assert data["tiny"]["limit"] == {"context": 2048, "input": 2047, "output": 2047}
+    assert data["helexa/balanced"]["limit"] == data["tiny"]["limit"]
+    assert data["tight"]["limit"]["context"] == 256
+    assert "lazy" not in data  # not loaded
+
+
+def test_logprobs_and_n(router):
+    r = router.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                                logprobs=True, top_logprobs=2, n=2, seed=5)
+    assert len(r.choices) == 2
+    for ch in r.choices:
+        assert 1 <= len(ch.logprobs.content) <= 3
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in ch.logprobs.content)
+    assert r.usage.completion_tokens == sum(len(ch.logprobs.content) for ch in r.choices)
+
+
+def test_health_and_metrics_mirror(router):
+    h = httpx2.get(router.url + "/health").json()
+    assert {n for n, v in h["neurons"].items() if v["healthy"]} == {"na", "nb", "nt"}
+    assert router.metric("helexa_neuron_kv_total_bytes", neuron="na", model="tiny") == 1 << 20
+    assert router.metric("helexa_neuron_kv_total_bytes", neuron="nb", model="tiny") == 2 << 20

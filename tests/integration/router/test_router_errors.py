@@ -1,0 +1,108 @@
+"""Every row of DESIGN.md's error table, as the official client sees it (typed errors,
+Retry-After where due), against real processes."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import httpx2
+import openai
+import pytest
+from conftest import key_of, wait_for
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
+    c = router.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MSG, response_format={"type": "json_object"})
+    assert e.value.code == "invalid_request_error" and e.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="tiny", messages=MSG, temperature=9)
+    assert e.value.param == "temperature"
+    r = httpx2.post(router.url + "/v1/completions", content=b"{", headers={
+        "Authorization": f"Bearer {key_of('alice')}"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_context_length_exceeded_states_both_numbers(router):
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=5000)
+    assert e.value.code == "context_length_exceeded"
+    assert "5000" in e.value.message and "2048" in e.value.message or "4096" in e.value.message
+
+
+def test_missing_or_unknown_key_is_401(router):
+    with pytest.raises(openai.AuthenticationError) as e:
+        router.client(None).chat.completions.create(model="tiny", messages=MSG)
+    assert e.value.code == "invalid_api_key"
+    r = httpx2.post(router.url + "/v1/chat/completions", json={"model": "tiny", "messages": MSG})
+    assert r.status_code == 401
+
+
+def test_unknown_model_is_404(router):
+    with pytest.raises(openai.NotFoundError) as e:
+        router.client().chat.completions.create(model="no-such-model", messages=MSG)
+    assert e.value.code == "model_not_found"
+
+
+def test_body_too_large_is_413(router):
+    r = httpx2.post(router.url + "/v1/chat/completions", headers={
+        "Authorization": f"Bearer {key_of('alice')}"}, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "x" * 100_000}]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+@contextlib.contextmanager
+def holding_tight(router, principal: str = "alice"):
+    """A long stream on `tight` (1 in flight, no queue), open until the block ends."""
+    with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60, headers={
+            "Authorization": f"Bearer {key_of(principal)}"}, json={
+            "model": "tight", "messages": MSG, "max_tokens": 230, "stream": True,
+            "temperature": 0, "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept referenced: dropping it would close the stream
+        next(lines)  # the neuron admitted it: its first chunk is here
+        yield
+    # Leaving cancels it; wait until the neuron has it back.
+    wait_for(lambda: router.metric("helexa_neuron_in_flight", neuron="nt", model="tight") == 0)
+
+
+def test_principal_over_its_cap_is_429_with_retry_after(router):
+    with holding_tight(router, "alice"):
+        with pytest.raises(openai.RateLimitError) as e:
+            router.client("alice").chat.completions.create(model="tight", messages=MSG,
+                                                           max_tokens=2)
+    assert e.value.code == "rate_limit_exceeded"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+
+
+def test_queue_full_is_503_overloaded_with_retry_after(router):
+    with holding_tight(router, "alice"):
+        with pytest.raises(openai.InternalServerError) as e:
+            router.client("bob").chat.completions.create(model="tight", messages=MSG, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "overloaded"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+
+
+def test_on_demand_load_is_503_model_loading_then_serves(router):
+    with pytest.raises(openai.InternalServerError) as e:
+        router.client("bob").chat.completions.create(model="lazy", messages=MSG, max_tokens=2)
+    assert e.value.code == "service_unavailable"  # bob may not cause loads
+    with pytest.raises(openai.InternalServerError) as e:
+        router.client("alice").chat.completions.create(model="lazy", messages=MSG, max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "model_loading"
+    assert int(e.value.response.headers["retry-after"]) >= 1
+
+    def served():
+        try:
+            return router.client("bob").chat.completions.create(model="lazy", messages=MSG,
+                                                                max_tokens=2)
+        except openai.InternalServerError as err:
+            assert err.code == "model_loading"
+            time.sleep(0.5)
+            return None
+
+    assert wait_for(served, timeout=60).choices[0].message.content is not None
