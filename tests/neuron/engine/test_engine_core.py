@@ -261,6 +261,12 @@ def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):
                                                           for i, p in enumerate(prompts)]))
     assert [tokens[f"c{i}"] for i in range(8)] == solo
     assert_whole(core)
+    # and again with requests arriving one by one, so later ones hit the filed shared prefix
+    core = tiny_core(True, max_slots=8, max_batched_tokens=40, prefill_chunk_tokens=11)
+    tokens, admitted = staggered(core, [new(f"p{i}", p, 16) for i, p in enumerate(prompts)])
+    assert [tokens[f"p{i}"] for i in range(8)] == solo
+    assert admitted["p3"].cached_tokens == 16  # 20 shared tokens: two full blocks of 8
+    assert_whole(core)
 
 
 # --- prefix cache -----------------------------------------------------------------
