@@ -47,14 +47,18 @@ class Refusal:
 
 
 class DrainMeter:
-    """Blocks returned to the pool per second, over the last `window_secs`."""
+    """Blocks returned to the pool per second, over the last `window_secs`; when nothing
+    came back in the window, over the whole time observed (a quiet spell is not a stall)."""
 
     def __init__(self, window_secs: float = 20.0, sample_secs: float = 0.2) -> None:
         self.window_secs = window_secs
         self.sample_secs = sample_secs
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, released total)
+        self._first: tuple[float, int] | None = None
 
     def observe(self, now: float, released_total: int) -> None:
+        if self._first is None:
+            self._first = (now, released_total)
         if self._samples and now - self._samples[-1][0] < self.sample_secs:
             self._samples[-1] = (self._samples[-1][0], released_total)  # keep the latest count
             return
@@ -64,12 +68,13 @@ class DrainMeter:
 
     def rate(self) -> float | None:
         """Blocks per second, or None before anything was released over a measurable span."""
-        if len(self._samples) < 2:
+        if len(self._samples) < 2 or self._first is None:
             return None
-        (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
-        if t1 <= t0 or n1 <= n0:
-            return None
-        return (n1 - n0) / (t1 - t0)
+        t1, n1 = self._samples[-1]
+        for t0, n0 in (self._samples[0], self._first):
+            if t1 > t0 and n1 > n0:
+                return (n1 - n0) / (t1 - t0)
+        return None
 
 
 class Admission:
@@ -213,7 +218,7 @@ class Admission:
         """How long until `blocks_to_drain` more blocks come back, at the measured rate."""
         rate = self.drain.rate()
         if rate is None:
-            # Nothing has drained in the window: the best honest figure is
+            # Nothing has drained back since start: the best honest figure is
             # the longest a request would wait in the queue.
             return int(max(self.limits.kv_max_wait_secs, 1.0) * 1000)
         secs = max(blocks_to_drain, 1) / rate

@@ -208,3 +208,5 @@ def test_drain_meter_window():
     assert m.rate() == pytest.approx(10.0)
     m.observe(30.0, 60)  # old samples leave the window
     assert m.rate() == pytest.approx(10 / 25)
+    m.observe(60.0, 60)  # nothing in the window: the rate since the start
+    assert m.rate() == pytest.approx(1.0)
