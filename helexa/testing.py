@@ -226,6 +226,7 @@ class FakeEngineClient:
         self.aborts: dict[str, str] = {}
         self.active: set[str] = set()
         self.requests: list[Any] = []
+        self.reset_calls: list[dict[str, Any]] = []
         self.alive = True
         self.pid = os.getpid()
         self.status = self._status()
@@ -310,8 +311,41 @@ class FakeEngineClient:
         self.admitting = not flag
         self._changed()
 
-    async def reset_kv(self, **plan: Any) -> None:
-        self.reset_calls = getattr(self, "reset_calls", []) + [plan]
+    async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
+                       **plan: Any) -> None:
+        """Re-plan the pool (only between requests, as the daemon guarantees)."""
+        import msgspec
+
+        assert not self.active, "reset_kv with requests in flight"
+        self.reset_calls.append(dict(num_blocks=num_blocks, kv_dtype=kv_dtype,
+                                     bytes_per_token=bytes_per_token, **plan))
+        self.spec = msgspec.structs.replace(self.spec, num_blocks=num_blocks, kv_dtype=kv_dtype,
+                                            bytes_per_token=bytes_per_token)
+        self._changed()
 
     async def shutdown(self, timeout_secs: float = 5.0) -> None:
         self.alive = False
+
+
+def run_fake_neuron(config_path: str | Path, body: Callable[..., Any], *,
+                    script: Callable[[list[int], int], int], step_secs: float = 0.001) -> Any:
+    """Run `await body(stub, daemon, engine)` against a fresh in-process daemon whose
+    engines are FakeEngineClients (`engine` is the first one made); drains it after."""
+    from helexa.config import load_neuron_config
+    from helexa.neuron.daemon import NeuronDaemon
+
+    factory = FakeEngineClient.factory(script, step_secs=step_secs)
+
+    async def run() -> Any:
+        daemon = NeuronDaemon(Path(config_path), load_neuron_config(config_path),
+                              client_factory=factory)
+        await daemon.start()
+        await daemon.residency.preload()
+        try:
+            async with grpc.aio.insecure_channel(daemon.address) as ch:
+                return await body(neuron_pb2_grpc.NeuronStub(ch), daemon,
+                                  factory.made[0])  # type: ignore[attr-defined]
+        finally:
+            await daemon.drain()
+
+    return asyncio.run(run())

@@ -201,6 +201,8 @@ class NeuronDaemon:
         for model_id, profile in profile_changes:  # the file's profile wins over a runtime switch
             if model_id in self.residency.models:
                 asyncio.ensure_future(self._switch_profile(model_id, profile))
+            else:
+                self.residency.forget_profile(model_id)
         log.info("config.reloaded", changed=len(applied))
         return applied
 

@@ -134,6 +134,10 @@ class Residency:
             return r.profile
         return self._profiles.get(model_id, self.cfg.model(model_id).profile or "")
 
+    def forget_profile(self, model_id: str) -> None:
+        """Drop a runtime profile switch: the file's profile applies at the next load."""
+        self._profiles.pop(model_id, None)
+
     def serving(self, model_id: str) -> ResidentModel:
         """The model a request may go to now, or the refusal that says why not."""
         r = self.models.get(model_id)
@@ -301,10 +305,16 @@ class Residency:
         self._on_change()
         return True
 
-    async def wait_idle(self, r: ResidentModel, timeout_secs: float) -> bool:
-        """Wait until nothing of `r` is in flight; False when the time ran out."""
+    async def wait_idle(self, r: ResidentModel, timeout_secs: float, *,
+                        in_flight_only: bool = False) -> bool:
+        """Wait until nothing of `r` is in flight (or queued, unless in_flight_only);
+        False when the time ran out."""
+        def busy() -> bool:
+            s = r.engine_status
+            return (s is not None and s.in_flight > 0) if in_flight_only else r.busy
+
         deadline = time.monotonic() + timeout_secs
-        while r.busy:
+        while busy():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -388,7 +398,11 @@ class Residency:
         t0 = time.monotonic()
         try:
             r.client.stop_admitting(True)
-            await self.wait_idle(r, self.cfg.server.drain_secs)
+            # queued requests stay queued across the switch; only in-flight ones hold blocks
+            if not await self.wait_idle(r, self.cfg.server.drain_secs, in_flight_only=True):
+                raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not finish "
+                              f"within drain_secs ({self.cfg.server.drain_secs:g} s); "
+                              "the switch was abandoned", 1000)
             await reset(num_blocks=plan.num_blocks, kv_dtype=plan.kv_dtype,
                         bytes_per_token=plan.bytes_per_token, context=plan.context,
                         max_output_tokens=plan.output)

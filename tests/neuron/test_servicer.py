@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from helexa.neuron.auth import bearer
-from helexa.neuron.daemon import NeuronDaemon
 from helexa.neuron.tokenizer import Tokenizer
 
-from helexa.config import load_neuron_config
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.testing import FakeEngineClient, write_neuron_config
+from helexa.testing import run_fake_neuron, write_neuron_config
 
 TOKEN = "s3cret"
 ANSWER = "Hello world. STOP here and then more words follow"
@@ -46,30 +43,15 @@ def config_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
     })
 
 
-Body = Callable[[neuron_pb2_grpc.NeuronStub, NeuronDaemon, FakeEngineClient], Awaitable[Any]]
-
-
-def serve(config_path: Path, tok: Tokenizer, body: Body, *, step_secs: float = 0.001) -> Any:
-    """Run `body(stub, daemon, engine)` against a fresh in-process daemon."""
+def serve(config_path: Path, tok: Tokenizer, body: Any, *, step_secs: float = 0.001) -> Any:
+    """Run `body(stub, daemon, engine)` against a fresh in-process daemon answering ANSWER."""
     answer = tok.encode(ANSWER, add_special_tokens=False)
     eos = tok.eos_token_ids[0]
 
     def script(_prompt: list[int], i: int) -> int:
         return answer[i] if i < len(answer) else eos
 
-    factory = FakeEngineClient.factory(script, step_secs=step_secs)
-
-    async def run() -> Any:
-        daemon = NeuronDaemon(config_path, load_neuron_config(config_path), client_factory=factory)
-        await daemon.start()
-        await daemon.residency.preload()
-        try:
-            async with grpc.aio.insecure_channel(daemon.address) as ch:
-                return await body(neuron_pb2_grpc.NeuronStub(ch), daemon, factory.made[0])
-        finally:
-            await daemon.drain()
-
-    return asyncio.run(run())
+    return run_fake_neuron(config_path, body, script=script, step_secs=step_secs)
 
 
 def chat(text: str = "Say hello", **kw: Any) -> pb.GenerateRequest:

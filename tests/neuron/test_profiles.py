@@ -1,0 +1,102 @@
+"""Profiles switched at runtime: knobs apply at once; a kv_dtype change re-plans the pool in place."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+from helexa.neuron.auth import bearer
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.testing import run_fake_neuron, write_neuron_config
+
+MD = bearer("t")
+
+
+@pytest.fixture(scope="module")
+def config_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    d = tmp_path_factory.mktemp("profiles")
+    (d / "token").write_text("t")
+    return write_neuron_config(d / "neuron.toml", {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+        "profiles": {"batch": {"max_in_flight": 32, "max_slots": 8},
+                     "long": {"kv_dtype": "int8"}},
+    })
+
+
+def _gen(req_id: str, max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(req_id=req_id, model="tiny", text="hello", max_tokens=max_tokens,
+                              ignore_eos=True)
+
+
+def test_a_profile_without_kv_changes_applies_at_once(config_path: Path) -> None:
+    async def body(stub, daemon, engine):
+        res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="batch"),
+                                    metadata=MD)
+        watch = stub.Watch(pb.WatchRequest(), metadata=MD)
+        st = await watch.read()
+        watch.cancel()
+        return res, st, engine.limits, engine.reset_calls
+
+    res, st, limits, resets = run_fake_neuron(config_path, body, script=lambda _p, _i: 7)
+    assert "max_in_flight: 16 -> 32" in res.changed and "max_slots: 8 -> 8" not in res.changed
+    assert limits.max_in_flight == 32 and limits.max_slots == 8 and resets == []
+    m = st.models[0]
+    assert m.profile == "batch" and m.admission.max_in_flight == 32
+    assert m.state == pb.MODEL_STATE_READY
+
+
+def test_a_kv_dtype_switch_lets_in_flight_work_finish_and_advertises_new_limits(
+        config_path: Path) -> None:
+    async def body(stub, daemon, engine):
+        before = daemon.residency.models["tiny"].limits
+        running = asyncio.ensure_future(
+            _collect(stub.Generate(_gen("old", 30), metadata=MD)))
+        await asyncio.sleep(0.05)
+        switch = asyncio.ensure_future(stub.SetProfile(
+            pb.SetProfileRequest(model="tiny", profile="long"), metadata=MD))
+        await asyncio.sleep(0.05)
+        states = []
+        watch = stub.Watch(pb.WatchRequest(), metadata=MD)
+        states.append((await watch.read()).models[0].state)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _collect(stub.Generate(_gen("new", 2), metadata=MD))
+        out = await running
+        res = await switch
+        st = await watch.read()
+        while st.models[0].state != pb.MODEL_STATE_READY:
+            st = await watch.read()
+        watch.cancel()
+        return before, states, refused.value, out, res, st, engine.reset_calls
+
+    before, states, refused, out, res, st, resets = run_fake_neuron(
+        config_path, body, script=lambda _p, _i: 7, step_secs=0.01)
+    assert states == [pb.MODEL_STATE_SWITCHING]
+    assert refused.code() == grpc.StatusCode.UNAVAILABLE
+    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH and out[-1].usage.completion_tokens == 30
+    m = st.models[0]
+    assert m.kv_dtype == "int8" and m.profile == "long"
+    assert m.limits.context > before.context  # int8 KV: more tokens in the same pool
+    assert len(resets) == 1 and resets[0]["kv_dtype"] == "int8"
+    assert m.kv.total_bytes == resets[0]["num_blocks"] * 16 * resets[0]["bytes_per_token"]
+    assert any(c.startswith("kv_dtype: fp32 -> int8") for c in res.changed)
+
+
+def test_an_unknown_profile_is_refused_naming_the_known_ones(config_path: Path) -> None:
+    async def body(stub, daemon, engine):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="turbo"),
+                                  metadata=MD)
+        return e.value
+
+    e = run_fake_neuron(config_path, body, script=lambda _p, _i: 7)
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "batch" in e.details() and "turbo" in e.details()
+
+
+async def _collect(call) -> list[pb.GenerateResponse]:
+    return [r async for r in call]
