@@ -13,11 +13,13 @@ of operations, per row:
    (smallest set whose probability reaches top_p) and min_p (drop tokens
    below min_p × the top probability), then one draw.
 
-Draws use the exponential race (argmax p / E with E ~ Exp(1), equivalent
-to a categorical draw). A request with a seed draws its E from its own
+Draws are inverse-CDF: one uniform per row against the fp64 cumulative
+weights. A request with a seed draws its uniform from its own
 torch.Generator, so the same seed gives the same tokens whatever else is in
-the batch; the others share torch's default generator. Everything except
-the seeded draws is vectorised over the batch.
+the batch; the others share torch's default generator. Truncation looks at
+the best 1,024 tokens first and sorts the whole vocabulary only when they
+do not hold top_p of the mass. Everything except taking the seeded
+uniforms is vectorised over the batch.
 """
 
 from __future__ import annotations
@@ -148,27 +150,86 @@ class Sampler:
         dev = logits.device
         p = [s.params for s in states]
         x = logits / torch.tensor([q.temperature for q in p], device=dev).unsqueeze(1)
+        # min_p keeps tokens whose probability is ≥ min_p × the top one's: a logit
+        # floor of max + log(min_p), unchanged by top_k/top_p (they keep the max).
+        floor = None
+        if any(q.min_p > 0 for q in p):
+            min_p = torch.tensor([min(q.min_p, 1.0) for q in p], device=dev)
+            floor = x.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # log 0 = -inf: no cut
         top_k = torch.tensor([q.top_k if 0 < q.top_k < vocab else vocab for q in p], device=dev)
-        top_p = torch.tensor([q.top_p if q.top_p < 1 else 2.0 for q in p], device=dev)
-        if (top_k < vocab).any() or (top_p <= 1).any():
-            sorted_x, order = x.sort(dim=-1, descending=True)
-            ranks = torch.arange(vocab, device=dev).unsqueeze(0)
-            sorted_x = sorted_x.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
-            probs = sorted_x.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
-            sorted_x = sorted_x.masked_fill(before >= top_p.unsqueeze(1), float("-inf"))
-            x = torch.full_like(x, float("-inf")).scatter(1, order, sorted_x)
-        min_p = torch.tensor([q.min_p for q in p], device=dev)
-        if (min_p > 0).any():
-            probs = x.softmax(dim=-1)
-            floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            x = x.masked_fill(probs < floor, float("-inf"))
-        probs = x.softmax(dim=-1)
+        # top_p ≤ 0 still keeps the best token (the cut is "mass before ≥ top_p")
+        top_p = torch.tensor([max(q.top_p, 1e-9) if q.top_p < 1 else 2.0 for q in p], device=dev)
+        u = _uniforms(states, dev)
+        out = torch.empty(m, dtype=torch.long, device=dev)
+        trunc = (top_k < vocab) | (top_p <= 1)
+        plain = (~trunc).nonzero().squeeze(1)
+        if plain.numel():
+            xp = x[plain]
+            if floor is not None:
+                xp = xp.masked_fill(xp < floor[plain], float("-inf"))
+            out[plain] = _draw(xp, u[plain])
+        rows = trunc.nonzero().squeeze(1)
+        if rows.numel():
+            cand, idx = truncate(x[rows], top_k[rows], top_p[rows])
+            if floor is not None:
+                cand = cand.masked_fill(cand < floor[rows], float("-inf"))
+            out[rows] = idx.gather(1, _draw(cand, u[rows]).unsqueeze(1)).squeeze(1)
+        return out
 
-        race = torch.empty_like(probs)
-        race.exponential_()
-        for j, s in enumerate(states):
-            g = s.seeded_generator(dev)
-            if g is not None:  # this row's randomness is its own
-                race[j].exponential_(generator=g)
-        return (probs / race.clamp_min(torch.finfo(race.dtype).tiny)).argmax(dim=-1)
+
+_FIRST_CANDIDATES = 1024  # top_p-only rows try this many before a full sort
+
+
+def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_k then top_p over x [m, vocab]: (candidate logits [m, k], their token ids [m, k]).
+
+    Candidates are sorted best first; cut ones are -inf. top_k is vocab where
+    off, top_p > 1 where off. top_p is taken over the top_k-renormalised
+    distribution, as transformers does. The first _FIRST_CANDIDATES tokens of
+    a top_p-only row suffice when they already hold top_p of the mass (they
+    nearly always do): a full sort of the vocab is the fallback.
+    """
+    vocab = x.shape[1]
+    need = int(top_k.max())
+    k = min(need, _FIRST_CANDIDATES) if need < vocab else min(vocab, _FIRST_CANDIDATES)
+    vals, idx = x.topk(k, dim=-1)
+    lse_full = None
+    if k < vocab and bool((top_k > k).any()):
+        lse_full = torch.logsumexp(x, dim=-1, keepdim=True)
+        mass = (vals - lse_full).exp().sum(dim=-1)
+        closes = (top_k <= k) | ((top_k >= vocab) & (mass >= top_p))
+        if not bool(closes.all()):
+            vals, idx = x.sort(dim=-1, descending=True)
+            k, lse_full = vocab, None
+    ranks = torch.arange(k, device=x.device).unsqueeze(0)
+    vals = vals.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(vals, dim=-1, keepdim=True)
+    if lse_full is not None:  # top_p-only rows: probabilities over the whole vocab
+        lse = torch.where((top_k >= vocab).unsqueeze(1), lse_full, lse)
+    probs = (vals - lse).exp()
+    before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
+    return vals.masked_fill(before >= top_p.unsqueeze(1), float("-inf")), idx
+
+
+def _uniforms(states: list[SamplingState], device: torch.device) -> torch.Tensor:
+    """[m] fp64 in [0, 1): seeded rows from their own generator, the rest from torch's."""
+    u = torch.rand(len(states), dtype=torch.float64, device=device)
+    for j, s in enumerate(states):
+        g = s.seeded_generator(device)
+        if g is not None:  # this row's randomness is its own
+            u[j] = torch.rand(1, dtype=torch.float64, device=device, generator=g)[0]
+    return u
+
+
+def _draw(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from softmax(x) [m, n] with uniforms u [m]: column ids [m].
+
+    fp64 cumulative sums keep the bias from rounding far below anything a test
+    could see; scaling u by the total makes normalising unnecessary, and a
+    token of weight 0 is never picked (its cdf step is empty).
+    """
+    w = (x - x.amax(dim=-1, keepdim=True)).exp().double()
+    cdf = w.cumsum(dim=-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)

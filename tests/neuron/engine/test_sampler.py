@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from helexa.neuron.engine.messages import SamplingParams
-from helexa.neuron.engine.sampler import Sampler, SamplingState
+from helexa.neuron.engine.sampler import Sampler, SamplingState, truncate
 
 PROBS = torch.tensor([0.5, 0.25, 0.15, 0.1])
 LOGITS = PROBS.log()
@@ -118,3 +118,37 @@ def test_logprobs_are_raw_pre_temperature_with_top_alternatives():
     assert [t.token_id for t in lp.top] == [0, 4, 1]
     assert [t.logprob for t in lp.top] == pytest.approx(raw[[0, 4, 1]].tolist(), abs=1e-6)
     assert math.isclose(sum(math.exp(x) for x in raw.tolist()), 1.0, rel_tol=1e-5)
+
+
+def reference_keep(x: torch.Tensor, top_k: int, top_p: float) -> tuple[set[int], set[int]]:
+    """Tokens kept by top_k then top_p, the plain way (sort everything), and the tokens so
+    close to the top_p boundary (1e-5) that rounding may decide either way."""
+    vals, idx = x.double().sort(descending=True)
+    if top_k:
+        vals, idx = vals[:top_k], idx[:top_k]
+    probs = vals.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    return set(idx[before < top_p].tolist()), set(idx[(before - top_p).abs() < 1e-5].tolist())
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])  # flat (needs the full sort) .. peaky
+def test_truncation_matches_a_full_sort(scale):
+    g = torch.Generator().manual_seed(int(scale * 10))
+    x = torch.randn(6, 5000, generator=g) * scale
+    cases = [(0, 0.9), (40, 1.0), (40, 0.5), (2000, 0.95), (0, 0.999), (1, 0.3)]
+    top_k = torch.tensor([k or 5000 for k, _ in cases])
+    top_p = torch.tensor([p if p < 1 else 2.0 for _, p in cases])
+    cand, idx = truncate(x, top_k, top_p)
+    for row, (k, p) in enumerate(cases):
+        kept = set(idx[row][cand[row] > float("-inf")].tolist())
+        expected, boundary = reference_keep(x[row], k, p)
+        assert kept ^ expected <= boundary, (scale, k, p)
+        assert len(kept) > 0.9 * len(expected)
+
+
+def test_top_p_over_a_large_vocab_and_edge_values():
+    logits = torch.full((1500,), -40.0)  # > 1,024 candidates; a negligible tail: closes early
+    logits[:4] = LOGITS
+    assert_close(frequencies(logits, top_p=0.7)[:4], [2 / 3, 1 / 3, 0, 0])
+    picks = Sampler()(LOGITS.repeat(2, 1), [state(top_p=0.0), state(min_p=1.5)])
+    assert [t for t, _ in picks] == [0, 0]  # both cut down to the best token
