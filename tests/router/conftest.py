@@ -6,69 +6,20 @@ the fakes to set behaviour; `fleet` resets every fake after each test.
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import threading
-from dataclasses import dataclass
 from pathlib import Path
 
-import openai
 import pytest
 import tomli_w
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from fake_neuron import Behaviour, FakeModel, FakeNeuron  # noqa: E402
+from fake_neuron import FakeNeuron  # noqa: E402
 from helexa.router import app as router_app  # noqa: E402
 from helexa.router.auth import hash_key  # noqa: E402
+from router_fleet import ALICE_KEY, Fleet, LoopThread, _wait_healthy  # noqa: E402
 
 from helexa.config import load_router_config  # noqa: E402
-
-ALICE_KEY = "sk-alice-test-key"
-
-
-class LoopThread:
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 20.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def call(self, fn, *args):
-        async def go():
-            return fn(*args)
-        return self.run(go())
-
-    def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
-@dataclass
-class Fleet:
-    lt: LoopThread
-    n1: FakeNeuron
-    n2: FakeNeuron
-    state: router_app.RouterState
-    url: str
-
-    def client(self, key: str = "sk-anything", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=15, **kw)
-
-    def reset(self) -> None:
-        def go():
-            for n in (self.n1, self.n2):
-                n.b = Behaviour()
-                n.requests.clear()
-                n.loads.clear()
-                n.draining = False
-                n.models = {"tiny": FakeModel("tiny")}
-                n.changed()
-            self.n2.models["other"] = FakeModel("other", context=512, output=256)
-            self.n2.changed()
-        self.lt.call(go)
 
 
 @pytest.fixture(scope="session")
@@ -102,16 +53,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     lt.run(n1.stop())
     lt.run(n2.stop())
     lt.close()
-
-
-def _wait_healthy(f: Fleet, timeout: float = 10.0) -> None:
-    import time
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if len(f.lt.call(f.state.registry.healthy_links)) == 2:
-            return
-        time.sleep(0.02)
-    raise AssertionError("fake neurons never became healthy")
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import json
 import httpx2
 import openai
 import pytest
-from conftest import ALICE_KEY
 from helexa.router.auth import Authenticator, hash_key
+from router_fleet import ALICE_KEY
 
 MSG = [{"role": "user", "content": "hello there"}]
 

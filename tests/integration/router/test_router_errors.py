@@ -9,7 +9,7 @@ import time
 import httpx2
 import openai
 import pytest
-from conftest import key_of, wait_for
+from router_procs import key_of, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
 

@@ -9,7 +9,7 @@ import signal
 import httpx2
 import openai
 import pytest
-from conftest import key_of, router_config, wait_for
+from router_procs import key_of, router_config, wait_for
 
 from helexa.testing import start_neuron, write_neuron_config
 

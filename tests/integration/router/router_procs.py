@@ -1,0 +1,122 @@
+"""Helpers for the router integration tests: start a router process, read its metrics,
+the test principals' keys, the configs (imported by conftest.py and the tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import tomli_w
+from prometheus_client.parser import text_string_to_metric_families
+
+from helexa.testing import NeuronProcess
+
+TOKEN = "router-integration-token"
+PRINCIPALS = ["alice", "bob", "carol", "dave", *[f"p{i}" for i in range(8)]]
+
+
+def key_of(principal: str) -> str:
+    return f"sk-{principal}-integration"
+
+
+@dataclass
+class RouterProcess:
+    proc: subprocess.Popen[str]
+    url: str
+    config_path: Path
+    log_path: Path
+    lines: list[str] = field(default_factory=list)
+
+    def client(self, principal: str | None = "alice", **kw: Any) -> openai.OpenAI:
+        key = key_of(principal) if principal else "sk-not-a-key"
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0,
+                             timeout=60, **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """{(sample name, sorted label items): value} from /metrics."""
+        text = httpx2.get(self.url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def reload(self, config: dict[str, Any]) -> None:
+        self.config_path.write_text(tomli_w.dumps(config))
+        self.proc.send_signal(signal.SIGHUP)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_router(config_path: Path, timeout_secs: float = 60.0) -> RouterProcess:
+    log_path = config_path.with_suffix(".log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "helexa.cli", "router", "--config",
+                                 str(config_path)], stdout=subprocess.PIPE, stderr=log, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("ROUTER LISTENING "):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    if not ready.wait(timeout_secs) or not lines:
+        proc.kill()
+        raise RuntimeError("router did not start:\n" + log_path.read_text()[-3000:])
+    return RouterProcess(proc, lines[-1].split()[-1], config_path, log_path, lines)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.05) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def neuron_cfg(name: str, models: list[dict], kv_mb: int, **admission: Any) -> dict[str, Any]:
+    return {
+        "server": {"name": name, "listen": "127.0.0.1:0", "token_file": "token",
+                   "drain_secs": 20.0, "heartbeat_secs": 1.0},
+        "engine": {"torch_threads": 1, "max_slots": 4},
+        "kv": {"kv_budget_mb": kv_mb, "activation_headroom_mb": 0},
+        "admission": {"kv_max_wait_secs": 5.0, **admission},
+        "models": models,
+    }
+
+
+def router_config(rdir: Path, neurons: dict[str, NeuronProcess]) -> dict[str, Any]:
+    return {
+        "server": {"listen": "127.0.0.1:0", "address_file": "router.addr",
+                   "max_body_bytes": 64 * 1024},
+        "auth": {"keys_file": "keys.toml", "require_auth": True, "load_principals": ["alice"]},
+        "neurons": {"token_file": "token", "endpoints": [
+            {"name": name, "address": proc.address} for name, proc in neurons.items()]},
+        "aliases": {"helexa/balanced": "tiny"},
+        "timeouts": {"load_wait_secs": 0.5, "reconnect_max_secs": 0.5, "request_secs": 60},
+    }
