@@ -139,9 +139,13 @@ class Sampler:
             seen = seen_out | torch.stack([s.prompt_mask(vocab, dev) for s in states])
             scaled = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, scaled, logits)
-        freq = torch.tensor([s.params.frequency_penalty for s in states], device=dev).unsqueeze(1)
-        pres = torch.tensor([s.params.presence_penalty for s in states], device=dev).unsqueeze(1)
-        return logits - freq * counts - pres * seen_out.float()
+        if any(s.params.frequency_penalty for s in states):
+            freq = torch.tensor([s.params.frequency_penalty for s in states], device=dev)
+            logits = logits - freq.unsqueeze(1) * counts
+        if any(s.params.presence_penalty for s in states):
+            pres = torch.tensor([s.params.presence_penalty for s in states], device=dev)
+            logits = logits - pres.unsqueeze(1) * seen_out
+        return logits
 
     @staticmethod
     def _sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
