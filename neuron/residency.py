@@ -218,7 +218,7 @@ class Residency:
                      pool_tokens=r.plan.pool_tokens, evicted=evicted)
         except Exception as e:  # a load failure leaves the daemon up and says why
             r.state = ModelState.FAILED
-            r.error = f"{type(e).__name__}: {e}" if not isinstance(e, Refusal) else e.message
+            r.error = e.message if isinstance(e, Refusal) else _reason(e)
             log.error("model.failed", model=entry.id, error=r.error)
         self._on_change()
         return r, evicted
@@ -425,6 +425,15 @@ def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list
         if a != b:
             out.append(f"{name}: {a} -> {b}")
     return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why: the last line of an engine's traceback, else the exception."""
+    text = str(e)
+    if "Traceback (most recent call last)" in text:
+        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
+        return f"{text.splitlines()[0].strip()} {last}"
+    return f"{type(e).__name__}: {text}"
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

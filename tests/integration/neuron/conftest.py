@@ -10,6 +10,7 @@ Each test must leave its daemon idle. Clients: helexa.testing.NeuronClient.
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
 
 TOKEN = "integration-token"
+ASSET = Path(__file__).resolve().parents[3] / "asset"
 
 
 @pytest.fixture(scope="session")
@@ -82,12 +84,25 @@ def fat_kv_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
-def neuron_tight(start_daemon: Callable[..., NeuronProcess],
-                 fat_kv_model_dir: Path) -> NeuronProcess:
-    return start_daemon("tight", _base(
-        "tight", fat_kv_model_dir,
-        admission={"max_in_flight": 4, "max_queue_depth": 2, "max_per_principal": 3,
-                   "kv_max_wait_secs": 0.3}))
+def hybrid_model_dir(neuron_dir: Path, tiny_model_dir: Path) -> Path:
+    """The 27B hybrid's config.json (no weights) with a tiny tokenizer: plans, cannot load."""
+    d = neuron_dir / "hybrid"
+    d.mkdir(exist_ok=True)
+    shutil.copy(ASSET / "models/Qwen/Qwen3.5-27B/config.json", d / "config.json")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / name, d / name)
+    return d
+
+
+@pytest.fixture(scope="session")
+def neuron_tight(start_daemon: Callable[..., NeuronProcess], fat_kv_model_dir: Path,
+                 hybrid_model_dir: Path) -> NeuronProcess:
+    cfg = _base("tight", fat_kv_model_dir,
+                admission={"max_in_flight": 4, "max_queue_depth": 2, "max_per_principal": 3,
+                           "kv_max_wait_secs": 0.3})
+    # beast's hybrid, which the engine does not support yet: fails, the daemon stays up
+    cfg["models"].append({"id": "hybrid", "path": str(hybrid_model_dir), "kv_budget_mb": 256})
+    return start_daemon("tight", cfg)
 
 
 @pytest.fixture(scope="session")
