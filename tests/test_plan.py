@@ -138,3 +138,15 @@ def test_plan_prints_the_table(tmp_path, capsys):
     assert "32,768 B" in out and "150,816 tokens" in out and "fixed per request" in out
     assert helexa_main(["plan", str(path), "--kv-dtype", "int8"]) == 0
     assert "(int8, head_dim 256)" in capsys.readouterr().out
+
+
+def test_pool_grows_as_kv_bytes_shrink(tmp_path, capsys):
+    path = neuron_toml(tmp_path, f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\n'
+                                 f'config = "{HYBRID}"\ntp = 2\n')
+    cfg = load_neuron_config(path)
+    pools = {kv: plan_model(cfg, cfg.models[0], path, kv_dtype=kv).pool_tokens
+             for kv in ("fp32", "bf16", "fp8_e4m3", "int8", "int4")}
+    assert pools["fp32"] < pools["bf16"] < pools["int8"] == pools["fp8_e4m3"] < pools["int4"]
+    assert pools["bf16"] == 150_816 and pools["int8"] == 296_976  # 260 B vs 512 B per token-head
+    assert helexa_main(["plan", str(path), "--kv-dtype", "int4"]) == 0
+    assert f"{pools['int4']:,} tokens" in capsys.readouterr().out
