@@ -101,7 +101,8 @@ def _quantize_int4(xf: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
         xf = torch.nn.functional.pad(xf, (0, padded - d))
     groups = xf.unflatten(-1, (spec.num_scales, INT4_GROUP))  # [..., G, 32]
     scale = groups.abs().amax(dim=-1).clamp_min(_TINY) / 7.0  # [..., G]
-    q = torch.round(groups / scale.unsqueeze(-1)).clamp_(-7, 7).to(torch.uint8) + 8  # wraps ok
+    # Offset to 1..15 before the cast: float → uint8 of a negative value is undefined.
+    q = (torch.round(groups / scale.unsqueeze(-1)).clamp_(-7, 7) + 8).to(torch.uint8)
     q = q.flatten(-2)[..., : 2 * spec.data_dim]
     if q.shape[-1] < 2 * spec.data_dim:  # odd head_dim: a zero (8) in the last high nibble
         q = torch.nn.functional.pad(q, (0, 1), value=8)
