@@ -38,6 +38,9 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
 
+# Deadlines and queue waits are checked at most this often.
+_EXPIRE_EVERY_SECS = 0.01
+
 
 @dataclass(frozen=True)
 class Refusal:
@@ -94,6 +97,7 @@ class Admission:
         self.in_flight: dict[str, Request] = {}  # admitted, not finished (incl. running)
         self._per_principal: dict[str, int] = {}  # queued + in flight
         self._anon_in_flight = 0
+        self._last_expire = -_EXPIRE_EVERY_SECS
 
     # --- reports -----------------------------------------------------------
 
@@ -172,6 +176,9 @@ class Admission:
     def expire(self) -> tuple[list[tuple[Request, Refusal]], list[Request]]:
         """(queued requests that waited too long, with their refusal; requests past deadline)."""
         now, wall = self.clock(), self.wall_clock()
+        if now - self._last_expire < _EXPIRE_EVERY_SECS:
+            return [], []  # a scan per step would cost more than this lateness
+        self._last_expire = now
         timed_out: list[tuple[Request, Refusal]] = []
         past_deadline = [r for q in self._queues.values() for r in q
                          if r.deadline_unix and wall >= r.deadline_unix]

@@ -177,7 +177,7 @@ def test_refusals_reach_the_update():
 def test_deadline_aborts_a_running_request():
     now = [1000.0]
     core = make_core()
-    core.admission.wall_clock = lambda: now[0]
+    core.admission.wall_clock = core.admission.clock = lambda: now[0]
     core.step(m.ToEngine(new=[new("a", [1, 2], 50, deadline_unix=1001.0)]))
     now[0] = 1002.0
     out = core.step()
