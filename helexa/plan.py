@@ -41,6 +41,8 @@ ELT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 QUANT_GROUP = 32  # int4 elements sharing one fp32 scale
 _DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "bfloat16": "bf16",
                 "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16"}
+# Sliding-window layers are counted as full: a conservative figure (they
+# need at most the window), and no model served here has them.
 _ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention"}
 
 
@@ -89,6 +91,7 @@ class ModelShape:
     linear_conv_kernel_dim: int = 0
     num_experts: int = 0
     moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
 
     @property
     def linear_attention_layers(self) -> int:
@@ -134,7 +137,9 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
         linear_value_head_dim=int(c.get("linear_value_head_dim", 0)) if linear else 0,
         linear_conv_kernel_dim=int(c.get("linear_conv_kernel_dim", 0)) if linear else 0,
         num_experts=int(c.get("num_experts") or c.get("num_local_experts") or 0),
-        moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),
+        # Mixtral names the expert width intermediate_size; Qwen-MoE has its own key.
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
+        shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
     )
     sharded, replicated = _param_split(shape, tp=1)
     return _replace(shape, param_count=sharded + replicated)
@@ -153,7 +158,8 @@ def _param_split(s: ModelShape, tp: int) -> tuple[int, int]:
     attn = h * q_out + s.num_heads * hd * h  # q, o: split over cards
     attn_kv_card = 2 * h * kv_card * hd  # k, v: per card (replicated when tp > kv heads)
     if s.num_experts:
-        mlp = s.num_experts * 3 * h * s.moe_intermediate_size + h * s.num_experts
+        mlp = (s.num_experts * 3 * h * s.moe_intermediate_size + h * s.num_experts  # + router
+               + 3 * h * s.shared_expert_intermediate_size)
     else:
         mlp = 3 * h * s.intermediate_size
     k_dim = s.linear_num_key_heads * s.linear_key_head_dim

@@ -86,6 +86,18 @@ def test_published_sizes_of_the_dense_8b():
     assert shape.torch_dtype == "bf16" and shape.max_position_embeddings == 40960
 
 
+@pytest.mark.parametrize("cfg, billions", [
+    ({"model_type": "mixtral", "num_hidden_layers": 32, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "hidden_size": 4096, "intermediate_size": 14336,
+      "vocab_size": 32000, "num_local_experts": 8}, 46.7),  # Mixtral-8x7B
+    ({"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_attention_heads": 32,
+      "num_key_value_heads": 4, "head_dim": 128, "hidden_size": 2048, "intermediate_size": 6144,
+      "moe_intermediate_size": 768, "num_experts": 128, "vocab_size": 151936}, 30.5),  # 30B-A3B
+])
+def test_published_sizes_of_moe_models(cfg, billions):
+    assert read_model_shape(cfg).param_count / 1e9 == pytest.approx(billions, abs=0.05)
+
+
 def test_legacy_and_todays_config_read_alike(tiny_checkpoint):
     new = read_model_shape(tiny_checkpoint("qwen3") / "config.json")
     old = read_model_shape(tiny_checkpoint("qwen3", legacy_config=True) / "config.json")
