@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--address", help="neuron gRPC address host:port")
     p.add_argument("--config", help="the neuron's config: address and token from it")
     p.add_argument("--token-file", help="file holding the neuron's token")
+    p.add_argument("--tls-ca", help="PEM CA (or the neuron's certificate) to connect with TLS")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer")
     sub = p.add_subparsers(dest="op", required=True)
     s = sub.add_parser("status", help="models, their state, ledger and limits")
@@ -50,8 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
-    address, token = args.address, None
+def _endpoint(args: argparse.Namespace) -> tuple[str, str | None, bytes | None]:
+    """(address, token, TLS root certificate or None)."""
+    address, token, ca = args.address, None, None
     if args.config:
         cfg = load_neuron_config(args.config)
         if address is None and cfg.server.address_file:
@@ -59,11 +61,15 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
         if address is None:
             address = cfg.server.listen
         token = read_secret(args.config, cfg.server.token_file)
+        if cfg.server.tls_cert_file:  # a self-signed neuron: trust its own certificate
+            ca = resolve_path(args.config, cfg.server.tls_cert_file).read_bytes()
     if args.token_file:
         token = Path(args.token_file).expanduser().read_text().strip()
+    if args.tls_ca:
+        ca = Path(args.tls_ca).expanduser().read_bytes()
     if not address:
         raise ConfigError("ctl: expected --address or --config")
-    return address, token
+    return address, token, ca
 
 
 def format_status(st: pb.ModelsResponse) -> str:
@@ -86,9 +92,11 @@ def format_status(st: pb.ModelsResponse) -> str:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    address, token = _endpoint(args)
+    address, token, ca = _endpoint(args)
     md = bearer(token) if token else ()
-    async with grpc.aio.insecure_channel(address) as channel:
+    channel = (grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(ca)) if ca
+               else grpc.aio.insecure_channel(address))
+    async with channel:
         stub = neuron_pb2_grpc.NeuronStub(channel)
         call: dict[str, Any] = {"metadata": md, "timeout": args.timeout}
         if args.op == "status":

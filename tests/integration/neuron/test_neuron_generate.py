@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 import urllib.request
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, model_of
+from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def test_streams_a_chat_completion_with_usage(neuron_main: NeuronProcess,
@@ -56,3 +57,36 @@ def test_watch_metrics_and_ctl_show_the_model_and_its_ledger(neuron_main: Neuron
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "tiny" in out.stdout and "ready" in out.stdout
+
+
+def test_a_watcher_sees_the_ledger_change_within_100_ms(neuron_main: NeuronProcess,
+                                                        neuron_token: str) -> None:
+    """Time from a request's admission (its first byte back) to Watch showing the ledger move."""
+    async def run() -> float:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            watch = c.stub.Watch(pb.WatchRequest(heartbeat_ms=5000), metadata=c.md)
+            first = await watch.read()
+            assert model_of(first).in_flight == 0
+            seen = asyncio.get_running_loop().create_future()
+
+            async def read() -> None:
+                while True:
+                    st = await watch.read()
+                    if model_of(st).kv.free_bytes < model_of(st).kv.total_bytes:
+                        seen.set_result(time.monotonic())
+                        return
+
+            reader = asyncio.ensure_future(read())
+            call = c.stub.Generate(chat_request("watched", max_tokens=200, ignore_eos=True),
+                                   metadata=c.md)
+            await call.read()  # admitted and prefilled: the pool has moved
+            t_first = time.monotonic()
+            t_seen = await asyncio.wait_for(seen, 5)
+            call.cancel()
+            watch.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            await c.watch_until(ledger_whole)
+            return t_seen - t_first
+
+    lag = asyncio.run(run())
+    assert lag < 0.1, lag
