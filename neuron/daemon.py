@@ -168,12 +168,13 @@ class NeuronDaemon:
         """Re-read the config; apply reload-safe changes, report restart ones; keep on error."""
         try:
             new = load_neuron_config(self.config_path)
-            from helexa.plan import check_neuron_config
-
-            check_neuron_config(self.config_path, new)
         except ConfigError as e:
             log.error("config.reload_refused", error=str(e), kept="running config")
             return []
+        try:
+            check_plans(self.config_path, new)
+        except ConfigError as e:  # only restart fields can break a plan: warn, apply the rest
+            log.warning("config.would_not_start", error=str(e))
         applied: list[str] = []
         profile_changes: list[tuple[str, str]] = []
         for key, schema_key, old, value in config_diff(self.cfg, new):
@@ -235,6 +236,22 @@ class NeuronDaemon:
         log.info("neuron.stopped", aborted=left)
 
 
+def check_plans(config_path: Path, cfg: NeuronConfig) -> None:
+    """Plan every model as `helexa plan` does, asking the devices (nvidia-smi) when the config
+    gives neither kv_budget_mb nor device_memory_mb; raises PlanError with the arithmetic."""
+    from helexa.neuron.residency import device_memory_mb
+
+    from helexa.plan import UnknownBudget, check_neuron_config, plan_model
+
+    check_neuron_config(config_path, cfg)
+    for entry in cfg.models:
+        devices = list(entry.devices or cfg.server.devices[: entry.tp])
+        try:
+            plan_model(cfg, entry, config_path, device_memory_mb=device_memory_mb(cfg, devices))
+        except UnknownBudget:
+            continue  # no figure to plan with: the load will say so for this model alone
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="helexa neuron", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="neuron config (TOML)")
@@ -243,9 +260,7 @@ def main(argv: list[str]) -> int:
     setup_logging("neuron", args.log_level)
     try:
         cfg = load_neuron_config(args.config)
-        from helexa.plan import check_neuron_config
-
-        check_neuron_config(args.config, cfg)
+        check_plans(Path(args.config), cfg)
     except ConfigError as e:  # PlanError is a ConfigError: the message shows the arithmetic
         print(f"helexa neuron: {e}", file=sys.stderr)
         return 2

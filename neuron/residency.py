@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -191,7 +193,8 @@ class Residency:
         log.info("model.loading", model=entry.id, devices=r.devices, profile=r.profile)
         evicted: list[str] = []
         try:
-            r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype)
+            r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype,
+                                device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
             r.limits = ModelLimits.from_plan(r.plan)
             r.admission = effective_limits(self.cfg, r.profile)
@@ -223,12 +226,15 @@ class Residency:
         self._on_change()
         return r, evicted
 
+    def device_memory_mb(self, devices: list[str]) -> int | None:
+        return device_memory_mb(self.cfg, devices)
+
     def _devices_of(self, entry: ModelEntry) -> list[str]:
         return list(entry.devices or self.cfg.server.devices[: entry.tp])
 
     async def _make_room(self, new: ResidentModel) -> list[str]:
         """Evict LRU idle models of equal or lower priority until `new` fits every device."""
-        cap_mb = self.cfg.server.device_memory_mb
+        cap_mb = self.device_memory_mb(new.devices)
         if cap_mb is None:
             return []  # nothing to plan against; the engine reports a real shortage
         cap = cap_mb * MIB
@@ -370,7 +376,8 @@ class Residency:
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
         new_limits = effective_limits(self.cfg, profile)
         new_plan = plan_model(self.cfg, r.entry, self.config_path,
-                              kv_dtype=effective_kv_dtype(self.cfg, profile))
+                              kv_dtype=effective_kv_dtype(self.cfg, profile),
+                              device_memory_mb=self.device_memory_mb(r.devices))
         changed = diff_limits(r.admission, new_limits)
         if profile != r.profile:
             changed.insert(0, f"profile: {r.profile or '(base)'} -> {profile or '(base)'}")
@@ -434,6 +441,28 @@ def _reason(e: BaseException) -> str:
         last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
         return f"{text.splitlines()[0].strip()} {last}"
     return f"{type(e).__name__}: {text}"
+
+
+def device_memory_mb(cfg: NeuronConfig, devices: list[str]) -> int | None:
+    """MiB per card: server.device_memory_mb, else what nvidia-smi reports (smallest)."""
+    if cfg.server.device_memory_mb is not None:
+        return cfg.server.device_memory_mb
+    sizes = [_cuda_memory_mb(d) for d in devices]
+    return min(sizes) if sizes and None not in sizes else None  # type: ignore[type-var]
+
+
+@functools.cache
+def _cuda_memory_mb(device: str) -> int | None:
+    """Total memory of `cuda:N` from nvidia-smi (no CUDA context in the daemon), else None."""
+    if not device.startswith("cuda"):
+        return None
+    index = device.partition(":")[2] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "-i", index], capture_output=True, text=True, timeout=10)
+        return int(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
