@@ -224,6 +224,7 @@ class NeuronDaemon:
             if r.client is not None and r.state != ModelState.FAILED:
                 r.state = ModelState.DRAINING
                 r.client.stop_admitting(True)
+        refused = self.servicer.refuse_unadmitted()
         self.hub.changed()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_secs
@@ -233,7 +234,7 @@ class NeuronDaemon:
         await self.residency.shutdown()
         if self.server is not None:
             await self.server.stop(grace=1.0)
-        log.info("neuron.stopped", aborted=left)
+        log.info("neuron.stopped", refused_queued=refused, aborted=left)
 
 
 def check_plans(config_path: Path, cfg: NeuronConfig) -> None:

@@ -75,6 +75,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.hub = hub
         self.metrics = metrics
         self.draining = False
+        self._open: dict[str, ResidentModel] = {}  # req_id -> model, for every open call
+        self._unadmitted: set[str] = set()  # open calls the engine has not admitted yet
+        self._drained: set[str] = set()  # unadmitted calls aborted by a drain
 
     # ------------------------------------------------------------------ Generate
 
@@ -89,6 +92,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("shutting_down", "This neuron is shutting down.",
                               int(self.residency.cfg.server.drain_secs * 1000))
             r = self.residency.serving(request.model)
+            if req_id in self._open:
+                raise Refusal("invalid_request_error",
+                              f"req_id: `{req_id}` is already being served")
             prompt_ids = tokenise(r.tokenizer, request)
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
             check_context(len(prompt_ids), max_tokens, r.limits)
@@ -136,6 +142,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         timer = asyncio.get_running_loop().call_later(
             max(0.0, new.deadline_unix - time.time()), on_deadline)
         updates = r.client.generate(new)
+        self._open[new.req_id] = r
+        self._unadmitted.add(new.req_id)
         try:
             async for upd in updates:
                 if upd.refused_code:
@@ -143,6 +151,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                                   upd.retry_after_ms)
                 if upd.admitted:
                     t_admit, cached = time.time(), upd.cached_tokens
+                    self._unadmitted.discard(new.req_id)
+                if upd.finished == messages.FinishReason.ABORT and new.req_id in self._drained:
+                    raise Refusal("shutting_down", "This neuron is shutting down.",
+                                  int(self.residency.cfg.server.drain_secs * 1000))
                 resp = pb.GenerateResponse()
                 if not sent_first and request.return_prompt_token_ids:
                     resp.prompt_token_ids.extend(new.prompt_token_ids)
@@ -202,6 +214,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             raise
         finally:
             timer.cancel()
+            self._open.pop(new.req_id, None)
+            self._unadmitted.discard(new.req_id)
+            self._drained.discard(new.req_id)
             await updates.aclose()
             outcome = ("client_gone" if client_gone
                        else pb.FinishReason.Name(finish or 0).removeprefix("FINISH_REASON_").lower())
@@ -217,8 +232,18 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                           decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
                           stop_reason=stop_reason, client_gone=client_gone, error=error or None)
 
+    def refuse_unadmitted(self) -> int:
+        """Draining: end every call still waiting for admission with `shutting_down`
+        (the router retries it elsewhere at once); returns how many."""
+        for req_id in list(self._unadmitted):
+            self._drained.add(req_id)
+            self._open[req_id].client.abort(req_id, "drain")
+        return len(self._drained)
+
     async def _refuse(self, context: grpc.aio.ServicerContext, blog: Any, model: str,
                       e: Refusal) -> None:
+        if not any(entry.id == model for entry in self.residency.catalogue()):
+            model = "unknown"  # keep label values to the catalogue
         self.metrics.refusals.labels(model, e.code).inc()
         self.metrics.requests.labels(model, "rejected").inc()
         blog.info("request.rejected", code=e.code, message=e.message,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -86,19 +87,29 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
     cfg["server"].pop("metrics_listen")
     daemon = start_daemon("drain", cfg)
 
-    async def run() -> tuple[list[pb.GenerateResponse], tuple]:
+    async def run() -> tuple[list[list[pb.GenerateResponse]], tuple, tuple, float]:
         async with NeuronClient(daemon.address, neuron_token) as c:
-            running = asyncio.ensure_future(c.generate(chat_request(
-                "long", max_tokens=300, ignore_eos=True)))
-            await c.watch_until(lambda st: model_of(st).in_flight == 1)
+            # max_in_flight 2: two run, a third waits in the queue
+            running = [asyncio.ensure_future(c.generate(chat_request(
+                f"long-{i}", principal=f"l{i}", max_tokens=300, ignore_eos=True)))
+                for i in range(2)]
+            await c.watch_until(lambda st: model_of(st).in_flight == 2)
+            queued = asyncio.ensure_future(c.refusal(chat_request("queued", max_tokens=4)))
+            await c.watch_until(lambda st: model_of(st).queued == 1)
+            t0 = time.monotonic()
             daemon.signal(signal.SIGTERM)
-            await c.watch_until(lambda st: st.draining)
+            queued_refusal = await queued
+            queued_secs = time.monotonic() - t0
             refused = await c.refusal(chat_request("late", max_tokens=4))
-            return await running, refused
+            return await asyncio.gather(*running), refused, queued_refusal, queued_secs
 
-    out, (code, md) = asyncio.run(run())
+    outs, (code, md), (qcode, qmd), queued_secs = asyncio.run(run())
     assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
     assert int(md["helexa-retry-after-ms"]) > 0
-    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert out[-1].usage.completion_tokens == 300
+    # the queued request is sent elsewhere at once rather than waiting out the drain
+    assert qcode == grpc.StatusCode.UNAVAILABLE and qmd["helexa-code"] == "shutting_down"
+    assert queued_secs < 2.0
+    for out in outs:
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert out[-1].usage.completion_tokens == 300
     assert daemon.proc.wait(timeout=30) == 0
