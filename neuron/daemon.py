@@ -153,9 +153,16 @@ class NeuronDaemon:
 
     async def run(self) -> int:
         await self.start()
-        await self.residency.preload()
-        self.announce()
-        await self._stop.wait()
+        preload = asyncio.ensure_future(self.residency.preload())
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({preload, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if preload.done():
+            preload.result()
+            self.announce()
+            await stop
+        else:  # SIGTERM while loading: stop the loads, then drain as usual
+            preload.cancel()
+            await asyncio.gather(preload, return_exceptions=True)
         await self.drain()
         return 0
 

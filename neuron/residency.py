@@ -174,6 +174,9 @@ class Residency:
         if r is not None and r.state in (ModelState.READY, ModelState.SWITCHING):
             r.touch()
             return r, []
+        if r is not None and r.state == ModelState.DRAINING:
+            raise Refusal("shutting_down", f"The model `{model_id}` is being unloaded.",
+                          int(self.cfg.server.drain_secs * 1000))
         task = self._loads.get(model_id)
         if task is None:
             task = asyncio.ensure_future(self._load(entry))
