@@ -172,8 +172,10 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
 
 async def stop(runner: web.AppRunner, state: RouterState) -> None:
     await runner.cleanup()
+    state.log.info("router.http_closed")
     await state.dispatcher.close()
     await state.registry.close()
+    state.log.info("router.stopped")
 
 
 async def _serve(cfg: RouterConfig, config_path: Path) -> None:

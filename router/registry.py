@@ -82,6 +82,7 @@ class NeuronLink:
         self.was_healthy = False
         self.pending: list[PendingSend] = []
         self.task: asyncio.Task | None = None
+        self.closing = False
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -97,6 +98,7 @@ class NeuronLink:
         self.task = asyncio.get_running_loop().create_task(self._watch_forever())
 
     async def close(self) -> None:
+        self.closing = True
         if self.task is not None:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -111,10 +113,11 @@ class NeuronLink:
             call = self.stub.Watch(pb.WatchRequest(heartbeat_ms=heartbeat_ms),
                                    metadata=self.metadata)
             try:
-                while True:
+                while not self.closing:
                     # Silence far past the bound: the stream is dead even if TCP says not.
-                    status = await asyncio.wait_for(
-                        call.read(), timeout=3 * self.registry.unhealthy_after_secs + 1)
+                    # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel.)
+                    async with asyncio.timeout(3 * self.registry.unhealthy_after_secs + 1):
+                        status = await call.read()
                     if status is grpc.aio.EOF:
                         break
                     self._on_status(status)
@@ -129,6 +132,8 @@ class NeuronLink:
             finally:
                 call.cancel()
             self.connected = False
+            if self.closing:
+                return
             self.registry.notify()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.registry.reconnect_max_secs)
@@ -189,6 +194,7 @@ class Registry:
         self.notify()
 
     async def _close_later(self, link: NeuronLink, grace_secs: float = 600.0) -> None:
+        link.closing = True
         if link.task is not None:
             link.task.cancel()
         await link.channel.close(grace=grace_secs)
@@ -200,7 +206,8 @@ class Registry:
     async def wait_changed(self, timeout_secs: float) -> None:
         """Return at the next status change, or after timeout_secs."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._changed.wait(), timeout_secs)
+            async with asyncio.timeout(timeout_secs):
+                await self._changed.wait()
 
     async def _health_loop(self) -> None:
         while True:

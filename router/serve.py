@@ -13,8 +13,8 @@ goes away the handler is cancelled (aiohttp handler cancellation) and the
 from __future__ import annotations
 
 import asyncio
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -104,7 +104,7 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
 async def handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     t0 = time.monotonic()
-    req_id = uuid.uuid4().hex[:24]
+    req_id = os.urandom(12).hex()
     log = state.log.bind(req_id=req_id)
     model = "-"
     code = "200"
@@ -123,12 +123,17 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
                                   deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
         log.info("request.start", kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
-        opened = await asyncio.gather(*(state.dispatcher.open(
-            g, est, key, principal=principal, kind=kind) for g in greqs), return_exceptions=True)
-        streams = [s for s in opened if isinstance(s, OpenStream)]
-        errors = [e for e in opened if isinstance(e, BaseException)]
-        if errors:
-            raise errors[0]
+        if len(greqs) == 1:  # the common case, without a task per choice
+            streams = [await state.dispatcher.open(greqs[0], est, key, principal=principal,
+                                                   kind=kind)]
+        else:
+            opened = await asyncio.gather(*(state.dispatcher.open(
+                g, est, key, principal=principal, kind=kind) for g in greqs),
+                return_exceptions=True)
+            streams = [s for s in opened if isinstance(s, OpenStream)]
+            errors = [e for e in opened if isinstance(e, BaseException)]
+            if errors:
+                raise errors[0]
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=i) for i in range(req.n)]
