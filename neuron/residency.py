@@ -413,9 +413,13 @@ class Residency:
                 raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not finish "
                               f"within drain_secs ({self.cfg.server.drain_secs:g} s); "
                               "the switch was abandoned", 1000)
-            await reset(num_blocks=plan.num_blocks, kv_dtype=plan.kv_dtype,
-                        bytes_per_token=plan.bytes_per_token, context=plan.context,
-                        max_output_tokens=plan.output)
+            try:
+                await reset(num_blocks=plan.num_blocks, kv_dtype=plan.kv_dtype,
+                            bytes_per_token=plan.bytes_per_token, context=plan.context,
+                            max_output_tokens=plan.output)
+            except Exception as e:  # the engine kept its pool; say why it would not switch
+                raise Refusal("invalid_request_error",
+                              f"kv_dtype: the engine could not re-plan its pool: {e}") from e
             r.plan, r.kv_dtype, r.limits = plan, plan.kv_dtype, ModelLimits.from_plan(plan)
         finally:
             r.client.stop_admitting(False)

@@ -65,7 +65,7 @@ def neuron_main_config(tiny_model_dir: Path) -> dict[str, Any]:
     cfg = _base("main", tiny_model_dir,
                 admission={"max_in_flight": 2, "max_queue_depth": 200, "max_per_principal": 150,
                            "anon_max_in_flight": 2, "kv_max_wait_secs": 30.0},
-                profiles={"wide": {"max_in_flight": 3}, "long": {"kv_dtype": "int8"}})
+                profiles={"wide": {"max_in_flight": 3}, "long": {"kv_dtype": "fp16"}})
     # a second catalogue entry, loaded only on demand (ctl load / unload)
     cfg["models"].append({"id": "tiny-b", "path": str(tiny_model_dir), "preload": False})
     return cfg

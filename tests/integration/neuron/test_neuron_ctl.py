@@ -74,7 +74,7 @@ def test_a_kv_dtype_switch_under_load_keeps_every_request(neuron_main: NeuronPro
             res = await asyncio.to_thread(ctl, neuron_main, "profile", "tiny", "long")
             assert res.returncode == 0, res.stderr
             outs = await asyncio.gather(*runs)
-            after = await c.watch_until(lambda st: model_of(st).kv_dtype == "int8"
+            after = await c.watch_until(lambda st: model_of(st).kv_dtype == "fp16"
                                         and ledger_whole(st))
             back = await asyncio.to_thread(ctl, neuron_main, "profile", "tiny", "")
             assert back.returncode == 0, back.stderr
