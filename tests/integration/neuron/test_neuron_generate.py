@@ -52,6 +52,8 @@ def test_watch_metrics_and_ctl_show_the_model_and_its_ledger(neuron_main: Neuron
                    if line and not line.startswith("#"))
     assert float(samples['helexa_kv_total_bytes{model="tiny"}']) == m.kv.total_bytes
     assert "helexa_ttft_seconds_bucket" in body
+    assert float(samples['helexa_requests_total{model="tiny",outcome="length"}']) >= 2
+    assert float(samples['helexa_decode_tokens_total{model="tiny"}']) >= 24
     out = subprocess.run([sys.executable, "-m", "helexa.cli", "ctl", "--config",
                           str(neuron_main.config_path), "status"],
                          capture_output=True, text=True, timeout=60)

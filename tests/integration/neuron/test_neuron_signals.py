@@ -28,6 +28,7 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
         neuron_token: str) -> None:
     raised = copy.deepcopy(neuron_main_config)
     raised["admission"]["max_in_flight"] = 3
+    raised["kv"]["block_size"] = 32  # load-time: reported as needing a restart, not applied
     loads_before = len(neuron_main.logs("model.loading"))
 
     async def run() -> tuple[int, int]:
@@ -56,6 +57,9 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
     change = neuron_main.wait_for_log(
         "config.changed", where=lambda r: r.get("key") == "admission.max_in_flight")
     assert (change["old"], change["new"]) in ((2, 3), (3, 2))
+    restart = neuron_main.wait_for_log("config.needs_restart",
+                                       where=lambda r: r.get("key") == "kv.block_size")
+    assert (restart["old"], restart["new"]) in ((16, 32), (32, 16))
 
 
 def test_a_broken_config_on_sighup_is_refused_and_the_running_one_kept(
