@@ -27,6 +27,9 @@ import msgspec
 
 _US_PER_HOUR = 3_600_000_000
 _START, _DONE, _REJECTED = "request.start", "request.done", "request.rejected"
+# Codes the neuron only gives before `request.start` (checks of the request itself),
+# never after it is handed to the engine.
+_PRE_START_CODES = frozenset({"invalid_request_error", "context_length_exceeded", "model_not_found"})
 
 
 class LogLine(msgspec.Struct):
@@ -136,6 +139,11 @@ class Journal:
                     self._unpaired_start(earlier[1], earlier[2])
                 open_spans[rec.req_id] = (_micros(ts), rec.model or "(none)", rec.principal)
             elif ev == _DONE or ev == _REJECTED:
+                if ev == _REJECTED and rec.code in _PRE_START_CODES:
+                    # refused before its start line (e.g. a duplicate req_id while the
+                    # first is served): it must not end the open span of that id
+                    self._unpaired_end(rec)
+                    continue
                 begun = open_spans.pop(rec.req_id, None) if rec.req_id is not None else None
                 if begun is None:
                     self._unpaired_end(rec)

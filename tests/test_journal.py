@@ -44,7 +44,8 @@ def generate_log() -> str:
     Model A spans (minutes): a1 [10,40] finished, a2 [20,30] client gone,
     a3 [25,50] finish_reason error, a4 [60,60] rejected 429, a5 [60,66]
     rejected overloaded, a6 starts at 110 (no end), a0 ends at 5 (no start),
-    a7 is refused at 70 before it starts (no span, not a window edge);
+    a7 is refused at 70 before it starts (no span, not a window edge), a
+    duplicate of a1's req_id is refused at 15 (a1 still ends at 40);
     bench [15,75] is a load generator. Model B: b1 [90,105], b2 starts at 100
     (no end; would make B's peak 2 if unpaired starts counted).
     """
@@ -61,6 +62,8 @@ def generate_log() -> str:
     events += _span("a0", A, "alice", None, 5)
     events += _span("bench-1", A, "bench", 15, 75)
     events += _span("a7", A, "bob", None, 70, "request.rejected", code="context_length_exceeded")
+    # a second call reusing a1's req_id while a1 runs is refused; a1 goes on
+    events += _span("a1", A, "mallory", None, 15, "request.rejected", code="invalid_request_error")
     events += _span("b1", B, "alice", 90, 105)
     events += _span("b2", B, "bob", 100, None)
     # the router logs the same req_ids with its own times: never paired with the neuron's
@@ -78,7 +81,7 @@ def generate_log() -> str:
 
 
 EXPECTED_EXCLUDING_BENCH = """\
-journal concurrency: component neuron, 24 lines, 20 JSON lines of neuron
+journal concurrency: component neuron, 25 lines, 21 JSON lines of neuron
 window 2026-11-30T08:00:00Z to 2026-11-30T10:00:00Z: 2.000 h
 excluding principals: bench
 
@@ -86,7 +89,7 @@ all models
   spans: 6 paired, 3 unpaired, 1 excluded
     paired: 2 finished, 1 client gone, 3 error (1 finish_reason error; 2 rejected: overloaded 1, rate_limit_exceeded 1)
     unpaired (window edge): 2 start without end, 1 end without start
-  refused before start (no span): 1: context_length_exceeded 1
+  refused before start (no span): 2: context_length_exceeded 1, invalid_request_error 1
   utilisation: 1.017 busy h / 2.000 wall h = 50.8%
   in flight over busy time: peak 3, mean 1.41
     in flight   busy h    share   cumulative
@@ -98,7 +101,7 @@ model Qwen/Qwen3-8B
   spans: 5 paired, 2 unpaired, 1 excluded
     paired: 1 finished, 1 client gone, 3 error (1 finish_reason error; 2 rejected: overloaded 1, rate_limit_exceeded 1)
     unpaired (window edge): 1 start without end, 1 end without start
-  refused before start (no span): 1: context_length_exceeded 1
+  refused before start (no span): 2: context_length_exceeded 1, invalid_request_error 1
   utilisation: 0.767 busy h / 2.000 wall h = 38.3%
   in flight over busy time: peak 3, mean 1.54
     in flight   busy h    share   cumulative
@@ -145,7 +148,7 @@ def test_stdin_and_router_component(log_file: Path) -> None:
         [sys.executable, "-m", "helexa.cli", "journal", "concurrency", "-", "--component", "router"],
         input=log_file.read_bytes(), capture_output=True, check=True)
     out = done.stdout.decode()
-    assert "journal concurrency: component router, 24 lines, 2 JSON lines of router\n" in out
+    assert "journal concurrency: component router, 25 lines, 2 JSON lines of router\n" in out
     assert "  spans: 1 paired, 0 unpaired\n" in out
     assert "    paired: 0 finished, 1 client gone, 0 error\n" in out
     assert "  utilisation: 1.650 busy h / 1.650 wall h = 100.0%\n" in out
