@@ -206,9 +206,15 @@ def _weights(arch: str, cfg: dict, seed: int) -> dict[str, Any]:
     h, hd, inter = cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]
     nq, nkv, vocab = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
 
-    def linear(out_f: int, in_f: int) -> torch.Tensor:
+    def linear(out_f: int, in_f: int, scale: float = 1.0) -> torch.Tensor:
         # std 1/sqrt(fan_in) keeps activations O(1) through the layers.
-        return torch.randn(out_f, in_f, generator=g) / math.sqrt(in_f)
+        return torch.randn(out_f, in_f, generator=g) * (scale / math.sqrt(in_f))
+
+    # Projections back into the residual stream are scaled by 1/sqrt(2 × layers)
+    # (GPT-2's init): each layer nudges the stream rather than replacing it, as
+    # in trained models, so small KV errors (quantised KV) move the logits about
+    # as much as they would in a real model instead of several times more.
+    residual = 1.0 / math.sqrt(2 * cfg["num_hidden_layers"])
 
     def norm(n: int) -> torch.Tensor:
         # Not all ones, so a loader that skips a norm weight is caught.
@@ -231,11 +237,11 @@ def _weights(arch: str, cfg: dict, seed: int) -> dict[str, Any]:
         if arch == "qwen3":
             t[p + "self_attn.q_norm.weight"] = norm(hd)
             t[p + "self_attn.k_norm.weight"] = norm(hd)
-        t[p + "self_attn.o_proj.weight"] = linear(h, nq * hd)
+        t[p + "self_attn.o_proj.weight"] = linear(h, nq * hd, residual)
         t[p + "post_attention_layernorm.weight"] = norm(h)
         t[p + "mlp.gate_proj.weight"] = linear(inter, h)
         t[p + "mlp.up_proj.weight"] = linear(inter, h)
-        t[p + "mlp.down_proj.weight"] = linear(h, inter)
+        t[p + "mlp.down_proj.weight"] = linear(h, inter, residual)
     t["model.norm.weight"] = norm(h)
     if not cfg["tie_word_embeddings"]:
         t["lm_head.weight"] = torch.randn(vocab, h, generator=g) * head_std
