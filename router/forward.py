@@ -117,7 +117,8 @@ class OpenStream:
 
     def cancel(self) -> None:
         """Abort on the neuron (a no-op once the call has ended)."""
-        self.call.cancel()
+        if not self.call.done():
+            self.call.cancel()
 
 
 class UpstreamClosed(Exception):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import re
 import sys
@@ -127,13 +128,14 @@ class FakeNeuron(pbg.NeuronServicer):
         await self._auth(context)
         beat = (request.heartbeat_ms or 1000) / 1000
         while True:
+            self._changed.clear()  # before taking the status: a later change is never lost
             if not self.b.silent:
                 yield self._status()
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), beat)
-            except TimeoutError:
-                pass
+            await asyncio.sleep(0.05)  # at most 20 messages a second, as the contract says
+            if not self._changed.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(beat):
+                        await self._changed.wait()
 
     async def Models(self, request, context):
         await self._auth(context)
