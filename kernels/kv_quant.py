@@ -149,3 +149,52 @@ def gather_dequantized(data_cache: torch.Tensor, scale_cache: torch.Tensor, slot
     data = data_cache.view(-1, kvh, data_cache.shape[-1]).index_select(0, slots)
     scale = scale_cache.view(-1, kvh, scale_cache.shape[-1]).index_select(0, slots)
     return dequantize(data, scale, kv_dtype, head_dim, dtype)
+
+
+_PLAIN = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class PagedKV:
+    """K or V of one layer in any resolved kv_dtype: one write/gather path for all of them.
+
+    Plain dtypes keep one tensor [num_blocks, block_size, kv_heads, head_dim];
+    quantised ones keep (data, scale) as above. Slots index the flattened
+    [num_blocks × block_size] token axis, as the block tables give them.
+    """
+
+    def __init__(self, kv_dtype: str, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, device: torch.device | str = "cpu") -> None:
+        self.kv_dtype, self.head_dim, self.kv_heads = kv_dtype, head_dim, kv_heads
+        self.num_blocks, self.block_size = num_blocks, block_size
+        if kv_dtype in _PLAIN:
+            # Zeroed, so padded gather rows (masked out later) never hold NaN.
+            self.data = torch.zeros(num_blocks, block_size, kv_heads, head_dim,
+                                    dtype=_PLAIN[kv_dtype], device=device)
+            self.scale: torch.Tensor | None = None
+        else:
+            self.data, self.scale = allocate(quant_spec(kv_dtype, head_dim), num_blocks,
+                                             block_size, kv_heads, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scale.nbytes if self.scale is not None else 0)
+
+    @property
+    def bytes_per_token_head(self) -> int:
+        return self.nbytes // (self.num_blocks * self.block_size * self.kv_heads)
+
+    def write(self, slot_mapping: torch.Tensor, x: torch.Tensor) -> None:
+        """Store new tokens x [N, kv_heads, head_dim] at their slots [N]."""
+        if self.scale is None:
+            flat = self.data.view(-1, self.kv_heads, self.head_dim)
+            flat.index_copy_(0, slot_mapping, x.to(self.data.dtype))
+        else:
+            write_quantized(self.data, self.scale, slot_mapping, x, self.kv_dtype)
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Tokens at `slots` as [len(slots), kv_heads, head_dim] in `dtype`."""
+        if self.scale is None:
+            flat = self.data.view(-1, self.kv_heads, self.head_dim)
+            return flat.index_select(0, slots).to(dtype)
+        return gather_dequantized(self.data, self.scale, slots, self.kv_dtype, self.head_dim,
+                                  dtype)

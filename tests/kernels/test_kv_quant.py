@@ -7,6 +7,7 @@ import torch
 from helexa.kernels.kv_quant import (
     INT4_GROUP,
     QUANT_DTYPES,
+    PagedKV,
     allocate,
     dequantize,
     gather_dequantized,
@@ -110,3 +111,18 @@ def test_attention_over_quantised_kv_stays_close():
 def test_unknown_dtype_is_refused():
     with pytest.raises(ValueError, match="kv_dtype: expected one of"):
         quant_spec("int3", 64)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp16", *QUANT_DTYPES])
+def test_paged_kv_one_path_for_every_dtype(kv_dtype):
+    kv = PagedKV(kv_dtype, num_blocks=5, block_size=4, kv_heads=2, head_dim=64)
+    assert kv.bytes_per_token_head == kv_token_head_bytes(kv_dtype, 64, "fp32")
+    assert kv.nbytes == 5 * 4 * 2 * kv.bytes_per_token_head
+    x = sample(3, 2, 64, seed=5)
+    slots = torch.tensor([19, 0, 7])
+    kv.write(slots, x)
+    got = kv.gather(slots, torch.float32)
+    assert got.shape == (3, 2, 64) and got.dtype == torch.float32
+    tol = {"fp32": 0, "bf16": 0.01, "fp16": 0.001, "int8": 0.02, "fp8_e4m3": 0.03, "int4": 0.2}
+    assert ((got - x).norm() / x.norm()).item() <= tol[kv_dtype] + 1e-7
+    assert not kv.gather(torch.tensor([1, 2, 18]), torch.float32).any()
