@@ -1,10 +1,13 @@
-"""What one request may ask of a model, and the refusals the neuron answers with.
+"""What one request may ask of a model, the runtime limits a model runs under, and refusals.
 
 The limits a model advertises (`context`, `input`, `output`) come from its
 plan (helexa.plan); the context check here is the one place the neuron
-compares a tokenised prompt against them. `Refusal` is the one shape every
-refusal takes inside the daemon — an OpenAI-style code, a message and an
-optional retry-after — turned into a gRPC status only at the edge.
+compares a tokenised prompt against them. `effective_limits` folds a
+profile's overrides into the config's admission / engine knobs (what the
+engine receives as SetLimits at load, on SIGHUP and on a profile switch).
+`Refusal` is the one shape every refusal takes inside the daemon — an
+OpenAI-style code, a message and an optional retry-after — turned into a
+gRPC status only at the edge.
 """
 
 from __future__ import annotations
