@@ -281,19 +281,21 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     `kv_dtype` overrides the configured one (profile, then [kv]);
     `device_memory_mb` overrides server.device_memory_mb (a live device's size).
     """
-    where = f"{config_file}: {_key(cfg, entry, '%s')}"
+    def where(field: str) -> str:  # `file: models[i].field` (or a [kv] key) for messages
+        return f"{config_file}: {field if '.' in field else _key(cfg, entry, field)}"
+
     cfg_path = model_config_path(config_file, entry)
     try:
         raw = json.loads(cfg_path.read_text())
         shape = read_model_shape(raw)
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
-        raise PlanError(f"{where % field}: expected a model config.json, no file {cfg_path}") from None
+        raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
     except (KeyError, ValueError, TypeError) as e:
-        raise PlanError(f"{where % 'config'}: {cfg_path}: unreadable model config ({e!r})") from None
+        raise PlanError(f"{where('config')}: {cfg_path}: unreadable model config ({e!r})") from None
     tp, bs = entry.tp, cfg.kv.block_size
     if shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
-        raise PlanError(f"{where % 'tp'}: expected a divisor of the {shape.num_heads} attention heads "
+        raise PlanError(f"{where('tp')}: expected a divisor of the {shape.num_heads} attention heads "
                         f"that divides or is a multiple of the {shape.num_kv_heads} kv heads, got {tp}")
     weight_dtype = shape.torch_dtype if entry.dtype == "auto" else entry.dtype
     profile = cfg.profiles.get(entry.profile) if entry.profile else None
@@ -306,12 +308,13 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
     budget_mb = entry.kv_budget_mb or cfg.kv.kv_budget_mb
+    budget_key = "kv_budget_mb" if entry.kv_budget_mb else "kv.kv_budget_mb"
     if budget_mb is not None:
         budget = budget_mb * MIB
         source = f"{budget_mb:,} MiB kv_budget_mb"
         if device_mb and weights + budget + headroom > device_mb * MIB:
             raise PlanError(
-                f"{where % 'kv_budget_mb'}: expected weights + KV + headroom within {device_mb:,} MiB "
+                f"{where(budget_key)}: expected weights + KV + headroom within {device_mb:,} MiB "
                 f"per card, got {weights / MIB:,.0f} + {budget_mb:,} + {headroom // MIB:,} MiB")
     elif device_mb:
         usable = int(device_mb * MIB * cfg.kv.memory_fraction)
@@ -319,10 +322,10 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         source = (f"{device_mb:,} MiB × {cfg.kv.memory_fraction} − {weights / MIB:,.0f} MiB weights "
                   f"− {headroom // MIB:,} MiB headroom")
         if budget < bs * per_token + fixed:
-            raise PlanError(f"{where % 'tp'}: expected the weights to leave room for KV: {source} = "
+            raise PlanError(f"{where('tp')}: expected the weights to leave room for KV: {source} = "
                             f"{budget / MIB:,.0f} MiB, less than one block")
     else:
-        raise UnknownBudget(f"{where % 'kv_budget_mb'}: expected kv_budget_mb or "
+        raise UnknownBudget(f"{where('kv.kv_budget_mb')}: expected kv_budget_mb or "
                             f"server.device_memory_mb to plan without a device")
 
     block_bytes = bs * per_token
@@ -334,18 +337,18 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         context = entry.context
         need_blocks = math.ceil(context / bs)
         if positions and context > positions:
-            raise PlanError(f"{where % 'context'}: expected at most the model's {positions:,} "
+            raise PlanError(f"{where('context')}: expected at most the model's {positions:,} "
                             f"positions, got {context:,}")
         if need_blocks > num_blocks or need_blocks * block_bytes + fixed > budget:
             raise PlanError(
-                f"{where % 'context'}: expected at most {min(single, pool_tokens):,} tokens: "
+                f"{where('context')}: expected at most {min(single, pool_tokens):,} tokens: "
                 f"{context:,} tokens need {need_blocks:,} blocks × {bs} × {per_token:,} B"
                 f" + {fixed:,} B fixed = {(need_blocks * block_bytes + fixed) / MIB:,.1f} MiB, "
                 f"but the pool holds {num_blocks:,} blocks ({budget / MIB:,.1f} MiB: {source})")
     else:
         context = (min(positions, single) if positions else single) // bs * bs
         if context < 2:
-            raise PlanError(f"{where % 'kv_budget_mb'}: expected room for at least one block, "
+            raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
                             f"got {budget / MIB:,.1f} MiB for {block_bytes:,} B blocks")
     output = min(entry.max_output_tokens or context - 1, context - 1)
     trade = [(n, min(context, _tokens_each(budget, n, block_bytes, bs, fixed)))

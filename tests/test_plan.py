@@ -162,3 +162,16 @@ def test_pool_grows_as_kv_bytes_shrink(tmp_path, capsys):
     assert pools["bf16"] == 150_816 and pools["int8"] == 296_976  # 260 B vs 512 B per token-head
     assert helexa_main(["plan", str(path), "--kv-dtype", "int4"]) == 0
     assert f"{pools['int4']:,} tokens" in capsys.readouterr().out
+
+
+def test_budget_beyond_the_card_names_the_key(tmp_path):
+    body = (f'[server]\ndevice_memory_mb = 24564\n[kv]\nkv_budget_mb = 9000\n'
+            f'[[models]]\nid = "d"\nconfig = "{DENSE}"\n')
+    path = neuron_toml(tmp_path, body)
+    with pytest.raises(PlanError, match=r"kv\.kv_budget_mb: expected weights \+ KV \+ headroom "
+                                        r"within 24,564 MiB per card, got 15,623 \+ 9,000 \+ 512"):
+        check_neuron_config(path, load_neuron_config(path))
+    tight = neuron_toml(tmp_path, body.replace("kv_budget_mb = 9000", "kv_budget_mb = 8000")
+                        + "kv_budget_mb = 9000\n", "t.toml")
+    with pytest.raises(PlanError, match=r"models\[0\]\.kv_budget_mb: expected weights"):
+        check_neuron_config(tight, load_neuron_config(tight))
