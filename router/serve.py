@@ -53,7 +53,7 @@ async def read_body(request: web.Request, max_body_bytes: int) -> object:
         raise bad_request(f"The body is not valid JSON: {e}") from None
 
 
-def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes, str]:
+def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
     if req.messages is not None:
         prompt = estimate_prompt_tokens(req.prompt_chars, len(req.messages))
         # The opening of the conversation: its system prompt and first user turn.
@@ -64,7 +64,7 @@ def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes, str]:
     else:
         prompt = estimate_prompt_tokens(req.prompt_chars)
         head = [(req.prompt_text or "")[:1024]]
-    return Estimate(prompt, req.max_tokens), affinity_key(req.model, head), str(prompt)
+    return Estimate(prompt, req.max_tokens), affinity_key(req.model, head)
 
 
 async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
@@ -116,7 +116,7 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         req = parse_request(await read_body(request, state.max_body_bytes), kind)
         model = state.aliases.resolve(req.model)
         log = log.bind(model=model)
-        est, key, _ = _estimate(req)
+        est, key = _estimate(req)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
                                   else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
@@ -147,6 +147,8 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         return resp
     except ApiError as e:
         code = str(e.status)
+        if e.code == "model_not_found":
+            model = "unknown"  # a client's typo must not become a metrics label
         log.info("request.rejected", status=e.status, code=e.code, message=e.message)
         return e.response({"x-request-id": req_id})
     except asyncio.CancelledError:

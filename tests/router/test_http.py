@@ -115,6 +115,8 @@ def test_unknown_model_is_404(fl):
     with pytest.raises(openai.NotFoundError) as e:
         fl.client().chat.completions.create(model="nope", messages=MSG)
     assert e.value.code == "model_not_found"
+    m = httpx2.get(fl.url + "/metrics").text
+    assert 'model="nope"' not in m and 'helexa_router_requests_total{code="404",model="unknown"}' in m
 
 
 def test_body_over_the_limit_is_413(fl):
