@@ -197,3 +197,26 @@ token_file = "{fl.state.config_path.parent / 'token'}"
         fl.lt.run(fl.state.reload())
         assert sorted(fl.state.registry.links) == ["n1", "n2"]
         assert fl.state.cfg.aliases == old_cfg.aliases and a1
+
+
+def test_neuron_restart_is_noticed_at_once_and_reconnected(fl):
+    fl.lt.run(fl.n1.stop())
+    assert wait_for(lambda: not fl.state.registry.links["n1"].healthy(), 1.0)
+    fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)  # n2 serves
+    fl.lt.run(fl.n1.start(fl.n1.address))  # same address, as a restarted daemon would be
+    assert wait_for(lambda: fl.state.registry.links["n1"].healthy(), 5.0)
+
+
+def test_streaming_n_choices_interleave_and_each_finishes(fl):
+    s = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=3, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, finishes = {0: "", 1: ""}, {}
+    usage = None
+    for chunk in s:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+        usage = chunk.usage or usage
+    assert texts == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "} and finishes == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 6
