@@ -95,7 +95,7 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
         async with NeuronClient(daemon.address, neuron_token) as c:
             # max_in_flight 2: two run, a third waits in the queue
             running = [asyncio.ensure_future(c.generate(chat_request(
-                f"long-{i}", principal=f"l{i}", max_tokens=300, ignore_eos=True)))
+                f"long-{i}", principal=f"l{i}", max_tokens=100, ignore_eos=True)))
                 for i in range(2)]
             await c.watch_until(lambda st: model_of(st).in_flight == 2)
             queued = asyncio.ensure_future(c.refusal(chat_request("queued", max_tokens=4)))
@@ -115,5 +115,5 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
     assert queued_secs < 2.0
     for out in outs:
         assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert out[-1].usage.completion_tokens == 300
+        assert out[-1].usage.completion_tokens == 100
     assert daemon.proc.wait(timeout=30) == 0
