@@ -39,7 +39,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         "neurons": {"token_file": str(tmp / "token"), "endpoints": [
             {"name": "n1", "address": a1}, {"name": "n2", "address": a2}]},
         "aliases": {"helexa/balanced": "tiny"},
-        "timeouts": {"unhealthy_after_secs": 0.6, "load_wait_secs": 2.0, "request_secs": 30},
+        "timeouts": {"unhealthy_after_secs": 0.6, "load_wait_secs": 1.0, "request_secs": 30},
     }
     (tmp / "router.toml").write_text(tomli_w.dumps(raw))
     cfg = load_router_config(tmp / "router.toml")

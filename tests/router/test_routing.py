@@ -150,7 +150,7 @@ def test_slow_load_is_503_model_loading_with_retry_after(fl):
 
 def test_principal_not_allowed_to_load(fl):
     old = fl.state.dispatcher.settings
-    fl.state.dispatcher.settings = DispatchSettings(["alice"], 2.0, 30)
+    fl.state.dispatcher.settings = DispatchSettings(["alice"], 1.0, 30)
     try:
         with pytest.raises(openai.InternalServerError) as e:
             fl.client().chat.completions.create(model="lazy", messages=MSG, max_tokens=1)
@@ -186,10 +186,22 @@ address = "{a2}"
 token_file = "{fl.state.config_path.parent / 'token'}"
 ''')
     old_path, old_cfg = fl.state.config_path, fl.state.cfg
+    set_b(fl, fl.n1, token_delay_secs=0.1)
+    set_b(fl, fl.n2, token_delay_secs=0.1)
     fl.state.config_path = cfg
     try:
+        # A stream running on n1 while n1 leaves the config finishes all the same.
+        fl.lt.call(lambda: (setattr(fl.n2, "draining", True), fl.n2.changed()))
+        time.sleep(0.15)
+        s = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=5,
+                                                stream=True)
+        chunks = iter(s)
+        next(chunks)
+        assert len(fl.n1.requests) == 1
+        fl.lt.call(lambda: (setattr(fl.n2, "draining", False), fl.n2.changed()))
         fl.lt.run(fl.state.reload())
         assert sorted(fl.state.registry.links) == ["n2"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == "w0 w1 w2 w3 w4 "
         r = fl.client().chat.completions.create(model="helexa/fast", messages=MSG, max_tokens=1)
         assert r.model == "other"
     finally:
