@@ -100,3 +100,31 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones(config_path: Path) 
 
 async def _collect(call) -> list[pb.GenerateResponse]:
     return [r async for r in call]
+
+
+def test_the_files_profile_changed_on_sighup_replaces_a_runtime_switch(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    (tmp_path / "token").write_text("t")
+    cfg = {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token"},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+        "profiles": {"batch": {"max_in_flight": 32}, "solo": {"max_in_flight": 1}},
+    }
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="batch"), metadata=MD)
+        daemon.reload()  # the file did not change: the runtime switch stays
+        kept = daemon.residency.models["tiny"].profile
+        cfg["models"][0]["profile"] = "solo"
+        write_neuron_config(path, cfg)
+        daemon.reload()
+        for _ in range(100):
+            if daemon.residency.models["tiny"].profile == "solo":
+                break
+            await asyncio.sleep(0.01)
+        return kept, daemon.residency.models["tiny"].profile, engine.limits.max_in_flight
+
+    kept, now, engine_max = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert kept == "batch" and now == "solo" and engine_max == 1
