@@ -47,8 +47,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store new tokens' k, v [N, kv_heads, head_dim] at their slots."""
     kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k.dtype != k_cache.dtype:
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -96,12 +98,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert meta.decode_slots is not None
     kc = k_cache.view(-1, kvh, d).index_select(0, meta.decode_slots).view(b, t, kvh, d)
     vc = v_cache.view(-1, kvh, d).index_select(0, meta.decode_slots).view(b, t, kvh, d)
-    qg = q.view(b, kvh, heads // kvh, d)
-    o = F.scaled_dot_product_attention(
-        qg, kc.transpose(1, 2).to(q.dtype), vc.transpose(1, 2).to(q.dtype),
-        attn_mask=meta.decode_mask,
-    )
-    return o.reshape(b, heads, d)
+    if kc.dtype != q.dtype:
+        kc, vc = kc.to(q.dtype), vc.to(q.dtype)
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc.transpose(1, 2),
+                                       vc.transpose(1, 2), attn_mask=meta.decode_mask)
+    return o.view(b, heads, d)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

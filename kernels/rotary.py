@@ -115,10 +115,9 @@ class RotaryTable:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, heads, head_dim] by per-token cos/sin [N, head_dim]."""
-    half = x.shape[-1] // 2
-    cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)
-    return torch.addcmul(x * cos, torch.roll(x, half, dims=-1), sin_signed)
+    """Rotate x [N, heads, head_dim] by per-token cos/sin [N, 1, head_dim] (from cos_sin,
+    unsqueezed once per step so every layer reuses them)."""
+    return torch.addcmul(x * cos, torch.roll(x, x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 def apply_rotary_reference(

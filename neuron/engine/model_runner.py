@@ -11,6 +11,7 @@ in the order they were given.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,9 @@ class ModelRunner:
         self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
                                 tp_size=tp_size, progress=progress)
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
+        if self.device.type == "cpu" and os.environ.get("HELEXA_CPU_PACK", "1") != "0":
+            # oneDNN-blocked weights: decode batches run ~1.5-2x faster on CPU.
+            self.model.pack_for_cpu(batch_hint=max(1, min(max_num_seqs, 16)))
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank

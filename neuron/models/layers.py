@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helexa.kernels.norm import rms_norm
 from torch import nn
 
 
@@ -33,6 +34,14 @@ class SliceGetter(Protocol):
     def get_shape(self) -> list[int]: ...
 
     def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+class HotModule(nn.Module):
+    """An nn.Module whose call goes straight to forward: nn.Module's hook machinery
+    costs ~5 µs a call, ~80 calls a decode step. These modules take no hooks."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
 
 
 class TensorSlice:
@@ -63,7 +72,7 @@ def _set_loader(param: nn.Parameter, loader: Any) -> nn.Parameter:
     return param
 
 
-class ParallelLinearBase(nn.Module):
+class ParallelLinearBase(HotModule):
     """Holds weight [out_per_rank, in_per_rank] (+ optional bias) and the rank."""
 
     def __init__(
@@ -85,11 +94,30 @@ class ParallelLinearBase(nn.Module):
                 self.weight_loader,
             )
 
+        self.packed = False
+
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
         raise NotImplementedError
 
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        """Reorder the weight (after loading) into oneDNN's blocked layout for x @ W^T.
+
+        On CPU this is ~1.4-2x faster than F.linear at decode batches of 2-16 rows
+        and no slower for one row; the weight is replaced, not copied, so memory
+        stays at the model's size. Loaders must not run after this.
+        """
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        del self.weight  # an opaque oneDNN tensor cannot live in a Parameter
+        self.weight = packed
+        self.packed = True
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
 
 
 class ColumnParallelLinear(ParallelLinearBase):
@@ -190,13 +218,13 @@ class RowParallelLinear(ParallelLinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+            return self.linear(x, self.bias)
+        y = self.linear(x, self.bias if self.tp_rank == 0 else None)
         dist.all_reduce(y)
         return y
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(HotModule):
     """Embedding whose vocab rows are split across ranks (padded to a multiple of tp)."""
 
     def __init__(self, vocab_size: int, hidden_size: int, *, tp_rank: int = 0, tp_size: int = 1,
@@ -229,8 +257,20 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection; logits gathered to the full vocab on every rank."""
 
+    packed = False
+
+    def pack_for_cpu(self, batch_hint: int) -> None:
+        """As ParallelLinearBase.pack_for_cpu; never for a head tied to the embedding."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
+        del self.weight
+        self.weight = packed
+        self.packed = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        logits = F.linear(x, self.weight)
+        if self.packed:
+            logits = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        else:
+            logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
@@ -238,7 +278,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HotModule):
     """RMSNorm over the last dim, computed in fp32 as transformers does."""
 
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype = torch.float32,
@@ -251,10 +291,14 @@ class RMSNorm(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        y = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        return self.weight * y.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def can_pack_for_cpu(weight: torch.Tensor) -> bool:
+    """oneDNN packing applies to fp32 weights on CPU builds that have it."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def replicated_loader(param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:

@@ -12,20 +12,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from helexa.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from helexa.kernels.norm import rms_norm
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
+    HotModule,
     MergedColumnParallelLinear,
+    ParallelLinearBase,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    can_pack_for_cpu,
 )
 from torch import nn
 
 
-class Attention(nn.Module):
+class Attention(HotModule):
     def __init__(self, cfg: ModelConfig, **kw) -> None:
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
@@ -57,13 +61,9 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(n, h + 2 * kvh, d)
-        qk, v = qkv[:, : h + kvh], qkv[:, h + kvh :]
-        if self._qk_norm_weight is not None:
-            if qk.dtype == torch.float32:
-                qk = F.rms_norm(qk, (d,), None, self.eps) * self._qk_norm_weight
-            else:  # normalise in fp32 as transformers does, scale in the model dtype
-                qk = F.rms_norm(qk.float(), (d,), None, self.eps).to(qk.dtype) * self._qk_norm_weight
+        qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split([h + kvh, kvh], dim=1)
+        if self._qk_norm_weight is not None:  # q and k heads normed in one go
+            qk = rms_norm(qk, self._qk_norm_weight, self.eps)
         qk = apply_rotary(qk, cos, sin)  # [n, h + kvh, d]
         q, k = qk[:, :h], qk[:, h:]
         write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
@@ -71,7 +71,7 @@ class Attention(nn.Module):
         return self.o_proj(o.reshape(n, h * d))
 
 
-class MLP(nn.Module):
+class MLP(HotModule):
     def __init__(self, cfg: ModelConfig, **kw) -> None:
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -85,7 +85,7 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HotModule):
     def __init__(self, cfg: ModelConfig, **kw) -> None:
         super().__init__()
         norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
@@ -141,10 +141,23 @@ class LlamaForCausalLM(nn.Module):
         for attn in self.attention_layers:
             attn.finalize()
 
+    def pack_for_cpu(self, batch_hint: int) -> int:
+        """Pack every matmul weight for oneDNN (CPU fp32); returns how many were packed."""
+        n = 0
+        for mod in self.modules():
+            if isinstance(mod, ParallelLinearBase) and can_pack_for_cpu(mod.weight):
+                mod.pack_for_cpu(batch_hint)
+                n += 1
+        if not self.cfg.tie_word_embeddings and can_pack_for_cpu(self.lm_head.weight):
+            self.lm_head.pack_for_cpu(batch_hint)
+            n += 1
+        return n
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
         cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d]: broadcast over heads
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta)

@@ -44,5 +44,5 @@ def test_table_rotation_matches_reference():
     cos, sin = table.cos_sin(positions)
     inv_freq, scale = rope_inv_freq("yarn", 10000.0, 16, {"factor": 2.0,
                                                         "original_max_position_embeddings": 64})
-    torch.testing.assert_close(apply_rotary(x, cos, sin),
+    torch.testing.assert_close(apply_rotary(x, cos.unsqueeze(1), sin.unsqueeze(1)),
                                apply_rotary_reference(x, positions, inv_freq, scale))

@@ -1,0 +1,283 @@
+"""Engine benchmark: helexa's decode and prefill against transformers and the
+weight-streaming roofline, measured side by side in one run.
+
+    .venv/bin/python bench/engine.py [--threads 1] [--repeats 3] [--model DIR]
+
+Without --model it builds (once, cached) the issue's checkpoint: an init-tiny
+qwen3 with hidden 512, 8 layers, 8 heads / 4 kv heads, intermediate 1536,
+vocab 8192 (~30M parameters), fp32. Contenders run interleaved, each once per
+repeat, and the medians are reported with the ratios the engine issue asks
+for. helexa figures come through EngineCore (the engine's own step loop,
+greedy sampling, prefix cache off so repeats cannot reuse a prompt);
+``--driver runner`` drives the ModelRunner directly instead, to show what the
+engine loop costs.
+
+Benchmarks print figures; they assert nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TARGETS = [  # (label, numerator, denominator, op, bound)
+    ("single-stream decode vs transformers generate", "helexa_1", "hf_1", ">=", 1.4),
+    ("single-stream decode vs weight-streaming roofline", "helexa_1", "roofline", ">=", 0.8),
+    ("8-stream aggregate vs own single stream", "helexa_8", "helexa_1", ">=", 4.0),
+    ("8-stream aggregate vs transformers generate b8", "helexa_8", "hf_8", ">=", 1.4),
+    ("TTFT 512-token prompt vs transformers prefill", "helexa_ttft", "hf_ttft", "<=", 1.2),
+]
+
+
+def default_model() -> Path:
+    from helexa.tiny import init_tiny
+
+    root = Path(os.environ.get("HELEXA_CACHE", Path.home() / ".cache" / "helexa"))
+    out = root / "bench" / "qwen3-h512-l8-v8192"
+    if not (out / "model.safetensors").is_file():
+        init_tiny(out, arch="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+                  intermediate_size=1536, vocab_size=8192, seed=0)
+    return out
+
+
+Secs = tuple[float, float]  # (wall, process CPU) — seconds or rates
+
+
+class Clock:
+    """Wall time and this process's CPU time together. On a shared machine the
+    CPU-time figures are far less disturbed by neighbours (one torch thread)."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        now_wall, now_cpu = time.perf_counter(), time.process_time()
+        out = (now_wall - self.wall, now_cpu - self.cpu)
+        self.wall, self.cpu = now_wall, now_cpu
+        return out
+
+
+def prompts(rep: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1000 + rep)
+    return torch.randint(10, vocab - 10, (n, length), generator=g).tolist()
+
+
+# --- helexa ---------------------------------------------------------------------------
+
+
+class HelexaEngine:
+    """EngineCore in-process; greedy requests, timing the steps."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        from helexa.neuron.engine import messages
+        from helexa.neuron.engine.engine_core import EngineCore
+        from helexa.neuron.engine.spec import EngineSpec, full_limits
+
+        self.messages = messages
+        limits = full_limits(messages.SetLimits(
+            max_in_flight=16, anon_max_in_flight=16, max_slots=8, max_batched_tokens=1024,
+            prefill_chunk_tokens=512))
+        spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=320,
+                          block_size=16, context=4096, prefix_cache=False,
+                          torch_threads=threads, limits=limits)
+        self.core = EngineCore(spec)
+        self.vocab = self.core.runner.vocab_size
+        self.n = 0
+
+    def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
+        """(time to every stream's first token, time from then to the last token)."""
+        m = self.messages
+        greedy = m.SamplingParams(temperature=0.0)
+        reqs = []
+        for p in batch:
+            self.n += 1
+            reqs.append(m.NewRequest(req_id=f"b{self.n}", prompt_token_ids=p, sampling=greedy,
+                                     max_tokens=new_tokens))
+        pending = {r.req_id for r in reqs}
+        got_first: set[str] = set()
+        clock = Clock()
+        out = self.core.step(m.ToEngine(new=reqs))
+        t_first = None
+        while True:
+            for u in out.updates:
+                if u.new_token_ids:
+                    got_first.add(u.req_id)
+                if u.finished is not None:
+                    pending.discard(u.req_id)
+                    if u.refused_code:
+                        raise RuntimeError(f"refused: {u.refused_code} {u.refused_message}")
+            if t_first is None and len(got_first) == len(reqs):
+                t_first = clock.lap()
+            if not pending:
+                break
+            out = self.core.step()
+        return t_first, clock.lap()
+
+
+class HelexaRunner:
+    """ModelRunner driven directly with greedy argmax (no engine loop)."""
+
+    def __init__(self, model_dir: Path, threads: int) -> None:
+        from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+        self.SeqInput = SeqInput
+        self.runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
+                                  max_batched_tokens=1024)
+        self.vocab = self.runner.vocab_size
+
+    def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
+        per = -(-(len(batch[0]) + new_tokens) // 16)
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(len(batch))]
+        clock = Clock()
+        logits = self.runner.execute([self.SeqInput(p, 0, t, True) for p, t in zip(batch, tables, strict=True)])
+        last = logits.argmax(-1).tolist()
+        t_first = clock.lap()
+        for k in range(new_tokens - 1):
+            n = len(batch[0]) + k
+            logits = self.runner.execute(
+                [self.SeqInput([x], n, t, True) for x, t in zip(last, tables, strict=True)])
+            last = logits.argmax(-1).tolist()
+        return t_first, clock.lap()
+
+
+# --- transformers and the roofline ---------------------------------------------------
+
+
+def hf_generate(model, batch: list[list[int]], new_tokens: int) -> Secs:
+    ids = torch.tensor(batch)
+    clock = Clock()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       pad_token_id=0)
+    return clock.lap()
+
+
+def hf_prefill(model, prompt: list[int]) -> Secs:
+    ids = torch.tensor([prompt])
+    clock = Clock()
+    with torch.inference_mode():
+        model(ids, use_cache=True).logits[:, -1].argmax(-1).tolist()
+    return clock.lap()
+
+
+def matvec_chain(weights: list[torch.Tensor], steps: int = 32) -> Secs:
+    """Steps/s of the model's own matrix-vector products in model order: the speed a
+    decode step would have if it did nothing but stream the weights once."""
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in weights}
+    with torch.inference_mode():
+        clock = Clock()
+        for _ in range(steps):
+            for w in weights:
+                F.linear(xs[w.shape[1]], w)
+        wall, cpu = clock.lap()
+        return steps / wall, steps / cpu
+
+
+def model_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Every weight matrix a decode step multiplies by, in order (the embedding is a lookup)."""
+    mats = []
+    for layer in model.model.layers:
+        mats += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                 layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    return mats + [model.lm_head.weight]
+
+
+# --- main ----------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=Path, help="checkpoint folder (default: the issue's tiny qwen3)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for every contender")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--ttft-tokens", type=int, default=512)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--driver", choices=["engine", "runner"], default="engine")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    model_dir = args.model or default_model()
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    helexa = (HelexaEngine if args.driver == "engine" else HelexaRunner)(model_dir, args.threads)
+    ours = helexa.core.runner.model if args.driver == "engine" else helexa.runner.model
+    mats = model_matrices(ours)
+    params = sum(p.numel() for p in hf.parameters())
+    new, plen, vocab = args.new_tokens, args.prompt_tokens, helexa.vocab
+
+    # Warm up every path once (allocator, MKL, first-call overheads).
+    helexa.run(prompts(-1, 1, plen, vocab), 8)
+    helexa.run(prompts(-1, args.streams, plen, vocab), 8)
+    hf_generate(hf, prompts(-1, 1, plen, vocab), 4)
+    matvec_chain(mats, 4)
+
+    def helexa_decode(n: int) -> Callable[[int], Secs]:
+        def run(rep: int) -> Secs:
+            _, (wall, cpu) = helexa.run(prompts(rep, n, plen, vocab), new)
+            return n * (new - 1) / wall, n * (new - 1) / cpu
+        return run
+
+    def hf_decode(n: int) -> Callable[[int], Secs]:
+        def run(rep: int) -> Secs:
+            batch = prompts(rep, n, plen, vocab)
+            first = hf_generate(hf, batch, 1)
+            total = hf_generate(hf, batch, new)
+            return tuple(n * (new - 1) / max(t - f, 1e-9) for t, f in zip(total, first, strict=True))
+        return run
+
+    contenders: dict[str, Callable[[int], Secs]] = {
+        "helexa_1": helexa_decode(1),
+        "hf_1": hf_decode(1),
+        "roofline": lambda rep: matvec_chain(mats),
+        "helexa_8": helexa_decode(args.streams),
+        "hf_8": hf_decode(args.streams),
+        "helexa_ttft": lambda rep: helexa.run(prompts(rep + 50, 1, args.ttft_tokens, vocab), 1)[0],
+        "hf_ttft": lambda rep: hf_prefill(hf, prompts(rep + 50, 1, args.ttft_tokens, vocab)[0]),
+    }
+    results: dict[str, list[Secs]] = {k: [] for k in contenders}
+    for rep in range(args.repeats):
+        for name, fn in contenders.items():
+            results[name].append(fn(rep))
+
+    print(f"bench/engine.py  model={model_dir}  params={params / 1e6:.1f}M  fp32  "
+          f"threads={args.threads}  repeats={args.repeats}  driver={args.driver}")
+    print(f"prompt={plen} new={new} streams={args.streams} ttft_prompt={args.ttft_tokens}")
+    labels = {
+        "helexa_1": ("helexa decode, 1 stream", "tok/s"),
+        "hf_1": ("transformers generate, batch 1", "tok/s"),
+        "roofline": ("mat-vec chain (roofline)", "steps/s"),
+        "helexa_8": (f"helexa decode, {args.streams} streams", "tok/s"),
+        "hf_8": (f"transformers generate, batch {args.streams}", "tok/s"),
+        "helexa_ttft": (f"helexa TTFT, {args.ttft_tokens}-token prompt", "s"),
+        "hf_ttft": (f"transformers prefill, {args.ttft_tokens} tokens", "s"),
+    }
+    med = {}
+    for which, title in ((0, "wall clock"), (1, "process CPU time")):
+        med[which] = {k: statistics.median(r[which] for r in v) for k, v in results.items()}
+        print(f"{title}: median [runs]")
+        for key, (label, unit) in labels.items():
+            runs = " ".join(f"{r[which]:.4g}" for r in results[key])
+            print(f"  {label:<40} {med[which][key]:>10.4g} {unit:<8} [{runs}]")
+    print("ratios of medians (wall | cpu):")
+    for label, num, den, op, bound in TARGETS:
+        ratios = [med[w][num] / med[w][den] for w in (0, 1)]
+        verdict = ["ok" if (r >= bound if op == ">=" else r <= bound) else "MISS" for r in ratios]
+        print(f"  {label:<52} {ratios[0]:5.2f}x {verdict[0]:<4} | {ratios[1]:5.2f}x {verdict[1]:<4}"
+              f" (target {op} {bound})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
