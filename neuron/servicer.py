@@ -52,11 +52,20 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
         msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
         if not msgs:
             raise Refusal("invalid_request_error", "messages: expected at least one message")
-        return list(tokenizer.encode_chat(msgs))
+        try:
+            return list(tokenizer.encode_chat(msgs))
+        except Exception as e:  # the checkpoint's template refused these messages
+            raise Refusal("invalid_request_error",
+                          f"messages: the model's chat template failed: {e}") from None
     if which == "text":
-        return list(tokenizer.encode(request.text))
+        ids = list(tokenizer.encode(request.text))
+        if not ids:
+            raise Refusal("invalid_request_error", "prompt: expected at least one token")
+        return ids
     if which == "token_ids":
         ids = list(request.token_ids.ids)
+        if not ids:
+            raise Refusal("invalid_request_error", "prompt: expected at least one token id")
         bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
         if bad is not None:
             raise Refusal("invalid_request_error",

@@ -238,3 +238,19 @@ def test_watch_shows_the_model_ready_with_its_ledger_and_limits(config_path: Pat
     assert m.admission.max_in_flight == 16
     assert busy is not None and busy.models[0].kv.free_bytes < busy.models[0].kv.total_bytes
     assert busy.seq > first.seq
+
+
+def test_malformed_prompts_are_400_naming_the_param(config_path: Path, tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        empty_ids = await refusal(stub, pb.GenerateRequest(req_id="e", model="tiny",
+                                                           token_ids=pb.TokenIds(ids=[])))
+        outside = await refusal(stub, pb.GenerateRequest(req_id="o", model="tiny",
+                                                         token_ids=pb.TokenIds(ids=[1, 10**6])))
+        no_prompt = await refusal(stub, pb.GenerateRequest(req_id="n", model="tiny"))
+        return empty_ids, outside, no_prompt, len(engine.requests)
+
+    *refusals, seen = serve(config_path, tok, body)
+    for code, md, msg in refusals:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert md["helexa-code"] == "invalid_request_error" and msg.startswith("prompt")
+    assert seen == 0
