@@ -66,7 +66,6 @@ class ResidentModel:
     devices: list[str] = field(default_factory=list)
     active: int = 0  # Generate calls open in the daemon for this model
     last_used_unix_ms: int = 0
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def model_id(self) -> str:
@@ -90,14 +89,11 @@ class ResidentModel:
 
     def begin(self) -> None:
         self.active += 1
-        self.idle.clear()
         self.touch()
 
     def end(self) -> None:
         self.active -= 1
         self.touch()
-        if self.active == 0:
-            self.idle.set()
 
 
 class Residency:
@@ -113,7 +109,7 @@ class Residency:
         self._client_factory = client_factory or _start_engine
         self._tokenizer_loader = tokenizer_loader or _load_tokenizer
         self._on_change = on_change
-        self._loads: dict[str, asyncio.Task[ResidentModel]] = {}
+        self._loads: dict[str, asyncio.Future[tuple[ResidentModel, list[str]]]] = {}
         self._room = asyncio.Lock()  # one memory decision at a time
         self._profiles: dict[str, str] = {}  # model id -> profile switched at runtime
 
@@ -218,7 +214,6 @@ class Residency:
             r.engine_status = getattr(r.client, "status", None)
             r.state = ModelState.READY
             r.touch()
-            r.idle.set()
             log.info("model.ready", model=entry.id, load_secs=round(time.monotonic() - t0, 3),
                      context=r.limits.context, kv_dtype=r.kv_dtype,
                      pool_tokens=r.plan.pool_tokens, evicted=evicted)
