@@ -20,8 +20,10 @@ from helexa.router.openai_api import ParsedRequest
 
 from helexa.proto import neuron_pb2 as pb
 
-# Refusals before the first byte that another neuron may well accept.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Refusals before the first byte that another neuron may well accept. NOT_FOUND too: the
+# router only sends where Watch said READY, so it means that report was already stale.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       grpc.StatusCode.NOT_FOUND})
 
 _CODE_STATUS = {
     "rate_limit_exceeded": 429,

@@ -62,9 +62,16 @@ class Fleet:
 
 
 def _wait_healthy(f: Fleet, timeout: float = 10.0) -> None:
+    """Both fakes in rotation, and the router's view of their models up to date."""
+    def current() -> bool:
+        links = f.state.registry.links
+        return len(f.state.registry.healthy_links()) == 2 and all(
+            n.name in links and links[n.name].status is not None
+            and {m.model: m.state for m in links[n.name].status.models}
+            == {m.model: m.state for m in n.models.values()} for n in (f.n1, f.n2))
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if len(f.lt.call(f.state.registry.healthy_links)) == 2:
+        if f.lt.call(current):
             return
         time.sleep(0.02)
     raise AssertionError("fake neurons never became healthy")

@@ -33,9 +33,12 @@ def wait_for(cond, timeout=5.0):
     return False
 
 
-def test_refusal_before_first_byte_fails_over_to_the_other_neuron(fl):
-    set_b(fl, fl.n1, refuse=("RESOURCE_EXHAUSTED", "overloaded", 1000))
-    set_b(fl, fl.n2, refuse=("RESOURCE_EXHAUSTED", "overloaded", 1000))
+@pytest.mark.parametrize("status,code", [("RESOURCE_EXHAUSTED", "overloaded"),
+                                         ("UNAVAILABLE", "shutting_down"),
+                                         ("NOT_FOUND", "model_not_found")])  # a stale report
+def test_refusal_before_first_byte_fails_over_to_the_other_neuron(fl, status, code):
+    set_b(fl, fl.n1, refuse=(status, code, 1000))
+    set_b(fl, fl.n2, refuse=(status, code, 1000))
     fl.lt.call(lambda: setattr(fl.n2.b, "refuse_times", 0))  # n2 accepts
     for _ in range(4):
         r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
