@@ -43,32 +43,34 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new tokens' k, v [N, kv_heads, head_dim] at their slots."""
-    kvh, d = k_cache.shape[-2], k_cache.shape[-1]
-    if k.dtype != k_cache.dtype:
-        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    """Store new tokens' k, v [N, kv_heads, head_dim] at their slots.
+
+    k_slots / v_slots are a layer's caches viewed flat: [num_slots, kv_heads, head_dim].
+    """
+    if k.dtype != k_slots.dtype:
+        k, v = k.to(k_slots.dtype), v.to(v_slots.dtype)
+    k_slots.index_copy_(0, slot_mapping, k)
+    v_slots.index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
+                    v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """Attention for a step whose new K/V are already written to the cache.
 
     q [N, heads, d]; k, v [N, kv_heads, d] (this step's, used directly by
-    prefill chunks with no cached context). Returns [N, heads, d].
+    prefill chunks with no cached context); k_slots / v_slots the layer's
+    caches viewed flat [num_slots, kv_heads, d]. Returns [N, heads, d].
     """
     n_tok, heads, d = q.shape
-    kvh = k_cache.shape[-2]
+    kvh = k_slots.shape[-2]
     if meta.num_decode == n_tok and not meta.prefills:
-        return decode_attention(q, k_cache, v_cache, meta)
+        return decode_attention(q, k_slots, v_slots, meta)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = decode_attention(q[: meta.num_decode], k_cache, v_cache, meta)
-    flat_k = k_cache.view(-1, kvh, d)
-    flat_v = v_cache.view(-1, kvh, d)
+        out[: meta.num_decode] = decode_attention(q[: meta.num_decode], k_slots, v_slots, meta)
+    flat_k, flat_v = k_slots, v_slots
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if chunk.context_slots is None:
@@ -85,7 +87,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
                      meta: AttentionMetadata) -> torch.Tensor:
     """One query per row over its gathered context: q [B, heads, d] -> [B, heads, d].
 
@@ -93,11 +95,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     so no K/V head is ever repeated.
     """
     b, heads, d = q.shape
-    kvh = k_cache.shape[-2]
+    kvh = k_slots.shape[-2]
     t = meta.decode_len
-    assert meta.decode_slots is not None
-    kc = k_cache.view(-1, kvh, d).index_select(0, meta.decode_slots).view(b, t, kvh, d)
-    vc = v_cache.view(-1, kvh, d).index_select(0, meta.decode_slots).view(b, t, kvh, d)
+    kc = k_slots.index_select(0, meta.decode_slots).view(b, t, kvh, d)
+    vc = v_slots.index_select(0, meta.decode_slots).view(b, t, kvh, d)
     if kc.dtype != q.dtype:
         kc, vc = kc.to(q.dtype), vc.to(q.dtype)
     o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc.transpose(1, 2),

@@ -79,14 +79,14 @@ class ModelRunner:
         """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
         for attn in self._attn:  # free the old pool before allocating the new one
-            attn.k_cache = attn.v_cache = torch.empty(0)
+            attn.attach_kv(torch.empty(0, 1, 1, 1), torch.empty(0, 1, 1, 1))
         self.k_caches, self.v_caches = [], []
         self.num_blocks = num_blocks
         shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
         for attn in self._attn:
             # Zeroed, so padded gather rows (masked out) never hold NaN/inf.
-            attn.k_cache = torch.zeros(shape, dtype=storage, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=storage, device=self.device)
+            attn.attach_kv(torch.zeros(shape, dtype=storage, device=self.device),
+                           torch.zeros(shape, dtype=storage, device=self.device))
             self.k_caches.append(attn.k_cache)
             self.v_caches.append(attn.v_cache)
 

@@ -289,9 +289,18 @@ class RMSNorm(HotModule):
             nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
             replicated_loader,
         )
+        self.folded = False  # True once the weight is folded into the next matmul
+
+    def fold_into(self, *linears: nn.Module) -> None:
+        """After loading: scale the input columns of the matmul(s) this norm feeds,
+        W @ (w * x) == (W * w) @ x, so the norm itself multiplies by nothing."""
+        with torch.no_grad():
+            for lin in linears:
+                lin.weight.mul_(self.weight.to(lin.weight.dtype))
+        self.folded = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, None if self.folded else self.weight, self.eps)
 
 
 def can_pack_for_cpu(weight: torch.Tensor) -> bool:

@@ -44,9 +44,8 @@ class Attention(HotModule):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
-        # Attached by the model runner; [num_blocks, block_size, kv_heads, head_dim].
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        # Attached by the model runner (attach_kv).
+        self.k_cache = self.v_cache = self.k_slots = self.v_slots = torch.empty(0)
         self._qk_norm_weight: torch.Tensor | None = None
 
     def finalize(self) -> None:
@@ -57,6 +56,13 @@ class Attention(HotModule):
                 self.k_norm.weight.expand(self.num_kv_heads, -1),
             ])
 
+    def attach_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """This layer's caches [num_blocks, block_size, kv_heads, head_dim], and their flat
+        [num_slots, kv_heads, head_dim] views that the kernels index."""
+        self.k_cache, self.v_cache = k_cache, v_cache
+        self.k_slots = k_cache.view(-1, *k_cache.shape[2:])
+        self.v_slots = v_cache.view(-1, *v_cache.shape[2:])
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -66,8 +72,8 @@ class Attention(HotModule):
             qk = rms_norm(qk, self._qk_norm_weight, self.eps)
         qk = apply_rotary(qk, cos, sin)  # [n, h + kvh, d]
         q, k = qk[:, :h], qk[:, h:]
-        write_kv(self.k_cache, self.v_cache, meta.slot_mapping, k, v)
-        o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta)
+        write_kv(self.k_slots, self.v_slots, meta.slot_mapping, k, v)
+        o = paged_attention(q, k, v, self.k_slots, self.v_slots, meta)
         return self.o_proj(o.reshape(n, h * d))
 
 
@@ -81,8 +87,8 @@ class MLP(HotModule):
         self.inter = self.gate_up_proj.weight.shape[0] // 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter :])
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
 
 
 class DecoderLayer(HotModule):
@@ -138,8 +144,14 @@ class LlamaForCausalLM(nn.Module):
         return [layer.self_attn for layer in self.model.layers]
 
     def finalize(self) -> None:
-        for attn in self.attention_layers:
-            attn.finalize()
+        """After loading: fuse what the checkpoint keeps apart (norm scales into matmuls,
+        q/k norm weights into one) so a decode step runs fewer ops."""
+        for layer in self.model.layers:
+            layer.self_attn.finalize()
+            layer.input_layernorm.fold_into(layer.self_attn.qkv_proj)
+            layer.post_attention_layernorm.fold_into(layer.mlp.gate_up_proj)
+        if not self.cfg.tie_word_embeddings:  # a tied head is the embedding: leave it be
+            self.model.norm.fold_into(self.lm_head)
 
     def pack_for_cpu(self, batch_hint: int) -> int:
         """Pack every matmul weight for oneDNN (CPU fp32); returns how many were packed."""

@@ -50,7 +50,7 @@ def build_step(seqs: list[tuple[int, int, list[int]]], heads: int, kvh: int, d: 
             meta.prefills.append(chunk)
         start += m
     meta.slot_mapping = torch.tensor(slot_mapping)
-    write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    write_kv(k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d), meta.slot_mapping, k, v)
     return q, k, v, k_cache, v_cache, meta
 
 
@@ -58,7 +58,7 @@ def build_step(seqs: list[tuple[int, int, list[int]]], heads: int, kvh: int, d: 
 def test_mixed_step_matches_reference(heads, kvh):
     seqs = [(9, 1, [3, 7, 1]), (2, 1, [12]), (0, 6, [20, 21]), (5, 7, [30, 31, 32])]
     q, k, v, kc, vc, meta = build_step(seqs, heads, kvh, 16)
-    fast = paged_attention(q, k, v, kc, vc, meta)
+    fast = paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta)
     ref = paged_attention_reference(q, kc, vc, seqs)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
@@ -66,13 +66,13 @@ def test_mixed_step_matches_reference(heads, kvh):
 def test_pure_decode_batch_matches_reference():
     seqs = [(c, 1, [10 + 3 * i, 11 + 3 * i, 12 + 3 * i]) for i, c in enumerate([0, 4, 11, 7])]
     q, k, v, kc, vc, meta = build_step(seqs, 8, 2, 32)
-    torch.testing.assert_close(paged_attention(q, k, v, kc, vc, meta),
+    torch.testing.assert_close(paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta),
                                paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_cache_matches_reference():
     seqs = [(6, 1, [1, 2]), (3, 5, [5, 6])]
     q, k, v, kc, vc, meta = build_step(seqs, 4, 2, 16, dtype=torch.bfloat16)
-    torch.testing.assert_close(paged_attention(q, k, v, kc, vc, meta).float(),
+    torch.testing.assert_close(paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta).float(),
                                paged_attention_reference(q, kc, vc, seqs).float(),
                                atol=2e-2, rtol=2e-2)
