@@ -104,22 +104,24 @@ class OpenStream:
     neuron: str
     call: grpc.aio.UnaryStreamCall
     first: pb.GenerateResponse
+    finished: bool = False  # the finish message arrived: nothing left to abort
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        yield self.first
-        if self.first.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-            return
+        msg = self.first
         while True:
+            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                self.finished = True
+            yield msg
+            if self.finished:
+                return
             msg = await self.call.read()
             if msg is grpc.aio.EOF:
                 return
-            yield msg
-            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                return
 
     def cancel(self) -> None:
-        """Abort on the neuron (a no-op once the call has ended)."""
-        if not self.call.done():
+        """Abort on the neuron, unless it already finished (its status then arrives on its
+        own; cancelling would only cost both sides a RST_STREAM)."""
+        if not self.finished and not self.call.done():
             self.call.cancel()
 
 

@@ -65,6 +65,24 @@ class NeuronMirror:
         yield up
 
 
+class ModelSeries:
+    """One model's label children, looked up once (labels() costs a lock and a dict per call)."""
+
+    def __init__(self, m: RouterMetrics, model: str) -> None:
+        self.model = model
+        self.ttft = m.ttft.labels(model)
+        self.inter_token = m.inter_token.labels(model)
+        self.e2e = m.e2e.labels(model)
+        self._requests = m.requests
+        self._by_code: dict[str, object] = {}
+
+    def answered(self, code: str) -> None:
+        child = self._by_code.get(code)
+        if child is None:
+            child = self._by_code[code] = self._requests.labels(self.model, code)
+        child.inc()
+
+
 class RouterMetrics:
     """Everything /metrics shows."""
 
@@ -89,6 +107,14 @@ class RouterMetrics:
         self.in_progress = Gauge("helexa_router_requests_in_progress",
                                  "Requests the router is serving now", registry=r)
         r.register(NeuronMirror(links))
+        self._models: dict[str, ModelSeries] = {}
+
+    def model(self, model: str) -> ModelSeries:
+        """The series of one model (callers pass only resolved, known model ids or "-")."""
+        series = self._models.get(model)
+        if series is None:
+            series = self._models[model] = ModelSeries(self, model)
+        return series
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

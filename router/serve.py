@@ -105,43 +105,34 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     t0 = time.monotonic()
     req_id = os.urandom(12).hex()
-    log = state.log.bind(req_id=req_id)
+    # Plain dict rather than log.bind(): a request's fields grow as it is understood.
+    ctx: dict = {"req_id": req_id}
+    log = state.log
     model = "-"
     code = "200"
     streams: list[OpenStream] = []
     state.metrics.in_progress.inc()
     try:
-        principal = state.auth.principal(request.headers.get("Authorization"))
-        log = log.bind(principal=principal)
+        principal = ctx["principal"] = state.auth.principal(request.headers.get("Authorization"))
         req = parse_request(await read_body(request, state.max_body_bytes), kind)
-        model = state.aliases.resolve(req.model)
-        log = log.bind(model=model)
+        model = ctx["model"] = state.aliases.resolve(req.model)
         est, key = _estimate(req)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
                                   else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
                                   deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
-        log.info("request.start", kind=kind, stream=req.stream, n=req.n,
+        log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
-        if len(greqs) == 1:  # the common case, without a task per choice
-            streams = [await state.dispatcher.open(greqs[0], est, key, principal=principal,
-                                                   kind=kind)]
-        else:
-            opened = await asyncio.gather(*(state.dispatcher.open(
-                g, est, key, principal=principal, kind=kind) for g in greqs),
-                return_exceptions=True)
-            streams = [s for s in opened if isinstance(s, OpenStream)]
-            errors = [e for e in opened if isinstance(e, BaseException)]
-            if errors:
-                raise errors[0]
+        streams = await _open_all(state, greqs, est, key, principal, kind)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=i) for i in range(req.n)]
+        series = state.metrics.model(model)
         if req.stream:
-            resp = await _stream(request, env, choices, streams, state, t0, req_id)
+            resp = await _stream(request, env, choices, streams, state, series, t0, req_id)
         else:
-            resp = await _collect(env, choices, streams, state, t0, req_id)
-        log.info("request.done", neurons=[s.neuron for s in streams],
+            resp = await _collect(env, choices, streams, series, t0, req_id)
+        log.info("request.done", **ctx, neurons=[s.neuron for s in streams],
                  usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices])
         return resp
@@ -149,22 +140,47 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         code = str(e.status)
         if e.code == "model_not_found":
             model = "unknown"  # a client's typo must not become a metrics label
-        log.info("request.rejected", status=e.status, code=e.code, message=e.message)
+        log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
         return e.response({"x-request-id": req_id})
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError) as e:
         code = "499"  # nginx's "client closed request"
-        log.info("request.done", outcome="client_gone", secs=round(time.monotonic() - t0, 4))
-        raise
-    except ConnectionResetError:  # a write to a client that has gone
-        code = "499"
-        log.info("request.done", outcome="client_gone", secs=round(time.monotonic() - t0, 4))
-        return web.Response(status=499)
+        log.info("request.done", **ctx, outcome="client_gone",
+                 secs=round(time.monotonic() - t0, 4))
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        return web.Response(status=499)  # a write to a client that has gone
     finally:
         for s in streams:
             s.cancel()
         state.metrics.in_progress.dec()
-        state.metrics.requests.labels(model, code).inc()
-        state.metrics.e2e.labels(model).observe(time.monotonic() - t0)
+        series = state.metrics.model(model)
+        series.answered(code)
+        series.e2e.observe(time.monotonic() - t0)
+
+
+async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: bytes,
+                    principal: str, kind: str) -> list[OpenStream]:
+    """One open stream per choice, or the first refusal (the others are cancelled)."""
+    if len(greqs) == 1:  # the common case, without a task per choice
+        return [await state.dispatcher.open(greqs[0], est, key, principal=principal, kind=kind)]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(state.dispatcher.open(g, est, key, principal=principal, kind=kind))
+             for g in greqs]
+    ok = False
+    try:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [t.exception() for t in tasks if t.exception() is not None]
+        if errors:
+            raise errors[0]
+        ok = True
+        return [t.result() for t in tasks]
+    finally:
+        if not ok:  # a refusal, or the client left: no choice may keep running
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+                elif not t.cancelled() and t.exception() is None:
+                    t.result().cancel()
 
 
 def _check_finish(msg: pb.GenerateResponse) -> None:
@@ -172,23 +188,23 @@ def _check_finish(msg: pb.GenerateResponse) -> None:
         raise UpstreamFailed(_FAILED[msg.finish_reason])
 
 
-def _timing(state, model: str, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
+def _timing(series, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
     n = len(msg.token_ids)
     if not n:
         return
     now = time.monotonic()
     if last[0] == 0.0:
-        state.metrics.ttft.labels(model).observe(now - t0)
+        series.ttft.observe(now - t0)
     else:
-        state.metrics.inter_token.labels(model).observe((now - last[0]) / n)
+        series.inter_token.observe((now - last[0]) / n)
     last[0] = now
 
 
-async def _collect(env, choices, streams, state, t0, req_id) -> web.Response:
+async def _collect(env, choices, streams, series, t0, req_id) -> web.Response:
     last = [0.0]
     try:
         async for i, msg in _merge(streams):
-            _timing(state, env.model, t0, last, msg)
+            _timing(series, t0, last, msg)
             _check_finish(msg)
             encode.add_delta(choices[i], msg)
     except grpc.aio.AioRpcError as e:
@@ -202,7 +218,8 @@ async def _collect(env, choices, streams, state, t0, req_id) -> web.Response:
                         content_type="application/json", headers={"x-request-id": req_id})
 
 
-async def _stream(request, env, choices, streams, state, t0, req_id) -> web.StreamResponse:
+async def _stream(request, env, choices, streams, state, series, t0,
+                  req_id) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
     await resp.prepare(request)
     for c in choices:
@@ -212,7 +229,7 @@ async def _stream(request, env, choices, streams, state, t0, req_id) -> web.Stre
     seen_first = [False] * len(choices)
     try:
         async for i, msg in _merge(streams):
-            _timing(state, env.model, t0, last, msg)
+            _timing(series, t0, last, msg)
             _check_finish(msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
             seen_first[i] = True
