@@ -6,8 +6,13 @@ from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+# bench/gpu_engine.sh runs these same checks on a GPU: HELEXA_TEST_DEVICE=cuda.
+DEVICE = os.environ.get("HELEXA_TEST_DEVICE", "cpu")
 
 # The rule: outputs must agree up to the first step where the
 # reference's top-two logits are closer than this (a near-tie).
@@ -18,7 +23,7 @@ NEAR_TIE = 0.02
 def _hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
 
 
 def hf_greedy(model_dir: Path, prompt: Sequence[int], max_new: int) -> tuple[list[int], int]:
@@ -32,7 +37,7 @@ def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> tuple[l
     tokens: list[int] = []
     first_tie = max_new
     past = None
-    x = torch.tensor([list(prompt)])
+    x = torch.tensor([list(prompt)], device=DEVICE)
     with torch.inference_mode():
         for step in range(max_new):
             out = model(x, past_key_values=past, use_cache=True)
@@ -42,7 +47,7 @@ def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> tuple[l
             if first_tie == max_new and float(top2[0] - top2[1]) < NEAR_TIE:
                 first_tie = step
             tokens.append(int(logits.argmax()))
-            x = torch.tensor([[tokens[-1]]])
+            x = torch.tensor([[tokens[-1]]], device=DEVICE)
     return tokens, first_tie
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ NEW_TOKENS = 64
 
 def make_runner(model_dir: Path, *, block_size: int = 8, num_blocks: int = 256) -> ModelRunner:
     return ModelRunner(model_dir, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
-                       max_batched_tokens=512, dtype="float32")
+                       max_batched_tokens=512, dtype="float32",
+                       device=os.environ.get("HELEXA_TEST_DEVICE", "cpu"))
 
 
 @pytest.fixture(autouse=True)
