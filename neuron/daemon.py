@@ -28,7 +28,14 @@ from helexa.neuron.residency import ClientFactory, ModelState, Residency
 from helexa.neuron.servicer import NeuronServicer
 from helexa.neuron.status import StatusHub, snapshot
 
-from helexa.config import ConfigError, NeuronConfig, field_apply, load_neuron_config, read_secret
+from helexa.config import (
+    ConfigError,
+    NeuronConfig,
+    field_apply,
+    load_neuron_config,
+    read_secret,
+    resolve_path,
+)
 from helexa.log import setup_logging
 from helexa.proto import neuron_pb2_grpc
 
@@ -95,21 +102,17 @@ class NeuronDaemon:
                  client_factory: ClientFactory | None = None) -> None:
         self.config_path = Path(config_path)
         self.cfg = cfg
-        self.residency = Residency(cfg, self.config_path, client_factory=client_factory,
-                                   on_change=self._changed)
         self.hub = StatusHub(lambda: snapshot(cfg.server.name, self.residency,
                                               self.servicer.draining),
                              heartbeat_secs=cfg.server.heartbeat_secs)
+        self.residency = Residency(cfg, self.config_path, client_factory=client_factory,
+                                   on_change=self.hub.changed)
         self.metrics = NeuronMetrics(self.residency)
         self.servicer = NeuronServicer(cfg.server.name, self.residency, self.hub, self.metrics)
         self.server: grpc.aio.Server | None = None
         self.address = ""
         self.metrics_address = ""
         self._stop = asyncio.Event()
-
-    def _changed(self) -> None:
-        if hasattr(self, "hub"):
-            self.hub.changed()
 
     async def start(self) -> str:
         """Bind and start the gRPC server (and metrics); returns host:port."""
@@ -121,8 +124,6 @@ class NeuronDaemon:
         neuron_pb2_grpc.add_NeuronServicer_to_server(self.servicer, self.server)
         host = srv.listen.rpartition(":")[0] or "127.0.0.1"
         if srv.tls_cert_file and srv.tls_key_file:
-            from helexa.config import resolve_path
-
             creds = server_credentials(resolve_path(self.config_path, srv.tls_cert_file),
                                        resolve_path(self.config_path, srv.tls_key_file))
             port = self.server.add_secure_port(srv.listen, creds)
@@ -144,8 +145,6 @@ class NeuronDaemon:
             print(f"NEURON METRICS {self.metrics_address}", flush=True)
         print(f"NEURON LISTENING {self.address}", flush=True)
         if self.cfg.server.address_file:
-            from helexa.config import resolve_path
-
             path = resolve_path(self.config_path, self.cfg.server.address_file)
             tmp = path.with_suffix(path.suffix + ".tmp")
             tmp.write_text(self.address + "\n")
