@@ -203,7 +203,12 @@ class Residency:
             async with self._room:
                 evicted = await self._make_room(r)
             model_dir = resolve_path(self.config_path, entry.path)
-            r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
+            if not model_dir.is_dir():
+                raise RuntimeError(f"path: no checkpoint folder at {model_dir}")
+            try:
+                r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
+            except Exception as e:
+                raise RuntimeError(f"the tokenizer in {model_dir} could not be loaded: {e}") from e
             spec = build_spec(self.cfg, r, model_dir)
             r.client = await self._client_factory(
                 spec,
