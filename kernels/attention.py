@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from helexa.kernels import kv_quant
 
 
 @dataclass
@@ -43,6 +44,59 @@ class AttentionMetadata:
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
+class PagedKV:
+    """One layer's K and V pool, addressed by flat slot.
+
+    Plain kv dtypes keep K and V as [num_blocks, block_size, kv_heads, head_dim]
+    (``k_cache`` / ``v_cache``, with flat [num_slots, kv_heads, head_dim] views
+    ``k_slots`` / ``v_slots``). Quantised ones (fp8_e4m3, int8, int4) keep
+    kernels.kv_quant's data + per-token-head scales, quantised on write and
+    dequantised to the compute dtype on gather.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 kv_dtype: str, storage: torch.dtype | None, compute: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.kv_dtype, self.head_dim, self.compute = kv_dtype, head_dim, compute
+        self.quantized = kv_quant.is_quantized(kv_dtype)
+        if self.quantized:
+            spec = kv_quant.quant_spec(kv_dtype, head_dim)
+            self.k_data, self.k_scale = kv_quant.allocate(spec, num_blocks, block_size, kv_heads,
+                                                          device)
+            self.v_data, self.v_scale = kv_quant.allocate(spec, num_blocks, block_size, kv_heads,
+                                                          device)
+            self.k_cache, self.v_cache = self.k_data, self.v_data
+            self.nbytes = 2 * (self.k_data.nbytes + self.k_scale.nbytes)
+        else:
+            shape = (num_blocks, block_size, kv_heads, head_dim)
+            # Zeroed, so padded gather rows (masked out) never hold NaN/inf.
+            self.k_cache = torch.zeros(shape, dtype=storage, device=device)
+            self.v_cache = torch.zeros(shape, dtype=storage, device=device)
+            self.k_slots = self.k_cache.view(-1, kv_heads, head_dim)
+            self.v_slots = self.v_cache.view(-1, kv_heads, head_dim)
+            self.nbytes = 2 * self.k_cache.nbytes
+
+    def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' k, v [N, kv_heads, head_dim] at their slots."""
+        if self.quantized:
+            kv_quant.write_quantized(self.k_data, self.k_scale, slot_mapping, k, self.kv_dtype)
+            kv_quant.write_quantized(self.v_data, self.v_scale, slot_mapping, v, self.kv_dtype)
+        else:
+            write_kv(self.k_slots, self.v_slots, slot_mapping, k, v)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype."""
+        if self.quantized:
+            return (kv_quant.gather_dequantized(self.k_data, self.k_scale, slots, self.kv_dtype,
+                                                self.head_dim, self.compute),
+                    kv_quant.gather_dequantized(self.v_data, self.v_scale, slots, self.kv_dtype,
+                                                self.head_dim, self.compute))
+        k, v = self.k_slots.index_select(0, slots), self.v_slots.index_select(0, slots)
+        if k.dtype != self.compute:
+            k, v = k.to(self.compute), v.to(self.compute)
+        return k, v
+
+
 def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.Tensor,
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Store new tokens' k, v [N, kv_heads, head_dim] at their slots.
@@ -55,54 +109,50 @@ def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.T
     v_slots.index_copy_(0, slot_mapping, v)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor,
-                    v_slots: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """Attention for a step whose new K/V are already written to the cache.
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Attention for a step whose new K/V are already written to the pool ``kv``.
 
     q [N, heads, d]; k, v [N, kv_heads, d] (this step's, used directly by
-    prefill chunks with no cached context); k_slots / v_slots the layer's
-    caches viewed flat [num_slots, kv_heads, d]. Returns [N, heads, d].
+    prefill chunks with no cached context). Returns [N, heads, d].
     """
     n_tok, heads, d = q.shape
-    kvh = k_slots.shape[-2]
+    kvh = k.shape[1]
     if meta.num_decode == n_tok and not meta.prefills:
-        return decode_attention(q, k_slots, v_slots, meta)
+        return decode_attention(q, kv, meta)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = decode_attention(q[: meta.num_decode], k_slots, v_slots, meta)
-    flat_k, flat_v = k_slots, v_slots
+        out[: meta.num_decode] = decode_attention(q[: meta.num_decode], kv, meta)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if chunk.context_slots is None:
             kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc.to(q.dtype), vc.to(q.dtype),
-                                               is_causal=True, enable_gqa=heads != kvh)
+            o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
+                                               enable_gqa=heads != kvh)
         else:
-            kc = flat_k.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
-            vc = flat_v.index_select(0, chunk.context_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qc, kc.to(q.dtype), vc.to(q.dtype),
+            kc, vc = kv.gather(chunk.context_slots)  # [T, kvh, d]
+            o = F.scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0),
+                                               vc.transpose(0, 1).unsqueeze(0),
                                                attn_mask=chunk.mask, enable_gqa=heads != kvh)
         out[chunk.start : chunk.end] = o[0].transpose(0, 1)
     return out
 
 
-def decode_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                     meta: AttentionMetadata) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
     """One query per row over its gathered context: q [B, heads, d] -> [B, heads, d].
 
     The GQA group is folded into the query-length axis ([B, kv_heads, group, d])
     so no K/V head is ever repeated.
     """
     b, heads, d = q.shape
-    kvh = k_slots.shape[-2]
     t = meta.decode_len
-    kc = k_slots.index_select(0, meta.decode_slots).view(b, t, kvh, d)
-    vc = v_slots.index_select(0, meta.decode_slots).view(b, t, kvh, d)
-    if kc.dtype != q.dtype:
-        kc, vc = kc.to(q.dtype), vc.to(q.dtype)
-    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc.transpose(1, 2),
-                                       vc.transpose(1, 2), attn_mask=meta.decode_mask)
+    kc, vc = kv.gather(meta.decode_slots)  # [B*T, kvh, d]
+    kvh = kc.shape[1]
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d),
+                                       kc.view(b, t, kvh, d).transpose(1, 2),
+                                       vc.view(b, t, kvh, d).transpose(1, 2),
+                                       attn_mask=meta.decode_mask)
     return o.view(b, heads, d)
 
 
@@ -111,8 +161,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """Slow, obviously-correct attention, token by token, head by head.
 
     ``seqs`` lists (num_computed, num_new, block_table) in batch order; q holds
-    the new tokens' queries [N, heads, d] in that order; the cache already holds
-    every token of each sequence up to num_computed + num_new.
+    the new tokens' queries [N, heads, d] in that order; the caches
+    [num_blocks, block_size, kv_heads, d] already hold every token of each
+    sequence up to num_computed + num_new.
     """
     heads, d = q.shape[1], q.shape[2]
     kvh = k_cache.shape[-2]

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from helexa.kernels.attention import AttentionMetadata, PrefillChunk
+from helexa.kernels import kv_quant
+from helexa.kernels.attention import AttentionMetadata, PagedKV, PrefillChunk
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
 
@@ -34,15 +35,19 @@ class SeqInput:
     need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
 
 
-def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype]:
-    """"auto" → the model's dtype; returns the canonical name and the storage dtype."""
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
+    """"auto" → the model's dtype; returns the canonical name and the storage dtype
+    (None for the quantised kinds, whose storage kernels.kv_quant lays out)."""
     if kv_dtype == "auto":
         return _KV_NAMES[model_dtype], model_dtype
+    if kv_quant.is_quantized(kv_dtype):
+        return kv_dtype, None
     try:
         dt = parse_dtype(kv_dtype)
     except ValueError:
         raise ValueError(
-            f"kv_dtype {kv_dtype!r} is not supported by this runner (auto, fp32, fp16, bf16)"
+            f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
+            f"{', '.join(kv_quant.QUANT_DTYPES)})"
         ) from None
     return _KV_NAMES[dt], dt
 
@@ -69,8 +74,7 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
-        self.k_caches: list[torch.Tensor] = []
-        self.v_caches: list[torch.Tensor] = []
+        self.kv_pools: list[PagedKV] = []
         self.reset_kv(num_blocks, kv_dtype)
 
     # ---- KV pool -------------------------------------------------------------------------
@@ -79,21 +83,23 @@ class ModelRunner:
         """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
         for attn in self._attn:  # free the old pool before allocating the new one
-            attn.attach_kv(torch.empty(0, 1, 1, 1), torch.empty(0, 1, 1, 1))
-        self.k_caches, self.v_caches = [], []
+            attn.kv = None
+        self.kv_pools = []
         self.num_blocks = num_blocks
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim)
         for attn in self._attn:
-            # Zeroed, so padded gather rows (masked out) never hold NaN/inf.
-            attn.attach_kv(torch.zeros(shape, dtype=storage, device=self.device),
-                           torch.zeros(shape, dtype=storage, device=self.device))
-            self.k_caches.append(attn.k_cache)
-            self.v_caches.append(attn.v_cache)
+            attn.kv = PagedKV(num_blocks, self.block_size, self.num_kv_heads, self.config.head_dim,
+                              kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype,
+                              device=self.device)
+            self.kv_pools.append(attn.kv)
+
+    @property
+    def k_caches(self) -> list[torch.Tensor]:
+        return [kv.k_cache for kv in self.kv_pools]
 
     @property
     def kv_bytes_per_block(self) -> int:
-        k = self.k_caches[0]
-        return 2 * len(self.k_caches) * k[0].numel() * k.element_size()
+        """Bytes of one block across all layers, K and V (and scales): this rank's share."""
+        return sum(kv.nbytes for kv in self.kv_pools) // self.num_blocks
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from helexa.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
 from helexa.kernels.norm import rms_norm
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.neuron.models.config import ModelConfig
@@ -44,8 +44,7 @@ class Attention(HotModule):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
-        # Attached by the model runner (attach_kv).
-        self.k_cache = self.v_cache = self.k_slots = self.v_slots = torch.empty(0)
+        self.kv: PagedKV | None = None  # this layer's KV pool, attached by the model runner
         self._qk_norm_weight: torch.Tensor | None = None
 
     def finalize(self) -> None:
@@ -56,13 +55,6 @@ class Attention(HotModule):
                 self.k_norm.weight.expand(self.num_kv_heads, -1),
             ])
 
-    def attach_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-        """This layer's caches [num_blocks, block_size, kv_heads, head_dim], and their flat
-        [num_slots, kv_heads, head_dim] views that the kernels index."""
-        self.k_cache, self.v_cache = k_cache, v_cache
-        self.k_slots = k_cache.view(-1, *k_cache.shape[2:])
-        self.v_slots = v_cache.view(-1, *v_cache.shape[2:])
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -72,8 +64,8 @@ class Attention(HotModule):
             qk = rms_norm(qk, self._qk_norm_weight, self.eps)
         qk = apply_rotary(qk, cos, sin)  # [n, h + kvh, d]
         q, k = qk[:, :h], qk[:, h:]
-        write_kv(self.k_slots, self.v_slots, meta.slot_mapping, k, v)
-        o = paged_attention(q, k, v, self.k_slots, self.v_slots, meta)
+        self.kv.write(meta.slot_mapping, k, v)
+        o = paged_attention(q, k, v, self.kv, meta)
         return self.o_proj(o.reshape(n, h * d))
 
 

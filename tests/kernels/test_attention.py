@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helexa.kernels import kv_quant
 from helexa.kernels.attention import (
     AttentionMetadata,
+    PagedKV,
     PrefillChunk,
     paged_attention,
     paged_attention_reference,
-    write_kv,
 )
 
 BLOCK = 4
@@ -20,11 +21,16 @@ def _slots(table: list[int], positions: range) -> list[int]:
 
 
 def build_step(seqs: list[tuple[int, int, list[int]]], heads: int, kvh: int, d: int,
-               dtype: torch.dtype = torch.float32):
-    """Random cache and queries for seqs (num_computed, num_new, table), decode rows first."""
+               dtype: torch.dtype = torch.float32, kv_dtype: str | None = None):
+    """A pool holding random context, and queries for seqs (num_computed, num_new, table),
+    decode rows first; the step's new K/V are written into the pool."""
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(64, BLOCK, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(64, BLOCK, kvh, d, generator=g).to(dtype)
+    kv_dtype = kv_dtype or {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    kv = PagedKV(64, BLOCK, kvh, d, kv_dtype=kv_dtype, compute=dtype, device="cpu",
+                 storage=None if kv_quant.is_quantized(kv_dtype) else dtype)
+    all_slots = torch.arange(64 * BLOCK)
+    kv.write(all_slots, torch.randn(64 * BLOCK, kvh, d, generator=g).to(dtype),
+             torch.randn(64 * BLOCK, kvh, d, generator=g).to(dtype))
     n = sum(s[1] for s in seqs)
     q = torch.randn(n, heads, d, generator=g).to(dtype)
     k = torch.randn(n, kvh, d, generator=g).to(dtype)
@@ -50,29 +56,42 @@ def build_step(seqs: list[tuple[int, int, list[int]]], heads: int, kvh: int, d: 
             meta.prefills.append(chunk)
         start += m
     meta.slot_mapping = torch.tensor(slot_mapping)
-    write_kv(k_cache.view(-1, kvh, d), v_cache.view(-1, kvh, d), meta.slot_mapping, k, v)
-    return q, k, v, k_cache, v_cache, meta
+    kv.write(meta.slot_mapping, k, v)
+    # What the pool holds, as plain [num_blocks, block_size, kvh, d] tensors, for the reference.
+    k_all, v_all = kv.gather(all_slots)
+    return q, k, v, kv, k_all.view(64, BLOCK, kvh, d), v_all.view(64, BLOCK, kvh, d), meta
 
 
 @pytest.mark.parametrize(("heads", "kvh"), [(4, 4), (8, 2), (4, 1)])
 def test_mixed_step_matches_reference(heads, kvh):
     seqs = [(9, 1, [3, 7, 1]), (2, 1, [12]), (0, 6, [20, 21]), (5, 7, [30, 31, 32])]
-    q, k, v, kc, vc, meta = build_step(seqs, heads, kvh, 16)
-    fast = paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta)
+    q, k, v, kv, kc, vc, meta = build_step(seqs, heads, kvh, 16)
+    fast = paged_attention(q, k, v, kv, meta)
     ref = paged_attention_reference(q, kc, vc, seqs)
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
 
 
 def test_pure_decode_batch_matches_reference():
     seqs = [(c, 1, [10 + 3 * i, 11 + 3 * i, 12 + 3 * i]) for i, c in enumerate([0, 4, 11, 7])]
-    q, k, v, kc, vc, meta = build_step(seqs, 8, 2, 32)
-    torch.testing.assert_close(paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta),
+    q, k, v, kv, kc, vc, meta = build_step(seqs, 8, 2, 32)
+    torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
                                paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
 
 
 def test_bf16_cache_matches_reference():
     seqs = [(6, 1, [1, 2]), (3, 5, [5, 6])]
-    q, k, v, kc, vc, meta = build_step(seqs, 4, 2, 16, dtype=torch.bfloat16)
-    torch.testing.assert_close(paged_attention(q, k, v, kc.flatten(0, 1), vc.flatten(0, 1), meta).float(),
+    q, k, v, kv, kc, vc, meta = build_step(seqs, 4, 2, 16, dtype=torch.bfloat16)
+    torch.testing.assert_close(paged_attention(q, k, v, kv, meta).float(),
                                paged_attention_reference(q, kc, vc, seqs).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
+def test_quantised_pool_matches_reference_over_what_it_stores(kv_dtype):
+    # Decode and chunked-prefill-with-context rows read the pool (dequantised); a first
+    # chunk attends to its own fresh K/V, so it is left out here.
+    seqs = [(9, 1, [3, 7, 1]), (2, 1, [12]), (5, 7, [30, 31, 32])]
+    q, k, v, kv, kc, vc, meta = build_step(seqs, 8, 2, 32, kv_dtype=kv_dtype)
+    torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
+                               paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
+    assert kv.nbytes < 2 * 64 * BLOCK * 2 * 32 * 4 / 2  # well under an fp32 pool

@@ -76,6 +76,11 @@ def test_reset_kv_changes_pool_and_keeps_weights(tiny_model_dir, hf_logits):
     torch.testing.assert_close(out[0], hf_logits(p)[-1], atol=5e-2, rtol=5e-2)
     with pytest.raises(ValueError, match="kv_dtype"):
         r.reset_kv(16, "int3")
+    r.reset_kv(16, "int8")  # quantised: 1 B/elt + an fp32 scale per token-head
+    assert r.kv_dtype == "int8"
+    assert r.kv_bytes_per_block == 2 * 2 * 4 * 2 * (16 + 4)  # layers × K,V × block × heads × B
+    out = r.execute([SeqInput(p, 0, [3, 9], True)])
+    torch.testing.assert_close(out[0], hf_logits(p)[-1], atol=5e-2, rtol=5e-2)
 
 
 def test_bf16_weights_load_and_decode(tiny_model_dir, hf_logits):

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
-
-import os
 
 import pytest
 import torch
