@@ -17,9 +17,12 @@ called once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import multiprocessing
+import multiprocessing.util  # its exit hook must be registered before ours (atexit is LIFO)
 import queue
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +34,24 @@ from helexa.neuron.engine.spec import EngineSpec, merge_limits
 
 class EngineError(RuntimeError):
     """The engine process failed to start, or died."""
+
+
+_live_processes: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@atexit.register
+def _end_engines() -> None:
+    """Engine processes are not daemonic (they start their own rank processes), so
+    multiprocessing would wait for them at exit; an owner that never called shutdown
+    must not hang its interpreter. Registered after multiprocessing's own exit hook,
+    so it runs first."""
+    for process in list(_live_processes):
+        if process.is_alive():
+            process.terminate()
+    for process in list(_live_processes):
+        process.join(2.0)
+        if process.is_alive():
+            process.kill()
 
 
 def _is_terminal(upd: messages.RequestUpdate) -> bool:
@@ -55,6 +76,8 @@ class EngineClient:
         self._pending_aborts: list[messages.Abort] = []
         self._pending_limits: messages.SetLimits | None = None
         self._pending_shutdown = False
+        self._pending_reset: messages.ResetKv | None = None
+        self._reset_done: asyncio.Future[str] | None = None
         self._flush_scheduled = False
         self._stop_admitting = False
         self._ready: asyncio.Future[None] = loop.create_future()
@@ -75,6 +98,7 @@ class EngineClient:
         process = ctx.Process(target=engine_main, args=(msgspec.msgpack.encode(spec), child_conn),
                               name=f"helexa-engine-{spec.model_id}")
         await loop.run_in_executor(None, process.start)
+        _live_processes.add(process)
         child_conn.close()  # so that the child's death reads as EOF here
         client = cls(spec, process, parent_conn, loop, on_status, on_fatal, on_progress)
         try:
@@ -128,6 +152,26 @@ class EngineClient:
         self._stop_admitting = flag
         self._schedule_flush()
 
+    async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
+                       context: int, max_output_tokens: int | None = None) -> None:
+        """Re-plan the engine's KV pool without reloading weights (nothing may be in flight:
+        stop admitting and wait for in-flight work first). EngineError says why not."""
+        if not self.alive:
+            raise EngineError(self.fatal or "the engine is shut down")
+        if self._reset_done is not None:
+            raise EngineError("a pool re-plan is already under way")
+        self._reset_done = self._loop.create_future()
+        self._pending_reset = messages.ResetKv(
+            num_blocks=num_blocks, kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
+            context=context, max_output_tokens=max_output_tokens)
+        self._schedule_flush()
+        try:
+            answer = await self._reset_done
+        finally:
+            self._reset_done = None
+        if answer != "ok":
+            raise EngineError(answer)
+
     @property
     def num_open_requests(self) -> int:
         return len(self._streams)
@@ -158,8 +202,9 @@ class EngineClient:
             return
         msg = messages.ToEngine(new=self._pending_new, aborts=self._pending_aborts,
                                 limits=self._pending_limits, stop_admitting=self._stop_admitting,
-                                shutdown=self._pending_shutdown)
+                                shutdown=self._pending_shutdown, reset_kv=self._pending_reset)
         self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
+        self._pending_reset = None
         self._outbox.put(self._encoder.encode(msg))
 
     def _write(self) -> None:  # writer thread
@@ -205,6 +250,8 @@ class EngineClient:
             stream = self._streams.get(upd.req_id)
             if stream is not None:
                 stream.put_nowait(upd)
+        if msg.kv_reset and self._reset_done is not None and not self._reset_done.done():
+            self._reset_done.set_result(msg.kv_reset)
         if msg.status is not None and self.on_status is not None:
             self.on_status(msg.status)
         if msg.fatal:
@@ -220,6 +267,8 @@ class EngineClient:
         for req_id, stream in self._streams.items():
             stream.put_nowait(messages.RequestUpdate(
                 req_id=req_id, finished=messages.FinishReason.ERROR, error=reason))
+        if self._reset_done is not None and not self._reset_done.done():
+            self._reset_done.set_result(reason)
         if not self._ready.done():
             self._ready.set_exception(EngineError(reason))
             self._ready.exception()  # retrieved: start() raises it

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.admission import Admission, Refusal
+from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
@@ -64,6 +65,7 @@ class EngineCore:
         self.prefix_hit_tokens = 0
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
+        self._kv_reset_answer = ""
 
     # --- the step ----------------------------------------------------------
 
@@ -83,8 +85,9 @@ class EngineCore:
         if not plan.is_empty:
             self._execute(plan)
         out = messages.FromEngine(updates=list(self._updates.values()), status=self.status(),
-                                  step_ms=(time.perf_counter() - started) * 1000)
-        self._updates = {}
+                                  step_ms=(time.perf_counter() - started) * 1000,
+                                  kv_reset=self._kv_reset_answer)
+        self._updates, self._kv_reset_answer = {}, ""
         return out
 
     def _admit(self) -> None:
@@ -113,6 +116,8 @@ class EngineCore:
             req = self.requests.get(abort.req_id)
             if req is not None:
                 self._finish(req, RequestStatus.FINISHED_ABORTED, abort.reason)
+        if inbound.reset_kv is not None:
+            self._kv_reset_answer = self.reset_kv(inbound.reset_kv)
         if inbound.shutdown:
             for req in list(self.requests.values()):
                 self._finish(req, RequestStatus.FINISHED_ABORTED, "shutdown")
@@ -124,6 +129,34 @@ class EngineCore:
         self.scheduler.max_slots = self.limits.max_slots
         self.scheduler.max_batched_tokens = self.limits.max_batched_tokens
         self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
+
+    def reset_kv(self, r: messages.ResetKv) -> str:
+        """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
+        if self.admission.num_in_flight:
+            return (f"{self.admission.num_in_flight} requests in flight;"
+                    " stop admitting and let them finish first")
+        reset = getattr(self.runner, "reset_kv", None)
+        if reset is None:
+            return "this model runner cannot re-plan its pool"
+        try:
+            reset(r.num_blocks, r.kv_dtype)
+        except Exception as e:
+            return f"re-planning the pool failed: {type(e).__name__}: {e}"
+        self.spec = msgspec.structs.replace(
+            self.spec, num_blocks=r.num_blocks, kv_dtype=r.kv_dtype,
+            bytes_per_token=r.bytes_per_token, context=r.context,
+            max_output_tokens=r.max_output_tokens)
+        self.pool = BlockPool(r.num_blocks, self.spec.block_size, self.spec.bytes_per_block)
+        self.admission.pool = self.pool
+        self.admission.drain = DrainMeter()  # the old pool's release counter means nothing now
+        for req in self.admission.queued():  # queued under the old context, refused if too long now
+            need = self.admission.reservation_blocks(req)
+            if req.max_total_tokens > r.context or need > r.num_blocks:
+                self._refuse(req, Refusal(
+                    "context_length_exceeded",
+                    f"prompt {req.num_prompt_tokens} + output {req.output_budget} tokens;"
+                    f" the context is now {r.context}"))
+        return "ok"
 
     def add_request(self, new: messages.NewRequest) -> None:
         prompt = list(new.prompt_token_ids)
@@ -354,7 +387,12 @@ class FakeRunner:
         self.block_size = block_size
         self.step_secs = step_secs
         self.kv = [[-1] * block_size for _ in range(num_blocks)]
+        self.kv_dtype = "auto"
         self.num_steps = 0
+
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
+        self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
+        self.kv_dtype = kv_dtype
 
     def execute(self, seqs: list[Any]) -> Any:
         torch, bs = self.torch, self.block_size

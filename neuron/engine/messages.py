@@ -72,6 +72,20 @@ class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
     default_output_tokens: int | None = None
 
 
+class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
+    """Re-plan the KV pool without reloading weights (a profile's kv_dtype switch).
+
+    Only while nothing is in flight: the daemon stops admitting and waits for
+    in-flight work to finish first. Queued requests stay queued. (Added by the
+    engine helper.)"""
+
+    num_blocks: int
+    kv_dtype: str
+    bytes_per_token: int
+    context: int
+    max_output_tokens: int | None = None
+
+
 class ToEngine(msgspec.Struct, kw_only=True):
     """One inbound message: everything the daemon has for the next step."""
 
@@ -80,6 +94,7 @@ class ToEngine(msgspec.Struct, kw_only=True):
     limits: SetLimits | None = None
     stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
     shutdown: bool = False  # exit after aborting everything
+    reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
 
 
 class TopToken(msgspec.Struct, frozen=True, array_like=True):
@@ -150,3 +165,5 @@ class FromEngine(msgspec.Struct, kw_only=True):
     # ready=True once, when the model is loaded and the engine takes requests.
     progress: str = ""
     ready: bool = False
+    # Answer to ToEngine.reset_kv: "ok", or why the pool was not re-planned.
+    kv_reset: str = ""

@@ -46,6 +46,7 @@ def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
             merged.limits = msg.limits if merged.limits is None else \
                 merge_limits(merged.limits, msg.limits)
         merged.shutdown = merged.shutdown or msg.shutdown
+        merged.reset_kv = msg.reset_kv or merged.reset_kv
     merged.stop_admitting = batch[-1].stop_admitting  # each message carries the current flag
     return merged
 
@@ -112,7 +113,8 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
         status = out.status
         key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
         now = time.monotonic()
-        if out.updates or key != last_status or now - last_status_at >= _STATUS_EVERY_SECS:
+        if (out.updates or out.kv_reset or key != last_status
+                or now - last_status_at >= _STATUS_EVERY_SECS):
             _send(conn, encoder, out)
             last_status, last_status_at = key, now
         if inbound is not None and inbound.shutdown:

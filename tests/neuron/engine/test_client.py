@@ -97,9 +97,16 @@ def test_streams_aborts_limits_and_shutdown():
                                                           max_tokens=2, sampling=GREEDY))
         assert last.finished == m.FinishReason.LENGTH
 
+        # the pool is re-planned in place while nothing is in flight
+        await client.reset_kv(num_blocks=100, kv_dtype="int8", bytes_per_token=1, context=400)
+        await until(lambda: client.status.kv.total_bytes == 100 * 4)
+        tokens, last = await collect(client, m.NewRequest(req_id="r", prompt_token_ids=[2],
+                                                          max_tokens=3, sampling=GREEDY))
+        assert tokens == expected([2], 3)
+
         # shutdown aborts what is open and the process exits 0
         open_one = asyncio.ensure_future(collect(client, m.NewRequest(
-            req_id="o", prompt_token_ids=[5], max_tokens=400, sampling=GREEDY)))
+            req_id="o", prompt_token_ids=[5], max_tokens=300, sampling=GREEDY)))
         await until(lambda: client.status.running == 1)
         await client.shutdown(timeout_secs=10)
         assert (await open_one)[1].finished == m.FinishReason.ABORT

@@ -366,3 +366,24 @@ def test_pinned_prefix_cannot_be_evicted_before_its_prefill():
     tokens, _, _ = drive(core)
     assert tokens["b"] == expected(prompt + [5], 2)
     assert_whole(core)
+
+
+def test_reset_kv_replans_the_pool_only_when_nothing_is_in_flight():
+    core = make_core(num_blocks=64, context=256, max_in_flight=1)
+    core.step(m.ToEngine(new=[new("a", [1, 2], 20), new("long", [3] * 100, 50, principal="q"),
+                              new("short", [4] * 4, 4, principal="r")]))
+    out = core.step(m.ToEngine(reset_kv=m.ResetKv(num_blocks=32, kv_dtype="int8",
+                                                  bytes_per_token=1, context=128)))
+    assert "in flight" in out.kv_reset and core.pool.num_blocks == 64
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id="a")],
+                               reset_kv=m.ResetKv(num_blocks=32, kv_dtype="int8",
+                                                  bytes_per_token=1, context=128)))
+    assert out.kv_reset == "ok"
+    assert out.status.kv.total_bytes == 32 * 4 * 1 and core.spec.context == 128
+    assert core.runner.kv_dtype == "int8" and len(core.runner.kv) == 32
+    # "long" (150 tokens) no longer fits the context and is refused; "short" is served
+    assert [u.refused_code for u in out.updates if u.req_id == "long"] == ["context_length_exceeded"]
+    first = [t for u in out.updates if u.req_id == "short" for t in u.new_token_ids]
+    tokens, final, _ = drive(core)
+    assert first + tokens["short"] == expected([4] * 4, 4)
+    assert_whole(core)
