@@ -174,7 +174,11 @@ class EngineCore:
         if new.req_id in self.requests:
             self._refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
             return
-        if not prompt or budget < 1 or len(prompt) + budget > context:
+        if not prompt or (new.max_tokens is not None and new.max_tokens < 1):
+            self._refuse(req, Refusal("invalid_request_error",
+                                      "a request needs a prompt token and max_tokens >= 1"))
+            return
+        if len(prompt) >= context or len(prompt) + budget > context:
             self._refuse(req, Refusal(
                 "context_length_exceeded",
                 f"prompt {len(prompt)} + output {budget} tokens; the context is {context}"))

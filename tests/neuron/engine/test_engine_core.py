@@ -94,8 +94,11 @@ def test_output_budget_defaults_to_context_left():
     core = make_core(context=24, default_output_tokens=1000)
     tokens, final, _ = drive(core, m.ToEngine(new=[new("a", [1] * 20, None)]))
     assert len(tokens["a"]) == 4 and final["a"].finished == m.FinishReason.LENGTH
-    tokens, final, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5)]))
-    assert final["b"].refused_code == "context_length_exceeded"
+    tokens, final, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5), new("c", [1] * 24, None),
+                                                   new("d", [], 3), new("e", [1], 0)]))
+    assert {r: u.refused_code for r, u in final.items()} == {
+        "b": "context_length_exceeded", "c": "context_length_exceeded",
+        "d": "invalid_request_error", "e": "invalid_request_error"}
     assert_whole(core)
 
 
