@@ -61,6 +61,8 @@ class EngineCore:
         self.decode_tokens_per_sec = 0.0
         self.prefill_tokens_per_sec = 0.0
         self.num_failed_steps = 0
+        self.consecutive_failed_steps = 0  # the engine process gives up past a bound
+        self.last_error = ""
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._last_step_end = clock()
@@ -231,11 +233,14 @@ class EngineCore:
             picks = self.sampler(logits, [r.sampling_state for r in sampled]) if sampled else []
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
+            self.consecutive_failed_steps += 1
+            self.last_error = f"{type(e).__name__}: {e}"
             if self.log is not None:
                 self.log.exception("engine.step_failed", requests=len(reqs))
             for req in reqs:
                 self._finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
             return
+        self.consecutive_failed_steps = 0
         num_prefill = 0
         for req, chunk in zip(reqs, plan.chunks, strict=True):
             req.num_computed_tokens += chunk.num_tokens

@@ -31,6 +31,13 @@ _IDLE_POLL_SECS = 0.005
 # Status goes out with every step that has updates, else at most this often.
 _STATUS_EVERY_SECS = 0.5
 _PROGRESS_EVERY_SECS = 0.1
+# Steps failing one after another mean a broken model or device, not a bad
+# request: the engine then goes down (fatal) and the daemon marks the model failed.
+MAX_CONSECUTIVE_FAILED_STEPS = 5
+
+
+class EngineGaveUp(Exception):
+    pass
 
 
 def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
@@ -67,6 +74,9 @@ def engine_main(spec_bytes: bytes, conn: Connection) -> None:
         run_loop(core, conn, encoder)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         pass  # the daemon is gone; so are we
+    except EngineGaveUp as e:
+        _send(conn, encoder, messages.FromEngine(fatal=str(e), status=core.status()))
+        raise SystemExit(1) from None
     except BaseException:
         _send(conn, encoder, messages.FromEngine(fatal=traceback.format_exc()))
         raise SystemExit(1) from None
@@ -119,6 +129,9 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
             last_status, last_status_at = key, now
         if inbound is not None and inbound.shutdown:
             return
+        if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
+            raise EngineGaveUp(f"{core.consecutive_failed_steps} steps failed in a row;"
+                               f" the last: {core.last_error}")
 
 
 def _send(conn: Connection, encoder: msgspec.msgpack.Encoder, msg: messages.FromEngine) -> None:

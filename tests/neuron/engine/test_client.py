@@ -143,3 +143,48 @@ def test_start_failure_raises_with_the_engines_reason(tmp_path):
             await EngineClient.start(spec(fake_runner=False, model_dir=str(tmp_path / "missing")))
 
     asyncio.run(main())
+
+
+def test_engine_loop_gives_up_after_repeated_step_failures():
+    """The process loop (run in a thread here): steps that keep failing end the engine, so
+    the daemon can mark the model failed; each failed step's requests come back ERROR."""
+    import multiprocessing
+    import threading
+
+    import msgspec
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.process import MAX_CONSECUTIVE_FAILED_STEPS, EngineGaveUp, run_loop
+
+    class Broken:
+        def execute(self, seqs):
+            raise RuntimeError("device lost")
+
+    core = EngineCore(spec(), Broken())
+    here, there = multiprocessing.Pipe()
+    raised: list[BaseException] = []
+
+    def loop() -> None:
+        try:
+            run_loop(core, there, msgspec.msgpack.Encoder())
+        except BaseException as e:
+            raised.append(e)
+
+    thread = threading.Thread(target=loop)
+    thread.start()
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(m.FromEngine)
+    errors = 0
+    for i in range(MAX_CONSECUTIVE_FAILED_STEPS):
+        here.send_bytes(enc.encode(m.ToEngine(new=[m.NewRequest(req_id=f"x{i}", prompt_token_ids=[1],
+                                                                max_tokens=2)])))
+        while True:
+            out = dec.decode(here.recv_bytes())
+            done = [u for u in out.updates if u.finished == m.FinishReason.ERROR]
+            if done:
+                assert "device lost" in done[0].error
+                errors += 1
+                break
+    thread.join(5)
+    assert errors == MAX_CONSECUTIVE_FAILED_STEPS
+    assert len(raised) == 1 and isinstance(raised[0], EngineGaveUp)
+    assert f"{MAX_CONSECUTIVE_FAILED_STEPS} steps failed in a row" in str(raised[0])
+    assert core.pool.num_free_blocks == core.pool.num_blocks
