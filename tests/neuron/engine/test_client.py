@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import signal
 import time
 
@@ -76,6 +77,19 @@ def test_streams_aborts_limits_and_shutdown():
         await stream.aclose()
         await until(lambda: client.status.in_flight == 0
                     and client.status.kv.free_bytes == client.status.kv.total_bytes)
+
+        # 40 callers, a random half of them going away at random moments: the ledger is whole
+        rng = random.Random(4)
+        tasks = [asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id=f"c{i}", prompt_token_ids=[i % VOCAB] * (1 + i % 13), max_tokens=rng.randrange(1, 60),
+            sampling=GREEDY, principal=f"p{i % 3}"))) for i in range(40)]
+        for task in rng.sample(tasks, 20):
+            await asyncio.sleep(rng.random() * 0.02)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await until(lambda: client.status.in_flight == client.status.queued == 0
+                    and client.status.kv.free_bytes == client.status.kv.total_bytes)
+        assert client.num_open_requests == 0
 
         # limits at runtime: one in flight at a time, the second waits in the queue
         client.set_limits(m.SetLimits(max_in_flight=1))
