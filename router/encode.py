@@ -145,7 +145,7 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     finish = (FINISH_REASONS.get(msg.finish_reason)
               if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
     if not msg.text and not msg.token_ids and finish is None:
-        return None
+        return None  # (a first message's prompt ids then ride on the next chunk)
     body: dict = {"index": choice.index}
     if env.chat:
         body["delta"] = {"content": msg.text} if msg.text or finish is None else {}
@@ -159,7 +159,7 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
         body["token_ids"] = list(msg.token_ids)
     chunk = _chunk(env, [body], with_usage_key=env.req.include_usage)
     if env.req.return_token_ids and first:
-        chunk["prompt_token_ids"] = list(msg.prompt_token_ids) or None
+        chunk["prompt_token_ids"] = list(msg.prompt_token_ids) or choice.prompt_token_ids
     return chunk
 
 

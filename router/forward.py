@@ -30,6 +30,7 @@ _CODE_STATUS = {
     "overloaded": 503, "model_loading": 503, "shutting_down": 503, "service_unavailable": 503,
     "context_length_exceeded": 400, "invalid_request_error": 400,
     "model_not_found": 404,
+    "upstream_error": 502,
 }
 _FALLBACK = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "overloaded"),

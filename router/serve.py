@@ -232,9 +232,9 @@ async def _stream(request, env, choices, streams, state, series, t0,
             _timing(series, t0, last, msg)
             _check_finish(msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
-            seen_first[i] = True
             encode.add_delta(choices[i], msg)
             if chunk is not None:
+                seen_first[i] = True
                 await resp.write(encode.sse(chunk))
         if any(c.finish_reason is None for c in choices):
             raise UpstreamFailed("the neuron ended the stream without finishing")

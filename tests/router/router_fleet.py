@@ -67,6 +67,7 @@ def _wait_healthy(f: Fleet, timeout: float = 10.0) -> None:
         links = f.state.registry.links
         return len(f.state.registry.healthy_links()) == 2 and all(
             n.name in links and links[n.name].status is not None
+            and links[n.name].status.draining == n.draining
             and {m.model: m.state for m in links[n.name].status.models}
             == {m.model: m.state for m in n.models.values()} for n in (f.n1, f.n2))
     end = time.monotonic() + timeout

@@ -65,3 +65,8 @@ def test_generate_request_carries_everything():
     assert not g.HasField("max_tokens") and not g.sampling.HasField("seed")
     assert list(g.token_ids.ids) == [1, 2]
     assert pb.GenerateRequest.FromString(g.SerializeToString()) == g
+
+
+def test_engine_failure_before_any_token_is_502_upstream_error():
+    err = map_rpc_error(rpc_error(grpc.StatusCode.INTERNAL, "upstream_error"))
+    assert (err.status, err.code, err.retry_after_secs) == (502, "upstream_error", None)

@@ -146,3 +146,20 @@ def test_health_and_metrics(fl):
     assert 'helexa_neuron_kv_free_bytes{model="tiny",neuron="n1"}' in m
     assert "helexa_router_ttft_seconds_bucket" in m
     assert "helexa_router_selections_total" in m
+
+
+def test_streamed_prompt_token_ids_survive_an_empty_first_message():
+    from helexa.router import encode
+    from helexa.router.openai_api import parse_request
+
+    from helexa.proto import neuron_pb2 as pb
+
+    req = parse_request({"model": "m", "prompt": [1, 2], "stream": True,
+                         "return_token_ids": True}, "completion")
+    env = encode.Envelope("cmpl-x", 0, "m", req)
+    choice = encode.Choice(0)
+    empty = pb.GenerateResponse(prompt_token_ids=[1, 2])
+    assert encode.delta_chunk(env, choice, empty, first=True) is None
+    encode.add_delta(choice, empty)
+    chunk = encode.delta_chunk(env, choice, pb.GenerateResponse(text="a", token_ids=[7]), first=True)
+    assert chunk["prompt_token_ids"] == [1, 2] and chunk["choices"][0]["token_ids"] == [7]
