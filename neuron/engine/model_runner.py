@@ -12,6 +12,7 @@ in the order they were given.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from helexa.kernels import kv_quant
 from helexa.kernels.attention import AttentionMetadata, PagedKV, PrefillChunk
+from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
 
@@ -58,9 +60,23 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
                  num_blocks: int, block_size: int, kv_dtype: str = "auto", max_num_seqs: int,
                  max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 devices: list[str] | None = None) -> None:
+        """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
+        them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
+        every rank uses ``device``. close() stops them (so does garbage collection or exit)."""
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
+        self._tp: TpWorkers | None = None
+        if tp_size > 1 and tp_rank == 0:
+            if self.device.type == "cpu":
+                torch.set_num_threads(1)  # one thread per rank: the ranks share the cores
+            self._tp_args = RunnerArgs(
+                str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
+                max_batched_tokens, devices or [device] * tp_size)
+            # The other ranks load while this process loads its own shard.
+            self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
+            weakref.finalize(self, self._tp.close)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -75,12 +91,21 @@ class ModelRunner:
         self._attn = self.model.attention_layers
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
-        self.reset_kv(num_blocks, kv_dtype)
+        self._reset_own_kv(num_blocks, kv_dtype)
+        if self._tp is not None:
+            self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
+            self._tp.join(self._tp_args, str(self.device))
 
     # ---- KV pool -------------------------------------------------------------------------
 
     def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
         """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
+        resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
+        if self._tp is not None:
+            self._tp.reset_kv(num_blocks, kv_dtype)
+        self._reset_own_kv(num_blocks, kv_dtype)
+
+    def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
         for attn in self._attn:  # free the old pool before allocating the new one
             attn.kv = None
@@ -109,7 +134,24 @@ class ModelRunner:
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, meta, logits_rows = self._prepare(seqs)
-        return self.model(input_ids, positions, meta, logits_rows)
+        if self._tp is None:
+            return self.model(input_ids, positions, meta, logits_rows)
+        self._tp.send_step(seqs)
+        try:
+            return self.model(input_ids, positions, meta, logits_rows)
+        except RuntimeError as e:  # a collective failed: a rank died or wedged
+            self._tp.fail_step(e)
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
+        if self._tp is not None:
+            self._tp.close()
+            leave_group()
+
+    @property
+    def tp_pids(self) -> list[int]:
+        return self._tp.pids if self._tp is not None else []
 
     def _prepare(self, seqs: list[SeqInput]):
         dev = self.device

@@ -33,14 +33,20 @@ def assign_blocks(lengths: Sequence[int], block_size: int, num_blocks: int,
 
 def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int | Sequence[int], *, prefill_chunk: int | None = None,
-                    shuffle_seed: int | None = None) -> list[list[int]]:
-    """Greedy-decode every prompt together; returns each one's new tokens."""
+                    shuffle_seed: int | None = None,
+                    margins: list[list[float]] | None = None) -> list[list[int]]:
+    """Greedy-decode every prompt together; returns each one's new tokens.
+
+    With ``margins`` (a list to fill), also records per sequence and step the gap
+    between the top two logits, so callers can tell a near-tie from a mismatch."""
     n = len(prompts)
     budgets = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
     tables = assign_blocks([len(p) + b for p, b in zip(prompts, budgets, strict=True)],
                            runner.block_size, runner.num_blocks, shuffle_seed)
     fed = [0] * n  # prompt tokens already sent
     outputs: list[list[int]] = [[] for _ in range(n)]
+    if margins is not None:
+        margins[:] = [[] for _ in range(n)]
     chunk = prefill_chunk or max(len(p) for p in prompts)
     while True:
         active = [i for i in range(n) if len(outputs[i]) < budgets[i]]
@@ -56,7 +62,12 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]],
             else:
                 done = len(prompt) + len(outputs[i]) - 1
                 step.append(SeqInput([outputs[i][-1]], done, tables[i], True))
-        picks = iter(runner.execute(step).argmax(dim=-1).tolist())
+        logits = runner.execute(step)
+        picks = iter(logits.argmax(dim=-1).tolist())
+        gaps = iter((lambda t: (t[:, 0] - t[:, 1]).tolist())(logits.topk(2).values)
+                    if margins is not None else [])
         for i, s in zip(active, step, strict=True):
             if s.need_logits:
                 outputs[i].append(next(picks))
+                if margins is not None:
+                    margins[i].append(next(gaps))

@@ -27,6 +27,14 @@ import torch.nn.functional as F
 from helexa.kernels.norm import rms_norm
 from torch import nn
 
+# Bytes each rank sends into collectives (tp > 1), for bench/tp.py; a plain int add per call.
+COMM_STATS = {"bytes": 0}
+
+
+def _all_reduce(t: torch.Tensor) -> None:
+    COMM_STATS["bytes"] += t.numel() * t.element_size()
+    dist.all_reduce(t)
+
 
 class SliceGetter(Protocol):
     """What a weight loader reads from: safetensors' PySafeSlice satisfies it."""
@@ -220,7 +228,7 @@ class RowParallelLinear(ParallelLinearBase):
         if self.tp_size == 1:
             return self.linear(x, self.bias)
         y = self.linear(x, self.bias if self.tp_rank == 0 else None)
-        dist.all_reduce(y)
+        _all_reduce(y)
         return y
 
 
@@ -250,7 +258,7 @@ class VocabParallelEmbedding(HotModule):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, 0)
         out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
-        dist.all_reduce(out)
+        _all_reduce(out)
         return out
 
 
@@ -273,8 +281,14 @@ class ParallelLMHead(VocabParallelEmbedding):
             logits = F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
+        # Only rank 0 samples: gather the vocab slices there (other ranks get theirs back).
+        logits = logits.contiguous()
+        COMM_STATS["bytes"] += logits.numel() * logits.element_size()
+        if self.tp_rank != 0:
+            dist.gather(logits, None, dst=0)
+            return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits.contiguous())
+        dist.gather(logits, parts, dst=0)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
 
