@@ -56,3 +56,18 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
     host, _, nport = neuron_addr.rpartition(":")
     with pytest.raises(OSError):
         socket.create_connection((host, int(nport)), timeout=1).close()
+
+
+def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
+    from helexa.config import NeuronConfig, RouterConfig, load_config
+    from helexa.up import main, write_configs
+
+    (tmp_path / "m").mkdir()
+    neuron, router = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16)
+    n = load_config(neuron, NeuronConfig)
+    r = load_config(router, RouterConfig)
+    assert n.models[0].id == "my/model" and n.kv.kv_budget_mb == 16
+    assert r.aliases["helexa/balanced"] == "my/model" and r.server.listen == "127.0.0.1:0"
+    assert (tmp_path / "neuron.token").stat().st_mode & 0o077 == 0  # the token is private
+    assert main(["--model", str(tmp_path / "m")]) == 2  # no config.json there
+    assert "no config.json" in capsys.readouterr().err
