@@ -99,6 +99,7 @@ async def error_envelope(request: web.Request, handler):
 
 async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
+    state.auth.principal(request.headers.get("Authorization"))  # 401 when auth is required
     limits = state.registry.ready_limits()
 
     def entry(model_id: str, target: str) -> dict:

@@ -132,7 +132,10 @@ def test_require_auth_401(fl):
         with pytest.raises(openai.AuthenticationError) as e:
             fl.client("sk-wrong").chat.completions.create(model="tiny", messages=MSG)
         assert e.value.code == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            fl.client("sk-wrong").models.list()
         fl.client(ALICE_KEY).chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        assert httpx2.get(fl.url + "/health").status_code == 200  # probes need no key
     finally:
         fl.state.auth = old
 
