@@ -62,6 +62,7 @@ class RouterState:
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token
+        self.registry.config_file = base
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
 

@@ -20,12 +20,13 @@ import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import structlog
 from helexa.router.selection import Candidate
 
-from helexa.config import NeuronEndpoint
+from helexa.config import NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 
@@ -68,7 +69,8 @@ class NeuronLink:
         self.name = endpoint.name
         self.registry = registry
         if endpoint.tls:
-            roots = open(endpoint.ca_file, "rb").read() if endpoint.ca_file else None
+            roots = (resolve_path(registry.config_file, endpoint.ca_file).read_bytes()
+                     if endpoint.ca_file else None)
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
             self.channel = grpc.aio.secure_channel(
                 endpoint.address, creds, options=channel_options(registry.reconnect_max_secs))
@@ -160,6 +162,7 @@ class Registry:
     def __init__(self, endpoints: Iterable[NeuronEndpoint], *, token: str | None,
                  unhealthy_after_secs: float, reconnect_max_secs: float) -> None:
         self.token = token
+        self.config_file = Path("router.toml")  # paths in endpoints are relative to it
         self.unhealthy_after_secs = unhealthy_after_secs
         self.reconnect_max_secs = reconnect_max_secs
         self.links: dict[str, NeuronLink] = {}
