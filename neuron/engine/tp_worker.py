@@ -110,9 +110,12 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
     """Join this model's process group: NCCL for CUDA devices, gloo otherwise."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_secs))
 

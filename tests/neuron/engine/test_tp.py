@@ -16,11 +16,14 @@ from helexa.neuron.engine.tp_worker import TpError
 from helexa.neuron.models.greedy import greedy_generate
 
 NEAR_TIE = 0.02
+# bench/gpu_tp.sh runs the equivalence test on GPUs: HELEXA_TEST_DEVICE=cuda (NCCL).
+DEVICE = os.environ.get("HELEXA_TEST_DEVICE", "cpu")
 
 
 def runner(model_dir: Path, tp: int) -> ModelRunner:
+    devices = [DEVICE] * tp if DEVICE == "cpu" else [f"cuda:{i}" for i in range(tp)]
     return ModelRunner(model_dir, num_blocks=96, block_size=8, max_num_seqs=4,
-                       max_batched_tokens=256, tp_size=tp)
+                       max_batched_tokens=256, tp_size=tp, device=devices[0], devices=devices)
 
 
 def prompts() -> list[list[int]]:
