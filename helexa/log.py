@@ -30,9 +30,10 @@ def setup_logging(component: str, level: str = "info", stream: Any = None) -> st
         logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
         cache_logger_on_first_use=False,
     )
-    return structlog.get_logger().bind(component=component)
+    return structlog.get_logger(component=component)
 
 
 def get_logger(component: str) -> structlog.BoundLogger:
-    """A logger bound to `component` (uses whatever configuration is in force)."""
-    return structlog.get_logger().bind(component=component)
+    """A logger bound to `component`; lazy, so a module-level logger created
+    before `setup_logging` still follows the configuration set later."""
+    return structlog.get_logger(component=component)
