@@ -103,6 +103,12 @@ class EngineCore:
                 self.prefix_query_tokens += req.num_prompt_tokens
                 self.prefix_hit_tokens += req.num_cached_tokens
 
+    def close(self) -> None:
+        """Stop what the runner started (tensor-parallel rank processes)."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     @property
     def has_work(self) -> bool:
         return bool(self.requests)
@@ -360,7 +366,9 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = No
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
-                       max_batched_tokens=limits.max_batched_tokens, progress=progress)
+                       max_batched_tokens=limits.max_batched_tokens, progress=progress,
+                       tp_size=spec.tp,
+                       devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)
 
 
 def make_sampler(sampler: Any = None) -> tuple[Any, Any]:

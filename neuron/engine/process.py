@@ -65,22 +65,23 @@ def engine_main(spec_bytes: bytes, conn: Connection) -> None:
     try:
         core = _load(spec, conn, encoder)
     except BaseException:  # a load failure is reported, never raised into the void
-        _send(conn, encoder, messages.FromEngine(fatal=f"loading {spec.model_id} failed:\n"
-                                                 f"{traceback.format_exc()}"))
+        _try_send(conn, encoder, messages.FromEngine(fatal=f"loading {spec.model_id} failed:\n"
+                                                     f"{traceback.format_exc()}"))
         conn.close()
         return
-    _send(conn, encoder, messages.FromEngine(ready=True, status=core.status()))
     try:
+        _send(conn, encoder, messages.FromEngine(ready=True, status=core.status()))
         run_loop(core, conn, encoder)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        pass  # the daemon is gone; so are we
+    except (EOFError, OSError):
+        pass  # the daemon is gone (pipe closed); so are we
     except EngineGaveUp as e:
-        _send(conn, encoder, messages.FromEngine(fatal=str(e), status=core.status()))
+        _try_send(conn, encoder, messages.FromEngine(fatal=str(e), status=core.status()))
         raise SystemExit(1) from None
     except BaseException:
-        _send(conn, encoder, messages.FromEngine(fatal=traceback.format_exc()))
+        _try_send(conn, encoder, messages.FromEngine(fatal=traceback.format_exc()))
         raise SystemExit(1) from None
     finally:
+        core.close()
         conn.close()
 
 
@@ -136,3 +137,10 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
 
 def _send(conn: Connection, encoder: msgspec.msgpack.Encoder, msg: messages.FromEngine) -> None:
     conn.send_bytes(encoder.encode(msg))
+
+
+def _try_send(conn: Connection, encoder: msgspec.msgpack.Encoder, msg: messages.FromEngine) -> None:
+    try:
+        _send(conn, encoder, msg)
+    except OSError:
+        pass  # nobody is listening any more

@@ -202,3 +202,35 @@ def test_engine_loop_gives_up_after_repeated_step_failures():
     assert len(raised) == 1 and isinstance(raised[0], EngineGaveUp)
     assert f"{MAX_CONSECUTIVE_FAILED_STEPS} steps failed in a row" in str(raised[0])
     assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_tensor_parallel_engine_process_matches_one_rank(tiny_model_dir):
+    """tp = 2 on CPU: the engine process starts its second rank (so it must not be daemonic)
+    and streams the greedy tokens an in-process tp = 1 engine gives."""
+    from helexa.neuron.engine.engine_core import EngineCore
+
+    def tiny(tp: int) -> EngineSpec:
+        return EngineSpec(model_id="tiny", model_dir=str(tiny_model_dir), num_blocks=64,
+                          block_size=16, context=512, tp=tp, devices=["cpu"] * tp, torch_threads=1)
+
+    prompts = [list(range(3, 20 + 9 * i)) for i in range(3)]
+    reqs = [m.NewRequest(req_id=f"t{i}", prompt_token_ids=p, max_tokens=8, sampling=GREEDY)
+            for i, p in enumerate(prompts)]
+    want: dict[str, list[int]] = {}
+    core = EngineCore(tiny(1))
+    inbound: m.ToEngine | None = m.ToEngine(new=reqs)
+    while inbound is not None or core.has_work:
+        for u in core.step(inbound).updates:
+            want.setdefault(u.req_id, []).extend(u.new_token_ids)
+        inbound = None
+
+    async def main() -> None:
+        client = await EngineClient.start(tiny(2))
+        try:
+            got = await asyncio.gather(*[collect(client, r) for r in reqs])
+        finally:
+            await client.shutdown(timeout_secs=10)
+        assert [tokens for tokens, _ in got] == [want[r.req_id] for r in reqs]
+        assert client.process.exitcode == 0
+
+    asyncio.run(main())
