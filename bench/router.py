@@ -1,7 +1,7 @@
 """Router overhead: the same short requests sent to a neuron directly over gRPC and through
 `helexa router` over HTTP, measured side by side in one run.
 
-A minimal implementation of neuron.proto (tests/router/fake_neuron.py, one
+A minimal implementation of neuron.proto (tests/router/router_fake_neuron.py, one
 token per request, no model) stands in for the engine, so the figures are
 the router's own cost: parsing, selection, the gRPC hop and encoding. Both
 the fake neuron and the router run as separate processes; this process is
@@ -137,7 +137,7 @@ def main() -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     py = sys.executable
-    fake, neuron = spawn([py, str(ROOT / "tests/router/fake_neuron.py"), "--models", "tiny"],
+    fake, neuron = spawn([py, str(ROOT / "tests/router/router_fake_neuron.py"), "--models", "tiny"],
                          "NEURON LISTENING")
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
     (tmp / "router.toml").write_text(

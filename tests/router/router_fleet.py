@@ -11,8 +11,8 @@ import time
 from dataclasses import dataclass
 
 import openai
-from fake_neuron import Behaviour, FakeModel, FakeNeuron
 from helexa.router import app as router_app
+from router_fake_neuron import Behaviour, FakeModel, FakeNeuron
 
 ALICE_KEY = "sk-alice-test-key"
 
