@@ -31,6 +31,10 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
 
+# A healthy engine with work sends at least every 0.5 s (process.py); steps are
+# bounded by max_batched_tokens. Much longer silence means it is stuck.
+DEFAULT_STALL_SECS = 120.0
+
 
 class EngineError(RuntimeError):
     """The engine process failed to start, or died."""
@@ -81,6 +85,8 @@ class EngineClient:
         self._flush_scheduled = False
         self._stop_admitting = False
         self._ready: asyncio.Future[None] = loop.create_future()
+        self._last_heard = loop.time()
+        self._watchdog: asyncio.Task[None] | None = None
         self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._encoder = msgspec.msgpack.Encoder()
         threading.Thread(target=self._read, name=f"engine-reader-{spec.model_id}", daemon=True).start()
@@ -89,8 +95,12 @@ class EngineClient:
     @classmethod
     async def start(cls, spec: EngineSpec, *, on_status: Callable | None = None,
                     on_fatal: Callable | None = None, on_progress: Callable | None = None,
-                    timeout_secs: float | None = None) -> EngineClient:
-        """Spawn the engine process; return once its model is loaded (EngineError if not)."""
+                    timeout_secs: float | None = None,
+                    stall_secs: float = DEFAULT_STALL_SECS) -> EngineClient:
+        """Spawn the engine process; return once its model is loaded (EngineError if not).
+
+        With requests open, an engine that sends nothing for `stall_secs` is wedged (a
+        hung collective, a stuck device): it is killed and reported like a dead one."""
         loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
@@ -106,6 +116,7 @@ class EngineClient:
         except BaseException:
             await client.shutdown(timeout_secs=2.0)
             raise
+        client._watchdog = loop.create_task(client._watch(stall_secs))
         return client
 
     @property
@@ -123,6 +134,8 @@ class EngineClient:
         if req.req_id in self._streams:
             raise ValueError(f"req_id {req.req_id} is already streaming")
         updates: asyncio.Queue[messages.RequestUpdate] = asyncio.Queue()
+        if not self._streams:
+            self._last_heard = self._loop.time()  # an idle engine says nothing: start the clock
         self._streams[req.req_id] = updates
         self._pending_new.append(req)
         self._schedule_flush()
@@ -179,6 +192,8 @@ class EngineClient:
     async def shutdown(self, timeout_secs: float = 10.0) -> None:
         """Abort everything, let the process exit (killed after timeout_secs)."""
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self.alive:
             self._pending_shutdown = True
             self._schedule_flush()
@@ -239,7 +254,16 @@ class EngineClient:
         except RuntimeError:  # the loop is closed
             return False
 
+    async def _watch(self, stall_secs: float) -> None:
+        while self.alive:
+            await asyncio.sleep(min(stall_secs / 4, 1.0))
+            if self._streams and self._loop.time() - self._last_heard > stall_secs and self.alive:
+                self.process.kill()
+                self._died(f"the engine sent nothing for {stall_secs:g} s with requests open"
+                           " (wedged); it was killed")
+
     def _dispatch(self, msg: messages.FromEngine) -> None:
+        self._last_heard = self._loop.time()
         if msg.progress and self.on_progress is not None:
             self.on_progress(msg.progress)
         if msg.status is not None:

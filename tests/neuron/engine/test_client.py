@@ -234,3 +234,22 @@ def test_tensor_parallel_engine_process_matches_one_rank(tiny_model_dir):
         assert client.process.exitcode == 0
 
     asyncio.run(main())
+
+
+def test_wedged_engine_is_killed_and_reported():
+    fatal: list[str] = []
+
+    async def main() -> None:
+        # every step "hangs" for 30 s; the client gives up on it after 1 s of silence
+        client = await EngineClient.start(spec(fake_step_secs=30.0), on_fatal=fatal.append,
+                                          stall_secs=1.0)
+        started = time.monotonic()
+        tokens, last = await collect(client, m.NewRequest(req_id="w", prompt_token_ids=[1],
+                                                          max_tokens=5, sampling=GREEDY))
+        assert last.finished == m.FinishReason.ERROR and "wedged" in last.error
+        assert time.monotonic() - started < 10
+        assert fatal and "wedged" in fatal[0] and not client.alive
+        await client.shutdown(timeout_secs=2)
+        assert client.process.exitcode is not None
+
+    asyncio.run(main())
