@@ -50,7 +50,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     fake_runner: bool = False
     fake_vocab_size: int = 512
     fake_step_secs: float = 0.0  # sleep per step, to make timing observable
-    fake_eos_token_id: int | None = None
 
     @property
     def device(self) -> str:
