@@ -12,7 +12,14 @@ import logging
 import sys
 from typing import Any
 
+import msgspec
 import structlog
+
+_ENCODER = msgspec.json.Encoder(enc_hook=str)
+
+
+def _encode_json(obj: Any, **_: Any) -> str:
+    return _ENCODER.encode(obj).decode()
 
 
 def setup_logging(component: str, level: str = "info", stream: Any = None) -> structlog.BoundLogger:
@@ -23,7 +30,8 @@ def setup_logging(component: str, level: str = "info", stream: Any = None) -> st
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True, key="ts"),
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(sort_keys=False),
+            # msgspec encodes a line in about half of json.dumps' time.
+            structlog.processors.JSONRenderer(serializer=_encode_json),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)),
