@@ -84,8 +84,11 @@ class ModelRunner:
         self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
                                 tp_size=tp_size, progress=progress)
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
-        if self.device.type == "cpu" and os.environ.get("HELEXA_CPU_PACK", "1") != "0":
-            # oneDNN-blocked weights: decode batches run ~1.5-2x faster on CPU.
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        pack_max_mb = float(os.environ.get("HELEXA_CPU_PACK_MAX_MB", "2048"))
+        if self.device.type == "cpu" and weight_bytes <= pack_max_mb * 2**20:
+            # A second, oneDNN-blocked copy of each matmul weight: batched decode steps
+            # run ~1.4x faster on CPU. It doubles weight memory, hence the size cap.
             self.model.pack_for_cpu(batch_hint=max(1, min(max_num_seqs, 16)))
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers

@@ -152,7 +152,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(mod, ParallelLinearBase) and can_pack_for_cpu(mod.weight):
                 mod.pack_for_cpu(batch_hint)
                 n += 1
-        if not self.cfg.tie_word_embeddings and can_pack_for_cpu(self.lm_head.weight):
+        if can_pack_for_cpu(self.lm_head.weight):
             self.lm_head.pack_for_cpu(batch_hint)
             n += 1
         return n
