@@ -41,7 +41,8 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
             max_per_principal=a.max_per_principal or 0,
             anon_max_in_flight=a.anon_max_in_flight or 0, max_slots=a.max_slots or 0,
             max_batched_tokens=a.max_batched_tokens or 0,
-            kv_max_wait_secs=a.kv_max_wait_secs or 0.0))
+            kv_max_wait_secs=a.kv_max_wait_secs or 0.0,
+            default_output_tokens=a.default_output_tokens or 0))
     if r.limits is not None:
         m.limits.CopyFrom(pb.ModelLimits(context=r.limits.context, input=r.limits.input,
                                          output=r.limits.output))

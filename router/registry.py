@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 import structlog
-from helexa.router.selection import Candidate
+from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 from helexa.config import NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
@@ -243,7 +243,8 @@ class Registry:
                 neuron=link.name, kv_free_bytes=m.kv.free_bytes,
                 bytes_per_token=m.kv.bytes_per_token, block_size=m.kv.block_size or 16,
                 context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
-                pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine)))
+                pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
+                default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS))
         return out
 
     def note_send(self, neuron: str, model: str, kv_bytes: int) -> PendingSend:

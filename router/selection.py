@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 CHARS_PER_TOKEN = 4  # a rough average for English text with BPE vocabularies
 TOKENS_PER_MESSAGE = 8  # chat-template framing per turn
-DEFAULT_OUTPUT_TOKENS = 1024  # the neuron's kv.default_output_tokens default
+DEFAULT_OUTPUT_TOKENS = 1024  # kv.default_output_tokens's default, for a neuron that reports none
 TIE_MARGIN = 1  # requests of extra load a neuron may carry and still count as a near-tie
 
 
@@ -48,6 +48,7 @@ class Candidate:
     queued: int = 0
     pending_sends: int = 0
     pending_bytes: int = 0
+    default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # as the neuron reports it in Watch
 
     @property
     def load(self) -> int:
@@ -73,7 +74,7 @@ def estimate_prompt_tokens(prompt_chars: int, num_messages: int = 0,
 def reservation_bytes(c: Candidate, est: Estimate) -> int:
     """The KV the neuron will reserve for this request, in bytes, as the neuron computes it."""
     room = max(1, c.context - est.prompt_tokens)
-    output = est.max_tokens if est.max_tokens is not None else min(DEFAULT_OUTPUT_TOKENS, room)
+    output = est.max_tokens if est.max_tokens is not None else min(c.default_output_tokens, room)
     blocks = math.ceil((est.prompt_tokens + output) / max(1, c.block_size))
     return blocks * c.block_size * c.bytes_per_token
 

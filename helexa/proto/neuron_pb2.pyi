@@ -190,7 +190,7 @@ class KvLedger(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
 
 class AdmissionLimits(_message.Message):
-    __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs")
+    __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs", "default_output_tokens")
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_PER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class AdmissionLimits(_message.Message):
     MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_MAX_WAIT_SECS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_in_flight: int
     max_queue_depth: int
     max_per_principal: int
@@ -205,7 +206,8 @@ class AdmissionLimits(_message.Message):
     max_slots: int
     max_batched_tokens: int
     kv_max_wait_secs: float
-    def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ...) -> None: ...
+    default_output_tokens: int
+    def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ..., default_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
     __slots__ = ("context", "input", "output")

@@ -127,7 +127,7 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
 
 
 class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
-    """The pool in bytes per card: total = free + cached + reserved + used."""
+    """The pool in bytes per card: total = free + reserved + used (free includes cached)."""
 
     total_bytes: int
     free_bytes: int  # free + cached: what a new reservation may take

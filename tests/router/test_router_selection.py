@@ -39,6 +39,9 @@ def test_reservation_rounds_up_to_blocks_and_defaults_output_budget():
     assert reservation_bytes(c, Estimate(0, None)) == 1024 * BPT
     small = Candidate("s", 10**9, BPT, 16, context=100)
     assert reservation_bytes(small, Estimate(36, None)) == 112 * BPT
+    # A neuron that reports its own default budget in Watch is estimated with it.
+    short = cand("t", default_output_tokens=100)
+    assert reservation_bytes(short, Estimate(10, None)) == 112 * BPT
 
 
 def test_least_loaded_first_when_loads_differ_by_more_than_a_tie():

@@ -28,6 +28,7 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
         neuron_token: str) -> None:
     raised = copy.deepcopy(neuron_main_config)
     raised["admission"]["max_in_flight"] = 3
+    raised["kv"]["default_output_tokens"] = 77  # reload-safe, and reported so routers estimate with it
     raised["kv"]["block_size"] = 32  # load-time: reported as needing a restart, not applied
     loads_before = len(neuron_main.logs("model.loading"))
 
@@ -35,7 +36,8 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
         async with NeuronClient(neuron_main.address, neuron_token) as c:
             write_neuron_config(neuron_main.config_path, raised)
             neuron_main.signal(signal.SIGHUP)
-            await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 3)
+            await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 3
+                                and model_of(st).admission.default_output_tokens == 77)
             runs = [asyncio.ensure_future(c.generate(chat_request(
                 f"hup-{i}", principal=f"h{i}", max_tokens=150, ignore_eos=True)))
                 for i in range(5)]
