@@ -41,6 +41,9 @@ class AttentionMetadata:
     decode_slots: torch.Tensor | None = None  # [B * T] int64, rows padded to T
     decode_len: int = 0  # T
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, T] bool, None when no padding
+    # One decode row whose blocks are consecutive: its context is slots
+    # [decode_start, decode_start + T), read as a view instead of gathered.
+    decode_start: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -83,6 +86,16 @@ class PagedKV:
             kv_quant.write_quantized(self.v_data, self.v_scale, slot_mapping, v, self.kv_dtype)
         else:
             write_kv(self.k_slots, self.v_slots, slot_mapping, k, v)
+
+    def span(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of slots [start, start + length): views when plain (no copy)."""
+        if self.quantized:
+            return self.gather(torch.arange(start, start + length, device=self.k_data.device))
+        k = self.k_slots.narrow(0, start, length)
+        v = self.v_slots.narrow(0, start, length)
+        if k.dtype != self.compute:
+            k, v = k.to(self.compute), v.to(self.compute)
+        return k, v
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype."""
@@ -147,7 +160,10 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> t
     """
     b, heads, d = q.shape
     t = meta.decode_len
-    kc, vc = kv.gather(meta.decode_slots)  # [B*T, kvh, d]
+    if meta.decode_start is not None:
+        kc, vc = kv.span(meta.decode_start, t)  # [T, kvh, d]
+    else:
+        kc, vc = kv.gather(meta.decode_slots)  # [B*T, kvh, d]
     kvh = kc.shape[1]
     o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d),
                                        kc.view(b, t, kvh, d).transpose(1, 2),

@@ -215,24 +215,31 @@ class ModelRunner:
 
     def _decode_plan(self, meta: AttentionMetadata, rows: list[SeqInput],
                      pos_list: list[int]) -> torch.Tensor:
-        """Gather indices [B*T] and padding mask for the decode rows; returns their write slots."""
+        """How decode rows read their context — a view of one row's consecutive blocks, else
+        gather indices [B*T] with a padding mask — and the slots their new tokens go to."""
         bs = self.block_size
         b = len(rows)
         t = max(pos_list) + 1
         nblk = -(-t // bs)
-        table = torch.zeros(b, nblk, dtype=torch.long)
-        for r, s in enumerate(rows):
-            need = s.num_computed + 1
-            if len(s.block_table) * bs < need:
-                raise ValueError(
-                    f"block table of {len(s.block_table)} blocks × {bs} cannot hold {need} tokens")
-            used = -(-need // bs)
-            table[r, :used] = torch.tensor(s.block_table[:used], dtype=torch.long)
-        ar = torch.arange(t)
-        slots = table[:, ar // bs] * bs + ar % bs  # [B, T]; padding points at slot 0..bs-1
-        pos = torch.tensor(pos_list, dtype=torch.long)
-        meta.decode_slots = slots.reshape(-1).to(self.device)
+        tables, write = [], []
+        for s, pos in zip(rows, pos_list, strict=True):
+            used = pos // bs + 1
+            if len(s.block_table) < used:
+                raise ValueError(f"block table of {len(s.block_table)} blocks × {bs} cannot "
+                                 f"hold {pos + 1} tokens")
+            blocks = s.block_table[:used]
+            write.append(blocks[-1] * bs + pos % bs)
+            tables.append(blocks + [0] * (nblk - used))
         meta.decode_len = t
-        if b > 1 and min(pos_list) != t - 1:
+        if b == 1:
+            first = tables[0][0]
+            if tables[0] == list(range(first, first + nblk)):  # the usual case: a reservation
+                meta.decode_start = first * bs  # is drawn in order, so no gather is needed
+                return torch.tensor(write)
+        ar = torch.arange(t)
+        table = torch.tensor(tables, dtype=torch.long)
+        meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).view(-1).to(self.device)
+        if b > 1 and min(pos_list) != t - 1:  # rows shorter than the longest are padded
+            pos = torch.tensor(pos_list, dtype=torch.long)
             meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
-        return slots[torch.arange(b), pos]
+        return torch.tensor(write)

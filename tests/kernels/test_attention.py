@@ -95,3 +95,11 @@ def test_quantised_pool_matches_reference_over_what_it_stores(kv_dtype):
     torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
                                paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
     assert kv.nbytes < 2 * 64 * BLOCK * 2 * 32 * 4 / 2  # well under an fp32 pool
+
+
+def test_single_row_over_consecutive_blocks_reads_a_view():
+    seqs = [(10, 1, [4, 5, 6])]
+    q, k, v, kv, kc, vc, meta = build_step(seqs, 8, 2, 32)
+    meta.decode_slots, meta.decode_mask, meta.decode_start = None, None, 4 * BLOCK
+    torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
+                               paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
