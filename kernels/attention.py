@@ -29,6 +29,9 @@ class PrefillChunk:
     # Slots of the whole context (cached + this chunk), or None when there is no
     # cached context: the chunk then attends to its own fresh K/V, causally.
     context_slots: torch.Tensor | None = None
+    # Or, when the context's blocks are consecutive, its slots [context_start, +context_len).
+    context_start: int | None = None
+    context_len: int = 0
     mask: torch.Tensor | None = None  # [n, T] bool, True = may attend
 
 
@@ -138,13 +141,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
         out[: meta.num_decode] = decode_attention(q[: meta.num_decode], kv, meta)
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
-        if chunk.context_slots is None:
+        if chunk.context_slots is None and chunk.context_start is None:
             kc = k[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
                                                enable_gqa=heads != kvh)
         else:
-            kc, vc = kv.gather(chunk.context_slots)  # [T, kvh, d]
+            kc, vc = (kv.gather(chunk.context_slots) if chunk.context_start is None
+                      else kv.span(chunk.context_start, chunk.context_len))  # [T, kvh, d]
             o = F.scaled_dot_product_attention(qc, kc.transpose(0, 1).unsqueeze(0),
                                                vc.transpose(0, 1).unsqueeze(0),
                                                attn_mask=chunk.mask, enable_gqa=heads != kvh)

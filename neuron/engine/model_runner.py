@@ -94,6 +94,8 @@ class ModelRunner:
         self._attn = self.model.attention_layers
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
+        self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
+        self._no_slots = torch.empty(0, dtype=torch.long, device=self.device)
         self._reset_own_kv(num_blocks, kv_dtype)
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
@@ -157,64 +159,63 @@ class ModelRunner:
         return self._tp.pids if self._tp is not None else []
 
     def _prepare(self, seqs: list[SeqInput]):
-        dev = self.device
+        """Lay the step out flat (decode rows first) and build, once, every index the layers
+        use. Token ids, positions, write slots and logits rows reach the device as one
+        tensor (one copy, from a preallocated pinned buffer on CUDA)."""
+        bs, dev = self.block_size, self.device
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        prefill = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
-        flat_row: dict[int, int] = {}  # seq index -> flat row of its last new token
-        ids: list[int] = []
-        pos_list: list[int] = []
-        for row, i in enumerate(decode):
-            s = seqs[i]
-            ids.append(s.token_ids[0])
-            pos_list.append(s.num_computed)
-            flat_row[i] = row
-        meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode=len(decode))
-        slot_parts: list[torch.Tensor] = []
-        max_pos = 0
-        if decode:
-            slot_parts.append(self._decode_plan(meta, [seqs[i] for i in decode], pos_list))
-            max_pos = max(pos_list)
-        start = len(decode)
-        pos_parts = [torch.tensor(pos_list, dtype=torch.long)] if decode else []
-        for i in prefill:
-            s = seqs[i]
+        meta = AttentionMetadata(slot_mapping=self._no_slots, num_decode=len(decode))
+        ids = [seqs[i].token_ids[0] for i in decode]
+        positions = [seqs[i].num_computed for i in decode]
+        slots = self._decode_plan(meta, [seqs[i] for i in decode], positions) if decode else []
+        last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
+        for i, s in enumerate(seqs):
             n, c = len(s.token_ids), s.num_computed
+            if n == 1:
+                continue
             if n == 0:
                 raise ValueError("SeqInput with no tokens")
+            table = _checked_table(s.block_table, c + n, bs)
+            start = len(ids)
             ids.extend(s.token_ids)
-            ctx = torch.arange(c + n)
-            slots = self._slots(s.block_table, ctx, c + n)
+            positions.extend(range(c, c + n))
+            slots.extend(_token_slots(table, c, c + n, bs))
             chunk = PrefillChunk(start=start, end=start + n)
-            if c > 0:
-                q_pos = ctx[c:]
-                chunk.context_slots = slots.to(dev)
-                chunk.mask = (ctx[None, :] <= q_pos[:, None]).to(dev)
-            slot_parts.append(slots[c:])
-            pos_parts.append(ctx[c:])
+            if c > 0:  # attends over cached context too: a view when its blocks are consecutive
+                blocks = table[: (c + n - 1) // bs + 1]
+                if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+                    chunk.context_start = blocks[0] * bs
+                    chunk.context_len = c + n
+                else:
+                    chunk.context_slots = torch.tensor(_token_slots(table, 0, c + n, bs),
+                                                       device=dev)
+                ctx = torch.arange(c + n, device=dev)
+                chunk.mask = ctx[None, :] <= ctx[c:, None]
             meta.prefills.append(chunk)
-            start += n
-            flat_row[i] = start - 1
-            max_pos = max(max_pos, c + n - 1)
-        self.model.rotary.ensure(max_pos + 1)
-        meta.slot_mapping = torch.cat(slot_parts).to(dev)
-        positions = torch.cat(pos_parts).to(dev)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        want = [flat_row[i] for i, s in enumerate(seqs) if s.need_logits]
+            last_row[i] = start + n - 1
+        n_tok = len(ids)
+        want = [last_row[i] for i, s in enumerate(seqs) if s.need_logits]
+        flat = self._to_device(ids + positions + slots + want)
+        meta.slot_mapping = flat[2 * n_tok : 3 * n_tok]
+        self.model.rotary.ensure(max(positions) + 1)
         # All rows in order (pure decode where every row wants logits): skip the gather.
-        logits_rows = None if want == list(range(len(ids))) else torch.tensor(want, dtype=torch.long, device=dev)
-        return input_ids, positions, meta, logits_rows
+        logits_rows = None if want == list(range(n_tok)) else flat[3 * n_tok :]
+        return flat[:n_tok], flat[n_tok : 2 * n_tok], meta, logits_rows
 
-    def _slots(self, block_table: list[int], token_pos: torch.Tensor, needed: int) -> torch.Tensor:
-        """Flat cache slots of the given token positions of one sequence."""
-        bs = self.block_size
-        if len(block_table) * bs < needed:
-            raise ValueError(
-                f"block table of {len(block_table)} blocks × {bs} cannot hold {needed} tokens")
-        table = torch.tensor(block_table, dtype=torch.long)
-        return table[token_pos // bs] * bs + token_pos % bs
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        # Safe to reuse the staging buffer: every step ends in a sync (logits to the sampler).
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4 * self.max_batched_tokens),
+                                        dtype=torch.long).pin_memory()
+        staged = self._staging[: host.numel()]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
 
     def _decode_plan(self, meta: AttentionMetadata, rows: list[SeqInput],
-                     pos_list: list[int]) -> torch.Tensor:
+                     pos_list: list[int]) -> list[int]:
         """How decode rows read their context — a view of one row's consecutive blocks, else
         gather indices [B*T] with a padding mask — and the slots their new tokens go to."""
         bs = self.block_size
@@ -235,11 +236,31 @@ class ModelRunner:
             first = tables[0][0]
             if tables[0] == list(range(first, first + nblk)):  # the usual case: a reservation
                 meta.decode_start = first * bs  # is drawn in order, so no gather is needed
-                return torch.tensor(write)
+                return write
         ar = torch.arange(t)
         table = torch.tensor(tables, dtype=torch.long)
         meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).view(-1).to(self.device)
         if b > 1 and min(pos_list) != t - 1:  # rows shorter than the longest are padded
             pos = torch.tensor(pos_list, dtype=torch.long)
             meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
-        return torch.tensor(write)
+        return write
+
+
+def _checked_table(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    if len(block_table) * block_size < num_tokens:
+        raise ValueError(f"block table of {len(block_table)} blocks × {block_size} cannot hold "
+                         f"{num_tokens} tokens")
+    return block_table
+
+
+def _token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        base = table[block] * block_size + offset
+        out.extend(range(base, base + take))
+        pos += take
+    return out

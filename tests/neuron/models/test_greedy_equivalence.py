@@ -118,10 +118,13 @@ def test_batched_with_seven_others_of_different_lengths(tiny_checkpoint, greedy_
         greedy_reference(model_dir, prompt, ours)
 
 
-def test_chunked_prefill_smaller_than_prompt(tiny_checkpoint, greedy_reference, prompt_picker):
+@pytest.mark.parametrize("shuffle", [3, None])  # scattered blocks (gathered) or consecutive (views)
+def test_chunked_prefill_smaller_than_prompt(tiny_checkpoint, greedy_reference, prompt_picker,
+                                             shuffle):
     model_dir = tiny_checkpoint("llama")
-    prompts = [prompt_picker(model_dir, 20, 45), prompt_picker(model_dir, 21, 12), prompt_picker(model_dir, 22, 30)]
+    prompts = [prompt_picker(model_dir, 20, 45), prompt_picker(model_dir, 21, 12),
+               prompt_picker(model_dir, 22, 30)]
     outs = greedy_generate(make_runner(model_dir), prompts, NEW_TOKENS, prefill_chunk=7,
-                           shuffle_seed=3)
+                           shuffle_seed=shuffle)
     for prompt, ours in zip(prompts, outs, strict=True):
         greedy_reference(model_dir, prompt, ours)
