@@ -268,14 +268,82 @@ SCHEMAS: dict[str, type[msgspec.Struct]] = {
 }
 
 
-def _format_error(path: Path, err: msgspec.ValidationError) -> str:
+_PRIMITIVES = {msgspec.inspect.StrType: str, msgspec.inspect.IntType: int,
+               msgspec.inspect.FloatType: float, msgspec.inspect.BoolType: bool}
+
+
+def _unwrap(info: Any) -> Any:
+    """Strip Metadata and the None arm of an optional type."""
+    while True:
+        if isinstance(info, msgspec.inspect.Metadata):
+            info = info.type
+        elif isinstance(info, msgspec.inspect.UnionType):
+            rest = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
+            if len(rest) != 1:
+                return info
+            info = rest[0]
+        else:
+            return info
+
+
+def _locate(raw: Any, schema: type, where: str) -> tuple[str, Any]:
+    """Name the table keys msgspec shows as `[...]`, and return the type at `where`.
+
+    msgspec reports an error inside a dict as `profiles[...]`; walking the raw
+    data finds the entry that fails, so the message says `profiles.batch`.
+    """
+    info: Any = msgspec.inspect.type_info(schema)
+    node, out = raw, []
+    for name, index in re.findall(r"\.?([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]", where):
+        info = _unwrap(info)
+        if name:
+            out.append(f".{name}" if out else name)
+            field = next((f for f in getattr(info, "fields", ()) if f.name == name), None)
+            info = field.type if field else None
+            node = node.get(name) if isinstance(node, dict) else None
+        elif index == "...":
+            value_type = info.value_type if isinstance(info, msgspec.inspect.DictType) else None
+            key = _failing_key(node, _unwrap(value_type))
+            out.append(f".{key}" if key is not None else "[...]")
+            node = node.get(key) if isinstance(node, dict) and key is not None else None
+            info = value_type
+        else:
+            out.append(f"[{index}]")
+            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else None
+            node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
+    return "".join(out), _unwrap(info)
+
+
+def _failing_key(table: Any, value_type: Any) -> str | None:
+    """The first key of `table` whose value does not convert to `value_type`."""
+    if not isinstance(table, dict):
+        return None
+    target = getattr(value_type, "cls", None) or _PRIMITIVES.get(type(value_type))
+    if target is None:
+        return None
+    for key, value in table.items():
+        try:
+            msgspec.convert(value, target, strict=True)
+        except (msgspec.ValidationError, TypeError, ValueError):
+            return str(key)
+    return None
+
+
+def _format_error(path: Path, err: msgspec.ValidationError, raw: Any = None,
+                  schema: type | None = None) -> str:
     """`Expected `int`, got `str` - at `$.a.b`` → `file: a.b: expected int, got str`."""
     msg = str(err)
     where = ""
     if " - at `$" in msg:
         msg, _, where = msg.rpartition(" - at `$")
         where = where.rstrip("`").lstrip(".")
-    msg = msg.replace("`", "")
+    info = None
+    if schema is not None:
+        where, info = _locate(raw, schema, where)
+    if msg.startswith("Invalid enum value ") and isinstance(info, msgspec.inspect.LiteralType):
+        choices = ", ".join(str(v) for v in info.values)
+        msg = f"expected one of {choices}, got {msg.removeprefix('Invalid enum value ')}"
+    msg = msg.replace("`", "").replace(" | null", "")  # TOML has no null: an unset key is None
     own = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", msg)  # raised by a __post_init__
     if own:
         where = f"{where}.{own.group(1)}" if where else own.group(1)
@@ -305,7 +373,7 @@ def load_config(path: str | Path, schema: type[T]) -> T:
     try:
         return msgspec.convert(raw, schema, strict=True)
     except msgspec.ValidationError as e:
-        raise ConfigError(_format_error(path, e)) from None
+        raise ConfigError(_format_error(path, e, raw, schema)) from None
 
 
 def detect_kind(path: str | Path) -> str:
