@@ -155,6 +155,12 @@ class ModelRunner:
             leave_group()
 
     @property
+    def failed(self) -> str:
+        """Why this runner can no longer step ("" while healthy): a tensor-parallel rank
+        died or a collective failed. Every later execute raises TpError; restart the model."""
+        return self._tp.failed if self._tp is not None else ""
+
+    @property
     def tp_pids(self) -> list[int]:
         return self._tp.pids if self._tp is not None else []
 

@@ -79,6 +79,7 @@ def test_killed_rank_fails_cleanly_then_reload_works(tiny_checkpoint):
         two.execute([SeqInput([5], 21, [0, 1, 2], True)])
     with pytest.raises(TpError):  # stays failed: the engine must restart the model
         two.execute(step)
+    assert "rank 1" in two.failed
     two.close()
     again = runner(model_dir, 2)
     try:
