@@ -29,6 +29,7 @@ from pathlib import Path
 import tomli_w
 
 TINY_NAME = "tiny-qwen3"
+TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
 ALIASES = ("helexa/balanced", "helexa/fast")
 
 
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder)",
                   file=sys.stderr)
             return 2
-    model_id = args.model_id or (TINY_NAME if args.model is None else model_dir.name)
+    model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.name)
     run = args.run_dir or Path(tempfile.mkdtemp(prefix="helexa-up-"))
     run.mkdir(parents=True, exist_ok=True)
     neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port,

@@ -32,6 +32,7 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
                 break
         text = "".join(out)
         assert "HELEXA UP http://127.0.0.1:" in text, text
+        assert " model helexa/tiny-qwen3 " in text  # the id local.toml and models.toml use
         assert (tmp_path / "cache" / "tiny-qwen3" / "config.json").exists()
         if shutil.which("curl"):
             curl = re.search(r"^  (curl .*?)\n\n", text, re.S | re.M).group(1)
