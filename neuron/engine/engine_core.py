@@ -24,7 +24,6 @@ requests of that step (their blocks return) and the engine goes on.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,10 @@ import msgspec
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+from helexa.neuron.engine.fake_runner import FakeRunner
+from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
+from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, full_limits, merge_limits
 
@@ -46,8 +48,7 @@ class EngineCore:
         self.spec = spec
         self.limits = full_limits(spec.limits)
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
-        self.sampler, self._make_sampling_state = make_sampler(sampler)
-        self._seq_input = seq_input_type()
+        self.sampler = sampler or Sampler()
         self.pool = BlockPool(spec.num_blocks, spec.block_size, spec.bytes_per_block)
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
                                    clock=clock, wall_clock=wall_clock)
@@ -197,7 +198,9 @@ class EngineCore:
         if refusal is not None:
             self._refuse(req, refusal)
             return
-        req.sampling_state = self._make_sampling_state(req)
+        # shares the request's output list: the sampler sees every appended token
+        req.sampling_state = SamplingState.for_request(req.sampling, req.prompt_token_ids,
+                                                       req.output_token_ids)
         self.requests[req.req_id] = req
 
     def status(self) -> messages.EngineStatus:
@@ -231,7 +234,7 @@ class EngineCore:
                 while len(req.block_table) < need:
                     req.block_table.append(self.pool.draw(req.req_id))
                 need_logits = end == req.num_tokens
-                seqs.append(self._seq_input(token_ids=req.token_slice(start, end), num_computed=start,
+                seqs.append(SeqInput(token_ids=req.token_slice(start, end), num_computed=start,
                                             block_table=req.block_table, need_logits=need_logits))
                 if need_logits:
                     sampled.append(req)
@@ -334,102 +337,15 @@ class EngineCore:
         return upd
 
 
-# --- seams: the model runner and the sampler -----------------------------------
-# The real ModelRunner and Sampler live in model_runner.py and sampler.py; the
-# engine reaches them through these few functions so that tests (and the
-# serving path's benchmarks) can run on a deterministic stand-in.
-
-
-@dataclass
-class _SeqInput:
-    """Same fields as model_runner.SeqInput, for when only the fake runner is used."""
-
-    token_ids: list[int]
-    num_computed: int
-    block_table: list[int]
-    need_logits: bool
-
-
-def seq_input_type() -> Any:
-    try:
-        from helexa.neuron.engine.model_runner import SeqInput
-    except ImportError:
-        return _SeqInput
-    return SeqInput
-
-
 def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = None) -> Any:
+    """The model runner a spec asks for: the real one, or the fake for tests and benchmarks."""
     if spec.fake_runner:
         return FakeRunner(spec.fake_vocab_size, spec.num_blocks, spec.block_size,
                           step_secs=spec.fake_step_secs)
-    from helexa.neuron.engine.model_runner import ModelRunner
+    from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
                        max_batched_tokens=limits.max_batched_tokens, progress=progress,
                        tp_size=spec.tp,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)
-
-
-def make_sampler(sampler: Any = None) -> tuple[Any, Any]:
-    """(sampler(logits, states) -> [(token, logprob)], make_state(request) -> state)."""
-    try:
-        from helexa.neuron.engine.sampler import Sampler, SamplingState
-    except ImportError:  # greedy until the sampler lands
-        def greedy(logits: Any, states: list[Any]) -> list[tuple[int, None]]:
-            return [(int(t), None) for t in logits.argmax(dim=-1).tolist()]
-        return sampler or greedy, lambda req: None
-
-    def make_state(req: Request) -> Any:
-        # shares the request's output list: the sampler sees every appended token
-        return SamplingState.for_request(req.sampling, req.prompt_token_ids, req.output_token_ids)
-    return sampler or Sampler(), make_state
-
-
-def fake_next_token(context: list[int], vocab_size: int) -> int:
-    """The fake model: one past the last token, nudged by a hash of the whole context,
-    so that a wrong block table (any misplaced token) changes what comes next."""
-    return (context[-1] + 1 + hash(tuple(context)) % 3) % vocab_size
-
-
-class FakeRunner:
-    """A ModelRunner stand-in: token ids stored in a paged "KV cache", read back
-    through the block tables, and logits peaked at fake_next_token(context)."""
-
-    def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *,
-                 step_secs: float = 0.0) -> None:
-        import torch
-        self.torch = torch
-        self.vocab_size = vocab_size
-        self.block_size = block_size
-        self.step_secs = step_secs
-        self.kv = [[-1] * block_size for _ in range(num_blocks)]
-        self.kv_dtype = "auto"
-        self.num_steps = 0
-
-    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
-        self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
-        self.kv_dtype = kv_dtype
-
-    def execute(self, seqs: list[Any]) -> Any:
-        torch, bs = self.torch, self.block_size
-        rows: list[int] = []
-        for seq in seqs:
-            end = seq.num_computed + len(seq.token_ids)
-            if len(seq.block_table) * bs < end:
-                raise RuntimeError(f"block table of {len(seq.block_table)} blocks for {end} tokens")
-            table = seq.block_table
-            for pos, token in enumerate(seq.token_ids, start=seq.num_computed):
-                self.kv[table[pos // bs]][pos % bs] = token
-            if seq.need_logits:
-                context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
-                rows.append(fake_next_token(context, self.vocab_size))
-        if self.step_secs:
-            time.sleep(self.step_secs)
-        self.num_steps += 1
-        # logits fall off with the (circular) distance from the chosen token
-        ids = torch.arange(self.vocab_size)
-        target = torch.tensor(rows, dtype=torch.long).unsqueeze(1)
-        dist = (ids.unsqueeze(0) - target).remainder(self.vocab_size)
-        dist = torch.minimum(dist, self.vocab_size - dist)
-        return -dist.to(torch.float32)

@@ -12,7 +12,7 @@ import time
 import pytest
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
-from helexa.neuron.engine.engine_core import fake_next_token
+from helexa.neuron.engine.fake_runner import fake_next_token
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 64

@@ -7,7 +7,8 @@ import random
 
 import pytest
 from helexa.neuron.engine import messages as m
-from helexa.neuron.engine.engine_core import EngineCore, FakeRunner, fake_next_token
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.fake_runner import FakeRunner, fake_next_token
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 100

@@ -1,0 +1,59 @@
+"""A deterministic stand-in for ModelRunner, for tests and the serving path's benchmarks.
+
+Token ids are stored in a paged "KV cache" and read back through the block
+tables, so a wrong block table (any misplaced token) changes the output.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+
+def fake_next_token(context: list[int], vocab_size: int) -> int:
+    """The fake model: one past the last token, nudged by a hash of the whole context,
+    so that a wrong block table (any misplaced token) changes what comes next."""
+    return (context[-1] + 1 + hash(tuple(context)) % 3) % vocab_size
+
+
+class FakeRunner:
+    """A ModelRunner stand-in: token ids stored in a paged "KV cache", read back
+    through the block tables, and logits peaked at fake_next_token(context)."""
+
+    def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *,
+                 step_secs: float = 0.0) -> None:
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.step_secs = step_secs
+        self.kv = [[-1] * block_size for _ in range(num_blocks)]
+        self.kv_dtype = "auto"
+        self.num_steps = 0
+
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
+        self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
+        self.kv_dtype = kv_dtype
+
+    def execute(self, seqs: list[Any]) -> Any:
+        bs = self.block_size
+        rows: list[int] = []
+        for seq in seqs:
+            end = seq.num_computed + len(seq.token_ids)
+            if len(seq.block_table) * bs < end:
+                raise RuntimeError(f"block table of {len(seq.block_table)} blocks for {end} tokens")
+            table = seq.block_table
+            for pos, token in enumerate(seq.token_ids, start=seq.num_computed):
+                self.kv[table[pos // bs]][pos % bs] = token
+            if seq.need_logits:
+                context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
+                rows.append(fake_next_token(context, self.vocab_size))
+        if self.step_secs:
+            time.sleep(self.step_secs)
+        self.num_steps += 1
+        # logits fall off with the (circular) distance from the chosen token
+        ids = torch.arange(self.vocab_size)
+        target = torch.tensor(rows, dtype=torch.long).unsqueeze(1)
+        dist = (ids.unsqueeze(0) - target).remainder(self.vocab_size)
+        dist = torch.minimum(dist, self.vocab_size - dist)
+        return -dist.to(torch.float32)
