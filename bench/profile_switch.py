@@ -1,7 +1,7 @@
 """A kv_dtype profile switch against loading the model, through a real neuron daemon.
 
-    .venv/bin/python bench/profile.py [--model DIR] [--kv-budget-mb 256] [--repeats 3]
-                                      [--kv-dtype int8]
+    .venv/bin/python bench/profile_switch.py [--model DIR] [--kv-budget-mb 256] [--repeats 3]
+                                             [--kv-dtype int8]
 
 Starts `helexa neuron` on loopback with one model and a profile whose only
 setting is a kv_dtype, then, interleaved in every repeat:
@@ -22,6 +22,10 @@ shape faults in fresh pages (~0.2 s for 256 MiB here); returning to the
 base dtype reuses pages the allocator already holds. Without --model it builds (once, cached) bench/engine.py's
 checkpoint: init-tiny qwen3, hidden 512, 8 layers, vocab 8192 (~30M
 parameters, fp32). Benchmarks print figures; they assert nothing.
+
+(Issue 7 calls this bench/profile.py; a bench/profile.py shadows the standard
+library's `profile` for every script run from bench/, which breaks cProfile
+and so transformers' imports in bench/engine.py.)
 """
 
 from __future__ import annotations
