@@ -83,11 +83,13 @@ def test_reset_kv_changes_pool_and_keeps_weights(tiny_model_dir, hf_logits):
     torch.testing.assert_close(out[0], hf_logits(p)[-1], atol=5e-2, rtol=5e-2)
 
 
-def test_bf16_weights_load_and_decode(tiny_model_dir, hf_logits):
+@pytest.mark.parametrize(("dtype", "torch_dtype", "kv"), [("bfloat16", torch.bfloat16, "bf16"),
+                                                         ("fp16", torch.float16, "fp16")])
+def test_half_weights_load_and_decode(tiny_model_dir, hf_logits, dtype, torch_dtype, kv):
     progress: list[tuple[int, int]] = []
-    r = ModelRunner(tiny_model_dir, dtype="bfloat16", num_blocks=8, block_size=4, max_num_seqs=1,
+    r = ModelRunner(tiny_model_dir, dtype=dtype, num_blocks=8, block_size=4, max_num_seqs=1,
                     max_batched_tokens=64, progress=lambda done, total: progress.append((done, total)))
-    assert r.dtype == torch.bfloat16 and r.kv_dtype == "bf16"
+    assert r.dtype == torch_dtype and r.kv_dtype == kv
     assert progress and progress[-1][0] == progress[-1][1]
     assert [d for d, _ in progress] == sorted(d for d, _ in progress)
     p = seq(8, 6)
