@@ -80,6 +80,10 @@ class PagedKV:
             self.v_cache = torch.zeros(shape, dtype=storage, device=device)
             self.k_slots = self.k_cache.view(-1, kv_heads, head_dim)
             self.v_slots = self.v_cache.view(-1, kv_heads, head_dim)
+            # [1, kv_heads, num_slots, head_dim] views: a run of slots is one narrow away
+            # from the layout SDPA takes.
+            self.k_heads = self.k_slots.unsqueeze(0).transpose(1, 2)
+            self.v_heads = self.v_slots.unsqueeze(0).transpose(1, 2)
             self.nbytes = 2 * self.k_cache.nbytes
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -99,6 +103,13 @@ class PagedKV:
         if k.dtype != self.compute:
             k, v = k.to(self.compute), v.to(self.compute)
         return k, v
+
+    def span_heads(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As span, shaped [1, kv_heads, length, head_dim] for SDPA."""
+        if self.quantized or self.k_cache.dtype != self.compute:
+            k, v = self.span(start, length)
+            return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        return self.k_heads.narrow(2, start, length), self.v_heads.narrow(2, start, length)
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype."""
@@ -164,14 +175,14 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> t
     """
     b, heads, d = q.shape
     t = meta.decode_len
-    if meta.decode_start is not None:
-        kc, vc = kv.span(meta.decode_start, t)  # [T, kvh, d]
+    if meta.decode_start is not None:  # one row, consecutive blocks: views, no copy
+        kc, vc = kv.span_heads(meta.decode_start, t)  # [1, kvh, T, d]
     else:
         kc, vc = kv.gather(meta.decode_slots)  # [B*T, kvh, d]
+        kc = kc.view(b, t, -1, d).transpose(1, 2)
+        vc = vc.view(b, t, -1, d).transpose(1, 2)
     kvh = kc.shape[1]
-    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d),
-                                       kc.view(b, t, kvh, d).transpose(1, 2),
-                                       vc.view(b, t, kvh, d).transpose(1, 2),
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc, vc,
                                        attn_mask=meta.decode_mask)
     return o.view(b, heads, d)
 

@@ -59,11 +59,10 @@ class Attention(HotModule):
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split([h + kvh, kvh], dim=1)
+        qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split_with_sizes([h + kvh, kvh], 1)
         if self._qk_norm_weight is not None:  # q and k heads normed in one go
             qk = rms_norm(qk, self._qk_norm_weight, self.eps)
-        qk = apply_rotary(qk, cos, sin)  # [n, h + kvh, d]
-        q, k = qk[:, :h], qk[:, h:]
+        q, k = apply_rotary(qk, cos, sin).split_with_sizes([h, kvh], 1)  # q and k rotated at once
         self.kv.write(meta.slot_mapping, k, v)
         o = paged_attention(q, k, v, self.kv, meta)
         return self.o_proj(o.reshape(n, h * d))
