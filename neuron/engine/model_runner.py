@@ -76,7 +76,7 @@ class ModelRunner:
                 max_batched_tokens, devices or [device] * tp_size)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
-            weakref.finalize(self, self._tp.close)
+            self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -151,8 +151,7 @@ class ModelRunner:
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
         if self._tp is not None:
-            self._tp.close()
-            leave_group()
+            self._finalizer()  # runs once, here or at garbage collection / exit
 
     @property
     def failed(self) -> str:
@@ -250,6 +249,11 @@ class ModelRunner:
             pos = torch.tensor(pos_list, dtype=torch.long)
             meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
         return write
+
+
+def _shutdown_tp(tp: TpWorkers) -> None:
+    tp.close()
+    leave_group()
 
 
 def _checked_table(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:

@@ -116,6 +116,8 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
+    if dist.is_initialized():  # a failed model's group, never closed: one model per process
+        dist.destroy_process_group()
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=timeout_secs))
 
