@@ -130,6 +130,9 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
             last_status, last_status_at = key, now
         if inbound is not None and inbound.shutdown:
             return
+        broken = getattr(core.runner, "failed", "")
+        if broken:  # a tensor-parallel rank died or wedged: no later step can succeed
+            raise EngineGaveUp(f"tensor-parallel runner failed: {broken}")
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineGaveUp(f"{core.consecutive_failed_steps} steps failed in a row;"
                                f" the last: {core.last_error}")

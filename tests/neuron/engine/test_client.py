@@ -253,3 +253,44 @@ def test_wedged_engine_is_killed_and_reported():
         assert client.process.exitcode is not None
 
     asyncio.run(main())
+
+
+def _rank_pids(engine_pid: int) -> list[int]:
+    """The engine process's spawned children that run a tensor-parallel rank
+    (not multiprocessing's resource tracker)."""
+    with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as f:
+        children = [int(p) for p in f.read().split()]
+    out = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(pid)
+    return out
+
+
+def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
+    """tp = 2: killing rank 1 fails the request in the step that finds it with an error,
+    and the engine goes down at once (on_fatal), rather than failing step after step."""
+    fatal: list[str] = []
+
+    async def main() -> None:
+        client = await EngineClient.start(
+            EngineSpec(model_id="tiny", model_dir=str(tiny_model_dir), num_blocks=64,
+                       block_size=16, context=512, tp=2, devices=["cpu"] * 2, torch_threads=1),
+            on_fatal=fatal.append)
+        try:
+            [rank] = _rank_pids(client.pid)
+            os.kill(rank, signal.SIGKILL)
+            tokens, last = await collect(client, m.NewRequest(
+                req_id="r", prompt_token_ids=list(range(3, 20)), max_tokens=8, sampling=GREEDY))
+            assert last.finished == m.FinishReason.ERROR and tokens == []
+            for _ in range(100):
+                if fatal:
+                    break
+                await asyncio.sleep(0.1)
+            assert fatal and "tensor-parallel" in fatal[0] and "rank 1" in fatal[0]
+        finally:
+            await client.shutdown(timeout_secs=10)
+        assert not client.alive
+
+    asyncio.run(main())
