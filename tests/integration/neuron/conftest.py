@@ -108,3 +108,10 @@ def neuron_tight(start_daemon: Callable[..., NeuronProcess], fat_kv_model_dir: P
 @pytest.fixture(scope="session")
 def neuron_token() -> str:
     return TOKEN
+
+
+@pytest.fixture(scope="session")
+def base_neuron_config() -> Callable[..., dict[str, Any]]:
+    """`_base(name, model_dir, **sections)`: the shared daemon settings, for tests that
+    start a daemon of their own."""
+    return _base
