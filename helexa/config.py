@@ -361,15 +361,20 @@ def _format_error(path: Path, err: msgspec.ValidationError, raw: Any = None,
     return f"{path}: {where or '(top level)'}: {msg}"
 
 
-def load_config(path: str | Path, schema: type[T]) -> T:
-    """Parse and validate one TOML file; raises ConfigError with one clear line."""
-    path = Path(path)
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file as plain data; ConfigError (`file: (syntax): …`) when it cannot be read."""
     try:
-        raw = tomllib.loads(path.read_text())
+        return tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ConfigError(f"{path}: (file): no such file") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: (syntax): {e}") from None
+
+
+def load_config(path: str | Path, schema: type[T]) -> T:
+    """Parse and validate one TOML file; raises ConfigError with one clear line."""
+    path = Path(path)
+    raw = read_toml(path)
     try:
         return msgspec.convert(raw, schema, strict=True)
     except msgspec.ValidationError as e:

@@ -24,12 +24,11 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
-import tomllib
 from pathlib import Path
 
 from helexa.router.errors import ApiError
 
-from helexa.config import ConfigError
+from helexa.config import ConfigError, read_toml
 
 ANONYMOUS = "anonymous"
 _PRINCIPAL = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
@@ -43,12 +42,7 @@ def hash_key(key: str) -> str:
 def load_keys_file(path: str | Path) -> dict[str, str]:
     """Parse a keys file into {sha256 hex: principal}; ConfigError names the bad line."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: (file): no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: (syntax): {e}") from None
+    raw = read_toml(path)
     extra = set(raw) - {"keys"}
     if extra:
         raise ConfigError(f"{path}: {sorted(extra)[0]}: unknown key; expected only [keys]")
