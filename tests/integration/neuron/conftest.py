@@ -20,6 +20,9 @@ import pytest
 from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
 
 TOKEN = "integration-token"
+# Short, so a queued request times out well before a 200-token request holding
+# the pool finishes (~0.5 s on the tiny model even when the machine is idle).
+TIGHT_KV_WAIT_SECS = 0.15
 ASSET = Path(__file__).resolve().parents[3] / "asset"
 
 
@@ -99,7 +102,7 @@ def neuron_tight(start_daemon: Callable[..., NeuronProcess], fat_kv_model_dir: P
                  hybrid_model_dir: Path) -> NeuronProcess:
     cfg = _base("tight", fat_kv_model_dir,
                 admission={"max_in_flight": 4, "max_queue_depth": 2, "max_per_principal": 3,
-                           "kv_max_wait_secs": 0.3})
+                           "kv_max_wait_secs": TIGHT_KV_WAIT_SECS})
     # beast's hybrid, which the engine does not support yet: fails, the daemon stays up
     cfg["models"].append({"id": "hybrid", "path": str(hybrid_model_dir), "kv_budget_mb": 256})
     return start_daemon("tight", cfg)
