@@ -47,6 +47,9 @@ class AttentionMetadata:
     # One decode row whose blocks are consecutive: its context is slots
     # [decode_start, decode_start + T), read as a view instead of gathered.
     decode_start: int | None = None
+    # CPU: preallocated [B * T, kv_heads, head_dim] K and V buffers the gather fills, shared by
+    # every layer (a fresh 1-2 MB tensor per layer page-faults: ~6x the gather itself).
+    decode_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -111,8 +114,15 @@ class PagedKV:
             return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         return self.k_heads.narrow(2, start, length), self.v_heads.narrow(2, start, length)
 
-    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype."""
+    def gather(self, slots: torch.Tensor,
+               out: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype,
+        into ``out`` when given and the pool is plain in the compute dtype."""
+        if out is not None and not self.quantized and self.k_slots.dtype == self.compute:
+            torch.index_select(self.k_slots, 0, slots, out=out[0])
+            torch.index_select(self.v_slots, 0, slots, out=out[1])
+            return out
         if self.quantized:
             return (kv_quant.gather_dequantized(self.k_data, self.k_scale, slots, self.kv_dtype,
                                                 self.head_dim, self.compute),
@@ -178,7 +188,7 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> t
     if meta.decode_start is not None:  # one row, consecutive blocks: views, no copy
         kc, vc = kv.span_heads(meta.decode_start, t)  # [1, kvh, T, d]
     else:
-        kc, vc = kv.gather(meta.decode_slots)  # [B*T, kvh, d]
+        kc, vc = kv.gather(meta.decode_slots, meta.decode_buffers)  # [B*T, kvh, d]
         kc = kc.view(b, t, -1, d).transpose(1, 2)
         vc = vc.view(b, t, -1, d).transpose(1, 2)
     kvh = kc.shape[1]

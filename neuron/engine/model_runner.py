@@ -96,6 +96,7 @@ class ModelRunner:
         self.kv_pools: list[PagedKV] = []
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
         self._no_slots = torch.empty(0, dtype=torch.long, device=self.device)
+        self._gather_ws: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode gathers
         self._reset_own_kv(num_blocks, kv_dtype)
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
@@ -245,10 +246,24 @@ class ModelRunner:
         ar = torch.arange(t)
         table = torch.tensor(tables, dtype=torch.long)
         meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).view(-1).to(self.device)
+        if self.device.type == "cpu":
+            meta.decode_buffers = self._gather_buffers(b * t)
         if b > 1 and min(pos_list) != t - 1:  # rows shorter than the longest are padded
             pos = torch.tensor(pos_list, dtype=torch.long)
             meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
         return write
+
+    def _gather_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V buffers of n slots for decode gathers, kept across steps (CPU only: there
+        a fresh tensor of this size per layer costs more in page faults than the gather; a
+        GPU's caching allocator has no such cost and its memory is planned to the byte)."""
+        ws = self._gather_ws
+        if ws is None or ws[0].shape[0] < n:
+            size = max(n, 2 * ws[0].shape[0] if ws is not None else n)
+            shape = (size, self.num_kv_heads, self.config.head_dim)
+            ws = self._gather_ws = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                                    torch.empty(shape, dtype=self.dtype, device=self.device))
+        return ws[0][:n], ws[1][:n]
 
 
 def _shutdown_tp(tp: TpWorkers) -> None:
