@@ -7,8 +7,10 @@ kv_dtype on the same weights (`reset_kv`), and each next-token distribution
 is compared with the fp32-cache run: top-1 agreement and KL. The measuring
 code is bench/kv_dtypes.py's, so the benchmark prints what these tests hold.
 
-The issue's thresholds are int8 ≥ 99%, fp8 ≥ 98%, int4 ≥ 90%. On init-tiny
-checkpoints fp8 and int4 fall short (fp8 96-98%, int4 84-89% over the five
+The issue's thresholds are int8 ≥ 99%, fp8 ≥ 98%, int4 ≥ 90%. They hold on
+the default init-tiny checkpoint that every other test serves (hidden 64,
+2 layers, head_dim 16; 1,024 positions: int8 99.8%, fp8 98.7%, int4 94.3%).
+On the larger init-tiny above fp8 and int4 fall short (fp8 96-98%, int4 84-89% over the five
 shapes tried) without a quantisation bug: their round-trip errors sit exactly
 at the formats' bounds (tests/kernels/test_kv_quant.py), but a random model's
 output head turns the KV's relative error (fp8 2.5%, int4 9.7% RMS) straight
@@ -59,6 +61,28 @@ def figures(tiny_checkpoint: Callable[..., Path]) -> dict[str, object]:
         torch.set_num_threads(threads)
     print("\n" + kvb.format_table(rows, 64))
     return {r.kv_dtype: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def default_figures(tiny_model_dir: Path) -> dict[str, object]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = kvb.measure(tiny_model_dir, rows=4, positions=256, budget_mb=64)
+    finally:
+        torch.set_num_threads(threads)
+    print("\n" + kvb.format_table(rows, 64))
+    return {r.kv_dtype: r for r in rows}
+
+
+@pytest.mark.parametrize(("kv_dtype", "threshold"), [
+    ("int8", 0.99), ("fp8_e4m3", 0.98), ("int4", 0.90)])
+def test_default_tiny_model_holds_the_issue_thresholds(default_figures, kv_dtype, threshold):
+    row = default_figures[kv_dtype]
+    assert row.positions == 1024
+    assert row.top1_agreement >= threshold, (
+        f"{kv_dtype}: {row.top1_agreement:.2%} top-1 agreement over {row.positions} positions "
+        f"(mean KL {row.mean_kl:.2e}), expected ≥ {threshold:.0%}")
 
 
 def test_the_reference_rerun_after_a_pool_reset_is_identical(figures):
