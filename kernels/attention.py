@@ -1,8 +1,10 @@
 """Paged attention over a block-structured KV cache, with a plain-torch reference.
 
-Cache layout, per layer: K and V tensors [num_blocks, block_size, kv_heads, head_dim].
-Token ``t`` of a sequence lives in slot ``block_table[t // block_size] *
-block_size + t % block_size`` of the flattened [num_slots, kv_heads, head_dim] view.
+Cache layout, per layer: K and V tensors seen as [num_blocks, block_size, kv_heads, head_dim],
+stored head-major (each kv head's slots contiguous: a head's run of slots is one
+contiguous [T, head_dim] matrix, what SDPA reads fastest). Token ``t`` of a
+sequence lives in slot ``block_table[t // block_size] * block_size + t % block_size``
+of the flattened [num_slots, kv_heads, head_dim] view.
 
 A step's batch is laid out decode rows first (one new token each), then
 prefill chunks. Everything that depends only on the step (slot mappings,
@@ -47,8 +49,9 @@ class AttentionMetadata:
     # One decode row whose blocks are consecutive: its context is slots
     # [decode_start, decode_start + T), read as a view instead of gathered.
     decode_start: int | None = None
-    # CPU: preallocated [B * T, kv_heads, head_dim] K and V buffers the gather fills, shared by
-    # every layer (a fresh 1-2 MB tensor per layer page-faults: ~6x the gather itself).
+    # CPU: preallocated K and V buffers of B * T * kv_heads * head_dim elements (any shape) the
+    # gather fills, shared by every layer (a fresh 1-2 MB tensor per layer page-faults: ~6x the
+    # gather itself).
     decode_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
@@ -56,9 +59,10 @@ class AttentionMetadata:
 class PagedKV:
     """One layer's K and V pool, addressed by flat slot.
 
-    Plain kv dtypes keep K and V as [num_blocks, block_size, kv_heads, head_dim]
-    (``k_cache`` / ``v_cache``, with flat [num_slots, kv_heads, head_dim] views
-    ``k_slots`` / ``v_slots``). Quantised ones (fp8_e4m3, int8, int4) keep
+    Plain kv dtypes keep K and V head-major ([kv_heads, num_slots, head_dim] storage),
+    seen as [num_blocks, block_size, kv_heads, head_dim] (``k_cache`` / ``v_cache``),
+    flat [num_slots, kv_heads, head_dim] (``k_slots`` / ``v_slots``) and
+    [1, kv_heads, num_slots, head_dim] (``k_heads`` / ``v_heads``) views. Quantised ones (fp8_e4m3, int8, int4) keep
     kernels.kv_quant's data + per-token-head scales, quantised on write and
     dequantised to the compute dtype on gather.
     """
@@ -77,17 +81,17 @@ class PagedKV:
             self.k_cache, self.v_cache = self.k_data, self.v_data
             self.nbytes = 2 * (self.k_data.nbytes + self.k_scale.nbytes)
         else:
-            shape = (num_blocks, block_size, kv_heads, head_dim)
+            shape = (1, kv_heads, num_blocks * block_size, head_dim)
             # Zeroed, so padded gather rows (masked out) never hold NaN/inf.
-            self.k_cache = torch.zeros(shape, dtype=storage, device=device)
-            self.v_cache = torch.zeros(shape, dtype=storage, device=device)
-            self.k_slots = self.k_cache.view(-1, kv_heads, head_dim)
-            self.v_slots = self.v_cache.view(-1, kv_heads, head_dim)
-            # [1, kv_heads, num_slots, head_dim] views: a run of slots is one narrow away
-            # from the layout SDPA takes.
-            self.k_heads = self.k_slots.unsqueeze(0).transpose(1, 2)
-            self.v_heads = self.v_slots.unsqueeze(0).transpose(1, 2)
-            self.nbytes = 2 * self.k_cache.nbytes
+            # [1, kv_heads, num_slots, head_dim]: a run of slots is one narrow away from the
+            # layout SDPA takes, contiguous per head.
+            self.k_heads = torch.zeros(shape, dtype=storage, device=device)
+            self.v_heads = torch.zeros(shape, dtype=storage, device=device)
+            self.k_slots = self.k_heads[0].transpose(0, 1)  # [num_slots, kv_heads, head_dim]
+            self.v_slots = self.v_heads[0].transpose(0, 1)
+            self.k_cache = self.k_slots.unflatten(0, (num_blocks, block_size))
+            self.v_cache = self.v_slots.unflatten(0, (num_blocks, block_size))
+            self.nbytes = 2 * self.k_heads.nbytes
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' k, v [N, kv_heads, head_dim] at their slots."""
@@ -114,15 +118,25 @@ class PagedKV:
             return k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         return self.k_heads.narrow(2, start, length), self.v_heads.narrow(2, start, length)
 
-    def gather(self, slots: torch.Tensor,
-               out: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype,
-        into ``out`` when given and the pool is plain in the compute dtype."""
-        if out is not None and not self.quantized and self.k_slots.dtype == self.compute:
-            torch.index_select(self.k_slots, 0, slots, out=out[0])
-            torch.index_select(self.v_slots, 0, slots, out=out[1])
-            return out
+    def gather_heads(self, slots: torch.Tensor,
+                     out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given slots head-major: [kv_heads, len(slots), head_dim] in the compute
+        dtype, into ``out`` (buffers of at least that many elements) when given."""
+        if self.quantized or self.k_heads.dtype != self.compute:
+            k, v = self.gather(slots)
+            return k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous()
+        if out is None:
+            return self.k_heads[0].index_select(1, slots), self.v_heads[0].index_select(1, slots)
+        n = self.k_heads.shape[1] * slots.numel() * self.head_dim
+        k = out[0].view(-1)[:n].view(self.k_heads.shape[1], slots.numel(), self.head_dim)
+        v = out[1].view(-1)[:n].view(k.shape)
+        torch.index_select(self.k_heads[0], 1, slots, out=k)
+        torch.index_select(self.v_heads[0], 1, slots, out=v)
+        return k, v
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of the given slots: [len(slots), kv_heads, head_dim] in the compute dtype."""
         if self.quantized:
             return (kv_quant.gather_dequantized(self.k_data, self.k_scale, slots, self.kv_dtype,
                                                 self.head_dim, self.compute),
@@ -181,20 +195,26 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> t
     """One query per row over its gathered context: q [B, heads, d] -> [B, heads, d].
 
     The GQA group is folded into the query-length axis ([B, kv_heads, group, d])
-    so no K/V head is ever repeated.
+    so no K/V head is ever repeated. Several rows gather head-major and run as SDPA's
+    batch = kv head, heads = rows: each (kv head, row) reads one contiguous [T, d].
     """
     b, heads, d = q.shape
     t = meta.decode_len
     if meta.decode_start is not None:  # one row, consecutive blocks: views, no copy
         kc, vc = kv.span_heads(meta.decode_start, t)  # [1, kvh, T, d]
-    else:
-        kc, vc = kv.gather(meta.decode_slots, meta.decode_buffers)  # [B*T, kvh, d]
-        kc = kc.view(b, t, -1, d).transpose(1, 2)
-        vc = vc.view(b, t, -1, d).transpose(1, 2)
-    kvh = kc.shape[1]
-    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc, vc,
-                                       attn_mask=meta.decode_mask)
-    return o.view(b, heads, d)
+        kvh = kc.shape[1]
+        o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc, vc,
+                                           attn_mask=meta.decode_mask)
+        return o.view(b, heads, d)
+    kc, vc = kv.gather_heads(meta.decode_slots, meta.decode_buffers)  # [kvh, B*T, d]
+    kvh = kc.shape[0]
+    mask = meta.decode_mask
+    if mask is not None:  # [B, 1, 1, T] -> rows on the heads axis
+        mask = mask.view(1, b, 1, t)
+    o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d).transpose(0, 1),
+                                       kc.view(kvh, b, t, d), vc.view(kvh, b, t, d),
+                                       attn_mask=mask)  # [kvh, B, group, d]
+    return o.transpose(0, 1).reshape(b, heads, d)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

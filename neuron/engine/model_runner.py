@@ -254,16 +254,17 @@ class ModelRunner:
         return write
 
     def _gather_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V buffers of n slots for decode gathers, kept across steps (CPU only: there
+        """K and V buffers (flat) of at least n slots for decode gathers, kept across steps (CPU only: there
         a fresh tensor of this size per layer costs more in page faults than the gather; a
         GPU's caching allocator has no such cost and its memory is planned to the byte)."""
         ws = self._gather_ws
-        if ws is None or ws[0].shape[0] < n:
-            size = max(n, 2 * ws[0].shape[0] if ws is not None else n)
-            shape = (size, self.num_kv_heads, self.config.head_dim)
+        per_slot = self.num_kv_heads * self.config.head_dim
+        if ws is None or ws[0].numel() < n * per_slot:
+            size = max(n, 2 * ws[0].numel() // per_slot if ws is not None else n)
+            shape = (size * self.num_kv_heads * self.config.head_dim,)
             ws = self._gather_ws = (torch.empty(shape, dtype=self.dtype, device=self.device),
                                     torch.empty(shape, dtype=self.dtype, device=self.device))
-        return ws[0][:n], ws[1][:n]
+        return ws
 
 
 def _shutdown_tp(tp: TpWorkers) -> None:
