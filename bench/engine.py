@@ -10,8 +10,8 @@ repeat; medians are reported with the ratios the engine issue asks for. Each
 ratio is the median over repeats of that repeat's own ratio: a repeat runs the
 contenders back to back, so the slow drifts of a shared machine (everything 20%
 faster or slower for a minute) cancel within a pair. The CPU roofline is a chain
-of the model's own matrix-vector products, fused as helexa runs them (q|k|v,
-gate|up), each an F.linear of one row. helexa figures come through EngineCore
+of the model's own matrix-vector products, fused and laid out as helexa runs
+them (q|k|v, gate|up; column-major on CPU), each an F.linear of one row. helexa figures come through EngineCore
 (the engine's own step loop, greedy sampling, prefix cache off so repeats cannot
 reuse a prompt);
 ``--driver runner`` drives the ModelRunner directly instead, to show what the
@@ -216,10 +216,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def model_matrices(hf_model: torch.nn.Module) -> list[torch.Tensor]:
+def model_matrices(hf_model: torch.nn.Module, column_major: bool) -> list[torch.Tensor]:
     """Every weight matrix a helexa decode step multiplies by, in order, with helexa's
     fusions (q|k|v, gate|up), built from the reference model's plain tensors (helexa's own
-    may be in a packed CPU layout); the embedding is a lookup, not a matmul."""
+    may be in a packed CPU layout); the embedding is a lookup, not a matmul. column_major:
+    stored as helexa stores its CPU fp32 weights (transposed in memory), which one-row
+    matmuls stream faster, so the roofline is the faster chain too."""
+    mats = model_matrices_plain(hf_model)
+    return [m.t().contiguous().t() for m in mats] if column_major else mats
+
+
+def model_matrices_plain(hf_model: torch.nn.Module) -> list[torch.Tensor]:
     mats = []
     with torch.no_grad():
         for layer in hf_model.model.layers:
@@ -260,7 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = hf.to(args.device).eval()
     driver = HelexaEngine if args.driver == "engine" else HelexaRunner
     helexa = driver(model_dir, args.threads, args.device, args.dtype)
-    mats = model_matrices(hf)
+    model = (helexa.core.runner if args.driver == "engine" else helexa.runner).model
+    helexa_weight = model.model.layers[0].self_attn.qkv_proj.weight
+    column_major = helexa_weight.stride(0) == 1 and helexa_weight.shape[1] > 1
+    mats = model_matrices(hf, column_major)
     roofline_kind = args.roofline or ("chain" if args.device == "cpu" else "copy")
     roofline = matvec_chain if roofline_kind == "chain" else copy_roofline
     params = sum(p.numel() for p in hf.parameters())
@@ -307,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
           f"driver={args.driver}  roofline={roofline_kind}")
     print(f"prompt={plen} new={new} streams={args.streams} ttft_prompt={args.ttft_tokens}")
     if roofline_kind == "chain":
+        layout = "column-major" if column_major else "row-major"
         print(f"roofline: the model's {len(mats)} weight matrices as helexa multiplies them "
-              "(q|k|v and gate|up fused, lm_head), one F.linear of one row each, in model order")
+              f"(q|k|v and gate|up fused, lm_head; {layout} as helexa holds them), one "
+              "F.linear of one row each, in model order")
     labels = {
         "helexa_1": ("helexa decode, 1 stream", "tok/s"),
         "hf_1": ("transformers generate, batch 1", "tok/s"),

@@ -90,6 +90,8 @@ class ModelRunner:
             # A second, oneDNN-blocked copy of each matmul weight: batched decode steps
             # run ~1.4x faster on CPU. It doubles weight memory, hence the size cap.
             self.model.pack_for_cpu(batch_hint=max(1, min(max_num_seqs, 16)))
+        if self.device.type == "cpu":  # one-row steps stream column-major weights faster
+            self.model.relayout_for_cpu()
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank

@@ -25,6 +25,7 @@ from helexa.neuron.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     can_pack_for_cpu,
+    can_relayout_for_cpu,
 )
 from torch import nn
 
@@ -153,6 +154,19 @@ class LlamaForCausalLM(nn.Module):
                 n += 1
         if can_pack_for_cpu(self.lm_head.weight):
             self.lm_head.pack_for_cpu(batch_hint)
+            n += 1
+        return n
+
+    def relayout_for_cpu(self) -> int:
+        """Hold every fp32 CPU matmul weight column-major (after packing, which copies from
+        the plain weight); returns how many. Tied heads stay as the embedding has them."""
+        n = 0
+        for mod in self.modules():
+            if isinstance(mod, ParallelLinearBase) and can_relayout_for_cpu(mod.weight):
+                mod.relayout_for_cpu()
+                n += 1
+        if not self.cfg.tie_word_embeddings and can_relayout_for_cpu(self.lm_head.weight):
+            self.lm_head.relayout_for_cpu()
             n += 1
         return n
 

@@ -57,6 +57,17 @@ def test_decode_rows_of_different_lengths_in_one_forward(runner, hf_logits):
         torch.testing.assert_close(out[i], hf_logits(p + [x])[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_one_row_decode_over_column_major_weights(runner, hf_logits):
+    # CPU fp32 weights are held column-major (one-row matmuls stream them faster); a lone
+    # decode row multiplies by them directly (more rows use the packed copies).
+    w = runner.model.model.layers[0].self_attn.qkv_proj.weight
+    assert w.stride(0) == 1 and w.shape[0] > 1
+    p = seq(9, 40)
+    runner.execute([SeqInput(p, 0, [40, 41, 42], False)])
+    out = runner.execute([SeqInput([17], 9, [40, 41, 42], True)])
+    torch.testing.assert_close(out[0], hf_logits(p + [17])[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_short_block_table_is_refused(runner):
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute([SeqInput(seq(9, 4), 0, [1, 2], True)])
