@@ -38,6 +38,16 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeMirror:
+    """CPU batched decode: each layer keeps its decode rows' context as [kv_heads, B, cap, d]
+    K and V (PagedKV.mirror) from step to step while the rows stay the same, so a step
+    appends its new token instead of gathering every row's whole context again."""
+
+    fill: bool  # the rows changed: gather decode_slots (B * cap, rows padded) into the mirror
+    write_index: torch.Tensor  # [B] row * cap + position: where each row's new K/V go
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention plan shared by all layers."""
 
@@ -53,6 +63,7 @@ class AttentionMetadata:
     # gather fills, shared by every layer (a fresh 1-2 MB tensor per layer page-faults: ~6x the
     # gather itself).
     decode_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_mirror: DecodeMirror | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -92,6 +103,7 @@ class PagedKV:
             self.k_cache = self.k_slots.unflatten(0, (num_blocks, block_size))
             self.v_cache = self.v_slots.unflatten(0, (num_blocks, block_size))
             self.nbytes = 2 * self.k_heads.nbytes
+        self.mirror: tuple[torch.Tensor, torch.Tensor] | None = None  # see DecodeMirror
 
     def write(self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' k, v [N, kv_heads, head_dim] at their slots."""
@@ -170,10 +182,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     n_tok, heads, d = q.shape
     kvh = k.shape[1]
     if meta.num_decode == n_tok and not meta.prefills:
-        return decode_attention(q, kv, meta)
+        return decode_attention(q, kv, meta, k, v)
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[: meta.num_decode] = decode_attention(q[: meta.num_decode], kv, meta)
+        nd = meta.num_decode
+        out[:nd] = decode_attention(q[:nd], kv, meta, k[:nd], v[:nd])
     for chunk in meta.prefills:
         qc = q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)  # [1, heads, n, d]
         if chunk.context_slots is None and chunk.context_start is None:
@@ -191,12 +204,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
     return out
 
 
-def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
+                     k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> torch.Tensor:
     """One query per row over its gathered context: q [B, heads, d] -> [B, heads, d].
 
     The GQA group is folded into the query-length axis ([B, kv_heads, group, d])
     so no K/V head is ever repeated. Several rows gather head-major and run as SDPA's
     batch = kv head, heads = rows: each (kv head, row) reads one contiguous [T, d].
+    With a DecodeMirror the rows' context is kept per layer across steps: this step's
+    k, v [B, kv_heads, d] are appended to it instead.
     """
     b, heads, d = q.shape
     t = meta.decode_len
@@ -206,14 +222,27 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> t
         o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc, vc,
                                            attn_mask=meta.decode_mask)
         return o.view(b, heads, d)
-    kc, vc = kv.gather_heads(meta.decode_slots, meta.decode_buffers)  # [kvh, B*T, d]
-    kvh = kc.shape[0]
+    mirror = meta.decode_mirror
+    if mirror is not None and kv.mirror is not None:
+        mk, mv = kv.mirror  # [kvh, B, cap, d]
+        kvh = mk.shape[0]
+        flat_k, flat_v = mk.view(kvh, -1, d), mv.view(kvh, -1, d)
+        if mirror.fill:
+            torch.index_select(kv.k_heads[0], 1, meta.decode_slots, out=flat_k)
+            torch.index_select(kv.v_heads[0], 1, meta.decode_slots, out=flat_v)
+        else:
+            flat_k.index_copy_(1, mirror.write_index, k.transpose(0, 1))
+            flat_v.index_copy_(1, mirror.write_index, v.transpose(0, 1))
+        kc, vc = mk.narrow(2, 0, t), mv.narrow(2, 0, t)
+    else:
+        kc, vc = kv.gather_heads(meta.decode_slots, meta.decode_buffers)  # [kvh, B*T, d]
+        kvh = kc.shape[0]
+        kc, vc = kc.view(kvh, b, t, d), vc.view(kvh, b, t, d)
     mask = meta.decode_mask
     if mask is not None:  # [B, 1, 1, T] -> rows on the heads axis
         mask = mask.view(1, b, 1, t)
     o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d).transpose(0, 1),
-                                       kc.view(kvh, b, t, d), vc.view(kvh, b, t, d),
-                                       attn_mask=mask)  # [kvh, B, group, d]
+                                       kc, vc, attn_mask=mask)  # [kvh, B, group, d]
     return o.transpose(0, 1).reshape(b, heads, d)
 
 

@@ -19,12 +19,14 @@ from pathlib import Path
 
 import torch
 from helexa.kernels import kv_quant
-from helexa.kernels.attention import AttentionMetadata, PagedKV, PrefillChunk
+from helexa.kernels.attention import AttentionMetadata, DecodeMirror, PagedKV, PrefillChunk
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+_MIRROR_MAX_BYTES = 256 * 2**20  # all layers' decode mirrors together (CPU), else gather
+_MIRROR_STEP = 128  # mirror capacity grows in steps of this many positions
 
 
 @dataclass
@@ -99,6 +101,9 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
         self._no_slots = torch.empty(0, dtype=torch.long, device=self.device)
         self._gather_ws: tuple[torch.Tensor, torch.Tensor] | None = None  # CPU decode gathers
+        # The decode rows the layers' mirrors hold: (block table objects, positions, cap).
+        self._mirror: tuple[list[list[int]], list[int], int] | None = None
+        self._next_mirror: tuple[list[list[int]], list[int], int] | None = None
         self._reset_own_kv(num_blocks, kv_dtype)
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
@@ -115,6 +120,7 @@ class ModelRunner:
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
+        self._mirror = None
         for attn in self._attn:  # free the old pool before allocating the new one
             attn.kv = None
         self.kv_pools = []
@@ -141,15 +147,20 @@ class ModelRunner:
         """Run one step; returns fp32 logits [num seqs with need_logits, vocab] in input order."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
+        self._next_mirror = None
         input_ids, positions, meta, logits_rows = self._prepare(seqs)
+        self._mirror = None  # a step that fails part way leaves the mirrors stale
         if self._tp is None:
-            return self.model(input_ids, positions, meta, logits_rows)
-        self._tp.send_step(seqs)
-        try:
-            return self.model(input_ids, positions, meta, logits_rows)
-        except RuntimeError as e:  # a collective failed: a rank died or wedged
-            self._tp.fail_step(e)
-            raise
+            logits = self.model(input_ids, positions, meta, logits_rows)
+        else:
+            self._tp.send_step(seqs)
+            try:
+                logits = self.model(input_ids, positions, meta, logits_rows)
+            except RuntimeError as e:  # a collective failed: a rank died or wedged
+                self._tp.fail_step(e)
+                raise
+        self._mirror = self._next_mirror
+        return logits
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
@@ -246,14 +257,48 @@ class ModelRunner:
                 meta.decode_start = first * bs  # is drawn in order, so no gather is needed
                 return write
         ar = torch.arange(t)
-        table = torch.tensor(tables, dtype=torch.long)
-        meta.decode_slots = (table[:, ar // bs] * bs + ar % bs).view(-1).to(self.device)
-        if self.device.type == "cpu":
+        mirrored = self._plan_mirror(meta, rows, pos_list, tables)
+        if not mirrored or meta.decode_mirror.fill:
+            span = torch.arange(self._next_mirror[2]) if mirrored else ar
+            table = torch.tensor([tab + [0] * (-(-len(span) // bs) - len(tab)) for tab in tables],
+                                 dtype=torch.long)
+            meta.decode_slots = (table[:, span // bs] * bs + span % bs).view(-1).to(self.device)
+        if self.device.type == "cpu" and not mirrored:
             meta.decode_buffers = self._gather_buffers(b * t)
         if b > 1 and min(pos_list) != t - 1:  # rows shorter than the longest are padded
             pos = torch.tensor(pos_list, dtype=torch.long)
             meta.decode_mask = (ar[None, :] <= pos[:, None]).view(b, 1, 1, t).to(self.device)
         return write
+
+    def _plan_mirror(self, meta: AttentionMetadata, rows: list[SeqInput], pos_list: list[int],
+                     tables: list[list[int]]) -> bool:
+        """CPU, plain KV, several rows: keep each layer's rows' context across steps
+        (DecodeMirror). Reused while the rows are the same requests (the same block table
+        objects, which the engine keeps per request, held here so none is recycled) in the
+        same order, each one token further, within capacity; else refilled from the pool."""
+        kv0 = self.kv_pools[0]
+        if self.device.type != "cpu" or kv0.quantized or kv0.k_heads.dtype != self.dtype:
+            return False
+        b, t = len(rows), max(pos_list) + 1
+        keys = [s.block_table for s in rows]
+        m = self._mirror
+        same = (m is not None and len(m[0]) == b and t <= m[2]
+                and all(x is y for x, y in zip(keys, m[0], strict=True))
+                and all(p == q + 1 for p, q in zip(pos_list, m[1], strict=True)))
+        cap = m[2] if same else (t // _MIRROR_STEP + 2) * _MIRROR_STEP
+        per_layer = 2 * kv0.k_heads.shape[1] * b * cap * kv0.head_dim * kv0.k_heads.element_size()
+        if per_layer * len(self.kv_pools) > _MIRROR_MAX_BYTES:
+            return False
+        if not same:
+            shape = (kv0.k_heads.shape[1], b, cap, kv0.head_dim)
+            for kv in self.kv_pools:
+                if kv.mirror is None or kv.mirror[0].shape != shape:
+                    kv.mirror = (torch.empty(shape, dtype=self.dtype),
+                                 torch.empty(shape, dtype=self.dtype))
+        index = torch.tensor([i * cap + p for i, p in enumerate(pos_list)], dtype=torch.long)
+        meta.decode_mirror = DecodeMirror(fill=not same, write_index=index)
+        self._next_mirror = (keys, list(pos_list), cap)
+        return True
 
     def _gather_buffers(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V buffers (flat) of at least n slots for decode gathers, kept across steps (CPU only: there

@@ -68,6 +68,25 @@ def test_one_row_decode_over_column_major_weights(runner, hf_logits):
     torch.testing.assert_close(out[0], hf_logits(p + [17])[-1], atol=1e-4, rtol=1e-4)
 
 
+def test_batched_decode_steps_keep_matching_as_rows_come_and_go(runner, hf_logits):
+    # Several decode rows keep their context from step to step (CPU): still transformers'
+    # logits every step, and when a row is replaced or the batch shrinks.
+    prompts = [seq(n, 60 + n) for n in (5, 8, 3)]
+    tables = [[10, 11, 12, 13], [14, 15, 16, 17], [18, 19, 20, 21]]
+    runner.execute([SeqInput(p, 0, t, False) for p, t in zip(prompts, tables, strict=True)])
+    for step in range(6):
+        if step == 3:  # the second row is replaced by another request, same length
+            prompts[1] = seq(len(prompts[1]), 99)
+            tables[1] = [22, 23, 24, 25]
+            runner.execute([SeqInput(prompts[1], 0, tables[1], False)])
+        rows = range(3) if step < 5 else range(2)  # the last row is gone
+        nxt = [(7 * step + i) % 400 + 3 for i in rows]
+        out = runner.execute([SeqInput([nxt[i]], len(prompts[i]), tables[i], True) for i in rows])
+        for i in rows:
+            prompts[i] = prompts[i] + [nxt[i]]
+            torch.testing.assert_close(out[i], hf_logits(prompts[i])[-1], atol=1e-4, rtol=1e-4)
+
+
 def test_short_block_table_is_refused(runner):
     with pytest.raises(ValueError, match="cannot hold"):
         runner.execute([SeqInput(seq(9, 4), 0, [1, 2], True)])
