@@ -4,7 +4,7 @@
   /v1/models shows na's smaller limits); one request per principal at a time
   (max_per_principal 1), which makes a refusal → failover deterministic.
 - `nt`: serves `tight` (fat KV tokens in a 1 MiB pool, one request in flight,
-  a 0.3 s wait for it) for 429 and 503 overloaded, and has `lazy` in its catalogue
+  a 0.1 s wait for it) for 429 and 503 overloaded, and has `lazy` in its catalogue
   (not preloaded) for on-demand loads.
 - the router: require_auth with a keys file (alice may cause loads), alias
   `helexa/balanced` → tiny, a short load wait, fast reconnects.
@@ -60,7 +60,9 @@ def neurons(rdir: Path, tiny_model_dir: Path,
         "nt": neuron_cfg("nt", [{"id": "tight", "path": str(fat)},
                                  {"id": "lazy", "path": str(tiny_model_dir), "preload": False}],
                           1, max_per_principal=1, max_in_flight=1, max_queue_depth=1,
-                          kv_max_wait_secs=0.3),
+                          # well under the ~0.4 s the 230-token request holding the
+                          # pool takes, so a queued request times out before it ends
+                          kv_max_wait_secs=0.1),
     }
     started: dict[str, NeuronProcess] = {}
     try:
