@@ -61,6 +61,7 @@ async def _ipc(model_dir: Path, max_tokens: int, fake: bool):  # -> (client, cor
 
 def _in_process(model_dir: Path, max_tokens: int, fake: bool):  # -> callable measuring one request
     import torch
+
     from helexa.neuron.engine import messages
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.tokenizer import Tokenizer
@@ -108,8 +109,8 @@ def _pct(xs: list[float], p: float) -> float:
 
 async def _run(args: argparse.Namespace, work: Path) -> None:
     import grpc
-    from helexa.neuron.auth import bearer
 
+    from helexa.neuron.auth import bearer
     from helexa.proto import neuron_pb2 as pb
     from helexa.proto import neuron_pb2_grpc
     from helexa.testing import start_neuron, write_neuron_config

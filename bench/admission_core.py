@@ -24,6 +24,7 @@ import statistics
 import time
 
 import torch
+
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool

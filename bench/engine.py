@@ -260,8 +260,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or default_model()
-    from helexa.neuron.models.config import parse_dtype
     from transformers import AutoModelForCausalLM
+
+    from helexa.neuron.models.config import parse_dtype
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(args.dtype))
     hf = hf.to(args.device).eval()

@@ -33,9 +33,9 @@ from importlib import resources
 from pathlib import Path
 
 import grpc
+
 from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
-
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.testing import NeuronProcess, start_neuron, write_neuron_config

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import grpc
-from helexa.neuron.auth import bearer
 
+from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.testing import start_neuron, write_neuron_config

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from helexa.kernels import kv_quant
 
 

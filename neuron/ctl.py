@@ -20,9 +20,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from helexa.neuron.auth import bearer
 
 from helexa.config import ConfigError, load_neuron_config, read_secret, resolve_path
+from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 

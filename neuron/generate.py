@@ -88,6 +88,7 @@ def main(argv: list[str]) -> int:
         print(f"helexa generate: {model_dir}: no config.json (not a checkpoint folder)", file=sys.stderr)
         return 2
     import torch
+
     from helexa.neuron.engine.detokenizer import IncrementalDetokenizer
     from helexa.neuron.tokenizer import Tokenizer
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import grpc
-from helexa.neuron.engine import messages
 
 from helexa.config import NeuronConfig
+from helexa.neuron.engine import messages
 
 # The OpenAI-style code → the gRPC status the router maps back to HTTP
 # (DESIGN.md's error table). Codes not listed are INTERNAL.

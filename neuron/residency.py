@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import structlog
-from helexa.neuron.engine import messages
-from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
 
 from helexa.config import ModelEntry, NeuronConfig, resolve_path
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
 
 MIB = 1024 * 1024
 # lazy: bound at first use, after setup_logging() configured structlog

@@ -20,13 +20,13 @@ from typing import Any
 
 import grpc
 import structlog
+
+from helexa import __version__
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import Refusal, check_context
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.residency import ModelState, Residency, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
-
-from helexa import __version__
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 

@@ -15,7 +15,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from helexa.neuron.residency import Residency, ResidentModel
-
 from helexa.proto import neuron_pb2 as pb
 
 

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 from aiohttp import web
+
+from helexa.config import ConfigError, RouterConfig, load_router_config, read_secret, resolve_path
+from helexa.log import get_logger, setup_logging
 from helexa.router import serve
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
@@ -26,9 +29,6 @@ from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
-
-from helexa.config import ConfigError, RouterConfig, load_router_config, read_secret, resolve_path
-from helexa.log import get_logger, setup_logging
 
 SHUTDOWN_GRACE_SECS = 10.0
 STATE = serve.STATE

@@ -26,9 +26,8 @@ import re
 import sys
 from pathlib import Path
 
-from helexa.router.errors import ApiError
-
 from helexa.config import ConfigError, read_toml
+from helexa.router.errors import ApiError
 
 ANONYMOUS = "anonymous"
 _PRINCIPAL = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")

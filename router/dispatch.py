@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+
+from helexa.proto import neuron_pb2 as pb
 from helexa.router.auth import may_load
 from helexa.router.errors import ApiError
 from helexa.router.forward import (
@@ -29,8 +31,6 @@ from helexa.router.forward import (
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
 from helexa.router.selection import Estimate, rank, rendezvous_score, reservation_bytes
-
-from helexa.proto import neuron_pb2 as pb
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")

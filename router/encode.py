@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
-from helexa.router.openai_api import ParsedRequest
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.openai_api import ParsedRequest
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 

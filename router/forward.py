@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
-from helexa.router.errors import ApiError
-from helexa.router.openai_api import ParsedRequest
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import ParsedRequest
 
 # Refusals before the first byte that another neuron may well accept. NOT_FOUND too: the
 # router only sends where Watch said READY, so it means that report was already stale.

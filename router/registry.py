@@ -24,11 +24,11 @@ from pathlib import Path
 
 import grpc
 import structlog
-from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 from helexa.config import NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
+from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")

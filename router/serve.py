@@ -20,13 +20,13 @@ from collections.abc import AsyncIterator
 import grpc
 import msgspec
 from aiohttp import web
+
+from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import OpenStream, generate_request, map_rpc_error
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
-
-from helexa.proto import neuron_pb2 as pb
 
 _FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
            pb.FINISH_REASON_ERROR: "the neuron failed while generating"}

@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
+
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec, merge_limits

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from helexa.kernels import kv_quant
 from helexa.kernels.attention import AttentionMetadata, DecodeMirror, PagedKV, PrefillChunk
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group

@@ -22,6 +22,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 import msgspec
+
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
 
@@ -87,9 +88,9 @@ def engine_main(spec_bytes: bytes, conn: Connection) -> None:
 
 def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder):
     import torch
-    from helexa.neuron.engine.engine_core import EngineCore
 
     from helexa.log import get_logger, setup_logging
+    from helexa.neuron.engine.engine_core import EngineCore
 
     setup_logging("neuron")
     if spec.torch_threads:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
 
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (and would overflow)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from helexa.neuron.engine import messages
 
 # The defaults of helexa.config's [admission], [kv] and [engine] sections.

@@ -292,6 +292,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     """Entry point of a spawned rank: load the shard, join, then run steps until told."""
     _die_with_parent()
     import torch
+
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
     encoder = msgspec.msgpack.Encoder()

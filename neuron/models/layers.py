@@ -24,8 +24,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helexa.kernels.norm import rms_norm
 from torch import nn
+
+from helexa.kernels.norm import rms_norm
 
 # Bytes each rank sends into collectives (tp > 1), for bench/tp.py; a plain int add per call.
 COMM_STATS = {"bytes": 0}

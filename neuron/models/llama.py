@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
 from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
 from helexa.kernels.norm import rms_norm
 from helexa.kernels.rotary import RotaryTable, apply_rotary
@@ -27,7 +29,6 @@ from helexa.neuron.models.layers import (
     can_pack_for_cpu,
     can_relayout_for_cpu,
 )
-from torch import nn
 
 
 class Attention(HotModule):

@@ -14,6 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from torch import nn
+
 from helexa.neuron.models.config import (
     ModelConfig,
     UnsupportedArchitecture,
@@ -21,8 +24,6 @@ from helexa.neuron.models.config import (
     parse_dtype,
 )
 from helexa.neuron.models.llama import LlamaForCausalLM
-from safetensors import safe_open
-from torch import nn
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
 ProgressFn = Callable[[int, int], None]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helexa.kernels import kv_quant
 from helexa.kernels.attention import (
     AttentionMetadata,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helexa.kernels.kv_quant import (
     INT4_GROUP,
     QUANT_DTYPES,
@@ -15,7 +16,6 @@ from helexa.kernels.kv_quant import (
     quantize,
     write_quantized,
 )
-
 from helexa.plan import kv_token_head_bytes
 
 

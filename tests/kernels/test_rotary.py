@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helexa.kernels.rotary import RotaryTable, apply_rotary, apply_rotary_reference, rope_inv_freq
 
 CASES = [

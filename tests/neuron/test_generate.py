@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from helexa.neuron.generate import main
 from helexa.neuron.tokenizer import Tokenizer
 

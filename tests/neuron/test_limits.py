@@ -5,6 +5,8 @@ from __future__ import annotations
 import grpc
 import msgspec
 import pytest
+
+from helexa.config import NeuronConfig
 from helexa.neuron.limits import (
     ModelLimits,
     Refusal,
@@ -12,8 +14,6 @@ from helexa.neuron.limits import (
     effective_kv_dtype,
     effective_limits,
 )
-
-from helexa.config import NeuronConfig
 
 LIMITS = ModelLimits(context=100, input=99, output=60)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helexa.neuron.auth import bearer
 
+from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.testing import run_fake_neuron, write_neuron_config
 

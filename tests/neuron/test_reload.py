@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import msgspec
-from helexa.neuron.daemon import config_diff, merge_reloadable
 
 from helexa.config import NeuronConfig
+from helexa.neuron.daemon import config_diff, merge_reloadable
 
 
 def _cfg(**over: dict) -> NeuronConfig:

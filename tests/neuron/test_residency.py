@@ -8,10 +8,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from helexa.neuron.limits import Refusal
-from helexa.neuron.residency import ModelState, Residency
 
 from helexa.config import NeuronConfig
+from helexa.neuron.limits import Refusal
+from helexa.neuron.residency import ModelState, Residency
 from helexa.testing import FakeEngineClient
 
 

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 import pytest
+
 from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
-
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.testing import run_fake_neuron, write_neuron_config

@@ -6,7 +6,6 @@ import asyncio
 import time
 
 from helexa.neuron.status import StatusHub
-
 from helexa.proto import neuron_pb2 as pb
 
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from helexa.neuron.auth import bearer, token_matches
-from helexa.neuron.daemon import NeuronDaemon
 
 from helexa.config import load_neuron_config
+from helexa.neuron.auth import bearer, token_matches
+from helexa.neuron.daemon import NeuronDaemon
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.testing import FakeEngineClient, write_neuron_config

@@ -6,8 +6,9 @@ import json
 import shutil
 
 import pytest
-from helexa.neuron.tokenizer import TemplateError, Tokenizer
 from transformers import AutoTokenizer
+
+from helexa.neuron.tokenizer import TemplateError, Tokenizer
 
 CHATS = [
     [{"role": "user", "content": "Hello!"}],

@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass
 
 import openai
-from helexa.router import app as router_app
 from router_fake_neuron import Behaviour, FakeModel, FakeNeuron
+
+from helexa.router import app as router_app
 
 ALICE_KEY = "sk-alice-test-key"
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from helexa.router.auth import ANONYMOUS, Authenticator, hash_key, load_keys_file, may_load
-from helexa.router.errors import ApiError
 
 from helexa.config import ConfigError
+from helexa.router.auth import ANONYMOUS, Authenticator, hash_key, load_keys_file, may_load
+from helexa.router.errors import ApiError
 
 
 def test_keys_file_maps_hashes_to_principals(tmp_path):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from helexa.router.forward import generate_request, map_rpc_error
-from helexa.router.openai_api import parse_request
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.forward import generate_request, map_rpc_error
+from helexa.router.openai_api import parse_request
 
 
 def rpc_error(code: grpc.StatusCode, helexa_code: str | None = None,

@@ -7,8 +7,9 @@ import json
 import httpx2
 import openai
 import pytest
-from helexa.router.auth import Authenticator, hash_key
 from router_fleet import ALICE_KEY
+
+from helexa.router.auth import Authenticator, hash_key
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -152,10 +153,9 @@ def test_health_and_metrics(fl):
 
 
 def test_streamed_prompt_token_ids_survive_an_empty_first_message():
+    from helexa.proto import neuron_pb2 as pb
     from helexa.router import encode
     from helexa.router.openai_api import parse_request
-
-    from helexa.proto import neuron_pb2 as pb
 
     req = parse_request({"model": "m", "prompt": [1, 2], "stream": True,
                          "return_token_ids": True}, "completion")

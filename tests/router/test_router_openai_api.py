@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import parse_request
 

@@ -9,9 +9,9 @@ import time
 import httpx2
 import openai
 import pytest
-from helexa.router.dispatch import DispatchSettings
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.dispatch import DispatchSettings
 
 MSG = [{"role": "user", "content": "hello there"}]
 

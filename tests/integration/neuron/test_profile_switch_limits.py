@@ -119,6 +119,7 @@ def wait_advertised(url: str, context: int, timeout: float = 15.0) -> dict[str, 
 def switch(address: str, token: str, profile: str) -> pb.SetProfileResponse:
     async def call() -> pb.SetProfileResponse:
         import grpc
+
         from helexa.neuron.auth import bearer
 
         async with grpc.aio.insecure_channel(address) as ch:

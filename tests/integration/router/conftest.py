@@ -24,7 +24,6 @@ import tomli_w
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from helexa.router.auth import hash_key  # noqa: E402
 from router_procs import (  # noqa: E402
     PRINCIPALS,
     TOKEN,
@@ -36,6 +35,7 @@ from router_procs import (  # noqa: E402
     wait_for,
 )
 
+from helexa.router.auth import hash_key  # noqa: E402
 from helexa.testing import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter
 from helexa.neuron.engine.block_pool import BlockPool

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from helexa.neuron.engine.block_pool import BlockPool, BlockState, PoolError, hash_block_tokens
 
 

@@ -10,6 +10,7 @@ import signal
 import time
 
 import pytest
+
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
 from helexa.neuron.engine.fake_runner import fake_next_token
@@ -166,6 +167,7 @@ def test_engine_loop_gives_up_after_repeated_step_failures():
     import threading
 
     import msgspec
+
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.process import MAX_CONSECUTIVE_FAILED_STEPS, EngineGaveUp, run_loop
 

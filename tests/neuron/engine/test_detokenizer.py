@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from helexa.neuron.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from helexa.neuron.tokenizer import Tokenizer
 

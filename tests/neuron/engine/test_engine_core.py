@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.fake_runner import FakeRunner, fake_next_token

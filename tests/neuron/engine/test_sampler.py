@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from helexa.neuron.engine.messages import SamplingParams
 from helexa.neuron.engine.sampler import Sampler, SamplingState, truncate
 

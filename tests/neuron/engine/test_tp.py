@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 from helexa.neuron.engine.tp_worker import TpError
 from helexa.neuron.models.greedy import greedy_generate

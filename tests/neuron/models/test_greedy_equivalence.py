@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.greedy import greedy_generate
 

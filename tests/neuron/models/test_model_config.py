@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from helexa.neuron.models import UnsupportedArchitecture, load_model, parse_model_config
 
 

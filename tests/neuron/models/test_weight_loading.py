@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from helexa.neuron.models import MissingTensor, load_model
 from helexa.neuron.models.layers import (
     MergedColumnParallelLinear,
@@ -14,7 +16,6 @@ from helexa.neuron.models.layers import (
     RowParallelLinear,
     TensorSlice,
 )
-from safetensors.torch import load_file, save_file
 
 
 def test_missing_tensor_is_named(tmp_path, tiny_model_dir):
