@@ -51,7 +51,7 @@ def rdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def neurons(rdir: Path, tiny_model_dir: Path,
             tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, NeuronProcess]]:
-    # 4 KiB of KV per token: 256 tokens in 1 MiB.
+    # 4 KiB of KV per token: 1,024 tokens in nt's 4 MiB.
     fat = tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
     tiny = [{"id": "tiny", "path": str(tiny_model_dir)}]
     configs = {
@@ -59,9 +59,9 @@ def neurons(rdir: Path, tiny_model_dir: Path,
         "nb": neuron_cfg("nb", tiny, 2, max_per_principal=1, max_in_flight=4),
         "nt": neuron_cfg("nt", [{"id": "tight", "path": str(fat)},
                                  {"id": "lazy", "path": str(tiny_model_dir), "preload": False}],
-                          1, max_per_principal=1, max_in_flight=1, max_queue_depth=1,
-                          # well under the ~0.4 s the 230-token request holding the
-                          # pool takes, so a queued request times out before it ends
+                          4, max_per_principal=1, max_in_flight=1, max_queue_depth=1,
+                          # far under the seconds the 1,000-token request holding the
+                          # model takes, so a queued request times out before it ends
                           kv_max_wait_secs=0.1),
     }
     started: dict[str, NeuronProcess] = {}

@@ -41,7 +41,7 @@ def test_models_lists_aliases_and_the_smallest_limits(router):
     # na's pool (1 MiB) holds 2048 tiny tokens, nb's (2 MiB) 4096: the smaller wins.
     assert data["tiny"]["limit"] == {"context": 2048, "input": 2047, "output": 2047}
     assert data["helexa/balanced"]["limit"] == data["tiny"]["limit"]
-    assert data["tight"]["limit"]["context"] == 256
+    assert data["tight"]["limit"]["context"] == 1024
     assert "lazy" not in data  # not loaded
 
 

@@ -60,7 +60,7 @@ def holding_tight(router, principal: str = "alice"):
     """A long stream on `tight` (1 in flight, no queue), open until the block ends."""
     with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60, headers={
             "Authorization": f"Bearer {key_of(principal)}"}, json={
-            "model": "tight", "messages": MSG, "max_tokens": 230, "stream": True,
+            "model": "tight", "messages": MSG, "max_tokens": 1000, "stream": True,
             "temperature": 0, "ignore_eos": True}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()  # kept referenced: dropping it would close the stream
