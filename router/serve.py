@@ -134,7 +134,7 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
             resp = await _collect(env, choices, streams, series, t0, req_id)
         log.info("request.done", **ctx, neurons=[s.neuron for s in streams],
                  usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
-                 finish=[c.finish_reason for c in choices])
+                 finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
         code = str(e.status)
@@ -144,7 +144,7 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         return e.response({"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
         code = "499"  # nginx's "client closed request"
-        log.info("request.done", **ctx, outcome="client_gone",
+        log.info("request.done", **ctx, outcome="client_gone", client_gone=True,
                  secs=round(time.monotonic() - t0, 4))
         if isinstance(e, asyncio.CancelledError):
             raise
