@@ -23,7 +23,6 @@ Benchmarks print figures; they assert nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -48,14 +47,9 @@ TARGETS = [  # (label, numerator, denominator, op, bound)
 
 
 def default_model() -> Path:
-    from helexa.tiny import init_tiny
+    from helexa.tiny import bench_checkpoint
 
-    root = Path(os.environ.get("HELEXA_CACHE", Path.home() / ".cache" / "helexa"))
-    out = root / "bench" / "qwen3-h512-l8-v8192"
-    if not (out / "model.safetensors").is_file():
-        init_tiny(out, arch="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                  intermediate_size=1536, vocab_size=8192, seed=0)
-    return out
+    return bench_checkpoint()
 
 
 Secs = tuple[float, float]  # (wall, process CPU) — seconds or rates

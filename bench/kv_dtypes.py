@@ -30,7 +30,6 @@ Benchmarks print figures; they assert nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -64,10 +63,9 @@ class KvRow:
 
 
 def default_model() -> Path:
-    from helexa.tiny import init_tiny
+    from helexa.tiny import cache_dir, init_tiny
 
-    root = Path(os.environ.get("HELEXA_CACHE", Path.home() / ".cache" / "helexa"))
-    out = root / "bench" / "qwen3-h128-l4-d64-v512"
+    out = cache_dir() / "bench" / "qwen3-h128-l4-d64-v512"
     if not (out / "model.safetensors").is_file():
         init_tiny(out, **MODEL_ARGS)
     return out

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import tempfile
@@ -46,14 +45,9 @@ FOLLOW_UP = "Thank you. Now say in one sentence what the document was about."
 
 
 def default_model() -> Path:
-    from helexa.tiny import init_tiny
+    from helexa.tiny import bench_checkpoint
 
-    root = Path(os.environ.get("HELEXA_CACHE", Path.home() / ".cache" / "helexa"))
-    out = root / "bench" / "qwen3-h512-l8-v8192"  # the same folder bench/engine.py uses
-    if not (out / "model.safetensors").is_file():
-        init_tiny(out, arch="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
-                  intermediate_size=1536, vocab_size=8192, seed=0)
-    return out
+    return bench_checkpoint()
 
 
 def history_text(tok: Tokenizer, tokens: int, repeat: int) -> str:

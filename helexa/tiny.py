@@ -70,10 +70,25 @@ def corpus_texts() -> list[str]:
     return [(data / n).read_text(encoding="utf-8") for n in names]
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
+    """helexa's cache folder: $HELEXA_CACHE, else $XDG_CACHE_HOME/helexa or ~/.cache/helexa."""
     root = os.environ.get("HELEXA_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helexa")
-    return Path(root) / "tokenizers"
+    return Path(root)
+
+
+# The ~30M-parameter qwen3 of issue 3's engine benchmark, shared by every benchmark.
+BENCH_MODEL_ARGS: dict[str, Any] = dict(
+    arch="qwen3", hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
+    intermediate_size=1536, vocab_size=8192, seed=0)
+
+
+def bench_checkpoint() -> Path:
+    """The benchmarks' checkpoint (BENCH_MODEL_ARGS), made once under the cache folder."""
+    out = cache_dir() / "bench" / "qwen3-h512-l8-v8192"
+    if not (out / "model.safetensors").is_file():
+        init_tiny(out, **BENCH_MODEL_ARGS)
+    return out
 
 
 def tokenizer_json(vocab_size: int) -> str:
@@ -85,7 +100,7 @@ def tokenizer_json(vocab_size: int) -> str:
     key = (vocab_size, f"{digest}-{tokenizers.__version__}")
     if key in _tokenizer_cache:
         return _tokenizer_cache[key]
-    path = _cache_dir() / f"bpe-{vocab_size}-{key[1]}.json"
+    path = cache_dir() / "tokenizers" / f"bpe-{vocab_size}-{key[1]}.json"
     try:
         text = path.read_text()
     except OSError:

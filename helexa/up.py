@@ -33,19 +33,13 @@ TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/mode
 ALIASES = ("helexa/balanced", "helexa/fast")
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("HELEXA_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "helexa")
-    return Path(root)
-
-
 def tiny_model_dir() -> Path:
     """The default checkpoint, made once (atomically, so an interrupted first run is harmless)."""
+    from helexa.tiny import cache_dir, init_tiny  # imports torch: only when it is needed
+
     out = cache_dir() / TINY_NAME
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
-    from helexa.tiny import init_tiny
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=out.parent))
     init_tiny(tmp)
