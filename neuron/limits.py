@@ -18,6 +18,7 @@ import grpc
 
 from helexa.config import NeuronConfig
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.spec import limits_from_config
 
 # The OpenAI-style code → the gRPC status the router maps back to HTTP
 # (DESIGN.md's error table). Codes not listed are INTERNAL.
@@ -100,22 +101,7 @@ def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimit
 
 def effective_limits(cfg: NeuronConfig, profile: str = "") -> messages.SetLimits:
     """Every runtime knob of a model under `cfg`, with its profile's overrides."""
-    p = cfg.profiles.get(profile) if profile else None
-
-    def pick(override: int | None, base: int) -> int:
-        return base if override is None else override
-
-    return messages.SetLimits(
-        max_in_flight=pick(p and p.max_in_flight, cfg.admission.max_in_flight),
-        max_queue_depth=cfg.admission.max_queue_depth,
-        max_per_principal=cfg.admission.max_per_principal,
-        anon_max_in_flight=cfg.admission.anon_max_in_flight,
-        kv_max_wait_secs=cfg.admission.kv_max_wait_secs,
-        max_slots=pick(p and p.max_slots, cfg.engine.max_slots),
-        max_batched_tokens=pick(p and p.max_batched_tokens, cfg.engine.max_batched_tokens),
-        prefill_chunk_tokens=cfg.engine.prefill_chunk_tokens,
-        default_output_tokens=pick(p and p.default_output_tokens, cfg.kv.default_output_tokens),
-    )
+    return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None)
 
 
 def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:

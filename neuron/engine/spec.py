@@ -12,24 +12,47 @@ benchmarks of the serving path without a model).
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
+from helexa.config import NeuronConfig, ProfileConfig
 from helexa.neuron.engine import messages
 
-# The defaults of helexa.config's [admission], [kv] and [engine] sections.
-DEFAULT_LIMITS = messages.SetLimits(
-    max_in_flight=16,
-    max_queue_depth=256,
-    max_per_principal=64,
-    anon_max_in_flight=4,
-    kv_max_wait_secs=30.0,
-    max_slots=8,
-    max_batched_tokens=2048,
-    prefill_chunk_tokens=512,
-    default_output_tokens=1024,
-)
+
+def merge_limits(current: messages.SetLimits, update: messages.SetLimits | None) -> messages.SetLimits:
+    """`current` with every knob that `update` sets replaced."""
+    if update is None:
+        return current
+    changed = {f: v for f in update.__struct_fields__ if (v := getattr(update, f)) is not None}
+    return msgspec.structs.replace(current, **changed)
+
+
+def limits_from_config(cfg: NeuronConfig,
+                       profile: ProfileConfig | None = None) -> messages.SetLimits:
+    """All runtime knobs from a helexa.config.NeuronConfig, a ProfileConfig overriding."""
+    adm, kv, eng = cfg.admission, cfg.kv, cfg.engine
+    limits = messages.SetLimits(
+        max_in_flight=adm.max_in_flight,
+        max_queue_depth=adm.max_queue_depth,
+        max_per_principal=adm.max_per_principal,
+        anon_max_in_flight=adm.anon_max_in_flight,
+        kv_max_wait_secs=adm.kv_max_wait_secs,
+        max_slots=eng.max_slots,
+        max_batched_tokens=eng.max_batched_tokens,
+        prefill_chunk_tokens=eng.prefill_chunk_tokens,
+        default_output_tokens=kv.default_output_tokens,
+    )
+    if profile is not None:
+        limits = merge_limits(limits, messages.SetLimits(
+            max_in_flight=profile.max_in_flight,
+            max_slots=profile.max_slots,
+            max_batched_tokens=profile.max_batched_tokens,
+            default_output_tokens=profile.default_output_tokens,
+        ))
+    return limits
+
+
+# Every knob at helexa.config's defaults ([admission], [kv], [engine]).
+DEFAULT_LIMITS = limits_from_config(NeuronConfig())
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,61 +84,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_size * self.bytes_per_token
 
 
-def merge_limits(current: messages.SetLimits, update: messages.SetLimits | None) -> messages.SetLimits:
-    """`current` with every knob that `update` sets replaced."""
-    if update is None:
-        return current
-    changed = {f: v for f in update.__struct_fields__ if (v := getattr(update, f)) is not None}
-    return msgspec.structs.replace(current, **changed)
-
-
 def full_limits(partial: messages.SetLimits | None = None) -> messages.SetLimits:
     """DEFAULT_LIMITS overlaid with `partial`: every knob set."""
     return merge_limits(DEFAULT_LIMITS, partial)
-
-
-def limits_from_config(cfg: Any, profile: Any = None) -> messages.SetLimits:
-    """All runtime knobs from a helexa.config.NeuronConfig, a ProfileConfig overriding."""
-    adm, kv, eng = cfg.admission, cfg.kv, cfg.engine
-    limits = messages.SetLimits(
-        max_in_flight=adm.max_in_flight,
-        max_queue_depth=adm.max_queue_depth,
-        max_per_principal=adm.max_per_principal,
-        anon_max_in_flight=adm.anon_max_in_flight,
-        kv_max_wait_secs=adm.kv_max_wait_secs,
-        max_slots=eng.max_slots,
-        max_batched_tokens=eng.max_batched_tokens,
-        prefill_chunk_tokens=eng.prefill_chunk_tokens,
-        default_output_tokens=kv.default_output_tokens,
-    )
-    if profile is not None:
-        limits = merge_limits(limits, messages.SetLimits(
-            max_in_flight=profile.max_in_flight,
-            max_slots=profile.max_slots,
-            max_batched_tokens=profile.max_batched_tokens,
-            default_output_tokens=profile.default_output_tokens,
-        ))
-    return limits
-
-
-def spec_from_plan(plan: Any, cfg: Any, entry: Any, model_dir: str, *,
-                   profile: Any = None, **overrides: Any) -> EngineSpec:
-    """An EngineSpec from a helexa.plan.ModelPlan, the NeuronConfig and its ModelEntry."""
-    fields: dict[str, Any] = dict(
-        model_id=entry.id,
-        model_dir=str(model_dir),
-        devices=list(entry.devices or cfg.server.devices[: entry.tp]),
-        dtype=entry.dtype,
-        tp=entry.tp,
-        num_blocks=plan.num_blocks,
-        block_size=plan.block_size,
-        kv_dtype=plan.kv_dtype,
-        bytes_per_token=plan.bytes_per_token,
-        context=plan.context,
-        max_output_tokens=plan.output,
-        prefix_cache=cfg.kv.prefix_cache,
-        torch_threads=cfg.engine.torch_threads,
-        limits=limits_from_config(cfg, profile),
-    )
-    fields.update(overrides)
-    return EngineSpec(**fields)
