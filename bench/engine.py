@@ -29,11 +29,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# Run as a script, this folder comes first on sys.path, and bench/ holds scripts named
-# like stdlib modules (profile.py) that would shadow them for transformers: drop it.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
-
 import torch
 import torch.nn.functional as F
 

@@ -14,16 +14,10 @@ bench/gpu_tp.sh.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
 from pathlib import Path
-
-# Run as a script, this folder comes first on sys.path, and bench/ holds scripts named
-# like stdlib modules (profile.py) that would shadow them for transformers: drop it.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 import torch
 
@@ -62,15 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
 
-    engine_py = Path(__file__).with_name("engine.py")  # default_model(), shared
-    spec = importlib.util.spec_from_file_location("bench_engine", engine_py)
-    bench_engine = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_engine)
     from helexa.neuron.engine.model_runner import ModelRunner
     from helexa.neuron.models.layers import COMM_STATS
+    from helexa.tiny import bench_checkpoint
 
     torch.set_num_threads(1)
-    model_dir = args.model or bench_engine.default_model()
+    model_dir = args.model or bench_checkpoint()
     devices = [args.device] if args.device == "cpu" else [f"cuda:{i}" for i in range(2)]
     runners = {
         tp: ModelRunner(model_dir, device=devices[0], dtype=args.dtype, num_blocks=
