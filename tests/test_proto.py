@@ -34,6 +34,10 @@ def test_service_has_the_designed_methods():
 
     service = neuron_pb2.DESCRIPTOR.services_by_name["Neuron"]
     assert {m.name for m in service.methods} >= {
-        "Generate", "Watch", "Models", "Load", "Unload", "SetProfile", "Health"}
+        "Generate", "Complete", "Watch", "Models", "Load", "Unload", "SetProfile", "Health"}
     assert service.methods_by_name["Generate"].server_streaming
+    complete = service.methods_by_name["Complete"]
+    assert not complete.server_streaming and not complete.client_streaming
+    assert complete.input_type.name == "GenerateRequest"
+    assert complete.output_type.name == "GenerateResponse"
     assert service.methods_by_name["Watch"].server_streaming

@@ -40,6 +40,11 @@ class NeuronStub:
                 request_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Complete = channel.unary_unary(
+                '/helexa.neuron.v1.Neuron/Complete',
+                request_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Watch = channel.unary_stream(
                 '/helexa.neuron.v1.Neuron/Watch',
                 request_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.WatchRequest.SerializeToString,
@@ -80,6 +85,19 @@ class NeuronServicer:
         """Generate tokens for one request; the stream carries deltas and ends
         with one message holding the usage and finish reason. Cancelling the
         call aborts the request wherever it is (queued, in flight, running).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Complete(self, request, context):
+        """Generate without streaming, for callers that want the whole answer at
+        once: one message holding all the text, token ids and logprobs (and the
+        prompt_token_ids when asked), the finish reason, stop_reason and usage:
+        what merging Generate's stream gives. The same refusals, statuses and
+        trailing metadata as Generate; an engine failure after some tokens is
+        FINISH_REASON_ERROR as on Generate's last message. Cancelling the call
+        aborts the request wherever it is (queued, in flight, running).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -133,6 +151,11 @@ def add_NeuronServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
+                    request_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.FromString,
+                    response_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Complete': grpc.unary_unary_rpc_method_handler(
+                    servicer.Complete,
                     request_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.FromString,
                     response_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.SerializeToString,
             ),
@@ -193,6 +216,33 @@ class Neuron:
             request,
             target,
             '/helexa.neuron.v1.Neuron/Generate',
+            helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.SerializeToString,
+            helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Complete(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helexa.neuron.v1.Neuron/Complete',
             helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateRequest.SerializeToString,
             helexa_dot_neuron_dot_v1_dot_neuron__pb2.GenerateResponse.FromString,
             options,
