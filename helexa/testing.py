@@ -160,13 +160,18 @@ class NeuronClient:
     async def generate(self, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
         return [r async for r in self.stub.Generate(req, metadata=self.md)]
 
-    async def refusal(self, req: pb.GenerateRequest) -> tuple[grpc.StatusCode, dict[str, str]]:
-        """The status and trailing metadata of a call expected to be refused."""
+    async def complete(self, req: pb.GenerateRequest) -> pb.GenerateResponse:
+        return await self.stub.Complete(req, metadata=self.md)
+
+    async def refusal(self, req: pb.GenerateRequest,
+                      rpc: str = "Generate") -> tuple[grpc.StatusCode, dict[str, str]]:
+        """The status and trailing metadata of a call (`Generate` or `Complete`) expected to
+        be refused."""
         try:
-            out = await self.generate(req)
+            out = await (self.complete(req) if rpc == "Complete" else self.generate(req))
         except grpc.aio.AioRpcError as e:
             return e.code(), dict(e.trailing_metadata() or ())
-        raise AssertionError(f"expected a refusal, got {len(out)} messages")
+        raise AssertionError(f"expected a refusal, got {out}")
 
     async def status(self) -> pb.NeuronStatus:
         call = self.stub.Watch(pb.WatchRequest(), metadata=self.md)

@@ -7,12 +7,15 @@ detokenisation, stop strings) ending with usage. Admission itself happens in
 the engine process; its refusals come back as `refused_code` and leave here
 as gRPC statuses with `helexa-code` / `helexa-retry-after-ms`. A caller that
 goes away cancels this handler, which closes the engine iterator, which
-aborts the request wherever it is.
+aborts the request wherever it is. `Complete` is the same path with its
+messages merged into one reply (helexa.responses), for callers that do not
+stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +32,7 @@ from helexa.neuron.residency import ModelState, Residency, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
+from helexa.responses import merge_responses
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="neuron")
@@ -88,7 +92,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self._unadmitted: set[str] = set()  # open calls the engine has not admitted yet
         self._drained: set[str] = set()  # unadmitted calls aborted by a drain
 
-    # ------------------------------------------------------------------ Generate
+    # ------------------------------------------------------------------ Generate, Complete
 
     async def Generate(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -127,6 +131,13 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         finally:
             r.end()
             self.hub.changed()
+
+    async def Complete(self, request: pb.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        # Generate's own path, its messages merged: refusals abort the call from inside it,
+        # and a caller going away cancels this handler and, closing Generate, the request.
+        async with contextlib.aclosing(self.Generate(request, context)) as stream:
+            return merge_responses([m async for m in stream])
 
     async def _stream(self, r: ResidentModel, new: messages.NewRequest,
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,

@@ -20,6 +20,7 @@ from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
+from helexa.responses import merge_responses
 from helexa.testing import run_fake_neuron, write_neuron_config
 
 TOKEN = "s3cret"
@@ -254,3 +255,120 @@ def test_malformed_prompts_are_400_naming_the_param(config_path: Path, tok: Toke
         assert code == grpc.StatusCode.INVALID_ARGUMENT
         assert md["helexa-code"] == "invalid_request_error" and msg.startswith("prompt")
     assert seen == 0
+
+
+# ------------------------------------------------------------------ Complete
+
+
+def complete(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
+             token: str = TOKEN) -> Any:
+    return stub.Complete(req, metadata=bearer(token))
+
+
+def without_timings(msg: pb.GenerateResponse) -> pb.GenerateResponse:
+    out = pb.GenerateResponse()
+    out.CopyFrom(msg)
+    for f in ("queue_ms", "prefill_ms", "decode_ms"):
+        out.usage.ClearField(f)
+    return out
+
+
+def sample(daemon: Any, outcome: str) -> float:
+    return daemon.metrics.registry.get_sample_value(
+        "helexa_requests_total", {"model": "tiny", "outcome": outcome}) or 0.0
+
+
+def test_complete_answers_what_generate_streams_in_one_message(config_path: Path,
+                                                               tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        pairs = []
+        for i, kw in enumerate([{"max_tokens": 5, "return_prompt_token_ids": True},
+                                {"stop": ["STOP"]}, {}]):
+            streamed = await collect(stub, chat(req_id=f"g{i}", **kw))
+            pairs.append((streamed, await complete(stub, chat(req_id=f"c{i}", **kw))))
+        return pairs, sample(daemon, "length"), sample(daemon, "stop")
+
+    pairs, lengths, stops = serve(config_path, tok, body)
+    for streamed, whole in pairs:
+        assert len(streamed) > 2  # so the merge had something to do
+        assert without_timings(whole) == without_timings(merge_responses(streamed))
+    (_, a), (_, b), (_, c) = pairs
+    assert a.finish_reason == pb.FINISH_REASON_LENGTH and a.usage.completion_tokens == 5
+    assert list(a.prompt_token_ids) == tok.encode_chat([{"role": "user", "content": "Say hello"}])
+    assert b.text == ANSWER[:ANSWER.index("STOP")] and b.stop_reason == "STOP"
+    assert c.text == ANSWER and c.finish_reason == pb.FINISH_REASON_STOP
+    assert c.usage.prefill_ms >= c.usage.queue_ms >= 0 and c.usage.decode_ms > 0
+    assert (lengths, stops) == (2, 4)  # counted once per call, as for Generate
+
+
+def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path: Path,
+                                                                     tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        context = daemon.residency.models["tiny"].limits.context
+        too_long = pb.GenerateRequest(req_id="x", model="tiny",
+                                      token_ids=pb.TokenIds(ids=[5] * context))
+        got = {}
+        for rpc in ("Generate", "Complete"):
+            call = collect if rpc == "Generate" else complete
+
+            async def refused(req, token=TOKEN, call=call):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call(stub, req, token)
+                return e.value.code(), dict(e.value.trailing_metadata() or ()), e.value.details()
+
+            engine.refuse = ("overloaded", "queue full", 1234)
+            got[rpc] = [await refused(chat()), await refused(chat(model="nope")),
+                        await refused(too_long), await refused(chat(), token="wrong")]
+        return got, len(engine.requests)
+
+    got, seen = serve(config_path, tok, body)
+    assert got["Complete"] == got["Generate"]
+    codes = [(code, md.get("helexa-code")) for code, md, _ in got["Complete"]]
+    assert codes == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+                     (grpc.StatusCode.NOT_FOUND, "model_not_found"),
+                     (grpc.StatusCode.INVALID_ARGUMENT, "context_length_exceeded"),
+                     (grpc.StatusCode.UNAUTHENTICATED, "invalid_api_key")]
+    assert got["Complete"][0][1]["helexa-retry-after-ms"] == "1234"
+    assert seen == 2  # only the engine's own refusals reached it
+
+
+def test_a_complete_caller_that_goes_away_aborts_its_request(config_path: Path,
+                                                             tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        call = complete(stub, chat(ignore_eos=True, max_tokens=1000))
+        for _ in range(100):  # running: the engine has it and is producing tokens
+            if engine.active:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        call.cancel()
+        for _ in range(100):
+            if not engine.active and daemon.residency.models["tiny"].active == 0:
+                break
+            await asyncio.sleep(0.01)
+        return (dict(engine.aborts), engine.active, daemon.residency.models["tiny"].active,
+                sample(daemon, "client_gone"))
+
+    aborts, active, daemon_active, gone = serve(config_path, tok, body, step_secs=0.01)
+    assert aborts == {"r1": "client_gone"} and not active and daemon_active == 0
+    assert gone == 1
+
+
+def test_draining_refuses_complete_and_lets_a_running_one_finish(config_path: Path,
+                                                                 tok: Tokenizer) -> None:
+    async def body(stub, daemon, engine):
+        running = asyncio.ensure_future(complete(stub, chat(req_id="old", ignore_eos=True,
+                                                            max_tokens=20)))
+        await asyncio.sleep(0.05)
+        drain = asyncio.ensure_future(daemon.drain())
+        await asyncio.sleep(0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await complete(stub, chat(req_id="new"))
+        out = await running
+        await drain
+        return e.value.code(), dict(e.value.trailing_metadata()), out
+
+    code, md, out = serve(config_path, tok, body, step_secs=0.01)
+    assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
+    assert out.finish_reason == pb.FINISH_REASON_LENGTH and out.usage.completion_tokens == 20
+    assert len(out.token_ids) == 20

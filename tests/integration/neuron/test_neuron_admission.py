@@ -65,12 +65,16 @@ def test_queue_full_and_kv_timeout_are_overloaded_with_retry_after(neuron_tight:
             t0 = time.monotonic()
             full = await c.refusal(chat_request("full", principal="p3", max_tokens=150))
             full_secs = time.monotonic() - t0
+            full_unary = await c.refusal(chat_request("full-c", principal="p3", max_tokens=150),
+                                         "Complete")
             timed_out = await asyncio.gather(*waiters)
             await hog
             await c.watch_until(ledger_whole)
-        return timed_out, full, [full_secs]
+        return timed_out, full, [full_secs], full_unary
 
-    timed_out, (code, md), (full_secs,) = asyncio.run(run())
+    timed_out, (code, md), (full_secs,), full_unary = asyncio.run(run())
+    assert full_unary[0] == code and full_unary[1]["helexa-code"] == "overloaded"
+    assert int(full_unary[1]["helexa-retry-after-ms"]) > 0
     wait_secs = load_neuron_config(neuron_tight.config_path).admission.kv_max_wait_secs
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and md["helexa-code"] == "overloaded"
     assert int(md["helexa-retry-after-ms"]) > 0 and full_secs < wait_secs
@@ -94,10 +98,12 @@ def test_a_principal_over_its_cap_is_refused_429_at_once(neuron_tight: NeuronPro
             held = [asyncio.ensure_future(one(i)) for i in range(3)]
             await c.watch_until(lambda st: model_of(st).in_flight + model_of(st).queued == 3)
             fourth = await c.refusal(chat_request("greedy-3", principal="greedy", max_tokens=4))
+            unary = await c.refusal(chat_request("greedy-4", principal="greedy", max_tokens=4),
+                                    "Complete")
             await asyncio.gather(*held)
             await c.watch_until(ledger_whole)
-        return [fourth]
+        return [fourth, unary]
 
-    [(code, md)] = asyncio.run(run())
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert md["helexa-code"] == "rate_limit_exceeded" and int(md["helexa-retry-after-ms"]) > 0
+    for code, md in asyncio.run(run()):  # Generate, then Complete: the same refusal
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert md["helexa-code"] == "rate_limit_exceeded" and int(md["helexa-retry-after-ms"]) > 0

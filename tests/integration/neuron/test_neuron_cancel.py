@@ -22,6 +22,9 @@ def test_100_callers_cancelling_at_random_stages_leave_the_ledger_whole(
                 nonlocal got_tokens
                 req = chat_request(f"storm-{i}", principal=f"p{i % 5}",
                                    max_tokens=rng.randint(4, 40), ignore_eos=True)
+                if i % 2:  # half of them unary: cancelling Complete must abort alike
+                    got_tokens += len((await c.complete(req)).token_ids)
+                    return
                 async for r in c.stub.Generate(req, metadata=c.md):
                     got_tokens += len(r.token_ids)
 
@@ -37,8 +40,10 @@ def test_100_callers_cancelling_at_random_stages_leave_the_ledger_whole(
 
     st, got_tokens = asyncio.run(run())
     assert model_of(st).running == 0 and got_tokens > 0
-    gone = neuron_main.logs("request.done")
-    assert sum(1 for r in gone if r.get("client_gone") and r["req_id"].startswith("storm-")) >= 50
+    gone = [r["req_id"] for r in neuron_main.logs("request.done")
+            if r.get("client_gone") and r["req_id"].startswith("storm-")]
+    assert len(gone) >= 50
+    assert sum(int(r.split("-")[1]) % 2 for r in gone) >= 20  # Complete callers among them
 
 
 def test_a_request_past_its_deadline_is_aborted_running_or_queued(neuron_main: NeuronProcess,

@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.responses import merge_responses
 from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
@@ -34,6 +35,34 @@ def test_streams_a_chat_completion_with_usage(neuron_main: NeuronProcess,
     done = neuron_main.wait_for_log("request.done", where=lambda r: r.get("req_id") == "gen-1")
     assert done["completion_tokens"] == 12 and done["finish_reason"] == "length"
     assert done["component"] == "neuron" and done["principal"] == "alice"
+
+
+def test_complete_answers_the_greedy_stream_in_one_message(neuron_main: NeuronProcess,
+                                                          neuron_token: str) -> None:
+    async def run() -> tuple[list[pb.GenerateResponse], pb.GenerateResponse]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            reqs = [chat_request(f"both-{rpc}", max_tokens=16, ignore_eos=True,
+                                 return_prompt_token_ids=True) for rpc in "gc"]
+            for r in reqs:
+                r.sampling.logprobs, r.sampling.top_logprobs = True, 2
+            streamed = await c.generate(reqs[0])
+            whole = await c.complete(reqs[1])
+            await c.watch_until(ledger_whole)
+            return streamed, whole
+
+    streamed, whole = asyncio.run(run())
+    merged = merge_responses(streamed)
+    assert len(streamed) >= 2 and whole.usage.completion_tokens == 16
+    assert list(whole.token_ids) == list(merged.token_ids)  # greedy: the same tokens
+    assert whole.text == merged.text and whole.text
+    assert list(whole.prompt_token_ids) == list(merged.prompt_token_ids)
+    assert [(lp.token_id, [t.token_id for t in lp.top]) for lp in whole.logprobs] == \
+        [(lp.token_id, [t.token_id for t in lp.top]) for lp in merged.logprobs]
+    assert (whole.finish_reason, whole.stop_reason) == (merged.finish_reason, merged.stop_reason)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (
+        merged.usage.prompt_tokens, merged.usage.completion_tokens)
+    done = neuron_main.wait_for_log("request.done", where=lambda r: r.get("req_id") == "both-c")
+    assert done["completion_tokens"] == 16 and done["finish_reason"] == "length"
 
 
 def test_watch_metrics_and_ctl_show_the_model_and_its_ledger(neuron_main: NeuronProcess,
