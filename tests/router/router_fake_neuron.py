@@ -1,10 +1,12 @@
 """A minimal in-process Neuron servicer (grpc.aio) that the router's tests drive.
 
-It implements Generate, Watch, Models and Load of neuron.proto with a KV
-ledger that reserves per request and releases exactly once (finish, error or
-cancellation), and can be told to refuse, fail mid-stream, be slow or fall
-silent — through attributes (in-process tests) or through markers in the
-prompt text (tests against a separate process):
+It implements Generate, Complete, Watch, Models and Load of neuron.proto
+with a KV ledger that reserves per request and releases exactly once
+(finish, error or cancellation), records which RPC each request came by
+(`rpcs`, beside `requests`), and can be told to refuse, fail mid-stream, be
+slow or fall silent — through attributes (in-process tests) or through
+markers in the prompt text (tests against a separate process); the markers
+act alike on both RPCs:
 
     [[refuse:RESOURCE_EXHAUSTED:overloaded:1500]]   refuse with that status/code/retry-after ms
     [[fail:3]]                                      INTERNAL error after 3 tokens
@@ -31,6 +33,7 @@ import grpc
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
+from helexa.responses import merge_responses
 
 _MARK = re.compile(r"\[\[(\w+):([^\]]*)\]\]")
 
@@ -71,6 +74,7 @@ class Behaviour:
     first_delay_secs: float = 0.0
     default_tokens: int = 8
     silent: bool = False  # Watch stops sending (the neuron looks hung)
+    no_complete: bool = False  # Complete is UNIMPLEMENTED, as on a neuron older than it
     load_secs: float = 0.2
     load_fails: bool = False
 
@@ -84,6 +88,7 @@ class FakeNeuron(pbg.NeuronServicer):
         self.token = token
         self.b = Behaviour()
         self.requests: list[pb.GenerateRequest] = []
+        self.rpcs: list[str] = []  # "Generate" or "Complete", one per entry of requests
         self.cancelled = 0
         self.loads: list[str] = []
         self.draining = False
@@ -162,8 +167,19 @@ class FakeNeuron(pbg.NeuronServicer):
         return pb.HealthResponse(status="DRAINING" if self.draining else "SERVING", neuron=self.name)
 
     async def Generate(self, request, context):
+        async for msg in self._generate("Generate", request, context):
+            yield msg
+
+    async def Complete(self, request, context):
+        if self.b.no_complete:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
+        async with contextlib.aclosing(self._generate("Complete", request, context)) as stream:
+            return merge_responses([m async for m in stream])
+
+    async def _generate(self, rpc: str, request, context):
         await self._auth(context)
         self.requests.append(request)
+        self.rpcs.append(rpc)
         text = _prompt_text(request)
         marks = dict(_MARK.findall(text))
         refuse = self.b.refuse

@@ -53,6 +53,7 @@ class Fleet:
             for n in (self.n1, self.n2):
                 n.b = Behaviour()
                 n.requests.clear()
+                n.rpcs.clear()
                 n.loads.clear()
                 n.draining = False
                 n.models = {"tiny": FakeModel("tiny")}
