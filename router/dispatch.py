@@ -1,11 +1,21 @@
-"""From a GenerateRequest to an open stream on some neuron: selection, on-demand load, one retry.
+"""From a GenerateRequest to a neuron's answer: selection, on-demand load, one retry.
 
 This is where policy (selection.rank) meets the registry's soft state and the
 gRPC edge. A request whose model is not READY anywhere waits (up to
 `timeouts.load_wait_secs`) for a load it may cause itself, if its principal
 is in `auth.load_principals`; a refusal before the first byte
-(UNAVAILABLE, RESOURCE_EXHAUSTED) is retried once on the next neuron in the
-preference order.
+(UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND: forward.RETRYABLE) is retried
+once on the next neuron in the preference order.
+
+A streaming request gets an open Generate stream (its first message in
+hand); a non-streaming one gets Complete's whole reply. For the latter every
+error comes before the first byte to the client, so the same rule covers
+the whole call: a refusal with a retryable status is retried once, and so
+is a neuron that dies mid-generation (its call ends UNAVAILABLE), which is
+invisible to the client; when no other neuron is left the client sees the
+status mapped as a refusal would be (503 service_unavailable for a dead
+neuron). Other failures during generation (INTERNAL, UNKNOWN: the engine or
+the daemon failed) are not retried: 502 upstream_error, as for a stream.
 """
 
 from __future__ import annotations
@@ -23,8 +33,10 @@ from helexa.router.auth import may_load
 from helexa.router.errors import ApiError
 from helexa.router.forward import (
     RETRYABLE,
+    Completed,
     OpenStream,
     UpstreamClosed,
+    complete,
     map_rpc_error,
     open_generate,
 )
@@ -35,6 +47,9 @@ from helexa.router.selection import Estimate, rank, rendezvous_score, reservatio
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
 LOAD_RETRY_AFTER_SECS = 5
+# A unary call's send stays pending (counted by selection on top of Watch) this long: two Watch
+# periods (at most 20 reports a second), by when the neuron's report includes the request.
+UNARY_SEEN_SECS = 0.1
 _WAITING = (pb.MODEL_STATE_LOADING, pb.MODEL_STATE_SWITCHING)
 
 
@@ -46,7 +61,7 @@ class DispatchSettings:
 
 
 class Dispatcher:
-    """Opens Generate streams for the request handlers."""
+    """Sends the request handlers' calls to neurons."""
 
     def __init__(self, registry: Registry, metrics: RouterMetrics,
                  settings: DispatchSettings) -> None:
@@ -56,8 +71,10 @@ class Dispatcher:
         self._loads: dict[str, asyncio.Task] = {}  # model -> the one Load call this router made
 
     async def open(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, *,
-                   principal: str, kind: str) -> OpenStream:
-        """An open stream for greq, or the ApiError the client should see."""
+                   principal: str, kind: str, stream: bool = True) -> OpenStream | Completed:
+        """An open Generate stream for greq (`stream`) or its Complete reply, or the ApiError
+        the client should see."""
+        rpc = open_generate if stream else complete
         model = greq.model
         load_deadline = time.monotonic() + self.settings.load_wait_secs
         tried: set[str] = set()
@@ -74,10 +91,12 @@ class Dispatcher:
             cand = next(c for c in candidates if c.neuron == name)
             link = self.registry.links[name]
             send = self.registry.note_send(name, model, reservation_bytes(cand, est))
+            if not stream:  # no first byte will say the neuron has it: its Watch will
+                send.answered(after_secs=UNARY_SEEN_SECS)
             self.metrics.selections.labels(name, model).inc()
             try:
-                return await open_generate(link.stub, name, greq, metadata=link.metadata,
-                                           timeout_secs=self.settings.request_secs + 5)
+                return await rpc(link.stub, name, greq, metadata=link.metadata,
+                                 timeout_secs=self.settings.request_secs + 5)
             except grpc.aio.AioRpcError as e:
                 err = map_rpc_error(e, kind)
                 self.metrics.refusals.labels(name, model, err.code).inc()

@@ -1,11 +1,15 @@
-"""The gRPC edge toward neurons: build a GenerateRequest, open the stream, map refusals to HTTP.
+"""The gRPC edge toward neurons: build a GenerateRequest, call the neuron, map refusals to HTTP.
 
 A neuron refuses with a gRPC status plus trailing metadata `helexa-code`
 (the OpenAI-style code) and `helexa-retry-after-ms`; `map_rpc_error` turns
 that into the `ApiError` of DESIGN.md's error table, with `Retry-After`
-from the neuron's estimate. `open_generate` returns only once the first
-message has arrived, so a refusal (which the neuron sends before any
-token) is seen before the router commits to an HTTP status.
+from the neuron's estimate. Streaming requests use `open_generate`, which
+returns only once the first message has arrived, so a refusal (which the
+neuron sends before any token) is seen before the router commits to an
+HTTP status. Non-streaming requests use `complete`: the unary Complete RPC
+(a stream costs more gRPC CPU on both ends), whose one reply is the whole
+answer, so every error of such a call, a refusal or a failure, arrives
+before any byte went to the client.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.responses import merge_responses
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import ParsedRequest
 
@@ -143,3 +148,31 @@ async def open_generate(stub, neuron: str, greq: pb.GenerateRequest, *,
         call.cancel()
         raise UpstreamClosed(f"neuron {neuron} closed the stream before any message")
     return OpenStream(neuron, call, first)
+
+
+@dataclass
+class Completed:
+    """A Complete call's reply: one choice's whole answer."""
+
+    neuron: str
+    reply: pb.GenerateResponse
+
+    def cancel(self) -> None:
+        """Nothing to abort: the call is over (the same interface as OpenStream)."""
+
+
+async def complete(stub, neuron: str, greq: pb.GenerateRequest, *,
+                   metadata: tuple, timeout_secs: float) -> Completed:
+    """Complete on one neuron; raises AioRpcError on a refusal or failure. A neuron older than
+    Complete (UNIMPLEMENTED) is asked with Generate instead and its stream merged."""
+    try:
+        reply = await stub.Complete(greq, metadata=metadata, timeout=timeout_secs)
+    except grpc.aio.AioRpcError as e:
+        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+            raise
+        call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
+        try:
+            reply = merge_responses([m async for m in call])
+        finally:
+            call.cancel()  # a no-op once it ended; aborts it on the neuron if we were cancelled
+    return Completed(neuron, reply)

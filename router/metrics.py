@@ -91,7 +91,8 @@ class RouterMetrics:
         self.requests = Counter("helexa_router_requests", "Requests answered, by model and HTTP code",
                                 ["model", "code"], registry=r)
         self.ttft = Histogram("helexa_router_ttft_seconds",
-                              "Time from request arrival to the first token", ["model"],
+                              "Time from request arrival to the first token of a stream "
+                              "(a non-streaming reply brings all its tokens at once)", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.inter_token = Histogram("helexa_router_inter_token_seconds",
                                      "Time between successive tokens of a stream", ["model"],

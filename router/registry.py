@@ -44,9 +44,11 @@ class PendingSend:
     sent_at: float = field(default_factory=time.monotonic)
     answered_at: float | None = None  # first byte, refusal or end: the neuron has seen it
 
-    def answered(self) -> None:
-        if self.answered_at is None:
-            self.answered_at = time.monotonic()
+    def answered(self, after_secs: float = 0.0) -> None:
+        """The neuron has seen this send, or its Watch reports will have `after_secs` from now."""
+        at = time.monotonic() + after_secs
+        if self.answered_at is None or at < self.answered_at:
+            self.answered_at = at
 
 
 def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
@@ -147,7 +149,8 @@ class NeuronLink:
         self.connected = True
         # Sends the neuron had seen before this report are now in its counters.
         self.pending = [p for p in self.pending
-                        if p.answered_at is None and now - p.sent_at < PENDING_TTL_SECS]
+                        if (p.answered_at is None or p.answered_at > now)
+                        and now - p.sent_at < PENDING_TTL_SECS]
         self.registry.notify()
 
     def model_status(self, model: str) -> pb.ModelStatus | None:

@@ -2,12 +2,17 @@
 
 One handler serves both. Its steps follow DESIGN.md's path of a request:
 principal, body, alias, selection (Dispatcher), then either an SSE stream
-or one JSON body. `n > 1` fans out into n Generate calls (one per choice).
-HTTP headers go out only after every choice's first neuron message, so a
-neuron's refusal is still a proper HTTP error; after that, a neuron failing
-mid-stream ends the SSE stream with an `upstream_error` event. If the client
-goes away the handler is cancelled (aiohttp handler cancellation) and the
-`finally` below cancels the gRPC calls, which aborts them on the neuron.
+over Generate calls or one JSON body from Complete calls (unary: a stream
+costs more gRPC CPU on both ends, and a non-streaming client sees nothing
+before the end anyway). `n > 1` fans out into n calls (one per choice). HTTP
+headers go out only after every choice's first neuron message (or whole
+reply), so a neuron's refusal is still a proper HTTP error; after that, a
+neuron failing mid-stream ends the SSE stream with an `upstream_error`
+event. If the client goes away the handler is cancelled (aiohttp handler
+cancellation), which cancels the gRPC calls in flight (the `finally` below
+cancels open streams), and that aborts them on the neuron. TTFT and
+inter-token latency are observed on streams only: a Complete reply carries
+its first token and its last together.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from aiohttp import web
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
 from helexa.router.errors import ApiError, bad_request
-from helexa.router.forward import OpenStream, generate_request, map_rpc_error
+from helexa.router.forward import Completed, OpenStream, generate_request
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
 
@@ -110,7 +115,7 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
     log = state.log
     model = "-"
     code = "200"
-    streams: list[OpenStream] = []
+    calls: list[OpenStream] | list[Completed] = []
     state.metrics.in_progress.inc()
     try:
         principal = ctx["principal"] = state.auth.principal(request.headers.get("Authorization"))
@@ -123,16 +128,16 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
                                   deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
-        streams = await _open_all(state, greqs, est, key, principal, kind)
+        calls = await _open_all(state, greqs, est, key, principal, kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=i) for i in range(req.n)]
-        series = state.metrics.model(model)
         if req.stream:
-            resp = await _stream(request, env, choices, streams, state, series, t0, req_id)
+            resp = await _stream(request, env, choices, calls, state, state.metrics.model(model),
+                                 t0, req_id)
         else:
-            resp = await _collect(env, choices, streams, series, t0, req_id)
-        log.info("request.done", **ctx, neurons=[s.neuron for s in streams],
+            resp = _reply(env, choices, calls, req_id)
+        log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
                  usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
@@ -150,8 +155,8 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
             raise
         return web.Response(status=499)  # a write to a client that has gone
     finally:
-        for s in streams:
-            s.cancel()
+        for c in calls:
+            c.cancel()
         state.metrics.in_progress.dec()
         series = state.metrics.model(model)
         series.answered(code)
@@ -159,12 +164,15 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: bytes,
-                    principal: str, kind: str) -> list[OpenStream]:
-    """One open stream per choice, or the first refusal (the others are cancelled)."""
+                    principal: str, kind: str, stream: bool) -> list:
+    """One open stream (or Complete reply) per choice, or the first refusal (the others are
+    cancelled)."""
     if len(greqs) == 1:  # the common case, without a task per choice
-        return [await state.dispatcher.open(greqs[0], est, key, principal=principal, kind=kind)]
+        return [await state.dispatcher.open(greqs[0], est, key, principal=principal, kind=kind,
+                                            stream=stream)]
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(state.dispatcher.open(g, est, key, principal=principal, kind=kind))
+    tasks = [loop.create_task(state.dispatcher.open(g, est, key, principal=principal, kind=kind,
+                                                    stream=stream))
              for g in greqs]
     ok = False
     try:
@@ -200,20 +208,13 @@ def _timing(series, t0: float, last: list[float], msg: pb.GenerateResponse) -> N
     last[0] = now
 
 
-async def _collect(env, choices, streams, series, t0, req_id) -> web.Response:
-    last = [0.0]
-    try:
-        async for i, msg in _merge(streams):
-            _timing(series, t0, last, msg)
-            _check_finish(msg)
-            encode.add_delta(choices[i], msg)
-    except grpc.aio.AioRpcError as e:
-        raise ApiError(502, f"the neuron failed: {map_rpc_error(e, env.req.kind).message}",
-                       code="upstream_error") from None
-    except UpstreamFailed as e:
-        raise ApiError(502, str(e), code="upstream_error") from None
+def _reply(env, choices, replies: list[Completed], req_id) -> web.Response:
+    for choice, r in zip(choices, replies, strict=True):
+        if r.reply.finish_reason in _FAILED:
+            raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
+        encode.add_delta(choice, r.reply)
     if any(c.finish_reason is None for c in choices):
-        raise ApiError(502, "the neuron ended the stream without finishing", code="upstream_error")
+        raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
     return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
                         content_type="application/json", headers={"x-request-id": req_id})
 

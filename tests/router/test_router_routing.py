@@ -44,6 +44,11 @@ def test_refusal_before_first_byte_fails_over_to_the_other_neuron(fl, status, co
         r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
         assert r.choices[0].message.content == "w0 w1 "
     assert len(fl.n2.requests) == 4
+    assert set(fl.n1.rpcs + fl.n2.rpcs) == {"Complete"}  # the refused call was unary too
+    # A stream fails over alike, over Generate.
+    s = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in s) == "w0 w1 "
+    assert fl.n2.rpcs[-1] == "Generate" and len(fl.n2.requests) == 5
 
 
 @pytest.mark.parametrize("status,code,err,retry", [
@@ -78,11 +83,14 @@ def test_neuron_failing_mid_stream_ends_the_stream_with_an_error_event(fl):
     assert "mid-stream" in e.value.message
     assert e.value.body["code"] == "upstream_error"
     assert "".join(c.choices[0].delta.content or "" for c in got) == "w0 w1 "
-    # Non-streaming: a 502 with the same code.
+    # Non-streaming: a 502 with the same code (the Complete call fails; it is not retried).
+    before = len(fl.n1.requests) + len(fl.n2.requests)
     with pytest.raises(openai.APIStatusError) as e:
         fl.client().chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "[[fail:2]]"}], max_tokens=6)
     assert e.value.status_code == 502 and e.value.code == "upstream_error"
+    assert len(fl.n1.requests) + len(fl.n2.requests) == before + 1
+    assert (fl.n1.rpcs + fl.n2.rpcs).count("Complete") == 1
 
 
 def test_client_disconnect_cancels_the_neuron_call_and_frees_kv(fl):
@@ -100,6 +108,73 @@ def test_client_disconnect_cancels_the_neuron_call_and_frees_kv(fl):
     # The router's mirror shows the blocks back too.
     assert wait_for(lambda: 'helexa_neuron_kv_used_bytes{model="tiny",neuron="n1"} 0.0'
                     in httpx2.get(fl.url + "/metrics").text)
+
+
+def test_client_disconnect_cancels_a_non_streaming_call_and_frees_kv(fl):
+    set_b(fl, fl.n1, token_delay_secs=0.05, default_tokens=500)
+    set_b(fl, fl.n2, token_delay_secs=0.05, default_tokens=500)
+    before = fl.n1.cancelled + fl.n2.cancelled
+    models = [fl.n1.models["tiny"], fl.n2.models["tiny"]]
+    with pytest.raises(httpx2.TimeoutException):  # the client gives up and closes
+        httpx2.post(fl.url + "/v1/chat/completions", timeout=0.5, json={
+            "model": "tiny", "messages": MSG, "max_tokens": 500})
+    assert fl.n1.rpcs + fl.n2.rpcs == ["Complete"]
+    assert wait_for(lambda: fl.n1.cancelled + fl.n2.cancelled == before + 1)
+    assert wait_for(lambda: all(m.used_bytes == 0 and m.in_flight == 0 for m in models))
+    assert wait_for(lambda: 'helexa_router_requests_total{code="499",model="tiny"}'
+                    in httpx2.get(fl.url + "/metrics").text)
+
+
+def ttft_count(fl) -> float:
+    m = httpx2.get(fl.url + "/metrics").text
+    line = 'helexa_router_ttft_seconds_count{model="tiny"} '
+    return next((float(x.split()[-1]) for x in m.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_non_streaming_goes_over_complete_and_streaming_over_generate(fl):
+    c = fl.client()
+    ttft_before = ttft_count(fl)
+    r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, logprobs=True,
+                                  top_logprobs=1, extra_body={"return_token_ids": True})
+    assert r.choices[0].message.content == "w0 w1 w2 " and r.choices[0].finish_reason == "length"
+    assert r.choices[0].token_ids == [100, 101, 102]
+    assert [t.token for t in r.choices[0].logprobs.content] == ["w0 ", "w1 ", "w2 "]
+    assert r.usage.completion_tokens == 3
+    p = c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2, n=2)
+    assert [x.text for x in p.choices] == ["w0 w1 ", "w0 w1 "]
+    assert p.usage.completion_tokens == 4
+    s = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=2, stream=True)
+    assert "".join(x.choices[0].delta.content or "" for x in s) == "w0 w1 "
+    assert sorted(fl.n1.rpcs + fl.n2.rpcs) == ["Complete"] * 3 + ["Generate"]
+    # No first token is observed on a unary call: TTFT counts the stream alone.
+    assert ttft_count(fl) == ttft_before + 1
+
+
+def test_a_neuron_without_complete_is_asked_with_generate(fl):
+    for n in (fl.n1, fl.n2):
+        set_b(fl, n, no_complete=True)
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=3,
+                                            extra_body={"return_token_ids": True})
+    assert r.choices[0].message.content == "w0 w1 w2 " and r.choices[0].token_ids == [100, 101, 102]
+    assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
+    assert fl.n1.rpcs + fl.n2.rpcs == ["Generate"]  # the UNIMPLEMENTED call never got as far
+
+
+def test_a_running_unary_call_counts_once_in_selection(fl):
+    """Watch reports it in flight; it must not also count as a send the neuron has not seen
+    for as long as it runs (a stream's first message settles that; a unary call has none)."""
+    for n in (fl.n1, fl.n2):
+        set_b(fl, n, token_delay_secs=0.05, default_tokens=60)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(fl.client().chat.completions.create, model="tiny", messages=MSG)
+
+        def load() -> list[int]:
+            return sorted(c.load for c in fl.lt.call(fl.state.registry.candidates, "tiny"))
+        assert wait_for(lambda: any(m.in_flight for n in (fl.n1, fl.n2)
+                                    for m in n.models.values()))
+        assert wait_for(lambda: load() == [0, 1], timeout=1.5), load()
+        assert not running.done()
+        assert running.result().usage.completion_tokens == 60
 
 
 def test_silent_neuron_leaves_rotation_and_comes_back(fl):

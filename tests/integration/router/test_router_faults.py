@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import signal
+import socket
 
 import httpx2
 import openai
@@ -45,6 +46,29 @@ def test_client_disconnect_frees_kv_on_the_neuron(router):
     done = [json.loads(line) for line in router.log_path.read_text().splitlines()
             if '"request.done"' in line and '"principal":"carol"' in line]
     assert done and done[-1]["client_gone"] is True and done[-1]["component"] == "router"
+
+
+def test_client_disconnect_of_a_non_streaming_request_frees_kv_on_the_neuron(router):
+    def gone_lines() -> int:
+        return sum(1 for line in router.log_path.read_text().splitlines()
+                   if '"request.done"' in line and '"principal":"carol"' in line
+                   and '"client_gone":true' in line)
+    before, gone_before = router.metric("helexa_router_requests_total", model="tiny",
+                                        code="499"), gone_lines()
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 1500,
+                       "ignore_eos": True}).encode()
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as sock:  # a client that will hang up
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\n"
+                     b"Authorization: Bearer " + key_of("carol").encode() + b"\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        # Running on some neuron (over Complete: nothing comes back until the end).
+        busy = wait_for(lambda: [n for n in ("na", "nb") if router.metric(
+            "helexa_neuron_in_flight", neuron=n, model="tiny") == 1], timeout=5)
+    wait_for(lambda: kv_whole(router, busy[0]), timeout=10)
+    assert router.metric("helexa_router_requests_total", model="tiny", code="499") == before + 1
+    wait_for(lambda: gone_lines() == gone_before + 1, timeout=5)
 
 
 def test_refusal_before_first_byte_fails_over_to_the_other_neuron(router):
