@@ -8,12 +8,15 @@ same admission code; each request is a short text prompt generating
 the request finishes. IPC: tokenise, then EngineClient.generate against an
 engine process (the pipe, no gRPC, no daemon). Daemon: a real `helexa
 neuron` subprocess, one gRPC Generate call (tokenising, context check, the
-engine process over its pipe, detokenising, streaming back). Requests
+engine process over its pipe, detokenising, streaming back); the same
+daemon again with one unary Complete call (the same path answered in one
+message, as the router asks for non-streaming requests). Requests
 rotate between the contenders; the figures are medians (p50) and p90 of
 each and the differences: what the daemon path adds over in-process
 (target: < 1 ms p50), split into the engine pipe (IPC − in-process) and
-gRPC + daemon (daemon − IPC), next to the floor of an empty gRPC call. `--fake-model` uses the engine's fake runner
-for the in-process and IPC contenders to show the pipe's cost without a model.
+gRPC + daemon (daemon − IPC), next to the floor of an empty gRPC call.
+`--fake-model` uses the engine's fake runner for the in-process and IPC
+contenders to show the pipe's cost without a model.
 """
 
 from __future__ import annotations
@@ -90,15 +93,18 @@ def _in_process(model_dir: Path, max_tokens: int, fake: bool):  # -> callable me
     return one
 
 
-async def _daemon_one(stub, md, i: int, max_tokens: int) -> float:
+async def _daemon_one(stub, md, i: int, max_tokens: int, unary: bool) -> float:
     from helexa.proto import neuron_pb2 as pb
 
     req = pb.GenerateRequest(req_id=f"d-{i}", model="tiny", principal="bench", text=PROMPT,
                              max_tokens=max_tokens, ignore_eos=True,
                              sampling=pb.SamplingParams(temperature=0.0))
     t0 = time.perf_counter()
-    async for _ in stub.Generate(req, metadata=md):
-        pass
+    if unary:
+        await stub.Complete(req, metadata=md)
+    else:
+        async for _ in stub.Generate(req, metadata=md):
+            pass
     return (time.perf_counter() - t0) * 1000
 
 
@@ -134,7 +140,10 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
             counter = iter(range(10**9))
 
             async def daemon() -> float:
-                return await _daemon_one(stub, md, next(counter), args.max_tokens)
+                return await _daemon_one(stub, md, next(counter), args.max_tokens, False)
+
+            async def daemon_unary() -> float:
+                return await _daemon_one(stub, md, next(counter), args.max_tokens, True)
 
             async def local() -> float:
                 return in_process()
@@ -145,12 +154,14 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
                 return (time.perf_counter() - t0) * 1000
 
             contenders = {"engine in-process": local, "engine over its pipe (IPC)": ipc,
-                          "daemon (gRPC + IPC)": daemon, "gRPC floor (unary Health)": floor}
+                          "daemon (gRPC + IPC)": daemon, "gRPC floor (unary Health)": floor,
+                          "daemon unary (Complete)": daemon_unary}
             times: dict[str, list[float]] = {k: [] for k in contenders}
             names = list(contenders)
             for i in range(args.warmup + args.requests):
                 # rotate the order so that noise and warm caches hit every contender alike
-                for name in names[i % 4:] + names[:i % 4]:
+                k = i % len(names)
+                for name in names[k:] + names[:k]:
                     t = await contenders[name]()
                     if i >= args.warmup:
                         times[name].append(t)
@@ -172,6 +183,11 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
     print(f"  engine pipe (IPC - in-process): {p50[names[1]] - p50[names[0]]:.3f} ms;"
           f" gRPC + daemon (daemon - IPC): {p50[names[2]] - p50[names[1]]:.3f} ms,"
           f" of which an empty gRPC call takes {p50[names[3]]:.3f} ms")
+    un = times[names[4]]
+    paired_unary = statistics.median(u - d for u, d in zip(un, dm, strict=True))
+    print(f"daemon unary (Complete) vs streaming (Generate): p50 {p50[names[4]]:.3f} vs"
+          f" {p50[names[2]]:.3f} ms (median of paired differences {paired_unary:.3f} ms);"
+          f" unary adds p50 {p50[names[4]] - p50[names[0]]:.3f} ms over in-process")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,12 @@ A minimal implementation of neuron.proto (tests/router/router_fake_neuron.py, on
 token per request, no model) stands in for the engine, so the figures are
 the router's own cost: parsing, selection, the gRPC hop and encoding. Both
 the fake neuron and the router run as separate processes; this process is
-the client. Rounds of the two paths are interleaved and medians reported.
+the client. Three contenders, interleaved in blocks and rounds, medians
+reported: the neuron called directly with `Generate` (server stream) and
+with `Complete` (unary), and a non-streaming HTTP request through the
+router, whose own hop to the neuron is `Complete`; so direct `Complete` is
+the fair baseline, and the figures against direct `Generate` are printed
+beside it.
 
     .venv/bin/python bench/router.py [--requests 400] [--concurrency 8] [--secs 2] [--rounds 3]
 
@@ -50,8 +55,13 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+PATHS = ("generate", "complete", "routed")
+LABELS = {"generate": "direct Generate (stream)", "complete": "direct Complete (unary)",
+          "routed": "via router (HTTP, Complete)"}
+
+
 class Paths:
-    """The two ways to send one short request."""
+    """The three ways to send one short request."""
 
     def __init__(self, neuron: str, router: str) -> None:
         self.channel = grpc.aio.insecure_channel(neuron)
@@ -61,12 +71,17 @@ class Paths:
         self.body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 1})
         self.n = 0
 
-    async def direct(self) -> None:
+    def _request(self) -> pb.GenerateRequest:
         self.n += 1
-        req = pb.GenerateRequest(req_id=f"b{self.n}", model="tiny", text="hello", max_tokens=1,
-                                 sampling=pb.SamplingParams(temperature=1.0, top_p=1.0))
-        async for _ in self.stub.Generate(req):
+        return pb.GenerateRequest(req_id=f"b{self.n}", model="tiny", text="hello", max_tokens=1,
+                                  sampling=pb.SamplingParams(temperature=1.0, top_p=1.0))
+
+    async def generate(self) -> None:
+        async for _ in self.stub.Generate(self._request()):
             pass
+
+    async def complete(self) -> None:
+        await self.stub.Complete(self._request())
 
     async def routed(self) -> None:
         async with self.http.post(self.url, data=self.body,
@@ -79,16 +94,16 @@ class Paths:
         await self.channel.close()
 
 
-async def latency(paths: Paths, n: int, block: int = 25) -> tuple[list[float], list[float]]:
-    out: dict[str, list[float]] = {"direct": [], "routed": []}
+async def latency(paths: Paths, n: int, block: int = 25) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {name: [] for name in PATHS}
     for _ in range(max(1, n // block)):
-        for name in ("direct", "routed"):
+        for name in PATHS:
             fn = getattr(paths, name)
             for _ in range(block):
                 t = time.perf_counter()
                 await fn()
                 out[name].append(time.perf_counter() - t)
-    return out["direct"], out["routed"]
+    return out
 
 
 async def rate(fn, concurrency: int, secs: float) -> float:
@@ -109,23 +124,26 @@ async def rate(fn, concurrency: int, secs: float) -> float:
 async def run(args: argparse.Namespace, neuron: str, router: str) -> dict:
     paths = Paths(neuron, router)
     try:
-        for _ in range(50):  # warm both paths (connections, code paths)
-            await paths.direct()
-            await paths.routed()
-        d, r = await latency(paths, args.requests)
-        rates: dict[str, list[float]] = {"direct": [], "routed": []}
+        for _ in range(50):  # warm every path (connections, code paths)
+            for name in PATHS:
+                await getattr(paths, name)()
+        lat = await latency(paths, args.requests)
+        rates: dict[str, list[float]] = {name: [] for name in PATHS}
         for _ in range(args.rounds):
-            for name in ("direct", "routed"):
+            for name in PATHS:
                 rates[name].append(await rate(getattr(paths, name), args.concurrency, args.secs))
     finally:
         await paths.close()
-    d50, r50 = statistics.median(d), statistics.median(r)
-    dr, rr = statistics.median(rates["direct"]), statistics.median(rates["routed"])
-    return {"requests_per_path": len(d), "direct_p50_ms": d50 * 1e3, "routed_p50_ms": r50 * 1e3,
-            "direct_p95_ms": percentile(d, 0.95) * 1e3, "routed_p95_ms": percentile(r, 0.95) * 1e3,
-            "router_added_p50_ms": (r50 - d50) * 1e3, "concurrency": args.concurrency,
-            "direct_rps": dr, "routed_rps": rr, "rps_ratio": rr / dr,
-            "direct_rps_rounds": rates["direct"], "routed_rps_rounds": rates["routed"]}
+    res: dict = {"requests_per_path": len(lat["routed"]), "concurrency": args.concurrency}
+    for name in PATHS:
+        res[f"{name}_p50_ms"] = statistics.median(lat[name]) * 1e3
+        res[f"{name}_p95_ms"] = percentile(lat[name], 0.95) * 1e3
+        res[f"{name}_rps"] = statistics.median(rates[name])
+        res[f"{name}_rps_rounds"] = rates[name]
+    for direct in ("complete", "generate"):
+        res[f"router_added_p50_ms_vs_{direct}"] = res["routed_p50_ms"] - res[f"{direct}_p50_ms"]
+        res[f"rps_ratio_vs_{direct}"] = res["routed_rps"] / res[f"{direct}_rps"]
+    return res
 
 
 def main() -> int:
@@ -157,15 +175,16 @@ def main() -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(f"router overhead, {res['requests_per_path']} sequential short requests per path"
-          f" (1 output token, fake neuron)")
-    print(f"  p50 latency   direct gRPC {res['direct_p50_ms']:.3f} ms   via router"
-          f" {res['routed_p50_ms']:.3f} ms   added {res['router_added_p50_ms']:.3f} ms"
-          f"   (target < 1 ms)")
-    print(f"  p95 latency   direct gRPC {res['direct_p95_ms']:.3f} ms   via router"
-          f" {res['routed_p95_ms']:.3f} ms")
-    print(f"  throughput at concurrency {args.concurrency}: direct {res['direct_rps']:.0f} req/s,"
-          f" via router {res['routed_rps']:.0f} req/s, ratio {res['rps_ratio']:.2f}"
-          f"   (target >= 0.8)")
+          f" (1 output token, fake neuron); throughput at concurrency {args.concurrency}")
+    print(f"  {'path':<28} {'p50 ms':>8} {'p95 ms':>8} {'req/s':>8}")
+    for name in PATHS:
+        print(f"  {LABELS[name]:<28} {res[f'{name}_p50_ms']:8.3f} {res[f'{name}_p95_ms']:8.3f}"
+              f" {res[f'{name}_rps']:8.0f}")
+    for direct, note in (("complete", "the router's own hop: the fair baseline"),
+                         ("generate", "the streaming call")):
+        print(f"  vs {LABELS[direct]} ({note}): router adds p50"
+              f" {res[f'router_added_p50_ms_vs_{direct}']:.3f} ms (target < 1 ms),"
+              f" rps ratio {res[f'rps_ratio_vs_{direct}']:.2f} (target >= 0.8)")
     return 0
 
 
