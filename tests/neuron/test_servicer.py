@@ -67,11 +67,22 @@ async def collect(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
     return [r async for r in stub.Generate(req, metadata=bearer(token))]
 
 
+async def complete(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
+                   token: str = TOKEN) -> pb.GenerateResponse:
+    return await stub.Complete(req, metadata=bearer(token))
+
+
 async def refusal(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
-                  token: str = TOKEN) -> tuple[grpc.StatusCode, dict[str, str], str]:
+                  token: str = TOKEN, call: Any = collect
+                  ) -> tuple[grpc.StatusCode, dict[str, str], str]:
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await collect(stub, req, token)
+        await call(stub, req, token)
     return e.value.code(), dict(e.value.trailing_metadata() or ()), e.value.details()
+
+
+def sample(daemon: Any, outcome: str) -> float:
+    return daemon.metrics.registry.get_sample_value(
+        "helexa_requests_total", {"model": "tiny", "outcome": outcome}) or 0.0
 
 
 def test_streams_text_deltas_and_ends_with_usage(config_path: Path, tok: Tokenizer) -> None:
@@ -180,39 +191,54 @@ def test_a_request_past_its_deadline_is_aborted(config_path: Path, tok: Tokenize
     assert secs < 1.0 and aborts == {"r1": "deadline"}
 
 
-def test_a_caller_that_goes_away_aborts_its_request(config_path: Path, tok: Tokenizer) -> None:
+@pytest.mark.parametrize("rpc", ["Generate", "Complete"])
+def test_a_caller_that_goes_away_aborts_its_request(config_path: Path, tok: Tokenizer,
+                                                    rpc: str) -> None:
     async def body(stub, daemon, engine):
-        call = stub.Generate(chat(ignore_eos=True, max_tokens=1000), metadata=bearer(TOKEN))
-        async for _ in call:
-            break
+        req = chat(ignore_eos=True, max_tokens=1000)
+        if rpc == "Generate":
+            call = stub.Generate(req, metadata=bearer(TOKEN))
+            async for _ in call:
+                break
+        else:  # nothing comes back before the end: leave once the engine is producing
+            call = stub.Complete(req, metadata=bearer(TOKEN))
+            for _ in range(100):
+                if engine.active:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
         call.cancel()
         for _ in range(100):
             if not engine.active and daemon.residency.models["tiny"].active == 0:
                 break
             await asyncio.sleep(0.01)
-        return dict(engine.aborts), engine.active, daemon.residency.models["tiny"].active
+        return (dict(engine.aborts), engine.active, daemon.residency.models["tiny"].active,
+                sample(daemon, "client_gone"))
 
-    aborts, active, daemon_active = serve(config_path, tok, body, step_secs=0.01)
+    aborts, active, daemon_active, gone = serve(config_path, tok, body, step_secs=0.01)
     assert aborts == {"r1": "client_gone"} and not active and daemon_active == 0
+    assert gone == 1
 
 
+@pytest.mark.parametrize("call", [collect, complete], ids=["Generate", "Complete"])
 def test_draining_refuses_new_work_and_lets_running_work_finish(config_path: Path,
-                                                                tok: Tokenizer) -> None:
+                                                                tok: Tokenizer, call: Any) -> None:
     async def body(stub, daemon, engine):
-        running = asyncio.ensure_future(collect(stub, chat(req_id="old", ignore_eos=True,
-                                                           max_tokens=20)))
+        running = asyncio.ensure_future(call(stub, chat(req_id="old", ignore_eos=True,
+                                                        max_tokens=20)))
         await asyncio.sleep(0.05)
         drain = asyncio.ensure_future(daemon.drain())
         await asyncio.sleep(0.01)
-        refused = await refusal(stub, chat(req_id="new"))
+        refused = await refusal(stub, chat(req_id="new"), call=call)
         out = await running
         await drain
         return refused, out
 
     (code, md, _), out = serve(config_path, tok, body, step_secs=0.01)
+    last = out[-1] if isinstance(out, list) else out  # Complete answers with one message
     assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
     assert int(md["helexa-retry-after-ms"]) > 0
-    assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH and out[-1].usage.completion_tokens == 20
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 20
 
 
 def test_watch_shows_the_model_ready_with_its_ledger_and_limits(config_path: Path,
@@ -260,22 +286,12 @@ def test_malformed_prompts_are_400_naming_the_param(config_path: Path, tok: Toke
 # ------------------------------------------------------------------ Complete
 
 
-def complete(stub: neuron_pb2_grpc.NeuronStub, req: pb.GenerateRequest,
-             token: str = TOKEN) -> Any:
-    return stub.Complete(req, metadata=bearer(token))
-
-
 def without_timings(msg: pb.GenerateResponse) -> pb.GenerateResponse:
     out = pb.GenerateResponse()
     out.CopyFrom(msg)
     for f in ("queue_ms", "prefill_ms", "decode_ms"):
         out.usage.ClearField(f)
     return out
-
-
-def sample(daemon: Any, outcome: str) -> float:
-    return daemon.metrics.registry.get_sample_value(
-        "helexa_requests_total", {"model": "tiny", "outcome": outcome}) or 0.0
 
 
 def test_complete_answers_what_generate_streams_in_one_message(config_path: Path,
@@ -308,17 +324,11 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
         too_long = pb.GenerateRequest(req_id="x", model="tiny",
                                       token_ids=pb.TokenIds(ids=[5] * context))
         got = {}
-        for rpc in ("Generate", "Complete"):
-            call = collect if rpc == "Generate" else complete
-
-            async def refused(req, token=TOKEN, call=call):
-                with pytest.raises(grpc.aio.AioRpcError) as e:
-                    await call(stub, req, token)
-                return e.value.code(), dict(e.value.trailing_metadata() or ()), e.value.details()
-
+        for rpc, call in (("Generate", collect), ("Complete", complete)):
             engine.refuse = ("overloaded", "queue full", 1234)
-            got[rpc] = [await refused(chat()), await refused(chat(model="nope")),
-                        await refused(too_long), await refused(chat(), token="wrong")]
+            got[rpc] = [await refusal(stub, req, token, call) for req, token in (
+                (chat(), TOKEN), (chat(model="nope"), TOKEN), (too_long, TOKEN),
+                (chat(), "wrong"))]
         return got, len(engine.requests)
 
     got, seen = serve(config_path, tok, body)
@@ -330,45 +340,3 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
                      (grpc.StatusCode.UNAUTHENTICATED, "invalid_api_key")]
     assert got["Complete"][0][1]["helexa-retry-after-ms"] == "1234"
     assert seen == 2  # only the engine's own refusals reached it
-
-
-def test_a_complete_caller_that_goes_away_aborts_its_request(config_path: Path,
-                                                             tok: Tokenizer) -> None:
-    async def body(stub, daemon, engine):
-        call = complete(stub, chat(ignore_eos=True, max_tokens=1000))
-        for _ in range(100):  # running: the engine has it and is producing tokens
-            if engine.active:
-                break
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(0.05)
-        call.cancel()
-        for _ in range(100):
-            if not engine.active and daemon.residency.models["tiny"].active == 0:
-                break
-            await asyncio.sleep(0.01)
-        return (dict(engine.aborts), engine.active, daemon.residency.models["tiny"].active,
-                sample(daemon, "client_gone"))
-
-    aborts, active, daemon_active, gone = serve(config_path, tok, body, step_secs=0.01)
-    assert aborts == {"r1": "client_gone"} and not active and daemon_active == 0
-    assert gone == 1
-
-
-def test_draining_refuses_complete_and_lets_a_running_one_finish(config_path: Path,
-                                                                 tok: Tokenizer) -> None:
-    async def body(stub, daemon, engine):
-        running = asyncio.ensure_future(complete(stub, chat(req_id="old", ignore_eos=True,
-                                                            max_tokens=20)))
-        await asyncio.sleep(0.05)
-        drain = asyncio.ensure_future(daemon.drain())
-        await asyncio.sleep(0.01)
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await complete(stub, chat(req_id="new"))
-        out = await running
-        await drain
-        return e.value.code(), dict(e.value.trailing_metadata()), out
-
-    code, md, out = serve(config_path, tok, body, step_secs=0.01)
-    assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
-    assert out.finish_reason == pb.FINISH_REASON_LENGTH and out.usage.completion_tokens == 20
-    assert len(out.token_ids) == 20
