@@ -48,7 +48,8 @@ def test_a_flooding_principal_does_not_starve_another(neuron_main: NeuronProcess
 def test_queue_full_and_kv_timeout_are_overloaded_with_retry_after(neuron_tight: NeuronProcess,
                                                                    neuron_token: str) -> None:
     """A 256-token pool: one 215-token request holds it; two wait (queue depth 2), a fourth
-    is refused at once (queue full); the waiting two are refused after kv_max_wait_secs."""
+    is refused at once (queue full); the waiting two are refused after kv_max_wait_secs.
+    Complete is refused alike: one waiter and one of two refused at once use it."""
     async def run() -> tuple[list, tuple, list[float]]:
         async with NeuronClient(neuron_tight.address, neuron_token) as c:
             hog = asyncio.ensure_future(c.generate(chat_request(
@@ -57,16 +58,18 @@ def test_queue_full_and_kv_timeout_are_overloaded_with_retry_after(neuron_tight:
 
             async def waiter(i: int) -> tuple:
                 t0 = time.monotonic()
-                r = await c.refusal(chat_request(f"wait-{i}", principal=f"p{i}", max_tokens=150))
+                r = await c.refusal(chat_request(f"wait-{i}", principal=f"p{i}", max_tokens=150),
+                                    "Complete" if i == 2 else "Generate")
                 return (*r, time.monotonic() - t0)
 
             waiters = [asyncio.ensure_future(waiter(i)) for i in (1, 2)]
             await c.watch_until(lambda st: model_of(st).queued == 2)
             t0 = time.monotonic()
-            full = await c.refusal(chat_request("full", principal="p3", max_tokens=150))
+            # together, while the two wait: the queue is full for both
+            full, full_unary = await asyncio.gather(
+                c.refusal(chat_request("full", principal="p3", max_tokens=150)),
+                c.refusal(chat_request("full-c", principal="p3", max_tokens=150), "Complete"))
             full_secs = time.monotonic() - t0
-            full_unary = await c.refusal(chat_request("full-c", principal="p3", max_tokens=150),
-                                         "Complete")
             timed_out = await asyncio.gather(*waiters)
             await hog
             await c.watch_until(ledger_whole)
@@ -97,9 +100,10 @@ def test_a_principal_over_its_cap_is_refused_429_at_once(neuron_tight: NeuronPro
 
             held = [asyncio.ensure_future(one(i)) for i in range(3)]
             await c.watch_until(lambda st: model_of(st).in_flight + model_of(st).queued == 3)
-            fourth = await c.refusal(chat_request("greedy-3", principal="greedy", max_tokens=4))
-            unary = await c.refusal(chat_request("greedy-4", principal="greedy", max_tokens=4),
-                                    "Complete")
+            # together, while the three are held: both are over the cap
+            fourth, unary = await asyncio.gather(
+                c.refusal(chat_request("greedy-3", principal="greedy", max_tokens=4)),
+                c.refusal(chat_request("greedy-4", principal="greedy", max_tokens=4), "Complete"))
             await asyncio.gather(*held)
             await c.watch_until(ledger_whole)
         return [fourth, unary]
