@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from helexa.kernels import kv_quant
+from helexa.kernels import cpu_native, kv_quant
 from helexa.kernels.attention import AttentionMetadata, DecodeMirror, PagedKV, PrefillChunk
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
@@ -89,10 +89,17 @@ class ModelRunner:
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
         weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         pack_max_mb = float(os.environ.get("HELEXA_CPU_PACK_MAX_MB", "2048"))
+        # kernels/cpu_native.c: CPU, fp32, one rank (decode steps also need plain fp32 KV).
+        self._native = (cpu_native.load() if self.device.type == "cpu"
+                        and self.dtype == torch.float32 and tp_size == 1 else None)
         if self.device.type == "cpu" and weight_bytes <= pack_max_mb * 2**20:
-            # A second, oneDNN-blocked copy of each matmul weight: batched decode steps
-            # run ~1.4x faster on CPU. It doubles weight memory, hence the size cap.
-            self.model.pack_for_cpu(batch_hint=max(1, min(max_num_seqs, 16)))
+            # A second, blocked copy of each matmul weight: batched decode steps run ~1.4x
+            # (oneDNN's) or ~2x (hx_gemm's, single-threaded: used when torch runs one thread)
+            # faster on CPU. It doubles weight memory, hence the size cap.
+            if self._native is not None and torch.get_num_threads() == 1:
+                self.model.pack_native(self._native)
+            else:
+                self.model.pack_for_cpu(batch_hint=max(1, min(max_num_seqs, 16)))
         if self.device.type == "cpu":  # one-row steps stream column-major weights faster
             self.model.relayout_for_cpu()
         self.vocab_size = self.config.vocab_size
@@ -131,6 +138,10 @@ class ModelRunner:
                               kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype,
                               device=self.device)
             self.kv_pools.append(attn.kv)
+        # Pure-decode steps run kernels/cpu_decode.c between the matmuls where it applies:
+        # CPU, fp32 weights and plain fp32 KV, one rank.
+        self.model.native = self._native if storage == torch.float32 else None
+        self.model._native_plan = None  # the new pool's pointers
 
     @property
     def k_caches(self) -> list[torch.Tensor]:
@@ -187,7 +198,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=self._no_slots, num_decode=len(decode))
         ids = [seqs[i].token_ids[0] for i in decode]
         positions = [seqs[i].num_computed for i in decode]
-        slots = self._decode_plan(meta, [seqs[i] for i in decode], positions) if decode else []
+        native = self.model.native is not None and len(decode) == len(seqs)
+        slots = (self._decode_plan(meta, [seqs[i] for i in decode], positions, native)
+                 if decode else [])
         last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
         for i, s in enumerate(seqs):
             n, c = len(s.token_ids), s.num_computed
@@ -235,9 +248,10 @@ class ModelRunner:
         return staged.to(self.device, non_blocking=True)
 
     def _decode_plan(self, meta: AttentionMetadata, rows: list[SeqInput],
-                     pos_list: list[int]) -> list[int]:
-        """How decode rows read their context — a view of one row's consecutive blocks, else
-        gather indices [B*T] with a padding mask — and the slots their new tokens go to."""
+                     pos_list: list[int], native: bool = False) -> list[int]:
+        """How decode rows read their context — their block tables (native kernels), a view
+        of one row's consecutive blocks, else gather indices [B*T] with a padding mask — and
+        the slots their new tokens go to."""
         bs = self.block_size
         b = len(rows)
         t = max(pos_list) + 1
@@ -252,6 +266,9 @@ class ModelRunner:
             write.append(blocks[-1] * bs + pos % bs)
             tables.append(blocks + [0] * (nblk - used))
         meta.decode_len = t
+        if native:
+            meta.decode_tables = torch.tensor(tables, dtype=torch.long)
+            return write
         if b == 1:
             first = tables[0][0]
             if tables[0] == list(range(first, first + nblk)):  # the usual case: a reservation

@@ -9,6 +9,8 @@ model runner (``attn.k_cache`` / ``attn.v_cache``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -128,6 +130,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.native = None  # kernels.cpu_native's library, attached by the model runner
+        self._native_plan: tuple | None = None  # (library, decode_native's per-layer plan)
         self.rotary = RotaryTable(cfg.rope.rope_type, cfg.rope.theta, cfg.head_dim,
                                   cfg.rope.params, dtype=dtype, device=device,
                                   initial_len=min(cfg.max_position_embeddings, 4096))
@@ -158,6 +162,16 @@ class LlamaForCausalLM(nn.Module):
             n += 1
         return n
 
+    def pack_native(self, lib) -> int:
+        """Pack every matmul weight for kernels.cpu_native's hx_gemm (CPU fp32, one rank);
+        returns how many were packed."""
+        n = 0
+        for mod in self.modules():
+            if isinstance(mod, ParallelLinearBase | ParallelLMHead) and can_pack_for_cpu(mod.weight):
+                mod.pack_native(lib)
+                n += 1
+        return n
+
     def relayout_for_cpu(self) -> int:
         """Hold every fp32 CPU matmul weight column-major (after packing, which copies from
         the plain weight); returns how many. Tied heads stay as the embedding has them."""
@@ -174,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
+        if meta.decode_tables is not None:
+            return self.decode_native(input_ids, positions, meta, logits_indices)
         cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d]: broadcast over heads
         x = self.model.embed_tokens(input_ids)
@@ -182,3 +198,65 @@ class LlamaForCausalLM(nn.Module):
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.model.norm(x)).float()
+
+    def decode_native(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      meta: AttentionMetadata, logits_indices: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+        """A pure-decode step on CPU (fp32 weights and KV, tp = 1) with kernels/cpu_native.c
+        doing everything between the matmuls: per layer four matmuls and three native calls
+        instead of ~40 eager ops. Same contract as forward; the model runner decides when
+        (meta.decode_tables set) and has attached the library as ``self.native``."""
+        lib = self.native
+        if self._native_plan is None or self._native_plan[0] is not lib:
+            self._native_plan = (lib, self._plan_native())
+        first_norm, layers = self._native_plan[1]
+        x = self.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
+        b, hidden = x.shape
+        normed = torch.empty_like(x)
+        attn0 = self.model.layers[0].self_attn
+        h, kvh, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        tables = meta.decode_tables
+        work = torch.empty((h // kvh) * meta.decode_len + d, dtype=torch.float32)
+        attn_out = torch.empty(b, h * d, dtype=x.dtype)
+        rotary = (self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(),
+                  positions.data_ptr())
+        context = (attn0.kv.k_heads.shape[2], tables.data_ptr(), tables.shape[1],
+                   attn0.kv.k_cache.shape[1], attn_out.data_ptr(), 1.0 / math.sqrt(d),
+                   work.data_ptr())
+        xp, normed_p = x.data_ptr(), normed.data_ptr()
+        lib.hx_add_rmsnorm(xp, None, normed_p, *first_norm[:1], b, hidden, first_norm[1])
+        for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in layers:
+            qkv = qkv_proj(normed)
+            lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools, *context)
+            delta = o_proj(attn_out)  # held by name: C reads it after data_ptr()
+            lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, post[0], b, hidden, post[1])
+            gu = gate_up(normed)
+            act = torch.empty(b, inter, dtype=x.dtype)
+            lib.hx_silu_mul(gu.data_ptr(), act.data_ptr(), b, inter)
+            delta = down(act)
+            lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, nxt[0], b, hidden, nxt[1])
+        if logits_indices is not None:
+            normed = normed.index_select(0, logits_indices)
+        return self.lm_head(normed).float()
+
+    def _plan_native(self) -> tuple[tuple, list[tuple]]:
+        """What decode_native passes that does not change from step to step: the first
+        norm's (weight pointer or None, eps), and per layer its matmul modules, (q/k norm
+        weight pointer, eps), its KV pool's pointers and the (pointer, eps) of the norms
+        after attention and after the MLP (the next layer's input norm, or the final one).
+        Rebuilt whenever the runner attaches a library (it does on a KV pool reset)."""
+
+        def norm(n: RMSNorm) -> tuple[int | None, float]:
+            return (None if n.folded else n.weight.data_ptr()), n.eps
+
+        layers = list(self.model.layers)
+        plan = []
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkn = attn._qk_norm_weight
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            plan.append((attn.qkv_proj, (None if qkn is None else qkn.data_ptr(), attn.eps),
+                         (attn.kv.k_heads.data_ptr(), attn.kv.v_heads.data_ptr()), attn.o_proj,
+                         norm(layer.post_attention_layernorm), mlp.gate_up_proj, mlp.inter,
+                         mlp.down_proj, norm(nxt)))
+        return norm(layers[0].input_layernorm), plan
