@@ -28,7 +28,11 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
 PANEL = 16  # columns per packed weight panel (cpu_native.c)
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared"]
+# No -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero
+# and denormals-are-zero for the whole process on load (5e-324 > 0 turns False, msgspec's
+# gt=0 checks pass 0). Reassociation alone, for vectorised reductions, has no such hook.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+         "-fno-trapping-math", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False

@@ -104,6 +104,14 @@ def test_quantised_kv_keeps_the_eager_attention(tiny_model_dir, monkeypatch):
     assert r.model.native is not None
 
 
+@needs_lib
+def test_loading_the_library_leaves_float_semantics_alone():
+    """Built with -ffast-math it would set flush-to-zero process-wide when loaded."""
+    assert 5e-324 > 0.0
+    assert torch.tensor(1e-40, dtype=torch.float32).item() > 0
+    assert (torch.tensor([1e-38]) * 1e-3).item() > 0  # a denormal result survives
+
+
 def test_disabled_or_unbuildable_kernels_fall_back(tmp_path, monkeypatch):
     monkeypatch.setenv("HELEXA_CPU_KERNELS", "0")
     assert cpu_native.load() is None
