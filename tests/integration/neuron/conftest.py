@@ -82,8 +82,12 @@ def neuron_main(start_daemon: Callable[..., NeuronProcess],
 
 @pytest.fixture(scope="session")
 def fat_kv_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
-    # 2 layers × 2 (K, V) × 4 kv heads × 64 dims × 4 B = 4 KiB per token: 256 tokens per MiB
-    return tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
+    # 2 layers × 2 (K, V) × 4 kv heads × 64 dims × 4 B = 4 KiB per token: 256 tokens per MiB.
+    # A wide MLP (2 × 3 × 64 × 32768 weights, 50 MB a step) makes decode slow on purpose
+    # (~3 ms a token here): requests that hold the pool in these tests hold it for long
+    # enough to be seen in Watch and to outlast kv_max_wait_secs.
+    return tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64,
+                           intermediate_size=32768)
 
 
 @pytest.fixture(scope="session")

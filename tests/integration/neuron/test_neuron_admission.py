@@ -14,14 +14,16 @@ from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_who
 
 def test_a_flooding_principal_does_not_starve_another(neuron_main: NeuronProcess,
                                                       neuron_token: str) -> None:
-    """max_in_flight 2: 16 queued requests of `flood`, then 4 of `polite`; order of completion."""
+    """max_in_flight 2: 16 queued requests of `flood`, then 4 of `polite`; order of completion.
+    Each generates 120 tokens, so the flood's queue outlives a few Watch reports (at 10
+    tokens the native decode drained it before Watch showed 10 queued)."""
     async def run() -> list[str]:
         finished: list[str] = []
 
         async with NeuronClient(neuron_main.address, neuron_token) as c:
             async def one(principal: str, i: int) -> None:
                 out = await c.generate(chat_request(f"{principal}-{i}", principal=principal,
-                                                    max_tokens=10, ignore_eos=True))
+                                                    max_tokens=120, ignore_eos=True))
                 assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
                 finished.append(principal)
 

@@ -108,7 +108,7 @@ def test_a_watcher_sees_the_ledger_change_within_100_ms(neuron_main: NeuronProce
                         return
 
             reader = asyncio.ensure_future(read())
-            call = c.stub.Generate(chat_request("watched", max_tokens=200, ignore_eos=True),
+            call = c.stub.Generate(chat_request("watched", max_tokens=900, ignore_eos=True),
                                    metadata=c.md)
             await call.read()  # admitted and prefilled: the pool has moved
             t_first = time.monotonic()

@@ -39,7 +39,7 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
             await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 3
                                 and model_of(st).admission.default_output_tokens == 77)
             runs = [asyncio.ensure_future(c.generate(chat_request(
-                f"hup-{i}", principal=f"h{i}", max_tokens=150, ignore_eos=True)))
+                f"hup-{i}", principal=f"h{i}", max_tokens=400, ignore_eos=True)))
                 for i in range(5)]
             st = await c.watch_until(lambda st: model_of(st).in_flight == 3)
             peak = model_of(st).in_flight
@@ -95,9 +95,10 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
 
     async def run() -> tuple[list[list[pb.GenerateResponse]], tuple, tuple, float]:
         async with NeuronClient(daemon.address, neuron_token) as c:
-            # max_in_flight 2: two run, a third waits in the queue
+            # max_in_flight 2: two run, a third waits in the queue. 900 tokens each (the pool
+            # holds two): long enough to outlast the Watch round trips below
             running = [asyncio.ensure_future(c.generate(chat_request(
-                f"long-{i}", principal=f"l{i}", max_tokens=100, ignore_eos=True)))
+                f"long-{i}", principal=f"l{i}", max_tokens=900, ignore_eos=True)))
                 for i in range(2)]
             await c.watch_until(lambda st: model_of(st).in_flight == 2)
             queued = asyncio.ensure_future(c.refusal(chat_request("queued", max_tokens=4)))
@@ -117,5 +118,5 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
     assert queued_secs < 2.0
     for out in outs:
         assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert out[-1].usage.completion_tokens == 100
+        assert out[-1].usage.completion_tokens == 900
     assert daemon.proc.wait(timeout=30) == 0
