@@ -266,7 +266,10 @@ class ModelRunner:
             write.append(blocks[-1] * bs + pos % bs)
             tables.append(blocks + [0] * (nblk - used))
         meta.decode_len = t
-        if native:
+        if native:  # C indexes the pool with these ids unchecked: a bad one must not get there
+            if any(not 0 <= blk < self.num_blocks for tab in tables for blk in tab):
+                raise ValueError(f"block table holds a block outside the pool of "
+                                 f"{self.num_blocks} blocks: {tables}")
             meta.decode_tables = torch.tensor(tables, dtype=torch.long)
             return write
         if b == 1:

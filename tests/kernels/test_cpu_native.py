@@ -94,6 +94,16 @@ def test_native_decode_steps_match_the_eager_path(tiny_checkpoint, monkeypatch, 
 
 
 @needs_lib
+def test_a_block_outside_the_pool_is_refused_before_the_kernels(tiny_model_dir, monkeypatch):
+    r = _runner(tiny_model_dir, True, monkeypatch)
+    r.execute([SeqInput([5, 6, 7], 0, [0], True)])
+    with pytest.raises(ValueError, match="outside the pool of 96 blocks"):
+        r.execute([SeqInput([8], 3, [96], True)])
+    out = r.execute([SeqInput([8], 3, [0], True)])  # the runner is still good
+    assert torch.isfinite(out).all()
+
+
+@needs_lib
 def test_quantised_kv_keeps_the_eager_attention(tiny_model_dir, monkeypatch):
     r = _runner(tiny_model_dir, True, monkeypatch)
     r.reset_kv(96, "int8")
