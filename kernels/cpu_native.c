@@ -13,6 +13,7 @@
  *   hx_silu_mul      silu(gate) * up
  *   hx_gemm          y = x W^T + b over W packed in 16-column panels, for which oneDNN's
  *                    blocked matmul runs at ~35% of the FMA peak when x has 2-16 rows
+ *   hx_decode_layers all of a step's layers at once when every matmul is packed
  *
  * Layout contract (kernels/attention.py PagedKV): K and V of one layer are
  * [kv_heads, num_slots, head_dim] contiguous; token t of a row lives in slot
@@ -350,4 +351,38 @@ void hx_gemm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
                        (size_t)rest * sizeof(float));
         }
     }
+}
+
+/* A whole decode step's layers in one call, for models whose every matmul is packed for
+ * hx_gemm: per layer qkv, attention, o_proj, residual + norm, gate|up, silu * up, down,
+ * residual + the next norm, with no Python between them (each eager call between two
+ * weight streams runs with cold caches). plan: [L, 13] words per layer: packed weight and
+ * padded bias (0 = none) of qkv, o, gate|up, down; q/k norm weight (0 = none); the weights
+ * (0 = folded) of the post-attention norm and of the norm after the MLP (the next layer's
+ * input norm, or the final one); the layer's K and V pools. eps: [L, 3] (q/k norm, post-
+ * attention norm, next norm). x [B, hidden] is the residual stream and normed its first
+ * norm on entry; on return normed holds the final norm of x. Scratch: qkv [B, (H+2KVH)*D],
+ * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. */
+void hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float *x, float *normed,
+                      int64_t B, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
+                      int64_t inter, float *qkv, float *attn_out, float *tmp, float *gate_up,
+                      float *act, const float *cos_tab, const float *sin_tab,
+                      const int64_t *positions, int64_t num_slots, const int64_t *tables,
+                      int64_t max_blocks, int64_t block_size, float scale, float *work) {
+#define W(i) ((const float *)(intptr_t)p[i])
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *p = plan + l * 13;
+        const float *e = eps + l * 3;
+        hx_gemm(normed, B, hidden, W(0), (H + 2 * KVH) * D, W(1), qkv);
+        hx_attn_decode(qkv, B, H, KVH, D, W(8), e[0], cos_tab, sin_tab, positions,
+                       (float *)(intptr_t)p[11], (float *)(intptr_t)p[12], num_slots, tables,
+                       max_blocks, block_size, attn_out, scale, work);
+        hx_gemm(attn_out, B, H * D, W(2), hidden, W(3), tmp);
+        hx_add_rmsnorm(x, tmp, normed, W(9), B, hidden, e[1]);
+        hx_gemm(normed, B, hidden, W(4), 2 * inter, W(5), gate_up);
+        hx_silu_mul(gate_up, act, B, inter);
+        hx_gemm(act, B, inter, W(6), hidden, W(7), tmp);
+        hx_add_rmsnorm(x, tmp, normed, W(10), B, hidden, e[2]);
+    }
+#undef W
 }

@@ -45,6 +45,8 @@ _SIGNATURES = {
     "hx_add_rmsnorm": [_P, _P, _P, _P, _I, _I, _F],
     "hx_silu_mul": [_P, _P, _I, _I],
     "hx_gemm": [_P, _I, _I, _P, _I, _P, _P],
+    "hx_decode_layers": [_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
+                         _P, _I, _P, _I, _I, _F, _P],
 }
 
 

@@ -204,12 +204,14 @@ class LlamaForCausalLM(nn.Module):
                       ) -> torch.Tensor:
         """A pure-decode step on CPU (fp32 weights and KV, tp = 1) with kernels/cpu_native.c
         doing everything between the matmuls: per layer four matmuls and three native calls
-        instead of ~40 eager ops. Same contract as forward; the model runner decides when
-        (meta.decode_tables set) and has attached the library as ``self.native``."""
+        instead of ~40 eager ops, or, when every matmul is packed for hx_gemm (torch on one
+        thread), all layers in one native call. Same contract as forward; the model runner
+        decides when (meta.decode_tables set) and has attached the library as
+        ``self.native``."""
         lib = self.native
         if self._native_plan is None or self._native_plan[0] is not lib:
             self._native_plan = (lib, self._plan_native())
-        first_norm, layers = self._native_plan[1]
+        first_norm, layers, fused = self._native_plan[1]
         x = self.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
         b, hidden = x.shape
         normed = torch.empty_like(x)
@@ -220,11 +222,22 @@ class LlamaForCausalLM(nn.Module):
         attn_out = torch.empty(b, h * d, dtype=x.dtype)
         rotary = (self.rotary.cos.data_ptr(), self.rotary.sin_signed.data_ptr(),
                   positions.data_ptr())
-        context = (attn0.kv.k_heads.shape[2], tables.data_ptr(), tables.shape[1],
-                   attn0.kv.k_cache.shape[1], attn_out.data_ptr(), 1.0 / math.sqrt(d),
-                   work.data_ptr())
+        num_slots, block_size = attn0.kv.k_heads.shape[2], attn0.kv.k_cache.shape[1]
+        paging = (tables.data_ptr(), tables.shape[1], block_size)
+        scale = 1.0 / math.sqrt(d)
         xp, normed_p = x.data_ptr(), normed.data_ptr()
         lib.hx_add_rmsnorm(xp, None, normed_p, *first_norm[:1], b, hidden, first_norm[1])
+        if fused is not None:  # every matmul packed: all layers in one native call
+            plan, eps, inter = fused
+            qkv, tmp, gate_up, act = (torch.empty(b, n, dtype=x.dtype)
+                                      for n in ((h + 2 * kvh) * d, hidden, 2 * inter, inter))
+            lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp, normed_p,
+                                 b, hidden, h, kvh, d, inter, qkv.data_ptr(),
+                                 attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
+                                 act.data_ptr(), *rotary, num_slots, *paging, scale,
+                                 work.data_ptr())
+            layers = []
+        context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
         for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in layers:
             qkv = qkv_proj(normed)
             lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools, *context)
@@ -239,12 +252,14 @@ class LlamaForCausalLM(nn.Module):
             normed = normed.index_select(0, logits_indices)
         return self.lm_head(normed).float()
 
-    def _plan_native(self) -> tuple[tuple, list[tuple]]:
+    def _plan_native(self) -> tuple[tuple, list[tuple], tuple | None]:
         """What decode_native passes that does not change from step to step: the first
         norm's (weight pointer or None, eps), and per layer its matmul modules, (q/k norm
         weight pointer, eps), its KV pool's pointers and the (pointer, eps) of the norms
         after attention and after the MLP (the next layer's input norm, or the final one).
-        Rebuilt whenever the runner attaches a library (it does on a KV pool reset)."""
+        Rebuilt whenever the runner attaches a library (it does on a KV pool reset). When
+        every matmul is packed for hx_gemm, also hx_decode_layers' plan: ([L, 13] words,
+        [L, 3] eps, intermediate size), else None."""
 
         def norm(n: RMSNorm) -> tuple[int | None, float]:
             return (None if n.folded else n.weight.data_ptr()), n.eps
@@ -259,4 +274,23 @@ class LlamaForCausalLM(nn.Module):
                          (attn.kv.k_heads.data_ptr(), attn.kv.v_heads.data_ptr()), attn.o_proj,
                          norm(layer.post_attention_layernorm), mlp.gate_up_proj, mlp.inter,
                          mlp.down_proj, norm(nxt)))
-        return norm(layers[0].input_layernorm), plan
+        return norm(layers[0].input_layernorm), plan, self._plan_fused(plan)
+
+    @staticmethod
+    def _plan_fused(plan: list[tuple]) -> tuple | None:
+        def packed(mod) -> tuple[int, int] | None:
+            if getattr(mod, "native", None) is None:
+                return None
+            _, weight, bias = mod.native
+            return weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+
+        words, eps = [], []
+        for qkv, (qkn, qk_eps), (k, v), o, post, gate_up, inter, down, nxt in plan:
+            mats = [packed(m) for m in (qkv, o, gate_up, down)]
+            if any(m is None for m in mats) or inter != plan[0][6]:
+                return None
+            words.append([w for m in mats for w in m]
+                         + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
+            eps.append([qk_eps, post[1], nxt[1]])
+        return (torch.tensor(words, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
+                plan[0][6])

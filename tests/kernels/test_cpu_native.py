@@ -41,10 +41,10 @@ def test_gemm_matches_linear(m, n, k, bias):
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
-def _runner(model_dir, native: bool, monkeypatch) -> ModelRunner:
+def _runner(model_dir, native: bool, monkeypatch, threads: int = 1) -> ModelRunner:
     with monkeypatch.context() as mp:
         mp.setenv("HELEXA_CPU_KERNELS", "1" if native else "0")
-        with torch_threads(1):  # one thread: the native matmul is packed too
+        with torch_threads(threads):  # one thread: the native matmul is packed too
             return ModelRunner(model_dir, num_blocks=96, block_size=16, max_num_seqs=8,
                                max_batched_tokens=512)
 
@@ -75,17 +75,22 @@ def _drive(runner: ModelRunner, prompts, tables, steps: int) -> list[torch.Tenso
     ("qwen2", {"head_dim": 64, "hidden_size": 128, "num_heads": 4}),  # QKV bias, 64-dim heads
     ("llama", {"tie_word_embeddings": True}),  # tied head: the final norm is not folded
 ])
-def test_native_decode_steps_match_the_eager_path(tiny_checkpoint, monkeypatch, arch, kw):
+@pytest.mark.parametrize("threads", [1, 2])  # 1: every matmul packed, all layers in one call
+def test_native_decode_steps_match_the_eager_path(tiny_checkpoint, monkeypatch, arch, kw,
+                                                  threads):
     model_dir = tiny_checkpoint(arch, **kw)
-    native, eager = _runner(model_dir, True, monkeypatch), _runner(model_dir, False, monkeypatch)
+    native = _runner(model_dir, True, monkeypatch, threads)
+    eager = _runner(model_dir, False, monkeypatch)
     assert native.model.native is not None and eager.model.native is None
-    assert native.model.model.layers[0].mlp.down_proj.native is not None
+    assert (native.model.model.layers[0].mlp.down_proj.native is not None) == (threads == 1)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (21, 40, 7)]
     # scattered, out-of-order blocks: the kernels must follow the tables
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
     with torch_threads(1):
         a, b = _drive(native, prompts, tables, 6), _drive(eager, prompts, tables, 6)
+    fused = native.model._native_plan[1][2]  # hx_decode_layers' plan, when it could run
+    assert (fused is not None) == (threads == 1)
     for step, (x, y) in enumerate(zip(a, b, strict=True)):
         torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"step {step}")
     for kv_a, kv_b in zip(native.kv_pools, eager.kv_pools, strict=True):  # same KV written
