@@ -65,7 +65,7 @@ class AttentionMetadata:
     # gather itself).
     decode_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_mirror: DecodeMirror | None = None
-    # Native CPU decode (kernels/cpu_decode.c): the rows' block tables [B, blocks] int64,
+    # Native CPU decode (kernels/cpu_native.c): the rows' block tables [B, blocks] int64,
     # zero-padded; set only for pure-decode steps the native kernels run.
     decode_tables: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)

@@ -266,7 +266,6 @@ class EngineClient:
         except OSError:
             chunk = b""
         if not chunk:
-            self._unwatch()
             code = self.process.exitcode if not self.process.is_alive() else None
             self._died("the engine process exited"
                        + (f" (exit code {code})" if code not in (None, 0) else ""))
@@ -284,7 +283,6 @@ class EngineClient:
             try:
                 msg = self._decoder.decode(buf[head : head + size])
             except msgspec.DecodeError as e:
-                self._unwatch()
                 self._died(f"undecodable message from the engine: {e}")
                 return
             del buf[: head + size]

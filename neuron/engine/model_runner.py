@@ -138,7 +138,7 @@ class ModelRunner:
                               kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype,
                               device=self.device)
             self.kv_pools.append(attn.kv)
-        # Pure-decode steps run kernels/cpu_decode.c between the matmuls where it applies:
+        # Pure-decode steps run kernels/cpu_native.c between the matmuls where it applies:
         # CPU, fp32 weights and plain fp32 KV, one rank.
         self.model.native = self._native if storage == torch.float32 else None
         self.model._native_plan = None  # the new pool's pointers

@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
         paging = (tables.data_ptr(), tables.shape[1], block_size)
         scale = 1.0 / math.sqrt(d)
         xp, normed_p = x.data_ptr(), normed.data_ptr()
-        lib.hx_add_rmsnorm(xp, None, normed_p, *first_norm[:1], b, hidden, first_norm[1])
+        lib.hx_add_rmsnorm(xp, None, normed_p, first_norm[0], b, hidden, first_norm[1])
         if fused is not None:  # every matmul packed: all layers in one native call
             plan, eps, inter = fused
             qkv, tmp, gate_up, act = (torch.empty(b, n, dtype=x.dtype)
@@ -236,18 +236,19 @@ class LlamaForCausalLM(nn.Module):
                                  attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
                                  act.data_ptr(), *rotary, num_slots, *paging, scale,
                                  work.data_ptr())
-            layers = []
-        context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
-        for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in layers:
-            qkv = qkv_proj(normed)
-            lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools, *context)
-            delta = o_proj(attn_out)  # held by name: C reads it after data_ptr()
-            lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, post[0], b, hidden, post[1])
-            gu = gate_up(normed)
-            act = torch.empty(b, inter, dtype=x.dtype)
-            lib.hx_silu_mul(gu.data_ptr(), act.data_ptr(), b, inter)
-            delta = down(act)
-            lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, nxt[0], b, hidden, nxt[1])
+        else:  # matmuls in torch between the native calls
+            context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
+            for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in layers:
+                qkv = qkv_proj(normed)
+                lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools,
+                                   *context)
+                delta = o_proj(attn_out)  # held by name: C reads it after data_ptr()
+                lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, post[0], b, hidden, post[1])
+                gu = gate_up(normed)
+                act = torch.empty(b, inter, dtype=x.dtype)
+                lib.hx_silu_mul(gu.data_ptr(), act.data_ptr(), b, inter)
+                delta = down(act)
+                lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, nxt[0], b, hidden, nxt[1])
         if logits_indices is not None:
             normed = normed.index_select(0, logits_indices)
         return self.lm_head(normed).float()
