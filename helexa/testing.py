@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ import tomli_w
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
+from helexa.up import stop_process
 
 
 def write_neuron_config(path: str | Path, config: dict[str, Any]) -> Path:
@@ -80,14 +80,7 @@ class NeuronProcess:
 
     def stop(self, timeout_secs: float = 30.0) -> int:
         """SIGTERM (drain) and wait; SIGKILL if it does not exit in time."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_secs)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout_secs)
 
 
 def start_neuron(config_path: str | Path, *, log_path: str | Path | None = None,

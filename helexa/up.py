@@ -50,6 +50,19 @@ def tiny_model_dir() -> Path:
     return out
 
 
+def stop_process(proc: subprocess.Popen, timeout_secs: float) -> int:
+    """SIGTERM (a helexa daemon drains on it) and wait; SIGKILL if it does not exit in time.
+    Returns the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_secs)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
 class Child:
     """A daemon child process and the address it announced on stdout."""
 
@@ -77,13 +90,7 @@ class Child:
         return self._ready.wait(timeout_secs) and bool(self.address)
 
     def stop(self, timeout_secs: float) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_secs)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_secs)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
