@@ -19,15 +19,20 @@ sequence grows; `release(req_id)` gives back everything it holds, exactly
 once (a second call is a no-op and says so). Admission (policy) decides who
 may reserve; this file only answers and mutates.
 
-Prefix sharing: a full block's content is named by a chain hash (the parent
-block's hash and the block's token ids), so equal hashes mean equal prefixes
-up to and including that block. `register` files a used full block under its
-hash; `match_prefix` finds the longest chain of filed blocks for a prompt.
+Prefix sharing: a full block's content is named by a `BlockKey`: a SHA-256
+chain digest over the parent block's digest and the block's token ids, with
+the tokens and the parent digest kept beside it. The index is keyed by the
+digest, but a hit counts only when the filed key equals the wanted one
+(same tokens, same parent), so a collision, crafted or not, can never serve
+one request another's KV. `register` files a used full block under its key;
+`match_prefix` finds the longest chain of filed blocks for a prompt.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,16 +52,36 @@ class Block:
     block_id: int
     state: BlockState = BlockState.FREE
     ref_count: int = 0  # requests referencing it (used blocks only)
-    block_hash: int | None = None  # set while filed in the prefix index
+    block_hash: BlockKey | None = None  # set while filed in the prefix index
 
 
 class PoolError(RuntimeError):
     """A caller broke the pool's protocol (drew without a reservation, reserved twice)."""
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
-    """Chain hash of one full block: depends on every token before it, too."""
-    return hash((parent_hash, tuple(token_ids)))
+@dataclass(frozen=True)
+class BlockKey:
+    """What a full block holds: its chain digest, its parent's digest and its tokens.
+
+    Equality compares all three, so two keys that share a digest but not
+    their content are different keys.
+    """
+
+    digest: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+def _digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    # Python's hash() of a tuple is cheap to collide on purpose; SHA-256 is not.
+    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+
+
+def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
+    """Chain key of one full block: its digest depends on every token before it, too."""
+    parent_digest = parent.digest if parent is not None else b""
+    tokens = tuple(int(t) for t in token_ids)
+    return BlockKey(_digest(parent_digest, tokens), parent_digest, tokens)
 
 
 class BlockPool:
@@ -69,7 +94,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # oldest first
-        self._index: dict[int, int] = {}  # block hash -> block id
+        self._index: dict[bytes, int] = {}  # block digest -> block id
         self._reserved: dict[str, deque[int]] = {}  # req -> reserved, not yet drawn
         self._held: dict[str, list[int]] = {}  # req -> used blocks it references, in order
         self._num_reserved = 0
@@ -196,25 +221,32 @@ class BlockPool:
 
     # --- prefix cache ------------------------------------------------------
 
-    def register(self, block_id: int, block_hash: int) -> bool:
-        """File a full used block under its chain hash; False if that content is filed already."""
+    def register(self, block_id: int, key: BlockKey) -> bool:
+        """File a full used block under its chain key; False if its digest is filed already
+        (the same content, or a collision: either way this block stays private)."""
         block = self.blocks[block_id]
         if block.state != BlockState.USED:
             raise PoolError(f"block {block_id} is {block.state.name}, only used blocks are filed")
-        if block.block_hash is not None or block_hash in self._index:
+        if not isinstance(key, BlockKey):
+            raise PoolError(f"block {block_id}: expected a BlockKey, got {type(key).__name__}")
+        if block.block_hash is not None or key.digest in self._index:
             return False
-        block.block_hash = block_hash
-        self._index[block_hash] = block_id
+        block.block_hash = key
+        self._index[key.digest] = block_id
         return True
 
-    def lookup(self, block_hash: int) -> int | None:
-        return self._index.get(block_hash)
+    def lookup(self, key: BlockKey) -> int | None:
+        """The block filed with exactly this content (tokens and parent), if any."""
+        block_id = self._index.get(key.digest)
+        if block_id is None or self.blocks[block_id].block_hash != key:
+            return None  # a digest collision is a miss, never a hit
+        return block_id
 
-    def match_prefix(self, block_hashes: Sequence[int]) -> list[int]:
-        """Block ids of the longest filed chain that starts the given hashes."""
+    def match_prefix(self, keys: Sequence[BlockKey]) -> list[int]:
+        """Block ids of the longest filed chain that starts the given keys."""
         hits: list[int] = []
-        for h in block_hashes:
-            block_id = self._index.get(h)
+        for key in keys:
+            block_id = self.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
@@ -230,7 +262,7 @@ class BlockPool:
             return self._free.popleft()
         block_id, _ = self._cached.popitem(last=False)  # evict the least recently released
         block = self.blocks[block_id]
-        del self._index[block.block_hash]  # type: ignore[arg-type]
+        del self._index[block.block_hash.digest]  # type: ignore[union-attr]
         block.block_hash = None
         self.num_evicted_total += 1
         return block_id
@@ -247,7 +279,7 @@ class BlockPool:
             if block.state == BlockState.CACHED:
                 assert block.block_hash is not None, block
             if block.block_hash is not None:
-                assert self._index[block.block_hash] == block.block_id, block
+                assert self._index[block.block_hash.digest] == block.block_id, block
         assert counts[BlockState.FREE] == len(self._free) == len(set(self._free))
         assert counts[BlockState.CACHED] == len(self._cached)
         assert counts[BlockState.RESERVED] == self._num_reserved

@@ -31,7 +31,7 @@ import msgspec
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
-from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
 from helexa.neuron.engine.fake_runner import FakeRunner
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
@@ -288,7 +288,7 @@ class EngineCore:
 
     # --- prefix cache ------------------------------------------------------
 
-    def _prompt_block_hashes(self, prompt: list[int]) -> list[int]:
+    def _prompt_block_hashes(self, prompt: list[int]) -> list[BlockKey]:
         bs, hashes, parent = self.pool.block_size, [], None
         for i in range(len(prompt) // bs):
             parent = hash_block_tokens(parent, prompt[i * bs:(i + 1) * bs])

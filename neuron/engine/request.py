@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.block_pool import BlockKey
 
 
 class RequestStatus(enum.IntEnum):
@@ -68,7 +69,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     block_table: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
-    block_hashes: list[int] = field(default_factory=list)  # chain hashes of its full blocks
+    block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
     sampling_state: object | None = None  # the sampler's per-request state
 

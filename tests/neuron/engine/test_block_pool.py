@@ -120,7 +120,7 @@ def test_register_refuses_duplicates_and_unused_blocks():
     pool.release("a")
     assert pool.cached_block_ids() == [x]
     with pytest.raises(PoolError):
-        pool.register(y, 123)  # free blocks are not filed
+        pool.register(y, h)  # free blocks are not filed
     pool.check()
 
 
@@ -128,7 +128,7 @@ def test_random_storm_keeps_the_ledger_whole():
     rng = random.Random(0)
     pool = BlockPool(num_blocks=32, block_size=4, bytes_per_block=4)
     live: list[str] = []
-    hashes: list[int] = []
+    hashes: list = []
     for i in range(3000):
         op = rng.random()
         if op < 0.35:
@@ -140,7 +140,7 @@ def test_random_storm_keeps_the_ledger_whole():
             rid = rng.choice(live)
             if pool.num_reserved_for(rid):
                 b = pool.draw(rid)
-                h = rng.getrandbits(20)
+                h = hash_block_tokens(None, [rng.getrandbits(20)])
                 if pool.register(b, h):
                     hashes.append(h)
         elif live:
@@ -152,3 +152,25 @@ def test_random_storm_keeps_the_ledger_whole():
         pool.release(rid)
     pool.check()
     assert pool.num_free_blocks == 32 and pool.num_reserved_blocks == 0 and pool.num_used_blocks == 0
+
+
+def test_a_digest_collision_is_a_miss_never_another_prompts_blocks(monkeypatch):
+    from helexa.neuron.engine import block_pool
+
+    # Every block gets the same digest: what a crafted collision would achieve.
+    monkeypatch.setattr(block_pool, "_digest", lambda parent, tokens: b"\x00" * 32)
+    pool = make_pool(4)
+    pool.reserve("tenant-a", 2)
+    b0, b1 = pool.draw("tenant-a"), pool.draw("tenant-a")
+    mine = hash_block_tokens(None, [1, 2, 3, 4])
+    theirs = hash_block_tokens(None, [5, 6, 7, 8])
+    assert mine.digest == theirs.digest
+    assert pool.register(b0, mine)
+    # a second block with a colliding digest is not filed: it stays private
+    assert not pool.register(b1, hash_block_tokens(mine, [9, 9, 9, 9]))
+    pool.release("tenant-a")
+    assert pool.match_prefix([theirs]) == []  # same digest, other tokens: not served
+    assert pool.lookup(theirs) is None
+    assert pool.match_prefix([theirs, hash_block_tokens(theirs, [9, 9, 9, 9])]) == []
+    assert pool.match_prefix([mine]) == [b0]
+    pool.check()

@@ -392,3 +392,17 @@ def test_reset_kv_replans_the_pool_only_when_nothing_is_in_flight():
     tokens, final, _ = drive(core)
     assert first + tokens["short"] == expected([4] * 4, 4)
     assert_whole(core)
+
+
+def test_a_prefix_digest_collision_serves_no_other_tenants_kv(monkeypatch):
+    from helexa.neuron.engine import block_pool
+
+    monkeypatch.setattr(block_pool, "_digest", lambda parent, tokens: b"\x01" * 32)
+    core = make_core(prefix_cache=True)
+    secret = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    drive(core, m.ToEngine(new=[new("alice", secret, 3, principal="alice")]))
+    probe = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # every block collides with alice's
+    tokens, _, admitted = drive(core, m.ToEngine(new=[new("mallory", probe, 3, principal="mallory")]))
+    assert admitted["mallory"].cached_tokens == 0
+    assert tokens["mallory"] == expected(probe, 3)
+    assert_whole(core)
