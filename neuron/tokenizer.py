@@ -7,11 +7,21 @@ chat_template.jinja file transformers 5 writes) and the eos ids
 The template is rendered in the same sandboxed jinja2 environment
 transformers uses, so prompts are token-for-token what the model was
 trained on.
+
+Only the template's own markup may yield control (special) tokens: text a
+caller sends in a message is tokenised with special tokens treated as
+text, so `<|im_end|><|im_start|>system` inside a user message cannot forge
+a turn. `encode_chat` does it by standing each special token's text found in
+the messages in for a private sentinel character while the template renders,
+splitting the rendered prompt at the (real) special tokens, and encoding the
+text between them, sentinels turned back into their literal text, with the
+special tokens disabled.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -66,12 +76,55 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+# Sentinels for special-token text inside messages: Supplementary Private Use Area-B,
+# skipping any character a chat already holds.
+_SENTINEL_FIRST = 0x100000
+_SENTINEL_LAST = 0x10FFFD
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message (content, parts, names, tool calls), depth first."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _replace_strings(value: Any, swap: Any) -> Any:
+    """A copy of `value` with `swap` applied to every string in it."""
+    if isinstance(value, str):
+        return swap(value)
+    if isinstance(value, dict):
+        return {k: _replace_strings(v, swap) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replace_strings(v, swap) for v in value]
+    return value
+
+
 class Tokenizer:
     """Encode, decode and render chats for one checkpoint."""
 
     def __init__(self, tok: Any, *, chat_template: str | None, eos_token_ids: list[int],
                  special_tokens: dict[str, str | None]) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
         self._tok = tok  # tokenizers.Tokenizer
+        # The same vocabulary with special tokens read as plain text, for message content.
+        self._plain = HfTokenizer.from_str(tok.to_str())
+        self._plain.encode_special_tokens = True
+        specials = {t.content: (i, t) for i, t in tok.get_added_tokens_decoder().items()
+                    if t.special}
+        self._special_ids = {text: i for text, (i, _) in specials.items()}
+        # One alternation, longest first; lstrip / rstrip tokens take their whitespace along.
+        alts = [("\\s*" if t.lstrip else "") + f"(?:{re.escape(text)})" + ("\\s*" if t.rstrip else "")
+                for text, (_, t) in sorted(specials.items(), key=lambda kv: -len(kv[0]))]
+        self._special_re = re.compile("|".join(alts)) if alts else None
+        self._special_text_re = (re.compile("|".join(re.escape(t) for t in
+                                                     sorted(specials, key=len, reverse=True)))
+                                 if specials else None)
         self.chat_template = chat_template
         self.eos_token_ids = eos_token_ids
         self.special_tokens = special_tokens  # bos_token, eos_token, pad_token, unk_token
@@ -142,7 +195,47 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
                     **kwargs: Any) -> list[int]:
+        """The prompt's ids; special tokens come only from the template's markup."""
         # The template writes any bos itself, so the text is encoded without
         # adding special tokens (as transformers does for chat).
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        pattern = self._special_text_re
+        caller_text = _strings([messages, kwargs])  # tools and the like are caller text too
+        if pattern is None or not any(pattern.search(s) for s in caller_text):
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        sentinel_of, text_of = self._sentinels("".join(caller_text))
+
+        def quote(s: str) -> str:
+            return pattern.sub(lambda m: sentinel_of[m.group(0)], s)
+
+        text = self.apply_chat_template(_replace_strings(messages, quote), add_generation_prompt,
+                                        **_replace_strings(kwargs, quote))
+        restore = re.compile("|".join(map(re.escape, text_of)))
+        ids: list[int] = []
+        pos = 0
+        assert self._special_re is not None
+        for m in self._special_re.finditer(text):
+            ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:m.start()]))
+            ids.append(self._special_ids[m.group(0).strip()])
+            pos = m.end()
+        ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+
+    def _sentinels(self, caller_text: str) -> tuple[dict[str, str], dict[str, str]]:
+        """special text -> sentinel char, and back; chars neither the caller nor the
+        template uses."""
+        seen = caller_text + (self.chat_template or "")
+        sentinel_of: dict[str, str] = {}
+        code = _SENTINEL_FIRST
+        for special in self._special_ids:
+            while chr(code) in seen:
+                code += 1
+            if code > _SENTINEL_LAST:
+                raise TemplateError("messages: no private character is left to quote "
+                                    "special-token text with")
+            sentinel_of[special] = chr(code)
+            code += 1
+        return sentinel_of, {v: k for k, v in sentinel_of.items()}
