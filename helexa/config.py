@@ -206,8 +206,9 @@ class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     require_auth: Annotated[bool, field_meta(
         "Refuse callers without a known key (401) instead of serving them anonymously.", RELOAD)] = False
     load_principals: Annotated[list[str], field_meta(
-        "Principals that may cause an on-demand model load; \"*\" = anyone, \"anonymous\" = callers without a key.",
-        RELOAD)] = msgspec.field(default_factory=lambda: ["*"])
+        "Principals that may cause an on-demand model load (and so evict another); none by "
+        "default. \"*\" = anyone, \"anonymous\" = callers without a key.",
+        RELOAD)] = msgspec.field(default_factory=list)
 
 
 class NeuronEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -69,6 +69,7 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     r = load_config(router, RouterConfig)
     assert n.models[0].id == "my/model" and n.kv.kv_budget_mb == 16
     assert r.aliases["helexa/balanced"] == "my/model" and r.server.listen == "127.0.0.1:0"
+    assert r.auth.load_principals == ["*"]  # its one local model; the default is named only
     assert (tmp_path / "neuron.token").stat().st_mode & 0o077 == 0  # the token is private
     assert main(["--model", str(tmp_path / "m")]) == 2  # no config.json there
     assert "no config.json" in capsys.readouterr().err

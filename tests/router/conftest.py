@@ -35,7 +35,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
     a2 = lt.run(n2.start())
     raw = {
         "server": {"listen": "127.0.0.1:0", "max_body_bytes": 64 * 1024},
-        "auth": {"keys_file": str(keys)},
+        "auth": {"keys_file": str(keys), "load_principals": ["*"]},
         "neurons": {"token_file": str(tmp / "token"), "endpoints": [
             {"name": "n1", "address": a1}, {"name": "n2", "address": a2}]},
         "aliases": {"helexa/balanced": "tiny"},

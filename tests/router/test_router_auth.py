@@ -53,3 +53,15 @@ def test_may_load():
     assert may_load("x", ["*"])
     assert may_load("alice", ["alice"]) and not may_load("bob", ["alice"])
     assert may_load("anonymous", ["anonymous"]) and not may_load("anonymous", [])
+
+
+def test_by_default_only_named_principals_cause_loads(tmp_path):
+    from helexa.config import load_router_config
+
+    f = tmp_path / "router.toml"
+    f.write_text('[server]\nlisten = "127.0.0.1:0"\n')
+    default = load_router_config(f).auth.load_principals
+    assert not may_load(ANONYMOUS, default) and not may_load("alice", default)
+    f.write_text('[auth]\nload_principals = ["alice"]\n')
+    named = load_router_config(f).auth.load_principals
+    assert may_load("alice", named) and not may_load(ANONYMOUS, named)
