@@ -3,16 +3,22 @@
 With no arguments it serves the tiny default checkpoint (made on first run
 with `helexa.tiny.init_tiny` under $HELEXA_CACHE or ~/.cache/helexa, no
 download); `--model DIR` serves any Hugging Face checkpoint folder instead.
-It writes the configs it needs to a run folder, starts both daemons as child
-processes (each waits for the other's readiness line, ports are picked by
-the OS unless `--port` says otherwise), prints the endpoint with a curl and
-a Python example, and on Ctrl-C or SIGTERM stops the router, then the
-neuron (which drains), and exits.
+On CPU the KV pool is `--kv-budget-mb`, else a share of the host's available
+memory (printed). It writes the configs it needs to a private run folder
+(0700, removed on exit unless `--run-dir` names one), starts both daemons as
+child processes (ports are picked by the OS unless `--port` says otherwise),
+and prints the endpoint with a curl and a Python example only once the
+model is ready and the router lists it; a model that cannot load is reported
+with the neuron's reason and `up` exits 1. On Ctrl-C or SIGTERM both daemons
+stop at once: the router stops taking connections, the neuron drains for a
+few seconds and then ends what is left, so every open stream ends with
+`[DONE]` or an error event before the router exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -24,13 +30,25 @@ import tempfile
 import threading
 import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import tomli_w
 
+from helexa.config import ConfigError
+
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
 ALIASES = ("helexa/balanced", "helexa/fast")
+# How long in-flight streams may finish after Ctrl-C before the neuron ends them.
+DRAIN_SECS = 3.0
+# The CPU KV pool when --kv-budget-mb is not given: room for CPU_KV_CONTEXTS requests of the
+# model's full context (capped at CPU_KV_CONTEXT_CAP tokens), but at most this share of
+# available host memory and within these bounds (a pool is allocated whole at load).
+CPU_KV_CONTEXTS = 4
+CPU_KV_CONTEXT_CAP = 32768
+CPU_KV_SHARE = 0.125
+CPU_KV_MIN_MB, CPU_KV_MAX_MB = 16, 2048
 
 
 def tiny_model_dir() -> Path:
@@ -89,8 +107,8 @@ class Child:
     def wait_ready(self, timeout_secs: float) -> bool:
         return self._ready.wait(timeout_secs) and bool(self.address)
 
-    def stop(self, timeout_secs: float) -> None:
-        stop_process(self.proc, timeout_secs)
+    def stop(self, timeout_secs: float) -> int:
+        return stop_process(self.proc, timeout_secs)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:]
@@ -104,7 +122,7 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
     model: dict = {"id": model_id, "path": str(model_dir)}
     neuron = {"server": {"name": "local", "listen": "127.0.0.1:0", "token_file": str(token),
                          "address_file": str(run / "neuron.addr"), "devices": [device],
-                         "drain_secs": 5.0},
+                         "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
               "models": [model]}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
@@ -134,6 +152,32 @@ EOF
 """
 
 
+def available_memory_mb() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_kv_budget_mb(model_dir: Path) -> int:
+    """The CPU KV pool `up` uses by default (MiB): what CPU_KV_CONTEXTS full-context requests
+    need, within a share of available host memory and the bounds above. Raises PlanError
+    (a ConfigError) when the checkpoint's config.json cannot be read."""
+    from helexa.plan import kv_bytes_per_token, max_positions, read_model_shape
+
+    raw = json.loads((model_dir / "config.json").read_text())
+    per_token = kv_bytes_per_token(read_model_shape(raw), 1, "auto")
+    tokens = min(max_positions(raw) or CPU_KV_CONTEXT_CAP, CPU_KV_CONTEXT_CAP)
+    wanted = -(-CPU_KV_CONTEXTS * tokens * per_token // (1024 * 1024))
+    avail = available_memory_mb()
+    share = int(avail * CPU_KV_SHARE) if avail is not None else CPU_KV_MAX_MB
+    return max(CPU_KV_MIN_MB, min(CPU_KV_MAX_MB, share, wanted))
+
+
 def _default_device() -> str:
     try:
         import torch
@@ -149,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 if present)")
     p.add_argument("--kv-budget-mb", type=int, default=None,
-                   help="KV pool size (default: 16 MiB for the tiny model, else derived)")
+                   help="KV pool size (default: 16 MiB for the tiny model; on CPU room for "
+                        f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
+                        f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
+                        "from its memory)")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
 
+    device = args.device or _default_device()
     if args.model is None:
         print("helexa up: preparing the tiny default model ...", flush=True)
         model_dir, kv = tiny_model_dir(), args.kv_budget_mb or 16
@@ -163,21 +211,47 @@ def main(argv: list[str] | None = None) -> int:
             print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder)",
                   file=sys.stderr)
             return 2
+        if kv is None and device == "cpu":
+            try:
+                kv = cpu_kv_budget_mb(model_dir)
+            except (OSError, ValueError, KeyError, TypeError, ConfigError) as e:
+                print(f"helexa up: {model_dir / 'config.json'}: unreadable model config ({e})",
+                      file=sys.stderr)
+                return 2
+            print(f"helexa up: KV pool {kv} MiB of host memory (--kv-budget-mb to change)",
+                  flush=True)
     model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.name)
-    run = args.run_dir or Path(tempfile.mkdtemp(prefix="helexa-up-"))
-    run.mkdir(parents=True, exist_ok=True)
-    neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port,
-                                           args.device or _default_device(), kv)
-    cli = [sys.executable, "-m", "helexa.cli"]
-    children: list[Child] = []
+    own_run = args.run_dir is None
+    run = Path(tempfile.mkdtemp(prefix="helexa-up-")) if own_run else args.run_dir  # 0700
+    if not own_run:
+        run.mkdir(mode=0o700, parents=True, exist_ok=True)  # the token lives here
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    try:
+        return _serve(run, model_dir, model_id, device, kv, args, stopping)
+    finally:
+        if own_run:
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
+           args: argparse.Namespace, stopping: threading.Event) -> int:
+    neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv)
+    cli = [sys.executable, "-m", "helexa.cli"]
+    children: list[Child] = []
     try:
         neuron = Child("neuron", [*cli, "neuron", "--config", str(neuron_cfg)],
                        run / "neuron.log", "NEURON LISTENING")
         children.append(neuron)
         if not _wait(neuron, args.start_timeout, stopping):
+            return 1
+        # The neuron announces after its preload, ready or failed: ask which.
+        failure = _model_failure(neuron.address, (run / "neuron.token").read_text().strip(),
+                                 model_id)
+        if failure is not None:
+            print(f"helexa up: the model {model_id} could not be loaded: {failure}",
+                  file=sys.stderr)
             return 1
         # The router learns the neuron's bound address from its config, written now.
         _add_endpoint(router_cfg, neuron.address)
@@ -187,8 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         if not _wait(router, 60, stopping):
             return 1
         url = router.address
+        if not _wait_listed(router, model_id, 60, stopping):
+            return 1
         print(f"HELEXA UP {url}/v1  model {model_id} (aliases: {', '.join(ALIASES)})", flush=True)
-        print(f"run folder: {run}  (configs; logs neuron.log, router.log)")
+        where = f"{run}" if args.run_dir else f"{run}, removed on exit"
+        print(f"run folder: {where}  (configs; logs neuron.log, router.log)")
         print(examples(url, ALIASES[0]), flush=True)
         print("Ctrl-C stops both.", flush=True)
         while not stopping.wait(0.5):
@@ -199,10 +276,62 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         return 0
     finally:
-        for child in reversed(children):  # router first: no new work reaches the neuron
-            child.stop(15.0)
-        if children:
-            print("helexa up: stopped.", flush=True)
+        _stop_all(children)
+
+
+def _stop_all(children: list[Child]) -> None:
+    """SIGTERM every child at once: the router stops accepting and waits for its streams, the
+    neuron drains DRAIN_SECS and ends what is left, so the router's streams end (with an
+    error event at worst) and it exits by itself; SIGKILL only for one that hangs."""
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+    for child in reversed(children):  # the router first: it finishes when its streams do
+        if child.stop(DRAIN_SECS + 20.0) == -signal.SIGKILL:
+            print(f"helexa up: the {child.name} did not stop in time and was killed",
+                  file=sys.stderr)
+    if children:
+        print("helexa up: stopped.", flush=True)
+
+
+def _model_failure(address: str, token: str, model_id: str) -> str | None:
+    """None when the neuron reports the model ready, else why not (its reason if it failed)."""
+    import grpc
+
+    from helexa.neuron.auth import bearer
+    from helexa.proto import neuron_pb2 as pb
+    from helexa.proto import neuron_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            res = neuron_pb2_grpc.NeuronStub(channel).Models(
+                pb.ModelsRequest(), metadata=bearer(token), timeout=30)
+        except grpc.RpcError as e:
+            return f"the neuron did not answer ({e.code().name})"  # type: ignore[attr-defined]
+    status = next((m for m in res.models if m.model == model_id), None)
+    if status is None:
+        return "the neuron did not load it"
+    if status.state == pb.MODEL_STATE_READY:
+        return None
+    state = pb.ModelState.Name(status.state).removeprefix("MODEL_STATE_").lower()
+    return status.error or f"it is {state}"
+
+
+def _wait_listed(router: Child, model_id: str, timeout_secs: float,
+                 stopping: threading.Event) -> bool:
+    """Wait until the router lists the model (it has the neuron's Watch report): the printed
+    examples then work at once."""
+    end = time.monotonic() + timeout_secs
+    while time.monotonic() < end and not stopping.is_set() and router.proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError):
+            with urllib.request.urlopen(f"{router.address}/v1/models", timeout=5) as r:
+                if any(m.get("id") == model_id for m in json.load(r).get("data", [])):
+                    return True
+        stopping.wait(0.1)
+    if not stopping.is_set():
+        print(f"helexa up: the router did not list {model_id}; log tail "
+              f"({router.log_path}):\n{router.log_tail()}", file=sys.stderr)
+    return False
 
 
 def _add_endpoint(router_cfg: Path, address: str) -> None:

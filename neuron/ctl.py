@@ -103,7 +103,7 @@ async def _run(args: argparse.Namespace) -> int:
             st = await stub.Models(pb.ModelsRequest(), **call)
             print(json.dumps(MessageToDict(st), indent=2) if args.json else format_status(st))
         elif args.op == "load":
-            res = await stub.Load(pb.LoadRequest(model=args.model, principal="ctl"), **call)
+            res = await stub.Load(pb.LoadRequest(model=args.model, principal="ctl", retry_failed=True), **call)
             state = pb.ModelState.Name(res.status.state).removeprefix("MODEL_STATE_").lower()
             print(f"{args.model}: {state}" + (f" ({res.status.error})" if res.status.error else ""))
             for m in res.evicted:

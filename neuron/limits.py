@@ -30,6 +30,7 @@ STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
     "rate_limit_exceeded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "model_loading": grpc.StatusCode.UNAVAILABLE,
+    "model_failed": grpc.StatusCode.UNAVAILABLE,
     "shutting_down": grpc.StatusCode.UNAVAILABLE,
     "service_unavailable": grpc.StatusCode.UNAVAILABLE,
     "model_busy": grpc.StatusCode.FAILED_PRECONDITION,

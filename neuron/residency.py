@@ -9,7 +9,10 @@ priority when device memory would be short, draining, runtime limits
 in the engine process; this module only hands each engine its limits.
 
 States follow the proto's ModelState: loading → ready ⇄ switching,
-ready → draining → (gone), and failed from any of them.
+ready → draining → (gone), and failed from any of them. A failed model is
+remembered with its reason: requests for it are refused `model_failed` at
+once, and a Load retries it only after a backoff (doubling per consecutive
+failure) unless the Load says `retry_failed` (an operator's `ctl load`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from helexa.neuron.engine import messages
 from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
 
 MIB = 1024 * 1024
+# A failed model is retried after FAILED_RETRY_SECS, doubling per consecutive failure up to
+# FAILED_RETRY_MAX_SECS: a load that fails at once must never become a tight retry loop.
+FAILED_RETRY_SECS = 30.0
+FAILED_RETRY_MAX_SECS = 600.0
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="neuron")
 
@@ -66,6 +73,8 @@ class ResidentModel:
     devices: list[str] = field(default_factory=list)
     active: int = 0  # Generate calls open in the daemon for this model
     last_used_unix_ms: int = 0
+    failures: int = 0  # consecutive failed loads
+    retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
 
     @property
     def model_id(self) -> str:
@@ -94,6 +103,18 @@ class ResidentModel:
     def end(self) -> None:
         self.active -= 1
         self.touch()
+
+    def fail(self, reason: str) -> None:
+        """FAILED with its reason, and the time before which no Load retries it."""
+        self.state = ModelState.FAILED
+        self.error = reason
+        self.failures += 1
+        self.retry_at = time.monotonic() + min(
+            FAILED_RETRY_MAX_SECS, FAILED_RETRY_SECS * 2 ** (self.failures - 1))
+
+    @property
+    def retry_after_ms(self) -> int:
+        return max(1000, int((self.retry_at - time.monotonic()) * 1000))
 
 
 class Residency:
@@ -153,7 +174,8 @@ class Residency:
         if r.state == ModelState.DRAINING:
             raise Refusal("shutting_down", f"The model `{model_id}` is draining.",
                           int(self.cfg.server.drain_secs * 1000))
-        raise Refusal("service_unavailable", f"The model `{model_id}` failed: {r.error}", 5000)
+        raise Refusal("model_failed", f"The model `{model_id}` failed to load: {r.error}",
+                      r.retry_after_ms)
 
     # ----------------------------------------------------------- loading
 
@@ -163,12 +185,19 @@ class Residency:
             if entry.preload:
                 await self.load(entry.id)
 
-    async def load(self, model_id: str) -> tuple[ResidentModel, list[str]]:
-        """Load a catalogue model (single-flight); returns it (ready or failed) and the evicted."""
+    async def load(self, model_id: str, *, retry_failed: bool = False
+                   ) -> tuple[ResidentModel, list[str]]:
+        """Load a catalogue model (single-flight); returns it (ready or failed) and the evicted.
+
+        A model that failed is returned as it is, not reloaded, until its backoff has
+        passed, unless `retry_failed`."""
         entry = self.entry(model_id)
         r = self.models.get(model_id)
         if r is not None and r.state in (ModelState.READY, ModelState.SWITCHING):
             r.touch()
+            return r, []
+        if r is not None and r.state == ModelState.FAILED and not retry_failed \
+                and time.monotonic() < r.retry_at and model_id not in self._loads:
             return r, []
         if r is not None and r.state == ModelState.DRAINING:
             raise Refusal("shutting_down", f"The model `{model_id}` is being unloaded.",
@@ -184,6 +213,14 @@ class Residency:
         from helexa.plan import plan_model
 
         r = ResidentModel(entry=entry, devices=self._devices_of(entry))
+        before = self.models.get(entry.id)
+        if before is not None and before.state == ModelState.FAILED:
+            r.failures = before.failures  # the backoff keeps growing while loads keep failing
+            if before.client is not None:  # an engine that died: end what is left of it
+                try:
+                    await before.client.shutdown(5.0)
+                except Exception as e:
+                    log.warning("model.shutdown_error", model=entry.id, error=str(e))
         r.profile = self._profiles.get(entry.id, entry.profile or "")
         r.kv_dtype = effective_kv_dtype(self.cfg, r.profile)
         self.models[entry.id] = r  # LOADING is visible in Watch at once
@@ -223,9 +260,9 @@ class Residency:
                      context=r.limits.context, kv_dtype=r.kv_dtype,
                      pool_tokens=r.plan.pool_tokens, evicted=evicted)
         except Exception as e:  # a load failure leaves the daemon up and says why
-            r.state = ModelState.FAILED
-            r.error = e.message if isinstance(e, Refusal) else _reason(e)
-            log.error("model.failed", model=entry.id, error=r.error)
+            r.fail(e.message if isinstance(e, Refusal) else _reason(e))
+            log.error("model.failed", model=entry.id, error=r.error, failures=r.failures,
+                      retry_after_secs=round(r.retry_after_ms / 1000))
         self._on_change()
         return r, evicted
 
@@ -281,9 +318,8 @@ class Residency:
         self._on_change()
 
     def _on_fatal(self, r: ResidentModel, message: str) -> None:
-        r.state = ModelState.FAILED
-        r.error = f"engine failed: {message}"
-        log.error("model.failed", model=r.model_id, error=r.error)
+        r.fail(f"engine failed: {message}")
+        log.error("model.failed", model=r.model_id, error=r.error, failures=r.failures)
         self._on_change()
 
     # ----------------------------------------------------------- unloading

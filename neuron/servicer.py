@@ -302,7 +302,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("shutting_down", "This neuron is shutting down.")
             log.info("model.load_requested", model=request.model,
                      principal=request.principal or "anonymous")
-            r, evicted = await self.residency.load(request.model)
+            r, evicted = await self.residency.load(request.model,
+                                                   retry_failed=request.retry_failed)
         except Refusal as e:
             await context.abort(e.status, e.message, e.trailing_metadata())
         return pb.LoadResponse(status=model_status(r), evicted=evicted)

@@ -47,10 +47,21 @@ from helexa.router.selection import Estimate, rank, rendezvous_score, reservatio
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
 LOAD_RETRY_AFTER_SECS = 5
+# A model that failed to load stays failed until the neuron's backoff or an operator retries it.
+FAILED_RETRY_AFTER_SECS = 30
 # A unary call's send stays pending (counted by selection on top of Watch) this long: two Watch
 # periods (at most 20 reports a second), by when the neuron's report includes the request.
 UNARY_SEEN_SECS = 0.1
 _WAITING = (pb.MODEL_STATE_LOADING, pb.MODEL_STATE_SWITCHING)
+
+
+class ModelFailed(RuntimeError):
+    """The neuron answered a Load with the model FAILED; the message says why."""
+
+
+def model_failed(model: str, reason: str) -> ApiError:
+    return ApiError(503, f"`{model}` failed to load: {reason}", code="model_failed",
+                    retry_after_secs=FAILED_RETRY_AFTER_SECS)
 
 
 @dataclass
@@ -124,14 +135,19 @@ class Dispatcher:
                            code="shutting_down")
         if reg.models_in_state(model, pb.MODEL_STATE_DRAINING):
             raise ApiError(503, f"`{model}` is draining", code="shutting_down")
-        if not reg.models_in_state(model, *_WAITING):
-            self._maybe_start_load(model, principal)
         task = self._loads.get(model)
+        # A finished Load that failed is this request's answer; looking first keeps the
+        # next line from starting another Load over it (a retry loop against the neuron).
         if task is not None and task.done() and task.exception() is not None \
                 and not reg.models_in_state(model, *_WAITING):
             self._loads.pop(model, None)
-            raise ApiError(503, f"loading `{model}` failed: {task.exception()}",
+            exc = task.exception()
+            if isinstance(exc, ModelFailed):  # said at once: waiting cannot make it load
+                raise model_failed(model, str(exc))
+            raise ApiError(503, f"loading `{model}` failed: {exc}",
                            code="service_unavailable")
+        if not reg.models_in_state(model, *_WAITING):
+            self._maybe_start_load(model, principal)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ApiError(503, f"`{model}` is loading; retry shortly", code="model_loading",
@@ -144,14 +160,15 @@ class Dispatcher:
         if not holders:
             failed = reg.models_in_state(model, pb.MODEL_STATE_FAILED)
             if failed:
-                raise ApiError(503, f"`{model}` failed on {', '.join(failed)}",
-                               code="service_unavailable")
+                raise model_failed(model, self._failure(model))
             if model in reg.known_models():
                 raise ApiError(503, f"no healthy neuron serves `{model}`",
                                code="service_unavailable")
             raise ApiError(404, f"The model `{model}` does not exist", code="model_not_found",
                            param="model")
         if not may_load(principal, self.settings.load_principals):
+            if reg.models_in_state(model, pb.MODEL_STATE_FAILED):
+                raise model_failed(model, self._failure(model))
             raise ApiError(503, f"`{model}` is not loaded and this key may not cause loads",
                            code="service_unavailable")
         task = self._loads.get(model)
@@ -162,17 +179,30 @@ class Dispatcher:
         self._loads[model] = asyncio.get_running_loop().create_task(
             self._load(link, model, principal))
 
+    def _failure(self, model: str) -> str:
+        """Why the model failed, as a neuron's Watch said."""
+        for link in self.registry.healthy_links():
+            m = link.model_status(model)
+            if m is not None and m.state == pb.MODEL_STATE_FAILED:
+                return f"{m.error or 'no reason given'} (on {link.name})"
+        return "no reason given"
+
     async def _load(self, link: NeuronLink, model: str, principal: str) -> None:
         log.info("model.load_requested", neuron=link.name, model=model, principal=principal)
         try:
-            await link.stub.Load(pb.LoadRequest(model=model, principal=principal),
-                                 metadata=link.metadata, timeout=max(600.0, self.settings.load_wait_secs))
+            resp = await link.stub.Load(pb.LoadRequest(model=model, principal=principal),
+                                        metadata=link.metadata,
+                                        timeout=max(600.0, self.settings.load_wait_secs))
         except grpc.aio.AioRpcError as e:
             log.warning("model.load_failed", neuron=link.name, model=model, grpc=e.code().name,
                         detail=e.details())
             raise RuntimeError(e.details() or e.code().name) from None
         finally:
             self.registry.notify()
+        if resp.status.state == pb.MODEL_STATE_FAILED:
+            # The neuron remembers the failure and retries only after a backoff.
+            log.warning("model.load_failed", neuron=link.name, model=model, error=resp.status.error)
+            raise ModelFailed(f"{resp.status.error or 'no reason given'} (on {link.name})")
 
     async def close(self) -> None:
         for task in self._loads.values():

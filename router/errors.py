@@ -5,8 +5,8 @@ envelope `{"error": {"message", "type", "code", "param"}}` with the HTTP
 status and, where DESIGN.md's error table says so, a `Retry-After` header.
 Codes are the ones of that table (`invalid_request_error`,
 `context_length_exceeded`, `invalid_api_key`, `model_not_found`,
-`rate_limit_exceeded`, `overloaded`, `model_loading`, `shutting_down`,
-`service_unavailable`, `upstream_error`).
+`rate_limit_exceeded`, `overloaded`, `model_loading`, `model_failed`,
+`shutting_down`, `service_unavailable`, `upstream_error`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _TYPES = {
 
 # Codes that always tell the client when to come back (DESIGN.md error table).
 RETRYABLE_CODES = frozenset(
-    {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable"})
+    {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable",
+     "model_failed"})
 DEFAULT_RETRY_AFTER_SECS = 1
 
 

@@ -33,6 +33,7 @@ RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXH
 _CODE_STATUS = {
     "rate_limit_exceeded": 429,
     "overloaded": 503, "model_loading": 503, "shutting_down": 503, "service_unavailable": 503,
+    "model_failed": 503,
     "context_length_exceeded": 400, "invalid_request_error": 400,
     "model_not_found": 404,
     "upstream_error": 502,

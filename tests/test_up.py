@@ -3,6 +3,7 @@ and Ctrl-C stops both daemons."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -11,6 +12,9 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +77,145 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     assert (tmp_path / "neuron.token").stat().st_mode & 0o077 == 0  # the token is private
     assert main(["--model", str(tmp_path / "m")]) == 2  # no config.json there
     assert "no config.json" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- any checkpoint, failures
+
+
+def _hf_checkpoint(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    """A random tiny Qwen3 written by transformers' save_pretrained, with the tiny tokenizer."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512)
+    out = tmp_path / "my-qwen3"
+    Qwen3ForCausalLM(cfg).eval().save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_model_dir / f, out / f)
+    return out
+
+
+class Up:
+    """`helexa up` as a user runs it, its output read line by line."""
+
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "helexa.cli", "up", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        self.lines: list[str] = []
+
+    def read_until(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if line.startswith(prefix):
+                break
+        return "".join(self.lines)
+
+    def stop(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+        try:
+            rc = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"helexa up did not stop on SIGINT:\n{''.join(self.lines)}")
+        self.lines += self.proc.stdout.readlines()
+        return rc
+
+
+def test_up_serves_any_checkpoint_on_cpu_at_once_and_cleans_its_run_folder(tmp_path,
+                                                                           tiny_model_dir):
+    model = _hf_checkpoint(tmp_path, tiny_model_dir)
+    up = Up("--model", str(model), "--device", "cpu")
+    try:
+        text = up.read_until("Ctrl-C stops both.")
+        assert "HELEXA UP http://127.0.0.1:" in text, text
+        assert "KV pool" in text and "MiB of host memory" in text
+        run = Path(re.search(r"^run folder: (\S+), removed on exit", text, re.M).group(1))
+        assert run.stat().st_mode & 0o777 == 0o700  # it holds the neuron token
+        url = re.search(r"HELEXA UP (\S+)/v1", text).group(1)
+        # the printed endpoint works the moment it is printed: no 503 model_loading
+        body = json.dumps({"model": "helexa/balanced", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Hello!"}]}).encode()
+        req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            reply = json.load(r)
+        assert reply["object"] == "chat.completion" and reply["usage"]["completion_tokens"] >= 1
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
+            assert "my-qwen3" in {m["id"] for m in json.load(r)["data"]}
+    finally:
+        rc = up.stop()
+    assert rc == 0, "".join(up.lines)
+    assert not run.exists()  # no token left behind
+
+
+def test_up_with_a_model_that_cannot_load_says_why_and_exits_1(tmp_path, tiny_model_dir):
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    (tmp_path / "tmp").mkdir()
+    up = Up("--model", str(model), "--device", "cpu", "--kv-budget-mb", "16",
+            env={"TMPDIR": str(tmp_path / "tmp")})
+    try:
+        rc = up.proc.wait(300)
+    finally:
+        up.stop()
+    text = "".join(up.lines)
+    assert rc == 1, text
+    assert "HELEXA UP" not in text
+    assert "could not be loaded" in text and "broken" in text, text
+    assert not list((tmp_path / "tmp").iterdir())  # its run folder is gone
+
+
+def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
+        tmp_path, tiny_model_dir):
+    from helexa.up import Child, _add_endpoint, write_configs
+
+    model = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    run = tmp_path / "run"
+    run.mkdir()
+    neuron_cfg, router_cfg = write_configs(run, model, "broken", 0, "cpu", 16)
+    cli = [sys.executable, "-m", "helexa.cli"]
+    children = [Child("neuron", [*cli, "neuron", "--config", str(neuron_cfg)], run / "neuron.log",
+                      "NEURON LISTENING")]
+    try:
+        assert children[0].wait_ready(300), children[0].log_tail()
+        _add_endpoint(router_cfg, children[0].address)
+        children.append(Child("router", [*cli, "router", "--config", str(router_cfg)],
+                              run / "router.log", "ROUTER LISTENING"))
+        assert children[1].wait_ready(60), children[1].log_tail()
+        url = children[1].address
+
+        def neuron_reported() -> bool:  # the router has the neuron's first Watch report
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
+                    return "broken" in json.load(r)["neurons"]["local"]["models"]
+            except urllib.error.HTTPError:  # 503 until a neuron reported
+                return False
+
+        deadline = time.monotonic() + 60
+        while not neuron_reported():
+            assert time.monotonic() < deadline, children[1].log_tail()
+            time.sleep(0.1)
+        body = json.dumps({"model": "broken", "max_tokens": 4,
+                           "messages": [{"role": "user", "content": "Hi"}]}).encode()
+        for _ in range(5):
+            req = urllib.request.Request(f"{url}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=50)  # the router's load wait is 60 s
+            err = json.loads(e.value.read())["error"]
+            assert e.value.code == 503 and err["code"] == "model_failed", err
+            assert "safetensors" in err["message"].lower() or "header" in err["message"], err
+            assert int(e.value.headers["Retry-After"]) >= 10
+    finally:
+        for child in reversed(children):
+            child.stop(30)
+    failed = [ln for ln in (run / "neuron.log").read_text().splitlines() if "model.failed" in ln]
+    assert len(failed) == 1, failed  # the preload's failure, remembered: no retry storm

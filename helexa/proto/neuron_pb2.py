@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhelexa/neuron/v1/neuron.proto\x12\x10helexa.neuron.v1\"\xe7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x04\x43hat\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.helexa.neuron.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x87\x03\n\x0fGenerateRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.helexa.neuron.v1.ChatH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x1a.helexa.neuron.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x32\n\x08sampling\x18\x08 \x01(\x0b\x32 .helexa.neuron.v1.SamplingParams\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x1f\n\x17return_prompt_token_ids\x18\r \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokens\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"k\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12)\n\x03top\x18\x04 \x03(\x0b\x32\x1c.helexa.neuron.v1.TopLogprob\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\"\xf3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.helexa.neuron.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.helexa.neuron.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.helexa.neuron.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"$\n\x0cWatchRequest\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\x05\"\xa2\x01\n\x08KvLedger\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x12\n\nfree_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x03 \x01(\x03\x12\x16\n\x0ereserved_bytes\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_token\x18\x07 \x01(\x03\"\xe0\x01\n\x0f\x41\x64missionLimits\x12\x15\n\rmax_in_flight\x18\x01 \x01(\x05\x12\x17\n\x0fmax_queue_depth\x18\x02 \x01(\x05\x12\x19\n\x11max_per_principal\x18\x03 \x01(\x05\x12\x1a\n\x12\x61non_max_in_flight\x18\x04 \x01(\x05\x12\x11\n\tmax_slots\x18\x05 \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\x06 \x01(\x05\x12\x18\n\x10kv_max_wait_secs\x18\x07 \x01(\x01\x12\x1d\n\x15\x64\x65\x66\x61ult_output_tokens\x18\x08 \x01(\x05\"=\n\x0bModelLimits\x12\x0f\n\x07\x63ontext\x18\x01 \x01(\x05\x12\r\n\x05input\x18\x02 \x01(\x05\x12\x0e\n\x06output\x18\x03 \x01(\x05\"\xa2\x03\n\x0bModelStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.helexa.neuron.v1.ModelState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12&\n\x02kv\x18\x04 \x01(\x0b\x32\x1a.helexa.neuron.v1.KvLedger\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x0e\n\x06queued\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x34\n\tadmission\x18\x08 \x01(\x0b\x32!.helexa.neuron.v1.AdmissionLimits\x12-\n\x06limits\x18\t \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelLimits\x12\x1d\n\x15\x64\x65\x63ode_tokens_per_sec\x18\n \x01(\x01\x12\x1e\n\x16prefill_tokens_per_sec\x18\x0b \x01(\x01\x12\x0f\n\x07profile\x18\x0c \x01(\t\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\n\n\x02tp\x18\x0e \x01(\x05\x12\x19\n\x11last_used_unix_ms\x18\x0f \x01(\x03\"\x90\x01\n\x0cNeuronStatus\x12\x0e\n\x06neuron\x18\x01 \x01(\t\x12-\n\x06models\x18\x02 \x03(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\x12\x11\n\tcatalogue\x18\x06 \x03(\t\"\x0f\n\rModelsRequest\"`\n\x0e\x43\x61talogueEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0f\n\x07profile\x18\x04 \x01(\t\x12\x10\n\x08resident\x18\x05 \x01(\x08\"t\n\x0eModelsResponse\x12\x33\n\tcatalogue\x18\x01 \x03(\x0b\x32 .helexa.neuron.v1.CatalogueEntry\x12-\n\x06models\x18\x02 \x03(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\"/\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\"N\n\x0cLoadResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x0f\n\x07\x65victed\x18\x02 \x03(\t\"<\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\"\n\x0eUnloadResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"3\n\x11SetProfileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\"T\n\x12SetProfileResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x0f\n\x07\x63hanged\x18\x02 \x03(\t\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06neuron\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa6\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x19\n\x15MODEL_STATE_SWITCHING\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x16\n\x12MODEL_STATE_FAILED\x10\x05\x32\x82\x05\n\x06Neuron\x12S\n\x08Generate\x12!.helexa.neuron.v1.GenerateRequest\x1a\".helexa.neuron.v1.GenerateResponse0\x01\x12Q\n\x08\x43omplete\x12!.helexa.neuron.v1.GenerateRequest\x1a\".helexa.neuron.v1.GenerateResponse\x12I\n\x05Watch\x12\x1e.helexa.neuron.v1.WatchRequest\x1a\x1e.helexa.neuron.v1.NeuronStatus0\x01\x12K\n\x06Models\x12\x1f.helexa.neuron.v1.ModelsRequest\x1a .helexa.neuron.v1.ModelsResponse\x12\x45\n\x04Load\x12\x1d.helexa.neuron.v1.LoadRequest\x1a\x1e.helexa.neuron.v1.LoadResponse\x12K\n\x06Unload\x12\x1f.helexa.neuron.v1.UnloadRequest\x1a .helexa.neuron.v1.UnloadResponse\x12W\n\nSetProfile\x12#.helexa.neuron.v1.SetProfileRequest\x1a$.helexa.neuron.v1.SetProfileResponse\x12K\n\x06Health\x12\x1f.helexa.neuron.v1.HealthRequest\x1a .helexa.neuron.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dhelexa/neuron/v1/neuron.proto\x12\x10helexa.neuron.v1\"\xe7\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12\x10\n\x08logprobs\x18\n \x01(\x08\x42\x07\n\x05_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\x04\x43hat\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.helexa.neuron.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x87\x03\n\x0fGenerateRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\tprincipal\x18\x03 \x01(\t\x12&\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x16.helexa.neuron.v1.ChatH\x00\x12\x0e\n\x04text\x18\x05 \x01(\tH\x00\x12/\n\ttoken_ids\x18\x06 \x01(\x0b\x32\x1a.helexa.neuron.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x07 \x01(\x05H\x01\x88\x01\x01\x12\x32\n\x08sampling\x18\x08 \x01(\x0b\x32 .helexa.neuron.v1.SamplingParams\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x16\n\x0estop_token_ids\x18\n \x03(\x05\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x0c \x01(\x03\x12\x1f\n\x17return_prompt_token_ids\x18\r \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokens\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x13\n\x0btoken_bytes\x18\x04 \x01(\x0c\"\x80\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12)\n\x03top\x18\x04 \x03(\x0b\x32\x1c.helexa.neuron.v1.TopLogprob\x12\x13\n\x0btoken_bytes\x18\x05 \x01(\x0c\"\x89\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\x12\x12\n\nprefill_ms\x18\x04 \x01(\x01\x12\x11\n\tdecode_ms\x18\x05 \x01(\x01\x12\x10\n\x08queue_ms\x18\x06 \x01(\x01\"\xf3\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1e.helexa.neuron.v1.TokenLogprob\x12\x35\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1e.helexa.neuron.v1.FinishReason\x12&\n\x05usage\x18\x05 \x01(\x0b\x32\x17.helexa.neuron.v1.Usage\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"$\n\x0cWatchRequest\x12\x14\n\x0cheartbeat_ms\x18\x01 \x01(\x05\"\xa2\x01\n\x08KvLedger\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x03\x12\x12\n\nfree_bytes\x18\x02 \x01(\x03\x12\x14\n\x0c\x63\x61\x63hed_bytes\x18\x03 \x01(\x03\x12\x16\n\x0ereserved_bytes\x18\x04 \x01(\x03\x12\x12\n\nused_bytes\x18\x05 \x01(\x03\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x17\n\x0f\x62ytes_per_token\x18\x07 \x01(\x03\"\xe0\x01\n\x0f\x41\x64missionLimits\x12\x15\n\rmax_in_flight\x18\x01 \x01(\x05\x12\x17\n\x0fmax_queue_depth\x18\x02 \x01(\x05\x12\x19\n\x11max_per_principal\x18\x03 \x01(\x05\x12\x1a\n\x12\x61non_max_in_flight\x18\x04 \x01(\x05\x12\x11\n\tmax_slots\x18\x05 \x01(\x05\x12\x1a\n\x12max_batched_tokens\x18\x06 \x01(\x05\x12\x18\n\x10kv_max_wait_secs\x18\x07 \x01(\x01\x12\x1d\n\x15\x64\x65\x66\x61ult_output_tokens\x18\x08 \x01(\x05\"=\n\x0bModelLimits\x12\x0f\n\x07\x63ontext\x18\x01 \x01(\x05\x12\r\n\x05input\x18\x02 \x01(\x05\x12\x0e\n\x06output\x18\x03 \x01(\x05\"\xa2\x03\n\x0bModelStatus\x12\r\n\x05model\x18\x01 \x01(\t\x12+\n\x05state\x18\x02 \x01(\x0e\x32\x1c.helexa.neuron.v1.ModelState\x12\r\n\x05\x65rror\x18\x03 \x01(\t\x12&\n\x02kv\x18\x04 \x01(\x0b\x32\x1a.helexa.neuron.v1.KvLedger\x12\x11\n\tin_flight\x18\x05 \x01(\x05\x12\x0e\n\x06queued\x18\x06 \x01(\x05\x12\x0f\n\x07running\x18\x07 \x01(\x05\x12\x34\n\tadmission\x18\x08 \x01(\x0b\x32!.helexa.neuron.v1.AdmissionLimits\x12-\n\x06limits\x18\t \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelLimits\x12\x1d\n\x15\x64\x65\x63ode_tokens_per_sec\x18\n \x01(\x01\x12\x1e\n\x16prefill_tokens_per_sec\x18\x0b \x01(\x01\x12\x0f\n\x07profile\x18\x0c \x01(\t\x12\x10\n\x08kv_dtype\x18\r \x01(\t\x12\n\n\x02tp\x18\x0e \x01(\x05\x12\x19\n\x11last_used_unix_ms\x18\x0f \x01(\x03\"\x90\x01\n\x0cNeuronStatus\x12\x0e\n\x06neuron\x18\x01 \x01(\t\x12-\n\x06models\x18\x02 \x03(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\x12\x0b\n\x03seq\x18\x04 \x01(\x04\x12\x0f\n\x07unix_ms\x18\x05 \x01(\x03\x12\x11\n\tcatalogue\x18\x06 \x03(\t\"\x0f\n\rModelsRequest\"`\n\x0e\x43\x61talogueEntry\x12\r\n\x05model\x18\x01 \x01(\t\x12\n\n\x02tp\x18\x02 \x01(\x05\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0f\n\x07profile\x18\x04 \x01(\t\x12\x10\n\x08resident\x18\x05 \x01(\x08\"t\n\x0eModelsResponse\x12\x33\n\tcatalogue\x18\x01 \x03(\x0b\x32 .helexa.neuron.v1.CatalogueEntry\x12-\n\x06models\x18\x02 \x03(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\"E\n\x0bLoadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tprincipal\x18\x02 \x01(\t\x12\x14\n\x0cretry_failed\x18\x03 \x01(\x08\"N\n\x0cLoadResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x0f\n\x07\x65victed\x18\x02 \x03(\t\"<\n\rUnloadRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64rain\x18\x02 \x01(\x08\x12\r\n\x05\x66orce\x18\x03 \x01(\x08\"\"\n\x0eUnloadResponse\x12\x10\n\x08unloaded\x18\x01 \x01(\x08\"3\n\x11SetProfileRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07profile\x18\x02 \x01(\t\"T\n\x12SetProfileResponse\x12-\n\x06status\x18\x01 \x01(\x0b\x32\x1d.helexa.neuron.v1.ModelStatus\x12\x0f\n\x07\x63hanged\x18\x02 \x03(\t\"\x0f\n\rHealthRequest\"A\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x0e\n\x06neuron\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\t*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*\xa6\x01\n\nModelState\x12\x1b\n\x17MODEL_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13MODEL_STATE_LOADING\x10\x01\x12\x15\n\x11MODEL_STATE_READY\x10\x02\x12\x19\n\x15MODEL_STATE_SWITCHING\x10\x03\x12\x18\n\x14MODEL_STATE_DRAINING\x10\x04\x12\x16\n\x12MODEL_STATE_FAILED\x10\x05\x32\x82\x05\n\x06Neuron\x12S\n\x08Generate\x12!.helexa.neuron.v1.GenerateRequest\x1a\".helexa.neuron.v1.GenerateResponse0\x01\x12Q\n\x08\x43omplete\x12!.helexa.neuron.v1.GenerateRequest\x1a\".helexa.neuron.v1.GenerateResponse\x12I\n\x05Watch\x12\x1e.helexa.neuron.v1.WatchRequest\x1a\x1e.helexa.neuron.v1.NeuronStatus0\x01\x12K\n\x06Models\x12\x1f.helexa.neuron.v1.ModelsRequest\x1a .helexa.neuron.v1.ModelsResponse\x12\x45\n\x04Load\x12\x1d.helexa.neuron.v1.LoadRequest\x1a\x1e.helexa.neuron.v1.LoadResponse\x12K\n\x06Unload\x12\x1f.helexa.neuron.v1.UnloadRequest\x1a .helexa.neuron.v1.UnloadResponse\x12W\n\nSetProfile\x12#.helexa.neuron.v1.SetProfileRequest\x1a$.helexa.neuron.v1.SetProfileResponse\x12K\n\x06Health\x12\x1f.helexa.neuron.v1.HealthRequest\x1a .helexa.neuron.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'helexa.neuron.v1.neuron_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3111
-  _globals['_FINISHREASON']._serialized_end=3256
-  _globals['_MODELSTATE']._serialized_start=3259
-  _globals['_MODELSTATE']._serialized_end=3425
+  _globals['_FINISHREASON']._serialized_start=3176
+  _globals['_FINISHREASON']._serialized_end=3321
+  _globals['_MODELSTATE']._serialized_start=3324
+  _globals['_MODELSTATE']._serialized_end=3490
   _globals['_SAMPLINGPARAMS']._serialized_start=52
   _globals['_SAMPLINGPARAMS']._serialized_end=283
   _globals['_CHATMESSAGE']._serialized_start=285
@@ -46,47 +46,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_start=414
   _globals['_GENERATEREQUEST']._serialized_end=805
   _globals['_TOPLOGPROB']._serialized_start=807
-  _globals['_TOPLOGPROB']._serialized_end=869
-  _globals['_TOKENLOGPROB']._serialized_start=871
-  _globals['_TOKENLOGPROB']._serialized_end=978
-  _globals['_USAGE']._serialized_start=981
-  _globals['_USAGE']._serialized_end=1118
-  _globals['_GENERATERESPONSE']._serialized_start=1121
-  _globals['_GENERATERESPONSE']._serialized_end=1364
-  _globals['_WATCHREQUEST']._serialized_start=1366
-  _globals['_WATCHREQUEST']._serialized_end=1402
-  _globals['_KVLEDGER']._serialized_start=1405
-  _globals['_KVLEDGER']._serialized_end=1567
-  _globals['_ADMISSIONLIMITS']._serialized_start=1570
-  _globals['_ADMISSIONLIMITS']._serialized_end=1794
-  _globals['_MODELLIMITS']._serialized_start=1796
-  _globals['_MODELLIMITS']._serialized_end=1857
-  _globals['_MODELSTATUS']._serialized_start=1860
-  _globals['_MODELSTATUS']._serialized_end=2278
-  _globals['_NEURONSTATUS']._serialized_start=2281
-  _globals['_NEURONSTATUS']._serialized_end=2425
-  _globals['_MODELSREQUEST']._serialized_start=2427
-  _globals['_MODELSREQUEST']._serialized_end=2442
-  _globals['_CATALOGUEENTRY']._serialized_start=2444
-  _globals['_CATALOGUEENTRY']._serialized_end=2540
-  _globals['_MODELSRESPONSE']._serialized_start=2542
-  _globals['_MODELSRESPONSE']._serialized_end=2658
-  _globals['_LOADREQUEST']._serialized_start=2660
-  _globals['_LOADREQUEST']._serialized_end=2707
-  _globals['_LOADRESPONSE']._serialized_start=2709
-  _globals['_LOADRESPONSE']._serialized_end=2787
-  _globals['_UNLOADREQUEST']._serialized_start=2789
-  _globals['_UNLOADREQUEST']._serialized_end=2849
-  _globals['_UNLOADRESPONSE']._serialized_start=2851
-  _globals['_UNLOADRESPONSE']._serialized_end=2885
-  _globals['_SETPROFILEREQUEST']._serialized_start=2887
-  _globals['_SETPROFILEREQUEST']._serialized_end=2938
-  _globals['_SETPROFILERESPONSE']._serialized_start=2940
-  _globals['_SETPROFILERESPONSE']._serialized_end=3024
-  _globals['_HEALTHREQUEST']._serialized_start=3026
-  _globals['_HEALTHREQUEST']._serialized_end=3041
-  _globals['_HEALTHRESPONSE']._serialized_start=3043
-  _globals['_HEALTHRESPONSE']._serialized_end=3108
-  _globals['_NEURON']._serialized_start=3428
-  _globals['_NEURON']._serialized_end=4070
+  _globals['_TOPLOGPROB']._serialized_end=890
+  _globals['_TOKENLOGPROB']._serialized_start=893
+  _globals['_TOKENLOGPROB']._serialized_end=1021
+  _globals['_USAGE']._serialized_start=1024
+  _globals['_USAGE']._serialized_end=1161
+  _globals['_GENERATERESPONSE']._serialized_start=1164
+  _globals['_GENERATERESPONSE']._serialized_end=1407
+  _globals['_WATCHREQUEST']._serialized_start=1409
+  _globals['_WATCHREQUEST']._serialized_end=1445
+  _globals['_KVLEDGER']._serialized_start=1448
+  _globals['_KVLEDGER']._serialized_end=1610
+  _globals['_ADMISSIONLIMITS']._serialized_start=1613
+  _globals['_ADMISSIONLIMITS']._serialized_end=1837
+  _globals['_MODELLIMITS']._serialized_start=1839
+  _globals['_MODELLIMITS']._serialized_end=1900
+  _globals['_MODELSTATUS']._serialized_start=1903
+  _globals['_MODELSTATUS']._serialized_end=2321
+  _globals['_NEURONSTATUS']._serialized_start=2324
+  _globals['_NEURONSTATUS']._serialized_end=2468
+  _globals['_MODELSREQUEST']._serialized_start=2470
+  _globals['_MODELSREQUEST']._serialized_end=2485
+  _globals['_CATALOGUEENTRY']._serialized_start=2487
+  _globals['_CATALOGUEENTRY']._serialized_end=2583
+  _globals['_MODELSRESPONSE']._serialized_start=2585
+  _globals['_MODELSRESPONSE']._serialized_end=2701
+  _globals['_LOADREQUEST']._serialized_start=2703
+  _globals['_LOADREQUEST']._serialized_end=2772
+  _globals['_LOADRESPONSE']._serialized_start=2774
+  _globals['_LOADRESPONSE']._serialized_end=2852
+  _globals['_UNLOADREQUEST']._serialized_start=2854
+  _globals['_UNLOADREQUEST']._serialized_end=2914
+  _globals['_UNLOADRESPONSE']._serialized_start=2916
+  _globals['_UNLOADRESPONSE']._serialized_end=2950
+  _globals['_SETPROFILEREQUEST']._serialized_start=2952
+  _globals['_SETPROFILEREQUEST']._serialized_end=3003
+  _globals['_SETPROFILERESPONSE']._serialized_start=3005
+  _globals['_SETPROFILERESPONSE']._serialized_end=3089
+  _globals['_HEALTHREQUEST']._serialized_start=3091
+  _globals['_HEALTHREQUEST']._serialized_end=3106
+  _globals['_HEALTHRESPONSE']._serialized_start=3108
+  _globals['_HEALTHRESPONSE']._serialized_end=3173
+  _globals['_NEURON']._serialized_start=3493
+  _globals['_NEURON']._serialized_end=4135
 # @@protoc_insertion_point(module_scope)

@@ -110,26 +110,30 @@ class GenerateRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob")
+    __slots__ = ("token_id", "token", "logprob", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top")
+    __slots__ = ("token_id", "token", "logprob", "top", "token_bytes")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+    token_bytes: bytes
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefill_ms", "decode_ms", "queue_ms")
@@ -296,12 +300,14 @@ class ModelsResponse(_message.Message):
     def __init__(self, catalogue: _Optional[_Iterable[_Union[CatalogueEntry, _Mapping]]] = ..., models: _Optional[_Iterable[_Union[ModelStatus, _Mapping]]] = ...) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("model", "principal")
+    __slots__ = ("model", "principal", "retry_failed")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
+    RETRY_FAILED_FIELD_NUMBER: _ClassVar[int]
     model: str
     principal: str
-    def __init__(self, model: _Optional[str] = ..., principal: _Optional[str] = ...) -> None: ...
+    retry_failed: bool
+    def __init__(self, model: _Optional[str] = ..., principal: _Optional[str] = ..., retry_failed: _Optional[bool] = ...) -> None: ...
 
 class LoadResponse(_message.Message):
     __slots__ = ("status", "evicted")

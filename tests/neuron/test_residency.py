@@ -123,3 +123,37 @@ def test_unknown_model_is_model_not_found(tiny_model_dir: Path, tmp_path: Path) 
     with pytest.raises(Refusal) as e:
         asyncio.run(res.load("zzz"))
     assert e.value.code == "model_not_found"
+
+
+def test_a_failed_load_is_remembered_not_retried_until_backoff_or_asked(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    import time
+
+    starts: list[str] = []
+
+    async def broken(spec: Any, **_callbacks: Any) -> Any:
+        starts.append(spec.model_id)
+        raise RuntimeError("weights: model.safetensors is truncated")
+
+    async def run() -> None:
+        res = _residency(_cfg(tiny_model_dir, [{"id": "a"}]), tmp_path, factory=broken)
+        r, _ = await res.load("a")
+        assert r.state == ModelState.FAILED and "truncated" in r.error
+        for _ in range(50):  # what a router's on-demand loads would do
+            again, _ = await res.load("a")
+            assert again is r and again.state == ModelState.FAILED
+        assert starts == ["a"]  # no retry within the backoff
+        with pytest.raises(Refusal) as e:
+            res.serving("a")
+        assert e.value.code == "model_failed" and "truncated" in e.value.message
+        assert e.value.retry_after_ms >= 20_000  # long: waiting a second will not help
+        # an operator's explicit Load retries at once
+        r2, _ = await res.load("a", retry_failed=True)
+        assert r2.state == ModelState.FAILED and starts == ["a", "a"]
+        assert r2.failures == 2 and r2.retry_at - time.monotonic() > 50  # backoff doubled
+        # after the backoff a plain Load retries
+        r2.retry_at = time.monotonic() - 1
+        await res.load("a")
+        assert starts == ["a", "a", "a"]
+
+    asyncio.run(run())
