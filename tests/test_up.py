@@ -219,3 +219,42 @@ def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
             child.stop(30)
     failed = [ln for ln in (run / "neuron.log").read_text().splitlines() if "model.failed" in ln]
     assert len(failed) == 1, failed  # the preload's failure, remembered: no retry storm
+
+
+def test_ctrl_c_with_a_stream_in_flight_ends_the_stream_and_stops_both_gracefully(
+        tmp_path, tiny_checkpoint):
+    import http.client
+
+    # long enough positions that the stream is still going whatever the machine's speed
+    model = tiny_checkpoint("qwen3", max_position_embeddings=65536)
+    run = tmp_path / "run"
+    up = Up("--model", str(model), "--device", "cpu", "--kv-budget-mb", "64", "--run-dir", str(run))
+    try:
+        text = up.read_until("Ctrl-C stops both.")
+        host, port = re.search(r"HELEXA UP http://([\d.]+):(\d+)/v1", text).groups()
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        conn.request("POST", "/v1/chat/completions", json.dumps({
+            "model": "helexa/balanced", "stream": True, "max_tokens": 60000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Count forever."}]}),
+            {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        events: list[str] = []
+        while not any('"content"' in e for e in events):  # tokens are flowing
+            line = resp.readline().decode()
+            assert line, events
+            if line.startswith("data: "):
+                events.append(line[6:].strip())
+        up.proc.send_signal(signal.SIGINT)  # Ctrl-C, the stream in flight
+        while line := resp.readline().decode():
+            if line.startswith("data: "):
+                events.append(line[6:].strip())
+    finally:
+        rc = up.stop()
+    out = "".join(up.lines)
+    # the client is told: [DONE], or an error event; never a stream cut off silently
+    assert events[-1] == "[DONE]" or '"error"' in events[-1], events[-3:]
+    assert rc == 0 and "killed" not in out, out
+    assert "router.stopped" in (run / "router.log").read_text()  # stopped, not killed
+    assert (run / "neuron.token").exists()  # --run-dir given: the folder stays
+    assert run.stat().st_mode & 0o777 == 0o700
