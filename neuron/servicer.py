@@ -1,7 +1,8 @@
 """The neuron's gRPC service (helexa.neuron.v1.Neuron) on grpc.aio.
 
 `Generate` is the request path inside the daemon: tokenise (the checkpoint's
-chat template), check the context, hand a `NewRequest` to the model's engine,
+chat template) and check the context on a worker thread, so a huge prompt
+never stalls other streams or Watch, hand a `NewRequest` to the model's engine,
 and turn its per-step `RequestUpdate`s into text deltas (incremental
 detokenisation, stop strings) ending with usage. Admission itself happens in
 the engine process; its refusals come back as `refused_code` and leave here
@@ -78,6 +79,15 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
     raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
 
 
+def prompt_ids_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
+               limits: Any) -> list[int]:
+    """Tokenise and check the context: CPU-bound for a long prompt, so Generate runs it on a
+    worker thread (the tokenizer releases the GIL for long texts)."""
+    ids = tokenise(tokenizer, request)
+    check_context(len(ids), max_tokens, limits)
+    return ids
+
+
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
     """The RPCs; one instance per daemon, all on the daemon's asyncio loop."""
 
@@ -108,9 +118,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             if req_id in self._open:
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
-            prompt_ids = tokenise(r.tokenizer, request)
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            check_context(len(prompt_ids), max_tokens, r.limits)
+            prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
+                                                 r.limits)
         except Refusal as e:
             await self._refuse(context, blog, request.model, e)
             return

@@ -104,6 +104,17 @@ def _replace_strings(value: Any, swap: Any) -> Any:
     return value
 
 
+# Beyond this many characters encode through encode_batch, which releases the GIL while it
+# works (encode holds it: seconds for a megabyte, freezing every other thread's Python).
+_LONG_TEXT_CHARS = 16384
+
+
+def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _LONG_TEXT_CHARS:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
 class Tokenizer:
     """Encode, decode and render chats for one checkpoint."""
 
@@ -159,7 +170,7 @@ class Tokenizer:
     # ---------------------------------------------------------------- tokens
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self._tok, text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -200,7 +211,8 @@ class Tokenizer:
         # adding special tokens (as transformers does for chat).
         pattern = self._special_text_re
         caller_text = _strings([messages, kwargs])  # tools and the like are caller text too
-        if pattern is None or not any(pattern.search(s) for s in caller_text):
+        # str.find per token text, not the regex: a megabyte prompt takes milliseconds
+        if pattern is None or not any(t in s for s in caller_text for t in self._special_ids):
             text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
             return self.encode(text, add_special_tokens=False)
         sentinel_of, text_of = self._sentinels("".join(caller_text))
@@ -222,7 +234,7 @@ class Tokenizer:
         return ids
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self._plain.encode(text, add_special_tokens=False).ids if text else []
+        return _encode(self._plain, text, False) if text else []
 
     def _sentinels(self, caller_text: str) -> tuple[dict[str, str], dict[str, str]]:
         """special text -> sentinel char, and back; chars neither the caller nor the

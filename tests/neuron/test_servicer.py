@@ -340,3 +340,50 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
                      (grpc.StatusCode.UNAUTHENTICATED, "invalid_api_key")]
     assert got["Complete"][0][1]["helexa-retry-after-ms"] == "1234"
     assert seen == 2  # only the engine's own refusals reached it
+
+
+def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: Tokenizer) -> None:
+    import threading
+
+    huge = "many words " * 100_000  # 1.1 MB: seconds of tokenising, then context_length_exceeded
+    order: list[str] = []
+    started = threading.Event()
+
+    class Observed:
+        """The model's tokenizer, saying when the huge prompt's tokenising starts and ends."""
+
+        def __init__(self, real: Tokenizer) -> None:
+            self._real = real
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._real, name)
+
+        def encode_chat(self, messages: list[dict], *a: Any, **kw: Any) -> list[int]:
+            is_huge = len(messages[0]["content"]) > 100_000
+            if is_huge:
+                started.set()
+            ids = self._real.encode_chat(messages, *a, **kw)
+            if is_huge:
+                order.append("huge tokenised")
+            return ids
+
+    async def body(stub: Any, daemon: Any, engine: Any) -> tuple[Any, dict[str, str]]:
+        r = daemon.residency.models["tiny"]
+        r.tokenizer = Observed(r.tokenizer)
+        watch = stub.Watch(pb.WatchRequest(), metadata=bearer(TOKEN))
+        await watch.read()
+        big = asyncio.ensure_future(refusal(stub, chat(huge, req_id="huge")))
+        while not started.is_set():  # the loop runs this only while it is free
+            await asyncio.sleep(0.005)
+        small = await collect(stub, chat(req_id="small"))
+        order.append("small streamed")
+        assert small[-1].finish_reason == pb.FINISH_REASON_STOP
+        await watch.read()  # the small request's own changes reach Watch
+        order.append("watch")
+        code, md, _ = await big
+        watch.cancel()
+        return code, md
+
+    code, md = serve(config_path, tok, body)
+    assert order == ["small streamed", "watch", "huge tokenised"]
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and md["helexa-code"] == "context_length_exceeded"
