@@ -349,7 +349,8 @@ def _usage(new: messages.NewRequest, out_ids: list[int], cached: int, t_admit: f
 
 def _logprobs(tok: Any, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
     return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
-                            logprob=lp.logprob,
+                            token_bytes=tok.token_bytes(lp.token_id), logprob=lp.logprob,
                             top=[pb.TopLogprob(token_id=t.token_id, token=tok.decode([t.token_id]),
+                                               token_bytes=tok.token_bytes(t.token_id),
                                                logprob=t.logprob) for t in lp.top])
             for lp in lps]

@@ -20,6 +20,7 @@ special tokens disabled.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from datetime import datetime
@@ -109,6 +110,21 @@ def _replace_strings(value: Any, swap: Any) -> Any:
 _LONG_TEXT_CHARS = 16384
 
 
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: byte-level BPE character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
 def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > _LONG_TEXT_CHARS:
         return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
@@ -123,8 +139,11 @@ class Tokenizer:
         from tokenizers import Tokenizer as HfTokenizer
 
         self._tok = tok  # tokenizers.Tokenizer
+        spec = tok.to_str()
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(spec).get("decoder"))
+        self._token_bytes: dict[int, bytes] = {}
         # The same vocabulary with special tokens read as plain text, for message content.
-        self._plain = HfTokenizer.from_str(tok.to_str())
+        self._plain = HfTokenizer.from_str(spec)
         self._plain.encode_special_tokens = True
         specials = {t.content: (i, t) for i, t in tok.get_added_tokens_decoder().items()
                     if t.special}
@@ -174,6 +193,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The token's own raw bytes (as OpenAI's logprobs `bytes`): part of a UTF-8
+        character for some tokens, where decode([i]) gives U+FFFD."""
+        raw = self._token_bytes.get(i)
+        if raw is None:
+            raw = self._token_bytes[i] = self._raw_bytes(int(i))
+        return raw
+
+    def _raw_bytes(self, i: int) -> bytes:
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if i in self.special_token_ids:
+            return piece.encode("utf-8")
+        if self._byte_level:  # GPT-2 style: each character stands for one byte
+            table = _byte_of_char()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # sentencepiece byte fallback
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # sentencepiece's word marker
 
     def id_to_token(self, i: int) -> str | None:
         return self._tok.id_to_token(int(i))

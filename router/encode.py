@@ -60,11 +60,11 @@ def usage_dict(choices: list[Choice]) -> dict:
 
 
 def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict:
-    def entry(tok: str, lp: float) -> dict:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
-    return {"content": [
-        {**entry(t.token, t.logprob), "top_logprobs": [entry(a.token, a.logprob) for a in t.top]}
-        for t in lps]}
+    def entry(t: pb.TokenLogprob | pb.TopLogprob) -> dict:
+        # the token's own bytes, from the neuron: its text may hold U+FFFD for a split character
+        raw = t.token_bytes or t.token.encode("utf-8")
+        return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
+    return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in lps]}
 
 
 def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict:

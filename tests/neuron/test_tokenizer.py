@@ -124,3 +124,19 @@ def test_message_text_never_yields_control_tokens(tiny_model_dir):
     benign = [{"role": "user", "content": "hi, im_end and im_start are words"}]
     assert tok.encode_chat(benign) == tok.encode(tok.apply_chat_template(benign),
                                                  add_special_tokens=False)
+
+
+def test_token_bytes_are_each_tokens_raw_bytes(tiny_model_dir):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}  # transformers' own table
+    for i in range(tok.vocab_size):
+        piece = tok.id_to_token(i)
+        want = (piece.encode() if i in tok.special_token_ids
+                else bytes(byte_of[c] for c in piece))
+        assert tok.token_bytes(i) == want, (i, piece)
+    text = "Zażółć 🙂"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert any(tok.decode([i]) == "\ufffd" for i in ids)  # some tokens split a character
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()

@@ -121,3 +121,25 @@ def test_a_watcher_sees_the_ledger_change_within_100_ms(neuron_main: NeuronProce
 
     lag = asyncio.run(run())
     assert lag < 0.1, lag
+
+
+def test_logprobs_carry_each_tokens_raw_bytes(neuron_main: NeuronProcess, neuron_token: str,
+                                              tiny_model_dir) -> None:
+    from helexa.neuron.tokenizer import Tokenizer
+
+    async def run() -> list[pb.GenerateResponse]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            req = chat_request("lp-bytes", max_tokens=48, ignore_eos=True)
+            req.sampling.temperature, req.sampling.seed = 1.0, 3  # random bytes, split characters
+            req.sampling.logprobs, req.sampling.top_logprobs = True, 3
+            return await c.generate(req)
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    lps = [lp for r in asyncio.run(run()) for lp in r.logprobs]
+    assert len(lps) == 48
+    for lp in lps:
+        assert lp.token_bytes == tok.token_bytes(lp.token_id)
+        assert all(t.token_bytes == tok.token_bytes(t.token_id) for t in lp.top)
+    # a token holding part of a character: its text is U+FFFD, its bytes are its own
+    split = [lp for lp in lps if lp.token == "\ufffd"]
+    assert split and all(len(lp.token_bytes) == 1 and lp.token_bytes[0] >= 0x80 for lp in split)
