@@ -319,6 +319,8 @@ class Residency:
 
     def _on_fatal(self, r: ResidentModel, message: str) -> None:
         r.fail(f"engine failed: {message}")
+        if r.failures == 1:  # a model that loaded and served: the next Load may restart it now
+            r.retry_at = time.monotonic()
         log.error("model.failed", model=r.model_id, error=r.error, failures=r.failures)
         self._on_change()
 

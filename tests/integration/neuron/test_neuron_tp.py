@@ -83,7 +83,8 @@ def test_tp2_serves_halves_kv_per_card_and_survives_a_killed_rank(
             st = await c.watch_until(lambda st: model_of(st).state == pb.MODEL_STATE_FAILED)
             assert "rank 1" in model_of(st).error
 
-            await c.stub.Load(pb.LoadRequest(model="tiny"), metadata=c.md)
+            # an operator's Load retries at once (a plain one waits out the failure's backoff)
+            await c.stub.Load(pb.LoadRequest(model="tiny", retry_failed=True), metadata=c.md)
             await c.watch_until(lambda st: model_of(st).state == pb.MODEL_STATE_READY
                                 and ledger_whole(st))
             out = await c.generate(chat_request("tp-again"))
