@@ -18,24 +18,21 @@ few seconds and then ends what is left, so every open stream ends with
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import secrets
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import tomllib
-import urllib.request
 from pathlib import Path
 
 import tomli_w
 
 from helexa.config import ConfigError
+from helexa.daemons import Child, model_failure, stop_all, wait_listed, wait_started
+from helexa.daemons import stop_process as stop_process  # helexa.testing imports it from here
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
@@ -68,50 +65,6 @@ def tiny_model_dir() -> Path:
     return out
 
 
-def stop_process(proc: subprocess.Popen, timeout_secs: float) -> int:
-    """SIGTERM (a helexa daemon drains on it) and wait; SIGKILL if it does not exit in time.
-    Returns the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_secs)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
-class Child:
-    """A daemon child process and the address it announced on stdout."""
-
-    def __init__(self, name: str, argv: list[str], log_path: Path, ready_prefix: str) -> None:
-        self.name = name
-        self.log_path = log_path
-        log = open(log_path, "w")  # noqa: SIM115 - the child owns it for its life
-        # Its own session: Ctrl-C reaches `up` only, which stops the children in order.
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, text=True,
-                                     start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        log.close()
-        self.address = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._pump, args=(ready_prefix,), daemon=True).start()
-
-    def _pump(self, prefix: str) -> None:
-        for line in self.proc.stdout:  # keep reading so the child never blocks on a full pipe
-            if line.startswith(prefix) and not self.address:
-                self.address = line.split()[-1]
-                self._ready.set()
-        self._ready.set()
-
-    def wait_ready(self, timeout_secs: float) -> bool:
-        return self._ready.wait(timeout_secs) and bool(self.address)
-
-    def stop(self, timeout_secs: float) -> int:
-        return stop_process(self.proc, timeout_secs)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
 
 
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
@@ -244,10 +197,10 @@ def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | Non
         neuron = Child("neuron", [*cli, "neuron", "--config", str(neuron_cfg)],
                        run / "neuron.log", "NEURON LISTENING")
         children.append(neuron)
-        if not _wait(neuron, args.start_timeout, stopping):
+        if not wait_started(neuron, args.start_timeout, stopping):
             return 1
         # The neuron announces after its preload, ready or failed: ask which.
-        failure = _model_failure(neuron.address, (run / "neuron.token").read_text().strip(),
+        failure = model_failure(neuron.address, (run / "neuron.token").read_text().strip(),
                                  model_id)
         if failure is not None:
             print(f"helexa up: the model {model_id} could not be loaded: {failure}",
@@ -258,10 +211,10 @@ def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | Non
         router = Child("router", [*cli, "router", "--config", str(router_cfg)],
                        run / "router.log", "ROUTER LISTENING")
         children.append(router)
-        if not _wait(router, 60, stopping):
+        if not wait_started(router, 60, stopping):
             return 1
         url = router.address
-        if not _wait_listed(router, model_id, 60, stopping):
+        if not wait_listed(router, model_id, 60, stopping):
             return 1
         print(f"HELEXA UP {url}/v1  model {model_id} (aliases: {', '.join(ALIASES)})", flush=True)
         where = f"{run}" if args.run_dir else f"{run}, removed on exit"
@@ -276,62 +229,10 @@ def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | Non
                 return 1
         return 0
     finally:
-        _stop_all(children)
+        stop_all(children, DRAIN_SECS)
 
 
-def _stop_all(children: list[Child]) -> None:
-    """SIGTERM every child at once: the router stops accepting and waits for its streams, the
-    neuron drains DRAIN_SECS and ends what is left, so the router's streams end (with an
-    error event at worst) and it exits by itself; SIGKILL only for one that hangs."""
-    for child in children:
-        if child.proc.poll() is None:
-            child.proc.send_signal(signal.SIGTERM)
-    for child in reversed(children):  # the router first: it finishes when its streams do
-        if child.stop(DRAIN_SECS + 20.0) == -signal.SIGKILL:
-            print(f"helexa up: the {child.name} did not stop in time and was killed",
-                  file=sys.stderr)
-    if children:
-        print("helexa up: stopped.", flush=True)
 
-
-def _model_failure(address: str, token: str, model_id: str) -> str | None:
-    """None when the neuron reports the model ready, else why not (its reason if it failed)."""
-    import grpc
-
-    from helexa.neuron.auth import bearer
-    from helexa.proto import neuron_pb2 as pb
-    from helexa.proto import neuron_pb2_grpc
-
-    with grpc.insecure_channel(address) as channel:
-        try:
-            res = neuron_pb2_grpc.NeuronStub(channel).Models(
-                pb.ModelsRequest(), metadata=bearer(token), timeout=30)
-        except grpc.RpcError as e:
-            return f"the neuron did not answer ({e.code().name})"  # type: ignore[attr-defined]
-    status = next((m for m in res.models if m.model == model_id), None)
-    if status is None:
-        return "the neuron did not load it"
-    if status.state == pb.MODEL_STATE_READY:
-        return None
-    state = pb.ModelState.Name(status.state).removeprefix("MODEL_STATE_").lower()
-    return status.error or f"it is {state}"
-
-
-def _wait_listed(router: Child, model_id: str, timeout_secs: float,
-                 stopping: threading.Event) -> bool:
-    """Wait until the router lists the model (it has the neuron's Watch report): the printed
-    examples then work at once."""
-    end = time.monotonic() + timeout_secs
-    while time.monotonic() < end and not stopping.is_set() and router.proc.poll() is None:
-        with contextlib.suppress(OSError, ValueError):
-            with urllib.request.urlopen(f"{router.address}/v1/models", timeout=5) as r:
-                if any(m.get("id") == model_id for m in json.load(r).get("data", [])):
-                    return True
-        stopping.wait(0.1)
-    if not stopping.is_set():
-        print(f"helexa up: the router did not list {model_id}; log tail "
-              f"({router.log_path}):\n{router.log_tail()}", file=sys.stderr)
-    return False
 
 
 def _add_endpoint(router_cfg: Path, address: str) -> None:
@@ -340,15 +241,3 @@ def _add_endpoint(router_cfg: Path, address: str) -> None:
     router_cfg.write_text(tomli_w.dumps(raw))
 
 
-def _wait(child: Child, timeout_secs: float, stopping: threading.Event) -> bool:
-    end = time.monotonic() + timeout_secs
-    while time.monotonic() < end and not stopping.is_set():
-        if child.wait_ready(0.2):
-            return True
-        if child.proc.poll() is not None:
-            break
-    if stopping.is_set():
-        return False
-    print(f"helexa up: the {child.name} did not start; log tail ({child.log_path}):\n"
-          f"{child.log_tail()}", file=sys.stderr)
-    return False

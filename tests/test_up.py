@@ -173,7 +173,8 @@ def test_up_with_a_model_that_cannot_load_says_why_and_exits_1(tmp_path, tiny_mo
 
 def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
         tmp_path, tiny_model_dir):
-    from helexa.up import Child, _add_endpoint, write_configs
+    from helexa.daemons import Child
+    from helexa.up import _add_endpoint, write_configs
 
     model = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, model)
