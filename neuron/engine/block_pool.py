@@ -69,18 +69,18 @@ class BlockKey:
 
     digest: bytes
     parent: bytes
-    tokens: tuple[int, ...]
+    tokens: bytes  # the token ids as native int64 (8 B a token; keys never leave the process)
 
 
-def _digest(parent: bytes, token_ids: Sequence[int]) -> bytes:
+def _digest(parent: bytes, tokens: bytes) -> bytes:
     # Python's hash() of a tuple is cheap to collide on purpose; SHA-256 is not.
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
+    return hashlib.sha256(parent + tokens).digest()
 
 
 def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
     """Chain key of one full block: its digest depends on every token before it, too."""
     parent_digest = parent.digest if parent is not None else b""
-    tokens = tuple(int(t) for t in token_ids)
+    tokens = array("q", token_ids).tobytes()
     return BlockKey(_digest(parent_digest, tokens), parent_digest, tokens)
 
 
