@@ -28,7 +28,7 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
-from helexa.router.errors import ApiError, bad_request
+from helexa.router.errors import ApiError
 from helexa.router.forward import Completed, OpenStream, generate_request
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
@@ -44,7 +44,7 @@ class UpstreamFailed(Exception):
     """A neuron failed after its first message."""
 
 
-async def read_body(request: web.Request, max_body_bytes: int) -> object:
+async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
     if (request.content_length or 0) > max_body_bytes:
         raise ApiError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
     try:
@@ -52,10 +52,7 @@ async def read_body(request: web.Request, max_body_bytes: int) -> object:
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(413, f"request body over {max_body_bytes} bytes",
                        code="request_too_large") from None
-    try:
-        return msgspec.json.decode(raw)
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The body is not valid JSON: {e}") from None
+    return raw
 
 
 def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:

@@ -75,7 +75,7 @@ def test_image_part_and_tool_role_are_refused():
     ({"model": "m", "messages": MSG, "n": 17}, "n"),
     ({"model": "m", "messages": MSG, "top_logprobs": 3}, "top_logprobs"),
     ({"model": "m", "messages": MSG, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"model": "m", "messages": MSG, "stop": [""]}, "stop"),
+    ({"model": "m", "messages": MSG, "stop": [""]}, "stop[0]"),
     ({"model": "m", "messages": MSG, "stream_options": {"include_usage": True}}, "stream_options"),
     ({"model": "m", "messages": MSG, "presence_penalty": 2.5}, "presence_penalty"),
 ])
@@ -90,7 +90,7 @@ def test_completion_prompt_forms():
     assert (r.prompt_ids, r.logprobs, r.top_logprobs) == ([1, 2, 3], True, 2)
     assert parse_request({"model": "m", "prompt": [[4, 5]]}, "completion").prompt_ids == [4, 5]
     assert refused({"model": "m", "prompt": ["a", "b"]}, "completion").param == "prompt"
-    assert refused({"model": "m", "prompt": [1, -2]}, "completion").param == "prompt"
+    assert refused({"model": "m", "prompt": [1, -2]}, "completion").param == "prompt[1]"
     assert refused({"model": "m", "prompt": "x", "echo": True}, "completion").param == "echo"
     assert refused({"model": "m", "prompt": "x", "logprobs": 6}, "completion").param == "logprobs"
     # Chat-only fields are unknown to completions.
@@ -99,3 +99,42 @@ def test_completion_prompt_forms():
 
 def test_body_must_be_an_object():
     assert refused([1, 2]).param is None
+
+
+@pytest.mark.parametrize("body,kind,param", [
+    ({"model": "m", "messages": [{"role": ["user"], "content": "x"}]}, "chat", "messages[0].role"),
+    ({"model": "m", "messages": [{"role": {"a": 1}, "content": "x"}]}, "chat", "messages[0].role"),
+    ({"model": "m", "messages": MSG, "max_tokens": 2**31}, "chat", "max_tokens"),
+    ({"model": "m", "messages": MSG, "max_tokens": 2**64 + 1}, "chat", "max_tokens"),
+    ({"model": "m", "messages": MSG, "max_completion_tokens": 2**63}, "chat",
+     "max_completion_tokens"),
+    ({"model": "m", "messages": MSG, "top_k": 2**40}, "chat", "top_k"),
+    ({"model": "m", "messages": MSG, "stop_token_ids": [1, 2**31]}, "chat", "stop_token_ids[1]"),
+    ({"model": "m", "messages": MSG, "seed": 2**63}, "chat", "seed"),
+    ({"model": "m", "messages": MSG, "temperature": 1e400}, "chat", "temperature"),
+    ({"model": "m", "messages": MSG, "n": 2**70}, "chat", "n"),
+    ({"model": "m", "messages": MSG, "stream_options": {"include_usage": "yes"}}, "chat",
+     "stream_options.include_usage"),
+    ({"model": "m", "messages": [{"role": "user", "content": [{"type": 1}]}]}, "chat",
+     "messages[0].content[0].type"),
+    ({"model": "m", "prompt": [1, 2**31]}, "completion", "prompt[1]"),
+    ({"model": "m", "prompt": [[1, 2**32]]}, "completion", "prompt[0][1]"),
+    ({"model": "m", "prompt": [1, "a"]}, "completion", "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": 2**31}, "completion", "max_tokens"),
+    ({"model": ["m"], "prompt": "x"}, "completion", "model"),
+])
+def test_hostile_values_are_400_naming_the_field(body, kind, param):
+    e = refused(body, kind)
+    assert e.param == param and e.code == "invalid_request_error"
+    assert param.split("[")[0].split(".")[0] in e.message
+
+
+def test_raw_bytes_decode_like_objects():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}'
+    assert parse_request(raw, "chat").max_tokens == 3
+    with pytest.raises(ApiError) as e:
+        parse_request(b'{"model": "m", "messages": [', "chat")
+    assert e.value.status == 400 and "not valid JSON" in e.value.message
+    with pytest.raises(ApiError) as e:
+        parse_request(b'{"model": "m", "prompt": [1, 99999999999999999999999]}', "completion")
+    assert e.value.status == 400 and e.value.param == "prompt[1]"
