@@ -199,11 +199,12 @@ class FakeNeuron(pbg.NeuronServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model} not resident")
         prompt_ids = (list(request.token_ids.ids) if request.HasField("token_ids")
                       else list(range(1, 1 + max(1, math.ceil(len(text) / 4)))))
-        if len(prompt_ids) >= m.context:
+        budget = request.max_tokens if request.HasField("max_tokens") else m.output
+        if len(prompt_ids) >= m.context or len(prompt_ids) + budget > m.context:
             context.set_trailing_metadata([("helexa-code", "context_length_exceeded")])
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"prompt has {len(prompt_ids)} tokens; the context is {m.context}")
-        budget = request.max_tokens if request.HasField("max_tokens") else m.output
+                                f"prompt has {len(prompt_ids)} tokens and asks for {budget} more;"
+                                f" the context is {m.context}")
         n = min(int(marks.get("tokens", self.b.default_tokens)), budget)
         reserve = math.ceil((len(prompt_ids) + budget) / m.block_size) * m.block_size \
             * m.bytes_per_token
