@@ -96,6 +96,10 @@ async def error_envelope(request: web.Request, handler):
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             e.status, "invalid_request_error")
         return ApiError(e.status, e.reason, code=code).response()
+    except Exception:  # a bug of ours still answers in the envelope
+        request.app[STATE].log.exception("http.handler_failed", path=request.path)
+        return ApiError(500, "internal error; the router's log has the details",
+                        code="internal_error").response()
 
 
 async def models(request: web.Request) -> web.Response:

@@ -247,7 +247,8 @@ class Registry:
                 bytes_per_token=m.kv.bytes_per_token, block_size=m.kv.block_size or 16,
                 context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
                 pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
-                default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS))
+                default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS,
+                max_per_principal=m.admission.max_per_principal))
         return out
 
     def note_send(self, neuron: str, model: str, kv_bytes: int) -> PendingSend:

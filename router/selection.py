@@ -49,6 +49,7 @@ class Candidate:
     pending_sends: int = 0
     pending_bytes: int = 0
     default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # as the neuron reports it in Watch
+    max_per_principal: int = 0  # queued + in flight of one principal; 0 = not reported
 
     @property
     def load(self) -> int:

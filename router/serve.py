@@ -29,6 +29,7 @@ from aiohttp import web
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
 from helexa.router.errors import ApiError
+from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
@@ -118,6 +119,7 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         principal = ctx["principal"] = state.auth.principal(request.headers.get("Authorization"))
         req = parse_request(await read_body(request, state.max_body_bytes), kind)
         model = ctx["model"] = state.aliases.resolve(req.model)
+        refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
@@ -151,6 +153,12 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         if isinstance(e, asyncio.CancelledError):
             raise
         return web.Response(status=499)  # a write to a client that has gone
+    except Exception as e:  # a bug of ours: the client gets the envelope, the metrics the truth
+        code = "500"
+        log.exception("request.done", **ctx, outcome="error", status=500, error=repr(e),
+                      secs=round(time.monotonic() - t0, 4))
+        return ApiError(500, "internal error; the router's log has the details",
+                        code="internal_error").response({"x-request-id": req_id})
     finally:
         for c in calls:
             c.cancel()
@@ -241,6 +249,15 @@ async def _stream(request, env, choices, streams, state, series, t0,
         state.log.warning("request.upstream_failed", req_id=req_id, model=env.model,
                           detail=detail)
         err = ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
+        await resp.write(encode.sse(err.body()))
+        await resp.write_eof()
+        return resp
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away: handle() logs it
+    except Exception:  # a bug of ours after the 200 went out: end the stream with an error
+        state.log.exception("request.stream_failed", req_id=req_id, model=env.model)
+        err = ApiError(500, "internal error; the router's log has the details",
+                       code="internal_error")
         await resp.write(encode.sse(err.body()))
         await resp.write_eof()
         return resp

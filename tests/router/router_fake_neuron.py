@@ -48,6 +48,7 @@ class FakeModel:
     block_size: int = 16
     bytes_per_token: int = 1024
     max_in_flight: int = 64
+    max_per_principal: int = 64
     used_bytes: int = 0
     in_flight: int = 0
     queued: int = 0
@@ -60,7 +61,8 @@ class FakeModel:
                            used_bytes=self.used_bytes, block_size=self.block_size,
                            bytes_per_token=self.bytes_per_token),
             in_flight=self.in_flight, queued=self.queued, running=self.in_flight,
-            admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight),
+            admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight,
+                                         max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output))
 

@@ -1,0 +1,72 @@
+"""Requests no neuron could ever serve, refused at once with a 400 that says why.
+
+A request that no neuron serving its model could accept however long it
+waited is not a 429 or a 503 (which invite a retry) but a 400:
+
+- `n` choices over the largest `max_per_principal` those neurons report: each
+  choice is one request of the same principal, so the last ones would always
+  be refused.
+- A prompt whose tokens are over the largest advertised context, judged from
+  a LOWER bound of its tokens (the router has no tokenizer; the neuron makes
+  the exact check, docs/architecture.md). Refusing here spares the neuron the
+  tokenisation of a multi-megabyte prompt that cannot fit anyway.
+
+Only models READY somewhere are judged (their limits are known); a model
+still to be loaded goes on to the neuron, which decides.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from helexa.router.errors import ApiError, bad_request
+from helexa.router.openai_api import ParsedRequest
+from helexa.router.selection import Candidate
+
+# The lower bound divides the prompt's UTF-8 bytes by this. It refuses only when the prompt's
+# *average* token would have to be longer than this many bytes for it to fit. The longest
+# tokens of the byte-level BPE vocabularies of current models (GPT-2, cl100k/o200k, Llama 3,
+# Qwen2/3) are runs of whitespace or punctuation of about a hundred bytes or less, and
+# sentencepiece caps pieces at 16 characters (64 bytes) by default: 256 leaves a margin of
+# two and more, so a prompt that could fit is never refused here.
+MAX_TOKEN_BYTES = 256
+
+
+def prompt_tokens_lower_bound(req: ParsedRequest) -> int:
+    """Tokens the prompt has at least: exact for token ids, else bytes / MAX_TOKEN_BYTES (the
+    chat template only adds tokens, so it is left out)."""
+    if req.prompt_ids is not None:
+        return len(req.prompt_ids)
+    if req.messages is not None:
+        num_bytes = sum(len(text.encode()) for _, text in req.messages)
+    else:
+        num_bytes = len((req.prompt_text or "").encode())
+    return math.ceil(num_bytes / MAX_TOKEN_BYTES)
+
+
+def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> None:
+    """Raise the 400 for a request none of `candidates` (the neurons with its model READY)
+    could ever serve; return when one might."""
+    if not candidates:
+        return
+    caps = [c.max_per_principal for c in candidates]
+    if all(caps) and req.n > max(caps):
+        raise bad_request(
+            f"`n` = {req.n} asks for more choices than one caller may have at once on any "
+            f"neuron serving `{req.model}` (max_per_principal {max(caps)}); "
+            f"send at most {max(caps)}", "n")
+    context = max(c.context for c in candidates)
+    if context <= 0:
+        return
+    prompt = prompt_tokens_lower_bound(req)
+    exact = req.prompt_ids is not None
+    what = f"{prompt} tokens" if exact else f"at least {prompt} tokens"
+    param = "messages" if req.messages is not None else "prompt"
+    if prompt >= context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
+                            f"prompt has {what}", code="context_length_exceeded", param=param)
+    if req.max_tokens is not None and prompt + req.max_tokens > context:
+        raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
+                            f"prompt has {what} and max_tokens asks for {req.max_tokens} more",
+                       code="context_length_exceeded", param="max_tokens")
