@@ -4,18 +4,20 @@ TOML is parsed once, at process entry, into frozen msgspec Structs. Every
 field is declared with `field_meta(...)`, which records its meaning and
 whether a running daemon applies it on SIGHUP (`reload`) or only at start
 (`restart`); docs/config.md is generated from these declarations
-(`helexa config doc`). A bad file raises `ConfigError` whose message is one
-line: `file: key: what was expected`.
+(`helexa config doc`). Reading and validating a file is config_load.py's: a
+bad file raises `ConfigError` with one line per error, `file: key: what was
+expected`.
 """
 
 from __future__ import annotations
 
-import re
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+
+# The TOML reader and validation live in config_load.py; re-exported for the daemons.
+from helexa.config_load import ConfigError, load_config, read_toml  # noqa: F401
 
 T = TypeVar("T", bound=msgspec.Struct)
 
@@ -33,10 +35,6 @@ def field_meta(doc: str, apply: str, **constraints: Any) -> msgspec.Meta:
 def optional(tp: Any, **constraints: Any) -> Any:
     """`tp` with constraints, or None (msgspec constrains only the non-None arm)."""
     return Annotated[tp, msgspec.Meta(**constraints)] | None
-
-
-class ConfigError(Exception):
-    """A config file that cannot be used; str() is `file: key: expected`."""
 
 
 def _power_of_two(value: int) -> bool:
@@ -267,119 +265,6 @@ SCHEMAS: dict[str, type[msgspec.Struct]] = {
     "router": RouterConfig,
     "models": ModelsCatalogue,
 }
-
-
-_PRIMITIVES = {msgspec.inspect.StrType: str, msgspec.inspect.IntType: int,
-               msgspec.inspect.FloatType: float, msgspec.inspect.BoolType: bool}
-
-
-def _unwrap(info: Any) -> Any:
-    """Strip Metadata and the None arm of an optional type."""
-    while True:
-        if isinstance(info, msgspec.inspect.Metadata):
-            info = info.type
-        elif isinstance(info, msgspec.inspect.UnionType):
-            rest = [t for t in info.types if not isinstance(t, msgspec.inspect.NoneType)]
-            if len(rest) != 1:
-                return info
-            info = rest[0]
-        else:
-            return info
-
-
-def _locate(raw: Any, schema: type, where: str) -> tuple[str, Any]:
-    """Name the table keys msgspec shows as `[...]`, and return the type at `where`.
-
-    msgspec reports an error inside a dict as `profiles[...]`; walking the raw
-    data finds the entry that fails, so the message says `profiles.batch`.
-    """
-    info: Any = msgspec.inspect.type_info(schema)
-    node, out = raw, []
-    for name, index in re.findall(r"\.?([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]", where):
-        info = _unwrap(info)
-        if name:
-            out.append(f".{name}" if out else name)
-            field = next((f for f in getattr(info, "fields", ()) if f.name == name), None)
-            info = field.type if field else None
-            node = node.get(name) if isinstance(node, dict) else None
-        elif index == "...":
-            value_type = info.value_type if isinstance(info, msgspec.inspect.DictType) else None
-            key = _failing_key(node, _unwrap(value_type))
-            out.append(f".{key}" if key is not None else "[...]")
-            node = node.get(key) if isinstance(node, dict) and key is not None else None
-            info = value_type
-        else:
-            out.append(f"[{index}]")
-            info = info.item_type if isinstance(info, msgspec.inspect.ListType) else None
-            node = node[int(index)] if isinstance(node, list) and int(index) < len(node) else None
-    return "".join(out), _unwrap(info)
-
-
-def _failing_key(table: Any, value_type: Any) -> str | None:
-    """The first key of `table` whose value does not convert to `value_type`."""
-    if not isinstance(table, dict):
-        return None
-    target = getattr(value_type, "cls", None) or _PRIMITIVES.get(type(value_type))
-    if target is None:
-        return None
-    for key, value in table.items():
-        try:
-            msgspec.convert(value, target, strict=True)
-        except (msgspec.ValidationError, TypeError, ValueError):
-            return str(key)
-    return None
-
-
-def _format_error(path: Path, err: msgspec.ValidationError, raw: Any = None,
-                  schema: type | None = None) -> str:
-    """`Expected `int`, got `str` - at `$.a.b`` → `file: a.b: expected int, got str`."""
-    msg = str(err)
-    where = ""
-    if " - at `$" in msg:
-        msg, _, where = msg.rpartition(" - at `$")
-        where = where.rstrip("`").lstrip(".")
-    info = None
-    if schema is not None:
-        where, info = _locate(raw, schema, where)
-    if msg.startswith("Invalid enum value ") and isinstance(info, msgspec.inspect.LiteralType):
-        choices = ", ".join(str(v) for v in info.values)
-        msg = f"expected one of {choices}, got {msg.removeprefix('Invalid enum value ')}"
-    msg = msg.replace("`", "").replace(" | null", "")  # TOML has no null: an unset key is None
-    own = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", msg)  # raised by a __post_init__
-    if own:
-        where = f"{where}.{own.group(1)}" if where else own.group(1)
-        msg = own.group(2)
-    if msg.startswith("Object contains unknown field "):
-        key = msg.removeprefix("Object contains unknown field ")
-        where = f"{where}.{key}" if where else key
-        msg = "unknown key (check the spelling; see docs/config.md)"
-    elif msg.startswith("Object missing required field "):
-        key = msg.removeprefix("Object missing required field ")
-        where = f"{where}.{key}" if where else key
-        msg = "missing required key"
-    else:
-        msg = msg[0].lower() + msg[1:] if msg else msg
-    return f"{path}: {where or '(top level)'}: {msg}"
-
-
-def read_toml(path: str | Path) -> dict[str, Any]:
-    """A TOML file as plain data; ConfigError (`file: (syntax): …`) when it cannot be read."""
-    try:
-        return tomllib.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: (file): no such file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path}: (syntax): {e}") from None
-
-
-def load_config(path: str | Path, schema: type[T]) -> T:
-    """Parse and validate one TOML file; raises ConfigError with one clear line."""
-    path = Path(path)
-    raw = read_toml(path)
-    try:
-        return msgspec.convert(raw, schema, strict=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(_format_error(path, e, raw, schema)) from None
 
 
 def detect_kind(path: str | Path) -> str:

@@ -37,7 +37,7 @@ Each key is a dotted path: `admission.max_in_flight` is `max_in_flight` in the
 `[admission]` table, `models[].tp` is `tp` in each `[[models]]` table, and
 `profiles.<name>.kv_dtype` is `kv_dtype` in a `[profiles.<name>]` table.
 An unknown key or a wrong type is an error naming the file, the key and what was
-expected (`helexa config check FILE…`). Secrets are never inline: a `*_file` key
+expected; `helexa config check FILE…` lists every error of a file, one line each. Secrets are never inline: a `*_file` key
 names a file whose contents are read by the daemon alone.
 
 **apply**: `reload` — a running daemon takes the new value on SIGHUP

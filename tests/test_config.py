@@ -113,3 +113,33 @@ def test_render_fills_defaults(capsys):
     assert helexa_main(["config", "render", str(ASSET / "neuron" / "local.toml")]) == 0
     out = capsys.readouterr().out
     assert "memory_fraction = 0.9" in out and 'id = "helexa/tiny-qwen3"' in out
+
+
+@pytest.mark.parametrize("kind,body,keys", [
+    ("neuron", '[server]\nnmae = "x"\n[kv]\nkv_dtype = "fp7"\n[engine]\nmax_slots = 0\n'
+               '[[models]]\npath = "m"\n[profiles.fast]\nmax_slots = "x"\n',
+     ["server.nmae", "kv.kv_dtype", "engine.max_slots", "models[0].id",
+      "profiles.fast.max_slots"]),
+    ("router", '[timeouts]\nrequest_secs = 0\nload_wait_secs = "x"\n[server]\nlisten = 5\n'
+               '[[neurons.endpoints]]\nname = "a"\n',
+     ["timeouts.request_secs", "timeouts.load_wait_secs", "server.listen",
+      "neurons.endpoints[0].address"]),
+    ("models", '[[models]]\nid = 3\nconfig = "c"\n[[models]]\nconfig = "x"\nfoo = 1\n',
+     ["models[0].id", "models[1].foo", "models[1].id"]),
+])
+def test_check_reports_every_error_one_line_each(tmp_path, capsys, kind, body, keys):
+    path = tmp_path / f"{kind}.toml"
+    path.write_text(body)
+    rc = helexa_main(["config", "check", "--kind", kind, str(path)])
+    lines = capsys.readouterr().err.splitlines()
+    assert rc == 2
+    assert [line.split(": ")[1] for line in lines] == keys, lines
+    assert all(line.startswith(f"{path}: ") for line in lines)
+
+
+def test_a_file_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
+    path = tmp_path / "router.toml"
+    path.write_bytes(b'[aliases]\n"a" = "b"\n"\xff\xfe" = "c"\n')
+    rc, lines = check(path, capsys)
+    assert rc == 2 and len(lines) == 1
+    assert lines[0] == f"{path}: (file): not UTF-8 (byte 0xff on line 3); TOML files are UTF-8"
