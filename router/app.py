@@ -48,13 +48,26 @@ class RouterState:
 
     def apply(self, cfg: RouterConfig) -> None:
         """Take the reloadable parts of a config (raises ConfigError before changing anything)."""
+        self._commit(cfg, *self._build(cfg))
+
+    def _build(self, cfg: RouterConfig) -> tuple[dict[str, str], str | None, Aliases]:
+        """Everything a config needs that can fail (files read, aliases checked)."""
         base = self.config_path or Path("router.toml")
-        keys = load_keys_file(resolve_path(base, cfg.auth.keys_file)) if cfg.auth.keys_file else {}
-        token = read_secret(base, cfg.neurons.token_file)
+        try:
+            keys = load_keys_file(resolve_path(base, cfg.auth.keys_file)) if cfg.auth.keys_file \
+                else {}
+            token = read_secret(base, cfg.neurons.token_file)
+        except OSError as e:
+            raise ConfigError(f"{base}: cannot read {e.filename}: {e.strerror}") from None
         try:
             aliases = Aliases(cfg.aliases)
         except ValueError as e:
             raise ConfigError(f"{base}: {e}") from None
+        return keys, token, aliases
+
+    def _commit(self, cfg: RouterConfig, keys: dict[str, str], token: str | None,
+                aliases: Aliases) -> None:
+        """Apply what _build made; nothing here can fail."""
         self.cfg = cfg
         self.auth = Authenticator(keys, cfg.auth.require_auth)
         self.aliases = aliases
@@ -62,21 +75,27 @@ class RouterState:
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token
-        self.registry.config_file = base
+        self.registry.config_file = self.config_path or Path("router.toml")
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
 
     async def reload(self) -> None:
+        """SIGHUP: all or nothing. Every part of the new config (keys, token, aliases, every
+        new neuron link with its TLS files) is built first; only when all of it succeeded does
+        it replace the running one, so a bad file leaves the old links serving."""
         if self.config_path is None:
             return
         try:
             cfg = load_router_config(self.config_path)
-            old = self.cfg
-            self.apply(cfg)
-            await self.registry.set_endpoints(cfg.neurons.endpoints)
-        except (ConfigError, OSError) as e:
-            self.log.error("config.reload_failed", error=str(e))
+            built = self._build(cfg)
+            links = self.registry.build_links(cfg.neurons.endpoints, config_file=self.config_path,
+                                              reconnect_max_secs=cfg.timeouts.reconnect_max_secs)
+        except ConfigError as e:
+            self.log.error("config.reload_refused", error=str(e), kept="running config")
             return
+        old = self.cfg
+        self._commit(cfg, *built)
+        self.registry.swap_links(links)
         if cfg.server != old.server:
             self.log.warning("config.restart_needed", section="server")
         self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import structlog
 
-from helexa.config import NeuronEndpoint, resolve_path
+from helexa.config import ConfigError, NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
@@ -66,19 +66,29 @@ def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
 class NeuronLink:
     """One neuron: its channel, its last status and the task that keeps it fresh."""
 
-    def __init__(self, endpoint: NeuronEndpoint, registry: Registry) -> None:
+    def __init__(self, endpoint: NeuronEndpoint, registry: Registry, *,
+                 config_file: Path | None = None, reconnect_max_secs: float | None = None) -> None:
+        """Open the channel (nothing runs until start()); raises ConfigError when a file the
+        endpoint names cannot be read. config_file and reconnect_max_secs default to the
+        registry's (a reload passes the new config's before it is applied)."""
         self.endpoint = endpoint
         self.name = endpoint.name
         self.registry = registry
+        options = channel_options(reconnect_max_secs or registry.reconnect_max_secs)
         if endpoint.tls:
-            roots = (resolve_path(registry.config_file, endpoint.ca_file).read_bytes()
-                     if endpoint.ca_file else None)
+            roots = None
+            if endpoint.ca_file:
+                ca = resolve_path(config_file or registry.config_file, endpoint.ca_file)
+                try:
+                    roots = ca.read_bytes()
+                except OSError as e:
+                    raise ConfigError(f"{config_file or registry.config_file}: neurons.endpoints"
+                                      f" `{endpoint.name}`.ca_file: cannot read {ca}:"
+                                      f" {e.strerror}") from None
             creds = grpc.ssl_channel_credentials(root_certificates=roots)
-            self.channel = grpc.aio.secure_channel(
-                endpoint.address, creds, options=channel_options(registry.reconnect_max_secs))
+            self.channel = grpc.aio.secure_channel(endpoint.address, creds, options=options)
         else:
-            self.channel = grpc.aio.insecure_channel(
-                endpoint.address, options=channel_options(registry.reconnect_max_secs))
+            self.channel = grpc.aio.insecure_channel(endpoint.address, options=options)
         self.stub = pbg.NeuronStub(self.channel)
         self.status: pb.NeuronStatus | None = None
         self.connected = False
@@ -185,17 +195,36 @@ class Registry:
         self.links.clear()
 
     async def set_endpoints(self, endpoints: Iterable[NeuronEndpoint]) -> None:
-        """Add, replace or drop links so they match the config (SIGHUP); in-flight calls finish."""
-        wanted = {e.name: e for e in endpoints}
+        """Add, replace or drop links so they match the config; in-flight calls finish."""
+        self.swap_links(self.build_links(endpoints))
+
+    def build_links(self, endpoints: Iterable[NeuronEndpoint], *, config_file: Path | None = None,
+                    reconnect_max_secs: float | None = None) -> dict[str, NeuronLink]:
+        """The links for a config, reusing the unchanged ones, without touching the running
+        set: a reload builds every new link first (ConfigError when one cannot be built, with
+        nothing changed) and swaps only when all succeeded."""
+        out: dict[str, NeuronLink] = {}
+        try:
+            for e in endpoints:
+                old = self.links.get(e.name)
+                out[e.name] = old if old is not None and old.endpoint == e else NeuronLink(
+                    e, self, config_file=config_file, reconnect_max_secs=reconnect_max_secs)
+        except ConfigError:
+            for link in out.values():
+                if link.task is None:  # built here, never started: close its channel
+                    asyncio.get_running_loop().create_task(link.channel.close(grace=None))
+            raise
+        return out
+
+    def swap_links(self, links: dict[str, NeuronLink]) -> None:
+        """Make `links` (from build_links) the running set; links left out close once the
+        calls already on them finish."""
         for name, link in list(self.links.items()):
-            if wanted.get(name) != link.endpoint:
-                del self.links[name]
-                # Let requests already on this channel finish before it closes.
+            if links.get(name) is not link:
                 asyncio.get_running_loop().create_task(self._close_later(link))
-        for name, endpoint in wanted.items():
-            if name not in self.links:
-                link = NeuronLink(endpoint, self)
-                self.links[name] = link
+        self.links = dict(links)
+        for link in self.links.values():
+            if link.task is None:
                 link.start()
         self.notify()
 

@@ -1,0 +1,44 @@
+"""SIGHUP is all or nothing: a config that cannot be applied whole leaves the running one
+serving, links and all."""
+
+from __future__ import annotations
+
+import tomli_w
+
+MSG = [{"role": "user", "content": "hello there"}]
+
+
+def reload_with(fl, tmp_path, raw: bytes) -> None:
+    cfg = tmp_path / "router.toml"
+    cfg.write_bytes(raw)
+    old_path = fl.state.config_path
+    fl.state.config_path = cfg
+    try:
+        fl.lt.run(fl.state.reload())
+    finally:
+        fl.state.config_path = old_path
+
+
+def test_a_reload_naming_a_missing_ca_file_keeps_the_old_links_serving(fl, tmp_path):
+    links = dict(fl.state.registry.links)
+    raw = tomli_w.dumps({
+        "aliases": {"helexa/new": "tiny"},
+        "neurons": {"token_file": str(fl.state.config_path.parent / "token"), "endpoints": [
+            {"name": "n1", "address": fl.n1.address, "tls": True, "ca_file": "absent-ca.pem"},
+            {"name": "n2", "address": fl.n2.address, "tls": True, "ca_file": "absent-ca.pem"},
+            {"name": "n3", "address": "127.0.0.1:1"}]}}).encode()
+    reload_with(fl, tmp_path, raw)
+    assert fl.state.registry.links == links  # the very same links, still running
+    assert all(link.task is not None and not link.task.done() for link in links.values())
+    assert "helexa/new" not in dict(fl.state.aliases.items())  # nothing of it was applied
+    fl.wait_healthy()
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    assert r.choices[0].message.content == "w0 "
+
+
+def test_a_reload_of_a_file_that_is_not_utf8_keeps_serving(fl, tmp_path):
+    links = dict(fl.state.registry.links)
+    reload_with(fl, tmp_path, b'[aliases]\n"\xff" = "tiny"\n')
+    assert fl.state.registry.links == links
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    assert r.choices[0].message.content == "w0 "
