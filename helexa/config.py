@@ -232,6 +232,11 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "A neuron whose Watch stream is silent this long leaves rotation.", RELOAD, gt=0)] = 2.0
     reconnect_max_secs: Annotated[float, field_meta(
         "Longest backoff between Watch reconnects.", RELOAD, gt=0)] = 5.0
+    first_report_secs: Annotated[float, field_meta(
+        "How long a neuron link just opened (at start or on reload) may take to bring its first "
+        "Watch report: the router waits this long before it prints that it is listening, and a "
+        "request that arrives meanwhile waits for the report instead of a 503 at once.",
+        RELOAD, ge=0)] = 5.0
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

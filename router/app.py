@@ -78,6 +78,7 @@ class RouterState:
         self.registry.config_file = self.config_path or Path("router.toml")
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
+        self.registry.first_report_secs = cfg.timeouts.first_report_secs
 
     async def reload(self) -> None:
         """SIGHUP: all or nothing. Every part of the new config (keys, token, aliases, every
@@ -205,6 +206,9 @@ async def stop(runner: web.AppRunner, state: RouterState) -> None:
 
 async def _serve(cfg: RouterConfig, config_path: Path) -> None:
     runner, state, address = await start(cfg, config_path)
+    # Bound, but not "listening" until each neuron has spoken (or failed to) once: a client
+    # told to go ahead must not meet a router that knows no neuron yet.
+    await state.registry.wait_first_tries()
     if cfg.server.address_file:
         path = resolve_path(config_path, cfg.server.address_file)
         tmp = path.with_name(path.name + ".tmp")

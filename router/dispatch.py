@@ -125,6 +125,9 @@ class Dispatcher:
     async def _await_model(self, model: str, principal: str, deadline: float) -> None:
         """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx."""
         reg = self.registry
+        if reg.awaiting_first_report():  # just started or reloaded: hear every neuron first
+            await reg.wait_changed(0.5)
+            return
         if not reg.healthy_links():
             raise ApiError(503, "no neuron is reachable", code="service_unavailable")
         draining = [link.name for link in reg.healthy_links()

@@ -91,6 +91,8 @@ class NeuronLink:
             self.channel = grpc.aio.insecure_channel(endpoint.address, options=options)
         self.stub = pbg.NeuronStub(self.channel)
         self.status: pb.NeuronStatus | None = None
+        self.opened_at = time.monotonic()
+        self.first_try_done = False  # a first report came, or the first attempt failed
         self.connected = False
         self.last_seen = 0.0
         self.was_healthy = False
@@ -140,6 +142,7 @@ class NeuronLink:
                 call.cancel()
                 raise
             except (grpc.aio.AioRpcError, TimeoutError) as e:
+                self.first_try_done = True
                 detail = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "silent"
                 if self.connected:
                     log.warning("neuron.watch_lost", neuron=self.name, reason=detail)
@@ -155,6 +158,7 @@ class NeuronLink:
     def _on_status(self, status: pb.NeuronStatus) -> None:
         now = time.monotonic()
         self.status = status
+        self.first_try_done = True
         self.last_seen = now
         self.connected = True
         # Sends the neuron had seen before this report are now in its counters.
@@ -178,6 +182,7 @@ class Registry:
         self.config_file = Path("router.toml")  # paths in endpoints are relative to it
         self.unhealthy_after_secs = unhealthy_after_secs
         self.reconnect_max_secs = reconnect_max_secs
+        self.first_report_secs = 5.0
         self.links: dict[str, NeuronLink] = {}
         self._endpoints = list(endpoints)
         self._changed = asyncio.Event()
@@ -254,6 +259,20 @@ class Registry:
                     log.info("neuron.up" if healthy else "neuron.down", neuron=link.name)
                     self.notify()
             await asyncio.sleep(HEALTH_TICK_SECS)
+
+    async def wait_first_tries(self) -> None:
+        """Return once every link brought its first report or failed its first attempt, or
+        each waited `first_report_secs` (a router says it listens only after this)."""
+        while any(not link.first_try_done and self._young(link) for link in self.links.values()):
+            await self.wait_changed(HEALTH_TICK_SECS)
+
+    def awaiting_first_report(self) -> bool:
+        """Some link opened less than `first_report_secs` ago has not reported yet: what it
+        will say may change the answer, so a request waits rather than fail now."""
+        return any(link.status is None and self._young(link) for link in self.links.values())
+
+    def _young(self, link: NeuronLink) -> bool:
+        return time.monotonic() - link.opened_at < self.first_report_secs
 
     # ------------------------------------------------------------ queries
 

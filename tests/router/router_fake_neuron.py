@@ -79,6 +79,7 @@ class Behaviour:
     no_complete: bool = False  # Complete is UNIMPLEMENTED, as on a neuron older than it
     load_secs: float = 0.2
     load_fails: bool = False
+    first_report_delay_secs: float = 0.0  # the next Watch call waits this long before reporting
 
 
 class FakeNeuron(pbg.NeuronServicer):
@@ -134,6 +135,8 @@ class FakeNeuron(pbg.NeuronServicer):
     async def Watch(self, request, context):
         await self._auth(context)
         beat = (request.heartbeat_ms or 1000) / 1000
+        delay, self.b.first_report_delay_secs = self.b.first_report_delay_secs, 0.0
+        await asyncio.sleep(delay)  # a neuron slow to bring its first report
         while True:
             self._changed.clear()  # before taking the status: a later change is never lost
             if not self.b.silent:
@@ -259,10 +262,13 @@ async def _main(argv: list[str]) -> None:
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--token", default=None)
     p.add_argument("--token-delay", type=float, default=0.0)
+    p.add_argument("--first-report-delay", type=float, default=0.0,
+                   help="seconds the first Watch call waits before its first report")
     args = p.parse_args(argv)
     neuron = FakeNeuron(args.name, [m for m in args.models.split(",") if m],
                         [m for m in args.catalogue.split(",") if m], token=args.token)
     neuron.b.token_delay_secs = args.token_delay
+    neuron.b.first_report_delay_secs = args.first_report_delay
     address = await neuron.start(args.listen)
     print(f"NEURON LISTENING {address}", flush=True)
     await neuron.server.wait_for_termination()
