@@ -79,6 +79,7 @@ class RouterState:
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
         self.registry.first_report_secs = cfg.timeouts.first_report_secs
+        self.registry.stream_idle_secs = cfg.timeouts.stream_idle_secs
 
     async def reload(self) -> None:
         """SIGHUP: all or nothing. Every part of the new config (keys, token, aliases, every

@@ -40,6 +40,7 @@ from helexa.router.forward import (
     map_rpc_error,
     open_generate,
 )
+from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
 from helexa.router.selection import Estimate, rank, rendezvous_score, reservation_bytes
@@ -107,7 +108,17 @@ class Dispatcher:
             self.metrics.selections.labels(name, model).inc()
             try:
                 return await rpc(link.stub, name, greq, metadata=link.metadata,
-                                 timeout_secs=self.settings.request_secs + 5)
+                                 timeout_secs=self.settings.request_secs + 5,
+                                 flight=link.open_flight(streaming=stream))
+            except UpstreamLost as e:  # before the first byte: another neuron may serve it
+                err = ApiError(503, str(e), code="service_unavailable")
+                self.metrics.refusals.labels(name, model, err.code).inc()
+                log.info("request.refused", req_id=greq.req_id, neuron=name, model=model,
+                         code=err.code, reason=str(e), retry=refusal is None)
+                if refusal is not None:
+                    raise err from None
+                refusal = err
+                tried.add(name)
             except grpc.aio.AioRpcError as e:
                 err = map_rpc_error(e, kind)
                 self.metrics.refusals.labels(name, model, err.code).inc()

@@ -14,6 +14,7 @@ before any byte went to the client.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import grpc
 from helexa.proto import neuron_pb2 as pb
 from helexa.responses import merge_responses
 from helexa.router.errors import ApiError
+from helexa.router.inflight import Flight
 from helexa.router.openai_api import ParsedRequest
 
 # Refusals before the first byte that another neuron may well accept. NOT_FOUND too: the
@@ -111,9 +113,11 @@ class OpenStream:
     neuron: str
     call: grpc.aio.UnaryStreamCall
     first: pb.GenerateResponse
+    flight: Flight
     finished: bool = False  # the finish message arrived: nothing left to abort
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The messages; raises UpstreamLost when the router ended the call (inflight.py)."""
         msg = self.first
         while True:
             if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -121,7 +125,13 @@ class OpenStream:
             yield msg
             if self.finished:
                 return
-            msg = await self.call.read()
+            try:
+                msg = await self.call.read()
+            except asyncio.CancelledError:
+                if (lost := self.flight.lost()) is not None:
+                    raise lost from None
+                raise
+            self.flight.heard()
             if msg is grpc.aio.EOF:
                 return
 
@@ -137,18 +147,25 @@ class UpstreamClosed(Exception):
 
 
 async def open_generate(stub, neuron: str, greq: pb.GenerateRequest, *,
-                        metadata: tuple, timeout_secs: float) -> OpenStream:
-    """Start Generate and wait for its first message; raises AioRpcError on a refusal."""
-    call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
+                        metadata: tuple, timeout_secs: float, flight: Flight) -> OpenStream:
+    """Start Generate and wait for its first message; raises AioRpcError on a refusal,
+    UpstreamLost when the router ended the call."""
+    call = flight.call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
     try:
         first = await call.read()
+    except asyncio.CancelledError:
+        call.cancel()
+        if (lost := flight.lost()) is not None:
+            raise lost from None
+        raise
     except BaseException:
         call.cancel()
         raise
     if first is grpc.aio.EOF:
         call.cancel()
         raise UpstreamClosed(f"neuron {neuron} closed the stream before any message")
-    return OpenStream(neuron, call, first)
+    flight.heard()
+    return OpenStream(neuron, call, first, flight)
 
 
 @dataclass
@@ -163,17 +180,24 @@ class Completed:
 
 
 async def complete(stub, neuron: str, greq: pb.GenerateRequest, *,
-                   metadata: tuple, timeout_secs: float) -> Completed:
-    """Complete on one neuron; raises AioRpcError on a refusal or failure. A neuron older than
-    Complete (UNIMPLEMENTED) is asked with Generate instead and its stream merged."""
+                   metadata: tuple, timeout_secs: float, flight: Flight) -> Completed:
+    """Complete on one neuron; raises AioRpcError on a refusal or failure, UpstreamLost when
+    the router ended the call. A neuron older than Complete (UNIMPLEMENTED) is asked with
+    Generate instead and its stream merged."""
     try:
-        reply = await stub.Complete(greq, metadata=metadata, timeout=timeout_secs)
-    except grpc.aio.AioRpcError as e:
-        if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-            raise
-        call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
         try:
-            reply = merge_responses([m async for m in call])
-        finally:
-            call.cancel()  # a no-op once it ended; aborts it on the neuron if we were cancelled
+            flight.call = stub.Complete(greq, metadata=metadata, timeout=timeout_secs)
+            reply = await flight.call
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            call = flight.call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
+            try:
+                reply = merge_responses([m async for m in call])
+            finally:
+                call.cancel()  # a no-op once it ended; aborts it on the neuron if we were cancelled
+    except asyncio.CancelledError:
+        if (lost := flight.lost()) is not None:
+            raise lost from None
+        raise
     return Completed(neuron, reply)

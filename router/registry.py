@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ import structlog
 from helexa.config import ConfigError, NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
+from helexa.router.inflight import Flight
 from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 # lazy: bound at first use, after setup_logging() configured structlog
@@ -97,6 +99,8 @@ class NeuronLink:
         self.last_seen = 0.0
         self.was_healthy = False
         self.pending: list[PendingSend] = []
+        # Calls open on this neuron (weak: a finished request's flight goes with its handler).
+        self.flights: weakref.WeakSet[Flight] = weakref.WeakSet()
         self.task: asyncio.Task | None = None
         self.closing = False
 
@@ -109,6 +113,11 @@ class NeuronLink:
         now = time.monotonic() if now is None else now
         return (self.connected and self.status is not None
                 and now - self.last_seen <= self.registry.unhealthy_after_secs)
+
+    def open_flight(self, *, streaming: bool) -> Flight:
+        flight = Flight(self.name, streaming=streaming)
+        self.flights.add(flight)
+        return flight
 
     def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self._watch_forever())
@@ -183,6 +192,7 @@ class Registry:
         self.unhealthy_after_secs = unhealthy_after_secs
         self.reconnect_max_secs = reconnect_max_secs
         self.first_report_secs = 5.0
+        self.stream_idle_secs = 30.0
         self.links: dict[str, NeuronLink] = {}
         self._endpoints = list(endpoints)
         self._changed = asyncio.Event()
@@ -256,8 +266,17 @@ class Registry:
                 healthy = link.healthy(now)
                 if healthy != link.was_healthy:
                     link.was_healthy = healthy
-                    log.info("neuron.up" if healthy else "neuron.down", neuron=link.name)
+                    log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
+                             ended_calls=0 if healthy else len(link.flights))
+                    if not healthy:  # out of rotation: what runs there will not come back
+                        for f in list(link.flights):
+                            f.end(f"neuron {link.name} stopped answering (no Watch report for"
+                                  f" {self.unhealthy_after_secs:g} s)")
                     self.notify()
+                for f in list(link.flights):
+                    if f.idle_for(now) > self.stream_idle_secs:
+                        f.end(f"no message from neuron {link.name} for"
+                              f" {self.stream_idle_secs:g} s")
             await asyncio.sleep(HEALTH_TICK_SECS)
 
     async def wait_first_tries(self) -> None:

@@ -31,6 +31,7 @@ from helexa.router import encode
 from helexa.router.errors import ApiError
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
+from helexa.router.inflight import UpstreamLost
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
 
@@ -244,7 +245,7 @@ async def _stream(request, env, choices, streams, state, series, t0,
                 await resp.write(encode.sse(chunk))
         if any(c.finish_reason is None for c in choices):
             raise UpstreamFailed("the neuron ended the stream without finishing")
-    except (grpc.aio.AioRpcError, UpstreamFailed) as e:
+    except (grpc.aio.AioRpcError, UpstreamFailed, UpstreamLost) as e:
         detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
         state.log.warning("request.upstream_failed", req_id=req_id, model=env.model,
                           detail=detail)

@@ -13,10 +13,14 @@ from hypothesis import strategies as st
 
 INT_EDGES = [2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 10**30, -(2**63) - 1,
              -1, 0]
-scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.sampled_from(INT_EDGES)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
-any_json = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+EDGES = st.sampled_from(INT_EDGES)
+
+
+def json_values(ints=st.integers(-(2**70), 2**70) | EDGES):
+    """Any JSON value (NaN and Infinity too, which are not JSON at all)."""
+    scalars = (st.none() | st.booleans() | ints
+               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+    return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
         st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
 MODELS = ["tiny", "helexa/balanced", "other"]
@@ -63,7 +67,7 @@ def _valid(kind: str, max_tokens_cap: int):
     return st.fixed_dictionaries(required, optional=extra)
 
 
-def _spoil(kind: str, max_tokens_cap: int):
+def _spoil(kind: str, max_tokens_cap: int, any_json):
     """A valid body with one or two fields replaced by anything, or an unknown field added."""
     keys = ["model", "messages" if kind == "chat" else "prompt", *_common(max_tokens_cap),
             "tools", "response_format", "stream_options", "top_logprobs", "best_of", "echo",
@@ -83,10 +87,13 @@ def _spoil(kind: str, max_tokens_cap: int):
     return spoiled()
 
 
-def bodies(kind: str, max_tokens_cap: int = 64):
-    """Raw request bodies: valid, near-valid and hostile (any JSON, or not JSON at all)."""
-    as_json = st.one_of(_valid(kind, max_tokens_cap), _spoil(kind, max_tokens_cap),
-                        _spoil(kind, max_tokens_cap), any_json)
+def bodies(kind: str, max_tokens_cap: int = 64, *, only_edge_ints: bool = False):
+    """Raw request bodies: valid, near-valid and hostile (any JSON, or not JSON at all).
+    `only_edge_ints` spoils fields with out-of-range integers only, never a large valid
+    max_tokens that a real model would spend seconds generating."""
+    any_json = json_values(EDGES) if only_edge_ints else json_values()
+    spoil = _spoil(kind, max_tokens_cap, any_json)
+    as_json = st.one_of(_valid(kind, max_tokens_cap), spoil, spoil, any_json)
     return st.one_of(as_json.map(lambda b: json.dumps(b).encode()), st.binary(max_size=64))
 
 

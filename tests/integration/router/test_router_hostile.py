@@ -1,0 +1,107 @@
+"""A real router over a real neuron, as a client who means harm would use it: generated bodies
+(valid, near-valid, hostile) earn no 5xx and leave the ledger whole; a neuron hung with SIGSTOP
+mid-stream is noticed and its stream ended with an upstream_error event."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2
+import openai
+import pytest
+import tomli_w
+from hypothesis import HealthCheck, given, settings
+from router_procs import RouterProcess, start_router, wait_for
+
+from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
+from request_bodies import bodies, check_reply  # noqa: E402
+
+MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
+    d = tmp_path_factory.mktemp("hostile")
+    # A small default output budget: a generated body without max_tokens stays quick.
+    cfg = {"server": {"name": "nf", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": 4},
+           "kv": {"kv_budget_mb": 2, "activation_headroom_mb": 0, "default_output_tokens": 8},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    neuron = start_neuron(write_neuron_config(d / "nf.toml", cfg), log_path=d / "nf.log")
+    (d / "router.toml").write_text(tomli_w.dumps({
+        "server": {"listen": "127.0.0.1:0", "max_body_bytes": 64 * 1024},
+        "neurons": {"endpoints": [{"name": "nf", "address": neuron.address}]},
+        "aliases": {"helexa/balanced": "tiny"},
+        "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5}}))
+    router = start_router(d / "router.toml")
+    try:
+        yield neuron, router
+    finally:
+        router.stop()
+        neuron.signal(signal.SIGCONT)
+        neuron.stop(timeout_secs=15)
+
+
+def ledger_whole(router: RouterProcess) -> bool:
+    m = router.metrics()
+
+    def g(name: str) -> float | None:
+        return m.get((name, (("model", "tiny"), ("neuron", "nf"))))
+    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
+            and g("helexa_neuron_in_flight") == 0 and g("helexa_neuron_queued") == 0
+            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
+
+
+@pytest.mark.parametrize("kind,path", [("chat", "/v1/chat/completions"),
+                                       ("completion", "/v1/completions")])
+def test_generated_bodies_against_a_real_neuron(pair, kind, path):
+    _, router = pair
+    seen: dict[int, int] = {}
+    with httpx2.Client(base_url=router.url, timeout=60) as http:
+        @settings(max_examples=150, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(bodies(kind, max_tokens_cap=8, only_edge_ints=True))
+        def one(raw: bytes) -> None:
+            r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
+            seen[r.status_code] = seen.get(r.status_code, 0) + 1
+            check_reply(r.status_code, r.headers, r.content)
+
+        one()
+    assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
+def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    stream = router.client(None).chat.completions.create(
+        model="tiny", messages=MSG, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    next(chunks)
+    next(chunks)
+    neuron.signal(signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError) as e:
+            for _ in chunks:
+                pass
+        assert e.value.body["code"] == "upstream_error"
+        assert "stopped answering" in e.value.body["message"]
+        assert time.monotonic() - t0 < 20  # not the minute gRPC keepalive would take
+        # A new request while it is hung: 503 at once, not a wait on the hung host.
+        with pytest.raises(openai.InternalServerError) as e:
+            router.client(None).chat.completions.create(model="tiny", messages=MSG,
+                                                        max_tokens=1)
+        assert e.value.code == "service_unavailable"
+    finally:
+        neuron.signal(signal.SIGCONT)
+    # Back: the ended call was aborted on the neuron and every block came back.
+    wait_for(lambda: ledger_whole(router), timeout=30)
+    r = router.client(None).chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+    assert r.choices[0].finish_reason in ("length", "stop")
