@@ -196,6 +196,10 @@ class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         "File the bound HTTP address is written to once ready.", RESTART)] = None
     max_body_bytes: Annotated[int, field_meta(
         "Largest request body accepted; beyond it 413.", RESTART, ge=1024)] = 8 * 1024 * 1024
+    read_timeout_secs: Annotated[float, field_meta(
+        "A connection that sends no byte of a request's headers for this long (from its "
+        "opening or its last response: also the keep-alive idle time) is closed, and a body "
+        "that stops arriving for this long is answered 408 and closed.", RESTART, gt=0)] = 15.0
 
 
 class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

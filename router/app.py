@@ -27,6 +27,7 @@ from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError
+from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
 
@@ -44,6 +45,7 @@ class RouterState:
         self.metrics = RouterMetrics(lambda: list(self.registry.links.values()))
         self.dispatcher = Dispatcher(self.registry, self.metrics, DispatchSettings(["*"], 60, 600))
         self.max_body_bytes = cfg.server.max_body_bytes
+        self.read_timeout_secs = cfg.server.read_timeout_secs
         self.apply(cfg)
 
     def apply(self, cfg: RouterConfig) -> None:
@@ -187,8 +189,11 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
     state = RouterState(cfg, config_path)
     await state.registry.start()
     await state.registry.set_endpoints(cfg.neurons.endpoints)
-    runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE_SECS)
+    runner = RouterRunner(build_app(state), handler_cancellation=True, access_log=None,
+                          shutdown_timeout=SHUTDOWN_GRACE_SECS,
+                          keepalive_timeout=cfg.server.read_timeout_secs,
+                          # after a 408/413, the unread body is drained at most this long
+                          lingering_time=cfg.server.read_timeout_secs)
     await runner.setup()
     host, _, port = cfg.server.listen.rpartition(":")
     site = web.TCPSite(runner, host or "127.0.0.1", int(port))

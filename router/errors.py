@@ -23,6 +23,7 @@ _TYPES = {
     403: "permission_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
 }
@@ -64,8 +65,11 @@ class ApiError(Exception):
 
     def response(self, extra_headers: dict[str, str] | None = None) -> web.Response:
         headers = {**self.headers(), **(extra_headers or {})}
-        return web.Response(status=self.status, text=json.dumps(self.body()),
+        resp = web.Response(status=self.status, text=json.dumps(self.body()),
                             content_type="application/json", headers=headers)
+        if self.status in (408, 413):  # the unread rest of the body cannot be skipped safely
+            resp.force_close()
+        return resp
 
 
 def bad_request(message: str, param: str | None = None) -> ApiError:

@@ -31,6 +31,7 @@ from helexa.router import encode
 from helexa.router.errors import ApiError
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
+from helexa.router.http_edge import read_body
 from helexa.router.inflight import UpstreamLost
 from helexa.router.openai_api import ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
@@ -44,17 +45,6 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 class UpstreamFailed(Exception):
     """A neuron failed after its first message."""
-
-
-async def read_body(request: web.Request, max_body_bytes: int) -> bytes:
-    if (request.content_length or 0) > max_body_bytes:
-        raise ApiError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, f"request body over {max_body_bytes} bytes",
-                       code="request_too_large") from None
-    return raw
 
 
 def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
@@ -118,7 +108,8 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
     state.metrics.in_progress.inc()
     try:
         principal = ctx["principal"] = state.auth.principal(request.headers.get("Authorization"))
-        req = parse_request(await read_body(request, state.max_body_bytes), kind)
+        req = parse_request(await read_body(request, state.max_body_bytes,
+                                            state.read_timeout_secs), kind)
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)

@@ -1,0 +1,79 @@
+"""Malformed HTTP gets the OpenAI envelope, and half-sent requests are closed after the read
+timeout (raw sockets against a router of its own, with a short read timeout)."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+
+import msgspec
+import pytest
+
+from helexa.config import RouterConfig
+from helexa.router import app as router_app
+
+BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'
+
+
+@pytest.fixture(scope="module")
+def edge(fleet):
+    cfg = msgspec.convert({
+        "server": {"listen": "127.0.0.1:0", "read_timeout_secs": 0.5},
+        "neurons": {"token_file": None, "endpoints": []}}, RouterConfig)
+    runner, state, addr = fleet.lt.run(router_app.start(cfg))
+    host, port = addr.rsplit(":", 1)
+    yield host, int(port)
+    fleet.lt.run(router_app.stop(runner, state))
+
+
+def exchange(addr, raw: bytes, wait_secs: float = 10.0) -> bytes:
+    """Send raw bytes, read until the server closes (a test that hangs here is the bug)."""
+    with socket.create_connection(addr, timeout=wait_secs) as s:
+        s.sendall(raw)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+def envelope(reply: bytes) -> tuple[int, dict, dict]:
+    head, _, body = reply.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    headers = {k.lower(): v for k, v in headers.items()}
+    return int(lines[0].split()[1]), headers, json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("raw,what", [
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n" + BODY, "Transfer-Encoding"),
+    (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 100_000 + b"\r\n"
+     b"Content-Length: 2\r\n\r\n{}", "8190"),
+    (b"GARBAGE\r\n\r\n", "Malformed"),
+])
+def test_malformed_http_is_a_400_in_the_envelope(edge, raw, what):
+    status, headers, err = envelope(exchange(edge, raw))
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    assert err["code"] == "invalid_request_error" and what in err["message"]
+
+
+def test_a_short_content_length_is_a_400_in_the_envelope_and_then_closed(edge):
+    reply = exchange(edge, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Length: 10\r\n\r\n" + BODY)
+    replies = re.split(rb"(?=HTTP/1\.[01] )", reply)[1:]
+    assert replies, reply
+    for r in replies:  # the rest of the body, read as a request, is malformed HTTP too
+        status, headers, err = envelope(r)
+        assert status == 400 and headers["content-type"].startswith("application/json")
+
+
+def test_half_sent_headers_are_closed_after_the_read_timeout(edge):
+    assert exchange(edge, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n") == b""
+
+
+def test_a_half_sent_body_is_a_408_and_closed(edge):
+    reply = exchange(edge, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                           b"Content-Length: 100\r\n\r\n" + BODY[:20])
+    status, headers, err = envelope(reply)
+    assert status == 408 and err["code"] == "request_timeout"
