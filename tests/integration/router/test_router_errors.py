@@ -106,3 +106,12 @@ def test_on_demand_load_is_503_model_loading_then_serves(router):
             return None
 
     assert wait_for(served, timeout=60).choices[0].message.content is not None
+
+
+def test_n_over_the_principal_cap_is_400_saying_why(router):
+    # na and nb allow one request per principal at a time: two choices can never both run.
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client("bob").chat.completions.create(model="tiny", messages=MSG, max_tokens=1,
+                                                     n=2)
+    assert e.value.param == "n" and "max_per_principal 1" in e.value.message
+    assert "retry-after" not in e.value.response.headers

@@ -105,3 +105,20 @@ def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
     wait_for(lambda: ledger_whole(router), timeout=30)
     r = router.client(None).chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_sighup_with_a_file_that_is_not_utf8_is_one_line_and_keeps_serving(pair):
+    _, router = pair
+    good = router.config_path.read_bytes()
+    log_lines = len(router.log_path.read_text().splitlines())
+    router.config_path.write_bytes(good + b'\n[aliases]\n"\xff" = "tiny"\n')
+    try:
+        router.proc.send_signal(signal.SIGHUP)
+        new = wait_for(lambda: [line for line in router.log_path.read_text().splitlines()
+                                [log_lines:] if "config.reload" in line], timeout=10)
+        assert len(new) == 1 and '"config.reload_refused"' in new[0] and "not UTF-8" in new[0]
+        assert "Traceback" not in router.log_path.read_text()
+        r = router.client(None).chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        assert r.choices[0].finish_reason in ("length", "stop")
+    finally:
+        router.config_path.write_bytes(good)
