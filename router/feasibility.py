@@ -3,9 +3,9 @@
 A request that no neuron serving its model could accept however long it
 waited is not a 429 or a 503 (which invite a retry) but a 400:
 
-- `n` choices over the largest `max_per_principal` those neurons report: each
-  choice is one request of the same principal, so the last ones would always
-  be refused.
+- `n` choices over the sum of the `max_per_principal` those neurons report:
+  each choice is one request of the same principal (a choice refused on one
+  neuron is retried on another), so the last ones would always be refused.
 - A prompt whose tokens are over the largest advertised context, judged from
   a LOWER bound of its tokens (the router has no tokenizer; the neuron makes
   the exact check, docs/architecture.md). Refusing here spares the neuron the
@@ -51,11 +51,11 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> No
     if not candidates:
         return
     caps = [c.max_per_principal for c in candidates]
-    if all(caps) and req.n > max(caps):
+    if all(caps) and req.n > sum(caps):
         raise bad_request(
-            f"`n` = {req.n} asks for more choices than one caller may have at once on any "
-            f"neuron serving `{req.model}` (max_per_principal {max(caps)}); "
-            f"send at most {max(caps)}", "n")
+            f"`n` = {req.n} asks for more choices than one caller may have at once on the "
+            f"neurons serving `{req.model}` (max_per_principal {sum(caps)} in all); "
+            f"send at most {sum(caps)}", "n")
     context = max(c.context for c in candidates)
     if context <= 0:
         return

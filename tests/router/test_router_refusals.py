@@ -37,13 +37,13 @@ def sent(fl) -> int:
 
 
 def test_n_over_the_principal_cap_is_400_not_429(fl):
-    set_model(fl, max_per_principal=2)
+    set_model(fl, max_per_principal=2)  # on each of the two neurons: 4 choices at most
     with pytest.raises(openai.BadRequestError) as e:
-        fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=3)
-    assert e.value.body["param"] == "n" and "max_per_principal 2" in e.value.message
+        fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=5)
+    assert e.value.body["param"] == "n" and "max_per_principal 4 in all" in e.value.message
     assert sent(fl) == 0
-    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=2)
-    assert len(r.choices) == 2
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=4)
+    assert len(r.choices) == 4
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_any_neuron(fl):

@@ -109,9 +109,9 @@ def test_on_demand_load_is_503_model_loading_then_serves(router):
 
 
 def test_n_over_the_principal_cap_is_400_saying_why(router):
-    # na and nb allow one request per principal at a time: two choices can never both run.
+    # na and nb allow one request per principal at a time each: three choices never all run.
     with pytest.raises(openai.BadRequestError) as e:
         router.client("bob").chat.completions.create(model="tiny", messages=MSG, max_tokens=1,
-                                                     n=2)
-    assert e.value.param == "n" and "max_per_principal 1" in e.value.message
+                                                     n=3)
+    assert e.value.param == "n" and "max_per_principal 2 in all" in e.value.message
     assert "retry-after" not in e.value.response.headers
