@@ -68,7 +68,7 @@ def test_a_prompt_that_cannot_fit_is_refused_before_any_neuron(fl):
     assert sent(fl) == 2
 
 
-def test_a_router_bug_is_a_500_in_the_envelope_counted_as_500(fl, monkeypatch):
+def test_a_router_bug_is_a_500_in_the_envelope_counted_as_500(fl, monkeypatch, capsys):
     def broken(*a, **kw):
         raise RuntimeError("a bug")
     monkeypatch.setattr(serve, "_reply", broken)
@@ -79,6 +79,10 @@ def test_a_router_bug_is_a_500_in_the_envelope_counted_as_500(fl, monkeypatch):
     m = httpx2.get(fl.url + "/metrics").text
     assert 'helexa_router_requests_total{code="500",model="tiny"} 1.0' in m and before == 0
     assert r.headers["x-request-id"]
+    out = capsys.readouterr().out  # the in-process router logs to this process's stdout
+    done = [line for line in out.splitlines() if "request.done" in line
+            and r.headers["x-request-id"] in line]
+    assert len(done) == 1 and "outcome=error" in done[0] and "status=500" in done[0]
 
 
 def test_a_router_bug_mid_stream_ends_the_stream_with_an_error_event(fl, monkeypatch):
