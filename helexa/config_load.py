@@ -29,7 +29,7 @@ class ConfigError(Exception):
         self.lines = list(lines)
 
 
-_PRIMITIVES = {msgspec.inspect.StrType: str, msgspec.inspect.IntType: int,
+_PRIMITIVES: dict[type, type] = {msgspec.inspect.StrType: str, msgspec.inspect.IntType: int,
                msgspec.inspect.FloatType: float, msgspec.inspect.BoolType: bool}
 
 
@@ -54,7 +54,8 @@ def _locate(raw: Any, schema: type, where: str) -> tuple[str, Any]:
     data finds the entry that fails, so the message says `profiles.batch`.
     """
     info: Any = msgspec.inspect.type_info(schema)
-    node, out = raw, []
+    node: Any = raw
+    out: list[str] = []
     for name, index in re.findall(r"\.?([A-Za-z_]\w*)|\[(\d+|\.\.\.)\]", where):
         info = _unwrap(info)
         if name:
@@ -158,7 +159,8 @@ def _struct_errors(path: Path, raw: Any, schema: type[msgspec.Struct], where: st
     if not isinstance(raw, dict):
         return _value_errors(path, raw, schema, where)
     hints = typing.get_type_hints(schema, include_extras=True)
-    fields = {f.name: f for f in msgspec.inspect.type_info(schema).fields}
+    info: Any = msgspec.inspect.type_info(schema)
+    fields = {f.name: f for f in info.fields}
     out: list[str] = []
     for key, value in raw.items():
         at = f"{where}.{key}" if where else key

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from helexa.router.errors import bad_request, unsupported
-from helexa.router.request_model import ChatBody, CompletionBody, RequestBody, decode
+from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -66,8 +66,7 @@ def parse_request(body: bytes | Any, kind: Literal["chat", "completion"]) -> Par
     req = ParsedRequest(kind=kind, model=b.model)
     if isinstance(b, ChatBody):
         _chat(b, req)
-    else:
-        assert isinstance(b, CompletionBody)
+    elif isinstance(b, CompletionBody):
         _completion(b, req)
     _common(b, req)
     return req
@@ -85,7 +84,7 @@ def _chat(b: ChatBody, req: ParsedRequest) -> None:
         else b.max_tokens
 
 
-def _message(m, i: int) -> tuple[str, str]:
+def _message(m: Message, i: int) -> tuple[str, str]:
     p = f"messages[{i}]"
     if m.role not in _ROLES:
         raise unsupported(f"{p}.role", f"role `{m.role}`")
