@@ -36,6 +36,7 @@ from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
 HEALTH_TICK_SECS = 0.1
+LOOP_STALL_SECS = 0.25  # a health tick this late means the router itself was not running
 
 
 @dataclass
@@ -260,8 +261,13 @@ class Registry:
                 await self._changed.wait()
 
     async def _health_loop(self) -> None:
+        last = time.monotonic()
         while True:
+            await asyncio.sleep(HEALTH_TICK_SECS)
             now = time.monotonic()
+            stalled, last = now - last > HEALTH_TICK_SECS + LOOP_STALL_SECS, now
+            if stalled:  # our own loop stalled: Watch reports may be waiting unread, and a
+                continue  # neuron must not lose its calls for the router's pause
             for link in self.links.values():
                 healthy = link.healthy(now)
                 if healthy != link.was_healthy:
@@ -277,7 +283,6 @@ class Registry:
                     if f.idle_for(now) > self.stream_idle_secs:
                         f.end(f"no message from neuron {link.name} for"
                               f" {self.stream_idle_secs:g} s")
-            await asyncio.sleep(HEALTH_TICK_SECS)
 
     async def wait_first_tries(self) -> None:
         """Return once every link brought its first report or failed its first attempt, or
