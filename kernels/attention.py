@@ -9,13 +9,21 @@ of the flattened [num_slots, kv_heads, head_dim] view.
 A step's batch is laid out decode rows first (one new token each), then
 prefill chunks. Everything that depends only on the step (slot mappings,
 gather indices, masks) is built once per step in :class:`AttentionMetadata`
-by the model runner; the per-layer functions here only index and call SDPA.
+by an attention backend (kernels/backends/); the per-layer functions here only
+index and call SDPA.
+
+Temporaries stay bounded whatever the batch: decode rows run in groups of
+similar length (:class:`DecodeGroup`), never padded to the batch's longest
+row, and a group whose context exceeds ``DECODE_CHUNK_TOKENS`` row-tokens is
+read a chunk of blocks at a time (quantised KV dequantised chunk by chunk),
+its softmax merged across chunks.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +56,31 @@ class DecodeMirror:
     write_index: torch.Tensor  # [B] row * cap + position: where each row's new K/V go
 
 
+# Row-tokens (rows x context) of K and V a decode group reads at once: 2 * this * kv_heads *
+# head_dim elements of temporaries at most, however long the rows.
+DECODE_CHUNK_TOKENS = 8192
+
+
+@dataclass
+class DecodeGroup:
+    """Decode rows of similar context length, attended together (padded to the group's
+    longest row only)."""
+
+    rows: torch.Tensor | None  # indices among the step's decode rows; None = all, in order
+    lengths: torch.Tensor  # [b] int64: context length of each row (its new token included)
+    max_len: int
+    slots: torch.Tensor | None = None  # [b, max_len] int64, padded with slot 0 (masked)
+    start: int | None = None  # one row over consecutive slots [start, start + max_len): views
+
+
 @dataclass
 class AttentionMetadata:
     """Per-step attention plan shared by all layers."""
 
     slot_mapping: torch.Tensor  # [N] int64: where each new token's K/V is written
+    backend: Any = None  # the AttentionBackend that built this (kernels/backends/base.py)
+    # Decode rows by length group (the torch backend); None: the single padded group below.
+    decode_groups: list[DecodeGroup] | None = None
     num_decode: int = 0
     decode_slots: torch.Tensor | None = None  # [B * T] int64, rows padded to T
     decode_len: int = 0  # T
@@ -68,6 +96,8 @@ class AttentionMetadata:
     # Native CPU decode (kernels/cpu_native.c): the rows' block tables [B, blocks] int64,
     # zero-padded; set only for pure-decode steps the native kernels run.
     decode_tables: torch.Tensor | None = None
+    # CPU: the mirror state to keep once this step has run (kernels/backends/cpu.py).
+    next_mirror: Any = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -86,6 +116,7 @@ class PagedKV:
                  kv_dtype: str, storage: torch.dtype | None, compute: torch.dtype,
                  device: torch.device | str) -> None:
         self.kv_dtype, self.head_dim, self.compute = kv_dtype, head_dim, compute
+        self.num_kv_heads = kv_heads
         self.quantized = kv_quant.is_quantized(kv_dtype)
         if self.quantized:
             spec = kv_quant.quant_spec(kv_dtype, head_dim)
@@ -218,6 +249,13 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
     With a DecodeMirror the rows' context is kept per layer across steps: this step's
     k, v [B, kv_heads, d] are appended to it instead.
     """
+    if meta.decode_groups is not None:
+        if len(meta.decode_groups) == 1 and meta.decode_groups[0].rows is None:
+            return _decode_group(q, kv, meta.decode_groups[0])
+        out = torch.empty_like(q)
+        for grp in meta.decode_groups:
+            out.index_copy_(0, grp.rows, _decode_group(q.index_select(0, grp.rows), kv, grp))
+        return out
     b, heads, d = q.shape
     t = meta.decode_len
     if meta.decode_start is not None:  # one row, consecutive blocks: views, no copy
@@ -248,6 +286,52 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
     o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d).transpose(0, 1),
                                        kc, vc, attn_mask=mask)  # [kvh, B, group, d]
     return o.transpose(0, 1).reshape(b, heads, d)
+
+
+def _decode_group(q: torch.Tensor, kv: PagedKV, grp: DecodeGroup) -> torch.Tensor:
+    """One length group's decode rows: q [b, heads, d] -> [b, heads, d]. Rows on SDPA's
+    heads axis and kv heads on its batch axis, as decode_attention; a long group in chunks."""
+    b, heads, d = q.shape
+    t = grp.max_len
+    if grp.start is not None and not kv.quantized and kv.k_heads.dtype == kv.compute:
+        kc, vc = kv.span_heads(grp.start, t)  # [1, kvh, T, d]: views, no copy
+        kvh = kc.shape[1]
+        o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d), kc, vc)
+        return o.view(b, heads, d)
+    slots = grp.slots
+    if slots is None:  # one row over consecutive slots, read through gathers
+        slots = torch.arange(grp.start, grp.start + t, device=q.device).view(1, t)
+    kvh = kv.num_kv_heads
+    qh = q.view(b, kvh, heads // kvh, d).transpose(0, 1)  # [kvh, b, group, d]
+    chunk = max(1, DECODE_CHUNK_TOKENS // b)
+    if t <= chunk:
+        kc, vc = kv.gather_heads(slots.reshape(-1))  # [kvh, b * T, d]
+        mask = None
+        if b > 1 and int(grp.lengths.min()) != t:
+            ar = torch.arange(t, device=q.device)
+            mask = (ar[None, :] < grp.lengths[:, None]).view(1, b, 1, t)
+        o = F.scaled_dot_product_attention(qh, kc.view(kvh, b, t, d), vc.view(kvh, b, t, d),
+                                           attn_mask=mask)
+        return o.transpose(0, 1).reshape(b, heads, d)
+    # Flash-decoding in torch: a chunk of every row's context at a time, softmax merged.
+    qf = qh.float() * (1.0 / math.sqrt(d))
+    m = torch.full((kvh, b, heads // kvh, 1), -math.inf, device=q.device)
+    den = torch.zeros_like(m)
+    acc = torch.zeros(kvh, b, heads // kvh, d, device=q.device)
+    for c0 in range(0, t, chunk):
+        c1 = min(t, c0 + chunk)
+        kc, vc = kv.gather_heads(slots[:, c0:c1].reshape(-1))
+        kc, vc = kc.view(kvh, b, c1 - c0, d).float(), vc.view(kvh, b, c1 - c0, d).float()
+        s = qf @ kc.transpose(-1, -2)  # [kvh, b, group, c]
+        valid = torch.arange(c0, c1, device=q.device)[None, :] < grp.lengths[:, None]
+        s.masked_fill_(~valid.view(1, b, 1, c1 - c0), -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = (s - m_new).exp_()
+        corr = (m - m_new).exp_()
+        den.mul_(corr).add_(p.sum(-1, keepdim=True))
+        acc.mul_(corr).add_(p @ vc)
+        m = m_new
+    return (acc / den).to(q.dtype).transpose(0, 1).reshape(b, heads, d)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -97,6 +97,8 @@ class RunnerArgs:
     devices: list[str]
     timeout_secs: float = DEFAULT_TIMEOUT_SECS
     init_file: str = ""
+    backend: str = "auto"  # attention backend (kernels/backends/__init__.py)
+    cuda_graphs: bool = True
 
 
 class TpError(RuntimeError):
@@ -305,7 +307,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              num_blocks=args.num_blocks, block_size=args.block_size,
                              kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                              max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
-                             tp_size=world)
+                             tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return

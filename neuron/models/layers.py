@@ -19,6 +19,7 @@ Sharding (vLLM / gpt-fast style):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -26,7 +27,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.kernels import cpu_native
 from helexa.kernels.norm import rms_norm
 
 # Bytes each rank sends into collectives (tp > 1), for bench/tp.py; a plain int add per call.
@@ -104,43 +104,16 @@ class ParallelLinearBase(HotModule):
                 self.weight_loader,
             )
 
-        self.packed = False
-        self.native: tuple[Any, torch.Tensor, torch.Tensor | None] | None = None
+        # A device backend's product for this weight (kernels/backends/), same result:
+        # kernel(x, bias) -> x @ W^T + bias. None: F.linear.
+        self.kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
         raise NotImplementedError
 
-    def pack_for_cpu(self, batch_hint: int) -> None:
-        """After loading, add a copy of the weight in oneDNN's blocked layout for x @ W^T.
-
-        On CPU it makes matmuls of 2-16 rows (batched decode) ~1.5x faster and prefill
-        ~1.2x, but each call pays ~25 µs of fixed cost, so one-row steps keep using
-        F.linear on the plain weight. The copy doubles this layer's memory: the model
-        runner packs only models small enough for that (CPU tests, benchmarks).
-        """
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                    batch_hint)
-        self.packed = True
-
-    def pack_native(self, lib: Any) -> None:
-        """After loading, add a copy of the weight in kernels.cpu_native's 16-column panels:
-        every product then runs hx_gemm: ~1.5x oneDNN's at 8 rows, and at one row a decode
-        step ~6% faster than with MKL's sgemv on the column-major weight (measured side by
-        side on AMD EPYC: 0.95 vs 0.89 of the bare mat-vec chain)."""
-        self.native = (lib, *cpu_native.pack_weight(self.weight.detach(), self.bias))
-
-    def relayout_for_cpu(self) -> None:
-        """After loading: hold the weight column-major (still [out, in], the in dim outermost in
-        memory). One-row CPU matmuls then run as x @ W^T with W^T contiguous, which MKL
-        streams ~20% faster than the row-major layout (fp32, measured on AMD EPYC)."""
-        relayout_column_major(self.weight)
-
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.native is not None and bias is self.bias:
-            lib, packed, packed_bias = self.native
-            return cpu_native.gemm(lib, x, packed, self.weight.shape[0], packed_bias)
-        if self.packed and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, bias, "none", [], "")
+        if self.kernel is not None:
+            return self.kernel(x, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -284,32 +257,12 @@ class VocabParallelEmbedding(HotModule):
 class ParallelLMHead(VocabParallelEmbedding):
     """Vocab-parallel output projection; logits gathered to the full vocab on every rank."""
 
-    packed = False
-    native: tuple[Any, torch.Tensor, None] | None = None
-
-    def pack_native(self, lib: Any) -> None:
-        """As ParallelLinearBase.pack_native (the embedding lookup keeps the plain weight)."""
-        self.native = (lib, *cpu_native.pack_weight(self.weight.detach(), None))
-
-    def pack_for_cpu(self, batch_hint: int) -> None:
-        """As ParallelLinearBase.pack_for_cpu (the embedding lookup keeps the plain weight)."""
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                    batch_hint)
-        self.packed = True
-
-    def relayout_for_cpu(self) -> None:
-        """As ParallelLinearBase.relayout_for_cpu: only for an untied head (a tied one is the
-        embedding, whose lookups want rows)."""
-        relayout_column_major(self.weight)
+    bias = None
+    # As ParallelLinearBase.kernel (the embedding lookup keeps the plain weight).
+    kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        if self.native is not None:
-            logits = cpu_native.gemm(self.native[0], x, self.native[1], self.weight.shape[0], None)
-        elif self.packed and x.shape[0] > 1:
-            logits = torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, None, "none",
-                                                        [], "")
-        else:
-            logits = F.linear(x, self.weight)
+        logits = self.kernel(x, None) if self.kernel is not None else F.linear(x, self.weight)
         if self.tp_size == 1:
             return logits
         # Only rank 0 samples: gather the vocab slices there (other ranks get theirs back).
@@ -346,24 +299,6 @@ class RMSNorm(HotModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, None if self.folded else self.weight, self.eps)
-
-
-def relayout_column_major(weight: torch.Tensor) -> None:
-    """Same values and shape, stored transposed (stride (1, rows))."""
-    with torch.no_grad():
-        weight.data = weight.data.t().contiguous().t()
-
-
-def can_relayout_for_cpu(weight: torch.Tensor) -> bool:
-    """Column-major weights pay off for fp32 matmuls on CPU (measured there only)."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
-def can_pack_for_cpu(weight: torch.Tensor) -> bool:
-    """oneDNN packing applies to fp32 weights on CPU builds that have it."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32
-            and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 def replicated_loader(param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
