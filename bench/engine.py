@@ -2,6 +2,7 @@
 weight-streaming roofline, measured side by side in one run.
 
     .venv/bin/python bench/engine.py [--threads 1] [--repeats 5] [--model DIR]
+                                     [--backend cpu,torch]
 
 Without --model it builds (once, cached) the issue's checkpoint: an init-tiny
 qwen3 with hidden 512, 8 layers, 8 heads / 4 kv heads, intermediate 1536,
@@ -15,7 +16,9 @@ them (q|k|v, gate|up; column-major on CPU), each an F.linear of one row. helexa 
 (the engine's own step loop, greedy sampling, prefix cache off so repeats cannot
 reuse a prompt);
 ``--driver runner`` drives the ModelRunner directly instead, to show what the
-engine loop costs.
+engine loop costs. ``--backend`` lists attention backends (kernels/backends/),
+each run as its own helexa contender in the same interleaved repeats, so their
+figures print side by side (default: auto, the one the engine would pick).
 
 Benchmarks print figures; they assert nothing.
 """
@@ -75,7 +78,8 @@ def prompts(rep: int, n: int, length: int, vocab: int) -> list[list[int]]:
 class HelexaEngine:
     """EngineCore in-process; greedy requests, timing the steps."""
 
-    def __init__(self, model_dir: Path, threads: int, device: str, dtype: str) -> None:
+    def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
+                 backend: str = "auto") -> None:
         from helexa.neuron.engine import messages
         from helexa.neuron.engine.engine_core import EngineCore
         from helexa.neuron.engine.spec import EngineSpec, full_limits
@@ -86,7 +90,8 @@ class HelexaEngine:
             prefill_chunk_tokens=512))
         spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=320,
                           block_size=16, context=4096, prefix_cache=False, devices=[device],
-                          dtype=dtype, torch_threads=threads, limits=limits)
+                          dtype=dtype, torch_threads=threads, limits=limits,
+                          attention_backend=backend)
         self.core = EngineCore(spec)
         self.vocab = self.core.runner.vocab_size
         self.n = 0
@@ -124,12 +129,14 @@ class HelexaEngine:
 class HelexaRunner:
     """ModelRunner driven directly with greedy argmax (no engine loop)."""
 
-    def __init__(self, model_dir: Path, threads: int, device: str, dtype: str) -> None:
+    def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
+                 backend: str = "auto") -> None:
         from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
         self.SeqInput = SeqInput
         self.runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
-                                  max_batched_tokens=1024, device=device, dtype=dtype)
+                                  max_batched_tokens=1024, device=device, dtype=dtype,
+                                  backend=backend)
         self.vocab = self.runner.vocab_size
 
     def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
@@ -240,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-tokens", type=int, default=512)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--driver", choices=["engine", "runner"], default="engine")
+    ap.add_argument("--backend", default="auto",
+                    help="attention backends to run side by side, comma-separated "
+                         "(auto, torch, cpu, cuda)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="weights (and KV) dtype for both sides")
     ap.add_argument("--roofline", choices=["chain", "copy"], default=None,
@@ -256,23 +266,26 @@ def main(argv: list[str] | None = None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=parse_dtype(args.dtype))
     hf = hf.to(args.device).eval()
     driver = HelexaEngine if args.driver == "engine" else HelexaRunner
-    helexa = driver(model_dir, args.threads, args.device, args.dtype)
-    model = (helexa.core.runner if args.driver == "engine" else helexa.runner).model
+    names = [b.strip() for b in args.backend.split(",") if b.strip()]
+    engines = {b: driver(model_dir, args.threads, args.device, args.dtype, b) for b in names}
+    first = engines[names[0]]
+    model = (first.core.runner if args.driver == "engine" else first.runner).model
     helexa_weight = model.model.layers[0].self_attn.qkv_proj.weight
     column_major = helexa_weight.stride(0) == 1 and helexa_weight.shape[1] > 1
     mats = model_matrices(hf, column_major)
     roofline_kind = args.roofline or ("chain" if args.device == "cpu" else "copy")
     roofline = matvec_chain if roofline_kind == "chain" else copy_roofline
     params = sum(p.numel() for p in hf.parameters())
-    new, plen, vocab = args.new_tokens, args.prompt_tokens, helexa.vocab
+    new, plen, vocab = args.new_tokens, args.prompt_tokens, first.vocab
 
     # Warm up every path once (allocator, MKL, first-call overheads).
-    helexa.run(prompts(-1, 1, plen, vocab), 8)
-    helexa.run(prompts(-1, args.streams, plen, vocab), 8)
+    for helexa in engines.values():
+        helexa.run(prompts(-1, 1, plen, vocab), 8)
+        helexa.run(prompts(-1, args.streams, plen, vocab), 8)
     hf_generate(hf, prompts(-1, 1, plen, vocab), 4)
     roofline(mats, 4)
 
-    def helexa_decode(n: int) -> Callable[[int], Secs]:
+    def helexa_decode(helexa, n: int) -> Callable[[int], Secs]:
         def run(rep: int) -> Secs:
             _, (wall, cpu) = helexa.run(prompts(rep, n, plen, vocab), new)
             return n * (new - 1) / wall, n * (new - 1) / cpu
@@ -288,15 +301,30 @@ def main(argv: list[str] | None = None) -> int:
                          for t, f in zip(total, first, strict=True))
         return run
 
+    def ttft(helexa) -> Callable[[int], Secs]:
+        return lambda rep: helexa.run(prompts(rep + 50, 1, args.ttft_tokens, vocab), 1)[0]
+
     contenders: dict[str, Callable[[int], Secs]] = {
-        "helexa_1": helexa_decode(1),
         "hf_1": hf_decode(1),
         "roofline": lambda rep: roofline(mats),
-        "helexa_8": helexa_decode(args.streams),
         "hf_8": hf_decode(args.streams),
-        "helexa_ttft": lambda rep: helexa.run(prompts(rep + 50, 1, args.ttft_tokens, vocab), 1)[0],
         "hf_ttft": lambda rep: hf_prefill(hf, prompts(rep + 50, 1, args.ttft_tokens, vocab)[0]),
     }
+    labels = {
+        "hf_1": ("transformers generate, batch 1", "tok/s"),
+        "roofline": (f"{roofline_kind} roofline", "steps/s"),
+        "hf_8": (f"transformers generate, batch {args.streams}", "tok/s"),
+        "hf_ttft": (f"transformers prefill, {args.ttft_tokens} tokens", "s"),
+    }
+    for b, helexa in engines.items():
+        runner = helexa.core.runner if args.driver == "engine" else helexa.runner
+        print(f"backend {b}: {runner.backend.describe()}")
+        contenders[f"helexa_1@{b}"] = helexa_decode(helexa, 1)
+        contenders[f"helexa_8@{b}"] = helexa_decode(helexa, args.streams)
+        contenders[f"helexa_ttft@{b}"] = ttft(helexa)
+        labels[f"helexa_1@{b}"] = (f"helexa[{b}] decode, 1 stream", "tok/s")
+        labels[f"helexa_8@{b}"] = (f"helexa[{b}] decode, {args.streams} streams", "tok/s")
+        labels[f"helexa_ttft@{b}"] = (f"helexa[{b}] TTFT, {args.ttft_tokens}-token prompt", "s")
     results: dict[str, list[Secs]] = {k: [] for k in contenders}
     for rep in range(args.repeats):
         for name, fn in contenders.items():
@@ -311,15 +339,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"roofline: the model's {len(mats)} weight matrices as helexa multiplies them "
               f"(q|k|v and gate|up fused, lm_head; {layout} as helexa holds them), one "
               "F.linear of one row each, in model order")
-    labels = {
-        "helexa_1": ("helexa decode, 1 stream", "tok/s"),
-        "hf_1": ("transformers generate, batch 1", "tok/s"),
-        "roofline": (f"{roofline_kind} roofline", "steps/s"),
-        "helexa_8": (f"helexa decode, {args.streams} streams", "tok/s"),
-        "hf_8": (f"transformers generate, batch {args.streams}", "tok/s"),
-        "helexa_ttft": (f"helexa TTFT, {args.ttft_tokens}-token prompt", "s"),
-        "hf_ttft": (f"transformers prefill, {args.ttft_tokens} tokens", "s"),
-    }
     med = {}
     # CPU time says nothing about GPU work: wall clock only there.
     clocks = [(0, "wall clock"), (1, "process CPU time")][: 2 if args.device == "cpu" else 1]
@@ -331,7 +350,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {label:<40} {med[which][key]:>10.4g} {unit:<8} [{runs}]")
     print("ratios, median of per-repeat ratios (" + " | ".join(
         t.split()[-2] if "CPU" in t else "wall" for _, t in clocks) + ") [wall, each repeat]:")
-    for label, num, den, op, bound in TARGETS:
+    targets = [(f"{label} [{b}]", num.replace("helexa_1", f"helexa_1@{b}")
+                .replace("helexa_8", f"helexa_8@{b}").replace("helexa_ttft", f"helexa_ttft@{b}"),
+                den.replace("helexa_1", f"helexa_1@{b}"), op, bound)
+               for b in engines for label, num, den, op, bound in TARGETS]
+    for label, num, den, op, bound in targets:
         cells = []
         for which, _ in clocks:
             per_rep = [a[which] / b[which] for a, b in zip(results[num], results[den], strict=True)]
@@ -340,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             cells.append(f"{r:5.2f}x {'ok' if ok else 'MISS':<4}")
             if which == 0:
                 runs = " ".join(f"{x:.2f}" for x in per_rep)
-        print(f"  {label:<52} {' | '.join(cells)} (target {op} {bound}) [{runs}]")
+        print(f"  {label:<60} {' | '.join(cells)} (target {op} {bound}) [{runs}]")
     return 0
 
 

@@ -114,6 +114,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Largest prefill chunk of one request in one step.", RELOAD, ge=1)] = 512
     torch_threads: Annotated[optional(int, ge=1), field_meta(
         "torch threads of an engine process on CPU; none = torch's default.", RESTART)] = None
+    attention_backend: Annotated[Literal["auto", "torch", "cpu", "cuda"], field_meta(
+        "Attention backend: auto = cpu on CPU, cuda on a CUDA device when FlashInfer is "
+        "installed (pip install -e '.[cuda]'), else torch; torch = plain SDPA reference.",
+        RESTART)] = "auto"
+    cuda_graphs: Annotated[bool, field_meta(
+        "Capture decode steps as CUDA graphs (cuda backend, batch sizes up to max_slots).",
+        RESTART)] = True
 
 
 class ProfileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -527,7 +527,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         block_size=plan.block_size, kv_dtype=plan.kv_dtype,
         bytes_per_token=plan.bytes_per_token, context=plan.context,
         max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
-        torch_threads=cfg.engine.torch_threads, limits=r.admission)
+        torch_threads=cfg.engine.torch_threads, limits=r.admission,
+        attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

@@ -348,5 +348,6 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = No
                        num_blocks=spec.num_blocks, block_size=spec.block_size,
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
                        max_batched_tokens=limits.max_batched_tokens, progress=progress,
-                       tp_size=spec.tp,
+                       tp_size=spec.tp, backend=spec.attention_backend,
+                       cuda_graphs=spec.cuda_graphs,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)

@@ -69,6 +69,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     max_output_tokens: int | None = None  # advertised output cap (None = context - 1)
     prefix_cache: bool = True
     torch_threads: int | None = None
+    attention_backend: str = "auto"  # kernels/backends/__init__.py
+    cuda_graphs: bool = True
     limits: messages.SetLimits = DEFAULT_LIMITS  # every knob set
     # A stand-in for the model (tests): next token a fixed function of the context.
     fake_runner: bool = False
