@@ -35,6 +35,10 @@ from helexa.kernels import cpu_native
 
 KINDS = ("torch", "onednn", "native")
 FEW_ROWS = 16  # rows 2..FEW_ROWS are a batched decode; more, a prefill chunk
+# At decode sizes hx_gemm is taken while within this factor of the fastest: a decode step
+# whose every layer matmul is native runs all layers in one C call, which saves more than
+# a few percent on one product (bench/engine.py: fused vs per-layer decode).
+NATIVE_SLACK = 1.15
 log = structlog.get_logger(component="kernels")
 
 
@@ -145,8 +149,12 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, in
         panels, pb = cpu_native.pack_weight(w, b)
         cands["native"] = lambda x: cpu_native.gemm(lib, x, panels, n, pb)
     times = {kind: [_time_us(lambda fn=fn, x=x: fn(x)) for x in xs] for kind, fn in cands.items()}
-    kinds = tuple(min(times, key=lambda kd, i=i: times[kd][i]) for i in range(3))
-    return Choice((n, k), column_major, kinds, times)  # type: ignore[arg-type]
+    kinds = [min(times, key=lambda kd, i=i: times[kd][i]) for i in range(3)]
+    for i in (0, 1):  # decode sizes: hx_gemm within NATIVE_SLACK of the best still wins, as
+        # only an all-native layer stack runs fused (hx_decode_layers: no eager ops between)
+        if "native" in times and times["native"][i] <= NATIVE_SLACK * times[kinds[i]][i]:
+            kinds[i] = "native"
+    return Choice((n, k), column_major, (kinds[0], kinds[1], kinds[2]), times)
 
 
 def install(linears: list[tuple[Any, bool]], lib: Any, *, max_num_seqs: int,

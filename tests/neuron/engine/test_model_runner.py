@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from helexa.kernels.attention import DECODE_CHUNK_TOKENS
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
 
@@ -127,3 +131,76 @@ def test_half_weights_load_and_decode(tiny_model_dir, hf_logits, dtype, torch_dt
     out = r.execute([SeqInput(p, 0, [0, 1], True)])
     ref = hf_logits(p)[-1]
     assert int(out[0].argmax()) == int(ref.argmax())
+
+
+class PeakBytes(TorchDispatchMode):
+    """Counts the bytes of tensors ops allocate while it is on, and their peak live total:
+    an op's result that aliases nothing is a new allocation, freed when the last tensor on
+    its storage is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, tensors on it]
+        self.now = self.peak = 0
+
+    def _drop(self, key: int) -> None:
+        entry = self.live.get(key)
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self.now -= entry[0]
+                del self.live[key]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        rets = func._schema.returns
+        outs = out if isinstance(out, tuple | list) else (out,)
+        for ret, t in zip(rets, outs, strict=False):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            key = t.untyped_storage().data_ptr()
+            if ret.alias_info is None and key not in self.live:
+                nbytes = t.untyped_storage().nbytes()
+                self.live[key] = [nbytes, 0]
+                self.now += nbytes
+                self.peak = max(self.peak, self.now)
+            if key in self.live:
+                self.live[key][1] += 1
+                weakref.finalize(t, self._drop, key)
+        return out
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_a_decode_step_beside_a_32k_row_allocates_a_bounded_amount(tiny_model_dir, kv_dtype):
+    """1 x 32k + 7 x 100-token rows on the torch path, the long row's blocks shuffled: the
+    step allocates under a few chunks of context, not the batch padded to 32k."""
+    bs, long_len, short = 16, 32 * 1024, 100
+    long_blocks = long_len // bs + 1
+    num_blocks = long_blocks + 7 * (short // bs + 1)
+    r = ModelRunner(tiny_model_dir, num_blocks=num_blocks, block_size=bs, kv_dtype=kv_dtype,
+                    max_num_seqs=8, max_batched_tokens=256, backend="torch")
+    g = torch.Generator().manual_seed(0)
+    for kv in r.kv_pools:  # the context's K/V: random, written straight into the pool
+        slots = torch.arange(num_blocks * bs)
+        shape = (slots.numel(), kv.num_kv_heads, kv.head_dim)
+        kv.write(slots, torch.randn(shape, generator=g), torch.randn(shape, generator=g))
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[:long_blocks]] + [perm[long_blocks + i * 7 : long_blocks + (i + 1) * 7]
+                                     for i in range(7)]
+    lens = [long_len - 1] + [short - 1] * 7
+
+    def step() -> torch.Tensor:
+        return r.execute([SeqInput([5 + i], n, t, True)
+                          for i, (n, t) in enumerate(zip(lens, tables, strict=True))])
+
+    step()  # first: the rotary table grows to 32k positions (kept, not a temporary)
+    with PeakBytes() as pb:
+        out = step()
+    assert torch.isfinite(out).all()
+    kvh, d = r.num_kv_heads, r.config.head_dim
+    padded = 2 * 8 * long_len * kvh * d * 4  # K and V of every row padded to 32k, fp32
+    # Bound: K and V of one chunk (DECODE_CHUNK_TOKENS row-tokens) gathered, dequantised and
+    # made fp32 (three copies each), the long row's slot table, plus 1 MiB for the rest.
+    chunk = 2 * 3 * DECODE_CHUNK_TOKENS * kvh * d * 4
+    bound = chunk + long_len * 8 + 2**20
+    assert pb.peak < bound < padded / 8, (pb.peak, bound, padded)
