@@ -74,7 +74,7 @@ def _endpoint(args: argparse.Namespace) -> tuple[str, str | None, bytes | None]:
 
 def format_status(st: pb.ModelsResponse) -> str:
     """The human-readable status table."""
-    lines = [f"{'model':<32} {'state':<10} {'profile':<10} {'kv_dtype':<9} "
+    lines = [f"{'model':<32} {'state':<10} {'profile':<10} {'kv_dtype':<9} {'attn':<6} "
              f"{'ctx':>7} {'in_fl':>5} {'queue':>5} {'kv free/total MiB':>18}"]
     resident = {m.model: m for m in st.models}
     for e in st.catalogue:
@@ -84,8 +84,11 @@ def format_status(st: pb.ModelsResponse) -> str:
             continue
         state = pb.ModelState.Name(m.state).removeprefix("MODEL_STATE_").lower()
         kv = f"{m.kv.free_bytes / MIB:.1f}/{m.kv.total_bytes / MIB:.1f}"
+        attn = m.attention_backend.split(" ", 1)[0] or "-"  # the name; details below
         lines.append(f"{m.model:<32} {state:<10} {m.profile or '-':<10} {m.kv_dtype:<9} "
-                     f"{m.limits.context:>7} {m.in_flight:>5} {m.queued:>5} {kv:>18}")
+                     f"{attn:<6} {m.limits.context:>7} {m.in_flight:>5} {m.queued:>5} {kv:>18}")
+        if " " in m.attention_backend:
+            lines.append(f"    attention: {m.attention_backend}")
         if m.error:
             lines.append(f"    error: {m.error}")
     return "\n".join(lines)

@@ -33,6 +33,7 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
         m.in_flight, m.queued, m.running = s.in_flight, s.queued, s.running
         m.decode_tokens_per_sec = s.decode_tokens_per_sec
         m.prefill_tokens_per_sec = s.prefill_tokens_per_sec
+        m.attention_backend = s.attention_backend
     a = r.admission
     if a is not None:
         m.admission.CopyFrom(pb.AdmissionLimits(

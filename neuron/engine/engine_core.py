@@ -49,6 +49,8 @@ class EngineCore:
         self.spec = spec
         self.limits = full_limits(spec.limits)
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
+        backend = getattr(self.runner, "backend", None)  # the fake runner has none
+        self.attention_backend = backend.describe() if backend is not None else ""
         self.sampler = sampler or Sampler()
         self.pool = BlockPool(spec.num_blocks, spec.block_size, spec.bytes_per_block)
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
@@ -215,6 +217,7 @@ class EngineCore:
             admitting=self.admission.admitting,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            attention_backend=self.attention_backend,
         )
 
     # --- execution ---------------------------------------------------------

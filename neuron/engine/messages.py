@@ -152,6 +152,8 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     # prompt tokens of admitted requests, and how many of them were reused.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # The runner's attention backend and what it chose (kernels/backends/), "" for fakes.
+    attention_backend: str = ""
 
 
 class FromEngine(msgspec.Struct, kw_only=True):

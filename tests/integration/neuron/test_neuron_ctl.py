@@ -32,10 +32,13 @@ def test_ctl_loads_and_unloads_a_catalogue_model(neuron_main: NeuronProcess,
     st, out = asyncio.run(run())
     assert {m.model for m in st.models} == {"tiny", "tiny-b"}
     assert out[-1].usage.completion_tokens == 3
+    # Watch names each engine's attention backend: the cpu one on this CPU-only neuron
+    assert all(m.attention_backend.startswith("cpu (") for m in st.models), st.models
     unloaded = ctl(neuron_main, "unload", "tiny-b")
     assert unloaded.returncode == 0 and "unloaded" in unloaded.stdout
     status = ctl(neuron_main, "status")
     assert "tiny-b" in status.stdout and "ready" not in status.stdout.split("tiny-b")[1]
+    assert " cpu " in status.stdout.split("tiny-b")[0]  # the ready model's attention backend
 
 
 def test_ctl_profile_switches_admission_knobs_at_runtime(neuron_main: NeuronProcess,
