@@ -81,6 +81,16 @@ def generate(model_dir: Path, prompt_ids: list[int], *, max_tokens: int,
                 return tokens, upd.finished
 
 
+class _CurrentStderr:
+    """sys.stderr as it is at each write (a caller may swap it, as pytest's capture does)."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model_dir = Path(args.model)
@@ -89,11 +99,14 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
+    from helexa.log import setup_logging
     from helexa.neuron.engine.detokenizer import IncrementalDetokenizer
     from helexa.neuron.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    # stdout carries the text alone; warnings go to whatever sys.stderr is when they happen
+    setup_logging("neuron", "warning", stream=_CurrentStderr())
     tok = Tokenizer.from_dir(model_dir)
     if args.chat:
         prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])

@@ -52,7 +52,10 @@ class EngineCore:
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
         self.sampler = sampler or Sampler()
-        self.pool = BlockPool(spec.num_blocks, spec.block_size, spec.bytes_per_block)
+        # the runner's own count: on CUDA it sizes the pool by measurement, the plan's as ceiling
+        blocks = getattr(self.runner, "num_blocks", None)
+        self.pool = BlockPool(blocks if isinstance(blocks, int) else spec.num_blocks,
+                              spec.block_size, spec.bytes_per_block)
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
@@ -352,5 +355,6 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = No
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
                        max_batched_tokens=limits.max_batched_tokens, progress=progress,
                        tp_size=spec.tp, backend=spec.attention_backend,
-                       cuda_graphs=spec.cuda_graphs,
+                       cuda_graphs=spec.cuda_graphs, plan_bytes_per_block=spec.bytes_per_block,
+                       context=spec.context,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)

@@ -24,6 +24,7 @@ from helexa.kernels import backends, kv_quant
 from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.torch_ref import token_slots
+from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
@@ -67,12 +68,17 @@ class ModelRunner:
                  max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
                  progress: Callable[[int, int], None] | None = None,
                  devices: list[str] | None = None, backend: str = "auto",
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
+                 context: int = 0) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
         every rank uses ``device``. close() stops them (so does garbage collection or exit).
         ``backend`` names the attention backend (kernels/backends/__init__.py: auto, torch,
-        cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps."""
+        cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps.
+        ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool
+        really takes, on every rank; on CUDA the pool is sized by measurement with
+        ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
+        (neuron/engine/memory_plan.py)."""
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
@@ -102,12 +108,22 @@ class ModelRunner:
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
+        if self.device.type == "cuda" and tp_size == 1:
+            num_blocks = self._measured_blocks(num_blocks, kv_dtype, context)
         self._reset_own_kv(num_blocks, kv_dtype)
         log.info("engine.attention_backend", backend=self.backend.describe(),
                  device=str(self.device), tp_rank=tp_rank)
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
+        if tp_rank == 0:
+            try:
+                memory_plan.check_bytes_per_block(
+                    plan_bytes_per_block, self.kv_bytes_per_block,
+                    self._tp.kv_bytes_per_block if self._tp is not None else [])
+            except memory_plan.KvPlanError:
+                self.close()
+                raise
 
     @property
     def backend_name(self) -> str:
@@ -130,6 +146,29 @@ class ModelRunner:
         self.kv_pools = self.backend.allocate_kv(
             [(a.num_kv_heads, a.head_dim) for a in self._attn], num_blocks, self.block_size,
             kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
+
+    def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
+        """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
+        probe pool, then size the pool from the memory left (memory_plan.fit_blocks)."""
+        bs, rows = self.block_size, max(1, self.max_num_seqs)
+        prefill = max(2, self.max_batched_tokens - (rows - 1))
+        probe = -(-prefill // bs) + rows
+        self._reset_own_kv(probe, kv_dtype)
+        bytes_per_block = self.kv_bytes_per_block
+        table = list(range(-(-prefill // bs)))
+        step = [SeqInput([0] * prefill, 0, table, True)] + [
+            SeqInput([0], 0, [len(table) + i], True) for i in range(rows - 1)]
+        peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
+        self.kv_pools = self.backend.allocate_kv([], 0, bs, kv_dtype="auto", storage=None,
+                                                 compute=self.dtype)  # free the probe pool
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
+                                        block_size=bs, context=context, free_bytes=free,
+                                        total_bytes=total, step_peak=peak)
+        log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
+                 free_mib=free // 2**20, step_peak_mib=peak // 2**20)
+        return blocks
 
     @property
     def k_caches(self) -> list[torch.Tensor]:

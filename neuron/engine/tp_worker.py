@@ -143,6 +143,7 @@ class TpWorkers:
     init_dir: Any  # TemporaryDirectory holding the FileStore
     failed: str = ""
     plan_bytes: int = 0  # bytes of the last step plan sent to one rank
+    kv_bytes_per_block: list[int] = field(default_factory=list)  # ranks 1..N-1's, once joined
     _tables: dict[int, tuple[list[int], int, int]] = field(default_factory=dict)
     _next_handle: int = 0
     _encoder: Any = field(default_factory=msgspec.msgpack.Encoder)
@@ -175,15 +176,19 @@ class TpWorkers:
             join_group(args.init_file, 0, len(self.procs) + 1, device, args.timeout_secs)
         except Exception as e:
             self.fail(f"tensor-parallel group did not form: {e}")
-        self._wait_all(TpReady, args.timeout_secs)
+        ready = self._wait_all(TpReady, args.timeout_secs)
+        self.kv_bytes_per_block = [m.kv_bytes_per_block for m in ready]
 
-    def _wait_all(self, kind: type, timeout_secs: float) -> None:
+    def _wait_all(self, kind: type, timeout_secs: float) -> list[Any]:
+        got = []
         for rank, conn in enumerate(self.conns, start=1):
             msg = self._recv(rank, conn, timeout_secs)
             if isinstance(msg, TpFailed):
                 self.fail(f"tensor-parallel rank {rank} failed to start: {msg.error}")
             if not isinstance(msg, kind):
                 self.fail(f"tensor-parallel rank {rank}: expected {kind.__name__}, got {msg!r}")
+            got.append(msg)
+        return got
 
     def _recv(self, rank: int, conn: Connection, timeout_secs: float) -> FromRank:
         try:

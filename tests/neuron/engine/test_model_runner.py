@@ -204,3 +204,48 @@ def test_a_decode_step_beside_a_32k_row_allocates_a_bounded_amount(tiny_model_di
     chunk = 2 * 3 * DECODE_CHUNK_TOKENS * kvh * d * 4
     bound = chunk + long_len * 8 + 2**20
     assert pb.peak < bound < padded / 8, (pb.peak, bound, padded)
+
+
+def test_the_plan_and_the_pool_must_agree_on_bytes_per_block(tiny_model_dir):
+    from helexa.neuron.engine.memory_plan import KvPlanError
+
+    kw = {"num_blocks": 8, "block_size": 4, "max_num_seqs": 2, "max_batched_tokens": 64}
+    real = ModelRunner(tiny_model_dir, **kw).kv_bytes_per_block
+    assert ModelRunner(tiny_model_dir, plan_bytes_per_block=real, **kw).num_blocks == 8
+    with pytest.raises(KvPlanError, match=rf"plan's {real + 4}, this runner's {real}, "
+                                          r"tensor-parallel ranks' none"):
+        ModelRunner(tiny_model_dir, plan_bytes_per_block=real + 4, **kw)
+
+
+def test_a_pool_that_cannot_hold_the_context_refuses_with_the_arithmetic():
+    from helexa.neuron.engine.memory_plan import KvPlanError, fit_blocks
+
+    mib = 2**20
+    kw = {"bytes_per_block": mib, "block_size": 16, "total_bytes": 1000 * mib}
+    # 2000 MiB free - 500 MiB step - 256 MiB margin = 1244 blocks, under the plan's 1500
+    assert fit_blocks(planned_blocks=1500, context=4096, free_bytes=2000 * mib,
+                      step_peak=500 * mib, **kw) == 1244
+    assert fit_blocks(planned_blocks=900, context=4096, free_bytes=2000 * mib,
+                      step_peak=500 * mib, **kw) == 900  # the plan is the ceiling
+    with pytest.raises(KvPlanError, match=r"2,000 MiB free .* 500 MiB peak .* 256 MiB margin "
+                                          r"= 1,244 MiB = 1244 blocks .*\(40000 tokens\) needs "
+                                          r"2500 blocks"):
+        fit_blocks(planned_blocks=5000, context=40000, free_bytes=2000 * mib,
+                   step_peak=500 * mib, **kw)
+
+
+def test_every_tensor_parallel_rank_reports_its_bytes_per_block(tiny_model_dir):
+    import multiprocessing
+
+    from helexa.neuron.engine.memory_plan import KvPlanError
+
+    kw = {"num_blocks": 8, "block_size": 4, "max_num_seqs": 2, "max_batched_tokens": 64,
+          "tp_size": 2}
+    r = ModelRunner(tiny_model_dir, **kw)
+    per_rank = r.kv_bytes_per_block
+    assert r._tp.kv_bytes_per_block == [per_rank]  # rank 1's, as it reported it
+    r.close()
+    with pytest.raises(KvPlanError, match=rf"plan's {2 * per_rank}, this runner's {per_rank}, "
+                                          rf"tensor-parallel ranks' \[{per_rank}\]"):
+        ModelRunner(tiny_model_dir, plan_bytes_per_block=2 * per_rank, **kw)
+    assert not multiprocessing.active_children()  # the failed load stopped its ranks
