@@ -79,7 +79,8 @@ class HelexaEngine:
     """EngineCore in-process; greedy requests, timing the steps."""
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
+                 tokens: int = 4096, shuffle: bool = False) -> None:
         from helexa.neuron.engine import messages
         from helexa.neuron.engine.engine_core import EngineCore
         from helexa.neuron.engine.spec import EngineSpec, full_limits
@@ -88,10 +89,13 @@ class HelexaEngine:
         limits = full_limits(messages.SetLimits(
             max_in_flight=16, anon_max_in_flight=16, max_slots=8, max_batched_tokens=1024,
             prefill_chunk_tokens=512))
-        spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=320,
-                          block_size=16, context=4096, prefix_cache=False, devices=[device],
+        # as before for the default sizes (320 blocks, 4096-token context), more for longer ones
+        blocks = max(320, streams * (-(-tokens // 16) + 1) + 8)
+        spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=blocks,
+                          block_size=16, context=max(4096, tokens), prefix_cache=False,
+                          devices=[device],
                           dtype=dtype, torch_threads=threads, limits=limits,
-                          attention_backend=backend)
+                          attention_backend=backend, cuda_graphs=cuda_graphs)
         self.core = EngineCore(spec)
         self.vocab = self.core.runner.vocab_size
         self.n = 0
@@ -127,24 +131,41 @@ class HelexaEngine:
 
 
 class HelexaRunner:
-    """ModelRunner driven directly with greedy argmax (no engine loop)."""
+    """ModelRunner driven directly with greedy argmax (no engine loop): prompts prefilled a
+    chunk of up to 1024 tokens per step, then decoded together. ``shuffle`` draws each
+    stream's blocks from a shuffled pool (no two consecutive), as a long-running pool is."""
+
+    CHUNK = 1024
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
+                 tokens: int = 4096, shuffle: bool = False) -> None:
+        import random
+
         from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
         self.SeqInput = SeqInput
-        self.runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
-                                  max_batched_tokens=1024, device=device, dtype=dtype,
-                                  backend=backend)
+        self.per = -(-tokens // 16) + 1  # blocks per stream
+        num_blocks = streams * self.per + 1
+        self.blocks = list(range(num_blocks))
+        if shuffle:
+            random.Random(0).shuffle(self.blocks)
+        self.runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=16,
+                                  max_num_seqs=max(8, streams), max_batched_tokens=self.CHUNK,
+                                  device=device, dtype=dtype, backend=backend,
+                                  cuda_graphs=cuda_graphs)
         self.vocab = self.runner.vocab_size
 
     def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
-        per = -(-(len(batch[0]) + new_tokens) // 16)
-        tables = [list(range(i * per, (i + 1) * per)) for i in range(len(batch))]
+        per = self.per
+        tables = [self.blocks[i * per : (i + 1) * per] for i in range(len(batch))]
         clock = Clock()
-        logits = self.runner.execute([self.SeqInput(p, 0, t, True) for p, t in zip(batch, tables, strict=True)])
-        last = logits.argmax(-1).tolist()
+        last = []
+        for p, t in zip(batch, tables, strict=True):
+            for c in range(0, len(p), self.CHUNK):
+                chunk = p[c : c + self.CHUNK]
+                logits = self.runner.execute([self.SeqInput(chunk, c, t, c + len(chunk) == len(p))])
+            last.append(int(logits[0].argmax()))
         t_first = clock.lap()
         for k in range(new_tokens - 1):
             n = len(batch[0]) + k
@@ -249,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver", choices=["engine", "runner"], default="engine")
     ap.add_argument("--backend", default="auto",
                     help="attention backends to run side by side, comma-separated "
-                         "(auto, torch, cpu, cuda)")
+                         "(auto, torch, cpu, cuda; cuda:nographs without CUDA graphs)")
+    ap.add_argument("--skip-transformers", action="store_true",
+                    help="leave transformers' generate and prefill out (big models, long "
+                         "contexts: the roofline and helexa's own ratios remain)")
+    ap.add_argument("--shuffle-pool", action="store_true",
+                    help="--driver runner: draw each stream's blocks from a shuffled pool")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", help="weights (and KV) dtype for both sides")
     ap.add_argument("--roofline", choices=["chain", "copy"], default=None,
@@ -267,7 +293,10 @@ def main(argv: list[str] | None = None) -> int:
     hf = hf.to(args.device).eval()
     driver = HelexaEngine if args.driver == "engine" else HelexaRunner
     names = [b.strip() for b in args.backend.split(",") if b.strip()]
-    engines = {b: driver(model_dir, args.threads, args.device, args.dtype, b) for b in names}
+    tokens = max(args.prompt_tokens, args.ttft_tokens) + args.new_tokens
+    engines = {b: driver(model_dir, args.threads, args.device, args.dtype, b.split(":")[0],
+                         cuda_graphs=not b.endswith(":nographs"), streams=args.streams,
+                         tokens=tokens, shuffle=args.shuffle_pool) for b in names}
     first = engines[names[0]]
     model = (first.core.runner if args.driver == "engine" else first.runner).model
     helexa_weight = model.model.layers[0].self_attn.qkv_proj.weight
@@ -282,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     for helexa in engines.values():
         helexa.run(prompts(-1, 1, plen, vocab), 8)
         helexa.run(prompts(-1, args.streams, plen, vocab), 8)
-    hf_generate(hf, prompts(-1, 1, plen, vocab), 4)
+    if not args.skip_transformers:
+        hf_generate(hf, prompts(-1, 1, plen, vocab), 4)
     roofline(mats, 4)
 
     def helexa_decode(helexa, n: int) -> Callable[[int], Secs]:
@@ -325,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         labels[f"helexa_1@{b}"] = (f"helexa[{b}] decode, 1 stream", "tok/s")
         labels[f"helexa_8@{b}"] = (f"helexa[{b}] decode, {args.streams} streams", "tok/s")
         labels[f"helexa_ttft@{b}"] = (f"helexa[{b}] TTFT, {args.ttft_tokens}-token prompt", "s")
+    if args.skip_transformers:
+        for key in ("hf_1", "hf_8", "hf_ttft"):
+            del contenders[key], labels[key]
     results: dict[str, list[Secs]] = {k: [] for k in contenders}
     for rep in range(args.repeats):
         for name, fn in contenders.items():
@@ -354,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 .replace("helexa_8", f"helexa_8@{b}").replace("helexa_ttft", f"helexa_ttft@{b}"),
                 den.replace("helexa_1", f"helexa_1@{b}"), op, bound)
                for b in engines for label, num, den, op, bound in TARGETS]
+    targets = [t for t in targets if t[1] in results and t[2] in results]
     for label, num, den, op, bound in targets:
         cells = []
         for which, _ in clocks:

@@ -105,6 +105,7 @@ class CpuBackend(TorchBackend):
             meta: Any, logits_rows: torch.Tensor | None) -> torch.Tensor:
         nxt, self._mirror = meta.next_mirror, None  # a step that fails leaves mirrors stale
         if meta.decode_tables is not None:
+            assert self.native is not None  # plan sets decode_tables only with native decode on
             out = self.native(input_ids, positions, meta.decode_tables, meta.decode_len,
                               logits_rows)
         else:
@@ -127,10 +128,10 @@ class CpuBackend(TorchBackend):
         b, t = len(pos_list), max(pos_list) + 1
         keys = step.decode_tables
         m = self._mirror
-        same = (m is not None and len(m[0]) == b and t <= m[2]
-                and all(x is y for x, y in zip(keys, m[0], strict=True))
-                and all(p == q + 1 for p, q in zip(pos_list, m[1], strict=True)))
-        cap = m[2] if same else (t // MIRROR_STEP + 2) * MIRROR_STEP
+        same = m is not None and (len(m[0]) == b and t <= m[2]
+                                  and all(x is y for x, y in zip(keys, m[0], strict=True))
+                                  and all(p == q + 1 for p, q in zip(pos_list, m[1], strict=True)))
+        cap = m[2] if m is not None and same else (t // MIRROR_STEP + 2) * MIRROR_STEP
         per_layer = 2 * kv0.num_kv_heads * b * cap * kv0.head_dim * kv0.k_heads.element_size()
         if per_layer * len(self.pools) > MIRROR_MAX_BYTES:
             return False

@@ -20,7 +20,7 @@ from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.cpu_matmul import CpuLinear, bucket
 
 
-def supports(model: torch.nn.Module) -> bool:
+def supports(model: Any) -> bool:
     """A dense Llama-shaped decoder whose every layer is attention + gated MLP."""
     try:
         layers = list(model.model.layers)
@@ -34,7 +34,8 @@ def supports(model: torch.nn.Module) -> bool:
 class NativeDecode:
     """The per-pool plan (pointers that do not change from step to step) and the step."""
 
-    def __init__(self, model: torch.nn.Module, pools: list[PagedKV], lib: Any) -> None:
+    def __init__(self, model: Any, pools: list[PagedKV], lib: Any) -> None:
+        # Any: read as neuron/models/llama.py lays it out (checked by supports())
         self.model, self.pools, self.lib = model, pools, lib
         self.first_norm, self.layers = self._plan()
         self._fused: dict[int, tuple | None] = {}
@@ -129,7 +130,7 @@ class NativeDecode:
             mats = [packed(m) for m in (qkv, o, gate_up, down)]
             if any(m is None for m in mats) or inter != self.layers[0][6]:
                 break
-            words.append([w for m in mats for w in m if m is not None]
+            words.append([w for m in mats if m is not None for w in m]
                          + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
             eps.append([qk_eps, post[1], nxt[1]])
         else:

@@ -21,6 +21,7 @@ for every row count, or three comma-separated (1 row, 2-16, more).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -67,7 +68,7 @@ class CpuLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kind = self.choice[bucket(x.shape[0])]
-        if kind == "native" and bias is self.bias:
+        if kind == "native" and bias is self.bias and self.native is not None:
             return cpu_native.gemm(self.lib, x, self.native[0], self.n, self.native[1])
         if kind == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
@@ -139,17 +140,26 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, in
         column_major = _time_us(lambda: F.linear(xs[0], wt, b)) < _time_us(lambda: F.linear(xs[0], w, b))
         if column_major:
             w = wt
-    cands: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-        "torch": lambda x: F.linear(x, w, b)}
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, w, b)
+
+    cands: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"torch": plain}
     if can_pack(w):
         packed = torch.ops.mkldnn._reorder_linear_weight(w, FEW_ROWS)
-        cands["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, b, "none",
-                                                                       [], "")
+
+        def onednn(x: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+
+        cands["onednn"] = onednn
     if lib is not None:
         panels, pb = cpu_native.pack_weight(w, b)
-        cands["native"] = lambda x: cpu_native.gemm(lib, x, panels, n, pb)
-    times = {kind: [_time_us(lambda fn=fn, x=x: fn(x)) for x in xs] for kind, fn in cands.items()}
-    kinds = [min(times, key=lambda kd, i=i: times[kd][i]) for i in range(3)]
+
+        def native(x: torch.Tensor) -> torch.Tensor:
+            return cpu_native.gemm(lib, x, panels, n, pb)
+
+        cands["native"] = native
+    times = {kind: [_time_us(functools.partial(fn, x)) for x in xs] for kind, fn in cands.items()}
+    kinds = [min(times, key=lambda kd: times[kd][i]) for i in range(3)]  # noqa: B023 (used at once)
     for i in (0, 1):  # decode sizes: hx_gemm within NATIVE_SLACK of the best still wins, as
         # only an all-native layer stack runs fused (hx_decode_layers: no eager ops between)
         if "native" in times and times["native"][i] <= NATIVE_SLACK * times[kinds[i]][i]:

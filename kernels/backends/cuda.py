@@ -86,7 +86,7 @@ class _Graph:
     ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
-    out: torch.Tensor
+    out: torch.Tensor | None = None
 
 
 class CudaBackend(TorchBackend):
@@ -110,7 +110,7 @@ class CudaBackend(TorchBackend):
         quant = " (quantised KV: torch path)" if self.pools and self.pools[0].quantized else ""
         return f"cuda (flashinfer {getattr(flashinfer, '__version__', '?')}, {graphs}){quant}"
 
-    def prepare_model(self, model: torch.nn.Module, *, max_num_seqs: int,
+    def prepare_model(self, model: Any, *, max_num_seqs: int,
                       max_batched_tokens: int, tp_size: int) -> None:
         self._model = model
         layers = model.attention_layers
@@ -198,6 +198,7 @@ class CudaBackend(TorchBackend):
         g.positions.copy_(positions)
         g.slots.copy_(meta.slot_mapping)
         g.graph.replay()
+        assert g.out is not None  # set by the capture
         return g.out.clone()  # the static output is overwritten by the next replay
 
     # ---- CUDA graphs ---------------------------------------------------------------------
@@ -212,9 +213,9 @@ class CudaBackend(TorchBackend):
                 paged_kv_indices_buffer=torch.zeros(self._graph_index_cap, dtype=i32,
                                                     device=dev),
                 paged_kv_last_page_len_buffer=torch.zeros(b, dtype=i32, device=dev))
-            g = self._graphs[b] = _Graph(None, wrapper, *(torch.zeros(b, dtype=torch.long,
-                                                                      device=dev)
-                                                          for _ in range(3)), out=None)
+            ids, positions, slots = (torch.zeros(b, dtype=torch.long, device=dev)
+                                     for _ in range(3))
+            g = self._graphs[b] = _Graph(None, wrapper, ids, positions, slots)
         return g.wrapper
 
     def _capture(self, model: torch.nn.Module, b: int, input_ids: torch.Tensor,

@@ -35,6 +35,17 @@ from typing import Any
 import msgspec
 
 DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
+# NCCL, set before the group forms, so a dead or wedged rank fails like on gloo: a collective
+# past the group's timeout raises in the calling thread (blocking wait) and NCCL's watchdog
+# and heartbeat monitor neither tear the process down nor dump traces, so rank 0 marks the
+# model failed (TpWorkers.fail_step) and the neuron stays up. A value already in the
+# environment wins.
+NCCL_FAIL_LIKE_GLOO = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # the watchdog reports, never kills
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
 
 
 # --- messages on the rank pipes --------------------------------------------------------
@@ -117,6 +128,8 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
+        for key, value in NCCL_FAIL_LIKE_GLOO.items():
+            os.environ.setdefault(key, value)
         torch.cuda.set_device(torch.device(device))
     if dist.is_initialized():  # a failed model's group, never closed: one model per process
         dist.destroy_process_group()
@@ -332,6 +345,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
             if isinstance(msg, TpResetKv):
                 tables.clear()
                 runner.reset_kv(msg.num_blocks, msg.kv_dtype)
+                continue
+            if not isinstance(msg, TpStep):  # a second TpJoin: nothing to do
                 continue
             for h in msg.dropped:
                 tables.pop(h, None)
