@@ -42,8 +42,10 @@ class PrefillChunk:
     context_slots: torch.Tensor | None = None
     # Or, when the context's blocks are consecutive, its slots [context_start, +context_len).
     context_start: int | None = None
-    context_len: int = 0
-    mask: torch.Tensor | None = None  # [n, T] bool, True = may attend
+    context_len: int = 0  # T: cached tokens + this chunk's
+    # [n, T] bool, True = may attend; None over a long context (> DECODE_CHUNK_TOKENS): then
+    # the context is read a chunk of keys at a time, the causal mask made per chunk.
+    mask: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,6 +61,8 @@ class DecodeMirror:
 # Row-tokens (rows x context) of K and V a decode group reads at once: 2 * this * kv_heads *
 # head_dim elements of temporaries at most, however long the rows.
 DECODE_CHUNK_TOKENS = 8192
+# A prefill chunk over a long context: fp32 scores (queries x heads x keys) per key chunk.
+PREFILL_SCORE_ELEMS = 4 * 2**20
 
 
 @dataclass
@@ -229,6 +233,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
             vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
                                                enable_gqa=heads != kvh)
+        elif chunk.mask is None:  # a long context: a chunk of keys at a time
+            out[chunk.start : chunk.end] = _prefill_long(q[chunk.start : chunk.end], kv, chunk)
+            continue
         else:
             kc, vc = (kv.gather(chunk.context_slots) if chunk.context_start is None
                       else kv.span(chunk.context_start, chunk.context_len))  # [T, kvh, d]
@@ -286,6 +293,37 @@ def decode_attention(q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
     o = F.scaled_dot_product_attention(q.view(b, kvh, heads // kvh, d).transpose(0, 1),
                                        kc, vc, attn_mask=mask)  # [kvh, B, group, d]
     return o.transpose(0, 1).reshape(b, heads, d)
+
+
+def _prefill_long(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk) -> torch.Tensor:
+    """A prefill chunk's queries q [n, heads, d] over its whole context (cached + its own,
+    already in the pool), causally, reading PREFILL_SCORE_ELEMS worth of keys at a time
+    (dequantised per key chunk) with the softmax merged across chunks: [n, heads, d]."""
+    n, heads, d = q.shape
+    kvh, t = kv.num_kv_heads, chunk.context_len
+    g = heads // kvh
+    qf = q.view(n, kvh, g, d).permute(1, 2, 0, 3).float() * (1.0 / math.sqrt(d))  # [kvh,g,n,d]
+    qpos = torch.arange(t - n, t, device=q.device)
+    step = max(1, PREFILL_SCORE_ELEMS // (heads * n))
+    m = torch.full((kvh, g, n, 1), -math.inf, device=q.device)
+    den = torch.zeros_like(m)
+    acc = torch.zeros(kvh, g, n, d, device=q.device)
+    for k0 in range(0, t, step):
+        k1 = min(t, k0 + step)
+        kc, vc = (kv.gather(chunk.context_slots[k0:k1]) if chunk.context_slots is not None
+                  else kv.span(chunk.context_start + k0, k1 - k0))  # [L, kvh, d]
+        kc = kc.permute(1, 0, 2).unsqueeze(1).float()  # [kvh, 1, L, d]
+        vc = vc.permute(1, 0, 2).unsqueeze(1).float()
+        s = qf @ kc.transpose(-1, -2)  # [kvh, g, n, L]
+        s.masked_fill_(torch.arange(k0, k1, device=q.device)[None, :] > qpos[:, None],
+                       -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = (s - m_new).exp_()
+        corr = (m - m_new).exp_()
+        den.mul_(corr).add_(p.sum(-1, keepdim=True))
+        acc.mul_(corr).add_(p @ vc)
+        m = m_new
+    return (acc / den).to(q.dtype).permute(2, 0, 1, 3).reshape(n, heads, d)
 
 
 def _decode_group(q: torch.Tensor, kv: PagedKV, grp: DecodeGroup) -> torch.Tensor:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from helexa.kernels.attention import (
+    DECODE_CHUNK_TOKENS,
     AttentionMetadata,
     DecodeGroup,
     PagedKV,
@@ -93,14 +94,15 @@ class TorchBackend(AttentionBackend):
         if c == 0:
             return chunk
         blocks = table[: (c + n - 1) // bs + 1]
+        chunk.context_len = c + n
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             chunk.context_start = blocks[0] * bs
-            chunk.context_len = c + n
         else:
             chunk.context_slots = torch.tensor(token_slots(table, 0, c + n, bs),
                                                device=self.device)
-        ctx = torch.arange(c + n, device=self.device)
-        chunk.mask = ctx[None, :] <= ctx[c:, None]
+        if c + n <= DECODE_CHUNK_TOKENS:  # else no [n, T] mask: keys a chunk at a time
+            ctx = torch.arange(c + n, device=self.device)
+            chunk.mask = ctx[None, :] <= ctx[c:, None]
         return chunk
 
 

@@ -114,3 +114,23 @@ def test_decode_gather_into_preallocated_buffers():
     torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
                                paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
     assert meta.decode_buffers[0][:-5].isfinite().all()  # the gather landed in them
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "int8"])
+def test_long_contexts_read_a_chunk_at_a_time_agree_with_the_reference(monkeypatch, kv_dtype):
+    """Decode groups and prefill chunks past the chunk sizes (made tiny here) merge their
+    softmax across chunks of keys: the same result as reading everything at once."""
+    from helexa.kernels import attention
+    from helexa.kernels.attention import DecodeGroup
+
+    monkeypatch.setattr(attention, "DECODE_CHUNK_TOKENS", 6)  # 2 rows: 3 keys a chunk
+    monkeypatch.setattr(attention, "PREFILL_SCORE_ELEMS", 8 * 7 * 5)  # 5 keys a chunk
+    seqs = [(9, 1, [3, 7, 1]), (5, 1, [12, 4]), (5, 7, [30, 31, 32])]
+    q, k, v, kv, kc, vc, meta = build_step(seqs, 8, 2, 32, kv_dtype=kv_dtype)
+    lens = [c + 1 for c, m, _ in seqs if m == 1]
+    meta.decode_groups = [DecodeGroup(rows=None, lengths=torch.tensor(lens), max_len=max(lens),
+                                      slots=meta.decode_slots.view(len(lens), -1))]
+    chunk = meta.prefills[0]
+    chunk.mask, chunk.context_len = None, 5 + 7  # no mask: the long-context path
+    torch.testing.assert_close(paged_attention(q, k, v, kv, meta),
+                               paged_attention_reference(q, kc, vc, seqs), atol=1e-5, rtol=1e-5)
