@@ -99,7 +99,8 @@ def examples(url: str, model: str) -> str:
 from openai import OpenAI
 client = OpenAI(base_url="{url}/v1", api_key="none")
 reply = client.chat.completions.create(
-    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32)
+    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}], max_tokens=32,
+    temperature=0)
 print(reply.choices[0].message.content)
 EOF
 """
