@@ -193,8 +193,11 @@ async def _sleep_or_stop(stop: asyncio.Event, secs: float) -> None:
 async def run_interleaved(plan: Plan, endpoints: list[Endpoint], sc: Scenario, requests: int,
                           rounds: int, on_block: Callable[[], Awaitable[None]] | None = None
                           ) -> None:
-    """`requests` per endpoint, in `rounds` rounds; each round visits every endpoint."""
-    rounds = max(1, min(rounds, requests))
+    """`requests` per endpoint, in `rounds` rounds; each round visits every endpoint.
+
+    One endpoint needs no interleaving; a round never holds fewer requests than the
+    scenario's concurrency (or the load would not reach it)."""
+    rounds = 1 if len(endpoints) == 1 else max(1, min(rounds, requests // sc.concurrency))
     shares = [list(range(r, requests, rounds)) for r in range(rounds)]
     for r, share in enumerate(shares):
         order = endpoints[r % len(endpoints):] + endpoints[:r % len(endpoints)]

@@ -38,6 +38,7 @@ class Ops:
     router: RouterProcess
     neurons: dict[str, NeuronProcess]
     tiny_dir: Path
+    keys: dict[str, str]
 
     @property
     def url(self) -> str:
@@ -97,7 +98,7 @@ def ops(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
                              all(m["state"] == "ready" for m in n["models"])
                              for n in httpx2.get(url + "/status.json").json()["neurons"]),
                  timeout=120)
-        yield Ops(router, started, tiny_model_dir)
+        yield Ops(router, started, tiny_model_dir, KEYS)
     finally:
         if router is not None:
             router.stop()
