@@ -27,8 +27,9 @@ import msgspec
 
 _US_PER_HOUR = 3_600_000_000
 _START, _DONE, _REJECTED = "request.start", "request.done", "request.rejected"
-# Codes the neuron only gives before `request.start` (checks of the request itself),
-# never after it is handed to the engine.
+# Codes the neuron only gives before its `request.start` (checks of the request itself),
+# never after it is handed to the engine. Not so for the router, which logs its start
+# before the neuron checks anything.
 _PRE_START_CODES = frozenset({"invalid_request_error", "context_length_exceeded", "model_not_found"})
 
 
@@ -107,6 +108,10 @@ class Journal:
         """Pair the spans of these lines (may be called again with more lines)."""
         open_spans: dict[str, tuple[int, str, str | None]] = {}  # req_id -> (t, model, principal)
         component, decode = self.component, _decode
+        # Only a neuron refuses a call by its checks while another call with the same req_id
+        # runs; the router makes its own ids and logs its rejections after request.start
+        # (a neuron's context_length_exceeded), so there a rejection always ends its span.
+        pre_start_rule = component == "neuron"
         first, last = self.first_ts, self.last_ts
         n = n_json = 0
         for raw in lines:  # the hot loop: decoding dominates (about 1 µs a line)
@@ -139,7 +144,7 @@ class Journal:
                     self._unpaired_start(earlier[1], earlier[2])
                 open_spans[rec.req_id] = (_micros(ts), rec.model or "(none)", rec.principal)
             elif ev == _DONE or ev == _REJECTED:
-                if ev == _REJECTED and rec.code in _PRE_START_CODES:
+                if ev == _REJECTED and rec.code in _PRE_START_CODES and pre_start_rule:
                     # refused before its start line (e.g. a duplicate req_id while the
                     # first is served): it must not end the open span of that id
                     self._unpaired_end(rec)
@@ -292,6 +297,56 @@ def format_report(j: Journal, model: str | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
+def in_flight_series(s: Stats) -> list[tuple[int, int]]:
+    """(microseconds, in-flight count from then on) at every change, from the paired spans."""
+    s.edges.sort()
+    out: list[tuple[int, int]] = []
+    count = 0
+    for e in s.edges:
+        count += 1 if e & 1 else -1
+        t = e >> 1
+        if out and out[-1][0] == t:
+            out[-1] = (t, count)
+        else:
+            out.append((t, count))
+    return out
+
+
+def plot(j: Journal, path: str, model: str | None = None) -> None:
+    """In flight over time (a step line per model) and the share of busy time at each count."""
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        raise SystemExit("helexa journal --plot: needs matplotlib: "
+                         "pip install 'helexa[plots]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [model] if model else sorted(j.models)
+    fig, (ax, dist) = plt.subplots(2, 1, figsize=(8, 6))
+    origin = _micros(j.first_ts) if j.first_ts else 0
+    for name in names:
+        series = in_flight_series(j.models[name]) if name in j.models else []
+        if series:
+            ax.step([(t - origin) / 1e6 for t, _ in series], [c for _, c in series],
+                    where="post", label=name)
+    ax.set_xlabel(f"seconds since {j.first_ts.isoformat() if j.first_ts else 'start'}")
+    ax.set_ylabel("in flight")
+    ax.set_title(f"requests in flight ({j.component})")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    held = (j.models[model] if model else j.total()).in_flight_micros() \
+        if (model is None or model in j.models) else {}
+    busy = sum(held.values()) or 1
+    dist.bar(list(held), [100 * us / busy for us in held.values()])
+    dist.set_xlabel("in flight")
+    dist.set_ylabel("% of busy time")
+    dist.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def _read_lines(path: str) -> list[bytes]:
     data = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()
     return data.splitlines()
@@ -307,6 +362,8 @@ def main(argv: list[str]) -> int:
     cc.add_argument("--model", help="report this model only")
     cc.add_argument("--exclude-principal", action="append", default=[], metavar="P",
                     help="leave out this principal's requests (repeatable), e.g. bench")
+    cc.add_argument("--plot", metavar="FILE.png",
+                    help="also draw in flight over time and its distribution (matplotlib)")
     args = ap.parse_args(argv)
     try:
         lines = _read_lines(args.file)
@@ -316,4 +373,7 @@ def main(argv: list[str]) -> int:
     j = Journal(component=args.component, exclude=frozenset(args.exclude_principal))
     j.read(lines)
     sys.stdout.write(format_report(j, args.model))
+    if args.plot:
+        plot(j, args.plot, args.model)
+        print(f"plot: {args.plot}")
     return 0
