@@ -145,11 +145,12 @@ def neuron_view(link: NeuronLink, now: float) -> dict[str, Any]:
 
 def _refusals(window: CounterWindow, fields: tuple[str, ...], now: float) -> dict[str, Any]:
     covered, counts = window.recent(now)
-    rows = [dict(zip(fields, key, strict=True)) | {"count": int(n)}
-            for key, n in sorted(counts.items())]
+    rows: list[dict[str, str | int]] = []
     by_code: dict[str, int] = {}
-    for row in rows:
-        by_code[row["code"]] = by_code.get(row["code"], 0) + row["count"]
+    for key, n in sorted(counts.items()):
+        labels = dict(zip(fields, key, strict=True))
+        rows.append({**labels, "count": int(n)})
+        by_code[labels["code"]] = by_code.get(labels["code"], 0) + int(n)
     return {"window_secs": round(covered, 1), "by_code": by_code, "rows": rows}
 
 
@@ -169,7 +170,7 @@ class StatusBoard:
         now = time.monotonic()
         answers = _refusals(self.answers, ("model", "code"), now)
         # 2xx are answers, not refusals; the rest is what clients were told instead.
-        answers["rows"] = [r for r in answers["rows"] if not r["code"].startswith("2")]
+        answers["rows"] = [r for r in answers["rows"] if not str(r["code"]).startswith("2")]
         answers["by_code"] = {c: n for c, n in answers["by_code"].items() if not c.startswith("2")}
         return {
             "router": {"version": __version__, "unix_ms": int(time.time() * 1000),
