@@ -58,7 +58,8 @@ class Script:
                                  b'"code": "upstream_error"}}\n\n')
                 return resp
             if mode == "drop" and i == 1:
-                request.transport.close()
+                if request.transport is not None:
+                    request.transport.close()
                 return resp
             await resp.write(_chunk("w ", ids))
             await asyncio.sleep(GAP)
@@ -70,20 +71,23 @@ class Script:
         return resp
 
 
-@pytest.fixture
-def fake() -> Iterator[tuple[str, Script]]:
-    script = Script(["ok"])
+async def _model(request: web.Request) -> web.Response:
+    return web.json_response({"id": request.match_info["model"], "limit": {"context": 100}})
+
+
+def _serve(script: Script) -> tuple[str, asyncio.AbstractEventLoop, web.AppRunner]:
     loop = asyncio.new_event_loop()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", script.chat)
+    app.router.add_get("/v1/models/{model}", _model)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     loop.run_until_complete(runner.setup())
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    loop.run_until_complete(site.start())
-    port = runner.addresses[0][1]
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield f"http://127.0.0.1:{port}", script
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", 0).start())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    return f"http://127.0.0.1:{runner.addresses[0][1]}", loop, runner
+
+
+def _close(loop: asyncio.AbstractEventLoop, runner: web.AppRunner) -> None:
     async def close() -> None:
         await runner.cleanup()
         rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
@@ -92,7 +96,14 @@ def fake() -> Iterator[tuple[str, Script]]:
         await asyncio.gather(*rest, return_exceptions=True)
     asyncio.run_coroutine_threadsafe(close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[str, Script]]:
+    script = Script(["ok"])
+    url, loop, runner = _serve(script)
+    yield url, script
+    _close(loop, runner)
 
 
 def _records(path: Path) -> list[Record]:
@@ -106,17 +117,17 @@ def test_every_way_a_request_ends_is_counted(fake, tmp_path, capsys):
     script.modes = ["ok", "refuse", "fail", "drop", "slow", "ok"]
     out = tmp_path / "run.jsonl"
     rc = main(["--url", url, "--model", "m", "--scenario", "chat:16", "--requests", "12",
-               "--timeout", "1", "--abandon", "0.5", "--out", str(out), "--no-progress",
+               "--timeout", "1", "--abandon", "0.17", "--out", str(out), "--no-progress",
                "--principal", "bench"])
     recs = _records(out)
     assert len(recs) == 12 and rc == 0
     by = {}
     for r in recs:
         by.setdefault(r.outcome, []).append(r)
-    # odd indices abandon after their first token: "ok" and "slow" modes never get that far
-    # on a refusal or timeout, so those keep their own outcome
-    assert set(by) == {"ok", "refused", "upstream_error", "disconnected", "timeout",
-                       "abandoned"}, {k: len(v) for k, v in by.items()}
+    # every sixth request (indices 5 and 11, both "ok") hangs up after its first token
+    assert {k: len(v) for k, v in by.items()} == {
+        "ok": 2, "refused": 2, "upstream_error": 2, "disconnected": 2, "timeout": 2,
+        "abandoned": 2}
     refused = by["refused"][0]
     assert (refused.status, refused.code, refused.reason) == (429, "rate_limit_exceeded",
                                                                "too many for alice")
@@ -185,3 +196,55 @@ def test_ctrl_c_ends_cleanly_with_what_was_measured(fake, tmp_path):
     recs = _records(out)
     assert [r.outcome for r in recs] == ["ok", "ok", "interrupted"]
     assert "interrupted: 3 requests measured" in stdout
+
+
+def test_sessions_resend_their_history_turn_by_turn(fake, tmp_path):
+    url, script = fake
+    out = tmp_path / "run.jsonl"
+    assert main(["--url", url, "--model", "m", "--scenario", "chat:8,turns:3", "--requests", "2",
+                 "--out", str(out), "--no-progress"]) == 0
+    recs = _records(out)
+    assert sorted((r.session, r.turn) for r in recs) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                         (1, 2)]
+    by_len: dict[int, list[dict]] = {}
+    for b in script.bodies:
+        by_len.setdefault(len(b["messages"]), []).append(b)
+    assert sorted(by_len) == [1, 3, 5]  # user; user, assistant, user; ...
+    third = by_len[5][0]["messages"]
+    assert [m["role"] for m in third] == ["user", "assistant", "user", "assistant", "user"]
+    assert third[1]["content"] == "w w w "  # the reply of the first turn, sent back
+    firsts = {b["messages"][0]["content"] for b in script.bodies}
+    assert len(firsts) == 2  # one opening per session, kept through its turns
+    # the next turn asks for the whole conversation so far plus a new chat:8 turn
+    turn1 = next(r for r in recs if (r.session, r.turn) == (0, 1))
+    assert turn1.prompt_tokens_asked == 40 + 4 + 8
+
+
+def test_endpoints_are_interleaved_in_rotating_order(tmp_path):
+    other = Script(["ok"])
+    url_b, loop_b, runner_b = _serve(other)
+    first = Script(["ok"])
+    url_a, loop_a, runner_a = _serve(first)
+    try:
+        out = tmp_path / "run.jsonl"
+        assert main(["--url", f"a={url_a}", "--url", f"b={url_b}", "--model", "m",
+                     "--scenario", "chat:8", "--requests", "4", "--rounds", "2",
+                     "--out", str(out), "--no-progress"]) == 0
+        recs = sorted(_records(out), key=lambda r: r.t_sent)
+        assert [(r.endpoint, r.index) for r in recs] == [
+            ("a", 0), ("a", 2), ("b", 0), ("b", 2), ("b", 1), ("b", 3), ("a", 1), ("a", 3)]
+    finally:
+        _close(loop_a, runner_a)
+        _close(loop_b, runner_b)
+
+
+def test_long_prompts_fill_the_advertised_context_and_rate_is_recorded(fake, tmp_path):
+    url, _ = fake
+    out = tmp_path / "run.jsonl"
+    assert main(["--url", url, "--model", "m", "--scenario", "long", "--scenario",
+                 "chat:8,rate:40", "--requests", "6", "--max-tokens", "10", "--out", str(out),
+                 "--no-progress"]) == 0
+    recs = _records(out)
+    assert {r.prompt_tokens_asked for r in recs if r.scenario == "long"} == {100 - 10 - 1}
+    poisson = [r for r in recs if r.scenario == "chat:8,rate:40"]
+    assert len(poisson) == 6 and all(r.rate == 40 and r.concurrency is None for r in poisson)
