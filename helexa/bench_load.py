@@ -82,6 +82,13 @@ class Endpoint:
     session: aiohttp.ClientSession
     count: Counter | None = None  # exact prompt lengths, when something can count
     context: int | None = None
+    tokens_per_word: float = 1.25  # for estimates without a counter: learnt from usage
+
+    def learn(self, words_sent: int, rec: Record) -> None:
+        """Take the tokens a word the server counted for a single-turn prompt (the words of
+        every prompt are alike: bench_prompts.words)."""
+        if self.count is None and rec.prompt_tokens and words_sent > 0 and rec.turn in (None, 0):
+            self.tokens_per_word = rec.prompt_tokens / words_sent
 
 
 @dataclass
@@ -112,7 +119,8 @@ async def one_request(plan: Plan, ep: Endpoint, sc: Scenario, index: int,
                       history: list[dict[str, str]], asked: int, session: int | None = None,
                       turn: int | None = None) -> tuple[Record, list[dict[str, str]]]:
     """Send one request (history plus a new user turn, `asked` tokens in all)."""
-    messages, counted = await exact_prompt(ep.count, history, asked, salt=index * 7919 + 1)
+    messages, counted = await exact_prompt(ep.count, history, asked, salt=index * 7919 + 1,
+                                           tokens_per_word=ep.tokens_per_word)
     rec = Record(endpoint=ep.label, scenario=sc.name, index=index,
                  t_sent=time.perf_counter() - plan.started, prompt_tokens_asked=counted or asked,
                  concurrency=None if sc.rate and sc.concurrency <= 1 else sc.concurrency,
@@ -126,6 +134,7 @@ async def one_request(plan: Plan, ep: Endpoint, sc: Scenario, index: int,
         rec.e2e = time.perf_counter() - plan.started - rec.t_sent
         plan.emit(rec)
         raise
+    ep.learn(len(messages[-1]["content"].split()), rec)
     plan.emit(rec)
     return rec, messages
 

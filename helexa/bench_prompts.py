@@ -3,9 +3,10 @@
 The count comes from, in order of preference: the endpoint's `/tokenize`
 (vLLM's shape: `POST /tokenize {"model", "messages"}` → `{"count"}`), or
 the checkpoint's own tokenizer (`--tokenizer DIR`: tokenizer.json and the
-chat template of tokenizer_config.json). With neither, prompts are about
-the asked length (4 characters a token) and the records say what the
-server counted (`prompt_tokens`).
+chat template of tokenizer_config.json). With neither, prompts are
+estimates: words times tokens a word, a ratio each endpoint learns from the
+`prompt_tokens` its answers report (bench_load.py), and the records say what
+the server counted.
 
 A prompt is words from a fixed list after a per-request salt (so no two
 requests share a prefix unless a session means them to); the number of
@@ -30,12 +31,10 @@ Counter = Callable[[list[dict[str, str]]], Awaitable[int | None]]
 
 
 def words(n: int, salt: int) -> str:
-    out = [f"({salt})"]
-    i = salt
-    for _ in range(n):
-        out.append(_WORDS[i % len(_WORDS)])
-        i += 7
-    return " ".join(out)
+    """The salt, then n words of the list in order from a salt-chosen start: every prompt
+    draws on all the words alike, so tokens a word hardly vary between prompts."""
+    start = salt % len(_WORDS)
+    return " ".join([f"({salt})", *(_WORDS[(start + i) % len(_WORDS)] for i in range(n))])
 
 
 def local_counter(tokenizer_dir: str | Path) -> Counter:
@@ -73,7 +72,8 @@ async def remote_counter(session: aiohttp.ClientSession, base_url: str, model: s
 
 
 async def exact_prompt(count: Counter | None, history: list[dict[str, str]], tokens: int,
-                       salt: int) -> tuple[list[dict[str, str]], int | None]:
+                       salt: int, tokens_per_word: float = 1.25
+                       ) -> tuple[list[dict[str, str]], int | None]:
     """`history` plus one user turn, the whole conversation `tokens` long as counted.
 
     Returns (messages, counted tokens or None when nothing could count). When the history
@@ -82,9 +82,9 @@ async def exact_prompt(count: Counter | None, history: list[dict[str, str]], tok
         text = words(n, salt) + (" " + " ".join([_PAD] * pad) if pad else "")
         return [*history, {"role": "user", "content": text}]
 
-    if count is None:
-        base = sum(len(m["content"]) for m in history) // 4
-        return conv(max(0, (tokens - base) * 4 // 5)), None  # ~5 chars a word with its space
+    if count is None:  # an estimate: tokens_per_word as the caller last measured it
+        base = sum(len(m["content"].split()) for m in history) * tokens_per_word
+        return conv(max(0, int((tokens - base) / tokens_per_word))), None
     lo, hi = 0, 1
     while (await count(conv(hi)) or 0) <= tokens:  # grow until past the target
         lo, hi = hi, hi * 2

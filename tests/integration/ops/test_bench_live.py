@@ -119,3 +119,12 @@ def test_sweep_finds_the_knee_and_the_report_renders(ops, tmp_path, chromium):
         assert "knee at concurrency 2" in page.eval("document.body.textContent")
     finally:
         browser.close()
+
+
+def test_without_a_tokenizer_estimates_learn_from_the_servers_counts(ops, tmp_path):
+    recs = _bench(ops, tmp_path, "estimate", "--model", "tiny", "--scenario", "chat:300",
+                  "--requests", "4", "--max-tokens", "2")
+    assert [r.outcome for r in recs] == ["ok"] * 4
+    # the first is a guess; after one answer the estimate is close to what was asked
+    assert all(abs(r.prompt_tokens - 300) <= 0.1 * 300 for r in recs[1:]), \
+        [r.prompt_tokens for r in recs]
