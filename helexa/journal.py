@@ -52,7 +52,7 @@ _decode = msgspec.json.Decoder(LogLine).decode
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _micros(ts: datetime) -> int:
+def micros(ts: datetime) -> int:
     """Microseconds since the epoch of an aware datetime."""
     d = ts - _EPOCH
     return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
@@ -142,7 +142,7 @@ class Journal:
                 earlier = open_spans.get(rec.req_id)
                 if earlier is not None:  # a repeated id: the earlier start never ended here
                     self._unpaired_start(earlier[1], earlier[2])
-                open_spans[rec.req_id] = (_micros(ts), rec.model or "(none)", rec.principal)
+                open_spans[rec.req_id] = (micros(ts), rec.model or "(none)", rec.principal)
             elif ev == _DONE or ev == _REJECTED:
                 if ev == _REJECTED and rec.code in _PRE_START_CODES and pre_start_rule:
                     # refused before its start line (e.g. a duplicate req_id while the
@@ -153,7 +153,7 @@ class Journal:
                 if begun is None:
                     self._unpaired_end(rec)
                 else:
-                    self._paired(begun, _micros(ts), rec)
+                    self._paired(begun, micros(ts), rec)
         for _, model, principal in open_spans.values():
             self._unpaired_start(model, principal)
         self.lines += n
@@ -274,7 +274,7 @@ def format_report(j: Journal, model: str | None = None) -> str:
                f" {j.json_lines} JSON lines of {j.component}",
                "no timestamped lines: nothing to report"]
         return "\n".join(out) + "\n"
-    first_us, last_us = _micros(j.first_ts), _micros(j.last_ts)
+    first_us, last_us = micros(j.first_ts), micros(j.last_ts)
     wall = last_us - first_us
     out = [f"journal concurrency: component {j.component}, {j.lines} lines,"
            f" {j.json_lines} JSON lines of {j.component}"]
@@ -295,56 +295,6 @@ def format_report(j: Journal, model: str | None = None) -> str:
         out.append("")
         out += format_stats(f"model {name}", j.models[name], wall)
     return "\n".join(out) + "\n"
-
-
-def in_flight_series(s: Stats) -> list[tuple[int, int]]:
-    """(microseconds, in-flight count from then on) at every change, from the paired spans."""
-    s.edges.sort()
-    out: list[tuple[int, int]] = []
-    count = 0
-    for e in s.edges:
-        count += 1 if e & 1 else -1
-        t = e >> 1
-        if out and out[-1][0] == t:
-            out[-1] = (t, count)
-        else:
-            out.append((t, count))
-    return out
-
-
-def plot(j: Journal, path: str, model: str | None = None) -> None:
-    """In flight over time (a step line per model) and the share of busy time at each count."""
-    try:
-        import matplotlib
-    except ModuleNotFoundError:
-        raise SystemExit("helexa journal --plot: needs matplotlib: "
-                         "pip install 'helexa[plots]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [model] if model else sorted(j.models)
-    fig, (ax, dist) = plt.subplots(2, 1, figsize=(8, 6))
-    origin = _micros(j.first_ts) if j.first_ts else 0
-    for name in names:
-        series = in_flight_series(j.models[name]) if name in j.models else []
-        if series:
-            ax.step([(t - origin) / 1e6 for t, _ in series], [c for _, c in series],
-                    where="post", label=name)
-    ax.set_xlabel(f"seconds since {j.first_ts.isoformat() if j.first_ts else 'start'}")
-    ax.set_ylabel("in flight")
-    ax.set_title(f"requests in flight ({j.component})")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    held = (j.models[model] if model else j.total()).in_flight_micros() \
-        if (model is None or model in j.models) else {}
-    busy = sum(held.values()) or 1
-    dist.bar(list(held), [100 * us / busy for us in held.values()])
-    dist.set_xlabel("in flight")
-    dist.set_ylabel("% of busy time")
-    dist.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _read_lines(path: str) -> list[bytes]:
@@ -374,6 +324,7 @@ def main(argv: list[str]) -> int:
     j.read(lines)
     sys.stdout.write(format_report(j, args.model))
     if args.plot:
+        from helexa.journal_plot import plot  # matplotlib: only when asked
         plot(j, args.plot, args.model)
         print(f"plot: {args.plot}")
     return 0
