@@ -29,3 +29,19 @@ def test_router_spans_all_end_including_a_neurons_context_refusal(ops):
     report = format_report(j)
     assert total.start_only == 0, report  # every request the router started, it ended
     assert total.rejected["context_length_exceeded"] >= 1 and total.finished >= 1, report
+
+
+def test_the_journal_leaves_out_a_bench_run_under_its_own_key(ops, tmp_path):
+    from helexa.bench_http import main as bench
+
+    def journal(exclude: frozenset[str]) -> Journal:
+        j = Journal(component="neuron", exclude=exclude)
+        for n in ops.neurons.values():
+            j.read(n.log_path.read_bytes().splitlines())
+        return j
+    before = journal(frozenset({"bench"})).total().excluded
+    assert bench(["--url", ops.url, "--model", "tiny", "--scenario", "chat:8", "--requests", "2",
+                  "--max-tokens", "2", "--api-key", ops.keys["bench"], "--principal", "bench",
+                  "--no-progress", "--out", str(tmp_path / "b.jsonl")]) == 0
+    # the key decides the principal: the neurons logged these requests as `bench`
+    wait_for(lambda: journal(frozenset({"bench"})).total().excluded >= before + 2, timeout=10)
