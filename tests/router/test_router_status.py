@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import httpx2
 import openai
 import pytest
@@ -12,6 +16,15 @@ from helexa.router.status import CounterWindow
 MSG = [{"role": "user", "content": "hello there"}]
 
 
+def wait_for(cond: Callable[[], Any], timeout: float = 10.0) -> Any:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if got := cond():
+            return got
+        time.sleep(0.02)
+    raise AssertionError(f"not seen within {timeout}s")
+
+
 def status(fl, **headers: str) -> dict:
     r = httpx2.get(fl.url + "/status.json", headers=headers, timeout=10)
     assert r.status_code == 200, r.text
@@ -19,10 +32,19 @@ def status(fl, **headers: str) -> dict:
 
 
 def test_status_json_lists_every_neuron_model_and_ledger(fl):
-    fl.lt.call(lambda: setattr(fl.n2.models["tiny"], "used_bytes", 3 * 16 * 1024))
-    fl.n2.changed()
-    fl.wait_healthy()
-    s = status(fl)
+    used = 3 * 16 * 1024
+
+    def set_used() -> None:
+        fl.n2.models["tiny"].used_bytes = used
+        fl.n2.changed()
+    fl.lt.call(set_used)
+
+    def reported() -> dict | None:  # the router has the neuron's new report
+        s = status(fl)
+        n2 = next(n for n in s["neurons"] if n["name"] == "n2")
+        tiny = next(m for m in n2["models"] if m["model"] == "tiny")
+        return s if tiny["bar"]["used"] == used else None
+    s = wait_for(reported)
     by_name = {n["name"]: n for n in s["neurons"]}
     assert set(by_name) == {"n1", "n2"}
     n2 = by_name["n2"]
