@@ -14,8 +14,11 @@ def test_router_spans_all_end_including_a_neurons_context_refusal(ops):
                            timeout=60)
     msgs = [{"role": "user", "content": "hello"}]
     client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3)
-    with pytest.raises(openai.BadRequestError) as e:  # the neuron counts: over the context
-        client.chat.completions.create(model="tiny", messages=msgs, max_tokens=100_000)
+    # Over the context only as the neuron counts: the router's lower bound from the text's
+    # bytes lets it through, so it logs request.start before the neuron refuses.
+    long_msgs = [{"role": "user", "content": " ".join(["harbour lights"] * 100)}]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=long_msgs, max_tokens=4000)
     assert e.value.code == "context_length_exceeded"
     rid = e.value.response.headers["x-request-id"]
     log = ops.router.log_path
