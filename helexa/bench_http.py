@@ -1,202 +1,240 @@
-"""`helexa bench`: HTTP load against any OpenAI-compatible endpoint, streaming chat requests.
+"""`helexa bench`: HTTP load against OpenAI-compatible endpoints, one record per request.
 
     helexa bench --url http://127.0.0.1:8080 --model helexa/balanced \\
-        --scenario chat:512 --scenario concurrency:8 [--requests N] [--max-tokens 64] [--json]
+        --scenario chat:512,concurrency:8 --scenario chat:128,sweep:16 \\
+        [--url other=http://10.0.0.2:8000 ...] [--tokenizer DIR] [--out run.jsonl]
+    helexa bench report run.jsonl [more.jsonl ...] [--out DIR]
 
-A scenario is `chat:<prompt_tokens>` (prompts of about that many tokens, one
-stream at a time unless the same scenario also says `concurrency`) or
-`concurrency:<n>` (n streams at once, short prompts); both may be combined
-as `chat:512,concurrency:8`. Each scenario reports TTFT p50/p95,
-inter-token latency p50/p95 (gaps between content chunks), per-stream
-decode tok/s (median), aggregate tok/s (all completion tokens over the
-scenario's wall time), and refused requests by HTTP status.
+Scenarios are described in bench_load.py and docs/operating.md
+("Benchmarking"). Every request is a line of the JSONL output (`--out`):
+status, outcome, refusal code and reason, TTFT, each chunk's arrival and
+token count, E2E, tokens in, out and cached. The table printed at the end
+has p50/p90/p99 of TTFT, inter-token latency (per token) and E2E, and
+goodput; a sweep also prints its knee. A failed request (refusal, timeout,
+disconnect) is a counted outcome; Ctrl-C stops the run, and what was
+measured is written and summarised (exit status 130).
+
+The progress bar is tqdm's (on stderr, only on a terminal): one small pure-Python
+package that transformers' tooling already brings, where rich would bring a
+whole terminal-rendering stack for one bar.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
-import statistics
+import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from typing import IO, Any
 
 import aiohttp
+import msgspec
 
-_WORDS = ("the quiet harbour keeps its lights burning while ships come home across the grey "
-          "water and sailors tell stories of distant islands").split()
-
-
-@dataclass
-class Scenario:
-    name: str
-    prompt_tokens: int = 32
-    concurrency: int = 1
+from helexa.bench_load import Endpoint, Plan, Scenario, parse_scenario, run_interleaved
+from helexa.bench_prompts import local_counter, remote_counter
+from helexa.bench_request import Record
+from helexa.bench_stats import group, knees, summarise, table
 
 
-@dataclass
-class Result:
-    ttft: list[float] = field(default_factory=list)
-    gaps: list[float] = field(default_factory=list)
-    stream_tps: list[float] = field(default_factory=list)
-    completion_tokens: int = 0
-    prompt_tokens: list[int] = field(default_factory=list)
-    refused: dict[str, int] = field(default_factory=dict)
-    errors: int = 0
-    wall_secs: float = 0.0
+def _parse_url(spec: str) -> tuple[str, str]:
+    label, eq, url = spec.partition("=")
+    if not eq or "://" in label:
+        label, url = spec, spec
+    if not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"bad --url `{spec}`: expected [LABEL=]http(s)://HOST:PORT")
+    return label, url.rstrip("/").removesuffix("/v1")
 
 
-def parse_scenario(spec: str) -> Scenario:
-    sc = Scenario(spec)
-    for part in spec.split(","):
-        key, _, value = part.partition(":")
-        if key not in ("chat", "concurrency") or not value.isdigit() or int(value) < 1:
-            raise argparse.ArgumentTypeError(
-                f"bad scenario `{part}`: expected chat:<prompt_tokens> or concurrency:<n>")
-        if key == "chat":
-            sc.prompt_tokens = int(value)
-        else:
-            sc.concurrency = int(value)
-    return sc
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="helexa bench", description=__doc__.splitlines()[0])
+    p.add_argument("--url", action="append", type=_parse_url, required=True,
+                   help="[LABEL=]endpoint base, e.g. http://127.0.0.1:8080 (repeat to compare)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--scenario", action="append", type=parse_scenario, required=True,
+                   help="e.g. chat:512,concurrency:8 | chat:64,rate:5 | chat:64,sweep:16 | "
+                        "chat:256,turns:4,concurrency:2 | long (repeatable)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests (or sessions) per scenario, sweep level and endpoint "
+                        "(default: max(8, 4 x concurrency))")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaving rounds per scenario when comparing endpoints (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="ask for exactly --max-tokens (vLLM's and helexa's field)")
+    p.add_argument("--no-token-ids", dest="token_ids", action="store_false",
+                   help="do not ask for return_token_ids (servers that refuse the field); "
+                        "tokens per chunk are then one per chunk with text")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="checkpoint folder whose tokenizer counts prompt tokens (else the "
+                        "endpoint's /tokenize, else an estimate)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    p.add_argument("--principal", default=None,
+                   help="a label sent as the OpenAI `user` field and kept in the records; "
+                        "helexa decides a request's principal from its API key, so give the "
+                        "bench a key of its own (e.g. mapped to `bench`) to keep it out of "
+                        "`helexa journal --exclude-principal bench`")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--abandon", type=float, default=0.0, metavar="FRACTION",
+                   help="this share of requests hangs up after its first token")
+    p.add_argument("--ttft-bound-ms", type=float, default=1000.0,
+                   help="a sweep's knee: the first concurrency whose p99 TTFT is over this")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT at most this")
+    p.add_argument("--slo-itl-ms", type=float, default=None,
+                   help="goodput: the request's p99 inter-token latency at most this")
+    p.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals")
+    p.add_argument("--out", metavar="RUN.jsonl", help="write every request as a JSON line")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-progress", action="store_true")
+    return p
 
 
-def prompt(tokens: int, salt: int) -> str:
-    """About `tokens` tokens of plain English (~4 chars a token), different per request."""
-    words, chars = [f"({salt})"], 0
-    i = salt
-    while chars < tokens * 4:
-        w = _WORDS[i % len(_WORDS)]
-        words.append(w)
-        chars += len(w) + 1
-        i += 7
-    return " ".join(words)
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
-async def one(session: aiohttp.ClientSession, args: argparse.Namespace, sc: Scenario, i: int,
-              res: Result) -> None:
-    body = {"model": args.model, "messages": [{"role": "user", "content": prompt(
-        sc.prompt_tokens, i)}], "max_tokens": args.max_tokens, "stream": True,
-        "stream_options": {"include_usage": True}, "temperature": args.temperature}
-    if args.ignore_eos:
-        body["ignore_eos"] = True
-    t0 = time.perf_counter()
-    first = last = None
-    try:
-        async with session.post(args.url.rstrip("/") + "/v1/chat/completions", json=body) as r:
-            if r.status != 200:
-                res.refused[str(r.status)] = res.refused.get(str(r.status), 0) + 1
-                await r.read()
-                return
-            usage = None
-            async for raw in r.content:
-                line = raw.strip()
-                if not line.startswith(b"data: ") or line == b"data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    res.errors += 1
-                    return
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if any(c.get("delta", {}).get("content") for c in chunk.get("choices", [])):
-                    now = time.perf_counter()
-                    if first is None:
-                        first = now
-                        res.ttft.append(now - t0)
-                    else:
-                        res.gaps.append(now - last)
-                    last = now
-    except aiohttp.ClientError:
-        res.errors += 1
-        return
-    if usage:
-        res.completion_tokens += usage["completion_tokens"]
-        res.prompt_tokens.append(usage["prompt_tokens"])
-        if first is not None and last > first and usage["completion_tokens"] > 1:
-            res.stream_tps.append((usage["completion_tokens"] - 1) / (last - first))
-
-
-async def run_scenario(args: argparse.Namespace, sc: Scenario) -> Result:
-    res = Result()
-    n = args.requests or max(8, 4 * sc.concurrency)
+async def _endpoint(args: argparse.Namespace, label: str, url: str) -> Endpoint:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        queue = list(range(n))
-
-        async def worker() -> None:
-            while queue:
-                await one(session, args, sc, queue.pop(), res)
-
-        t = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(sc.concurrency)))
-        res.wall_secs = time.perf_counter() - t
-    return res
-
-
-def summary(sc: Scenario, res: Result) -> dict:
-    ms = 1000.0
-    done = len(res.ttft)
-
-    def r(x: float | None, k: float = 1.0) -> float | None:
-        return None if x is None else round(x * k, 3)
-    return {
-        "scenario": sc.name, "concurrency": sc.concurrency, "prompt_tokens_asked": sc.prompt_tokens,
-        "prompt_tokens_mean": r(statistics.mean(res.prompt_tokens)) if res.prompt_tokens else None,
-        "completed": done, "refused": res.refused, "errors": res.errors,
-        "ttft_p50_ms": r(pct(res.ttft, 0.5), ms), "ttft_p95_ms": r(pct(res.ttft, 0.95), ms),
-        "itl_p50_ms": r(pct(res.gaps, 0.5), ms), "itl_p95_ms": r(pct(res.gaps, 0.95), ms),
-        "stream_tok_per_s_p50": r(pct(res.stream_tps, 0.5)),
-        "aggregate_tok_per_s": r(res.completion_tokens / res.wall_secs if res.wall_secs else None),
-        "completion_tokens": res.completion_tokens, "wall_secs": r(res.wall_secs),
-    }
+    session = aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=0),
+                                    timeout=aiohttp.ClientTimeout(total=None))
+    ep = Endpoint(label, url, args.model, session)
+    with contextlib.suppress(aiohttp.ClientError, ValueError, TimeoutError, KeyError, TypeError):
+        async with asyncio.timeout(10):
+            async with session.get(f"{url}/v1/models/{args.model}") as r:
+                if r.status == 200:
+                    ep.context = (await r.json()).get("limit", {}).get("context")
+    if args.tokenizer:
+        ep.count = local_counter(args.tokenizer)
+    else:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                ep.count = await remote_counter(session, url, args.model)
+        if ep.count is None:
+            print(f"helexa bench: {label} has no /tokenize and no --tokenizer was given: "
+                  "prompt lengths are estimates (the records say what the server counted)",
+                  file=sys.stderr)
+    return ep
 
 
-def table(rows: list[dict]) -> str:
-    cols = [("scenario", "scenario"), ("conc", "concurrency"), ("prompt", "prompt_tokens_mean"),
-            ("done", "completed"), ("refused", "refused"), ("err", "errors"),
-            ("ttft p50 ms", "ttft_p50_ms"), ("ttft p95 ms", "ttft_p95_ms"),
-            ("itl p50 ms", "itl_p50_ms"), ("itl p95 ms", "itl_p95_ms"),
-            ("stream tok/s", "stream_tok_per_s_p50"), ("total tok/s", "aggregate_tok_per_s")]
+class Sink:
+    """Where finished records go: the JSONL file, the list kept for the summary, the bar."""
 
-    def cell(v) -> str:
-        if isinstance(v, dict):
-            return ",".join(f"{k}:{n}" for k, n in sorted(v.items())) or "0"
-        return "-" if v is None else f"{v:g}" if isinstance(v, float) else str(v)
-    grid = [[h for h, _ in cols]] + [[cell(row[k]) for _, k in cols] for row in rows]
-    widths = [max(len(line[i]) for line in grid) for i in range(len(cols))]
-    return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True))
-                     for line in grid)
+    def __init__(self, out: IO[bytes] | None, bar: Any) -> None:
+        self.out = out
+        self.bar = bar
+        self.records: list[Record] = []
+        self._enc = msgspec.json.Encoder()
+
+    def __call__(self, rec: Record) -> None:
+        self.records.append(rec)
+        if self.out is not None:
+            self.out.write(self._enc.encode(msgspec.structs.replace(rec, reply="")) + b"\n")
+            self.out.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            ok = sum(1 for r in self.records if r.outcome == "ok")
+            self.bar.set_postfix(ok=ok, other=len(self.records) - ok, refresh=False)
+
+
+def _requests(args: argparse.Namespace, sc: Scenario) -> int:
+    return args.requests or max(8, 4 * sc.concurrency)
+
+
+async def run(args: argparse.Namespace, sink: Sink, stop: asyncio.Event) -> None:
+    endpoints = [await _endpoint(args, label, url) for label, url in args.url]
+    plan = Plan(args, time.perf_counter(), sink, stop,
+                abandon_every=round(1 / args.abandon) if args.abandon > 0 else 0)
+    try:
+        for sc in args.scenario:
+            for level in sc.levels():
+                await run_interleaved(plan, endpoints, level, _requests(args, level), args.rounds)
+                if stop.is_set():
+                    return
+    finally:
+        for ep in endpoints:
+            await ep.session.close()
+
+
+def _planned(args: argparse.Namespace) -> int:
+    return sum(_requests(args, lv) * lv.turns * len(args.url)
+               for sc in args.scenario for lv in sc.levels())
+
+
+def summary_rows(records: list[Record], args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [summarise(recs, args.slo_ttft_ms, args.slo_itl_ms) for recs in group(records).values()]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="helexa bench", description=__doc__.splitlines()[0])
-    p.add_argument("--url", required=True, help="endpoint base, e.g. http://127.0.0.1:8080")
-    p.add_argument("--model", required=True)
-    p.add_argument("--scenario", action="append", type=parse_scenario, required=True,
-                   help="chat:<prompt_tokens> | concurrency:<n> (repeatable; combine with a comma)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests per scenario (default: max(8, 4 x concurrency))")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max-tokens (vLLM field)")
-    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = p.parse_args(argv)
-    rows = [summary(sc, asyncio.run(run_scenario(args, sc))) for sc in args.scenario]
-    print(json.dumps(rows, indent=2) if args.json else table(rows))
-    return 0 if all(r["completed"] for r in rows) else 1
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["report"]:
+        from helexa.bench_report import main as report_main
+        return report_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if not 0 <= args.abandon <= 1:
+        print("helexa bench: --abandon: expected a fraction between 0 and 1", file=sys.stderr)
+        return 2
+    out = open(args.out, "wb") if args.out else None  # noqa: SIM115 - closed below
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        bar = tqdm(total=_planned(args), unit="req", file=sys.stderr, disable=None,
+                   dynamic_ncols=True)
+    sink = Sink(out, bar)
+    if out is not None:
+        meta = {"run": {"started_unix": time.time(), "model": args.model,
+                        "endpoints": dict(args.url), "scenarios": [s.name for s in args.scenario],
+                        "max_tokens": args.max_tokens, "ttft_bound_ms": args.ttft_bound_ms,
+                        "principal": args.principal}}
+        out.write(json.dumps(meta).encode() + b"\n")
+    interrupted = _run_until_interrupted(args, sink)
+    if bar is not None:
+        bar.close()
+    if out is not None:
+        out.close()
+    rows = summary_rows(sink.records, args)
+    found = knees(rows, args.ttft_bound_ms)
+    if args.json:
+        print(json.dumps({"rows": rows, "knees": found, "interrupted": interrupted}, indent=2))
+    else:
+        print(table(rows))
+        for k in found:
+            print(f"sweep {k['sweep']} on {k['endpoint']}: " + (
+                f"knee at concurrency {k['knee']} (p99 TTFT {k['ttft_p99_ms']:g} ms > "
+                f"{k['bound_ms']:g} ms)" if k["knee"] else
+                f"no knee up to concurrency {k['max_concurrency']} (bound {k['bound_ms']:g} ms)"))
+        if interrupted:
+            print(f"interrupted: {len(sink.records)} requests measured")
+    if interrupted:
+        return 130
+    return 0 if rows and all(r["ok"] for r in rows) else 1
+
+
+def _run_until_interrupted(args: argparse.Namespace, sink: Sink) -> bool:
+    """Run the benchmark; True when Ctrl-C (or SIGTERM) cut it short."""
+    hit = [False]
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+
+        def interrupt() -> None:
+            hit[0] = True
+            stop.set()
+            if task is not None:
+                task.cancel()  # requests in flight end as `interrupted`
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, interrupt)
+        try:
+            await run(args, sink, stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                with contextlib.suppress(NotImplementedError, RuntimeError):
+                    loop.remove_signal_handler(sig)
+    with contextlib.suppress(asyncio.CancelledError, KeyboardInterrupt):
+        asyncio.run(go())
+    return hit[0]
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ import msgspec
 
 _US_PER_HOUR = 3_600_000_000
 _START, _DONE, _REJECTED = "request.start", "request.done", "request.rejected"
-# Codes the neuron only gives before `request.start` (checks of the request itself),
-# never after it is handed to the engine.
+# Codes the neuron only gives before its `request.start` (checks of the request itself),
+# never after it is handed to the engine. Not so for the router, which logs its start
+# before the neuron checks anything.
 _PRE_START_CODES = frozenset({"invalid_request_error", "context_length_exceeded", "model_not_found"})
 
 
@@ -51,7 +52,7 @@ _decode = msgspec.json.Decoder(LogLine).decode
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def _micros(ts: datetime) -> int:
+def micros(ts: datetime) -> int:
     """Microseconds since the epoch of an aware datetime."""
     d = ts - _EPOCH
     return (d.days * 86_400 + d.seconds) * 1_000_000 + d.microseconds
@@ -107,6 +108,10 @@ class Journal:
         """Pair the spans of these lines (may be called again with more lines)."""
         open_spans: dict[str, tuple[int, str, str | None]] = {}  # req_id -> (t, model, principal)
         component, decode = self.component, _decode
+        # Only a neuron refuses a call by its checks while another call with the same req_id
+        # runs; the router makes its own ids and logs its rejections after request.start
+        # (a neuron's context_length_exceeded), so there a rejection always ends its span.
+        pre_start_rule = component == "neuron"
         first, last = self.first_ts, self.last_ts
         n = n_json = 0
         for raw in lines:  # the hot loop: decoding dominates (about 1 µs a line)
@@ -137,9 +142,9 @@ class Journal:
                 earlier = open_spans.get(rec.req_id)
                 if earlier is not None:  # a repeated id: the earlier start never ended here
                     self._unpaired_start(earlier[1], earlier[2])
-                open_spans[rec.req_id] = (_micros(ts), rec.model or "(none)", rec.principal)
+                open_spans[rec.req_id] = (micros(ts), rec.model or "(none)", rec.principal)
             elif ev == _DONE or ev == _REJECTED:
-                if ev == _REJECTED and rec.code in _PRE_START_CODES:
+                if ev == _REJECTED and rec.code in _PRE_START_CODES and pre_start_rule:
                     # refused before its start line (e.g. a duplicate req_id while the
                     # first is served): it must not end the open span of that id
                     self._unpaired_end(rec)
@@ -148,7 +153,7 @@ class Journal:
                 if begun is None:
                     self._unpaired_end(rec)
                 else:
-                    self._paired(begun, _micros(ts), rec)
+                    self._paired(begun, micros(ts), rec)
         for _, model, principal in open_spans.values():
             self._unpaired_start(model, principal)
         self.lines += n
@@ -269,7 +274,7 @@ def format_report(j: Journal, model: str | None = None) -> str:
                f" {j.json_lines} JSON lines of {j.component}",
                "no timestamped lines: nothing to report"]
         return "\n".join(out) + "\n"
-    first_us, last_us = _micros(j.first_ts), _micros(j.last_ts)
+    first_us, last_us = micros(j.first_ts), micros(j.last_ts)
     wall = last_us - first_us
     out = [f"journal concurrency: component {j.component}, {j.lines} lines,"
            f" {j.json_lines} JSON lines of {j.component}"]
@@ -307,6 +312,8 @@ def main(argv: list[str]) -> int:
     cc.add_argument("--model", help="report this model only")
     cc.add_argument("--exclude-principal", action="append", default=[], metavar="P",
                     help="leave out this principal's requests (repeatable), e.g. bench")
+    cc.add_argument("--plot", metavar="FILE.png",
+                    help="also draw in flight over time and its distribution (matplotlib)")
     args = ap.parse_args(argv)
     try:
         lines = _read_lines(args.file)
@@ -316,4 +323,8 @@ def main(argv: list[str]) -> int:
     j = Journal(component=args.component, exclude=frozenset(args.exclude_principal))
     j.read(lines)
     sys.stdout.write(format_report(j, args.model))
+    if args.plot:
+        from helexa.journal_plot import plot  # matplotlib: only when asked
+        plot(j, args.plot, args.model)
+        print(f"plot: {args.plot}")
     return 0

@@ -1,7 +1,8 @@
 """`helexa router --config FILE`: the OpenAI-compatible HTTP front door.
 
 Builds the aiohttp application (the generation endpoints in `serve.py`,
-`/v1/models`, `/health`, `/metrics`), starts the neuron registry, prints
+`/v1/models`, `/health`, `/metrics`, and `/status` + `/status.json` from
+`status.py`), starts the neuron registry, prints
 `ROUTER LISTENING http://HOST:PORT` once bound (port 0 allowed) and writes
 `server.address_file`. SIGHUP re-reads the config and applies what can be
 applied live (aliases, keys, auth policy, neuron list, timeouts) without
@@ -30,6 +31,7 @@ from helexa.router.errors import ApiError
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
+from helexa.router.status import StatusBoard, status_routes
 
 SHUTDOWN_GRACE_SECS = 10.0
 STATE = serve.STATE
@@ -44,6 +46,8 @@ class RouterState:
         self.registry = Registry([], token=None, unhealthy_after_secs=2.0, reconnect_max_secs=5.0)
         self.metrics = RouterMetrics(lambda: list(self.registry.links.values()))
         self.dispatcher = Dispatcher(self.registry, self.metrics, DispatchSettings(["*"], 60, 600))
+        self.status = StatusBoard(self.registry, self.metrics.refusals, self.metrics.requests,
+                                  self.metrics.in_progress)
         self.max_body_bytes = cfg.server.max_body_bytes
         self.read_timeout_secs = cfg.server.read_timeout_secs
         self.apply(cfg)
@@ -180,6 +184,9 @@ def build_app(state: RouterState) -> web.Application:
     app.router.add_get("/v1/models/{model:.+}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_routes(status_routes(
+        lambda r: r.app[STATE].status,
+        lambda r: r.app[STATE].auth.principal(r.headers.get("Authorization"))))
     return app
 
 
@@ -189,6 +196,7 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
     state = RouterState(cfg, config_path)
     await state.registry.start()
     await state.registry.set_endpoints(cfg.neurons.endpoints)
+    state.status.start()
     runner = RouterRunner(build_app(state), handler_cancellation=True, access_log=None,
                           shutdown_timeout=SHUTDOWN_GRACE_SECS,
                           keepalive_timeout=cfg.server.read_timeout_secs,
@@ -206,6 +214,7 @@ async def stop(runner: web.AppRunner, state: RouterState) -> None:
     await runner.cleanup()
     state.log.info("router.http_closed")
     await state.dispatcher.close()
+    await state.status.close()
     await state.registry.close()
     state.log.info("router.stopped")
 

@@ -33,3 +33,15 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_checkpoint: Callable[..., Path]) -> Path:
     return tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Path to a headless-capable chromium (Debian's package, installed here when we are root);
+    skips, saying why, where there is none."""
+    from browser_cdp import find_chromium  # tests/ is on sys.path (rootdir conftest)
+
+    path, why = find_chromium()
+    if path is None:
+        pytest.skip(why)
+    return path

@@ -172,3 +172,30 @@ def test_a_log_shorter_than_an_hour_is_reported_in_seconds(tmp_path: Path, capsy
     assert ("    in flight   busy s    share   cumulative\n"
             "            1   60.000    66.7%        66.7%\n"
             "            2   30.000    33.3%       100.0%\n") in out
+
+
+def test_router_rejections_after_start_end_their_span(tmp_path: Path, capsys) -> None:
+    # The router logs request.start before any neuron checks the request, so a neuron's
+    # context_length_exceeded (or a model_not_found from selection) comes after it. Those
+    # requests have ended; they must not be reported as never ending.
+    r = {"component": "router", "model": A, "principal": "alice"}
+    lines = [_line(0, "request.start", req_id="r1", **r),
+             _line(0.5, "request.rejected", req_id="r1", code="context_length_exceeded", **r),
+             _line(1, "request.start", req_id="r2", **r),
+             _line(2, "request.done", req_id="r2", finish=["stop"], client_gone=False, **r),
+             _line(3, "request.rejected", req_id="r3", code="invalid_api_key", **r)]
+    p = tmp_path / "router.log"
+    p.write_text("\n".join(lines) + "\n")
+    assert main(["concurrency", str(p), "--component", "router", "--model", A]) == 0
+    out = capsys.readouterr().out
+    assert "  spans: 2 paired, 0 unpaired\n" in out
+    assert ("    paired: 1 finished, 0 client gone, 1 error"
+            " (1 rejected: context_length_exceeded 1)\n") in out
+    assert "  refused before start (no span): 1: invalid_api_key 1\n" in out
+
+
+def test_plot_draws_in_flight_over_time(log_file: Path, tmp_path: Path, capsys) -> None:
+    png = tmp_path / "inflight.png"
+    assert main(["concurrency", str(log_file), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert f"plot: {png}" in capsys.readouterr().out
