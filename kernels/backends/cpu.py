@@ -57,7 +57,8 @@ class CpuBackend(TorchBackend):
         self.lib = cpu_native.load() if tp_size == 1 else None
         tied = getattr(getattr(model, "cfg", None), "tie_word_embeddings", False)
         linears = [(m, not (tied and isinstance(m, ParallelLMHead))) for m in model.modules()
-                   if isinstance(m, ParallelLinearBase | ParallelLMHead)]
+                   if isinstance(m, ParallelLinearBase | ParallelLMHead)
+                   and getattr(m, "quant", None) is None]  # quantised: kernels/quant.py's op
         self.choices = cpu_matmul.install(
             linears, self.lib, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
             max_copy_mb=float(os.environ.get("HELEXA_CPU_PACK_MAX_MB", "2048")))

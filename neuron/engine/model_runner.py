@@ -28,6 +28,7 @@ from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.loader import load_model
+from helexa.neuron.models.quant import QuantSpec, weight_bytes
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 log = structlog.get_logger(component="engine")
@@ -69,7 +70,8 @@ class ModelRunner:
                  progress: Callable[[int, int], None] | None = None,
                  devices: list[str] | None = None, backend: str = "auto",
                  cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
-                 context: int = 0) -> None:
+                 context: int = 0, quantize: str = "none",
+                 quant_group_size: int = 128) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
         every rank uses ``device``. close() stops them (so does garbage collection or exit).
@@ -78,7 +80,9 @@ class ModelRunner:
         ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool
         really takes, on every rank; on CUDA the pool is sized by measurement with
         ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
-        (neuron/engine/memory_plan.py)."""
+        (neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
+        ``quant_group_size``) quantises the weights at load (neuron/models/quant.py)."""
+        quant = QuantSpec(quantize, quant_group_size)
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
@@ -90,7 +94,7 @@ class ModelRunner:
             self._tp_args = RunnerArgs(
                 str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
-                cuda_graphs=cuda_graphs)
+                cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
@@ -99,7 +103,8 @@ class ModelRunner:
         self.max_batched_tokens = max_batched_tokens
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
-                                tp_size=tp_size, progress=progress)
+                                tp_size=tp_size, progress=progress, quantize=quant)
+        self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend.prepare_model(self.model, max_num_seqs=max_num_seqs,
                                    max_batched_tokens=max_batched_tokens, tp_size=tp_size)

@@ -110,6 +110,8 @@ class RunnerArgs:
     init_file: str = ""
     backend: str = "auto"  # attention backend (kernels/backends/__init__.py)
     cuda_graphs: bool = True
+    quantize: str = "none"  # neuron/models/quant.py
+    quant_group_size: int = 128
 
 
 class TpError(RuntimeError):
@@ -325,7 +327,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              num_blocks=args.num_blocks, block_size=args.block_size,
                              kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                              max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
-                             tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs)
+                             tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
+                             quantize=args.quantize, quant_group_size=args.quant_group_size)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return

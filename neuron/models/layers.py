@@ -107,6 +107,9 @@ class ParallelLinearBase(HotModule):
         # A device backend's product for this weight (kernels/backends/), same result:
         # kernel(x, bias) -> x @ W^T + bias. None: F.linear.
         self.kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+        # The linear method of a quantised layer (neuron/models/quant.py), set before loading;
+        # once loaded it installs itself as ``kernel`` and the float weight is freed.
+        self.quant: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
         raise NotImplementedError
@@ -239,6 +242,15 @@ class VocabParallelEmbedding(HotModule):
                          requires_grad=False),
             self.weight_loader,
         )
+        self.dtype = dtype
+        self.quant: Any = None  # as ParallelLinearBase.quant
+        # lookup(ids, dtype) -> rows, for a quantised table (neuron/models/quant.py); None: F.embedding
+        self.lookup: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup is not None:
+            return self.lookup(ids, self.dtype)
+        return F.embedding(ids, self.weight)
 
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
         n = self.vocab_end - self.vocab_start
@@ -246,10 +258,10 @@ class VocabParallelEmbedding(HotModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return self._rows(ids)
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, 0)
-        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        out = self._rows(local) * mine.unsqueeze(-1).to(self.dtype)
         _all_reduce(out)
         return out
 
@@ -291,7 +303,10 @@ class RMSNorm(HotModule):
 
     def fold_into(self, *linears: nn.Module) -> None:
         """After loading: scale the input columns of the matmul(s) this norm feeds,
-        W @ (w * x) == (W * w) @ x, so the norm itself multiplies by nothing."""
+        W @ (w * x) == (W * w) @ x, so the norm itself multiplies by nothing. A quantised
+        matmul keeps its checkpoint's weight (its error is the checkpoint's): the norm stays."""
+        if any(getattr(lin, "quant", None) is not None for lin in linears):
+            return
         with torch.no_grad():
             for lin in linears:
                 lin.weight.mul_(self.weight.to(lin.weight.dtype))

@@ -24,6 +24,7 @@ from helexa.neuron.models.config import (
     parse_dtype,
 )
 from helexa.neuron.models.llama import LlamaForCausalLM
+from helexa.neuron.models.quant import QuantSpec, attach, quantize_model
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
 ProgressFn = Callable[[int, int], None]
@@ -138,8 +139,10 @@ def _tensor_bytes(path: Path) -> int:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype = "auto",
-               tp_rank: int = 0, tp_size: int = 1, progress: ProgressFn | None = None) -> nn.Module:
-    """Build the model for ``model_dir`` and load this rank's weights."""
+               tp_rank: int = 0, tp_size: int = 1, progress: ProgressFn | None = None,
+               quantize: QuantSpec | None = None) -> nn.Module:
+    """Build the model for ``model_dir`` and load this rank's weights; ``quantize``
+    quantises them at load (neuron/models/quant.py)."""
     model_dir = Path(model_dir)
     _, cfg = load_model_config(model_dir)
     cls = MODEL_CLASSES.get(cfg.architecture)
@@ -149,7 +152,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     files = checkpoint_files(model_dir)
     with torch.device(device):
         model = cls(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype, device=device)
+    if quantize is not None:
+        attach(model, quantize)
     load_weights(model, files, tie_word_embeddings=cfg.tie_word_embeddings, progress=progress)
+    quantize_model(model)  # before finalize: what is quantised is the checkpoint's weight
     model.finalize()
     model.eval()
     return model

@@ -1,0 +1,217 @@
+"""Weight-only quantisation at load: the linear methods behind the parallel layers.
+
+A parallel linear layer with ``quant`` set is a quantised layer: its float weight
+is loaded as usual (this rank's shard), then :func:`quantize_model` turns it into
+the packed layout of kernels/quant.py and installs the method as the layer's
+``kernel`` (x -> x @ W^T + b). The float weight is freed. Models never see
+any of this: they call their layers as before (as vLLM's ``quant_method``).
+
+``quantize = "int8"``: every linear, the LM head and the embedding int8, one
+scale per output row (symmetric). ``"int4"``: the decoder's linears int4 in
+groups of ``group_size`` along the input (asymmetric: a scale and a zero per
+group), the LM head and the embedding int8 (the head is the layer most
+sensitive to error and a small share of the bytes).
+
+Quantisation is of the checkpoint's tensor, independent of tensor parallelism:
+an int8 row scale is the absmax of the whole row (row-parallel layers read it
+from the full tensor at load), and int4 groups never straddle ranks (a
+row-parallel shard whose width is not a whole number of groups is refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa.kernels import quant as qk
+
+QUANT_KINDS = ("none", "int8", "int4")
+
+
+class QuantConfigError(ValueError):
+    """A quantisation that this model's shapes (or this tp) cannot take."""
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    kind: str = "none"  # none | int8 | int4
+    group_size: int = 128  # int4 only
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANT_KINDS:
+            raise QuantConfigError(f"quantize: expected one of {QUANT_KINDS}, got {self.kind!r}")
+        if self.kind == "int4" and self.group_size not in qk.INT4_GROUP_SIZES:
+            raise QuantConfigError(f"quant_group_size: expected one of {qk.INT4_GROUP_SIZES} "
+                                   f"for int4, got {self.group_size}")
+
+
+# ---------------------------------------------------------------- quantisers (fp32 math)
+
+
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (int8 [N, K], scales [N] in ``dtype``); symmetric, one scale a row.
+    ``absmax`` per row (from the whole row) when ``w`` is one rank's columns."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if absmax is None else absmax.float()
+    scales = (amax / 127).clamp_min(1e-8).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (values 0..15 uint8 [N, K], scales [N, G], zeros [N, G]) with
+    ``w ≈ (q - 8) * scale + zero``; asymmetric min/max per group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(1e-8).to(dtype)
+    s = scales.float()
+    q = torch.round((g - lo[..., None]) / s[..., None]).clamp_(0, 15)
+    zeros = (lo + 8 * s).to(dtype)  # the float "zero" of tinygemm: value of q = 8
+    # zeros was rounded: re-pick each q for the stored (scale, zero) so it is the nearest
+    q = torch.round((g - zeros.float()[..., None]) / s[..., None] + 8).clamp_(0, 15)
+    return q.to(torch.uint8).view(n, k), scales, zeros
+
+
+# ---------------------------------------------------------------- linear methods
+
+
+class Int8Linear:
+    """kernel(x, bias) for an int8 layer; holds nothing but references to its buffers."""
+
+    def __init__(self, mod: nn.Module) -> None:
+        self.mod = mod
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return qk.int8_linear(x, self.mod.qweight, self.mod.qscales, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return qk.dequantize_int8(self.mod.qweight, self.mod.qscales)
+
+
+class Int4Linear:
+    def __init__(self, mod: nn.Module, group_size: int, q: torch.Tensor) -> None:
+        self.mod, self.group_size, self.n = mod, group_size, q.shape[0]
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return qk.int4_linear(x, self.mod.qweight, self.group_size, self.n,
+                              self.mod.qscales_zeros, bias)
+
+
+@dataclass
+class LinearQuant:
+    """What a layer is to become (set before loading; see attach)."""
+
+    kind: str  # int8 | int4
+    group_size: int
+    absmax: torch.Tensor | None = None  # int8 row-parallel: whole-row absmax, read at load
+
+
+def attach(model: nn.Module, spec: QuantSpec) -> None:
+    """Mark every linear (and the embedding) of ``model`` for ``spec``; before loading,
+    so a row-parallel int8 layer can read its rows' absmax from the whole tensor."""
+    from helexa.neuron.models.layers import (
+        ParallelLinearBase,
+        ParallelLMHead,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+    )
+
+    if spec.kind == "none":
+        return
+    for name, mod in model.named_modules():
+        if isinstance(mod, ParallelLMHead) or (isinstance(mod, VocabParallelEmbedding)):
+            mod.quant = LinearQuant("int8", 0)
+        elif isinstance(mod, ParallelLinearBase):
+            kind = spec.kind
+            if kind == "int4":
+                _check_int4(name, mod, spec.group_size)
+            mod.quant = LinearQuant(kind, spec.group_size)
+            if kind == "int8" and isinstance(mod, RowParallelLinear) and mod.tp_size > 1:
+                _wrap_absmax_loader(mod)
+
+
+def _check_int4(name: str, mod: Any, group: int) -> None:
+    n, k = mod.weight.shape
+    if k % group:
+        whole = k * mod.tp_size
+        raise QuantConfigError(
+            f"{name}: int4 groups of {group} would straddle ranks: {whole} input features"
+            f" / tp={mod.tp_size} = {k} per rank, not a multiple of {group}")
+    if n % qk.INT4_ROW_MULTIPLE:
+        raise QuantConfigError(f"{name}: int4 needs output rows per rank divisible by "
+                               f"{qk.INT4_ROW_MULTIPLE}, got {n}")
+
+
+def _wrap_absmax_loader(mod: Any) -> None:
+    inner = mod.weight.weight_loader
+
+    def loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns
+            mod.quant.absmax = loaded[:].float().abs().amax(dim=1)
+        inner(param, loaded, shard_id)
+
+    mod.weight.weight_loader = loader
+
+
+def quantize_model(model: nn.Module) -> None:
+    """After loading, before the model's finalize: replace every marked float weight by
+    its packed layout and install the product as the layer's kernel."""
+    from helexa.neuron.models.layers import ParallelLMHead, VocabParallelEmbedding
+
+    dtype = qk.compute_dtype(next(model.parameters()).dtype)
+    done: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(float weight) -> int8 pair
+    for mod in list(model.modules()):
+        spec: LinearQuant | None = getattr(mod, "quant", None)
+        if spec is None:
+            continue
+        w = mod.weight
+        if spec.kind == "int8":
+            if id(w) not in done:  # a tied head shares the embedding's rows
+                done[id(w)] = quantize_int8(w.data, spec.absmax, dtype)
+            q, s = done[id(w)]
+            mod.register_buffer("qweight", q, persistent=False)
+            mod.register_buffer("qscales", s, persistent=False)
+            mod.kernel = Int8Linear(mod)
+        else:
+            q, s, z = quantize_int4(w.data, spec.group_size, dtype)
+            mod.register_buffer("qweight", qk.int4_pack(q), persistent=False)
+            mod.register_buffer("qscales_zeros", qk.int4_scales_zeros(s, z, dtype),
+                                 persistent=False)
+            mod.kernel = Int4Linear(mod, spec.group_size, q)
+        spec.absmax = None
+        if isinstance(mod, VocabParallelEmbedding) and not isinstance(mod, ParallelLMHead):
+            mod.lookup = _Int8Lookup(mod)
+    for mod in model.modules():  # free the float weights (a tied head's goes with the embedding)
+        if getattr(mod, "quant", None) is not None:
+            mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype,
+                                                  device=mod.weight.device), requires_grad=False)
+
+
+class _Int8Lookup:
+    """Embedding rows from the int8 table: gathers int8 rows, scales only those."""
+
+    def __init__(self, mod: nn.Module) -> None:
+        self.mod = mod
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = F.embedding(ids, self.mod.qweight).to(dtype)
+        return rows * self.mod.qscales[ids].to(dtype).unsqueeze(-1)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held (parameters and buffers, each tensor once)."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen or t.numel() == 0:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

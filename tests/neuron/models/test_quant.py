@@ -1,0 +1,76 @@
+"""Weight-only quantisation at load: the layout, the op, the bytes, the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helexa.kernels import quant as qk
+from helexa.neuron.models.config import load_model_config
+from helexa.neuron.models.llama import LlamaForCausalLM
+from helexa.neuron.models.loader import load_model
+from helexa.neuron.models.quant import (
+    QuantConfigError,
+    QuantSpec,
+    attach,
+    quantize_int4,
+    quantize_int8,
+    weight_bytes,
+)
+
+
+def test_int8_op_equals_dequantized_matmul():
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(96, 80, generator=g), torch.randn(5, 80, generator=g)
+    q, s = quantize_int8(w, dtype=torch.float32)
+    assert q.dtype == torch.int8 and s.shape == (96,)
+    deq = qk.dequantize_int8(q, s)
+    assert (deq - w).abs().max() <= s.max() / 2 + 1e-6  # rounding error at most half a step
+    torch.testing.assert_close(qk.int8_linear(x, q, s, None), x @ deq.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_op_equals_dequantized_matmul(group):
+    g = torch.Generator().manual_seed(group)
+    w, x = torch.randn(48, 256, generator=g), torch.randn(3, 256, generator=g)
+    b = torch.randn(48, generator=g)
+    q, s, z = quantize_int4(w, group, torch.float32)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15 and s.shape == (48, 256 // group)
+    deq = qk.dequantize_int4(q, s, z, group)
+    step = s.repeat_interleave(group, 1)
+    assert bool(((deq - w).abs() <= step / 2 + 1e-5).all())
+    y = qk.int4_linear(x, qk.int4_pack(q), group, 48, qk.int4_scales_zeros(s, z, torch.float32), b)
+    torch.testing.assert_close(y, x @ deq.T + b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("kind", "shrink"), [("int8", 3.5), ("int4", 4.2)])
+def test_quantized_load_frees_float_weights(tiny_checkpoint, kind, shrink):
+    model_dir = tiny_checkpoint("qwen3")
+    base = load_model(model_dir, dtype="float32")
+    model = load_model(model_dir, dtype="float32", quantize=QuantSpec(kind, 32))
+    proj = model.model.layers[0].mlp.down_proj
+    assert proj.weight.numel() == 0 and proj.kernel is not None
+    assert proj.qweight.dtype == (torch.int8 if kind == "int8" else torch.uint8)
+    # fp32 -> 1 byte (int8) or half a byte + group scales (int4; its int8 head and embedding
+    # are half this model); norms stay fp32
+    assert weight_bytes(base) / weight_bytes(model) > shrink
+    x = torch.randn(2, 128)
+    assert F.linear(x, proj.weight.new_zeros(64, 128)).abs().sum() == 0  # float weight gone
+    assert proj(x).abs().sum() > 0
+
+
+def test_int4_groups_straddling_ranks_are_refused(tiny_checkpoint):
+    _, cfg = load_model_config(tiny_checkpoint("qwen3"))
+    model = LlamaForCausalLM(cfg, tp_rank=0, tp_size=2)
+    with pytest.raises(QuantConfigError,
+                       match=r"o_proj: int4 groups of 64 would straddle ranks: 64 input features"
+                             r" / tp=2 = 32 per rank, not a multiple of 64"):
+        attach(model, QuantSpec("int4", 64))
+
+
+def test_bad_quant_settings_are_refused():
+    with pytest.raises(QuantConfigError, match="expected one of"):
+        QuantSpec("int3")
+    with pytest.raises(QuantConfigError, match="quant_group_size.*got 48"):
+        QuantSpec("int4", 48)
