@@ -147,6 +147,14 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         "Devices of this model; none = the first tp devices of the neuron.", RESTART)] = None
     dtype: Annotated[Literal["auto", "fp32", "fp16", "bf16"], field_meta(
         "Weight dtype; auto = the checkpoint's torch_dtype.", RESTART)] = "auto"
+    quantize: Annotated[Literal["none", "int8", "int4"], field_meta(
+        "Quantise a float checkpoint's weights at load (weight-only): int8 = every linear, the "
+        "LM head and the embedding int8, a scale per row; int4 = the decoder's linears int4 in "
+        "groups of quant_group_size (scale and zero per group), head and embedding int8. Fast "
+        "on CPU with dtype = bf16.", RESTART)] = "none"
+    quant_group_size: Annotated[Literal[32, 64, 128, 256], field_meta(
+        "int4 group size along each linear's input; under tp a rank's input width must be a "
+        "multiple of it.", RESTART)] = 128
     preload: Annotated[bool, field_meta("Load at start rather than on demand.", RESTART)] = True
     priority: Annotated[int, field_meta(
         "Residency priority: eviction takes the least recently used model of equal or lower priority.",
@@ -272,6 +280,9 @@ class CatalogueModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     config: Annotated[str, field_meta("Path of its config.json (relative to the catalogue file).", RELOAD)]
     description: Annotated[str, field_meta("What it is and why it is here.", RELOAD)] = ""
     weights_gb: Annotated[float | None, field_meta("Size of the weights on disk, for reference.", RELOAD)] = None
+    quantize: Annotated[Literal["none", "int8", "int4"], field_meta(
+        "How a neuron serves it: quantised at load as models[].quantize; weights_gb is then "
+        "what it holds.", RELOAD)] = "none"
 
 
 class ModelsCatalogue(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

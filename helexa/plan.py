@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from helexa.config import ConfigError, ModelEntry, NeuronConfig, load_neuron_config, resolve_path
+from helexa.plan_weights import quantized_weight_bytes_per_card
 
 MIB = 1024 * 1024
 TRADE_SESSIONS = (1, 2, 4, 8)
@@ -211,7 +212,12 @@ def fixed_bytes_per_request(shape: ModelShape, tp: int) -> int:
     return shape.linear_attention_layers * (recurrent + conv) * ELT_BYTES[shape.torch_dtype]
 
 
-def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str) -> int:
+def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
+                          quantize: str = "none", group_size: int = 128) -> int:
+    """Weight bytes one card holds; ``quantize`` (int8, int4) as quantised at load."""
+    if quantize != "none":
+        return quantized_weight_bytes_per_card(shape, tp, ELT_BYTES[dtype_name(weight_dtype)],
+                                               quantize, group_size)
     sharded, replicated = _param_split(shape, tp)
     return (math.ceil(sharded / tp) + replicated) * ELT_BYTES[dtype_name(weight_dtype)]
 
@@ -301,7 +307,11 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     profile = cfg.profiles.get(entry.profile) if entry.profile else None
     kv = kv_dtype or (profile.kv_dtype if profile and profile.kv_dtype else None) or cfg.kv.kv_dtype
     kv = weight_dtype if kv == "auto" else kv
-    weights = weight_bytes_per_card(shape, tp, weight_dtype)
+    weights = weight_bytes_per_card(shape, tp, weight_dtype, entry.quantize, entry.quant_group_size)
+    if entry.quantize == "int4":
+        weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
+    elif entry.quantize == "int8":
+        weight_dtype += ", int8"
     per_token = kv_bytes_per_token(shape, tp, kv)
     fixed = fixed_bytes_per_request(shape, tp)
 

@@ -528,7 +528,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         bytes_per_token=plan.bytes_per_token, context=plan.context,
         max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
         torch_threads=cfg.engine.torch_threads, limits=r.admission,
-        attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs)
+        attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
+        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

@@ -356,5 +356,6 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = No
                        max_batched_tokens=limits.max_batched_tokens, progress=progress,
                        tp_size=spec.tp, backend=spec.attention_backend,
                        cuda_graphs=spec.cuda_graphs, plan_bytes_per_block=spec.bytes_per_block,
-                       context=spec.context,
+                       context=spec.context, quantize=spec.quantize,
+                       quant_group_size=spec.quant_group_size,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)

@@ -71,6 +71,8 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     torch_threads: int | None = None
     attention_backend: str = "auto"  # kernels/backends/__init__.py
     cuda_graphs: bool = True
+    quantize: str = "none"  # neuron/models/quant.py: none | int8 | int4
+    quant_group_size: int = 128
     limits: messages.SetLimits = DEFAULT_LIMITS  # every knob set
     # A stand-in for the model (tests): next token a fixed function of the context.
     fake_runner: bool = False

@@ -1,0 +1,60 @@
+"""Weight bytes per card of a quantised model, as neuron/models/quant.py lays them out.
+
+Layout (docs/quantization.md): int8 = one byte a weight plus one scale a row in
+the model's dtype; int4 = half a byte a weight plus a scale and a zero per
+group of ``group_size`` inputs. quantize = "int8" makes every linear, the LM head
+and the embedding int8; "int4" makes the decoder's linears int4 and keeps the
+head and the embedding int8. Norms stay in the model's dtype. Only the model's
+dtype bytes (``elt``) come from outside; everything else from the shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from helexa.plan import ModelShape
+
+
+def linear_bytes(rows: int, cols: int, kind: str, group_size: int, elt: int) -> int:
+    """One [rows, cols] weight on one card: packed values, scales and zeros."""
+    if kind == "int8":
+        return rows * cols + rows * elt
+    if kind == "int4":
+        return rows * cols // 2 + 2 * elt * rows * math.ceil(cols / group_size)
+    return rows * cols * elt
+
+
+def quantized_weight_bytes_per_card(s: ModelShape, tp: int, elt: int, kind: str,
+                                    group_size: int) -> int:
+    """Bytes one card holds of a model quantised at load with ``kind`` (int8 or int4)."""
+    h, hd = s.hidden_size, s.head_dim
+    kv_card = math.ceil(s.num_kv_heads / tp)
+
+    def lin(rows: int, cols: int) -> int:
+        return linear_bytes(rows, cols, kind, group_size, elt)
+
+    q_rows = s.num_heads * hd * (2 if s.attn_output_gate else 1) // tp
+    attn = lin(q_rows + 2 * kv_card * hd, h) + lin(h, s.num_heads * hd // tp)
+    if s.num_experts:  # experts as linears of their own; the router stays float
+        mlp = (s.num_experts * (lin(2 * s.moe_intermediate_size // tp, h)
+                                + lin(h, s.moe_intermediate_size // tp))
+               + h * s.num_experts * elt
+               + lin(2 * s.shared_expert_intermediate_size // tp, h)
+               + lin(h, s.shared_expert_intermediate_size // tp))
+    else:
+        mlp = lin(2 * s.intermediate_size // tp, h) + lin(h, s.intermediate_size // tp)
+    k_dim = s.linear_num_key_heads * s.linear_key_head_dim
+    v_dim = s.linear_num_value_heads * s.linear_value_head_dim
+    conv_dim = 2 * k_dim + v_dim
+    linear_attn = (lin((conv_dim + v_dim + 2 * s.linear_num_value_heads) // tp, h)
+                   + lin(h, v_dim // tp)
+                   + (conv_dim * s.linear_conv_kernel_dim // tp + 2 * s.linear_num_value_heads
+                      + s.linear_value_head_dim) * elt)
+    rows = math.ceil(s.vocab_size / tp)
+    head = rows * h + rows * elt  # int8 rows + a scale each
+    heads = head * (1 if s.tie_word_embeddings else 2)
+    norms = (s.num_layers * 2 * h + h + s.full_attention_layers * 2 * hd) * elt
+    return (heads + norms + s.num_layers * mlp + s.full_attention_layers * attn
+            + s.linear_attention_layers * linear_attn)

@@ -1,0 +1,50 @@
+"""`helexa plan`'s weight bytes for a quantised model agree with what a loaded engine holds."""
+
+from __future__ import annotations
+
+import pytest
+
+from helexa.config import load_neuron_config
+from helexa.neuron.engine.model_runner import ModelRunner
+from helexa.plan import plan_model
+
+
+def plan_weights(tmp_path, model_dir, kind: str, group: int, dtype: str, tp: int = 1) -> int:
+    path = tmp_path / "n.toml"
+    path.write_text(f"""
+[kv]
+kv_budget_mb = 1
+[[models]]
+id = "tiny"
+path = "{model_dir}"
+dtype = "{dtype}"
+quantize = "{kind}"
+quant_group_size = {group}
+tp = {tp}
+""")
+    cfg = load_neuron_config(path)
+    return plan_model(cfg, cfg.models[0], path).weight_bytes_per_card
+
+
+@pytest.mark.parametrize(("kind", "dtype", "tied", "tp"), [
+    ("none", "fp32", False, 1), ("int8", "fp32", False, 1), ("int4", "fp32", False, 1),
+    ("int4", "bf16", False, 1), ("int8", "bf16", True, 1), ("int4", "fp32", True, 1),
+    ("int4", "fp32", False, 2)])
+def test_planned_weight_bytes_match_the_loaded_model(tiny_checkpoint, tmp_path, kind, dtype, tied,
+                                                     tp):
+    model_dir = tiny_checkpoint("qwen3", tie_word_embeddings=tied)
+    planned = plan_weights(tmp_path, model_dir, kind, 32, dtype, tp)
+    run = ModelRunner(model_dir, num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                      quantize=kind, quant_group_size=32, tp_size=tp)
+    try:  # rank 0's bytes: every card holds the same share here
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
+
+
+def test_int4_plan_frees_room_for_kv(tmp_path, tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3")
+    full = plan_weights(tmp_path, model_dir, "none", 32, "fp32")
+    assert plan_weights(tmp_path, model_dir, "int4", 32, "fp32") < full / 4
+    assert plan_weights(tmp_path, model_dir, "int8", 32, "fp32") < full / 3.5
