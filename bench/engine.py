@@ -2,7 +2,7 @@
 weight-streaming roofline, measured side by side in one run.
 
     .venv/bin/python bench/engine.py [--threads 1] [--repeats 5] [--model DIR]
-                                     [--backend cpu,torch]
+                                     [--backend cpu,torch] [--quant int8|int4]
 
 Without --model it builds (once, cached) the issue's checkpoint: an init-tiny
 qwen3 with hidden 512, 8 layers, 8 heads / 4 kv heads, intermediate 1536,
@@ -80,7 +80,7 @@ class HelexaEngine:
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
                  backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
-                 tokens: int = 4096, shuffle: bool = False) -> None:
+                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none") -> None:
         from helexa.neuron.engine import messages
         from helexa.neuron.engine.engine_core import EngineCore
         from helexa.neuron.engine.spec import EngineSpec, full_limits
@@ -95,8 +95,9 @@ class HelexaEngine:
                           block_size=16, context=max(4096, tokens), prefix_cache=False,
                           devices=[device],
                           dtype=dtype, torch_threads=threads, limits=limits,
-                          attention_backend=backend, cuda_graphs=cuda_graphs)
+                          attention_backend=backend, cuda_graphs=cuda_graphs, quantize=quantize)
         self.core = EngineCore(spec)
+        self.runner = self.core.runner
         self.vocab = self.core.runner.vocab_size
         self.n = 0
 
@@ -139,7 +140,7 @@ class HelexaRunner:
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
                  backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
-                 tokens: int = 4096, shuffle: bool = False) -> None:
+                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none") -> None:
         import random
 
         from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
@@ -153,7 +154,7 @@ class HelexaRunner:
         self.runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=16,
                                   max_num_seqs=max(8, streams), max_batched_tokens=self.CHUNK,
                                   device=device, dtype=dtype, backend=backend,
-                                  cuda_graphs=cuda_graphs)
+                                  cuda_graphs=cuda_graphs, quantize=quantize)
         self.vocab = self.runner.vocab_size
 
     def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
@@ -281,10 +282,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--roofline", choices=["chain", "copy"], default=None,
                     help="chain of mat-vecs (default on CPU) or weight bytes / copy bandwidth "
                          "(default on GPU)")
+    ap.add_argument("--quant", choices=["int8", "int4"], default=None,
+                    help="instead: the float checkpoint against itself quantised at load "
+                         "(decode tok/s and weight bytes side by side; bench_quant below)")
+    ap.add_argument("--quant-dtype", default="bfloat16",
+                    help="activation dtype of the quantised contender (the CPU ops are "
+                         "vectorised for bf16 only: docs/quantization.md)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     model_dir = args.model or default_model()
+    if args.quant:
+        return bench_quant(args, model_dir)
     from transformers import AutoModelForCausalLM
 
     from helexa.neuron.models.config import parse_dtype
@@ -398,6 +407,56 @@ def main(argv: list[str] | None = None) -> int:
             if which == 0:
                 runs = " ".join(f"{x:.2f}" for x in per_rep)
         print(f"  {label:<60} {' | '.join(cells)} (target {op} {bound}) [{runs}]")
+    return 0
+
+
+QUANT_SHRINK = {"int8": 1.9, "int4": 3.5}  # the issue's targets, weights vs the float checkpoint
+
+
+def bench_quant(args: argparse.Namespace, model_dir: Path) -> int:
+    """--quant: helexa on the float checkpoint (at --dtype, and at bf16 when that differs)
+    against helexa quantising it at load (at --quant-dtype), interleaved in one run."""
+    driver = HelexaEngine if args.driver == "engine" else HelexaRunner
+    kinds = {f"float {args.dtype}": (args.dtype, "none")}
+    if args.dtype != "bfloat16":
+        kinds["float bfloat16"] = ("bfloat16", "none")
+    kinds[f"{args.quant} {args.quant_dtype}"] = (args.quant_dtype, args.quant)
+    engines = {k: driver(model_dir, args.threads, args.device, dt, args.backend,
+                         streams=args.streams, quantize=q)
+               for k, (dt, q) in kinds.items()}
+    vocab = next(iter(engines.values())).vocab
+    plen, new = args.prompt_tokens, args.new_tokens
+    for e in engines.values():  # warm-up
+        e.run(prompts(-1, 1, plen, vocab), 8)
+        e.run(prompts(-1, args.streams, plen, vocab), 8)
+    streams = (1, args.streams)
+    results: dict[tuple[str, int], list[float]] = {(k, n): [] for k in engines for n in streams}
+    for rep in range(args.repeats):
+        for k, e in engines.items():
+            for n in streams:
+                _, (wall, _cpu) = e.run(prompts(rep, n, plen, vocab), new)
+                results[k, n].append(n * (new - 1) / wall)
+    print(f"bench/engine.py --quant {args.quant}  model={model_dir}  device={args.device}  "
+          f"threads={args.threads}  repeats={args.repeats}  prompt={plen} new={new}")
+    base = next(iter(engines))
+    base_bytes = engines[base].runner.weight_bytes
+    print(f"  {'contender':<22} {'weights':>12} {'vs float':>9} {'1-stream tok/s':>15} "
+          f"{f'{args.streams}-stream tok/s':>15}  (median of wall-clock repeats)")
+    for k, e in engines.items():
+        wb = e.runner.weight_bytes
+        t1, t8 = (statistics.median(results[k, n]) for n in streams)
+        print(f"  {k:<22} {wb / 2**20:>9.1f} MiB {base_bytes / wb:>8.2f}x {t1:>15.1f} {t8:>15.1f}")
+    q = f"{args.quant} {args.quant_dtype}"
+    shrink = base_bytes / engines[q].runner.weight_bytes
+    print("ratios, median of per-repeat ratios [each repeat]:")
+    print(f"  weights shrink vs {base}: {shrink:.2f}x (target >= {QUANT_SHRINK[args.quant]})")
+    for other in engines:
+        if other == q:
+            continue
+        for n in streams:
+            per = [a / b for a, b in zip(results[q, n], results[other, n], strict=True)]
+            print(f"  {n}-stream decode {q} vs {other}: {statistics.median(per):.2f}x "
+                  f"[{' '.join(f'{x:.2f}' for x in per)}]")
     return 0
 
 
