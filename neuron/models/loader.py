@@ -25,6 +25,7 @@ from helexa.neuron.models.config import (
 )
 from helexa.neuron.models.llama import LlamaForCausalLM
 from helexa.neuron.models.quant import QuantSpec, attach, quantize_model
+from helexa.neuron.models.quant_ct import UnsupportedQuantization, attach_ct, parse_ct_config
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
 ProgressFn = Callable[[int, int], None]
@@ -36,7 +37,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
 }
 
 # Checkpoint tensors that carry no weights we use.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".weight_shape")  # shape: the layer knows its own
 
 
 class MissingTensor(Exception):
@@ -144,7 +145,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     """Build the model for ``model_dir`` and load this rank's weights; ``quantize``
     quantises them at load (neuron/models/quant.py)."""
     model_dir = Path(model_dir)
-    _, cfg = load_model_config(model_dir)
+    raw, cfg = load_model_config(model_dir)
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise UnsupportedArchitecture(f"architecture {cfg.architecture!r} is not supported")
@@ -152,7 +153,18 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     files = checkpoint_files(model_dir)
     with torch.device(device):
         model = cls(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype, device=device)
-    if quantize is not None:
+    qc = raw.get("quantization_config")
+    if qc:  # weights quantised in the checkpoint
+        method = qc.get("quant_method")
+        if method != "compressed-tensors":
+            raise UnsupportedQuantization(
+                f"{model_dir}: quantization_config.quant_method {method!r} is not supported "
+                "(compressed-tensors pack-quantized is)")
+        if quantize is not None and quantize.kind != "none":
+            raise UnsupportedQuantization(f"{model_dir}: already quantised ({method}); "
+                                          f"quantize = {quantize.kind!r} applies to float checkpoints")
+        attach_ct(model, parse_ct_config(qc))
+    elif quantize is not None:
         attach(model, quantize)
     load_weights(model, files, tie_word_embeddings=cfg.tie_word_embeddings, progress=progress)
     quantize_model(model)  # before finalize: what is quantised is the checkpoint's weight

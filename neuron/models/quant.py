@@ -171,6 +171,9 @@ def quantize_model(model: nn.Module) -> None:
         spec: LinearQuant | None = getattr(mod, "quant", None)
         if spec is None:
             continue
+        if spec.kind == "ct":
+            _from_ct(mod, dtype)
+            continue
         w = mod.weight
         if spec.kind == "int8":
             if id(w) not in done:  # a tied head shares the embedding's rows
@@ -189,9 +192,41 @@ def quantize_model(model: nn.Module) -> None:
         if isinstance(mod, VocabParallelEmbedding) and not isinstance(mod, ParallelLMHead):
             mod.lookup = _Int8Lookup(mod)
     for mod in model.modules():  # free the float weights (a tied head's goes with the embedding)
-        if getattr(mod, "quant", None) is not None:
+        if getattr(mod, "quant", None) is not None and isinstance(mod.weight, nn.Parameter):
             mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype,
                                                   device=mod.weight.device), requires_grad=False)
+
+
+def _from_ct(mod: nn.Module, dtype: torch.dtype) -> None:
+    """A compressed-tensors layer's unpacked values (neuron/models/quant_ct.py) into the op's
+    layout: 4 bits -> int4 with zero = -zp * scale, 8 bits -> int8 per row."""
+    stored, scale = mod.weight_packed.data, mod.weight_scale.data
+    zp = getattr(mod, "weight_zero_point", None)
+    n, k = stored.shape
+    if mod.quant.scheme.num_bits == 8:
+        q = (stored.to(torch.int16) - 128).to(torch.int8)
+        mod.register_buffer("qweight", q, persistent=False)
+        mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
+        mod.kernel = Int8Linear(mod)
+    else:
+        group = k // scale.shape[1]
+        if group not in qk.INT4_GROUP_SIZES:  # per channel (or an odd group): split it evenly
+            op_group = next((g for g in reversed(qk.INT4_GROUP_SIZES) if group % g == 0), None)
+            if op_group is None:
+                raise QuantConfigError(f"int4 group of {group} inputs: the int4 op takes "
+                                       f"groups of {qk.INT4_GROUP_SIZES}")
+            scale = scale.repeat_interleave(group // op_group, dim=1)
+            zp = None if zp is None else zp.data.repeat_interleave(group // op_group, dim=1)
+            group = op_group
+        zeros = (torch.zeros_like(scale, dtype=torch.float32) if zp is None
+                 else -zp.float() * scale.float())
+        mod.register_buffer("qweight", qk.int4_pack(stored), persistent=False)
+        mod.register_buffer("qscales_zeros", qk.int4_scales_zeros(scale, zeros, dtype),
+                             persistent=False)
+        mod.kernel = Int4Linear(mod, group, stored)
+    for name in ("weight_packed", "weight_scale", "weight_zero_point"):
+        if name in mod._parameters:
+            del mod._parameters[name]
 
 
 class _Int8Lookup:
