@@ -96,10 +96,14 @@ class Int8Linear:
 
 
 class Int4Linear:
-    def __init__(self, mod: nn.Module, group_size: int, q: torch.Tensor) -> None:
+    def __init__(self, mod: nn.Module, group_size: int, q: torch.Tensor,
+                 perm: torch.Tensor | None = None) -> None:
         self.mod, self.group_size, self.n = mod, group_size, q.shape[0]
+        self.perm = perm  # GPTQ act-order: inputs gathered into group order first
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return qk.int4_linear(x, self.mod.qweight, self.group_size, self.n,
                               self.mod.qscales_zeros, bias)
 
@@ -174,6 +178,9 @@ def quantize_model(model: nn.Module) -> None:
         if spec.kind == "ct":
             _from_ct(mod, dtype)
             continue
+        if spec.kind == "gptq":
+            _from_gptq(mod, dtype)
+            continue
         w = mod.weight
         if spec.kind == "int8":
             if id(w) not in done:  # a tied head shares the embedding's rows
@@ -209,24 +216,51 @@ def _from_ct(mod: nn.Module, dtype: torch.dtype) -> None:
         mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
         mod.kernel = Int8Linear(mod)
     else:
-        group = k // scale.shape[1]
-        if group not in qk.INT4_GROUP_SIZES:  # per channel (or an odd group): split it evenly
-            op_group = next((g for g in reversed(qk.INT4_GROUP_SIZES) if group % g == 0), None)
-            if op_group is None:
-                raise QuantConfigError(f"int4 group of {group} inputs: the int4 op takes "
-                                       f"groups of {qk.INT4_GROUP_SIZES}")
-            scale = scale.repeat_interleave(group // op_group, dim=1)
-            zp = None if zp is None else zp.data.repeat_interleave(group // op_group, dim=1)
-            group = op_group
         zeros = (torch.zeros_like(scale, dtype=torch.float32) if zp is None
                  else -zp.float() * scale.float())
-        mod.register_buffer("qweight", qk.int4_pack(stored), persistent=False)
-        mod.register_buffer("qscales_zeros", qk.int4_scales_zeros(scale, zeros, dtype),
-                             persistent=False)
-        mod.kernel = Int4Linear(mod, group, stored)
+        _install_int4(mod, stored, scale, zeros, dtype)
     for name in ("weight_packed", "weight_scale", "weight_zero_point"):
         if name in mod._parameters:
             del mod._parameters[name]
+
+
+def _install_int4(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor,
+                  dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
+    """q 0..15 [N, K] with ``w = (q - 8) * scale + zero`` per contiguous group [N, G] -> the
+    int4 op; a group the op does not take (per channel, say) is split evenly: same values."""
+    group = q.shape[1] // scale.shape[1]
+    if group not in qk.INT4_GROUP_SIZES:
+        op_group = next((g for g in reversed(qk.INT4_GROUP_SIZES) if group % g == 0), None)
+        if op_group is None:
+            raise QuantConfigError(f"int4 group of {group} inputs: the int4 op takes "
+                                   f"groups of {qk.INT4_GROUP_SIZES}")
+        scale = scale.repeat_interleave(group // op_group, dim=1)
+        zeros = zeros.repeat_interleave(group // op_group, dim=1)
+        group = op_group
+    mod.register_buffer("qweight", qk.int4_pack(q), persistent=False)
+    mod.register_buffer("qscales_zeros", qk.int4_scales_zeros(scale, zeros, dtype),
+                         persistent=False)
+    if perm is not None:
+        mod.register_buffer("qperm", perm, persistent=False)
+    mod.kernel = Int4Linear(mod, group, q, perm)
+
+
+def _from_gptq(mod: nn.Module, dtype: torch.dtype) -> None:
+    """A GPTQ layer (neuron/models/quant_gptq.py) into the int4 op: inputs in group order,
+    ``zero = (8 - z) * scale``."""
+    from helexa.neuron.models.quant_gptq import group_order
+
+    perm, g_sorted = group_order(mod)
+    q, z, s = mod.qweight.data, mod.qzeros.data, mod.scales.data
+    if perm is not None:
+        q = q[:, perm].contiguous()
+    sizes = torch.bincount(g_sorted - g_sorted.min())
+    if not bool((sizes == sizes[0]).all()) or sizes.numel() != s.shape[1]:
+        raise QuantConfigError(f"GPTQ g_idx: groups of unequal sizes {sizes.tolist()[:8]}")
+    zeros = (8 - z.float()) * s.float()
+    for name in ("qweight", "qzeros", "scales", "g_idx"):
+        del mod._parameters[name]
+    _install_int4(mod, q, s, zeros, dtype, perm)
 
 
 class _Int8Lookup:

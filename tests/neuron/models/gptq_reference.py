@@ -1,0 +1,102 @@
+"""GPTQ (checkpoint_format gptq, 4 bits) written from the format's spec, as AutoGPTQ's
+pack() lays it out (auto-gptq needs CUDA to install): min/max quantisation per group
+(act-order: groups over a permuted input order), packed, and the float dequantised weight."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def pack_words(values: torch.Tensor) -> torch.Tensor:
+    """0..15 values [R, C] -> int32 [R, C / 8]: value j of a word at bits 4j..4j+3."""
+    v = values.to(torch.int64).view(values.shape[0], -1, 8)
+    words = sum(v[..., j] << (4 * j) for j in range(8))
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool):
+    """w [N, K] -> (q [K, N], zeros [G, N], scales fp16 [G, N])."""
+    n, k = w.shape
+    groups = int(g_idx.max()) + 1
+    q = torch.empty(k, n, dtype=torch.int64)
+    zeros = torch.empty(groups, n, dtype=torch.int64)
+    scales = torch.empty(groups, n, dtype=torch.float16)
+    for g in range(groups):
+        cols = (g_idx == g).nonzero().flatten()
+        wg = w[:, cols].float()
+        if sym:
+            s = (2 * wg.abs().amax(1) / 15).clamp_min(1e-6)
+            z = torch.full((n,), 8)
+        else:
+            lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
+            s = ((hi - lo) / 15).clamp_min(1e-6)
+            z = torch.round(-lo / s).clamp(0, 15).long()
+        scales[g] = s.half()
+        zeros[g] = z
+        q[cols] = (torch.round(wg / scales[g].float()[:, None]) + z[:, None]).clamp(0, 15).long().t()
+    return q, zeros, scales
+
+
+def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
+               g_idx: torch.Tensor) -> torch.Tensor:
+    """W[n, k] = (q[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n], in fp16, input by input."""
+    out = torch.empty(q.shape[1], q.shape[0], dtype=scales.dtype)
+    for k in range(q.shape[0]):
+        g = int(g_idx[k])
+        out[:, k] = (q[k].to(scales.dtype) - zeros[g].to(scales.dtype)) * scales[g]
+    return out
+
+
+def layer_tensors(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool):
+    """(the checkpoint's tensors for one linear, its dequantised weight)."""
+    q, zeros, scales = quantize(w, group, g_idx, sym)
+    tensors = {"qweight": pack_words(q.t()).t().contiguous(),  # packed along K
+               "qzeros": pack_words(zeros - 1), "scales": scales, "g_idx": g_idx.to(torch.int32)}
+    return tensors, dequantize(q, zeros, scales, g_idx)
+
+
+def gptq_checkpoint(src: Path, dst: Path, ref: Path, group: int, desc_act: bool,
+                    sym: bool) -> tuple[Path, Path]:
+    """``dst``: ``src``'s linears in GPTQ; ``ref``: their dequantised weights, in float.
+    Act-order draws one input order per input (shared by q/k/v and by gate/up)."""
+    for d in (dst, ref):
+        d.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, d / f.name)
+    packed, floats = {}, {}
+    orders: dict[tuple[str, int], torch.Tensor] = {}
+    for f in src.glob("*.safetensors"):
+        for name, t in sorted(load_file(str(f)).items()):
+            part = name.split(".")[-2] if name.endswith(".weight") else ""
+            if part not in QUANTISED:
+                packed[name] = floats[name] = t
+                continue
+            k = t.shape[1]
+            if desc_act:
+                key = (name.rsplit(".", 2)[0] + ("qkv" if part in QUANTISED[:3] else
+                                                 "gu" if part in ("gate_proj", "up_proj") else part), k)
+                perm = orders.setdefault(key, torch.randperm(k, generator=torch.Generator()
+                                                              .manual_seed(len(orders))))
+                g_idx = torch.empty(k, dtype=torch.long)
+                g_idx[perm] = torch.arange(k) // group
+            else:
+                g_idx = torch.arange(k) // group
+            tensors, deq = layer_tensors(t, group, g_idx, sym)
+            base = name[: -len("weight")]
+            packed.update({base + key: v for key, v in tensors.items()})
+            floats[name] = deq.to(t.dtype)
+    save_file(packed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(floats, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+                                  "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, ref
