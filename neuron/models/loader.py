@@ -26,7 +26,7 @@ from helexa.neuron.models.config import (
 from helexa.neuron.models.llama import LlamaForCausalLM
 from helexa.neuron.models.quant import QuantSpec, attach, quantize_model
 from helexa.neuron.models.quant_ct import UnsupportedQuantization, attach_ct, parse_ct_config
-from helexa.neuron.models.quant_gptq import attach_gptq, parse_gptq_config
+from helexa.neuron.models.quant_gptq import attach_gptq, parse_awq_config, parse_gptq_config
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
 ProgressFn = Callable[[int, int], None]
@@ -157,15 +157,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     qc = raw.get("quantization_config")
     if qc:  # weights quantised in the checkpoint
         method = qc.get("quant_method")
-        if method not in ("compressed-tensors", "gptq"):
+        if method not in ("compressed-tensors", "gptq", "awq"):
             raise UnsupportedQuantization(
                 f"{model_dir}: quantization_config.quant_method {method!r} is not supported "
-                "(compressed-tensors pack-quantized and gptq are)")
+                "(compressed-tensors pack-quantized, gptq and awq are)")
         if quantize is not None and quantize.kind != "none":
             raise UnsupportedQuantization(f"{model_dir}: already quantised ({method}); "
                                           f"quantize = {quantize.kind!r} applies to float checkpoints")
-        if method == "gptq":
-            attach_gptq(model, parse_gptq_config(qc))
+        if method in ("gptq", "awq"):
+            attach_gptq(model, (parse_gptq_config if method == "gptq" else parse_awq_config)(qc))
         else:
             attach_ct(model, parse_ct_config(qc))
     elif quantize is not None:

@@ -259,7 +259,8 @@ def _from_gptq(mod: nn.Module, dtype: torch.dtype) -> None:
         raise QuantConfigError(f"GPTQ g_idx: groups of unequal sizes {sizes.tolist()[:8]}")
     zeros = (8 - z.float()) * s.float()
     for name in ("qweight", "qzeros", "scales", "g_idx"):
-        del mod._parameters[name]
+        mod._parameters.pop(name, None)
+        mod._buffers.pop(name, None)
     _install_int4(mod, q, s, zeros, dtype, perm)
 
 

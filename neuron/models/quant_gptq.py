@@ -32,6 +32,29 @@ class GptqScheme:
     group_size: int  # -1 in the file (one group): K
     desc_act: bool
     sym: bool
+    awq: bool = False  # AutoAWQ's GEMM layout (below) rather than GPTQ's
+
+
+# AutoAWQ GEMM: qweight int32 [K, N / 8] and qzeros [G, N / 8] packed along N, nibble i of
+# a word holding column 8c + AWQ_ORDER[i]; zeros stored as they are; w = (q - z) * s.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def parse_awq_config(qc: dict[str, Any]) -> GptqScheme:
+    bits, version = int(qc.get("bits", qc.get("w_bit", 0))), str(qc.get("version", "gemm"))
+    if bits != 4 or version.lower() != "gemm":
+        raise UnsupportedQuantization(
+            f"AWQ: expected bits 4 in the GEMM layout, got bits {bits}, version {version!r}")
+    return GptqScheme(int(qc.get("group_size", qc.get("q_group_size", 128))), False,
+                      not qc.get("zero_point", True), awq=True)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ int32 [R, C / 8] -> values 0..15 uint8 [R, C] in column order."""
+    cols = packed.shape[1] * 8
+    nib = unpack_int32(packed, 4, cols)
+    dest = torch.tensor([(j // 8) * 8 + AWQ_ORDER[j % 8] for j in range(cols)])
+    return nib[:, torch.argsort(dest)].contiguous()
 
 
 @dataclass
@@ -83,16 +106,25 @@ def attach_gptq(model: nn.Module, scheme: GptqScheme) -> None:
         mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
         def zeros_fn(t: torch.Tensor) -> torch.Tensor:  # [G, N/8] -> zero points [N, G]
+            if scheme.awq:
+                return unpack_awq(t).to(torch.int16).t().contiguous()
             return (unpack_int32(t, 4, t.shape[1] * 8).to(torch.int16) + 1).t().contiguous()
 
+        def qweight_fn(t: torch.Tensor, c: int = full_k) -> torch.Tensor:  # -> [N, K]
+            return unpack_awq(t).t() if scheme.awq else unpack_rows(t, c).t()
+
         specs = {
-            "qweight": (torch.uint8, (n, k), lambda t, c=full_k: unpack_rows(t, c).t(), None),
+            "qweight": (torch.uint8, (n, k), qweight_fn, None),
             "qzeros": (torch.int16, (n, groups), zeros_fn,
                        replicated_loader if row and scheme.group_size == -1 else None),
             "scales": (dtype, (n, groups), lambda t: t.t(),
                        replicated_loader if row and scheme.group_size == -1 else None),
             "g_idx": (torch.int32, (full_k,), lambda t: t, replicated_loader),
         }
+        if scheme.awq:  # no g_idx in the file: inputs are in group order
+            del specs["g_idx"]
+            mod.register_buffer("g_idx", torch.arange(full_k, dtype=torch.int32) // group,
+                                persistent=False)
         for pname, (pdtype, shape, fn, loader) in specs.items():
             p = nn.Parameter(torch.empty(shape, dtype=pdtype, device=device), requires_grad=False)
             p.weight_loader = _loader(loader or mod.weight_loader, fn)  # type: ignore[attr-defined]
@@ -100,7 +132,7 @@ def attach_gptq(model: nn.Module, scheme: GptqScheme) -> None:
         mod.quant = GptqLinear(scheme)
 
 
-def _is_head(mod: nn.Module) -> bool:
+def _is_head(mod: nn.Module) -> bool:  # GPTQ and AWQ leave the LM head float
     from helexa.neuron.models.layers import ParallelLMHead
 
     return isinstance(mod, ParallelLMHead)

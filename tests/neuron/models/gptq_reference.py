@@ -100,3 +100,46 @@ def gptq_checkpoint(src: Path, dst: Path, ref: Path, group: int, desc_act: bool,
                                   "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst, ref
+
+
+# AutoAWQ's GEMM pack(): nibble i of word c holds column 8c + ORDER[i] (autoawq needs CUDA).
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """0..15 values [R, C] -> int32 [R, C / 8] in AWQ's interleaved order."""
+    v = values.to(torch.int64)
+    words = torch.zeros(v.shape[0], v.shape[1] // 8, dtype=torch.int64)
+    for c in range(v.shape[1] // 8):
+        for i in range(8):
+            words[:, c] |= v[:, 8 * c + AWQ_ORDER[i]] << (4 * i)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def awq_checkpoint(src: Path, dst: Path, ref: Path, group: int) -> tuple[Path, Path]:
+    """``dst``: ``src``'s linears in AWQ GEMM (zero points); ``ref``: dequantised, in float."""
+    for d in (dst, ref):
+        d.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, d / f.name)
+    packed, floats = {}, {}
+    for f in src.glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            part = name.split(".")[-2] if name.endswith(".weight") else ""
+            if part not in QUANTISED:
+                packed[name] = floats[name] = t
+                continue
+            g_idx = torch.arange(t.shape[1]) // group
+            q, zeros, scales = quantize(t, group, g_idx, sym=False)
+            base = name[: -len("weight")]
+            packed.update({base + "qweight": pack_awq(q), base + "qzeros": pack_awq(zeros),
+                           base + "scales": scales})
+            floats[name] = dequantize(q, zeros, scales, g_idx).to(t.dtype)
+    save_file(packed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    save_file(floats, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group,
+                                  "zero_point": True, "version": "gemm"}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst, ref
