@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from helexa.config import ConfigError, ModelEntry, NeuronConfig, load_neuron_config, resolve_path
-from helexa.plan_weights import quantized_weight_bytes_per_card
+from helexa.plan_weights import checkpoint_quantization, quantized_weight_bytes_per_card
 
 MIB = 1024 * 1024
 TRADE_SESSIONS = (1, 2, 4, 8)
@@ -308,7 +308,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     kv = kv_dtype or (profile.kv_dtype if profile and profile.kv_dtype else None) or cfg.kv.kv_dtype
     kv = weight_dtype if kv == "auto" else kv
     weights = weight_bytes_per_card(shape, tp, weight_dtype, entry.quantize, entry.quant_group_size)
-    if entry.quantize == "int4":
+    in_file = checkpoint_quantization(raw)
+    if in_file is not None:  # quantised in the checkpoint: its own layout, float head
+        kind, group, reordered = in_file
+        weights = quantized_weight_bytes_per_card(
+            shape, tp, ELT_BYTES[dtype_name(weight_dtype)], kind, group, float_heads=True,
+            reordered=reordered)
+        weight_dtype += f", {kind} g{group or 'channel'} in the checkpoint"
+    elif entry.quantize == "int4":
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"

@@ -17,23 +17,47 @@ if TYPE_CHECKING:
     from helexa.plan import ModelShape
 
 
+INT4_OP_GROUPS = (256, 128, 64, 32)  # kernels/quant.py: a wider group is split into these
+
+
+def checkpoint_quantization(config_json: dict) -> tuple[str, int, bool] | None:
+    """(kind, group size the op runs, inputs reordered) of a checkpoint quantised in the
+    file (compressed-tensors, GPTQ, AWQ: docs/quantization.md), None for a float one. Their
+    LM head and embedding stay float."""
+    qc = config_json.get("quantization_config") or {}
+    method = qc.get("quant_method")
+    if method == "compressed-tensors":
+        w = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
+        bits, group = int(w.get("num_bits", 4)), w.get("group_size")
+        return ("int8" if bits == 8 else "int4"), int(group or 0), False
+    if method in ("gptq", "awq"):
+        group = int(qc.get("group_size", qc.get("q_group_size", 128)))
+        return "int4", (0 if group == -1 else group), bool(qc.get("desc_act", False))
+    return None
+
+
 def linear_bytes(rows: int, cols: int, kind: str, group_size: int, elt: int) -> int:
     """One [rows, cols] weight on one card: packed values, scales and zeros."""
     if kind == "int8":
         return rows * cols + rows * elt
     if kind == "int4":
-        return rows * cols // 2 + 2 * elt * rows * math.ceil(cols / group_size)
+        group = group_size if group_size in INT4_OP_GROUPS else next(
+            (g for g in INT4_OP_GROUPS if cols % g == 0), 32)  # 0: per channel, split
+        return rows * cols // 2 + 2 * elt * rows * math.ceil(cols / group)
     return rows * cols * elt
 
 
 def quantized_weight_bytes_per_card(s: ModelShape, tp: int, elt: int, kind: str,
-                                    group_size: int) -> int:
-    """Bytes one card holds of a model quantised at load with ``kind`` (int8 or int4)."""
+                                    group_size: int, *, float_heads: bool = False,
+                                    reordered: bool = False) -> int:
+    """Bytes one card holds of a model quantised with ``kind`` (int8 or int4): at load
+    (head and embedding int8), or in the checkpoint (``float_heads``; ``reordered``: an
+    act-order layer keeps its input order, 8 bytes an input)."""
     h, hd = s.hidden_size, s.head_dim
     kv_card = math.ceil(s.num_kv_heads / tp)
 
     def lin(rows: int, cols: int) -> int:
-        return linear_bytes(rows, cols, kind, group_size, elt)
+        return linear_bytes(rows, cols, kind, group_size, elt) + (8 * cols if reordered else 0)
 
     q_rows = s.num_heads * hd * (2 if s.attn_output_gate else 1) // tp
     attn = lin(q_rows + 2 * kv_card * hd, h) + lin(h, s.num_heads * hd // tp)
@@ -53,7 +77,7 @@ def quantized_weight_bytes_per_card(s: ModelShape, tp: int, elt: int, kind: str,
                    + (conv_dim * s.linear_conv_kernel_dim // tp + 2 * s.linear_num_value_heads
                       + s.linear_value_head_dim) * elt)
     rows = math.ceil(s.vocab_size / tp)
-    head = rows * h + rows * elt  # int8 rows + a scale each
+    head = rows * h * elt if float_heads else rows * h + rows * elt  # int8 rows + a scale each
     heads = head * (1 if s.tie_word_embeddings else 2)
     norms = (s.num_layers * 2 * h + h + s.full_attention_layers * 2 * hd) * elt
     return (heads + norms + s.num_layers * mlp + s.full_attention_layers * attn

@@ -48,3 +48,23 @@ def test_int4_plan_frees_room_for_kv(tmp_path, tiny_checkpoint):
     full = plan_weights(tmp_path, model_dir, "none", 32, "fp32")
     assert plan_weights(tmp_path, model_dir, "int4", 32, "fp32") < full / 4
     assert plan_weights(tmp_path, model_dir, "int8", 32, "fp32") < full / 3.5
+
+
+@pytest.mark.parametrize("fmt", ["ct4", "ct8", "gptq-act-order", "awq"])
+def test_planned_bytes_of_checkpoints_quantised_in_the_file(tiny_checkpoint, tmp_path, fmt):
+    from ct_reference import ct_checkpoint
+    from gptq_reference import awq_checkpoint, gptq_checkpoint
+
+    src = tiny_checkpoint("qwen3")
+    if fmt.startswith("ct"):
+        pytest.importorskip("compressed_tensors")
+        model_dir, _ = ct_checkpoint(src, tmp_path / "q", tmp_path / "r",
+                                     4 if fmt == "ct4" else 8, fmt == "ct8", 32 if fmt == "ct4" else None)
+    elif fmt == "awq":
+        model_dir, _ = awq_checkpoint(src, tmp_path / "q", tmp_path / "r", 32)
+    else:
+        model_dir, _ = gptq_checkpoint(src, tmp_path / "q", tmp_path / "r", 32, True, False)
+    planned = plan_weights(tmp_path, model_dir, "none", 128, "fp32")
+    run = ModelRunner(model_dir, num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, dtype="float32")
+    assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
