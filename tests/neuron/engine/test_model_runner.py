@@ -62,11 +62,10 @@ def test_decode_rows_of_different_lengths_in_one_forward(runner, hf_logits):
         torch.testing.assert_close(out[i], hf_logits(p + [x])[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_one_row_decode_over_column_major_weights(runner, hf_logits):
-    # CPU fp32 weights are held column-major (one-row matmuls stream them faster); a lone
-    # decode row multiplies by them directly (more rows use the packed copies).
-    w = runner.model.model.layers[0].self_attn.qkv_proj.weight
-    assert w.stride(0) == 1 and w.shape[0] > 1
+def test_one_row_decode_matches_whichever_matmul_the_backend_measured(runner, hf_logits):
+    # The cpu backend times its matmuls at load (packed hx_gemm, oneDNN, or F.linear over
+    # column-major weights) and keeps the fastest, which on a loaded machine can differ from run
+    # to run: a lone decode row matches transformers whichever was chosen.
     p = seq(9, 40)
     runner.execute([SeqInput(p, 0, [40, 41, 42], False)])
     out = runner.execute([SeqInput([17], 9, [40, 41, 42], True)])
