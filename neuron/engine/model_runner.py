@@ -27,6 +27,7 @@ from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
+from helexa.neuron.models.gated_deltanet import state_meta
 from helexa.neuron.models.loader import load_model
 from helexa.neuron.models.quant import QuantSpec, weight_bytes
 
@@ -42,6 +43,7 @@ class SeqInput:
     num_computed: int  # tokens of this sequence already in the KV cache
     block_table: list[int]  # physical block ids covering num_computed + len(token_ids)
     need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
+    state_slot: int = -1  # hybrid models: the request's linear-attention state slot
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
@@ -71,7 +73,7 @@ class ModelRunner:
                  devices: list[str] | None = None, backend: str = "auto",
                  cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
                  context: int = 0, quantize: str = "none",
-                 quant_group_size: int = 128) -> None:
+                 quant_group_size: int = 128, num_state_slots: int = 0) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
         every rank uses ``device``. close() stops them (so does garbage collection or exit).
@@ -81,11 +83,15 @@ class ModelRunner:
         really takes, on every rank; on CUDA the pool is sized by measurement with
         ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
         (neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
-        ``quant_group_size``) quantises the weights at load (neuron/models/quant.py)."""
+        ``quant_group_size``) quantises the weights at load (neuron/models/quant.py).
+        Hybrid models hold ``num_state_slots`` linear-attention states, one per request
+        (SeqInput.state_slot)."""
         quant = QuantSpec(quantize, quant_group_size)
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
+        # A captured decode graph would replay one step's state slots: none for hybrids.
+        cuda_graphs = cuda_graphs and not self.config.is_hybrid
         self.backend = backends.select(backend, self.device, cuda_graphs=cuda_graphs,
                                        max_num_seqs=max_num_seqs, tp_size=tp_size)
         if tp_size > 1 and tp_rank == 0:
@@ -94,7 +100,8 @@ class ModelRunner:
             self._tp_args = RunnerArgs(
                 str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
-                cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size)
+                cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
+                num_state_slots=num_state_slots)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
@@ -102,6 +109,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_state_slots = num_state_slots
         self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
                                 tp_size=tp_size, progress=progress, quantize=quant)
         self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)
@@ -110,6 +118,9 @@ class ModelRunner:
                                    max_batched_tokens=max_batched_tokens, tp_size=tp_size)
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers
+        self._linear = list(getattr(self.model, "linear_layers", []))
+        if self._linear and num_state_slots < 1:
+            raise ValueError("a hybrid model needs num_state_slots >= 1 (one per request)")
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
@@ -151,6 +162,10 @@ class ModelRunner:
         self.kv_pools = self.backend.allocate_kv(
             [(a.num_kv_heads, a.head_dim) for a in self._attn], num_blocks, self.block_size,
             kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
+        for layer in self._linear:  # the old states go first, as the old pools did
+            layer.state = None
+        for layer in self._linear:
+            layer.state = layer.new_state(self.num_state_slots)
 
     def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
         """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
@@ -161,8 +176,9 @@ class ModelRunner:
         self._reset_own_kv(probe, kv_dtype)
         bytes_per_block = self.kv_bytes_per_block
         table = list(range(-(-prefill // bs)))
-        step = [SeqInput([0] * prefill, 0, table, True)] + [
-            SeqInput([0], 0, [len(table) + i], True) for i in range(rows - 1)]
+        slots = max(1, self.num_state_slots)  # hybrids: any slots will do for a probe
+        step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
+            SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
         peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
         self.kv_pools = self.backend.allocate_kv([], 0, bs, kv_dtype="auto", storage=None,
                                                  compute=self.dtype)  # free the probe pool
@@ -184,6 +200,12 @@ class ModelRunner:
         """Bytes of one block across all layers, K and V (and scales): this rank's share."""
         return sum(kv.nbytes for kv in self.kv_pools) // self.num_blocks
 
+    @property
+    def fixed_bytes_per_request(self) -> int:
+        """Linear-attention state of one request across all layers: this rank's share
+        (0 for dense models)."""
+        return sum(layer.state.bytes_per_slot for layer in self._linear)
+
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -192,6 +214,11 @@ class ModelRunner:
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, step, logits_rows = self._prepare(seqs)
+        if self._linear:  # which state slot each row reads and writes
+            self.model.state_meta = slots = state_meta(seqs, self.device)
+            if slots.fresh_slots:
+                for layer in self._linear:
+                    layer.state.clear(slots.fresh_slots)
         try:
             meta = self.backend.plan(step)
             if self._tp is None:

@@ -58,6 +58,7 @@ class TpSeq(msgspec.Struct, array_like=True):
     new_blocks: list[int]  # appended to the rank's copy of the table
     fresh: bool  # the table starts here (new_blocks is all of it)
     need_logits: bool
+    state_slot: int = -1  # hybrid models' linear-attention state slot
 
 
 class TpStep(msgspec.Struct, tag=True):
@@ -112,6 +113,7 @@ class RunnerArgs:
     cuda_graphs: bool = True
     quantize: str = "none"  # neuron/models/quant.py
     quant_group_size: int = 128
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots
 
 
 class TpError(RuntimeError):
@@ -226,12 +228,12 @@ class TpWorkers:
             if entry is not None and entry[0] is table and len(table) >= entry[2]:
                 _, handle, sent = entry
                 out.append(TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
-                                 s.need_logits))
+                                 s.need_logits, s.state_slot))
             else:
                 handle = self._next_handle
                 self._next_handle += 1
                 out.append(TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
-                                 s.need_logits))
+                                 s.need_logits, s.state_slot))
             # Holding the list itself keeps its id from being reused while tracked.
             self._tables[id(table)] = (table, handle, len(table))
             seen.add(id(table))
@@ -328,7 +330,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                              max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
                              tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
-                             quantize=args.quantize, quant_group_size=args.quant_group_size)
+                             quantize=args.quantize, quant_group_size=args.quant_group_size,
+                             num_state_slots=args.num_state_slots)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return
@@ -360,7 +363,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 else:
                     table = tables[s.handle]
                     table.extend(s.new_blocks)
-                seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits))
+                seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
+                                     s.state_slot))
             runner.execute(seqs)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve

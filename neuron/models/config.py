@@ -17,7 +17,19 @@ import torch
 
 # Architectures (config.json "architectures"[0]) this package implements, and
 # the per-family switches that distinguish them.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+)
+# Gated DeltaNet + gated full attention, (1 + w) norms, partial rotary (neuron/models/hybrid.py).
+HYBRID_ARCHITECTURES = SUPPORTED_ARCHITECTURES[4:]
+_DEFAULT_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+                 "qwen3_5_text": "Qwen3_5ForCausalLM",
+                 "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+                 "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 _DTYPES = {
@@ -78,6 +90,32 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before rotary
     torch_dtype: str
     rope: RopeConfig
+    # Hybrid and MoE families (defaults: a dense model).
+    layer_types: tuple[str, ...] = ()  # "full_attention" | "linear_attention" per layer
+    rotary_dim: int = 0  # rotated leading dims of each head (partial rotary); 0 = head_dim
+    attn_output_gate: bool = False  # q_proj also yields a sigmoid gate on the attention output
+    norm_offset: bool = False  # RMSNorm scales by (1 + w), not w
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    weight_prefix: str = "model."  # where the language model's tensors live in the checkpoint
+
+    def is_moe_layer(self, i: int) -> bool:
+        return (self.num_experts > 0 and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
 
     @property
     def num_params(self) -> int:
@@ -89,7 +127,7 @@ class ModelConfig:
         return self.num_layers * (attn + mlp + 2 * h) + emb + h
 
 
-def _rope_from_config(raw: dict[str, Any]) -> RopeConfig:
+def _rope_from_config(raw: dict[str, Any], allow_partial: bool = False) -> RopeConfig:
     params = raw.get("rope_parameters")
     if params is None:
         # Older format: rope_theta at top level, rope_scaling optional ("type" or "rope_type").
@@ -97,6 +135,10 @@ def _rope_from_config(raw: dict[str, Any]) -> RopeConfig:
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     else:
         params = dict(params)
+    # Multimodal rope (Qwen3.5): text tokens carry one position on every axis, which is
+    # plain rope; the section layout only matters for image tokens (not served).
+    params.pop("mrope_section", None)
+    params.pop("mrope_interleaved", None)
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedArchitecture("per-layer-type rope_parameters are not supported")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -112,7 +154,7 @@ def _rope_from_config(raw: dict[str, Any]) -> RopeConfig:
             raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
         )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+    if partial not in (None, 1, 1.0) and not allow_partial:
         raise UnsupportedArchitecture(f"partial_rotary_factor={partial} is not supported")
     return RopeConfig(rope_type=rope_type, theta=theta, params=params)
 
@@ -121,13 +163,14 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a config.json dict; UnsupportedArchitecture names what is wrong."""
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type", "")
-    arch = archs[0] if archs else {
-        "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-    }.get(model_type, f"<model_type {model_type!r}>")
+    arch = archs[0] if archs else _DEFAULT_ARCH.get(model_type, f"<model_type {model_type!r}>")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedArchitecture(
             f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    multimodal = arch.endswith("ForConditionalGeneration")
+    if multimodal:  # the language model's settings live under text_config
+        raw = {**raw, **raw.get("text_config", {})}
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise UnsupportedArchitecture(f"{arch}: hidden_act {act!r} is not supported (only 'silu')")
@@ -139,11 +182,23 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     head_dim = int(raw.get("head_dim") or hidden // heads)
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
+    hybrid = arch in HYBRID_ARCHITECTURES
+    rope = _rope_from_config(raw, allow_partial=hybrid)
+    partial = float(rope.params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    layers = int(raw["num_hidden_layers"])
+    layer_types = tuple(raw.get("layer_types") or ())
+    if hybrid and not layer_types:  # every full_attention_interval-th layer is full attention
+        interval = int(raw.get("full_attention_interval", 4))
+        layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                            for i in range(layers))
+    unknown = set(layer_types) - {"full_attention", "linear_attention"}
+    if unknown:
+        raise UnsupportedArchitecture(f"{arch}: layer types {sorted(unknown)} are not supported")
     return ModelConfig(
         architecture=arch,
         model_type=model_type,
         hidden_size=hidden,
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
@@ -155,9 +210,27 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch.startswith("Qwen3"),
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
-        rope=_rope_from_config(raw),
+        rope=rope,
+        layer_types=layer_types if hybrid else (),
+        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+        attn_output_gate=hybrid and bool(raw.get("attn_output_gate", True)),
+        norm_offset=hybrid,
+        linear_num_key_heads=int(raw.get("linear_num_key_heads", 0)),
+        linear_num_value_heads=int(raw.get("linear_num_value_heads", 0)),
+        linear_key_head_dim=int(raw.get("linear_key_head_dim", 0)),
+        linear_value_head_dim=int(raw.get("linear_value_head_dim", 0)),
+        linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 0)),
+        num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+        num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
+        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        # Qwen3.5-MoE always renormalises the top k; the others say so in the config.
+        norm_topk_prob=bool(raw.get("norm_topk_prob", arch.startswith("Qwen3_5Moe"))),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+        weight_prefix="model.language_model." if multimodal else "model.",
     )
 
 

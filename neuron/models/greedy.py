@@ -57,11 +57,11 @@ def greedy_generate(runner: ModelRunner, prompts: Sequence[Sequence[int]],
             prompt = prompts[i]
             if fed[i] < len(prompt):
                 toks = list(prompt[fed[i] : fed[i] + chunk])
-                step.append(SeqInput(toks, fed[i], tables[i], fed[i] + len(toks) == len(prompt)))
+                step.append(SeqInput(toks, fed[i], tables[i], fed[i] + len(toks) == len(prompt), i))
                 fed[i] += len(toks)
             else:
                 done = len(prompt) + len(outputs[i]) - 1
-                step.append(SeqInput([outputs[i][-1]], done, tables[i], True))
+                step.append(SeqInput([outputs[i][-1]], done, tables[i], True, i))
         logits = runner.execute(step)
         picks = iter(logits.argmax(dim=-1).tolist())
         gaps = iter((lambda t: (t[:, 0] - t[:, 1]).tolist())(logits.topk(2).values)

@@ -23,6 +23,7 @@ from helexa.neuron.models.config import (
     load_model_config,
     parse_dtype,
 )
+from helexa.neuron.models.hybrid import HybridForCausalLM
 from helexa.neuron.models.llama import LlamaForCausalLM
 from helexa.neuron.models.quant import QuantSpec, attach, quantize_model
 from helexa.neuron.models.quant_ct import UnsupportedQuantization, attach_ct, parse_ct_config
@@ -35,6 +36,12 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": HybridForCausalLM,
+    "Qwen3NextForCausalLM": HybridForCausalLM,
+    "Qwen3_5ForCausalLM": HybridForCausalLM,
+    "Qwen3_5ForConditionalGeneration": HybridForCausalLM,
+    "Qwen3_5MoeForCausalLM": HybridForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": HybridForCausalLM,
 }
 
 # Checkpoint tensors that carry no weights we use.
@@ -72,7 +79,12 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def _target(name: str, model: nn.Module, params: dict[str, nn.Parameter]):
-    """Map a checkpoint tensor name to (our parameter name, shard id)."""
+    """Map a checkpoint tensor name to (our parameter name, shard id); a model with its
+    own ``checkpoint_map`` (the hybrid families) decides, and may say skip (None) or
+    keep whole in ``extra_tensors`` ("")."""
+    mapper = getattr(model, "checkpoint_map", None)
+    if mapper is not None:
+        return mapper(name)
     packed = getattr(model, "packed_modules", {})
     for src, (dst, shard) in packed.items():
         token = f".{src}."
@@ -88,7 +100,8 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
     # Every (parameter, shard) we expect to fill, and the checkpoint name that fills it.
     expected: dict[tuple[str, object], str] = {}
     packed = getattr(model, "packed_modules", {})
-    for pname in params:
+    own = getattr(model, "expected_shards", None)
+    for pname in params if own is None else ():
         if tie_word_embeddings and pname == "lm_head.weight":
             continue
         shards = [(src, shard) for src, (dst, shard) in packed.items() if f".{dst}." in pname]
@@ -98,6 +111,8 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                 expected[(pname, shard)] = pname.replace(f".{dst}.", f".{src}.")
         else:
             expected[(pname, None)] = pname
+    if own is not None:
+        expected = own()
     total = sum(_tensor_bytes(f) for f in files)
     done_bytes = 0
     loaded: set[tuple[str, object]] = set()
@@ -108,7 +123,13 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                     continue
                 if tie_word_embeddings and name == "lm_head.weight":
                     continue  # tied: the embedding is the head
-                pname, shard = _target(name, model, params)
+                target = _target(name, model, params)
+                if target is None:
+                    continue
+                pname, shard = target
+                if pname == "":  # kept whole, unsharded (multi-token-prediction weights)
+                    model.extra_tensors[name] = f.get_tensor(name)
+                    continue
                 param = params.get(pname)
                 if param is None:
                     raise UnsupportedArchitecture(f"{path.name}: unexpected tensor {name!r}")

@@ -1,0 +1,154 @@
+"""Gated DeltaNet linear attention: the causal conv1d and the gated delta rule.
+
+A linear-attention layer keeps, per request, two fixed-size states instead of
+a KV cache that grows with tokens:
+
+- the conv window: the last ``K - 1`` inputs of its depthwise causal conv1d,
+  [channels, K - 1];
+- the recurrent state S: [v_heads, k_dim, v_dim], updated per token t as
+  ``S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t``.
+
+Three forms of the rule live here: ``delta_rule_reference`` (token by token,
+obviously right, the one every other form is tested against),
+``delta_rule_chunked`` (prefill: the chunked WY form, matmuls over chunks of
+64 tokens and a short loop carrying the state between chunks) and
+``delta_rule_decode`` (one token for a batch of requests). On CUDA, with
+flash-linear-attention (``fla-core``) installed, prefill runs its Triton
+kernel instead (``fla_chunked``), import-guarded: CPU never needs it.
+
+q and k arrive L2-normalised (``l2norm``) and q is scaled by the caller's
+``scale``; everything is computed in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+try:  # optional GPU kernels (pip install fla-core); never needed on CPU
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _fla_chunk = None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps) over the last dim, as the reference models compute it."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------- conv1d
+
+
+def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv + SiLU over one sequence's new tokens.
+
+    x [T, C]; weight [C, K]; window [C, K - 1] (the previous inputs, None = zeros).
+    Returns (out [T, C], the new window [C, K - 1]).
+    """
+    t, c = x.shape
+    k = weight.shape[1]
+    if window is None:
+        window = x.new_zeros(c, k - 1)
+    seq = torch.cat([window.to(x.dtype), x.t()], dim=1)  # [C, K - 1 + T]
+    out = F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=c)[0]  # [C, T]
+    return F.silu(out).t().to(x.dtype), seq[:, -(k - 1):]
+
+
+def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """One new token per row: x [B, C], windows [B, C, K - 1] (updated in place) -> [B, C]."""
+    seq = torch.cat([windows.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
+    windows.copy_(seq[..., 1:])
+    return F.silu((seq * weight).sum(-1))
+
+
+# ------------------------------------------------------------- delta rule
+
+
+def delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, state: torch.Tensor | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token by token. q, k [T, H, dk]; v [T, H, dv]; g, beta [T, H]; state [H, dk, dv].
+    Returns (o [T, H, dv], final state), fp32."""
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    s = (state.float().clone() if state is not None
+         else q.new_zeros(q.shape[1], q.shape[2], v.shape[2]))
+    out = []
+    for t in range(q.shape[0]):
+        s = s * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", s, k[t])) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        out.append(torch.einsum("hkv,hk->hv", s, q[t]))
+    return torch.stack(out), s
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor | None, chunk: int = CHUNK
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same result as delta_rule_reference, a chunk of tokens at a time.
+
+    Within a chunk, with G_i the running sum of g up to token i, the WY form gives
+    every token's correction to the state at the chunk's start by one unit-lower
+    triangular solve, (I + A) [u | w] = [beta v | beta k e^G], A_ij = beta_i k_i.k_j
+    e^(G_i - G_j) for j < i; then v' = u - w S, o = (q e^G) S + (q k^T * decay) v'
+    and S <- e^(G_last) S + (k e^(G_last - G))^T v'. Only the state crosses chunks.
+    """
+    n, h, dk = q.shape
+    dv = v.shape[2]
+    pad = (-n) % chunk
+    # [H, chunks, C, d] in fp32; padded tokens have g = beta = 0: they change nothing.
+    def split(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [H, chunks, C, d]
+        return F.pad(x.float(), (0, 0, 0, 0, 0, pad)).transpose(0, 1).reshape(h, -1, chunk,
+                                                                              x.shape[2])
+
+    qc, kc, vc = split(q), split(k), split(v)
+    gc = F.pad(g.float(), (0, 0, 0, pad)).t().reshape(h, -1, chunk)
+    bc = F.pad(beta.float(), (0, 0, 0, pad)).t().reshape(h, -1, chunk)
+    cum = gc.cumsum(-1)  # [H, N, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    kb = kc * bc[..., None]
+    system = (kb @ kc.transpose(-1, -2)) * decay  # diagonal ignored: unit triangular
+    rhs = torch.cat([vc * bc[..., None], kb * cum.exp()[..., None]], dim=-1)
+    uw = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    attn = (qc @ kc.transpose(-1, -2)) * decay  # [H, N, C, C]
+    q_decayed = qc * cum.exp()[..., None]
+    k_decayed = kc * (cum[..., -1:] - cum).exp()[..., None]
+    last = cum[..., -1].exp()  # [H, N]
+    s = (state.float().clone() if state is not None else q.new_zeros(h, dk, dv, dtype=torch.float32))
+    out = torch.empty(h, qc.shape[1], chunk, dv, dtype=torch.float32, device=q.device)
+    for i in range(qc.shape[1]):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ v_new
+        s = s * last[:, i, None, None] + k_decayed[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(h, -1, dv)[:, :n].transpose(0, 1), s
+
+
+def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                      beta: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    """One token for each of B rows: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H];
+    states [B, H, dk, dv] fp32, updated in place. Returns o [B, H, dv]."""
+    states.mul_(g.float().exp()[..., None, None])
+    kf = k.float()
+    delta = (v.float() - torch.einsum("bhkv,bhk->bhv", states, kf)) * beta.float()[..., None]
+    states.add_(kf[..., :, None] * delta[..., None, :])
+    return torch.einsum("bhkv,bhk->bhv", states, q.float())
+
+
+def fla_available(device: torch.device) -> bool:
+    """flash-linear-attention's Triton kernels apply: CUDA and the package installed."""
+    return _fla_chunk is not None and device.type == "cuda"
+
+
+def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_rule_chunked on fla's kernel (CUDA only; q already normalised and scaled)."""
+    assert _fla_chunk is not None
+    o, s = _fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None], scale=1.0,
+                      initial_state=None if state is None else state[None].float(),
+                      output_final_state=True)
+    return o[0], s[0]

@@ -1,0 +1,345 @@
+"""Qwen3-Next, Qwen3.5 (dense and MoE) and Qwen3-MoE: decoders whose layers mix
+full attention with Gated DeltaNet linear attention and dense with expert MLPs.
+
+One model class serves the four families; the config says which layer is which
+(``layer_types``, ``is_moe_layer``) and how the full attention looks: Qwen3-Next
+and Qwen3.5 gate its output (q_proj yields [q | gate] per head), rotate only the
+leading ``rotary_dim`` of each head and scale every RMSNorm by (1 + w); Qwen3-MoE
+is Qwen3's attention with expert MLPs. Full-attention layers use the paged KV
+pool like the dense models; linear-attention layers keep a per-request state
+(gated_deltanet.py) whose slots the model runner attaches.
+
+Checkpoint names are mapped in ``checkpoint_map``: the text model of
+``*ForConditionalGeneration`` lives under ``model.language_model.``, its
+``model.visual.*`` tensors are skipped (text only, said once in the log), and
+multi-token-prediction weights (``mtp.*``) are kept whole in ``extra_tensors``
+for speculative decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
+from helexa.kernels.rotary import RotaryTable, apply_rotary
+from helexa.neuron.models.config import ModelConfig
+from helexa.neuron.models.gated_deltanet import GatedDeltaNet, StateMeta
+from helexa.neuron.models.layers import (
+    HotModule,
+    MergedColumnParallelLinear,
+    ParallelLinearBase,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    SliceGetter,
+    VocabParallelEmbedding,
+    _copy_checked,
+    _split_rows,
+    can_pack_for_cpu,
+    can_relayout_for_cpu,
+)
+from helexa.neuron.models.moe import SparseMoeBlock
+
+log = logging.getLogger(__name__)
+
+
+class GatedQKVParallelLinear(QKVParallelLinear):
+    """QKV whose q part carries [q | gate] per head (2 × head_dim rows a head), or plain q."""
+
+    def __init__(self, hidden: int, head_dim: int, heads: int, kv_heads: int, *, gated: bool,
+                 **kw: Any) -> None:
+        super().__init__(hidden, head_dim, heads, kv_heads, **kw)
+        self.q_factor = 2 if gated else 1
+        if gated:  # re-make the weight with room for the gate rows
+            rows = (self.q_factor * self.num_heads + 2 * self.num_kv_heads) * head_dim
+            ParallelLinearBase.__init__(self, hidden, rows, False, tp_rank=self.tp_rank,
+                                        tp_size=self.tp_size, dtype=kw["dtype"],
+                                        device=kw["device"])
+
+    def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
+        if shard_id != "q" or self.q_factor == 1:
+            return self._load_kv(param, loaded, shard_id)
+        q_size = self.q_factor * self.num_heads * self.head_dim
+        _copy_checked(param.data.narrow(0, 0, q_size),
+                      _split_rows(loaded, self.tp_rank * q_size, q_size), "gated q shard")
+
+    def _load_kv(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.q_factor * self.num_heads * d, self.num_kv_heads * d
+        if shard_id == "q":
+            dst, src = 0, self.tp_rank * q_size
+            size = q_size
+        else:
+            kv_head = (self.tp_rank * self.num_kv_heads if self.tp_size <= self.total_kv_heads
+                       else self.tp_rank * self.total_kv_heads // self.tp_size)
+            dst = q_size + (0 if shard_id == "k" else kv_size)
+            src, size = kv_head * d, kv_size
+        _copy_checked(param.data.narrow(0, dst, size), _split_rows(loaded, src, size),
+                      f"qkv shard {shard_id}")
+
+
+class Attention(HotModule):
+    """Full attention over the paged KV pool: q/k RMSNorm, (partial) rotary, optional gate."""
+
+    def __init__(self, cfg: ModelConfig, **kw: Any) -> None:
+        super().__init__()
+        self.gated = cfg.attn_output_gate
+        self.qkv_proj = GatedQKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                               cfg.num_kv_heads, gated=self.gated, **kw)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, **kw)
+        norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
+        self.kv: PagedKV | None = None  # this layer's KV pool, attached by the model runner
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qg, k, v = self.qkv_proj(x).split([self.qkv_proj.q_factor * h * d, kvh * d, kvh * d], -1)
+        if self.gated:
+            q, gate = qg.view(n, h, 2 * d).chunk(2, dim=-1)
+        else:
+            q, gate = qg.view(n, h, d), None
+        q = self.q_norm(q)
+        k = self.k_norm(k.view(n, kvh, d))
+        r = self.rotary_dim
+        if r == d:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        else:  # partial rotary: the trailing dims pass through
+            q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+            k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        v = v.view(n, kvh, d)
+        self.kv.write(meta.slot_mapping, k, v)
+        o = paged_attention(q, k, v, self.kv, meta).reshape(n, h * d)
+        if gate is not None:
+            o = o * torch.sigmoid(gate.reshape(n, h * d))
+        return self.o_proj(o)
+
+
+class MLP(HotModule):
+    def __init__(self, cfg: ModelConfig, **kw: Any) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
+                                                       [cfg.intermediate_size] * 2, **kw)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(HotModule):
+    def __init__(self, cfg: ModelConfig, index: int, **kw: Any) -> None:
+        super().__init__()
+        norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
+        self.linear = cfg.layer_types[index] == "linear_attention" if cfg.layer_types else False
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg, **kw)
+        else:
+            self.self_attn = Attention(cfg, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
+        self.mlp: HotModule = SparseMoeBlock(cfg, **kw) if cfg.is_moe_layer(index) else MLP(cfg, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, state: StateMeta | None) -> torch.Tensor:
+        h = self.input_layernorm(x)
+        if self.linear:
+            assert state is not None, "a hybrid model's step needs its StateMeta"
+            x = x + self.linear_attn(h, state)
+        else:
+            x = x + self.self_attn(h, cos, sin, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, **kw: Any) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+
+
+# checkpoint projection -> (our module, shard id), by the name's last two parts
+_PACKED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "shared_expert.gate_proj": ("shared_gate_up", 0),
+    "shared_expert.up_proj": ("shared_gate_up", 1),
+    "shared_expert.down_proj": ("shared_down", None),
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", "qkv"),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", "z"),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", "b"),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", "a"),
+    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj", "qkvz"),
+    "linear_attn.in_proj_ba": ("linear_attn.in_proj", "ba"),
+}
+_RENAMED = {"linear_attn.conv1d.weight": "linear_attn.conv_weight",
+            "linear_attn.norm.weight": "linear_attn.norm_weight",
+            "mlp.gate.weight": "mlp.gate", "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate"}
+_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+class HybridForCausalLM(nn.Module):
+    """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Qwen3-MoE with a paged KV pool and linear state."""
+
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.cfg = cfg
+        kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
+        self.model = Backbone(cfg, **kw)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, **kw)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(cfg.rope.rope_type, cfg.rope.theta, cfg.rotary_dim or cfg.head_dim,
+                                  cfg.rope.params, dtype=dtype, device=device,
+                                  initial_len=min(cfg.max_position_embeddings, 4096))
+        self.extra_tensors: dict[str, torch.Tensor] = {}  # mtp.*: kept for speculative decoding
+        self.state_meta: StateMeta | None = None  # set by the model runner before each step
+        self._skipped_visual = False
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn for layer in self.model.layers if not layer.linear]
+
+    @property
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear]
+
+    # ---- checkpoint names ------------------------------------------------------------------
+
+    def checkpoint_map(self, name: str) -> tuple[str, Any] | None:
+        """(our parameter, shard id) for a checkpoint tensor; ("", None) to keep it in
+        extra_tensors; None to skip it."""
+        if name.startswith("mtp."):
+            return "", None
+        if name.startswith(("model.visual.", "visual.")):
+            if not self._skipped_visual:
+                log.info("skipping the vision tower (model.visual.*): text only")
+                self._skipped_visual = True
+            return None
+        prefix = self.cfg.weight_prefix
+        if name.startswith(prefix):
+            name = "model." + name[len(prefix):]
+        m = _EXPERT.match(name)
+        if m:
+            mlp, expert, proj = m.group(1), int(m.group(2)), m.group(3)
+            if proj == "down":
+                return f"{mlp}.w2", expert
+            return f"{mlp}.w13", (expert, 0 if proj == "gate" else 1)
+        for src, dst in _RENAMED.items():
+            if name.endswith(src):
+                return name[: -len(src)] + dst, None
+        for src, (dst, shard) in _PACKED.items():
+            token = f".{src}."
+            if token in name:
+                return name.replace(token, f".{dst}."), shard
+        return name, None
+
+    def expected_shards(self) -> dict[tuple[str, Any], str]:
+        """Every (parameter, shard) loading must fill, with a checkpoint name for messages."""
+        out: dict[tuple[str, Any], str] = {}
+        # Qwen3-Next groups the projections per key head; Qwen3.5 keeps them apart.
+        in_proj = (("qkvz", "ba") if self.cfg.architecture == "Qwen3NextForCausalLM"
+                   else ("qkv", "z", "b", "a"))
+        for layer_name, layer in self.model.layers.named_children():
+            p = f"model.layers.{layer_name}."
+            if layer.linear:
+                for s in in_proj:
+                    out[(p + "linear_attn.in_proj.weight", s)] = p + f"linear_attn.in_proj_{s}"
+                for q in ("conv_weight", "dt_bias", "A_log", "norm_weight"):
+                    out[(p + f"linear_attn.{q}", None)] = p + f"linear_attn.{q}"
+                out[(p + "linear_attn.out_proj.weight", None)] = p + "linear_attn.out_proj.weight"
+            else:
+                for s in ("q", "k", "v"):
+                    out[(p + "self_attn.qkv_proj.weight", s)] = p + f"self_attn.{s}_proj.weight"
+                for q in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
+                    out[(p + f"self_attn.{q}", None)] = p + f"self_attn.{q}"
+            for q in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+                out[(p + q, None)] = p + q
+            if isinstance(layer.mlp, SparseMoeBlock):
+                out[(p + "mlp.gate", None)] = p + "mlp.gate.weight"
+                for e in range(self.cfg.num_experts):
+                    out[(p + "mlp.w13", (e, 0))] = p + f"mlp.experts.{e}.gate_proj.weight"
+                    out[(p + "mlp.w13", (e, 1))] = p + f"mlp.experts.{e}.up_proj.weight"
+                    out[(p + "mlp.w2", e)] = p + f"mlp.experts.{e}.down_proj.weight"
+                if layer.mlp.shared is not None:
+                    for s in (0, 1):
+                        out[(p + "mlp.shared_gate_up.weight", s)] = p + "mlp.shared_expert.*"
+                    out[(p + "mlp.shared_down.weight", None)] = p + "mlp.shared_expert.down_proj"
+                    out[(p + "mlp.shared_expert_gate", None)] = p + "mlp.shared_expert_gate"
+            else:
+                for s in (0, 1):
+                    out[(p + "mlp.gate_up_proj.weight", s)] = p + "mlp.gate/up_proj.weight"
+                out[(p + "mlp.down_proj.weight", None)] = p + "mlp.down_proj.weight"
+        out[("model.embed_tokens.weight", None)] = "model.embed_tokens.weight"
+        out[("model.norm.weight", None)] = "model.norm.weight"
+        if not self.cfg.tie_word_embeddings:
+            out[("lm_head.weight", None)] = "lm_head.weight"
+        return out
+
+    def finalize(self) -> None:
+        """After loading: (1 + w) norms become plain w norms, so one RMSNorm serves all."""
+        if not self.cfg.norm_offset:
+            return
+        norms = [self.model.norm]
+        for layer in self.model.layers:
+            norms += [layer.input_layernorm, layer.post_attention_layernorm]
+            if not layer.linear:
+                norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
+        with torch.no_grad():
+            for norm in norms:
+                norm.weight.add_(1.0)
+
+    # ---- CPU weight layouts (as the dense models; experts keep theirs) ----------------------
+
+    def _linears(self) -> list[nn.Module]:
+        mods = [m for m in self.modules() if isinstance(m, ParallelLinearBase)]
+        return mods + [self.lm_head]
+
+    def pack_for_cpu(self, batch_hint: int) -> int:
+        n = 0
+        for mod in self._linears():
+            if can_pack_for_cpu(mod.weight):
+                mod.pack_for_cpu(batch_hint)
+                n += 1
+        return n
+
+    def relayout_for_cpu(self) -> int:
+        n = 0
+        for mod in self._linears():
+            if mod is self.lm_head and self.cfg.tie_word_embeddings:
+                continue
+            if can_relayout_for_cpu(mod.weight):
+                mod.relayout_for_cpu()
+                n += 1
+        return n
+
+    # ---- forward ---------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
+        cos, sin = self.rotary.cos_sin(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, rotary_dim]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta, self.state_meta)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(x)).float()
