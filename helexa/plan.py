@@ -201,15 +201,17 @@ def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str) -> int:
             * kv_token_head_bytes(kv_dtype, shape.head_dim, shape.torch_dtype))
 
 
-def fixed_bytes_per_request(shape: ModelShape, tp: int) -> int:
-    """Per-request state that does not grow with tokens (linear-attention layers); 0 for dense."""
+def fixed_bytes_per_request(shape: ModelShape, tp: int, dtype: str | None = None) -> int:
+    """Per-request state that does not grow with tokens (linear-attention layers); 0 for dense.
+    Kept in the weights' dtype (`dtype`, default the checkpoint's)."""
     if not shape.linear_attention_layers or not shape.linear_num_value_heads:
         return 0
     k_heads, v_heads = shape.linear_num_key_heads, shape.linear_num_value_heads
     dk, dv = shape.linear_key_head_dim, shape.linear_value_head_dim
     recurrent = math.ceil(v_heads / tp) * dk * dv
     conv = math.ceil((2 * k_heads * dk + v_heads * dv) / tp) * max(shape.linear_conv_kernel_dim - 1, 0)
-    return shape.linear_attention_layers * (recurrent + conv) * ELT_BYTES[shape.torch_dtype]
+    return (shape.linear_attention_layers * (recurrent + conv)
+            * ELT_BYTES[dtype_name(dtype or shape.torch_dtype)])
 
 
 def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
@@ -320,7 +322,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
     per_token = kv_bytes_per_token(shape, tp, kv)
-    fixed = fixed_bytes_per_request(shape, tp)
+    fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
@@ -376,6 +378,22 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
         trade=trade, budget_source=source, shape=shape)
+
+
+def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
+    """(KV blocks, state slots) a hybrid model's budget is split into; (num_blocks, 0) for
+    a dense one.
+
+    The engine holds one linear-attention state slot per request in flight, allocated at
+    load beside the blocks and out of the same budget: `max_in_flight` slots, fewer if
+    that would leave less than one request of `context` tokens, never fewer than one.
+    """
+    if not plan.fixed_bytes:
+        return plan.num_blocks, 0
+    block_bytes = plan.block_size * plan.bytes_per_token
+    context_bytes = math.ceil(plan.context / plan.block_size) * block_bytes
+    slots = max(1, min(max_in_flight, (plan.kv_budget_bytes - context_bytes) // plan.fixed_bytes))
+    return (plan.kv_budget_bytes - slots * plan.fixed_bytes) // block_bytes, slots
 
 
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:

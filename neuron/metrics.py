@@ -34,6 +34,13 @@ class _ResidencyCollector(Collector):
                                    labels=["model"]) for k in _LEDGER}
         counts = {k: GaugeMetricFamily(f"helexa_requests_{k}", f"Requests {k.replace('_', ' ')}",
                                        labels=["model"]) for k in ("in_flight", "queued", "running")}
+        fixed = GaugeMetricFamily("helexa_kv_fixed_bytes_per_request",
+                                  "Linear-attention state bytes each request holds (per card; "
+                                  "hybrid models, included in the helexa_kv_* figures)",
+                                  labels=["model"])
+        slots = {k: GaugeMetricFamily(f"helexa_kv_state_{k}_bytes",
+                                      f"State slot bytes {k} (per card; hybrid models)",
+                                      labels=["model"]) for k in ("total", "free")}
         state = GaugeMetricFamily("helexa_model_state",
                                   "Model lifecycle state (1 loading, 2 ready, 3 switching, "
                                   "4 draining, 5 failed)", labels=["model"])
@@ -44,10 +51,15 @@ class _ResidencyCollector(Collector):
                 continue
             for k in _LEDGER:
                 kv[k].add_metric([r.model_id], getattr(s.kv, f"{k}_bytes"))
+            fixed.add_metric([r.model_id], s.kv.fixed_bytes_per_request)
+            for k, g in slots.items():
+                g.add_metric([r.model_id], getattr(s.kv, f"state_{k}_bytes"))
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)
         yield from kv.values()
+        yield fixed
+        yield from slots.values()
         yield from counts.values()
         yield state
 

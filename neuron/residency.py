@@ -32,6 +32,7 @@ import structlog
 from helexa.config import ModelEntry, NeuronConfig, resolve_path
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
+from helexa.plan import state_slots
 
 MIB = 1024 * 1024
 # A failed model is retried after FAILED_RETRY_SECS, doubling per consecutive failure up to
@@ -75,6 +76,7 @@ class ResidentModel:
     last_used_unix_ms: int = 0
     failures: int = 0  # consecutive failed loads
     retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
 
     @property
     def model_id(self) -> str:
@@ -232,7 +234,7 @@ class Residency:
             r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype,
                                 device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
-            r.limits = ModelLimits.from_plan(r.plan)
+            r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache)
             r.admission = effective_limits(self.cfg, r.profile)
             if entry.path is None:
                 raise RuntimeError("no checkpoint folder (`path`) on this neuron; "
@@ -452,13 +454,15 @@ class Residency:
                               f"within drain_secs ({self.cfg.server.drain_secs:g} s); "
                               "the switch was abandoned", 1000)
             try:
-                await reset(num_blocks=plan.num_blocks, kv_dtype=plan.kv_dtype,
+                await reset(num_blocks=state_slots(plan, r.num_state_slots)[0],
+                            kv_dtype=plan.kv_dtype,
                             bytes_per_token=plan.bytes_per_token, context=plan.context,
                             max_output_tokens=plan.output)
             except Exception as e:  # the engine kept its pool; say why it would not switch
                 raise Refusal("invalid_request_error",
                               f"kv_dtype: the engine could not re-plan its pool: {e}") from e
-            r.plan, r.kv_dtype, r.limits = plan, plan.kv_dtype, ModelLimits.from_plan(plan)
+            r.plan, r.kv_dtype, r.limits = (plan, plan.kv_dtype,
+                                             ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache))
         finally:
             r.client.stop_admitting(False)
             if r.state == ModelState.SWITCHING:
@@ -521,9 +525,13 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
     from helexa.neuron.engine.spec import EngineSpec
 
     plan = r.plan
+    max_in_flight = r.admission.max_in_flight if r.admission else cfg.admission.max_in_flight
+    num_blocks, slots = state_slots(plan, max_in_flight or 1)
+    r.num_state_slots = slots
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
-        dtype=r.entry.dtype, tp=r.entry.tp, num_blocks=plan.num_blocks,
+        dtype=r.entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
+        num_state_slots=slots, fixed_bytes=plan.fixed_bytes,
         block_size=plan.block_size, kv_dtype=plan.kv_dtype,
         bytes_per_token=plan.bytes_per_token, context=plan.context,
         max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,

@@ -29,7 +29,9 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
             total_bytes=s.kv.total_bytes, free_bytes=s.kv.free_bytes,
             cached_bytes=s.kv.cached_bytes, reserved_bytes=s.kv.reserved_bytes,
             used_bytes=s.kv.used_bytes, block_size=s.kv.block_size,
-            bytes_per_token=s.kv.bytes_per_token))
+            bytes_per_token=s.kv.bytes_per_token,
+            fixed_bytes_per_request=s.kv.fixed_bytes_per_request,
+            state_total_bytes=s.kv.state_total_bytes, state_free_bytes=s.kv.state_free_bytes))
         m.in_flight, m.queued, m.running = s.in_flight, s.queued, s.running
         m.decode_tokens_per_sec = s.decode_tokens_per_sec
         m.prefill_tokens_per_sec = s.prefill_tokens_per_sec
@@ -45,7 +47,9 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
             default_output_tokens=a.default_output_tokens or 0))
     if r.limits is not None:
         m.limits.CopyFrom(pb.ModelLimits(context=r.limits.context, input=r.limits.input,
-                                         output=r.limits.output))
+                                         output=r.limits.output,
+                                         fixed_bytes_per_request=r.limits.fixed_bytes_per_request,
+                                         prefix_cache=r.limits.prefix_cache))
     return m
 
 

@@ -133,11 +133,16 @@ async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
     state.auth.principal(request.headers.get("Authorization"))  # 401 when auth is required
     limits = state.registry.ready_limits()
+    costs = state.registry.ready_state_costs()
 
     def entry(model_id: str, target: str) -> dict:
         context, input_, output = limits[target]
         e = {"id": model_id, "object": "model", "created": 0, "owned_by": "helexa",
              "limit": {"context": context, "input": input_, "output": output}}
+        fixed, _ = costs.get(target, (0, True))
+        if fixed:  # hybrid models: state reserved per request beside the KV tokens
+            e["limit"]["fixed_bytes_per_request"] = fixed
+            e["prefix_cache"] = False  # served without it: see docs/architecture.md
         if model_id != target:
             e["alias_of"] = target
         return e

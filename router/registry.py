@@ -348,6 +348,20 @@ class Registry:
                 out.update(link.status.catalogue)
         return out
 
+    def ready_state_costs(self) -> dict[str, tuple[int, bool]]:
+        """Model → (fixed bytes per request, prefix cache on) among healthy neurons serving
+        it: the largest figure, and on only where every neuron has it on."""
+        out: dict[str, tuple[int, bool]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models:
+                if m.state != pb.MODEL_STATE_READY:
+                    continue
+                fixed, cache = m.limits.fixed_bytes_per_request, m.limits.prefix_cache
+                prev = out.get(m.model)
+                out[m.model] = (fixed, cache) if prev is None else (max(prev[0], fixed),
+                                                                    prev[1] and cache)
+        return out
+
     def ready_limits(self) -> dict[str, tuple[int, int, int]]:
         """Model → (context, input, output), the smallest among healthy neurons serving it."""
         out: dict[str, tuple[int, int, int]] = {}

@@ -176,7 +176,7 @@ class WatchRequest(_message.Message):
     def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class KvLedger(_message.Message):
-    __slots__ = ("total_bytes", "free_bytes", "cached_bytes", "reserved_bytes", "used_bytes", "block_size", "bytes_per_token")
+    __slots__ = ("total_bytes", "free_bytes", "cached_bytes", "reserved_bytes", "used_bytes", "block_size", "bytes_per_token", "fixed_bytes_per_request", "state_total_bytes", "state_free_bytes")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -184,6 +184,9 @@ class KvLedger(_message.Message):
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     free_bytes: int
     cached_bytes: int
@@ -191,7 +194,10 @@ class KvLedger(_message.Message):
     used_bytes: int
     block_size: int
     bytes_per_token: int
-    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+    fixed_bytes_per_request: int
+    state_total_bytes: int
+    state_free_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., state_total_bytes: _Optional[int] = ..., state_free_bytes: _Optional[int] = ...) -> None: ...
 
 class AdmissionLimits(_message.Message):
     __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs", "default_output_tokens")
@@ -214,14 +220,18 @@ class AdmissionLimits(_message.Message):
     def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ..., default_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("context", "input", "output")
+    __slots__ = ("context", "input", "output", "fixed_bytes_per_request", "prefix_cache")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    FIXED_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     context: int
     input: int
     output: int
-    def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ...) -> None: ...
+    fixed_bytes_per_request: int
+    prefix_cache: bool
+    def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend")

@@ -19,6 +19,12 @@ sequence grows; `release(req_id)` gives back everything it holds, exactly
 once (a second call is a no-op and says so). Admission (policy) decides who
 may reserve; this file only answers and mutates.
 
+Hybrid models (linear-attention layers) also hold a fixed-size state per
+request: the pool then has `num_state_slots` slots of `fixed_bytes` each, and
+a reservation takes one with its blocks (all or nothing) and gives it back in
+the same `release`. The ledger counts a held slot as reserved until its
+request draws its first block, then as used.
+
 Prefix sharing: a full block's content is named by a `BlockKey`: a SHA-256
 chain digest over the parent block's digest and the block's token ids, with
 the tokens and the parent digest kept beside it. The index is keyed by the
@@ -85,9 +91,14 @@ def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int]) -> Bloc
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int, *,
+                 num_state_slots: int = 0, fixed_bytes: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs blocks: num_blocks={num_blocks}, block_size={block_size}")
+        self.num_state_slots = num_state_slots
+        self.fixed_bytes = fixed_bytes  # per request (per card), when there are state slots
+        self._free_slots: deque[int] = deque(range(num_state_slots))
+        self._slot_of: dict[str, int] = {}  # req -> its state slot
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
@@ -137,19 +148,37 @@ class BlockPool:
         return len(self._reserved.get(req_id, ()))
 
     def can_reserve(self, n: int, reuse: Sequence[int] = ()) -> bool:
-        """Would `reserve(_, n, reuse)` succeed now? Reused cached blocks count against free."""
+        """Would `reserve(_, n, reuse)` succeed now? Reused cached blocks count against free;
+        a hybrid model's request also needs a free state slot."""
+        if self.num_state_slots and not self._free_slots:
+            return False
         return n + self._num_unreferenced(reuse) <= self.num_free_blocks
 
+    @property
+    def num_free_state_slots(self) -> int:
+        return len(self._free_slots)
+
+    def state_slot(self, req_id: str) -> int:
+        """The state slot req_id holds (-1: none, a dense model's pool)."""
+        return self._slot_of.get(req_id, -1)
+
     def ledger(self) -> messages.KvLedger:
-        b = self.bytes_per_block
+        """Blocks and state slots in bytes: total = free + reserved + used over both."""
+        b, f = self.bytes_per_block, self.fixed_bytes
+        held = list(self._slot_of)
+        slots_used = sum(1 for r in held if self._held.get(r))
+        slots_reserved = len(held) - slots_used
         return messages.KvLedger(
-            total_bytes=self.num_blocks * b,
-            free_bytes=self.num_free_blocks * b,
+            total_bytes=self.num_blocks * b + self.num_state_slots * f,
+            free_bytes=self.num_free_blocks * b + len(self._free_slots) * f,
             cached_bytes=self.num_cached_blocks * b,
-            reserved_bytes=self.num_reserved_blocks * b,
-            used_bytes=self.num_used_blocks * b,
+            reserved_bytes=self.num_reserved_blocks * b + slots_reserved * f,
+            used_bytes=self.num_used_blocks * b + slots_used * f,
             block_size=self.block_size,
             bytes_per_token=b // self.block_size,
+            fixed_bytes_per_request=f if self.num_state_slots else 0,
+            state_total_bytes=self.num_state_slots * f,
+            state_free_bytes=len(self._free_slots) * f,
         )
 
     # --- mutations ---------------------------------------------------------
@@ -178,6 +207,8 @@ class BlockPool:
         self._num_reserved += n
         self._reserved[req_id] = taken
         self._held[req_id] = held
+        if self.num_state_slots:
+            self._slot_of[req_id] = self._free_slots.popleft()
         return True
 
     def draw(self, req_id: str) -> int:
@@ -211,6 +242,9 @@ class BlockPool:
                 block.state = BlockState.FREE
                 self._free.append(block_id)
             self.num_released_total += 1
+        slot = self._slot_of.pop(req_id, None)
+        if slot is not None:
+            self._free_slots.append(slot)
         taken = self._reserved.pop(req_id, deque())
         for block_id in taken:
             self.blocks[block_id].state = BlockState.FREE
@@ -291,3 +325,6 @@ class BlockPool:
         for block in self.blocks:
             assert refs.get(block.block_id, 0) == block.ref_count, block
         assert len(self._index) == sum(1 for b in self.blocks if b.block_hash is not None)
+        slots = list(self._free_slots) + list(self._slot_of.values())
+        assert sorted(slots) == list(range(self.num_state_slots)), slots
+        assert set(self._slot_of) <= set(self._reserved) | set(self._held)

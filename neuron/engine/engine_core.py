@@ -37,7 +37,7 @@ from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
-from helexa.neuron.engine.spec import EngineSpec, full_limits, merge_limits
+from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
 
 _EWMA_ALPHA = 0.2
 
@@ -46,16 +46,15 @@ class EngineCore:
     def __init__(self, spec: EngineSpec, runner: Any = None, *, sampler: Any = None,
                  clock=time.monotonic, wall_clock=time.time, logger: Any = None,
                  progress: Any = None) -> None:
-        self.spec = spec
         self.limits = full_limits(spec.limits)
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
+        self.spec = spec = check_pool(spec, self.runner)
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
         self.sampler = sampler or Sampler()
         # the runner's own count: on CUDA it sizes the pool by measurement, the plan's as ceiling
         blocks = getattr(self.runner, "num_blocks", None)
-        self.pool = BlockPool(blocks if isinstance(blocks, int) else spec.num_blocks,
-                              spec.block_size, spec.bytes_per_block)
+        self.pool = self._new_pool(blocks if isinstance(blocks, int) else spec.num_blocks)
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
@@ -161,7 +160,7 @@ class EngineCore:
             self.spec, num_blocks=r.num_blocks, kv_dtype=r.kv_dtype,
             bytes_per_token=r.bytes_per_token, context=r.context,
             max_output_tokens=r.max_output_tokens)
-        self.pool = BlockPool(r.num_blocks, self.spec.block_size, self.spec.bytes_per_block)
+        self.pool = self._new_pool(r.num_blocks)
         self.admission.pool = self.pool
         self.admission.drain = DrainMeter()  # the old pool's release counter means nothing now
         for req in self.admission.queued():  # queued under the old context, refused if too long now
@@ -172,6 +171,12 @@ class EngineCore:
                     f"prompt {req.num_prompt_tokens} + output {req.output_budget} tokens;"
                     f" the context is now {r.context}"))
         return "ok"
+
+    def _new_pool(self, num_blocks: int) -> BlockPool:
+        """KV blocks, and for hybrid models one linear-attention state slot per request."""
+        s = self.spec
+        return BlockPool(num_blocks, s.block_size, s.bytes_per_block,
+                         num_state_slots=s.num_state_slots, fixed_bytes=s.fixed_bytes)
 
     def add_request(self, new: messages.NewRequest) -> None:
         prompt = list(new.prompt_token_ids)
@@ -242,7 +247,8 @@ class EngineCore:
                     req.block_table.append(self.pool.draw(req.req_id))
                 need_logits = end == req.num_tokens
                 seqs.append(SeqInput(token_ids=req.token_slice(start, end), num_computed=start,
-                                            block_table=req.block_table, need_logits=need_logits))
+                                     block_table=req.block_table, need_logits=need_logits,
+                                     state_slot=self.pool.state_slot(req.req_id)))
                 if need_logits:
                     sampled.append(req)
             logits = self.runner.execute(seqs)
@@ -358,4 +364,6 @@ def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = No
                        cuda_graphs=spec.cuda_graphs, plan_bytes_per_block=spec.bytes_per_block,
                        context=spec.context, quantize=spec.quantize,
                        quant_group_size=spec.quant_group_size,
+                       # hybrid models: a state slot per request in flight (dense: unused)
+                       num_state_slots=spec.num_state_slots or limits.max_in_flight or 1,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)

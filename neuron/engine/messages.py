@@ -136,6 +136,10 @@ class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
     used_bytes: int
     block_size: int
     bytes_per_token: int
+    # Hybrid models: linear-attention state per request, and the slots' share of the totals.
+    fixed_bytes_per_request: int = 0
+    state_total_bytes: int = 0
+    state_free_bytes: int = 0
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -67,7 +67,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_token: int = 0  # per card, from helexa.plan (0 when unknown: ledger in blocks only)
     context: int  # most prompt + output tokens of one request
     max_output_tokens: int | None = None  # advertised output cap (None = context - 1)
-    prefix_cache: bool = True
+    prefix_cache: bool = True  # forced off for hybrid models (see check_pool)
+    # Hybrid models: per-request linear-attention state slots and their bytes per card
+    # (helexa.plan's fixed_bytes); 0 = plan did not say (the runner's own figure is used).
+    num_state_slots: int = 0
+    fixed_bytes: int = 0
     torch_threads: int | None = None
     attention_backend: str = "auto"  # kernels/backends/__init__.py
     cuda_graphs: bool = True
@@ -91,3 +95,23 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
 def full_limits(partial: messages.SetLimits | None = None) -> messages.SetLimits:
     """DEFAULT_LIMITS overlaid with `partial`: every knob set."""
     return merge_limits(DEFAULT_LIMITS, partial)
+
+
+def check_pool(spec: EngineSpec, runner: object) -> EngineSpec:
+    """The spec as the engine runs it, after checking the runner holds the linear-attention
+    state the plan counted (KV bytes per block are the runner's own check, memory_plan.py).
+
+    Plan and runner must agree on a hybrid model's fixed bytes per request, else the
+    ledger would report memory that is not there: the load fails, naming both figures.
+    A hybrid model serves with the prefix cache off: a cached full-attention prefix is
+    useless without the linear-attention state at the same position, which the pool
+    does not snapshot (docs/architecture.md, "Hybrid models").
+    """
+    fixed = int(getattr(runner, "fixed_bytes_per_request", 0) or 0)
+    if not fixed:
+        return spec
+    if spec.fixed_bytes and spec.fixed_bytes != fixed:
+        raise ValueError(f"{spec.model_id}: the plan counts {spec.fixed_bytes} fixed bytes per "
+                         f"request, the model runner holds {fixed}")
+    return msgspec.structs.replace(spec, prefix_cache=False, fixed_bytes=fixed,
+                                   num_state_slots=int(runner.num_state_slots))
