@@ -25,7 +25,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3")
+from helexa.tiny_hybrid import HYBRID_ARCHS, hybrid_config, hybrid_weights
+
+ARCHS = ("llama", "qwen2", "qwen3", *HYBRID_ARCHS)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN = "<|im_end|>"
 PAD_TOKEN = "<|endoftext|>"
@@ -296,12 +298,26 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
     # A small corpus may learn fewer merges than asked; the model keeps the
     # asked vocab (spare rows, as Qwen's checkpoints have beyond their tokenizer).
     model_vocab = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
-    cfg = _config(arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                  num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
-                  vocab_size=model_vocab, max_position_embeddings=max_position_embeddings,
-                  dtype=_DTYPES[dtype], tie=bool(tie_word_embeddings),
-                  rope_theta=float(rope_theta or (500000.0 if arch == "llama" else 1000000.0)),
-                  rope_scaling=rope_scaling, legacy_config=legacy_config, special=special)
+    if arch in HYBRID_ARCHS:
+        if legacy_config or rope_scaling:
+            raise ValueError(f"{arch}: legacy_config and rope_scaling apply to the dense archs only")
+        cfg = hybrid_config(arch, hidden_size=hidden_size, num_layers=num_layers,
+                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                            intermediate_size=intermediate_size, vocab_size=model_vocab,
+                            max_position_embeddings=max_position_embeddings,
+                            dtype=_DTYPES[dtype], tie=bool(tie_word_embeddings),
+                            rope_theta=float(rope_theta or 10000000.0), special=special,
+                            eos=EOS_TOKEN, pad=PAD_TOKEN, version=_TRANSFORMERS_VERSION)
+        weights = hybrid_weights(arch, cfg, seed, LOGIT_STD)
+    else:
+        cfg = _config(arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      intermediate_size=intermediate_size, vocab_size=model_vocab,
+                      max_position_embeddings=max_position_embeddings, dtype=_DTYPES[dtype],
+                      tie=bool(tie_word_embeddings),
+                      rope_theta=float(rope_theta or (500000.0 if arch == "llama" else 1000000.0)),
+                      rope_scaling=rope_scaling, legacy_config=legacy_config, special=special)
+        weights = _weights(arch, cfg, seed)
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -314,7 +330,7 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
     })
     (out / "tokenizer.json").write_text(tok_text)
     _write_json(out / "tokenizer_config.json", _tokenizer_config(special, max_position_embeddings))
-    save_file(_weights(arch, cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

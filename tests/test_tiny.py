@@ -45,6 +45,23 @@ def test_loads_in_transformers_with_every_tensor_used(tiny_checkpoint, arch):
     assert logits.shape == (1, ids.shape[1], model.config.vocab_size)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe"])
+def test_hybrid_and_moe_load_in_transformers_with_every_tensor_used(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch, num_layers=4)
+    model, info = _load(path)
+    assert not any(info.values()), info
+    assert type(model).__name__ == {"qwen3_5": "Qwen3_5ForCausalLM",
+                                    "qwen3_next": "Qwen3NextForCausalLM",
+                                    "qwen3_moe": "Qwen3MoeForCausalLM",
+                                    "qwen3_5_moe": "Qwen3_5MoeForCausalLM"}[arch]
+    names = set(load_file(path / "model.safetensors"))
+    # Qwen3.5 ships as the multimodal wrapper, as Qwen/Qwen3.5-27B does (text model only here)
+    wrapped = arch in ("qwen3_5", "qwen3_5_moe")
+    assert ("model.language_model.embed_tokens.weight" in names) == wrapped
+    assert any(".linear_attn." in n for n in names) == (arch != "qwen3_moe")
+    assert any(".experts.3." in n for n in names) == (arch != "qwen3_5")
+
+
 def test_greedy_choices_are_rarely_near_ties(tiny_model_dir):
     model, _ = _load(tiny_model_dir)
     ids = torch.arange(3, 259).reshape(4, 64)  # 256 positions of assorted tokens

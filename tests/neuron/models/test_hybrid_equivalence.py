@@ -132,3 +132,11 @@ def test_vision_skipped_with_one_line_and_mtp_kept(family_dir, tmp_path, caplog)
     assert [r.message for r in caplog.records if "visual" in r.message] == [
         "skipping the vision tower (model.visual.*): text only"]
     assert torch.equal(runner.model.extra_tensors["mtp.fc.weight"], tensors["mtp.fc.weight"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_init_tiny_matches_transformers(tiny_checkpoint, greedy_reference, prompt_picker, family):
+    model_dir = tiny_checkpoint(family, num_layers=4)
+    prompt = prompt_picker(model_dir, 40, 17)
+    ours = greedy_generate(make_runner(model_dir), [prompt], NEW_TOKENS)[0]
+    greedy_reference(model_dir, prompt, ours)
