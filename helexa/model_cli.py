@@ -15,7 +15,8 @@ def main(argv: list[str]) -> int:
     tiny.add_argument("dir", help="folder to write (created if missing)")
     tiny.add_argument("--arch", choices=ARCHS, default="qwen3")
     tiny.add_argument("--hidden-size", type=int, default=64)
-    tiny.add_argument("--layers", type=int, default=2, help="number of decoder layers")
+    tiny.add_argument("--layers", type=int, default=None,
+                      help="number of decoder layers (default 2; 4 for the hybrid and MoE archs)")
     tiny.add_argument("--heads", type=int, default=4, help="attention heads")
     tiny.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
     tiny.add_argument("--head-dim", type=int, default=None, help="default hidden-size / heads")

@@ -270,7 +270,7 @@ def _weights(arch: str, cfg: dict, seed: int) -> dict[str, Any]:
 
 
 def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64,
-              num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+              num_layers: int | None = None, num_heads: int = 4, num_kv_heads: int = 2,
               head_dim: int | None = None, intermediate_size: int = 128,
               vocab_size: int = 512, max_position_embeddings: int = 4096, seed: int = 0,
               dtype: str = "float32", tie_word_embeddings: bool | None = None,
@@ -292,6 +292,8 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
     if num_heads % num_kv_heads:
         raise ValueError(f"num_kv_heads: expected a divisor of num_heads={num_heads}, got {num_kv_heads}")
     head_dim = head_dim or hidden_size // num_heads
+    # A hybrid's every fourth layer is full attention: four layers hold one of each kind.
+    num_layers = num_layers or (4 if arch in HYBRID_ARCHS else 2)
     tok_text = tokenizer_json(vocab_size)
     tok = Tokenizer.from_str(tok_text)
     special = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS}

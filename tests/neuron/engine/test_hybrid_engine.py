@@ -1,0 +1,198 @@
+"""The engine serving hybrid (Gated DeltaNet) and MoE models: state slots reserved with
+the KV tokens and returned exactly once, outputs independent of batch-mates and of the
+prefix cache, and the same pool figures as helexa plan."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from helexa.config import load_neuron_config
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.block_pool import BlockPool
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.plan import plan_model, state_slots
+
+GREEDY = m.SamplingParams(temperature=0.0)
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def core_for(model_dir: Path, *, prefix_cache: bool = True, num_blocks: int = 160,
+             **limits) -> EngineCore:
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=num_blocks,
+                      block_size=8, context=512, prefix_cache=prefix_cache, bytes_per_token=0,
+                      limits=m.SetLimits(anon_max_in_flight=64, **limits))
+    return EngineCore(spec)
+
+
+def new(rid: str, prompt: list[int], max_tokens: int = 12) -> m.NewRequest:
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY)
+
+
+def drive(core: EngineCore, first: m.ToEngine | None = None) -> tuple[dict, dict]:
+    tokens: dict[str, list[int]] = {}
+    admitted: dict[str, m.RequestUpdate] = {}
+    inbound = first
+    while True:
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.admitted:
+                admitted[u.req_id] = u
+        inbound = None
+        core.pool.check()
+        if not core.has_work:
+            return tokens, admitted
+
+
+def assert_whole(core: EngineCore) -> None:
+    led = core.pool.ledger()
+    assert led.free_bytes == led.total_bytes and not led.reserved_bytes and not led.used_bytes
+    assert led.state_free_bytes == led.state_total_bytes > 0
+    assert core.pool.num_free_state_slots == core.pool.num_state_slots
+
+
+def test_pool_reserves_a_state_slot_with_the_blocks_and_returns_it_once():
+    pool = BlockPool(4, 2, bytes_per_block=10, num_state_slots=2, fixed_bytes=100)
+    led = pool.ledger()
+    assert (led.total_bytes, led.free_bytes, led.fixed_bytes_per_request) == (240, 240, 100)
+    assert pool.reserve("a", 1) and pool.state_slot("a") == 0
+    assert pool.ledger().reserved_bytes == 110  # a block and a slot, neither written yet
+    pool.draw("a")
+    led = pool.ledger()
+    assert (led.reserved_bytes, led.used_bytes, led.state_free_bytes) == (0, 110, 100)
+    assert pool.reserve("b", 1) and pool.state_slot("b") == 1
+    assert not pool.can_reserve(1) and not pool.reserve("c", 1)  # blocks left, no slot
+    assert pool.release("a") and not pool.release("a")
+    assert pool.state_slot("a") == -1 and pool.reserve("c", 1) and pool.state_slot("c") == 0
+    pool.check()
+    pool.release("b")
+    pool.release("c")
+    assert pool.ledger().free_bytes == 240
+    pool.check()
+
+
+def test_storm_half_abandoned_leaves_kv_and_state_whole(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    core = core_for(model_dir, max_in_flight=12, max_slots=8, max_batched_tokens=64,
+                    prefill_chunk_tokens=16, max_queue_depth=64, max_per_principal=64)
+    assert core.pool.num_state_slots == 12 and core.pool.fixed_bytes > 0
+    rng = random.Random(4)
+    requests = [new(f"r{i}", [rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))],
+                    rng.randrange(4, 24)) for i in range(64)]
+    abandon = {r.req_id for r in requests[::2]}
+    streamed: dict[str, int] = {}
+    finished: dict[str, m.FinishReason] = {}
+    inbound: m.ToEngine | None = m.ToEngine(new=requests)
+    for _ in range(20_000):
+        out = core.step(inbound)
+        inbound = m.ToEngine()
+        for u in out.updates:
+            assert u.refused_code is None, u
+            streamed[u.req_id] = streamed.get(u.req_id, 0) + len(u.new_token_ids)
+            if u.finished is not None:
+                finished[u.req_id] = u.finished
+            elif u.req_id in abandon and streamed[u.req_id] >= 2:  # mid-stream: caller gone
+                inbound.aborts.append(m.Abort(req_id=u.req_id))
+        core.pool.check()
+        led = core.pool.ledger()
+        assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
+        held = core.pool.num_state_slots - core.pool.num_free_state_slots
+        assert held == core.admission.num_in_flight <= 12
+        if not core.has_work and not inbound.aborts:
+            break
+    assert len(finished) == 64
+    aborted = {r for r, why in finished.items() if why == m.FinishReason.ABORT}
+    assert aborted and aborted <= abandon
+    assert all(why == m.FinishReason.LENGTH for r, why in finished.items() if r not in abandon)
+    assert_whole(core)
+
+
+def test_outputs_do_not_depend_on_batch_mates_or_recycled_slots(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_next")
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 500) for _ in range(5 + 6 * i)] for i in range(6)]
+    solo = []
+    core = core_for(model_dir, max_in_flight=2, max_slots=1)
+    for i, p in enumerate(prompts):  # one at a time: every slot is reused by later requests
+        tokens, _ = drive(core, m.ToEngine(new=[new(f"s{i}", p)]))
+        solo.append(tokens[f"s{i}"])
+    core = core_for(model_dir, max_in_flight=6, max_slots=6, max_batched_tokens=24,
+                    prefill_chunk_tokens=7)
+    tokens, _ = drive(core, m.ToEngine(new=[new(f"b{i}", p) for i, p in enumerate(prompts)]))
+    assert [tokens[f"b{i}"] for i in range(6)] == solo
+    assert_whole(core)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_moe"])
+def test_same_long_prompt_twice_same_tokens_with_prefix_cache_on(tiny_checkpoint, arch):
+    model_dir = tiny_checkpoint(arch)
+    core = core_for(model_dir, prefix_cache=True)
+    prompt = [random.Random(9).randrange(3, 500) for _ in range(100)]
+    first, _ = drive(core, m.ToEngine(new=[new("one", prompt, 24)]))
+    second, admitted = drive(core, m.ToEngine(new=[new("two", prompt, 24)]))
+    assert second["two"] == first["one"] and len(first["one"]) == 24
+    hybrid = arch != "qwen3_moe"
+    # A hybrid serves with the prefix cache off (no state snapshot at the prefix's end);
+    # a pure-attention MoE model reuses the cached blocks.
+    assert core.spec.prefix_cache is not hybrid
+    assert (admitted["two"].cached_tokens == 0) is hybrid
+    if hybrid:
+        assert_whole(core)
+
+
+def test_plan_and_running_engine_agree_on_beasts_pool(tiny_checkpoint, tmp_path):
+    # asset/neuron/beast.toml with its model swapped for a tiny checkpoint of the same
+    # family and layout (Qwen3.5, multimodal wrapper, bf16), at its tp = 2.
+    model_dir = tiny_checkpoint("qwen3_5", dtype="bfloat16")
+    text = (REPO / "asset/neuron/beast.toml").read_text()
+    text = text.replace('path = "/srv/models/Qwen/Qwen3.5-27B"', f'path = "{model_dir}"')
+    text = text.replace('config = "../models/Qwen/Qwen3.5-27B/config.json"\n', "")
+    text = text.replace("context = 131072", "context = 1024").replace(
+        "max_output_tokens = 32768", "max_output_tokens = 512").replace(
+        "kv_budget_mb = 4713", "kv_budget_mb = 2").replace(
+        'devices = ["cuda:0", "cuda:1"]', 'devices = ["cpu", "cpu"]')
+    path = tmp_path / "beast.toml"
+    path.write_text(text)
+    cfg = load_neuron_config(path)
+    entry = cfg.models[0]
+    plan = plan_model(cfg, entry, path)
+    assert plan.fixed_bytes > 0 and plan.tp == 2
+    num_blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
+    assert slots == cfg.admission.max_in_flight
+    assert num_blocks * plan.block_size * plan.bytes_per_token + slots * plan.fixed_bytes \
+        <= plan.kv_budget_bytes
+    spec = EngineSpec(model_id=entry.id, model_dir=str(model_dir), devices=["cpu", "cpu"],
+                      dtype="bf16", tp=2, num_blocks=num_blocks, block_size=plan.block_size,
+                      bytes_per_token=plan.bytes_per_token, context=plan.context,
+                      num_state_slots=slots, fixed_bytes=plan.fixed_bytes)
+    core = EngineCore(spec)
+    try:
+        led = core.status().kv
+        assert led.bytes_per_token == plan.bytes_per_token
+        assert led.fixed_bytes_per_request == plan.fixed_bytes
+        assert core.runner.fixed_bytes_per_request == plan.fixed_bytes
+        assert core.runner.kv_bytes_per_block == plan.block_size * plan.bytes_per_token
+        assert led.state_total_bytes == slots * plan.fixed_bytes
+    finally:
+        core.close()
+
+
+def test_a_plan_the_runner_contradicts_fails_the_load(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=16, block_size=8,
+                      context=128, fixed_bytes=12345, num_state_slots=2)
+    with pytest.raises(ValueError, match="plan counts 12345 fixed bytes per request"):
+        EngineCore(spec)
