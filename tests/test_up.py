@@ -259,3 +259,30 @@ def test_ctrl_c_with_a_stream_in_flight_ends_the_stream_and_stops_both_gracefull
     assert "router.stopped" in (run / "router.log").read_text()  # stopped, not killed
     assert (run / "neuron.token").exists()  # --run-dir given: the folder stays
     assert run.stat().st_mode & 0o777 == 0o700
+
+
+def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
+    # Qwen/Qwen3.5-27B's layout (the multimodal wrapper, Gated DeltaNet + gated attention)
+    # at tiny size, through `helexa up --model` with no KV budget given.
+    from openai import OpenAI
+
+    from helexa.tiny import init_tiny
+
+    model_dir = init_tiny(tmp_path / "tiny-qwen3_5", arch="qwen3_5")
+    assert json.loads((model_dir / "config.json").read_text())["architectures"] == [
+        "Qwen3_5ForConditionalGeneration"]
+    up = Up("--model", str(model_dir), "--device", "cpu")
+    try:
+        text = up.read_until("Ctrl-C stops both.")
+        url = re.search(r"HELEXA UP (\S+/v1)", text).group(1)
+        client = OpenAI(base_url=url, api_key="none", max_retries=0)
+        reply = client.chat.completions.create(
+            model="tiny-qwen3_5", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8)
+        assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
+        with urllib.request.urlopen(f"{url}/models/tiny-qwen3_5", timeout=30) as r:
+            entry = json.load(r)
+        # its state per request is advertised, and that it serves without the prefix cache
+        assert entry["limit"]["fixed_bytes_per_request"] > 0 and entry["prefix_cache"] is False
+    finally:
+        rc = up.stop()
+    assert rc == 0, "".join(up.lines)
