@@ -154,7 +154,8 @@ class HelexaRunner:
         self.runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=16,
                                   max_num_seqs=max(8, streams), max_batched_tokens=self.CHUNK,
                                   device=device, dtype=dtype, backend=backend,
-                                  cuda_graphs=cuda_graphs, quantize=quantize)
+                                  cuda_graphs=cuda_graphs, quantize=quantize,
+                                  num_state_slots=max(8, streams))
         self.vocab = self.runner.vocab_size
 
     def run(self, batch: list[list[int]], new_tokens: int) -> tuple[Secs, Secs]:
@@ -162,16 +163,18 @@ class HelexaRunner:
         tables = [self.blocks[i * per : (i + 1) * per] for i in range(len(batch))]
         clock = Clock()
         last = []
-        for p, t in zip(batch, tables, strict=True):
+        for i, (p, t) in enumerate(zip(batch, tables, strict=True)):
             for c in range(0, len(p), self.CHUNK):
                 chunk = p[c : c + self.CHUNK]
-                logits = self.runner.execute([self.SeqInput(chunk, c, t, c + len(chunk) == len(p))])
+                logits = self.runner.execute(
+                    [self.SeqInput(chunk, c, t, c + len(chunk) == len(p), i)])
             last.append(int(logits[0].argmax()))
         t_first = clock.lap()
         for k in range(new_tokens - 1):
             n = len(batch[0]) + k
             logits = self.runner.execute(
-                [self.SeqInput([x], n, t, True) for x, t in zip(last, tables, strict=True)])
+                [self.SeqInput([x], n, t, True, i)
+                 for i, (x, t) in enumerate(zip(last, tables, strict=True))])
             last = logits.argmax(-1).tolist()
         return t_first, clock.lap()
 
@@ -248,7 +251,13 @@ def model_matrices_plain(hf_model: torch.nn.Module) -> list[torch.Tensor]:
     mats = []
     with torch.no_grad():
         for layer in hf_model.model.layers:
-            at, mlp = layer.self_attn, layer.mlp
+            at, mlp = getattr(layer, "self_attn", None), layer.mlp
+            if at is None or not hasattr(mlp, "gate_proj"):
+                # hybrid / MoE layers: every plain matrix in module order (experts' stacked
+                # tensors are left out: only k of them run per token anyway)
+                mats += [m.weight.detach().clone() for m in layer.modules()
+                         if isinstance(m, torch.nn.Linear)]
+                continue
             mats += [torch.cat([at.q_proj.weight, at.k_proj.weight, at.v_proj.weight]),
                      at.o_proj.weight.clone(),
                      torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
@@ -308,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                          tokens=tokens, shuffle=args.shuffle_pool) for b in names}
     first = engines[names[0]]
     model = (first.core.runner if args.driver == "engine" else first.runner).model
-    helexa_weight = model.model.layers[0].self_attn.qkv_proj.weight
+    helexa_weight = model.attention_layers[0].qkv_proj.weight
     column_major = helexa_weight.stride(0) == 1 and helexa_weight.shape[1] > 1
     mats = model_matrices(hf, column_major)
     roofline_kind = args.roofline or ("chain" if args.device == "cpu" else "copy")
