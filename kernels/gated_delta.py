@@ -138,17 +138,20 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return torch.einsum("bhkv,bhk->bhv", states, q.float())
 
 
-def fla_available(device: torch.device) -> bool:
-    """flash-linear-attention's Triton kernels apply: CUDA and the package installed."""
-    return _fla_chunk is not None and device.type == "cuda"
+def fla_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """flash-linear-attention's Triton kernels apply: CUDA, the package installed, and a
+    16-bit model (its chunked kernel refuses fp32 inputs)."""
+    return _fla_chunk is not None and device.type == "cuda" and dtype != torch.float32
 
 
 def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor | None
+                beta: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """delta_rule_chunked on fla's kernel (CUDA only; q already normalised and scaled)."""
+    """delta_rule_chunked on fla's kernel (CUDA only; q already normalised and scaled),
+    its inputs in the model's 16-bit `dtype`, the decays and the state in fp32."""
     assert _fla_chunk is not None
-    o, s = _fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None], scale=1.0,
+    o, s = _fla_chunk(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype),
+                      g[None].float(), beta[None].to(dtype), scale=1.0,
                       initial_state=None if state is None else state[None].float(),
                       output_final_state=True)
-    return o[0], s[0]
+    return o[0].float(), s[0]

@@ -184,10 +184,12 @@ class GatedDeltaNet(HotModule):
             states = state.recurrent.index_select(0, meta.decode_slots).float()
             o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
-        chunked = gd.fla_chunked if gd.fla_available(x.device) else gd.delta_rule_chunked
+        fla = gd.fla_available(x.device, x.dtype)
         for start, end, slot in meta.prefills:
-            o[start:end], final = chunked(q[start:end], k[start:end], v[start:end],
-                                          g[start:end], beta[start:end], state.recurrent[slot])
+            args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+                    state.recurrent[slot])
+            o[start:end], final = gd.fla_chunked(*args, x.dtype) if fla else \
+                gd.delta_rule_chunked(*args)
             state.recurrent[slot] = final.to(state.recurrent.dtype)
         # Gated RMSNorm per value head: norm(o) * w * silu(z), the norm in fp32 as the reference.
         o = rms_norm(o, None, self.eps).to(x.dtype) * self.norm_weight
