@@ -12,6 +12,8 @@ benchmarks of the serving path without a model).
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from helexa.config import NeuronConfig, ProfileConfig
@@ -97,7 +99,7 @@ def full_limits(partial: messages.SetLimits | None = None) -> messages.SetLimits
     return merge_limits(DEFAULT_LIMITS, partial)
 
 
-def check_pool(spec: EngineSpec, runner: object) -> EngineSpec:
+def check_pool(spec: EngineSpec, runner: Any) -> EngineSpec:
     """The spec as the engine runs it, after checking the runner holds the linear-attention
     state the plan counted (KV bytes per block are the runner's own check, memory_plan.py).
 
