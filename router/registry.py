@@ -320,7 +320,8 @@ class Registry:
                 context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
                 pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
                 default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS,
-                max_per_principal=m.admission.max_per_principal))
+                max_per_principal=m.admission.max_per_principal,
+                fixed_bytes=m.kv.fixed_bytes_per_request))
         return out
 
     def note_send(self, neuron: str, model: str, kv_bytes: int) -> PendingSend:

@@ -50,6 +50,7 @@ class Candidate:
     pending_bytes: int = 0
     default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # as the neuron reports it in Watch
     max_per_principal: int = 0  # queued + in flight of one principal; 0 = not reported
+    fixed_bytes: int = 0  # hybrid models: state each request reserves beside its KV
 
     @property
     def load(self) -> int:
@@ -77,7 +78,7 @@ def reservation_bytes(c: Candidate, est: Estimate) -> int:
     room = max(1, c.context - est.prompt_tokens)
     output = est.max_tokens if est.max_tokens is not None else min(c.default_output_tokens, room)
     blocks = math.ceil((est.prompt_tokens + output) / max(1, c.block_size))
-    return blocks * c.block_size * c.bytes_per_token
+    return blocks * c.block_size * c.bytes_per_token + c.fixed_bytes
 
 
 def fits(c: Candidate, est: Estimate) -> bool:

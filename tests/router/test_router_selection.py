@@ -42,6 +42,9 @@ def test_reservation_rounds_up_to_blocks_and_defaults_output_budget():
     # A neuron that reports its own default budget in Watch is estimated with it.
     short = cand("t", default_output_tokens=100)
     assert reservation_bytes(short, Estimate(10, None)) == 112 * BPT
+    # A hybrid model's request also reserves its fixed linear-attention state.
+    hybrid = cand("h", fixed_bytes=5 * BPT)
+    assert reservation_bytes(hybrid, Estimate(10, 6)) == 21 * BPT
 
 
 def test_least_loaded_first_when_loads_differ_by_more_than_a_tie():
