@@ -18,7 +18,6 @@ for speculative decoding.
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any
 
@@ -28,6 +27,7 @@ from torch import nn
 
 from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
 from helexa.kernels.rotary import RotaryTable, apply_rotary
+from helexa.log import get_logger
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.gated_deltanet import GatedDeltaNet, StateMeta
 from helexa.neuron.models.layers import (
@@ -47,7 +47,7 @@ from helexa.neuron.models.layers import (
 )
 from helexa.neuron.models.moe import SparseMoeBlock
 
-log = logging.getLogger(__name__)
+log = get_logger("neuron")
 
 
 class GatedQKVParallelLinear(QKVParallelLinear):
@@ -230,7 +230,7 @@ class HybridForCausalLM(nn.Module):
             return "", None
         if name.startswith(("model.visual.", "visual.")):
             if not self._skipped_visual:
-                log.info("skipping the vision tower (model.visual.*): text only")
+                log.info("model.vision_skipped", reason="text only: model.visual.* not loaded")
                 self._skipped_visual = True
             return None
         prefix = self.cfg.weight_prefix
