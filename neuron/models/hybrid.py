@@ -120,6 +120,7 @@ class Attention(HotModule):
             q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
         v = v.view(n, kvh, d)
+        assert self.kv is not None, "the model runner attaches the KV pool before a step"
         self.kv.write(meta.slot_mapping, k, v)
         o = paged_attention(q, k, v, self.kv, meta).reshape(n, h * d)
         if gate is not None:
@@ -214,12 +215,16 @@ class HybridForCausalLM(nn.Module):
         self._skipped_visual = False
 
     @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        return list(self.model.layers)  # type: ignore[arg-type]
+
+    @property
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers if not layer.linear]
+        return [layer.self_attn for layer in self.decoder_layers if not layer.linear]
 
     @property
     def linear_layers(self) -> list[GatedDeltaNet]:
-        return [layer.linear_attn for layer in self.model.layers if layer.linear]
+        return [layer.linear_attn for layer in self.decoder_layers if layer.linear]
 
     # ---- checkpoint names ------------------------------------------------------------------
 
@@ -257,17 +262,17 @@ class HybridForCausalLM(nn.Module):
         # Qwen3-Next groups the projections per key head; Qwen3.5 keeps them apart.
         in_proj = (("qkvz", "ba") if self.cfg.architecture == "Qwen3NextForCausalLM"
                    else ("qkv", "z", "b", "a"))
-        for layer_name, layer in self.model.layers.named_children():
-            p = f"model.layers.{layer_name}."
+        for index, layer in enumerate(self.decoder_layers):
+            p = f"model.layers.{index}."
             if layer.linear:
-                for s in in_proj:
-                    out[(p + "linear_attn.in_proj.weight", s)] = p + f"linear_attn.in_proj_{s}"
+                for part in in_proj:
+                    out[(p + "linear_attn.in_proj.weight", part)] = p + f"linear_attn.in_proj_{part}"
                 for q in ("conv_weight", "dt_bias", "A_log", "norm_weight"):
                     out[(p + f"linear_attn.{q}", None)] = p + f"linear_attn.{q}"
                 out[(p + "linear_attn.out_proj.weight", None)] = p + "linear_attn.out_proj.weight"
             else:
-                for s in ("q", "k", "v"):
-                    out[(p + "self_attn.qkv_proj.weight", s)] = p + f"self_attn.{s}_proj.weight"
+                for qkv in ("q", "k", "v"):
+                    out[(p + "self_attn.qkv_proj.weight", qkv)] = p + f"self_attn.{qkv}_proj.weight"
                 for q in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
                     out[(p + f"self_attn.{q}", None)] = p + f"self_attn.{q}"
             for q in ("input_layernorm.weight", "post_attention_layernorm.weight"):
@@ -279,13 +284,13 @@ class HybridForCausalLM(nn.Module):
                     out[(p + "mlp.w13", (e, 1))] = p + f"mlp.experts.{e}.up_proj.weight"
                     out[(p + "mlp.w2", e)] = p + f"mlp.experts.{e}.down_proj.weight"
                 if layer.mlp.shared is not None:
-                    for s in (0, 1):
-                        out[(p + "mlp.shared_gate_up.weight", s)] = p + "mlp.shared_expert.*"
+                    for half in (0, 1):
+                        out[(p + "mlp.shared_gate_up.weight", half)] = p + "mlp.shared_expert.*"
                     out[(p + "mlp.shared_down.weight", None)] = p + "mlp.shared_expert.down_proj"
                     out[(p + "mlp.shared_expert_gate", None)] = p + "mlp.shared_expert_gate"
             else:
-                for s in (0, 1):
-                    out[(p + "mlp.gate_up_proj.weight", s)] = p + "mlp.gate/up_proj.weight"
+                for half in (0, 1):
+                    out[(p + "mlp.gate_up_proj.weight", half)] = p + "mlp.gate/up_proj.weight"
                 out[(p + "mlp.down_proj.weight", None)] = p + "mlp.down_proj.weight"
         out[("model.embed_tokens.weight", None)] = "model.embed_tokens.weight"
         out[("model.norm.weight", None)] = "model.norm.weight"
@@ -298,7 +303,7 @@ class HybridForCausalLM(nn.Module):
         if not self.cfg.norm_offset:
             return
         norms = [self.model.norm]
-        for layer in self.model.layers:
+        for layer in self.decoder_layers:
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
             if not layer.linear:
                 norms += [layer.self_attn.q_norm, layer.self_attn.k_norm]
@@ -308,7 +313,7 @@ class HybridForCausalLM(nn.Module):
 
     # ---- CPU weight layouts (as the dense models; experts keep theirs) ----------------------
 
-    def _linears(self) -> list[nn.Module]:
+    def _linears(self) -> list[Any]:
         mods = [m for m in self.modules() if isinstance(m, ParallelLinearBase)]
         return mods + [self.lm_head]
 
