@@ -107,7 +107,7 @@ def neuron_tight(start_daemon: Callable[..., NeuronProcess], fat_kv_model_dir: P
     cfg = _base("tight", fat_kv_model_dir,
                 admission={"max_in_flight": 4, "max_queue_depth": 2, "max_per_principal": 3,
                            "kv_max_wait_secs": TIGHT_KV_WAIT_SECS})
-    # beast's hybrid, which the engine does not support yet: fails, the daemon stays up
+    # beast's hybrid config without its weights: plans, fails to load, the daemon stays up
     cfg["models"].append({"id": "hybrid", "path": str(hybrid_model_dir), "kv_budget_mb": 256})
     return start_daemon("tight", cfg)
 
