@@ -175,3 +175,41 @@ def test_budget_beyond_the_card_names_the_key(tmp_path):
                         + "kv_budget_mb = 9000\n", "t.toml")
     with pytest.raises(PlanError, match=r"models\[0\]\.kv_budget_mb: expected weights"):
         check_neuron_config(tight, load_neuron_config(tight))
+
+
+def test_beasts_budget_splits_into_state_slots_and_blocks_that_still_hold_its_context(tmp_path):
+    from helexa.plan import state_slots
+
+    path = ASSET / "neuron" / "beast.toml"
+    cfg = load_neuron_config(path)
+    p = plan_model(cfg, cfg.models[0], path)
+    assert p.fixed_bytes == 39_223_296  # 37.4 MiB, as beast.toml's comment says
+    blocks, slots = state_slots(p, cfg.admission.max_in_flight)
+    assert slots == 16  # one per request in flight
+    assert blocks == (4713 * MIB - 16 * 39_223_296) // (16 * 32 * 1024) == 8_229
+    assert blocks * 16 >= p.context == 131_072  # one full-context request still fits
+    # A budget that cannot hold max_in_flight states beside one context keeps fewer slots.
+    tight = plan_of(tmp_path, f'[kv]\nkv_budget_mb = 4400\n[[models]]\nid = "h"\n'
+                    f'config = "{HYBRID}"\ntp = 2\ncontext = 131072\n')
+    blocks, slots = state_slots(tight, 16)
+    assert 1 <= slots < 16 and blocks * 16 >= 131_072
+    assert blocks * 16 * 32 * 1024 + slots * tight.fixed_bytes <= 4400 * MIB
+
+
+def test_the_model_code_holds_what_the_plan_counts_for_the_27b_hybrid():
+    # Built on the meta device: shapes and bytes, no memory.
+    import torch
+
+    from helexa.kernels.attention import PagedKV
+    from helexa.neuron.models.config import load_model_config
+    from helexa.neuron.models.hybrid import HybridForCausalLM
+
+    _, mc = load_model_config(HYBRID.parent)
+    model = HybridForCausalLM(mc, tp_rank=0, tp_size=2, dtype=torch.bfloat16, device="meta")
+    shape = read_model_shape(HYBRID)
+    state = sum(layer.new_state(1).nbytes for layer in model.linear_layers)
+    assert state == fixed_bytes_per_request(shape, 2) == 39_223_296
+    attn = model.attention_layers
+    kv = sum(PagedKV(1, 16, a.num_kv_heads, a.head_dim, kv_dtype="bf16", storage=torch.bfloat16,
+                     compute=torch.bfloat16, device="meta").nbytes for a in attn)
+    assert kv // 16 == kv_bytes_per_token(shape, 2, "bf16") == 32 * 1024
