@@ -196,3 +196,18 @@ def test_a_plan_the_runner_contradicts_fails_the_load(tiny_checkpoint):
                       context=128, fixed_bytes=12345, num_state_slots=2)
     with pytest.raises(ValueError, match="plan counts 12345 fixed bytes per request"):
         EngineCore(spec)
+
+
+def test_kv_dtype_switch_keeps_the_state_slots_and_the_outputs(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    core = core_for(model_dir, max_in_flight=3)
+    prompt = [random.Random(2).randrange(3, 500) for _ in range(30)]
+    before, _ = drive(core, m.ToEngine(new=[new("a", prompt)]))
+    slots, fixed = core.pool.num_state_slots, core.pool.fixed_bytes
+    assert core.reset_kv(m.ResetKv(num_blocks=100, kv_dtype="fp32", bytes_per_token=0,
+                                   context=512)) == "ok"
+    assert (core.pool.num_blocks, core.pool.num_state_slots, core.pool.fixed_bytes) == (
+        100, slots, fixed)
+    after, _ = drive(core, m.ToEngine(new=[new("b", prompt)]))
+    assert after["b"] == before["a"]
+    assert_whole(core)
