@@ -9,7 +9,7 @@ is Qwen3's attention with expert MLPs. Full-attention layers use the paged KV
 pool like the dense models; linear-attention layers keep a per-request state
 (gated_deltanet.py) whose slots the model runner attaches.
 
-Checkpoint names are mapped in ``checkpoint_map``: the text model of
+Checkpoint names are mapped in ``checkpoint_map`` (hybrid_weights.py): the text model of
 ``*ForConditionalGeneration`` lives under ``model.language_model.``, its
 ``model.visual.*`` tensors are skipped (text only, said once in the log), and
 multi-token-prediction weights (``mtp.*``) are kept whole in ``extra_tensors``
@@ -18,7 +18,6 @@ for speculative decoding.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.log import get_logger
+from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.gated_deltanet import GatedDeltaNet, StateMeta
 from helexa.neuron.models.layers import (
@@ -172,29 +172,6 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
 
 
-# checkpoint projection -> (our module, shard id), by the name's last two parts
-_PACKED = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-    "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-    "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "shared_expert.gate_proj": ("shared_gate_up", 0),
-    "shared_expert.up_proj": ("shared_gate_up", 1),
-    "shared_expert.down_proj": ("shared_down", None),
-    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", "qkv"),
-    "linear_attn.in_proj_z": ("linear_attn.in_proj", "z"),
-    "linear_attn.in_proj_b": ("linear_attn.in_proj", "b"),
-    "linear_attn.in_proj_a": ("linear_attn.in_proj", "a"),
-    "linear_attn.in_proj_qkvz": ("linear_attn.in_proj", "qkvz"),
-    "linear_attn.in_proj_ba": ("linear_attn.in_proj", "ba"),
-}
-_RENAMED = {"linear_attn.conv1d.weight": "linear_attn.conv_weight",
-            "linear_attn.norm.weight": "linear_attn.norm_weight",
-            "mlp.gate.weight": "mlp.gate", "mlp.shared_expert_gate.weight": "mlp.shared_expert_gate"}
-_EXPERT = re.compile(r"^(.*\.mlp)\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 class HybridForCausalLM(nn.Module):
     """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Qwen3-MoE with a paged KV pool and linear state."""
 
@@ -230,7 +207,7 @@ class HybridForCausalLM(nn.Module):
 
     def checkpoint_map(self, name: str) -> tuple[str, Any] | None:
         """(our parameter, shard id) for a checkpoint tensor; ("", None) to keep it in
-        extra_tensors; None to skip it."""
+        extra_tensors; None to skip it (hybrid_weights.py maps the rest)."""
         if name.startswith("mtp."):
             return "", None
         if name.startswith(("model.visual.", "visual.")):
@@ -238,65 +215,12 @@ class HybridForCausalLM(nn.Module):
                 log.info("model.vision_skipped", reason="text only: model.visual.* not loaded")
                 self._skipped_visual = True
             return None
-        prefix = self.cfg.weight_prefix
-        if name.startswith(prefix):
-            name = "model." + name[len(prefix):]
-        m = _EXPERT.match(name)
-        if m:
-            mlp, expert, proj = m.group(1), int(m.group(2)), m.group(3)
-            if proj == "down":
-                return f"{mlp}.w2", expert
-            return f"{mlp}.w13", (expert, 0 if proj == "gate" else 1)
-        for src, dst in _RENAMED.items():
-            if name.endswith(src):
-                return name[: -len(src)] + dst, None
-        for src, (dst, shard) in _PACKED.items():
-            token = f".{src}."
-            if token in name:
-                return name.replace(token, f".{dst}."), shard
-        return name, None
+        return hybrid_weights.parameter_of(name, self.cfg.weight_prefix)
 
     def expected_shards(self) -> dict[tuple[str, Any], str]:
         """Every (parameter, shard) loading must fill, with a checkpoint name for messages."""
-        out: dict[tuple[str, Any], str] = {}
-        # Qwen3-Next groups the projections per key head; Qwen3.5 keeps them apart.
-        in_proj = (("qkvz", "ba") if self.cfg.architecture == "Qwen3NextForCausalLM"
-                   else ("qkv", "z", "b", "a"))
-        for index, layer in enumerate(self.decoder_layers):
-            p = f"model.layers.{index}."
-            if layer.linear:
-                for part in in_proj:
-                    out[(p + "linear_attn.in_proj.weight", part)] = p + f"linear_attn.in_proj_{part}"
-                for q in ("conv_weight", "dt_bias", "A_log", "norm_weight"):
-                    out[(p + f"linear_attn.{q}", None)] = p + f"linear_attn.{q}"
-                out[(p + "linear_attn.out_proj.weight", None)] = p + "linear_attn.out_proj.weight"
-            else:
-                for qkv in ("q", "k", "v"):
-                    out[(p + "self_attn.qkv_proj.weight", qkv)] = p + f"self_attn.{qkv}_proj.weight"
-                for q in ("o_proj.weight", "q_norm.weight", "k_norm.weight"):
-                    out[(p + f"self_attn.{q}", None)] = p + f"self_attn.{q}"
-            for q in ("input_layernorm.weight", "post_attention_layernorm.weight"):
-                out[(p + q, None)] = p + q
-            if isinstance(layer.mlp, SparseMoeBlock):
-                out[(p + "mlp.gate", None)] = p + "mlp.gate.weight"
-                for e in range(self.cfg.num_experts):
-                    out[(p + "mlp.w13", (e, 0))] = p + f"mlp.experts.{e}.gate_proj.weight"
-                    out[(p + "mlp.w13", (e, 1))] = p + f"mlp.experts.{e}.up_proj.weight"
-                    out[(p + "mlp.w2", e)] = p + f"mlp.experts.{e}.down_proj.weight"
-                if layer.mlp.shared is not None:
-                    for half in (0, 1):
-                        out[(p + "mlp.shared_gate_up.weight", half)] = p + "mlp.shared_expert.*"
-                    out[(p + "mlp.shared_down.weight", None)] = p + "mlp.shared_expert.down_proj"
-                    out[(p + "mlp.shared_expert_gate", None)] = p + "mlp.shared_expert_gate"
-            else:
-                for half in (0, 1):
-                    out[(p + "mlp.gate_up_proj.weight", half)] = p + "mlp.gate/up_proj.weight"
-                out[(p + "mlp.down_proj.weight", None)] = p + "mlp.down_proj.weight"
-        out[("model.embed_tokens.weight", None)] = "model.embed_tokens.weight"
-        out[("model.norm.weight", None)] = "model.norm.weight"
-        if not self.cfg.tie_word_embeddings:
-            out[("lm_head.weight", None)] = "lm_head.weight"
-        return out
+        return hybrid_weights.expected_shards(self.cfg, self.decoder_layers)
+
 
     def finalize(self) -> None:
         """After loading: (1 + w) norms become plain w norms, so one RMSNorm serves all."""

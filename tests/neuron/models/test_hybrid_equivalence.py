@@ -115,6 +115,28 @@ def test_tp2_matches_transformers(family_dir, greedy_reference, prompt_picker, f
         greedy_reference(model_dir, prompt, ours)
 
 
+@pytest.mark.parametrize(("family", "drop"), [
+    ("qwen3_next", "model.layers.0.linear_attn.in_proj_ba.weight"),
+    ("qwen3_5", "model.language_model.layers.1.linear_attn.in_proj_z.weight"),
+    ("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight"),
+])
+def test_a_missing_tensor_is_named(family_dir, tmp_path, family, drop):
+    from safetensors.torch import load_file, save_file
+
+    from helexa.neuron.models import MissingTensor
+
+    src = family_dir(family)
+    out = tmp_path / family
+    out.mkdir()
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(out / "model.safetensors"))
+    del tensors[drop]
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(MissingTensor, match=drop.rsplit(".", 2)[-2]):
+        make_runner(out)
+
+
 def test_vision_skipped_with_one_line_and_mtp_kept(family_dir, tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 
