@@ -261,6 +261,10 @@ class ModelPlan:
     trade: list[tuple[int, int]]  # (concurrent full-length sessions, tokens each)
     budget_source: str = ""  # how kv_budget_bytes was found, for the printout
     shape: ModelShape | None = None
+    # Hybrids: linear-attention state slots the engine sets aside (one per request in
+    # flight) and the blocks left beside them (state_slots); 0 and num_blocks for dense.
+    num_state_slots: int = 0
+    blocks_beside_state: int = 0
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -372,12 +376,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     output = min(entry.max_output_tokens or context - 1, context - 1)
     trade = [(n, min(context, _tokens_each(budget, n, block_bytes, bs, fixed)))
              for n in TRADE_SESSIONS]
-    return ModelPlan(
+    plan = ModelPlan(
         model_id=entry.id, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv,
         weight_bytes_per_card=weights, bytes_per_token=per_token, fixed_bytes=fixed,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
         trade=trade, budget_source=source, shape=shape)
+    blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
+    return _replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
 
 
 def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
@@ -450,7 +456,9 @@ def format_plan(p: ModelPlan) -> str:
         + (f": recurrent + conv state of {s.linear_attention_layers} linear-attention layers"
            if p.fixed_bytes else ""),
         f"    KV budget per card  {_size(p.kv_budget_bytes)} ({p.budget_source})",
-        f"    pool                {p.num_blocks:,} blocks × {p.block_size} = {p.pool_tokens:,} tokens",
+        f"    pool                {p.num_blocks:,} blocks × {p.block_size} = {p.pool_tokens:,} tokens"
+        + (f"; served as {p.num_state_slots} state slots (one per request in flight) + "
+           f"{p.blocks_beside_state:,} blocks" if p.num_state_slots else ""),
         f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
         f"  (model positions {p.max_position_embeddings:,})",
         "    sessions  tokens each",
