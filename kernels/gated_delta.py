@@ -97,6 +97,8 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """
     n, h, dk = q.shape
     dv = v.shape[2]
+    # A short prefill chunk would be mostly padding at 64: the next power of two does.
+    chunk = min(chunk, 1 << max(n - 1, 1).bit_length())
     pad = (-n) % chunk
     # [H, chunks, C, d] in fp32; padded tokens have g = beta = 0: they change nothing.
     def split(x: torch.Tensor) -> torch.Tensor:  # [T, H, d] -> [H, chunks, C, d]
