@@ -64,3 +64,13 @@ def test_conv1d_in_pieces_matches_one_pass():
     windows = window.unsqueeze(0).clone()
     steps = [gd.conv1d_decode(x[t:t + 1], weight, windows)[0] for t in (18, 19)]
     torch.testing.assert_close(torch.cat([first, second, torch.stack(steps)]), whole)
+
+
+@pytest.mark.skipif(not gd.fla_available(torch.device("cuda"), torch.bfloat16),
+                    reason="needs CUDA and fla-core (pip install -e '.[gpu]')")
+def test_fla_kernel_matches_reference_in_bf16():
+    q, k, v, g, beta, state = (x.cuda() for x in inputs(150, h=4, dk=64, dv=64, seed=3))
+    ref_o, ref_s = gd.delta_rule_reference(q, k, v, g, beta, state)
+    o, s = gd.fla_chunked(q, k, v, g, beta, state, torch.bfloat16)
+    torch.testing.assert_close(o, ref_o, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
