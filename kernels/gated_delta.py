@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 CHUNK = 64
 
-try:  # optional GPU kernels (pip install fla-core); never needed on CPU
+try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _fla_chunk = None

@@ -21,7 +21,10 @@ from helexa.kernels.backends.cpu_matmul import CpuLinear, bucket
 
 
 def supports(model: Any) -> bool:
-    """A dense Llama-shaped decoder whose every layer is attention + gated MLP."""
+    """A dense Llama-shaped decoder whose every layer is attention + gated MLP (a model
+    class may say it is not one: ``native_decode = False``)."""
+    if not getattr(model, "native_decode", True):
+        return False
     try:
         layers = list(model.model.layers)
         return bool(layers) and all(

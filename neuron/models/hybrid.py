@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.kernels.attention import AttentionMetadata, PagedKV, paged_attention
+from helexa.kernels.backends.base import StepMeta, attention
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.log import get_logger
 from helexa.neuron.models import hybrid_weights
@@ -42,8 +42,6 @@ from helexa.neuron.models.layers import (
     VocabParallelEmbedding,
     _copy_checked,
     _split_rows,
-    can_pack_for_cpu,
-    can_relayout_for_cpu,
 )
 from helexa.neuron.models.moe import SparseMoeBlock
 
@@ -88,8 +86,9 @@ class GatedQKVParallelLinear(QKVParallelLinear):
 class Attention(HotModule):
     """Full attention over the paged KV pool: q/k RMSNorm, (partial) rotary, optional gate."""
 
-    def __init__(self, cfg: ModelConfig, **kw: Any) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, **kw: Any) -> None:
         super().__init__()
+        self.layer = layer  # index among the model's attention layers: its KV pool
         self.gated = cfg.attn_output_gate
         self.qkv_proj = GatedQKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
                                                cfg.num_kv_heads, gated=self.gated, **kw)
@@ -100,10 +99,9 @@ class Attention(HotModule):
         norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
-        self.kv: PagedKV | None = None  # this layer's KV pool, attached by the model runner
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: StepMeta) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([self.qkv_proj.q_factor * h * d, kvh * d, kvh * d], -1)
@@ -119,10 +117,7 @@ class Attention(HotModule):
         else:  # partial rotary: the trailing dims pass through
             q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
             k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
-        v = v.view(n, kvh, d)
-        assert self.kv is not None, "the model runner attaches the KV pool before a step"
-        self.kv.write(meta.slot_mapping, k, v)
-        o = paged_attention(q, k, v, self.kv, meta).reshape(n, h * d)
+        o = attention(q, k, v.view(n, kvh, d), self.layer, meta).reshape(n, h * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(n, h * d))
         return self.o_proj(o)
@@ -141,7 +136,7 @@ class MLP(HotModule):
 
 
 class DecoderLayer(HotModule):
-    def __init__(self, cfg: ModelConfig, index: int, **kw: Any) -> None:
+    def __init__(self, cfg: ModelConfig, index: int, attention_index: int, **kw: Any) -> None:
         super().__init__()
         norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
         self.linear = cfg.layer_types[index] == "linear_attention" if cfg.layer_types else False
@@ -149,12 +144,12 @@ class DecoderLayer(HotModule):
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, **kw)
         else:
-            self.self_attn = Attention(cfg, **kw)
+            self.self_attn = Attention(cfg, attention_index, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.mlp: HotModule = SparseMoeBlock(cfg, **kw) if cfg.is_moe_layer(index) else MLP(cfg, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, state: StateMeta | None) -> torch.Tensor:
+                meta: StepMeta, state: StateMeta | None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear:
             assert state is not None, "a hybrid model's step needs its StateMeta"
@@ -168,12 +163,19 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, **kw: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers))
+        kinds = cfg.layer_types or ("full_attention",) * cfg.num_layers
+        # a full-attention layer's KV pool is its index among the full-attention layers
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, sum(1 for t in kinds[:i] if t == "full_attention"), **kw)
+            for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
 
 
 class HybridForCausalLM(nn.Module):
     """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE / Qwen3-MoE with a paged KV pool and linear state."""
+
+    # The CPU backend's fused decode step knows the dense Llama layer only.
+    native_decode = False
 
     def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
@@ -235,33 +237,9 @@ class HybridForCausalLM(nn.Module):
             for norm in norms:
                 norm.weight.add_(1.0)
 
-    # ---- CPU weight layouts (as the dense models; experts keep theirs) ----------------------
-
-    def _linears(self) -> list[Any]:
-        mods = [m for m in self.modules() if isinstance(m, ParallelLinearBase)]
-        return mods + [self.lm_head]
-
-    def pack_for_cpu(self, batch_hint: int) -> int:
-        n = 0
-        for mod in self._linears():
-            if can_pack_for_cpu(mod.weight):
-                mod.pack_for_cpu(batch_hint)
-                n += 1
-        return n
-
-    def relayout_for_cpu(self) -> int:
-        n = 0
-        for mod in self._linears():
-            if mod is self.lm_head and self.cfg.tie_word_embeddings:
-                continue
-            if can_relayout_for_cpu(mod.weight):
-                mod.relayout_for_cpu()
-                n += 1
-        return n
-
     # ---- forward ---------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
         cos, sin = self.rotary.cos_sin(positions)

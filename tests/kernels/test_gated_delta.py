@@ -67,7 +67,7 @@ def test_conv1d_in_pieces_matches_one_pass():
 
 
 @pytest.mark.skipif(not gd.fla_available(torch.device("cuda"), torch.bfloat16),
-                    reason="needs CUDA and fla-core (pip install -e '.[gpu]')")
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_kernel_matches_reference_in_bf16():
     q, k, v, g, beta, state = (x.cuda() for x in inputs(150, h=4, dk=64, dv=64, seed=3))
     ref_o, ref_s = gd.delta_rule_reference(q, k, v, g, beta, state)
