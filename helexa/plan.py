@@ -314,6 +314,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     kv = kv_dtype or (profile.kv_dtype if profile and profile.kv_dtype else None) or cfg.kv.kv_dtype
     kv = weight_dtype if kv == "auto" else kv
     weights = weight_bytes_per_card(shape, tp, weight_dtype, entry.quantize, entry.quant_group_size)
+    # linear-attention state in the model's float dtype (its activations'), quantised or not
+    fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
     in_file = checkpoint_quantization(raw)
     if in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
@@ -326,7 +328,6 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
     per_token = kv_bytes_per_token(shape, tp, kv)
-    fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
