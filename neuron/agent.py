@@ -53,8 +53,10 @@ def _json(text: str, what: str) -> Any:
         raise Refusal("invalid_request_error", f"{what}: not valid JSON: {e}") from None
 
 
-def template_inputs(chat: pb.Chat, effort: str) -> tuple[list[dict], dict[str, Any]]:
-    """(messages, extra template variables) for the checkpoint's template."""
+def template_inputs(chat: pb.Chat, effort: str,
+                    constrained: bool = False) -> tuple[list[dict], dict[str, Any]]:
+    """(messages, extra template variables) for the checkpoint's template. A constrained
+    output (a grammar from its first token) leaves no room for a thought: thinking is off."""
     msgs: list[dict] = []
     for m in chat.messages:
         d: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -84,7 +86,9 @@ def template_inputs(chat: pb.Chat, effort: str) -> tuple[list[dict], dict[str, A
         kwargs.update(extra)
     if chat.tools_json:
         kwargs["tools"] = _json(chat.tools_json, "tools")
-    if effort == "none":
+    if constrained:
+        kwargs["enable_thinking"] = False
+    elif effort == "none":
         kwargs.setdefault("enable_thinking", False)
     elif effort:
         kwargs.setdefault("enable_thinking", True)

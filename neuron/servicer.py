@@ -55,7 +55,8 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
     """The prompt's token ids: chat via the chat template, text as is, or ids given."""
     which = request.WhichOneof("prompt")
     if which == "chat":
-        msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
+        msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort,
+                                             request.HasField("constraint"))
         if not msgs:
             raise Refusal("invalid_request_error", "messages: expected at least one message")
         try:
@@ -123,8 +124,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
                                                  r.limits)
             grammar = agent.constraint_grammar(request)
-            thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
-                                      _enable_thinking(request))
+            thinking = None if grammar is not None else agent.thinking(
+                r.tokenizer, r.entry, request, prompt_ids, _enable_thinking(request))
         except Refusal as e:
             await self._refuse(context, blog, request.model, e)
             return

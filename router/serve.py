@@ -28,6 +28,7 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
+from helexa.router.agent_output import OutputParser, parser_for
 from helexa.router.errors import ApiError
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
@@ -51,7 +52,7 @@ def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
     if req.messages is not None:
         prompt = estimate_prompt_tokens(req.prompt_chars, len(req.messages))
         # The opening of the conversation: its system prompt and first user turn.
-        head = [text for _, text in req.messages[:2]]
+        head = [t.content for t in req.messages[:2]]
     elif req.prompt_ids is not None:
         prompt = estimate_prompt_tokens(0, num_token_ids=len(req.prompt_ids))
         head = [",".join(map(str, req.prompt_ids[:256]))]
@@ -122,7 +123,8 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         calls = await _open_all(state, greqs, est, key, principal, kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
-        choices = [encode.Choice(index=i) for i in range(req.n)]
+        choices = [encode.Choice(index=i, parser=_parser(state, req, model, calls))
+                   for i in range(req.n)]
         if req.stream:
             resp = await _stream(request, env, choices, calls, state, state.metrics.model(model),
                                  t0, req_id)
@@ -186,6 +188,20 @@ async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: 
                     t.cancel()
                 elif not t.cancelled() and t.exception() is None:
                     t.result().cancel()
+
+
+def _parser(state, req: ParsedRequest, model: str, calls: list) -> OutputParser | None:
+    """A chat reply's thought / answer / tool-call parser, on the formats the serving
+    neuron reported for the model."""
+    if req.kind != "chat":
+        return None
+    link = state.registry.links.get(calls[0].neuron) if calls else None
+    status = link.model_status(model) if link is not None else None
+    tool_parser = status.tool_parser if status is not None else ""
+    reasoning_parser = status.reasoning_parser if status is not None else ""
+    if req.tool_choice == "none" and not reasoning_parser:
+        return None
+    return parser_for(req, tool_parser, reasoning_parser)
 
 
 def _check_finish(msg: pb.GenerateResponse) -> None:
