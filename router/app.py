@@ -131,7 +131,7 @@ async def error_envelope(request: web.Request, handler):
 
 async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
-    state.auth.principal(request.headers.get("Authorization"))  # 401 when auth is required
+    state.auth.principal(serve.authorization(request))  # 401 when auth is required
     limits = state.registry.ready_limits()
 
     def entry(model_id: str, target: str) -> dict:
@@ -180,6 +180,11 @@ def build_app(state: RouterState) -> web.Application:
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request, "messages")
+
+    app.router.add_post("/v1/messages", messages)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", models)
     app.router.add_get("/health", health)
