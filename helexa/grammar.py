@@ -8,15 +8,18 @@ problem before any neuron sees it; the neuron calls `grammar_text` again when
 it builds the request (under a millisecond: llguidance builds its parser
 lazily, per token, with no ahead-of-time compilation).
 
-JSON is generated compact (no whitespace between tokens): a model, above all
-a weak one, that may emit free whitespace can loop on it forever.
+JSON is generated compact (no whitespace between tokens), and an object
+schema that lists `properties` without saying `additionalProperties` gets
+`additionalProperties: false` (as OpenAI's strict mode requires and
+xgrammar's strict mode assumes): a model, above all a weak one, that may add
+free whitespace or keys of its own can loop on them until its tokens run out.
 """
 
 from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -39,7 +42,32 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def json_schema(schema: dict | bool) -> Constraint:
-    return Constraint(kind="json_schema", source=json.dumps(schema))
+    return Constraint(kind="json_schema", source=json.dumps(strict(schema)))
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def strict(schema: Any) -> Any:
+    """A copy of the schema whose objects with `properties` allow no other keys unless
+    they say so."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict(v) for k, v in out[key].items()}
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict(v) for v in out[key]]
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = strict(out[key])
+    if "properties" in out and "additionalProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def grammar_text(c: Constraint) -> str:

@@ -35,7 +35,9 @@ def test_tool_choice_modes_and_the_constraint_they_make():
     assert [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["f", "g"]
     r = chat(tools=[F, G], tool_choice={"type": "function", "function": {"name": "f"}})
     assert (r.tool_choice, r.tool_name) == ("function", "f")
-    assert json.loads(r.constraint.source) == F["function"]["parameters"]
+    # the function's parameters, no key beyond those it lists (helexa.grammar.strict)
+    assert json.loads(r.constraint.source) == {**F["function"]["parameters"],
+                                               "additionalProperties": False}
 
 
 @pytest.mark.parametrize("kw,param", [
