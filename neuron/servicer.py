@@ -309,6 +309,34 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         return pb.HealthResponse(status="DRAINING" if self.draining else "SERVING",
                                  neuron=self.name, version=__version__)
 
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            r = self.residency.serving(request.model)
+            out = pb.TokenizeResponse(max_model_len=r.limits.context if r.limits else 0)
+            which = request.WhichOneof("input")
+            if which == "token_ids":
+                ids = list(request.token_ids.ids)
+                bad = next((i for i in ids if not 0 <= i < r.tokenizer.vocab_size), None)
+                if bad is not None:
+                    raise Refusal("invalid_request_error",
+                                  f"tokens: token id {bad} is outside the vocabulary")
+                out.text = r.tokenizer.decode(ids)
+            elif which == "chat":
+                msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
+                try:
+                    out.token_ids.extend(r.tokenizer.encode_chat(
+                        msgs, request.add_generation_prompt, **kwargs))
+                except Exception as e:
+                    raise Refusal("invalid_request_error",
+                                  f"messages: the model's chat template failed: {e}") from None
+            else:
+                out.token_ids.extend(r.tokenizer.encode(request.text,
+                                                        request.add_special_tokens))
+        except Refusal as e:
+            await context.abort(e.status, e.message, e.trailing_metadata())
+        return out
+
     # ------------------------------------------------------------------ operations
 
     async def Load(self, request: pb.LoadRequest,

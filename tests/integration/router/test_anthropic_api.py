@@ -100,3 +100,12 @@ def test_errors_use_anthropics_envelope(router):
     r = httpx2.post(router.url + "/v1/messages", headers={"x-api-key": key_of("alice")},
                     json={"model": "tiny", "max_tokens": 3, "messages": MSGS})
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def test_count_tokens_matches_what_a_request_is_admitted_with(router):
+    c = client(router)
+    kw = dict(model="tiny", system="Be brief.", messages=MSGS, tools=[WEATHER])
+    n = c.messages.count_tokens(**kw).input_tokens
+    m = c.messages.create(max_tokens=3, **kw)
+    assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens < n
