@@ -39,7 +39,7 @@ class Parts:
 
     reasoning: str = ""
     content: str = ""
-    calls: list[dict] = field(default_factory=list)  # {"id", "name", "arguments"}
+    calls: list[dict[str, str]] = field(default_factory=list)  # {"id", "name", "arguments"}
 
 
 def _held(buf: str, marker: str) -> int:
@@ -168,7 +168,7 @@ class OutputParser:
 
     # ------------------------------------------------------------------ formats
 
-    def _call(self, body: str, key: str = "arguments") -> dict | None:
+    def _call(self, body: str, key: str = "arguments") -> dict[str, str] | None:
         try:
             obj = json.loads(body)
         except ValueError:
@@ -180,7 +180,7 @@ class OutputParser:
         return {"id": call_id(), "name": obj["name"],
                 "arguments": args if isinstance(args, str) else json.dumps(args)}
 
-    def _parse_whole(self, text: str) -> list[dict] | None:
+    def _parse_whole(self, text: str) -> list[dict[str, str]] | None:
         text = text.strip()
         if self.tool_mode == "json_args":
             try:
@@ -195,11 +195,17 @@ class OutputParser:
             except ValueError:
                 return None
             calls = [self._call(json.dumps(i)) for i in items] if isinstance(items, list) else []
-            return calls if calls and all(c is not None for c in calls) else None  # type: ignore
+            return _all_or_none(calls)
         # llama3_json: one object, or several joined by ";"
         text = text.removeprefix("<|python_tag|>")
-        found = [self._call(part, key="parameters") for part in text.split(";") if part.strip()]
-        return found if found and all(c is not None for c in found) else None  # type: ignore
+        return _all_or_none([self._call(part, key="parameters")
+                             for part in text.split(";") if part.strip()])
+
+
+def _all_or_none(calls: list[dict[str, str] | None]) -> list[dict[str, str]] | None:
+    """The calls when every part parsed as one, else None (the text stays text)."""
+    found = [c for c in calls if c is not None]
+    return found if found and len(found) == len(calls) else None
 
 
 def parser_for(req: object, tool_parser: str, reasoning_parser: str) -> OutputParser:

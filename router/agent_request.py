@@ -75,7 +75,7 @@ def _tools(b: ChatBody, req: Any) -> None:
         _check(req.constraint, "tools")
 
 
-def _function_dict(f: Any) -> dict:
+def _function_dict(f: Any) -> dict[str, Any]:
     d: dict[str, Any] = {"name": f.name}
     if f.description is not None:
         d["description"] = f.description
@@ -84,11 +84,13 @@ def _function_dict(f: Any) -> dict:
     return d
 
 
-def _parameters(fn: dict) -> dict:
-    return fn.get("parameters") or {"type": "object", "properties": {}}
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
+    return params
 
 
-def calls_schema(tools: list[dict], choice: str, name: str | None, parallel: bool) -> dict:
+def calls_schema(tools: list[dict[str, Any]], choice: str, name: str | None,
+                 parallel: bool) -> dict[str, Any]:
     """The JSON schema a forced tool choice constrains the output to."""
     fns = [t["function"] for t in tools]
     if choice == "function":

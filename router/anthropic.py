@@ -21,6 +21,7 @@ import json
 from typing import Annotated, Any, Literal
 
 import msgspec
+from aiohttp import web
 from msgspec import Meta
 
 from helexa import grammar
@@ -279,14 +280,12 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
-def error_body(e: ApiError) -> dict:
+def error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"),
                                        "message": e.message}}
 
 
-def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> Any:
-    from aiohttp import web
-
+def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=e.status, body=msgspec.json.encode(error_body(e)),
                         content_type="application/json",
                         headers={**e.headers(), **(extra_headers or {})})

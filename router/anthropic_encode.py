@@ -22,7 +22,7 @@ import msgspec
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
 
-_STOP = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
+_STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
 
 
 def message_id() -> str:
@@ -50,20 +50,20 @@ def stop_reason(finish: int, stop_reason: str, stop: list[str], calls: int
     return _STOP.get(finish), None
 
 
-def usage(u: pb.Usage) -> dict:
+def usage(u: pb.Usage) -> dict[str, Any]:
     return {"input_tokens": u.prompt_tokens - u.cached_tokens,
             "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0,
             "output_tokens": u.completion_tokens}
 
 
 def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
-                 parser: OutputParser | None, stop: list[str]) -> dict:
+                 parser: OutputParser | None, stop: list[str]) -> dict[str, Any]:
     """The non-streaming reply."""
     parts = Parts(content=reply.text)
     if parser is not None:
         a, b = parser.feed(reply.text), parser.finish()
         parts = Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
-    content: list[dict] = []
+    content: list[dict[str, Any]] = []
     if parts.reasoning:
         content.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
     if parts.content:
@@ -76,7 +76,7 @@ def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
             "usage": usage(reply.usage)}
 
 
-def event(name: str, data: dict) -> bytes:
+def event(name: str, data: dict[str, Any]) -> bytes:
     return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
 
 
@@ -96,7 +96,7 @@ class StreamEncoder:
             "content": [], "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
 
-    def _open(self, kind: str, block: dict) -> bytes:
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
         self.index += 1
         self.kind = kind
@@ -109,7 +109,7 @@ class StreamEncoder:
         self.kind = None
         return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
-    def _delta(self, delta: dict) -> bytes:
+    def _delta(self, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                              "delta": delta})
 

@@ -21,6 +21,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import msgspec
@@ -202,8 +203,9 @@ def authorization(request: web.Request) -> str | None:
     return header
 
 
-async def _anthropic(request, req: ParsedRequest, model: str, choice: encode.Choice, call,
-                     state, req_id: str) -> web.StreamResponse:
+async def _anthropic(request: web.Request, req: ParsedRequest, model: str,
+                     choice: encode.Choice, call: Any, state: Any,
+                     req_id: str) -> web.StreamResponse:
     """A /v1/messages reply, whole or as Anthropic's event stream."""
     msg_id = anthropic_encode.message_id()
     if not req.stream:
@@ -234,7 +236,8 @@ async def _anthropic(request, req: ParsedRequest, model: str, choice: encode.Cho
     return resp
 
 
-def _parser(state, req: ParsedRequest, model: str, calls: list) -> OutputParser | None:
+def _parser(state: Any, req: ParsedRequest, model: str,
+            calls: list[Any]) -> OutputParser | None:
     """A chat reply's thought / answer / tool-call parser, on the formats the serving
     neuron reported for the model."""
     if req.kind != "chat":

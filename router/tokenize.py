@@ -22,9 +22,9 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
-from helexa.router.openai_api import ParsedRequest, _message
-from helexa.router.request_model import INT32_MAX, Message, TokenId, _validation_error
 from helexa.router.http_edge import read_body
+from helexa.router.openai_api import ParsedRequest, Turn, _message
+from helexa.router.request_model import INT32_MAX, Message, TokenId, _validation_error
 from helexa.router.serve import STATE, authorization
 
 
@@ -66,7 +66,9 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
                        param="model")
     link = state.registry.links[candidates[0].neuron]
     try:
-        return await link.stub.Tokenize(treq, metadata=link.metadata, timeout=30)
+        out: pb.TokenizeResponse = await link.stub.Tokenize(treq, metadata=link.metadata,
+                                                            timeout=30)
+        return out
     except grpc.aio.AioRpcError as e:
         raise map_rpc_error(e) from None
 
@@ -76,7 +78,7 @@ async def _body(request: web.Request) -> bytes:
     return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
 
 
-def _chat(turns: list, kwargs: dict | None, tools: Any) -> pb.Chat:
+def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Chat:
     req = ParsedRequest(kind="chat", model="", messages=turns, template_kwargs=kwargs or {})
     chat = chat_proto(req)
     if tools:

@@ -263,7 +263,7 @@ class EngineCore:
             masked = [j for j, r in enumerate(sampled) if r.matcher is not None]
             masks = self.grammars.start([sampled[j].matcher for j in masked]) if masked else None
             logits = self.runner.execute(seqs)
-            states = [r.sampling_state for r in sampled]
+            states: list[Any] = [r.sampling_state for r in sampled]
             if masks is not None:
                 picks = self.sampler(logits, states, bitmask=(masked, masks.result()))
             else:

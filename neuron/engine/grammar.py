@@ -66,7 +66,7 @@ class Grammars:
             raise ValueError(m.get_error())
         return m
 
-    def start(self, matchers: list[Any]) -> Future:
+    def start(self, matchers: list[Any]) -> Future[torch.Tensor]:
         """Begin filling one bitmask row per matcher; the future gives int32 [rows, words]."""
         import llguidance.torch as lgt
 
