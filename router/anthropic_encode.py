@@ -21,6 +21,7 @@ import msgspec
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.tool_parsers import whole_calls
 
 _STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
 
@@ -63,14 +64,15 @@ def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
     if parser is not None:
         a, b = parser.feed(reply.text), parser.finish()
         parts = Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+    calls = whole_calls(parts.calls)
     content: list[dict[str, Any]] = []
     if parts.reasoning:
         content.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
     if parts.content:
         content.append({"type": "text", "text": parts.content})
     content += [{"type": "tool_use", "id": tool_use_id(c["id"]), "name": c["name"],
-                 "input": _input(c["arguments"])} for c in parts.calls]
-    reason, seq = stop_reason(reply.finish_reason, reply.stop_reason, stop, len(parts.calls))
+                 "input": _input(c["arguments"])} for c in calls]
+    reason, seq = stop_reason(reply.finish_reason, reply.stop_reason, stop, len(calls))
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": seq,
             "usage": usage(reply.usage)}
@@ -127,10 +129,12 @@ class StreamEncoder:
                 out += self._open("text", {"type": "text", "text": ""})
             out += self._delta({"type": "text_delta", "text": parts.content})
         for c in parts.calls:
-            self.calls += 1
-            out += self._open("tool_use", {"type": "tool_use", "id": tool_use_id(c["id"]),
-                                           "name": c["name"], "input": {}})
-            out += self._delta({"type": "input_json_delta", "partial_json": c["arguments"]})
+            if c.id is not None:  # a call's first piece opens its block
+                self.calls += 1
+                out += self._open("tool_use", {"type": "tool_use", "id": tool_use_id(c.id),
+                                               "name": c.name, "input": {}})
+            if c.arguments:
+                out += self._delta({"type": "input_json_delta", "partial_json": c.arguments})
         return out
 
     def feed(self, msg: pb.GenerateResponse) -> bytes:

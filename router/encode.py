@@ -10,12 +10,14 @@ per-choice `token_ids`, as vLLM does; usage carries
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.openai_api import ParsedRequest
+from helexa.router.tool_parsers import whole_calls
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -34,7 +36,7 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     text_chars: int = 0  # for completions' text_offset
     parser: OutputParser | None = None  # chat: splits thought, answer and tool calls
-    num_calls: int = 0  # tool calls streamed so far (their delta indexes)
+    num_calls: int = 0  # tool calls streamed so far
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,7 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
 def chat_message(a: Parts, b: Parts, finish: str | None) -> tuple[dict, str | None]:
     """A whole assistant message from its parsed parts, and its finish reason."""
     content = a.content + b.content
-    calls = a.calls + b.calls
+    calls = whole_calls(a.calls + b.calls)
     msg: dict = {"role": "assistant", "content": content if content or not calls else None}
     reasoning = a.reasoning + b.reasoning
     if reasoning:
@@ -211,11 +213,14 @@ def _parts_delta(choice: Choice, parts: Parts) -> dict:
     if parts.calls:
         delta["tool_calls"] = []
         for c in parts.calls:
-            delta["tool_calls"].append({"index": choice.num_calls, "id": c["id"],
-                                        "type": "function",
-                                        "function": {"name": c["name"],
-                                                     "arguments": c["arguments"]}})
-            choice.num_calls += 1
+            entry: dict[str, Any] = {"index": c.index}
+            if c.id is not None:  # a call's first piece: who it calls
+                entry.update(id=c.id, type="function")
+                entry["function"] = {"name": c.name, "arguments": c.arguments}
+                choice.num_calls += 1
+            else:
+                entry["function"] = {"arguments": c.arguments}
+            delta["tool_calls"].append(entry)
     return delta
 
 
