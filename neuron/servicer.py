@@ -193,6 +193,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 resp = pb.GenerateResponse()
                 if not sent_first and request.return_prompt_token_ids:
                     resp.prompt_token_ids.extend(new.prompt_token_ids)
+                if not sent_first and new.thinking is not None and new.thinking.starts_open:
+                    resp.thought_open = True
                 if upd.new_token_ids:
                     now = time.time()
                     if t_first == 0.0:

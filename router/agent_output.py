@@ -6,8 +6,8 @@ front ends (OpenAI chat, Anthropic messages) encode from these parts.
 
 - Thought (`reasoning_parser` "think", from the model's Watch status):
   `<think>...</think>` at the start of the output is reasoning; when the
-  client asked to think, the prompt may have opened the thought, so the
-  output starts inside it.
+  prompt opened the thought (the neuron's first message says
+  `thought_open`), the output starts inside it.
 - Tool calls: the answer goes through the parser of the model's format
   (`tool_parser` from Watch, tool_parsers.py), or, for a forced choice
   (`required` or a named function) that the engine constrained to JSON
@@ -35,16 +35,21 @@ class Parts:
 
 
 class OutputParser:
-    def __init__(self, *, reasoning_parser: str = "", starts_in_thought: bool = False,
+    def __init__(self, *, reasoning_parser: str = "",
                  tool_mode: str = "none", tool_name: str | None = None) -> None:
         """tool_mode: none | hermes | llama3_json | json_list | json_args (tool_name)."""
         self.think = reasoning_parser == "think"
-        self.phase = ("thinking" if starts_in_thought else "opening") if self.think else "answer"
+        self.phase = "opening" if self.think else "answer"
         self.tools = PARSERS[tool_mode](tool_name)
         self._buf = ""  # thought text not yet emitted (a marker may be starting)
         self._after_thought = False
 
     # ------------------------------------------------------------------ feeding
+
+    def thought_opened(self) -> None:
+        """The neuron says the prompt opened a thought: the output starts inside it."""
+        if self.phase == "opening":
+            self.phase = "thinking"
 
     def feed(self, text: str) -> Parts:
         out = Parts()
@@ -98,7 +103,5 @@ def parser_for(req: object, tool_parser: str, reasoning_parser: str) -> OutputPa
     mode = {"required": "json_list", "function": "json_args"}.get(choice)
     if mode is None:
         mode = (tool_parser or "hermes") if choice == "auto" else "none"
-    return OutputParser(reasoning_parser=reasoning_parser,
-                        starts_in_thought=bool(getattr(req, "thinking_requested", False))
-                        and getattr(req, "constraint", None) is None,
-                        tool_mode=mode, tool_name=getattr(req, "tool_name", None))
+    return OutputParser(reasoning_parser=reasoning_parser, tool_mode=mode,
+                        tool_name=getattr(req, "tool_name", None))

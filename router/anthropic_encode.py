@@ -62,6 +62,8 @@ def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
     """The non-streaming reply."""
     parts = Parts(content=reply.text)
     if parser is not None:
+        if reply.thought_open:
+            parser.thought_opened()
         a, b = parser.feed(reply.text), parser.finish()
         parts = Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
     calls = whole_calls(parts.calls)
@@ -142,6 +144,8 @@ class StreamEncoder:
         if self.parser is None:
             parts = Parts(content=msg.text)
         else:
+            if msg.thought_open:
+                self.parser.thought_opened()
             parts = self.parser.feed(msg.text)
         out = self._parts(parts)
         if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:

@@ -37,6 +37,7 @@ class Choice:
     text_chars: int = 0  # for completions' text_offset
     parser: OutputParser | None = None  # chat: splits thought, answer and tool calls
     num_calls: int = 0  # tool calls streamed so far
+    thought_open: bool = False  # the prompt opened a thought (the neuron said so)
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict | 
 def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
     """Fold one neuron message into a choice's running totals (after `delta_chunk`)."""
     choice.text.append(msg.text)
+    choice.thought_open = choice.thought_open or msg.thought_open
     choice.text_chars += len(msg.text)
     choice.token_ids.extend(msg.token_ids)
     choice.logprobs.extend(msg.logprobs)
@@ -114,6 +116,8 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
         if env.chat:
             body["message"] = {"role": "assistant", "content": text}
             if c.parser is not None:
+                if c.thought_open:
+                    c.parser.thought_opened()
                 parts = c.parser.feed(text)
                 rest = c.parser.finish()
                 body["message"], finish = chat_message(parts, rest, finish)
@@ -177,6 +181,8 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
         return None  # (a first message's prompt ids then ride on the next chunk)
     body: dict = {"index": choice.index}
     if env.chat and choice.parser is not None:
+        if msg.thought_open:
+            choice.parser.thought_opened()
         parts = choice.parser.feed(msg.text)
         if finish is not None:
             rest = choice.parser.finish()

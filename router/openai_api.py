@@ -84,16 +84,6 @@ class ParsedRequest:
                 sum(len(str(t)) for t in self.tools)
         return len(self.prompt_text or "")
 
-    @property
-    def thinking_requested(self) -> bool:
-        """The client asked for a thought (so the prompt may have opened it)."""
-        if self.thinking_budget_tokens is not None:
-            return self.thinking_budget_tokens > 0
-        if self.template_kwargs.get("enable_thinking") is not None:
-            return bool(self.template_kwargs["enable_thinking"]) and \
-                self.reasoning_effort != "none"
-        return self.reasoning_effort not in ("", "none")
-
 
 def parse_request(body: bytes | Any, kind: Literal["chat", "completion"]) -> ParsedRequest:
     """Validate one request body (raw JSON bytes or decoded JSON data); raises ApiError(400)

@@ -62,8 +62,9 @@ def test_llama3_json_call_and_plain_text(step):
 def test_think_split_with_and_without_an_opened_prompt(step):
     out = run(OutputParser(reasoning_parser="think"), "<think>\nhmm, 2+2</think>\n\n4", step)
     assert (out.reasoning, out.content) == ("\nhmm, 2+2", "4")
-    out = run(OutputParser(reasoning_parser="think", starts_in_thought=True),
-              "hmm</think>\n\nfour", step)
+    opened = OutputParser(reasoning_parser="think")
+    opened.thought_opened()  # the neuron said the prompt opened the thought
+    out = run(opened, "hmm</think>\n\nfour", step)
     assert (out.reasoning, out.content) == ("hmm", "four")
     out = run(OutputParser(reasoning_parser="think"), "no thought <think>", step)
     assert (out.reasoning, out.content) == ("", "no thought <think>")

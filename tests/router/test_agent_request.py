@@ -78,7 +78,6 @@ def test_messages_with_tool_calls_and_results():
 
 def test_reasoning_fields():
     assert chat(reasoning_effort="minimal").reasoning_effort == "low"
-    assert chat(reasoning_effort="high").thinking_requested
-    assert not chat(reasoning_effort="none").thinking_requested
-    assert chat(chat_template_kwargs={"enable_thinking": True}).thinking_requested
-    assert not chat().thinking_requested
+    assert chat(reasoning_effort="high").reasoning_effort == "high"
+    assert chat(chat_template_kwargs={"enable_thinking": True}).template_kwargs == {
+        "enable_thinking": True}
