@@ -56,7 +56,7 @@ def _json(text: str, what: str) -> Any:
 def template_inputs(chat: pb.Chat, effort: str,
                     constrained: bool = False) -> tuple[list[dict], dict[str, Any]]:
     """(messages, extra template variables) for the checkpoint's template. A constrained
-    output (a grammar from its first token) leaves no room for a thought: thinking is off."""
+    output thinks only when the client asked for it (see `thinking`)."""
     msgs: list[dict] = []
     for m in chat.messages:
         d: dict[str, Any] = {"role": m.role, "content": m.content}
@@ -86,8 +86,9 @@ def template_inputs(chat: pb.Chat, effort: str,
         kwargs.update(extra)
     if chat.tools_json:
         kwargs["tools"] = _json(chat.tools_json, "tools")
-    if constrained:
-        kwargs["enable_thinking"] = False
+    asked = effort not in ("", "none") or kwargs.get("enable_thinking") is True
+    if constrained and not asked:
+        kwargs["enable_thinking"] = False  # a thought the grammar would not let through
     elif effort == "none":
         kwargs.setdefault("enable_thinking", False)
     elif effort:
@@ -119,11 +120,16 @@ def thinking_budget(entry: ModelEntry, request: pb.GenerateRequest,
 
 def thinking(tokenizer: Any, entry: ModelEntry, request: pb.GenerateRequest,
              prompt_ids: list[int], enable_thinking: Any) -> messages.Thinking | None:
-    """The engine's thinking bounds for a model that thinks, else None."""
+    """The engine's thinking bounds for a model that thinks, else None. A constrained
+    request thinks only when its prompt opened the thought: the grammar then applies to
+    the answer after it (the engine cannot let a model open a thought the grammar
+    forbids)."""
     if request.WhichOneof("prompt") != "chat" or \
             reasoning_parser(entry, tokenizer.chat_template) != "think":
         return None
     tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
+    if request.HasField("constraint") and not tail.endswith(THINK_OPEN):
+        return None
     return messages.Thinking(
         budget_tokens=thinking_budget(entry, request, enable_thinking),
         open_ids=list(tokenizer.encode(THINK_OPEN, add_special_tokens=False)),

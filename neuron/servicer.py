@@ -124,8 +124,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
                                                  r.limits)
             grammar = agent.constraint_grammar(request)
-            thinking = None if grammar is not None else agent.thinking(
-                r.tokenizer, r.entry, request, prompt_ids, _enable_thinking(request))
+            thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
+                                      _enable_thinking(request))
         except Refusal as e:
             await self._refuse(context, blog, request.model, e)
             return

@@ -260,7 +260,8 @@ class EngineCore:
                 if need_logits:
                     sampled.append(req)
             # Grammar masks are computed in a worker thread while the model runs the step.
-            masked = [j for j, r in enumerate(sampled) if r.matcher is not None]
+            masked = [j for j, r in enumerate(sampled) if r.matcher is not None
+                      and (r.thought is None or r.thought.answering)]
             masks = self.grammars.start([sampled[j].matcher for j in masked]) if masked else None
             logits = self.runner.execute(seqs)
             states: list[Any] = [r.sampling_state for r in sampled]
@@ -293,6 +294,7 @@ class EngineCore:
             self.running.sort(key=lambda r: r.req_id in done)
 
     def _append_token(self, req: Request, token_id: int, logprob: Any) -> None:
+        answering = req.thought is None or req.thought.answering  # a grammar follows answers
         if req.thought is not None:
             forced = req.thought.forced()
             if forced is not None and forced != token_id:  # the budget is spent: close it
@@ -305,7 +307,7 @@ class EngineCore:
             if upd.logprobs is None:
                 upd.logprobs = []
             upd.logprobs.append(logprob)
-        if req.matcher is not None:
+        if req.matcher is not None and answering:
             error = advance(req.matcher, token_id)
             if error:
                 self._finish(req, RequestStatus.FINISHED_ERROR, f"grammar: {error}")

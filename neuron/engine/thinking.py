@@ -7,7 +7,9 @@ counts the tokens written inside the thought and, once `budget_tokens` of
 them were spent, writes the closing marker itself (the sampler's choice is
 replaced, one forced token per step), so the answer follows. The thought and
 the answer both come out of the request's one output budget (max_tokens),
-which its KV reservation covers: a long thought cannot outgrow it.
+which its KV reservation covers: a long thought cannot outgrow it. A grammar
+(constrained output) applies to the answer only: the engine masks and feeds
+its matcher once the thought is over.
 """
 
 from __future__ import annotations
@@ -37,6 +39,11 @@ class ThoughtTracker:
         self._forcing = 0  # how much of close_ids was forced so far
         if self.phase == Phase.THINKING and spec.budget_tokens <= 0:
             self.phase = Phase.CLOSING
+
+    @property
+    def answering(self) -> bool:
+        """The thought is over (or never began): tokens now belong to the answer."""
+        return self.phase == Phase.ANSWERING
 
     def forced(self) -> int | None:
         """The token to write next in place of sampling, or None."""

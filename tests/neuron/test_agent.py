@@ -44,7 +44,10 @@ def test_template_inputs_give_arguments_as_objects_and_pass_variables():
     assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
     assert msgs[1] == {"role": "tool", "content": "2", "tool_call_id": "c"}
     assert kw["tools"][0]["function"]["name"] == "f" and kw["enable_thinking"] is True
-    assert agent.template_inputs(chat, "", constrained=True)[1]["enable_thinking"] is False
+    # constrained output thinks only when asked to (then after the thought, the grammar)
+    assert agent.template_inputs(chat, "", constrained=True)[1]["enable_thinking"] is True
+    assert agent.template_inputs(pb.Chat(), "", constrained=True)[1] == {
+        "enable_thinking": False}
     assert agent.template_inputs(pb.Chat(), "none")[1] == {"enable_thinking": False}
     with pytest.raises(Refusal, match="chat_template_kwargs"):
         agent.template_inputs(pb.Chat(template_kwargs_json="[1]"), "")

@@ -159,3 +159,22 @@ def test_no_reasoning_by_default_and_effort_none(router):
                                       **kw)
         assert r.usage.completion_tokens_details.reasoning_tokens == 0
         assert not r.choices[0].message.model_dump().get("reasoning_content")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_reasoning_then_a_schema_constrained_answer(router, stream):
+    kw = dict(model="tiny", messages=MSG, max_tokens=120, temperature=1.0, seed=7,
+              reasoning_effort="medium",
+              response_format={"type": "json_schema",
+                               "json_schema": {"name": "rec", "schema": SCHEMA, "strict": True}})
+    c = router.client()
+    if stream:
+        deltas = [ch.choices[0].delta.model_dump() for ch in
+                  c.chat.completions.create(**kw, stream=True) if ch.choices]
+        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
+        content = "".join(d.get("content") or "" for d in deltas)
+    else:
+        msg = c.chat.completions.create(**kw).choices[0].message.model_dump()
+        reasoning, content = msg.get("reasoning_content"), msg["content"]
+    assert reasoning  # the thought (budget 8) came first ...
+    check_record(json.loads(content))  # ... then the answer the schema constrains

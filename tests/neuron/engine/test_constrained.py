@@ -97,3 +97,21 @@ def test_thinking_budget_closes_the_thought(tiny, budget):
     assert i <= budget
     assert final["t"].reasoning_tokens == i
     assert_whole(core)
+
+
+def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
+    d, tok = tiny
+    core = core_for(d, fake=False)
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "Think."}], enable_thinking=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=200,
+                       sampling=m.SamplingParams(temperature=1.0, seed=4),
+                       stop_token_ids=tok.eos_token_ids,
+                       grammar=grammar.grammar_text(grammar.json_schema(SCHEMA)),
+                       thinking=m.Thinking(budget_tokens=6, close_ids=close, starts_open=True))
+    tokens, final, _ = drive(core, m.ToEngine(new=[req]))
+    out = [t for t in tokens["t"] if t not in tok.eos_token_ids]
+    i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
+    assert final["t"].finished == m.FinishReason.STOP and final["t"].reasoning_tokens == i <= 6
+    validate(json.loads(tok.decode(out[i + len(close):])))
+    assert_whole(core)
