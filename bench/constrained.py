@@ -6,9 +6,9 @@ schema-constrained vs none, side by side in one run.
 Without --model it uses the engine benchmark's checkpoint (helexa.tiny.bench_checkpoint:
 an init-tiny qwen3, hidden 512, 8 layers, vocab 8192). Both contenders run through
 EngineCore (the engine's own step loop with the real sampler and grammar masks), 8
-requests admitted together, at most `--tokens` decode tokens each (eos is no stop; the
-constrained ones follow a JSON schema whose strings and arrays leave room for that many
-tokens, but end early if the model closes the object), greedy. Contenders alternate within each repeat and the ratio is
+requests admitted together, `--tokens` decode tokens each (eos is no stop; the constrained
+ones follow a JSON schema whose minimum length keeps them open that long, so both
+contenders decode the same tokens; the script checks it), greedy. Contenders alternate within each repeat and the ratio is
 the median over repeats of each repeat's own ratio (the machine's drifts cancel within a
 pair). Also printed: llguidance's mask time per constrained row per step, measured on
 its own. The issue's target: constrained/none >= 0.8.
@@ -31,23 +31,27 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.tokenizer import Tokenizer
 
-# Loose enough that a greedy random model can write `--tokens` tokens inside it.
+# Its minimum length keeps every constrained stream open past `--tokens` (so both contenders
+# decode the same number of tokens), through strings, separators and nesting.
 SCHEMA = {"type": "object", "required": ["title", "notes"], "properties": {
-    "title": {"type": "string"},
-    "notes": {"type": "array", "items": {"type": "string"}},
-    "score": {"type": "integer"}}}
+    "title": {"type": "string", "minLength": 40, "maxLength": 80},
+    "notes": {"type": "array", "minItems": 40,
+              "items": {"type": "string", "minLength": 8, "maxLength": 40}}}}
 STREAMS = 8
 
 
 def run(core: EngineCore, prompts: list[list[int]], grammar_text: str | None, constrained: int,
         tokens: int, tag: str) -> float:
-    """Decode tokens per second over the batch (prefill excluded)."""
+    """Decode tokens per second over the batch (prefill excluded); every stream must have
+    produced `tokens` tokens."""
     new = [m.NewRequest(req_id=f"{tag}{i}", prompt_token_ids=p, max_tokens=tokens,
                         sampling=m.SamplingParams(temperature=0.0),
                         grammar=grammar_text if i < constrained else None)
            for i, p in enumerate(prompts)]
     out = core.step(m.ToEngine(new=new))
     counts = {r.req_id: 0 for r in new}
+    for u in out.updates:
+        counts[u.req_id] += len(u.new_token_ids)
     while any(core.requests[r].is_prefilling for r in core.requests):  # prefill first
         out = core.step()
         for u in out.updates:
@@ -61,6 +65,9 @@ def run(core: EngineCore, prompts: list[list[int]], grammar_text: str | None, co
             if u.error:
                 raise RuntimeError(f"{u.req_id}: {u.error}")
     secs = time.perf_counter() - t0
+    short = {r: n for r, n in counts.items() if n != tokens}
+    if short:
+        raise RuntimeError(f"streams ended early (tokens each): {short}")
     return (sum(counts.values()) - start_tokens) / secs
 
 
@@ -101,7 +108,7 @@ def main() -> None:
     g = grammar.grammar_text(grammar.json_schema(SCHEMA))
     prompts = [tok.encode_chat([{"role": "user", "content": f"Record number {i}, as JSON."}])
                for i in range(STREAMS)]
-    run(core, prompts, g, STREAMS // 2, 8, "warm")  # first-use costs (llguidance tokenizer)
+    run(core, prompts, g, STREAMS // 2, args.tokens, "warm")  # first-use costs (llguidance tokenizer)
     free, half, ratios = [], [], []
     for r in range(args.repeats):
         a = run(core, prompts, g, 0, args.tokens, f"n{r}-")
