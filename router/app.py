@@ -201,7 +201,7 @@ def build_app(state: RouterState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(status_routes(
         lambda r: r.app[STATE].status,
-        lambda r: r.app[STATE].auth.principal(r.headers.get("Authorization"))))
+        lambda r: r.app[STATE].auth.principal(serve.authorization(r))))
     return app
 
 
