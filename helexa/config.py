@@ -167,6 +167,15 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         "Largest output a request may ask for; none = context - 1.", RESTART)] = None
     kv_budget_mb: Annotated[optional(int, ge=1), field_meta(
         "This model's KV pool in MiB per card; overrides kv.kv_budget_mb.", RESTART)] = None
+    tool_parser: Annotated[Literal["auto", "hermes", "llama3_json", "none"], field_meta(
+        "How the model writes tool calls: hermes = <tool_call>{json}</tool_call> (Qwen), llama3_json = a bare JSON object; auto = read from the chat template.",
+        RESTART)] = "auto"
+    reasoning_parser: Annotated[Literal["auto", "think", "none"], field_meta(
+        "How the model writes its thought: think = <think>...</think>; auto = read from the chat template.",
+        RESTART)] = "auto"
+    thinking_budget_tokens: Annotated[int, field_meta(
+        "Most tokens a thought may take at reasoning_effort high (and by default); medium is half, low an eighth; then the engine closes the thought.",
+        RELOAD, ge=0)] = 4096
 
     def __post_init__(self) -> None:
         if self.path is None and self.config is None:

@@ -20,7 +20,8 @@ def merge_responses(msgs: Sequence[pb.GenerateResponse]) -> pb.GenerateResponse:
     stop_reason and usage from the last message."""
     if len(msgs) == 1:
         return msgs[0]  # already whole (a short answer often is one message)
-    out = pb.GenerateResponse(text="".join(m.text for m in msgs))
+    out = pb.GenerateResponse(text="".join(m.text for m in msgs),
+                              thought_open=any(m.thought_open for m in msgs))
     for m in msgs:
         out.token_ids.extend(m.token_ids)
         out.logprobs.extend(m.logprobs)

@@ -36,18 +36,56 @@ PAD_TOKEN = "<|endoftext|>"
 LOGIT_STD = 4.0
 _TRANSFORMERS_VERSION = "5.24.0"  # the format written, not a runtime dependency
 
-# ChatML as Qwen's checkpoints render it; content may be a string or a list
-# of OpenAI-style text parts.
-CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
+# ChatML as Qwen3's checkpoints render it, tools and thinking included; content may be a
+# string or a list of OpenAI-style text parts. Tools go into the system turn, calls are
+# <tool_call>{json}</tool_call>, results come back as <tool_response> in a user turn.
+# enable_thinking=true opens a <think> block in the generation prompt (so even random
+# weights think), false writes an empty one, as Qwen3 does; left out, neither.
+_CONTENT = (
     "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- elif message['content'] is none %}{%- set content = '' %}"
     "{%- else %}{%- set content = namespace(text='') %}"
     "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}"
     "{%- set content.text = content.text + part['text'] %}{%- endif %}{%- endfor %}"
     "{%- set content = content.text %}{%- endif %}"
+)
+CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set message = messages[0] %}" + _CONTENT +
+    "{{- content + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}" + _CONTENT +
+    "{%- if message['role'] == 'system' and loop.first and tools %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' + content }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}"
+    "{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking %}{{- '<think>\\n' }}"
+    "{%- elif enable_thinking is defined %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
 )
 
 # The pre-tokenizer split of Qwen2's tokenizer: words, single digits,

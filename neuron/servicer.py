@@ -26,6 +26,7 @@ import grpc
 import structlog
 
 from helexa import __version__
+from helexa.neuron import agent
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import Refusal, check_context
 from helexa.neuron.metrics import NeuronMetrics
@@ -54,11 +55,12 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
     """The prompt's token ids: chat via the chat template, text as is, or ids given."""
     which = request.WhichOneof("prompt")
     if which == "chat":
-        msgs = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort,
+                                             request.HasField("constraint"))
         if not msgs:
             raise Refusal("invalid_request_error", "messages: expected at least one message")
         try:
-            return list(tokenizer.encode_chat(msgs))
+            return list(tokenizer.encode_chat(msgs, **kwargs))
         except Exception as e:  # the checkpoint's template refused these messages
             raise Refusal("invalid_request_error",
                           f"messages: the model's chat template failed: {e}") from None
@@ -121,6 +123,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
             prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
                                                  r.limits)
+            grammar = agent.constraint_grammar(request)
+            thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
+                                      _enable_thinking(request))
         except Refusal as e:
             await self._refuse(context, blog, request.model, e)
             return
@@ -132,7 +137,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         new = messages.NewRequest(
             req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling_params(request.sampling),
             max_tokens=max_tokens, principal=principal, stop_token_ids=stop_ids,
-            deadline_unix=deadline, arrival_unix=arrival)
+            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking)
         blog.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
         r.begin()
         try:
@@ -188,6 +193,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 resp = pb.GenerateResponse()
                 if not sent_first and request.return_prompt_token_ids:
                     resp.prompt_token_ids.extend(new.prompt_token_ids)
+                if not sent_first and new.thinking is not None and new.thinking.starts_open:
+                    resp.thought_open = True
                 if upd.new_token_ids:
                     now = time.time()
                     if t_first == 0.0:
@@ -229,6 +236,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                     resp.finish_reason = finish
                     resp.stop_reason = stop_reason
                     resp.usage.CopyFrom(_usage(new, out_ids, cached, t_admit, t_first, t_last))
+                    resp.usage.reasoning_tokens = upd.reasoning_tokens
                 if resp.ByteSize() or finish is not None:
                     sent_first = True
                     yield resp
@@ -303,6 +311,34 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         return pb.HealthResponse(status="DRAINING" if self.draining else "SERVING",
                                  neuron=self.name, version=__version__)
 
+    async def Tokenize(self, request: pb.TokenizeRequest,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            r = self.residency.serving(request.model)
+            out = pb.TokenizeResponse(max_model_len=r.limits.context if r.limits else 0)
+            which = request.WhichOneof("input")
+            if which == "token_ids":
+                ids = list(request.token_ids.ids)
+                bad = next((i for i in ids if not 0 <= i < r.tokenizer.vocab_size), None)
+                if bad is not None:
+                    raise Refusal("invalid_request_error",
+                                  f"tokens: token id {bad} is outside the vocabulary")
+                out.text = r.tokenizer.decode(ids)
+            elif which == "chat":
+                msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
+                try:
+                    out.token_ids.extend(r.tokenizer.encode_chat(
+                        msgs, request.add_generation_prompt, **kwargs))
+                except Exception as e:
+                    raise Refusal("invalid_request_error",
+                                  f"messages: the model's chat template failed: {e}") from None
+            else:
+                out.token_ids.extend(r.tokenizer.encode(request.text,
+                                                        request.add_special_tokens))
+        except Refusal as e:
+            await context.abort(e.status, e.message, e.trailing_metadata())
+        return out
+
     # ------------------------------------------------------------------ operations
 
     async def Load(self, request: pb.LoadRequest,
@@ -334,6 +370,14 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         except Refusal as e:
             await context.abort(e.status, e.message, e.trailing_metadata())
         return pb.SetProfileResponse(status=model_status(r), changed=changed)
+
+
+def _enable_thinking(request: pb.GenerateRequest) -> Any:
+    """chat_template_kwargs.enable_thinking as the client set it (None when not)."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.template_kwargs_json:
+        return None
+    _, kwargs = agent.template_inputs(pb.Chat(template_kwargs_json=request.chat.template_kwargs_json), "")
+    return kwargs.get("enable_thinking")
 
 
 def _usage(new: messages.NewRequest, out_ids: list[int], cached: int, t_admit: float,

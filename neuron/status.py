@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
+from helexa.neuron import agent
 from helexa.neuron.residency import Residency, ResidentModel
 from helexa.proto import neuron_pb2 as pb
 
@@ -23,6 +24,9 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
     m = pb.ModelStatus(model=r.model_id, state=int(r.state), error=r.error,
                        profile=r.profile, kv_dtype=r.kv_dtype, tp=r.entry.tp,
                        last_used_unix_ms=r.last_used_unix_ms)
+    template = r.tokenizer.chat_template if r.tokenizer is not None else None
+    m.tool_parser = agent.tool_parser(r.entry, template)
+    m.reasoning_parser = agent.reasoning_parser(r.entry, template)
     s = r.engine_status
     if s is not None:
         m.kv.CopyFrom(pb.KvLedger(

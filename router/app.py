@@ -23,7 +23,7 @@ from aiohttp import web
 
 from helexa.config import ConfigError, RouterConfig, load_router_config, read_secret, resolve_path
 from helexa.log import get_logger, setup_logging
-from helexa.router import serve
+from helexa.router import serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -122,7 +122,12 @@ async def error_envelope(request: web.Request, handler):
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(
             e.status, "invalid_request_error")
-        return ApiError(e.status, e.reason, code=code).response()
+        message = e.reason
+        if e.status == 404:
+            message = f"No endpoint {request.method} {request.path}; see docs/api.md"
+        elif e.status == 405:
+            message = f"{request.path} does not take {request.method}"
+        return ApiError(e.status, message, code=code).response()
     except Exception:  # a bug of ours still answers in the envelope
         request.app[STATE].log.exception("http.handler_failed", path=request.path)
         return ApiError(500, "internal error; the router's log has the details",
@@ -131,14 +136,15 @@ async def error_envelope(request: web.Request, handler):
 
 async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
-    state.auth.principal(request.headers.get("Authorization"))  # 401 when auth is required
+    state.auth.principal(serve.authorization(request))  # 401 when auth is required
     limits = state.registry.ready_limits()
     costs = state.registry.ready_state_costs()
 
     def entry(model_id: str, target: str) -> dict:
         context, input_, output = limits[target]
         e = {"id": model_id, "object": "model", "created": 0, "owned_by": "helexa",
-             "limit": {"context": context, "input": input_, "output": output}}
+             "limit": {"context": context, "input": input_, "output": output},
+             "max_model_len": context}  # vLLM's name for the context limit
         fixed, _ = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             e["limit"]["fixed_bytes_per_request"] = fixed
@@ -185,13 +191,22 @@ def build_app(state: RouterState) -> web.Application:
 
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+
+    async def messages(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request, "messages")
+
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", tokenize.count_tokens)
+    app.router.add_post("/tokenize", tokenize.tokenize)
+    app.router.add_post("/detokenize", tokenize.detokenize)
+    app.router.add_get("/version", tokenize.version)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model:.+}", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(status_routes(
         lambda r: r.app[STATE].status,
-        lambda r: r.app[STATE].auth.principal(r.headers.get("Authorization"))))
+        lambda r: r.app[STATE].auth.principal(serve.authorization(r))))
     return app
 
 

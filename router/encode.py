@@ -10,11 +10,14 @@ per-choice `token_ids`, as vLLM does; usage carries
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.openai_api import ParsedRequest
+from helexa.router.tool_parsers import whole_calls
 
 FINISH_REASONS = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 
@@ -32,6 +35,9 @@ class Choice:
     usage: pb.Usage | None = None
     prompt_token_ids: list[int] | None = None
     text_chars: int = 0  # for completions' text_offset
+    parser: OutputParser | None = None  # chat: splits thought, answer and tool calls
+    num_calls: int = 0  # tool calls streamed so far
+    thought_open: bool = False  # the prompt opened a thought (the neuron said so)
 
 
 @dataclass(frozen=True)
@@ -54,9 +60,11 @@ def usage_dict(choices: list[Choice]) -> dict:
     prompt = max((u.prompt_tokens for u in done), default=0)
     cached = max((u.cached_tokens for u in done), default=0)
     completion = sum(u.completion_tokens for u in done)
+    reasoning = sum(u.reasoning_tokens for u in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
 def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict:
@@ -86,6 +94,7 @@ def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict | 
 def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
     """Fold one neuron message into a choice's running totals (after `delta_chunk`)."""
     choice.text.append(msg.text)
+    choice.thought_open = choice.thought_open or msg.thought_open
     choice.text_chars += len(msg.text)
     choice.token_ids.extend(msg.token_ids)
     choice.logprobs.extend(msg.logprobs)
@@ -103,12 +112,19 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
     for c in choices:
         text = "".join(c.text)
         body: dict = {"index": c.index}
+        finish = c.finish_reason
         if env.chat:
             body["message"] = {"role": "assistant", "content": text}
+            if c.parser is not None:
+                if c.thought_open:
+                    c.parser.thought_opened()
+                parts = c.parser.feed(text)
+                rest = c.parser.finish()
+                body["message"], finish = chat_message(parts, rest, finish)
         else:
             body["text"] = text
         body["logprobs"] = _logprobs(env, c.logprobs, 0)
-        body["finish_reason"] = c.finish_reason
+        body["finish_reason"] = finish
         body["stop_reason"] = c.stop_reason
         if env.req.return_token_ids:
             body["token_ids"] = c.token_ids
@@ -119,6 +135,23 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
     if env.req.return_token_ids:
         reply["prompt_token_ids"] = choices[0].prompt_token_ids if choices else None
     return reply
+
+
+def chat_message(a: Parts, b: Parts, finish: str | None) -> tuple[dict, str | None]:
+    """A whole assistant message from its parsed parts, and its finish reason."""
+    content = a.content + b.content
+    calls = whole_calls(a.calls + b.calls)
+    msg: dict = {"role": "assistant", "content": content if content or not calls else None}
+    reasoning = a.reasoning + b.reasoning
+    if reasoning:
+        msg["reasoning_content"] = reasoning
+    if calls:
+        msg["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for c in calls]
+        if finish == "stop":
+            finish = "tool_calls"
+    return msg, finish
 
 
 def _chunk(env: Envelope, choices: list[dict], *, usage: dict | None = None,
@@ -147,7 +180,21 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     if not msg.text and not msg.token_ids and finish is None:
         return None  # (a first message's prompt ids then ride on the next chunk)
     body: dict = {"index": choice.index}
-    if env.chat:
+    if env.chat and choice.parser is not None:
+        if msg.thought_open:
+            choice.parser.thought_opened()
+        parts = choice.parser.feed(msg.text)
+        if finish is not None:
+            rest = choice.parser.finish()
+            parts = Parts(parts.reasoning + rest.reasoning, parts.content + rest.content,
+                          parts.calls + rest.calls)
+        body["delta"] = _parts_delta(choice, parts)
+        if finish == "stop" and choice.num_calls:
+            finish = "tool_calls"
+        if not body["delta"] and finish is None and not env.req.return_token_ids \
+                and not env.req.logprobs:
+            return None  # held back: a marker may be starting
+    elif env.chat:
         body["delta"] = {"content": msg.text} if msg.text or finish is None else {}
     else:
         body["text"] = msg.text
@@ -161,6 +208,26 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     if env.req.return_token_ids and first:
         chunk["prompt_token_ids"] = list(msg.prompt_token_ids) or choice.prompt_token_ids
     return chunk
+
+
+def _parts_delta(choice: Choice, parts: Parts) -> dict:
+    delta: dict = {}
+    if parts.reasoning:
+        delta["reasoning_content"] = parts.reasoning
+    if parts.content:
+        delta["content"] = parts.content
+    if parts.calls:
+        delta["tool_calls"] = []
+        for c in parts.calls:
+            entry: dict[str, Any] = {"index": c.index}
+            if c.id is not None:  # a call's first piece: who it calls
+                entry.update(id=c.id, type="function")
+                entry["function"] = {"name": c.name, "arguments": c.arguments}
+                choice.num_calls += 1
+            else:
+                entry["function"] = {"arguments": c.arguments}
+            delta["tool_calls"].append(entry)
+    return delta
 
 
 def usage_chunk(env: Envelope, choices: list[Choice]) -> dict:

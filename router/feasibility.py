@@ -39,7 +39,7 @@ def prompt_tokens_lower_bound(req: ParsedRequest) -> int:
     if req.prompt_ids is not None:
         return len(req.prompt_ids)
     if req.messages is not None:
-        num_bytes = sum(len(text.encode()) for _, text in req.messages)
+        num_bytes = sum(len(t.content.encode()) for t in req.messages)
     else:
         num_bytes = len((req.prompt_text or "").encode())
     return math.ceil(num_bytes / MAX_TOKEN_BYTES)

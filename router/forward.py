@@ -15,6 +15,7 @@ before any byte went to the client.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -97,13 +98,34 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         deadline_unix_ms=deadline_unix_ms, return_prompt_token_ids=req.return_token_ids)
     if req.max_tokens is not None:
         g.max_tokens = req.max_tokens
+    if req.constraint is not None:
+        if req.constraint.kind == "json_object":
+            g.constraint.json_object = True
+        else:
+            setattr(g.constraint, req.constraint.kind, req.constraint.source)
+    g.reasoning_effort = req.reasoning_effort
+    if req.thinking_budget_tokens is not None:
+        g.thinking_budget_tokens = req.thinking_budget_tokens
     if req.messages is not None:
-        g.chat.messages.extend(pb.ChatMessage(role=r, content=c) for r, c in req.messages)
+        g.chat.CopyFrom(chat_proto(req))
     elif req.prompt_ids is not None:
         g.token_ids.ids.extend(req.prompt_ids)
     else:
         g.text = req.prompt_text or ""
     return g
+
+
+def chat_proto(req: ParsedRequest) -> pb.Chat:
+    """The chat messages, tools and template variables, as the neuron's template takes them."""
+    chat = pb.Chat(messages=[pb.ChatMessage(
+        role=t.role, content=t.content, tool_calls_json=t.tool_calls_json,
+        tool_call_id=t.tool_call_id, name=t.name, reasoning_content=t.reasoning)
+        for t in req.messages or []])
+    if req.tools and req.tool_choice != "none":
+        chat.tools_json = json.dumps(req.tools)
+    if req.template_kwargs:
+        chat.template_kwargs_json = json.dumps(req.template_kwargs)
+    return chat
 
 
 @dataclass

@@ -16,10 +16,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from helexa.grammar import Constraint
+from helexa.router import agent_request
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+
+
+@dataclass
+class Turn:
+    """One chat message as the neuron's template takes it."""
+
+    role: str
+    content: str
+    tool_calls_json: str = ""  # an assistant's calls, OpenAI's JSON list
+    tool_call_id: str = ""  # a tool result: the call it answers
+    name: str = ""
+    reasoning: str = ""
 
 
 @dataclass
@@ -28,7 +43,7 @@ class ParsedRequest:
 
     kind: Literal["chat", "completion"]
     model: str
-    messages: list[tuple[str, str]] | None = None  # (role, text) for chat
+    messages: list[Turn] | None = None  # for chat
     prompt_text: str | None = None  # completion prompt as text ...
     prompt_ids: list[int] | None = None  # ... or as token ids
     max_tokens: int | None = None
@@ -50,12 +65,23 @@ class ParsedRequest:
     include_usage: bool = False
     return_token_ids: bool = False
     user: str | None = None
+    # The agent fields (agent_request.py).
+    tools: list[dict] = field(default_factory=list)
+    tool_choice: str = "none"  # none | auto | required | function
+    tool_name: str | None = None  # tool_choice "function": which one
+    parallel_tool_calls: bool = True
+    constraint: Constraint | None = None  # the grammar the output follows
+    response_schema_name: str | None = None
+    reasoning_effort: str = ""  # "" = the model's default; none | low | medium | high
+    thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
+    template_kwargs: dict = field(default_factory=dict)
 
     @property
     def prompt_chars(self) -> int:
         """Characters of prompt text, for the router's token estimate."""
         if self.messages is not None:
-            return sum(len(text) for _, text in self.messages)
+            return sum(len(t.content) + len(t.tool_calls_json) for t in self.messages) + \
+                sum(len(str(t)) for t in self.tools)
         return len(self.prompt_text or "")
 
 
@@ -74,8 +100,7 @@ def parse_request(body: bytes | Any, kind: Literal["chat", "completion"]) -> Par
 
 def _chat(b: ChatBody, req: ParsedRequest) -> None:
     req.messages = [_message(m, i) for i, m in enumerate(b.messages)]
-    if b.response_format is not None and b.response_format != {"type": "text"}:
-        raise unsupported("response_format")
+    agent_request.apply(b, req)
     req.logprobs = bool(b.logprobs)
     req.top_logprobs = b.top_logprobs or 0
     if req.top_logprobs and not req.logprobs:
@@ -84,14 +109,29 @@ def _chat(b: ChatBody, req: ParsedRequest) -> None:
         else b.max_tokens
 
 
-def _message(m: Message, i: int) -> tuple[str, str]:
+def _message(m: Message, i: int) -> Turn:
     p = f"messages[{i}]"
     if m.role not in _ROLES:
         raise unsupported(f"{p}.role", f"role `{m.role}`")
+    turn = Turn(role=_ROLES[m.role], content="", name=m.name or "",
+                reasoning=m.reasoning_content or "")
+    if m.tool_calls:
+        if m.role != "assistant":
+            raise bad_request(f"`{p}.tool_calls` is only allowed on assistant messages",
+                              f"{p}.tool_calls")
+        turn.tool_calls_json = agent_request.tool_calls_json(m.tool_calls)
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise bad_request(f"`{p}.tool_call_id` is required for role tool",
+                              f"{p}.tool_call_id")
+        turn.tool_call_id = m.tool_call_id
     if m.content is None:
+        if turn.tool_calls_json:
+            return turn  # an assistant turn that only called tools
         raise bad_request(f"`{p}.content` is required", f"{p}.content")
     if isinstance(m.content, str):
-        return _ROLES[m.role], m.content
+        turn.content = m.content
+        return turn
     texts = []
     for j, part in enumerate(m.content):
         q = f"{p}.content[{j}]"
@@ -100,7 +140,8 @@ def _message(m: Message, i: int) -> tuple[str, str]:
         if part.text is None:
             raise bad_request(f"`{q}.text` must be a string", f"{q}.text")
         texts.append(part.text)
-    return _ROLES[m.role], "".join(texts)
+    turn.content = "".join(texts)
+    return turn
 
 
 def _completion(b: CompletionBody, req: ParsedRequest) -> None:

@@ -49,6 +49,22 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One call in an assistant message (a reply of ours echoed back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class Message(msgspec.Struct, kw_only=True):
     """One chat message. Unknown keys pass: clients echo back fields of earlier replies
     (`refusal`, `annotations`) that carry nothing for the prompt."""
@@ -56,11 +72,46 @@ class Message(msgspec.Struct, kw_only=True):
     role: Role
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: Unsupported = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # role "tool": the call it answers
+    reasoning_content: str | None = None  # an earlier reply's thought, echoed back
     function_call: Unsupported = None
     audio: Unsupported = None
 
-    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("tool_calls", "function_call", "audio")
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = ("function_call", "audio")
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none = no arguments
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None  # none: any JSON object
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -125,7 +176,16 @@ class ChatBody(RequestBody, kw_only=True):
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS_CHAT)] | None = None
-    response_format: Any = None  # only {"type": "text"} (what we produce anyway) passes
+    response_format: ResponseFormat | None = None
+    # The agent fields (router/agent_request.py maps them).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra template variables
+
+    UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(
+        f for f in RequestBody.UNSUPPORTED if f not in ("tools", "tool_choice", "reasoning_effort"))
 
 
 class CompletionBody(RequestBody, kw_only=True):

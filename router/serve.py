@@ -21,13 +21,15 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 import msgspec
 from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.router import encode
+from helexa.router import anthropic, anthropic_encode, encode
+from helexa.router.agent_output import OutputParser, parser_for
 from helexa.router.errors import ApiError
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
@@ -51,7 +53,7 @@ def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
     if req.messages is not None:
         prompt = estimate_prompt_tokens(req.prompt_chars, len(req.messages))
         # The opening of the conversation: its system prompt and first user turn.
-        head = [text for _, text in req.messages[:2]]
+        head = [t.content for t in req.messages[:2]]
     elif req.prompt_ids is not None:
         prompt = estimate_prompt_tokens(0, num_token_ids=len(req.prompt_ids))
         head = [",".join(map(str, req.prompt_ids[:256]))]
@@ -107,9 +109,9 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
     calls: list[OpenStream] | list[Completed] = []
     state.metrics.in_progress.inc()
     try:
-        principal = ctx["principal"] = state.auth.principal(request.headers.get("Authorization"))
-        req = parse_request(await read_body(request, state.max_body_bytes,
-                                            state.read_timeout_secs), kind)
+        principal = ctx["principal"] = state.auth.principal(authorization(request))
+        raw = await read_body(request, state.max_body_bytes, state.read_timeout_secs)
+        req = anthropic.parse_request(raw) if kind == "messages" else parse_request(raw, kind)
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
@@ -119,11 +121,14 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
                                   deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
-        calls = await _open_all(state, greqs, est, key, principal, kind, req.stream)
+        calls = await _open_all(state, greqs, est, key, principal, req.kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
-        choices = [encode.Choice(index=i) for i in range(req.n)]
-        if req.stream:
+        choices = [encode.Choice(index=i, parser=_parser(state, req, model, calls))
+                   for i in range(req.n)]
+        if kind == "messages":
+            resp = await _anthropic(request, req, model, choices[0], calls[0], state, req_id)
+        elif req.stream:
             resp = await _stream(request, env, choices, calls, state, state.metrics.model(model),
                                  t0, req_id)
         else:
@@ -137,6 +142,8 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         if e.code == "model_not_found":
             model = "unknown"  # a client's typo must not become a metrics label
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
+        if kind == "messages":
+            return anthropic.error_response(e, {"x-request-id": req_id})
         return e.response({"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
         code = "499"  # nginx's "client closed request"
@@ -186,6 +193,62 @@ async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: 
                     t.cancel()
                 elif not t.cancelled() and t.exception() is None:
                     t.result().cancel()
+
+
+def authorization(request: web.Request) -> str | None:
+    """The Authorization header, or Anthropic's x-api-key as a bearer token."""
+    header = request.headers.get("Authorization")
+    if header is None and (key := request.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return header
+
+
+async def _anthropic(request: web.Request, req: ParsedRequest, model: str,
+                     choice: encode.Choice, call: Any, state: Any,
+                     req_id: str) -> web.StreamResponse:
+    """A /v1/messages reply, whole or as Anthropic's event stream."""
+    msg_id = anthropic_encode.message_id()
+    if not req.stream:
+        reply = call.reply
+        if reply.finish_reason in _FAILED:
+            raise ApiError(502, _FAILED[reply.finish_reason], code="upstream_error")
+        encode.add_delta(choice, reply)
+        body = anthropic_encode.full_message(msg_id, model, reply, choice.parser, req.stop)
+        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
+                            headers={"x-request-id": req_id})
+    resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
+    await resp.prepare(request)
+    enc = anthropic_encode.StreamEncoder(msg_id, model, choice.parser, req.stop)
+    await resp.write(enc.start())
+    try:
+        async for msg in call.messages():
+            _check_finish(msg)
+            encode.add_delta(choice, msg)
+            if (out := enc.feed(msg)):
+                await resp.write(out)
+        if choice.finish_reason is None:
+            raise UpstreamFailed("the neuron ended the stream without finishing")
+    except (grpc.aio.AioRpcError, UpstreamFailed) as e:
+        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        err = ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
+        await resp.write(anthropic_encode.event("error", anthropic.error_body(err)))
+    await resp.write_eof()
+    return resp
+
+
+def _parser(state: Any, req: ParsedRequest, model: str,
+            calls: list[Any]) -> OutputParser | None:
+    """A chat reply's thought / answer / tool-call parser, on the formats the serving
+    neuron reported for the model."""
+    if req.kind != "chat":
+        return None
+    link = state.registry.links.get(calls[0].neuron) if calls else None
+    status = link.model_status(model) if link is not None else None
+    tool_parser = status.tool_parser if status is not None else ""
+    reasoning_parser = status.reasoning_parser if status is not None else ""
+    if req.tool_choice == "none" and not reasoning_parser:
+        return None
+    return parser_for(req, tool_parser, reasoning_parser)
 
 
 def _check_finish(msg: pb.GenerateResponse) -> None:

@@ -102,7 +102,9 @@ def test_first_ship_copies_the_effective_config_and_restarts(shipper: Shipper) -
     assert cfg["engine"]["max_slots"] == 8  # defaults are filled in
     assert cfg["models"] == [{"id": "helexa/tiny-qwen3", "path": "/srv/models/helexa/tiny-qwen3",
                               "tp": 1, "dtype": "auto", "quantize": "none",
-                              "quant_group_size": 128, "preload": True, "priority": 0}]
+                              "quant_group_size": 128, "preload": True, "priority": 0,
+                              "tool_parser": "auto", "reasoning_parser": "auto",
+                              "thinking_budget_tokens": 4096}]
     assert "models[0].config (../models/tiny-qwen3/config.json) not shipped" in out
     assert shipper.shipped("edge-1", "router.toml")["neurons"]["endpoints"][0]["name"] == "gpu-1"
     assert shipper.actions() == ["systemctl restart helexa-neuron"]

@@ -60,18 +60,42 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls_json", "tool_call_id", "name", "reasoning_content")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls_json: str
+    tool_call_id: str
+    name: str
+    reasoning_content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages",)
+    __slots__ = ("messages", "tools_json", "template_kwargs_json")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+    tools_json: str
+    template_kwargs_json: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "lark")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    lark: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -80,7 +104,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("req_id", "model", "principal", "chat", "text", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "deadline_unix_ms", "return_prompt_token_ids")
+    __slots__ = ("req_id", "model", "principal", "chat", "text", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "deadline_unix_ms", "return_prompt_token_ids", "constraint", "reasoning_effort", "thinking_budget_tokens")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +118,9 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
+    THINKING_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     model: str
     principal: str
@@ -107,7 +134,10 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     deadline_unix_ms: int
     return_prompt_token_ids: bool
-    def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ...) -> None: ...
+    constraint: Constraint
+    reasoning_effort: str
+    thinking_budget_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., reasoning_effort: _Optional[str] = ..., thinking_budget_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "token_bytes")
@@ -136,23 +166,25 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefill_ms", "decode_ms", "queue_ms")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefill_ms", "decode_ms", "queue_ms", "reasoning_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     DECODE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
     prefill_ms: float
     decode_ms: float
     queue_ms: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    reasoning_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason", "thought_open")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +192,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    THOUGHT_OPEN_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -167,7 +200,8 @@ class GenerateResponse(_message.Message):
     usage: Usage
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_reason: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+    thought_open: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ..., thought_open: _Optional[bool] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)
@@ -234,7 +268,7 @@ class ModelLimits(_message.Message):
     def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend")
+    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +285,8 @@ class ModelStatus(_message.Message):
     TP_FIELD_NUMBER: _ClassVar[int]
     LAST_USED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TOOL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
     model: str
     state: ModelState
     error: str
@@ -267,7 +303,9 @@ class ModelStatus(_message.Message):
     tp: int
     last_used_unix_ms: int
     attention_backend: str
-    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ...) -> None: ...
+    tool_parser: str
+    reasoning_parser: str
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tool_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ...) -> None: ...
 
 class NeuronStatus(_message.Message):
     __slots__ = ("neuron", "models", "draining", "seq", "unix_ms", "catalogue")
@@ -374,3 +412,31 @@ class HealthResponse(_message.Message):
     neuron: str
     version: str
     def __init__(self, status: _Optional[str] = ..., neuron: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("model", "chat", "text", "token_ids", "add_special_tokens", "add_generation_prompt", "reasoning_effort")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    chat: Chat
+    text: str
+    token_ids: TokenIds
+    add_special_tokens: bool
+    add_generation_prompt: bool
+    reasoning_effort: str
+    def __init__(self, model: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "max_model_len")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    max_model_len: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,11 @@ class NeuronStub:
                 request_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthRequest.SerializeToString,
                 response_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/helexa.neuron.v1.Neuron/Tokenize',
+                request_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class NeuronServicer:
@@ -146,6 +151,14 @@ class NeuronServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Tokenise a prompt (text, or chat messages through the model's template) or
+        detokenise token ids, with the model's own tokenizer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_NeuronServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +201,11 @@ def add_NeuronServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthRequest.FromString,
                     response_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeRequest.FromString,
+                    response_serializer=helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -407,6 +425,33 @@ class Neuron:
             '/helexa.neuron.v1.Neuron/Health',
             helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthRequest.SerializeToString,
             helexa_dot_neuron_dot_v1_dot_neuron__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/helexa.neuron.v1.Neuron/Tokenize',
+            helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeRequest.SerializeToString,
+            helexa_dot_neuron_dot_v1_dot_neuron__pb2.TokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,11 +33,13 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
 from helexa.neuron.engine.fake_runner import FakeRunner
+from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance, eos_ids_from
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
+from helexa.neuron.engine.thinking import ThoughtTracker
 
 _EWMA_ALPHA = 0.2
 
@@ -74,6 +76,9 @@ class EngineCore:
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
         self._kv_reset_answer = ""
+        self.grammars = Grammars(spec.model_dir,
+                                 getattr(self.runner, "vocab_size", spec.fake_vocab_size),
+                                 eos_ids_from(spec.model_dir) if spec.model_dir else [])
 
     # --- the step ----------------------------------------------------------
 
@@ -111,6 +116,7 @@ class EngineCore:
 
     def close(self) -> None:
         """Stop what the runner started (tensor-parallel rank processes)."""
+        self.grammars.close()
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -203,6 +209,14 @@ class EngineCore:
                 "context_length_exceeded",
                 f"prompt {len(prompt)} + output {budget} tokens; the context is {context}"))
             return
+        if new.grammar is not None:
+            try:
+                req.matcher = self.grammars.matcher(new.grammar)
+            except (ValueError, GrammarUnavailable) as e:
+                self._refuse(req, Refusal("invalid_request_error", f"response_format: {e}"))
+                return
+        if new.thinking is not None:
+            req.thought = ThoughtTracker(new.thinking)
         if self.spec.prefix_cache:
             req.block_hashes = self._prompt_block_hashes(prompt)
         refusal = self.admission.submit(req)
@@ -251,8 +265,16 @@ class EngineCore:
                                      state_slot=self.pool.state_slot(req.req_id)))
                 if need_logits:
                     sampled.append(req)
+            # Grammar masks are computed in a worker thread while the model runs the step.
+            masked = [j for j, r in enumerate(sampled) if r.matcher is not None
+                      and (r.thought is None or r.thought.answering)]
+            masks = self.grammars.start([sampled[j].matcher for j in masked]) if masked else None
             logits = self.runner.execute(seqs)
-            picks = self.sampler(logits, [r.sampling_state for r in sampled]) if sampled else []
+            states: list[Any] = [r.sampling_state for r in sampled]
+            if masks is not None:
+                picks = self.sampler(logits, states, bitmask=(masked, masks.result()))
+            else:
+                picks = self.sampler(logits, states) if sampled else []
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
@@ -278,6 +300,12 @@ class EngineCore:
             self.running.sort(key=lambda r: r.req_id in done)
 
     def _append_token(self, req: Request, token_id: int, logprob: Any) -> None:
+        answering = req.thought is None or req.thought.answering  # a grammar follows answers
+        if req.thought is not None:
+            forced = req.thought.forced()
+            if forced is not None and forced != token_id:  # the budget is spent: close it
+                token_id, logprob = forced, None
+            req.thought.observe(token_id)
         req.output_token_ids.append(token_id)
         upd = self._update(req)
         upd.new_token_ids.append(token_id)
@@ -285,7 +313,13 @@ class EngineCore:
             if upd.logprobs is None:
                 upd.logprobs = []
             upd.logprobs.append(logprob)
-        if token_id in req.stop_token_ids:
+        if req.matcher is not None and answering:
+            error = advance(req.matcher, token_id)
+            if error:
+                self._finish(req, RequestStatus.FINISHED_ERROR, f"grammar: {error}")
+                return
+        if token_id in req.stop_token_ids or (req.matcher is not None
+                                               and req.matcher.is_stopped()):
             self._finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.num_output_tokens >= req.output_budget or req.num_tokens >= self.spec.context:
             self._finish(req, RequestStatus.FINISHED_LENGTH)
@@ -335,6 +369,8 @@ class EngineCore:
         upd = self._update(req)
         upd.finished = status.finish_reason
         upd.error = reason if status != RequestStatus.FINISHED_STOPPED else ""
+        if req.thought is not None:
+            upd.reasoning_tokens = req.thought.reasoning_tokens
 
     def _refuse(self, req: Request, refusal: Refusal) -> None:
         self._finish(req, RequestStatus.FINISHED_REFUSED)

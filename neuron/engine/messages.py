@@ -38,6 +38,17 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_logprobs: int = 0  # alternatives per token (0..20)
 
 
+class Thinking(msgspec.Struct, frozen=True, kw_only=True):
+    """How a thinking model's thought is bounded. The thought starts with `open_ids` (or
+    at once when `starts_open`: the prompt opened it) and ends with `close_ids`; once
+    `budget_tokens` tokens were spent inside it, the engine writes `close_ids` itself."""
+
+    budget_tokens: int
+    open_ids: list[int] = []
+    close_ids: list[int] = []
+    starts_open: bool = False
+
+
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A request handed to the engine (already tokenised and context-checked)."""
 
@@ -49,6 +60,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: list[int] = []  # eos ids are added by the daemon unless ignore_eos
     deadline_unix: float = 0.0  # absolute deadline (time.time()); 0 = none
     arrival_unix: float = 0.0
+    # Constrained decoding: an llguidance grammar (helexa.grammar made it) the output follows.
+    grammar: str | None = None
+    thinking: Thinking | None = None  # the model thinks: budget and markers (None = it does not)
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):
@@ -124,6 +138,7 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     refused_message: str = ""
     retry_after_ms: int = 0
     error: str = ""  # set with finished=ERROR
+    reasoning_tokens: int = 0  # output tokens spent thinking (set when finished)
 
 
 class KvLedger(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockKey
@@ -72,6 +73,8 @@ class Request:
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
     sampling_state: object | None = None  # the sampler's per-request state
+    matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
+    thought: Any = None  # its thinking.ThoughtTracker when the model thinks, or None
 
     # --- derived -----------------------------------------------------------
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
 
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (and would overflow)
@@ -97,14 +98,20 @@ class SamplingState:
 class Sampler:
     """Picks one token per row; returns (token id, TokenLogprob or None) per row."""
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingState]
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState], *,
+                 bitmask: tuple[list[int], torch.Tensor] | None = None
                  ) -> list[tuple[int, TokenLogprob | None]]:
+        """`bitmask` = (rows, int32 mask [len(rows), words]): those rows may only pick the
+        tokens their grammar allows (grammar.py); applied before everything else."""
         n, vocab = logits.shape
         assert n == len(states), f"{n} logit rows for {len(states)} requests"
         logits = logits.float()
+        if bitmask is not None:
+            logits = logits.clone()  # the caller's tensor stays as the model produced it
+            apply_bitmask(logits, *bitmask)
         pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
         if pen_rows:
-            logits = logits.clone()  # the caller's tensor stays as the model produced it
+            logits = logits.clone() if bitmask is None else logits  # the caller's tensor stays as the model produced it
             logits[pen_rows] = self._penalise(logits[pen_rows], [states[i] for i in pen_rows])
 
         tokens = logits.argmax(dim=-1)

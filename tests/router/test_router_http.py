@@ -102,9 +102,8 @@ def test_models_lists_models_and_aliases_with_smallest_limits(fl):
 def test_unsupported_and_unknown_fields_are_400_naming_the_param(fl):
     c = fl.client()
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=MSG,
-                                  tools=[{"type": "function", "function": {"name": "f"}}])
-    assert e.value.body["param"] == "tools" and e.value.code == "invalid_request_error"
+        c.chat.completions.create(model="tiny", messages=MSG, logit_bias={"1": 5})
+    assert e.value.body["param"] == "logit_bias" and e.value.code == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=MSG, extra_body={"wat": 1})
     assert e.value.body["param"] == "wat"

@@ -29,8 +29,8 @@ def test_chat_with_all_supported_fields():
         "top_logprobs": 2, "n": 2, "user": "u", "stream": True,
         "stream_options": {"include_usage": True}, "return_token_ids": True,
         "metadata": {"a": "b"}, "tools": None}, "chat")
-    assert r.messages == [("system", "be brief"), ("user", "ab"), ("assistant", "ok"),
-                          ("system", "dev")]
+    assert [(t.role, t.content) for t in r.messages] == [
+        ("system", "be brief"), ("user", "ab"), ("assistant", "ok"), ("system", "dev")]
     assert r.max_tokens == 7  # max_completion_tokens wins
     assert (r.temperature, r.top_p, r.seed, r.stop) == (0.0, 0.5, 3, ["\n"])
     assert (r.logprobs, r.top_logprobs, r.n, r.include_usage, r.return_token_ids) == (
@@ -39,8 +39,8 @@ def test_chat_with_all_supported_fields():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function"}]), ("tool_choice", "auto"), ("logit_bias", {"1": 2}),
-    ("response_format", {"type": "json_object"}), ("functions", [{}]),
+    ("logit_bias", {"1": 2}), ("functions", [{}]), ("function_call", "auto"),
+    ("guided_json", {}),
 ])
 def test_unsupported_fields_are_refused_naming_the_param(field, value):
     e = refused({"model": "m", "messages": MSG, field: value})
@@ -57,7 +57,7 @@ def test_image_part_and_tool_role_are_refused():
     e = refused({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
     assert e.param == "messages[0].content[1].type"
-    assert refused({"model": "m", "messages": [{"role": "tool", "content": "x"}]}).param == \
+    assert refused({"model": "m", "messages": [{"role": "function", "content": "x"}]}).param == \
         "messages[0].role"
 
 

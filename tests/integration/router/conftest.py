@@ -53,7 +53,8 @@ def neurons(rdir: Path, tiny_model_dir: Path,
             tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, NeuronProcess]]:
     # 4 KiB of KV per token: 1,024 tokens in nt's 4 MiB.
     fat = tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
-    tiny = [{"id": "tiny", "path": str(tiny_model_dir)}]
+    # A short thinking budget (high 16 tokens, medium 8, low 2) keeps thoughts testable.
+    tiny = [{"id": "tiny", "path": str(tiny_model_dir), "thinking_budget_tokens": 16}]
     configs = {
         "na": neuron_cfg("na", tiny, 1, max_per_principal=1, max_in_flight=4),
         "nb": neuron_cfg("nb", tiny, 2, max_per_principal=1, max_in_flight=4),

@@ -17,8 +17,8 @@ MSG = [{"role": "user", "content": "hi"}]
 def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
     c = router.client()
     with pytest.raises(openai.BadRequestError) as e:
-        c.chat.completions.create(model="tiny", messages=MSG, response_format={"type": "json_object"})
-    assert e.value.code == "invalid_request_error" and e.value.param == "response_format"
+        c.chat.completions.create(model="tiny", messages=MSG, logit_bias={"1": 3})
+    assert e.value.code == "invalid_request_error" and e.value.param == "logit_bias"
     with pytest.raises(openai.BadRequestError) as e:
         c.chat.completions.create(model="tiny", messages=MSG, temperature=9)
     assert e.value.param == "temperature"

@@ -1,0 +1,291 @@
+"""Anthropic's Messages API (`POST /v1/messages`) on the same internal request.
+
+The body decodes into msgspec structs (`MessagesBody`) and translates into
+the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
+admission, aliases, limits, the engine's constraints and the template's tool
+rendering are shared: `system` becomes a system turn; `tool_use` blocks an
+assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
+blocks the assistant's earlier thought; `tools` (`input_schema`) the
+functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
+required / named / none; `thinking: {type: enabled, budget_tokens}` an
+explicit thinking budget. The reply is built from the same parsed parts
+(agent_output.py) as content blocks (`thinking`, `text`, `tool_use`), with
+Anthropic's stop reasons and usage; streaming follows Anthropic's event
+sequence (message_start, content_block_start / _delta / _stop per block,
+message_delta, message_stop). Errors use Anthropic's envelope.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from helexa import grammar
+from helexa.router import agent_request
+from helexa.router.errors import ApiError, bad_request, unsupported
+from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.request_model import (
+    INT32_MAX,
+    ChatBody,
+    FunctionDef,
+    FunctionName,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    _validation_error,
+)
+
+
+class Block(msgspec.Struct, kw_only=True):
+    """One content block; which fields matter depends on `type`."""
+
+    type: str
+    text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: Any = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[Block] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
+    thinking: str | None = None  # thinking
+    signature: str | None = None  # thinking
+    cache_control: Any = None  # accepted: changes nothing here (the prefix cache is automatic)
+    citations: Any = None
+
+
+class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class ATool(msgspec.Struct, kw_only=True):
+    name: FunctionName
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: str | None = None  # "custom" or absent; server tools are refused below
+    cache_control: Any = None
+
+
+class AToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class AThinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """enabled / between_tools: a budget; adaptive: the model's own (catalogue) budget."""
+
+    type: Literal["enabled", "disabled", "adaptive", "between_tools"]
+    budget_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    display: Literal["summarized", "omitted"] | None = None
+
+
+class AOutputFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["json_schema"]
+    schema: dict[str, Any]
+
+
+class AOutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    format: AOutputFormat | None = None
+
+
+class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)]
+    messages: Annotated[list[AMessage], Meta(min_length=1)]
+    system: str | list[Block] | None = None
+    stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],
+                              Meta(max_length=16)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    stream: bool | None = None
+    tools: list[ATool] | None = None
+    tool_choice: AToolChoice | None = None
+    thinking: AThinking | None = None
+    output_config: AOutputConfig | None = None
+    # Accepted and ignored: they change nothing a single neuron produces.
+    metadata: Any = None
+    service_tier: Any = None
+    container: Any = None
+    mcp_servers: Any = None
+    cache_control: Any = None  # the prefix cache is automatic
+    context_management: Any = None
+    diagnostics: Any = None
+    inference_geo: Any = None
+    speed: Any = None
+    user_profile_id: Any = None
+    workspace_id: Any = None
+
+
+class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    messages: Annotated[list[AMessage], Meta(min_length=1)]
+    system: str | list[Block] | None = None
+    tools: list[ATool] | None = None
+    tool_choice: AToolChoice | None = None
+    thinking: AThinking | None = None
+
+
+def _decode(raw: bytes, t: type) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=t)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"The body is not valid JSON: {e}") from None
+
+
+def _text(content: str | list[Block] | None, param: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for j, b in enumerate(content):
+        if b.type != "text":
+            raise unsupported(f"{param}[{j}].type", f"blocks of type `{b.type}` here")
+        out.append(b.text or "")
+    return "".join(out)
+
+
+def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
+    turns: list[Turn] = []
+    if body.system is not None:
+        turns.append(Turn(role="system", content=_text(body.system, "system")))
+    for i, m in enumerate(body.messages):
+        p = f"messages[{i}].content"
+        if isinstance(m.content, str):
+            turns.append(Turn(role=m.role, content=m.content))
+            continue
+        text, thought, calls = [], [], []
+        for j, b in enumerate(m.content):
+            if b.type == "text":
+                text.append(b.text or "")
+            elif b.type == "tool_result" and m.role == "user":
+                if not b.tool_use_id:
+                    raise bad_request(f"`{p}[{j}].tool_use_id` is required",
+                                      f"{p}[{j}].tool_use_id")
+                result = _text(b.content, f"{p}[{j}].content")
+                turns.append(Turn(role="tool", tool_call_id=b.tool_use_id,
+                                  content=("Error: " + result) if b.is_error else result))
+            elif b.type == "tool_use" and m.role == "assistant":
+                if not b.id or not b.name:
+                    raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
+                calls.append({"id": b.id, "type": "function", "function": {
+                    "name": b.name, "arguments": json.dumps(b.input or {})}})
+            elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
+                thought.append(b.thinking or "")
+            else:
+                raise unsupported(f"{p}[{j}].type", f"`{b.type}` blocks in a {m.role} turn")
+        if text or calls or thought or m.role == "assistant":
+            turns.append(Turn(role=m.role, content="".join(text),
+                              tool_calls_json=json.dumps(calls) if calls else "",
+                              reasoning="".join(thought)))
+    return turns
+
+
+def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
+    tools = body.tools or []
+    for i, t in enumerate(tools):
+        if t.type not in (None, "custom"):
+            raise unsupported(f"tools[{i}].type", f"server tools (`{t.type}`)")
+    openai_body = ChatBody(
+        model=body.model, messages=[], tools=[Tool(
+            type="function", function=FunctionDef(
+                name=t.name, description=t.description, parameters=t.input_schema))
+            for t in tools] or None)
+    c = body.tool_choice
+    if c is not None:
+        openai_body.parallel_tool_calls = not c.disable_parallel_tool_use
+        if c.type == "tool":
+            if not c.name:
+                raise bad_request("`tool_choice.name` is required for type tool",
+                                  "tool_choice.name")
+            openai_body.tool_choice = NamedToolChoice(
+                type="function", function=NamedFunction(name=c.name))
+        else:
+            openai_body.tool_choice = {"auto": "auto", "any": "required",
+                                       "none": "none"}[c.type]  # type: ignore[assignment]
+    agent_request.apply(openai_body, req)
+
+
+def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
+    t = body.thinking
+    if t is None:
+        return
+    if t.type == "disabled":
+        req.reasoning_effort = "none"
+        return
+    req.template_kwargs["enable_thinking"] = True
+    if t.type == "adaptive":
+        return  # the model's catalogue budget
+    if t.budget_tokens is None:
+        raise bad_request("`thinking.budget_tokens` is required when thinking is enabled",
+                          "thinking.budget_tokens")
+    if isinstance(body, MessagesBody) and t.budget_tokens >= body.max_tokens:
+        raise bad_request("`max_tokens` must be greater than `thinking.budget_tokens`",
+                          "max_tokens")
+    req.thinking_budget_tokens = t.budget_tokens
+
+
+def _output_config(body: MessagesBody, req: ParsedRequest) -> None:
+    o = body.output_config
+    if o is None:
+        return
+    if o.effort is not None:
+        req.reasoning_effort = {"xhigh": "high", "max": "high"}.get(o.effort, o.effort)
+    if o.format is not None:
+        if req.constraint is not None:
+            raise bad_request("`output_config.format` cannot be combined with a forced "
+                              "`tool_choice`", "output_config.format")
+        req.constraint = grammar.json_schema(o.format.schema)
+        try:
+            grammar.check(req.constraint)
+        except grammar.GrammarError as e:
+            raise bad_request(f"`output_config.format.schema`: the schema cannot be used for "
+                              f"constrained decoding: {e}", "output_config.format.schema") from None
+
+
+def parse_request(raw: bytes) -> ParsedRequest:
+    """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
+    b: MessagesBody = _decode(raw, MessagesBody)
+    req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b), max_tokens=b.max_tokens,
+                        temperature=b.temperature, top_p=b.top_p, top_k=b.top_k or None,
+                        stop=list(b.stop_sequences or []), stream=bool(b.stream),
+                        include_usage=True)
+    _tools(b, req)
+    _thinking(b, req)
+    _output_config(b, req)
+    return req
+
+
+def parse_count_request(raw: bytes) -> ParsedRequest:
+    b: CountTokensBody = _decode(raw, CountTokensBody)
+    req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
+    _tools(b, req)
+    _thinking(b, req)
+    return req
+
+
+# --------------------------------------------------------------------------- errors
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def error_body(e: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"),
+                                       "message": e.message}}
+
+
+def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=e.status, body=msgspec.json.encode(error_body(e)),
+                        content_type="application/json",
+                        headers={**e.headers(), **(extra_headers or {})})

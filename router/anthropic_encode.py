@@ -1,0 +1,160 @@
+"""Anthropic Messages replies: a neuron's deltas as a `message` body or its event stream.
+
+Content blocks come from the parsed parts of the output (agent_output.py):
+`thinking` (with an empty signature: there is nothing to sign here),
+`text`, and `tool_use` (input as an object). Stop reasons: `end_turn`,
+`stop_sequence` (with the sequence), `max_tokens`, `tool_use`. Streaming
+opens a block when its first piece arrives and closes it when another kind
+starts or the message ends: message_start, then per block
+content_block_start / content_block_delta (text_delta, thinking_delta,
+input_json_delta) / content_block_stop, then message_delta (stop reason,
+output tokens) and message_stop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import msgspec
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.tool_parsers import whole_calls
+
+_STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
+
+
+def message_id() -> str:
+    return "msg_" + os.urandom(12).hex()
+
+
+def tool_use_id(call_id: str) -> str:
+    return "toolu_" + call_id.removeprefix("call_")
+
+
+def _input(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return {}
+
+
+def stop_reason(finish: int, stop_reason: str, stop: list[str], calls: int
+                ) -> tuple[str | None, str | None]:
+    """(stop_reason, stop_sequence) for a finished reply."""
+    if finish == pb.FINISH_REASON_STOP and stop_reason in stop:
+        return "stop_sequence", stop_reason
+    if calls and finish == pb.FINISH_REASON_STOP:
+        return "tool_use", None
+    return _STOP.get(finish), None
+
+
+def usage(u: pb.Usage) -> dict[str, Any]:
+    return {"input_tokens": u.prompt_tokens - u.cached_tokens,
+            "cache_read_input_tokens": u.cached_tokens, "cache_creation_input_tokens": 0,
+            "output_tokens": u.completion_tokens}
+
+
+def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
+                 parser: OutputParser | None, stop: list[str]) -> dict[str, Any]:
+    """The non-streaming reply."""
+    parts = Parts(content=reply.text)
+    if parser is not None:
+        if reply.thought_open:
+            parser.thought_opened()
+        a, b = parser.feed(reply.text), parser.finish()
+        parts = Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
+    calls = whole_calls(parts.calls)
+    content: list[dict[str, Any]] = []
+    if parts.reasoning:
+        content.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
+    if parts.content:
+        content.append({"type": "text", "text": parts.content})
+    content += [{"type": "tool_use", "id": tool_use_id(c["id"]), "name": c["name"],
+                 "input": _input(c["arguments"])} for c in calls]
+    reason, seq = stop_reason(reply.finish_reason, reply.stop_reason, stop, len(calls))
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": seq,
+            "usage": usage(reply.usage)}
+
+
+def event(name: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(data) + b"\n\n"
+
+
+class StreamEncoder:
+    """Anthropic's event sequence for one reply, fed the neuron's messages in order."""
+
+    def __init__(self, msg_id: str, model: str, parser: OutputParser | None,
+                 stop: list[str]) -> None:
+        self.msg_id, self.model, self.parser, self.stop = msg_id, model, parser, stop
+        self.index = -1  # the open block's index
+        self.kind: str | None = None  # the open block's type
+        self.calls = 0
+
+    def start(self, prompt_tokens: int = 0) -> bytes:
+        return event("message_start", {"type": "message_start", "message": {
+            "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [], "stop_reason": None, "stop_sequence": None,
+            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> bytes:
+        out = self._close()
+        self.index += 1
+        self.kind = kind
+        return out + event("content_block_start", {"type": "content_block_start",
+                                                   "index": self.index, "content_block": block})
+
+    def _close(self) -> bytes:
+        if self.kind is None:
+            return b""
+        self.kind = None
+        return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                             "delta": delta})
+
+    def _parts(self, parts: Parts) -> bytes:
+        out = b""
+        if parts.reasoning:
+            if self.kind != "thinking":
+                out += self._open("thinking", {"type": "thinking", "thinking": "",
+                                               "signature": ""})
+            out += self._delta({"type": "thinking_delta", "thinking": parts.reasoning})
+        if parts.content:
+            if self.kind == "thinking":  # a thought's end carries its (empty) signature
+                out += self._delta({"type": "signature_delta", "signature": ""})
+            if self.kind != "text":
+                out += self._open("text", {"type": "text", "text": ""})
+            out += self._delta({"type": "text_delta", "text": parts.content})
+        for c in parts.calls:
+            if c.id is not None:  # a call's first piece opens its block
+                self.calls += 1
+                out += self._open("tool_use", {"type": "tool_use", "id": tool_use_id(c.id),
+                                               "name": c.name, "input": {}})
+            if c.arguments:
+                out += self._delta({"type": "input_json_delta", "partial_json": c.arguments})
+        return out
+
+    def feed(self, msg: pb.GenerateResponse) -> bytes:
+        """The events one neuron message makes (the closing ones included on the last)."""
+        if self.parser is None:
+            parts = Parts(content=msg.text)
+        else:
+            if msg.thought_open:
+                self.parser.thought_opened()
+            parts = self.parser.feed(msg.text)
+        out = self._parts(parts)
+        if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            return out
+        if self.parser is not None:
+            out += self._parts(self.parser.finish())
+        out += self._close()
+        reason, seq = stop_reason(msg.finish_reason, msg.stop_reason, self.stop, self.calls)
+        out += event("message_delta", {"type": "message_delta",
+                                       "delta": {"stop_reason": reason, "stop_sequence": seq},
+                                       "usage": {"output_tokens": msg.usage.completion_tokens}})
+        return out + event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,132 @@
+"""The small endpoints clients probe: /tokenize, /detokenize, /v1/messages/count_tokens, /version.
+
+The router has no tokenizer: tokenising asks a neuron where the model is
+ready (its Tokenize RPC, the model's own tokenizer and chat template), so
+counts are exactly those a request would be admitted with. Bodies follow
+vLLM (`/tokenize`: `prompt` or `messages`, `add_special_tokens`,
+`add_generation_prompt`; `/detokenize`: `tokens`) and Anthropic
+(`count_tokens`: a Messages body without max_tokens), decoded by msgspec.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import grpc
+import msgspec
+from aiohttp import web
+from msgspec import Meta
+
+from helexa import __version__
+from helexa.proto import neuron_pb2 as pb
+from helexa.router import anthropic
+from helexa.router.errors import ApiError, bad_request
+from helexa.router.forward import chat_proto, map_rpc_error
+from helexa.router.http_edge import read_body
+from helexa.router.openai_api import ParsedRequest, Turn, _message
+from helexa.router.request_model import INT32_MAX, Message, TokenId, _validation_error
+from helexa.router.serve import STATE, authorization
+
+
+class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    prompt: str | None = None
+    messages: Annotated[list[Message], Meta(min_length=1)] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool | None = None  # accepted; the ids are what we return
+    tools: Any = None  # accepted with messages (rendered into the prompt)
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    tokens: list[TokenId]
+
+
+def _decode(raw: bytes, t: type) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=t)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"The body is not valid JSON: {e}") from None
+
+
+async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeResponse:
+    state = request.app[STATE]
+    state.auth.principal(authorization(request))  # 401 when auth is required
+    treq.model = state.aliases.resolve(treq.model)
+    candidates = state.registry.candidates(treq.model)
+    if not candidates:
+        if treq.model in state.registry.known_models():
+            raise ApiError(503, f"`{treq.model}` is not ready on any neuron",
+                           code="service_unavailable")
+        raise ApiError(404, f"The model `{treq.model}` does not exist", code="model_not_found",
+                       param="model")
+    link = state.registry.links[candidates[0].neuron]
+    try:
+        out: pb.TokenizeResponse = await link.stub.Tokenize(treq, metadata=link.metadata,
+                                                            timeout=30)
+        return out
+    except grpc.aio.AioRpcError as e:
+        raise map_rpc_error(e) from None
+
+
+async def _body(request: web.Request) -> bytes:
+    state = request.app[STATE]
+    return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
+
+
+def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Chat:
+    req = ParsedRequest(kind="chat", model="", messages=turns, template_kwargs=kwargs or {})
+    chat = chat_proto(req)
+    if tools:
+        chat.tools_json = msgspec.json.encode(tools).decode()
+    return chat
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    b: TokenizeBody = _decode(await _body(request),
+                              TokenizeBody)
+    if (b.prompt is None) == (b.messages is None):
+        raise bad_request("give exactly one of `prompt` and `messages`", "prompt")
+    treq = pb.TokenizeRequest(model=b.model, add_special_tokens=b.add_special_tokens,
+                              add_generation_prompt=b.add_generation_prompt)
+    if b.messages is not None:
+        treq.chat.CopyFrom(_chat([_message(m, i) for i, m in enumerate(b.messages)],
+                                 b.chat_template_kwargs, b.tools))
+    else:
+        treq.text = b.prompt or ""
+    out = await _call(request, treq)
+    return web.json_response({"count": len(out.token_ids), "max_model_len": out.max_model_len,
+                              "tokens": list(out.token_ids)})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    b: DetokenizeBody = _decode(await _body(request),
+                                DetokenizeBody)
+    if any(t > INT32_MAX for t in b.tokens):
+        raise bad_request("`tokens` holds an id beyond int32", "tokens")
+    out = await _call(request, pb.TokenizeRequest(model=b.model,
+                                                  token_ids=pb.TokenIds(ids=b.tokens)))
+    return web.json_response({"prompt": out.text})
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    try:
+        req = anthropic.parse_count_request(
+            await _body(request))
+        chat = chat_proto(req)
+        if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
+            chat.tools_json = msgspec.json.encode(req.tools).decode()
+        out = await _call(request, pb.TokenizeRequest(
+            model=req.model, chat=chat, add_generation_prompt=True,
+            reasoning_effort=req.reasoning_effort))
+    except ApiError as e:
+        return anthropic.error_response(e)
+    return web.json_response({"input_tokens": len(out.token_ids)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": __version__})

@@ -1,0 +1,210 @@
+"""Tool calls back out of a model's answer text: one parser per format, streaming.
+
+Each parser is fed the answer text as it comes and returns the text that is
+plain content plus `CallPiece`s: the first piece of a call carries its
+`index`, `id` and `name`, later pieces more of its `arguments` — the shape of
+OpenAI's streamed `delta.tool_calls` and of Anthropic's `input_json_delta`.
+`whole_calls` folds pieces into complete calls for replies that do not stream.
+
+- `hermes` (Qwen): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+  anywhere in the answer. Once `{"name": "...", "arguments": ` has arrived
+  the arguments stream as they are written, holding back only what may be
+  the closing `}` and tag; a call that does not start that way is parsed
+  whole at its closing tag, and one that is not JSON stays text.
+- `llama3_json`: the answer is `{"name", "parameters"}` (several joined by
+  `;`), parsed when the answer ends; any other answer is text.
+- `json_args` (a named tool_choice): the answer, constrained to the
+  function's arguments, streams as them.
+- `json_list` (tool_choice required): the answer, constrained to a list of
+  `{"name", "arguments"}`, is parsed when it ends; cut short, it is text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+def call_id() -> str:
+    return "call_" + os.urandom(12).hex()
+
+
+def held(buf: str, marker: str) -> int:
+    """Length of the longest tail of buf that is a proper prefix of marker."""
+    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if buf.endswith(marker[:k]):
+            return k
+    return 0
+
+
+@dataclass
+class CallPiece:
+    index: int
+    arguments: str = ""
+    id: str | None = None  # set on a call's first piece
+    name: str | None = None  # set on a call's first piece
+
+
+def whole_calls(pieces: list[CallPiece]) -> list[dict[str, str]]:
+    """[{"id", "name", "arguments"}] from the pieces, in index order."""
+    calls: dict[int, dict[str, str]] = {}
+    for p in pieces:
+        c = calls.setdefault(p.index, {"id": "", "name": "", "arguments": ""})
+        c["id"] = p.id or c["id"]
+        c["name"] = p.name or c["name"]
+        c["arguments"] += p.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+class ToolParser:
+    """No tools: everything is content."""
+
+    def __init__(self, tool_name: str | None = None) -> None:
+        self.tool_name = tool_name
+        self.num_calls = 0
+        self._buf = ""
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        return text, []
+
+    def _start(self, name: str, arguments: str = "") -> CallPiece:
+        self.num_calls += 1
+        return CallPiece(self.num_calls - 1, arguments, call_id(), name)
+
+    def _parsed(self, body: str, key: str = "arguments") -> CallPiece | None:
+        """A whole call `{"name", key}` as one piece, or None when it is not one."""
+        try:
+            obj = json.loads(body)
+        except ValueError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        args: Any = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
+        return self._start(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+class HermesParser(ToolParser):
+    def __init__(self, tool_name: str | None = None) -> None:
+        super().__init__(tool_name)
+        self._in_call = False
+        self._streaming: CallPiece | None = None  # the call whose arguments are streaming
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        self._buf += text
+        content, pieces = "", []
+        while True:
+            if self._in_call:
+                done, piece, text_part = self._call(final)
+                content += text_part
+                if piece is not None:
+                    pieces.append(piece)
+                if not done:
+                    return content, pieces
+                continue
+            i = self._buf.find(CALL_OPEN)
+            keep = 0 if final else held(self._buf, CALL_OPEN)
+            end = i if i >= 0 else len(self._buf) - keep
+            text_part, self._buf = self._buf[:end], self._buf[end:]
+            if not (self.num_calls and not text_part.strip()):  # the gaps between calls
+                content += text_part
+            if i < 0:
+                return content, pieces
+            self._buf, self._in_call = self._buf[len(CALL_OPEN):], True
+
+    def _call(self, final: bool) -> tuple[bool, CallPiece | None, str]:
+        """Advance the open call: (whether it closed, a piece to send or None, text that
+        turned out not to be a call)."""
+        j = self._buf.find(CALL_CLOSE)
+        if self._streaming is None and j < 0:
+            head = _HERMES_HEAD.match(self._buf)
+            if head is not None:  # stream the arguments from here on
+                self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
+                self._buf = self._buf[head.end():]
+                return False, self._streaming, ""
+            if final:  # an unclosed call is text, as the model wrote it
+                text, self._buf, self._in_call = CALL_OPEN + self._buf, "", False
+                return True, None, text
+            return False, None, ""
+        if self._streaming is None:  # closed before its head was seen: parse it whole
+            body, self._buf = self._buf[:j], self._buf[j + len(CALL_CLOSE):]
+            self._in_call = False
+            piece = self._parsed(body)
+            return True, piece, "" if piece is not None else CALL_OPEN + body + CALL_CLOSE
+        index = self._streaming.index
+        if j >= 0 or final:
+            end = j if j >= 0 else len(self._buf)
+            args = self._buf[:end].rstrip()
+            args = args[:-1].rstrip() if args.endswith("}") else args  # the call's own }
+            self._buf = self._buf[end + len(CALL_CLOSE):] if j >= 0 else ""
+            self._in_call, self._streaming = False, None
+            return True, CallPiece(index, args) if args else None, ""
+        keep = held(self._buf, CALL_CLOSE)
+        safe = self._buf[:len(self._buf) - keep].rstrip()
+        safe = safe[:-1] if safe.endswith("}") else safe  # may be the call's own }
+        self._buf = self._buf[len(safe):]
+        return False, CallPiece(index, safe) if safe else None, ""
+
+
+class Llama3JsonParser(ToolParser):
+    def __init__(self, tool_name: str | None = None) -> None:
+        super().__init__(tool_name)
+        self._plain: bool | None = None
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        if self._plain:
+            return text, []
+        self._buf += text
+        head = self._buf.lstrip()
+        if self._plain is None and head:
+            self._plain = not head.startswith(("{", "<|python_tag|>"))
+            if self._plain:
+                out, self._buf = self._buf, ""
+                return out, []
+        if not final:
+            return "", []
+        body, self._buf = self._buf.strip().removeprefix("<|python_tag|>"), ""
+        pieces = [self._parsed(part, "parameters") for part in body.split(";") if part.strip()]
+        found = [p for p in pieces if p is not None]
+        if found and len(found) == len(pieces):
+            return "", found
+        self.num_calls = 0
+        return body, []
+
+
+class ForcedArgsParser(ToolParser):
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        pieces = []
+        if not self.num_calls and (text or final):
+            pieces.append(self._start(self.tool_name or ""))
+        if text:
+            pieces.append(CallPiece(0, text))
+        return "", pieces
+
+
+class ForcedListParser(ToolParser):
+    def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
+        self._buf += text
+        if not final:
+            return "", []
+        body, self._buf = self._buf, ""
+        try:
+            items = json.loads(body)
+        except ValueError:
+            return body, []
+        pieces = [self._parsed(json.dumps(i)) for i in items] if isinstance(items, list) else []
+        found = [p for p in pieces if p is not None]
+        if found and len(found) == len(pieces):
+            return "", found
+        self.num_calls = 0
+        return body, []
+
+
+PARSERS: dict[str, type[ToolParser]] = {
+    "none": ToolParser, "hermes": HermesParser, "llama3_json": Llama3JsonParser,
+    "json_args": ForcedArgsParser, "json_list": ForcedListParser}

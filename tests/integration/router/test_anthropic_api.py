@@ -1,0 +1,111 @@
+"""Anthropic's Messages API end to end with the official `anthropic` SDK on the tiny model."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx2
+import pytest
+from router_procs import key_of
+
+MSGS = [{"role": "user", "content": "Tell me about the sea."}]
+WEATHER = {"name": "get_weather", "description": "Weather in a city",
+           "input_schema": {"type": "object", "additionalProperties": False,
+                            "required": ["city"],
+                            "properties": {"city": {"type": "string", "maxLength": 10}}}}
+
+
+def client(router, principal: str = "alice") -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=router.url, api_key=key_of(principal), max_retries=0,
+                               timeout=60)
+
+
+def test_messages_whole_and_streamed_agree(router):
+    c = client(router)
+    kw = dict(model="tiny", max_tokens=12, extra_body={"temperature": 0}, system="Be brief.", messages=[
+        *MSGS, {"role": "assistant", "content": "The sea"}, {"role": "user", "content": "More."}])
+    m = c.messages.create(**kw)
+    assert m.type == "message" and m.role == "assistant" and m.model == "tiny"
+    assert m.stop_reason in ("end_turn", "max_tokens") and m.content[0].type == "text"
+    assert 0 < m.usage.output_tokens <= 12 and m.usage.input_tokens > 0
+    with c.messages.stream(**kw) as s:
+        events = [e.type for e in s]
+        final = s.get_final_message()
+    assert final.content[0].text == m.content[0].text  # greedy: same tokens either way
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_start" in events and "message_delta" in events
+    assert final.usage.output_tokens == m.usage.output_tokens
+
+
+def test_stop_sequences_end_the_turn_with_the_sequence(router):
+    c = client(router)
+    probe = c.messages.create(model="tiny", max_tokens=20, extra_body={"temperature": 0}, messages=MSGS)
+    text = probe.content[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2].strip() or text[:1]
+    m = c.messages.create(model="tiny", max_tokens=20, extra_body={"temperature": 0}, messages=MSGS,
+                          stop_sequences=[stop])
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == stop
+    assert stop not in m.content[0].text if m.content else True
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_forced_tool_use_and_a_tool_result_turn(router, stream):
+    c = client(router)
+    kw = dict(model="tiny", max_tokens=60, extra_body={"temperature": 0}, tools=[WEATHER], messages=MSGS,
+              tool_choice={"type": "tool", "name": "get_weather"})
+    if stream:
+        with c.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = c.messages.create(**kw)
+    assert m.stop_reason == "tool_use"
+    use = next(b for b in m.content if b.type == "tool_use")
+    assert use.name == "get_weather" and use.id.startswith("toolu_")
+    assert isinstance(use.input["city"], str) and len(use.input["city"]) <= 10
+    follow = c.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, tools=[WEATHER],
+                               messages=[*MSGS, {"role": "assistant", "content": m.content},
+                                         {"role": "user", "content": [
+                                             {"type": "tool_result", "tool_use_id": use.id,
+                                              "content": "sunny"}]}])
+    assert follow.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_budget_gives_thinking_blocks_then_text(router, stream):
+    c = client(router)
+    kw = dict(model="tiny", max_tokens=40, extra_body={"temperature": 0}, messages=MSGS,
+              thinking={"type": "enabled", "budget_tokens": 5})
+    if stream:
+        with c.messages.stream(**kw) as s:
+            m = s.get_final_message()
+    else:
+        m = c.messages.create(**kw)
+    kinds = [b.type for b in m.content]
+    assert kinds[0] == "thinking" and m.content[0].thinking
+    assert "text" in kinds[1:] or m.stop_reason == "max_tokens"
+
+
+def test_errors_use_anthropics_envelope(router):
+    c = client(router)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model="tiny", max_tokens=0, messages=MSGS)
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in e.value.body["error"]["message"]
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.messages.create(model="nope", max_tokens=5, messages=MSGS)
+    assert e.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=router.url, api_key="sk-wrong", max_retries=0
+                            ).messages.create(model="tiny", max_tokens=5, messages=MSGS)
+    r = httpx2.post(router.url + "/v1/messages", headers={"x-api-key": key_of("alice")},
+                    json={"model": "tiny", "max_tokens": 3, "messages": MSGS})
+    assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def test_count_tokens_matches_what_a_request_is_admitted_with(router):
+    c = client(router)
+    kw = dict(model="tiny", system="Be brief.", messages=MSGS, tools=[WEATHER])
+    n = c.messages.count_tokens(**kw).input_tokens
+    m = c.messages.create(max_tokens=3, **kw)
+    assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+    assert c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens < n

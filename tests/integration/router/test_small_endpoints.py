@@ -1,0 +1,47 @@
+"""The small endpoints clients probe: tokenize, detokenize, version, max_model_len, 404s."""
+
+from __future__ import annotations
+
+import httpx2
+from router_procs import key_of
+
+from helexa import __version__
+
+AUTH = {"Authorization": f"Bearer {key_of('alice')}"}
+MSG = [{"role": "user", "content": "Tell me about the sea."}]
+
+
+def test_tokenize_detokenize_round_trip_and_counts_match_usage(router):
+    r = httpx2.post(router.url + "/tokenize", headers=AUTH,
+                    json={"model": "tiny", "prompt": "hello sea"})
+    body = r.json()
+    assert r.status_code == 200 and body["count"] == len(body["tokens"]) > 0
+    assert body["max_model_len"] > 0
+    d = httpx2.post(router.url + "/detokenize", headers=AUTH,
+                    json={"model": "helexa/balanced", "tokens": body["tokens"]})
+    assert d.json() == {"prompt": "hello sea"}
+    chat = httpx2.post(router.url + "/tokenize", headers=AUTH,
+                       json={"model": "tiny", "messages": MSG}).json()
+    usage = router.client().chat.completions.create(model="tiny", messages=MSG,
+                                                    max_tokens=2).usage
+    assert chat["count"] == usage.prompt_tokens
+
+
+def test_tokenize_errors_name_the_problem(router):
+    r = httpx2.post(router.url + "/tokenize", headers=AUTH, json={"model": "nope", "prompt": "x"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx2.post(router.url + "/detokenize", headers=AUTH,
+                    json={"model": "tiny", "tokens": [10**6]})
+    assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
+    r = httpx2.post(router.url + "/tokenize", headers=AUTH, json={"model": "tiny"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert httpx2.post(router.url + "/tokenize", json={"model": "tiny",
+                                                        "prompt": "x"}).status_code == 401
+
+
+def test_version_models_max_model_len_and_a_404_naming_the_path(router):
+    assert httpx2.get(router.url + "/version").json() == {"version": __version__}
+    models = httpx2.get(router.url + "/v1/models", headers=AUTH).json()["data"]
+    assert all(m["max_model_len"] == m["limit"]["context"] for m in models)
+    r = httpx2.post(router.url + "/v1/chat/completion", headers=AUTH, json={})
+    assert r.status_code == 404 and "/v1/chat/completion" in r.json()["error"]["message"]

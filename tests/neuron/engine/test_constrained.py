@@ -1,0 +1,119 @@
+"""Constrained decoding and the thinking budget in EngineCore: what the output becomes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa import grammar
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.tokenizer import Tokenizer
+from helexa.tiny import init_tiny
+from tests.neuron.engine.test_engine_core import assert_whole, drive
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 12},
+                         "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"}}}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = init_tiny(tmp_path_factory.mktemp("tiny") / "m")
+    return d, Tokenizer.from_dir(d)
+
+
+def core_for(model_dir, *, fake: bool) -> EngineCore:
+    # bytes_per_token 0: the real runner's KV bytes are not cross-checked against a plan
+    spec = EngineSpec(model_id="t", model_dir=str(model_dir), num_blocks=256, block_size=16,
+                      context=1024, bytes_per_token=2 if fake else 0, fake_runner=fake,
+                      fake_vocab_size=512,
+                      limits=m.SetLimits(anon_max_in_flight=64))
+    return EngineCore(spec)
+
+
+def validate(obj: dict) -> None:
+    assert set(obj) == {"name", "n", "ok"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 12
+    assert isinstance(obj["n"], int) and 0 <= obj["n"] <= 99
+    assert isinstance(obj["ok"], bool)
+
+
+@pytest.mark.parametrize("fake", [True, False], ids=["fake-runner", "tiny-model"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_schema_constrained_output_parses_and_validates(tiny, fake, temperature):
+    d, tok = tiny
+    core = core_for(d, fake=fake)
+    g = grammar.grammar_text(grammar.json_schema(SCHEMA))
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+    reqs = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=prompt, max_tokens=200,
+                         sampling=m.SamplingParams(temperature=temperature, seed=i),
+                         stop_token_ids=tok.eos_token_ids, grammar=g) for i in range(3)]
+    free = m.NewRequest(req_id="free", prompt_token_ids=prompt, max_tokens=20,
+                        sampling=m.SamplingParams(temperature=temperature))
+    tokens, final, _ = drive(core, m.ToEngine(new=[*reqs, free]))
+    for r in reqs:
+        assert final[r.req_id].finished == m.FinishReason.STOP, final[r.req_id]
+        ids = [t for t in tokens[r.req_id] if t not in tok.eos_token_ids]
+        validate(json.loads(tok.decode(ids)))
+    assert final["free"].finished is not None  # an unconstrained row in the same batch
+    assert_whole(core)
+    core.close()
+
+
+def test_bad_grammar_is_refused_invalid_request(tiny):
+    d, _ = tiny
+    core = core_for(d, fake=True)
+    bad = m.NewRequest(req_id="bad", prompt_token_ids=[1, 2, 3], max_tokens=4,
+                       grammar='{"grammars": [{"lark_grammar": "start: nope"}]}')
+    _, final, _ = drive(core, m.ToEngine(new=[bad]))
+    assert final["bad"].refused_code == "invalid_request_error"
+    assert "nope" in final["bad"].refused_message
+    assert_whole(core)
+
+
+def test_router_side_check_names_the_problem():
+    with pytest.raises(grammar.GrammarError, match="strnig"):
+        grammar.check(grammar.json_schema({"type": "strnig"}))
+    with pytest.raises(grammar.GrammarError, match="unclosed group"):
+        grammar.check(grammar.Constraint(kind="regex", source="(a"))
+
+
+@pytest.mark.parametrize("budget", [0, 1, 5])
+def test_thinking_budget_closes_the_thought(tiny, budget):
+    d, tok = tiny
+    core = core_for(d, fake=False)
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "Think."}]) + \
+        tok.encode("<think>\n", add_special_tokens=False)
+    think = m.Thinking(budget_tokens=budget, close_ids=close, starts_open=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=budget + 20,
+                       sampling=m.SamplingParams(temperature=0.0), thinking=think)
+    tokens, final, _ = drive(core, m.ToEngine(new=[req]))
+    out = tokens["t"]
+    # The thought is at most `budget` tokens, then the closing marker, then the answer.
+    i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
+    assert i <= budget
+    assert final["t"].reasoning_tokens == i
+    assert_whole(core)
+
+
+def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
+    d, tok = tiny
+    core = core_for(d, fake=False)
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "Think."}], enable_thinking=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=200,
+                       sampling=m.SamplingParams(temperature=1.0, seed=4),
+                       stop_token_ids=tok.eos_token_ids,
+                       grammar=grammar.grammar_text(grammar.json_schema(SCHEMA)),
+                       thinking=m.Thinking(budget_tokens=6, close_ids=close, starts_open=True))
+    tokens, final, _ = drive(core, m.ToEngine(new=[req]))
+    out = [t for t in tokens["t"] if t not in tok.eos_token_ids]
+    i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
+    assert final["t"].finished == m.FinishReason.STOP and final["t"].reasoning_tokens == i <= 6
+    validate(json.loads(tok.decode(out[i + len(close):])))
+    assert_whole(core)

@@ -1,0 +1,83 @@
+"""What the neuron reads from a template for agents, and the engine inputs it builds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa.config import ModelEntry
+from helexa.neuron import agent
+from helexa.neuron.limits import Refusal
+from helexa.neuron.tokenizer import Tokenizer
+from helexa.proto import neuron_pb2 as pb
+from helexa.tiny import CHAT_TEMPLATE, init_tiny
+
+ENTRY = ModelEntry(id="m", path="x", thinking_budget_tokens=800)
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory) -> Tokenizer:
+    return Tokenizer.from_dir(init_tiny(tmp_path_factory.mktemp("t") / "m"))
+
+
+def test_formats_from_the_template_or_the_entry():
+    assert agent.tool_parser(ENTRY, CHAT_TEMPLATE) == "hermes"
+    assert agent.reasoning_parser(ENTRY, CHAT_TEMPLATE) == "think"
+    llama = "{{ '<|python_tag|>' }}{% if message.role == 'ipython' %}{% endif %}"
+    assert agent.tool_parser(ENTRY, llama) == "llama3_json"
+    assert agent.reasoning_parser(ENTRY, llama) == "" and agent.tool_parser(ENTRY, "x") == ""
+    fixed = ModelEntry(id="m", path="x", tool_parser="llama3_json", reasoning_parser="none")
+    assert agent.tool_parser(fixed, CHAT_TEMPLATE) == "llama3_json"
+    assert agent.reasoning_parser(fixed, CHAT_TEMPLATE) == ""
+
+
+def test_template_inputs_give_arguments_as_objects_and_pass_variables():
+    chat = pb.Chat(messages=[
+        pb.ChatMessage(role="assistant", tool_calls_json=json.dumps([{
+            "id": "c", "type": "function",
+            "function": {"name": "f", "arguments": '{"x": 1}'}}])),
+        pb.ChatMessage(role="tool", content="2", tool_call_id="c")],
+        tools_json='[{"type": "function", "function": {"name": "f"}}]',
+        template_kwargs_json='{"enable_thinking": true}')
+    msgs, kw = agent.template_inputs(chat, "")
+    assert msgs[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1}
+    assert msgs[1] == {"role": "tool", "content": "2", "tool_call_id": "c"}
+    assert kw["tools"][0]["function"]["name"] == "f" and kw["enable_thinking"] is True
+    # constrained output thinks only when asked to (then after the thought, the grammar)
+    assert agent.template_inputs(chat, "", constrained=True)[1]["enable_thinking"] is True
+    assert agent.template_inputs(pb.Chat(), "", constrained=True)[1] == {
+        "enable_thinking": False}
+    assert agent.template_inputs(pb.Chat(), "none")[1] == {"enable_thinking": False}
+    with pytest.raises(Refusal, match="chat_template_kwargs"):
+        agent.template_inputs(pb.Chat(template_kwargs_json="[1]"), "")
+
+
+@pytest.mark.parametrize("effort,budget", [("", 800), ("high", 800), ("medium", 400),
+                                           ("low", 100), ("none", 0)])
+def test_effort_maps_to_the_catalogue_budget(tok, effort, budget):
+    req = pb.GenerateRequest(reasoning_effort=effort, chat=pb.Chat())
+    prompt = tok.encode_chat([{"role": "user", "content": "hi"}], enable_thinking=True)
+    t = agent.thinking(tok, ENTRY, req, prompt, None)
+    assert t is not None and t.budget_tokens == budget and t.starts_open
+    assert tok.decode(t.close_ids) == "\n</think>\n\n"
+    req.thinking_budget_tokens = 7  # explicit (Anthropic's budget_tokens) wins
+    assert agent.thinking(tok, ENTRY, req, prompt, None).budget_tokens == 7
+
+
+def test_no_thinking_for_text_prompts_or_models_that_do_not_think(tok):
+    plain = tok.encode_chat([{"role": "user", "content": "hi"}])
+    assert agent.thinking(tok, ENTRY, pb.GenerateRequest(text="hi"), plain, None) is None
+    t = agent.thinking(tok, ENTRY, pb.GenerateRequest(chat=pb.Chat()), plain, None)
+    assert t is not None and not t.starts_open
+    assert agent.thinking(tok, ENTRY, pb.GenerateRequest(chat=pb.Chat()), plain, False
+                          ).budget_tokens == 0
+
+
+def test_a_bad_constraint_is_refused_naming_it():
+    req = pb.GenerateRequest(constraint=pb.Constraint(json_schema='{"type": "strnig"}'))
+    with pytest.raises(Refusal, match="strnig"):
+        agent.constraint_grammar(req)
+    assert agent.constraint_grammar(pb.GenerateRequest()) is None
+    assert agent.constraint_grammar(pb.GenerateRequest(
+        constraint=pb.Constraint(json_object=True)))

@@ -1,0 +1,109 @@
+"""Model text back into thought, answer and tool calls, fed whole or in any split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.tool_parsers import whole_calls
+
+
+class Out(Parts):
+    @property
+    def whole(self) -> list[dict]:
+        return whole_calls(self.calls)
+
+
+def run(p: OutputParser, text: str, step: int) -> Out:
+    out = Out()
+    pieces = [text[i:i + step] for i in range(0, len(text), step)] if step else [text]
+    for piece in pieces:
+        got = p.feed(piece)
+        out.reasoning += got.reasoning
+        out.content += got.content
+        out.calls += got.calls
+    got = p.finish()
+    return Out(out.reasoning + got.reasoning, out.content + got.content, out.calls + got.calls)
+
+
+STEPS = [0, 1, 2, 3, 7]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_hermes_calls_between_text(step):
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+    out = run(OutputParser(tool_mode="hermes"), text, step)
+    assert out.content == "Let me check.\n"
+    assert [c["name"] for c in out.whole] == ["get_weather", "get_time"]
+    assert json.loads(out.whole[0]["arguments"]) == {"city": "Paris"}
+    assert len({c["id"] for c in out.whole}) == 2
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_broken_hermes_call_stays_text(step):
+    text = "a <tool_call>not json</tool_call> b <tool_ca"
+    out = run(OutputParser(tool_mode="hermes"), text, step)
+    assert out.calls == [] and out.content == text
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_llama3_json_call_and_plain_text(step):
+    out = run(OutputParser(tool_mode="llama3_json"),
+              '{"name": "f", "parameters": {"x": 1}}', step)
+    assert out.whole[0]["name"] == "f" and json.loads(out.whole[0]["arguments"]) == {"x": 1}
+    out = run(OutputParser(tool_mode="llama3_json"), "Hello {there}", step)
+    assert out.calls == [] and out.content == "Hello {there}"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_think_split_with_and_without_an_opened_prompt(step):
+    out = run(OutputParser(reasoning_parser="think"), "<think>\nhmm, 2+2</think>\n\n4", step)
+    assert (out.reasoning, out.content) == ("\nhmm, 2+2", "4")
+    opened = OutputParser(reasoning_parser="think")
+    opened.thought_opened()  # the neuron said the prompt opened the thought
+    out = run(opened, "hmm</think>\n\nfour", step)
+    assert (out.reasoning, out.content) == ("hmm", "four")
+    out = run(OutputParser(reasoning_parser="think"), "no thought <think>", step)
+    assert (out.reasoning, out.content) == ("", "no thought <think>")
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_forced_choices_parse_the_constrained_json(step):
+    out = run(OutputParser(tool_mode="json_list"),
+              '[{"name":"a","arguments":{"q":1}},{"name":"b","arguments":{}}]', step)
+    assert [(c["name"], json.loads(c["arguments"])) for c in out.whole] == [("a", {"q": 1}),
+                                                                              ("b", {})]
+    out = run(OutputParser(tool_mode="json_args", tool_name="a"), '{"q":2}', step)
+    assert out.whole[0]["name"] == "a" and out.whole[0]["arguments"] == '{"q":2}'
+    assert len(out.whole) == 1
+    out = run(OutputParser(tool_mode="json_list"), '[{"name":"a","argu', step)  # cut short
+    assert out.calls == [] and out.content == '[{"name":"a","argu'
+
+
+def test_thought_then_hermes_call():
+    out = run(OutputParser(reasoning_parser="think", tool_mode="hermes"),
+              '<think>need weather</think>\n\n<tool_call>\n{"name": "w", "arguments": {}}\n'
+              '</tool_call>', 1)
+    assert out.reasoning == "need weather" and out.content == "" and out.whole[0]["name"] == "w"
+
+
+def test_hermes_arguments_stream_as_they_are_written():
+    p = OutputParser(tool_mode="hermes")
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": "Paris", "n": {"a": 1}}}\n</tool_call>'
+    pieces = []
+    for ch in text:
+        pieces += p.feed(ch).calls
+    pieces += p.finish().calls
+    assert pieces[0].id and pieces[0].name == "w" and pieces[0].arguments == ""
+    assert len(pieces) > 5 and all(q.id is None and q.index == 0 for q in pieces[1:])
+    assert json.loads("".join(q.arguments for q in pieces)) == {"city": "Paris", "n": {"a": 1}}
+
+
+def test_named_choice_streams_its_arguments():
+    p = OutputParser(tool_mode="json_args", tool_name="f")
+    first = p.feed('{"x":').calls
+    assert (first[0].name, first[0].arguments, first[1].arguments) == ("f", "", '{"x":')
+    assert p.feed("1}").calls[0].arguments == "1}" and not p.finish().calls

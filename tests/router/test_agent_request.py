@@ -1,0 +1,83 @@
+"""The agent fields of a chat request: what they become, and the 400 naming the param."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import parse_request
+
+MSG = [{"role": "user", "content": "hi"}]
+F = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+G = {"type": "function", "function": {"name": "g"}}
+
+
+def chat(**kw):
+    return parse_request({"model": "m", "messages": MSG, **kw}, "chat")
+
+
+def refused(**kw) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        chat(**kw)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_tool_choice_modes_and_the_constraint_they_make():
+    assert chat(tools=[F]).tool_choice == "auto" and chat(tools=[F]).constraint is None
+    assert chat().tool_choice == "none"
+    r = chat(tools=[F, G], tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(r.constraint.source)
+    assert schema["type"] == "array" and schema["maxItems"] == 1
+    assert [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["f", "g"]
+    r = chat(tools=[F, G], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert (r.tool_choice, r.tool_name) == ("function", "f")
+    # the function's parameters, no key beyond those it lists (helexa.grammar.strict)
+    assert json.loads(r.constraint.source) == {**F["function"]["parameters"],
+                                               "additionalProperties": False}
+
+
+@pytest.mark.parametrize("kw,param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [F, F]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+     "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "strnig"}}}]}, "tools[0].function.parameters"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"reasoning_effort": "max"}, "reasoning_effort"),
+    ({"chat_template_kwargs": {"enable_thinking": "yes"}},
+     "chat_template_kwargs.enable_thinking"),
+    ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
+])
+def test_bad_agent_fields_name_the_param(kw, param):
+    assert refused(**kw).param == param
+
+
+def test_messages_with_tool_calls_and_results():
+    r = parse_request({"model": "m", "messages": [
+        *MSG, {"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"x\":1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"}]}, "chat")
+    assert json.loads(r.messages[1].tool_calls_json)[0]["function"]["name"] == "f"
+    assert (r.messages[2].role, r.messages[2].tool_call_id) == ("tool", "c1")
+    with pytest.raises(ApiError) as e:
+        parse_request({"model": "m", "messages": [{"role": "tool", "content": "2"}]}, "chat")
+    assert e.value.param == "messages[0].tool_call_id"
+
+
+def test_reasoning_fields():
+    assert chat(reasoning_effort="minimal").reasoning_effort == "low"
+    assert chat(reasoning_effort="high").reasoning_effort == "high"
+    assert chat(chat_template_kwargs={"enable_thinking": True}).template_kwargs == {
+        "enable_thinking": True}
