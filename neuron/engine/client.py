@@ -89,6 +89,7 @@ class EngineClient:
         self._reset_done: asyncio.Future[str] | None = None
         self._flush_scheduled = False
         self._stop_admitting = False
+        self._pending_refuse_queued = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._last_heard = loop.time()
         self._watchdog: asyncio.Task[None] | None = None
@@ -105,16 +106,19 @@ class EngineClient:
     async def start(cls, spec: EngineSpec, *, on_status: Callable | None = None,
                     on_fatal: Callable | None = None, on_progress: Callable | None = None,
                     timeout_secs: float | None = None,
-                    stall_secs: float = DEFAULT_STALL_SECS) -> EngineClient:
+                    stall_secs: float = DEFAULT_STALL_SECS,
+                    runner_factory: Callable[[EngineSpec], Any] | None = None) -> EngineClient:
         """Spawn the engine process; return once its model is loaded (EngineError if not).
 
         With requests open, an engine that sends nothing for `stall_secs` is wedged (a
-        hung collective, a stuck device): it is killed and reported like a dead one."""
+        hung collective, a stuck device): it is killed and reported like a dead one.
+        `runner_factory` (picklable) replaces the model, for runs without one."""
         loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         # Not daemonic: an engine with tp > 1 starts its own rank processes.
-        process = ctx.Process(target=engine_main, args=(msgspec.msgpack.encode(spec), child_conn),
+        process = ctx.Process(target=engine_main,
+                              args=(msgspec.msgpack.encode(spec), child_conn, runner_factory),
                               name=f"helexa-engine-{spec.model_id}")
         await loop.run_in_executor(None, process.start)
         _live_processes.add(process)
@@ -170,8 +174,11 @@ class EngineClient:
             if self._pending_limits is not None else limits
         self._schedule_flush()
 
-    def stop_admitting(self, flag: bool = True) -> None:
+    def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
+        """Stop (or resume) admitting; with `refuse_queued` (a drain) the engine also
+        refuses what is queued, `shutting_down`, so its callers can go elsewhere at once."""
         self._stop_admitting = flag
+        self._pending_refuse_queued = self._pending_refuse_queued or refuse_queued
         self._schedule_flush()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
@@ -225,9 +232,10 @@ class EngineClient:
             return
         msg = messages.ToEngine(new=self._pending_new, aborts=self._pending_aborts,
                                 limits=self._pending_limits, stop_admitting=self._stop_admitting,
-                                shutdown=self._pending_shutdown, reset_kv=self._pending_reset)
+                                shutdown=self._pending_shutdown, reset_kv=self._pending_reset,
+                                refuse_queued=self._pending_refuse_queued)
         self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
-        self._pending_reset = None
+        self._pending_reset, self._pending_refuse_queued = None, False
         data = self._encoder.encode(msg)
         n = len(data)
         self._send(struct.pack("!i", n) + data if n <= 0x7FFFFFFF

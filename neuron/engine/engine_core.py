@@ -32,9 +32,9 @@ import msgspec
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
-from helexa.neuron.engine.fake_runner import FakeRunner
+from helexa.neuron.engine.budget import Problem, blocks_for_tokens, check_request, output_budget
 from helexa.neuron.engine.model_runner import SeqInput
-from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
+from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, full_limits, merge_limits
@@ -124,6 +124,11 @@ class EngineCore:
         if inbound.limits is not None:
             self.set_limits(inbound.limits)
         self.admission.admitting = not inbound.stop_admitting
+        if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
+            for req in self.admission.queued():
+                self._refuse(req, Refusal("shutting_down", "This model is shutting down.",
+                                          self.admission.retry_after_ms(
+                                              self.admission.reservation_blocks(req))))
         for new in inbound.new:  # new before aborts: an abort may follow its request at once
             self.add_request(new)
             self._admit()  # so the queue depth a newcomer meets is the real one
@@ -165,23 +170,21 @@ class EngineCore:
         self.admission.pool = self.pool
         self.admission.drain = DrainMeter()  # the old pool's release counter means nothing now
         for req in self.admission.queued():  # queued under the old context, refused if too long now
-            need = self.admission.reservation_blocks(req)
-            if req.max_total_tokens > r.context or need > r.num_blocks:
-                self._refuse(req, Refusal(
-                    "context_length_exceeded",
-                    f"prompt {req.num_prompt_tokens} + output {req.output_budget} tokens;"
-                    f" the context is now {r.context}"))
+            problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
+                                    max_output_tokens=r.max_output_tokens)
+            if problem is None and self.admission.reservation_blocks(req) > r.num_blocks:
+                problem = Problem("context_length_exceeded",
+                                  f"{req.max_total_tokens} tokens do not fit the re-planned pool")
+            if problem is not None:
+                self._refuse(req, Refusal(problem.code, problem.message))
         return "ok"
 
     def add_request(self, new: messages.NewRequest) -> None:
         prompt = list(new.prompt_token_ids)
         context = self.spec.context
-        if new.max_tokens is not None:
-            budget = new.max_tokens
-        else:
-            budget = min(self.limits.default_output_tokens, context - len(prompt))
-            if self.spec.max_output_tokens is not None:
-                budget = min(budget, self.spec.max_output_tokens)
+        budget = output_budget(len(prompt), new.max_tokens, context=context,
+                               default_output_tokens=self.limits.default_output_tokens,
+                               max_output_tokens=self.spec.max_output_tokens)
         req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
                       sampling=new.sampling, principal=new.principal,
                       stop_token_ids=frozenset(new.stop_token_ids),
@@ -189,14 +192,10 @@ class EngineCore:
         if new.req_id in self.requests:
             self._refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
             return
-        if not prompt or (new.max_tokens is not None and new.max_tokens < 1):
-            self._refuse(req, Refusal("invalid_request_error",
-                                      "a request needs a prompt token and max_tokens >= 1"))
-            return
-        if len(prompt) >= context or len(prompt) + budget > context:
-            self._refuse(req, Refusal(
-                "context_length_exceeded",
-                f"prompt {len(prompt)} + output {budget} tokens; the context is {context}"))
+        problem = check_request(len(prompt), new.max_tokens, context=context,
+                                max_output_tokens=self.spec.max_output_tokens)
+        if problem is not None:
+            self._refuse(req, Refusal(problem.code, problem.message))
             return
         if self.spec.prefix_cache:
             req.block_hashes = self._prompt_block_hashes(prompt)
@@ -345,10 +344,7 @@ class EngineCore:
 
 
 def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = None) -> Any:
-    """The model runner a spec asks for: the real one, or the fake for tests and benchmarks."""
-    if spec.fake_runner:
-        return FakeRunner(spec.fake_vocab_size, spec.num_blocks, spec.block_size,
-                          step_secs=spec.fake_step_secs)
+    """The model runner for a spec: its checkpoint, on its devices."""
     from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,

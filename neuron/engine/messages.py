@@ -93,6 +93,7 @@ class ToEngine(msgspec.Struct, kw_only=True):
     aborts: list[Abort] = []
     limits: SetLimits | None = None
     stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
+    refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
     shutdown: bool = False  # exit after aborting everything
     reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
 

@@ -122,7 +122,3 @@ class Request:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size): the blocks that hold that many tokens."""
-    return -(-num_tokens // block_size)

@@ -5,9 +5,6 @@ arithmetic from helexa.plan) and hands it to the spawned engine process, so
 the engine never reads TOML. `limits` always has every knob set (see
 `full_limits`); runtime changes arrive later as partial `SetLimits` and are
 merged with `merge_limits`.
-
-`fake_runner` swaps the model for a deterministic stand-in (tests, and
-benchmarks of the serving path without a model).
 """
 
 from __future__ import annotations
@@ -74,10 +71,6 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     quantize: str = "none"  # neuron/models/quant.py: none | int8 | int4
     quant_group_size: int = 128
     limits: messages.SetLimits = DEFAULT_LIMITS  # every knob set
-    # A stand-in for the model (tests): next token a fixed function of the context.
-    fake_runner: bool = False
-    fake_vocab_size: int = 512
-    fake_step_secs: float = 0.0  # sleep per step, to make timing observable
 
     @property
     def device(self) -> str:

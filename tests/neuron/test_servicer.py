@@ -1,6 +1,6 @@
 """The daemon's request path over real gRPC, in-process, with a scripted engine stand-in.
 
-The engine is `helexa.testing.FakeEngineClient` (one scripted token per
+The engine is `support.fake_engine.FakeEngineClient` (one scripted token per
 step), so these tests check what the daemon itself does: tokenising,
 the context check, detokenising and stop strings, usage, refusals as gRPC
 statuses with their codes, auth, deadlines, cancellation and draining.
@@ -15,13 +15,14 @@ from typing import Any
 
 import grpc
 import pytest
+from support.fake_engine import run_fake_neuron
+from support.neuron import write_neuron_config
 
 from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
-from helexa.testing import run_fake_neuron, write_neuron_config
 
 TOKEN = "s3cret"
 ANSWER = "Hello world. STOP here and then more words follow"

@@ -6,10 +6,10 @@ import asyncio
 import time
 
 import grpc
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 from helexa.config import load_neuron_config
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def test_a_flooding_principal_does_not_starve_another(neuron_main: NeuronProcess,

@@ -6,8 +6,9 @@ import asyncio
 import random
 import time
 
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
+
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def test_100_callers_cancelling_at_random_stages_leave_the_ledger_whole(

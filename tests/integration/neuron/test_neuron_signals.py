@@ -11,9 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
-from helexa.proto import neuron_pb2 as pb
-from helexa.testing import (
+from support.neuron import (
     NeuronClient,
     NeuronProcess,
     chat_request,
@@ -21,6 +19,8 @@ from helexa.testing import (
     model_of,
     write_neuron_config,
 )
+
+from helexa.proto import neuron_pb2 as pb
 
 
 def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(

@@ -12,8 +12,7 @@ import httpx2
 import openai
 import pytest
 from router_procs import key_of, router_config, wait_for
-
-from helexa.testing import start_neuron, write_neuron_config
+from support.neuron import start_neuron, write_neuron_config
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 

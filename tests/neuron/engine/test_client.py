@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
+from support.fake_runner import FakeRunnerFactory, fake_next_token
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
-from helexa.neuron.engine.fake_runner import fake_next_token
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 64
@@ -22,7 +22,7 @@ GREEDY = m.SamplingParams(temperature=0.0)
 
 def spec(**kw) -> EngineSpec:
     fields = dict(model_id="fake", num_blocks=512, block_size=4, context=512, bytes_per_token=2,
-                  fake_runner=True, fake_vocab_size=VOCAB, torch_threads=1,
+                  torch_threads=1,
                   limits=m.SetLimits(max_in_flight=8, anon_max_in_flight=8))
     fields.update(kw)
     return EngineSpec(**fields)
@@ -33,6 +33,11 @@ def expected(prompt: list[int], n: int) -> list[int]:
     for _ in range(n):
         ctx.append(fake_next_token(ctx, VOCAB))
     return ctx[len(prompt):]
+
+
+def fake(step_secs: float = 0.0) -> FakeRunnerFactory:
+    """The fake model in the engine process, `step_secs` a step."""
+    return FakeRunnerFactory(VOCAB, step_secs)
 
 
 async def collect(client: EngineClient, req: m.NewRequest) -> tuple[list[int], m.RequestUpdate]:
@@ -54,7 +59,7 @@ def test_streams_aborts_limits_and_shutdown():
     statuses: list[m.EngineStatus] = []
 
     async def main() -> None:
-        client = await EngineClient.start(spec(fake_step_secs=0.002), on_status=statuses.append)
+        client = await EngineClient.start(spec(), runner_factory=fake(0.002), on_status=statuses.append)
         assert client.alive and client.pid
         # concurrent streams, each token for token what the fake model gives alone
         prompts = [[i, i + 1, i + 2] * (i + 1) for i in range(10)]
@@ -136,7 +141,7 @@ def test_dead_engine_fails_open_requests_and_calls_on_fatal():
     fatal: list[str] = []
 
     async def main() -> None:
-        client = await EngineClient.start(spec(fake_step_secs=0.005), on_fatal=fatal.append)
+        client = await EngineClient.start(spec(), runner_factory=fake(0.005), on_fatal=fatal.append)
         streams = [asyncio.ensure_future(collect(client, m.NewRequest(
             req_id=f"k{i}", prompt_token_ids=[i + 1], max_tokens=400, sampling=GREEDY)))
             for i in range(3)]
@@ -155,7 +160,7 @@ def test_dead_engine_fails_open_requests_and_calls_on_fatal():
 def test_start_failure_raises_with_the_engines_reason(tmp_path):
     async def main() -> None:
         with pytest.raises(EngineError, match="loading fake failed"):
-            await EngineClient.start(spec(fake_runner=False, model_dir=str(tmp_path / "missing")))
+            await EngineClient.start(spec(model_dir=str(tmp_path / "missing")))
 
     asyncio.run(main())
 
@@ -243,7 +248,7 @@ def test_wedged_engine_is_killed_and_reported():
 
     async def main() -> None:
         # every step "hangs" for 30 s; the client gives up on it after 1 s of silence
-        client = await EngineClient.start(spec(fake_step_secs=30.0), on_fatal=fatal.append,
+        client = await EngineClient.start(spec(), runner_factory=fake(30.0), on_fatal=fatal.append,
                                           stall_secs=1.0)
         started = time.monotonic()
         tokens, last = await collect(client, m.NewRequest(req_id="w", prompt_token_ids=[1],
