@@ -2,7 +2,7 @@
 
 A neuron refuses with a gRPC status plus trailing metadata `helexa-code`
 (the OpenAI-style code) and `helexa-retry-after-ms`; `map_rpc_error` turns
-that into the `ApiError` of DESIGN.md's error table, with `Retry-After`
+that into the `ApiError` of docs/errors.md's table, with `Retry-After`
 from the neuron's estimate. Streaming requests use `open_generate`, which
 returns only once the first message has arrived, so a refusal (which the
 neuron sends before any token) is seen before the router commits to an

@@ -1,6 +1,7 @@
 """The two generation endpoints: POST /v1/chat/completions and POST /v1/completions.
 
-One handler serves both. Its steps follow DESIGN.md's path of a request:
+One handler serves both. Its steps follow the path of a request
+(docs/architecture.md; the contract is docs/http.md):
 principal, body, alias, selection (Dispatcher), then either an SSE stream
 over Generate calls or one JSON body from Complete calls (unary: a stream
 costs more gRPC CPU on both ends, and a non-streaming client sees nothing

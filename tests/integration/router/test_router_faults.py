@@ -41,7 +41,7 @@ def test_client_disconnect_frees_kv_on_the_neuron(router):
     # Gone: the router cancels the call, the neuron releases every block.
     wait_for(lambda: kv_whole(router, busy[0]), timeout=10)
     assert router.metric("helexa_router_requests_total", model="tiny", code="499") >= 1
-    # The span closes as DESIGN's logs say: request.done with client_gone, for the journal.
+    # The span closes as docs/observability.md says: request.done with client_gone, for the journal.
     done = [json.loads(line) for line in router.log_path.read_text().splitlines()
             if '"request.done"' in line and '"principal":"carol"' in line]
     assert done and done[-1]["client_gone"] is True and done[-1]["component"] == "router"
