@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def _spec(model_dir: Path):
-    from helexa.neuron.engine.spec import EngineSpec, full_limits
+    from helexa.neuron.engine.spec import EngineSpec
 
     return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=128, block_size=16,
-                      bytes_per_token=512, context=2048, limits=full_limits(), torch_threads=1,
+                      bytes_per_token=512, context=2048, torch_threads=1,
                       prefix_cache=False)
 
 

@@ -17,7 +17,9 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -34,6 +36,7 @@ from helexa.router.registry import Registry
 from helexa.router.status import StatusBoard, status_routes
 
 SHUTDOWN_GRACE_SECS = 10.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = serve.STATE
 
 
@@ -111,7 +114,7 @@ class RouterState:
 
 
 @web.middleware
-async def error_envelope(request: web.Request, handler):
+async def error_envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error, including aiohttp's own 404/405/413, in the OpenAI envelope."""
     try:
         return await handler(request)
@@ -134,7 +137,7 @@ async def models(request: web.Request) -> web.Response:
     state.auth.principal(request.headers.get("Authorization"))  # 401 when auth is required
     limits = state.registry.ready_limits()
 
-    def entry(model_id: str, target: str) -> dict:
+    def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
         e = {"id": model_id, "object": "model", "created": 0, "owned_by": "helexa",
              "limit": {"context": context, "input": input_, "output": output}}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 from aiohttp import web
 
@@ -50,7 +51,7 @@ class ApiError(Exception):
     def type(self) -> str:
         return _TYPES.get(self.status, "server_error")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code,
                           "param": self.param}}
 

@@ -83,12 +83,12 @@ class DrainMeter:
 
 
 class Admission:
-    def __init__(self, pool: BlockPool, limits: messages.SetLimits, *,
+    def __init__(self, pool: BlockPool, limits: messages.Limits, *,
                  prefix_cache: bool = False,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.pool = pool
-        self.limits = limits  # every knob set
+        self.limits = limits
         self.prefix_cache = prefix_cache
         self.clock = clock
         self.wall_clock = wall_clock

@@ -36,6 +36,9 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
 
+OnStatus = Callable[[messages.EngineStatus], None]
+OnText = Callable[[str], None]  # a fatal reason, or loading progress
+
 # A healthy engine with work sends at least every 0.5 s (process.py); steps are
 # bounded by max_batched_tokens. Much longer silence means it is stuck.
 DEFAULT_STALL_SECS = 120.0
@@ -69,8 +72,8 @@ def _is_terminal(upd: messages.RequestUpdate) -> bool:
 
 class EngineClient:
     def __init__(self, spec: EngineSpec, process: Any, conn: Any, loop: asyncio.AbstractEventLoop,
-                 on_status: Callable | None, on_fatal: Callable | None,
-                 on_progress: Callable | None) -> None:
+                 on_status: OnStatus | None, on_fatal: OnText | None,
+                 on_progress: OnText | None) -> None:
         self.spec = spec
         self.process = process
         self._conn = conn
@@ -103,8 +106,8 @@ class EngineClient:
         loop.add_reader(self._fd, self._on_readable)
 
     @classmethod
-    async def start(cls, spec: EngineSpec, *, on_status: Callable | None = None,
-                    on_fatal: Callable | None = None, on_progress: Callable | None = None,
+    async def start(cls, spec: EngineSpec, *, on_status: OnStatus | None = None,
+                    on_fatal: OnText | None = None, on_progress: OnText | None = None,
                     timeout_secs: float | None = None,
                     stall_secs: float = DEFAULT_STALL_SECS,
                     runner_factory: Callable[[EngineSpec], Any] | None = None) -> EngineClient:
@@ -134,7 +137,8 @@ class EngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        pid: int | None = self.process.pid
+        return pid
 
     # --- requests ----------------------------------------------------------
 

@@ -24,8 +24,9 @@ requests of that step (their blocks return) and the engine goes on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -39,13 +40,24 @@ from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, full_limits, merge_limits
 
+if TYPE_CHECKING:
+    import torch
+
 _EWMA_ALPHA = 0.2
 
 
+class Runner(Protocol):
+    """What a step needs of a model runner: ModelRunner, or a stand-in without a model."""
+
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor: ...
+
+
 class EngineCore:
-    def __init__(self, spec: EngineSpec, runner: Any = None, *, sampler: Any = None,
-                 clock=time.monotonic, wall_clock=time.time, logger: Any = None,
-                 progress: Any = None) -> None:
+    def __init__(self, spec: EngineSpec, runner: Runner | None = None, *,
+                 sampler: Sampler | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, logger: Any = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
         self.spec = spec
         self.limits = full_limits(spec.limits)
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
@@ -133,9 +145,9 @@ class EngineCore:
             self.add_request(new)
             self._admit()  # so the queue depth a newcomer meets is the real one
         for abort in inbound.aborts:
-            req = self.requests.get(abort.req_id)
-            if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED, abort.reason)
+            aborted = self.requests.get(abort.req_id)
+            if aborted is not None:
+                self._finish(aborted, RequestStatus.FINISHED_ABORTED, abort.reason)
         if inbound.reset_kv is not None:
             self._kv_reset_answer = self.reset_kv(inbound.reset_kv)
         if inbound.shutdown:
@@ -232,7 +244,8 @@ class EngineCore:
             self.running.append(req)
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
-            seqs, sampled = [], []
+            seqs: list[SeqInput] = []
+            sampled: list[Request] = []
             for req, chunk in zip(reqs, plan.chunks, strict=True):
                 start = req.num_computed_tokens
                 end = start + chunk.num_tokens
@@ -245,7 +258,7 @@ class EngineCore:
                 if need_logits:
                     sampled.append(req)
             logits = self.runner.execute(seqs)
-            picks = self.sampler(logits, [r.sampling_state for r in sampled]) if sampled else []
+            picks = self.sampler(logits, [_sampling_state(r) for r in sampled]) if sampled else []
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
@@ -343,7 +356,13 @@ class EngineCore:
         return upd
 
 
-def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = None) -> Any:
+def _sampling_state(req: Request) -> SamplingState:
+    assert req.sampling_state is not None, "set when the request was queued"
+    return req.sampling_state
+
+
+def make_runner(spec: EngineSpec, limits: messages.Limits,
+                progress: Callable[[int, int], None] | None = None) -> Runner:
     """The model runner for a spec: its checkpoint, on its devices."""
     from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,

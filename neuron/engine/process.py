@@ -118,9 +118,9 @@ def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder,
     return EngineCore(spec, runner, logger=log, progress=progress)
 
 
-def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
     decoder = msgspec.msgpack.Decoder(messages.ToEngine)
-    last_status: tuple | None = None
+    last_status: tuple[messages.KvLedger, int, int, int, bool] | None = None
     last_status_at = 0.0
     while True:
         batch: list[messages.ToEngine] = []
@@ -133,6 +133,7 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
         inbound = merge_inbound(batch) if batch else None
         out = core.step(inbound)
         status = out.status
+        assert status is not None  # every step reports the model's status
         key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
         now = time.monotonic()
         if (out.updates or out.kv_reset or key != last_status

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockKey
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.sampler import SamplingState
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,7 +75,7 @@ class Request:
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
-    sampling_state: object | None = None  # the sampler's per-request state
+    sampling_state: SamplingState | None = None  # the sampler's per-request state
 
     # --- derived -----------------------------------------------------------
 
