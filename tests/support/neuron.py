@@ -159,10 +159,16 @@ class NeuronClient:
                       rpc: str = "Generate") -> tuple[grpc.StatusCode, dict[str, str]]:
         """The status and trailing metadata of a call (`Generate` or `Complete`) expected to
         be refused."""
+        code, md, _ = await self.refusal_message(req, rpc)
+        return code, md
+
+    async def refusal_message(self, req: pb.GenerateRequest, rpc: str = "Generate"
+                              ) -> tuple[grpc.StatusCode, dict[str, str], str]:
+        """`refusal`, with the message that says why (which limit refused it)."""
         try:
             out = await (self.complete(req) if rpc == "Complete" else self.generate(req))
         except grpc.aio.AioRpcError as e:
-            return e.code(), dict(e.trailing_metadata() or ())
+            return e.code(), dict(e.trailing_metadata() or ()), e.details() or ""
         raise AssertionError(f"expected a refusal, got {out}")
 
     async def status(self) -> pb.NeuronStatus:
