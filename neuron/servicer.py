@@ -15,6 +15,7 @@ stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid

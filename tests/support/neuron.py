@@ -24,10 +24,10 @@ from typing import Any
 import grpc
 import tomli_w
 
+from helexa.daemons import stop_process
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.up import stop_process
 
 
 def write_neuron_config(path: str | Path, config: dict[str, Any]) -> Path:
