@@ -227,11 +227,14 @@ def test_a_caller_that_goes_away_aborts_its_request(config_path: Path, tok: Toke
 def test_draining_refuses_new_work_and_lets_running_work_finish(config_path: Path,
                                                                 tok: Tokenizer, call: Any) -> None:
     async def body(stub, daemon, engine):
+        # 200 steps of 10 ms: still running when the new call comes, however loaded the machine
         running = asyncio.ensure_future(call(stub, chat(req_id="old", ignore_eos=True,
-                                                        max_tokens=20)))
-        await asyncio.sleep(0.05)
+                                                        max_tokens=200)))
+        while "old" not in engine.active:  # admitted: the engine is producing it
+            await asyncio.sleep(0.005)
         drain = asyncio.ensure_future(daemon.drain())
-        await asyncio.sleep(0.01)
+        while not daemon.servicer.draining:
+            await asyncio.sleep(0.005)
         refused = await refusal(stub, chat(req_id="new"), call=call)
         out = await running
         await drain
@@ -241,7 +244,7 @@ def test_draining_refuses_new_work_and_lets_running_work_finish(config_path: Pat
     last = out[-1] if isinstance(out, list) else out  # Complete answers with one message
     assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
     assert int(md["helexa-retry-after-ms"]) > 0
-    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 20
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and last.usage.completion_tokens == 200
 
 
 def test_watch_shows_the_model_ready_with_its_ledger_and_limits(config_path: Path,
