@@ -48,7 +48,7 @@ async def collect(client: EngineClient, req: m.NewRequest) -> tuple[list[int], m
     return tokens, last
 
 
-async def until(pred, timeout: float = 5.0) -> None:
+async def until(pred, timeout: float = 30.0) -> None:  # generous: the machine may be loaded
     end = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < end, "condition not reached in time"
@@ -99,8 +99,9 @@ def test_streams_aborts_limits_and_shutdown():
 
         # limits at runtime: one in flight at a time, the second waits in the queue
         client.set_limits(m.SetLimits(max_in_flight=1))
+        # 400 steps: s1 is still running when s2 is seen queued, however loaded the machine
         slow = asyncio.ensure_future(collect(client, m.NewRequest(
-            req_id="s1", prompt_token_ids=[3], max_tokens=60, sampling=GREEDY)))
+            req_id="s1", prompt_token_ids=[3], max_tokens=400, sampling=GREEDY)))
         await until(lambda: client.status.in_flight == 1)
         second = asyncio.ensure_future(collect(client, m.NewRequest(
             req_id="s2", prompt_token_ids=[4], max_tokens=5, sampling=GREEDY, principal="p")))
