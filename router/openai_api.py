@@ -19,6 +19,8 @@ from typing import Any, Literal
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
+Kind = Literal["chat", "completion"]  # which endpoint a request came to
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -26,7 +28,7 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 class ParsedRequest:
     """One validated chat or completion request, independent of the wire format."""
 
-    kind: Literal["chat", "completion"]
+    kind: Kind
     model: str
     messages: list[tuple[str, str]] | None = None  # (role, text) for chat
     prompt_text: str | None = None  # completion prompt as text ...
@@ -59,7 +61,7 @@ class ParsedRequest:
         return len(self.prompt_text or "")
 
 
-def parse_request(body: bytes | Any, kind: Literal["chat", "completion"]) -> ParsedRequest:
+def parse_request(body: bytes | Any, kind: Kind) -> ParsedRequest:
     """Validate one request body (raw JSON bytes or decoded JSON data); raises ApiError(400)
     naming the offending param."""
     b = decode(body, kind)
@@ -104,7 +106,7 @@ def _message(m: Message, i: int) -> tuple[str, str]:
 
 
 def _completion(b: CompletionBody, req: ParsedRequest) -> None:
-    prompt = b.prompt
+    prompt: str | list[int] | list[str | int | list[int]] = b.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one is the common client encoding
     if isinstance(prompt, str):
