@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup up test lint proto slow
+.PHONY: setup up test lint typecheck proto slow
 
 setup: $(VENV)/.installed
 
@@ -18,6 +18,7 @@ up: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
+	$(PY) tests/typecheck.py
 	$(PY) -m pytest -q
 
 slow: setup
@@ -25,6 +26,9 @@ slow: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+
+typecheck: setup  # mypy over router/ and neuron/engine/ ([tool.mypy] in pyproject.toml)
+	$(PY) tests/typecheck.py
 
 proto: setup
 	$(PY) -m helexa.proto_gen

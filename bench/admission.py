@@ -32,12 +32,22 @@ from pathlib import Path
 PROMPT = "The quick brown fox jumps over the lazy dog."
 
 
-def _spec(model_dir: Path, fake: bool):
-    from helexa.neuron.engine.spec import EngineSpec, full_limits
+# The fake runner and the daemon helpers are test support (tests/support/).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+
+def _spec(model_dir: Path):
+    from helexa.neuron.engine.spec import EngineSpec
 
     return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=128, block_size=16,
-                      bytes_per_token=512, context=2048, limits=full_limits(), torch_threads=1,
-                      prefix_cache=False, fake_runner=fake)
+                      bytes_per_token=512, context=2048, torch_threads=1,
+                      prefix_cache=False)
+
+
+def _fake_factory(fake: bool):  # -> a picklable runner factory, or None for the real model
+    from support.fake_runner import FakeRunnerFactory
+
+    return FakeRunnerFactory() if fake else None
 
 
 async def _ipc(model_dir: Path, max_tokens: int, fake: bool):  # -> (client, coroutine fn)
@@ -46,7 +56,7 @@ async def _ipc(model_dir: Path, max_tokens: int, fake: bool):  # -> (client, cor
     from helexa.neuron.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
-    client = await EngineClient.start(_spec(model_dir, fake))
+    client = await EngineClient.start(_spec(model_dir), runner_factory=_fake_factory(fake))
     counter = iter(range(10**9))
 
     async def one() -> float:
@@ -71,7 +81,9 @@ def _in_process(model_dir: Path, max_tokens: int, fake: bool):  # -> callable me
 
     torch.set_num_threads(1)
     tok = Tokenizer.from_dir(model_dir)
-    core = EngineCore(_spec(model_dir, fake))
+    factory = _fake_factory(fake)
+    spec = _spec(model_dir)
+    core = EngineCore(spec, factory(spec) if factory is not None else None)
     counter = iter(range(10**9))
 
     def one() -> float:
@@ -115,11 +127,11 @@ def _pct(xs: list[float], p: float) -> float:
 
 async def _run(args: argparse.Namespace, work: Path) -> None:
     import grpc
+    from support.neuron import start_neuron, write_neuron_config
 
     from helexa.neuron.auth import bearer
     from helexa.proto import neuron_pb2 as pb
     from helexa.proto import neuron_pb2_grpc
-    from helexa.testing import start_neuron, write_neuron_config
     from helexa.tiny import init_tiny
 
     model_dir = init_tiny(work / "tiny")

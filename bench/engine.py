@@ -83,12 +83,12 @@ class HelexaEngine:
                  tokens: int = 4096, shuffle: bool = False, quantize: str = "none") -> None:
         from helexa.neuron.engine import messages
         from helexa.neuron.engine.engine_core import EngineCore
-        from helexa.neuron.engine.spec import EngineSpec, full_limits
+        from helexa.neuron.engine.spec import EngineSpec
 
         self.messages = messages
-        limits = full_limits(messages.SetLimits(
+        limits = messages.SetLimits(
             max_in_flight=16, anon_max_in_flight=16, max_slots=8, max_batched_tokens=1024,
-            prefill_chunk_tokens=512))
+            prefill_chunk_tokens=512)
         # as before for the default sizes (320 blocks, 4096-token context), more for longer ones
         blocks = max(320, streams * (-(-tokens // 16) + 1) + 8)
         spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=blocks,

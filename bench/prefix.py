@@ -37,7 +37,10 @@ from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
+
+# the daemon helpers are test support (tests/support/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 TOKEN = "bench-prefix"
 SYSTEM = "You are a helpful assistant. Answer from the document the user gives you."

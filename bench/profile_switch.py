@@ -43,7 +43,10 @@ import grpc
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.testing import start_neuron, write_neuron_config
+
+# the daemon helpers are test support (tests/support/)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.neuron import start_neuron, write_neuron_config  # noqa: E402
 
 TOKEN = "bench-profile"
 

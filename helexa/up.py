@@ -32,7 +32,6 @@ import tomli_w
 
 from helexa.config import ConfigError
 from helexa.daemons import Child, model_failure, stop_all, wait_listed, wait_started
-from helexa.daemons import stop_process as stop_process  # helexa.testing imports it from here
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it

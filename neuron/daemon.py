@@ -229,8 +229,8 @@ class NeuronDaemon:
         for r in list(self.residency.models.values()):
             if r.client is not None and r.state != ModelState.FAILED:
                 r.state = ModelState.DRAINING
-                r.client.stop_admitting(True)
-        refused = self.servicer.refuse_unadmitted()
+                # the engine refuses what it has queued: those callers retry elsewhere now
+                r.client.stop_admitting(True, refuse_queued=True)
         self.hub.changed()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_secs
@@ -240,7 +240,7 @@ class NeuronDaemon:
         await self.residency.shutdown()
         if self.server is not None:
             await self.server.stop(grace=1.0)
-        log.info("neuron.stopped", refused_queued=refused, aborted=left)
+        log.info("neuron.stopped", aborted=left)
 
 
 def check_plans(config_path: Path, cfg: NeuronConfig) -> None:

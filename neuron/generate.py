@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.request import blocks_for_tokens
+from helexa.neuron.engine.budget import blocks_for_tokens
 
 
 def build_parser() -> argparse.ArgumentParser:

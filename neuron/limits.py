@@ -1,8 +1,10 @@
-"""What one request may ask of a model, the runtime limits a model runs under, and refusals.
+"""The limits a model advertises and runs under, and the daemon's refusals.
 
 The limits a model advertises (`context`, `input`, `output`) come from its
-plan (helexa.plan); the context check here is the one place the neuron
-compares a tokenised prompt against them. `effective_limits` folds a
+plan (helexa.plan). Whether a request fits them is the engine's rule
+(neuron/engine/budget.py); `check_context` applies that same rule in the
+daemon as soon as the prompt is tokenised, so an impossible request is
+refused without a trip to the engine, in the engine's words. `effective_limits` folds a
 profile's overrides into the config's admission / engine knobs (what the
 engine receives as SetLimits at load, on SIGHUP and on a profile switch).
 `Refusal` is the one shape every refusal takes inside the daemon — an
@@ -18,10 +20,11 @@ import grpc
 
 from helexa.config import NeuronConfig
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.budget import check_request
 from helexa.neuron.engine.spec import limits_from_config
 
 # The OpenAI-style code → the gRPC status the router maps back to HTTP
-# (DESIGN.md's error table). Codes not listed are INTERNAL.
+# (docs/errors.md). Codes not listed are INTERNAL.
 STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
     "invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
     "context_length_exceeded": grpc.StatusCode.INVALID_ARGUMENT,
@@ -79,30 +82,11 @@ class ModelLimits:
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimits) -> None:
-    """Refuse a request that cannot fit the model's context, stating both numbers.
-
-    A prompt of `context` tokens leaves no room for even one output token, so
-    it is refused as well as a prompt whose requested output would overflow.
-    """
-    if prompt_tokens >= limits.context:
-        raise Refusal(
-            "context_length_exceeded",
-            f"This model's maximum context length is {limits.context} tokens; "
-            f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise Refusal("invalid_request_error",
-                          f"max_tokens: expected at least 1, got {max_tokens}")
-        if prompt_tokens + max_tokens > limits.context:
-            raise Refusal(
-                "context_length_exceeded",
-                f"This model's maximum context length is {limits.context} tokens; "
-                f"the request asks for {prompt_tokens + max_tokens} tokens "
-                f"({prompt_tokens} in the prompt + {max_tokens} max_tokens).")
-        if max_tokens > limits.output:
-            raise Refusal("invalid_request_error",
-                          f"max_tokens: this model generates at most {limits.output} tokens "
-                          f"per request, got {max_tokens}")
+    """Refuse a request that cannot fit the model's context (budget.check_request's rule)."""
+    problem = check_request(prompt_tokens, max_tokens, context=limits.context,
+                            max_output_tokens=limits.output)
+    if problem is not None:
+        raise Refusal(problem.code, problem.message)
 
 
 def effective_limits(cfg: NeuronConfig, profile: str = "") -> messages.SetLimits:

@@ -101,8 +101,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics = metrics
         self.draining = False
         self._open: dict[str, ResidentModel] = {}  # req_id -> model, for every open call
-        self._unadmitted: set[str] = set()  # open calls the engine has not admitted yet
-        self._drained: set[str] = set()  # unadmitted calls aborted by a drain
 
     # ------------------------------------------------------------------ Generate, Complete
 
@@ -167,18 +165,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         cached = 0
         finish: int | None = None
         stop_reason, error, client_gone, sent_first = "", "", True, False
-        deadline_hit: list[bool] = []
-
-        def on_deadline() -> None:
-            deadline_hit.append(True)
-            r.client.abort(new.req_id, "deadline")
-
-        # the deadline is the daemon's to enforce, wherever the request is
-        timer = asyncio.get_running_loop().call_later(
-            max(0.0, new.deadline_unix - time.time()), on_deadline)
         updates = r.client.generate(new)
         self._open[new.req_id] = r
-        self._unadmitted.add(new.req_id)
         try:
             async for upd in updates:
                 if upd.refused_code:
@@ -186,10 +174,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                                   upd.retry_after_ms)
                 if upd.admitted:
                     t_admit, cached = time.time(), upd.cached_tokens
-                    self._unadmitted.discard(new.req_id)
-                if upd.finished == messages.FinishReason.ABORT and new.req_id in self._drained:
-                    raise Refusal("shutting_down", "This neuron is shutting down.",
-                                  int(self.residency.cfg.server.drain_secs * 1000))
                 resp = pb.GenerateResponse()
                 if not sent_first and request.return_prompt_token_ids:
                     resp.prompt_token_ids.extend(new.prompt_token_ids)
@@ -229,9 +213,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                         stop_reason = str(out_ids[-1])
                     elif upd.finished == messages.FinishReason.ERROR:
                         stop_reason = error
-                    elif upd.finished == messages.FinishReason.ABORT and (
-                            deadline_hit or time.time() >= new.deadline_unix):
-                        stop_reason = "deadline"
+                    elif upd.finished == messages.FinishReason.ABORT and upd.error == "deadline":
+                        stop_reason = "deadline"  # the engine enforces deadlines and says so
                 if finish is not None:
                     resp.finish_reason = finish
                     resp.stop_reason = stop_reason
@@ -251,10 +234,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             finish = finish or pb.FINISH_REASON_ERROR
             raise
         finally:
-            timer.cancel()
             self._open.pop(new.req_id, None)
-            self._unadmitted.discard(new.req_id)
-            self._drained.discard(new.req_id)
             await updates.aclose()
             outcome = ("client_gone" if client_gone
                        else pb.FinishReason.Name(finish or 0).removeprefix("FINISH_REASON_").lower())
@@ -269,14 +249,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                           queue_ms=round(u.queue_ms, 3), prefill_ms=round(u.prefill_ms, 3),
                           decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
                           stop_reason=stop_reason, client_gone=client_gone, error=error or None)
-
-    def refuse_unadmitted(self) -> int:
-        """Draining: end every call still waiting for admission with `shutting_down`
-        (the router retries it elsewhere at once); returns how many."""
-        for req_id in list(self._unadmitted):
-            self._drained.add(req_id)
-            self._open[req_id].client.abort(req_id, "drain")
-        return len(self._drained)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, blog: Any, model: str,
                       e: Refusal) -> None:

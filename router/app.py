@@ -17,7 +17,9 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
@@ -34,6 +36,7 @@ from helexa.router.registry import Registry
 from helexa.router.status import StatusBoard, status_routes
 
 SHUTDOWN_GRACE_SECS = 10.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = serve.STATE
 
 
@@ -111,7 +114,7 @@ class RouterState:
 
 
 @web.middleware
-async def error_envelope(request: web.Request, handler):
+async def error_envelope(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error, including aiohttp's own 404/405/413, in the OpenAI envelope."""
     try:
         return await handler(request)
@@ -140,14 +143,15 @@ async def models(request: web.Request) -> web.Response:
     limits = state.registry.ready_limits()
     costs = state.registry.ready_state_costs()
 
-    def entry(model_id: str, target: str) -> dict:
+    def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
-        e = {"id": model_id, "object": "model", "created": 0, "owned_by": "helexa",
-             "limit": {"context": context, "input": input_, "output": output},
-             "max_model_len": context}  # vLLM's name for the context limit
+        limit: dict[str, int] = {"context": context, "input": input_, "output": output}
+        e: dict[str, Any] = {"id": model_id, "object": "model", "created": 0,
+                             "owned_by": "helexa", "limit": limit,
+                             "max_model_len": context}  # vLLM's name for the context limit
         fixed, _ = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
-            e["limit"]["fixed_bytes_per_request"] = fixed
+            limit["fixed_bytes_per_request"] = fixed
             e["prefix_cache"] = False  # served without it: see docs/architecture.md
         if model_id != target:
             e["alias_of"] = target

@@ -80,7 +80,7 @@ class Dispatcher:
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
-        self._loads: dict[str, asyncio.Task] = {}  # model -> the one Load call this router made
+        self._loads: dict[str, asyncio.Task[None]] = {}  # model -> the one Load call this router made
 
     async def open(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, *,
                    principal: str, kind: str, stream: bool = True) -> OpenStream | Completed:

@@ -54,7 +54,7 @@ class Envelope:
         return self.req.kind == "chat"
 
 
-def usage_dict(choices: list[Choice]) -> dict:
+def usage_dict(choices: list[Choice]) -> dict[str, Any]:
     """Usage summed over choices; the prompt is counted once (as OpenAI does for n > 1)."""
     done = [c.usage for c in choices if c.usage is not None]
     prompt = max((u.prompt_tokens for u in done), default=0)
@@ -67,15 +67,15 @@ def usage_dict(choices: list[Choice]) -> dict:
             "completion_tokens_details": {"reasoning_tokens": reasoning}}
 
 
-def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict:
-    def entry(t: pb.TokenLogprob | pb.TopLogprob) -> dict:
+def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
+    def entry(t: pb.TokenLogprob | pb.TopLogprob) -> dict[str, Any]:
         # the token's own bytes, from the neuron: its text may hold U+FFFD for a split character
         raw = t.token_bytes or t.token.encode("utf-8")
         return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
     return {"content": [{**entry(t), "top_logprobs": [entry(a) for a in t.top]} for t in lps]}
 
 
-def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict:
+def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
     offsets = []
     for t in lps:
         offsets.append(offset)
@@ -85,7 +85,7 @@ def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict:
             "text_offset": offsets}
 
 
-def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict | None:
+def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any] | None:
     if not env.req.logprobs:
         return None
     return _chat_logprobs(lps) if env.chat else _completion_logprobs(lps, offset)
@@ -106,12 +106,12 @@ def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
         choice.usage = msg.usage
 
 
-def full_body(env: Envelope, choices: list[Choice]) -> dict:
+def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
     """The non-streaming reply."""
     out_choices = []
     for c in choices:
         text = "".join(c.text)
-        body: dict = {"index": c.index}
+        body: dict[str, Any] = {"index": c.index}
         finish = c.finish_reason
         if env.chat:
             body["message"] = {"role": "assistant", "content": text}
@@ -129,7 +129,8 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
         if env.req.return_token_ids:
             body["token_ids"] = c.token_ids
         out_choices.append(body)
-    reply = {"id": env.id, "object": "chat.completion" if env.chat else "text_completion",
+    reply: dict[str, Any] = {
+             "id": env.id, "object": "chat.completion" if env.chat else "text_completion",
              "created": env.created, "model": env.model, "choices": out_choices,
              "usage": usage_dict(choices)}
     if env.req.return_token_ids:
@@ -137,11 +138,12 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict:
     return reply
 
 
-def chat_message(a: Parts, b: Parts, finish: str | None) -> tuple[dict, str | None]:
+def chat_message(a: Parts, b: Parts, finish: str | None) -> tuple[dict[str, Any], str | None]:
     """A whole assistant message from its parsed parts, and its finish reason."""
     content = a.content + b.content
     calls = whole_calls(a.calls + b.calls)
-    msg: dict = {"role": "assistant", "content": content if content or not calls else None}
+    msg: dict[str, Any] = {"role": "assistant",
+                           "content": content if content or not calls else None}
     reasoning = a.reasoning + b.reasoning
     if reasoning:
         msg["reasoning_content"] = reasoning
@@ -154,16 +156,17 @@ def chat_message(a: Parts, b: Parts, finish: str | None) -> tuple[dict, str | No
     return msg, finish
 
 
-def _chunk(env: Envelope, choices: list[dict], *, usage: dict | None = None,
-           with_usage_key: bool = False) -> dict:
-    chunk = {"id": env.id, "object": "chat.completion.chunk" if env.chat else "text_completion",
+def _chunk(env: Envelope, choices: list[dict[str, Any]], *, usage: dict[str, Any] | None = None,
+           with_usage_key: bool = False) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+             "id": env.id, "object": "chat.completion.chunk" if env.chat else "text_completion",
              "created": env.created, "model": env.model, "choices": choices}
     if with_usage_key:
         chunk["usage"] = usage  # OpenAI sends `usage: null` on every chunk but the last
     return chunk
 
 
-def first_chunk(env: Envelope, choice: Choice) -> dict | None:
+def first_chunk(env: Envelope, choice: Choice) -> dict[str, Any] | None:
     """Chat opens each choice with the assistant role; completions have no such chunk."""
     if not env.chat:
         return None
@@ -173,13 +176,13 @@ def first_chunk(env: Envelope, choice: Choice) -> dict | None:
 
 
 def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
-                first: bool) -> dict | None:
+                first: bool) -> dict[str, Any] | None:
     """One SSE chunk for one neuron message (None when it carries nothing to say)."""
     finish = (FINISH_REASONS.get(msg.finish_reason)
               if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
     if not msg.text and not msg.token_ids and finish is None:
         return None  # (a first message's prompt ids then ride on the next chunk)
-    body: dict = {"index": choice.index}
+    body: dict[str, Any] = {"index": choice.index}
     if env.chat and choice.parser is not None:
         if msg.thought_open:
             choice.parser.thought_opened()
@@ -210,8 +213,8 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     return chunk
 
 
-def _parts_delta(choice: Choice, parts: Parts) -> dict:
-    delta: dict = {}
+def _parts_delta(choice: Choice, parts: Parts) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
     if parts.reasoning:
         delta["reasoning_content"] = parts.reasoning
     if parts.content:
@@ -230,12 +233,12 @@ def _parts_delta(choice: Choice, parts: Parts) -> dict:
     return delta
 
 
-def usage_chunk(env: Envelope, choices: list[Choice]) -> dict:
+def usage_chunk(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
     """The extra last chunk `stream_options.include_usage` asks for."""
     return _chunk(env, [], usage=usage_dict(choices), with_usage_key=True)
 
 
-def sse(obj: dict) -> bytes:
+def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 

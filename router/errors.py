@@ -2,17 +2,15 @@
 
 Every refusal a client sees is an `ApiError`, rendered as the OpenAI error
 envelope `{"error": {"message", "type", "code", "param"}}` with the HTTP
-status and, where DESIGN.md's error table says so, a `Retry-After` header.
-Codes are the ones of that table (`invalid_request_error`,
-`context_length_exceeded`, `invalid_api_key`, `model_not_found`,
-`rate_limit_exceeded`, `overloaded`, `model_loading`, `model_failed`,
-`shutting_down`, `service_unavailable`, `upstream_error`).
+status and, where docs/errors.md says so, a `Retry-After` header.
+Codes are the ones of that table (tests/test_docs.py keeps the two in step).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 from aiohttp import web
 
@@ -28,7 +26,7 @@ _TYPES = {
     429: "rate_limit_error",
 }
 
-# Codes that always tell the client when to come back (DESIGN.md error table).
+# Codes that always tell the client when to come back (docs/errors.md).
 RETRYABLE_CODES = frozenset(
     {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable",
      "model_failed"})
@@ -53,7 +51,7 @@ class ApiError(Exception):
     def type(self) -> str:
         return _TYPES.get(self.status, "server_error")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code,
                           "param": self.param}}
 

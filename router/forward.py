@@ -2,7 +2,7 @@
 
 A neuron refuses with a gRPC status plus trailing metadata `helexa-code`
 (the OpenAI-style code) and `helexa-retry-after-ms`; `map_rpc_error` turns
-that into the `ApiError` of DESIGN.md's error table, with `Retry-After`
+that into the `ApiError` of docs/errors.md's table, with `Retry-After`
 from the neuron's estimate. Streaming requests use `open_generate`, which
 returns only once the first message has arrived, so a refusal (which the
 neuron sends before any token) is seen before the router commits to an
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
 from helexa.router.errors import ApiError
 from helexa.router.inflight import Flight
@@ -32,6 +33,8 @@ from helexa.router.openai_api import ParsedRequest
 # router only sends where Watch said READY, so it means that report was already stale.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                        grpc.StatusCode.NOT_FOUND})
+
+Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata: (key, value) pairs
 
 _CODE_STATUS = {
     "rate_limit_exceeded": 429,
@@ -168,8 +171,9 @@ class UpstreamClosed(Exception):
     """The neuron ended the stream without a finish message."""
 
 
-async def open_generate(stub, neuron: str, greq: pb.GenerateRequest, *,
-                        metadata: tuple, timeout_secs: float, flight: Flight) -> OpenStream:
+async def open_generate(stub: neuron_pb2_grpc.NeuronStub, neuron: str,
+                        greq: pb.GenerateRequest, *, metadata: Metadata,
+                        timeout_secs: float, flight: Flight) -> OpenStream:
     """Start Generate and wait for its first message; raises AioRpcError on a refusal,
     UpstreamLost when the router ended the call."""
     call = flight.call = stub.Generate(greq, metadata=metadata, timeout=timeout_secs)
@@ -201,8 +205,8 @@ class Completed:
         """Nothing to abort: the call is over (the same interface as OpenStream)."""
 
 
-async def complete(stub, neuron: str, greq: pb.GenerateRequest, *,
-                   metadata: tuple, timeout_secs: float, flight: Flight) -> Completed:
+async def complete(stub: neuron_pb2_grpc.NeuronStub, neuron: str, greq: pb.GenerateRequest,
+                   *, metadata: Metadata, timeout_secs: float, flight: Flight) -> Completed:
     """Complete on one neuron; raises AioRpcError on a refusal or failure, UpstreamLost when
     the router ended the call. A neuron older than Complete (UNIMPLEMENTED) is asked with
     Generate instead and its stream merged."""

@@ -10,13 +10,17 @@ test) can see from the router alone that every KV block came back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from helexa.proto import neuron_pb2 as pb
+
+if TYPE_CHECKING:
+    from helexa.router.registry import NeuronLink
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
@@ -30,10 +34,10 @@ _STATES = {v.number: v.name.removeprefix("MODEL_STATE_").lower()
 class NeuronMirror:
     """A custom collector: each neuron's last Watch status, as gauges."""
 
-    def __init__(self, links: Callable[[], Iterable]) -> None:
+    def __init__(self, links: Callable[[], Iterable[NeuronLink]]) -> None:
         self.links = links
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["neuron", "model"]
         kv = {f: GaugeMetricFamily(f"helexa_neuron_kv_{f}_bytes",
                                    f"KV pool {f} bytes on the neuron, as last reported on Watch",
@@ -74,7 +78,7 @@ class ModelSeries:
         self.inter_token = m.inter_token.labels(model)
         self.e2e = m.e2e.labels(model)
         self._requests = m.requests
-        self._by_code: dict[str, object] = {}
+        self._by_code: dict[str, Counter] = {}  # a labelled child of _requests
 
     def answered(self, code: str) -> None:
         child = self._by_code.get(code)
@@ -86,7 +90,7 @@ class ModelSeries:
 class RouterMetrics:
     """Everything /metrics shows."""
 
-    def __init__(self, links: Callable[[], Iterable]) -> None:
+    def __init__(self, links: Callable[[], Iterable[NeuronLink]]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("helexa_router_requests", "Requests answered, by model and HTTP code",
                                 ["model", "code"], registry=r)

@@ -21,6 +21,8 @@ from helexa.router import agent_request
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
+Kind = Literal["chat", "completion", "messages"]  # which endpoint a request came to
+
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
 
@@ -41,7 +43,7 @@ class Turn:
 class ParsedRequest:
     """One validated chat or completion request, independent of the wire format."""
 
-    kind: Literal["chat", "completion"]
+    kind: Kind
     model: str
     messages: list[Turn] | None = None  # for chat
     prompt_text: str | None = None  # completion prompt as text ...
@@ -66,7 +68,7 @@ class ParsedRequest:
     return_token_ids: bool = False
     user: str | None = None
     # The agent fields (agent_request.py).
-    tools: list[dict] = field(default_factory=list)
+    tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str = "none"  # none | auto | required | function
     tool_name: str | None = None  # tool_choice "function": which one
     parallel_tool_calls: bool = True
@@ -74,7 +76,7 @@ class ParsedRequest:
     response_schema_name: str | None = None
     reasoning_effort: str = ""  # "" = the model's default; none | low | medium | high
     thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
-    template_kwargs: dict = field(default_factory=dict)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def prompt_chars(self) -> int:
@@ -85,7 +87,7 @@ class ParsedRequest:
         return len(self.prompt_text or "")
 
 
-def parse_request(body: bytes | Any, kind: Literal["chat", "completion"]) -> ParsedRequest:
+def parse_request(body: bytes | Any, kind: Kind) -> ParsedRequest:
     """Validate one request body (raw JSON bytes or decoded JSON data); raises ApiError(400)
     naming the offending param."""
     b = decode(body, kind)
@@ -145,7 +147,7 @@ def _message(m: Message, i: int) -> Turn:
 
 
 def _completion(b: CompletionBody, req: ParsedRequest) -> None:
-    prompt = b.prompt
+    prompt: str | list[int] | list[str | int | list[int]] = b.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one is the common client encoding
     if isinstance(prompt, str):

@@ -102,7 +102,7 @@ class NeuronLink:
         self.pending: list[PendingSend] = []
         # Calls open on this neuron (weak: a finished request's flight goes with its handler).
         self.flights: weakref.WeakSet[Flight] = weakref.WeakSet()
-        self.task: asyncio.Task | None = None
+        self.task: asyncio.Task[None] | None = None
         self.closing = False
 
     @property
@@ -197,7 +197,7 @@ class Registry:
         self.links: dict[str, NeuronLink] = {}
         self._endpoints = list(endpoints)
         self._changed = asyncio.Event()
-        self._health_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         await self.set_endpoints(self._endpoints)
@@ -308,7 +308,7 @@ class Registry:
         """Healthy, non-draining neurons with `model` READY, with the router's unreported sends."""
         out = []
         for link in self.healthy_links():
-            if link.status.draining:
+            if link.status is None or link.status.draining:  # healthy: status is set
                 continue
             m = link.model_status(model)
             if m is None or m.state != pb.MODEL_STATE_READY:
@@ -337,8 +337,8 @@ class Registry:
                 if (m := link.model_status(model)) is not None and m.state in states]
 
     def catalogue_holders(self, model: str) -> list[NeuronLink]:
-        return [link for link in self.healthy_links()
-                if not link.status.draining and model in link.status.catalogue]
+        return [link for link in self.healthy_links() if link.status is not None
+                and not link.status.draining and model in link.status.catalogue]
 
     def known_models(self) -> set[str]:
         """Every model any neuron (healthy or not) has reported resident or in its catalogue."""
@@ -354,7 +354,7 @@ class Registry:
         it: the largest figure, and on only where every neuron has it on."""
         out: dict[str, tuple[int, bool]] = {}
         for link in self.healthy_links():
-            for m in link.status.models:
+            for m in link.status.models if link.status is not None else ():
                 if m.state != pb.MODEL_STATE_READY:
                     continue
                 fixed, cache = m.limits.fixed_bytes_per_request, m.limits.prefix_cache
@@ -367,10 +367,11 @@ class Registry:
         """Model → (context, input, output), the smallest among healthy neurons serving it."""
         out: dict[str, tuple[int, int, int]] = {}
         for link in self.healthy_links():
-            for m in link.status.models:
+            for m in link.status.models if link.status is not None else ():
                 if m.state != pb.MODEL_STATE_READY:
                     continue
                 lim = (m.limits.context, m.limits.input, m.limits.output)
                 prev = out.get(m.model)
-                out[m.model] = lim if prev is None else tuple(map(min, prev, lim))
+                out[m.model] = lim if prev is None else (
+                    min(prev[0], lim[0]), min(prev[1], lim[1]), min(prev[2], lim[2]))
         return out

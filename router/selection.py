@@ -4,8 +4,8 @@ The policy, in order:
 
 1. Candidates are the healthy, non-draining neurons with the model READY
    (the registry builds them; this module only ranks).
-2. Those whose free KV fits the request's estimated reservation come first:
-   `ceil((prompt_tokens + output_budget) / block_size)` blocks, less what
+2. Those whose free KV fits the request's estimated reservation come first
+   (the engine's rule, neuron/engine/budget.py, over estimated prompt tokens), less what
    the router itself has sent there and the neuron has not reported yet.
    When none fits, all candidates stay in play (the neuron queues the
    request or refuses it with a retry-after; the router has no better
@@ -28,6 +28,8 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from helexa.neuron.engine.budget import output_budget, reservation_blocks
 
 CHARS_PER_TOKEN = 4  # a rough average for English text with BPE vocabularies
 TOKENS_PER_MESSAGE = 8  # chat-template framing per turn
@@ -74,11 +76,14 @@ def estimate_prompt_tokens(prompt_chars: int, num_messages: int = 0,
 
 
 def reservation_bytes(c: Candidate, est: Estimate) -> int:
-    """The KV the neuron will reserve for this request, in bytes, as the neuron computes it."""
-    room = max(1, c.context - est.prompt_tokens)
-    output = est.max_tokens if est.max_tokens is not None else min(c.default_output_tokens, room)
-    blocks = math.ceil((est.prompt_tokens + output) / max(1, c.block_size))
-    return blocks * c.block_size * c.bytes_per_token + c.fixed_bytes
+    """The KV the neuron will reserve for this request, in bytes: the engine's own rule
+    (neuron/engine/budget.py) over the estimated prompt, plus a hybrid model's fixed state."""
+    prompt = min(est.prompt_tokens, c.context - 1)  # an estimate past the context: the most
+    budget = output_budget(prompt, est.max_tokens, context=c.context,
+                           default_output_tokens=c.default_output_tokens)
+    block_size = max(1, c.block_size)
+    return (reservation_blocks(prompt, budget, block_size) * block_size * c.bytes_per_token
+            + c.fixed_bytes)
 
 
 def fits(c: Candidate, est: Estimate) -> bool:

@@ -1,6 +1,7 @@
 """The two generation endpoints: POST /v1/chat/completions and POST /v1/completions.
 
-One handler serves both. Its steps follow DESIGN.md's path of a request:
+One handler serves both. Its steps follow the path of a request
+(docs/architecture.md; the contract is docs/http.md):
 principal, body, alias, selection (Dispatcher), then either an SSE stream
 over Generate calls or one JSON body from Complete calls (unary: a stream
 costs more gRPC CPU on both ends, and a non-streaming client sees nothing
@@ -21,7 +22,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import msgspec
@@ -35,14 +36,22 @@ from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
 from helexa.router.http_edge import read_body
 from helexa.router.inflight import UpstreamLost
-from helexa.router.openai_api import ParsedRequest, parse_request
+from helexa.router.metrics import ModelSeries
+from helexa.router.openai_api import Kind, ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
+
+if TYPE_CHECKING:
+    from helexa.router.app import RouterState
 
 _FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
            pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
-STATE: web.AppKey = web.AppKey("state")  # the app's RouterState
+STATE: web.AppKey[RouterState] = web.AppKey("state")  # the app's RouterState
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+
+
+class _Done:
+    """A choice's stream has ended (its pump's last word)."""
 
 
 class UpstreamFailed(Exception):
@@ -69,8 +78,9 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
         async for msg in streams[0].messages():
             yield 0, msg
         return
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
+    done = _Done()
+    queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | _Done]] = \
+        asyncio.Queue()
 
     async def pump(i: int, s: OpenStream) -> None:
         try:
@@ -86,7 +96,7 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
         open_count = len(streams)
         while open_count:
             i, item = await queue.get()
-            if item is done:
+            if isinstance(item, _Done):
                 open_count -= 1
             elif isinstance(item, BaseException):
                 raise item
@@ -97,16 +107,16 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
             t.cancel()
 
 
-async def handle(request: web.Request, kind: str) -> web.StreamResponse:
+async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
     t0 = time.monotonic()
     req_id = os.urandom(12).hex()
     # Plain dict rather than log.bind(): a request's fields grow as it is understood.
-    ctx: dict = {"req_id": req_id}
+    ctx: dict[str, Any] = {"req_id": req_id}
     log = state.log
     model = "-"
     code = "200"
-    calls: list[OpenStream] | list[Completed] = []
+    calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
     try:
         principal = ctx["principal"] = state.auth.principal(authorization(request))
@@ -126,13 +136,14 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=i, parser=_parser(state, req, model, calls))
                    for i in range(req.n)]
+        streams = [c for c in calls if isinstance(c, OpenStream)]
         if kind == "messages":
             resp = await _anthropic(request, req, model, choices[0], calls[0], state, req_id)
         elif req.stream:
-            resp = await _stream(request, env, choices, calls, state, state.metrics.model(model),
-                                 t0, req_id)
+            resp = await _stream(request, env, choices, streams, state,
+                                 state.metrics.model(model), t0, req_id)
         else:
-            resp = _reply(env, choices, calls, req_id)
+            resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], req_id)
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
                  usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
@@ -167,8 +178,9 @@ async def handle(request: web.Request, kind: str) -> web.StreamResponse:
         series.e2e.observe(time.monotonic() - t0)
 
 
-async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: bytes,
-                    principal: str, kind: str, stream: bool) -> list:
+async def _open_all(state: RouterState, greqs: list[pb.GenerateRequest], est: Estimate,
+                    key: bytes, principal: str, kind: Kind,
+                    stream: bool) -> list[OpenStream | Completed]:
     """One open stream (or Complete reply) per choice, or the first refusal (the others are
     cancelled)."""
     if len(greqs) == 1:  # the common case, without a task per choice
@@ -181,7 +193,7 @@ async def _open_all(state, greqs: list[pb.GenerateRequest], est: Estimate, key: 
     ok = False
     try:
         await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [t.exception() for t in tasks if t.exception() is not None]
+        errors = [e for t in tasks if (e := t.exception()) is not None]
         if errors:
             raise errors[0]
         ok = True
@@ -256,7 +268,7 @@ def _check_finish(msg: pb.GenerateResponse) -> None:
         raise UpstreamFailed(_FAILED[msg.finish_reason])
 
 
-def _timing(series, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
+def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
     n = len(msg.token_ids)
     if not n:
         return
@@ -268,7 +280,8 @@ def _timing(series, t0: float, last: list[float], msg: pb.GenerateResponse) -> N
     last[0] = now
 
 
-def _reply(env, choices, replies: list[Completed], req_id) -> web.Response:
+def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Completed],
+           req_id: str) -> web.Response:
     for choice, r in zip(choices, replies, strict=True):
         if r.reply.finish_reason in _FAILED:
             raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
@@ -279,8 +292,9 @@ def _reply(env, choices, replies: list[Completed], req_id) -> web.Response:
                         content_type="application/json", headers={"x-request-id": req_id})
 
 
-async def _stream(request, env, choices, streams, state, series, t0,
-                  req_id) -> web.StreamResponse:
+async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
+                  streams: list[OpenStream], state: RouterState, series: ModelSeries,
+                  t0: float, req_id: str) -> web.StreamResponse:
     resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
     await resp.prepare(request)
     for c in choices:

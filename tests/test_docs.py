@@ -4,6 +4,7 @@ validates (and plans) as the daemons would load it."""
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
 from pathlib import Path
@@ -116,7 +117,8 @@ def test_a_broken_example_would_be_caught(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------- prose vs code
 
-PROSE = [ROOT / "docs" / "architecture.md", ROOT / "docs" / "operating.md"]
+PROSE = [ROOT / "docs" / f"{name}.md" for name in ("architecture", "operating", "http", "grpc",
+                                                  "errors", "observability")]
 _TOP_KEYS = {f.name for schema in (config.NeuronConfig, config.RouterConfig)
              for f in msgspec.structs.fields(schema)}
 
@@ -134,10 +136,10 @@ def test_sample_output_in_operating_md_is_what_the_command_prints(monkeypatch, c
 
 
 def test_config_keys_named_in_the_docs_exist() -> None:
-    named = set()
+    named, events = set(), _logged_events()  # `engine.step_failed` is an event, not a key
     for doc in PROSE:
         for key in re.findall(r"`([a-z_]+(?:\[\])?(?:\.(?:<name>|[a-z_]+)(?:\[\])?)+)`", doc.read_text()):
-            if key.split(".")[0].removesuffix("[]") in _TOP_KEYS:
+            if key.split(".")[0].removesuffix("[]") in _TOP_KEYS and key not in events:
                 named.add((doc.name, key))
     assert len(named) > 20
     for doc, key in sorted(named):
@@ -186,3 +188,182 @@ def test_commands_named_in_the_docs_exist() -> None:
         for cmd in re.findall(r"(?<![\w/.-])helexa ([a-z]+)\b", doc.read_text()):
             if cmd not in {"serves"}:  # prose, not a command
                 assert cmd in COMMANDS, f"docs/{doc.name} names `helexa {cmd}`"
+
+
+# ------------------------------------------------------------- the contracts vs code
+
+CONTRACTS = {name: ROOT / "docs" / f"{name}.md" for name in ("http", "grpc", "errors",
+                                                               "observability")}
+_SOURCES = [p for folder in ("router", "neuron", "helexa", "kernels")
+            for p in sorted((ROOT / folder).rglob("*.py")) if "proto" not in p.parts]
+_LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
+
+
+def _strings(node: ast.AST) -> list[str]:
+    return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)]
+
+
+def _code_literals(tree: ast.AST) -> set[str]:
+    """Error codes a module can give: `code="…"` arguments, the first argument of
+    Refusal/Problem, and {status: code} / (status, code) tables."""
+    codes: set[str] = set()
+    types = {id(a.value) for a in ast.walk(tree) if isinstance(a, ast.Assign)
+             and any(getattr(t, "id", "") == "_TYPES" for t in a.targets)}  # `type`, not codes
+    for node in ast.walk(tree):
+        if id(node) in types:
+            continue
+        if isinstance(node, ast.Call):
+            for kw in node.keywords:
+                if kw.arg == "code" and isinstance(kw.value, ast.Constant) \
+                        and isinstance(kw.value.value, str):
+                    codes.add(kw.value.value)
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name in ("Refusal", "Problem") and node.args \
+                    and isinstance(node.args[0], ast.Constant) \
+                    and isinstance(node.args[0].value, str):
+                codes.add(node.args[0].value)
+        pairs: list[tuple[ast.AST | None, ast.AST]] = []
+        if isinstance(node, ast.Dict):
+            pairs = list(zip(node.keys, node.values, strict=True))
+        elif isinstance(node, ast.Tuple) and len(node.elts) == 2:
+            pairs = [(node.elts[0], node.elts[1])]
+        for key, value in pairs:
+            if isinstance(key, ast.Constant) and isinstance(key.value, int) \
+                    and 400 <= key.value < 600 and isinstance(value, ast.Constant) \
+                    and isinstance(value.value, str):
+                codes.add(value.value)
+    return codes
+
+
+def _emitted_codes() -> set[str]:
+    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.router.forward import _CODE_STATUS
+
+    codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
+    for py in _SOURCES:
+        if py.parts[-2] in ("router", "neuron", "engine"):
+            codes |= _code_literals(ast.parse(py.read_text()))
+    return codes
+
+
+def _error_table() -> dict[str, str]:
+    """code → its rows in docs/errors.md's table (the first name in the `code` column)."""
+    rows: dict[str, str] = {}
+    for line in CONTRACTS["errors"].read_text().splitlines():
+        cells = line.split(" | ")
+        if line.startswith("| ") and len(cells) >= 5 and not line.startswith("| situation"):
+            code = re.match(r"`([a-z_]+)`", cells[2])
+            if code:
+                rows[code.group(1)] = rows.get(code.group(1), "") + line + "\n"
+    return rows
+
+
+def test_every_error_code_the_code_gives_is_in_the_error_table() -> None:
+    emitted, table = _emitted_codes(), _error_table()
+    assert {"overloaded", "context_length_exceeded", "request_too_large", "timeout",
+            "not_found", "model_busy"} <= emitted  # the scan sees every kind of source
+    assert not emitted - set(table), f"docs/errors.md lacks {sorted(emitted - set(table))}"
+    assert not set(table) - emitted, \
+        f"docs/errors.md lists codes nothing gives: {sorted(set(table) - emitted)}"
+
+
+def test_the_error_table_states_the_status_each_code_gets() -> None:
+    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.router.forward import _CODE_STATUS
+
+    table = _error_table()
+    for code, status in _CODE_STATUS.items():
+        assert f"| {status} |" in table[code], f"docs/errors.md: `{code}` is HTTP {status}"
+    for code, grpc_status in STATUS_OF_CODE.items():
+        assert f"`{grpc_status.name}`" in table[code], \
+            f"docs/errors.md: the neuron gives `{code}` as {grpc_status.name}"
+
+
+def test_every_route_is_in_the_http_doc() -> None:
+    from helexa.config import RouterConfig
+    from helexa.router.app import RouterState, build_app
+
+    app = build_app(RouterState(RouterConfig(), None))
+    served = {(r.method, r.resource.canonical) for r in app.router.routes()
+              if r.method != "HEAD" and r.resource is not None}
+    documented = set(re.findall(r"^\| `([A-Z]+)` \| `(/[^`]*)` \|", CONTRACTS["http"].read_text(),
+                                re.M))
+    assert len(served) >= 6
+    assert not served - documented, f"docs/http.md lacks routes {sorted(served - documented)}"
+    assert not documented - served, f"docs/http.md lists routes not served: {documented - served}"
+
+
+def test_every_rpc_is_in_the_grpc_doc() -> None:
+    from helexa.proto import neuron_pb2 as pb
+
+    rpcs = {m.name for m in pb.DESCRIPTOR.services_by_name["Neuron"].methods}
+    documented = set(re.findall(r"^\| `([A-Za-z]+)` \| (?:unary|server stream) \|",
+                                CONTRACTS["grpc"].read_text(), re.M))
+    assert {"Generate", "Watch"} <= rpcs
+    assert rpcs == documented, f"docs/grpc.md: missing {rpcs - documented}, extra {documented - rpcs}"
+
+
+def _registered_metrics() -> set[str]:
+    """Every metric family the daemons register, as Prometheus exposes it."""
+    from types import SimpleNamespace
+
+    from helexa.neuron.metrics import NeuronMetrics
+    from helexa.router.metrics import RouterMetrics
+
+    names = set()
+    for registry in (NeuronMetrics(SimpleNamespace(models={})).registry,  # type: ignore[arg-type]
+                     RouterMetrics(lambda: []).registry):
+        for family in registry.collect():
+            names.add(family.name + ("_total" if family.type == "counter" else ""))
+    return names
+
+
+def test_every_registered_metric_is_in_the_observability_doc() -> None:
+    registered = _registered_metrics()
+    documented = {n for raw in re.findall(r"`(helexa_[a-z_{},]+)`",
+                                          CONTRACTS["observability"].read_text())
+                  for n in _expand(raw)}
+    assert len(registered) > 25
+    assert not registered - documented, \
+        f"docs/observability.md lacks metrics {sorted(registered - documented)}"
+    assert not documented - registered, \
+        f"docs/observability.md lists metrics nobody registers: {sorted(documented - registered)}"
+
+
+def _logged_events() -> set[str]:
+    events = set()
+    for py in _SOURCES:
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _LOG_METHODS and node.args:
+                events |= {s for s in _strings(node.args[0])
+                           if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", s)}
+    return events
+
+
+def test_every_logged_event_is_in_the_observability_doc() -> None:
+    logged = _logged_events()
+    text = CONTRACTS["observability"].read_text()
+    table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
+    documented = {e for row in table.splitlines()
+                  for e in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", row.split(" | ")[0])}
+    assert {"request.start", "request.done", "request.rejected", "neuron.down"} <= logged
+    assert not logged - documented, f"docs/observability.md lacks events {sorted(logged - documented)}"
+    assert not documented - logged, \
+        f"docs/observability.md lists events nothing logs: {sorted(documented - logged)}"
+
+
+def test_the_repository_cites_only_its_own_docs() -> None:
+    # The design lives in docs/; nothing may point at a document outside the repository.
+    tracked = [p for folder in ("router", "neuron", "helexa", "kernels", "proto", "tests",
+                                "bench", "docs", "deploy")
+               for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in
+               (".py", ".md", ".proto", ".toml", ".sh", ".c")]
+    tracked += [ROOT / "README.md", ROOT / "Makefile", ROOT / "pyproject.toml"]
+    stale = [str(p.relative_to(ROOT)) for p in tracked
+             if p != Path(__file__) and re.search(r"\bDESIGN(\.md|'s)\b", p.read_text(errors="replace"))]
+    assert not stale, f"these cite a DESIGN document that is not in the repository: {stale}"
+    for link in re.findall(r"\]\(([a-z_]+\.md)(?:#[a-z-]+)?\)",
+                           "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))):
+        assert (ROOT / "docs" / link).exists(), f"docs link to a missing docs/{link}"

@@ -4,7 +4,8 @@ It owns the queue (per principal, FIFO within one) and the set of in-flight
 requests, and asks the block pool whether a reservation fits; the engine core
 applies what it decides (and alone releases blocks, in one place).
 
-The rules (DESIGN.md, "A request's states"):
+The rules (docs/architecture.md, "A request's states"; what a request reserves is
+budget.py's):
 
 - `submit`: refused at once when admission is stopped (503 shutting_down),
   when the principal already has `max_per_principal` queued + in flight
@@ -36,7 +37,8 @@ from dataclasses import dataclass
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockPool
-from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
+from helexa.neuron.engine.budget import reservation_blocks
+from helexa.neuron.engine.request import Request, RequestStatus
 
 # Deadlines and queue waits are checked at most this often.
 _EXPIRE_EVERY_SECS = 0.01
@@ -81,12 +83,12 @@ class DrainMeter:
 
 
 class Admission:
-    def __init__(self, pool: BlockPool, limits: messages.SetLimits, *,
+    def __init__(self, pool: BlockPool, limits: messages.Limits, *,
                  prefix_cache: bool = False,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time) -> None:
         self.pool = pool
-        self.limits = limits  # every knob set
+        self.limits = limits
         self.prefix_cache = prefix_cache
         self.clock = clock
         self.wall_clock = wall_clock
@@ -114,7 +116,7 @@ class Admission:
         return [r for q in self._queues.values() for r in q]
 
     def reservation_blocks(self, req: Request) -> int:
-        return blocks_for_tokens(req.max_total_tokens, self.pool.block_size)
+        return reservation_blocks(req.num_prompt_tokens, req.output_budget, self.pool.block_size)
 
     # --- decisions ---------------------------------------------------------
 

@@ -36,6 +36,9 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
 
+OnStatus = Callable[[messages.EngineStatus], None]
+OnText = Callable[[str], None]  # a fatal reason, or loading progress
+
 # A healthy engine with work sends at least every 0.5 s (process.py); steps are
 # bounded by max_batched_tokens. Much longer silence means it is stuck.
 DEFAULT_STALL_SECS = 120.0
@@ -69,8 +72,8 @@ def _is_terminal(upd: messages.RequestUpdate) -> bool:
 
 class EngineClient:
     def __init__(self, spec: EngineSpec, process: Any, conn: Any, loop: asyncio.AbstractEventLoop,
-                 on_status: Callable | None, on_fatal: Callable | None,
-                 on_progress: Callable | None) -> None:
+                 on_status: OnStatus | None, on_fatal: OnText | None,
+                 on_progress: OnText | None) -> None:
         self.spec = spec
         self.process = process
         self._conn = conn
@@ -89,6 +92,7 @@ class EngineClient:
         self._reset_done: asyncio.Future[str] | None = None
         self._flush_scheduled = False
         self._stop_admitting = False
+        self._pending_refuse_queued = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._last_heard = loop.time()
         self._watchdog: asyncio.Task[None] | None = None
@@ -102,19 +106,22 @@ class EngineClient:
         loop.add_reader(self._fd, self._on_readable)
 
     @classmethod
-    async def start(cls, spec: EngineSpec, *, on_status: Callable | None = None,
-                    on_fatal: Callable | None = None, on_progress: Callable | None = None,
+    async def start(cls, spec: EngineSpec, *, on_status: OnStatus | None = None,
+                    on_fatal: OnText | None = None, on_progress: OnText | None = None,
                     timeout_secs: float | None = None,
-                    stall_secs: float = DEFAULT_STALL_SECS) -> EngineClient:
+                    stall_secs: float = DEFAULT_STALL_SECS,
+                    runner_factory: Callable[[EngineSpec], Any] | None = None) -> EngineClient:
         """Spawn the engine process; return once its model is loaded (EngineError if not).
 
         With requests open, an engine that sends nothing for `stall_secs` is wedged (a
-        hung collective, a stuck device): it is killed and reported like a dead one."""
+        hung collective, a stuck device): it is killed and reported like a dead one.
+        `runner_factory` (picklable) replaces the model, for runs without one."""
         loop = asyncio.get_running_loop()
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe(duplex=True)
         # Not daemonic: an engine with tp > 1 starts its own rank processes.
-        process = ctx.Process(target=engine_main, args=(msgspec.msgpack.encode(spec), child_conn),
+        process = ctx.Process(target=engine_main,
+                              args=(msgspec.msgpack.encode(spec), child_conn, runner_factory),
                               name=f"helexa-engine-{spec.model_id}")
         await loop.run_in_executor(None, process.start)
         _live_processes.add(process)
@@ -130,7 +137,8 @@ class EngineClient:
 
     @property
     def pid(self) -> int | None:
-        return self.process.pid
+        pid: int | None = self.process.pid
+        return pid
 
     # --- requests ----------------------------------------------------------
 
@@ -170,8 +178,11 @@ class EngineClient:
             if self._pending_limits is not None else limits
         self._schedule_flush()
 
-    def stop_admitting(self, flag: bool = True) -> None:
+    def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
+        """Stop (or resume) admitting; with `refuse_queued` (a drain) the engine also
+        refuses what is queued, `shutting_down`, so its callers can go elsewhere at once."""
         self._stop_admitting = flag
+        self._pending_refuse_queued = self._pending_refuse_queued or refuse_queued
         self._schedule_flush()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
@@ -225,9 +236,10 @@ class EngineClient:
             return
         msg = messages.ToEngine(new=self._pending_new, aborts=self._pending_aborts,
                                 limits=self._pending_limits, stop_admitting=self._stop_admitting,
-                                shutdown=self._pending_shutdown, reset_kv=self._pending_reset)
+                                shutdown=self._pending_shutdown, reset_kv=self._pending_reset,
+                                refuse_queued=self._pending_refuse_queued)
         self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
-        self._pending_reset = None
+        self._pending_reset, self._pending_refuse_queued = None, False
         data = self._encoder.encode(msg)
         n = len(data)
         self._send(struct.pack("!i", n) + data if n <= 0x7FFFFFFF

@@ -34,7 +34,8 @@ class IncrementalDetokenizer:
         self.text = ""  # all output text emitted so far
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return text
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated ids; return the new complete text (possibly "")."""

@@ -24,30 +24,43 @@ requests of that step (their blocks return) and the engine goes on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
-from helexa.neuron.engine.fake_runner import FakeRunner
+from helexa.neuron.engine.budget import Problem, blocks_for_tokens, check_request, output_budget
 from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance, eos_ids_from
 from helexa.neuron.engine.model_runner import SeqInput
-from helexa.neuron.engine.request import Request, RequestStatus, blocks_for_tokens
+from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
 from helexa.neuron.engine.thinking import ThoughtTracker
 
+if TYPE_CHECKING:
+    import torch
+
 _EWMA_ALPHA = 0.2
 
 
+class Runner(Protocol):
+    """What a step needs of a model runner: ModelRunner, or a stand-in without a model."""
+
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor: ...
+
+
 class EngineCore:
-    def __init__(self, spec: EngineSpec, runner: Any = None, *, sampler: Any = None,
-                 clock=time.monotonic, wall_clock=time.time, logger: Any = None,
-                 progress: Any = None) -> None:
+    def __init__(self, spec: EngineSpec, runner: Runner | None = None, *,
+                 sampler: Sampler | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time, logger: Any = None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.spec = spec
         self.limits = full_limits(spec.limits)
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
         self.spec = spec = check_pool(spec, self.runner)
@@ -77,7 +90,7 @@ class EngineCore:
         self._updates: dict[str, messages.RequestUpdate] = {}
         self._kv_reset_answer = ""
         self.grammars = Grammars(spec.model_dir,
-                                 getattr(self.runner, "vocab_size", spec.fake_vocab_size),
+                                 int(getattr(self.runner, "vocab_size", 0)),
                                  eos_ids_from(spec.model_dir) if spec.model_dir else [])
 
     # --- the step ----------------------------------------------------------
@@ -129,13 +142,18 @@ class EngineCore:
         if inbound.limits is not None:
             self.set_limits(inbound.limits)
         self.admission.admitting = not inbound.stop_admitting
+        if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
+            for req in self.admission.queued():
+                self._refuse(req, Refusal("shutting_down", "This model is shutting down.",
+                                          self.admission.retry_after_ms(
+                                              self.admission.reservation_blocks(req))))
         for new in inbound.new:  # new before aborts: an abort may follow its request at once
             self.add_request(new)
             self._admit()  # so the queue depth a newcomer meets is the real one
         for abort in inbound.aborts:
-            req = self.requests.get(abort.req_id)
-            if req is not None:
-                self._finish(req, RequestStatus.FINISHED_ABORTED, abort.reason)
+            aborted = self.requests.get(abort.req_id)
+            if aborted is not None:
+                self._finish(aborted, RequestStatus.FINISHED_ABORTED, abort.reason)
         if inbound.reset_kv is not None:
             self._kv_reset_answer = self.reset_kv(inbound.reset_kv)
         if inbound.shutdown:
@@ -170,12 +188,13 @@ class EngineCore:
         self.admission.pool = self.pool
         self.admission.drain = DrainMeter()  # the old pool's release counter means nothing now
         for req in self.admission.queued():  # queued under the old context, refused if too long now
-            need = self.admission.reservation_blocks(req)
-            if req.max_total_tokens > r.context or need > r.num_blocks:
-                self._refuse(req, Refusal(
-                    "context_length_exceeded",
-                    f"prompt {req.num_prompt_tokens} + output {req.output_budget} tokens;"
-                    f" the context is now {r.context}"))
+            problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
+                                    max_output_tokens=r.max_output_tokens)
+            if problem is None and self.admission.reservation_blocks(req) > r.num_blocks:
+                problem = Problem("context_length_exceeded",
+                                  f"{req.max_total_tokens} tokens do not fit the re-planned pool")
+            if problem is not None:
+                self._refuse(req, Refusal(problem.code, problem.message))
         return "ok"
 
     def _new_pool(self, num_blocks: int) -> BlockPool:
@@ -187,12 +206,9 @@ class EngineCore:
     def add_request(self, new: messages.NewRequest) -> None:
         prompt = list(new.prompt_token_ids)
         context = self.spec.context
-        if new.max_tokens is not None:
-            budget = new.max_tokens
-        else:
-            budget = min(self.limits.default_output_tokens, context - len(prompt))
-            if self.spec.max_output_tokens is not None:
-                budget = min(budget, self.spec.max_output_tokens)
+        budget = output_budget(len(prompt), new.max_tokens, context=context,
+                               default_output_tokens=self.limits.default_output_tokens,
+                               max_output_tokens=self.spec.max_output_tokens)
         req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
                       sampling=new.sampling, principal=new.principal,
                       stop_token_ids=frozenset(new.stop_token_ids),
@@ -200,14 +216,10 @@ class EngineCore:
         if new.req_id in self.requests:
             self._refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
             return
-        if not prompt or (new.max_tokens is not None and new.max_tokens < 1):
-            self._refuse(req, Refusal("invalid_request_error",
-                                      "a request needs a prompt token and max_tokens >= 1"))
-            return
-        if len(prompt) >= context or len(prompt) + budget > context:
-            self._refuse(req, Refusal(
-                "context_length_exceeded",
-                f"prompt {len(prompt)} + output {budget} tokens; the context is {context}"))
+        problem = check_request(len(prompt), new.max_tokens, context=context,
+                                max_output_tokens=self.spec.max_output_tokens)
+        if problem is not None:
+            self._refuse(req, Refusal(problem.code, problem.message))
             return
         if new.grammar is not None:
             try:
@@ -252,7 +264,8 @@ class EngineCore:
             self.running.append(req)
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
-            seqs, sampled = [], []
+            seqs: list[SeqInput] = []
+            sampled: list[Request] = []
             for req, chunk in zip(reqs, plan.chunks, strict=True):
                 start = req.num_computed_tokens
                 end = start + chunk.num_tokens
@@ -270,7 +283,7 @@ class EngineCore:
                       and (r.thought is None or r.thought.answering)]
             masks = self.grammars.start([sampled[j].matcher for j in masked]) if masked else None
             logits = self.runner.execute(seqs)
-            states: list[Any] = [r.sampling_state for r in sampled]
+            states = [_sampling_state(r) for r in sampled]
             if masks is not None:
                 picks = self.sampler(logits, states, bitmask=(masked, masks.result()))
             else:
@@ -386,11 +399,14 @@ class EngineCore:
         return upd
 
 
-def make_runner(spec: EngineSpec, limits: messages.SetLimits, progress: Any = None) -> Any:
-    """The model runner a spec asks for: the real one, or the fake for tests and benchmarks."""
-    if spec.fake_runner:
-        return FakeRunner(spec.fake_vocab_size, spec.num_blocks, spec.block_size,
-                          step_secs=spec.fake_step_secs)
+def _sampling_state(req: Request) -> SamplingState:
+    assert req.sampling_state is not None, "set when the request was queued"
+    return req.sampling_state
+
+
+def make_runner(spec: EngineSpec, limits: messages.Limits,
+                progress: Callable[[int, int], None] | None = None) -> Runner:
+    """The model runner for a spec: its checkpoint, on its devices."""
     from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,

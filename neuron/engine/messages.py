@@ -72,8 +72,22 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = "client_gone"  # client_gone | deadline | stop_string | drain | unload
 
 
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Every runtime (reload-safe) knob, as the engine runs under it."""
+
+    max_in_flight: int
+    max_queue_depth: int
+    max_per_principal: int
+    anon_max_in_flight: int
+    kv_max_wait_secs: float
+    max_slots: int
+    max_batched_tokens: int
+    prefill_chunk_tokens: int
+    default_output_tokens: int
+
+
 class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """Runtime (reload-safe) knobs; None leaves a knob as it is."""
+    """A change of runtime knobs (the fields of Limits); None leaves a knob as it is."""
 
     max_in_flight: int | None = None
     max_queue_depth: int | None = None
@@ -107,6 +121,7 @@ class ToEngine(msgspec.Struct, kw_only=True):
     aborts: list[Abort] = []
     limits: SetLimits | None = None
     stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
+    refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
     shutdown: bool = False  # exit after aborting everything
     reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
 

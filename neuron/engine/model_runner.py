@@ -16,6 +16,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import structlog
 import torch
@@ -110,8 +111,10 @@ class ModelRunner:
         self.max_batched_tokens = max_batched_tokens
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_state_slots = num_state_slots
-        self.model = load_model(model_dir, device=self.device, dtype=dtype, tp_rank=tp_rank,
-                                tp_size=tp_size, progress=progress, quantize=quant)
+        # Any: the model families share no typed base class yet (neuron/models/).
+        self.model: Any = cast(Any, load_model(model_dir, device=self.device, dtype=dtype,
+                                               tp_rank=tp_rank, tp_size=tp_size,
+                                               progress=progress, quantize=quant))
         self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
         self.backend.prepare_model(self.model, max_num_seqs=max_num_seqs,

@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.engine_core import EngineCore
 
 # A step with nothing to run (everything queued behind a stopped admission)
 # waits this long for the pipe instead of spinning.
@@ -54,17 +59,20 @@ def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
             merged.limits = msg.limits if merged.limits is None else \
                 merge_limits(merged.limits, msg.limits)
         merged.shutdown = merged.shutdown or msg.shutdown
+        merged.refuse_queued = merged.refuse_queued or msg.refuse_queued
         merged.reset_kv = msg.reset_kv or merged.reset_kv
     merged.stop_admitting = batch[-1].stop_admitting  # each message carries the current flag
     return merged
 
 
-def engine_main(spec_bytes: bytes, conn: Connection) -> None:
-    """Entry point of the spawned process."""
+def engine_main(spec_bytes: bytes, conn: Connection,
+                runner_factory: Callable[[EngineSpec], Any] | None = None) -> None:
+    """Entry point of the spawned process. `runner_factory` (picklable) stands in for the
+    model: benchmarks and tests of the serving path run without one."""
     encoder = msgspec.msgpack.Encoder()
     spec = msgspec.msgpack.decode(spec_bytes, type=EngineSpec)
     try:
-        core = _load(spec, conn, encoder)
+        core = _load(spec, conn, encoder, runner_factory)
     except BaseException:  # a load failure is reported, never raised into the void
         _try_send(conn, encoder, messages.FromEngine(fatal=f"loading {spec.model_id} failed:\n"
                                                      f"{traceback.format_exc()}"))
@@ -86,7 +94,8 @@ def engine_main(spec_bytes: bytes, conn: Connection) -> None:
         conn.close()
 
 
-def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder):
+def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder,
+          runner_factory: Callable[[EngineSpec], Any] | None = None) -> EngineCore:
     import torch
 
     from helexa.log import get_logger, setup_logging
@@ -105,12 +114,13 @@ def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder):
             _send(conn, encoder, messages.FromEngine(progress=f"{done}/{total}"))
 
     log = get_logger("neuron").bind(model=spec.model_id)
-    return EngineCore(spec, logger=log, progress=progress)
+    runner = runner_factory(spec) if runner_factory is not None else None
+    return EngineCore(spec, runner, logger=log, progress=progress)
 
 
-def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
+def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
     decoder = msgspec.msgpack.Decoder(messages.ToEngine)
-    last_status: tuple | None = None
+    last_status: tuple[messages.KvLedger, int, int, int, bool] | None = None
     last_status_at = 0.0
     while True:
         batch: list[messages.ToEngine] = []
@@ -123,6 +133,7 @@ def run_loop(core, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
         inbound = merge_inbound(batch) if batch else None
         out = core.step(inbound)
         status = out.status
+        assert status is not None  # every step reports the model's status
         key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
         now = time.monotonic()
         if (out.updates or out.kv_reset or key != last_status

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockKey
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.sampler import SamplingState
 
 
 class RequestStatus(enum.IntEnum):
@@ -72,7 +75,7 @@ class Request:
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
-    sampling_state: object | None = None  # the sampler's per-request state
+    sampling_state: SamplingState | None = None  # the sampler's per-request state
     matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
     thought: Any = None  # its thinking.ThoughtTracker when the model thinks, or None
 
@@ -125,7 +128,3 @@ class Request:
             return self.output_token_ids[start - n_prompt:end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - n_prompt]
 
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """ceil(num_tokens / block_size): the blocks that hold that many tokens."""
-    return -(-num_tokens // block_size)

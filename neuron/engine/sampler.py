@@ -126,8 +126,8 @@ class Sampler:
             lps = torch.log_softmax(logits[lp_rows], dim=-1)
             chosen = lps.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
             k = min(max(states[i].params.top_logprobs for i in lp_rows), vocab)
-            top_v, top_i = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+            top_vt, top_it = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+            top_v, top_i = top_vt.tolist(), top_it.tolist()
             for j, i in enumerate(lp_rows):
                 want = states[i].params.top_logprobs
                 top = [TopToken(tid, lp) for tid, lp in zip(top_i[j][:want], top_v[j][:want],

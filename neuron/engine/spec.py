@@ -2,25 +2,24 @@
 
 The daemon builds it from the neuron config and the model's plan (KV
 arithmetic from helexa.plan) and hands it to the spawned engine process, so
-the engine never reads TOML. `limits` always has every knob set (see
-`full_limits`); runtime changes arrive later as partial `SetLimits` and are
-merged with `merge_limits`.
-
-`fake_runner` swaps the model for a deterministic stand-in (tests, and
-benchmarks of the serving path without a model).
+the engine never reads TOML. `limits` are the knobs the config sets, over
+DEFAULT_LIMITS (`full_limits` gives a `Limits` with every knob set); runtime
+changes arrive later as partial `SetLimits` and are merged with `merge_limits`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
 from helexa.config import NeuronConfig, ProfileConfig
 from helexa.neuron.engine import messages
 
+AnyLimits = TypeVar("AnyLimits", messages.Limits, messages.SetLimits)
 
-def merge_limits(current: messages.SetLimits, update: messages.SetLimits | None) -> messages.SetLimits:
+
+def merge_limits(current: AnyLimits, update: messages.SetLimits | None) -> AnyLimits:
     """`current` with every knob that `update` sets replaced."""
     if update is None:
         return current
@@ -54,7 +53,8 @@ def limits_from_config(cfg: NeuronConfig,
 
 
 # Every knob at helexa.config's defaults ([admission], [kv], [engine]).
-DEFAULT_LIMITS = limits_from_config(NeuronConfig())
+DEFAULT_LIMITS = msgspec.convert(msgspec.to_builtins(limits_from_config(NeuronConfig())),
+                                 messages.Limits)
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -79,11 +79,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: bool = True
     quantize: str = "none"  # neuron/models/quant.py: none | int8 | int4
     quant_group_size: int = 128
-    limits: messages.SetLimits = DEFAULT_LIMITS  # every knob set
-    # A stand-in for the model (tests): next token a fixed function of the context.
-    fake_runner: bool = False
-    fake_vocab_size: int = 512
-    fake_step_secs: float = 0.0  # sleep per step, to make timing observable
+    limits: messages.SetLimits = messages.SetLimits()  # over DEFAULT_LIMITS (full_limits)
 
     @property
     def device(self) -> str:
@@ -94,7 +90,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_size * self.bytes_per_token
 
 
-def full_limits(partial: messages.SetLimits | None = None) -> messages.SetLimits:
+def full_limits(partial: messages.SetLimits | None = None) -> messages.Limits:
     """DEFAULT_LIMITS overlaid with `partial`: every knob set."""
     return merge_limits(DEFAULT_LIMITS, partial)
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.fake_engine import run_fake_neuron
+from support.neuron import write_neuron_config
 
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import run_fake_neuron, write_neuron_config
 
 MD = bearer("t")
 

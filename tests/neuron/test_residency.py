@@ -8,11 +8,11 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.fake_engine import FakeEngineClient
 
 from helexa.config import NeuronConfig
 from helexa.neuron.limits import Refusal
 from helexa.neuron.residency import ModelState, Residency
-from helexa.testing import FakeEngineClient
 
 
 def _cfg(model_dir: Path, models: list[dict[str, Any]], device_memory_mb: int = 4) -> NeuronConfig:

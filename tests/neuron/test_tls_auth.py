@@ -9,13 +9,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.fake_engine import FakeEngineClient
+from support.neuron import write_neuron_config
 
 from helexa.config import load_neuron_config
 from helexa.neuron.auth import bearer, token_matches
 from helexa.neuron.daemon import NeuronDaemon
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.testing import FakeEngineClient, write_neuron_config
 
 
 def test_token_matching_is_exact() -> None:

@@ -27,7 +27,8 @@ def quiet_router(fleet):
     cfg = msgspec.convert({
         "server": {"listen": "127.0.0.1:0"},
         "neurons": {"endpoints": [{"name": "q", "address": address}]},
-        "timeouts": {"first_report_secs": 1.5, "load_wait_secs": 1.0}}, RouterConfig)
+        # 5 s: room for the report to arrive after the test lets it go, on a loaded machine
+        "timeouts": {"first_report_secs": 5.0, "load_wait_secs": 1.0}}, RouterConfig)
     runner, state, addr = lt.run(router_app.start(cfg))
     yield n, state, f"http://{addr}"
     lt.run(router_app.stop(runner, state))
@@ -58,4 +59,4 @@ def test_the_wait_for_a_first_report_is_bounded(fleet, quiet_router):
     with pytest.raises(openai.InternalServerError) as e:
         ask(url)
     assert e.value.code == "service_unavailable"
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20  # bounded by first_report_secs, not the 30 s client timeout

@@ -1,4 +1,4 @@
-"""Neuron refusals → the client-facing error of DESIGN.md's table; requests → GenerateRequest."""
+"""Neuron refusals → the client-facing error of docs/errors.md's table; requests → GenerateRequest."""
 
 from __future__ import annotations
 

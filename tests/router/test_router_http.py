@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx2
 import openai
@@ -89,8 +90,11 @@ def test_principal_comes_from_the_key_only(fl):
 
 def test_models_lists_models_and_aliases_with_smallest_limits(fl):
     fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "context", 1000), fl.n2.changed()))
-    import time
-    time.sleep(0.2)
+    limits = fl.state.registry.ready_limits
+    end = time.monotonic() + 5.0  # until the router has the report, not a fixed nap
+    while fl.lt.call(limits).get("tiny", (0,))[0] != 1000:
+        assert time.monotonic() < end, "the router never saw the new context"
+        time.sleep(0.02)
     data = {m.id: m.model_dump() for m in fl.client().models.list()}
     assert data["tiny"]["limit"] == {"context": 1000, "input": 999, "output": 1024}
     assert data["other"]["limit"] == {"context": 512, "input": 511, "output": 256}

@@ -5,7 +5,7 @@
 - `neuron_tight`: a model with fat KV tokens in a 1 MiB pool (256 tokens),
   a short queue, a low per-principal cap and a short KV wait — for refusals.
 
-Each test must leave its daemon idle. Clients: helexa.testing.NeuronClient.
+Each test must leave its daemon idle. Clients: support.neuron.NeuronClient.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 TOKEN = "integration-token"
 # Short, so a queued request times out well before a 200-token request holding

@@ -7,9 +7,9 @@ import subprocess
 import sys
 
 import pytest
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def ctl(neuron: NeuronProcess, *args: str) -> subprocess.CompletedProcess[str]:

@@ -8,9 +8,10 @@ import sys
 import time
 import urllib.request
 
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
+
 from helexa.proto import neuron_pb2 as pb
 from helexa.responses import merge_responses
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def test_streams_a_chat_completion_with_usage(neuron_main: NeuronProcess,

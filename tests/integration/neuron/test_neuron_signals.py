@@ -5,15 +5,12 @@ from __future__ import annotations
 import asyncio
 import copy
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
-
-from helexa.proto import neuron_pb2 as pb
-from helexa.testing import (
+from support.neuron import (
     NeuronClient,
     NeuronProcess,
     chat_request,
@@ -21,6 +18,8 @@ from helexa.testing import (
     model_of,
     write_neuron_config,
 )
+
+from helexa.proto import neuron_pb2 as pb
 
 
 def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
@@ -93,7 +92,7 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
     cfg["server"].pop("metrics_listen")
     daemon = start_daemon("drain", cfg)
 
-    async def run() -> tuple[list[list[pb.GenerateResponse]], tuple, tuple, float]:
+    async def run() -> tuple[list[list[pb.GenerateResponse]], tuple, tuple, bool]:
         async with NeuronClient(daemon.address, neuron_token) as c:
             # max_in_flight 2: two run, a third waits in the queue. 900 tokens each (the pool
             # holds two): long enough to outlast the Watch round trips below
@@ -103,19 +102,19 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
             await c.watch_until(lambda st: model_of(st).in_flight == 2)
             queued = asyncio.ensure_future(c.refusal(chat_request("queued", max_tokens=4)))
             await c.watch_until(lambda st: model_of(st).queued == 1)
-            t0 = time.monotonic()
             daemon.signal(signal.SIGTERM)
             queued_refusal = await queued
-            queued_secs = time.monotonic() - t0
+            # refused while admitted work still runs: it did not wait out the drain
+            still_running = not any(f.done() for f in running)
             refused = await c.refusal(chat_request("late", max_tokens=4))
-            return await asyncio.gather(*running), refused, queued_refusal, queued_secs
+            return await asyncio.gather(*running), refused, queued_refusal, still_running
 
-    outs, (code, md), (qcode, qmd), queued_secs = asyncio.run(run())
+    outs, (code, md), (qcode, qmd), still_running = asyncio.run(run())
     assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
     assert int(md["helexa-retry-after-ms"]) > 0
     # the queued request is sent elsewhere at once rather than waiting out the drain
     assert qcode == grpc.StatusCode.UNAVAILABLE and qmd["helexa-code"] == "shutting_down"
-    assert queued_secs < 2.0
+    assert still_running
     for out in outs:
         assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert out[-1].usage.completion_tokens == 900

@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from support.neuron import NeuronClient, NeuronProcess, model_of, write_neuron_config
+
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, model_of, write_neuron_config
 
 
 def test_a_context_the_pool_cannot_hold_refuses_to_start_showing_the_arithmetic(

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 
 def _children(pid: int) -> list[int]:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.neuron import NeuronClient, NeuronProcess, ledger_whole, model_of
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.testing import NeuronClient, NeuronProcess, ledger_whole, model_of
 
 BLOCK = 16  # kv.block_size default
 SYSTEM = ("You are a careful assistant who answers in full sentences. "

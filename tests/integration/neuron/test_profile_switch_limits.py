@@ -25,11 +25,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from support.neuron import NeuronClient, NeuronProcess, ledger_whole, model_of
 
 from helexa.plan import kv_bytes_per_token, read_model_shape
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.testing import NeuronClient, NeuronProcess, ledger_whole, model_of
 
 BLOCK = 16
 POOL = 2**20  # kv_budget_mb = 1

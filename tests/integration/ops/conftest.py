@@ -24,13 +24,9 @@ import tomli_w
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
 
 from router_procs import RouterProcess, start_router, wait_for  # noqa: E402
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 from helexa.router.auth import hash_key  # noqa: E402
-
-try:  # issue 12 moves the test support out of the package, to tests/support/
-    from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
-except ImportError:
-    from helexa.testing import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 TOKEN = "ops-token"
 KEYS = {"alice": "sk-ops-alice", "bench": "sk-ops-bench"}

@@ -34,9 +34,9 @@ from router_procs import (  # noqa: E402
     start_router,
     wait_for,
 )
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 from helexa.router.auth import hash_key  # noqa: E402
-from helexa.testing import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,7 @@ import httpx2
 import openai
 import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
-
-from helexa.testing import NeuronProcess
+from support.neuron import NeuronProcess
 
 TOKEN = "router-integration-token"
 PRINCIPALS = ["alice", "bob", "carol", "dave", *[f"p{i}" for i in range(8)]]

@@ -1,4 +1,4 @@
-"""Every row of DESIGN.md's error table, as the official client sees it (typed errors,
+"""Every row of docs/errors.md's table, as the official client sees it (typed errors,
 Retry-After where due), against real processes."""
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
 from router_procs import RouterProcess, start_router, wait_for
-
-from helexa.testing import NeuronProcess, start_neuron, write_neuron_config
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
 from request_bodies import bodies, check_reply  # noqa: E402

@@ -10,10 +10,10 @@ import signal
 import time
 
 import pytest
+from support.fake_runner import FakeRunnerFactory, fake_next_token
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
-from helexa.neuron.engine.fake_runner import fake_next_token
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 64
@@ -22,7 +22,7 @@ GREEDY = m.SamplingParams(temperature=0.0)
 
 def spec(**kw) -> EngineSpec:
     fields = dict(model_id="fake", num_blocks=512, block_size=4, context=512, bytes_per_token=2,
-                  fake_runner=True, fake_vocab_size=VOCAB, torch_threads=1,
+                  torch_threads=1,
                   limits=m.SetLimits(max_in_flight=8, anon_max_in_flight=8))
     fields.update(kw)
     return EngineSpec(**fields)
@@ -35,6 +35,11 @@ def expected(prompt: list[int], n: int) -> list[int]:
     return ctx[len(prompt):]
 
 
+def fake(step_secs: float = 0.0) -> FakeRunnerFactory:
+    """The fake model in the engine process, `step_secs` a step."""
+    return FakeRunnerFactory(VOCAB, step_secs)
+
+
 async def collect(client: EngineClient, req: m.NewRequest) -> tuple[list[int], m.RequestUpdate]:
     tokens: list[int] = []
     async for upd in client.generate(req):
@@ -43,7 +48,7 @@ async def collect(client: EngineClient, req: m.NewRequest) -> tuple[list[int], m
     return tokens, last
 
 
-async def until(pred, timeout: float = 5.0) -> None:
+async def until(pred, timeout: float = 30.0) -> None:  # generous: the machine may be loaded
     end = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < end, "condition not reached in time"
@@ -54,7 +59,7 @@ def test_streams_aborts_limits_and_shutdown():
     statuses: list[m.EngineStatus] = []
 
     async def main() -> None:
-        client = await EngineClient.start(spec(fake_step_secs=0.002), on_status=statuses.append)
+        client = await EngineClient.start(spec(), runner_factory=fake(0.002), on_status=statuses.append)
         assert client.alive and client.pid
         # concurrent streams, each token for token what the fake model gives alone
         prompts = [[i, i + 1, i + 2] * (i + 1) for i in range(10)]
@@ -94,8 +99,9 @@ def test_streams_aborts_limits_and_shutdown():
 
         # limits at runtime: one in flight at a time, the second waits in the queue
         client.set_limits(m.SetLimits(max_in_flight=1))
+        # 400 steps: s1 is still running when s2 is seen queued, however loaded the machine
         slow = asyncio.ensure_future(collect(client, m.NewRequest(
-            req_id="s1", prompt_token_ids=[3], max_tokens=60, sampling=GREEDY)))
+            req_id="s1", prompt_token_ids=[3], max_tokens=400, sampling=GREEDY)))
         await until(lambda: client.status.in_flight == 1)
         second = asyncio.ensure_future(collect(client, m.NewRequest(
             req_id="s2", prompt_token_ids=[4], max_tokens=5, sampling=GREEDY, principal="p")))
@@ -136,7 +142,7 @@ def test_dead_engine_fails_open_requests_and_calls_on_fatal():
     fatal: list[str] = []
 
     async def main() -> None:
-        client = await EngineClient.start(spec(fake_step_secs=0.005), on_fatal=fatal.append)
+        client = await EngineClient.start(spec(), runner_factory=fake(0.005), on_fatal=fatal.append)
         streams = [asyncio.ensure_future(collect(client, m.NewRequest(
             req_id=f"k{i}", prompt_token_ids=[i + 1], max_tokens=400, sampling=GREEDY)))
             for i in range(3)]
@@ -155,7 +161,7 @@ def test_dead_engine_fails_open_requests_and_calls_on_fatal():
 def test_start_failure_raises_with_the_engines_reason(tmp_path):
     async def main() -> None:
         with pytest.raises(EngineError, match="loading fake failed"):
-            await EngineClient.start(spec(fake_runner=False, model_dir=str(tmp_path / "missing")))
+            await EngineClient.start(spec(model_dir=str(tmp_path / "missing")))
 
     asyncio.run(main())
 
@@ -243,7 +249,7 @@ def test_wedged_engine_is_killed_and_reported():
 
     async def main() -> None:
         # every step "hangs" for 30 s; the client gives up on it after 1 s of silence
-        client = await EngineClient.start(spec(fake_step_secs=30.0), on_fatal=fatal.append,
+        client = await EngineClient.start(spec(), runner_factory=fake(30.0), on_fatal=fatal.append,
                                           stall_secs=1.0)
         started = time.monotonic()
         tokens, last = await collect(client, m.NewRequest(req_id="w", prompt_token_ids=[1],

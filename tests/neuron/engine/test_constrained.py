@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.fake_runner import FakeRunner
 
 from helexa import grammar
 from helexa.neuron.engine import messages as m
@@ -29,10 +30,9 @@ def tiny(tmp_path_factory):
 def core_for(model_dir, *, fake: bool) -> EngineCore:
     # bytes_per_token 0: the real runner's KV bytes are not cross-checked against a plan
     spec = EngineSpec(model_id="t", model_dir=str(model_dir), num_blocks=256, block_size=16,
-                      context=1024, bytes_per_token=2 if fake else 0, fake_runner=fake,
-                      fake_vocab_size=512,
+                      context=1024, bytes_per_token=2 if fake else 0,
                       limits=m.SetLimits(anon_max_in_flight=64))
-    return EngineCore(spec)
+    return EngineCore(spec, FakeRunner(512, 256, 16) if fake else None)
 
 
 def validate(obj: dict) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
-from helexa.neuron.engine.fake_runner import FakeRunner, fake_next_token
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 100
@@ -20,9 +20,9 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, context: int = 256,
               prefix_cache: bool = False, runner=None, **limits) -> EngineCore:
     spec = EngineSpec(model_id="fake", num_blocks=num_blocks, block_size=block_size,
                       context=context, bytes_per_token=2, prefix_cache=prefix_cache,
-                      fake_runner=True, fake_vocab_size=VOCAB,
                       limits=m.SetLimits(**{"anon_max_in_flight": 64, **limits}))
-    return EngineCore(spec, runner)
+    return EngineCore(spec, runner if runner is not None
+                      else FakeRunner(VOCAB, num_blocks, block_size))
 
 
 def new(rid: str, prompt: list[int], max_tokens: int | None = 8, **kw) -> m.NewRequest:

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 from helexa.neuron.engine.tp_worker import TpError
-from helexa.neuron.models.greedy import greedy_generate
 
 NEAR_TIE = 0.02
 # bench/gpu_tp.sh runs the equivalence test on GPUs: HELEXA_TEST_DEVICE=cuda (NCCL).

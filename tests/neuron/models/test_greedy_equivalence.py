@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.greedy import greedy_generate
 
 NEW_TOKENS = 64
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.greedy import greedy_generate
 
 NEW_TOKENS = 64
 FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe"]

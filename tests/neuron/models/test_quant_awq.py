@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from gptq_reference import awq_checkpoint, dequantize, pack_awq, quantize
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.greedy import greedy_generate
 from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_awq
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from ct_reference import compress, ct_checkpoint
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.greedy import greedy_generate
 from helexa.neuron.models.loader import load_model
 from helexa.neuron.models.quant_ct import (
     UnsupportedQuantization,

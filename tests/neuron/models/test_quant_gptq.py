@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 from gptq_reference import gptq_checkpoint, layer_tensors, pack_words
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.engine.tp_worker import TpError
-from helexa.neuron.models.greedy import greedy_generate
 from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_rows
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 from quant_reference import dequantized_checkpoint
+from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.greedy import greedy_generate
 from helexa.neuron.models.quant import QuantSpec
 
 NEW_TOKENS = 48

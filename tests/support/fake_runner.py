@@ -2,11 +2,15 @@
 
 Token ids are stored in a paged "KV cache" and read back through the block
 tables, so a wrong block table (any misplaced token) changes the output.
+In-process: `EngineCore(spec, runner=FakeRunner(...))`. In a spawned engine
+process: `EngineClient.start(spec, runner_factory=FakeRunnerFactory(...))`,
+which the child unpickles by reference (it inherits this process's sys.path).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,3 +61,15 @@ class FakeRunner:
         dist = (ids.unsqueeze(0) - target).remainder(self.vocab_size)
         dist = torch.minimum(dist, self.vocab_size - dist)
         return -dist.to(torch.float32)
+
+
+@dataclass(frozen=True)
+class FakeRunnerFactory:
+    """Makes a FakeRunner for an EngineSpec inside the engine process."""
+
+    vocab_size: int = 512
+    step_secs: float = 0.0  # sleep per step, so that work is observably in flight
+
+    def __call__(self, spec: Any) -> FakeRunner:
+        return FakeRunner(self.vocab_size, spec.num_blocks, spec.block_size,
+                          step_secs=self.step_secs)

@@ -1,11 +1,10 @@
-"""Helpers for tests and benchmarks that run real daemons, and an in-process engine fake.
+"""Test support for tests and benchmarks that run real neuron daemons.
 
 `start_neuron(config_path)` starts `helexa neuron` as a subprocess, waits for
 its `NEURON LISTENING host:port` line and returns a handle (address, logs,
 signals, stop). `write_neuron_config` writes a TOML config from plain data.
 `NeuronClient` is an async gRPC client of a neuron with the helpers tests
-want (generate, refusal, watch_until). `FakeEngineClient` stands in for `EngineClient` in unit tests of the daemon:
-no process, tokens from a script, one per step.
+want (generate, refusal, watch_until: wait on observed state, never the clock).
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,10 @@ from typing import Any
 import grpc
 import tomli_w
 
+from helexa.daemons import stop_process
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
-from helexa.up import stop_process
 
 
 def write_neuron_config(path: str | Path, config: dict[str, Any]) -> Path:
@@ -160,10 +159,16 @@ class NeuronClient:
                       rpc: str = "Generate") -> tuple[grpc.StatusCode, dict[str, str]]:
         """The status and trailing metadata of a call (`Generate` or `Complete`) expected to
         be refused."""
+        code, md, _ = await self.refusal_message(req, rpc)
+        return code, md
+
+    async def refusal_message(self, req: pb.GenerateRequest, rpc: str = "Generate"
+                              ) -> tuple[grpc.StatusCode, dict[str, str], str]:
+        """`refusal`, with the message that says why (which limit refused it)."""
         try:
             out = await (self.complete(req) if rpc == "Complete" else self.generate(req))
         except grpc.aio.AioRpcError as e:
-            return e.code(), dict(e.trailing_metadata() or ())
+            return e.code(), dict(e.trailing_metadata() or ()), e.details() or ""
         raise AssertionError(f"expected a refusal, got {out}")
 
     async def status(self) -> pb.NeuronStatus:
@@ -194,156 +199,3 @@ def ledger_whole(st: pb.NeuronStatus, model: str = "tiny") -> bool:
     m = model_of(st, model)
     return (m.kv.free_bytes == m.kv.total_bytes > 0 and m.kv.reserved_bytes == 0
             and m.kv.used_bytes == 0 and m.in_flight == 0 and m.queued == 0)
-
-
-# ---------------------------------------------------------------------------- fake engine
-
-
-class FakeEngineClient:
-    """An EngineClient stand-in: every request admitted at once, one scripted token per step.
-
-    `script(prompt_ids, i)` gives the i-th output token; `refuse` (code, message,
-    retry_after_ms) makes the next request be refused; aborts end a request with
-    ABORT at its next step. The ledger is a fixed pool with one block per request.
-    """
-
-    def __init__(self, spec: Any, *, script: Callable[[list[int], int], int],
-                 step_secs: float = 0.001, on_status: Callable[[Any], None] | None = None,
-                 on_fatal: Callable[[str], None] | None = None) -> None:
-        from helexa.neuron.engine import messages
-
-        self.m = messages
-        self.spec = spec
-        self.script = script
-        self.step_secs = step_secs
-        self.on_status = on_status or (lambda _s: None)
-        self.on_fatal = on_fatal or (lambda _m: None)
-        self.limits = spec.limits
-        self.admitting = True
-        self.refuse: tuple[str, str, int] | None = None
-        self.aborts: dict[str, str] = {}
-        self.active: set[str] = set()
-        self.requests: list[Any] = []
-        self.reset_calls: list[dict[str, Any]] = []
-        self.alive = True
-        self.pid = os.getpid()
-        self.status = self._status()
-
-    @classmethod
-    def factory(cls, script: Callable[[list[int], int], int], **kw: Any) -> Callable[..., Any]:
-        """A residency client_factory making fakes; `.made` lists them."""
-        made: list[FakeEngineClient] = []
-
-        async def start(spec: Any, *, on_status: Any = None, on_fatal: Any = None,
-                        on_progress: Any = None) -> FakeEngineClient:
-            c = cls(spec, script=script, on_status=on_status, on_fatal=on_fatal, **kw)
-            made.append(c)
-            return c
-
-        start.made = made  # type: ignore[attr-defined]
-        return start
-
-    def _status(self) -> Any:
-        bpt = self.spec.bytes_per_token or 1
-        block = self.spec.block_size * bpt
-        total = self.spec.num_blocks * block
-        used = min(total, len(self.active) * block)
-        kv = self.m.KvLedger(total_bytes=total, free_bytes=total - used, cached_bytes=0,
-                             reserved_bytes=0, used_bytes=used, block_size=self.spec.block_size,
-                             bytes_per_token=bpt)
-        return self.m.EngineStatus(kv=kv, in_flight=len(self.active), queued=0,
-                                   running=len(self.active), admitting=self.admitting)
-
-    def _changed(self) -> None:
-        self.status = self._status()
-        self.on_status(self.status)
-
-    async def generate(self, req: Any) -> AsyncIterator[Any]:
-        m = self.m
-        self.requests.append(req)
-        if not self.admitting or self.refuse:
-            code, msg, retry = self.refuse or ("shutting_down", "not admitting", 1000)
-            self.refuse = None
-            yield m.RequestUpdate(req_id=req.req_id, refused_code=code, refused_message=msg,
-                                  retry_after_ms=retry)
-            return
-        self.active.add(req.req_id)
-        self._changed()
-        finished = False
-        try:
-            yield m.RequestUpdate(req_id=req.req_id, admitted=True,
-                                  prompt_tokens=len(req.prompt_token_ids))
-            budget = req.max_tokens or min(self.limits.default_output_tokens or 16,
-                                           self.spec.context - len(req.prompt_token_ids))
-            for i in range(budget):
-                await asyncio.sleep(self.step_secs)
-                if req.req_id in self.aborts:
-                    finished = True
-                    yield m.RequestUpdate(req_id=req.req_id, finished=m.FinishReason.ABORT)
-                    return
-                tok = self.script(req.prompt_token_ids, i)
-                done = None
-                if tok in req.stop_token_ids:
-                    done = m.FinishReason.STOP
-                elif i == budget - 1:
-                    done = m.FinishReason.LENGTH
-                finished = done is not None
-                yield m.RequestUpdate(req_id=req.req_id, new_token_ids=[tok], finished=done)
-                if finished:
-                    return
-        finally:
-            if not finished:
-                self.aborts.setdefault(req.req_id, "client_gone")
-            self.active.discard(req.req_id)
-            self._changed()
-
-    def abort(self, req_id: str, reason: str = "client_gone") -> None:
-        self.aborts.setdefault(req_id, reason)
-
-    def set_limits(self, limits: Any) -> None:
-        from helexa.neuron.engine.spec import merge_limits
-
-        self.limits = merge_limits(self.limits, limits)
-
-    def stop_admitting(self, flag: bool) -> None:
-        self.admitting = not flag
-        self._changed()
-
-    async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
-                       **plan: Any) -> None:
-        """Re-plan the pool (only between requests, as the daemon guarantees)."""
-        import msgspec
-
-        assert not self.active, "reset_kv with requests in flight"
-        self.reset_calls.append(dict(num_blocks=num_blocks, kv_dtype=kv_dtype,
-                                     bytes_per_token=bytes_per_token, **plan))
-        self.spec = msgspec.structs.replace(self.spec, num_blocks=num_blocks, kv_dtype=kv_dtype,
-                                            bytes_per_token=bytes_per_token)
-        self._changed()
-
-    async def shutdown(self, timeout_secs: float = 5.0) -> None:
-        self.alive = False
-
-
-def run_fake_neuron(config_path: str | Path, body: Callable[..., Any], *,
-                    script: Callable[[list[int], int], int], step_secs: float = 0.001) -> Any:
-    """Run `await body(stub, daemon, engine)` against a fresh in-process daemon whose
-    engines are FakeEngineClients (`engine` is the first one made); drains it after."""
-    from helexa.config import load_neuron_config
-    from helexa.neuron.daemon import NeuronDaemon
-
-    factory = FakeEngineClient.factory(script, step_secs=step_secs)
-
-    async def run() -> Any:
-        daemon = NeuronDaemon(Path(config_path), load_neuron_config(config_path),
-                              client_factory=factory)
-        await daemon.start()
-        await daemon.residency.preload()
-        try:
-            async with grpc.aio.insecure_channel(daemon.address) as ch:
-                return await body(neuron_pb2_grpc.NeuronStub(ch), daemon,
-                                  factory.made[0])  # type: ignore[attr-defined]
-        finally:
-            await daemon.drain()
-
-    return asyncio.run(run())
