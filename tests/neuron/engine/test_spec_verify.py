@@ -40,9 +40,10 @@ def test_greedy_accepts_longest_matching_prefix_plus_one():
 
 def test_rejection_rule_keeps_the_target_distribution_with_a_stochastic_drafter():
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, V, generator=gen) * 1.5
-    q = torch.softmax(torch.randn(2, V, generator=gen) * 2, dim=-1)  # a poor drafter
-    st = state(temperature=0.8, seed=7)
+    target = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    logits = torch.stack([target, target.flip(0), target]).log()
+    q = torch.stack([target.flip(0), target])  # a poor drafter: 60 % rejected at token 1
+    st = state(temperature=1.0, seed=7)
     p = target_probs(logits, st)
     first = torch.zeros(V)
     second = torch.zeros(V)
