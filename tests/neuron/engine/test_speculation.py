@@ -210,3 +210,19 @@ def test_greedy_identical_on_a_tiny_checkpoint(tiny_model_dir):
                                     max_batched_tokens=32)
         assert got == ref, kind
         assert core.status().spec_drafted_tokens > 0
+
+
+def test_speculation_switches_at_runtime_with_the_limits():
+    core = make_core(speculation="off")
+    news = [m.NewRequest(req_id="a", prompt_token_ids=list(range(VOCAB)), max_tokens=30,
+                         sampling=GREEDY)]
+    plain = drive(core, news)
+    assert core.status().drafter == "off" and core.status().spec_drafted_tokens == 0
+    core.apply(m.ToEngine(limits=m.SetLimits(speculation="ngram")))
+    again = drive(core, news)
+    assert core.status().drafter == "ngram" and core.status().spec_drafted_tokens > 0
+    assert again == plain
+    core.apply(m.ToEngine(limits=m.SetLimits(spec_k=0)))  # k = 0: drafter named, never run
+    drafted = core.status().spec_drafted_tokens
+    drive(core, news)
+    assert core.status().spec_drafted_tokens == drafted
