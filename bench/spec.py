@@ -3,13 +3,19 @@ adaptive policy against fixed k at 8 streams, measured side by side in one run.
 
     .venv/bin/python bench/spec.py [--repeats 3] [--tokens 96] [--threads 1] [--model DIR]
 
-Workloads, on the benchmarks' init-tiny checkpoint (helexa.tiny.bench_checkpoint):
-- rewrite: greedy, the prompt a ~300-token document; the output repeats much of
-  what came before it (a random-weight model's greedy text falls into loops, so
-  here the repetition is of its own output as much as of the prompt);
-- free chat: sampled (temperature 1, seeded), a random prompt; a random model's
-  sampled text almost never repeats, so prompt lookup is nearly always wrong or
-  silent: this shows what drafting and verification cost when they buy nothing.
+The checkpoint is the benchmarks' init-tiny one (helexa.tiny.bench_checkpoint,
+~30M parameters) with every attention output projection zeroed: the compute of a
+step is unchanged, but the next token becomes a function of the last one, so a
+random-weight model can be made to rewrite a document (it has no other way to
+copy text, and a random model's own text does not repeat its prompt).
+
+- rewrite: greedy; the prompt is a ~300-token document made of the model's own
+  greedy runs from a few starting tokens, and ends on one of those starting
+  tokens, so the output repeats a stretch of the prompt, as a rewrite does;
+- free chat: sampled (temperature 1, seeded) from a random prompt; the sampled
+  text of a random model almost never repeats, so prompt lookup is nearly always
+  silent or wrong: this shows what drafting and verification cost when they buy
+  nothing.
 
 Rates are output tokens per second of this process's CPU time (torch on one
 thread): on a shared machine wall time swings with the neighbours, CPU time far
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -48,23 +55,64 @@ SPEC = {  # speculation limits per contender kind
 }
 
 
-def prompts(workload: str, rep: int, n: int, vocab: int) -> list[list[int]]:
+def copying_checkpoint(src: Path) -> Path:
+    """`src` with the attention output projections zeroed (made once, beside it)."""
+    from safetensors.torch import load_file, save_file
+
+    out = src.parent / (src.name + "-no-attn-out")
+    if not (out / "model.safetensors").is_file():
+        out.mkdir(exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "model.safetensors":
+                shutil.copy(f, out / f.name)
+        w = load_file(src / "model.safetensors")
+        for k in w:
+            if k.endswith("self_attn.o_proj.weight"):
+                w[k] = torch.zeros_like(w[k])
+        save_file(w, out / "model.safetensors")
+    return out
+
+
+def greedy_run(start: int, n: int, successor: dict[int, int]) -> list[int]:
+    out = [start]
+    while len(out) < n:
+        out.append(successor[out[-1]])
+    return out
+
+
+def prompts(workload: str, rep: int, n: int, vocab: int,
+            successor: dict[int, int]) -> list[list[int]]:
     rng = random.Random(1000 * rep + n)
     out = []
     for _ in range(n):
-        if workload == "rewrite":  # a document of repeated sentences, then a restart of it
-            sentences = [[rng.randrange(vocab) for _ in range(rng.randrange(8, 20))]
-                         for _ in range(6)]
-            doc = [t for _ in range(3) for s in rng.sample(sentences, 6) for t in s]
-            out.append(doc + sentences[0][:4])
+        if workload == "rewrite":  # the model's own runs from 5 starts, then a restart
+            starts = [rng.randrange(vocab) for _ in range(5)]
+            doc = [t for s in starts for t in greedy_run(s, 60, successor)]
+            out.append(doc + [rng.choice(starts)])
         else:
             out.append([rng.randrange(vocab) for _ in range(64)])
     return out
 
 
+def successor_table(core, vocab: int) -> dict[int, int]:
+    """The model's greedy next token after each token, read off one forward (it depends on
+    the last token only: see copying_checkpoint)."""
+    runner = core.runner
+    ids = list(range(vocab))
+    from helexa.neuron.engine.model_runner import SeqInput
+
+    nxt: dict[int, int] = {}
+    for lo in range(0, vocab, 512):
+        seqs = [SeqInput([t], 0, [0], True) for t in ids[lo:lo + 512]]
+        nxt.update(zip(ids[lo:lo + 512], runner.execute(seqs).argmax(-1).tolist(), strict=True))
+    return nxt
+
+
 def run(core, runner, batch: list[list[int]], new_tokens: int, sampled: bool,
         seed: int) -> tuple[float, float]:
-    """(output tokens per second, acceptance rate) for one batch run to the end."""
+    """(decode tokens per CPU second once every stream has its first token, acceptance
+    rate) for one batch run to the end. Prefill is the same work with or without
+    speculation, so it is left out of the rate, as single-stream decode figures do."""
     from helexa.neuron.engine import messages as m
 
     params = (m.SamplingParams(temperature=1.0, seed=seed) if sampled
@@ -72,13 +120,19 @@ def run(core, runner, batch: list[list[int]], new_tokens: int, sampled: bool,
     news = [m.NewRequest(req_id=f"{seed}-{i}", prompt_token_ids=p, max_tokens=new_tokens,
                          sampling=params) for i, p in enumerate(batch)]
     before = core.status()
-    started = time.process_time()
+    firsts: set[str] = set()
     n = 0
+    started = 0.0
     inbound = m.ToEngine(new=news)
     while True:
         out = core.step(inbound)
         inbound = None
-        n += sum(len(u.new_token_ids) for u in out.updates)
+        if len(firsts) < len(news):  # still prefilling: the decode clock has not started
+            firsts.update(u.req_id for u in out.updates if u.new_token_ids)
+            if len(firsts) == len(news):
+                started = time.process_time()
+        else:
+            n += sum(len(u.new_token_ids) for u in out.updates)
         if not core.has_work:
             break
     secs = time.process_time() - started
@@ -102,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from helexa.neuron.engine.spec import EngineSpec, full_limits
     from helexa.tiny import bench_checkpoint
 
-    model_dir = args.model or bench_checkpoint()
+    model_dir = copying_checkpoint(args.model or bench_checkpoint())
     runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
                          max_batched_tokens=1024)
     cores = {}
@@ -113,13 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=320,
                           block_size=16, context=4096, prefix_cache=False, limits=limits)
         cores[kind] = EngineCore(spec, runner)
+    successor = successor_table(cores["off"], runner.vocab_size)
     cases = [(w, n, kind) for w in ("rewrite", "chat") for n, kinds in
              ((1, ("off", "ngram")), (8, ("off", "adaptive", "fixed"))) for kind in kinds]
     rates: dict[str, list[float]] = {}
     acc: dict[str, list[float]] = {}
     for rep in range(args.repeats + 1):  # repeat 0 warms up (allocations, rotary tables)
         for w, n, kind in cases:
-            batch = prompts(w, rep, n, runner.vocab_size)
+            batch = prompts(w, rep, n, runner.vocab_size, successor)
             tps, a = run(cores[kind], runner, batch, args.tokens, w == "chat", seed=rep)
             if rep:
                 rates.setdefault(f"{w}_{n}_{kind}", []).append(tps)

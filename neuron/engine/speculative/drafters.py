@@ -9,8 +9,9 @@ which is what prompt lookup and the test oracles are.
 Kinds:
 - `NgramDrafter`: prompt lookup. The last n tokens (n from max_n down to
   min_n) are searched for earlier in prompt + output; the tokens that
-  followed the latest earlier match are the proposal. Free to run, right
-  when the output repeats the input (rewrites, code edits, quoting).
+  followed the latest earlier match are the proposal (a match close to the
+  end is a loop: the copy runs on through it). Free to run, right when the
+  output repeats the input (rewrites, code edits, quoting) or itself.
 - `OracleDrafter` / `AdversarialDrafter` (tests): always right / always wrong
   given a function that knows the target's greedy continuation.
 - `PerRequestDrafter` (tests): a different drafter per request id, to mix
@@ -64,11 +65,18 @@ class NgramDrafter:
             # latest earlier match first: recent text is the likelier continuation
             for i in range(len(ctx) - n - 1, -1, -1):
                 if ctx[i] == first and ctx[i:i + n] == tail:
-                    follow = ctx[i + n:i + n + k]
-                    if follow:
-                        return Draft(follow)
-                    break
+                    return Draft(_copy(ctx, i + n, k))
         return _NO_DRAFT
+
+
+def _copy(ctx: list[int], src: int, k: int) -> list[int]:
+    """k tokens copied from ctx[src:], running on into the copy itself past the end (as
+    LZ77 copies overlap): a match d tokens back means a loop of period d, continued."""
+    out: list[int] = []
+    for j in range(k):
+        pos = src + j
+        out.append(ctx[pos] if pos < len(ctx) else out[pos - len(ctx)])
+    return out
 
 
 # context -> the target's next `k` greedy tokens

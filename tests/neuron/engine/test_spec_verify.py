@@ -108,5 +108,7 @@ def test_prompt_lookup_continues_the_latest_earlier_match():
     # "5 6" occurs twice earlier; the later one (followed by 7 2 3) wins
     assert NgramDrafter().propose(req, 3).tokens == [7, 2, 3]
     assert NgramDrafter().propose(req, 0).tokens == []
+    loop = Request("l", prompt_token_ids=[9, 4, 5, 4, 5], output_budget=9)
+    assert NgramDrafter().propose(loop, 5).tokens == [4, 5, 4, 5, 4]  # a loop runs on
     lone = Request("s", prompt_token_ids=[1, 2, 3, 4], output_budget=4)
     assert NgramDrafter().propose(lone, 3).tokens == []
