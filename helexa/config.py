@@ -150,6 +150,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     spec_min_acceptance: Annotated[float, field_meta(
         "A request whose recent acceptance rate is below this drafts only an occasional probe.",
         RELOAD, ge=0, le=1)] = 0.3
+    spec_keep_acceptance: Annotated[float, field_meta(
+        "A request whose recent acceptance rate is at least this drafts spec_k at any load"
+        " (above 1: never).", RELOAD, ge=0)] = 0.8
 
     def __post_init__(self) -> None:
         _check_speculation(self.speculation, "engine.speculation")

@@ -448,7 +448,8 @@ def _sampling_state(req: Request) -> SamplingState:
 def spec_policy(limits: messages.Limits) -> SpecPolicy:
     """The adaptive speculation policy that `limits` (every knob set) describe."""
     return SpecPolicy(k_max=limits.spec_k, full_below=limits.spec_full_below,
-                      off_above=limits.spec_off_above, min_acceptance=limits.spec_min_acceptance)
+                      off_above=limits.spec_off_above, min_acceptance=limits.spec_min_acceptance,
+                      keep_acceptance=limits.spec_keep_acceptance)
 
 
 def make_runner(spec: EngineSpec, limits: messages.Limits,

@@ -89,6 +89,7 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     spec_full_below: float
     spec_off_above: float
     spec_min_acceptance: float
+    spec_keep_acceptance: float
 
 
 class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -110,6 +111,7 @@ class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
     spec_full_below: float | None = None
     spec_off_above: float | None = None
     spec_min_acceptance: float | None = None
+    spec_keep_acceptance: float | None = None
 
 
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,6 +46,7 @@ def limits_from_config(cfg: NeuronConfig,
         spec_full_below=eng.spec_full_below,
         spec_off_above=eng.spec_off_above,
         spec_min_acceptance=eng.spec_min_acceptance,
+        spec_keep_acceptance=eng.spec_keep_acceptance,
     )
     if profile is not None:
         limits = merge_limits(limits, messages.SetLimits(

@@ -8,12 +8,15 @@ work thrown away. Hence, with `occupancy` = running requests / max_slots:
 
 - occupancy <= full_below: k_max;
 - full_below < occupancy < off_above: k_max scaled down linearly (at least 1);
-- occupancy >= off_above: 0 (speculation gives way to batch width).
+- occupancy >= off_above: 0 (speculation gives way to batch width), but for a
+  one-token probe every `probe_every` steps, so that its acceptance is known.
 
 And per request, from its acceptance rate (an EWMA of accepted / drafted):
 below `min_acceptance` it drafts nothing, except one probe every
 `probe_every` steps so that a request whose text turns repetitive is found
-again.
+again; at or above `keep_acceptance` it drafts k_max whatever the load: when
+nearly every draft is right, a verification row is nearly all output, the
+cheapest tokens a full batch can get (bench/spec.py shows it on rewrites).
 """
 
 from __future__ import annotations
@@ -27,14 +30,19 @@ class SpecPolicy:
     full_below: float = 0.25
     off_above: float = 0.75
     min_acceptance: float = 0.3
+    keep_acceptance: float = 0.8
     probe_every: int = 8
 
 
 def choose_k(policy: SpecPolicy, *, occupancy: float, acceptance: float | None,
              steps_since_draft: int) -> int:
     """Tokens to draft for one request (0 = plain decode)."""
-    if policy.k_max <= 0 or occupancy >= policy.off_above:
+    if policy.k_max <= 0:
         return 0
+    if acceptance is not None and acceptance >= policy.keep_acceptance:
+        return policy.k_max
+    if occupancy >= policy.off_above:
+        return 1 if steps_since_draft >= policy.probe_every else 0
     k = policy.k_max
     if occupancy > policy.full_below:
         span = policy.off_above - policy.full_below

@@ -91,6 +91,10 @@ def test_policy_gives_way_to_load():
     assert ks == [4, 4, 3, 2, 1, 0, 0, 0]
     assert choose_k(SpecPolicy(k_max=0), occupancy=0.1, acceptance=None,
                     steps_since_draft=0) == 0
+    # a full batch still probes now and then, and keeps drafting where drafts are right
+    assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=8) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=3) == 0
+    assert choose_k(pol, occupancy=1.0, acceptance=0.9, steps_since_draft=0) == 4
 
 
 def test_policy_stops_drafting_for_a_poor_acceptor_but_probes():

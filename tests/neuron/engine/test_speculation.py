@@ -24,6 +24,7 @@ from helexa.neuron.engine.speculative.drafters import (
 
 VOCAB = 100
 GREEDY = m.SamplingParams(temperature=0.0)
+SAMPLED = m.SamplingParams(temperature=0.7, top_k=5, seed=4)  # verified by the rejection rule
 
 
 def make_core(runner=None, drafter: Drafter | None = None, *, num_blocks: int = 128,
@@ -155,7 +156,8 @@ def test_ledger_whole_after_a_storm_with_speculation(prefix_cache: bool):
         if rng.random() < 0.3:
             base = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
             inbound.new = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=base * 3,
-                                        max_tokens=rng.randrange(1, 30), sampling=GREEDY,
+                                        max_tokens=rng.randrange(1, 30),
+                                        sampling=rng.choice([GREEDY, SAMPLED]),
                                         stop_token_ids=[rng.randrange(VOCAB)])]
             live.append(f"r{i}")
         if live and rng.random() < 0.1:
