@@ -9,7 +9,8 @@ work thrown away. Hence, with `occupancy` = running requests / max_slots:
 - occupancy <= full_below: k_max;
 - full_below < occupancy < off_above: k_max scaled down linearly (at least 1);
 - occupancy >= off_above: 0 (speculation gives way to batch width), but for a
-  one-token probe every `probe_every` steps, so that its acceptance is known.
+  one-token probe (every step until a request has an acceptance rate, then
+  every `probe_every` steps), so that the rate is known.
 
 And per request, from its acceptance rate (an EWMA of accepted / drafted):
 below `min_acceptance` it drafts nothing, except one probe every
@@ -41,8 +42,9 @@ def choose_k(policy: SpecPolicy, *, occupancy: float, acceptance: float | None,
         return 0
     if acceptance is not None and acceptance >= policy.keep_acceptance:
         return policy.k_max
-    if occupancy >= policy.off_above:
-        return 1 if steps_since_draft >= policy.probe_every else 0
+    if occupancy >= policy.off_above:  # a one-token probe: at once while acceptance is unknown
+        probe = acceptance is None or steps_since_draft >= policy.probe_every
+        return 1 if probe else 0
     k = policy.k_max
     if occupancy > policy.full_below:
         span = policy.off_above - policy.full_below

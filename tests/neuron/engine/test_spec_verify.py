@@ -86,13 +86,14 @@ def test_target_probs_are_what_the_sampler_draws_from():
 
 def test_policy_gives_way_to_load():
     pol = SpecPolicy(k_max=4, full_below=0.25, off_above=0.75)
-    ks = [choose_k(pol, occupancy=n / 8, acceptance=None, steps_since_draft=0)
+    ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, steps_since_draft=0)
           for n in range(1, 9)]
     assert ks == [4, 4, 3, 2, 1, 0, 0, 0]
     assert choose_k(SpecPolicy(k_max=0), occupancy=0.1, acceptance=None,
                     steps_since_draft=0) == 0
     # a full batch still probes now and then, and keeps drafting where drafts are right
-    assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=8) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=0) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=8) == 1
     assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=3) == 0
     assert choose_k(pol, occupancy=1.0, acceptance=0.9, steps_since_draft=0) == 4
 
