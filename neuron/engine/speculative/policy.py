@@ -55,7 +55,7 @@ def choose_k(policy: SpecPolicy, *, occupancy: float, acceptance: float | None,
     return k
 
 
-_EWMA = 0.3  # weight of the newest verification in a request's acceptance rate
+_EWMA = 0.1  # weight of the newest verification: one unlucky draft must not turn a request off
 
 
 def update_acceptance(acceptance: float | None, drafted: int, accepted: int) -> float | None:
