@@ -50,6 +50,8 @@ class Speculator:
             if st is not None and (getattr(st, "has_penalties", False)
                                    or getattr(st, "wants_logprobs", False)):
                 continue  # their next distribution depends on which drafts are accepted
+            if req.matcher is not None or req.thought is not None:
+                continue  # grammar masks and thought budgets act on one sampled row per step
             room = req.output_budget - req.num_output_tokens - 1  # the bonus token needs one
             k = min(room, choose_k(self.policy, occupancy=occupancy,
                                    acceptance=req.spec_acceptance,
