@@ -66,13 +66,14 @@ class EngineCore:
                  drafter: Drafter | None = None) -> None:
         self.spec = spec
         self.limits = full_limits(spec.limits)
-        # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
-        self._own_drafter = drafter is None
-        self.speculator = Speculator(drafter if drafter is not None
-                                     else make_drafter(self.limits.speculation),
-                                     spec_policy(self.limits))
+        self.log = logger
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
         self.spec = spec = check_pool(spec, self.runner)
+        # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
+        self._own_drafter = drafter is None
+        self.speculator = Speculator(self._usable(drafter if drafter is not None
+                                                  else make_drafter(self.limits.speculation)),
+                                     spec_policy(self.limits))
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
         self.sampler = sampler or Sampler()
@@ -84,7 +85,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens)
         self.clock = clock
-        self.log = logger
         self.requests: dict[str, Request] = {}  # queued, in flight or running
         self.running: list[Request] = []  # batch rows, in order
         self.waiting: list[Request] = []  # in flight, no batch row yet (admission order)
@@ -179,7 +179,22 @@ class EngineCore:
         self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
         self.speculator.policy = spec_policy(self.limits)
         if self._own_drafter and self.limits.speculation != self.speculator.name:
-            self.speculator.drafter = make_drafter(self.limits.speculation or "off")
+            self.speculator.drafter = self._usable(make_drafter(self.limits.speculation))
+
+    def _usable(self, drafter: Drafter | None) -> Drafter | None:
+        """`drafter`, or None where this model cannot speculate.
+
+        A hybrid model (linear-attention state slots) does not speculate: a rejected
+        draft would have to roll its recurrent state back, which is not built
+        (docs/speculation.md). Asking for it is logged and serves without drafting."""
+        if drafter is not None and self.spec.num_state_slots:
+            if self.log is not None:
+                self.log.warning("engine.speculation_refused", model=self.spec.model_id,
+                                 speculation=drafter.name,
+                                 reason="hybrid model: linear-attention state cannot be "
+                                        "rolled back past a rejected draft")
+            return None
+        return drafter
 
     def reset_kv(self, r: messages.ResetKv) -> str:
         """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
