@@ -50,9 +50,13 @@ class Speculator:
             if st is not None and (getattr(st, "has_penalties", False)
                                    or getattr(st, "wants_logprobs", False)):
                 continue  # their next distribution depends on which drafts are accepted
-            if req.matcher is not None or req.thought is not None:
-                continue  # grammar masks and thought budgets act on one sampled row per step
+            if req.matcher is not None:
+                continue  # a grammar mask acts on the one row sampled per step
             room = req.output_budget - req.num_output_tokens - 1  # the bonus token needs one
+            if req.thought is not None:  # no draft may reach a token the budget forces
+                unforced = req.thought.unforced_tokens()
+                if unforced is not None:
+                    room = min(room, unforced - 1)
             k = min(room, choose_k(self.policy, occupancy=occupancy,
                                    acceptance=req.spec_acceptance,
                                    steps_since_draft=req.steps_since_draft))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.fake_runner import FakeRunner
+from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa import grammar
 from helexa.neuron.engine import messages as m
@@ -160,3 +160,39 @@ def test_constrained_requests_are_not_drafted_beside_speculated_ones(tiny):
     plain.close()
     assert_whole(core)
     core.close()
+
+
+class ModelDrafter:
+    """Drafts the fake model's own greedy continuation, unaware of the thinking budget:
+    every draft is accepted unless the budget forces a token in between."""
+
+    name = "model"
+
+    def propose(self, req, k):
+        ctx = req.all_token_ids()
+        out = []
+        for _ in range(k):
+            out.append(fake_next_token(ctx + out, 512))
+        return Draft(out)
+
+
+@pytest.mark.parametrize("budget", [0, 3, 9])
+def test_thinking_budget_holds_with_speculation(tiny, budget):
+    d, tok = tiny
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "Think."}]) + \
+        tok.encode("<think>\n", add_special_tokens=False)
+    think = m.Thinking(budget_tokens=budget, close_ids=close, starts_open=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=budget + 30,
+                       sampling=m.SamplingParams(temperature=0.0), thinking=think)
+    want, want_final, _ = drive(core_for(d, fake=True), m.ToEngine(new=[req]))
+    spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
+                      context=1024, bytes_per_token=2,
+                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
+                                         spec_off_above=1.01))
+    core = EngineCore(spec, FakeRunner(512, 256, 16), drafter=ModelDrafter())
+    got, final, _ = drive(core, m.ToEngine(new=[req]))
+    assert got == want  # the closing marker lands where the budget says, drafts or not
+    assert final["t"].reasoning_tokens == want_final["t"].reasoning_tokens <= budget
+    assert core.speculator.accepted_tokens > 0
+    assert_whole(core)
