@@ -37,6 +37,21 @@ def optional(tp: Any, **constraints: Any) -> Any:
     return Annotated[tp, msgspec.Meta(**constraints)] | None
 
 
+# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram and off.
+Speculation = str
+SPECULATION_BUILT = ("ngram", "off")
+
+
+def _check_speculation(value: str, where: str) -> None:
+    if value in SPECULATION_BUILT:
+        return
+    if value == "mtp" or value.startswith("draft:"):
+        raise ValueError(f"{where}: {value!r} is not built yet (docs/speculation.md);"
+                         f" expected one of {', '.join(SPECULATION_BUILT)}")
+    raise ValueError(f"{where}: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
+                     f" \"off\", got {value!r}")
+
+
 def _power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 
@@ -121,6 +136,29 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     cuda_graphs: Annotated[bool, field_meta(
         "Capture decode steps as CUDA graphs (cuda backend, batch sizes up to max_slots).",
         RESTART)] = True
+    speculation: Annotated[Speculation, field_meta(
+        "Speculative decoding drafter: ngram (prompt lookup) or off (docs/speculation.md);"
+        " mtp and draft:<model id> are refused until built.", RELOAD)] = "off"
+    spec_k: Annotated[int, field_meta(
+        "Most tokens drafted per request per step.", RELOAD, ge=0, le=16)] = 4
+    spec_full_below: Annotated[float, field_meta(
+        "Speculate with spec_k while running requests / max_slots is at most this.",
+        RELOAD, ge=0, le=1)] = 0.25
+    spec_off_above: Annotated[float, field_meta(
+        "No speculation once running requests / max_slots reaches this (between the two, k"
+        " shrinks linearly).", RELOAD, ge=0, le=1.01)] = 0.75
+    spec_min_acceptance: Annotated[float, field_meta(
+        "A request whose recent acceptance rate is below this drafts only an occasional probe.",
+        RELOAD, ge=0, le=1)] = 0.3
+    spec_keep_acceptance: Annotated[float, field_meta(
+        "A request whose recent acceptance rate is at least this drafts spec_k at any load"
+        " (above 1: never).", RELOAD, ge=0)] = 0.8
+
+    def __post_init__(self) -> None:
+        _check_speculation(self.speculation, "engine.speculation")
+        if self.spec_off_above < self.spec_full_below:
+            raise ValueError(f"engine.spec_off_above: expected >= spec_full_below"
+                             f" ({self.spec_full_below}), got {self.spec_off_above}")
 
 
 class ProfileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -132,6 +170,13 @@ class ProfileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
         "Overrides kv.kv_dtype; switching it re-plans the pool without reloading weights.", RELOAD)] = None
     default_output_tokens: Annotated[optional(int, ge=1), field_meta(
         "Overrides kv.default_output_tokens.", RELOAD)] = None
+    speculation: Annotated[Speculation | None, field_meta(
+        "Overrides engine.speculation.", RELOAD)] = None
+    spec_k: Annotated[optional(int, ge=0), field_meta("Overrides engine.spec_k.", RELOAD)] = None
+
+    def __post_init__(self) -> None:
+        if self.speculation is not None:
+            _check_speculation(self.speculation, "speculation")
 
 
 class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -67,7 +67,7 @@ def tiny_model_dir() -> Path:
 
 
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
-                  kv_budget_mb: int | None) -> tuple[Path, Path]:
+                  kv_budget_mb: int | None, speculation: str = "off") -> tuple[Path, Path]:
     token = run / "neuron.token"
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
@@ -76,6 +76,7 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
+              "engine": {"speculation": speculation},
               "models": [model]}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
               "neurons": {"token_file": str(token)},
@@ -150,9 +151,16 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
+    p.add_argument("--speculation", choices=["ngram", "mtp", "off"], default="off",
+                   help="speculative decoding drafter (docs/speculation.md; mtp is not built"
+                        " yet and is refused)")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
+    if args.speculation == "mtp":  # the config would refuse it too, after a slow start
+        print("helexa up: --speculation mtp is not built yet (docs/speculation.md);"
+              " use ngram or off", file=sys.stderr)
+        return 2
 
     device = args.device or _default_device()
     if args.model is None:
@@ -190,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
            args: argparse.Namespace, stopping: threading.Event) -> int:
-    neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv)
+    neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv,
+                                             args.speculation)
     cli = [sys.executable, "-m", "helexa.cli"]
     children: list[Child] = []
     try:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from helexa.neuron.residency import Residency
@@ -29,7 +29,7 @@ class _ResidencyCollector(Collector):
     def __init__(self, residency: Residency) -> None:
         self._residency = residency
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         kv = {k: GaugeMetricFamily(f"helexa_kv_{k}_bytes", f"KV pool bytes {k} (per card)",
                                    labels=["model"]) for k in _LEDGER}
         counts = {k: GaugeMetricFamily(f"helexa_requests_{k}", f"Requests {k.replace('_', ' ')}",
@@ -44,6 +44,15 @@ class _ResidencyCollector(Collector):
         state = GaugeMetricFamily("helexa_model_state",
                                   "Model lifecycle state (1 loading, 2 ready, 3 switching, "
                                   "4 draining, 5 failed)", labels=["model"])
+        # Speculative decoding (docs/speculation.md): cumulative since the engine started.
+        drafted = CounterMetricFamily("helexa_spec_drafted_tokens",
+                                      "Tokens drafted and verified", labels=["model", "drafter"])
+        accepted = CounterMetricFamily("helexa_spec_accepted_tokens",
+                                       "Drafted tokens the model accepted",
+                                       labels=["model", "drafter"])
+        rate = GaugeMetricFamily("helexa_spec_acceptance_rate",
+                                 "Accepted / drafted tokens since the engine started",
+                                 labels=["model", "drafter"])
         for r in list(self._residency.models.values()):
             state.add_metric([r.model_id], int(r.state))
             s = r.engine_status
@@ -57,11 +66,18 @@ class _ResidencyCollector(Collector):
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)
+            if s.drafter != "off" or s.spec_drafted_tokens:
+                labels = [r.model_id, s.drafter]
+                drafted.add_metric(labels, s.spec_drafted_tokens)
+                accepted.add_metric(labels, s.spec_accepted_tokens)
+                if s.spec_drafted_tokens:
+                    rate.add_metric(labels, s.spec_accepted_tokens / s.spec_drafted_tokens)
         yield from kv.values()
         yield fixed
         yield from slots.values()
         yield from counts.values()
         yield state
+        yield from (drafted, accepted, rate)
 
 
 class NeuronMetrics:

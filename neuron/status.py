@@ -40,6 +40,9 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
         m.decode_tokens_per_sec = s.decode_tokens_per_sec
         m.prefill_tokens_per_sec = s.prefill_tokens_per_sec
         m.attention_backend = s.attention_backend
+        m.drafter = s.drafter
+        m.spec_drafted_tokens = s.spec_drafted_tokens
+        m.spec_accepted_tokens = s.spec_accepted_tokens
     a = r.admission
     if a is not None:
         m.admission.CopyFrom(pb.AdmissionLimits(

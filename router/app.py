@@ -142,13 +142,15 @@ async def models(request: web.Request) -> web.Response:
     state.auth.principal(serve.authorization(request))  # 401 when auth is required
     limits = state.registry.ready_limits()
     costs = state.registry.ready_state_costs()
+    drafters = state.registry.drafters()
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
         limit: dict[str, int] = {"context": context, "input": input_, "output": output}
         e: dict[str, Any] = {"id": model_id, "object": "model", "created": 0,
                              "owned_by": "helexa", "limit": limit,
-                             "max_model_len": context}  # vLLM's name for the context limit
+                             "max_model_len": context,  # vLLM's name for the context limit
+                             "speculation": drafters.get(target, "off")}
         fixed, _ = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             limit["fixed_bytes_per_request"] = fixed

@@ -375,3 +375,13 @@ class Registry:
                 out[m.model] = lim if prev is None else (
                     min(prev[0], lim[0]), min(prev[1], lim[1]), min(prev[2], lim[2]))
         return out
+
+    def drafters(self) -> dict[str, str]:
+        """Model → the speculative drafter its ready neurons run (docs/speculation.md);
+        "off" when none does, names joined with "," when neurons differ."""
+        seen: dict[str, set[str]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models if link.status is not None else ():
+                if m.state == pb.MODEL_STATE_READY:
+                    seen.setdefault(m.model, set()).add(m.drafter or "off")
+        return {k: ",".join(sorted(v)) for k, v in seen.items()}

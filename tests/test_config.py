@@ -143,3 +143,19 @@ def test_a_file_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
     rc, lines = check(path, capsys)
     assert rc == 2 and len(lines) == 1
     assert lines[0] == f"{path}: (file): not UTF-8 (byte 0xff on line 3); TOML files are UTF-8"
+
+
+def test_speculation_settings_are_checked_and_a_profile_overrides_them():
+    from helexa.config import EngineConfig, NeuronConfig, ProfileConfig
+    from helexa.neuron.engine.spec import limits_from_config
+
+    with pytest.raises(ValueError, match="mtp.*not built"):
+        EngineConfig(speculation="mtp")
+    with pytest.raises(ValueError, match="expected \"ngram\""):
+        EngineConfig(speculation="eagle")
+    with pytest.raises(ValueError, match="spec_off_above"):
+        EngineConfig(spec_full_below=0.8, spec_off_above=0.5)
+    cfg = NeuronConfig(engine=EngineConfig(speculation="ngram", spec_k=3))
+    assert limits_from_config(cfg).speculation == "ngram"
+    fast = limits_from_config(cfg, ProfileConfig(speculation="off", spec_k=0))
+    assert (fast.speculation, fast.spec_k) == ("off", 0)

@@ -77,6 +77,11 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     assert (tmp_path / "neuron.token").stat().st_mode & 0o077 == 0  # the token is private
     assert main(["--model", str(tmp_path / "m")]) == 2  # no config.json there
     assert "no config.json" in capsys.readouterr().err
+    assert n.engine.speculation == "off"
+    ngram, _ = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16, "ngram")
+    assert load_config(ngram, NeuronConfig).engine.speculation == "ngram"
+    assert main(["--speculation", "mtp"]) == 2
+    assert "mtp is not built" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- any checkpoint, failures

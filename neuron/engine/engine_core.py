@@ -40,6 +40,9 @@ from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
+from helexa.neuron.engine.speculative.drafters import Drafter, make_drafter
+from helexa.neuron.engine.speculative.policy import SpecPolicy
+from helexa.neuron.engine.speculative.speculator import Speculator
 from helexa.neuron.engine.thinking import ThoughtTracker
 
 if TYPE_CHECKING:
@@ -59,11 +62,18 @@ class EngineCore:
                  sampler: Sampler | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time, logger: Any = None,
-                 progress: Callable[[int, int], None] | None = None) -> None:
+                 progress: Callable[[int, int], None] | None = None,
+                 drafter: Drafter | None = None) -> None:
         self.spec = spec
         self.limits = full_limits(spec.limits)
+        self.log = logger
         self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
         self.spec = spec = check_pool(spec, self.runner)
+        # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
+        self._own_drafter = drafter is None
+        self.speculator = Speculator(self._usable(drafter if drafter is not None
+                                                  else make_drafter(self.limits.speculation)),
+                                     spec_policy(self.limits))
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
         self.sampler = sampler or Sampler()
@@ -75,7 +85,6 @@ class EngineCore:
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens)
         self.clock = clock
-        self.log = logger
         self.requests: dict[str, Request] = {}  # queued, in flight or running
         self.running: list[Request] = []  # batch rows, in order
         self.waiting: list[Request] = []  # in flight, no batch row yet (admission order)
@@ -107,6 +116,7 @@ class EngineCore:
         for req in late:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
         self._admit()
+        self.speculator.draft(self.running, self.limits.max_slots)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
             self._execute(plan)
@@ -167,6 +177,24 @@ class EngineCore:
         self.scheduler.max_slots = self.limits.max_slots
         self.scheduler.max_batched_tokens = self.limits.max_batched_tokens
         self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
+        self.speculator.policy = spec_policy(self.limits)
+        if self._own_drafter and self.limits.speculation != self.speculator.name:
+            self.speculator.drafter = self._usable(make_drafter(self.limits.speculation))
+
+    def _usable(self, drafter: Drafter | None) -> Drafter | None:
+        """`drafter`, or None where this model cannot speculate.
+
+        A hybrid model (linear-attention state slots) does not speculate: a rejected
+        draft would have to roll its recurrent state back, which is not built
+        (docs/speculation.md). Asking for it is logged and serves without drafting."""
+        if drafter is not None and self.spec.num_state_slots:
+            if self.log is not None:
+                self.log.warning("engine.speculation_refused", model=self.spec.model_id,
+                                 speculation=drafter.name,
+                                 reason="hybrid model: linear-attention state cannot be "
+                                        "rolled back past a rejected draft")
+            return None
+        return drafter
 
     def reset_kv(self, r: messages.ResetKv) -> str:
         """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
@@ -252,6 +280,9 @@ class EngineCore:
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
             attention_backend=self.attention_backend,
+            drafter=self.speculator.name,
+            spec_drafted_tokens=self.speculator.drafted_tokens,
+            spec_accepted_tokens=self.speculator.accepted_tokens,
         )
 
     # --- execution ---------------------------------------------------------
@@ -265,29 +296,47 @@ class EngineCore:
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
             seqs: list[SeqInput] = []
-            sampled: list[Request] = []
+            sampled: list[tuple[Request, int]] = []  # (request, its logits row)
+            verified: list[tuple[Request, int, int]] = []  # (request, first row, num drafts)
+            rows = 0  # logits rows so far: a verification row has num_draft + 1
             for req, chunk in zip(reqs, plan.chunks, strict=True):
                 start = req.num_computed_tokens
                 end = start + chunk.num_tokens
                 need = blocks_for_tokens(end, self.pool.block_size)
-                while len(req.block_table) < need:
+                while len(req.block_table) < need:  # within the reservation (speculator.py)
                     req.block_table.append(self.pool.draw(req.req_id))
-                need_logits = end == req.num_tokens
-                seqs.append(SeqInput(token_ids=req.token_slice(start, end), num_computed=start,
+                tokens = req.token_slice(start, end - chunk.num_draft)
+                if chunk.num_draft:
+                    assert req.draft is not None
+                    tokens += req.draft.tokens[:chunk.num_draft]
+                need_logits = end - chunk.num_draft == req.num_tokens
+                seqs.append(SeqInput(token_ids=tokens, num_computed=start,
                                      block_table=req.block_table, need_logits=need_logits,
-                                     state_slot=self.pool.state_slot(req.req_id)))
-                if need_logits:
-                    sampled.append(req)
+                                     state_slot=self.pool.state_slot(req.req_id),
+                                     num_logits=chunk.num_draft + 1))
+                if chunk.num_draft:
+                    verified.append((req, rows, chunk.num_draft))
+                elif need_logits:
+                    sampled.append((req, rows))
+                rows += chunk.num_draft + 1 if need_logits else 0
             # Grammar masks are computed in a worker thread while the model runs the step.
-            masked = [j for j, r in enumerate(sampled) if r.matcher is not None
+            # Their indices are positions in `sampled`, which are the rows handed to the
+            # sampler below; a constrained request is never drafted (speculator.py), so it
+            # always has exactly one row there.
+            masked = [j for j, (r, _) in enumerate(sampled) if r.matcher is not None
                       and (r.thought is None or r.thought.answering)]
-            masks = self.grammars.start([sampled[j].matcher for j in masked]) if masked else None
+            masks = self.grammars.start([sampled[j][0].matcher for j in masked]) if masked else None
             logits = self.runner.execute(seqs)
-            states = [_sampling_state(r) for r in sampled]
+            sample_logits = logits[[r for _, r in sampled]] if verified else logits
+            states = [_sampling_state(r) for r, _ in sampled]
             if masks is not None:
-                picks = self.sampler(logits, states, bitmask=(masked, masks.result()))
+                picks = self.sampler(sample_logits, states, bitmask=(masked, masks.result()))
             else:
-                picks = self.sampler(logits, states) if sampled else []
+                picks = self.sampler(sample_logits, states) if sampled else []
+            new_tokens = {req.req_id: [pick[0]] for (req, _), pick
+                          in zip(sampled, picks, strict=True)}
+            for req, row, k in verified:
+                new_tokens[req.req_id] = self.speculator.accept(req, logits[row:row + k + 1], k)
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
@@ -298,15 +347,22 @@ class EngineCore:
                 self._finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
             return
         self.consecutive_failed_steps = 0
-        num_prefill = 0
+        num_prefill = num_decode = 0
         for req, chunk in zip(reqs, plan.chunks, strict=True):
-            req.num_computed_tokens += chunk.num_tokens
+            # a verification row keeps the KV of its decode token and the accepted drafts
+            accepted = len(new_tokens[req.req_id]) - 1 if chunk.num_draft else chunk.num_draft
+            req.num_computed_tokens += chunk.num_tokens - chunk.num_draft + accepted
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
             if self.spec.prefix_cache:
                 self._file_full_blocks(req)
-        for req, (token_id, logprob) in zip(sampled, picks, strict=True):
-            self._append_token(req, token_id, logprob)
-        self._measure(len(plan.chunks) - len(plan.prefill), num_prefill)
+        lp = {req.req_id: logprob for (req, _), (_, logprob) in zip(sampled, picks, strict=True)}
+        for req, chunk in zip(reqs, plan.chunks, strict=True):
+            for token_id in new_tokens.get(req.req_id, []):
+                if req.is_finished:  # a stop token among the accepted drafts ends it there
+                    break
+                self._append_token(req, token_id, lp.get(req.req_id))
+                num_decode += not chunk.is_prefill
+        self._measure(num_decode, num_prefill)
         if len(plan.decode_ids) < sum(1 for r in self.running if not r.is_prefilling):
             # The budget cut decodes short: rotate so the skipped ones go first next step.
             done = set(plan.decode_ids)
@@ -402,6 +458,13 @@ class EngineCore:
 def _sampling_state(req: Request) -> SamplingState:
     assert req.sampling_state is not None, "set when the request was queued"
     return req.sampling_state
+
+
+def spec_policy(limits: messages.Limits) -> SpecPolicy:
+    """The adaptive speculation policy that `limits` (every knob set) describe."""
+    return SpecPolicy(k_max=limits.spec_k, full_below=limits.spec_full_below,
+                      off_above=limits.spec_off_above, min_acceptance=limits.spec_min_acceptance,
+                      keep_acceptance=limits.spec_keep_acceptance)
 
 
 def make_runner(spec: EngineSpec, limits: messages.Limits,

@@ -84,6 +84,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     max_batched_tokens: int
     prefill_chunk_tokens: int
     default_output_tokens: int
+    speculation: str  # docs/speculation.md
+    spec_k: int
+    spec_full_below: float
+    spec_off_above: float
+    spec_min_acceptance: float
+    spec_keep_acceptance: float
 
 
 class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -98,6 +104,14 @@ class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_batched_tokens: int | None = None
     prefill_chunk_tokens: int | None = None
     default_output_tokens: int | None = None
+    # Speculative decoding (docs/speculation.md): drafter, most drafted tokens, and the
+    # adaptive policy's thresholds (running requests / max_slots; acceptance rate).
+    speculation: str | None = None  # "ngram" | "mtp" | "draft:<model id>" | "off"
+    spec_k: int | None = None
+    spec_full_below: float | None = None
+    spec_off_above: float | None = None
+    spec_min_acceptance: float | None = None
+    spec_keep_acceptance: float | None = None
 
 
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
@@ -188,6 +202,11 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     prefix_hit_tokens: int = 0
     # The runner's attention backend and what it chose (kernels/backends/), "" for fakes.
     attention_backend: str = ""
+    # Speculative decoding, cumulative since start: the drafter ("off" = none), tokens
+    # drafted and verified, and how many of those the target accepted.
+    drafter: str = "off"
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class FromEngine(msgspec.Struct, kw_only=True):

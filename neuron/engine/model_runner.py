@@ -45,6 +45,9 @@ class SeqInput:
     block_table: list[int]  # physical block ids covering num_computed + len(token_ids)
     need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
     state_slot: int = -1  # hybrid models: the request's linear-attention state slot
+    # Logits rows for the last this-many tokens of the chunk (need_logits only): a
+    # speculative verification row [last token, k drafts] asks for k + 1.
+    num_logits: int = 1
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
@@ -213,7 +216,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Run one step; returns fp32 logits [num seqs with need_logits, vocab] in input order."""
+        """Run one step; returns fp32 logits [sum of num_logits of the seqs with need_logits,
+        vocab] in input order."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, step, logits_rows = self._prepare(seqs)
@@ -284,7 +288,8 @@ class ModelRunner:
             step.prefills.append(PrefillRow(start, start + n, c, table))
             last_row[i] = start + n - 1
         n_tok = len(ids)
-        want = [last_row[i] for i, s in enumerate(seqs) if s.need_logits]
+        want = [r for i, s in enumerate(seqs) if s.need_logits
+                for r in range(last_row[i] - _logits_count(s) + 1, last_row[i] + 1)]
         flat = self._to_device(ids + positions + slots + want)
         step.slot_mapping = flat[2 * n_tok : 3 * n_tok]
         self.model.rotary.ensure(max(positions) + 1)
@@ -308,6 +313,12 @@ class ModelRunner:
 def _shutdown_tp(tp: TpWorkers) -> None:
     tp.close()
     leave_group()
+
+
+def _logits_count(s: SeqInput) -> int:
+    if not 1 <= s.num_logits <= len(s.token_ids):
+        raise ValueError(f"num_logits {s.num_logits} for a chunk of {len(s.token_ids)} tokens")
+    return s.num_logits
 
 
 def _checked_table(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:

@@ -24,6 +24,7 @@ from helexa.neuron.engine.block_pool import BlockKey
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.sampler import SamplingState
+    from helexa.neuron.engine.speculative.drafters import Draft
 
 
 class RequestStatus(enum.IntEnum):
@@ -78,6 +79,10 @@ class Request:
     sampling_state: SamplingState | None = None  # the sampler's per-request state
     matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
     thought: Any = None  # its thinking.ThoughtTracker when the model thinks, or None
+    # Speculation (engine/speculative/): this step's draft, and how well drafts fare.
+    draft: Draft | None = None
+    spec_acceptance: float | None = None  # EWMA of accepted / drafted; None before any
+    steps_since_draft: int = 0
 
     # --- derived -----------------------------------------------------------
 

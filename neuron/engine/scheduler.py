@@ -7,8 +7,9 @@ out; it touches no tensors and no pool, and mutates nothing.
 The algorithm, under a token budget of `max_batched_tokens` per step:
 
 1. Decode first: every running request whose prompt is fully in the cache
-   gets its one next token, in batch order, while budget lasts. Running
-   decodes are never stalled by prefill.
+   gets its one next token, in batch order, while budget lasts — plus its
+   drafted tokens (`Request.draft`, speculative/) when the budget has room
+   for all of them, else none. Running decodes are never stalled by prefill.
 2. Then prefill chunks of running requests that are still prefilling (in
    batch order), each at most `prefill_chunk_tokens` and what budget is left.
 3. Then, while fewer than `max_slots` requests are running and budget is
@@ -32,6 +33,7 @@ class ScheduledChunk:
     req_id: str
     num_tokens: int  # tokens to compute this step
     is_prefill: bool  # part of the prompt (else one decode token)
+    num_draft: int = 0  # decode rows: drafted tokens verified after the decode token
 
 
 @dataclass
@@ -69,8 +71,11 @@ class Scheduler:
             if budget == 0:
                 break
             if not req.is_prefilling and req.num_uncomputed_tokens > 0:
-                plan.chunks.append(ScheduledChunk(req.req_id, 1, is_prefill=False))
-                budget -= 1
+                k = len(req.draft.tokens) if req.draft is not None else 0
+                k = k if 1 + k <= budget else 0
+                plan.chunks.append(ScheduledChunk(req.req_id, 1 + k, is_prefill=False,
+                                                  num_draft=k))
+                budget -= 1 + k
         for req in running:  # 2. prefill already running
             if budget == 0:
                 break

@@ -41,6 +41,12 @@ def limits_from_config(cfg: NeuronConfig,
         max_batched_tokens=eng.max_batched_tokens,
         prefill_chunk_tokens=eng.prefill_chunk_tokens,
         default_output_tokens=kv.default_output_tokens,
+        speculation=eng.speculation,
+        spec_k=eng.spec_k,
+        spec_full_below=eng.spec_full_below,
+        spec_off_above=eng.spec_off_above,
+        spec_min_acceptance=eng.spec_min_acceptance,
+        spec_keep_acceptance=eng.spec_keep_acceptance,
     )
     if profile is not None:
         limits = merge_limits(limits, messages.SetLimits(
@@ -48,6 +54,8 @@ def limits_from_config(cfg: NeuronConfig,
             max_slots=profile.max_slots,
             max_batched_tokens=profile.max_batched_tokens,
             default_output_tokens=profile.default_output_tokens,
+            speculation=profile.speculation,
+            spec_k=profile.spec_k,
         ))
     return limits
 

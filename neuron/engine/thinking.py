@@ -45,6 +45,16 @@ class ThoughtTracker:
         """The thought is over (or never began): tokens now belong to the answer."""
         return self.phase == Phase.ANSWERING
 
+    def unforced_tokens(self) -> int | None:
+        """How many next tokens `forced` surely leaves to the sampler (None: all of them).
+        Speculation drafts only that far (speculative/speculator.py): a forced token
+        would invalidate the drafts verified after it."""
+        if self.phase == Phase.ANSWERING:
+            return None
+        if self.phase == Phase.THINKING:  # CLOSING starts once the budget is spent
+            return max(0, self.spec.budget_tokens - self.reasoning_tokens)
+        return 0  # opening (the budget may be 0) or closing: one token at a time
+
     def forced(self) -> int | None:
         """The token to write next in place of sampling, or None."""
         if self.phase == Phase.CLOSING and self._forcing < len(self.spec.close_ids):

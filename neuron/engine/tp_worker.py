@@ -59,6 +59,7 @@ class TpSeq(msgspec.Struct, array_like=True):
     fresh: bool  # the table starts here (new_blocks is all of it)
     need_logits: bool
     state_slot: int = -1  # hybrid models' linear-attention state slot
+    num_logits: int = 1  # speculative verification rows want k + 1
 
 
 class TpStep(msgspec.Struct, tag=True):
@@ -228,12 +229,12 @@ class TpWorkers:
             if entry is not None and entry[0] is table and len(table) >= entry[2]:
                 _, handle, sent = entry
                 out.append(TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
-                                 s.need_logits, s.state_slot))
+                                 s.need_logits, s.state_slot, s.num_logits))
             else:
                 handle = self._next_handle
                 self._next_handle += 1
                 out.append(TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
-                                 s.need_logits, s.state_slot))
+                                 s.need_logits, s.state_slot, s.num_logits))
             # Holding the list itself keeps its id from being reused while tracked.
             self._tables[id(table)] = (table, handle, len(table))
             seen.add(id(table))
@@ -364,7 +365,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table = tables[s.handle]
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
-                                     s.state_slot))
+                                     s.state_slot, s.num_logits))
             runner.execute(seqs)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve

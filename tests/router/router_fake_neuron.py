@@ -52,6 +52,7 @@ class FakeModel:
     used_bytes: int = 0
     in_flight: int = 0
     queued: int = 0
+    drafter: str = ""  # "" as a neuron without speculation reports it
 
     def status(self) -> pb.ModelStatus:
         total = self.num_blocks * self.block_size * self.bytes_per_token
@@ -64,7 +65,8 @@ class FakeModel:
             admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight,
                                          max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
-                                  output=self.output))
+                                  output=self.output),
+            drafter=self.drafter)
 
 
 @dataclass

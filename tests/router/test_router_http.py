@@ -90,12 +90,16 @@ def test_principal_comes_from_the_key_only(fl):
 
 def test_models_lists_models_and_aliases_with_smallest_limits(fl):
     fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "context", 1000), fl.n2.changed()))
-    limits = fl.state.registry.ready_limits
-    end = time.monotonic() + 5.0  # until the router has the report, not a fixed nap
-    while fl.lt.call(limits).get("tiny", (0,))[0] != 1000:
-        assert time.monotonic() < end, "the router never saw the new context"
+    fl.lt.call(lambda: (setattr(fl.n1.models["tiny"], "drafter", "ngram"), fl.n1.changed()))
+    fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "drafter", "ngram"), fl.n2.changed()))
+    limits, drafters = fl.state.registry.ready_limits, fl.state.registry.drafters
+    end = time.monotonic() + 5.0  # until the router has the reports, not a fixed nap
+    while (fl.lt.call(limits).get("tiny", (0,))[0] != 1000
+           or fl.lt.call(drafters).get("tiny") != "ngram"):
+        assert time.monotonic() < end, "the router never saw the new context and drafter"
         time.sleep(0.02)
     data = {m.id: m.model_dump() for m in fl.client().models.list()}
+    assert data["tiny"]["speculation"] == "ngram" and data["other"]["speculation"] == "off"
     assert data["tiny"]["limit"] == {"context": 1000, "input": 999, "output": 1024}
     assert data["other"]["limit"] == {"context": 512, "input": 511, "output": 256}
     assert data["helexa/balanced"]["limit"] == data["tiny"]["limit"]

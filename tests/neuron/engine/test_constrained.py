@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from support.fake_runner import FakeRunner
+from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa import grammar
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative.drafters import Draft
 from helexa.neuron.tokenizer import Tokenizer
 from helexa.tiny import init_tiny
 from tests.neuron.engine.test_engine_core import assert_whole, drive
@@ -116,4 +117,82 @@ def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
     i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
     assert final["t"].finished == m.FinishReason.STOP and final["t"].reasoning_tokens == i <= 6
     validate(json.loads(tok.decode(out[i + len(close):])))
+    assert_whole(core)
+
+
+class RecordingDrafter:
+    """Always drafts k copies of token 7 (mostly rejected: greedy output is unchanged) and
+    records every request it was asked to draft for."""
+
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.asked: set[str] = set()
+
+    def propose(self, req, k):
+        self.asked.add(req.req_id)
+        return Draft([7] * k)
+
+
+def test_constrained_requests_are_not_drafted_beside_speculated_ones(tiny):
+    d, tok = tiny
+    spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
+                      context=1024, bytes_per_token=2,
+                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
+                                         spec_off_above=1.01))
+    drafter = RecordingDrafter()
+    core = EngineCore(spec, FakeRunner(512, 256, 16), drafter=drafter)
+    g = grammar.grammar_text(grammar.json_schema(SCHEMA))
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+    con = m.NewRequest(req_id="con", prompt_token_ids=prompt, max_tokens=200,
+                       sampling=m.SamplingParams(temperature=0.0),
+                       stop_token_ids=tok.eos_token_ids, grammar=g)
+    free = [m.NewRequest(req_id=f"free{i}", prompt_token_ids=[5, 6, 7] * 6, max_tokens=30,
+                         sampling=m.SamplingParams(temperature=0.0)) for i in range(2)]
+    tokens, final, _ = drive(core, m.ToEngine(new=[free[0], con, free[1]]))
+    assert final["con"].finished == m.FinishReason.STOP, final["con"]
+    validate(json.loads(tok.decode([t for t in tokens["con"] if t not in tok.eos_token_ids])))
+    assert "con" not in drafter.asked and {"free0", "free1"} <= drafter.asked
+    assert core.speculator.drafted_tokens > 0  # the free rows did speculate in that batch
+    plain = core_for(d, fake=True)
+    ref, _, _ = drive(plain, m.ToEngine(new=[free[0], con, free[1]]))
+    assert tokens == ref  # greedy: the same tokens as without speculation, masks included
+    plain.close()
+    assert_whole(core)
+    core.close()
+
+
+class ModelDrafter:
+    """Drafts the fake model's own greedy continuation, unaware of the thinking budget:
+    every draft is accepted unless the budget forces a token in between."""
+
+    name = "model"
+
+    def propose(self, req, k):
+        ctx = req.all_token_ids()
+        out = []
+        for _ in range(k):
+            out.append(fake_next_token(ctx + out, 512))
+        return Draft(out)
+
+
+@pytest.mark.parametrize("budget", [0, 3, 9])
+def test_thinking_budget_holds_with_speculation(tiny, budget):
+    d, tok = tiny
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    prompt = tok.encode_chat([{"role": "user", "content": "Think."}]) + \
+        tok.encode("<think>\n", add_special_tokens=False)
+    think = m.Thinking(budget_tokens=budget, close_ids=close, starts_open=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=budget + 30,
+                       sampling=m.SamplingParams(temperature=0.0), thinking=think)
+    want, want_final, _ = drive(core_for(d, fake=True), m.ToEngine(new=[req]))
+    spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
+                      context=1024, bytes_per_token=2,
+                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
+                                         spec_off_above=1.01))
+    core = EngineCore(spec, FakeRunner(512, 256, 16), drafter=ModelDrafter())
+    got, final, _ = drive(core, m.ToEngine(new=[req]))
+    assert got == want  # the closing marker lands where the budget says, drafts or not
+    assert final["t"].reasoning_tokens == want_final["t"].reasoning_tokens <= budget
+    assert core.speculator.accepted_tokens > 0
     assert_whole(core)

@@ -1,0 +1,48 @@
+"""A real neuron with n-gram speculation: the same greedy tokens as a neuron without it,
+the drafter and its figures in the status, Prometheus and a whole ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
+
+from helexa.proto import neuron_pb2 as pb
+
+
+def _tokens(proc: NeuronProcess, token: str, n: int) -> tuple[list[list[int]], pb.NeuronStatus]:
+    async def run():
+        async with NeuronClient(proc.address, token) as c:
+            # one at a time: alone in the batch, the adaptive policy always drafts
+            outs = [await c.generate(chat_request(
+                f"spec-{i}", text=f"Repeat after me: one two three {i}", max_tokens=40,
+                ignore_eos=True)) for i in range(n)]
+            st = await c.watch_until(ledger_whole)
+            return [[t for r in out for t in r.token_ids] for out in outs], st
+
+    return asyncio.run(run())
+
+
+def test_ngram_neuron_gives_the_tokens_of_a_plain_one(
+        start_daemon: Callable[..., NeuronProcess], base_neuron_config: Callable[..., dict],
+        tiny_model_dir: Path, neuron_main: NeuronProcess, neuron_token: str) -> None:
+    cfg: dict[str, Any] = base_neuron_config("spec", tiny_model_dir,
+                                             engine={"speculation": "ngram"})
+    spec = start_daemon("spec", cfg)
+    got, st = _tokens(spec, neuron_token, 3)
+    want, plain = _tokens(neuron_main, neuron_token, 3)
+    assert got == want
+    m = model_of(st)
+    assert m.drafter == "ngram" and m.spec_drafted_tokens > 0
+    assert 0 <= m.spec_accepted_tokens <= m.spec_drafted_tokens
+    assert model_of(plain).drafter == "off"
+    body = urllib.request.urlopen(f"http://{spec.metrics_address}/metrics").read().decode()
+    samples = dict(line.rsplit(" ", 1) for line in body.splitlines()
+                   if line and not line.startswith("#"))
+    key = '{drafter="ngram",model="tiny"}'
+    assert float(samples[f"helexa_spec_drafted_tokens_total{key}"]) == m.spec_drafted_tokens
+    assert float(samples[f"helexa_spec_accepted_tokens_total{key}"]) == m.spec_accepted_tokens

@@ -1,0 +1,119 @@
+"""Verification, policy and prompt lookup as units: the rejection rule leaves the sampled
+distribution unchanged (statistical, toy vocabulary, seeded), greedy takes the longest
+matching prefix, k gives way to load, prompt lookup continues earlier text."""
+
+from __future__ import annotations
+
+import torch
+
+from helexa.neuron.engine.messages import SamplingParams
+from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.sampler import Sampler, SamplingState
+from helexa.neuron.engine.speculative.drafters import NgramDrafter
+from helexa.neuron.engine.speculative.policy import SpecPolicy, choose_k, update_acceptance
+from helexa.neuron.engine.speculative.verify import target_probs, verify
+
+V = 6
+N = 4_000  # sampler draws (vectorised)
+TRIALS = 2_500  # verifications (one at a time: the loaded CI machine is slow at them)
+
+
+def state(**kw) -> SamplingState:
+    return SamplingState.for_request(SamplingParams(**kw), [1, 2], [])
+
+
+def close(freq: torch.Tensor, p: torch.Tensor, n: int) -> None:
+    """Every frequency within 5 standard errors of its probability."""
+    se = (p * (1 - p) / n).sqrt().clamp(min=1e-4)
+    assert ((freq - p).abs() <= 5 * se).all(), (freq, p)
+
+
+def test_greedy_accepts_longest_matching_prefix_plus_one():
+    logits = torch.full((4, V), -1.0)
+    for row, t in enumerate([3, 1, 4, 0]):
+        logits[row, t] = 1.0
+    g = state(temperature=0.0)
+    assert verify(logits, [3, 1, 4], None, g) == [3, 1, 4, 0]  # all accepted + bonus
+    assert verify(logits, [3, 2, 4], None, g) == [3, 1]  # stops at the first mismatch
+    assert verify(logits, [5, 1, 4], None, g) == [3]
+
+
+def test_rejection_rule_keeps_the_target_distribution_with_a_stochastic_drafter():
+    gen = torch.Generator().manual_seed(0)
+    target = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    logits = torch.stack([target, target.flip(0), target]).log()
+    q = torch.stack([target.flip(0), target])  # a poor drafter: 60 % rejected at token 1
+    st = state(temperature=1.0, seed=7)
+    p = target_probs(logits, st)
+    first = torch.zeros(V)
+    second = torch.zeros(V)
+    n_second = 0
+    for _ in range(TRIALS):
+        d = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        out = verify(logits, d, q, st)
+        first[out[0]] += 1
+        if len(out) >= 2:  # token 1 accepted: what follows is drawn as the target would
+            second[out[1]] += 1
+            n_second += 1
+    close(first / TRIALS, p[0], TRIALS)
+    assert n_second > TRIALS // 10
+    close(second / n_second, p[1], n_second)
+
+
+def test_rejection_rule_with_a_deterministic_draft_and_truncation():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(2, V, generator=gen)
+    st = state(temperature=1.3, top_k=4, top_p=0.9, seed=3)
+    p = target_probs(logits, st)
+    guess = int(p[0].argmax())
+    counts = torch.zeros(V)
+    for _ in range(TRIALS):
+        counts[verify(logits, [guess], None, st)[0]] += 1
+    close(counts / TRIALS, p[0], TRIALS)
+
+
+def test_target_probs_are_what_the_sampler_draws_from():
+    torch.manual_seed(2)
+    logits = torch.randn(1, V) * 2
+    for kw in ({"temperature": 0.7}, {"temperature": 1.0, "top_k": 3},
+               {"temperature": 1.0, "top_p": 0.6}, {"temperature": 0.9, "min_p": 0.2}):
+        st = state(**kw)
+        p = target_probs(logits, st)[0]
+        picks = Sampler()(logits.expand(N, V), [st] * N)
+        freq = torch.bincount(torch.tensor([t for t, _ in picks]), minlength=V) / N
+        close(freq, p, N)
+
+
+def test_policy_gives_way_to_load():
+    pol = SpecPolicy(k_max=4, full_below=0.25, off_above=0.75)
+    ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, steps_since_draft=0)
+          for n in range(1, 9)]
+    assert ks == [4, 4, 3, 2, 1, 0, 0, 0]
+    assert choose_k(SpecPolicy(k_max=0), occupancy=0.1, acceptance=None,
+                    steps_since_draft=0) == 0
+    # a full batch still probes now and then, and keeps drafting where drafts are right
+    assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=0) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=8) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=3) == 0
+    assert choose_k(pol, occupancy=1.0, acceptance=0.9, steps_since_draft=0) == 4
+
+
+def test_policy_stops_drafting_for_a_poor_acceptor_but_probes():
+    pol = SpecPolicy(k_max=4, min_acceptance=0.3, probe_every=8)
+    assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=3) == 0
+    assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=8) == 4
+    assert choose_k(pol, occupancy=0.1, acceptance=0.9, steps_since_draft=0) == 4
+    a = update_acceptance(None, 4, 0)
+    assert a == 0.0 and update_acceptance(a, 4, 4) > a and update_acceptance(a, 0, 0) == a
+
+
+def test_prompt_lookup_continues_the_latest_earlier_match():
+    req = Request("r", prompt_token_ids=[5, 6, 7, 8, 9, 1, 5, 6, 7, 2, 3], output_budget=9)
+    req.output_token_ids += [5, 6]
+    # "5 6" occurs twice earlier; the later one (followed by 7 2 3) wins
+    assert NgramDrafter().propose(req, 3).tokens == [7, 2, 3]
+    assert NgramDrafter().propose(req, 0).tokens == []
+    loop = Request("l", prompt_token_ids=[9, 4, 5, 4, 5], output_budget=9)
+    assert NgramDrafter().propose(loop, 5).tokens == [4, 5, 4, 5, 4]  # a loop runs on
+    lone = Request("s", prompt_token_ids=[1, 2, 3, 4], output_budget=4)
+    assert NgramDrafter().propose(lone, 3).tokens == []
