@@ -36,7 +36,7 @@ from helexa.router.request_model import (
     NamedFunction,
     NamedToolChoice,
     Tool,
-    _validation_error,
+    decode_as,
 )
 
 
@@ -130,15 +130,6 @@ class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tools: list[ATool] | None = None
     tool_choice: AToolChoice | None = None
     thinking: AThinking | None = None
-
-
-def _decode(raw: bytes, t: type) -> Any:
-    try:
-        return msgspec.json.decode(raw, type=t)
-    except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The body is not valid JSON: {e}") from None
 
 
 def _text(content: str | list[Block] | None, param: str) -> str:
@@ -254,7 +245,7 @@ def _output_config(body: MessagesBody, req: ParsedRequest) -> None:
 
 def parse_request(raw: bytes) -> ParsedRequest:
     """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
-    b: MessagesBody = _decode(raw, MessagesBody)
+    b: MessagesBody = decode_as(raw, MessagesBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b), max_tokens=b.max_tokens,
                         temperature=b.temperature, top_p=b.top_p, top_k=b.top_k or None,
                         stop=list(b.stop_sequences or []), stream=bool(b.stream),
@@ -266,7 +257,7 @@ def parse_request(raw: bytes) -> ParsedRequest:
 
 
 def parse_count_request(raw: bytes) -> ParsedRequest:
-    b: CountTokensBody = _decode(raw, CountTokensBody)
+    b: CountTokensBody = decode_as(raw, CountTokensBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req)
     _thinking(b, req)

@@ -230,6 +230,17 @@ def _refuse_unsupported(obj: msgspec.Struct, prefix: str) -> None:
 _AT = re.compile(r"^(.*) - at `\$(.*)`$")
 
 
+def decode_as(raw: bytes, t: type) -> Any:
+    """Raw JSON bytes as the struct `t`, or an ApiError(400) naming the offending field: the
+    one decode the other front ends (Anthropic Messages, /tokenize) share with decode()."""
+    try:
+        return msgspec.json.decode(raw, type=t)
+    except msgspec.ValidationError as e:
+        raise _validation_error(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"The body is not valid JSON: {e}") from None
+
+
 def _validation_error(text: str) -> ApiError:
     """msgspec's `Expected `int` <= 2147483647 - at `$.max_tokens`` as a 400 naming the
     field (`max_tokens`, `messages[0].role`, `stream_options.include_usage`)."""

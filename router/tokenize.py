@@ -24,7 +24,7 @@ from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
 from helexa.router.http_edge import read_body
 from helexa.router.openai_api import ParsedRequest, Turn, _message
-from helexa.router.request_model import INT32_MAX, Message, TokenId, _validation_error
+from helexa.router.request_model import INT32_MAX, Message, TokenId, decode_as
 from helexa.router.serve import STATE, authorization
 
 
@@ -42,15 +42,6 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: Annotated[str, Meta(min_length=1)]
     tokens: list[TokenId]
-
-
-def _decode(raw: bytes, t: type) -> Any:
-    try:
-        return msgspec.json.decode(raw, type=t)
-    except msgspec.ValidationError as e:
-        raise _validation_error(str(e)) from None
-    except msgspec.DecodeError as e:
-        raise bad_request(f"The body is not valid JSON: {e}") from None
 
 
 async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeResponse:
@@ -87,7 +78,7 @@ def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Ch
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    b: TokenizeBody = _decode(await _body(request),
+    b: TokenizeBody = decode_as(await _body(request),
                               TokenizeBody)
     if (b.prompt is None) == (b.messages is None):
         raise bad_request("give exactly one of `prompt` and `messages`", "prompt")
@@ -104,7 +95,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    b: DetokenizeBody = _decode(await _body(request),
+    b: DetokenizeBody = decode_as(await _body(request),
                                 DetokenizeBody)
     if any(t > INT32_MAX for t in b.tokens):
         raise bad_request("`tokens` holds an id beyond int32", "tokens")
