@@ -8,6 +8,11 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
   zero per (group, row), ``w = (q - 8) * scale + zero`` (tinygemm's convention);
   packed by ``aten._convert_weight_to_int4pack_for_cpu`` and run by
   ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
+- grouped int8: ``qweight`` int8 [N, K] in groups of ``group_size`` along K, a
+  scale and an optional zero per (row, group), ``w = q * scale + zero``: the
+  layout of GGUF Q8_0/Q6_K/Q5_K, GPTQ 8-bit and grouped or asymmetric int8. No
+  torch op takes groups, so :func:`int8g_linear` dequantises one tile of rows at
+  a time (at most ``INT8G_TILE_BYTES`` of float weight live) and multiplies it.
 
 Neither op materialises the float weight. Activations, scales and zeros are in
 the model's dtype. On CPU both ops are vectorised only for bf16 activations
@@ -39,6 +44,46 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], qweight.shape[0])
+
+
+INT8G_TILE_BYTES = 4 << 20  # float bytes of one dequantised tile: stays in cache
+
+
+def int8g_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group_size: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ W^T + bias, W = q * scale + zero per (row, group of ``group_size``)."""
+    shape = x.shape
+    n, k = qweight.shape
+    dtype = scales.dtype
+    x2 = x.reshape(-1, k).to(dtype)
+    out = torch.empty(x2.shape[0], n, dtype=dtype, device=x.device)
+    rows = max(1, INT8G_TILE_BYTES // (k * x2.element_size()))
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        w = _int8g_tile(qweight[r0:r1], scales[r0:r1],
+                        None if zeros is None else zeros[r0:r1], group_size, dtype)
+        torch.mm(x2, w.t(), out=out[:, r0:r1])
+    y = out.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], n)
+
+
+def _int8g_tile(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    r, k = q.shape
+    g = q.view(r, k // group_size, group_size).to(dtype) * scales.unsqueeze(-1)
+    if zeros is not None:
+        g = g + zeros.unsqueeze(-1)
+    return g.view(r, k)
+
+
+def dequantize_int8g(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                     group_size: int) -> torch.Tensor:
+    """The reference float weight of the grouped int8 layout (fp32)."""
+    return _int8g_tile(qweight, scales.float(), None if zeros is None else zeros.float(),
+                       group_size, torch.float32)
 
 
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
