@@ -108,6 +108,21 @@ class Int4Linear:
                               self.mod.qscales_zeros, bias)
 
 
+class Int8gLinear:
+    """kernel(x, bias) for a grouped int8 layer (w = q * scale + zero per group)."""
+
+    def __init__(self, mod: nn.Module, group_size: int) -> None:
+        self.mod, self.group_size = mod, group_size
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return qk.int8g_linear(x, self.mod.qweight, self.mod.qscales,
+                               getattr(self.mod, "qzeros", None), self.group_size, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return qk.dequantize_int8g(self.mod.qweight, self.mod.qscales,
+                                   getattr(self.mod, "qzeros", None), self.group_size)
+
+
 @dataclass
 class LinearQuant:
     """What a layer is to become (set before loading; see attach)."""
@@ -243,6 +258,23 @@ def _install_int4(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor, zeros: t
     if perm is not None:
         mod.register_buffer("qperm", perm, persistent=False)
     mod.kernel = Int4Linear(mod, group, q, perm)
+
+
+def _install_int8g(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor,
+                   zeros: torch.Tensor | None, dtype: torch.dtype) -> None:
+    """int8 q [N, K] with ``w = q * scale + zero`` per contiguous group [N, G] -> the grouped
+    int8 op (kernels/quant.py); one group per row is the per-channel op when symmetric."""
+    group = q.shape[1] // scale.shape[1]
+    if zeros is None and scale.shape[1] == 1:
+        mod.register_buffer("qweight", q.contiguous(), persistent=False)
+        mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
+        mod.kernel = Int8Linear(mod)
+        return
+    mod.register_buffer("qweight", q.contiguous(), persistent=False)
+    mod.register_buffer("qscales", scale.to(dtype).contiguous(), persistent=False)
+    if zeros is not None:
+        mod.register_buffer("qzeros", zeros.to(dtype).contiguous(), persistent=False)
+    mod.kernel = Int8gLinear(mod, group)
 
 
 def _from_gptq(mod: nn.Module, dtype: torch.dtype) -> None:
