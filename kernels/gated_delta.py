@@ -12,7 +12,11 @@ Three forms of the rule live here: ``delta_rule_reference`` (token by token,
 obviously right, the one every other form is tested against),
 ``delta_rule_chunked`` (prefill: the chunked WY form, matmuls over chunks of
 64 tokens and a short loop carrying the state between chunks) and
-``delta_rule_decode`` (one token for a batch of requests). On CUDA, with
+``delta_rule_decode`` (one token for a batch of requests). ``delta_rule_steps``
+runs a few tokens per row as that many decode steps would (a speculative
+verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
+state after only the first few of them: the rollback of rejected drafts
+(docs/speculation.md). On CUDA, with
 flash-linear-attention (``fla-core``) installed, prefill runs its Triton
 kernel instead (``fla_chunked``), import-guarded: CPU never needs it.
 
@@ -62,6 +66,22 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) 
     seq = torch.cat([windows.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]
     windows.copy_(seq[..., 1:])
     return F.silu((seq * weight).sum(-1))
+
+
+def conv1d_steps(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+    """T new tokens per row, one at a time as conv1d_decode takes them (so bit for bit what
+    T decode steps give): x [B, T, C], windows [B, C, K - 1] (updated in place) -> [B, T, C]."""
+    return torch.stack([conv1d_decode(x[:, t], weight, windows) for t in range(x.shape[1])], 1)
+
+
+def conv1d_window_after(windows: torch.Tensor, x: torch.Tensor, kept: torch.Tensor
+                        ) -> torch.Tensor:
+    """The window after the first kept[b] of row b's tokens: the last K - 1 of [window | x]
+    (copies only, so exact). windows [B, C, K - 1]; x [B, T, C]; kept [B] >= 0 -> [B, C, K - 1]."""
+    seq = torch.cat([windows.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
+    width = windows.shape[-1]
+    at = kept.view(-1, 1, 1) + torch.arange(width, device=x.device)  # [B, 1, K - 1]
+    return seq.gather(-1, at.expand(-1, seq.shape[1], -1))
 
 
 # ------------------------------------------------------------- delta rule
@@ -133,11 +153,47 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       beta: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
     """One token for each of B rows: q, k [B, H, dk]; v [B, H, dv]; g, beta [B, H];
     states [B, H, dk, dv] fp32, updated in place. Returns o [B, H, dv]."""
+    _delta_update(k, v, g, beta, states)
+    return torch.einsum("bhkv,bhk->bhv", states, q.float())
+
+
+def _delta_update(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  states: torch.Tensor) -> None:
+    """The state's half of a decode step (every form that must agree bit for bit uses it)."""
     states.mul_(g.float().exp()[..., None, None])
     kf = k.float()
     delta = (v.float() - torch.einsum("bhkv,bhk->bhv", states, kf)) * beta.float()[..., None]
     states.add_(kf[..., :, None] * delta[..., None, :])
-    return torch.einsum("bhkv,bhk->bhv", states, q.float())
+
+
+def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, states: torch.Tensor, state_dtype: torch.dtype
+                     ) -> torch.Tensor:
+    """T tokens for each of B rows, one at a time as T decode steps take them: q, k
+    [B, T, H, dk]; v [B, T, H, dv]; g, beta [B, T, H]; states [B, H, dk, dv] fp32, updated
+    in place. Between tokens the state is rounded to `state_dtype`, as a decode step stores
+    it, so outputs and states are bit for bit those of T decode steps. Returns o [B, T, H, dv].
+    (A speculative verification row: a few tokens, whose state may be rolled back.)"""
+    out = []
+    for t in range(q.shape[1]):
+        out.append(delta_rule_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], states))
+        if state_dtype != torch.float32:
+            states.copy_(states.to(state_dtype))
+    return torch.stack(out, 1)
+
+
+def delta_rule_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, kept: torch.Tensor, state_dtype: torch.dtype
+                       ) -> None:
+    """states after only the first kept[b] of row b's tokens, bit for bit what that many decode
+    steps (delta_rule_steps) leave: inputs as delta_rule_steps', kept [B]. A token past kept[b]
+    runs with g = beta = 0, which leaves a state exactly as it was (x 1, + 0)."""
+    mask = torch.arange(k.shape[1], device=k.device)[None, :] < kept[:, None]  # [B, T]
+    g, beta = g.float() * mask[..., None], beta.float() * mask[..., None]
+    for t in range(k.shape[1]):
+        _delta_update(k[:, t], v[:, t], g[:, t], beta[:, t], states)
+        if state_dtype != torch.float32:
+            states.copy_(states.to(state_dtype))
 
 
 def fla_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -71,8 +71,8 @@ class EngineCore:
         self.spec = spec = check_pool(spec, self.runner)
         # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
         self._own_drafter = drafter is None
-        self.speculator = Speculator(self._usable(drafter if drafter is not None
-                                                  else make_drafter(self.limits.speculation)),
+        self.speculator = Speculator(drafter if drafter is not None
+                                     else make_drafter(self.limits.speculation),
                                      spec_policy(self.limits))
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
@@ -179,22 +179,7 @@ class EngineCore:
         self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
         self.speculator.policy = spec_policy(self.limits)
         if self._own_drafter and self.limits.speculation != self.speculator.name:
-            self.speculator.drafter = self._usable(make_drafter(self.limits.speculation))
-
-    def _usable(self, drafter: Drafter | None) -> Drafter | None:
-        """`drafter`, or None where this model cannot speculate.
-
-        A hybrid model (linear-attention state slots) does not speculate: a rejected
-        draft would have to roll its recurrent state back, which is not built
-        (docs/speculation.md). Asking for it is logged and serves without drafting."""
-        if drafter is not None and self.spec.num_state_slots:
-            if self.log is not None:
-                self.log.warning("engine.speculation_refused", model=self.spec.model_id,
-                                 speculation=drafter.name,
-                                 reason="hybrid model: linear-attention state cannot be "
-                                        "rolled back past a rejected draft")
-            return None
-        return drafter
+            self.speculator.drafter = make_drafter(self.limits.speculation)
 
     def reset_kv(self, r: messages.ResetKv) -> str:
         """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""

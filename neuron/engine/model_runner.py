@@ -28,7 +28,7 @@ from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
-from helexa.neuron.models.gated_deltanet import state_meta
+from helexa.neuron.models.linear_state import state_meta
 from helexa.neuron.models.loader import load_model
 from helexa.neuron.models.quant import QuantSpec, weight_bytes
 
@@ -223,9 +223,8 @@ class ModelRunner:
         input_ids, positions, step, logits_rows = self._prepare(seqs)
         if self._linear:  # which state slot each row reads and writes
             self.model.state_meta = slots = state_meta(seqs, self.device)
-            if slots.fresh_slots:
-                for layer in self._linear:
-                    layer.state.clear(slots.fresh_slots)
+            for layer in self._linear:  # fresh slots cleared, rolled-back drafts settled
+                layer.state.begin_step(slots)
         try:
             meta = self.backend.plan(step)
             if self._tp is None:

@@ -11,12 +11,12 @@ in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba, grouped per key head
 
 The state (kernels/gated_delta.py) lives in a ``LinearState`` per layer with
 one slot per request the model runner may hold at once; ``StateMeta`` says,
-per step, which slot each row of the flat batch reads and writes.
+per step, which slot each row of the flat batch reads and writes
+(linear_state.py, which also rolls the state back past rejected drafts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,36 +35,7 @@ from helexa.neuron.models.layers import (
     _set_loader,
     replicated_loader,
 )
-
-
-@dataclass
-class StateMeta:
-    """Which state slot each row of a step uses: decode rows first, then prefill chunks."""
-
-    decode_slots: torch.Tensor  # [num decode rows] int64
-    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
-    fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
-
-
-class LinearState:
-    """One layer's conv windows [slots, channels, K - 1] and recurrent states
-    [slots, v_heads, k_dim, v_dim], in the model's dtype (as helexa plan counts them)."""
-
-    def __init__(self, num_slots: int, channels: int, kernel: int, v_heads: int, dk: int,
-                 dv: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.conv = torch.zeros(num_slots, channels, kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_slots, v_heads, dk, dv, dtype=dtype, device=device)
-        self.nbytes = self.conv.nbytes + self.recurrent.nbytes
-
-    @property
-    def bytes_per_slot(self) -> int:
-        return self.nbytes // self.conv.shape[0]
-
-    def clear(self, slots: list[int]) -> None:
-        """A request starts from nothing: zero its slots (a recycled slot holds the last one's)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
-        self.conv.index_fill_(0, idx, 0)
-        self.recurrent.index_fill_(0, idx, 0)
+from helexa.neuron.models.linear_state import LinearState, StateMeta
 
 
 class GatedDeltaNet(HotModule):
@@ -171,9 +142,14 @@ class GatedDeltaNet(HotModule):
             conv[start:end], window = gd.conv1d_prefill(mixed[start:end], self.conv_weight,
                                                         state.conv[slot])
             state.conv[slot] = window
+        rows = meta.verify  # token by token as decode, the slots left as they are (held)
+        if rows is not None:
+            mixed_rows = mixed[rows.index]  # [B, T, channels]
+            windows = state.conv.index_select(0, rows.slots)
+            conv[rows.flat] = gd.conv1d_steps(mixed_rows, self.conv_weight, windows)[rows.valid]
         q, k, v = conv.split([self.kh * self.dk, self.kh * self.dk, self.vh * self.dv], dim=-1)
         q = gd.l2norm(q.reshape(n, self.kh, self.dk).float()) * self.dk ** -0.5
-        k = gd.l2norm(k.reshape(n, self.kh, self.dk).float())
+        k = key_heads = gd.l2norm(k.reshape(n, self.kh, self.dk).float())
         if self.ratio > 1:  # each key head serves `ratio` consecutive value heads
             q, k = q.repeat_interleave(self.ratio, 1), k.repeat_interleave(self.ratio, 1)
         v = v.reshape(n, self.vh, self.dv)
@@ -191,25 +167,14 @@ class GatedDeltaNet(HotModule):
             o[start:end], final = gd.fla_chunked(*args, x.dtype) if fla else \
                 gd.delta_rule_chunked(*args)
             state.recurrent[slot] = final.to(state.recurrent.dtype)
+        if rows is not None:
+            states = state.recurrent.index_select(0, rows.slots).float()
+            at = rows.index
+            o[rows.flat] = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
+                                               state.recurrent.dtype)[rows.valid]
+            state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
         # Gated RMSNorm per value head: norm(o) * w * silu(z), the norm in fp32 as the reference.
         o = rms_norm(o, None, self.eps).to(x.dtype) * self.norm_weight
         o = (o.float() * F.silu(z.reshape(n, self.vh, self.dv).float())).to(x.dtype)
         return self.out_proj(o.reshape(n, self.vh * self.dv))
 
-
-def state_meta(seqs: list[Any], device: torch.device) -> StateMeta:
-    """The StateMeta of a step whose rows the model runner lays out flat: one-token rows
-    first (in order), then each longer sequence's tokens. ``seqs`` are SeqInputs."""
-    decode = [s for s in seqs if len(s.token_ids) == 1]
-    for s in seqs:
-        if s.state_slot < 0:
-            raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
-    meta = StateMeta(decode_slots=torch.tensor([s.state_slot for s in decode], dtype=torch.long,
-                                               device=device),
-                     fresh_slots=[s.state_slot for s in seqs if s.num_computed == 0])
-    at = len(decode)
-    for s in seqs:
-        if len(s.token_ids) > 1:
-            meta.prefills.append((at, at + len(s.token_ids), s.state_slot))
-            at += len(s.token_ids)
-    return meta

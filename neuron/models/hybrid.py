@@ -29,7 +29,7 @@ from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.log import get_logger
 from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
-from helexa.neuron.models.gated_deltanet import GatedDeltaNet, StateMeta
+from helexa.neuron.models.gated_deltanet import GatedDeltaNet
 from helexa.neuron.models.layers import (
     HotModule,
     MergedColumnParallelLinear,
@@ -43,6 +43,7 @@ from helexa.neuron.models.layers import (
     _copy_checked,
     _split_rows,
 )
+from helexa.neuron.models.linear_state import StateMeta
 from helexa.neuron.models.moe import SparseMoeBlock
 
 log = get_logger("neuron")

@@ -211,37 +211,3 @@ def test_kv_dtype_switch_keeps_the_state_slots_and_the_outputs(tiny_checkpoint):
     after, _ = drive(core, m.ToEngine(new=[new("b", prompt)]))
     assert after["b"] == before["a"]
     assert_whole(core)
-
-
-class _Log:
-    def __init__(self) -> None:
-        self.warnings: list[tuple[str, dict]] = []
-
-    def warning(self, event: str, **kw) -> None:
-        self.warnings.append((event, kw))
-
-    def exception(self, event: str, **kw) -> None:
-        raise AssertionError(f"{event} {kw}")
-
-
-def test_speculation_asked_of_a_hybrid_is_refused_and_it_serves_without_drafting(
-        tiny_checkpoint):
-    # Rolling linear-attention state back past a rejected draft is not built.
-    model_dir = tiny_checkpoint("qwen3_5")
-    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11] * 6]  # repeats: prompt lookup would draft
-    plain = core_for(model_dir, max_slots=2)
-    want, _ = drive(plain, m.ToEngine(new=[new(f"r{i}", p) for i, p in enumerate(prompts)]))
-    log = _Log()
-    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=160, block_size=8,
-                      context=512, bytes_per_token=0,
-                      limits=m.SetLimits(anon_max_in_flight=64, max_slots=2, speculation="ngram",
-                                         spec_k=4, spec_full_below=1.0, spec_off_above=1.01))
-    core = EngineCore(spec, logger=log)
-    assert [e for e, _ in log.warnings] == ["engine.speculation_refused"]
-    assert core.status().drafter == "off"
-    got, _ = drive(core, m.ToEngine(new=[new(f"r{i}", p) for i, p in enumerate(prompts)]))
-    assert got == want
-    assert core.speculator.drafted_tokens == 0
-    core.set_limits(m.SetLimits(speculation="ngram"))  # a reload asking again: refused again
-    assert core.speculator.drafter is None and len(log.warnings) == 2
-    assert_whole(core)
