@@ -74,3 +74,62 @@ def test_fla_kernel_matches_reference_in_bf16():
     o, s = gd.fla_chunked(q, k, v, g, beta, state, torch.bfloat16)
     torch.testing.assert_close(o, ref_o, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
+
+
+# ---- speculative verification rows: token by token, and the state after any prefix -------
+
+
+def batch(b: int, t: int, seed: int):
+    """b rows of t tokens each ([B, T, ...]) and b start states."""
+    rows = [inputs(t, seed=seed + i) for i in range(b)]
+    return [torch.stack([r[j] for r in rows]) for j in range(6)]
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_steps_are_decode_steps_bit_for_bit(state_dtype):
+    q, k, v, g, beta, s0 = batch(3, 5, seed=10)
+    s0 = s0.to(state_dtype)
+    states = s0.float().clone()  # .float() of fp32 is the same tensor: the kernel writes it
+    o = gd.delta_rule_steps(q, k, v, g, beta, states, state_dtype)
+    stored, outs = s0.clone(), []  # as the layer decodes: read, step in fp32, store rounded
+    for t in range(5):
+        work = stored.float().clone()
+        outs.append(gd.delta_rule_decode(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], work))
+        stored = work.to(state_dtype)
+    assert torch.equal(o, torch.stack(outs, 1))
+    assert torch.equal(states.to(state_dtype), stored)
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_state_after_a_prefix_is_decoding_only_that_prefix(state_dtype):
+    # Rows of a verification step where 1, 3, 5 and 2 positions stood (5 = all accepted).
+    q, k, v, g, beta, s0 = batch(4, 5, seed=20)
+    s0 = s0.to(state_dtype)
+    kept = torch.tensor([1, 3, 5, 2])
+    states = s0.float().clone()
+    gd.delta_rule_advance(k, v, g, beta, states, kept, state_dtype)
+    for b, n in enumerate(kept.tolist()):
+        only = s0[b:b + 1].float().clone()
+        gd.delta_rule_steps(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], g[b:b + 1, :n],
+                            beta[b:b + 1, :n], only, state_dtype)
+        assert torch.equal(states[b].to(state_dtype), only[0].to(state_dtype)), b
+    ref_o, ref_s = gd.delta_rule_reference(q[1, :3], k[1, :3], v[1, :3], g[1, :3],
+                                           beta[1, :3], s0[1])
+    tol = 1e-5 if state_dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(states[1], ref_s, atol=tol, rtol=tol)
+
+
+def test_conv_window_after_a_prefix_is_decoding_only_that_prefix():
+    g = torch.Generator().manual_seed(3)
+    x, weight = torch.randn(3, 5, 6, generator=g), torch.randn(6, 4, generator=g)
+    w0 = torch.randn(3, 6, 3, generator=g)
+    windows = w0.clone()
+    out = gd.conv1d_steps(x, weight, windows)
+    kept = torch.tensor([1, 4, 5])
+    after = gd.conv1d_window_after(w0, x, kept)
+    for b, n in enumerate(kept.tolist()):
+        only = w0[b:b + 1].clone()
+        steps = [gd.conv1d_decode(x[b:b + 1, t], weight, only) for t in range(n)]
+        assert torch.equal(after[b], only[0])
+        assert torch.equal(out[b, :n], torch.cat(steps))
+    assert torch.equal(windows[2], after[2])  # all 5 kept: where the steps left it

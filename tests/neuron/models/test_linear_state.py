@@ -1,0 +1,124 @@
+"""A Gated DeltaNet layer's state after a speculative verification row and its rollback is
+the state that running only the accepted tokens leaves, in fp32 and in bf16; held rows of
+requests that end, or skip a step, neither leak into other requests nor grow."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helexa.neuron.models.gated_deltanet import GatedDeltaNet
+from helexa.neuron.models.linear_state import state_meta
+from helexa.neuron.models.loader import load_model
+
+
+@dataclass
+class Seq:  # the fields of SeqInput that state_meta reads
+    token_ids: list[int]
+    num_computed: int
+    state_slot: int
+    need_logits: bool = True
+    num_logits: int = 1
+
+
+def row_by_row(linear):
+    """The projection one row at a time: what it gives a row is then the same whatever the
+    row count (a matmul of 1 row and of 5 may round differently, in fp32 by ~1e-7), so
+    what is compared below is exactly what the state and its rollback do."""
+    def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.cat([F.linear(x[i:i + 1], linear.weight, bias) for i in range(len(x))])
+    return run
+
+
+def layer_of(model_dir, slots: int = 4) -> GatedDeltaNet:
+    layer = load_model(model_dir).linear_layers[0]
+    layer.in_proj.kernel = row_by_row(layer.in_proj)
+    layer.out_proj.kernel = row_by_row(layer.out_proj)
+    layer.state = layer.new_state(slots)
+    return layer
+
+
+def step(layer: GatedDeltaNet, seqs: list[Seq], x: torch.Tensor) -> torch.Tensor:
+    """One step of the layer alone; x [rows, hidden] laid out as the model runner does."""
+    meta = state_meta(seqs, x.device)
+    layer.state.begin_step(meta)
+    with torch.inference_mode():
+        return layer(x, meta)
+
+
+def slot_state(layer: GatedDeltaNet, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.state.conv[slot].clone(), layer.state.recurrent[slot].clone()
+
+
+def prefilled(model_dir, prompts: dict[int, torch.Tensor]) -> GatedDeltaNet:
+    """A layer whose slots hold these prompts' states (slot -> hidden rows), from nothing."""
+    layer = layer_of(model_dir)
+    for slot, x in prompts.items():
+        step(layer, [Seq([0] * len(x), 0, slot)], x)
+    return layer
+
+
+def hidden(n: int, dtype: str, seed: int) -> torch.Tensor:
+    return torch.randn(n, 64, generator=torch.Generator().manual_seed(seed)).to(
+        getattr(torch, dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_state_after_rollback_is_the_state_of_only_the_accepted_tokens(
+        tiny_checkpoint, arch: str, dtype: str):
+    model_dir = tiny_checkpoint(arch, dtype=dtype)
+    prompt, row = hidden(9, dtype, 1), hidden(5, dtype, 2)  # row: last token + 4 drafts
+    for kept in range(1, 6):  # 1: every draft rejected; 5: every one accepted
+        plain = prefilled(model_dir, {1: prompt})
+        outs = [step(plain, [Seq([0], 9 + t, 1)], row[t:t + 1]) for t in range(kept)]
+        spec = prefilled(model_dir, {1: prompt})
+        before = slot_state(spec, 1)
+        out = step(spec, [Seq([0] * 5, 9, 1, num_logits=5)], row)
+        for got, was in zip(slot_state(spec, 1), before, strict=True):
+            assert torch.equal(got, was)  # the row leaves the slot alone, holding its inputs
+        assert torch.equal(out[:kept], torch.cat(outs))  # and decodes as decode does
+        spec.state.settle({1: 9 + kept})  # the request's next step: 9 + kept computed
+        for got, want in zip(slot_state(spec, 1), slot_state(plain, 1), strict=True):
+            assert torch.equal(got, want), kept
+        assert spec.state.held_bytes == 0
+
+
+def test_rows_of_one_step_settle_apart_and_ended_requests_leave_nothing(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    prompts = {0: hidden(7, "float32", 3), 2: hidden(12, "float32", 4), 3: hidden(5, "float32", 5)}
+    rows = {0: hidden(4, "float32", 6), 2: hidden(5, "float32", 7), 3: hidden(2, "float32", 8)}
+    spec = prefilled(model_dir, prompts)
+    seqs = [Seq([0] * len(rows[s]), len(prompts[s]), s, num_logits=len(rows[s])) for s in rows]
+    step(spec, seqs, torch.cat(list(rows.values())))
+    held = spec.state.held_bytes
+    assert held > 0
+    # Next step: slot 0 kept 2 of its 4, slot 2 was cut from the step by the token budget,
+    # slot 3's request ended and a new one starts in that slot.
+    fresh = hidden(3, "float32", 9)
+    step(spec, [Seq([0], 9, 0), Seq([0] * 3, 0, 3)], torch.cat([rows[0][2:3], fresh]))
+    assert 0 < spec.state.held_bytes < held / 2  # slot 2's row alone, compacted
+    spec.state.settle({2: 12 + 5})  # a step later: all 5 of slot 2's stood
+    assert spec.state.held_bytes == 0
+    plain = prefilled(model_dir, prompts)
+    step(plain, [Seq([0], 7, 0)], rows[0][:1])
+    step(plain, [Seq([0], 8, 0)], rows[0][1:2])
+    step(plain, [Seq([0], 9, 0)], rows[0][2:3])
+    for t in range(5):
+        step(plain, [Seq([0], 12 + t, 2)], rows[2][t:t + 1])
+    step(plain, [Seq([0] * 3, 0, 3)], fresh)
+    for slot in (0, 2, 3):
+        for got, want in zip(slot_state(spec, slot), slot_state(plain, slot), strict=True):
+            assert torch.equal(got, want), slot
+
+
+def test_a_step_resuming_outside_the_held_row_is_refused(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    spec = prefilled(model_dir, {1: hidden(6, "float32", 1)})
+    step(spec, [Seq([0] * 3, 6, 1, num_logits=3)], hidden(3, "float32", 2))
+    with pytest.raises(ValueError, match="holds a verification of positions 6..8, but its "
+                                         "request continues at position 10"):
+        spec.state.settle({1: 10})
