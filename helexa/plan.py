@@ -13,6 +13,10 @@ Per card, with tp-way tensor parallelism:
     fixed_bytes (hybrids) = linear-attention layers × state_bytes ×
         ( v_heads/tp × k_dim × v_dim                       # recurrent (delta-rule) state
         + (2 × k_heads × k_dim + v_heads × v_dim)/tp × (conv_kernel − 1) )  # conv window
+    held_bytes (hybrids) = (spec_k + 1) × linear-attention layers × (
+        (2 × k_heads × k_dim + v_heads × v_dim)/tp × state_bytes   # conv inputs
+        + k_heads/tp × k_dim × 4 + v_heads/tp × v_dim × state_bytes  # k (fp32), v
+        + 2 × v_heads/tp × 4 )                                      # g, beta (fp32)
     num_blocks  = kv_budget_bytes // (block_size × bytes_per_token)
     pool_tokens = num_blocks × block_size
 
@@ -21,6 +25,11 @@ mamba_ssm_cache_dtype = auto does). Fixed bytes are not blocks of the pool,
 but they come out of the same memory: a request of `context` tokens must fit
 blocks + fixed bytes in the budget, and the trade table (context each of 1, 2,
 4, 8 concurrent full-length sessions) subtracts every session's fixed bytes.
+Where the config speculates (the engine section or a profile), a hybrid's
+state slot also sets aside room for the verification row it may hold until
+its request's next step (held_bytes, at the largest spec_k configured;
+docs/speculation.md): not in the ledger, like activations, but out of the
+budget.
 """
 
 from __future__ import annotations
@@ -214,6 +223,34 @@ def fixed_bytes_per_request(shape: ModelShape, tp: int, dtype: str | None = None
             * ELT_BYTES[dtype_name(dtype or shape.torch_dtype)])
 
 
+def held_bytes_per_request(shape: ModelShape, tp: int, spec_k: int,
+                           dtype: str | None = None) -> int:
+    """Room for the one verification row of spec_k + 1 positions a hybrid's state slot may
+    hold (neuron/models/linear_state.py); 0 for dense. Float parts in `dtype` (default the
+    checkpoint's), the normalised keys and the gates in fp32, as the layer keeps them."""
+    if not shape.linear_attention_layers or not shape.linear_num_value_heads or spec_k <= 0:
+        return 0
+    k_heads, v_heads = shape.linear_num_key_heads, shape.linear_num_value_heads
+    dk, dv = shape.linear_key_head_dim, shape.linear_value_head_dim
+    elt = ELT_BYTES[dtype_name(dtype or shape.torch_dtype)]
+    channels = math.ceil((2 * k_heads * dk + v_heads * dv) / tp)
+    position = (channels * elt + math.ceil(k_heads / tp) * dk * 4
+                + math.ceil(v_heads / tp) * (dv * elt + 2 * 4))
+    return (spec_k + 1) * shape.linear_attention_layers * position
+
+
+def planned_spec_k(cfg: NeuronConfig) -> int:
+    """The largest spec_k of the engine section and the profiles that speculate (0: none
+    does). A reload that turns speculation on where the config did not plan it takes the
+    held rows from the activation headroom instead (a few MiB each)."""
+    engine = cfg.engine
+    ks = [engine.spec_k] if engine.speculation != "off" else []
+    for p in cfg.profiles.values():
+        if (p.speculation or engine.speculation) != "off":
+            ks.append(p.spec_k if p.spec_k is not None else engine.spec_k)
+    return max(ks, default=0)
+
+
 def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
                           quantize: str = "none", group_size: int = 128) -> int:
     """Weight bytes one card holds; ``quantize`` (int8, int4) as quantised at load."""
@@ -265,6 +302,7 @@ class ModelPlan:
     # flight) and the blocks left beside them (state_slots); 0 and num_blocks for dense.
     num_state_slots: int = 0
     blocks_beside_state: int = 0
+    held_bytes: int = 0  # hybrids: a slot's room for a held verification row (not in the ledger)
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -356,18 +394,20 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * bs
     positions = max_positions(raw)
-    single = _tokens_each(budget, 1, block_bytes, bs, fixed)
+    held = held_bytes_per_request(shape, tp, planned_spec_k(cfg), weight_dtype)
+    slot = fixed + held  # what one request's state slot takes from the budget
+    single = _tokens_each(budget, 1, block_bytes, bs, slot)
     if entry.context is not None:
         context = entry.context
         need_blocks = math.ceil(context / bs)
         if positions and context > positions:
             raise PlanError(f"{where('context')}: expected at most the model's {positions:,} "
                             f"positions, got {context:,}")
-        if need_blocks > num_blocks or need_blocks * block_bytes + fixed > budget:
+        if need_blocks > num_blocks or need_blocks * block_bytes + slot > budget:
             raise PlanError(
                 f"{where('context')}: expected at most {min(single, pool_tokens):,} tokens: "
                 f"{context:,} tokens need {need_blocks:,} blocks × {bs} × {per_token:,} B"
-                f" + {fixed:,} B fixed = {(need_blocks * block_bytes + fixed) / MIB:,.1f} MiB, "
+                f" + {slot:,} B fixed = {(need_blocks * block_bytes + slot) / MIB:,.1f} MiB, "
                 f"but the pool holds {num_blocks:,} blocks ({budget / MIB:,.1f} MiB: {source})")
     else:
         context = (min(positions, single) if positions else single) // bs * bs
@@ -375,14 +415,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
                             f"got {budget / MIB:,.1f} MiB for {block_bytes:,} B blocks")
     output = min(entry.max_output_tokens or context - 1, context - 1)
-    trade = [(n, min(context, _tokens_each(budget, n, block_bytes, bs, fixed)))
+    trade = [(n, min(context, _tokens_each(budget, n, block_bytes, bs, slot)))
              for n in TRADE_SESSIONS]
     plan = ModelPlan(
         model_id=entry.id, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv,
         weight_bytes_per_card=weights, bytes_per_token=per_token, fixed_bytes=fixed,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
-        trade=trade, budget_source=source, shape=shape)
+        trade=trade, budget_source=source, shape=shape, held_bytes=held)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     return _replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
 
@@ -394,13 +434,15 @@ def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
     The engine holds one linear-attention state slot per request in flight, allocated at
     load beside the blocks and out of the same budget: `max_in_flight` slots, fewer if
     that would leave less than one request of `context` tokens, never fewer than one.
+    Each slot also sets aside its held_bytes (a speculative verification row it may hold).
     """
     if not plan.fixed_bytes:
         return plan.num_blocks, 0
     block_bytes = plan.block_size * plan.bytes_per_token
     context_bytes = math.ceil(plan.context / plan.block_size) * block_bytes
-    slots = max(1, min(max_in_flight, (plan.kv_budget_bytes - context_bytes) // plan.fixed_bytes))
-    return (plan.kv_budget_bytes - slots * plan.fixed_bytes) // block_bytes, slots
+    per_slot = plan.fixed_bytes + plan.held_bytes
+    slots = max(1, min(max_in_flight, (plan.kv_budget_bytes - context_bytes) // per_slot))
+    return (plan.kv_budget_bytes - slots * per_slot) // block_bytes, slots
 
 
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
@@ -460,6 +502,11 @@ def format_plan(p: ModelPlan) -> str:
         f"    pool                {p.num_blocks:,} blocks × {p.block_size} = {p.pool_tokens:,} tokens"
         + (f"; served as {p.num_state_slots} state slots (one per request in flight) + "
            f"{p.blocks_beside_state:,} blocks" if p.num_state_slots else ""),
+    ]
+    if p.held_bytes:
+        lines.append(f"    speculation room    {p.held_bytes:,} B ({_size(p.held_bytes)}) per"
+                     " state slot: one verification row's inputs, for rollback")
+    lines += [
         f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
         f"  (model positions {p.max_position_embeddings:,})",
         "    sessions  tokens each",

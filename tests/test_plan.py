@@ -213,3 +213,30 @@ def test_the_model_code_holds_what_the_plan_counts_for_the_27b_hybrid():
     kv = sum(PagedKV(1, 16, a.num_kv_heads, a.head_dim, kv_dtype="bf16", storage=torch.bfloat16,
                      compute=torch.bfloat16, device="meta").nbytes for a in attn)
     assert kv // 16 == kv_bytes_per_token(shape, 2, "bf16") == 32 * 1024
+
+
+def test_a_speculating_config_sets_room_aside_per_state_slot_for_a_held_verification_row(
+        tmp_path):
+    from helexa.plan import held_bytes_per_request, state_slots
+
+    shape = read_model_shape(HYBRID)
+    # per position and linear layer at tp = 2: conv inputs 5,120 × 2 B + k 8 × 128 × 4 B
+    # + v 24 × 128 × 2 B + g, beta 2 × 24 × 4 B = 20,672 B; × 48 layers × (4 + 1) positions
+    assert held_bytes_per_request(shape, 2, 4) == 5 * 48 * 20_672 == 4_961_280
+    assert held_bytes_per_request(shape, 2, 0) == 0
+    assert held_bytes_per_request(read_model_shape(DENSE), 1, 4) == 0
+    body = (f'[kv]\nkv_budget_mb = 4713\nblock_size = 16\n[[models]]\nid = "h"\n'
+            f'config = "{HYBRID}"\ntp = 2\ncontext = 131072\n')
+    off = plan_of(tmp_path, body)
+    assert off.held_bytes == 0  # nothing speculates: nothing set aside
+    assert state_slots(off, 16) == (8_229, 16)
+    on = plan_of(tmp_path, body.replace("[[models]]", '[engine]\nspeculation = "ngram"\n'
+                                        "spec_k = 4\n[[models]]"))
+    assert on.held_bytes == 4_961_280
+    blocks, slots = state_slots(on, 16)
+    assert slots == 14  # 617 MiB beside one full context hold 14 of (37.4 + 4.7) MiB
+    assert blocks * 16 >= 131_072
+    assert blocks * 16 * 32 * 1024 + slots * (on.fixed_bytes + on.held_bytes) <= 4713 * MIB
+    k8 = plan_of(tmp_path, body.replace("[[models]]", '[profiles.fast]\nspeculation = "ngram"\n'
+                                        "spec_k = 8\n[[models]]"))
+    assert k8.held_bytes == 9 * 48 * 20_672  # a profile can switch to k = 8: its room

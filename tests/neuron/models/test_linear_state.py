@@ -122,3 +122,17 @@ def test_a_step_resuming_outside_the_held_row_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="holds a verification of positions 6..8, but its "
                                          "request continues at position 10"):
         spec.state.settle({1: 10})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_held_row_takes_what_helexa_plan_sets_aside(tiny_checkpoint, dtype: str):
+    from helexa.plan import held_bytes_per_request, read_model_shape
+
+    model_dir = tiny_checkpoint("qwen3_next", dtype=dtype)
+    shape = read_model_shape(model_dir / "config.json")
+    spec = prefilled(model_dir, {1: hidden(6, dtype, 1), 2: hidden(4, dtype, 2)})
+    k = 4  # two rows of k + 1 positions
+    step(spec, [Seq([0] * (k + 1), 6, 1, num_logits=k + 1),
+                Seq([0] * (k + 1), 4, 2, num_logits=k + 1)], hidden(2 * k + 2, dtype, 3))
+    per_layer = spec.state.held_bytes // 2
+    assert per_layer * shape.linear_attention_layers == held_bytes_per_request(shape, 1, k)
