@@ -17,6 +17,7 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import (
     AdversarialDrafter,
+    Draft,
     Drafter,
     NgramDrafter,
     OracleDrafter,
@@ -99,12 +100,13 @@ def run_both(model_dir: Path, news: list[m.NewRequest],
     return reference, got, core
 
 
-def repetitive(rng: random.Random, rid: str, max_tokens: int) -> m.NewRequest:
+def repetitive(rng: random.Random, rid: str, max_tokens: int,
+               stop: list[int] | None = None) -> m.NewRequest:
     """A prompt with repeats (prompt lookup finds something), longer than a prefill chunk."""
     base = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 9))]
     prompt = base * rng.randrange(2, 4) + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(9))]
     return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
-                        sampling=GREEDY)
+                        sampling=GREEDY, stop_token_ids=stop or [])
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -150,3 +152,76 @@ def test_speculation_setting_turns_ngram_on_for_a_hybrid(tiny_checkpoint):
     assert drive(core, news) == want
     assert core.speculator.drafted_tokens > 0
     assert_whole(core)
+
+
+class StormDrafter:
+    """Right for a random prefix of the draft and wrong after it, or prompt lookup."""
+
+    name = "storm"
+
+    def __init__(self, rng: random.Random, truth: Callable[[list[int], int], list[int]]) -> None:
+        self.rng, self.truth, self.ngram = rng, truth, NgramDrafter(min_n=1)
+
+    def propose(self, req, k: int):
+        if self.rng.random() < 0.3:
+            return self.ngram.propose(req, k)
+        good = self.truth(req.all_token_ids(), k)
+        cut = self.rng.randrange(len(good) + 1)
+        return Draft(good[:cut] + [(t + 1) % VOCAB for t in good[cut:]])
+
+
+def test_storm_with_aborts_and_stops_leaves_the_ledger_whole_and_holds_at_most_a_row_a_slot(
+        tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_next")
+    rng = random.Random(11)
+    news = [repetitive(rng, f"r{i}", rng.randrange(1, 24), stop=[rng.randrange(3, VOCAB)])
+            for i in range(40)]
+    reference = drive(make_core(model_dir, max_slots=4, max_in_flight=6, prefill_chunk_tokens=6,
+                                max_batched_tokens=16), news)
+    truth = truth_from(reference, {n.req_id: list(n.prompt_token_ids) for n in news})
+    core = make_core(model_dir, StormDrafter(rng, truth), max_slots=4, max_in_flight=6,
+                     prefill_chunk_tokens=6, max_batched_tokens=16, max_queue_depth=64)
+    got: dict[str, list[int]] = {}
+    pending, live, aborted = list(news), [], set()
+    while pending or core.has_work:
+        inbound = m.ToEngine()
+        if pending and rng.random() < 0.4:
+            inbound.new = [pending.pop(0)]
+            live.append(inbound.new[0].req_id)
+        if live and rng.random() < 0.05:
+            inbound.aborts = [m.Abort(req_id=rng.choice(live))]
+            aborted.add(inbound.aborts[0].req_id)
+        for u in core.step(inbound).updates:
+            assert u.refused_code is None and u.error in ("", "client_gone"), u
+            got.setdefault(u.req_id, []).extend(u.new_token_ids)
+        core.pool.check()
+        for layer in core.runner._linear:  # one held row a slot at most, whatever ended
+            assert len(layer.state._held) <= core.pool.num_state_slots
+    assert_whole(core)
+    for rid, tokens in reference.items():  # the ones not aborted are exactly plain decoding
+        assert got.get(rid, []) == (tokens if rid not in aborted else tokens[:len(got.get(rid, []))])
+    s = core.status()
+    assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens
+
+
+def test_tensor_parallel_ranks_roll_back_alike(tiny_checkpoint):
+    # Every rank settles its heads' share from the same step plan: no message is added.
+    model_dir = tiny_checkpoint("qwen3_5")
+    rng = random.Random(6)
+    news = [repetitive(rng, f"r{i}", 16) for i in range(3)]
+    reference = drive(make_core(model_dir, max_slots=3), news)
+    truth = truth_from(reference, {n.req_id: list(n.prompt_token_ids) for n in news})
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=160, block_size=8,
+                      context=512, bytes_per_token=0, tp=2, devices=["cpu", "cpu"],
+                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=3, spec_full_below=1.0,
+                                         spec_off_above=1.01, max_slots=3))
+    core = EngineCore(spec, drafter=PerRequestDrafter({
+        "r0": OracleDrafter(truth), "r1": AdversarialDrafter(truth, VOCAB),
+        "r2": NgramDrafter(min_n=1)}))
+    try:
+        assert drive(core, news) == reference
+        assert_whole(core)
+        s = core.status()
+        assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens
+    finally:
+        core.close()
