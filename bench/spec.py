@@ -3,6 +3,9 @@ adaptive policy against fixed k at 8 streams, measured side by side in one run.
 
     .venv/bin/python bench/spec.py [--repeats 3] [--tokens 96] [--threads 1] [--model DIR]
 
+--model may name a hybrid checkpoint (Qwen3.5, Qwen3-Next): speculation on one
+rolls its linear-attention state back past rejected drafts (docs/speculation.md).
+
 The checkpoint is the benchmarks' init-tiny one (helexa.tiny.bench_checkpoint,
 ~30M parameters) with every attention output projection zeroed: the compute of a
 step is unchanged, but the next token becomes a function of the last one, so a
@@ -56,7 +59,8 @@ SPEC = {  # speculation limits per contender kind
 
 
 def copying_checkpoint(src: Path) -> Path:
-    """`src` with the attention output projections zeroed (made once, beside it)."""
+    """`src` with the attention output projections zeroed, linear attention's too in a
+    hybrid (made once, beside it)."""
     from safetensors.torch import load_file, save_file
 
     out = src.parent / (src.name + "-no-attn-out")
@@ -67,7 +71,7 @@ def copying_checkpoint(src: Path) -> Path:
                 shutil.copy(f, out / f.name)
         w = load_file(src / "model.safetensors")
         for k in w:
-            if k.endswith("self_attn.o_proj.weight"):
+            if k.endswith(("self_attn.o_proj.weight", "linear_attn.out_proj.weight")):
                 w[k] = torch.zeros_like(w[k])
         save_file(w, out / "model.safetensors")
     return out
@@ -103,7 +107,8 @@ def successor_table(core, vocab: int) -> dict[int, int]:
 
     nxt: dict[int, int] = {}
     for lo in range(0, vocab, 512):
-        seqs = [SeqInput([t], 0, [0], True) for t in ids[lo:lo + 512]]
+        # one state slot for all (hybrids): linear attention's output is zeroed too
+        seqs = [SeqInput([t], 0, [0], True, 0) for t in ids[lo:lo + 512]]
         nxt.update(zip(ids[lo:lo + 512], runner.execute(seqs).argmax(-1).tolist(), strict=True))
     return nxt
 
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = copying_checkpoint(args.model or bench_checkpoint())
     runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
-                         max_batched_tokens=1024)
+                         max_batched_tokens=1024, num_state_slots=16)  # hybrids: 1 a request
     cores = {}
     for kind, spec_limits in SPEC.items():
         limits = full_limits(m.SetLimits(max_in_flight=16, anon_max_in_flight=16, max_slots=8,
