@@ -126,7 +126,8 @@ class GatedDeltaNet(HotModule):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor, meta: StateMeta) -> torch.Tensor:
-        """x [N, hidden] (decode rows first, then prefill chunks) -> [N, hidden]."""
+        """x [N, hidden] (decode rows first, then prefill chunks and verification rows)
+        -> [N, hidden]."""
         n = x.shape[0]
         state = self.state
         assert state is not None, "the model runner attaches the state before a step"
