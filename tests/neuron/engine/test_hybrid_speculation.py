@@ -176,6 +176,9 @@ def test_storm_with_aborts_and_stops_leaves_the_ledger_whole_and_holds_at_most_a
     rng = random.Random(11)
     news = [repetitive(rng, f"r{i}", rng.randrange(1, 24), stop=[rng.randrange(3, VOCAB)])
             for i in range(40)]
+    # a few sampled (rejection rule; not compared): they roll back as greedy ones do
+    news += [m.NewRequest(req_id=f"s{i}", prompt_token_ids=[5, 6, 7, 8] * 4, max_tokens=12,
+                          sampling=m.SamplingParams(temperature=0.8, seed=i)) for i in range(4)]
     reference = drive(make_core(model_dir, max_slots=4, max_in_flight=6, prefill_chunk_tokens=6,
                                 max_batched_tokens=16), news)
     truth = truth_from(reference, {n.req_id: list(n.prompt_token_ids) for n in news})
@@ -198,8 +201,10 @@ def test_storm_with_aborts_and_stops_leaves_the_ledger_whole_and_holds_at_most_a
         for layer in core.runner._linear:  # one held row a slot at most, whatever ended
             assert len(layer.state._held) <= core.pool.num_state_slots
     assert_whole(core)
-    for rid, tokens in reference.items():  # the ones not aborted are exactly plain decoding
-        assert got.get(rid, []) == (tokens if rid not in aborted else tokens[:len(got.get(rid, []))])
+    for rid, tokens in reference.items():  # greedy, not aborted: exactly plain decoding
+        if rid.startswith("r"):
+            mine = got.get(rid, [])
+            assert mine == (tokens if rid not in aborted else tokens[:len(mine)]), rid
     s = core.status()
     assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens
 
