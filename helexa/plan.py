@@ -9,6 +9,8 @@ Per card, with tp-way tensor parallelism:
 
     bytes_per_token = 2 (K and V) × full-attention layers × kv_heads_per_card
                       × kv_token_head_bytes(kv_dtype, head_dim)
+    (a checkpoint's multi-token-prediction layers, config `mtp_num_hidden_layers`,
+    count as full-attention layers: their KV is in the pool, docs/speculation.md)
     kv_heads_per_card = ceil(kv_heads / tp)  (1, i.e. replicated, when tp > kv_heads)
     fixed_bytes (hybrids) = linear-attention layers × state_bytes ×
         ( v_heads/tp × k_dim × v_dim                       # recurrent (delta-rule) state
@@ -102,6 +104,7 @@ class ModelShape:
     num_experts: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    mtp_layers: int = 0  # multi-token-prediction layers (one full attention each)
 
     @property
     def linear_attention_layers(self) -> int:
@@ -150,6 +153,7 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
         # Mixtral names the expert width intermediate_size; Qwen-MoE has its own key.
         moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
         shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
+        mtp_layers=int(c.get("mtp_num_hidden_layers") or 0),
     )
     sharded, replicated = _param_split(shape, tp=1)
     return _replace(shape, param_count=sharded + replicated)
@@ -205,8 +209,8 @@ def kv_heads_per_card(shape: ModelShape, tp: int) -> int:
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str) -> int:
-    """KV bytes one token takes on each card (full-attention layers only)."""
-    return (2 * shape.full_attention_layers * kv_heads_per_card(shape, tp)
+    """KV bytes one token takes on each card (full-attention and MTP layers only)."""
+    return (2 * (shape.full_attention_layers + shape.mtp_layers) * kv_heads_per_card(shape, tp)
             * kv_token_head_bytes(kv_dtype, shape.head_dim, shape.torch_dtype))
 
 
@@ -487,9 +491,11 @@ def format_plan(p: ModelPlan) -> str:
     s = p.shape
     assert s is not None
     heads = kv_heads_per_card(s, p.tp)
-    per_head = p.bytes_per_token // max(1, 2 * s.full_attention_layers * heads)
+    per_head = p.bytes_per_token // max(1, 2 * (s.full_attention_layers + s.mtp_layers) * heads)
     layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
               else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
+    if s.mtp_layers:
+        layers = f"({layers} + {s.mtp_layers} MTP)"
     lines = [
         f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
         f"    weights per card    {_size(p.weight_bytes_per_card)} ({p.weight_dtype})",

@@ -313,12 +313,14 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
               vocab_size: int = 512, max_position_embeddings: int = 4096, seed: int = 0,
               dtype: str = "float32", tie_word_embeddings: bool | None = None,
               rope_scaling: dict | None = None, rope_theta: float | None = None,
-              legacy_config: bool = False) -> Path:
+              legacy_config: bool = False, mtp: bool = False) -> Path:
     """Write a complete tiny checkpoint folder; returns its path.
 
     `legacy_config` writes config.json as transformers 4.x did (top-level
     rope_theta / rope_scaling, torch_dtype) instead of today's
-    rope_parameters / dtype. `tie_word_embeddings` None = untied.
+    rope_parameters / dtype. `tie_word_embeddings` None = untied. `mtp` adds a
+    multi-token-prediction head (hybrid archs with full attention: qwen3_next,
+    qwen3_5, qwen3_5_moe).
     """
     from safetensors.torch import save_file
     from tokenizers import Tokenizer
@@ -338,6 +340,9 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
     # A small corpus may learn fewer merges than asked; the model keeps the
     # asked vocab (spare rows, as Qwen's checkpoints have beyond their tokenizer).
     model_vocab = max(vocab_size, tok.get_vocab_size(with_added_tokens=True))
+    if mtp and arch not in HYBRID_ARCHS[:2] + HYBRID_ARCHS[3:]:
+        raise ValueError(f"mtp: {arch} checkpoints carry no MTP head (qwen3_next, qwen3_5 and"
+                         " qwen3_5_moe do)")
     if arch in HYBRID_ARCHS:
         if legacy_config or rope_scaling:
             raise ValueError(f"{arch}: legacy_config and rope_scaling apply to the dense archs only")
@@ -347,7 +352,8 @@ def init_tiny(out_dir: str | Path, *, arch: str = "qwen3", hidden_size: int = 64
                             max_position_embeddings=max_position_embeddings,
                             dtype=_DTYPES[dtype], tie=bool(tie_word_embeddings),
                             rope_theta=float(rope_theta or 10000000.0), special=special,
-                            eos=EOS_TOKEN, pad=PAD_TOKEN, version=_TRANSFORMERS_VERSION)
+                            eos=EOS_TOKEN, pad=PAD_TOKEN, version=_TRANSFORMERS_VERSION,
+                            mtp=mtp)
         weights = hybrid_weights(arch, cfg, seed, LOGIT_STD)
     else:
         cfg = _config(arch, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,

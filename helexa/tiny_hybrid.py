@@ -7,6 +7,8 @@ hub's checkpoints use: Qwen3.5 as the multimodal wrapper
 ``model.language_model.``, as Qwen/Qwen3.5-27B ships; no vision weights, the
 engine serves text only), experts one tensor per expert and projection.
 Every fourth layer of a hybrid is full attention, the rest Gated DeltaNet.
+``mtp=True`` adds a multi-token-prediction head as the hub's checkpoints carry
+it (``mtp_num_hidden_layers = 1``, tensors ``mtp.*``; neuron/models/mtp.py).
 Scaling follows tiny.py: O(1) activations, residual branches damped, the
 head scaled so greedy choices are rarely near-ties.
 """
@@ -28,7 +30,8 @@ _VISION = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 
 def hybrid_config(arch: str, *, hidden_size: int, num_layers: int, num_heads: int,
                   num_kv_heads: int, head_dim: int, intermediate_size: int, vocab_size: int,
                   max_position_embeddings: int, dtype: str, tie: bool, rope_theta: float,
-                  special: dict[str, int], eos: str, pad: str, version: str) -> dict:
+                  special: dict[str, int], eos: str, pad: str, version: str,
+                  mtp: bool = False) -> dict:
     """config.json of a tiny `arch` (one of HYBRID_ARCHS)."""
     text: dict[str, Any] = {
         "attention_bias": False, "attention_dropout": 0.0, "hidden_act": "silu",
@@ -49,6 +52,8 @@ def hybrid_config(arch: str, *, hidden_size: int, num_layers: int, num_heads: in
             linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
             linear_conv_kernel_dim=4)
         text["rope_parameters"]["partial_rotary_factor"] = 0.25
+    if mtp:
+        text["mtp_num_hidden_layers"] = 1
     if arch != "qwen3_5":
         text.update(num_experts=4, num_experts_per_tok=2,
                     moe_intermediate_size=intermediate_size // 2, decoder_sparse_step=1,
@@ -93,10 +98,10 @@ def hybrid_weights(arch: str, cfg: dict, seed: int, logit_std: float) -> dict[st
     head_std = logit_std / math.sqrt(h)
     t: dict[str, torch.Tensor] = {root + "embed_tokens.weight":
                                   torch.randn(c["vocab_size"], h, generator=g) * head_std}
-    for i in range(layers):
-        p = f"{root}layers.{i}."
+
+    def layer(p: str, kind: str, moe: bool) -> None:
         t[p + "input_layernorm.weight"] = norm(h)
-        if c.get("layer_types", ["full_attention"] * layers)[i] == "linear_attention":
+        if kind == "linear_attention":
             kh, vh = c["linear_num_key_heads"], c["linear_num_value_heads"]
             dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
             a = p + "linear_attn."
@@ -123,7 +128,7 @@ def hybrid_weights(arch: str, cfg: dict, seed: int, logit_std: float) -> dict[st
             t[s + "k_norm.weight"] = norm(hd)
             t[s + "o_proj.weight"] = linear(h, nq * hd, residual)
         t[p + "post_attention_layernorm.weight"] = norm(h)
-        if c.get("num_experts"):
+        if moe:
             m = p + "mlp."
             t[m + "gate.weight"] = linear(c["num_experts"], h, 4.0)  # decisive routing
             for e in range(c["num_experts"]):
@@ -133,8 +138,17 @@ def hybrid_weights(arch: str, cfg: dict, seed: int, logit_std: float) -> dict[st
                 t[m + "shared_expert_gate.weight"] = linear(1, h)
         else:
             mlp(p + "mlp.", inter)
+
+    kinds = c.get("layer_types", ["full_attention"] * layers)
+    for i in range(layers):
+        layer(f"{root}layers.{i}.", kinds[i], bool(c.get("num_experts")))
     t[root + "norm.weight"] = norm(h)
     if not c["tie_word_embeddings"]:
         t["lm_head.weight"] = torch.randn(c["vocab_size"], h, generator=g) * head_std
+    if c.get("mtp_num_hidden_layers"):  # drawn last: the target's weights stay as without
+        t["mtp.fc.weight"] = linear(h, 2 * h)
+        for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+            t[f"mtp.{n}.weight"] = norm(h)
+        layer("mtp.layers.0.", "full_attention", bool(c.get("num_experts")))
     dtype = getattr(torch, c["dtype"])
     return {k: v.to(dtype).contiguous() for k, v in t.items()}

@@ -24,7 +24,7 @@ import torch
 from helexa.kernels import backends, kv_quant
 from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
-from helexa.kernels.backends.torch_ref import token_slots
+from helexa.kernels.backends.torch_ref import TorchBackend, token_slots
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
@@ -165,8 +165,11 @@ class ModelRunner:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
         self.kv_pools = []
         self.num_blocks = num_blocks
+        # A checkpoint's MTP layers have KV in the pool too, after the target's layers, as
+        # helexa plan counts them (whether or not their weights loaded: plan reads config.json)
+        layers = [(a.num_kv_heads, a.head_dim) for a in self._attn]
         self.kv_pools = self.backend.allocate_kv(
-            [(a.num_kv_heads, a.head_dim) for a in self._attn], num_blocks, self.block_size,
+            layers + layers[-1:] * self.config.mtp_num_layers, num_blocks, self.block_size,
             kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
         for layer in self._linear:  # the old states go first, as the old pools did
             layer.state = None
@@ -239,6 +242,27 @@ class ModelRunner:
             self.backend.step_failed()
             raise
 
+    @torch.inference_mode()
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the model's MTP head (neuron/models/mtp.py) over `seqs`: each row's token is
+        the one after its position, `hidden` [rows, H] (seqs' rows in order) the target's
+        at that position. K/V go to the head's layer of the pool under each block table.
+        Returns (fp32 logits of the rows that seqs ask for, the head's output [rows, H] in
+        seqs' row order). Tensor parallel 1 only."""
+        if self._tp is not None:
+            raise RuntimeError("the MTP head runs at tensor parallel 1 only")
+        input_ids, positions, step, logits_rows = self._prepare(seqs)
+        flat = torch.tensor([r for st, s in zip(self.seq_starts, seqs, strict=True)
+                             for r in range(st, st + len(s.token_ids))], device=self.device)
+        x = torch.empty_like(hidden)
+        x[flat] = hidden  # to the step's flat layout
+        # the torch plan: a backend's whole-step state (CPU decode mirrors) is the target's
+        meta = (TorchBackend.plan(self.backend, step) if isinstance(self.backend, TorchBackend)
+                else self.backend.plan(step))
+        logits, y = self.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
+        return logits, y.index_select(0, flat)
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
         if self._tp is not None:
@@ -286,6 +310,8 @@ class ModelRunner:
             slots.extend(token_slots(table, c, c + n, bs))
             step.prefills.append(PrefillRow(start, start + n, c, table))
             last_row[i] = start + n - 1
+        # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
+        self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
         n_tok = len(ids)
         want = [r for i, s in enumerate(seqs) if s.need_logits
                 for r in range(last_row[i] - _logits_count(s) + 1, last_row[i] + 1)]

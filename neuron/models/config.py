@@ -108,6 +108,9 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     weight_prefix: str = "model."  # where the language model's tensors live in the checkpoint
+    # Multi-token-prediction layers the checkpoint carries (mtp.*: speculative decoding's
+    # drafter, neuron/models/mtp.py); their KV is one more full-attention layer each.
+    mtp_num_layers: int = 0
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
@@ -231,6 +234,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         weight_prefix="model.language_model." if multimodal else "model.",
+        mtp_num_layers=int(raw.get("mtp_num_hidden_layers") or 0),
     )
 
 

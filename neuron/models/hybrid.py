@@ -12,8 +12,10 @@ pool like the dense models; linear-attention layers keep a per-request state
 Checkpoint names are mapped in ``checkpoint_map`` (hybrid_weights.py): the text model of
 ``*ForConditionalGeneration`` lives under ``model.language_model.``, its
 ``model.visual.*`` tensors are skipped (text only, said once in the log), and
-multi-token-prediction weights (``mtp.*``) are kept whole in ``extra_tensors``
-for speculative decoding.
+multi-token-prediction weights (``mtp.*``) load into the MTP head (mtp.py) when
+config.json declares one (``mtp_num_hidden_layers``), else are kept whole in
+``extra_tensors``. A checkpoint that declares a head but lacks its tensors loads
+without it (speculative decoding then refuses "mtp").
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from helexa.neuron.models.layers import (
 )
 from helexa.neuron.models.linear_state import StateMeta
 from helexa.neuron.models.moe import SparseMoeBlock
+from helexa.neuron.models.mtp import MtpHead
 
 log = get_logger("neuron")
 
@@ -190,7 +193,17 @@ class HybridForCausalLM(nn.Module):
         self.rotary = RotaryTable(cfg.rope.rope_type, cfg.rope.theta, cfg.rotary_dim or cfg.head_dim,
                                   cfg.rope.params, dtype=dtype, device=device,
                                   initial_len=min(cfg.max_position_embeddings, 4096))
-        self.extra_tensors: dict[str, torch.Tensor] = {}  # mtp.*: kept for speculative decoding
+        self.extra_tensors: dict[str, torch.Tensor] = {}  # mtp.* of a head config.json omits
+        # The MTP head (speculative decoding's drafter); its attention's KV is the pool's
+        # layer after the target's. None when config.json declares none, or its tensors
+        # are missing (finalize).
+        self.mtp: MtpHead | None = None
+        if cfg.mtp_num_layers == 1:
+            self.mtp = MtpHead(cfg, len(self.attention_layers), **kw)
+        # The MTP drafter sets keep_hidden: forward then keeps every row's final normed
+        # hidden state [N, H] in last_hidden (the head's input).
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
         self.state_meta: StateMeta | None = None  # set by the model runner before each step
         self._skipped_visual = False
 
@@ -212,7 +225,11 @@ class HybridForCausalLM(nn.Module):
         """(our parameter, shard id) for a checkpoint tensor; ("", None) to keep it in
         extra_tensors; None to skip it (hybrid_weights.py maps the rest)."""
         if name.startswith("mtp."):
-            return "", None
+            if self.mtp is None:
+                return "", None
+            target = self.mtp.parameter_of(name)
+            self.mtp.loaded.add(target)
+            return target
         if name.startswith(("model.visual.", "visual.")):
             if not self._skipped_visual:
                 log.info("model.vision_skipped", reason="text only: model.visual.* not loaded")
@@ -227,9 +244,13 @@ class HybridForCausalLM(nn.Module):
 
     def finalize(self) -> None:
         """After loading: (1 + w) norms become plain w norms, so one RMSNorm serves all."""
+        if self.mtp is not None and self.mtp.missing:
+            log.warning("model.mtp_missing", missing=self.mtp.missing[:4],
+                        reason="config.json declares an MTP head the checkpoint lacks")
+            self.mtp = None
         if not self.cfg.norm_offset:
             return
-        norms = [self.model.norm]
+        norms = [self.model.norm, *(self.mtp.norms() if self.mtp is not None else [])]
         for layer in self.decoder_layers:
             norms += [layer.input_layernorm, layer.post_attention_layernorm]
             if not layer.linear:
@@ -248,6 +269,23 @@ class HybridForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, self.state_meta)
+        if self.keep_hidden:
+            self.last_hidden = x = self.model.norm(x)
+            if logits_indices is not None:
+                x = x.index_select(0, logits_indices)
+            return self.lm_head(x).float()
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return self.lm_head(self.model.norm(x)).float()
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    meta: StepMeta, logits_indices: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head over rows (token t + 1 in input_ids, the target's hidden at t in
+        hidden [N, H], position t): (fp32 logits of rows logits_indices, output [N, H])."""
+        assert self.mtp is not None, "no MTP head"
+        cos, sin = self.rotary.cos_sin(positions)
+        y = self.mtp(self.model.embed_tokens(input_ids), hidden, cos.unsqueeze(1),
+                     sin.unsqueeze(1), meta)
+        rows = y if logits_indices is None else y.index_select(0, logits_indices)
+        return self.lm_head(rows).float(), y
