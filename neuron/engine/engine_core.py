@@ -41,6 +41,7 @@ from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
 from helexa.neuron.engine.speculative.drafters import Drafter, make_drafter
+from helexa.neuron.engine.speculative.mtp import MtpUnavailable
 from helexa.neuron.engine.speculative.policy import SpecPolicy
 from helexa.neuron.engine.speculative.speculator import Speculator
 from helexa.neuron.engine.thinking import ThoughtTracker
@@ -72,7 +73,7 @@ class EngineCore:
         # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
         self._own_drafter = drafter is None
         self.speculator = Speculator(drafter if drafter is not None
-                                     else make_drafter(self.limits.speculation),
+                                     else self._drafter_for(self.limits.speculation),
                                      spec_policy(self.limits))
         backend = getattr(self.runner, "backend", None)  # the fake runner has none
         self.attention_backend = backend.describe() if backend is not None else ""
@@ -116,7 +117,7 @@ class EngineCore:
         for req in late:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
         self._admit()
-        self.speculator.draft(self.running, self.limits.max_slots)
+        self.speculator.draft(self.running, self.limits.max_slots, self._grow)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
             self._execute(plan)
@@ -179,7 +180,18 @@ class EngineCore:
         self.scheduler.prefill_chunk_tokens = self.limits.prefill_chunk_tokens
         self.speculator.policy = spec_policy(self.limits)
         if self._own_drafter and self.limits.speculation != self.speculator.name:
-            self.speculator.drafter = make_drafter(self.limits.speculation)
+            self.speculator.drafter = self._drafter_for(self.limits.speculation)
+
+    def _drafter_for(self, speculation: str) -> Drafter | None:
+        """The drafter `speculation` names, or None where this model cannot run it (logged
+        as engine.speculation_refused: an MTP drafter for a model without a head)."""
+        try:
+            return make_drafter(speculation, self.runner)
+        except MtpUnavailable as e:
+            if self.log is not None:
+                self.log.warning("engine.speculation_refused", model=self.spec.model_id,
+                                 speculation=speculation, reason=str(e))
+            return None
 
     def reset_kv(self, r: messages.ResetKv) -> str:
         """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
@@ -287,9 +299,7 @@ class EngineCore:
             for req, chunk in zip(reqs, plan.chunks, strict=True):
                 start = req.num_computed_tokens
                 end = start + chunk.num_tokens
-                need = blocks_for_tokens(end, self.pool.block_size)
-                while len(req.block_table) < need:  # within the reservation (speculator.py)
-                    req.block_table.append(self.pool.draw(req.req_id))
+                self._grow(req, end)
                 tokens = req.token_slice(start, end - chunk.num_draft)
                 if chunk.num_draft:
                     assert req.draft is not None
@@ -333,10 +343,12 @@ class EngineCore:
             return
         self.consecutive_failed_steps = 0
         num_prefill = num_decode = 0
+        kept: list[int] = []  # positions each request computed and kept this step
         for req, chunk in zip(reqs, plan.chunks, strict=True):
             # a verification row keeps the KV of its decode token and the accepted drafts
             accepted = len(new_tokens[req.req_id]) - 1 if chunk.num_draft else chunk.num_draft
-            req.num_computed_tokens += chunk.num_tokens - chunk.num_draft + accepted
+            kept.append(chunk.num_tokens - chunk.num_draft + accepted)
+            req.num_computed_tokens += kept[-1]
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
             if self.spec.prefix_cache:
                 self._file_full_blocks(req)
@@ -347,11 +359,25 @@ class EngineCore:
                     break
                 self._append_token(req, token_id, lp.get(req.req_id))
                 num_decode += not chunk.is_prefill
+        try:  # a drafter that follows the target (MTP); its failure costs drafts, not output
+            self.speculator.observe([(req, i, n) for i, (req, n)
+                                     in enumerate(zip(reqs, kept, strict=True))
+                                     if not req.is_finished])
+        except Exception:
+            if self.log is not None:
+                self.log.exception("engine.drafter_failed", drafter=self.speculator.name)
         self._measure(num_decode, num_prefill)
         if len(plan.decode_ids) < sum(1 for r in self.running if not r.is_prefilling):
             # The budget cut decodes short: rotate so the skipped ones go first next step.
             done = set(plan.decode_ids)
             self.running.sort(key=lambda r: r.req_id in done)
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        """Draw blocks until req's table holds num_tokens (within its reservation:
+        speculator.py caps drafts so a verification row never goes past it)."""
+        need = blocks_for_tokens(num_tokens, self.pool.block_size)
+        while len(req.block_table) < need:
+            req.block_table.append(self.pool.draw(req.req_id))
 
     def _append_token(self, req: Request, token_id: int, logprob: Any) -> None:
         answering = req.thought is None or req.thought.answering  # a grammar follows answers
@@ -416,6 +442,7 @@ class EngineCore:
             del self.requests[req.req_id]
             self.admission.remove(req)
             self.pool.release(req.req_id)
+            self.speculator.release(req)
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:

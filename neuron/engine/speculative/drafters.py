@@ -6,7 +6,19 @@ row). `Draft.probs` is the drafter's distribution q over the vocabulary for
 each proposed token; None means deterministic (q is one-hot on the token),
 which is what prompt lookup and the test oracles are.
 
+Optional methods, which the Speculator calls when a drafter has them:
+- `propose_batch(reqs, ks) -> list[Draft]`: all of a step's proposals at once
+  (a model-based drafter runs them as one batch);
+- `observe(items)`: after each step, (request, its index among the step's
+  sequences, positions it computed and kept) for the requests still running;
+  the target's hidden states of the step are the runner's (MTP, speculative/mtp.py);
+- `release(req)`: the request ended; drop what the drafter keeps for it;
+and an optional attribute `writes_kv = True`: proposing writes KV under the
+request's block table ahead of the target, so its verification row's blocks are
+drawn before `propose` (speculator.py).
+
 Kinds:
+- `MtpDrafter` (mtp.py): the checkpoint's multi-token-prediction head.
 - `NgramDrafter`: prompt lookup. The last n tokens (n from max_n down to
   min_n) are searched for earlier in prompt + output; the tokens that
   followed the latest earlier match are the proposal (a match close to the
@@ -20,9 +32,9 @@ Kinds:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -119,14 +131,36 @@ class PerRequestDrafter:
         d = self.by_req.get(req.req_id)
         return d.propose(req, k) if d is not None else _NO_DRAFT
 
+    @property
+    def writes_kv(self) -> bool:
+        return any(getattr(d, "writes_kv", False) for d in self.by_req.values())
 
-def make_drafter(speculation: str) -> Drafter | None:
-    """The drafter a `speculation` setting names; None for "off". Clear error otherwise."""
+    def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
+        """Each drafter that follows the target observes its own requests."""
+        for d in {id(d): d for d in self.by_req.values()}.values():
+            observe = getattr(d, "observe", None)
+            mine = [it for it in items if self.by_req.get(it[0].req_id) is d]
+            if observe is not None and mine:
+                observe(mine)
+
+    def release(self, req: Request) -> None:
+        release = getattr(self.by_req.get(req.req_id), "release", None)
+        if release is not None:
+            release(req)
+
+
+def make_drafter(speculation: str, runner: Any = None) -> Drafter | None:
+    """The drafter a `speculation` setting names for the model `runner` runs; None for
+    "off". Clear error otherwise (mtp.MtpUnavailable: this model has no usable head)."""
     if speculation == "off":
         return None
     if speculation == "ngram":
         return NgramDrafter()
-    if speculation == "mtp" or speculation.startswith("draft:"):
+    if speculation == "mtp":
+        from helexa.neuron.engine.speculative.mtp import MtpDrafter  # imports the runner
+
+        return MtpDrafter(runner)
+    if speculation.startswith("draft:"):
         raise ValueError(f"speculation = {speculation!r} is not available in this build"
                          " (docs/speculation.md); use \"ngram\" or \"off\"")
     raise ValueError(f"speculation: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"

@@ -14,11 +14,17 @@ them (it reads positions below the query's own). Drafts are capped at the
 request's remaining output budget less one, so every position written lies
 inside its reservation: speculation never draws a block the reservation
 does not cover, and the ledger is unchanged by it.
+
+A drafter may have optional methods (drafters.py): `propose_batch` is called
+once per step for all drafting requests, `observe` after each step with the
+positions every running request kept, `release` when a request ends. A drafter
+that writes KV ahead of the target (`writes_kv`: MTP) gets the request's blocks for
+its whole verification row drawn first (`grow`, the engine's), within the reservation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -39,9 +45,12 @@ class Speculator:
     def name(self) -> str:
         return self.drafter.name if self.drafter is not None else "off"
 
-    def draft(self, running: Sequence[Request], max_slots: int) -> None:
-        """Leave this step's draft (possibly none) on every decoding request."""
+    def draft(self, running: Sequence[Request], max_slots: int,
+              grow: Callable[[Request, int], None] | None = None) -> None:
+        """Leave this step's draft (possibly none) on every decoding request. `grow(req,
+        tokens)` draws blocks until req's table holds that many tokens."""
         occupancy = len(running) / max(1, max_slots)
+        asked: list[tuple[Request, int]] = []
         for req in running:
             req.draft = None
             if self.drafter is None or req.is_prefilling or req.num_uncomputed_tokens != 1:
@@ -63,11 +72,32 @@ class Speculator:
             req.steps_since_draft += 1
             if k <= 0:
                 continue
-            d = self.drafter.propose(req, k)
+            if grow is not None and getattr(self.drafter, "writes_kv", False):
+                grow(req, req.num_tokens + k)  # the verification row's blocks
+            asked.append((req, k))
+        if not asked or self.drafter is None:
+            return
+        batch = getattr(self.drafter, "propose_batch", None)
+        drafts = (batch([r for r, _ in asked], [k for _, k in asked]) if batch is not None
+                  else [self.drafter.propose(r, k) for r, k in asked])
+        for (req, k), d in zip(asked, drafts, strict=True):
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
                 req.draft = Draft(d.tokens[:k], probs)
                 req.steps_since_draft = 0
+
+    def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
+        """After a step: (request, index among the step's sequences, positions computed
+        and kept) for each request still running; for drafters that follow the target."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None and items:
+            observe(items)
+
+    def release(self, req: Request) -> None:
+        """`req` ended: its drafter state goes."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
 
     def accept(self, req: Request, logits: torch.Tensor, num_draft: int) -> list[int]:
         """Verify `req`'s row (logits [num_draft + 1, vocab]): the tokens it produces."""
