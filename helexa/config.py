@@ -37,15 +37,15 @@ def optional(tp: Any, **constraints: Any) -> Any:
     return Annotated[tp, msgspec.Meta(**constraints)] | None
 
 
-# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram and off.
+# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram, mtp and off.
 Speculation = str
-SPECULATION_BUILT = ("ngram", "off")
+SPECULATION_BUILT = ("ngram", "mtp", "off")
 
 
 def _check_speculation(value: str, where: str) -> None:
     if value in SPECULATION_BUILT:
         return
-    if value == "mtp" or value.startswith("draft:"):
+    if value.startswith("draft:"):
         raise ValueError(f"{where}: {value!r} is not built yet (docs/speculation.md);"
                          f" expected one of {', '.join(SPECULATION_BUILT)}")
     raise ValueError(f"{where}: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
@@ -137,8 +137,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Capture decode steps as CUDA graphs (cuda backend, batch sizes up to max_slots).",
         RESTART)] = True
     speculation: Annotated[Speculation, field_meta(
-        "Speculative decoding drafter: ngram (prompt lookup) or off (docs/speculation.md);"
-        " mtp and draft:<model id> are refused until built.", RELOAD)] = "off"
+        "Speculative decoding drafter: ngram (prompt lookup), mtp (the checkpoint's"
+        " multi-token-prediction head) or off (docs/speculation.md); draft:<model id> is"
+        " refused until built.", RELOAD)] = "off"
     spec_k: Annotated[int, field_meta(
         "Most tokens drafted per request per step.", RELOAD, ge=0, le=16)] = 4
     spec_full_below: Annotated[float, field_meta(

@@ -66,6 +66,16 @@ def tiny_model_dir() -> Path:
 
 
 
+def has_mtp_head(model_dir: Path) -> bool:
+    """Whether a checkpoint's config.json declares a multi-token-prediction head."""
+    from helexa.plan import read_model_shape
+
+    try:
+        return read_model_shape(model_dir / "config.json").mtp_layers > 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
                   kv_budget_mb: int | None, speculation: str = "off") -> tuple[Path, Path]:
     token = run / "neuron.token"
@@ -152,16 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
     p.add_argument("--speculation", choices=["ngram", "mtp", "off"], default="off",
-                   help="speculative decoding drafter (docs/speculation.md; mtp is not built"
-                        " yet and is refused)")
+                   help="speculative decoding drafter (docs/speculation.md; mtp needs a"
+                        " checkpoint with an MTP head)")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
-    if args.speculation == "mtp":  # the config would refuse it too, after a slow start
-        print("helexa up: --speculation mtp is not built yet (docs/speculation.md);"
-              " use ngram or off", file=sys.stderr)
-        return 2
-
     device = args.device or _default_device()
     if args.model is None:
         print("helexa up: preparing the tiny default model ...", flush=True)
@@ -181,6 +186,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(f"helexa up: KV pool {kv} MiB of host memory (--kv-budget-mb to change)",
                   flush=True)
+    if args.speculation == "mtp" and not has_mtp_head(model_dir):  # else refused after a load
+        print(f"helexa up: --speculation mtp: {model_dir} has no MTP head (config.json "
+              "mtp_num_hidden_layers; docs/speculation.md); use ngram or off", file=sys.stderr)
+        return 2
     model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.name)
     own_run = args.run_dir is None
     run = Path(tempfile.mkdtemp(prefix="helexa-up-")) if own_run else args.run_dir  # 0700

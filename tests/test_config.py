@@ -149,8 +149,9 @@ def test_speculation_settings_are_checked_and_a_profile_overrides_them():
     from helexa.config import EngineConfig, NeuronConfig, ProfileConfig
     from helexa.neuron.engine.spec import limits_from_config
 
-    with pytest.raises(ValueError, match="mtp.*not built"):
-        EngineConfig(speculation="mtp")
+    assert EngineConfig(speculation="mtp").speculation == "mtp"
+    with pytest.raises(ValueError, match="draft:m.*not built"):
+        EngineConfig(speculation="draft:m")
     with pytest.raises(ValueError, match="expected \"ngram\""):
         EngineConfig(speculation="eagle")
     with pytest.raises(ValueError, match="spec_off_above"):

@@ -80,8 +80,8 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     assert n.engine.speculation == "off"
     ngram, _ = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16, "ngram")
     assert load_config(ngram, NeuronConfig).engine.speculation == "ngram"
-    assert main(["--speculation", "mtp"]) == 2
-    assert "mtp is not built" in capsys.readouterr().err
+    assert main(["--speculation", "mtp"]) == 2  # the tiny default model has no MTP head
+    assert "has no MTP head" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- any checkpoint, failures
@@ -129,6 +129,13 @@ class Up:
             pytest.fail(f"helexa up did not stop on SIGINT:\n{''.join(self.lines)}")
         self.lines += self.proc.stdout.readlines()
         return rc
+
+
+def test_up_knows_which_checkpoints_carry_an_mtp_head(tiny_checkpoint, tiny_model_dir):
+    from helexa.up import has_mtp_head
+
+    assert has_mtp_head(tiny_checkpoint("qwen3_5", mtp=True))
+    assert not has_mtp_head(tiny_checkpoint("qwen3_5")) and not has_mtp_head(tiny_model_dir)
 
 
 def test_up_serves_any_checkpoint_on_cpu_at_once_and_cleans_its_run_folder(tmp_path,
