@@ -1,0 +1,228 @@
+"""Speculation with the checkpoint's MTP head (speculation = "mtp"), in the engine core on
+tiny Qwen3.5 and Qwen3-Next checkpoints: greedy output is token-identical to plain decoding
+alone and in a batch of 8 with other drafters and chunked prefill; a head that predicts
+the target right gets its drafts accepted (fewer steps); the ledger is whole after; a
+model without a head is refused and serves without drafting."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.model_runner import ModelRunner
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative.drafters import NgramDrafter, PerRequestDrafter
+from helexa.neuron.engine.speculative.mtp import MtpDrafter
+
+GREEDY = m.SamplingParams(temperature=0.0)
+# always draft spec_k (the policy's load rule is tested apart): every step exercises the head
+SPEC = dict(spec_k=3, spec_full_below=1.0, spec_off_above=1.01, spec_min_acceptance=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.warnings: list[tuple[str, dict]] = []
+
+    def warning(self, event: str, **kw) -> None:
+        self.warnings.append((event, kw))
+
+    def exception(self, event: str, **kw) -> None:
+        raise AssertionError(f"{event} {kw}")
+
+
+def spec_for(model_dir: Path, **limits) -> EngineSpec:
+    return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=200, block_size=4,
+                      context=512, bytes_per_token=0,
+                      limits=m.SetLimits(anon_max_in_flight=64, max_in_flight=8, max_slots=8,
+                                         prefill_chunk_tokens=6, max_batched_tokens=40,
+                                         **limits))
+
+
+def drive(core: EngineCore, news: list[m.NewRequest]) -> tuple[dict[str, list[int]], int]:
+    """Every request's tokens, and the steps it took."""
+    tokens: dict[str, list[int]] = {}
+    inbound: m.ToEngine | None = m.ToEngine(new=news)
+    for steps in range(1, 5000):
+        for u in core.step(inbound).updates:
+            assert u.refused_code is None and u.error == "", u
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+        inbound = None
+        core.pool.check()
+        if not core.has_work:
+            return tokens, steps
+    raise AssertionError("engine did not go idle")
+
+
+def assert_whole(core: EngineCore) -> None:
+    core.pool.check()
+    led = core.pool.ledger()
+    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
+    assert core.pool.num_free_state_slots == core.pool.num_state_slots
+    assert not core.requests and not core.running and not core.waiting
+
+
+def requests(seed: int, n: int) -> list[m.NewRequest]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        base = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))]
+        prompt = base * rng.randrange(1, 3) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
+        out.append(m.NewRequest(req_id=f"r{i}", prompt_token_ids=prompt,
+                                max_tokens=rng.randrange(6, 30), sampling=GREEDY))
+    return out
+
+
+def crafted(src: Path, out: Path) -> Path:
+    """`src` (a tiny checkpoint with an MTP head) made predictable: every residual branch
+    of the target and of the head writes zero, so the target's next token is a fixed
+    function of the current one, f(x) = argmax lm_head(norm(embed(x))); the head's fc
+    passes the normed embedding through and its norm is the target's, so at position t
+    it predicts f(x_{t+1}): the target's own next token. Its drafts are right."""
+    out.mkdir()
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    t = load_file(str(out / "model.safetensors"))
+    for name in t:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+    h = t["mtp.fc.weight"].shape[0]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1
+    root = "model.language_model." if "model.language_model.norm.weight" in t else "model."
+    t["mtp.norm.weight"] = t[root + "norm.weight"].clone()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_head_that_predicts_the_target_has_its_drafts_accepted(tiny_checkpoint, tmp_path):
+    model_dir = crafted(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "crafted")
+    news = requests(1, 3)
+    want, plain_steps = drive(EngineCore(spec_for(model_dir)), news)
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+    assert core.status().drafter == "mtp"
+    got, steps = drive(core, news)
+    assert got == want
+    s = core.status()
+    assert s.spec_drafted_tokens > 20
+    assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens, s
+    assert steps < plain_steps * 0.6, (steps, plain_steps)
+    assert_whole(core)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint, arch):
+    model_dir = tiny_checkpoint(arch, mtp=True)
+    news = requests(2, 8)
+    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    alone = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+    got, _ = drive(alone, news[:1])
+    assert got == {"r0": want["r0"]}
+    assert alone.status().spec_drafted_tokens > 0
+    assert_whole(alone)
+    # batch of 8: MTP for most, prompt lookup for two, none for one; chunked prefill
+    runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
+                         max_batched_tokens=40, num_state_slots=8)
+    mtp, ngram = MtpDrafter(runner), NgramDrafter(min_n=1)
+    by_req = {n.req_id: (ngram if i in (2, 5) else mtp) for i, n in enumerate(news) if i != 7}
+    core = EngineCore(spec_for(model_dir, **SPEC), runner, drafter=PerRequestDrafter(by_req))
+    got, _ = drive(core, news)
+    assert got == want
+    s = core.status()
+    assert s.spec_drafted_tokens > 0  # (a random head's drafts are rarely right)
+    assert not mtp.tails  # every request's drafter state went with it
+    assert_whole(core)
+
+
+def test_a_storm_with_mtp_and_aborts_leaves_the_ledger_whole(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_next", mtp=True)
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC, max_queue_depth=64,
+                               max_per_principal=64))
+    news = requests(3, 24)
+    abandon = {n.req_id for n in news[::3]}
+    finished: set[str] = set()
+    streamed: dict[str, int] = {}
+    inbound: m.ToEngine | None = m.ToEngine(new=news)
+    for _ in range(5000):
+        out = core.step(inbound)
+        inbound = m.ToEngine()
+        for u in out.updates:
+            assert u.refused_code is None, u
+            streamed[u.req_id] = streamed.get(u.req_id, 0) + len(u.new_token_ids)
+            if u.finished is not None:
+                finished.add(u.req_id)
+            elif u.req_id in abandon and streamed[u.req_id] >= 2:
+                inbound.aborts.append(m.Abort(req_id=u.req_id))
+        core.pool.check()
+        if not core.has_work and not inbound.aborts:
+            break
+    assert finished == {n.req_id for n in news}
+    assert core.status().spec_drafted_tokens > 0
+    assert not core.speculator.drafter.tails
+    assert_whole(core)
+
+
+def test_a_model_without_a_head_is_refused_and_serves_without_drafting(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    news = requests(4, 2)
+    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    log = _Log()
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC), logger=log)
+    assert [e for e, _ in log.warnings] == ["engine.speculation_refused"]
+    assert "no MTP head" in log.warnings[0][1]["reason"]
+    assert core.status().drafter == "off"
+    got, _ = drive(core, news)
+    assert got == want and core.speculator.drafted_tokens == 0
+    assert_whole(core)
+
+
+class _Recording(MtpDrafter):
+    """An MtpDrafter that records each request's context and its first draft."""
+
+    def __init__(self, runner) -> None:
+        super().__init__(runner)
+        self.seen: list[tuple[list[int], int]] = []
+
+    def propose_batch(self, reqs, ks):
+        drafts = super().propose_batch(reqs, ks)
+        self.seen += [(r.all_token_ids(), d.tokens[0]) for r, d in zip(reqs, drafts, strict=True)
+                      if d.tokens]
+        return drafts
+
+
+def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_checkpoint):
+    # What the head drafts after chunked prefill, decode and verification rows (its KV
+    # filled a step at a time, rejected positions overwritten) is what it predicts in one
+    # pass over the context with the target's hidden states of that context.
+    from helexa.neuron.engine.model_runner import SeqInput
+
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
+                         max_batched_tokens=40, num_state_slots=8)
+    drafter = _Recording(runner)
+    core = EngineCore(spec_for(model_dir, **SPEC), runner, drafter=drafter)
+    drive(core, requests(5, 3))
+    assert len(drafter.seen) > 10
+    fresh = ModelRunner(model_dir, num_blocks=64, block_size=4, max_num_seqs=1,
+                        max_batched_tokens=256, num_state_slots=1)
+    fresh.model.keep_hidden = True
+    for context, first in drafter.seen[::3]:
+        n = len(context) - 1  # the last token is not computed yet: its draft follows it
+        table = list(range(-(-n // 4)))
+        fresh.execute([SeqInput(context[:n], 0, table, True, state_slot=0)])
+        hidden = fresh.model.last_hidden
+        logits, _ = fresh.execute_mtp([SeqInput(context[1:n + 1], 0, table, True)], hidden)
+        assert int(logits.argmax()) == first
