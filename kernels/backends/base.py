@@ -102,6 +102,12 @@ class AttentionBackend(ABC):
         """Write k, v [N, kv_heads, d] at the step's slots of pool ``layer``, then attend:
         q [N, heads, d] -> [N, heads, d]."""
 
+    def plan_side(self, step: StepPlan) -> Any:
+        """Metadata for a pass between steps that attends over its own pool layer only
+        (the MTP head: neuron/models/mtp.py); it must leave state a backend keeps from
+        step to step alone. Backends without such state plan as for a step."""
+        return self.plan(step)
+
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None) -> torch.Tensor:
         """The step's fp32 logits; backends with a whole-step path override this."""

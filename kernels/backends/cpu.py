@@ -102,6 +102,10 @@ class CpuBackend(TorchBackend):
             meta.decode_groups = None  # one padded group, kept across steps
         return meta
 
+    def plan_side(self, step: StepPlan) -> AttentionMetadata:
+        # the plain plan: no native decode, no mirrors (they hold the target's layers' rows)
+        return TorchBackend.plan(self, step)
+
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None) -> torch.Tensor:
         nxt, self._mirror = meta.next_mirror, None  # a step that fails leaves mirrors stale

@@ -24,7 +24,7 @@ import torch
 from helexa.kernels import backends, kv_quant
 from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
-from helexa.kernels.backends.torch_ref import TorchBackend, token_slots
+from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
@@ -257,9 +257,7 @@ class ModelRunner:
                              for r in range(st, st + len(s.token_ids))], device=self.device)
         x = torch.empty_like(hidden)
         x[flat] = hidden  # to the step's flat layout
-        # the torch plan: a backend's whole-step state (CPU decode mirrors) is the target's
-        meta = (TorchBackend.plan(self.backend, step) if isinstance(self.backend, TorchBackend)
-                else self.backend.plan(step))
+        meta = self.backend.plan_side(step)
         logits, y = self.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
         return logits, y.index_select(0, flat)
 
