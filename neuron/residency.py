@@ -537,7 +537,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
         torch_threads=cfg.engine.torch_threads, limits=r.admission,
         attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
-        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size)
+        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
+        mtp_kv_layers=plan.shape.mtp_layers if plan.shape is not None else None)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

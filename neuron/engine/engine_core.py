@@ -490,7 +490,7 @@ def make_runner(spec: EngineSpec, limits: messages.Limits,
                        tp_size=spec.tp, backend=spec.attention_backend,
                        cuda_graphs=spec.cuda_graphs, plan_bytes_per_block=spec.bytes_per_block,
                        context=spec.context, quantize=spec.quantize,
-                       quant_group_size=spec.quant_group_size,
+                       quant_group_size=spec.quant_group_size, mtp_kv_layers=spec.mtp_kv_layers,
                        # hybrid models: a state slot per request in flight (dense: unused)
                        num_state_slots=spec.num_state_slots or limits.max_in_flight or 1,
                        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)

@@ -77,7 +77,8 @@ class ModelRunner:
                  devices: list[str] | None = None, backend: str = "auto",
                  cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
                  context: int = 0, quantize: str = "none",
-                 quant_group_size: int = 128, num_state_slots: int = 0) -> None:
+                 quant_group_size: int = 128, num_state_slots: int = 0,
+                 mtp_kv_layers: int | None = None) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
         every rank uses ``device``. close() stops them (so does garbage collection or exit).
@@ -89,7 +90,8 @@ class ModelRunner:
         (neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
         ``quant_group_size``) quantises the weights at load (neuron/models/quant.py).
         Hybrid models hold ``num_state_slots`` linear-attention states, one per request
-        (SeqInput.state_slot)."""
+        (SeqInput.state_slot). ``mtp_kv_layers`` pool layers are set aside for the MTP
+        head after the target's (as the plan counted them; None: as config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
@@ -105,7 +107,7 @@ class ModelRunner:
                 str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
                 cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
-                num_state_slots=num_state_slots)
+                num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
@@ -114,6 +116,8 @@ class ModelRunner:
         self.max_batched_tokens = max_batched_tokens
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_state_slots = num_state_slots
+        self.mtp_kv_layers = (self.config.mtp_num_layers if mtp_kv_layers is None
+                              else mtp_kv_layers)
         # Any: the model families share no typed base class yet (neuron/models/).
         self.model: Any = cast(Any, load_model(model_dir, device=self.device, dtype=dtype,
                                                tp_rank=tp_rank, tp_size=tp_size,
@@ -165,11 +169,11 @@ class ModelRunner:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
         self.kv_pools = []
         self.num_blocks = num_blocks
-        # A checkpoint's MTP layers have KV in the pool too, after the target's layers, as
-        # helexa plan counts them (whether or not their weights loaded: plan reads config.json)
+        # The MTP head's KV is in the pool too, after the target's layers, as helexa plan
+        # counts it (whether or not its weights loaded: plan reads config.json alone)
         layers = [(a.num_kv_heads, a.head_dim) for a in self._attn]
         self.kv_pools = self.backend.allocate_kv(
-            layers + layers[-1:] * self.config.mtp_num_layers, num_blocks, self.block_size,
+            layers + layers[-1:] * self.mtp_kv_layers, num_blocks, self.block_size,
             kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
         for layer in self._linear:  # the old states go first, as the old pools did
             layer.state = None

@@ -87,6 +87,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graphs: bool = True
     quantize: str = "none"  # neuron/models/quant.py: none | int8 | int4
     quant_group_size: int = 128
+    # Pool layers for the checkpoint's MTP head as the plan counted them (helexa.plan:
+    # its config.json's mtp_num_hidden_layers); None = the checkpoint's own config.json.
+    mtp_kv_layers: int | None = None
     limits: messages.SetLimits = messages.SetLimits()  # over DEFAULT_LIMITS (full_limits)
 
     @property

@@ -115,6 +115,7 @@ class RunnerArgs:
     quantize: str = "none"  # neuron/models/quant.py
     quant_group_size: int = 128
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
+    mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)
 
 
 class TpError(RuntimeError):
@@ -332,7 +333,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
                              tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
                              quantize=args.quantize, quant_group_size=args.quant_group_size,
-                             num_state_slots=args.num_state_slots)
+                             num_state_slots=args.num_state_slots,
+                             mtp_kv_layers=args.mtp_kv_layers)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return

@@ -62,6 +62,9 @@ class MtpDrafter:
         if getattr(model, "mtp", None) is None:
             raise MtpUnavailable("the checkpoint has no MTP head (config.json "
                                  "mtp_num_hidden_layers and its mtp.* tensors)")
+        if getattr(runner, "mtp_kv_layers", 0) < 1:
+            raise MtpUnavailable("the plan counts no KV for the MTP head: add the checkpoint's "
+                                 "mtp_num_hidden_layers to the config.json it plans from")
         if getattr(runner, "tp_size", 1) > 1:
             raise MtpUnavailable("the MTP head drafts at tensor parallel 1 only")
         self.runner = runner

@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -175,6 +176,19 @@ def test_a_storm_with_mtp_and_aborts_leaves_the_ledger_whole(tiny_checkpoint):
     assert_whole(core)
 
 
+def test_a_head_the_plan_gave_no_kv_is_refused(tiny_checkpoint):
+    # The plan read a config.json without mtp_num_hidden_layers: no pool layer for the head.
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    log = _Log()
+    spec = msgspec.structs.replace(spec_for(model_dir, speculation="mtp", **SPEC),
+                                   mtp_kv_layers=0)
+    core = EngineCore(spec, logger=log)
+    assert len(core.runner.kv_pools) == 1  # the target's one full-attention layer
+    assert [e for e, _ in log.warnings] == ["engine.speculation_refused"]
+    assert "plan counts no KV" in log.warnings[0][1]["reason"]
+    assert core.status().drafter == "off"
+
+
 def test_a_model_without_a_head_is_refused_and_serves_without_drafting(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     news = requests(4, 2)
@@ -226,3 +240,15 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
         hidden = fresh.model.last_hidden
         logits, _ = fresh.execute_mtp([SeqInput(context[1:n + 1], 0, table, True)], hidden)
         assert int(logits.argmax()) == first
+
+
+def test_the_head_drafts_at_tensor_parallel_1_only():
+    from types import SimpleNamespace
+
+    from helexa.neuron.engine.speculative.mtp import MtpUnavailable
+
+    runner = SimpleNamespace(model=SimpleNamespace(mtp=object(), keep_hidden=False), tp_size=2,
+                             mtp_kv_layers=1)
+    with pytest.raises(MtpUnavailable, match="tensor parallel 1"):
+        MtpDrafter(runner)
+    assert not runner.model.keep_hidden
