@@ -46,3 +46,20 @@ def test_ngram_neuron_gives_the_tokens_of_a_plain_one(
     key = '{drafter="ngram",model="tiny"}'
     assert float(samples[f"helexa_spec_drafted_tokens_total{key}"]) == m.spec_drafted_tokens
     assert float(samples[f"helexa_spec_accepted_tokens_total{key}"]) == m.spec_accepted_tokens
+
+
+def test_mtp_neuron_gives_the_tokens_of_a_plain_one(
+        start_daemon: Callable[..., NeuronProcess], base_neuron_config: Callable[..., dict],
+        tiny_checkpoint: Callable[..., Path], neuron_token: str) -> None:
+    # A hybrid with an MTP head, planned from its config.json: the pool holds the head's
+    # layer (the load would fail on a plan/pool mismatch), the head drafts, the tokens
+    # are a plain neuron's, and the status names the drafter.
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    mtp = start_daemon("mtp", base_neuron_config("mtp", model_dir,
+                                                 engine={"speculation": "mtp"}))
+    plain = start_daemon("mtp-plain", base_neuron_config("mtp-plain", model_dir))
+    got, st = _tokens(mtp, neuron_token, 2)
+    want, _ = _tokens(plain, neuron_token, 2)
+    assert got == want
+    m = model_of(st)
+    assert m.drafter == "mtp" and m.spec_drafted_tokens > 0
