@@ -9,8 +9,9 @@ Per card, with tp-way tensor parallelism:
 
     bytes_per_token = 2 (K and V) × full-attention layers × kv_heads_per_card
                       × kv_token_head_bytes(kv_dtype, head_dim)
-    (a checkpoint's multi-token-prediction layers, config `mtp_num_hidden_layers`,
-    count as full-attention layers: their KV is in the pool, docs/speculation.md)
+    (where the config speculates with "mtp", a checkpoint's multi-token-prediction
+    layers, config.json `mtp_num_hidden_layers`, count as full-attention layers:
+    their KV is in the pool, docs/speculation.md)
     kv_heads_per_card = ceil(kv_heads / tp)  (1, i.e. replicated, when tp > kv_heads)
     fixed_bytes (hybrids) = linear-attention layers × state_bytes ×
         ( v_heads/tp × k_dim × v_dim                       # recurrent (delta-rule) state
@@ -104,7 +105,7 @@ class ModelShape:
     num_experts: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
-    mtp_layers: int = 0  # multi-token-prediction layers (one full attention each)
+    mtp_layers: int = 0  # multi-token-prediction layers config.json declares
 
     @property
     def linear_attention_layers(self) -> int:
@@ -208,9 +209,10 @@ def kv_heads_per_card(shape: ModelShape, tp: int) -> int:
     return math.ceil(shape.num_kv_heads / tp)
 
 
-def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str) -> int:
-    """KV bytes one token takes on each card (full-attention and MTP layers only)."""
-    return (2 * (shape.full_attention_layers + shape.mtp_layers) * kv_heads_per_card(shape, tp)
+def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str, mtp_layers: int = 0) -> int:
+    """KV bytes one token takes on each card: full-attention layers, and `mtp_layers`
+    of the MTP head where the pool holds them (plan_mtp_layers)."""
+    return (2 * (shape.full_attention_layers + mtp_layers) * kv_heads_per_card(shape, tp)
             * kv_token_head_bytes(kv_dtype, shape.head_dim, shape.torch_dtype))
 
 
@@ -253,6 +255,15 @@ def planned_spec_k(cfg: NeuronConfig) -> int:
         if (p.speculation or engine.speculation) != "off":
             ks.append(p.spec_k if p.spec_k is not None else engine.spec_k)
     return max(ks, default=0)
+
+
+def plan_mtp_layers(cfg: NeuronConfig, entry: ModelEntry, shape: ModelShape) -> int:
+    """Pool layers for the model's MTP head: the layers its config.json declares where
+    the config drafts with it (speculation = "mtp" in the engine section, a profile or
+    the entry), else 0 (nothing to pay for; speculation = "mtp" is then refused)."""
+    named = [cfg.engine.speculation, getattr(entry, "speculation", None)]
+    named += [p.speculation for p in cfg.profiles.values()]
+    return shape.mtp_layers if "mtp" in named else 0
 
 
 def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
@@ -307,6 +318,7 @@ class ModelPlan:
     num_state_slots: int = 0
     blocks_beside_state: int = 0
     held_bytes: int = 0  # hybrids: a slot's room for a held verification row (not in the ledger)
+    mtp_kv_layers: int = 0  # pool layers for the MTP head (plan_mtp_layers)
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -369,7 +381,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
-    per_token = kv_bytes_per_token(shape, tp, kv)
+    mtp_layers = plan_mtp_layers(cfg, entry, shape)
+    per_token = kv_bytes_per_token(shape, tp, kv, mtp_layers)
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
@@ -426,7 +439,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_bytes_per_card=weights, bytes_per_token=per_token, fixed_bytes=fixed,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
-        trade=trade, budget_source=source, shape=shape, held_bytes=held)
+        trade=trade, budget_source=source, shape=shape, held_bytes=held,
+        mtp_kv_layers=mtp_layers)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     return _replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
 
@@ -491,11 +505,11 @@ def format_plan(p: ModelPlan) -> str:
     s = p.shape
     assert s is not None
     heads = kv_heads_per_card(s, p.tp)
-    per_head = p.bytes_per_token // max(1, 2 * (s.full_attention_layers + s.mtp_layers) * heads)
+    per_head = p.bytes_per_token // max(1, 2 * (s.full_attention_layers + p.mtp_kv_layers) * heads)
     layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
               else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
-    if s.mtp_layers:
-        layers = f"({layers} + {s.mtp_layers} MTP)"
+    if p.mtp_kv_layers:
+        layers = f"({layers} + {p.mtp_kv_layers} MTP)"
     lines = [
         f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
         f"    weights per card    {_size(p.weight_bytes_per_card)} ({p.weight_dtype})",

@@ -538,7 +538,7 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         torch_threads=cfg.engine.torch_threads, limits=r.admission,
         attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
         quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
-        mtp_kv_layers=plan.shape.mtp_layers if plan.shape is not None else None)
+        mtp_kv_layers=plan.mtp_kv_layers)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

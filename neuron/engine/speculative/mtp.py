@@ -63,8 +63,10 @@ class MtpDrafter:
             raise MtpUnavailable("the checkpoint has no MTP head (config.json "
                                  "mtp_num_hidden_layers and its mtp.* tensors)")
         if getattr(runner, "mtp_kv_layers", 0) < 1:
-            raise MtpUnavailable("the plan counts no KV for the MTP head: add the checkpoint's "
-                                 "mtp_num_hidden_layers to the config.json it plans from")
+            raise MtpUnavailable("the plan counts no KV for the MTP head: the pool holds it "
+                                 "where the config names speculation = \"mtp\" at load (engine,"
+                                 " a profile) and the planned config.json declares "
+                                 "mtp_num_hidden_layers")
         if getattr(runner, "tp_size", 1) > 1:
             raise MtpUnavailable("the MTP head drafts at tensor parallel 1 only")
         self.runner = runner

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from helexa.config import load_neuron_config
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
-from helexa.plan import kv_bytes_per_token, read_model_shape
+from helexa.plan import format_plan, kv_bytes_per_token, plan_model, read_model_shape
 
 ARCHS = ["qwen3_next", "qwen3_5"]
 
@@ -159,7 +160,28 @@ def test_the_pool_holds_the_heads_kv_as_helexa_plan_counts(tiny_checkpoint):
     shape = read_model_shape(model_dir / "config.json")
     assert shape.mtp_layers == 1
     assert len(runner.kv_pools) == shape.full_attention_layers + 1
-    assert runner.kv_bytes_per_block == 4 * kv_bytes_per_token(shape, 1, "fp32")
+    assert runner.kv_bytes_per_block == 4 * kv_bytes_per_token(shape, 1, "fp32", 1)
+
+
+@pytest.mark.parametrize(("engine", "profile", "layers"), [
+    ("mtp", "", 1), ("off", 'speculation = "mtp"', 1), ("ngram", "", 0), ("off", "", 0)])
+def test_helexa_plan_counts_the_heads_layer_where_the_config_drafts_with_it(
+        tiny_checkpoint, tmp_path, engine, profile, layers):
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    path = tmp_path / "n.toml"
+    path.write_text(f'[engine]\nspeculation = "{engine}"\n[kv]\nkv_budget_mb = 4\n'
+                    f'[profiles.fast]\n{profile}\n'
+                    f'[[models]]\nid = "m"\npath = "{model_dir}"\n')
+    cfg = load_neuron_config(path)
+    plan = plan_model(cfg, cfg.models[0], path)
+    shape = read_model_shape(model_dir / "config.json")
+    assert plan.mtp_kv_layers == layers
+    assert plan.bytes_per_token == kv_bytes_per_token(shape, 1, "fp32", layers)
+    assert ("+ 1 MTP" in format_plan(plan)) == bool(layers)
+    # the runner the neuron builds from this plan holds exactly that pool
+    runner = ModelRunner(model_dir, num_blocks=8, block_size=plan.block_size, max_num_seqs=2,
+                         max_batched_tokens=64, num_state_slots=2, mtp_kv_layers=layers)
+    assert runner.kv_bytes_per_block == plan.block_size * plan.bytes_per_token
 
 
 def test_a_head_declared_but_absent_loads_without_it(tiny_checkpoint, tmp_path, capsys):
