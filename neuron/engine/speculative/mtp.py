@@ -83,24 +83,28 @@ class MtpDrafter:
         starts = self.runner.seq_starts
         seqs: list[SeqInput] = []
         rows: list[torch.Tensor] = []
-        kept: list[Request] = []
+        decoding: list[tuple[Request, int]] = []  # (request, its last row) to draft from
+        num_rows = 0
         for req, index, n in items:
             end = req.num_computed_tokens
             if n <= 0 or req.num_tokens <= end:
                 continue
             start = end - n
+            # logits only where a draft may follow (a prefill chunk with prompt left: none)
+            last = req.num_tokens == end + 1
             seqs.append(SeqInput(req.token_slice(start + 1, end + 1), start, req.block_table,
-                                 need_logits=True))
+                                 need_logits=last))
             rows.append(hidden[starts[index]:starts[index] + n])
-            kept.append(req)
+            num_rows += n
+            if last:
+                decoding.append((req, num_rows - 1))
         if not seqs:
             return
         logits, out = self.runner.execute_mtp(seqs, torch.cat(rows))
         tokens = logits.argmax(dim=-1).tolist()
-        last = 0
-        for req, seq, token in zip(kept, seqs, tokens, strict=True):
-            last += len(seq.token_ids)
-            self.tails[req.req_id] = _Tail(req.num_computed_tokens - 1, out[last - 1], token)
+        for (req, row), token in zip(decoding, tokens, strict=True):
+            # a copy: a view would keep the whole step's output alive until the next
+            self.tails[req.req_id] = _Tail(req.num_computed_tokens - 1, out[row].clone(), token)
 
     def propose_batch(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         """Drafts for all `reqs` at once (ks[i] tokens at most for reqs[i])."""

@@ -148,11 +148,14 @@ def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint
     assert_whole(core)
 
 
-def test_a_storm_with_mtp_and_aborts_leaves_the_ledger_whole(tiny_checkpoint):
+def test_a_storm_with_mtp_sampling_and_aborts_leaves_the_ledger_whole(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_next", mtp=True)
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC, max_queue_depth=64,
                                max_per_principal=64))
     news = requests(3, 24)
+    for i in range(1, 24, 4):  # sampled ones too: greedy drafts, verified by the rejection rule
+        news[i] = msgspec.structs.replace(news[i], sampling=m.SamplingParams(
+            temperature=0.8, top_k=20, seed=i))
     abandon = {n.req_id for n in news[::3]}
     finished: set[str] = set()
     streamed: dict[str, int] = {}
