@@ -58,7 +58,7 @@ class MtpDrafter:
     writes_kv = True  # the chain writes the head's KV past the computed length
 
     def __init__(self, runner: Any) -> None:
-        model = getattr(runner, "model", None)
+        model: Any = getattr(runner, "model", None)  # the fake runner has none
         if getattr(model, "mtp", None) is None:
             raise MtpUnavailable("the checkpoint has no MTP head (config.json "
                                  "mtp_num_hidden_layers and its mtp.* tensors)")
