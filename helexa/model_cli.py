@@ -27,6 +27,9 @@ def main(argv: list[str]) -> int:
     tiny.add_argument("--tie-word-embeddings", action="store_true")
     tiny.add_argument("--legacy-config", action="store_true",
                       help="write config.json as transformers 4.x did (rope_theta, torch_dtype)")
+    tiny.add_argument("--mtp", action="store_true",
+                      help="add a multi-token-prediction head (qwen3_next, qwen3_5, qwen3_5_moe;"
+                           " speculation = \"mtp\")")
     tiny.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -37,7 +40,7 @@ def main(argv: list[str]) -> int:
             intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
             max_position_embeddings=args.max_position_embeddings, seed=args.seed,
             dtype=args.dtype, tie_word_embeddings=args.tie_word_embeddings,
-            legacy_config=args.legacy_config)
+            legacy_config=args.legacy_config, mtp=args.mtp)
     except ValueError as e:
         ap.error(str(e))
     print(f"wrote {args.arch} tiny checkpoint to {out}")

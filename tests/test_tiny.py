@@ -142,6 +142,22 @@ def test_cli_init_tiny(tmp_path, capsys):
         helexa_main(["model", "init-tiny", str(out), "--heads", "4", "--kv-heads", "3"])
 
 
+def test_cli_init_tiny_mtp_adds_a_head_and_leaves_the_target_as_it_was(tmp_path, tiny_checkpoint):
+    out = tmp_path / "m"
+    assert helexa_main(["model", "init-tiny", str(out), "--arch", "qwen3_next", "--mtp"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["mtp_num_hidden_layers"] == 1
+    with_head = load_file(out / "model.safetensors")
+    plain = load_file(tiny_checkpoint("qwen3_next") / "model.safetensors")
+    head = {k for k in with_head if k.startswith("mtp.")}
+    assert {"mtp.fc.weight", "mtp.norm.weight", "mtp.layers.0.self_attn.q_proj.weight",
+            "mtp.layers.0.mlp.experts.0.gate_proj.weight"} <= head
+    assert set(with_head) - head == set(plain)
+    assert all(torch.equal(with_head[k], plain[k]) for k in plain)
+    with pytest.raises(SystemExit):
+        helexa_main(["model", "init-tiny", str(tmp_path / "d"), "--arch", "qwen3", "--mtp"])
+
+
 def test_vocab_beyond_what_the_corpus_teaches_keeps_spare_rows(tiny_checkpoint):
     path = tiny_checkpoint("llama", vocab_size=16384, hidden_size=32, num_layers=1)
     cfg = json.loads((path / "config.json").read_text())

@@ -20,7 +20,7 @@ from helexa.config import load_neuron_config
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 from helexa.plan import format_plan, kv_bytes_per_token, plan_model, read_model_shape
 
-ARCHS = ["qwen3_next", "qwen3_5"]
+ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
 
 @pytest.fixture(autouse=True)
