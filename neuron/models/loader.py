@@ -176,6 +176,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     with torch.device(device):
         model = cls(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype, device=device)
     qc = raw.get("quantization_config")
+    if qc and getattr(model, "mtp", None) is not None:
+        # the file's quantisation scheme may or may not cover mtp.*: kept aside, not run
+        model.mtp = None
     if qc:  # weights quantised in the checkpoint
         method = qc.get("quant_method")
         if method not in ("compressed-tensors", "gptq", "awq"):

@@ -60,8 +60,9 @@ class MtpDrafter:
     def __init__(self, runner: Any) -> None:
         model: Any = getattr(runner, "model", None)  # the fake runner has none
         if getattr(model, "mtp", None) is None:
-            raise MtpUnavailable("the checkpoint has no MTP head (config.json "
-                                 "mtp_num_hidden_layers and its mtp.* tensors)")
+            raise MtpUnavailable("the model loaded no MTP head (it needs config.json "
+                                 "mtp_num_hidden_layers and the mtp.* tensors, in a checkpoint "
+                                 "not quantised in the file)")
         if getattr(runner, "mtp_kv_layers", 0) < 1:
             raise MtpUnavailable("the plan counts no KV for the MTP head: the pool holds it "
                                  "where the config names speculation = \"mtp\" at load (engine,"
