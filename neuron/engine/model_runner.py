@@ -265,6 +265,13 @@ class ModelRunner:
         logits, y = self.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
         return logits, y.index_select(0, flat)
 
+    @torch.inference_mode()
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab] of the MTP head's outputs `hidden` [rows, H]
+        (execute_mtp's second result): the shared lm_head."""
+        logits: torch.Tensor = self.model.lm_head(hidden).float()
+        return logits
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
         if self._tp is not None:

@@ -9,8 +9,9 @@ state h_t and token t + 1, and predicts token t + 2. So it follows the target:
   shifted by one. Every such position's next token is known by then (the prompt,
   or the token just sampled), so the head's attention KV (its own layer of the
   pool, under the request's block table) is filled for every position the target
-  has, prompt included. The last row's output is kept: its greedy token is the
-  first draft, its hidden state the start of the chain.
+  has, prompt included. The last row's output is kept: its greedy token (through
+  the lm_head, for drafting requests only) is the first draft, its hidden state
+  the start of the chain.
 - `propose_batch`, before the next step: draft 1 is that token; for k > 1 the
   head runs k - 1 more single-token steps for all drafting requests at once,
   each reading its own previous output as the hidden state and its own greedy
@@ -49,8 +50,7 @@ class _Tail:
     """A request's last observed position and the head's output there."""
 
     pos: int  # the target has computed up to here, and the head too
-    hidden: torch.Tensor  # [H] the head's output at pos
-    token: int  # its greedy prediction for the token after pos + 1: draft 1
+    hidden: torch.Tensor  # [H] the head's output at pos: its logits give draft 1
 
 
 class MtpDrafter:
@@ -79,33 +79,32 @@ class MtpDrafter:
 
     def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
         """After a step: (request, its index among the step's sequences, positions it
-        computed and kept) for each request still running."""
+        computed and kept) for each request still running. No logits here: the lm_head
+        is the head's costliest matmul on a large vocabulary, and only requests that
+        draft next step need it (propose_batch)."""
         hidden = self.runner.model.last_hidden
         starts = self.runner.seq_starts
         seqs: list[SeqInput] = []
         rows: list[torch.Tensor] = []
-        decoding: list[tuple[Request, int]] = []  # (request, its last row) to draft from
+        decoding: list[tuple[Request, int]] = []  # (request, its last row): a draft may follow
         num_rows = 0
         for req, index, n in items:
             end = req.num_computed_tokens
             if n <= 0 or req.num_tokens <= end:
                 continue
             start = end - n
-            # logits only where a draft may follow (a prefill chunk with prompt left: none)
-            last = req.num_tokens == end + 1
             seqs.append(SeqInput(req.token_slice(start + 1, end + 1), start, req.block_table,
-                                 need_logits=last))
+                                 need_logits=False))
             rows.append(hidden[starts[index]:starts[index] + n])
             num_rows += n
-            if last:
+            if req.num_tokens == end + 1:  # a prefill chunk with prompt left drafts nothing
                 decoding.append((req, num_rows - 1))
         if not seqs:
             return
-        logits, out = self.runner.execute_mtp(seqs, torch.cat(rows))
-        tokens = logits.argmax(dim=-1).tolist()
-        for (req, row), token in zip(decoding, tokens, strict=True):
+        _, out = self.runner.execute_mtp(seqs, torch.cat(rows))
+        for req, row in decoding:
             # a copy: a view would keep the whole step's output alive until the next
-            self.tails[req.req_id] = _Tail(req.num_computed_tokens - 1, out[row].clone(), token)
+            self.tails[req.req_id] = _Tail(req.num_computed_tokens - 1, out[row].clone())
 
     def propose_batch(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
         """Drafts for all `reqs` at once (ks[i] tokens at most for reqs[i])."""
@@ -114,14 +113,18 @@ class MtpDrafter:
         for i, (req, k) in enumerate(zip(reqs, ks, strict=True)):
             tail = self.tails.get(req.req_id)
             # the head must have seen every position the target computed
-            if (k <= 0 or tail is None or tail.pos != req.num_computed_tokens - 1
-                    or req.num_tokens != req.num_computed_tokens + 1):
-                continue
-            drafts[i].tokens.append(tail.token)
-            if k > 1:
+            if (k > 0 and tail is not None and tail.pos == req.num_computed_tokens - 1
+                    and req.num_tokens == req.num_computed_tokens + 1):
                 chain.append((i, req, k, tail))
+        if not chain:
+            return drafts
+        # draft 1: the head's prediction at the last position the target computed
+        first = self.runner.mtp_logits(torch.stack([tail.hidden for *_, tail in chain]))
+        for (i, *_), token in zip(chain, first.argmax(-1).tolist(), strict=True):
+            drafts[i].tokens.append(token)
+        # drafts 2..k: the head chained on its own output, one position further each
         hidden = {i: tail.hidden for i, _, _, tail in chain}
-        for j in range(1, max((k for _, _, k, _ in chain), default=1)):
+        for j in range(1, max(k for _, _, k, _ in chain)):
             active = [(i, req, tail) for i, req, k, tail in chain if k > j]
             seqs = [SeqInput([drafts[i].tokens[-1]], tail.pos + j, req.block_table, True)
                     for i, req, tail in active]
