@@ -117,7 +117,13 @@ class EngineCore:
         for req in late:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
         self._admit()
-        self.speculator.draft(self.running, self.limits.max_slots, self._grow)
+        try:
+            self.speculator.draft(self.running, self.limits.max_slots, self._grow)
+        except Exception:  # a drafter that fails (the MTP head's pass) costs only drafts
+            for req in self.running:
+                req.draft = None
+            if self.log is not None:
+                self.log.exception("engine.draft_failed", drafter=self.speculator.name)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
             self._execute(plan)
@@ -365,7 +371,7 @@ class EngineCore:
                                      if not req.is_finished])
         except Exception:
             if self.log is not None:
-                self.log.exception("engine.drafter_failed", drafter=self.speculator.name)
+                self.log.exception("engine.draft_failed", drafter=self.speculator.name)
         self._measure(num_decode, num_prefill)
         if len(plan.decode_ids) < sum(1 for r in self.running if not r.is_prefilling):
             # The budget cut decodes short: rotate so the skipped ones go first next step.

@@ -264,3 +264,32 @@ def test_the_head_drafts_at_tensor_parallel_1_only():
     with pytest.raises(MtpUnavailable, match="tensor parallel 1"):
         MtpDrafter(runner)
     assert not runner.model.keep_hidden
+
+
+def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(6, 3)
+    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
+                         max_batched_tokens=40, num_state_slots=8)
+    calls = 0
+    real = runner.execute_mtp
+
+    def flaky(seqs, hidden):  # every third pass of the head raises
+        nonlocal calls
+        calls += 1
+        if calls % 3 == 0:
+            raise RuntimeError("head failed")
+        return real(seqs, hidden)
+
+    runner.execute_mtp = flaky  # type: ignore[method-assign]
+    failures: list[str] = []
+    log = _Log()
+    log.exception = lambda event, **kw: failures.append(event)  # type: ignore[method-assign]
+    core = EngineCore(spec_for(model_dir, **SPEC), runner, drafter=MtpDrafter(runner),
+                      logger=log)
+    got, _ = drive(core, news)
+    assert got == want
+    assert failures and set(failures) == {"engine.draft_failed"}
+    assert core.status().spec_drafted_tokens > 0
+    assert_whole(core)
