@@ -37,17 +37,34 @@ def optional(tp: Any, **constraints: Any) -> Any:
     return Annotated[tp, msgspec.Meta(**constraints)] | None
 
 
-# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram and off.
+# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram, draft and off.
 Speculation = str
 SPECULATION_BUILT = ("ngram", "off")
+DRAFT_PREFIX = "draft:"
 
 
-def _check_speculation(value: str, where: str) -> None:
+def draft_model_id(speculation: str | None) -> str | None:
+    """The model id a `draft:<model id>` setting names; None for any other setting."""
+    if speculation is None or not speculation.startswith(DRAFT_PREFIX):
+        return None
+    return speculation[len(DRAFT_PREFIX):]
+
+
+def _check_speculation(value: str, where: str, *, per_model: bool = False) -> None:
     if value in SPECULATION_BUILT:
         return
-    if value == "mtp" or value.startswith("draft:"):
+    draft = draft_model_id(value)
+    if draft is not None:
+        if not per_model:  # a draft model belongs to one target, which loads it with itself
+            raise ValueError(f"{where}: {value!r}: a draft model is set per model, in that "
+                             "model's [[models]] speculation (docs/speculation.md)")
+        if not draft:
+            raise ValueError(f"{where}: expected \"draft:<model id>\" naming a [[models]] "
+                             f"entry, got {value!r}")
+        return
+    if value == "mtp":
         raise ValueError(f"{where}: {value!r} is not built yet (docs/speculation.md);"
-                         f" expected one of {', '.join(SPECULATION_BUILT)}")
+                         f" expected one of {', '.join(SPECULATION_BUILT)} or draft:<model id>")
     raise ValueError(f"{where}: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
                      f" \"off\", got {value!r}")
 
@@ -137,8 +154,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Capture decode steps as CUDA graphs (cuda backend, batch sizes up to max_slots).",
         RESTART)] = True
     speculation: Annotated[Speculation, field_meta(
-        "Speculative decoding drafter: ngram (prompt lookup) or off (docs/speculation.md);"
-        " mtp and draft:<model id> are refused until built.", RELOAD)] = "off"
+        "Speculative decoding drafter of every model: ngram (prompt lookup) or off"
+        " (docs/speculation.md); a draft model is set per model (models[].speculation);"
+        " mtp is refused until built.", RELOAD)] = "off"
     spec_k: Annotated[int, field_meta(
         "Most tokens drafted per request per step.", RELOAD, ge=0, le=16)] = 4
     spec_full_below: Annotated[float, field_meta(
@@ -221,10 +239,31 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     thinking_budget_tokens: Annotated[int, field_meta(
         "Most tokens a thought may take at reasoning_effort high (and by default); medium is half, low an eighth; then the engine closes the thought.",
         RELOAD, ge=0)] = 4096
+    # Speculation per model: over [engine], under the profile the model runs (docs/speculation.md).
+    speculation: Annotated[Speculation | None, field_meta(
+        "This model's drafter, over engine.speculation: ngram, off, or draft:<model id> (a "
+        "smaller [[models]] entry of the same tokenizer, loaded with this model at tp = 1; its "
+        "weights and KV count in this model's plan). A profile's speculation overrides it.",
+        RELOAD)] = None
+    spec_k: Annotated[optional(int, ge=0, le=16), field_meta(
+        "Overrides engine.spec_k for this model (a profile's spec_k overrides it).", RELOAD)] = None
+    spec_full_below: Annotated[optional(float, ge=0, le=1), field_meta(
+        "Overrides engine.spec_full_below for this model.", RELOAD)] = None
+    spec_off_above: Annotated[optional(float, ge=0, le=1.01), field_meta(
+        "Overrides engine.spec_off_above for this model.", RELOAD)] = None
+    spec_min_acceptance: Annotated[optional(float, ge=0, le=1), field_meta(
+        "Overrides engine.spec_min_acceptance for this model.", RELOAD)] = None
+    spec_keep_acceptance: Annotated[optional(float, ge=0), field_meta(
+        "Overrides engine.spec_keep_acceptance for this model.", RELOAD)] = None
 
     def __post_init__(self) -> None:
         if self.path is None and self.config is None:
             raise ValueError("expected `path` or `config` (a checkpoint folder or its config.json)")
+        if self.speculation is not None:
+            _check_speculation(self.speculation, "speculation", per_model=True)
+            if draft_model_id(self.speculation) is not None and self.tp > 1:
+                raise ValueError(f"speculation: a draft model runs beside its target at tp = 1 "
+                                 f"only (docs/speculation.md), got tp = {self.tp}")
         if self.devices is not None and len(self.devices) != self.tp:
             raise ValueError(f"devices: expected {self.tp} devices for tp = {self.tp}, got {len(self.devices)}")
 
@@ -243,6 +282,10 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if m.id in seen:
                 raise ValueError(f"models[{i}].id: expected unique model ids, `{m.id}` repeats")
             seen.add(m.id)
+            draft = draft_model_id(m.speculation)
+            if draft is not None and not any(d.id == draft and d.path for d in self.models):
+                raise ValueError(f"models[{i}].speculation: expected draft:<model id> naming a "
+                                 f"[[models]] entry with a `path`, got `{m.speculation}`")
             if m.profile is not None and m.profile not in self.profiles:
                 names = ", ".join(sorted(self.profiles)) or "none defined"
                 raise ValueError(f"models[{i}].profile: expected one of the [profiles.*] ({names}),"
