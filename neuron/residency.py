@@ -235,7 +235,7 @@ class Residency:
                                 device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
             r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache)
-            r.admission = effective_limits(self.cfg, r.profile)
+            r.admission = effective_limits(self.cfg, r.profile, entry)
             if entry.path is None:
                 raise RuntimeError("no checkpoint folder (`path`) on this neuron; "
                                    "only `config` is given, which plans but cannot load")
@@ -248,7 +248,12 @@ class Residency:
                 r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
             except Exception as e:
                 raise RuntimeError(f"the tokenizer in {model_dir} could not be loaded: {e}") from e
-            spec = build_spec(self.cfg, r, model_dir)
+            draft_dir = None
+            if r.plan.draft_model_id:  # loads with this model, in its engine (docs/speculation.md)
+                draft_path = self.cfg.model(r.plan.draft_model_id).path
+                assert draft_path is not None  # NeuronConfig checks a draft entry has a path
+                draft_dir = resolve_path(self.config_path, draft_path)
+            spec = build_spec(self.cfg, r, model_dir, draft_dir)
             r.client = await self._client_factory(
                 spec,
                 on_status=lambda s, _r=r: self._on_status(_r, s),
@@ -391,7 +396,7 @@ class Residency:
         for r in self.models.values():
             if r.client is None or r.state == ModelState.FAILED:
                 continue
-            new = effective_limits(cfg, r.profile)
+            new = effective_limits(cfg, r.profile, _entry_in(cfg, r))
             changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new)]
             if new != r.admission:
                 r.client.set_limits(new)
@@ -417,7 +422,7 @@ class Residency:
         if r.state != ModelState.READY:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-        new_limits = effective_limits(self.cfg, profile)
+        new_limits = effective_limits(self.cfg, profile, _entry_in(self.cfg, r))
         new_plan = plan_model(self.cfg, r.entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
@@ -483,6 +488,15 @@ def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list
     return out
 
 
+def _entry_in(cfg: NeuronConfig, r: ResidentModel) -> ModelEntry:
+    """A resident model's [[models]] entry as `cfg` has it now (SIGHUP changes its reload
+    fields, such as speculation); the one it loaded with if `cfg` no longer lists it."""
+    try:
+        return cfg.model(r.model_id)
+    except KeyError:
+        return r.entry
+
+
 def _reason(e: BaseException) -> str:
     """One line saying why: the last line of an engine's traceback, else the exception."""
     text = str(e)
@@ -520,8 +534,10 @@ def _load_tokenizer(model_dir: Path) -> Any:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
-    """The EngineSpec of a resident model from its plan and the config in force."""
+def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
+               draft_dir: Path | None = None) -> Any:
+    """The EngineSpec of a resident model from its plan and the config in force; `draft_dir`
+    is the checkpoint of the draft model its plan counts (speculation = "draft:<id>")."""
     from helexa.neuron.engine.spec import EngineSpec
 
     plan = r.plan
@@ -537,7 +553,9 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
         torch_threads=cfg.engine.torch_threads, limits=r.admission,
         attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
-        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size)
+        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
+        draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
+        draft_bytes_per_token=plan.draft_bytes_per_token)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

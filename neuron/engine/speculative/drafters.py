@@ -16,11 +16,16 @@ Kinds:
   given a function that knows the target's greedy continuation.
 - `PerRequestDrafter` (tests): a different drafter per request id, to mix
   drafters in one batch.
+- `DraftModelDrafter` (draft_model.py): a smaller model of the same tokenizer.
+
+Optional methods a drafter may have (the Speculator calls them when present):
+`propose_batch(reqs, ks) -> list[Draft]` (all of a step's proposals in one
+call), `release(req)` (a request ended: drop what the drafter kept for it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,14 +124,42 @@ class PerRequestDrafter:
         d = self.by_req.get(req.req_id)
         return d.propose(req, k) if d is not None else _NO_DRAFT
 
+    def propose_batch(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Each drafter's requests in one call, batched where it can (a draft model)."""
+        out = [_NO_DRAFT] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            if r.req_id in self.by_req:
+                groups.setdefault(id(self.by_req[r.req_id]), []).append(i)
+        for idx in groups.values():
+            d = self.by_req[reqs[idx[0]].req_id]
+            batch = getattr(d, "propose_batch", None)
+            got = (batch([reqs[i] for i in idx], [ks[i] for i in idx]) if batch is not None
+                   else [d.propose(reqs[i], ks[i]) for i in idx])
+            for i, g in zip(idx, got, strict=True):
+                out[i] = g
+        return out
 
-def make_drafter(speculation: str) -> Drafter | None:
-    """The drafter a `speculation` setting names; None for "off". Clear error otherwise."""
+    def release(self, req: Request) -> None:
+        release = getattr(self.by_req.get(req.req_id), "release", None)
+        if release is not None:
+            release(req)
+
+
+def make_drafter(speculation: str, loaded: Drafter | None = None) -> Drafter | None:
+    """The drafter a `speculation` setting names; None for "off". Clear error otherwise.
+    `loaded` is the draft-model drafter loaded with the model (draft_model.py), if any."""
     if speculation == "off":
         return None
     if speculation == "ngram":
         return NgramDrafter()
-    if speculation == "mtp" or speculation.startswith("draft:"):
+    if speculation.startswith("draft:"):
+        if loaded is not None and loaded.name == speculation:
+            return loaded
+        raise ValueError(f"speculation = {speculation!r}: that draft model was not loaded with "
+                         "this model (a draft model loads with its target, from the target's "
+                         "[[models]] speculation at start; docs/speculation.md)")
+    if speculation == "mtp":
         raise ValueError(f"speculation = {speculation!r} is not available in this build"
                          " (docs/speculation.md); use \"ngram\" or \"off\"")
     raise ValueError(f"speculation: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"

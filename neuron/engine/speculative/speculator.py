@@ -5,7 +5,10 @@ policy how many tokens each decoding request may draft (policy.py) and the
 drafter for them, and leaves them on the request (`Request.draft`); the
 scheduler then gives that request a row of 1 + len(draft) tokens (when the
 step's token budget has room) and the engine scores it with logits at every
-position. `accept` verifies the row (verify.py) and keeps the figures.
+position. `accept` verifies the row (verify.py) and keeps the figures, per model and per
+request. A drafter may have two optional methods, used when present:
+`propose_batch(reqs, ks)` (one call for the step's drafting requests: a
+draft model batches its forwards) and `release(req)` (the request ended).
 
 The KV of drafted tokens is written past the request's computed length; the
 engine advances `num_computed_tokens` by the accepted ones only, so rejected
@@ -42,6 +45,7 @@ class Speculator:
     def draft(self, running: Sequence[Request], max_slots: int) -> None:
         """Leave this step's draft (possibly none) on every decoding request."""
         occupancy = len(running) / max(1, max_slots)
+        asks: list[tuple[Request, int]] = []  # (request, most tokens it may draft)
         for req in running:
             req.draft = None
             if self.drafter is None or req.is_prefilling or req.num_uncomputed_tokens != 1:
@@ -61,13 +65,25 @@ class Speculator:
                                    acceptance=req.spec_acceptance,
                                    steps_since_draft=req.steps_since_draft))
             req.steps_since_draft += 1
-            if k <= 0:
-                continue
-            d = self.drafter.propose(req, k)
+            if k > 0:
+                asks.append((req, k))
+        if not asks or self.drafter is None:
+            return
+        batch = getattr(self.drafter, "propose_batch", None)  # one forward for all (a model)
+        drafts = (batch([r for r, _ in asks], [k for _, k in asks]) if batch is not None
+                  else [self.drafter.propose(r, k) for r, k in asks])
+        for (req, k), d in zip(asks, drafts, strict=True):
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
                 req.draft = Draft(d.tokens[:k], probs)
                 req.steps_since_draft = 0
+
+    def release(self, req: Request) -> None:
+        """`req` ended: the drafter drops what it kept for it (a drafter with state has
+        `release`)."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req)
 
     def accept(self, req: Request, logits: torch.Tensor, num_draft: int) -> list[int]:
         """Verify `req`'s row (logits [num_draft + 1, vocab]): the tokens it produces."""
@@ -78,6 +94,8 @@ class Speculator:
         accepted = len(out) - 1
         self.drafted_tokens += num_draft
         self.accepted_tokens += accepted
+        req.spec_drafted_tokens += num_draft  # the request's own usage (docs/api.md)
+        req.spec_accepted_tokens += accepted
         req.spec_acceptance = update_acceptance(req.spec_acceptance, num_draft, accepted)
         req.draft = None
         return out
