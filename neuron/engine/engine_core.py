@@ -348,6 +348,9 @@ class EngineCore:
                           in zip(sampled, picks, strict=True)}
             for req, row, k in verified:
                 new_tokens[req.req_id] = self.speculator.accept(req, logits[row:row + k + 1], k)
+                upd = self._update(req)  # so far: the daemon may end it first (a stop string)
+                upd.spec_drafted_tokens = req.spec_drafted_tokens
+                upd.spec_accepted_tokens = req.spec_accepted_tokens
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
