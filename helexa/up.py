@@ -72,12 +72,19 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
     model: dict = {"id": model_id, "path": str(model_dir)}
+    models = [model]
+    if speculation.startswith("draft:"):  # draft:DIR: the folder as a draft model of this one
+        draft_dir = Path(speculation.removeprefix("draft:")).resolve()
+        draft_id = draft_dir.name if draft_dir.name != model_id else f"{model_id}-draft"
+        model["speculation"] = f"draft:{draft_id}"
+        models.append({"id": draft_id, "path": str(draft_dir), "preload": False})
+        speculation = "off"  # the other models' setting; this model's is its own
     neuron = {"server": {"name": "local", "listen": "127.0.0.1:0", "token_file": str(token),
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
               "engine": {"speculation": speculation},
-              "models": [model]}
+              "models": models}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
               "neurons": {"token_file": str(token)},
               # one machine, one model, one user: anyone may (re)load it after a failure
@@ -140,6 +147,12 @@ def _default_device() -> str:
         return "cpu"
 
 
+def _speculation(value: str) -> str:
+    if value in ("ngram", "mtp", "off") or (value.startswith("draft:") and len(value) > 6):
+        return value
+    raise argparse.ArgumentTypeError(f"expected ngram, mtp, off or draft:DIR, got {value!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="helexa up", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="checkpoint folder (default: the tiny model)")
@@ -151,15 +164,23 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
-    p.add_argument("--speculation", choices=["ngram", "mtp", "off"], default="off",
-                   help="speculative decoding drafter (docs/speculation.md; mtp is not built"
-                        " yet and is refused)")
+    p.add_argument("--speculation", type=_speculation, default="off",
+                   metavar="{ngram,mtp,off,draft:DIR}",
+                   help="speculative decoding drafter (docs/speculation.md): draft:DIR drafts "
+                        "with the checkpoint folder DIR (a smaller model of the same tokenizer);"
+                        " mtp is not built yet and is refused")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
     if args.speculation == "mtp":  # the config would refuse it too, after a slow start
         print("helexa up: --speculation mtp is not built yet (docs/speculation.md);"
               " use ngram or off", file=sys.stderr)
+        return 2
+    draft = args.speculation.removeprefix("draft:") if args.speculation.startswith("draft:") \
+        else None
+    if draft is not None and not (Path(draft) / "config.json").exists():
+        print(f"helexa up: --speculation draft:{draft}: no config.json there (expected the "
+              "draft model's checkpoint folder)", file=sys.stderr)
         return 2
 
     device = args.device or _default_device()
