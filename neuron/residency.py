@@ -396,7 +396,7 @@ class Residency:
         for r in self.models.values():
             if r.client is None or r.state == ModelState.FAILED:
                 continue
-            new = effective_limits(cfg, r.profile, _entry_in(cfg, r))
+            new = effective_limits(cfg, r.profile, r.entry)  # the daemon's reload updates entry
             changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new)]
             if new != r.admission:
                 r.client.set_limits(new)
@@ -422,7 +422,7 @@ class Residency:
         if r.state != ModelState.READY:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-        new_limits = effective_limits(self.cfg, profile, _entry_in(self.cfg, r))
+        new_limits = effective_limits(self.cfg, profile, r.entry)
         new_plan = plan_model(self.cfg, r.entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
@@ -486,15 +486,6 @@ def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list
         if a != b:
             out.append(f"{name}: {a} -> {b}")
     return out
-
-
-def _entry_in(cfg: NeuronConfig, r: ResidentModel) -> ModelEntry:
-    """A resident model's [[models]] entry as `cfg` has it now (SIGHUP changes its reload
-    fields, such as speculation); the one it loaded with if `cfg` no longer lists it."""
-    try:
-        return cfg.model(r.model_id)
-    except KeyError:
-        return r.entry
 
 
 def _reason(e: BaseException) -> str:
