@@ -247,13 +247,13 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         RELOAD)] = None
     spec_k: Annotated[optional(int, ge=0, le=16), field_meta(
         "Overrides engine.spec_k for this model (a profile's spec_k overrides it).", RELOAD)] = None
-    spec_full_below: Annotated[optional(float, ge=0, le=1), field_meta(
+    spec_full_below: Annotated[optional(float, ge=0.0, le=1.0), field_meta(
         "Overrides engine.spec_full_below for this model.", RELOAD)] = None
-    spec_off_above: Annotated[optional(float, ge=0, le=1.01), field_meta(
+    spec_off_above: Annotated[optional(float, ge=0.0, le=1.01), field_meta(
         "Overrides engine.spec_off_above for this model.", RELOAD)] = None
-    spec_min_acceptance: Annotated[optional(float, ge=0, le=1), field_meta(
+    spec_min_acceptance: Annotated[optional(float, ge=0.0, le=1.0), field_meta(
         "Overrides engine.spec_min_acceptance for this model.", RELOAD)] = None
-    spec_keep_acceptance: Annotated[optional(float, ge=0), field_meta(
+    spec_keep_acceptance: Annotated[optional(float, ge=0.0), field_meta(
         "Overrides engine.spec_keep_acceptance for this model.", RELOAD)] = None
 
     def __post_init__(self) -> None:
