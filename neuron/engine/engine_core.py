@@ -40,7 +40,7 @@ from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
-from helexa.neuron.engine.speculative.draft_model import DraftModelDrafter
+from helexa.neuron.engine.speculative.draft_model import DraftModelDrafter, load_draft
 from helexa.neuron.engine.speculative.drafters import Drafter, make_drafter
 from helexa.neuron.engine.speculative.policy import SpecPolicy
 from helexa.neuron.engine.speculative.speculator import Speculator
@@ -78,7 +78,8 @@ class EngineCore:
         # The draft model's drafter, kept while speculation switches away and back.
         self.draft_drafter: DraftModelDrafter | None = None
         if draft_runner is not None:  # its layers over the target's blocks (draft_model.py)
-            draft_runner.reset_kv(self.runner.num_blocks, spec.kv_dtype)
+            draft_runner.reset_kv(int(getattr(self.runner, "num_blocks", spec.num_blocks)),
+                                  spec.kv_dtype)
             self.draft_drafter = DraftModelDrafter(
                 spec.draft_model_id, draft_runner, self._ensure_blocks,
                 max_batched_tokens=self.limits.max_batched_tokens)
@@ -489,23 +490,6 @@ def spec_policy(limits: messages.Limits) -> SpecPolicy:
     return SpecPolicy(k_max=limits.spec_k, full_below=limits.spec_full_below,
                       off_above=limits.spec_off_above, min_acceptance=limits.spec_min_acceptance,
                       keep_acceptance=limits.spec_keep_acceptance)
-
-
-def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
-    """The draft model's runner (speculation = "draft:<id>"), weights loaded, a one-block pool
-    until the target's block count is known (then reset_kv)."""
-    from helexa.neuron.engine.speculative.draft_model import load_draft_runner
-    from helexa.neuron.models.config import load_model_config
-    from helexa.neuron.models.loader import resolve_dtype
-
-    dtype = resolve_dtype(load_model_config(spec.model_dir)[1], spec.dtype)  # the target's
-    return load_draft_runner(spec.model_id, spec.model_dir, spec.draft_model_id,
-                             spec.draft_model_dir, device=spec.device, dtype=dtype,
-                             num_blocks=1, block_size=spec.block_size, kv_dtype=spec.kv_dtype,
-                             max_num_seqs=limits.max_slots,
-                             max_batched_tokens=limits.max_batched_tokens,
-                             backend=spec.attention_backend,
-                             plan_bytes_per_block=spec.draft_bytes_per_token * spec.block_size)
 
 
 def make_runner(spec: EngineSpec, limits: messages.Limits,

@@ -45,8 +45,10 @@ from typing import Any, Protocol
 
 import torch
 
+from helexa.neuron.engine import messages
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import Draft
 from helexa.neuron.engine.speculative.verify import target_probs
 
@@ -211,26 +213,32 @@ def check_same_tokenizer(target_id: str, target_dir: str | Path, draft_id: str,
                          "tokenizer")
 
 
-def load_draft_runner(target_id: str, target_dir: str, draft_id: str, draft_dir: str, *,
-                      device: str, dtype: torch.dtype, num_blocks: int, block_size: int,
-                      kv_dtype: str, max_num_seqs: int, max_batched_tokens: int,
-                      backend: str, plan_bytes_per_block: int) -> Any:
-    """The draft's ModelRunner: its weights in the target's dtype on the target's device, its
-    KV pool over `num_blocks` (the target's) in the target's kv_dtype. CUDA graphs off: the
-    draft's steps are catch-up chunks and short chains, not the fixed decode batches a
-    graph replays."""
+def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
+    """The draft model's ModelRunner (spec.draft_model_dir): weights in the target's dtype on
+    the target's device, KV in the target's kv_dtype over a one-block pool until the target
+    has sized its own (the engine then resets it to the target's block count). Refuses
+    another tokenizer, a hybrid draft and tp > 1. CUDA graphs off: the draft's steps are
+    catch-up chunks and short chains, not the fixed decode batches a graph replays."""
     from helexa.neuron.engine.model_runner import ModelRunner
-
-    check_same_tokenizer(target_id, target_dir, draft_id, draft_dir)
+    from helexa.neuron.models.config import load_model_config
+    from helexa.neuron.models.loader import resolve_dtype
     from helexa.plan import read_model_shape
 
-    if read_model_shape(Path(draft_dir) / "config.json").linear_attention_layers:
-        raise ValueError(f"speculation = \"draft:{draft_id}\": `{draft_id}` is a hybrid "
+    draft = spec.draft_model_id
+    if spec.tp > 1:  # the config refuses it first; an engine spec built by hand too
+        raise ValueError(f"speculation = \"draft:{draft}\": a draft model runs at tp = 1 only "
+                         f"(docs/speculation.md), got tp = {spec.tp}")
+    check_same_tokenizer(spec.model_id, spec.model_dir, draft, spec.draft_model_dir)
+    if read_model_shape(Path(spec.draft_model_dir) / "config.json").linear_attention_layers:
+        raise ValueError(f"speculation = \"draft:{draft}\": `{draft}` is a hybrid "
                          "(linear-attention) model; a draft model must be dense (its recurrent "
                          "state cannot roll back past a rejected draft)")
-    names = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    return ModelRunner(Path(draft_dir), device=device, dtype=names[dtype],
-                       num_blocks=num_blocks, block_size=block_size, kv_dtype=kv_dtype,
-                       max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-                       backend=backend, cuda_graphs=False,
-                       plan_bytes_per_block=plan_bytes_per_block, measure_pool=False)
+    dtype = resolve_dtype(load_model_config(spec.model_dir)[1], spec.dtype)  # the target's
+    return ModelRunner(Path(spec.draft_model_dir), device=spec.device,
+                       dtype=str(dtype).removeprefix("torch."),
+                       num_blocks=1, block_size=spec.block_size, kv_dtype=spec.kv_dtype,
+                       max_num_seqs=limits.max_slots,
+                       max_batched_tokens=limits.max_batched_tokens,
+                       backend=spec.attention_backend, cuda_graphs=False,
+                       plan_bytes_per_block=spec.draft_bytes_per_token * spec.block_size,
+                       measure_pool=False)

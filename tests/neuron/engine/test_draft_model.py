@@ -200,3 +200,14 @@ def test_catch_up_reads_through_the_block_table_fake_runners():
     s = core.status()
     assert s.spec_drafted_tokens > 50 and s.spec_accepted_tokens == s.spec_drafted_tokens
     assert_whole(core)
+
+
+def test_a_draft_model_under_tensor_parallelism_is_refused(target_dir, draft_dir):
+    from helexa.neuron.engine.spec import full_limits
+    from helexa.neuron.engine.speculative.draft_model import load_draft
+
+    spec = EngineSpec(model_id="tiny", model_dir=str(target_dir), num_blocks=8, context=64,
+                      tp=2, devices=["cpu", "cpu"], draft_model_id="small",
+                      draft_model_dir=str(draft_dir))
+    with pytest.raises(ValueError, match=r"draft:small.*tp = 1 only.*got tp = 2"):
+        load_draft(spec, full_limits())
