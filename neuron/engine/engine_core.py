@@ -130,7 +130,13 @@ class EngineCore:
         for req in late:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
         self._admit()
-        self.speculator.draft(self.running, self.limits.max_slots)
+        try:
+            self.speculator.draft(self.running, self.limits.max_slots)
+        except Exception:  # a drafter that fails (a draft model's forward) costs only drafts
+            for req in self.running:
+                req.draft = None
+            if self.log is not None:
+                self.log.exception("engine.draft_failed", drafter=self.speculator.name)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
             self._execute(plan)

@@ -211,3 +211,23 @@ def test_a_draft_model_under_tensor_parallelism_is_refused(target_dir, draft_dir
                       draft_model_dir=str(draft_dir))
     with pytest.raises(ValueError, match=r"draft:small.*tp = 1 only.*got tp = 2"):
         load_draft(spec, full_limits())
+
+
+def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
+    p = prompts(1)[0]
+    ref = drive(tiny_core(target_dir, None), [greedy("r", p, 20)])
+    core = tiny_core(target_dir, draft_dir, speculation="draft:small")
+    runner = core.draft_drafter.runner
+    calls = {"n": 0}
+    real = runner.execute
+
+    def flaky(seqs):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("draft forward failed")
+        return real(seqs)
+
+    runner.execute = flaky
+    assert drive(core, [greedy("r", p, 20)]) == ref
+    assert calls["n"] >= 3 and core.num_failed_steps == 0
+    assert_whole(core)
