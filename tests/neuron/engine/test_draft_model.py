@@ -231,3 +231,26 @@ def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
     assert drive(core, [greedy("r", p, 20)]) == ref
     assert calls["n"] >= 3 and core.num_failed_steps == 0
     assert_whole(core)
+
+
+def test_prefix_cache_hits_keep_output_and_acceptance(target_dir):
+    """Requests reusing cached prefix blocks: the draft recomputes its own layers for the
+    reused positions (the target's cached KV is not touched), output unchanged."""
+    rng = random.Random(9)
+    system = [rng.randrange(3, 500) for _ in range(24)]
+    ps = [system + [rng.randrange(3, 500) for _ in range(5 + i)] for i in range(4)]
+    ref = drive(tiny_core(target_dir, None), [greedy(f"r{i}", p, 16) for i, p in enumerate(ps)])
+    core = tiny_core(target_dir, target_dir, speculation="draft:small")
+    got: dict[str, list[int]] = {}
+    cached = 0
+    for i, p in enumerate(ps):  # one after another: later ones hit the filed prefix
+        inbound: m.ToEngine | None = m.ToEngine(new=[greedy(f"r{i}", p, 16)])
+        while inbound is not None or core.has_work:
+            for u in core.step(inbound).updates:
+                got.setdefault(u.req_id, []).extend(u.new_token_ids)
+                cached += u.cached_tokens
+            inbound = None
+    assert got == ref and cached >= 3 * 16
+    s = core.status()
+    assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
+    assert_whole(core)
