@@ -254,3 +254,18 @@ def test_prefix_cache_hits_keep_output_and_acceptance(target_dir):
     s = core.status()
     assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
     assert_whole(core)
+
+
+def test_a_kv_dtype_switch_replans_the_drafts_layers_with_the_targets(target_dir):
+    core = tiny_core(target_dir, target_dir, speculation="draft:small")
+    draft = core.draft_drafter.runner
+    bpt = 2 * kv_bytes_per_token(read_model_shape(target_dir / "config.json"), 1, "int8")
+    assert core.reset_kv(m.ResetKv(num_blocks=50, kv_dtype="int8", bytes_per_token=bpt,
+                                   context=256)) == "ok"
+    assert (draft.num_blocks, draft.kv_dtype) == (50, "int8") == (core.runner.num_blocks,
+                                                                   core.runner.kv_dtype)
+    assert core.pool.bytes_per_block == core.runner.kv_bytes_per_block + draft.kv_bytes_per_block
+    drive(core, [greedy("r", prompts(1)[0], 24)])
+    s = core.status()
+    assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
+    assert_whole(core)
