@@ -231,8 +231,8 @@ def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
     check_same_tokenizer(spec.model_id, spec.model_dir, draft, spec.draft_model_dir)
     if read_model_shape(Path(spec.draft_model_dir) / "config.json").linear_attention_layers:
         raise ValueError(f"speculation = \"draft:{draft}\": `{draft}` is a hybrid "
-                         "(linear-attention) model; a draft model must be dense (its recurrent "
-                         "state cannot roll back past a rejected draft)")
+                         "(linear-attention) model; a draft model must be dense (its own state "
+                         "slots and their rollback are not built for drafts)")
     dtype = resolve_dtype(load_model_config(spec.model_dir)[1], spec.dtype)  # the target's
     return ModelRunner(Path(spec.draft_model_dir), device=spec.device,
                        dtype=str(dtype).removeprefix("torch."),

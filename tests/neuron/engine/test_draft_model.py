@@ -269,3 +269,21 @@ def test_a_kv_dtype_switch_replans_the_drafts_layers_with_the_targets(target_dir
     s = core.status()
     assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
     assert_whole(core)
+
+
+def test_a_hybrid_target_drafts_with_a_dense_draft_model(tiny_checkpoint, draft_dir):
+    """qwen3_5 target (its linear-attention state rolls back) and a dense draft of the
+    same tokenizer: greedy output unchanged, drafts verified, ledger (and slots) whole."""
+    target = tiny_checkpoint("qwen3_5")
+    news = [greedy(f"r{i}", p, 24) for i, p in enumerate(prompts(3))]
+    ref = drive(tiny_core(target, None), news)
+    core = tiny_core(target, draft_dir, speculation="draft:small", prefill_chunk_tokens=8)
+    assert core.spec.num_state_slots > 0  # a hybrid pool: blocks and state slots
+    assert drive(core, news) == ref
+    assert core.status().spec_drafted_tokens > 0
+    assert_whole(core)
+
+
+def test_a_hybrid_draft_model_is_refused(target_dir, tiny_checkpoint):
+    with pytest.raises(ValueError, match=r"`small` is a hybrid.*must be dense"):
+        tiny_core(target_dir, tiny_checkpoint("qwen3_5"), speculation="draft:small")
