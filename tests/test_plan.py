@@ -266,3 +266,14 @@ def test_a_draft_model_counts_in_weights_and_kv_per_token_of_its_target(tmp_path
     ctx = alone.pool_tokens
     with pytest.raises(PlanError, match=rf"{ctx:,} tokens need .* × {alone.bytes_per_token + d_kv:,} B"):
         plan_of(tmp_path, drafted.replace('speculation', f'context = {ctx}\nspeculation'))
+
+
+def test_a_models_own_speculation_plans_its_held_rows(tmp_path):
+    body = (f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\nconfig = "{HYBRID}"\ntp = 2\n'
+            'context = 131072\n')
+    assert plan_of(tmp_path, body).held_bytes == 0
+    own = plan_of(tmp_path, body + 'speculation = "ngram"\nspec_k = 4\n')
+    assert own.held_bytes == 5 * 48 * 20_672  # as [engine] speculation = "ngram", k = 4 plans
+    off = plan_of(tmp_path, body.replace("[[models]]", '[engine]\nspeculation = "ngram"\n'
+                                         "[[models]]") + 'speculation = "off"\n')
+    assert off.held_bytes == 0  # the entry turns [engine]'s off for this model
