@@ -117,8 +117,8 @@ def config_from_metadata(path: Path) -> dict[str, Any]:
         "num_key_value_heads": int(kv if not isinstance(kv, list) else kv[0]),
         "head_dim": int(metadata(path, f"{arch}.attention.key_length", hidden // heads)),
         "intermediate_size": int(key("feed_forward_length")),
-        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(metadata(path, f"{arch}.rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(metadata(path, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
         "vocab_size": tensors["token_embd.weight"][1][0],
         "tie_word_embeddings": "output.weight" not in tensors,
@@ -133,6 +133,14 @@ def config_from_metadata(path: Path) -> dict[str, Any]:
         if token is not None:
             cfg[f"{name}_token_id"] = int(token)
     return cfg
+
+
+def _f32(value: float) -> float:
+    """GGUF keeps floats as float32: 1e-6 reads back as 9.99999997e-07; its shortest
+    float32 spelling is the number the converter was given."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
 
 
 # ---------------------------------------------------------------- the op of each tensor

@@ -234,7 +234,8 @@ def share_tied_head(model: nn.Module) -> None:
     from helexa.neuron.models.quant import Int8gLinear, Int8Linear
 
     head, embd = getattr(model, "lm_head", None), model.model.embed_tokens
-    if head is None or not isinstance(getattr(head, "quant", None), GgufLinear):
+    if (not model.cfg.tie_word_embeddings or head is None
+            or not isinstance(getattr(head, "quant", None), GgufLinear)):
         return
     for buf in ("qweight", "qscales", "qzeros"):
         if hasattr(embd, buf):
