@@ -78,6 +78,14 @@ def tensor_types(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
             for t in reader(path).tensors}
 
 
+def type_summary(path: Path) -> str:
+    """The file's weight types, most common first (for `helexa plan`): "Q4_K, Q6_K, F32"."""
+    counts: dict[str, int] = {}
+    for typ, _ in tensor_types(path).values():
+        counts[typ] = counts.get(typ, 0) + 1
+    return ", ".join(sorted(counts, key=lambda t: -counts[t]))
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """The model's config.json dict: the HF file beside the GGUF when there is one,
     else built from the GGUF metadata."""

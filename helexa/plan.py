@@ -50,7 +50,7 @@ from helexa.config import (
     load_neuron_config,
     resolve_path,
 )
-from helexa.gguf_meta import GgufError, find_gguf, read_config
+from helexa.gguf_meta import GgufError, find_gguf, read_config, type_summary
 from helexa.gguf_meta import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.plan_weights import checkpoint_quantization, quantized_weight_bytes_per_card
 
@@ -386,7 +386,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
                             f"keeps its own quantisation, got {entry.quantize!r}")
         weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
-        weight_dtype += ", GGUF"
+        weight_dtype += f", GGUF {type_summary(gguf)}"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
         weights = quantized_weight_bytes_per_card(

@@ -5,6 +5,7 @@ at tp 1 and 2), config and tokenizer read from the file's metadata alone."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -108,14 +109,21 @@ def test_unsupported_type_is_refused_naming_it():
 def gguf_models(tiny_checkpoint, tmp_path_factory):
     made = {}
 
-    def get(arch: str, **kw):
-        key = (arch, tuple(sorted(kw.items())))
+    def get(arch: str, beside: bool = False, **kw):
+        """(model path, transformers' reference folder, source checkpoint); ``beside``: the
+        path is a folder holding the GGUF and the HF config and tokenizer files."""
+        key = (arch, beside, tuple(sorted(kw.items())))
         if key not in made:
             src = tiny_checkpoint(arch, **TINY, **kw)
             base = tmp_path_factory.mktemp(f"gguf-{arch}")
             (base / "m").mkdir()
-            deq = write_gguf(src, base / "m" / "model.gguf", type_of)
-            made[key] = (base / "m" / "model.gguf", reference_dir(src, base / "ref", deq), src)
+            deq = write_gguf(src, base / "m" / "model.gguf", type_of, tokenizer=not beside)
+            path = base / "m" / "model.gguf"
+            if beside:
+                for f in src.glob("*.json"):
+                    shutil.copy(f, base / "m" / f.name)
+                path = base / "m"
+            made[key] = (path, reference_dir(src, base / "ref", deq), src)
         return made[key]
 
     return get
@@ -126,10 +134,12 @@ def runner(path, tp: int = 1) -> ModelRunner:
                        max_batched_tokens=512, dtype="float32", tp_size=tp)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize(("arch", "beside"), [("qwen3", False), ("llama", True),
+                                              ("qwen2", False)])
 def test_greedy_matches_transformers_on_dequantised_weights(gguf_models, greedy_reference,
-                                                            prompt_picker, arch):
-    path, ref, _ = gguf_models(arch)
+                                                            prompt_picker, arch, beside):
+    # beside: a folder with the GGUF (no tokenizer metadata) and HF config/tokenizer files
+    path, ref, _ = gguf_models(arch, beside)
     prompt = prompt_picker(ref, 3, 19)
     greedy_reference(ref, prompt, greedy_generate(runner(path), [prompt], 40)[0])
 
