@@ -385,7 +385,10 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         if entry.quantize != "none":
             raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
                             f"keeps its own quantisation, got {entry.quantize!r}")
-        weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
+        try:
+            weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
+        except (GgufError, KeyError) as e:
+            raise PlanError(f"{where('path')}: {gguf}: {e}") from None
         weight_dtype += f", GGUF {type_summary(gguf)}"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file

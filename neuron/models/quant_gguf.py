@@ -25,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.gguf_meta import FLOAT, GgufError, Layout, layout_of, reader
+from helexa.gguf_meta import (
+    FLOAT,
+    FLOAT_TYPES,
+    QUANT_TYPES,
+    GgufError,
+    Layout,
+    layout_of,
+    reader,
+)
 from helexa.neuron.models.gguf_unpack import UNPACKERS, Unpacked, dequantize, float_tensor
 from helexa.neuron.models.layers import TensorSlice
 
@@ -106,6 +114,10 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
         missing = [n for n in names if n not in types]
         if not names or missing:
             continue  # the loader's missing-tensor check names it
+        bad = [n for n in names if types[n] not in QUANT_TYPES and types[n] not in FLOAT_TYPES]
+        if bad:
+            raise GgufError(f"{path.name}: tensor {bad[0]!r} has type {types[bad[0]]}, which is "
+                            f"not supported (supported: {', '.join([*FLOAT_TYPES, *QUANT_TYPES])})")
         lookup = isinstance(mod, VocabParallelEmbedding) and not head
         rows, k = mod.weight.shape
         layout = layout_of([types[n] for n in names], lookup=lookup or (head and tied), rows=rows)

@@ -117,7 +117,7 @@ def quantize(w: np.ndarray, typ: str) -> np.ndarray:
         return w.astype(np.float32)
     if typ == "F16":
         return w.astype(np.float16)
-    if typ in ("Q8_0", "BF16"):
+    if typ in ("Q8_0", "BF16", "Q4_0"):
         return gguf.quants.quantize(w.astype(np.float32), T[typ])
     return _PACK[typ](w.astype(np.float32)).reshape(w.shape[0], -1)
 

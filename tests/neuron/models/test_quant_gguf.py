@@ -97,9 +97,13 @@ def test_unpermute_undoes_llama_cpp_permute():
         assert np.array_equal(unpermute(llama_cpp_permute(w, heads, kv), n), w)
 
 
-def test_unsupported_type_is_refused_naming_it():
-    with pytest.raises(GgufError, match="Q4_0"):
-        layout_of(["Q4_0"])
+def test_an_unsupported_type_is_refused_naming_the_tensor(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen3")
+    write_gguf(src, tmp_path / "m.gguf",
+               lambda name: "Q4_0" if name == "blk.1.ffn_down.weight" else "Q8_0")
+    with pytest.raises(GgufError, match=r"m.gguf: tensor 'blk.1.ffn_down.weight' has type Q4_0"):
+        ModelRunner(tmp_path / "m.gguf", num_blocks=8, block_size=8, max_num_seqs=1,
+                    max_batched_tokens=64, dtype="float32")
 
 
 # ---------------------------------------------------------------- whole models
