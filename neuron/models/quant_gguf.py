@@ -8,7 +8,7 @@ weight, the unpacked form of gguf_unpack.py (``gguf_q`` int8, ``gguf_scale`` and
 ``gguf_zero`` fp32 per group) in the layout :func:`helexa.gguf_meta.layout_of` picks;
 these go through the layer's own weight loader, so each rank reads its rows or
 columns and its groups (a split that would cut a group is refused with the numbers).
-After loading, :func:`install` hands them to the op (docs/quantization.md): grouped
+Once a layer's parts are all in, :func:`install` hands them to the op (docs/quantization.md): grouped
 int8 (``quant._install_int8g``) or tinygemm int4 (``quant._install_int4``, ``zero =
 8 * scale + zero``); a quantised embedding gathers int8 rows.
 """
@@ -16,7 +16,7 @@ int8 (``quant._install_int8g``) or tinygemm int4 (``quant._install_int4``, ``zer
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class GgufLinear:
     dtype: torch.dtype
     kind: str = "gguf"
     absmax: None = None
+    parts: set[str] = field(default_factory=set)  # GGUF tensors still to load into the layer
 
 
 def _gguf_names(name: str, model: nn.Module) -> list[str]:
@@ -141,7 +142,7 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
                              requires_grad=False)
             p.weight_loader = mod.weight_loader  # type: ignore[attr-defined]
             mod.register_parameter(pname, p)
-        mod.quant = GgufLinear(layout, dtype)
+        mod.quant = GgufLinear(layout, dtype, parts=set(names))
     head = getattr(model, "lm_head", None)
     if tied and isinstance(getattr(head, "quant", None), GgufLinear):
         del head.weight  # the shared float table is gone: the head runs the embedding's
@@ -194,6 +195,9 @@ def load_gguf_weights(model: nn.Module, path: Path, *, on_loaded: Any) -> None:
                     with torch.no_grad():
                         p.weight_loader(p, TensorSlice(value), shard)
                     on_loaded(name, (f"{mod_name}.{comp}", shard), 0)
+            spec.parts.discard(t.name)
+            if not spec.parts:  # all its parts in: the op's layout now, so the unpacked
+                install(mod)  # form (1.25 bytes a value for int4) never piles up
         else:
             param = params.get(pname)
             if param is None:
