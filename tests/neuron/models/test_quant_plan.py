@@ -88,3 +88,13 @@ def test_planned_bytes_of_a_gguf_file(tiny_checkpoint, tmp_path, dtype, tp, tied
         assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
     finally:
         run.close()
+
+
+def test_quantize_on_a_gguf_file_is_refused(tiny_checkpoint, tmp_path):
+    from gguf_reference import write_gguf
+
+    from helexa.plan import PlanError
+
+    write_gguf(tiny_checkpoint("qwen3"), tmp_path / "model.gguf", lambda name: "Q8_0")
+    with pytest.raises(PlanError, match="keeps its own quantisation"):
+        plan_weights(tmp_path, tmp_path / "model.gguf", "int8", 32, "fp32")
