@@ -50,6 +50,8 @@ from helexa.config import (
     load_neuron_config,
     resolve_path,
 )
+from helexa.gguf_meta import GgufError, find_gguf, read_config, type_summary
+from helexa.gguf_meta import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.plan_weights import checkpoint_quantization, quantized_weight_bytes_per_card
 
 MIB = 1024 * 1024
@@ -351,8 +353,15 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         return f"{config_file}: {field if '.' in field else _key(cfg, entry, field)}"
 
     cfg_path = model_config_path(config_file, entry)
+    gguf = None
+    if entry.config is None:  # a GGUF file (or a folder of one): config beside it or inside
+        assert entry.path is not None
+        try:
+            gguf = find_gguf(resolve_path(config_file, entry.path))
+        except GgufError as e:
+            raise PlanError(f"{where('path')}: {e}") from None
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = read_config(gguf) if gguf is not None else json.loads(cfg_path.read_text())
         shape = read_model_shape(raw)
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
@@ -372,7 +381,16 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     # linear-attention state in the model's float dtype (its activations'), quantised or not
     fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
     in_file = checkpoint_quantization(raw)
-    if in_file is not None:  # quantised in the checkpoint: its own layout, float head
+    if gguf is not None:  # each tensor on its op (helexa/gguf_meta.py)
+        if entry.quantize != "none":
+            raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
+                            f"keeps its own quantisation, got {entry.quantize!r}")
+        try:
+            weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
+        except (GgufError, KeyError) as e:
+            raise PlanError(f"{where('path')}: {gguf}: {e}") from None
+        weight_dtype += f", GGUF {type_summary(gguf)}"
+    elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
         weights = quantized_weight_bytes_per_card(
             shape, tp, ELT_BYTES[dtype_name(weight_dtype)], kind, group, float_heads=True,

@@ -32,6 +32,7 @@ import tomli_w
 
 from helexa.config import ConfigError
 from helexa.daemons import Child, model_failure, stop_all, wait_listed, wait_started
+from helexa.gguf_meta import GgufError, find_gguf
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
@@ -128,9 +129,10 @@ def cpu_kv_budget_mb(model_dir: Path) -> int:
     """The CPU KV pool `up` uses by default (MiB): what CPU_KV_CONTEXTS full-context requests
     need, within a share of available host memory and the bounds above. Raises PlanError
     (a ConfigError) when the checkpoint's config.json cannot be read."""
+    from helexa.gguf_meta import read_config
     from helexa.plan import kv_bytes_per_token, max_positions, read_model_shape
 
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = read_config(model_dir)
     per_token = kv_bytes_per_token(read_model_shape(raw), 1, "auto")
     tokens = min(max_positions(raw) or CPU_KV_CONTEXT_CAP, CPU_KV_CONTEXT_CAP)
     wanted = -(-CPU_KV_CONTEXTS * tokens * per_token // (1024 * 1024))
@@ -155,7 +157,8 @@ def _speculation(value: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="helexa up", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the tiny model)")
+    p.add_argument("--model", type=Path, help="checkpoint folder, or a .gguf file (default: the "
+                                              "tiny model)")
     p.add_argument("--model-id", help="id clients ask for (default: the folder's name)")
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 if present)")
@@ -189,9 +192,14 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, kv = tiny_model_dir(), args.kv_budget_mb or 16
     else:
         model_dir, kv = args.model.resolve(), args.kv_budget_mb
-        if not (model_dir / "config.json").exists():
-            print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder)",
-                  file=sys.stderr)
+        try:
+            gguf = find_gguf(model_dir)
+        except GgufError as e:
+            print(f"helexa up: {e}", file=sys.stderr)
+            return 2
+        if gguf is None and not (model_dir / "config.json").exists():
+            print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder "
+                  "or a .gguf file)", file=sys.stderr)
             return 2
         if kv is None and device == "cpu":
             try:
@@ -202,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             print(f"helexa up: KV pool {kv} MiB of host memory (--kv-budget-mb to change)",
                   flush=True)
-    model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.name)
+    model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.stem)
     own_run = args.run_dir is None
     run = Path(tempfile.mkdtemp(prefix="helexa-up-")) if own_run else args.run_dir  # 0700
     if not own_run:

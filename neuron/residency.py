@@ -242,8 +242,8 @@ class Residency:
             async with self._room:
                 evicted = await self._make_room(r)
             model_dir = resolve_path(self.config_path, entry.path)
-            if not model_dir.is_dir():
-                raise RuntimeError(f"path: no checkpoint folder at {model_dir}")
+            if not (model_dir.is_dir() or (model_dir.suffix == ".gguf" and model_dir.is_file())):
+                raise RuntimeError(f"path: no checkpoint folder or .gguf file at {model_dir}")
             try:
                 r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
             except Exception as e:

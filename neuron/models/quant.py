@@ -196,6 +196,11 @@ def quantize_model(model: nn.Module) -> None:
         if spec.kind == "gptq":
             _from_gptq(mod, dtype)
             continue
+        if spec.kind == "gguf":
+            from helexa.neuron.models.quant_gguf import install
+
+            install(mod)
+            continue
         w = mod.weight
         if spec.kind == "int8":
             if id(w) not in done:  # a tied head shares the embedding's rows

@@ -68,3 +68,33 @@ def test_planned_bytes_of_checkpoints_quantised_in_the_file(tiny_checkpoint, tmp
     run = ModelRunner(model_dir, num_blocks=8, block_size=8, max_num_seqs=1,
                       max_batched_tokens=64, dtype="float32")
     assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+
+
+@pytest.mark.parametrize(("dtype", "tp", "tied"), [("fp32", 1, False), ("bf16", 1, True),
+                                                   ("fp32", 2, False)])
+def test_planned_bytes_of_a_gguf_file(tiny_checkpoint, tmp_path, dtype, tp, tied):
+    # every tensor type on its op: int4 (Q4_K), grouped int8 (Q8_0, Q6_K, Q5_K, mixed fused
+    # layers), float (F16, BF16), a grouped int8 embedding, planned from the file alone
+    from gguf_reference import write_gguf
+    from test_quant_gguf import TINY, type_of
+
+    src = tiny_checkpoint("qwen3", **TINY, tie_word_embeddings=tied)
+    write_gguf(src, tmp_path / "model.gguf", type_of)
+    planned = plan_weights(tmp_path, tmp_path / "model.gguf", "none", 128, dtype, tp)
+    run = ModelRunner(tmp_path / "model.gguf", num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, tp_size=tp,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    try:
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
+
+
+def test_quantize_on_a_gguf_file_is_refused(tiny_checkpoint, tmp_path):
+    from gguf_reference import write_gguf
+
+    from helexa.plan import PlanError
+
+    write_gguf(tiny_checkpoint("qwen3"), tmp_path / "model.gguf", lambda name: "Q8_0")
+    with pytest.raises(PlanError, match="keeps its own quantisation"):
+        plan_weights(tmp_path, tmp_path / "model.gguf", "int8", 32, "fp32")
