@@ -107,7 +107,7 @@ def _measure(lib: object, fit: list[str], qweight: torch.Tensor, scales: torch.T
         cands[isa] = lambda isa=isa: native(lib, isa, x, qweight, scales, zeros, group_size)  # type: ignore[misc]
     times = {kind: _time_us(fn) for kind, fn in cands.items()}
     best = min(times, key=times.__getitem__)
-    log.info("kernels.int8g_chosen", shape=f"{qweight.shape[0]}x{qweight.shape[1]}",
+    log.info("kernels.cpu_grouped_matmul_chosen", shape=f"{qweight.shape[0]}x{qweight.shape[1]}",
              group=group_size, rows=rows, threads=torch.get_num_threads(), kind=best,
              times_us={k: round(t, 1) for k, t in times.items()})
     return best
