@@ -8,7 +8,7 @@ For each weight shape [N, K], group size, activation dtype and row count it time
 
 - ``tile``: kernels/quant.py's plain-torch path (dequantise a cache-sized tile of rows,
   matmul it): the reference, and what serves many rows;
-- ``avx2`` / ``avx512``: kernels/cpu_int8g.c, dequantising in registers (one thread);
+- ``avx2`` / ``avx512``: kernels/cpu_int8g.c, dequantising in registers (--threads threads);
 - ``float``: F.linear on the float weight in the same dtype (what the weight costs
   unquantised);
 - ``int8row``: ``aten._weight_int8pack_mm``, torch's per-row int8 op (no groups: the

@@ -12,8 +12,10 @@
  * registers), each over R weight rows x M activation rows of accumulators (R chosen
  * so they stay in registers). Which one is faster depends on the CPU (AVX-512
  * down-clocks some, splits into two 256-bit halves on others), so the caller measures
- * both at load. Built into the same library as cpu_native.c by kernels/cpu_native.py.
+ * both, and whether splitting the weight's rows over threads pays, at first use.
+ * Built into the same library as cpu_native.c by kernels/cpu_native.py.
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -92,21 +94,23 @@ INT8G_BLOCK(block256, __m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_loadu
         span = span < 1 ? 1 : span;                                                            \
         for (int64_t g0 = 0; g0 < G; g0 += span) {                                             \
             const int64_t g1 = g0 + span < G ? g0 + span : G;                                  \
-            int64_t n = 0;                                                                     \
+            int64_t n = nb;                                                                    \
             if (bf16) {                                                                        \
-                for (; n + RMAX <= N; n += RMAX)                                               \
+                for (; n + RMAX <= ne; n += RMAX)                                              \
                     BLOCK(RMAX, M, 1, x, K, q, n, N, s, z, group, g0, g1, y);                  \
-                for (; n < N; n++) BLOCK(1, M, 1, x, K, q, n, N, s, z, group, g0, g1, y);      \
+                for (; n < ne; n++) BLOCK(1, M, 1, x, K, q, n, N, s, z, group, g0, g1, y);     \
             } else {                                                                           \
-                for (; n + RMAX <= N; n += RMAX)                                               \
+                for (; n + RMAX <= ne; n += RMAX)                                              \
                     BLOCK(RMAX, M, 0, x, K, q, n, N, s, z, group, g0, g1, y);                  \
-                for (; n < N; n++) BLOCK(1, M, 0, x, K, q, n, N, s, z, group, g0, g1, y);      \
+                for (; n < ne; n++) BLOCK(1, M, 0, x, K, q, n, N, s, z, group, g0, g1, y);     \
             }                                                                                  \
         }                                                                                      \
     } while (0)
 
+/* Weight rows nb..ne-1 of N (y's row stride). */
 static void gemm_avx2(const float *x, int64_t M, int64_t K, const int8_t *q, int64_t N,
-                      const void *s, const void *z, int64_t group, int64_t bf16, float *y) {
+                      int64_t nb, int64_t ne, const void *s, const void *z, int64_t group,
+                      int64_t bf16, float *y) {
     switch (M) {
         case 1: RUN_ROWS(block256, 4, 1); break;
         case 2: RUN_ROWS(block256, 2, 2); break;
@@ -128,7 +132,8 @@ INT8G_BLOCK(block512, __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_load
             _mm512_fmadd_ps, _mm512_reduce_add_ps)
 
 static void gemm_avx512(const float *x, int64_t M, int64_t K, const int8_t *q, int64_t N,
-                        const void *s, const void *z, int64_t group, int64_t bf16, float *y) {
+                        int64_t nb, int64_t ne, const void *s, const void *z, int64_t group,
+                        int64_t bf16, float *y) {
     switch (M) {  /* 32 zmm */
         case 1: RUN_ROWS(block512, 4, 1); break;
         case 2: RUN_ROWS(block512, 4, 2); break;
@@ -154,26 +159,64 @@ int64_t hx_int8g_isas(void) {
     return isas;
 }
 
+typedef struct {
+    int64_t isa, M, K, N, nb, ne, group, bf16;
+    const float *x;
+    const int8_t *q;
+    const void *s, *z;
+    float *y;
+} Job;
+
+/* One thread's rows nb..ne-1, x's rows 8 at a time. */
+static void *run_job(void *arg) {
+    const Job *j = (const Job *)arg;
+    for (int64_t m = 0; m < j->M; m += 8) {
+        const int64_t rows = j->M - m < 8 ? j->M - m : 8;
+        const float *xm = j->x + m * j->K;
+        float *ym = j->y + m * j->N;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        if (j->isa == ISA_AVX512) {
+            gemm_avx512(xm, rows, j->K, j->q, j->N, j->nb, j->ne, j->s, j->z, j->group, j->bf16, ym);
+            continue;
+        }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+        gemm_avx2(xm, rows, j->K, j->q, j->N, j->nb, j->ne, j->s, j->z, j->group, j->bf16, ym);
+#endif
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define MIN_THREAD_BYTES (256 << 10) /* int8 weight bytes a thread is worth starting for */
+
 /* y [M, N] fp32 = x [M, K] fp32 @ W^T with W = q * s + z per (row, group); q [N, K] int8,
- * s and z [N, K / group] fp32 or bf16 (z may be NULL). M rows 8 at a time; group a
- * multiple of the build's lanes (8 or 16). Returns 0, or -1 when `isa` is not built. */
+ * s and z [N, K / group] fp32 or bf16 (z may be NULL); group a multiple of the build's
+ * lanes (8 or 16). The weight rows are split over up to `threads` threads (each started
+ * per call, so only when each gets MIN_THREAD_BYTES). Returns 0, or -1 when `isa` is not
+ * built. */
 int64_t hx_int8g_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const int8_t *q,
                       int64_t N, const void *s, const void *z, int64_t group, int64_t bf16,
-                      float *y) {
+                      float *y, int64_t threads) {
+    if (!(hx_int8g_isas() & isa) || (isa != ISA_AVX2 && isa != ISA_AVX512)) return -1;
     memset(y, 0, (size_t)(M * N) * sizeof(float));
-    for (int64_t m = 0; m < M; m += 8) {
-        const int64_t rows = M - m < 8 ? M - m : 8;
-        const float *xm = x + m * K;
-        float *ym = y + m * N;
-        switch (isa) {
-#if defined(__AVX2__) && defined(__FMA__)
-            case ISA_AVX2: gemm_avx2(xm, rows, K, q, N, s, z, group, bf16, ym); break;
-#endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-            case ISA_AVX512: gemm_avx512(xm, rows, K, q, N, s, z, group, bf16, ym); break;
-#endif
-            default: return -1;
-        }
+    int64_t t = N * K / MIN_THREAD_BYTES;
+    t = t < threads ? t : threads;
+    t = t < MAX_THREADS ? t : MAX_THREADS;
+    t = t < 1 ? 1 : t;
+    Job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    const int64_t per = (N + t - 1) / t;
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t nb = i * per < N ? i * per : N, ne = nb + per < N ? nb + per : N;
+        jobs[i] = (Job){isa, M, K, N, nb, ne, group, bf16, x, q, s, z, y};
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
     }
+    for (int64_t i = 1; i < t; i++)
+        if (!started[i]) run_job(&jobs[i]); /* could not start one: this thread does it */
+    run_job(&jobs[0]);
+    for (int64_t i = 1; i < t; i++)
+        if (started[i]) pthread_join(ids[i], NULL);
     return 0;
 }

@@ -33,7 +33,7 @@ PANEL = 16  # columns per packed weight panel (cpu_native.c)
 # No -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero
 # and denormals-are-zero for the whole process on load (5e-324 > 0 turns False, msgspec's
 # gt=0 checks pass 0). Reassociation alone, for vectorised reductions, has no such hook.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-march=native", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -50,7 +50,7 @@ _SIGNATURES = {
     "hx_decode_layers": [_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
                          _P, _I, _P, _I, _I, _F, _P],
     "hx_int8g_isas": [],
-    "hx_int8g_gemm": [_I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _P],
+    "hx_int8g_gemm": [_I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I],
 }
 _RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I}  # the others return nothing
 
