@@ -16,11 +16,12 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
   on CPU a decode step's few rows go to a native kernel that dequantises in
   registers instead, where it measures faster (kernels/int8g_cpu.py).
 
-Neither op materialises the float weight. Activations, scales and zeros are in
-the model's dtype. On CPU both ops are vectorised only for bf16 activations
-(fp32 input falls to a scalar loop, 4-8x slower than MKL's fp32 GEMM: see the
-commit that added this file), so a quantised model is fast on CPU in bf16; fp32
-stays exact (the tests compare it with transformers token for token).
+No op materialises the whole float weight. Activations, scales and zeros are in
+the model's dtype. On CPU torch's int8 and int4 ops are vectorised only for bf16
+activations (fp32 input falls to a scalar loop, 4-8x slower than MKL's fp32 GEMM:
+see the commit that added this file), so such a model is fast on CPU in bf16; fp32
+stays exact (the tests compare it with transformers token for token). The grouped
+int8 decode kernel is vectorised for fp32 and bf16 alike.
 """
 
 from __future__ import annotations
