@@ -182,6 +182,8 @@ static void *run_job(void *arg) {
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
         gemm_avx2(xm, rows, j->K, j->q, j->N, j->nb, j->ne, j->s, j->z, j->group, j->bf16, ym);
+#else
+        (void)rows, (void)xm, (void)ym; /* no build: hx_int8g_gemm refuses before this */
 #endif
     }
     return NULL;

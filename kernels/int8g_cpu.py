@@ -83,6 +83,8 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if lib is None:
         return tiles(x, qweight, scales, zeros, group_size)
     fit = [i for i in isas(lib) if group_size % ISAS[i][1] == 0]
+    if not fit:  # no vector build on this CPU, or groups the lanes do not divide
+        return tiles(x, qweight, scales, zeros, group_size)
     threads = torch.get_num_threads()
     forced = _forced()
     if forced is None:
