@@ -124,6 +124,15 @@ class Int8gLinear:
         return qk.int8g_linear(x, self.mod.qweight, self.mod.qscales,
                                getattr(self.mod, "qzeros", None), self.group_size, bias)
 
+    def prepare(self, max_num_seqs: int) -> None:
+        """Make the op choose its kernels for this layer now (kernels/int8g_cpu.py measures
+        at the first call of each row bucket), not in the first request's decode step."""
+        k = self.mod.qweight.shape[1]
+        with torch.inference_mode():
+            for rows in sorted({1, min(max_num_seqs, 2)}):
+                self(torch.zeros(rows, k, dtype=self.mod.qscales.dtype,
+                                 device=self.mod.qweight.device), None)
+
     def dequantized(self) -> torch.Tensor:
         """The float weight [N, K] in the inputs' own order."""
         w = qk.dequantize_int8g(self.mod.qweight, self.mod.qscales,

@@ -113,3 +113,21 @@ def test_8bit_layers_run_the_grouped_int8_op(gptq_dirs, desc_act, sym):
     torch.testing.assert_close(ours.kernel.dequantized(), theirs.weight, rtol=1e-3, atol=0)
     x = torch.randn(3, ours.kernel.dequantized().shape[1])
     torch.testing.assert_close(ours(x), x @ ours.kernel.dequantized().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_8bit_layers_choose_their_decode_kernels_at_load(gptq_dirs, monkeypatch):
+    from helexa.kernels import cpu_native, int8g_cpu
+
+    monkeypatch.delenv("HELEXA_CPU_INT8G", raising=False)
+    monkeypatch.setattr(int8g_cpu, "_choices", {})
+    model_dir, _ = gptq_dirs(False, False, 8)
+    run = runner(model_dir)  # no step run: only loading measured
+    try:
+        shapes = {tuple(m.qweight.shape) for m in run.model.modules()
+                  if hasattr(m, "qweight") and m.qweight.dtype == torch.int8}
+        measured = {(key[0], key[4]) for key in int8g_cpu._choices}
+        fit = cpu_native.load() is not None and int8g_cpu.isas(cpu_native.load())
+        # every shape at one row and at several; none measured without a native build
+        assert measured == ({(s, b) for s in shapes for b in (False, True)} if fit else set())
+    finally:
+        run.close()
