@@ -37,17 +37,31 @@ def optional(tp: Any, **constraints: Any) -> Any:
     return Annotated[tp, msgspec.Meta(**constraints)] | None
 
 
-# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs ngram, mtp and off.
+# "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs all four.
 Speculation = str
 SPECULATION_BUILT = ("ngram", "mtp", "off")
+DRAFT_PREFIX = "draft:"
 
 
-def _check_speculation(value: str, where: str) -> None:
+def draft_model_id(speculation: str | None) -> str | None:
+    """The model id a `draft:<model id>` setting names; None for any other setting."""
+    if speculation is None or not speculation.startswith(DRAFT_PREFIX):
+        return None
+    return speculation[len(DRAFT_PREFIX):]
+
+
+def _check_speculation(value: str, where: str, *, per_model: bool = False) -> None:
     if value in SPECULATION_BUILT:
         return
-    if value.startswith("draft:"):
-        raise ValueError(f"{where}: {value!r} is not built yet (docs/speculation.md);"
-                         f" expected one of {', '.join(SPECULATION_BUILT)}")
+    draft = draft_model_id(value)
+    if draft is not None:
+        if not per_model:  # a draft model belongs to one target, which loads it with itself
+            raise ValueError(f"{where}: {value!r}: a draft model is set per model, in that "
+                             "model's [[models]] speculation (docs/speculation.md)")
+        if not draft:
+            raise ValueError(f"{where}: expected \"draft:<model id>\" naming a [[models]] "
+                             f"entry, got {value!r}")
+        return
     raise ValueError(f"{where}: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
                      f" \"off\", got {value!r}")
 
@@ -137,9 +151,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Capture decode steps as CUDA graphs (cuda backend, batch sizes up to max_slots).",
         RESTART)] = True
     speculation: Annotated[Speculation, field_meta(
-        "Speculative decoding drafter: ngram (prompt lookup), mtp (the checkpoint's"
-        " multi-token-prediction head) or off (docs/speculation.md); draft:<model id> is"
-        " refused until built.", RELOAD)] = "off"
+        "Speculative decoding drafter of every model: ngram (prompt lookup), mtp (the"
+        " checkpoint's multi-token-prediction head) or off (docs/speculation.md); a draft"
+        " model is set per model (models[].speculation).", RELOAD)] = "off"
     spec_k: Annotated[int, field_meta(
         "Most tokens drafted per request per step.", RELOAD, ge=0, le=16)] = 4
     spec_full_below: Annotated[float, field_meta(
@@ -183,7 +197,8 @@ class ProfileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
 class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     id: Annotated[str, field_meta("Model id clients ask for, e.g. Qwen/Qwen3-8B.", RESTART)]
     path: Annotated[str | None, field_meta(
-        "Checkpoint folder (config.json, *.safetensors, tokenizer). Relative paths are from the config file.",
+        "Checkpoint folder (config.json, *.safetensors, tokenizer), or a .gguf file (or a folder of "
+        "one: docs/quantization.md). Relative paths are from the config file.",
         RESTART)] = None
     config: Annotated[str | None, field_meta(
         "config.json used for planning when the weights are not on this machine; default path/config.json.",
@@ -222,10 +237,31 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     thinking_budget_tokens: Annotated[int, field_meta(
         "Most tokens a thought may take at reasoning_effort high (and by default); medium is half, low an eighth; then the engine closes the thought.",
         RELOAD, ge=0)] = 4096
+    # Speculation per model: over [engine], under the profile the model runs (docs/speculation.md).
+    speculation: Annotated[Speculation | None, field_meta(
+        "This model's drafter, over engine.speculation: ngram, off, or draft:<model id> (a "
+        "smaller [[models]] entry of the same tokenizer, loaded with this model at tp = 1; its "
+        "weights and KV count in this model's plan). A profile's speculation overrides it.",
+        RELOAD)] = None
+    spec_k: Annotated[optional(int, ge=0, le=16), field_meta(
+        "Overrides engine.spec_k for this model (a profile's spec_k overrides it).", RELOAD)] = None
+    spec_full_below: Annotated[optional(float, ge=0.0, le=1.0), field_meta(
+        "Overrides engine.spec_full_below for this model.", RELOAD)] = None
+    spec_off_above: Annotated[optional(float, ge=0.0, le=1.01), field_meta(
+        "Overrides engine.spec_off_above for this model.", RELOAD)] = None
+    spec_min_acceptance: Annotated[optional(float, ge=0.0, le=1.0), field_meta(
+        "Overrides engine.spec_min_acceptance for this model.", RELOAD)] = None
+    spec_keep_acceptance: Annotated[optional(float, ge=0.0), field_meta(
+        "Overrides engine.spec_keep_acceptance for this model.", RELOAD)] = None
 
     def __post_init__(self) -> None:
         if self.path is None and self.config is None:
             raise ValueError("expected `path` or `config` (a checkpoint folder or its config.json)")
+        if self.speculation is not None:
+            _check_speculation(self.speculation, "speculation", per_model=True)
+            if draft_model_id(self.speculation) is not None and self.tp > 1:
+                raise ValueError(f"speculation: a draft model runs beside its target at tp = 1 "
+                                 f"only (docs/speculation.md), got tp = {self.tp}")
         if self.devices is not None and len(self.devices) != self.tp:
             raise ValueError(f"devices: expected {self.tp} devices for tp = {self.tp}, got {len(self.devices)}")
 
@@ -244,6 +280,10 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if m.id in seen:
                 raise ValueError(f"models[{i}].id: expected unique model ids, `{m.id}` repeats")
             seen.add(m.id)
+            draft = draft_model_id(m.speculation)
+            if draft is not None and not any(d.id == draft and d.path for d in self.models):
+                raise ValueError(f"models[{i}].speculation: expected draft:<model id> naming a "
+                                 f"[[models]] entry with a `path`, got `{m.speculation}`")
             if m.profile is not None and m.profile not in self.profiles:
                 names = ", ".join(sorted(self.profiles)) or "none defined"
                 raise ValueError(f"models[{i}].profile: expected one of the [profiles.*] ({names}),"

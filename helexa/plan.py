@@ -45,7 +45,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helexa.config import ConfigError, ModelEntry, NeuronConfig, load_neuron_config, resolve_path
+from helexa.config import (
+    ConfigError,
+    ModelEntry,
+    NeuronConfig,
+    draft_model_id,
+    load_neuron_config,
+    resolve_path,
+)
+from helexa.gguf_meta import GgufError, find_gguf, read_config, type_summary
+from helexa.gguf_meta import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.plan_weights import checkpoint_quantization, quantized_weight_bytes_per_card
 
 MIB = 1024 * 1024
@@ -245,23 +254,28 @@ def held_bytes_per_request(shape: ModelShape, tp: int, spec_k: int,
     return (spec_k + 1) * shape.linear_attention_layers * position
 
 
-def planned_spec_k(cfg: NeuronConfig) -> int:
-    """The largest spec_k of the engine section and the profiles that speculate (0: none
-    does). A reload that turns speculation on where the config did not plan it takes the
-    held rows from the activation headroom instead (a few MiB each)."""
+def planned_spec_k(cfg: NeuronConfig, entry: ModelEntry | None = None) -> int:
+    """The largest spec_k of the engine section (over it, `entry`'s own speculation and
+    spec_k) and the profiles that speculate (0: none does). A reload that turns speculation
+    on where the config did not plan it takes the held rows from the activation headroom
+    instead (a few MiB each)."""
     engine = cfg.engine
-    ks = [engine.spec_k] if engine.speculation != "off" else []
+    own = entry.speculation if entry is not None and entry.speculation is not None else None
+    speculation = own or engine.speculation
+    k = entry.spec_k if entry is not None and entry.spec_k is not None else engine.spec_k
+    ks = [k] if speculation != "off" else []
     for p in cfg.profiles.values():
-        if (p.speculation or engine.speculation) != "off":
-            ks.append(p.spec_k if p.spec_k is not None else engine.spec_k)
+        if (p.speculation or speculation) != "off":
+            ks.append(p.spec_k if p.spec_k is not None else k)
     return max(ks, default=0)
 
 
 def plan_mtp_layers(cfg: NeuronConfig, entry: ModelEntry, shape: ModelShape) -> int:
     """Pool layers for the model's MTP head: the layers its config.json declares where
-    the config drafts with it (speculation = "mtp" in the engine section, a profile or
-    the entry), else 0 (nothing to pay for; speculation = "mtp" is then refused)."""
-    named = [cfg.engine.speculation, getattr(entry, "speculation", None)]
+    the config drafts with it (speculation = "mtp" for this model: the entry's own, else
+    the engine section's, or a profile's), else 0 (nothing to pay for; speculation =
+    "mtp" is then refused)."""
+    named = [entry.speculation or cfg.engine.speculation]
     named += [p.speculation for p in cfg.profiles.values()]
     return shape.mtp_layers if "mtp" in named else 0
 
@@ -318,6 +332,11 @@ class ModelPlan:
     num_state_slots: int = 0
     blocks_beside_state: int = 0
     held_bytes: int = 0  # hybrids: a slot's room for a held verification row (not in the ledger)
+    # A draft model (speculation = "draft:<id>"): its share of weight_bytes_per_card and of
+    # bytes_per_token (its layers' KV shares each request's blocks); 0 without one.
+    draft_model_id: str = ""
+    draft_weight_bytes: int = 0
+    draft_bytes_per_token: int = 0
     mtp_kv_layers: int = 0  # pool layers for the MTP head (plan_mtp_layers)
 
 
@@ -351,8 +370,15 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         return f"{config_file}: {field if '.' in field else _key(cfg, entry, field)}"
 
     cfg_path = model_config_path(config_file, entry)
+    gguf = None
+    if entry.config is None:  # a GGUF file (or a folder of one): config beside it or inside
+        assert entry.path is not None
+        try:
+            gguf = find_gguf(resolve_path(config_file, entry.path))
+        except GgufError as e:
+            raise PlanError(f"{where('path')}: {e}") from None
     try:
-        raw = json.loads(cfg_path.read_text())
+        raw = read_config(gguf) if gguf is not None else json.loads(cfg_path.read_text())
         shape = read_model_shape(raw)
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
@@ -364,6 +390,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         raise PlanError(f"{where('tp')}: expected a divisor of the {shape.num_heads} attention heads "
                         f"that divides or is a multiple of the {shape.num_kv_heads} kv heads, got {tp}")
     weight_dtype = shape.torch_dtype if entry.dtype == "auto" else entry.dtype
+    float_dtype = weight_dtype  # weight_dtype gains notes for the printout below
     profile = cfg.profiles.get(entry.profile) if entry.profile else None
     kv = kv_dtype or (profile.kv_dtype if profile and profile.kv_dtype else None) or cfg.kv.kv_dtype
     kv = weight_dtype if kv == "auto" else kv
@@ -371,7 +398,16 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     # linear-attention state in the model's float dtype (its activations'), quantised or not
     fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
     in_file = checkpoint_quantization(raw)
-    if in_file is not None:  # quantised in the checkpoint: its own layout, float head
+    if gguf is not None:  # each tensor on its op (helexa/gguf_meta.py)
+        if entry.quantize != "none":
+            raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
+                            f"keeps its own quantisation, got {entry.quantize!r}")
+        try:
+            weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
+        except (GgufError, KeyError) as e:
+            raise PlanError(f"{where('path')}: {gguf}: {e}") from None
+        weight_dtype += f", GGUF {type_summary(gguf)}"
+    elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
         weights = quantized_weight_bytes_per_card(
             shape, tp, ELT_BYTES[dtype_name(weight_dtype)], kind, group, float_heads=True,
@@ -383,6 +419,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += ", int8"
     mtp_layers = plan_mtp_layers(cfg, entry, shape)
     per_token = kv_bytes_per_token(shape, tp, kv, mtp_layers)
+    draft_id = draft_model_id(entry.speculation)
+    draft_weights = draft_per_token = 0
+    if draft_id is not None:  # its weights and KV come out of the same card (tp = 1)
+        draft_weights, draft_per_token = _draft_costs(cfg, config_file, draft_id, kv,
+                                                      float_dtype, where)
+        weights += draft_weights
+        per_token += draft_per_token
+        weight_dtype += f"; + draft {draft_id} {_size(draft_weights)}"
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
@@ -411,7 +455,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * bs
     positions = max_positions(raw)
-    held = held_bytes_per_request(shape, tp, planned_spec_k(cfg), weight_dtype)
+    held = held_bytes_per_request(shape, tp, planned_spec_k(cfg, entry), float_dtype)
     slot = fixed + held  # what one request's state slot takes from the budget
     single = _tokens_each(budget, 1, block_bytes, bs, slot)
     if entry.context is not None:
@@ -440,9 +484,31 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
         trade=trade, budget_source=source, shape=shape, held_bytes=held,
-        mtp_kv_layers=mtp_layers)
+        draft_model_id=draft_id or "", draft_weight_bytes=draft_weights,
+        draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     return _replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
+
+
+def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,
+                 weight_dtype: str, where: Any) -> tuple[int, int]:
+    """(weight bytes, KV bytes per token) of a draft model run in the target's weight and KV
+    dtypes, unsharded (docs/speculation.md)."""
+    try:
+        d = cfg.model(draft_id)
+    except KeyError:
+        raise PlanError(f"{where('speculation')}: no [[models]] entry `{draft_id}`") from None
+    d_path = model_config_path(config_file, d)
+    try:
+        d_shape = read_model_shape(json.loads(d_path.read_text()))
+    except FileNotFoundError:
+        raise PlanError(f"{where('speculation')}: draft model `{draft_id}`: expected a model "
+                        f"config.json, no file {d_path}") from None
+    except (KeyError, ValueError, TypeError) as e:
+        raise PlanError(f"{where('speculation')}: draft model `{draft_id}`: {d_path}: "
+                        f"unreadable model config ({e!r})") from None
+    return (weight_bytes_per_card(d_shape, 1, weight_dtype),
+            kv_bytes_per_token(d_shape, 1, kv_dtype))
 
 
 def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
@@ -505,7 +571,8 @@ def format_plan(p: ModelPlan) -> str:
     s = p.shape
     assert s is not None
     heads = kv_heads_per_card(s, p.tp)
-    per_head = p.bytes_per_token // max(1, 2 * (s.full_attention_layers + p.mtp_kv_layers) * heads)
+    per_head = (p.bytes_per_token - p.draft_bytes_per_token) // max(
+        1, 2 * (s.full_attention_layers + p.mtp_kv_layers) * heads)
     layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
               else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
     if p.mtp_kv_layers:
@@ -514,7 +581,11 @@ def format_plan(p: ModelPlan) -> str:
         f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
         f"    weights per card    {_size(p.weight_bytes_per_card)} ({p.weight_dtype})",
         f"    KV per token/card   {p.bytes_per_token:,} B ({_size(p.bytes_per_token)}) = 2 × {layers}"
-        f" × {heads} kv heads × {per_head:,} B ({p.kv_dtype}, head_dim {s.head_dim})",
+        f" × {heads} kv heads × {per_head:,} B ({p.kv_dtype}, head_dim {s.head_dim})"
+        + (f" + {p.draft_bytes_per_token:,} B draft" if p.draft_model_id else ""),
+        *([f"    draft model         {p.draft_model_id}: {_size(p.draft_weight_bytes)} weights, "
+           f"{p.draft_bytes_per_token:,} B KV per token (counted in both figures above)"]
+          if p.draft_model_id else []),
         f"    fixed per request   {p.fixed_bytes:,} B ({_size(p.fixed_bytes)})"
         + (f": recurrent + conv state of {s.linear_attention_layers} linear-attention layers"
            if p.fixed_bytes else ""),

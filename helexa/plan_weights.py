@@ -2,7 +2,8 @@
 
 Layout (docs/quantization.md): int8 = one byte a weight plus one scale a row in
 the model's dtype; int4 = half a byte a weight plus a scale and a zero per
-group of ``group_size`` inputs. quantize = "int8" makes every linear, the LM head
+group of ``group_size`` inputs; grouped int8 (``int8g``, checkpoints only) = one
+byte a weight plus a scale per group (``int8g-asym``: and a zero). quantize = "int8" makes every linear, the LM head
 and the embedding int8; "int4" makes the decoder's linears int4 and keeps the
 head and the embedding int8. Norms stay in the model's dtype. Only the model's
 dtype bytes (``elt``) come from outside; everything else from the shape.
@@ -29,11 +30,21 @@ def checkpoint_quantization(config_json: dict) -> tuple[str, int, bool] | None:
     if method == "compressed-tensors":
         w = next(iter((qc.get("config_groups") or {}).values()), {}).get("weights") or {}
         bits, group = int(w.get("num_bits", 4)), w.get("group_size")
-        return ("int8" if bits == 8 else "int4"), int(group or 0), False
+        sym = bool(w.get("symmetric", True))
+        kind = "int4" if bits != 8 else _int8_kind(sym, bool(group))
+        return kind, int(group or 0), False
     if method in ("gptq", "awq"):
         group = int(qc.get("group_size", qc.get("q_group_size", 128)))
-        return "int4", (0 if group == -1 else group), bool(qc.get("desc_act", False))
+        bits = int(qc.get("bits", qc.get("w_bit", 4)))
+        # GPTQ 8 bits: a symmetric file's zeros are all 128 and none are kept
+        kind = "int4" if bits != 8 else _int8_kind(bool(qc.get("sym", True)), group != -1)
+        return kind, (0 if group == -1 else group), bool(qc.get("desc_act", False))
     return None
+
+
+def _int8_kind(sym: bool, grouped: bool) -> str:
+    """Which int8 layout an 8-bit checkpoint loads into (neuron/models/quant.py)."""
+    return "int8g-asym" if not sym else "int8g" if grouped else "int8"
 
 
 def linear_bytes(rows: int, cols: int, kind: str, group_size: int, elt: int) -> int:
@@ -44,6 +55,10 @@ def linear_bytes(rows: int, cols: int, kind: str, group_size: int, elt: int) -> 
         group = group_size if group_size in INT4_OP_GROUPS else next(
             (g for g in INT4_OP_GROUPS if cols % g == 0), 32)  # 0: per channel, split
         return rows * cols // 2 + 2 * elt * rows * math.ceil(cols / group)
+    if kind in ("int8g", "int8g-asym"):  # group 0: one group a row (per channel)
+        per_group = elt * (2 if kind == "int8g-asym" else 1)
+        groups = math.ceil(cols / group_size) if group_size else min(cols, 1)
+        return rows * cols + per_group * rows * groups
     return rows * cols * elt
 
 

@@ -32,6 +32,7 @@ import tomli_w
 
 from helexa.config import ConfigError
 from helexa.daemons import Child, model_failure, stop_all, wait_listed, wait_started
+from helexa.gguf_meta import GgufError, find_gguf
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
@@ -82,12 +83,19 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
     model: dict = {"id": model_id, "path": str(model_dir)}
+    models = [model]
+    if speculation.startswith("draft:"):  # draft:DIR: the folder as a draft model of this one
+        draft_dir = Path(speculation.removeprefix("draft:")).resolve()
+        draft_id = draft_dir.name if draft_dir.name != model_id else f"{model_id}-draft"
+        model["speculation"] = f"draft:{draft_id}"
+        models.append({"id": draft_id, "path": str(draft_dir), "preload": False})
+        speculation = "off"  # the other models' setting; this model's is its own
     neuron = {"server": {"name": "local", "listen": "127.0.0.1:0", "token_file": str(token),
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
               "engine": {"speculation": speculation},
-              "models": [model]}
+              "models": models}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
               "neurons": {"token_file": str(token)},
               # one machine, one model, one user: anyone may (re)load it after a failure
@@ -131,9 +139,10 @@ def cpu_kv_budget_mb(model_dir: Path) -> int:
     """The CPU KV pool `up` uses by default (MiB): what CPU_KV_CONTEXTS full-context requests
     need, within a share of available host memory and the bounds above. Raises PlanError
     (a ConfigError) when the checkpoint's config.json cannot be read."""
+    from helexa.gguf_meta import read_config
     from helexa.plan import kv_bytes_per_token, max_positions, read_model_shape
 
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = read_config(model_dir)
     per_token = kv_bytes_per_token(read_model_shape(raw), 1, "auto")
     tokens = min(max_positions(raw) or CPU_KV_CONTEXT_CAP, CPU_KV_CONTEXT_CAP)
     wanted = -(-CPU_KV_CONTEXTS * tokens * per_token // (1024 * 1024))
@@ -150,9 +159,16 @@ def _default_device() -> str:
         return "cpu"
 
 
+def _speculation(value: str) -> str:
+    if value in ("ngram", "mtp", "off") or (value.startswith("draft:") and len(value) > 6):
+        return value
+    raise argparse.ArgumentTypeError(f"expected ngram, mtp, off or draft:DIR, got {value!r}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="helexa up", description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="checkpoint folder (default: the tiny model)")
+    p.add_argument("--model", type=Path, help="checkpoint folder, or a .gguf file (default: the "
+                                              "tiny model)")
     p.add_argument("--model-id", help="id clients ask for (default: the folder's name)")
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 if present)")
@@ -161,21 +177,35 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
-    p.add_argument("--speculation", choices=["ngram", "mtp", "off"], default="off",
-                   help="speculative decoding drafter (docs/speculation.md; mtp needs a"
-                        " checkpoint with an MTP head)")
+    p.add_argument("--speculation", type=_speculation, default="off",
+                   metavar="{ngram,mtp,off,draft:DIR}",
+                   help="speculative decoding drafter (docs/speculation.md): draft:DIR drafts "
+                        "with the checkpoint folder DIR (a smaller model of the same tokenizer);"
+                        " mtp drafts with the checkpoint's MTP head")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
+    draft = args.speculation.removeprefix("draft:") if args.speculation.startswith("draft:") \
+        else None
+    if draft is not None and not (Path(draft) / "config.json").exists():
+        print(f"helexa up: --speculation draft:{draft}: no config.json there (expected the "
+              "draft model's checkpoint folder)", file=sys.stderr)
+        return 2
+
     device = args.device or _default_device()
     if args.model is None:
         print("helexa up: preparing the tiny default model ...", flush=True)
         model_dir, kv = tiny_model_dir(), args.kv_budget_mb or 16
     else:
         model_dir, kv = args.model.resolve(), args.kv_budget_mb
-        if not (model_dir / "config.json").exists():
-            print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder)",
-                  file=sys.stderr)
+        try:
+            gguf = find_gguf(model_dir)
+        except GgufError as e:
+            print(f"helexa up: {e}", file=sys.stderr)
+            return 2
+        if gguf is None and not (model_dir / "config.json").exists():
+            print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder "
+                  "or a .gguf file)", file=sys.stderr)
             return 2
         if kv is None and device == "cpu":
             try:
@@ -190,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"helexa up: --speculation mtp: {model_dir} has no MTP head (config.json "
               "mtp_num_hidden_layers; docs/speculation.md); use ngram or off", file=sys.stderr)
         return 2
-    model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.name)
+    model_id = args.model_id or (TINY_MODEL_ID if args.model is None else model_dir.stem)
     own_run = args.run_dir is None
     run = Path(tempfile.mkdtemp(prefix="helexa-up-")) if own_run else args.run_dir  # 0700
     if not own_run:

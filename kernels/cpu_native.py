@@ -1,6 +1,7 @@
-"""Build and load kernels/cpu_native.c: fused CPU decode-step kernels and a few-row matmul.
+"""Build and load kernels/cpu_native.c (fused CPU decode-step kernels and a few-row matmul)
+and kernels/cpu_int8g.c (the grouped int8 matmul of few rows) as one library.
 
-The C source ships with the package and is compiled on first use with the
+The C sources ship with the package and are compiled on first use with the
 system C compiler (``$CC``, else ``cc``) for this machine's CPU
 (``-march=native``) into helexa's cache folder, keyed by a hash of the source,
 the flags and the CPU, so a cached library is never one built for other code or
@@ -27,11 +28,12 @@ import structlog
 import torch
 
 SOURCE = Path(__file__).with_name("cpu_native.c")
+SOURCES = (SOURCE, Path(__file__).with_name("cpu_int8g.c"))
 PANEL = 16  # columns per packed weight panel (cpu_native.c)
 # No -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero
 # and denormals-are-zero for the whole process on load (5e-324 > 0 turns False, msgspec's
 # gt=0 checks pass 0). Reassociation alone, for vectorised reductions, has no such hook.
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+FLAGS = ["-O3", "-march=native", "-pthread", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
          "-fno-trapping-math", "-fPIC", "-shared"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -47,7 +49,10 @@ _SIGNATURES = {
     "hx_gemm": [_P, _I, _I, _P, _I, _P, _P],
     "hx_decode_layers": [_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
                          _P, _I, _P, _I, _I, _F, _P],
+    "hx_int8g_isas": [],
+    "hx_int8g_gemm": [_I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I],
 }
+_RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I}  # the others return nothing
 
 
 def enabled() -> bool:
@@ -66,7 +71,7 @@ def _cpu_key() -> str:
 def library_path() -> Path:
     from helexa.tiny import cache_dir
 
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES))
     h.update(" ".join(FLAGS).encode())
     h.update(_cpu_key().encode())
     return cache_dir() / "kernels" / f"cpu_native-{h.hexdigest()[:16]}.so"
@@ -82,8 +87,8 @@ def build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        res = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True,
-                             text=True, timeout=120)
+        res = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"],
+                             capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{cc} failed: {res.stderr.strip()[-2000:]}")
         os.replace(tmp, out)
@@ -113,7 +118,7 @@ def load() -> ctypes.CDLL | None:
             return None
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
-            fn.argtypes, fn.restype = argtypes, None
+            fn.argtypes, fn.restype = argtypes, _RESTYPES.get(name)
         _lib = lib
         return lib
 

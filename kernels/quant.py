@@ -11,19 +11,24 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
 - grouped int8: ``qweight`` int8 [N, K] in groups of ``group_size`` along K, a
   scale and an optional zero per (row, group), ``w = q * scale + zero``: the
   layout of GGUF Q8_0/Q6_K/Q5_K, GPTQ 8-bit and grouped or asymmetric int8. No
-  torch op takes groups, so :func:`int8g_linear` dequantises one tile of rows at
-  a time (at most ``INT8G_TILE_BYTES`` of float weight live) and multiplies it.
+  torch op takes groups, so :func:`int8g_tiles` dequantises one tile of rows at
+  a time (at most ``INT8G_TILE_BYTES`` of float weight live) and multiplies it;
+  on CPU a decode step's few rows go to a native kernel that dequantises in
+  registers instead, where it measures faster (kernels/int8g_cpu.py).
 
-Neither op materialises the float weight. Activations, scales and zeros are in
-the model's dtype. On CPU both ops are vectorised only for bf16 activations
-(fp32 input falls to a scalar loop, 4-8x slower than MKL's fp32 GEMM: see the
-commit that added this file), so a quantised model is fast on CPU in bf16; fp32
-stays exact (the tests compare it with transformers token for token).
+No op materialises the whole float weight. Activations, scales and zeros are in
+the model's dtype. On CPU torch's int8 and int4 ops are vectorised only for bf16
+activations (fp32 input falls to a scalar loop, 4-8x slower than MKL's fp32 GEMM:
+see the commit that added this file), so such a model is fast on CPU in bf16; fp32
+stays exact (the tests compare it with transformers token for token). The grouped
+int8 decode kernel is vectorised for fp32 and bf16 alike.
 """
 
 from __future__ import annotations
 
 import torch
+
+from helexa.kernels import int8g_cpu
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # the packers need N % 16 == 0
@@ -55,19 +60,31 @@ def int8g_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """x [..., K] @ W^T + bias, W = q * scale + zero per (row, group of ``group_size``)."""
     shape = x.shape
     n, k = qweight.shape
+    x2 = x.reshape(-1, k).to(scales.dtype)
+    if x2.device.type == "cpu":  # few rows: the native kernel where it measured faster
+        out = int8g_cpu.linear(x2, qweight, scales, zeros, group_size, int8g_tiles)
+    else:
+        out = int8g_tiles(x2, qweight, scales, zeros, group_size)
+    y = out.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], n)
+
+
+def int8g_tiles(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """The plain-torch grouped int8 product, x2 [M, K] in scales' dtype -> [M, N]: the
+    reference, and the path for many rows."""
+    n, k = qweight.shape
     dtype = scales.dtype
-    x2 = x.reshape(-1, k).to(dtype)
-    out = torch.empty(x2.shape[0], n, dtype=dtype, device=x.device)
+    out = torch.empty(x2.shape[0], n, dtype=dtype, device=x2.device)
     rows = max(1, INT8G_TILE_BYTES // (k * x2.element_size()))
     for r0 in range(0, n, rows):
         r1 = min(n, r0 + rows)
         w = _int8g_tile(qweight[r0:r1], scales[r0:r1],
                         None if zeros is None else zeros[r0:r1], group_size, dtype)
         torch.mm(x2, w.t(), out=out[:, r0:r1])
-    y = out.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.view(*shape[:-1], n)
+    return out
 
 
 def _int8g_tile(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

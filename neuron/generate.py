@@ -13,7 +13,6 @@ as the daemon, without gRPC or a second process.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -49,7 +48,9 @@ def generate(model_dir: Path, prompt_ids: list[int], *, max_tokens: int,
     from helexa.neuron.engine.spec import EngineSpec
 
     total = len(prompt_ids) + max_tokens
-    config = json.loads((model_dir / "config.json").read_text())
+    from helexa.gguf_meta import read_config
+
+    config = read_config(model_dir)  # config.json, or a GGUF file's metadata
     max_pos = int(config.get("max_position_embeddings") or total)
     if total > max_pos:
         raise ValueError(f"prompt {len(prompt_ids)} + max tokens {max_tokens} = {total} tokens;"
@@ -94,8 +95,16 @@ class _CurrentStderr:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model_dir = Path(args.model)
-    if not (model_dir / "config.json").exists():
-        print(f"helexa generate: {model_dir}: no config.json (not a checkpoint folder)", file=sys.stderr)
+    from helexa.gguf_meta import GgufError, find_gguf
+
+    try:
+        gguf = find_gguf(model_dir)
+    except GgufError as e:
+        print(f"helexa generate: {e}", file=sys.stderr)
+        return 2
+    if gguf is None and not (model_dir / "config.json").exists():
+        print(f"helexa generate: {model_dir}: no config.json (not a checkpoint folder "
+              "or a .gguf file)", file=sys.stderr)
         return 2
     import torch
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from helexa.config import NeuronConfig
+from helexa.config import ModelEntry, NeuronConfig
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.budget import check_request
 from helexa.neuron.engine.spec import limits_from_config
@@ -89,9 +89,11 @@ def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimit
         raise Refusal(problem.code, problem.message)
 
 
-def effective_limits(cfg: NeuronConfig, profile: str = "") -> messages.SetLimits:
-    """Every runtime knob of a model under `cfg`, with its profile's overrides."""
-    return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None)
+def effective_limits(cfg: NeuronConfig, profile: str = "",
+                     entry: ModelEntry | None = None) -> messages.SetLimits:
+    """Every runtime knob of a model under `cfg`: its own [[models]] entry's speculation
+    settings, then its profile's overrides."""
+    return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None, entry)
 
 
 def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:

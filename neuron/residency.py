@@ -235,20 +235,25 @@ class Residency:
                                 device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
             r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache)
-            r.admission = effective_limits(self.cfg, r.profile)
+            r.admission = effective_limits(self.cfg, r.profile, entry)
             if entry.path is None:
                 raise RuntimeError("no checkpoint folder (`path`) on this neuron; "
                                    "only `config` is given, which plans but cannot load")
             async with self._room:
                 evicted = await self._make_room(r)
             model_dir = resolve_path(self.config_path, entry.path)
-            if not model_dir.is_dir():
-                raise RuntimeError(f"path: no checkpoint folder at {model_dir}")
+            if not (model_dir.is_dir() or (model_dir.suffix == ".gguf" and model_dir.is_file())):
+                raise RuntimeError(f"path: no checkpoint folder or .gguf file at {model_dir}")
             try:
                 r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
             except Exception as e:
                 raise RuntimeError(f"the tokenizer in {model_dir} could not be loaded: {e}") from e
-            spec = build_spec(self.cfg, r, model_dir)
+            draft_dir = None
+            if r.plan.draft_model_id:  # loads with this model, in its engine (docs/speculation.md)
+                draft_path = self.cfg.model(r.plan.draft_model_id).path
+                assert draft_path is not None  # NeuronConfig checks a draft entry has a path
+                draft_dir = resolve_path(self.config_path, draft_path)
+            spec = build_spec(self.cfg, r, model_dir, draft_dir)
             r.client = await self._client_factory(
                 spec,
                 on_status=lambda s, _r=r: self._on_status(_r, s),
@@ -391,7 +396,7 @@ class Residency:
         for r in self.models.values():
             if r.client is None or r.state == ModelState.FAILED:
                 continue
-            new = effective_limits(cfg, r.profile)
+            new = effective_limits(cfg, r.profile, r.entry)  # the daemon's reload updates entry
             changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new)]
             if new != r.admission:
                 r.client.set_limits(new)
@@ -417,7 +422,7 @@ class Residency:
         if r.state != ModelState.READY:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-        new_limits = effective_limits(self.cfg, profile)
+        new_limits = effective_limits(self.cfg, profile, r.entry)
         new_plan = plan_model(self.cfg, r.entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
@@ -520,8 +525,10 @@ def _load_tokenizer(model_dir: Path) -> Any:
     return Tokenizer.from_dir(model_dir)
 
 
-def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
-    """The EngineSpec of a resident model from its plan and the config in force."""
+def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
+               draft_dir: Path | None = None) -> Any:
+    """The EngineSpec of a resident model from its plan and the config in force; `draft_dir`
+    is the checkpoint of the draft model its plan counts (speculation = "draft:<id>")."""
     from helexa.neuron.engine.spec import EngineSpec
 
     plan = r.plan
@@ -538,7 +545,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path) -> Any:
         torch_threads=cfg.engine.torch_threads, limits=r.admission,
         attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
         quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
-        mtp_kv_layers=plan.mtp_kv_layers)
+        draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
+        draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers)
 
 
 async def _start_engine(spec: Any, **callbacks: Any) -> Any:

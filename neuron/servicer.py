@@ -163,6 +163,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         out_ids: list[int] = []
         t_admit = t_first = t_last = 0.0
         cached = 0
+        drafted = accepted = 0  # speculation: the request's totals, as the engine last said
         finish: int | None = None
         stop_reason, error, client_gone, sent_first = "", "", True, False
         updates = r.client.generate(new)
@@ -174,6 +175,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                                   upd.retry_after_ms)
                 if upd.admitted:
                     t_admit, cached = time.time(), upd.cached_tokens
+                drafted = max(drafted, upd.spec_drafted_tokens)
+                accepted = max(accepted, upd.spec_accepted_tokens)
                 resp = pb.GenerateResponse()
                 if not sent_first and request.return_prompt_token_ids:
                     resp.prompt_token_ids.extend(new.prompt_token_ids)
@@ -220,6 +223,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                     resp.stop_reason = stop_reason
                     resp.usage.CopyFrom(_usage(new, out_ids, cached, t_admit, t_first, t_last))
                     resp.usage.reasoning_tokens = upd.reasoning_tokens
+                    resp.usage.draft_tokens = drafted
+                    resp.usage.accepted_draft_tokens = accepted
                 if resp.ByteSize() or finish is not None:
                     sent_first = True
                     yield resp

@@ -1,6 +1,7 @@
 """A checkpoint's tokenizer and chat template, without transformers.
 
-`Tokenizer.from_dir(DIR)` reads tokenizer.json (the `tokenizers` library),
+`Tokenizer.from_dir(DIR)` reads tokenizer.json (the `tokenizers` library; a GGUF
+model without one: its metadata, neuron/gguf_tokenizer.py),
 the chat template (tokenizer_config.json `chat_template`, or the
 chat_template.jinja file transformers 5 writes) and the eos ids
 (generation_config.json, config.json and tokenizer_config.json together).
@@ -164,7 +165,16 @@ class Tokenizer:
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
         from tokenizers import Tokenizer as HfTokenizer
 
-        d = Path(model_dir)
+        from helexa.gguf_meta import find_gguf, model_folder
+
+        d = model_folder(model_dir)  # a GGUF model's path may be its file
+        if not (d / "tokenizer.json").is_file():
+            gguf = find_gguf(model_dir)
+            if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
+                from helexa.neuron.gguf_tokenizer import tokenizer_parts
+
+                tok, template, eos, special = tokenizer_parts(gguf)
+                return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
         tok = HfTokenizer.from_file(str(d / "tokenizer.json"))
         tcfg = _read_json(d / "tokenizer_config.json")
         template = tcfg.get("chat_template")

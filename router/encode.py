@@ -61,10 +61,15 @@ def usage_dict(choices: list[Choice]) -> dict[str, Any]:
     cached = max((u.cached_tokens for u in done), default=0)
     completion = sum(u.completion_tokens for u in done)
     reasoning = sum(u.reasoning_tokens for u in done)
+    # speculation (docs/speculation.md): drafts the model kept, and drafts it rejected
+    accepted = sum(u.accepted_draft_tokens for u in done)
+    rejected = sum(u.draft_tokens - u.accepted_draft_tokens for u in done)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
-            "completion_tokens_details": {"reasoning_tokens": reasoning}}
+            "completion_tokens_details": {"reasoning_tokens": reasoning,
+                                          "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:

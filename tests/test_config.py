@@ -150,7 +150,7 @@ def test_speculation_settings_are_checked_and_a_profile_overrides_them():
     from helexa.neuron.engine.spec import limits_from_config
 
     assert EngineConfig(speculation="mtp").speculation == "mtp"
-    with pytest.raises(ValueError, match="draft:m.*not built"):
+    with pytest.raises(ValueError, match="draft:m.*per model"):
         EngineConfig(speculation="draft:m")
     with pytest.raises(ValueError, match="expected \"ngram\""):
         EngineConfig(speculation="eagle")
@@ -160,3 +160,29 @@ def test_speculation_settings_are_checked_and_a_profile_overrides_them():
     assert limits_from_config(cfg).speculation == "ngram"
     fast = limits_from_config(cfg, ProfileConfig(speculation="off", spec_k=0))
     assert (fast.speculation, fast.spec_k) == ("off", 0)
+
+
+def test_a_model_entry_sets_its_own_speculation_between_engine_and_profile():
+    from helexa.config import EngineConfig, ModelEntry, NeuronConfig, ProfileConfig
+    from helexa.neuron.engine.spec import limits_from_config
+
+    small = ModelEntry(id="small", path="s", preload=False)
+    big = ModelEntry(id="big", path="b", speculation="draft:small", spec_k=6,
+                     spec_off_above=0.9)
+    cfg = NeuronConfig(engine=EngineConfig(speculation="ngram", spec_k=3), models=[big, small])
+    mine = limits_from_config(cfg, None, big)  # [engine] < [[models]] entry
+    assert (mine.speculation, mine.spec_k, mine.spec_off_above) == ("draft:small", 6, 0.9)
+    assert mine.spec_full_below == 0.25  # not set by the entry: [engine]'s
+    other = limits_from_config(cfg, None, small)
+    assert (other.speculation, other.spec_k) == ("ngram", 3)
+    busy = limits_from_config(cfg, ProfileConfig(speculation="off"), big)  # entry < profile
+    assert (busy.speculation, busy.spec_k, busy.spec_off_above) == ("off", 6, 0.9)
+    # a draft model is per model: [engine] and profiles refuse it, and it must be an entry
+    with pytest.raises(ValueError, match="set per model"):
+        EngineConfig(speculation="draft:small")
+    with pytest.raises(ValueError, match="set per model"):
+        ProfileConfig(speculation="draft:small")
+    with pytest.raises(ValueError, match=r"models\[0\].speculation.*draft:nope"):
+        NeuronConfig(models=[ModelEntry(id="big", path="b", speculation="draft:nope")])
+    with pytest.raises(ValueError, match="tp = 1 only"):
+        ModelEntry(id="big", path="b", tp=2, speculation="draft:small")

@@ -240,3 +240,40 @@ def test_a_speculating_config_sets_room_aside_per_state_slot_for_a_held_verifica
     k8 = plan_of(tmp_path, body.replace("[[models]]", '[profiles.fast]\nspeculation = "ngram"\n'
                                         "spec_k = 8\n[[models]]"))
     assert k8.held_bytes == 9 * 48 * 20_672  # a profile can switch to k = 8: its room
+
+
+def test_a_draft_model_counts_in_weights_and_kv_per_token_of_its_target(tmp_path):
+    small = tmp_path / "small" / "config.json"  # a Qwen3-0.6B-like shape
+    small.parent.mkdir()
+    small.write_text(json.dumps({**json.loads(DENSE.read_text()), "num_hidden_layers": 28,
+                                 "hidden_size": 1024, "intermediate_size": 3072,
+                                 "num_attention_heads": 16, "num_key_value_heads": 8,
+                                 "tie_word_embeddings": True}))
+    base = (f'[kv]\nkv_budget_mb = 4096\n[server]\ndevice_memory_mb = 81920\n'
+            f'[[models]]\nid = "big"\nconfig = "{DENSE}"\n')
+    drafted = base.replace('"\n[[models]]', '"\n[[models]]', 1) + (
+        f'speculation = "draft:small"\n[[models]]\nid = "small"\npath = "{small.parent}"\n'
+        f'preload = false\n')
+    alone, with_draft = plan_of(tmp_path, base), plan_of(tmp_path, drafted)
+    d_shape = read_model_shape(small)
+    d_kv = kv_bytes_per_token(d_shape, 1, "bf16")
+    assert with_draft.draft_model_id == "small" and with_draft.draft_bytes_per_token == d_kv
+    assert with_draft.bytes_per_token == alone.bytes_per_token + d_kv
+    assert with_draft.weight_bytes_per_card - alone.weight_bytes_per_card \
+        == with_draft.draft_weight_bytes > 1_000_000_000  # ~0.6B params in bf16
+    assert with_draft.num_blocks < alone.num_blocks  # the same budget holds fewer tokens
+    # the configured context must be reachable with the draft's KV counted, arithmetic shown
+    ctx = alone.pool_tokens
+    with pytest.raises(PlanError, match=rf"{ctx:,} tokens need .* × {alone.bytes_per_token + d_kv:,} B"):
+        plan_of(tmp_path, drafted.replace('speculation', f'context = {ctx}\nspeculation'))
+
+
+def test_a_models_own_speculation_plans_its_held_rows(tmp_path):
+    body = (f'[kv]\nkv_budget_mb = 4713\n[[models]]\nid = "h"\nconfig = "{HYBRID}"\ntp = 2\n'
+            'context = 131072\n')
+    assert plan_of(tmp_path, body).held_bytes == 0
+    own = plan_of(tmp_path, body + 'speculation = "ngram"\nspec_k = 4\n')
+    assert own.held_bytes == 5 * 48 * 20_672  # as [engine] speculation = "ngram", k = 4 plans
+    off = plan_of(tmp_path, body.replace("[[models]]", '[engine]\nspeculation = "ngram"\n'
+                                         "[[models]]") + 'speculation = "off"\n')
+    assert off.held_bytes == 0  # the entry turns [engine]'s off for this model

@@ -82,6 +82,15 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     assert load_config(ngram, NeuronConfig).engine.speculation == "ngram"
     assert main(["--speculation", "mtp"]) == 2  # the tiny default model has no MTP head
     assert "has no MTP head" in capsys.readouterr().err
+    (tmp_path / "small").mkdir()
+    drafted, _ = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16,
+                               f"draft:{tmp_path / 'small'}")
+    d = load_config(drafted, NeuronConfig)
+    assert d.models[0].speculation == "draft:small" and d.engine.speculation == "off"
+    assert (d.models[1].id, d.models[1].path, d.models[1].preload) == (
+        "small", str(tmp_path / "small"), False)
+    assert main(["--speculation", f"draft:{tmp_path / 'small'}"]) == 2  # no config.json
+    assert "draft model's checkpoint folder" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- any checkpoint, failures
@@ -163,6 +172,40 @@ def test_up_serves_any_checkpoint_on_cpu_at_once_and_cleans_its_run_folder(tmp_p
         rc = up.stop()
     assert rc == 0, "".join(up.lines)
     assert not run.exists()  # no token left behind
+
+
+def test_up_serves_a_gguf_file_alone(tmp_path, tiny_checkpoint):
+    # a .gguf with no HF files beside it: config, tokenizer and chat template from its metadata
+    sys.path.insert(0, str(Path(__file__).parent / "neuron" / "models"))
+    from gguf_reference import write_gguf
+
+    src = tiny_checkpoint("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2,
+                          intermediate_size=512, num_layers=2)
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / "tiny-q4.gguf"
+    write_gguf(src, path, lambda name: "Q6_K" if name.startswith("output") else "Q4_K")
+    up = Up("--model", str(path), "--device", "cpu")
+    try:
+        text = up.read_until("Ctrl-C stops both.")
+        assert "HELEXA UP http://127.0.0.1:" in text, text
+        url = re.search(r"HELEXA UP (\S+)/v1", text).group(1)
+        from openai import OpenAI
+
+        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        assert "tiny-q4" in {m.id for m in client.models.list().data}
+        reply = client.chat.completions.create(
+            model="tiny-q4", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8,
+            temperature=0)
+        assert reply.usage.completion_tokens >= 1 and isinstance(reply.choices[0].message.content, str)
+        assert reply.usage.prompt_tokens > 5  # the chat template from the metadata wrapped it
+        # constrained decoding runs on the tokenizer built from the metadata too
+        shaped = client.chat.completions.create(
+            model="tiny-q4", messages=[{"role": "user", "content": "JSON please"}],
+            max_tokens=6, temperature=0, response_format={"type": "json_object"})
+        assert shaped.choices[0].message.content.lstrip().startswith("{")
+    finally:
+        rc = up.stop()
+    assert rc == 0, "".join(up.lines)
 
 
 def test_up_with_a_model_that_cannot_load_says_why_and_exits_1(tmp_path, tiny_model_dir):

@@ -1,7 +1,8 @@
 """The ``cpu`` attention backend: the torch reference plus what makes CPU decode fast.
 
 - Matmuls: per weight shape the kernel that measured fastest at load on this CPU
-  (kernels/backends/cpu_matmul.py), so no CPU runs slower than plain torch.
+  (kernels/backends/cpu_matmul.py), so no CPU runs slower than plain torch; grouped
+  int8 layers measure theirs at load too (kernels/int8g_cpu.py).
 - Pure-decode steps of a dense decoder, fp32 weights and plain fp32 KV, one rank:
   kernels/cpu_native.c between the matmuls (kernels/backends/cpu_decode.py).
 - Otherwise several decode rows keep their context per layer from step to step
@@ -49,8 +50,12 @@ class CpuBackend(TorchBackend):
     def prepare_model(self, model: torch.nn.Module, *, max_num_seqs: int,
                       max_batched_tokens: int, tp_size: int) -> None:
         from helexa.neuron.models.layers import ParallelLinearBase, ParallelLMHead
+        from helexa.neuron.models.quant import Int8gLinear
 
         self.model = model
+        for m in model.modules():  # grouped int8: its decode kernels measured at load
+            if isinstance(getattr(m, "kernel", None), Int8gLinear):
+                m.kernel.prepare(max_num_seqs)
         dtype = next(model.parameters()).dtype
         if dtype != torch.float32:
             return  # the native kernels and oneDNN packing are fp32-only

@@ -40,8 +40,8 @@ from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool, full_limits, merge_limits
+from helexa.neuron.engine.speculative.draft_model import DraftModelDrafter, load_draft
 from helexa.neuron.engine.speculative.drafters import Drafter, make_drafter
-from helexa.neuron.engine.speculative.mtp import MtpUnavailable
 from helexa.neuron.engine.speculative.policy import SpecPolicy
 from helexa.neuron.engine.speculative.speculator import Speculator
 from helexa.neuron.engine.thinking import ThoughtTracker
@@ -68,8 +68,21 @@ class EngineCore:
         self.spec = spec
         self.limits = full_limits(spec.limits)
         self.log = logger
-        self.runner = runner if runner is not None else make_runner(spec, self.limits, progress)
+        # A draft model loads before the target, so a CUDA target sizes its pool after it.
+        draft_runner = (load_draft(spec, self.limits) if runner is None and spec.draft_model_dir
+                        else None)
+        self.runner = runner if runner is not None else make_runner(
+            spec, self.limits, progress,
+            draft_bytes_per_block=draft_runner.kv_bytes_per_block if draft_runner else 0)
         self.spec = spec = check_pool(spec, self.runner)
+        # The draft model's drafter, kept while speculation switches away and back.
+        self.draft_drafter: DraftModelDrafter | None = None
+        if draft_runner is not None:  # its layers over the target's blocks (draft_model.py)
+            draft_runner.reset_kv(int(getattr(self.runner, "num_blocks", spec.num_blocks)),
+                                  spec.kv_dtype)
+            self.draft_drafter = DraftModelDrafter(
+                spec.draft_model_id, draft_runner, self._ensure_blocks,
+                max_batched_tokens=self.limits.max_batched_tokens)
         # A drafter handed in (tests) stays; else limits.speculation names it (reloadable).
         self._own_drafter = drafter is None
         self.speculator = Speculator(drafter if drafter is not None
@@ -118,8 +131,8 @@ class EngineCore:
             self._finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
         self._admit()
         try:
-            self.speculator.draft(self.running, self.limits.max_slots, self._grow)
-        except Exception:  # a drafter that fails (the MTP head's pass) costs only drafts
+            self.speculator.draft(self.running, self.limits.max_slots)
+        except Exception:  # a drafter that fails (a draft model's forward, the MTP head's pass) costs only drafts
             for req in self.running:
                 req.draft = None
             if self.log is not None:
@@ -189,11 +202,12 @@ class EngineCore:
             self.speculator.drafter = self._drafter_for(self.limits.speculation)
 
     def _drafter_for(self, speculation: str) -> Drafter | None:
-        """The drafter `speculation` names, or None where this model cannot run it (logged
-        as engine.speculation_refused: an MTP drafter for a model without a head)."""
+        """The drafter `speculation` names for this model, or None (logged) where it cannot run
+        here: a draft model not loaded with it, an MTP head the model lacks (mtp.py)."""
         try:
-            return make_drafter(speculation, self.runner)
-        except MtpUnavailable as e:
+            return make_drafter(speculation, self.draft_drafter, runner=self.runner,
+                                ensure_blocks=self._ensure_blocks)
+        except ValueError as e:
             if self.log is not None:
                 self.log.warning("engine.speculation_refused", model=self.spec.model_id,
                                  speculation=speculation, reason=str(e))
@@ -215,6 +229,10 @@ class EngineCore:
             self.spec, num_blocks=r.num_blocks, kv_dtype=r.kv_dtype,
             bytes_per_token=r.bytes_per_token, context=r.context,
             max_output_tokens=r.max_output_tokens)
+        if self.draft_drafter is not None:  # the draft's layers follow the target's blocks
+            reset_draft = getattr(self.draft_drafter.runner, "reset_kv", None)
+            if reset_draft is not None:
+                reset_draft(r.num_blocks, r.kv_dtype)
         self.pool = self._new_pool(r.num_blocks)
         self.admission.pool = self.pool
         self.admission.drain = DrainMeter()  # the old pool's release counter means nothing now
@@ -305,7 +323,7 @@ class EngineCore:
             for req, chunk in zip(reqs, plan.chunks, strict=True):
                 start = req.num_computed_tokens
                 end = start + chunk.num_tokens
-                self._grow(req, end)
+                self._ensure_blocks(req, end)
                 tokens = req.token_slice(start, end - chunk.num_draft)
                 if chunk.num_draft:
                     assert req.draft is not None
@@ -338,6 +356,9 @@ class EngineCore:
                           in zip(sampled, picks, strict=True)}
             for req, row, k in verified:
                 new_tokens[req.req_id] = self.speculator.accept(req, logits[row:row + k + 1], k)
+                upd = self._update(req)  # so far: the daemon may end it first (a stop string)
+                upd.spec_drafted_tokens = req.spec_drafted_tokens
+                upd.spec_accepted_tokens = req.spec_accepted_tokens
         except Exception as e:  # the step's requests fail; the engine goes on
             self.num_failed_steps += 1
             self.consecutive_failed_steps += 1
@@ -378,9 +399,9 @@ class EngineCore:
             done = set(plan.decode_ids)
             self.running.sort(key=lambda r: r.req_id in done)
 
-    def _grow(self, req: Request, num_tokens: int) -> None:
-        """Draw blocks until req's table holds num_tokens (within its reservation:
-        speculator.py caps drafts so a verification row never goes past it)."""
+    def _ensure_blocks(self, req: Request, num_tokens: int) -> None:
+        """Draw req's reserved blocks until its table holds num_tokens: always within its
+        reservation (speculator.py caps drafts so), for the target's step or a draft model's."""
         need = blocks_for_tokens(num_tokens, self.pool.block_size)
         while len(req.block_table) < need:
             req.block_table.append(self.pool.draw(req.req_id))
@@ -447,8 +468,8 @@ class EngineCore:
         if self.requests.get(req.req_id) is req:  # not a refused duplicate of a live req_id
             del self.requests[req.req_id]
             self.admission.remove(req)
-            self.pool.release(req.req_id)
             self.speculator.release(req)
+            self.pool.release(req.req_id)
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:
@@ -456,6 +477,8 @@ class EngineCore:
         upd = self._update(req)
         upd.finished = status.finish_reason
         upd.error = reason if status != RequestStatus.FINISHED_STOPPED else ""
+        upd.spec_drafted_tokens = req.spec_drafted_tokens
+        upd.spec_accepted_tokens = req.spec_accepted_tokens
         if req.thought is not None:
             upd.reasoning_tokens = req.thought.reasoning_tokens
 
@@ -486,15 +509,19 @@ def spec_policy(limits: messages.Limits) -> SpecPolicy:
 
 
 def make_runner(spec: EngineSpec, limits: messages.Limits,
-                progress: Callable[[int, int], None] | None = None) -> Runner:
-    """The model runner for a spec: its checkpoint, on its devices."""
+                progress: Callable[[int, int], None] | None = None, *,
+                draft_bytes_per_block: int = 0) -> Runner:
+    """The model runner for a spec: its checkpoint, on its devices. A draft model's layers
+    share its pool's blocks: `draft_bytes_per_block` of each block are theirs."""
     from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
     return ModelRunner(Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
                        num_blocks=spec.num_blocks, block_size=spec.block_size,
                        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
                        max_batched_tokens=limits.max_batched_tokens, progress=progress,
                        tp_size=spec.tp, backend=spec.attention_backend,
-                       cuda_graphs=spec.cuda_graphs, plan_bytes_per_block=spec.bytes_per_block,
+                       cuda_graphs=spec.cuda_graphs,
+                       plan_bytes_per_block=(spec.bytes_per_token - spec.draft_bytes_per_token)
+                       * spec.block_size, extra_bytes_per_block=draft_bytes_per_block,
                        context=spec.context, quantize=spec.quantize,
                        quant_group_size=spec.quant_group_size, mtp_kv_layers=spec.mtp_kv_layers,
                        # hybrid models: a state slot per request in flight (dense: unused)

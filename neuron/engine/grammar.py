@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,11 +46,20 @@ class Grammars:
             return
         import llguidance
 
-        path = Path(self.model_dir) / "tokenizer.json"
-        if not path.is_file():
+        from helexa.gguf_meta import find_gguf, model_folder
+
+        path = model_folder(self.model_dir) / "tokenizer.json"
+        gguf = None if path.is_file() else find_gguf(self.model_dir)
+        if gguf is not None:  # no tokenizer.json: the one built from the GGUF metadata
+            from helexa.neuron.gguf_tokenizer import tokenizer_parts
+
+            text = tokenizer_parts(gguf)[0].to_str()
+        elif path.is_file():
+            text = path.read_text()
+        else:
             raise GrammarUnavailable(f"constrained decoding needs {path}, which is missing")
         # n_vocab is the logits' width: checkpoints often carry spare rows past the tokenizer.
-        self._tokenizer = llguidance.LLTokenizer(path.read_text(), n_vocab=self.vocab_size,
+        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                  eos_token=self.eos_token_ids or None)
         self._executor = llguidance.LLExecutor()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
@@ -108,10 +116,15 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> 
 def eos_ids_from(model_dir: str) -> list[int]:
     """The checkpoint's eos ids (generation_config.json, then config.json): the tokens a
     finished grammar allows."""
+    from helexa.gguf_meta import find_gguf, model_folder, read_config
+
     ids: list[int] = []
+    if (gguf := find_gguf(model_dir)) is not None:  # config.json beside it, or its metadata
+        v = read_config(gguf).get("eos_token_id")
+        ids += [int(i) for i in (v if isinstance(v, list) else [v] if v is not None else [])]
     for name in ("generation_config.json", "config.json"):
         try:
-            v = json.loads((Path(model_dir) / name).read_text()).get("eos_token_id")
+            v = json.loads((model_folder(model_dir) / name).read_text()).get("eos_token_id")
         except (OSError, ValueError):
             continue
         for i in v if isinstance(v, list) else [v] if v is not None else []:

@@ -168,6 +168,10 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     retry_after_ms: int = 0
     error: str = ""  # set with finished=ERROR
     reasoning_tokens: int = 0  # output tokens spent thinking (set when finished)
+    # Speculation, the request's totals so far (set in a step that verified drafts, and when
+    # finished): drafted tokens verified, and of those accepted.
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class KvLedger(msgspec.Struct, frozen=True, kw_only=True):

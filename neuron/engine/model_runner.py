@@ -78,6 +78,7 @@ class ModelRunner:
                  cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
                  context: int = 0, quantize: str = "none",
                  quant_group_size: int = 128, num_state_slots: int = 0,
+                 extra_bytes_per_block: int = 0, measure_pool: bool = True,
                  mtp_kv_layers: int | None = None) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
@@ -90,8 +91,12 @@ class ModelRunner:
         (neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
         ``quant_group_size``) quantises the weights at load (neuron/models/quant.py).
         Hybrid models hold ``num_state_slots`` linear-attention states, one per request
-        (SeqInput.state_slot). ``mtp_kv_layers`` pool layers are set aside for the MTP
-        head after the target's (as the plan counted them; None: as config.json says)."""
+        (SeqInput.state_slot). ``extra_bytes_per_block``: bytes of each block that other
+        layers sharing this pool's block ids take (a draft model's, already loaded), counted
+        when CUDA measures the pool; ``measure_pool`` False keeps ``num_blocks`` as given
+        (a draft model's pool follows its target's). ``mtp_kv_layers`` pool layers are set
+        aside for the MTP head after the target's (as the plan counted them; None: as
+        config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
         self.hf_config, self.config = load_model_config(model_dir)
         self.device = torch.device(device)
@@ -134,7 +139,8 @@ class ModelRunner:
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
-        if self.device.type == "cuda" and tp_size == 1:
+        self.extra_bytes_per_block = extra_bytes_per_block
+        if self.device.type == "cuda" and tp_size == 1 and measure_pool:
             num_blocks = self._measured_blocks(num_blocks, kv_dtype, context)
         self._reset_own_kv(num_blocks, kv_dtype)
         log.info("engine.attention_backend", backend=self.backend.describe(),
@@ -187,7 +193,7 @@ class ModelRunner:
         prefill = max(2, self.max_batched_tokens - (rows - 1))
         probe = -(-prefill // bs) + rows
         self._reset_own_kv(probe, kv_dtype)
-        bytes_per_block = self.kv_bytes_per_block
+        bytes_per_block = self.kv_bytes_per_block + self.extra_bytes_per_block
         table = list(range(-(-prefill // bs)))
         slots = max(1, self.num_state_slots)  # hybrids: any slots will do for a probe
         step = [SeqInput([0] * prefill, 0, table, True, 0)] + [

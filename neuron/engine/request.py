@@ -83,6 +83,8 @@ class Request:
     draft: Draft | None = None
     spec_acceptance: float | None = None  # EWMA of accepted / drafted; None before any
     steps_since_draft: int = 0
+    spec_drafted_tokens: int = 0  # drafted tokens verified for it, and of those accepted
+    spec_accepted_tokens: int = 0
 
     # --- derived -----------------------------------------------------------
 

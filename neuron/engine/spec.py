@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from helexa.config import NeuronConfig, ProfileConfig
+from helexa.config import ModelEntry, NeuronConfig, ProfileConfig
 from helexa.neuron.engine import messages
 
 AnyLimits = TypeVar("AnyLimits", messages.Limits, messages.SetLimits)
@@ -27,9 +27,10 @@ def merge_limits(current: AnyLimits, update: messages.SetLimits | None) -> AnyLi
     return msgspec.structs.replace(current, **changed)
 
 
-def limits_from_config(cfg: NeuronConfig,
-                       profile: ProfileConfig | None = None) -> messages.SetLimits:
-    """All runtime knobs from a helexa.config.NeuronConfig, a ProfileConfig overriding."""
+def limits_from_config(cfg: NeuronConfig, profile: ProfileConfig | None = None,
+                       entry: ModelEntry | None = None) -> messages.SetLimits:
+    """All runtime knobs from a helexa.config.NeuronConfig: [admission], [kv], [engine], then
+    the model's own [[models]] speculation settings, then its profile (docs/speculation.md)."""
     adm, kv, eng = cfg.admission, cfg.kv, cfg.engine
     limits = messages.SetLimits(
         max_in_flight=adm.max_in_flight,
@@ -48,6 +49,15 @@ def limits_from_config(cfg: NeuronConfig,
         spec_min_acceptance=eng.spec_min_acceptance,
         spec_keep_acceptance=eng.spec_keep_acceptance,
     )
+    if entry is not None:
+        limits = merge_limits(limits, messages.SetLimits(
+            speculation=entry.speculation,
+            spec_k=entry.spec_k,
+            spec_full_below=entry.spec_full_below,
+            spec_off_above=entry.spec_off_above,
+            spec_min_acceptance=entry.spec_min_acceptance,
+            spec_keep_acceptance=entry.spec_keep_acceptance,
+        ))
     if profile is not None:
         limits = merge_limits(limits, messages.SetLimits(
             max_in_flight=profile.max_in_flight,
@@ -91,6 +101,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # its config.json's mtp_num_hidden_layers); None = the checkpoint's own config.json.
     mtp_kv_layers: int | None = None
     limits: messages.SetLimits = messages.SetLimits()  # over DEFAULT_LIMITS (full_limits)
+    # speculation = "draft:<id>" (docs/speculation.md): the draft checkpoint, loaded with the
+    # model; its KV's share of bytes_per_token (its layers share each request's blocks).
+    draft_model_id: str = ""
+    draft_model_dir: str = ""
+    draft_bytes_per_token: int = 0
 
     @property
     def device(self) -> str:

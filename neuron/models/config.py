@@ -239,7 +239,14 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
 
 
 def load_model_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelConfig]:
-    """Read ``model_dir/config.json``; returns the raw dict and the parsed config."""
+    """Read ``model_dir/config.json``; returns the raw dict and the parsed config. A GGUF
+    model (a ``.gguf`` file, or a folder holding one) may build it from the file's metadata
+    (helexa/gguf_meta.py)."""
+    from helexa.gguf_meta import find_gguf, read_config
+
+    if find_gguf(model_dir) is not None:
+        raw = read_config(model_dir)
+        return raw, parse_model_config(raw)
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the model folder")

@@ -17,6 +17,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from helexa.gguf_meta import ARCHITECTURES as _GGUF_ARCHS
+from helexa.gguf_meta import find_gguf
+from helexa.gguf_meta import reader as gguf_reader
 from helexa.neuron.models.config import (
     ModelConfig,
     UnsupportedArchitecture,
@@ -27,6 +30,7 @@ from helexa.neuron.models.hybrid import HybridForCausalLM
 from helexa.neuron.models.llama import LlamaForCausalLM
 from helexa.neuron.models.quant import QuantSpec, attach, quantize_model
 from helexa.neuron.models.quant_ct import UnsupportedQuantization, attach_ct, parse_ct_config
+from helexa.neuron.models.quant_gguf import attach_gguf, load_gguf_weights, share_tied_head
 from helexa.neuron.models.quant_gptq import attach_gptq, parse_awq_config, parse_gptq_config
 
 # progress(loaded_bytes, total_bytes), called after each tensor.
@@ -43,6 +47,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForCausalLM": HybridForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": HybridForCausalLM,
 }
+
+GGUF_ARCHITECTURES = tuple(_GGUF_ARCHS.values())
 
 # Checkpoint tensors that carry no weights we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".weight_shape")  # shape: the layer knows its own
@@ -93,15 +99,15 @@ def _target(name: str, model: nn.Module, params: dict[str, nn.Parameter]):
     return name, None
 
 
-def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bool,
-                 progress: ProgressFn | None = None) -> None:
-    """Stream every checkpoint tensor into its parameter; MissingTensor if any is absent."""
+def expected_tensors(model: nn.Module, *, tie_word_embeddings: bool) -> dict[tuple[str, object], str]:
+    """Every (parameter, shard) loading must fill, and the checkpoint name that fills it."""
+    own = getattr(model, "expected_shards", None)
+    if own is not None:
+        return own()
     params = dict(model.named_parameters(remove_duplicate=False))
-    # Every (parameter, shard) we expect to fill, and the checkpoint name that fills it.
     expected: dict[tuple[str, object], str] = {}
     packed = getattr(model, "packed_modules", {})
-    own = getattr(model, "expected_shards", None)
-    for pname in params if own is None else ():
+    for pname in params:
         if tie_word_embeddings and pname == "lm_head.weight":
             continue
         shards = [(src, shard) for src, (dst, shard) in packed.items() if f".{dst}." in pname]
@@ -111,8 +117,23 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                 expected[(pname, shard)] = pname.replace(f".{dst}.", f".{src}.")
         else:
             expected[(pname, None)] = pname
-    if own is not None:
-        expected = own()
+    return expected
+
+
+def check_loaded(expected: dict[tuple[str, object], str], loaded: set[tuple[str, object]]) -> None:
+    missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
+    if missing:
+        raise MissingTensor(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}"
+            + (" …" if len(missing) > 8 else "")
+        )
+
+
+def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bool,
+                 progress: ProgressFn | None = None) -> None:
+    """Stream every checkpoint tensor into its parameter; MissingTensor if any is absent."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = expected_tensors(model, tie_word_embeddings=tie_word_embeddings)
     total = sum(_tensor_bytes(f) for f in files)
     done_bytes = 0
     loaded: set[tuple[str, object]] = set()
@@ -140,12 +161,28 @@ def load_weights(model: nn.Module, files: list[Path], *, tie_word_embeddings: bo
                 done_bytes += _slice_bytes(sl)
                 if progress is not None:
                     progress(min(done_bytes, total), total)
-    missing = [ckpt for key, ckpt in expected.items() if key not in loaded]
-    if missing:
-        raise MissingTensor(
-            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(sorted(missing)[:8])}"
-            + (" …" if len(missing) > 8 else "")
-        )
+    check_loaded(expected, loaded)
+
+
+def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype,
+              progress: ProgressFn | None = None) -> None:
+    """Load a GGUF file's weights (neuron/models/quant_gguf.py): quantised layers keep
+    the file's values in their op's layout, float ones load as they are."""
+    attach_gguf(model, path, dtype)
+    expected = expected_tensors(model, tie_word_embeddings=model.cfg.tie_word_embeddings)
+    total = sum(int(t.n_bytes) for t in gguf_reader(path).tensors)
+    done = [0]
+    loaded: set[tuple[str, object]] = set()
+
+    def on_loaded(name: str | None, key: tuple[str, object] | None, nbytes: int) -> None:
+        if key is not None:
+            loaded.add(key)
+        done[0] += nbytes
+        if nbytes and progress is not None:
+            progress(min(done[0], total), total)
+
+    load_gguf_weights(model, path, on_loaded=on_loaded)
+    check_loaded(expected, loaded)
 
 
 def _slice_bytes(sl) -> int:
@@ -168,14 +205,30 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     quantises them at load (neuron/models/quant.py)."""
     model_dir = Path(model_dir)
     raw, cfg = load_model_config(model_dir)
+    gguf = find_gguf(model_dir)
     cls = MODEL_CLASSES.get(cfg.architecture)
     if cls is None:
         raise UnsupportedArchitecture(f"architecture {cfg.architecture!r} is not supported")
     torch_dtype = resolve_dtype(cfg, dtype)
-    files = checkpoint_files(model_dir)
+    files = checkpoint_files(model_dir) if gguf is None else []
     with torch.device(device):
         model = cls(cfg, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype, device=device)
     qc = raw.get("quantization_config")
+    if gguf is not None:  # quantised (or not) in the file, tensor by tensor
+        if quantize is not None and quantize.kind != "none":
+            raise UnsupportedQuantization(f"{gguf}: a GGUF file keeps its own quantisation; "
+                                          f"quantize = {quantize.kind!r} applies to float "
+                                          "safetensors checkpoints")
+        if cfg.architecture not in GGUF_ARCHITECTURES:
+            raise UnsupportedArchitecture(f"{gguf}: GGUF loads the dense families "
+                                          f"({', '.join(GGUF_ARCHITECTURES)}), "
+                                          f"not {cfg.architecture}")
+        load_gguf(model, gguf, torch_dtype, progress)
+        quantize_model(model)
+        share_tied_head(model)
+        model.finalize()
+        model.eval()
+        return model
     if qc and getattr(model, "mtp", None) is not None:
         # the file's quantisation scheme may or may not cover mtp.*: kept aside, not run
         model.mtp = None

@@ -85,10 +85,13 @@ def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype = torch.b
 class Int8Linear:
     """kernel(x, bias) for an int8 layer; holds nothing but references to its buffers."""
 
-    def __init__(self, mod: nn.Module) -> None:
+    def __init__(self, mod: nn.Module, perm: torch.Tensor | None = None) -> None:
         self.mod = mod
+        self.perm = perm  # GPTQ act-order: inputs gathered into the weight's column order
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return qk.int8_linear(x, self.mod.qweight, self.mod.qscales, bias)
 
     def dequantized(self) -> torch.Tensor:
@@ -111,16 +114,34 @@ class Int4Linear:
 class Int8gLinear:
     """kernel(x, bias) for a grouped int8 layer (w = q * scale + zero per group)."""
 
-    def __init__(self, mod: nn.Module, group_size: int) -> None:
+    def __init__(self, mod: nn.Module, group_size: int, perm: torch.Tensor | None = None) -> None:
         self.mod, self.group_size = mod, group_size
+        self.perm = perm  # GPTQ act-order: inputs gathered into group order first
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return qk.int8g_linear(x, self.mod.qweight, self.mod.qscales,
                                getattr(self.mod, "qzeros", None), self.group_size, bias)
 
+    def prepare(self, max_num_seqs: int) -> None:
+        """Make the op choose its kernels for this layer now (kernels/int8g_cpu.py measures
+        at the first call of each row bucket), not in the first request's decode step."""
+        k = self.mod.qweight.shape[1]
+        with torch.inference_mode():
+            for rows in sorted({1, min(max_num_seqs, 2)}):
+                self(torch.zeros(rows, k, dtype=self.mod.qscales.dtype,
+                                 device=self.mod.qweight.device), None)
+
     def dequantized(self) -> torch.Tensor:
-        return qk.dequantize_int8g(self.mod.qweight, self.mod.qscales,
-                                   getattr(self.mod, "qzeros", None), self.group_size)
+        """The float weight [N, K] in the inputs' own order."""
+        w = qk.dequantize_int8g(self.mod.qweight, self.mod.qscales,
+                                getattr(self.mod, "qzeros", None), self.group_size)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
 
 @dataclass
@@ -196,6 +217,11 @@ def quantize_model(model: nn.Module) -> None:
         if spec.kind == "gptq":
             _from_gptq(mod, dtype)
             continue
+        if spec.kind == "gguf":
+            from helexa.neuron.models.quant_gguf import install
+
+            install(mod)
+            continue
         w = mod.weight
         if spec.kind == "int8":
             if id(w) not in done:  # a tied head shares the embedding's rows
@@ -221,15 +247,14 @@ def quantize_model(model: nn.Module) -> None:
 
 def _from_ct(mod: nn.Module, dtype: torch.dtype) -> None:
     """A compressed-tensors layer's unpacked values (neuron/models/quant_ct.py) into the op's
-    layout: 4 bits -> int4 with zero = -zp * scale, 8 bits -> int8 per row."""
+    layout: 4 bits -> int4 with zero = -zp * scale, 8 bits -> grouped int8 with the same zero
+    (symmetric per channel: the per-row int8 op)."""
     stored, scale = mod.weight_packed.data, mod.weight_scale.data
     zp = getattr(mod, "weight_zero_point", None)
     n, k = stored.shape
-    if mod.quant.scheme.num_bits == 8:
+    if mod.quant.scheme.num_bits == 8:  # (q - zp) * s = q * s + (-zp * s)
         q = (stored.to(torch.int16) - 128).to(torch.int8)
-        mod.register_buffer("qweight", q, persistent=False)
-        mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
-        mod.kernel = Int8Linear(mod)
+        _install_int8g(mod, q, scale, None if zp is None else -zp.float() * scale.float(), dtype)
     else:
         zeros = (torch.zeros_like(scale, dtype=torch.float32) if zp is None
                  else -zp.float() * scale.float())
@@ -261,25 +286,33 @@ def _install_int4(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor, zeros: t
 
 
 def _install_int8g(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor,
-                   zeros: torch.Tensor | None, dtype: torch.dtype) -> None:
+                   zeros: torch.Tensor | None, dtype: torch.dtype,
+                   perm: torch.Tensor | None = None) -> None:
     """int8 q [N, K] with ``w = q * scale + zero`` per contiguous group [N, G] -> the grouped
-    int8 op (kernels/quant.py); one group per row is the per-channel op when symmetric."""
+    int8 op (kernels/quant.py); one group per row is the per-channel op when symmetric.
+    ``perm``: GPTQ act-order, q's columns are the inputs in that order."""
     group = q.shape[1] // scale.shape[1]
+    if group * scale.shape[1] != q.shape[1]:
+        raise QuantConfigError(f"grouped int8: {q.shape[1]} inputs are not {scale.shape[1]} "
+                               "whole groups")
+    if perm is not None:
+        mod.register_buffer("qperm", perm, persistent=False)
     if zeros is None and scale.shape[1] == 1:
         mod.register_buffer("qweight", q.contiguous(), persistent=False)
         mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
-        mod.kernel = Int8Linear(mod)
+        mod.kernel = Int8Linear(mod, perm)
         return
     mod.register_buffer("qweight", q.contiguous(), persistent=False)
     mod.register_buffer("qscales", scale.to(dtype).contiguous(), persistent=False)
     if zeros is not None:
         mod.register_buffer("qzeros", zeros.to(dtype).contiguous(), persistent=False)
-    mod.kernel = Int8gLinear(mod, group)
+    mod.kernel = Int8gLinear(mod, group, perm)
 
 
 def _from_gptq(mod: nn.Module, dtype: torch.dtype) -> None:
     """A GPTQ layer (neuron/models/quant_gptq.py) into the int4 op: inputs in group order,
-    ``zero = (8 - z) * scale``."""
+    ``zero = (8 - z) * scale``; 8 bits into the grouped int8 op: ``q - 128`` with ``zero =
+    (128 - z) * scale``, none when every zero is 128 (symmetric)."""
     from helexa.neuron.models.quant_gptq import group_order
 
     perm, g_sorted = group_order(mod)
@@ -289,11 +322,16 @@ def _from_gptq(mod: nn.Module, dtype: torch.dtype) -> None:
     sizes = torch.bincount(g_sorted - g_sorted.min())
     if not bool((sizes == sizes[0]).all()) or sizes.numel() != s.shape[1]:
         raise QuantConfigError(f"GPTQ g_idx: groups of unequal sizes {sizes.tolist()[:8]}")
-    zeros = (8 - z.float()) * s.float()
+    bits = mod.quant.scheme.bits
     for name in ("qweight", "qzeros", "scales", "g_idx"):
         mod._parameters.pop(name, None)
         mod._buffers.pop(name, None)
-    _install_int4(mod, q, s, zeros, dtype, perm)
+    if bits == 8:
+        q8 = (q.to(torch.int16) - 128).to(torch.int8)
+        zeros8 = None if bool((z == 128).all()) else (128 - z.float()) * s.float()
+        _install_int8g(mod, q8, s, zeros8, dtype, perm)
+        return
+    _install_int4(mod, q, s, (8 - z.float()) * s.float(), dtype, perm)
 
 
 class _Int8Lookup:

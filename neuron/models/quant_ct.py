@@ -12,7 +12,8 @@ layer's own weight loader then splits it, the scales and the zero points by rank
 like its float weight (columns and groups alike for row-parallel layers), so
 groups never straddle ranks. :func:`helexa.neuron.models.quant.quantize_model`
 turns the result into the device op's layout: int4 takes ``zero = -zp * scale``
-(so ``(q+8 - 8) * s + zero``); int8 is per-channel symmetric only.
+(so ``(q+8 - 8) * s + zero``); int8 symmetric per channel runs on the per-row int8 op,
+grouped or asymmetric int8 on the grouped one (``w = q * scale + zero``, same zero).
 """
 
 from __future__ import annotations
@@ -67,10 +68,6 @@ def parse_ct_config(qc: dict[str, Any]) -> CtScheme:
             f"{w.get('type')} {bits} bits by {strategy}")
     sym = bool(w.get("symmetric", True))
     group = int(w["group_size"]) if strategy == "group" else None
-    if bits == 8 and (group is not None or not sym):
-        raise UnsupportedQuantization(
-            "compressed-tensors W8A16: only symmetric per-channel int8 runs on the int8 op "
-            f"(got {'asymmetric' if not sym else 'symmetric'}, group {group})")
     return CtScheme(bits, sym, group, tuple(qc.get("ignore") or ()))
 
 

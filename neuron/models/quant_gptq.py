@@ -1,10 +1,11 @@
-"""GPTQ checkpoints (AutoGPTQ / GPTQModel, ``checkpoint_format`` gptq): 4-bit weights,
-``desc_act`` false or true, unpacked at load into the int4 layout of kernels/quant.py.
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel, ``checkpoint_format`` gptq): 4- and 8-bit
+weights, ``desc_act`` false or true, unpacked at load into the int4 layout of
+kernels/quant.py (8 bits: its grouped int8 layout).
 
-Per quantised linear the checkpoint holds (N outputs, K inputs, G groups):
-- ``qweight`` int32 [K * 4 / 32, N]: eight 4-bit values a word along K, lowest bits first;
-- ``qzeros`` int32 [G, N * 4 / 32]: the zero points, packed the same way along N, stored
-  minus one (the v1 format);
+Per quantised linear the checkpoint holds (N outputs, K inputs, G groups, b bits):
+- ``qweight`` int32 [K * b / 32, N]: 32 / b values a word along K, lowest bits first;
+- ``qzeros`` int32 [G, N * b / 32]: the zero points, packed the same way along N, stored
+  minus one (the v1 format; a stored -1 reads back as 2^b, as AutoGPTQ reads it);
 - ``scales`` [G, N]; ``g_idx`` int32 [K]: the group of each input.
 Its float weight is ``W[n, k] = (q[k, n] - (qzeros[g_idx[k], n] + 1)) * scales[g_idx[k], n]``.
 
@@ -33,6 +34,7 @@ class GptqScheme:
     desc_act: bool
     sym: bool
     awq: bool = False  # AutoAWQ's GEMM layout (below) rather than GPTQ's
+    bits: int = 4  # GPTQ: 4 or 8
 
 
 # AutoAWQ GEMM: qweight int32 [K, N / 8] and qzeros [G, N / 8] packed along N, nibble i of
@@ -66,16 +68,16 @@ class GptqLinear:
 
 def parse_gptq_config(qc: dict[str, Any]) -> GptqScheme:
     bits, fmt = int(qc.get("bits", 0)), qc.get("checkpoint_format", "gptq")
-    if bits != 4 or fmt != "gptq":
+    if bits not in (4, 8) or fmt != "gptq":
         raise UnsupportedQuantization(
-            f"GPTQ: expected bits 4 in checkpoint_format gptq, got bits {bits} in {fmt!r}")
+            f"GPTQ: expected bits 4 or 8 in checkpoint_format gptq, got bits {bits} in {fmt!r}")
     return GptqScheme(int(qc.get("group_size", 128)), bool(qc.get("desc_act", False)),
-                      bool(qc.get("sym", True)))
+                      bool(qc.get("sym", True)), bits=bits)
 
 
-def unpack_rows(packed: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [R / 8, C] packed along dim 0 -> values 0..15 uint8 [rows, C]."""
-    return unpack_int32(packed.t(), 4, rows).t().contiguous()
+def unpack_rows(packed: torch.Tensor, rows: int, bits: int = 4) -> torch.Tensor:
+    """int32 [R * bits / 32, C] packed along dim 0 -> values 0..2^bits-1 uint8 [rows, C]."""
+    return unpack_int32(packed.t(), bits, rows).t().contiguous()
 
 
 def dequantize_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
@@ -105,13 +107,14 @@ def attach_gptq(model: nn.Module, scheme: GptqScheme) -> None:
         del mod.weight
         mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
-        def zeros_fn(t: torch.Tensor) -> torch.Tensor:  # [G, N/8] -> zero points [N, G]
+        def zeros_fn(t: torch.Tensor) -> torch.Tensor:  # [G, N*b/32] -> zero points [N, G]
             if scheme.awq:
                 return unpack_awq(t).to(torch.int16).t().contiguous()
-            return (unpack_int32(t, 4, t.shape[1] * 8).to(torch.int16) + 1).t().contiguous()
+            cols = t.shape[1] * 32 // scheme.bits
+            return (unpack_int32(t, scheme.bits, cols).to(torch.int16) + 1).t().contiguous()
 
         def qweight_fn(t: torch.Tensor, c: int = full_k) -> torch.Tensor:  # -> [N, K]
-            return unpack_awq(t).t() if scheme.awq else unpack_rows(t, c).t()
+            return unpack_awq(t).t() if scheme.awq else unpack_rows(t, c, scheme.bits).t()
 
         specs = {
             "qweight": (torch.uint8, (n, k), qweight_fn, None),

@@ -129,3 +129,41 @@ def test_the_files_profile_changed_on_sighup_replaces_a_runtime_switch(
 
     kept, now, engine_max = run_fake_neuron(path, body, script=lambda _p, _i: 7)
     assert kept == "batch" and now == "solo" and engine_max == 1
+
+
+def test_a_models_own_speculation_reloads_and_a_profile_overrides_it(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """[engine] < the model's [[models]] entry < its profile, at load, on SIGHUP and on a
+    runtime switch; the other model keeps [engine]'s."""
+    (tmp_path / "token").write_text("t")
+    cfg = {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token"},
+        "kv": {"kv_budget_mb": 1},
+        "engine": {"speculation": "off", "spec_k": 2},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir), "speculation": "ngram",
+                    "spec_k": 6, "spec_min_acceptance": 0.5}],
+        "profiles": {"quiet": {"speculation": "off"}},
+    }
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        seen = [(engine.limits.speculation, engine.limits.spec_k,
+                 engine.limits.spec_min_acceptance)]
+        cfg["models"][0].update(speculation="off", spec_k=3)
+        write_neuron_config(path, cfg)
+        changes = daemon.reload()
+        seen.append((engine.limits.speculation, engine.limits.spec_k,
+                     engine.limits.spec_min_acceptance))
+        cfg["models"][0].update(speculation="ngram")
+        write_neuron_config(path, cfg)
+        daemon.reload()
+        seen.append((engine.limits.speculation, engine.limits.spec_k, None))
+        res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="quiet"),
+                                    metadata=MD)
+        seen.append((engine.limits.speculation, engine.limits.spec_k, None))
+        return seen, changes, list(res.changed)
+
+    seen, changes, switched = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert seen == [("ngram", 6, 0.5), ("off", 3, 0.5), ("ngram", 3, None), ("off", 3, None)]
+    assert any("speculation: ngram -> off" in c for c in changes), changes
+    assert "speculation: ngram -> off" in switched

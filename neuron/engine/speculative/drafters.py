@@ -6,17 +6,6 @@ row). `Draft.probs` is the drafter's distribution q over the vocabulary for
 each proposed token; None means deterministic (q is one-hot on the token),
 which is what prompt lookup and the test oracles are.
 
-Optional methods, which the Speculator calls when a drafter has them:
-- `propose_batch(reqs, ks) -> list[Draft]`: all of a step's proposals at once
-  (a model-based drafter runs them as one batch);
-- `observe(items)`: after each step, (request, its index among the step's
-  sequences, positions it computed and kept) for the requests still running;
-  the target's hidden states of the step are the runner's (MTP, speculative/mtp.py);
-- `release(req)`: the request ended; drop what the drafter keeps for it;
-and an optional attribute `writes_kv = True`: proposing writes KV under the
-request's block table ahead of the target, so its verification row's blocks are
-drawn before `propose` (speculator.py).
-
 Kinds:
 - `MtpDrafter` (mtp.py): the checkpoint's multi-token-prediction head.
 - `NgramDrafter`: prompt lookup. The last n tokens (n from max_n down to
@@ -28,6 +17,14 @@ Kinds:
   given a function that knows the target's greedy continuation.
 - `PerRequestDrafter` (tests): a different drafter per request id, to mix
   drafters in one batch.
+- `DraftModelDrafter` (draft_model.py): a smaller model of the same tokenizer.
+
+Optional methods a drafter may have (the Speculator calls them when present):
+`propose_batch(reqs, ks) -> list[Draft]` (all of a step's proposals in one
+call), `observe(items)` (after each step: (request, its index among the step's
+sequences, positions it computed and kept) for the requests still running; the
+step's hidden states are the runner's: the MTP drafter follows the target so),
+`release(req)` (a request ended: drop what the drafter kept for it).
 """
 
 from __future__ import annotations
@@ -131,9 +128,21 @@ class PerRequestDrafter:
         d = self.by_req.get(req.req_id)
         return d.propose(req, k) if d is not None else _NO_DRAFT
 
-    @property
-    def writes_kv(self) -> bool:
-        return any(getattr(d, "writes_kv", False) for d in self.by_req.values())
+    def propose_batch(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Each drafter's requests in one call, batched where it can (a draft model)."""
+        out = [_NO_DRAFT] * len(reqs)
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(reqs):
+            if r.req_id in self.by_req:
+                groups.setdefault(id(self.by_req[r.req_id]), []).append(i)
+        for idx in groups.values():
+            d = self.by_req[reqs[idx[0]].req_id]
+            batch = getattr(d, "propose_batch", None)
+            got = (batch([reqs[i] for i in idx], [ks[i] for i in idx]) if batch is not None
+                   else [d.propose(reqs[i], ks[i]) for i in idx])
+            for i, g in zip(idx, got, strict=True):
+                out[i] = g
+        return out
 
     def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
         """Each drafter that follows the target observes its own requests."""
@@ -149,19 +158,26 @@ class PerRequestDrafter:
             release(req)
 
 
-def make_drafter(speculation: str, runner: Any = None) -> Drafter | None:
-    """The drafter a `speculation` setting names for the model `runner` runs; None for
-    "off". Clear error otherwise (mtp.MtpUnavailable: this model has no usable head)."""
+def make_drafter(speculation: str, loaded: Drafter | None = None, *, runner: Any = None,
+                 ensure_blocks: Callable[[Request, int], None] | None = None) -> Drafter | None:
+    """The drafter a `speculation` setting names; None for "off". Clear error otherwise.
+    `loaded` is the draft-model drafter loaded with the model (draft_model.py), if any;
+    "mtp" drafts with the MTP head of the model `runner` runs (mtp.py; MtpUnavailable,
+    a ValueError, where it has none), drawing blocks with `ensure_blocks`."""
     if speculation == "off":
         return None
     if speculation == "ngram":
         return NgramDrafter()
+    if speculation.startswith("draft:"):
+        if loaded is not None and loaded.name == speculation:
+            return loaded
+        raise ValueError(f"speculation = {speculation!r}: that draft model was not loaded with "
+                         "this model (a draft model loads with its target, from the target's "
+                         "[[models]] speculation at start; docs/speculation.md)")
     if speculation == "mtp":
         from helexa.neuron.engine.speculative.mtp import MtpDrafter  # imports the runner
 
-        return MtpDrafter(runner)
-    if speculation.startswith("draft:"):
-        raise ValueError(f"speculation = {speculation!r} is not available in this build"
-                         " (docs/speculation.md); use \"ngram\" or \"off\"")
+        assert ensure_blocks is not None, "the MTP drafter draws blocks through the engine"
+        return MtpDrafter(runner, ensure_blocks)
     raise ValueError(f"speculation: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
                      f" \"off\", got {speculation!r}")

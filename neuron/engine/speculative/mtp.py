@@ -34,7 +34,7 @@ or a larger tp, is refused (`MtpUnavailable`, logged as engine.speculation_refus
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,9 +64,10 @@ class _Follow:
 
 class MtpDrafter:
     name = "mtp"
-    writes_kv = True  # the chain writes the head's KV past the computed length
 
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, ensure_blocks: Callable[[Request, int], None]) -> None:
+        """`ensure_blocks(req, n)`: the engine draws req's blocks (from its reservation)
+        until its table covers n tokens, so the chain can write the head's KV there."""
         model: Any = getattr(runner, "model", None)  # the fake runner has none
         if getattr(model, "mtp", None) is None:
             raise MtpUnavailable("the model loaded no MTP head (it needs config.json "
@@ -80,6 +81,7 @@ class MtpDrafter:
         if getattr(runner, "tp_size", 1) > 1:
             raise MtpUnavailable("the MTP head drafts at tensor parallel 1 only")
         self.runner = runner
+        self.ensure_blocks = ensure_blocks
         model.keep_hidden = True  # the target's step keeps the hidden states observe reads
         self.follows: dict[str, _Follow] = {}
 
@@ -131,6 +133,8 @@ class MtpDrafter:
             if (k > 0 and f is not None and f.start + f.num_rows == req.num_computed_tokens
                     and req.num_tokens == req.num_computed_tokens + 1):
                 chain.append((i, req, k, f))
+        for _, req, k, _ in chain:  # the chain writes up to position num_tokens + k - 3
+            self.ensure_blocks(req, req.num_tokens + k - 1)
         self._catch_up([req for _, req, _, _ in chain])
         chain = [c for c in chain if c[3].out is not None]
         if not chain:

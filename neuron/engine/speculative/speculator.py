@@ -5,7 +5,12 @@ policy how many tokens each decoding request may draft (policy.py) and the
 drafter for them, and leaves them on the request (`Request.draft`); the
 scheduler then gives that request a row of 1 + len(draft) tokens (when the
 step's token budget has room) and the engine scores it with logits at every
-position. `accept` verifies the row (verify.py) and keeps the figures.
+position. `accept` verifies the row (verify.py) and keeps the figures, per model and per
+request. A drafter may have optional methods, used when present:
+`propose_batch(reqs, ks)` (one call for the step's drafting requests: a
+draft model batches its forwards), `observe(items)` after each step (the
+positions each running request kept: the MTP head follows the target) and
+`release(req)` (the request ended).
 
 The KV of drafted tokens is written past the request's computed length; the
 engine advances `num_computed_tokens` by the accepted ones only, so rejected
@@ -14,17 +19,11 @@ them (it reads positions below the query's own). Drafts are capped at the
 request's remaining output budget less one, so every position written lies
 inside its reservation: speculation never draws a block the reservation
 does not cover, and the ledger is unchanged by it.
-
-A drafter may have optional methods (drafters.py): `propose_batch` is called
-once per step for all drafting requests, `observe` after each step with the
-positions every running request kept, `release` when a request ends. A drafter
-that writes KV ahead of the target (`writes_kv`: MTP) gets the request's blocks for
-its whole verification row drawn first (`grow`, the engine's), within the reservation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,12 +44,10 @@ class Speculator:
     def name(self) -> str:
         return self.drafter.name if self.drafter is not None else "off"
 
-    def draft(self, running: Sequence[Request], max_slots: int,
-              grow: Callable[[Request, int], None] | None = None) -> None:
-        """Leave this step's draft (possibly none) on every decoding request. `grow(req,
-        tokens)` draws blocks until req's table holds that many tokens."""
+    def draft(self, running: Sequence[Request], max_slots: int) -> None:
+        """Leave this step's draft (possibly none) on every decoding request."""
         occupancy = len(running) / max(1, max_slots)
-        asked: list[tuple[Request, int]] = []
+        asks: list[tuple[Request, int]] = []  # (request, most tokens it may draft)
         for req in running:
             req.draft = None
             if self.drafter is None or req.is_prefilling or req.num_uncomputed_tokens != 1:
@@ -70,17 +67,14 @@ class Speculator:
                                    acceptance=req.spec_acceptance,
                                    steps_since_draft=req.steps_since_draft))
             req.steps_since_draft += 1
-            if k <= 0:
-                continue
-            if grow is not None and getattr(self.drafter, "writes_kv", False):
-                grow(req, req.num_tokens + k)  # the verification row's blocks
-            asked.append((req, k))
-        if not asked or self.drafter is None:
+            if k > 0:
+                asks.append((req, k))
+        if not asks or self.drafter is None:
             return
-        batch = getattr(self.drafter, "propose_batch", None)
-        drafts = (batch([r for r, _ in asked], [k for _, k in asked]) if batch is not None
-                  else [self.drafter.propose(r, k) for r, k in asked])
-        for (req, k), d in zip(asked, drafts, strict=True):
+        batch = getattr(self.drafter, "propose_batch", None)  # one forward for all (a model)
+        drafts = (batch([r for r, _ in asks], [k for _, k in asks]) if batch is not None
+                  else [self.drafter.propose(r, k) for r, k in asks])
+        for (req, k), d in zip(asks, drafts, strict=True):
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
                 req.draft = Draft(d.tokens[:k], probs)
@@ -94,7 +88,8 @@ class Speculator:
             observe(items)
 
     def release(self, req: Request) -> None:
-        """`req` ended: its drafter state goes."""
+        """`req` ended: the drafter drops what it kept for it (a drafter with state has
+        `release`)."""
         release = getattr(self.drafter, "release", None)
         if release is not None:
             release(req)
@@ -108,6 +103,8 @@ class Speculator:
         accepted = len(out) - 1
         self.drafted_tokens += num_draft
         self.accepted_tokens += accepted
+        req.spec_drafted_tokens += num_draft  # the request's own usage (docs/api.md)
+        req.spec_accepted_tokens += accepted
         req.spec_acceptance = update_acceptance(req.spec_acceptance, num_draft, accepted)
         req.draft = None
         return out

@@ -63,3 +63,22 @@ def test_mtp_neuron_gives_the_tokens_of_a_plain_one(
     assert got == want
     m = model_of(st)
     assert m.drafter == "mtp" and m.spec_drafted_tokens > 0
+
+
+def test_a_draft_model_neuron_gives_the_tokens_of_a_plain_one(
+        start_daemon: Callable[..., NeuronProcess], base_neuron_config: Callable[..., dict],
+        tiny_model_dir: Path, neuron_main: NeuronProcess, neuron_token: str) -> None:
+    """speculation = "draft:<id>" on the model's own entry: the draft (here the same
+    checkpoint under another id, so nearly every draft is right) loads in the engine."""
+    cfg: dict[str, Any] = base_neuron_config("draft", tiny_model_dir, models=[
+        {"id": "tiny", "path": str(tiny_model_dir), "speculation": "draft:twin"},
+        {"id": "twin", "path": str(tiny_model_dir), "preload": False}])
+    proc = start_daemon("draft", cfg)
+    got, st = _tokens(proc, neuron_token, 2)
+    want, plain = _tokens(neuron_main, neuron_token, 2)
+    assert got == want
+    m = model_of(st)  # taken with the ledger whole: every block came back
+    assert m.drafter == "draft:twin" and m.spec_drafted_tokens > 0
+    assert m.spec_accepted_tokens >= 0.9 * m.spec_drafted_tokens
+    # the pool's bytes per token are the target's and the draft's (the same: twice one)
+    assert m.kv.bytes_per_token == 2 * model_of(plain).kv.bytes_per_token

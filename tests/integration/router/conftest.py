@@ -1,7 +1,8 @@
 """Real `helexa router` + real `helexa neuron` processes, shared across the session.
 
 - `na`, `nb`: both serve `tiny` (na's pool is half of nb's, so the router's
-  /v1/models shows na's smaller limits); one request per principal at a time
+  /v1/models shows na's smaller limits); nb also serves `tiny-ngram` (the same
+  checkpoint, n-gram speculation set on its [[models]] entry); one request per principal at a time
   (max_per_principal 1), which makes a refusal → failover deterministic.
 - `nt`: serves `tight` (fat KV tokens in a 1 MiB pool, one request in flight,
   a 0.1 s wait for it) for 429 and 503 overloaded, and has `lazy` in its catalogue
@@ -57,7 +58,10 @@ def neurons(rdir: Path, tiny_model_dir: Path,
     tiny = [{"id": "tiny", "path": str(tiny_model_dir), "thinking_budget_tokens": 16}]
     configs = {
         "na": neuron_cfg("na", tiny, 1, max_per_principal=1, max_in_flight=4),
-        "nb": neuron_cfg("nb", tiny, 2, max_per_principal=1, max_in_flight=4),
+        # tiny-ngram: speculation set on its own [[models]] entry (usage reports drafts)
+        "nb": neuron_cfg("nb", tiny + [{"id": "tiny-ngram", "path": str(tiny_model_dir),
+                                        "speculation": "ngram"}],
+                         2, max_per_principal=1, max_in_flight=4),
         "nt": neuron_cfg("nt", [{"id": "tight", "path": str(fat)},
                                  {"id": "lazy", "path": str(tiny_model_dir), "preload": False}],
                           4, max_per_principal=1, max_in_flight=1, max_queue_depth=1,

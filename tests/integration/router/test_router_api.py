@@ -60,3 +60,23 @@ def test_health_and_metrics_mirror(router):
     assert {n for n, v in h["neurons"].items() if v["healthy"]} == {"na", "nb", "nt"}
     assert router.metric("helexa_neuron_kv_total_bytes", neuron="na", model="tiny") == 1 << 20
     assert router.metric("helexa_neuron_kv_total_bytes", neuron="nb", model="tiny") == 2 << 20
+
+
+def test_usage_reports_accepted_and_rejected_drafts(router):
+    """n-gram speculation on a prompt that repeats: the drafts the model kept reach the
+    client as usage.completion_tokens_details, streamed (include_usage) or not."""
+    text = "Repeat after me: one two three one two three one two three"
+    kw = dict(model="tiny-ngram", messages=[{"role": "user", "content": text}],
+              max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    full = router.client().chat.completions.create(**kw)
+    d = full.usage.completion_tokens_details
+    assert d.accepted_prediction_tokens > 0
+    assert d.rejected_prediction_tokens >= 0
+    assert d.accepted_prediction_tokens < full.usage.completion_tokens == 40
+    chunks = list(router.client().chat.completions.create(
+        **kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens > 0
+    plain = router.client().chat.completions.create(**{**kw, "model": "tiny"})
+    assert plain.choices[0].message.content == full.choices[0].message.content
+    assert plain.usage.completion_tokens_details.accepted_prediction_tokens == 0
+    assert plain.usage.completion_tokens_details.rejected_prediction_tokens == 0

@@ -76,6 +76,13 @@ def assert_whole(core: EngineCore) -> None:
     assert not core.requests and not core.running and not core.waiting
 
 
+def with_drafter(core: EngineCore, make) -> EngineCore:
+    """`core` drafting with `make(core)`: an MtpDrafter draws blocks through its engine."""
+    core.speculator.drafter = make(core)
+    core._own_drafter = False  # as if handed in: a limits change keeps it
+    return core
+
+
 def requests(seed: int, n: int) -> list[m.NewRequest]:
     rng = random.Random(seed)
     out = []
@@ -137,9 +144,10 @@ def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint
     # batch of 8: MTP for most, prompt lookup for two, none for one; chunked prefill
     runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
                          max_batched_tokens=40, num_state_slots=8)
-    mtp, ngram = MtpDrafter(runner), NgramDrafter(min_n=1)
+    core = EngineCore(spec_for(model_dir, **SPEC), runner)
+    mtp, ngram = MtpDrafter(runner, core._ensure_blocks), NgramDrafter(min_n=1)
     by_req = {n.req_id: (ngram if i in (2, 5) else mtp) for i, n in enumerate(news) if i != 7}
-    core = EngineCore(spec_for(model_dir, **SPEC), runner, drafter=PerRequestDrafter(by_req))
+    with_drafter(core, lambda _: PerRequestDrafter(by_req))
     got, _ = drive(core, news)
     assert got == want
     s = core.status()
@@ -209,8 +217,8 @@ def test_a_model_without_a_head_is_refused_and_serves_without_drafting(tiny_chec
 class _Recording(MtpDrafter):
     """An MtpDrafter that records each request's context and its first draft."""
 
-    def __init__(self, runner) -> None:
-        super().__init__(runner)
+    def __init__(self, runner, ensure_blocks) -> None:
+        super().__init__(runner, ensure_blocks)
         self.seen: list[tuple[list[int], int]] = []
 
     def propose_batch(self, reqs, ks):
@@ -233,9 +241,11 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
     model_dir = tiny_checkpoint("qwen3_5", mtp=True)
     runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
                          max_batched_tokens=40, num_state_slots=8)
-    drafter = _Recording(runner)
     limits = SPEC if policy == "every step" else {"spec_k": 3}
-    core = EngineCore(spec_for(model_dir, **limits), runner, drafter=drafter)
+    core = EngineCore(spec_for(model_dir, **limits), runner)
+    with_drafter(core, lambda c: _Recording(runner, c._ensure_blocks))
+    drafter = core.speculator.drafter
+    assert isinstance(drafter, _Recording)
     news = requests(5, 3)
     if policy == "adaptive":
         news[0] = msgspec.structs.replace(news[0], max_tokens=60,
@@ -262,7 +272,7 @@ def test_the_head_drafts_at_tensor_parallel_1_only():
     runner = SimpleNamespace(model=SimpleNamespace(mtp=object(), keep_hidden=False), tp_size=2,
                              mtp_kv_layers=1)
     with pytest.raises(MtpUnavailable, match="tensor parallel 1"):
-        MtpDrafter(runner)
+        MtpDrafter(runner, lambda req, n: None)
     assert not runner.model.keep_hidden
 
 
@@ -286,8 +296,8 @@ def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
     failures: list[str] = []
     log = _Log()
     log.exception = lambda event, **kw: failures.append(event)  # type: ignore[method-assign]
-    core = EngineCore(spec_for(model_dir, **SPEC), runner, drafter=MtpDrafter(runner),
-                      logger=log)
+    core = with_drafter(EngineCore(spec_for(model_dir, **SPEC), runner, logger=log),
+                        lambda c: MtpDrafter(runner, c._ensure_blocks))
     got, _ = drive(core, news)
     assert got == want
     assert failures and set(failures) == {"engine.draft_failed"}

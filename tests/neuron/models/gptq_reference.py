@@ -1,4 +1,4 @@
-"""GPTQ (checkpoint_format gptq, 4 bits) written from the format's spec, as AutoGPTQ's
+"""GPTQ (checkpoint_format gptq, 4 and 8 bits) written from the format's spec, as AutoGPTQ's
 pack() lays it out (auto-gptq needs CUDA to install): min/max quantisation per group
 (act-order: groups over a permuted input order), packed, and the float dequantised weight."""
 
@@ -14,15 +14,19 @@ from safetensors.torch import load_file, save_file
 QUANTISED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def pack_words(values: torch.Tensor) -> torch.Tensor:
-    """0..15 values [R, C] -> int32 [R, C / 8]: value j of a word at bits 4j..4j+3."""
-    v = values.to(torch.int64).view(values.shape[0], -1, 8)
-    words = sum(v[..., j] << (4 * j) for j in range(8))
+def pack_words(values: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """0..2^bits-1 values [R, C] -> int32 [R, C * bits / 32]: value j of a word at bits
+    bits*j..bits*(j+1)-1."""
+    per = 32 // bits
+    v = values.to(torch.int64).view(values.shape[0], -1, per)
+    words = sum(v[..., j] << (bits * j) for j in range(per))
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool):
-    """w [N, K] -> (q [K, N], zeros [G, N], scales fp16 [G, N])."""
+def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool, bits: int = 4):
+    """w [N, K] -> (q [K, N], zeros [G, N], scales fp16 [G, N]); AutoGPTQ's Quantizer:
+    symmetric scale 2 * absmax / maxq about zero (maxq + 1) / 2, else min/max."""
+    maxq = (1 << bits) - 1
     n, k = w.shape
     groups = int(g_idx.max()) + 1
     q = torch.empty(k, n, dtype=torch.int64)
@@ -32,15 +36,15 @@ def quantize(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool):
         cols = (g_idx == g).nonzero().flatten()
         wg = w[:, cols].float()
         if sym:
-            s = (2 * wg.abs().amax(1) / 15).clamp_min(1e-6)
-            z = torch.full((n,), 8)
+            s = (2 * wg.abs().amax(1) / maxq).clamp_min(1e-6)
+            z = torch.full((n,), (maxq + 1) // 2)
         else:
             lo, hi = wg.amin(1).clamp(max=0), wg.amax(1).clamp(min=0)
-            s = ((hi - lo) / 15).clamp_min(1e-6)
-            z = torch.round(-lo / s).clamp(0, 15).long()
+            s = ((hi - lo) / maxq).clamp_min(1e-6)
+            z = torch.round(-lo / s).clamp(0, maxq).long()
         scales[g] = s.half()
         zeros[g] = z
-        q[cols] = (torch.round(wg / scales[g].float()[:, None]) + z[:, None]).clamp(0, 15).long().t()
+        q[cols] = (torch.round(wg / scales[g].float()[:, None]) + z[:, None]).clamp(0, maxq).long().t()
     return q, zeros, scales
 
 
@@ -54,16 +58,17 @@ def dequantize(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return out
 
 
-def layer_tensors(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool):
+def layer_tensors(w: torch.Tensor, group: int, g_idx: torch.Tensor, sym: bool, bits: int = 4):
     """(the checkpoint's tensors for one linear, its dequantised weight)."""
-    q, zeros, scales = quantize(w, group, g_idx, sym)
-    tensors = {"qweight": pack_words(q.t()).t().contiguous(),  # packed along K
-               "qzeros": pack_words(zeros - 1), "scales": scales, "g_idx": g_idx.to(torch.int32)}
+    q, zeros, scales = quantize(w, group, g_idx, sym, bits)
+    tensors = {"qweight": pack_words(q.t(), bits).t().contiguous(),  # packed along K
+               "qzeros": pack_words(zeros - 1, bits), "scales": scales,
+               "g_idx": g_idx.to(torch.int32)}
     return tensors, dequantize(q, zeros, scales, g_idx)
 
 
 def gptq_checkpoint(src: Path, dst: Path, ref: Path, group: int, desc_act: bool,
-                    sym: bool) -> tuple[Path, Path]:
+                    sym: bool, bits: int = 4) -> tuple[Path, Path]:
     """``dst``: ``src``'s linears in GPTQ; ``ref``: their dequantised weights, in float.
     Act-order draws one input order per input (shared by q/k/v and by gate/up)."""
     for d in (dst, ref):
@@ -89,14 +94,14 @@ def gptq_checkpoint(src: Path, dst: Path, ref: Path, group: int, desc_act: bool,
                 g_idx[perm] = torch.arange(k) // group
             else:
                 g_idx = torch.arange(k) // group
-            tensors, deq = layer_tensors(t, group, g_idx, sym)
+            tensors, deq = layer_tensors(t, group, g_idx, sym, bits)
             base = name[: -len("weight")]
             packed.update({base + key: v for key, v in tensors.items()})
             floats[name] = deq.to(t.dtype)
     save_file(packed, str(dst / "model.safetensors"), metadata={"format": "pt"})
     save_file(floats, str(ref / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group,
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
                                   "desc_act": desc_act, "sym": sym, "checkpoint_format": "gptq"}
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst, ref

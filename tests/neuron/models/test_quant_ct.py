@@ -10,6 +10,7 @@ from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.loader import load_model
+from helexa.neuron.models.quant import Int8gLinear, Int8Linear
 from helexa.neuron.models.quant_ct import (
     UnsupportedQuantization,
     dequantize_ct,
@@ -20,7 +21,8 @@ from helexa.neuron.models.quant_ct import (
 
 pytest.importorskip("compressed_tensors")
 
-SCHEMES = [(4, True, 32), (4, False, 64), (4, False, None), (4, True, None), (8, True, None)]
+SCHEMES = [(4, True, 32), (4, False, 64), (4, False, None), (4, True, None), (8, True, None),
+           (8, True, 32), (8, False, 64), (8, False, None)]
 
 
 @pytest.fixture(autouse=True)
@@ -64,17 +66,22 @@ def test_loaded_layers_compute_with_the_dequantised_weights(ct_dirs, bits, sym, 
     float_model = load_model(ref, dtype="float32")  # norms folded: compare the unfolded o_proj
     ours, theirs = model.model.layers[1].self_attn.o_proj, float_model.model.layers[1].self_attn.o_proj
     assert ours.weight.numel() == 0 and ours.kernel is not None
+    if bits == 8:  # per-channel symmetric: the per-row op; grouped or asymmetric: grouped int8
+        assert isinstance(ours.kernel, Int8gLinear if group or not sym else Int8Linear)
     x = torch.randn(3, 64)
     torch.testing.assert_close(ours(x), theirs(x), rtol=1e-5, atol=1e-5)
     assert model.lm_head.kernel is None  # ignored: stays float
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize(("bits", "sym", "group"), [(4, True, 32), (4, False, 32), (8, True, None)])
+@pytest.mark.parametrize(("bits", "sym", "group"), [(4, True, 32), (4, False, 32), (8, True, None),
+                                                   (8, True, 32), (8, False, 32)])
 def test_greedy_matches_transformers_on_dequantised_weights(ct_dirs, greedy_reference,
                                                             prompt_picker, bits, sym, group, tp):
     ct, ref = ct_dirs(bits, sym, group)
-    prompts = [prompt_picker(ref, 30 + i, 6 + 5 * i) for i in range(8 if tp == 1 else 3)]
+    grouped_int8 = bits == 8 and (group is not None or not sym)  # a batch of 8 at both tp
+    prompts = [prompt_picker(ref, 30 + i, 6 + 5 * i)
+               for i in range(8 if tp == 1 or grouped_int8 else 3)]
     run = ModelRunner(ct, num_blocks=256, block_size=8, max_num_seqs=8, max_batched_tokens=512,
                       dtype="float32", tp_size=tp)
     try:
@@ -88,9 +95,23 @@ def test_greedy_matches_transformers_on_dequantised_weights(ct_dirs, greedy_refe
 
 
 def test_unsupported_schemes_are_refused():
-    with pytest.raises(UnsupportedQuantization, match="only symmetric per-channel int8"):
+    int8_group = {"num_bits": 8, "type": "int", "symmetric": False, "strategy": "group",
+                  "group_size": 128}
+    scheme = parse_ct_config({"format": "pack-quantized", "config_groups": {"g": {
+        "weights": int8_group}}})
+    assert (scheme.num_bits, scheme.symmetric, scheme.group_size) == (8, False, 128)
+    with pytest.raises(UnsupportedQuantization, match="expected int 4 or 8 bits"):
         parse_ct_config({"format": "pack-quantized", "config_groups": {"g": {"weights": {
-            "num_bits": 8, "type": "int", "symmetric": True, "strategy": "group",
-            "group_size": 128}}}})
+            **int8_group, "num_bits": 2}}}})
     with pytest.raises(UnsupportedQuantization, match="expected format pack-quantized"):
         parse_ct_config({"format": "float-quantized", "config_groups": {"g": {}}})
+
+
+def test_int8_groups_straddling_ranks_are_refused_with_the_numbers(ct_dirs):
+    from helexa.neuron.engine.tp_worker import TpError
+
+    ct, _ = ct_dirs(8, False, 64)  # o_proj: 64 inputs, 32 a rank at tp = 2
+    with pytest.raises((TpError, ValueError),
+                       match=r"groups of 64 would straddle ranks: 64 input features / tp=2 = 32"):
+        ModelRunner(ct, num_blocks=8, block_size=8, max_num_seqs=1, max_batched_tokens=64,
+                    dtype="float32", tp_size=2).close()

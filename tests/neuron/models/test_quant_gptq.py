@@ -1,4 +1,4 @@
-"""GPTQ checkpoints (4 bits, desc_act false and true): unpacked bit-exactly against a
+"""GPTQ checkpoints (4 and 8 bits, desc_act false and true): unpacked bit-exactly against a
 reference written from the format's spec, decoded as transformers decodes the same
 weights dequantised."""
 
@@ -27,19 +27,24 @@ def test_packing_known_vector():
     word = pack_words(torch.arange(1, 9).view(1, 8))
     assert word.item() == 0x87654321 - 2**32
     assert unpack_rows(word.view(1, 1), 8).flatten().tolist() == list(range(1, 9))
+    # 8 bits: value j at bits 8j: 0x01, 0x80, 0xfe, 0x7f -> 0x7ffe8001
+    word = pack_words(torch.tensor([[1, 128, 254, 127]]), 8)
+    assert word.item() == 0x7FFE8001
+    assert unpack_rows(word.view(1, 1), 4, 8).flatten().tolist() == [1, 128, 254, 127]
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("desc_act", [False, True])
 @pytest.mark.parametrize("sym", [True, False])
-def test_unpacking_is_bit_exact(desc_act, sym):
+def test_unpacking_is_bit_exact(desc_act, sym, bits):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(24, 128, generator=g)
     g_idx = torch.arange(128) // 32
     if desc_act:
         g_idx = g_idx[torch.randperm(128, generator=g)]
-    tensors, ref = layer_tensors(w, 32, g_idx, sym)
-    q = unpack_rows(tensors["qweight"], 128)
-    zeros = torch.stack([unpack_rows(tensors["qzeros"].t(), 24).t()]).squeeze(0).to(torch.int16) + 1
+    tensors, ref = layer_tensors(w, 32, g_idx, sym, bits)
+    q = unpack_rows(tensors["qweight"], 128, bits)
+    zeros = unpack_rows(tensors["qzeros"].t(), 24, bits).t().to(torch.int16) + 1
     got = dequantize_gptq(q, zeros, tensors["scales"], tensors["g_idx"])
     assert torch.equal(got, ref)
 
@@ -48,12 +53,12 @@ def test_unpacking_is_bit_exact(desc_act, sym):
 def gptq_dirs(tiny_checkpoint, tmp_path_factory):
     made = {}
 
-    def get(desc_act: bool, sym: bool):
-        if (desc_act, sym) not in made:
-            base = tmp_path_factory.mktemp(f"gptq{desc_act}{sym}")
-            made[desc_act, sym] = gptq_checkpoint(tiny_checkpoint("llama"), base / "q",
-                                                  base / "ref", 32, desc_act, sym)
-        return made[desc_act, sym]
+    def get(desc_act: bool, sym: bool, bits: int = 4):
+        if (desc_act, sym, bits) not in made:
+            base = tmp_path_factory.mktemp(f"gptq{desc_act}{sym}{bits}")
+            made[desc_act, sym, bits] = gptq_checkpoint(tiny_checkpoint("llama"), base / "q",
+                                                        base / "ref", 32, desc_act, sym, bits)
+        return made[desc_act, sym, bits]
 
     return get
 
@@ -63,12 +68,17 @@ def runner(model_dir, tp: int = 1) -> ModelRunner:
                        max_batched_tokens=512, dtype="float32", tp_size=tp)
 
 
-@pytest.mark.parametrize(("desc_act", "sym", "tp"), [
-    (False, True, 1), (False, False, 1), (True, False, 1), (True, True, 1), (False, False, 2)])
+@pytest.mark.parametrize(("desc_act", "sym", "tp", "bits"), [
+    (False, True, 1, 4), (False, False, 1, 4), (True, False, 1, 4), (True, True, 1, 4),
+    (False, False, 2, 4),
+    # 8 bits: the grouped int8 op, a batch of 8 and alone at both tp
+    (False, True, 1, 8), (True, False, 1, 8), (False, False, 2, 8), (False, True, 2, 8)])
 def test_greedy_matches_transformers_on_dequantised_weights(gptq_dirs, greedy_reference,
-                                                            prompt_picker, desc_act, sym, tp):
-    model_dir, ref = gptq_dirs(desc_act, sym)
-    prompts = [prompt_picker(ref, 40 + i, 6 + 5 * i) for i in range(8 if tp == 1 else 3)]
+                                                            prompt_picker, desc_act, sym, tp,
+                                                            bits):
+    model_dir, ref = gptq_dirs(desc_act, sym, bits)
+    prompts = [prompt_picker(ref, 40 + i, 6 + 5 * i) for i in range(8 if tp == 1 or bits == 8
+                                                                    else 3)]
     run = runner(model_dir, tp)
     try:
         outs = greedy_generate(run, prompts, 40, shuffle_seed=4)
@@ -84,3 +94,40 @@ def test_act_order_across_ranks_is_refused(gptq_dirs):
     model_dir, _ = gptq_dirs(True, False)
     with pytest.raises((TpError, ValueError), match="act-order with tensor parallelism"):
         runner(model_dir, 2).close()
+
+
+@pytest.mark.parametrize(("desc_act", "sym"), [(False, True), (True, False)])
+def test_8bit_layers_run_the_grouped_int8_op(gptq_dirs, desc_act, sym):
+    from helexa.neuron.models.loader import load_model
+    from helexa.neuron.models.quant import Int8gLinear
+
+    model_dir, ref = gptq_dirs(desc_act, sym, 8)
+    model, float_model = load_model(model_dir, dtype="float32"), load_model(ref, dtype="float32")
+    ours = model.model.layers[0].mlp.down_proj
+    theirs = float_model.model.layers[0].mlp.down_proj
+    assert isinstance(ours.kernel, Int8gLinear) and ours.weight.numel() == 0
+    assert ours.qweight.dtype == torch.int8
+    assert hasattr(ours, "qzeros") != sym  # symmetric: every zero is 128, none stored
+    assert (ours.kernel.perm is not None) == desc_act
+    # the reference rounds (q - z) * s to fp16, the op keeps it fp32
+    torch.testing.assert_close(ours.kernel.dequantized(), theirs.weight, rtol=1e-3, atol=0)
+    x = torch.randn(3, ours.kernel.dequantized().shape[1])
+    torch.testing.assert_close(ours(x), x @ ours.kernel.dequantized().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_8bit_layers_choose_their_decode_kernels_at_load(gptq_dirs, monkeypatch):
+    from helexa.kernels import cpu_native, int8g_cpu
+
+    monkeypatch.delenv("HELEXA_CPU_INT8G", raising=False)
+    monkeypatch.setattr(int8g_cpu, "_choices", {})
+    model_dir, _ = gptq_dirs(False, False, 8)
+    run = runner(model_dir)  # no step run: only loading measured
+    try:
+        shapes = {tuple(m.qweight.shape) for m in run.model.modules()
+                  if hasattr(m, "qweight") and m.qweight.dtype == torch.int8}
+        measured = {(key[0], key[4]) for key in int8g_cpu._choices}
+        fit = cpu_native.load() is not None and int8g_cpu.isas(cpu_native.load())
+        # every shape at one row and at several; none measured without a native build
+        assert measured == ({(s, b) for s in shapes for b in (False, True)} if fit else set())
+    finally:
+        run.close()

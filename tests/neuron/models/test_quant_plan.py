@@ -50,21 +50,65 @@ def test_int4_plan_frees_room_for_kv(tmp_path, tiny_checkpoint):
     assert plan_weights(tmp_path, model_dir, "int8", 32, "fp32") < full / 3.5
 
 
-@pytest.mark.parametrize("fmt", ["ct4", "ct8", "gptq-act-order", "awq"])
-def test_planned_bytes_of_checkpoints_quantised_in_the_file(tiny_checkpoint, tmp_path, fmt):
+CT_FORMATS = {"ct4": (4, False, 32), "ct8": (8, True, None), "ct8-group": (8, True, 16),
+              "ct8-asym": (8, False, 32), "ct8-asym-channel": (8, False, None)}
+
+
+@pytest.mark.parametrize(("fmt", "dtype", "tp"), [
+    ("ct4", "fp32", 1), ("ct8", "fp32", 1), ("gptq-act-order", "fp32", 1), ("awq", "fp32", 1),
+    ("ct8-group", "bf16", 1), ("ct8-asym", "fp32", 1), ("ct8-asym-channel", "bf16", 1),
+    ("ct8-asym", "bf16", 2), ("gptq8-act-order", "fp32", 1), ("gptq8-sym", "bf16", 1),
+    ("gptq8-asym", "fp32", 2)])
+def test_planned_bytes_of_checkpoints_quantised_in_the_file(tiny_checkpoint, tmp_path, fmt,
+                                                            dtype, tp):
     from ct_reference import ct_checkpoint
     from gptq_reference import awq_checkpoint, gptq_checkpoint
 
     src = tiny_checkpoint("qwen3")
     if fmt.startswith("ct"):
         pytest.importorskip("compressed_tensors")
-        model_dir, _ = ct_checkpoint(src, tmp_path / "q", tmp_path / "r",
-                                     4 if fmt == "ct4" else 8, fmt == "ct8", 32 if fmt == "ct4" else None)
+        model_dir, _ = ct_checkpoint(src, tmp_path / "q", tmp_path / "r", *CT_FORMATS[fmt])
     elif fmt == "awq":
         model_dir, _ = awq_checkpoint(src, tmp_path / "q", tmp_path / "r", 32)
     else:
-        model_dir, _ = gptq_checkpoint(src, tmp_path / "q", tmp_path / "r", 32, True, False)
-    planned = plan_weights(tmp_path, model_dir, "none", 128, "fp32")
+        bits = 8 if fmt.startswith("gptq8") else 4
+        model_dir, _ = gptq_checkpoint(src, tmp_path / "q", tmp_path / "r", 32,
+                                       fmt.endswith("act-order"), fmt.endswith("-sym"), bits)
+    planned = plan_weights(tmp_path, model_dir, "none", 128, dtype, tp)
     run = ModelRunner(model_dir, num_blocks=8, block_size=8, max_num_seqs=1,
-                      max_batched_tokens=64, dtype="float32")
-    assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+                      max_batched_tokens=64, tp_size=tp,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    try:  # rank 0's bytes
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
+
+
+@pytest.mark.parametrize(("dtype", "tp", "tied"), [("fp32", 1, False), ("bf16", 1, True),
+                                                   ("fp32", 2, False)])
+def test_planned_bytes_of_a_gguf_file(tiny_checkpoint, tmp_path, dtype, tp, tied):
+    # every tensor type on its op: int4 (Q4_K), grouped int8 (Q8_0, Q6_K, Q5_K, mixed fused
+    # layers), float (F16, BF16), a grouped int8 embedding, planned from the file alone
+    from gguf_reference import write_gguf
+    from test_quant_gguf import TINY, type_of
+
+    src = tiny_checkpoint("qwen3", **TINY, tie_word_embeddings=tied)
+    write_gguf(src, tmp_path / "model.gguf", type_of)
+    planned = plan_weights(tmp_path, tmp_path / "model.gguf", "none", 128, dtype, tp)
+    run = ModelRunner(tmp_path / "model.gguf", num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, tp_size=tp,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    try:
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
+
+
+def test_quantize_on_a_gguf_file_is_refused(tiny_checkpoint, tmp_path):
+    from gguf_reference import write_gguf
+
+    from helexa.plan import PlanError
+
+    write_gguf(tiny_checkpoint("qwen3"), tmp_path / "model.gguf", lambda name: "Q8_0")
+    with pytest.raises(PlanError, match="keeps its own quantisation"):
+        plan_weights(tmp_path, tmp_path / "model.gguf", "int8", 32, "fp32")
