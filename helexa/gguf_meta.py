@@ -16,6 +16,17 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from helexa.gguf_families import (
+    EXPERTS,
+    FUSED,
+    HYBRID_ARCHITECTURES,
+    ROW_PARALLEL,
+    SPLIT_PARAMS,
+    family_config,
+    part_of,
+    stays_quantised,
+)
+
 GGUF_SUFFIX = ".gguf"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 # type -> (op, sub-block the scale covers, zeros): docs/quantization.md's table.
@@ -26,8 +37,10 @@ QUANT_TYPES: dict[str, tuple[str, int, bool]] = {
     "Q4_K": ("int4", 32, True),  # as Q5_K with 4 bits: tinygemm's int4 op
 }
 # llama.cpp's architecture name -> the transformers one our loader builds.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+DENSE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {**DENSE_ARCHITECTURES,
+                 **{k: cls for k, (cls, _) in HYBRID_ARCHITECTURES.items()}}
 INT4_ROW_MULTIPLE = 16  # kernels/quant.py: the int4 packer's rows per rank
 
 
@@ -118,13 +131,17 @@ def config_from_metadata(path: Path) -> dict[str, Any]:
                         "GGUF metadata: put the model's config.json beside the file")
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     kv = metadata(path, f"{arch}.attention.head_count_kv", heads)
+    head_dim = int(metadata(path, f"{arch}.attention.key_length", hidden // heads))
+    hybrid = arch in HYBRID_ARCHITECTURES
     cfg: dict[str, Any] = {
-        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": HYBRID_ARCHITECTURES[arch][1] if hybrid else arch,
         "hidden_size": hidden, "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(kv if not isinstance(kv, list) else kv[0]),
-        "head_dim": int(metadata(path, f"{arch}.attention.key_length", hidden // heads)),
-        "intermediate_size": int(key("feed_forward_length")),
+        "num_attention_heads": heads,  # a per-layer list has 0 for linear-attention layers
+        "num_key_value_heads": int(kv if not isinstance(kv, list) else max(kv)),
+        "head_dim": head_dim,
+        "intermediate_size": int(metadata(path, f"{arch}.feed_forward_length", 0)
+                                 if hybrid else key("feed_forward_length")),
         "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": _f32(metadata(path, f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(key("context_length")),
@@ -133,6 +150,10 @@ def config_from_metadata(path: Path) -> dict[str, Any]:
         "attention_bias": arch == "llama" and "blk.0.attn_q.bias" in tensors,
         "hidden_act": "silu", "torch_dtype": "bfloat16",
     }
+    if hybrid:
+        cfg.update(family_config(path, arch, key,
+                                 lambda name, default=None: metadata(path, f"{arch}.{name}", default),
+                                 tensors, head_dim))
     if scaling == "linear":
         cfg["rope_scaling"] = {"type": "linear",
                                "factor": float(key("rope.scaling.factor"))}
@@ -199,36 +220,49 @@ def layout_bytes(layout: Layout, rows: int, cols: int, elt: int) -> int:
 
 
 def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) -> int:
-    """Bytes one card holds of a GGUF model (neuron/models/quant_gguf.py's layouts)."""
+    """Bytes one card holds of a GGUF model (neuron/models/quant_gguf.py's layouts): each
+    of our layers from the tensors that fill it (helexa/gguf_families.py)."""
     tensors = tensor_types(path)
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
+    text = {**cfg, **cfg.get("text_config", {})}  # an HF config beside it may be the wrapper
+    arch = metadata(path, "general.architecture")
+    heads = int(text["num_attention_heads"])
+    kv = int(text.get("num_key_value_heads") or heads)
     kv_card = -(-kv // tp)
 
-    def part_rows(name: str, rows: int) -> int:
-        if name.endswith(("attn_k.weight", "attn_v.weight")):
-            return rows // kv * kv_card
-        return rows // tp
+    def part_rows(part: str, rows: int) -> int:
+        return rows // kv * kv_card if part in ("attn_k", "attn_v") else rows // tp
 
     total = 0
-    fused = {"attn_qkv": ("attn_q", "attn_k", "attn_v"), "ffn_gate_up": ("ffn_gate", "ffn_up")}
-    for i in range(int(cfg["num_hidden_layers"])):
-        b = f"blk.{i}."
-        for parts in fused.values():
-            names = [f"{b}{p}.weight" for p in parts]
-            rows = sum(part_rows(n, tensors[n][1][0]) for n in names)
-            layout = layout_of([tensors[n][0] for n in names], rows=rows)
-            total += layout_bytes(layout, rows, tensors[names[0]][1][1], elt)
-        for name in (f"{b}attn_output.weight", f"{b}ffn_down.weight"):
-            typ, (rows, cols) = tensors[name]
-            total += layout_bytes(layout_of([typ], rows=rows), rows, cols // tp, elt)
+    fused: dict[tuple[int, str], list[tuple[str, str, tuple[int, ...]]]] = {}
+    for name, (typ, shape) in tensors.items():
+        where = part_of(name)
+        if where is None:
+            continue  # the embedding and head: below
+        layer, part = where
+        numel = math.prod(shape)
+        if part in SPLIT_PARAMS:  # float, split by the linear-attention heads
+            total += numel // tp * elt
+        elif name.endswith(".bias") or part not in (*FUSED, *ROW_PARALLEL, *EXPERTS):
+            total += numel * elt  # norms, biases, routers: float, whole on every card
+        elif part in EXPERTS:  # dequantised to the model's dtype at load
+            total += numel // tp * elt
+        elif part in ROW_PARALLEL:
+            rows, cols = shape
+            layout = (layout_of([typ], rows=rows) if stays_quantised(arch, part, typ, text)
+                      else FLOAT)
+            total += layout_bytes(layout, rows, cols // tp, elt)
+        else:
+            fused.setdefault((layer, FUSED[part]), []).append((part, typ, shape))
+    for parts in fused.values():
+        rows = sum(part_rows(part, shape[0]) for part, _, shape in parts)
+        layout = layout_of([typ for _, typ, _ in parts], rows=rows)
+        total += layout_bytes(layout, rows, parts[0][2][1], elt)
     vocab_rows = math.ceil(int(tensors["token_embd.weight"][1][0]) / tp)
-    hidden = int(cfg["hidden_size"])
+    hidden = int(text["hidden_size"])
     embd = layout_of([tensors["token_embd.weight"][0]], lookup=True)
     total += layout_bytes(embd, vocab_rows, hidden, elt)
-    if "output.weight" in tensors and not cfg.get("tie_word_embeddings"):
+    if "output.weight" in tensors and not text.get("tie_word_embeddings"):
         head = layout_of([tensors["output.weight"][0]], rows=vocab_rows)
         total += layout_bytes(head, vocab_rows, hidden, elt)
-    norms = sum(shape[0] for name, (_, shape) in tensors.items()
-                if name.endswith("norm.weight") or name.endswith(".bias"))
-    return total + norms * elt
+    return total + sum(shape[0] for name, (_, shape) in tensors.items()
+                       if name == "output_norm.weight") * elt

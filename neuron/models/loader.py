@@ -48,7 +48,9 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3_5MoeForConditionalGeneration": HybridForCausalLM,
 }
 
-GGUF_ARCHITECTURES = tuple(_GGUF_ARCHS.values())
+# A config.json beside a Qwen3.5 GGUF names the multimodal wrapper: its text model loads.
+GGUF_ARCHITECTURES = (*_GGUF_ARCHS.values(), "Qwen3_5ForConditionalGeneration",
+                      "Qwen3_5MoeForConditionalGeneration")
 
 # Checkpoint tensors that carry no weights we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".weight_shape")  # shape: the layer knows its own
@@ -170,6 +172,18 @@ def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype,
     the file's values in their op's layout, float ones load as they are."""
     attach_gguf(model, path, dtype)
     expected = expected_tensors(model, tie_word_embeddings=model.cfg.tie_word_embeddings)
+    for (pname, shard), ckpt in list(expected.items()):
+        keys = [(pname, shard, ckpt)]
+        if shard == "qkvz":  # Qwen3-Next's in_proj_qkvz is attn_qkv and attn_gate in GGUF
+            keys = [(pname, "qkv", ckpt.replace("qkvz", "qkv")),
+                    (pname, "z", ckpt.replace("qkvz", "z"))]
+        mod_name, attr = pname.rsplit(".", 1)
+        parts = [c for c in model.get_submodule(mod_name)._parameters if c.startswith("gguf_")]
+        if attr == "weight" and parts:  # a quantised layer: each part of its unpacked form
+            keys = [(f"{mod_name}.{c}", s, n) for _, s, n in keys for c in parts]
+        if keys != [(pname, shard, ckpt)]:
+            del expected[(pname, shard)]
+            expected.update({(p, s): n for p, s, n in keys})
     total = sum(int(t.n_bytes) for t in gguf_reader(path).tensors)
     done = [0]
     loaded: set[tuple[str, object]] = set()
@@ -220,8 +234,8 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
                                           f"quantize = {quantize.kind!r} applies to float "
                                           "safetensors checkpoints")
         if cfg.architecture not in GGUF_ARCHITECTURES:
-            raise UnsupportedArchitecture(f"{gguf}: GGUF loads the dense families "
-                                          f"({', '.join(GGUF_ARCHITECTURES)}), "
+            raise UnsupportedArchitecture(f"{gguf}: GGUF loads the architectures "
+                                          f"{', '.join(GGUF_ARCHITECTURES)}, "
                                           f"not {cfg.architecture}")
         load_gguf(model, gguf, torch_dtype, progress)
         quantize_model(model)

@@ -16,6 +16,7 @@ int8 (``quant._install_int8g``) or tinygemm int4 (``quant._install_int4``, ``zer
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helexa.gguf_families import EXPERTS, HYBRID_ARCHITECTURES, part_of, stays_quantised
 from helexa.gguf_meta import (
     FLOAT,
     FLOAT_TYPES,
@@ -32,9 +34,12 @@ from helexa.gguf_meta import (
     GgufError,
     Layout,
     layout_of,
+    metadata,
     reader,
 )
-from helexa.neuron.models.gguf_unpack import UNPACKERS, Unpacked, dequantize, float_tensor
+from helexa.neuron.models.gguf_hybrid import Value, as_float, hybrid_pieces, value_of
+from helexa.neuron.models.gguf_hybrid import hf_names as hybrid_names
+from helexa.neuron.models.gguf_unpack import Unpacked
 from helexa.neuron.models.layers import TensorSlice
 
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -79,21 +84,57 @@ class GgufLinear:
     parts: set[str] = field(default_factory=set)  # GGUF tensors still to load into the layer
 
 
-def _gguf_names(name: str, model: nn.Module) -> list[str]:
-    """The llama.cpp names of the tensors one of our layers loads."""
-    top = {v: k for k, v in _TOP.items()}
-    if name in top:
-        return [f"{top[name]}.weight"]
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
-    if m is None:
-        return []
-    sub = m.group(2)
-    parts = [src for src, (dst, _) in getattr(model, "packed_modules", {}).items()
-             if sub.endswith("." + dst)]
-    inv = {v: k for k, v in _LAYER.items()}
-    base = sub.rsplit(".", 1)[0]
-    subs = [f"{base}.{p}" for p in parts] if parts else [sub]
-    return [f"blk.{m.group(1)}.{inv[s]}.weight" for s in subs if s in inv]
+def tensor_pieces(name: str, type_name: str, raw: np.ndarray, arch: str,
+                  cfg: dict[str, Any]) -> Iterator[tuple[str, Value]]:
+    """(HF name, value in the HF layout) of each tensor one GGUF tensor holds: the dense
+    families here, the hybrid and MoE ones in gguf_hybrid.py."""
+    if arch in HYBRID_ARCHITECTURES:
+        yield from hybrid_pieces(name, type_name, raw, arch, cfg)
+        return
+    hf = hf_name(name)
+    if hf is None:
+        return
+    if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
+                                          "attn_k.bias")):
+        heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
+        raw = unpermute(np.asarray(raw), heads)
+    yield hf, value_of(name, type_name, raw)
+
+
+def names_of(name: str, shape: tuple[int, ...], arch: str) -> list[str]:
+    """The HF names a GGUF tensor fills (its data not read)."""
+    if arch in HYBRID_ARCHITECTURES:
+        return hybrid_names(name, shape)
+    hf = hf_name(name)
+    return [] if hf is None else [hf]
+
+
+def text_config(model: nn.Module) -> dict[str, Any]:
+    """What the transforms read of the model's config, as config.json names it."""
+    c = model.cfg
+    return {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+            "linear_num_key_heads": c.linear_num_key_heads,
+            "linear_num_value_heads": c.linear_num_value_heads,
+            "linear_key_head_dim": c.linear_key_head_dim,
+            "linear_value_head_dim": c.linear_value_head_dim}
+
+
+def _layer_tensors(model: nn.Module, path: Path, arch: str) -> dict[str, list[str]]:
+    """Our linear (and embedding) layer -> the GGUF tensors that fill its weight."""
+    from helexa.neuron.models.loader import _target
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    out: dict[str, list[str]] = {}
+    for t in reader(path).tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if (part_of(t.name) or (0, ""))[1] in EXPERTS:
+            continue  # expert stacks: float parameters of the MoE block
+        for hf in names_of(t.name, shape, arch):
+            target = _target(hf, model, params)
+            if not target or not target[0] or not target[0].endswith(".weight"):
+                continue
+            out.setdefault(target[0].rsplit(".", 1)[0], []).append(t.name)
+    return out
 
 
 def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
@@ -105,15 +146,17 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
         VocabParallelEmbedding,
     )
 
+    arch = metadata(path, "general.architecture")
+    cfg = text_config(model)
     types = {t.name: t.tensor_type.name for t in reader(path).tensors}
+    layers = _layer_tensors(model, path, arch)
     tied = getattr(model.cfg, "tie_word_embeddings", False)
     for name, mod in model.named_modules():
         if not isinstance(mod, ParallelLinearBase | VocabParallelEmbedding):
             continue
         head = isinstance(mod, ParallelLMHead)
-        names = _gguf_names("model.embed_tokens" if head and tied else name, model)
-        missing = [n for n in names if n not in types]
-        if not names or missing:
+        names = layers.get("model.embed_tokens" if head and tied else name, [])
+        if not names:
             continue  # the loader's missing-tensor check names it
         bad = [n for n in names if types[n] not in QUANT_TYPES and types[n] not in FLOAT_TYPES]
         if bad:
@@ -121,7 +164,9 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
                             f"not supported (supported: {', '.join([*FLOAT_TYPES, *QUANT_TYPES])})")
         lookup = isinstance(mod, VocabParallelEmbedding) and not head
         rows, k = mod.weight.shape
-        layout = layout_of([types[n] for n in names], lookup=lookup or (head and tied), rows=rows)
+        kept = [types[n] if stays_quantised(arch, (part_of(n) or (0, ""))[1], types[n], cfg)
+                else "F32" for n in names]
+        layout = layout_of(kept, lookup=lookup or (head and tied), rows=rows)
         if layout == FLOAT:
             continue
         if k % layout.group:
@@ -132,6 +177,7 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
             mod.quant = GgufLinear(layout, dtype)
             continue
         device = mod.weight.device
+        loader = getattr(mod.weight, "weight_loader", mod.weight_loader)  # a layer's own split
         del mod.weight
         mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
         shapes = {"gguf_q": (torch.int8, k), "gguf_scale": (torch.float32, k // layout.group)}
@@ -140,7 +186,7 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
         for pname, (pdtype, width) in shapes.items():
             p = nn.Parameter(torch.zeros(rows, width, dtype=pdtype, device=device),
                              requires_grad=False)
-            p.weight_loader = mod.weight_loader  # type: ignore[attr-defined]
+            p.weight_loader = loader  # type: ignore[attr-defined]
             mod.register_parameter(pname, p)
         mod.quant = GgufLinear(layout, dtype, parts=set(names))
     head = getattr(model, "lm_head", None)
@@ -168,58 +214,39 @@ def load_gguf_weights(model: nn.Module, path: Path, *, on_loaded: Any) -> None:
     from helexa.neuron.models.loader import _target
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    cfg = model.cfg
-    permuted = cfg.architecture == "LlamaForCausalLM"
+    cfg, arch = text_config(model), metadata(path, "general.architecture")
     for t in reader(path).tensors:
-        name = hf_name(t.name)
-        if name is None:
-            continue
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        pname, shard = _target(name, model, params)
-        raw = t.data
-        if permuted and t.name.endswith(("attn_q.weight", "attn_k.weight", "attn_q.bias",
-                                         "attn_k.bias")):
-            heads = cfg.num_heads if ".attn_q." in t.name else cfg.num_kv_heads
-            raw = unpermute(np.asarray(raw), heads)
-        mod_name, attr = pname.rsplit(".", 1)
-        mod = model.get_submodule(mod_name)
-        spec = getattr(mod, "quant", None)
-        if attr == "weight" and isinstance(spec, GgufLinear) and "gguf_q" in mod._parameters:
-            parts = dict(zip(("gguf_q", "gguf_scale", "gguf_zero"),
-                             to_layout(_unpack(t.name, t.tensor_type.name, raw), spec.layout),
-                             strict=True))
-            for comp, value in parts.items():
-                if value is not None and comp in mod._parameters:
-                    p = mod._parameters[comp]
-                    with torch.no_grad():
-                        p.weight_loader(p, TensorSlice(value), shard)
-                    on_loaded(name, (f"{mod_name}.{comp}", shard), 0)
-            spec.parts.discard(t.name)
-            if not spec.parts:  # all its parts in: the op's layout now, so the unpacked
-                install(mod)  # form (1.25 bytes a value for int4) never piles up
-        else:
+        for name, value in tensor_pieces(t.name, t.tensor_type.name, t.data, arch, cfg):
+            if model.cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target = _target(name, model, params)
+            if target is None:
+                continue
+            pname, shard = target
+            mod_name, attr = pname.rsplit(".", 1)
+            mod = model.get_submodule(mod_name)
+            spec = getattr(mod, "quant", None)
+            if attr == "weight" and isinstance(spec, GgufLinear) and "gguf_q" in mod._parameters:
+                assert isinstance(value, tuple), "attach_gguf saw the layer's parts quantised"
+                parts = dict(zip(("gguf_q", "gguf_scale", "gguf_zero"),
+                                 to_layout(value, spec.layout), strict=True))
+                for comp, v in parts.items():
+                    if v is not None and comp in mod._parameters:
+                        p = mod._parameters[comp]
+                        with torch.no_grad():
+                            p.weight_loader(p, TensorSlice(v), shard)
+                        on_loaded(name, (f"{mod_name}.{comp}", shard), 0)
+                spec.parts.discard(t.name)
+                if not spec.parts:  # all its parts in: the op's layout now, so the unpacked
+                    install(mod)  # form (1.25 bytes a value for int4) never piles up
+                continue
             param = params.get(pname)
             if param is None:
                 raise GgufError(f"{path.name}: unexpected tensor {t.name!r} ({name})")
-            w = _as_float(t.name, t.tensor_type.name, raw).to(param.dtype)
             with torch.no_grad():
-                param.weight_loader(param, TensorSlice(w), shard)
+                param.weight_loader(param, TensorSlice(as_float(value).to(param.dtype)), shard)
             on_loaded(name, (pname, shard), 0)
         on_loaded(None, None, int(t.n_bytes))
-
-
-def _unpack(tensor: str, type_name: str, raw: np.ndarray) -> Unpacked:
-    fn = UNPACKERS.get(type_name)
-    if fn is None:
-        raise GgufError(f"tensor {tensor!r}: type {type_name} has no quantised layout here")
-    return fn(np.asarray(raw))
-
-
-def _as_float(tensor: str, type_name: str, raw: np.ndarray) -> torch.Tensor:
-    if type_name in ("F32", "F16", "BF16"):
-        return float_tensor(raw, type_name)
-    return dequantize(*_unpack(tensor, type_name, raw))
 
 
 # ---------------------------------------------------------------- after loading: the op
