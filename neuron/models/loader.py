@@ -178,8 +178,10 @@ def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype,
             keys = [(pname, "qkv", ckpt.replace("qkvz", "qkv")),
                     (pname, "z", ckpt.replace("qkvz", "z"))]
         mod_name, attr = pname.rsplit(".", 1)
-        parts = [c for c in model.get_submodule(mod_name)._parameters if c.startswith("gguf_")]
-        if attr == "weight" and parts:  # a quantised layer: each part of its unpacked form
+        prefix = "gguf_" if attr == "weight" else f"gguf_{attr}_"  # a layer, or an expert stack
+        parts = [c for c in model.get_submodule(mod_name)._parameters if c.startswith(prefix)
+                 and (attr != "weight" or c.count("_") == 1)]
+        if parts:  # quantised: each part of its unpacked form
             keys = [(f"{mod_name}.{c}", s, n) for _, s, n in keys for c in parts]
         if keys != [(pname, shard, ckpt)]:
             del expected[(pname, shard)]

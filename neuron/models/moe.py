@@ -51,6 +51,8 @@ class SparseMoeBlock(HotModule):
         self.gate = param(e, h, loader=replicated_loader)  # the router
         self.w13 = param(e, 2 * self.inter, h, loader=self._load_w13)
         self.w2 = param(e, h, self.inter, loader=self._load_w2)
+        # (which, expert, x) -> x @ W^T for experts kept quantised (neuron/models/gguf_experts.py)
+        self.experts_kernel: Any = None
         self.shared = None
         if cfg.shared_expert_intermediate_size:
             kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
@@ -67,9 +69,14 @@ class SparseMoeBlock(HotModule):
                       loaded[start:start + self.inter], f"expert {expert} gate/up")
 
     def _load_w2(self, param: nn.Parameter, loaded: SliceGetter, shard: Any) -> None:
-        start = self.tp_rank * self.inter
-        _copy_checked(param.data[shard], loaded[:, start:start + self.inter],
-                      f"expert {shard} down")
+        cols = param.shape[2]  # this rank's inputs (or their groups, for a quantised stack)
+        start = self.tp_rank * cols
+        _copy_checked(param.data[shard], loaded[:, start:start + cols], f"expert {shard} down")
+
+    def _expert(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.experts_kernel is not None:
+            return self.experts_kernel(which, expert, x)
+        return F.linear(x, getattr(self, which)[expert])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
@@ -81,8 +88,8 @@ class SparseMoeBlock(HotModule):
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             rows, slot = torch.where(chosen == expert)
-            gate, up = F.linear(x[rows], self.w13[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.w2[expert]) * weights[rows, slot, None]
+            gate, up = self._expert("w13", expert, x[rows]).chunk(2, dim=-1)
+            y = self._expert("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         if self.shared is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)

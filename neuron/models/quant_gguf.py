@@ -37,6 +37,7 @@ from helexa.gguf_meta import (
     metadata,
     reader,
 )
+from helexa.neuron.models.gguf_experts import attach_experts, load_piece, stack_of
 from helexa.neuron.models.gguf_hybrid import Value, as_float, hybrid_pieces, value_of
 from helexa.neuron.models.gguf_hybrid import hf_names as hybrid_names
 from helexa.neuron.models.gguf_unpack import Unpacked
@@ -189,6 +190,7 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
             p.weight_loader = loader  # type: ignore[attr-defined]
             mod.register_parameter(pname, p)
         mod.quant = GgufLinear(layout, dtype, parts=set(names))
+    attach_experts(model, path)
     head = getattr(model, "lm_head", None)
     if tied and isinstance(getattr(head, "quant", None), GgufLinear):
         del head.weight  # the shared float table is gone: the head runs the embedding's
@@ -226,6 +228,9 @@ def load_gguf_weights(model: nn.Module, path: Path, *, on_loaded: Any) -> None:
             mod_name, attr = pname.rsplit(".", 1)
             mod = model.get_submodule(mod_name)
             spec = getattr(mod, "quant", None)
+            if stack_of(mod, attr) is not None:  # an expert of a quantised stack
+                load_piece(mod, mod_name, attr, shard, value, t.name, on_loaded)
+                continue
             if attr == "weight" and isinstance(spec, GgufLinear) and "gguf_q" in mod._parameters:
                 assert isinstance(value, tuple), "attach_gguf saw the layer's parts quantised"
                 parts = dict(zip(("gguf_q", "gguf_scale", "gguf_zero"),
