@@ -234,6 +234,7 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
 
     total = 0
     fused: dict[tuple[int, str], list[tuple[str, str, tuple[int, ...]]]] = {}
+    stacks: dict[tuple[int, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for name, (typ, shape) in tensors.items():
         where = part_of(name)
         if where is None:
@@ -244,8 +245,8 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
             total += numel // tp * elt
         elif name.endswith(".bias") or part not in (*FUSED, *ROW_PARALLEL, *EXPERTS):
             total += numel * elt  # norms, biases, routers: float, whole on every card
-        elif part in EXPERTS:  # dequantised to the model's dtype at load
-            total += numel // tp * elt
+        elif part in EXPERTS:  # the w13 (gate, up) and w2 (down) stacks of the MoE block
+            stacks.setdefault((layer, part == "ffn_down_exps"), []).append((typ, shape))
         elif part in ROW_PARALLEL:
             rows, cols = shape
             layout = (layout_of([typ], rows=rows) if stays_quantised(arch, part, typ, text)
@@ -253,6 +254,13 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
             total += layout_bytes(layout, rows, cols // tp, elt)
         else:
             fused.setdefault((layer, FUSED[part]), []).append((part, typ, shape))
+    for (_, down), parts in stacks.items():  # [experts, rows, cols]; per expert as a layer
+        e, rows, cols = parts[0][1]
+        rows = rows if down else sum(shape[1] for _, shape in parts) // tp
+        cols = cols // tp if down else cols
+        types = [typ for typ, _ in parts]
+        layout = layout_of(types, rows=rows) if all(t in QUANT_TYPES for t in types) else FLOAT
+        total += e * layout_bytes(layout, rows, cols, elt)
     for parts in fused.values():
         rows = sum(part_rows(part, shape[0]) for part, _, shape in parts)
         layout = layout_of([typ for _, typ, _ in parts], rows=rows)

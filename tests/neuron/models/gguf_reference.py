@@ -143,6 +143,7 @@ def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path) -> None:
         tokens[i], types[i] = text, gguf.TokenType.CONTROL
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
     cfg = json.loads((src / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}  # the multimodal wrapper's ids are its text's
     tcfg = json.loads((src / "tokenizer_config.json").read_text())
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")  # helexa/tiny.py's split pattern is Qwen2's

@@ -1,0 +1,150 @@
+"""GGUF files of the hybrid and MoE families (llama.cpp's qwen35, qwen35moe, qwen3next,
+qwen3moe), written from tiny checkpoints as llama.cpp's converter writes them: every
+tensor helexa puts back equals gguf's own dequantize with the converter's transforms
+undone, and greedy output matches transformers running those weights (alone, in a
+batch of 8, at tp 1 and 2), config read from the file's metadata alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gguf_hybrid_reference import ARCH, qkvz_parts, reference_dir, write_hybrid_gguf
+from support.greedy import greedy_generate
+
+from helexa.gguf_meta import config_from_metadata, metadata, reader
+from helexa.neuron.engine.model_runner import ModelRunner
+from helexa.neuron.models.config import parse_model_config
+from helexa.neuron.models.gguf_hybrid import as_float
+from helexa.neuron.models.quant_gguf import tensor_pieces
+
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"]
+TINY = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512,
+        "num_layers": 4}
+# Per layer: 0 mixes quantised types inside the fused in_proj (grouped int8 at 16 with
+# zeros) and keeps Q4_K experts on the int4 op; 1 is all Q6_K (the flagship's file);
+# 2 has a float part in in_proj (the layer goes float) and float experts; 3 is the full
+# attention layer (q/k Q4_K beside a Q6_K v) of the hybrids.
+LAYERS = [
+    {"attn_qkv": "Q4_K", "attn_gate": "Q6_K", "ssm_beta": "Q8_0", "ssm_alpha": "Q8_0",
+     "ssm_ba": "Q8_0", "ssm_out": "Q5_K", "ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K",
+     "ffn_down_exps": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K",
+     "attn_output": "Q8_0"},
+    {},
+    {"attn_qkv": "Q8_0", "attn_gate": "Q8_0", "ssm_beta": "F16", "ssm_alpha": "F16",
+     "ssm_ba": "F16", "ssm_out": "BF16", "ffn_gate_exps": "F16", "ffn_up_exps": "F16",
+     "ffn_down_exps": "BF16"},
+    {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q8_0"},
+]
+OTHERS = {"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "ffn_gate_shexp": "Q5_K",
+          "ffn_up_shexp": "Q5_K", "ffn_down_shexp": "Q8_0", "ffn_gate_inp_shexp": "Q8_0"}
+
+
+def type_of(name: str) -> str:
+    if name.startswith("blk."):
+        _, layer, part, _ = name.split(".")
+        return LAYERS[int(layer)].get(part, OTHERS.get(part, "Q6_K"))
+    return {"token_embd": "Q6_K", "output": "Q8_0"}[name.split(".")[0]]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def hybrid_gguf(tiny_checkpoint, tmp_path_factory):
+    made = {}
+
+    def get(family: str):
+        """(GGUF file, transformers' reference folder, the weights it holds, source)."""
+        if family not in made:
+            src = tiny_checkpoint(family, **TINY)
+            base = tmp_path_factory.mktemp(f"gguf-{family}")
+            weights = write_hybrid_gguf(src, base / "model.gguf", type_of)
+            made[family] = (base / "model.gguf", reference_dir(src, base / "ref", weights),
+                            weights, src)
+        return made[family]
+
+    return get
+
+
+def runner(path, tp: int = 1) -> ModelRunner:
+    return ModelRunner(path, num_blocks=256, block_size=8, max_num_seqs=8,
+                       max_batched_tokens=512, dtype="float32", tp_size=tp, num_state_slots=8)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_tensor_is_gguf_dequantize_with_the_transforms_undone(hybrid_gguf, family):
+    path, _, weights, _ = hybrid_gguf(family)
+    ref = {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
+    arch = metadata(path, "general.architecture")
+    c = json.loads((path.parent / "ref" / "config.json").read_text())
+    c = {**c, **c.get("text_config", {})}
+    seen = set()
+    for t in reader(path).tensors:
+        for name, value in tensor_pieces(t.name, t.tensor_type.name, t.data, arch, c):
+            got = as_float(value).float()
+            if arch == "qwen3next" and "linear_attn.in_proj_" in name and name.endswith(
+                    ("qkv.weight", "z.weight")):  # the file's halves of in_proj_qkvz
+                qkv, z = qkvz_parts(ref[name.replace(name.split(".")[-2], "in_proj_qkvz")], c)
+                want = qkv if "qkv.weight" in name else z
+                seen.add(name.replace(name.split(".")[-2], "in_proj_qkvz"))
+            else:
+                want = ref[name]
+                seen.add(name)
+            assert torch.equal(got, want.float()), name
+    assert seen == set(ref), set(ref) ^ seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_from_metadata_is_the_checkpoints(hybrid_gguf, family):
+    path, _, _, src = hybrid_gguf(family)
+    ours = parse_model_config(config_from_metadata(path))
+    theirs = parse_model_config(json.loads((src / "config.json").read_text()))
+    assert ours.architecture.removesuffix("ForCausalLM") in theirs.architecture
+    for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                  "vocab_size", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+                  "rope", "layer_types", "rotary_dim", "attn_output_gate", "norm_offset",
+                  "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                  "linear_value_head_dim", "linear_conv_kernel_dim", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size", "norm_topk_prob", "qk_norm"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert ARCH[family] == metadata(path, "general.architecture")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_alone_matches_transformers(hybrid_gguf, greedy_reference, prompt_picker, family):
+    path, ref, _, _ = hybrid_gguf(family)
+    prompt = prompt_picker(ref, 3, 19)
+    run = runner(path)
+    if family != "qwen3_5":  # the experts' stacks: int4, grouped int8 and float ones
+        kinds = {op for layer in run.model.model.layers if hasattr(layer.mlp, "experts_kernel")
+                 for op, _, _ in (layer.mlp.experts_kernel.ops.values()
+                                  if layer.mlp.experts_kernel else [])}
+        assert kinds == {"int4", "int8g"}, kinds
+    greedy_reference(ref, prompt, greedy_generate(run, [prompt], 40)[0])
+
+
+@pytest.mark.parametrize(("family", "tp"), [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 2),
+                                            ("qwen3_next", 1), ("qwen3_moe", 2)])
+def test_batch_of_eight(hybrid_gguf, greedy_reference, prompt_picker, family, tp):
+    # tp = 2: rank processes over gloo, each loading its rows / columns, its value heads
+    # and their groups; prefill in chunks over a shuffled pool; alone too
+    path, ref, _, _ = hybrid_gguf(family)
+    prompts = [prompt_picker(ref, 20 + i, 5 + 6 * i) for i in range(8)]
+    run = runner(path, tp)
+    try:
+        outs = greedy_generate(run, prompts, [40 - 3 * i for i in range(8)], prefill_chunk=9,
+                               shuffle_seed=2)
+        alone = greedy_generate(run, prompts[:1], 40)[0]
+    finally:
+        run.close()
+    for prompt, got in zip(prompts, outs, strict=True):
+        greedy_reference(ref, prompt, got)
+    greedy_reference(ref, prompts[0], alone)
