@@ -104,6 +104,26 @@ def test_planned_bytes_of_a_gguf_file(tiny_checkpoint, tmp_path, dtype, tp, tied
         run.close()
 
 
+@pytest.mark.parametrize(("family", "dtype", "tp"), [
+    ("qwen3_5", "fp32", 1), ("qwen3_5", "bf16", 2), ("qwen3_5_moe", "bf16", 1),
+    ("qwen3_next", "fp32", 2), ("qwen3_moe", "bf16", 2)])
+def test_planned_bytes_of_a_hybrid_gguf_file(tiny_checkpoint, tmp_path, family, dtype, tp):
+    # linear-attention layers (mixed, all-Q6_K and float in_proj; the value-head split
+    # of conv, A and dt), quantised and float expert stacks, shared experts, routers
+    from gguf_hybrid_reference import write_hybrid_gguf
+    from test_gguf_hybrid import TINY, type_of
+
+    write_hybrid_gguf(tiny_checkpoint(family, **TINY), tmp_path / "model.gguf", type_of)
+    planned = plan_weights(tmp_path, tmp_path / "model.gguf", "none", 128, dtype, tp)
+    run = ModelRunner(tmp_path / "model.gguf", num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, tp_size=tp, num_state_slots=1,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    try:
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
+
+
 def test_quantize_on_a_gguf_file_is_refused(tiny_checkpoint, tmp_path):
     from gguf_reference import write_gguf
 
