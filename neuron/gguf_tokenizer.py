@@ -20,7 +20,10 @@ _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_PATTERNS = {"qwen2": _QWEN2, "llama-bpe": _LLAMA3, "llama3": _LLAMA3,
+# Qwen3.5 (llama.cpp's "qwen35"): Qwen2's, with combining marks (\p{M}) kept in words.
+_QWEN35 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+           r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PATTERNS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "llama-bpe": _LLAMA3, "llama3": _LLAMA3,
                   "gpt-2": None, "default": None}
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 

@@ -181,9 +181,9 @@ def inverse(g: dict[str, torch.Tensor], arch: str, c: dict, src_names: set[str]
     return out
 
 
-def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True
-                      ) -> dict[str, torch.Tensor]:
-    """Write ``src`` as GGUF at ``out``; returns the HF tensors (by the checkpoint's names)
+def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True,
+                      pre: str = "qwen2") -> dict[str, torch.Tensor]:
+    """Write ``src`` as GGUF at ``out`` (``pre``: the pre-tokenizer it names); returns the HF tensors (by the checkpoint's names)
     as gguf dequantises the file's tensors, with every transform undone."""
     full = json.loads((src / "config.json").read_text())
     c = {**full, **full.get("text_config", {})}
@@ -219,7 +219,7 @@ def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True
         partial = c["rope_parameters"].get("partial_rotary_factor", 0.25)
         w.add_rope_dimension_count(int(c["head_dim"] * partial))
     if tokenizer:
-        _tokenizer_metadata(w, src)
+        _tokenizer_metadata(w, src, pre)
     deq: dict[str, torch.Tensor] = {}
     for name, t in forward(hf, arch, c).items():
         x = t.numpy()

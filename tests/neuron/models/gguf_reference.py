@@ -131,7 +131,7 @@ def dequantize(data: np.ndarray, typ: str) -> np.ndarray:
 # ---------------------------------------------------------------- whole checkpoints
 
 
-def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path) -> None:
+def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path, pre: str = "qwen2") -> None:
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
@@ -146,7 +146,7 @@ def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path) -> None:
     cfg = {**cfg, **cfg.get("text_config", {})}  # the multimodal wrapper's ids are its text's
     tcfg = json.loads((src / "tokenizer_config.json").read_text())
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")  # helexa/tiny.py's split pattern is Qwen2's
+    w.add_tokenizer_pre(pre)  # helexa/tiny.py's split pattern is Qwen2's
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

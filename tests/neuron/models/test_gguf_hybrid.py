@@ -148,3 +148,25 @@ def test_batch_of_eight(hybrid_gguf, greedy_reference, prompt_picker, family, tp
     for prompt, got in zip(prompts, outs, strict=True):
         greedy_reference(ref, prompt, got)
     greedy_reference(ref, prompts[0], alone)
+
+
+def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tiny_checkpoint, tmp_path):
+    # Qwen3.5's files name the "qwen35" split: [\p{L}\p{M}]+ words, where Qwen2's
+    # \p{L}+ would cut a combining mark off its letter
+    from tokenizers import Tokenizer as HfTokenizer
+
+    from helexa.neuron.gguf_tokenizer import SPLIT_PATTERNS
+    from helexa.neuron.tokenizer import Tokenizer
+
+    src = tiny_checkpoint("qwen3_5", **TINY)
+    write_hybrid_gguf(src, tmp_path / "model.gguf", type_of, pre="qwen35")
+    spec = json.loads((src / "tokenizer.json").read_text())
+    spec["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = SPLIT_PATTERNS["qwen35"]
+    want = HfTokenizer.from_str(json.dumps(spec))
+    ours = Tokenizer.from_dir(tmp_path / "model.gguf")
+    qwen2 = Tokenizer.from_dir(src)
+    text = "cafe\u0301 nai\u0308ve re\u0301sume\u0301, plain words 123"
+    assert ours.encode(text) == want.encode(text, add_special_tokens=False).ids
+    pieces = [p for p, _ in ours._tok.pre_tokenizer.pre_tokenize_str(text)]
+    assert pieces == [p for p, _ in want.pre_tokenizer.pre_tokenize_str(text)]
+    assert pieces != [p for p, _ in qwen2._tok.pre_tokenizer.pre_tokenize_str(text)]
