@@ -170,3 +170,19 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tiny_checkpoint, tm
     pieces = [p for p, _ in ours._tok.pre_tokenizer.pre_tokenize_str(text)]
     assert pieces == [p for p, _ in want.pre_tokenizer.pre_tokenize_str(text)]
     assert pieces != [p for p, _ in qwen2._tok.pre_tokenizer.pre_tokenize_str(text)]
+
+
+def test_hf_config_and_tokenizer_beside_the_file(hybrid_gguf, tmp_path,
+                                                 greedy_reference, prompt_picker):
+    # Qwen3.5's config.json is the multimodal wrapper's (text under text_config): its text
+    # model loads from the GGUF; no tokenizer metadata in the file, tokenizer.json beside it
+    import shutil
+
+    _, ref, _, src = hybrid_gguf("qwen3_5")
+    write_hybrid_gguf(src, tmp_path / "model.gguf", type_of, tokenizer=False)
+    for f in src.glob("*.json"):
+        shutil.copy(f, tmp_path / f.name)
+    run = runner(tmp_path)
+    assert run.model.cfg.architecture == "Qwen3_5ForConditionalGeneration"
+    prompt = prompt_picker(ref, 5, 11)
+    greedy_reference(ref, prompt, greedy_generate(run, [prompt], 40)[0])
