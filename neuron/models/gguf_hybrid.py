@@ -78,6 +78,16 @@ def hf_names(name: str, shape: tuple[int, ...]) -> list[str]:
     raise GgufError(f"tensor {name!r}: not a tensor of the qwen3moe/qwen3next/qwen35 families")
 
 
+def text_config(model: Any) -> dict[str, Any]:
+    """What the transforms read of the model's config, as config.json names it."""
+    c = model.cfg
+    return {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+            "linear_num_key_heads": c.linear_num_key_heads,
+            "linear_num_value_heads": c.linear_num_value_heads,
+            "linear_key_head_dim": c.linear_key_head_dim,
+            "linear_value_head_dim": c.linear_value_head_dim}
+
+
 def value_of(name: str, type_name: str, raw: np.ndarray) -> Value:
     """A tensor's unpacked form (quantised) or its float values."""
     if type_name in ("F32", "F16", "BF16"):

@@ -37,9 +37,8 @@ from helexa.gguf_meta import (
     metadata,
     reader,
 )
+from helexa.neuron.models import gguf_hybrid as hyb
 from helexa.neuron.models.gguf_experts import attach_experts, load_piece, stack_of
-from helexa.neuron.models.gguf_hybrid import Value, as_float, hybrid_pieces, value_of
-from helexa.neuron.models.gguf_hybrid import hf_names as hybrid_names
 from helexa.neuron.models.gguf_unpack import Unpacked
 from helexa.neuron.models.layers import TensorSlice
 
@@ -86,11 +85,11 @@ class GgufLinear:
 
 
 def tensor_pieces(name: str, type_name: str, raw: np.ndarray, arch: str,
-                  cfg: dict[str, Any]) -> Iterator[tuple[str, Value]]:
+                  cfg: dict[str, Any]) -> Iterator[tuple[str, hyb.Value]]:
     """(HF name, value in the HF layout) of each tensor one GGUF tensor holds: the dense
     families here, the hybrid and MoE ones in gguf_hybrid.py."""
     if arch in HYBRID_ARCHITECTURES:
-        yield from hybrid_pieces(name, type_name, raw, arch, cfg)
+        yield from hyb.hybrid_pieces(name, type_name, raw, arch, cfg)
         return
     hf = hf_name(name)
     if hf is None:
@@ -99,25 +98,15 @@ def tensor_pieces(name: str, type_name: str, raw: np.ndarray, arch: str,
                                           "attn_k.bias")):
         heads = cfg["num_attention_heads"] if ".attn_q." in name else cfg["num_key_value_heads"]
         raw = unpermute(np.asarray(raw), heads)
-    yield hf, value_of(name, type_name, raw)
+    yield hf, hyb.value_of(name, type_name, raw)
 
 
 def names_of(name: str, shape: tuple[int, ...], arch: str) -> list[str]:
     """The HF names a GGUF tensor fills (its data not read)."""
     if arch in HYBRID_ARCHITECTURES:
-        return hybrid_names(name, shape)
+        return hyb.hf_names(name, shape)
     hf = hf_name(name)
     return [] if hf is None else [hf]
-
-
-def text_config(model: nn.Module) -> dict[str, Any]:
-    """What the transforms read of the model's config, as config.json names it."""
-    c = model.cfg
-    return {"num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-            "linear_num_key_heads": c.linear_num_key_heads,
-            "linear_num_value_heads": c.linear_num_value_heads,
-            "linear_key_head_dim": c.linear_key_head_dim,
-            "linear_value_head_dim": c.linear_value_head_dim}
 
 
 def _layer_tensors(model: nn.Module, path: Path, arch: str) -> dict[str, list[str]]:
@@ -148,7 +137,7 @@ def attach_gguf(model: nn.Module, path: Path, dtype: torch.dtype) -> None:
     )
 
     arch = metadata(path, "general.architecture")
-    cfg = text_config(model)
+    cfg = hyb.text_config(model)
     types = {t.name: t.tensor_type.name for t in reader(path).tensors}
     layers = _layer_tensors(model, path, arch)
     tied = getattr(model.cfg, "tie_word_embeddings", False)
@@ -216,7 +205,7 @@ def load_gguf_weights(model: nn.Module, path: Path, *, on_loaded: Any) -> None:
     from helexa.neuron.models.loader import _target
 
     params = dict(model.named_parameters(remove_duplicate=False))
-    cfg, arch = text_config(model), metadata(path, "general.architecture")
+    cfg, arch = hyb.text_config(model), metadata(path, "general.architecture")
     for t in reader(path).tensors:
         for name, value in tensor_pieces(t.name, t.tensor_type.name, t.data, arch, cfg):
             if model.cfg.tie_word_embeddings and name == "lm_head.weight":
@@ -249,7 +238,7 @@ def load_gguf_weights(model: nn.Module, path: Path, *, on_loaded: Any) -> None:
             if param is None:
                 raise GgufError(f"{path.name}: unexpected tensor {t.name!r} ({name})")
             with torch.no_grad():
-                param.weight_loader(param, TensorSlice(as_float(value).to(param.dtype)), shard)
+                param.weight_loader(param, TensorSlice(hyb.as_float(value).to(param.dtype)), shard)
             on_loaded(name, (pname, shard), 0)
         on_loaded(None, None, int(t.n_bytes))
 
