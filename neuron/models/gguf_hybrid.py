@@ -138,7 +138,7 @@ def hybrid_pieces(name: str, type_name: str, raw: np.ndarray, arch: str,
         names = iter(hf_names(name, (raw.shape[0],)))
         for e in range(raw.shape[0]):
             value = value_of(name, type_name, raw[e])
-            rows = as_float(value).shape[0]
+            rows = (value[0] if isinstance(value, tuple) else value).shape[0]
             halves = (value,) if part != "ffn_gate_up_exps" else (
                 _rows(value, torch.arange(rows // 2)), _rows(value, torch.arange(rows // 2, rows)))
             for half in halves:

@@ -80,8 +80,10 @@ def qkvz_parts(t: torch.Tensor, c: dict) -> tuple[torch.Tensor, torch.Tensor]:
             z.reshape(-1, cols))
 
 
-def forward(hf: dict[str, torch.Tensor], arch: str, c: dict) -> dict[str, torch.Tensor]:
-    """HF tensors (text model, model.* names) -> GGUF tensors by name, fp32, unquantised."""
+def forward(hf: dict[str, torch.Tensor], arch: str, c: dict, fuse_gate_up: bool = False
+            ) -> dict[str, torch.Tensor]:
+    """HF tensors (text model, model.* names) -> GGUF tensors by name, fp32, unquantised;
+    ``fuse_gate_up``: the converter's --fuse-gate-up-exps (ffn_gate_up_exps, gate first)."""
     kh, vh, dk, dv = _heads(c)
     tiled = arch in ("qwen35", "qwen35moe") and kh != vh
     out: dict[str, torch.Tensor] = {}
@@ -122,6 +124,9 @@ def forward(hf: dict[str, torch.Tensor], arch: str, c: dict) -> dict[str, torch.
     for (i, proj), by_expert in experts.items():
         out[f"blk.{i}.ffn_{proj.removesuffix('_proj')}_exps.weight"] = torch.stack(
             [by_expert[e] for e in range(len(by_expert))])
+    for i in {i for i, _ in experts} if fuse_gate_up else ():
+        out[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+            [out.pop(f"blk.{i}.ffn_gate_exps.weight"), out.pop(f"blk.{i}.ffn_up_exps.weight")], 1)
     return out
 
 
@@ -143,8 +148,11 @@ def inverse(g: dict[str, torch.Tensor], arch: str, c: dict, src_names: set[str]
         hf = by_gguf.get(name, "")
         if name.endswith("_exps.weight"):
             i, proj = name.split(".")[1], name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
-            for e in range(t.shape[0]):
-                out[f"{prefix}layers.{i}.mlp.experts.{e}.{proj}_proj.weight"] = t[e]
+            halves = t.chunk(2, dim=1) if proj == "gate_up" else (t,)
+            for half, name_of in zip(halves, ("gate", "up") if proj == "gate_up" else (proj,),
+                                     strict=True):
+                for e in range(t.shape[0]):
+                    out[f"{prefix}layers.{i}.mlp.experts.{e}.{name_of}_proj.weight"] = half[e]
             continue
         if name.endswith(("attn_qkv.weight", "attn_gate.weight")) and arch == "qwen3next":
             continue  # put back together below
@@ -182,7 +190,8 @@ def inverse(g: dict[str, torch.Tensor], arch: str, c: dict, src_names: set[str]
 
 
 def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True,
-                      pre: str = "qwen2") -> dict[str, torch.Tensor]:
+                      pre: str = "qwen2", fuse_gate_up: bool = False
+                      ) -> dict[str, torch.Tensor]:
     """Write ``src`` as GGUF at ``out`` (``pre``: the pre-tokenizer it names); returns the HF tensors (by the checkpoint's names)
     as gguf dequantises the file's tensors, with every transform undone."""
     full = json.loads((src / "config.json").read_text())
@@ -221,7 +230,7 @@ def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True,
     if tokenizer:
         _tokenizer_metadata(w, src, pre)
     deq: dict[str, torch.Tensor] = {}
-    for name, t in forward(hf, arch, c).items():
+    for name, t in forward(hf, arch, c, fuse_gate_up).items():
         x = t.numpy()
         keep = x.ndim == 1 or name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight"))
         typ = "F32" if keep else type_of(name)

@@ -20,6 +20,7 @@ from helexa.neuron.models.gguf_hybrid import as_float
 from helexa.neuron.models.quant_gguf import tensor_pieces
 
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"]
+FUSED = "qwen3_5_moe-fused"  # experts as llama.cpp's --fuse-gate-up-exps writes them
 TINY = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512,
         "num_layers": 4}
 # Per layer: 0 mixes quantised types inside the fused in_proj (grouped int8 at 16 with
@@ -44,8 +45,10 @@ OTHERS = {"ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "ffn_gate_sh
 def type_of(name: str) -> str:
     if name.startswith("blk."):
         _, layer, part, _ = name.split(".")
+        part = part.replace("gate_up_exps", "gate_exps")  # a fused stack: the gate's type
         return LAYERS[int(layer)].get(part, OTHERS.get(part, "Q6_K"))
     return {"token_embd": "Q6_K", "output": "Q8_0"}[name.split(".")[0]]
+
 
 
 @pytest.fixture(autouse=True)
@@ -61,11 +64,13 @@ def hybrid_gguf(tiny_checkpoint, tmp_path_factory):
     made = {}
 
     def get(family: str):
-        """(GGUF file, transformers' reference folder, the weights it holds, source)."""
+        """(GGUF file, transformers' reference folder, the weights it holds, source);
+        a "-fused" family's experts are one ffn_gate_up_exps stack per layer."""
         if family not in made:
-            src = tiny_checkpoint(family, **TINY)
+            src = tiny_checkpoint(family.removesuffix("-fused"), **TINY)
             base = tmp_path_factory.mktemp(f"gguf-{family}")
-            weights = write_hybrid_gguf(src, base / "model.gguf", type_of)
+            weights = write_hybrid_gguf(src, base / "model.gguf", type_of,
+                                        fuse_gate_up=family.endswith("-fused"))
             made[family] = (base / "model.gguf", reference_dir(src, base / "ref", weights),
                             weights, src)
         return made[family]
@@ -78,7 +83,7 @@ def runner(path, tp: int = 1) -> ModelRunner:
                        max_batched_tokens=512, dtype="float32", tp_size=tp, num_state_slots=8)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, FUSED])
 def test_every_tensor_is_gguf_dequantize_with_the_transforms_undone(hybrid_gguf, family):
     path, _, weights, _ = hybrid_gguf(family)
     ref = {k.replace("model.language_model.", "model."): v for k, v in weights.items()}
@@ -118,7 +123,7 @@ def test_config_from_metadata_is_the_checkpoints(hybrid_gguf, family):
     assert ARCH[family] == metadata(path, "general.architecture")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, FUSED])
 def test_alone_matches_transformers(hybrid_gguf, greedy_reference, prompt_picker, family):
     path, ref, _, _ = hybrid_gguf(family)
     prompt = prompt_picker(ref, 3, 19)
