@@ -94,7 +94,8 @@ def value_of(name: str, type_name: str, raw: np.ndarray) -> Value:
         return float_tensor(raw, type_name)
     fn = UNPACKERS.get(type_name)
     if fn is None:
-        raise GgufError(f"tensor {name!r}: type {type_name} has no quantised layout here")
+        raise GgufError(f"tensor {name!r} has type {type_name}, which is not supported "
+                        f"(supported: F32, F16, BF16, {', '.join(UNPACKERS)})")
     return fn(np.asarray(raw))
 
 

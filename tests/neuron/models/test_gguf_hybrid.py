@@ -191,3 +191,44 @@ def test_hf_config_and_tokenizer_beside_the_file(hybrid_gguf, tmp_path,
     assert run.model.cfg.architecture == "Qwen3_5ForConditionalGeneration"
     prompt = prompt_picker(ref, 5, 11)
     greedy_reference(ref, prompt, greedy_generate(run, [prompt], 40)[0])
+
+
+def test_an_unsupported_type_in_an_expert_stack_is_refused_naming_it(tiny_checkpoint, tmp_path):
+    from helexa.gguf_meta import GgufError
+
+    src = tiny_checkpoint("qwen3_5_moe", **TINY)
+    write_hybrid_gguf(src, tmp_path / "model.gguf",
+                      lambda name: "Q4_0" if name == "blk.2.ffn_down_exps.weight" else "Q8_0")
+    with pytest.raises(GgufError, match=r"tensor 'blk.2.ffn_down_exps.weight' has type Q4_0, "
+                                        r"which is not supported"):
+        runner(tmp_path / "model.gguf")
+
+
+def test_ssm_out_stays_quantised_only_when_a_value_head_is_whole_sub_blocks():
+    from helexa.gguf_families import stays_quantised
+
+    cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
+    assert stays_quantised("qwen35", "ssm_out", "Q6_K", {**cfg, "linear_value_head_dim": 16})
+    assert not stays_quantised("qwen35", "ssm_out", "Q8_0", {**cfg, "linear_value_head_dim": 16})
+    # no reorder (Qwen3-Next, or as many value heads as key heads): nothing to move
+    assert stays_quantised("qwen3next", "ssm_out", "Q8_0", {**cfg, "linear_value_head_dim": 16})
+    assert stays_quantised("qwen35", "ssm_out", "Q8_0",
+                           {"linear_num_key_heads": 4, "linear_num_value_heads": 4,
+                            "linear_value_head_dim": 16})
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64])
+def test_value_head_columns_move_on_the_unpacked_form_or_the_float(dim):
+    # Q8_0's groups are 32 columns: heads of 32 or 64 move as whole groups (still
+    # quantised), heads of 16 cut a group, so the weight is dequantised and then moved
+    from gguf_reference import quantize
+
+    from helexa.neuron.models.gguf_hybrid import _columns, _grouped
+    from helexa.neuron.models.gguf_unpack import UNPACKERS, dequantize
+
+    w = torch.randn(8, 2 * 3 * dim, generator=torch.Generator().manual_seed(dim))
+    unpacked = UNPACKERS["Q8_0"](quantize(w.numpy(), "Q8_0"))
+    moved = _columns(unpacked, 2, 3, dim)
+    assert isinstance(moved, tuple) == (dim % 32 == 0)
+    want = dequantize(*unpacked)[:, _grouped(2, 3, dim)]
+    assert torch.equal(dequantize(*moved) if isinstance(moved, tuple) else moved, want)
