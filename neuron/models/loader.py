@@ -171,21 +171,8 @@ def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype,
     """Load a GGUF file's weights (neuron/models/quant_gguf.py): quantised layers keep
     the file's values in their op's layout, float ones load as they are."""
     attach_gguf(model, path, dtype)
-    expected = expected_tensors(model, tie_word_embeddings=model.cfg.tie_word_embeddings)
-    for (pname, shard), ckpt in list(expected.items()):
-        keys = [(pname, shard, ckpt)]
-        if shard == "qkvz":  # Qwen3-Next's in_proj_qkvz is attn_qkv and attn_gate in GGUF
-            keys = [(pname, "qkv", ckpt.replace("qkvz", "qkv")),
-                    (pname, "z", ckpt.replace("qkvz", "z"))]
-        mod_name, attr = pname.rsplit(".", 1)
-        prefix = "gguf_" if attr == "weight" else f"gguf_{attr}_"  # a layer, or an expert stack
-        parts = [c for c in model.get_submodule(mod_name)._parameters if c.startswith(prefix)
-                 and (attr != "weight" or c.count("_") == 1)]
-        if parts:  # quantised: each part of its unpacked form
-            keys = [(f"{mod_name}.{c}", s, n) for _, s, n in keys for c in parts]
-        if keys != [(pname, shard, ckpt)]:
-            del expected[(pname, shard)]
-            expected.update({(p, s): n for p, s, n in keys})
+    expected = _gguf_expected(model, expected_tensors(
+        model, tie_word_embeddings=model.cfg.tie_word_embeddings))
     total = sum(int(t.n_bytes) for t in gguf_reader(path).tensors)
     done = [0]
     loaded: set[tuple[str, object]] = set()
@@ -199,6 +186,27 @@ def load_gguf(model: nn.Module, path: Path, dtype: torch.dtype,
 
     load_gguf_weights(model, path, on_loaded=on_loaded)
     check_loaded(expected, loaded)
+
+
+def _gguf_expected(model: nn.Module, expected: dict[tuple[str, object], str]
+                   ) -> dict[tuple[str, object], str]:
+    """What a GGUF file must fill of ``expected``: a quantised layer's (or expert stack's)
+    unpacked parts in place of its weight; Qwen3-Next's in_proj_qkvz as the attn_qkv and
+    attn_gate the file holds."""
+    out: dict[tuple[str, object], str] = {}
+    for (pname, shard), ckpt in expected.items():
+        keys = [(pname, shard, ckpt)]
+        if shard == "qkvz":
+            keys = [(pname, "qkv", ckpt.replace("qkvz", "qkv")),
+                    (pname, "z", ckpt.replace("qkvz", "z"))]
+        mod_name, attr = pname.rsplit(".", 1)
+        prefix = "gguf_" if attr == "weight" else f"gguf_{attr}_"  # a layer, or an expert stack
+        parts = [c for c in model.get_submodule(mod_name)._parameters if c.startswith(prefix)
+                 and (attr != "weight" or c.count("_") == 1)]
+        if parts:
+            keys = [(f"{mod_name}.{c}", s, n) for _, s, n in keys for c in parts]
+        out.update({(p, s): n for p, s, n in keys})
+    return out
 
 
 def _slice_bytes(sl) -> int:

@@ -9,7 +9,9 @@ computes partial sums for all experts and one all-reduce per layer adds them.
 
 Checkpoints keep one tensor per expert and projection
 (``experts.{e}.gate_proj.weight``); they are stacked here as w13 [E, 2 I/tp, H]
-and w2 [E, H, I/tp] so a token's expert is one index.
+and w2 [E, H, I/tp] so a token's expert is one index. A GGUF file's quantised expert
+stacks run each expert's product through ``experts_kernel`` instead
+(neuron/models/gguf_experts.py).
 """
 
 from __future__ import annotations
