@@ -45,3 +45,16 @@ def chromium() -> str:
     if path is None:
         pytest.skip(why)
     return path
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch at one thread for the test (tests comparing numbers or stepping engines on a
+    machine whose other cores are busy); mark a module with
+    ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from helexa.config import load_neuron_config
 from helexa.neuron.engine import messages as m
@@ -17,16 +16,10 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.plan import plan_model, state_slots
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = m.SamplingParams(temperature=0.0)
 REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def core_for(model_dir: Path, *, prefix_cache: bool = True, num_blocks: int = 160,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
+from support.spec_engine import assert_whole, drive, truth_from
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -24,17 +24,11 @@ from helexa.neuron.engine.speculative.drafters import (
     PerRequestDrafter,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 GREEDY = m.SamplingParams(temperature=0.0)
 VOCAB = 512  # the tiny checkpoints'
 ARCHS = ["qwen3_next", "qwen3_5"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_core(model_dir: Path, drafter: Drafter | None = None, **limits) -> EngineCore:
@@ -46,40 +40,10 @@ def make_core(model_dir: Path, drafter: Drafter | None = None, **limits) -> Engi
     return EngineCore(spec, drafter=drafter)
 
 
-def drive(core: EngineCore, news: list[m.NewRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for _ in range(5000):
-        for u in core.step(inbound).updates:
-            assert u.refused_code is None and u.error == "", u
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-        inbound = None
-        core.pool.check()
-        if not core.has_work:
-            return tokens
-    raise AssertionError("engine did not go idle")
 
 
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
-    assert led.state_free_bytes == led.state_total_bytes > 0
-    assert core.pool.num_free_state_slots == core.pool.num_state_slots
-    assert not core.requests and not core.running and not core.waiting
 
 
-def truth_from(reference: dict[str, list[int]], prompts: dict[str, list[int]]
-               ) -> Callable[[list[int], int], list[int]]:
-    """The target's greedy continuation of a context, read off a run without speculation."""
-    def truth(context: list[int], k: int) -> list[int]:
-        for rid, prompt in prompts.items():
-            if context[:len(prompt)] == prompt:
-                done = len(context) - len(prompt)
-                if reference[rid][:done] == context[len(prompt):]:
-                    return reference[rid][done:done + k]
-        return []
-    return truth
 
 
 KINDS: dict[str, Callable[[Callable], Drafter]] = {

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 from support.fake_runner import FakeRunner, fake_next_token
+from support.spec_engine import assert_whole, drive, truth_from
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -38,38 +39,10 @@ def make_core(runner=None, drafter: Drafter | None = None, *, num_blocks: int = 
                       else FakeRunner(VOCAB, num_blocks, block_size), drafter=drafter)
 
 
-def drive(core: EngineCore, news: list[m.NewRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for _ in range(5000):
-        out = core.step(inbound)
-        inbound = None
-        for u in out.updates:
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-            assert u.refused_code is None and u.error == "", u
-        if not core.has_work:
-            return tokens
-    raise AssertionError("engine did not go idle")
 
 
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
-    assert not core.requests and not core.running and not core.waiting
 
 
-def truth_from(reference: dict[str, list[int]], prompts: dict[str, list[int]]
-               ) -> Callable[[list[int], int], list[int]]:
-    """The target's greedy continuation of a context, read off a run without speculation."""
-    def truth(context: list[int], k: int) -> list[int]:
-        for rid, prompt in prompts.items():
-            if context[:len(prompt)] == prompt:
-                done = len(context) - len(prompt)
-                if reference[rid][:done] == context[len(prompt):]:
-                    return reference[rid][done:done + k]
-        return []
-    return truth
 
 
 def workload(rng: random.Random, n: int) -> list[m.NewRequest]:

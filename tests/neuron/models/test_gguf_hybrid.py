@@ -19,6 +19,8 @@ from helexa.neuron.models.config import parse_model_config
 from helexa.neuron.models.gguf_hybrid import as_float
 from helexa.neuron.models.quant_gguf import tensor_pieces
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next", "qwen3_moe"]
 FUSED = "qwen3_5_moe-fused"  # experts as llama.cpp's --fuse-gate-up-exps writes them
 TINY = {"hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512,
@@ -49,14 +51,6 @@ def type_of(name: str) -> str:
         return LAYERS[int(layer)].get(part, OTHERS.get(part, "Q6_K"))
     return {"token_embd": "Q6_K", "output": "Q8_0"}[name.split(".")[0]]
 
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

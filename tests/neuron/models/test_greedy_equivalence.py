@@ -12,6 +12,8 @@ from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 64
 
 
@@ -19,14 +21,6 @@ def make_runner(model_dir: Path, *, block_size: int = 8, num_blocks: int = 256) 
     return ModelRunner(model_dir, num_blocks=num_blocks, block_size=block_size, max_num_seqs=8,
                        max_batched_tokens=512, dtype="float32",
                        device=os.environ.get("HELEXA_TEST_DEVICE", "cpu"))
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def hf_saved_checkpoint(tmp: Path, arch: str, *, shard: bool = False, **cfg_kw) -> Path:

@@ -14,6 +14,8 @@ from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 64
 FAMILIES = ["qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe"]
 # The batched and TP runs of the families that combine both (linear attention and
@@ -67,14 +69,6 @@ def family_dir(tmp_path_factory):
             made[family] = save_family(root, family)
         return made[family]
     return get
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def make_runner(model_dir: Path, *, tp: int = 1, num_blocks: int = 256) -> ModelRunner:

@@ -11,13 +11,7 @@ from support.greedy import greedy_generate
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_awq
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_packing_known_vector():

@@ -19,18 +19,12 @@ from helexa.neuron.models.quant_ct import (
     unpack_zero_point,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 pytest.importorskip("compressed_tensors")
 
 SCHEMES = [(4, True, 32), (4, False, 64), (4, False, None), (4, True, None), (8, True, None),
            (8, True, 32), (8, False, 64), (8, False, None)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -23,6 +23,8 @@ from helexa.neuron.models.gguf_unpack import UNPACKERS, dequantize
 from helexa.neuron.models.quant_gguf import attach_gguf, unpermute
 from helexa.neuron.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK_BYTES = {"Q8_0": 34, "Q6_K": 210, "Q5_K": 176, "Q4_K": 144}
 SCALE_OFFSETS = {"Q8_0": (0,), "Q6_K": (208,), "Q5_K": (0, 2), "Q4_K": (0, 2)}
 # Greedy models: every type in play. Layer 0 mixes types inside fused layers (q/k Q4_K with
@@ -40,14 +42,6 @@ def type_of(name: str) -> str:
         _, layer, part, _ = name.split(".")
         return (LAYER0 if layer == "0" else LAYER1)[part]
     return {"token_embd": "Q8_0", "output": "Q6_K"}[name.split(".")[0]]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def random_blocks(typ: str, rows: int, blocks: int, seed: int) -> np.ndarray:

@@ -7,23 +7,16 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from quant_reference import dequantized_checkpoint
 from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.quant import QuantSpec
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 NEW_TOKENS = 48
 GROUP = 32  # the tiny models' hidden size is 64
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def runner(model_dir: Path, kind: str, **kw) -> ModelRunner:
