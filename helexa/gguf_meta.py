@@ -65,6 +65,18 @@ def find_gguf(path: str | Path) -> Path | None:
     return found[0] if found else None
 
 
+def model_path_error(path: str | Path) -> str | None:
+    """Why ``path`` is not a model to load (neither a checkpoint folder nor a GGUF file),
+    or None when it is one."""
+    try:
+        gguf = find_gguf(path)
+    except GgufError as e:
+        return str(e)
+    if gguf is None and not (Path(path) / "config.json").exists():
+        return f"{path}: no config.json (expected a checkpoint folder or a .gguf file)"
+    return None
+
+
 def model_folder(path: str | Path) -> Path:
     """Where a model's side files (config.json, tokenizer.json) are: the folder itself,
     or the folder of a ``.gguf`` file."""

@@ -32,7 +32,7 @@ import tomli_w
 
 from helexa.config import ConfigError
 from helexa.daemons import Child, model_failure, stop_all, wait_listed, wait_started
-from helexa.gguf_meta import GgufError, find_gguf
+from helexa.gguf_meta import model_path_error
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
@@ -198,14 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir, kv = tiny_model_dir(), args.kv_budget_mb or 16
     else:
         model_dir, kv = args.model.resolve(), args.kv_budget_mb
-        try:
-            gguf = find_gguf(model_dir)
-        except GgufError as e:
-            print(f"helexa up: {e}", file=sys.stderr)
-            return 2
-        if gguf is None and not (model_dir / "config.json").exists():
-            print(f"helexa up: {model_dir}: no config.json (expected a checkpoint folder "
-                  "or a .gguf file)", file=sys.stderr)
+        problem = model_path_error(model_dir)
+        if problem is not None:
+            print(f"helexa up: {problem}", file=sys.stderr)
             return 2
         if kv is None and device == "cpu":
             try:

@@ -95,16 +95,11 @@ class _CurrentStderr:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     model_dir = Path(args.model)
-    from helexa.gguf_meta import GgufError, find_gguf
+    from helexa.gguf_meta import model_path_error
 
-    try:
-        gguf = find_gguf(model_dir)
-    except GgufError as e:
-        print(f"helexa generate: {e}", file=sys.stderr)
-        return 2
-    if gguf is None and not (model_dir / "config.json").exists():
-        print(f"helexa generate: {model_dir}: no config.json (not a checkpoint folder "
-              "or a .gguf file)", file=sys.stderr)
+    problem = model_path_error(model_dir)
+    if problem is not None:
+        print(f"helexa generate: {problem}", file=sys.stderr)
         return 2
     import torch
 

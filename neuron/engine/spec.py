@@ -27,6 +27,15 @@ def merge_limits(current: AnyLimits, update: messages.SetLimits | None) -> AnyLi
     return msgspec.structs.replace(current, **changed)
 
 
+_SPEC_FIELDS = ("speculation", "spec_k", "spec_full_below", "spec_off_above",
+                "spec_min_acceptance", "spec_keep_acceptance")
+
+
+def _speculation_of(section: Any) -> dict[str, Any]:
+    """The speculation settings an [engine] section or a [[models]] entry holds."""
+    return {name: getattr(section, name) for name in _SPEC_FIELDS}
+
+
 def limits_from_config(cfg: NeuronConfig, profile: ProfileConfig | None = None,
                        entry: ModelEntry | None = None) -> messages.SetLimits:
     """All runtime knobs from a helexa.config.NeuronConfig: [admission], [kv], [engine], then
@@ -42,22 +51,10 @@ def limits_from_config(cfg: NeuronConfig, profile: ProfileConfig | None = None,
         max_batched_tokens=eng.max_batched_tokens,
         prefill_chunk_tokens=eng.prefill_chunk_tokens,
         default_output_tokens=kv.default_output_tokens,
-        speculation=eng.speculation,
-        spec_k=eng.spec_k,
-        spec_full_below=eng.spec_full_below,
-        spec_off_above=eng.spec_off_above,
-        spec_min_acceptance=eng.spec_min_acceptance,
-        spec_keep_acceptance=eng.spec_keep_acceptance,
+        **_speculation_of(eng),
     )
     if entry is not None:
-        limits = merge_limits(limits, messages.SetLimits(
-            speculation=entry.speculation,
-            spec_k=entry.spec_k,
-            spec_full_below=entry.spec_full_below,
-            spec_off_above=entry.spec_off_above,
-            spec_min_acceptance=entry.spec_min_acceptance,
-            spec_keep_acceptance=entry.spec_keep_acceptance,
-        ))
+        limits = merge_limits(limits, messages.SetLimits(**_speculation_of(entry)))
     if profile is not None:
         limits = merge_limits(limits, messages.SetLimits(
             max_in_flight=profile.max_in_flight,
