@@ -26,6 +26,7 @@ from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.mtp_passes import MtpPasses
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.linear_state import state_meta
@@ -67,7 +68,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
     return _KV_NAMES[dt], dt
 
 
-class ModelRunner:
+class ModelRunner(MtpPasses):
     """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
@@ -251,32 +252,6 @@ class ModelRunner:
         except BaseException:
             self.backend.step_failed()
             raise
-
-    @torch.inference_mode()
-    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the model's MTP head (neuron/models/mtp.py) over `seqs`: each row's token is
-        the one after its position, `hidden` [rows, H] (seqs' rows in order) the target's
-        at that position. K/V go to the head's layer of the pool under each block table.
-        Returns (fp32 logits of the rows that seqs ask for, the head's output [rows, H] in
-        seqs' row order). Tensor parallel 1 only."""
-        if self._tp is not None:
-            raise RuntimeError("the MTP head runs at tensor parallel 1 only")
-        input_ids, positions, step, logits_rows = self._prepare(seqs)
-        flat = torch.tensor([r for st, s in zip(self.seq_starts, seqs, strict=True)
-                             for r in range(st, st + len(s.token_ids))], device=self.device)
-        x = torch.empty_like(hidden)
-        x[flat] = hidden  # to the step's flat layout
-        meta = self.backend.plan_side(step)
-        logits, y = self.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
-        return logits, y.index_select(0, flat)
-
-    @torch.inference_mode()
-    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [rows, vocab] of the MTP head's outputs `hidden` [rows, H]
-        (execute_mtp's second result): the shared lm_head."""
-        logits: torch.Tensor = self.model.lm_head(hidden).float()
-        return logits
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""

@@ -13,6 +13,13 @@ sequence's block table, so a step carries only what changed: the new tokens,
 and the blocks appended since that table was last sent. Sampling happens once,
 on rank 0 (the LM head gathers logits there).
 
+The MTP head's passes between steps (neuron/models/mtp.py) go the same way: a
+TpMtp names the pass's sequences (their tables as for a step), then rank 0
+broadcasts the rows' hidden states over the group and every rank runs the
+head on its shard and its slice of the pool; TpMtpLogits runs the shared
+lm_head alone. Rank 0 picks the drafts from the gathered logits and they reach
+the ranks as the next pass's tokens, so every rank writes the same KV.
+
 A rank exits when rank 0 says stop, when its pipe closes, when a collective
 times out, or when its parent dies (PR_SET_PDEATHSIG), so no rank outlives the
 engine process however that ends.
@@ -67,6 +74,14 @@ class TpStep(msgspec.Struct, tag=True):
     dropped: list[int] = []  # handles rank 0 no longer tracks
 
 
+class TpMtp(msgspec.Struct, tag=True):
+    seqs: list[TpSeq]  # the hidden states follow as a broadcast over the group
+
+
+class TpMtpLogits(msgspec.Struct, tag=True):
+    rows: int  # the head's outputs follow as a broadcast over the group
+
+
 class TpResetKv(msgspec.Struct, tag=True):
     num_blocks: int
     kv_dtype: str
@@ -92,7 +107,7 @@ class TpFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ToRank = TpStep | TpResetKv | TpStop | TpJoin
+ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpStop | TpJoin
 FromRank = TpLoaded | TpReady | TpFailed
 
 
@@ -165,6 +180,7 @@ class TpWorkers:
     kv_bytes_per_block: list[int] = field(default_factory=list)  # ranks 1..N-1's, once joined
     _tables: dict[int, tuple[list[int], int, int]] = field(default_factory=dict)
     _next_handle: int = 0
+    _stale: list[int] = field(default_factory=list)  # handles replaced, for the next step
     _encoder: Any = field(default_factory=msgspec.msgpack.Encoder)
 
     @classmethod
@@ -222,30 +238,48 @@ class TpWorkers:
     def send_step(self, seqs: list[Any]) -> None:
         """Send the step plan (only what changed since each table was last sent)."""
         self.check()
-        out: list[TpSeq] = []
-        seen: set[int] = set()
-        for s in seqs:
-            table = s.block_table
-            entry = self._tables.get(id(table))
-            if entry is not None and entry[0] is table and len(table) >= entry[2]:
-                _, handle, sent = entry
-                out.append(TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
-                                 s.need_logits, s.state_slot, s.num_logits))
-            else:
-                handle = self._next_handle
-                self._next_handle += 1
-                out.append(TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
-                                 s.need_logits, s.state_slot, s.num_logits))
-            # Holding the list itself keeps its id from being reused while tracked.
-            self._tables[id(table)] = (table, handle, len(table))
-            seen.add(id(table))
+        out = [self._seq(s) for s in seqs]
+        seen = {id(s.block_table) for s in seqs}
         dropped = [h for key, (_, h, _) in self._tables.items() if key not in seen]
+        dropped += self._stale
+        self._stale = []
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
         self._send(TpStep(out, dropped))
+
+    def send_mtp(self, seqs: list[Any]) -> None:
+        """Send an MTP head pass's sequences (their tables as send_step does; no table is
+        dropped: the next step says which are gone)."""
+        self.check()
+        self._send(TpMtp([self._seq(s) for s in seqs]))
+
+    def send_mtp_logits(self, rows: int) -> None:
+        self.check()
+        self._send(TpMtpLogits(rows))
+
+    def _seq(self, s: Any) -> TpSeq:
+        """One sequence's message: its table's new blocks under the handle the ranks
+        know it by, or the whole table under a new handle."""
+        table = s.block_table
+        entry = self._tables.get(id(table))
+        if entry is not None and entry[0] is table and len(table) >= entry[2]:
+            _, handle, sent = entry
+            msg = TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
+                        s.need_logits, s.state_slot, s.num_logits)
+        else:
+            if entry is not None:  # a shrunk table (drafts rolled back): a new handle
+                self._stale.append(entry[1])
+            handle = self._next_handle
+            self._next_handle += 1
+            msg = TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
+                        s.need_logits, s.state_slot, s.num_logits)
+        # Holding the list itself keeps its id from being reused while tracked.
+        self._tables[id(table)] = (table, handle, len(table))
+        return msg
 
     def reset_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.check()
         self._tables.clear()
+        self._stale.clear()
         self._send(TpResetKv(num_blocks, kv_dtype))
 
     def _send(self, msg: ToRank) -> None:
@@ -355,10 +389,14 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 tables.clear()
                 runner.reset_kv(msg.num_blocks, msg.kv_dtype)
                 continue
-            if not isinstance(msg, TpStep):  # a second TpJoin: nothing to do
+            if isinstance(msg, TpMtpLogits):
+                runner.mtp_logits(None, msg.rows)
                 continue
-            for h in msg.dropped:
-                tables.pop(h, None)
+            if not isinstance(msg, TpStep | TpMtp):  # a second TpJoin: nothing to do
+                continue
+            if isinstance(msg, TpStep):
+                for h in msg.dropped:
+                    tables.pop(h, None)
             seqs = []
             for s in msg.seqs:
                 if s.fresh:
@@ -368,7 +406,10 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
                                      s.state_slot, s.num_logits))
-            runner.execute(seqs)
+            if isinstance(msg, TpMtp):
+                runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
+            else:
+                runner.execute(seqs)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve
     except Exception:

@@ -14,7 +14,9 @@ target's layer 0 would have one), and every RMSNorm follows the target's
 convention ((1 + w) in these families). Its attention writes K/V into the
 engine's pool as the attention layer after the target's last, under the
 request's own block table (the model runner sizes the pool with it; helexa
-plan counts it). Speculative decoding's drafter drives it:
+plan counts it). At tensor parallel > 1 it is split as the target's layers are
+(fc row-parallel over its 2H input, the layer column/row-parallel, the lm_head
+vocab-parallel): every rank runs each pass, rank 0 driving (model_runner.py). Speculative decoding's drafter drives it:
 neuron/engine/speculative/mtp.py, docs/speculation.md.
 """
 
@@ -29,7 +31,7 @@ from torch import nn
 from helexa.kernels.backends.base import StepMeta
 from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
-from helexa.neuron.models.layers import ColumnParallelLinear, RMSNorm
+from helexa.neuron.models.layers import RMSNorm, RowParallelLinear
 
 
 def layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -49,8 +51,10 @@ class MtpHead(nn.Module):
         self.cfg = layer_config(cfg)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, **norm_kw)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, **norm_kw)
-        # replicated (the engine drafts at tensor parallel 1 only: engine/speculative/mtp.py)
-        self.fc = ColumnParallelLinear(2 * h, h, **{**kw, "tp_rank": 0, "tp_size": 1})
+        # row-parallel: each rank multiplies its slice of [embedding | hidden] (both
+        # replicated), one all-reduce sums them, as the target's o_proj / down_proj do
+        self.fc = RowParallelLinear(2 * h, h, **kw)
+        self.tp_rank, self.tp_size = kw["tp_rank"], kw["tp_size"]
         self.layers = nn.ModuleList([DecoderLayer(self.cfg, 0, attention_index, **kw)])
         self.norm = RMSNorm(h, cfg.rms_norm_eps, **norm_kw)
         self.loaded: set[tuple[str, Any]] = set()  # (parameter, shard) filled at load
@@ -92,6 +96,10 @@ class MtpHead(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         """embeds [N, H] (of tokens t + 1), hidden [N, H] (at t) -> normed output [N, H]."""
-        x = self.fc(torch.cat([self.pre_fc_norm_embedding(embeds),
-                               self.pre_fc_norm_hidden(hidden)], dim=-1))
+        x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
+                      dim=-1)
+        if self.tp_size > 1:  # this rank's input columns
+            width = x.shape[-1] // self.tp_size
+            x = x[:, self.tp_rank * width:(self.tp_rank + 1) * width]
+        x = self.fc(x)
         return self.norm(self.layer(x, cos, sin, meta, None))

@@ -28,8 +28,10 @@ state h_t and token t + 1, and predicts token t + 2. So it follows the target:
 Drafts are greedy: `Draft.probs` is None (one-hot), so a sampled request accepts
 a draft with the target's own probability of it (verify.py).
 
-The head runs at tensor parallel 1 only; a model whose checkpoint has no head,
-or a larger tp, is refused (`MtpUnavailable`, logged as engine.speculation_refused).
+At tensor parallel > 1 every pass runs on every rank (model_runner.execute_mtp,
+tp_worker.py): the drafts are decided here, on rank 0, from the gathered logits,
+and reach the other ranks as the next pass's tokens. A model whose checkpoint
+has no head is refused (`MtpUnavailable`, logged as engine.speculation_refused).
 """
 
 from __future__ import annotations
@@ -78,8 +80,6 @@ class MtpDrafter:
                                  "where the config names speculation = \"mtp\" at load (engine,"
                                  " a profile) and the planned config.json declares "
                                  "mtp_num_hidden_layers")
-        if getattr(runner, "tp_size", 1) > 1:
-            raise MtpUnavailable("the MTP head drafts at tensor parallel 1 only")
         self.runner = runner
         self.ensure_blocks = ensure_blocks
         model.keep_hidden = True  # the target's step keeps the hidden states observe reads

@@ -6,24 +6,16 @@ model without a head is refused and serves without drafting."""
 
 from __future__ import annotations
 
-import random
-from pathlib import Path
-
 import msgspec
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from support.mtp import SPEC, assert_whole, crafted, drive, requests, spec_for, with_drafter
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import NgramDrafter, PerRequestDrafter
 from helexa.neuron.engine.speculative.mtp import MtpDrafter
-
-GREEDY = m.SamplingParams(temperature=0.0)
-# always draft spec_k (the policy's load rule is tested apart): every step exercises the head
-SPEC = dict(spec_k=3, spec_full_below=1.0, spec_off_above=1.01, spec_min_acceptance=0.0)
 
 
 @pytest.fixture(autouse=True)
@@ -43,77 +35,6 @@ class _Log:
 
     def exception(self, event: str, **kw) -> None:
         raise AssertionError(f"{event} {kw}")
-
-
-def spec_for(model_dir: Path, **limits) -> EngineSpec:
-    return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=200, block_size=4,
-                      context=512, bytes_per_token=0,
-                      limits=m.SetLimits(anon_max_in_flight=64, max_in_flight=8, max_slots=8,
-                                         prefill_chunk_tokens=6, max_batched_tokens=40,
-                                         **limits))
-
-
-def drive(core: EngineCore, news: list[m.NewRequest]) -> tuple[dict[str, list[int]], int]:
-    """Every request's tokens, and the steps it took."""
-    tokens: dict[str, list[int]] = {}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for steps in range(1, 5000):
-        for u in core.step(inbound).updates:
-            assert u.refused_code is None and u.error == "", u
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-        inbound = None
-        core.pool.check()
-        if not core.has_work:
-            return tokens, steps
-    raise AssertionError("engine did not go idle")
-
-
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
-    assert core.pool.num_free_state_slots == core.pool.num_state_slots
-    assert not core.requests and not core.running and not core.waiting
-
-
-def with_drafter(core: EngineCore, make) -> EngineCore:
-    """`core` drafting with `make(core)`: an MtpDrafter draws blocks through its engine."""
-    core.speculator.drafter = make(core)
-    core._own_drafter = False  # as if handed in: a limits change keeps it
-    return core
-
-
-def requests(seed: int, n: int) -> list[m.NewRequest]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        base = [rng.randrange(3, 500) for _ in range(rng.randrange(3, 9))]
-        prompt = base * rng.randrange(1, 3) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
-        out.append(m.NewRequest(req_id=f"r{i}", prompt_token_ids=prompt,
-                                max_tokens=rng.randrange(6, 30), sampling=GREEDY))
-    return out
-
-
-def crafted(src: Path, out: Path) -> Path:
-    """`src` (a tiny checkpoint with an MTP head) made predictable: every residual branch
-    of the target and of the head writes zero, so the target's next token is a fixed
-    function of the current one, f(x) = argmax lm_head(norm(embed(x))); the head's fc
-    passes the normed embedding through and its norm is the target's, so at position t
-    it predicts f(x_{t+1}): the target's own next token. Its drafts are right."""
-    out.mkdir()
-    for f in src.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    t = load_file(str(out / "model.safetensors"))
-    for name in t:
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t[name] = torch.zeros_like(t[name])
-    h = t["mtp.fc.weight"].shape[0]
-    t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1
-    root = "model.language_model." if "model.language_model.norm.weight" in t else "model."
-    t["mtp.norm.weight"] = t[root + "norm.weight"].clone()
-    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 def test_a_head_that_predicts_the_target_has_its_drafts_accepted(tiny_checkpoint, tmp_path):
@@ -262,18 +183,6 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
         hidden = fresh.model.last_hidden
         logits, _ = fresh.execute_mtp([SeqInput(context[1:n + 1], 0, table, True)], hidden)
         assert int(logits.argmax()) == first
-
-
-def test_the_head_drafts_at_tensor_parallel_1_only():
-    from types import SimpleNamespace
-
-    from helexa.neuron.engine.speculative.mtp import MtpUnavailable
-
-    runner = SimpleNamespace(model=SimpleNamespace(mtp=object(), keep_hidden=False), tp_size=2,
-                             mtp_kv_layers=1)
-    with pytest.raises(MtpUnavailable, match="tensor parallel 1"):
-        MtpDrafter(runner, lambda req, n: None)
-    assert not runner.model.keep_hidden
 
 
 def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
