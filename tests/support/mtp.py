@@ -13,11 +13,15 @@ from safetensors.torch import load_file, save_file
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
+from support.spec_engine import assert_whole, drive_steps
+
+drive = drive_steps  # the MTP tests count steps too
+__all__ = ["GREEDY", "SPEC", "assert_whole", "crafted", "drive", "requests", "spec_for",
+           "with_drafter"]
 
 GREEDY = m.SamplingParams(temperature=0.0)
 # always draft spec_k (the policy's load rule is tested apart): every step exercises the head
 SPEC = dict(spec_k=3, spec_full_below=1.0, spec_off_above=1.01, spec_min_acceptance=0.0)
-
 
 
 def spec_for(model_dir: Path, **limits) -> EngineSpec:
@@ -26,29 +30,6 @@ def spec_for(model_dir: Path, **limits) -> EngineSpec:
                       limits=m.SetLimits(anon_max_in_flight=64, max_in_flight=8, max_slots=8,
                                          prefill_chunk_tokens=6, max_batched_tokens=40,
                                          **limits))
-
-
-def drive(core: EngineCore, news: list[m.NewRequest]) -> tuple[dict[str, list[int]], int]:
-    """Every request's tokens, and the steps it took."""
-    tokens: dict[str, list[int]] = {}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for steps in range(1, 5000):
-        for u in core.step(inbound).updates:
-            assert u.refused_code is None and u.error == "", u
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-        inbound = None
-        core.pool.check()
-        if not core.has_work:
-            return tokens, steps
-    raise AssertionError("engine did not go idle")
-
-
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
-    assert core.pool.num_free_state_slots == core.pool.num_state_slots
-    assert not core.requests and not core.running and not core.waiting
 
 
 def with_drafter(core: EngineCore, make) -> EngineCore:

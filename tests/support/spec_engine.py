@@ -11,16 +11,22 @@ from helexa.neuron.engine.engine_core import EngineCore
 
 def drive(core: EngineCore, news: list[m.NewRequest]) -> dict[str, list[int]]:
     """Every request's tokens, stepping until the engine is idle (pool checked each step)."""
+    return drive_steps(core, news)[0]
+
+
+def drive_steps(core: EngineCore, news: list[m.NewRequest]
+                ) -> tuple[dict[str, list[int]], int]:
+    """Every request's tokens, and the steps it took."""
     tokens: dict[str, list[int]] = {}
     inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for _ in range(5000):
+    for steps in range(1, 5000):
         for u in core.step(inbound).updates:
             assert u.refused_code is None and u.error == "", u
             tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
         inbound = None
         core.pool.check()
         if not core.has_work:
-            return tokens
+            return tokens, steps
     raise AssertionError("engine did not go idle")
 
 

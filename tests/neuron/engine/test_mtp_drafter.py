@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-import torch
 from support.mtp import SPEC, assert_whole, crafted, drive, requests, spec_for, with_drafter
 
 from helexa.neuron.engine import messages as m
@@ -17,14 +16,7 @@ from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.engine.speculative.drafters import NgramDrafter, PerRequestDrafter
 from helexa.neuron.engine.speculative.mtp import MtpDrafter
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 class _Log:
     def __init__(self) -> None:

@@ -24,13 +24,7 @@ from helexa.plan import kv_bytes_per_token, read_model_shape
 TOL = dict(atol=1e-4, rtol=1e-5)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def at_tp(spec: EngineSpec, tp: int) -> EngineSpec:
     return msgspec.structs.replace(spec, tp=tp)

@@ -23,13 +23,7 @@ from helexa.plan import format_plan, kv_bytes_per_token, plan_model, read_model_
 ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def runner_for(model_dir: Path, num_blocks: int = 64) -> ModelRunner:
     return ModelRunner(model_dir, num_blocks=num_blocks, block_size=4, max_num_seqs=4,
