@@ -17,6 +17,7 @@ call of each row bucket (one row; 2 to ``NATIVE_MAX_ROWS``) and keeps the winner
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -38,6 +39,7 @@ log = structlog.get_logger(component="kernels")
 Tiles = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 
 
+@functools.cache  # one library per process; asked on every decode call of every layer
 def isas(lib: object) -> list[str]:
     """The native builds this library has (on this CPU), in KINDS order."""
     mask = lib.hx_int8g_isas()  # type: ignore[attr-defined]
@@ -90,11 +92,14 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if forced is None:
         key = (tuple(qweight.shape), group_size, zeros is not None, scales.dtype, rows > 1,
                threads)
-        with _lock:
-            if key not in _choices:
-                _choices[key] = _measure(lib, fit, qweight, scales, zeros, group_size, tiles,
-                                         _PROBE_ROWS[rows > 1])
-            kind, threads = _choices[key]
+        choice = _choices.get(key)  # measured once per key: no lock once it is there
+        if choice is None:
+            with _lock:
+                if key not in _choices:
+                    _choices[key] = _measure(lib, fit, qweight, scales, zeros, group_size,
+                                             tiles, _PROBE_ROWS[rows > 1])
+                choice = _choices[key]
+        kind, threads = choice
     else:
         kind = forced
     if kind not in fit:

@@ -137,9 +137,7 @@ class PerRequestDrafter:
                 groups.setdefault(id(self.by_req[r.req_id]), []).append(i)
         for idx in groups.values():
             d = self.by_req[reqs[idx[0]].req_id]
-            batch = getattr(d, "propose_batch", None)
-            got = (batch([reqs[i] for i in idx], [ks[i] for i in idx]) if batch is not None
-                   else [d.propose(reqs[i], ks[i]) for i in idx])
+            got = propose_all(d, [reqs[i] for i in idx], [ks[i] for i in idx])
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
@@ -156,6 +154,15 @@ class PerRequestDrafter:
         release = getattr(self.by_req.get(req.req_id), "release", None)
         if release is not None:
             release(req)
+
+
+def propose_all(drafter: Drafter, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+    """`drafter`'s drafts for `reqs`: one propose_batch call where it has one (a model
+    batches its forwards), else propose per request."""
+    batch = getattr(drafter, "propose_batch", None)
+    if batch is not None:
+        return list(batch(reqs, ks))
+    return [drafter.propose(r, k) for r, k in zip(reqs, ks, strict=True)]
 
 
 def make_drafter(speculation: str, loaded: Drafter | None = None, *, runner: Any = None,

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from helexa.neuron.engine.request import Request
-from helexa.neuron.engine.speculative.drafters import Draft, Drafter
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter, propose_all
 from helexa.neuron.engine.speculative.policy import SpecPolicy, choose_k, update_acceptance
 from helexa.neuron.engine.speculative.verify import verify
 
@@ -71,9 +71,7 @@ class Speculator:
                 asks.append((req, k))
         if not asks or self.drafter is None:
             return
-        batch = getattr(self.drafter, "propose_batch", None)  # one forward for all (a model)
-        drafts = (batch([r for r, _ in asks], [k for _, k in asks]) if batch is not None
-                  else [self.drafter.propose(r, k) for r, k in asks])
+        drafts = propose_all(self.drafter, [r for r, _ in asks], [k for _, k in asks])
         for (req, k), d in zip(asks, drafts, strict=True):
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
