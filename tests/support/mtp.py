@@ -16,7 +16,7 @@ from helexa.neuron.engine.spec import EngineSpec
 from support.spec_engine import assert_whole, drive_steps
 
 drive = drive_steps  # the MTP tests count steps too
-__all__ = ["GREEDY", "SPEC", "assert_whole", "crafted", "drive", "requests", "spec_for",
+__all__ = ["GREEDY", "SPEC", "assert_right_head_drafted", "assert_whole", "crafted", "drive", "requests", "spec_for",
            "with_drafter"]
 
 GREEDY = m.SamplingParams(temperature=0.0)
@@ -30,6 +30,19 @@ def spec_for(model_dir: Path, **limits) -> EngineSpec:
                       limits=m.SetLimits(anon_max_in_flight=64, max_in_flight=8, max_slots=8,
                                          prefill_chunk_tokens=6, max_batched_tokens=40,
                                          **limits))
+
+
+def assert_right_head_drafted(core: EngineCore, news: list[m.NewRequest],
+                              want: dict[str, list[int]], plain_steps: int) -> None:
+    """`core` (a crafted right head, speculation = mtp) gives plain decoding's tokens with
+    at least 90% of its drafts accepted, in under 0.6x the plain run's steps, ledger whole."""
+    got, steps = drive(core, news)
+    assert got == want
+    s = core.status()
+    assert s.spec_drafted_tokens > 20
+    assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens, s
+    assert steps < plain_steps * 0.6, (steps, plain_steps)
+    assert_whole(core)
 
 
 def with_drafter(core: EngineCore, make) -> EngineCore:

@@ -79,3 +79,25 @@ def prompt_picker() -> Callable[..., list[int]]:
 @pytest.fixture(scope="session")
 def greedy_reference() -> Callable[..., None]:
     return assert_greedy_matches
+
+
+def assert_batch_and_alone_match(run, reference_dir: Path, prompts: list[list[int]],
+                                 max_new: int | list[int], **generate: object) -> None:
+    """Greedy output of ``run`` (closed after) in one batch of ``prompts`` and for the first
+    alone matches transformers on ``reference_dir`` up to the first near-tie, each."""
+    from support.greedy import greedy_generate
+
+    try:
+        outs = greedy_generate(run, prompts, max_new, **generate)
+        alone = greedy_generate(run, prompts[:1], max_new if isinstance(max_new, int)
+                                else max_new[0])[0]
+    finally:
+        run.close()
+    for prompt, got in zip(prompts, outs, strict=True):
+        assert_greedy_matches(reference_dir, prompt, got)
+    assert_greedy_matches(reference_dir, prompts[0], alone)
+
+
+@pytest.fixture(scope="session")
+def batch_and_alone() -> Callable[..., None]:
+    return assert_batch_and_alone_match

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from ct_reference import compress, ct_checkpoint
-from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.loader import load_model
@@ -70,7 +69,7 @@ def test_loaded_layers_compute_with_the_dequantised_weights(ct_dirs, bits, sym, 
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize(("bits", "sym", "group"), [(4, True, 32), (4, False, 32), (8, True, None),
                                                    (8, True, 32), (8, False, 32)])
-def test_greedy_matches_transformers_on_dequantised_weights(ct_dirs, greedy_reference,
+def test_greedy_matches_transformers_on_dequantised_weights(ct_dirs, batch_and_alone,
                                                             prompt_picker, bits, sym, group, tp):
     ct, ref = ct_dirs(bits, sym, group)
     grouped_int8 = bits == 8 and (group is not None or not sym)  # a batch of 8 at both tp
@@ -78,14 +77,7 @@ def test_greedy_matches_transformers_on_dequantised_weights(ct_dirs, greedy_refe
                for i in range(8 if tp == 1 or grouped_int8 else 3)]
     run = ModelRunner(ct, num_blocks=256, block_size=8, max_num_seqs=8, max_batched_tokens=512,
                       dtype="float32", tp_size=tp)
-    try:
-        outs = greedy_generate(run, prompts, 40, shuffle_seed=2)
-        alone = greedy_generate(run, prompts[:1], 40)[0]
-    finally:
-        run.close()
-    for prompt, got in zip(prompts, outs, strict=True):
-        greedy_reference(ref, prompt, got)
-    greedy_reference(ref, prompts[0], alone)
+    batch_and_alone(run, ref, prompts, 40, shuffle_seed=2)
 
 
 def test_unsupported_schemes_are_refused():

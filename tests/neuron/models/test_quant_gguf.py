@@ -143,20 +143,13 @@ def test_greedy_matches_transformers_on_dequantised_weights(gguf_models, greedy_
 
 
 @pytest.mark.parametrize(("arch", "tp"), [("qwen3", 1), ("llama", 2)])
-def test_batch_of_eight(gguf_models, greedy_reference, prompt_picker, arch, tp):
+def test_batch_of_eight(gguf_models, batch_and_alone, prompt_picker, arch, tp):
     # tp = 2: rank processes over gloo, each loading its rows / columns and their groups
     # (llama: the un-permuted q/k rows split by head); alone too, to see both paths
     path, ref, _ = gguf_models(arch)
     prompts = [prompt_picker(ref, 20 + i, 5 + 6 * i) for i in range(8)]
     run = runner(path, tp)
-    try:
-        outs = greedy_generate(run, prompts, [40 - 3 * i for i in range(8)], shuffle_seed=2)
-        alone = greedy_generate(run, prompts[:1], 40)[0]
-    finally:
-        run.close()
-    for prompt, got in zip(prompts, outs, strict=True):
-        greedy_reference(ref, prompt, got)
-    greedy_reference(ref, prompts[0], alone)
+    batch_and_alone(run, ref, prompts, [40 - 3 * i for i in range(8)], shuffle_seed=2)
 
 
 def test_tied_embeddings(gguf_models, greedy_reference, prompt_picker):

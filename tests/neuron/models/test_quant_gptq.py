@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 from gptq_reference import gptq_checkpoint, layer_tensors, pack_words
-from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.engine.tp_worker import TpError
@@ -67,21 +66,14 @@ def runner(model_dir, tp: int = 1) -> ModelRunner:
     (False, False, 2, 4),
     # 8 bits: the grouped int8 op, a batch of 8 and alone at both tp
     (False, True, 1, 8), (True, False, 1, 8), (False, False, 2, 8), (False, True, 2, 8)])
-def test_greedy_matches_transformers_on_dequantised_weights(gptq_dirs, greedy_reference,
+def test_greedy_matches_transformers_on_dequantised_weights(gptq_dirs, batch_and_alone,
                                                             prompt_picker, desc_act, sym, tp,
                                                             bits):
     model_dir, ref = gptq_dirs(desc_act, sym, bits)
     prompts = [prompt_picker(ref, 40 + i, 6 + 5 * i) for i in range(8 if tp == 1 or bits == 8
                                                                     else 3)]
     run = runner(model_dir, tp)
-    try:
-        outs = greedy_generate(run, prompts, 40, shuffle_seed=4)
-        alone = greedy_generate(run, prompts[:1], 40)[0]
-    finally:
-        run.close()
-    for prompt, got in zip(prompts, outs, strict=True):
-        greedy_reference(ref, prompt, got)
-    greedy_reference(ref, prompts[0], alone)
+    batch_and_alone(run, ref, prompts, 40, shuffle_seed=4)
 
 
 def test_act_order_across_ranks_is_refused(gptq_dirs):
