@@ -42,28 +42,15 @@ SPEC = {"off": dict(speculation="off"),
 
 def checkpoints() -> dict[str, Path]:
     """The random-head checkpoint and its right-head variant, made once under the cache."""
-    from safetensors.torch import load_file, save_file
-
     from helexa.tiny import cache_dir, init_tiny
+    from helexa.tiny_hybrid import craft_right_mtp_head
 
     wrong = cache_dir() / "bench" / "qwen3_5-mtp-h256-l8-v4096"
     if not (wrong / "model.safetensors").is_file():
         init_tiny(wrong, **MODEL)
     right = wrong.parent / (wrong.name + "-right")
     if not (right / "model.safetensors").is_file():
-        right.mkdir(exist_ok=True)
-        for f in wrong.iterdir():
-            if f.name != "model.safetensors":
-                (right / f.name).write_bytes(f.read_bytes())
-        t = load_file(wrong / "model.safetensors")
-        for k in t:
-            if k.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-                t[k] = torch.zeros_like(t[k])
-        h = t["mtp.fc.weight"].shape[0]
-        t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-        t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1
-        t["mtp.norm.weight"] = t["model.language_model.norm.weight"].clone()
-        save_file(t, right / "model.safetensors")
+        craft_right_mtp_head(wrong, right)
     return {"right": right, "wrong": wrong}
 
 

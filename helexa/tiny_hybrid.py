@@ -16,6 +16,7 @@ head scaled so greedy choices are rarely near-ties.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 HYBRID_ARCHS = ("qwen3_next", "qwen3_5", "qwen3_moe", "qwen3_5_moe")
@@ -152,3 +153,28 @@ def hybrid_weights(arch: str, cfg: dict, seed: int, logit_std: float) -> dict[st
         layer("mtp.layers.0.", "full_attention", bool(c.get("num_experts")))
     dtype = getattr(torch, c["dtype"])
     return {k: v.to(dtype).contiguous() for k, v in t.items()}
+
+
+def craft_right_mtp_head(src: Path, out: Path) -> Path:
+    """``src`` (a tiny checkpoint with an MTP head) made predictable: every residual branch
+    of the target and of the head writes zero, so the target's next token is a fixed
+    function of the current one, f(x) = argmax lm_head(norm(embed(x))); the head's fc
+    passes the normed embedding through and its norm is the target's, so at position t
+    it predicts f(x_{t+1}): the target's own next token. Its drafts are right."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir(exist_ok=True)
+    for f in src.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    t = load_file(str(out / "model.safetensors"))
+    for name in t:
+        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
+            t[name] = torch.zeros_like(t[name])
+    h = t["mtp.fc.weight"].shape[0]
+    t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1
+    root = "model.language_model." if "model.language_model.norm.weight" in t else "model."
+    t["mtp.norm.weight"] = t[root + "norm.weight"].clone()
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -7,17 +7,16 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file, save_file
-
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
+from helexa.tiny_hybrid import craft_right_mtp_head
 from support.spec_engine import assert_whole, drive_steps
 
 drive = drive_steps  # the MTP tests count steps too
-__all__ = ["GREEDY", "SPEC", "assert_right_head_drafted", "assert_whole", "crafted", "drive", "requests", "spec_for",
-           "with_drafter"]
+crafted = craft_right_mtp_head  # a tiny checkpoint's MTP head made right (tiny_hybrid.py)
+__all__ = ["GREEDY", "SPEC", "assert_right_head_drafted", "assert_whole", "crafted", "drive",
+           "requests", "spec_for", "with_drafter"]
 
 GREEDY = m.SamplingParams(temperature=0.0)
 # always draft spec_k (the policy's load rule is tested apart): every step exercises the head
@@ -60,26 +59,4 @@ def requests(seed: int, n: int) -> list[m.NewRequest]:
         prompt = base * rng.randrange(1, 3) + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 12))]
         out.append(m.NewRequest(req_id=f"r{i}", prompt_token_ids=prompt,
                                 max_tokens=rng.randrange(6, 30), sampling=GREEDY))
-    return out
-
-
-def crafted(src: Path, out: Path) -> Path:
-    """`src` (a tiny checkpoint with an MTP head) made predictable: every residual branch
-    of the target and of the head writes zero, so the target's next token is a fixed
-    function of the current one, f(x) = argmax lm_head(norm(embed(x))); the head's fc
-    passes the normed embedding through and its norm is the target's, so at position t
-    it predicts f(x_{t+1}): the target's own next token. Its drafts are right."""
-    out.mkdir()
-    for f in src.iterdir():
-        (out / f.name).write_bytes(f.read_bytes())
-    t = load_file(str(out / "model.safetensors"))
-    for name in t:
-        if name.endswith(("o_proj.weight", "out_proj.weight", "down_proj.weight")):
-            t[name] = torch.zeros_like(t[name])
-    h = t["mtp.fc.weight"].shape[0]
-    t["mtp.fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
-    t["mtp.pre_fc_norm_embedding.weight"] = torch.zeros(h)  # (1 + w) = 1
-    root = "model.language_model." if "model.language_model.norm.weight" in t else "model."
-    t["mtp.norm.weight"] = t[root + "norm.weight"].clone()
-    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
