@@ -27,7 +27,7 @@ slow: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-typecheck: setup  # mypy over router/ and neuron/engine/ ([tool.mypy] in pyproject.toml)
+typecheck: setup  # mypy over helexa/router/ and helexa/neuron/engine/ ([tool.mypy] in pyproject.toml)
 	$(PY) tests/typecheck.py
 
 proto: setup

@@ -129,10 +129,10 @@ async def _run(args: argparse.Namespace, work: Path) -> None:
     import grpc
     from support.neuron import start_neuron, write_neuron_config
 
+    from helexa.fixtures.tiny import init_tiny
     from helexa.neuron.auth import bearer
     from helexa.proto import neuron_pb2 as pb
     from helexa.proto import neuron_pb2_grpc
-    from helexa.tiny import init_tiny
 
     model_dir = init_tiny(work / "tiny")
     (work / "token").write_text("bench\n")

@@ -3,7 +3,7 @@ schema-constrained vs none, side by side in one run.
 
     .venv/bin/python bench/constrained.py [--threads 1] [--repeats 5] [--tokens 64] [--model DIR]
 
-Without --model it uses the engine benchmark's checkpoint (helexa.tiny.bench_checkpoint:
+Without --model it uses the engine benchmark's checkpoint (helexa.fixtures.tiny.bench_checkpoint:
 an init-tiny qwen3, hidden 512, 8 layers, vocab 8192). Both contenders run through
 EngineCore (the engine's own step loop with the real sampler and grammar masks), 8
 requests admitted together, `--tokens` decode tokens each (eos is no stop; the constrained
@@ -98,7 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.model is None:
-        from helexa.tiny import bench_checkpoint
+        from helexa.fixtures.tiny import bench_checkpoint
         args.model = bench_checkpoint()
     tok = Tokenizer.from_dir(args.model)
     spec = EngineSpec(model_id="bench", model_dir=str(args.model), num_blocks=512,

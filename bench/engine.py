@@ -16,7 +16,7 @@ them (q|k|v, gate|up; column-major on CPU), each an F.linear of one row. helexa 
 (the engine's own step loop, greedy sampling, prefix cache off so repeats cannot
 reuse a prompt);
 ``--driver runner`` drives the ModelRunner directly instead, to show what the
-engine loop costs. ``--backend`` lists attention backends (kernels/backends/),
+engine loop costs. ``--backend`` lists attention backends (helexa/kernels/backends/),
 each run as its own helexa contender in the same interleaved repeats, so their
 figures print side by side (default: auto, the one the engine would pick).
 
@@ -45,7 +45,7 @@ TARGETS = [  # (label, numerator, denominator, op, bound)
 
 
 def default_model() -> Path:
-    from helexa.tiny import bench_checkpoint
+    from helexa.fixtures.tiny import bench_checkpoint
 
     return bench_checkpoint()
 

@@ -54,7 +54,7 @@ HELEXA_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider \
 for size in $SIZES; do
   model="$DIR/helexa-gpu-bench-$size-$DEVICE"
   if [[ ! -f "$model/model.safetensors" && ! -f "$model/model.safetensors.index.json" ]]; then
-    "$PY" -c "from helexa.tiny import init_tiny; init_tiny('$model', arch='llama', dtype='bfloat16', ${SHAPE[$size]})"
+    "$PY" -c "from helexa.fixtures.tiny import init_tiny; init_tiny('$model', arch='llama', dtype='bfloat16', ${SHAPE[$size]})"
   fi
   for ctx in $CONTEXTS; do
     echo "== 2. $size ($DEVICE, bf16, ${SHAPE[$size]}), context $ctx, shuffled pool: $BACKENDS"

@@ -24,7 +24,7 @@ HELEXA_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider -m "slow or no
 
 echo "== 3. decode speed on $DEVICE (tiny qwen3_5, bf16)"
 if [[ ! -f "$MODEL/model.safetensors" ]]; then
-  "$PY" -c "from helexa.tiny import init_tiny; init_tiny('$MODEL', arch='qwen3_5', dtype='bfloat16', hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536, vocab_size=8192)"
+  "$PY" -c "from helexa.fixtures.tiny import init_tiny; init_tiny('$MODEL', arch='qwen3_5', dtype='bfloat16', hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, intermediate_size=1536, vocab_size=8192)"
 fi
 "$PY" bench/engine.py --model "$MODEL" --device "$DEVICE" --dtype bfloat16 --roofline copy \
   --repeats 3 --new-tokens 64 --prompt-tokens 128 --ttft-tokens 256

@@ -32,6 +32,6 @@ HELEXA_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider tests/neuron/e
 
 echo "== 2. TP=2 vs TP=1 decode on $DEVICE ($SHAPE)"
 if [[ ! -f "$MODEL/model.safetensors" ]]; then
-  "$PY" -c "from helexa.tiny import init_tiny; init_tiny('$MODEL', arch='qwen3', dtype='bfloat16', $SHAPE)"
+  "$PY" -c "from helexa.fixtures.tiny import init_tiny; init_tiny('$MODEL', arch='qwen3', dtype='bfloat16', $SHAPE)"
 fi
 "$PY" bench/tp.py --model "$MODEL" "${BENCH_ARGS[@]}"

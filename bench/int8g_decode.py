@@ -5,10 +5,10 @@ float checkpoint it was quantised from.
     python bench/int8g_decode.py [--hidden 1024] [--layers 4] [--dtype float32]
                                  [--streams 8] [--new 32] [--repeats 5] [--threads N]
 
-Builds a random llama (helexa.tiny.init_tiny) of the given size and a GPTQ 8-bit copy of
+Builds a random llama (helexa.fixtures.tiny.init_tiny) of the given size and a GPTQ 8-bit copy of
 it (AutoGPTQ's v1 layout, asymmetric, groups of --group), then decodes greedily with each
 contender in turn, interleaved per repeat. ``HELEXA_CPU_INT8G`` is read at every product
-(kernels/int8g_cpu.py), so one process serves both settings of the quantised model.
+(helexa/kernels/cpu/int8g.py), so one process serves both settings of the quantised model.
 """
 
 from __future__ import annotations
@@ -99,8 +99,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from helexa.fixtures.tiny import init_tiny
     from helexa.neuron.engine.model_runner import ModelRunner
-    from helexa.tiny import init_tiny
 
     tmp = Path(tempfile.mkdtemp(prefix="int8g-bench-"))
     src = init_tiny(tmp / "float", arch="llama", hidden_size=args.hidden, num_layers=args.layers,

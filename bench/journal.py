@@ -21,7 +21,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from helexa.journal import Journal, _read_lines, format_report
+from helexa.cli.journal import Journal, _read_lines, format_report
 
 MODELS = ["Qwen/Qwen3-8B", "Qwen/Qwen3-32B", "meta-llama/Llama-3.1-8B-Instruct"]
 PRINCIPALS = ["alice", "bob", "carol", "bench", "ci"]

@@ -63,7 +63,7 @@ class KvRow:
 
 
 def default_model() -> Path:
-    from helexa.tiny import cache_dir, init_tiny
+    from helexa.fixtures.tiny import cache_dir, init_tiny
 
     out = cache_dir() / "bench" / "qwen3-h128-l4-d64-v512"
     if not (out / "model.safetensors").is_file():
@@ -115,7 +115,7 @@ def compare(ref: torch.Tensor, test: torch.Tensor) -> tuple[float, float, float,
 
 def plan_figures(model_dir: Path, kv_dtype: str, budget_mb: int) -> tuple[int, int]:
     """(bytes per token, pool tokens) for `budget_mb` of KV, as helexa plan computes them."""
-    from helexa.config import load_neuron_config
+    from helexa.config.schema import load_neuron_config
     from helexa.plan import plan_model
 
     with tempfile.TemporaryDirectory() as d:

@@ -42,8 +42,8 @@ SPEC = {"off": dict(speculation="off"),
 
 def checkpoints() -> dict[str, Path]:
     """The random-head checkpoint and its right-head variant, made once under the cache."""
-    from helexa.tiny import cache_dir, init_tiny
-    from helexa.tiny_hybrid import craft_right_mtp_head
+    from helexa.fixtures.hybrid import craft_right_mtp_head
+    from helexa.fixtures.tiny import cache_dir, init_tiny
 
     wrong = cache_dir() / "bench" / "qwen3_5-mtp-h256-l8-v4096"
     if not (wrong / "model.safetensors").is_file():

@@ -48,7 +48,7 @@ FOLLOW_UP = "Thank you. Now say in one sentence what the document was about."
 
 
 def default_model() -> Path:
-    from helexa.tiny import bench_checkpoint
+    from helexa.fixtures.tiny import bench_checkpoint
 
     return bench_checkpoint()
 

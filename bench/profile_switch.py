@@ -52,7 +52,7 @@ TOKEN = "bench-profile"
 
 
 def default_model() -> Path:
-    from helexa.tiny import bench_checkpoint
+    from helexa.fixtures.tiny import bench_checkpoint
 
     return bench_checkpoint()
 

@@ -6,16 +6,16 @@
 For each weight shape [N, K], group size, activation dtype and row count it times
 (µs per product, best of interleaved repeats):
 
-- ``tile``: kernels/quant.py's plain-torch path (dequantise a cache-sized tile of rows,
+- ``tile``: helexa/kernels/quant.py's plain-torch path (dequantise a cache-sized tile of rows,
   matmul it): the reference, and what serves many rows;
-- ``avx2`` / ``avx512``: kernels/cpu_int8g.c, dequantising in registers (--threads threads);
+- ``avx2`` / ``avx512``: helexa/kernels/cpu/int8g.c, dequantising in registers (--threads threads);
 - ``float``: F.linear on the float weight in the same dtype (what the weight costs
   unquantised);
 - ``int8row``: ``aten._weight_int8pack_mm``, torch's per-row int8 op (no groups: the
   floor a grouped layout is up against).
 
 and prints the ratios of the best native kernel against each, so the choice made at
-load (kernels/int8g_cpu.py) can be checked on this CPU.
+load (helexa/kernels/cpu/int8g.py) can be checked on this CPU.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels import cpu_native, int8g_cpu
 from helexa.kernels import quant as qk
+from helexa.kernels.cpu import int8g as int8g_cpu
+from helexa.kernels.cpu import native as cpu_native
 
 
 def _time_us(fn: Callable[[], object], budget_s: float) -> float:

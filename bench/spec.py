@@ -6,7 +6,7 @@ adaptive policy against fixed k at 8 streams, measured side by side in one run.
 --model may name a hybrid checkpoint (Qwen3.5, Qwen3-Next): speculation on one
 rolls its linear-attention state back past rejected drafts (docs/speculation.md).
 
-The checkpoint is the benchmarks' init-tiny one (helexa.tiny.bench_checkpoint,
+The checkpoint is the benchmarks' init-tiny one (helexa.fixtures.tiny.bench_checkpoint,
 ~30M parameters) with every attention output projection zeroed: the compute of a
 step is unchanged, but the next token becomes a function of the last one, so a
 random-weight model can be made to rewrite a document (it has no other way to
@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    from helexa.fixtures.tiny import bench_checkpoint
     from helexa.neuron.engine import messages as m
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.model_runner import ModelRunner
     from helexa.neuron.engine.spec import EngineSpec, full_limits
-    from helexa.tiny import bench_checkpoint
 
     model_dir = copying_checkpoint(args.model or bench_checkpoint())
     runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,

@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
 
+    from helexa.fixtures.tiny import bench_checkpoint
     from helexa.neuron.engine.model_runner import ModelRunner
     from helexa.neuron.models.layers import COMM_STATS
-    from helexa.tiny import bench_checkpoint
 
     torch.set_num_threads(1)
     model_dir = args.model or bench_checkpoint()

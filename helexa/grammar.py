@@ -2,7 +2,7 @@
 
 One rule, one owner: this module alone turns a request's constraint (a JSON
 schema, any JSON object, a regex or a Lark grammar) into the grammar text the
-engine's matchers run (neuron/engine/grammar.py), and checks it. The router
+engine's matchers run (helexa/neuron/engine/grammar.py), and checks it. The router
 calls `check` so a schema the library cannot serve is a 400 naming the
 problem before any neuron sees it; the neuron calls `grammar_text` again when
 it builds the request (under a millisecond: llguidance builds its parser

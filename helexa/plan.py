@@ -5,21 +5,8 @@ the pool cannot hold is a config error) and by the neuron and engine to size
 the pool at load. Everything here comes from a model's config.json alone, so
 planning needs no weights and no device.
 
-Per card, with tp-way tensor parallelism:
+The byte formulas are helexa/checkpoint/memory.py's; the pool:
 
-    bytes_per_token = 2 (K and V) × full-attention layers × kv_heads_per_card
-                      × kv_token_head_bytes(kv_dtype, head_dim)
-    (where the config speculates with "mtp", a checkpoint's multi-token-prediction
-    layers, config.json `mtp_num_hidden_layers`, count as full-attention layers:
-    their KV is in the pool, docs/speculation.md)
-    kv_heads_per_card = ceil(kv_heads / tp)  (1, i.e. replicated, when tp > kv_heads)
-    fixed_bytes (hybrids) = linear-attention layers × state_bytes ×
-        ( v_heads/tp × k_dim × v_dim                       # recurrent (delta-rule) state
-        + (2 × k_heads × k_dim + v_heads × v_dim)/tp × (conv_kernel − 1) )  # conv window
-    held_bytes (hybrids) = (spec_k + 1) × linear-attention layers × (
-        (2 × k_heads × k_dim + v_heads × v_dim)/tp × state_bytes   # conv inputs
-        + k_heads/tp × k_dim × 4 + v_heads/tp × v_dim × state_bytes  # k (fp32), v
-        + 2 × v_heads/tp × 4 )                                      # g, beta (fp32)
     num_blocks  = kv_budget_bytes // (block_size × bytes_per_token)
     pool_tokens = num_blocks × block_size
 
@@ -37,35 +24,38 @@ budget.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from helexa.config import (
+from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
+from helexa.checkpoint.gguf import weight_bytes_per_card as gguf_weight_bytes_per_card
+from helexa.checkpoint.memory import (
+    fixed_bytes_per_request,
+    held_bytes_per_request,
+    kv_bytes_per_token,
+    weight_bytes_per_card,
+)
+from helexa.checkpoint.shape import (
+    ELT_BYTES,
+    ModelShape,
+    dtype_name,
+    max_positions,
+    read_model_shape,
+)
+from helexa.checkpoint.weights import checkpoint_quantization, quantized_weight_bytes_per_card
+from helexa.config.schema import (
     ConfigError,
     ModelEntry,
     NeuronConfig,
     draft_model_id,
-    load_neuron_config,
     resolve_path,
 )
-from helexa.gguf_meta import GgufError, find_gguf, read_config, type_summary
-from helexa.gguf_meta import weight_bytes_per_card as gguf_weight_bytes_per_card
-from helexa.plan_weights import checkpoint_quantization, quantized_weight_bytes_per_card
 
 MIB = 1024 * 1024
 TRADE_SESSIONS = (1, 2, 4, 8)
-ELT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-QUANT_GROUP = 32  # int4 elements sharing one fp32 scale
-_DTYPE_NAMES = {"float32": "fp32", "float": "fp32", "fp32": "fp32", "bfloat16": "bf16",
-                "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16"}
-# Sliding-window layers are counted as full: a conservative figure (they
-# need at most the window), and no model served here has them.
-_ATTENTION_LAYERS = {"full_attention", "attention", "sliding_attention"}
 
 
 class PlanError(ConfigError):
@@ -76,182 +66,10 @@ class UnknownBudget(PlanError):
     """Neither a KV budget nor the device memory is known (a live device can tell)."""
 
 
-def dtype_name(name: str) -> str:
-    """`bfloat16`, `torch.bfloat16`, `bf16` → `bf16` (fp32, bf16, fp16)."""
-    key = str(name).removeprefix("torch.").lower()
-    if key not in _DTYPE_NAMES:
-        raise ValueError(f"unknown dtype {name!r}")
-    return _DTYPE_NAMES[key]
-
-
 # ---------------------------------------------------------------- model shape
 
 
-@dataclass(frozen=True)
-class ModelShape:
-    """The numbers of a checkpoint that decide its memory, from config.json."""
-
-    architecture: str
-    model_type: str
-    num_layers: int
-    full_attention_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    torch_dtype: str  # fp32 | bf16 | fp16
-    tie_word_embeddings: bool
-    param_count: int
-    attn_output_gate: bool = False
-    linear_num_key_heads: int = 0  # linear-attention (gated delta-rule) fields, 0 = dense
-    linear_num_value_heads: int = 0
-    linear_key_head_dim: int = 0
-    linear_value_head_dim: int = 0
-    linear_conv_kernel_dim: int = 0
-    num_experts: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0
-    mtp_layers: int = 0  # multi-token-prediction layers config.json declares
-
-    @property
-    def linear_attention_layers(self) -> int:
-        return self.num_layers - self.full_attention_layers
-
-
-def read_model_shape(config_json: Path | str | dict) -> ModelShape:
-    """Shape of a model from its config.json (a path or the parsed dict).
-
-    Multimodal checkpoints keep the language model under `text_config`; only
-    that part is read (a vision tower is small beside it and not counted).
-    """
-    raw = config_json if isinstance(config_json, dict) else json.loads(Path(config_json).read_text())
-    c = {**raw, **raw.get("text_config", {})}
-    layers = int(c["num_hidden_layers"])
-    heads = int(c["num_attention_heads"])
-    kv_heads = int(c.get("num_key_value_heads") or heads)
-    hidden = int(c["hidden_size"])
-    head_dim = int(c.get("head_dim") or hidden // heads)
-    if c.get("layer_types"):
-        full = sum(1 for t in c["layer_types"] if t in _ATTENTION_LAYERS)
-    elif c.get("full_attention_interval"):  # layer i is full attention when (i+1) % k == 0
-        full = layers // int(c["full_attention_interval"])
-    else:
-        full = layers
-    dtype = c.get("dtype") or c.get("torch_dtype") or raw.get("torch_dtype") or "float32"
-    linear = full < layers
-    max_pos = int(c.get("max_position_embeddings") or 0)
-    shape = ModelShape(
-        architecture=(raw.get("architectures") or [c.get("model_type", "?")])[0],
-        model_type=str(raw.get("model_type", "?")),
-        num_layers=layers, full_attention_layers=full, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, hidden_size=hidden, intermediate_size=int(c.get("intermediate_size") or 0),
-        vocab_size=int(c["vocab_size"]), max_position_embeddings=max_pos,
-        torch_dtype=dtype_name(dtype),
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        param_count=0,
-        attn_output_gate=bool(c.get("attn_output_gate", c.get("model_type", "").startswith(
-            ("qwen3_next", "qwen3_5")))),
-        linear_num_key_heads=int(c.get("linear_num_key_heads", 0)) if linear else 0,
-        linear_num_value_heads=int(c.get("linear_num_value_heads", 0)) if linear else 0,
-        linear_key_head_dim=int(c.get("linear_key_head_dim", 0)) if linear else 0,
-        linear_value_head_dim=int(c.get("linear_value_head_dim", 0)) if linear else 0,
-        linear_conv_kernel_dim=int(c.get("linear_conv_kernel_dim", 0)) if linear else 0,
-        num_experts=int(c.get("num_experts") or c.get("num_local_experts") or 0),
-        # Mixtral names the expert width intermediate_size; Qwen-MoE has its own key.
-        moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
-        shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
-        mtp_layers=int(c.get("mtp_num_hidden_layers") or 0),
-    )
-    sharded, replicated = _param_split(shape, tp=1)
-    return _replace(shape, param_count=sharded + replicated)
-
-
-def _replace(shape: ModelShape, **kw: Any) -> ModelShape:
-    from dataclasses import replace
-    return replace(shape, **kw)
-
-
-def _param_split(s: ModelShape, tp: int) -> tuple[int, int]:
-    """(parameters split over tp cards, parameters every card holds) — per card for the second."""
-    h, hd = s.hidden_size, s.head_dim
-    kv_card = math.ceil(s.num_kv_heads / tp)
-    q_out = s.num_heads * hd * (2 if s.attn_output_gate else 1)  # the gate doubles q_proj
-    attn = h * q_out + s.num_heads * hd * h  # q, o: split over cards
-    attn_kv_card = 2 * h * kv_card * hd  # k, v: per card (replicated when tp > kv heads)
-    if s.num_experts:
-        mlp = (s.num_experts * 3 * h * s.moe_intermediate_size + h * s.num_experts  # + router
-               + 3 * h * s.shared_expert_intermediate_size)
-    else:
-        mlp = 3 * h * s.intermediate_size
-    k_dim = s.linear_num_key_heads * s.linear_key_head_dim
-    v_dim = s.linear_num_value_heads * s.linear_value_head_dim
-    conv_dim = 2 * k_dim + v_dim
-    lin = (h * (conv_dim + v_dim + 2 * s.linear_num_value_heads)  # in_proj qkv, z, b, a
-           + conv_dim * s.linear_conv_kernel_dim + v_dim * h + 2 * s.linear_num_value_heads)
-    heads = s.vocab_size * h * (1 if s.tie_word_embeddings else 2)
-    sharded = (heads + s.num_layers * mlp + s.full_attention_layers * attn
-               + s.linear_attention_layers * lin)
-    replicated = (s.full_attention_layers * (attn_kv_card + 2 * hd)  # + q/k norms
-                  + s.num_layers * 2 * h + h + s.linear_attention_layers * s.linear_value_head_dim)
-    return sharded, replicated
-
-
 # ---------------------------------------------------------------- arithmetic
-
-
-def kv_token_head_bytes(kv_dtype: str, head_dim: int, model_dtype: str) -> int:
-    """Bytes one token's K (or V) of one head takes in the cache, scales included."""
-    kv = dtype_name(model_dtype) if kv_dtype == "auto" else kv_dtype
-    if kv in ELT_BYTES:
-        return ELT_BYTES[kv] * head_dim
-    if kv in ("fp8_e4m3", "int8"):
-        return head_dim + 4  # 1 B per element + one fp32 scale per token-head
-    if kv == "int4":
-        return (head_dim + 1) // 2 + 4 * math.ceil(head_dim / QUANT_GROUP)
-    raise ValueError(f"kv_dtype: expected auto, fp32, fp16, bf16, fp8_e4m3, int8 or int4, got {kv!r}")
-
-
-def kv_heads_per_card(shape: ModelShape, tp: int) -> int:
-    return math.ceil(shape.num_kv_heads / tp)
-
-
-def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str, mtp_layers: int = 0) -> int:
-    """KV bytes one token takes on each card: full-attention layers, and `mtp_layers`
-    of the MTP head where the pool holds them (plan_mtp_layers)."""
-    return (2 * (shape.full_attention_layers + mtp_layers) * kv_heads_per_card(shape, tp)
-            * kv_token_head_bytes(kv_dtype, shape.head_dim, shape.torch_dtype))
-
-
-def fixed_bytes_per_request(shape: ModelShape, tp: int, dtype: str | None = None) -> int:
-    """Per-request state that does not grow with tokens (linear-attention layers); 0 for dense.
-    Kept in the weights' dtype (`dtype`, default the checkpoint's)."""
-    if not shape.linear_attention_layers or not shape.linear_num_value_heads:
-        return 0
-    k_heads, v_heads = shape.linear_num_key_heads, shape.linear_num_value_heads
-    dk, dv = shape.linear_key_head_dim, shape.linear_value_head_dim
-    recurrent = math.ceil(v_heads / tp) * dk * dv
-    conv = math.ceil((2 * k_heads * dk + v_heads * dv) / tp) * max(shape.linear_conv_kernel_dim - 1, 0)
-    return (shape.linear_attention_layers * (recurrent + conv)
-            * ELT_BYTES[dtype_name(dtype or shape.torch_dtype)])
-
-
-def held_bytes_per_request(shape: ModelShape, tp: int, spec_k: int,
-                           dtype: str | None = None) -> int:
-    """Room for the one verification row of spec_k + 1 positions a hybrid's state slot may
-    hold (neuron/models/linear_state.py); 0 for dense. Float parts in `dtype` (default the
-    checkpoint's), the normalised keys and the gates in fp32, as the layer keeps them."""
-    if not shape.linear_attention_layers or not shape.linear_num_value_heads or spec_k <= 0:
-        return 0
-    k_heads, v_heads = shape.linear_num_key_heads, shape.linear_num_value_heads
-    dk, dv = shape.linear_key_head_dim, shape.linear_value_head_dim
-    elt = ELT_BYTES[dtype_name(dtype or shape.torch_dtype)]
-    channels = math.ceil((2 * k_heads * dk + v_heads * dv) / tp)
-    position = (channels * elt + math.ceil(k_heads / tp) * dk * 4
-                + math.ceil(v_heads / tp) * (dv * elt + 2 * 4))
-    return (spec_k + 1) * shape.linear_attention_layers * position
 
 
 def planned_spec_k(cfg: NeuronConfig, entry: ModelEntry | None = None) -> int:
@@ -278,28 +96,6 @@ def plan_mtp_layers(cfg: NeuronConfig, entry: ModelEntry, shape: ModelShape) -> 
     named = [entry.speculation or cfg.engine.speculation]
     named += [p.speculation for p in cfg.profiles.values()]
     return shape.mtp_layers if "mtp" in named else 0
-
-
-def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
-                          quantize: str = "none", group_size: int = 128) -> int:
-    """Weight bytes one card holds; ``quantize`` (int8, int4) as quantised at load."""
-    if quantize != "none":
-        return quantized_weight_bytes_per_card(shape, tp, ELT_BYTES[dtype_name(weight_dtype)],
-                                               quantize, group_size)
-    sharded, replicated = _param_split(shape, tp)
-    return (math.ceil(sharded / tp) + replicated) * ELT_BYTES[dtype_name(weight_dtype)]
-
-
-def max_positions(config_json: dict) -> int:
-    """Positions the model can address: max_position_embeddings, or its rope-scaled reach."""
-    c = {**config_json, **config_json.get("text_config", {})}
-    mpe = int(c.get("max_position_embeddings") or 0)
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    factor = rope.get("factor") if isinstance(rope, dict) else None
-    if factor and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-        orig = int(rope.get("original_max_position_embeddings") or mpe)
-        return max(mpe, int(orig * float(factor)))
-    return mpe
 
 
 # ---------------------------------------------------------------------- plans
@@ -353,6 +149,15 @@ def _key(cfg: NeuronConfig, entry: ModelEntry, field: str) -> str:
     return f"models[{i}].{field}" if i is not None else f"models.{entry.id}.{field}"
 
 
+def format_bytes(n: float) -> str:
+    """1536 → '1.5 KiB': a byte figure as `helexa plan` and its errors print it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+
 def _tokens_each(budget: int, sessions: int, block_bytes: int, block_size: int, fixed: int) -> int:
     """Tokens each of `sessions` equal requests can hold: whole blocks after their fixed state."""
     free = budget - sessions * fixed
@@ -398,7 +203,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     # linear-attention state in the model's float dtype (its activations'), quantised or not
     fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
     in_file = checkpoint_quantization(raw)
-    if gguf is not None:  # each tensor on its op (helexa/gguf_meta.py)
+    if gguf is not None:  # each tensor on its op (helexa/checkpoint/gguf.py)
         if entry.quantize != "none":
             raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
                             f"keeps its own quantisation, got {entry.quantize!r}")
@@ -426,7 +231,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                                                       float_dtype, where)
         weights += draft_weights
         per_token += draft_per_token
-        weight_dtype += f"; + draft {draft_id} {_size(draft_weights)}"
+        weight_dtype += f"; + draft {draft_id} {format_bytes(draft_weights)}"
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
     headroom = cfg.kv.activation_headroom_mb * MIB
@@ -487,7 +292,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         draft_model_id=draft_id or "", draft_weight_bytes=draft_weights,
         draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
-    return _replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
+    return replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
 
 
 def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,
@@ -556,77 +361,3 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
 # ------------------------------------------------------------------- printing
 
 
-def _size(n: float) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
-
-
-def format_plan(p: ModelPlan) -> str:
-    s = p.shape
-    assert s is not None
-    heads = kv_heads_per_card(s, p.tp)
-    per_head = (p.bytes_per_token - p.draft_bytes_per_token) // max(
-        1, 2 * (s.full_attention_layers + p.mtp_kv_layers) * heads)
-    layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
-              else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
-    if p.mtp_kv_layers:
-        layers = f"({layers} + {p.mtp_kv_layers} MTP)"
-    lines = [
-        f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
-        f"    weights per card    {_size(p.weight_bytes_per_card)} ({p.weight_dtype})",
-        f"    KV per token/card   {p.bytes_per_token:,} B ({_size(p.bytes_per_token)}) = 2 × {layers}"
-        f" × {heads} kv heads × {per_head:,} B ({p.kv_dtype}, head_dim {s.head_dim})"
-        + (f" + {p.draft_bytes_per_token:,} B draft" if p.draft_model_id else ""),
-        *([f"    draft model         {p.draft_model_id}: {_size(p.draft_weight_bytes)} weights, "
-           f"{p.draft_bytes_per_token:,} B KV per token (counted in both figures above)"]
-          if p.draft_model_id else []),
-        f"    fixed per request   {p.fixed_bytes:,} B ({_size(p.fixed_bytes)})"
-        + (f": recurrent + conv state of {s.linear_attention_layers} linear-attention layers"
-           if p.fixed_bytes else ""),
-        f"    KV budget per card  {_size(p.kv_budget_bytes)} ({p.budget_source})",
-        f"    pool                {p.num_blocks:,} blocks × {p.block_size} = {p.pool_tokens:,} tokens"
-        + (f"; served as {p.num_state_slots} state slots (one per request in flight) + "
-           f"{p.blocks_beside_state:,} blocks" if p.num_state_slots else ""),
-    ]
-    if p.held_bytes:
-        lines.append(f"    speculation room    {p.held_bytes:,} B ({_size(p.held_bytes)}) per"
-                     " state slot: one verification row's inputs, for rollback")
-    lines += [
-        f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
-        f"  (model positions {p.max_position_embeddings:,})",
-        "    sessions  tokens each",
-    ]
-    lines += [f"    {n:>8}  {t:>11,}" for n, t in p.trade]
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="helexa plan", description=(
-        "Print each model's memory per card and the context its KV pool buys, from the "
-        "neuron config and each model's config.json alone."))
-    ap.add_argument("files", nargs="+", help="neuron config files (asset/neuron/*.toml)")
-    ap.add_argument("--kv-dtype", choices=["auto", "fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4"],
-                    help="plan with this KV dtype instead of the configured one")
-    args = ap.parse_args(argv)
-    status = 0
-    for path in args.files:
-        print(path)
-        try:
-            cfg = load_neuron_config(path)
-        except ConfigError as e:
-            print(e, file=sys.stderr)
-            status = 2
-            continue
-        for entry in cfg.models:
-            try:
-                print(format_plan(plan_model(cfg, entry, path, kv_dtype=args.kv_dtype)))
-            except PlanError as e:
-                print(e, file=sys.stderr)
-                status = 2
-    return status

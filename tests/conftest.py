@@ -2,7 +2,7 @@
 
 `tiny_model_dir` is the default qwen3 tiny checkpoint (hidden 64, 2 layers,
 vocab 512). `tiny_checkpoint(arch, **kw)` makes any other (the keywords of
-`helexa.tiny.init_tiny`), once per distinct set of arguments.
+`helexa.fixtures.tiny.init_tiny`), once per distinct set of arguments.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.tiny import init_tiny
+from helexa.fixtures.tiny import init_tiny
 
 
 @pytest.fixture(scope="session")

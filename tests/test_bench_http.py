@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from helexa.bench_http import main
-from helexa.bench_load import parse_scenario
-from helexa.bench_request import Record
-from helexa.bench_stats import knee, pct, summarise
+from helexa.loadgen.bench import main
+from helexa.loadgen.load import parse_scenario
+from helexa.loadgen.request import Record
+from helexa.loadgen.stats import knee, pct, summarise
 
 GAP = 0.02  # seconds between the fake's chunks
 

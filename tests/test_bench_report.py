@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from helexa.bench_report import main
-from helexa.bench_request import Record
+from helexa.loadgen.report import main
+from helexa.loadgen.request import Record
 
 
 def _run(path: Path, bound_ms: float) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from helexa.cli import main as helexa_main
-from helexa.config import ModelsCatalogue, load_config, resolve_path
-from helexa.tiny import init_tiny
+from helexa.config.schema import ModelsCatalogue, load_config, resolve_path
+from helexa.fixtures.tiny import init_tiny
 
 ASSET = Path(__file__).resolve().parent.parent / "asset"
 NEURONS = sorted((ASSET / "neuron").glob("*.toml"))
@@ -146,7 +146,7 @@ def test_a_file_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
 
 
 def test_speculation_settings_are_checked_and_a_profile_overrides_them():
-    from helexa.config import EngineConfig, NeuronConfig, ProfileConfig
+    from helexa.config.schema import EngineConfig, NeuronConfig, ProfileConfig
     from helexa.neuron.engine.spec import limits_from_config
 
     assert EngineConfig(speculation="mtp").speculation == "mtp"
@@ -163,7 +163,7 @@ def test_speculation_settings_are_checked_and_a_profile_overrides_them():
 
 
 def test_a_model_entry_sets_its_own_speculation_between_engine_and_profile():
-    from helexa.config import EngineConfig, ModelEntry, NeuronConfig, ProfileConfig
+    from helexa.config.schema import EngineConfig, ModelEntry, NeuronConfig, ProfileConfig
     from helexa.neuron.engine.spec import limits_from_config
 
     small = ModelEntry(id="small", path="s", preload=False)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.deploy import main
+from helexa.cli.deploy import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_CONFIG = ROOT / "asset" / "models" / "helexa" / "tiny-qwen3" / "config.json"

@@ -13,8 +13,9 @@ from typing import Annotated
 import msgspec
 import pytest
 
-from helexa import config
-from helexa.config import (
+from helexa.config import schema as config
+from helexa.config.doc import UndocumentedField, render_reference
+from helexa.config.schema import (
     RELOAD,
     AdmissionConfig,
     ConfigError,
@@ -24,7 +25,6 @@ from helexa.config import (
     field_meta,
     load_config,
 )
-from helexa.config_doc import UndocumentedField, render_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ROOT / "docs" / "config.md"
@@ -34,7 +34,7 @@ EXAMPLES = sorted((ROOT / "docs" / "examples").glob("*.toml"))
 def stale_diff(committed: str, rendered: str) -> str:
     """Empty when docs/config.md is what the schema renders, else the diff to apply."""
     return "".join(difflib.unified_diff(committed.splitlines(True), rendered.splitlines(True),
-                                        "docs/config.md (committed)", "rendered from helexa/config.py"))
+                                        "docs/config.md (committed)", "rendered from helexa/config/schema.py"))
 
 
 def test_config_reference_is_current() -> None:
@@ -124,7 +124,7 @@ _TOP_KEYS = {f.name for schema in (config.NeuronConfig, config.RouterConfig)
 
 
 def test_sample_output_in_operating_md_is_what_the_command_prints(monkeypatch, capsys) -> None:
-    from helexa.plan import main as plan_main
+    from helexa.cli.plan import main as plan_main
 
     text = (ROOT / "docs" / "operating.md").read_text()
     m = re.search(r"<!-- output of: helexa plan (\S+) -->\n```\n(.*?)```", text, re.S)
@@ -157,7 +157,7 @@ def test_config_keys_named_in_the_docs_exist() -> None:
 def _source_metric_patterns() -> list[re.Pattern[str]]:
     patterns = []
     for folder in ("neuron", "router"):
-        for py in (ROOT / folder).rglob("*.py"):
+        for py in (ROOT / "helexa" / folder).rglob("*.py"):
             for lit in re.findall(r"\"(helexa_[a-z_{}]+)\"", py.read_text()):
                 patterns.append(re.compile(re.sub(r"\\\{[a-z_]*\\\}", "[a-z_]+", re.escape(lit)) + "$"))
     return patterns
@@ -178,7 +178,7 @@ def test_metric_names_in_the_docs_exist_in_the_code() -> None:
     for name in sorted(names):
         base = name.removesuffix("_total")  # prometheus_client adds _total to counters
         assert any(p.match(name) or p.match(base) for p in patterns), \
-            f"the docs name metric `{name}`, which neither neuron/ nor router/ defines"
+            f"the docs name metric `{name}`, which neither helexa/neuron/ nor helexa/router/ defines"
 
 
 def test_commands_named_in_the_docs_exist() -> None:
@@ -194,8 +194,7 @@ def test_commands_named_in_the_docs_exist() -> None:
 
 CONTRACTS = {name: ROOT / "docs" / f"{name}.md" for name in ("http", "grpc", "errors",
                                                                "observability")}
-_SOURCES = [p for folder in ("router", "neuron", "helexa", "kernels")
-            for p in sorted((ROOT / folder).rglob("*.py")) if "proto" not in p.parts]
+_SOURCES = [p for p in sorted((ROOT / "helexa").rglob("*.py")) if "proto" not in p.parts]
 _LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 
 
@@ -281,7 +280,7 @@ def test_the_error_table_states_the_status_each_code_gets() -> None:
 
 
 def test_every_route_is_in_the_http_doc() -> None:
-    from helexa.config import RouterConfig
+    from helexa.config.schema import RouterConfig
     from helexa.router.app import RouterState, build_app
 
     app = build_app(RouterState(RouterConfig(), None))
@@ -356,7 +355,7 @@ def test_every_logged_event_is_in_the_observability_doc() -> None:
 
 def test_the_repository_cites_only_its_own_docs() -> None:
     # The design lives in docs/; nothing may point at a document outside the repository.
-    tracked = [p for folder in ("router", "neuron", "helexa", "kernels", "proto", "tests",
+    tracked = [p for folder in ("helexa", "proto", "tests",
                                 "bench", "docs", "deploy")
                for p in (ROOT / folder).rglob("*") if p.is_file() and p.suffix in
                (".py", ".md", ".proto", ".toml", ".sh", ".c")]

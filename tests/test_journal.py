@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.journal import main
+from helexa.cli.journal import main
 
 A, B = "Qwen/Qwen3-8B", "tiny/b"
 
@@ -67,7 +67,7 @@ def generate_log() -> str:
     events += _span("b1", B, "alice", 90, 105)
     events += _span("b2", B, "bob", 100, None)
     # the router logs the same req_ids with its own times: never paired with the neuron's
-    # (and says a client left with outcome="client_gone", as router/serve.py logs it)
+    # (and says a client left with outcome="client_gone", as helexa/router/serve.py logs it)
     router = {"component": "router", "req_id": "a1", "model": A, "principal": "alice"}
     events += [(1.5, _line(1.5, "request.start", **router)),
                (100.5, _line(100.5, "request.done", **router, outcome="client_gone"))]

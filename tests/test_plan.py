@@ -7,18 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from helexa.cli import main as helexa_main
-from helexa.config import load_neuron_config
-from helexa.plan import (
-    MIB,
-    PlanError,
-    check_neuron_config,
+from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
     kv_bytes_per_token,
     kv_token_head_bytes,
-    plan_model,
-    read_model_shape,
 )
+from helexa.checkpoint.shape import read_model_shape
+from helexa.cli import main as helexa_main
+from helexa.config.schema import load_neuron_config
+from helexa.plan import MIB, PlanError, check_neuron_config, plan_model
 
 ASSET = Path(__file__).resolve().parent.parent / "asset"
 HYBRID = ASSET / "models" / "Qwen" / "Qwen3.5-27B" / "config.json"
@@ -217,7 +214,8 @@ def test_the_model_code_holds_what_the_plan_counts_for_the_27b_hybrid():
 
 def test_a_speculating_config_sets_room_aside_per_state_slot_for_a_held_verification_row(
         tmp_path):
-    from helexa.plan import held_bytes_per_request, state_slots
+    from helexa.checkpoint.memory import held_bytes_per_request
+    from helexa.plan import state_slots
 
     shape = read_model_shape(HYBRID)
     # per position and linear layer at tp = 2: conv inputs 5,120 × 2 B + k 8 × 128 × 4 B

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from helexa.cli import main as helexa_main
-from helexa.tiny import SPECIAL_TOKENS
+from helexa.fixtures.tiny import SPECIAL_TOKENS
 
 SAMPLES = [
     "Hello, world! The quick brown fox.",

@@ -64,8 +64,8 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
 
 
 def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
-    from helexa.config import NeuronConfig, RouterConfig, load_config
-    from helexa.up import main, write_configs
+    from helexa.cli.up import main, write_configs
+    from helexa.config.schema import NeuronConfig, RouterConfig, load_config
 
     (tmp_path / "m").mkdir()
     neuron, router = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16)
@@ -141,7 +141,7 @@ class Up:
 
 
 def test_up_knows_which_checkpoints_carry_an_mtp_head(tiny_checkpoint, tiny_model_dir):
-    from helexa.up import has_mtp_head
+    from helexa.cli.up import has_mtp_head
 
     assert has_mtp_head(tiny_checkpoint("qwen3_5", mtp=True))
     assert not has_mtp_head(tiny_checkpoint("qwen3_5")) and not has_mtp_head(tiny_model_dir)
@@ -228,8 +228,8 @@ def test_up_with_a_model_that_cannot_load_says_why_and_exits_1(tmp_path, tiny_mo
 
 def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
         tmp_path, tiny_model_dir):
-    from helexa.daemons import Child
-    from helexa.up import _add_endpoint, write_configs
+    from helexa.cli.daemons import Child
+    from helexa.cli.up import _add_endpoint, write_configs
 
     model = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, model)
@@ -321,7 +321,7 @@ def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
     # at tiny size, through `helexa up --model` with no KV budget given.
     from openai import OpenAI
 
-    from helexa.tiny import init_tiny
+    from helexa.fixtures.tiny import init_tiny
 
     model_dir = init_tiny(tmp_path / "tiny-qwen3_5", arch="qwen3_5")
     assert json.loads((model_dir / "config.json").read_text())["architectures"] == [

@@ -1,4 +1,4 @@
-"""kernels/cpu_native.c against plain torch: the few-row matmul, and whole decode steps of
+"""helexa/kernels/cpu/native.c against plain torch: the few-row matmul, and whole decode steps of
 each architecture run by the cpu backend's native kernels vs the torch backend, on the
 same inputs."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels import cpu_native
+from helexa.kernels.cpu import native as cpu_native
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
 lib = cpu_native.load()

@@ -1,13 +1,14 @@
-"""The grouped int8 op (kernels/quant.py): the matmul of its dequantised weight, on the torch
-tiles and on the native kernels of kernels/cpu_int8g.c (every build this CPU has)."""
+"""The grouped int8 op (helexa/kernels/quant.py): the matmul of its dequantised weight, on the torch
+tiles and on the native kernels of helexa/kernels/cpu/int8g.c (every build this CPU has)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helexa.kernels import cpu_native, int8g_cpu
 from helexa.kernels import quant as qk
+from helexa.kernels.cpu import int8g as int8g_cpu
+from helexa.kernels.cpu import native as cpu_native
 
 
 @pytest.mark.parametrize("zeros", [False, True])

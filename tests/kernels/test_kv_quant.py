@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helexa.checkpoint.memory import kv_token_head_bytes
 from helexa.kernels.kv_quant import (
     INT4_GROUP,
     QUANT_DTYPES,
@@ -16,7 +17,6 @@ from helexa.kernels.kv_quant import (
     quantize,
     write_quantized,
 )
-from helexa.plan import kv_token_head_bytes
 
 
 def sample(*shape: int, seed: int = 0) -> torch.Tensor:

@@ -6,7 +6,7 @@ import grpc
 import msgspec
 import pytest
 
-from helexa.config import NeuronConfig
+from helexa.config.schema import NeuronConfig
 from helexa.neuron.limits import (
     ModelLimits,
     Refusal,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from helexa.config import NeuronConfig
+from helexa.config.schema import NeuronConfig
 from helexa.neuron.daemon import config_diff, merge_reloadable
 
 

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 from support.fake_engine import FakeEngineClient
 
-from helexa.config import NeuronConfig
+from helexa.config.schema import NeuronConfig
 from helexa.neuron.limits import Refusal
 from helexa.neuron.residency import ModelState, Residency
 

@@ -12,7 +12,7 @@ import pytest
 from support.fake_engine import FakeEngineClient
 from support.neuron import write_neuron_config
 
-from helexa.config import load_neuron_config
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.auth import bearer, token_matches
 from helexa.neuron.daemon import NeuronDaemon
 from helexa.proto import neuron_pb2 as pb

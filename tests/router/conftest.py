@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from router_fake_neuron import FakeNeuron  # noqa: E402
 from router_fleet import ALICE_KEY, Fleet, LoopThread, _wait_healthy  # noqa: E402
 
-from helexa.config import load_router_config  # noqa: E402
+from helexa.config.schema import load_router_config  # noqa: E402
 from helexa.router import app as router_app  # noqa: E402
 from helexa.router.auth import hash_key  # noqa: E402
 

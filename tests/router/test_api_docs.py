@@ -25,7 +25,7 @@ def test_every_body_field_is_documented(struct):
 
 
 def test_every_route_is_documented():
-    from helexa.config import RouterConfig
+    from helexa.config.schema import RouterConfig
 
     app = build_app(RouterState(RouterConfig(), None))
     documented = set(re.findall(r"`(?:GET|POST) (/[^` ]*)`", DOC)) | {

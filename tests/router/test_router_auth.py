@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helexa.config import ConfigError
+from helexa.config.schema import ConfigError
 from helexa.router.auth import ANONYMOUS, Authenticator, hash_key, load_keys_file, may_load
 from helexa.router.errors import ApiError
 
@@ -56,7 +56,7 @@ def test_may_load():
 
 
 def test_by_default_only_named_principals_cause_loads(tmp_path):
-    from helexa.config import load_router_config
+    from helexa.config.schema import load_router_config
 
     f = tmp_path / "router.toml"
     f.write_text('[server]\nlisten = "127.0.0.1:0"\n')

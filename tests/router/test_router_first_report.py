@@ -11,7 +11,7 @@ import openai
 import pytest
 from router_fake_neuron import FakeNeuron
 
-from helexa.config import RouterConfig
+from helexa.config.schema import RouterConfig
 from helexa.router import app as router_app
 
 MSG = [{"role": "user", "content": "hello there"}]

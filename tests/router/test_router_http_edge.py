@@ -10,7 +10,7 @@ import socket
 import msgspec
 import pytest
 
-from helexa.config import RouterConfig
+from helexa.config.schema import RouterConfig
 from helexa.router import app as router_app
 
 BODY = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'

@@ -2,7 +2,7 @@
 
 `FakeEngineClient` has no process and no model: every request is admitted at
 once and gets one scripted token per step. Like the real engine it owns each
-request's outcome: the output budget (neuron/engine/budget.py's rule), stop
+request's outcome: the output budget (helexa/budget.py's rule), stop
 tokens, aborts, and deadlines (ABORT with error "deadline"); the daemon only
 maps what it reports. `run_fake_neuron` runs a whole daemon in-process on it.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 import msgspec
 
+from helexa.budget import output_budget
 from helexa.neuron.engine import messages as m
-from helexa.neuron.engine.budget import output_budget
 from helexa.neuron.engine.spec import EngineSpec, merge_limits
 from helexa.proto import neuron_pb2_grpc
 
@@ -154,7 +154,7 @@ def run_fake_neuron(config_path: str | Path, body: Callable[..., Awaitable[Any]]
                     script: Script, step_secs: float = 0.001) -> Any:
     """Run `await body(stub, daemon, engine)` against a fresh in-process daemon whose
     engines are FakeEngineClients (`engine` is the first one made); drains it after."""
-    from helexa.config import load_neuron_config
+    from helexa.config.schema import load_neuron_config
     from helexa.neuron.daemon import NeuronDaemon
 
     factory = FakeEngineClient.factory(script, step_secs=step_secs)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from helexa.fixtures.hybrid import craft_right_mtp_head
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.tiny_hybrid import craft_right_mtp_head
 from support.spec_engine import assert_whole, drive_steps
 
 drive = drive_steps  # the MTP tests count steps too

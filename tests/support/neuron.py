@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import tomli_w
 
-from helexa.daemons import stop_process
+from helexa.cli.daemons import stop_process
 from helexa.neuron.auth import bearer
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc

@@ -8,7 +8,7 @@ import time
 import grpc
 from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
-from helexa.config import load_neuron_config
+from helexa.config.schema import load_neuron_config
 from helexa.proto import neuron_pb2 as pb
 
 

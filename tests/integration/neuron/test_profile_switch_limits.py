@@ -27,7 +27,8 @@ import openai
 import pytest
 from support.neuron import NeuronClient, NeuronProcess, ledger_whole, model_of
 
-from helexa.plan import kv_bytes_per_token, read_model_shape
+from helexa.checkpoint.memory import kv_bytes_per_token
+from helexa.checkpoint.shape import read_model_shape
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 

@@ -10,10 +10,10 @@ from browser_cdp import Browser
 from prometheus_client.parser import text_string_to_metric_families
 from router_procs import wait_for
 
-from helexa.bench_http import main
-from helexa.bench_report import report
-from helexa.bench_request import Record
-from helexa.bench_stats import group, knees, summarise
+from helexa.loadgen.bench import main
+from helexa.loadgen.report import report
+from helexa.loadgen.request import Record
+from helexa.loadgen.stats import group, knees, summarise
 
 
 def _records(path: Path) -> list[Record]:

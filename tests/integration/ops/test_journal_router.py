@@ -6,7 +6,7 @@ import openai
 import pytest
 from router_procs import wait_for
 
-from helexa.journal import Journal, format_report
+from helexa.cli.journal import Journal, format_report
 
 
 def test_router_spans_all_end_including_a_neurons_context_refusal(ops):
@@ -35,7 +35,7 @@ def test_router_spans_all_end_including_a_neurons_context_refusal(ops):
 
 
 def test_the_journal_leaves_out_a_bench_run_under_its_own_key(ops, tmp_path):
-    from helexa.bench_http import main as bench
+    from helexa.loadgen.bench import main as bench
 
     def journal(exclude: frozenset[str]) -> Journal:
         j = Journal(component="neuron", exclude=exclude)

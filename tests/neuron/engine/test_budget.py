@@ -1,5 +1,5 @@
 """One rule, one owner: the router's estimate, the daemon's early check and the engine's
-decision are the same function of the same numbers (neuron/engine/budget.py)."""
+decision are the same function of the same numbers (helexa/budget.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import random
 import pytest
 from support.fake_runner import FakeRunner
 
+from helexa.budget import check_request, output_budget, reservation_blocks
 from helexa.neuron.engine import messages as m
-from helexa.neuron.engine.budget import check_request, output_budget, reservation_blocks
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.limits import ModelLimits, Refusal, check_context

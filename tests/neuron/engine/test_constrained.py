@@ -8,12 +8,12 @@ import pytest
 from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa import grammar
+from helexa.fixtures.tiny import init_tiny
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import Draft
 from helexa.neuron.tokenizer import Tokenizer
-from helexa.tiny import init_tiny
 from tests.neuron.engine.test_engine_core import assert_whole, drive
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],

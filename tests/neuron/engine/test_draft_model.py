@@ -16,12 +16,13 @@ import pytest
 import torch
 from support.fake_runner import FakeRunner
 
+from helexa.checkpoint.memory import kv_bytes_per_token
+from helexa.checkpoint.shape import read_model_shape
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.draft_model import DraftModelDrafter
 from helexa.neuron.engine.speculative.drafters import NgramDrafter, PerRequestDrafter
-from helexa.plan import kv_bytes_per_token, read_model_shape
 
 GREEDY = m.SamplingParams(temperature=0.0)
 SAMPLED = m.SamplingParams(temperature=0.8, top_k=20, seed=3)

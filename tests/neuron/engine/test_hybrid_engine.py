@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.config import load_neuron_config
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.engine_core import EngineCore

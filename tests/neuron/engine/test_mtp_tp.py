@@ -22,10 +22,11 @@ from support.mtp import (
     spec_for,
 )
 
+from helexa.checkpoint.memory import kv_bytes_per_token
+from helexa.checkpoint.shape import read_model_shape
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.plan import kv_bytes_per_token, read_model_shape
 
 # fp32; tp = 2 sums the fc's, o_proj's and down_proj's halves in another order (one
 # all-reduce each), so the last bits differ: ~6e-6 seen on logits of magnitude ~17.

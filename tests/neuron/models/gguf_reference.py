@@ -146,7 +146,7 @@ def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path, pre: str = "qwen2") -> No
     cfg = {**cfg, **cfg.get("text_config", {})}  # the multimodal wrapper's ids are its text's
     tcfg = json.loads((src / "tokenizer_config.json").read_text())
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)  # helexa/tiny.py's split pattern is Qwen2's
+    w.add_tokenizer_pre(pre)  # helexa/fixtures/tiny.py's split pattern is Qwen2's
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)

@@ -14,7 +14,7 @@ from helexa.neuron.models.quant import QuantSpec, quantize_int4, quantize_int8
 
 
 def dequantized_weight(name: str, w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """The float weight that ``name`` computes with under ``spec`` (as neuron/models/quant.py)."""
+    """The float weight that ``name`` computes with under ``spec`` (as helexa/neuron/models/quant.py)."""
     if w.dim() != 2 or not (name.endswith("proj.weight") or "embed_tokens" in name
                             or name.startswith("lm_head")):
         return w

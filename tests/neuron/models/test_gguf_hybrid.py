@@ -13,7 +13,7 @@ import torch
 from gguf_hybrid_reference import ARCH, qkvz_parts, reference_dir, write_hybrid_gguf
 from support.greedy import greedy_generate
 
-from helexa.gguf_meta import config_from_metadata, metadata, reader
+from helexa.checkpoint.gguf import config_from_metadata, metadata, reader
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.config import parse_model_config
 from helexa.neuron.models.gguf_hybrid import as_float
@@ -181,7 +181,7 @@ def test_hf_config_and_tokenizer_beside_the_file(hybrid_gguf, tmp_path,
 
 
 def test_an_unsupported_type_in_an_expert_stack_is_refused_naming_it(tiny_checkpoint, tmp_path):
-    from helexa.gguf_meta import GgufError
+    from helexa.checkpoint.gguf import GgufError
 
     src = tiny_checkpoint("qwen3_5_moe", **TINY)
     write_hybrid_gguf(src, tmp_path / "model.gguf",
@@ -192,7 +192,7 @@ def test_an_unsupported_type_in_an_expert_stack_is_refused_naming_it(tiny_checkp
 
 
 def test_ssm_out_stays_quantised_only_when_a_value_head_is_whole_sub_blocks():
-    from helexa.gguf_families import stays_quantised
+    from helexa.checkpoint.gguf_families import stays_quantised
 
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
     assert stays_quantised("qwen35", "ssm_out", "Q6_K", {**cfg, "linear_value_head_dim": 16})

@@ -126,7 +126,8 @@ def test_a_step_resuming_outside_the_held_row_is_refused(tiny_checkpoint):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_held_row_takes_what_helexa_plan_sets_aside(tiny_checkpoint, dtype: str):
-    from helexa.plan import held_bytes_per_request, read_model_shape
+    from helexa.checkpoint.memory import held_bytes_per_request
+    from helexa.checkpoint.shape import read_model_shape
 
     model_dir = tiny_checkpoint("qwen3_next", dtype=dtype)
     shape = read_model_shape(model_dir / "config.json")

@@ -1,4 +1,4 @@
-"""The MTP head (neuron/models/mtp.py) computes what its checkpoint describes: against a
+"""The MTP head (helexa/neuron/models/mtp.py) computes what its checkpoint describes: against a
 plain-torch reference written here from the structure (fc over the normed embedding of
 token t + 1 and the normed hidden state at t, one gated full-attention layer with its own
 causal KV, MLP or experts, a final norm, the shared lm_head; every norm (1 + w)), on tiny
@@ -16,9 +16,12 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from helexa.config import load_neuron_config
+from helexa.checkpoint.memory import kv_bytes_per_token
+from helexa.checkpoint.shape import read_model_shape
+from helexa.cli.plan import format_plan
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
-from helexa.plan import format_plan, kv_bytes_per_token, plan_model, read_model_shape
+from helexa.plan import plan_model
 
 ARCHS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 

@@ -15,7 +15,7 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf_reference import llama_cpp_permute, quantize, reference_dir, write_gguf
 from support.greedy import greedy_generate
 
-from helexa.gguf_meta import GgufError, config_from_metadata, layout_of
+from helexa.checkpoint.gguf import GgufError, config_from_metadata, layout_of
 from helexa.kernels import quant as qk
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.models.config import parse_model_config

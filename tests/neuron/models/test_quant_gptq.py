@@ -102,7 +102,8 @@ def test_8bit_layers_run_the_grouped_int8_op(gptq_dirs, desc_act, sym):
 
 
 def test_8bit_layers_choose_their_decode_kernels_at_load(gptq_dirs, monkeypatch):
-    from helexa.kernels import cpu_native, int8g_cpu
+    from helexa.kernels.cpu import int8g as int8g_cpu
+    from helexa.kernels.cpu import native as cpu_native
 
     monkeypatch.delenv("HELEXA_CPU_INT8G", raising=False)
     monkeypatch.setattr(int8g_cpu, "_choices", {})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helexa.config import load_neuron_config
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.plan import plan_model
 

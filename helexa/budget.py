@@ -1,0 +1,86 @@
+"""What one request may take of a model: its output budget, the context check, its KV blocks.
+
+This module is the rule's one owner; everyone else calls it:
+
+- the engine (engine_core.py) decides with it whether a request is refused
+  or queued, and admission (admission.py) reserves `reservation_blocks`;
+- the daemon (helexa/neuron/limits.py) refuses with it before tokens cross the
+  pipe, so the message is the engine's own;
+- the router (helexa/router/selection.py) estimates with it which neuron's free KV
+  fits a request, so the figure it predicts is the one the neuron reserves.
+
+The rule (docs/architecture.md, "The KV pool and its ledger"): a request
+may use `context` tokens, prompt and output together. Its output budget is
+`max_tokens` when the client gave one, else `default_output_tokens`
+capped by what the context leaves and by the model's `max_output_tokens`.
+It reserves `ceil((prompt + budget) / block_size)` blocks, all at admission.
+
+Pure functions of plain numbers: no process state, no imports beyond the
+standard library, so the router pays nothing for calling it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a request can never be served by this model: an OpenAI-style code and a message."""
+
+    code: str  # context_length_exceeded | invalid_request_error
+    message: str
+
+
+def output_budget(prompt_tokens: int, max_tokens: int | None, *, context: int,
+                  default_output_tokens: int, max_output_tokens: int | None = None) -> int:
+    """The most new tokens a request may produce; its reservation covers all of them."""
+    if max_tokens is not None:
+        return max_tokens
+    budget = min(default_output_tokens, context - prompt_tokens)
+    if max_output_tokens is not None:
+        budget = min(budget, max_output_tokens)
+    return budget
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """ceil(num_tokens / block_size): the blocks that hold that many tokens."""
+    return -(-num_tokens // block_size)
+
+
+def reservation_blocks(prompt_tokens: int, budget: int, block_size: int) -> int:
+    """The blocks a request reserves at admission: its prompt and its whole output budget."""
+    return blocks_for_tokens(prompt_tokens + budget, block_size)
+
+
+def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
+                  max_output_tokens: int | None = None) -> Problem | None:
+    """None when the request fits the model's context, else why not, stating both numbers.
+
+    A prompt of `context` tokens leaves no room for even one output token, so
+    it is refused as well as a prompt whose requested output would overflow.
+    `max_output_tokens` is the advertised output limit (None: context - 1).
+    """
+    if prompt_tokens < 1:
+        return Problem("invalid_request_error", "prompt: expected at least one token")
+    if prompt_tokens >= context:
+        return Problem(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens; "
+            f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
+    if max_tokens is None:
+        return None
+    if max_tokens < 1:
+        return Problem("invalid_request_error", f"max_tokens: expected at least 1, got {max_tokens}")
+    if prompt_tokens + max_tokens > context:
+        return Problem(
+            "context_length_exceeded",
+            f"This model's maximum context length is {context} tokens; "
+            f"the request asks for {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the prompt + {max_tokens} max_tokens).")
+    output_limit = context - 1 if max_output_tokens is None else max_output_tokens
+    if max_tokens > output_limit:
+        return Problem("invalid_request_error",
+                       f"max_tokens: this model generates at most {output_limit} tokens "
+                       f"per request, got {max_tokens}")
+    return None

@@ -1,0 +1,79 @@
+"""`helexa plan FILE…`: print each model's pool arithmetic (helexa/plan.py) and the trade table."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from helexa.checkpoint.memory import kv_heads_per_card
+from helexa.config.schema import ConfigError, load_neuron_config
+from helexa.plan import ModelPlan, PlanError, format_bytes, plan_model
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
+def format_plan(p: ModelPlan) -> str:
+    s = p.shape
+    assert s is not None
+    heads = kv_heads_per_card(s, p.tp)
+    per_head = (p.bytes_per_token - p.draft_bytes_per_token) // max(
+        1, 2 * (s.full_attention_layers + p.mtp_kv_layers) * heads)
+    layers = (f"{s.full_attention_layers} full-attention layers" if s.linear_attention_layers == 0
+              else f"{s.full_attention_layers} of {s.num_layers} layers full attention")
+    if p.mtp_kv_layers:
+        layers = f"({layers} + {p.mtp_kv_layers} MTP)"
+    lines = [
+        f"  {p.model_id}  ({s.architecture}, {_count(s.param_count)} params, tp={p.tp})",
+        f"    weights per card    {format_bytes(p.weight_bytes_per_card)} ({p.weight_dtype})",
+        f"    KV per token/card   {p.bytes_per_token:,} B ({format_bytes(p.bytes_per_token)}) = 2 × {layers}"
+        f" × {heads} kv heads × {per_head:,} B ({p.kv_dtype}, head_dim {s.head_dim})"
+        + (f" + {p.draft_bytes_per_token:,} B draft" if p.draft_model_id else ""),
+        *([f"    draft model         {p.draft_model_id}: {format_bytes(p.draft_weight_bytes)} weights, "
+           f"{p.draft_bytes_per_token:,} B KV per token (counted in both figures above)"]
+          if p.draft_model_id else []),
+        f"    fixed per request   {p.fixed_bytes:,} B ({format_bytes(p.fixed_bytes)})"
+        + (f": recurrent + conv state of {s.linear_attention_layers} linear-attention layers"
+           if p.fixed_bytes else ""),
+        f"    KV budget per card  {format_bytes(p.kv_budget_bytes)} ({p.budget_source})",
+        f"    pool                {p.num_blocks:,} blocks × {p.block_size} = {p.pool_tokens:,} tokens"
+        + (f"; served as {p.num_state_slots} state slots (one per request in flight) + "
+           f"{p.blocks_beside_state:,} blocks" if p.num_state_slots else ""),
+    ]
+    if p.held_bytes:
+        lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
+                     " state slot: one verification row's inputs, for rollback")
+    lines += [
+        f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
+        f"  (model positions {p.max_position_embeddings:,})",
+        "    sessions  tokens each",
+    ]
+    lines += [f"    {n:>8}  {t:>11,}" for n, t in p.trade]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="helexa plan", description=(
+        "Print each model's memory per card and the context its KV pool buys, from the "
+        "neuron config and each model's config.json alone."))
+    ap.add_argument("files", nargs="+", help="neuron config files (asset/neuron/*.toml)")
+    ap.add_argument("--kv-dtype", choices=["auto", "fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4"],
+                    help="plan with this KV dtype instead of the configured one")
+    args = ap.parse_args(argv)
+    status = 0
+    for path in args.files:
+        print(path)
+        try:
+            cfg = load_neuron_config(path)
+        except ConfigError as e:
+            print(e, file=sys.stderr)
+            status = 2
+            continue
+        for entry in cfg.models:
+            try:
+                print(format_plan(plan_model(cfg, entry, path, kv_dtype=args.kv_dtype)))
+            except PlanError as e:
+                print(e, file=sys.stderr)
+                status = 2
+    return status

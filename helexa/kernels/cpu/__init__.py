@@ -1,0 +1,2 @@
+"""All CPU-native code: the C sources, their build and loading (`native`), the few-row matmul
+choice (`matmul`), the grouped int8 matmul (`int8g`) and the native dense decode step (`decode`)."""

@@ -1,0 +1,143 @@
+"""Native CPU decode of a dense decoder (Llama / Qwen2 / Qwen3): helexa/kernels/cpu/native.c
+doing everything between the matmuls of a pure-decode step.
+
+Per layer four matmuls (each through its installed CpuLinear) and three native
+calls instead of ~40 eager ops; or, when every layer matmul runs hx_gemm at this
+batch size, all layers in one native call (hx_decode_layers). Applies to fp32
+weights and plain fp32 KV at tp = 1; the cpu backend decides when
+(helexa/kernels/backends/cpu.py). The model is read, never changed: its structure
+(``model.layers[i].self_attn.qkv_proj`` ...) is that of helexa/neuron/models/llama.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from helexa.kernels.attention import PagedKV
+from helexa.kernels.cpu.matmul import CpuLinear, bucket
+
+
+def supports(model: Any) -> bool:
+    """A dense Llama-shaped decoder whose every layer is attention + gated MLP (a model
+    class may say it is not one: ``native_decode = False``)."""
+    if not getattr(model, "native_decode", True):
+        return False
+    try:
+        layers = list(model.model.layers)
+        return bool(layers) and all(
+            hasattr(layer, "self_attn") and hasattr(layer.mlp, "gate_up_proj")
+            and hasattr(layer.self_attn, "qkv_proj") for layer in layers)
+    except AttributeError:
+        return False
+
+
+class NativeDecode:
+    """The per-pool plan (pointers that do not change from step to step) and the step."""
+
+    def __init__(self, model: Any, pools: list[PagedKV], lib: Any) -> None:
+        # Any: read as helexa/neuron/models/llama.py lays it out (checked by supports())
+        self.model, self.pools, self.lib = model, pools, lib
+        self.first_norm, self.layers = self._plan()
+        self._fused: dict[int, tuple | None] = {}
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 tables: torch.Tensor, decode_len: int,
+                 logits_rows: torch.Tensor | None) -> torch.Tensor:
+        model, lib = self.model, self.lib
+        x = model.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
+        b, hidden = x.shape
+        fused = self._fused_plan(bucket(b))
+        normed = torch.empty_like(x)
+        attn0 = model.model.layers[0].self_attn
+        h, kvh, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
+        work = torch.empty((h // kvh) * decode_len + d, dtype=torch.float32)
+        attn_out = torch.empty(b, h * d, dtype=x.dtype)
+        rotary = (model.rotary.cos.data_ptr(), model.rotary.sin_signed.data_ptr(),
+                  positions.data_ptr())
+        pool0 = self.pools[0]
+        num_slots, block_size = pool0.k_heads.shape[2], pool0.k_cache.shape[1]
+        paging = (tables.data_ptr(), tables.shape[1], block_size)
+        scale = 1.0 / math.sqrt(d)
+        xp, normed_p = x.data_ptr(), normed.data_ptr()
+        lib.hx_add_rmsnorm(xp, None, normed_p, self.first_norm[0], b, hidden, self.first_norm[1])
+        if fused is not None:  # every matmul native at this batch size: one call for all layers
+            plan, eps, inter = fused
+            qkv, tmp, gate_up, act = (torch.empty(b, n, dtype=x.dtype)
+                                      for n in ((h + 2 * kvh) * d, hidden, 2 * inter, inter))
+            lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp, normed_p,
+                                 b, hidden, h, kvh, d, inter, qkv.data_ptr(),
+                                 attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
+                                 act.data_ptr(), *rotary, num_slots, *paging, scale,
+                                 work.data_ptr())
+        else:  # matmuls through their kernels between the native calls
+            context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
+            for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in self.layers:
+                qkv = qkv_proj(normed)
+                lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools,
+                                   *context)
+                delta = o_proj(attn_out)  # held by name: C reads it after data_ptr()
+                lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, post[0], b, hidden, post[1])
+                gu = gate_up(normed)
+                act = torch.empty(b, inter, dtype=x.dtype)
+                lib.hx_silu_mul(gu.data_ptr(), act.data_ptr(), b, inter)
+                delta = down(act)
+                lib.hx_add_rmsnorm(xp, delta.data_ptr(), normed_p, nxt[0], b, hidden, nxt[1])
+        if logits_rows is not None:
+            normed = normed.index_select(0, logits_rows)
+        return model.lm_head(normed).float()
+
+    def fused(self, rows: int) -> bool:
+        """Whether a step of this many rows runs all layers in one native call."""
+        return self._fused_plan(bucket(rows)) is not None
+
+    def _plan(self) -> tuple[tuple, list[tuple]]:
+        """The first norm's (weight pointer or None, eps), and per layer its matmul modules,
+        (q/k norm weight pointer, eps), its KV pool's pointers and the (pointer, eps) of the
+        norms after attention and after the MLP (the next layer's input norm, or the final
+        one)."""
+        m = self.model.model
+
+        def norm(n: Any) -> tuple[int | None, float]:
+            return (None if n.folded else n.weight.data_ptr()), n.eps
+
+        layers = list(m.layers)
+        plan = []
+        for i, layer in enumerate(layers):
+            attn, mlp, pool = layer.self_attn, layer.mlp, self.pools[i]
+            qkn = attn.qk_norm_weight
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else m.norm
+            plan.append((attn.qkv_proj, (None if qkn is None else qkn.data_ptr(), attn.eps),
+                         (pool.k_heads.data_ptr(), pool.v_heads.data_ptr()), attn.o_proj,
+                         norm(layer.post_attention_layernorm), mlp.gate_up_proj, mlp.inter,
+                         mlp.down_proj, norm(nxt)))
+        return norm(layers[0].input_layernorm), plan
+
+    def _fused_plan(self, b: int) -> tuple | None:
+        """hx_decode_layers' plan ([L, 13] words, [L, 3] eps, intermediate size) for row
+        bucket ``b``, or None when some matmul does not run hx_gemm there."""
+        if b in self._fused:
+            return self._fused[b]
+
+        def packed(mod: Any) -> tuple[int, int] | None:
+            k = getattr(mod, "kernel", None)
+            if not isinstance(k, CpuLinear) or k.choice[b] != "native" or k.native is None:
+                return None
+            weight, bias = k.native
+            return weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+
+        words, eps, out = [], [], None
+        for qkv, (qkn, qk_eps), (k, v), o, post, gate_up, inter, down, nxt in self.layers:
+            mats = [packed(m) for m in (qkv, o, gate_up, down)]
+            if any(m is None for m in mats) or inter != self.layers[0][6]:
+                break
+            words.append([w for m in mats if m is not None for w in m]
+                         + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
+            eps.append([qk_eps, post[1], nxt[1]])
+        else:
+            out = (torch.tensor(words, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
+                   self.layers[0][6])
+        self._fused[b] = out
+        return out

@@ -1,0 +1,137 @@
+"""What a model's chat template knows about agents, and a request's agent inputs for the engine.
+
+The neuron owns the checkpoint's template, so it decides here (one place):
+- which tool-call format the model writes (`tool_parser`: "hermes" for
+  `<tool_call>{json}</tool_call>` as Qwen's templates teach, "llama3_json" for
+  Llama 3's bare JSON calls) and whether it thinks (`reasoning_parser`
+  "think": `<think>...</think>`), from the catalogue entry or, on "auto", from
+  the template text. Watch reports both; the router parses replies with them;
+- the template's inputs for a Chat: messages with their tool calls (arguments
+  as objects, as Hugging Face templates expect) and tool results, `tools`,
+  and extra variables (`enable_thinking`, ...);
+- the engine's inputs: the grammar of a constrained request and the thinking
+  budget (`reasoning_effort` → tokens: high = the entry's
+  thinking_budget_tokens, medium half, low an eighth, none 0).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from helexa import grammar
+from helexa.config.schema import ModelEntry
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import Refusal
+from helexa.proto import neuron_pb2 as pb
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_EFFORT_SHARE = {"high": 1.0, "medium": 0.5, "low": 0.125, "none": 0.0}
+
+
+def tool_parser(entry: ModelEntry, template: str | None) -> str:
+    if entry.tool_parser != "auto":
+        return "" if entry.tool_parser == "none" else entry.tool_parser
+    t = template or ""
+    if "<tool_call>" in t:
+        return "hermes"
+    if "<|python_tag|>" in t or "ipython" in t:
+        return "llama3_json"
+    return ""
+
+
+def reasoning_parser(entry: ModelEntry, template: str | None) -> str:
+    if entry.reasoning_parser != "auto":
+        return "" if entry.reasoning_parser == "none" else entry.reasoning_parser
+    return "think" if THINK_OPEN in (template or "") else ""
+
+
+def _json(text: str, what: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise Refusal("invalid_request_error", f"{what}: not valid JSON: {e}") from None
+
+
+def template_inputs(chat: pb.Chat, effort: str,
+                    constrained: bool = False) -> tuple[list[dict], dict[str, Any]]:
+    """(messages, extra template variables) for the checkpoint's template. A constrained
+    output thinks only when the client asked for it (see `thinking`)."""
+    msgs: list[dict] = []
+    for m in chat.messages:
+        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        if m.tool_calls_json:
+            calls = _json(m.tool_calls_json, "tool_calls")
+            for c in calls:
+                fn = c.get("function", {})
+                args = fn.get("arguments")
+                if isinstance(args, str):  # templates print arguments | tojson: give the object
+                    try:
+                        fn["arguments"] = json.loads(args)
+                    except ValueError:
+                        pass
+            d["tool_calls"] = calls
+        if m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        if m.name:
+            d["name"] = m.name
+        if m.reasoning_content:
+            d["reasoning_content"] = m.reasoning_content
+        msgs.append(d)
+    kwargs: dict[str, Any] = {}
+    if chat.template_kwargs_json:
+        extra = _json(chat.template_kwargs_json, "chat_template_kwargs")
+        if not isinstance(extra, dict):
+            raise Refusal("invalid_request_error", "chat_template_kwargs: expected an object")
+        kwargs.update(extra)
+    if chat.tools_json:
+        kwargs["tools"] = _json(chat.tools_json, "tools")
+    asked = effort not in ("", "none") or kwargs.get("enable_thinking") is True
+    if constrained and not asked:
+        kwargs["enable_thinking"] = False  # a thought the grammar would not let through
+    elif effort == "none":
+        kwargs.setdefault("enable_thinking", False)
+    elif effort:
+        kwargs.setdefault("enable_thinking", True)
+    return msgs, kwargs
+
+
+def constraint_grammar(request: pb.GenerateRequest) -> str | None:
+    """The llguidance grammar of a constrained request, or None; a Refusal if it is bad."""
+    if not request.HasField("constraint"):
+        return None
+    kind = request.constraint.WhichOneof("kind")
+    if kind is None:
+        return None
+    source = "" if kind == "json_object" else getattr(request.constraint, kind)
+    try:
+        return grammar.grammar_text(grammar.Constraint(kind=kind, source=source))
+    except grammar.GrammarError as e:
+        raise Refusal("invalid_request_error", f"response_format: {e}") from None
+
+
+def thinking_budget(entry: ModelEntry, request: pb.GenerateRequest,
+                    enable_thinking: Any) -> int:
+    if request.HasField("thinking_budget_tokens"):
+        return max(0, request.thinking_budget_tokens)
+    effort = request.reasoning_effort or ("none" if enable_thinking is False else "high")
+    return int(entry.thinking_budget_tokens * _EFFORT_SHARE.get(effort, 1.0))
+
+
+def thinking(tokenizer: Any, entry: ModelEntry, request: pb.GenerateRequest,
+             prompt_ids: list[int], enable_thinking: Any) -> messages.Thinking | None:
+    """The engine's thinking bounds for a model that thinks, else None. A constrained
+    request thinks only when its prompt opened the thought: the grammar then applies to
+    the answer after it (the engine cannot let a model open a thought the grammar
+    forbids)."""
+    if request.WhichOneof("prompt") != "chat" or \
+            reasoning_parser(entry, tokenizer.chat_template) != "think":
+        return None
+    tail = tokenizer.decode(prompt_ids[-8:]).rstrip()
+    if request.HasField("constraint") and not tail.endswith(THINK_OPEN):
+        return None
+    return messages.Thinking(
+        budget_tokens=thinking_budget(entry, request, enable_thinking),
+        open_ids=list(tokenizer.encode(THINK_OPEN, add_special_tokens=False)),
+        close_ids=list(tokenizer.encode("\n" + THINK_CLOSE + "\n\n", add_special_tokens=False)),
+        starts_open=tail.endswith(THINK_OPEN))

@@ -1,0 +1,257 @@
+"""Admission: who moves from queued to in flight, and who is refused. Policy only.
+
+It owns the queue (per principal, FIFO within one) and the set of in-flight
+requests, and asks the block pool whether a reservation fits; the engine core
+applies what it decides (and alone releases blocks, in one place).
+
+The rules (docs/architecture.md, "A request's states"; what a request reserves is
+budget.py's):
+
+- `submit`: refused at once when admission is stopped (503 shutting_down),
+  when the principal already has `max_per_principal` queued + in flight
+  (429 rate_limit_exceeded), or when `max_queue_depth` requests are queued
+  (503 overloaded). Otherwise queued.
+- `admit`: principals with queued work take turns (round-robin, in the
+  order they first queued; a principal that was served goes to the back).
+  The principal whose turn it is offers the head of its queue; it is
+  admitted when an in-flight place is free and its whole reservation fits
+  the pool. If it does not fit, admission stops there: nobody behind it is
+  admitted in its place (no bypass), so a large request is never starved by
+  small ones. Anonymous callers (principal "") are one principal in the
+  rotation and together hold at most `anon_max_in_flight`; at that cap their
+  turn is skipped, never blocking identified callers.
+- `expire`: a queued request older than `kv_max_wait_secs` is refused 503
+  overloaded; any request past its deadline is aborted (reason deadline).
+
+Retry-after figures come from the pool's drain rate (blocks made free per
+second, measured over a sliding window): the blocks the caller would need
+to wait for, divided by that rate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from helexa.budget import reservation_blocks
+from helexa.neuron.engine import messages
+from helexa.neuron.engine.block_pool import BlockPool
+from helexa.neuron.engine.request import Request, RequestStatus
+
+# Deadlines and queue waits are checked at most this often.
+_EXPIRE_EVERY_SECS = 0.01
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: str  # overloaded | rate_limit_exceeded | shutting_down | context_length_exceeded
+    message: str
+    retry_after_ms: int = 0
+
+
+class DrainMeter:
+    """Blocks returned to the pool per second, over the last `window_secs`; when nothing
+    came back in the window, over the whole time observed (a quiet spell is not a stall)."""
+
+    def __init__(self, window_secs: float = 20.0, sample_secs: float = 0.2) -> None:
+        self.window_secs = window_secs
+        self.sample_secs = sample_secs
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, released total)
+        self._first: tuple[float, int] | None = None
+
+    def observe(self, now: float, released_total: int) -> None:
+        if self._first is None:
+            self._first = (now, released_total)
+        if self._samples and now - self._samples[-1][0] < self.sample_secs:
+            self._samples[-1] = (self._samples[-1][0], released_total)  # keep the latest count
+            return
+        self._samples.append((now, released_total))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= self.window_secs:
+            self._samples.popleft()
+
+    def rate(self) -> float | None:
+        """Blocks per second, or None before anything was released over a measurable span."""
+        if len(self._samples) < 2 or self._first is None:
+            return None
+        t1, n1 = self._samples[-1]
+        for t0, n0 in (self._samples[0], self._first):
+            if t1 > t0 and n1 > n0:
+                return (n1 - n0) / (t1 - t0)
+        return None
+
+
+class Admission:
+    def __init__(self, pool: BlockPool, limits: messages.Limits, *,
+                 prefix_cache: bool = False,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.pool = pool
+        self.limits = limits
+        self.prefix_cache = prefix_cache
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.admitting = True
+        self.drain = DrainMeter()
+        self._queues: OrderedDict[str, deque[Request]] = OrderedDict()  # rotation order
+        self._num_queued = 0
+        self.in_flight: dict[str, Request] = {}  # admitted, not finished (incl. running)
+        self._per_principal: dict[str, int] = {}  # queued + in flight
+        self._anon_in_flight = 0
+        self._last_expire = -_EXPIRE_EVERY_SECS
+
+    # --- reports -----------------------------------------------------------
+
+    @property
+    def num_queued(self) -> int:
+        return self._num_queued
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.in_flight)
+
+    def queued(self) -> list[Request]:
+        """Queued requests, principal by principal in rotation order (tests)."""
+        return [r for q in self._queues.values() for r in q]
+
+    def reservation_blocks(self, req: Request) -> int:
+        return reservation_blocks(req.num_prompt_tokens, req.output_budget, self.pool.block_size)
+
+    # --- decisions ---------------------------------------------------------
+
+    def submit(self, req: Request) -> Refusal | None:
+        """Queue `req`, or say why not (it is then not queued)."""
+        need = self.reservation_blocks(req)
+        if need > self.pool.num_blocks:
+            return Refusal("context_length_exceeded",
+                           f"{req.max_total_tokens} tokens need {need} KV blocks;"
+                           f" the pool has {self.pool.num_blocks}")
+        if not self.admitting:
+            return Refusal("shutting_down", "the model is not admitting requests now",
+                           self.retry_after_ms(self.pool.num_blocks - self.pool.num_free_blocks))
+        held = self._per_principal.get(req.principal, 0)
+        if held >= self.limits.max_per_principal:
+            return Refusal("rate_limit_exceeded",
+                           f"principal has {held} requests queued or in flight"
+                           f" (max_per_principal {self.limits.max_per_principal})",
+                           self.retry_after_ms(need))
+        if self._num_queued >= self.limits.max_queue_depth:
+            return Refusal("overloaded",
+                           f"{self._num_queued} requests queued (max_queue_depth"
+                           f" {self.limits.max_queue_depth})",
+                           self.retry_after_ms(self._deficit(self._queued_blocks() + need)))
+        req.status = RequestStatus.QUEUED
+        req.queued_at = self.clock()
+        self._queues.setdefault(req.principal, deque()).append(req)
+        self._num_queued += 1
+        self._per_principal[req.principal] = held + 1
+        return None
+
+    def admit(self) -> list[Request]:
+        """Move queued requests in flight, in fair order, while places and the pool allow."""
+        admitted: list[Request] = []
+        while self.admitting and self._queues and len(self.in_flight) < self.limits.max_in_flight:
+            principal = self._next_principal()
+            if principal is None:
+                break
+            queue = self._queues[principal]
+            req = queue[0]
+            reuse = self._prefix_hits(req)
+            if not self.pool.reserve(req.req_id, self.reservation_blocks(req) - len(reuse), reuse):
+                break  # no bypass: the head waits, and everyone behind it
+            queue.popleft()
+            self._num_queued -= 1
+            del self._queues[principal]
+            if queue:
+                self._queues[principal] = queue  # served: to the back of the rotation
+            req.status = RequestStatus.IN_FLIGHT
+            req.num_reserved_blocks = self.reservation_blocks(req)
+            req.block_table = list(reuse)
+            req.num_cached_tokens = req.num_computed_tokens = len(reuse) * self.pool.block_size
+            self.in_flight[req.req_id] = req
+            if principal == "":
+                self._anon_in_flight += 1
+            admitted.append(req)
+        return admitted
+
+    def expire(self) -> tuple[list[tuple[Request, Refusal]], list[Request]]:
+        """(queued requests that waited too long, with their refusal; requests past deadline)."""
+        now, wall = self.clock(), self.wall_clock()
+        if now - self._last_expire < _EXPIRE_EVERY_SECS:
+            return [], []  # a scan per step would cost more than this lateness
+        self._last_expire = now
+        timed_out: list[tuple[Request, Refusal]] = []
+        past_deadline = [r for q in self._queues.values() for r in q
+                         if r.deadline_unix and wall >= r.deadline_unix]
+        past_deadline += [r for r in self.in_flight.values()
+                          if r.deadline_unix and wall >= r.deadline_unix]
+        late = {id(r) for r in past_deadline}
+        wait = self.limits.kv_max_wait_secs
+        for queue in self._queues.values():
+            for req in queue:  # FIFO within a principal: the oldest are at the front
+                if now - req.queued_at <= wait:
+                    break
+                if id(req) not in late:
+                    timed_out.append((req, Refusal(
+                        "overloaded", f"waited {now - req.queued_at:.1f} s for KV"
+                        f" (kv_max_wait_secs {wait:g})",
+                        self.retry_after_ms(self._deficit(self._queued_blocks())))))
+        return timed_out, past_deadline
+
+    def remove(self, req: Request) -> None:
+        """Forget `req` (finished, aborted or refused while queued). The pool is not touched."""
+        if self.in_flight.get(req.req_id) is req:
+            del self.in_flight[req.req_id]
+            if req.principal == "":
+                self._anon_in_flight -= 1
+        else:
+            queue = self._queues.get(req.principal)
+            if queue is None or req not in queue:
+                return
+            queue.remove(req)
+            self._num_queued -= 1
+            if not queue:
+                del self._queues[req.principal]
+        left = self._per_principal[req.principal] - 1
+        if left:
+            self._per_principal[req.principal] = left
+        else:
+            del self._per_principal[req.principal]
+
+    def observe_pool(self) -> None:
+        """Sample the pool's release counter (once per engine step)."""
+        self.drain.observe(self.clock(), self.pool.num_released_total)
+
+    def retry_after_ms(self, blocks_to_drain: int) -> int:
+        """How long until `blocks_to_drain` more blocks come back, at the measured rate."""
+        rate = self.drain.rate()
+        if rate is None:
+            # Nothing has drained back since start: the best honest figure is
+            # the longest a request would wait in the queue.
+            return int(max(self.limits.kv_max_wait_secs, 1.0) * 1000)
+        secs = max(blocks_to_drain, 1) / rate
+        return int(min(max(secs, 0.1), 600.0) * 1000)
+
+    # --- internals ---------------------------------------------------------
+
+    def _next_principal(self) -> str | None:
+        """The first principal in rotation that may take an in-flight place now."""
+        for principal in self._queues:
+            if principal == "" and self._anon_in_flight >= self.limits.anon_max_in_flight:
+                continue  # anonymous at its cap: skip its turn, never block the others
+            return principal
+        return None
+
+    def _prefix_hits(self, req: Request) -> list[int]:
+        if not self.prefix_cache or not req.block_hashes:
+            return []
+        # Keep at least one prompt token to compute: its logits give the first output token.
+        usable = (req.num_prompt_tokens - 1) // self.pool.block_size
+        return self.pool.match_prefix(req.block_hashes[:usable])
+
+    def _deficit(self, blocks_wanted: int) -> int:
+        return blocks_wanted - self.pool.num_free_blocks
+
+    def _queued_blocks(self) -> int:
+        return sum(self.reservation_blocks(r) for q in self._queues.values() for r in q)

@@ -1,0 +1,133 @@
+"""Constrained decoding in the engine: one llguidance matcher per request, masks per step.
+
+A request that carries a grammar (helexa.grammar built it; NewRequest.grammar)
+gets an `LLMatcher` when it enters the engine. Each step, the rows that will
+be sampled and carry a matcher get their allowed-token bitmask computed in a
+worker thread while the model runs the step (`Grammars.start`): llguidance
+fills the masks of all rows in parallel with the GIL released, so a
+constrained row costs the batch the mask time only where it exceeds the
+forward pass. The sampler then sets every disallowed logit to -inf
+(`apply_bitmask`), and the engine feeds the sampled token back (`advance`).
+
+Why llguidance (and not xgrammar): it depends on nothing (xgrammar pulls in
+transformers and triton), it builds a matcher lazily in well under a
+millisecond (nothing to compile ahead inside an engine step), and it checks a
+grammar without a tokenizer, so the router refuses a bad schema itself.
+Masks cost ~11-15 µs per row per step here (bench/constrained.py).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+
+class GrammarUnavailable(Exception):
+    """This engine cannot run grammars (no tokenizer); the message says why."""
+
+
+class Grammars:
+    """The engine's grammar machinery: the tokenizer view llguidance needs, its executor,
+    and the worker thread that computes a step's masks beside the forward pass."""
+
+    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self.model_dir = model_dir
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._tokenizer: Any = None
+        self._executor: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _ensure(self) -> None:
+        if self._tokenizer is not None:
+            return
+        import llguidance
+
+        from helexa.checkpoint.gguf import find_gguf, model_folder
+
+        path = model_folder(self.model_dir) / "tokenizer.json"
+        gguf = None if path.is_file() else find_gguf(self.model_dir)
+        if gguf is not None:  # no tokenizer.json: the one built from the GGUF metadata
+            from helexa.neuron.gguf_tokenizer import tokenizer_parts
+
+            text = tokenizer_parts(gguf)[0].to_str()
+        elif path.is_file():
+            text = path.read_text()
+        else:
+            raise GrammarUnavailable(f"constrained decoding needs {path}, which is missing")
+        # n_vocab is the logits' width: checkpoints often carry spare rows past the tokenizer.
+        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
+                                                 eos_token=self.eos_token_ids or None)
+        self._executor = llguidance.LLExecutor()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+    def matcher(self, grammar: str) -> Any:
+        """A fresh matcher; raises ValueError with llguidance's message on a bad grammar."""
+        import llguidance
+
+        self._ensure()
+        m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(m.get_error())
+        return m
+
+    def start(self, matchers: list[Any]) -> Future[torch.Tensor]:
+        """Begin filling one bitmask row per matcher; the future gives int32 [rows, words]."""
+        import llguidance.torch as lgt
+
+        assert self._pool is not None
+        mask = lgt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        pairs = [(m, i) for i, m in enumerate(matchers)]
+
+        def fill() -> torch.Tensor:
+            lgt.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            return mask
+
+        return self._pool.submit(fill)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+
+def advance(matcher: Any, token_id: int) -> str:
+    """Feed a sampled token to its matcher; "" or why the grammar refused it."""
+    if matcher.consume_token(token_id):
+        return ""
+    return matcher.get_error() or f"token {token_id} does not fit the grammar"
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
+    """Set the logits of `rows` [len(rows) of logits' rows] to -inf where `mask` (int32
+    [len(rows), ceil(vocab / 32)], bit t % 32 of word t // 32 = token t allowed) is 0."""
+    vocab = logits.shape[1]
+    m = mask.to(logits.device)
+    allowed = ((m.unsqueeze(-1) >> _BITS.to(m.device)) & 1).bool().flatten(1)[:, :vocab]
+    idx = torch.tensor(rows, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
+def eos_ids_from(model_dir: str) -> list[int]:
+    """The checkpoint's eos ids (generation_config.json, then config.json): the tokens a
+    finished grammar allows."""
+    from helexa.checkpoint.gguf import find_gguf, model_folder, read_config
+
+    ids: list[int] = []
+    if (gguf := find_gguf(model_dir)) is not None:  # config.json beside it, or its metadata
+        v = read_config(gguf).get("eos_token_id")
+        ids += [int(i) for i in (v if isinstance(v, list) else [v] if v is not None else [])]
+    for name in ("generation_config.json", "config.json"):
+        try:
+            v = json.loads((model_folder(model_dir) / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError):
+            continue
+        for i in v if isinstance(v, list) else [v] if v is not None else []:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return ids

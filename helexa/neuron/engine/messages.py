@@ -1,0 +1,228 @@
+"""Typed messages between the neuron daemon and a model's engine process.
+
+The daemon and the engine exchange token ids, never text: one `ToEngine`
+message per engine step inbound (new requests, aborts, control) and one
+`FromEngine` per step outbound (each request's new tokens, admissions,
+refusals, completions, and the model's status). Encoded with msgspec
+(msgpack) over a pipe.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request ended (values match the proto's FinishReason)."""
+
+    STOP = 1  # eos, a stop token or a stop string
+    LENGTH = 2  # max_tokens or the context limit
+    ABORT = 3  # caller gone, deadline, drain, explicit abort
+    ERROR = 4  # the engine failed while running this request
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """How to pick the next token; defaults are greedy-free OpenAI defaults."""
+
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    logprobs: bool = False  # return the sampled token's logprob
+    top_logprobs: int = 0  # alternatives per token (0..20)
+
+
+class Thinking(msgspec.Struct, frozen=True, kw_only=True):
+    """How a thinking model's thought is bounded. The thought starts with `open_ids` (or
+    at once when `starts_open`: the prompt opened it) and ends with `close_ids`; once
+    `budget_tokens` tokens were spent inside it, the engine writes `close_ids` itself."""
+
+    budget_tokens: int
+    open_ids: list[int] = []
+    close_ids: list[int] = []
+    starts_open: bool = False
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A request handed to the engine (already tokenised and context-checked)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = SamplingParams()
+    max_tokens: int | None = None  # None = min(default_output_tokens, context - prompt)
+    principal: str = ""  # "" = anonymous
+    stop_token_ids: list[int] = []  # eos ids are added by the daemon unless ignore_eos
+    deadline_unix: float = 0.0  # absolute deadline (time.time()); 0 = none
+    arrival_unix: float = 0.0
+    # Constrained decoding: an llguidance grammar (helexa.grammar made it) the output follows.
+    grammar: str | None = None
+    thinking: Thinking | None = None  # the model thinks: budget and markers (None = it does not)
+
+
+class Abort(msgspec.Struct, frozen=True, kw_only=True):
+    """Abort a request wherever it is; the engine answers with ABORT finished."""
+
+    req_id: str
+    reason: str = "client_gone"  # client_gone | deadline | stop_string | drain | unload
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Every runtime (reload-safe) knob, as the engine runs under it."""
+
+    max_in_flight: int
+    max_queue_depth: int
+    max_per_principal: int
+    anon_max_in_flight: int
+    kv_max_wait_secs: float
+    max_slots: int
+    max_batched_tokens: int
+    prefill_chunk_tokens: int
+    default_output_tokens: int
+    speculation: str  # docs/speculation.md
+    spec_k: int
+    spec_full_below: float
+    spec_off_above: float
+    spec_min_acceptance: float
+    spec_keep_acceptance: float
+
+
+class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """A change of runtime knobs (the fields of Limits); None leaves a knob as it is."""
+
+    max_in_flight: int | None = None
+    max_queue_depth: int | None = None
+    max_per_principal: int | None = None
+    anon_max_in_flight: int | None = None
+    kv_max_wait_secs: float | None = None
+    max_slots: int | None = None
+    max_batched_tokens: int | None = None
+    prefill_chunk_tokens: int | None = None
+    default_output_tokens: int | None = None
+    # Speculative decoding (docs/speculation.md): drafter, most drafted tokens, and the
+    # adaptive policy's thresholds (running requests / max_slots; acceptance rate).
+    speculation: str | None = None  # "ngram" | "mtp" | "draft:<model id>" | "off"
+    spec_k: int | None = None
+    spec_full_below: float | None = None
+    spec_off_above: float | None = None
+    spec_min_acceptance: float | None = None
+    spec_keep_acceptance: float | None = None
+
+
+class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
+    """Re-plan the KV pool without reloading weights (a profile's kv_dtype switch).
+
+    Only while nothing is in flight: the daemon stops admitting and waits for
+    in-flight work to finish first. Queued requests stay queued. (Added by the
+    engine helper.)"""
+
+    num_blocks: int
+    kv_dtype: str
+    bytes_per_token: int
+    context: int
+    max_output_tokens: int | None = None
+
+
+class ToEngine(msgspec.Struct, kw_only=True):
+    """One inbound message: everything the daemon has for the next step."""
+
+    new: list[NewRequest] = []
+    aborts: list[Abort] = []
+    limits: SetLimits | None = None
+    stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
+    refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
+    shutdown: bool = False  # exit after aborting everything
+    reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
+
+
+class TopToken(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[TopToken]
+
+
+class RequestUpdate(msgspec.Struct, kw_only=True):
+    """What happened to one request in one step."""
+
+    req_id: str
+    new_token_ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
+    admitted: bool = False  # became in flight in this step (reservation held)
+    prompt_tokens: int = 0  # set when admitted
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when admitted)
+    finished: FinishReason | None = None
+    # A refusal ends the request before it produced anything: code is the
+    # OpenAI-style code (overloaded, rate_limit_exceeded, shutting_down, ...).
+    refused_code: str | None = None
+    refused_message: str = ""
+    retry_after_ms: int = 0
+    error: str = ""  # set with finished=ERROR
+    reasoning_tokens: int = 0  # output tokens spent thinking (set when finished)
+    # Speculation, the request's totals so far (set in a step that verified drafts, and when
+    # finished): drafted tokens verified, and of those accepted.
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
+    """The pool in bytes per card: total = free + reserved + used (free includes cached)."""
+
+    total_bytes: int
+    free_bytes: int  # free + cached: what a new reservation may take
+    cached_bytes: int
+    reserved_bytes: int
+    used_bytes: int
+    block_size: int
+    bytes_per_token: int
+    # Hybrid models: linear-attention state per request, and the slots' share of the totals.
+    fixed_bytes_per_request: int = 0
+    state_total_bytes: int = 0
+    state_free_bytes: int = 0
+
+
+class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """The model's live figures, sent with every outbound message that changed them."""
+
+    kv: KvLedger
+    in_flight: int
+    queued: int
+    running: int
+    decode_tokens_per_sec: float = 0.0
+    prefill_tokens_per_sec: float = 0.0
+    admitting: bool = True
+    # Prefix cache, cumulative since start (added by the engine helper):
+    # prompt tokens of admitted requests, and how many of them were reused.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    # The runner's attention backend and what it chose (helexa/kernels/backends/), "" for fakes.
+    attention_backend: str = ""
+    # Speculative decoding, cumulative since start: the drafter ("off" = none), tokens
+    # drafted and verified, and how many of those the target accepted.
+    drafter: str = "off"
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class FromEngine(msgspec.Struct, kw_only=True):
+    """One outbound message per step."""
+
+    updates: list[RequestUpdate] = []
+    status: EngineStatus | None = None
+    step_ms: float = 0.0
+    fatal: str = ""  # the engine is going down; every open request is failed
+    # Start-up only (added by the engine helper): loading progress text, and
+    # ready=True once, when the model is loaded and the engine takes requests.
+    progress: str = ""
+    ready: bool = False
+    # Answer to ToEngine.reset_kv: "ok", or why the pool was not re-planned.
+    kv_reset: str = ""

@@ -1,0 +1,343 @@
+"""ModelRunner: runs one engine step of the model over the paged KV pool.
+
+The engine hands it a list of SeqInput (each sequence's new tokens, how many
+of its tokens are already cached, and its block table). The runner lays the
+batch out flat — single-token (decode) rows first, then prefill chunks — as
+a StepPlan (token ids, positions, slot mapping, block tables); its attention
+backend (helexa/kernels/backends/: torch, cpu or cuda, chosen at load) turns the plan
+into its own metadata, owns the KV pool and runs the step; the runner returns
+next-token logits for the sequences that asked for them, in the order they
+were given.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import structlog
+import torch
+
+from helexa.kernels import backends, kv_quant
+from helexa.kernels.attention import PagedKV
+from helexa.kernels.backends.base import PrefillRow, StepPlan
+from helexa.kernels.backends.torch_ref import token_slots
+from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.mtp_passes import MtpPasses
+from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
+from helexa.neuron.models.config import load_model_config, parse_dtype
+from helexa.neuron.models.linear_state import state_meta
+from helexa.neuron.models.loader import load_model
+from helexa.neuron.models.quant import QuantSpec, weight_bytes
+
+_KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+log = structlog.get_logger(component="engine")
+
+
+@dataclass
+class SeqInput:
+    """One sequence's share of a step."""
+
+    token_ids: list[int]  # tokens to process this step (prefill chunk, or 1 for decode)
+    num_computed: int  # tokens of this sequence already in the KV cache
+    block_table: list[int]  # physical block ids covering num_computed + len(token_ids)
+    need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
+    state_slot: int = -1  # hybrid models: the request's linear-attention state slot
+    # Logits rows for the last this-many tokens of the chunk (need_logits only): a
+    # speculative verification row [last token, k drafts] asks for k + 1.
+    num_logits: int = 1
+
+
+def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
+    """"auto" → the model's dtype; returns the canonical name and the storage dtype
+    (None for the quantised kinds, whose storage kernels.kv_quant lays out)."""
+    if kv_dtype == "auto":
+        return _KV_NAMES[model_dtype], model_dtype
+    if kv_quant.is_quantized(kv_dtype):
+        return kv_dtype, None
+    try:
+        dt = parse_dtype(kv_dtype)
+    except ValueError:
+        raise ValueError(
+            f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
+            f"{', '.join(kv_quant.QUANT_DTYPES)})"
+        ) from None
+    return _KV_NAMES[dt], dt
+
+
+class ModelRunner(MtpPasses):
+    """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
+                 num_blocks: int, block_size: int, kv_dtype: str = "auto", max_num_seqs: int,
+                 max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
+                 progress: Callable[[int, int], None] | None = None,
+                 devices: list[str] | None = None, backend: str = "auto",
+                 cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
+                 context: int = 0, quantize: str = "none",
+                 quant_group_size: int = 128, num_state_slots: int = 0,
+                 extra_bytes_per_block: int = 0, measure_pool: bool = True,
+                 mtp_kv_layers: int | None = None) -> None:
+        """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
+        them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
+        every rank uses ``device``. close() stops them (so does garbage collection or exit).
+        ``backend`` names the attention backend (helexa/kernels/backends/__init__.py: auto, torch,
+        cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps.
+        ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool
+        really takes, on every rank; on CUDA the pool is sized by measurement with
+        ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
+        (helexa/neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
+        ``quant_group_size``) quantises the weights at load (helexa/neuron/models/quant.py).
+        Hybrid models hold ``num_state_slots`` linear-attention states, one per request
+        (SeqInput.state_slot). ``extra_bytes_per_block``: bytes of each block that other
+        layers sharing this pool's block ids take (a draft model's, already loaded), counted
+        when CUDA measures the pool; ``measure_pool`` False keeps ``num_blocks`` as given
+        (a draft model's pool follows its target's). ``mtp_kv_layers`` pool layers are set
+        aside for the MTP head after the target's (as the plan counted them; None: as
+        config.json says)."""
+        quant = QuantSpec(quantize, quant_group_size)
+        self.hf_config, self.config = load_model_config(model_dir)
+        self.device = torch.device(device)
+        self._tp: TpWorkers | None = None
+        # A captured decode graph would replay one step's state slots: none for hybrids.
+        cuda_graphs = cuda_graphs and not self.config.is_hybrid
+        self.backend = backends.select(backend, self.device, cuda_graphs=cuda_graphs,
+                                       max_num_seqs=max_num_seqs, tp_size=tp_size)
+        if tp_size > 1 and tp_rank == 0:
+            if self.device.type == "cpu":
+                torch.set_num_threads(1)  # one thread per rank: the ranks share the cores
+            self._tp_args = RunnerArgs(
+                str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
+                max_batched_tokens, devices or [device] * tp_size, backend=backend,
+                cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
+                num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers)
+            # The other ranks load while this process loads its own shard.
+            self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
+            self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.num_state_slots = num_state_slots
+        self.mtp_kv_layers = (self.config.mtp_num_layers if mtp_kv_layers is None
+                              else mtp_kv_layers)
+        # Any: the model families share no typed base class yet (helexa/neuron/models/).
+        self.model: Any = cast(Any, load_model(model_dir, device=self.device, dtype=dtype,
+                                               tp_rank=tp_rank, tp_size=tp_size,
+                                               progress=progress, quantize=quant))
+        self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)
+        self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
+        self.backend.prepare_model(self.model, max_num_seqs=max_num_seqs,
+                                   max_batched_tokens=max_batched_tokens, tp_size=tp_size)
+        self.vocab_size = self.config.vocab_size
+        self._attn = self.model.attention_layers
+        self._linear = list(getattr(self.model, "linear_layers", []))
+        if self._linear and num_state_slots < 1:
+            raise ValueError("a hybrid model needs num_state_slots >= 1 (one per request)")
+        self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
+        self.kv_pools: list[PagedKV] = []
+        self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
+        self.extra_bytes_per_block = extra_bytes_per_block
+        if self.device.type == "cuda" and tp_size == 1 and measure_pool:
+            num_blocks = self._measured_blocks(num_blocks, kv_dtype, context)
+        self._reset_own_kv(num_blocks, kv_dtype)
+        log.info("engine.attention_backend", backend=self.backend.describe(),
+                 device=str(self.device), tp_rank=tp_rank)
+        if self._tp is not None:
+            self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
+            self._tp.join(self._tp_args, str(self.device))
+        if tp_rank == 0:
+            try:
+                memory_plan.check_bytes_per_block(
+                    plan_bytes_per_block, self.kv_bytes_per_block,
+                    self._tp.kv_bytes_per_block if self._tp is not None else [])
+            except memory_plan.KvPlanError:
+                self.close()
+                raise
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend's name (torch, cpu, cuda), as status shows it."""
+        return self.backend.name
+
+    # ---- KV pool -------------------------------------------------------------------------
+
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
+        """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
+        resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
+        if self._tp is not None:
+            self._tp.reset_kv(num_blocks, kv_dtype)
+        self._reset_own_kv(num_blocks, kv_dtype)
+
+    def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
+        self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
+        self.kv_pools = []
+        self.num_blocks = num_blocks
+        # The MTP head's KV is in the pool too, after the target's layers, as helexa plan
+        # counts it (whether or not its weights loaded: plan reads config.json alone)
+        layers = [(a.num_kv_heads, a.head_dim) for a in self._attn]
+        self.kv_pools = self.backend.allocate_kv(
+            layers + layers[-1:] * self.mtp_kv_layers, num_blocks, self.block_size,
+            kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
+        for layer in self._linear:  # the old states go first, as the old pools did
+            layer.state = None
+        for layer in self._linear:
+            layer.state = layer.new_state(self.num_state_slots)
+
+    def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
+        """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
+        probe pool, then size the pool from the memory left (memory_plan.fit_blocks)."""
+        bs, rows = self.block_size, max(1, self.max_num_seqs)
+        prefill = max(2, self.max_batched_tokens - (rows - 1))
+        probe = -(-prefill // bs) + rows
+        self._reset_own_kv(probe, kv_dtype)
+        bytes_per_block = self.kv_bytes_per_block + self.extra_bytes_per_block
+        table = list(range(-(-prefill // bs)))
+        slots = max(1, self.num_state_slots)  # hybrids: any slots will do for a probe
+        step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
+            SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
+        peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
+        self.kv_pools = self.backend.allocate_kv([], 0, bs, kv_dtype="auto", storage=None,
+                                                 compute=self.dtype)  # free the probe pool
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
+                                        block_size=bs, context=context, free_bytes=free,
+                                        total_bytes=total, step_peak=peak)
+        log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
+                 free_mib=free // 2**20, step_peak_mib=peak // 2**20)
+        return blocks
+
+    @property
+    def k_caches(self) -> list[torch.Tensor]:
+        return [kv.k_cache for kv in self.kv_pools]
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """Bytes of one block across all layers, K and V (and scales): this rank's share."""
+        return sum(kv.nbytes for kv in self.kv_pools) // self.num_blocks
+
+    @property
+    def fixed_bytes_per_request(self) -> int:
+        """Linear-attention state of one request across all layers: this rank's share
+        (0 for dense models)."""
+        return sum(layer.state.bytes_per_slot for layer in self._linear)
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Run one step; returns fp32 logits [sum of num_logits of the seqs with need_logits,
+        vocab] in input order."""
+        if not seqs:
+            return torch.empty(0, self.vocab_size, device=self.device)
+        input_ids, positions, step, logits_rows = self._prepare(seqs)
+        if self._linear:  # which state slot each row reads and writes
+            self.model.state_meta = slots = state_meta(seqs, self.device)
+            for layer in self._linear:  # fresh slots cleared, rolled-back drafts settled
+                layer.state.begin_step(slots)
+        try:
+            meta = self.backend.plan(step)
+            if self._tp is None:
+                return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
+            self._tp.send_step(seqs)
+            try:
+                return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
+            except RuntimeError as e:  # a collective failed: a rank died or wedged
+                self._tp.fail_step(e)
+                raise
+        except BaseException:
+            self.backend.step_failed()
+            raise
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
+        if self._tp is not None:
+            self._finalizer()  # runs once, here or at garbage collection / exit
+
+    @property
+    def failed(self) -> str:
+        """Why this runner can no longer step ("" while healthy): a tensor-parallel rank
+        died or a collective failed. Every later execute raises TpError; restart the model."""
+        return self._tp.failed if self._tp is not None else ""
+
+    @property
+    def tp_pids(self) -> list[int]:
+        return self._tp.pids if self._tp is not None else []
+
+    def _prepare(self, seqs: list[SeqInput]
+                 ) -> tuple[torch.Tensor, torch.Tensor, StepPlan, torch.Tensor | None]:
+        """Lay the step out flat (decode rows first) as a StepPlan. Token ids, positions,
+        write slots and logits rows reach the device as one tensor (one copy, from a
+        preallocated pinned buffer on CUDA)."""
+        bs = self.block_size
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        step = StepPlan(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
+                        num_blocks=self.num_blocks)
+        ids = [seqs[i].token_ids[0] for i in decode]
+        positions = [seqs[i].num_computed for i in decode]
+        slots: list[int] = []
+        for i in decode:
+            s = seqs[i]
+            table = _checked_table(s.block_table, s.num_computed + 1, bs)
+            slots.append(table[s.num_computed // bs] * bs + s.num_computed % bs)
+            step.decode_positions.append(s.num_computed)
+            step.decode_tables.append(s.block_table)
+        last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
+        for i, s in enumerate(seqs):
+            n, c = len(s.token_ids), s.num_computed
+            if n == 1:
+                continue
+            if n == 0:
+                raise ValueError("SeqInput with no tokens")
+            table = _checked_table(s.block_table, c + n, bs)
+            start = len(ids)
+            ids.extend(s.token_ids)
+            positions.extend(range(c, c + n))
+            slots.extend(token_slots(table, c, c + n, bs))
+            step.prefills.append(PrefillRow(start, start + n, c, table))
+            last_row[i] = start + n - 1
+        # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
+        self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
+        n_tok = len(ids)
+        want = [r for i, s in enumerate(seqs) if s.need_logits
+                for r in range(last_row[i] - _logits_count(s) + 1, last_row[i] + 1)]
+        flat = self._to_device(ids + positions + slots + want)
+        step.slot_mapping = flat[2 * n_tok : 3 * n_tok]
+        self.model.rotary.ensure(max(positions) + 1)
+        # All rows in order (pure decode where every row wants logits): skip the gather.
+        logits_rows = None if want == list(range(n_tok)) else flat[3 * n_tok :]
+        return flat[:n_tok], flat[n_tok : 2 * n_tok], step, logits_rows
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        host = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return host
+        # Safe to reuse the staging buffer: every step ends in a sync (logits to the sampler).
+        if self._staging is None or self._staging.numel() < host.numel():
+            self._staging = torch.empty(max(host.numel(), 4 * self.max_batched_tokens),
+                                        dtype=torch.long).pin_memory()
+        staged = self._staging[: host.numel()]
+        staged.copy_(host)
+        return staged.to(self.device, non_blocking=True)
+
+
+def _shutdown_tp(tp: TpWorkers) -> None:
+    tp.close()
+    leave_group()
+
+
+def _logits_count(s: SeqInput) -> int:
+    if not 1 <= s.num_logits <= len(s.token_ids):
+        raise ValueError(f"num_logits {s.num_logits} for a chunk of {len(s.token_ids)} tokens")
+    return s.num_logits
+
+
+def _checked_table(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
+    if len(block_table) * block_size < num_tokens:
+        raise ValueError(f"block table of {len(block_table)} blocks × {block_size} cannot hold "
+                         f"{num_tokens} tokens")
+    return block_table

@@ -1,0 +1,154 @@
+"""A GGUF file's quantised expert stacks kept quantised: each expert on the op its type
+takes, called per expert by the MoE block (helexa/neuron/models/moe.py).
+
+llama.cpp stacks every expert's projection into one 3-D tensor (``ffn_gate_exps``,
+``ffn_up_exps`` [experts, intermediate, hidden], ``ffn_down_exps`` [experts, hidden,
+intermediate]; or ``ffn_gate_up_exps``), each expert's rows quantised as a 2-D weight's
+are. Before loading, a MoE block whose stacks are quantised gets, in place of its float
+``w13`` / ``w2``, their unpacked form per expert (``gguf_w13_q`` int8 [E, rows, cols],
+``gguf_w13_scale`` / ``_zero`` fp32 per group), filled through the block's own expert
+loaders (each rank its rows of w13, its columns of w2, groups never cut). Once a
+stack's parts are in, :func:`install` moves them onto the op of
+:func:`helexa.checkpoint.gguf.layout_of`: grouped int8 (``q * scale + zero``), or tinygemm's
+int4 for ``Q4_K``, one packed weight per expert; the block then calls
+``experts_kernel(which, expert, x)`` in place of ``F.linear(x, w[expert])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from helexa.checkpoint.gguf import FLOAT, QUANT_TYPES, GgufError, Layout, layout_of, reader
+from helexa.kernels import quant as qk
+
+_STACKS = {"w13": ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"), "w2": ("ffn_down_exps",)}
+
+
+@dataclass
+class ExpertStack:
+    """One quantised stack (w13 or w2) of a MoE block: its layout and the GGUF tensors
+    still to load into it."""
+
+    layout: Layout
+    parts: dict[str, int] = field(default_factory=dict)  # tensor -> expert slices to come
+
+
+def attach_experts(model: nn.Module, path: Path) -> None:
+    """Give every MoE block whose expert stacks the file holds quantised their unpacked
+    form in place of the float ``w13`` / ``w2``."""
+    from helexa.neuron.models.moe import SparseMoeBlock
+
+    types = {t.name: t.tensor_type.name for t in reader(path).tensors}
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoeBlock):
+            continue
+        for which, names in _STACKS.items():
+            present = [n for n in (f"blk.{i}.{s}.weight" for s in names) if n in types]
+            if not present or any(types[n] not in QUANT_TYPES for n in present):
+                continue  # float (or missing: the loader's check names it)
+            w = getattr(mlp, which)
+            e, rows, k = w.shape
+            layout = layout_of([types[n] for n in present], rows=rows)
+            if layout == FLOAT:
+                continue
+            if k % layout.group:
+                raise GgufError(
+                    f"model.layers.{i}.mlp.{which}: groups of {layout.group} would straddle "
+                    f"ranks: {k * (mlp.tp_size if which == 'w2' else 1)} input features / "
+                    f"tp={mlp.tp_size} = {k} per rank, not a multiple of {layout.group}")
+            loader = w.weight_loader
+            del mlp._parameters[which]
+            mlp.register_buffer(which, torch.empty(0, dtype=w.dtype, device=w.device),
+                                persistent=False)
+            comps = {"q": (torch.int8, k), "scale": (torch.float32, k // layout.group)}
+            if layout.zeros:
+                comps["zero"] = (torch.float32, k // layout.group)
+            for comp, (dtype, width) in comps.items():
+                p = nn.Parameter(torch.zeros(e, rows, width, dtype=dtype, device=w.device),
+                                 requires_grad=False)
+                p.weight_loader = loader  # type: ignore[attr-defined]
+                mlp.register_parameter(f"gguf_{which}_{comp}", p)
+            if not hasattr(mlp, "gguf_stacks"):
+                mlp.gguf_stacks = {}
+            mlp.gguf_stacks[which] = ExpertStack(
+                layout, {n: e * (2 if "gate_up" in n else 1) for n in present})
+
+
+def install(mlp: nn.Module, which: str, dtype: torch.dtype) -> None:
+    """A loaded stack's unpacked form -> its op's buffers; the unpacked form is freed."""
+    layout: Layout = mlp.gguf_stacks[which].layout
+    q = mlp._parameters.pop(f"gguf_{which}_q").data
+    scale = mlp._parameters.pop(f"gguf_{which}_scale").data
+    p_zero = mlp._parameters.pop(f"gguf_{which}_zero", None)
+    zero = torch.zeros_like(scale) if p_zero is None else p_zero.data
+    if layout.op == "int4":  # tinygemm: w = (q - 8) * scale + zero', per expert
+        packed = torch.stack([qk.int4_pack(q[e].to(torch.uint8)) for e in range(q.shape[0])])
+        sz = torch.stack([qk.int4_scales_zeros(scale[e], 8 * scale[e] + zero[e], dtype)
+                          for e in range(q.shape[0])])
+        mlp.register_buffer(f"{which}_qweight", packed, persistent=False)
+        mlp.register_buffer(f"{which}_qscales_zeros", sz, persistent=False)
+    else:
+        mlp.register_buffer(f"{which}_qweight", q.contiguous(), persistent=False)
+        mlp.register_buffer(f"{which}_qscales", scale.to(dtype).contiguous(), persistent=False)
+        if p_zero is not None:
+            mlp.register_buffer(f"{which}_qzeros", zero.to(dtype).contiguous(), persistent=False)
+    kernel = mlp.experts_kernel or QuantExperts(mlp)
+    kernel.ops[which] = (layout.op, layout.group, q.shape[1])
+    mlp.experts_kernel = kernel
+
+
+class QuantExperts:
+    """experts_kernel(which, expert, x) -> x @ W[expert]^T on the stack's op."""
+
+    def __init__(self, mlp: nn.Module) -> None:
+        self.mlp = mlp
+        self.ops: dict[str, tuple[str, int, int]] = {}  # which -> (op, group, rows)
+
+    def __call__(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        op = self.ops.get(which)
+        m = self.mlp
+        if op is None:  # this stack is float
+            return torch.nn.functional.linear(x, getattr(m, which)[expert])
+        kind, group, rows = op
+        if kind == "int4":
+            return qk.int4_linear(x, getattr(m, f"{which}_qweight")[expert], group, rows,
+                                  getattr(m, f"{which}_qscales_zeros")[expert], None)
+        zeros = getattr(m, f"{which}_qzeros", None)
+        return qk.int8g_linear(x, getattr(m, f"{which}_qweight")[expert],
+                               getattr(m, f"{which}_qscales")[expert],
+                               None if zeros is None else zeros[expert], group, None)
+
+
+def stack_of(mlp: Any, attr: str) -> ExpertStack | None:
+    """The quantised stack a MoE block parameter (``w13`` / ``w2``) loads into, if any."""
+    stack = getattr(mlp, "gguf_stacks", {}).get(attr)
+    return stack if stack is not None and f"gguf_{attr}_q" in mlp._parameters else None
+
+
+def load_piece(mlp: nn.Module, mod_name: str, attr: str, shard: Any, value: Any, tensor: str,
+               on_loaded: Any) -> None:
+    """One expert's unpacked rows (of GGUF ``tensor``) into a quantised stack's parts;
+    installs the op once the stack's tensors are all in."""
+    from helexa.neuron.models.layers import TensorSlice
+    from helexa.neuron.models.quant_gguf import to_layout
+
+    stack: ExpertStack = mlp.gguf_stacks[attr]
+    assert isinstance(value, tuple), "attach_experts saw the stack quantised"
+    for comp, v in zip(("q", "scale", "zero"), to_layout(value, stack.layout), strict=True):
+        name = f"gguf_{attr}_{comp}"
+        if v is not None and name in mlp._parameters:
+            p = mlp._parameters[name]
+            with torch.no_grad():
+                p.weight_loader(p, TensorSlice(v), shard)
+            on_loaded(None, (f"{mod_name}.{name}", shard), 0)
+    stack.parts[tensor] -= 1
+    if stack.parts[tensor] == 0:
+        del stack.parts[tensor]
+        if not stack.parts:  # every expert in: the op's layout now, the unpacked form freed
+            install(mlp, attr, mlp.gate.dtype)

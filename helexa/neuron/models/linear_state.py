@@ -1,0 +1,208 @@
+"""The per-request state of Gated DeltaNet layers, and its rollback past rejected drafts.
+
+A linear-attention layer keeps, per request, a conv window and a recurrent
+state (helexa/kernels/gated_delta.py) in a ``LinearState`` with one slot per request
+the model runner may hold at once; ``StateMeta`` says, per step, which slot
+each row of the flat batch reads and writes.
+
+Speculative verification. A row of 1 + k tokens (the request's last token and
+k drafts, SeqInput.num_logits > 1) runs token by token as k + 1 decode steps
+would, so its outputs are exactly plain decoding's, but leaves the slot as it
+was: the layer *holds* the row's inputs to the state (conv inputs and the
+k, v, g, beta of each position: a few percent of a state per position). The
+engine accepts a prefix and counts only the kept positions as computed, so
+the request's next step says how many stood (its num_computed less the row's
+start); ``settle`` then advances the slot by exactly those positions, with
+the same kernels as decode, before anything reads it. Nothing else of the
+engine changes, and every tensor-parallel rank does the same from the same
+step plan. A slot whose request ended meanwhile is cleared by its next owner,
+dropping what it held: at most one held row per slot (docs/speculation.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from helexa.kernels import gated_delta as gd
+
+
+@dataclass
+class VerifyRows:
+    """A step's speculative verification rows, padded to [rows, longest] for the kernels."""
+
+    index: torch.Tensor  # [B, T] flat row of each position (a short row repeats its last)
+    valid: torch.Tensor  # [B, T] bool: a real position of its row
+    flat: torch.Tensor  # [valid positions] their flat rows, in [B, T] order
+    slots: torch.Tensor  # [B] int64 state slots
+    slot_ids: list[int]
+    starts: list[int]  # each row's first position (its num_computed)
+    lengths: list[int]
+
+
+@dataclass
+class StateMeta:
+    """Which state slot each row of a step uses: decode rows first, then longer rows."""
+
+    decode_slots: torch.Tensor  # [num decode rows] int64
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
+    fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
+    verify: VerifyRows | None = None
+    resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
+
+
+@dataclass
+class _Held:
+    """Verification rows' inputs to the state: [B, T, ...] as the layer computed them."""
+
+    slots: list[int]
+    starts: list[int]
+    lengths: list[int]
+    mixed: torch.Tensor  # [B, T, channels] conv inputs
+    k: torch.Tensor  # [B, T, key heads, dk] fp32
+    v: torch.Tensor  # [B, T, v_heads, dv]
+    g: torch.Tensor  # [B, T, v_heads] fp32
+    beta: torch.Tensor  # [B, T, v_heads] fp32
+
+    def rows(self, rows: list[int]) -> _Held:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        return _Held([self.slots[r] for r in rows], [self.starts[r] for r in rows],
+                     [self.lengths[r] for r in rows],
+                     *(x.index_select(0, idx) for x in (self.mixed, self.k, self.v, self.g,
+                                                        self.beta)))
+
+
+class LinearState:
+    """One layer's conv windows [slots, channels, K - 1] and recurrent states
+    [slots, v_heads, k_dim, v_dim], in the model's dtype (as helexa plan counts them),
+    and the verification rows held until their requests' next step."""
+
+    def __init__(self, num_slots: int, channels: int, kernel: int, v_heads: int, dk: int,
+                 dv: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.conv = torch.zeros(num_slots, channels, kernel - 1, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_slots, v_heads, dk, dv, dtype=dtype, device=device)
+        self.nbytes = self.conv.nbytes + self.recurrent.nbytes
+        self._held: dict[int, tuple[_Held, int]] = {}  # slot -> (rows, its row)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.nbytes // self.conv.shape[0]
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the held verification rows take (each batch once)."""
+        batches = {id(b): b for b, _ in self._held.values()}.values()
+        return sum(x.nbytes for b in batches for x in (b.mixed, b.k, b.v, b.g, b.beta))
+
+    def clear(self, slots: list[int]) -> None:
+        """A request starts from nothing: zero its slots (a recycled slot holds the last one's)."""
+        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        self.conv.index_fill_(0, idx, 0)
+        self.recurrent.index_fill_(0, idx, 0)
+        self._drop(slots)
+
+    def begin_step(self, meta: StateMeta) -> None:
+        """Before a step's forward: clear the fresh slots, settle the held ones."""
+        if meta.fresh_slots:
+            self.clear(meta.fresh_slots)
+        if self._held:
+            self.settle(meta.resume)
+
+    def hold(self, rows: VerifyRows, mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             g: torch.Tensor, beta: torch.Tensor) -> None:
+        """Keep a step's verification rows' inputs (shapes as _Held's) until settled."""
+        self._drop(rows.slot_ids)
+        held = _Held(rows.slot_ids, rows.starts, rows.lengths, mixed, k, v, g, beta)
+        for r, slot in enumerate(rows.slot_ids):
+            self._held[slot] = (held, r)
+
+    def settle(self, resume: dict[int, int]) -> None:
+        """Advance each held slot whose request continues (slot -> its num_computed) by the
+        positions of its verification row that stood, exactly as decoding only them would."""
+        picked: dict[int, tuple[_Held, list[int], list[int]]] = {}
+        for slot, computed in resume.items():
+            got = self._held.pop(slot, None)
+            if got is None:
+                continue
+            held, r = got
+            kept = computed - held.starts[r]
+            if not 1 <= kept <= held.lengths[r]:
+                raise ValueError(
+                    f"state slot {slot} holds a verification of positions {held.starts[r]}.."
+                    f"{held.starts[r] + held.lengths[r] - 1}, but its request continues at "
+                    f"position {computed}")
+            picked.setdefault(id(held), (held, [], []))
+            picked[id(held)][1].append(r)
+            picked[id(held)][2].append(kept)
+        for held, rows, kept in picked.values():
+            if len(rows) < len(held.slots):
+                held = held.rows(rows)
+            self._advance(held, torch.tensor(kept, dtype=torch.long, device=held.k.device))
+        self._compact({id(h): h for h, _, _ in picked.values()})
+
+    def _advance(self, held: _Held, kept: torch.Tensor) -> None:
+        slots = torch.tensor(held.slots, dtype=torch.long, device=self.conv.device)
+        window = gd.conv1d_window_after(self.conv.index_select(0, slots), held.mixed, kept)
+        self.conv.index_copy_(0, slots, window.to(self.conv.dtype))
+        states = self.recurrent.index_select(0, slots).float()
+        ratio = held.v.shape[2] // held.k.shape[2]  # each key head serves `ratio` value heads
+        k = held.k.repeat_interleave(ratio, 2) if ratio > 1 else held.k
+        gd.delta_rule_advance(k, held.v, held.g, held.beta, states, kept, self.recurrent.dtype)
+        self.recurrent.index_copy_(0, slots, states.to(self.recurrent.dtype))
+
+    def _drop(self, slots: list[int]) -> None:
+        touched = {}
+        for slot in slots:
+            got = self._held.pop(slot, None)
+            if got is not None:
+                touched[id(got[0])] = got[0]
+        self._compact(touched)
+
+    def _compact(self, batches: dict[int, _Held]) -> None:
+        """A batch some of whose rows are gone keeps only the rest: what is held stays at most
+        one row per slot, whatever became of the others' requests."""
+        for held in batches.values():
+            left = [r for r, s in enumerate(held.slots)
+                    if self._held.get(s, (None, -1))[0] is held]
+            if left and len(left) < len(held.slots):
+                kept = held.rows(left)
+                for r, slot in enumerate(kept.slots):
+                    self._held[slot] = (kept, r)
+
+
+def state_meta(seqs: list[Any], device: torch.device) -> StateMeta:
+    """The StateMeta of a step whose rows the model runner lays out flat: one-token rows
+    first (in order), then each longer sequence's tokens. ``seqs`` are SeqInputs; one that
+    wants logits at several positions (num_logits > 1) is a verification row."""
+    decode = [s for s in seqs if len(s.token_ids) == 1]
+    for s in seqs:
+        if s.state_slot < 0:
+            raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
+    meta = StateMeta(decode_slots=torch.tensor([s.state_slot for s in decode], dtype=torch.long,
+                                               device=device),
+                     fresh_slots=[s.state_slot for s in seqs if s.num_computed == 0],
+                     resume={s.state_slot: s.num_computed for s in seqs if s.num_computed})
+    at = len(decode)
+    verify: list[tuple[int, int, int, int]] = []  # (flat start, length, slot, num_computed)
+    for s in seqs:
+        n = len(s.token_ids)
+        if n > 1 and s.need_logits and s.num_logits > 1:
+            verify.append((at, n, s.state_slot, s.num_computed))
+        elif n > 1:
+            meta.prefills.append((at, at + n, s.state_slot))
+        at += n if n > 1 else 0
+    if verify:
+        longest = max(n for _, n, _, _ in verify)
+        steps = torch.arange(longest)
+        start = torch.tensor([a for a, _, _, _ in verify])[:, None]
+        length = torch.tensor([n for _, n, _, _ in verify])[:, None]
+        index = start + torch.minimum(steps, length - 1)
+        valid = steps < length
+        meta.verify = VerifyRows(
+            index=index.to(device), valid=valid.to(device), flat=index[valid].to(device),
+            slots=torch.tensor([s for _, _, s, _ in verify], dtype=torch.long, device=device),
+            slot_ids=[s for _, _, s, _ in verify], starts=[c for _, _, _, c in verify],
+            lengths=[n for _, n, _, _ in verify])
+    return meta

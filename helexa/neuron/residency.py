@@ -1,0 +1,555 @@
+"""Which catalogue models are resident on this neuron, and their lifecycles.
+
+Each resident model runs in its own engine process, reached through an
+`EngineClient`. This module owns the map model id → `ResidentModel` and every
+change to it: preload at start, `Load` / `Unload` at runtime (single-flight
+per model), eviction of the least recently used model of equal or lower
+priority when device memory would be short, draining, runtime limits
+(SIGHUP, profiles) and failure. Nothing here decides admission — that lives
+in the engine process; this module only hands each engine its limits.
+
+States follow the proto's ModelState: loading → ready ⇄ switching,
+ready → draining → (gone), and failed from any of them. A failed model is
+remembered with its reason: requests for it are refused `model_failed` at
+once, and a Load retries it only after a backoff (doubling per consecutive
+failure) unless the Load says `retry_failed` (an operator's `ctl load`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import functools
+import subprocess
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
+from helexa.plan import state_slots
+
+MIB = 1024 * 1024
+# A failed model is retried after FAILED_RETRY_SECS, doubling per consecutive failure up to
+# FAILED_RETRY_MAX_SECS: a load that fails at once must never become a tight retry loop.
+FAILED_RETRY_SECS = 30.0
+FAILED_RETRY_MAX_SECS = 600.0
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="neuron")
+
+# (spec, on_status, on_fatal, on_progress) -> a started client. Tests pass a fake.
+ClientFactory = Callable[..., Awaitable[Any]]
+
+
+class ModelState(enum.IntEnum):
+    """Values match helexa.neuron.v1.ModelState."""
+
+    LOADING = 1
+    READY = 2
+    SWITCHING = 3
+    DRAINING = 4
+    FAILED = 5
+
+
+@dataclass
+class ResidentModel:
+    """One catalogue model on this neuron: its plan, engine and live figures."""
+
+    entry: ModelEntry
+    state: ModelState = ModelState.LOADING
+    error: str = ""
+    plan: Any = None  # helexa.plan.ModelPlan
+    limits: ModelLimits | None = None
+    admission: messages.SetLimits | None = None  # limits in force in the engine
+    profile: str = ""
+    kv_dtype: str = ""
+    client: Any = None  # EngineClient
+    tokenizer: Any = None  # helexa.neuron.tokenizer.Tokenizer
+    engine_status: messages.EngineStatus | None = None
+    devices: list[str] = field(default_factory=list)
+    active: int = 0  # Generate calls open in the daemon for this model
+    last_used_unix_ms: int = 0
+    failures: int = 0  # consecutive failed loads
+    retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
+
+    @property
+    def model_id(self) -> str:
+        return self.entry.id
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight anywhere: an open call in the daemon, or queued/in flight in the engine."""
+        s = self.engine_status
+        return self.active > 0 or (s is not None and (s.in_flight + s.queued) > 0)
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Device memory per card: weights + the KV pool."""
+        if self.plan is None:
+            return 0
+        return int(self.plan.weight_bytes_per_card) + int(self.plan.kv_budget_bytes)
+
+    def touch(self) -> None:
+        self.last_used_unix_ms = int(time.time() * 1000)
+
+    def begin(self) -> None:
+        self.active += 1
+        self.touch()
+
+    def end(self) -> None:
+        self.active -= 1
+        self.touch()
+
+    def fail(self, reason: str) -> None:
+        """FAILED with its reason, and the time before which no Load retries it."""
+        self.state = ModelState.FAILED
+        self.error = reason
+        self.failures += 1
+        self.retry_at = time.monotonic() + min(
+            FAILED_RETRY_MAX_SECS, FAILED_RETRY_SECS * 2 ** (self.failures - 1))
+
+    @property
+    def retry_after_ms(self) -> int:
+        return max(1000, int((self.retry_at - time.monotonic()) * 1000))
+
+
+class Residency:
+    """The resident models and the operations that change them (one asyncio loop)."""
+
+    def __init__(self, cfg: NeuronConfig, config_path: Path, *,
+                 client_factory: ClientFactory | None = None,
+                 tokenizer_loader: Callable[[Path], Any] | None = None,
+                 on_change: Callable[[], None] = lambda: None) -> None:
+        self.cfg = cfg
+        self.config_path = Path(config_path)
+        self.models: dict[str, ResidentModel] = {}
+        self._client_factory = client_factory or _start_engine
+        self._tokenizer_loader = tokenizer_loader or _load_tokenizer
+        self._on_change = on_change
+        self._loads: dict[str, asyncio.Future[tuple[ResidentModel, list[str]]]] = {}
+        self._room = asyncio.Lock()  # one memory decision at a time
+        self._profiles: dict[str, str] = {}  # model id -> profile switched at runtime
+
+    # ----------------------------------------------------------- lookups
+
+    def catalogue(self) -> list[ModelEntry]:
+        return list(self.cfg.models)
+
+    def entry(self, model_id: str) -> ModelEntry:
+        try:
+            return self.cfg.model(model_id)
+        except KeyError:
+            raise Refusal("model_not_found",
+                          f"The model `{model_id}` does not exist on this neuron.") from None
+
+    def profile_of(self, model_id: str) -> str:
+        """The profile a model runs (or will run when loaded)."""
+        r = self.models.get(model_id)
+        if r is not None:
+            return r.profile
+        return self._profiles.get(model_id, self.cfg.model(model_id).profile or "")
+
+    def forget_profile(self, model_id: str) -> None:
+        """Drop a runtime profile switch: the file's profile applies at the next load."""
+        self._profiles.pop(model_id, None)
+
+    def serving(self, model_id: str) -> ResidentModel:
+        """The model a request may go to now, or the refusal that says why not."""
+        r = self.models.get(model_id)
+        if r is None:
+            self.entry(model_id)  # model_not_found when not in the catalogue
+            raise Refusal("service_unavailable",
+                          f"The model `{model_id}` is not loaded on this neuron.", 1000)
+        if r.state == ModelState.READY:
+            return r
+        if r.state == ModelState.LOADING:
+            raise Refusal("model_loading", f"The model `{model_id}` is loading.", 2000)
+        if r.state == ModelState.SWITCHING:
+            raise Refusal("service_unavailable",
+                          f"The model `{model_id}` is switching profile.", 1000)
+        if r.state == ModelState.DRAINING:
+            raise Refusal("shutting_down", f"The model `{model_id}` is draining.",
+                          int(self.cfg.server.drain_secs * 1000))
+        raise Refusal("model_failed", f"The model `{model_id}` failed to load: {r.error}",
+                      r.retry_after_ms)
+
+    # ----------------------------------------------------------- loading
+
+    async def preload(self) -> None:
+        """Load every `preload = true` model, one after another (progress in the log)."""
+        for entry in self.cfg.models:
+            if entry.preload:
+                await self.load(entry.id)
+
+    async def load(self, model_id: str, *, retry_failed: bool = False
+                   ) -> tuple[ResidentModel, list[str]]:
+        """Load a catalogue model (single-flight); returns it (ready or failed) and the evicted.
+
+        A model that failed is returned as it is, not reloaded, until its backoff has
+        passed, unless `retry_failed`."""
+        entry = self.entry(model_id)
+        r = self.models.get(model_id)
+        if r is not None and r.state in (ModelState.READY, ModelState.SWITCHING):
+            r.touch()
+            return r, []
+        if r is not None and r.state == ModelState.FAILED and not retry_failed \
+                and time.monotonic() < r.retry_at and model_id not in self._loads:
+            return r, []
+        if r is not None and r.state == ModelState.DRAINING:
+            raise Refusal("shutting_down", f"The model `{model_id}` is being unloaded.",
+                          int(self.cfg.server.drain_secs * 1000))
+        task = self._loads.get(model_id)
+        if task is None:
+            task = asyncio.ensure_future(self._load(entry))
+            self._loads[model_id] = task
+            task.add_done_callback(lambda _t: self._loads.pop(model_id, None))
+        return await asyncio.shield(task)
+
+    async def _load(self, entry: ModelEntry) -> tuple[ResidentModel, list[str]]:
+        from helexa.plan import plan_model
+
+        r = ResidentModel(entry=entry, devices=self._devices_of(entry))
+        before = self.models.get(entry.id)
+        if before is not None and before.state == ModelState.FAILED:
+            r.failures = before.failures  # the backoff keeps growing while loads keep failing
+            if before.client is not None:  # an engine that died: end what is left of it
+                try:
+                    await before.client.shutdown(5.0)
+                except Exception as e:
+                    log.warning("model.shutdown_error", model=entry.id, error=str(e))
+        r.profile = self._profiles.get(entry.id, entry.profile or "")
+        r.kv_dtype = effective_kv_dtype(self.cfg, r.profile)
+        self.models[entry.id] = r  # LOADING is visible in Watch at once
+        self._on_change()
+        t0 = time.monotonic()
+        log.info("model.loading", model=entry.id, devices=r.devices, profile=r.profile)
+        evicted: list[str] = []
+        try:
+            r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype,
+                                device_memory_mb=self.device_memory_mb(r.devices))
+            r.kv_dtype = r.plan.kv_dtype
+            r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache)
+            r.admission = effective_limits(self.cfg, r.profile, entry)
+            if entry.path is None:
+                raise RuntimeError("no checkpoint folder (`path`) on this neuron; "
+                                   "only `config` is given, which plans but cannot load")
+            async with self._room:
+                evicted = await self._make_room(r)
+            model_dir = resolve_path(self.config_path, entry.path)
+            if not (model_dir.is_dir() or (model_dir.suffix == ".gguf" and model_dir.is_file())):
+                raise RuntimeError(f"path: no checkpoint folder or .gguf file at {model_dir}")
+            try:
+                r.tokenizer = await asyncio.to_thread(self._tokenizer_loader, model_dir)
+            except Exception as e:
+                raise RuntimeError(f"the tokenizer in {model_dir} could not be loaded: {e}") from e
+            draft_dir = None
+            if r.plan.draft_model_id:  # loads with this model, in its engine (docs/speculation.md)
+                draft_path = self.cfg.model(r.plan.draft_model_id).path
+                assert draft_path is not None  # NeuronConfig checks a draft entry has a path
+                draft_dir = resolve_path(self.config_path, draft_path)
+            spec = build_spec(self.cfg, r, model_dir, draft_dir)
+            r.client = await self._client_factory(
+                spec,
+                on_status=lambda s, _r=r: self._on_status(_r, s),
+                on_fatal=lambda msg, _r=r: self._on_fatal(_r, msg),
+                on_progress=lambda *a, _m=entry.id: log.info("model.progress", model=_m,
+                                                             progress=[str(x) for x in a]))
+            r.engine_status = getattr(r.client, "status", None)
+            r.state = ModelState.READY
+            r.touch()
+            log.info("model.ready", model=entry.id, load_secs=round(time.monotonic() - t0, 3),
+                     context=r.limits.context, kv_dtype=r.kv_dtype,
+                     pool_tokens=r.plan.pool_tokens, evicted=evicted)
+        except Exception as e:  # a load failure leaves the daemon up and says why
+            r.fail(e.message if isinstance(e, Refusal) else _reason(e))
+            log.error("model.failed", model=entry.id, error=r.error, failures=r.failures,
+                      retry_after_secs=round(r.retry_after_ms / 1000))
+        self._on_change()
+        return r, evicted
+
+    def device_memory_mb(self, devices: list[str]) -> int | None:
+        return device_memory_mb(self.cfg, devices)
+
+    def _devices_of(self, entry: ModelEntry) -> list[str]:
+        return list(entry.devices or self.cfg.server.devices[: entry.tp])
+
+    async def _make_room(self, new: ResidentModel) -> list[str]:
+        """Evict LRU idle models of equal or lower priority until `new` fits every device."""
+        cap_mb = self.device_memory_mb(new.devices)
+        if cap_mb is None:
+            return []  # nothing to plan against; the engine reports a real shortage
+        cap = cap_mb * MIB
+
+        def used_on(dev: str) -> int:
+            return sum(m.footprint_bytes for m in self.models.values()
+                       if m is not new and m.state != ModelState.FAILED and dev in m.devices)
+
+        short = {d: used_on(d) + new.footprint_bytes - cap for d in new.devices}
+        if all(v <= 0 for v in short.values()):
+            return []
+        candidates = sorted(
+            (m for m in self.models.values()
+             if m is not new and m.state == ModelState.READY and not m.busy
+             and m.entry.priority <= new.entry.priority and set(m.devices) & set(new.devices)),
+            key=lambda m: m.last_used_unix_ms)
+        chosen: list[ResidentModel] = []
+        for m in candidates:
+            if all(v <= 0 for v in short.values()):
+                break
+            chosen.append(m)
+            for d in m.devices:
+                if d in short:
+                    short[d] -= m.footprint_bytes
+        if any(v > 0 for v in short.values()):
+            need = new.footprint_bytes // MIB
+            raise Refusal("overloaded",
+                          f"not enough device memory for `{new.model_id}`: it needs {need} MiB "
+                          f"per card of {cap_mb} MiB, and no idle model of priority "
+                          f"<= {new.entry.priority} can make room")
+        for m in chosen:
+            log.info("model.evicting", model=m.model_id, for_model=new.model_id,
+                     last_used_unix_ms=m.last_used_unix_ms)
+            await self.unload(m.model_id)
+        return [m.model_id for m in chosen]
+
+    # ----------------------------------------------------------- engine callbacks
+
+    def _on_status(self, r: ResidentModel, status: messages.EngineStatus) -> None:
+        r.engine_status = status
+        self._on_change()
+
+    def _on_fatal(self, r: ResidentModel, message: str) -> None:
+        r.fail(f"engine failed: {message}")
+        if r.failures == 1:  # a model that loaded and served: the next Load may restart it now
+            r.retry_at = time.monotonic()
+        log.error("model.failed", model=r.model_id, error=r.error, failures=r.failures)
+        self._on_change()
+
+    # ----------------------------------------------------------- unloading
+
+    async def unload(self, model_id: str, *, drain: bool = False, force: bool = False) -> bool:
+        """Stop a model's engine; refuses (model_busy) a busy model unless drain or force."""
+        r = self.models.get(model_id)
+        if r is None:
+            self.entry(model_id)
+            return False
+        if r.state == ModelState.LOADING:
+            raise Refusal("model_loading", f"The model `{model_id}` is loading.", 2000)
+        if r.busy and not (drain or force):
+            raise Refusal("model_busy", f"The model `{model_id}` has work in flight; "
+                          "unload with drain (finish it) or force (abort it).")
+        if drain and r.client is not None and r.state != ModelState.FAILED:
+            r.state = ModelState.DRAINING
+            self._on_change()
+            r.client.stop_admitting(True)
+            await self.wait_idle(r, self.cfg.server.drain_secs)
+        if r.client is not None:
+            try:
+                await r.client.shutdown(5.0)
+            except Exception as e:  # the process may be gone already
+                log.warning("model.shutdown_error", model=model_id, error=str(e))
+        self.models.pop(model_id, None)
+        log.info("model.unloaded", model=model_id, drained=drain, forced=force)
+        self._on_change()
+        return True
+
+    async def wait_idle(self, r: ResidentModel, timeout_secs: float, *,
+                        in_flight_only: bool = False) -> bool:
+        """Wait until nothing of `r` is in flight (or queued, unless in_flight_only);
+        False when the time ran out."""
+        def busy() -> bool:
+            s = r.engine_status
+            return (s is not None and s.in_flight > 0) if in_flight_only else r.busy
+
+        deadline = time.monotonic() + timeout_secs
+        while busy():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            # engine figures change without an event here, so poll briefly
+            await asyncio.sleep(min(left, 0.05))
+        return True
+
+    async def shutdown(self) -> None:
+        """Stop every engine (used after draining on SIGTERM)."""
+        for model_id in list(self.models):
+            r = self.models[model_id]
+            if r.client is not None:
+                try:
+                    await r.client.shutdown(5.0)
+                except Exception as e:
+                    log.warning("model.shutdown_error", model=model_id, error=str(e))
+            self.models.pop(model_id, None)
+
+    # ----------------------------------------------------------- runtime limits
+
+    def apply_limits(self, cfg: NeuronConfig) -> list[str]:
+        """Hand every resident engine its limits under `cfg`; returns 'model: key old -> new'."""
+        self.cfg = cfg
+        changes: list[str] = []
+        for r in self.models.values():
+            if r.client is None or r.state == ModelState.FAILED:
+                continue
+            new = effective_limits(cfg, r.profile, r.entry)  # the daemon's reload updates entry
+            changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new)]
+            if new != r.admission:
+                r.client.set_limits(new)
+                r.admission = new
+        self._on_change()
+        return changes
+
+
+    # ----------------------------------------------------------- profiles
+
+    async def set_profile(self, model_id: str, profile: str) -> tuple[ResidentModel, list[str]]:
+        """Switch a resident model's profile; a kv_dtype change re-plans the pool in place."""
+        from helexa.plan import plan_model
+
+        r = self.models.get(model_id)
+        if r is None:
+            self.entry(model_id)
+            raise Refusal("service_unavailable", f"The model `{model_id}` is not loaded.")
+        if profile and profile not in self.cfg.profiles:
+            names = ", ".join(sorted(self.cfg.profiles)) or "none defined"
+            raise Refusal("invalid_request_error",
+                          f"profile: expected one of the [profiles.*] ({names}), got `{profile}`")
+        if r.state != ModelState.READY:
+            raise Refusal("service_unavailable",
+                          f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
+        new_limits = effective_limits(self.cfg, profile, r.entry)
+        new_plan = plan_model(self.cfg, r.entry, self.config_path,
+                              kv_dtype=effective_kv_dtype(self.cfg, profile),
+                              device_memory_mb=self.device_memory_mb(r.devices))
+        changed = diff_limits(r.admission, new_limits)
+        if profile != r.profile:
+            changed.insert(0, f"profile: {r.profile or '(base)'} -> {profile or '(base)'}")
+        if new_plan.kv_dtype != r.kv_dtype:
+            changed.append(f"kv_dtype: {r.kv_dtype} -> {new_plan.kv_dtype}")
+            changed.append(f"context: {r.limits.context} -> {new_plan.context}")
+            await self._switch_pool(r, new_plan)
+        if new_limits != r.admission:
+            r.client.set_limits(new_limits)
+            r.admission = new_limits
+        r.profile = profile
+        self._profiles[model_id] = profile
+        log.info("model.profile", model=model_id, profile=profile, changed=changed)
+        self._on_change()
+        return r, changed
+
+    async def _switch_pool(self, r: ResidentModel, plan: Any) -> None:
+        """SWITCHING: stop admitting, let in-flight work finish, re-plan the pool, resume."""
+        reset = getattr(r.client, "reset_kv", None)
+        if reset is None:
+            raise Refusal("invalid_request_error",
+                          "kv_dtype: this engine cannot re-plan its pool at runtime yet")
+        r.state = ModelState.SWITCHING
+        self._on_change()
+        t0 = time.monotonic()
+        try:
+            r.client.stop_admitting(True)
+            # queued requests stay queued across the switch; only in-flight ones hold blocks
+            if not await self.wait_idle(r, self.cfg.server.drain_secs, in_flight_only=True):
+                raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not finish "
+                              f"within drain_secs ({self.cfg.server.drain_secs:g} s); "
+                              "the switch was abandoned", 1000)
+            try:
+                await reset(num_blocks=state_slots(plan, r.num_state_slots)[0],
+                            kv_dtype=plan.kv_dtype,
+                            bytes_per_token=plan.bytes_per_token, context=plan.context,
+                            max_output_tokens=plan.output)
+            except Exception as e:  # the engine kept its pool; say why it would not switch
+                raise Refusal("invalid_request_error",
+                              f"kv_dtype: the engine could not re-plan its pool: {e}") from e
+            r.plan, r.kv_dtype, r.limits = (plan, plan.kv_dtype,
+                                             ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache))
+        finally:
+            r.client.stop_admitting(False)
+            if r.state == ModelState.SWITCHING:
+                r.state = ModelState.READY
+            self._on_change()
+        log.info("model.switched", model=r.model_id, kv_dtype=plan.kv_dtype,
+                 context=plan.context, switch_secs=round(time.monotonic() - t0, 3))
+
+
+def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list[str]:
+    """`key: old -> new` for each knob that differs."""
+    out = []
+    for name in new.__struct_fields__:
+        a = getattr(old, name) if old is not None else None
+        b = getattr(new, name)
+        if a != b:
+            out.append(f"{name}: {a} -> {b}")
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    """One line saying why: the last line of an engine's traceback, else the exception."""
+    text = str(e)
+    if "Traceback (most recent call last)" in text:
+        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
+        return f"{text.splitlines()[0].strip()} {last}"
+    return f"{type(e).__name__}: {text}"
+
+
+def device_memory_mb(cfg: NeuronConfig, devices: list[str]) -> int | None:
+    """MiB per card: server.device_memory_mb, else what nvidia-smi reports (smallest)."""
+    if cfg.server.device_memory_mb is not None:
+        return cfg.server.device_memory_mb
+    sizes = [_cuda_memory_mb(d) for d in devices]
+    return min(sizes) if sizes and None not in sizes else None  # type: ignore[type-var]
+
+
+@functools.cache
+def _cuda_memory_mb(device: str) -> int | None:
+    """Total memory of `cuda:N` from nvidia-smi (no CUDA context in the daemon), else None."""
+    if not device.startswith("cuda"):
+        return None
+    index = device.partition(":")[2] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
+                              "-i", index], capture_output=True, text=True, timeout=10)
+        return int(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
+    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+        return None
+
+
+def _load_tokenizer(model_dir: Path) -> Any:
+    from helexa.neuron.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(model_dir)
+
+
+def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
+               draft_dir: Path | None = None) -> Any:
+    """The EngineSpec of a resident model from its plan and the config in force; `draft_dir`
+    is the checkpoint of the draft model its plan counts (speculation = "draft:<id>")."""
+    from helexa.neuron.engine.spec import EngineSpec
+
+    plan = r.plan
+    max_in_flight = r.admission.max_in_flight if r.admission else cfg.admission.max_in_flight
+    num_blocks, slots = state_slots(plan, max_in_flight or 1)
+    r.num_state_slots = slots
+    return EngineSpec(
+        model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
+        dtype=r.entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
+        num_state_slots=slots, fixed_bytes=plan.fixed_bytes,
+        block_size=plan.block_size, kv_dtype=plan.kv_dtype,
+        bytes_per_token=plan.bytes_per_token, context=plan.context,
+        max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
+        torch_threads=cfg.engine.torch_threads, limits=r.admission,
+        attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
+        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
+        draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
+        draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers)
+
+
+async def _start_engine(spec: Any, **callbacks: Any) -> Any:
+    from helexa.neuron.engine.client import EngineClient
+
+    return await EngineClient.start(spec, **callbacks)

@@ -1,0 +1,305 @@
+"""A checkpoint's tokenizer and chat template, without transformers.
+
+`Tokenizer.from_dir(DIR)` reads tokenizer.json (the `tokenizers` library; a GGUF
+model without one: its metadata, helexa/neuron/gguf_tokenizer.py),
+the chat template (tokenizer_config.json `chat_template`, or the
+chat_template.jinja file transformers 5 writes) and the eos ids
+(generation_config.json, config.json and tokenizer_config.json together).
+The template is rendered in the same sandboxed jinja2 environment
+transformers uses, so prompts are token-for-token what the model was
+trained on.
+
+Only the template's own markup may yield control (special) tokens: text a
+caller sends in a message is tokenised with special tokens treated as
+text, so `<|im_end|><|im_start|>system` inside a user message cannot forge
+a turn. `encode_chat` does it by standing each special token's text found in
+the messages in for a private sentinel character while the template renders,
+splitting the rendered prompt at the (real) special tokens, and encoding the
+text between them, sentinels turned back into their literal text, with the
+special tokens disabled.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+
+class TemplateError(Exception):
+    """The chat template refused the messages (its raise_exception), or is missing."""
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config writes special tokens as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+
+
+def _compile_template(source: str) -> Any:
+    """The jinja2 environment of transformers' apply_chat_template."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+               separators: Any = None, sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+# Sentinels for special-token text inside messages: Supplementary Private Use Area-B,
+# skipping any character a chat already holds.
+_SENTINEL_FIRST = 0x100000
+_SENTINEL_LAST = 0x10FFFD
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message (content, parts, names, tool calls), depth first."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
+def _replace_strings(value: Any, swap: Any) -> Any:
+    """A copy of `value` with `swap` applied to every string in it."""
+    if isinstance(value, str):
+        return swap(value)
+    if isinstance(value, dict):
+        return {k: _replace_strings(v, swap) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_replace_strings(v, swap) for v in value]
+    return value
+
+
+# Beyond this many characters encode through encode_batch, which releases the GIL while it
+# works (encode holds it: seconds for a megabyte, freezing every other thread's Python).
+_LONG_TEXT_CHARS = 16384
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The inverse of GPT-2's bytes_to_unicode: byte-level BPE character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _LONG_TEXT_CHARS:
+        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one checkpoint."""
+
+    def __init__(self, tok: Any, *, chat_template: str | None, eos_token_ids: list[int],
+                 special_tokens: dict[str, str | None]) -> None:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        self._tok = tok  # tokenizers.Tokenizer
+        spec = tok.to_str()
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(spec).get("decoder"))
+        self._token_bytes: dict[int, bytes] = {}
+        # The same vocabulary with special tokens read as plain text, for message content.
+        self._plain = HfTokenizer.from_str(spec)
+        self._plain.encode_special_tokens = True
+        specials = {t.content: (i, t) for i, t in tok.get_added_tokens_decoder().items()
+                    if t.special}
+        self._special_ids = {text: i for text, (i, _) in specials.items()}
+        # One alternation, longest first; lstrip / rstrip tokens take their whitespace along.
+        alts = [("\\s*" if t.lstrip else "") + f"(?:{re.escape(text)})" + ("\\s*" if t.rstrip else "")
+                for text, (_, t) in sorted(specials.items(), key=lambda kv: -len(kv[0]))]
+        self._special_re = re.compile("|".join(alts)) if alts else None
+        self._special_text_re = (re.compile("|".join(re.escape(t) for t in
+                                                     sorted(specials, key=len, reverse=True)))
+                                 if specials else None)
+        self.chat_template = chat_template
+        self.eos_token_ids = eos_token_ids
+        self.special_tokens = special_tokens  # bos_token, eos_token, pad_token, unk_token
+        self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        from tokenizers import Tokenizer as HfTokenizer
+
+        from helexa.checkpoint.gguf import find_gguf, model_folder
+
+        d = model_folder(model_dir)  # a GGUF model's path may be its file
+        if not (d / "tokenizer.json").is_file():
+            gguf = find_gguf(model_dir)
+            if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
+                from helexa.neuron.gguf_tokenizer import tokenizer_parts
+
+                tok, template, eos, special = tokenizer_parts(gguf)
+                return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+        tok = HfTokenizer.from_file(str(d / "tokenizer.json"))
+        tcfg = _read_json(d / "tokenizer_config.json")
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name", "template"}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        jinja_file = d / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text()
+        special = {k: _token_text(tcfg.get(k)) for k in
+                   ("bos_token", "eos_token", "pad_token", "unk_token")}
+        eos: list[int] = []
+        for source in (_read_json(d / "generation_config.json").get("eos_token_id"),
+                       _read_json(d / "config.json").get("eos_token_id")):
+            eos += [i for i in _ids(source) if i not in eos]
+        if special["eos_token"] is not None:
+            i = tok.token_to_id(special["eos_token"])
+            if i is not None and i not in eos:
+                eos.append(i)
+        return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+
+    # ---------------------------------------------------------------- tokens
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return _encode(self._tok, text, add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, i: int) -> bytes:
+        """The token's own raw bytes (as OpenAI's logprobs `bytes`): part of a UTF-8
+        character for some tokens, where decode([i]) gives U+FFFD."""
+        raw = self._token_bytes.get(i)
+        if raw is None:
+            raw = self._token_bytes[i] = self._raw_bytes(int(i))
+        return raw
+
+    def _raw_bytes(self, i: int) -> bytes:
+        piece = self._tok.id_to_token(i)
+        if piece is None:
+            return b""
+        if i in self.special_token_ids:
+            return piece.encode("utf-8")
+        if self._byte_level:  # GPT-2 style: each character stands for one byte
+            table = _byte_of_char()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # sentencepiece byte fallback
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # sentencepiece's word marker
+
+    def id_to_token(self, i: int) -> str | None:
+        return self._tok.id_to_token(int(i))
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    # ------------------------------------------------------------------ chat
+
+    @cached_property
+    def _template(self) -> Any:
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; send a plain prompt instead")
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) does.
+
+        Extra keywords (tools, enable_thinking, …) are passed to the template.
+        """
+        ctx = {k: v for k, v in self.special_tokens.items() if v is not None}
+        ctx.update(kwargs)
+        return self._template.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt, **ctx)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> list[int]:
+        """The prompt's ids; special tokens come only from the template's markup."""
+        # The template writes any bos itself, so the text is encoded without
+        # adding special tokens (as transformers does for chat).
+        pattern = self._special_text_re
+        caller_text = _strings([messages, kwargs])  # tools and the like are caller text too
+        # str.find per token text, not the regex: a megabyte prompt takes milliseconds
+        if pattern is None or not any(t in s for s in caller_text for t in self._special_ids):
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False)
+        sentinel_of, text_of = self._sentinels("".join(caller_text))
+
+        def quote(s: str) -> str:
+            return pattern.sub(lambda m: sentinel_of[m.group(0)], s)
+
+        text = self.apply_chat_template(_replace_strings(messages, quote), add_generation_prompt,
+                                        **_replace_strings(kwargs, quote))
+        restore = re.compile("|".join(map(re.escape, text_of)))
+        ids: list[int] = []
+        pos = 0
+        assert self._special_re is not None
+        for m in self._special_re.finditer(text):
+            ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:m.start()]))
+            ids.append(self._special_ids[m.group(0).strip()])
+            pos = m.end()
+        ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:]))
+        return ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return _encode(self._plain, text, False) if text else []
+
+    def _sentinels(self, caller_text: str) -> tuple[dict[str, str], dict[str, str]]:
+        """special text -> sentinel char, and back; chars neither the caller nor the
+        template uses."""
+        seen = caller_text + (self.chat_template or "")
+        sentinel_of: dict[str, str] = {}
+        code = _SENTINEL_FIRST
+        for special in self._special_ids:
+            while chr(code) in seen:
+                code += 1
+            if code > _SENTINEL_LAST:
+                raise TemplateError("messages: no private character is left to quote "
+                                    "special-token text with")
+            sentinel_of[special] = chr(code)
+            code += 1
+        return sentinel_of, {v: k for k, v in sentinel_of.items()}

@@ -1,0 +1,387 @@
+"""The router's soft state: what each neuron last said on its Watch stream.
+
+One `NeuronLink` per configured endpoint owns a gRPC channel and one task
+reading `Watch`; that task alone writes the link's status. A neuron is in
+rotation while its stream is connected and it spoke within
+`timeouts.unhealthy_after_secs` (the router asks for a heartbeat well inside
+that); a broken stream is reopened with exponential backoff up to
+`timeouts.reconnect_max_secs`, and the neuron is back as soon as it speaks.
+
+The registry also remembers the router's own sends that the neuron has not
+reported yet (`PendingSend`): selection adds them to the neuron's load and
+subtracts their KV, so a burst spreads instead of herding onto whichever
+neuron looked idle in the last report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import structlog
+
+from helexa.config.schema import ConfigError, NeuronEndpoint, resolve_path
+from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc as pbg
+from helexa.router.inflight import Flight
+from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
+
+# lazy: bound at first use, after setup_logging() configured structlog
+log = structlog.get_logger(component="router")
+PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
+HEALTH_TICK_SECS = 0.1
+LOOP_STALL_SECS = 0.25  # a health tick this late means the router itself was not running
+
+
+@dataclass
+class PendingSend:
+    neuron: str
+    model: str
+    kv_bytes: int
+    sent_at: float = field(default_factory=time.monotonic)
+    answered_at: float | None = None  # first byte, refusal or end: the neuron has seen it
+
+    def answered(self, after_secs: float = 0.0) -> None:
+        """The neuron has seen this send, or its Watch reports will have `after_secs` from now."""
+        at = time.monotonic() + after_secs
+        if self.answered_at is None or at < self.answered_at:
+            self.answered_at = at
+
+
+def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
+    return [
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", int(reconnect_max_secs * 1000)),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ]
+
+
+class NeuronLink:
+    """One neuron: its channel, its last status and the task that keeps it fresh."""
+
+    def __init__(self, endpoint: NeuronEndpoint, registry: Registry, *,
+                 config_file: Path | None = None, reconnect_max_secs: float | None = None) -> None:
+        """Open the channel (nothing runs until start()); raises ConfigError when a file the
+        endpoint names cannot be read. config_file and reconnect_max_secs default to the
+        registry's (a reload passes the new config's before it is applied)."""
+        self.endpoint = endpoint
+        self.name = endpoint.name
+        self.registry = registry
+        options = channel_options(reconnect_max_secs or registry.reconnect_max_secs)
+        if endpoint.tls:
+            roots = None
+            if endpoint.ca_file:
+                ca = resolve_path(config_file or registry.config_file, endpoint.ca_file)
+                try:
+                    roots = ca.read_bytes()
+                except OSError as e:
+                    raise ConfigError(f"{config_file or registry.config_file}: neurons.endpoints"
+                                      f" `{endpoint.name}`.ca_file: cannot read {ca}:"
+                                      f" {e.strerror}") from None
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
+            self.channel = grpc.aio.secure_channel(endpoint.address, creds, options=options)
+        else:
+            self.channel = grpc.aio.insecure_channel(endpoint.address, options=options)
+        self.stub = pbg.NeuronStub(self.channel)
+        self.status: pb.NeuronStatus | None = None
+        self.opened_at = time.monotonic()
+        self.first_try_done = False  # a first report came, or the first attempt failed
+        self.connected = False
+        self.last_seen = 0.0
+        self.was_healthy = False
+        self.pending: list[PendingSend] = []
+        # Calls open on this neuron (weak: a finished request's flight goes with its handler).
+        self.flights: weakref.WeakSet[Flight] = weakref.WeakSet()
+        self.task: asyncio.Task[None] | None = None
+        self.closing = False
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        token = self.registry.token
+        return (("authorization", f"Bearer {token}"),) if token else ()
+
+    def healthy(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return (self.connected and self.status is not None
+                and now - self.last_seen <= self.registry.unhealthy_after_secs)
+
+    def open_flight(self, *, streaming: bool) -> Flight:
+        flight = Flight(self.name, streaming=streaming)
+        self.flights.add(flight)
+        return flight
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._watch_forever())
+
+    async def close(self) -> None:
+        self.closing = True
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+        await self.channel.close(grace=None)
+
+    async def _watch_forever(self) -> None:
+        backoff = 0.1
+        # A heartbeat at a third of the silence bound: one lost beat is not an outage.
+        heartbeat_ms = max(50, int(self.registry.unhealthy_after_secs * 1000 / 3))
+        while True:
+            call = self.stub.Watch(pb.WatchRequest(heartbeat_ms=heartbeat_ms),
+                                   metadata=self.metadata)
+            try:
+                while not self.closing:
+                    # Silence far past the bound: the stream is dead even if TCP says not.
+                    # (asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancel.)
+                    async with asyncio.timeout(3 * self.registry.unhealthy_after_secs + 1):
+                        status = await call.read()
+                    if status is grpc.aio.EOF:
+                        break
+                    self._on_status(status)
+                    backoff = 0.1
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.aio.AioRpcError, TimeoutError) as e:
+                self.first_try_done = True
+                detail = e.code().name if isinstance(e, grpc.aio.AioRpcError) else "silent"
+                if self.connected:
+                    log.warning("neuron.watch_lost", neuron=self.name, reason=detail)
+            finally:
+                call.cancel()
+            self.connected = False
+            if self.closing:
+                return
+            self.registry.notify()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.registry.reconnect_max_secs)
+
+    def _on_status(self, status: pb.NeuronStatus) -> None:
+        now = time.monotonic()
+        self.status = status
+        self.first_try_done = True
+        self.last_seen = now
+        self.connected = True
+        # Sends the neuron had seen before this report are now in its counters.
+        self.pending = [p for p in self.pending
+                        if (p.answered_at is None or p.answered_at > now)
+                        and now - p.sent_at < PENDING_TTL_SECS]
+        self.registry.notify()
+
+    def model_status(self, model: str) -> pb.ModelStatus | None:
+        if self.status is None:
+            return None
+        return next((m for m in self.status.models if m.model == model), None)
+
+
+class Registry:
+    """All neuron links, plus a change signal for requests waiting on a load."""
+
+    def __init__(self, endpoints: Iterable[NeuronEndpoint], *, token: str | None,
+                 unhealthy_after_secs: float, reconnect_max_secs: float) -> None:
+        self.token = token
+        self.config_file = Path("router.toml")  # paths in endpoints are relative to it
+        self.unhealthy_after_secs = unhealthy_after_secs
+        self.reconnect_max_secs = reconnect_max_secs
+        self.first_report_secs = 5.0
+        self.stream_idle_secs = 30.0
+        self.links: dict[str, NeuronLink] = {}
+        self._endpoints = list(endpoints)
+        self._changed = asyncio.Event()
+        self._health_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.set_endpoints(self._endpoints)
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+        for link in list(self.links.values()):
+            await link.close()
+        self.links.clear()
+
+    async def set_endpoints(self, endpoints: Iterable[NeuronEndpoint]) -> None:
+        """Add, replace or drop links so they match the config; in-flight calls finish."""
+        self.swap_links(self.build_links(endpoints))
+
+    def build_links(self, endpoints: Iterable[NeuronEndpoint], *, config_file: Path | None = None,
+                    reconnect_max_secs: float | None = None) -> dict[str, NeuronLink]:
+        """The links for a config, reusing the unchanged ones, without touching the running
+        set: a reload builds every new link first (ConfigError when one cannot be built, with
+        nothing changed) and swaps only when all succeeded."""
+        out: dict[str, NeuronLink] = {}
+        try:
+            for e in endpoints:
+                old = self.links.get(e.name)
+                out[e.name] = old if old is not None and old.endpoint == e else NeuronLink(
+                    e, self, config_file=config_file, reconnect_max_secs=reconnect_max_secs)
+        except ConfigError:
+            for link in out.values():
+                if link.task is None:  # built here, never started: close its channel
+                    asyncio.get_running_loop().create_task(link.channel.close(grace=None))
+            raise
+        return out
+
+    def swap_links(self, links: dict[str, NeuronLink]) -> None:
+        """Make `links` (from build_links) the running set; links left out close once the
+        calls already on them finish."""
+        for name, link in list(self.links.items()):
+            if links.get(name) is not link:
+                asyncio.get_running_loop().create_task(self._close_later(link))
+        self.links = dict(links)
+        for link in self.links.values():
+            if link.task is None:
+                link.start()
+        self.notify()
+
+    async def _close_later(self, link: NeuronLink, grace_secs: float = 600.0) -> None:
+        link.closing = True
+        if link.task is not None:
+            link.task.cancel()
+        await link.channel.close(grace=grace_secs)
+
+    def notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def wait_changed(self, timeout_secs: float) -> None:
+        """Return at the next status change, or after timeout_secs."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_secs):
+                await self._changed.wait()
+
+    async def _health_loop(self) -> None:
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(HEALTH_TICK_SECS)
+            now = time.monotonic()
+            stalled, last = now - last > HEALTH_TICK_SECS + LOOP_STALL_SECS, now
+            if stalled:  # our own loop stalled: Watch reports may be waiting unread, and a
+                continue  # neuron must not lose its calls for the router's pause
+            for link in self.links.values():
+                healthy = link.healthy(now)
+                if healthy != link.was_healthy:
+                    link.was_healthy = healthy
+                    log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
+                             ended_calls=0 if healthy else len(link.flights))
+                    if not healthy:  # out of rotation: what runs there will not come back
+                        for f in list(link.flights):
+                            f.end(f"neuron {link.name} stopped answering (no Watch report for"
+                                  f" {self.unhealthy_after_secs:g} s)")
+                    self.notify()
+                for f in list(link.flights):
+                    if f.idle_for(now) > self.stream_idle_secs:
+                        f.end(f"no message from neuron {link.name} for"
+                              f" {self.stream_idle_secs:g} s")
+
+    async def wait_first_tries(self) -> None:
+        """Return once every link brought its first report or failed its first attempt, or
+        each waited `first_report_secs` (a router says it listens only after this)."""
+        while any(not link.first_try_done and self._young(link) for link in self.links.values()):
+            await self.wait_changed(HEALTH_TICK_SECS)
+
+    def awaiting_first_report(self) -> bool:
+        """Some link opened less than `first_report_secs` ago has not reported yet: what it
+        will say may change the answer, so a request waits rather than fail now."""
+        return any(link.status is None and self._young(link) for link in self.links.values())
+
+    def _young(self, link: NeuronLink) -> bool:
+        return time.monotonic() - link.opened_at < self.first_report_secs
+
+    # ------------------------------------------------------------ queries
+
+    def healthy_links(self) -> list[NeuronLink]:
+        now = time.monotonic()
+        return [link for link in self.links.values() if link.healthy(now)]
+
+    def candidates(self, model: str) -> list[Candidate]:
+        """Healthy, non-draining neurons with `model` READY, with the router's unreported sends."""
+        out = []
+        for link in self.healthy_links():
+            if link.status is None or link.status.draining:  # healthy: status is set
+                continue
+            m = link.model_status(model)
+            if m is None or m.state != pb.MODEL_STATE_READY:
+                continue
+            mine = [p for p in link.pending if p.model == model]
+            out.append(Candidate(
+                neuron=link.name, kv_free_bytes=m.kv.free_bytes,
+                bytes_per_token=m.kv.bytes_per_token, block_size=m.kv.block_size or 16,
+                context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
+                pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
+                default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS,
+                max_per_principal=m.admission.max_per_principal,
+                fixed_bytes=m.kv.fixed_bytes_per_request))
+        return out
+
+    def note_send(self, neuron: str, model: str, kv_bytes: int) -> PendingSend:
+        send = PendingSend(neuron, model, kv_bytes)
+        link = self.links.get(neuron)
+        if link is not None:
+            link.pending.append(send)
+        return send
+
+    def models_in_state(self, model: str, *states: int, healthy_only: bool = True) -> list[str]:
+        links = self.healthy_links() if healthy_only else list(self.links.values())
+        return [link.name for link in links
+                if (m := link.model_status(model)) is not None and m.state in states]
+
+    def catalogue_holders(self, model: str) -> list[NeuronLink]:
+        return [link for link in self.healthy_links() if link.status is not None
+                and not link.status.draining and model in link.status.catalogue]
+
+    def known_models(self) -> set[str]:
+        """Every model any neuron (healthy or not) has reported resident or in its catalogue."""
+        out: set[str] = set()
+        for link in self.links.values():
+            if link.status is not None:
+                out.update(m.model for m in link.status.models)
+                out.update(link.status.catalogue)
+        return out
+
+    def ready_state_costs(self) -> dict[str, tuple[int, bool]]:
+        """Model → (fixed bytes per request, prefix cache on) among healthy neurons serving
+        it: the largest figure, and on only where every neuron has it on."""
+        out: dict[str, tuple[int, bool]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models if link.status is not None else ():
+                if m.state != pb.MODEL_STATE_READY:
+                    continue
+                fixed, cache = m.limits.fixed_bytes_per_request, m.limits.prefix_cache
+                prev = out.get(m.model)
+                out[m.model] = (fixed, cache) if prev is None else (max(prev[0], fixed),
+                                                                    prev[1] and cache)
+        return out
+
+    def ready_limits(self) -> dict[str, tuple[int, int, int]]:
+        """Model → (context, input, output), the smallest among healthy neurons serving it."""
+        out: dict[str, tuple[int, int, int]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models if link.status is not None else ():
+                if m.state != pb.MODEL_STATE_READY:
+                    continue
+                lim = (m.limits.context, m.limits.input, m.limits.output)
+                prev = out.get(m.model)
+                out[m.model] = lim if prev is None else (
+                    min(prev[0], lim[0]), min(prev[1], lim[1]), min(prev[2], lim[2]))
+        return out
+
+    def drafters(self) -> dict[str, str]:
+        """Model → the speculative drafter its ready neurons run (docs/speculation.md);
+        "off" when none does, names joined with "," when neurons differ."""
+        seen: dict[str, set[str]] = {}
+        for link in self.healthy_links():
+            for m in link.status.models if link.status is not None else ():
+                if m.state == pb.MODEL_STATE_READY:
+                    seen.setdefault(m.model, set()).add(m.drafter or "off")
+        return {k: ",".join(sorted(v)) for k, v in seen.items()}
