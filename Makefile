@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup up test lint typecheck proto slow
+.PHONY: setup up test lint typecheck proto slow wheel-serve
 
 setup: $(VENV)/.installed
 
@@ -20,6 +20,9 @@ test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) tests/typecheck.py
 	$(PY) -m pytest -q
+
+wheel-serve: setup  # build the wheel, install it non-editable in a fresh venv, serve one request
+	bash .ci/wheel-serve
 
 slow: setup
 	$(PY) -m pytest -q -m slow
