@@ -236,7 +236,7 @@ def _code_literals(tree: ast.AST) -> set[str]:
 
 
 def _emitted_codes() -> set[str]:
-    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
     from helexa.router.forward import _CODE_STATUS
 
     codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
@@ -268,7 +268,7 @@ def test_every_error_code_the_code_gives_is_in_the_error_table() -> None:
 
 
 def test_the_error_table_states_the_status_each_code_gets() -> None:
-    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
     from helexa.router.forward import _CODE_STATUS
 
     table = _error_table()

@@ -31,8 +31,9 @@ import structlog
 
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 from helexa.neuron.engine import messages
-from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
+from helexa.neuron.limits import ModelLimits, effective_kv_dtype, effective_limits
 from helexa.plan import state_slots
+from helexa.refusal import Refusal
 
 MIB = 1024 * 1024
 # A failed model is retried after FAILED_RETRY_SECS, doubling per consecutive failure up to

@@ -28,12 +28,14 @@ import structlog
 from helexa import __version__
 from helexa.neuron import agent
 from helexa.neuron.engine import messages
-from helexa.neuron.limits import Refusal, check_context
+from helexa.neuron.grpc_status import abort
+from helexa.neuron.limits import check_context
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.residency import ModelState, Residency, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
+from helexa.refusal import Refusal
 from helexa.responses import merge_responses
 
 # lazy: bound at first use, after setup_logging() configured structlog
@@ -263,7 +265,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics.requests.labels(model, "rejected").inc()
         blog.info("request.rejected", code=e.code, message=e.message,
                   retry_after_ms=e.retry_after_ms or None)
-        await context.abort(e.status, e.message, e.trailing_metadata())
+        await abort(context, e)
 
     # ------------------------------------------------------------------ status
 
@@ -313,7 +315,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 out.token_ids.extend(r.tokenizer.encode(request.text,
                                                         request.add_special_tokens))
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return out
 
     # ------------------------------------------------------------------ operations
@@ -328,7 +330,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             r, evicted = await self.residency.load(request.model,
                                                    retry_failed=request.retry_failed)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.LoadResponse(status=model_status(r), evicted=evicted)
 
     async def Unload(self, request: pb.UnloadRequest,
@@ -337,7 +339,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             done = await self.residency.unload(request.model, drain=request.drain,
                                                force=request.force)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.UnloadResponse(unloaded=done)
 
     async def SetProfile(self, request: pb.SetProfileRequest,
@@ -345,7 +347,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         try:
             r, changed = await self.residency.set_profile(request.model, request.profile)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.SetProfileResponse(status=model_status(r), changed=changed)
 
 
