@@ -34,7 +34,7 @@ from helexa.budget import blocks_for_tokens, check_request, output_budget
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
-from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance, eos_ids_from
+from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
@@ -113,9 +113,7 @@ class EngineCore:
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
         self._kv_reset_answer = ""
-        self.grammars = Grammars(spec.model_dir,
-                                 int(getattr(self.runner, "vocab_size", 0)),
-                                 eos_ids_from(spec.model_dir) if spec.model_dir else [])
+        self.grammars = Grammars(spec.model_dir, int(getattr(self.runner, "vocab_size", 0)))
 
     # --- the step ----------------------------------------------------------
 
