@@ -61,3 +61,14 @@ def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:
     """The KV dtype a model runs under its profile (may be "auto")."""
     p = cfg.profiles.get(profile) if profile else None
     return (p.kv_dtype if p is not None and p.kv_dtype is not None else cfg.kv.kv_dtype)
+
+
+def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list[str]:
+    """`key: old -> new` for each knob that differs."""
+    out = []
+    for name in new.__struct_fields__:
+        a = getattr(old, name) if old is not None else None
+        b = getattr(new, name)
+        if a != b:
+            out.append(f"{name}: {a} -> {b}")
+    return out

@@ -32,7 +32,8 @@ from helexa.neuron.grpc_status import abort
 from helexa.neuron.limits import check_context
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.output_processor import OutputProcessor
-from helexa.neuron.residency import ModelState, Residency, ResidentModel
+from helexa.neuron.residency import Residency
+from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc

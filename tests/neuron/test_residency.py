@@ -11,7 +11,8 @@ import pytest
 from support.fake_engine import FakeEngineClient
 
 from helexa.config.schema import NeuronConfig
-from helexa.neuron.residency import ModelState, Residency
+from helexa.neuron.residency import Residency
+from helexa.neuron.resident_model import ModelState
 from helexa.refusal import Refusal
 
 
