@@ -16,20 +16,12 @@ capped by what the context leaves and by the model's `max_output_tokens`.
 It reserves `ceil((prompt + budget) / block_size)` blocks, all at admission.
 
 Pure functions of plain numbers: no process state, no imports beyond the
-standard library, so the router pays nothing for calling it.
+standard library and helexa/refusal.py, so the router pays nothing for calling it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why a request can never be served by this model: an OpenAI-style code and a message."""
-
-    code: str  # context_length_exceeded | invalid_request_error
-    message: str
+from helexa.refusal import Refusal
 
 
 def output_budget(prompt_tokens: int, max_tokens: int | None, *, context: int,
@@ -54,7 +46,7 @@ def reservation_blocks(prompt_tokens: int, budget: int, block_size: int) -> int:
 
 
 def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
-                  max_output_tokens: int | None = None) -> Problem | None:
+                  max_output_tokens: int | None = None) -> Refusal | None:
     """None when the request fits the model's context, else why not, stating both numbers.
 
     A prompt of `context` tokens leaves no room for even one output token, so
@@ -62,25 +54,25 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
     `max_output_tokens` is the advertised output limit (None: context - 1).
     """
     if prompt_tokens < 1:
-        return Problem("invalid_request_error", "prompt: expected at least one token")
+        return Refusal("invalid_request_error", "prompt: expected at least one token")
     if prompt_tokens >= context:
-        return Problem(
+        return Refusal(
             "context_length_exceeded",
             f"This model's maximum context length is {context} tokens; "
             f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
     if max_tokens is None:
         return None
     if max_tokens < 1:
-        return Problem("invalid_request_error", f"max_tokens: expected at least 1, got {max_tokens}")
+        return Refusal("invalid_request_error", f"max_tokens: expected at least 1, got {max_tokens}")
     if prompt_tokens + max_tokens > context:
-        return Problem(
+        return Refusal(
             "context_length_exceeded",
             f"This model's maximum context length is {context} tokens; "
             f"the request asks for {prompt_tokens + max_tokens} tokens "
             f"({prompt_tokens} in the prompt + {max_tokens} max_tokens).")
     output_limit = context - 1 if max_output_tokens is None else max_output_tokens
     if max_tokens > output_limit:
-        return Problem("invalid_request_error",
+        return Refusal("invalid_request_error",
                        f"max_tokens: this model generates at most {output_limit} tokens "
                        f"per request, got {max_tokens}")
     return None

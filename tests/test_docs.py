@@ -236,7 +236,7 @@ def _code_literals(tree: ast.AST) -> set[str]:
 
 
 def _emitted_codes() -> set[str]:
-    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
     from helexa.router.forward import _CODE_STATUS
 
     codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
@@ -268,7 +268,7 @@ def test_every_error_code_the_code_gives_is_in_the_error_table() -> None:
 
 
 def test_the_error_table_states_the_status_each_code_gets() -> None:
-    from helexa.neuron.limits import STATUS_OF_CODE
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
     from helexa.router.forward import _CODE_STATUS
 
     table = _error_table()
@@ -366,3 +366,35 @@ def test_the_repository_cites_only_its_own_docs() -> None:
     for link in re.findall(r"\]\(([a-z_]+\.md)(?:#[a-z-]+)?\)",
                            "".join(p.read_text() for p in (ROOT / "docs").glob("*.md"))):
         assert (ROOT / "docs" / link).exists(), f"docs link to a missing docs/{link}"
+
+
+# `helexa/…` source paths in prose: a file (.py, .c) or a folder (trailing slash), not an
+# alias such as helexa/balanced, a config file name, or proto/helexa/… (checked as part of it).
+_SOURCE_PATH = re.compile(r"(?<![\w/.-])(helexa/(?:\w+/)*(?:\w+\.(?:py|c))?)(?![\w/.-])")
+
+
+def _named_source_paths() -> dict[str, set[str]]:
+    """path → the docs that name it, over docs/*.md and README.md."""
+    named: dict[str, set[str]] = {}
+    for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        for path in _SOURCE_PATH.findall(doc.read_text()):
+            named.setdefault(path, set()).add(doc.name)
+    return named
+
+
+def test_every_source_path_the_docs_name_exists() -> None:
+    named = _named_source_paths()
+    assert {"helexa/budget.py", "helexa/neuron/engine/"} <= set(named)  # the scan sees both
+    missing = {p: sorted(docs) for p, docs in named.items() if not (ROOT / p).exists()}
+    assert not missing, f"the docs name files that are not in the tree: {missing}"
+
+
+def test_the_code_map_names_every_package() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    code_map = text[text.index("## Code map"):]
+    code_map = code_map[:code_map.index("\n## ")] if "\n## " in code_map else code_map
+    listed = set(re.findall(r"^\| `(helexa/(?:\w+/)*)` \|", code_map, re.M))
+    packages = {str(p.parent.relative_to(ROOT)) + "/" for p in (ROOT / "helexa").rglob("__init__.py")}
+    assert "helexa/neuron/engine/" in packages
+    assert not packages - listed, f"docs/architecture.md's code map lacks {sorted(packages - listed)}"
+    assert not listed - packages, f"the code map lists what is no package: {sorted(listed - packages)}"

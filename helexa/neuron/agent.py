@@ -22,8 +22,8 @@ from typing import Any
 from helexa import grammar
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
-from helexa.neuron.limits import Refusal
 from helexa.proto import neuron_pb2 as pb
+from helexa.refusal import Refusal
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _EFFORT_SHARE = {"high": 1.0, "medium": 0.5, "low": 0.125, "none": 0.0}

@@ -15,6 +15,12 @@ from typing import Any
 
 import grpc
 
+from helexa.neuron.grpc_status import abort
+from helexa.refusal import Refusal
+
+# A call without the token (the status and metadata come from grpc_status's one table).
+_DENIED = Refusal("invalid_api_key",
+                  "missing or wrong neuron token (metadata authorization: Bearer <token>)")
 # Server-streaming methods of helexa.neuron.v1.Neuron; the rest are unary.
 _STREAMING = ("/Generate", "/Watch")
 
@@ -51,18 +57,15 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _deny_handler(method: str) -> grpc.RpcMethodHandler:
-    trailing = (("helexa-code", "invalid_api_key"),)
-    message = "missing or wrong neuron token (metadata authorization: Bearer <token>)"
-
     if method.endswith(_STREAMING):
         async def deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing)
+            await abort(context, _DENIED)
             yield  # pragma: no cover - abort raises
 
         return grpc.unary_stream_rpc_method_handler(deny_stream)
 
     async def deny_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message, trailing)
+        await abort(context, _DENIED)
 
     return grpc.unary_unary_rpc_method_handler(deny_unary)
 

@@ -34,7 +34,8 @@ from helexa.config.schema import (
 from helexa.log import setup_logging
 from helexa.neuron.auth import TokenAuthInterceptor, server_credentials
 from helexa.neuron.metrics import NeuronMetrics
-from helexa.neuron.residency import ClientFactory, ModelState, Residency
+from helexa.neuron.residency import ClientFactory, Residency
+from helexa.neuron.resident_model import ModelState
 from helexa.neuron.servicer import NeuronServicer
 from helexa.neuron.status import StatusHub, snapshot
 from helexa.proto import neuron_pb2_grpc
@@ -246,7 +247,7 @@ class NeuronDaemon:
 def check_plans(config_path: Path, cfg: NeuronConfig) -> None:
     """Plan every model as `helexa plan` does, asking the devices (nvidia-smi) when the config
     gives neither kv_budget_mb nor device_memory_mb; raises PlanError with the arithmetic."""
-    from helexa.neuron.residency import device_memory_mb
+    from helexa.neuron.eviction import device_memory_mb
     from helexa.plan import UnknownBudget, check_neuron_config, plan_model
 
     check_neuron_config(config_path, cfg)

@@ -104,7 +104,7 @@ def main(argv: list[str]) -> int:
     import torch
 
     from helexa.log import setup_logging
-    from helexa.neuron.engine.detokenizer import IncrementalDetokenizer
+    from helexa.neuron.detokenizer import IncrementalDetokenizer
     from helexa.neuron.tokenizer import Tokenizer
 
     if args.threads:

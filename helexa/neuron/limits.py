@@ -1,4 +1,4 @@
-"""The limits a model advertises and runs under, and the daemon's refusals.
+"""The limits a model advertises and runs under, and the daemon's context check.
 
 The limits a model advertises (`context`, `input`, `output`) come from its
 plan (helexa.plan). Whether a request fits them is the engine's rule
@@ -7,58 +7,19 @@ daemon as soon as the prompt is tokenised, so an impossible request is
 refused without a trip to the engine, in the engine's words. `effective_limits` folds a
 profile's overrides into the config's admission / engine knobs (what the
 engine receives as SetLimits at load, on SIGHUP and on a profile switch).
-`Refusal` is the one shape every refusal takes inside the daemon — an
-OpenAI-style code, a message and an optional retry-after — turned into a
-gRPC status only at the edge.
+Refusals are helexa/refusal.py's, turned into a gRPC status only at the edge
+(helexa/neuron/grpc_status.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
 from helexa.budget import check_request
 from helexa.config.schema import ModelEntry, NeuronConfig
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.spec import limits_from_config
-
-# The OpenAI-style code → the gRPC status the router maps back to HTTP
-# (docs/errors.md). Codes not listed are INTERNAL.
-STATUS_OF_CODE: dict[str, grpc.StatusCode] = {
-    "invalid_request_error": grpc.StatusCode.INVALID_ARGUMENT,
-    "context_length_exceeded": grpc.StatusCode.INVALID_ARGUMENT,
-    "invalid_api_key": grpc.StatusCode.UNAUTHENTICATED,
-    "model_not_found": grpc.StatusCode.NOT_FOUND,
-    "rate_limit_exceeded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "overloaded": grpc.StatusCode.RESOURCE_EXHAUSTED,
-    "model_loading": grpc.StatusCode.UNAVAILABLE,
-    "model_failed": grpc.StatusCode.UNAVAILABLE,
-    "shutting_down": grpc.StatusCode.UNAVAILABLE,
-    "service_unavailable": grpc.StatusCode.UNAVAILABLE,
-    "model_busy": grpc.StatusCode.FAILED_PRECONDITION,
-    "upstream_error": grpc.StatusCode.INTERNAL,
-}
-
-
-class Refusal(Exception):
-    """A request (or operation) the neuron will not serve, and why."""
-
-    def __init__(self, code: str, message: str, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = max(0, int(retry_after_ms))
-
-    @property
-    def status(self) -> grpc.StatusCode:
-        return STATUS_OF_CODE.get(self.code, grpc.StatusCode.INTERNAL)
-
-    def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
-        md: list[tuple[str, str]] = [("helexa-code", self.code)]
-        if self.retry_after_ms:
-            md.append(("helexa-retry-after-ms", str(self.retry_after_ms)))
-        return tuple(md)
+from helexa.refusal import Refusal
 
 
 @dataclass(frozen=True)
@@ -83,10 +44,10 @@ class ModelLimits:
 
 def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimits) -> None:
     """Refuse a request that cannot fit the model's context (budget.check_request's rule)."""
-    problem = check_request(prompt_tokens, max_tokens, context=limits.context,
-                            max_output_tokens=limits.output)
-    if problem is not None:
-        raise Refusal(problem.code, problem.message)
+    refusal: Refusal | None = check_request(prompt_tokens, max_tokens, context=limits.context,
+                                            max_output_tokens=limits.output)
+    if refusal is not None:
+        raise refusal
 
 
 def effective_limits(cfg: NeuronConfig, profile: str = "",
@@ -100,3 +61,14 @@ def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:
     """The KV dtype a model runs under its profile (may be "auto")."""
     p = cfg.profiles.get(profile) if profile else None
     return (p.kv_dtype if p is not None and p.kv_dtype is not None else cfg.kv.kv_dtype)
+
+
+def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list[str]:
+    """`key: old -> new` for each knob that differs."""
+    out = []
+    for name in new.__struct_fields__:
+        a = getattr(old, name) if old is not None else None
+        b = getattr(new, name)
+        if a != b:
+            out.append(f"{name}: {a} -> {b}")
+    return out

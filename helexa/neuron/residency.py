@@ -8,22 +8,20 @@ priority when device memory would be short, draining, runtime limits
 (SIGHUP, profiles) and failure. Nothing here decides admission — that lives
 in the engine process; this module only hands each engine its limits.
 
-States follow the proto's ModelState: loading → ready ⇄ switching,
-ready → draining → (gone), and failed from any of them. A failed model is
-remembered with its reason: requests for it are refused `model_failed` at
-once, and a Load retries it only after a backoff (doubling per consecutive
-failure) unless the Load says `retry_failed` (an operator's `ctl load`).
+States follow the proto's ModelState (helexa/neuron/resident_model.py): loading
+→ ready ⇄ switching, ready → draining → (gone), and failed from any of them.
+A failed model is remembered with its reason: requests for it are refused
+`model_failed` at once, and a Load retries it only after a backoff (doubling
+per consecutive failure) unless the Load says `retry_failed` (an operator's
+`ctl load`). Whom to evict is helexa/neuron/eviction.py's decision; what an
+engine is started with, helexa/neuron/engine_launch.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import functools
-import subprocess
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,92 +29,18 @@ import structlog
 
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 from helexa.neuron.engine import messages
-from helexa.neuron.limits import ModelLimits, Refusal, effective_kv_dtype, effective_limits
+from helexa.neuron.engine_launch import build_spec, load_tokenizer, start_engine
+from helexa.neuron.eviction import device_memory_mb, evictions_for
+from helexa.neuron.limits import ModelLimits, diff_limits, effective_kv_dtype, effective_limits
+from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.plan import state_slots
+from helexa.refusal import Refusal
 
-MIB = 1024 * 1024
-# A failed model is retried after FAILED_RETRY_SECS, doubling per consecutive failure up to
-# FAILED_RETRY_MAX_SECS: a load that fails at once must never become a tight retry loop.
-FAILED_RETRY_SECS = 30.0
-FAILED_RETRY_MAX_SECS = 600.0
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="neuron")
 
 # (spec, on_status, on_fatal, on_progress) -> a started client. Tests pass a fake.
 ClientFactory = Callable[..., Awaitable[Any]]
-
-
-class ModelState(enum.IntEnum):
-    """Values match helexa.neuron.v1.ModelState."""
-
-    LOADING = 1
-    READY = 2
-    SWITCHING = 3
-    DRAINING = 4
-    FAILED = 5
-
-
-@dataclass
-class ResidentModel:
-    """One catalogue model on this neuron: its plan, engine and live figures."""
-
-    entry: ModelEntry
-    state: ModelState = ModelState.LOADING
-    error: str = ""
-    plan: Any = None  # helexa.plan.ModelPlan
-    limits: ModelLimits | None = None
-    admission: messages.SetLimits | None = None  # limits in force in the engine
-    profile: str = ""
-    kv_dtype: str = ""
-    client: Any = None  # EngineClient
-    tokenizer: Any = None  # helexa.neuron.tokenizer.Tokenizer
-    engine_status: messages.EngineStatus | None = None
-    devices: list[str] = field(default_factory=list)
-    active: int = 0  # Generate calls open in the daemon for this model
-    last_used_unix_ms: int = 0
-    failures: int = 0  # consecutive failed loads
-    retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
-    num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
-
-    @property
-    def model_id(self) -> str:
-        return self.entry.id
-
-    @property
-    def busy(self) -> bool:
-        """Work in flight anywhere: an open call in the daemon, or queued/in flight in the engine."""
-        s = self.engine_status
-        return self.active > 0 or (s is not None and (s.in_flight + s.queued) > 0)
-
-    @property
-    def footprint_bytes(self) -> int:
-        """Device memory per card: weights + the KV pool."""
-        if self.plan is None:
-            return 0
-        return int(self.plan.weight_bytes_per_card) + int(self.plan.kv_budget_bytes)
-
-    def touch(self) -> None:
-        self.last_used_unix_ms = int(time.time() * 1000)
-
-    def begin(self) -> None:
-        self.active += 1
-        self.touch()
-
-    def end(self) -> None:
-        self.active -= 1
-        self.touch()
-
-    def fail(self, reason: str) -> None:
-        """FAILED with its reason, and the time before which no Load retries it."""
-        self.state = ModelState.FAILED
-        self.error = reason
-        self.failures += 1
-        self.retry_at = time.monotonic() + min(
-            FAILED_RETRY_MAX_SECS, FAILED_RETRY_SECS * 2 ** (self.failures - 1))
-
-    @property
-    def retry_after_ms(self) -> int:
-        return max(1000, int((self.retry_at - time.monotonic()) * 1000))
 
 
 class Residency:
@@ -129,8 +53,8 @@ class Residency:
         self.cfg = cfg
         self.config_path = Path(config_path)
         self.models: dict[str, ResidentModel] = {}
-        self._client_factory = client_factory or _start_engine
-        self._tokenizer_loader = tokenizer_loader or _load_tokenizer
+        self._client_factory = client_factory or start_engine
+        self._tokenizer_loader = tokenizer_loader or load_tokenizer
         self._on_change = on_change
         self._loads: dict[str, asyncio.Future[tuple[ResidentModel, list[str]]]] = {}
         self._room = asyncio.Lock()  # one memory decision at a time
@@ -284,34 +208,7 @@ class Residency:
         cap_mb = self.device_memory_mb(new.devices)
         if cap_mb is None:
             return []  # nothing to plan against; the engine reports a real shortage
-        cap = cap_mb * MIB
-
-        def used_on(dev: str) -> int:
-            return sum(m.footprint_bytes for m in self.models.values()
-                       if m is not new and m.state != ModelState.FAILED and dev in m.devices)
-
-        short = {d: used_on(d) + new.footprint_bytes - cap for d in new.devices}
-        if all(v <= 0 for v in short.values()):
-            return []
-        candidates = sorted(
-            (m for m in self.models.values()
-             if m is not new and m.state == ModelState.READY and not m.busy
-             and m.entry.priority <= new.entry.priority and set(m.devices) & set(new.devices)),
-            key=lambda m: m.last_used_unix_ms)
-        chosen: list[ResidentModel] = []
-        for m in candidates:
-            if all(v <= 0 for v in short.values()):
-                break
-            chosen.append(m)
-            for d in m.devices:
-                if d in short:
-                    short[d] -= m.footprint_bytes
-        if any(v > 0 for v in short.values()):
-            need = new.footprint_bytes // MIB
-            raise Refusal("overloaded",
-                          f"not enough device memory for `{new.model_id}`: it needs {need} MiB "
-                          f"per card of {cap_mb} MiB, and no idle model of priority "
-                          f"<= {new.entry.priority} can make room")
+        chosen = evictions_for(new, self.models.values(), cap_mb)
         for m in chosen:
             log.info("model.evicting", model=m.model_id, for_model=new.model_id,
                      last_used_unix_ms=m.last_used_unix_ms)
@@ -477,17 +374,6 @@ class Residency:
                  context=plan.context, switch_secs=round(time.monotonic() - t0, 3))
 
 
-def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list[str]:
-    """`key: old -> new` for each knob that differs."""
-    out = []
-    for name in new.__struct_fields__:
-        a = getattr(old, name) if old is not None else None
-        b = getattr(new, name)
-        if a != b:
-            out.append(f"{name}: {a} -> {b}")
-    return out
-
-
 def _reason(e: BaseException) -> str:
     """One line saying why: the last line of an engine's traceback, else the exception."""
     text = str(e)
@@ -495,61 +381,3 @@ def _reason(e: BaseException) -> str:
         last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
         return f"{text.splitlines()[0].strip()} {last}"
     return f"{type(e).__name__}: {text}"
-
-
-def device_memory_mb(cfg: NeuronConfig, devices: list[str]) -> int | None:
-    """MiB per card: server.device_memory_mb, else what nvidia-smi reports (smallest)."""
-    if cfg.server.device_memory_mb is not None:
-        return cfg.server.device_memory_mb
-    sizes = [_cuda_memory_mb(d) for d in devices]
-    return min(sizes) if sizes and None not in sizes else None  # type: ignore[type-var]
-
-
-@functools.cache
-def _cuda_memory_mb(device: str) -> int | None:
-    """Total memory of `cuda:N` from nvidia-smi (no CUDA context in the daemon), else None."""
-    if not device.startswith("cuda"):
-        return None
-    index = device.partition(":")[2] or "0"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
-                              "-i", index], capture_output=True, text=True, timeout=10)
-        return int(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
-
-
-def _load_tokenizer(model_dir: Path) -> Any:
-    from helexa.neuron.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(model_dir)
-
-
-def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
-               draft_dir: Path | None = None) -> Any:
-    """The EngineSpec of a resident model from its plan and the config in force; `draft_dir`
-    is the checkpoint of the draft model its plan counts (speculation = "draft:<id>")."""
-    from helexa.neuron.engine.spec import EngineSpec
-
-    plan = r.plan
-    max_in_flight = r.admission.max_in_flight if r.admission else cfg.admission.max_in_flight
-    num_blocks, slots = state_slots(plan, max_in_flight or 1)
-    r.num_state_slots = slots
-    return EngineSpec(
-        model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
-        dtype=r.entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
-        num_state_slots=slots, fixed_bytes=plan.fixed_bytes,
-        block_size=plan.block_size, kv_dtype=plan.kv_dtype,
-        bytes_per_token=plan.bytes_per_token, context=plan.context,
-        max_output_tokens=plan.output, prefix_cache=cfg.kv.prefix_cache,
-        torch_threads=cfg.engine.torch_threads, limits=r.admission,
-        attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
-        quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
-        draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
-        draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers)
-
-
-async def _start_engine(spec: Any, **callbacks: Any) -> Any:
-    from helexa.neuron.engine.client import EngineClient
-
-    return await EngineClient.start(spec, **callbacks)

@@ -1,16 +1,16 @@
-"""The neuron's gRPC service (helexa.neuron.v1.Neuron) on grpc.aio.
+"""The neuron's gRPC service (helexa.neuron.v1.Neuron) on grpc.aio: the gRPC edge only.
 
 `Generate` is the request path inside the daemon: tokenise (the checkpoint's
 chat template) and check the context on a worker thread, so a huge prompt
 never stalls other streams or Watch, hand a `NewRequest` to the model's engine,
-and turn its per-step `RequestUpdate`s into text deltas (incremental
-detokenisation, stop strings) ending with usage. Admission itself happens in
-the engine process; its refusals come back as `refused_code` and leave here
-as gRPC statuses with `helexa-code` / `helexa-retry-after-ms`. A caller that
-goes away cancels this handler, which closes the engine iterator, which
-aborts the request wherever it is. `Complete` is the same path with its
-messages merged into one reply (helexa.responses), for callers that do not
-stream.
+and send what the request's `OutputProcessor` (helexa/neuron/output_processor.py:
+detokenising, stop strings, finish, usage) makes of each `RequestUpdate`.
+Admission itself happens in the engine process; its refusals, and the
+daemon's own, are `Refusal`s that leave here as gRPC statuses
+(helexa/neuron/grpc_status.py). A caller that goes away cancels this handler,
+which closes the engine iterator, which aborts the request wherever it is.
+`Complete` is the same path with its messages merged into one reply
+(helexa/responses.py), for callers that do not stream.
 """
 
 from __future__ import annotations
@@ -28,12 +28,16 @@ import structlog
 from helexa import __version__
 from helexa.neuron import agent
 from helexa.neuron.engine import messages
-from helexa.neuron.limits import Refusal, check_context
+from helexa.neuron.grpc_status import abort
+from helexa.neuron.limits import check_context
 from helexa.neuron.metrics import NeuronMetrics
-from helexa.neuron.residency import ModelState, Residency, ResidentModel
+from helexa.neuron.output_processor import OutputProcessor
+from helexa.neuron.residency import Residency
+from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
+from helexa.refusal import Refusal
 from helexa.responses import merge_responses
 
 # lazy: bound at first use, after setup_logging() configured structlog
@@ -155,105 +159,54 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
     async def _stream(self, r: ResidentModel, new: messages.NewRequest,
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                       blog: Any) -> AsyncIterator[pb.GenerateResponse]:
-        from helexa.neuron.engine.detokenizer import IncrementalDetokenizer, StopChecker
-
-        tok, model = r.tokenizer, r.model_id
-        detok = IncrementalDetokenizer(tok, new.prompt_token_ids)
-        stopper = StopChecker(list(request.stop))
-        out_ids: list[int] = []
-        t_admit = t_first = t_last = 0.0
-        cached = 0
-        drafted = accepted = 0  # speculation: the request's totals, as the engine last said
-        finish: int | None = None
-        stop_reason, error, client_gone, sent_first = "", "", True, False
+        model = r.model_id
+        out = OutputProcessor(r.tokenizer, new, stop=request.stop,
+                              stop_token_ids=request.stop_token_ids,
+                              return_prompt_token_ids=request.return_prompt_token_ids)
+        client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         updates = r.client.generate(new)
         self._open[new.req_id] = r
         try:
             async for upd in updates:
-                if upd.refused_code:
-                    raise Refusal(upd.refused_code, upd.refused_message or upd.refused_code,
-                                  upd.retry_after_ms)
-                if upd.admitted:
-                    t_admit, cached = time.time(), upd.cached_tokens
-                drafted = max(drafted, upd.spec_drafted_tokens)
-                accepted = max(accepted, upd.spec_accepted_tokens)
-                resp = pb.GenerateResponse()
-                if not sent_first and request.return_prompt_token_ids:
-                    resp.prompt_token_ids.extend(new.prompt_token_ids)
-                if not sent_first and new.thinking is not None and new.thinking.starts_open:
-                    resp.thought_open = True
-                if upd.new_token_ids:
-                    now = time.time()
-                    if t_first == 0.0:
-                        t_first = now
-                        self.metrics.ttft.labels(model).observe(now - new.arrival_unix)
-                    else:
-                        self.metrics.itl.labels(model).observe((now - t_last) / len(upd.new_token_ids))
-                    t_last = now
-                    out_ids += upd.new_token_ids
-                    resp.token_ids.extend(upd.new_token_ids)
-                    if upd.logprobs:
-                        resp.logprobs.extend(_logprobs(tok, upd.logprobs))
-                    text, matched = stopper.feed(detok.add(upd.new_token_ids))
-                    resp.text = text
-                    if matched is not None:
-                        r.client.abort(new.req_id, "stop_string")
-                        finish, stop_reason = pb.FINISH_REASON_STOP, matched
-                if finish is None and upd.finished is not None:
-                    finish = int(upd.finished)
-                    error = upd.error
-                    if upd.finished == messages.FinishReason.ERROR and not out_ids:
-                        raise Refusal("upstream_error", f"the engine failed: {error}")
-                    if upd.finished != messages.FinishReason.ABORT:
-                        tail, matched = stopper.feed(detok.flush())
-                        resp.text += tail
-                        if matched is not None:
-                            finish, stop_reason = pb.FINISH_REASON_STOP, matched
-                        else:
-                            resp.text += stopper.flush()
-                    if upd.finished == messages.FinishReason.STOP and out_ids and \
-                            out_ids[-1] in request.stop_token_ids:
-                        stop_reason = str(out_ids[-1])
-                    elif upd.finished == messages.FinishReason.ERROR:
-                        stop_reason = error
-                    elif upd.finished == messages.FinishReason.ABORT and upd.error == "deadline":
-                        stop_reason = "deadline"  # the engine enforces deadlines and says so
-                if finish is not None:
-                    resp.finish_reason = finish
-                    resp.stop_reason = stop_reason
-                    resp.usage.CopyFrom(_usage(new, out_ids, cached, t_admit, t_first, t_last))
-                    resp.usage.reasoning_tokens = upd.reasoning_tokens
-                    resp.usage.draft_tokens = drafted
-                    resp.usage.accepted_draft_tokens = accepted
-                if resp.ByteSize() or finish is not None:
-                    sent_first = True
-                    yield resp
-                if finish is not None:
+                step = out.process(upd)
+                if step.abort_engine:
+                    r.client.abort(new.req_id, "stop_string")
+                if step.first_token_secs is not None:
+                    self.metrics.ttft.labels(model).observe(step.first_token_secs)
+                if step.inter_token_secs is not None:
+                    self.metrics.itl.labels(model).observe(step.inter_token_secs)
+                if step.response is not None:
+                    yield step.response
+                if out.finished:
                     break
             client_gone = False
         except Refusal as e:
             client_gone = False
             await self._refuse(context, blog, model, e)
         except Exception as e:  # the engine link broke: not the caller's doing
-            client_gone, error = False, f"{type(e).__name__}: {e}"
-            finish = finish or pb.FINISH_REASON_ERROR
+            client_gone = False
+            out.fail(f"{type(e).__name__}: {e}")
             raise
         finally:
             self._open.pop(new.req_id, None)
             await updates.aclose()
-            outcome = ("client_gone" if client_gone
-                       else pb.FinishReason.Name(finish or 0).removeprefix("FINISH_REASON_").lower())
-            if finish is not None or client_gone:
-                self.metrics.requests.labels(model, outcome).inc()
-                self.metrics.prefill_tokens.labels(model).inc(len(new.prompt_token_ids) - cached)
-                self.metrics.cached_tokens.labels(model).inc(cached)
-                self.metrics.decode_tokens.labels(model).inc(len(out_ids))
-                u = _usage(new, out_ids, cached, t_admit, t_first, t_last)
-                blog.info("request.done", prompt_tokens=len(new.prompt_token_ids),
-                          completion_tokens=len(out_ids), cached_tokens=cached,
-                          queue_ms=round(u.queue_ms, 3), prefill_ms=round(u.prefill_ms, 3),
-                          decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
-                          stop_reason=stop_reason, client_gone=client_gone, error=error or None)
+            if out.finished or client_gone:
+                self._done(model, out, client_gone, blog)
+
+    def _done(self, model: str, out: OutputProcessor, client_gone: bool, blog: Any) -> None:
+        """Count a request that ran (finished, failed or left) and log its request.done."""
+        outcome = out.outcome(client_gone)
+        prompt_tokens, cached = len(out.new.prompt_token_ids), out.cached_tokens
+        self.metrics.requests.labels(model, outcome).inc()
+        self.metrics.prefill_tokens.labels(model).inc(prompt_tokens - cached)
+        self.metrics.cached_tokens.labels(model).inc(cached)
+        self.metrics.decode_tokens.labels(model).inc(len(out.output_token_ids))
+        u = out.usage()
+        blog.info("request.done", prompt_tokens=prompt_tokens,
+                  completion_tokens=u.completion_tokens, cached_tokens=cached,
+                  queue_ms=round(u.queue_ms, 3), prefill_ms=round(u.prefill_ms, 3),
+                  decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
+                  stop_reason=out.stop_reason, client_gone=client_gone, error=out.error or None)
 
     async def _refuse(self, context: grpc.aio.ServicerContext, blog: Any, model: str,
                       e: Refusal) -> None:
@@ -263,7 +216,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics.requests.labels(model, "rejected").inc()
         blog.info("request.rejected", code=e.code, message=e.message,
                   retry_after_ms=e.retry_after_ms or None)
-        await context.abort(e.status, e.message, e.trailing_metadata())
+        await abort(context, e)
 
     # ------------------------------------------------------------------ status
 
@@ -313,7 +266,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 out.token_ids.extend(r.tokenizer.encode(request.text,
                                                         request.add_special_tokens))
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return out
 
     # ------------------------------------------------------------------ operations
@@ -328,7 +281,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             r, evicted = await self.residency.load(request.model,
                                                    retry_failed=request.retry_failed)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.LoadResponse(status=model_status(r), evicted=evicted)
 
     async def Unload(self, request: pb.UnloadRequest,
@@ -337,7 +290,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             done = await self.residency.unload(request.model, drain=request.drain,
                                                force=request.force)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.UnloadResponse(unloaded=done)
 
     async def SetProfile(self, request: pb.SetProfileRequest,
@@ -345,7 +298,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         try:
             r, changed = await self.residency.set_profile(request.model, request.profile)
         except Refusal as e:
-            await context.abort(e.status, e.message, e.trailing_metadata())
+            await abort(context, e)
         return pb.SetProfileResponse(status=model_status(r), changed=changed)
 
 
@@ -356,22 +309,3 @@ def _enable_thinking(request: pb.GenerateRequest) -> Any:
     _, kwargs = agent.template_inputs(pb.Chat(template_kwargs_json=request.chat.template_kwargs_json), "")
     return kwargs.get("enable_thinking")
 
-
-def _usage(new: messages.NewRequest, out_ids: list[int], cached: int, t_admit: float,
-           t_first: float, t_last: float) -> pb.Usage:
-    ms = 1000.0
-    return pb.Usage(
-        prompt_tokens=len(new.prompt_token_ids), completion_tokens=len(out_ids),
-        cached_tokens=cached,
-        queue_ms=(t_admit - new.arrival_unix) * ms if t_admit else 0.0,
-        prefill_ms=(t_first - new.arrival_unix) * ms if t_first else 0.0,
-        decode_ms=(t_last - t_first) * ms if t_first else 0.0)
-
-
-def _logprobs(tok: Any, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
-                            token_bytes=tok.token_bytes(lp.token_id), logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t.token_id, token=tok.decode([t.token_id]),
-                                               token_bytes=tok.token_bytes(t.token_id),
-                                               logprob=t.logprob) for t in lp.top])
-            for lp in lps]

@@ -15,7 +15,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from helexa.neuron import agent
-from helexa.neuron.residency import Residency, ResidentModel
+from helexa.neuron.residency import Residency
+from helexa.neuron.resident_model import ResidentModel
 from helexa.proto import neuron_pb2 as pb
 
 

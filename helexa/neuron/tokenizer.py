@@ -4,7 +4,8 @@
 model without one: its metadata, helexa/neuron/gguf_tokenizer.py),
 the chat template (tokenizer_config.json `chat_template`, or the
 chat_template.jinja file transformers 5 writes) and the eos ids
-(generation_config.json, config.json and tokenizer_config.json together).
+(`eos_token_ids`: generation_config.json, config.json, tokenizer_config.json
+and a GGUF file's metadata together; the engine's grammars read the same).
 The template is rendered in the same sandboxed jinja2 environment
 transformers uses, so prompts are token-for-token what the model was
 trained on.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -132,6 +134,53 @@ def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
+def eos_token_ids(model_dir: str | Path,
+                  token_to_id: Callable[[str], int | None] | None = None) -> list[int]:
+    """The ids that end a request: the one rule, for the daemon's stop ids (Tokenizer) and
+    the tokens a finished grammar allows (helexa/neuron/engine/grammar.py).
+
+    In this order, each id once: generation_config.json's `eos_token_id`, config.json's,
+    the id of tokenizer_config.json's `eos_token`, and a GGUF file's
+    `tokenizer.ggml.eos_token_id` and `eot_token_id` (llama.cpp's end of turn). A
+    checkpoint may name its eos in any one of them alone. `token_to_id` (a loaded
+    tokenizer's) turns eos_token's text into its id; without one, tokenizer_config.json's
+    added_tokens_decoder, then tokenizer.json's added tokens and vocabulary are read.
+    """
+    from helexa.checkpoint.gguf import find_gguf, metadata, model_folder
+
+    d = model_folder(model_dir)  # a GGUF model's path may be its file
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        ids.extend(i for i in _ids(value) if i not in ids)
+
+    add(_read_json(d / "generation_config.json").get("eos_token_id"))
+    add(_read_json(d / "config.json").get("eos_token_id"))
+    tcfg = _read_json(d / "tokenizer_config.json")
+    text = _token_text(tcfg.get("eos_token"))
+    if text is not None:
+        add(token_to_id(text) if token_to_id is not None else _id_of_text(d, tcfg, text))
+    gguf = find_gguf(model_dir)
+    if gguf is not None:
+        add(metadata(gguf, "tokenizer.ggml.eos_token_id"))
+        add(metadata(gguf, "tokenizer.ggml.eot_token_id"))
+    return ids
+
+
+def _id_of_text(folder: Path, tcfg: dict, text: str) -> int | None:
+    """A token's id from the checkpoint's files, without building a tokenizer."""
+    for i, token in (tcfg.get("added_tokens_decoder") or {}).items():
+        if _token_text(token) == text:
+            return int(i)
+    spec = _read_json(folder / "tokenizer.json")
+    for token in spec.get("added_tokens") or ():
+        if token.get("content") == text:
+            return int(token["id"])
+    vocab = (spec.get("model") or {}).get("vocab")
+    i = vocab.get(text) if isinstance(vocab, dict) else None
+    return None if i is None else int(i)
+
+
 class Tokenizer:
     """Encode, decode and render chats for one checkpoint."""
 
@@ -173,8 +222,10 @@ class Tokenizer:
             if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
                 from helexa.neuron.gguf_tokenizer import tokenizer_parts
 
-                tok, template, eos, special = tokenizer_parts(gguf)
-                return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+                tok, template, _, special = tokenizer_parts(gguf)
+                return cls(tok, chat_template=template,
+                           eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
+                           special_tokens=special)
         tok = HfTokenizer.from_file(str(d / "tokenizer.json"))
         tcfg = _read_json(d / "tokenizer_config.json")
         template = tcfg.get("chat_template")
@@ -186,15 +237,9 @@ class Tokenizer:
             template = jinja_file.read_text()
         special = {k: _token_text(tcfg.get(k)) for k in
                    ("bos_token", "eos_token", "pad_token", "unk_token")}
-        eos: list[int] = []
-        for source in (_read_json(d / "generation_config.json").get("eos_token_id"),
-                       _read_json(d / "config.json").get("eos_token_id")):
-            eos += [i for i in _ids(source) if i not in eos]
-        if special["eos_token"] is not None:
-            i = tok.token_to_id(special["eos_token"])
-            if i is not None and i not in eos:
-                eos.append(i)
-        return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+        return cls(tok, chat_template=template,
+                   eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
+                   special_tokens=special)
 
     # ---------------------------------------------------------------- tokens
 

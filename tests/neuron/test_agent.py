@@ -9,9 +9,9 @@ import pytest
 from helexa.config.schema import ModelEntry
 from helexa.fixtures.tiny import CHAT_TEMPLATE, init_tiny
 from helexa.neuron import agent
-from helexa.neuron.limits import Refusal
 from helexa.neuron.tokenizer import Tokenizer
 from helexa.proto import neuron_pb2 as pb
+from helexa.refusal import Refusal
 
 ENTRY = ModelEntry(id="m", path="x", thinking_budget_tokens=800)
 

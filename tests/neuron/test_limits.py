@@ -7,13 +7,9 @@ import msgspec
 import pytest
 
 from helexa.config.schema import NeuronConfig
-from helexa.neuron.limits import (
-    ModelLimits,
-    Refusal,
-    check_context,
-    effective_kv_dtype,
-    effective_limits,
-)
+from helexa.neuron.grpc_status import status_of
+from helexa.neuron.limits import ModelLimits, check_context, effective_kv_dtype, effective_limits
+from helexa.refusal import Refusal
 
 LIMITS = ModelLimits(context=100, input=99, output=60)
 
@@ -29,7 +25,7 @@ def test_too_long_is_context_length_exceeded_stating_both_numbers(prompt: int,
     with pytest.raises(Refusal) as e:
         check_context(prompt, max_tokens, LIMITS)
     assert e.value.code == "context_length_exceeded"
-    assert e.value.status == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_of(e.value) == grpc.StatusCode.INVALID_ARGUMENT
     assert "100" in e.value.message and str(prompt) in e.value.message
 
 
@@ -37,15 +33,6 @@ def test_max_tokens_over_the_output_limit_is_refused_naming_the_param() -> None:
     with pytest.raises(Refusal) as e:
         check_context(10, 61, LIMITS)
     assert e.value.code == "invalid_request_error" and "max_tokens" in e.value.message
-
-
-def test_refusal_carries_code_and_retry_after_as_trailing_metadata() -> None:
-    r = Refusal("overloaded", "queue full", 1500)
-    assert r.status == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert dict(r.trailing_metadata()) == {"helexa-code": "overloaded",
-                                           "helexa-retry-after-ms": "1500"}
-    assert dict(Refusal("shutting_down", "x").trailing_metadata()) == {
-        "helexa-code": "shutting_down"}
 
 
 def test_profile_overrides_only_what_it_sets() -> None:

@@ -11,8 +11,9 @@ import pytest
 from support.fake_engine import FakeEngineClient
 
 from helexa.config.schema import NeuronConfig
-from helexa.neuron.limits import Refusal
-from helexa.neuron.residency import ModelState, Residency
+from helexa.neuron.residency import Residency
+from helexa.neuron.resident_model import ModelState
+from helexa.refusal import Refusal
 
 
 def _cfg(model_dir: Path, models: list[dict[str, Any]], device_memory_mb: int = 4) -> NeuronConfig:

@@ -33,22 +33,15 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from helexa.budget import reservation_blocks
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.request import Request, RequestStatus
+from helexa.refusal import Refusal
 
 # Deadlines and queue waits are checked at most this often.
 _EXPIRE_EVERY_SECS = 0.01
-
-
-@dataclass(frozen=True)
-class Refusal:
-    code: str  # overloaded | rate_limit_exceeded | shutting_down | context_length_exceeded
-    message: str
-    retry_after_ms: int = 0
 
 
 class DrainMeter:

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from helexa.budget import Problem, blocks_for_tokens, check_request, output_budget
+from helexa.budget import blocks_for_tokens, check_request, output_budget
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
+from helexa.neuron.engine.admission import Admission, DrainMeter
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
-from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance, eos_ids_from
+from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
@@ -45,6 +45,7 @@ from helexa.neuron.engine.speculative.drafters import Drafter, make_drafter
 from helexa.neuron.engine.speculative.policy import SpecPolicy
 from helexa.neuron.engine.speculative.speculator import Speculator
 from helexa.neuron.engine.thinking import ThoughtTracker
+from helexa.refusal import Refusal
 
 if TYPE_CHECKING:
     import torch
@@ -112,9 +113,7 @@ class EngineCore:
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
         self._kv_reset_answer = ""
-        self.grammars = Grammars(spec.model_dir,
-                                 int(getattr(self.runner, "vocab_size", 0)),
-                                 eos_ids_from(spec.model_dir) if spec.model_dir else [])
+        self.grammars = Grammars(spec.model_dir, int(getattr(self.runner, "vocab_size", 0)))
 
     # --- the step ----------------------------------------------------------
 
@@ -240,7 +239,7 @@ class EngineCore:
             problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
                                     max_output_tokens=r.max_output_tokens)
             if problem is None and self.admission.reservation_blocks(req) > r.num_blocks:
-                problem = Problem("context_length_exceeded",
+                problem = Refusal("context_length_exceeded",
                                   f"{req.max_total_tokens} tokens do not fit the re-planned pool")
             if problem is not None:
                 self._refuse(req, Refusal(problem.code, problem.message))

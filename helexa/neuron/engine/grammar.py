@@ -18,11 +18,12 @@ Masks cost ~11-15 µs per row per step here (bench/constrained.py).
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from helexa.neuron.tokenizer import eos_token_ids
 
 
 class GrammarUnavailable(Exception):
@@ -33,10 +34,10 @@ class Grammars:
     """The engine's grammar machinery: the tokenizer view llguidance needs, its executor,
     and the worker thread that computes a step's masks beside the forward pass."""
 
-    def __init__(self, model_dir: str, vocab_size: int, eos_token_ids: list[int]) -> None:
+    def __init__(self, model_dir: str, vocab_size: int) -> None:
         self.model_dir = model_dir
         self.vocab_size = vocab_size
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids: list[int] = []  # read with the tokenizer, at the first grammar
         self._tokenizer: Any = None
         self._executor: Any = None
         self._pool: ThreadPoolExecutor | None = None
@@ -58,6 +59,10 @@ class Grammars:
             text = path.read_text()
         else:
             raise GrammarUnavailable(f"constrained decoding needs {path}, which is missing")
+        # The daemon's rule, so a finished grammar ends at the eos the daemon stops at
+        # (llguidance would guess one from the vocabulary: another token, for a checkpoint
+        # that names its eos only in tokenizer_config.json).
+        self.eos_token_ids = eos_token_ids(self.model_dir)
         # n_vocab is the logits' width: checkpoints often carry spare rows past the tokenizer.
         self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                  eos_token=self.eos_token_ids or None)
@@ -112,22 +117,3 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> 
     idx = torch.tensor(rows, device=logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
-
-def eos_ids_from(model_dir: str) -> list[int]:
-    """The checkpoint's eos ids (generation_config.json, then config.json): the tokens a
-    finished grammar allows."""
-    from helexa.checkpoint.gguf import find_gguf, model_folder, read_config
-
-    ids: list[int] = []
-    if (gguf := find_gguf(model_dir)) is not None:  # config.json beside it, or its metadata
-        v = read_config(gguf).get("eos_token_id")
-        ids += [int(i) for i in (v if isinstance(v, list) else [v] if v is not None else [])]
-    for name in ("generation_config.json", "config.json"):
-        try:
-            v = json.loads((model_folder(model_dir) / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError):
-            continue
-        for i in v if isinstance(v, list) else [v] if v is not None else []:
-            if int(i) not in ids:
-                ids.append(int(i))
-    return ids

@@ -27,7 +27,9 @@ from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.mtp_passes import MtpPasses
-from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
+from helexa.neuron.engine.tp_messages import RunnerArgs
+from helexa.neuron.engine.tp_rank import leave_group
+from helexa.neuron.engine.tp_worker import TpWorkers
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.linear_state import state_meta
 from helexa.neuron.models.loader import load_model

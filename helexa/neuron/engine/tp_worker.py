@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks 1..N-1 of one model, and rank 0's handle on them.
+"""Rank 0's handle on one model's tensor-parallel ranks 1..N-1: start, step, stop them.
 
 Rank 0 is the engine process's own ModelRunner; it starts one process per
 extra rank (multiprocessing spawn) with :meth:`TpWorkers.start`. Every rank
@@ -20,20 +20,15 @@ head on its shard and its slice of the pool; TpMtpLogits runs the shared
 lm_head alone. Rank 0 picks the drafts from the gathered logits and they reach
 the ranks as the next pass's tokens, so every rank writes the same KV.
 
-A rank exits when rank 0 says stop, when its pipe closes, when a collective
-times out, or when its parent dies (PR_SET_PDEATHSIG), so no rank outlives the
-engine process however that ends.
+The messages are helexa/neuron/engine/tp_messages.py's; the group and the
+extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
+fails or times out fails the whole group (TpError): the model must restart.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing as mp
-import os
-import signal
-import sys
 import tempfile
-import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -41,131 +36,23 @@ from typing import Any
 
 import msgspec
 
-DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
-# NCCL, set before the group forms, so a dead or wedged rank fails like on gloo: a collective
-# past the group's timeout raises in the calling thread (blocking wait) and NCCL's watchdog
-# and heartbeat monitor neither tear the process down nor dump traces, so rank 0 marks the
-# model failed (TpWorkers.fail_step) and the neuron stays up. A value already in the
-# environment wins.
-NCCL_FAIL_LIKE_GLOO = {
-    "TORCH_NCCL_BLOCKING_WAIT": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # the watchdog reports, never kills
-    "TORCH_NCCL_ENABLE_MONITORING": "0",
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
-}
-
-
-# --- messages on the rank pipes --------------------------------------------------------
-
-
-class TpSeq(msgspec.Struct, array_like=True):
-    handle: int  # rank 0's name for this sequence's block table
-    token_ids: list[int]
-    num_computed: int
-    new_blocks: list[int]  # appended to the rank's copy of the table
-    fresh: bool  # the table starts here (new_blocks is all of it)
-    need_logits: bool
-    state_slot: int = -1  # hybrid models' linear-attention state slot
-    num_logits: int = 1  # speculative verification rows want k + 1
-
-
-class TpStep(msgspec.Struct, tag=True):
-    seqs: list[TpSeq]
-    dropped: list[int] = []  # handles rank 0 no longer tracks
-
-
-class TpMtp(msgspec.Struct, tag=True):
-    seqs: list[TpSeq]  # the hidden states follow as a broadcast over the group
-
-
-class TpMtpLogits(msgspec.Struct, tag=True):
-    rows: int  # the head's outputs follow as a broadcast over the group
-
-
-class TpResetKv(msgspec.Struct, tag=True):
-    num_blocks: int
-    kv_dtype: str
-
-
-class TpStop(msgspec.Struct, tag=True):
-    pass
-
-
-class TpJoin(msgspec.Struct, tag=True):
-    pass
-
-
-class TpLoaded(msgspec.Struct, tag=True):
-    pass
-
-
-class TpReady(msgspec.Struct, tag=True):
-    kv_bytes_per_block: int
-
-
-class TpFailed(msgspec.Struct, tag=True):
-    error: str
-
-
-ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpStop | TpJoin
-FromRank = TpLoaded | TpReady | TpFailed
-
-
-@dataclass
-class RunnerArgs:
-    """What every rank's ModelRunner is built from (rank 0's own arguments)."""
-
-    model_dir: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    kv_dtype: str
-    max_num_seqs: int
-    max_batched_tokens: int
-    devices: list[str]
-    timeout_secs: float = DEFAULT_TIMEOUT_SECS
-    init_file: str = ""
-    backend: str = "auto"  # attention backend (helexa/kernels/backends/__init__.py)
-    cuda_graphs: bool = True
-    quantize: str = "none"  # helexa/neuron/models/quant.py
-    quant_group_size: int = 128
-    num_state_slots: int = 0  # hybrid models: linear-attention state slots
-    mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)
-
-
-class TpError(RuntimeError):
-    """A tensor-parallel rank died, failed or timed out: the model must be restarted."""
-
-
-# --- process group --------------------------------------------------------------------
-
-
-def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs: float) -> None:
-    """Join this model's process group: NCCL for CUDA devices, gloo otherwise."""
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        for key, value in NCCL_FAIL_LIKE_GLOO.items():
-            os.environ.setdefault(key, value)
-        torch.cuda.set_device(torch.device(device))
-    if dist.is_initialized():  # a failed model's group, never closed: one model per process
-        dist.destroy_process_group()
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=timeout_secs))
-
-
-def leave_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# --- rank 0's side --------------------------------------------------------------------
+from helexa.neuron.engine.tp_messages import (
+    FromRank,
+    RunnerArgs,
+    ToRank,
+    TpError,
+    TpFailed,
+    TpJoin,
+    TpLoaded,
+    TpMtp,
+    TpMtpLogits,
+    TpReady,
+    TpResetKv,
+    TpSeq,
+    TpStep,
+    TpStop,
+)
+from helexa.neuron.engine.tp_rank import join_group, worker_main
 
 
 @dataclass
@@ -334,85 +221,3 @@ class TpWorkers:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-
-# --- ranks 1..N-1 ---------------------------------------------------------------------
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel kill this rank when the engine process dies."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except OSError:
-            pass
-
-
-def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> None:
-    """Entry point of a spawned rank: load the shard, join, then run steps until told."""
-    _die_with_parent()
-    import torch
-
-    from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
-
-    encoder = msgspec.msgpack.Encoder()
-    decoder = msgspec.msgpack.Decoder(ToRank)
-    device = args.devices[rank] if len(args.devices) > rank else args.devices[0]
-    if device == "cpu":
-        torch.set_num_threads(1)
-    try:
-        runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
-                             num_blocks=args.num_blocks, block_size=args.block_size,
-                             kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
-                             max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
-                             tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
-                             quantize=args.quantize, quant_group_size=args.quant_group_size,
-                             num_state_slots=args.num_state_slots,
-                             mtp_kv_layers=args.mtp_kv_layers)
-        conn.send_bytes(encoder.encode(TpLoaded()))
-        if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
-            return
-        join_group(args.init_file, rank, world, device, args.timeout_secs)
-    except (EOFError, OSError):
-        return
-    except BaseException:
-        conn.send_bytes(encoder.encode(TpFailed(traceback.format_exc(limit=4))))
-        return
-    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
-    tables: dict[int, list[int]] = {}
-    try:
-        while True:
-            msg = decoder.decode(conn.recv_bytes())
-            if isinstance(msg, TpStop):
-                break
-            if isinstance(msg, TpResetKv):
-                tables.clear()
-                runner.reset_kv(msg.num_blocks, msg.kv_dtype)
-                continue
-            if isinstance(msg, TpMtpLogits):
-                runner.mtp_logits(None, msg.rows)
-                continue
-            if not isinstance(msg, TpStep | TpMtp):  # a second TpJoin: nothing to do
-                continue
-            if isinstance(msg, TpStep):
-                for h in msg.dropped:
-                    tables.pop(h, None)
-            seqs = []
-            for s in msg.seqs:
-                if s.fresh:
-                    table = tables[s.handle] = s.new_blocks
-                else:
-                    table = tables[s.handle]
-                    table.extend(s.new_blocks)
-                seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
-                                     s.state_slot, s.num_logits))
-            if isinstance(msg, TpMtp):
-                runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
-            else:
-                runner.execute(seqs)
-    except (EOFError, OSError, KeyboardInterrupt):
-        pass  # rank 0 went away: nothing left to serve
-    except Exception:
-        traceback.print_exc()  # a collective timed out or a step failed: rank 0 sees it too
-    finally:
-        leave_group()

@@ -12,7 +12,8 @@ from helexa.budget import check_request, output_budget, reservation_blocks
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.neuron.limits import ModelLimits, Refusal, check_context
+from helexa.neuron.limits import ModelLimits, check_context
+from helexa.refusal import Refusal
 from helexa.router.selection import Candidate, Estimate, reservation_bytes
 
 BLOCK = 4

@@ -14,7 +14,7 @@ import torch
 from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
-from helexa.neuron.engine.tp_worker import TpError
+from helexa.neuron.engine.tp_messages import TpError
 
 NEAR_TIE = 0.02
 # bench/gpu_tp.sh runs the equivalence test on GPUs: HELEXA_TEST_DEVICE=cuda (NCCL).

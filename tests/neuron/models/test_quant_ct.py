@@ -94,7 +94,7 @@ def test_unsupported_schemes_are_refused():
 
 
 def test_int8_groups_straddling_ranks_are_refused_with_the_numbers(ct_dirs):
-    from helexa.neuron.engine.tp_worker import TpError
+    from helexa.neuron.engine.tp_messages import TpError
 
     ct, _ = ct_dirs(8, False, 64)  # o_proj: 64 inputs, 32 a rank at tp = 2
     with pytest.raises((TpError, ValueError),

@@ -9,7 +9,7 @@ import torch
 from gptq_reference import gptq_checkpoint, layer_tensors, pack_words
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.engine.tp_worker import TpError
+from helexa.neuron.engine.tp_messages import TpError
 from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helexa.neuron.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from helexa.neuron.detokenizer import IncrementalDetokenizer, StopChecker
 from helexa.neuron.tokenizer import Tokenizer
 
 TEXTS = [

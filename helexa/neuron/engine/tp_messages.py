@@ -1,0 +1,97 @@
+"""What tensor-parallel ranks are built from and the messages on their pipes.
+
+Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
+(helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
+over a dedicated pipe, msgpack-encoded, never through the compute group; a
+rank answers only while starting (`FromRank`). A step carries only what
+changed: each sequence's new tokens and the blocks appended to its table
+since rank 0 last sent it, under a handle both sides know it by.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgspec
+
+DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
+
+
+class TpSeq(msgspec.Struct, array_like=True):
+    handle: int  # rank 0's name for this sequence's block table
+    token_ids: list[int]
+    num_computed: int
+    new_blocks: list[int]  # appended to the rank's copy of the table
+    fresh: bool  # the table starts here (new_blocks is all of it)
+    need_logits: bool
+    state_slot: int = -1  # hybrid models' linear-attention state slot
+    num_logits: int = 1  # speculative verification rows want k + 1
+
+
+class TpStep(msgspec.Struct, tag=True):
+    seqs: list[TpSeq]
+    dropped: list[int] = []  # handles rank 0 no longer tracks
+
+
+class TpMtp(msgspec.Struct, tag=True):
+    seqs: list[TpSeq]  # the hidden states follow as a broadcast over the group
+
+
+class TpMtpLogits(msgspec.Struct, tag=True):
+    rows: int  # the head's outputs follow as a broadcast over the group
+
+
+class TpResetKv(msgspec.Struct, tag=True):
+    num_blocks: int
+    kv_dtype: str
+
+
+class TpStop(msgspec.Struct, tag=True):
+    pass
+
+
+class TpJoin(msgspec.Struct, tag=True):
+    pass
+
+
+class TpLoaded(msgspec.Struct, tag=True):
+    pass
+
+
+class TpReady(msgspec.Struct, tag=True):
+    kv_bytes_per_block: int
+
+
+class TpFailed(msgspec.Struct, tag=True):
+    error: str
+
+
+ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpStop | TpJoin
+FromRank = TpLoaded | TpReady | TpFailed
+
+
+@dataclass
+class RunnerArgs:
+    """What every rank's ModelRunner is built from (rank 0's own arguments)."""
+
+    model_dir: str
+    dtype: str
+    num_blocks: int
+    block_size: int
+    kv_dtype: str
+    max_num_seqs: int
+    max_batched_tokens: int
+    devices: list[str]
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS
+    init_file: str = ""
+    backend: str = "auto"  # attention backend (helexa/kernels/backends/__init__.py)
+    cuda_graphs: bool = True
+    quantize: str = "none"  # helexa/neuron/models/quant.py
+    quant_group_size: int = 128
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots
+    mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)
+
+
+class TpError(RuntimeError):
+    """A tensor-parallel rank died, failed or timed out: the model must be restarted."""

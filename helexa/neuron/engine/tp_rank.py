@@ -1,0 +1,155 @@
+"""A tensor-parallel rank: joining its model's process group, and ranks 1..N-1's loop.
+
+Every rank of a model, rank 0 included, joins one torch.distributed group
+(gloo on CPU, NCCL on CUDA) through a FileStore, so no port is ever raced
+for, with a short timeout on every collective. Ranks 1..N-1 are spawned by
+rank 0 (helexa/neuron/engine/tp_worker.py) into `worker_main`: load the
+shard, say so, join when told, then run each step rank 0 sends
+(helexa/neuron/engine/tp_messages.py) on its own slice of the weights and
+the pool, keeping each sequence's block table between steps.
+
+A rank exits when rank 0 says stop, when its pipe closes, when a collective
+times out, or when its parent dies (PR_SET_PDEATHSIG), so no rank outlives the
+engine process however that ends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+import msgspec
+
+from helexa.neuron.engine.tp_messages import (
+    RunnerArgs,
+    ToRank,
+    TpFailed,
+    TpJoin,
+    TpLoaded,
+    TpMtp,
+    TpMtpLogits,
+    TpReady,
+    TpResetKv,
+    TpStep,
+    TpStop,
+)
+
+# NCCL, set before the group forms, so a dead or wedged rank fails like on gloo: a collective
+# past the group's timeout raises in the calling thread (blocking wait) and NCCL's watchdog
+# and heartbeat monitor neither tear the process down nor dump traces, so rank 0 marks the
+# model failed (TpWorkers.fail_step) and the neuron stays up. A value already in the
+# environment wins.
+NCCL_FAIL_LIKE_GLOO = {
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # the watchdog reports, never kills
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+}
+
+
+def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs: float) -> None:
+    """Join this model's process group: NCCL for CUDA devices, gloo otherwise."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        for key, value in NCCL_FAIL_LIKE_GLOO.items():
+            os.environ.setdefault(key, value)
+        torch.cuda.set_device(torch.device(device))
+    if dist.is_initialized():  # a failed model's group, never closed: one model per process
+        dist.destroy_process_group()
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout_secs))
+
+
+def leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: have the kernel kill this rank when the engine process dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> None:
+    """Entry point of a spawned rank: load the shard, join, then run steps until told."""
+    _die_with_parent()
+    import torch
+
+    from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(ToRank)
+    device = args.devices[rank] if len(args.devices) > rank else args.devices[0]
+    if device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        runner = ModelRunner(args.model_dir, device=device, dtype=args.dtype,
+                             num_blocks=args.num_blocks, block_size=args.block_size,
+                             kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+                             max_batched_tokens=args.max_batched_tokens, tp_rank=rank,
+                             tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
+                             quantize=args.quantize, quant_group_size=args.quant_group_size,
+                             num_state_slots=args.num_state_slots,
+                             mtp_kv_layers=args.mtp_kv_layers)
+        conn.send_bytes(encoder.encode(TpLoaded()))
+        if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
+            return
+        join_group(args.init_file, rank, world, device, args.timeout_secs)
+    except (EOFError, OSError):
+        return
+    except BaseException:
+        conn.send_bytes(encoder.encode(TpFailed(traceback.format_exc(limit=4))))
+        return
+    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
+    tables: dict[int, list[int]] = {}
+    try:
+        while True:
+            msg = decoder.decode(conn.recv_bytes())
+            if isinstance(msg, TpStop):
+                break
+            if isinstance(msg, TpResetKv):
+                tables.clear()
+                runner.reset_kv(msg.num_blocks, msg.kv_dtype)
+                continue
+            if isinstance(msg, TpMtpLogits):
+                runner.mtp_logits(None, msg.rows)
+                continue
+            if not isinstance(msg, TpStep | TpMtp):  # a second TpJoin: nothing to do
+                continue
+            if isinstance(msg, TpStep):
+                for h in msg.dropped:
+                    tables.pop(h, None)
+            seqs = []
+            for s in msg.seqs:
+                if s.fresh:
+                    table = tables[s.handle] = s.new_blocks
+                else:
+                    table = tables[s.handle]
+                    table.extend(s.new_blocks)
+                seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
+                                     s.state_slot, s.num_logits))
+            if isinstance(msg, TpMtp):
+                runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
+            else:
+                runner.execute(seqs)
+    except (EOFError, OSError, KeyboardInterrupt):
+        pass  # rank 0 went away: nothing left to serve
+    except Exception:
+        traceback.print_exc()  # a collective timed out or a step failed: rank 0 sees it too
+    finally:
+        leave_group()

@@ -1,0 +1,197 @@
+"""One request's engine updates → the `GenerateResponse` deltas its caller receives. Pure.
+
+The engine sends token ids, never text (docs/architecture.md, "Processes").
+Everything that turns its per-step `RequestUpdate`s into what a caller sees
+is here: incremental detokenisation (helexa/neuron/detokenizer.py), stop
+strings across token boundaries, logprobs with each token's text and bytes,
+the finish reason and `stop_reason`, and usage (prompt, completion and
+cached tokens, speculation and reasoning counts, queue / prefill / decode
+times). No gRPC, no asyncio: the servicer feeds it updates and sends what it
+returns, so it is tested update by update without a server.
+
+As vLLM's `OutputProcessor` (vllm/v1/engine/output_processor.py), a stop
+string found here ends the request before the engine knows: `process`
+returns `abort_engine` so the caller tells the engine to stop computing.
+Unlike it, one instance serves one request, because each Generate call is
+its own task and owns its request's state alone.
+
+It builds the wire message itself rather than a dataclass that mirrors it
+field by field: `GenerateResponse` is the delta type (its fields documented
+in proto/helexa/neuron/v1/neuron.proto), and a hand-kept copy is what this
+redesign removes elsewhere. `Complete` folds the same messages into one with
+helexa/responses.py, which stays beside the proto stubs because the router
+(for a neuron that predates Complete) and the tests' fake neuron fold them
+too, and the router never imports the neuron.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from helexa.neuron.detokenizer import IncrementalDetokenizer, StopChecker
+from helexa.neuron.engine import messages
+from helexa.proto import neuron_pb2 as pb
+from helexa.refusal import Refusal
+
+_MS = 1000.0
+
+
+@dataclass
+class Output:
+    """What one engine update gives the caller."""
+
+    response: pb.GenerateResponse | None  # the message to send now; None: nothing new
+    abort_engine: bool = False  # a stop string ended the request: the engine still runs it
+    first_token_secs: float | None = None  # the first tokens came: seconds since arrival
+    inter_token_secs: float | None = None  # later tokens: seconds per token since the last
+
+
+class OutputProcessor:
+    """Turns one request's `RequestUpdate`s into `GenerateResponse` deltas, then a summary.
+
+    `stop_token_ids` are the ids the caller asked to stop at (reported as
+    `stop_reason`); the eos ids the engine also stops at are not among them.
+    `clock` gives wall seconds (time.time), on the same scale as the request's
+    arrival_unix.
+    """
+
+    def __init__(self, tokenizer: Any, new: messages.NewRequest, *, stop: Sequence[str] = (),
+                 stop_token_ids: Sequence[int] = (), return_prompt_token_ids: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.tokenizer = tokenizer
+        self.new = new
+        self.clock = clock
+        self._detok = IncrementalDetokenizer(tokenizer, new.prompt_token_ids)
+        self._stopper = StopChecker(list(stop))
+        self._caller_stop_ids = frozenset(stop_token_ids)
+        self._return_prompt = return_prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.cached_tokens = 0
+        self.reasoning_tokens = 0
+        # Speculation: the request's totals, as the engine last said.
+        self.draft_tokens = self.accepted_draft_tokens = 0
+        self.admitted_unix = self.first_token_unix = self.last_token_unix = 0.0
+        self.finish_reason: int | None = None  # a pb.FinishReason once finished
+        self.stop_reason = ""
+        self.error = ""
+        self._sent_first = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # ------------------------------------------------------------------ updates
+
+    def process(self, upd: messages.RequestUpdate) -> Output:
+        """The deltas one update adds; raises Refusal when the engine refused the request
+        or failed it before it produced anything (the caller then gets a status, no stream)."""
+        if upd.refused_code:
+            raise Refusal(upd.refused_code, upd.refused_message or upd.refused_code,
+                          upd.retry_after_ms)
+        out = Output(None)
+        if upd.admitted:
+            self.admitted_unix, self.cached_tokens = self.clock(), upd.cached_tokens
+        self.draft_tokens = max(self.draft_tokens, upd.spec_drafted_tokens)
+        self.accepted_draft_tokens = max(self.accepted_draft_tokens, upd.spec_accepted_tokens)
+        resp = pb.GenerateResponse()
+        if not self._sent_first:
+            if self._return_prompt:
+                resp.prompt_token_ids.extend(self.new.prompt_token_ids)
+            if self.new.thinking is not None and self.new.thinking.starts_open:
+                resp.thought_open = True
+        if upd.new_token_ids:
+            self._tokens(upd, resp, out)
+        if self.finish_reason is None and upd.finished is not None:
+            self._finish(upd, resp)
+        if self.finish_reason is not None:
+            self.reasoning_tokens = upd.reasoning_tokens  # the engine's count, set when finished
+            resp.finish_reason = self.finish_reason
+            resp.stop_reason = self.stop_reason
+            resp.usage.CopyFrom(self.usage())
+        if resp.ByteSize() or self.finish_reason is not None:
+            self._sent_first = True
+            out.response = resp
+        return out
+
+    def _tokens(self, upd: messages.RequestUpdate, resp: pb.GenerateResponse, out: Output) -> None:
+        now = self.clock()
+        if self.first_token_unix == 0.0:
+            self.first_token_unix = now
+            out.first_token_secs = now - self.new.arrival_unix
+        else:
+            out.inter_token_secs = (now - self.last_token_unix) / len(upd.new_token_ids)
+        self.last_token_unix = now
+        self.output_token_ids += upd.new_token_ids
+        resp.token_ids.extend(upd.new_token_ids)
+        if upd.logprobs:
+            resp.logprobs.extend(self._logprobs(upd.logprobs))
+        text, matched = self._stopper.feed(self._detok.add(upd.new_token_ids))
+        resp.text = text
+        if matched is not None:  # text past the stop string is never sent
+            out.abort_engine = True
+            self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
+
+    def _finish(self, upd: messages.RequestUpdate, resp: pb.GenerateResponse) -> None:
+        reason = upd.finished
+        assert reason is not None
+        self.finish_reason, self.error = int(reason), upd.error
+        if reason == messages.FinishReason.ERROR and not self.output_token_ids:
+            raise Refusal("upstream_error", f"the engine failed: {self.error}")
+        if reason != messages.FinishReason.ABORT:
+            # What the detokenizer held back (an incomplete character at the very end) may
+            # still complete a stop string; what the stop checker held was never one.
+            tail, matched = self._stopper.feed(self._detok.flush())
+            resp.text += tail
+            if matched is not None:
+                self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
+            else:
+                resp.text += self._stopper.flush()
+        last = self.output_token_ids[-1] if self.output_token_ids else None
+        if reason == messages.FinishReason.STOP and last in self._caller_stop_ids:
+            self.stop_reason = str(last)
+        elif reason == messages.FinishReason.ERROR:
+            self.stop_reason = self.error
+        elif reason == messages.FinishReason.ABORT and upd.error == "deadline":
+            self.stop_reason = "deadline"  # the engine enforces deadlines and says so
+
+    def fail(self, error: str) -> None:
+        """The engine link broke mid-request (not the caller's doing): finish as an error."""
+        self.error = error
+        if self.finish_reason is None:
+            self.finish_reason = pb.FINISH_REASON_ERROR
+
+    # ------------------------------------------------------------------ summary
+
+    def usage(self) -> pb.Usage:
+        """Token counts and times so far: queue (arrival → admitted), prefill (arrival →
+        first token) and decode (first → last token), in milliseconds."""
+        arrival = self.new.arrival_unix
+        first = self.first_token_unix
+        return pb.Usage(
+            prompt_tokens=len(self.new.prompt_token_ids),
+            completion_tokens=len(self.output_token_ids), cached_tokens=self.cached_tokens,
+            queue_ms=(self.admitted_unix - arrival) * _MS if self.admitted_unix else 0.0,
+            prefill_ms=(first - arrival) * _MS if first else 0.0,
+            decode_ms=(self.last_token_unix - first) * _MS if first else 0.0,
+            reasoning_tokens=self.reasoning_tokens, draft_tokens=self.draft_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens)
+
+    def outcome(self, client_gone: bool) -> str:
+        """The request's outcome for metrics and request.done: stop, length, abort, error,
+        client_gone, or unspecified (ended without a finish)."""
+        if client_gone:
+            return "client_gone"
+        return pb.FinishReason.Name(self.finish_reason or 0).removeprefix("FINISH_REASON_").lower()
+
+    def _logprobs(self, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
+        tok = self.tokenizer
+        return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
+                                token_bytes=tok.token_bytes(lp.token_id), logprob=lp.logprob,
+                                top=[pb.TopLogprob(token_id=t.token_id,
+                                                   token=tok.decode([t.token_id]),
+                                                   token_bytes=tok.token_bytes(t.token_id),
+                                                   logprob=t.logprob) for t in lp.top])
+                for lp in lps]

@@ -1,0 +1,97 @@
+"""One catalogue model on this neuron: its state, plan, engine link and live figures.
+
+`ResidentModel` is the record `Residency` (helexa/neuron/residency.py) keeps per
+model, and what the servicer, Watch and the metrics read. States follow the
+proto's ModelState: loading → ready ⇄ switching, ready → draining → (gone),
+and failed from any of them. A failed model keeps its reason and the time
+before which no Load retries it: FAILED_RETRY_SECS, doubling per consecutive
+failure up to FAILED_RETRY_MAX_SECS, so a load that fails at once never
+becomes a tight retry loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from helexa.config.schema import ModelEntry
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import ModelLimits
+
+FAILED_RETRY_SECS = 30.0
+FAILED_RETRY_MAX_SECS = 600.0
+
+
+class ModelState(enum.IntEnum):
+    """Values match helexa.neuron.v1.ModelState."""
+
+    LOADING = 1
+    READY = 2
+    SWITCHING = 3
+    DRAINING = 4
+    FAILED = 5
+
+
+@dataclass
+class ResidentModel:
+    """One catalogue model on this neuron: its plan, engine and live figures."""
+
+    entry: ModelEntry
+    state: ModelState = ModelState.LOADING
+    error: str = ""
+    plan: Any = None  # helexa.plan.ModelPlan
+    limits: ModelLimits | None = None
+    admission: messages.SetLimits | None = None  # limits in force in the engine
+    profile: str = ""
+    kv_dtype: str = ""
+    client: Any = None  # EngineClient
+    tokenizer: Any = None  # helexa.neuron.tokenizer.Tokenizer
+    engine_status: messages.EngineStatus | None = None
+    devices: list[str] = field(default_factory=list)
+    active: int = 0  # Generate calls open in the daemon for this model
+    last_used_unix_ms: int = 0
+    failures: int = 0  # consecutive failed loads
+    retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
+    num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
+
+    @property
+    def model_id(self) -> str:
+        return self.entry.id
+
+    @property
+    def busy(self) -> bool:
+        """Work in flight anywhere: an open call in the daemon, or queued/in flight in the engine."""
+        s = self.engine_status
+        return self.active > 0 or (s is not None and (s.in_flight + s.queued) > 0)
+
+    @property
+    def footprint_bytes(self) -> int:
+        """Device memory per card: weights + the KV pool."""
+        if self.plan is None:
+            return 0
+        return int(self.plan.weight_bytes_per_card) + int(self.plan.kv_budget_bytes)
+
+    def touch(self) -> None:
+        self.last_used_unix_ms = int(time.time() * 1000)
+
+    def begin(self) -> None:
+        self.active += 1
+        self.touch()
+
+    def end(self) -> None:
+        self.active -= 1
+        self.touch()
+
+    def fail(self, reason: str) -> None:
+        """FAILED with its reason, and the time before which no Load retries it."""
+        self.state = ModelState.FAILED
+        self.error = reason
+        self.failures += 1
+        self.retry_at = time.monotonic() + min(
+            FAILED_RETRY_MAX_SECS, FAILED_RETRY_SECS * 2 ** (self.failures - 1))
+
+    @property
+    def retry_after_ms(self) -> int:
+        return max(1000, int((self.retry_at - time.monotonic()) * 1000))
