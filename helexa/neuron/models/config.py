@@ -1,16 +1,16 @@
-"""Parse a Hugging Face ``config.json`` into the typed shape our dense models need.
+"""Parse a Hugging Face ``config.json`` dict into the typed config our models need.
 
-Handles both rope formats transformers has written: today's ``rope_parameters``
-dict and the older top-level ``rope_theta`` plus optional ``rope_scaling``.
+Reading the file (or a GGUF file's metadata) is the loader's, once per load
+(helexa/neuron/formats/base.py: open_checkpoint). Handles both rope formats
+transformers has written: today's ``rope_parameters`` dict and the older
+top-level ``rope_theta`` plus optional ``rope_scaling``.
 Anything we cannot run faithfully is refused here, naming the offending key,
 so that a wrong model never loads silently.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -236,19 +236,3 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         weight_prefix="model.language_model." if multimodal else "model.",
         mtp_num_layers=int(raw.get("mtp_num_hidden_layers") or 0),
     )
-
-
-def load_model_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelConfig]:
-    """Read ``model_dir/config.json``; returns the raw dict and the parsed config. A GGUF
-    model (a ``.gguf`` file, or a folder holding one) may build it from the file's metadata
-    (helexa/checkpoint/gguf.py)."""
-    from helexa.checkpoint.gguf import find_gguf, read_config
-
-    if find_gguf(model_dir) is not None:
-        raw = read_config(model_dir)
-        return raw, parse_model_config(raw)
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json in the model folder")
-    raw = json.loads(path.read_text())
-    return raw, parse_model_config(raw)
