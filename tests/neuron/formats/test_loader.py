@@ -1,5 +1,5 @@
 """The one load: config.json read once, the format detected without the models knowing,
-an unknown quantisation refused by name."""
+an unknown quantisation refused by name, and ModelConfig agreeing with the plan's parse."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from helexa.checkpoint.shape import read_model_shape
+from helexa.fixtures.tiny import ARCHS
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.formats.base import UnsupportedQuantization, open_checkpoint
 from helexa.neuron.formats.loader import detect, load_model
@@ -65,6 +67,28 @@ def test_an_unknown_quant_method_is_refused_naming_it(tiny_checkpoint, tmp_path)
                        match=r"quant_method 'bitsandbytes' is not supported \(compressed-tensors "
                              r"pack-quantized, gptq and awq are\)"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_model_config_agrees_with_the_plans_parse(tiny_checkpoint, arch):
+    ckpt = open_checkpoint(tiny_checkpoint(arch))
+    cfg, shape = ckpt.config, read_model_shape(ckpt.raw)
+    pairs = {"num_layers": "num_layers", "num_heads": "num_heads",
+             "num_kv_heads": "num_kv_heads", "head_dim": "head_dim",
+             "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+             "vocab_size": "vocab_size", "max_position_embeddings": "max_position_embeddings",
+             "tie_word_embeddings": "tie_word_embeddings", "num_experts": "num_experts",
+             "linear_num_key_heads": "linear_num_key_heads",
+             "linear_num_value_heads": "linear_num_value_heads",
+             "linear_key_head_dim": "linear_key_head_dim",
+             "linear_value_head_dim": "linear_value_head_dim",
+             "linear_conv_kernel_dim": "linear_conv_kernel_dim",
+             "shared_expert_intermediate_size": "shared_expert_intermediate_size",
+             "mtp_num_layers": "mtp_layers", "attn_output_gate": "attn_output_gate"}
+    for ours, theirs in pairs.items():
+        assert getattr(cfg, ours) == getattr(shape, theirs), ours
+    full = sum(1 for t in cfg.layer_types if t == "full_attention") or cfg.num_layers
+    assert full == shape.full_attention_layers
 
 
 def test_the_models_import_no_checkpoint_format():
