@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
-from helexa.checkpoint.gguf import weight_bytes_per_card as gguf_weight_bytes_per_card
+from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
     held_bytes_per_request,
@@ -203,7 +203,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     # linear-attention state in the model's float dtype (its activations'), quantised or not
     fixed = fixed_bytes_per_request(shape, tp, weight_dtype)
     in_file = checkpoint_quantization(raw)
-    if gguf is not None:  # each tensor on its op (helexa/checkpoint/gguf.py)
+    if gguf is not None:  # each tensor on its op (helexa/checkpoint/gguf_layout.py)
         if entry.quantize != "none":
             raise PlanError(f"{where('quantize')}: expected \"none\" for a GGUF file, which "
                             f"keeps its own quantisation, got {entry.quantize!r}")

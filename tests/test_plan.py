@@ -198,10 +198,10 @@ def test_the_model_code_holds_what_the_plan_counts_for_the_27b_hybrid():
     import torch
 
     from helexa.kernels.attention import PagedKV
-    from helexa.neuron.models.config import load_model_config
+    from helexa.neuron.formats.base import open_checkpoint
     from helexa.neuron.models.hybrid import HybridForCausalLM
 
-    _, mc = load_model_config(HYBRID.parent)
+    mc = open_checkpoint(HYBRID.parent).config
     model = HybridForCausalLM(mc, tp_rank=0, tp_size=2, dtype=torch.bfloat16, device="meta")
     shape = read_model_shape(HYBRID)
     state = sum(layer.new_state(1).nbytes for layer in model.linear_layers)

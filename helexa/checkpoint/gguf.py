@@ -1,47 +1,41 @@
-"""GGUF checkpoints: where the file is, the model's config, and the op each tensor runs on.
+"""GGUF checkpoints (torch-free): where the file is, its metadata, and the model's config.
 
 A model ``path`` may be a ``.gguf`` file or a folder holding exactly one (and no
 safetensors). Hugging Face files beside it win: ``config.json`` over the GGUF
 metadata, ``tokenizer.json`` over ``tokenizer.ggml.*`` (docs/quantization.md).
-Shared by the neuron (loading) and ``helexa plan`` (weight bytes), so the rule of
-which tensor type lands on which op (:func:`layout_of`) has one owner.
+Which op each tensor runs on, and its bytes, is gguf_layout.py (it reads this
+module, never the other way round); the neuron's loading is helexa/neuron/formats/gguf/.
+
+The hybrid and MoE families (llama.cpp's ``qwen3moe``, ``qwen3next``, ``qwen35``,
+``qwen35moe``: HybridForCausalLM) write the Gated DeltaNet shape as ``ssm.*`` keys:
+``ssm.group_count`` = linear key heads, ``ssm.time_step_rank`` = linear value heads,
+``ssm.state_size`` = key head dim, ``ssm.inner_size`` = value heads x value head dim,
+``ssm.conv_kernel``; ``rope.dimension_count`` the rotated dims of a head (partial
+rotary); ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``,
+``expert_shared_feed_forward_length`` the experts.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from helexa.checkpoint.gguf_families import (
-    EXPERTS,
-    FUSED,
-    HYBRID_ARCHITECTURES,
-    ROW_PARALLEL,
-    SPLIT_PARAMS,
-    family_config,
-    part_of,
-    stays_quantised,
-)
-
 GGUF_SUFFIX = ".gguf"
-FLOAT_TYPES = ("F32", "F16", "BF16")
-# type -> (op, sub-block the scale covers, zeros): docs/quantization.md's table.
-QUANT_TYPES: dict[str, tuple[str, int, bool]] = {
-    "Q8_0": ("int8g", 32, False),  # w = d * q
-    "Q6_K": ("int8g", 16, False),  # w = d * sc * (q - 32)
-    "Q5_K": ("int8g", 32, True),  # w = d * sc * q - dmin * m
-    "Q4_K": ("int4", 32, True),  # as Q5_K with 4 bits: tinygemm's int4 op
-}
 # llama.cpp's architecture name -> the transformers one our loader builds.
 DENSE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                        "qwen3": "Qwen3ForCausalLM"}
+# llama.cpp's architecture name -> (the transformers class our loader builds, model_type)
+HYBRID_ARCHITECTURES = {
+    "qwen3moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "qwen3next": ("Qwen3NextForCausalLM", "qwen3_next"),
+    "qwen35": ("Qwen3_5ForCausalLM", "qwen3_5_text"),
+    "qwen35moe": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe_text"),
+}
 ARCHITECTURES = {**DENSE_ARCHITECTURES,
                  **{k: cls for k, (cls, _) in HYBRID_ARCHITECTURES.items()}}
-INT4_ROW_MULTIPLE = 16  # helexa/kernels/quant.py: the int4 packer's rows per rank
 
 
 class GgufError(ValueError):
@@ -163,9 +157,9 @@ def config_from_metadata(path: Path) -> dict[str, Any]:
         "hidden_act": "silu", "torch_dtype": "bfloat16",
     }
     if hybrid:
-        cfg.update(family_config(path, arch, key,
-                                 lambda name, default=None: metadata(path, f"{arch}.{name}", default),
-                                 tensors, head_dim))
+        cfg.update(_family_config(arch, key,
+                                  lambda name, default=None: metadata(path, f"{arch}.{name}", default),
+                                  tensors, head_dim))
     if scaling == "linear":
         cfg["rope_scaling"] = {"type": "linear",
                                "factor": float(key("rope.scaling.factor"))}
@@ -184,105 +178,37 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-# ---------------------------------------------------------------- the op of each tensor
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one of our layers holds: ``float``, ``int8g`` (``w = q * scale + zero`` in
-    groups of ``group`` along the input, ``zeros`` or not) or ``int4`` (tinygemm)."""
-
-    op: str
-    group: int = 0
-    zeros: bool = False
-
-
-FLOAT = Layout("float")
-
-
-def layout_of(types: list[str], *, lookup: bool = False, rows: int = 0) -> Layout:
-    """The layout of a layer whose checkpoint parts (q/k/v, gate/up: one fused layer) have
-    ``types``. One type: its own op. Quantised types mixed: grouped int8 at the smallest
-    group, with zeros if any part has them (every part's values, exactly). A float part among
-    quantised ones: float. An embedding table (``lookup``) gathers rows, which the int4 op
-    cannot: int8g; so does an int4 layer whose ``rows`` per rank the int4 packer refuses."""
-    unknown = [t for t in types if t not in QUANT_TYPES and t not in FLOAT_TYPES]
-    if unknown:
-        raise GgufError(f"tensor type {unknown[0]} is not supported "
-                        f"(supported: {', '.join([*FLOAT_TYPES, *QUANT_TYPES])})")
-    if any(t in FLOAT_TYPES for t in types):
-        return FLOAT
-    ops = {QUANT_TYPES[t] for t in types}
-    if len(ops) == 1:
-        op, group, zeros = ops.pop()
-        if op == "int4" and (lookup or rows % INT4_ROW_MULTIPLE):
-            return Layout("int8g", group, zeros)
-        return Layout(op, group, zeros)
-    return Layout("int8g", min(g for _, g, _ in ops), any(z for _, _, z in ops))
-
-
-def layout_bytes(layout: Layout, rows: int, cols: int, elt: int) -> int:
-    """Bytes one [rows, cols] layer holds in ``layout`` (scales and zeros in the model's
-    dtype, ``elt`` bytes each)."""
-    if layout.op == "float":
-        return rows * cols * elt
-    groups = rows * (cols // layout.group)
-    side = groups * elt * (2 if layout.zeros or layout.op == "int4" else 1)
-    return (rows * cols // 2 if layout.op == "int4" else rows * cols) + side
-
-
-def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) -> int:
-    """Bytes one card holds of a GGUF model (helexa/neuron/models/quant_gguf.py's layouts): each
-    of our layers from the tensors that fill it (helexa/checkpoint/gguf_families.py)."""
-    tensors = tensor_types(path)
-    text = {**cfg, **cfg.get("text_config", {})}  # an HF config beside it may be the wrapper
-    arch = metadata(path, "general.architecture")
-    heads = int(text["num_attention_heads"])
-    kv = int(text.get("num_key_value_heads") or heads)
-    kv_card = -(-kv // tp)
-
-    def part_rows(part: str, rows: int) -> int:
-        return rows // kv * kv_card if part in ("attn_k", "attn_v") else rows // tp
-
-    total = 0
-    fused: dict[tuple[int, str], list[tuple[str, str, tuple[int, ...]]]] = {}
-    stacks: dict[tuple[int, bool], list[tuple[str, tuple[int, ...]]]] = {}
-    for name, (typ, shape) in tensors.items():
-        where = part_of(name)
-        if where is None:
-            continue  # the embedding and head: below
-        layer, part = where
-        numel = math.prod(shape)
-        if part in SPLIT_PARAMS:  # float, split by the linear-attention heads
-            total += numel // tp * elt
-        elif name.endswith(".bias") or part not in (*FUSED, *ROW_PARALLEL, *EXPERTS):
-            total += numel * elt  # norms, biases, routers: float, whole on every card
-        elif part in EXPERTS:  # the w13 (gate, up) and w2 (down) stacks of the MoE block
-            stacks.setdefault((layer, part == "ffn_down_exps"), []).append((typ, shape))
-        elif part in ROW_PARALLEL:
-            rows, cols = shape
-            layout = (layout_of([typ], rows=rows) if stays_quantised(arch, part, typ, text)
-                      else FLOAT)
-            total += layout_bytes(layout, rows, cols // tp, elt)
-        else:
-            fused.setdefault((layer, FUSED[part]), []).append((part, typ, shape))
-    for (_, down), parts in stacks.items():  # [experts, rows, cols]; per expert as a layer
-        e, rows, cols = parts[0][1]
-        rows = rows if down else sum(shape[1] for _, shape in parts) // tp
-        cols = cols // tp if down else cols
-        types = [typ for typ, _ in parts]
-        layout = layout_of(types, rows=rows) if all(t in QUANT_TYPES for t in types) else FLOAT
-        total += e * layout_bytes(layout, rows, cols, elt)
-    for parts in fused.values():
-        rows = sum(part_rows(part, shape[0]) for part, _, shape in parts)
-        layout = layout_of([typ for _, typ, _ in parts], rows=rows)
-        total += layout_bytes(layout, rows, parts[0][2][1], elt)
-    vocab_rows = math.ceil(int(tensors["token_embd.weight"][1][0]) / tp)
-    hidden = int(text["hidden_size"])
-    embd = layout_of([tensors["token_embd.weight"][0]], lookup=True)
-    total += layout_bytes(embd, vocab_rows, hidden, elt)
-    if "output.weight" in tensors and not text.get("tie_word_embeddings"):
-        head = layout_of([tensors["output.weight"][0]], rows=vocab_rows)
-        total += layout_bytes(head, vocab_rows, hidden, elt)
-    return total + sum(shape[0] for name, (_, shape) in tensors.items()
-                       if name == "output_norm.weight") * elt
+def _family_config(arch: str, key: Callable[..., Any], meta: Callable[..., Any],
+                   tensors: dict[str, tuple[str, tuple[int, ...]]], head_dim: int) -> dict[str, Any]:
+    """The hybrid / MoE keys of a config.json dict, from ``<arch>.*`` metadata and the
+    tensors present (which layers are linear attention, which have experts)."""
+    layers = int(key("block_count"))
+    cfg: dict[str, Any] = {}
+    if arch != "qwen3moe":  # Gated DeltaNet layers: those with an ssm_a tensor
+        vh = int(key("ssm.time_step_rank"))
+        cfg.update(
+            layer_types=["linear_attention" if f"blk.{i}.ssm_a" in tensors else "full_attention"
+                         for i in range(layers)],
+            full_attention_interval=int(meta("full_attention_interval", 4)),
+            linear_num_key_heads=int(key("ssm.group_count")), linear_num_value_heads=vh,
+            linear_key_head_dim=int(key("ssm.state_size")),
+            linear_value_head_dim=int(key("ssm.inner_size")) // vh,
+            linear_conv_kernel_dim=int(key("ssm.conv_kernel")), attn_output_gate=True)
+        rotary = meta("rope.dimension_count")
+        if rotary and int(rotary) != head_dim:
+            cfg["partial_rotary_factor"] = int(rotary) / head_dim
+    experts = meta("expert_count")
+    if experts:
+        dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
+        cfg.update(num_experts=int(experts), num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length")),
+                   # llama.cpp renormalises the top k for all four families
+                   norm_topk_prob=bool(meta("expert_weights_norm", True)),
+                   decoder_sparse_step=1, mlp_only_layers=dense)
+        shared = meta("expert_shared_feed_forward_length")
+        if shared is None:
+            shared = next((shape[0] for name, (_, shape) in tensors.items()
+                           if name.endswith("ffn_up_shexp.weight")), 0)
+        if shared:
+            cfg["shared_expert_intermediate_size"] = int(shared)
+    return cfg

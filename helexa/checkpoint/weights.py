@@ -1,4 +1,4 @@
-"""Weight bytes per card of a quantised model, as helexa/neuron/models/quant.py lays them out.
+"""Weight bytes per card of a quantised model, as helexa/neuron/formats/ lays them out.
 
 Layout (docs/quantization.md): int8 = one byte a weight plus one scale a row in
 the model's dtype; int4 = half a byte a weight plus a scale and a zero per
@@ -43,7 +43,7 @@ def checkpoint_quantization(config_json: dict) -> tuple[str, int, bool] | None:
 
 
 def _int8_kind(sym: bool, grouped: bool) -> str:
-    """Which int8 layout an 8-bit checkpoint loads into (helexa/neuron/models/quant.py)."""
+    """Which int8 layout an 8-bit checkpoint loads into (helexa/neuron/formats/methods.py)."""
     return "int8g-asym" if not sym else "int8g" if grouped else "int8"
 
 

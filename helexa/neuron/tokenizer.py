@@ -1,7 +1,7 @@
 """A checkpoint's tokenizer and chat template, without transformers.
 
 `Tokenizer.from_dir(DIR)` reads tokenizer.json (the `tokenizers` library; a GGUF
-model without one: its metadata, helexa/neuron/gguf_tokenizer.py),
+model without one: its metadata, helexa/neuron/formats/gguf/tokenizer.py),
 the chat template (tokenizer_config.json `chat_template`, or the
 chat_template.jinja file transformers 5 writes) and the eos ids
 (`eos_token_ids`: generation_config.json, config.json, tokenizer_config.json
@@ -220,7 +220,7 @@ class Tokenizer:
         if not (d / "tokenizer.json").is_file():
             gguf = find_gguf(model_dir)
             if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
-                from helexa.neuron.gguf_tokenizer import tokenizer_parts
+                from helexa.neuron.formats.gguf.tokenizer import tokenizer_parts
 
                 tok, template, _, special = tokenizer_parts(gguf)
                 return cls(tok, chat_template=template,

@@ -50,8 +50,8 @@ class CpuBackend(TorchBackend):
 
     def prepare_model(self, model: torch.nn.Module, *, max_num_seqs: int,
                       max_batched_tokens: int, tp_size: int) -> None:
+        from helexa.neuron.formats.methods import Int8gLinear
         from helexa.neuron.models.layers import ParallelLinearBase, ParallelLMHead
-        from helexa.neuron.models.quant import Int8gLinear
 
         self.model = model
         for m in model.modules():  # grouped int8: its decode kernels measured at load

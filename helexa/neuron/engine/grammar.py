@@ -52,7 +52,7 @@ class Grammars:
         path = model_folder(self.model_dir) / "tokenizer.json"
         gguf = None if path.is_file() else find_gguf(self.model_dir)
         if gguf is not None:  # no tokenizer.json: the one built from the GGUF metadata
-            from helexa.neuron.gguf_tokenizer import tokenizer_parts
+            from helexa.neuron.formats.gguf.tokenizer import tokenizer_parts
 
             text = tokenizer_parts(gguf)[0].to_str()
         elif path.is_file():

@@ -30,10 +30,11 @@ from helexa.neuron.engine.mtp_passes import MtpPasses
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
-from helexa.neuron.models.config import load_model_config, parse_dtype
+from helexa.neuron.formats.base import open_checkpoint
+from helexa.neuron.formats.loader import load_model, weight_bytes
+from helexa.neuron.formats.quantise import QuantSpec
+from helexa.neuron.models.config import parse_dtype
 from helexa.neuron.models.linear_state import state_meta
-from helexa.neuron.models.loader import load_model
-from helexa.neuron.models.quant import QuantSpec, weight_bytes
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 log = structlog.get_logger(component="engine")
@@ -92,7 +93,7 @@ class ModelRunner(MtpPasses):
         really takes, on every rank; on CUDA the pool is sized by measurement with
         ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
         (helexa/neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
-        ``quant_group_size``) quantises the weights at load (helexa/neuron/models/quant.py).
+        ``quant_group_size``) quantises the weights at load (helexa/neuron/formats/quantise.py).
         Hybrid models hold ``num_state_slots`` linear-attention states, one per request
         (SeqInput.state_slot). ``extra_bytes_per_block``: bytes of each block that other
         layers sharing this pool's block ids take (a draft model's, already loaded), counted
@@ -101,7 +102,8 @@ class ModelRunner(MtpPasses):
         aside for the MTP head after the target's (as the plan counted them; None: as
         config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
-        self.hf_config, self.config = load_model_config(model_dir)
+        ckpt = open_checkpoint(model_dir)  # config.json read once for this load
+        self.hf_config, self.config = ckpt.raw, ckpt.config
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
         # A captured decode graph would replay one step's state slots: none for hybrids.
@@ -127,7 +129,7 @@ class ModelRunner(MtpPasses):
         self.mtp_kv_layers = (self.config.mtp_num_layers if mtp_kv_layers is None
                               else mtp_kv_layers)
         # Any: the model families share no typed base class yet (helexa/neuron/models/).
-        self.model: Any = cast(Any, load_model(model_dir, device=self.device, dtype=dtype,
+        self.model: Any = cast(Any, load_model(ckpt, device=self.device, dtype=dtype,
                                                tp_rank=tp_rank, tp_size=tp_size,
                                                progress=progress, quantize=quant))
         self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)

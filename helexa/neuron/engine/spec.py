@@ -92,7 +92,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     torch_threads: int | None = None
     attention_backend: str = "auto"  # helexa/kernels/backends/__init__.py
     cuda_graphs: bool = True
-    quantize: str = "none"  # helexa/neuron/models/quant.py: none | int8 | int4
+    quantize: str = "none"  # helexa/neuron/formats/quantise.py: none | int8 | int4
     quant_group_size: int = 128
     # Pool layers for the checkpoint's MTP head as the plan counted them (helexa.plan:
     # its config.json's mtp_num_hidden_layers); None = the checkpoint's own config.json.

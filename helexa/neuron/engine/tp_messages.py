@@ -87,7 +87,7 @@ class RunnerArgs:
     init_file: str = ""
     backend: str = "auto"  # attention backend (helexa/kernels/backends/__init__.py)
     cuda_graphs: bool = True
-    quantize: str = "none"  # helexa/neuron/models/quant.py
+    quantize: str = "none"  # helexa/neuron/formats/quantise.py
     quant_group_size: int = 128
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
     mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)

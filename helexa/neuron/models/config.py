@@ -1,19 +1,21 @@
-"""Parse a Hugging Face ``config.json`` into the typed shape our dense models need.
+"""Parse a Hugging Face ``config.json`` dict into the typed config our models need.
 
-Handles both rope formats transformers has written: today's ``rope_parameters``
-dict and the older top-level ``rope_theta`` plus optional ``rope_scaling``.
+Reading the file (or a GGUF file's metadata) is the loader's, once per load
+(helexa/neuron/formats/base.py: open_checkpoint). Handles both rope formats
+transformers has written: today's ``rope_parameters`` dict and the older
+top-level ``rope_theta`` plus optional ``rope_scaling``.
 Anything we cannot run faithfully is refused here, naming the offending key,
 so that a wrong model never loads silently.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from helexa.checkpoint.shape import read_model_shape
 
 # Architectures (config.json "architectures"[0]) this package implements, and
 # the per-family switches that distinguish them.
@@ -163,7 +165,11 @@ def _rope_from_config(raw: dict[str, Any], allow_partial: bool = False) -> RopeC
 
 
 def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
-    """Build a ModelConfig from a config.json dict; UnsupportedArchitecture names what is wrong."""
+    """Build a ModelConfig from a config.json dict; UnsupportedArchitecture names what is wrong.
+
+    The numbers that decide memory come from the one torch-free parse the plan uses
+    (helexa/checkpoint/shape.py); what only the model needs (rope, biases, norms, which
+    layer is which) is read here."""
     archs = raw.get("architectures") or []
     model_type = raw.get("model_type", "")
     arch = archs[0] if archs else _DEFAULT_ARCH.get(model_type, f"<model_type {model_type!r}>")
@@ -179,76 +185,63 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         raise UnsupportedArchitecture(f"{arch}: hidden_act {act!r} is not supported (only 'silu')")
     if raw.get("use_sliding_window"):
         raise UnsupportedArchitecture(f"{arch}: use_sliding_window=true is not supported")
-    hidden = int(raw["hidden_size"])
-    heads = int(raw["num_attention_heads"])
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    head_dim = int(raw.get("head_dim") or hidden // heads)
+    if "intermediate_size" not in raw:  # shape.py reads a missing one as 0; a model needs it
+        raise UnsupportedArchitecture(f"{arch}: config.json has no intermediate_size")
     attention_bias = bool(raw.get("attention_bias", False))
     is_qwen2 = arch == "Qwen2ForCausalLM"
     hybrid = arch in HYBRID_ARCHITECTURES
     rope = _rope_from_config(raw, allow_partial=hybrid)
     partial = float(rope.params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    layers = int(raw["num_hidden_layers"])
     layer_types = tuple(raw.get("layer_types") or ())
     if hybrid and not layer_types:  # every full_attention_interval-th layer is full attention
         interval = int(raw.get("full_attention_interval", 4))
         layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
-                            for i in range(layers))
+                            for i in range(int(raw["num_hidden_layers"])))
     unknown = set(layer_types) - {"full_attention", "linear_attention"}
     if unknown:
         raise UnsupportedArchitecture(f"{arch}: layer types {sorted(unknown)} are not supported")
+    # shape.py reads the linear-attention numbers only where it sees linear layers: it is
+    # given the layer types decided here, so both agree on which layers those are.
+    shape = read_model_shape({**raw, "layer_types": list(layer_types)} if hybrid else raw)
     return ModelConfig(
         architecture=arch,
         model_type=model_type,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
-        intermediate_size=int(raw["intermediate_size"]),
-        vocab_size=int(raw["vocab_size"]),
+        hidden_size=shape.hidden_size,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate_size,
+        vocab_size=shape.vocab_size,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # an absent (or 0) max_position_embeddings: the rotary table's first size
+        max_position_embeddings=shape.max_position_embeddings or 4096,
+        tie_word_embeddings=shape.tie_word_embeddings,
         qkv_bias=is_qwen2 or attention_bias,
         o_bias=attention_bias and not is_qwen2,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         qk_norm=arch.startswith("Qwen3"),
+        # torch_dtype before dtype, as the neuron always read it (shape.py, for the plan,
+        # reads dtype first: they differ only for a config.json giving both, differently)
         torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),
         rope=rope,
         layer_types=layer_types if hybrid else (),
-        rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
-        attn_output_gate=hybrid and bool(raw.get("attn_output_gate", True)),
+        rotary_dim=int(shape.head_dim * partial) if partial != 1.0 else 0,
+        attn_output_gate=hybrid and shape.attn_output_gate,
         norm_offset=hybrid,
-        linear_num_key_heads=int(raw.get("linear_num_key_heads", 0)),
-        linear_num_value_heads=int(raw.get("linear_num_value_heads", 0)),
-        linear_key_head_dim=int(raw.get("linear_key_head_dim", 0)),
-        linear_value_head_dim=int(raw.get("linear_value_head_dim", 0)),
-        linear_conv_kernel_dim=int(raw.get("linear_conv_kernel_dim", 0)),
-        num_experts=int(raw.get("num_experts") or raw.get("num_local_experts") or 0),
+        linear_num_key_heads=shape.linear_num_key_heads,
+        linear_num_value_heads=shape.linear_num_value_heads,
+        linear_key_head_dim=shape.linear_key_head_dim,
+        linear_value_head_dim=shape.linear_value_head_dim,
+        linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
+        num_experts=shape.num_experts,
         num_experts_per_tok=int(raw.get("num_experts_per_tok", 0)),
-        moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
-        shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
+        moe_intermediate_size=shape.moe_intermediate_size if shape.num_experts else 0,
+        shared_expert_intermediate_size=shape.shared_expert_intermediate_size,
         # Qwen3.5-MoE always renormalises the top k; the others say so in the config.
         norm_topk_prob=bool(raw.get("norm_topk_prob", arch.startswith("Qwen3_5Moe"))),
         decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         weight_prefix="model.language_model." if multimodal else "model.",
-        mtp_num_layers=int(raw.get("mtp_num_hidden_layers") or 0),
+        mtp_num_layers=shape.mtp_layers,
     )
-
-
-def load_model_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelConfig]:
-    """Read ``model_dir/config.json``; returns the raw dict and the parsed config. A GGUF
-    model (a ``.gguf`` file, or a folder holding one) may build it from the file's metadata
-    (helexa/checkpoint/gguf.py)."""
-    from helexa.checkpoint.gguf import find_gguf, read_config
-
-    if find_gguf(model_dir) is not None:
-        raw = read_config(model_dir)
-        return raw, parse_model_config(raw)
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no config.json in the model folder")
-    raw = json.loads(path.read_text())
-    return raw, parse_model_config(raw)

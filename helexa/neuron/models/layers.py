@@ -107,8 +107,8 @@ class ParallelLinearBase(HotModule):
         # A device backend's product for this weight (helexa/kernels/backends/), same result:
         # kernel(x, bias) -> x @ W^T + bias. None: F.linear.
         self.kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
-        # The linear method of a quantised layer (helexa/neuron/models/quant.py), set before loading;
-        # once loaded it installs itself as ``kernel`` and the float weight is freed.
+        # The linear method of a quantised layer (helexa/neuron/formats/base.py), set before loading;
+        # once loaded it installs the layer's ``kernel`` and the float weight is freed.
         self.quant: Any = None
 
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
@@ -244,7 +244,7 @@ class VocabParallelEmbedding(HotModule):
         )
         self.dtype = dtype
         self.quant: Any = None  # as ParallelLinearBase.quant
-        # lookup(ids, dtype) -> rows, for a quantised table (helexa/neuron/models/quant.py); None: F.embedding
+        # lookup(ids, dtype) -> rows, for a quantised table (helexa/neuron/formats/methods.py); None: F.embedding
         self.lookup: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:

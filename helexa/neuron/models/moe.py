@@ -11,7 +11,7 @@ Checkpoints keep one tensor per expert and projection
 (``experts.{e}.gate_proj.weight``); they are stacked here as w13 [E, 2 I/tp, H]
 and w2 [E, H, I/tp] so a token's expert is one index. A GGUF file's quantised expert
 stacks run each expert's product through ``experts_kernel`` instead
-(helexa/neuron/models/gguf_experts.py).
+(helexa/neuron/formats/gguf/experts.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class SparseMoeBlock(HotModule):
         self.gate = param(e, h, loader=replicated_loader)  # the router
         self.w13 = param(e, 2 * self.inter, h, loader=self._load_w13)
         self.w2 = param(e, h, self.inter, loader=self._load_w2)
-        # (which, expert, x) -> x @ W^T for experts kept quantised (helexa/neuron/models/gguf_experts.py)
+        # (which, expert, x) -> x @ W^T for experts kept quantised (helexa/neuron/formats/gguf/experts.py)
         self.experts_kernel: Any = None
         self.shared = None
         if cfg.shared_expert_intermediate_size:

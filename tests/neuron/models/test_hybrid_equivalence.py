@@ -122,7 +122,7 @@ def test_tp2_matches_transformers(family_dir, greedy_reference, prompt_picker, f
 def test_a_missing_tensor_is_named(family_dir, tmp_path, family, drop):
     from safetensors.torch import load_file, save_file
 
-    from helexa.neuron.models import MissingTensor
+    from helexa.neuron.formats.tensor_map import MissingTensor
 
     src = family_dir(family)
     out = tmp_path / family

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helexa.neuron.formats.loader import load_model
 from helexa.neuron.models.gated_deltanet import GatedDeltaNet
 from helexa.neuron.models.linear_state import state_meta
-from helexa.neuron.models.loader import load_model
 
 
 @dataclass

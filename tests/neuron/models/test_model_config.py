@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from helexa.neuron.models import UnsupportedArchitecture, load_model, parse_model_config
+from helexa.neuron.formats.loader import load_model
+from helexa.neuron.models import UnsupportedArchitecture, parse_model_config
 
 
 def test_new_and_legacy_rope_formats_parse_alike(tiny_checkpoint):

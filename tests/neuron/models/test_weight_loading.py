@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from helexa.neuron.models import MissingTensor, load_model
+from helexa.neuron.formats.loader import load_model
+from helexa.neuron.formats.tensor_map import MissingTensor
 from helexa.neuron.models.layers import (
     MergedColumnParallelLinear,
     ParallelLMHead,

@@ -221,8 +221,8 @@ def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
     catch-up chunks and short chains, not the fixed decode batches a graph replays."""
     from helexa.checkpoint.shape import read_model_shape
     from helexa.neuron.engine.model_runner import ModelRunner
-    from helexa.neuron.models.config import load_model_config
-    from helexa.neuron.models.loader import resolve_dtype
+    from helexa.neuron.formats.base import open_checkpoint
+    from helexa.neuron.formats.loader import resolve_dtype
 
     draft = spec.draft_model_id
     if spec.tp > 1:  # the config refuses it first; an engine spec built by hand too
@@ -233,7 +233,7 @@ def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
         raise ValueError(f"speculation = \"draft:{draft}\": `{draft}` is a hybrid "
                          "(linear-attention) model; a draft model must be dense (its own state "
                          "slots and their rollback are not built for drafts)")
-    dtype = resolve_dtype(load_model_config(spec.model_dir)[1], spec.dtype)  # the target's
+    dtype = resolve_dtype(open_checkpoint(spec.model_dir).config, spec.dtype)  # the target's
     return ModelRunner(Path(spec.draft_model_dir), device=spec.device,
                        dtype=str(dtype).removeprefix("torch."),
                        num_blocks=1, block_size=spec.block_size, kv_dtype=spec.kv_dtype,

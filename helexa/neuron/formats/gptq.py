@@ -14,18 +14,38 @@ the layer then sorts its inputs by group (``perm``) so groups are contiguous, as
 op needs, and gathers its input columns by ``perm`` before the product. Layers sharing
 an input (q/k/v, gate/up) share one order (GPTQ orders by the input's Hessian); a
 row-parallel layer whose order mixes ranks' columns is refused.
+
+AWQ (AutoAWQ's GEMM layout, below) loads through the same method with its own unpacking.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from helexa.neuron.models.layers import replicated_loader
-from helexa.neuron.models.quant_ct import UnsupportedQuantization, _Unpacked, unpack_int32
+from helexa.neuron.formats.base import (
+    Checkpoint,
+    LinearMethod,
+    UnsupportedQuantization,
+    asks_quantize,
+    set_aside_mtp,
+)
+from helexa.neuron.formats.compressed_tensors import unpack_int32
+from helexa.neuron.formats.methods import (
+    QuantConfigError,
+    UnpackedSlice,
+    drop_float_weight,
+    install_int4,
+    install_int8g,
+)
+from helexa.neuron.formats.streaming import SafetensorsFormat
+from helexa.neuron.models.layers import ParallelLinearBase, RowParallelLinear, replicated_loader
+
+if TYPE_CHECKING:
+    from helexa.neuron.formats.quantise import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -59,13 +79,6 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nib[:, torch.argsort(dest)].contiguous()
 
 
-@dataclass
-class GptqLinear:
-    scheme: GptqScheme
-    kind: str = "gptq"
-    absmax: None = None
-
-
 def parse_gptq_config(qc: dict[str, Any]) -> GptqScheme:
     bits, fmt = int(qc.get("bits", 0)), qc.get("checkpoint_format", "gptq")
     if bits not in (4, 8) or fmt != "gptq":
@@ -88,24 +101,54 @@ def dequantize_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
     return (scales[g] * (q.to(scales.dtype) - zeros[g].to(scales.dtype))).t()
 
 
-def attach_gptq(model: nn.Module, scheme: GptqScheme) -> None:
-    from helexa.neuron.models.layers import ParallelLinearBase, RowParallelLinear
+class Gptq(SafetensorsFormat):
+    """quantization_config.quant_method = "gptq" or "awq"; the LM head stays float."""
 
-    for _name, mod in model.named_modules():
-        if not isinstance(mod, ParallelLinearBase) or _is_head(mod):
-            continue
-        n, k = mod.weight.shape
-        row = isinstance(mod, RowParallelLinear)
-        full_k = k * (mod.tp_size if row else 1)
+    describes = "gptq and awq"
+
+    def __init__(self, ckpt: Checkpoint, scheme: GptqScheme) -> None:
+        super().__init__(ckpt)
+        self.scheme = scheme
+
+    @classmethod
+    def detect(cls, ckpt: Checkpoint, quantize: QuantSpec | None) -> Gptq | None:
+        qc = ckpt.quantization_config
+        method = qc.get("quant_method")
+        if ckpt.gguf is not None or method not in ("gptq", "awq"):
+            return None
+        if asks_quantize(quantize):
+            assert quantize is not None
+            raise UnsupportedQuantization(f"{ckpt.path}: already quantised ({method}); "
+                                          f"quantize = {quantize.kind!r} applies to float checkpoints")
+        return cls(ckpt, (parse_gptq_config if method == "gptq" else parse_awq_config)(qc))
+
+    def attach(self, model: nn.Module) -> None:
+        set_aside_mtp(model)
+        super().attach(model)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        return GptqMethod(self.scheme, self) if isinstance(layer, ParallelLinearBase) else None
+
+
+class GptqMethod(LinearMethod):
+    """A GPTQ (or AWQ) linear: qweight, qzeros, scales and g_idx in place of its float
+    weight, unpacked by its own loaders into one byte a value, split by rank."""
+
+    def __init__(self, scheme: GptqScheme, fmt: Gptq) -> None:
+        self.scheme, self.fmt = scheme, fmt
+
+    def create_weights(self, layer: nn.Module, prefix: str) -> None:
+        scheme = self.scheme
+        n, k = layer.weight.shape
+        row = isinstance(layer, RowParallelLinear)
+        full_k = k * (layer.tp_size if row else 1)
         group = full_k if scheme.group_size == -1 else scheme.group_size
         if k % group and not (scheme.group_size == -1 and row):
             raise UnsupportedQuantization(
-                f"{_name}: GPTQ groups of {group} would straddle ranks: {full_k} input "
-                f"features / tp={mod.tp_size} = {k} per rank")
+                f"{prefix}: GPTQ groups of {group} would straddle ranks: {full_k} input "
+                f"features / tp={layer.tp_size} = {k} per rank")
         groups = full_k // group if row and scheme.group_size == -1 else k // group
-        dtype, device = mod.weight.dtype, mod.weight.device
-        del mod.weight
-        mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        dtype, device = drop_float_weight(layer)
 
         def zeros_fn(t: torch.Tensor) -> torch.Tensor:  # [G, N*b/32] -> zero points [N, G]
             if scheme.awq:
@@ -116,29 +159,45 @@ def attach_gptq(model: nn.Module, scheme: GptqScheme) -> None:
         def qweight_fn(t: torch.Tensor, c: int = full_k) -> torch.Tensor:  # -> [N, K]
             return unpack_awq(t).t() if scheme.awq else unpack_rows(t, c, scheme.bits).t()
 
+        whole = replicated_loader if row and scheme.group_size == -1 else None
         specs = {
             "qweight": (torch.uint8, (n, k), qweight_fn, None),
-            "qzeros": (torch.int16, (n, groups), zeros_fn,
-                       replicated_loader if row and scheme.group_size == -1 else None),
-            "scales": (dtype, (n, groups), lambda t: t.t(),
-                       replicated_loader if row and scheme.group_size == -1 else None),
+            "qzeros": (torch.int16, (n, groups), zeros_fn, whole),
+            "scales": (dtype, (n, groups), lambda t: t.t(), whole),
             "g_idx": (torch.int32, (full_k,), lambda t: t, replicated_loader),
         }
         if scheme.awq:  # no g_idx in the file: inputs are in group order
             del specs["g_idx"]
-            mod.register_buffer("g_idx", torch.arange(full_k, dtype=torch.int32) // group,
-                                persistent=False)
+            layer.register_buffer("g_idx", torch.arange(full_k, dtype=torch.int32) // group,
+                                  persistent=False)
         for pname, (pdtype, shape, fn, loader) in specs.items():
             p = nn.Parameter(torch.empty(shape, dtype=pdtype, device=device), requires_grad=False)
-            p.weight_loader = _loader(loader or mod.weight_loader, fn)  # type: ignore[attr-defined]
-            mod.register_parameter(pname, p)
-        mod.quant = GptqLinear(scheme)
+            p.weight_loader = _loader(loader or layer.weight_loader, fn)  # type: ignore[attr-defined]
+            layer.register_parameter(pname, p)
 
-
-def _is_head(mod: nn.Module) -> bool:  # GPTQ and AWQ leave the LM head float
-    from helexa.neuron.models.layers import ParallelLMHead
-
-    return isinstance(mod, ParallelLMHead)
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Into the int4 op: inputs in group order, ``zero = (8 - z) * scale``; 8 bits into
+        the grouped int8 op: ``q - 128`` with ``zero = (128 - z) * scale``, none when every
+        zero is 128 (symmetric)."""
+        if "qzeros" not in layer._parameters:
+            return  # done already
+        perm, g_sorted = group_order(layer, self.scheme)
+        q, z, s = layer.qweight.data, layer.qzeros.data, layer.scales.data
+        if perm is not None:
+            q = q[:, perm].contiguous()
+        sizes = torch.bincount(g_sorted - g_sorted.min())
+        if not bool((sizes == sizes[0]).all()) or sizes.numel() != s.shape[1]:
+            raise QuantConfigError(f"GPTQ g_idx: groups of unequal sizes {sizes.tolist()[:8]}")
+        for name in ("qweight", "qzeros", "scales", "g_idx"):
+            layer._parameters.pop(name, None)
+            layer._buffers.pop(name, None)
+        dtype = self.fmt.dtype
+        if self.scheme.bits == 8:
+            q8 = (q.to(torch.int16) - 128).to(torch.int8)
+            zeros8 = None if bool((z == 128).all()) else (128 - z.float()) * s.float()
+            install_int8g(layer, q8, s, zeros8, dtype, perm)
+            return
+        install_int4(layer, q, s, (8 - z.float()) * s.float(), dtype, perm)
 
 
 def _loader(inner: Any, fn: Any) -> Any:
@@ -151,12 +210,12 @@ def _loader(inner: Any, fn: Any) -> Any:
             param.data.copy_(got)
             param.filled = True  # type: ignore[attr-defined]
             return
-        inner(param, _Unpacked(loaded, fn), shard_id)
+        inner(param, UnpackedSlice(loaded, fn), shard_id)
 
     return load
 
 
-def group_order(mod: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor]:
+def group_order(mod: nn.Module, scheme: GptqScheme) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(input order that makes groups contiguous or None when they already are, this
     rank's g_idx in that order)."""
     g_idx = mod.g_idx.data.long()
@@ -165,7 +224,7 @@ def group_order(mod: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor]:
         start = mod.tp_rank * k
         g_idx = g_idx[start : start + k]
         g_idx = g_idx - g_idx.min()
-        if mod.quant.scheme.desc_act and not torch.equal(g_idx.sort().values, g_idx):
+        if scheme.desc_act and not torch.equal(g_idx.sort().values, g_idx):
             raise UnsupportedQuantization(
                 "GPTQ act-order with tensor parallelism: a row-parallel layer's input order "
                 "mixes ranks' columns (load it at tp = 1, or a checkpoint without desc_act)")

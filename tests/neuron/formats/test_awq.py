@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gptq_reference import awq_checkpoint, dequantize, pack_awq, quantize
+from support.gptq_reference import awq_checkpoint, dequantize, pack_awq, quantize
 from support.greedy import greedy_generate
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_awq
+from helexa.neuron.formats.gptq import dequantize_gptq, unpack_awq
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,15 +12,18 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
-from gguf_reference import llama_cpp_permute, quantize, reference_dir, write_gguf
+from support.gguf_reference import llama_cpp_permute, quantize, reference_dir, write_gguf
 from support.greedy import greedy_generate
 
-from helexa.checkpoint.gguf import GgufError, config_from_metadata, layout_of
+from helexa.checkpoint.gguf import GgufError, config_from_metadata
+from helexa.checkpoint.gguf_layout import layout_of
 from helexa.kernels import quant as qk
 from helexa.neuron.engine.model_runner import ModelRunner
+from helexa.neuron.formats.base import open_checkpoint
+from helexa.neuron.formats.gguf.format import Gguf
+from helexa.neuron.formats.gguf.names import unpermute
+from helexa.neuron.formats.gguf.unpack import UNPACKERS, dequantize
 from helexa.neuron.models.config import parse_model_config
-from helexa.neuron.models.gguf_unpack import UNPACKERS, dequantize
-from helexa.neuron.models.quant_gguf import attach_gguf, unpermute
 from helexa.neuron.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -186,4 +189,4 @@ def test_groups_that_would_straddle_ranks_are_refused(tiny_checkpoint, tmp_path)
     model = LlamaForCausalLM(cfg, tp_rank=0, tp_size=4)
     with pytest.raises(GgufError, match=r"o_proj: groups of 32 would straddle ranks: 64 input "
                                         r"features / tp=4 = 16 per rank"):
-        attach_gguf(model, tmp_path / "m.gguf", torch.float32)
+        Gguf(open_checkpoint(tmp_path / "m.gguf")).attach(model)

@@ -1,5 +1,8 @@
 """A tokenizer built from a GGUF file's ``tokenizer.ggml.*`` metadata (no tokenizer.json).
 
+Torch-free: the neuron daemon builds it (helexa/neuron/tokenizer.py), and so does the
+engine's grammar (helexa/neuron/engine/grammar.py); nothing here loads weights.
+
 llama.cpp keeps a GPT-2-style byte-level BPE as its token strings, their types and
 its merges, plus the name of the pre-tokenizer (``tokenizer.ggml.pre``) whose split
 pattern its converter matched. That is exactly a ``tokenizers`` BPE model with a

@@ -10,8 +10,8 @@ Modules on the ``ignore`` list (often ``lm_head``) stay float.
 Unpacking gives each value one byte ([N, K] uint8, ``q + 8`` for 4 bits); the
 layer's own weight loader then splits it, the scales and the zero points by rank
 like its float weight (columns and groups alike for row-parallel layers), so
-groups never straddle ranks. :func:`helexa.neuron.models.quant.quantize_model`
-turns the result into the device op's layout: int4 takes ``zero = -zp * scale``
+groups never straddle ranks. After loading (:meth:`CtMethod.process_weights_after_loading`)
+the result goes into the device op's layout (methods.py): int4 takes ``zero = -zp * scale``
 (so ``(q+8 - 8) * s + zero``); int8 symmetric per channel runs on the per-row int8 op,
 grouped or asymmetric int8 on the grouped one (``w = q * scale + zero``, same zero).
 """
@@ -20,16 +20,29 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from helexa.neuron.models.layers import TensorSlice, replicated_loader
+from helexa.neuron.formats.base import (
+    Checkpoint,
+    LinearMethod,
+    UnsupportedQuantization,
+    asks_quantize,
+    set_aside_mtp,
+)
+from helexa.neuron.formats.methods import (
+    UnpackedSlice,
+    drop_float_weight,
+    install_int4,
+    install_int8g,
+)
+from helexa.neuron.formats.streaming import SafetensorsFormat
+from helexa.neuron.models.layers import ParallelLinearBase, RowParallelLinear, replicated_loader
 
-
-class UnsupportedQuantization(ValueError):
-    """A quantisation_config this loader does not run."""
+if TYPE_CHECKING:
+    from helexa.neuron.formats.quantise import QuantSpec
 
 
 @dataclass(frozen=True)
@@ -98,54 +111,68 @@ def dequantize_ct(stored: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
     return x * scale.repeat_interleave(group, dim=1)
 
 
-class _Unpacked:
-    """A SliceGetter over an unpacked checkpoint tensor (the layer's loader slices it)."""
+class CompressedTensors(SafetensorsFormat):
+    """quantization_config.quant_method = "compressed-tensors" (pack-quantized)."""
 
-    def __init__(self, sl: Any, fn: Any) -> None:
-        self.sl, self.fn = sl, fn
-        self._t: torch.Tensor | None = None
+    describes = "compressed-tensors pack-quantized"
 
-    def _tensor(self) -> torch.Tensor:
-        if self._t is None:
-            self._t = self.fn(self.sl[:])
-        return self._t
+    def __init__(self, ckpt: Checkpoint, scheme: CtScheme) -> None:
+        super().__init__(ckpt)
+        self.scheme = scheme
+        self.packed_modules: dict[str, Any] = {}
 
-    def get_shape(self) -> list[int]:
-        return list(self._tensor().shape)
+    @classmethod
+    def detect(cls, ckpt: Checkpoint, quantize: QuantSpec | None) -> CompressedTensors | None:
+        qc = ckpt.quantization_config
+        if ckpt.gguf is not None or qc.get("quant_method") != "compressed-tensors":
+            return None
+        if asks_quantize(quantize):
+            assert quantize is not None
+            raise UnsupportedQuantization(f"{ckpt.path}: already quantised (compressed-tensors); "
+                                          f"quantize = {quantize.kind!r} applies to float checkpoints")
+        return cls(ckpt, parse_ct_config(qc))
 
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        return TensorSlice(self._tensor())[index]
+    def attach(self, model: nn.Module) -> None:
+        set_aside_mtp(model)
+        self.packed_modules = getattr(model, "packed_modules", {})
+        super().attach(model)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if not isinstance(layer, ParallelLinearBase) or self._all_ignored(prefix):
+            return None
+        return CtMethod(self.scheme, self)
+
+    def _all_ignored(self, name: str) -> bool:
+        """Our fused modules (qkv_proj, gate_up_proj) are ignored when their parts are."""
+        parts = [src for src, (dst, _) in self.packed_modules.items() if name.endswith("." + dst)]
+        if not parts:
+            return self.scheme.ignored(name)
+        base = name.rsplit(".", 1)[0]
+        flags = {self.scheme.ignored(f"{base}.{p}") for p in parts}
+        if len(flags) > 1:
+            raise UnsupportedQuantization(f"{name}: some of {parts} are ignored and some not")
+        return flags.pop()
 
 
-@dataclass
-class CtLinear:
-    """A layer's marker (as quant.LinearQuant): filled from the checkpoint, not quantised."""
+class CtMethod(LinearMethod):
+    """A quantised linear not on the ignore list: the checkpoint's parameters (weight_packed
+    as one byte a value, weight_scale, weight_zero_point) in place of its float weight,
+    each loaded through the layer's own weight loader."""
 
-    scheme: CtScheme
-    kind: str = "ct"
-    absmax: None = None
+    def __init__(self, scheme: CtScheme, fmt: CompressedTensors) -> None:
+        self.scheme, self.fmt = scheme, fmt
 
-
-def attach_ct(model: nn.Module, scheme: CtScheme) -> None:
-    """Give every quantised linear not on the ignore list the checkpoint's parameters
-    (weight_packed as one byte a value, weight_scale, weight_zero_point) in place of its
-    float weight, each loaded through the layer's own weight loader."""
-    from helexa.neuron.models.layers import ParallelLinearBase
-
-    bits = scheme.num_bits
-    for name, mod in model.named_modules():
-        if not isinstance(mod, ParallelLinearBase) or _all_ignored(model, name, scheme):
-            continue
-        n, k = mod.weight.shape
+    def create_weights(self, layer: nn.Module, prefix: str) -> None:
+        scheme, bits = self.scheme, self.scheme.num_bits
+        n, k = layer.weight.shape
         groups = 1 if scheme.group_size is None else k // scheme.group_size
         if scheme.group_size is not None and k % scheme.group_size:
             raise UnsupportedQuantization(
-                f"{name}: groups of {scheme.group_size} would straddle ranks: "
-                f"{k * mod.tp_size} input features / tp={mod.tp_size} = {k} per rank")
-        dtype, device = mod.weight.dtype, mod.weight.device
-        del mod.weight
-        mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
-        full_k = k * (mod.tp_size if _row_parallel(mod) else 1)
+                f"{prefix}: groups of {scheme.group_size} would straddle ranks: "
+                f"{k * layer.tp_size} input features / tp={layer.tp_size} = {k} per rank")
+        dtype, device = drop_float_weight(layer)
+        row = isinstance(layer, RowParallelLinear)
+        full_k = k * (layer.tp_size if row else 1)
         params = {"weight_packed": (torch.uint8, k, lambda t, c=full_k: unpack_int32(t, bits, c)),
                   "weight_scale": (dtype, groups, lambda t: t)}
         if not scheme.symmetric:
@@ -153,35 +180,34 @@ def attach_ct(model: nn.Module, scheme: CtScheme) -> None:
                                            lambda t: unpack_zero_point(t, bits))
         for pname, (pdtype, width, fn) in params.items():
             p = nn.Parameter(torch.empty(n, width, dtype=pdtype, device=device), requires_grad=False)
-            inner = mod.weight_loader
-            if pname != "weight_packed" and scheme.group_size is None and _row_parallel(mod):
+            inner = layer.weight_loader
+            if pname != "weight_packed" and scheme.group_size is None and row:
                 inner = replicated_loader  # one scale per whole row: every rank holds it whole
             p.weight_loader = _unpacking_loader(inner, fn)  # type: ignore[attr-defined]
-            mod.register_parameter(pname, p)
-        mod.quant = CtLinear(scheme)
+            layer.register_parameter(pname, p)
 
-
-def _row_parallel(mod: Any) -> bool:
-    from helexa.neuron.models.layers import RowParallelLinear
-
-    return isinstance(mod, RowParallelLinear)
-
-
-def _all_ignored(model: nn.Module, name: str, scheme: CtScheme) -> bool:
-    """Our fused modules (qkv_proj, gate_up_proj) are ignored when their parts are."""
-    parts = [src for src, (dst, _) in getattr(model, "packed_modules", {}).items()
-             if name.endswith("." + dst)]
-    if not parts:
-        return scheme.ignored(name)
-    base = name.rsplit(".", 1)[0]
-    flags = {scheme.ignored(f"{base}.{p}") for p in parts}
-    if len(flags) > 1:
-        raise UnsupportedQuantization(f"{name}: some of {parts} are ignored and some not")
-    return flags.pop()
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The unpacked values into the op's layout: 4 bits -> int4 with zero = -zp * scale,
+        8 bits -> grouped int8 with the same zero (symmetric per channel: the per-row op)."""
+        if "weight_packed" not in layer._parameters:
+            return  # done already
+        stored, scale = layer.weight_packed.data, layer.weight_scale.data
+        zp = getattr(layer, "weight_zero_point", None)
+        dtype = self.fmt.dtype
+        if self.scheme.num_bits == 8:  # (q - zp) * s = q * s + (-zp * s)
+            q = (stored.to(torch.int16) - 128).to(torch.int8)
+            install_int8g(layer, q, scale, None if zp is None else -zp.float() * scale.float(), dtype)
+        else:
+            zeros = (torch.zeros_like(scale, dtype=torch.float32) if zp is None
+                     else -zp.float() * scale.float())
+            install_int4(layer, stored, scale, zeros, dtype)
+        for name in ("weight_packed", "weight_scale", "weight_zero_point"):
+            if name in layer._parameters:
+                del layer._parameters[name]
 
 
 def _unpacking_loader(inner: Any, fn: Any) -> Any:
     def loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        inner(param, _Unpacked(loaded, fn), shard_id)
+        inner(param, UnpackedSlice(loaded, fn), shard_id)
 
     return loader

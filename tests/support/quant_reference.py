@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from helexa.kernels import quant as qk
-from helexa.neuron.models.quant import QuantSpec, quantize_int4, quantize_int8
+from helexa.neuron.formats.quantise import QuantSpec, quantize_int4, quantize_int8
 
 
 def dequantized_weight(name: str, w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """The float weight that ``name`` computes with under ``spec`` (as helexa/neuron/models/quant.py)."""
+    """The float weight that ``name`` computes with under ``spec`` (as helexa/neuron/formats/quantise.py)."""
     if w.dim() != 2 or not (name.endswith("proj.weight") or "embed_tokens" in name
                             or name.startswith("lm_head")):
         return w

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gptq_reference import gptq_checkpoint, layer_tensors, pack_words
+from support.gptq_reference import gptq_checkpoint, layer_tensors, pack_words
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.engine.tp_messages import TpError
-from helexa.neuron.models.quant_gptq import dequantize_gptq, unpack_rows
+from helexa.neuron.formats.gptq import dequantize_gptq, unpack_rows
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,8 +84,8 @@ def test_act_order_across_ranks_is_refused(gptq_dirs):
 
 @pytest.mark.parametrize(("desc_act", "sym"), [(False, True), (True, False)])
 def test_8bit_layers_run_the_grouped_int8_op(gptq_dirs, desc_act, sym):
-    from helexa.neuron.models.loader import load_model
-    from helexa.neuron.models.quant import Int8gLinear
+    from helexa.neuron.formats.loader import load_model
+    from helexa.neuron.formats.methods import Int8gLinear
 
     model_dir, ref = gptq_dirs(desc_act, sym, 8)
     model, float_model = load_model(model_dir, dtype="float32"), load_model(ref, dtype="float32")

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from helexa.checkpoint.gguf_layout import Layout
+
 QK_K = 256
 Unpacked = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -108,3 +110,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) 
     if zero is not None:
         w = w + zero.unsqueeze(-1)
     return w.view(rows, k)
+
+
+def to_layout(unpacked: Unpacked, layout: Layout) -> Unpacked:
+    """One part's unpacked form in its layer's layout: scales repeated over a smaller group
+    (the same values), zeros added where the layer has them."""
+    q, scale, zero = unpacked
+    rep = q.shape[1] // scale.shape[1] // layout.group
+    if rep > 1:
+        scale = scale.repeat_interleave(rep, dim=1)
+        zero = None if zero is None else zero.repeat_interleave(rep, dim=1)
+    if layout.zeros and zero is None:
+        zero = torch.zeros_like(scale)
+    return q, scale, zero

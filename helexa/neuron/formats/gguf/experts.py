@@ -9,7 +9,7 @@ are. Before loading, a MoE block whose stacks are quantised gets, in place of it
 ``gguf_w13_scale`` / ``_zero`` fp32 per group), filled through the block's own expert
 loaders (each rank its rows of w13, its columns of w2, groups never cut). Once a
 stack's parts are in, :func:`install` moves them onto the op of
-:func:`helexa.checkpoint.gguf.layout_of`: grouped int8 (``q * scale + zero``), or tinygemm's
+:func:`helexa.checkpoint.gguf_layout.layout_of`: grouped int8 (``q * scale + zero``), or tinygemm's
 int4 for ``Q4_K``, one packed weight per expert; the block then calls
 ``experts_kernel(which, expert, x)`` in place of ``F.linear(x, w[expert])``.
 """
@@ -23,8 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from helexa.checkpoint.gguf import FLOAT, QUANT_TYPES, GgufError, Layout, layout_of, reader
+from helexa.checkpoint.gguf import GgufError, reader
+from helexa.checkpoint.gguf_layout import FLOAT, QUANT_TYPES, Layout, layout_of
 from helexa.kernels import quant as qk
+from helexa.neuron.formats.gguf.unpack import to_layout
+from helexa.neuron.models.layers import TensorSlice
+from helexa.neuron.models.moe import SparseMoeBlock
 
 _STACKS = {"w13": ("ffn_gate_exps", "ffn_up_exps", "ffn_gate_up_exps"), "w2": ("ffn_down_exps",)}
 
@@ -41,8 +45,6 @@ class ExpertStack:
 def attach_experts(model: nn.Module, path: Path) -> None:
     """Give every MoE block whose expert stacks the file holds quantised their unpacked
     form in place of the float ``w13`` / ``w2``."""
-    from helexa.neuron.models.moe import SparseMoeBlock
-
     types = {t.name: t.tensor_type.name for t in reader(path).tensors}
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
@@ -135,9 +137,6 @@ def load_piece(mlp: nn.Module, mod_name: str, attr: str, shard: Any, value: Any,
                on_loaded: Any) -> None:
     """One expert's unpacked rows (of GGUF ``tensor``) into a quantised stack's parts;
     installs the op once the stack's tensors are all in."""
-    from helexa.neuron.models.layers import TensorSlice
-    from helexa.neuron.models.quant_gguf import to_layout
-
     stack: ExpertStack = mlp.gguf_stacks[attr]
     assert isinstance(value, tuple), "attach_experts saw the stack quantised"
     for comp, v in zip(("q", "scale", "zero"), to_layout(value, stack.layout), strict=True):

@@ -10,14 +10,14 @@ import json
 
 import pytest
 import torch
-from gguf_hybrid_reference import ARCH, qkvz_parts, reference_dir, write_hybrid_gguf
+from support.gguf_hybrid_reference import ARCH, qkvz_parts, reference_dir, write_hybrid_gguf
 from support.greedy import greedy_generate
 
 from helexa.checkpoint.gguf import config_from_metadata, metadata, reader
 from helexa.neuron.engine.model_runner import ModelRunner
+from helexa.neuron.formats.gguf.hybrid import as_float
+from helexa.neuron.formats.gguf.names import tensor_pieces
 from helexa.neuron.models.config import parse_model_config
-from helexa.neuron.models.gguf_hybrid import as_float
-from helexa.neuron.models.quant_gguf import tensor_pieces
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -147,7 +147,7 @@ def test_qwen35_pre_tokenizer_keeps_combining_marks_in_words(tiny_checkpoint, tm
     # \p{L}+ would cut a combining mark off its letter
     from tokenizers import Tokenizer as HfTokenizer
 
-    from helexa.neuron.gguf_tokenizer import SPLIT_PATTERNS
+    from helexa.neuron.formats.gguf.tokenizer import SPLIT_PATTERNS
     from helexa.neuron.tokenizer import Tokenizer
 
     src = tiny_checkpoint("qwen3_5", **TINY)
@@ -192,7 +192,7 @@ def test_an_unsupported_type_in_an_expert_stack_is_refused_naming_it(tiny_checkp
 
 
 def test_ssm_out_stays_quantised_only_when_a_value_head_is_whole_sub_blocks():
-    from helexa.checkpoint.gguf_families import stays_quantised
+    from helexa.checkpoint.gguf_layout import stays_quantised
 
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 4}
     assert stays_quantised("qwen35", "ssm_out", "Q6_K", {**cfg, "linear_value_head_dim": 16})
@@ -208,10 +208,10 @@ def test_ssm_out_stays_quantised_only_when_a_value_head_is_whole_sub_blocks():
 def test_value_head_columns_move_on_the_unpacked_form_or_the_float(dim):
     # Q8_0's groups are 32 columns: heads of 32 or 64 move as whole groups (still
     # quantised), heads of 16 cut a group, so the weight is dequantised and then moved
-    from gguf_reference import quantize
+    from support.gguf_reference import quantize
 
-    from helexa.neuron.models.gguf_hybrid import _columns, _grouped
-    from helexa.neuron.models.gguf_unpack import UNPACKERS, dequantize
+    from helexa.neuron.formats.gguf.hybrid import _columns, _grouped
+    from helexa.neuron.formats.gguf.unpack import UNPACKERS, dequantize
 
     w = torch.randn(8, 2 * 3 * dim, generator=torch.Generator().manual_seed(dim))
     unpacked = UNPACKERS["Q8_0"](quantize(w.numpy(), "Q8_0"))

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from helexa.checkpoint.gguf import GgufError
-from helexa.checkpoint.gguf_families import EXPERTS, part_of, reorders_value_heads
-from helexa.neuron.models.gguf_unpack import UNPACKERS, Unpacked, dequantize, float_tensor
+from helexa.checkpoint.gguf_layout import EXPERTS, part_of, reorders_value_heads
+from helexa.neuron.formats.gguf.unpack import UNPACKERS, Unpacked, dequantize, float_tensor
 
 Value = Unpacked | torch.Tensor  # a quantised tensor's unpacked form, or a float tensor
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import gguf
 import torch
 from gguf import GGMLQuantizationType as T
-from gguf_reference import _tokenizer_metadata, dequantize, quantize
 from safetensors.torch import load_file, save_file
+
+from support.gguf_reference import _tokenizer_metadata, dequantize, quantize
 
 ARCH = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe",
         "qwen3_moe": "qwen3moe"}

@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ct_reference import compress, ct_checkpoint
+from support.ct_reference import compress, ct_checkpoint
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.loader import load_model
-from helexa.neuron.models.quant import Int8gLinear, Int8Linear
-from helexa.neuron.models.quant_ct import (
-    UnsupportedQuantization,
+from helexa.neuron.formats.base import UnsupportedQuantization
+from helexa.neuron.formats.compressed_tensors import (
     dequantize_ct,
     parse_ct_config,
     unpack_int32,
     unpack_zero_point,
 )
+from helexa.neuron.formats.loader import load_model
+from helexa.neuron.formats.methods import Int8gLinear, Int8Linear
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

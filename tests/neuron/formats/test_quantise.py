@@ -7,17 +7,16 @@ import torch
 import torch.nn.functional as F
 
 from helexa.kernels import quant as qk
-from helexa.neuron.models.config import load_model_config
-from helexa.neuron.models.llama import LlamaForCausalLM
-from helexa.neuron.models.loader import load_model
-from helexa.neuron.models.quant import (
+from helexa.neuron.formats.base import open_checkpoint
+from helexa.neuron.formats.loader import load_model, weight_bytes
+from helexa.neuron.formats.quantise import (
     QuantConfigError,
+    QuantiseAtLoad,
     QuantSpec,
-    attach,
     quantize_int4,
     quantize_int8,
-    weight_bytes,
 )
+from helexa.neuron.models.llama import LlamaForCausalLM
 
 
 def test_int8_op_equals_dequantized_matmul():
@@ -61,12 +60,12 @@ def test_quantized_load_frees_float_weights(tiny_checkpoint, kind, shrink):
 
 
 def test_int4_groups_straddling_ranks_are_refused(tiny_checkpoint):
-    _, cfg = load_model_config(tiny_checkpoint("qwen3"))
-    model = LlamaForCausalLM(cfg, tp_rank=0, tp_size=2)
+    ckpt = open_checkpoint(tiny_checkpoint("qwen3"))
+    model = LlamaForCausalLM(ckpt.config, tp_rank=0, tp_size=2)
     with pytest.raises(QuantConfigError,
                        match=r"o_proj: int4 groups of 64 would straddle ranks: 64 input features"
                              r" / tp=2 = 32 per rank, not a multiple of 64"):
-        attach(model, QuantSpec("int4", 64))
+        QuantiseAtLoad(ckpt, QuantSpec("int4", 64)).attach(model)
 
 
 def test_bad_quant_settings_are_refused():

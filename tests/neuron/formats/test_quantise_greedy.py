@@ -7,11 +7,11 @@ import os
 from pathlib import Path
 
 import pytest
-from quant_reference import dequantized_checkpoint
 from support.greedy import greedy_generate
+from support.quant_reference import dequantized_checkpoint
 
 from helexa.neuron.engine.model_runner import ModelRunner
-from helexa.neuron.models.quant import QuantSpec
+from helexa.neuron.formats.quantise import QuantSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -1,0 +1,190 @@
+"""The products every quantised format installs: a layer's packed weight on one op.
+
+A format's method ends by installing one of these as the layer's ``kernel``
+(x -> x @ W^T + b, as ParallelLinearBase calls it) over buffers in the one layout
+of each op in helexa/kernels/quant.py: int8 (a scale a row), grouped int8 (``w = q *
+scale + zero`` per contiguous group) or tinygemm int4. An embedding table gathers
+int8 rows instead (``lookup``). The kernels hold only references to their layer's
+buffers; the device backend may read them (helexa/kernels/backends/cpu.py measures
+grouped int8's decode kernels at load).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helexa.kernels import quant as qk
+from helexa.neuron.models.layers import TensorSlice
+
+
+class QuantConfigError(ValueError):
+    """A quantisation that this model's shapes (or this tp) cannot take."""
+
+
+class Int8Linear:
+    """kernel(x, bias) for an int8 layer; holds nothing but references to its buffers."""
+
+    def __init__(self, mod: nn.Module, perm: torch.Tensor | None = None) -> None:
+        self.mod = mod
+        self.perm = perm  # GPTQ act-order: inputs gathered into the weight's column order
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return qk.int8_linear(x, self.mod.qweight, self.mod.qscales, bias)
+
+    def dequantized(self) -> torch.Tensor:
+        return qk.dequantize_int8(self.mod.qweight, self.mod.qscales)
+
+
+class Int4Linear:
+    def __init__(self, mod: nn.Module, group_size: int, q: torch.Tensor,
+                 perm: torch.Tensor | None = None) -> None:
+        self.mod, self.group_size, self.n = mod, group_size, q.shape[0]
+        self.perm = perm  # GPTQ act-order: inputs gathered into group order first
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return qk.int4_linear(x, self.mod.qweight, self.group_size, self.n,
+                              self.mod.qscales_zeros, bias)
+
+
+class Int8gLinear:
+    """kernel(x, bias) for a grouped int8 layer (w = q * scale + zero per group)."""
+
+    def __init__(self, mod: nn.Module, group_size: int, perm: torch.Tensor | None = None) -> None:
+        self.mod, self.group_size = mod, group_size
+        self.perm = perm  # GPTQ act-order: inputs gathered into group order first
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        return qk.int8g_linear(x, self.mod.qweight, self.mod.qscales,
+                               getattr(self.mod, "qzeros", None), self.group_size, bias)
+
+    def prepare(self, max_num_seqs: int) -> None:
+        """Make the op choose its kernels for this layer now (helexa/kernels/cpu/int8g.py measures
+        at the first call of each row bucket), not in the first request's decode step."""
+        k = self.mod.qweight.shape[1]
+        with torch.inference_mode():
+            for rows in sorted({1, min(max_num_seqs, 2)}):
+                self(torch.zeros(rows, k, dtype=self.mod.qscales.dtype,
+                                 device=self.mod.qweight.device), None)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [N, K] in the inputs' own order."""
+        w = qk.dequantize_int8g(self.mod.qweight, self.mod.qscales,
+                                getattr(self.mod, "qzeros", None), self.group_size)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+
+def install_int4(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor, zeros: torch.Tensor,
+                 dtype: torch.dtype, perm: torch.Tensor | None = None) -> None:
+    """q 0..15 [N, K] with ``w = (q - 8) * scale + zero`` per contiguous group [N, G] -> the
+    int4 op; a group the op does not take (per channel, say) is split evenly: same values."""
+    group = q.shape[1] // scale.shape[1]
+    if group not in qk.INT4_GROUP_SIZES:
+        op_group = next((g for g in reversed(qk.INT4_GROUP_SIZES) if group % g == 0), None)
+        if op_group is None:
+            raise QuantConfigError(f"int4 group of {group} inputs: the int4 op takes "
+                                   f"groups of {qk.INT4_GROUP_SIZES}")
+        scale = scale.repeat_interleave(group // op_group, dim=1)
+        zeros = zeros.repeat_interleave(group // op_group, dim=1)
+        group = op_group
+    mod.register_buffer("qweight", qk.int4_pack(q), persistent=False)
+    mod.register_buffer("qscales_zeros", qk.int4_scales_zeros(scale, zeros, dtype),
+                        persistent=False)
+    if perm is not None:
+        mod.register_buffer("qperm", perm, persistent=False)
+    mod.kernel = Int4Linear(mod, group, q, perm)
+
+
+def install_int8g(mod: nn.Module, q: torch.Tensor, scale: torch.Tensor,
+                  zeros: torch.Tensor | None, dtype: torch.dtype,
+                  perm: torch.Tensor | None = None) -> None:
+    """int8 q [N, K] with ``w = q * scale + zero`` per contiguous group [N, G] -> the grouped
+    int8 op (helexa/kernels/quant.py); one group per row is the per-channel op when symmetric.
+    ``perm``: GPTQ act-order, q's columns are the inputs in that order."""
+    group = q.shape[1] // scale.shape[1]
+    if group * scale.shape[1] != q.shape[1]:
+        raise QuantConfigError(f"grouped int8: {q.shape[1]} inputs are not {scale.shape[1]} "
+                               "whole groups")
+    if perm is not None:
+        mod.register_buffer("qperm", perm, persistent=False)
+    if zeros is None and scale.shape[1] == 1:
+        mod.register_buffer("qweight", q.contiguous(), persistent=False)
+        mod.register_buffer("qscales", scale[:, 0].to(dtype).contiguous(), persistent=False)
+        mod.kernel = Int8Linear(mod, perm)
+        return
+    mod.register_buffer("qweight", q.contiguous(), persistent=False)
+    mod.register_buffer("qscales", scale.to(dtype).contiguous(), persistent=False)
+    if zeros is not None:
+        mod.register_buffer("qzeros", zeros.to(dtype).contiguous(), persistent=False)
+    mod.kernel = Int8gLinear(mod, group, perm)
+
+
+class Int8Lookup:
+    """Embedding rows from the int8 table: gathers int8 rows, scales only those."""
+
+    def __init__(self, mod: nn.Module) -> None:
+        self.mod = mod
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        rows = F.embedding(ids, self.mod.qweight).to(dtype)
+        return rows * self.mod.qscales[ids].to(dtype).unsqueeze(-1)
+
+
+class Int8gLookup:
+    """Embedding rows from a grouped int8 table: gathers int8 rows, dequantises only those."""
+
+    def __init__(self, mod: nn.Module, group: int) -> None:
+        self.mod, self.group = mod, group
+
+    def __call__(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        mod = self.mod
+        q = F.embedding(ids, mod.qweight)
+        scales = mod.qscales[ids]
+        if scales.dim() == ids.dim() + 1 and q.shape[-1] != scales.shape[-1]:
+            rows = q.view(*ids.shape, scales.shape[-1], -1).to(dtype) * scales.to(dtype).unsqueeze(-1)
+            if hasattr(mod, "qzeros"):
+                rows = rows + mod.qzeros[ids].to(dtype).unsqueeze(-1)
+            return rows.view(*ids.shape, -1)
+        return q.to(dtype) * scales.to(dtype).view(*ids.shape, 1)
+
+
+def drop_float_weight(mod: nn.Module) -> tuple[torch.dtype, torch.device]:
+    """Replace a layer's float weight by an empty buffer (its checkpoint holds other
+    tensors in its place); the weight's (dtype, device)."""
+    dtype, device = mod.weight.dtype, mod.weight.device
+    del mod.weight
+    mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
+    return dtype, device
+
+
+class UnpackedSlice:
+    """A SliceGetter over an unpacked checkpoint tensor (``fn`` of the whole tensor, once),
+    so the layer's own weight loader takes this rank's rows or columns of it."""
+
+    def __init__(self, sl: Any, fn: Any) -> None:
+        self.sl, self.fn = sl, fn
+        self._t: torch.Tensor | None = None
+
+    def _tensor(self) -> torch.Tensor:
+        if self._t is None:
+            self._t = self.fn(self.sl[:])
+        return self._t
+
+    def get_shape(self) -> list[int]:
+        return list(self._tensor().shape)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return TensorSlice(self._tensor())[index]

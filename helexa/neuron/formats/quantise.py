@@ -1,0 +1,177 @@
+"""Quantise-at-load: a float safetensors checkpoint's weights made int8 or int4 as they load.
+
+Each marked layer's float weight is loaded as usual (this rank's shard), then its
+method turns it into the packed layout of helexa/kernels/quant.py and installs the
+product as the layer's ``kernel`` (methods.py); the float weight is freed. Models
+never see any of this: they call their layers as before.
+
+``quantize = "int8"``: every linear, the LM head and the embedding int8, one
+scale per output row (symmetric). ``"int4"``: the decoder's linears int4 in
+groups of ``group_size`` along the input (asymmetric: a scale and a zero per
+group), the LM head and the embedding int8 (the head is the layer most
+sensitive to error and a small share of the bytes).
+
+Quantisation is of the checkpoint's tensor, independent of tensor parallelism:
+an int8 row scale is the absmax of the whole row (row-parallel layers read it
+from the full tensor at load), and int4 groups never straddle ranks (a
+row-parallel shard whose width is not a whole number of groups is refused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from helexa.kernels import quant as qk
+from helexa.neuron.formats.base import Checkpoint, LinearMethod, asks_quantize
+from helexa.neuron.formats.methods import Int4Linear, Int8Linear, Int8Lookup, QuantConfigError
+from helexa.neuron.formats.streaming import SafetensorsFormat
+from helexa.neuron.models.layers import (
+    ParallelLinearBase,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+QUANT_KINDS = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    kind: str = "none"  # none | int8 | int4
+    group_size: int = 128  # int4 only
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANT_KINDS:
+            raise QuantConfigError(f"quantize: expected one of {QUANT_KINDS}, got {self.kind!r}")
+        if self.kind == "int4" and self.group_size not in qk.INT4_GROUP_SIZES:
+            raise QuantConfigError(f"quant_group_size: expected one of {qk.INT4_GROUP_SIZES} "
+                                   f"for int4, got {self.group_size}")
+
+
+# ---------------------------------------------------------------- quantisers (fp32 math)
+
+
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (int8 [N, K], scales [N] in ``dtype``); symmetric, one scale a row.
+    ``absmax`` per row (from the whole row) when ``w`` is one rank's columns."""
+    w = w.float()
+    amax = w.abs().amax(dim=1) if absmax is None else absmax.float()
+    scales = (amax / 127).clamp_min(1e-8).to(dtype)
+    q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype = torch.bfloat16
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (values 0..15 uint8 [N, K], scales [N, G], zeros [N, G]) with
+    ``w ≈ (q - 8) * scale + zero``; asymmetric min/max per group."""
+    n, k = w.shape
+    g = w.float().view(n, k // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scales = ((hi - lo) / 15).clamp_min(1e-8).to(dtype)
+    s = scales.float()
+    q = torch.round((g - lo[..., None]) / s[..., None]).clamp_(0, 15)
+    zeros = (lo + 8 * s).to(dtype)  # the float "zero" of tinygemm: value of q = 8
+    # zeros was rounded: re-pick each q for the stored (scale, zero) so it is the nearest
+    q = torch.round((g - zeros.float()[..., None]) / s[..., None] + 8).clamp_(0, 15)
+    return q.to(torch.uint8).view(n, k), scales, zeros
+
+
+# ---------------------------------------------------------------- the format
+
+
+class QuantiseAtLoad(SafetensorsFormat):
+    """A float safetensors checkpoint with ``quantize`` = int8 or int4."""
+
+    def __init__(self, ckpt: Checkpoint, spec: QuantSpec) -> None:
+        super().__init__(ckpt)
+        self.spec = spec
+        # id(float weight) -> its int8 pair: a tied head shares the embedding's rows
+        self.int8_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def detect(cls, ckpt: Checkpoint, quantize: QuantSpec | None) -> QuantiseAtLoad | None:
+        if ckpt.gguf is not None or ckpt.quantization_config or not asks_quantize(quantize):
+            return None
+        assert quantize is not None
+        return cls(ckpt, quantize)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
+        if isinstance(layer, VocabParallelEmbedding):  # the LM head and the embedding: int8
+            return AtLoadMethod(self, "int8", 0)
+        if isinstance(layer, ParallelLinearBase):
+            return AtLoadMethod(self, self.spec.kind, self.spec.group_size)
+        return None
+
+    def finish(self, model: nn.Module) -> None:
+        super().finish(model)
+        for mod in model.modules():  # free the float weights (a tied head's goes with the embedding)
+            if getattr(mod, "quant", None) is not None and isinstance(mod.weight, nn.Parameter):
+                mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype,
+                                                      device=mod.weight.device), requires_grad=False)
+
+
+class AtLoadMethod(LinearMethod):
+    """One layer quantised at load: int8 (a scale a row) or int4 (groups of ``group_size``)."""
+
+    def __init__(self, fmt: QuantiseAtLoad, kind: str, group_size: int) -> None:
+        self.fmt, self.kind, self.group_size = fmt, kind, group_size
+        self.absmax: torch.Tensor | None = None  # int8 row-parallel: whole-row absmax, read at load
+
+    def create_weights(self, layer: nn.Module, prefix: str) -> None:
+        """The float weight stays; a row-parallel int8 layer reads its rows' absmax from
+        the whole tensor as it loads, an int4 one is checked against its rank's shape."""
+        if self.kind == "int4":
+            _check_int4(prefix, layer, self.group_size)
+        if self.kind == "int8" and isinstance(layer, RowParallelLinear) and layer.tp_size > 1:
+            _wrap_absmax_loader(layer, self)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        w, dtype = layer.weight, self.fmt.dtype
+        if w.numel() == 0:
+            return  # done already
+        if self.kind == "int8":
+            rows = self.fmt.int8_rows
+            if id(w) not in rows:  # a tied head shares the embedding's rows
+                rows[id(w)] = quantize_int8(w.data, self.absmax, dtype)
+            q, s = rows[id(w)]
+            layer.register_buffer("qweight", q, persistent=False)
+            layer.register_buffer("qscales", s, persistent=False)
+            layer.kernel = Int8Linear(layer)
+        else:
+            q, s, z = quantize_int4(w.data, self.group_size, dtype)
+            layer.register_buffer("qweight", qk.int4_pack(q), persistent=False)
+            layer.register_buffer("qscales_zeros", qk.int4_scales_zeros(s, z, dtype),
+                                  persistent=False)
+            layer.kernel = Int4Linear(layer, self.group_size, q)
+        self.absmax = None
+        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+            layer.lookup = Int8Lookup(layer)
+
+
+def _check_int4(name: str, mod: Any, group: int) -> None:
+    n, k = mod.weight.shape
+    if k % group:
+        whole = k * mod.tp_size
+        raise QuantConfigError(
+            f"{name}: int4 groups of {group} would straddle ranks: {whole} input features"
+            f" / tp={mod.tp_size} = {k} per rank, not a multiple of {group}")
+    if n % qk.INT4_ROW_MULTIPLE:
+        raise QuantConfigError(f"{name}: int4 needs output rows per rank divisible by "
+                               f"{qk.INT4_ROW_MULTIPLE}, got {n}")
+
+
+def _wrap_absmax_loader(mod: Any, method: AtLoadMethod) -> None:
+    inner = mod.weight.weight_loader
+
+    def loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns
+            method.absmax = loaded[:].float().abs().amax(dim=1)
+        inner(param, loaded, shard_id)
+
+    mod.weight.weight_loader = loader
