@@ -18,10 +18,10 @@ HYBRID = (Path(__file__).resolve().parents[2] / "asset" / "models" / "Qwen" / "Q
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_the_plan_states_each_layer_as_the_model_code_does(tp: int):
-    from helexa.neuron.models.config import load_model_config
+    from helexa.neuron.formats.base import open_checkpoint
     from helexa.neuron.models.hybrid import HybridForCausalLM
 
-    _, mc = load_model_config(HYBRID.parent)
+    mc = open_checkpoint(HYBRID.parent).config
     model = HybridForCausalLM(mc, tp_rank=0, tp_size=tp, dtype=torch.bfloat16, device="meta")
     own = ([AttentionSpec(a.num_kv_heads, a.head_dim, "bf16") for a in model.attention_layers]
            + [layer.state_spec for layer in model.linear_layers])
