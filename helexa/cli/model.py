@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from helexa.fixtures.tiny import ARCHS, init_tiny
+from helexa.fixtures.tiny import ARCHS, CHAT_TEMPLATES, init_tiny
 
 
 def main(argv: list[str]) -> int:
@@ -31,6 +31,8 @@ def main(argv: list[str]) -> int:
                       help="add a multi-token-prediction head (qwen3_next, qwen3_5, qwen3_5_moe;"
                            " speculation = \"mtp\")")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--chat-template", choices=list(CHAT_TEMPLATES), default="chatml",
+                      help="chatml (Qwen3's, <tool_call>{json}) or qwen3_5 (XML tool calls)")
     args = ap.parse_args(argv)
 
     try:
@@ -40,7 +42,7 @@ def main(argv: list[str]) -> int:
             intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
             max_position_embeddings=args.max_position_embeddings, seed=args.seed,
             dtype=args.dtype, tie_word_embeddings=args.tie_word_embeddings,
-            legacy_config=args.legacy_config, mtp=args.mtp)
+            legacy_config=args.legacy_config, mtp=args.mtp, chat_template=args.chat_template)
     except ValueError as e:
         ap.error(str(e))
     print(f"wrote {args.arch} tiny checkpoint to {out}")

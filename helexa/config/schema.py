@@ -228,8 +228,8 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         "Largest output a request may ask for; none = context - 1.", RESTART)] = None
     kv_budget_mb: Annotated[optional(int, ge=1), field_meta(
         "This model's KV pool in MiB per card; overrides kv.kv_budget_mb.", RESTART)] = None
-    tool_parser: Annotated[Literal["auto", "hermes", "llama3_json", "none"], field_meta(
-        "How the model writes tool calls: hermes = <tool_call>{json}</tool_call> (Qwen), llama3_json = a bare JSON object; auto = read from the chat template.",
+    tool_parser: Annotated[Literal["auto", "hermes", "llama3_json", "qwen3_xml", "none"], field_meta(
+        "How the model writes tool calls: hermes = <tool_call>{json}</tool_call> (Qwen2.5, Qwen3), llama3_json = a bare JSON object, qwen3_xml = <tool_call><function=NAME><parameter=KEY>value</parameter></function></tool_call> (Qwen3.5, Qwen3.6, Qwen3-Coder); auto = read from the chat template.",
         RESTART)] = "auto"
     reasoning_parser: Annotated[Literal["auto", "think", "none"], field_meta(
         "How the model writes its thought: think = <think>...</think>; auto = read from the chat template.",

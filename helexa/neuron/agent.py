@@ -1,15 +1,18 @@
 """What a model's chat template knows about agents, and a request's agent inputs for the engine.
 
 The neuron owns the checkpoint's template, so it decides here (one place):
-- which tool-call format the model writes (`tool_parser`: "hermes" for
-  `<tool_call>{json}</tool_call>` as Qwen's templates teach, "llama3_json" for
-  Llama 3's bare JSON calls) and whether it thinks (`reasoning_parser`
-  "think": `<think>...</think>`), from the catalogue entry or, on "auto", from
-  the template text. Watch reports both; the router parses replies with them;
+- which tool-call format the model writes (`tool_parser`: "qwen3_xml" for
+  `<tool_call><function=NAME><parameter=KEY>` as Qwen3.5 / Qwen3.6 /
+  Qwen3-Coder templates teach, "hermes" for `<tool_call>{json}</tool_call>` as
+  Qwen2.5 / Qwen3 teach, "llama3_json" for Llama 3's bare JSON calls) and
+  whether it thinks (`reasoning_parser` "think": `<think>...</think>`), from
+  the catalogue entry or, on "auto", from the template text. Watch reports
+  both; the router parses replies with them;
 - the template's inputs for a Chat: messages with their tool calls (arguments
-  as objects, as Hugging Face templates expect) and tool results, `tools`,
-  and extra variables (`enable_thinking`, ...);
-- the engine's inputs: the grammar of a constrained request and the thinking
+  as mappings, as Hugging Face templates expect: `arguments|items` needs one)
+  and tool results, `tools`, and extra variables (`enable_thinking`, ...);
+- the engine's inputs: the grammar of a constrained request (a forced tool
+  choice in the model's own format, helexa/tool_grammar.py) and the thinking
   budget (`reasoning_effort` → tokens: high = the entry's
   thinking_budget_tokens, medium half, low an eighth, none 0).
 """
@@ -19,7 +22,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from helexa import grammar
+from helexa import grammar, tool_grammar
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
 from helexa.proto import neuron_pb2 as pb
@@ -33,6 +36,8 @@ def tool_parser(entry: ModelEntry, template: str | None) -> str:
     if entry.tool_parser != "auto":
         return "" if entry.tool_parser == "none" else entry.tool_parser
     t = template or ""
+    if "<function=" in t and "<parameter=" in t:
+        return "qwen3_xml"
     if "<tool_call>" in t:
         return "hermes"
     if "<|python_tag|>" in t or "ipython" in t:
@@ -58,18 +63,15 @@ def template_inputs(chat: pb.Chat, effort: str,
     """(messages, extra template variables) for the checkpoint's template. A constrained
     output thinks only when the client asked for it (see `thinking`)."""
     msgs: list[dict] = []
-    for m in chat.messages:
+    for i, m in enumerate(chat.messages):
         d: dict[str, Any] = {"role": m.role, "content": m.content}
         if m.tool_calls_json:
-            calls = _json(m.tool_calls_json, "tool_calls")
-            for c in calls:
+            calls = _json(m.tool_calls_json, f"messages[{i}].tool_calls")
+            for j, c in enumerate(calls):
                 fn = c.get("function", {})
-                args = fn.get("arguments")
-                if isinstance(args, str):  # templates print arguments | tojson: give the object
-                    try:
-                        fn["arguments"] = json.loads(args)
-                    except ValueError:
-                        pass
+                if isinstance(fn.get("arguments"), str):
+                    fn["arguments"] = call_arguments(
+                        fn["arguments"], f"messages[{i}].tool_calls[{j}].function.arguments")
             d["tool_calls"] = calls
         if m.tool_call_id:
             d["tool_call_id"] = m.tool_call_id
@@ -96,13 +98,36 @@ def template_inputs(chat: pb.Chat, effort: str,
     return msgs, kwargs
 
 
-def constraint_grammar(request: pb.GenerateRequest) -> str | None:
-    """The llguidance grammar of a constrained request, or None; a Refusal if it is bad."""
+def call_arguments(text: str, where: str) -> dict[str, Any]:
+    """An earlier call's arguments as the mapping templates iterate (`arguments|items`),
+    from the JSON text OpenAI clients send; blank means no arguments."""
+    if not text.strip():
+        return {}
+    try:
+        args = json.loads(text)
+    except ValueError as e:
+        raise Refusal("invalid_request_error", f"{where}: not valid JSON: {e}") from None
+    if not isinstance(args, dict):
+        raise Refusal("invalid_request_error", f"{where}: expected a JSON object")
+    return args
+
+
+def constraint_grammar(request: pb.GenerateRequest, tool_format: str = "") -> str | None:
+    """The llguidance grammar of a constrained request, or None; a Refusal if it is bad.
+    A forced tool choice is written in tool_format, the model's own (`tool_parser`)."""
     if not request.HasField("constraint"):
         return None
     kind = request.constraint.WhichOneof("kind")
     if kind is None:
         return None
+    if kind == "tool_choice":
+        choice = request.constraint.tool_choice
+        tools = _json(request.chat.tools_json, "tools") if request.chat.tools_json else []
+        try:
+            return grammar.grammar_text(tool_grammar.forced(tool_format, tools, choice.function,
+                                                            choice.parallel))
+        except grammar.GrammarError as e:
+            raise Refusal("invalid_request_error", f"tools: {e}") from None
     source = "" if kind == "json_object" else getattr(request.constraint, kind)
     try:
         return grammar.grammar_text(grammar.Constraint(kind=kind, source=source))

@@ -125,7 +125,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
             prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
                                                  r.limits)
-            grammar = agent.constraint_grammar(request)
+            grammar = agent.constraint_grammar(
+                request, agent.tool_parser(r.entry, r.tokenizer.chat_template))
             thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
                                       _enable_thinking(request))
         except Refusal as e:

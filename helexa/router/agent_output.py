@@ -9,9 +9,11 @@ front ends (OpenAI chat, Anthropic messages) encode from these parts.
   prompt opened the thought (the neuron's first message says
   `thought_open`), the output starts inside it.
 - Tool calls: the answer goes through the parser of the model's format
-  (`tool_parser` from Watch, tool_parsers.py), or, for a forced choice
-  (`required` or a named function) that the engine constrained to JSON
-  whatever the model's own format (agent_request.py), the parser of that JSON.
+  (`tool_parser` from Watch: tool_parsers.py, xml_tool_parser.py). A forced
+  choice (`required` or a named function) was constrained to calls in that
+  same format (helexa/tool_grammar.py), so the same parser reads it; a model
+  whose template teaches no format was constrained to JSON, read by the
+  parser of that JSON.
 Text that only might be the start of a marker is held back until it is
 known, so no marker ever reaches the client.
 """
@@ -19,10 +21,13 @@ known, so no marker ever reaches the client.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
-from helexa.router.tool_parsers import PARSERS, CallPiece, held
+from helexa.router.tool_parsers import PARSERS, CallPiece, ToolParser, held
+from helexa.router.xml_tool_parser import Qwen3XmlParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_PARSERS: dict[str, type[ToolParser]] = {**PARSERS, "qwen3_xml": Qwen3XmlParser}
 
 
 @dataclass
@@ -35,12 +40,13 @@ class Parts:
 
 
 class OutputParser:
-    def __init__(self, *, reasoning_parser: str = "",
-                 tool_mode: str = "none", tool_name: str | None = None) -> None:
-        """tool_mode: none | hermes | llama3_json | json_list | json_args (tool_name)."""
+    def __init__(self, *, reasoning_parser: str = "", tool_mode: str = "none",
+                 tool_name: str | None = None, tools: list[dict[str, Any]] | None = None) -> None:
+        """tool_mode: none | hermes | llama3_json | qwen3_xml | json_list | json_args or
+        llama3_args (tool_name); tools: the request's, whose schemas type XML values."""
         self.think = reasoning_parser == "think"
         self.phase = "opening" if self.think else "answer"
-        self.tools = PARSERS[tool_mode](tool_name)
+        self.tools = _PARSERS[tool_mode](tool_name, tools)
         self._buf = ""  # thought text not yet emitted (a marker may be starting)
         self._after_thought = False
 
@@ -57,9 +63,11 @@ class OutputParser:
         self._answer_part(answer, out, final=False)
         return out
 
-    def finish(self) -> Parts:
+    def finish(self, text: str = "") -> Parts:
+        """The output's end; text: its last piece, or a whole reply that did not stream
+        (a call that reply leaves open is then text, as the model wrote it)."""
         out = Parts()
-        answer = self._thought("", out, final=True)
+        answer = self._thought(text, out, final=True)
         self._answer_part(answer, out, final=True)
         return out
 
@@ -100,8 +108,11 @@ class OutputParser:
 def parser_for(req: object, tool_parser: str, reasoning_parser: str) -> OutputParser:
     """The parser of one chat request (openai_api.ParsedRequest) on a model's formats."""
     choice = getattr(req, "tool_choice", "none")
-    mode = {"required": "json_list", "function": "json_args"}.get(choice)
-    if mode is None:
+    if choice in ("required", "function"):  # constrained to calls in the model's format
+        mode = tool_parser or {"required": "json_list", "function": "json_args"}[choice]
+        mode = "llama3_args" if (mode, choice) == ("llama3_json", "function") else mode
+    else:
         mode = (tool_parser or "hermes") if choice == "auto" else "none"
     return OutputParser(reasoning_parser=reasoning_parser, tool_mode=mode,
-                        tool_name=getattr(req, "tool_name", None))
+                        tool_name=getattr(req, "tool_name", None),
+                        tools=getattr(req, "tools", None))

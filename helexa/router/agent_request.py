@@ -7,12 +7,13 @@ constraint the engine enforces:
 - `response_format` json_object / json_schema: the output is that JSON
   (helexa.grammar checks the schema here, so a schema the grammar library
   cannot serve is a 400 naming the problem);
-- `tool_choice: "required"`: the output is a JSON list of calls, each
-  `{"name": one of the tools, "arguments": that tool's parameters}` (one
-  call when `parallel_tool_calls` is false); a named function: the output is
-  that function's arguments object. Either way even a weak model returns
-  calls whose arguments validate, whatever its own call format (the router
-  turns the JSON into `tool_calls`, agent_output.py);
+- `tool_choice: "required"`: the output is calls of the tools (one call
+  when `parallel_tool_calls` is false); a named function: one call of it.
+  The neuron writes that grammar in the model's own call format
+  (helexa/tool_grammar.py: what its template taught, or a JSON list for a
+  template that teaches none), so even a weak model returns calls whose
+  arguments validate, and the router parses them with that format's parser
+  (agent_output.py). The router checks here that the tools' schemas compile;
 - `auto` leaves the model free and its own format is parsed back; `none`
   hides nothing from the template but parses no calls.
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from helexa import grammar
+from helexa import grammar, tool_grammar
 from helexa.router.errors import bad_request
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
@@ -70,9 +71,16 @@ def _tools(b: ChatBody, req: Any) -> None:
         if b.response_format is not None and b.response_format.type != "text":
             raise bad_request("`response_format` cannot be combined with a forced `tool_choice`",
                               "response_format")
-        req.constraint = grammar.json_schema(calls_schema(req.tools, req.tool_choice,
-                                                          req.tool_name, req.parallel_tool_calls))
+        # The JSON form, checked here; the neuron writes it in the model's format (forward.py).
+        req.constraint = grammar.json_schema(tool_grammar.calls_schema(
+            req.tools, req.tool_name if req.tool_choice == "function" else "",
+            req.parallel_tool_calls))
         _check(req.constraint, "tools")
+        try:  # the XML format's grammar asks most of the schemas (raw-text values)
+            _check(tool_grammar.forced("qwen3_xml", req.tools, req.tool_name or "",
+                                       req.parallel_tool_calls), "tools")
+        except grammar.GrammarError as e:
+            raise bad_request(f"`tools`: {e}", "tools") from None
 
 
 def _function_dict(f: Any) -> dict[str, Any]:
@@ -82,27 +90,6 @@ def _function_dict(f: Any) -> dict[str, Any]:
     d["parameters"] = f.parameters if f.parameters is not None else \
         {"type": "object", "properties": {}}
     return d
-
-
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
-    return params
-
-
-def calls_schema(tools: list[dict[str, Any]], choice: str, name: str | None,
-                 parallel: bool) -> dict[str, Any]:
-    """The JSON schema a forced tool choice constrains the output to."""
-    fns = [t["function"] for t in tools]
-    if choice == "function":
-        return _parameters(next(f for f in fns if f["name"] == name))
-    call = {"anyOf": [{"type": "object", "additionalProperties": False,
-                       "required": ["name", "arguments"],
-                       "properties": {"name": {"const": f["name"]},
-                                      "arguments": _parameters(f)}} for f in fns]}
-    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
 
 
 def _response_format(b: ChatBody, req: Any) -> None:
@@ -130,8 +117,19 @@ def _check(c: grammar.Constraint, param: str) -> None:
                           param) from None
 
 
-def tool_calls_json(calls: list[Any]) -> str:
-    """An assistant message's tool calls as the JSON the neuron's template input takes."""
+def tool_calls_json(calls: list[Any], param: str) -> str:
+    """An assistant message's tool calls as the JSON the neuron's template input takes;
+    arguments must be a JSON object's text (templates iterate them: `arguments|items`),
+    blank meaning none. param names the message (`messages[i]`)."""
+    for j, c in enumerate(calls):
+        text = c.function.arguments
+        try:
+            args = json.loads(text) if text.strip() else {}
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            where = f"{param}.tool_calls[{j}].function.arguments"
+            raise bad_request(f"`{where}` must be a JSON object, as text", where)
     return json.dumps([{"id": c.id, "type": "function",
                         "function": {"name": c.function.name, "arguments": c.function.arguments}}
                        for c in calls])

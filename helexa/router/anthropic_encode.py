@@ -64,7 +64,7 @@ def full_message(msg_id: str, model: str, reply: pb.GenerateResponse,
     if parser is not None:
         if reply.thought_open:
             parser.thought_opened()
-        a, b = parser.feed(reply.text), parser.finish()
+        a, b = Parts(), parser.finish(reply.text)  # whole: a call it leaves open is text
         parts = Parts(a.reasoning + b.reasoning, a.content + b.content, a.calls + b.calls)
     calls = whole_calls(parts.calls)
     content: list[dict[str, Any]] = []

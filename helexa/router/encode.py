@@ -123,8 +123,8 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
             if c.parser is not None:
                 if c.thought_open:
                     c.parser.thought_opened()
-                parts = c.parser.feed(text)
-                rest = c.parser.finish()
+                # fed whole, with the end: a call the reply leaves open is text
+                parts, rest = Parts(), c.parser.finish(text)
                 body["message"], finish = chat_message(parts, rest, finish)
         else:
             body["text"] = text

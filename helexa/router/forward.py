@@ -101,7 +101,11 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         deadline_unix_ms=deadline_unix_ms, return_prompt_token_ids=req.return_token_ids)
     if req.max_tokens is not None:
         g.max_tokens = req.max_tokens
-    if req.constraint is not None:
+    if req.tool_choice in ("required", "function"):  # the neuron writes the model's format
+        g.constraint.tool_choice.SetInParent()
+        g.constraint.tool_choice.function = req.tool_name or ""
+        g.constraint.tool_choice.parallel = req.parallel_tool_calls
+    elif req.constraint is not None:
         if req.constraint.kind == "json_object":
             g.constraint.json_object = True
         else:

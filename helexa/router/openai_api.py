@@ -121,7 +121,7 @@ def _message(m: Message, i: int) -> Turn:
         if m.role != "assistant":
             raise bad_request(f"`{p}.tool_calls` is only allowed on assistant messages",
                               f"{p}.tool_calls")
-        turn.tool_calls_json = agent_request.tool_calls_json(m.tool_calls)
+        turn.tool_calls_json = agent_request.tool_calls_json(m.tool_calls, p)
     if m.role == "tool":
         if not m.tool_call_id:
             raise bad_request(f"`{p}.tool_call_id` is required for role tool",

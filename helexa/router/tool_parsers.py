@@ -13,10 +13,16 @@ OpenAI's streamed `delta.tool_calls` and of Anthropic's `input_json_delta`.
   whole at its closing tag, and one that is not JSON stays text.
 - `llama3_json`: the answer is `{"name", "parameters"}` (several joined by
   `;`), parsed when the answer ends; any other answer is text.
-- `json_args` (a named tool_choice): the answer, constrained to the
-  function's arguments, streams as them.
-- `json_list` (tool_choice required): the answer, constrained to a list of
-  `{"name", "arguments"}`, is parsed when it ends; cut short, it is text.
+- `qwen3_xml` (Qwen3.5, Qwen3-Coder): xml_tool_parser.py.
+- `json_args` (a named tool_choice on a model with no call format): the
+  answer, constrained to the function's arguments, streams as them;
+  `llama3_args` is the same inside a llama3_json call's head and closing `}`.
+- `json_list` (tool_choice required on a model with no call format): the
+  answer, constrained to a list of `{"name", "arguments"}`, is parsed when it
+  ends; cut short, it is text.
+
+A call cut short before any piece of it went out (a reply that does not
+stream is fed whole, with `final`) stays text, as the model wrote it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import os
 import re
 from dataclasses import dataclass
 from typing import Any
+
+from helexa.tool_grammar import llama3_head
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -63,9 +71,11 @@ def whole_calls(pieces: list[CallPiece]) -> list[dict[str, str]]:
 
 
 class ToolParser:
-    """No tools: everything is content."""
+    """No tools: everything is content. tool_name: a named choice's function; tools:
+    the request's tools (OpenAI's shape), whose schemas type the XML format's values."""
 
-    def __init__(self, tool_name: str | None = None) -> None:
+    def __init__(self, tool_name: str | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
         self.tool_name = tool_name
         self.num_calls = 0
         self._buf = ""
@@ -90,10 +100,12 @@ class ToolParser:
 
 
 class HermesParser(ToolParser):
-    def __init__(self, tool_name: str | None = None) -> None:
-        super().__init__(tool_name)
+    def __init__(self, tool_name: str | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tool_name, tools)
         self._in_call = False
         self._streaming: CallPiece | None = None  # the call whose arguments are streaming
+        self._lead = False  # its arguments have not begun (whitespace may come first)
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
         self._buf += text
@@ -122,20 +134,30 @@ class HermesParser(ToolParser):
         turned out not to be a call)."""
         j = self._buf.find(CALL_CLOSE)
         if self._streaming is None and j < 0:
-            head = _HERMES_HEAD.match(self._buf)
-            if head is not None:  # stream the arguments from here on
-                self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
-                self._buf = self._buf[head.end():]
-                return False, self._streaming, ""
             if final:  # an unclosed call is text, as the model wrote it
                 text, self._buf, self._in_call = CALL_OPEN + self._buf, "", False
                 return True, None, text
+            head = _HERMES_HEAD.match(self._buf)
+            if head is not None:  # stream the arguments from here on
+                self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
+                self._buf, self._lead = self._buf[head.end():], True
+                return False, self._streaming, ""
             return False, None, ""
         if self._streaming is None:  # closed before its head was seen: parse it whole
             body, self._buf = self._buf[:j], self._buf[j + len(CALL_CLOSE):]
             self._in_call = False
             piece = self._parsed(body)
+            head = _HERMES_HEAD.match(body)
+            if piece is not None and head is not None:  # as written, as a stream sends it
+                args = body[head.end():].rstrip()
+                piece.arguments = args[:-1].rstrip() if args.endswith("}") else args
             return True, piece, "" if piece is not None else CALL_OPEN + body + CALL_CLOSE
+        if self._lead:  # the whitespace between the head and the arguments
+            self._buf = self._buf.lstrip()
+            if not self._buf and j < 0 and not final:
+                return False, None, ""
+            self._lead = False
+            j = self._buf.find(CALL_CLOSE)
         index = self._streaming.index
         if j >= 0 or final:
             end = j if j >= 0 else len(self._buf)
@@ -152,8 +174,9 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    def __init__(self, tool_name: str | None = None) -> None:
-        super().__init__(tool_name)
+    def __init__(self, tool_name: str | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tool_name, tools)
         self._plain: bool | None = None
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
@@ -178,13 +201,34 @@ class Llama3JsonParser(ToolParser):
 
 
 class ForcedArgsParser(ToolParser):
+    """The answer is one call's arguments, after `prefix` and before `suffix` where the
+    format wraps them (the grammar wrote both exactly)."""
+
+    prefix, suffix = "", ""
+    _skip = 0  # prefix characters still to drop
+
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
         pieces = []
         if not self.num_calls and (text or final):
             pieces.append(self._start(self.tool_name or ""))
-        if text:
-            pieces.append(CallPiece(0, text))
+            self._skip = len(self.prefix)
+        self._buf += text
+        skip = min(self._skip, len(self._buf))
+        self._buf, self._skip = self._buf[skip:], self._skip - skip
+        keep = 0 if final else min(len(self.suffix), len(self._buf))
+        args, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        if final and self.suffix:
+            args = args.removesuffix(self.suffix)
+        if args:
+            pieces.append(CallPiece(0, args))
         return "", pieces
+
+
+class Llama3ArgsParser(ForcedArgsParser):
+    def __init__(self, tool_name: str | None = None,
+                 tools: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(tool_name, tools)
+        self.prefix, self.suffix = llama3_head(tool_name or ""), "}"
 
 
 class ForcedListParser(ToolParser):
@@ -207,4 +251,5 @@ class ForcedListParser(ToolParser):
 
 PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesParser, "llama3_json": Llama3JsonParser,
-    "json_args": ForcedArgsParser, "json_list": ForcedListParser}
+    "json_args": ForcedArgsParser, "llama3_args": Llama3ArgsParser,
+    "json_list": ForcedListParser}

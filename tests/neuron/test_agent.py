@@ -81,3 +81,44 @@ def test_a_bad_constraint_is_refused_naming_it():
     assert agent.constraint_grammar(pb.GenerateRequest()) is None
     assert agent.constraint_grammar(pb.GenerateRequest(
         constraint=pb.Constraint(json_object=True)))
+
+
+def test_qwen3_5_template_is_the_xml_format():
+    from helexa.fixtures.qwen35_template import QWEN3_5_CHAT_TEMPLATE
+
+    assert agent.tool_parser(ENTRY, QWEN3_5_CHAT_TEMPLATE) == "qwen3_xml"
+    assert agent.reasoning_parser(ENTRY, QWEN3_5_CHAT_TEMPLATE) == "think"
+    fixed = ModelEntry(id="m", path="x", tool_parser="qwen3_xml")
+    assert agent.tool_parser(fixed, CHAT_TEMPLATE) == "qwen3_xml"
+
+
+def test_string_arguments_become_mappings_or_a_refusal_naming_the_message():
+    def chat(arguments: str) -> pb.Chat:
+        return pb.Chat(messages=[
+            pb.ChatMessage(role="user", content="hi"),
+            pb.ChatMessage(role="assistant", tool_calls_json=json.dumps([
+                {"id": "a", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "b", "type": "function", "function": {"name": "f",
+                                                             "arguments": arguments}}]))])
+
+    msgs = agent.template_inputs(chat('{"x": [1]}'), "")[0]
+    assert [c["function"]["arguments"] for c in msgs[1]["tool_calls"]] == [{}, {"x": [1]}]
+    assert agent.template_inputs(chat("  "), "")[0][1]["tool_calls"][1]["function"][
+        "arguments"] == {}
+    for bad in ("[1, 2]", "not json", '"x"'):
+        with pytest.raises(Refusal, match=r"messages\[1\]\.tool_calls\[1\]\.function\.arguments"):
+            agent.template_inputs(chat(bad), "")
+
+
+def test_a_forced_choice_is_written_in_the_model_format():
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    req = pb.GenerateRequest(chat=pb.Chat(tools_json=json.dumps(tools)), constraint=pb.Constraint(
+        tool_choice=pb.ToolChoice(function="f")))
+    xml = agent.constraint_grammar(req, "qwen3_xml")
+    assert xml and "<function=f>" in xml and "<parameter=x>" in xml
+    assert "<tool_call>" in agent.constraint_grammar(req, "hermes")
+    assert "<function=" not in agent.constraint_grammar(req, "")  # no format: JSON arguments
+    req.constraint.tool_choice.function = "g"
+    with pytest.raises(Refusal, match="tools: no tool is named `g`"):
+        agent.constraint_grammar(req, "qwen3_xml")

@@ -107,3 +107,18 @@ def test_named_choice_streams_its_arguments():
     first = p.feed('{"x":').calls
     assert (first[0].name, first[0].arguments, first[1].arguments) == ("f", "", '{"x":')
     assert p.feed("1}").calls[0].arguments == "1}" and not p.finish().calls
+
+
+def test_hermes_arguments_are_the_same_text_whole_or_streamed():
+    text = '<tool_call>\n{"name": "w", "arguments":   {"city": "K\u00f8ge \u32fa"}}\n</tool_call>'
+    whole = OutputParser(tool_mode="hermes").finish(text)
+    assert whole_calls(whole.calls)[0]["arguments"] == '{"city": "K\u00f8ge \u32fa"}'
+    for step in (1, 2, 5):
+        assert run(OutputParser(tool_mode="hermes"), text, step).whole[0]["arguments"] == \
+            '{"city": "K\u00f8ge \u32fa"}'
+
+
+def test_a_cut_short_hermes_call_is_text_in_a_reply_that_did_not_stream():
+    text = 'Sure.\n<tool_call>\n{"name": "w", "arguments": {"city": "Pa'
+    out = OutputParser(tool_mode="hermes").finish(text)
+    assert out.calls == [] and out.content == text

@@ -81,3 +81,29 @@ def test_reasoning_fields():
     assert chat(reasoning_effort="high").reasoning_effort == "high"
     assert chat(chat_template_kwargs={"enable_thinking": True}).template_kwargs == {
         "enable_thinking": True}
+
+
+@pytest.mark.parametrize("arguments", ["[1]", "nope", "3"])
+def test_earlier_call_arguments_must_be_a_json_object(arguments):
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+             {"id": "c2", "type": "function", "function": {"name": "f", "arguments": arguments}}]
+    with pytest.raises(ApiError) as e:
+        parse_request({"model": "m", "messages": [*MSG, {"role": "assistant",
+                                                         "tool_calls": calls}]}, "chat")
+    assert e.value.status == 400
+    assert e.value.param == "messages[1].tool_calls[1].function.arguments"
+
+
+def test_a_forced_choice_goes_to_the_neuron_as_a_tool_choice():
+    from helexa.router.forward import generate_request
+
+    def sent(**kw):
+        return generate_request(chat(**kw), model="m", principal="p", req_id="r",
+                                deadline_unix_ms=0)
+
+    g = sent(tools=[F, G], tool_choice="required", parallel_tool_calls=False)
+    assert g.constraint.WhichOneof("kind") == "tool_choice"
+    assert (g.constraint.tool_choice.function, g.constraint.tool_choice.parallel) == ("", False)
+    g = sent(tools=[F], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert g.constraint.tool_choice.function == "f"
+    assert not sent(tools=[F]).HasField("constraint")

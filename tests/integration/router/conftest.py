@@ -4,6 +4,8 @@
   /v1/models shows na's smaller limits); nb also serves `tiny-ngram` (the same
   checkpoint, n-gram speculation set on its [[models]] entry); one request per principal at a time
   (max_per_principal 1), which makes a refusal → failover deterministic.
+  na also serves `qwen35`: a tiny Qwen3.5 hybrid with Qwen3.5's chat template
+  (XML tool calls).
 - `nt`: serves `tight` (fat KV tokens in a 1 MiB pool, one request in flight,
   a 0.1 s wait for it) for 429 and 503 overloaded, and has `lazy` in its catalogue
   (not preloaded) for on-demand loads.
@@ -56,8 +58,10 @@ def neurons(rdir: Path, tiny_model_dir: Path,
     fat = tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
     # A short thinking budget (high 16 tokens, medium 8, low 2) keeps thoughts testable.
     tiny = [{"id": "tiny", "path": str(tiny_model_dir), "thinking_budget_tokens": 16}]
+    qwen35 = tiny_checkpoint("qwen3_5", chat_template="qwen3_5")
     configs = {
-        "na": neuron_cfg("na", tiny, 1, max_per_principal=1, max_in_flight=4),
+        "na": neuron_cfg("na", tiny + [{"id": "qwen35", "path": str(qwen35)}], 1,
+                         max_per_principal=1, max_in_flight=4),
         # tiny-ngram: speculation set on its own [[models]] entry (usage reports drafts)
         "nb": neuron_cfg("nb", tiny + [{"id": "tiny-ngram", "path": str(tiny_model_dir),
                                         "speculation": "ngram"}],

@@ -98,7 +98,9 @@ def test_required_tool_call_validates_and_parallel_calls(router):
 
 def test_named_tool_choice_streams_as_the_sdk_accumulates(router):
     c = router.client()
-    kw = dict(model="tiny", messages=MSG, max_tokens=60, temperature=0, tools=[WEATHER, TIME],
+    # 120: the call is written in the template's hermes format, whose markup alone
+    # (`<tool_call>\n{"name": ..., "arguments": ` and its close) is ~46 tiny-vocab tokens
+    kw = dict(model="tiny", messages=MSG, max_tokens=120, temperature=0, tools=[WEATHER, TIME],
               tool_choice={"type": "function", "function": {"name": "get_weather"}})
     full = c.chat.completions.create(**kw)
     assert full.choices[0].finish_reason == "tool_calls"

@@ -1,0 +1,221 @@
+"""A forced tool choice as a grammar in the model's own call format.
+
+`tool_choice: "required"`, a named function, or Anthropic's `any` / `tool`
+constrain the output to calls. The neuron builds the grammar (agent.py) for
+the format its chat template teaches (`tool_parser`), so a forced call is
+written the way the model learned to write calls, and the router parses it
+back with that format's parser (router/agent_output.py):
+
+- `hermes`: `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`,
+  several calls one per line;
+- `llama3_json`: `{"name": "f", "parameters": {...}}`, several joined by `; `;
+- `qwen3_xml` (Qwen3.5, Qwen3.6, Qwen3-Coder): `<tool_call>\\n<function=f>\\n`
+  then one `<parameter=k>\\nvalue\\n</parameter>\\n` per argument, then
+  `</function>\\n</tool_call>`, several calls one per line. A string value is
+  its raw text (honouring enum/const, minLength/maxLength and pattern), a
+  boolean or null is its word (either JSON's or Python's spelling, as
+  templates render them), any other value JSON. Arguments come in the
+  schema's property order, the required ones always;
+- "" (a template that teaches no format): a JSON list of
+  `{"name", "arguments"}` (required) or the arguments object (a named
+  function), compact, as helexa.grammar writes JSON.
+
+JSON inside a call uses tojson's separators (`, ` and `: `), as the
+templates render earlier calls. Every schema goes through helexa.grammar's
+`json_schema` first, so the calls follow the same schema rules as
+`response_format`. `value_types` says which JSON types a parameter admits:
+the XML parser reads it too, so grammar and parser agree on which values are
+raw text.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from helexa import grammar
+
+FORMATS = ("hermes", "llama3_json", "qwen3_xml")
+_TOJSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_SEPARATOR = {"hermes": "\n", "llama3_json": "; ", "qwen3_xml": "\n"}
+_PARAM_CLOSE = "\n</parameter>\n"
+_HERMES_CLOSE = "}\n</tool_call>"
+_XML_CLOSE = "</function>\n</tool_call>"
+# Raw text that cannot close the parameter early (the parser ends a value at the first
+# </parameter>); lazy, so the value ends at the first close the grammar allows.
+_NO_CLOSE = r"~/(?s:.*)<\/parameter>(?s:.*)/"
+_WORDS = {"boolean": ("true", "false", "True", "False"), "null": ("null", "None")}
+
+
+def calls_schema(tools: list[dict[str, Any]], function: str, parallel: bool) -> dict[str, Any]:
+    """The JSON schema of a forced choice for a model with no call format of its own."""
+    fns = [t["function"] for t in tools]
+    if function:
+        return _parameters(_named(fns, function))
+    call = {"anyOf": [{"type": "object", "additionalProperties": False,
+                       "required": ["name", "arguments"],
+                       "properties": {"name": {"const": f["name"]},
+                                      "arguments": _parameters(f)}} for f in fns]}
+    schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def llama3_head(name: str) -> str:
+    """What a llama3_json call writes before its arguments."""
+    return '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "parameters": '
+
+
+def forced(fmt: str, tools: list[dict[str, Any]], function: str,
+           parallel: bool) -> grammar.Constraint:
+    """The constraint of a forced choice in format fmt (one of FORMATS, or "" for none):
+    calls of `function` only when it is set (then exactly one), else of any tool."""
+    fns = [t["function"] for t in tools]
+    if not fns:
+        raise grammar.GrammarError("a forced tool choice needs at least one tool")
+    if not fmt:
+        return grammar.json_schema(calls_schema(tools, function, parallel))
+    if fmt not in FORMATS:
+        raise grammar.GrammarError(f"unknown tool-call format `{fmt}`")
+    if function:
+        fns, parallel = [_named(fns, function)], False
+    rules = [f"start: call ({json.dumps(_SEPARATOR[fmt])} call)*" if parallel else "start: call",
+             "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    for i, fn in enumerate(fns):
+        rules += _call_rules(fmt, i, fn)
+    return grammar.Constraint(kind="lark", source="\n".join(rules) + "\n")
+
+
+def value_types(schema: Any, root: dict[str, Any]) -> frozenset[str] | None:
+    """The JSON types a value of this schema may have (None: any); local $refs are
+    followed into root's $defs / definitions."""
+    if not isinstance(schema, dict):
+        return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#/"):
+        target: Any = root
+        for part in ref[2:].split("/"):
+            target = target.get(part) if isinstance(target, dict) else None
+        return value_types(target, root)
+    if "const" in schema:
+        return frozenset({type_of(schema["const"])})
+    if isinstance(schema.get("enum"), list):
+        return frozenset(type_of(v) for v in schema["enum"])
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return frozenset({kind})
+    if isinstance(kind, list):
+        return frozenset(k for k in kind if isinstance(k, str))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            found: set[str] = set()
+            for sub in schema[key]:
+                types = value_types(sub, root)
+                if types is None:
+                    return None
+                found |= types
+            return frozenset(found)
+    return None
+
+
+def type_of(value: Any) -> str:
+    """The JSON type name of a Python value decoded from JSON."""
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    return {float: "number", str: "string", list: "array", dict: "object"}.get(
+        type(value), "null")
+
+
+def _named(fns: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    for f in fns:
+        if f["name"] == name:
+            return f
+    raise grammar.GrammarError(f"no tool is named `{name}`")
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
+    return params
+
+
+def _lit(text: str) -> str:
+    """A Lark string literal."""
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _json_rule(schema: Any) -> str:
+    """%json of a schema after helexa.grammar's rules, written as tojson writes it."""
+    if schema is True or schema == {}:
+        schema = {}
+    checked = json.loads(grammar.json_schema(schema).source)
+    if isinstance(checked, dict):
+        checked["x-guidance"] = _TOJSON_STYLE
+    return "%json " + json.dumps(checked, ensure_ascii=False)
+
+
+def _call_rules(fmt: str, i: int, fn: dict[str, Any]) -> list[str]:
+    name, params = fn["name"], _parameters(fn)
+    if fmt == "hermes":
+        head = '<tool_call>\n{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
+        return [f"call_{i}: {_lit(head)} args_{i} {_lit(_HERMES_CLOSE)}",
+                f"args_{i}: {_json_rule(params)}"]
+    if fmt == "llama3_json":
+        return [f"call_{i}: {_lit(llama3_head(name))} args_{i} \"}}\"",
+                f"args_{i}: {_json_rule(params)}"]
+    return _xml_rules(i, name, json.loads(grammar.json_schema(params).source))
+
+
+def _xml_rules(i: int, name: str, params: Any) -> list[str]:
+    root = params if isinstance(params, dict) else {}
+    props = root.get("properties") if isinstance(root.get("properties"), dict) else {}
+    required = set(root.get("required") or ())
+    parts, rules = [], []
+    for k, (key, sub) in enumerate(props.items()):
+        rules += _param_rules(f"p_{i}_{k}", key, sub, root)
+        parts.append(f"p_{i}_{k}" if key in required else f"p_{i}_{k}?")
+    if root.get("additionalProperties", True) is not False:  # keys the schema leaves open
+        rules += [f"extra_{i}: \"<parameter=\" PARAM_NAME_{i} \">\\n\" text_{i}",
+                  f"PARAM_NAME_{i}: /[^<>\\n]+/",
+                  f"text_{i}[lazy]: (/(?s:.*)/ & {_NO_CLOSE}) {_lit(_PARAM_CLOSE)}"]
+        parts.append(f"extra_{i}*")
+    head = f"<tool_call>\n<function={name}>\n"
+    rules.insert(0, f"call_{i}: {_lit(head)} {' '.join(parts)} {_lit(_XML_CLOSE)}")
+    return rules
+
+
+def _param_rules(rule: str, key: str, schema: Any, root: dict[str, Any]) -> list[str]:
+    head = _lit(f"<parameter={key}>\n")
+    types = value_types(schema, root)
+    sub = schema if isinstance(schema, dict) else {}
+    choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+    if types is not None and "string" in types:
+        if isinstance(choices, list) and all(isinstance(c, str) for c in choices):
+            words = " | ".join(_lit(c) for c in choices)
+            return [f"{rule}: {head} ({words}) {_lit(_PARAM_CLOSE)}"]
+        return [f"{rule}: {head} {rule}_text", f"{rule}_text[lazy]: "
+                f"({_text_regex(sub)} & {_NO_CLOSE}) {_lit(_PARAM_CLOSE)}"]
+    if types is not None and len(types) == 1 and next(iter(types)) in _WORDS:
+        words = " | ".join(_lit(w) for w in _WORDS[next(iter(types))])
+        return [f"{rule}: {head} ({words}) {_lit(_PARAM_CLOSE)}"]
+    value = dict(sub)
+    for defs in ("$defs", "definitions"):  # the value's own schema keeps the root's $refs
+        if defs in root and value:
+            value.setdefault(defs, root[defs])
+    return [f"{rule}: {head} {rule}_value {_lit(_PARAM_CLOSE)}",
+            f"{rule}_value: {_json_rule(value)}"]
+
+
+def _text_regex(schema: dict[str, Any]) -> str:
+    """The raw text of a string parameter, as a Lark regex."""
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):  # JSON schema patterns match anywhere unless anchored
+        body = pattern.removeprefix("^") if pattern.startswith("^") else "(?s:.*)" + pattern
+        body = body.removesuffix("$") if body.endswith("$") else body + "(?s:.*)"
+        return "/" + body.replace("/", "\\/") + "/"
+    low, high = schema.get("minLength"), schema.get("maxLength")
+    if isinstance(low, int) or isinstance(high, int):
+        return f"/(?s:.){{{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}}}/"
+    return "/(?s:.*)/"

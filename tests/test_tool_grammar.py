@@ -1,0 +1,121 @@
+"""A forced tool choice's grammar writes what the template taught: each format's grammar
+accepts the very calls its template renders for earlier turns, and refuses calls whose
+arguments do not validate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import llguidance
+import pytest
+from tokenizers import Tokenizer as HFTokenizer
+
+from helexa import grammar, tool_grammar
+from helexa.neuron.tokenizer import Tokenizer
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"],
+    "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer"},
+                   "unit": {"enum": ["c", "f"]}, "ok": {"type": "boolean"},
+                   "where": {"type": "object", "properties": {"lat": {"type": "number"}},
+                             "required": ["lat"]}}}}}
+PING = {"type": "function", "function": {"name": "ping"}}
+TOOLS = [WEATHER, PING]
+ARGS = {"city": "Oslo", "days": 3, "ok": True, "where": {"lat": 59.9}}
+
+
+class Matcher:
+    """Whether a grammar accepts a text, token by token, on a checkpoint's tokenizer."""
+
+    def __init__(self, model_dir: Path) -> None:
+        text = (model_dir / "tokenizer.json").read_text()
+        self.hf = HFTokenizer.from_str(text)
+        eos = self.hf.token_to_id("<|im_end|>")
+        self.lt = llguidance.LLTokenizer(text, n_vocab=self.hf.get_vocab_size(), eos_token=[eos])
+        self.eos = eos
+
+    def accepts(self, c: grammar.Constraint, text: str) -> bool:
+        m = llguidance.LLMatcher(self.lt, grammar.grammar_text(c), log_level=0)
+        ok = all(m.consume_token(t) for t in self.hf.encode(text).ids)
+        return ok and m.consume_token(self.eos)  # and nothing more is required
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint) -> dict[str, Path]:
+    return {"hermes": tiny_checkpoint("qwen3"),
+            "qwen3_xml": tiny_checkpoint("qwen3", chat_template="qwen3_5")}
+
+
+def rendered_calls(model_dir: Path, calls: list[tuple[str, dict]]) -> str:
+    """What the checkpoint's template writes for an assistant turn that made these calls."""
+    tok = Tokenizer.from_dir(model_dir)
+    turn = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": a}}
+        for i, (n, a) in enumerate(calls)]}
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}, turn], False,
+                                   tools=TOOLS)
+    body = text[text.rindex("<|im_start|>assistant\n") + 22:text.rindex("<|im_end|>")]
+    return body.split("</think>\n\n")[-1]
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_xml"])
+def test_the_grammar_accepts_what_the_template_renders(models, fmt):
+    m = Matcher(models[fmt])
+    one = rendered_calls(models[fmt], [("get_weather", ARGS)])
+    assert one.startswith("<tool_call>\n") and one.endswith("</tool_call>")
+    assert m.accepts(tool_grammar.forced(fmt, TOOLS, "get_weather", False), one)
+    assert m.accepts(tool_grammar.forced(fmt, TOOLS, "", False), one)
+    two = rendered_calls(models[fmt], [("get_weather", ARGS), ("ping", {})])
+    assert m.accepts(tool_grammar.forced(fmt, TOOLS, "", True), two)
+    assert not m.accepts(tool_grammar.forced(fmt, TOOLS, "", False), two)  # one call only
+    assert not m.accepts(tool_grammar.forced(fmt, TOOLS, "ping", False), one)
+
+
+@pytest.mark.parametrize("args", [
+    {"city": "Oslo"},  # a required parameter missing
+    {"city": "a" * 11, "days": 1},  # over maxLength
+    {"city": "Oslo", "days": 1.5},  # not an integer
+    {"city": "Oslo", "days": 1, "unit": "k"},  # not in the enum
+    {"city": "Oslo", "days": 1, "where": {"lon": 1}},  # a nested object that does not validate
+])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_xml"])
+def test_arguments_that_do_not_validate_are_refused(models, fmt, args):
+    m = Matcher(models[fmt])
+    text = rendered_calls(models[fmt], [("get_weather", args)])
+    assert not m.accepts(tool_grammar.forced(fmt, TOOLS, "get_weather", False), text)
+
+
+def test_xml_values_raw_strings_and_python_words(models):
+    m, c = Matcher(models["qwen3_xml"]), tool_grammar.forced("qwen3_xml", TOOLS, "", False)
+    head = "<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    tail = "\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>"
+    assert m.accepts(c, head + "New\nYork" + tail)  # raw, several lines
+    assert not m.accepts(c, head + "a</parameter>" + tail)  # a value cannot close early
+    assert m.accepts(c, head + "Oslo" + tail.replace("</function>", "<parameter=ok>\n"
+                                                     "False\n</parameter>\n</function>"))
+    free = tool_grammar.forced("qwen3_xml", [{"type": "function", "function": {
+        "name": "run", "parameters": {"type": "object"}}}], "", False)
+    assert m.accepts(free, "<tool_call>\n<function=run>\n<parameter=any key>\nx\n</parameter>"
+                           "\n</function>\n</tool_call>")
+
+
+def test_llama3_and_formatless_models(models):
+    m = Matcher(models["hermes"])
+    call = '{"name": "get_weather", "parameters": ' + json.dumps(ARGS) + "}"
+    assert m.accepts(tool_grammar.forced("llama3_json", TOOLS, "get_weather", False), call)
+    assert m.accepts(tool_grammar.forced("llama3_json", TOOLS, "", True),
+                     call + '; {"name": "ping", "parameters": {}}')
+    assert call.startswith(tool_grammar.llama3_head("get_weather"))
+    bare = tool_grammar.forced("", TOOLS, "", True)  # no format: the JSON list, compact
+    assert bare.kind == "json_schema"
+    assert m.accepts(bare, '[{"name":"ping","arguments":{}}]')
+
+
+def test_unknown_names_and_formats_are_refused():
+    with pytest.raises(grammar.GrammarError, match="nope"):
+        tool_grammar.forced("hermes", TOOLS, "nope", False)
+    with pytest.raises(grammar.GrammarError, match="format"):
+        tool_grammar.forced("xml9", TOOLS, "", False)
+    with pytest.raises(grammar.GrammarError, match="at least one tool"):
+        tool_grammar.forced("qwen3_xml", [], "", False)
