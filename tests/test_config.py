@@ -192,6 +192,28 @@ def test_a_model_entry_sets_its_own_speculation_between_engine_and_profile():
         ModelEntry(id="big", path="b", tp=2, speculation="draft:small")
 
 
+def test_the_engines_limits_are_the_configs_reload_keys_with_its_defaults():
+    """Limits names every reload key of [admission], [kv] and [engine] (speculation's
+    included) and nothing else, and its defaults are the config's: a knob added to the
+    config reaches the engine, or this fails."""
+    from helexa.config.schema import (
+        AdmissionConfig,
+        EngineConfig,
+        KvConfig,
+        NeuronConfig,
+        field_apply,
+    )
+    from helexa.neuron.engine import messages
+    from helexa.neuron.engine.spec import limits_from_config
+
+    reload_keys = {name for section in (AdmissionConfig, KvConfig, EngineConfig)
+                   for name in section.__struct_fields__
+                   if field_apply(NeuronConfig, f"{section.__name__[:-6].lower()}.{name}")
+                   == "reload"}
+    assert set(messages.Limits.__struct_fields__) == reload_keys
+    assert messages.Limits() == limits_from_config(NeuronConfig())
+
+
 def test_a_drafter_name_reads_the_same_everywhere():
     from helexa.config.schema import Speculation, parse_drafter
 

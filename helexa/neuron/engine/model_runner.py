@@ -7,7 +7,8 @@ a StepPlan (token ids, positions, slot mapping, block tables); its attention
 backend (helexa/kernels/backends/: torch, cpu or cuda, chosen at load) turns the plan
 into its own metadata, owns the KV pool and runs the step; the runner returns
 next-token logits for the sequences that asked for them, in the order they
-were given.
+were given (`run_step`: as the step output the engine and its drafters read,
+runner.py). The MTP head's passes are speculative/mtp_passes.py's.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
-from helexa.neuron.engine.mtp_passes import MtpPasses
+from helexa.neuron.engine.runner import StepOutput
+from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.linear_state import state_meta
@@ -68,7 +70,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
     return _KV_NAMES[dt], dt
 
 
-class ModelRunner(MtpPasses):
+class ModelRunner:
     """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
@@ -159,9 +161,9 @@ class ModelRunner(MtpPasses):
                 raise
 
     @property
-    def backend_name(self) -> str:
-        """The attention backend's name (torch, cpu, cuda), as status shows it."""
-        return self.backend.name
+    def attention_backend(self) -> str:
+        """The attention backend and what it chose, as status shows it."""
+        return self.backend.describe()
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -252,6 +254,33 @@ class ModelRunner(MtpPasses):
         except BaseException:
             self.backend.step_failed()
             raise
+
+    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False) -> StepOutput:
+        """`execute`, with what a drafter reads of the step: each sequence's first flat row,
+        and with `keep_hidden` (a drafter that follows the target) the final normed hidden
+        state of every row."""
+        if keep_hidden:
+            self.model.keep_hidden = True
+        try:
+            logits = self.execute(seqs)
+            hidden = self.model.last_hidden if keep_hidden else None
+        finally:
+            if keep_hidden:
+                self.model.keep_hidden, self.model.last_hidden = False, None
+        return StepOutput(logits, list(self.seq_starts) if seqs else [], hidden)
+
+    # ---- the MTP head (speculative/mtp_passes.py; the rank loop calls these too) ---------
+
+    @property
+    def has_mtp_head(self) -> bool:
+        return getattr(self.model, "mtp", None) is not None  # only hybrid families have one
+
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return mtp_passes.execute_mtp(self, seqs, hidden)
+
+    def mtp_logits(self, hidden: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
+        return mtp_passes.mtp_logits(self, hidden, rows)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""
