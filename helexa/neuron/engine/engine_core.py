@@ -39,12 +39,12 @@ from helexa.neuron.engine.grammar import Grammars, advance, eos_ids_from
 from helexa.neuron.engine.messages import TokenLogprob
 from helexa.neuron.engine.prefix_filing import file_full_blocks
 from helexa.neuron.engine.request import Request, RequestStatus
-from helexa.neuron.engine.runner import Runner, Runners, StepOutput, load_runners
+from helexa.neuron.engine.runner import Runner, Runners, load_runners
 from helexa.neuron.engine.sampler import Sampler
 from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool
 from helexa.neuron.engine.speculative.speculator import Speculator
-from helexa.neuron.engine.step_inputs import StepInputs, lay_out, pick_tokens
+from helexa.neuron.engine.step_inputs import StepResult, lay_out, pick_tokens
 
 _EWMA_ALPHA = 0.2
 
@@ -97,15 +97,18 @@ class EngineCore:
         self.speculator.draft(self.running, self.limits.max_slots)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
-            self._run(plan)
+            ran = self._run(plan)
+            if ran is not None:  # None: the step failed, and its requests with it
+                self._postprocess(plan, ran)
         out = messages.FromEngine(updates=list(self._updates.values()), status=self.status(),
                                   step_ms=(time.perf_counter() - started) * 1000,
                                   kv_reset=self.kv_reset_answer)
         self._updates, self.kv_reset_answer = {}, ""
         return out
 
-    def _run(self, plan: StepPlan) -> None:
-        """The plan's rows through the model, then each request's new tokens."""
+    def _run(self, plan: StepPlan) -> StepResult | None:
+        """The plan's rows through the model, and each request's new tokens; None when the
+        step failed (its requests are finished with the error)."""
         for req_id in plan.promoted:
             req = self.requests[req_id]
             self.waiting.remove(req)
@@ -128,13 +131,14 @@ class EngineCore:
                 self.log.exception("engine.step_failed", requests=len(reqs))
             for req in reqs:
                 self.finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
-            return
+            return None
         self.consecutive_failed_steps = 0
-        self._postprocess(plan, inputs, out, new_tokens, logprobs)
+        return StepResult(inputs, out, new_tokens, logprobs)
 
-    def _postprocess(self, plan: StepPlan, inputs: StepInputs, out: StepOutput,
-                     new_tokens: dict[str, list[int]],
-                     logprobs: dict[str, TokenLogprob | None]) -> None:
+    def _postprocess(self, plan: StepPlan, ran: StepResult) -> None:
+        """What the step computed becomes each request's: kept positions, filed blocks, new
+        tokens and the stops they reach."""
+        inputs, new_tokens, logprobs = ran.inputs, ran.new_tokens, ran.logprobs
         kept = inputs.kept(new_tokens)
         num_prefill = num_decode = 0
         for req, chunk, n in zip(inputs.reqs, inputs.chunks, kept, strict=True):
@@ -148,9 +152,9 @@ class EngineCore:
                     break
                 self._append_token(req, token_id, logprobs.get(req.req_id))
                 num_decode += not chunk.is_prefill
-        self.speculator.observe(out, [(req, i, n) for i, (req, n)
-                                      in enumerate(zip(inputs.reqs, kept, strict=True))
-                                      if not req.is_finished])
+        self.speculator.observe(ran.out, [(req, i, n) for i, (req, n)
+                                          in enumerate(zip(inputs.reqs, kept, strict=True))
+                                          if not req.is_finished])
         self._measure(num_decode, num_prefill)
         if len(plan.decode_ids) < sum(1 for r in self.running if not r.is_prefilling):
             # The budget cut decodes short: rotate so the skipped ones go first next step.

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,7 @@ from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.messages import TokenLogprob
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 
@@ -58,6 +60,16 @@ class StepInputs:
             accepted = len(new_tokens[req.req_id]) - 1 if chunk.num_draft else 0
             out.append(chunk.num_tokens - chunk.num_draft + accepted)
         return out
+
+
+class StepResult(NamedTuple):
+    """A step that ran: its rows, the runner's output, each request's new tokens, and the
+    sampled ones' logprobs."""
+
+    inputs: StepInputs
+    out: StepOutput
+    new_tokens: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprob | None]
 
 
 def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
