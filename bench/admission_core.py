@@ -30,17 +30,30 @@ from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.request import Request
-from helexa.neuron.engine.spec import EngineSpec, full_limits
+from helexa.neuron.engine.runner import StepOutput
+from helexa.neuron.engine.spec import EngineSpec
 
 
 class NullRunner:
-    """Logits at once: a preallocated zero block, sliced."""
+    """Logits at once: a preallocated zero block, sliced; nothing else (a Runner:
+    helexa/neuron/engine/runner.py, with no model, pool or state)."""
+
+    num_blocks, num_state_slots, mtp_kv_layers = 8192, 0, 0
+    kv_bytes_per_block = fixed_bytes_per_request = 0
+    attention_backend, has_mtp_head, failed = "", False, ""
 
     def __init__(self, vocab: int) -> None:
+        self.vocab_size = vocab
         self.logits = torch.zeros(64, vocab)
 
-    def execute(self, seqs):
-        return self.logits[: sum(s.need_logits for s in seqs)]
+    def run_step(self, seqs, *, keep_hidden=False):
+        return StepOutput(self.logits[: sum(s.need_logits for s in seqs)], [])
+
+    def reset_kv(self, num_blocks, kv_dtype="auto"):
+        self.num_blocks = num_blocks
+
+    def close(self):
+        pass
 
 
 def first_token(logits, states):
@@ -51,7 +64,7 @@ def first_token(logits, states):
 def bench_admission(rounds: int = 2000) -> float:
     pool = BlockPool(1024, 16, 16)
     pool.reserve("hog", 1024)  # nothing fits: every round walks the queue and finds no room
-    limits = full_limits(m.SetLimits(max_queue_depth=10_000, max_per_principal=10_000))
+    limits = m.Limits(max_queue_depth=10_000, max_per_principal=10_000)
     adm = Admission(pool, limits)
     for i in range(256):
         adm.submit(Request(req_id=f"q{i}", prompt_token_ids=[1] * 100, output_budget=100,
@@ -71,8 +84,8 @@ def bench_admission(rounds: int = 2000) -> float:
 def bench_step(slots: int, steps: int = 200, *, vocab: int = 32000, sampler=None) -> float:
     spec = EngineSpec(model_id="null", num_blocks=8192, block_size=16, context=4096,
                       prefix_cache=True,
-                      limits=m.SetLimits(max_slots=slots, max_in_flight=slots,
-                                         anon_max_in_flight=slots, max_per_principal=10_000))
+                      limits=m.Limits(max_slots=slots, max_in_flight=slots,
+                                      anon_max_in_flight=slots, max_per_principal=10_000))
     core = EngineCore(spec, NullRunner(vocab), sampler=sampler)
     greedy = m.SamplingParams(temperature=0.0)
     core.step(m.ToEngine(new=[m.NewRequest(req_id=f"r{i}", prompt_token_ids=list(range(128)),

@@ -103,7 +103,7 @@ def main() -> None:
     tok = Tokenizer.from_dir(args.model)
     spec = EngineSpec(model_id="bench", model_dir=str(args.model), num_blocks=512,
                       block_size=16, context=2048, bytes_per_token=0, prefix_cache=False,
-                      limits=m.SetLimits(max_slots=STREAMS, anon_max_in_flight=STREAMS))
+                      limits=m.Limits(max_slots=STREAMS, anon_max_in_flight=STREAMS))
     core = EngineCore(spec)
     g = grammar.grammar_text(grammar.json_schema(SCHEMA))
     prompts = [tok.encode_chat([{"role": "user", "content": f"Record number {i}, as JSON."}])

@@ -86,7 +86,7 @@ class HelexaEngine:
         from helexa.neuron.engine.spec import EngineSpec
 
         self.messages = messages
-        limits = messages.SetLimits(
+        limits = messages.Limits(
             max_in_flight=16, anon_max_in_flight=16, max_slots=8, max_batched_tokens=1024,
             prefill_chunk_tokens=512)
         # as before for the default sizes (320 blocks, 4096-token context), more for longer ones

@@ -32,6 +32,9 @@ from pathlib import Path
 import torch
 from spec import run  # bench/spec.py: one batch through EngineCore, CPU-timed
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.mtp import craft_right_mtp_head  # noqa: E402  (the MTP tests' right head)
+
 MODEL = dict(arch="qwen3_5", mtp=True, hidden_size=256, num_layers=8, num_heads=4,
              num_kv_heads=2, head_dim=64, intermediate_size=768, vocab_size=4096, seed=0)
 SPEC = {"off": dict(speculation="off"),
@@ -42,7 +45,6 @@ SPEC = {"off": dict(speculation="off"),
 
 def checkpoints() -> dict[str, Path]:
     """The random-head checkpoint and its right-head variant, made once under the cache."""
-    from helexa.fixtures.hybrid import craft_right_mtp_head
     from helexa.fixtures.tiny import cache_dir, init_tiny
 
     wrong = cache_dir() / "bench" / "qwen3_5-mtp-h256-l8-v4096"
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from helexa.neuron.engine import messages as m
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.model_runner import ModelRunner
-    from helexa.neuron.engine.spec import EngineSpec, full_limits
+    from helexa.neuron.engine.spec import EngineSpec
 
     rates: dict[str, list[float]] = {}
     acc: dict[str, list[float]] = {}
@@ -73,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                              max_batched_tokens=1024, num_state_slots=16)
         cores = {kind: EngineCore(EngineSpec(
             model_id="bench", model_dir=str(model_dir), num_blocks=320, block_size=16,
-            context=4096, prefix_cache=False, limits=full_limits(m.SetLimits(
+            context=4096, prefix_cache=False, limits=m.Limits(
                 max_in_flight=16, anon_max_in_flight=16, max_slots=8, max_batched_tokens=1024,
-                prefill_chunk_tokens=512, **limits))), runner) for kind, limits in SPEC.items()}
+                prefill_chunk_tokens=512, **limits)), runner) for kind, limits in SPEC.items()}
         for rep in range(args.repeats + 1):  # repeat 0 warms up
             for n in (1, 8):
                 rng = random.Random(100 * rep + n)

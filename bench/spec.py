@@ -159,16 +159,15 @@ def main(argv: list[str] | None = None) -> int:
     from helexa.neuron.engine import messages as m
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.model_runner import ModelRunner
-    from helexa.neuron.engine.spec import EngineSpec, full_limits
+    from helexa.neuron.engine.spec import EngineSpec
 
     model_dir = copying_checkpoint(args.model or bench_checkpoint())
     runner = ModelRunner(model_dir, num_blocks=320, block_size=16, max_num_seqs=8,
                          max_batched_tokens=1024, num_state_slots=16)  # hybrids: 1 a request
     cores = {}
     for kind, spec_limits in SPEC.items():
-        limits = full_limits(m.SetLimits(max_in_flight=16, anon_max_in_flight=16, max_slots=8,
-                                          max_batched_tokens=1024, prefill_chunk_tokens=512,
-                                          **spec_limits))
+        limits = m.Limits(max_in_flight=16, anon_max_in_flight=16, max_slots=8,
+                          max_batched_tokens=1024, prefill_chunk_tokens=512, **spec_limits)
         spec = EngineSpec(model_id="bench", model_dir=str(model_dir), num_blocks=320,
                           block_size=16, context=4096, prefix_cache=False, limits=limits)
         cores[kind] = EngineCore(spec, runner)

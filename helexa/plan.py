@@ -50,8 +50,9 @@ from helexa.config.schema import (
     ConfigError,
     ModelEntry,
     NeuronConfig,
-    draft_model_id,
+    Speculation,
     resolve_path,
+    resolve_speculation,
 )
 
 MIB = 1024 * 1024
@@ -72,30 +73,13 @@ class UnknownBudget(PlanError):
 # ---------------------------------------------------------------- arithmetic
 
 
-def planned_spec_k(cfg: NeuronConfig, entry: ModelEntry | None = None) -> int:
-    """The largest spec_k of the engine section (over it, `entry`'s own speculation and
-    spec_k) and the profiles that speculate (0: none does). A reload that turns speculation
-    on where the config did not plan it takes the held rows from the activation headroom
-    instead (a few MiB each)."""
-    engine = cfg.engine
-    own = entry.speculation if entry is not None and entry.speculation is not None else None
-    speculation = own or engine.speculation
-    k = entry.spec_k if entry is not None and entry.spec_k is not None else engine.spec_k
-    ks = [k] if speculation != "off" else []
-    for p in cfg.profiles.values():
-        if (p.speculation or speculation) != "off":
-            ks.append(p.spec_k if p.spec_k is not None else k)
-    return max(ks, default=0)
-
-
-def plan_mtp_layers(cfg: NeuronConfig, entry: ModelEntry, shape: ModelShape) -> int:
-    """Pool layers for the model's MTP head: the layers its config.json declares where
-    the config drafts with it (speculation = "mtp" for this model: the entry's own, else
-    the engine section's, or a profile's), else 0 (nothing to pay for; speculation =
-    "mtp" is then refused)."""
-    named = [entry.speculation or cfg.engine.speculation]
-    named += [p.speculation for p in cfg.profiles.values()]
-    return shape.mtp_layers if "mtp" in named else 0
+def speculations(cfg: NeuronConfig, entry: ModelEntry | None = None) -> list[Speculation]:
+    """The speculation the model runs without a profile and under each profile
+    (resolve_speculation): the pool is planned for all of them, so a profile switch
+    needs no re-plan. A reload that turns speculation on where the config did not plan
+    it takes a hybrid's held rows from the activation headroom instead (a few MiB each)
+    and refuses the MTP head (its pool layer is missing)."""
+    return [resolve_speculation(cfg.engine, entry, p) for p in (None, *cfg.profiles.values())]
 
 
 # ---------------------------------------------------------------------- plans
@@ -133,7 +117,7 @@ class ModelPlan:
     draft_model_id: str = ""
     draft_weight_bytes: int = 0
     draft_bytes_per_token: int = 0
-    mtp_kv_layers: int = 0  # pool layers for the MTP head (plan_mtp_layers)
+    mtp_kv_layers: int = 0  # pool layers for the MTP head (where a speculation names mtp)
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -222,11 +206,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
-    mtp_layers = plan_mtp_layers(cfg, entry, shape)
+    specs = speculations(cfg, entry)
+    # Pool layers for the MTP head where some speculation drafts with it (nothing to pay
+    # for otherwise: speculation = "mtp" is then refused at runtime).
+    mtp_layers = shape.mtp_layers if any(s.method == "mtp" for s in specs) else 0
     per_token = kv_bytes_per_token(shape, tp, kv, mtp_layers)
-    draft_id = draft_model_id(entry.speculation)
+    draft_id = specs[0].draft_model  # a draft model is per model: never a profile's
     draft_weights = draft_per_token = 0
-    if draft_id is not None:  # its weights and KV come out of the same card (tp = 1)
+    if draft_id:  # its weights and KV come out of the same card (tp = 1)
         draft_weights, draft_per_token = _draft_costs(cfg, config_file, draft_id, kv,
                                                       float_dtype, where)
         weights += draft_weights
@@ -260,7 +247,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     num_blocks = budget // block_bytes
     pool_tokens = num_blocks * bs
     positions = max_positions(raw)
-    held = held_bytes_per_request(shape, tp, planned_spec_k(cfg, entry), float_dtype)
+    spec_k = max((s.spec_k for s in specs if s.method != "off"), default=0)
+    held = held_bytes_per_request(shape, tp, spec_k, float_dtype)
     slot = fixed + held  # what one request's state slot takes from the budget
     single = _tokens_each(budget, 1, block_bytes, bs, slot)
     if entry.context is not None:
@@ -289,7 +277,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
         trade=trade, budget_source=source, shape=shape, held_bytes=held,
-        draft_model_id=draft_id or "", draft_weight_bytes=draft_weights,
+        draft_model_id=draft_id, draft_weight_bytes=draft_weights,
         draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks)

@@ -146,8 +146,7 @@ def test_a_file_that_is_not_utf8_is_one_clear_line(tmp_path, capsys):
 
 
 def test_speculation_settings_are_checked_and_a_profile_overrides_them():
-    from helexa.config.schema import EngineConfig, NeuronConfig, ProfileConfig
-    from helexa.neuron.engine.spec import limits_from_config
+    from helexa.config.schema import EngineConfig, ProfileConfig, resolve_speculation
 
     assert EngineConfig(speculation="mtp").speculation == "mtp"
     with pytest.raises(ValueError, match="draft:m.*per model"):
@@ -156,26 +155,31 @@ def test_speculation_settings_are_checked_and_a_profile_overrides_them():
         EngineConfig(speculation="eagle")
     with pytest.raises(ValueError, match="spec_off_above"):
         EngineConfig(spec_full_below=0.8, spec_off_above=0.5)
-    cfg = NeuronConfig(engine=EngineConfig(speculation="ngram", spec_k=3))
-    assert limits_from_config(cfg).speculation == "ngram"
-    fast = limits_from_config(cfg, ProfileConfig(speculation="off", spec_k=0))
+    engine = EngineConfig(speculation="ngram", spec_k=3)
+    assert resolve_speculation(engine).speculation == "ngram"
+    fast = resolve_speculation(engine, None, ProfileConfig(speculation="off", spec_k=0))
     assert (fast.speculation, fast.spec_k) == ("off", 0)
 
 
 def test_a_model_entry_sets_its_own_speculation_between_engine_and_profile():
-    from helexa.config.schema import EngineConfig, ModelEntry, NeuronConfig, ProfileConfig
-    from helexa.neuron.engine.spec import limits_from_config
+    from helexa.config.schema import (
+        EngineConfig,
+        ModelEntry,
+        NeuronConfig,
+        ProfileConfig,
+        resolve_speculation,
+    )
 
     small = ModelEntry(id="small", path="s", preload=False)
     big = ModelEntry(id="big", path="b", speculation="draft:small", spec_k=6,
                      spec_off_above=0.9)
     cfg = NeuronConfig(engine=EngineConfig(speculation="ngram", spec_k=3), models=[big, small])
-    mine = limits_from_config(cfg, None, big)  # [engine] < [[models]] entry
+    mine = resolve_speculation(cfg.engine, big)  # [engine] < [[models]] entry
     assert (mine.speculation, mine.spec_k, mine.spec_off_above) == ("draft:small", 6, 0.9)
     assert mine.spec_full_below == 0.25  # not set by the entry: [engine]'s
-    other = limits_from_config(cfg, None, small)
+    other = resolve_speculation(cfg.engine, small)
     assert (other.speculation, other.spec_k) == ("ngram", 3)
-    busy = limits_from_config(cfg, ProfileConfig(speculation="off"), big)  # entry < profile
+    busy = resolve_speculation(cfg.engine, big, ProfileConfig(speculation="off"))  # entry < profile
     assert (busy.speculation, busy.spec_k, busy.spec_off_above) == ("off", 6, 0.9)
     # a draft model is per model: [engine] and profiles refuse it, and it must be an entry
     with pytest.raises(ValueError, match="set per model"):
@@ -186,3 +190,38 @@ def test_a_model_entry_sets_its_own_speculation_between_engine_and_profile():
         NeuronConfig(models=[ModelEntry(id="big", path="b", speculation="draft:nope")])
     with pytest.raises(ValueError, match="tp = 1 only"):
         ModelEntry(id="big", path="b", tp=2, speculation="draft:small")
+
+
+def test_the_engines_limits_are_the_configs_reload_keys_with_its_defaults():
+    """Limits names every reload key of [admission], [kv] and [engine] (speculation's
+    included) and nothing else, and its defaults are the config's: a knob added to the
+    config reaches the engine, or this fails."""
+    from helexa.config.schema import (
+        AdmissionConfig,
+        EngineConfig,
+        KvConfig,
+        NeuronConfig,
+        field_apply,
+    )
+    from helexa.neuron.engine import messages
+    from helexa.neuron.engine.spec import limits_from_config
+
+    reload_keys = {name for section in (AdmissionConfig, KvConfig, EngineConfig)
+                   for name in section.__struct_fields__
+                   if field_apply(NeuronConfig, f"{section.__name__[:-6].lower()}.{name}")
+                   == "reload"}
+    assert set(messages.Limits.__struct_fields__) == reload_keys
+    assert messages.Limits() == limits_from_config(NeuronConfig())
+
+
+def test_a_drafter_name_reads_the_same_everywhere():
+    from helexa.config.schema import Speculation, parse_drafter
+
+    assert parse_drafter("draft:small") == ("draft", "small")
+    assert parse_drafter("mtp") == ("mtp", "")
+    assert Speculation(speculation="draft:small").draft_model == "small"
+    assert Speculation(speculation="ngram").method == "ngram"
+    with pytest.raises(ValueError, match="expected \"ngram\""):
+        Speculation(speculation="eagle")
+    with pytest.raises(ValueError, match="--speculation: 'draft:x'.*set per model"):
+        parse_drafter("draft:x", "--speculation", per_model=False)

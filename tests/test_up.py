@@ -84,13 +84,17 @@ def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
     assert "has no MTP head" in capsys.readouterr().err
     (tmp_path / "small").mkdir()
     drafted, _ = write_configs(tmp_path, tmp_path / "m", "my/model", 0, "cpu", 16,
-                               f"draft:{tmp_path / 'small'}")
+                               draft_dir=tmp_path / "small")
     d = load_config(drafted, NeuronConfig)
     assert d.models[0].speculation == "draft:small" and d.engine.speculation == "off"
     assert (d.models[1].id, d.models[1].path, d.models[1].preload) == (
         "small", str(tmp_path / "small"), False)
-    assert main(["--speculation", f"draft:{tmp_path / 'small'}"]) == 2  # no config.json
+    assert main(["--draft-model", str(tmp_path / "small")]) == 2  # no config.json
     assert "draft model's checkpoint folder" in capsys.readouterr().err
+    # draft: names a model id in a config, so on the command line a folder has its own flag
+    with pytest.raises(SystemExit):
+        main(["--speculation", f"draft:{tmp_path / 'small'}"])
+    assert "--draft-model DIR" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- any checkpoint, failures

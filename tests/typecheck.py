@@ -1,4 +1,4 @@
-"""`make typecheck`: mypy over helexa.router and helexa.neuron.engine.
+"""`make typecheck`: mypy over helexa.router and helexa.neuron.engine (and the fake runner).
 
 The folders are the import paths, so mypy reads the tree as it is, with the
 settings of pyproject's [tool.mypy]. Exit status is mypy's.
@@ -12,6 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKED = ["helexa.router", "helexa.neuron.engine"]
+# The fake runner states that it is a Runner (helexa/neuron/engine/runner.py): mypy checks it.
+CHECKED_TEST_MODULES = ["support.fake_runner"]
 
 
 def main() -> int:
@@ -21,6 +23,9 @@ def main() -> int:
             "--cache-dir", str(ROOT / "build" / "mypy-cache")]
     for name in CHECKED:
         args += ["-p", name]
+    for name in CHECKED_TEST_MODULES:
+        args += ["-m", name]
+    os.environ["MYPYPATH"] = str(ROOT / "tests")  # where `support` is found, as pytest finds it
     os.chdir(ROOT)  # mypy finds helexa/ in the working directory
     out, err, status = api.run(args)
     sys.stdout.write(out)

@@ -43,7 +43,7 @@ def kv_heads_per_card(shape: ModelShape, tp: int) -> int:
 
 def kv_bytes_per_token(shape: ModelShape, tp: int, kv_dtype: str, mtp_layers: int = 0) -> int:
     """KV bytes one token takes on each card: full-attention layers, and `mtp_layers`
-    of the MTP head where the pool holds them (plan_mtp_layers)."""
+    of the MTP head where the pool holds them (helexa.plan: where a speculation names mtp)."""
     return sum(s.bytes_per_token for s in layer_specs(shape, tp, kv_dtype, mtp_layers=mtp_layers))
 
 

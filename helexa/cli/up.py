@@ -32,7 +32,7 @@ import tomli_w
 
 from helexa.checkpoint.gguf import model_path_error
 from helexa.cli.daemons import Child, model_failure, stop_all, wait_listed, wait_started
-from helexa.config.schema import ConfigError
+from helexa.config.schema import ConfigError, parse_drafter
 
 TINY_NAME = "tiny-qwen3"
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
@@ -78,18 +78,21 @@ def has_mtp_head(model_dir: Path) -> bool:
 
 
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
-                  kv_budget_mb: int | None, speculation: str = "off") -> tuple[Path, Path]:
+                  kv_budget_mb: int | None, speculation: str = "off",
+                  draft_dir: Path | None = None) -> tuple[Path, Path]:
+    """The neuron's and the router's config for one model; `draft_dir` (--draft-model) is a
+    checkpoint that drafts for it: its own [[models]] entry, named by the model's
+    speculation = "draft:<its id>" as any config names a draft model."""
     token = run / "neuron.token"
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
     model: dict = {"id": model_id, "path": str(model_dir)}
     models = [model]
-    if speculation.startswith("draft:"):  # draft:DIR: the folder as a draft model of this one
-        draft_dir = Path(speculation.removeprefix("draft:")).resolve()
+    if draft_dir is not None:
+        draft_dir = draft_dir.resolve()
         draft_id = draft_dir.name if draft_dir.name != model_id else f"{model_id}-draft"
         model["speculation"] = f"draft:{draft_id}"
         models.append({"id": draft_id, "path": str(draft_dir), "preload": False})
-        speculation = "off"  # the other models' setting; this model's is its own
     neuron = {"server": {"name": "local", "listen": "127.0.0.1:0", "token_file": str(token),
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
@@ -161,9 +164,14 @@ def _default_device() -> str:
 
 
 def _speculation(value: str) -> str:
-    if value in ("ngram", "mtp", "off") or (value.startswith("draft:") and len(value) > 6):
-        return value
-    raise argparse.ArgumentTypeError(f"expected ngram, mtp, off or draft:DIR, got {value!r}")
+    """--speculation as the config reads it (helexa/config/speculation.py parse_drafter);
+    a draft model is a folder here, so it has its own flag."""
+    try:
+        parse_drafter(value, "--speculation", per_model=False)
+    except ValueError as e:
+        hint = "; a draft model: --draft-model DIR" if value.startswith("draft:") else ""
+        raise argparse.ArgumentTypeError(f"{e}{hint}") from None
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,18 +187,23 @@ def main(argv: list[str] | None = None) -> int:
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
     p.add_argument("--speculation", type=_speculation, default="off",
-                   metavar="{ngram,mtp,off,draft:DIR}",
-                   help="speculative decoding drafter (docs/speculation.md): draft:DIR drafts "
-                        "with the checkpoint folder DIR (a smaller model of the same tokenizer);"
-                        " mtp drafts with the checkpoint's MTP head")
+                   metavar="{ngram,mtp,off}",
+                   help="speculative decoding drafter of the model (docs/speculation.md): mtp "
+                        "drafts with the checkpoint's MTP head")
+    p.add_argument("--draft-model", type=Path, metavar="DIR",
+                   help="draft with the checkpoint folder DIR (a smaller model of the same "
+                        "tokenizer; speculation = \"draft:<its id>\" in the neuron config)")
     p.add_argument("--run-dir", type=Path, help="where configs and logs go (default: a temp dir)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     args = p.parse_args(argv)
-    draft = args.speculation.removeprefix("draft:") if args.speculation.startswith("draft:") \
-        else None
-    if draft is not None and not (Path(draft) / "config.json").exists():
-        print(f"helexa up: --speculation draft:{draft}: no config.json there (expected the "
+    draft = args.draft_model
+    if draft is not None and not (draft / "config.json").exists():
+        print(f"helexa up: --draft-model {draft}: no config.json there (expected the "
               "draft model's checkpoint folder)", file=sys.stderr)
+        return 2
+    if draft is not None and args.speculation != "off":
+        print(f"helexa up: --draft-model drafts for the model; --speculation "
+              f"{args.speculation} names another drafter", file=sys.stderr)
         return 2
 
     device = args.device or _default_device()
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
            args: argparse.Namespace, stopping: threading.Event) -> int:
     neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv,
-                                             args.speculation)
+                                             args.speculation, args.draft_model)
     cli = [sys.executable, "-m", "helexa.cli"]
     children: list[Child] = []
     try:

@@ -1,4 +1,5 @@
-"""The config reference (docs/config.md), generated from the schemas in helexa/config/schema.py.
+"""The config reference (docs/config.md), generated from the schemas in helexa/config/schema.py
+(declared in neuron.py, speculation.py, router.py, catalogue.py).
 
 Every key of every schema in `helexa.config.schema.SCHEMAS` becomes one row: its
 dotted name (`admission.max_in_flight`, `models[].tp`,
@@ -127,11 +128,21 @@ def _struct_of(t: Any) -> tuple[mi.StructType | None, str]:
     return None, ""
 
 
+def _own_keys_first(struct: mi.StructType) -> list[mi.Field]:
+    """A table's own keys, then those it takes from a struct it extends ([engine]'s
+    speculation keys are helexa/config/speculation.py's Speculation), so a key shared that
+    way keeps its place in the reference."""
+    inherited = {name for base in struct.cls.__mro__[1:] if issubclass(base, msgspec.Struct)
+                 for name in base.__struct_fields__}
+    return ([f for f in struct.fields if f.name not in inherited]
+            + [f for f in struct.fields if f.name in inherited])
+
+
 def _rows(struct: mi.StructType, prefix: str, owner: str,
           sections: list[tuple[str, list[str]]]) -> list[str]:
     """Table rows of one struct's plain keys; nested tables become further sections."""
     rows = []
-    for f in struct.fields:
+    for f in _own_keys_first(struct):
         key = prefix + f.encode_name
         inner, suffix = _struct_of(f.type)
         meta = f.type if isinstance(f.type, mi.Metadata) else None
@@ -141,7 +152,7 @@ def _rows(struct: mi.StructType, prefix: str, owner: str,
         if meta is None or not (meta.extra or {}).get("apply") \
                 or not (meta.extra_json_schema or {}).get("description"):
             raise UndocumentedField(f"{owner}: `{key}` is declared without field_meta(doc, apply)"
-                                    " in helexa/config/schema.py")
+                                    " in helexa/config/")
         doc = meta.extra_json_schema["description"].replace("|", "\\|")  # | ends a cell
         kind = type_name(f.type)
         order = _literal_values(struct.cls, f.name) if "one of" in kind else None

@@ -59,9 +59,9 @@ def generate(model_dir: Path, prompt_ids: list[int], *, max_tokens: int,
                       dtype=dtype, kv_dtype=kv_dtype, block_size=block_size,
                       num_blocks=blocks_for_tokens(total, block_size), context=total,
                       prefix_cache=False,
-                      limits=messages.SetLimits(max_slots=1, max_in_flight=1,
-                                                max_batched_tokens=max(total, 512),
-                                                prefill_chunk_tokens=max(total, 512)))
+                      limits=messages.Limits(max_slots=1, max_in_flight=1,
+                                             max_batched_tokens=max(total, 512),
+                                             prefill_chunk_tokens=max(total, 512)))
     core = EngineCore(spec)
     inbound: messages.ToEngine | None = messages.ToEngine(new=[messages.NewRequest(
         req_id="generate", prompt_token_ids=prompt_ids, max_tokens=max_tokens,

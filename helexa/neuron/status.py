@@ -44,15 +44,9 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
         m.drafter = s.drafter
         m.spec_drafted_tokens = s.spec_drafted_tokens
         m.spec_accepted_tokens = s.spec_accepted_tokens
-    a = r.admission
-    if a is not None:
-        m.admission.CopyFrom(pb.AdmissionLimits(
-            max_in_flight=a.max_in_flight or 0, max_queue_depth=a.max_queue_depth or 0,
-            max_per_principal=a.max_per_principal or 0,
-            anon_max_in_flight=a.anon_max_in_flight or 0, max_slots=a.max_slots or 0,
-            max_batched_tokens=a.max_batched_tokens or 0,
-            kv_max_wait_secs=a.kv_max_wait_secs or 0.0,
-            default_output_tokens=a.default_output_tokens or 0))
+    if r.admission is not None:  # the proto's fields are Limits' of the same names
+        m.admission.CopyFrom(pb.AdmissionLimits(**{
+            f.name: getattr(r.admission, f.name) for f in pb.AdmissionLimits.DESCRIPTOR.fields}))
     if r.limits is not None:
         m.limits.CopyFrom(pb.ModelLimits(context=r.limits.context, input=r.limits.input,
                                          output=r.limits.output,

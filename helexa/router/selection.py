@@ -30,10 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from helexa.budget import output_budget, reservation_blocks
+from helexa.config.neuron import KvConfig
 
 CHARS_PER_TOKEN = 4  # a rough average for English text with BPE vocabularies
 TOKENS_PER_MESSAGE = 8  # chat-template framing per turn
-DEFAULT_OUTPUT_TOKENS = 1024  # kv.default_output_tokens's default, for a neuron that reports none
+# kv.default_output_tokens's default, for a neuron that reports none
+DEFAULT_OUTPUT_TOKENS = KvConfig().default_output_tokens
 TIE_MARGIN = 1  # requests of extra load a neuron may carry and still count as a near-tie
 
 

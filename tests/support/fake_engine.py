@@ -21,7 +21,7 @@ import msgspec
 
 from helexa.budget import output_budget
 from helexa.neuron.engine import messages as m
-from helexa.neuron.engine.spec import EngineSpec, merge_limits
+from helexa.neuron.engine.spec import EngineSpec
 from helexa.proto import neuron_pb2_grpc
 
 Script = Callable[[list[int], int], int]
@@ -99,7 +99,7 @@ class FakeEngineClient:
                                   prompt_tokens=len(req.prompt_token_ids))
             budget = output_budget(len(req.prompt_token_ids), req.max_tokens,
                                    context=self.spec.context,
-                                   default_output_tokens=self.limits.default_output_tokens or 16,
+                                   default_output_tokens=self.limits.default_output_tokens,
                                    max_output_tokens=self.spec.max_output_tokens)
             for i in range(budget):
                 await asyncio.sleep(self.step_secs)
@@ -129,8 +129,8 @@ class FakeEngineClient:
     def abort(self, req_id: str, reason: str = "client_gone") -> None:
         self.aborts.setdefault(req_id, reason)
 
-    def set_limits(self, limits: m.SetLimits) -> None:
-        self.limits = merge_limits(self.limits, limits)
+    def set_limits(self, limits: m.Limits) -> None:
+        self.limits = limits
 
     def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
         self.admitting = not flag  # nothing ever waits queued here: refuse_queued has no work

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from helexa.neuron.engine.runner import Runner, StepOutput
+
 
 def fake_next_token(context: list[int], vocab_size: int) -> int:
     """The fake model: one past the last token, nudged by a hash of the whole context,
@@ -23,21 +25,53 @@ def fake_next_token(context: list[int], vocab_size: int) -> int:
 
 
 class FakeRunner:
-    """A ModelRunner stand-in: token ids stored in a paged "KV cache", read back
-    through the block tables, and logits peaked at fake_next_token(context)."""
+    """A ModelRunner stand-in (helexa/neuron/engine/runner.py's Runner): token ids stored
+    in a paged "KV cache", read back through the block tables, and logits peaked at
+    fake_next_token(context). It has no model: no hidden states, no MTP head, no
+    linear-attention state."""
+
+    num_state_slots = 0
+    mtp_kv_layers = 0
+    fixed_bytes_per_request = 0
+    kv_bytes_per_block = 0
+    attention_backend = ""
+    has_mtp_head = False
+    failed = ""
 
     def __init__(self, vocab_size: int, num_blocks: int, block_size: int, *,
                  step_secs: float = 0.0) -> None:
         self.vocab_size = vocab_size
         self.block_size = block_size
+        self.num_blocks = num_blocks
         self.step_secs = step_secs
         self.kv = [[-1] * block_size for _ in range(num_blocks)]
         self.kv_dtype = "auto"
         self.num_steps = 0
 
     def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
+        self.num_blocks = num_blocks
         self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
         self.kv_dtype = kv_dtype
+
+    def run_step(self, seqs: list[Any], *, keep_hidden: bool = False) -> StepOutput:
+        """`execute`, with each sequence's first row laid out as ModelRunner lays a step
+        out (decode rows first, then the rest); no hidden states."""
+        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+        rest = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
+        row_starts, at = [0] * len(seqs), 0
+        for i in decode + rest:
+            row_starts[i] = at
+            at += len(seqs[i].token_ids)
+        return StepOutput(self.execute(seqs), row_starts)
+
+    def execute_mtp(self, seqs: list[Any], hidden: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("the fake runner has no MTP head")
+
+    def mtp_logits(self, hidden: Any, rows: int = 0) -> torch.Tensor:
+        raise NotImplementedError("the fake runner has no MTP head")
+
+    def close(self) -> None:
+        return None
 
     def execute(self, seqs: list[Any]) -> Any:
         bs = self.block_size
@@ -62,6 +96,10 @@ class FakeRunner:
         dist = (ids.unsqueeze(0) - target).remainder(self.vocab_size)
         dist = torch.minimum(dist, self.vocab_size - dist)
         return -dist.to(torch.float32)
+
+
+def _is_a_runner(runner: FakeRunner) -> Runner:
+    return runner  # tests/typecheck.py: mypy holds FakeRunner to the Runner protocol
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import msgspec
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.process import engine_main
-from helexa.neuron.engine.spec import EngineSpec, merge_limits
+from helexa.neuron.engine.spec import EngineSpec
 
 OnStatus = Callable[[messages.EngineStatus], None]
 OnText = Callable[[str], None]  # a fatal reason, or loading progress
@@ -86,7 +86,7 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue[messages.RequestUpdate]] = {}
         self._pending_new: list[messages.NewRequest] = []
         self._pending_aborts: list[messages.Abort] = []
-        self._pending_limits: messages.SetLimits | None = None
+        self._pending_limits: messages.Limits | None = None
         self._pending_shutdown = False
         self._pending_reset: messages.ResetKv | None = None
         self._reset_done: asyncio.Future[str] | None = None
@@ -173,9 +173,9 @@ class EngineClient:
         self._pending_aborts.append(messages.Abort(req_id=req_id, reason=reason))
         self._schedule_flush()
 
-    def set_limits(self, limits: messages.SetLimits) -> None:
-        self._pending_limits = merge_limits(self._pending_limits, limits) \
-            if self._pending_limits is not None else limits
+    def set_limits(self, limits: messages.Limits) -> None:
+        """The whole set of runtime knobs from now on (the latest one sent wins)."""
+        self._pending_limits = limits
         self._schedule_flush()
 
     def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:

@@ -13,6 +13,12 @@ import enum
 
 import msgspec
 
+from helexa.config.neuron import AdmissionConfig, EngineConfig, KvConfig
+from helexa.config.speculation import Speculation
+
+# The config's defaults, which the engine's own limits take (never restated here).
+_ADMISSION, _KV, _ENGINE = AdmissionConfig(), KvConfig(), EngineConfig()
+
 
 class FinishReason(enum.IntEnum):
     """Why a request ended (values match the proto's FinishReason)."""
@@ -72,46 +78,26 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = "client_gone"  # client_gone | deadline | stop_string | drain | unload
 
 
-class Limits(msgspec.Struct, frozen=True, kw_only=True):
-    """Every runtime (reload-safe) knob, as the engine runs under it."""
+class Limits(Speculation, frozen=True, kw_only=True):
+    """Every runtime (reload-safe) knob, as the engine runs under it: the speculation that
+    applies to the model (its base: helexa/config/speculation.py) and the reload keys of
+    [admission], [kv] and [engine], by their config names and with their config defaults
+    (tests/test_config.py holds the two lists equal). The daemon sends the whole set each
+    time (helexa/neuron/engine/spec.py limits_from_config); the engine replaces its own."""
 
-    max_in_flight: int
-    max_queue_depth: int
-    max_per_principal: int
-    anon_max_in_flight: int
-    kv_max_wait_secs: float
-    max_slots: int
-    max_batched_tokens: int
-    prefill_chunk_tokens: int
-    default_output_tokens: int
-    speculation: str  # docs/speculation.md
-    spec_k: int
-    spec_full_below: float
-    spec_off_above: float
-    spec_min_acceptance: float
-    spec_keep_acceptance: float
+    max_in_flight: int = _ADMISSION.max_in_flight
+    max_queue_depth: int = _ADMISSION.max_queue_depth
+    max_per_principal: int = _ADMISSION.max_per_principal
+    anon_max_in_flight: int = _ADMISSION.anon_max_in_flight
+    kv_max_wait_secs: float = _ADMISSION.kv_max_wait_secs
+    max_slots: int = _ENGINE.max_slots
+    max_batched_tokens: int = _ENGINE.max_batched_tokens
+    prefill_chunk_tokens: int = _ENGINE.prefill_chunk_tokens
+    default_output_tokens: int = _KV.default_output_tokens
 
 
-class SetLimits(msgspec.Struct, frozen=True, kw_only=True):
-    """A change of runtime knobs (the fields of Limits); None leaves a knob as it is."""
-
-    max_in_flight: int | None = None
-    max_queue_depth: int | None = None
-    max_per_principal: int | None = None
-    anon_max_in_flight: int | None = None
-    kv_max_wait_secs: float | None = None
-    max_slots: int | None = None
-    max_batched_tokens: int | None = None
-    prefill_chunk_tokens: int | None = None
-    default_output_tokens: int | None = None
-    # Speculative decoding (docs/speculation.md): drafter, most drafted tokens, and the
-    # adaptive policy's thresholds (running requests / max_slots; acceptance rate).
-    speculation: str | None = None  # "ngram" | "mtp" | "draft:<model id>" | "off"
-    spec_k: int | None = None
-    spec_full_below: float | None = None
-    spec_off_above: float | None = None
-    spec_min_acceptance: float | None = None
-    spec_keep_acceptance: float | None = None
+# The name residency.py and neuron/limits.py still use for Limits (once a partial update).
+SetLimits = Limits
 
 
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
@@ -133,7 +119,7 @@ class ToEngine(msgspec.Struct, kw_only=True):
 
     new: list[NewRequest] = []
     aborts: list[Abort] = []
-    limits: SetLimits | None = None
+    limits: Limits | None = None  # the whole set in force from now on
     stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
     refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
     shutdown: bool = False  # exit after aborting everything

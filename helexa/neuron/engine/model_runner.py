@@ -11,7 +11,8 @@ executor that runs the step; hybrid models' Gated DeltaNet state backend
 hands to the model's forward. The pools and state slots are allocated as the layers'
 memory statements say (helexa/checkpoint/layer_memory.py). The runner returns
 next-token logits for the sequences that asked for them, in the order they
-were given.
+were given (`run_step`: as the step output the engine and its drafters read,
+runner.py). The MTP head's passes are speculative/mtp_passes.py's.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
-from helexa.neuron.engine.mtp_passes import MtpPasses
+from helexa.neuron.engine.runner import StepOutput
+from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
@@ -76,7 +78,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
     return _KV_NAMES[dt], dt
 
 
-class ModelRunner(MtpPasses):
+class ModelRunner:
     """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
 
     def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
@@ -170,9 +172,9 @@ class ModelRunner(MtpPasses):
                 raise
 
     @property
-    def backend_name(self) -> str:
-        """The attention backend's name (torch, cpu, cuda), as status shows it."""
-        return self.backend.name
+    def attention_backend(self) -> str:
+        """The attention backend and what it chose, as status shows it."""
+        return self.backend.describe()
 
     # ---- KV pool -------------------------------------------------------------------------
 
@@ -264,6 +266,33 @@ class ModelRunner(MtpPasses):
         except BaseException:
             attention.step_failed()
             raise
+
+    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False) -> StepOutput:
+        """`execute`, with what a drafter reads of the step: each sequence's first flat row,
+        and with `keep_hidden` (a drafter that follows the target) the final normed hidden
+        state of every row."""
+        if keep_hidden:
+            self.model.keep_hidden = True
+        try:
+            logits = self.execute(seqs)
+            hidden = self.model.last_hidden if keep_hidden else None
+        finally:
+            if keep_hidden:
+                self.model.keep_hidden, self.model.last_hidden = False, None
+        return StepOutput(logits, list(self.seq_starts) if seqs else [], hidden)
+
+    # ---- the MTP head (speculative/mtp_passes.py; the rank loop calls these too) ---------
+
+    @property
+    def has_mtp_head(self) -> bool:
+        return getattr(self.model, "mtp", None) is not None  # only hybrid families have one
+
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return mtp_passes.execute_mtp(self, seqs, hidden)
+
+    def mtp_logits(self, hidden: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
+        return mtp_passes.mtp_logits(self, hidden, rows)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.spec import EngineSpec, merge_limits
+from helexa.neuron.engine.spec import EngineSpec
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
@@ -55,9 +55,7 @@ def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
     for msg in batch:
         merged.new.extend(msg.new)
         merged.aborts.extend(msg.aborts)
-        if msg.limits is not None:
-            merged.limits = msg.limits if merged.limits is None else \
-                merge_limits(merged.limits, msg.limits)
+        merged.limits = msg.limits or merged.limits  # each is the whole set: the latest wins
         merged.shutdown = merged.shutdown or msg.shutdown
         merged.refuse_queued = merged.refuse_queued or msg.refuse_queued
         merged.reset_kv = msg.reset_kv or merged.reset_kv
@@ -142,7 +140,7 @@ def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encode
             last_status, last_status_at = key, now
         if inbound is not None and inbound.shutdown:
             return
-        broken = getattr(core.runner, "failed", "")
+        broken = core.runner.failed
         if broken:  # a tensor-parallel rank died or wedged: no later step can succeed
             raise EngineGaveUp(f"tensor-parallel runner failed: {broken}")
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:

@@ -123,6 +123,11 @@ class Request:
         """Prompt plus the whole output budget: what the reservation covers."""
         return self.num_prompt_tokens + self.output_budget
 
+    def count_into(self, upd: messages.RequestUpdate) -> None:
+        """Its usage so far on its update: drafted tokens verified, and of those accepted."""
+        upd.spec_drafted_tokens = self.spec_drafted_tokens
+        upd.spec_accepted_tokens = self.spec_accepted_tokens
+
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 

@@ -2,74 +2,44 @@
 
 The daemon builds it from the neuron config and the model's plan (KV
 arithmetic from helexa.plan) and hands it to the spawned engine process, so
-the engine never reads TOML. `limits` are the knobs the config sets, over
-DEFAULT_LIMITS (`full_limits` gives a `Limits` with every knob set); runtime
-changes arrive later as partial `SetLimits` and are merged with `merge_limits`.
+the engine never reads TOML. `limits` are the runtime knobs the config sets
+(`limits_from_config`); a reload or a profile switch sends the whole set again.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from helexa.config.schema import ModelEntry, NeuronConfig, ProfileConfig
+from helexa.config.schema import (
+    ModelEntry,
+    NeuronConfig,
+    ProfileConfig,
+    Speculation,
+    resolve_speculation,
+)
 from helexa.neuron.engine import messages
 
-AnyLimits = TypeVar("AnyLimits", messages.Limits, messages.SetLimits)
-
-
-def merge_limits(current: AnyLimits, update: messages.SetLimits | None) -> AnyLimits:
-    """`current` with every knob that `update` sets replaced."""
-    if update is None:
-        return current
-    changed = {f: v for f in update.__struct_fields__ if (v := getattr(update, f)) is not None}
-    return msgspec.structs.replace(current, **changed)
-
-
-_SPEC_FIELDS = ("speculation", "spec_k", "spec_full_below", "spec_off_above",
-                "spec_min_acceptance", "spec_keep_acceptance")
-
-
-def _speculation_of(section: Any) -> dict[str, Any]:
-    """The speculation settings an [engine] section or a [[models]] entry holds."""
-    return {name: getattr(section, name) for name in _SPEC_FIELDS}
+if TYPE_CHECKING:
+    from helexa.neuron.engine.runner import Runner
 
 
 def limits_from_config(cfg: NeuronConfig, profile: ProfileConfig | None = None,
-                       entry: ModelEntry | None = None) -> messages.SetLimits:
-    """All runtime knobs from a helexa.config.schema.NeuronConfig: [admission], [kv], [engine], then
-    the model's own [[models]] speculation settings, then its profile (docs/speculation.md)."""
-    adm, kv, eng = cfg.admission, cfg.kv, cfg.engine
-    limits = messages.SetLimits(
-        max_in_flight=adm.max_in_flight,
-        max_queue_depth=adm.max_queue_depth,
-        max_per_principal=adm.max_per_principal,
-        anon_max_in_flight=adm.anon_max_in_flight,
-        kv_max_wait_secs=adm.kv_max_wait_secs,
-        max_slots=eng.max_slots,
-        max_batched_tokens=eng.max_batched_tokens,
-        prefill_chunk_tokens=eng.prefill_chunk_tokens,
-        default_output_tokens=kv.default_output_tokens,
-        **_speculation_of(eng),
-    )
-    if entry is not None:
-        limits = merge_limits(limits, messages.SetLimits(**_speculation_of(entry)))
+                       entry: ModelEntry | None = None) -> messages.Limits:
+    """Every runtime knob of a model from a helexa.config.schema.NeuronConfig: each Limits
+    field from the [admission], [kv] or [engine] key of its name, its profile's where that
+    overrides it, and the speculation that applies (resolve_speculation: [engine] < the
+    model's [[models]] entry < its profile; docs/speculation.md)."""
+    keys = set(messages.Limits.__struct_fields__) - set(Speculation.__struct_fields__)
+    values: dict[str, Any] = {}
+    for section in (cfg.admission, cfg.kv, cfg.engine):
+        values.update({k: v for k, v in msgspec.structs.asdict(section).items() if k in keys})
     if profile is not None:
-        limits = merge_limits(limits, messages.SetLimits(
-            max_in_flight=profile.max_in_flight,
-            max_slots=profile.max_slots,
-            max_batched_tokens=profile.max_batched_tokens,
-            default_output_tokens=profile.default_output_tokens,
-            speculation=profile.speculation,
-            spec_k=profile.spec_k,
-        ))
-    return limits
-
-
-# Every knob at helexa.config.schema's defaults ([admission], [kv], [engine]).
-DEFAULT_LIMITS = msgspec.convert(msgspec.to_builtins(limits_from_config(NeuronConfig())),
-                                 messages.Limits)
+        values.update({k: v for k, v in msgspec.structs.asdict(profile).items()
+                       if k in keys and v is not None})
+    speculation = resolve_speculation(cfg.engine, entry, profile)
+    return messages.Limits(**values, **msgspec.structs.asdict(speculation))
 
 
 class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -97,7 +67,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Pool layers for the checkpoint's MTP head as the plan counted them (helexa.plan:
     # its config.json's mtp_num_hidden_layers); None = the checkpoint's own config.json.
     mtp_kv_layers: int | None = None
-    limits: messages.SetLimits = messages.SetLimits()  # over DEFAULT_LIMITS (full_limits)
+    limits: messages.Limits = messages.Limits()
     # speculation = "draft:<id>" (docs/speculation.md): the draft checkpoint, loaded with the
     # model; its KV's share of bytes_per_token (its layers share each request's blocks).
     draft_model_id: str = ""
@@ -113,12 +83,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self.block_size * self.bytes_per_token
 
 
-def full_limits(partial: messages.SetLimits | None = None) -> messages.Limits:
-    """DEFAULT_LIMITS overlaid with `partial`: every knob set."""
-    return merge_limits(DEFAULT_LIMITS, partial)
-
-
-def check_pool(spec: EngineSpec, runner: Any) -> EngineSpec:
+def check_pool(spec: EngineSpec, runner: Runner) -> EngineSpec:
     """The spec as the engine runs it, after checking the runner holds the linear-attention
     state the plan counted (KV bytes per block are the runner's own check, memory_plan.py).
 
@@ -128,11 +93,11 @@ def check_pool(spec: EngineSpec, runner: Any) -> EngineSpec:
     useless without the linear-attention state at the same position, which the pool
     does not snapshot (docs/architecture.md, "Hybrid models").
     """
-    fixed = int(getattr(runner, "fixed_bytes_per_request", 0) or 0)
+    fixed = runner.fixed_bytes_per_request
     if not fixed:
         return spec
     if spec.fixed_bytes and spec.fixed_bytes != fixed:
         raise ValueError(f"{spec.model_id}: the plan counts {spec.fixed_bytes} fixed bytes per "
                          f"request, the model runner holds {fixed}")
     return msgspec.structs.replace(spec, prefix_cache=False, fixed_bytes=fixed,
-                                   num_state_slots=int(runner.num_state_slots))
+                                   num_state_slots=runner.num_state_slots)

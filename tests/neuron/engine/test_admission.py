@@ -9,7 +9,6 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.request import Request, RequestStatus
-from helexa.neuron.engine.spec import full_limits
 
 BS = 4
 
@@ -26,7 +25,7 @@ def make(num_blocks: int = 64, **limits) -> tuple[Admission, BlockPool, Clock]:
     pool = BlockPool(num_blocks, BS, BS * 2)
     clock = Clock()
     limits = {"max_in_flight": 100, "anon_max_in_flight": 100, **limits}
-    lim = full_limits(messages.SetLimits(**limits))
+    lim = messages.Limits(**limits)
     return Admission(pool, lim, clock=clock, wall_clock=clock), pool, clock
 
 

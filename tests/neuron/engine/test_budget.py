@@ -23,7 +23,7 @@ BPT = 2  # bytes per token
 def engine(context: int, max_output: int | None, default_output: int) -> EngineCore:
     spec = EngineSpec(model_id="m", num_blocks=4096, block_size=BLOCK, context=context,
                       bytes_per_token=BPT, max_output_tokens=max_output, prefix_cache=False,
-                      limits=m.SetLimits(default_output_tokens=default_output,
+                      limits=m.Limits(default_output_tokens=default_output,
                                          anon_max_in_flight=1, max_in_flight=1))
     return EngineCore(spec, FakeRunner(64, 4096, BLOCK))
 

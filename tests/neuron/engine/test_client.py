@@ -9,8 +9,9 @@ import random
 import signal
 import time
 
+import msgspec
 import pytest
-from support.fake_runner import FakeRunnerFactory, fake_next_token
+from support.fake_runner import FakeRunner, FakeRunnerFactory, fake_next_token
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
@@ -23,7 +24,7 @@ GREEDY = m.SamplingParams(temperature=0.0)
 def spec(**kw) -> EngineSpec:
     fields = dict(model_id="fake", num_blocks=512, block_size=4, context=512, bytes_per_token=2,
                   torch_threads=1,
-                  limits=m.SetLimits(max_in_flight=8, anon_max_in_flight=8))
+                  limits=m.Limits(max_in_flight=8, anon_max_in_flight=8))
     fields.update(kw)
     return EngineSpec(**fields)
 
@@ -98,7 +99,7 @@ def test_streams_aborts_limits_and_shutdown():
         assert client.num_open_requests == 0
 
         # limits at runtime: one in flight at a time, the second waits in the queue
-        client.set_limits(m.SetLimits(max_in_flight=1))
+        client.set_limits(msgspec.structs.replace(client.spec.limits, max_in_flight=1))
         # 400 steps: s1 is still running when s2 is seen queued, however loaded the machine
         slow = asyncio.ensure_future(collect(client, m.NewRequest(
             req_id="s1", prompt_token_ids=[3], max_tokens=400, sampling=GREEDY)))
@@ -177,11 +178,11 @@ def test_engine_loop_gives_up_after_repeated_step_failures():
     from helexa.neuron.engine.engine_core import EngineCore
     from helexa.neuron.engine.process import MAX_CONSECUTIVE_FAILED_STEPS, EngineGaveUp, run_loop
 
-    class Broken:
-        def execute(self, seqs):
+    class Broken(FakeRunner):
+        def run_step(self, seqs, *, keep_hidden=False):
             raise RuntimeError("device lost")
 
-    core = EngineCore(spec(), Broken())
+    core = EngineCore(spec(), Broken(64, 512, 4))
     here, there = multiprocessing.Pipe()
     raised: list[BaseException] = []
 
@@ -292,11 +293,8 @@ def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
             tokens, last = await collect(client, m.NewRequest(
                 req_id="r", prompt_token_ids=list(range(3, 20)), max_tokens=8, sampling=GREEDY))
             assert last.finished == m.FinishReason.ERROR and tokens == []
-            for _ in range(100):
-                if fatal:
-                    break
-                await asyncio.sleep(0.1)
-            assert fatal and "tensor-parallel" in fatal[0] and "rank 1" in fatal[0]
+            await until(lambda: bool(fatal), timeout=10)  # the engine said why it went down
+            assert "tensor-parallel" in fatal[0] and "rank 1" in fatal[0]
         finally:
             await client.shutdown(timeout_secs=10)
         assert not client.alive

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.engine import assert_whole, drive, with_drafter
 from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa import grammar
@@ -12,9 +13,8 @@ from helexa.fixtures.tiny import init_tiny
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.neuron.engine.speculative.drafters import Draft
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter
 from helexa.neuron.tokenizer import Tokenizer
-from tests.neuron.engine.test_engine_core import assert_whole, drive
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "ok"],
           "properties": {"name": {"type": "string", "maxLength": 12},
@@ -32,7 +32,7 @@ def core_for(model_dir, *, fake: bool) -> EngineCore:
     # bytes_per_token 0: the real runner's KV bytes are not cross-checked against a plan
     spec = EngineSpec(model_id="t", model_dir=str(model_dir), num_blocks=256, block_size=16,
                       context=1024, bytes_per_token=2 if fake else 0,
-                      limits=m.SetLimits(anon_max_in_flight=64))
+                      limits=m.Limits(anon_max_in_flight=64))
     return EngineCore(spec, FakeRunner(512, 256, 16) if fake else None)
 
 
@@ -55,7 +55,7 @@ def test_schema_constrained_output_parses_and_validates(tiny, fake, temperature)
                          stop_token_ids=tok.eos_token_ids, grammar=g) for i in range(3)]
     free = m.NewRequest(req_id="free", prompt_token_ids=prompt, max_tokens=20,
                         sampling=m.SamplingParams(temperature=temperature))
-    tokens, final, _ = drive(core, m.ToEngine(new=[*reqs, free]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[*reqs, free]))
     for r in reqs:
         assert final[r.req_id].finished == m.FinishReason.STOP, final[r.req_id]
         ids = [t for t in tokens[r.req_id] if t not in tok.eos_token_ids]
@@ -70,7 +70,7 @@ def test_bad_grammar_is_refused_invalid_request(tiny):
     core = core_for(d, fake=True)
     bad = m.NewRequest(req_id="bad", prompt_token_ids=[1, 2, 3], max_tokens=4,
                        grammar='{"grammars": [{"lark_grammar": "start: nope"}]}')
-    _, final, _ = drive(core, m.ToEngine(new=[bad]))
+    _, final, _, _ = drive(core, m.ToEngine(new=[bad]))
     assert final["bad"].refused_code == "invalid_request_error"
     assert "nope" in final["bad"].refused_message
     assert_whole(core)
@@ -93,7 +93,7 @@ def test_thinking_budget_closes_the_thought(tiny, budget):
     think = m.Thinking(budget_tokens=budget, close_ids=close, starts_open=True)
     req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=budget + 20,
                        sampling=m.SamplingParams(temperature=0.0), thinking=think)
-    tokens, final, _ = drive(core, m.ToEngine(new=[req]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[req]))
     out = tokens["t"]
     # The thought is at most `budget` tokens, then the closing marker, then the answer.
     i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
@@ -112,7 +112,7 @@ def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
                        stop_token_ids=tok.eos_token_ids,
                        grammar=grammar.grammar_text(grammar.json_schema(SCHEMA)),
                        thinking=m.Thinking(budget_tokens=6, close_ids=close, starts_open=True))
-    tokens, final, _ = drive(core, m.ToEngine(new=[req]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[req]))
     out = [t for t in tokens["t"] if t not in tok.eos_token_ids]
     i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
     assert final["t"].finished == m.FinishReason.STOP and final["t"].reasoning_tokens == i <= 6
@@ -120,7 +120,7 @@ def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
     assert_whole(core)
 
 
-class RecordingDrafter:
+class RecordingDrafter(Drafter):
     """Always drafts k copies of token 7 (mostly rejected: greedy output is unchanged) and
     records every request it was asked to draft for."""
 
@@ -138,10 +138,10 @@ def test_constrained_requests_are_not_drafted_beside_speculated_ones(tiny):
     d, tok = tiny
     spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
                       context=1024, bytes_per_token=2,
-                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
+                      limits=m.Limits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
                                          spec_off_above=1.01))
     drafter = RecordingDrafter()
-    core = EngineCore(spec, FakeRunner(512, 256, 16), drafter=drafter)
+    core = with_drafter(EngineCore(spec, FakeRunner(512, 256, 16)), drafter)
     g = grammar.grammar_text(grammar.json_schema(SCHEMA))
     prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
     con = m.NewRequest(req_id="con", prompt_token_ids=prompt, max_tokens=200,
@@ -149,20 +149,20 @@ def test_constrained_requests_are_not_drafted_beside_speculated_ones(tiny):
                        stop_token_ids=tok.eos_token_ids, grammar=g)
     free = [m.NewRequest(req_id=f"free{i}", prompt_token_ids=[5, 6, 7] * 6, max_tokens=30,
                          sampling=m.SamplingParams(temperature=0.0)) for i in range(2)]
-    tokens, final, _ = drive(core, m.ToEngine(new=[free[0], con, free[1]]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[free[0], con, free[1]]))
     assert final["con"].finished == m.FinishReason.STOP, final["con"]
     validate(json.loads(tok.decode([t for t in tokens["con"] if t not in tok.eos_token_ids])))
     assert "con" not in drafter.asked and {"free0", "free1"} <= drafter.asked
     assert core.speculator.drafted_tokens > 0  # the free rows did speculate in that batch
     plain = core_for(d, fake=True)
-    ref, _, _ = drive(plain, m.ToEngine(new=[free[0], con, free[1]]))
+    ref = drive(plain, m.ToEngine(new=[free[0], con, free[1]])).tokens
     assert tokens == ref  # greedy: the same tokens as without speculation, masks included
     plain.close()
     assert_whole(core)
     core.close()
 
 
-class ModelDrafter:
+class ModelDrafter(Drafter):
     """Drafts the fake model's own greedy continuation, unaware of the thinking budget:
     every draft is accepted unless the budget forces a token in between."""
 
@@ -185,13 +185,13 @@ def test_thinking_budget_holds_with_speculation(tiny, budget):
     think = m.Thinking(budget_tokens=budget, close_ids=close, starts_open=True)
     req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=budget + 30,
                        sampling=m.SamplingParams(temperature=0.0), thinking=think)
-    want, want_final, _ = drive(core_for(d, fake=True), m.ToEngine(new=[req]))
+    want, want_final, _, _ = drive(core_for(d, fake=True), m.ToEngine(new=[req]))
     spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
                       context=1024, bytes_per_token=2,
-                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
+                      limits=m.Limits(anon_max_in_flight=64, spec_k=4, spec_full_below=1.0,
                                          spec_off_above=1.01))
-    core = EngineCore(spec, FakeRunner(512, 256, 16), drafter=ModelDrafter())
-    got, final, _ = drive(core, m.ToEngine(new=[req]))
+    core = with_drafter(EngineCore(spec, FakeRunner(512, 256, 16)), ModelDrafter())
+    got, final, _, _ = drive(core, m.ToEngine(new=[req]))
     assert got == want  # the closing marker lands where the budget says, drafts or not
     assert final["t"].reasoning_tokens == want_final["t"].reasoning_tokens <= budget
     assert core.speculator.accepted_tokens > 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
+from support.engine import assert_whole, drive
 from support.fake_runner import FakeRunner, fake_next_token
 
 from helexa.neuron.engine import messages as m
@@ -20,7 +22,7 @@ def make_core(*, num_blocks: int = 64, block_size: int = 4, context: int = 256,
               prefix_cache: bool = False, runner=None, **limits) -> EngineCore:
     spec = EngineSpec(model_id="fake", num_blocks=num_blocks, block_size=block_size,
                       context=context, bytes_per_token=2, prefix_cache=prefix_cache,
-                      limits=m.SetLimits(**{"anon_max_in_flight": 64, **limits}))
+                      limits=m.Limits(**{"anon_max_in_flight": 64, **limits}))
     return EngineCore(spec, runner if runner is not None
                       else FakeRunner(VOCAB, num_blocks, block_size))
 
@@ -42,39 +44,10 @@ def expected(prompt: list[int], n: int, stop: int | None = None) -> list[int]:
     return out
 
 
-def drive(core: EngineCore, first: m.ToEngine | None = None, max_steps: int = 10_000):
-    """Step until idle; per request: tokens, the final update, and the admitted update."""
-    tokens: dict[str, list[int]] = {}
-    final: dict[str, m.RequestUpdate] = {}
-    admitted: dict[str, m.RequestUpdate] = {}
-    inbound = first
-    for _ in range(max_steps):
-        out = core.step(inbound)
-        inbound = None
-        for u in out.updates:
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-            if u.admitted:
-                admitted[u.req_id] = u
-            if u.finished is not None or u.refused_code is not None:
-                final[u.req_id] = u
-        if not core.has_work:
-            return tokens, final, admitted
-    raise AssertionError("engine did not go idle")
-
-
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
-    st = core.status()
-    assert (st.in_flight, st.queued, st.running) == (0, 0, 0)
-    assert not core.requests and not core.running and not core.waiting
-
-
 def test_single_request_greedy_tokens_and_length_finish():
     core = make_core()
     prompt = [5, 6, 7, 8, 9, 10, 11]
-    tokens, final, admitted = drive(core, m.ToEngine(new=[new("a", prompt, 12)]))
+    tokens, final, admitted, _ = drive(core, m.ToEngine(new=[new("a", prompt, 12)]))
     assert tokens["a"] == expected(prompt, 12)
     assert final["a"].finished == m.FinishReason.LENGTH
     assert admitted["a"].prompt_tokens == 7 and admitted["a"].cached_tokens == 0
@@ -86,7 +59,7 @@ def test_stop_token_ends_with_stop_and_is_reported():
     prompt = [1, 2, 3]
     want = expected(prompt, 20)
     stop = want[4]
-    tokens, final, _ = drive(core, m.ToEngine(new=[new("a", prompt, 20, stop_token_ids=[stop])]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[new("a", prompt, 20, stop_token_ids=[stop])]))
     assert tokens["a"] == want[:5]
     assert final["a"].finished == m.FinishReason.STOP
     assert_whole(core)
@@ -94,9 +67,9 @@ def test_stop_token_ends_with_stop_and_is_reported():
 
 def test_output_budget_defaults_to_context_left():
     core = make_core(context=24, default_output_tokens=1000)
-    tokens, final, _ = drive(core, m.ToEngine(new=[new("a", [1] * 20, None)]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[new("a", [1] * 20, None)]))
     assert len(tokens["a"]) == 4 and final["a"].finished == m.FinishReason.LENGTH
-    tokens, final, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5), new("c", [1] * 24, None),
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5), new("c", [1] * 24, None),
                                                    new("d", [], 3), new("e", [1], 0)]))
     assert {r: u.refused_code for r, u in final.items()} == {
         "b": "context_length_exceeded", "c": "context_length_exceeded",
@@ -108,11 +81,11 @@ def test_concurrent_chunked_requests_match_single_runs():
     prompts = [[(7 * i + j) % VOCAB for j in range(3 + 9 * i)] for i in range(8)]
     solo = []
     for i, p in enumerate(prompts):
-        tokens, _, _ = drive(make_core(), m.ToEngine(new=[new(f"s{i}", p, 10 + i)]))
+        tokens = drive(make_core(), m.ToEngine(new=[new(f"s{i}", p, 10 + i)])).tokens
         solo.append(tokens[f"s{i}"])
         assert solo[-1] == expected(p, 10 + i)
     core = make_core(max_slots=8, max_batched_tokens=24, prefill_chunk_tokens=5)
-    tokens, final, _ = drive(core, m.ToEngine(new=[new(f"c{i}", p, 10 + i)
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[new(f"c{i}", p, 10 + i)
                                                    for i, p in enumerate(prompts)]))
     assert [tokens[f"c{i}"] for i in range(8)] == solo
     assert all(u.finished == m.FinishReason.LENGTH for u in final.values())
@@ -160,7 +133,7 @@ def test_failed_step_fails_its_requests_and_the_engine_goes_on():
     failed = {u.req_id: u for u in out.updates if u.finished == m.FinishReason.ERROR}
     assert set(failed) == {"a", "b"} and "injected failure" in failed["a"].error
     assert core.num_failed_steps == 1
-    tokens, final, _ = drive(core)
+    tokens, final, _, _ = drive(core)
     assert tokens["c"] == expected([6, 7], 5) and final["c"].finished == m.FinishReason.LENGTH
     assert_whole(core)
 
@@ -195,7 +168,7 @@ def test_set_limits_and_stop_admitting_through_messages():
     core.step(m.ToEngine(new=[new("a", [1], 30), new("b", [2], 30, principal="q")]))
     assert core.status().in_flight == 1 and core.status().queued == 1
     ledger = core.pool.ledger()
-    core.step(m.ToEngine(limits=m.SetLimits(max_in_flight=4)))
+    core.step(m.ToEngine(limits=msgspec.structs.replace(core.limits, max_in_flight=4)))
     assert core.status().in_flight == 2 and core.pool.num_blocks * 8 == ledger.total_bytes
     out = core.step(m.ToEngine(new=[new("c", [3], 4)], stop_admitting=True))
     assert [u.refused_code for u in out.updates if u.req_id == "c"] == ["shutting_down"]
@@ -232,7 +205,7 @@ def test_ledger_whole_after_a_storm(prefix_cache: bool):
         core.pool.check()
         led = core.pool.ledger()
         assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
-    _, final, _ = drive(core)
+    _, final, _, _ = drive(core)
     outcomes.update({rid: u.finished.name for rid, u in final.items() if u.finished})
     assert_whole(core)
     kinds = set(outcomes.values())
@@ -249,7 +222,7 @@ def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):
     def tiny_core(prefix_cache: bool, **limits) -> EngineCore:
         spec = EngineSpec(model_id="tiny", model_dir=str(tiny_model_dir), num_blocks=128,
                           block_size=8, context=256, prefix_cache=prefix_cache,
-                          limits=m.SetLimits(anon_max_in_flight=8, **limits))
+                          limits=m.Limits(anon_max_in_flight=8, **limits))
         return EngineCore(spec)
 
     rng = random.Random(3)
@@ -259,10 +232,10 @@ def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):
     solo_core = tiny_core(False, max_slots=1, prefill_chunk_tokens=512)
     solo = []
     for i, p in enumerate(prompts):
-        tokens, _, _ = drive(solo_core, m.ToEngine(new=[new(f"s{i}", p, 16)]))
+        tokens = drive(solo_core, m.ToEngine(new=[new(f"s{i}", p, 16)])).tokens
         solo.append(tokens[f"s{i}"])
     core = tiny_core(True, max_slots=8, max_batched_tokens=40, prefill_chunk_tokens=11)
-    tokens, final, admitted = drive(core, m.ToEngine(new=[new(f"c{i}", p, 16)
+    tokens, final, admitted, _ = drive(core, m.ToEngine(new=[new(f"c{i}", p, 16)
                                                           for i, p in enumerate(prompts)]))
     assert [tokens[f"c{i}"] for i in range(8)] == solo
     assert_whole(core)
@@ -317,9 +290,9 @@ def test_prefix_cache_same_tokens_on_and_off_with_shared_prefixes():
 def test_multi_turn_second_turn_reuses_the_first_turns_blocks():
     core = make_core(prefix_cache=True)
     turn1 = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
-    tokens, _, _ = drive(core, m.ToEngine(new=[new("t1", turn1, 9)]))
+    tokens = drive(core, m.ToEngine(new=[new("t1", turn1, 9)])).tokens
     turn2 = turn1 + tokens["t1"] + [7, 7, 7]
-    tokens2, _, admitted = drive(core, m.ToEngine(new=[new("t2", turn2, 5)]))
+    tokens2, _, admitted, _ = drive(core, m.ToEngine(new=[new("t2", turn2, 5)]))
     # prompt and output blocks of turn 1 were filed: 19 tokens -> 4 full blocks (16 tokens)
     assert admitted["t2"].cached_tokens == 16
     assert tokens2["t2"] == expected(turn2, 5)
@@ -332,7 +305,7 @@ def test_whole_prompt_cached_still_computes_its_last_token():
     core = make_core(prefix_cache=True)
     prompt = list(range(1, 13))  # exactly 3 blocks
     drive(core, m.ToEngine(new=[new("a", prompt, 3)]))
-    tokens, _, admitted = drive(core, m.ToEngine(new=[new("b", prompt, 3)]))
+    tokens, _, admitted, _ = drive(core, m.ToEngine(new=[new("b", prompt, 3)]))
     assert admitted["b"].cached_tokens == 8  # the last block is recomputed for its logits
     assert tokens["b"] == expected(prompt, 3)
 
@@ -368,7 +341,7 @@ def test_pinned_prefix_cannot_be_evicted_before_its_prefill():
     adm = {u.req_id: u.cached_tokens for u in out.updates if u.admitted}
     # x: 3 blocks, b: 1 new + 2 pinned, c would need 4 > 9 - 6 left: it waits
     assert adm == {"x": 0, "b": 8}
-    tokens, _, _ = drive(core)
+    tokens = drive(core).tokens
     assert tokens["b"] == expected(prompt + [5], 2)
     assert_whole(core)
 
@@ -389,7 +362,7 @@ def test_reset_kv_replans_the_pool_only_when_nothing_is_in_flight():
     # "long" (150 tokens) no longer fits the context and is refused; "short" is served
     assert [u.refused_code for u in out.updates if u.req_id == "long"] == ["context_length_exceeded"]
     first = [t for u in out.updates if u.req_id == "short" for t in u.new_token_ids]
-    tokens, final, _ = drive(core)
+    tokens, final, _, _ = drive(core)
     assert first + tokens["short"] == expected([4] * 4, 4)
     assert_whole(core)
 
@@ -402,7 +375,7 @@ def test_a_prefix_digest_collision_serves_no_other_tenants_kv(monkeypatch):
     secret = [11, 12, 13, 14, 15, 16, 17, 18, 19]
     drive(core, m.ToEngine(new=[new("alice", secret, 3, principal="alice")]))
     probe = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # every block collides with alice's
-    tokens, _, admitted = drive(core, m.ToEngine(new=[new("mallory", probe, 3, principal="mallory")]))
+    tokens, _, admitted, _ = drive(core, m.ToEngine(new=[new("mallory", probe, 3, principal="mallory")]))
     assert admitted["mallory"].cached_tokens == 0
     assert tokens["mallory"] == expected(probe, 3)
     assert_whole(core)

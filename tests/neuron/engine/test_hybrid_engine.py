@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
+from support.engine import assert_whole, drive
 
 from helexa.config.schema import load_neuron_config
 from helexa.neuron.engine import messages as m
@@ -26,35 +27,13 @@ def core_for(model_dir: Path, *, prefix_cache: bool = True, num_blocks: int = 16
              **limits) -> EngineCore:
     spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=num_blocks,
                       block_size=8, context=512, prefix_cache=prefix_cache, bytes_per_token=0,
-                      limits=m.SetLimits(anon_max_in_flight=64, **limits))
+                      limits=m.Limits(anon_max_in_flight=64, **limits))
     return EngineCore(spec)
 
 
 def new(rid: str, prompt: list[int], max_tokens: int = 12) -> m.NewRequest:
     return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
                         sampling=GREEDY)
-
-
-def drive(core: EngineCore, first: m.ToEngine | None = None) -> tuple[dict, dict]:
-    tokens: dict[str, list[int]] = {}
-    admitted: dict[str, m.RequestUpdate] = {}
-    inbound = first
-    while True:
-        for u in core.step(inbound).updates:
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-            if u.admitted:
-                admitted[u.req_id] = u
-        inbound = None
-        core.pool.check()
-        if not core.has_work:
-            return tokens, admitted
-
-
-def assert_whole(core: EngineCore) -> None:
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and not led.reserved_bytes and not led.used_bytes
-    assert led.state_free_bytes == led.state_total_bytes > 0
-    assert core.pool.num_free_state_slots == core.pool.num_state_slots
 
 
 def test_pool_reserves_a_state_slot_with_the_blocks_and_returns_it_once():
@@ -110,7 +89,7 @@ def test_storm_half_abandoned_leaves_kv_and_state_whole(tiny_checkpoint):
     aborted = {r for r, why in finished.items() if why == m.FinishReason.ABORT}
     assert aborted and aborted <= abandon
     assert all(why == m.FinishReason.LENGTH for r, why in finished.items() if r not in abandon)
-    assert_whole(core)
+    assert_whole(core, hybrid=True)
 
 
 def test_outputs_do_not_depend_on_batch_mates_or_recycled_slots(tiny_checkpoint):
@@ -120,13 +99,13 @@ def test_outputs_do_not_depend_on_batch_mates_or_recycled_slots(tiny_checkpoint)
     solo = []
     core = core_for(model_dir, max_in_flight=2, max_slots=1)
     for i, p in enumerate(prompts):  # one at a time: every slot is reused by later requests
-        tokens, _ = drive(core, m.ToEngine(new=[new(f"s{i}", p)]))
+        tokens = drive(core, m.ToEngine(new=[new(f"s{i}", p)])).tokens
         solo.append(tokens[f"s{i}"])
     core = core_for(model_dir, max_in_flight=6, max_slots=6, max_batched_tokens=24,
                     prefill_chunk_tokens=7)
-    tokens, _ = drive(core, m.ToEngine(new=[new(f"b{i}", p) for i, p in enumerate(prompts)]))
+    tokens = drive(core, m.ToEngine(new=[new(f"b{i}", p) for i, p in enumerate(prompts)])).tokens
     assert [tokens[f"b{i}"] for i in range(6)] == solo
-    assert_whole(core)
+    assert_whole(core, hybrid=True)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_moe"])
@@ -134,8 +113,8 @@ def test_same_long_prompt_twice_same_tokens_with_prefix_cache_on(tiny_checkpoint
     model_dir = tiny_checkpoint(arch)
     core = core_for(model_dir, prefix_cache=True)
     prompt = [random.Random(9).randrange(3, 500) for _ in range(100)]
-    first, _ = drive(core, m.ToEngine(new=[new("one", prompt, 24)]))
-    second, admitted = drive(core, m.ToEngine(new=[new("two", prompt, 24)]))
+    first = drive(core, m.ToEngine(new=[new("one", prompt, 24)])).tokens
+    second, _, admitted, _ = drive(core, m.ToEngine(new=[new("two", prompt, 24)]))
     assert second["two"] == first["one"] and len(first["one"]) == 24
     hybrid = arch != "qwen3_moe"
     # A hybrid serves with the prefix cache off (no state snapshot at the prefix's end);
@@ -143,7 +122,7 @@ def test_same_long_prompt_twice_same_tokens_with_prefix_cache_on(tiny_checkpoint
     assert core.spec.prefix_cache is not hybrid
     assert (admitted["two"].cached_tokens == 0) is hybrid
     if hybrid:
-        assert_whole(core)
+        assert_whole(core, hybrid=True)
 
 
 def test_plan_and_running_engine_agree_on_beasts_pool(tiny_checkpoint, tmp_path):
@@ -195,12 +174,12 @@ def test_kv_dtype_switch_keeps_the_state_slots_and_the_outputs(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     core = core_for(model_dir, max_in_flight=3)
     prompt = [random.Random(2).randrange(3, 500) for _ in range(30)]
-    before, _ = drive(core, m.ToEngine(new=[new("a", prompt)]))
+    before = drive(core, m.ToEngine(new=[new("a", prompt)])).tokens
     slots, fixed = core.pool.num_state_slots, core.pool.fixed_bytes
     assert core.reset_kv(m.ResetKv(num_blocks=100, kv_dtype="fp32", bytes_per_token=0,
                                    context=512)) == "ok"
     assert (core.pool.num_blocks, core.pool.num_state_slots, core.pool.fixed_bytes) == (
         100, slots, fixed)
-    after, _ = drive(core, m.ToEngine(new=[new("b", prompt)]))
+    after = drive(core, m.ToEngine(new=[new("b", prompt)])).tokens
     assert after["b"] == before["a"]
-    assert_whole(core)
+    assert_whole(core, hybrid=True)

@@ -41,24 +41,18 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
 
 import torch
 
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.runner import Runner
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.neuron.engine.speculative.drafters import Draft
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter
 from helexa.neuron.engine.speculative.verify import target_probs
 
 _NO_DRAFT = Draft([])
-
-
-class DraftRunner(Protocol):
-    """What the drafter needs of a runner: ModelRunner, or a test stand-in."""
-
-    def execute(self, seqs: list[SeqInput]) -> torch.Tensor: ...
 
 
 @dataclass
@@ -68,12 +62,12 @@ class _Seen:
     pending: list[int] = field(default_factory=list)  # drafts written at computed, computed+1..
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     """Drafts with a smaller model whose KV shares each request's block table."""
 
-    def __init__(self, model_id: str, runner: DraftRunner,
+    def __init__(self, model_id: str, runner: Runner,
                  ensure_blocks: Callable[[Request, int], None], *,
-                 max_batched_tokens: int = 2048) -> None:
+                 max_batched_tokens: int) -> None:
         """`ensure_blocks(req, n)`: the engine draws req's blocks (from its reservation) until
         its table covers n tokens, so the draft can write its KV there."""
         self.name = f"draft:{model_id}"
@@ -81,9 +75,6 @@ class DraftModelDrafter:
         self.ensure_blocks = ensure_blocks
         self.max_batched_tokens = max(1, max_batched_tokens)
         self._seen: dict[str, _Seen] = {}
-
-    def propose(self, req: Request, k: int) -> Draft:
-        return self.propose_batch([req], [k])[0]
 
     def release(self, req: Request) -> None:
         """`req` ended: forget what the draft saw (its KV returns with the request's blocks)."""
@@ -120,7 +111,7 @@ class DraftModelDrafter:
                 r = reqs[i]
                 seqs.append(SeqInput(token_ids=pending[i][:n], num_computed=seen[i].computed,
                                      block_table=r.block_table, need_logits=n == len(pending[i])))
-            logits = self.runner.execute(seqs)
+            logits = self.runner.run_step(seqs).logits
             row = 0
             for (i, n), s in zip(batch, seqs, strict=True):
                 seen[i].computed += n
@@ -135,7 +126,7 @@ class DraftModelDrafter:
         while live:
             seqs = [SeqInput(token_ids=[drafts[i][-1]], num_computed=r.num_tokens + step - 1,
                              block_table=r.block_table, need_logits=True) for i, r, _ in live]
-            logits = self.runner.execute(seqs)
+            logits = self.runner.run_step(seqs).logits
             for row, (i, r, _) in enumerate(live):
                 self._pick(r, logits[row], drafts[i], qs[i])
             step += 1
@@ -213,7 +204,7 @@ def check_same_tokenizer(target_id: str, target_dir: str | Path, draft_id: str,
                          "tokenizer")
 
 
-def load_draft(spec: EngineSpec, limits: messages.Limits) -> Any:
+def load_draft(spec: EngineSpec, limits: messages.Limits) -> Runner:
     """The draft model's ModelRunner (spec.draft_model_dir): weights in the target's dtype on
     the target's device, KV in the target's kv_dtype over a one-block pool until the target
     has sized its own (the engine then resets it to the target's block count). Refuses

@@ -19,23 +19,30 @@ Kinds:
   drafters in one batch.
 - `DraftModelDrafter` (draft_model.py): a smaller model of the same tokenizer.
 
-Optional methods a drafter may have (the Speculator calls them when present):
-`propose_batch(reqs, ks) -> list[Draft]` (all of a step's proposals in one
-call), `observe(items)` (after each step: (request, its index among the step's
-sequences, positions it computed and kept) for the requests still running; the
-step's hidden states are the runner's: the MTP drafter follows the target so),
-`release(req)` (a request ended: drop what the drafter kept for it).
+Every drafter is a `Drafter`, whose defaults a kind overrides where it needs to:
+`propose` one request's draft (or `propose_batch` for all of a step's drafting
+requests at once: a model batches its forwards), `observe` the step just run (a
+drafter that follows the target, `follows_target`, reads its hidden states there),
+`release` what it kept for a request that ended. Which drafter a model runs:
+setup.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from helexa.neuron.engine.request import Request
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.runner import StepOutput
+
+# After a step, per request still running: (the request, its index among the step's
+# sequences, the positions it computed and kept in that step).
+Kept = tuple[Request, int, int]
 
 
 @dataclass
@@ -44,17 +51,34 @@ class Draft:
     probs: torch.Tensor | None = None  # [len(tokens), vocab] q; None = one-hot on tokens
 
 
-class Drafter(Protocol):
-    name: str  # what /v1/models and the metrics call it
-
-    def propose(self, req: Request, k: int) -> Draft: ...
-
-
 _NO_DRAFT = Draft([])
 
 
+class Drafter:
+    """Proposes at most k next tokens for a request; the target verifies them."""
+
+    name: str = ""  # what /v1/models and the metrics call it
+    # observe() reads the step's hidden states (StepOutput.hidden): the runner keeps them
+    follows_target: bool = False
+
+    def propose(self, req: Request, k: int) -> Draft:
+        """One request's draft of at most k tokens (none: no guess worth a row)."""
+        return self.propose_batch([req], [k])[0]
+
+    def propose_batch(self, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
+        """Drafts for all of a step's drafting requests (ks[i] tokens at most for reqs[i]).
+        A kind overrides this or propose."""
+        return [self.propose(r, k) for r, k in zip(reqs, ks, strict=True)]
+
+    def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
+        """After each step: what it computed, and what each request still running kept."""
+
+    def release(self, req: Request) -> None:
+        """`req` ended: drop what was kept for it."""
+
+
 @dataclass
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Prompt lookup: continue the latest earlier occurrence of the context's last n tokens."""
 
     min_n: int = 2
@@ -93,7 +117,7 @@ Truth = Callable[[list[int], int], list[int]]
 
 
 @dataclass
-class OracleDrafter:
+class OracleDrafter(Drafter):
     """Always right (tests): proposes the target's own greedy continuation."""
 
     truth: Truth
@@ -104,7 +128,7 @@ class OracleDrafter:
 
 
 @dataclass
-class AdversarialDrafter:
+class AdversarialDrafter(Drafter):
     """Always wrong (tests): every proposed token differs from the target's greedy one."""
 
     truth: Truth
@@ -118,7 +142,7 @@ class AdversarialDrafter:
 
 
 @dataclass
-class PerRequestDrafter:
+class PerRequestDrafter(Drafter):
     """A drafter per request id (tests: mixed drafters in one batch); others get none."""
 
     by_req: Mapping[str, Drafter]
@@ -137,54 +161,23 @@ class PerRequestDrafter:
                 groups.setdefault(id(self.by_req[r.req_id]), []).append(i)
         for idx in groups.values():
             d = self.by_req[reqs[idx[0]].req_id]
-            got = propose_all(d, [reqs[i] for i in idx], [ks[i] for i in idx])
+            got = d.propose_batch([reqs[i] for i in idx], [ks[i] for i in idx])
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
 
-    def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
-        """Each drafter that follows the target observes its own requests."""
+    @property
+    def follows_target(self) -> bool:  # type: ignore[override]
+        return any(d.follows_target for d in self.by_req.values())
+
+    def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
+        """Each drafter observes the step for its own requests."""
         for d in {id(d): d for d in self.by_req.values()}.values():
-            observe = getattr(d, "observe", None)
-            mine = [it for it in items if self.by_req.get(it[0].req_id) is d]
-            if observe is not None and mine:
-                observe(mine)
+            mine = [it for it in kept if self.by_req.get(it[0].req_id) is d]
+            if mine:
+                d.observe(step, mine)
 
     def release(self, req: Request) -> None:
-        release = getattr(self.by_req.get(req.req_id), "release", None)
-        if release is not None:
-            release(req)
-
-
-def propose_all(drafter: Drafter, reqs: Sequence[Request], ks: Sequence[int]) -> list[Draft]:
-    """`drafter`'s drafts for `reqs`: one propose_batch call where it has one (a model
-    batches its forwards), else propose per request."""
-    batch = getattr(drafter, "propose_batch", None)
-    if batch is not None:
-        return list(batch(reqs, ks))
-    return [drafter.propose(r, k) for r, k in zip(reqs, ks, strict=True)]
-
-
-def make_drafter(speculation: str, loaded: Drafter | None = None, *, runner: Any = None,
-                 ensure_blocks: Callable[[Request, int], None] | None = None) -> Drafter | None:
-    """The drafter a `speculation` setting names; None for "off". Clear error otherwise.
-    `loaded` is the draft-model drafter loaded with the model (draft_model.py), if any;
-    "mtp" drafts with the MTP head of the model `runner` runs (mtp.py; MtpUnavailable,
-    a ValueError, where it has none), drawing blocks with `ensure_blocks`."""
-    if speculation == "off":
-        return None
-    if speculation == "ngram":
-        return NgramDrafter()
-    if speculation.startswith("draft:"):
-        if loaded is not None and loaded.name == speculation:
-            return loaded
-        raise ValueError(f"speculation = {speculation!r}: that draft model was not loaded with "
-                         "this model (a draft model loads with its target, from the target's "
-                         "[[models]] speculation at start; docs/speculation.md)")
-    if speculation == "mtp":
-        from helexa.neuron.engine.speculative.mtp import MtpDrafter  # imports the runner
-
-        assert ensure_blocks is not None, "the MTP drafter draws blocks through the engine"
-        return MtpDrafter(runner, ensure_blocks)
-    raise ValueError(f"speculation: expected \"ngram\", \"mtp\", \"draft:<model id>\" or"
-                     f" \"off\", got {speculation!r}")
+        d = self.by_req.get(req.req_id)
+        if d is not None:
+            d.release(req)

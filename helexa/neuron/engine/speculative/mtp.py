@@ -4,7 +4,8 @@ The head (helexa/neuron/models/mtp.py) at position t reads the target's final hi
 state h_t and token t + 1, and predicts token t + 2. So it follows the target:
 
 - `observe`, after every engine step: for each request, the target's hidden
-  states of the positions it computed and kept this step (a prefill chunk; a
+  states (the step's StepOutput.hidden: `follows_target` asks the runner to keep
+  them) of the positions it computed and kept this step (a prefill chunk; a
   decode token; a verification row's last token and accepted drafts) are kept
   as the request's backlog. Every such position's next token is known by then
   (the prompt, or the token just sampled).
@@ -28,7 +29,7 @@ state h_t and token t + 1, and predicts token t + 2. So it follows the target:
 Drafts are greedy: `Draft.probs` is None (one-hot), so a sampled request accepts
 a draft with the target's own probability of it (verify.py).
 
-At tensor parallel > 1 every pass runs on every rank (model_runner.execute_mtp,
+At tensor parallel > 1 every pass runs on every rank (mtp_passes.py,
 tp_worker.py): the drafts are decided here, on rank 0, from the gathered logits,
 and reach the other ranks as the next pass's tokens. A model whose checkpoint
 has no head is refused (`MtpUnavailable`, logged as engine.speculation_refused).
@@ -38,13 +39,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
-from helexa.neuron.engine.speculative.drafters import Draft
+from helexa.neuron.engine.runner import Runner, StepOutput
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter, Kept
 
 # A request's backlog runs through the head once it holds this many positions.
 CATCH_UP_ROWS = 64
@@ -64,37 +65,32 @@ class _Follow:
     out: torch.Tensor | None = None  # [H] the head's output at start - 1 (draft 1's logits)
 
 
-class MtpDrafter:
+class MtpDrafter(Drafter):
     name = "mtp"
+    follows_target = True
 
-    def __init__(self, runner: Any, ensure_blocks: Callable[[Request, int], None]) -> None:
+    def __init__(self, runner: Runner, ensure_blocks: Callable[[Request, int], None]) -> None:
         """`ensure_blocks(req, n)`: the engine draws req's blocks (from its reservation)
         until its table covers n tokens, so the chain can write the head's KV there."""
-        model: Any = getattr(runner, "model", None)  # the fake runner has none
-        if getattr(model, "mtp", None) is None:
+        if not runner.has_mtp_head:
             raise MtpUnavailable("the model loaded no MTP head (it needs config.json "
                                  "mtp_num_hidden_layers and the mtp.* tensors, in a checkpoint "
                                  "not quantised in the file)")
-        if getattr(runner, "mtp_kv_layers", 0) < 1:
+        if runner.mtp_kv_layers < 1:
             raise MtpUnavailable("the plan counts no KV for the MTP head: the pool holds it "
                                  "where the config names speculation = \"mtp\" at load (engine,"
                                  " a profile) and the planned config.json declares "
                                  "mtp_num_hidden_layers")
         self.runner = runner
         self.ensure_blocks = ensure_blocks
-        model.keep_hidden = True  # the target's step keeps the hidden states observe reads
         self.follows: dict[str, _Follow] = {}
 
-    def propose(self, req: Request, k: int) -> Draft:
-        return self.propose_batch([req], [k])[0]
-
-    def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
-        """After a step: (request, its index among the step's sequences, positions it
-        computed and kept) for each request still running."""
-        hidden = self.runner.model.last_hidden
-        starts = self.runner.seq_starts
+    def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
+        """Keep the target's hidden states of the positions each request kept."""
+        hidden, starts = step.hidden, step.row_starts
+        assert hidden is not None, "the step kept no hidden states (follows_target)"
         due: list[Request] = []
-        for req, index, n in items:
+        for req, index, n in kept:
             end = req.num_computed_tokens
             f = self.follows.get(req.req_id)
             if f is None or f.start + f.num_rows != end - n:  # first step (or lost track)

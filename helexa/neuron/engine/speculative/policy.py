@@ -6,51 +6,45 @@ tokens costs little more than one decode token, while a full batch has no
 spare compute and every drafted token that is rejected is a row's worth of
 work thrown away. Hence, with `occupancy` = running requests / max_slots:
 
-- occupancy <= full_below: k_max;
-- full_below < occupancy < off_above: k_max scaled down linearly (at least 1);
-- occupancy >= off_above: 0 (speculation gives way to batch width), but for a
+- occupancy <= spec_full_below: spec_k;
+- spec_full_below < occupancy < spec_off_above: spec_k scaled down linearly (at least 1);
+- occupancy >= spec_off_above: 0 (speculation gives way to batch width), but for a
   one-token probe (every step until a request has an acceptance rate, then
-  every `probe_every` steps), so that the rate is known.
+  every PROBE_EVERY steps), so that the rate is known.
 
 And per request, from its acceptance rate (an EWMA of accepted / drafted):
-below `min_acceptance` it drafts nothing, except one probe every
-`probe_every` steps so that a request whose text turns repetitive is found
-again; at or above `keep_acceptance` it drafts k_max whatever the load: when
+below `spec_min_acceptance` it drafts nothing, except one probe every
+PROBE_EVERY steps so that a request whose text turns repetitive is found
+again; at or above `spec_keep_acceptance` it drafts spec_k whatever the load: when
 nearly every draft is right, a verification row is nearly all output, the
 cheapest tokens a full batch can get (bench/spec.py shows it on rewrites).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from helexa.config.speculation import Speculation
+
+PROBE_EVERY = 8  # steps between a request's one-token probes while it is kept from drafting
 
 
-@dataclass(frozen=True)
-class SpecPolicy:
-    k_max: int = 4
-    full_below: float = 0.25
-    off_above: float = 0.75
-    min_acceptance: float = 0.3
-    keep_acceptance: float = 0.8
-    probe_every: int = 8
-
-
-def choose_k(policy: SpecPolicy, *, occupancy: float, acceptance: float | None,
+def choose_k(policy: Speculation, *, occupancy: float, acceptance: float | None,
              steps_since_draft: int) -> int:
-    """Tokens to draft for one request (0 = plain decode)."""
-    if policy.k_max <= 0:
+    """Tokens to draft for one request (0 = plain decode), under `policy`'s spec_k and
+    thresholds (the speculation that applies to the model)."""
+    k_max = policy.spec_k
+    if k_max <= 0:
         return 0
-    if acceptance is not None and acceptance >= policy.keep_acceptance:
-        return policy.k_max
-    if occupancy >= policy.off_above:  # a one-token probe: at once while acceptance is unknown
-        probe = acceptance is None or steps_since_draft >= policy.probe_every
+    if acceptance is not None and acceptance >= policy.spec_keep_acceptance:
+        return k_max
+    if occupancy >= policy.spec_off_above:  # a one-token probe: at once while acceptance is unknown
+        probe = acceptance is None or steps_since_draft >= PROBE_EVERY
         return 1 if probe else 0
-    k = policy.k_max
-    if occupancy > policy.full_below:
-        span = policy.off_above - policy.full_below
-        k = max(1, round(k * (policy.off_above - occupancy) / span))
-    if (acceptance is not None and acceptance < policy.min_acceptance
-            and steps_since_draft < policy.probe_every):
+    k = k_max
+    if occupancy > policy.spec_full_below:
+        span = policy.spec_off_above - policy.spec_full_below
+        k = max(1, round(k * (policy.spec_off_above - occupancy) / span))
+    if (acceptance is not None and acceptance < policy.spec_min_acceptance
+            and steps_since_draft < PROBE_EVERY):
         return 0
     return k
 

@@ -5,12 +5,14 @@ policy how many tokens each decoding request may draft (policy.py) and the
 drafter for them, and leaves them on the request (`Request.draft`); the
 scheduler then gives that request a row of 1 + len(draft) tokens (when the
 step's token budget has room) and the engine scores it with logits at every
-position. `accept` verifies the row (verify.py) and keeps the figures, per model and per
-request. A drafter may have optional methods, used when present:
-`propose_batch(reqs, ks)` (one call for the step's drafting requests: a
-draft model batches its forwards), `observe(items)` after each step (the
-positions each running request kept: the MTP head follows the target) and
-`release(req)` (the request ended).
+position. `accept` verifies the row (verify.py) and keeps the figures, per model
+and per request; `observe` shows the drafter the step (the MTP head follows the
+target), `release` tells it a request ended. A drafter that fails costs drafts,
+never output: its exception is logged (engine.draft_failed) and the step goes on
+without them.
+
+`configure` applies the speculation that applies now (limits in force: a reload,
+a profile switch), switching drafter when it names another (setup.py makes it).
 
 The KV of drafted tokens is written past the request's computed length; the
 engine advances `num_computed_tokens` by the accepted ones only, so rejected
@@ -24,25 +26,67 @@ does not cover, and the ledger is unchanged by it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from helexa.config.speculation import Speculation
+from helexa.neuron.engine import messages
 from helexa.neuron.engine.request import Request
-from helexa.neuron.engine.speculative.drafters import Draft, Drafter, propose_all
-from helexa.neuron.engine.speculative.policy import SpecPolicy, choose_k, update_acceptance
+from helexa.neuron.engine.runner import Runners, StepOutput
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter, Kept
+from helexa.neuron.engine.speculative.policy import choose_k, update_acceptance
+from helexa.neuron.engine.speculative.setup import Drafters, EnsureBlocks
 from helexa.neuron.engine.speculative.verify import verify
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter | None, policy: SpecPolicy) -> None:
-        self.drafter = drafter
-        self.policy = policy
+    def __init__(self, runners: Runners, ensure_blocks: EnsureBlocks, spec: EngineSpec,
+                 limits: messages.Limits, *, log: Any = None) -> None:
+        """The model's drafters (setup.py) over its runners, and the one the speculation of
+        `limits` names; `ensure_blocks(req, n)` draws a request's reserved blocks for a
+        drafter."""
+        self.drafters = Drafters(runners, ensure_blocks, spec, limits)
+        self.log, self.model_id = log, spec.model_id
         self.drafted_tokens = 0  # cumulative: tokens verified, and of those accepted
         self.accepted_tokens = 0
+        self.policy: Speculation = limits
+        self.drafter: Drafter | None = None
+        self.pinned = False  # a drafter pinned (tests) stays whatever a speculation names
+        self.configure(limits)
 
     @property
     def name(self) -> str:
         return self.drafter.name if self.drafter is not None else "off"
+
+    def figures(self) -> dict[str, Any]:
+        """The model's status fields of speculation: the drafter and the cumulative counts."""
+        return {"drafter": self.name, "spec_drafted_tokens": self.drafted_tokens,
+                "spec_accepted_tokens": self.accepted_tokens}
+
+    @property
+    def follows_target(self) -> bool:
+        """Whether the step must keep its hidden states for the drafter (observe)."""
+        return self.drafter is not None and self.drafter.follows_target
+
+    def pin(self, drafter: Drafter | None) -> None:
+        """Draft with `drafter` from now on, whatever a speculation names."""
+        self.drafter, self.pinned = drafter, True
+
+    def configure(self, speculation: Speculation) -> None:
+        """The speculation in force: its policy, and its drafter unless pinned (None, logged
+        as engine.speculation_refused, where the drafter it names cannot run here)."""
+        self.policy = speculation
+        if self.pinned or speculation.speculation == self.name:
+            return
+        try:
+            self.drafter = self.drafters.drafter_for(speculation)
+        except ValueError as e:
+            self.drafter = None
+            if self.log is not None:
+                self.log.warning("engine.speculation_refused", model=self.model_id,
+                                 speculation=speculation.speculation, reason=str(e))
 
     def draft(self, running: Sequence[Request], max_slots: int) -> None:
         """Leave this step's draft (possibly none) on every decoding request."""
@@ -53,8 +97,7 @@ class Speculator:
             if self.drafter is None or req.is_prefilling or req.num_uncomputed_tokens != 1:
                 continue
             st = req.sampling_state
-            if st is not None and (getattr(st, "has_penalties", False)
-                                   or getattr(st, "wants_logprobs", False)):
+            if st is not None and (st.has_penalties or st.wants_logprobs):
                 continue  # their next distribution depends on which drafts are accepted
             if req.matcher is not None:
                 continue  # a grammar mask acts on the one row sampled per step
@@ -71,26 +114,31 @@ class Speculator:
                 asks.append((req, k))
         if not asks or self.drafter is None:
             return
-        drafts = propose_all(self.drafter, [r for r, _ in asks], [k for _, k in asks])
+        try:
+            drafts = self.drafter.propose_batch([r for r, _ in asks], [k for _, k in asks])
+        except Exception:  # a draft model's forward, the MTP head's pass: costs only drafts
+            self._failed()
+            return
         for (req, k), d in zip(asks, drafts, strict=True):
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
                 req.draft = Draft(d.tokens[:k], probs)
                 req.steps_since_draft = 0
 
-    def observe(self, items: Sequence[tuple[Request, int, int]]) -> None:
-        """After a step: (request, index among the step's sequences, positions computed
-        and kept) for each request still running; for drafters that follow the target."""
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None and items:
-            observe(items)
+    def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
+        """After a step: what it computed, and (request, index among the step's sequences,
+        positions computed and kept) for each request still running."""
+        if self.drafter is None or not kept:
+            return
+        try:
+            self.drafter.observe(step, kept)
+        except Exception:  # a drafter that follows the target (MTP): costs drafts, not output
+            self._failed()
 
     def release(self, req: Request) -> None:
-        """`req` ended: the drafter drops what it kept for it (a drafter with state has
-        `release`)."""
-        release = getattr(self.drafter, "release", None)
-        if release is not None:
-            release(req)
+        """`req` ended: the drafter drops what it kept for it."""
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     def accept(self, req: Request, logits: torch.Tensor, num_draft: int) -> list[int]:
         """Verify `req`'s row (logits [num_draft + 1, vocab]): the tokens it produces."""
@@ -106,3 +154,7 @@ class Speculator:
         req.spec_acceptance = update_acceptance(req.spec_acceptance, num_draft, accepted)
         req.draft = None
         return out
+
+    def _failed(self) -> None:
+        if self.log is not None:
+            self.log.exception("engine.draft_failed", drafter=self.name)

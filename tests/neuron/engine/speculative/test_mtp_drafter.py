@@ -8,16 +8,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from support.mtp import (
-    SPEC,
-    assert_right_head_drafted,
-    assert_whole,
-    crafted,
-    drive,
-    requests,
-    spec_for,
-    with_drafter,
-)
+from support.engine import assert_whole, drive, with_drafter
+from support.mtp import SPEC, assert_right_head_drafted, craft_right_mtp_head, requests, spec_for
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -39,21 +31,21 @@ class _Log:
 
 
 def test_a_head_that_predicts_the_target_has_its_drafts_accepted(tiny_checkpoint, tmp_path):
-    model_dir = crafted(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "crafted")
+    model_dir = craft_right_mtp_head(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "crafted")
     news = requests(1, 3)
-    want, plain_steps = drive(EngineCore(spec_for(model_dir)), news)
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True)
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
     assert core.status().drafter == "mtp"
-    assert_right_head_drafted(core, news, want, plain_steps)
+    assert_right_head_drafted(core, news, plain.tokens, plain.steps)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint, arch):
     model_dir = tiny_checkpoint(arch, mtp=True)
     news = requests(2, 8)
-    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
     alone = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
-    got, _ = drive(alone, news[:1])
+    got = drive(alone, news[:1], served=True).tokens
     assert got == {"r0": want["r0"]}
     assert alone.status().spec_drafted_tokens > 0
     assert_whole(alone)
@@ -61,10 +53,10 @@ def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint
     runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
                          max_batched_tokens=40, num_state_slots=8)
     core = EngineCore(spec_for(model_dir, **SPEC), runner)
-    mtp, ngram = MtpDrafter(runner, core._ensure_blocks), NgramDrafter(min_n=1)
+    mtp, ngram = MtpDrafter(runner, core.ensure_blocks), NgramDrafter(min_n=1)
     by_req = {n.req_id: (ngram if i in (2, 5) else mtp) for i, n in enumerate(news) if i != 7}
-    with_drafter(core, lambda _: PerRequestDrafter(by_req))
-    got, _ = drive(core, news)
+    with_drafter(core, PerRequestDrafter(by_req))
+    got = drive(core, news, served=True).tokens
     assert got == want
     s = core.status()
     assert s.spec_drafted_tokens > 0  # (a random head's drafts are rarely right)
@@ -119,13 +111,13 @@ def test_a_head_the_plan_gave_no_kv_is_refused(tiny_checkpoint):
 def test_a_model_without_a_head_is_refused_and_serves_without_drafting(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     news = requests(4, 2)
-    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
     log = _Log()
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC), logger=log)
     assert [e for e, _ in log.warnings] == ["engine.speculation_refused"]
     assert "no MTP head" in log.warnings[0][1]["reason"]
     assert core.status().drafter == "off"
-    got, _ = drive(core, news)
+    got = drive(core, news, served=True).tokens
     assert got == want and core.speculator.drafted_tokens == 0
     assert_whole(core)
 
@@ -159,23 +151,22 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
                          max_batched_tokens=40, num_state_slots=8)
     limits = SPEC if policy == "every step" else {"spec_k": 3}
     core = EngineCore(spec_for(model_dir, **limits), runner)
-    with_drafter(core, lambda c: _Recording(runner, c._ensure_blocks))
+    with_drafter(core, _Recording(runner, core.ensure_blocks))
     drafter = core.speculator.drafter
     assert isinstance(drafter, _Recording)
     news = requests(5, 3)
     if policy == "adaptive":
         news[0] = msgspec.structs.replace(news[0], max_tokens=60,
                                           prompt_token_ids=list(range(3, 93)))
-    drive(core, news)
+    drive(core, news, served=True)
     assert len(drafter.seen) > 6
     fresh = ModelRunner(model_dir, num_blocks=64, block_size=4, max_num_seqs=1,
                         max_batched_tokens=256, num_state_slots=1)
-    fresh.model.keep_hidden = True
     for context, first in drafter.seen[::2]:
         n = len(context) - 1  # the last token is not computed yet: its draft follows it
         table = list(range(-(-n // 4)))
-        fresh.execute([SeqInput(context[:n], 0, table, True, state_slot=0)])
-        hidden = fresh.model.last_hidden
+        hidden = fresh.run_step([SeqInput(context[:n], 0, table, True, state_slot=0)],
+                                keep_hidden=True).hidden
         logits, _ = fresh.execute_mtp([SeqInput(context[1:n + 1], 0, table, True)], hidden)
         assert int(logits.argmax()) == first
 
@@ -183,7 +174,7 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
 def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5", mtp=True)
     news = requests(6, 3)
-    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
     runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,
                          max_batched_tokens=40, num_state_slots=8)
     calls = 0
@@ -200,9 +191,9 @@ def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
     failures: list[str] = []
     log = _Log()
     log.exception = lambda event, **kw: failures.append(event)  # type: ignore[method-assign]
-    core = with_drafter(EngineCore(spec_for(model_dir, **SPEC), runner, logger=log),
-                        lambda c: MtpDrafter(runner, c._ensure_blocks))
-    got, _ = drive(core, news)
+    core = EngineCore(spec_for(model_dir, **SPEC), runner, logger=log)
+    with_drafter(core, MtpDrafter(runner, core.ensure_blocks))
+    got = drive(core, news, served=True).tokens
     assert got == want
     assert failures and set(failures) == {"engine.draft_failed"}
     assert core.status().spec_drafted_tokens > 0

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.spec_engine import assert_whole, drive, truth_from
+from support.engine import assert_whole, drive, truth_from, with_drafter
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -34,10 +34,11 @@ ARCHS = ["qwen3_next", "qwen3_5"]
 def make_core(model_dir: Path, drafter: Drafter | None = None, **limits) -> EngineCore:
     spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=160, block_size=8,
                       context=512, bytes_per_token=0,
-                      limits=m.SetLimits(**{"anon_max_in_flight": 64, "spec_k": 4,
+                      limits=m.Limits(**{"anon_max_in_flight": 64, "spec_k": 4,
                                             "spec_full_below": 1.0, "spec_off_above": 1.01,
                                             **limits}))
-    return EngineCore(spec, drafter=drafter)
+    core = EngineCore(spec)
+    return with_drafter(core, drafter) if drafter is not None else core
 
 
 
@@ -56,10 +57,10 @@ KINDS: dict[str, Callable[[Callable], Drafter]] = {
 def run_both(model_dir: Path, news: list[m.NewRequest],
              drafters: Callable[[Callable], Drafter], **limits
              ) -> tuple[dict, dict, EngineCore]:
-    reference = drive(make_core(model_dir, **limits), news)
+    reference = drive(make_core(model_dir, **limits), news, served=True).tokens
     prompts = {n.req_id: list(n.prompt_token_ids) for n in news}
     core = make_core(model_dir, drafters(truth_from(reference, prompts)), **limits)
-    got = drive(core, news)
+    got = drive(core, news, served=True).tokens
     assert_whole(core)
     return reference, got, core
 
@@ -110,15 +111,15 @@ def test_speculation_setting_turns_ngram_on_for_a_hybrid(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=p, max_tokens=16, sampling=GREEDY)
             for i, p in enumerate([[5, 6, 7, 8] * 5, [9, 10, 11] * 6])]  # repeats: it drafts
-    want = drive(make_core(model_dir, max_slots=2), news)
+    want = drive(make_core(model_dir, max_slots=2), news, served=True).tokens
     core = make_core(model_dir, max_slots=2, speculation="ngram")
     assert core.status().drafter == "ngram"
-    assert drive(core, news) == want
+    assert drive(core, news, served=True).tokens == want
     assert core.speculator.drafted_tokens > 0
     assert_whole(core)
 
 
-class StormDrafter:
+class StormDrafter(Drafter):
     """Right for a random prefix of the draft and wrong after it, or prompt lookup."""
 
     name = "storm"
@@ -144,7 +145,7 @@ def test_storm_with_aborts_and_stops_leaves_the_ledger_whole_and_holds_at_most_a
     news += [m.NewRequest(req_id=f"s{i}", prompt_token_ids=[5, 6, 7, 8] * 4, max_tokens=12,
                           sampling=m.SamplingParams(temperature=0.8, seed=i)) for i in range(4)]
     reference = drive(make_core(model_dir, max_slots=4, max_in_flight=6, prefill_chunk_tokens=6,
-                                max_batched_tokens=16), news)
+                                max_batched_tokens=16), news, served=True).tokens
     truth = truth_from(reference, {n.req_id: list(n.prompt_token_ids) for n in news})
     core = make_core(model_dir, StormDrafter(rng, truth), max_slots=4, max_in_flight=6,
                      prefill_chunk_tokens=6, max_batched_tokens=16, max_queue_depth=64)
@@ -178,17 +179,17 @@ def test_tensor_parallel_ranks_roll_back_alike(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     rng = random.Random(6)
     news = [repetitive(rng, f"r{i}", 16) for i in range(3)]
-    reference = drive(make_core(model_dir, max_slots=3), news)
+    reference = drive(make_core(model_dir, max_slots=3), news, served=True).tokens
     truth = truth_from(reference, {n.req_id: list(n.prompt_token_ids) for n in news})
     spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=160, block_size=8,
                       context=512, bytes_per_token=0, tp=2, devices=["cpu", "cpu"],
-                      limits=m.SetLimits(anon_max_in_flight=64, spec_k=3, spec_full_below=1.0,
+                      limits=m.Limits(anon_max_in_flight=64, spec_k=3, spec_full_below=1.0,
                                          spec_off_above=1.01, max_slots=3))
-    core = EngineCore(spec, drafter=PerRequestDrafter({
+    core = with_drafter(EngineCore(spec), PerRequestDrafter({
         "r0": OracleDrafter(truth), "r1": AdversarialDrafter(truth, VOCAB),
         "r2": NgramDrafter(min_n=1)}))
     try:
-        assert drive(core, news) == reference
+        assert drive(core, news, served=True).tokens == reference
         assert_whole(core)
         s = core.status()
         assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
+from helexa.config.speculation import Speculation
 from helexa.neuron.engine.messages import SamplingParams
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.speculative.drafters import NgramDrafter
-from helexa.neuron.engine.speculative.policy import SpecPolicy, choose_k, update_acceptance
+from helexa.neuron.engine.speculative.policy import choose_k, update_acceptance
 from helexa.neuron.engine.speculative.verify import target_probs, verify
 
 V = 6
@@ -85,11 +86,11 @@ def test_target_probs_are_what_the_sampler_draws_from():
 
 
 def test_policy_gives_way_to_load():
-    pol = SpecPolicy(k_max=4, full_below=0.25, off_above=0.75)
+    pol = Speculation(spec_k=4, spec_full_below=0.25, spec_off_above=0.75)
     ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, steps_since_draft=0)
           for n in range(1, 9)]
     assert ks == [4, 4, 3, 2, 1, 0, 0, 0]
-    assert choose_k(SpecPolicy(k_max=0), occupancy=0.1, acceptance=None,
+    assert choose_k(Speculation(spec_k=0), occupancy=0.1, acceptance=None,
                     steps_since_draft=0) == 0
     # a full batch still probes now and then, and keeps drafting where drafts are right
     assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=0) == 1
@@ -99,7 +100,7 @@ def test_policy_gives_way_to_load():
 
 
 def test_policy_stops_drafting_for_a_poor_acceptor_but_probes():
-    pol = SpecPolicy(k_max=4, min_acceptance=0.3, probe_every=8)
+    pol = Speculation(spec_k=4, spec_min_acceptance=0.3)  # probes every 8 steps
     assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=3) == 0
     assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=8) == 4
     assert choose_k(pol, occupancy=0.1, acceptance=0.9, steps_since_draft=0) == 4

@@ -7,9 +7,10 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import msgspec
 import pytest
+from support.engine import assert_whole, drive, truth_from, with_drafter
 from support.fake_runner import FakeRunner, fake_next_token
-from support.spec_engine import assert_whole, drive, truth_from
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -32,11 +33,12 @@ def make_core(runner=None, drafter: Drafter | None = None, *, num_blocks: int = 
               block_size: int = 4, prefix_cache: bool = False, **limits) -> EngineCore:
     spec = EngineSpec(model_id="fake", num_blocks=num_blocks, block_size=block_size,
                       context=256, bytes_per_token=2, prefix_cache=prefix_cache,
-                      limits=m.SetLimits(**{"anon_max_in_flight": 64, "spec_k": 4,
+                      limits=m.Limits(**{"anon_max_in_flight": 64, "spec_k": 4,
                                             "spec_off_above": 1.01, "spec_full_below": 1.0,
                                             **limits}))
-    return EngineCore(spec, runner if runner is not None
-                      else FakeRunner(VOCAB, num_blocks, block_size), drafter=drafter)
+    core = EngineCore(spec, runner if runner is not None
+                      else FakeRunner(VOCAB, num_blocks, block_size))
+    return with_drafter(core, drafter) if drafter is not None else core
 
 
 
@@ -59,11 +61,11 @@ def workload(rng: random.Random, n: int) -> list[m.NewRequest]:
 def run_all(make_runner: Callable[[], object] | None, news: list[m.NewRequest],
             drafters: Callable[[Callable], Drafter], **limits):
     ref_core = make_core(make_runner() if make_runner else None, **limits)
-    reference = drive(ref_core, news)
+    reference = drive(ref_core, news, served=True).tokens
     prompts = {n.req_id: list(n.prompt_token_ids) for n in news}
     core = make_core(make_runner() if make_runner else None,
                      drafters(truth_from(reference, prompts)), **limits)
-    got = drive(core, news)
+    got = drive(core, news, served=True).tokens
     assert_whole(core)
     return reference, got, core, ref_core
 
@@ -154,7 +156,7 @@ def fake_truth(context: list[int], k: int) -> list[int]:
     return out
 
 
-class StormDrafter:
+class StormDrafter(Drafter):
     """Right for a random prefix of the draft, wrong after it; or prompt lookup."""
 
     name = "storm"
@@ -191,13 +193,13 @@ def test_speculation_switches_at_runtime_with_the_limits():
     core = make_core(speculation="off")
     news = [m.NewRequest(req_id="a", prompt_token_ids=list(range(VOCAB)), max_tokens=30,
                          sampling=GREEDY)]
-    plain = drive(core, news)
+    plain = drive(core, news, served=True).tokens
     assert core.status().drafter == "off" and core.status().spec_drafted_tokens == 0
-    core.apply(m.ToEngine(limits=m.SetLimits(speculation="ngram")))
-    again = drive(core, news)
+    core.apply(m.ToEngine(limits=msgspec.structs.replace(core.limits, speculation="ngram")))
+    again = drive(core, news, served=True).tokens
     assert core.status().drafter == "ngram" and core.status().spec_drafted_tokens > 0
     assert again == plain
-    core.apply(m.ToEngine(limits=m.SetLimits(spec_k=0)))  # k = 0: drafter named, never run
+    core.apply(m.ToEngine(limits=msgspec.structs.replace(core.limits, spec_k=0)))  # k = 0: drafter named, never run
     drafted = core.status().spec_drafted_tokens
-    drive(core, news)
+    drive(core, news, served=True)
     assert core.status().spec_drafted_tokens == drafted

@@ -12,15 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-from support.mtp import (
-    SPEC,
-    assert_right_head_drafted,
-    assert_whole,
-    crafted,
-    drive,
-    requests,
-    spec_for,
-)
+from support.engine import assert_whole, drive
+from support.mtp import SPEC, assert_right_head_drafted, craft_right_mtp_head, requests, spec_for
 
 from helexa.checkpoint.memory import kv_bytes_per_token
 from helexa.checkpoint.shape import read_model_shape
@@ -85,15 +78,15 @@ def test_the_heads_passes_at_tp2_equal_tp1(tiny_checkpoint, arch):
 def test_greedy_output_at_tp2_identical_alone_and_in_a_batch_of_8(tiny_checkpoint, arch):
     model_dir = tiny_checkpoint(arch, mtp=True)
     news = requests(2, 8)
-    want, _ = drive(EngineCore(spec_for(model_dir)), news)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
     core = EngineCore(at_tp(spec_for(model_dir, speculation="mtp", **SPEC), 2))
     try:
         assert core.runner.tp_size == 2 and core.status().drafter == "mtp"
-        got, _ = drive(core, news[:1])
+        got = drive(core, news[:1], served=True).tokens
         assert got == {"r0": want["r0"]}
         assert_whole(core)
         # all 8 at once: prefill in chunks of 6 beside the others' verification rows
-        got, _ = drive(core, news)
+        got = drive(core, news, served=True).tokens
         assert got == want
         assert core.status().spec_drafted_tokens > 0
         assert not core.speculator.drafter.follows
@@ -103,11 +96,11 @@ def test_greedy_output_at_tp2_identical_alone_and_in_a_batch_of_8(tiny_checkpoin
 
 
 def test_a_right_head_has_its_drafts_accepted_at_tp2(tiny_checkpoint, tmp_path):
-    model_dir = crafted(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "crafted")
+    model_dir = craft_right_mtp_head(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "crafted")
     news = requests(1, 3)
-    want, plain_steps = drive(EngineCore(spec_for(model_dir)), news)
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True)
     core = EngineCore(at_tp(spec_for(model_dir, speculation="mtp", **SPEC), 2))
     try:
-        assert_right_head_drafted(core, news, want, plain_steps)
+        assert_right_head_drafted(core, news, plain.tokens, plain.steps)
     finally:
         core.close()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.engine import assert_whole, drive, with_drafter
 from support.fake_runner import FakeRunner
 
 from helexa.checkpoint.memory import kv_bytes_per_token
@@ -51,28 +52,18 @@ def tiny_core(target: Path, draft: Path | None, *, speculation: str = "off",
                       block_size=8, context=256, bytes_per_token=per_token(target) + draft_bpt,
                       prefix_cache=True, draft_model_id="small" if draft else "",
                       draft_model_dir=str(draft or ""), draft_bytes_per_token=draft_bpt,
-                      limits=m.SetLimits(**{"anon_max_in_flight": 16, "max_in_flight": 16,
+                      limits=m.Limits(**{"anon_max_in_flight": 16, "max_in_flight": 16,
                                             "speculation": speculation, "spec_k": 4,
                                             "spec_full_below": 1.0, "spec_off_above": 1.01,
                                             "spec_min_acceptance": 0.0, **limits}))
     return EngineCore(spec)
 
 
-def drive(core: EngineCore, news: list[m.NewRequest]) -> dict[str, list[int]]:
-    tokens: dict[str, list[int]] = {}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    while inbound is not None or core.has_work:
-        for u in core.step(inbound).updates:
-            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
-            assert u.refused_code is None and u.error == "", u
-        inbound = None
-    return tokens
-
-
-def assert_whole(core: EngineCore) -> None:
-    core.pool.check()
-    led = core.pool.ledger()
-    assert led.free_bytes == led.total_bytes and led.reserved_bytes == led.used_bytes == 0
+def draft_of(core: EngineCore) -> DraftModelDrafter:
+    """The draft model's drafter `core` loaded (speculation = "draft:small")."""
+    draft = core.speculator.drafters.draft
+    assert draft is not None
+    return draft
 
 
 def prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -91,7 +82,7 @@ def greedy(rid: str, p: list[int], n: int = 20) -> m.NewRequest:
 def test_the_pool_counts_the_draft_and_its_kv_shares_the_blocks(target_dir, draft_dir):
     core = tiny_core(target_dir, draft_dir, speculation="draft:small")
     assert core.speculator.name == "draft:small"
-    target, draft = core.runner, core.draft_drafter.runner
+    target, draft = core.runner, draft_of(core).runner
     assert draft.num_blocks == target.num_blocks == core.pool.num_blocks
     # the ledger's bytes per block are the target's layers plus the draft's
     assert core.pool.bytes_per_block == target.kv_bytes_per_block + draft.kv_bytes_per_block
@@ -100,9 +91,9 @@ def test_the_pool_counts_the_draft_and_its_kv_shares_the_blocks(target_dir, draf
 
 def test_greedy_output_is_identical_with_a_draft_model_alone(target_dir, draft_dir):
     p = prompts(1)[0]
-    ref = drive(tiny_core(target_dir, None), [greedy("r", p, 40)])
+    ref = drive(tiny_core(target_dir, None), [greedy("r", p, 40)], served=True).tokens
     core = tiny_core(target_dir, draft_dir, speculation="draft:small")
-    assert drive(core, [greedy("r", p, 40)]) == ref
+    assert drive(core, [greedy("r", p, 40)], served=True).tokens == ref
     assert core.status().spec_drafted_tokens > 0
     assert_whole(core)
 
@@ -110,15 +101,14 @@ def test_greedy_output_is_identical_with_a_draft_model_alone(target_dir, draft_d
 def test_greedy_identical_in_a_batch_of_8_mixed_with_ngram_and_off(target_dir, draft_dir):
     ps = prompts(8)
     news = [greedy(f"r{i}", p, 24) for i, p in enumerate(ps)]
-    ref = drive(tiny_core(target_dir, None, max_slots=8), news)
+    ref = drive(tiny_core(target_dir, None, max_slots=8), news, served=True).tokens
     core = tiny_core(target_dir, draft_dir, speculation="draft:small", max_slots=8,
                      max_batched_tokens=40, prefill_chunk_tokens=9)
-    draft = core.draft_drafter
-    assert draft is not None
+    draft = draft_of(core)
     ngram = NgramDrafter(min_n=1)
     core.speculator.drafter = PerRequestDrafter(
         {f"r{i}": (draft, ngram, None)[i % 3] for i in range(8) if i % 3 != 2})
-    assert drive(core, news) == ref
+    assert drive(core, news, served=True).tokens == ref
     assert core.status().spec_drafted_tokens > 0
     assert not draft._seen  # every request's drafter state went with it
     assert_whole(core)
@@ -126,10 +116,10 @@ def test_greedy_identical_in_a_batch_of_8_mixed_with_ngram_and_off(target_dir, d
 
 def test_the_target_as_its_own_draft_is_accepted_nearly_always(target_dir):
     news = [greedy(f"r{i}", p, 32) for i, p in enumerate(prompts(3))]
-    ref = drive(tiny_core(target_dir, None), news)
+    ref = drive(tiny_core(target_dir, None), news, served=True).tokens
     core = tiny_core(target_dir, target_dir, speculation="draft:small",
                      prefill_chunk_tokens=7)
-    assert drive(core, news) == ref
+    assert drive(core, news, served=True).tokens == ref
     s = core.status()
     assert s.spec_drafted_tokens >= 40, s
     assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens, s
@@ -140,7 +130,7 @@ def test_sampled_requests_draft_with_the_draft_models_probabilities(target_dir):
     core = tiny_core(target_dir, target_dir, speculation="draft:small")
     news = [m.NewRequest(req_id=f"s{i}", prompt_token_ids=p, max_tokens=24, sampling=SAMPLED)
             for i, p in enumerate(prompts(2))]
-    drive(core, news)
+    drive(core, news, served=True)
     s = core.status()
     # q = p when the draft is the target: the rejection rule accepts nearly every draft
     assert s.spec_drafted_tokens > 0 and s.spec_accepted_tokens >= 0.8 * s.spec_drafted_tokens
@@ -171,7 +161,7 @@ def test_ledger_whole_after_a_storm_with_cancellations(target_dir, draft_dir):
         core.step(None)
     assert_whole(core)
     assert core.status().spec_drafted_tokens > 0
-    assert not core.draft_drafter._seen
+    assert not draft_of(core)._seen
 
 
 def test_a_draft_of_another_tokenizer_is_refused_naming_both(target_dir, tiny_checkpoint):
@@ -188,37 +178,36 @@ def test_catch_up_reads_through_the_block_table_fake_runners():
     vocab, blocks, bs = 100, 64, 4
     spec = EngineSpec(model_id="fake", num_blocks=blocks, block_size=bs, context=256,
                       bytes_per_token=2, prefix_cache=False,
-                      limits=m.SetLimits(anon_max_in_flight=8, spec_k=3, spec_full_below=1.0,
+                      limits=m.Limits(anon_max_in_flight=8, spec_k=3, spec_full_below=1.0,
                                          spec_off_above=1.01))
-    core = EngineCore(spec, FakeRunner(vocab, blocks, bs), drafter=None)
-    core.speculator.drafter = DraftModelDrafter("fake", FakeRunner(vocab, blocks, bs),
-                                                core._ensure_blocks, max_batched_tokens=5)
+    core = EngineCore(spec, FakeRunner(vocab, blocks, bs))
+    with_drafter(core, DraftModelDrafter("fake", FakeRunner(vocab, blocks, bs),
+                                         core.ensure_blocks, max_batched_tokens=5))
     rng = random.Random(2)
     news = [m.NewRequest(req_id=f"f{i}", prompt_token_ids=[rng.randrange(vocab)
                                                            for _ in range(3 + 4 * i)],
                          max_tokens=30, sampling=GREEDY) for i in range(4)]
-    drive(core, news)
+    drive(core, news, served=True)
     s = core.status()
     assert s.spec_drafted_tokens > 50 and s.spec_accepted_tokens == s.spec_drafted_tokens
     assert_whole(core)
 
 
 def test_a_draft_model_under_tensor_parallelism_is_refused(target_dir, draft_dir):
-    from helexa.neuron.engine.spec import full_limits
     from helexa.neuron.engine.speculative.draft_model import load_draft
 
     spec = EngineSpec(model_id="tiny", model_dir=str(target_dir), num_blocks=8, context=64,
                       tp=2, devices=["cpu", "cpu"], draft_model_id="small",
                       draft_model_dir=str(draft_dir))
     with pytest.raises(ValueError, match=r"draft:small.*tp = 1 only.*got tp = 2"):
-        load_draft(spec, full_limits())
+        load_draft(spec, m.Limits())
 
 
 def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
     p = prompts(1)[0]
-    ref = drive(tiny_core(target_dir, None), [greedy("r", p, 20)])
+    ref = drive(tiny_core(target_dir, None), [greedy("r", p, 20)], served=True).tokens
     core = tiny_core(target_dir, draft_dir, speculation="draft:small")
-    runner = core.draft_drafter.runner
+    runner = draft_of(core).runner
     calls = {"n": 0}
     real = runner.execute
 
@@ -229,7 +218,7 @@ def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
         return real(seqs)
 
     runner.execute = flaky
-    assert drive(core, [greedy("r", p, 20)]) == ref
+    assert drive(core, [greedy("r", p, 20)], served=True).tokens == ref
     assert calls["n"] >= 3 and core.num_failed_steps == 0
     assert_whole(core)
 
@@ -240,17 +229,15 @@ def test_prefix_cache_hits_keep_output_and_acceptance(target_dir):
     rng = random.Random(9)
     system = [rng.randrange(3, 500) for _ in range(24)]
     ps = [system + [rng.randrange(3, 500) for _ in range(5 + i)] for i in range(4)]
-    ref = drive(tiny_core(target_dir, None), [greedy(f"r{i}", p, 16) for i, p in enumerate(ps)])
+    ref = drive(tiny_core(target_dir, None), [greedy(f"r{i}", p, 16) for i, p in enumerate(ps)],
+                served=True).tokens
     core = tiny_core(target_dir, target_dir, speculation="draft:small")
     got: dict[str, list[int]] = {}
     cached = 0
     for i, p in enumerate(ps):  # one after another: later ones hit the filed prefix
-        inbound: m.ToEngine | None = m.ToEngine(new=[greedy(f"r{i}", p, 16)])
-        while inbound is not None or core.has_work:
-            for u in core.step(inbound).updates:
-                got.setdefault(u.req_id, []).extend(u.new_token_ids)
-                cached += u.cached_tokens
-            inbound = None
+        run = drive(core, [greedy(f"r{i}", p, 16)])
+        got.update(run.tokens)
+        cached += sum(u.cached_tokens for u in run.admitted.values())
     assert got == ref and cached >= 3 * 16
     s = core.status()
     assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
@@ -259,14 +246,14 @@ def test_prefix_cache_hits_keep_output_and_acceptance(target_dir):
 
 def test_a_kv_dtype_switch_replans_the_drafts_layers_with_the_targets(target_dir):
     core = tiny_core(target_dir, target_dir, speculation="draft:small")
-    draft = core.draft_drafter.runner
+    draft = draft_of(core).runner
     bpt = 2 * kv_bytes_per_token(read_model_shape(target_dir / "config.json"), 1, "int8")
     assert core.reset_kv(m.ResetKv(num_blocks=50, kv_dtype="int8", bytes_per_token=bpt,
                                    context=256)) == "ok"
     assert (draft.num_blocks, draft.kv_dtype) == (50, "int8") == (core.runner.num_blocks,
                                                                    core.runner.kv_dtype)
     assert core.pool.bytes_per_block == core.runner.kv_bytes_per_block + draft.kv_bytes_per_block
-    drive(core, [greedy("r", prompts(1)[0], 24)])
+    drive(core, [greedy("r", prompts(1)[0], 24)], served=True)
     s = core.status()
     assert s.spec_accepted_tokens >= 0.9 * s.spec_drafted_tokens > 0
     assert_whole(core)
@@ -277,10 +264,10 @@ def test_a_hybrid_target_drafts_with_a_dense_draft_model(tiny_checkpoint, draft_
     same tokenizer: greedy output unchanged, drafts verified, ledger (and slots) whole."""
     target = tiny_checkpoint("qwen3_5")
     news = [greedy(f"r{i}", p, 24) for i, p in enumerate(prompts(3))]
-    ref = drive(tiny_core(target, None), news)
+    ref = drive(tiny_core(target, None), news, served=True).tokens
     core = tiny_core(target, draft_dir, speculation="draft:small", prefill_chunk_tokens=8)
     assert core.spec.num_state_slots > 0  # a hybrid pool: blocks and state slots
-    assert drive(core, news) == ref
+    assert drive(core, news, served=True).tokens == ref
     assert core.status().spec_drafted_tokens > 0
     assert_whole(core)
 

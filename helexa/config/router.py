@@ -1,0 +1,78 @@
+"""The router's config (asset/router.toml): its server, auth, the neurons it forwards to,
+model aliases and timeouts."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from helexa.config.fields import RELOAD, RESTART, field_meta
+
+
+class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    listen: Annotated[str, field_meta(
+        "HTTP listen address host:port; port 0 picks a free port, printed once ready.", RESTART)] = "127.0.0.1:8080"
+    address_file: Annotated[str | None, field_meta(
+        "File the bound HTTP address is written to once ready.", RESTART)] = None
+    max_body_bytes: Annotated[int, field_meta(
+        "Largest request body accepted; beyond it 413.", RESTART, ge=1024)] = 8 * 1024 * 1024
+    read_timeout_secs: Annotated[float, field_meta(
+        "A connection that sends no byte of a request's headers for this long (from its "
+        "opening or its last response: also the keep-alive idle time) is closed, and a body "
+        "that stops arriving for this long is answered 408 and closed.", RESTART, gt=0)] = 15.0
+
+
+class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    keys_file: Annotated[str | None, field_meta(
+        "TOML file mapping hashed API keys to principals (see docs/operating.md).", RELOAD)] = None
+    require_auth: Annotated[bool, field_meta(
+        "Refuse callers without a known key (401) instead of serving them anonymously.", RELOAD)] = False
+    load_principals: Annotated[list[str], field_meta(
+        "Principals that may cause an on-demand model load (and so evict another); none by "
+        "default. \"*\" = anyone, \"anonymous\" = callers without a key.",
+        RELOAD)] = msgspec.field(default_factory=list)
+
+
+class NeuronEndpoint(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    name: Annotated[str, field_meta("Name of the neuron (labels metrics and logs).", RELOAD)]
+    address: Annotated[str, field_meta("gRPC address host:port of the neuron.", RELOAD)]
+    tls: Annotated[bool, field_meta("Connect with TLS.", RELOAD)] = False
+    ca_file: Annotated[str | None, field_meta("PEM CA bundle for TLS; none = system roots.", RELOAD)] = None
+
+
+class NeuronsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    token_file: Annotated[str | None, field_meta(
+        "File holding the token presented to neurons.", RELOAD)] = None
+    endpoints: Annotated[list[NeuronEndpoint], field_meta(
+        "The neurons this router forwards to.", RELOAD)] = msgspec.field(default_factory=list)
+
+
+class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    request_secs: Annotated[float, field_meta(
+        "Deadline given to a request (passed to the neuron).", RELOAD, gt=0)] = 600.0
+    load_wait_secs: Annotated[float, field_meta(
+        "How long a request waits for an on-demand model load before 503 model_loading.", RELOAD, ge=0)] = 60.0
+    unhealthy_after_secs: Annotated[float, field_meta(
+        "A neuron whose Watch stream is silent this long leaves rotation.", RELOAD, gt=0)] = 2.0
+    reconnect_max_secs: Annotated[float, field_meta(
+        "Longest backoff between Watch reconnects.", RELOAD, gt=0)] = 5.0
+    first_report_secs: Annotated[float, field_meta(
+        "How long a neuron link just opened (at start or on reload) may take to bring its first "
+        "Watch report: the router waits this long before it prints that it is listening, and a "
+        "request that arrives meanwhile waits for the report instead of a 503 at once.",
+        RELOAD, ge=0)] = 5.0
+    stream_idle_secs: Annotated[float, field_meta(
+        "A stream whose neuron sends no message for this long after its first one is ended "
+        "with an upstream_error event (a hung host). Calls on a neuron that leaves rotation "
+        "(unhealthy_after_secs) are ended at once.", RELOAD, gt=0)] = 30.0
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    server: RouterServerConfig = msgspec.field(default_factory=RouterServerConfig)
+    auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
+    neurons: NeuronsConfig = msgspec.field(default_factory=NeuronsConfig)
+    aliases: Annotated[dict[str, str], field_meta(
+        "Alias → model id, e.g. \"helexa/balanced\" = \"Qwen/Qwen3-8B\".", RELOAD)] = msgspec.field(
+            default_factory=dict)
+    timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)

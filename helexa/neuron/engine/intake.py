@@ -1,0 +1,161 @@
+"""Intake: what reaches the engine from the daemon, taken in before a step is scheduled.
+
+`take(core, inbound)` is the first part of every step (engine_core.py):
+1. the limits in force (the whole set: admission's, the scheduler's and the
+   speculation's knobs; the pool is not touched);
+2. admitting on or off; a drain refuses what is queued (shutting_down) at once;
+3. new requests: checked (duplicate id, context: helexa/budget.py, grammar),
+   then queued (admission.py) or refused, each admitted as far as it fits before
+   the next arrives, so the queue depth a newcomer meets is the real one;
+4. aborts, a re-planned pool (`reset_kv`, only while nothing is in flight), shutdown;
+5. queued requests that waited too long for KV are refused, those past their
+   deadline aborted, and admission admits what now fits (fair order, whole
+   reservation or nothing).
+
+Every refusal and abort ends in the core's one place requests end (`finish`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from helexa.budget import check_request, output_budget
+from helexa.neuron.engine import messages
+from helexa.neuron.engine.admission import DrainMeter
+from helexa.neuron.engine.grammar import GrammarUnavailable
+from helexa.neuron.engine.prefix_filing import prompt_block_hashes
+from helexa.neuron.engine.request import Request, RequestStatus
+from helexa.neuron.engine.sampler import SamplingState
+from helexa.neuron.engine.thinking import ThoughtTracker
+from helexa.refusal import Refusal
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.engine_core import EngineCore
+
+
+def take(core: EngineCore, inbound: messages.ToEngine | None) -> None:
+    """Everything the daemon sent since the last step, then expiry and admission."""
+    if inbound is not None:
+        apply(core, inbound)
+    core.admission.observe_pool()
+    timed_out, late = core.admission.expire()
+    for req, refusal in timed_out:
+        core.refuse(req, refusal)
+    for req in late:
+        core.finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
+    admit(core)
+
+
+def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
+    """One inbound message: limits, admitting, new requests, aborts, re-plan, shutdown."""
+    if inbound.limits is not None:
+        set_limits(core, inbound.limits)
+    adm = core.admission
+    adm.admitting = not inbound.stop_admitting
+    if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
+        for req in adm.queued():
+            core.refuse(req, Refusal("shutting_down", "This model is shutting down.",
+                                     adm.retry_after_ms(adm.reservation_blocks(req))))
+    for new in inbound.new:  # new before aborts: an abort may follow its request at once
+        add_request(core, new)
+        admit(core)  # so the queue depth a newcomer meets is the real one
+    for abort in inbound.aborts:
+        aborted = core.requests.get(abort.req_id)
+        if aborted is not None:
+            core.finish(aborted, RequestStatus.FINISHED_ABORTED, abort.reason)
+    if inbound.reset_kv is not None:
+        core.kv_reset_answer = reset_kv(core, inbound.reset_kv)
+    if inbound.shutdown:
+        for req in list(core.requests.values()):
+            core.finish(req, RequestStatus.FINISHED_ABORTED, "shutdown")
+
+
+def set_limits(core: EngineCore, limits: messages.Limits) -> None:
+    """Runtime knobs, the whole set; the pool is not touched."""
+    core.limits = core.admission.limits = limits
+    sched = core.scheduler
+    sched.max_slots, sched.max_batched_tokens = limits.max_slots, limits.max_batched_tokens
+    sched.prefill_chunk_tokens = limits.prefill_chunk_tokens
+    core.speculator.configure(limits)
+
+
+def admit(core: EngineCore) -> None:
+    """Queued requests into flight as far as they fit (admission.py decides)."""
+    for req in core.admission.admit():
+        upd = core.update(req)
+        upd.admitted = True
+        upd.prompt_tokens = req.num_prompt_tokens
+        upd.cached_tokens = req.num_cached_tokens
+        core.waiting.append(req)
+        if core.prefix_cache:
+            core.prefix_query_tokens += req.num_prompt_tokens
+            core.prefix_hit_tokens += req.num_cached_tokens
+
+
+def add_request(core: EngineCore, new: messages.NewRequest) -> None:
+    """Queue a new request, or refuse it at once saying why."""
+    prompt = list(new.prompt_token_ids)
+    context, max_output = core.spec.context, core.spec.max_output_tokens
+    budget = output_budget(len(prompt), new.max_tokens, context=context,
+                           default_output_tokens=core.limits.default_output_tokens,
+                           max_output_tokens=max_output)
+    req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
+                  sampling=new.sampling, principal=new.principal,
+                  stop_token_ids=frozenset(new.stop_token_ids),
+                  deadline_unix=new.deadline_unix)
+    if new.req_id in core.requests:
+        core.refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
+        return
+    problem = check_request(len(prompt), new.max_tokens, context=context,
+                            max_output_tokens=max_output)
+    if problem is not None:
+        core.refuse(req, Refusal(problem.code, problem.message))
+        return
+    if new.grammar is not None:
+        try:
+            req.matcher = core.grammars.matcher(new.grammar)
+        except (ValueError, GrammarUnavailable) as e:
+            core.refuse(req, Refusal("invalid_request_error", f"response_format: {e}"))
+            return
+    if new.thinking is not None:
+        req.thought = ThoughtTracker(new.thinking)
+    if core.prefix_cache:
+        req.block_hashes = prompt_block_hashes(prompt, core.pool.block_size)
+    refusal = core.admission.submit(req)
+    if refusal is not None:
+        core.refuse(req, refusal)
+        return
+    # shares the request's output list: the sampler sees every appended token
+    req.sampling_state = SamplingState.for_request(req.sampling, req.prompt_token_ids,
+                                                   req.output_token_ids)
+    core.requests[req.req_id] = req
+
+
+def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
+    """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
+    adm = core.admission
+    if adm.num_in_flight:
+        return (f"{adm.num_in_flight} requests in flight;"
+                " stop admitting and let them finish first")
+    try:
+        core.runner.reset_kv(r.num_blocks, r.kv_dtype)
+    except Exception as e:
+        return f"re-planning the pool failed: {type(e).__name__}: {e}"
+    core.spec = msgspec.structs.replace(
+        core.spec, num_blocks=r.num_blocks, kv_dtype=r.kv_dtype,
+        bytes_per_token=r.bytes_per_token, context=r.context,
+        max_output_tokens=r.max_output_tokens)
+    core.speculator.drafters.reset_kv(r.num_blocks, r.kv_dtype)  # a draft model's layers
+    core.pool = adm.pool = core.new_pool(r.num_blocks)
+    adm.drain = DrainMeter()  # the old pool's release counter means nothing now
+    for req in adm.queued():  # queued under the old context, refused if too long now
+        problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
+                                max_output_tokens=r.max_output_tokens)
+        if problem is None and adm.reservation_blocks(req) > r.num_blocks:
+            problem = Refusal("context_length_exceeded",
+                              f"{req.max_total_tokens} tokens do not fit the re-planned pool")
+        if problem is not None:
+            core.refuse(req, Refusal(problem.code, problem.message))
+    return "ok"

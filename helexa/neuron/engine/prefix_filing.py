@@ -1,0 +1,37 @@
+"""Prefix filing: a request's full blocks under the chain hash of the tokens they hold.
+
+A block's key is the hash of its tokens chained to its parent's key
+(block_pool.hash_block_tokens), so equal keys mean equal prefixes up to and
+including that block. A prompt's keys are known when it arrives (admission
+looks them up to reuse cached blocks); its blocks are filed as the steps
+complete them, prompt and output alike, so a later request sharing the
+prefix finds them. The pool decides what a filed block becomes once its
+request ends (cached, reclaimable); filing never moves a block.
+"""
+
+from __future__ import annotations
+
+from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
+from helexa.neuron.engine.request import Request
+
+
+def prompt_block_hashes(prompt: list[int], block_size: int) -> list[BlockKey]:
+    """The chain keys of a prompt's full blocks."""
+    hashes: list[BlockKey] = []
+    parent = None
+    for i in range(len(prompt) // block_size):
+        parent = hash_block_tokens(parent, prompt[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def file_full_blocks(pool: BlockPool, req: Request) -> None:
+    """File every block of `req` completed since the last call under its chain key."""
+    bs = pool.block_size
+    start = max(req.num_filed_blocks, req.num_cached_tokens // bs)
+    for i in range(start, req.num_computed_tokens // bs):
+        if i >= len(req.block_hashes):
+            parent = req.block_hashes[i - 1] if i else None
+            req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
+        pool.register(req.block_table[i], req.block_hashes[i])
+        req.num_filed_blocks = i + 1

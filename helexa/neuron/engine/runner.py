@@ -1,0 +1,115 @@
+"""What the engine needs of a model runner, and what one step of it gives back.
+
+`Runner` is every member the engine core and its drafters use: ModelRunner
+(model_runner.py) is the real one, tests/support/fake_runner.py's FakeRunner a
+model-free stand-in (tests/typecheck.py holds both to it). `StepOutput` is what a
+step returns: the logits the engine samples and verifies, and, for a drafter that
+follows the target (the MTP head, speculative/mtp.py), the step's hidden states and
+where each sequence's rows start in them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from helexa.neuron.engine import messages
+    from helexa.neuron.engine.model_runner import SeqInput
+    from helexa.neuron.engine.spec import EngineSpec
+
+
+@dataclass
+class StepOutput:
+    """One step's results, in the order of the step's sequences."""
+
+    logits: torch.Tensor  # [sum of num_logits of the seqs with need_logits, vocab] fp32
+    # Each sequence's first row in the step's flat layout; its rows are consecutive
+    # (decode rows are laid out first, so this is not the input order's running sum).
+    row_starts: list[int]
+    # [tokens, hidden] the target's final normed hidden state of every flat row, where the
+    # step was asked to keep them (a drafter that follows the target); else None.
+    hidden: torch.Tensor | None = None
+
+
+class Runner(Protocol):
+    """A model over the paged KV pool: runs steps, re-plans its pool, says what it holds."""
+
+    vocab_size: int
+    num_blocks: int  # the pool's blocks (on CUDA measured at load: the plan's is the ceiling)
+    num_state_slots: int  # hybrid models: linear-attention state slots (dense: unused)
+    mtp_kv_layers: int  # pool layers set aside for an MTP head (0: none)
+
+    @property
+    def kv_bytes_per_block(self) -> int: ...
+
+    @property
+    def fixed_bytes_per_request(self) -> int:
+        """Linear-attention state of one request (0 for dense models)."""
+        ...
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention backend and what it chose, as status shows it ("" for fakes)."""
+        ...
+
+    @property
+    def failed(self) -> str:
+        """Why it can no longer step ("" while healthy: a tensor-parallel rank died)."""
+        ...
+
+    @property
+    def has_mtp_head(self) -> bool:
+        """Whether the model loaded a multi-token-prediction head (helexa/neuron/models/mtp.py)."""
+        ...
+
+    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False) -> StepOutput: ...
+
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head's pass (speculative/mtp_passes.py): (logits, the head's output)."""
+        ...
+
+    def mtp_logits(self, hidden: torch.Tensor | None, rows: int = 0) -> torch.Tensor: ...
+
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass
+class Runners:
+    """A model's runner, and its draft model's where speculation = "draft:<id>" loaded one
+    (its layers share the target's pool: speculative/draft_model.py)."""
+
+    target: Runner
+    draft: Runner | None = None
+
+
+def load_runners(spec: EngineSpec, limits: messages.Limits,
+                 progress: Callable[[int, int], None] | None = None) -> Runners:
+    """The model runner for a spec, its checkpoint on its devices, and a draft model's
+    first: a CUDA target sizes its pool counting the draft's share of every block."""
+    from helexa.neuron.engine.model_runner import ModelRunner  # loads the model code
+    from helexa.neuron.engine.speculative.draft_model import load_draft
+
+    draft = load_draft(spec, limits) if spec.draft_model_dir else None
+    target = ModelRunner(
+        Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
+        num_blocks=spec.num_blocks, block_size=spec.block_size,
+        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
+        max_batched_tokens=limits.max_batched_tokens, progress=progress,
+        tp_size=spec.tp, backend=spec.attention_backend, cuda_graphs=spec.cuda_graphs,
+        plan_bytes_per_block=(spec.bytes_per_token - spec.draft_bytes_per_token)
+        * spec.block_size,
+        extra_bytes_per_block=draft.kv_bytes_per_block if draft is not None else 0,
+        context=spec.context, quantize=spec.quantize,
+        quant_group_size=spec.quant_group_size, mtp_kv_layers=spec.mtp_kv_layers,
+        # hybrid models: a state slot per request in flight (dense: unused)
+        num_state_slots=spec.num_state_slots or limits.max_in_flight or 1,
+        devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)
+    return Runners(target, draft)

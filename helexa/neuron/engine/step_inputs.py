@@ -1,0 +1,124 @@
+"""One step's rows: what the model runner computes, and what each logits row is for.
+
+`lay_out(plan, ...)` turns the scheduler's plan into the runner's sequences
+(SeqInput), drawing each request's reserved blocks as far as the step writes,
+and records which logits rows are sampled (one token: a decode row, the chunk
+that ends a prompt) and which verify drafts (a decode token and k drafts ask for
+k + 1 rows). After the step, `pick_tokens` turns the logits into each request's
+new tokens (the sampler for the sampled rows, under any grammar masks; the
+rejection rule for the verification rows: speculative/verify.py), and
+`StepInputs.kept` says how many positions each request keeps: a verification row
+keeps its decode token and the drafts accepted, so the rejected positions are
+never counted as computed and later steps overwrite them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from helexa.neuron.engine.block_pool import BlockPool
+from helexa.neuron.engine.messages import TokenLogprob
+from helexa.neuron.engine.model_runner import SeqInput
+from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.runner import StepOutput
+from helexa.neuron.engine.sampler import Sampler, SamplingState
+from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
+
+# (request, logits [k + 1, vocab] of its verification row, k) -> the tokens it produces
+Verify = Callable[[Request, torch.Tensor, int], list[int]]
+
+
+@dataclass
+class StepInputs:
+    """The step's requests and chunks (in plan order), their sequences and logits rows."""
+
+    reqs: list[Request]
+    chunks: list[ScheduledChunk]
+    seqs: list[SeqInput] = field(default_factory=list)
+    sampled: list[tuple[Request, int]] = field(default_factory=list)  # (request, its row)
+    # (request, its first row, drafts verified): rows first .. first + drafts
+    verified: list[tuple[Request, int, int]] = field(default_factory=list)
+
+    @property
+    def masked(self) -> list[int]:
+        """Positions in `sampled` whose token a grammar constrains (an answering request
+        with a matcher). A constrained request is never drafted (speculator.py), so it
+        always has exactly one sampled row."""
+        return [j for j, (r, _) in enumerate(self.sampled) if r.matcher is not None
+                and (r.thought is None or r.thought.answering)]
+
+    def kept(self, new_tokens: dict[str, list[int]]) -> list[int]:
+        """Positions each request computed and keeps (chunks' order): a verification row
+        keeps its decode token and the drafts accepted (its new tokens less the bonus one)."""
+        out = []
+        for req, chunk in zip(self.reqs, self.chunks, strict=True):
+            accepted = len(new_tokens[req.req_id]) - 1 if chunk.num_draft else 0
+            out.append(chunk.num_tokens - chunk.num_draft + accepted)
+        return out
+
+
+class StepResult(NamedTuple):
+    """A step that ran: its rows, the runner's output, each request's new tokens, and the
+    sampled ones' logprobs."""
+
+    inputs: StepInputs
+    out: StepOutput
+    new_tokens: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprob | None]
+
+
+def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
+            ensure_blocks: Callable[[Request, int], None]) -> StepInputs:
+    """The runner's sequences for `plan` (whose chunks' requests are `reqs`), each
+    request's blocks drawn as far as it writes."""
+    inputs = StepInputs(reqs, list(plan.chunks))
+    rows = 0  # logits rows so far: a verification row has num_draft + 1
+    for req, chunk in zip(inputs.reqs, inputs.chunks, strict=True):
+        start = req.num_computed_tokens
+        end = start + chunk.num_tokens
+        ensure_blocks(req, end)
+        tokens = req.token_slice(start, end - chunk.num_draft)
+        if chunk.num_draft:
+            assert req.draft is not None
+            tokens += req.draft.tokens[:chunk.num_draft]
+        need_logits = end - chunk.num_draft == req.num_tokens
+        inputs.seqs.append(SeqInput(token_ids=tokens, num_computed=start,
+                                    block_table=req.block_table, need_logits=need_logits,
+                                    state_slot=pool.state_slot(req.req_id),
+                                    num_logits=chunk.num_draft + 1))
+        if chunk.num_draft:
+            inputs.verified.append((req, rows, chunk.num_draft))
+        elif need_logits:
+            inputs.sampled.append((req, rows))
+        rows += chunk.num_draft + 1 if need_logits else 0
+    return inputs
+
+
+def pick_tokens(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler,
+                masks: Future[torch.Tensor] | None, verify: Verify
+                ) -> tuple[dict[str, list[int]], dict[str, TokenLogprob | None]]:
+    """Each request's new tokens from the step's logits, and the sampled ones' logprobs.
+    `masks` are the grammar bitmasks of `inputs.masked`, computed while the model ran."""
+    sampled, verified = inputs.sampled, inputs.verified
+    sample_logits = logits[[r for _, r in sampled]] if verified else logits
+    states = [_sampling_state(r) for r, _ in sampled]
+    if masks is not None:
+        picks = sampler(sample_logits, states, bitmask=(inputs.masked, masks.result()))
+    else:
+        picks = sampler(sample_logits, states) if sampled else []
+    new_tokens = {req.req_id: [token] for (req, _), (token, _) in zip(sampled, picks,
+                                                                        strict=True)}
+    logprobs = {req.req_id: lp for (req, _), (_, lp) in zip(sampled, picks, strict=True)}
+    for req, row, k in verified:
+        new_tokens[req.req_id] = verify(req, logits[row:row + k + 1], k)
+    return new_tokens, logprobs
+
+
+def _sampling_state(req: Request) -> SamplingState:
+    assert req.sampling_state is not None, "set when the request was queued"
+    return req.sampling_state
