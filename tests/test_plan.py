@@ -197,14 +197,17 @@ def test_the_model_code_holds_what_the_plan_counts_for_the_27b_hybrid():
     # Built on the meta device: shapes and bytes, no memory.
     import torch
 
-    from helexa.kernels.attention import PagedKV
+    from helexa.kernels.backends.gdn import GatedDeltaStates
+    from helexa.kernels.paged_kv import PagedKV
     from helexa.neuron.models.config import load_model_config
     from helexa.neuron.models.hybrid import HybridForCausalLM
 
     _, mc = load_model_config(HYBRID.parent)
     model = HybridForCausalLM(mc, tp_rank=0, tp_size=2, dtype=torch.bfloat16, device="meta")
     shape = read_model_shape(HYBRID)
-    state = sum(layer.new_state(1).nbytes for layer in model.linear_layers)
+    states = GatedDeltaStates(torch.device("meta"))
+    states.allocate([layer.state_spec for layer in model.linear_layers], 1)
+    state = sum(s.nbytes for s in states.layers)
     assert state == fixed_bytes_per_request(shape, 2) == 39_223_296
     attn = model.attention_layers
     kv = sum(PagedKV(1, 16, a.num_kv_heads, a.head_dim, kv_dtype="bf16", storage=torch.bfloat16,

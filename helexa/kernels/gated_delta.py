@@ -17,8 +17,9 @@ runs a few tokens per row as that many decode steps would (a speculative
 verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
 state after only the first few of them: the rollback of rejected drafts
 (docs/speculation.md). On CUDA, with
-flash-linear-attention (``fla-core``) installed, prefill runs its Triton
-kernel instead (``fla_chunked``), import-guarded: CPU never needs it.
+flash-linear-attention (``fla-core``) installed, the state backend
+(helexa/kernels/backends/gdn.py) runs prefill on its Triton kernel instead
+(``fla_chunked``), import-guarded: CPU never needs it.
 
 q and k arrive L2-normalised (``l2norm``) and q is scaled by the caller's
 ``scale``; everything is computed in fp32.

@@ -12,7 +12,7 @@ Layout beside the plain cache (per layer, K and V alike):
 | int4      | two per byte (even index = low nibble), | ceil(head_dim / 32):     |
 |           | stored as value + 8, −7..7             | amax of the group / 7    |
 
-So one token-head takes exactly `helexa.checkpoint.memory.kv_token_head_bytes` bytes
+So one token-head takes exactly `helexa.checkpoint.layer_memory.kv_token_head_bytes` bytes
 (`QuantSpec.bytes_per_token_head`), which is what `helexa plan`, the ledger
 and the advertised limits count. The scale is per token and head (and per
 group of 32 for int4), computed when the token is written, so writing never

@@ -86,9 +86,9 @@ def test_native_decode_steps_match_the_eager_path(tiny_checkpoint, monkeypatch, 
     model_dir = tiny_checkpoint(arch, **kw)
     native = _runner(model_dir, "cpu", monkeypatch, threads, matmul)
     eager = _runner(model_dir, "torch", monkeypatch)
-    assert native.backend.native is not None and eager.backend.name == "torch"
+    assert native.backend.executor.native is not None and eager.backend.name == "torch"
     if matmul != "measure":  # one row, three rows, and the 2-16 bucket: fused iff all native
-        assert native.backend.native.fused(3) == (matmul == "native")
+        assert native.backend.executor.native.fused(3) == (matmul == "native")
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (21, 40, 7)]
     # scattered, out-of-order blocks: the kernels must follow the tables
@@ -116,11 +116,11 @@ def test_a_block_outside_the_pool_is_refused_before_the_kernels(tiny_model_dir, 
 def test_quantised_kv_keeps_the_eager_attention(tiny_model_dir, monkeypatch):
     r = _runner(tiny_model_dir, "cpu", monkeypatch)
     r.reset_kv(96, "int8")
-    assert r.backend.native is None  # the native attention reads fp32 KV only
+    assert r.backend.executor.native is None  # the native attention reads fp32 KV only
     out = r.execute([SeqInput([5, 6, 7], 0, [0], True)])
     assert torch.isfinite(r.execute([SeqInput([int(out.argmax())], 3, [0], True)])).all()
     r.reset_kv(96, "auto")
-    assert r.backend.native is not None
+    assert r.backend.executor.native is not None
 
 
 @needs_lib

@@ -1,25 +1,93 @@
-"""Attention backends (see base.py for the interface) and how one is chosen.
+"""Device backends and how one is chosen: an attention backend (base.py) and the step
+executor beside it (executor.py), built together as one :class:`Device`.
 
 ``select(name, device)``: ``auto`` picks ``cuda`` on a CUDA device when FlashInfer
 imports (``pip install -e '.[cuda]'``), else ``torch`` there, and ``cpu`` on CPU;
-naming one asks for exactly that (``cuda`` without FlashInfer is an error).
+naming one asks for exactly that (``cuda`` without FlashInfer is an error). Each name
+is one entry of ``REGISTRY``: a function building that device's pair.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from helexa.kernels.backends.base import AttentionBackend, StepPlan, attention
+from helexa.kernels.backends.executor import LinearSite, StepExecutor
 
 NAMES = ("auto", "torch", "cpu", "cuda")
 
-__all__ = ["NAMES", "AttentionBackend", "StepPlan", "attention", "select"]
+__all__ = ["NAMES", "REGISTRY", "AttentionBackend", "Device", "LinearSite", "StepExecutor",
+           "StepPlan", "attention", "select"]
 
 
-def select(name: str, device: torch.device, **cuda_kw: Any) -> AttentionBackend:
-    """The backend ``name`` (one of NAMES) for ``device``; ValueError naming what is wrong."""
+@dataclass
+class Device:
+    """One model runner's device: the attention backend (KV pools, per-step attention
+    metadata, the attention op) and the step executor (weight kernels, whole steps)."""
+
+    attention: AttentionBackend
+    executor: StepExecutor
+
+    @property
+    def name(self) -> str:
+        return self.attention.name
+
+    def describe(self) -> str:
+        """One line for the load log and status: the backend and what it chose."""
+        parts = [p for p in (self.attention.describe(), self.executor.describe()) if p]
+        return f"{self.name} ({'; '.join(parts)})" if parts else self.name
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    cuda_graphs: bool = True
+    max_num_seqs: int = 8
+    tp_size: int = 1
+
+
+def _torch(device: torch.device, opts: DeviceOptions) -> Device:
+    from helexa.kernels.backends.torch_ref import TorchBackend
+
+    return Device(TorchBackend(device), StepExecutor())
+
+
+def _cpu(device: torch.device, opts: DeviceOptions) -> Device:
+    if device.type != "cpu":
+        raise ValueError(f"attention backend 'cpu' runs on CPU, not {device}")
+    from helexa.kernels.backends.cpu import CpuAttention
+    from helexa.kernels.cpu.executor import CpuExecutor
+
+    attention = CpuAttention(device)
+    return Device(attention, CpuExecutor(attention))
+
+
+def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
+    from helexa.kernels.backends import cuda
+
+    if device.type != "cuda":
+        raise ValueError(f"attention backend 'cuda' runs on a CUDA device, not {device}")
+    if not cuda.available():
+        raise ValueError("attention backend 'cuda' needs FlashInfer: pip install -e '.[cuda]' "
+                         f"({cuda.import_error()})")
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+
+    graphs = opts.cuda_graphs and opts.tp_size == 1
+    attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if graphs else 0)
+    return Device(attention, CudaGraphExecutor(attention))
+
+
+REGISTRY: dict[str, Callable[[torch.device, DeviceOptions], Device]] = {
+    "torch": _torch, "cpu": _cpu, "cuda": _cuda}
+
+
+def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num_seqs: int = 8,
+           tp_size: int = 1) -> Device:
+    """The device backend ``name`` (one of NAMES) for ``device``; ValueError naming what is
+    wrong. ``cuda_graphs`` (tp = 1 only) lets the cuda one capture decode steps of up to
+    ``max_num_seqs`` rows."""
     if name not in NAMES:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(NAMES)}")
     if name == "auto":
@@ -31,21 +99,4 @@ def select(name: str, device: torch.device, **cuda_kw: Any) -> AttentionBackend:
             name = "cuda" if cuda.available() else "torch"
         else:
             name = "torch"
-    if name == "torch":
-        from helexa.kernels.backends.torch_ref import TorchBackend
-
-        return TorchBackend(device)
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention backend 'cpu' runs on CPU, not {device}")
-        from helexa.kernels.backends.cpu import CpuBackend
-
-        return CpuBackend(device)
-    from helexa.kernels.backends import cuda
-
-    if device.type != "cuda":
-        raise ValueError(f"attention backend 'cuda' runs on a CUDA device, not {device}")
-    if not cuda.available():
-        raise ValueError("attention backend 'cuda' needs FlashInfer: pip install -e '.[cuda]' "
-                         f"({cuda.import_error()})")
-    return cuda.CudaBackend(device, **cuda_kw)
+    return REGISTRY[name](device, DeviceOptions(cuda_graphs, max_num_seqs, tp_size))

@@ -1,25 +1,25 @@
 """The attention-backend interface: how a model's attention reaches the KV pool.
 
 A model calls one op, :func:`attention`, with its layer's rotated q and new k, v;
-it knows nothing of devices, pools or kernels. Everything device-specific sits
-behind :class:`AttentionBackend`, one instance per model runner:
+it knows nothing of devices, pools or kernels. Everything device-specific about
+attention sits behind :class:`AttentionBackend`, one instance per model runner:
 
-- at load, ``prepare_model`` may swap faster products into the model's linear
-  layers (``ParallelLinearBase.kernel``) — same results, other kernels;
-- ``allocate_kv`` lays out each layer's K/V pool in the shape its kernels read;
+- ``allocate_kv`` lays out each layer's K/V pool (as its memory statement,
+  helexa/checkpoint/layer_memory.py AttentionSpec, counts it) in the shape its kernels read;
 - per step, ``plan`` turns the runner's :class:`StepPlan` (the flat batch: decode
   rows first, then prefill chunks, with their block tables) into the backend's
-  own metadata, built once and shared by every layer;
+  own metadata type, built once and shared by every layer;
 - per layer, ``forward`` writes the new K/V into the pool and attends: decode
   rows over their whole context, prefill chunks causally over cached context
-  plus themselves;
-- ``run`` executes the step: ``model(...)`` unless the backend has a whole-step
-  path of its own (fused CPU decode, CUDA graph replay).
+  plus themselves.
 
-Backends (``helexa/kernels/backends/``): ``torch`` (the plain SDPA reference every
-other one is tested against), ``cpu`` (native kernels, packed weights), ``cuda``
-(FlashInfer paged kernels, CUDA graphs). ``select`` picks one by device and
-config; see docs/engine.md.
+A backend that covers only some steps composes the ``torch`` one (the plain
+reference every other is tested against) and hands it the rest: its ``plan``
+returns the reference's metadata, whose ``backend`` is the reference, so
+:func:`attention` reaches it directly (as mini-sglang's HybridBackend composes two).
+Weight kernels and whole-step execution (fused CPU decode, CUDA graph replay) are a
+separate hook (executor.py); the Gated DeltaNet state is its own backend (gdn.py).
+``select`` (backends/__init__.py) builds a device's pair; see docs/architecture.md.
 
 A new model family needs nothing from here but :func:`attention`: give each
 attention layer its index among the model's attention layers (``layer``), and
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.attention import PagedKV
+from helexa.checkpoint.layer_memory import AttentionSpec
+from helexa.kernels.paged_kv import PagedKV
 
 
 @dataclass
@@ -47,6 +48,10 @@ class PrefillRow:
     end: int
     num_computed: int
     block_table: list[int]
+    state_slot: int = -1  # hybrid models: the sequence's linear-attention state slot
+    # A speculative verification row (its last token and drafts, logits at each): the
+    # linear-attention state runs it token by token and holds it (helexa/kernels/linear_state.py)
+    verify: bool = False
 
 
 @dataclass
@@ -58,6 +63,7 @@ class StepPlan:
     # The engine's own block-table lists (the same objects from step to step while a
     # request runs: backends may key state on their identity).
     decode_tables: list[list[int]] = field(default_factory=list)
+    decode_state_slots: list[int] = field(default_factory=list)  # hybrid models, per decode row
     prefills: list[PrefillRow] = field(default_factory=list)
     block_size: int = 16
     num_blocks: int = 0
@@ -77,24 +83,19 @@ class AttentionBackend(ABC):
         self.pools: list[PagedKV] = []
 
     def describe(self) -> str:
-        """One line for the load log and status: the backend and what it chose."""
-        return self.name
-
-    def prepare_model(self, model: torch.nn.Module, *, max_num_seqs: int,
-                      max_batched_tokens: int, tp_size: int) -> None:
-        """After loading (and the model's own finalize): device-specific weight prep."""
-        return None
+        """What this backend chose, for the load log and status ("" when nothing to say)."""
+        return ""
 
     @abstractmethod
-    def allocate_kv(self, layers: list[tuple[int, int]], num_blocks: int, block_size: int, *,
-                    kv_dtype: str, storage: torch.dtype | None, compute: torch.dtype
-                    ) -> list[PagedKV]:
-        """Drop the old pools and allocate one per attention layer ((kv_heads, head_dim)
-        each); returns them (also kept as ``self.pools``)."""
+    def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
+                    storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
+        """Drop the old pools and allocate one per attention layer, as its spec states;
+        returns them (also kept as ``self.pools``). ``storage``: the plain kv dtype's
+        torch dtype (None for the quantised ones, which kernels.kv_quant lays out)."""
 
     @abstractmethod
-    def plan(self, step: StepPlan) -> Any:
-        """This step's metadata (backend-specific), handed to every ``forward``."""
+    def plan(self, step: StepPlan) -> StepMeta:
+        """This step's metadata (the backend's own type), handed to every ``forward``."""
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -102,16 +103,11 @@ class AttentionBackend(ABC):
         """Write k, v [N, kv_heads, d] at the step's slots of pool ``layer``, then attend:
         q [N, heads, d] -> [N, heads, d]."""
 
-    def plan_side(self, step: StepPlan) -> Any:
+    def plan_side(self, step: StepPlan) -> StepMeta:
         """Metadata for a pass between steps that attends over its own pool layer only
-        (the MTP head: helexa/neuron/models/mtp.py); it must leave state a backend keeps from
-        step to step alone. Backends without such state plan as for a step."""
+        (the MTP head); it must leave state a backend keeps from step to step alone.
+        Backends without such state plan as for a step."""
         return self.plan(step)
-
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        """The step's fp32 logits; backends with a whole-step path override this."""
-        return model(input_ids, positions, meta, logits_rows)
 
     def step_failed(self) -> None:
         """A step raised part way: drop any state that assumed it would finish."""
@@ -123,6 +119,29 @@ class StepMeta:
     only the metadata it was handed to reach the right kernels and pools."""
 
     backend: AttentionBackend
+
+
+def used_blocks(table: list[int], length: int, block_size: int, num_blocks: int) -> list[int]:
+    """The blocks of ``table`` that hold a sequence's first ``length`` tokens (ValueError
+    when the table is too short)."""
+    used = -(-length // block_size)
+    if len(table) < used:
+        raise ValueError(f"block table of {len(table)} blocks × {block_size} cannot hold "
+                         f"{length} tokens")
+    return table[:used]
+
+
+def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
+    out: list[int] = []
+    pos = start
+    while pos < end:
+        block, offset = divmod(pos, block_size)
+        take = min(block_size - offset, end - pos)
+        base = table[block] * block_size + offset
+        out.extend(range(base, base + take))
+        pos += take
+    return out
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,

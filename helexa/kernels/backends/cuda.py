@@ -16,10 +16,12 @@ or in the default tests needs it.
   mask and decode rows ride along with q_len 1). K/V are written with one
   index_copy_ per layer; attention reads the pages in place, no gather.
 - CUDA graphs (``engine.cuda_graphs``, tp = 1): a pure-decode step of b rows,
-  1 <= b <= max_slots, is captured the first time that b is seen (with its own
-  cuda-graph decode wrapper over fixed index buffers) and replayed after: the
-  step's ids, positions and slots copied into static inputs, the wrapper
-  re-planned, the graph replayed.
+  1 <= b <= max_slots, is planned on its own cuda-graph decode wrapper over fixed
+  index buffers and a static slot tensor (:meth:`CudaAttention.static_meta`); the
+  executor (cuda_graphs.py) captures the step the first time that b is seen and
+  replays it after, with the step's ids, positions and slots copied into its static
+  inputs.
+- Quantised kv dtypes: the composed torch backend (``reference``) allocates and plans.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 
-from helexa.kernels.attention import AttentionMetadata, PagedKV
-from helexa.kernels.backends.base import StepPlan
-from helexa.kernels.backends.torch_ref import TorchBackend, _used_blocks
+from helexa.checkpoint.layer_memory import AttentionSpec
+from helexa.kernels.backends.base import AttentionBackend, StepMeta, StepPlan, used_blocks
+from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
+from helexa.kernels.paged_kv import PagedKV
 
 try:  # the optional extra
     import flashinfer
@@ -43,7 +45,6 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family
-log = structlog.get_logger(component="kernels")
 
 
 def available() -> bool:
@@ -61,7 +62,7 @@ class NhdKV(PagedKV):
                  storage: torch.dtype, compute: torch.dtype, kv_dtype: str,
                  device: torch.device) -> None:
         self.kv_dtype, self.head_dim, self.compute = kv_dtype, head_dim, compute
-        self.num_kv_heads, self.quantized, self.mirror = kv_heads, False, None
+        self.num_kv_heads, self.quantized = kv_heads, False
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=storage, device=device)
         self.v_cache = torch.zeros(shape, dtype=storage, device=device)
@@ -74,77 +75,72 @@ class NhdKV(PagedKV):
 
 
 @dataclass
-class CudaMeta(AttentionMetadata):
-    wrapper: Any = None  # the planned FlashInfer wrapper every layer runs
-    graph_rows: int = 0  # a pure-decode step of this many rows (0: none)
+class CudaMetadata(StepMeta):
+    """A step planned on one FlashInfer wrapper that every layer runs."""
+
+    backend: CudaAttention
+    slot_mapping: torch.Tensor  # [N] int64: where each new token's K/V is written
+    num_decode: int
+    wrapper: Any = None  # the planned FlashInfer wrapper
+    graph_rows: int = 0  # a pure-decode step of this many rows on a cuda-graph wrapper (0: none)
 
 
 @dataclass
-class _Graph:
-    graph: Any
-    wrapper: Any
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    out: torch.Tensor | None = None
+class _GraphWrapper:
+    wrapper: Any  # a cuda-graph decode wrapper over fixed index buffers
+    slots: torch.Tensor  # [b] int64: the static slot mapping a captured step reads
 
 
-class CudaBackend(TorchBackend):
+class CudaAttention(AttentionBackend):
     name = "cuda"
 
-    def __init__(self, device: torch.device, *, cuda_graphs: bool = True, max_num_seqs: int = 8,
-                 tp_size: int = 1) -> None:
+    def __init__(self, device: torch.device, *, graph_rows: int = 0) -> None:
+        """``graph_rows``: pure-decode steps of 1..graph_rows rows are planned for CUDA graph
+        capture (0: none)."""
         super().__init__(device)
-        self.use_graphs = cuda_graphs and tp_size == 1
-        self.max_rows = max_num_seqs
-        self.heads = 0
+        self.reference = TorchBackend(device)
+        self.graph_rows = graph_rows
+        self.heads = 0  # query heads per rank: the executor sets it once the model is loaded
+        self.quantised = False
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._graph_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        self._graphs: dict[int, _Graph] = {}
-        self._model: torch.nn.Module | None = None
+        self._graph_wrappers: dict[int, _GraphWrapper] = {}
 
     def describe(self) -> str:
-        graphs = f"graphs for 1..{self.max_rows} rows" if self.use_graphs else "no graphs"
-        quant = " (quantised KV: torch path)" if self.pools and self.pools[0].quantized else ""
-        return f"cuda (flashinfer {getattr(flashinfer, '__version__', '?')}, {graphs}){quant}"
+        quant = "; quantised KV: torch path" if self.quantised else ""
+        return f"flashinfer {getattr(flashinfer, '__version__', '?')}{quant}"
 
-    def prepare_model(self, model: Any, *, max_num_seqs: int,
-                      max_batched_tokens: int, tp_size: int) -> None:
-        self._model = model
-        layers = model.attention_layers
-        self.heads = layers[0].num_heads
-        if self.use_graphs:  # a captured graph holds the rotary table's address: never grow it
-            model.rotary.ensure(model.cfg.max_position_embeddings)
-
-    def allocate_kv(self, layers: list[tuple[int, int]], num_blocks: int, block_size: int, *,
-                    kv_dtype: str, storage: torch.dtype | None, compute: torch.dtype
-                    ) -> list[PagedKV]:
-        self._graphs = {}  # graphs hold the old pools' addresses
+    def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
+                    storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
+        self._graph_wrappers = {}  # their index buffers are sized by the pool
         self.pools = []
+        self.quantised = storage is None
         if storage is None:  # quantised: the torch path's pools
-            return super().allocate_kv(layers, num_blocks, block_size, kv_dtype=kv_dtype,
-                                       storage=storage, compute=compute)
-        self.pools = [NhdKV(num_blocks, block_size, kvh, d, storage=storage, compute=compute,
-                            kv_dtype=kv_dtype, device=self.device) for kvh, d in layers]
+            self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
+                                                    storage=storage, compute=compute)
+            return self.pools
+        self.pools = [NhdKV(num_blocks, block_size, s.kv_heads, s.head_dim, storage=storage,
+                            compute=compute, kv_dtype=s.kv_dtype, device=self.device)
+                      for s in layers]
         self._kv_dtype = storage
         self._q_dtype = compute
-        self._graph_index_cap = max(1, self.max_rows) * num_blocks
+        self._graph_index_cap = max(1, self.graph_rows) * num_blocks
         return self.pools
 
     # ---- per step ------------------------------------------------------------------------
 
-    def plan(self, step: StepPlan) -> AttentionMetadata:
-        if not self.pools or self.pools[0].quantized:
-            return super().plan(step)
+    def plan(self, step: StepPlan) -> CudaMetadata | TorchMetadata:
+        if not self.pools or self.quantised:
+            return self.reference.plan(step)
         bs = step.block_size
         lens = [p + 1 for p in step.decode_positions] + [r.num_computed + r.end - r.start
                                                          for r in step.prefills]
         tables = list(step.decode_tables) + [r.block_table for r in step.prefills]
         indptr, indices, last = [0], [], []
         for table, n in zip(tables, lens, strict=True):
-            used = _used_blocks(table, n, bs, step.num_blocks)
+            used = used_blocks(table, n, bs, step.num_blocks)
             indices.extend(used)
             indptr.append(len(indices))
             last.append(n - (len(used) - 1) * bs)
@@ -154,14 +150,15 @@ class CudaBackend(TorchBackend):
         i32 = torch.int32
         indptr_t, last_t = torch.tensor(indptr, dtype=i32), torch.tensor(last, dtype=i32)
         indices_t = torch.tensor(indices, dtype=i32)
-        meta = CudaMeta(slot_mapping=step.slot_mapping, backend=self, num_decode=step.num_decode)
+        meta = CudaMetadata(backend=self, slot_mapping=step.slot_mapping,
+                            num_decode=step.num_decode)
         kvh, d = self.pools[0].num_kv_heads, self.pools[0].head_dim
         common = dict(q_data_type=self._q_dtype, kv_data_type=self._kv_dtype)
         if not step.prefills:
             b = step.num_decode
-            if self.use_graphs and b <= self.max_rows:
+            if b <= self.graph_rows:
                 meta.graph_rows = b
-                meta.wrapper = self._graph_wrapper(b)
+                meta.wrapper = self._graph_wrapper(b).wrapper
             else:
                 meta.wrapper = self._decode
             meta.wrapper.plan(indptr_t, indices_t.to(self.device), last_t, self.heads, kvh, d,
@@ -178,33 +175,23 @@ class CudaBackend(TorchBackend):
         return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: Any) -> torch.Tensor:
-        if not isinstance(meta, CudaMeta):  # quantised pool: the torch path
-            return super().forward(layer, q, k, v, meta)
+                meta: CudaMetadata) -> torch.Tensor:
         kv = self.pools[layer]
         kv.k_slots.index_copy_(0, meta.slot_mapping, k.to(kv.k_slots.dtype))
         kv.v_slots.index_copy_(0, meta.slot_mapping, v.to(kv.v_slots.dtype))
         return meta.wrapper.run(q.contiguous(), (kv.k_cache, kv.v_cache))
 
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None) -> torch.Tensor:
-        b = getattr(meta, "graph_rows", 0)
-        if not b or logits_rows is not None:
-            return model(input_ids, positions, meta, logits_rows)
-        g = self._graphs.get(b)
-        if g is None or g.graph is None:
-            g = self._capture(model, b, input_ids, positions, meta)
-        g.ids.copy_(input_ids)
-        g.positions.copy_(positions)
-        g.slots.copy_(meta.slot_mapping)
-        g.graph.replay()
-        assert g.out is not None  # set by the capture
-        return g.out.clone()  # the static output is overwritten by the next replay
-
     # ---- CUDA graphs ---------------------------------------------------------------------
 
-    def _graph_wrapper(self, b: int) -> Any:
-        g = self._graphs.get(b)
+    def static_meta(self, b: int) -> CudaMetadata:
+        """The metadata a captured b-row decode step runs with: the graph wrapper (planned
+        each step by ``plan``) and a static slot mapping the executor fills before replay."""
+        g = self._graph_wrapper(b)
+        return CudaMetadata(backend=self, slot_mapping=g.slots, num_decode=b, wrapper=g.wrapper,
+                            graph_rows=b)
+
+    def _graph_wrapper(self, b: int) -> _GraphWrapper:
+        g = self._graph_wrappers.get(b)
         if g is None:
             dev, i32 = self.device, torch.int32
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -213,28 +200,6 @@ class CudaBackend(TorchBackend):
                 paged_kv_indices_buffer=torch.zeros(self._graph_index_cap, dtype=i32,
                                                     device=dev),
                 paged_kv_last_page_len_buffer=torch.zeros(b, dtype=i32, device=dev))
-            ids, positions, slots = (torch.zeros(b, dtype=torch.long, device=dev)
-                                     for _ in range(3))
-            g = self._graphs[b] = _Graph(None, wrapper, ids, positions, slots)
-        return g.wrapper
-
-    def _capture(self, model: torch.nn.Module, b: int, input_ids: torch.Tensor,
-                 positions: torch.Tensor, meta: CudaMeta) -> _Graph:
-        """Capture a b-row decode step over this step's (already planned) inputs."""
-        g = self._graphs[b]
-        g.ids.copy_(input_ids)
-        g.positions.copy_(positions)
-        g.slots.copy_(meta.slot_mapping)
-        static = CudaMeta(slot_mapping=g.slots, backend=self, num_decode=b, wrapper=g.wrapper,
-                          graph_rows=b)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm up off the capture (allocator, lazy inits)
-            model(g.ids, g.positions, static, None)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g.out = model(g.ids, g.positions, static, None)
-        g.graph = graph
-        log.info("kernels.cuda_graph_captured", rows=b)
+            g = self._graph_wrappers[b] = _GraphWrapper(
+                wrapper, torch.zeros(b, dtype=torch.long, device=dev))
         return g

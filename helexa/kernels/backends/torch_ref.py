@@ -1,55 +1,74 @@
 """The ``torch`` attention backend: plain torch and SDPA on any device, no native code.
 
-It is the reference the ``cpu`` and ``cuda`` backends are tested against, and
-the path for whatever they do not cover. Its temporaries are bounded: decode
-rows run in length groups (kernels.attention.DecodeGroup), long contexts a
-chunk at a time, so one 32k-token row beside short ones costs a chunk, not
-the batch padded to 32k.
+It is the reference the ``cpu`` and ``cuda`` backends are tested against, and the path
+for whatever they do not cover (they compose it: base.py). Its temporaries are bounded:
+decode rows run in length groups (kernels.attention.DecodeGroup), long contexts a chunk
+at a time, so one 32k-token row beside short ones costs a chunk, not the batch padded to
+32k.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
+from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels.attention import (
     DECODE_CHUNK_TOKENS,
-    AttentionMetadata,
     DecodeGroup,
-    PagedKV,
     PrefillChunk,
+    grouped_decode,
     paged_attention,
 )
-from helexa.kernels.backends.base import AttentionBackend, StepPlan
+from helexa.kernels.backends.base import (
+    AttentionBackend,
+    StepMeta,
+    StepPlan,
+    token_slots,
+    used_blocks,
+)
+from helexa.kernels.paged_kv import PagedKV
+
+
+@dataclass
+class TorchMetadata(StepMeta):
+    """The torch backend's plan of a step: decode rows by length group, a chunk per prefill."""
+
+    backend: TorchBackend
+    slot_mapping: torch.Tensor  # [N] int64: where each new token's K/V is written
+    num_decode: int = 0
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def allocate_kv(self, layers: list[tuple[int, int]], num_blocks: int, block_size: int, *,
-                    kv_dtype: str, storage: torch.dtype | None, compute: torch.dtype
-                    ) -> list[PagedKV]:
+    def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
+                    storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
         self.pools = []  # free the old pools before allocating the new ones
-        self.pools = [PagedKV(num_blocks, block_size, kvh, d, kv_dtype=kv_dtype, storage=storage,
-                              compute=compute, device=self.device) for kvh, d in layers]
+        self.pools = [PagedKV(num_blocks, block_size, s.kv_heads, s.head_dim,
+                              kv_dtype=s.kv_dtype, storage=storage, compute=compute,
+                              device=self.device) for s in layers]
         return self.pools
 
-    def plan(self, step: StepPlan) -> AttentionMetadata:
-        meta = AttentionMetadata(slot_mapping=step.slot_mapping, backend=self,
-                                 num_decode=step.num_decode)
+    def plan(self, step: StepPlan) -> TorchMetadata:
+        meta = TorchMetadata(backend=self, slot_mapping=step.slot_mapping,
+                             num_decode=step.num_decode)
         if step.num_decode:
-            meta.decode_len = max(step.decode_positions) + 1
             meta.decode_groups = self.decode_groups(step)
         meta.prefills = [self.prefill_chunk(r.start, r.end, r.num_computed, r.block_table,
                                             step.block_size) for r in step.prefills]
         return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: Any) -> torch.Tensor:
+                meta: TorchMetadata) -> torch.Tensor:
         kv = self.pools[layer]
         kv.write(meta.slot_mapping, k, v)
-        return paged_attention(q, k, v, kv, meta)
+        groups = meta.decode_groups
+        return paged_attention(q, k, v, kv, meta.num_decode,
+                               lambda q, k, v: grouped_decode(q, kv, groups), meta.prefills)
 
     # ---- step plans ----------------------------------------------------------------------
 
@@ -69,7 +88,7 @@ class TorchBackend(AttentionBackend):
         for rows in groups:
             t = lens[rows[0]]
             nblk = -(-t // bs)
-            tables = [_used_blocks(step.decode_tables[i], lens[i], bs, step.num_blocks)
+            tables = [used_blocks(step.decode_tables[i], lens[i], bs, step.num_blocks)
                       for i in rows]
             grp = DecodeGroup(
                 rows=None if len(groups) == 1 and rows == sorted(rows) else
@@ -105,23 +124,3 @@ class TorchBackend(AttentionBackend):
             chunk.mask = ctx[None, :] <= ctx[c:, None]
         return chunk
 
-
-def _used_blocks(table: list[int], length: int, block_size: int, num_blocks: int) -> list[int]:
-    used = -(-length // block_size)
-    if len(table) < used:
-        raise ValueError(f"block table of {len(table)} blocks × {block_size} cannot hold "
-                         f"{length} tokens")
-    return table[:used]
-
-
-def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
-    """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
-    out: list[int] = []
-    pos = start
-    while pos < end:
-        block, offset = divmod(pos, block_size)
-        take = min(block_size - offset, end - pos)
-        base = table[block] * block_size + offset
-        out.extend(range(base, base + take))
-        pos += take
-    return out

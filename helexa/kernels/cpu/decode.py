@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.attention import PagedKV
 from helexa.kernels.cpu.matmul import CpuLinear, bucket
+from helexa.kernels.paged_kv import PagedKV
 
 
 def supports(model: Any) -> bool:

@@ -3,9 +3,13 @@
 The engine hands it a list of SeqInput (each sequence's new tokens, how many
 of its tokens are already cached, and its block table). The runner lays the
 batch out flat — single-token (decode) rows first, then prefill chunks — as
-a StepPlan (token ids, positions, slot mapping, block tables); its attention
-backend (helexa/kernels/backends/: torch, cpu or cuda, chosen at load) turns the plan
-into its own metadata, owns the KV pool and runs the step; the runner returns
+a StepPlan (token ids, positions, slot mapping, block tables); its device
+(helexa/kernels/backends/: torch, cpu or cuda, chosen at load) has an attention backend
+that turns the plan into its own metadata and owns the KV pool, and a step executor
+that runs the step; hybrid models' Gated DeltaNet state backend
+(helexa/kernels/backends/gdn.py) builds the step's state metadata, which the executor
+hands to the model's forward. The pools and state slots are allocated as the layers'
+memory statements say (helexa/checkpoint/layer_memory.py). The runner returns
 next-token logits for the sequences that asked for them, in the order they
 were given.
 """
@@ -21,15 +25,16 @@ from typing import Any, cast
 import structlog
 import torch
 
+from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import backends, kv_quant
-from helexa.kernels.attention import PagedKV
-from helexa.kernels.backends.base import PrefillRow, StepPlan
-from helexa.kernels.backends.torch_ref import token_slots
+from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
+from helexa.kernels.backends.gdn import GatedDeltaStates
+from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.mtp_passes import MtpPasses
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
 from helexa.neuron.models.config import load_model_config, parse_dtype
-from helexa.neuron.models.linear_state import state_meta
+from helexa.neuron.models.layers import linear_sites
 from helexa.neuron.models.loader import load_model
 from helexa.neuron.models.quant import QuantSpec, weight_bytes
 
@@ -130,13 +135,15 @@ class ModelRunner(MtpPasses):
                                                progress=progress, quantize=quant))
         self.weight_bytes = weight_bytes(self.model)  # this rank's, as held (plan compares)
         self.dtype: torch.dtype = self.model.model.embed_tokens.weight.dtype
-        self.backend.prepare_model(self.model, max_num_seqs=max_num_seqs,
-                                   max_batched_tokens=max_batched_tokens, tp_size=tp_size)
+        self.backend.executor.prepare(self.model, linear_sites(self.model),
+                                      max_num_seqs=max_num_seqs,
+                                      max_batched_tokens=max_batched_tokens, tp_size=tp_size)
         self.vocab_size = self.config.vocab_size
         self._attn = self.model.attention_layers
         self._linear = list(getattr(self.model, "linear_layers", []))
         if self._linear and num_state_slots < 1:
             raise ValueError("a hybrid model needs num_state_slots >= 1 (one per request)")
+        self.linear_states = GatedDeltaStates(self.device) if self._linear else None
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
@@ -174,18 +181,21 @@ class ModelRunner(MtpPasses):
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
-        self.kv_pools = []
         self.num_blocks = num_blocks
         # The MTP head's KV is in the pool too, after the target's layers, as helexa plan
         # counts it (whether or not its weights loaded: plan reads config.json alone)
-        layers = [(a.num_kv_heads, a.head_dim) for a in self._attn]
-        self.kv_pools = self.backend.allocate_kv(
-            layers + layers[-1:] * self.mtp_kv_layers, num_blocks, self.block_size,
-            kv_dtype=self.kv_dtype, storage=storage, compute=self.dtype)
-        for layer in self._linear:  # the old states go first, as the old pools did
-            layer.state = None
-        for layer in self._linear:
-            layer.state = layer.new_state(self.num_state_slots)
+        layers = [AttentionSpec(a.num_kv_heads, a.head_dim, self.kv_dtype) for a in self._attn]
+        self._allocate_kv(layers + layers[-1:] * self.mtp_kv_layers, num_blocks, storage)
+        if self.linear_states is not None:
+            self.linear_states.allocate([layer.state_spec for layer in self._linear],
+                                        self.num_state_slots)
+
+    def _allocate_kv(self, layers: list[AttentionSpec], num_blocks: int,
+                     storage: torch.dtype | None) -> None:
+        self.kv_pools = []  # the old pools go first
+        self.kv_pools = self.backend.attention.allocate_kv(
+            layers, num_blocks, self.block_size, storage=storage, compute=self.dtype)
+        self.backend.executor.kv_allocated(self.kv_pools)
 
     def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
         """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
@@ -200,8 +210,7 @@ class ModelRunner(MtpPasses):
         step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
             SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
         peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
-        self.kv_pools = self.backend.allocate_kv([], 0, bs, kv_dtype="auto", storage=None,
-                                                 compute=self.dtype)  # free the probe pool
+        self._allocate_kv([], 0, None)  # free the probe pool
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
@@ -224,7 +233,7 @@ class ModelRunner(MtpPasses):
     def fixed_bytes_per_request(self) -> int:
         """Linear-attention state of one request across all layers: this rank's share
         (0 for dense models)."""
-        return sum(layer.state.bytes_per_slot for layer in self._linear)
+        return self.linear_states.bytes_per_slot if self.linear_states is not None else 0
 
     # ---- one step ------------------------------------------------------------------------
 
@@ -235,22 +244,21 @@ class ModelRunner(MtpPasses):
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, step, logits_rows = self._prepare(seqs)
-        if self._linear:  # which state slot each row reads and writes
-            self.model.state_meta = slots = state_meta(seqs, self.device)
-            for layer in self._linear:  # fresh slots cleared, rolled-back drafts settled
-                layer.state.begin_step(slots)
+        # which state slot each row reads and writes: fresh slots cleared, held drafts settled
+        state = self.linear_states.plan(step) if self.linear_states is not None else None
+        attention, run = self.backend.attention, self.backend.executor.run
         try:
-            meta = self.backend.plan(step)
+            meta = attention.plan(step)
             if self._tp is None:
-                return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
+                return run(self.model, input_ids, positions, meta, logits_rows, state)
             self._tp.send_step(seqs)
             try:
-                return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
+                return run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
                 self._tp.fail_step(e)
                 raise
         except BaseException:
-            self.backend.step_failed()
+            attention.step_failed()
             raise
 
     def close(self) -> None:
@@ -286,6 +294,7 @@ class ModelRunner(MtpPasses):
             slots.append(table[s.num_computed // bs] * bs + s.num_computed % bs)
             step.decode_positions.append(s.num_computed)
             step.decode_tables.append(s.block_table)
+            step.decode_state_slots.append(s.state_slot)
         last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
         for i, s in enumerate(seqs):
             n, c = len(s.token_ids), s.num_computed
@@ -298,7 +307,8 @@ class ModelRunner(MtpPasses):
             ids.extend(s.token_ids)
             positions.extend(range(c, c + n))
             slots.extend(token_slots(table, c, c + n, bs))
-            step.prefills.append(PrefillRow(start, start + n, c, table))
+            step.prefills.append(PrefillRow(start, start + n, c, table, s.state_slot,
+                                            verify=s.need_logits and s.num_logits > 1))
             last_row[i] = start + n - 1
         # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
         self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]

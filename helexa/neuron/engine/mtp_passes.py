@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from helexa.kernels.backends.base import AttentionBackend, StepPlan
+    from helexa.kernels.backends import Device
+    from helexa.kernels.backends.base import StepPlan
     from helexa.neuron.engine.model_runner import SeqInput
     from helexa.neuron.engine.tp_worker import TpWorkers
     from helexa.neuron.models.config import ModelConfig
@@ -23,7 +24,7 @@ class MtpPasses:
     """ModelRunner's MTP head passes (it provides the attributes below)."""
 
     model: Any
-    backend: AttentionBackend
+    backend: Device
     config: ModelConfig
     device: torch.device
     dtype: torch.dtype
@@ -57,7 +58,7 @@ class MtpPasses:
             hidden = self._shared_rows(hidden, len(flat))
             x = torch.empty_like(hidden)
             x[flat] = hidden  # to the step's flat layout
-            meta = self.backend.plan_side(step)
+            meta = self.backend.attention.plan_side(step)
             logits, y = self.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
         except RuntimeError as e:
             if self._tp is not None:  # a collective failed: a rank died or wedged

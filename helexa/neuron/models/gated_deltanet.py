@@ -9,10 +9,11 @@ ways: Qwen3.5 as in_proj_qkv ([all q | all k | all v]), in_proj_z, in_proj_b,
 in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba, grouped per key head
 ([q, k, v, z] of key head 0, then key head 1, ...). Both load into one layout.
 
-The state (helexa/kernels/gated_delta.py) lives in a ``LinearState`` per layer with
-one slot per request the model runner may hold at once; ``StateMeta`` says,
-per step, which slot each row of the flat batch reads and writes
-(linear_state.py, which also rolls the state back past rejected drafts).
+The layer declares the state it needs per request (``state_spec``, a
+LinearAttentionSpec: helexa plan counts it, the state backend allocates it) and hands
+its conv inputs and gates to one op, ``gated_delta``: the state backend
+(helexa/kernels/backends/gdn.py) keeps the slots, runs the conv and the delta rule over
+them and rolls them back past rejected drafts. The layer does no bookkeeping.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.kernels import gated_delta as gd
+from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.checkpoint.shape import dtype_name
+from helexa.kernels.backends.gdn import GdnMetadata, gated_delta
 from helexa.kernels.norm import rms_norm
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
@@ -35,13 +38,13 @@ from helexa.neuron.models.layers import (
     _set_loader,
     replicated_loader,
 )
-from helexa.neuron.models.linear_state import LinearState, StateMeta
 
 
 class GatedDeltaNet(HotModule):
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, cfg: ModelConfig, layer: int = 0, *, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype = torch.float32, device: Any = None) -> None:
         super().__init__()
+        self.layer = layer  # index among the model's linear-attention layers: its state
         kh, vh = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         if kh % tp_size or vh % kh:
             raise ValueError(f"{kh} linear key heads / {vh} value heads: expected key heads "
@@ -67,7 +70,14 @@ class GatedDeltaNet(HotModule):
         self.dt_bias = param(self.vh, loader=self._load_heads)
         self.A_log = param(self.vh, loader=self._load_heads)
         self.norm_weight = param(self.dv, loader=replicated_loader)
-        self.state: LinearState | None = None  # attached by the model runner
+
+    @property
+    def state_spec(self) -> LinearAttentionSpec:
+        """What one request's state takes on this rank, in the model's dtype."""
+        return LinearAttentionSpec(key_heads=self.kh, value_heads=self.vh, key_dim=self.dk,
+                                   value_dim=self.dv, conv_channels=self.conv_dim,
+                                   conv_kernel=self.kernel,
+                                   dtype=dtype_name(str(self.conv_weight.dtype)))
 
     # ---- loading: every checkpoint spelling into [q | k | v | z | b | a] of this rank ----
 
@@ -119,61 +129,17 @@ class GatedDeltaNet(HotModule):
         _copy_checked(param.data, loaded[self.tp_rank * self.vh:(self.tp_rank + 1) * self.vh],
                       "linear-attention head parameter")
 
-    def new_state(self, num_slots: int) -> LinearState:
-        return LinearState(num_slots, self.conv_dim, self.kernel, self.vh, self.dk, self.dv,
-                           dtype=self.conv_weight.dtype, device=self.conv_weight.device)
-
     # ---- forward ---------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor, meta: StateMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: GdnMetadata) -> torch.Tensor:
         """x [N, hidden] (decode rows first, then prefill chunks and verification rows)
         -> [N, hidden]."""
         n = x.shape[0]
-        state = self.state
-        assert state is not None, "the model runner attaches the state before a step"
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.vh * self.dv, self.vh,
                                                 self.vh], dim=-1)
-        nd = meta.decode_slots.numel()
-        conv = torch.empty_like(mixed)
-        if nd:
-            windows = state.conv.index_select(0, meta.decode_slots)
-            conv[:nd] = gd.conv1d_decode(mixed[:nd], self.conv_weight, windows)
-            state.conv.index_copy_(0, meta.decode_slots, windows)
-        for start, end, slot in meta.prefills:
-            conv[start:end], window = gd.conv1d_prefill(mixed[start:end], self.conv_weight,
-                                                        state.conv[slot])
-            state.conv[slot] = window
-        rows = meta.verify  # token by token as decode, the slots left as they are (held)
-        if rows is not None:
-            mixed_rows = mixed[rows.index]  # [B, T, channels]
-            windows = state.conv.index_select(0, rows.slots)
-            conv[rows.flat] = gd.conv1d_steps(mixed_rows, self.conv_weight, windows)[rows.valid]
-        q, k, v = conv.split([self.kh * self.dk, self.kh * self.dk, self.vh * self.dv], dim=-1)
-        q = gd.l2norm(q.reshape(n, self.kh, self.dk).float()) * self.dk ** -0.5
-        k = key_heads = gd.l2norm(k.reshape(n, self.kh, self.dk).float())
-        if self.ratio > 1:  # each key head serves `ratio` consecutive value heads
-            q, k = q.repeat_interleave(self.ratio, 1), k.repeat_interleave(self.ratio, 1)
-        v = v.reshape(n, self.vh, self.dv)
         beta = b.float().sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = torch.empty(n, self.vh, self.dv, dtype=torch.float32, device=x.device)
-        if nd:
-            states = state.recurrent.index_select(0, meta.decode_slots).float()
-            o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
-            state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
-        fla = gd.fla_available(x.device, x.dtype)
-        for start, end, slot in meta.prefills:
-            args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
-                    state.recurrent[slot])
-            o[start:end], final = gd.fla_chunked(*args, x.dtype) if fla else \
-                gd.delta_rule_chunked(*args)
-            state.recurrent[slot] = final.to(state.recurrent.dtype)
-        if rows is not None:
-            states = state.recurrent.index_select(0, rows.slots).float()
-            at = rows.index
-            o[rows.flat] = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
-                                               state.recurrent.dtype)[rows.valid]
-            state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
+        o = gated_delta(mixed, g, beta, self.conv_weight, self.layer, meta)  # [N, vh, dv] fp32
         # Gated RMSNorm per value head: norm(o) * w * silu(z), the norm in fp32 as the reference.
         o = rms_norm(o, None, self.eps).to(x.dtype) * self.norm_weight
         o = (o.float() * F.silu(z.reshape(n, self.vh, self.dv).float())).to(x.dtype)

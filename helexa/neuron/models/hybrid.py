@@ -6,8 +6,9 @@ One model class serves the four families; the config says which layer is which
 and Qwen3.5 gate its output (q_proj yields [q | gate] per head), rotate only the
 leading ``rotary_dim`` of each head and scale every RMSNorm by (1 + w); Qwen3-MoE
 is Qwen3's attention with expert MLPs. Full-attention layers use the paged KV
-pool like the dense models; linear-attention layers keep a per-request state
-(gated_deltanet.py) whose slots the model runner attaches.
+pool like the dense models; linear-attention layers (gated_deltanet.py) declare a
+per-request state whose slots the Gated DeltaNet state backend keeps; the runner passes
+its per-step metadata to ``forward``.
 
 Checkpoint names are mapped in ``checkpoint_map`` (hybrid_weights.py): the text model of
 ``*ForConditionalGeneration`` lives under ``model.language_model.``, its
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels.backends.base import StepMeta, attention
+from helexa.kernels.backends.gdn import GdnMetadata
 from helexa.kernels.rotary import RotaryTable, apply_rotary
 from helexa.log import get_logger
 from helexa.neuron.models import hybrid_weights
@@ -45,7 +47,6 @@ from helexa.neuron.models.layers import (
     _copy_checked,
     _split_rows,
 )
-from helexa.neuron.models.linear_state import StateMeta
 from helexa.neuron.models.moe import SparseMoeBlock
 from helexa.neuron.models.mtp import MtpHead
 
@@ -146,17 +147,18 @@ class DecoderLayer(HotModule):
         self.linear = cfg.layer_types[index] == "linear_attention" if cfg.layer_types else False
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         if self.linear:
-            self.linear_attn = GatedDeltaNet(cfg, **kw)
+            # its state: its index among the linear-attention layers
+            self.linear_attn = GatedDeltaNet(cfg, index - attention_index, **kw)
         else:
             self.self_attn = Attention(cfg, attention_index, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.mlp: HotModule = SparseMoeBlock(cfg, **kw) if cfg.is_moe_layer(index) else MLP(cfg, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMeta, state: StateMeta | None) -> torch.Tensor:
+                meta: StepMeta, state: GdnMetadata | None) -> torch.Tensor:
         h = self.input_layernorm(x)
         if self.linear:
-            assert state is not None, "a hybrid model's step needs its StateMeta"
+            assert state is not None, "a hybrid model's step needs its state metadata"
             x = x + self.linear_attn(h, state)
         else:
             x = x + self.self_attn(h, cos, sin, meta)
@@ -204,7 +206,6 @@ class HybridForCausalLM(nn.Module):
         # hidden state [N, H] in last_hidden (the head's input).
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
-        self.state_meta: StateMeta | None = None  # set by the model runner before each step
         self._skipped_visual = False
 
     @property
@@ -262,13 +263,16 @@ class HybridForCausalLM(nn.Module):
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
+                logits_indices: torch.Tensor | None = None,
+                state: GdnMetadata | None = None) -> torch.Tensor:
+        """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if
+        None); ``state``: the step's linear-attention state metadata (helexa/kernels/backends/
+        gdn.py), which the model runner builds and passes in."""
         cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, rotary_dim]
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, self.state_meta)
+            x = layer(x, cos, sin, meta, state)
         if self.keep_hidden:
             self.last_hidden = x = self.model.norm(x)
             if logits_indices is not None:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from helexa.kernels.backends.executor import LinearSite
 from helexa.kernels.norm import rms_norm
 
 # Bytes each rank sends into collectives (tp > 1), for bench/tp.py; a plain int add per call.
@@ -104,7 +105,7 @@ class ParallelLinearBase(HotModule):
                 self.weight_loader,
             )
 
-        # A device backend's product for this weight (helexa/kernels/backends/), same result:
+        # A device's product for this weight (helexa/kernels/backends/executor.py), same result:
         # kernel(x, bias) -> x @ W^T + bias. None: F.linear.
         self.kernel: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         # The linear method of a quantised layer (helexa/neuron/models/quant.py), set before loading;
@@ -319,3 +320,12 @@ class RMSNorm(HotModule):
 def replicated_loader(param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
     """Loader for parameters every rank holds whole (norms)."""
     _copy_checked(param.data, loaded[:], "replicated")
+
+
+def linear_sites(model: nn.Module) -> list[LinearSite]:
+    """The model's linear products as a device's executor sees them
+    (helexa/kernels/backends/executor.py): every parallel linear and the LM head, whether
+    quantised (its own op stays) and whether tied to the embedding (its layout stays)."""
+    tied = bool(getattr(getattr(model, "cfg", None), "tie_word_embeddings", False))
+    return [LinearSite(m, quantised=m.quant is not None, tied=tied and isinstance(m, ParallelLMHead))
+            for m in model.modules() if isinstance(m, ParallelLinearBase | ParallelLMHead)]

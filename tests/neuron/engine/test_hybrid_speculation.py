@@ -162,8 +162,8 @@ def test_storm_with_aborts_and_stops_leaves_the_ledger_whole_and_holds_at_most_a
             assert u.refused_code is None and u.error in ("", "client_gone"), u
             got.setdefault(u.req_id, []).extend(u.new_token_ids)
         core.pool.check()
-        for layer in core.runner._linear:  # one held row a slot at most, whatever ended
-            assert len(layer.state._held) <= core.pool.num_state_slots
+        for state in core.runner.linear_states.layers:  # one held row a slot at most
+            assert len(state._held) <= core.pool.num_state_slots  # whatever ended
     assert_whole(core)
     for rid, tokens in reference.items():  # greedy, not aborted: exactly plain decoding
         if rid.startswith("r"):

@@ -2,13 +2,15 @@
 
 A linear-attention layer keeps, per request, a conv window and a recurrent
 state (helexa/kernels/gated_delta.py) in a ``LinearState`` with one slot per request
-the model runner may hold at once; ``StateMeta`` says, per step, which slot
-each row of the flat batch reads and writes.
+the model runner may hold at once, shaped as the layer's memory statement says
+(helexa/checkpoint/layer_memory.py LinearAttentionSpec, which `helexa plan` counts).
+The state backend (helexa/kernels/backends/gdn.py) says, per step, which slot each row
+of the flat batch reads and writes, and runs the kernels over these slots.
 
 Speculative verification. A row of 1 + k tokens (the request's last token and
-k drafts, SeqInput.num_logits > 1) runs token by token as k + 1 decode steps
+k drafts, StepPlan's PrefillRow.verify) runs token by token as k + 1 decode steps
 would, so its outputs are exactly plain decoding's, but leaves the slot as it
-was: the layer *holds* the row's inputs to the state (conv inputs and the
+was: the layer's state *holds* the row's inputs (conv inputs and the
 k, v, g, beta of each position: a few percent of a state per position). The
 engine accepts a prefix and counts only the kept positions as computed, so
 the request's next step says how many stood (its num_computed less the row's
@@ -21,12 +23,14 @@ dropping what it held: at most one held row per slot (docs/speculation.md).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 
+from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import gated_delta as gd
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -40,17 +44,6 @@ class VerifyRows:
     slot_ids: list[int]
     starts: list[int]  # each row's first position (its num_computed)
     lengths: list[int]
-
-
-@dataclass
-class StateMeta:
-    """Which state slot each row of a step uses: decode rows first, then longer rows."""
-
-    decode_slots: torch.Tensor  # [num decode rows] int64
-    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
-    fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
-    verify: VerifyRows | None = None
-    resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
 
 
 @dataclass
@@ -76,13 +69,15 @@ class _Held:
 
 class LinearState:
     """One layer's conv windows [slots, channels, K - 1] and recurrent states
-    [slots, v_heads, k_dim, v_dim], in the model's dtype (as helexa plan counts them),
-    and the verification rows held until their requests' next step."""
+    [slots, v_heads, k_dim, v_dim], in the model's dtype (as its spec, and so helexa plan,
+    counts them), and the verification rows held until their requests' next step."""
 
-    def __init__(self, num_slots: int, channels: int, kernel: int, v_heads: int, dk: int,
-                 dv: int, *, dtype: torch.dtype, device: torch.device | str) -> None:
-        self.conv = torch.zeros(num_slots, channels, kernel - 1, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_slots, v_heads, dk, dv, dtype=dtype, device=device)
+    def __init__(self, spec: LinearAttentionSpec, num_slots: int,
+                 device: torch.device | str) -> None:
+        dtype = TORCH_DTYPES[spec.dtype]
+        self.conv = torch.zeros(num_slots, *spec.conv_shape, dtype=dtype, device=device)
+        self.recurrent = torch.zeros(num_slots, *spec.recurrent_shape, dtype=dtype,
+                                     device=device)
         self.nbytes = self.conv.nbytes + self.recurrent.nbytes
         self._held: dict[int, tuple[_Held, int]] = {}  # slot -> (rows, its row)
 
@@ -103,12 +98,13 @@ class LinearState:
         self.recurrent.index_fill_(0, idx, 0)
         self._drop(slots)
 
-    def begin_step(self, meta: StateMeta) -> None:
-        """Before a step's forward: clear the fresh slots, settle the held ones."""
-        if meta.fresh_slots:
-            self.clear(meta.fresh_slots)
+    def begin_step(self, fresh_slots: list[int], resume: dict[int, int]) -> None:
+        """Before a step's forward: clear the fresh slots, settle the held ones (resume:
+        slot -> num_computed of each row of the step)."""
+        if fresh_slots:
+            self.clear(fresh_slots)
         if self._held:
-            self.settle(meta.resume)
+            self.settle(resume)
 
     def hold(self, rows: VerifyRows, mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              g: torch.Tensor, beta: torch.Tensor) -> None:
@@ -137,7 +133,11 @@ class LinearState:
             picked[id(held)][1].append(r)
             picked[id(held)][2].append(kept)
         for held, rows, kept in picked.values():
-            if len(rows) < len(held.slots):
+            # kept[i] is rows[i]'s, in the order the step lists the slots: line both up
+            # with the held rows' own order
+            order = sorted(range(len(rows)), key=rows.__getitem__)
+            rows, kept = [rows[i] for i in order], [kept[i] for i in order]
+            if rows != list(range(len(held.slots))):
                 held = held.rows(rows)
             self._advance(held, torch.tensor(kept, dtype=torch.long, device=held.k.device))
         self._compact({id(h): h for h, _, _ in picked.values()})
@@ -171,38 +171,3 @@ class LinearState:
                 for r, slot in enumerate(kept.slots):
                     self._held[slot] = (kept, r)
 
-
-def state_meta(seqs: list[Any], device: torch.device) -> StateMeta:
-    """The StateMeta of a step whose rows the model runner lays out flat: one-token rows
-    first (in order), then each longer sequence's tokens. ``seqs`` are SeqInputs; one that
-    wants logits at several positions (num_logits > 1) is a verification row."""
-    decode = [s for s in seqs if len(s.token_ids) == 1]
-    for s in seqs:
-        if s.state_slot < 0:
-            raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
-    meta = StateMeta(decode_slots=torch.tensor([s.state_slot for s in decode], dtype=torch.long,
-                                               device=device),
-                     fresh_slots=[s.state_slot for s in seqs if s.num_computed == 0],
-                     resume={s.state_slot: s.num_computed for s in seqs if s.num_computed})
-    at = len(decode)
-    verify: list[tuple[int, int, int, int]] = []  # (flat start, length, slot, num_computed)
-    for s in seqs:
-        n = len(s.token_ids)
-        if n > 1 and s.need_logits and s.num_logits > 1:
-            verify.append((at, n, s.state_slot, s.num_computed))
-        elif n > 1:
-            meta.prefills.append((at, at + n, s.state_slot))
-        at += n if n > 1 else 0
-    if verify:
-        longest = max(n for _, n, _, _ in verify)
-        steps = torch.arange(longest)
-        start = torch.tensor([a for a, _, _, _ in verify])[:, None]
-        length = torch.tensor([n for _, n, _, _ in verify])[:, None]
-        index = start + torch.minimum(steps, length - 1)
-        valid = steps < length
-        meta.verify = VerifyRows(
-            index=index.to(device), valid=valid.to(device), flat=index[valid].to(device),
-            slots=torch.tensor([s for _, _, s, _ in verify], dtype=torch.long, device=device),
-            slot_ids=[s for _, _, s, _ in verify], starts=[c for _, _, _, c in verify],
-            lengths=[n for _, n, _, _ in verify])
-    return meta

@@ -1,0 +1,93 @@
+"""The device hook beside attention: which kernels the weights run, and how a whole step runs.
+
+Attention backends (base.py) own the KV pool and the attention op; a device may also
+give the model's linear layers faster products (same results, other kernels) and run
+some steps as a whole instead of layer by layer (fused CPU decode, CUDA graph replay).
+That is a :class:`StepExecutor`, one per model runner, built with its attention backend
+(backends/__init__.py):
+
+- at load, ``prepare`` gets the model and its linear layers as :class:`LinearSite`s (the
+  model code lists them: helexa/neuron/models/layers.py ``linear_sites``), so kernels/
+  never imports the model code; the dependency points neuron → kernels only;
+- whenever the pools are (re)allocated, ``kv_allocated`` gets them;
+- per step, ``run`` returns the step's fp32 logits: the model's forward, unless the
+  executor has a whole-step path for this step's metadata.
+
+The base class is the plain one (every step through the model's forward, weights left
+as loaded): the ``torch`` device's, and the fallback of the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from helexa.kernels.paged_kv import PagedKV
+
+# kernel(x, bias) -> x @ W^T + bias, the product a linear layer runs when one is installed
+LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+class LinearModule(Protocol):
+    """A linear layer a device may give another kernel: y = x @ weight^T + bias, computed by
+    ``kernel(x, bias)`` when set (None: F.linear)."""
+
+    @property
+    def weight(self) -> torch.Tensor: ...
+
+    @property
+    def bias(self) -> torch.Tensor | None: ...
+
+    kernel: LinearKernel | None
+
+
+@dataclass
+class LinearSite:
+    """One of the model's linear products, as the model code describes it to the device."""
+
+    module: LinearModule
+    quantised: bool  # its product is a quantised op's (helexa/kernels/quant.py): keep it
+    tied: bool  # its weight is also the embedding table: its layout stays as it is
+
+
+@runtime_checkable
+class MeasuredAtLoad(Protocol):
+    """A quantised product that picks its kernels by measuring (helexa/kernels/cpu/int8g.py):
+    ``prepare`` makes it measure now rather than in the first request's decode step."""
+
+    def prepare(self, max_num_seqs: int) -> None: ...
+
+
+class StepExecutor:
+    """Every step through the model's forward; the weights keep their kernels."""
+
+    def describe(self) -> str:
+        """What this executor chose, for the load log and status ("" when nothing to say)."""
+        return ""
+
+    def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
+                max_batched_tokens: int, tp_size: int) -> None:
+        """After loading (and the model's own finalize): device-specific weight prep."""
+        return None
+
+    def kv_allocated(self, pools: list[PagedKV]) -> None:
+        """The attention backend (re)allocated its pools (an empty list: freed)."""
+        return None
+
+    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
+        """The step's fp32 logits; ``state`` is the linear-attention state backend's
+        metadata of the step (hybrid models), handed to the model's forward."""
+        return model_forward(model, input_ids, positions, meta, logits_rows, state)
+
+
+def model_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                  meta: Any, logits_rows: torch.Tensor | None, state: Any) -> torch.Tensor:
+    """The step layer by layer: ``model(input_ids, positions, meta, logits_rows[, state])``
+    (a model without linear-attention layers takes no state)."""
+    out: torch.Tensor = (model(input_ids, positions, meta, logits_rows) if state is None
+                         else model(input_ids, positions, meta, logits_rows, state))
+    return out

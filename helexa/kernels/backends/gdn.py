@@ -1,0 +1,172 @@
+"""The Gated DeltaNet state backend: linear attention's own metadata, state and kernels
+(as vLLM's ``v1/attention/backends/gdn_attn.py`` beside its attention backends).
+
+A hybrid model's linear-attention layer declares its state (its LinearAttentionSpec,
+helexa/checkpoint/layer_memory.py) and calls one op, :func:`gated_delta`, with its
+in-projection's conv inputs and its gates; it keeps no state and does no bookkeeping.
+:class:`GatedDeltaStates`, one per model runner, owns everything else:
+
+- ``allocate`` carves each layer's state into per-request slots (helexa/kernels/linear_state.py);
+- per step, ``plan`` builds :class:`GdnMetadata` from the runner's StepPlan (which slot
+  each row reads and writes: decode rows, prefill chunks, speculative verification rows)
+  and, before anything reads a slot, clears the fresh ones and settles the held ones
+  (the rollback of rejected drafts, docs/speculation.md); the runner hands the metadata
+  to the model's forward;
+- per layer, ``forward`` runs the causal conv1d and the gated delta rule over the slots,
+  choosing the kernel: flash-linear-attention's chunked prefill on CUDA for 16-bit
+  models when installed, else helexa/kernels/gated_delta.py's torch forms (the reference);
+  a verification row runs token by token as decode and is held, its slot left as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import gated_delta as gd
+from helexa.kernels.backends.base import StepPlan
+from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
+
+
+@dataclass
+class GdnMetadata:
+    """Which state slot each row of a step uses: decode rows first, then longer rows."""
+
+    backend: GatedDeltaStates
+    decode_slots: torch.Tensor  # [num decode rows] int64
+    prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
+    fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
+    verify: VerifyRows | None = None
+    resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
+
+
+class GatedDeltaStates:
+    """One model runner's linear-attention states and kernels (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.specs: list[LinearAttentionSpec] = []
+        self.layers: list[LinearState] = []
+        self._fla = False
+
+    def describe(self) -> str:
+        return f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill"
+
+    def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
+        """Drop the old states, then give each layer (as its spec states) num_slots slots."""
+        self.layers = []
+        self.specs = list(specs)
+        self.layers = [LinearState(s, num_slots, self.device) for s in self.specs]
+        self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
+
+    @property
+    def bytes_per_slot(self) -> int:
+        """One request's state across all layers (this rank's share)."""
+        return sum(state.bytes_per_slot for state in self.layers)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the held verification rows take, all layers."""
+        return sum(state.held_bytes for state in self.layers)
+
+    def settle(self, resume: dict[int, int]) -> None:
+        """Advance each held slot whose request continues (slot -> its num_computed) by the
+        positions of its verification row that stood (plan does this for a step's rows)."""
+        for state in self.layers:
+            state.settle(resume)
+
+    # ---- per step ------------------------------------------------------------------------
+
+    def plan(self, step: StepPlan) -> GdnMetadata:
+        """This step's metadata; fresh slots cleared and held rows settled on every layer."""
+        meta = self.build(step)
+        for state in self.layers:
+            state.begin_step(meta.fresh_slots, meta.resume)
+        return meta
+
+    def build(self, step: StepPlan) -> GdnMetadata:
+        """The slots of a step laid out flat as StepPlan says: one-token rows first (in
+        order), then each longer sequence's tokens; a verification row (PrefillRow.verify)
+        is padded with the others to [rows, longest] for the kernels."""
+        rows = [(pos, slot) for pos, slot in zip(step.decode_positions, step.decode_state_slots,
+                                                 strict=True)]
+        rows += [(r.num_computed, r.state_slot) for r in step.prefills]
+        if any(slot < 0 for _, slot in rows):
+            raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
+        dev = self.device
+        meta = GdnMetadata(backend=self, decode_slots=torch.tensor(
+            step.decode_state_slots, dtype=torch.long, device=dev),
+            fresh_slots=[slot for computed, slot in rows if computed == 0],
+            resume={slot: computed for computed, slot in rows if computed})
+        verify = [r for r in step.prefills if r.verify]
+        meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
+        if verify:
+            lengths = [r.end - r.start for r in verify]
+            steps = torch.arange(max(lengths))
+            start = torch.tensor([r.start for r in verify])[:, None]
+            length = torch.tensor(lengths)[:, None]
+            index = start + torch.minimum(steps, length - 1)
+            valid = steps < length
+            meta.verify = VerifyRows(
+                index=index.to(dev), valid=valid.to(dev), flat=index[valid].to(dev),
+                slots=torch.tensor([r.state_slot for r in verify], dtype=torch.long, device=dev),
+                slot_ids=[r.state_slot for r in verify], starts=[r.num_computed for r in verify],
+                lengths=lengths)
+        return meta
+
+    def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                conv_weight: torch.Tensor, meta: GdnMetadata) -> torch.Tensor:
+        """Linear layer ``layer`` over its slots: mixed [N, channels] conv inputs ([q | k | v]),
+        g, beta [N, v_heads] fp32 gates, conv_weight [channels, K] -> o [N, v_heads, v_dim]
+        fp32. q and k are L2-normalised (q scaled by k_dim^-0.5) after the conv."""
+        spec, state = self.specs[layer], self.layers[layer]
+        n = mixed.shape[0]
+        kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
+        nd = meta.decode_slots.numel()
+        conv = torch.empty_like(mixed)
+        if nd:
+            windows = state.conv.index_select(0, meta.decode_slots)
+            conv[:nd] = gd.conv1d_decode(mixed[:nd], conv_weight, windows)
+            state.conv.index_copy_(0, meta.decode_slots, windows)
+        for start, end, slot in meta.prefills:
+            conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
+                                                        state.conv[slot])
+            state.conv[slot] = window
+        rows = meta.verify  # token by token as decode, the slots left as they are (held)
+        if rows is not None:
+            mixed_rows = mixed[rows.index]  # [B, T, channels]
+            windows = state.conv.index_select(0, rows.slots)
+            conv[rows.flat] = gd.conv1d_steps(mixed_rows, conv_weight, windows)[rows.valid]
+        q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
+        q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
+        k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
+        if vh > kh:  # each key head serves vh / kh consecutive value heads
+            q, k = q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1)
+        v = v.reshape(n, vh, dv)
+        o = torch.empty(n, vh, dv, dtype=torch.float32, device=mixed.device)
+        if nd:
+            states = state.recurrent.index_select(0, meta.decode_slots).float()
+            o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
+            state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
+        for start, end, slot in meta.prefills:
+            args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
+                    state.recurrent[slot])
+            o[start:end], final = (gd.fla_chunked(*args, mixed.dtype) if self._fla
+                                   else gd.delta_rule_chunked(*args))
+            state.recurrent[slot] = final.to(state.recurrent.dtype)
+        if rows is not None:
+            states = state.recurrent.index_select(0, rows.slots).float()
+            at = rows.index
+            o[rows.flat] = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
+                                               state.recurrent.dtype)[rows.valid]
+            state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
+        return o
+
+
+def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                conv_weight: torch.Tensor, layer: int, meta: GdnMetadata) -> torch.Tensor:
+    """The one op a Gated DeltaNet layer calls (its index among the model's linear-attention
+    layers: ``layer``): see GatedDeltaStates.forward."""
+    return meta.backend.forward(layer, mixed, g, beta, conv_weight, meta)
