@@ -3,10 +3,10 @@
 The engine hands it a list of SeqInput (each sequence's new tokens, how many
 of its tokens are already cached, and its block table). The runner lays the
 batch out flat — single-token (decode) rows first, then prefill chunks — as
-a StepPlan (token ids, positions, slot mapping, block tables); its attention
-device (helexa/kernels/backends/: torch, cpu or cuda, chosen at load) has an attention
-backend that turns the plan into its own metadata and owns the KV pool, and a step
-executor that runs the step; hybrid models' Gated DeltaNet state backend
+a StepPlan (token ids, positions, slot mapping, block tables); its device
+(helexa/kernels/backends/: torch, cpu or cuda, chosen at load) has an attention backend
+that turns the plan into its own metadata and owns the KV pool, and a step executor
+that runs the step; hybrid models' Gated DeltaNet state backend
 (helexa/kernels/backends/gdn.py) builds the step's state metadata, which the executor
 hands to the model's forward. The pools and state slots are allocated as the layers'
 memory statements say (helexa/checkpoint/layer_memory.py). The runner returns
