@@ -26,6 +26,7 @@ import grpc
 import structlog
 
 from helexa import __version__
+from helexa.budget import fitted_max_tokens
 from helexa.neuron import agent
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import Refusal, check_context
@@ -82,12 +83,16 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
 
 
 def prompt_ids_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-               limits: Any) -> list[int]:
+               limits: Any) -> tuple[list[int], int | None]:
     """Tokenise and check the context: CPU-bound for a long prompt, so Generate runs it on a
-    worker thread (the tokenizer releases the GIL for long texts)."""
+    worker thread (the tokenizer releases the GIL for long texts). Returns the ids and the
+    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves)."""
     ids = tokenise(tokenizer, request)
+    if request.fit_max_tokens and max_tokens is not None and limits is not None:
+        max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
+                                       max_output_tokens=limits.output)
     check_context(len(ids), max_tokens, limits)
-    return ids
+    return ids, max_tokens
 
 
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
@@ -119,8 +124,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
-                                                 r.limits)
+            prompt_ids, max_tokens = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request,
+                                                             max_tokens, r.limits)
             grammar = agent.constraint_grammar(request)
             thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
                                       _enable_thinking(request))
@@ -226,6 +231,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                     resp.usage.draft_tokens = drafted
                     resp.usage.accepted_draft_tokens = accepted
                 if resp.ByteSize() or finish is not None:
+                    if not sent_first:
+                        resp.prompt_tokens = len(new.prompt_token_ids)
+                        if new.max_tokens is not None and new.max_tokens != request.max_tokens:
+                            resp.fitted_max_tokens = new.max_tokens
                     sent_first = True
                     yield resp
                 if finish is not None:

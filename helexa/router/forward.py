@@ -75,7 +75,7 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
         retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
     param = md.get("helexa-param")
     if code == "context_length_exceeded" and not param:
-        param = "messages" if kind == "chat" else "prompt"
+        param = {"chat": "messages", "responses": "input"}.get(kind, "prompt")
     message = e.details() or f"neuron answered {e.code().name}"
     if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         message = "no neuron accepted the router's credentials"
@@ -101,6 +101,7 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         deadline_unix_ms=deadline_unix_ms, return_prompt_token_ids=req.return_token_ids)
     if req.max_tokens is not None:
         g.max_tokens = req.max_tokens
+        g.fit_max_tokens = req.fit_max_tokens
     if req.constraint is not None:
         if req.constraint.kind == "json_object":
             g.constraint.json_object = True

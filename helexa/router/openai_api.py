@@ -21,7 +21,7 @@ from helexa.router import agent_request
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
-Kind = Literal["chat", "completion", "messages"]  # which endpoint a request came to
+Kind = Literal["chat", "completion", "messages", "responses"]  # the endpoint it came to
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
@@ -49,6 +49,7 @@ class ParsedRequest:
     prompt_text: str | None = None  # completion prompt as text ...
     prompt_ids: list[int] | None = None  # ... or as token ids
     max_tokens: int | None = None
+    fit_max_tokens: bool = False  # max_tokens is a ceiling the neuron fits to the context
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -74,8 +75,11 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None  # the grammar the output follows
     response_schema_name: str | None = None
+    response_schema: Any = None  # the whole schema of a json_schema output (checked after)
+    unenforced: list[str] = field(default_factory=list)  # schema keywords the grammar dropped
     reasoning_effort: str = ""  # "" = the model's default; none | low | medium | high
     thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
+    reasoning_summary: bool = False  # Responses: the thought is returned as a summary
     template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
