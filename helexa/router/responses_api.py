@@ -269,9 +269,8 @@ def _text_format(b: ResponsesBody, req: ParsedRequest) -> None:
     fmt = b.text.format if b.text is not None else None
     if fmt is None or fmt.type == "text":
         return
-    if req.constraint is not None:
-        raise bad_request("`text.format` cannot be combined with a forced `tool_choice`",
-                          "text.format")
+    if req.tool_choice in ("required", "function"):
+        return  # the output is the forced call; the format is for text (openai-agents sends both)
     if fmt.type == "json_object":
         req.constraint = grammar.Constraint(kind="json_object")
         return
