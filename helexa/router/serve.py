@@ -130,16 +130,21 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
-        greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
-                                  else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
-                                  deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
+        prompts = req.per_prompt()  # a completions batch: n choices for each prompt
+        greqs = [generate_request(sub, model=model, principal="" if principal == "anonymous"
+                                  else principal, req_id=req_id if len(prompts) * req.n == 1
+                                  else f"{req_id}-{k * req.n + i}",
+                                  deadline_unix_ms=deadline_ms, choice=i)
+                 for k, sub in enumerate(prompts) for i in range(req.n)]
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
         calls = await _open_all(state, greqs, est, key, principal, req.kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
-        choices = [encode.Choice(index=i, parser=_parser(state, req, model, calls))
-                   for i in range(req.n)]
+        choices = [encode.Choice(index=k * req.n + i, prompt_index=k,
+                                 parser=_parser(state, req, model, calls),
+                                 echo=(sub.prompt_text or "") if req.echo else "")
+                   for k, sub in enumerate(prompts) for i in range(req.n)]
         streams = [c for c in calls if isinstance(c, OpenStream)]
         headers = _headers(req, calls[0], req_id)
         if kind in _PARSERS:
@@ -303,7 +308,7 @@ def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Com
     for choice, r in zip(choices, replies, strict=True):
         if r.reply.finish_reason in _FAILED:
             raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
-        encode.add_delta(choice, r.reply)
+        encode.add_delta(choice, encode.with_stop_str(env.req, r.reply))
     if any(c.finish_reason is None for c in choices):
         raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
     return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
@@ -324,6 +329,7 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
         async for i, msg in _merge(streams):
             _timing(series, t0, last, msg)
             check_finish(msg)
+            encode.with_stop_str(env.req, msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
             encode.add_delta(choices[i], msg)
             if chunk is not None:
