@@ -157,9 +157,9 @@ class OpenStream:
                 if (lost := self.flight.lost()) is not None:
                     raise lost from None
                 raise
-            self.flight.heard()
             if msg is grpc.aio.EOF:
                 return
+            self.flight.heard(msg)
 
     def cancel(self) -> None:
         """Abort on the neuron, unless it already finished (its status then arrives on its
@@ -191,7 +191,7 @@ async def open_generate(stub: neuron_pb2_grpc.NeuronStub, neuron: str,
     if first is grpc.aio.EOF:
         call.cancel()
         raise UpstreamClosed(f"neuron {neuron} closed the stream before any message")
-    flight.heard()
+    flight.heard(first)
     return OpenStream(neuron, call, first, flight)
 
 
