@@ -12,6 +12,7 @@ with that event, so a client never sees a stream simply stop.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import grpc
@@ -46,10 +47,11 @@ def check_finish(msg: pb.GenerateResponse) -> None:
 
 
 async def reply(request: web.Request, stream: bool, choice: encode.Choice, call: Any,
-                enc: Encoder, headers: dict[str, str], log: Any,
-                req_id: str) -> web.StreamResponse:
+                enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
+                on_message: Callable[[pb.GenerateResponse], None] | None = None,
+                ) -> web.StreamResponse:
     """One choice's reply, whole (call is forward.Completed) or as the encoder's event
-    stream (call is forward.OpenStream)."""
+    stream (call is forward.OpenStream; on_message sees each of its messages: timing)."""
     if not stream:
         whole = call.reply
         if whole.finish_reason in FAILED:
@@ -62,6 +64,8 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
     await resp.write(enc.start())
     try:
         async for msg in call.messages():
+            if on_message is not None:
+                on_message(msg)
             check_finish(msg)
             encode.add_delta(choice, msg)
             if out := enc.feed(msg):

@@ -149,16 +149,20 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         headers = _headers(req, calls[0], req_id)
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
-            resp = await event_replies.reply(request, req.stream, choices[0], calls[0], enc,
-                                             headers, log, req_id)
+            series, last = state.metrics.model(model), [0.0]
+            resp = await event_replies.reply(
+                request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
+                on_message=lambda msg: _timing(series, t0, last, msg))
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(model), t0, req_id, headers)
         else:
             resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], headers)
         _check_schema(state, req, model, calls, choices, ctx)
+        usage = encode.usage_dict(choices)
+        state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
-                 usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
+                 usage=usage, secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
@@ -297,9 +301,9 @@ def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateR
         return
     now = time.monotonic()
     if last[0] == 0.0:
-        series.ttft.observe(now - t0)
+        series.first_token(now - t0)
     else:
-        series.inter_token.observe((now - last[0]) / n)
+        series.between_tokens((now - last[0]) / n)
     last[0] = now
 
 

@@ -70,3 +70,21 @@ def test_completions_echo_and_a_batch_of_prompts(router):
     assert [ch.index for ch in batch.choices] == [0, 1]
     assert [ch.text for ch in batch.choices] == [o.choices[0].text for o in one]
     assert batch.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in one)
+
+
+def test_vllm_metric_names_beside_helexas_own(router):
+    before_p = router.metric("vllm:prompt_tokens_total", model_name="tiny")
+    before_g = router.metric("helexa_router_generation_tokens_total", model="tiny")
+    chunks = _events(router, "/v1/chat/completions", {
+        "model": "tiny", "messages": MSG, "max_tokens": 4, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}})
+    usage = chunks[-1]["usage"]
+    m = router.metrics()
+    assert m[("vllm:prompt_tokens_total", (("model_name", "tiny"),))] - before_p == \
+        usage["prompt_tokens"]
+    assert m[("helexa_router_generation_tokens_total", (("model", "tiny"),))] - before_g == 4
+    assert m[("vllm:time_to_first_token_seconds_count", (("model_name", "tiny"),))] >= 1
+    assert m[("vllm:inter_token_latency_seconds_count", (("model_name", "tiny"),))] >= 1
+    assert 0 <= m[("vllm:kv_cache_usage_perc", (("model_name", "tiny"),))] <= 1
+    assert ("vllm:num_requests_running", (("model_name", "tiny"),)) in m
+    assert ("vllm:num_requests_waiting", (("model_name", "tiny"),)) in m
