@@ -23,6 +23,7 @@ from helexa.kernels.attention import AttentionMetadata, DecodeMirror, PagedKV
 from helexa.kernels.backends.base import StepPlan
 from helexa.kernels.backends.torch_ref import TorchBackend, _used_blocks
 from helexa.kernels.cpu import decode as cpu_decode
+from helexa.kernels.cpu import kquant as cpu_kquant
 from helexa.kernels.cpu import matmul as cpu_matmul
 from helexa.kernels.cpu import native as cpu_native
 
@@ -54,8 +55,8 @@ class CpuBackend(TorchBackend):
         from helexa.neuron.models.quant import Int8gLinear
 
         self.model = model
-        for m in model.modules():  # grouped int8: its decode kernels measured at load
-            if isinstance(getattr(m, "kernel", None), Int8gLinear):
+        for m in model.modules():  # grouped int8, kquant: their decode kernels measured at load
+            if isinstance(getattr(m, "kernel", None), Int8gLinear | cpu_kquant.KQuantLinear):
                 m.kernel.prepare(max_num_seqs)
         dtype = next(model.parameters()).dtype
         if dtype != torch.float32:

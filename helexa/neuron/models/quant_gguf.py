@@ -37,6 +37,7 @@ from helexa.checkpoint.gguf import (
     reader,
 )
 from helexa.checkpoint.gguf_families import EXPERTS, HYBRID_ARCHITECTURES, part_of, stays_quantised
+from helexa.kernels.cpu import kquant
 from helexa.neuron.models import gguf_hybrid as hyb
 from helexa.neuron.models.gguf_experts import attach_experts, load_piece, stack_of
 from helexa.neuron.models.gguf_unpack import Unpacked
@@ -258,11 +259,14 @@ def install(mod: nn.Module) -> None:
     scale = mod._parameters.pop("gguf_scale").data
     p_zero = mod._parameters.pop("gguf_zero", None)
     zero = None if p_zero is None else p_zero.data
+    lookup = isinstance(mod, VocabParallelEmbedding) and not isinstance(mod, ParallelLMHead)
+    if not lookup and kquant.install(mod, q, scale, zero, spec.dtype):
+        return  # CPU, fp32 activations: helexa/kernels/cpu/kquant.py's integer dot products
     if spec.layout.op == "int4":  # tinygemm: w = (q - 8) * scale + zero'
         _install_int4(mod, q.to(torch.uint8), scale, 8 * scale + zero, spec.dtype)
     else:
         _install_int8g(mod, q, scale, zero, spec.dtype)
-    if isinstance(mod, VocabParallelEmbedding) and not isinstance(mod, ParallelLMHead):
+    if lookup:
         mod.lookup = Int8gLookup(mod, q.shape[1] // scale.shape[1])
 
 
