@@ -32,9 +32,10 @@ import tomli_w
 
 from helexa.checkpoint.gguf import model_path_error
 from helexa.cli.daemons import Child, model_failure, stop_all, wait_listed, wait_started
-from helexa.config.schema import ConfigError
+from helexa.config.schema import AdmissionConfig, ConfigError
 
 TINY_NAME = "tiny-qwen3"
+ANON_IN_FLIGHT_NO_KEYS = AdmissionConfig().max_in_flight  # `up` configures no API keys
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
 ALIASES = ("helexa/balanced", "helexa/fast")
 # How long in-flight streams may finish after Ctrl-C before the neuron ends them.
@@ -94,6 +95,9 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
+              # no keys here: every caller is anonymous, so the anonymous cap would be the
+              # whole batch's; they get the ordinary limits instead (max_in_flight, max_slots)
+              "admission": {"anon_max_in_flight": ANON_IN_FLIGHT_NO_KEYS},
               "engine": {"speculation": speculation},
               "models": models}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
