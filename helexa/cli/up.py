@@ -79,11 +79,12 @@ def has_mtp_head(model_dir: Path) -> bool:
 
 
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
-                  kv_budget_mb: int | None, speculation: str = "off") -> tuple[Path, Path]:
+                  kv_budget_mb: int | None, speculation: str = "off",
+                  dtype: str = "auto") -> tuple[Path, Path]:
     token = run / "neuron.token"
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
-    model: dict = {"id": model_id, "path": str(model_dir)}
+    model: dict = {"id": model_id, "path": str(model_dir), "dtype": dtype}
     models = [model]
     if speculation.startswith("draft:"):  # draft:DIR: the folder as a draft model of this one
         draft_dir = Path(speculation.removeprefix("draft:")).resolve()
@@ -182,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weights' and activations' dtype (auto: the checkpoint's; a GGUF says "
+                        "bf16: fp32 runs its quantised layers on helexa's native CPU kernels)")
     p.add_argument("--speculation", type=_speculation, default="off",
                    metavar="{ngram,mtp,off,draft:DIR}",
                    help="speculative decoding drafter (docs/speculation.md): draft:DIR drafts "
@@ -238,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
            args: argparse.Namespace, stopping: threading.Event) -> int:
     neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv,
-                                             args.speculation)
+                                             args.speculation, args.dtype)
     cli = [sys.executable, "-m", "helexa.cli"]
     children: list[Child] = []
     try:
