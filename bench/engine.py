@@ -3,6 +3,7 @@ weight-streaming roofline, measured side by side in one run.
 
     .venv/bin/python bench/engine.py [--threads 1] [--repeats 5] [--model DIR]
                                      [--backend cpu,torch] [--quant int8|int4]
+                                     [--gguf FILE]
 
 Without --model it builds (once, cached) the issue's checkpoint: an init-tiny
 qwen3 with hidden 512, 8 layers, 8 heads / 4 kv heads, intermediate 1536,
@@ -19,6 +20,10 @@ reuse a prompt);
 engine loop costs. ``--backend`` lists attention backends (helexa/kernels/backends/),
 each run as its own helexa contender in the same interleaved repeats, so their
 figures print side by side (default: auto, the one the engine would pick).
+
+``--gguf FILE`` runs helexa on a GGUF file at fp32 activations (the native quantised
+kernels, helexa/kernels/cpu/kquant.py) and at bf16 (torch's weight-only ops), and on the
+float checkpoint ``--model`` when given, interleaved.
 
 Benchmarks print figures; they assert nothing.
 """
@@ -297,9 +302,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quant-dtype", default="bfloat16",
                     help="activation dtype of the quantised contender (the CPU ops are "
                          "vectorised for bf16 only: docs/quantization.md)")
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="a GGUF file: helexa on it at fp32 and bf16 activations (and on the "
+                         "float --model when given), decode tok/s side by side")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.gguf:
+        return bench_gguf(args)
     model_dir = args.model or default_model()
     if args.quant:
         return bench_quant(args, model_dir)
@@ -465,6 +475,44 @@ def bench_quant(args: argparse.Namespace, model_dir: Path) -> int:
         for n in streams:
             per = [a / b for a, b in zip(results[q, n], results[other, n], strict=True)]
             print(f"  {n}-stream decode {q} vs {other}: {statistics.median(per):.2f}x "
+                  f"[{' '.join(f'{x:.2f}' for x in per)}]")
+    return 0
+
+
+def bench_gguf(args: argparse.Namespace) -> int:
+    """--gguf: decode tok/s at 1 and --streams streams of the GGUF at fp32 (native
+    kernels) and bf16 activations, and of the float --model if given, interleaved."""
+    driver = HelexaEngine if args.driver == "engine" else HelexaRunner
+    kinds = {"gguf float32": (args.gguf, "float32"), "gguf bfloat16": (args.gguf, "bfloat16")}
+    if args.model:
+        kinds["float checkpoint"] = (args.model, args.dtype)
+    engines = {k: driver(path, args.threads, args.device, dt, args.backend, streams=args.streams)
+               for k, (path, dt) in kinds.items()}
+    vocab = next(iter(engines.values())).vocab
+    plen, new = args.prompt_tokens, args.new_tokens
+    for e in engines.values():  # warm-up
+        e.run(prompts(-1, 1, plen, vocab), 8)
+        e.run(prompts(-1, args.streams, plen, vocab), 8)
+    streams = (1, args.streams)
+    results: dict[tuple[str, int], list[float]] = {(k, n): [] for k in engines for n in streams}
+    for rep in range(args.repeats):
+        for k, e in engines.items():
+            for n in streams:
+                _, (wall, _cpu) = e.run(prompts(rep, n, plen, vocab), new)
+                results[k, n].append(n * (new - 1) / wall)
+    print(f"bench/engine.py --gguf {args.gguf}  device={args.device}  threads={args.threads}  "
+          f"repeats={args.repeats}  prompt={plen} new={new}")
+    print(f"  {'contender':<18} {'weights':>12} {'1-stream tok/s':>15} "
+          f"{f'{args.streams}-stream tok/s':>15}  (median of wall-clock repeats)")
+    for k, e in engines.items():
+        t1, tn = (statistics.median(results[k, n]) for n in streams)
+        print(f"  {k:<18} {e.runner.weight_bytes / 2**20:>8.1f} MiB {t1:>15.1f} {tn:>15.1f}")
+    print("ratios, median of per-repeat ratios [each repeat]:")
+    for other in list(engines)[1:]:
+        for n in streams:
+            per = [a / b for a, b in zip(results["gguf float32", n], results[other, n],
+                                         strict=True)]
+            print(f"  {n}-stream decode gguf float32 vs {other}: {statistics.median(per):.2f}x "
                   f"[{' '.join(f'{x:.2f}' for x in per)}]")
     return 0
 

@@ -351,3 +351,36 @@ def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
     finally:
         rc = up.stop()
     assert rc == 0, "".join(up.lines)
+
+
+def test_up_with_no_keys_runs_eight_anonymous_streams_in_one_batch(tmp_path, tiny_model_dir):
+    # every caller of `helexa up` is anonymous (it configures no API keys): the anonymous cap
+    # must not hold the batch to 4 of 8 streams
+    import asyncio
+
+    from support.neuron import NeuronClient, chat_request, model_of, start_neuron
+
+    from helexa.cli.up import write_configs
+
+    neuron_cfg, _ = write_configs(tmp_path, tiny_model_dir, "tiny", 0, "cpu", 64)
+    neuron = start_neuron(neuron_cfg)
+    token = (tmp_path / "neuron.token").read_text().strip()
+
+    async def run() -> int:
+        async with NeuronClient(neuron.address, token) as c:
+            calls = [c.stub.Generate(chat_request(f"anon-{i}", principal="", max_tokens=2000,
+                                                  ignore_eos=True), metadata=c.md)
+                     for i in range(8)]
+            try:
+                st = await c.watch_until(lambda st: model_of(st).running == 8
+                                         or model_of(st).queued > 0 and model_of(st).running >= 4,
+                                         timeout_secs=60)
+                return model_of(st).running
+            finally:
+                for call in calls:
+                    call.cancel()
+
+    try:
+        assert asyncio.run(run()) == 8
+    finally:
+        assert neuron.stop() == 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from helexa.checkpoint.memory import kv_heads_per_card
-from helexa.config.schema import ConfigError, load_neuron_config
+from helexa.config.schema import AdmissionConfig, ConfigError, load_neuron_config
 from helexa.plan import ModelPlan, PlanError, format_bytes, plan_model
 
 
@@ -53,6 +53,19 @@ def format_plan(p: ModelPlan) -> str:
     return "\n".join(lines)
 
 
+def admission_line(adm: AdmissionConfig) -> str:
+    """Which in-flight limit an anonymous caller meets (the router's callers without a key;
+    all of them where it has none, as under `helexa up`)."""
+    if adm.anon_max_in_flight >= adm.max_in_flight:
+        rule = "the ordinary limits"
+    elif adm.anon_max_in_flight == 0:
+        rule = "none in flight (admission.anon_max_in_flight = 0: a key is needed)"
+    else:
+        rule = f"at most {adm.anon_max_in_flight} in flight together (admission.anon_max_in_flight)"
+    return (f"  admission: {adm.max_in_flight} in flight per model; anonymous callers (no API "
+            f"key): {rule}")
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="helexa plan", description=(
         "Print each model's memory per card and the context its KV pool buys, from the "
@@ -70,6 +83,7 @@ def main(argv: list[str]) -> int:
             print(e, file=sys.stderr)
             status = 2
             continue
+        print(admission_line(cfg.admission))
         for entry in cfg.models:
             try:
                 print(format_plan(plan_model(cfg, entry, path, kv_dtype=args.kv_dtype)))

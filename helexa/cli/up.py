@@ -34,9 +34,10 @@ import tomli_w
 
 from helexa.checkpoint.gguf import model_path_error
 from helexa.cli.daemons import Child, model_failure, stop_all, wait_listed, wait_started
-from helexa.config.schema import ConfigError, parse_drafter
+from helexa.config.schema import AdmissionConfig, ConfigError, parse_drafter
 
 TINY_NAME = "tiny-qwen3"
+ANON_IN_FLIGHT_NO_KEYS = AdmissionConfig().max_in_flight  # `up` configures no API keys
 TINY_MODEL_ID = "helexa/tiny-qwen3"  # as asset/neuron/local.toml and asset/models.toml name it
 ALIASES = ("helexa/balanced", "helexa/fast")
 # How long in-flight streams may finish after Ctrl-C before the neuron ends them.
@@ -88,14 +89,14 @@ def has_mtp_head(model_dir: Path) -> bool:
 
 def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: str,
                   kv_budget_mb: int | None, speculation: str = "off",
-                  draft_dir: Path | None = None) -> tuple[Path, Path]:
+                  draft_dir: Path | None = None, dtype: str = "auto") -> tuple[Path, Path]:
     """The neuron's and the router's config for one model; `draft_dir` (--draft-model) is a
     checkpoint that drafts for it: its own [[models]] entry, named by the model's
     speculation = "draft:<its id>" as any config names a draft model."""
     token = run / "neuron.token"
     token.write_text(secrets.token_urlsafe(24) + "\n")
     token.chmod(0o600)
-    model: dict = {"id": model_id, "path": str(model_dir)}
+    model: dict = {"id": model_id, "path": str(model_dir), "dtype": dtype}
     models = [model]
     if draft_dir is not None:
         draft_dir = draft_dir.resolve()
@@ -106,6 +107,9 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
               "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
+              # no keys here: every caller is anonymous, so the anonymous cap would be the
+              # whole batch's; they get the ordinary limits instead (max_in_flight, max_slots)
+              "admission": {"anon_max_in_flight": ANON_IN_FLIGHT_NO_KEYS},
               "engine": {"speculation": speculation},
               "models": models}
     router = {"server": {"listen": f"127.0.0.1:{port}", "address_file": str(run / "router.addr")},
@@ -196,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
+    p.add_argument("--dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+                   help="weights' and activations' dtype (auto: the checkpoint's; a GGUF says "
+                        "bf16: fp32 runs its quantised layers on helexa's native CPU kernels)")
     p.add_argument("--speculation", type=_speculation, default="off",
                    metavar="{ngram,mtp,off}",
                    help="speculative decoding drafter of the model (docs/speculation.md): mtp "
@@ -257,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
 def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
            args: argparse.Namespace, stopping: threading.Event) -> int:
     neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv,
-                                             args.speculation, args.draft_model)
+                                             args.speculation, args.draft_model,
+                                             args.dtype)
     cli = [sys.executable, "-m", "helexa.cli"]
     children: list[Child] = []
     try:

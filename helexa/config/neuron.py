@@ -54,7 +54,9 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
     max_per_principal: Annotated[int, field_meta(
         "Queued + in-flight requests of one principal; beyond it 429.", RELOAD, ge=1)] = 64
     anon_max_in_flight: Annotated[int, field_meta(
-        "In-flight requests of anonymous callers together.", RELOAD, ge=0)] = 4
+        "In-flight requests of anonymous callers together: callers without an API key where "
+        "the router has keys (auth.keys_file). `helexa up` has no keys, so every caller is "
+        "anonymous: it sets this to max_in_flight, the ordinary limits.", RELOAD, ge=0)] = 4
     kv_max_wait_secs: Annotated[float, field_meta(
         "Longest a queued request waits for KV before 503 overloaded.", RELOAD, ge=0)] = 30.0
 

@@ -1,5 +1,6 @@
-"""Build and load helexa/kernels/cpu/native.c (fused CPU decode-step kernels and a few-row matmul)
-and helexa/kernels/cpu/int8g.c (the grouped int8 matmul of few rows) as one library.
+"""Build and load helexa/kernels/cpu/native.c (fused CPU decode-step kernels and a few-row matmul),
+helexa/kernels/cpu/int8g.c (the grouped int8 matmul of few rows) and helexa/kernels/cpu/kquant.c
+(the quantised matmul of few rows on integer dot products) as one library.
 
 The C sources ship with the package and are compiled on first use with the
 system C compiler (``$CC``, else ``cc``) for this machine's CPU
@@ -28,7 +29,7 @@ import structlog
 import torch
 
 SOURCE = Path(__file__).with_name("native.c")
-SOURCES = (SOURCE, Path(__file__).with_name("int8g.c"))
+SOURCES = (SOURCE, Path(__file__).with_name("int8g.c"), Path(__file__).with_name("kquant.c"))
 PANEL = 16  # columns per packed weight panel (cpu_native.c)
 # No -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero
 # and denormals-are-zero for the whole process on load (5e-324 > 0 turns False, msgspec's
@@ -51,8 +52,11 @@ _SIGNATURES = {
                          _P, _I, _P, _I, _I, _F, _P],
     "hx_int8g_isas": [],
     "hx_int8g_gemm": [_I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I],
+    "hx_kq_isas": [],
+    "hx_kq_gemm": [_I, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
+    "hx_kq_quantize": [_P, _I, _I, _P, _P, _P],
 }
-_RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I}  # the others return nothing
+_RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I, "hx_kq_isas": _I, "hx_kq_gemm": _I}  # the others return nothing
 
 
 def enabled() -> bool:

@@ -29,6 +29,7 @@ from helexa.checkpoint.gguf_layout import (
     part_of,
     stays_quantised,
 )
+from helexa.kernels.cpu import kquant
 from helexa.neuron.formats.base import (
     Checkpoint,
     CheckpointFormat,
@@ -256,11 +257,14 @@ class GgufLinear(LinearMethod):
         scale = layer._parameters.pop("gguf_scale").data
         p_zero = layer._parameters.pop("gguf_zero", None)
         zero = None if p_zero is None else p_zero.data
+        lookup = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+        if not lookup and kquant.install(layer, q, scale, zero, self.fmt.dtype):
+            return  # CPU, fp32 activations: helexa/kernels/cpu/kquant.py's integer dot products
         if self.layout.op == "int4":  # tinygemm: w = (q - 8) * scale + zero'
             install_int4(layer, q.to(torch.uint8), scale, 8 * scale + zero, self.fmt.dtype)
         else:
             install_int8g(layer, q, scale, zero, self.fmt.dtype)
-        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+        if lookup:
             layer.lookup = Int8gLookup(layer, q.shape[1] // scale.shape[1])
 
 

@@ -1,0 +1,128 @@
+"""One GGUF file served by helexa (`helexa up`) and by llama.cpp's server (llama-cpp-python's
+``llama_cpp.server``, the optional ``bench`` extra), the same greedy requests interleaved:
+decode tok/s at 1 and N concurrent streams and the ratios, on this machine.
+
+    .venv/bin/pip install -e '.[bench]'       # builds llama.cpp from source (minutes)
+    .venv/bin/python bench/gguf_vs_llamacpp.py FILE.gguf [--dtype fp32] [--threads 2]
+
+Each stream is one ``/v1/completions`` request of ``--new-tokens`` tokens (ignore-EOS is
+not in llama.cpp's OpenAI API, so tok/s counts the tokens each server reports); a repeat
+runs helexa then llama.cpp at each stream count, and each ratio is the median of the
+repeats' own ratios. Both servers get the same thread count. Benchmarks print figures;
+they assert nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+PROMPT = "Once upon a time, in a land of rivers and old stone bridges, there lived"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def streams_tok_s(url: str, model: str, n: int, new_tokens: int, rep: int) -> float:
+    """n concurrent greedy completions; completion tokens of all over the wall time."""
+    def one(i: int) -> int:
+        body = {"model": model, "prompt": f"{PROMPT} {rep}-{i}", "max_tokens": new_tokens,
+                "temperature": 0.0}
+        return int(post(f"{url}/v1/completions", body)["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        tokens = sum(pool.map(one, range(n)))
+    return tokens / (time.perf_counter() - t0)
+
+
+def start_helexa(path: Path, dtype: str, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "helexa.cli", "up", "--model", str(path),
+                             "--device", "cpu", "--dtype", dtype, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.search(r"HELEXA UP (\S+)/v1", line)
+        if m:
+            return proc, m.group(1)
+    raise RuntimeError(f"helexa up ended before serving: see {log}")
+
+
+def start_llamacpp(path: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path),
+                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
+                             "--n_threads", str(threads), "--n_threads_batch", str(threads)],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited: see {log}") from None
+            time.sleep(0.5)
+    raise RuntimeError("llama_cpp.server did not start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--dtype", default="fp32", help="helexa's activation dtype (helexa up --dtype)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    args = ap.parse_args(argv)
+    helexa, hurl = start_helexa(args.gguf, args.dtype, args.threads,
+                                args.log_dir / "bench-helexa.log")
+    llama, lurl = start_llamacpp(args.gguf, args.threads, args.log_dir / "bench-llamacpp.log")
+    servers = {"helexa": (hurl, args.gguf.stem), "llama.cpp": (lurl, str(args.gguf))}
+    counts = (1, args.streams)
+    got: dict[tuple[str, int], list[float]] = {(s, n): [] for s in servers for n in counts}
+    try:
+        for url, model in servers.values():  # warm-up
+            streams_tok_s(url, model, 1, 8, -1)
+        for rep in range(args.repeats):
+            for n in counts:
+                for name, (url, model) in servers.items():
+                    got[name, n].append(streams_tok_s(url, model, n, args.new_tokens, rep))
+    finally:
+        for proc in (helexa, llama):
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
+          f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}")
+    for n in counts:
+        h, c = (statistics.median(got[s, n]) for s in servers)
+        per = [a / b for a, b in zip(got["helexa", n], got["llama.cpp", n], strict=True)]
+        print(f"  {n} stream(s): helexa {h:7.1f} tok/s  llama.cpp {c:7.1f} tok/s  "
+              f"ratio {statistics.median(per):.2f}x [{' '.join(f'{x:.2f}' for x in per)}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

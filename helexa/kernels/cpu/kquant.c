@@ -1,0 +1,368 @@
+/* The quantised matmul of a decode step's few rows with integer dot products
+ * (helexa/kernels/cpu/kquant.py).
+ *
+ * W [N, K] is w = s * u + z per (row, group of `group` inputs), with u stored in 4 bits
+ * (0..15, two values a byte: byte i of a 64-value chunk holds u[i] | u[i + 32] << 4) or as
+ * signed int8: the layouts GGUF's Q4_K / Q5_K / Q6_K / Q8_0 and GPTQ / AWQ /
+ * compressed-tensors int4 unpack to (helexa/kernels/quant.py). As llama.cpp does for its
+ * K-quants, the activation row is quantised once per call, in blocks of 32, and every
+ * weight chunk of 32 is dotted with it in integers: u8 x s8 products summed in int32
+ * (AVX2 maddubs + madd, or one VNNI dpbusd), then scaled once per chunk by s * dx in fp32.
+ * llama.cpp's int8 activations (error amax / 254 a value) moved greedy tokens of the
+ * parity tests; here each value is v = nearest(x * 16256 / amax), 15 bits, held as two
+ * int8 halves (v = 128 * hi + lo, lo in -64..63) and dotted as two int8 passes,
+ * (dot_hi << 7) + dot_lo: the error is amax / 32512, 128x smaller, for one more dpbusd.
+ * Signed int8 weights use the sign trick (|w| against x with w's sign), so no product
+ * saturates. The zeros are applied once per group against the group's sum of the same
+ * v, a dot over the row's groups.
+ *
+ * Three builds of one loop: plain C (any CPU), AVX2 and AVX2 with VNNI (AVX-VNNI or
+ * AVX512-VNNI at 256 bits). Integer sums are exact in all three; their fp32 sums differ
+ * only in order. Weight rows are split over threads started per call (only when each
+ * gets MIN_THREAD_BYTES), as in int8g.c. Built into the same library as native.c by
+ * helexa/kernels/cpu/native.py.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KQ_PLAIN 1
+#define KQ_AVX2 2
+#define KQ_VNNI 4
+#define XBLOCK 32 /* activation values per int8 scale */
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2 1
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#define HAVE_VNNI 1
+#endif
+#endif
+
+int64_t hx_kq_isas(void) {
+    int64_t isas = KQ_PLAIN;
+#ifdef HAVE_AVX2
+    isas |= KQ_AVX2;
+#endif
+#ifdef HAVE_VNNI
+    isas |= KQ_VNNI;
+#endif
+    return isas;
+}
+
+/* ---------------------------------------------------------------- the activation */
+
+/* x [M, K] fp32 -> xq int8 [M, 2K] (per block of 32: hi [32] then lo [32]), dx [M, K / 32]
+ * and xs [M, K / 16] = dx * (sum of 16 v): per 32 values dx = amax / VMAX and
+ * v = nearest-even(x * (VMAX / amax)) = 128 * hi + lo. One rule in every build. */
+#define VMAX 16256.0f /* 127 * 128 */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx,
+                          float *xs) {
+    const int64_t B = K / XBLOCK;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t b = 0; b < B; b++) {
+            const float *v = x + m * K + b * XBLOCK;
+            int8_t *hi = xq + m * 2 * K + b * 2 * XBLOCK, *lo = hi + XBLOCK;
+            float amax = 0.0f;
+            for (int i = 0; i < XBLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            const float iscale = amax > 0.0f ? VMAX / amax : 0.0f;
+            int32_t s0 = 0, s1 = 0;
+            for (int i = 0; i < XBLOCK; i++) {
+                float r = rintf(v[i] * iscale);
+                r = r > VMAX ? VMAX : (r < -VMAX ? -VMAX : r);
+                const int32_t q = (int32_t)r, h = (q + 64) >> 7;
+                hi[i] = (int8_t)h;
+                lo[i] = (int8_t)(q - 128 * h);
+                if (i < 16) s0 += q; else s1 += q;
+            }
+            const float d = amax / VMAX;
+            dx[m * B + b] = d;
+            xs[m * 2 * B + 2 * b] = d * (float)s0;
+            xs[m * 2 * B + 2 * b + 1] = d * (float)s1;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- plain C */
+
+/* y[m, n] for weight rows nb..ne-1 (zeros not yet added). */
+static void rows_plain(int64_t bits, int64_t M, int64_t K, const int8_t *xq, const float *dx,
+                       const uint8_t *w, int64_t N, int64_t nb, int64_t ne, const float *s,
+                       int64_t group, const int32_t *gi, float *y) {
+    const int64_t G = K / group, B = K / XBLOCK;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    for (int64_t n = nb; n < ne; n++) {
+        const uint8_t *wr = w + n * row_bytes;
+        for (int64_t m = 0; m < M; m++) {
+            const int8_t *xr = xq + m * 2 * K;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < B; b++) {
+                int32_t part[2] = {0, 0}; /* the chunk's two halves: groups of 16 */
+                const int8_t *hi = xr + b * 2 * XBLOCK, *lo = hi + XBLOCK;
+                for (int i = 0; i < XBLOCK; i++) {
+                    const int64_t k = b * XBLOCK + i;
+                    int32_t u;
+                    if (bits == 4) {
+                        const uint8_t byte = wr[(k / 64) * 32 + (k % 32)];
+                        u = (k % 64) < 32 ? (byte & 0x0F) : (byte >> 4);
+                    } else {
+                        u = (int8_t)wr[k];
+                    }
+                    part[i >= 16] += u * (128 * hi[i] + lo[i]);
+                }
+                if (group == 16) {
+                    acc += ((float)part[0] * s[n * G + 2 * b] +
+                            (float)part[1] * s[n * G + 2 * b + 1]) * dx[m * B + b];
+                } else {
+                    acc += (float)(part[0] + part[1]) * (s[n * G + gi[b]] * dx[m * B + b]);
+                }
+            }
+            y[m * N + n] = acc;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- AVX2 (+ VNNI) */
+
+#ifdef HAVE_AVX2
+/* u8 [32] . s8 [32] -> int32 x 8 (lane l: bytes 4l..4l+3) */
+static inline __m256i dot_u8s8(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+#ifdef HAVE_VNNI
+static inline __m256i dot_u8s8_vnni(__m256i u, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x); /* AVX512-VNNI + VL */
+#endif
+}
+#endif
+
+static inline float hsum8(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+/* The chunk's scale vector: one scale, or (groups of 16) the two halves' (lanes 0-3, 4-7). */
+static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, const int32_t *gi) {
+    if (group == 16) {
+        return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(sr[2 * b])),
+                                    _mm_set1_ps(sr[2 * b + 1]), 1);
+    }
+    return _mm256_set1_ps(sr[gi[b]]);
+}
+
+/* u8 [32] . v [32] from the two halves at xr: (dot_hi << 7) + dot_lo */
+#define DOT2(DOT, u, xr)                                                                            \
+    _mm256_add_epi32(                                                                          \
+        _mm256_slli_epi32(DOT(u, _mm256_loadu_si256((const __m256i *)(xr))), 7),              \
+        DOT(u, _mm256_loadu_si256((const __m256i *)((xr) + 32))))
+/* the same for signed int8 weights w (|w| = a) */
+#define DOT2S(DOT, a, w, xr)                                                                        \
+    _mm256_add_epi32(                                                                          \
+        _mm256_slli_epi32(                                                                     \
+            DOT(a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr)), w)), 7),       \
+        DOT(a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)((xr) + 32)), w)))
+
+/* R weight rows x MR activation rows of accumulators; DOT is the u8 . s8 product. */
+#define KQ_BLOCK(NAME, DOT)                                                                    \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const int R, const int MR, const int64_t bits, int64_t K, const int8_t *xq,          \
+        const float *dx, const uint8_t *w, int64_t N, int64_t n0, const float *s,             \
+        int64_t group, const int32_t *gi, float *y) {                                          \
+        const int64_t G = K / group, B = K / XBLOCK;                                           \
+        const int64_t row_bytes = bits == 4 ? K / 2 : K;                                       \
+        __m256 acc[4][8];                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm256_setzero_ps(); \
+        if (bits == 4) {                                                                       \
+            const __m256i low = _mm256_set1_epi8(0x0F);                                        \
+            for (int64_t c = 0; c < K / 64; c++) {                                             \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    const __m256i v = _mm256_loadu_si256(                                      \
+                        (const __m256i *)(w + (n0 + r) * row_bytes + c * 32));                 \
+                    const __m256i lo = _mm256_and_si256(v, low);                               \
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);         \
+                    const float *sr = s + (n0 + r) * G;                                        \
+                    const float s_lo = sr[gi[2 * c]], s_hi = sr[gi[2 * c + 1]]; \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {                     \
+                        const int8_t *xr = xq + m * 2 * K + c * 128;                           \
+                        const __m256 p_lo = _mm256_cvtepi32_ps(DOT2(DOT, lo, xr));                  \
+                        const __m256 p_hi = _mm256_cvtepi32_ps(DOT2(DOT, hi, xr + 64));             \
+                        acc[r][m] = _mm256_fmadd_ps(                                           \
+                            p_lo, _mm256_set1_ps(s_lo * dx[m * B + 2 * c]), acc[r][m]);        \
+                        acc[r][m] = _mm256_fmadd_ps(                                           \
+                            p_hi, _mm256_set1_ps(s_hi * dx[m * B + 2 * c + 1]), acc[r][m]);    \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        } else {                                                                               \
+            for (int64_t b = 0; b < B; b++) {                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    const __m256i v = _mm256_loadu_si256(                                      \
+                        (const __m256i *)(w + (n0 + r) * row_bytes + b * XBLOCK));             \
+                    const __m256i a = _mm256_abs_epi8(v);                                      \
+                    const __m256 sv = chunk_scale(s + (n0 + r) * G, group, b, gi);     \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {                     \
+                        const int8_t *xr = xq + m * 2 * K + b * 2 * XBLOCK;                    \
+                        const __m256 p = _mm256_cvtepi32_ps(DOT2S(DOT, a, v, xr));                  \
+                        acc[r][m] = _mm256_fmadd_ps(                                           \
+                            p, _mm256_mul_ps(sv, _mm256_set1_ps(dx[m * B + b])), acc[r][m]);   \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)                               \
+                y[m * N + n0 + r] = hsum8(acc[r][m]);                                          \
+    }
+
+KQ_BLOCK(block_avx2, dot_u8s8)
+#ifdef HAVE_VNNI
+KQ_BLOCK(block_vnni, dot_u8s8_vnni)
+#endif
+
+/* Rows nb..ne-1, R at a time so R * MR accumulators stay in registers. */
+#define KQ_RUN(BLOCK, RMAX, MR)                                                                \
+    do {                                                                                       \
+        int64_t n = nb;                                                                        \
+        for (; n + RMAX <= ne; n += RMAX) BLOCK(RMAX, MR, bits, K, xq, dx, w, N, n, s, group, gi, y); \
+        for (; n < ne; n++) BLOCK(1, MR, bits, K, xq, dx, w, N, n, s, group, gi, y);              \
+    } while (0)
+
+#define KQ_ROWS(NAME, BLOCK)                                                                   \
+    static void NAME(int64_t bits, int64_t M, int64_t K, const int8_t *xq, const float *dx,   \
+                     const uint8_t *w, int64_t N, int64_t nb, int64_t ne, const float *s,     \
+                     int64_t group, const int32_t *gi, float *y) {                             \
+        switch (M) {                                                                           \
+            case 1: KQ_RUN(BLOCK, 4, 1); break;                                                \
+            case 2: KQ_RUN(BLOCK, 4, 2); break;                                                \
+            case 3: KQ_RUN(BLOCK, 2, 3); break;                                                \
+            case 4: KQ_RUN(BLOCK, 2, 4); break;                                                \
+            case 5: KQ_RUN(BLOCK, 1, 5); break;                                                \
+            case 6: KQ_RUN(BLOCK, 1, 6); break;                                                \
+            case 7: KQ_RUN(BLOCK, 1, 7); break;                                                \
+            default: KQ_RUN(BLOCK, 1, 8); break;                                               \
+        }                                                                                      \
+    }
+
+KQ_ROWS(rows_avx2, block_avx2)
+#ifdef HAVE_VNNI
+KQ_ROWS(rows_vnni, block_vnni)
+#endif
+#endif /* HAVE_AVX2 */
+
+/* ---------------------------------------------------------------- the call */
+
+typedef struct {
+    int64_t isa, bits, M, K, N, nb, ne, group;
+    const int8_t *xq;
+    const float *dx, *xs, *s, *z; /* xs [M, G]: each group's dx * sum of xq */
+    const int32_t *gi; /* scale index of each chunk of 32 (groups >= 32) */
+    const uint8_t *w;
+    float *y;
+} Job;
+
+/* One thread's weight rows: activation rows 8 at a time, then each row's zeros (a dot of
+ * the row's zeros with the groups' activation sums). */
+static void *run_job(void *arg) {
+    const Job *j = (const Job *)arg;
+    const int64_t K = j->K, N = j->N, G = K / j->group, B = K / XBLOCK;
+    for (int64_t m = 0; m < j->M; m += 8) {
+        const int64_t rows = j->M - m < 8 ? j->M - m : 8;
+        const int8_t *xq = j->xq + m * 2 * K;
+        const float *dx = j->dx + m * B;
+        float *y = j->y + m * N;
+#ifdef HAVE_VNNI
+        if (j->isa == KQ_VNNI) {
+            rows_vnni(j->bits, rows, K, xq, dx, j->w, N, j->nb, j->ne, j->s, j->group, j->gi, y);
+            continue;
+        }
+#endif
+#ifdef HAVE_AVX2
+        if (j->isa == KQ_AVX2) {
+            rows_avx2(j->bits, rows, K, xq, dx, j->w, N, j->nb, j->ne, j->s, j->group, j->gi, y);
+            continue;
+        }
+#endif
+        rows_plain(j->bits, rows, K, xq, dx, j->w, N, j->nb, j->ne, j->s, j->group, j->gi, y);
+    }
+    if (j->z) {
+        for (int64_t m = 0; m < j->M; m++) {
+            const float *xg = j->xs + m * G;
+            for (int64_t n = j->nb; n < j->ne; n++) {
+                const float *zr = j->z + n * G;
+                float acc = 0.0f;
+                for (int64_t g = 0; g < G; g++) acc += zr[g] * xg[g];
+                j->y[m * N + n] += acc;
+            }
+        }
+    }
+    return NULL;
+}
+
+#define MAX_THREADS 64
+#define MIN_THREAD_BYTES (128 << 10) /* weight bytes a thread is worth starting for */
+
+/* y [M, N] fp32 = x [M, K] fp32 @ W^T, W = s * u + z per (row, group); w [N, K / 2] (bits 4)
+ * or [N, K] int8 (bits 8); s, z [N, K / group] fp32 (z may be NULL). K a multiple of 64
+ * (bits 4) or 32, group 16 (bits 8 only) or a multiple of 32 dividing K. Returns 0, -1 when
+ * `isa` is not built, -2 for a shape it does not take, -3 when out of memory. */
+int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                   int64_t bits, int64_t N, const float *s, const float *z, int64_t group,
+                   float *y, int64_t threads) {
+    if (!(hx_kq_isas() & isa) || (isa != KQ_PLAIN && isa != KQ_AVX2 && isa != KQ_VNNI))
+        return -1;
+    if ((bits != 4 && bits != 8) || K % (bits == 4 ? 64 : XBLOCK) || group < 16 ||
+        K % group || (group != 16 && group % XBLOCK) || (bits == 4 && group == 16))
+        return -2;
+    int8_t *xq = malloc((size_t)(M * 2 * K));
+    float *dx = malloc((size_t)(M * (K / XBLOCK)) * sizeof(float));
+    float *xs = malloc((size_t)(M * (K / 16)) * sizeof(float));
+    int32_t *gi = malloc((size_t)(K / XBLOCK) * sizeof(int32_t));
+    if (!xq || !dx || !xs || !gi) {
+        free(xq), free(dx), free(xs), free(gi);
+        return -3;
+    }
+    quantize_rows(x, M, K, xq, dx, xs);
+    for (int64_t b = 0; b < K / XBLOCK; b++) gi[b] = (int32_t)(b * XBLOCK / group);
+    if (z) { /* the sums of 16 -> each group's, in place (a group spans >= 16 values) */
+        const int64_t G = K / group, per = group / 16;
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t g = 0; g < G; g++) {
+                float sum = 0.0f;
+                for (int64_t i = 0; i < per; i++) sum += xs[m * (K / 16) + g * per + i];
+                xs[m * G + g] = sum;
+            }
+    }
+    int64_t t = N * K * bits / 8 / MIN_THREAD_BYTES;
+    t = t < threads ? t : threads;
+    t = t < MAX_THREADS ? t : MAX_THREADS;
+    t = t < 1 ? 1 : t;
+    Job jobs[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    const int64_t per = ((N + t - 1) / t + 3) / 4 * 4; /* whole blocks of 4 rows a thread */
+    for (int64_t i = 0; i < t; i++) {
+        const int64_t nb = i * per < N ? i * per : N, ne = nb + per < N ? nb + per : N;
+        jobs[i] = (Job){isa, bits, M, K, N, nb, ne, group, xq, dx, xs, s, z, gi, w, y};
+        if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
+    }
+    for (int64_t i = 1; i < t; i++)
+        if (!started[i]) run_job(&jobs[i]); /* could not start one: this thread does it */
+    run_job(&jobs[0]);
+    for (int64_t i = 1; i < t; i++)
+        if (started[i]) pthread_join(ids[i], NULL);
+    free(xq), free(dx), free(xs), free(gi);
+    return 0;
+}
+
+/* The activation quantisation alone (the tests compare it with the torch reference's). */
+void hx_kq_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *xs) {
+    quantize_rows(x, M, K, xq, dx, xs);
+}
