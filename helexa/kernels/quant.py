@@ -112,8 +112,23 @@ def int4_pack(q: torch.Tensor) -> torch.Tensor:
                                                               _INNER_K_TILES)
 
 
+def int4_cuda_refusal(dtype: torch.dtype) -> str:
+    """Why int4 weights cannot run on CUDA for a model of ``dtype`` ("" when they can):
+    torch's CUDA op (``_weight_int4pack_mm``) takes bf16 activations and scales only."""
+    if dtype == torch.bfloat16:
+        return ""
+    name = str(dtype).removeprefix("torch.")
+    return (f"int4 weights on CUDA need a bfloat16 model: torch's int4 CUDA op "
+            f"(_weight_int4pack_mm) takes bf16 activations only, and this model loads as {name} "
+            "(set dtype = \"bfloat16\", or quantize = \"int8\")")
+
+
 def int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """scales, zeros [N, G] -> the op's [G, N, 2] operand."""
+    """scales, zeros [N, G] -> the op's [G, N, 2] operand (ValueError where the CUDA op
+    cannot take ``dtype``: every int4 format packs through here at load)."""
+    why = int4_cuda_refusal(dtype) if scales.device.type == "cuda" else ""
+    if why:
+        raise ValueError(why)
     return torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
 
 

@@ -5,6 +5,12 @@ executor beside it (executor.py), built together as one :class:`Device`.
 imports (``pip install -e '.[cuda]'``), else ``torch`` there, and ``cpu`` on CPU;
 naming one asks for exactly that (``cuda`` without FlashInfer is an error). Each name
 is one entry of ``REGISTRY``: a function building that device's pair.
+
+Given the model's attention ``shape``, ``cuda`` (asked for or picked by ``auto``) is not
+used for a model FlashInfer cannot serve (fp32, head_dim outside 64/128/256/512:
+cuda.unsupported): the torch backend runs instead, and the log line and ``describe()``
+(the load log, Watch, ``ctl status``) say so and why. Falling back rather than refusing
+keeps one config valid across a fleet's checkpoints; the reason is never silent.
 """
 
 from __future__ import annotations
@@ -12,14 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import structlog
 import torch
 
-from helexa.kernels.backends.base import AttentionBackend, StepPlan, attention
+from helexa.kernels.backends.base import AttentionBackend, AttentionShape, StepPlan, attention
 from helexa.kernels.backends.executor import LinearSite, StepExecutor
 
 NAMES = ("auto", "torch", "cpu", "cuda")
 
-__all__ = ["NAMES", "REGISTRY", "AttentionBackend", "Device", "LinearSite", "StepExecutor",
+log = structlog.get_logger(component="kernels")
+
+__all__ = ["NAMES", "REGISTRY", "AttentionBackend", "AttentionShape", "Device", "LinearSite", "StepExecutor",
            "StepPlan", "attention", "select"]
 
 
@@ -30,6 +39,7 @@ class Device:
 
     attention: AttentionBackend
     executor: StepExecutor
+    note: str = ""  # why this backend runs rather than the one asked for ("" when as asked)
 
     @property
     def name(self) -> str:
@@ -37,7 +47,8 @@ class Device:
 
     def describe(self) -> str:
         """One line for the load log and status: the backend and what it chose."""
-        parts = [p for p in (self.attention.describe(), self.executor.describe()) if p]
+        parts = [p for p in (self.note, self.attention.describe(), self.executor.describe())
+                 if p]
         return f"{self.name} ({'; '.join(parts)})" if parts else self.name
 
 
@@ -84,10 +95,11 @@ REGISTRY: dict[str, Callable[[torch.device, DeviceOptions], Device]] = {
 
 
 def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num_seqs: int = 8,
-           tp_size: int = 1) -> Device:
+           tp_size: int = 1, shape: AttentionShape | None = None) -> Device:
     """The device backend ``name`` (one of NAMES) for ``device``; ValueError naming what is
     wrong. ``cuda_graphs`` (tp = 1 only) lets the cuda one capture decode steps of up to
-    ``max_num_seqs`` rows."""
+    ``max_num_seqs`` rows. ``shape``: the model's attention, for the cuda fallback (see the
+    module docstring)."""
     if name not in NAMES:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(NAMES)}")
     if name == "auto":
@@ -99,4 +111,14 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
             name = "cuda" if cuda.available() else "torch"
         else:
             name = "torch"
-    return REGISTRY[name](device, DeviceOptions(cuda_graphs, max_num_seqs, tp_size))
+    opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size)
+    if name == "cuda" and shape is not None:
+        from helexa.kernels.backends import cuda
+
+        reason = cuda.unsupported(shape)
+        if reason:
+            log.warning("kernels.backend_fallback", asked="cuda", runs="torch", reason=reason)
+            chosen = _torch(device, opts)
+            chosen.note = f"not cuda: {reason}"
+            return chosen
+    return REGISTRY[name](device, opts)

@@ -73,6 +73,21 @@ class StepPlan:
         return len(self.decode_positions)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """A model's attention as a kernel library sees it (per rank; the GQA
+    group is the same on every rank)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's compute dtype (FlashInfer's q dtype)
+
+    @property
+    def group(self) -> int:
+        return self.heads // max(1, self.kv_heads)
+
+
 class AttentionBackend(ABC):
     """One model runner's attention kernels and KV pools (see the module docstring)."""
 

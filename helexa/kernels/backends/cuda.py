@@ -21,7 +21,14 @@ or in the default tests needs it.
   executor (cuda_graphs.py) captures the step the first time that b is seen and
   replays it after, with the step's ids, positions and slots copied into its static
   inputs.
-- Quantised kv dtypes: the composed torch backend (``reference``) allocates and plans.
+- Quantised kv dtypes, and a kv dtype other than the queries' (FlashInfer's kernels take one
+  q/kv dtype pair per build): the composed torch backend (``reference``) allocates and plans.
+- What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256/512.
+  Its CUDA-core decode kernel is built for GQA groups 1, 2, 3, 4 and 8 only and raises
+  ``Unsupported group_size`` at ``plan`` for any other (Qwen3.5-27B and Qwen2.5-7B have 6
+  or 7); its tensor-core decode kernel serves every group, so :func:`tensor_cores` picks
+  that one wherever the CUDA-core kernel cannot run. ``select`` runs the torch backend,
+  saying why, for a model FlashInfer cannot serve at all.
 """
 
 from __future__ import annotations
@@ -29,10 +36,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
-from helexa.kernels.backends.base import AttentionBackend, StepMeta, StepPlan, used_blocks
+from helexa.kernels.backends.base import (
+    AttentionBackend,
+    AttentionShape,
+    StepMeta,
+    StepPlan,
+    used_blocks,
+)
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
 from helexa.kernels.paged_kv import PagedKV
 
@@ -45,6 +59,30 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family
+# What FlashInfer 0.6's prebuilt/JIT kernels are instantiated for (its dispatch macros):
+CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)  # GQA groups its CUDA-core decode kernel serves
+HEAD_DIMS = (64, 128, 256, 512)
+DTYPES = (torch.float16, torch.bfloat16)  # fp32 raises KeyError in its JIT at load
+
+log = structlog.get_logger(component="kernels")
+
+
+def unsupported(shape: AttentionShape) -> str:
+    """Why FlashInfer cannot serve attention of this shape ("" when it can)."""
+    if shape.dtype not in DTYPES:
+        name = str(shape.dtype).removeprefix("torch.")
+        return f"FlashInfer has no {name} kernels (fp16, bf16 only)"
+    if shape.head_dim not in HEAD_DIMS:
+        return (f"FlashInfer has no kernels for head_dim {shape.head_dim} "
+                f"({', '.join(map(str, HEAD_DIMS))} only)")
+    return ""
+
+
+def tensor_cores(group: int) -> bool:
+    """Decode on the tensor-core kernel? Only where the CUDA-core one cannot run: for the
+    groups it serves FlashInfer documents the CUDA-core kernel as the one for small groups,
+    and no GPU measurement here says otherwise (bench/gpu_check.sh can measure it)."""
+    return group not in CUDA_CORE_GROUPS
 
 
 def available() -> bool:
@@ -102,25 +140,42 @@ class CudaAttention(AttentionBackend):
         self.graph_rows = graph_rows
         self.heads = 0  # query heads per rank: the executor sets it once the model is loaded
         self.quantised = False
+        self.torch_path = ""  # why the pools run the torch path ("" when FlashInfer's)
+        self.tensor_cores = False  # decode on FlashInfer's tensor-core kernel (tensor_cores)
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._graph_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
+        self._decode: Any = None  # built by allocate_kv, once the GQA group is known
+        self._group = 0
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         self._graph_wrappers: dict[int, _GraphWrapper] = {}
 
     def describe(self) -> str:
-        quant = "; quantised KV: torch path" if self.quantised else ""
-        return f"flashinfer {getattr(flashinfer, '__version__', '?')}{quant}"
+        version = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
+        if self.torch_path:
+            return f"{version}; {self.torch_path}: torch path"
+        if not self.pools:
+            return version
+        kernel = "tensor cores" if self.tensor_cores else "CUDA cores"
+        return f"{version}; decode on {kernel} (GQA group {self._group})"
 
     def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
         self._graph_wrappers = {}  # their index buffers are sized by the pool
         self.pools = []
         self.quantised = storage is None
-        if storage is None:  # quantised: the torch path's pools
+        self.torch_path = ("quantised KV" if storage is None else
+                           f"KV {_name(storage)} with {_name(compute)} queries"
+                           if storage != compute else "")
+        if self.torch_path:  # a pool FlashInfer's kernels do not read: the torch path's
+            log.info("kernels.flashinfer_torch_path", reason=self.torch_path)
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
             return self.pools
+        self._group = self.heads // max(1, layers[0].kv_heads)
+        self.tensor_cores = tensor_cores(self._group)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=self.tensor_cores)
+        log.info("kernels.flashinfer_decode", group=self._group, tensor_cores=self.tensor_cores)
         self.pools = [NhdKV(num_blocks, block_size, s.kv_heads, s.head_dim, storage=storage,
                             compute=compute, kv_dtype=s.kv_dtype, device=self.device)
                       for s in layers]
@@ -132,7 +187,7 @@ class CudaAttention(AttentionBackend):
     # ---- per step ------------------------------------------------------------------------
 
     def plan(self, step: StepPlan) -> CudaMetadata | TorchMetadata:
-        if not self.pools or self.quantised:
+        if not self.pools or self.torch_path:
             return self.reference.plan(step)
         bs = step.block_size
         lens = [p + 1 for p in step.decode_positions] + [r.num_computed + r.end - r.start
@@ -196,6 +251,7 @@ class CudaAttention(AttentionBackend):
             dev, i32 = self.device, torch.int32
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._graph_workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.tensor_cores,
                 paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=i32, device=dev),
                 paged_kv_indices_buffer=torch.zeros(self._graph_index_cap, dtype=i32,
                                                     device=dev),
@@ -203,3 +259,7 @@ class CudaAttention(AttentionBackend):
             g = self._graph_wrappers[b] = _GraphWrapper(
                 wrapper, torch.zeros(b, dtype=torch.long, device=dev))
         return g
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

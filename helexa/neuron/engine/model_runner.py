@@ -38,7 +38,7 @@ from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
 from helexa.neuron.formats.base import open_checkpoint
-from helexa.neuron.formats.loader import load_model, weight_bytes
+from helexa.neuron.formats.loader import load_model, resolve_dtype, weight_bytes
 from helexa.neuron.formats.quantise import QuantSpec
 from helexa.neuron.models.config import parse_dtype
 from helexa.neuron.models.layers import linear_sites
@@ -115,8 +115,10 @@ class ModelRunner:
         self._tp: TpWorkers | None = None
         # A captured decode graph would replay one step's state slots: none for hybrids.
         cuda_graphs = cuda_graphs and not self.config.is_hybrid
+        shape = backends.AttentionShape(self.config.num_heads, self.config.num_kv_heads,
+                                        self.config.head_dim, resolve_dtype(self.config, dtype))
         self.backend = backends.select(backend, self.device, cuda_graphs=cuda_graphs,
-                                       max_num_seqs=max_num_seqs, tp_size=tp_size)
+                                       max_num_seqs=max_num_seqs, tp_size=tp_size, shape=shape)
         if tp_size > 1 and tp_rank == 0:
             if self.device.type == "cpu":
                 torch.set_num_threads(1)  # one thread per rank: the ranks share the cores

@@ -38,17 +38,27 @@ from helexa.neuron.engine.tp_messages import (
     TpStop,
 )
 
-# NCCL, set before the group forms, so a dead or wedged rank fails like on gloo: a collective
-# past the group's timeout raises in the calling thread (blocking wait) and NCCL's watchdog
-# and heartbeat monitor neither tear the process down nor dump traces, so rank 0 marks the
-# model failed (TpWorkers.fail_step) and the neuron stays up. A value already in the
+# NCCL, set before the group forms. No blocking wait: with TORCH_NCCL_BLOCKING_WAIT every
+# synchronous collective becomes a host sync plus a sleep of at least 1 ms (a decode step of a
+# 27B hybrid issues ~130), so collectives stay on the stream. A dead or wedged rank is found
+# instead by NCCL's watchdog (a collective past the group's timeout) with async error handling
+# 2, CleanUpOnly: it aborts the communicators, so what waits on them fails and the next
+# collective raises in the calling thread, without tearing the process down; rank 0 then marks
+# the model failed (TpWorkers.fail_step) and the neuron stays up. TpWorkers' health check
+# (tp_worker.py, a thread off the hot path) catches a rank process that died. The heartbeat
+# monitor and trace dumps stay off: they kill or stall the process. A value already in the
 # environment wins.
-NCCL_FAIL_LIKE_GLOO = {
-    "TORCH_NCCL_BLOCKING_WAIT": "1",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",  # the watchdog reports, never kills
+NCCL_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicators, never kill
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
+
+
+def nccl_environment(env: dict[str, str]) -> dict[str, str]:
+    """The NCCL variables a GPU group forms with, given the process environment ``env``
+    (whose own values win)."""
+    return {key: env.get(key, value) for key, value in NCCL_ENV.items()}
 
 
 def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs: float) -> None:
@@ -60,8 +70,7 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
-        for key, value in NCCL_FAIL_LIKE_GLOO.items():
-            os.environ.setdefault(key, value)
+        os.environ.update(nccl_environment(dict(os.environ)))
         torch.cuda.set_device(torch.device(device))
     if dist.is_initialized():  # a failed model's group, never closed: one model per process
         dist.destroy_process_group()

@@ -23,12 +23,17 @@ the ranks as the next pass's tokens, so every rank writes the same KV.
 The messages are helexa/neuron/engine/tp_messages.py's; the group and the
 extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
 fails or times out fails the whole group (TpError): the model must restart.
+Collectives never block the host (no NCCL blocking wait, tp_rank.NCCL_ENV): a health
+check thread (:meth:`TpWorkers.watch`, once a second, off the hot path) finds a rank
+process that died and aborts an NCCL group, so a step waiting on it fails at once rather
+than at the watchdog's timeout; the next step says which rank died.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -69,6 +74,7 @@ class TpWorkers:
     _next_handle: int = 0
     _stale: list[int] = field(default_factory=list)  # handles replaced, for the next step
     _encoder: Any = field(default_factory=msgspec.msgpack.Encoder)
+    _stop_watch: threading.Event = field(default_factory=threading.Event)
 
     @classmethod
     def start(cls, args: RunnerArgs, world: int) -> tuple[TpWorkers, str]:
@@ -100,6 +106,20 @@ class TpWorkers:
             self.fail(f"tensor-parallel group did not form: {e}")
         ready = self._wait_all(TpReady, args.timeout_secs)
         self.kv_bytes_per_block = [m.kv_bytes_per_block for m in ready]
+        threading.Thread(target=self.watch, args=(device.startswith("cuda"),),
+                         name="helexa-tp-health", daemon=True).start()
+
+    def watch(self, nccl: bool, interval_secs: float = 1.0) -> None:
+        """The health check: until close(), note the first rank process found dead; on NCCL
+        abort the group so a collective or host sync waiting on that rank returns (gloo
+        fails on a closed peer by itself). It only records: the step thread raises."""
+        while not self._stop_watch.wait(interval_secs):
+            dead = self._dead_rank()
+            if dead and not self.failed and not self._stop_watch.is_set():
+                self.failed = dead
+                if nccl:
+                    _abort_group()
+                return
 
     def _wait_all(self, kind: type, timeout_secs: float) -> list[Any]:
         got = []
@@ -182,10 +202,16 @@ class TpWorkers:
     def check(self) -> None:
         """TpError if a rank has died or the group already failed."""
         if self.failed:
-            raise TpError(self.failed)
+            self.fail(self.failed)  # ends the ranks too when the health check found it
+        dead = self._dead_rank()
+        if dead:
+            self.fail(dead)
+
+    def _dead_rank(self) -> str:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                self.fail(f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
+                return f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
+        return ""
 
     def fail_step(self, error: Exception) -> None:
         """A collective failed mid-step: name the rank that died if one did (its exit may
@@ -203,6 +229,7 @@ class TpWorkers:
 
     def close(self, timeout_secs: float = 5.0) -> None:
         """Stop every rank (politely first, then by force); safe to call twice."""
+        self._stop_watch.set()
         for conn in self.conns:
             try:
                 conn.send_bytes(self._encoder.encode(TpStop()))
@@ -221,3 +248,12 @@ class TpWorkers:
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+
+def _abort_group() -> None:
+    """Abort the default group's communicators (what NCCL's watchdog does at its timeout)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6
+    if abort is not None and c10d.is_initialized():
+        abort()

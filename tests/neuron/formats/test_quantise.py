@@ -73,3 +73,16 @@ def test_bad_quant_settings_are_refused():
         QuantSpec("int3")
     with pytest.raises(QuantConfigError, match="quant_group_size.*got 48"):
         QuantSpec("int4", 48)
+
+
+@pytest.mark.parametrize(("dtype", "name"), [("float32", "float32"), ("float16", "float16")])
+def test_int4_on_cuda_is_refused_at_load_for_a_model_not_in_bf16(tiny_checkpoint, dtype, name):
+    # Refused before any weight or device memory is touched, so this runs without a GPU.
+    with pytest.raises(QuantConfigError) as err:
+        load_model(tiny_checkpoint("qwen3"), device="cuda", dtype=dtype,
+                   quantize=QuantSpec("int4", 32))
+    assert str(err.value) == (
+        "int4 weights on CUDA need a bfloat16 model: torch's int4 CUDA op (_weight_int4pack_mm) "
+        f"takes bf16 activations only, and this model loads as {name} "
+        '(set dtype = "bfloat16", or quantize = "int8")')
+    assert qk.int4_cuda_refusal(torch.bfloat16) == ""

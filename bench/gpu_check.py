@@ -1,0 +1,296 @@
+"""The prepared GPU check's driver (bench/gpu_check.sh runs it): one process, every stage,
+one JSON report.
+
+    python bench/gpu_check.py [--dry-run] [--out gpu_check.json] [--budget-secs 420]
+
+Stages, each a key of the report (``stages``), each timed and caught on its own so one
+failing stage still leaves the others' figures:
+
+- ``env``: torch, the device, whether FlashInfer and fla import (and why not).
+- ``compile``: the first load of a bf16 model plus its first prefill and decode step, in a
+  fresh process (FlashInfer's JIT compiles here), against a second load of the same model.
+- ``parity``: greedy decode of helexa against transformers on the device, bf16, for a dense
+  (qwen3) and a hybrid (qwen3_5) init-tiny checkpoint with a GQA group of 6 (12 query heads,
+  2 kv heads): the tokens, and the first step where they differ.
+- ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
+  with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
+  tensor copied, read + write bytes / s) ÷ the model's weight bytes = steps/s at best.
+- ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
+  syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
+  CPU: aten ops, and aten::_local_scalar_dense).
+- ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
+
+``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
+the script cannot rot where no GPU is; its figures mean nothing about a GPU.
+Benchmarks print figures; they assert nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STAGES = ("env", "compile", "parity", "decode", "profile", "ttft")
+GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
+
+
+def sizes(dry: bool) -> dict[str, Any]:
+    """Checkpoint shapes and lengths: GPU ones sized to stream weights, dry-run ones tiny."""
+    hd = 8 if dry else 64  # FlashInfer serves head_dim 64/128/256/512
+    # 4 layers: a hybrid holds one full-attention layer in 4
+    small = dict(hidden_size=12 * hd, num_layers=4, intermediate_size=4 * 12 * hd,
+                 vocab_size=512 if dry else 4096, head_dim=hd, **GROUP_6)
+    big = (small if dry else dict(hidden_size=2048, num_layers=12, num_heads=16, num_kv_heads=4,
+                                  head_dim=128, intermediate_size=6144, vocab_size=16384))
+    return dict(small=small, big=big, parity_tokens=8 if dry else 32,
+                decode_tokens=4 if dry else 64, prompt=16 if dry else 128,
+                ttft_prompt=256 if dry else 4096, copy_mib=16 if dry else 1024,
+                profile_steps=2 if dry else 8)
+
+
+class Runner:
+    """A ModelRunner driven with greedy argmax: streams prefilled, then decoded together."""
+
+    BLOCK = 16
+
+    def __init__(self, model_dir: Path, device: str, streams: int, tokens: int) -> None:
+        from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+        self.SeqInput = SeqInput
+        self.per = -(-tokens // self.BLOCK) + 1
+        self.runner = ModelRunner(model_dir, device=device, dtype="bfloat16",
+                                  num_blocks=streams * self.per + 1, block_size=self.BLOCK,
+                                  max_num_seqs=max(8, streams), max_batched_tokens=4096,
+                                  num_state_slots=max(8, streams))
+        self.device = torch.device(device)
+
+    def prefill(self, prompts: list[list[int]]) -> list[int]:
+        self.tables = [list(range(i * self.per, (i + 1) * self.per)) for i in range(len(prompts))]
+        self.lens = [len(p) for p in prompts]
+        last = []
+        for i, p in enumerate(prompts):
+            logits = self.runner.execute([self.SeqInput(p, 0, self.tables[i], True, i)])
+            last.append(int(logits[0].argmax()))
+        return last
+
+    def step(self, last: list[int]) -> list[int]:
+        logits = self.runner.execute([self.SeqInput([x], self.lens[i], self.tables[i], True, i)
+                                      for i, x in enumerate(last)])
+        self.lens = [n + 1 for n in self.lens]
+        return logits.argmax(-1).tolist()
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_model(root: Path, name: str, arch: str, shape: dict[str, Any]) -> Path:
+    from helexa.fixtures.tiny import init_tiny
+
+    return init_tiny(root / name, arch=arch, dtype="bfloat16", **shape)
+
+
+def stage_env(ctx: dict[str, Any]) -> dict[str, Any]:
+    from helexa.kernels.backends import cuda
+
+    out: dict[str, Any] = {"torch": torch.__version__, "device": ctx["device"],
+                           "flashinfer": cuda.available(), "flashinfer_error": cuda.import_error()}
+    if ctx["device"] == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        import fla  # noqa: F401
+        out["fla"] = True
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        out["fla"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def stage_compile(ctx: dict[str, Any]) -> dict[str, Any]:
+    def load_and_step() -> tuple[float, str]:
+        t = time.perf_counter()
+        r = Runner(ctx["dense"], ctx["device"], 1, 64)
+        r.step(r.prefill([[1, 2, 3, 4]]))
+        sync(r.device)
+        backend = r.runner.backend.describe()
+        r.close()
+        return time.perf_counter() - t, backend
+
+    first, backend = load_and_step()  # the first in this process: JIT compiles, caches warm
+    second, _ = load_and_step()
+    return {"first_load_s": first, "second_load_s": second, "compile_s": max(0.0, first - second),
+            "backend": backend}
+
+
+def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    n, out = ctx["sizes"]["parity_tokens"], {}
+    for name in ("dense", "hybrid"):
+        prompt = [(7 * i + 3) % 500 + 1 for i in range(ctx["sizes"]["prompt"])]
+        r = Runner(ctx[name], ctx["device"], 1, len(prompt) + n)
+        ours = r.prefill([prompt])
+        for _ in range(n - 1):
+            ours.append(r.step(ours[-1:])[0])
+        r.close()
+        hf = AutoModelForCausalLM.from_pretrained(ctx[name], dtype=torch.bfloat16).to(ctx["device"])
+        ids = torch.tensor([prompt], device=ctx["device"])
+        with torch.inference_mode():
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        theirs = gen[0, len(prompt):].tolist()
+        diverge = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
+                        if a != b), None)
+        out[name] = {"match": ours == theirs, "first_divergence": diverge, "gqa_group": 6,
+                     "helexa": ours, "transformers": theirs}
+        del hf
+    return out
+
+
+def copy_bandwidth(device: torch.device, mib: int) -> float:
+    """Bytes/s a device copy moves (each byte read once and written once)."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    reps, t = 5, time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.nbytes * reps / (time.perf_counter() - t)
+
+
+def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
+    s, dev = ctx["sizes"], torch.device(ctx["device"])
+    bw = copy_bandwidth(dev, s["copy_mib"])
+    out: dict[str, Any] = {"copy_bandwidth_gbs": bw / 1e9}
+    for name in ("dense_big", "hybrid"):
+        r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8)
+        roofline_steps = bw / r.runner.weight_bytes  # weights streamed once per step
+        res: dict[str, Any] = {"weight_bytes": r.runner.weight_bytes,
+                               "roofline_steps_per_s": roofline_steps}
+        for batch in (1, 8):
+            last = r.prefill([[(i + j) % 400 + 1 for j in range(s["prompt"])]
+                              for i in range(batch)])
+            last = r.step(last)  # warm (graph capture, plans)
+            sync(dev)
+            t = time.perf_counter()
+            for _ in range(s["decode_tokens"]):
+                last = r.step(last)
+            sync(dev)
+            steps = s["decode_tokens"] / (time.perf_counter() - t)
+            res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
+                                    "roofline_fraction": steps / roofline_steps}
+        r.close()
+        out[name] = res
+    return out
+
+
+def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    s, cuda_dev = ctx["sizes"], ctx["device"] == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda_dev else [])
+    out: dict[str, Any] = {}
+    for name in ("dense_big", "hybrid"):
+        r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["profile_steps"] + 8)
+        last = r.step(r.prefill([list(range(1, s["prompt"] + 1))]))
+        sync(r.device)
+        with profile(activities=acts) as prof:
+            for _ in range(s["profile_steps"]):
+                last = r.step(last)
+            sync(r.device)
+        r.close()
+        events = prof.events()
+        if cuda_dev:
+            kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+            syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize",
+                        "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"))
+            kind = "cuda kernels; cuda*Synchronize and blocking cudaMemcpy"
+        else:
+            kernels = sum(1 for e in events if e.name.startswith("aten::"))
+            syncs = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
+            kind = "dry run: aten ops; aten::_local_scalar_dense"
+        per = s["profile_steps"]
+        out[name] = {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,
+                     "counted": kind}
+    return out
+
+
+def stage_ttft(ctx: dict[str, Any]) -> dict[str, Any]:
+    n = ctx["sizes"]["ttft_prompt"]
+    r = Runner(ctx["dense_big"], ctx["device"], 1, n + 8)
+    prompt = [(i * 13) % 400 + 1 for i in range(n)]
+    r.prefill([prompt[:32]])  # warm the prefill path
+    sync(r.device)
+    t = time.perf_counter()
+    r.prefill([prompt])
+    sync(r.device)
+    ttft = time.perf_counter() - t
+    r.close()
+    return {"prompt_tokens": n, "ttft_s": ttft}
+
+
+def run(dry: bool, out_path: Path, budget_secs: float) -> dict[str, Any]:
+    device = "cpu" if dry else "cuda"
+    if not dry and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: no CUDA device visible to torch (use --dry-run on CPU)")
+    report: dict[str, Any] = {"dry_run": dry, "stages": {}}
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="helexa-gpu-check-") as tmp:
+        s = sizes(dry)
+        root = Path(tmp)
+        ctx: dict[str, Any] = {"device": device, "sizes": s,
+                               "dense": make_model(root, "dense", "qwen3", s["small"]),
+                               "hybrid": make_model(root, "hybrid", "qwen3_5", s["small"]),
+                               "dense_big": make_model(root, "dense_big", "qwen3", s["big"])}
+        fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            "env": stage_env, "compile": stage_compile, "parity": stage_parity,
+            "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft}
+        for name in STAGES:
+            if time.perf_counter() - start > budget_secs:
+                report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}
+                continue
+            t = time.perf_counter()
+            try:
+                result = {"ok": True, **fns[name](ctx)}
+            except Exception as e:  # noqa: BLE001 - one failing stage leaves the others
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                          "trace": traceback.format_exc(limit=6)}
+            result["secs"] = time.perf_counter() - t
+            report["stages"][name] = result
+            print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
+    report["secs"] = time.perf_counter() - start
+    out_path.write_text(json.dumps(report, indent=2, default=str))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dry-run", action="store_true", help="every stage on CPU, small sizes")
+    ap.add_argument("--out", type=Path, default=Path("gpu_check.json"))
+    ap.add_argument("--budget-secs", type=float, default=420.0,
+                    help="stages not started by then are skipped (the script's limit is 8 min)")
+    args = ap.parse_args(argv)
+    report = run(args.dry_run, args.out, args.budget_secs)
+    failed = [k for k, v in report["stages"].items() if not v["ok"]]
+    print(f"gpu_check: {len(STAGES) - len(failed)}/{len(STAGES)} stages ok"
+          f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''}; wrote {args.out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 23): on a bare Linux machine with one NVIDIA GPU, its driver,
+# CUDA's compiler (nvcc: FlashInfer's JIT) and a PyTorch build, and no network, install what
+# else it needs from a folder of wheels, then run bench/gpu_check.py: greedy parity against
+# transformers (dense and hybrid, bf16, GQA group 6), batch-1 and batch-8 decode tok/s with
+# the fraction of the weight-streaming roofline, kernels and host syncs per decode step,
+# TTFT of a 4k prompt and the first-load compile time, printed and written as JSON. At most
+# 8 minutes of wall time (the driver skips stages not started by 7).
+#
+#   bench/gpu_check.sh [--out FILE]                   # on the GPU machine
+#   bench/gpu_check.sh --dry-run [--out FILE]         # every stage on CPU, small: checks the script
+#
+# Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS
+# (default ./wheels: filled on a connected machine as docs/operating.md "The GPU check" says).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+WHEELS=${HELEXA_WHEELS:-wheels}
+DRY=()
+OUT=gpu_check.json
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY=(--dry-run); shift ;;
+    --out) OUT=$2; shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --out FILE)" >&2; exit 2 ;;
+  esac
+done
+
+if [[ ${#DRY[@]} -eq 0 ]]; then
+  command -v nvidia-smi >/dev/null || { echo "gpu_check: nvidia-smi not found: no NVIDIA driver" >&2; exit 1; }
+  command -v nvcc >/dev/null || { echo "gpu_check: nvcc not found: FlashInfer's JIT needs CUDA's compiler" >&2; exit 1; }
+  "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "gpu_check: torch sees no CUDA device")'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  if ! "$PY" -c 'import helexa, flashinfer, transformers' 2>/dev/null; then
+    [[ -d "$WHEELS" ]] || { echo "gpu_check: no wheel folder $WHEELS (docs/operating.md, The GPU check)" >&2; exit 1; }
+    # No network: only the folder. --no-deps for helexa itself keeps pip from replacing the
+    # machine's PyTorch build with the folder's.
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" setuptools wheel
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" --no-build-isolation --no-deps -e .
+    "$PY" -m pip install -q --no-index --find-links "$WHEELS" \
+      $("$PY" -c 'import tomllib; p = tomllib.load(open("pyproject.toml", "rb"))["project"]; print(" ".join(d for d in p["dependencies"] + p["optional-dependencies"]["cuda"] if not d.startswith("torch")))') \
+      "transformers>=4.45"
+  fi
+fi
+exec timeout 480 "$PY" bench/gpu_check.py "${DRY[@]}" --out "$OUT" --budget-secs 420
