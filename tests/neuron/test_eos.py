@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.engine import assert_whole, drive
 from support.fake_runner import FakeRunner
 
 from helexa import grammar
@@ -23,7 +24,6 @@ from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.tokenizer import Tokenizer, eos_token_ids
-from tests.neuron.engine.test_engine_core import assert_whole, drive
 
 VOCAB = 512
 GREEDY = m.SamplingParams(temperature=0.0)
@@ -100,7 +100,7 @@ def test_a_request_ends_at_the_same_eos_with_and_without_a_grammar(
     held = m.NewRequest(req_id="held", prompt_token_ids=prompt, max_tokens=20,
                         stop_token_ids=tok.eos_token_ids, sampling=GREEDY,
                         grammar=grammar.grammar_text(constraint))
-    tokens, final, _ = drive(core, m.ToEngine(new=[free, held]))
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[free, held]))
     assert tokens["free"] == [eos] and final["free"].finished == m.FinishReason.STOP
     assert tokens["held"] == [seven, eos], tokens["held"][-5:]
     assert final["held"].finished == m.FinishReason.STOP
