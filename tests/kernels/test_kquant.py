@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from neuron.models.gguf_reference import quantize  # tests/ is on sys.path
+from support.gguf_reference import quantize
 
 from helexa.kernels.cpu import kquant as kq
 from helexa.kernels.cpu import native
-from helexa.neuron.models.gguf_unpack import UNPACKERS
+from helexa.neuron.formats.gguf.unpack import UNPACKERS
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(not kq.isas(), reason="no C compiler: no native kernels")]
