@@ -35,6 +35,15 @@ def output_budget(prompt_tokens: int, max_tokens: int | None, *, context: int,
     return budget
 
 
+def fitted_max_tokens(prompt_tokens: int, max_tokens: int, *, context: int,
+                      max_output_tokens: int | None = None) -> int:
+    """max_tokens taken as a ceiling: at most what the context leaves after the prompt and
+    the advertised output limit (a prompt that fills the context is still refused by
+    check_request)."""
+    output_limit = context - 1 if max_output_tokens is None else max_output_tokens
+    return max(1, min(max_tokens, context - prompt_tokens, output_limit))
+
+
 def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
     """ceil(num_tokens / block_size): the blocks that hold that many tokens."""
     return -(-num_tokens // block_size)

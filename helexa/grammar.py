@@ -13,11 +13,20 @@ schema that lists `properties` without saying `additionalProperties` gets
 `additionalProperties: false` (as OpenAI's strict mode requires and
 xgrammar's strict mode assumes): a model, above all a weak one, that may add
 free whitespace or keys of its own can loop on them until its tokens run out.
+
+Not every JSON Schema keyword can be enforced token by token: `enforceable`
+drops the ones the library does not implement (`UNENFORCED_KEYWORDS`, a
+`format` outside `FORMATS`, a `pattern` it cannot compile) and says which
+it dropped; the JSON the grammar then produces is still valid for every
+other keyword, and the router checks the reply against the whole schema
+after generation (helexa/router/schema_check.py). docs/api.md has the table.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -39,6 +48,97 @@ class Constraint(msgspec.Struct, frozen=True, kw_only=True):
 
     kind: Kind
     source: str = ""
+
+
+# Keywords llguidance refuses to compile ("Unimplemented keys"): they constrain how values relate
+# to each other or to other schemas, which a left-to-right grammar cannot enforce.
+UNENFORCED_KEYWORDS = frozenset({
+    "propertyNames", "uniqueItems", "not", "if", "then", "else", "contains", "minContains",
+    "maxContains", "dependentRequired", "dependentSchemas", "dependencies",
+    "unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$dynamicAnchor",
+    "$recursiveRef", "$recursiveAnchor"})
+# The string formats the grammar enforces; any other (`binary`, `int64`, `byte`, `password`,
+# `uri-reference`, ...) is dropped and the string left free.
+FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4",
+                     "ipv6", "uuid", "uri", "unknown"})
+_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SINGLES = ("items", "additionalProperties")
+_UNIMPLEMENTED = re.compile(r'Unimplemented keys: \[(.*)\]')
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+@dataclass
+class Reduced:
+    """A schema as the grammar can enforce it, and the keywords dropped to get there (as
+    `path: keyword`, e.g. `properties.tags: uniqueItems`)."""
+
+    schema: Any
+    dropped: list[str] = field(default_factory=list)
+
+    @property
+    def keywords(self) -> list[str]:
+        """The dropped keywords, each once, in order."""
+        return list(dict.fromkeys(d.rpartition(": ")[2] for d in self.dropped))
+
+
+def enforceable(schema: Any) -> Reduced:
+    """The schema without what the grammar library cannot enforce; raises GrammarError for a
+    schema that is wrong in itself (an unknown type, a dangling `$ref`)."""
+    out = Reduced(schema)
+    extra: set[str] = set()  # keywords a newer or older library also refuses
+    formats: set[str] = set()
+    for _ in range(8):
+        out = Reduced(None)
+        out.schema = _reduce(schema, "", out.dropped, extra, formats)
+        try:
+            check(json_schema(out.schema))
+            return out
+        except GrammarError as e:
+            keys = _UNIMPLEMENTED.search(str(e))
+            fmt = _UNKNOWN_FORMAT.search(str(e))
+            if keys:
+                extra |= {k.strip().strip('"') for k in keys.group(1).split(",")}
+            elif fmt:
+                formats.add(fmt.group(1).strip('"`,.'))
+            else:
+                raise
+    return out
+
+
+def _reduce(s: Any, path: str, dropped: list[str], extra: set[str], formats: set[str]) -> Any:
+    if not isinstance(s, dict):
+        return s
+    out: dict[str, Any] = {}
+    where = path or "(root)"
+    for k, v in s.items():
+        if k in UNENFORCED_KEYWORDS or k in extra:
+            dropped.append(f"{where}: {k}")
+        elif k == "format" and isinstance(v, str) and (v not in FORMATS or v in formats) \
+                and s.get("type") != "integer" and s.get("type") != "number":
+            dropped.append(f"{where}: format {v}")
+        elif k == "pattern" and isinstance(v, str) and not _regex_ok(v):
+            dropped.append(f"{where}: pattern")
+        elif k in _MAPS and isinstance(v, dict):
+            out[k] = {n: _reduce(sub, f"{path}.{k}.{n}".lstrip("."), dropped, extra, formats)
+                      for n, sub in v.items()}
+        elif k in _LISTS and isinstance(v, list):
+            out[k] = [_reduce(sub, f"{path}.{k}[{i}]".lstrip("."), dropped, extra, formats)
+                      for i, sub in enumerate(v)]
+        elif k in _SINGLES and isinstance(v, dict):
+            out[k] = _reduce(v, f"{path}.{k}".lstrip("."), dropped, extra, formats)
+        else:
+            out[k] = v
+    return out
+
+
+@lru_cache(maxsize=1024)
+def _regex_ok(pattern: str) -> bool:
+    try:
+        check(Constraint(kind="regex", source=pattern))
+        return True
+    except GrammarError:
+        return False
 
 
 def json_schema(schema: dict | bool) -> Constraint:

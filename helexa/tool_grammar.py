@@ -137,8 +137,11 @@ def _named(fns: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    """The function's parameters as the grammar can enforce them (grammar.enforceable: the
+    router reduced them the same way and lists what was dropped)."""
     params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
-    return params
+    reduced: dict[str, Any] = grammar.enforceable(params).schema
+    return reduced
 
 
 def _lit(text: str) -> str:

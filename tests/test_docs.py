@@ -320,7 +320,7 @@ def _registered_metrics() -> set[str]:
 
 def test_every_registered_metric_is_in_the_observability_doc() -> None:
     registered = _registered_metrics()
-    documented = {n for raw in re.findall(r"`(helexa_[a-z_{},]+)`",
+    documented = {n for raw in re.findall(r"`((?:helexa_|vllm:)[a-z_{},]+)`",
                                           CONTRACTS["observability"].read_text())
                   for n in _expand(raw)}
     assert len(registered) > 25

@@ -38,6 +38,12 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
         assert "HELEXA UP http://127.0.0.1:" in text, text
         assert " model helexa/tiny-qwen3 " in text  # the id local.toml and models.toml use
         assert (tmp_path / "cache" / "tiny-qwen3" / "config.json").exists()
+        assert "helexa up --model /path/to/checkpoint" in text  # how to serve a real one
+        base = re.search(r"HELEXA UP (\S+)/v1", text).group(1)
+        import httpx2
+
+        limit = httpx2.get(base + "/v1/models/helexa/tiny-qwen3", timeout=10).json()["limit"]
+        assert limit["context"] >= 32768  # a coding agent's prompt fits (opencode's is ~18k)
         if shutil.which("curl"):
             curl = re.search(r"^  (curl .*?)\n\n", text, re.S | re.M).group(1)
             r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from helexa.fixtures.tiny import ARCHS, CHAT_TEMPLATES, init_tiny
+from helexa.fixtures.tiny import ARCHS, CHAT_TEMPLATES, TINY_CONTEXT, init_tiny
 
 
 def main(argv: list[str]) -> int:
@@ -22,7 +22,9 @@ def main(argv: list[str]) -> int:
     tiny.add_argument("--head-dim", type=int, default=None, help="default hidden-size / heads")
     tiny.add_argument("--intermediate-size", type=int, default=128)
     tiny.add_argument("--vocab-size", type=int, default=512)
-    tiny.add_argument("--max-position-embeddings", type=int, default=4096)
+    tiny.add_argument("--max-position-embeddings", type=int, default=TINY_CONTEXT,
+                      help=f"positions the checkpoint advertises (default {TINY_CONTEXT}: "
+                           "room for a coding agent's prompt)")
     tiny.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     tiny.add_argument("--tie-word-embeddings", action="store_true")
     tiny.add_argument("--legacy-config", action="store_true",

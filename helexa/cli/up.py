@@ -2,7 +2,9 @@
 
 With no arguments it serves the tiny default checkpoint (made on first run
 with `helexa.fixtures.tiny.init_tiny` under $HELEXA_CACHE or ~/.cache/helexa, no
-download); `--model DIR` serves any Hugging Face checkpoint folder instead.
+download), whose 128k-token context and KV pool fit a coding agent's prompt;
+`--model DIR` serves any Hugging Face checkpoint folder instead (the banner
+says so).
 On CPU the KV pool is `--kv-budget-mb`, else a share of the host's available
 memory (printed). It writes the configs it needs to a private run folder
 (0700, removed on exit unless `--run-dir` names one), starts both daemons as
@@ -47,15 +49,22 @@ CPU_KV_CONTEXTS = 4
 CPU_KV_CONTEXT_CAP = 32768
 CPU_KV_SHARE = 0.125
 CPU_KV_MIN_MB, CPU_KV_MAX_MB = 16, 2048
+# The tiny model's pool: 512 B a token, so 128 MiB holds two requests of its whole 128k
+# context (an agent and its side requests), or eight of 32k.
+TINY_KV_MB = 128
 
 
 def tiny_model_dir() -> Path:
     """The default checkpoint, made once (atomically, so an interrupted first run is harmless)."""
-    from helexa.fixtures.tiny import cache_dir, init_tiny  # imports torch: only when it is needed
+    # imports torch: only when it is needed
+    from helexa.fixtures.tiny import TINY_CONTEXT, cache_dir, init_tiny
 
     out = cache_dir() / TINY_NAME
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
-        return out
+        if json.loads((out / "config.json").read_text()).get(
+                "max_position_embeddings", 0) >= TINY_CONTEXT:
+            return out
+        shutil.rmtree(out, ignore_errors=True)  # made by an older helexa with a short context
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{TINY_NAME}-", dir=out.parent))
     init_tiny(tmp)
@@ -186,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 if present)")
     p.add_argument("--kv-budget-mb", type=int, default=None,
-                   help="KV pool size (default: 16 MiB for the tiny model; on CPU room for "
+                   help=f"KV pool size (default: {TINY_KV_MB} MiB for the tiny model; on CPU "
+                        "room for "
                         f"{CPU_KV_CONTEXTS} full contexts within {CPU_KV_SHARE:g} of available "
                         f"memory and {CPU_KV_MIN_MB}..{CPU_KV_MAX_MB} MiB; on a GPU derived "
                         "from its memory)")
@@ -216,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or _default_device()
     if args.model is None:
         print("helexa up: preparing the tiny default model ...", flush=True)
-        model_dir, kv = tiny_model_dir(), args.kv_budget_mb or 16
+        model_dir, kv = tiny_model_dir(), args.kv_budget_mb or TINY_KV_MB
     else:
         model_dir, kv = args.model.resolve(), args.kv_budget_mb
         problem = model_path_error(model_dir)
@@ -285,6 +295,8 @@ def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | Non
         where = f"{run}" if args.run_dir else f"{run}, removed on exit"
         print(f"run folder: {where}  (configs; logs neuron.log, router.log)")
         print(examples(url, ALIASES[0]), flush=True)
+        if args.model is None:
+            print(TINY_NOTE, flush=True)
         print("Ctrl-C stops both.", flush=True)
         while not stopping.wait(0.5):
             dead = [c for c in children if c.proc.poll() is not None]
@@ -298,6 +310,11 @@ def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | Non
 
 
 
+
+
+TINY_NOTE = ("This is the tiny random-weight model (its replies are noise; it tests the "
+             "plumbing). To serve a real checkpoint: helexa up --model /path/to/checkpoint "
+             "(a Hugging Face folder with config.json and *.safetensors, or a .gguf file).")
 
 
 def _add_endpoint(router_cfg: Path, address: str) -> None:

@@ -63,9 +63,11 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "request that arrives meanwhile waits for the report instead of a 503 at once.",
         RELOAD, ge=0)] = 5.0
     stream_idle_secs: Annotated[float, field_meta(
-        "A stream whose neuron sends no message for this long after its first one is ended "
-        "with an upstream_error event (a hung host). Calls on a neuron that leaves rotation "
-        "(unhealthy_after_secs) are ended at once.", RELOAD, gt=0)] = 30.0
+        "A stream whose neuron sends no token for this long after its last one is ended "
+        "with an upstream_error event (a hung host). Before the first token the bound is this "
+        "plus four times the prompt's prefill at the model's measured rate, so a long prompt "
+        "is not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
+        "at once.", RELOAD, gt=0)] = 30.0
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

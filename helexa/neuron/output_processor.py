@@ -60,6 +60,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any, new: messages.NewRequest, *, stop: Sequence[str] = (),
                  stop_token_ids: Sequence[int] = (), return_prompt_token_ids: bool = False,
+                 requested_max_tokens: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.tokenizer = tokenizer
         self.new = new
@@ -68,6 +69,7 @@ class OutputProcessor:
         self._stopper = StopChecker(list(stop))
         self._caller_stop_ids = frozenset(stop_token_ids)
         self._return_prompt = return_prompt_token_ids
+        self._requested_max_tokens = requested_max_tokens  # before fit_max_tokens lowered it
         self.output_token_ids: list[int] = []
         self.cached_tokens = 0
         self.reasoning_tokens = 0
@@ -112,6 +114,11 @@ class OutputProcessor:
             resp.stop_reason = self.stop_reason
             resp.usage.CopyFrom(self.usage())
         if resp.ByteSize() or self.finish_reason is not None:
+            if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
+                resp.prompt_tokens = len(self.new.prompt_token_ids)
+                if (self.new.max_tokens is not None
+                        and self.new.max_tokens != self._requested_max_tokens):
+                    resp.fitted_max_tokens = self.new.max_tokens
             self._sent_first = True
             out.response = resp
         return out

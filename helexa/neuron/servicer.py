@@ -26,6 +26,7 @@ import grpc
 import structlog
 
 from helexa import __version__
+from helexa.budget import fitted_max_tokens
 from helexa.neuron import agent
 from helexa.neuron.engine import messages
 from helexa.neuron.grpc_status import abort
@@ -86,12 +87,16 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
 
 
 def prompt_ids_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-               limits: Any) -> list[int]:
+               limits: Any) -> tuple[list[int], int | None]:
     """Tokenise and check the context: CPU-bound for a long prompt, so Generate runs it on a
-    worker thread (the tokenizer releases the GIL for long texts)."""
+    worker thread (the tokenizer releases the GIL for long texts). Returns the ids and the
+    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves)."""
     ids = tokenise(tokenizer, request)
+    if request.fit_max_tokens and max_tokens is not None and limits is not None:
+        max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
+                                       max_output_tokens=limits.output)
     check_context(len(ids), max_tokens, limits)
-    return ids
+    return ids, max_tokens
 
 
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
@@ -123,8 +128,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
-                                                 r.limits)
+            prompt_ids, max_tokens = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request,
+                                                             max_tokens, r.limits)
             grammar = agent.constraint_grammar(
                 request, agent.tool_parser(r.entry, r.tokenizer.chat_template))
             thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
@@ -163,7 +168,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         model = r.model_id
         out = OutputProcessor(r.tokenizer, new, stop=request.stop,
                               stop_token_ids=request.stop_token_ids,
-                              return_prompt_token_ids=request.return_prompt_token_ids)
+                              return_prompt_token_ids=request.return_prompt_token_ids,
+                              requested_max_tokens=(request.max_tokens
+                                                    if request.HasField("max_tokens") else None))
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         updates = r.client.generate(new)
         self._open[new.req_id] = r

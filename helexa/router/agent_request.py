@@ -5,8 +5,8 @@ Maps what `request_model.ChatBody` decoded onto the internal request
 constraint the engine enforces:
 
 - `response_format` json_object / json_schema: the output is that JSON
-  (helexa.grammar checks the schema here, so a schema the grammar library
-  cannot serve is a 400 naming the problem);
+  (helexa.grammar checks the schema here, so a schema that is wrong in
+  itself is a 400 naming the problem);
 - `tool_choice: "required"`: the output is calls of the tools (one call
   when `parallel_tool_calls` is false); a named function: one call of it.
   The neuron writes that grammar in the model's own call format
@@ -15,7 +15,14 @@ constraint the engine enforces:
   arguments validate, and the router parses them with that format's parser
   (agent_output.py). The router checks here that the tools' schemas compile;
 - `auto` leaves the model free and its own format is parsed back; `none`
-  hides nothing from the template but parses no calls.
+  hides nothing from the template but parses no calls. Either way a tool's
+  schema is prompt text only: it is never compiled, so no schema an agent
+  sends can fail the request.
+
+Keywords the grammar cannot enforce (helexa.grammar.enforceable) are dropped
+from a constraint and listed in `req.unenforced` (the router says them in
+the `x-helexa-unenforced-schema` header and checks the reply against the
+whole schema after generation: `reply_violations`).
 
 Reasoning: `reasoning_effort` (`minimal` counts as `low`) and
 `chat_template_kwargs.enable_thinking` travel to the neuron, which maps them
@@ -28,6 +35,7 @@ import json
 from typing import Any
 
 from helexa import grammar, tool_grammar
+from helexa.router import schema_check
 from helexa.router.errors import bad_request
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
@@ -63,24 +71,58 @@ def _tools(b: ChatBody, req: Any) -> None:
         if req.tool_choice == "required" and not tools:
             raise bad_request("`tool_choice` is `required` but no `tools` were given",
                               "tool_choice")
-    for t in tools:
-        if t.function.parameters is not None:
-            _check(grammar.json_schema(t.function.parameters),
-                   f"tools[{names.index(t.function.name)}].function.parameters")
     if req.tool_choice in ("required", "function"):
         if b.response_format is not None and b.response_format.type != "text":
             raise bad_request("`response_format` cannot be combined with a forced `tool_choice`",
                               "response_format")
-        # The JSON form, checked here; the neuron writes it in the model's format (forward.py).
-        req.constraint = grammar.json_schema(tool_grammar.calls_schema(
-            req.tools, req.tool_name if req.tool_choice == "function" else "",
-            req.parallel_tool_calls))
-        _check(req.constraint, "tools")
-        try:  # the XML format's grammar asks most of the schemas (raw-text values)
-            _check(tool_grammar.forced("qwen3_xml", req.tools, req.tool_name or "",
-                                       req.parallel_tool_calls), "tools")
-        except grammar.GrammarError as e:
-            raise bad_request(f"`tools`: {e}", "tools") from None
+        force_tools(req)
+
+
+def force_tools(req: Any) -> None:
+    """The constraint of a forced tool choice over req.tools: each tool's parameters as the
+    grammar can enforce them (what it cannot is listed in req.unenforced)."""
+    enforced = []
+    for i, t in enumerate(req.tools):
+        fn = t["function"]
+        if req.tool_choice == "function" and fn["name"] != req.tool_name:
+            enforced.append(t)
+            continue
+        param = f"tools[{i}].function.parameters"
+        r = reduced(_parameters(fn), param)
+        req.unenforced += _located(param, r)
+        enforced.append({"type": "function", "function": {**fn, "parameters": r.schema}})
+    # The JSON form, checked here; the neuron writes it in the model's format (forward.py),
+    # from the same reduced schemas (tool_grammar reduces them as enforceable() does).
+    function = req.tool_name if req.tool_choice == "function" else ""
+    req.constraint = grammar.json_schema(tool_grammar.calls_schema(
+        enforced, function or "", req.parallel_tool_calls))
+    _check(req.constraint, "tools")
+    try:  # the XML format's grammar asks most of the schemas (raw-text values)
+        _check(tool_grammar.forced("qwen3_xml", enforced, function or "",
+                                   req.parallel_tool_calls), "tools")
+    except grammar.GrammarError as e:
+        raise bad_request(f"`tools`: {e}", "tools") from None
+
+
+def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    """The function's whole parameters schema (what the reply is checked against)."""
+    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
+    return params
+
+
+def _located(param: str, r: grammar.Reduced) -> list[str]:
+    """r.dropped with the request's param in front (`tools[2].function.parameters.x: not`)."""
+    return [param + d.removeprefix("(root)") if d.startswith("(root)") else f"{param}.{d}"
+            for d in r.dropped]
+
+
+def reduced(schema: Any, param: str) -> grammar.Reduced:
+    """grammar.enforceable(schema), or the 400 naming param for a schema wrong in itself."""
+    try:
+        return grammar.enforceable(schema)
+    except grammar.GrammarError as e:
+        raise bad_request(f"`{param}`: the schema cannot be used for constrained decoding: {e}",
+                          param) from None
 
 
 def _function_dict(f: Any) -> dict[str, Any]:
@@ -103,10 +145,35 @@ def _response_format(b: ChatBody, req: Any) -> None:
             raise bad_request("`response_format.json_schema` is required for type json_schema",
                               "response_format.json_schema")
         schema = fmt.json_schema.schema
-        req.constraint = grammar.json_schema(schema if schema is not None else {"type": "object"})
+        constrain_to_schema(req, schema if schema is not None else {"type": "object"},
+                            "response_format.json_schema.schema")
         req.response_schema_name = fmt.json_schema.name
-    _check(req.constraint, "response_format.json_schema.schema"
-           if fmt.type == "json_schema" else "response_format")
+        return
+    _check(req.constraint, "response_format")
+
+
+def constrain_to_schema(req: Any, schema: Any, param: str) -> None:
+    """The output is JSON valid against `schema` (as far as the grammar enforces it; the
+    rest is listed in req.unenforced and checked after generation)."""
+    r = reduced(schema, param)
+    req.unenforced += _located(param, r)
+    req.response_schema = schema
+    req.constraint = grammar.json_schema(r.schema)
+    _check(req.constraint, param)
+
+
+def reply_violations(req: Any, content: str, calls: list[dict[str, str]]) -> list[str]:
+    """Where a finished reply breaks the schemas whose keywords the grammar did not enforce
+    (empty when it enforced them all, or the reply keeps to them)."""
+    if not req.unenforced:
+        return []
+    if req.tool_choice in ("required", "function"):
+        params = {t["function"]["name"]: _parameters(t["function"]) for t in req.tools}
+        return [f"{c['name']}: {v}" for c in calls if c["name"] in params
+                for v in schema_check.json_violations(c["arguments"], params[c["name"]])]
+    if req.response_schema is not None:
+        return schema_check.json_violations(content, req.response_schema)
+    return []
 
 
 def _check(c: grammar.Constraint, param: str) -> None:

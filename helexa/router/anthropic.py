@@ -3,7 +3,9 @@
 The body decodes into msgspec structs (`MessagesBody`) and translates into
 the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
 admission, aliases, limits, the engine's constraints and the template's tool
-rendering are shared: `system` becomes a system turn; `tool_use` blocks an
+rendering are shared: `system`, and `system` messages anywhere in
+`messages` (Claude Code sends them mid-conversation), become the one system
+turn, in order (chat templates take a system prompt only at the start); `tool_use` blocks an
 assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
 functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
@@ -12,19 +14,23 @@ explicit thinking budget. The reply is built from the same parsed parts
 (agent_output.py) as content blocks (`thinking`, `text`, `tool_use`), with
 Anthropic's stop reasons and usage; streaming follows Anthropic's event
 sequence (message_start, content_block_start / _delta / _stop per block,
-message_delta, message_stop). Errors use Anthropic's envelope.
+message_delta, message_stop). `max_tokens` is a ceiling, as Anthropic's
+clients use it: over what the context leaves, the neuron fits it
+(`fit_max_tokens`). Errors use Anthropic's envelope, and the context errors
+Anthropic's own wording, which Claude Code parses ("prompt is too long: N
+tokens > C maximum").
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from helexa import grammar
 from helexa.router import agent_request
 from helexa.router.errors import ApiError, bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
@@ -58,7 +64,7 @@ class Block(msgspec.Struct, kw_only=True):
 
 
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -147,10 +153,12 @@ def _text(content: str | list[Block] | None, param: str) -> str:
 
 def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     turns: list[Turn] = []
-    if body.system is not None:
-        turns.append(Turn(role="system", content=_text(body.system, "system")))
+    system = [] if body.system is None else [_text(body.system, "system")]
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
+        if m.role == "system":
+            system.append(_text(m.content, p))
+            continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
             continue
@@ -178,6 +186,8 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             turns.append(Turn(role=m.role, content="".join(text),
                               tool_calls_json=json.dumps(calls) if calls else "",
                               reasoning="".join(thought)))
+    if system:
+        turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns
 
 
@@ -235,12 +245,7 @@ def _output_config(body: MessagesBody, req: ParsedRequest) -> None:
         if req.constraint is not None:
             raise bad_request("`output_config.format` cannot be combined with a forced "
                               "`tool_choice`", "output_config.format")
-        req.constraint = grammar.json_schema(o.format.schema)
-        try:
-            grammar.check(req.constraint)
-        except grammar.GrammarError as e:
-            raise bad_request(f"`output_config.format.schema`: the schema cannot be used for "
-                              f"constrained decoding: {e}", "output_config.format.schema") from None
+        agent_request.constrain_to_schema(req, o.format.schema, "output_config.format.schema")
 
 
 def parse_request(raw: bytes) -> ParsedRequest:
@@ -249,7 +254,7 @@ def parse_request(raw: bytes) -> ParsedRequest:
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b), max_tokens=b.max_tokens,
                         temperature=b.temperature, top_p=b.top_p, top_k=b.top_k or None,
                         stop=list(b.stop_sequences or []), stream=bool(b.stream),
-                        include_usage=True)
+                        include_usage=True, fit_max_tokens=True)
     _tools(b, req)
     _thinking(b, req)
     _output_config(b, req)
@@ -271,9 +276,31 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
 
 
+# The context refusals (helexa/budget.py's wording, and the router's own lower bound).
+_PROMPT_TOO_LONG = re.compile(r"maximum context length is (\d+) tokens; the prompt has "
+                              r"(?:at least )?(\d+) tokens?")
+_OVER_CONTEXT = re.compile(r"maximum context length is (\d+) tokens; the request asks for \d+ "
+                           r"tokens \((\d+) in the prompt \+ (\d+) max_tokens\)")
+
+
+def message_of(e: ApiError) -> str:
+    """The error's message in Anthropic's words where a client parses them: Claude Code
+    compacts on "prompt is too long: N tokens > C maximum" and lowers max_tokens on "input
+    length and `max_tokens` exceed context limit: P + M > C"."""
+    if e.code != "context_length_exceeded":
+        return e.message
+    if m := _PROMPT_TOO_LONG.search(e.message):
+        return f"prompt is too long: {m.group(2)} tokens > {int(m.group(1)) - 1} maximum"
+    if m := _OVER_CONTEXT.search(e.message):
+        return (f"input length and `max_tokens` exceed context limit: {m.group(2)} + "
+                f"{m.group(3)} > {m.group(1)}, decrease input length or `max_tokens` and try "
+                f"again")
+    return e.message
+
+
 def error_body(e: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"),
-                                       "message": e.message}}
+                                       "message": message_of(e)}}
 
 
 def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> web.Response:

@@ -8,7 +8,7 @@ opens a block when its first piece arrives and closes it when another kind
 starts or the message ends: message_start, then per block
 content_block_start / content_block_delta (text_delta, thinking_delta,
 input_json_delta) / content_block_stop, then message_delta (stop reason,
-output tokens) and message_stop.
+usage) and message_stop; a stream that fails ends with an `error` event.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import msgspec
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.anthropic import error_body
+from helexa.router.errors import ApiError
 from helexa.router.tool_parsers import whole_calls
 
 _STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
@@ -94,11 +96,21 @@ class StreamEncoder:
         self.kind: str | None = None  # the open block's type
         self.calls = 0
 
-    def start(self, prompt_tokens: int = 0) -> bytes:
+    prompt_tokens = 0  # the first neuron message's count, for message_start
+
+    def start(self) -> bytes:
         return event("message_start", {"type": "message_start", "message": {
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}})
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
+
+    def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
+        """The non-streaming reply."""
+        return full_message(self.msg_id, self.model, reply, self.parser, self.stop)
+
+    def failed(self, err: ApiError) -> bytes:
+        """The last event of a stream that failed: Anthropic's `error` event."""
+        return self._close() + event("error", error_body(err))
 
     def _open(self, kind: str, block: dict[str, Any]) -> bytes:
         out = self._close()
@@ -156,5 +168,5 @@ class StreamEncoder:
         reason, seq = stop_reason(msg.finish_reason, msg.stop_reason, self.stop, self.calls)
         out += event("message_delta", {"type": "message_delta",
                                        "delta": {"stop_reason": reason, "stop_sequence": seq},
-                                       "usage": {"output_tokens": msg.usage.completion_tokens}})
+                                       "usage": usage(msg.usage)})
         return out + event("message_stop", {"type": "message_stop"})

@@ -125,7 +125,7 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except ApiError as e:
-        return e.response()
+        return serve.error_response(_api_of(request), e, {})
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -136,11 +136,16 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
             message = f"No endpoint {request.method} {request.path}; see docs/api.md"
         elif e.status == 405:
             message = f"{request.path} does not take {request.method}"
-        return ApiError(e.status, message, code=code).response()
+        return serve.error_response(_api_of(request), ApiError(e.status, message, code=code), {})
     except Exception:  # a bug of ours still answers in the envelope
         request.app[STATE].log.exception("http.handler_failed", path=request.path)
-        return ApiError(500, "internal error; the router's log has the details",
-                        code="internal_error").response()
+        return serve.error_response(_api_of(request), ApiError(
+            500, "internal error; the router's log has the details", code="internal_error"), {})
+
+
+def _api_of(request: web.Request) -> str:
+    """Whose error envelope a request gets: Anthropic's under /v1/messages, else OpenAI's."""
+    return "messages" if request.path.startswith("/v1/messages") else "openai"
 
 
 async def models(request: web.Request) -> web.Response:
@@ -167,12 +172,20 @@ async def models(request: web.Request) -> web.Response:
 
     data = [entry(m, m) for m in sorted(limits)]
     data += [entry(a, t) for a, t in state.aliases.items() if t in limits]
+    anthropic_client = "anthropic-version" in request.headers
+    if anthropic_client:  # Anthropic's SDK reads its own shape (type, display_name, ...)
+        data = [{**e, "type": "model", "display_name": e["id"],
+                 "created_at": "1970-01-01T00:00:00Z"} for e in data]
     if "model" in request.match_info:
         found = next((e for e in data if e["id"] == request.match_info["model"]), None)
         if found is None:
             raise ApiError(404, f"The model `{request.match_info['model']}` does not exist",
                            code="model_not_found", param="model")
         return web.json_response(found)
+    if anthropic_client:
+        return web.json_response({"data": data, "has_more": False,
+                                  "first_id": data[0]["id"] if data else None,
+                                  "last_id": data[-1]["id"] if data else None})
     return web.json_response({"object": "list", "data": data})
 
 
@@ -208,6 +221,11 @@ def build_app(state: RouterState) -> web.Application:
         return await serve.handle(request, "messages")
 
     app.router.add_post("/v1/messages", messages)
+
+    async def responses(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request, "responses")
+
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages/count_tokens", tokenize.count_tokens)
     app.router.add_post("/tokenize", tokenize.tokenize)
     app.router.add_post("/detokenize", tokenize.detokenize)

@@ -109,7 +109,7 @@ class Dispatcher:
             try:
                 return await rpc(link.stub, name, greq, metadata=link.metadata,
                                  timeout_secs=self.settings.request_secs + 5,
-                                 flight=link.open_flight(streaming=stream))
+                                 flight=link.open_flight(streaming=stream, model=model))
             except UpstreamLost as e:  # before the first byte: another neuron may serve it
                 err = ApiError(503, str(e), code="service_unavailable")
                 self.metrics.refusals.labels(name, model, err.code).inc()

@@ -36,6 +36,9 @@ class Choice:
     prompt_token_ids: list[int] | None = None
     text_chars: int = 0  # for completions' text_offset
     parser: OutputParser | None = None  # chat: splits thought, answer and tool calls
+    prompt_tokens: int = 0  # from the first neuron message (continuous usage)
+    prompt_index: int = 0  # completions batch: which prompt this choice continues
+    echo: str = ""  # completions' echo: the prompt text that starts the choice's text
     num_calls: int = 0  # tool calls streamed so far
     thought_open: bool = False  # the prompt opened a thought (the neuron said so)
 
@@ -57,8 +60,15 @@ class Envelope:
 def usage_dict(choices: list[Choice]) -> dict[str, Any]:
     """Usage summed over choices; the prompt is counted once (as OpenAI does for n > 1)."""
     done = [c.usage for c in choices if c.usage is not None]
-    prompt = max((u.prompt_tokens for u in done), default=0)
-    cached = max((u.cached_tokens for u in done), default=0)
+    # each prompt of a batch counts once, however many choices continue it
+    by_prompt: dict[int, tuple[int, int]] = {}
+    for c in choices:
+        if c.usage is not None:
+            p, k = by_prompt.get(c.prompt_index, (0, 0))
+            by_prompt[c.prompt_index] = (max(p, c.usage.prompt_tokens),
+                                         max(k, c.usage.cached_tokens))
+    prompt = sum(p for p, _ in by_prompt.values())
+    cached = sum(k for _, k in by_prompt.values())
     completion = sum(u.completion_tokens for u in done)
     reasoning = sum(u.reasoning_tokens for u in done)
     # speculation (docs/speculation.md): drafts the model kept, and drafts it rejected
@@ -96,9 +106,18 @@ def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict[st
     return _chat_logprobs(lps) if env.chat else _completion_logprobs(lps, offset)
 
 
+def with_stop_str(req: ParsedRequest, msg: pb.GenerateResponse) -> pb.GenerateResponse:
+    """vLLM's include_stop_str_in_output: the stop string that ended the text ends it."""
+    if req.include_stop_str and msg.finish_reason == pb.FINISH_REASON_STOP and \
+            msg.stop_reason in req.stop:
+        msg.text += msg.stop_reason
+    return msg
+
+
 def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
     """Fold one neuron message into a choice's running totals (after `delta_chunk`)."""
     choice.text.append(msg.text)
+    choice.prompt_tokens = choice.prompt_tokens or msg.prompt_tokens
     choice.thought_open = choice.thought_open or msg.thought_open
     choice.text_chars += len(msg.text)
     choice.token_ids.extend(msg.token_ids)
@@ -127,7 +146,7 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
                 parts, rest = Parts(), c.parser.finish(text)
                 body["message"], finish = chat_message(parts, rest, finish)
         else:
-            body["text"] = text
+            body["text"] = c.echo + text
         body["logprobs"] = _logprobs(env, c.logprobs, 0)
         body["finish_reason"] = finish
         body["stop_reason"] = c.stop_reason
@@ -172,9 +191,13 @@ def _chunk(env: Envelope, choices: list[dict[str, Any]], *, usage: dict[str, Any
 
 
 def first_chunk(env: Envelope, choice: Choice) -> dict[str, Any] | None:
-    """Chat opens each choice with the assistant role; completions have no such chunk."""
+    """Chat opens each choice with the assistant role; completions have no such chunk
+    unless they echo the prompt."""
     if not env.chat:
-        return None
+        if not choice.echo:
+            return None
+        return _chunk(env, [{"index": choice.index, "text": choice.echo, "logprobs": None,
+                             "finish_reason": None}], with_usage_key=env.req.include_usage)
     body = {"index": choice.index, "delta": {"role": "assistant", "content": ""},
             "logprobs": None, "finish_reason": None}
     return _chunk(env, [body], with_usage_key=env.req.include_usage)
@@ -213,6 +236,11 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     if env.req.return_token_ids:
         body["token_ids"] = list(msg.token_ids)
     chunk = _chunk(env, [body], with_usage_key=env.req.include_usage)
+    if env.req.continuous_usage:  # vLLM: the counts so far on every chunk
+        prompt = choice.prompt_tokens or msg.prompt_tokens
+        done = len(choice.token_ids) + len(msg.token_ids)
+        chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
+                          "total_tokens": prompt + done}
     if env.req.return_token_ids and first:
         chunk["prompt_token_ids"] = list(msg.prompt_token_ids) or choice.prompt_token_ids
     return chunk

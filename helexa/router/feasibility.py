@@ -61,12 +61,14 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> No
         return
     prompt = prompt_tokens_lower_bound(req)
     exact = req.prompt_ids is not None
-    what = f"{prompt} tokens" if exact else f"at least {prompt} tokens"
+    what = f"{prompt} token{'s' if prompt != 1 else ''}"
+    what = what if exact else f"at least {what}"
     param = "messages" if req.messages is not None else "prompt"
     if prompt >= context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                             f"prompt has {what}", code="context_length_exceeded", param=param)
-    if req.max_tokens is not None and prompt + req.max_tokens > context:
+    if req.max_tokens is not None and not req.fit_max_tokens \
+            and prompt + req.max_tokens > context:
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                             f"prompt has {what} and max_tokens asks for {req.max_tokens} more",
                        code="context_length_exceeded", param="max_tokens")

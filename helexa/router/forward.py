@@ -75,7 +75,7 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
         retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
     param = md.get("helexa-param")
     if code == "context_length_exceeded" and not param:
-        param = "messages" if kind == "chat" else "prompt"
+        param = {"chat": "messages", "responses": "input"}.get(kind, "prompt")
     message = e.details() or f"neuron answered {e.code().name}"
     if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         message = "no neuron accepted the router's credentials"
@@ -101,6 +101,7 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         deadline_unix_ms=deadline_unix_ms, return_prompt_token_ids=req.return_token_ids)
     if req.max_tokens is not None:
         g.max_tokens = req.max_tokens
+        g.fit_max_tokens = req.fit_max_tokens
     if req.tool_choice in ("required", "function"):  # the neuron writes the model's format
         g.constraint.tool_choice.SetInParent()
         g.constraint.tool_choice.function = req.tool_name or ""
@@ -160,9 +161,9 @@ class OpenStream:
                 if (lost := self.flight.lost()) is not None:
                     raise lost from None
                 raise
-            self.flight.heard()
             if msg is grpc.aio.EOF:
                 return
+            self.flight.heard(msg)
 
     def cancel(self) -> None:
         """Abort on the neuron, unless it already finished (its status then arrives on its
@@ -194,7 +195,7 @@ async def open_generate(stub: neuron_pb2_grpc.NeuronStub, neuron: str,
     if first is grpc.aio.EOF:
         call.cancel()
         raise UpstreamClosed(f"neuron {neuron} closed the stream before any message")
-    flight.heard()
+    flight.heard(first)
     return OpenStream(neuron, call, first, flight)
 
 

@@ -2,11 +2,20 @@
 
 Each Generate or Complete call the dispatcher opens is a `Flight` on its
 neuron's link. The registry's health loop ends every flight of a neuron that
-leaves rotation (its Watch went silent or broke), and a stream that has
-brought no message for `timeouts.stream_idle_secs` since its last one: a hung
-host (SIGSTOP, a wedged engine) is then an `upstream_error` event on the
-stream, or a 503 before the first byte, within moments, instead of silence
-until gRPC keepalive gives up (a minute). Ending a flight cancels its gRPC
+leaves rotation (its Watch went silent or broke), and a stream that is
+overdue: a hung host (SIGSTOP, a wedged engine) is then an `upstream_error`
+event on the stream, or a 503 before the first byte, within moments,
+instead of silence until gRPC keepalive gives up (a minute).
+
+Overdue knows about prefill. Once tokens flow, a stream is overdue after
+`timeouts.stream_idle_secs` without one. Before its first token (a thinking
+model's first message comes at admission, ahead of the prefill), it is
+overdue only past a prefill deadline: the idle bound plus PREFILL_MARGIN
+times the prompt's tokens (the first message says how many) over the
+model's measured prefill rate (from Watch; MIN_PREFILL_TOKENS_PER_SEC when
+nothing was measured yet), so a 100k-token prompt is not cut at 30 s and a
+hung host is still caught. Before the first message the request may be
+queued: the neuron bounds that wait itself (`kv_max_wait_secs`). Ending a flight cancels its gRPC
 call; the call's pending read raises CancelledError in the handler task,
 which `lost()` tells apart from the handler itself being cancelled (the
 client went away) and turns into `UpstreamLost`.
@@ -23,31 +32,64 @@ class UpstreamLost(Exception):
     """The router ended a call because its neuron stopped answering."""
 
 
+# A long prompt's prefill is slower per token than the recent rate (attention grows with the
+# context): its deadline allows this many times the time the rate predicts.
+PREFILL_MARGIN = 4.0
+MIN_PREFILL_TOKENS_PER_SEC = 100.0  # a CPU's rate for a small model, when none is measured
+
+
 class Flight:
-    """One call on one neuron: its gRPC call, when it last brought a message, why it ended."""
+    """One call on one neuron: its gRPC call, when it brought its first message and its last
+    tokens, why it ended."""
 
-    __slots__ = ("neuron", "call", "streaming", "last_at", "reason", "__weakref__")
+    __slots__ = ("neuron", "call", "streaming", "first_at", "last_at", "prompt_tokens",
+                 "prefill_tokens_per_sec", "reason", "__weakref__")
 
-    def __init__(self, neuron: str, *, streaming: bool) -> None:
+    def __init__(self, neuron: str, *, streaming: bool,
+                 prefill_tokens_per_sec: float = 0.0) -> None:
         self.neuron = neuron
         self.call: Any = None  # the grpc.aio call, once made
         self.streaming = streaming
-        self.last_at = 0.0  # monotonic time of the last message; 0 = none yet
+        self.first_at = 0.0  # monotonic time of the first message; 0 = none yet
+        self.last_at = 0.0  # monotonic time of the last message with tokens; 0 = none yet
+        self.prompt_tokens = 0  # as the first message says
+        self.prefill_tokens_per_sec = prefill_tokens_per_sec  # the model's, from Watch
         self.reason: str | None = None  # set when the router ended the call
 
-    def heard(self) -> None:
-        self.last_at = time.monotonic()
+    def heard(self, msg: Any = None) -> None:
+        """A message arrived (msg: the GenerateResponse; None counts as tokens)."""
+        now = time.monotonic()
+        if not self.first_at:
+            self.first_at = now
+            self.prompt_tokens = getattr(msg, "prompt_tokens", 0)
+        if msg is None or msg.token_ids or msg.finish_reason:
+            self.last_at = now
+
+    def prefill_deadline_secs(self, idle_secs: float) -> float:
+        """How long after the first message the first token may take."""
+        rate = max(self.prefill_tokens_per_sec, MIN_PREFILL_TOKENS_PER_SEC)
+        return idle_secs + PREFILL_MARGIN * self.prompt_tokens / rate
+
+    def overdue(self, now: float, idle_secs: float) -> str | None:
+        """Why the stream should be ended now, or None while it is in time."""
+        if not self.streaming or not self.first_at:
+            return None  # a unary call, or queued: the neuron bounds the wait
+        if self.last_at:
+            if now - self.last_at > idle_secs:
+                return f"no message from neuron {self.neuron} for {idle_secs:g} s"
+            return None
+        deadline = self.prefill_deadline_secs(idle_secs)
+        if now - self.first_at > deadline:
+            return (f"no token from neuron {self.neuron} within {deadline:.0f} s of prefill "
+                    f"({self.prompt_tokens} prompt tokens at a measured "
+                    f"{self.prefill_tokens_per_sec:.0f} tokens/s)")
+        return None
 
     def end(self, reason: str) -> None:
         """End the call (the handler sees UpstreamLost); a no-op once it is over."""
         if self.reason is None and self.call is not None and not self.call.done():
             self.reason = reason
             self.call.cancel()
-
-    def idle_for(self, now: float) -> float:
-        """Seconds since the stream's last message (0 before its first: a queued or
-        prefilling request is the neuron's to bound)."""
-        return now - self.last_at if self.streaming and self.last_at else 0.0
 
     def lost(self) -> UpstreamLost | None:
         """The UpstreamLost to raise for a CancelledError out of this call, or None when the

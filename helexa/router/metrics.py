@@ -6,6 +6,14 @@ Request metrics are counted as requests happen; the neuron mirror
 registry's last Watch status at scrape time, so it is never stale and a
 neuron that leaves the config leaves the metrics with it. An operator (or a
 test) can see from the router alone that every KV block came back.
+
+Beside helexa's own names the router exports the vLLM names that
+dashboards, autoscalers and routers read (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`,
+`vllm:prompt_tokens_total`, `vllm:generation_tokens_total`,
+`vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
+labelled `model_name`): the same figures, summed over the neurons holding a
+model, so a vLLM dashboard works pointed at the router.
 """
 
 from __future__ import annotations
@@ -67,6 +75,33 @@ class NeuronMirror:
         yield queued
         yield state
         yield up
+        yield from self._vllm()
+
+    def _vllm(self) -> Iterator[GaugeMetricFamily]:
+        """vLLM's gauges per model, summed over the neurons that report it."""
+        running: dict[str, float] = {}
+        waiting: dict[str, float] = {}
+        used: dict[str, float] = {}
+        total: dict[str, float] = {}
+        for link in self.links():
+            for m in link.status.models if link.status is not None else ():
+                running[m.model] = running.get(m.model, 0.0) + m.running
+                waiting[m.model] = waiting.get(m.model, 0.0) + m.queued
+                used[m.model] = used.get(m.model, 0.0) + m.kv.total_bytes - m.kv.free_bytes
+                total[m.model] = total.get(m.model, 0.0) + m.kv.total_bytes
+        labels = ["model_name"]
+        fams = (GaugeMetricFamily("vllm:num_requests_running", "Requests in the decode batch "
+                                  "(vLLM's name; helexa_neuron_in_flight counts reservations)",
+                                  labels=labels),
+                GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for admission "
+                                  "(vLLM's name)", labels=labels),
+                GaugeMetricFamily("vllm:kv_cache_usage_perc", "Share of the KV pool reserved or "
+                                  "in use, 0 to 1 (vLLM's name)", labels=labels))
+        for model in sorted(total):
+            fams[0].add_metric([model], running[model])
+            fams[1].add_metric([model], waiting[model])
+            fams[2].add_metric([model], used[model] / total[model] if total[model] else 0.0)
+        yield from fams
 
 
 class ModelSeries:
@@ -77,8 +112,27 @@ class ModelSeries:
         self.ttft = m.ttft.labels(model)
         self.inter_token = m.inter_token.labels(model)
         self.e2e = m.e2e.labels(model)
+        self.prompt_tokens = m.prompt_tokens.labels(model)
+        self.generation_tokens = m.generation_tokens.labels(model)
+        self._vllm = (m.vllm_ttft.labels(model), m.vllm_itl.labels(model),
+                      m.vllm_prompt_tokens.labels(model), m.vllm_generation_tokens.labels(model))
         self._requests = m.requests
         self._by_code: dict[str, Counter] = {}  # a labelled child of _requests
+
+    def first_token(self, secs: float) -> None:
+        self.ttft.observe(secs)
+        self._vllm[0].observe(secs)
+
+    def between_tokens(self, secs: float) -> None:
+        self.inter_token.observe(secs)
+        self._vllm[1].observe(secs)
+
+    def tokens(self, prompt: int, generated: int) -> None:
+        """A finished request's usage (each prompt of it counted once)."""
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self._vllm[2].inc(prompt)
+        self._vllm[3].inc(generated)
 
     def answered(self, code: str) -> None:
         child = self._by_code.get(code)
@@ -111,6 +165,24 @@ class RouterMetrics:
                                   "Requests sent to each neuron", ["neuron", "model"], registry=r)
         self.in_progress = Gauge("helexa_router_requests_in_progress",
                                  "Requests the router is serving now", registry=r)
+        self.prompt_tokens = Counter("helexa_router_prompt_tokens",
+                                     "Prompt tokens of finished requests (cached ones included)",
+                                     ["model"], registry=r)
+        self.generation_tokens = Counter("helexa_router_generation_tokens",
+                                         "Tokens generated for finished requests", ["model"],
+                                         registry=r)
+        # vLLM's names for the same figures (labelled model_name, as vLLM labels them)
+        self.vllm_ttft = Histogram("vllm:time_to_first_token_seconds",
+                                   "Time to the first token of a stream (vLLM's name)",
+                                   ["model_name"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.vllm_itl = Histogram("vllm:inter_token_latency_seconds",
+                                  "Time between tokens of a stream (vLLM's name)",
+                                  ["model_name"], buckets=_ITL_BUCKETS, registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens (vLLM's name)",
+                                          ["model_name"], registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens",
+                                              "Generated tokens (vLLM's name)", ["model_name"],
+                                              registry=r)
         r.register(NeuronMirror(links))
         self._models: dict[str, ModelSeries] = {}
 

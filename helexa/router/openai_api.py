@@ -13,7 +13,7 @@ API treats it. Encoding responses lives in `encode.py`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from helexa.grammar import Constraint
@@ -21,7 +21,7 @@ from helexa.router import agent_request
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
-Kind = Literal["chat", "completion", "messages"]  # which endpoint a request came to
+Kind = Literal["chat", "completion", "messages", "responses"]  # the endpoint it came to
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
@@ -48,7 +48,10 @@ class ParsedRequest:
     messages: list[Turn] | None = None  # for chat
     prompt_text: str | None = None  # completion prompt as text ...
     prompt_ids: list[int] | None = None  # ... or as token ids
+    prompt_batch: list[str | list[int]] = field(default_factory=list)  # several prompts
+    echo: bool = False  # completions: the prompt text starts each choice's text
     max_tokens: int | None = None
+    fit_max_tokens: bool = False  # max_tokens is a ceiling the neuron fits to the context
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -65,6 +68,8 @@ class ParsedRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage on every chunk
+    include_stop_str: bool = False  # vLLM's include_stop_str_in_output
     return_token_ids: bool = False
     user: str | None = None
     # The agent fields (agent_request.py).
@@ -74,9 +79,18 @@ class ParsedRequest:
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None  # the grammar the output follows
     response_schema_name: str | None = None
+    response_schema: Any = None  # the whole schema of a json_schema output (checked after)
+    unenforced: list[str] = field(default_factory=list)  # schema keywords the grammar dropped
     reasoning_effort: str = ""  # "" = the model's default; none | low | medium | high
     thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
+    reasoning_summary: bool = False  # Responses: the thought is returned as a summary
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def per_prompt(self) -> list[ParsedRequest]:
+        """One request per prompt of a batch (itself when there is one prompt)."""
+        return [replace(self, prompt_batch=[], prompt_text=p if isinstance(p, str) else None,
+                        prompt_ids=None if isinstance(p, str) else list(p))
+                for p in self.prompt_batch] or [self]
 
     @property
     def prompt_chars(self) -> int:
@@ -154,14 +168,24 @@ def _completion(b: CompletionBody, req: ParsedRequest) -> None:
         req.prompt_text = prompt
     elif prompt and all(isinstance(x, int) for x in prompt):
         req.prompt_ids = list(prompt)  # type: ignore[arg-type]
-    elif len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt):
-        raise unsupported("prompt", "a batch of several prompts; send one request per prompt")
+    elif len(prompt) > 1 and (all(isinstance(x, str) for x in prompt) or all(
+            isinstance(x, list) and x for x in prompt)):
+        # a batch: each prompt its own choices, one neuron call each (serve.py)
+        req.prompt_batch = list(prompt)  # type: ignore[arg-type]
+        first = prompt[0]
+        req.prompt_text, req.prompt_ids = (first, None) if isinstance(first, str) \
+            else (None, list(first))  # type: ignore[arg-type]
     else:
-        raise bad_request("`prompt` must be a string or a non-empty list of token ids", "prompt")
+        raise bad_request("`prompt` must be a string, a non-empty list of token ids, or a "
+                          "list of several of one of those", "prompt")
     req.logprobs, req.top_logprobs = b.logprobs is not None, b.logprobs or 0
     req.max_tokens = b.max_tokens
     if b.echo:
-        raise unsupported("echo")
+        if req.prompt_text is None:
+            raise unsupported("echo", "echo of a prompt given as token ids")
+        if req.logprobs:
+            raise unsupported("echo", "echo with logprobs (the prompt's logprobs)")
+        req.echo = True
     if b.suffix is not None:
         raise unsupported("suffix")
     if b.best_of is not None and b.best_of != (b.n or 1):
@@ -187,5 +211,8 @@ def _common(b: RequestBody, req: ParsedRequest) -> None:
             raise bad_request("`stream_options` is only allowed with `stream: true`",
                               "stream_options")
         req.include_usage = bool(b.stream_options.include_usage)
+        # as vLLM: per-chunk usage rides on include_usage
+        req.continuous_usage = req.include_usage and bool(b.stream_options.continuous_usage_stats)
+    req.include_stop_str = bool(b.include_stop_str_in_output)
     req.return_token_ids = bool(b.return_token_ids)
     req.user = b.user

@@ -115,8 +115,10 @@ class NeuronLink:
         return (self.connected and self.status is not None
                 and now - self.last_seen <= self.registry.unhealthy_after_secs)
 
-    def open_flight(self, *, streaming: bool) -> Flight:
-        flight = Flight(self.name, streaming=streaming)
+    def open_flight(self, *, streaming: bool, model: str = "") -> Flight:
+        status = self.model_status(model)
+        flight = Flight(self.name, streaming=streaming, prefill_tokens_per_sec=(
+            status.prefill_tokens_per_sec if status is not None else 0.0))
         self.flights.add(flight)
         return flight
 
@@ -280,9 +282,8 @@ class Registry:
                                   f" {self.unhealthy_after_secs:g} s)")
                     self.notify()
                 for f in list(link.flights):
-                    if f.idle_for(now) > self.stream_idle_secs:
-                        f.end(f"no message from neuron {link.name} for"
-                              f" {self.stream_idle_secs:g} s")
+                    if (why := f.overdue(now, self.stream_idle_secs)) is not None:
+                        f.end(why)
 
     async def wait_first_tries(self) -> None:
         """Return once every link brought its first report or failed its first attempt, or

@@ -116,6 +116,7 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM: usage on every chunk
 
 
 class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -140,6 +141,16 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     repetition_penalty: Annotated[float, Meta(ge=0.01, le=10.0)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM: the stop string ends the text
+    # vLLM extras that tools send (guidellm, lm-eval) and that change nothing here:
+    # special tokens are always skipped (and so never spaced), the prompt is never
+    # truncated (one over the context is refused), min_tokens is not enforced, and
+    # prompt logprobs are not computed.
+    skip_special_tokens: Harmless = None
+    spaces_between_special_tokens: Harmless = None
+    truncate_prompt_tokens: Harmless = None
+    min_tokens: Harmless = None
+    prompt_logprobs: Harmless = None
 
     metadata: Harmless = None
     store: Harmless = None
@@ -164,11 +175,12 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     guided_regex: Unsupported = None
     guided_choice: Unsupported = None
     structured_outputs: Unsupported = None
+    chat_template: Unsupported = None  # vLLM: the checkpoint's own template is used
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = (
         "tools", "tool_choice", "functions", "function_call", "logit_bias", "audio",
         "modalities", "prediction", "reasoning_effort", "web_search_options", "verbosity",
-        "guided_json", "guided_regex", "guided_choice", "structured_outputs")
+        "guided_json", "guided_regex", "guided_choice", "structured_outputs", "chat_template")
 
 
 class ChatBody(RequestBody, kw_only=True):

@@ -29,9 +29,19 @@ import msgspec
 from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.router import anthropic, anthropic_encode, encode
+from helexa.router import (
+    agent_request,
+    anthropic,
+    anthropic_encode,
+    encode,
+    event_replies,
+    responses_api,
+    responses_encode,
+)
 from helexa.router.agent_output import OutputParser, parser_for
 from helexa.router.errors import ApiError
+from helexa.router.event_replies import FAILED as _FAILED
+from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_request
 from helexa.router.http_edge import read_body
@@ -39,23 +49,17 @@ from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import ModelSeries
 from helexa.router.openai_api import Kind, ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
+from helexa.router.tool_parsers import whole_calls
 
 if TYPE_CHECKING:
     from helexa.router.app import RouterState
 
-_FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
-           pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
 STATE: web.AppKey[RouterState] = web.AppKey("state")  # the app's RouterState
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
+_PARSERS = {"messages": anthropic.parse_request, "responses": responses_api.parse_request}
 
 
 class _Done:
     """A choice's stream has ended (its pump's last word)."""
-
-
-class UpstreamFailed(Exception):
-    """A neuron failed after its first message."""
 
 
 def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
@@ -121,31 +125,44 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         principal = ctx["principal"] = state.auth.principal(authorization(request))
         raw = await read_body(request, state.max_body_bytes, state.read_timeout_secs)
-        req = anthropic.parse_request(raw) if kind == "messages" else parse_request(raw, kind)
+        req = _PARSERS[kind](raw) if kind in _PARSERS else parse_request(raw, kind)
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
-        greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
-                                  else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
-                                  deadline_unix_ms=deadline_ms, choice=i) for i in range(req.n)]
+        prompts = req.per_prompt()  # a completions batch: n choices for each prompt
+        greqs = [generate_request(sub, model=model, principal="" if principal == "anonymous"
+                                  else principal, req_id=req_id if len(prompts) * req.n == 1
+                                  else f"{req_id}-{k * req.n + i}",
+                                  deadline_unix_ms=deadline_ms, choice=i)
+                 for k, sub in enumerate(prompts) for i in range(req.n)]
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
         calls = await _open_all(state, greqs, est, key, principal, req.kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
-        choices = [encode.Choice(index=i, parser=_parser(state, req, model, calls))
-                   for i in range(req.n)]
+        choices = [encode.Choice(index=k * req.n + i, prompt_index=k,
+                                 parser=_parser(state, req, model, calls),
+                                 echo=(sub.prompt_text or "") if req.echo else "")
+                   for k, sub in enumerate(prompts) for i in range(req.n)]
         streams = [c for c in calls if isinstance(c, OpenStream)]
-        if kind == "messages":
-            resp = await _anthropic(request, req, model, choices[0], calls[0], state, req_id)
+        headers = _headers(req, calls[0], req_id)
+        if kind in _PARSERS:
+            enc = _encoder(kind, req, model, calls[0], choices[0].parser)
+            series, last = state.metrics.model(model), [0.0]
+            resp = await event_replies.reply(
+                request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
+                on_message=lambda msg: _timing(series, t0, last, msg))
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
-                                 state.metrics.model(model), t0, req_id)
+                                 state.metrics.model(model), t0, req_id, headers)
         else:
-            resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], req_id)
+            resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], headers)
+        _check_schema(state, req, model, calls, choices, ctx)
+        usage = encode.usage_dict(choices)
+        state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
-                 usage=encode.usage_dict(choices), secs=round(time.monotonic() - t0, 4),
+                 usage=usage, secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
@@ -153,9 +170,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         if e.code == "model_not_found":
             model = "unknown"  # a client's typo must not become a metrics label
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
-        if kind == "messages":
-            return anthropic.error_response(e, {"x-request-id": req_id})
-        return e.response({"x-request-id": req_id})
+        return error_response(kind, e, {"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
         code = "499"  # nginx's "client closed request"
         log.info("request.done", **ctx, outcome="client_gone", client_gone=True,
@@ -167,8 +182,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         code = "500"
         log.exception("request.done", **ctx, outcome="error", status=500, error=repr(e),
                       secs=round(time.monotonic() - t0, 4))
-        return ApiError(500, "internal error; the router's log has the details",
-                        code="internal_error").response({"x-request-id": req_id})
+        return error_response(kind, ApiError(500, "internal error; the router's log has the "
+                                                  "details", code="internal_error"),
+                              {"x-request-id": req_id})
     finally:
         for c in calls:
             c.cancel()
@@ -215,44 +231,60 @@ def authorization(request: web.Request) -> str | None:
     return header
 
 
-async def _anthropic(request: web.Request, req: ParsedRequest, model: str,
-                     choice: encode.Choice, call: Any, state: Any,
-                     req_id: str) -> web.StreamResponse:
-    """A /v1/messages reply, whole or as Anthropic's event stream."""
-    msg_id = anthropic_encode.message_id()
-    if not req.stream:
-        reply = call.reply
-        if reply.finish_reason in _FAILED:
-            raise ApiError(502, _FAILED[reply.finish_reason], code="upstream_error")
-        encode.add_delta(choice, reply)
-        body = anthropic_encode.full_message(msg_id, model, reply, choice.parser, req.stop)
-        return web.Response(body=msgspec.json.encode(body), content_type="application/json",
-                            headers={"x-request-id": req_id})
-    resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
-    await resp.prepare(request)
-    enc = anthropic_encode.StreamEncoder(msg_id, model, choice.parser, req.stop)
-    await resp.write(enc.start())
-    try:
-        async for msg in call.messages():
-            _check_finish(msg)
-            encode.add_delta(choice, msg)
-            if (out := enc.feed(msg)):
-                await resp.write(out)
-        if choice.finish_reason is None:
-            raise UpstreamFailed("the neuron ended the stream without finishing")
-    except (grpc.aio.AioRpcError, UpstreamFailed) as e:
-        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-        err = ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
-        await resp.write(anthropic_encode.event("error", anthropic.error_body(err)))
-    await resp.write_eof()
-    return resp
+def error_response(kind: str, e: ApiError, headers: dict[str, str]) -> web.Response:
+    """The refusal in the envelope of the endpoint's API (Anthropic's on /v1/messages)."""
+    if kind == "messages":
+        return anthropic.error_response(e, headers)
+    return e.response(headers)
+
+
+def _encoder(kind: str, req: ParsedRequest, model: str, call: Any,
+             parser: OutputParser | None) -> event_replies.Encoder:
+    if kind == "messages":
+        enc = anthropic_encode.StreamEncoder(anthropic_encode.message_id(), model, parser,
+                                             req.stop)
+        enc.prompt_tokens = call.first.prompt_tokens if isinstance(call, OpenStream) else 0
+        return enc
+    return responses_encode.ResponseEncoder(responses_encode.response_id(), model, req, parser)
+
+
+def _headers(req: ParsedRequest, call: Any, req_id: str) -> dict[str, str]:
+    """x-request-id, and what the neuron or the grammar changed about the request: the
+    max_tokens it fitted to the context, the schema keywords not enforced while decoding."""
+    headers = {"x-request-id": req_id}
+    first = call.first if isinstance(call, OpenStream) else call.reply
+    if first.fitted_max_tokens:
+        headers["x-helexa-max-tokens"] = f"{first.fitted_max_tokens} (fitted to the context)"
+    if req.unenforced:
+        headers["x-helexa-unenforced-schema"] = "; ".join(req.unenforced)[:4000]
+    return headers
+
+
+def _check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
+                  choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
+    """Check each finished reply against the keywords its grammar could not enforce; a
+    violation is logged (the client has its reply and the header that warned of it)."""
+    if not req.unenforced:
+        return
+    for c in choices:
+        if c.finish_reason is None:
+            continue
+        parser = _parser(state, req, model, calls) or OutputParser()
+        if c.thought_open:
+            parser.thought_opened()
+        a, b = parser.feed("".join(c.text)), parser.finish()
+        found = agent_request.reply_violations(req, a.content + b.content,
+                                               whole_calls(a.calls + b.calls))
+        if found:
+            state.log.warning("request.schema_violation", **ctx, choice=c.index,
+                              violations=found[:20], unenforced=req.unenforced[:20])
 
 
 def _parser(state: Any, req: ParsedRequest, model: str,
             calls: list[Any]) -> OutputParser | None:
     """A chat reply's thought / answer / tool-call parser, on the formats the serving
     neuron reported for the model."""
-    if req.kind != "chat":
+    if req.messages is None:
         return None
     link = state.registry.links.get(calls[0].neuron) if calls else None
     status = link.model_status(model) if link is not None else None
@@ -263,39 +295,34 @@ def _parser(state: Any, req: ParsedRequest, model: str,
     return parser_for(req, tool_parser, reasoning_parser)
 
 
-def _check_finish(msg: pb.GenerateResponse) -> None:
-    if msg.finish_reason in _FAILED:
-        raise UpstreamFailed(_FAILED[msg.finish_reason])
-
-
 def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:
     n = len(msg.token_ids)
     if not n:
         return
     now = time.monotonic()
     if last[0] == 0.0:
-        series.ttft.observe(now - t0)
+        series.first_token(now - t0)
     else:
-        series.inter_token.observe((now - last[0]) / n)
+        series.between_tokens((now - last[0]) / n)
     last[0] = now
 
 
 def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Completed],
-           req_id: str) -> web.Response:
+           headers: dict[str, str]) -> web.Response:
     for choice, r in zip(choices, replies, strict=True):
         if r.reply.finish_reason in _FAILED:
             raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
-        encode.add_delta(choice, r.reply)
+        encode.add_delta(choice, encode.with_stop_str(env.req, r.reply))
     if any(c.finish_reason is None for c in choices):
         raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
     return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
-                        content_type="application/json", headers={"x-request-id": req_id})
+                        content_type="application/json", headers=headers)
 
 
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
                   streams: list[OpenStream], state: RouterState, series: ModelSeries,
-                  t0: float, req_id: str) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": req_id})
+                  t0: float, req_id: str, headers: dict[str, str]) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)
     for c in choices:
         if (chunk := encode.first_chunk(env, c)) is not None:
@@ -305,7 +332,8 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
     try:
         async for i, msg in _merge(streams):
             _timing(series, t0, last, msg)
-            _check_finish(msg)
+            check_finish(msg)
+            encode.with_stop_str(env.req, msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
             encode.add_delta(choices[i], msg)
             if chunk is not None:

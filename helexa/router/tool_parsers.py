@@ -19,7 +19,8 @@ OpenAI's streamed `delta.tool_calls` and of Anthropic's `input_json_delta`.
   `llama3_args` is the same inside a llama3_json call's head and closing `}`.
 - `json_list` (tool_choice required on a model with no call format): the
   answer, constrained to a list of `{"name", "arguments"}`, is parsed when it
-  ends; cut short, it is text.
+  ends; cut short by max_tokens, its whole calls and the last one's partial
+  arguments are calls still.
 
 A call cut short before any piece of it went out (a reply that does not
 stream is fed whole, with `final`) stays text, as the model wrote it.
@@ -240,7 +241,7 @@ class ForcedListParser(ToolParser):
         try:
             items = json.loads(body)
         except ValueError:
-            return body, []
+            return self._cut(body)
         pieces = [self._parsed(json.dumps(i)) for i in items] if isinstance(items, list) else []
         found = [p for p in pieces if p is not None]
         if found and len(found) == len(pieces):
@@ -248,6 +249,34 @@ class ForcedListParser(ToolParser):
         self.num_calls = 0
         return body, []
 
+
+    def _cut(self, body: str) -> tuple[str, list[CallPiece]]:
+        """A list the output budget cut short: its whole calls, and the last one's name with
+        the arguments written so far (finish_reason says length), never the JSON as text:
+        an agent would take that for its answer."""
+        pieces: list[CallPiece] = []
+        decoder, i = json.JSONDecoder(), body.find("[") + 1
+        while 0 < i < len(body):
+            while i < len(body) and body[i] in " \n\t,":
+                i += 1
+            try:
+                item, i = decoder.raw_decode(body, i)
+            except ValueError:
+                head = _FORCED_HEAD.match(body, i)
+                if head is not None:
+                    pieces.append(self._start(json.loads(f'"{head.group(1)}"'),
+                                              body[head.end():]))
+                break
+            piece = self._parsed(json.dumps(item))
+            if piece is not None:
+                pieces.append(piece)
+        if pieces or body.lstrip().startswith("["):
+            return "", pieces
+        return body, []
+
+
+# A forced call's head as the grammar writes it (compact, name first).
+_FORCED_HEAD = re.compile(r'\{"name":"((?:[^"\\]|\\.)*)","arguments":')
 
 PARSERS: dict[str, type[ToolParser]] = {
     "none": ToolParser, "hermes": HermesParser, "llama3_json": Llama3JsonParser,

@@ -53,6 +53,7 @@ class FakeModel:
     in_flight: int = 0
     queued: int = 0
     drafter: str = ""  # "" as a neuron without speculation reports it
+    prefill_tokens_per_sec: float = 0.0
 
     def status(self) -> pb.ModelStatus:
         total = self.num_blocks * self.block_size * self.bytes_per_token
@@ -66,7 +67,7 @@ class FakeModel:
                                          max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output),
-            drafter=self.drafter)
+            drafter=self.drafter, prefill_tokens_per_sec=self.prefill_tokens_per_sec)
 
 
 @dataclass
@@ -76,6 +77,9 @@ class Behaviour:
     fail_after: int | None = None
     token_delay_secs: float = 0.0
     first_delay_secs: float = 0.0
+    # a thinking model's way: a first message at admission (thought_open, prompt_tokens),
+    # then this long of prefill before the first token
+    admission_message_secs: float | None = None
     default_tokens: int = 8
     silent: bool = False  # Watch stops sending (the neuron looks hung)
     no_complete: bool = False  # Complete is UNIMPLEMENTED, as on a neuron older than it
@@ -223,6 +227,9 @@ class FakeNeuron(pbg.NeuronServicer):
         try:
             if self.b.first_delay_secs:
                 await asyncio.sleep(self.b.first_delay_secs)
+            if self.b.admission_message_secs is not None:
+                yield pb.GenerateResponse(thought_open=True, prompt_tokens=len(prompt_ids))
+                await asyncio.sleep(self.b.admission_message_secs)
             for i in range(n):
                 if fail_after is not None and i >= fail_after:
                     await context.abort(grpc.StatusCode.INTERNAL, "fake engine failure")

@@ -79,8 +79,13 @@ def test_forced_choices_parse_the_constrained_json(step):
     out = run(OutputParser(tool_mode="json_args", tool_name="a"), '{"q":2}', step)
     assert out.whole[0]["name"] == "a" and out.whole[0]["arguments"] == '{"q":2}'
     assert len(out.whole) == 1
-    out = run(OutputParser(tool_mode="json_list"), '[{"name":"a","argu', step)  # cut short
-    assert out.calls == [] and out.content == '[{"name":"a","argu'
+    # cut short by max_tokens: never the JSON as text (an agent takes text for its answer)
+    out = run(OutputParser(tool_mode="json_list"), '[{"name":"a","argu', step)
+    assert out.calls == [] and out.content == ""
+    out = run(OutputParser(tool_mode="json_list"),
+              '[{"name":"a","arguments":{"q":1}},{"name":"b","arguments":{"r":"x', step)
+    assert out.content == "" and [(c["name"], c["arguments"]) for c in out.whole] == [
+        ("a", '{"q": 1}'), ("b", '{"r":"x')]
 
 
 def test_thought_then_hermes_call():

@@ -47,8 +47,9 @@ def test_tool_choice_modes_and_the_constraint_they_make():
     ({"tools": [F, F]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
      "tools[0].function.name"),
+    # a schema wrong in itself is refused where it must compile: under a forced choice
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "strnig"}}}]}, "tools[0].function.parameters"),
+        "type": "strnig"}}}], "tool_choice": "required"}, "tools[0].function.parameters"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
@@ -107,3 +108,59 @@ def test_a_forced_choice_goes_to_the_neuron_as_a_tool_choice():
     g = sent(tools=[F], tool_choice={"type": "function", "function": {"name": "f"}})
     assert g.constraint.tool_choice.function == "f"
     assert not sent(tools=[F]).HasField("constraint")
+
+
+# Keywords real agents' tool schemas carry that the grammar library cannot compile.
+AGENT_SCHEMA = {"type": "object", "required": ["tags"], "properties": {
+    "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+    "blob": {"type": "string", "format": "binary"},
+    "n": {"type": "integer", "format": "int64"},
+    "env": {"type": "object", "propertyNames": {"pattern": "^[A-Z_]+$"},
+            "additionalProperties": {"type": "string"}},
+    "mode": {"type": "string", "not": {"const": "rm"}},
+    "list": {"type": "array", "contains": {"const": "a"}}},
+    "if": {"required": ["mode"]}, "then": {"required": ["n"]},
+    "dependentRequired": {"blob": ["n"]}, "unevaluatedProperties": False}
+AGENT = {"type": "function", "function": {"name": "agent", "parameters": AGENT_SCHEMA}}
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_a_schema_is_prompt_text_under_auto_and_none(choice):
+    # even one that is wrong in itself: nothing compiles it, so nothing can refuse it
+    bad = {"type": "function", "function": {"name": "b", "parameters": {"type": "strnig"}}}
+    r = chat(tools=[AGENT, bad], tool_choice=choice)
+    assert r.constraint is None and r.unenforced == []
+    assert r.tools[0]["function"]["parameters"] == AGENT_SCHEMA  # the template sees it whole
+
+
+def test_a_forced_choice_drops_what_the_grammar_cannot_enforce_and_lists_it():
+    r = chat(tools=[AGENT], tool_choice="required")
+    dropped = " ".join(r.unenforced)
+    for kw in ("uniqueItems", "format binary", "propertyNames", "not", "contains", "if", "then",
+               "dependentRequired", "unevaluatedProperties"):
+        assert kw in dropped, kw
+    assert "tools[0].function.parameters.properties.tags: uniqueItems" in r.unenforced
+    schema = json.loads(r.constraint.source)
+    args = schema["items"]["anyOf"][0]["properties"]["arguments"]
+    assert args["required"] == ["tags"] and "uniqueItems" not in args["properties"]["tags"]
+    assert args["properties"]["n"]["format"] == "int64"  # what it does enforce stays
+    named = chat(tools=[AGENT, F], tool_choice={"type": "function",
+                                               "function": {"name": "agent"}})
+    assert named.unenforced and "not" not in json.loads(named.constraint.source)["properties"][
+        "mode"]
+
+
+def test_the_reply_is_checked_against_the_whole_schema():
+    from helexa.router.agent_request import reply_violations
+
+    r = chat(tools=[AGENT], tool_choice="required")
+    ok = json.dumps({"tags": ["a", "b"], "mode": "ls", "n": 1})
+    assert reply_violations(r, "", [{"name": "agent", "arguments": ok}]) == []
+    bad = json.dumps({"tags": ["a", "a"], "mode": "rm", "env": {"lower": "x"}})
+    found = reply_violations(r, "", [{"name": "agent", "arguments": bad}])
+    assert any("not unique" in v for v in found) and any("`not`" in v for v in found)
+    assert any("(name)" in v for v in found) and any("`n` is required" in v for v in found)
+    fmt = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": AGENT_SCHEMA}})
+    assert fmt.unenforced and reply_violations(fmt, bad, []) != []
+    assert reply_violations(fmt, ok, []) == []

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.router import anthropic, request_model, tokenize
+from helexa.router import anthropic, request_model, responses_api, tokenize
 from helexa.router.app import RouterState, build_app
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
@@ -15,7 +15,9 @@ STRUCTS = [request_model.ChatBody, request_model.CompletionBody, request_model.M
            request_model.ResponseFormat, request_model.JsonSchemaFormat,
            anthropic.MessagesBody, anthropic.Block, anthropic.AToolChoice, anthropic.AThinking,
            anthropic.AOutputConfig, anthropic.CountTokensBody, tokenize.TokenizeBody,
-           tokenize.DetokenizeBody]
+           tokenize.DetokenizeBody, responses_api.ResponsesBody, responses_api.Item,
+           responses_api.RTool, responses_api.Reasoning, responses_api.TextFormat,
+           responses_api.TextConfig]
 
 
 @pytest.mark.parametrize("struct", STRUCTS, ids=lambda s: s.__name__)

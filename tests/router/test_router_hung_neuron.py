@@ -80,3 +80,57 @@ def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(fl):
     err = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert err["code"] == "upstream_error" and "no message from neuron" in err["message"]
     assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == "w0 "
+
+
+def test_the_idle_bound_waits_for_the_first_token_then_knows_about_prefill(fl):
+    # a thinking model's first message comes at admission; its prefill then takes longer
+    # than the idle bound: the stream must not be cut before its first token
+    fl.state.registry.stream_idle_secs = 0.3
+    set_b(fl, admission_message_secs=1.0)
+    try:
+        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "x" * 400, "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, admission_message_secs=None)
+    assert lines[-1] == "data: [DONE]"  # 1 s of prefill: within 0.3 + 4 x 101 / 100 s
+
+
+def test_a_prefill_past_its_deadline_is_still_caught(fl):
+    fl.state.registry.stream_idle_secs = 0.3
+    set_b(fl, admission_message_secs=60.0)  # admitted, then never a token: a wedged engine
+    try:
+        t0 = time.monotonic()
+        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        took = time.monotonic() - t0
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, admission_message_secs=None)
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "within" in err["message"]
+    assert "1 prompt tokens" in err["message"] and took < 10
+
+
+def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
+    from helexa.router.inflight import Flight
+
+    class Msg:
+        token_ids: list[int] = []
+        finish_reason = 0
+
+        def __init__(self, prompt_tokens: int) -> None:
+            self.prompt_tokens = prompt_tokens
+
+    slow, fast = Flight("n", streaming=True, prefill_tokens_per_sec=1000.0), \
+        Flight("n", streaming=True, prefill_tokens_per_sec=10_000.0)
+    for f in (slow, fast):
+        f.heard(Msg(100_000))
+    assert slow.prefill_deadline_secs(30) == 30 + 4 * 100
+    assert fast.prefill_deadline_secs(30) == 30 + 4 * 10
+    now = slow.first_at + 200  # 200 s of prefill: the slow host is in time, the fast is not
+    assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
+    slow.heard(None)  # tokens flow: the idle bound from here on
+    assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")

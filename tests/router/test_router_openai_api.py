@@ -89,9 +89,19 @@ def test_completion_prompt_forms():
     r = parse_request({"model": "m", "prompt": [1, 2, 3], "logprobs": 2}, "completion")
     assert (r.prompt_ids, r.logprobs, r.top_logprobs) == ([1, 2, 3], True, 2)
     assert parse_request({"model": "m", "prompt": [[4, 5]]}, "completion").prompt_ids == [4, 5]
-    assert refused({"model": "m", "prompt": ["a", "b"]}, "completion").param == "prompt"
+    # a batch of several prompts: each its own choices
+    batch = parse_request({"model": "m", "prompt": ["a", "b"]}, "completion")
+    assert [(r.prompt_text, r.prompt_ids) for r in batch.per_prompt()] == [("a", None),
+                                                                          ("b", None)]
+    ids = parse_request({"model": "m", "prompt": [[1], [2, 3]]}, "completion").per_prompt()
+    assert [r.prompt_ids for r in ids] == [[1], [2, 3]]
+    assert refused({"model": "m", "prompt": ["a", [1]]}, "completion").param == "prompt"
     assert refused({"model": "m", "prompt": [1, -2]}, "completion").param == "prompt[1]"
-    assert refused({"model": "m", "prompt": "x", "echo": True}, "completion").param == "echo"
+    assert parse_request({"model": "m", "prompt": "x", "echo": True}, "completion").echo
+    # echo needs the prompt's text, and with logprobs the prompt's logprobs: not served
+    assert refused({"model": "m", "prompt": [1], "echo": True}, "completion").param == "echo"
+    assert refused({"model": "m", "prompt": "x", "echo": True, "logprobs": 1},
+                   "completion").param == "echo"
     assert refused({"model": "m", "prompt": "x", "logprobs": 6}, "completion").param == "logprobs"
     # Chat-only fields are unknown to completions.
     assert refused({"model": "m", "prompt": "x", "messages": MSG}, "completion").param == "messages"

@@ -109,3 +109,60 @@ def test_count_tokens_matches_what_a_request_is_admitted_with(router):
     m = c.messages.create(max_tokens=3, **kw)
     assert n == m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
     assert c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens < n
+
+
+def test_system_messages_anywhere_join_the_system_prompt(router):
+    c = client(router)
+    # Claude Code's mid-conversation system message: one more system instruction, in order
+    with_mid = c.messages.create(model="tiny", max_tokens=3, system="Be brief.", messages=[
+        *MSGS, {"role": "system", "content": "Answer in French."}])
+    assert with_mid.content and with_mid.usage.output_tokens > 0
+    n_mid = c.messages.count_tokens(model="tiny", system="Be brief.", messages=[
+        *MSGS, {"role": "system", "content": "Answer in French."}]).input_tokens
+    n_top = c.messages.count_tokens(model="tiny", system="Be brief.\n\nAnswer in French.",
+                                    messages=MSGS).input_tokens
+    assert n_mid == n_top  # the same prompt as one system prompt of both, in order
+
+
+def test_streams_report_input_tokens_from_the_start(router):
+    c = client(router)
+    n = c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens
+    with c.messages.stream(model="tiny", max_tokens=4, messages=MSGS,
+                           extra_body={"temperature": 0}) as s:
+        start = next(e for e in s if e.type == "message_start")
+        final = s.get_final_message()
+    assert start.message.usage.input_tokens == n
+    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == n
+
+
+def test_max_tokens_over_the_context_is_fitted_and_said(router):
+    limit = httpx2.get(router.url + "/v1/models/tiny",
+                       headers={"Authorization": f"Bearer {key_of('alice')}"}).json()["limit"]
+    # Claude Code asks for 32,000 whatever the model: the reply fits what the context leaves
+    raw = httpx2.post(router.url + "/v1/messages", timeout=60,
+                      headers={"x-api-key": key_of("alice")},
+                      json={"model": "tiny", "max_tokens": 32000, "messages": MSGS,
+                            "temperature": 0, "stop_sequences": ["e"]})
+    assert raw.status_code == 200 and raw.json()["type"] == "message"
+    fitted = int(raw.headers["x-helexa-max-tokens"].split()[0])
+    assert 0 < fitted < limit["context"] < 32000
+    prompt = client(router).messages.count_tokens(model="tiny", messages=MSGS).input_tokens
+    assert fitted == min(limit["context"] - prompt, limit["output"])
+
+
+def test_a_prompt_over_the_context_is_worded_as_anthropic_words_it(router):
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(router).messages.create(model="tiny", max_tokens=5, messages=[
+            {"role": "user", "content": "sea " * 6000}])
+    message = e.value.body["error"]["message"]
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert message.startswith("prompt is too long: ") and "tokens >" in message
+    r = httpx2.get(router.url + "/v1/messages", headers={"x-api-key": key_of("alice")})
+    assert r.status_code == 405 and r.json()["type"] == "error"  # the envelope, even here
+
+
+def test_models_in_anthropics_shape_for_its_sdk(router):
+    page = client(router).models.list()
+    ids = [m.id for m in page.data]
+    assert "tiny" in ids and all(m.type == "model" for m in page.data)
+    assert page.data[0].display_name and not page.has_more

@@ -1,0 +1,87 @@
+"""The replies that are event streams of their own: Anthropic Messages and OpenAI Responses.
+
+Both front ends answer one choice, as a JSON body (from Complete's whole
+reply) or as named SSE events (over an open Generate stream), through an
+encoder with one interface: `whole(reply)` (the body), `start()` (the opening
+events), `feed(msg)` (the events of one neuron message, the closing ones on
+the last) and `failed(err)` (the event that ends a stream that failed).
+Every failure after the first event, the neuron's or ours, ends the stream
+with that event, so a client never sees a stream simply stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import grpc
+import msgspec
+from aiohttp import web
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.router import encode
+from helexa.router.errors import ApiError
+from helexa.router.inflight import UpstreamLost
+
+FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
+          pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class UpstreamFailed(Exception):
+    """A neuron failed after its first message."""
+
+
+class Encoder(Protocol):
+    def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]: ...
+    def start(self) -> bytes: ...
+    def feed(self, msg: pb.GenerateResponse) -> bytes: ...
+    def failed(self, err: ApiError) -> bytes: ...
+
+
+def check_finish(msg: pb.GenerateResponse) -> None:
+    if msg.finish_reason in FAILED:
+        raise UpstreamFailed(FAILED[msg.finish_reason])
+
+
+async def reply(request: web.Request, stream: bool, choice: encode.Choice, call: Any,
+                enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
+                on_message: Callable[[pb.GenerateResponse], None] | None = None,
+                ) -> web.StreamResponse:
+    """One choice's reply, whole (call is forward.Completed) or as the encoder's event
+    stream (call is forward.OpenStream; on_message sees each of its messages: timing)."""
+    if not stream:
+        whole = call.reply
+        if whole.finish_reason in FAILED:
+            raise ApiError(502, FAILED[whole.finish_reason], code="upstream_error")
+        encode.add_delta(choice, whole)
+        return web.Response(body=msgspec.json.encode(enc.whole(whole)),
+                            content_type="application/json", headers=headers)
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+    await resp.prepare(request)
+    await resp.write(enc.start())
+    try:
+        async for msg in call.messages():
+            if on_message is not None:
+                on_message(msg)
+            check_finish(msg)
+            encode.add_delta(choice, msg)
+            if out := enc.feed(msg):
+                await resp.write(out)
+        if choice.finish_reason is None:
+            raise UpstreamFailed("the neuron ended the stream without finishing")
+    except (grpc.aio.AioRpcError, UpstreamFailed, UpstreamLost) as e:
+        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        log.warning("request.upstream_failed", req_id=req_id, detail=detail)
+        await resp.write(enc.failed(ApiError(502, f"the neuron failed mid-stream: {detail}",
+                                             code="upstream_error")))
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away: serve.handle() logs it
+    except Exception:  # a bug of ours after the 200 went out: still end with the event
+        log.exception("request.stream_failed", req_id=req_id)
+        await resp.write(enc.failed(ApiError(500, "internal error; the router's log has the "
+                                                  "details", code="internal_error")))
+    await resp.write_eof()
+    return resp

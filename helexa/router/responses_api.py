@@ -1,0 +1,279 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on the same internal request, statelessly.
+
+The body decodes into msgspec structs (`ResponsesBody`) and translates into
+the one `openai_api.ParsedRequest` the chat front end makes, so admission,
+limits, constraints and the template's tool rendering are shared:
+
+- `instructions`, and `system` / `developer` messages anywhere in `input`,
+  become the one system turn, in order (templates take it only at the start);
+- `input` is a string (one user turn) or items: `message` (content a string
+  or `input_text` / `output_text` parts), `function_call` (an assistant turn's
+  calls; consecutive calls share one turn), `function_call_output` (a tool
+  turn), `reasoning` (the next assistant turn's earlier thought, from its
+  `content` or `summary` text);
+- `tools` of type `function` (and the functions inside a `namespace` tool)
+  are offered; hosted tools (`web_search`, `file_search`, ...) run on
+  OpenAI's side and are not offered to the model (codex always lists one);
+- `tool_choice`, `parallel_tool_calls`, `reasoning.effort`, `text.format`
+  and `max_output_tokens` (a ceiling, fitted to the context) map as the
+  chat fields do (agent_request.py).
+
+The router keeps no state: `store` is accepted and nothing is stored;
+`previous_response_id` and `conversation` are a 400 saying so.
+The reply is encoded by responses_encode.py.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from helexa import grammar
+from helexa.router import agent_request
+from helexa.router.errors import bad_request, unsupported
+from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.request_model import (
+    INT32_MAX,
+    ChatBody,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+    decode_as,
+)
+
+_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+
+
+class Part(msgspec.Struct, kw_only=True):
+    """One content part of an input item; only text parts are served."""
+
+    type: str
+    text: str | None = None
+
+
+class Item(msgspec.Struct, kw_only=True):
+    """One input item; which fields matter depends on `type` (a message may omit it)."""
+
+    type: str = "message"
+    role: str | None = None  # message
+    content: str | list[Part] | None = None  # message, reasoning
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | list[Part] | None = None  # function_call_output
+    summary: list[Part] | None = None  # reasoning
+    id: Any = None  # accepted: ids of earlier output items
+    status: Any = None
+    phase: Any = None
+    namespace: Any = None
+    encrypted_content: Any = None
+
+
+class RTool(msgspec.Struct, kw_only=True):
+    """A tool; hosted types carry fields of their own, so unknown keys pass here."""
+
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    tools: list[RTool] | None = None  # namespace
+
+
+class RToolChoice(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+
+
+class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
+class TextFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: Any = None  # accepted: the model's length is its own
+
+
+class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: Annotated[str, Meta(min_length=1)]
+    input: str | list[Item]
+    instructions: str | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    stream: bool | None = None
+    tools: list[RTool] | None = None
+    tool_choice: Literal["auto", "none", "required"] | RToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning: Reasoning | None = None
+    text: TextConfig | None = None
+    previous_response_id: str | None = None  # refused: no state
+    conversation: Any = None  # refused: no state
+    background: bool | None = None  # refused when true
+    # Accepted and ignored: storage, tracking and caching hints.
+    store: Any = None
+    metadata: Any = None
+    user: Any = None
+    include: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    safety_identifier: Any = None
+    service_tier: Any = None
+    truncation: Any = None
+    client_metadata: Any = None  # codex's
+    stream_options: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+
+
+def parse_request(raw: bytes) -> ParsedRequest:
+    """A /v1/responses body as the internal request, or ApiError(400) naming the field."""
+    b: ResponsesBody = decode_as(raw, ResponsesBody)
+    if b.previous_response_id is not None or b.conversation is not None:
+        param = "previous_response_id" if b.previous_response_id is not None else "conversation"
+        raise bad_request(f"`{param}`: this router keeps no state (responses are not stored); "
+                          f"send the whole conversation in `input`", param)
+    if b.background:
+        raise unsupported("background", "responses are answered in the request")
+    req = ParsedRequest(kind="responses", model=b.model, messages=_turns(b),
+                        max_tokens=b.max_output_tokens, fit_max_tokens=True,
+                        temperature=b.temperature, top_p=b.top_p, stream=bool(b.stream),
+                        include_usage=True)
+    _tools(b, req)
+    if b.reasoning is not None and b.reasoning.effort is not None:
+        effort = b.reasoning.effort
+        req.reasoning_effort = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
+    req.reasoning_summary = b.reasoning is not None and \
+        (b.reasoning.summary or b.reasoning.generate_summary) is not None
+    _text_format(b, req)
+    return req
+
+
+def _text(content: str | list[Part] | None, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for j, p in enumerate(content):
+        if p.type not in _TEXT_PARTS and p.type != "refusal":
+            raise unsupported(f"{param}[{j}].type", f"content parts of type `{p.type}`")
+        out.append(p.text or "")
+    return "".join(out)
+
+
+def _turns(b: ResponsesBody) -> list[Turn]:
+    system = [b.instructions] if b.instructions else []
+    items = [Item(role="user", content=b.input)] if isinstance(b.input, str) else b.input
+    turns: list[Turn] = []
+    calls: list[dict[str, Any]] = []  # the open assistant turn's calls
+    thought: list[str] = []  # reasoning for the next assistant turn
+    for i, it in enumerate(items):
+        p = f"input[{i}]"
+        if it.type != "function_call" and calls:
+            _close_calls(turns, calls, thought)
+        if it.type == "message":
+            role = it.role or "user"
+            if role in ("system", "developer"):
+                system.append(_text(it.content, f"{p}.content"))
+            elif role == "user":
+                turns.append(Turn(role=role, content=_text(it.content, f"{p}.content")))
+            elif role == "assistant":
+                turns.append(Turn(role=role, content=_text(it.content, f"{p}.content"),
+                                  reasoning="".join(thought)))
+                thought.clear()
+            else:
+                raise bad_request(f"`{p}.role`: invalid value `{role}`", f"{p}.role")
+        elif it.type == "function_call":
+            if not it.call_id or not it.name:
+                raise bad_request(f"`{p}` needs `call_id` and `name`", p)
+            calls.append({"id": it.call_id, "type": "function", "function": {
+                "name": it.name, "arguments": it.arguments or "{}"}})
+        elif it.type == "function_call_output":
+            if not it.call_id:
+                raise bad_request(f"`{p}.call_id` is required", f"{p}.call_id")
+            turns.append(Turn(role="tool", tool_call_id=it.call_id,
+                              content=_text(it.output, f"{p}.output")))
+        elif it.type == "reasoning":
+            text = _text(it.content, f"{p}.content") or _text(it.summary, f"{p}.summary")
+            thought.append(text)
+        elif it.type == "item_reference":
+            raise bad_request(f"`{p}`: this router keeps no state, so no item can be "
+                              f"referenced; send the item itself", p)
+        else:
+            raise unsupported(f"{p}.type", f"input items of type `{it.type}`")
+    if calls:
+        _close_calls(turns, calls, thought)
+    if system:
+        turns.insert(0, Turn(role="system", content="\n\n".join(system)))
+    if not any(t.role != "system" for t in turns):
+        raise bad_request("`input` holds no user, assistant or tool item", "input")
+    return turns
+
+
+def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[str]) -> None:
+    """The calls since the last item as one assistant turn (merged into an assistant message
+    right before them: a reply's text and calls are one turn)."""
+    if turns and turns[-1].role == "assistant" and not turns[-1].tool_calls_json:
+        turns[-1].tool_calls_json = json.dumps(calls)
+    else:
+        turns.append(Turn(role="assistant", content="", tool_calls_json=json.dumps(calls),
+                          reasoning="".join(thought)))
+        thought.clear()
+    calls.clear()
+
+
+def _functions(tools: list[RTool]) -> list[RTool]:
+    out = []
+    for t in tools:
+        if t.type == "function":
+            out.append(t)
+        elif t.type == "namespace":
+            out += _functions(t.tools or [])
+    return out
+
+
+def _tools(b: ResponsesBody, req: ParsedRequest) -> None:
+    fns = _functions(b.tools or [])
+    for i, t in enumerate(fns):
+        if not t.name:
+            raise bad_request(f"`tools[{i}].name` is required", f"tools[{i}].name")
+    body = ChatBody(model=b.model, messages=[], tools=[Tool(type="function", function=FunctionDef(
+        name=t.name or "", description=t.description, parameters=t.parameters))
+        for t in fns] or None, parallel_tool_calls=b.parallel_tool_calls)
+    c = b.tool_choice
+    if isinstance(c, RToolChoice):
+        if c.type != "function" or not c.name:
+            raise unsupported("tool_choice", f"tool_choice of type `{c.type}`")
+        body.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=c.name))
+    elif c is not None:
+        body.tool_choice = c
+    if body.tool_choice in ("auto", "required") and not fns:
+        body.tool_choice = None  # only hosted tools were listed: nothing to call here
+    agent_request.apply(body, req)
+
+
+def _text_format(b: ResponsesBody, req: ParsedRequest) -> None:
+    fmt = b.text.format if b.text is not None else None
+    if fmt is None or fmt.type == "text":
+        return
+    if req.tool_choice in ("required", "function"):
+        return  # the output is the forced call; the format is for text (openai-agents sends both)
+    if fmt.type == "json_object":
+        req.constraint = grammar.Constraint(kind="json_object")
+        return
+    agent_request.constrain_to_schema(req, fmt.schema if fmt.schema is not None
+                                      else {"type": "object"}, "text.format.schema")
+    req.response_schema_name = fmt.name

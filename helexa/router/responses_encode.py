@@ -1,0 +1,248 @@
+"""Responses API replies: a neuron's deltas as a `response` object or its event stream.
+
+Output items come from the parsed parts of the output (agent_output.py), in
+the order the model wrote them: `reasoning` (the thought, as `content`
+`reasoning_text`, or as a `summary_text` summary when `reasoning.summary`
+asked for one: the thought is returned whole either way), `message`
+(`output_text`), `function_call` (`call_id`, `name`, `arguments`). The
+status is `completed`, or `incomplete` with `incomplete_details.reason:
+max_output_tokens` when the output budget ran out. Streaming sends
+response.created and response.in_progress, then per item
+response.output_item.added, its part and delta events
+(response.reasoning_text.delta or response.reasoning_summary_text.delta,
+response.output_text.delta, response.function_call_arguments.delta) and
+their .done events, response.output_item.done, and last
+response.completed or response.incomplete; a neuron failing mid-stream ends
+it with response.failed. Every event carries its `sequence_number`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import msgspec
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import ParsedRequest
+
+
+def response_id() -> str:
+    return "resp_" + os.urandom(12).hex()
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_" + os.urandom(12).hex()
+
+
+def usage(u: pb.Usage) -> dict[str, Any]:
+    return {"input_tokens": u.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
+            "total_tokens": u.prompt_tokens + u.completion_tokens}
+
+
+class ResponseEncoder:
+    """One reply's output items, built from the neuron's messages in order; `whole` gives
+    the non-streaming body, `start` / `feed` / `failed` the event stream."""
+
+    def __init__(self, resp_id: str, model: str, req: ParsedRequest,
+                 parser: OutputParser | None) -> None:
+        self.id, self.model, self.req, self.parser = resp_id, model, req, parser
+        self.created_at = int(time.time())
+        self.items: list[dict[str, Any]] = []
+        self.open: dict[str, Any] | None = None  # the item being written
+        self.calls: dict[int, dict[str, Any]] = {}  # a call piece's index -> its item
+        self.seq = 0
+
+    # ------------------------------------------------------------------ the response object
+
+    def response(self, status: str, u: pb.Usage | None = None,
+                 error: ApiError | None = None) -> dict[str, Any]:
+        r = self.req
+        fmt: dict[str, Any] = {"type": "text"}
+        if r.constraint is not None and r.response_schema is not None:
+            fmt = {"type": "json_schema", "name": r.response_schema_name or "output",
+                   "schema": r.response_schema, "strict": True}
+        elif r.constraint is not None and r.constraint.kind == "json_object" and \
+                r.tool_choice not in ("required", "function"):
+            fmt = {"type": "json_object"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at,
+            "status": status, "model": self.model, "output": self.items,
+            "error": None if error is None else {"code": error.code, "message": error.message},
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete" else None,
+            "instructions": None, "metadata": {}, "parallel_tool_calls": r.parallel_tool_calls,
+            "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_tokens,
+            "tool_choice": r.tool_choice if r.tool_choice != "function"
+            else {"type": "function", "name": r.tool_name},
+            "tools": [{"type": "function", "name": t["function"]["name"],
+                       "description": t["function"].get("description"),
+                       "parameters": t["function"]["parameters"], "strict": False}
+                      for t in r.tools],
+            "reasoning": {"effort": r.reasoning_effort or None,
+                          "summary": "auto" if r.reasoning_summary else None},
+            "text": {"format": fmt}, "store": False, "previous_response_id": None,
+            "truncation": "disabled", "user": None,
+            "usage": usage(u) if u is not None else None}
+
+    def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
+        """The non-streaming body."""
+        self._parts(self._parse(reply, final=True))
+        self._close()
+        return self.response(_status(reply.finish_reason), reply.usage)
+
+    # ------------------------------------------------------------------ events
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        self.seq += 1
+        body = {"type": kind, "sequence_number": self.seq, **data}
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(body) + b"\n\n"
+
+    def start(self) -> bytes:
+        r = self.response("in_progress")
+        return self._event("response.created", response=r) + \
+            self._event("response.in_progress", response=r)
+
+    def feed(self, msg: pb.GenerateResponse) -> bytes:
+        """The events of one neuron message (the closing ones on the last)."""
+        final = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        out = self._parts(self._parse(msg, final=final), stream=True)
+        if not final:
+            return out
+        out += self._close(stream=True)
+        status = _status(msg.finish_reason)
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        return out + self._event(kind, response=self.response(status, msg.usage))
+
+    def failed(self, err: ApiError) -> bytes:
+        """The last event of a stream whose neuron failed."""
+        return self._close(stream=True) + self._event(
+            "response.failed", response=self.response("failed", error=err))
+
+    # ------------------------------------------------------------------ building items
+
+    def _parse(self, msg: pb.GenerateResponse, final: bool) -> Parts:
+        if self.parser is None:
+            return Parts(content=msg.text)
+        if msg.thought_open:
+            self.parser.thought_opened()
+        parts = self.parser.feed(msg.text)
+        if final:
+            rest = self.parser.finish()
+            parts = Parts(parts.reasoning + rest.reasoning, parts.content + rest.content,
+                          parts.calls + rest.calls)
+        return parts
+
+    def _begin(self, item: dict[str, Any], stream: bool) -> bytes:
+        out = self._close(stream)
+        self.open = item
+        self.items.append(item)
+        if not stream:
+            return out
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            added["content"] = []
+        out += self._event("response.output_item.added", output_index=len(self.items) - 1,
+                           item=added)
+        part = self._part_of(item)
+        if part is not None:
+            out += self._event(part[0] + ".added", **self._where(), part={**part[1], "text": ""},
+                               **part[2])
+        return out
+
+    def _part_of(self, item: dict[str, Any]) -> tuple[str, dict[str, Any], dict[str, int]] | None:
+        """(event prefix, the part, its index fields) of an item's one text part."""
+        if item["type"] == "message":
+            return "response.content_part", item["content"][0], {"content_index": 0}
+        if item["type"] == "reasoning" and self.req.reasoning_summary:
+            return "response.reasoning_summary_part", item["summary"][0], {"summary_index": 0}
+        if item["type"] == "reasoning":
+            return "response.content_part", item["content"][0], {"content_index": 0}
+        return None
+
+    def _where(self) -> dict[str, Any]:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
+
+    def _close(self, stream: bool = False) -> bytes:
+        item, self.open = self.open, None
+        if item is None:
+            return b""
+        item["status"] = "completed"
+        if not stream:
+            return b""
+        self.open = item  # for _where
+        out = b""
+        part = self._part_of(item)
+        if item["type"] == "message":
+            out += self._event("response.output_text.done", **self._where(), content_index=0,
+                               text=part[1]["text"] if part else "", logprobs=[])
+        elif item["type"] == "reasoning" and part is not None:
+            name = ("response.reasoning_summary_text.done" if self.req.reasoning_summary
+                    else "response.reasoning_text.done")
+            out += self._event(name, **self._where(), text=part[1]["text"], **part[2])
+        elif item["type"] == "function_call":
+            out += self._event("response.function_call_arguments.done", **self._where(),
+                               name=item["name"], arguments=item["arguments"])
+        if part is not None:
+            out += self._event(part[0] + ".done", **self._where(), part=part[1], **part[2])
+        out += self._event("response.output_item.done", output_index=len(self.items) - 1,
+                           item=item)
+        self.open = None
+        return out
+
+    def _parts(self, parts: Parts, stream: bool = False) -> bytes:
+        out = b""
+        if parts.reasoning:
+            if self.open is None or self.open["type"] != "reasoning":
+                text_part = {"type": "summary_text" if self.req.reasoning_summary
+                             else "reasoning_text", "text": ""}
+                item: dict[str, Any] = {"type": "reasoning", "id": _item_id("rs"),
+                                        "summary": [], "content": [],
+                                        "encrypted_content": None}
+                item["summary" if self.req.reasoning_summary else "content"] = [text_part]
+                out += self._begin(item, stream)
+            out += self._text(parts.reasoning, stream)
+        if parts.content:
+            if self.open is None or self.open["type"] != "message":
+                out += self._begin({"type": "message", "id": _item_id("msg"),
+                                    "role": "assistant", "content": [
+                                        {"type": "output_text", "text": "", "annotations": [],
+                                         "logprobs": []}]}, stream)
+            out += self._text(parts.content, stream)
+        for c in parts.calls:
+            if c.id is not None:
+                self.calls[c.index] = {"type": "function_call", "id": _item_id("fc"),
+                                       "call_id": c.id, "name": c.name or "", "arguments": ""}
+                out += self._begin(self.calls[c.index], stream)
+            call = self.calls.get(c.index)
+            if call is not None and c.arguments:
+                call["arguments"] += c.arguments
+                if stream and call is self.open:
+                    out += self._event("response.function_call_arguments.delta",
+                                       **self._where(), delta=c.arguments)
+        return out
+
+    def _text(self, text: str, stream: bool) -> bytes:
+        assert self.open is not None
+        part = self._part_of(self.open)
+        assert part is not None
+        part[1]["text"] += text
+        if not stream:
+            return b""
+        if self.open["type"] == "message":
+            return self._event("response.output_text.delta", **self._where(), content_index=0,
+                               delta=text, logprobs=[])
+        name = ("response.reasoning_summary_text.delta" if self.req.reasoning_summary
+                else "response.reasoning_text.delta")
+        return self._event(name, **self._where(), delta=text, **part[2])
+
+
+def _status(finish: int) -> str:
+    return "incomplete" if finish == pb.FINISH_REASON_LENGTH else "completed"

@@ -1,0 +1,182 @@
+"""A reply checked against the whole JSON schema, after generation.
+
+Constrained decoding enforces what helexa.grammar can enforce; the keywords
+it dropped (`uniqueItems`, `not`, `if`/`then`, `propertyNames`, ...) are
+checked here once the reply is whole, so a violation is logged and said in
+the reply's headers instead of passing unseen. This is a small validator of
+the JSON Schema keywords agents' tool lists use (draft 2020-12 and
+draft-07 spellings), not a complete one: a keyword it does not know passes,
+and `format` is not checked (the grammar enforced the formats it knows).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+_TYPES: dict[str, Any] = {
+    "object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
+
+
+def violations(instance: Any, schema: Any) -> list[str]:
+    """What in `instance` breaks `schema`, as `path: reason` lines (empty: it is valid)."""
+    out: list[str] = []
+    _check(instance, schema, schema, "$", out)
+    return out
+
+
+def json_violations(text: str, schema: Any) -> list[str]:
+    """violations() of a JSON text; text that is not JSON is one violation."""
+    try:
+        instance = json.loads(text)
+    except ValueError as e:
+        return [f"$: not JSON ({e})"]
+    return violations(instance, schema)
+
+
+def _is_type(v: Any, t: str) -> bool:
+    if t == "integer":
+        return isinstance(v, int) and not isinstance(v, bool) or \
+            isinstance(v, float) and v.is_integer()
+    if t == "number":
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+    py = _TYPES.get(t)
+    return py is not None and isinstance(v, py) and not (py is not bool and isinstance(v, bool))
+
+
+def _resolve(ref: str, root: Any) -> Any:
+    node = root
+    for part in ref.removeprefix("#").strip("/").split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
+
+
+def _check(v: Any, s: Any, root: Any, path: str, out: list[str]) -> None:
+    if s is False:
+        out.append(f"{path}: no value is allowed here")
+    if not isinstance(s, dict):
+        return
+    if isinstance(s.get("$ref"), str) and s["$ref"].startswith("#"):
+        _check(v, _resolve(s["$ref"], root), root, path, out)
+    t = s.get("type")
+    if t is not None:
+        types = t if isinstance(t, list) else [t]
+        if not any(_is_type(v, x) for x in types):
+            out.append(f"{path}: expected {' or '.join(map(str, types))}")
+            return
+    if "enum" in s and v not in s["enum"]:
+        out.append(f"{path}: not one of the enum values")
+    if "const" in s and v != s["const"]:
+        out.append(f"{path}: not the const value")
+    _combinators(v, s, root, path, out)
+    if isinstance(v, dict):
+        _object(v, s, root, path, out)
+    elif isinstance(v, list):
+        _array(v, s, root, path, out)
+    elif isinstance(v, str):
+        _string(v, s, path, out)
+    elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        _number(v, s, path, out)
+
+
+def _valid(v: Any, s: Any, root: Any, path: str) -> bool:
+    sub: list[str] = []
+    _check(v, s, root, path, sub)
+    return not sub
+
+
+def _combinators(v: Any, s: dict[str, Any], root: Any, path: str, out: list[str]) -> None:
+    for sub in s.get("allOf", []):
+        _check(v, sub, root, path, out)
+    if "anyOf" in s and not any(_valid(v, sub, root, path) for sub in s["anyOf"]):
+        out.append(f"{path}: matches none of anyOf")
+    if "oneOf" in s and sum(_valid(v, sub, root, path) for sub in s["oneOf"]) != 1:
+        out.append(f"{path}: matches not exactly one of oneOf")
+    if "not" in s and _valid(v, s["not"], root, path):
+        out.append(f"{path}: matches the schema under `not`")
+    if "if" in s:
+        branch = "then" if _valid(v, s["if"], root, path) else "else"
+        if branch in s:
+            _check(v, s[branch], root, path, out)
+
+
+def _object(v: dict[str, Any], s: dict[str, Any], root: Any, path: str, out: list[str]) -> None:
+    props = s.get("properties", {})
+    for k in s.get("required", []):
+        if k not in v:
+            out.append(f"{path}: `{k}` is required")
+    patterns = s.get("patternProperties", {})
+    extra = s.get("additionalProperties", s.get("unevaluatedProperties", True))
+    for k, val in v.items():
+        if k in props:
+            _check(val, props[k], root, f"{path}.{k}", out)
+        matched = [p for p in patterns if re.search(p, k)]
+        for p in matched:
+            _check(val, patterns[p], root, f"{path}.{k}", out)
+        if k not in props and not matched:
+            if extra is False:
+                out.append(f"{path}: `{k}` is not allowed")
+            elif isinstance(extra, dict):
+                _check(val, extra, root, f"{path}.{k}", out)
+        if "propertyNames" in s:
+            _check(k, s["propertyNames"], root, f"{path}.{k} (name)", out)
+    for k, needs in s.get("dependentRequired", {}).items():
+        if k in v:
+            out += [f"{path}: `{n}` is required with `{k}`" for n in needs if n not in v]
+    for k, sub in s.get("dependentSchemas", {}).items():
+        if k in v:
+            _check(v, sub, root, path, out)
+    if "minProperties" in s and len(v) < s["minProperties"]:
+        out.append(f"{path}: fewer than {s['minProperties']} properties")
+    if "maxProperties" in s and len(v) > s["maxProperties"]:
+        out.append(f"{path}: more than {s['maxProperties']} properties")
+
+
+def _array(v: list[Any], s: dict[str, Any], root: Any, path: str, out: list[str]) -> None:
+    prefix = s.get("prefixItems", [])
+    for i, (item, sub) in enumerate(zip(v, prefix, strict=False)):
+        _check(item, sub, root, f"{path}[{i}]", out)
+    items = s.get("items")
+    if isinstance(items, (dict, bool)):
+        for i in range(len(prefix), len(v)):
+            _check(v[i], items, root, f"{path}[{i}]", out)
+    if "minItems" in s and len(v) < s["minItems"]:
+        out.append(f"{path}: fewer than {s['minItems']} items")
+    if "maxItems" in s and len(v) > s["maxItems"]:
+        out.append(f"{path}: more than {s['maxItems']} items")
+    if s.get("uniqueItems") and len({json.dumps(x, sort_keys=True) for x in v}) != len(v):
+        out.append(f"{path}: items are not unique")
+    if "contains" in s:
+        hits = sum(_valid(x, s["contains"], root, path) for x in v)
+        if hits < s.get("minContains", 1):
+            out.append(f"{path}: too few items match `contains`")
+        if "maxContains" in s and hits > s["maxContains"]:
+            out.append(f"{path}: too many items match `contains`")
+
+
+def _string(v: str, s: dict[str, Any], path: str, out: list[str]) -> None:
+    if "minLength" in s and len(v) < s["minLength"]:
+        out.append(f"{path}: shorter than {s['minLength']}")
+    if "maxLength" in s and len(v) > s["maxLength"]:
+        out.append(f"{path}: longer than {s['maxLength']}")
+    if isinstance(s.get("pattern"), str):
+        try:
+            if re.search(s["pattern"], v) is None:
+                out.append(f"{path}: does not match the pattern")
+        except re.error:
+            pass  # a pattern Python cannot read is not this reply's fault
+
+
+def _number(v: float, s: dict[str, Any], path: str, out: list[str]) -> None:
+    for key, bad in (("minimum", v < s.get("minimum", v)), ("maximum", v > s.get("maximum", v)),
+                     ("exclusiveMinimum", isinstance(s.get("exclusiveMinimum"), (int, float))
+                      and v <= s["exclusiveMinimum"]),
+                     ("exclusiveMaximum", isinstance(s.get("exclusiveMaximum"), (int, float))
+                      and v >= s["exclusiveMaximum"])):
+        if bad:
+            out.append(f"{path}: breaks {key} {s[key]}")
+    m = s.get("multipleOf")
+    if isinstance(m, (int, float)) and m > 0 and abs(v / m - round(v / m)) > 1e-9:
+        out.append(f"{path}: not a multiple of {m}")

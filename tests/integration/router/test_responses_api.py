@@ -1,0 +1,107 @@
+"""OpenAI's Responses API end to end with the official `openai` SDK on the tiny model:
+responses.create / responses.stream, tools and their outputs, reasoning, structured output,
+the stateless refusals."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "additionalProperties": False,
+                          "required": ["city"],
+                          "properties": {"city": {"type": "string", "maxLength": 10}}}}
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 12}, "ok": {"type": "boolean"}}}
+
+
+def test_create_and_stream_agree_on_text_and_usage(router):
+    c = router.client()
+    kw = dict(model="tiny", instructions="Be brief.", input="Tell me about the sea.",
+              max_output_tokens=12, temperature=0)
+    r = c.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete")
+    assert r.output[0].type == "message" and r.output_text
+    assert 0 < r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    with c.responses.stream(**kw) as s:
+        events = list(s)
+    kinds = [e.type for e in events]
+    # the last event carries the response: response.completed (which the SDK's
+    # get_final_response wants), or response.incomplete when the budget ran out, as OpenAI
+    final = events[-1].response
+    assert final.status == r.status
+    assert final.output_text == r.output_text  # greedy: the same tokens either way
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        r.output_text
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
+    assert final.usage.output_tokens == r.usage.output_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_forced_function_call_then_its_output(router, stream):
+    c = router.client()
+    kw = dict(model="tiny", input="Weather in Oslo?", tools=[WEATHER], max_output_tokens=60,
+              temperature=0, tool_choice={"type": "function", "name": "get_weather"})
+    if stream:
+        with c.responses.stream(**kw) as s:
+            r = s.get_final_response()  # the grammar closes the call: response.completed
+    else:
+        r = c.responses.create(**kw)
+    call = next(o for o in r.output if o.type == "function_call")
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    args = json.loads(call.arguments)
+    assert isinstance(args["city"], str) and len(args["city"]) <= 10
+    follow = c.responses.create(model="tiny", tools=[WEATHER], max_output_tokens=8,
+                                temperature=0, input=[
+                                    {"role": "user", "content": "Weather in Oslo?"},
+                                    {"type": "function_call", "call_id": call.call_id,
+                                     "name": call.name, "arguments": call.arguments},
+                                    {"type": "function_call_output", "call_id": call.call_id,
+                                     "output": "sunny"}])
+    assert follow.status in ("completed", "incomplete") and follow.output
+
+
+@pytest.mark.parametrize("summary", [None, "auto"])
+def test_reasoning_comes_as_a_reasoning_item(router, summary):
+    reasoning = {"effort": "medium", **({"summary": summary} if summary else {})}
+    with router.client().responses.stream(model="tiny", input="Tell me about the sea.",
+                                          max_output_tokens=40, temperature=0,
+                                          reasoning=reasoning) as s:
+        events = list(s)
+    kinds, r = {e.type for e in events}, events[-1].response
+    item = r.output[0]
+    assert item.type == "reasoning"
+    text = (item.summary[0].text if summary else item.content[0].text)
+    assert text and "<think>" not in text
+    assert ("response.reasoning_summary_text.delta" if summary
+            else "response.reasoning_text.delta") in kinds
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= 8  # medium: half of 16
+
+
+def test_structured_output_with_text_format(router):
+    r = router.client().responses.create(
+        model="tiny", input="A record.", max_output_tokens=80, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "rec", "schema": SCHEMA,
+                         "strict": True}})
+    obj = json.loads(r.output_text)
+    assert set(obj) == {"name", "ok"} and isinstance(obj["ok"], bool)
+
+
+def test_stateless_refusals_say_so(router):
+    c = router.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="tiny", input="hi", previous_response_id="resp_1")
+    assert e.value.body["param"] == "previous_response_id"
+    assert "keeps no state" in e.value.body["message"]
+    r = c.responses.create(model="tiny", input="hi", max_output_tokens=2, store=True)
+    assert r.status in ("completed", "incomplete")  # accepted; nothing is stored
+    with pytest.raises(openai.BadRequestError) as e:
+        c.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_1"}])
+    assert "keeps no state" in e.value.body["message"]
