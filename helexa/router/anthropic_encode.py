@@ -108,6 +108,10 @@ class StreamEncoder:
         """The non-streaming reply."""
         return full_message(self.msg_id, self.model, reply, self.parser, self.stop)
 
+    def ping(self) -> bytes:
+        """A keep-alive while the neuron is silent (Anthropic's own `ping` event)."""
+        return event("ping", {"type": "ping"})
+
     def failed(self, err: ApiError) -> bytes:
         """The last event of a stream that failed: Anthropic's `error` event."""
         return self._close() + event("error", error_body(err))

@@ -6,13 +6,17 @@ encoder with one interface: `whole(reply)` (the body), `start()` (the opening
 events), `feed(msg)` (the events of one neuron message, the closing ones on
 the last) and `failed(err)` (the event that ends a stream that failed).
 Every failure after the first event, the neuron's or ours, ends the stream
-with that event, so a client never sees a stream simply stop.
+with that event, so a client never sees a stream simply stop. While the
+neuron is silent (a long prompt's prefill: minutes on a CPU) the stream
+sends a keep-alive every PING_SECS (`ping()`: Anthropic's `ping` event, an
+SSE comment for Responses), as Anthropic's API does: Claude Code drops a
+stream after 300 s without a byte and starts the request over.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import grpc
@@ -28,6 +32,7 @@ FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
           pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+PING_SECS = 10.0
 
 
 class UpstreamFailed(Exception):
@@ -39,6 +44,7 @@ class Encoder(Protocol):
     def start(self) -> bytes: ...
     def feed(self, msg: pb.GenerateResponse) -> bytes: ...
     def failed(self, err: ApiError) -> bytes: ...
+    def ping(self) -> bytes: ...
 
 
 def check_finish(msg: pb.GenerateResponse) -> None:
@@ -63,7 +69,7 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
     await resp.prepare(request)
     await resp.write(enc.start())
     try:
-        async for msg in call.messages():
+        async for msg in _with_pings(call.messages(), resp, enc):
             if on_message is not None:
                 on_message(msg)
             check_finish(msg)
@@ -85,3 +91,22 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
                                                   "details", code="internal_error")))
     await resp.write_eof()
     return resp
+
+
+async def _with_pings(messages: AsyncIterator[pb.GenerateResponse], resp: web.StreamResponse,
+                      enc: Encoder) -> AsyncIterator[pb.GenerateResponse]:
+    """The messages, writing enc.ping() to the client each PING_SECS none arrives. The read
+    runs in a task of its own so that a ping never cancels it halfway."""
+    it = aiter(messages)
+    while True:
+        nxt = asyncio.ensure_future(anext(it))
+        try:
+            while not (await asyncio.wait({nxt}, timeout=PING_SECS))[0]:
+                await resp.write(enc.ping())
+            msg = nxt.result()
+        except StopAsyncIteration:
+            return
+        finally:
+            if not nxt.done():
+                nxt.cancel()  # the client left (or a write failed) mid-wait
+        yield msg

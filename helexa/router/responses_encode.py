@@ -120,6 +120,10 @@ class ResponseEncoder:
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + self._event(kind, response=self.response(status, msg.usage))
 
+    def ping(self) -> bytes:
+        """A keep-alive while the neuron is silent: an SSE comment, which clients skip."""
+        return b": ping\n\n"
+
     def failed(self, err: ApiError) -> bytes:
         """The last event of a stream whose neuron failed."""
         return self._close(stream=True) + self._event(

@@ -134,3 +134,26 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
     slow.heard(None)  # tokens flow: the idle bound from here on
     assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")
+
+
+def test_a_silent_prefill_keeps_the_client_alive_with_pings(fl, monkeypatch):
+    # Claude Code drops a stream after 300 s without a byte: Anthropic's ping events, and an
+    # SSE comment on Responses streams, go out while the neuron is silent
+    from helexa.router import event_replies
+
+    monkeypatch.setattr(event_replies, "PING_SECS", 0.2)
+    set_b(fl, admission_message_secs=1.0)
+    try:
+        with httpx2.stream("POST", fl.url + "/v1/messages", timeout=30, json={
+                "model": "tiny", "max_tokens": 3, "stream": True, "messages": MSG}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        with httpx2.stream("POST", fl.url + "/v1/responses", timeout=30, json={
+                "model": "tiny", "input": "hi", "max_output_tokens": 3, "stream": True}) as r:
+            rlines = [line for line in r.iter_lines() if line]
+    finally:
+        set_b(fl, admission_message_secs=None)
+    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    assert names[0] == "message_start" and names[1] == "ping" and names[-1] == "message_stop"
+    assert ": ping" in rlines and rlines[-1].startswith("data: ")
+    assert json.loads(rlines[-1].removeprefix("data: "))["type"] in ("response.completed",
+                                                                       "response.incomplete")
