@@ -41,12 +41,15 @@ class Parts:
 
 class OutputParser:
     def __init__(self, *, reasoning_parser: str = "", tool_mode: str = "none",
-                 tool_name: str | None = None, tools: list[dict[str, Any]] | None = None) -> None:
+                 tool_name: str | None = None, tools: list[dict[str, Any]] | None = None,
+                 forced: bool = False) -> None:
         """tool_mode: none | hermes | llama3_json | qwen3_xml | json_list | json_args or
-        llama3_args (tool_name); tools: the request's, whose schemas type XML values."""
+        llama3_args (tool_name); tools: the request's, whose schemas type XML values;
+        forced: the grammar forced calls (a call max_tokens cut is a call, never text)."""
         self.think = reasoning_parser == "think"
         self.phase = "opening" if self.think else "answer"
         self.tools = _PARSERS[tool_mode](tool_name, tools)
+        self.tools.forced = forced
         self._buf = ""  # thought text not yet emitted (a marker may be starting)
         self._after_thought = False
 
@@ -115,4 +118,5 @@ def parser_for(req: object, tool_parser: str, reasoning_parser: str) -> OutputPa
         mode = (tool_parser or "hermes") if choice == "auto" else "none"
     return OutputParser(reasoning_parser=reasoning_parser, tool_mode=mode,
                         tool_name=getattr(req, "tool_name", None),
-                        tools=getattr(req, "tools", None))
+                        tools=getattr(req, "tools", None),
+                        forced=choice in ("required", "function"))

@@ -22,8 +22,12 @@ OpenAI's streamed `delta.tool_calls` and of Anthropic's `input_json_delta`.
   ends; cut short by max_tokens, its whole calls and the last one's partial
   arguments are calls still.
 
-A call cut short before any piece of it went out (a reply that does not
-stream is fed whole, with `final`) stays text, as the model wrote it.
+A call cut short (max_tokens) whose JSON is whole, only its closing tag
+missing, is a call. One cut inside its JSON before any piece of it went out
+(a reply that does not stream is fed whole, with `final`) stays text, as the
+model wrote it, unless the choice was forced (`forced`: tool_choice required
+or a named function): then the output is calls and never text, the last one
+with the arguments written so far, and the finish reason says `length`.
 """
 
 from __future__ import annotations
@@ -79,6 +83,7 @@ class ToolParser:
                  tools: list[dict[str, Any]] | None = None) -> None:
         self.tool_name = tool_name
         self.num_calls = 0
+        self.forced = False  # the grammar forced calls: a cut call stays a call
         self._buf = ""
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
@@ -135,9 +140,8 @@ class HermesParser(ToolParser):
         turned out not to be a call)."""
         j = self._buf.find(CALL_CLOSE)
         if self._streaming is None and j < 0:
-            if final:  # an unclosed call is text, as the model wrote it
-                text, self._buf, self._in_call = CALL_OPEN + self._buf, "", False
-                return True, None, text
+            if final:
+                return self._cut()
             head = _HERMES_HEAD.match(self._buf)
             if head is not None:  # stream the arguments from here on
                 self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
@@ -147,11 +151,7 @@ class HermesParser(ToolParser):
         if self._streaming is None:  # closed before its head was seen: parse it whole
             body, self._buf = self._buf[:j], self._buf[j + len(CALL_CLOSE):]
             self._in_call = False
-            piece = self._parsed(body)
-            head = _HERMES_HEAD.match(body)
-            if piece is not None and head is not None:  # as written, as a stream sends it
-                args = body[head.end():].rstrip()
-                piece.arguments = args[:-1].rstrip() if args.endswith("}") else args
+            piece = self._whole(body)
             return True, piece, "" if piece is not None else CALL_OPEN + body + CALL_CLOSE
         if self._lead:  # the whitespace between the head and the arguments
             self._buf = self._buf.lstrip()
@@ -161,7 +161,7 @@ class HermesParser(ToolParser):
             j = self._buf.find(CALL_CLOSE)
         index = self._streaming.index
         if j >= 0 or final:
-            end = j if j >= 0 else len(self._buf)
+            end = j if j >= 0 else len(self._buf) - held(self._buf, CALL_CLOSE)
             args = self._buf[:end].rstrip()
             args = args[:-1].rstrip() if args.endswith("}") else args  # the call's own }
             self._buf = self._buf[end + len(CALL_CLOSE):] if j >= 0 else ""
@@ -172,6 +172,28 @@ class HermesParser(ToolParser):
         safe = safe[:-1] if safe.endswith("}") else safe  # may be the call's own }
         self._buf = self._buf[len(safe):]
         return False, CallPiece(index, safe) if safe else None, ""
+
+    def _whole(self, body: str) -> CallPiece | None:
+        """A whole call's body as one piece, its arguments as written (as a stream sends
+        them), or None when it is not one."""
+        piece = self._parsed(body)
+        head = _HERMES_HEAD.match(body)
+        if piece is not None and head is not None:
+            args = body[head.end():].rstrip()
+            piece.arguments = args[:-1].rstrip() if args.endswith("}") else args
+        return piece
+
+    def _cut(self) -> tuple[bool, CallPiece | None, str]:
+        """The output ended inside a call none of which went out yet."""
+        raw, self._buf, self._in_call = self._buf, "", False
+        body = raw[:len(raw) - held(raw, CALL_CLOSE)].rstrip()
+        piece = self._whole(body)  # only the closing tag is missing: a call
+        if piece is not None or not self.forced:  # else text, as the model wrote it
+            return True, piece, "" if piece is not None else CALL_OPEN + raw
+        head = _HERMES_HEAD.match(body)
+        if head is None:  # cut before its name was whole: nothing to call, and never text
+            return True, None, ""
+        return True, self._start(json.loads(f'"{head.group(1)}"'), body[head.end():]), ""
 
 
 class Llama3JsonParser(ToolParser):

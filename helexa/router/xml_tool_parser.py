@@ -24,8 +24,10 @@ Calls may follow text and each other (whitespace between calls is dropped);
 text between parameters is dropped; a `<tool_call>` not followed by
 `<function=` stays text. A call cut short (max_tokens) before any piece of it
 was handed out is text, as the model wrote it (a reply that does not stream
-is fed whole, so there it always is); once pieces have streamed, the call
-keeps the arguments written so far and the finish reason says `length`.
+is fed whole, so there it always is), unless the choice was forced (`forced`:
+then the output is calls, never text); once pieces have streamed, or when
+forced, the call keeps the arguments written so far and the finish reason
+says `length`.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ class Qwen3XmlParser(ToolParser):
         if not final and (FUNCTION_OPEN.startswith(rest) or rest.startswith(FUNCTION_OPEN)
                           and "\n" not in rest):
             return _MORE
+        if self.forced and final:  # cut before its name: nothing to call, never text
+            self._buf, self._state = "", "text"
+            return _GO
         self._content += self._raw  # not a call: text, and what follows is read again
         self._state = "text"
         return _GO
@@ -239,7 +244,7 @@ class Qwen3XmlParser(ToolParser):
 
     def _cut(self) -> str:
         """The output ended inside the call."""
-        if not self._sent:  # nothing of it went out: it is text, as the model wrote it
+        if not self._sent and not self.forced:  # nothing went out: text, as written
             self._content += self._raw + self._buf
             self._pending, self.num_calls = [], self.num_calls - 1
         elif self._state == "value" and self._streams():

@@ -127,3 +127,37 @@ def test_a_cut_short_hermes_call_is_text_in_a_reply_that_did_not_stream():
     text = 'Sure.\n<tool_call>\n{"name": "w", "arguments": {"city": "Pa'
     out = OutputParser(tool_mode="hermes").finish(text)
     assert out.calls == [] and out.content == text
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_hermes_call_whose_closing_tag_was_cut_is_a_call(step):
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_c'
+    for out in (run(OutputParser(tool_mode="hermes"), text, step),
+                Out(**vars(OutputParser(tool_mode="hermes").finish(text)))):
+        assert out.content == ""
+        assert [(c["name"], c["arguments"]) for c in out.whole] == [("w", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_forced_hermes_call_cut_in_its_arguments_stays_a_call(step):
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": "Pa'
+    outs = [run(OutputParser(tool_mode="hermes", forced=True), text, step),
+            Out(**vars(OutputParser(tool_mode="hermes", forced=True).finish(text)))]
+    for out in outs:
+        assert out.content == ""
+        assert [(c["name"], c["arguments"]) for c in out.whole] == [("w", '{"city": "Pa')]
+    # cut before its name was whole: nothing to call, and still never the markup as text
+    cut = OutputParser(tool_mode="hermes", forced=True).finish('<tool_call>\n{"na')
+    assert cut.content == "" and cut.calls == []
+
+
+def test_a_forced_xml_call_cut_before_it_streamed_stays_a_call():
+    text = "<tool_call>\n<function=w>\n<parameter=city>\nPa"
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    unforced = OutputParser(tool_mode="qwen3_xml", tools=tools).finish(text)
+    assert unforced.calls == [] and unforced.content == text
+    forced = Out(**vars(OutputParser(tool_mode="qwen3_xml", tools=tools, forced=True)
+                        .finish(text)))
+    assert forced.content == ""
+    assert [(c["name"], c["arguments"]) for c in forced.whole] == [("w", '{"city": "Pa')]
