@@ -142,19 +142,23 @@ def test_anthropic_tool_use_with_tool_choice_any(router, stream):
     check_args(uses[0].name, json.dumps(uses[0].input))
 
 
-def test_a_call_cut_short_by_max_tokens_is_text_not_lost(router, tokenizer):
+def test_a_forced_call_cut_short_by_max_tokens_is_still_a_call(router, tokenizer):
+    # A forced choice's output is calls, never text (an agent would take text for its
+    # answer); in auto mode a cut call is text instead (tests/router/test_xml_tool_parser.py).
     c = router.client()
     kw = dict(model=MODEL, messages=MSG, max_tokens=40, temperature=0, tools=[WEATHER],
               tool_choice="required")
     r = c.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
     ch = r.choices[0]
-    assert ch.finish_reason == "length" and ch.message.tool_calls is None
     raw = tokenizer.decode(r.model_dump()["choices"][0]["token_ids"], skip_special_tokens=True)
-    assert ch.message.content == raw and raw.startswith("<tool_call>\n<function=get_weather>")
-    # streamed, the call has begun before the cut: it keeps what was written
+    assert raw.startswith("<tool_call>\n<function=get_weather>") and "</tool_call>" not in raw
+    assert ch.finish_reason == "length" and not ch.message.content
+    head, city = raw.split("<parameter=city>\n") if "<parameter=city>\n" in raw else (raw, None)
+    written = "" if city is None else '{"city": "' + json.dumps(city)[1:-1]
+    [call] = ch.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == written
+    # streamed, the same call with the same arguments, piece by piece
     deltas = [d for chunk in c.chat.completions.create(stream=True, **kw)
               for choice in chunk.choices for d in choice.delta.tool_calls or []]
     assert deltas[0].function.name == "get_weather"
-    args = "".join(d.function.arguments or "" for d in deltas)
-    head, city = raw.split("<parameter=city>\n") if "<parameter=city>\n" in raw else (raw, None)
-    assert args == ("" if city is None else '{"city": "' + json.dumps(city)[1:-1])
+    assert "".join(d.function.arguments or "" for d in deltas) == written
