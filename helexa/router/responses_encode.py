@@ -94,8 +94,9 @@ class ResponseEncoder:
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
         """The non-streaming body."""
         self._parts(self._parse(reply, final=True))
-        self._close()
-        return self.response(_status(reply.finish_reason), reply.usage)
+        status = _status(reply.finish_reason)
+        self._close(last=status)
+        return self.response(status, reply.usage)
 
     # ------------------------------------------------------------------ events
 
@@ -115,8 +116,8 @@ class ResponseEncoder:
         out = self._parts(self._parse(msg, final=final), stream=True)
         if not final:
             return out
-        out += self._close(stream=True)
         status = _status(msg.finish_reason)
+        out += self._close(stream=True, last=status)
         kind = "response.completed" if status == "completed" else "response.incomplete"
         return out + self._event(kind, response=self.response(status, msg.usage))
 
@@ -126,7 +127,7 @@ class ResponseEncoder:
 
     def failed(self, err: ApiError) -> bytes:
         """The last event of a stream whose neuron failed."""
-        return self._close(stream=True) + self._event(
+        return self._close(stream=True, last="incomplete") + self._event(
             "response.failed", response=self.response("failed", error=err))
 
     # ------------------------------------------------------------------ building items
@@ -174,11 +175,13 @@ class ResponseEncoder:
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": len(self.items) - 1}
 
-    def _close(self, stream: bool = False) -> bytes:
+    def _close(self, stream: bool = False, last: str = "completed") -> bytes:
+        """Close the open item; last: the response's status when this is its last item (one
+        the output budget cut is `incomplete`, as OpenAI marks it)."""
         item, self.open = self.open, None
         if item is None:
             return b""
-        item["status"] = "completed"
+        item["status"] = "incomplete" if last == "incomplete" else "completed"
         if not stream:
             return b""
         self.open = item  # for _where

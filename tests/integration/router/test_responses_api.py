@@ -26,15 +26,16 @@ def test_create_and_stream_agree_on_text_and_usage(router):
     assert r.output[0].type == "message" and r.output_text
     assert 0 < r.usage.output_tokens <= 12 and r.usage.input_tokens > 0
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    if r.status == "incomplete":
+    if r.status == "incomplete":  # the budget cut the message: it says so too
         assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[-1].status == r.status
     with c.responses.stream(**kw) as s:
         events = list(s)
     kinds = [e.type for e in events]
     # the last event carries the response: response.completed (which the SDK's
     # get_final_response wants), or response.incomplete when the budget ran out, as OpenAI
     final = events[-1].response
-    assert final.status == r.status
+    assert final.status == r.status and final.output[-1].status == r.status
     assert final.output_text == r.output_text  # greedy: the same tokens either way
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         r.output_text
