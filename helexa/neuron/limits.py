@@ -6,7 +6,7 @@ plan (helexa.plan). Whether a request fits them is the engine's rule
 daemon as soon as the prompt is tokenised, so an impossible request is
 refused without a trip to the engine, in the engine's words. `effective_limits` folds a
 profile's overrides into the config's admission / engine knobs (what the
-engine receives as SetLimits at load, on SIGHUP and on a profile switch).
+engine receives as Limits at load, on SIGHUP and on a profile switch).
 Refusals are helexa/refusal.py's, turned into a gRPC status only at the edge
 (helexa/neuron/grpc_status.py).
 """
@@ -51,7 +51,7 @@ def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimit
 
 
 def effective_limits(cfg: NeuronConfig, profile: str = "",
-                     entry: ModelEntry | None = None) -> messages.SetLimits:
+                     entry: ModelEntry | None = None) -> messages.Limits:
     """Every runtime knob of a model under `cfg`: its own [[models]] entry's speculation
     settings, then its profile's overrides."""
     return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None, entry)
@@ -63,7 +63,7 @@ def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:
     return (p.kv_dtype if p is not None and p.kv_dtype is not None else cfg.kv.kv_dtype)
 
 
-def diff_limits(old: messages.SetLimits | None, new: messages.SetLimits) -> list[str]:
+def diff_limits(old: messages.Limits | None, new: messages.Limits) -> list[str]:
     """`key: old -> new` for each knob that differs."""
     out = []
     for name in new.__struct_fields__:

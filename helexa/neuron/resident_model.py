@@ -43,7 +43,7 @@ class ResidentModel:
     error: str = ""
     plan: Any = None  # helexa.plan.ModelPlan
     limits: ModelLimits | None = None
-    admission: messages.SetLimits | None = None  # limits in force in the engine
+    admission: messages.Limits | None = None  # limits in force in the engine
     profile: str = ""
     kv_dtype: str = ""
     client: Any = None  # EngineClient

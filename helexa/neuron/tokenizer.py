@@ -222,7 +222,7 @@ class Tokenizer:
             if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
                 from helexa.neuron.formats.gguf.tokenizer import tokenizer_parts
 
-                tok, template, _, special = tokenizer_parts(gguf)
+                tok, template, special = tokenizer_parts(gguf)
                 return cls(tok, chat_template=template,
                            eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
                            special_tokens=special)

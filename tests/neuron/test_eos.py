@@ -91,7 +91,7 @@ def test_a_request_ends_at_the_same_eos_with_and_without_a_grammar(
     [eos] = tok.eos_token_ids
     [seven] = tok.encode("7", add_special_tokens=False)
     spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
-                      context=1024, bytes_per_token=2, limits=m.SetLimits(anon_max_in_flight=8))
+                      context=1024, bytes_per_token=2, limits=m.Limits(anon_max_in_flight=8))
     core = EngineCore(spec, EosFirstRunner(eos, seven))
     prompt = tok.encode("A number:")
     # What the servicer sends: the daemon's eos ids as stop ids.

@@ -96,10 +96,6 @@ class Limits(Speculation, frozen=True, kw_only=True):
     default_output_tokens: int = _KV.default_output_tokens
 
 
-# The name residency.py and neuron/limits.py still use for Limits (once a partial update).
-SetLimits = Limits
-
-
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
     """Re-plan the KV pool without reloading weights (a profile's kv_dtype switch).
 

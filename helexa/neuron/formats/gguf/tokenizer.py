@@ -31,8 +31,9 @@ SPLIT_PATTERNS = {"qwen2": _QWEN2, "qwen35": _QWEN35, "llama-bpe": _LLAMA3, "lla
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 
 
-def tokenizer_parts(path: Path) -> tuple[Any, str | None, list[int], dict[str, str | None]]:
-    """(tokenizers.Tokenizer, chat template, eos ids, special token texts) of ``path``."""
+def tokenizer_parts(path: Path) -> tuple[Any, str | None, dict[str, str | None]]:
+    """(tokenizers.Tokenizer, chat template, special token texts) of ``path``. Its EOS ids
+    come from helexa/neuron/tokenizer.py's eos_token_ids, the one place they are derived."""
     from tokenizers import (
         AddedToken,
         Regex,
@@ -80,9 +81,4 @@ def tokenizer_parts(path: Path) -> tuple[Any, str | None, list[int], dict[str, s
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    eos = metadata(path, "tokenizer.ggml.eos_token_id")
-    eos_ids = [int(eos)] if eos is not None else []
-    eot = metadata(path, "tokenizer.ggml.eot_token_id")
-    if eot is not None and int(eot) not in eos_ids:
-        eos_ids.append(int(eot))
-    return tok, metadata(path, "tokenizer.chat_template"), eos_ids, special
+    return tok, metadata(path, "tokenizer.chat_template"), special
