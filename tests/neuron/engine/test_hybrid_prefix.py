@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from support.engine import Run, assert_whole, drive, with_drafter
+from support.mtp import SPEC
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -108,6 +109,29 @@ def test_session_with_ngram_speculation_keeps_a_cold_servers_tokens(tiny_checkpo
     assert_whole(warm, hybrid=True)
 
 
+def test_session_with_mtp_speculation_keeps_a_cold_servers_tokens(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    warm = core_for(model_dir, speculation="mtp", **SPEC)
+    cold = core_for(model_dir, prefix_cache=False)
+    assert warm.status().drafter == "mtp"
+    session(warm, cold, 8, seed=4)
+    assert warm.status().spec_drafted_tokens > 0
+    assert_whole(warm, hybrid=True)
+
+
+def test_tensor_parallel_session_restores_on_every_rank(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=400, block_size=8,
+                      context=2048, bytes_per_token=0, tp=2, devices=["cpu", "cpu"],
+                      limits=m.Limits(anon_max_in_flight=64))
+    warm = EngineCore(spec)
+    try:
+        session(warm, core_for(model_dir, prefix_cache=False), 4, seed=6)
+        assert_whole(warm, hybrid=True)
+    finally:
+        warm.close()
+
+
 def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     core = core_for(model_dir, num_blocks=60, num_snapshot_slots=3, checkpoint_tokens=16,
@@ -137,3 +161,38 @@ def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkp
     assert hits and core.pool.num_evicted_total and core.pool.snapshots is not None
     assert core.pool.snapshots.num_evicted_total
     assert_whole(core, hybrid=True)
+
+
+def test_pool_pins_a_hit_snapshot_and_drops_one_whose_block_is_evicted():
+    from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+
+    pool = BlockPool(3, 2, bytes_per_block=10, num_state_slots=1, fixed_bytes=100,
+                     num_snapshot_slots=2)
+    snaps = pool.snapshots
+    assert snaps is not None and list(snaps.slots) == [1, 2]  # after the request slot
+    k1 = hash_block_tokens(None, [1, 2])
+    k2 = hash_block_tokens(k1, [3, 4])
+    assert pool.reserve("a", 2)
+    blocks = [pool.draw("a"), pool.draw("a")]
+    pool.register(blocks[0], k1)
+    pool.register(blocks[1], k2)
+    s1, s2 = snaps.take("a"), snaps.take("a")
+    assert (s1, s2, snaps.take("a")) == (1, 2, -1)  # none left: that snapshot is skipped
+    assert pool.ledger().used_bytes == 20 + 100 + 200  # blocks, the state, two being written
+    assert snaps.file("a", s1, k1) and snaps.file("a", s2, k2)
+    pool.release("a")
+    led = pool.ledger()
+    assert (led.cached_bytes, led.snapshot_cached_bytes, led.free_bytes) == (220, 200, 330)
+    assert snaps.lookup(k2) == 2 and snaps.lookup(hash_block_tokens(k1, [3, 5])) is None
+    # a hit on both blocks pins the snapshot after them with the blocks, in one reservation
+    assert pool.reserve("b", 1, blocks, restore=2) and snaps.restoring("b") == 2
+    assert pool.ledger().used_bytes == 20 + 200  # the blocks and the pinned snapshot
+    assert snaps.take("b") == 1  # evicts the older cached snapshot, never the pinned one
+    pool.release("b")
+    pool.check()
+    assert snaps.restoring("b") == -1 and snaps.lookup(k1) is None and snaps.lookup(k2) == 2
+    # a new reservation that evicts k2's block drops the snapshot filed under it
+    assert pool.reserve("c", 3) and snaps.lookup(k2) is None
+    pool.release("c")
+    pool.check()
+    assert pool.ledger().free_bytes == pool.ledger().total_bytes == 330
