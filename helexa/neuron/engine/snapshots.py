@@ -5,7 +5,9 @@ A prefix-cache hit on a hybrid model must land where a snapshot of the linear-at
 state is filed (admission.py), so snapshots are taken where an agent's next turn will hit:
 
 - inside a prompt, at every `every_tokens` (a multiple of the block size) and at the last
-  full block boundary of the prompt (the next turn repeats this prompt and appends to it);
+  two full block boundaries of the prompt: the next turn repeats this prompt and appends to
+  it, but a chat template may render the generation prompt that ends it (`<think>` and the
+  like) otherwise in the history, so the one before the last block survives that;
   the scheduler ends prefill chunks there (`next_stop`), since a state exists only at the
   end of a step's row;
 - while generating, at each block boundary a plain decode row reaches, keeping only the
@@ -32,12 +34,10 @@ if TYPE_CHECKING:  # the scheduler imports next_stop: no cycle, and no torch her
 def next_stop(computed: int, prompt_tokens: int, block_size: int, every_tokens: int) -> int:
     """The next prompt position after `computed` that keeps a snapshot (0: none)."""
     last = prompt_tokens // block_size * block_size
-    if last <= computed:
-        return 0
+    stops = [last, last - block_size]
     if every_tokens:
-        checkpoint = (computed // every_tokens + 1) * every_tokens
-        return min(checkpoint, last)
-    return last
+        stops.append((computed // every_tokens + 1) * every_tokens)
+    return min((s for s in stops if computed < s <= last), default=0)
 
 
 def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk],
