@@ -132,6 +132,38 @@ def test_tensor_parallel_session_restores_on_every_rank(tiny_checkpoint):
         warm.close()
 
 
+def test_a_grammar_constrained_turn_on_a_hit_is_a_cold_servers_and_parses(tiny_checkpoint):
+    import json
+
+    from helexa import grammar
+    from helexa.neuron.tokenizer import Tokenizer
+
+    model_dir = tiny_checkpoint("qwen3_5")
+    tok = Tokenizer.from_dir(model_dir)
+    schema = {"type": "object", "additionalProperties": False, "required": ["file", "line"],
+              "properties": {"file": {"type": "string", "maxLength": 16},
+                             "line": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    chat = [{"role": "user", "content": "Find the bug in the parser, then report it. " * 6}]
+    first = tok.encode_chat(chat)
+    warm, cold = core_for(model_dir), core_for(model_dir, prefix_cache=False)
+    reply = drive(warm, [turn("w0", first)], served=True).tokens["w0"]
+    chat += [{"role": "assistant", "content": tok.decode(reply)},
+             {"role": "user", "content": "Report it as JSON."}]
+    second = tok.encode_chat(chat)
+
+    def constrained(rid: str) -> m.NewRequest:
+        return m.NewRequest(req_id=rid, prompt_token_ids=second, max_tokens=80,
+                            sampling=GREEDY, stop_token_ids=tok.eos_token_ids,
+                            grammar=grammar.grammar_text(grammar.json_schema(schema)))
+
+    got = drive(warm, [constrained("w1")], served=True)
+    want = drive(cold, [constrained("c1")], served=True).tokens["c1"]
+    assert got.tokens["w1"] == want and got.admitted["w1"].cached_tokens >= 0.9 * len(first)
+    assert got.final["w1"].finished == m.FinishReason.STOP
+    assert set(json.loads(tok.decode(want))) == {"file", "line"}
+    assert_whole(warm, hybrid=True)
+
+
 def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkpoint):
     model_dir = tiny_checkpoint("qwen3_5")
     core = core_for(model_dir, num_blocks=60, num_snapshot_slots=3, checkpoint_tokens=16,
