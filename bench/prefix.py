@@ -1,6 +1,6 @@
-"""The prefix cache: TTFT of a chat's second turn against its first at a long history.
+"""The prefix cache: TTFT of a chat's second turn, cache on against off, at long histories.
 
-    .venv/bin/python bench/prefix.py [--model DIR] [--history 2000] [--repeats 3]
+    .venv/bin/python bench/prefix.py [--model DIR] [--history 2000,8000] [--repeats 3]
                                      [--threads 1]
 
 Starts two `helexa neuron` daemons on loopback with the same model, one with
@@ -14,7 +14,10 @@ cached yet) is played on both, interleaved:
 
 TTFT is measured at the client, from the gRPC call to the first message
 carrying tokens; the daemon's own `usage.prefill_ms` (arrival to first
-token) is printed beside it. Medians over the repeats, and the ratios.
+token) is printed beside it. Medians over the repeats, and the ratios, for
+each --history size (comma-separated) in one run, side by side. A hybrid
+checkpoint (`helexa model init-tiny --arch qwen3_5`) measures the prefix
+snapshots of its linear-attention state (docs/architecture.md).
 Without --model it uses bench/engine.py's checkpoint (init-tiny qwen3,
 hidden 512, 8 layers, vocab 8192, ~30M parameters, fp32; built once, cached).
 Benchmarks print figures; they assert nothing.
@@ -59,6 +62,7 @@ def history_text(tok: Tokenizer, tokens: int, repeat: int) -> str:
     text = "\n".join((data / n).read_text() for n in sorted(
         p.name for p in data.iterdir() if p.name.endswith(".txt")))
     ids = tok.encode(text, add_special_tokens=False)
+    ids = ids * (tokens // max(1, len(ids)) + 2)  # long histories repeat the text
     start = (repeat * 997) % max(1, len(ids) - tokens)
     return f"Document {repeat}:\n" + tok.decode(ids[start:start + tokens])
 
@@ -121,7 +125,8 @@ async def run(on: str, off: str, histories: list[str], max_tokens: int) -> dict[
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, help="checkpoint folder (default: a cached init-tiny)")
-    ap.add_argument("--history", type=int, default=2000, help="tokens of turn 1's user message")
+    ap.add_argument("--history", default="2000,8000",
+                    help="tokens of turn 1's user message, comma-separated sizes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per reply")
     ap.add_argument("--threads", type=int, default=1, help="each engine's torch threads")
@@ -129,33 +134,42 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     model = args.model or default_model()
     tok = Tokenizer.from_dir(model)
-    # one warm-up conversation (first-step costs), then the measured ones
-    histories = [history_text(tok, args.history, r) for r in range(args.repeats + 1)]
+    sizes = [int(x) for x in args.history.split(",")]
+    results: dict[int, dict[str, list]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as d:
         n_on = start(Path(d), "on", model, True, args.threads, args.kv_budget_mb)
         try:
             n_off = start(Path(d), "off", model, False, args.threads, args.kv_budget_mb)
             try:
-                rows = asyncio.run(run(n_on.address, n_off.address, histories, args.max_tokens))
+                for k, size in enumerate(sizes):
+                    # one warm-up conversation (first-step costs), then the measured ones;
+                    # each size its own documents, so nothing of it is cached yet
+                    histories = [history_text(tok, size, 100 * k + r)
+                                 for r in range(args.repeats + 1)]
+                    rows = asyncio.run(run(n_on.address, n_off.address, histories,
+                                           args.max_tokens))
+                    results[size] = {name: v[1:] for name, v in rows.items()}
             finally:
                 n_off.stop()
         finally:
             n_on.stop()
-    rows = {k: v[1:] for k, v in rows.items()}  # drop the warm-up
-    print(f"model {model}; {args.repeats} conversations, medians; TTFT at the client "
+    print(f"model {model}; {args.repeats} conversations per size, medians; TTFT at the client "
           f"(and the daemon's prefill_ms)")
-    print(f"{'':<20}{'prompt':>8}{'cached':>8}{'TTFT ms':>10}{'prefill_ms':>12}")
-    med: dict[str, float] = {}
-    for name, runs in rows.items():
-        med[name] = statistics.median(r[0] for r in runs) * 1000
-        print(f"{name:<20}{statistics.median(r[2].prompt_tokens for r in runs):>8.0f}"
-              f"{statistics.median(r[2].cached_tokens for r in runs):>8.0f}{med[name]:>10.1f}"
-              f"{statistics.median(r[2].prefill_ms for r in runs):>12.1f}")
-    print(f"turn 2 / turn 1 TTFT, prefix cache on:  {med['turn 2 (cache)'] / med['turn 1']:.3f}")
-    print(f"turn 2 / turn 1 TTFT, prefix cache off: "
-          f"{med['turn 2 (no cache)'] / med['turn 1 (no cache)']:.3f}")
-    print(f"turn 2 TTFT, cache on / off:            "
-          f"{med['turn 2 (cache)'] / med['turn 2 (no cache)']:.3f}")
+    for size, rows in results.items():
+        print(f"\nhistory {size:,} tokens")
+        print(f"{'':<20}{'prompt':>8}{'cached':>8}{'TTFT ms':>10}{'prefill_ms':>12}")
+        for name, runs in rows.items():
+            print(f"{name:<20}{statistics.median(r[2].prompt_tokens for r in runs):>8.0f}"
+                  f"{statistics.median(r[2].cached_tokens for r in runs):>8.0f}"
+                  f"{statistics.median(r[0] for r in runs) * 1000:>10.1f}"
+                  f"{statistics.median(r[2].prefill_ms for r in runs):>12.1f}")
+    print("\nsecond-turn TTFT, cold (prefix cache off) against warm (on), side by side")
+    print(f"{'history':>9}{'cold ms':>10}{'warm ms':>10}{'cold / warm':>13}{'cached':>8}")
+    for size, rows in results.items():
+        cold = statistics.median(r[0] for r in rows["turn 2 (no cache)"]) * 1000
+        warm = statistics.median(r[0] for r in rows["turn 2 (cache)"]) * 1000
+        cached = statistics.median(r[2].cached_tokens for r in rows["turn 2 (cache)"])
+        print(f"{size:>9,}{cold:>10.1f}{warm:>10.1f}{cold / warm:>13.1f}{cached:>8.0f}")
     return 0
 
 

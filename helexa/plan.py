@@ -112,6 +112,9 @@ class ModelPlan:
     num_state_slots: int = 0
     blocks_beside_state: int = 0
     held_bytes: int = 0  # hybrids: a slot's room for a held verification row (not in the ledger)
+    # Hybrids with the prefix cache on: prefix snapshot slots (fixed_bytes each), out of what
+    # the state slots and one full-context request leave (up to kv.prefix_snapshots).
+    num_snapshot_slots: int = 0
     # A draft model (speculation = "draft:<id>"): its share of weight_bytes_per_card and of
     # bytes_per_token (its layers' KV shares each request's blocks); 0 without one.
     draft_model_id: str = ""
@@ -264,6 +267,9 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                 f" + {slot:,} B fixed = {(need_blocks * block_bytes + slot) / MIB:,.1f} MiB, "
                 f"but the pool holds {num_blocks:,} blocks ({budget / MIB:,.1f} MiB: {source})")
     else:
+        if fixed and cfg.kv.prefix_cache:  # a hybrid's prefix snapshots first, at most 1/8
+            snapshot_room = min(cfg.kv.prefix_snapshots, budget // 8 // fixed) * fixed
+            single = _tokens_each(budget - snapshot_room, 1, block_bytes, bs, slot)
         context = (min(positions, single) if positions else single) // bs * bs
         if context < 2:
             raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
@@ -280,6 +286,13 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         draft_model_id=draft_id, draft_weight_bytes=draft_weights,
         draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
+    if fixed and cfg.kv.prefix_cache:
+        # prefix snapshots come after the state slots: what is left beside them and one
+        # request of `context` tokens, up to kv.prefix_snapshots
+        room = budget - math.ceil(context / bs) * block_bytes - slots * slot
+        plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots,
+                                                           room // fixed)))
+        blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
 
 
@@ -312,14 +325,16 @@ def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
     load beside the blocks and out of the same budget: `max_in_flight` slots, fewer if
     that would leave less than one request of `context` tokens, never fewer than one.
     Each slot also sets aside its held_bytes (a speculative verification row it may hold).
+    The prefix snapshot slots (num_snapshot_slots × fixed_bytes) come out of it first.
     """
     if not plan.fixed_bytes:
         return plan.num_blocks, 0
     block_bytes = plan.block_size * plan.bytes_per_token
     context_bytes = math.ceil(plan.context / plan.block_size) * block_bytes
     per_slot = plan.fixed_bytes + plan.held_bytes
-    slots = max(1, min(max_in_flight, (plan.kv_budget_bytes - context_bytes) // per_slot))
-    return (plan.kv_budget_bytes - slots * per_slot) // block_bytes, slots
+    budget = plan.kv_budget_bytes - plan.num_snapshot_slots * plan.fixed_bytes
+    slots = max(1, min(max_in_flight, (budget - context_bytes) // per_slot))
+    return (budget - slots * per_slot) // block_bytes, slots
 
 
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:

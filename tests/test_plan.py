@@ -278,3 +278,30 @@ def test_a_models_own_speculation_plans_its_held_rows(tmp_path):
     off = plan_of(tmp_path, body.replace("[[models]]", '[engine]\nspeculation = "ngram"\n'
                                          "[[models]]") + 'speculation = "off"\n')
     assert off.held_bytes == 0  # the entry turns [engine]'s off for this model
+
+
+def test_a_hybrid_plan_carves_prefix_snapshots_after_its_state_slots(tmp_path):
+    from helexa.cli.plan import format_plan
+    from helexa.neuron.limits import ModelLimits
+    from helexa.plan import state_slots
+
+    body = (f'[kv]\nkv_budget_mb = {{mb}}\nblock_size = 16\n[[models]]\nid = "h"\n'
+            f'config = "{HYBRID}"\ntp = 2\ncontext = 131072\n')
+    # beast's budget: one full context and 16 state slots leave no room for a 37.4 MiB
+    # snapshot, and the plan says the prefix cache is off
+    tight = plan_of(tmp_path, body.format(mb=4713))
+    assert tight.num_snapshot_slots == 0 and state_slots(tight, 16) == (8_229, 16)
+    assert "none fit (39,223,296 B each)" in format_plan(tight)
+    assert ModelLimits.from_plan(tight).prefix_cache is False
+    # 1.2 GiB more holds the 32 snapshots kv.prefix_snapshots asks for, beside the same slots
+    roomy = plan_of(tmp_path, body.format(mb=4713 + 1200))
+    assert roomy.num_snapshot_slots == 32
+    blocks, slots = state_slots(roomy, 16)
+    assert slots == 16 and blocks * 16 >= 131_072
+    assert (blocks * 16 * 32 * 1024 + slots * roomy.fixed_bytes
+            + 32 * roomy.fixed_bytes) <= roomy.kv_budget_bytes
+    assert "32 × 39,223,296 B = 1.2 GiB" in format_plan(roomy)
+    assert ModelLimits.from_plan(roomy).prefix_cache is True
+    off = plan_of(tmp_path, body.format(mb=4713 + 1200).replace(
+        "block_size = 16\n", "block_size = 16\nprefix_cache = false\n"))
+    assert off.num_snapshot_slots == 0 and state_slots(off, 16)[1] == 16

@@ -346,8 +346,18 @@ def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
         assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 8
         with urllib.request.urlopen(f"{url}/models/tiny-qwen3_5", timeout=30) as r:
             entry = json.load(r)
-        # its state per request is advertised, and that it serves without the prefix cache
-        assert entry["limit"]["fixed_bytes_per_request"] > 0 and entry["prefix_cache"] is False
+        # its state per request is advertised, and that it serves with the prefix cache
+        assert entry["limit"]["fixed_bytes_per_request"] > 0 and entry["prefix_cache"] is True
+        # an agent's next turn (the last one, its reply and more) reuses the last prompt
+        turn = [{"role": "user", "content": "Please list the files here. " * 12}]
+        first = client.chat.completions.create(model="tiny-qwen3_5", messages=turn,
+                                               max_tokens=8, temperature=0)
+        turn += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the next step?"}]
+        second = client.chat.completions.create(model="tiny-qwen3_5", messages=turn,
+                                                max_tokens=8, temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= 0.9 * first.usage.prompt_tokens, (cached, first.usage)
     finally:
         rc = up.stop()
     assert rc == 0, "".join(up.lines)

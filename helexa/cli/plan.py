@@ -41,6 +41,14 @@ def format_plan(p: ModelPlan) -> str:
         + (f"; served as {p.num_state_slots} state slots (one per request in flight) + "
            f"{p.blocks_beside_state:,} blocks" if p.num_state_slots else ""),
     ]
+    if p.fixed_bytes:
+        lines.append(
+            f"    prefix snapshots    {p.num_snapshot_slots} × {p.fixed_bytes:,} B = "
+            f"{format_bytes(p.num_snapshot_slots * p.fixed_bytes)}: the linear-attention state at "
+            "a block boundary, one per prefix-cache hit point" if p.num_snapshot_slots else
+            f"    prefix snapshots    none fit ({p.fixed_bytes:,} B each) beside the state slots "
+            "and one full context: the prefix cache is off for this model (lower context or "
+            "admission.max_in_flight, or raise kv_budget_mb)")
     if p.held_bytes:
         lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
                      " state slot: one verification row's inputs, for rollback")

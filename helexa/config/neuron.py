@@ -78,6 +78,14 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "Memory kept free for activations when the pool is derived from device memory.", RESTART, ge=0)] = 512
     prefix_cache: Annotated[bool, field_meta(
         "Share KV blocks of identical prompt prefixes between requests.", RESTART)] = True
+    prefix_snapshots: Annotated[int, field_meta(
+        "Hybrid models: slots for prefix snapshots of the linear-attention state (each the size"
+        " of one request's state; fewer where the budget cannot hold them beside one full-"
+        "context request; 0 = no prefix cache for hybrids).", RESTART, ge=0)] = 32
+    prefix_checkpoint_tokens: Annotated[int, field_meta(
+        "Hybrid models: a prefix snapshot every this many tokens inside a long prompt (rounded"
+        " down to whole blocks), besides the prompt's end and the reply's.", RESTART,
+        ge=1)] = 4096
 
     def __post_init__(self) -> None:
         if not _power_of_two(self.block_size):

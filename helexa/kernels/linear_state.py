@@ -23,6 +23,7 @@ dropping what it held: at most one held row per slot (docs/speculation.md).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -98,13 +99,26 @@ class LinearState:
         self.recurrent.index_fill_(0, idx, 0)
         self._drop(slots)
 
-    def begin_step(self, fresh_slots: list[int], resume: dict[int, int]) -> None:
-        """Before a step's forward: clear the fresh slots, settle the held ones (resume:
-        slot -> num_computed of each row of the step)."""
+    def begin_step(self, fresh_slots: list[int], resume: dict[int, int],
+                   restores: Sequence[tuple[int, int]] = ()) -> None:
+        """Before a step's forward: clear the fresh slots, start the restored ones from their
+        snapshots (restores: (snapshot slot, state slot)), settle the held ones (resume:
+        slot -> num_computed of each row of the step that continues its own state)."""
         if fresh_slots:
             self.clear(fresh_slots)
+        if restores:
+            self.copy(restores)
+            self._drop([to for _, to in restores])  # what a recycled slot held is not theirs
         if self._held:
             self.settle(resume)
+
+    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy whole slots (from, to): a prefix snapshot taken or restored. A slot is one
+        request's conv window and recurrent state; a snapshot slot is the same shape."""
+        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.conv.device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.conv.device)
+        self.conv.index_copy_(0, dst, self.conv.index_select(0, src))
+        self.recurrent.index_copy_(0, dst, self.recurrent.index_select(0, src))
 
     def hold(self, rows: VerifyRows, mixed: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              g: torch.Tensor, beta: torch.Tensor) -> None:

@@ -162,10 +162,10 @@ async def models(request: web.Request) -> web.Response:
                              "owned_by": "helexa", "limit": limit,
                              "max_model_len": context,  # vLLM's name for the context limit
                              "speculation": drafters.get(target, "off")}
-        fixed, _ = costs.get(target, (0, True))
+        fixed, cache = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             limit["fixed_bytes_per_request"] = fixed
-            e["prefix_cache"] = False  # served without it: see docs/architecture.md
+            e["prefix_cache"] = cache  # on with state snapshots: see docs/architecture.md
         if model_id != target:
             e["alias_of"] = target
         return e

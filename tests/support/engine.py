@@ -27,16 +27,19 @@ class Run(NamedTuple):
 
 
 def drive(core: EngineCore, first: m.ToEngine | Sequence[m.NewRequest] | None = None, *,
-          served: bool = False, max_steps: int = 10_000) -> Run:
+          served: bool = False, max_steps: int = 10_000,
+          on_update: Callable[[m.RequestUpdate], None] | None = None) -> Run:
     """Step `core` until it is idle, `first` the first step's inbound (requests alone:
     they are the message), checking the pool after each step. `served`: assert that no
-    request is refused or fails."""
+    request is refused or fails; `on_update` sees every update."""
     inbound = m.ToEngine(new=list(first)) if isinstance(first, Sequence) else first
     run = Run({}, {}, {}, 0)
     for steps in range(1, max_steps + 1):
         for u in core.step(inbound).updates:
             if served:
                 assert u.refused_code is None and u.error == "", u
+            if on_update is not None:
+                on_update(u)
             run.tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
             if u.admitted:
                 run.admitted[u.req_id] = u

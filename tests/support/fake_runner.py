@@ -31,6 +31,7 @@ class FakeRunner:
     linear-attention state."""
 
     num_state_slots = 0
+    num_snapshot_slots = 0
     mtp_kv_layers = 0
     fixed_bytes_per_request = 0
     kv_bytes_per_block = 0

@@ -65,6 +65,10 @@ class StepPlan:
     decode_tables: list[list[int]] = field(default_factory=list)
     decode_state_slots: list[int] = field(default_factory=list)  # hybrid models, per decode row
     prefills: list[PrefillRow] = field(default_factory=list)
+    # Hybrid models' prefix snapshots (helexa/kernels/backends/gdn.py): (snapshot slot,
+    # state slot) copied in before the step, (state slot, snapshot slot) copied out after it.
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     block_size: int = 16
     num_blocks: int = 0
 

@@ -9,9 +9,11 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
 - ``allocate`` carves each layer's state into per-request slots (helexa/kernels/linear_state.py);
 - per step, ``plan`` builds :class:`GdnMetadata` from the runner's StepPlan (which slot
   each row reads and writes: decode rows, prefill chunks, speculative verification rows)
-  and, before anything reads a slot, clears the fresh ones and settles the held ones
-  (the rollback of rejected drafts, docs/speculation.md); the runner hands the metadata
-  to the model's forward;
+  and, before anything reads a slot, clears the fresh ones, copies prefix snapshots into
+  the ones that resume from a prefix-cache hit, and settles the held ones (the rollback
+  of rejected drafts, docs/speculation.md); the runner hands the metadata to the model's
+  forward, then ``end_step`` copies the states the step keeps as snapshots (snapshot
+  slots are carved beside the request slots, the same shape: docs/architecture.md);
 - per layer, ``forward`` runs the causal conv1d and the gated delta rule over the slots,
   choosing the kernel: flash-linear-attention's chunked prefill on CUDA for 16-bit
   models when installed, else helexa/kernels/gated_delta.py's torch forms (the reference);
@@ -40,6 +42,8 @@ class GdnMetadata:
     fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
     verify: VerifyRows | None = None
     resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
+    restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
 
 
 class GatedDeltaStates:
@@ -83,8 +87,16 @@ class GatedDeltaStates:
         """This step's metadata; fresh slots cleared and held rows settled on every layer."""
         meta = self.build(step)
         for state in self.layers:
-            state.begin_step(meta.fresh_slots, meta.resume)
+            state.begin_step(meta.fresh_slots, meta.resume, meta.restores)
         return meta
+
+    def end_step(self, meta: GdnMetadata) -> None:
+        """After a step's forward: copy the states the step asked to keep into their snapshot
+        slots (a prefix-cache snapshot at a block boundary; never a verification row's, whose
+        slot is left as it was before the row)."""
+        if meta.saves:
+            for state in self.layers:
+                state.copy(meta.saves)
 
     def build(self, step: StepPlan) -> GdnMetadata:
         """The slots of a step laid out flat as StepPlan says: one-token rows first (in
@@ -96,10 +108,13 @@ class GatedDeltaStates:
         if any(slot < 0 for _, slot in rows):
             raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
         dev = self.device
+        restored = {slot for _, slot in step.state_restores}  # start from a snapshot instead
         meta = GdnMetadata(backend=self, decode_slots=torch.tensor(
             step.decode_state_slots, dtype=torch.long, device=dev),
             fresh_slots=[slot for computed, slot in rows if computed == 0],
-            resume={slot: computed for computed, slot in rows if computed})
+            resume={slot: computed for computed, slot in rows
+                    if computed and slot not in restored},
+            restores=list(step.state_restores), saves=list(step.state_saves))
         verify = [r for r in step.prefills if r.verify]
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
         if verify:

@@ -150,8 +150,9 @@ class Admission:
                 break
             queue = self._queues[principal]
             req = queue[0]
-            reuse = self._prefix_hits(req)
-            if not self.pool.reserve(req.req_id, self.reservation_blocks(req) - len(reuse), reuse):
+            reuse, restore = self._prefix_hits(req)
+            if not self.pool.reserve(req.req_id, self.reservation_blocks(req) - len(reuse), reuse,
+                                     restore):
                 break  # no bypass: the head waits, and everyone behind it
             queue.popleft()
             self._num_queued -= 1
@@ -236,12 +237,23 @@ class Admission:
             return principal
         return None
 
-    def _prefix_hits(self, req: Request) -> list[int]:
+    def _prefix_hits(self, req: Request) -> tuple[list[int], int]:
+        """The cached blocks `req` reuses, and for a hybrid model the snapshot it restores
+        (-1: none): a hybrid's hit ends where a snapshot is filed, at the furthest such
+        block boundary of the cached chain, or there is no hit."""
         if not self.prefix_cache or not req.block_hashes:
-            return []
+            return [], -1
         # Keep at least one prompt token to compute: its logits give the first output token.
         usable = (req.num_prompt_tokens - 1) // self.pool.block_size
-        return self.pool.match_prefix(req.block_hashes[:usable])
+        hits = self.pool.match_prefix(req.block_hashes[:usable])
+        snapshots = self.pool.snapshots
+        if snapshots is None:
+            return hits, -1
+        for n in range(len(hits), 0, -1):
+            slot = snapshots.lookup(req.block_hashes[n - 1])
+            if slot is not None:
+                return hits[:n], slot
+        return [], -1
 
     def _deficit(self, blocks_wanted: int) -> int:
         return blocks_wanted - self.pool.num_free_blocks

@@ -23,7 +23,10 @@ Hybrid models (linear-attention layers) also hold a fixed-size state per
 request: the pool then has `num_state_slots` slots of `fixed_bytes` each, and
 a reservation takes one with its blocks (all or nothing) and gives it back in
 the same `release`. The ledger counts a held slot as reserved until its
-request draws its first block, then as used.
+request draws its first block, then as used. With the prefix cache on, such a
+pool also keeps `num_snapshot_slots` prefix snapshots (snapshot_pool.py): a
+reservation that reuses cached blocks pins the snapshot after them, a block's
+eviction drops the snapshot filed under it, and `release` gives back both.
 
 Prefix sharing: a full block's content is named by a `BlockKey`: a SHA-256
 chain digest over the parent block's digest and the block's token ids, with
@@ -44,6 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.snapshot_pool import SnapshotPool
 
 
 class BlockState(enum.IntEnum):
@@ -92,13 +96,18 @@ def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int]) -> Bloc
 
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int, *,
-                 num_state_slots: int = 0, fixed_bytes: int = 0) -> None:
+                 num_state_slots: int = 0, fixed_bytes: int = 0,
+                 num_snapshot_slots: int = 0) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs blocks: num_blocks={num_blocks}, block_size={block_size}")
         self.num_state_slots = num_state_slots
         self.fixed_bytes = fixed_bytes  # per request (per card), when there are state slots
         self._free_slots: deque[int] = deque(range(num_state_slots))
         self._slot_of: dict[str, int] = {}  # req -> its state slot
+        # prefix snapshots: state slots after the requests' (hybrid models, prefix cache on)
+        self.snapshots = SnapshotPool(range(num_state_slots, num_state_slots
+                                            + num_snapshot_slots)) \
+            if num_state_slots and num_snapshot_slots else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
@@ -168,23 +177,31 @@ class BlockPool:
         held = list(self._slot_of)
         slots_used = sum(1 for r in held if self._held.get(r))
         slots_reserved = len(held) - slots_used
+        snaps = self.snapshots
+        snap_total, snap_free, snap_cached = (
+            (snaps.num_slots * f, snaps.num_free * f, snaps.num_cached * f)
+            if snaps is not None else (0, 0, 0))
         return messages.KvLedger(
-            total_bytes=self.num_blocks * b + self.num_state_slots * f,
-            free_bytes=self.num_free_blocks * b + len(self._free_slots) * f,
-            cached_bytes=self.num_cached_blocks * b,
+            total_bytes=self.num_blocks * b + self.num_state_slots * f + snap_total,
+            free_bytes=self.num_free_blocks * b + len(self._free_slots) * f + snap_free,
+            cached_bytes=self.num_cached_blocks * b + snap_cached,
             reserved_bytes=self.num_reserved_blocks * b + slots_reserved * f,
-            used_bytes=self.num_used_blocks * b + slots_used * f,
+            used_bytes=self.num_used_blocks * b + slots_used * f + snap_total - snap_free,
             block_size=self.block_size,
             bytes_per_token=b // self.block_size,
             fixed_bytes_per_request=f if self.num_state_slots else 0,
             state_total_bytes=self.num_state_slots * f,
             state_free_bytes=len(self._free_slots) * f,
+            snapshot_total_bytes=snap_total,
+            snapshot_cached_bytes=snap_cached,
         )
 
     # --- mutations ---------------------------------------------------------
 
-    def reserve(self, req_id: str, n: int, reuse: Sequence[int] = ()) -> bool:
-        """Pin `reuse` (filed blocks) and set aside `n` blocks for req_id; all or nothing."""
+    def reserve(self, req_id: str, n: int, reuse: Sequence[int] = (),
+                restore: int = -1) -> bool:
+        """Pin `reuse` (filed blocks) and set aside `n` blocks for req_id; all or nothing.
+        `restore`: the snapshot after `reuse` (hybrid models), pinned with them."""
         if self.holds(req_id):
             raise PoolError(f"{req_id} already holds a reservation")
         if n < 0 or not self.can_reserve(n, reuse):
@@ -209,6 +226,9 @@ class BlockPool:
         self._held[req_id] = held
         if self.num_state_slots:
             self._slot_of[req_id] = self._free_slots.popleft()
+        if restore >= 0:
+            assert self.snapshots is not None, "a snapshot to restore needs snapshot slots"
+            self.snapshots.pin(req_id, restore)
         return True
 
     def draw(self, req_id: str) -> int:
@@ -245,6 +265,8 @@ class BlockPool:
         slot = self._slot_of.pop(req_id, None)
         if slot is not None:
             self._free_slots.append(slot)
+        if self.snapshots is not None:
+            self.snapshots.release(req_id)
         taken = self._reserved.pop(req_id, deque())
         for block_id in taken:
             self.blocks[block_id].state = BlockState.FREE
@@ -296,8 +318,11 @@ class BlockPool:
             return self._free.popleft()
         block_id, _ = self._cached.popitem(last=False)  # evict the least recently released
         block = self.blocks[block_id]
-        del self._index[block.block_hash.digest]  # type: ignore[union-attr]
+        digest = block.block_hash.digest  # type: ignore[union-attr]
+        del self._index[digest]
         block.block_hash = None
+        if self.snapshots is not None:  # a snapshot after this block can never be hit now
+            self.snapshots.evict_key(digest)
         self.num_evicted_total += 1
         return block_id
 
@@ -328,3 +353,5 @@ class BlockPool:
         slots = list(self._free_slots) + list(self._slot_of.values())
         assert sorted(slots) == list(range(self.num_state_slots)), slots
         assert set(self._slot_of) <= set(self._reserved) | set(self._held)
+        if self.snapshots is not None:
+            self.snapshots.check()

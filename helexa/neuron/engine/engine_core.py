@@ -17,7 +17,7 @@ One step:
    then a token for each sampled row and the accepted tokens of each
    verification row;
 4. postprocess: count the kept positions as computed, file full blocks
-   (prefix_filing.py), append the tokens and stop requests on eos / stop ids /
+   (prefix_filing.py) and a hybrid's prefix snapshots (snapshots.py), append the tokens and stop requests on eos / stop ids /
    output budget / context, measure the rates.
 
 Blocks go back to the pool in one place, `finish`, whatever ended the request
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.budget import blocks_for_tokens
-from helexa.neuron.engine import intake, messages
+from helexa.neuron.engine import intake, messages, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.grammar import Grammars, advance
@@ -73,6 +73,9 @@ class EngineCore:
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens)
+        if self.pool.snapshots is not None:  # hybrids: chunks end where snapshots are kept
+            self.scheduler.snapshot_block_tokens = spec.block_size
+            self.scheduler.snapshot_every_tokens = spec.snapshot_every_tokens
         self.clock = clock
         self.requests: dict[str, Request] = {}  # queued, in flight or running
         self.running: list[Request] = []  # batch rows, in order
@@ -117,6 +120,8 @@ class EngineCore:
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
             inputs = lay_out(plan, reqs, self.pool, self.ensure_blocks)
+            snapshots.take_slots(self.pool, inputs.reqs, inputs.chunks, inputs.seqs,
+                                 self.spec.snapshot_every_tokens)
             masked = inputs.masked  # their masks are computed while the model runs
             masks = self.grammars.start([inputs.sampled[j][0].matcher for j in masked]) \
                 if masked else None
@@ -146,6 +151,7 @@ class EngineCore:
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
             if self.prefix_cache:
                 file_full_blocks(self.pool, req)
+                snapshots.file_saves(self.pool, req)  # hybrids: after the blocks they follow
         for req, chunk in zip(inputs.reqs, inputs.chunks, strict=True):
             for token_id in new_tokens.get(req.req_id, []):
                 if req.is_finished:  # a stop token in a verified row ends it there
@@ -212,10 +218,12 @@ class EngineCore:
         return intake.reset_kv(self, r)
 
     def new_pool(self, num_blocks: int) -> BlockPool:
-        """KV blocks, and for hybrid models one linear-attention state slot per request."""
+        """KV blocks, and for hybrid models one linear-attention state slot per request and
+        the prefix snapshots' slots."""
         s = self.spec
         return BlockPool(num_blocks, s.block_size, s.bytes_per_block,
-                         num_state_slots=s.num_state_slots, fixed_bytes=s.fixed_bytes)
+                         num_state_slots=s.num_state_slots, fixed_bytes=s.fixed_bytes,
+                         num_snapshot_slots=s.num_snapshot_slots or 0)
 
     @property
     def has_work(self) -> bool:

@@ -170,6 +170,9 @@ class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
     fixed_bytes_per_request: int = 0
     state_total_bytes: int = 0
     state_free_bytes: int = 0
+    # Hybrid models' prefix snapshots (snapshot_pool.py), already in the figures above.
+    snapshot_total_bytes: int = 0
+    snapshot_cached_bytes: int = 0
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -59,6 +59,10 @@ class SeqInput:
     # Logits rows for the last this-many tokens of the chunk (need_logits only): a
     # speculative verification row [last token, k drafts] asks for k + 1.
     num_logits: int = 1
+    # Hybrid models' prefix snapshots (absolute state slots, -1: none): the state starts from
+    # this snapshot (a prefix-cache hit's first chunk), or is copied to it after the step.
+    restore_from: int = -1
+    save_to: int = -1
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
@@ -90,7 +94,7 @@ class ModelRunner:
                  context: int = 0, quantize: str = "none",
                  quant_group_size: int = 128, num_state_slots: int = 0,
                  extra_bytes_per_block: int = 0, measure_pool: bool = True,
-                 mtp_kv_layers: int | None = None) -> None:
+                 mtp_kv_layers: int | None = None, num_snapshot_slots: int = 0) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
         every rank uses ``device``. close() stops them (so does garbage collection or exit).
@@ -102,7 +106,8 @@ class ModelRunner:
         (helexa/neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
         ``quant_group_size``) quantises the weights at load (helexa/neuron/formats/quantise.py).
         Hybrid models hold ``num_state_slots`` linear-attention states, one per request
-        (SeqInput.state_slot). ``extra_bytes_per_block``: bytes of each block that other
+        (SeqInput.state_slot), and ``num_snapshot_slots`` more of the same shape after them
+        for prefix-cache snapshots (SeqInput.restore_from / save_to). ``extra_bytes_per_block``: bytes of each block that other
         layers sharing this pool's block ids take (a draft model's, already loaded), counted
         when CUDA measures the pool; ``measure_pool`` False keeps ``num_blocks`` as given
         (a draft model's pool follows its target's). ``mtp_kv_layers`` pool layers are set
@@ -126,7 +131,8 @@ class ModelRunner:
                 str(model_dir), dtype, num_blocks, block_size, kv_dtype, max_num_seqs,
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
                 cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
-                num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers)
+                num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers,
+                num_snapshot_slots=num_snapshot_slots)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
@@ -135,6 +141,7 @@ class ModelRunner:
         self.max_batched_tokens = max_batched_tokens
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.num_state_slots = num_state_slots
+        self.num_snapshot_slots = num_snapshot_slots if num_state_slots else 0
         self.mtp_kv_layers = (self.config.mtp_num_layers if mtp_kv_layers is None
                               else mtp_kv_layers)
         # Any: the model families share no typed base class yet (helexa/neuron/models/).
@@ -196,7 +203,7 @@ class ModelRunner:
         self._allocate_kv(layers + layers[-1:] * self.mtp_kv_layers, num_blocks, storage)
         if self.linear_states is not None:
             self.linear_states.allocate([layer.state_spec for layer in self._linear],
-                                        self.num_state_slots)
+                                        self.num_state_slots + self.num_snapshot_slots)
 
     def _allocate_kv(self, layers: list[AttentionSpec], num_blocks: int,
                      storage: torch.dtype | None) -> None:
@@ -257,14 +264,17 @@ class ModelRunner:
         attention, run = self.backend.attention, self.backend.executor.run
         try:
             meta = attention.plan(step)
-            if self._tp is None:
-                return run(self.model, input_ids, positions, meta, logits_rows, state)
-            self._tp.send_step(seqs)
+            if self._tp is not None:
+                self._tp.send_step(seqs)
             try:
-                return run(self.model, input_ids, positions, meta, logits_rows, state)
+                logits = run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
-                self._tp.fail_step(e)
+                if self._tp is not None:
+                    self._tp.fail_step(e)
                 raise
+            if state is not None:
+                state.backend.end_step(state)  # the step's prefix snapshots
+            return logits
         except BaseException:
             attention.step_failed()
             raise
@@ -345,6 +355,8 @@ class ModelRunner:
             step.prefills.append(PrefillRow(start, start + n, c, table, s.state_slot,
                                             verify=s.need_logits and s.num_logits > 1))
             last_row[i] = start + n - 1
+        step.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
+        step.state_saves = [(s.state_slot, s.save_to) for s in seqs if s.save_to >= 0]
         # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
         self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
         n_tok = len(ids)

@@ -76,6 +76,10 @@ class Request:
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
+    # Hybrid models' prefix snapshots (snapshots.py): (slot, position) this step copies out,
+    # and its latest end-of-generation snapshot (slot, the key it is filed under).
+    snapshot_writes: list[tuple[int, int]] = field(default_factory=list)
+    gen_snapshot: tuple[int, BlockKey] | None = None
     sampling_state: SamplingState | None = None  # the sampler's per-request state
     matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
     thought: Any = None  # its thinking.ThoughtTracker when the model thinks, or None

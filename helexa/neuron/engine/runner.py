@@ -42,6 +42,7 @@ class Runner(Protocol):
     vocab_size: int
     num_blocks: int  # the pool's blocks (on CUDA measured at load: the plan's is the ceiling)
     num_state_slots: int  # hybrid models: linear-attention state slots (dense: unused)
+    num_snapshot_slots: int  # hybrid models: prefix snapshot slots after them (0: none)
     mtp_kv_layers: int  # pool layers set aside for an MTP head (0: none)
 
     @property
@@ -98,6 +99,7 @@ def load_runners(spec: EngineSpec, limits: messages.Limits,
     from helexa.neuron.engine.speculative.draft_model import load_draft
 
     draft = load_draft(spec, limits) if spec.draft_model_dir else None
+    slots = spec.num_state_slots or limits.max_in_flight or 1
     target = ModelRunner(
         Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
         num_blocks=spec.num_blocks, block_size=spec.block_size,
@@ -109,7 +111,8 @@ def load_runners(spec: EngineSpec, limits: messages.Limits,
         extra_bytes_per_block=draft.kv_bytes_per_block if draft is not None else 0,
         context=spec.context, quantize=spec.quantize,
         quant_group_size=spec.quant_group_size, mtp_kv_layers=spec.mtp_kv_layers,
-        # hybrid models: a state slot per request in flight (dense: unused)
-        num_state_slots=spec.num_state_slots or limits.max_in_flight or 1,
+        # hybrid models: a state slot per request in flight (dense: unused), and snapshots
+        num_state_slots=slots,
+        num_snapshot_slots=spec.snapshot_slots(slots),
         devices=list(spec.devices) if len(spec.devices) == spec.tp > 1 else None)
     return Runners(target, draft)

@@ -17,7 +17,9 @@ The algorithm, under a token budget of `max_batched_tokens` per step:
    give each its first prefill chunk.
 
 A prompt longer than the chunk limit is therefore prefilled over several
-steps, interleaved with everyone else's decode tokens.
+steps, interleaved with everyone else's decode tokens. A hybrid model with
+the prefix cache on (`snapshot_block_tokens` set) also ends a chunk where its
+request keeps a prefix snapshot (snapshots.py next_stop).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.snapshots import next_stop
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,8 @@ class Scheduler:
     max_slots: int
     max_batched_tokens: int
     prefill_chunk_tokens: int
+    snapshot_block_tokens: int = 0  # hybrids' prefix snapshots: the block size (0: none)
+    snapshot_every_tokens: int = 0  # and their checkpoint spacing inside a prompt
 
     def schedule(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
         plan = StepPlan()
@@ -97,5 +102,11 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         # Prefill covers the prompt only; the first output token comes from
         # the logits of the chunk that ends the prompt.
-        remaining = req.num_prompt_tokens - req.num_computed_tokens
-        return min(remaining, self.prefill_chunk_tokens, budget)
+        computed = req.num_computed_tokens
+        n = min(req.num_prompt_tokens - computed, self.prefill_chunk_tokens, budget)
+        if self.snapshot_block_tokens:
+            stop = next_stop(computed, req.num_prompt_tokens, self.snapshot_block_tokens,
+                             self.snapshot_every_tokens)
+            if stop:
+                n = min(n, stop - computed)
+        return n

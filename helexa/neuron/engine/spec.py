@@ -54,11 +54,15 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_token: int = 0  # per card, from helexa.plan (0 when unknown: ledger in blocks only)
     context: int  # most prompt + output tokens of one request
     max_output_tokens: int | None = None  # advertised output cap (None = context - 1)
-    prefix_cache: bool = True  # forced off for hybrid models (see check_pool)
+    prefix_cache: bool = True  # hybrid models: only with snapshot slots (see check_pool)
     # Hybrid models: per-request linear-attention state slots and their bytes per card
     # (helexa.plan's fixed_bytes); 0 = plan did not say (the runner's own figure is used).
     num_state_slots: int = 0
     fixed_bytes: int = 0
+    # Hybrid models' prefix snapshots (snapshot_pool.py): slots of fixed_bytes each beside the
+    # state slots (None: two per state slot), and their spacing inside a long prompt.
+    num_snapshot_slots: int | None = None
+    prefix_checkpoint_tokens: int = 4096
     torch_threads: int | None = None
     attention_backend: str = "auto"  # helexa/kernels/backends/__init__.py
     cuda_graphs: bool = True
@@ -82,6 +86,20 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     def bytes_per_block(self) -> int:
         return self.block_size * self.bytes_per_token
 
+    @property
+    def snapshot_every_tokens(self) -> int:
+        """prefix_checkpoint_tokens rounded down to whole blocks (at least one)."""
+        return max(self.block_size, self.prefix_checkpoint_tokens // self.block_size
+                   * self.block_size)
+
+    def snapshot_slots(self, num_state_slots: int) -> int:
+        """The snapshot slots a hybrid model's runner carves (0 with the prefix cache off)."""
+        if not self.prefix_cache:
+            return 0
+        if self.num_snapshot_slots is None:
+            return 2 * num_state_slots
+        return self.num_snapshot_slots
+
 
 def check_pool(spec: EngineSpec, runner: Runner) -> EngineSpec:
     """The spec as the engine runs it, after checking the runner holds the linear-attention
@@ -89,15 +107,17 @@ def check_pool(spec: EngineSpec, runner: Runner) -> EngineSpec:
 
     Plan and runner must agree on a hybrid model's fixed bytes per request, else the
     ledger would report memory that is not there: the load fails, naming both figures.
-    A hybrid model serves with the prefix cache off: a cached full-attention prefix is
-    useless without the linear-attention state at the same position, which the pool
-    does not snapshot (docs/architecture.md, "Hybrid models").
+    A cached full-attention prefix is useless to a hybrid model without the
+    linear-attention state at the same position: it serves with the prefix cache on
+    only where its runner holds snapshot slots (docs/architecture.md, "Hybrid models").
     """
     fixed = runner.fixed_bytes_per_request
     if not fixed:
-        return spec
+        return msgspec.structs.replace(spec, num_snapshot_slots=0)
     if spec.fixed_bytes and spec.fixed_bytes != fixed:
         raise ValueError(f"{spec.model_id}: the plan counts {spec.fixed_bytes} fixed bytes per "
                          f"request, the model runner holds {fixed}")
-    return msgspec.structs.replace(spec, prefix_cache=False, fixed_bytes=fixed,
-                                   num_state_slots=runner.num_state_slots)
+    snaps = getattr(runner, "num_snapshot_slots", 0)
+    return msgspec.structs.replace(spec, prefix_cache=spec.prefix_cache and snaps > 0,
+                                   fixed_bytes=fixed, num_state_slots=runner.num_state_slots,
+                                   num_snapshot_slots=snaps if spec.prefix_cache else 0)

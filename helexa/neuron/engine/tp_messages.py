@@ -27,6 +27,8 @@ class TpSeq(msgspec.Struct, array_like=True):
     need_logits: bool
     state_slot: int = -1  # hybrid models' linear-attention state slot
     num_logits: int = 1  # speculative verification rows want k + 1
+    restore_from: int = -1  # hybrid models' prefix snapshots (SeqInput's)
+    save_to: int = -1
 
 
 class TpStep(msgspec.Struct, tag=True):
@@ -91,6 +93,7 @@ class RunnerArgs:
     quant_group_size: int = 128
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
     mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)
+    num_snapshot_slots: int = 0  # hybrid models: prefix snapshot slots after the state slots
 
 
 class TpError(RuntimeError):

@@ -114,7 +114,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              tp_size=world, backend=args.backend, cuda_graphs=args.cuda_graphs,
                              quantize=args.quantize, quant_group_size=args.quant_group_size,
                              num_state_slots=args.num_state_slots,
-                             mtp_kv_layers=args.mtp_kv_layers)
+                             mtp_kv_layers=args.mtp_kv_layers,
+                             num_snapshot_slots=args.num_snapshot_slots)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return
@@ -151,7 +152,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table = tables[s.handle]
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
-                                     s.state_slot, s.num_logits))
+                                     s.state_slot, s.num_logits, s.restore_from, s.save_to))
             if isinstance(msg, TpMtp):
                 runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
             else:

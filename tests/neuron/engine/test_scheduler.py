@@ -82,3 +82,19 @@ def test_prefix_hit_prefills_only_the_rest():
     w = req("w", 37)
     w.num_computed_tokens = 32  # 2 cached blocks of 16
     assert s.schedule([], [w]).chunks == [ScheduledChunk("w", 5, True)]
+
+
+def test_a_hybrids_prefill_chunks_end_where_prefix_snapshots_are_kept():
+    # block 8, a checkpoint every 32 tokens: chunks end at 32, 64, then the prompt's last
+    # two block boundaries (88, 96), then its rest
+    sched = Scheduler(max_slots=4, max_batched_tokens=512, prefill_chunk_tokens=512,
+                      snapshot_block_tokens=8, snapshot_every_tokens=32)
+    r = req("h", 100)
+    ends = []
+    while r.num_computed_tokens < 100:
+        (chunk,) = sched.schedule([], [r]).chunks
+        r.num_computed_tokens += chunk.num_tokens
+        ends.append(r.num_computed_tokens)
+    assert ends == [32, 64, 88, 96, 100]
+    plain = Scheduler(max_slots=4, max_batched_tokens=512, prefill_chunk_tokens=512)
+    assert [c.num_tokens for c in plain.schedule([], [req("d", 100)]).chunks] == [100]

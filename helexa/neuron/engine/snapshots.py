@@ -1,0 +1,80 @@
+"""Where a hybrid model's requests keep prefix snapshots, and what becomes of them: the
+policy beside snapshot_pool.py's mechanism.
+
+A prefix-cache hit on a hybrid model must land where a snapshot of the linear-attention
+state is filed (admission.py), so snapshots are taken where an agent's next turn will hit:
+
+- inside a prompt, at every `every_tokens` (a multiple of the block size) and at the last
+  two full block boundaries of the prompt: the next turn repeats this prompt and appends to
+  it, but a chat template may render the generation prompt that ends it (`<think>` and the
+  like) otherwise in the history, so the one before the last block survives that;
+  the scheduler ends prefill chunks there (`next_stop`), since a state exists only at the
+  end of a step's row;
+- while generating, at each block boundary a plain decode row reaches, keeping only the
+  request's latest (the end of generation: the next turn repeats the reply too).
+
+A speculative verification row leaves its slot as it was before the row (its positions are
+settled only at the next step, helexa/kernels/linear_state.py), so it never takes one:
+a snapshot only ever holds accepted positions. Each snapshot is filed, after its step,
+under the chain key of the block that ends at its position (prefix_filing.py files those
+blocks first); a request restoring one copies it in its first step, then unpins it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the scheduler imports next_stop: no cycle, and no torch here
+    from helexa.neuron.engine.block_pool import BlockPool
+    from helexa.neuron.engine.model_runner import SeqInput
+    from helexa.neuron.engine.request import Request
+    from helexa.neuron.engine.scheduler import ScheduledChunk
+
+
+def next_stop(computed: int, prompt_tokens: int, block_size: int, every_tokens: int) -> int:
+    """The next prompt position after `computed` that keeps a snapshot (0: none)."""
+    last = prompt_tokens // block_size * block_size
+    stops = [last, last - block_size]
+    if every_tokens:
+        stops.append((computed // every_tokens + 1) * every_tokens)
+    return min((s for s in stops if computed < s <= last), default=0)
+
+
+def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk],
+               seqs: list[SeqInput], every_tokens: int) -> None:
+    """Set each sequence's restore (a hit's first step) and save (a snapshot position it
+    reaches), taking a snapshot slot for each save; a save with no slot free is skipped."""
+    snaps, bs = pool.snapshots, pool.block_size
+    if snaps is None:
+        return
+    for req, chunk, seq in zip(reqs, chunks, seqs, strict=True):
+        seq.restore_from = snaps.restoring(req.req_id)
+        if chunk.num_draft:
+            continue  # a verification row: its slot does not hold its positions yet
+        end = seq.num_computed + chunk.num_tokens
+        if chunk.is_prefill:
+            start = seq.num_computed
+            wanted = next_stop(start, req.num_prompt_tokens, bs, every_tokens) == end
+        else:
+            wanted = end % bs == 0
+        if wanted:
+            slot = snaps.take(req.req_id)
+            if slot >= 0:
+                seq.save_to = slot
+                req.snapshot_writes.append((slot, end))
+
+
+def file_saves(pool: BlockPool, req: Request) -> None:
+    """After the step (its full blocks filed): file what req's sequence saved, supersede its
+    older end-of-generation snapshot, and unpin what it restored."""
+    snaps, bs = pool.snapshots, pool.block_size
+    if snaps is None:
+        return
+    snaps.unpin(req.req_id)
+    for slot, end in req.snapshot_writes:
+        key = req.block_hashes[end // bs - 1]
+        if snaps.file(req.req_id, slot, key) and end > req.num_prompt_tokens:
+            if req.gen_snapshot is not None:
+                snaps.discard(*req.gen_snapshot)
+            req.gen_snapshot = (slot, key)
+    req.snapshot_writes = []

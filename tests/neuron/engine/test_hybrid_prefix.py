@@ -1,0 +1,230 @@
+"""Prefix reuse on hybrid (Gated DeltaNet) models: an agent session whose every turn repeats
+the last one and appends a reply and a tool result hits the cache at a snapshot of the
+linear-attention state, and gets exactly a cold server's tokens; a storm that evicts
+blocks and snapshots leaves the ledger whole."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from support.engine import Run, assert_whole, drive, with_drafter
+from support.mtp import SPEC
+
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative.drafters import NgramDrafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+def core_for(model_dir: Path, *, prefix_cache: bool = True, num_blocks: int = 400,
+             num_snapshot_slots: int | None = None, checkpoint_tokens: int = 4096,
+             **limits) -> EngineCore:
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=num_blocks,
+                      block_size=8, context=2048, prefix_cache=prefix_cache, bytes_per_token=0,
+                      num_snapshot_slots=num_snapshot_slots,
+                      prefix_checkpoint_tokens=checkpoint_tokens,
+                      limits=m.Limits(anon_max_in_flight=64, **limits))
+    return EngineCore(spec)
+
+
+def turn(rid: str, prompt: list[int], max_tokens: int = 16) -> m.NewRequest:
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY)
+
+
+def scored(core: EngineCore, prompt: list[int]) -> tuple[Run, list[float]]:
+    """Request "b" of `prompt` on `core`, with its sampled tokens' logprobs."""
+    logprobs: list[float] = []
+    new = m.NewRequest(req_id="b", prompt_token_ids=prompt, max_tokens=16,
+                       sampling=m.SamplingParams(temperature=0.0, logprobs=True))
+    run = drive(core, [new], served=True, on_update=lambda u: logprobs.extend(
+        lp.logprob for lp in u.logprobs or ()))
+    return run, logprobs
+
+
+def session(warm: EngineCore, cold: EngineCore, turns: int, seed: int) -> list[int]:
+    """An agent session on both engines: each turn is the last turn's prompt, its reply and
+    a tool result. Asserts equal tokens every turn; returns each turn's cached tokens."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 500) for _ in range(90)]
+    cached: list[int] = []
+    previous = 0  # the last turn's prompt tokens
+    for t in range(turns):
+        got = drive(warm, [turn(f"w{t}", prompt)], served=True)
+        want = drive(cold, [turn(f"c{t}", prompt)], served=True).tokens[f"c{t}"]
+        assert got.tokens[f"w{t}"] == want, f"turn {t}"
+        cached.append(got.admitted[f"w{t}"].cached_tokens)
+        if previous:
+            assert cached[t] >= 0.9 * previous, (t, cached[t], previous)
+        previous = len(prompt)
+        prompt = prompt + want + [rng.randrange(3, 500) for _ in range(rng.randrange(9, 40))]
+    return cached
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
+def test_agent_session_hits_every_turn_with_a_cold_servers_tokens(tiny_checkpoint, arch):
+    model_dir = tiny_checkpoint(arch)
+    warm, cold = core_for(model_dir), core_for(model_dir, prefix_cache=False)
+    assert warm.spec.prefix_cache and not cold.spec.prefix_cache
+    assert warm.pool.snapshots is not None and cold.pool.snapshots is None
+    cached = session(warm, cold, 12, seed=3)
+    assert cached[0] == 0 and all(cached[1:])
+    assert_whole(warm, hybrid=True)
+    led = warm.pool.ledger()
+    assert led.cached_bytes >= led.snapshot_cached_bytes > 0 and warm.pool.num_cached_blocks
+
+
+def test_checkpoints_inside_a_long_prompt_serve_a_diverging_one(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    warm = core_for(model_dir, checkpoint_tokens=96, prefill_chunk_tokens=512)
+    cold = core_for(model_dir, prefix_cache=False)
+    rng = random.Random(5)
+    shared = [rng.randrange(3, 500) for _ in range(300)]
+    drive(warm, [turn("a", shared + [7] * 20)], served=True)
+    b = shared + [rng.randrange(3, 500) for _ in range(5)]  # diverges after 300 tokens:
+    # the last checkpoint before, at 288, is the hit (a's prompt-end one is at 320)
+    got, warm_logprobs = scored(warm, b)
+    assert got.admitted["b"].cached_tokens == 288
+    cold_run, cold_logprobs = scored(cold, b)
+    assert got.tokens["b"] == cold_run.tokens["b"]
+    # the restored state is the one a cold prefill reaches, not merely close enough to it
+    # for the same greedy tokens
+    assert warm_logprobs == pytest.approx(cold_logprobs, abs=1e-4)
+    assert_whole(warm, hybrid=True)
+
+
+def test_session_with_ngram_speculation_keeps_a_cold_servers_tokens(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    warm = with_drafter(core_for(model_dir, spec_k=3, spec_full_below=1.0,
+                                 spec_off_above=1.01), NgramDrafter(min_n=1))
+    cold = core_for(model_dir, prefix_cache=False)
+    session(warm, cold, 12, seed=3)
+    assert warm.status().spec_drafted_tokens > 0
+    assert_whole(warm, hybrid=True)
+
+
+def test_session_with_mtp_speculation_keeps_a_cold_servers_tokens(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    warm = core_for(model_dir, speculation="mtp", **SPEC)
+    cold = core_for(model_dir, prefix_cache=False)
+    assert warm.status().drafter == "mtp"
+    session(warm, cold, 8, seed=4)
+    assert warm.status().spec_drafted_tokens > 0
+    assert_whole(warm, hybrid=True)
+
+
+def test_tensor_parallel_session_restores_on_every_rank(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=400, block_size=8,
+                      context=2048, bytes_per_token=0, tp=2, devices=["cpu", "cpu"],
+                      limits=m.Limits(anon_max_in_flight=64))
+    warm = EngineCore(spec)
+    try:
+        session(warm, core_for(model_dir, prefix_cache=False), 4, seed=6)
+        assert_whole(warm, hybrid=True)
+    finally:
+        warm.close()
+
+
+def test_a_grammar_constrained_turn_on_a_hit_is_a_cold_servers_and_parses(tiny_checkpoint):
+    import json
+
+    from helexa import grammar
+    from helexa.neuron.tokenizer import Tokenizer
+
+    model_dir = tiny_checkpoint("qwen3_5")
+    tok = Tokenizer.from_dir(model_dir)
+    schema = {"type": "object", "additionalProperties": False, "required": ["file", "line"],
+              "properties": {"file": {"type": "string", "maxLength": 16},
+                             "line": {"type": "integer", "minimum": 0, "maximum": 999}}}
+    chat = [{"role": "user", "content": "Find the bug in the parser, then report it. " * 6}]
+    first = tok.encode_chat(chat)
+    warm, cold = core_for(model_dir), core_for(model_dir, prefix_cache=False)
+    reply = drive(warm, [turn("w0", first)], served=True).tokens["w0"]
+    chat += [{"role": "assistant", "content": tok.decode(reply)},
+             {"role": "user", "content": "Report it as JSON."}]
+    second = tok.encode_chat(chat)
+
+    def constrained(rid: str) -> m.NewRequest:
+        return m.NewRequest(req_id=rid, prompt_token_ids=second, max_tokens=80,
+                            sampling=GREEDY, stop_token_ids=tok.eos_token_ids,
+                            grammar=grammar.grammar_text(grammar.json_schema(schema)))
+
+    got = drive(warm, [constrained("w1")], served=True)
+    want = drive(cold, [constrained("c1")], served=True).tokens["c1"]
+    assert got.tokens["w1"] == want and got.admitted["w1"].cached_tokens >= 0.9 * len(first)
+    assert got.final["w1"].finished == m.FinishReason.STOP
+    assert set(json.loads(tok.decode(want))) == {"file", "line"}
+    assert_whole(warm, hybrid=True)
+
+
+def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    core = core_for(model_dir, num_blocks=60, num_snapshot_slots=3, checkpoint_tokens=16,
+                    max_in_flight=4, max_slots=4, max_batched_tokens=64,
+                    prefill_chunk_tokens=24, max_queue_depth=64, max_per_principal=64)
+    rng = random.Random(11)
+    stems = [[rng.randrange(3, 500) for _ in range(40)] for _ in range(3)]
+    news = [turn(f"r{i}", rng.choice(stems)[:rng.randrange(17, 40)]
+                 + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))],
+                 rng.randrange(2, 20)) for i in range(40)]
+    abandon = {n.req_id for n in news[::3]}
+    inbound: m.ToEngine | None = m.ToEngine(new=news)
+    hits = 0
+    for _ in range(20_000):
+        out = core.step(inbound)
+        inbound = m.ToEngine()
+        for u in out.updates:
+            assert u.refused_code is None and (u.error == "" or u.req_id in abandon), u
+            hits += bool(u.admitted and u.cached_tokens)
+            if u.req_id in abandon and u.new_token_ids and u.finished is None:
+                inbound.aborts.append(m.Abort(req_id=u.req_id))
+        core.pool.check()
+        led = core.pool.ledger()
+        assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
+        if not core.has_work and not inbound.aborts:
+            break
+    assert hits and core.pool.num_evicted_total and core.pool.snapshots is not None
+    assert core.pool.snapshots.num_evicted_total
+    assert_whole(core, hybrid=True)
+
+
+def test_pool_pins_a_hit_snapshot_and_drops_one_whose_block_is_evicted():
+    from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+
+    pool = BlockPool(3, 2, bytes_per_block=10, num_state_slots=1, fixed_bytes=100,
+                     num_snapshot_slots=2)
+    snaps = pool.snapshots
+    assert snaps is not None and list(snaps.slots) == [1, 2]  # after the request slot
+    k1 = hash_block_tokens(None, [1, 2])
+    k2 = hash_block_tokens(k1, [3, 4])
+    assert pool.reserve("a", 2)
+    blocks = [pool.draw("a"), pool.draw("a")]
+    pool.register(blocks[0], k1)
+    pool.register(blocks[1], k2)
+    s1, s2 = snaps.take("a"), snaps.take("a")
+    assert (s1, s2, snaps.take("a")) == (1, 2, -1)  # none left: that snapshot is skipped
+    assert pool.ledger().used_bytes == 20 + 100 + 200  # blocks, the state, two being written
+    assert snaps.file("a", s1, k1) and snaps.file("a", s2, k2)
+    pool.release("a")
+    led = pool.ledger()
+    assert (led.cached_bytes, led.snapshot_cached_bytes, led.free_bytes) == (220, 200, 330)
+    assert snaps.lookup(k2) == 2 and snaps.lookup(hash_block_tokens(k1, [3, 5])) is None
+    # a hit on both blocks pins the snapshot after them with the blocks, in one reservation
+    assert pool.reserve("b", 1, blocks, restore=2) and snaps.restoring("b") == 2
+    assert pool.ledger().used_bytes == 20 + 200  # the blocks and the pinned snapshot
+    assert snaps.take("b") == 1  # evicts the older cached snapshot, never the pinned one
+    pool.release("b")
+    pool.check()
+    assert snaps.restoring("b") == -1 and snaps.lookup(k1) is None and snaps.lookup(k2) == 2
+    # a new reservation that evicts k2's block drops the snapshot filed under it
+    assert pool.reserve("c", 3) and snaps.lookup(k2) is None
+    pool.release("c")
+    pool.check()
+    assert pool.ledger().free_bytes == pool.ledger().total_bytes == 330
