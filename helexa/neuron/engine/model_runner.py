@@ -113,8 +113,6 @@ class ModelRunner:
         self.hf_config, self.config = ckpt.raw, ckpt.config
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
-        # A captured decode graph would replay one step's state slots: none for hybrids.
-        cuda_graphs = cuda_graphs and not self.config.is_hybrid
         shape = backends.AttentionShape(self.config.num_heads, self.config.num_kv_heads,
                                         self.config.head_dim, resolve_dtype(self.config, dtype))
         self.backend = backends.select(backend, self.device, cuda_graphs=cuda_graphs,
@@ -164,7 +162,9 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
-        if tp_rank == 0:
+        if tp_rank > 0:  # the leader's capture steps (below) reach this rank as steps
+            self.backend.executor.follow_leader()
+        else:
             try:
                 memory_plan.check_bytes_per_block(
                     plan_bytes_per_block, self.kv_bytes_per_block,
@@ -172,6 +172,7 @@ class ModelRunner:
             except memory_plan.KvPlanError:
                 self.close()
                 raise
+            self._capture_graphs()
 
     @property
     def attention_backend(self) -> str:
@@ -186,6 +187,7 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.reset_kv(num_blocks, kv_dtype)
         self._reset_own_kv(num_blocks, kv_dtype)
+        self._capture_graphs()  # the old graphs held the old pools
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -204,6 +206,16 @@ class ModelRunner:
         self.kv_pools = self.backend.attention.allocate_kv(
             layers, num_blocks, self.block_size, storage=storage, compute=self.dtype)
         self.backend.executor.kv_allocated(self.kv_pools)
+
+    def _capture_graphs(self) -> None:
+        """At load: one b-row decode step per graph size (largest first) while the executor
+        captures, on block 0 and the first state slots (nothing is in the pool yet)."""
+        sizes, slots = self.backend.executor.graph_sizes(), max(1, self.num_state_slots)
+        if not sizes:
+            return
+        with self.backend.executor.capturing():
+            for b in sizes:
+                self.execute([SeqInput([0], 0, [0], True, i % slots) for i in range(b)])
 
     def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
         """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
