@@ -37,9 +37,11 @@ Form = Literal["looped", "gathered", "masked"]
 SYNC_FREE_MAX_ROWS = 256
 
 
-def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int) -> Form:
-    """Which form runs num_rows tokens' experts on this device (see the module docstring)."""
-    if device_type != "cuda" or num_rows > SYNC_FREE_MAX_ROWS:
+def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
+                capturing: bool = False) -> Form:
+    """Which form runs num_rows tokens' experts on this device (see the module docstring);
+    ``capturing``: a CUDA graph is being captured, which no host sync may interrupt."""
+    if device_type != "cuda" or (num_rows > SYNC_FREE_MAX_ROWS and not capturing):
         return "looped"
     return "gathered" if num_rows * top_k <= num_experts else "masked"
 
@@ -84,5 +86,6 @@ FORMS = {"looped": experts_looped, "gathered": experts_gathered, "masked": exper
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """The expert products by the form choose_form names for this device and step."""
-    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0])
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0], capturing)
     return FORMS[form](x, w13, w2, chosen, weights)

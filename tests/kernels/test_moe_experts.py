@@ -99,6 +99,9 @@ def test_the_rule_keeps_syncs_off_cuda_decode_steps_only():
     assert choose_form("cuda", 17, 8, 128) == "masked"
     assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS, 8, 128) == "masked"
     assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS + 1, 8, 128) == "looped"
+    # a graph of a batch that large is still captured whole: no sync may interrupt it
+    assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS + 1, 8, 128, True) == "masked"
+    assert choose_form("cpu", 1, 8, 128, True) == "looped"
 
 
 def _block(shared: bool) -> SparseMoeBlock:

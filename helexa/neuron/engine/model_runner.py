@@ -71,10 +71,8 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
     try:
         dt = parse_dtype(kv_dtype)
     except ValueError:
-        raise ValueError(
-            f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
-            f"{', '.join(kv_quant.QUANT_DTYPES)})"
-        ) from None
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
+                         f"{', '.join(kv_quant.QUANT_DTYPES)})") from None
     return _KV_NAMES[dt], dt
 
 
@@ -208,8 +206,7 @@ class ModelRunner:
         self.backend.executor.kv_allocated(self.kv_pools)
 
     def _capture_graphs(self) -> None:
-        """At load: one b-row decode step per graph size (largest first) while the executor
-        captures, on block 0 and the first state slots (nothing is in the pool yet)."""
+        """At load (the pool empty): a b-row decode step per graph size while capturing."""
         sizes, slots = self.backend.executor.graph_sizes(), max(1, self.num_state_slots)
         if not sizes:
             return
@@ -218,8 +215,8 @@ class ModelRunner:
                 self.execute([SeqInput([0], 0, [0], True, i % slots) for i in range(b)])
 
     def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
-        """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
-        probe pool, then size the pool from the memory left (memory_plan.fit_blocks)."""
+        """CUDA: on a probe pool, the peaks of a worst-case step and (graphs hold a pool of
+        their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
         bs, rows = self.block_size, max(1, self.max_num_seqs)
         prefill = max(2, self.max_batched_tokens - (rows - 1))
         probe = -(-prefill // bs) + rows
@@ -230,6 +227,9 @@ class ModelRunner:
         step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
             SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
         peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
+        if self.backend.executor.graph_sizes():  # captured at load into a pool held apart
+            decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
+            peak += memory_plan.peak_step_bytes(self.device, lambda: self.execute(decode))
         self._allocate_kv([], 0, None)  # free the probe pool
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
