@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from support.host_sync import NoHostSync
 
 from helexa.kernels import moe_experts
 from helexa.kernels.moe_experts import (
@@ -18,20 +18,6 @@ from helexa.kernels.moe_experts import (
     experts_masked,
 )
 from helexa.neuron.models.moe import SparseMoeBlock
-
-aten = torch.ops.aten
-# Ops whose result the host must wait for: a scalar read or an output sized by the data.
-HOST_SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten._unique2, aten.unique_dim,
-                 aten.unique_consecutive, aten.masked_select, aten.item}
-
-
-class NoHostSync(TorchDispatchMode):
-    """Fails the first op that would make the host wait for a CUDA device."""
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
-        if func.overloadpacket in HOST_SYNC_OPS:
-            raise AssertionError(f"host sync: {func}")
-        return func(*args, **(kwargs or {}))
 
 
 def _experts(e: int = 8, h: int = 32, i: int = 16, dtype: torch.dtype = torch.float32,
