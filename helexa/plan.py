@@ -34,6 +34,7 @@ from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summa
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
+    graph_pool_bytes,
     held_bytes_per_request,
     kv_bytes_per_token,
     weight_bytes_per_card,
@@ -121,6 +122,11 @@ class ModelPlan:
     draft_weight_bytes: int = 0
     draft_bytes_per_token: int = 0
     mtp_kv_layers: int = 0  # pool layers for the MTP head (where a speculation names mtp)
+    # engine.cuda_graphs: decode batches 1..graph_rows captured at load on a cuda backend,
+    # their one shared pool (an estimate) kept inside the activation headroom; 0 without.
+    graph_rows: int = 0
+    graph_pool_bytes: int = 0
+    headroom_bytes: int = 0
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -293,7 +299,13 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots,
                                                            room // fixed)))
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
-    return replace(plan, num_state_slots=slots, blocks_beside_state=blocks)
+    graph_rows = 0
+    if cfg.engine.cuda_graphs:
+        graph_rows = (profile.max_slots if profile and profile.max_slots
+                      else cfg.engine.max_slots)
+    return replace(plan, num_state_slots=slots, blocks_beside_state=blocks,
+                   graph_rows=graph_rows, headroom_bytes=headroom,
+                   graph_pool_bytes=graph_pool_bytes(shape, tp, graph_rows, float_dtype))
 
 
 def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,

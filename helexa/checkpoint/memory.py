@@ -17,6 +17,14 @@ Per card, with tp-way tensor parallelism:
         (2 × k_heads × k_dim + v_heads × v_dim)/tp × state_bytes   # conv inputs
         + k_heads/tp × k_dim × 4 + v_heads/tp × v_dim × state_bytes  # k (fp32), v
         + 2 × v_heads/tp × 4 )                                      # g, beta (fp32)
+    graph_pool_bytes (engine.cuda_graphs) = max_slots × (           # the largest decode batch
+        vocab × (4 + 4 + weight bytes)                 # logits: shared out, fp32, as computed
+        + weight bytes × (4 × hidden + (heads + 2 × kv_heads)/tp × head_dim
+                          + 2 × intermediate/tp)       # one layer's live activations
+        + (hybrids) 2 × v_heads/tp × k_dim × v_dim × 4 )  # one layer's gathered states, fp32
+    (an estimate of what one shared pool holds for the largest captured batch: the smaller
+    batches reuse it; an MoE layer's gathered expert copies, helexa/kernels/moe_experts.py,
+    are not in it; not measured on a GPU)
 """
 
 from __future__ import annotations
@@ -32,7 +40,8 @@ from helexa.checkpoint.layer_memory import (
 from helexa.checkpoint.shape import ELT_BYTES, ModelShape, dtype_name, param_split
 from helexa.checkpoint.weights import quantized_weight_bytes_per_card
 
-__all__ = ["QUANT_GROUP", "fixed_bytes_per_request", "held_bytes_per_request",
+__all__ = ["QUANT_GROUP", "fixed_bytes_per_request", "graph_capture_sizes",
+           "graph_pool_bytes", "held_bytes_per_request",
            "kv_bytes_per_token", "kv_heads_per_card", "kv_token_head_bytes",
            "weight_bytes_per_card"]
 
@@ -70,3 +79,25 @@ def weight_bytes_per_card(shape: ModelShape, tp: int, weight_dtype: str,
                                                quantize, group_size)
     sharded, replicated = param_split(shape, tp)
     return (math.ceil(sharded / tp) + replicated) * ELT_BYTES[dtype_name(weight_dtype)]
+
+
+def graph_capture_sizes(max_slots: int) -> list[int]:
+    """The decode batch sizes captured as CUDA graphs at load, in capture order: every size
+    from max_slots down to 1, largest first, so the one shared pool is sized by the largest
+    and every smaller graph fits in what it already holds."""
+    return list(range(max_slots, 0, -1))
+
+
+def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None) -> int:
+    """The shared CUDA-graph pool's bytes on each card for decode batches up to max_slots
+    (see the module docstring; an estimate, in the weights' dtype, default the checkpoint's)."""
+    elt = ELT_BYTES[dtype_name(dtype or shape.torch_dtype)]
+    heads = math.ceil(shape.num_heads / tp) + 2 * kv_heads_per_card(shape, tp)
+    inter = max(shape.intermediate_size, shape.moe_intermediate_size,
+                shape.shared_expert_intermediate_size)
+    per_row = shape.vocab_size * (8 + elt) + elt * (
+        4 * shape.hidden_size + heads * shape.head_dim + 2 * math.ceil(inter / tp))
+    if shape.linear_attention_layers:
+        per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
+            shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
+    return max_slots * per_row

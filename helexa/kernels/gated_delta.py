@@ -18,8 +18,13 @@ verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
 state after only the first few of them: the rollback of rejected drafts
 (docs/speculation.md). On CUDA, with
 flash-linear-attention (``fla-core``) installed, the state backend
-(helexa/kernels/backends/gdn.py) runs prefill on its Triton kernel instead
-(``fla_chunked``), import-guarded: CPU never needs it.
+(helexa/kernels/backends/gdn.py) runs prefill on its chunked Triton kernel
+(``fla_chunked``) and decode on its fused recurrent one (``fla_decode``: the whole
+step, decay, delta update and output, in one launch per layer), import-guarded: CPU
+never needs them. fla's recurrent kernel takes grouped heads (value head h reads key
+head h // (v_heads / k_heads), the grouping the torch forms get from
+``repeat_interleave``), so decode passes q and k as they are; its chunked kernel takes
+one head count for q, k and v, so prefill repeats them.
 
 q and k arrive L2-normalised (``l2norm``) and q is scaled by the caller's
 ``scale``; everything is computed in fp32.
@@ -34,8 +39,9 @@ CHUNK = 64
 
 try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_chunk = None
+    _fla_chunk = _fla_recurrent = None
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -214,3 +220,25 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                       initial_state=None if state is None else state[None].float(),
                       output_final_state=True)
     return o[0].float(), s[0]
+
+
+def fla_decode_available(device: torch.device) -> bool:
+    """fla's fused recurrent kernel applies: CUDA and the package installed (it takes fp32
+    inputs as well as 16-bit ones)."""
+    return _fla_recurrent is not None and device.type == "cuda"
+
+
+def fla_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """delta_rule_decode on fla's fused recurrent kernel (CUDA only), with grouped heads:
+    q, k [B, key_heads, dk] (q already normalised and scaled); v [B, v_heads, dv]; g, beta
+    [B, v_heads]; states [B, v_heads, dk, dv] fp32, updated in place. Returns o [B, v_heads,
+    dv] fp32. Inputs in the model's `dtype`, the decays and the state in fp32."""
+    assert _fla_recurrent is not None
+    # keywords only: fla's releases differ in the optional decays between g and beta
+    o, final = _fla_recurrent(q=q[:, None].to(dtype), k=k[:, None].to(dtype),
+                              v=v[:, None].to(dtype), g=g[:, None].float(),
+                              beta=beta[:, None].to(dtype), scale=1.0, initial_state=states,
+                              output_final_state=True)
+    states.copy_(final)
+    return o[:, 0].float()

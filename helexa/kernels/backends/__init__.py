@@ -85,8 +85,8 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
                          f"({cuda.import_error()})")
     from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 
-    graphs = opts.cuda_graphs and opts.tp_size == 1
-    attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if graphs else 0)
+    attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if opts.cuda_graphs
+                                   else 0)
     return Device(attention, CudaGraphExecutor(attention))
 
 
@@ -97,7 +97,7 @@ REGISTRY: dict[str, Callable[[torch.device, DeviceOptions], Device]] = {
 def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num_seqs: int = 8,
            tp_size: int = 1, shape: AttentionShape | None = None) -> Device:
     """The device backend ``name`` (one of NAMES) for ``device``; ValueError naming what is
-    wrong. ``cuda_graphs`` (tp = 1 only) lets the cuda one capture decode steps of up to
+    wrong. ``cuda_graphs`` lets the cuda one capture decode steps of up to
     ``max_num_seqs`` rows. ``shape``: the model's attention, for the cuda fallback (see the
     module docstring)."""
     if name not in NAMES:

@@ -15,12 +15,11 @@ or in the default tests needs it.
   aligned to the end of their context, so a chunk over cached context needs no
   mask and decode rows ride along with q_len 1). K/V are written with one
   index_copy_ per layer; attention reads the pages in place, no gather.
-- CUDA graphs (``engine.cuda_graphs``, tp = 1): a pure-decode step of b rows,
-  1 <= b <= max_slots, is planned on its own cuda-graph decode wrapper over fixed
+- CUDA graphs (``engine.cuda_graphs``, any tp, dense or hybrid): a pure-decode step of
+  b rows, 1 <= b <= max_slots, is planned on its own cuda-graph decode wrapper over fixed
   index buffers and a static slot tensor (:meth:`CudaAttention.static_meta`); the
-  executor (cuda_graphs.py) captures the step the first time that b is seen and
-  replays it after, with the step's ids, positions and slots copied into its static
-  inputs.
+  executor (cuda_graphs.py) captures every b at load and replays after, with the step's
+  ids, positions and slots copied into its static inputs.
 - Quantised kv dtypes, and a kv dtype other than the queries' (FlashInfer's kernels take one
   q/kv dtype pair per build): the composed torch backend (``reference``) allocates and plans.
 - What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256/512.

@@ -1,28 +1,65 @@
 """The cuda device's step executor: pure-decode steps captured as CUDA graphs and replayed.
 
+Every decode batch size 1..graph_rows is captured at load, largest first
+(checkpoint/memory.py graph_capture_sizes), into one shared memory pool: the smaller
+graphs reuse what the largest took, which is what ``helexa plan`` counts
+(graph_pool_bytes). The model runner drives it: while ``capturing`` it runs one b-row
+decode step per size, and a step whose b has no graph is captured then; after load no
+graph is ever captured mid-serving (a size without one runs layer by layer).
+
 A pure-decode step of b rows that the cuda attention backend planned on its b-row
-cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py) is captured the first time that b
-is seen and replayed after: the step's ids, positions and slots are copied into the
-graph's static inputs (the wrapper itself was re-planned by the step's ``plan``), the
-graph replayed, its static output copied out. Graphs hold the pools' addresses, so a new
-pool drops them. Every other step runs the model's forward. Only with
-``engine.cuda_graphs`` at tp = 1, never for hybrid models (a graph would replay one
-step's state slots).
+cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py) replays its graph: the step's ids,
+positions, KV slots and, for hybrid models, linear-attention state slots
+(GdnMetadata.decode_slots) are copied into the graph's static inputs (the wrapper itself
+was re-planned by the step's ``plan``), the graph replayed, and its rows of the one
+shared output buffer copied out. Graphs hold the pools' addresses, so a new pool drops
+them (the runner captures again). With tensor parallelism every rank runs the same steps
+in the same order, so their graphs hold the same collectives; the worker ranks capture
+whenever the leader's load steps reach them.
+
+The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 import torch
 
+from helexa.checkpoint.memory import graph_capture_sizes
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
 from helexa.kernels.backends.executor import LinearSite, StepExecutor, model_forward
 from helexa.kernels.paged_kv import PagedKV
 
 log = structlog.get_logger(component="kernels")
+
+
+class GraphRuntime:
+    """The CUDA calls of capture and replay (a test stands in one that runs on CPU)."""
+
+    def pool(self) -> Any:
+        """A memory pool every graph of this executor shares."""
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, device: torch.device, run: Callable[[], None], pool: Any) -> Any:
+        """run once off the capture (allocator, lazy inits), then captured into pool."""
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the tensor-parallel health thread may touch CUDA meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            run()
+        return graph
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
 
 
 @dataclass
@@ -31,17 +68,35 @@ class _Graph:
     ids: torch.Tensor
     positions: torch.Tensor
     meta: CudaMetadata  # static: the graph wrapper and its slot mapping
-    out: torch.Tensor
+    state: Any  # static GdnMetadata (hybrids): its decode_slots filled before replay; or None
 
 
 class CudaGraphExecutor(StepExecutor):
-    def __init__(self, attention: CudaAttention) -> None:
+    def __init__(self, attention: CudaAttention, runtime: GraphRuntime | None = None) -> None:
         self.attention = attention
+        self.runtime = runtime or GraphRuntime()
         self._graphs: dict[int, _Graph] = {}
+        self._pool: Any = None
+        self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
+        self._capturing = False
 
     def describe(self) -> str:
         rows = self.attention.graph_rows
-        return f"graphs for 1..{rows} rows" if rows else "no graphs"
+        return f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
+
+    def graph_sizes(self) -> list[int]:
+        return graph_capture_sizes(self.attention.graph_rows)
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def follow_leader(self) -> None:
+        self._capturing = True  # a worker rank captures as the leader's load steps arrive
 
     def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
                 max_batched_tokens: int, tp_size: int) -> None:
@@ -57,31 +112,44 @@ class CudaGraphExecutor(StepExecutor):
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
         b = meta.graph_rows if isinstance(meta, CudaMetadata) else 0
-        if not b or logits_rows is not None or state is not None:
+        # keep_hidden: a drafter reads the step's hidden states, which a replay does not set
+        if not b or logits_rows is not None or getattr(model, "keep_hidden", False):
             return model_forward(model, input_ids, positions, meta, logits_rows, state)
         g = self._graphs.get(b)
         if g is None:
-            g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta)
+            if not self._capturing:  # never captured mid-serving: this size runs eagerly
+                return model_forward(model, input_ids, positions, meta, logits_rows, state)
+            g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta, state)
         g.ids.copy_(input_ids)
         g.positions.copy_(positions)
         g.meta.slot_mapping.copy_(meta.slot_mapping)
-        g.graph.replay()
-        return g.out.clone()  # the static output is overwritten by the next replay
+        if g.state is not None:
+            g.state.decode_slots.copy_(state.decode_slots)
+        self.runtime.replay(g.graph)
+        assert self._out is not None
+        return self._out[:b].clone()  # the shared output is overwritten by the next replay
 
     def _capture(self, model: torch.nn.Module, b: int, input_ids: torch.Tensor,
-                 positions: torch.Tensor, meta: CudaMetadata) -> _Graph:
+                 positions: torch.Tensor, meta: CudaMetadata, state: Any) -> _Graph:
         """Capture a b-row decode step over this step's (already planned) inputs."""
-        device = input_ids.device
         static = self.attention.static_meta(b)
         ids, pos = input_ids.clone(), positions.clone()
         static.slot_mapping.copy_(meta.slot_mapping)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):  # warm up off the capture (allocator, lazy inits)
-            model(ids, pos, static, None)
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = model(ids, pos, static, None)
+        # a pure-decode step's state metadata is its slots alone: a fixed buffer of them
+        static_state = None if state is None else replace(
+            state, decode_slots=state.decode_slots.clone())
+        if self._pool is None:
+            self._pool = self.runtime.pool()
+        out_rows = max(b, self.attention.graph_rows)
+
+        def step() -> None:
+            logits = model_forward(model, ids, pos, static, None, static_state)
+            if self._out is None or self._out.shape[0] < out_rows:
+                self._out = logits.new_empty(out_rows, logits.shape[-1])  # outside any graph
+            self._out[:b].copy_(logits)
+
+        if self._out is None:  # allocate the shared output before capture, not inside it
+            step()
+        graph = self.runtime.capture(input_ids.device, step, self._pool)
         log.info("kernels.cuda_graph_captured", rows=b)
-        return _Graph(graph, ids, pos, static, out)
+        return _Graph(graph, ids, pos, static, static_state)

@@ -11,7 +11,10 @@ That is a :class:`StepExecutor`, one per model runner, built with its attention 
   never imports the model code; the dependency points neuron → kernels only;
 - whenever the pools are (re)allocated, ``kv_allocated`` gets them;
 - per step, ``run`` returns the step's fp32 logits: the model's forward, unless the
-  executor has a whole-step path for this step's metadata.
+  executor has a whole-step path for this step's metadata;
+- an executor that captures steps (CUDA graphs) names the decode batch sizes in
+  ``graph_sizes``; the runner then runs one decode step of each, in that order, inside
+  ``capturing`` once the pools exist (at load, and after each reallocation).
 
 The base class is the plain one (every step through the model's forward, weights left
 as loaded): the ``torch`` device's, and the fallback of the others.
@@ -19,7 +22,8 @@ as loaded): the ``torch`` device's, and the fallback of the others.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,6 +79,19 @@ class StepExecutor:
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         """The attention backend (re)allocated its pools (an empty list: freed)."""
+        return None
+
+    def graph_sizes(self) -> list[int]:
+        """Decode batch sizes to capture once the pools exist, in capture order (none)."""
+        return []
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """The steps run inside are the capture steps of graph_sizes."""
+        yield
+
+    def follow_leader(self) -> None:
+        """A tensor-parallel worker rank: capture as the leader's capture steps arrive."""
         return None
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

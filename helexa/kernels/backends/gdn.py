@@ -15,9 +15,11 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
   forward, then ``end_step`` copies the states the step keeps as snapshots (snapshot
   slots are carved beside the request slots, the same shape: docs/architecture.md);
 - per layer, ``forward`` runs the causal conv1d and the gated delta rule over the slots,
-  choosing the kernel: flash-linear-attention's chunked prefill on CUDA for 16-bit
-  models when installed, else helexa/kernels/gated_delta.py's torch forms (the reference);
-  a verification row runs token by token as decode and is held, its slot left as it was.
+  choosing the kernel: on CUDA with flash-linear-attention installed, its fused recurrent
+  decode (q and k passed grouped, as the layer has them) and, for 16-bit models, its
+  chunked prefill; else helexa/kernels/gated_delta.py's torch forms (the reference, each
+  key head repeated to its value heads); a verification row runs token by token as
+  decode and is held, its slot left as it was.
 """
 
 from __future__ import annotations
@@ -54,9 +56,11 @@ class GatedDeltaStates:
         self.specs: list[LinearAttentionSpec] = []
         self.layers: list[LinearState] = []
         self._fla = False
+        self._fla_decode = False
 
     def describe(self) -> str:
-        return f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill"
+        return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, "
+                f"{'fla fused' if self._fla_decode else 'torch'} decode")
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
         """Drop the old states, then give each layer (as its spec states) num_slots slots."""
@@ -64,6 +68,7 @@ class GatedDeltaStates:
         self.specs = list(specs)
         self.layers = [LinearState(s, num_slots, self.device) for s in self.specs]
         self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
+        self._fla_decode = bool(specs) and gd.fla_decode_available(self.device)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -157,13 +162,20 @@ class GatedDeltaStates:
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
         q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
         k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
-        if vh > kh:  # each key head serves vh / kh consecutive value heads
+        grouped_q = q
+        if vh > kh and (not self._fla_decode or meta.prefills or rows is not None):
+            # the torch forms and fla's chunked kernel take a key head per value head:
+            # each key head serves vh / kh consecutive value heads
             q, k = q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1)
         v = v.reshape(n, vh, dv)
         o = torch.empty(n, vh, dv, dtype=torch.float32, device=mixed.device)
         if nd:
             states = state.recurrent.index_select(0, meta.decode_slots).float()
-            o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
+            if self._fla_decode:  # one fused launch, the heads grouped as they are
+                o[:nd] = gd.fla_decode(grouped_q[:nd], key_heads[:nd], v[:nd], g[:nd],
+                                       beta[:nd], states, mixed.dtype)
+            else:
+                o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
         for start, end, slot in meta.prefills:
             args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],

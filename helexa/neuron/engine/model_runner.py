@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +32,7 @@ from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.runner import StepOutput
+from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
 from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
@@ -47,24 +47,6 @@ _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 log = structlog.get_logger(component="engine")
 
 
-@dataclass
-class SeqInput:
-    """One sequence's share of a step."""
-
-    token_ids: list[int]  # tokens to process this step (prefill chunk, or 1 for decode)
-    num_computed: int  # tokens of this sequence already in the KV cache
-    block_table: list[int]  # physical block ids covering num_computed + len(token_ids)
-    need_logits: bool  # produce next-token logits (last chunk of prefill, or decode)
-    state_slot: int = -1  # hybrid models: the request's linear-attention state slot
-    # Logits rows for the last this-many tokens of the chunk (need_logits only): a
-    # speculative verification row [last token, k drafts] asks for k + 1.
-    num_logits: int = 1
-    # Hybrid models' prefix snapshots (absolute state slots, -1: none): the state starts from
-    # this snapshot (a prefix-cache hit's first chunk), or is copied to it after the step.
-    restore_from: int = -1
-    save_to: int = -1
-
-
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
     """"auto" → the model's dtype; returns the canonical name and the storage dtype
     (None for the quantised kinds, whose storage kernels.kv_quant lays out)."""
@@ -75,10 +57,8 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
     try:
         dt = parse_dtype(kv_dtype)
     except ValueError:
-        raise ValueError(
-            f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
-            f"{', '.join(kv_quant.QUANT_DTYPES)})"
-        ) from None
+        raise ValueError(f"kv_dtype {kv_dtype!r} is not supported (auto, fp32, fp16, bf16, "
+                         f"{', '.join(kv_quant.QUANT_DTYPES)})") from None
     return _KV_NAMES[dt], dt
 
 
@@ -118,8 +98,6 @@ class ModelRunner:
         self.hf_config, self.config = ckpt.raw, ckpt.config
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None
-        # A captured decode graph would replay one step's state slots: none for hybrids.
-        cuda_graphs = cuda_graphs and not self.config.is_hybrid
         shape = backends.AttentionShape(self.config.num_heads, self.config.num_kv_heads,
                                         self.config.head_dim, resolve_dtype(self.config, dtype))
         self.backend = backends.select(backend, self.device, cuda_graphs=cuda_graphs,
@@ -171,7 +149,9 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
-        if tp_rank == 0:
+        if tp_rank > 0:  # the leader's capture steps (below) reach this rank as steps
+            self.backend.executor.follow_leader()
+        else:
             try:
                 memory_plan.check_bytes_per_block(
                     plan_bytes_per_block, self.kv_bytes_per_block,
@@ -179,6 +159,7 @@ class ModelRunner:
             except memory_plan.KvPlanError:
                 self.close()
                 raise
+            self._capture_graphs()
 
     @property
     def attention_backend(self) -> str:
@@ -193,6 +174,7 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.reset_kv(num_blocks, kv_dtype)
         self._reset_own_kv(num_blocks, kv_dtype)
+        self._capture_graphs()  # the old graphs held the old pools
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
@@ -212,9 +194,18 @@ class ModelRunner:
             layers, num_blocks, self.block_size, storage=storage, compute=self.dtype)
         self.backend.executor.kv_allocated(self.kv_pools)
 
+    def _capture_graphs(self) -> None:
+        """At load (the pool empty): a b-row decode step per graph size while capturing."""
+        sizes, slots = self.backend.executor.graph_sizes(), max(1, self.num_state_slots)
+        if not sizes:
+            return
+        with self.backend.executor.capturing():
+            for b in sizes:
+                self.execute([SeqInput([0], 0, [0], True, i % slots) for i in range(b)])
+
     def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
-        """CUDA: run a worst-case step (max_batched_tokens over max_num_seqs rows) on a
-        probe pool, then size the pool from the memory left (memory_plan.fit_blocks)."""
+        """CUDA: on a probe pool, the peaks of a worst-case step and (graphs hold a pool of
+        their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
         bs, rows = self.block_size, max(1, self.max_num_seqs)
         prefill = max(2, self.max_batched_tokens - (rows - 1))
         probe = -(-prefill // bs) + rows
@@ -225,6 +216,9 @@ class ModelRunner:
         step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
             SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
         peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
+        if self.backend.executor.graph_sizes():  # captured at load into a pool held apart
+            decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
+            peak += memory_plan.peak_step_bytes(self.device, lambda: self.execute(decode))
         self._allocate_kv([], 0, None)  # free the probe pool
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -335,7 +329,7 @@ class ModelRunner:
         slots: list[int] = []
         for i in decode:
             s = seqs[i]
-            table = _checked_table(s.block_table, s.num_computed + 1, bs)
+            table = checked_table(s.block_table, s.num_computed + 1, bs)
             slots.append(table[s.num_computed // bs] * bs + s.num_computed % bs)
             step.decode_positions.append(s.num_computed)
             step.decode_tables.append(s.block_table)
@@ -347,7 +341,7 @@ class ModelRunner:
                 continue
             if n == 0:
                 raise ValueError("SeqInput with no tokens")
-            table = _checked_table(s.block_table, c + n, bs)
+            table = checked_table(s.block_table, c + n, bs)
             start = len(ids)
             ids.extend(s.token_ids)
             positions.extend(range(c, c + n))
@@ -361,7 +355,7 @@ class ModelRunner:
         self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
         n_tok = len(ids)
         want = [r for i, s in enumerate(seqs) if s.need_logits
-                for r in range(last_row[i] - _logits_count(s) + 1, last_row[i] + 1)]
+                for r in range(last_row[i] - logits_count(s) + 1, last_row[i] + 1)]
         flat = self._to_device(ids + positions + slots + want)
         step.slot_mapping = flat[2 * n_tok : 3 * n_tok]
         self.model.rotary.ensure(max(positions) + 1)
@@ -385,16 +379,3 @@ class ModelRunner:
 def _shutdown_tp(tp: TpWorkers) -> None:
     tp.close()
     leave_group()
-
-
-def _logits_count(s: SeqInput) -> int:
-    if not 1 <= s.num_logits <= len(s.token_ids):
-        raise ValueError(f"num_logits {s.num_logits} for a chunk of {len(s.token_ids)} tokens")
-    return s.num_logits
-
-
-def _checked_table(block_table: list[int], num_tokens: int, block_size: int) -> list[int]:
-    if len(block_table) * block_size < num_tokens:
-        raise ValueError(f"block table of {len(block_table)} blocks × {block_size} cannot hold "
-                         f"{num_tokens} tokens")
-    return block_table

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
 
     from helexa.neuron.engine import messages
-    from helexa.neuron.engine.model_runner import SeqInput
+    from helexa.neuron.engine.seq_input import SeqInput
     from helexa.neuron.engine.spec import EngineSpec
 
 

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the scheduler imports next_stop: no cycle, and no torch here
     from helexa.neuron.engine.block_pool import BlockPool
-    from helexa.neuron.engine.model_runner import SeqInput
     from helexa.neuron.engine.request import Request
     from helexa.neuron.engine.scheduler import ScheduledChunk
+    from helexa.neuron.engine.seq_input import SeqInput
 
 
 def next_stop(computed: int, prompt_tokens: int, block_size: int, every_tokens: int) -> int:

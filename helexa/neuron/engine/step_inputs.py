@@ -23,11 +23,11 @@ import torch
 
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.messages import TokenLogprob
-from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
+from helexa.neuron.engine.seq_input import SeqInput
 
 # (request, logits [k + 1, vocab] of its verification row, k) -> the tokens it produces
 Verify = Callable[[Request, torch.Tensor, int], list[int]]

@@ -9,9 +9,11 @@ computes partial sums for all experts and one all-reduce per layer adds them.
 
 Checkpoints keep one tensor per expert and projection
 (``experts.{e}.gate_proj.weight``); they are stacked here as w13 [E, 2 I/tp, H]
-and w2 [E, H, I/tp] so a token's expert is one index. A GGUF file's quantised expert
+and w2 [E, H, I/tp] so a token's expert is one index; the products run in the form
+helexa/kernels/moe_experts.py picks for the device and step (on CUDA, decode-sized steps
+without a host sync, so a CUDA graph can hold them). A GGUF file's quantised expert
 stacks run each expert's product through ``experts_kernel`` instead
-(helexa/neuron/formats/gguf/experts.py).
+(helexa/neuron/formats/gguf/experts.py), one pass per chosen expert.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from helexa.kernels.moe_experts import run_experts
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
     HotModule,
@@ -75,10 +78,16 @@ class SparseMoeBlock(HotModule):
         start = self.tp_rank * cols
         _copy_checked(param.data[shard], loaded[:, start:start + cols], f"expert {shard} down")
 
-    def _expert(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
-        if self.experts_kernel is not None:
-            return self.experts_kernel(which, expert, x)
-        return F.linear(x, getattr(self, which)[expert])
+    def _quantised_experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
+                           ) -> torch.Tensor:
+        """The experts through experts_kernel, one pass per chosen expert (a host sync)."""
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, slot = torch.where(chosen == expert)
+            gate, up = self.experts_kernel("w13", expert, x[rows]).chunk(2, dim=-1)
+            y = self.experts_kernel("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
@@ -87,12 +96,10 @@ class SparseMoeBlock(HotModule):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert in chosen.unique().tolist():
-            rows, slot = torch.where(chosen == expert)
-            gate, up = self._expert("w13", expert, x[rows]).chunk(2, dim=-1)
-            y = self._expert("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
+        if self.experts_kernel is None:
+            out = run_experts(x, self.w13, self.w2, chosen, weights)
+        else:
+            out = self._quantised_experts(x, chosen, weights)
         if self.shared is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             shared = self.shared_down.linear(F.silu(gate) * up, None)  # partial sum: reduced below

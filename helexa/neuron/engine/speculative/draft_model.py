@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner
+from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import Draft, Drafter
 from helexa.neuron.engine.speculative.verify import target_probs

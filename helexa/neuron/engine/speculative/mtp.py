@@ -42,9 +42,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
+from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.speculative.drafters import Draft, Drafter, Kept
 
 # A request's backlog runs through the head once it holds this many positions.

@@ -144,7 +144,7 @@ def test_first_drafts_are_the_heads_prediction_over_the_whole_context(tiny_check
     # context. "adaptive": the random head's drafts fail, so requests draft only a probe
     # every few steps and the head catches up on the positions between when they do;
     # a 90-token prompt's backlog is run once it reaches CATCH_UP_ROWS.
-    from helexa.neuron.engine.model_runner import SeqInput
+    from helexa.neuron.engine.seq_input import SeqInput
 
     model_dir = tiny_checkpoint("qwen3_5", mtp=True)
     runner = ModelRunner(model_dir, num_blocks=200, block_size=4, max_num_seqs=8,

@@ -1,0 +1,91 @@
+"""A mixture-of-experts layer's expert products, in three forms, and the rule that picks one.
+
+Every form takes the router's choice (chosen [N, k] expert ids, weights [N, k]) and the
+stacked experts (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I]) and returns
+sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
+
+- ``experts_looped``: one pass per expert that some token chose. It reads each chosen
+  expert once and computes only routed rows, but finding the chosen experts and their
+  rows (``unique``, ``where``) waits for the device: a host sync per layer, which a CUDA
+  graph cannot capture. The form for CPU and for prefill.
+- ``experts_gathered``: each (token, slot)'s expert matrices gathered and multiplied in
+  one batched matmul (SGLang's torch-native MoE, ``fused_moe_native.py``). No host sync;
+  it copies N x k expert matrices, so it is the form while N x k <= E.
+- ``experts_masked``: a static loop over all E experts, each applied to every row and
+  weighted by that row's routing weight for it (zero where not chosen: vLLM's
+  ``moe_torch_iterative.py``). No host sync; it reads every expert once and computes
+  E / k times the routed rows, memory-bound only while N is a decode batch.
+
+``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
+are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
+fastest there at every batch (bench/moe_dispatch.py). No GPU figure was measured: the CUDA
+thresholds follow the byte counts above.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+Form = Literal["looped", "gathered", "masked"]
+
+# The most rows the masked form takes on CUDA: above this a step is a prefill (never
+# captured in a graph), where E / k times the routed compute stops being free and the
+# looped form's one sync per layer is cheap beside the step. An estimate, not measured.
+SYNC_FREE_MAX_ROWS = 256
+
+
+def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
+                capturing: bool = False) -> Form:
+    """Which form runs num_rows tokens' experts on this device (see the module docstring);
+    ``capturing``: a CUDA graph is being captured, which no host sync may interrupt."""
+    if device_type != "cuda" or (num_rows > SYNC_FREE_MAX_ROWS and not capturing):
+        return "looped"
+    return "gathered" if num_rows * top_k <= num_experts else "masked"
+
+
+def experts_looped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """x [N, H]; chosen, weights [N, k] -> [N, H]; one host sync (the chosen experts)."""
+    out = torch.zeros_like(x)
+    for expert in chosen.unique().tolist():
+        rows, slot = torch.where(chosen == expert)
+        gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[expert]) * weights[rows, slot, None]
+        out.index_add_(0, rows, y)
+    return out
+
+
+def experts_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """As experts_looped, with no host sync: each (token, slot)'s experts gathered."""
+    n, k = chosen.shape
+    flat = chosen.reshape(-1)  # [N k]
+    rows = x[:, None].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1], 1)  # [N k, H, 1]
+    gate, up = torch.bmm(w13.index_select(0, flat), rows)[..., 0].chunk(2, dim=-1)
+    y = torch.bmm(w2.index_select(0, flat), (F.silu(gate) * up)[..., None])[..., 0]
+    return (y.view(n, k, -1) * weights[..., None]).sum(dim=1)  # [N, H]
+
+
+def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """As experts_looped, with no host sync: every expert over every row, weighted."""
+    out = torch.zeros_like(x)
+    for expert in range(w13.shape[0]):
+        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)  # [N, 1], 0 if unrouted
+        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
+        out += F.linear(F.silu(gate) * up, w2[expert]) * weight
+    return out
+
+
+FORMS = {"looped": experts_looped, "gathered": experts_gathered, "masked": experts_masked}
+
+
+def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """The expert products by the form choose_form names for this device and step."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0], capturing)
+    return FORMS[form](x, w13, w2, chosen, weights)

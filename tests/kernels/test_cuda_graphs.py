@@ -1,0 +1,144 @@
+"""The CUDA graph executor's bookkeeping, with the CUDA calls stood in by a CPU runtime:
+every decode size captured at load, largest first, into one pool; replays read each
+step's own inputs (state slots included, for hybrids); nothing is captured mid-serving;
+a new pool drops the graphs. No GPU runs here: what a real capture costs is unmeasured."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from helexa.kernels.backends.cuda import CudaMetadata
+from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+from helexa.kernels.backends.gdn import GdnMetadata
+
+VOCAB = 5
+
+
+@dataclass
+class StandInGraph:
+    run: Any
+
+
+@dataclass
+class StandInRuntime:
+    """Captures by recording the step; replays by running it again over the static inputs
+    (what a CUDA graph does with the tensors it was captured on)."""
+
+    pools: list[object] = field(default_factory=list)
+    captured: list[object] = field(default_factory=list)  # each capture's pool
+    replays: int = 0
+
+    def pool(self) -> object:
+        self.pools.append(object())
+        return self.pools[-1]
+
+    def capture(self, device: torch.device, run: Any, pool: object) -> StandInGraph:
+        run()
+        self.captured.append(pool)
+        return StandInGraph(run)
+
+    def replay(self, graph: StandInGraph) -> None:
+        self.replays += 1
+        graph.run()
+
+
+class StandInAttention:
+    def __init__(self, graph_rows: int) -> None:
+        self.graph_rows = graph_rows
+
+    def static_meta(self, b: int) -> CudaMetadata:
+        return CudaMetadata(backend=self, slot_mapping=torch.zeros(b, dtype=torch.long),  # type: ignore[arg-type]
+                            num_decode=b, graph_rows=b)
+
+
+class Model(torch.nn.Module):
+    """Logits that depend on every static input: ids, positions, KV slots, state slots."""
+
+    keep_hidden = False
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: CudaMetadata,
+                logits_rows: torch.Tensor | None, state: GdnMetadata | None = None
+                ) -> torch.Tensor:
+        row = ids * 1000 + positions * 100 + meta.slot_mapping * 10
+        if state is not None:
+            row = row + state.decode_slots
+        return row[:, None].float() + torch.arange(VOCAB)
+
+
+def executor(rows: int = 4) -> tuple[CudaGraphExecutor, StandInRuntime]:
+    runtime = StandInRuntime()
+    return CudaGraphExecutor(StandInAttention(rows), runtime), runtime  # type: ignore[arg-type]
+
+
+def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False) -> torch.Tensor:
+    ids = torch.arange(b) + seed
+    positions, slots = torch.arange(b) * 2 + seed, torch.arange(b) + 3 * seed
+    meta = CudaMetadata(backend=None, slot_mapping=slots, num_decode=b, graph_rows=b)  # type: ignore[arg-type]
+    gdn = GdnMetadata(backend=None, decode_slots=torch.arange(b) + 7 * seed) if state else None  # type: ignore[arg-type]
+    return ex.run(Model(), ids, positions, meta, None, gdn)
+
+
+def eager(b: int, seed: int, state: bool = False) -> torch.Tensor:
+    ex, _ = executor(0)  # no graphs
+    return decode(ex, b, seed, state)
+
+
+def load(ex: CudaGraphExecutor, state: bool = False) -> None:
+    """What the model runner does at load (model_runner._capture_graphs)."""
+    with ex.capturing():
+        for b in ex.graph_sizes():
+            decode(ex, b, seed=0, state=state)
+
+
+def test_every_size_is_captured_at_load_largest_first_into_one_pool():
+    ex, runtime = executor(4)
+    assert ex.graph_sizes() == [4, 3, 2, 1]
+    load(ex)
+    assert list(ex._graphs) == [4, 3, 2, 1]  # in capture order
+    assert len(runtime.captured) == 4 and len(runtime.pools) == 1
+    assert set(runtime.captured) == {runtime.pools[0]}
+    assert "captured at load" in ex.describe()
+
+
+def test_a_replay_answers_each_steps_own_inputs():
+    ex, runtime = executor(4)
+    load(ex)
+    at_load = runtime.replays  # each capture step is also replayed once
+    first = decode(ex, 3, seed=1)
+    second = decode(ex, 2, seed=2)
+    assert runtime.replays == at_load + 2 and len(runtime.captured) == 4  # not captured
+    torch.testing.assert_close(first, eager(3, 1))  # kept: a clone of the shared output
+    torch.testing.assert_close(second, eager(2, 2))
+
+
+def test_a_hybrids_state_slots_reach_the_replay():
+    ex, _ = executor(2)
+    load(ex, state=True)
+    torch.testing.assert_close(decode(ex, 2, seed=3, state=True), eager(2, 3, state=True))
+
+
+def test_nothing_is_captured_mid_serving():
+    ex, runtime = executor(4)
+    load(ex)
+    at_load = runtime.replays
+    ex.kv_allocated([])  # a new pool drops the graphs
+    got = decode(ex, 3, seed=4)  # a serving step before the runner captured again
+    assert runtime.replays == at_load and len(runtime.captured) == 4
+    torch.testing.assert_close(got, eager(3, 4))  # ran layer by layer
+
+
+def test_a_worker_rank_captures_as_the_leaders_steps_arrive():
+    ex, runtime = executor(2)
+    ex.follow_leader()
+    decode(ex, 2, seed=0)
+    assert len(runtime.captured) == 1
+
+
+def test_without_graphs_nothing_is_captured():
+    ex, runtime = executor(0)
+    assert ex.graph_sizes() == [] and ex.describe() == "no graphs"
+    load(ex)
+    assert runtime.captured == [] and runtime.pools == []

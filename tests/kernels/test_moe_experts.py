@@ -1,0 +1,112 @@
+"""The MoE expert forms (helexa/kernels/moe_experts.py): the sync-free ones give the looped
+form's output, make no host sync, and the rule picks them only for CUDA decode steps."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from support.host_sync import NoHostSync
+
+from helexa.kernels import moe_experts
+from helexa.kernels.moe_experts import (
+    choose_form,
+    experts_gathered,
+    experts_looped,
+    experts_masked,
+)
+from helexa.neuron.models.moe import SparseMoeBlock
+
+
+def _experts(e: int = 8, h: int = 32, i: int = 16, dtype: torch.dtype = torch.float32,
+             device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * h ** -0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=gen) * i ** -0.5).to(dtype)
+    return w13.to(device), w2.to(device)
+
+
+def _routing(n: int, e: int, k: int, h: int, dtype: torch.dtype = torch.float32
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, h, generator=gen).to(dtype)
+    # a skew toward expert 0 so it is shared by many rows and some experts go unchosen
+    logits = torch.randn(n, e, generator=gen)
+    logits[:, 0] += 2.0
+    weights, chosen = logits.softmax(-1).topk(k, dim=-1)
+    return x, chosen, weights.to(dtype)
+
+
+@pytest.mark.parametrize("form", [experts_gathered, experts_masked])
+@pytest.mark.parametrize("n", [1, 3, 17])
+def test_sync_free_forms_match_the_looped_one_fp32(form, n):
+    w13, w2 = _experts()
+    x, chosen, weights = _routing(n, 8, 2, 32)
+    # fp32 sums in another order: 1e-5 relative, 1e-6 absolute
+    torch.testing.assert_close(form(x, w13, w2, chosen, weights),
+                               experts_looped(x, w13, w2, chosen, weights),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", [experts_gathered, experts_masked])
+def test_sync_free_forms_match_the_looped_one_bf16(form):
+    w13, w2 = _experts(dtype=torch.bfloat16)
+    x, chosen, weights = _routing(5, 8, 3, 32, torch.bfloat16)
+    # bf16 rounds each product (8 bits of mantissa): 2e-2 relative and absolute
+    torch.testing.assert_close(form(x, w13, w2, chosen, weights),
+                               experts_looped(x, w13, w2, chosen, weights),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("form", [experts_gathered, experts_masked])
+def test_sync_free_forms_make_no_host_sync(form):
+    w13, w2 = _experts()
+    x, chosen, weights = _routing(4, 8, 2, 32)
+    with NoHostSync():
+        form(x, w13, w2, chosen, weights)
+    # on the meta device any read of the data (.item, .tolist, .cpu, nonzero) fails too
+    meta = [t.to("meta") for t in (x, w13, w2, chosen, weights)]
+    assert form(*meta).shape == (4, 32)
+
+
+def test_the_looped_form_is_caught_syncing():
+    w13, w2 = _experts()
+    x, chosen, weights = _routing(4, 8, 2, 32)
+    with pytest.raises(AssertionError, match="host sync"), NoHostSync():
+        experts_looped(x, w13, w2, chosen, weights)
+
+
+def test_the_rule_keeps_syncs_off_cuda_decode_steps_only():
+    assert choose_form("cpu", 1, 8, 128) == "looped"
+    assert choose_form("cuda", 1, 8, 128) == "gathered"
+    assert choose_form("cuda", 16, 8, 128) == "gathered"  # 128 expert copies: E's worth
+    assert choose_form("cuda", 17, 8, 128) == "masked"
+    assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS, 8, 128) == "masked"
+    assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS + 1, 8, 128) == "looped"
+    # a graph of a batch that large is still captured whole: no sync may interrupt it
+    assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS + 1, 8, 128, True) == "masked"
+    assert choose_form("cpu", 1, 8, 128, True) == "looped"
+
+
+def _block(shared: bool) -> SparseMoeBlock:
+    cfg: Any = SimpleNamespace(num_experts=8, hidden_size=32, moe_intermediate_size=16,
+                               num_experts_per_tok=2, norm_topk_prob=True,
+                               shared_expert_intermediate_size=24 if shared else 0)
+    block = SparseMoeBlock(cfg)
+    gen = torch.Generator().manual_seed(2)
+    for p in block.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return block
+
+
+@pytest.mark.parametrize("form", ["gathered", "masked"])
+def test_a_moe_layer_on_the_cuda_path_syncs_nowhere_and_answers_the_same(monkeypatch, form):
+    block = _block(shared=True)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(3))
+    want = block(x)  # CPU: the looped form
+    monkeypatch.setattr(moe_experts, "choose_form", lambda *a: form)  # as on a CUDA decode
+    with NoHostSync():
+        got = block(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

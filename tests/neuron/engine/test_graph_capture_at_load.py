@@ -1,0 +1,70 @@
+"""The model runner captures its executor's decode graphs at load (and after a new pool),
+one b-row decode step per size in the executor's order, dense or hybrid, and never while
+serving. The executor is a recording stand-in for the CUDA one (no GPU here)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+
+from helexa.kernels import backends
+from helexa.kernels.backends.executor import StepExecutor, model_forward
+from helexa.neuron.engine import model_runner
+from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+
+class RecordingExecutor(StepExecutor):
+    """Records (rows, capturing, has state) of each step it runs."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, bool, bool]] = []
+        self._capturing = False
+
+    def graph_sizes(self) -> list[int]:
+        return [3, 2, 1]
+
+    @contextmanager
+    def capturing(self):
+        self._capturing = True
+        try:
+            yield
+        finally:
+            self._capturing = False
+
+    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
+        self.steps.append((input_ids.shape[0], self._capturing, state is not None))
+        return model_forward(model, input_ids, positions, meta, logits_rows, state)
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingExecutor]:
+    made: list[RecordingExecutor] = []
+    real = backends.select
+
+    def select(*args: Any, **kw: Any) -> backends.Device:
+        device = real(*args, **kw)
+        made.append(RecordingExecutor())
+        device.executor = made[-1]
+        return device
+
+    monkeypatch.setattr(model_runner.backends, "select", select)
+    return made
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_graphs_are_captured_at_load_largest_first_and_not_while_serving(
+        tiny_checkpoint, recording, arch):
+    hybrid = arch == "qwen3_5"
+    runner = ModelRunner(tiny_checkpoint(arch), num_blocks=16, block_size=4, max_num_seqs=3,
+                         max_batched_tokens=64, num_state_slots=3 if hybrid else 0)
+    ex = recording[0]
+    assert ex.steps == [(3, True, hybrid), (2, True, hybrid), (1, True, hybrid)]
+    runner.execute([SeqInput([1, 2, 3], 0, [1], True, 0)])  # serving: a prefill, then decode
+    runner.execute([SeqInput([4], 3, [1], True, 0)])
+    assert ex.steps[3:] == [(3, False, hybrid), (1, False, hybrid)]
+    runner.reset_kv(16)  # a new pool: its graphs are captured again, before any request
+    assert ex.steps[5:] == [(3, True, hybrid), (2, True, hybrid), (1, True, hybrid)]

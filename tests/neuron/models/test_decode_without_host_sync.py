@@ -1,0 +1,32 @@
+"""A decode step's forward makes no host sync outside attention, dense, hybrid and MoE (its
+experts in the form CUDA decode uses): what a CUDA graph captures at load must not stop
+for the host. Attention is stood in by a sync-free op here, as FlashInfer's is on CUDA
+(the torch backend's CPU attention reads lengths on the host and is never captured)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.host_sync import NoHostSync
+
+from helexa.kernels import moe_experts
+from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("form", ["gathered", "masked"])
+def test_a_decode_forward_makes_no_host_sync_outside_attention(tiny_checkpoint, monkeypatch,
+                                                                arch, form):
+    runner = ModelRunner(tiny_checkpoint(arch), num_blocks=16, block_size=4, max_num_seqs=2,
+                         max_batched_tokens=64, num_state_slots=2, backend="torch")
+    runner.execute([SeqInput([1, 2, 3], 0, [1], True, 0), SeqInput([1, 2], 0, [2], True, 1)])
+    seqs = [SeqInput([4], 3, [1], True, 0), SeqInput([5], 2, [2], True, 1)]
+    ids, positions, step, _ = runner._prepare(seqs)
+    state = runner.linear_states.plan(step) if runner.linear_states is not None else None
+    meta = runner.backend.attention.plan(step)
+    monkeypatch.setattr(runner.backend.attention, "forward",
+                        lambda layer, q, k, v, meta: torch.zeros_like(q))
+    monkeypatch.setattr(moe_experts, "choose_form", lambda *a: form)  # as on a CUDA decode
+    with NoHostSync(), torch.inference_mode():
+        logits = runner.model(ids, positions, meta, None, *([state] if state else []))
+    assert logits.shape == (2, runner.vocab_size)

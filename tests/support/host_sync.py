@@ -1,0 +1,24 @@
+"""A dispatch mode that fails the first op which would make the host wait for a CUDA
+device: a scalar read (.item, .tolist, a bool of a tensor) or an op whose output size
+depends on the data (nonzero, unique, masked_select). A CUDA graph cannot capture
+either, so a path meant for capture runs under it in CPU tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+HOST_SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten._unique2, aten.unique_dim,
+                 aten.unique_consecutive, aten.masked_select, aten.item}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Raises AssertionError("host sync: <op>") at the first op of HOST_SYNC_OPS."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        if func.overloadpacket in HOST_SYNC_OPS:
+            raise AssertionError(f"host sync: {func}")
+        return func(*args, **(kwargs or {}))

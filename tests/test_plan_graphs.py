@@ -1,0 +1,71 @@
+"""`helexa plan`'s CUDA graph pool line: decode batches max_slots..1 captured at load, one
+shared pool (helexa/checkpoint/memory.py graph_pool_bytes), counted against the
+activation headroom."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from helexa.checkpoint.memory import graph_capture_sizes, graph_pool_bytes
+from helexa.checkpoint.shape import read_model_shape
+from helexa.cli import main as helexa_main
+from helexa.config.schema import load_neuron_config
+from helexa.plan import plan_model
+
+ASSET = Path(__file__).resolve().parent.parent / "asset"
+DENSE = ASSET / "models" / "Qwen" / "Qwen3-8B" / "config.json"
+HYBRID = ASSET / "models" / "Qwen" / "Qwen3.5-27B" / "config.json"
+
+
+def _toml(tmp_path: Path, engine: str = "", model: Path = DENSE, tp: int = 1) -> Path:
+    path = tmp_path / "n.toml"
+    path.write_text(f'[engine]\n{engine}\n[kv]\nkv_budget_mb = 4096\n[[models]]\nid = "m"\n'
+                    f'config = "{model}"\ntp = {tp}\n')
+    return path
+
+
+def test_every_decode_batch_is_captured_largest_first():
+    assert graph_capture_sizes(4) == [4, 3, 2, 1]
+    assert graph_capture_sizes(1) == [1]
+    assert graph_capture_sizes(0) == []
+
+
+def test_the_pool_of_the_dense_8b_worked_by_hand():
+    shape = read_model_shape(DENSE)
+    # per row: logits 151,936 x (4 shared out + 4 fp32 + 2 bf16) + 2 B x (4 x 4,096 hidden
+    # + (32 + 2 x 8) heads x 128 + 2 x 12,288 intermediate) = 1,613,568 B; 8 rows
+    assert graph_pool_bytes(shape, 1, 8) == 8 * 1_613_568
+    assert graph_pool_bytes(shape, 1, 16) == 2 * graph_pool_bytes(shape, 1, 8)
+    assert graph_pool_bytes(shape, 1, 0) == 0
+
+
+def test_a_hybrids_pool_counts_its_gathered_states_per_card():
+    shape = read_model_shape(HYBRID)  # 48 value heads of 128 x 128 fp32 state
+    without = replace(shape, linear_num_value_heads=0)
+    # the states gathered and updated (2 copies) for one layer, 24 value heads per card
+    assert graph_pool_bytes(shape, 2, 1) - graph_pool_bytes(without, 2, 1) == 2 * 24 * 128 * 128 * 4
+
+
+def test_plan_prints_the_graph_pool_line(tmp_path, capsys):
+    path = _toml(tmp_path, "max_slots = 8")
+    cfg = load_neuron_config(path)
+    p = plan_model(cfg, cfg.models[0], path)
+    assert (p.graph_rows, p.graph_pool_bytes) == (8, 12_908_544)
+    assert helexa_main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ("CUDA graph pool     12.3 MiB (estimate) for decode batches 8..1 captured at load, "
+            "inside the 512.0 MiB activation headroom") in out
+
+
+def test_a_pool_beyond_the_headroom_says_so(tmp_path, capsys):
+    assert helexa_main(["plan", str(_toml(tmp_path, "max_slots = 512"))]) == 0
+    assert "MORE than (raise kv.activation_headroom_mb) the 512.0 MiB" in capsys.readouterr().out
+
+
+def test_no_graph_line_without_cuda_graphs(tmp_path, capsys):
+    path = _toml(tmp_path, "cuda_graphs = false")
+    cfg = load_neuron_config(path)
+    assert plan_model(cfg, cfg.models[0], path).graph_pool_bytes == 0
+    assert helexa_main(["plan", str(path)]) == 0
+    assert "CUDA graph pool" not in capsys.readouterr().out
