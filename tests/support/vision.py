@@ -1,0 +1,76 @@
+"""transformers as the reference for images: its processor on a tiny vision checkpoint, its
+greedy decoding of a prompt with images, and test images.
+
+transformers' Qwen3VLProcessor insists on a video processor, and this machine's video
+processor needs torchvision (not installed): `hf_processor` builds the processor without
+one; images go through the checkpoint's own image processor (the PIL backend).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+NEAR_TIE = 0.02
+
+
+def make_image(width: int, height: int, seed: int = 0, mode: str = "RGB") -> Any:
+    """A PIL image of smooth random colour (so resizing changes it, and not into noise)."""
+    from PIL import Image
+
+    rng = np.random.RandomState(seed)
+    small = (rng.rand(max(2, height // 8), max(2, width // 8), 3) * 255).astype("uint8")
+    img = Image.fromarray(small).resize((width, height), Image.BILINEAR)
+    return img.convert(mode) if mode != "RGB" else img
+
+
+@cache
+def hf_processor(model_dir: str) -> Any:
+    import transformers as tf
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    class NoVideo(Qwen3VLProcessor):
+        def check_argument_for_proper_class(self, name: str, arg: Any) -> Any:
+            return None if arg is None else super().check_argument_for_proper_class(name, arg)
+
+    tok = tf.AutoTokenizer.from_pretrained(model_dir)
+    return NoVideo(image_processor=tf.AutoImageProcessor.from_pretrained(model_dir),
+                   tokenizer=tok, video_processor=None, chat_template=tok.chat_template)
+
+
+@cache
+def hf_model(model_dir: str) -> Any:
+    import transformers as tf
+
+    return tf.Qwen3_5ForConditionalGeneration.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+
+
+def hf_inputs(model_dir: Path, messages: list[dict], images: list[Any]) -> dict[str, Any]:
+    """The processor's inputs for a chat (its template, image pads expanded)."""
+    proc = hf_processor(str(model_dir))
+    text = proc.tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=True)
+    return dict(proc(text=[text], images=images or None, return_tensors="pt"))
+
+
+def hf_greedy_images(model_dir: Path, inputs: dict[str, Any], max_new: int
+                     ) -> tuple[list[int], int]:
+    """transformers' greedy continuation of the processor's inputs, and the first step whose
+    top two logits are within NEAR_TIE (max_new if none)."""
+    model = hf_model(str(model_dir))
+    with torch.inference_mode():
+        out = model.generate(**inputs, max_new_tokens=max_new, do_sample=False,
+                             output_scores=True, return_dict_in_generate=True)
+    new = out.sequences[0, inputs["input_ids"].shape[1]:].tolist()
+    tie = max_new
+    for step, scores in enumerate(out.scores):
+        top2 = scores[0].float().topk(2).values
+        if float(top2[0] - top2[1]) < NEAR_TIE:
+            tie = step
+            break
+    return new, tie
