@@ -74,3 +74,63 @@ def hf_greedy_images(model_dir: Path, inputs: dict[str, Any], max_new: int
             tie = step
             break
     return new, tie
+
+
+def image_inputs(model_dir: Path, prompt: list[int], images: list[Any]) -> list[Any]:
+    """Our engine's ImageInputs of a prompt whose image pads are expanded (the processor's
+    input_ids): each run of pads is the next image."""
+    import json
+
+    from helexa.neuron.engine.messages import ImageInput
+    from helexa.neuron.vision.processor import ImageProcessor
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    pad, merge = cfg["image_token_id"], cfg["vision_config"]["spatial_merge_size"]
+    proc = ImageProcessor.from_dir(model_dir)
+    assert proc is not None
+    out, i = [], 0
+    for img in images:
+        p = proc.prepare(img)
+        i = prompt.index(pad, i)
+        rows, cols = p.grid_h // merge, p.grid_w // merge
+        assert prompt[i: i + rows * cols] == [pad] * (rows * cols)
+        out.append(ImageInput(offset=i, rows=rows, cols=cols, grid_h=p.grid_h, grid_w=p.grid_w,
+                              pixels=p.pixels, content_hash=p.content_hash))
+        i += rows * cols
+    return out
+
+
+def greedy_generate_images(runner: Any, prompts: list[list[int]], images: list[list[Any]],
+                           max_new: int, *, prefill_chunk: int | None = None) -> list[list[int]]:
+    """support.greedy's driver, each sequence carrying its images (ImageInputs): every step
+    holds a chunk of each prompt still prefilling and a decode token of the others."""
+    from helexa.neuron.engine.images import PromptImages
+    from helexa.neuron.engine.model_runner import SeqInput
+    from support.greedy import assign_blocks
+
+    n = len(prompts)
+    tables = assign_blocks([len(p) + max_new for p in prompts], runner.block_size,
+                           runner.num_blocks, shuffle_seed=5)
+    mm = [PromptImages.of(imgs) for imgs in images]
+    fed, outputs = [0] * n, [[] for _ in range(n)]
+    chunk = prefill_chunk or max(len(p) for p in prompts)
+    while True:
+        active = [i for i in range(n) if len(outputs[i]) < max_new]
+        if not active:
+            return outputs
+        step = []
+        for i in active:
+            p, m = prompts[i], mm[i]
+            if fed[i] < len(p):
+                toks = p[fed[i]: fed[i] + chunk]
+                delta, spans = m.chunk(fed[i], fed[i] + len(toks)) if m else (0, [])
+                step.append(SeqInput(toks, fed[i], tables[i], fed[i] + len(toks) == len(p), i,
+                                     rope_delta=delta, images=spans))
+                fed[i] += len(toks)
+            else:
+                step.append(SeqInput([outputs[i][-1]], len(p) + len(outputs[i]) - 1, tables[i],
+                                     True, i, rope_delta=m.rope_delta if m else 0))
+        picks = iter(runner.execute(step).argmax(dim=-1).tolist())
+        for i, s in zip(active, step, strict=True):
+            if s.need_logits:
+                outputs[i].append(next(picks))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,12 +26,15 @@ from helexa.kernels.attention import PagedKV
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.torch_ref import token_slots
 from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.images import ImageSpan
 from helexa.neuron.engine.mtp_passes import MtpPasses
 from helexa.neuron.engine.tp_worker import RunnerArgs, TpWorkers, leave_group
+from helexa.neuron.engine.vision_step import VisionStep
 from helexa.neuron.models.config import load_model_config, parse_dtype
 from helexa.neuron.models.linear_state import state_meta
 from helexa.neuron.models.loader import load_model
 from helexa.neuron.models.quant import QuantSpec, weight_bytes
+from helexa.neuron.vision.processor import ImageProcessor
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 log = structlog.get_logger(component="engine")
@@ -49,6 +52,10 @@ class SeqInput:
     # Logits rows for the last this-many tokens of the chunk (need_logits only): a
     # speculative verification row [last token, k drafts] asks for k + 1.
     num_logits: int = 1
+    # Vision-language prompts (engine/images.py): the M-RoPE shift of the chunk's leading
+    # text (and of every decode token), and the images the chunk's tokens touch.
+    rope_delta: int = 0
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
@@ -133,6 +140,9 @@ class ModelRunner(MtpPasses):
         self.backend.prepare_model(self.model, max_num_seqs=max_num_seqs,
                                    max_batched_tokens=max_batched_tokens, tp_size=tp_size)
         self.vocab_size = self.config.vocab_size
+        self.vision = VisionStep(self.model, ImageProcessor.from_dir(model_dir)
+                                 if getattr(self.model, "visual", None) is not None else None,
+                                 self.device)
         self._attn = self.model.attention_layers
         self._linear = list(getattr(self.model, "linear_layers", []))
         if self._linear and num_state_slots < 1:
@@ -242,9 +252,11 @@ class ModelRunner(MtpPasses):
         try:
             meta = self.backend.plan(step)
             if self._tp is None:
+                self._vision_inputs(seqs, positions)
                 return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
             self._tp.send_step(seqs)
-            try:
+            try:  # the tower's collectives, too, once every rank has the step
+                self._vision_inputs(seqs, positions)
                 return self.backend.run(self.model, input_ids, positions, meta, logits_rows)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
                 self._tp.fail_step(e)
@@ -252,6 +264,11 @@ class ModelRunner(MtpPasses):
         except BaseException:
             self.backend.step_failed()
             raise
+
+    def _vision_inputs(self, seqs: list[SeqInput], positions: torch.Tensor) -> None:
+        """M-RoPE positions, and the tower for the images this step's chunks begin."""
+        if self.vision.takes_images:
+            self.model.mm = self.vision.inputs(seqs, self.seq_starts, positions)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and leave the group (no-op at tp = 1)."""

@@ -41,6 +41,8 @@ from typing import Any
 
 import msgspec
 
+from helexa.neuron.engine.images import ImageSpan
+
 DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
 # NCCL, set before the group forms, so a dead or wedged rank fails like on gloo: a collective
 # past the group's timeout raises in the calling thread (blocking wait) and NCCL's watchdog
@@ -67,6 +69,8 @@ class TpSeq(msgspec.Struct, array_like=True):
     need_logits: bool
     state_slot: int = -1  # hybrid models' linear-attention state slot
     num_logits: int = 1  # speculative verification rows want k + 1
+    rope_delta: int = 0  # vision-language prompts: as SeqInput (every rank runs the tower)
+    images: list[ImageSpan] = []
 
 
 class TpStep(msgspec.Struct, tag=True):
@@ -264,14 +268,14 @@ class TpWorkers:
         if entry is not None and entry[0] is table and len(table) >= entry[2]:
             _, handle, sent = entry
             msg = TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
-                        s.need_logits, s.state_slot, s.num_logits)
+                        s.need_logits, s.state_slot, s.num_logits, s.rope_delta, s.images)
         else:
             if entry is not None:  # a shrunk table (drafts rolled back): a new handle
                 self._stale.append(entry[1])
             handle = self._next_handle
             self._next_handle += 1
             msg = TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
-                        s.need_logits, s.state_slot, s.num_logits)
+                        s.need_logits, s.state_slot, s.num_logits, s.rope_delta, s.images)
         # Holding the list itself keeps its id from being reused while tracked.
         self._tables[id(table)] = (table, handle, len(table))
         return msg
@@ -405,7 +409,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table = tables[s.handle]
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
-                                     s.state_slot, s.num_logits))
+                                     s.state_slot, s.num_logits, s.rope_delta, s.images))
             if isinstance(msg, TpMtp):
                 runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
             else:

@@ -9,11 +9,13 @@ so that a wrong model never loads silently.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from helexa.checkpoint.vision_shape import VisionShape, read_vision_shape
 
 # Architectures (config.json "architectures"[0]) this package implements, and
 # the per-family switches that distinguish them.
@@ -111,6 +113,10 @@ class ModelConfig:
     # Multi-token-prediction layers the checkpoint carries (mtp.*: speculative decoding's
     # drafter, helexa/neuron/models/mtp.py); their KV is one more full-attention layer each.
     mtp_num_layers: int = 0
+    # A vision-language checkpoint's tower (vision_config), and how M-RoPE deals the
+    # rotary frequencies to (t, h, w) (helexa/neuron/models/mrope.py).
+    vision: VisionShape | None = None
+    mrope_section: tuple[int, ...] = ()
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
@@ -139,9 +145,11 @@ def _rope_from_config(raw: dict[str, Any], allow_partial: bool = False) -> RopeC
     else:
         params = dict(params)
     # Multimodal rope (Qwen3.5): text tokens carry one position on every axis, which is
-    # plain rope; the section layout only matters for image tokens (not served).
+    # plain rope; the section (ModelConfig.mrope_section) matters for image tokens only.
     params.pop("mrope_section", None)
-    params.pop("mrope_interleaved", None)
+    if params.pop("mrope_interleaved", True) is False:
+        raise UnsupportedArchitecture("mrope_interleaved=false (Qwen2-VL's M-RoPE layout) is "
+                                      "not supported")
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedArchitecture("per-layer-type rope_parameters are not supported")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -187,6 +195,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     hybrid = arch in HYBRID_ARCHITECTURES
     rope = _rope_from_config(raw, allow_partial=hybrid)
+    vision = read_vision_shape(raw) if multimodal else None
+    mrope = (raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("mrope_section")
     partial = float(rope.params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     layers = int(raw["num_hidden_layers"])
     layer_types = tuple(raw.get("layer_types") or ())
@@ -235,6 +245,9 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         weight_prefix="model.language_model." if multimodal else "model.",
         mtp_num_layers=int(raw.get("mtp_num_hidden_layers") or 0),
+        vision=vision,
+        # transformers' default section where a multimodal config gives none
+        mrope_section=tuple(int(x) for x in (mrope or ([11, 11, 10] if vision else []))),
     )
 
 
@@ -251,4 +264,8 @@ def load_model_config(model_dir: str | Path) -> tuple[dict[str, Any], ModelConfi
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no config.json in the model folder")
     raw = json.loads(path.read_text())
-    return raw, parse_model_config(raw)
+    cfg = parse_model_config(raw)
+    if cfg.vision is not None and not (Path(model_dir) / "preprocessor_config.json").is_file():
+        # a tower without its image processor cannot take images: the model loads text only
+        cfg = replace(cfg, vision=None)
+    return raw, cfg

@@ -166,6 +166,8 @@ def attach(model: nn.Module, spec: QuantSpec) -> None:
     if spec.kind == "none":
         return
     for name, mod in model.named_modules():
+        if name.startswith("visual."):  # the vision tower stays float (its weights are few)
+            continue
         if isinstance(mod, ParallelLMHead) or (isinstance(mod, VocabParallelEmbedding)):
             mod.quant = LinearQuant("int8", 0)
         elif isinstance(mod, ParallelLinearBase):
