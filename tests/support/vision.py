@@ -134,3 +134,41 @@ def greedy_generate_images(runner: Any, prompts: list[list[int]], images: list[l
         for i, s in zip(active, step, strict=True):
             if s.need_logits:
                 outputs[i].append(next(picks))
+
+
+def full_attention_copy(src: Path, dst: Path, seed: int = 1) -> Path:
+    """`src` (a tiny vision Qwen3.5) with every layer full attention: no linear-attention
+    state, so the prefix cache is on for it (it is off for hybrids). Its linear layers'
+    weights become random attention weights, scaled as init-tiny scales them."""
+    import json
+    import math
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    text = cfg["text_config"]
+    h, hd, heads, kv = (text["hidden_size"], text["head_dim"], text["num_attention_heads"],
+                        text["num_key_value_heads"])
+    t = load_file(str(dst / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    residual = 1.0 / math.sqrt(2 * text["num_hidden_layers"])
+    root = "model.language_model.layers."
+    for i, kind in enumerate(text["layer_types"]):
+        if kind == "full_attention":
+            continue
+        for name in [k for k in t if k.startswith(f"{root}{i}.linear_attn.")]:
+            del t[name]
+        a = f"{root}{i}.self_attn."
+        for name, rows, cols, scale in (("q_proj", 2 * heads * hd, h, 1.0),
+                                        ("k_proj", kv * hd, h, 1.0), ("v_proj", kv * hd, h, 1.0),
+                                        ("o_proj", h, heads * hd, residual)):
+            t[a + name + ".weight"] = torch.randn(rows, cols, generator=g) * scale / math.sqrt(cols)
+        for name in ("q_norm", "k_norm"):
+            t[a + name + ".weight"] = 0.1 * torch.randn(hd, generator=g)
+    text["layer_types"] = ["full_attention"] * text["num_hidden_layers"]
+    text.pop("full_attention_interval", None)
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst

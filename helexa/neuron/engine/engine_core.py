@@ -35,6 +35,7 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import Admission, DrainMeter, Refusal
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
 from helexa.neuron.engine.grammar import Grammars, GrammarUnavailable, advance, eos_ids_from
+from helexa.neuron.engine.images import PromptImages, check_images
 from helexa.neuron.engine.model_runner import SeqInput
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import Sampler, SamplingState
@@ -265,6 +266,12 @@ class EngineCore:
         if new.req_id in self.requests:
             self._refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
             return
+        if new.images:  # a vision-language prompt (images.py): checked against its tokens
+            problem_text = check_images(new.images, prompt, self.runner)
+            if problem_text:
+                self._refuse(req, Refusal("invalid_request_error", problem_text))
+                return
+            req.images = PromptImages.of(new.images)
         problem = check_request(len(prompt), new.max_tokens, context=context,
                                 max_output_tokens=self.spec.max_output_tokens)
         if problem is not None:
@@ -279,7 +286,8 @@ class EngineCore:
         if new.thinking is not None:
             req.thought = ThoughtTracker(new.thinking)
         if self.spec.prefix_cache:
-            req.block_hashes = self._prompt_block_hashes(prompt)
+            req.block_hashes = self._prompt_block_hashes(
+                prompt if req.images is None else req.images.hash_ids(prompt))
         refusal = self.admission.submit(req)
         if refusal is not None:
             self._refuse(req, refusal)
@@ -329,10 +337,12 @@ class EngineCore:
                     assert req.draft is not None
                     tokens += req.draft.tokens[:chunk.num_draft]
                 need_logits = end - chunk.num_draft == req.num_tokens
-                seqs.append(SeqInput(token_ids=tokens, num_computed=start,
-                                     block_table=req.block_table, need_logits=need_logits,
-                                     state_slot=self.pool.state_slot(req.req_id),
-                                     num_logits=chunk.num_draft + 1))
+                seq = SeqInput(token_ids=tokens, num_computed=start, block_table=req.block_table,
+                               need_logits=need_logits, state_slot=self.pool.state_slot(req.req_id),
+                               num_logits=chunk.num_draft + 1)
+                if req.images is not None:  # its chunk's M-RoPE shift and images
+                    seq.rope_delta, seq.images = req.images.chunk(start, end)
+                seqs.append(seq)
                 if chunk.num_draft:
                     verified.append((req, rows, chunk.num_draft))
                 elif need_logits:
@@ -455,7 +465,7 @@ class EngineCore:
         for i in range(start, req.num_computed_tokens // bs):
             if i >= len(req.block_hashes):
                 parent = req.block_hashes[i - 1] if i else None
-                req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
+                req.block_hashes.append(hash_block_tokens(parent, req.hash_slice(i * bs, (i + 1) * bs)))
             self.pool.register(req.block_table[i], req.block_hashes[i])
             req.num_filed_blocks = i + 1
 

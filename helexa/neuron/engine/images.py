@@ -65,14 +65,35 @@ class PromptImages:
                 touched.append(s)
         return delta, touched
 
-    def hash_ids(self, prompt: list[int]) -> list[int]:
-        """The prompt with each image's tokens standing for its content (for hashing)."""
-        out = list(prompt)
+    def hash_ids(self, prompt: list[int], start: int = 0, end: int | None = None) -> list[int]:
+        """prompt[start:end] with each image's tokens standing for its content (hashing)."""
+        end = len(prompt) if end is None else min(end, len(prompt))
+        out = prompt[start:end]
         for s in self.spans:
             img = s.image
-            tag = -1 - (int.from_bytes(img.content_hash[:8], "little") >> 1)
-            out[img.offset: img.end] = [tag] * img.num_tokens
+            lo, hi = max(img.offset, start), min(img.end, end)
+            if lo < hi:
+                tag = -1 - (int.from_bytes(img.content_hash[:8], "little") >> 1)
+                out[lo - start: hi - start] = [tag] * (hi - lo)
         return out
+
+
+def check_images(images: Sequence[ImageInput], prompt: list[int], runner: object) -> str:
+    """Why the engine cannot take these images with this prompt ("" when it can): the model
+    takes none, or an image's tokens are not where it says (the daemon placed them)."""
+    vision = getattr(runner, "vision", None)
+    shape = getattr(getattr(runner, "config", None), "vision", None)
+    if vision is None or not vision.takes_images or shape is None:
+        return "images: this model takes no images (it has no vision tower)"
+    end = 0
+    for i, img in enumerate(sorted(images, key=lambda im: im.offset)):
+        if img.offset < end or img.end > len(prompt) or img.rows < 1 or img.cols < 1:
+            return f"images[{i}]: its tokens [{img.offset}, {img.end}) overlap another's or " \
+                   f"run past the prompt's {len(prompt)}"
+        if any(t != shape.image_token_id for t in prompt[img.offset: img.end]):
+            return f"images[{i}]: prompt tokens [{img.offset}, {img.end}) are not image tokens"
+        end = img.end
+    return ""
 
 
 def chunk_positions(start: int, n: int, rope_delta: int, spans: Sequence[ImageSpan]
