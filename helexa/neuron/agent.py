@@ -23,6 +23,7 @@ from helexa import grammar
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import Refusal
+from helexa.neuron.vision.prompt import message_content
 from helexa.proto import neuron_pb2 as pb
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -59,7 +60,7 @@ def template_inputs(chat: pb.Chat, effort: str,
     output thinks only when the client asked for it (see `thinking`)."""
     msgs: list[dict] = []
     for m in chat.messages:
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        d: dict[str, Any] = {"role": m.role, "content": message_content(m)}
         if m.tool_calls_json:
             calls = _json(m.tool_calls_json, "tool_calls")
             for c in calls:

@@ -32,6 +32,7 @@ from helexa.neuron.limits import Refusal, check_context
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.residency import ModelState, Residency, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
+from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
@@ -81,13 +82,14 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
     raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
 
 
-def prompt_ids_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-               limits: Any) -> list[int]:
-    """Tokenise and check the context: CPU-bound for a long prompt, so Generate runs it on a
-    worker thread (the tokenizer releases the GIL for long texts)."""
-    ids = tokenise(tokenizer, request)
+def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
+              limits: Any) -> tuple[list[int], list[messages.ImageInput]]:
+    """Tokenise (images decoded, their tokens placed) and check the context: CPU-bound for a
+    long prompt or a large image, so Generate runs it on a worker thread (the tokenizer
+    releases the GIL for long texts, Pillow while it decodes)."""
+    ids, images = with_images(tokenizer, request, tokenise(tokenizer, request))
     check_context(len(ids), max_tokens, limits)
-    return ids
+    return ids, images
 
 
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
@@ -119,8 +121,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            prompt_ids = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request, max_tokens,
-                                                 r.limits)
+            prompt_ids, images = await asyncio.to_thread(prompt_of, r.tokenizer, request,
+                                                         max_tokens, r.limits)
             grammar = agent.constraint_grammar(request)
             thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
                                       _enable_thinking(request))
@@ -135,7 +137,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         new = messages.NewRequest(
             req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling_params(request.sampling),
             max_tokens=max_tokens, principal=principal, stop_token_ids=stop_ids,
-            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking)
+            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking,
+            images=images)
         blog.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
         r.begin()
         try:
@@ -304,8 +307,11 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             elif which == "chat":
                 msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
                 try:
-                    out.token_ids.extend(r.tokenizer.encode_chat(
-                        msgs, request.add_generation_prompt, **kwargs))
+                    ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt, **kwargs)
+                    out.token_ids.extend(await asyncio.to_thread(
+                        lambda: with_images(r.tokenizer, request, list(ids))[0]))
+                except Refusal:
+                    raise
                 except Exception as e:
                     raise Refusal("invalid_request_error",
                                   f"messages: the model's chat template failed: {e}") from None

@@ -160,6 +160,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.special_tokens = special_tokens  # bos_token, eos_token, pad_token, unk_token
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.vision: Any = None  # helexa.neuron.vision.prompt.VisionPrompt, if it takes images
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -194,7 +195,11 @@ class Tokenizer:
             i = tok.token_to_id(special["eos_token"])
             if i is not None and i not in eos:
                 eos.append(i)
-        return cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+        out = cls(tok, chat_template=template, eos_token_ids=eos, special_tokens=special)
+        from helexa.neuron.vision.prompt import VisionPrompt  # the checkpoint's, if it takes images
+
+        out.vision = VisionPrompt.from_dir(d)
+        return out
 
     # ---------------------------------------------------------------- tokens
 
