@@ -17,24 +17,13 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 
 # The TOML reader and validation live in config_load.py; re-exported for the daemons.
+from helexa.config.fields import RELOAD, RESTART, field_meta, optional
+from helexa.config.images import ImagesConfig
 from helexa.config.load import ConfigError, load_config, read_toml  # noqa: F401
 
 T = TypeVar("T", bound=msgspec.Struct)
 
-RELOAD = "reload"
-RESTART = "restart"
-
 KvDtype = Literal["auto", "fp32", "fp16", "bf16", "fp8_e4m3", "int8", "int4"]
-
-
-def field_meta(doc: str, apply: str, **constraints: Any) -> msgspec.Meta:
-    """Constraints plus the doc text and the reload/restart rule of a field."""
-    return msgspec.Meta(description=doc, extra={"apply": apply}, **constraints)
-
-
-def optional(tp: Any, **constraints: Any) -> Any:
-    """`tp` with constraints, or None (msgspec constrains only the non-None arm)."""
-    return Annotated[tp, msgspec.Meta(**constraints)] | None
 
 
 # "ngram" | "mtp" | "draft:<model id>" | "off"; this build runs all four.
@@ -365,6 +354,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Alias → model id, e.g. \"helexa/balanced\" = \"Qwen/Qwen3-8B\".", RELOAD)] = msgspec.field(
             default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    images: ImagesConfig = msgspec.field(default_factory=ImagesConfig)
 
 
 # ------------------------------------------------------------------ catalogue

@@ -29,7 +29,7 @@ import msgspec
 from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.router import anthropic, anthropic_encode, encode
+from helexa.router import anthropic, anthropic_encode, encode, images
 from helexa.router.agent_output import OutputParser, parser_for
 from helexa.router.errors import ApiError
 from helexa.router.feasibility import refuse_unservable
@@ -125,6 +125,12 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
+        if any(images.parts_of(req)):  # decoded in a worker thread; their tokens estimated
+            vision = images.check_model_takes_images(req, model, state.registry)
+            await images.resolve(req, state.cfg.images)
+            if vision is not None:
+                est = Estimate(est.prompt_tokens + images.estimated_tokens(req, vision),
+                               est.max_tokens)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         greqs = [generate_request(req, model=model, principal="" if principal == "anonymous"
                                   else principal, req_id=req_id if req.n == 1 else f"{req_id}-{i}",
