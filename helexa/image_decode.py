@@ -7,8 +7,8 @@ which limit the image broke. It never decodes more than it must to find out:
   some with a long history of parser bugs, are never tried);
 - width × height is read from the header and checked against `max_pixels` before a
   single pixel is decoded, so a decompression bomb (a few KB of PNG declaring
-  50,000 × 50,000 pixels) costs a header parse; Pillow's own bomb guard is kept, its
-  warning made an error;
+  50,000 × 50,000 pixels) costs a header parse; that check is the guard (its message
+  names the limit), Pillow's own error past twice its MAX_IMAGE_PIXELS the backstop;
 - a truncated or corrupt file fails in the decode (Pillow is not asked to pad it);
 - an animated GIF or WebP gives its first frame;
 - transparency is composited onto white, as Qwen's image processor does.
@@ -54,11 +54,11 @@ def decode_image(data: bytes, limits: ImageLimits) -> Any:
 
     img = _open(data, limits)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with warnings.catch_warnings():  # max_pixels was checked from the header
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img.seek(0)
             img.load()
-    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombWarning) as e:
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"the {img.format} image is corrupt or truncated ({e})") from None
     has_alpha = "A" in img.getbands() or "transparency" in img.info
     if has_alpha:
@@ -77,13 +77,13 @@ def _open(data: bytes, limits: ImageLimits) -> Any:
         raise ImageError(f"the image is {len(data)} bytes; at most {limits.max_bytes} are "
                          "accepted")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with warnings.catch_warnings():  # max_pixels is checked below, naming the limit
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=FORMATS)
     except UnidentifiedImageError:
         raise ImageError("the image is not a PNG, JPEG, WebP or GIF file (or is corrupt)"
                          ) from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+    except Image.DecompressionBombError:
         raise ImageError(f"the image has more than {Image.MAX_IMAGE_PIXELS} pixels (Pillow's "
                          "decompression-bomb guard)") from None
     except (OSError, SyntaxError, ValueError) as e:
