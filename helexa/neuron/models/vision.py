@@ -99,9 +99,10 @@ class VisionAttention(HotModule):
         start = 0
         for length in lengths:  # each image attends to itself only, both ways
             s = slice(start, start + length)
+            # [1, heads, n, d]: 4-D is what the fused (flash) kernels take; 3-D falls back
+            # to the math path, which materialises n × n scores
             out[s] = F.scaled_dot_product_attention(
-                q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1)
-            ).transpose(0, 1)
+                *(t[s].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))[0].transpose(0, 1)
             start += length
         return self.proj(out.reshape(n, h * d))
 

@@ -36,7 +36,8 @@ def pixel_patches(image: PreparedImage, proc: ImageProcessor, table: torch.Tenso
     gh, gw = image.grid_h, image.grid_w
     raw = torch.frombuffer(bytearray(image.pixels), dtype=torch.uint8)
     hwc = raw.to(table.device).view(gh * p, gw * p, 3).long()
-    chw = torch.stack([table[c][hwc[..., c]] for c in range(3)])  # [3, H, W]
+    hwc += torch.tensor([0, 256, 512], device=table.device)  # each channel its own row
+    chw = table.view(-1)[hwc].permute(2, 0, 1)  # [3, H, W], one gather
     x = chw.view(3, gh // m, m, p, gw // m, m, p).permute(1, 4, 2, 5, 0, 3, 6)
     x = x.unsqueeze(5).expand(*x.shape[:5], t, p, p)  # [gh/m, gw/m, m, m, 3, T, P, P]
     return x.reshape(gh * gw, 3 * t * p * p)
