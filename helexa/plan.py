@@ -45,6 +45,7 @@ from helexa.checkpoint.shape import (
     max_positions,
     read_model_shape,
 )
+from helexa.checkpoint.vision_shape import tower_loads
 from helexa.checkpoint.weights import checkpoint_quantization, quantized_weight_bytes_per_card
 from helexa.config.schema import (
     ConfigError,
@@ -169,6 +170,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     try:
         raw = read_config(gguf) if gguf is not None else json.loads(cfg_path.read_text())
         shape = read_model_shape(raw)
+        if shape.vision is not None and (gguf is not None or not tower_loads(cfg_path.parent)):
+            shape = replace(shape, vision=None)  # it loads text only: no tower to hold
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
@@ -206,6 +209,10 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
+    if shape.vision is not None:  # in the weights above, float: say how much of them
+        split, whole = shape.vision.param_split(tp)
+        tower = (math.ceil(split / tp) + whole) * ELT_BYTES[dtype_name(float_dtype)]
+        weight_dtype += f"; vision tower {format_bytes(tower)}"
     specs = speculations(cfg, entry)
     # Pool layers for the MTP head where some speculation drafts with it (nothing to pay
     # for otherwise: speculation = "mtp" is then refused at runtime).

@@ -31,7 +31,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from helexa.router import agent_request
+from helexa.router import agent_request, images
 from helexa.router.errors import ApiError, bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_model import (
@@ -61,6 +61,7 @@ class Block(msgspec.Struct, kw_only=True):
     signature: str | None = None  # thinking
     cache_control: Any = None  # accepted: changes nothing here (the prefix cache is automatic)
     citations: Any = None
+    source: Any = None  # image: {type: base64, media_type, data} or {type: url, url}
 
 
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,9 +164,15 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             turns.append(Turn(role=m.role, content=m.content))
             continue
         text, thought, calls = [], [], []
+        parts: list[str | images.ImagePart] = []
         for j, b in enumerate(m.content):
             if b.type == "text":
                 text.append(b.text or "")
+                parts.append(b.text or "")
+            elif b.type == "image" and m.role == "user":
+                parts.append(_image(b.source, f"{p}[{j}].source"))
+            elif b.type in images.VIDEO_PART_TYPES:
+                raise unsupported(f"{p}[{j}].type", f"video blocks (`{b.type}`)")
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise bad_request(f"`{p}[{j}].tool_use_id` is required",
@@ -182,13 +189,28 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                 thought.append(b.thinking or "")
             else:
                 raise unsupported(f"{p}[{j}].type", f"`{b.type}` blocks in a {m.role} turn")
-        if text or calls or thought or m.role == "assistant":
+        if text or calls or thought or parts or m.role == "assistant":
             turns.append(Turn(role=m.role, content="".join(text),
                               tool_calls_json=json.dumps(calls) if calls else "",
-                              reasoning="".join(thought)))
+                              reasoning="".join(thought),
+                              parts=parts if len(parts) > len(text) else None))
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns
+
+
+def _image(source: Any, param: str) -> images.ImagePart:
+    """An image block's source: base64 (with its media_type) or a url."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        images.check_media_type(str(source.get("media_type", "")), f"{param}.media_type")
+        return images.ImagePart(param, b64=source["data"])
+    if kind == "url" and isinstance(source.get("url"), str):
+        return images.from_url(source["url"], f"{param}.url")
+    if kind in ("base64", "url"):
+        field = "data" if kind == "base64" else "url"
+        raise bad_request(f"`{param}.{field}` must be a string", f"{param}.{field}")
+    raise unsupported(f"{param}.type", f"image sources of type `{kind}` (base64 and url are)")
 
 
 def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -32,16 +32,19 @@ from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.images import ImageSpan
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
+from helexa.neuron.engine.vision_step import VisionStep
 from helexa.neuron.formats.base import open_checkpoint
 from helexa.neuron.formats.loader import load_model, resolve_dtype, weight_bytes
 from helexa.neuron.formats.quantise import QuantSpec
 from helexa.neuron.models.config import parse_dtype
 from helexa.neuron.models.layers import linear_sites
+from helexa.neuron.vision.processor import ImageProcessor
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 log = structlog.get_logger(component="engine")
@@ -59,6 +62,10 @@ class SeqInput:
     # Logits rows for the last this-many tokens of the chunk (need_logits only): a
     # speculative verification row [last token, k drafts] asks for k + 1.
     num_logits: int = 1
+    # Vision-language prompts (engine/images.py): the M-RoPE shift of the chunk's leading
+    # text (and of every decode token), and the images the chunk's tokens touch.
+    rope_delta: int = 0
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
@@ -147,6 +154,9 @@ class ModelRunner:
                                       max_num_seqs=max_num_seqs,
                                       max_batched_tokens=max_batched_tokens, tp_size=tp_size)
         self.vocab_size = self.config.vocab_size
+        self.vision = VisionStep(self.model, ImageProcessor.from_dir(model_dir)
+                                 if getattr(self.model, "visual", None) is not None else None,
+                                 self.device)
         self._attn = self.model.attention_layers
         self._linear = list(getattr(self.model, "linear_layers", []))
         if self._linear and num_state_slots < 1:
@@ -258,9 +268,11 @@ class ModelRunner:
         try:
             meta = attention.plan(step)
             if self._tp is None:
+                self.vision.attach(seqs, self.seq_starts, positions)
                 return run(self.model, input_ids, positions, meta, logits_rows, state)
             self._tp.send_step(seqs)
-            try:
+            try:  # the tower's collectives, too, once every rank has the step
+                self.vision.attach(seqs, self.seq_starts, positions)
                 return run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
                 self._tp.fail_step(e)
