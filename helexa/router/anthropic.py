@@ -177,9 +177,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                 if not b.tool_use_id:
                     raise bad_request(f"`{p}[{j}].tool_use_id` is required",
                                       f"{p}[{j}].tool_use_id")
-                result = _text(b.content, f"{p}[{j}].content")
-                turns.append(Turn(role="tool", tool_call_id=b.tool_use_id,
-                                  content=("Error: " + result) if b.is_error else result))
+                turns.append(_tool_result(b, f"{p}[{j}].content"))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
@@ -197,6 +195,26 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns
+
+
+def _tool_result(b: Block, param: str) -> Turn:
+    """A tool_result block as a tool turn: its text, and its parts in order where it holds
+    image blocks (a screenshot an agent's tool took)."""
+    assert b.tool_use_id is not None
+    head = ["Error: "] if b.is_error else []
+    if not isinstance(b.content, list) or all(x.type == "text" for x in b.content):
+        return Turn(role="tool", tool_call_id=b.tool_use_id,
+                    content="".join(head) + _text(b.content, param))
+    parts: list[str | images.ImagePart] = list(head)
+    for j, x in enumerate(b.content):
+        if x.type == "text":
+            parts.append(x.text or "")
+        elif x.type == "image":
+            parts.append(_image(x.source, f"{param}[{j}].source"))
+        else:
+            raise unsupported(f"{param}[{j}].type", f"blocks of type `{x.type}` here")
+    return Turn(role="tool", tool_call_id=b.tool_use_id,
+                content="".join(x for x in parts if isinstance(x, str)), parts=parts)
 
 
 def _image(source: Any, param: str) -> images.ImagePart:

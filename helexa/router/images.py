@@ -1,7 +1,7 @@
 """Images in a request, on the router: where the client put each one, its bytes, and a 400
 naming the part and the limit when it cannot be used.
 
-The front ends (openai_api.py, anthropic.py) leave an `ImagePart` among a turn's parts
+The front ends (openai_api.py, anthropic.py, responses_api.py) leave an `ImagePart` among a turn's parts
 for each image: a data: URL or base64 text still to decode, or an http(s) URL still to
 fetch. `resolve(req, cfg)` then, before a neuron is chosen:
 1. counts the request's images against `images.max_per_request` (nothing is decoded
@@ -73,6 +73,11 @@ def check_media_type(media: str, param: str) -> None:
                           "WebP and GIF are)")
 
 
+def turns_field(req: ParsedRequest) -> str:
+    """The body field holding the turns, as a refusal names it (Responses: `input`)."""
+    return "input" if req.kind == "responses" else "messages"
+
+
 def parts_of(req: ParsedRequest) -> Iterator[ImagePart]:
     for turn in req.messages or []:
         for part in turn.parts or []:
@@ -86,8 +91,9 @@ async def resolve(req: ParsedRequest, cfg: ImagesConfig) -> None:
     if not images:
         return
     if len(images) > cfg.max_per_request:
-        raise bad_request(f"`messages`: {len(images)} images; at most {cfg.max_per_request} "
-                          "are accepted per request", "messages")
+        field = turns_field(req)
+        raise bad_request(f"`{field}`: {len(images)} images; at most {cfg.max_per_request} "
+                          "are accepted per request", field)
     for img in images:
         if img.b64 is not None:
             img.data = _b64(img, cfg.max_bytes)
@@ -187,8 +193,9 @@ def check_model_takes_images(req: ParsedRequest, model: str, registry: Any
     vision: pb.VisionInput | None = next((m.vision for m in ready if m.HasField("vision")),
                                          None)
     if vision is None:
-        raise bad_request(f"`messages`: `{req.model}` takes no images (it has no vision "
-                          "tower); send text only", "messages")
+        field = turns_field(req)
+        raise bad_request(f"`{field}`: `{req.model}` takes no images (it has no vision "
+                          "tower); send text only", field)
     return vision
 
 

@@ -109,3 +109,48 @@ def test_anthropic_image_blocks():
                                                    "data": "AA=="}
     with pytest.raises(ApiError, match="image/tiff"):
         anthropic.parse_request(json.dumps(body).encode())
+
+
+def test_responses_input_image_parts():
+    from helexa.router import responses_api
+
+    body = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"},
+        {"type": "input_image", "image_url": data_url(png(24, 16)), "detail": "auto"}]}]}
+    req = responses_api.parse_request(json.dumps(body).encode())
+    turn = req.messages[0]
+    assert turn.content == "a" and [type(p).__name__ for p in turn.parts] == ["str", "ImagePart"]
+    resolve(req)
+    assert (turn.parts[1].width, turn.parts[1].param) == (24, "input[0].content[1].image_url")
+    e = refusal(responses_api.parse_request(json.dumps(body).encode()), max_per_request=0)
+    assert e.param == "input" and "1 images; at most 0" in e.message
+    body["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
+    with pytest.raises(ApiError, match="file_id") as f:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert f.value.param == "input[0].content[1].file_id"
+    body["input"][0]["content"][1] = {"type": "input_video", "video_url": "x"}
+    with pytest.raises(ApiError, match="video") as v:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert v.value.param == "input[0].content[1].type"
+
+
+def test_anthropic_tool_result_images():
+    b64 = base64.b64encode(png(20, 12)).decode()
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "here:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}}]}]}]}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    tool = req.messages[-1]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "t1", "here:")
+    resolve(req)
+    assert (tool.parts[1].width, tool.parts[1].param) == (
+        20, "messages[2].content[0].content[1].source")
+    body["messages"][2]["content"][0]["content"][1] = {"type": "document", "source": {}}
+    with pytest.raises(ApiError, match="blocks of type `document` here") as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "messages[2].content[0].content[1].type"

@@ -1,8 +1,8 @@
 """Images end to end: real `helexa neuron` and `helexa router` processes on loopback serving
 the tiny Qwen3.5 with its vision tower (`vl`) beside a text-only model (`text`).
 
-The openai SDK sends a data: URL and the anthropic SDK a base64 block, and both get
-answers whose prompt counts the image's tokens; a loopback HTTP server's image is
+The openai SDK sends a data: URL (chat, and an input_image in Responses) and the
+anthropic SDK a base64 block, and all get answers whose prompt counts the image's tokens; a loopback HTTP server's image is
 fetched when its host is allowed and a disallowed host is a 400; hostile images (a
 decompression bomb, a truncated PNG, 10,000 × 10,000 pixels, 100 images, a video part)
 are refused 400 naming the part while another client's requests are served, and the
@@ -167,6 +167,36 @@ def test_openai_sdk_data_url_and_anthropic_sdk_base64(stack):
         {"type": "text", "text": "Look:"}, {"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": base64.b64encode(img).decode()}}]}])
     assert counted.input_tokens == m.usage.input_tokens
+
+
+def test_openai_sdk_responses_input_image(stack):
+    url, _ = stack
+    img = png(make_image(100, 70, 22))
+    chat = ask(url, image_part(data_url(img)))
+    r = oa(url).responses.create(model="vl", max_output_tokens=6, temperature=0, input=[{
+        "role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                    {"type": "input_image", "image_url": data_url(img)}]}])
+    assert r.output_text == chat.choices[0].message.content  # the same prompt, greedy
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
+
+def test_anthropic_sdk_image_in_a_tool_result(stack):
+    url, _ = stack
+    a = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+    img = base64.b64encode(png(make_image(100, 70, 22))).decode()  # 6 image tokens
+
+    def turns(*result):
+        return [{"role": "user", "content": "Take a screenshot."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                                   "name": "shot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                              "content": [{"type": "text", "text": "here"},
+                                                          *result]}]}]
+    shot = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                        "data": img}}
+    with_image = a.messages.create(model="vl", max_tokens=4, messages=turns(shot))
+    without = a.messages.create(model="vl", max_tokens=4, messages=turns())
+    assert with_image.usage.input_tokens == without.usage.input_tokens + 6 + 2  # + markers
 
 
 def test_image_urls_are_fetched_from_allowed_hosts_only(stack, image_server):
