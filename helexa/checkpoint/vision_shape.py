@@ -1,16 +1,24 @@
 """The vision tower a checkpoint's config.json declares (Qwen3.5's `vision_config`), torch-free.
 
-One parse for `helexa plan` (the tower's weights per card) and the neuron (the tower it
-builds, helexa/neuron/models/vision.py); None when config.json declares no tower. The
-image and vision-marker token ids live at config.json's top level, as Qwen's
-checkpoints write them.
+One parse for `helexa plan` (the tower's weights per card and the activations of one
+tower call) and the neuron (the tower it builds, helexa/neuron/models/vision.py); None
+when config.json declares no tower. The image and vision-marker token ids live at
+config.json's top level, as Qwen's checkpoints write them. The pixel bounds of
+preprocessor_config.json are read here too (`pixel_bounds`), for the plan and the
+neuron's image processor alike: the largest image bounds one tower call.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+# transformers' Qwen2VLImageProcessor defaults, for a preprocessor_config.json without them
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+FP32_BYTES = 4
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,40 @@ class VisionShape:
         whole = (self.patch_dim * h + h + self.num_position_embeddings * h
                  + self.depth * block_whole + merger_whole)
         return self.depth * block_split + merger_split, whole
+
+
+    def encoder_activation_bytes(self, patches: int, tp: int, elt: int) -> int:
+        """Peak activation bytes on one card of one tower call over `patches` patches
+        (the engine never encodes more at once: vision_step.py), an estimate from what a
+        block holds live: the residual stream and a norm's output (2 × hidden each
+        patch), then the larger of attention's (qkv, q and k rotated in fp32, the output:
+        hidden / tp × (3 + 2 × 4 / elt + 1)) and the MLP's (fc1's output and its
+        activation: 2 × intermediate / tp), plus the fp32 rotary tables and patches.
+        Attention runs one image at a time in a fused kernel, so no n × n scores."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = (h // tp) * (4 * elt + 2 * FP32_BYTES)
+        mlp = 2 * (i // tp) * elt
+        per_patch = 2 * h * elt + max(attn, mlp) + FP32_BYTES * (2 * self.head_dim + self.patch_dim)
+        return patches * per_patch
+
+
+def pixel_bounds(preprocessor: dict[str, Any]) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a preprocessor_config.json dict: transformers takes size
+    {shortest_edge, longest_edge} (pixels, not edges, for this processor), and the older
+    top-level min_pixels / max_pixels over it."""
+    size = preprocessor.get("size") or {}
+    lo = preprocessor.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+    hi = preprocessor.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+    return int(lo or DEFAULT_MIN_PIXELS), int(hi or DEFAULT_MAX_PIXELS)
+
+
+def max_image_patches(model_dir: Path, shape: VisionShape) -> int:
+    """Patches of the largest image the checkpoint's processor makes (its max_pixels; the
+    processor's default where the folder has no preprocessor_config.json)."""
+    path = model_dir / "preprocessor_config.json"
+    raw = json.loads(path.read_text()) if path.is_file() else {}
+    patch = int(raw.get("patch_size", shape.patch_size))
+    return pixel_bounds(raw)[1] // (patch * patch)
 
 
 def read_vision_shape(raw: dict[str, Any]) -> VisionShape | None:

@@ -4,11 +4,12 @@ image's tokens, and the step's rows get their M-RoPE positions.
 `VisionStep.inputs(seqs, starts, positions)` returns the model's MmStep for the step, or
 None when no sequence in it has images or shifted positions (every text-only step: the
 model then runs exactly as before). Every image whose tokens the step touches and whose
-embeddings are not cached yet goes through the tower in one batch (images of several
-requests together); the embeddings stay cached by content hash until a chunk reaches the
-image's last token, so a prefill chunked smaller than an image runs the tower once. The
-cache is bounded (`max_cached`, oldest first out): an image whose request was aborted
-mid-image is dropped in time, and one evicted early is recomputed.
+embeddings are not cached yet goes through the tower, images of several requests
+together in calls of at most the largest image's patches (so a step's activations stay
+within what `helexa plan` set aside); the embeddings stay cached by content hash until
+a chunk reaches the image's last token, so a prefill chunked smaller than an image runs
+the tower once. The cache is bounded (`max_cached`, oldest first out): an image whose
+request was aborted mid-image is dropped in time, and one evicted early is recomputed.
 """
 
 from __future__ import annotations
@@ -90,14 +91,33 @@ class VisionStep:
             return
         if not self.takes_images or self._table is None or self.processor is None:
             raise ValueError("this model takes no images")
-        proc = self.processor
         prepared = [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
                     for i in todo.values()]
-        patches = torch.cat([pixel_patches(p, proc, self._table) for p in prepared])
-        out = self.model.visual(patches, [(1, p.grid_h, p.grid_w) for p in prepared])
-        self.tower_runs += 1
-        for key, part in zip(todo, out.split([p.num_tokens for p in prepared]), strict=True):
-            self._cache[key] = part
+        for group in _groups(prepared, self.processor.max_patches):
+            self._run_tower(group)
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
+
+    def _run_tower(self, prepared: list[PreparedImage]) -> None:
+        assert self.processor is not None and self._table is not None
+        patches = torch.cat([pixel_patches(p, self.processor, self._table) for p in prepared])
+        out = self.model.visual(patches, [(1, p.grid_h, p.grid_w) for p in prepared])
+        self.tower_runs += 1
+        for p, part in zip(prepared, out.split([p.num_tokens for p in prepared]), strict=True):
+            self._cache[p.content_hash] = part
+
+
+def _groups(prepared: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
+    """Consecutive images in calls of at most `max_patches` patches together (the largest
+    image's: the activations helexa plan sets aside, checkpoint/vision_shape.py)."""
+    groups: list[list[PreparedImage]] = []
+    total = 0
+    for p in prepared:
+        n = p.grid_h * p.grid_w
+        if not groups or total + n > max_patches:
+            groups.append([])
+            total = 0
+        groups[-1].append(p)
+        total += n
+    return groups
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from helexa.checkpoint.vision_shape import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, pixel_bounds
+
 # transformers' Qwen2VLImageProcessor defaults, for keys a preprocessor_config.json omits.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 _CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -47,8 +49,8 @@ class ImageProcessor:
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
     image_mean: tuple[float, ...] = _CLIP_MEAN
     image_std: tuple[float, ...] = _CLIP_STD
     rescale_factor: float = 1 / 255
@@ -56,6 +58,11 @@ class ImageProcessor:
     do_rescale: bool = True
     do_normalize: bool = True
     resample: int = 3  # PIL.Image.Resampling.BICUBIC
+
+    @property
+    def max_patches(self) -> int:
+        """Patches of the largest image it makes: what one tower call holds at most."""
+        return self.max_pixels // (self.patch_size * self.patch_size)
 
     @property
     def factor(self) -> int:
@@ -72,18 +79,13 @@ class ImageProcessor:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:
-        size = d.get("size") or {}
-        # transformers takes size {shortest_edge, longest_edge} (pixels, not edges, for this
-        # processor), and the older top-level min_pixels / max_pixels over it
-        min_pixels = d.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
-        max_pixels = d.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        min_pixels, max_pixels = pixel_bounds(d)
         base = cls()
         out = cls(
             patch_size=int(d.get("patch_size", base.patch_size)),
             temporal_patch_size=int(d.get("temporal_patch_size", base.temporal_patch_size)),
             merge_size=int(d.get("merge_size", base.merge_size)),
-            min_pixels=int(min_pixels or base.min_pixels),
-            max_pixels=int(max_pixels or base.max_pixels),
+            min_pixels=min_pixels, max_pixels=max_pixels,
             image_mean=_triple(d.get("image_mean", base.image_mean)),
             image_std=_triple(d.get("image_std", base.image_std)),
             rescale_factor=float(d.get("rescale_factor", base.rescale_factor)),

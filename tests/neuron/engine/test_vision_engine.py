@@ -114,3 +114,23 @@ def test_aborted_mid_image_and_refused_images_leave_the_pool_whole(vl_dir, tiny_
 
 def _fields(img: m.ImageInput) -> dict:
     return {f: getattr(img, f) for f in img.__struct_fields__}
+
+
+def test_one_tower_call_holds_at_most_the_largest_image(vl_dir, tmp_path):
+    """Images of two requests prefilled in one step: each is the processor's largest, so
+    they go through the tower in two calls (the activations helexa plan sets aside are one
+    largest image's), and each answer equals its request run alone."""
+    import json
+    import shutil
+
+    small = shutil.copytree(vl_dir, tmp_path / "small")
+    proc = json.loads((small / "preprocessor_config.json").read_text())
+    proc["size"] = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
+    (small / "preprocessor_config.json").write_text(json.dumps(proc))
+    a, b = make_image(128, 128, 5), make_image(128, 128, 6)  # 64 patches: max_pixels each
+    core = core_for(small)
+    both, _ = run(core, request(small, "a", a), request(small, "b", b))
+    assert core.runner.vision.tower_runs == 2
+    assert both["a"] == run(core_for(small), request(small, "a", a))[0]["a"]
+    assert both["b"] == run(core_for(small), request(small, "b", b))[0]["b"]
+    assert_whole(core)

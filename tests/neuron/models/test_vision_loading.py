@@ -81,3 +81,36 @@ def test_plan_counts_the_tower_the_loaded_model_holds(vl_dir, tiny_checkpoint, t
     assert abs(run.weight_bytes - planned(vl_dir)) <= 0.02 * planned(vl_dir)
     assert planned(vl_dir) - planned(text_only) == pytest.approx(tower, rel=0.01)
     assert run.model.visual.blocks[0].attn.qkv.quant is None  # the tower stays float
+
+
+def test_plan_sets_the_encoders_activations_aside(vl_dir, tmp_path):
+    """Derived from device memory, the pool leaves room for one tower call over the largest
+    image the processor makes where the headroom is less: a larger max_pixels buys a
+    smaller pool, by the estimate."""
+    from helexa.checkpoint.vision_shape import max_image_patches
+    from helexa.config.schema import load_neuron_config
+    from helexa.plan import plan_model
+
+    def plan(model_dir, headroom_mb: int = 0):
+        path = tmp_path / "n.toml"
+        path.write_text(f'[server]\ndevice_memory_mb = 4096\n[kv]\n'
+                        f'activation_headroom_mb = {headroom_mb}\n'
+                        f'[[models]]\nid = "m"\npath = "{model_dir}"\n')
+        cfg = load_neuron_config(path)
+        return plan_model(cfg, cfg.models[0], path)
+
+    big = _copy(vl_dir, tmp_path / "big")
+    proc = json.loads((big / "preprocessor_config.json").read_text())
+    proc["size"]["longest_edge"] *= 4
+    (big / "preprocessor_config.json").write_text(json.dumps(proc))
+    p, q = plan(vl_dir), plan(big)
+    shape = p.shape.vision
+    assert max_image_patches(big, shape) == 4 * max_image_patches(vl_dir, shape)
+    encoder = shape.encoder_activation_bytes(max_image_patches(vl_dir, shape), 1, 4)  # fp32
+    assert p.kv_budget_bytes - q.kv_budget_bytes == 3 * encoder
+    assert f"the vision encoder's {-(-encoder // 2**20):,} MiB" in p.budget_source
+    # a headroom above the encoder's already holds it: the tower's activations are freed
+    # before the text model's peak in the same step
+    roomy = plan(vl_dir, headroom_mb=4 * -(-encoder // 2**20) + 1)
+    assert plan(big, headroom_mb=4 * -(-encoder // 2**20) + 1).kv_budget_bytes == \
+        roomy.kv_budget_bytes
