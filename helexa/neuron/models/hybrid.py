@@ -215,6 +215,7 @@ class HybridForCausalLM(nn.Module):
         # (the runner sets mm before each step: None for text-only steps).
         self.visual: VisionTower | None = None
         self.visual_loaded: set[str] = set()
+        self.missing_tensors: list[str] = []  # set at finalize (the loader checks it)
         self.mm: MmStep | None = None
         if cfg.vision is not None:
             self.visual = VisionTower(cfg.vision, **kw)
@@ -286,10 +287,8 @@ class HybridForCausalLM(nn.Module):
             log.info("model.vision_skipped", reason="config.json declares a vision tower "
                      "the checkpoint lacks: text only")
             self.visual = None
-        elif missing:
-            from helexa.neuron.formats.tensor_map import MissingTensor
-            raise MissingTensor(f"checkpoint is missing {len(missing)} vision tensor(s): "
-                                + ", ".join(f"model.visual.{m}" for m in missing[:8]))
+        else:  # half a tower: the loader refuses the checkpoint, naming them
+            self.missing_tensors = [f"model.visual.{m}" for m in missing]
 
     # ---- forward ---------------------------------------------------------------------------
 
