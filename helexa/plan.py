@@ -46,6 +46,7 @@ from helexa.checkpoint.shape import (
     max_positions,
     read_model_shape,
 )
+from helexa.checkpoint.vision_shape import max_image_patches, tower_loads
 from helexa.checkpoint.weights import checkpoint_quantization, quantized_weight_bytes_per_card
 from helexa.config.schema import (
     ConfigError,
@@ -178,6 +179,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     try:
         raw = read_config(gguf) if gguf is not None else json.loads(cfg_path.read_text())
         shape = read_model_shape(raw)
+        if shape.vision is not None and (gguf is not None or not tower_loads(cfg_path.parent)):
+            shape = replace(shape, vision=None)  # it loads text only: no tower to hold
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
@@ -215,6 +218,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
+    encoder = 0  # the tower's activations for the largest image (vision_shape.py)
+    if shape.vision is not None:  # in the weights above, float: say how much of them
+        split, whole = shape.vision.param_split(tp)
+        elt = ELT_BYTES[dtype_name(float_dtype)]
+        tower = (math.ceil(split / tp) + whole) * elt
+        weight_dtype += f"; vision tower {format_bytes(tower)}"
+        encoder = shape.vision.encoder_activation_bytes(
+            max_image_patches(cfg_path.parent, shape.vision), tp, elt)
     specs = speculations(cfg, entry)
     # Pool layers for the MTP head where some speculation drafts with it (nothing to pay
     # for otherwise: speculation = "mtp" is then refused at runtime).
@@ -230,7 +241,12 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f"; + draft {draft_id} {format_bytes(draft_weights)}"
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
-    headroom = cfg.kv.activation_headroom_mb * MIB
+    # The tower runs before the text model in its step and its activations are freed
+    # first (only the image tokens' embeddings go on): the step peaks at the larger.
+    headroom = max(cfg.kv.activation_headroom_mb * MIB, encoder)
+    headroom_text = f"{math.ceil(headroom / MIB):,} MiB headroom" + (
+        f" (the vision encoder's {math.ceil(encoder / MIB):,} MiB"
+        f"{' within it' if headroom > encoder else ''})" if encoder else "")
     budget_mb = entry.kv_budget_mb or cfg.kv.kv_budget_mb
     budget_key = "kv_budget_mb" if entry.kv_budget_mb else "kv.kv_budget_mb"
     if budget_mb is not None:
@@ -239,12 +255,12 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         if device_mb and weights + budget + headroom > device_mb * MIB:
             raise PlanError(
                 f"{where(budget_key)}: expected weights + KV + headroom within {device_mb:,} MiB "
-                f"per card, got {weights / MIB:,.0f} + {budget_mb:,} + {headroom // MIB:,} MiB")
+                f"per card, got {weights / MIB:,.0f} + {budget_mb:,} + {headroom_text}")
     elif device_mb:
         usable = int(device_mb * MIB * cfg.kv.memory_fraction)
         budget = usable - weights - headroom
         source = (f"{device_mb:,} MiB × {cfg.kv.memory_fraction} − {weights / MIB:,.0f} MiB weights "
-                  f"− {headroom // MIB:,} MiB headroom")
+                  f"− {headroom_text}")
         if budget < bs * per_token + fixed:
             raise PlanError(f"{where('tp')}: expected the weights to leave room for KV: {source} = "
                             f"{budget / MIB:,.0f} MiB, less than one block")

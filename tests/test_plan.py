@@ -182,10 +182,10 @@ def test_beasts_budget_splits_into_state_slots_and_blocks_that_still_hold_its_co
     p = plan_model(cfg, cfg.models[0], path)
     assert p.fixed_bytes == 39_223_296  # 37.4 MiB, as beast.toml's comment says
     blocks, slots = state_slots(p, cfg.admission.max_in_flight)
-    assert slots == 8  # one per request in flight
-    # the 8 slots 16 in flight would hold are prefix snapshots instead (beast.toml's comment)
-    assert p.num_snapshot_slots == 8
-    assert blocks == (4713 * MIB - (8 + 8) * 39_223_296) // (16 * 32 * 1024) == 8_229
+    assert slots == 2  # one per request in flight
+    # what one context and the 2 slots leave holds 2 prefix snapshots (beast.toml's comment)
+    assert p.num_snapshot_slots == 2
+    assert blocks == (4270 * MIB - (2 + 2) * 39_223_296) // (16 * 32 * 1024) == 8_240
     assert blocks * 16 >= p.context == 131_072  # one full-context request still fits
     # A budget that cannot hold max_in_flight states beside one context keeps fewer slots.
     tight = plan_of(tmp_path, f'[kv]\nkv_budget_mb = 4400\n[[models]]\nid = "h"\n'

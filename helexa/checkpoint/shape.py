@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from helexa.checkpoint.vision_shape import VisionShape, read_vision_shape
+
 ELT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -59,6 +61,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     mtp_layers: int = 0  # multi-token-prediction layers config.json declares
+    vision: VisionShape | None = None  # a vision-language checkpoint's tower (vision_config)
 
     @property
     def linear_attention_layers(self) -> int:
@@ -68,8 +71,8 @@ class ModelShape:
 def read_model_shape(config_json: Path | str | dict) -> ModelShape:
     """Shape of a model from its config.json (a path or the parsed dict).
 
-    Multimodal checkpoints keep the language model under `text_config`; only
-    that part is read (a vision tower is small beside it and not counted).
+    Multimodal checkpoints keep the language model under `text_config`, and a vision
+    tower, if they declare one, under `vision_config` (counted in the parameters).
     """
     raw = config_json if isinstance(config_json, dict) else json.loads(Path(config_json).read_text())
     c = {**raw, **raw.get("text_config", {})}
@@ -108,6 +111,7 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
         moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
         shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
         mtp_layers=int(c.get("mtp_num_hidden_layers") or 0),
+        vision=read_vision_shape(raw),
     )
     sharded, replicated = param_split(shape, tp=1)
     return _replace(shape, param_count=sharded + replicated)
@@ -140,6 +144,9 @@ def param_split(s: ModelShape, tp: int) -> tuple[int, int]:
                + s.linear_attention_layers * lin)
     replicated = (s.full_attention_layers * (attn_kv_card + 2 * hd)  # + q/k norms
                   + s.num_layers * 2 * h + h + s.linear_attention_layers * s.linear_value_head_dim)
+    if s.vision is not None:
+        tower_sharded, tower_whole = s.vision.param_split(tp)
+        sharded, replicated = sharded + tower_sharded, replicated + tower_whole
     return sharded, replicated
 
 

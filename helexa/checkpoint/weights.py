@@ -95,5 +95,9 @@ def quantized_weight_bytes_per_card(s: ModelShape, tp: int, elt: int, kind: str,
     head = rows * h * elt if float_heads else rows * h + rows * elt  # int8 rows + a scale each
     heads = head * (1 if s.tie_word_embeddings else 2)
     norms = (s.num_layers * 2 * h + h + s.full_attention_layers * 2 * hd) * elt
+    tower = 0
+    if s.vision is not None:  # the vision tower stays float (quant.attach leaves it)
+        split, whole = s.vision.param_split(tp)
+        tower = (math.ceil(split / tp) + whole) * elt
     return (heads + norms + s.num_layers * mlp + s.full_attention_layers * attn
-            + s.linear_attention_layers * linear_attn)
+            + s.linear_attention_layers * linear_attn + tower)

@@ -32,6 +32,9 @@ def main(argv: list[str]) -> int:
     tiny.add_argument("--mtp", action="store_true",
                       help="add a multi-token-prediction head (qwen3_next, qwen3_5, qwen3_5_moe;"
                            " speculation = \"mtp\")")
+    tiny.add_argument("--vision", action="store_true",
+                      help="add Qwen3.5's vision tower, preprocessor_config.json and image tokens"
+                           " (qwen3_5, qwen3_5_moe)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--chat-template", choices=list(CHAT_TEMPLATES), default="chatml",
                       help="chatml (Qwen3's, <tool_call>{json}) or qwen3_5 (XML tool calls)")
@@ -44,7 +47,8 @@ def main(argv: list[str]) -> int:
             intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
             max_position_embeddings=args.max_position_embeddings, seed=args.seed,
             dtype=args.dtype, tie_word_embeddings=args.tie_word_embeddings,
-            legacy_config=args.legacy_config, mtp=args.mtp, chat_template=args.chat_template)
+            legacy_config=args.legacy_config, mtp=args.mtp, chat_template=args.chat_template,
+            vision=args.vision)
     except ValueError as e:
         ap.error(str(e))
     print(f"wrote {args.arch} tiny checkpoint to {out}")

@@ -8,6 +8,7 @@ from typing import Annotated
 import msgspec
 
 from helexa.config.fields import RELOAD, RESTART, field_meta
+from helexa.config.images import ImagesConfig
 
 
 class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -78,3 +79,4 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Alias → model id, e.g. \"helexa/balanced\" = \"Qwen/Qwen3-8B\".", RELOAD)] = msgspec.field(
             default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
+    images: ImagesConfig = msgspec.field(default_factory=ImagesConfig)

@@ -25,6 +25,7 @@ from typing import Any
 from helexa import grammar, tool_grammar
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
+from helexa.neuron.vision.prompt import message_content
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
 
@@ -64,7 +65,7 @@ def template_inputs(chat: pb.Chat, effort: str,
     output thinks only when the client asked for it (see `thinking`)."""
     msgs: list[dict] = []
     for i, m in enumerate(chat.messages):
-        d: dict[str, Any] = {"role": m.role, "content": m.content}
+        d: dict[str, Any] = {"role": m.role, "content": message_content(m)}
         if m.tool_calls_json:
             calls = _json(m.tool_calls_json, f"messages[{i}].tool_calls")
             for j, c in enumerate(calls):

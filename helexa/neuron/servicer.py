@@ -36,6 +36,7 @@ from helexa.neuron.output_processor import OutputProcessor
 from helexa.neuron.residency import Residency
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
+from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.refusal import Refusal
@@ -86,17 +87,19 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
     raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
 
 
-def prompt_ids_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-               limits: Any) -> tuple[list[int], int | None]:
-    """Tokenise and check the context: CPU-bound for a long prompt, so Generate runs it on a
-    worker thread (the tokenizer releases the GIL for long texts). Returns the ids and the
-    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves)."""
-    ids = tokenise(tokenizer, request)
+def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
+              limits: Any) -> tuple[list[int], int | None, list[messages.ImageInput]]:
+    """Tokenise (images decoded, their tokens placed) and check the context: CPU-bound for a
+    long prompt or a large image, so Generate runs it on a worker thread (the tokenizer
+    releases the GIL for long texts, Pillow while it decodes). Returns the ids, the
+    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves) and the
+    images."""
+    ids, images = with_images(tokenizer, request, tokenise(tokenizer, request))
     if request.fit_max_tokens and max_tokens is not None and limits is not None:
         max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
                                        max_output_tokens=limits.output)
     check_context(len(ids), max_tokens, limits)
-    return ids, max_tokens
+    return ids, max_tokens, images
 
 
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
@@ -128,8 +131,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
             max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            prompt_ids, max_tokens = await asyncio.to_thread(prompt_ids_of, r.tokenizer, request,
-                                                             max_tokens, r.limits)
+            prompt_ids, max_tokens, images = await asyncio.to_thread(
+                prompt_of, r.tokenizer, request, max_tokens, r.limits)
             grammar = agent.constraint_grammar(
                 request, agent.tool_parser(r.entry, r.tokenizer.chat_template))
             thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
@@ -145,7 +148,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         new = messages.NewRequest(
             req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling_params(request.sampling),
             max_tokens=max_tokens, principal=principal, stop_token_ids=stop_ids,
-            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking)
+            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking,
+            images=images)
         blog.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
         r.begin()
         try:
@@ -265,8 +269,11 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             elif which == "chat":
                 msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
                 try:
-                    out.token_ids.extend(r.tokenizer.encode_chat(
-                        msgs, request.add_generation_prompt, **kwargs))
+                    ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt, **kwargs)
+                    out.token_ids.extend(await asyncio.to_thread(
+                        lambda: with_images(r.tokenizer, request, list(ids))[0]))
+                except Refusal:
+                    raise
                 except Exception as e:
                     raise Refusal("invalid_request_error",
                                   f"messages: the model's chat template failed: {e}") from None

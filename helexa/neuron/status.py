@@ -28,6 +28,8 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
     template = r.tokenizer.chat_template if r.tokenizer is not None else None
     m.tool_parser = agent.tool_parser(r.entry, template)
     m.reasoning_parser = agent.reasoning_parser(r.entry, template)
+    if r.tokenizer is not None and getattr(r.tokenizer, "vision", None) is not None:
+        m.vision.CopyFrom(r.tokenizer.vision.status())  # it takes images
     s = r.engine_status
     if s is not None:
         m.kv.CopyFrom(pb.KvLedger(

@@ -209,6 +209,7 @@ class Tokenizer:
         self.eos_token_ids = eos_token_ids
         self.special_tokens = special_tokens  # bos_token, eos_token, pad_token, unk_token
         self.vocab_size: int = tok.get_vocab_size(with_added_tokens=True)
+        self.vision: Any = None  # helexa.neuron.vision.prompt.VisionPrompt, if it takes images
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -237,9 +238,13 @@ class Tokenizer:
             template = jinja_file.read_text()
         special = {k: _token_text(tcfg.get(k)) for k in
                    ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(tok, chat_template=template,
-                   eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
-                   special_tokens=special)
+        out = cls(tok, chat_template=template,
+                  eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
+                  special_tokens=special)
+        from helexa.neuron.vision.prompt import VisionPrompt  # the checkpoint's, if it takes images
+
+        out.vision = VisionPrompt.from_dir(d)
+        return out
 
     # ---------------------------------------------------------------- tokens
 

@@ -59,21 +59,37 @@ class SamplingParams(_message.Message):
     logprobs: bool
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
 
+class Image(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ContentPart(_message.Message):
+    __slots__ = ("text", "image")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    image: Image
+    def __init__(self, text: _Optional[str] = ..., image: _Optional[_Union[Image, _Mapping]] = ...) -> None: ...
+
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "tool_calls_json", "tool_call_id", "name", "reasoning_content")
+    __slots__ = ("role", "content", "tool_calls_json", "tool_call_id", "name", "reasoning_content", "parts")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     REASONING_CONTENT_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
     tool_calls_json: str
     tool_call_id: str
     name: str
     reasoning_content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ...) -> None: ...
+    parts: _containers.RepeatedCompositeFieldContainer[ContentPart]
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class Chat(_message.Message):
     __slots__ = ("messages", "tools_json", "template_kwargs_json")
@@ -288,7 +304,7 @@ class ModelLimits(_message.Message):
     def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser", "drafter", "spec_drafted_tokens", "spec_accepted_tokens")
+    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser", "drafter", "spec_drafted_tokens", "spec_accepted_tokens", "vision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +326,7 @@ class ModelStatus(_message.Message):
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    VISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     state: ModelState
     error: str
@@ -331,7 +348,18 @@ class ModelStatus(_message.Message):
     drafter: str
     spec_drafted_tokens: int
     spec_accepted_tokens: int
-    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tool_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...
+    vision: VisionInput
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tool_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., vision: _Optional[_Union[VisionInput, _Mapping]] = ...) -> None: ...
+
+class VisionInput(_message.Message):
+    __slots__ = ("pixels_per_token", "min_pixels", "max_pixels")
+    PIXELS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MIN_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PIXELS_FIELD_NUMBER: _ClassVar[int]
+    pixels_per_token: int
+    min_pixels: int
+    max_pixels: int
+    def __init__(self, pixels_per_token: _Optional[int] = ..., min_pixels: _Optional[int] = ..., max_pixels: _Optional[int] = ...) -> None: ...
 
 class NeuronStatus(_message.Message):
     __slots__ = ("neuron", "models", "draining", "seq", "unix_ms", "catalogue")

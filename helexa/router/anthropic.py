@@ -31,7 +31,7 @@ import msgspec
 from aiohttp import web
 from msgspec import Meta
 
-from helexa.router import agent_request
+from helexa.router import agent_request, images
 from helexa.router.errors import ApiError, bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_model import (
@@ -61,6 +61,7 @@ class Block(msgspec.Struct, kw_only=True):
     signature: str | None = None  # thinking
     cache_control: Any = None  # accepted: changes nothing here (the prefix cache is automatic)
     citations: Any = None
+    source: Any = None  # image: {type: base64, media_type, data} or {type: url, url}
 
 
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -163,16 +164,20 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             turns.append(Turn(role=m.role, content=m.content))
             continue
         text, thought, calls = [], [], []
+        parts: list[str | images.ImagePart] = []
         for j, b in enumerate(m.content):
             if b.type == "text":
                 text.append(b.text or "")
+                parts.append(b.text or "")
+            elif b.type == "image" and m.role == "user":
+                parts.append(_image(b.source, f"{p}[{j}].source"))
+            elif b.type in images.VIDEO_PART_TYPES:
+                raise unsupported(f"{p}[{j}].type", f"video blocks (`{b.type}`)")
             elif b.type == "tool_result" and m.role == "user":
                 if not b.tool_use_id:
                     raise bad_request(f"`{p}[{j}].tool_use_id` is required",
                                       f"{p}[{j}].tool_use_id")
-                result = _text(b.content, f"{p}[{j}].content")
-                turns.append(Turn(role="tool", tool_call_id=b.tool_use_id,
-                                  content=("Error: " + result) if b.is_error else result))
+                turns.append(_tool_result(b, f"{p}[{j}].content"))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
@@ -182,13 +187,48 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                 thought.append(b.thinking or "")
             else:
                 raise unsupported(f"{p}[{j}].type", f"`{b.type}` blocks in a {m.role} turn")
-        if text or calls or thought or m.role == "assistant":
+        if text or calls or thought or parts or m.role == "assistant":
             turns.append(Turn(role=m.role, content="".join(text),
                               tool_calls_json=json.dumps(calls) if calls else "",
-                              reasoning="".join(thought)))
+                              reasoning="".join(thought),
+                              parts=parts if len(parts) > len(text) else None))
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns
+
+
+def _tool_result(b: Block, param: str) -> Turn:
+    """A tool_result block as a tool turn: its text, and its parts in order where it holds
+    image blocks (a screenshot an agent's tool took)."""
+    assert b.tool_use_id is not None
+    head = ["Error: "] if b.is_error else []
+    if not isinstance(b.content, list) or all(x.type == "text" for x in b.content):
+        return Turn(role="tool", tool_call_id=b.tool_use_id,
+                    content="".join(head) + _text(b.content, param))
+    parts: list[str | images.ImagePart] = list(head)
+    for j, x in enumerate(b.content):
+        if x.type == "text":
+            parts.append(x.text or "")
+        elif x.type == "image":
+            parts.append(_image(x.source, f"{param}[{j}].source"))
+        else:
+            raise unsupported(f"{param}[{j}].type", f"blocks of type `{x.type}` here")
+    return Turn(role="tool", tool_call_id=b.tool_use_id,
+                content="".join(x for x in parts if isinstance(x, str)), parts=parts)
+
+
+def _image(source: Any, param: str) -> images.ImagePart:
+    """An image block's source: base64 (with its media_type) or a url."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64" and isinstance(source.get("data"), str):
+        images.check_media_type(str(source.get("media_type", "")), f"{param}.media_type")
+        return images.ImagePart(param, b64=source["data"])
+    if kind == "url" and isinstance(source.get("url"), str):
+        return images.from_url(source["url"], f"{param}.url")
+    if kind in ("base64", "url"):
+        field = "data" if kind == "base64" else "url"
+        raise bad_request(f"`{param}.{field}` must be a string", f"{param}.{field}")
+    raise unsupported(f"{param}.type", f"image sources of type `{kind}` (base64 and url are)")
 
 
 def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

@@ -31,7 +31,7 @@ from helexa.config.schema import (
     resolve_path,
 )
 from helexa.log import get_logger, setup_logging
-from helexa.router import serve, tokenize
+from helexa.router import images, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -154,6 +154,7 @@ async def models(request: web.Request) -> web.Response:
     limits = state.registry.ready_limits()
     costs = state.registry.ready_state_costs()
     drafters = state.registry.drafters()
+    seeing = images.models_taking_images(state.registry)
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
@@ -161,7 +162,9 @@ async def models(request: web.Request) -> web.Response:
         e: dict[str, Any] = {"id": model_id, "object": "model", "created": 0,
                              "owned_by": "helexa", "limit": limit,
                              "max_model_len": context,  # vLLM's name for the context limit
-                             "speculation": drafters.get(target, "off")}
+                             "speculation": drafters.get(target, "off"),
+                             "input_modalities": ["text", "image"] if target in seeing
+                             else ["text"]}
         fixed, cache = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             limit["fixed_bytes_per_request"] = fixed

@@ -127,7 +127,9 @@ def chat_proto(req: ParsedRequest) -> pb.Chat:
     """The chat messages, tools and template variables, as the neuron's template takes them."""
     chat = pb.Chat(messages=[pb.ChatMessage(
         role=t.role, content=t.content, tool_calls_json=t.tool_calls_json,
-        tool_call_id=t.tool_call_id, name=t.name, reasoning_content=t.reasoning)
+        tool_call_id=t.tool_call_id, name=t.name, reasoning_content=t.reasoning,
+        parts=[pb.ContentPart(text=x) if isinstance(x, str)
+               else pb.ContentPart(image=pb.Image(data=x.data)) for x in t.parts or []])
         for t in req.messages or []])
     if req.tools and req.tool_choice != "none":
         chat.tools_json = json.dumps(req.tools)

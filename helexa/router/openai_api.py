@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from helexa.grammar import Constraint
-from helexa.router import agent_request
+from helexa.router import agent_request, images
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
@@ -37,6 +37,9 @@ class Turn:
     tool_call_id: str = ""  # a tool result: the call it answers
     name: str = ""
     reasoning: str = ""
+    # A turn with images: its content in order, text and images (router/images.py);
+    # `content` then holds its text joined. None: text only.
+    parts: list[str | images.ImagePart] | None = None
 
 
 @dataclass
@@ -149,14 +152,28 @@ def _message(m: Message, i: int) -> Turn:
         turn.content = m.content
         return turn
     texts = []
+    parts: list[str | images.ImagePart] = []
     for j, part in enumerate(m.content):
         q = f"{p}.content[{j}]"
+        if part.type == "image_url":
+            if part.image_url is None:
+                raise bad_request(f"`{q}.image_url` is required", f"{q}.image_url")
+            parts.append(images.from_url(part.image_url.url, f"{q}.image_url"))
+            continue
+        if part.type in images.VIDEO_PART_TYPES:
+            raise unsupported(f"{q}.type", f"video content parts (`{part.type}`)")
         if part.type != "text":
             raise unsupported(f"{q}.type", f"content parts of type `{part.type}`")
         if part.text is None:
             raise bad_request(f"`{q}.text` must be a string", f"{q}.text")
         texts.append(part.text)
+        parts.append(part.text)
     turn.content = "".join(texts)
+    if len(texts) < len(parts):  # it holds images
+        if m.role != "user":
+            raise unsupported(f"{p}.content", f"images in a {m.role} message (user messages "
+                              "take them)")
+        turn.parts = parts
     return turn
 
 

@@ -41,12 +41,19 @@ Harmless = Any  # accepted and ignored: it changes nothing we produce
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+class ImageUrl(msgspec.Struct, kw_only=True):
+    url: str  # a base64 data: URL, or an http(s) URL the router may fetch (router/images.py)
+    detail: Harmless = None  # auto / low / high: the model has one resolution rule
+
+
 class ContentPart(msgspec.Struct, kw_only=True):
-    """One part of a message's content. Only `text` parts are served; other kinds carry
-    keys of their own (`image_url`, ...), so unknown keys pass here and the kind is refused."""
+    """One part of a message's content: `text` and `image_url` parts are served; other kinds
+    carry keys of their own (`input_audio`, ...), so unknown keys pass here and the kind is
+    refused."""
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]

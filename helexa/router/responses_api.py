@@ -7,7 +7,9 @@ limits, constraints and the template's tool rendering are shared:
 - `instructions`, and `system` / `developer` messages anywhere in `input`,
   become the one system turn, in order (templates take it only at the start);
 - `input` is a string (one user turn) or items: `message` (content a string
-  or `input_text` / `output_text` parts), `function_call` (an assistant turn's
+  or `input_text` / `output_text` parts, and in a user message `input_image`
+  parts with an `image_url`, a data: or http(s) URL, as chat's image_url parts:
+  router/images.py), `function_call` (an assistant turn's
   calls; consecutive calls share one turn), `function_call_output` (a tool
   turn), `reasoning` (the next assistant turn's earlier thought, from its
   `content` or `summary` text);
@@ -32,7 +34,7 @@ import msgspec
 from msgspec import Meta
 
 from helexa import grammar
-from helexa.router import agent_request
+from helexa.router import agent_request, images
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_model import (
@@ -49,10 +51,13 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 
 
 class Part(msgspec.Struct, kw_only=True):
-    """One content part of an input item; only text parts are served."""
+    """One content part of an input item: text, or (user messages) an input_image."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image: a data: URL or an http(s) URL
+    file_id: str | None = None  # input_image from OpenAI's Files API: refused by name
+    detail: Any = None  # input_image: ignored (the model has one resolution rule)
 
 
 class Item(msgspec.Struct, kw_only=True):
@@ -174,6 +179,31 @@ def _text(content: str | list[Part] | None, param: str) -> str:
     return "".join(out)
 
 
+def _user_turn(content: str | list[Part] | None, param: str) -> Turn:
+    """A user message: its text, and its parts in order where it holds input_image parts."""
+    if content is None or isinstance(content, str):
+        return Turn(role="user", content=content or "")
+    parts: list[str | images.ImagePart] = []
+    for j, part in enumerate(content):
+        q = f"{param}[{j}]"
+        if part.type == "input_image":
+            if part.image_url is None:
+                if part.file_id is not None:
+                    raise unsupported(f"{q}.file_id", "images by file_id (this router has no "
+                                      "Files API); send image_url")
+                raise bad_request(f"`{q}.image_url` is required", f"{q}.image_url")
+            parts.append(images.from_url(part.image_url, f"{q}.image_url"))
+        elif part.type in images.VIDEO_PART_TYPES:
+            raise unsupported(f"{q}.type", f"video content parts (`{part.type}`)")
+        elif part.type in _TEXT_PARTS or part.type == "refusal":
+            parts.append(part.text or "")
+        else:
+            raise unsupported(f"{q}.type", f"content parts of type `{part.type}`")
+    text = "".join(x for x in parts if isinstance(x, str))
+    has_images = any(isinstance(x, images.ImagePart) for x in parts)
+    return Turn(role="user", content=text, parts=parts if has_images else None)
+
+
 def _turns(b: ResponsesBody) -> list[Turn]:
     system = [b.instructions] if b.instructions else []
     items = [Item(role="user", content=b.input)] if isinstance(b.input, str) else b.input
@@ -189,7 +219,7 @@ def _turns(b: ResponsesBody) -> list[Turn]:
             if role in ("system", "developer"):
                 system.append(_text(it.content, f"{p}.content"))
             elif role == "user":
-                turns.append(Turn(role=role, content=_text(it.content, f"{p}.content")))
+                turns.append(_user_turn(it.content, f"{p}.content"))
             elif role == "assistant":
                 turns.append(Turn(role=role, content=_text(it.content, f"{p}.content"),
                                   reasoning="".join(thought)))

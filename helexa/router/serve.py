@@ -35,6 +35,7 @@ from helexa.router import (
     anthropic_encode,
     encode,
     event_replies,
+    images,
     responses_api,
     responses_encode,
 )
@@ -129,6 +130,12 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
+        if any(images.parts_of(req)):  # decoded in a worker thread; their tokens estimated
+            vision = images.check_model_takes_images(req, model, state.registry)
+            await images.resolve(req, state.cfg.images)
+            if vision is not None:
+                est = Estimate(est.prompt_tokens + images.estimated_tokens(req, vision),
+                               est.max_tokens)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         prompts = req.per_prompt()  # a completions batch: n choices for each prompt
         greqs = [generate_request(sub, model=model, principal="" if principal == "anonymous"

@@ -19,7 +19,7 @@ from msgspec import Meta
 
 from helexa import __version__
 from helexa.proto import neuron_pb2 as pb
-from helexa.router import anthropic
+from helexa.router import anthropic, images
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
 from helexa.router.http_edge import read_body
@@ -85,8 +85,10 @@ async def tokenize(request: web.Request) -> web.Response:
     treq = pb.TokenizeRequest(model=b.model, add_special_tokens=b.add_special_tokens,
                               add_generation_prompt=b.add_generation_prompt)
     if b.messages is not None:
-        treq.chat.CopyFrom(_chat([_message(m, i) for i, m in enumerate(b.messages)],
-                                 b.chat_template_kwargs, b.tools))
+        turns = [_message(m, i) for i, m in enumerate(b.messages)]
+        await images.resolve(ParsedRequest(kind="chat", model=b.model, messages=turns),
+                             request.app[STATE].cfg.images)  # image tokens count too
+        treq.chat.CopyFrom(_chat(turns, b.chat_template_kwargs, b.tools))
     else:
         treq.text = b.prompt or ""
     out = await _call(request, treq)
@@ -108,6 +110,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         req = anthropic.parse_count_request(
             await _body(request))
+        await images.resolve(req, request.app[STATE].cfg.images)
         chat = chat_proto(req)
         if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
             chat.tools_json = msgspec.json.encode(req.tools).decode()

@@ -53,10 +53,20 @@ def test_unknown_field_is_refused_and_harmless_ones_pass():
                    "response_format": {"type": "text"}}, "chat")
 
 
-def test_image_part_and_tool_role_are_refused():
+def test_bad_image_and_video_parts_and_the_function_role_are_refused():
+    # images are served (docs/api.md#images): a URL that is neither data: nor http(s) is not
     e = refused({"model": "m", "messages": [{"role": "user", "content": [
         {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert e.param == "messages[0].content[1].type"
+    assert e.param == "messages[0].content[1].image_url" and "data: URL" in e.message
+    e = refused({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AA=="}}]}]})
+    assert e.param == "messages[0].content[0].type" and "video" in e.message
+    e = refused({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/bmp;base64,AA=="}}]}]})
+    assert "image/bmp" in e.message
+    e = refused({"model": "m", "messages": [{"role": "assistant", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
+    assert e.param == "messages[0].content" and "user messages" in e.message
     assert refused({"model": "m", "messages": [{"role": "function", "content": "x"}]}).param == \
         "messages[0].role"
 

@@ -4,7 +4,8 @@
 1. the limits in force (the whole set: admission's, the scheduler's and the
    speculation's knobs; the pool is not touched);
 2. admitting on or off; a drain refuses what is queued (shutting_down) at once;
-3. new requests: checked (duplicate id, context: helexa/budget.py, grammar),
+3. new requests: checked (duplicate id, images against their tokens, context:
+   helexa/budget.py, grammar),
    then queued (admission.py) or refused, each admitted as far as it fits before
    the next arrives, so the queue depth a newcomer meets is the real one;
 4. aborts, a re-planned pool (`reset_kv`, only while nothing is in flight), shutdown;
@@ -25,6 +26,7 @@ from helexa.budget import check_request, output_budget
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
+from helexa.neuron.engine.images import PromptImages, check_images
 from helexa.neuron.engine.prefix_filing import prompt_block_hashes
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import SamplingState
@@ -108,6 +110,12 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     if new.req_id in core.requests:
         core.refuse(req, Refusal("invalid_request_error", f"req_id {new.req_id} is in use"))
         return
+    if new.images:  # a vision-language prompt (images.py): checked against its tokens
+        problem_text = check_images(new.images, prompt, core.runner)
+        if problem_text:
+            core.refuse(req, Refusal("invalid_request_error", problem_text))
+            return
+        req.images = PromptImages.of(new.images)
     problem = check_request(len(prompt), new.max_tokens, context=context,
                             max_output_tokens=max_output)
     if problem is not None:
@@ -122,7 +130,8 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     if new.thinking is not None:
         req.thought = ThoughtTracker(new.thinking)
     if core.prefix_cache:
-        req.block_hashes = prompt_block_hashes(prompt, core.pool.block_size)
+        req.block_hashes = prompt_block_hashes(
+            prompt if req.images is None else req.images.hash_ids(prompt), core.pool.block_size)
     refusal = core.admission.submit(req)
     if refusal is not None:
         core.refuse(req, refusal)

@@ -55,6 +55,27 @@ class Thinking(msgspec.Struct, frozen=True, kw_only=True):
     starts_open: bool = False
 
 
+class ImageInput(msgspec.Struct, frozen=True, kw_only=True):
+    """One image of a prompt, resized for the tower (helexa/neuron/vision/processor.py): its
+    tokens are prompt_token_ids[offset : offset + rows × cols] (the image pad id)."""
+
+    offset: int
+    rows: int  # image tokens down and across (the patch grid / the spatial merge)
+    cols: int
+    grid_h: int  # patches down and across
+    grid_w: int
+    pixels: bytes  # uint8 RGB [grid_h × patch, grid_w × patch, 3]
+    content_hash: bytes  # equal for equal pixels: the prefix cache keys its tokens by it
+
+    @property
+    def num_tokens(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.rows * self.cols
+
+
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     """A request handed to the engine (already tokenised and context-checked)."""
 
@@ -69,6 +90,7 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     # Constrained decoding: an llguidance grammar (helexa.grammar made it) the output follows.
     grammar: str | None = None
     thinking: Thinking | None = None  # the model thinks: budget and markers (None = it does not)
+    images: list[ImageInput] = []  # a vision-language prompt's images, in prompt order
 
 
 class Abort(msgspec.Struct, frozen=True, kw_only=True):

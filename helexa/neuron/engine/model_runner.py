@@ -37,11 +37,13 @@ from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
+from helexa.neuron.engine.vision_step import VisionStep
 from helexa.neuron.formats.base import open_checkpoint
 from helexa.neuron.formats.loader import load_model, resolve_dtype, weight_bytes
 from helexa.neuron.formats.quantise import QuantSpec
 from helexa.neuron.models.config import parse_dtype
 from helexa.neuron.models.layers import linear_sites
+from helexa.neuron.vision.processor import ImageProcessor
 
 _KV_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 log = structlog.get_logger(component="engine")
@@ -132,6 +134,9 @@ class ModelRunner:
                                       max_num_seqs=max_num_seqs,
                                       max_batched_tokens=max_batched_tokens, tp_size=tp_size)
         self.vocab_size = self.config.vocab_size
+        self.vision = VisionStep(self.model, ImageProcessor.from_dir(model_dir)
+                                 if getattr(self.model, "visual", None) is not None else None,
+                                 self.device)
         self._attn = self.model.attention_layers
         self._linear = list(getattr(self.model, "linear_layers", []))
         if self._linear and num_state_slots < 1:
@@ -260,7 +265,8 @@ class ModelRunner:
             meta = attention.plan(step)
             if self._tp is not None:
                 self._tp.send_step(seqs)
-            try:
+            try:  # the tower's collectives, too, once every rank has the step
+                self.vision.attach(seqs, self.seq_starts, positions)
                 logits = run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
                 if self._tp is not None:

@@ -2,7 +2,8 @@
 
 A block's key is the hash of its tokens chained to its parent's key
 (block_pool.hash_block_tokens), so equal keys mean equal prefixes up to and
-including that block. A prompt's keys are known when it arrives (admission
+including that block; an image's tokens are keyed by the image's content hash
+(images.py: PromptImages.hash_ids), so two images of one size never share KV. A prompt's keys are known when it arrives (admission
 looks them up to reuse cached blocks); its blocks are filed as the steps
 complete them, prompt and output alike, so a later request sharing the
 prefix finds them. The pool decides what a filed block becomes once its
@@ -32,6 +33,6 @@ def file_full_blocks(pool: BlockPool, req: Request) -> None:
     for i in range(start, req.num_computed_tokens // bs):
         if i >= len(req.block_hashes):
             parent = req.block_hashes[i - 1] if i else None
-            req.block_hashes.append(hash_block_tokens(parent, req.token_slice(i * bs, (i + 1) * bs)))
+            req.block_hashes.append(hash_block_tokens(parent, req.hash_slice(i * bs, (i + 1) * bs)))
         pool.register(req.block_table[i], req.block_hashes[i])
         req.num_filed_blocks = i + 1

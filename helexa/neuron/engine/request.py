@@ -23,6 +23,7 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.block_pool import BlockKey
 
 if TYPE_CHECKING:
+    from helexa.neuron.engine.images import PromptImages
     from helexa.neuron.engine.sampler import SamplingState
     from helexa.neuron.engine.speculative.drafters import Draft
 
@@ -89,6 +90,7 @@ class Request:
     steps_since_draft: int = 0
     spec_drafted_tokens: int = 0  # drafted tokens verified for it, and of those accepted
     spec_accepted_tokens: int = 0
+    images: PromptImages | None = None  # a vision-language prompt's images (images.py)
 
     # --- derived -----------------------------------------------------------
 
@@ -134,6 +136,14 @@ class Request:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def hash_slice(self, start: int, end: int) -> list[int]:
+        """token_slice as the prefix cache keys it: image tokens stand for their image."""
+        if self.images is None or start >= self.images.spans[-1].image.end:
+            return self.token_slice(start, end)
+        return self.images.hash_ids(self.prompt_token_ids, start, end) + \
+            self.output_token_ids[max(0, start - self.num_prompt_tokens):
+                                  max(0, end - self.num_prompt_tokens)]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids()[start:end] without building the whole list."""

@@ -3,7 +3,9 @@ and the checks the runner makes of it (helexa/neuron/engine/model_runner.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from helexa.neuron.engine.images import ImageSpan
 
 
 @dataclass
@@ -22,6 +24,10 @@ class SeqInput:
     # this snapshot (a prefix-cache hit's first chunk), or is copied to it after the step.
     restore_from: int = -1
     save_to: int = -1
+    # Vision-language prompts (engine/images.py): the M-RoPE shift of the chunk's leading
+    # text (and of every decode token), and the images the chunk's tokens touch.
+    rope_delta: int = 0
+    images: list[ImageSpan] = field(default_factory=list)
 
 
 def logits_count(s: SeqInput) -> int:

@@ -87,10 +87,12 @@ def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
             assert req.draft is not None
             tokens += req.draft.tokens[:chunk.num_draft]
         need_logits = end - chunk.num_draft == req.num_tokens
-        inputs.seqs.append(SeqInput(token_ids=tokens, num_computed=start,
-                                    block_table=req.block_table, need_logits=need_logits,
-                                    state_slot=pool.state_slot(req.req_id),
-                                    num_logits=chunk.num_draft + 1))
+        seq = SeqInput(token_ids=tokens, num_computed=start, block_table=req.block_table,
+                       need_logits=need_logits, state_slot=pool.state_slot(req.req_id),
+                       num_logits=chunk.num_draft + 1)
+        if req.images is not None:  # its chunk's M-RoPE shift and images
+            seq.rope_delta, seq.images = req.images.chunk(start, end)
+        inputs.seqs.append(seq)
         if chunk.num_draft:
             inputs.verified.append((req, rows, chunk.num_draft))
         elif need_logits:

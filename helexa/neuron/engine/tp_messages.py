@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from helexa.neuron.engine.images import ImageSpan
+
 DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
 
 
@@ -29,6 +31,8 @@ class TpSeq(msgspec.Struct, array_like=True):
     num_logits: int = 1  # speculative verification rows want k + 1
     restore_from: int = -1  # hybrid models' prefix snapshots (SeqInput's)
     save_to: int = -1
+    rope_delta: int = 0  # vision-language prompts: as SeqInput (every rank runs the tower)
+    images: list[ImageSpan] = []
 
 
 class TpStep(msgspec.Struct, tag=True):

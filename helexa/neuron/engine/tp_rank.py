@@ -152,7 +152,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table = tables[s.handle]
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
-                                     s.state_slot, s.num_logits, s.restore_from, s.save_to))
+                                     s.state_slot, s.num_logits, s.restore_from, s.save_to,
+                                     s.rope_delta, s.images))
             if isinstance(msg, TpMtp):
                 runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
             else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +72,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
         if not cfg_path.is_file():
             raise FileNotFoundError(f"{cfg_path}: no config.json in the model folder")
         raw = json.loads(cfg_path.read_text())
-    return Checkpoint(p, raw, parse_model_config(raw), gguf)
+    cfg = parse_model_config(raw)
+    if cfg.vision is not None and not (p / "preprocessor_config.json").is_file():
+        # a tower without its image processor cannot take images: the model loads text only
+        cfg = replace(cfg, vision=None)
+    return Checkpoint(p, raw, cfg, gguf)
 
 
 def asks_quantize(quantize: QuantSpec | None) -> bool:
@@ -120,6 +124,8 @@ class CheckpointFormat(ABC):
         method, which creates the parameters the checkpoint fills."""
         self.dtype = qk.compute_dtype(next(model.parameters()).dtype)
         for name, mod in model.named_modules():
+            if name.startswith("visual."):  # the vision tower stays float (its weights are few)
+                continue
             if isinstance(mod, ParallelLinearBase | VocabParallelEmbedding):
                 method = self.get_linear_method(mod, name)
                 if method is not None:

@@ -26,6 +26,7 @@ from helexa.neuron.formats.gguf.format import Gguf
 from helexa.neuron.formats.gptq import Gptq
 from helexa.neuron.formats.methods import QuantConfigError
 from helexa.neuron.formats.quantise import QuantiseAtLoad, QuantSpec
+from helexa.neuron.formats.tensor_map import MissingTensor
 from helexa.neuron.formats.unquantised import Unquantised
 from helexa.neuron.models.config import ModelConfig, parse_dtype
 from helexa.neuron.models.registry import build_model
@@ -74,6 +75,11 @@ def load_model(model_path: str | Path | Checkpoint, device: str | torch.device =
     fmt.load(model, progress)
     fmt.finish(model)  # before finalize: what is quantised is the checkpoint's weight
     model.finalize()
+    # a part the model loads whole or not at all (the vision tower) that came in part
+    partial: list[str] = getattr(model, "missing_tensors", [])
+    if partial:
+        raise MissingTensor(f"checkpoint is missing {len(partial)} tensor(s): "
+                            + ", ".join(partial[:8]) + (" …" if len(partial) > 8 else ""))
     model.eval()
     return model
 

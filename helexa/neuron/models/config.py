@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from helexa.checkpoint.shape import read_model_shape
+from helexa.checkpoint.vision_shape import VisionShape
 
 # Architectures (config.json "architectures"[0]) this package implements, and
 # the per-family switches that distinguish them.
@@ -113,6 +114,10 @@ class ModelConfig:
     # Multi-token-prediction layers the checkpoint carries (mtp.*: speculative decoding's
     # drafter, helexa/neuron/models/mtp.py); their KV is one more full-attention layer each.
     mtp_num_layers: int = 0
+    # A vision-language checkpoint's tower (vision_config), and how M-RoPE deals the
+    # rotary frequencies to (t, h, w) (helexa/neuron/models/mrope.py).
+    vision: VisionShape | None = None
+    mrope_section: tuple[int, ...] = ()
 
     def is_moe_layer(self, i: int) -> bool:
         return (self.num_experts > 0 and i not in self.mlp_only_layers
@@ -141,9 +146,11 @@ def _rope_from_config(raw: dict[str, Any], allow_partial: bool = False) -> RopeC
     else:
         params = dict(params)
     # Multimodal rope (Qwen3.5): text tokens carry one position on every axis, which is
-    # plain rope; the section layout only matters for image tokens (not served).
+    # plain rope; the section (ModelConfig.mrope_section) matters for image tokens only.
     params.pop("mrope_section", None)
-    params.pop("mrope_interleaved", None)
+    if params.pop("mrope_interleaved", True) is False:
+        raise UnsupportedArchitecture("mrope_interleaved=false (Qwen2-VL's M-RoPE layout) is "
+                                      "not supported")
     if any(isinstance(v, dict) for v in params.values()):
         raise UnsupportedArchitecture("per-layer-type rope_parameters are not supported")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
@@ -191,6 +198,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     is_qwen2 = arch == "Qwen2ForCausalLM"
     hybrid = arch in HYBRID_ARCHITECTURES
     rope = _rope_from_config(raw, allow_partial=hybrid)
+    mrope = (raw.get("rope_parameters") or raw.get("rope_scaling") or {}).get("mrope_section")
     partial = float(rope.params.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
     layer_types = tuple(raw.get("layer_types") or ())
     if hybrid and not layer_types:  # every full_attention_interval-th layer is full attention
@@ -203,6 +211,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     # shape.py reads the linear-attention numbers only where it sees linear layers: it is
     # given the layer types decided here, so both agree on which layers those are.
     shape = read_model_shape({**raw, "layer_types": list(layer_types)} if hybrid else raw)
+    vision = shape.vision if multimodal else None
     return ModelConfig(
         architecture=arch,
         model_type=model_type,
@@ -244,4 +253,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
         weight_prefix="model.language_model." if multimodal else "model.",
         mtp_num_layers=shape.mtp_layers,
+        vision=vision,
+        # transformers' default section where a multimodal config gives none
+        mrope_section=tuple(int(x) for x in (mrope or ([11, 11, 10] if vision else []))),
     )

@@ -12,7 +12,8 @@ its per-step metadata to ``forward``.
 
 Checkpoint names are mapped in ``checkpoint_map`` (hybrid_weights.py): the text model of
 ``*ForConditionalGeneration`` lives under ``model.language_model.``, its
-``model.visual.*`` tensors are skipped (text only, said once in the log), and
+``model.visual.*`` tensors load into the vision tower (vision.py) when config.json
+declares one (a checkpoint without them loads text only, said once in the log), and
 multi-token-prediction weights (``mtp.*``) load into the MTP head (mtp.py) when
 config.json declares one (``mtp_num_hidden_layers``), else are kept whole in
 ``extra_tensors``. A checkpoint that declares a head but lacks its tensors loads
@@ -48,7 +49,9 @@ from helexa.neuron.models.layers import (
     _split_rows,
 )
 from helexa.neuron.models.moe import SparseMoeBlock
+from helexa.neuron.models.mrope import MmStep, axis_of_columns, mrope_cos_sin
 from helexa.neuron.models.mtp import MtpHead
+from helexa.neuron.models.vision import VisionTower
 
 log = get_logger("neuron")
 
@@ -207,6 +210,17 @@ class HybridForCausalLM(nn.Module):
         self.keep_hidden = False
         self.last_hidden: torch.Tensor | None = None
         self._skipped_visual = False
+        # The vision tower, when config.json declares one (dropped at finalize if the
+        # checkpoint has none of its tensors), and a step's images and M-RoPE positions
+        # (the runner sets mm before each step: None for text-only steps).
+        self.visual: VisionTower | None = None
+        self.visual_loaded: set[str] = set()
+        self.missing_tensors: list[str] = []  # set at finalize (the loader checks it)
+        self.mm: MmStep | None = None
+        if cfg.vision is not None:
+            self.visual = VisionTower(cfg.vision, **kw)
+            self.mrope_axes = axis_of_columns(cfg.rotary_dim or cfg.head_dim,
+                                              cfg.mrope_section, device)
 
     @property
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -231,6 +245,9 @@ class HybridForCausalLM(nn.Module):
             target = self.mtp.parameter_of(name)
             self.mtp.loaded.add(target)
             return target
+        if self.visual is not None and (target := VisionTower.parameter_of(name)) is not None:
+            self.visual_loaded.add(target)
+            return "visual." + target, None
         if name.startswith(("model.visual.", "visual.")):
             if not self._skipped_visual:
                 log.info("model.vision_skipped", reason="text only: model.visual.* not loaded")
@@ -249,6 +266,8 @@ class HybridForCausalLM(nn.Module):
             log.warning("model.mtp_missing", missing=self.mtp.missing[:4],
                         reason="config.json declares an MTP head the checkpoint lacks")
             self.mtp = None
+        if self.visual is not None:
+            self._check_visual()
         if not self.cfg.norm_offset:
             return
         norms = [self.model.norm, *(self.mtp.norms() if self.mtp is not None else [])]
@@ -260,6 +279,17 @@ class HybridForCausalLM(nn.Module):
             for norm in norms:
                 norm.weight.add_(1.0)
 
+    def _check_visual(self) -> None:
+        """A tower loads whole or not at all (a text-only copy of a VL checkpoint)."""
+        assert self.visual is not None
+        missing = sorted(set(dict(self.visual.named_parameters())) - self.visual_loaded)
+        if missing and not self.visual_loaded:
+            log.info("model.vision_skipped", reason="config.json declares a vision tower "
+                     "the checkpoint lacks: text only")
+            self.visual = None
+        else:  # half a tower: the loader refuses the checkpoint, naming them
+            self.missing_tensors = [f"model.visual.{m}" for m in missing]
+
     # ---- forward ---------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
@@ -268,9 +298,15 @@ class HybridForCausalLM(nn.Module):
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if
         None); ``state``: the step's linear-attention state metadata (helexa/kernels/backends/
         gdn.py), which the model runner builds and passes in."""
-        cos, sin = self.rotary.cos_sin(positions)
+        mm = self.mm
+        if mm is not None and mm.positions is not None:  # (t, h, w) per row
+            cos, sin = mrope_cos_sin(self.rotary, mm.positions, self.mrope_axes)
+        else:
+            cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, rotary_dim]
         x = self.model.embed_tokens(input_ids)
+        if mm is not None and mm.rows is not None and mm.embeds is not None:
+            x = x.index_copy(0, mm.rows, mm.embeds.to(x.dtype))  # image tokens: the tower's
         for layer in self.model.layers:
             x = layer(x, cos, sin, meta, state)
         if self.keep_hidden:

@@ -101,6 +101,8 @@ class Speculator:
                 continue  # their next distribution depends on which drafts are accepted
             if req.matcher is not None:
                 continue  # a grammar mask acts on the one row sampled per step
+            if req.images is not None:
+                continue  # drafters place tokens at 1-D positions; its are M-RoPE's
             room = req.output_budget - req.num_output_tokens - 1  # the bonus token needs one
             if req.thought is not None:  # no draft may reach a token the budget forces
                 unforced = req.thought.unforced_tokens()

@@ -1,0 +1,123 @@
+"""A step's images on the runner's side: the tower runs in the step that prefills an
+image's tokens, and the step's rows get their M-RoPE positions.
+
+`VisionStep.inputs(seqs, starts, positions)` returns the model's MmStep for the step, or
+None when no sequence in it has images or shifted positions (every text-only step: the
+model then runs exactly as before). Every image whose tokens the step touches and whose
+embeddings are not cached yet goes through the tower, images of several requests
+together in calls of at most the largest image's patches (so a step's activations stay
+within what `helexa plan` set aside); the embeddings stay cached by content hash until
+a chunk reaches the image's last token, so a prefill chunked smaller than an image runs
+the tower once. The cache is bounded (`max_cached`, oldest first out): an image whose
+request was aborted mid-image is dropped in time, and one evicted early is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from helexa.neuron.engine.images import chunk_positions
+from helexa.neuron.engine.messages import ImageInput
+from helexa.neuron.models.mrope import MmStep
+from helexa.neuron.vision.patches import pixel_patches, value_table
+from helexa.neuron.vision.processor import ImageProcessor, PreparedImage
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.model_runner import SeqInput
+
+
+class VisionStep:
+    def __init__(self, model: Any, processor: ImageProcessor | None, device: torch.device,
+                 max_cached: int = 16) -> None:
+        self.model = model  # has .visual (the tower) when it takes images
+        self.processor = processor
+        self.device = device
+        self.max_cached = max_cached
+        self._table = value_table(processor, device) if processor is not None else None
+        self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self.tower_runs = 0  # tower calls so far (tests: chunked prefill runs it once)
+
+    @property
+    def takes_images(self) -> bool:
+        return self.processor is not None and getattr(self.model, "visual", None) is not None
+
+    def attach(self, seqs: Sequence[SeqInput], starts: Sequence[int],
+               positions: torch.Tensor) -> None:
+        """Set the model's MmStep for the step (M-RoPE positions, and the tower's embeddings
+        for the images this step's chunks reach); nothing for a model that takes no images."""
+        if self.takes_images:
+            self.model.mm = self.inputs(seqs, starts, positions)
+
+    def inputs(self, seqs: Sequence[SeqInput], starts: Sequence[int],
+               positions: torch.Tensor) -> MmStep | None:
+        if not any(s.images or s.rope_delta for s in seqs):
+            return None
+        pos3 = positions.unsqueeze(0).repeat(3, 1)
+        rows: list[int] = []
+        pieces: list[tuple[bytes, int, int]] = []  # (image hash, first, end) of its tokens
+        for s, first_row in zip(seqs, starts, strict=True):
+            n, c = len(s.token_ids), s.num_computed
+            t, h, w = chunk_positions(c, n, s.rope_delta, s.images)
+            pos3[:, first_row: first_row + n] = torch.tensor([t, h, w], device=positions.device)
+            for span in s.images:
+                img = span.image
+                lo, hi = max(img.offset, c), min(img.end, c + n)
+                if lo < hi:
+                    rows.extend(range(first_row + lo - c, first_row + hi - c))
+                    pieces.append((img.content_hash, lo - img.offset, hi - img.offset))
+        if not pieces:
+            return MmStep(pos3, None, None)
+        self._encode([span.image for s in seqs for span in s.images])
+        embeds = torch.cat([self._cache[key][a:b] for key, a, b in pieces])
+        for s in seqs:  # an image whose last token this step reached is done with
+            for span in s.images:
+                if span.image.end <= s.num_computed + len(s.token_ids):
+                    self._cache.pop(span.image.content_hash, None)
+        return MmStep(pos3, torch.tensor(rows, device=positions.device), embeds)
+
+    def _encode(self, images: list[ImageInput]) -> None:
+        """Run the tower once over every image not cached yet."""
+        todo: dict[bytes, ImageInput] = {}
+        for img in images:
+            if img.content_hash in self._cache:
+                self._cache.move_to_end(img.content_hash)
+            else:
+                todo.setdefault(img.content_hash, img)
+        if not todo:
+            return
+        if not self.takes_images or self._table is None or self.processor is None:
+            raise ValueError("this model takes no images")
+        prepared = [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
+                    for i in todo.values()]
+        for group in _groups(prepared, self.processor.max_patches):
+            self._run_tower(group)
+        while len(self._cache) > self.max_cached:
+            self._cache.popitem(last=False)
+
+    def _run_tower(self, prepared: list[PreparedImage]) -> None:
+        assert self.processor is not None and self._table is not None
+        patches = torch.cat([pixel_patches(p, self.processor, self._table) for p in prepared])
+        out = self.model.visual(patches, [(1, p.grid_h, p.grid_w) for p in prepared])
+        self.tower_runs += 1
+        for p, part in zip(prepared, out.split([p.num_tokens for p in prepared]), strict=True):
+            self._cache[p.content_hash] = part
+
+
+def _groups(prepared: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:
+    """Consecutive images in calls of at most `max_patches` patches together (the largest
+    image's: the activations helexa plan sets aside, checkpoint/vision_shape.py)."""
+    groups: list[list[PreparedImage]] = []
+    total = 0
+    for p in prepared:
+        n = p.grid_h * p.grid_w
+        if not groups or total + n > max_patches:
+            groups.append([])
+            total = 0
+        groups[-1].append(p)
+        total += n
+    return groups
+

@@ -1,0 +1,136 @@
+"""The engine serving images: embeddings computed in the step that prefills them, image
+tokens counted in the prompt and the reservation, the prefix cache keying image tokens by
+the image's content (two different images of the same size never share KV: each answer
+equals a cold run, and they differ), an image request's blocks and state returned once
+whatever ends it, and images refused by a model without a tower."""
+
+from __future__ import annotations
+
+import pytest
+from support.vision import full_attention_copy, hf_inputs, image_inputs, make_image
+
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GREEDY = m.SamplingParams(temperature=0.0)
+ASK = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                    {"type": "text", "text": "What is it?"}]}]
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_5", vision=True)
+
+
+@pytest.fixture(scope="module")
+def dense_vl(vl_dir, tmp_path_factory):
+    return full_attention_copy(vl_dir, tmp_path_factory.mktemp("dense") / "vl")
+
+
+def core_for(model_dir, *, prefix_cache: bool = True, chunk: int = 512) -> EngineCore:
+    spec = EngineSpec(model_id="vl", model_dir=str(model_dir), num_blocks=96, block_size=8,
+                      context=512, prefix_cache=prefix_cache, bytes_per_token=0,
+                      limits=m.SetLimits(anon_max_in_flight=16, prefill_chunk_tokens=chunk))
+    return EngineCore(spec)
+
+
+def request(model_dir, rid: str, image, max_tokens: int = 10) -> m.NewRequest:
+    prompt = hf_inputs(model_dir, ASK, [image])["input_ids"][0].tolist()
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY, images=image_inputs(model_dir, prompt, [image]))
+
+
+def run(core: EngineCore, *reqs: m.NewRequest) -> tuple[dict[str, list[int]], dict]:
+    tokens: dict[str, list[int]] = {}
+    admitted: dict[str, m.RequestUpdate] = {}
+    inbound: m.ToEngine | None = m.ToEngine(new=list(reqs))
+    while True:
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            assert not u.refused_code, u.refused_message
+            if u.admitted:
+                admitted[u.req_id] = u
+        inbound = None
+        core.pool.check()
+        if not core.has_work:
+            return tokens, admitted
+
+
+def assert_whole(core: EngineCore) -> None:
+    led = core.pool.ledger()
+    assert led.free_bytes == led.total_bytes and not led.reserved_bytes and not led.used_bytes
+
+
+def test_different_images_of_one_size_never_share_kv(dense_vl):
+    from PIL import Image
+
+    x, y = (Image.new("RGB", (100, 70), c) for c in ((0, 0, 0), (255, 255, 255)))  # 6 tokens
+    cold = {name: run(core_for(dense_vl, prefix_cache=False), request(dense_vl, name, img))[0][name]
+            for name, img in (("x", x), ("y", y))}
+    assert cold["x"] != cold["y"]
+    core = core_for(dense_vl)
+    first, _ = run(core, request(dense_vl, "x1", x))
+    second, adm = run(core, request(dense_vl, "y1", y))  # same tokens, other pixels
+    assert first["x1"] == cold["x"] and second["y1"] == cold["y"]
+    image_at = request(dense_vl, "q", x).images[0].offset
+    assert adm["y1"].cached_tokens <= image_at  # nothing from the image on was reused
+    again, adm = run(core, request(dense_vl, "x2", x))
+    assert again["x2"] == cold["x"]
+    assert adm["x2"].cached_tokens > image_at  # the same image is a hit, past its tokens
+    assert_whole(core)
+
+
+def test_image_tokens_count_and_chunked_prefill_runs_the_tower_once(vl_dir):
+    img = make_image(200, 130, 3)  # 24 image tokens, prefilled in chunks of 5
+    req = request(vl_dir, "a", img)
+    core = core_for(vl_dir, chunk=5)
+    tokens, adm = run(core, req)
+    assert adm["a"].prompt_tokens == len(req.prompt_token_ids) >= 24 + 5
+    assert core.runner.vision.tower_runs == 1
+    assert tokens["a"] == run(core_for(vl_dir), request(vl_dir, "b", img))[0]["b"]
+    assert_whole(core)
+
+
+def test_aborted_mid_image_and_refused_images_leave_the_pool_whole(vl_dir, tiny_checkpoint):
+    core = core_for(vl_dir, chunk=3)
+    core.step(m.ToEngine(new=[request(vl_dir, "a", make_image(200, 130, 4), max_tokens=50)]))
+    core.step(None)  # one chunk in: the image's embeddings are cached
+    core.step(m.ToEngine(aborts=[m.Abort(req_id="a")]))
+    assert not core.has_work
+    assert_whole(core)
+    bad = request(vl_dir, "b", make_image(64, 64, 5))
+    shifted = m.NewRequest(req_id="b", prompt_token_ids=bad.prompt_token_ids, sampling=GREEDY,
+                           images=[m.ImageInput(**{**_fields(bad.images[0]), "offset": 0})])
+    upd = core.step(m.ToEngine(new=[shifted])).updates[0]
+    assert upd.refused_code == "invalid_request_error" and "not image tokens" in upd.refused_message
+    text_only = core_for(tiny_checkpoint("qwen3_5"))
+    upd = text_only.step(m.ToEngine(new=[request(vl_dir, "c", make_image(64, 64, 6))])).updates[0]
+    assert "takes no images" in upd.refused_message
+    assert_whole(core)
+    assert_whole(text_only)
+
+
+def _fields(img: m.ImageInput) -> dict:
+    return {f: getattr(img, f) for f in img.__struct_fields__}
+
+
+def test_one_tower_call_holds_at_most_the_largest_image(vl_dir, tmp_path):
+    """Images of two requests prefilled in one step: each is the processor's largest, so
+    they go through the tower in two calls (the activations helexa plan sets aside are one
+    largest image's), and each answer equals its request run alone."""
+    import json
+    import shutil
+
+    small = shutil.copytree(vl_dir, tmp_path / "small")
+    proc = json.loads((small / "preprocessor_config.json").read_text())
+    proc["size"] = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
+    (small / "preprocessor_config.json").write_text(json.dumps(proc))
+    a, b = make_image(128, 128, 5), make_image(128, 128, 6)  # 64 patches: max_pixels each
+    core = core_for(small)
+    both, _ = run(core, request(small, "a", a), request(small, "b", b))
+    assert core.runner.vision.tower_runs == 2
+    assert both["a"] == run(core_for(small), request(small, "a", a))[0]["a"]
+    assert both["b"] == run(core_for(small), request(small, "b", b))[0]["b"]
+    assert_whole(core)

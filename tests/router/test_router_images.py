@@ -1,0 +1,156 @@
+"""The router's image parts (helexa/router/images.py): OpenAI image_url parts and Anthropic
+image blocks become ImageParts in order among the text; resolving them decodes data: URLs
+and base64 within the [images] limits, refusing with a 400 that names the part and the
+limit; URLs are fetched only from allowed hosts; tokens are estimated as the neuron counts."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+
+import pytest
+from PIL import Image
+
+from helexa.config.images import ImagesConfig
+from helexa.proto import neuron_pb2 as pb
+from helexa.router import anthropic, images
+from helexa.router.errors import ApiError
+from helexa.router.openai_api import parse_request
+
+
+def png(w: int, h: int) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (1, 2, 3)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+def chat(*parts) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": list(parts)}]}
+
+
+def img_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url, "detail": "high"}}
+
+
+def resolve(req, **cfg) -> None:
+    asyncio.run(images.resolve(req, ImagesConfig(**cfg)))
+
+
+def refusal(req, **cfg) -> ApiError:
+    with pytest.raises(ApiError) as e:
+        resolve(req, **cfg)
+    assert e.value.status == 400
+    return e.value
+
+
+def test_openai_parts_keep_their_order_and_decode():
+    req = parse_request(json.dumps(chat({"type": "text", "text": "a"}, img_part(data_url(png(40, 30))),
+                                        {"type": "text", "text": "b"})).encode(), "chat")
+    turn = req.messages[0]
+    assert turn.content == "ab" and [type(p).__name__ for p in turn.parts] == [
+        "str", "ImagePart", "str"]
+    resolve(req)
+    img = turn.parts[1]
+    assert (img.width, img.height, img.param) == (40, 30, "messages[0].content[1].image_url")
+    assert img.data == png(40, 30)
+    vision = pb.VisionInput(pixels_per_token=32 * 32, min_pixels=64 * 64, max_pixels=1024 ** 2)
+    assert images.estimated_tokens(req, vision) == 4 + 2  # min_pixels: 2 x 2 tokens, 2 markers
+
+
+@pytest.mark.parametrize(("cfg", "data", "match"), [
+    ({"max_pixels": 1000}, png(40, 30), "40 x 30 = 1200 pixels; at most 1000"),
+    ({"max_bytes": 50}, png(40, 30), "at most 50 are accepted"),
+    ({}, png(40, 30)[:60], "corrupt or truncated"),
+    ({}, b"not an image at all", "not a PNG, JPEG, WebP or GIF"),
+])
+def test_limits_name_the_part(cfg, data, match):
+    req = parse_request(json.dumps(chat({"type": "text", "text": "x"},
+                                        img_part(data_url(data)))).encode(), "chat")
+    e = refusal(req, **cfg)
+    assert e.param == "messages[0].content[1].image_url" and match in e.message
+
+
+def test_too_many_images_are_refused_before_any_is_decoded():
+    parts = [img_part("data:image/png;base64,!!!not base64!!!")] * 17  # never decoded
+    e = refusal(parse_request(json.dumps(chat(*parts)).encode(), "chat"))
+    assert e.param == "messages" and "17 images; at most 16" in e.message
+    bad = refusal(parse_request(json.dumps(chat(*parts[:1])).encode(), "chat"))
+    assert "not valid base64" in bad.message
+
+
+def test_urls_are_fetched_only_from_allowed_hosts():
+    req = parse_request(json.dumps(chat(img_part("https://example.com/a.png"))).encode(), "chat")
+    assert "does not fetch image URLs" in refusal(req).message
+    e = refusal(req, fetch_urls=True, fetch_hosts=["images.example.org"])
+    assert "not fetched from `example.com`" in e.message
+    assert images.host_allowed("cdn.example.org", ["*.example.org"])
+    assert not images.host_allowed("example.org.evil.com", ["*.example.org", "example.org"])
+
+
+def test_anthropic_image_blocks():
+    body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(png(20, 20)).decode()}},
+        {"type": "text", "text": "what?"}]}]}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    resolve(req)
+    part = req.messages[0].parts[0]
+    assert (part.width, part.param) == (20, "messages[0].content[0].source")
+    body["messages"][0]["content"][0]["source"] = {"type": "file", "file_id": "f"}
+    with pytest.raises(ApiError, match="image sources of type `file`"):
+        anthropic.parse_request(json.dumps(body).encode())
+    body["messages"][0]["content"][0]["source"] = {"type": "base64", "media_type": "image/tiff",
+                                                   "data": "AA=="}
+    with pytest.raises(ApiError, match="image/tiff"):
+        anthropic.parse_request(json.dumps(body).encode())
+
+
+def test_responses_input_image_parts():
+    from helexa.router import responses_api
+
+    body = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"},
+        {"type": "input_image", "image_url": data_url(png(24, 16)), "detail": "auto"}]}]}
+    req = responses_api.parse_request(json.dumps(body).encode())
+    turn = req.messages[0]
+    assert turn.content == "a" and [type(p).__name__ for p in turn.parts] == ["str", "ImagePart"]
+    resolve(req)
+    assert (turn.parts[1].width, turn.parts[1].param) == (24, "input[0].content[1].image_url")
+    e = refusal(responses_api.parse_request(json.dumps(body).encode()), max_per_request=0)
+    assert e.param == "input" and "1 images; at most 0" in e.message
+    body["input"][0]["content"][1] = {"type": "input_image", "file_id": "file-1"}
+    with pytest.raises(ApiError, match="file_id") as f:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert f.value.param == "input[0].content[1].file_id"
+    body["input"][0]["content"][1] = {"type": "input_video", "video_url": "x"}
+    with pytest.raises(ApiError, match="video") as v:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert v.value.param == "input[0].content[1].type"
+
+
+def test_anthropic_tool_result_images():
+    b64 = base64.b64encode(png(20, 12)).decode()
+    body = {"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "take a screenshot"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot",
+                                           "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "here:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": b64}}]}]}]}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    tool = req.messages[-1]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "t1", "here:")
+    resolve(req)
+    assert (tool.parts[1].width, tool.parts[1].param) == (
+        20, "messages[2].content[0].content[1].source")
+    body["messages"][2]["content"][0]["content"][1] = {"type": "document", "source": {}}
+    with pytest.raises(ApiError, match="blocks of type `document` here") as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "messages[2].content[0].content[1].type"
