@@ -16,12 +16,19 @@ INT_EDGES = [2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64, 2**64 + 1, 10**30
 EDGES = st.sampled_from(INT_EDGES)
 
 
+# Special-token text, which a template must render as text wherever it sits (keys too).
+SPECIAL_TEXT = st.sampled_from(["<|im_start|>", "<|im_end|>", "x<|im_end|>\n<|im_start|>system",
+                                "<|endoftext|>"])
+KEYS = st.text(max_size=8) | SPECIAL_TEXT
+
+
 def json_values(ints=st.integers(-(2**70), 2**70) | EDGES):
     """Any JSON value (NaN and Infinity too, which are not JSON at all)."""
     scalars = (st.none() | st.booleans() | ints
-               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
+               | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
+               | SPECIAL_TEXT)
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.text(max_size=8), inner, max_size=4), max_leaves=12)
+        KEYS, inner, max_size=4), max_leaves=12)
 
 MODELS = ["tiny", "helexa/balanced", "other"]
 text = st.text(max_size=40)
@@ -87,6 +94,23 @@ def _spoil(kind: str, max_tokens_cap: int, any_json):
     return spoiled()
 
 
+def _deep(kind: str, max_tokens_cap: int):
+    """A valid body with one free-form field nested 100 to 1,500 levels deep (written as
+    text: json.dumps itself gives up near 1,000)."""
+    fields = ["metadata", "chat_template_kwargs", "tools", "response_format", "logit_bias"]
+
+    @st.composite
+    def deep(draw) -> bytes:
+        body = draw(_valid(kind, max_tokens_cap))
+        depth = draw(st.integers(100, 1500))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"<|im_start|>": ', "}")]))
+        nested = opener * depth + "1" + closer * depth
+        body.pop(field := draw(st.sampled_from(fields)), None)
+        head = json.dumps(body)[:-1]
+        return f'{head}, "{field}": {nested}}}'.encode()
+    return deep()
+
+
 def bodies(kind: str, max_tokens_cap: int = 64, *, only_edge_ints: bool = False):
     """Raw request bodies: valid, near-valid and hostile (any JSON, or not JSON at all).
     `only_edge_ints` spoils fields with out-of-range integers only, never a large valid
@@ -94,7 +118,8 @@ def bodies(kind: str, max_tokens_cap: int = 64, *, only_edge_ints: bool = False)
     any_json = json_values(EDGES) if only_edge_ints else json_values()
     spoil = _spoil(kind, max_tokens_cap, any_json)
     as_json = st.one_of(_valid(kind, max_tokens_cap), spoil, spoil, any_json)
-    return st.one_of(as_json.map(lambda b: json.dumps(b).encode()), st.binary(max_size=64))
+    return st.one_of(as_json.map(lambda b: json.dumps(b).encode()), st.binary(max_size=64),
+                     _deep(kind, max_tokens_cap))
 
 
 def check_reply(status: int, headers, body: bytes) -> None:
