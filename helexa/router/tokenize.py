@@ -106,8 +106,9 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def count_tokens(request: web.Request) -> web.Response:
     try:
-        req = anthropic.parse_count_request(
-            await _body(request))
+        state = request.app[STATE]
+        req = await state.work_pool.run(anthropic.parse_count_request, await _body(request),
+                                        state.caps)
         chat = chat_proto(req)
         if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
             chat.tools_json = msgspec.json.encode(req.tools).decode()
