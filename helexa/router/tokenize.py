@@ -65,7 +65,10 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
 
 
 async def _body(request: web.Request) -> bytes:
+    """The body, once the caller's key is known good: an unknown key is a 401 whatever the
+    body holds, as on the generation endpoints."""
     state = request.app[STATE]
+    state.auth.principal(authorization(request))
     return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
 
 
