@@ -75,7 +75,7 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
             if on_message is not None:
                 on_message(msg)
             check_finish(msg)
-            encode.add_delta(choice, msg)
+            encode.add_delta(choice, msg, streamed=True)
             if out := enc.feed(msg):
                 await resp.write(out)
         if choice.finish_reason is None:

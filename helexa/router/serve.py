@@ -350,7 +350,7 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
             check_finish(msg)
             encode.with_stop_str(env.req, msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
-            encode.add_delta(choices[i], msg)
+            encode.add_delta(choices[i], msg, streamed=True)
             if chunk is not None:
                 seen_first[i] = True
                 await resp.write(encode.sse(chunk))
