@@ -1,5 +1,5 @@
 """The router's config (asset/router.toml): its server, auth, the neurons it forwards to,
-model aliases and timeouts."""
+model aliases, timeouts and the per-request limits."""
 
 from __future__ import annotations
 
@@ -69,6 +69,28 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "plus four times the prompt's prefill at the model's measured rate, so a long prompt "
         "is not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
         "at once.", RELOAD, gt=0)] = 30.0
+    client_write_secs: Annotated[float, field_meta(
+        "A stream whose client reads nothing for this long (the router's bounded send buffer "
+        "stays full) is ended and its neuron call cancelled, which returns the request's KV.",
+        RELOAD, gt=0)] = 30.0
+
+
+class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    max_tools: Annotated[int, field_meta(
+        "Most tools one request may declare (OpenAI's own limit is 128); beyond it 400.",
+        RELOAD, ge=1)] = 128
+    max_schema_bytes: Annotated[int, field_meta(
+        "Most bytes of JSON schema (as compact JSON) one request's tools may carry together, "
+        "and its response schema alone; beyond it 400.", RELOAD, ge=1024)] = 512 * 1024
+    max_pattern_chars: Annotated[int, field_meta(
+        "Longest regular expression (a `pattern` or a `patternProperties` key) a schema may "
+        "hold; beyond it 400.", RELOAD, ge=16)] = 4096
+    schema_workers: Annotated[int, field_meta(
+        "Threads that parse request bodies and compile their schemas, off the event loop that "
+        "carries every stream and the neurons' reports.", RESTART, ge=1)] = 2
+    schema_queue_depth: Annotated[int, field_meta(
+        "Requests that may wait for a schema worker; beyond it 503 overloaded.",
+        RESTART, ge=0)] = 64
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -80,3 +102,4 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     images: ImagesConfig = msgspec.field(default_factory=ImagesConfig)
+    limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)

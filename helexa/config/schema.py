@@ -33,6 +33,7 @@ from helexa.config.neuron import (
 )
 from helexa.config.router import (
     AuthConfig,
+    LimitsConfig,
     NeuronEndpoint,
     NeuronsConfig,
     RouterConfig,
@@ -43,7 +44,7 @@ from helexa.config.speculation import Speculation, parse_drafter, resolve_specul
 
 __all__ = [
     "RELOAD", "RESTART", "SCHEMAS", "AdmissionConfig", "AuthConfig", "CatalogueModel",
-    "ConfigError", "EngineConfig", "KvConfig", "KvDtype", "ModelEntry", "ModelsCatalogue",
+    "ConfigError", "EngineConfig", "KvConfig", "KvDtype", "LimitsConfig", "ModelEntry", "ModelsCatalogue",
     "NeuronConfig", "NeuronEndpoint", "NeuronsConfig", "ProfileConfig", "RouterConfig",
     "RouterServerConfig", "ServerConfig", "Speculation", "TimeoutsConfig", "detect_kind",
     "field_apply", "field_meta", "load_config", "load_neuron_config", "load_router_config",

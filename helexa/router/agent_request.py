@@ -37,13 +37,15 @@ from typing import Any
 from helexa import grammar, tool_grammar
 from helexa.router import schema_check
 from helexa.router.errors import bad_request
+from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
 
-def apply(b: ChatBody, req: Any) -> None:
-    """Fill req's agent fields from the body; raises ApiError(400) naming the param."""
-    _tools(b, req)
-    _response_format(b, req)
+def apply(b: ChatBody, req: Any, caps: RequestCaps = DEFAULT_CAPS) -> None:
+    """Fill req's agent fields from the body; raises ApiError(400) naming the param (a cap of
+    request_caps.py among them, checked before any schema is compiled)."""
+    _tools(b, req, caps)
+    _response_format(b, req, caps)
     effort = b.reasoning_effort
     req.reasoning_effort = "low" if effort == "minimal" else (effort or "")
     req.template_kwargs = dict(b.chat_template_kwargs or {})
@@ -53,8 +55,12 @@ def apply(b: ChatBody, req: Any) -> None:
                           "chat_template_kwargs.enable_thinking")
 
 
-def _tools(b: ChatBody, req: Any) -> None:
+def _tools(b: ChatBody, req: Any, caps: RequestCaps) -> None:
     tools = b.tools or []
+    check_tool_count(len(tools), caps)
+    budget = SchemaBudget(caps)
+    for i, t in enumerate(tools):
+        budget.take(t.function.parameters, f"tools[{i}].function.parameters")
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("`tools`: function names must be unique", "tools")
@@ -134,7 +140,7 @@ def _function_dict(f: Any) -> dict[str, Any]:
     return d
 
 
-def _response_format(b: ChatBody, req: Any) -> None:
+def _response_format(b: ChatBody, req: Any, caps: RequestCaps) -> None:
     fmt = b.response_format
     if fmt is None or fmt.type == "text":
         return
@@ -146,15 +152,17 @@ def _response_format(b: ChatBody, req: Any) -> None:
                               "response_format.json_schema")
         schema = fmt.json_schema.schema
         constrain_to_schema(req, schema if schema is not None else {"type": "object"},
-                            "response_format.json_schema.schema")
+                            "response_format.json_schema.schema", caps)
         req.response_schema_name = fmt.json_schema.name
         return
     _check(req.constraint, "response_format")
 
 
-def constrain_to_schema(req: Any, schema: Any, param: str) -> None:
+def constrain_to_schema(req: Any, schema: Any, param: str,
+                        caps: RequestCaps = DEFAULT_CAPS) -> None:
     """The output is JSON valid against `schema` (as far as the grammar enforces it; the
     rest is listed in req.unenforced and checked after generation)."""
+    SchemaBudget(caps).take(schema, param)
     r = reduced(schema, param)
     req.unenforced += _located(param, r)
     req.response_schema = schema

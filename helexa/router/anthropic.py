@@ -34,6 +34,7 @@ from msgspec import Meta
 from helexa.router import agent_request, images
 from helexa.router.errors import ApiError, bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
     ChatBody,
@@ -231,7 +232,8 @@ def _image(source: Any, param: str) -> images.ImagePart:
     raise unsupported(f"{param}.type", f"image sources of type `{kind}` (base64 and url are)")
 
 
-def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
+def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
+           caps: RequestCaps) -> None:
     tools = body.tools or []
     for i, t in enumerate(tools):
         if t.type not in (None, "custom"):
@@ -253,7 +255,7 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
         else:
             openai_body.tool_choice = {"auto": "auto", "any": "required",
                                        "none": "none"}[c.type]  # type: ignore[assignment]
-    agent_request.apply(openai_body, req)
+    agent_request.apply(openai_body, req, caps)
 
 
 def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
@@ -275,7 +277,7 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
     req.thinking_budget_tokens = t.budget_tokens
 
 
-def _output_config(body: MessagesBody, req: ParsedRequest) -> None:
+def _output_config(body: MessagesBody, req: ParsedRequest, caps: RequestCaps) -> None:
     o = body.output_config
     if o is None:
         return
@@ -285,26 +287,27 @@ def _output_config(body: MessagesBody, req: ParsedRequest) -> None:
         if req.constraint is not None:
             raise bad_request("`output_config.format` cannot be combined with a forced "
                               "`tool_choice`", "output_config.format")
-        agent_request.constrain_to_schema(req, o.format.schema, "output_config.format.schema")
+        agent_request.constrain_to_schema(req, o.format.schema, "output_config.format.schema",
+                                          caps)
 
 
-def parse_request(raw: bytes) -> ParsedRequest:
+def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
     b: MessagesBody = decode_as(raw, MessagesBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b), max_tokens=b.max_tokens,
                         temperature=b.temperature, top_p=b.top_p, top_k=b.top_k or None,
                         stop=list(b.stop_sequences or []), stream=bool(b.stream),
                         include_usage=True, fit_max_tokens=True)
-    _tools(b, req)
+    _tools(b, req, caps)
     _thinking(b, req)
-    _output_config(b, req)
+    _output_config(b, req, caps)
     return req
 
 
-def parse_count_request(raw: bytes) -> ParsedRequest:
+def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     b: CountTokensBody = decode_as(raw, CountTokensBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
-    _tools(b, req)
+    _tools(b, req, caps)
     _thinking(b, req)
     return req
 

@@ -39,7 +39,9 @@ from helexa.router.errors import ApiError
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
+from helexa.router.request_caps import RequestCaps
 from helexa.router.status import StatusBoard, status_routes
+from helexa.router.work_pool import WorkPool
 
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -59,6 +61,8 @@ class RouterState:
                                   self.metrics.in_progress)
         self.max_body_bytes = cfg.server.max_body_bytes
         self.read_timeout_secs = cfg.server.read_timeout_secs
+        # Body parsing and schema work, off this loop (work_pool.py); its size needs a restart.
+        self.work_pool = WorkPool(cfg.limits.schema_workers, cfg.limits.schema_queue_depth)
         self.apply(cfg)
 
     def apply(self, cfg: RouterConfig) -> None:
@@ -87,6 +91,8 @@ class RouterState:
         self.auth = Authenticator(keys, cfg.auth.require_auth)
         self.aliases = aliases
         self.request_secs = cfg.timeouts.request_secs
+        self.client_write_secs = cfg.timeouts.client_write_secs
+        self.caps = RequestCaps.of(cfg.limits)
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token
@@ -115,6 +121,10 @@ class RouterState:
         self.registry.swap_links(links)
         if cfg.server != old.server:
             self.log.warning("config.restart_needed", section="server")
+        if (cfg.limits.schema_workers, cfg.limits.schema_queue_depth) != \
+                (old.limits.schema_workers, old.limits.schema_queue_depth):
+            self.log.warning("config.restart_needed", section="limits",
+                             fields=["schema_workers", "schema_queue_depth"])
         self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],
                       aliases=len(cfg.aliases))
 
@@ -269,6 +279,7 @@ async def stop(runner: web.AppRunner, state: RouterState) -> None:
     await state.dispatcher.close()
     await state.status.close()
     await state.registry.close()
+    state.work_pool.close()
     state.log.info("router.stopped")
 
 

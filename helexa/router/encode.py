@@ -35,6 +35,7 @@ class Choice:
     usage: pb.Usage | None = None
     prompt_token_ids: list[int] | None = None
     text_chars: int = 0  # for completions' text_offset
+    num_tokens: int = 0  # tokens so far (a streamed choice keeps no token_ids)
     parser: OutputParser | None = None  # chat: splits thought, answer and tool calls
     prompt_tokens: int = 0  # from the first neuron message (continuous usage)
     prompt_index: int = 0  # completions batch: which prompt this choice continues
@@ -114,14 +115,18 @@ def with_stop_str(req: ParsedRequest, msg: pb.GenerateResponse) -> pb.GenerateRe
     return msg
 
 
-def add_delta(choice: Choice, msg: pb.GenerateResponse) -> None:
-    """Fold one neuron message into a choice's running totals (after `delta_chunk`)."""
+def add_delta(choice: Choice, msg: pb.GenerateResponse, *, streamed: bool = False) -> None:
+    """Fold one neuron message into a choice's running totals (after `delta_chunk`). A
+    streamed choice has sent its token ids and logprobs already and keeps neither: with
+    `top_logprobs: 20` they were ~2 KB a token, megabytes held per stream."""
     choice.text.append(msg.text)
     choice.prompt_tokens = choice.prompt_tokens or msg.prompt_tokens
     choice.thought_open = choice.thought_open or msg.thought_open
     choice.text_chars += len(msg.text)
-    choice.token_ids.extend(msg.token_ids)
-    choice.logprobs.extend(msg.logprobs)
+    choice.num_tokens += len(msg.token_ids)
+    if not streamed:
+        choice.token_ids.extend(msg.token_ids)
+        choice.logprobs.extend(msg.logprobs)
     if msg.prompt_token_ids:
         choice.prompt_token_ids = list(msg.prompt_token_ids)
     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -238,7 +243,7 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     chunk = _chunk(env, [body], with_usage_key=env.req.include_usage)
     if env.req.continuous_usage:  # vLLM: the counts so far on every chunk
         prompt = choice.prompt_tokens or msg.prompt_tokens
-        done = len(choice.token_ids) + len(msg.token_ids)
+        done = choice.num_tokens + len(msg.token_ids)
         chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": done,
                           "total_tokens": prompt + done}
     if env.req.return_token_ids and first:

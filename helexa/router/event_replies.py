@@ -25,6 +25,7 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
+from helexa.router.client_stream import ClientStream
 from helexa.router.errors import ApiError
 from helexa.router.inflight import UpstreamLost
 
@@ -55,9 +56,10 @@ def check_finish(msg: pb.GenerateResponse) -> None:
 async def reply(request: web.Request, stream: bool, choice: encode.Choice, call: Any,
                 enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
                 on_message: Callable[[pb.GenerateResponse], None] | None = None,
-                ) -> web.StreamResponse:
+                write_secs: float = 30.0) -> web.StreamResponse:
     """One choice's reply, whole (call is forward.Completed) or as the encoder's event
-    stream (call is forward.OpenStream; on_message sees each of its messages: timing)."""
+    stream (call is forward.OpenStream; on_message sees each of its messages: timing), whose
+    writes give up after write_secs (client_stream.py)."""
     if not stream:
         whole = call.reply
         if whole.finish_reason in FAILED:
@@ -65,7 +67,7 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
         encode.add_delta(choice, whole)
         return web.Response(body=msgspec.json.encode(enc.whole(whole)),
                             content_type="application/json", headers=headers)
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, write_secs=write_secs)
     await resp.prepare(request)
     await resp.write(enc.start())
     try:
@@ -73,7 +75,7 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
             if on_message is not None:
                 on_message(msg)
             check_finish(msg)
-            encode.add_delta(choice, msg)
+            encode.add_delta(choice, msg, streamed=True)
             if out := enc.feed(msg):
                 await resp.write(out)
         if choice.finish_reason is None:

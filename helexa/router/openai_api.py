@@ -19,6 +19,7 @@ from typing import Any, Literal
 from helexa.grammar import Constraint
 from helexa.router import agent_request, images
 from helexa.router.errors import bad_request, unsupported
+from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
 
 Kind = Literal["chat", "completion", "messages", "responses"]  # the endpoint it came to
@@ -104,22 +105,23 @@ class ParsedRequest:
         return len(self.prompt_text or "")
 
 
-def parse_request(body: bytes | Any, kind: Kind) -> ParsedRequest:
+def parse_request(body: bytes | Any, kind: Kind,
+                  caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """Validate one request body (raw JSON bytes or decoded JSON data); raises ApiError(400)
-    naming the offending param."""
+    naming the offending param or the cap (request_caps.py) it is over."""
     b = decode(body, kind)
     req = ParsedRequest(kind=kind, model=b.model)
     if isinstance(b, ChatBody):
-        _chat(b, req)
+        _chat(b, req, caps)
     elif isinstance(b, CompletionBody):
         _completion(b, req)
     _common(b, req)
     return req
 
 
-def _chat(b: ChatBody, req: ParsedRequest) -> None:
+def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
     req.messages = [_message(m, i) for i, m in enumerate(b.messages)]
-    agent_request.apply(b, req)
+    agent_request.apply(b, req, caps)
     req.logprobs = bool(b.logprobs)
     req.top_logprobs = b.top_logprobs or 0
     if req.top_logprobs and not req.logprobs:

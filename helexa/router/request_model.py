@@ -23,6 +23,7 @@ import msgspec
 from msgspec import Meta
 
 from helexa.router.errors import ApiError, bad_request, unsupported
+from helexa.router.json_depth import json_depth_error
 
 INT32_MAX = 2**31 - 1  # the proto's int32 fields: max_tokens, top_k, token ids
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the proto's int64 seed
@@ -226,6 +227,7 @@ def decode(body: bytes | Any, kind: str) -> RequestBody:
     ApiError(400) naming the offending field."""
     try:
         if isinstance(body, (bytes, bytearray, memoryview)):
+            _refuse_deep(body)
             out = _decoders[kind].decode(body)
         else:
             out = msgspec.convert(body, BODIES[kind], strict=True)
@@ -240,6 +242,11 @@ def decode(body: bytes | Any, kind: str) -> RequestBody:
     return out
 
 
+def _refuse_deep(raw: bytes | bytearray | memoryview) -> None:
+    if (why := json_depth_error(raw)) is not None:
+        raise bad_request(why)
+
+
 def _refuse_unsupported(obj: msgspec.Struct, prefix: str) -> None:
     for name in obj.UNSUPPORTED:  # type: ignore[attr-defined]
         if getattr(obj, name) is not None:
@@ -252,6 +259,7 @@ _AT = re.compile(r"^(.*) - at `\$(.*)`$")
 def decode_as(raw: bytes, t: type) -> Any:
     """Raw JSON bytes as the struct `t`, or an ApiError(400) naming the offending field: the
     one decode the other front ends (Anthropic Messages, /tokenize) share with decode()."""
+    _refuse_deep(raw)
     try:
         return msgspec.json.decode(raw, type=t)
     except msgspec.ValidationError as e:

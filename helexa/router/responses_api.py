@@ -37,6 +37,7 @@ from helexa import grammar
 from helexa.router import agent_request, images
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
     ChatBody,
@@ -145,7 +146,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_tool_calls: Any = None
 
 
-def parse_request(raw: bytes) -> ParsedRequest:
+def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """A /v1/responses body as the internal request, or ApiError(400) naming the field."""
     b: ResponsesBody = decode_as(raw, ResponsesBody)
     if b.previous_response_id is not None or b.conversation is not None:
@@ -158,13 +159,13 @@ def parse_request(raw: bytes) -> ParsedRequest:
                         max_tokens=b.max_output_tokens, fit_max_tokens=True,
                         temperature=b.temperature, top_p=b.top_p, stream=bool(b.stream),
                         include_usage=True)
-    _tools(b, req)
+    _tools(b, req, caps)
     if b.reasoning is not None and b.reasoning.effort is not None:
         effort = b.reasoning.effort
         req.reasoning_effort = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
     req.reasoning_summary = b.reasoning is not None and \
         (b.reasoning.summary or b.reasoning.generate_summary) is not None
-    _text_format(b, req)
+    _text_format(b, req, caps)
     return req
 
 
@@ -275,7 +276,7 @@ def _functions(tools: list[RTool]) -> list[RTool]:
     return out
 
 
-def _tools(b: ResponsesBody, req: ParsedRequest) -> None:
+def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
     fns = _functions(b.tools or [])
     for i, t in enumerate(fns):
         if not t.name:
@@ -292,10 +293,10 @@ def _tools(b: ResponsesBody, req: ParsedRequest) -> None:
         body.tool_choice = c
     if body.tool_choice in ("auto", "required") and not fns:
         body.tool_choice = None  # only hosted tools were listed: nothing to call here
-    agent_request.apply(body, req)
+    agent_request.apply(body, req, caps)
 
 
-def _text_format(b: ResponsesBody, req: ParsedRequest) -> None:
+def _text_format(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
     fmt = b.text.format if b.text is not None else None
     if fmt is None or fmt.type == "text":
         return
@@ -305,5 +306,5 @@ def _text_format(b: ResponsesBody, req: ParsedRequest) -> None:
         req.constraint = grammar.Constraint(kind="json_object")
         return
     agent_request.constrain_to_schema(req, fmt.schema if fmt.schema is not None
-                                      else {"type": "object"}, "text.format.schema")
+                                      else {"type": "object"}, "text.format.schema", caps)
     req.response_schema_name = fmt.name

@@ -7,12 +7,19 @@ the reply's headers instead of passing unseen. This is a small validator of
 the JSON Schema keywords agents' tool lists use (draft 2020-12 and
 draft-07 spellings), not a complete one: a keyword it does not know passes,
 and `format` is not checked (the grammar enforced the formats it knows).
+
+Python's `re` backtracks, and holds the interpreter while it does: `(a+)+$`
+against forty `a`s and a `b` runs for minutes. A pattern whose repeated group
+itself repeats or branches (`(a+)+`, `(a|aa)*`: `backtracks()`) is therefore
+not run here; the grammar enforced it if it could compile it, and the
+violation list says it went unchecked otherwise.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from functools import lru_cache
 from typing import Any
 
 _TYPES: dict[str, Any] = {
@@ -112,7 +119,7 @@ def _object(v: dict[str, Any], s: dict[str, Any], root: Any, path: str, out: lis
     for k, val in v.items():
         if k in props:
             _check(val, props[k], root, f"{path}.{k}", out)
-        matched = [p for p in patterns if re.search(p, k)]
+        matched = [p for p in patterns if _search(p, k) is True]
         for p in matched:
             _check(val, patterns[p], root, f"{path}.{k}", out)
         if k not in props and not matched:
@@ -162,11 +169,64 @@ def _string(v: str, s: dict[str, Any], path: str, out: list[str]) -> None:
     if "maxLength" in s and len(v) > s["maxLength"]:
         out.append(f"{path}: longer than {s['maxLength']}")
     if isinstance(s.get("pattern"), str):
-        try:
-            if re.search(s["pattern"], v) is None:
-                out.append(f"{path}: does not match the pattern")
-        except re.error:
-            pass  # a pattern Python cannot read is not this reply's fault
+        found = _search(s["pattern"], v)
+        if found is False:
+            out.append(f"{path}: does not match the pattern")
+        elif found is None and backtracks(s["pattern"]):
+            out.append(f"{path}: the pattern was not checked (it can backtrack without end)")
+
+
+def _search(pattern: str, text: str) -> bool | None:
+    """Whether `pattern` is found in `text`; None when it is not run (it can backtrack
+    without end) or cannot be read (a pattern Python cannot read is not the reply's fault)."""
+    compiled = _compiled(pattern)
+    return None if compiled is None else compiled.search(text) is not None
+
+
+@lru_cache(maxsize=256)
+def _compiled(pattern: str) -> re.Pattern[str] | None:
+    if backtracks(pattern):
+        return None
+    try:
+        return re.compile(pattern)
+    except (re.error, RecursionError, OverflowError):
+        return None
+
+
+@lru_cache(maxsize=256)
+def backtracks(pattern: str) -> bool:
+    """Whether a group that repeats (`*`, `+`, `{n,}`) holds a repetition or a branch of
+    its own (`(a+)+`, `(\\w+\\s?)*`, `(a|aa)+`): the shapes that make a backtracking matcher
+    take exponential time. One pass over the text."""
+    inner: list[bool] = []  # per open group: does it hold a quantifier or a `|`?
+    closed = False  # the last thing read was a group holding one
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 2
+            closed = False
+            continue
+        if c == "[":  # a class: its brackets and quantifier-looking characters are literal
+            j = pattern.find("]", i + 2)
+            i = len(pattern) if j < 0 else j + 1
+            closed = False
+            continue
+        if closed and (c in "*+" or (c == "{" and re.match(r"\{\d*,\d*\}", pattern[i:]))):
+            return True
+        closed = False
+        if c == "(":
+            inner.append(False)
+            if pattern.startswith("?", i + 1):
+                i += 1  # `(?:`, `(?P<n>`: the `?` is syntax, not a quantifier
+        elif c == ")" and inner:
+            closed = inner.pop()
+            if inner:
+                inner[-1] = inner[-1] or closed
+        elif c in "*+?{|" and inner:
+            inner[-1] = True
+        i += 1
+    return False
 
 
 def _number(v: float, s: dict[str, Any], path: str, out: list[str]) -> None:

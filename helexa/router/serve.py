@@ -40,6 +40,7 @@ from helexa.router import (
     responses_encode,
 )
 from helexa.router.agent_output import OutputParser, parser_for
+from helexa.router.client_stream import ClientStalled, ClientStream
 from helexa.router.errors import ApiError
 from helexa.router.event_replies import FAILED as _FAILED
 from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
@@ -126,7 +127,11 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         principal = ctx["principal"] = state.auth.principal(authorization(request))
         raw = await read_body(request, state.max_body_bytes, state.read_timeout_secs)
-        req = _PARSERS[kind](raw) if kind in _PARSERS else parse_request(raw, kind)
+        # Off the loop (work_pool.py): decoding and schema compiling grow with the body.
+        if kind in _PARSERS:
+            req = await state.work_pool.run(_PARSERS[kind], raw, state.caps)
+        else:
+            req = await state.work_pool.run(parse_request, raw, kind, state.caps)
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
@@ -159,7 +164,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             series, last = state.metrics.model(model), [0.0]
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
-                on_message=lambda msg: _timing(series, t0, last, msg))
+                on_message=lambda msg: _timing(series, t0, last, msg),
+                write_secs=state.client_write_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(model), t0, req_id, headers)
@@ -180,8 +186,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         return error_response(kind, e, {"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
         code = "499"  # nginx's "client closed request"
-        log.info("request.done", **ctx, outcome="client_gone", client_gone=True,
-                 secs=round(time.monotonic() - t0, 4))
+        stalled = isinstance(e, ClientStalled)  # it stopped reading: we ended it
+        log.info("request.done", **ctx, outcome="client_stalled" if stalled else "client_gone",
+                 client_gone=True, secs=round(time.monotonic() - t0, 4))
         if isinstance(e, asyncio.CancelledError):
             raise
         return web.Response(status=499)  # a write to a client that has gone
@@ -269,10 +276,17 @@ def _headers(req: ParsedRequest, call: Any, req_id: str) -> dict[str, str]:
 
 def _check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
                   choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
-    """Check each finished reply against the keywords its grammar could not enforce; a
-    violation is logged (the client has its reply and the header that warned of it)."""
+    """Check each finished reply against the keywords its grammar could not enforce, on a
+    worker (the check grows with the schema and the reply); a violation is logged (the
+    client has its reply and the header that warned of it)."""
     if not req.unenforced:
         return
+    if not state.work_pool.submit(_check_replies, state, req, model, calls, choices, dict(ctx)):
+        state.log.warning("request.schema_check_skipped", **ctx, reason="work pool full")
+
+
+def _check_replies(state: Any, req: ParsedRequest, model: str, calls: list[Any],
+                   choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
     for c in choices:
         if c.finish_reason is None:
             continue
@@ -329,7 +343,8 @@ def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Com
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
                   streams: list[OpenStream], state: RouterState, series: ModelSeries,
                   t0: float, req_id: str, headers: dict[str, str]) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+    resp = ClientStream(request, headers={**SSE_HEADERS, **headers},
+                        write_secs=state.client_write_secs)
     await resp.prepare(request)
     for c in choices:
         if (chunk := encode.first_chunk(env, c)) is not None:
@@ -342,7 +357,7 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
             check_finish(msg)
             encode.with_stop_str(env.req, msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
-            encode.add_delta(choices[i], msg)
+            encode.add_delta(choices[i], msg, streamed=True)
             if chunk is not None:
                 seen_first[i] = True
                 await resp.write(encode.sse(chunk))

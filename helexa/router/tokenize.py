@@ -65,8 +65,17 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
 
 
 async def _body(request: web.Request) -> bytes:
+    """The body, once the caller's key is known good: an unknown key is a 401 whatever the
+    body holds, as on the generation endpoints."""
     state = request.app[STATE]
+    state.auth.principal(authorization(request))
     return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
+
+
+async def _decoded(request: web.Request, t: type) -> Any:
+    """The body as the struct `t`, decoded on the router's work pool (an 8 MiB body is a
+    fifth of a second of decoding and depth checking: not on the loop)."""
+    return await request.app[STATE].work_pool.run(decode_as, await _body(request), t)
 
 
 def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Chat:
@@ -78,8 +87,7 @@ def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Ch
 
 
 async def tokenize(request: web.Request) -> web.Response:
-    b: TokenizeBody = decode_as(await _body(request),
-                              TokenizeBody)
+    b: TokenizeBody = await _decoded(request, TokenizeBody)
     if (b.prompt is None) == (b.messages is None):
         raise bad_request("give exactly one of `prompt` and `messages`", "prompt")
     treq = pb.TokenizeRequest(model=b.model, add_special_tokens=b.add_special_tokens,
@@ -97,8 +105,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    b: DetokenizeBody = decode_as(await _body(request),
-                                DetokenizeBody)
+    b: DetokenizeBody = await _decoded(request, DetokenizeBody)
     if any(t > INT32_MAX for t in b.tokens):
         raise bad_request("`tokens` holds an id beyond int32", "tokens")
     out = await _call(request, pb.TokenizeRequest(model=b.model,
@@ -108,9 +115,10 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def count_tokens(request: web.Request) -> web.Response:
     try:
-        req = anthropic.parse_count_request(
-            await _body(request))
-        await images.resolve(req, request.app[STATE].cfg.images)
+        state = request.app[STATE]
+        req = await state.work_pool.run(anthropic.parse_count_request, await _body(request),
+                                        state.caps)
+        await images.resolve(req, state.cfg.images)
         chat = chat_proto(req)
         if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
             chat.tools_json = msgspec.json.encode(req.tools).decode()

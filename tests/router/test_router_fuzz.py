@@ -1,4 +1,5 @@
-"""Thousands of generated bodies (valid, near-valid, hostile) against the router: never a 5xx,
+"""Thousands of generated bodies (valid, near-valid, hostile; nested past the depth limit, with
+special-token text in object keys and schema property names) against the router: never a 5xx,
 every 4xx in the OpenAI envelope, and the fake neurons' ledgers whole afterwards."""
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx2
 import pytest
@@ -166,3 +168,34 @@ def test_models_in_anthropics_shape_for_its_sdk(router):
     ids = [m.id for m in page.data]
     assert "tiny" in ids and all(m.type == "model" for m in page.data)
     assert page.data[0].display_name and not page.has_more
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/messages/count_tokens"])
+def test_every_body_error_is_in_anthropics_envelope(router, path):
+    ok = '{"model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]'
+    endless = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+    bodies = {
+        "not JSON": (b"{", 400), "not an object": (b"[1]", 400),
+        "nested 1,000 deep": ((ok + ', "metadata": {"user_id": ' + "[" * 1000 + "]" * 1000
+                               + "}}").encode(), 400),
+        "an unknown field": ((ok + ', "frobnicate": 1}').encode(), 400),
+        "a wrong type": (ok.replace('"max_tokens": 3', '"max_tokens": "3"').encode() + b"}",
+                         400),
+        "over the body limit": (b'{"model": "' + b"x" * 70_000 + b'"}', 413),
+        "too many tools": ((ok + ', "tools": [' + ", ".join(
+            f'{{"name": "t{i}", "input_schema": {{"type": "object"}}}}' for i in range(129))
+            + "]}").encode(), 400),
+    }
+    if path == "/v1/messages":
+        bodies["an endless schema"] = ((ok + ', "output_config": {"format": {"type": '
+                                        '"json_schema", "schema": ' + json.dumps(endless)
+                                        + "}}}").encode(), 400)
+    headers = {"x-api-key": key_of("alice"), "Content-Type": "application/json"}
+    for what, (body, status) in bodies.items():
+        r = httpx2.post(router.url + path, content=body, headers=headers, timeout=30)
+        assert r.status_code == status, (what, r.status_code, r.text[:300])
+        got = r.json()
+        assert got["type"] == "error" and set(got["error"]) == {"type", "message"}, (what, got)
+        assert got["error"]["message"], what
+    r = httpx2.post(router.url + path, content=b"{", headers={"x-api-key": "sk-wrong"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

@@ -27,6 +27,24 @@ def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_json_nested_1000_deep_is_400_naming_the_limit_in_each_envelope(router):
+    auth = {"Authorization": f"Bearer {key_of('alice')}", "Content-Type": "application/json"}
+    deep = "[" * 1000 + "1" + "]" * 1000
+    msg = '[{"role": "user", "content": "hi"}]'
+    for path, body in (
+            ("/v1/chat/completions", f'{{"model": "tiny", "messages": {msg}, "metadata": {deep}}}'),
+            ("/tokenize", f'{{"model": "tiny", "messages": {msg}, '
+                          f'"chat_template_kwargs": {{"k": {deep}}}}}'),
+            ("/v1/messages", f'{{"model": "tiny", "max_tokens": 4, "messages": {msg}, '
+                             f'"metadata": {{"user_id": {deep}}}}}')):
+        r = httpx2.post(router.url + path, content=body.encode(), headers=auth)
+        assert r.status_code == 400, (path, r.text[:300])
+        err = r.json()["error"]
+        assert "deeper than 128 levels" in err["message"] and err["type"] == "invalid_request_error"
+        if path == "/v1/messages":
+            assert r.json()["type"] == "error"  # Anthropic's envelope
+
+
 def test_context_length_exceeded_states_both_numbers(router):
     with pytest.raises(openai.BadRequestError) as e:
         router.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=5000)

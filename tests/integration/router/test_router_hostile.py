@@ -19,6 +19,7 @@ from router_procs import RouterProcess, start_router, wait_for
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
+from hypothesis import strategies as st  # noqa: E402
 from request_bodies import bodies, check_reply  # noqa: E402
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
@@ -65,7 +66,9 @@ def test_generated_bodies_against_a_real_neuron(pair, kind, path):
     with httpx2.Client(base_url=router.url, timeout=60) as http:
         @settings(max_examples=150, deadline=None, derandomize=True, database=None,
                   suppress_health_check=list(HealthCheck))
-        @given(bodies(kind, max_tokens_cap=8, only_edge_ints=True))
+        # Plain schema property names: special-token text there is the xfail test below.
+        @given(bodies(kind, max_tokens_cap=8, only_edge_ints=True,
+                      schema_keys=st.text("abcxyz_", max_size=8)))
         def one(raw: bytes) -> None:
             r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
             seen[r.status_code] = seen.get(r.status_code, 0) + 1
@@ -74,6 +77,19 @@ def test_generated_bodies_against_a_real_neuron(pair, kind, path):
         one()
     assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen
     wait_for(lambda: ledger_whole(router), timeout=15)
+
+
+@pytest.mark.xfail(strict=True, reason="neuron side of issue 27: where the grammar forces the "
+                   "key text `<|im_start|>`, the engine feeds a special token (id 511) that the "
+                   "matcher refuses ('forced bytes: got <'): FINISH_REASON_ERROR, a 502")
+def test_special_token_text_as_a_schema_key_is_generated_as_text(pair):
+    _, router = pair
+    schema = {"type": "object", "properties": {"<|im_start|>": {"type": "string"}}}
+    r = httpx2.post(router.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 3, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "o",
+                                                                   "schema": schema}}})
+    assert r.status_code == 200, r.text[:300]
 
 
 def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):

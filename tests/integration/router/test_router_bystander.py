@@ -1,0 +1,257 @@
+"""One client must not take the fleet down: each attack on a real router over a real neuron,
+with another client's long stream open. The attack earns its 4xx within 2 s, the bystander's
+stream is neither cut nor stalled (no gap of 1 s between its chunks), the neuron stays in
+rotation and the pool's ledger is whole afterwards. And a client that stops reading has its
+stream ended (its KV back) after timeouts.client_write_secs."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import httpx2
+import pytest
+import tomli_w
+from router_procs import RouterProcess, start_router, wait_for
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config
+
+MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
+JSON = {"Content-Type": "application/json"}
+WRITE_SECS = 1.0  # the router's timeouts.client_write_secs here
+# Its required property is itself: it compiles, and the neuron's matcher failed on the first
+# token (a 502 before the router checked for it).
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
+    d = tmp_path_factory.mktemp("bystander")
+    cfg = {"server": {"name": "nb", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": 4},
+           "kv": {"kv_budget_mb": 8, "activation_headroom_mb": 0},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    neuron = start_neuron(write_neuron_config(d / "nb.toml", cfg), log_path=d / "nb.log")
+    (d / "router.toml").write_text(tomli_w.dumps({
+        "server": {"listen": "127.0.0.1:0", "max_body_bytes": 8 * 1024 * 1024},
+        "neurons": {"endpoints": [{"name": "nb", "address": neuron.address}]},
+        # A neuron silent for 1 s leaves rotation: a loop held that long would show.
+        "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
+                     "client_write_secs": WRITE_SECS}}))
+    router = start_router(d / "router.toml")
+    try:
+        wait_for(lambda: healthy(router), timeout=30)
+        yield neuron, router
+    finally:
+        router.stop()
+        neuron.stop(timeout_secs=15)
+
+
+def healthy(router: RouterProcess) -> bool:
+    return httpx2.get(router.url + "/health", timeout=5).json()["neurons"]["nb"]["healthy"]
+
+
+def ledger_whole(router: RouterProcess) -> bool:
+    m = router.metrics()
+
+    def g(name: str) -> float | None:
+        return m.get((name, (("model", "tiny"), ("neuron", "nb"))))
+    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
+            and g("helexa_neuron_in_flight") == 0
+            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
+
+
+def output_limit(router: RouterProcess) -> int:
+    models = httpx2.get(router.url + "/v1/models", timeout=5).json()["data"]
+    return int(next(m for m in models if m["id"] == "tiny")["limit"]["output"])
+
+
+@dataclass
+class Bystander:
+    """A long stream read in a thread: when each chunk came, and how it ended."""
+
+    router: RouterProcess
+    max_tokens: int
+    arrivals: list[float] = field(default_factory=list)
+    lines: list[str] = field(default_factory=list)
+    started: threading.Event = field(default_factory=threading.Event)
+    stop: threading.Event = field(default_factory=threading.Event)  # the test has seen enough
+    finished: bool = False  # the stream ended by itself
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        body = {"model": "tiny", "messages": MSG, "max_tokens": self.max_tokens,
+                "stream": True, "ignore_eos": True}
+        try:
+            with httpx2.stream("POST", self.router.url + "/v1/chat/completions", json=body,
+                               timeout=120) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.arrivals.append(time.monotonic())
+                        self.lines.append(line)
+                        if len(self.arrivals) == 3:
+                            self.started.set()
+                    if self.stop.is_set():
+                        return  # leaving closes the stream: the router cancels the call
+                self.finished = True
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.started.set()
+
+    def longest_gap_secs(self, since: float, until: float) -> float:
+        times = [t for t in self.arrivals if since <= t <= until]
+        return max((b - a for a, b in zip(times, times[1:], strict=False)), default=0.0)
+
+
+def _tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"t{i}", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string"}}}}} for i in range(n)]
+
+
+def _attacks() -> list[tuple[str, str, bytes, str]]:
+    """(name, path, body, what the refusal's message must name)."""
+    deep = "[" * 1000 + "1" + "]" * 1000
+    def schema(pattern_chars: int) -> dict:
+        return {"name": "x", "schema": {"type": "object", "properties": {
+            "s": {"type": "string", "pattern": "a" * pattern_chars}}}}
+    return [
+        ("30,000 tools", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "tools": _tools(30_000)}).encode(),
+         "limits.max_tools"),
+        ("30,000 tools, Messages", "/v1/messages", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "tools": [
+                {"name": f"t{i}", "input_schema": {"type": "object"}} for i in range(30_000)]}
+        ).encode(), "limits.max_tools"),
+        ("a 300 KB pattern", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "response_format": {
+                "type": "json_schema", "json_schema": schema(300_000)}}).encode(),
+         "limits.max_pattern_chars"),
+        ("a 7 MB schema", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "response_format": {
+                "type": "json_schema", "json_schema": schema(7_000_000)}}).encode(),
+         "limits.max_schema_bytes"),
+        ("a schema only an endless value satisfies", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "x", "schema": ENDLESS}}}).encode(),
+         "no finite value satisfies it"),
+        ("the same, Messages", "/v1/messages", json.dumps(
+            {"model": "tiny", "messages": MSG, "max_tokens": 4, "output_config": {
+                "format": {"type": "json_schema", "schema": ENDLESS}}}).encode(),
+         "no finite value satisfies it"),
+        ("JSON 1,000 deep", "/v1/chat/completions",
+         f'{{"model": "tiny", "messages": {json.dumps(MSG)}, "metadata": {deep}}}'.encode(),
+         "deeper than 128 levels"),
+        ("JSON 1,000 deep, Messages", "/v1/messages",
+         f'{{"model": "tiny", "max_tokens": 4, "messages": {json.dumps(MSG)}, '
+         f'"metadata": {{"user_id": {deep}}}}}'.encode(), "deeper than 128 levels"),
+    ]
+
+
+def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    attacks = _attacks()
+    by = Bystander(router, output_limit(router) - 64)
+    thread = threading.Thread(target=by.run, daemon=True)
+    thread.start()
+    assert by.started.wait(60) and by.error is None, by.error
+    t_first = time.monotonic()
+    with httpx2.Client(base_url=router.url, timeout=30) as http:
+        for name, path, body, names in attacks:
+            t0 = time.monotonic()
+            r = http.post(path, content=body, headers=JSON)
+            took = time.monotonic() - t0
+            assert r.status_code == 400, (name, r.status_code, r.text[:300])
+            assert took < 2.0, (name, took)
+            err = r.json()["error"]
+            assert names in err["message"], (name, err)
+            if path == "/v1/messages":
+                assert r.json()["type"] == "error" and err["type"] == "invalid_request_error"
+            assert healthy(router), name
+    t_last = time.monotonic()
+    time.sleep(0.5)  # a stream cut by the last attack would show by now
+    by.stop.set()
+    thread.join(30)
+    assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+    assert not any('"error"' in line for line in by.lines), by.lines[-3:]
+    assert by.longest_gap_secs(t_first, t_last) < 1.0
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
+def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
+                       "stream": True, "ignore_eos": True, "logprobs": True,
+                       "top_logprobs": 20}).encode()
+    sock = socket.socket()
+    # A small window: the router's writes stop draining soon after the client stops reading.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(256).startswith(b"HTTP/1.1 200")
+        # Read nothing more. The neuron generates, the buffers fill, then within
+        # client_write_secs of that the router ends the stream and the call.
+        wait_for(lambda: not ledger_whole(router), timeout=10)
+        wait_for(lambda: ledger_whole(router), timeout=60)
+        assert '"client_stalled"' in router.log_path.read_text()
+        assert healthy(router)
+    finally:
+        sock.close()
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.slow
+def test_stalled_streams_hold_little_router_memory(tmp_path, tiny_model_dir):
+    """8 clients that read nothing, for 15 s (under client_write_secs): the router's memory
+    stays flat. It grew 43 MB in 20 s when each stream kept every logprob it had sent."""
+    cfg = {"server": {"name": "nm", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": 8},
+           "kv": {"kv_budget_mb": 32, "activation_headroom_mb": 0},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    neuron = start_neuron(write_neuron_config(tmp_path / "nm.toml", cfg),
+                          log_path=tmp_path / "nm.log")
+    (tmp_path / "router.toml").write_text(tomli_w.dumps({
+        "server": {"listen": "127.0.0.1:0"},
+        "neurons": {"endpoints": [{"name": "nm", "address": neuron.address}]},
+        "timeouts": {"client_write_secs": 60}}))
+    router = start_router(tmp_path / "router.toml")
+    socks: list[socket.socket] = []
+    try:
+        wait_for(lambda: httpx2.get(router.url + "/health").json()["neurons"]["nm"]["healthy"],
+                 timeout=30)
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 3000,
+                           "stream": True, "ignore_eos": True, "logprobs": True,
+                           "top_logprobs": 20}).encode()
+        before = _rss_mb(router.proc.pid)
+        for _ in range(8):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            socks.append(s)
+        peak, end = before, time.monotonic() + 15
+        while time.monotonic() < end:  # a measurement over a span: sampled, not awaited
+            peak = max(peak, _rss_mb(router.proc.pid))
+            time.sleep(0.5)
+        assert peak - before < 16, (before, peak)
+    finally:
+        for s in socks:
+            s.close()
+        router.stop()
+        neuron.stop(timeout_secs=15)
