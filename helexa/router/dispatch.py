@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 
@@ -106,10 +107,14 @@ class Dispatcher:
             if not stream:  # no first byte will say the neuron has it: its Watch will
                 send.answered(after_secs=UNARY_SEEN_SECS)
             self.metrics.selections.labels(name, model).inc()
+            flight = link.open_flight(streaming=stream, model=model)
+            flight.on_end = functools.partial(self.registry.note_end, send)
             try:
-                return await rpc(link.stub, name, greq, metadata=link.metadata,
-                                 timeout_secs=self.settings.request_secs + 5,
-                                 flight=link.open_flight(streaming=stream, model=model))
+                result = await rpc(link.stub, name, greq, metadata=link.metadata,
+                                   timeout_secs=self.settings.request_secs + 5, flight=flight)
+                if not stream:  # a unary call returns its whole reply
+                    flight.ended()
+                return result
             except UpstreamLost as e:  # before the first byte: another neuron may serve it
                 err = ApiError(503, str(e), code="service_unavailable")
                 self.metrics.refusals.labels(name, model, err.code).inc()

@@ -154,6 +154,7 @@ class OpenStream:
         while True:
             if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 self.finished = True
+                self.flight.ended()
             yield msg
             if self.finished:
                 return

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -43,7 +44,7 @@ class Flight:
     tokens, why it ended."""
 
     __slots__ = ("neuron", "call", "streaming", "first_at", "last_at", "prompt_tokens",
-                 "prefill_tokens_per_sec", "reason", "__weakref__")
+                 "prefill_tokens_per_sec", "reason", "on_end", "__weakref__")
 
     def __init__(self, neuron: str, *, streaming: bool,
                  prefill_tokens_per_sec: float = 0.0) -> None:
@@ -55,6 +56,13 @@ class Flight:
         self.prompt_tokens = 0  # as the first message says
         self.prefill_tokens_per_sec = prefill_tokens_per_sec  # the model's, from Watch
         self.reason: str | None = None  # set when the router ended the call
+        self.on_end: Callable[[], None] | None = None  # called once, when the reply is whole
+
+    def ended(self) -> None:
+        """The neuron sent the reply's end (its finish): the request no longer runs there."""
+        on_end, self.on_end = self.on_end, None
+        if on_end is not None:
+            on_end()
 
     def heard(self, msg: Any = None) -> None:
         """A message arrived (msg: the GenerateResponse; None counts as tokens)."""

@@ -100,6 +100,10 @@ class NeuronLink:
         self.last_seen = 0.0
         self.was_healthy = False
         self.pending: list[PendingSend] = []
+        # Per model: the router's calls that ended since the last report, which that report
+        # may still count in flight (a conversation's next turn, sent at once, must not see
+        # its own finished turn as load and leave the neuron that holds its prefix).
+        self.ended: dict[str, int] = {}
         # Calls open on this neuron (weak: a finished request's flight goes with its handler).
         self.flights: weakref.WeakSet[Flight] = weakref.WeakSet()
         self.task: asyncio.Task[None] | None = None
@@ -173,6 +177,7 @@ class NeuronLink:
         self.first_try_done = True
         self.last_seen = now
         self.connected = True
+        self.ended = {}
         # Sends the neuron had seen before this report are now in its counters.
         self.pending = [p for p in self.pending
                         if (p.answered_at is None or p.answered_at > now)
@@ -318,7 +323,8 @@ class Registry:
             out.append(Candidate(
                 neuron=link.name, kv_free_bytes=m.kv.free_bytes,
                 bytes_per_token=m.kv.bytes_per_token, block_size=m.kv.block_size or 16,
-                context=m.limits.context, in_flight=m.in_flight, queued=m.queued,
+                context=m.limits.context,
+                in_flight=max(0, m.in_flight - link.ended.get(model, 0)), queued=m.queued,
                 pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
                 default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS,
                 max_per_principal=m.admission.max_per_principal,
@@ -331,6 +337,17 @@ class Registry:
         if link is not None:
             link.pending.append(send)
         return send
+
+    def note_end(self, send: PendingSend) -> None:
+        """The call of `send` ended: it is neither pending nor, whatever the last report said,
+        in flight there."""
+        link = self.links.get(send.neuron)
+        if link is None:
+            return
+        if send in link.pending:
+            link.pending.remove(send)
+        if link.last_seen > send.sent_at:  # a report since the send may count it in flight
+            link.ended[send.model] = link.ended.get(send.model, 0) + 1
 
     def models_in_state(self, model: str, *states: int, healthy_only: bool = True) -> list[str]:
         links = self.healthy_links() if healthy_only else list(self.links.values())
