@@ -32,7 +32,7 @@ def dense_vl(vl_dir, tmp_path_factory):
 def core_for(model_dir, *, prefix_cache: bool = True, chunk: int = 512) -> EngineCore:
     spec = EngineSpec(model_id="vl", model_dir=str(model_dir), num_blocks=96, block_size=8,
                       context=512, prefix_cache=prefix_cache, bytes_per_token=0,
-                      limits=m.SetLimits(anon_max_in_flight=16, prefill_chunk_tokens=chunk))
+                      limits=m.Limits(anon_max_in_flight=16, prefill_chunk_tokens=chunk))
     return EngineCore(spec)
 
 
