@@ -220,14 +220,14 @@ def choice(w: KqWeight, rows: int) -> tuple[str, int]:
     """(kind, native threads) for ``rows`` rows of this layer: forced, else measured once
     per (shape, form, bucket, torch threads)."""
     threads = torch.get_num_threads()
-    cands = _candidates(w, rows)
     forced = _forced()
     if forced is not None:
-        return (forced if forced in cands else "tile"), threads
+        return (forced if forced in _candidates(w, rows) else "tile"), threads
     key = (w.shape, w.bits, w.group, w.zeros is not None, bucket(rows), threads)
     got = _choices.get(key)
     if got is None:  # engine processes call from one thread: no lock
-        got = _choices[key] = _measure(w, cands, _PROBE_ROWS[bucket(rows)])
+        # the candidates only on a miss: asking the library costs ~5% of a decode step
+        got = _choices[key] = _measure(w, _candidates(w, rows), _PROBE_ROWS[bucket(rows)])
     return got
 
 
