@@ -4,6 +4,14 @@ decode tok/s at 1 and N concurrent streams and the ratios, on this machine.
 
     .venv/bin/pip install -e '.[bench]'       # builds llama.cpp from source (minutes)
     .venv/bin/python bench/gguf_vs_llamacpp.py FILE.gguf [--dtype fp32] [--threads 2]
+                                               [--llama-server BIN]
+
+``--llama-server BIN`` serves with llama.cpp's own C++ server instead (``llama-server``,
+built from llama.cpp's tree: ``cmake --build build --target llama-server``), given
+``--streams`` parallel slots so N streams decode as one batch there too; llama-cpp-python's
+server runs one request at a time, so its N-stream figure is N requests in turn. On a CPU
+with AMX, build either with ``-DGGML_NATIVE=OFF`` and the AVX flags named (AVX2, AVX512,
+VNNI): the native build's AMX buffers crashed at the first decode on this machine.
 
 Each stream is one ``/v1/completions`` request of ``--new-tokens`` tokens (ignore-EOS is
 not in llama.cpp's OpenAI API, so tok/s counts the tokens each server reports); a repeat
@@ -69,12 +77,18 @@ def start_helexa(path: Path, dtype: str, threads: int, log: Path) -> tuple[subpr
     raise RuntimeError(f"helexa up ended before serving: see {log}")
 
 
-def start_llamacpp(path: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_llamacpp(path: Path, threads: int, log: Path, server: str | None,
+                   slots: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(path),
-                             "--host", "127.0.0.1", "--port", str(port), "--n_ctx", "4096",
-                             "--n_threads", str(threads), "--n_threads_batch", str(threads)],
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    if server:  # llama.cpp's C++ server: `slots` parallel sequences, 4096 tokens each
+        cmd = [server, "--model", str(path), "--host", "127.0.0.1", "--port", str(port),
+               "--ctx-size", str(4096 * slots), "--parallel", str(slots), "--threads",
+               str(threads), "--threads-batch", str(threads), "--cont-batching"]
+    else:
+        cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host",
+               "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads",
+               str(threads), "--n_threads_batch", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -82,9 +96,9 @@ def start_llamacpp(path: Path, threads: int, log: Path) -> tuple[subprocess.Pope
             return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited: see {log}") from None
+                raise RuntimeError(f"llama.cpp's server exited: see {log}") from None
             time.sleep(0.5)
-    raise RuntimeError("llama_cpp.server did not start")
+    raise RuntimeError("llama.cpp's server did not start")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--llama-server", default=None,
+                    help="llama.cpp's llama-server binary (default: llama_cpp.server)")
     args = ap.parse_args(argv)
     helexa, hurl = start_helexa(args.gguf, args.dtype, args.threads,
                                 args.log_dir / "bench-helexa.log")
-    llama, lurl = start_llamacpp(args.gguf, args.threads, args.log_dir / "bench-llamacpp.log")
+    llama, lurl = start_llamacpp(args.gguf, args.threads, args.log_dir / "bench-llamacpp.log",
+                                 args.llama_server, args.streams)
     servers = {"helexa": (hurl, args.gguf.stem), "llama.cpp": (lurl, str(args.gguf))}
     counts = (1, args.streams)
     got: dict[tuple[str, int], list[float]] = {(s, n): [] for s in servers for n in counts}
@@ -115,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             proc.terminate()
             proc.wait(timeout=60)
     print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
-          f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}")
+          f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}  "
+          f"llama.cpp: {args.llama_server or 'llama_cpp.server'}  load {os.getloadavg()[0]:.1f}")
     for n in counts:
         h, c = (statistics.median(got[s, n]) for s in servers)
         per = [a / b for a, b in zip(got["helexa", n], got["llama.cpp", n], strict=True)]

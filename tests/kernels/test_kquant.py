@@ -95,13 +95,18 @@ def test_shapes_the_kernel_does_not_take_stay_with_the_callers_op():
     assert kq.pack(torch.randint(0, 16, (8, 64)), torch.ones(8, 8), None) is None  # groups of 8
 
 
-def test_prefill_rows_take_the_tiles_and_decode_rows_the_measured_kind():
+def test_prefill_and_decode_rows_take_their_buckets_measured_kind(monkeypatch):
     w = unpacked("Q4_K", 64, 256, seed=1)
     layer = kq.KQuantLinear(torch.nn.Module(), w)
     layer.prepare(8)
     x = torch.randn(20, 256)
-    torch.testing.assert_close(layer(x, None), kq.tiles(x, w))
-    kind, _ = kq.choice(w, 1)
-    assert kind in kq.KINDS
-    assert np.isclose(float((layer(x[:1], None) - kq.tiles(x[:1], w)).abs().max()), 0,
-                      atol=1e-3)
+    for rows in (1, 20):  # a decode row; a prefill chunk (its own bucket, measured too)
+        kind, threads = kq.choice(w, rows)
+        assert kind in kq.KINDS and (kind != "int8g" or rows <= kq.NATIVE_MAX_ROWS)
+        torch.testing.assert_close(layer(x[:rows], None), kq.run(kind, x[:rows], w, threads),
+                                   rtol=0, atol=0)
+        assert np.isclose(float((layer(x[:rows], None) - kq.tiles(x[:rows], w)).abs().max()),
+                          0, atol=1e-3)
+    assert {c.split(" (")[1] for c in kq.chosen()} >= {"1 row)", "2-8 rows)", "prefill)"}
+    monkeypatch.setenv("HELEXA_CPU_KQUANT", "tile")  # forced: the tiles, whatever the rows
+    torch.testing.assert_close(layer(x, None), kq.tiles(x, w), rtol=0, atol=0)

@@ -13,7 +13,9 @@ every path is tested against (tests/kernels/test_kquant.py states the tolerances
 Which runs a layer's decode rows — the native kernel (plain C, AVX2, AVX2 + VNNI; on one
 thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit weights) or
 torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
-2 to ``NATIVE_MAX_ROWS``), as int8g.py does. Prefill chunks take the tiles.
+2 to ``NATIVE_MAX_ROWS``; more, a prefill chunk, probed at ``PREFILL_PROBE_ROWS``), as
+int8g.py does. Prefill is measured too: dequantising every tile of the weight for each chunk
+cost more than the integer kernel's pass per 8 rows on the 29M qwen3 of bench/engine.py.
 ``HELEXA_CPU_KQUANT`` (``tile``, ``int8g``, ``plain``, ``avx2``, ``vnni``) forces a kind.
 """
 
@@ -29,13 +31,15 @@ import torch
 
 from helexa.kernels.cpu import native as cpu_native
 
-NATIVE_MAX_ROWS = 8  # more rows: a prefill chunk, dequantised tiles and GEMM
+NATIVE_MAX_ROWS = 8  # more rows: a prefill chunk (its own measured bucket)
+PREFILL_PROBE_ROWS = 64  # rows the prefill bucket is measured at
 XBLOCK = 32  # activation values per scale (kquant.c)
 VMAX = 16256.0  # 127 * 128: the activation's 15-bit range, two int8 halves (kquant.c)
 ISAS = {"plain": 1, "avx2": 2, "vnni": 4}  # name -> kquant.c's bit
 KINDS = ("tile", "int8g", *ISAS)
 TILE_BYTES = 4 << 20  # float bytes of one dequantised tile
-_PROBE_ROWS = (1, NATIVE_MAX_ROWS)
+_PROBE_ROWS = (1, NATIVE_MAX_ROWS, PREFILL_PROBE_ROWS)  # per bucket (:func:`bucket`)
+_BUCKETS = ("1 row", f"2-{NATIVE_MAX_ROWS} rows", "prefill")
 _choices: dict[tuple, tuple[str, int]] = {}  # key -> (kind, native threads)
 log = structlog.get_logger(component="kernels")
 
@@ -180,11 +184,12 @@ def _forced() -> str | None:
     return raw
 
 
-def _candidates(w: KqWeight) -> list[str]:
-    """The kinds that can run ``w`` here, tiles first."""
+def _candidates(w: KqWeight, rows: int) -> list[str]:
+    """The kinds that can run ``rows`` rows of ``w`` here, tiles first (int8g.c takes a
+    decode step's few rows only)."""
     out = ["tile"]
     lib = cpu_native.load()
-    if w.bits == 8 and lib is not None:
+    if w.bits == 8 and lib is not None and rows <= NATIVE_MAX_ROWS:
         from helexa.kernels.cpu import int8g
 
         if any(w.group % int8g.ISAS[i][1] == 0 for i in int8g.isas(lib)):
@@ -202,25 +207,27 @@ def run(kind: str, x: torch.Tensor, w: KqWeight, threads: int) -> torch.Tensor:
 
 def linear(x: torch.Tensor, w: KqWeight) -> torch.Tensor:
     """x [M, K] fp32 @ W^T by the kind chosen for this layer's shape and M's bucket."""
-    rows = x.shape[0]
-    if rows > NATIVE_MAX_ROWS:
-        return tiles(x, w)
-    kind, threads = choice(w, rows)
+    kind, threads = choice(w, x.shape[0])
     return run(kind, x, w, threads)
+
+
+def bucket(rows: int) -> int:
+    """The measured bucket of ``rows`` rows: 0 one, 1 up to NATIVE_MAX_ROWS, 2 prefill."""
+    return 0 if rows <= 1 else (1 if rows <= NATIVE_MAX_ROWS else 2)
 
 
 def choice(w: KqWeight, rows: int) -> tuple[str, int]:
     """(kind, native threads) for ``rows`` rows of this layer: forced, else measured once
     per (shape, form, bucket, torch threads)."""
     threads = torch.get_num_threads()
-    cands = _candidates(w)
     forced = _forced()
     if forced is not None:
-        return (forced if forced in cands else "tile"), threads
-    key = (w.shape, w.bits, w.group, w.zeros is not None, rows > 1, threads)
+        return (forced if forced in _candidates(w, rows) else "tile"), threads
+    key = (w.shape, w.bits, w.group, w.zeros is not None, bucket(rows), threads)
     got = _choices.get(key)
     if got is None:  # engine processes call from one thread: no lock
-        got = _choices[key] = _measure(w, cands, _PROBE_ROWS[rows > 1])
+        # the candidates only on a miss: asking the library costs ~5% of a decode step
+        got = _choices[key] = _measure(w, _candidates(w, rows), _PROBE_ROWS[bucket(rows)])
     return got
 
 
@@ -241,9 +248,10 @@ def _measure(w: KqWeight, cands: list[str], rows: int) -> tuple[str, int]:
 
 
 def chosen() -> list[str]:
-    """The kinds measured so far, as 'kind (1 row)' / 'kind (2-8 rows)', for status lines."""
-    seen = sorted({(rows, kind) for (*_, rows, _), (kind, _) in _choices.items()})
-    return [f"{kind} ({'2-8 rows' if rows else '1 row'})" for rows, kind in seen]
+    """The kinds measured so far, as 'kind (1 row)' / 'kind (2-8 rows)' / 'kind (prefill)',
+    for status lines."""
+    seen = sorted({(b, kind) for (*_, b, _), (kind, _) in _choices.items()})
+    return [f"{kind} ({_BUCKETS[b]})" for b, kind in seen]
 
 
 class KQuantLinear:
@@ -269,7 +277,7 @@ class KQuantLinear:
 
     def prepare(self, max_num_seqs: int) -> None:
         """Measure this layer's kernels now, not in the first request's decode step."""
-        for rows in sorted({1, min(max_num_seqs, 2)}):
+        for rows in sorted({1, min(max_num_seqs, 2), PREFILL_PROBE_ROWS}):
             choice(self.w, rows)
 
     def dequantized(self) -> torch.Tensor:
