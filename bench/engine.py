@@ -305,9 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gguf", type=Path, default=None,
                     help="a GGUF file: helexa on it at fp32 and bf16 activations (and on the "
                          "float --model when given), decode tok/s side by side")
+    ap.add_argument("--image", action="store_true",
+                    help="the prefill of a request with one 1024 x 768 image against "
+                         "transformers (bench/vision.py; --model, --threads, --repeats)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.image:
+        import vision  # bench/vision.py, beside this script
+
+        vision.main([*(["--model", str(args.model)] if args.model else []),
+                     "--threads", str(args.threads), "--repeats", str(args.repeats)])
+        return 0
     if args.gguf:
         return bench_gguf(args)
     model_dir = args.model or default_model()

@@ -54,14 +54,14 @@ def image_file(width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--height", type=int, default=768)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = args.model or default_model()
     data = image_file(args.width, args.height)
