@@ -80,29 +80,35 @@ def _compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
-# Sentinels for special-token text inside messages: Supplementary Private Use Area-B,
-# skipping any character a chat already holds.
-_SENTINEL_FIRST = 0x100000
-_SENTINEL_LAST = 0x10FFFD
+# Sentinels for special-token text inside messages: CJK Extension B ideographs, skipping any
+# character a chat already holds. Printable on purpose: a template that renders a mapping
+# with `{{ v }}` writes Python's repr, which would spell a private-use sentinel `\U00100000`
+# and leave it unrestored.
+_SENTINEL_FIRST = 0x20000
+_SENTINEL_LAST = 0x2A6DF
 
 
 def _strings(value: Any) -> list[str]:
-    """Every string inside a message (content, parts, names, tool calls), depth first."""
+    """Every string inside a message (content, parts, names, tool calls), depth first.
+
+    Object keys are strings too: a template renders them (a tool parameter's name, a call
+    argument's key, `arguments|items`), so a caller's key is caller text like any value.
+    """
     if isinstance(value, str):
         return [value]
     if isinstance(value, dict):
-        return [s for v in value.values() for s in _strings(v)]
+        return [s for k, v in value.items() for s in (*_strings(k), *_strings(v))]
     if isinstance(value, (list, tuple)):
         return [s for v in value for s in _strings(v)]
     return []
 
 
 def _replace_strings(value: Any, swap: Any) -> Any:
-    """A copy of `value` with `swap` applied to every string in it."""
+    """A copy of `value` with `swap` applied to every string in it, keys included."""
     if isinstance(value, str):
         return swap(value)
     if isinstance(value, dict):
-        return {k: _replace_strings(v, swap) for k, v in value.items()}
+        return {_replace_strings(k, swap): _replace_strings(v, swap) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_replace_strings(v, swap) for v in value]
     return value
