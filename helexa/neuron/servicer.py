@@ -36,7 +36,7 @@ from helexa.neuron.output_processor import OutputProcessor
 from helexa.neuron.residency import Residency
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
-from helexa.neuron.tokenize_work import tokenize_off_loop
+from helexa.neuron.tokenize_work import TokenizeGate
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.refusal import Refusal
@@ -111,6 +111,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics = metrics
         self.draining = False
         self._open: dict[str, ResidentModel] = {}  # req_id -> model, for every open call
+        self._tokenize_gate = TokenizeGate()
 
     # ------------------------------------------------------------------ Generate, Complete
 
@@ -254,7 +255,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             r = self.residency.serving(request.model)
-            return await tokenize_off_loop(r, request)
+            return await self._tokenize_gate.run(r, request,
+                                                 self.residency.cfg.server.max_tokenize_bytes)
         except Refusal as e:
             await abort(context, e)
 

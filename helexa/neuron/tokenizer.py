@@ -114,8 +114,10 @@ def _replace_strings(value: Any, swap: Any) -> Any:
     return value
 
 
-# Beyond this many characters encode through encode_batch, which releases the GIL while it
-# works (encode holds it: seconds for a megabyte, freezing every other thread's Python).
+# Beyond this many characters encode through encode_batch_fast, which releases the GIL while
+# it works (encode holds it: seconds for a megabyte, freezing every other thread's Python).
+# The fast form (tokenizers >= 0.20) skips offsets: freeing a 7 MB text's Encoding with
+# them held the GIL 2.5 s, without them 0.07 s. The ids are the same.
 _LONG_TEXT_CHARS = 16384
 
 
@@ -136,7 +138,8 @@ def _byte_of_char() -> dict[str, int]:
 
 def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > _LONG_TEXT_CHARS:
-        return tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
+        return batch([text], add_special_tokens=add_special_tokens)[0].ids
     return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
