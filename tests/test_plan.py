@@ -278,3 +278,14 @@ def test_a_models_own_speculation_plans_its_held_rows(tmp_path):
     off = plan_of(tmp_path, body.replace("[[models]]", '[engine]\nspeculation = "ngram"\n'
                                          "[[models]]") + 'speculation = "off"\n')
     assert off.held_bytes == 0  # the entry turns [engine]'s off for this model
+
+
+@pytest.mark.parametrize("kv, says", [
+    ("", 'per principal (kv.prefix_sharing = "principal")'),
+    ('prefix_sharing = "global"\n', 'shared by all principals (kv.prefix_sharing = "global"'),
+    ("prefix_cache = false\n", "off (kv.prefix_cache = false)")])
+def test_plan_says_whose_prefixes_a_request_reuses(tmp_path, capsys, kv, says):
+    path = neuron_toml(tmp_path, f'[kv]\nkv_budget_mb = 1000\n{kv}[[models]]\nid = "d"\n'
+                                 f'config = "{DENSE}"\n')
+    assert helexa_main(["plan", str(path)]) == 0
+    assert f"  prefix cache: {says}" in capsys.readouterr().out

@@ -31,15 +31,18 @@ class ModelLimits:
     output: int
     fixed_bytes_per_request: int = 0  # hybrid models' linear-attention state (per card)
     prefix_cache: bool = True  # off for hybrid models (docs/architecture.md)
+    prefix_sharing: str = "principal"  # kv.prefix_sharing: principal | global
 
     @classmethod
-    def from_plan(cls, plan: object, prefix_cache: bool = True) -> ModelLimits:
+    def from_plan(cls, plan: object, prefix_cache: bool = True,
+                  prefix_sharing: str = "principal") -> ModelLimits:
         """From a helexa.plan.ModelPlan (its context, input, output and fixed_bytes) and
-        whether the prefix cache is configured on."""
+        the prefix cache as configured ([kv] prefix_cache, prefix_sharing)."""
         fixed = int(getattr(plan, "fixed_bytes", 0))
         return cls(context=int(plan.context), input=int(plan.input),  # type: ignore[attr-defined]
                    output=int(plan.output),  # type: ignore[attr-defined]
-                   fixed_bytes_per_request=fixed, prefix_cache=prefix_cache and not fixed)
+                   fixed_bytes_per_request=fixed, prefix_cache=prefix_cache and not fixed,
+                   prefix_sharing=prefix_sharing)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimits) -> None:

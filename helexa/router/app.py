@@ -154,6 +154,7 @@ async def models(request: web.Request) -> web.Response:
     limits = state.registry.ready_limits()
     costs = state.registry.ready_state_costs()
     drafters = state.registry.drafters()
+    sharing = state.registry.prefix_sharing()
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
@@ -162,10 +163,12 @@ async def models(request: web.Request) -> web.Response:
                              "owned_by": "helexa", "limit": limit,
                              "max_model_len": context,  # vLLM's name for the context limit
                              "speculation": drafters.get(target, "off")}
-        fixed, _ = costs.get(target, (0, True))
+        fixed, cache = costs.get(target, (0, True))
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             limit["fixed_bytes_per_request"] = fixed
             e["prefix_cache"] = False  # served without it: see docs/architecture.md
+        elif cache:  # whose cached prefixes a request reuses (kv.prefix_sharing)
+            e["prefix_sharing"] = sharing.get(target, "global")
         if model_id != target:
             e["alias_of"] = target
         return e

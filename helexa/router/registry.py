@@ -364,6 +364,16 @@ class Registry:
                                                                     prev[1] and cache)
         return out
 
+    def prefix_sharing(self) -> dict[str, str]:
+        """Model → whose prefixes a request may reuse: "global" where any healthy neuron
+        serving it shares across principals (or is older than the field), else "principal"."""
+        out: dict[str, str] = {}
+        for link in self.healthy_links():
+            for m in link.status.models if link.status is not None else ():
+                if m.state == pb.MODEL_STATE_READY and out.get(m.model) != "global":
+                    out[m.model] = m.limits.prefix_sharing or "global"
+        return out
+
     def ready_limits(self) -> dict[str, tuple[int, int, int]]:
         """Model → (context, input, output), the smallest among healthy neurons serving it."""
         out: dict[str, tuple[int, int, int]] = {}

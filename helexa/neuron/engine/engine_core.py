@@ -64,6 +64,7 @@ class EngineCore:
         self.runner = runners.target
         self.spec = spec = check_pool(spec, self.runner)
         self.prefix_cache = spec.prefix_cache
+        self.prefix_sharing = spec.prefix_sharing
         self.attention_backend = self.runner.attention_backend
         self.sampler = sampler or Sampler()
         # the runner's own count: on CUDA it sizes the pool by measurement, the plan's as ceiling

@@ -25,7 +25,7 @@ from helexa.budget import check_request, output_budget
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
-from helexa.neuron.engine.prefix_filing import prompt_block_hashes
+from helexa.neuron.engine.prefix_filing import cache_salt, prompt_block_hashes
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import SamplingState
 from helexa.neuron.engine.thinking import ThoughtTracker
@@ -122,7 +122,8 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     if new.thinking is not None:
         req.thought = ThoughtTracker(new.thinking)
     if core.prefix_cache:
-        req.block_hashes = prompt_block_hashes(prompt, core.pool.block_size)
+        req.cache_salt = cache_salt(core.prefix_sharing, new.principal)
+        req.block_hashes = prompt_block_hashes(prompt, core.pool.block_size, req.cache_salt)
     refusal = core.admission.submit(req)
     if refusal is not None:
         core.refuse(req, refusal)

@@ -75,6 +75,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
+    cache_salt: bytes = b""  # its first block's parent (prefix_filing.cache_salt)
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
     sampling_state: SamplingState | None = None  # the sampler's per-request state
     matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
