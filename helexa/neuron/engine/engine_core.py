@@ -89,6 +89,8 @@ class EngineCore:
         self._updates: dict[str, messages.RequestUpdate] = {}
         self.kv_reset_answer = ""  # to this step's ResetKv (intake.reset_kv)
         self.grammars = Grammars(spec.model_dir, self.runner.vocab_size)
+        if spec.model_dir:  # a real checkpoint (the fake runner's tests have none)
+            self.grammars.warm()
 
     # --- the step ----------------------------------------------------------
 
