@@ -172,6 +172,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
+    except GgufError as e:
+        raise PlanError(f"{where('path')}: {e}") from None
     except (KeyError, ValueError, TypeError) as e:
         raise PlanError(f"{where('config')}: {cfg_path}: unreadable model config ({e!r})") from None
     tp, bs = entry.tp, cfg.kv.block_size
