@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
+from helexa.checkpoint.gguf import reader as gguf_reader
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
@@ -148,6 +150,24 @@ def _tokens_each(budget: int, sessions: int, block_bytes: int, block_size: int, 
     return 0 if free <= 0 else (free // block_bytes // sessions) * block_size
 
 
+def _check_layers_present(layers: int, gguf: Path | None, entry: ModelEntry,
+                          config_file: str | Path, where: Callable[[str], str]) -> None:
+    """PlanError when the config asks for more layers than the checkpoint's tensors hold."""
+    from helexa.checkpoint.layers_present import layer_count, safetensors_names
+
+    if entry.path is None:
+        return  # planning from config.json alone: no tensors here
+    try:
+        names = ([t.name for t in gguf_reader(gguf).tensors] if gguf is not None
+                 else safetensors_names(Path(resolve_path(config_file, entry.path))))
+    except (GgufError, ValueError, OSError) as e:
+        raise PlanError(f"{where('path')}: {e}") from None
+    held = layer_count(names)
+    if held is not None and layers > held:
+        raise PlanError(f"{where('path')}: config num_hidden_layers is {layers:,}, but the "
+                        f"checkpoint's tensors hold {held} layers")
+
+
 def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                kv_dtype: str | None = None, device_memory_mb: int | None = None) -> ModelPlan:
     """Plan one catalogue entry; raises PlanError (with the arithmetic) if it cannot work.
@@ -176,6 +196,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         raise PlanError(f"{where('path')}: {e}") from None
     except (KeyError, ValueError, TypeError) as e:
         raise PlanError(f"{where('config')}: {cfg_path}: unreadable model config ({e!r})") from None
+    _check_layers_present(shape.num_layers, gguf, entry, config_file, where)
     tp, bs = entry.tp, cfg.kv.block_size
     if shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
         raise PlanError(f"{where('tp')}: expected a divisor of the {shape.num_heads} attention heads "

@@ -94,3 +94,13 @@ def test_a_billion_layers_fails_at_once_naming_the_field(tiny_model_dir, tmp_pat
         read_model_shape(model / "config.json")
     one_line_error(helexa("config", "check", str(neuron_toml(tmp_path, model))),
                    "num_hidden_layers")
+
+
+def test_more_layers_than_the_tensors_hold_fails_naming_both(tiny_model_dir, tmp_path):
+    model = tmp_path / "deep"
+    shutil.copytree(tiny_model_dir, model)
+    raw = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**raw, "num_hidden_layers": 4000}))
+    one_line_error(helexa("config", "check", str(neuron_toml(tmp_path, model))),
+                   f"num_hidden_layers is 4,000, but the checkpoint's tensors hold "
+                   f"{raw['num_hidden_layers']} layers")
