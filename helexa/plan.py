@@ -32,8 +32,10 @@ from typing import Any
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
+from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
+    format_bytes,
     graph_pool_bytes,
     held_bytes_per_request,
     kv_bytes_per_token,
@@ -143,15 +145,6 @@ def _key(cfg: NeuronConfig, entry: ModelEntry, field: str) -> str:
     return f"models[{i}].{field}" if i is not None else f"models.{entry.id}.{field}"
 
 
-def format_bytes(n: float) -> str:
-    """1536 → '1.5 KiB': a byte figure as `helexa plan` and its errors print it."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n:,.0f} B"
-
-
-
 def _tokens_each(budget: int, sessions: int, block_bytes: int, block_size: int, fixed: int) -> int:
     """Tokens each of `sessions` equal requests can hold: whole blocks after their fixed state."""
     free = budget - sessions * fixed
@@ -184,8 +177,18 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
+    except GgufError as e:
+        raise PlanError(f"{where('path')}: {e}") from None
     except (KeyError, ValueError, TypeError) as e:
         raise PlanError(f"{where('config')}: {cfg_path}: unreadable model config ({e!r})") from None
+    if entry.path is not None:  # tensors to count (planning from config.json alone: none)
+        try:
+            why = missing_layers(shape.num_layers, gguf,
+                                 Path(resolve_path(config_file, entry.path)))
+        except (GgufError, ValueError, OSError) as e:
+            raise PlanError(f"{where('path')}: {e}") from None
+        if why:
+            raise PlanError(f"{where('path')}: {why}")
     tp, bs = entry.tp, cfg.kv.block_size
     if shape.num_heads % tp or (shape.num_kv_heads % tp and tp % shape.num_kv_heads):
         raise PlanError(f"{where('tp')}: expected a divisor of the {shape.num_heads} attention heads "

@@ -307,3 +307,14 @@ def test_a_hybrid_plan_carves_prefix_snapshots_after_its_state_slots(tmp_path):
     off = plan_of(tmp_path, body.format(mb=4713 + 1200).replace(
         "block_size = 16\n", "block_size = 16\nprefix_cache = false\n"))
     assert off.num_snapshot_slots == 0 and state_slots(off, 16)[1] == 16
+
+
+@pytest.mark.parametrize("kv, says", [
+    ("", 'per principal (kv.prefix_sharing = "principal")'),
+    ('prefix_sharing = "global"\n', 'shared by all principals (kv.prefix_sharing = "global"'),
+    ("prefix_cache = false\n", "off (kv.prefix_cache = false)")])
+def test_plan_says_whose_prefixes_a_request_reuses(tmp_path, capsys, kv, says):
+    path = neuron_toml(tmp_path, f'[kv]\nkv_budget_mb = 1000\n{kv}[[models]]\nid = "d"\n'
+                                 f'config = "{DENSE}"\n')
+    assert helexa_main(["plan", str(path)]) == 0
+    assert f"  prefix cache: {says}" in capsys.readouterr().out

@@ -78,12 +78,39 @@ def model_folder(path: str | Path) -> Path:
     return p.parent if p.suffix == GGUF_SUFFIX else p
 
 
+# The fewest bytes one metadata entry (key length + 1 byte of key + type + 1 byte of value)
+# and one tensor record (name length + 1 byte + dims count + 1 dim + type + offset) take.
+_MIN_KV_BYTES, _MIN_TENSOR_BYTES = 8 + 1 + 4 + 1, 8 + 1 + 4 + 8 + 4 + 8
+
+
+def check_header(path: Path) -> None:
+    """Raise GgufError naming the field when the header's counts cannot fit in the file: a
+    corrupt count made the reader allocate and walk for minutes, then die in a traceback."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(24)
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise GgufError(f"{path.name}: not a GGUF file (no GGUF header in its first 24 bytes)")
+    order = "big" if int.from_bytes(head[4:8], "little") & 0xFFFF == 0 else "little"
+    tensors, kvs = (int.from_bytes(head[8:16], order), int.from_bytes(head[16:24], order))
+    for field, count, each in (("tensor_count", tensors, _MIN_TENSOR_BYTES),
+                               ("metadata_kv_count", kvs, _MIN_KV_BYTES)):
+        if 24 + count * each > size:
+            raise GgufError(f"{path.name}: corrupt header: {field} {count:,} cannot fit in a "
+                            f"file of {size:,} bytes")
+
+
 @lru_cache(maxsize=4)
 def reader(path: Path) -> Any:
-    """The file's GGUFReader (memory-mapped: opening reads only the header)."""
+    """The file's GGUFReader (memory-mapped: opening reads only the header); GgufError in
+    one line for a file whose header is corrupt."""
     from gguf import GGUFReader
 
-    return GGUFReader(path)
+    check_header(path)
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # a length or offset past the end, a bad type: the reader's own
+        raise GgufError(f"{path.name}: corrupt GGUF header ({type(e).__name__}: {e})") from None
 
 
 def metadata(path: Path, key: str, default: Any = None) -> Any:

@@ -101,3 +101,11 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     return max_slots * per_row
+
+
+def format_bytes(n: float) -> str:
+    """1536 → '1.5 KiB': a byte figure as `helexa plan` and its errors print it."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"

@@ -76,7 +76,7 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
     """
     raw = config_json if isinstance(config_json, dict) else json.loads(Path(config_json).read_text())
     c = {**raw, **raw.get("text_config", {})}
-    layers = int(c["num_hidden_layers"])
+    layers = _layer_count(c["num_hidden_layers"])
     heads = int(c["num_attention_heads"])
     kv_heads = int(c.get("num_key_value_heads") or heads)
     hidden = int(c["hidden_size"])
@@ -115,6 +115,20 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
     )
     sharded, replicated = param_split(shape, tp=1)
     return _replace(shape, param_count=sharded + replicated)
+
+
+# Far past any published model (the largest have a few hundred): a config.json asking for
+# more is corrupt or hostile, and planning or building it took minutes and gigabytes.
+MAX_LAYERS = 4096
+
+
+def _layer_count(value: Any) -> int:
+    """config.json's num_hidden_layers as a count; ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 1 <= value <= MAX_LAYERS or value != int(value):
+        raise ValueError(f"config.json num_hidden_layers: expected a whole number from 1 to "
+                         f"{MAX_LAYERS}, got {value!r}")
+    return int(value)
 
 
 def _replace(shape: ModelShape, **kw: Any) -> ModelShape:

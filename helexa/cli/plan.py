@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from helexa.checkpoint.memory import kv_heads_per_card
-from helexa.config.schema import AdmissionConfig, ConfigError, load_neuron_config
-from helexa.plan import ModelPlan, PlanError, format_bytes, plan_model
+from helexa.checkpoint.memory import format_bytes, kv_heads_per_card
+from helexa.config.schema import AdmissionConfig, ConfigError, KvConfig, load_neuron_config
+from helexa.plan import ModelPlan, PlanError, plan_model
 
 
 def _count(n: int) -> str:
@@ -80,6 +80,16 @@ def admission_line(adm: AdmissionConfig) -> str:
             f"key): {rule}")
 
 
+def prefix_cache_line(kv: KvConfig) -> str:
+    """Whether prompts reuse cached prefixes, and whose (kv.prefix_sharing)."""
+    if not kv.prefix_cache:
+        return "  prefix cache: off (kv.prefix_cache = false)"
+    if kv.prefix_sharing == "global":
+        return ("  prefix cache: shared by all principals (kv.prefix_sharing = \"global\": a "
+                "caller's cached_tokens shows whether others sent the same prefix)")
+    return "  prefix cache: per principal (kv.prefix_sharing = \"principal\")"
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="helexa plan", description=(
         "Print each model's memory per card and the context its KV pool buys, from the "
@@ -98,6 +108,7 @@ def main(argv: list[str]) -> int:
             status = 2
             continue
         print(admission_line(cfg.admission))
+        print(prefix_cache_line(cfg.kv))
         for entry in cfg.models:
             try:
                 print(format_plan(plan_model(cfg, entry, path, kv_dtype=args.kv_dtype)))

@@ -44,6 +44,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Deadline of a request that brings none of its own.", RELOAD, gt=0)] = 600.0
     heartbeat_secs: Annotated[float, field_meta(
         "Longest gap between Watch messages when nothing changes.", RELOAD, gt=0)] = 2.0
+    max_tokenize_bytes: Annotated[int, field_meta(
+        "Largest Tokenize call (/tokenize, /detokenize, count_tokens) in bytes of text, "
+        "messages and tools; beyond it 400 naming this key.", RELOAD, ge=1)] = 4 * 1024 * 1024
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -88,6 +91,11 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "Hybrid models: a prefix snapshot every this many tokens inside a long prompt (rounded"
         " down to whole blocks), besides the prompt's end and the reply's.", RESTART,
         ge=1)] = 4096
+    prefix_sharing: Annotated[Literal["principal", "global"], field_meta(
+        "Whose cached prefixes a request may reuse: principal = only its own principal's "
+        "(the router's API key; anonymous callers are one principal), global = anyone's. "
+        "global reveals to every caller, through usage.cached_tokens and timing, whether "
+        "another caller sent the same prompt prefix (docs/architecture.md).", RESTART)] = "principal"
 
     def __post_init__(self) -> None:
         if not _power_of_two(self.block_size):

@@ -31,17 +31,20 @@ class ModelLimits:
     output: int
     fixed_bytes_per_request: int = 0  # hybrid models' linear-attention state (per card)
     prefix_cache: bool = True  # hybrid models: only with snapshot slots (docs/architecture.md)
+    prefix_sharing: str = "principal"  # kv.prefix_sharing: principal | global
 
     @classmethod
-    def from_plan(cls, plan: object, prefix_cache: bool = True) -> ModelLimits:
+    def from_plan(cls, plan: object, prefix_cache: bool = True,
+                  prefix_sharing: str = "principal") -> ModelLimits:
         """From a helexa.plan.ModelPlan (its context, input, output, fixed_bytes and snapshot
-        slots) and whether the prefix cache is configured on."""
+        slots) and the prefix cache as configured ([kv] prefix_cache, prefix_sharing)."""
         fixed = int(getattr(plan, "fixed_bytes", 0))
         snapshots = int(getattr(plan, "num_snapshot_slots", 0))
         return cls(context=int(plan.context), input=int(plan.input),  # type: ignore[attr-defined]
                    output=int(plan.output),  # type: ignore[attr-defined]
                    fixed_bytes_per_request=fixed,
-                   prefix_cache=prefix_cache and (not fixed or snapshots > 0))
+                   prefix_cache=prefix_cache and (not fixed or snapshots > 0),
+                   prefix_sharing=prefix_sharing)
 
 
 def check_context(prompt_tokens: int, max_tokens: int | None, limits: ModelLimits) -> None:

@@ -158,7 +158,8 @@ class Residency:
             r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype,
                                 device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
-            r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache)
+            r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache,
+                                              self.cfg.kv.prefix_sharing)
             r.admission = effective_limits(self.cfg, r.profile, entry)
             if entry.path is None:
                 raise RuntimeError("no checkpoint folder (`path`) on this neuron; "
@@ -364,7 +365,8 @@ class Residency:
                 raise Refusal("invalid_request_error",
                               f"kv_dtype: the engine could not re-plan its pool: {e}") from e
             r.plan, r.kv_dtype, r.limits = (plan, plan.kv_dtype,
-                                             ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache))
+                                             ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache,
+                                                                   self.cfg.kv.prefix_sharing))
         finally:
             r.client.stop_admitting(False)
             if r.state == ModelState.SWITCHING:

@@ -36,6 +36,7 @@ from helexa.neuron.output_processor import OutputProcessor
 from helexa.neuron.residency import Residency
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
+from helexa.neuron.tokenize_work import TokenizeGate
 from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
@@ -113,6 +114,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics = metrics
         self.draining = False
         self._open: dict[str, ResidentModel] = {}  # req_id -> model, for every open call
+        self._tokenize_gate = TokenizeGate()
 
     # ------------------------------------------------------------------ Generate, Complete
 
@@ -257,32 +259,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             r = self.residency.serving(request.model)
-            out = pb.TokenizeResponse(max_model_len=r.limits.context if r.limits else 0)
-            which = request.WhichOneof("input")
-            if which == "token_ids":
-                ids = list(request.token_ids.ids)
-                bad = next((i for i in ids if not 0 <= i < r.tokenizer.vocab_size), None)
-                if bad is not None:
-                    raise Refusal("invalid_request_error",
-                                  f"tokens: token id {bad} is outside the vocabulary")
-                out.text = r.tokenizer.decode(ids)
-            elif which == "chat":
-                msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
-                try:
-                    ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt, **kwargs)
-                    out.token_ids.extend(await asyncio.to_thread(
-                        lambda: with_images(r.tokenizer, request, list(ids))[0]))
-                except Refusal:
-                    raise
-                except Exception as e:
-                    raise Refusal("invalid_request_error",
-                                  f"messages: the model's chat template failed: {e}") from None
-            else:
-                out.token_ids.extend(r.tokenizer.encode(request.text,
-                                                        request.add_special_tokens))
+            return await self._tokenize_gate.run(r, request,
+                                                 self.residency.cfg.server.max_tokenize_bytes)
         except Refusal as e:
             await abort(context, e)
-        return out
 
     # ------------------------------------------------------------------ operations
 

@@ -53,7 +53,8 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
         m.limits.CopyFrom(pb.ModelLimits(context=r.limits.context, input=r.limits.input,
                                          output=r.limits.output,
                                          fixed_bytes_per_request=r.limits.fixed_bytes_per_request,
-                                         prefix_cache=r.limits.prefix_cache))
+                                         prefix_cache=r.limits.prefix_cache,
+                                         prefix_sharing=r.limits.prefix_sharing))
     return m
 
 

@@ -290,18 +290,20 @@ class AdmissionLimits(_message.Message):
     def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ..., default_output_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
-    __slots__ = ("context", "input", "output", "fixed_bytes_per_request", "prefix_cache")
+    __slots__ = ("context", "input", "output", "fixed_bytes_per_request", "prefix_cache", "prefix_sharing")
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     FIXED_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_SHARING_FIELD_NUMBER: _ClassVar[int]
     context: int
     input: int
     output: int
     fixed_bytes_per_request: int
     prefix_cache: bool
-    def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...
+    prefix_sharing: str
+    def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_sharing: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser", "drafter", "spec_drafted_tokens", "spec_accepted_tokens", "vision")
@@ -468,7 +470,7 @@ class HealthResponse(_message.Message):
     def __init__(self, status: _Optional[str] = ..., neuron: _Optional[str] = ..., version: _Optional[str] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("model", "chat", "text", "token_ids", "add_special_tokens", "add_generation_prompt", "reasoning_effort")
+    __slots__ = ("model", "chat", "text", "token_ids", "add_special_tokens", "add_generation_prompt", "reasoning_effort", "principal")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +478,7 @@ class TokenizeRequest(_message.Message):
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
+    PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     model: str
     chat: Chat
     text: str
@@ -483,7 +486,8 @@ class TokenizeRequest(_message.Message):
     add_special_tokens: bool
     add_generation_prompt: bool
     reasoning_effort: str
-    def __init__(self, model: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ...) -> None: ...
+    principal: str
+    def __init__(self, model: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., reasoning_effort: _Optional[str] = ..., principal: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "text", "max_model_len")

@@ -31,7 +31,7 @@ from helexa.config.schema import (
     resolve_path,
 )
 from helexa.log import get_logger, setup_logging
-from helexa.router import images, serve, tokenize
+from helexa.router import fleet_view, images, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -161,10 +161,11 @@ def _api_of(request: web.Request) -> str:
 async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
     state.auth.principal(serve.authorization(request))  # 401 when auth is required
-    limits = state.registry.ready_limits()
-    costs = state.registry.ready_state_costs()
-    drafters = state.registry.drafters()
+    limits = fleet_view.ready_limits(state.registry)
+    costs = fleet_view.ready_state_costs(state.registry)
+    drafters = fleet_view.drafters(state.registry)
     seeing = images.models_taking_images(state.registry)
+    sharing = fleet_view.prefix_sharing(state.registry)
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
@@ -179,6 +180,8 @@ async def models(request: web.Request) -> web.Response:
         if fixed:  # hybrid models: state reserved per request beside the KV tokens
             limit["fixed_bytes_per_request"] = fixed
             e["prefix_cache"] = cache  # on with state snapshots: see docs/architecture.md
+        if cache:  # whose cached prefixes a request reuses (kv.prefix_sharing)
+            e["prefix_sharing"] = sharing.get(target, "global")
         if model_id != target:
             e["alias_of"] = target
         return e

@@ -46,7 +46,8 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeResponse:
     state = request.app[STATE]
-    state.auth.principal(authorization(request))  # 401 when auth is required
+    principal = state.auth.principal(authorization(request))  # 401 when auth is required
+    treq.principal = "" if principal == "anonymous" else principal  # the neuron's caps
     treq.model = state.aliases.resolve(treq.model)
     candidates = state.registry.candidates(treq.model)
     if not candidates:

@@ -92,7 +92,10 @@ def test_models_lists_models_and_aliases_with_smallest_limits(fl):
     fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "context", 1000), fl.n2.changed()))
     fl.lt.call(lambda: (setattr(fl.n1.models["tiny"], "drafter", "ngram"), fl.n1.changed()))
     fl.lt.call(lambda: (setattr(fl.n2.models["tiny"], "drafter", "ngram"), fl.n2.changed()))
-    limits, drafters = fl.state.registry.ready_limits, fl.state.registry.drafters
+    from helexa.router import fleet_view
+
+    reg = fl.state.registry
+    limits, drafters = (lambda: fleet_view.ready_limits(reg)), (lambda: fleet_view.drafters(reg))
     end = time.monotonic() + 5.0  # until the router has the reports, not a fixed nap
     while (fl.lt.call(limits).get("tiny", (0,))[0] != 1000
            or fl.lt.call(drafters).get("tiny") != "ngram"):

@@ -139,7 +139,9 @@ class NeuronClient:
     """An async gRPC client of one neuron (make one per event loop)."""
 
     def __init__(self, address: str, token: str) -> None:
-        self.channel = grpc.aio.insecure_channel(address)
+        # the router's links' receive limit: a big tokenize answer is megabytes of ids
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)])
         self.stub = neuron_pb2_grpc.NeuronStub(self.channel)
         self.md = bearer(token)
 

@@ -87,9 +87,14 @@ def _digest(parent: bytes, tokens: bytes) -> bytes:
     return hashlib.sha256(parent + tokens).digest()
 
 
-def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int]) -> BlockKey:
-    """Chain key of one full block: its digest depends on every token before it, too."""
-    parent_digest = parent.digest if parent is not None else b""
+def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int],
+                      salt: bytes = b"") -> BlockKey:
+    """Chain key of one full block: its digest depends on every token before it, too.
+
+    `salt` stands in for the parent of a first block (prefix_filing.cache_salt): chains
+    of different salts share no key, so their blocks are never found by each other.
+    """
+    parent_digest = parent.digest if parent is not None else salt
     tokens = array("q", token_ids).tobytes()
     return BlockKey(_digest(parent_digest, tokens), parent_digest, tokens)
 

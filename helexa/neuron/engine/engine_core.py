@@ -64,6 +64,7 @@ class EngineCore:
         self.runner = runners.target
         self.spec = spec = check_pool(spec, self.runner)
         self.prefix_cache = spec.prefix_cache
+        self.prefix_sharing = spec.prefix_sharing
         self.attention_backend = self.runner.attention_backend
         self.sampler = sampler or Sampler()
         # the runner's own count: on CUDA it sizes the pool by measurement, the plan's as ceiling
@@ -91,6 +92,8 @@ class EngineCore:
         self._updates: dict[str, messages.RequestUpdate] = {}
         self.kv_reset_answer = ""  # to this step's ResetKv (intake.reset_kv)
         self.grammars = Grammars(spec.model_dir, self.runner.vocab_size)
+        if spec.model_dir:  # a real checkpoint (the fake runner's tests have none)
+            self.grammars.warm()
 
     # --- the step ----------------------------------------------------------
 

@@ -41,6 +41,22 @@ class Grammars:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._pool: ThreadPoolExecutor | None = None
+        self.warmed = False  # warm() built the tokenizer view and one matcher's mask
+        self.unavailable = ""  # why this engine cannot run grammars, when warm() found out
+
+    def warm(self) -> None:
+        """Do the grammar library's start-up now, at model load: the tokenizer view (seconds
+        for a large vocabulary) and one matcher and mask. Done lazily, the first constrained
+        request paid it inside an engine step, and every running stream stalled 3-6 s."""
+        from helexa.grammar import Constraint, grammar_text
+
+        try:
+            m = self.matcher(grammar_text(Constraint(kind="json_object", source="")))
+        except Exception as e:  # a load still serves free text; constrained requests
+            self.unavailable = str(e)  # are refused with the same message when they come
+            return
+        self.start([m]).result()
+        self.warmed = True
 
     def _ensure(self) -> None:
         if self._tokenizer is not None:

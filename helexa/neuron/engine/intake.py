@@ -27,7 +27,7 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
 from helexa.neuron.engine.images import PromptImages, check_images
-from helexa.neuron.engine.prefix_filing import prompt_block_hashes
+from helexa.neuron.engine.prefix_filing import cache_salt, prompt_block_hashes
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.sampler import SamplingState
 from helexa.neuron.engine.thinking import ThoughtTracker
@@ -130,8 +130,10 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     if new.thinking is not None:
         req.thought = ThoughtTracker(new.thinking)
     if core.prefix_cache:
+        req.cache_salt = cache_salt(core.prefix_sharing, new.principal)
         req.block_hashes = prompt_block_hashes(
-            prompt if req.images is None else req.images.hash_ids(prompt), core.pool.block_size)
+            prompt if req.images is None else req.images.hash_ids(prompt), core.pool.block_size,
+            req.cache_salt)
     refusal = core.admission.submit(req)
     if refusal is not None:
         core.refuse(req, refusal)

@@ -8,20 +8,34 @@ looks them up to reuse cached blocks); its blocks are filed as the steps
 complete them, prompt and output alike, so a later request sharing the
 prefix finds them. The pool decides what a filed block becomes once its
 request ends (cached, reclaimable); filing never moves a block.
+
+Under kv.prefix_sharing = "principal" (the default) every chain starts from a
+salt of its principal, so one principal's blocks are never found by another:
+a hit, and usage.cached_tokens, would tell B that A sent the same prefix (a
+block-by-block oracle on other tenants' prompts). "global" has no salt.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
 from helexa.neuron.engine.request import Request
 
 
-def prompt_block_hashes(prompt: list[int], block_size: int) -> list[BlockKey]:
-    """The chain keys of a prompt's full blocks."""
+def cache_salt(prefix_sharing: str, principal: str) -> bytes:
+    """The parent digest of a request's first block: its principal's, or none (global)."""
+    if prefix_sharing == "global":
+        return b""
+    return hashlib.sha256(b"helexa-principal\0" + principal.encode()).digest()
+
+
+def prompt_block_hashes(prompt: list[int], block_size: int, salt: bytes = b"") -> list[BlockKey]:
+    """The chain keys of a prompt's full blocks, the first chained to `salt`."""
     hashes: list[BlockKey] = []
     parent = None
     for i in range(len(prompt) // block_size):
-        parent = hash_block_tokens(parent, prompt[i * block_size:(i + 1) * block_size])
+        parent = hash_block_tokens(parent, prompt[i * block_size:(i + 1) * block_size], salt)
         hashes.append(parent)
     return hashes
 
@@ -33,6 +47,7 @@ def file_full_blocks(pool: BlockPool, req: Request) -> None:
     for i in range(start, req.num_computed_tokens // bs):
         if i >= len(req.block_hashes):
             parent = req.block_hashes[i - 1] if i else None
-            req.block_hashes.append(hash_block_tokens(parent, req.hash_slice(i * bs, (i + 1) * bs)))
+            req.block_hashes.append(hash_block_tokens(parent, req.hash_slice(i * bs, (i + 1) * bs),
+                                                      req.cache_salt))
         pool.register(req.block_table[i], req.block_hashes[i])
         req.num_filed_blocks = i + 1

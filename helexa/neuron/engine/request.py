@@ -76,6 +76,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
+    cache_salt: bytes = b""  # its first block's parent (prefix_filing.cache_salt)
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index
     # Hybrid models' prefix snapshots (snapshots.py): (slot, position) this step copies out,
     # and its latest end-of-generation snapshot (slot, the key it is filed under).

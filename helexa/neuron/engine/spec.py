@@ -55,6 +55,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     context: int  # most prompt + output tokens of one request
     max_output_tokens: int | None = None  # advertised output cap (None = context - 1)
     prefix_cache: bool = True  # hybrid models: only with snapshot slots (see check_pool)
+    prefix_sharing: str = "principal"  # kv.prefix_sharing: principal | global
     # Hybrid models: per-request linear-attention state slots and their bytes per card
     # (helexa.plan's fixed_bytes); 0 = plan did not say (the runner's own figure is used).
     num_state_slots: int = 0

@@ -43,5 +43,7 @@ def test_version_models_max_model_len_and_a_404_naming_the_path(router):
     assert httpx2.get(router.url + "/version").json() == {"version": __version__}
     models = httpx2.get(router.url + "/v1/models", headers=AUTH).json()["data"]
     assert all(m["max_model_len"] == m["limit"]["context"] for m in models)
+    # kv.prefix_sharing's default: a key's cached prefixes are its own
+    assert {m["id"]: m.get("prefix_sharing") for m in models}["tiny"] == "principal"
     r = httpx2.post(router.url + "/v1/chat/completion", headers=AUTH, json={})
     assert r.status_code == 404 and "/v1/chat/completion" in r.json()["error"]["message"]

@@ -196,3 +196,14 @@ def test_thinking_budget_holds_with_speculation(tiny, budget):
     assert final["t"].reasoning_tokens == want_final["t"].reasoning_tokens <= budget
     assert core.speculator.accepted_tokens > 0
     assert_whole(core)
+
+
+def test_the_grammar_library_starts_at_model_load_not_at_the_first_request(tiny, tmp_path):
+    core = core_for(tiny[0], fake=True)
+    # the tokenizer view and a first mask are built: the first constrained request only
+    # makes its matcher (under a millisecond), no stall for the streams beside it
+    assert core.grammars.warmed and core.grammars._tokenizer is not None
+    bare = tmp_path / "bare"  # a checkpoint without tokenizer.json still loads
+    bare.mkdir()
+    core = core_for(bare, fake=True)
+    assert not core.grammars.warmed and "tokenizer.json" in core.grammars.unavailable

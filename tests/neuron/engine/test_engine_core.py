@@ -333,7 +333,7 @@ def test_pinned_prefix_cannot_be_evicted_before_its_prefill():
     # b reuses a's cached blocks; c's reservation must not take them while b waits for a row
     core = make_core(num_blocks=9, prefix_cache=True, max_slots=1, max_in_flight=3)
     prompt = list(range(20, 29))  # 9 tokens: 2 full blocks
-    drive(core, m.ToEngine(new=[new("a", prompt, 3)]))
+    drive(core, m.ToEngine(new=[new("a", prompt, 3, principal="b")]))  # b's own prefix
     assert core.pool.num_cached_blocks == 2
     out = core.step(m.ToEngine(new=[new("x", [1, 2, 3], 9, principal="x"),
                                      new("b", prompt + [5], 2, principal="b"),

@@ -1,0 +1,62 @@
+"""What /v1/models says of each model, summed over the healthy neurons that serve it READY.
+
+Each function reads the registry's last reports (helexa/router/registry.py) and folds the
+neurons' figures into the one a client can rely on: the smallest limits, the largest
+per-request state, the prefix cache only where every neuron has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.router.registry import Registry
+
+
+def _ready(registry: Registry) -> Iterator[pb.ModelStatus]:
+    for link in registry.healthy_links():
+        for m in link.status.models if link.status is not None else ():
+            if m.state == pb.MODEL_STATE_READY:
+                yield m
+
+
+def ready_limits(registry: Registry) -> dict[str, tuple[int, int, int]]:
+    """Model → (context, input, output), the smallest among healthy neurons serving it."""
+    out: dict[str, tuple[int, int, int]] = {}
+    for m in _ready(registry):
+        lim = (m.limits.context, m.limits.input, m.limits.output)
+        prev = out.get(m.model)
+        out[m.model] = lim if prev is None else (
+            min(prev[0], lim[0]), min(prev[1], lim[1]), min(prev[2], lim[2]))
+    return out
+
+
+def ready_state_costs(registry: Registry) -> dict[str, tuple[int, bool]]:
+    """Model → (fixed bytes per request, prefix cache on): the largest figure, and on only
+    where every neuron serving it has it on."""
+    out: dict[str, tuple[int, bool]] = {}
+    for m in _ready(registry):
+        fixed, cache = m.limits.fixed_bytes_per_request, m.limits.prefix_cache
+        prev = out.get(m.model)
+        out[m.model] = (fixed, cache) if prev is None else (max(prev[0], fixed),
+                                                            prev[1] and cache)
+    return out
+
+
+def prefix_sharing(registry: Registry) -> dict[str, str]:
+    """Model → whose prefixes a request may reuse: "global" where any neuron serving it
+    shares across principals (or is older than the field), else "principal"."""
+    out: dict[str, str] = {}
+    for m in _ready(registry):
+        if out.get(m.model) != "global":
+            out[m.model] = m.limits.prefix_sharing or "global"
+    return out
+
+
+def drafters(registry: Registry) -> dict[str, str]:
+    """Model → the speculative drafter its ready neurons run (docs/speculation.md); "off"
+    when none does, names joined with "," when neurons differ."""
+    seen: dict[str, set[str]] = {}
+    for m in _ready(registry):
+        seen.setdefault(m.model, set()).add(m.drafter or "off")
+    return {k: ",".join(sorted(v)) for k, v in seen.items()}

@@ -1,0 +1,90 @@
+"""Tokenize on a real daemon: a 7 MB call runs off the loop (Watch and a bystander
+stream keep flowing while it tokenizes), and a call over server.max_tokenize_bytes is
+refused at once with a message naming the key."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole
+
+from helexa.proto import neuron_pb2 as pb
+
+BIG_TEXT = ("The quick brown fox jumps over the lazy dog, 12345 times. " * 130_000)[:7_000_000]
+
+
+@pytest.fixture(scope="module")
+def neuron_roomy(start_daemon: Callable[..., NeuronProcess], tiny_model_dir: Path) -> NeuronProcess:
+    return start_daemon("roomytok", {
+        "server": {"name": "roomytok", "listen": "127.0.0.1:0", "token_file": "token",
+                   "max_tokenize_bytes": 16 * 1024 * 1024},
+        "engine": {"torch_threads": 1, "max_slots": 4},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+    })
+
+
+def gaps(stamps: list[float]) -> float:
+    return max((b - a for a, b in zip(stamps, stamps[1:], strict=False)), default=0.0)
+
+
+async def watch_and_stream_during_big_tokenize(address: str, token: str
+                                               ) -> tuple[int, float, float, int]:
+    """(tokens counted, longest Watch gap, longest bystander token gap, bystander tokens)."""
+    async with NeuronClient(address, token) as c:
+        watch = c.stub.Watch(pb.WatchRequest(heartbeat_ms=200), metadata=c.md)
+        beats: list[float] = []
+        tokens: list[float] = []
+        first = asyncio.Event()
+
+        async def beat() -> None:
+            async for _ in watch:
+                beats.append(time.monotonic())
+                first.set()
+
+        async def bystander() -> None:
+            req = chat_request("bystander", principal="bob", max_tokens=200, ignore_eos=True)
+            async for r in c.stub.Generate(req, metadata=c.md):
+                tokens.extend(time.monotonic() for _ in r.token_ids)
+
+        beating = asyncio.create_task(beat())
+        await first.wait()
+        streaming = asyncio.create_task(bystander())
+        out = await c.stub.Tokenize(pb.TokenizeRequest(model="tiny", text=BIG_TEXT,
+                                                       principal="mallory"), metadata=c.md)
+        beats.append(time.monotonic())
+        await streaming
+        watch.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        await c.watch_until(ledger_whole)
+    return len(out.token_ids), gaps(beats), gaps(tokens), len(tokens)
+
+
+def test_watch_and_a_bystander_stream_flow_while_7_mb_tokenizes(
+        neuron_roomy: NeuronProcess, neuron_token: str) -> None:
+    counted, watch_gap, token_gap, streamed = asyncio.run(
+        watch_and_stream_during_big_tokenize(neuron_roomy.address, neuron_token))
+    assert counted > 1_000_000
+    assert watch_gap < 1.0, f"Watch went {watch_gap:.2f} s without a message"
+    assert streamed == 200 and token_gap < 1.0, f"bystander gap {token_gap:.2f} s"
+
+
+def test_a_call_over_max_tokenize_bytes_is_refused_naming_the_key(
+        neuron_main: NeuronProcess, neuron_token: str) -> None:
+    async def call() -> grpc.aio.AioRpcError:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            try:
+                await c.stub.Tokenize(pb.TokenizeRequest(model="tiny", text="x" * 5_000_000),
+                                      metadata=c.md, timeout=2)
+            except grpc.aio.AioRpcError as e:
+                return e
+        raise AssertionError("a 5 MB call was tokenized under a 4 MiB cap")
+
+    e = asyncio.run(call())
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "server.max_tokenize_bytes" in (e.details() or "") and "5000" in (e.details() or "")
