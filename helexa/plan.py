@@ -39,6 +39,7 @@ from helexa.checkpoint.memory import (
     kv_bytes_per_token,
     weight_bytes_per_card,
 )
+from helexa.checkpoint.mmproj import find_mmproj
 from helexa.checkpoint.shape import (
     ELT_BYTES,
     ModelShape,
@@ -46,7 +47,6 @@ from helexa.checkpoint.shape import (
     max_positions,
     read_model_shape,
 )
-from helexa.checkpoint.mmproj import find_mmproj
 from helexa.checkpoint.vision_shape import max_image_patches, tower_loads
 from helexa.checkpoint.weights import checkpoint_quantization, quantized_weight_bytes_per_card
 from helexa.config.schema import (
