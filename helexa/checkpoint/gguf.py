@@ -1,7 +1,8 @@
 """GGUF checkpoints (torch-free): where the file is, its metadata, and the model's config.
 
 A model ``path`` may be a ``.gguf`` file or a folder holding exactly one (and no
-safetensors). Hugging Face files beside it win: ``config.json`` over the GGUF
+safetensors; llama.cpp's ``mmproj*.gguf`` vision tower beside it is not the model, it
+adds the tower to the config: mmproj.py). Hugging Face files beside it win: ``config.json`` over the GGUF
 metadata, ``tokenizer.json`` over ``tokenizer.ggml.*`` (docs/quantization.md).
 Which op each tensor runs on, and its bytes, is gguf_layout.py (it reads this
 module, never the other way round); the neuron's loading is helexa/neuron/formats/gguf/.
