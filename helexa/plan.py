@@ -41,6 +41,7 @@ from helexa.checkpoint.memory import (
     kv_bytes_per_token,
     weight_bytes_per_card,
 )
+from helexa.checkpoint.mmproj import find_mmproj
 from helexa.checkpoint.shape import (
     ELT_BYTES,
     ModelShape,
@@ -169,11 +170,16 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             gguf = find_gguf(resolve_path(config_file, entry.path))
         except GgufError as e:
             raise PlanError(f"{where('path')}: {e}") from None
+    mmproj = None  # a GGUF model's vision tower: llama.cpp's mmproj file beside it
     try:
         raw = read_config(gguf) if gguf is not None else json.loads(cfg_path.read_text())
+        mmproj = find_mmproj(gguf) if gguf is not None else None
         shape = read_model_shape(raw)
-        if shape.vision is not None and (gguf is not None or not tower_loads(cfg_path.parent)):
+        text_only = mmproj is None if gguf is not None else not tower_loads(cfg_path.parent)
+        if shape.vision is not None and text_only:
             shape = replace(shape, vision=None)  # it loads text only: no tower to hold
+    except GgufError as e:  # an mmproj that does not fit names its file and field
+        raise PlanError(f"{where('path')}: {e}") from None
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
@@ -226,9 +232,12 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         split, whole = shape.vision.param_split(tp)
         elt = ELT_BYTES[dtype_name(float_dtype)]
         tower = (math.ceil(split / tp) + whole) * elt
-        weight_dtype += f"; vision tower {format_bytes(tower)}"
+        if mmproj is not None:  # not in the GGUF's bytes above: loaded float from its file
+            weights += tower
+        weight_dtype += f"; vision tower {format_bytes(tower)}" + (
+            f" from {mmproj.name}" if mmproj is not None else "")
         encoder = shape.vision.encoder_activation_bytes(
-            max_image_patches(cfg_path.parent, shape.vision), tp, elt)
+            max_image_patches(gguf or cfg_path.parent, shape.vision), tp, elt)
     specs = speculations(cfg, entry)
     # Pool layers for the MTP head where some speculation drafts with it (nothing to pay
     # for otherwise: speculation = "mtp" is then refused at runtime).

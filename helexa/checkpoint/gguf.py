@@ -1,7 +1,8 @@
 """GGUF checkpoints (torch-free): where the file is, its metadata, and the model's config.
 
 A model ``path`` may be a ``.gguf`` file or a folder holding exactly one (and no
-safetensors). Hugging Face files beside it win: ``config.json`` over the GGUF
+safetensors; llama.cpp's ``mmproj*.gguf`` vision tower beside it is not the model, it
+adds the tower to the config: mmproj.py). Hugging Face files beside it win: ``config.json`` over the GGUF
 metadata, ``tokenizer.json`` over ``tokenizer.ggml.*`` (docs/quantization.md).
 Which op each tensor runs on, and its bytes, is gguf_layout.py (it reads this
 module, never the other way round); the neuron's loading is helexa/neuron/formats/gguf/.
@@ -12,7 +13,8 @@ The hybrid and MoE families (llama.cpp's ``qwen3moe``, ``qwen3next``, ``qwen35``
 ``ssm.state_size`` = key head dim, ``ssm.inner_size`` = value heads x value head dim,
 ``ssm.conv_kernel``; ``rope.dimension_count`` the rotated dims of a head (partial
 rotary); ``expert_count``, ``expert_used_count``, ``expert_feed_forward_length``,
-``expert_shared_feed_forward_length`` the experts.
+``expert_shared_feed_forward_length`` the experts; ``rope.dimension_sections`` M-RoPE's
+sections (what image tokens rotate by, with the mmproj's tower: mmproj.py).
 """
 
 from __future__ import annotations
@@ -49,10 +51,14 @@ def find_gguf(path: str | Path) -> Path | None:
     if p.suffix == GGUF_SUFFIX:
         if not p.is_file():
             raise GgufError(f"{p}: no such GGUF file")
+        if p.name.startswith("mmproj"):
+            raise GgufError(f"{p}: an mmproj file holds a vision tower, not a model: give the "
+                            "model's GGUF (the mmproj beside it loads with it)")
         return p
     if not p.is_dir() or any(p.glob("*.safetensors")):
         return None
-    found = sorted(p.glob(f"*{GGUF_SUFFIX}"))
+    # a vision tower's mmproj*.gguf beside the model is not the model (mmproj.py)
+    found = sorted(f for f in p.glob(f"*{GGUF_SUFFIX}") if not f.name.startswith("mmproj"))
     if len(found) > 1:
         raise GgufError(f"{p}: {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
                         "give the model's path as the one to serve")
@@ -134,14 +140,20 @@ def type_summary(path: Path) -> str:
 
 def read_config(path: str | Path) -> dict[str, Any]:
     """The model's config.json dict: the HF file beside the GGUF when there is one,
-    else built from the GGUF metadata."""
+    else built from the GGUF metadata; with an mmproj beside a GGUF model, the
+    multimodal wrapper's, its tower from the mmproj (mmproj.py)."""
+    from helexa.checkpoint.mmproj import find_mmproj, with_tower
+
     beside = model_folder(path) / "config.json"
-    if beside.is_file():
-        return json.loads(beside.read_text())
     gguf = find_gguf(path)
-    if gguf is None:
+    if beside.is_file():
+        raw = json.loads(beside.read_text())
+    elif gguf is None:
         raise GgufError(f"{path}: no config.json and no GGUF file")
-    return config_from_metadata(gguf)
+    else:
+        raw = config_from_metadata(gguf)
+    mmproj = find_mmproj(gguf) if gguf is not None else None
+    return raw if mmproj is None else with_tower(raw, Path(path), gguf, mmproj)
 
 
 def config_from_metadata(path: Path) -> dict[str, Any]:
@@ -224,6 +236,10 @@ def _family_config(arch: str, key: Callable[..., Any], meta: Callable[..., Any],
         rotary = meta("rope.dimension_count")
         if rotary and int(rotary) != head_dim:
             cfg["partial_rotary_factor"] = int(rotary) / head_dim
+        sections = meta("rope.dimension_sections")  # M-RoPE's (t, h, w) split, then a 0
+        if sections and any(sections):
+            cfg["rope_parameters"] = {"rope_theta": _f32(meta("rope.freq_base", 10000.0)),
+                                      "mrope_section": [int(x) for x in sections[:3]]}
     experts = meta("expert_count")
     if experts:
         dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]

@@ -5,7 +5,9 @@ tower call) and the neuron (the tower it builds, helexa/neuron/models/vision.py)
 when config.json declares no tower. The image and vision-marker token ids live at
 config.json's top level, as Qwen's checkpoints write them. The pixel bounds of
 preprocessor_config.json are read here too (`pixel_bounds`), for the plan and the
-neuron's image processor alike: the largest image bounds one tower call.
+neuron's image processor alike: the largest image bounds one tower call. A GGUF
+model's tower and processor settings may come from llama.cpp's mmproj file beside it
+(helexa/checkpoint/mmproj.py); `processor_settings` answers for both.
 """
 
 from __future__ import annotations
@@ -92,11 +94,30 @@ def pixel_bounds(preprocessor: dict[str, Any]) -> tuple[int, int]:
     return int(lo or DEFAULT_MIN_PIXELS), int(hi or DEFAULT_MAX_PIXELS)
 
 
+def processor_settings(model_path: str | Path) -> dict[str, Any] | None:
+    """The image processor's settings of a model path: preprocessor_config.json in its
+    folder, else those of the mmproj beside a GGUF model (helexa/checkpoint/mmproj.py);
+    None when it has neither, or is a GGUF model with no mmproj (no tower weights)."""
+    from helexa.checkpoint.gguf import GgufError, find_gguf, model_folder
+    from helexa.checkpoint.mmproj import find_mmproj, processor_config
+
+    try:
+        gguf = find_gguf(model_path)
+    except GgufError:
+        return None  # not a model path: whoever opens it says why
+    mmproj = find_mmproj(gguf) if gguf is not None else None
+    if gguf is not None and mmproj is None:
+        return None  # a text GGUF: the tower config.json may declare is in no file
+    path = model_folder(model_path) / "preprocessor_config.json"
+    if path.is_file():
+        return dict(json.loads(path.read_text()))
+    return processor_config(mmproj) if mmproj is not None else None
+
+
 def max_image_patches(model_dir: Path, shape: VisionShape) -> int:
     """Patches of the largest image the checkpoint's processor makes (its max_pixels; the
     processor's default where the folder has no preprocessor_config.json)."""
-    path = model_dir / "preprocessor_config.json"
-    raw = json.loads(path.read_text()) if path.is_file() else {}
+    raw = processor_settings(model_dir) or {}
     patch = int(raw.get("patch_size", shape.patch_size))
     return pixel_bounds(raw)[1] // (patch * patch)
 
@@ -134,4 +155,4 @@ def tower_loads(model_dir: Path) -> bool:
     config.json with no weights beside it (a catalogue's copy) is planned with its tower."""
     if not any(model_dir.glob("*.safetensors")):
         return True
-    return (model_dir / "preprocessor_config.json").is_file()
+    return processor_settings(model_dir) is not None

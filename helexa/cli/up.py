@@ -4,7 +4,8 @@ With no arguments it serves the tiny default checkpoint (made on first run
 with `helexa.fixtures.tiny.init_tiny` under $HELEXA_CACHE or ~/.cache/helexa, no
 download), whose 128k-token context and KV pool fit a coding agent's prompt;
 `--model DIR` serves any Hugging Face checkpoint folder instead (the banner
-says so).
+says so), or a .gguf file: a Qwen3.5 GGUF takes images with llama.cpp's vision
+tower file, the `mmproj*.gguf` beside it or the one `--mmproj FILE` names.
 On CPU the KV pool is `--kv-budget-mb`, else a share of the host's available
 memory (printed). It writes the configs it needs to a private run folder
 (0700, removed on exit unless `--run-dir` names one), starts both daemons as
@@ -32,7 +33,8 @@ from pathlib import Path
 
 import tomli_w
 
-from helexa.checkpoint.gguf import model_path_error
+from helexa.checkpoint.gguf import GgufError, find_gguf, model_path_error, read_config
+from helexa.checkpoint.mmproj import MMPROJ_PREFIX, find_mmproj
 from helexa.cli.daemons import Child, model_failure, stop_all, wait_listed, wait_started
 from helexa.config.schema import AdmissionConfig, ConfigError, parse_drafter
 
@@ -52,6 +54,41 @@ CPU_KV_MIN_MB, CPU_KV_MAX_MB = 16, 2048
 # The tiny model's pool: 512 B a token, so 128 MiB holds two requests of its whole 128k
 # context (an agent and its side requests), or eight of 32k.
 TINY_KV_MB = 128
+
+
+# The HF side files a GGUF model may have beside it (helexa/checkpoint/gguf.py reads them).
+SIDE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+              "generation_config.json", "preprocessor_config.json")
+
+
+def with_mmproj(model: Path, named: Path | None, run: Path) -> tuple[Path, Path | None]:
+    """(the model path to serve, its mmproj): the mmproj* GGUF beside a GGUF model, or the
+    one ``named``; a named one from elsewhere is linked beside the model (and its side
+    files) in the run folder, where the neuron finds it as llama.cpp would. GgufError:
+    the mmproj does not fit the model (the message names the file and field)."""
+    gguf = find_gguf(model)
+    if gguf is None:
+        if named is not None:
+            raise GgufError(f"--mmproj {named}: {model} is not a GGUF model (an mmproj holds "
+                            "the vision tower of a .gguf model)")
+        return model, None
+    mmproj = find_mmproj(gguf, named)
+    if mmproj is None or named is None or (
+            mmproj.name.startswith(MMPROJ_PREFIX) and find_mmproj(gguf) == mmproj):
+        read_config(model)  # an mmproj that does not fit: one line, before anything starts
+        return model, mmproj  # the one the neuron finds beside the model
+    beside = run / "model"
+    beside.mkdir(exist_ok=True)
+    for f in (gguf, *(gguf.parent / n for n in SIDE_FILES)):
+        if f.is_file():
+            (beside / f.name).symlink_to(f.resolve())
+    name = mmproj.name if mmproj.name.startswith(MMPROJ_PREFIX) else f"{MMPROJ_PREFIX}-{mmproj.name}"
+    (beside / name).symlink_to(mmproj.resolve())
+    try:
+        read_config(beside / gguf.name)
+    except GgufError as e:  # named as the user named it, not as the link
+        raise GgufError(str(e).replace(str(beside / name), str(mmproj))) from None
+    return beside / gguf.name, mmproj
 
 
 def tiny_model_dir() -> Path:
@@ -191,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="helexa up", description=__doc__.splitlines()[0])
     p.add_argument("--model", type=Path, help="checkpoint folder, or a .gguf file (default: the "
                                               "tiny model)")
+    p.add_argument("--mmproj", type=Path, metavar="FILE",
+                   help="llama.cpp's vision tower file for a .gguf model, so it takes images "
+                        "(default: the mmproj*.gguf beside the model, if there is one)")
     p.add_argument("--model-id", help="id clients ask for (default: the folder's name)")
     p.add_argument("--port", type=int, default=8080, help="router port (0 = any free port)")
     p.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 if present)")
@@ -255,6 +295,17 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
+        if args.model is not None:
+            try:
+                model_dir, mmproj = with_mmproj(model_dir, args.mmproj, run)
+            except GgufError as e:
+                print(f"helexa up: {e}", file=sys.stderr)
+                return 2
+            if mmproj is not None:
+                print(f"helexa up: images: the vision tower of {mmproj}", flush=True)
+        elif args.mmproj is not None:
+            print("helexa up: --mmproj goes with --model FILE.gguf", file=sys.stderr)
+            return 2
         return _serve(run, model_dir, model_id, device, kv, args, stopping)
     finally:
         if own_run:

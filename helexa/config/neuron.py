@@ -151,7 +151,8 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     id: Annotated[str, field_meta("Model id clients ask for, e.g. Qwen/Qwen3-8B.", RESTART)]
     path: Annotated[str | None, field_meta(
         "Checkpoint folder (config.json, *.safetensors, tokenizer), or a .gguf file (or a folder of "
-        "one: docs/quantization.md). Relative paths are from the config file.",
+        "one: docs/quantization.md; an mmproj*.gguf beside a Qwen3.5 GGUF is its vision tower). "
+        "Relative paths are from the config file.",
         RESTART)] = None
     config: Annotated[str | None, field_meta(
         "config.json used for planning when the weights are not on this machine; default path/config.json.",

@@ -231,11 +231,14 @@ class Tokenizer:
             gguf = find_gguf(model_dir)
             if gguf is not None:  # no HF tokenizer beside it: the file's own metadata
                 from helexa.neuron.formats.gguf.tokenizer import tokenizer_parts
+                from helexa.neuron.vision.prompt import VisionPrompt  # an mmproj's, if any
 
                 tok, template, special = tokenizer_parts(gguf)
-                return cls(tok, chat_template=template,
-                           eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
-                           special_tokens=special)
+                out = cls(tok, chat_template=template,
+                          eos_token_ids=eos_token_ids(model_dir, tok.token_to_id),
+                          special_tokens=special)
+                out.vision = VisionPrompt.from_dir(model_dir)
+                return out
         tok = HfTokenizer.from_file(str(d / "tokenizer.json"))
         tcfg = _read_json(d / "tokenizer_config.json")
         template = tcfg.get("chat_template")
@@ -252,7 +255,7 @@ class Tokenizer:
                   special_tokens=special)
         from helexa.neuron.vision.prompt import VisionPrompt  # the checkpoint's, if it takes images
 
-        out.vision = VisionPrompt.from_dir(d)
+        out.vision = VisionPrompt.from_dir(model_dir)  # a GGUF's mmproj is found from its path
         return out
 
     # ---------------------------------------------------------------- tokens

@@ -228,6 +228,9 @@ def write_hybrid_gguf(src: Path, out: Path, type_of, *, tokenizer: bool = True,
         w.add_full_attention_interval(c.get("full_attention_interval", 4))
         partial = c["rope_parameters"].get("partial_rotary_factor", 0.25)
         w.add_rope_dimension_count(int(c["head_dim"] * partial))
+        sections = c["rope_parameters"].get("mrope_section")
+        if sections:  # as the converter writes Qwen-VL text models' M-RoPE, padded to 4
+            w.add_rope_dimension_sections([*sections, *[0] * (4 - len(sections))])
     if tokenizer:
         _tokenizer_metadata(w, src, pre)
     deq: dict[str, torch.Tensor] = {}

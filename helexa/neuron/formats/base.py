@@ -31,6 +31,8 @@ import torch
 from torch import nn
 
 from helexa.checkpoint.gguf import find_gguf, read_config
+from helexa.checkpoint.mmproj import find_mmproj
+from helexa.checkpoint.vision_shape import processor_settings
 from helexa.kernels import quant as qk
 from helexa.neuron.models.config import ModelConfig, parse_model_config
 from helexa.neuron.models.layers import ParallelLinearBase, VocabParallelEmbedding
@@ -54,6 +56,7 @@ class Checkpoint:
     raw: dict[str, Any]  # config.json, or the dict a GGUF file's metadata builds
     config: ModelConfig
     gguf: Path | None  # the GGUF file; None for safetensors
+    mmproj: Path | None = None  # a GGUF model's vision tower (llama.cpp's mmproj file)
 
     @property
     def quantization_config(self) -> dict[str, Any]:
@@ -73,10 +76,11 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
             raise FileNotFoundError(f"{cfg_path}: no config.json in the model folder")
         raw = json.loads(cfg_path.read_text())
     cfg = parse_model_config(raw)
-    if cfg.vision is not None and not (p / "preprocessor_config.json").is_file():
+    if cfg.vision is not None and processor_settings(p) is None:
         # a tower without its image processor cannot take images: the model loads text only
         cfg = replace(cfg, vision=None)
-    return Checkpoint(p, raw, cfg, gguf)
+    mmproj = find_mmproj(gguf) if gguf is not None and cfg.vision is not None else None
+    return Checkpoint(p, raw, cfg, gguf, mmproj)
 
 
 def asks_quantize(quantize: QuantSpec | None) -> bool:

@@ -17,13 +17,17 @@ content hash. Normalisation and the patch layout are torch, in the engine
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from helexa.checkpoint.vision_shape import DEFAULT_MAX_PIXELS, DEFAULT_MIN_PIXELS, pixel_bounds
+from helexa.checkpoint.vision_shape import (
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MIN_PIXELS,
+    pixel_bounds,
+    processor_settings,
+)
 
 # transformers' Qwen2VLImageProcessor defaults, for keys a preprocessor_config.json omits.
 _CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -71,11 +75,10 @@ class ImageProcessor:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ImageProcessor | None:
-        """The checkpoint's processor, or None when it has no preprocessor_config.json."""
-        path = Path(model_dir) / "preprocessor_config.json"
-        if not path.is_file():
-            return None
-        return cls.from_dict(json.loads(path.read_text()))
+        """The checkpoint's processor, or None when it has no preprocessor_config.json (nor,
+        for a GGUF model, an mmproj beside it: its settings are the mmproj's)."""
+        settings = processor_settings(model_dir)
+        return None if settings is None else cls.from_dict(settings)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ImageProcessor:

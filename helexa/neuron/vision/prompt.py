@@ -14,7 +14,6 @@ router checks first, a direct gRPC caller is checked here.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,17 +52,21 @@ class VisionPrompt:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> VisionPrompt | None:
-        """A checkpoint's, when it takes images: a tower in config.json and its processor."""
-        config = Path(model_dir) / "config.json"
-        if not config.is_file():
-            return None
-        shape = read_vision_shape(json.loads(config.read_text()))
+        """A checkpoint's, when it takes images: a tower in config.json (or, for a GGUF
+        model, an mmproj beside it) and its processor."""
+        from helexa.checkpoint.gguf import GgufError, read_config
+
+        try:
+            raw = read_config(model_dir)
+        except (GgufError, FileNotFoundError):
+            return None  # not a model path: its load says why
+        shape = read_vision_shape(raw)
         processor = ImageProcessor.from_dir(model_dir) if shape is not None else None
         if shape is None or processor is None:
             return None
         if processor.merge_size != shape.spatial_merge_size or \
                 processor.patch_size != shape.patch_size:
-            raise ValueError(f"{model_dir}: preprocessor_config.json's patch/merge "
+            raise ValueError(f"{model_dir}: the image processor's patch/merge "
                              f"({processor.patch_size}/{processor.merge_size}) differ from the "
                              f"tower's ({shape.patch_size}/{shape.spatial_merge_size})")
         return cls(processor, shape)

@@ -8,11 +8,13 @@ and its groups (a split that would cut a group is refused with the numbers). Onc
 layer's parts are all in, its method hands them to the op (docs/quantization.md):
 grouped int8, or tinygemm int4 with ``zero = 8 * scale + zero``; a quantised embedding
 gathers int8 rows, and a tied head runs the embedding's table. The names and the
-converter's transforms are names.py and hybrid.py's; expert stacks are experts.py's.
+converter's transforms are names.py and hybrid.py's; expert stacks are experts.py's; a
+vision tower from llama.cpp's mmproj file beside the model is mmproj.py's (float).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +31,7 @@ from helexa.checkpoint.gguf_layout import (
     part_of,
     stays_quantised,
 )
+from helexa.checkpoint.mmproj import mmproj_bytes
 from helexa.kernels.cpu import kquant
 from helexa.neuron.formats.base import (
     Checkpoint,
@@ -40,6 +43,7 @@ from helexa.neuron.formats.base import (
 )
 from helexa.neuron.formats.gguf import hybrid as hyb
 from helexa.neuron.formats.gguf.experts import attach_experts, load_piece, stack_of
+from helexa.neuron.formats.gguf.mmproj import mmproj_pieces
 from helexa.neuron.formats.gguf.names import names_of, tensor_pieces
 from helexa.neuron.formats.gguf.unpack import to_layout
 from helexa.neuron.formats.methods import (
@@ -144,6 +148,8 @@ class Gguf(CheckpointFormat):
         expected = _gguf_expected(model, expected_tensors(
             model, tie_word_embeddings=self.tied))
         total = sum(int(t.n_bytes) for t in reader(self.path).tensors)
+        mmproj = self.ckpt.mmproj
+        total += mmproj_bytes(mmproj) if mmproj is not None else 0
         done = [0]
         loaded: set[tuple[str, object]] = set()
 
@@ -155,7 +161,24 @@ class Gguf(CheckpointFormat):
                 progress(min(done[0], total), total)
 
         self._stream(model, on_loaded)
+        if mmproj is not None:
+            self._stream_tower(model, mmproj, on_loaded)
         check_loaded(expected, loaded)
+
+    def _stream_tower(self, model: nn.Module, mmproj: Path, on_loaded: Any) -> None:
+        """The mmproj's tensors into the vision tower (float: the tower is never quantised)."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        for name, value, nbytes in mmproj_pieces(mmproj):
+            where = target(name, model) if name else None
+            if where is not None:
+                pname, shard = where
+                param = params.get(pname)
+                if param is None:
+                    raise GgufError(f"{mmproj.name}: unexpected tensor ({name})")
+                with torch.no_grad():
+                    param.weight_loader(param, TensorSlice(value.to(param.dtype)), shard)
+                on_loaded(name, (pname, shard), 0)
+            on_loaded(None, None, nbytes)
 
     def _stream(self, model: nn.Module, on_loaded: Any) -> None:
         """Each GGUF tensor into its parameter(s); ``on_loaded(hf_name, key, bytes)``

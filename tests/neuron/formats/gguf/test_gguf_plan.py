@@ -56,3 +56,26 @@ def test_quantize_on_a_gguf_file_is_refused(tiny_checkpoint, tmp_path):
     write_gguf(tiny_checkpoint("qwen3"), tmp_path / "model.gguf", lambda name: "Q8_0")
     with pytest.raises(PlanError, match="keeps its own quantisation"):
         plan_weights(tmp_path, tmp_path / "model.gguf", "int8", 32, "fp32")
+
+
+@pytest.mark.parametrize(("dtype", "tp"), [("fp32", 1), ("bf16", 2)])
+def test_planned_bytes_count_the_mmproj_beside_a_gguf_file(tiny_checkpoint, tmp_path, dtype, tp):
+    # the vision tower of llama.cpp's mmproj file, loaded float, on top of the text GGUF's
+    from support.gguf_hybrid_reference import write_hybrid_gguf
+    from support.mmproj_reference import write_mmproj
+
+    src = tiny_checkpoint("qwen3_5", vision=True)
+    write_hybrid_gguf(src, tmp_path / "model.gguf", lambda name: "Q8_0")
+    text_only = plan_weights(tmp_path, tmp_path / "model.gguf", "none", 128, dtype, tp)
+    write_mmproj(src, tmp_path / "mmproj-model-f16.gguf", "F16")
+    planned = plan_weights(tmp_path, tmp_path / "model.gguf", "none", 128, dtype, tp)
+    run = ModelRunner(tmp_path / "model.gguf", num_blocks=8, block_size=8, max_num_seqs=1,
+                      max_batched_tokens=64, tp_size=tp, num_state_slots=1,
+                      dtype={"fp32": "float32", "bf16": "bfloat16"}[dtype])
+    try:
+        assert run.model.visual is not None
+        tower = sum(p.numel() * p.element_size() for p in run.model.visual.parameters())
+        assert planned - text_only == tower  # every tower parameter, as this rank holds it
+        assert abs(run.weight_bytes - planned) <= 0.02 * planned, (run.weight_bytes, planned)
+    finally:
+        run.close()
