@@ -39,6 +39,7 @@ from helexa.checkpoint.memory import (
     graph_pool_bytes,
     held_bytes_per_request,
     kv_bytes_per_token,
+    tokens_each,
     weight_bytes_per_card,
 )
 from helexa.checkpoint.mmproj import find_mmproj
@@ -146,12 +147,6 @@ def _key(cfg: NeuronConfig, entry: ModelEntry, field: str) -> str:
     return f"models[{i}].{field}" if i is not None else f"models.{entry.id}.{field}"
 
 
-def _tokens_each(budget: int, sessions: int, block_bytes: int, block_size: int, fixed: int) -> int:
-    """Tokens each of `sessions` equal requests can hold: whole blocks after their fixed state."""
-    free = budget - sessions * fixed
-    return 0 if free <= 0 else (free // block_bytes // sessions) * block_size
-
-
 def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                kv_dtype: str | None = None, device_memory_mb: int | None = None) -> ModelPlan:
     """Plan one catalogue entry; raises PlanError (with the arithmetic) if it cannot work.
@@ -183,8 +178,6 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     except FileNotFoundError:
         field = "config" if entry.config is not None else "path"
         raise PlanError(f"{where(field)}: expected a model config.json, no file {cfg_path}") from None
-    except GgufError as e:
-        raise PlanError(f"{where('path')}: {e}") from None
     except (KeyError, ValueError, TypeError) as e:
         raise PlanError(f"{where('config')}: {cfg_path}: unreadable model config ({e!r})") from None
     if entry.path is not None:  # tensors to count (planning from config.json alone: none)
@@ -287,7 +280,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     spec_k = max((s.spec_k for s in specs if s.method != "off"), default=0)
     held = held_bytes_per_request(shape, tp, spec_k, float_dtype)
     slot = fixed + held  # what one request's state slot takes from the budget
-    single = _tokens_each(budget, 1, block_bytes, bs, slot)
+    single = tokens_each(budget, 1, block_bytes, bs, slot)
     if entry.context is not None:
         context = entry.context
         need_blocks = math.ceil(context / bs)
@@ -303,13 +296,13 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     else:
         if fixed and cfg.kv.prefix_cache:  # a hybrid's prefix snapshots first, at most 1/8
             snapshot_room = min(cfg.kv.prefix_snapshots, budget // 8 // fixed) * fixed
-            single = _tokens_each(budget - snapshot_room, 1, block_bytes, bs, slot)
+            single = tokens_each(budget - snapshot_room, 1, block_bytes, bs, slot)
         context = (min(positions, single) if positions else single) // bs * bs
         if context < 2:
             raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
                             f"got {budget / MIB:,.1f} MiB for {block_bytes:,} B blocks")
     output = min(entry.max_output_tokens or context - 1, context - 1)
-    trade = [(n, min(context, _tokens_each(budget, n, block_bytes, bs, slot)))
+    trade = [(n, min(context, tokens_each(budget, n, block_bytes, bs, slot)))
              for n in TRADE_SESSIONS]
     plan = ModelPlan(
         model_id=entry.id, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv,

@@ -109,3 +109,9 @@ def format_bytes(n: float) -> str:
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{n:,.0f} B"
+
+
+def tokens_each(budget: int, sessions: int, block_bytes: int, block_size: int, fixed: int) -> int:
+    """Tokens each of `sessions` equal requests can hold: whole blocks after their fixed state."""
+    free = budget - sessions * fixed
+    return 0 if free <= 0 else (free // block_bytes // sessions) * block_size
