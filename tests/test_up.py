@@ -218,10 +218,20 @@ def test_up_serves_a_gguf_file_alone(tmp_path, tiny_checkpoint):
     assert rc == 0, "".join(up.lines)
 
 
+def _break_weights(model: Path) -> None:
+    """Weights whose header reads (the plan's checks pass) but that hold none of the model's
+    tensors: the model fails at load, in the engine. (A corrupt header is refused before
+    the neuron starts: tests/test_checkpoint_failfast.py.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"unrelated": torch.zeros(1)}, str(model / "model.safetensors"))
+
+
 def test_up_with_a_model_that_cannot_load_says_why_and_exits_1(tmp_path, tiny_model_dir):
     model = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, model)
-    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    _break_weights(model)
     (tmp_path / "tmp").mkdir()
     up = Up("--model", str(model), "--device", "cpu", "--kv-budget-mb", "16",
             env={"TMPDIR": str(tmp_path / "tmp")})
@@ -243,7 +253,7 @@ def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
 
     model = tmp_path / "broken"
     shutil.copytree(tiny_model_dir, model)
-    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    _break_weights(model)
     run = tmp_path / "run"
     run.mkdir()
     neuron_cfg, router_cfg = write_configs(run, model, "broken", 0, "cpu", 16)
