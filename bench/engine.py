@@ -441,17 +441,9 @@ def main(argv: list[str] | None = None) -> int:
 QUANT_SHRINK = {"int8": 1.9, "int4": 3.5}  # the issue's targets, weights vs the float checkpoint
 
 
-def bench_quant(args: argparse.Namespace, model_dir: Path) -> int:
-    """--quant: helexa on the float checkpoint (at --dtype, and at bf16 when that differs)
-    against helexa quantising it at load (at --quant-dtype), interleaved in one run."""
-    driver = HelexaEngine if args.driver == "engine" else HelexaRunner
-    kinds = {f"float {args.dtype}": (args.dtype, "none")}
-    if args.dtype != "bfloat16":
-        kinds["float bfloat16"] = ("bfloat16", "none")
-    kinds[f"{args.quant} {args.quant_dtype}"] = (args.quant_dtype, args.quant)
-    engines = {k: driver(model_dir, args.threads, args.device, dt, args.backend,
-                         streams=args.streams, quantize=q)
-               for k, (dt, q) in kinds.items()}
+def interleaved_decode(engines: dict, args: argparse.Namespace) -> dict[tuple[str, int], list[float]]:
+    """Decode tok/s of each engine at 1 and --streams streams, per repeat, the contenders
+    interleaved within each repeat (a shared machine's drift falls on all of them)."""
     vocab = next(iter(engines.values())).vocab
     plen, new = args.prompt_tokens, args.new_tokens
     for e in engines.values():  # warm-up
@@ -464,6 +456,22 @@ def bench_quant(args: argparse.Namespace, model_dir: Path) -> int:
             for n in streams:
                 _, (wall, _cpu) = e.run(prompts(rep, n, plen, vocab), new)
                 results[k, n].append(n * (new - 1) / wall)
+    return results
+
+
+def bench_quant(args: argparse.Namespace, model_dir: Path) -> int:
+    """--quant: helexa on the float checkpoint (at --dtype, and at bf16 when that differs)
+    against helexa quantising it at load (at --quant-dtype), interleaved in one run."""
+    driver = HelexaEngine if args.driver == "engine" else HelexaRunner
+    kinds = {f"float {args.dtype}": (args.dtype, "none")}
+    if args.dtype != "bfloat16":
+        kinds["float bfloat16"] = ("bfloat16", "none")
+    kinds[f"{args.quant} {args.quant_dtype}"] = (args.quant_dtype, args.quant)
+    engines = {k: driver(model_dir, args.threads, args.device, dt, args.backend,
+                         streams=args.streams, quantize=q)
+               for k, (dt, q) in kinds.items()}
+    plen, new, streams = args.prompt_tokens, args.new_tokens, (1, args.streams)
+    results = interleaved_decode(engines, args)
     print(f"bench/engine.py --quant {args.quant}  model={model_dir}  device={args.device}  "
           f"threads={args.threads}  repeats={args.repeats}  prompt={plen} new={new}")
     base = next(iter(engines))
@@ -497,18 +505,8 @@ def bench_gguf(args: argparse.Namespace) -> int:
         kinds["float checkpoint"] = (args.model, args.dtype)
     engines = {k: driver(path, args.threads, args.device, dt, args.backend, streams=args.streams)
                for k, (path, dt) in kinds.items()}
-    vocab = next(iter(engines.values())).vocab
-    plen, new = args.prompt_tokens, args.new_tokens
-    for e in engines.values():  # warm-up
-        e.run(prompts(-1, 1, plen, vocab), 8)
-        e.run(prompts(-1, args.streams, plen, vocab), 8)
-    streams = (1, args.streams)
-    results: dict[tuple[str, int], list[float]] = {(k, n): [] for k in engines for n in streams}
-    for rep in range(args.repeats):
-        for k, e in engines.items():
-            for n in streams:
-                _, (wall, _cpu) = e.run(prompts(rep, n, plen, vocab), new)
-                results[k, n].append(n * (new - 1) / wall)
+    plen, new, streams = args.prompt_tokens, args.new_tokens, (1, args.streams)
+    results = interleaved_decode(engines, args)
     print(f"bench/engine.py --gguf {args.gguf}  device={args.device}  threads={args.threads}  "
           f"repeats={args.repeats}  prompt={plen} new={new}")
     print(f"  {'contender':<18} {'weights':>12} {'1-stream tok/s':>15} "

@@ -170,17 +170,16 @@ class TpWorkers:
         entry = self._tables.get(id(table))
         if entry is not None and entry[0] is table and len(table) >= entry[2]:
             _, handle, sent = entry
-            msg = TpSeq(handle, s.token_ids, s.num_computed, table[sent:], False,
-                        s.need_logits, s.state_slot, s.num_logits, s.restore_from, s.save_to,
-                        s.rope_delta, s.images)
+            blocks, fresh = table[sent:], False
         else:
             if entry is not None:  # a shrunk table (drafts rolled back): a new handle
                 self._stale.append(entry[1])
             handle = self._next_handle
             self._next_handle += 1
-            msg = TpSeq(handle, s.token_ids, s.num_computed, list(table), True,
-                        s.need_logits, s.state_slot, s.num_logits, s.restore_from, s.save_to,
-                        s.rope_delta, s.images)
+            blocks, fresh = list(table), True
+        msg = TpSeq(handle, s.token_ids, s.num_computed, blocks, fresh, s.need_logits,
+                    s.state_slot, s.num_logits, s.restore_from, s.save_to, s.rope_delta,
+                    s.images)
         # Holding the list itself keeps its id from being reused while tracked.
         self._tables[id(table)] = (table, handle, len(table))
         return msg
