@@ -31,7 +31,7 @@ from helexa.config.schema import (
     resolve_path,
 )
 from helexa.log import get_logger, setup_logging
-from helexa.router import fleet_view, images, serve, tokenize
+from helexa.router import fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -164,7 +164,7 @@ async def models(request: web.Request) -> web.Response:
     limits = fleet_view.ready_limits(state.registry)
     costs = fleet_view.ready_state_costs(state.registry)
     drafters = fleet_view.drafters(state.registry)
-    seeing = images.models_taking_images(state.registry)
+    seeing = fleet_view.models_taking_images(state.registry)
     sharing = fleet_view.prefix_sharing(state.registry)
 
     def entry(model_id: str, target: str) -> dict[str, Any]:

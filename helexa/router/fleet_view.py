@@ -60,3 +60,8 @@ def drafters(registry: Registry) -> dict[str, str]:
     for m in _ready(registry):
         seen.setdefault(m.model, set()).add(m.drafter or "off")
     return {k: ",".join(sorted(v)) for k, v in seen.items()}
+
+
+def models_taking_images(registry: Registry) -> set[str]:
+    """Models a healthy neuron serves READY and says take images (a vision tower in Watch)."""
+    return {m.model for m in _ready(registry) if m.HasField("vision")}

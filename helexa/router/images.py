@@ -197,10 +197,3 @@ def check_model_takes_images(req: ParsedRequest, model: str, registry: Any
         raise bad_request(f"`{field}`: `{req.model}` takes no images (it has no vision "
                           "tower); send text only", field)
     return vision
-
-
-def models_taking_images(registry: Any) -> set[str]:
-    """Models a healthy neuron serves READY and says take images (for /v1/models)."""
-    return {m.model for link in registry.healthy_links() if link.status is not None
-            for m in link.status.models
-            if m.state == pb.MODEL_STATE_READY and m.HasField("vision")}
