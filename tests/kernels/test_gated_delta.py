@@ -131,5 +131,6 @@ def test_conv_window_after_a_prefix_is_decoding_only_that_prefix():
         only = w0[b:b + 1].clone()
         steps = [gd.conv1d_decode(x[b:b + 1, t], weight, only) for t in range(n)]
         assert torch.equal(after[b], only[0])
-        assert torch.equal(out[b, :n], torch.cat(steps))
+        # one conv over the row against n one-token convs: equal up to the CPU's summation order
+        torch.testing.assert_close(out[b, :n], torch.cat(steps))
     assert torch.equal(windows[2], after[2])  # all 5 kept: where the steps left it

@@ -108,10 +108,12 @@ def test_state_after_rollback_is_the_state_of_only_the_accepted_tokens(
         out = step(spec, [Seq([0] * 5, 9, 1, num_logits=5)], row)
         for got, was in zip(slot_state(spec, 1), before, strict=True):
             assert torch.equal(got, was)  # the row leaves the slot alone, holding its inputs
-        assert torch.equal(out[:kept], torch.cat(outs))  # and decodes as decode does
+        # and decodes as decode does (one row against one-token steps: equal up to the
+        # summation order the CPU's kernels choose for each shape)
+        torch.testing.assert_close(out[:kept], torch.cat(outs))
         spec.states.settle({1: 9 + kept})  # the request's next step: 9 + kept computed
         for got, want in zip(slot_state(spec, 1), slot_state(plain, 1), strict=True):
-            assert torch.equal(got, want), kept
+            torch.testing.assert_close(got, want, msg=lambda m: f"kept {kept}: {m}")
         assert spec.states.held_bytes == 0
 
 
@@ -140,7 +142,7 @@ def test_rows_of_one_step_settle_apart_and_ended_requests_leave_nothing(tiny_che
     step(plain, [Seq([0] * 3, 0, 3)], fresh)
     for slot in (0, 2, 3):
         for got, want in zip(slot_state(spec, slot), slot_state(plain, slot), strict=True):
-            assert torch.equal(got, want), slot
+            torch.testing.assert_close(got, want, msg=lambda m: f"slot {slot}: {m}")
 
 
 def test_held_rows_listed_in_another_order_settle_each_by_its_own_count(tiny_checkpoint):
@@ -159,7 +161,7 @@ def test_held_rows_listed_in_another_order_settle_each_by_its_own_count(tiny_che
         step(plain, [Seq([0], 9 + t, 2)], rows[2][t:t + 1])
     for slot in (1, 2):
         for got, want in zip(slot_state(spec, slot), slot_state(plain, slot), strict=True):
-            assert torch.equal(got, want), slot
+            torch.testing.assert_close(got, want, msg=lambda m: f"slot {slot}: {m}")
 
 
 def test_one_layer_serves_two_state_backends_each_with_its_own_slots(tiny_checkpoint):
