@@ -151,6 +151,35 @@ def _attacks() -> list[tuple[str, str, bytes, str]]:
     ]
 
 
+def test_the_engines_first_constrained_request_stalls_no_stream(pair):
+    """The grammar library starts at model load, not on the first request that needs it
+    (that took every running stream 3-6 s): the module's neuron has served no constrained
+    request yet, and the bystander's chunks keep coming while one is compiled and decoded."""
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    by = Bystander(router, output_limit(router) // 4)  # room in the pool for one more
+    thread = threading.Thread(target=by.run, daemon=True)
+    thread.start()
+    assert by.started.wait(60) and by.error is None, by.error
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "n": {"type": "integer"}},
+              "required": ["city", "n"]}
+    t0 = time.monotonic()
+    r = httpx2.post(router.url + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 40, "temperature": 0,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "o", "schema": schema}}})
+    t1 = time.monotonic()
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["choices"][0]["message"]["content"].startswith("{")
+    time.sleep(0.5)  # chunks after the constrained request, too
+    by.stop.set()
+    thread.join(30)
+    assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+    assert by.longest_gap_secs(t0, t1 + 0.5) < 1.0
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
 def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
