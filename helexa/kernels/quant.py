@@ -32,7 +32,20 @@ from helexa.kernels.cpu import int8g as int8g_cpu
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # the packers need N % 16 == 0
-_INNER_K_TILES = 2
+_INNER_K_TILES = 2  # the CPU packer's argument (its layout does not depend on it)
+# The CUDA op's tile depth along K: 8 inner k-tiles load 16 bytes at a time (the fast
+# layout gpt-fast and torchao use), 2 only 4. Its packer lays the weight out as
+# [N/8][K/(tiles*16)][32][tiles/2], so a depth must divide K/16; the mm reads it back
+# from the packed shape.
+_CUDA_INNER_K_TILES = (8, 4, 2)
+
+
+def cuda_inner_k_tiles(k: int) -> int:
+    """The deepest inner k-tiling of the CUDA int4 layout that K (the in-features) allows."""
+    for tiles in _CUDA_INNER_K_TILES:
+        if k % (tiles * 16) == 0:
+            return tiles
+    raise ValueError(f"the CUDA int4 layout needs in-features divisible by 32, got {k}")
 
 
 def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +120,8 @@ def int4_pack(q: torch.Tensor) -> torch.Tensor:
     """Values 0..15 [N, K] (any int dtype) -> the device op's packed tensor."""
     if q.device.type == "cuda":
         u8 = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), _INNER_K_TILES)
+        return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(),
+                                                          cuda_inner_k_tiles(q.shape[1]))
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                               _INNER_K_TILES)
 

@@ -86,3 +86,14 @@ def test_int4_on_cuda_is_refused_at_load_for_a_model_not_in_bf16(tiny_checkpoint
         f"takes bf16 activations only, and this model loads as {name} "
         '(set dtype = "bfloat16", or quantize = "int8")')
     assert qk.int4_cuda_refusal(torch.bfloat16) == ""
+
+
+@pytest.mark.parametrize("k,tiles", [(4096, 8), (5120, 8), (2560, 8), (192, 4), (320, 4),
+                                     (96, 2)])
+def test_the_cuda_int4_layout_takes_the_deepest_k_tiling_the_width_allows(k, tiles):
+    # 8 inner k-tiles (16-byte loads) wherever K/16 divides by 8: every hidden size of the
+    # served families; narrower layouts only for odd widths. No GPU: the choice alone.
+    assert qk.cuda_inner_k_tiles(k) == tiles
+    assert k % (tiles * 16) == 0
+    with pytest.raises(ValueError, match="divisible by 32"):
+        qk.cuda_inner_k_tiles(k + 16)
