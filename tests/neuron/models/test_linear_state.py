@@ -113,7 +113,7 @@ def test_state_after_rollback_is_the_state_of_only_the_accepted_tokens(
         torch.testing.assert_close(out[:kept], torch.cat(outs))
         spec.states.settle({1: 9 + kept})  # the request's next step: 9 + kept computed
         for got, want in zip(slot_state(spec, 1), slot_state(plain, 1), strict=True):
-            torch.testing.assert_close(got, want, msg=lambda m: f"kept {kept}: {m}")
+            torch.testing.assert_close(got, want, msg=lambda m, kept=kept: f"kept {kept}: {m}")
         assert spec.states.held_bytes == 0
 
 
@@ -142,7 +142,7 @@ def test_rows_of_one_step_settle_apart_and_ended_requests_leave_nothing(tiny_che
     step(plain, [Seq([0] * 3, 0, 3)], fresh)
     for slot in (0, 2, 3):
         for got, want in zip(slot_state(spec, slot), slot_state(plain, slot), strict=True):
-            torch.testing.assert_close(got, want, msg=lambda m: f"slot {slot}: {m}")
+            torch.testing.assert_close(got, want, msg=lambda m, slot=slot: f"slot {slot}: {m}")
 
 
 def test_held_rows_listed_in_another_order_settle_each_by_its_own_count(tiny_checkpoint):
@@ -161,7 +161,7 @@ def test_held_rows_listed_in_another_order_settle_each_by_its_own_count(tiny_che
         step(plain, [Seq([0], 9 + t, 2)], rows[2][t:t + 1])
     for slot in (1, 2):
         for got, want in zip(slot_state(spec, slot), slot_state(plain, slot), strict=True):
-            torch.testing.assert_close(got, want, msg=lambda m: f"slot {slot}: {m}")
+            torch.testing.assert_close(got, want, msg=lambda m, slot=slot: f"slot {slot}: {m}")
 
 
 def test_one_layer_serves_two_state_backends_each_with_its_own_slots(tiny_checkpoint):
