@@ -80,8 +80,7 @@ class Grammars:
         # that names its eos only in tokenizer_config.json).
         self.eos_token_ids = eos_token_ids(self.model_dir)
         # n_vocab is the logits' width: checkpoints often carry spare rows past the tokenizer.
-        self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
-                                                 eos_token=self.eos_token_ids or None)
+        self._tokenizer = _text_tokenizer(text, self.vocab_size, self.eos_token_ids or None)
         self._executor = llguidance.LLExecutor()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
 
@@ -133,3 +132,37 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> 
     idx = torch.tensor(rows, device=logits.device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
+
+class _TextTokens:
+    """What llguidance.TokenizerWrapper reads: the vocabulary as bytes (a special token's
+    prefixed with 0xff, llguidance's marker) and a tokenize that reads special-token text
+    as plain text."""
+
+    def __init__(self, base: Any, text: str, n_vocab: int, eos: int) -> None:
+        from tokenizers import Tokenizer
+
+        self._tk = Tokenizer.from_str(text)
+        self._tk.encode_special_tokens = True  # `<|im_start|>` in a string is its characters
+        self.special_token_ids = [i for i in range(n_vocab) if base.is_special_token(i)]
+        special = set(self.special_token_ids)
+        self.tokens = [(b"\xff" if i in special else b"") + base.decode_bytes([i])
+                       for i in range(n_vocab)]
+        self.eos_token_id = eos
+        self.bos_token_id = None
+
+    def __call__(self, s: str) -> list[int]:
+        return list(self._tk.encode(s, add_special_tokens=False).ids)
+
+
+def _text_tokenizer(text: str, n_vocab: int, eos: list[int] | None) -> Any:
+    """llguidance's tokenizer for a tokenizer.json text, tokenizing forced text as text.
+    Built from the text alone, llguidance tokenizes the bytes a grammar forces (a schema's
+    property name, a tool name) with the tokenizer's special tokens parsed: a key
+    `<|im_start|>` became the one special token, which the mask then allowed and the
+    matcher refused (`forced bytes: got '<'`), and the request failed. The vocabulary is
+    read from that first build; the second tokenizes with special tokens off."""
+    import llguidance
+
+    base = llguidance.LLTokenizer(text, n_vocab=n_vocab, eos_token=eos)
+    wrapped = llguidance.TokenizerWrapper(_TextTokens(base, text, n_vocab, base.eos_token))
+    return llguidance.LLTokenizer(wrapped, n_vocab=n_vocab, eos_token=eos)
