@@ -85,3 +85,17 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
                        f"max_tokens: this model generates at most {output_limit} tokens "
                        f"per request, got {max_tokens}")
     return None
+
+
+def host_tier_size(host_bytes_per_card: int, num_blocks: int, bytes_per_block: int,
+                   num_snapshots: int = 0, snapshot_bytes: int = 0) -> tuple[int, int]:
+    """(host blocks, host snapshots) of the prefix cache's host tier (kv.host_cache_mb) in
+    `host_bytes_per_card`, in the device pool's own mix of blocks and snapshots: what an
+    evicted session needs back is what it held there (helexa/neuron/engine/host_tier.py)."""
+    device = num_blocks * bytes_per_block + num_snapshots * snapshot_bytes
+    if host_bytes_per_card <= 0 or device <= 0:
+        return 0, 0
+    if not num_snapshots or not snapshot_bytes:
+        return host_bytes_per_card // max(1, bytes_per_block), 0
+    snaps = host_bytes_per_card * num_snapshots // device
+    return (host_bytes_per_card - snaps * snapshot_bytes) // max(1, bytes_per_block), snaps

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 from helexa.budget import reservation_blocks
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.block_pool import BlockPool
+from helexa.neuron.engine.block_pool import BlockKey, BlockPool
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.refusal import Refusal
 
@@ -150,9 +150,9 @@ class Admission:
                 break
             queue = self._queues[principal]
             req = queue[0]
-            reuse, restore = self._prefix_hits(req)
+            reuse, restore, host_blocks, host_snapshot = self._prefix_hits(req)
             if not self.pool.reserve(req.req_id, self.reservation_blocks(req) - len(reuse), reuse,
-                                     restore):
+                                     restore, host_blocks, host_snapshot):
                 break  # no bypass: the head waits, and everyone behind it
             queue.popleft()
             self._num_queued -= 1
@@ -161,8 +161,10 @@ class Admission:
                 self._queues[principal] = queue  # served: to the back of the rotation
             req.status = RequestStatus.IN_FLIGHT
             req.num_reserved_blocks = self.reservation_blocks(req)
-            req.block_table = list(reuse)
-            req.num_cached_tokens = req.num_computed_tokens = len(reuse) * self.pool.block_size
+            req.block_table = self.pool.restored_blocks(req.req_id)  # reused, then restored
+            req.num_cached_tokens = req.num_computed_tokens = (len(req.block_table)
+                                                               * self.pool.block_size)
+            req.num_host_tokens = len(host_blocks) * self.pool.block_size
             self.in_flight[req.req_id] = req
             if principal == "":
                 self._anon_in_flight += 1
@@ -237,23 +239,35 @@ class Admission:
             return principal
         return None
 
-    def _prefix_hits(self, req: Request) -> tuple[list[int], int]:
-        """The cached blocks `req` reuses, and for a hybrid model the snapshot it restores
-        (-1: none): a hybrid's hit ends where a snapshot is filed, at the furthest such
-        block boundary of the cached chain, or there is no hit."""
+    def _prefix_hits(self, req: Request) -> tuple[list[int], int, list[tuple[int, BlockKey]],
+                                                  tuple[int, BlockKey] | None]:
+        """What `req` reuses of the prefix cache: the device blocks, the snapshot it restores
+        (hybrid models; -1: none), and from the host tier the blocks that continue the chain
+        and the snapshot after them. A hybrid's hit ends where a snapshot is filed (on the
+        device or the host), at the furthest such block boundary of the chain, or there is
+        no hit."""
         if not self.prefix_cache or not req.block_hashes:
-            return [], -1
+            return [], -1, [], None
         # Keep at least one prompt token to compute: its logits give the first output token.
         usable = (req.num_prompt_tokens - 1) // self.pool.block_size
-        hits = self.pool.match_prefix(req.block_hashes[:usable])
+        keys = req.block_hashes[:usable]
+        hits = self.pool.match_prefix(keys)
+        host = self.pool.host
+        on_host = host.match(keys[len(hits):]) if host is not None else []
+        chain = len(hits) + len(on_host)
+        from_host = [(slot, keys[len(hits) + i]) for i, slot in enumerate(on_host)]
         snapshots = self.pool.snapshots
         if snapshots is None:
-            return hits, -1
-        for n in range(len(hits), 0, -1):
-            slot = snapshots.lookup(req.block_hashes[n - 1])
+            return hits, -1, from_host, None
+        for n in range(chain, 0, -1):
+            key = keys[n - 1]
+            slot = snapshots.lookup(key) if n <= len(hits) else None
             if slot is not None:
-                return hits[:n], slot
-        return [], -1
+                return hits[:n], slot, [], None
+            held = host.snapshots.lookup(key) if host is not None else None
+            if held is not None and snapshots.num_free:
+                return hits[:n], -1, from_host[:max(0, n - len(hits))], (held, key)
+        return [], -1, [], None
 
     def _deficit(self, blocks_wanted: int) -> int:
         return blocks_wanted - self.pool.num_free_blocks

@@ -28,6 +28,12 @@ pool also keeps `num_snapshot_slots` prefix snapshots (snapshot_pool.py): a
 reservation that reuses cached blocks pins the snapshot after them, a block's
 eviction drops the snapshot filed under it, and `release` gives back both.
 
+With a host tier (host_tier.py, kv.host_cache_mb) an evicted cached block, and an evicted
+snapshot, is filed there and copied out instead of being lost; a reservation may restore a
+chain of host blocks after its device hits (`reserve(..., host_blocks=...)`): they are
+drawn from its reservation at once, filed under their keys and copied in before any step
+reads them, and for a hybrid model the snapshot after them too (`host_snapshot`).
+
 Prefix sharing: a full block's content is named by a `BlockKey`: a SHA-256
 chain digest over the parent block's digest and the block's token ids, with
 the tokens and the parent digest kept beside it. The index is keyed by the
@@ -47,6 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.host_tier import HostTier
 from helexa.neuron.engine.snapshot_pool import SnapshotPool
 
 
@@ -102,7 +109,7 @@ def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int],
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int, *,
                  num_state_slots: int = 0, fixed_bytes: int = 0,
-                 num_snapshot_slots: int = 0) -> None:
+                 num_snapshot_slots: int = 0, host: HostTier | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"a pool needs blocks: num_blocks={num_blocks}, block_size={block_size}")
         self.num_state_slots = num_state_slots
@@ -110,8 +117,10 @@ class BlockPool:
         self._free_slots: deque[int] = deque(range(num_state_slots))
         self._slot_of: dict[str, int] = {}  # req -> its state slot
         # prefix snapshots: state slots after the requests' (hybrid models, prefix cache on)
+        self.host = host  # the prefix cache's host tier (None: evicted content is lost)
         self.snapshots = SnapshotPool(range(num_state_slots, num_state_slots
-                                            + num_snapshot_slots)) \
+                                            + num_snapshot_slots),
+                                      host.evicted_snapshot if host is not None else None) \
             if num_state_slots and num_snapshot_slots else None
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -199,18 +208,34 @@ class BlockPool:
             state_free_bytes=len(self._free_slots) * f,
             snapshot_total_bytes=snap_total,
             snapshot_cached_bytes=snap_cached,
+            host_total_bytes=self.host.total_bytes if self.host is not None else 0,
+            host_cached_bytes=self.host.cached_bytes if self.host is not None else 0,
         )
 
     # --- mutations ---------------------------------------------------------
 
     def reserve(self, req_id: str, n: int, reuse: Sequence[int] = (),
-                restore: int = -1) -> bool:
+                restore: int = -1, host_blocks: Sequence[tuple[int, BlockKey]] = (),
+                host_snapshot: tuple[int, BlockKey] | None = None) -> bool:
         """Pin `reuse` (filed blocks) and set aside `n` blocks for req_id; all or nothing.
-        `restore`: the snapshot after `reuse` (hybrid models), pinned with them."""
+        `restore`: the snapshot after `reuse` (hybrid models), pinned with them.
+        `host_blocks`: (host block, key) of the chain after `reuse` in the host tier: the
+        first of the `n` blocks are drawn for them, filed, and copied in (restored_blocks
+        says which). `host_snapshot`: (host snapshot, key) after them, restored into a
+        snapshot slot in place of `restore`."""
         if self.holds(req_id):
             raise PoolError(f"{req_id} already holds a reservation")
-        if n < 0 or not self.can_reserve(n, reuse):
+        if n < len(host_blocks) or not self.can_reserve(n, reuse):
             return False
+        if host_snapshot is not None and (self.snapshots is None or not self.snapshots.num_free):
+            return False
+        host = self.host
+        if host_blocks or host_snapshot is not None:
+            assert host is not None, "a host restore needs a host tier"
+            for host_block, _ in host_blocks:  # before any eviction below may need room there
+                host.blocks.pin(host_block)
+            if host_snapshot is not None:
+                host.snapshots.pin(host_snapshot[0])
         held: list[int] = []
         for block_id in reuse:  # pin first, so taking the n below cannot evict them
             block = self.blocks[block_id]
@@ -234,7 +259,35 @@ class BlockPool:
         if restore >= 0:
             assert self.snapshots is not None, "a snapshot to restore needs snapshot slots"
             self.snapshots.pin(req_id, restore)
+        for host_block, key in host_blocks:
+            block_id = self.draw(req_id)
+            if not self.register(block_id, key):
+                raise PoolError(f"block {block_id}: its key is filed already; not a host hit")
+            host.restore_block(host_block, block_id)  # type: ignore[union-attr]
+        if host_snapshot is not None:
+            assert self.snapshots is not None and host is not None
+            slot = self.snapshots.take_for_restore(req_id, host_snapshot[1])
+            host.restore_snapshot(host_snapshot[0], slot)
         return True
+
+    def restored_blocks(self, req_id: str) -> list[int]:
+        """The blocks req_id holds, in table order (its reused and host-restored prefix,
+        right after reserve)."""
+        return list(self._held.get(req_id, ()))
+
+    def unfile(self, block_ids: Sequence[int]) -> None:
+        """Take blocks out of the prefix index (their copy in failed: not their key's content).
+        A cached one becomes free."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is None:
+                continue
+            del self._index[block.block_hash.digest]
+            block.block_hash = None
+            if block.state == BlockState.CACHED:
+                del self._cached[block_id]
+                block.state = BlockState.FREE
+                self._free.append(block_id)
 
     def draw(self, req_id: str) -> int:
         """Turn one of req_id's reserved blocks into a used block and return its id."""
@@ -323,11 +376,14 @@ class BlockPool:
             return self._free.popleft()
         block_id, _ = self._cached.popitem(last=False)  # evict the least recently released
         block = self.blocks[block_id]
-        digest = block.block_hash.digest  # type: ignore[union-attr]
-        del self._index[digest]
+        key = block.block_hash
+        assert key is not None
+        del self._index[key.digest]
         block.block_hash = None
+        if self.host is not None:  # copied out before the reservation taking it can write it
+            self.host.evicted_block(block_id, key)
         if self.snapshots is not None:  # a snapshot after this block can never be hit now
-            self.snapshots.evict_key(digest)
+            self.snapshots.evict_key(key.digest)  # (or only from the host tier)
         self.num_evicted_total += 1
         return block_id
 
@@ -360,3 +416,5 @@ class BlockPool:
         assert set(self._slot_of) <= set(self._reserved) | set(self._held)
         if self.snapshots is not None:
             self.snapshots.check()
+        if self.host is not None:
+            self.host.check()

@@ -73,6 +73,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    num_host_tokens: int = 0  # ... of which restored from its host tier
     block_table: list[int] = field(default_factory=list)
     num_reserved_blocks: int = 0  # the whole reservation, set at admission
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks

@@ -27,6 +27,7 @@ so a snapshot's bytes never pass for room a reservation could use.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -38,8 +39,12 @@ class SnapshotError(RuntimeError):
 
 
 class SnapshotPool:
-    def __init__(self, slots: range) -> None:
+    def __init__(self, slots: range,
+                 on_evict: Callable[[int, BlockKey], None] | None = None) -> None:
         self.slots = slots  # absolute state slots (after the request slots)
+        # Told of each cached snapshot evicted (slot, key) before its slot is reused: the
+        # host tier (host_tier.py) copies it out. A superseded one (discard) is not evicted.
+        self.on_evict = on_evict
         self._free: deque[int] = deque(slots)
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently used first
         self._key_of: dict[int, BlockKey] = {}  # filed slots
@@ -107,8 +112,7 @@ class SnapshotPool:
             slot = self._free.popleft()
         elif self._cached:
             slot, _ = self._cached.popitem(last=False)
-            self._unfile(slot)
-            self.num_evicted_total += 1
+            self._evict(slot)
         else:
             return -1
         self._writing.setdefault(req_id, []).append(slot)
@@ -139,14 +143,21 @@ class SnapshotPool:
             self._unfile(slot)
             self._free.append(slot)
 
+    def forget(self, slots: list[int]) -> None:
+        """Free these slots where cached (their copy in failed: not their key's content)."""
+        for slot in slots:
+            if slot in self._cached:
+                del self._cached[slot]
+                self._unfile(slot)
+                self._free.append(slot)
+
     def evict_key(self, digest: bytes) -> None:
         """The block filed under `digest` was evicted: a cached snapshot after it goes too."""
         slot = self._index.get(digest)
         if slot is not None and slot in self._cached:
             del self._cached[slot]
-            self._unfile(slot)
+            self._evict(slot)
             self._free.append(slot)
-            self.num_evicted_total += 1
 
     def release(self, req_id: str) -> None:
         """Give back what req_id holds: its pin, and any slot it was writing."""
@@ -158,6 +169,23 @@ class SnapshotPool:
     def _unfile(self, slot: int) -> None:
         key = self._key_of.pop(slot)
         del self._index[key.digest]
+
+    def _evict(self, slot: int) -> None:
+        if self.on_evict is not None:
+            self.on_evict(slot, self._key_of[slot])
+        self._unfile(slot)
+        self.num_evicted_total += 1
+
+    def take_for_restore(self, req_id: str, key: BlockKey) -> int:
+        """A slot filed under `key` and pinned for req_id, for a snapshot the host tier copies
+        in before req_id's first step (-1: every slot is pinned or being written)."""
+        slot = self.take(req_id)
+        if slot < 0:
+            return -1
+        if not self.file(req_id, slot, key):
+            raise SnapshotError(f"a snapshot under this key is filed already (slot {slot})")
+        self.pin(req_id, slot)
+        return slot
 
     def check(self) -> None:
         """Assert the invariants: every slot in exactly one state."""
