@@ -91,6 +91,12 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "Hybrid models: a prefix snapshot every this many tokens inside a long prompt (rounded"
         " down to whole blocks), besides the prompt's end and the reply's.", RESTART,
         ge=1)] = 4096
+    host_cache_mb: Annotated[int, field_meta(
+        "Host memory in MiB (the model's, all its cards together) for the prefix cache's host "
+        "tier: blocks and prefix snapshots evicted from the pool are kept there and copied "
+        "back on a hit instead of recomputed; 0 = none. Off by default: on a CPU host the pool"
+        " is host memory already, and on a GPU host the RAM is the operator's to share.",
+        RESTART, ge=0)] = 0
     prefix_sharing: Annotated[Literal["principal", "global"], field_meta(
         "Whose cached prefixes a request may reuse: principal = only its own principal's "
         "(the router's API key; anonymous callers are one principal), global = anyone's. "

@@ -65,6 +65,19 @@ class FakeRunner:
             at += len(seqs[i].token_ids)
         return StepOutput(self.execute(seqs), row_starts)
 
+    def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
+        """The host tier: host "blocks" of token ids (a hybrid's snapshots: none here)."""
+        self.host = [[-2] * self.block_size for _ in range(num_blocks)]
+        self.num_moves = 0
+
+    def move_kv(self, moves: Any) -> None:
+        """Out, then in, as ModelRunner's copies (a wrong pairing changes the output)."""
+        for device, host in moves.blocks_out:
+            self.host[host] = list(self.kv[device])
+        for host, device in moves.blocks_in:
+            self.kv[device] = list(self.host[host])
+        self.num_moves += 1
+
     def execute_mtp(self, seqs: list[Any], hidden: Any) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the fake runner has no MTP head")
 

@@ -36,6 +36,7 @@ from helexa.neuron.engine import intake, messages, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.grammar import Grammars, advance
+from helexa.neuron.engine.host_tier import HostTier, host_tier_size
 from helexa.neuron.engine.messages import TokenLogprob
 from helexa.neuron.engine.prefix_filing import file_full_blocks
 from helexa.neuron.engine.request import Request, RequestStatus
@@ -62,6 +63,7 @@ class EngineCore:
         runners = Runners(runner) if runner is not None else load_runners(spec, self.limits,
                                                                           progress)
         self.runner = runners.target
+        self._runners = runners
         self.spec = spec = check_pool(spec, self.runner)
         self.prefix_cache = spec.prefix_cache
         self.prefix_sharing = spec.prefix_sharing
@@ -88,6 +90,7 @@ class EngineCore:
         self.last_error = ""
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.prefix_host_hit_tokens = 0
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
         self.kv_reset_answer = ""  # to this step's ResetKv (intake.reset_kv)
@@ -100,6 +103,7 @@ class EngineCore:
     def step(self, inbound: messages.ToEngine | None = None) -> messages.FromEngine:
         started = time.perf_counter()
         intake.take(self, inbound)
+        self.move_kv()  # admission's host-tier copies, before any pass reads or writes them
         self.speculator.draft(self.running, self.limits.max_slots)
         plan = self.scheduler.schedule(self.running, self.waiting)
         if not plan.is_empty:
@@ -125,6 +129,7 @@ class EngineCore:
             inputs = lay_out(plan, reqs, self.pool, self.ensure_blocks)
             snapshots.take_slots(self.pool, inputs.reqs, inputs.chunks, inputs.seqs,
                                  self.spec.snapshot_every_tokens)
+            self.move_kv()  # a snapshot slot taken above may have evicted one to the host
             masked = inputs.masked  # their masks are computed while the model runs
             masks = self.grammars.start([inputs.sampled[j][0].matcher for j in masked]) \
                 if masked else None
@@ -222,11 +227,66 @@ class EngineCore:
 
     def new_pool(self, num_blocks: int) -> BlockPool:
         """KV blocks, and for hybrid models one linear-attention state slot per request and
-        the prefix snapshots' slots."""
+        the prefix snapshots' slots; with kv.host_cache_mb the host tier behind them, its
+        buffers allocated by the runners."""
         s = self.spec
         return BlockPool(num_blocks, s.block_size, s.bytes_per_block,
                          num_state_slots=s.num_state_slots, fixed_bytes=s.fixed_bytes,
-                         num_snapshot_slots=s.num_snapshot_slots or 0)
+                         num_snapshot_slots=s.num_snapshot_slots or 0,
+                         host=self._host_tier(num_blocks))
+
+    def _host_tier(self, num_blocks: int) -> HostTier | None:
+        s = self.spec
+        if not (s.host_cache_mb and s.prefix_cache):
+            return None
+        runners = [r for r in (self._runners.target, self._runners.draft) if r is not None]
+        if not all(hasattr(r, "move_kv") for r in runners):
+            if self.log is not None:
+                self.log.warning("engine.host_tier_off", reason="the runner cannot copy KV")
+            return None
+        # per card: each rank keeps its own shard, as the ledger counts
+        per_card = s.host_cache_mb * 2**20 // max(1, s.tp)
+        block_bytes = sum(r.kv_bytes_per_block for r in runners) or s.bytes_per_block or 1
+        blocks, snaps = host_tier_size(per_card, num_blocks, block_bytes,
+                                       s.num_snapshot_slots or 0, s.fixed_bytes)
+        for r in runners:
+            r.allocate_host(blocks, snaps)  # type: ignore[attr-defined]
+        if self.log is not None:
+            self.log.info("engine.host_tier", host_blocks=blocks, host_snapshots=snaps,
+                          mib=s.host_cache_mb)
+        return HostTier(blocks, s.bytes_per_block or block_bytes, snaps, s.fixed_bytes) \
+            if blocks else None
+
+    def move_kv(self) -> None:
+        """Make the host tier's queued copies (host_tier.py) on every runner now. If they
+        fail, the tier is emptied (what it holds is not known), the blocks it was to
+        restore leave the prefix index, and the requests restoring them fail with the error
+        (copies in are queued only by admission, so none of them has run a step yet)."""
+        host = self.pool.host
+        if host is None:
+            return
+        moves = host.take_moves()
+        if not moves:
+            return
+        try:
+            for r in (self._runners.target, self._runners.draft):
+                if r is not None:
+                    r.move_kv(moves)  # type: ignore[attr-defined]
+        except Exception as e:
+            self.last_error = f"host tier: {type(e).__name__}: {e}"
+            if self.log is not None:
+                self.log.exception("engine.host_copy_failed")
+            host.clear()
+            blocks = {d for _, d in moves.blocks_in}
+            slots = {d for _, d in moves.states_in}
+            self.pool.unfile(sorted(blocks))
+            snaps = self.pool.snapshots
+            for req in list(self.waiting):
+                if blocks.intersection(req.block_table) or (
+                        snaps is not None and snaps.restoring(req.req_id) in slots):
+                    self.finish(req, RequestStatus.FINISHED_ERROR, self.last_error)
+            if snaps is not None:
+                snaps.forget(sorted(slots))
 
     @property
     def has_work(self) -> bool:
@@ -243,6 +303,9 @@ class EngineCore:
             admitting=self.admission.admitting,
             prefix_query_tokens=self.prefix_query_tokens,
             prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_host_hit_tokens=self.prefix_host_hit_tokens,
+            host_offloaded_blocks=self.pool.host.num_offloaded_blocks if self.pool.host else 0,
+            host_restored_blocks=self.pool.host.num_restored_blocks if self.pool.host else 0,
             attention_backend=self.attention_backend,
             **self.speculator.figures(),
         )

@@ -94,6 +94,7 @@ def admit(core: EngineCore) -> None:
         if core.prefix_cache:
             core.prefix_query_tokens += req.num_prompt_tokens
             core.prefix_hit_tokens += req.num_cached_tokens
+            core.prefix_host_hit_tokens += req.num_host_tokens
 
 
 def add_request(core: EngineCore, new: messages.NewRequest) -> None:

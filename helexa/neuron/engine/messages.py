@@ -195,6 +195,10 @@ class KvLedger(msgspec.Struct, frozen=True, kw_only=True):
     # Hybrid models' prefix snapshots (snapshot_pool.py), already in the figures above.
     snapshot_total_bytes: int = 0
     snapshot_cached_bytes: int = 0
+    # The prefix cache's host tier (host_tier.py, kv.host_cache_mb): host memory per card,
+    # apart from the figures above (never room a reservation may take).
+    host_total_bytes: int = 0
+    host_cached_bytes: int = 0
 
 
 class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -211,6 +215,10 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     # prompt tokens of admitted requests, and how many of them were reused.
     prefix_query_tokens: int = 0
     prefix_hit_tokens: int = 0
+    # ... of which restored from the host tier, and the tier's copies out and in (blocks).
+    prefix_host_hit_tokens: int = 0
+    host_offloaded_blocks: int = 0
+    host_restored_blocks: int = 0
     # The runner's attention backend and what it chose (helexa/kernels/backends/), "" for fakes.
     attention_backend: str = ""
     # Speculative decoding, cumulative since start: the drafter ("off" = none), tokens

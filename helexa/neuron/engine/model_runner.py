@@ -29,8 +29,10 @@ from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import backends, kv_quant
 from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
 from helexa.kernels.backends.gdn import GatedDeltaStates
+from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
 from helexa.neuron.engine.speculative import mtp_passes
@@ -144,6 +146,7 @@ class ModelRunner:
         self.linear_states = GatedDeltaStates(self.device) if self._linear else None
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
+        self.host_kv: HostKv | None = None  # the prefix cache's host tier (allocate_host)
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
         self.extra_bytes_per_block = extra_bytes_per_block
         if self.device.type == "cuda" and tp_size == 1 and measure_pool:
@@ -233,6 +236,31 @@ class ModelRunner:
         log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
                  free_mib=free // 2**20, step_peak_mib=peak // 2**20)
         return blocks
+
+    def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
+        """The prefix cache's host tier on every rank: host twins of `num_blocks` blocks of
+        this rank's pool and `num_snapshots` linear-attention states (helexa/kernels/host_kv.py)."""
+        if self._tp is not None:
+            self._tp.allocate_host(num_blocks, num_snapshots)
+        self._allocate_own_host(num_blocks, num_snapshots)
+
+    def _allocate_own_host(self, num_blocks: int, num_snapshots: int) -> None:
+        self.host_kv = None  # the old twins go first
+        self.host_kv = HostKv([t for kv in self.kv_pools for t in block_tensors(kv)],
+                              state_tensors(self.linear_states), num_blocks, num_snapshots)
+        log.info("engine.host_tier_allocated", blocks=num_blocks, snapshots=num_snapshots,
+                 mib=self.host_kv.nbytes // 2**20, tp_rank=self.tp_rank)
+
+    def move_kv(self, moves: KvMoves) -> None:
+        """This step's copies between the pool and the host tier, on every rank."""
+        if self._tp is not None:
+            self._tp.move_kv(moves)
+        self._move_own_kv(moves)
+
+    def _move_own_kv(self, moves: KvMoves) -> None:
+        if self.host_kv is None:
+            raise RuntimeError("no host tier allocated")
+        self.host_kv.apply(moves)
 
     @property
     def k_caches(self) -> list[torch.Tensor]:

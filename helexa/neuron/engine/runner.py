@@ -37,7 +37,12 @@ class StepOutput:
 
 
 class Runner(Protocol):
-    """A model over the paged KV pool: runs steps, re-plans its pool, says what it holds."""
+    """A model over the paged KV pool: runs steps, re-plans its pool, says what it holds.
+
+    A runner that also has ``allocate_host(num_blocks, num_snapshots)`` and
+    ``move_kv(moves)`` (ModelRunner) can back the prefix cache's host tier
+    (host_tier.py); the engine runs without one where a runner has not.
+    """
 
     vocab_size: int
     num_blocks: int  # the pool's blocks (on CUDA measured at load: the plan's is the ceiling)

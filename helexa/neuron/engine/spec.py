@@ -64,6 +64,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # state slots (None: two per state slot), and their spacing inside a long prompt.
     num_snapshot_slots: int | None = None
     prefix_checkpoint_tokens: int = 4096
+    # kv.host_cache_mb: host memory for the prefix cache's host tier, the whole model's
+    # (each tensor-parallel rank keeps 1/tp of it); 0 = none (host_tier.py).
+    host_cache_mb: int = 0
     torch_threads: int | None = None
     attention_backend: str = "auto"  # helexa/kernels/backends/__init__.py
     cuda_graphs: bool = True

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.images import ImageSpan
 
 DEFAULT_TIMEOUT_SECS = float(os.environ.get("HELEXA_TP_TIMEOUT_SECS", "20"))
@@ -53,6 +54,15 @@ class TpResetKv(msgspec.Struct, tag=True):
     kv_dtype: str
 
 
+class TpAllocHost(msgspec.Struct, tag=True):
+    num_blocks: int  # the prefix cache's host tier (host_tier.py): host twins to allocate
+    num_snapshots: int
+
+
+class TpMoveKv(msgspec.Struct, tag=True):
+    moves: KvMoves  # copies between the pool and the host tier, before the next step
+
+
 class TpStop(msgspec.Struct, tag=True):
     pass
 
@@ -73,7 +83,7 @@ class TpFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpStop | TpJoin
+ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpAllocHost | TpMoveKv | TpStop | TpJoin
 FromRank = TpLoaded | TpReady | TpFailed
 
 

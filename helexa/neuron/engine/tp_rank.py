@@ -27,9 +27,11 @@ import msgspec
 from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
     ToRank,
+    TpAllocHost,
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMoveKv,
     TpMtp,
     TpMtpLogits,
     TpReady,
@@ -135,6 +137,12 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
             if isinstance(msg, TpResetKv):
                 tables.clear()
                 runner.reset_kv(msg.num_blocks, msg.kv_dtype)
+                continue
+            if isinstance(msg, TpAllocHost):
+                runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)
+                continue
+            if isinstance(msg, TpMoveKv):
+                runner._move_own_kv(msg.moves)
                 continue
             if isinstance(msg, TpMtpLogits):
                 runner.mtp_logits(None, msg.rows)

@@ -41,14 +41,17 @@ from typing import Any
 
 import msgspec
 
+from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.tp_messages import (
     FromRank,
     RunnerArgs,
     ToRank,
+    TpAllocHost,
     TpError,
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMoveKv,
     TpMtp,
     TpMtpLogits,
     TpReady,
@@ -189,6 +192,14 @@ class TpWorkers:
         self._tables.clear()
         self._stale.clear()
         self._send(TpResetKv(num_blocks, kv_dtype))
+
+    def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
+        self.check()
+        self._send(TpAllocHost(num_blocks, num_snapshots))
+
+    def move_kv(self, moves: KvMoves) -> None:
+        self.check()
+        self._send(TpMoveKv(moves))
 
     def _send(self, msg: ToRank) -> None:
         data = self._encoder.encode(msg)

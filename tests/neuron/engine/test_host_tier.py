@@ -1,0 +1,265 @@
+"""The prefix cache's host tier (kv.host_cache_mb): an agent whose session another user's
+long prompt pushed out of the device pool resumes from host memory, with a cold server's
+tokens, on dense and hybrid models and across tensor-parallel ranks; the pool and the tier
+keep their invariants through a storm of evictions."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from support.engine import assert_whole, drive
+from support.fake_runner import FakeRunner
+
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.host_tier import HostTier, host_tier_size
+from helexa.neuron.engine.spec import EngineSpec
+
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+def turn(rid: str, prompt: list[int], max_tokens: int = 16) -> m.NewRequest:
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY)
+
+
+def keys(tokens: list[int], bs: int) -> list:
+    out, parent = [], None
+    for i in range(len(tokens) // bs):
+        parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+        out.append(parent)
+    return out
+
+
+# --- mechanism -----------------------------------------------------------------------
+
+
+def test_sizes_follow_the_device_pools_mix():
+    assert host_tier_size(1000, 10, 10) == (100, 0)
+    # device: 10 blocks of 10 B and 2 snapshots of 50 B, 200 B; twice that on the host
+    assert host_tier_size(400, 10, 10, 2, 50) == (20, 4)
+    assert host_tier_size(0, 10, 10, 2, 50) == (0, 0)
+
+
+def test_an_evicted_chain_is_copied_out_and_a_later_hit_copies_it_back():
+    host = HostTier(4, 10)
+    pool = BlockPool(4, 2, 10, host=host)
+    ks = keys([1, 2, 3, 4, 5, 6], 2)
+    assert pool.reserve("a", 3)
+    blocks = [pool.draw("a") for _ in range(3)]
+    for b, k in zip(blocks, ks, strict=True):
+        pool.register(b, k)
+    pool.release("a")
+    assert pool.reserve("b", 4)  # takes every block: the chain is evicted to the host
+    moves = host.take_moves()
+    assert sorted(d for d, _ in moves.blocks_out) == sorted(blocks) and not moves.blocks_in
+    assert host.match(ks) == [h for _, h in sorted(moves.blocks_out,
+                                                   key=lambda p: blocks.index(p[0]))]
+    pool.release("b")
+    led = pool.ledger()
+    assert (led.host_total_bytes, led.host_cached_bytes) == (40, 30)
+    # a hit on the host restores the chain into fresh blocks, filed at once
+    on_host = host.match(ks)
+    assert pool.reserve("c", 3, (), -1, list(zip(on_host, ks, strict=True)))
+    restored = pool.restored_blocks("c")
+    moves = host.take_moves()
+    assert moves.blocks_in == list(zip(on_host, restored, strict=True))
+    assert pool.match_prefix(ks) == restored and pool.num_reserved_for("c") == 0
+    pool.release("c")
+    pool.check()
+    assert pool.ledger().free_bytes == pool.ledger().total_bytes
+
+
+def test_a_host_block_pinned_for_a_copy_in_is_never_evicted_for_a_copy_out():
+    host = HostTier(2, 10)
+    pool = BlockPool(3, 1, 10, host=host)
+    ks = keys([1, 2, 3], 1)
+    for i, k in enumerate(ks):  # three single-block requests, each filed and released
+        assert pool.reserve(f"r{i}", 1)
+        pool.register(pool.draw(f"r{i}"), k)
+        pool.release(f"r{i}")
+    assert pool.reserve("x", 3)  # evicts all three; the host keeps the last two
+    host.take_moves()
+    pool.release("x")  # x's blocks were never filed: all free
+    assert host.blocks.lookup(ks[0]) is None and host.match(ks[1:2]) != []
+    # restore ks[1] while the same reservation's evictions want room on the host
+    pool2_hit = host.match(ks[1:2])
+    for i, k in enumerate(keys([7, 8, 9], 1)):
+        assert pool.reserve(f"y{i}", 1)
+        pool.register(pool.draw(f"y{i}"), k)
+        pool.release(f"y{i}")
+    assert pool.reserve("z", 3, (), -1, [(pool2_hit[0], ks[1])])
+    moves = host.take_moves()
+    assert moves.blocks_in == [(pool2_hit[0], pool.restored_blocks("z")[0])]
+    assert all(h != pool2_hit[0] for _, h in moves.blocks_out)  # never the pinned one
+    pool.release("z")
+    pool.check()
+
+
+# --- an engine (the fake runner keeps token ids as its KV: a wrong copy changes output) --
+
+
+def fake_core(host_cache_mb: int, num_blocks: int = 40) -> tuple[EngineCore, FakeRunner]:
+    runner = FakeRunner(512, num_blocks, 4)
+    runner.kv_bytes_per_block = 4096  # type: ignore[misc]  # 256 blocks a MiB
+    spec = EngineSpec(model_id="fake", num_blocks=num_blocks, block_size=4, context=160,
+                      host_cache_mb=host_cache_mb, limits=m.Limits(anon_max_in_flight=8))
+    return EngineCore(spec, runner=runner), runner
+
+
+def pushed_out_session(core: EngineCore, turns: int, seed: int) -> list[tuple[list[int], int]]:
+    """An agent session; between its turns another caller's long prompt fills the pool.
+    Returns each turn's (tokens, cached tokens)."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 500) for _ in range(30)]
+    out = []
+    for t in range(turns):
+        got = drive(core, [turn(f"a{t}", prompt, 8)], served=True)
+        out.append((got.tokens[f"a{t}"], got.admitted[f"a{t}"].cached_tokens))
+        other = [rng.randrange(3, 500) for _ in range(154)]  # with its 4: the whole pool
+        drive(core, [turn(f"b{t}", other, 4)], served=True)
+        prompt = prompt + got.tokens[f"a{t}"] + [rng.randrange(3, 500) for _ in range(5)]
+    return out
+
+
+def test_a_session_pushed_out_of_the_pool_resumes_from_host_memory():
+    warm, runner = fake_core(host_cache_mb=1)
+    without, _ = fake_core(host_cache_mb=0)
+    cold, _ = fake_core(host_cache_mb=0)
+    cold.prefix_cache = cold.admission.prefix_cache = False
+    got = pushed_out_session(warm, 5, seed=1)
+    plain = pushed_out_session(without, 5, seed=1)
+    want = pushed_out_session(cold, 5, seed=1)
+    assert [t for t, _ in got] == [t for t, _ in want] == [t for t, _ in plain]
+    assert all(c == 0 for _, c in plain)  # the long prompts do push the session out
+    prompts = [30 + sum(len(t) + 5 for t, _ in got[:i]) for i in range(len(got))]
+    for i in range(1, len(got)):  # ... and the host tier brings it back
+        assert got[i][1] >= 0.9 * prompts[i - 1], (i, got[i][1], prompts[i - 1])
+    st = warm.status()
+    assert st.prefix_host_hit_tokens > 0 and st.host_restored_blocks > 0 and runner.num_moves
+    led = warm.pool.ledger()
+    assert led.host_total_bytes == 2**20  # 1 MiB of 4,096 B blocks
+    assert 0 < led.host_cached_bytes <= led.host_total_bytes
+    assert_whole(warm)
+
+
+def test_a_failed_copy_fails_only_the_restoring_request_and_empties_the_tier():
+    core, runner = fake_core(host_cache_mb=1)
+    prompt = list(range(3, 33))
+    drive(core, [turn("a", prompt, 4)], served=True)
+    drive(core, [turn("b", list(range(100, 254)), 4)], served=True)
+
+    def broken(moves):
+        raise RuntimeError("copy failed")
+
+    runner.move_kv = broken  # type: ignore[method-assign]
+    run = drive(core, [turn("c", prompt, 4)])
+    assert "host tier" in run.final["c"].error
+    assert core.pool.host is not None and core.pool.host.blocks.num_filed == 0
+    del runner.move_kv  # the class's again
+    again = drive(core, [turn("d", prompt, 4)], served=True)
+    assert again.tokens["d"]
+    assert_whole(core)
+
+
+# --- real models ------------------------------------------------------------------------
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def model_core(model_dir: Path, *, prefix_cache: bool = True, host_cache_mb: int = 0,
+               **kw) -> EngineCore:
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=120, block_size=8,
+                      context=960, prefix_cache=prefix_cache, bytes_per_token=0,
+                      host_cache_mb=host_cache_mb, num_snapshot_slots=4,
+                      limits=m.Limits(anon_max_in_flight=8), **kw)
+    return EngineCore(spec)
+
+
+def model_session(warm: EngineCore, cold: EngineCore, turns: int, seed: int) -> list[int]:
+    """A session on both engines, another caller's 900-token prompt between turns (it takes
+    most of the pool and half the snapshot slots). Asserts a cold server's tokens each turn and
+    cached_tokens >= 0.9 of the last prompt; returns each turn's cached tokens."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(3, 500) for _ in range(60)]
+    cached, previous = [], 0
+    for t in range(turns):
+        got = drive(warm, [turn(f"w{t}", prompt, 8)], served=True)
+        want = drive(cold, [turn(f"c{t}", prompt, 8)], served=True).tokens[f"c{t}"]
+        assert got.tokens[f"w{t}"] == want, f"turn {t}"
+        cached.append(got.admitted[f"w{t}"].cached_tokens)
+        if previous:
+            assert cached[t] >= 0.9 * previous, (t, cached[t], previous)
+        previous = len(prompt)
+        other = [rng.randrange(3, 500) for _ in range(900)]
+        drive(warm, [turn(f"o{t}", other, 2)], served=True)
+        prompt = prompt + want + [rng.randrange(3, 500) for _ in range(rng.randrange(9, 20))]
+    return cached
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next", "qwen3"])
+def test_a_16_turn_session_pushed_out_every_turn_keeps_a_cold_servers_tokens(
+        tiny_checkpoint, arch):
+    model_dir = tiny_checkpoint(arch)
+    warm = model_core(model_dir, host_cache_mb=4)
+    cold = model_core(model_dir, prefix_cache=False)
+    assert warm.pool.host is not None
+    cached = model_session(warm, cold, 16, seed=2)
+    assert cached[0] == 0 and all(cached[1:])
+    st = warm.status()
+    assert st.prefix_host_hit_tokens > 0 and st.host_restored_blocks > 0
+    host = warm.pool.host
+    if arch != "qwen3":
+        assert host.num_restored_snapshots > 0 and host.num_offloaded_snapshots > 0
+    assert_whole(warm, hybrid=arch != "qwen3")
+
+
+def test_tensor_parallel_ranks_each_restore_their_shard(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5")
+    warm = model_core(model_dir, host_cache_mb=4, tp=2, devices=["cpu", "cpu"])
+    try:
+        model_session(warm, model_core(model_dir, prefix_cache=False), 4, seed=7)
+        assert warm.status().prefix_host_hit_tokens > 0
+        assert_whole(warm, hybrid=True)
+    finally:
+        warm.close()
+
+
+def test_a_storm_through_both_tiers_leaves_the_ledger_whole(tiny_checkpoint):
+    """Requests sharing three stems, a third of them aborted mid-stream, on a pool and a
+    host tier both too small for them: every step keeps both tiers' invariants."""
+    model_dir = tiny_checkpoint("qwen3_5")
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=40, block_size=8,
+                      context=320, bytes_per_token=0, host_cache_mb=1, num_snapshot_slots=3,
+                      prefix_checkpoint_tokens=16,
+                      limits=m.Limits(anon_max_in_flight=4, max_in_flight=4, max_slots=4,
+                                      max_batched_tokens=64, prefill_chunk_tokens=24,
+                                      max_queue_depth=64, max_per_principal=64))
+    core = EngineCore(spec)
+    host = core.pool.host
+    assert host is not None and host.blocks.num_slots > 0
+    host.blocks = type(host.blocks)(24)  # smaller than the stems: the host evicts too
+    rng = random.Random(12)
+    stems = [[rng.randrange(3, 500) for _ in range(60)] for _ in range(4)]
+    news = [turn(f"r{i}", rng.choice(stems)[:rng.randrange(17, 60)]
+                 + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))],
+                 rng.randrange(2, 20)) for i in range(48)]
+    abandon = {n.req_id for n in news[::3]}
+    inbound: m.ToEngine | None = m.ToEngine(new=news)
+    for _ in range(20_000):
+        out = core.step(inbound)
+        inbound = m.ToEngine()
+        for u in out.updates:
+            assert u.refused_code is None and (u.error == "" or u.req_id in abandon), u
+            if u.req_id in abandon and u.new_token_ids and u.finished is None:
+                inbound.aborts.append(m.Abort(req_id=u.req_id))
+        core.pool.check()
+        if not core.has_work and not inbound.aborts:
+            break
+    assert core.status().prefix_host_hit_tokens > 0 and host.blocks.num_evicted_total
+    assert host.num_restored_snapshots
+    assert_whole(core, hybrid=True)
