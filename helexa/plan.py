@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from helexa.budget import host_tier_size
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.layers_present import missing_layers
@@ -132,6 +133,11 @@ class ModelPlan:
     graph_rows: int = 0
     graph_pool_bytes: int = 0
     headroom_bytes: int = 0
+    # kv.host_cache_mb: the prefix cache's host tier, per card (host memory, not the pool's
+    # budget): blocks and snapshots in the pool's own mix (budget.host_tier_size).
+    host_bytes_per_card: int = 0
+    host_blocks: int = 0
+    host_snapshots: int = 0
 
 
 def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
@@ -324,9 +330,15 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     if cfg.engine.cuda_graphs:
         graph_rows = (profile.max_slots if profile and profile.max_slots
                       else cfg.engine.max_slots)
+    host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
+        not fixed or plan.num_snapshot_slots) else 0
+    host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,
+                                             plan.num_snapshot_slots, fixed)
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks,
                    graph_rows=graph_rows, headroom_bytes=headroom,
-                   graph_pool_bytes=graph_pool_bytes(shape, tp, graph_rows, float_dtype))
+                   graph_pool_bytes=graph_pool_bytes(shape, tp, graph_rows, float_dtype),
+                   host_bytes_per_card=host_bytes if host_blocks else 0,
+                   host_blocks=host_blocks, host_snapshots=host_snaps)
 
 
 def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,

@@ -318,3 +318,27 @@ def test_plan_says_whose_prefixes_a_request_reuses(tmp_path, capsys, kv, says):
                                  f'config = "{DENSE}"\n')
     assert helexa_main(["plan", str(path)]) == 0
     assert f"  prefix cache: {says}" in capsys.readouterr().out
+
+
+def test_the_host_tier_is_planned_per_card_in_the_pools_mix(tmp_path):
+    from helexa.cli.plan import format_plan
+    from helexa.plan import state_slots
+
+    body = (f'[kv]\nkv_budget_mb = 5913\nblock_size = 16\n{{host}}[[models]]\nid = "h"\n'
+            f'config = "{HYBRID}"\ntp = 2\ncontext = 131072\n')
+    assert plan_of(tmp_path, body.format(host="")).host_blocks == 0  # off by default
+    plan = plan_of(tmp_path, body.format(host="host_cache_mb = 16384\n"))
+    per_card = 8192 * MIB  # 16 GiB of host memory for the model, tp = 2
+    assert plan.host_bytes_per_card == per_card
+    blocks, _ = state_slots(plan, 16)
+    block_bytes = plan.block_size * plan.bytes_per_token
+    used = plan.host_blocks * block_bytes + plan.host_snapshots * plan.fixed_bytes
+    assert per_card - block_bytes < used <= per_card
+    # the pool's mix: as many snapshots per block as the device pool holds
+    assert plan.host_snapshots == per_card * 32 // (blocks * block_bytes
+                                                    + 32 * plan.fixed_bytes)
+    assert plan.host_snapshots > 32 and plan.host_blocks > blocks
+    assert (f"host tier           8.0 GiB of host memory per card (kv.host_cache_mb / tp): "
+            f"{plan.host_blocks:,} blocks") in format_plan(plan)
+    off = plan_of(tmp_path, body.format(host="host_cache_mb = 16384\nprefix_cache = false\n"))
+    assert off.host_blocks == 0 and "host tier" not in format_plan(off)

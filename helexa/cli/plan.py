@@ -49,6 +49,13 @@ def format_plan(p: ModelPlan) -> str:
             f"    prefix snapshots    none fit ({p.fixed_bytes:,} B each) beside the state slots "
             "and one full context: the prefix cache is off for this model (lower context or "
             "admission.max_in_flight, or raise kv_budget_mb)")
+    if p.host_blocks:
+        lines.append(
+            f"    host tier           {format_bytes(p.host_bytes_per_card)} of host memory per card "
+            f"(kv.host_cache_mb / tp): {p.host_blocks:,} blocks = "
+            f"{p.host_blocks * p.block_size:,} tokens"
+            + (f" + {p.host_snapshots} prefix snapshots" if p.host_snapshots else "")
+            + "; evicted prefixes wait there and are copied back on a hit")
     if p.held_bytes:
         lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
                      " state slot: one verification row's inputs, for rollback")

@@ -41,6 +41,17 @@ class _ResidencyCollector(Collector):
         slots = {k: GaugeMetricFamily(f"helexa_kv_state_{k}_bytes",
                                       f"State slot bytes {k} (per card; hybrid models)",
                                       labels=["model"]) for k in ("total", "free")}
+        # The prefix cache's host tier (kv.host_cache_mb): its bytes, and its traffic since start.
+        host = {k: GaugeMetricFamily(f"helexa_kv_host_{k}_bytes",
+                                     f"Host tier bytes {k} (per card; kv.host_cache_mb)",
+                                     labels=["model"]) for k in ("total", "cached")}
+        host_moves = {k: CounterMetricFamily(f"helexa_kv_host_{k}_blocks",
+                                             f"KV blocks copied {'out to' if k == 'offloaded' else 'back from'}"
+                                             " the host tier", labels=["model"])
+                      for k in ("offloaded", "restored")}
+        host_hits = CounterMetricFamily("helexa_prefix_host_hit_tokens",
+                                        "Prompt tokens restored from the host tier (part of "
+                                        "the prefix cache's hits)", labels=["model"])
         state = GaugeMetricFamily("helexa_model_state",
                                   "Model lifecycle state (1 loading, 2 ready, 3 switching, "
                                   "4 draining, 5 failed)", labels=["model"])
@@ -63,6 +74,12 @@ class _ResidencyCollector(Collector):
             fixed.add_metric([r.model_id], s.kv.fixed_bytes_per_request)
             for k, g in slots.items():
                 g.add_metric([r.model_id], getattr(s.kv, f"state_{k}_bytes"))
+            if s.kv.host_total_bytes:
+                for k, g in host.items():
+                    g.add_metric([r.model_id], getattr(s.kv, f"host_{k}_bytes"))
+                for k, c in host_moves.items():
+                    c.add_metric([r.model_id], getattr(s, f"host_{k}_blocks"))
+                host_hits.add_metric([r.model_id], s.prefix_host_hit_tokens)
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)
@@ -75,6 +92,9 @@ class _ResidencyCollector(Collector):
         yield from kv.values()
         yield fixed
         yield from slots.values()
+        yield from host.values()
+        yield from host_moves.values()
+        yield host_hits
         yield from counts.values()
         yield state
         yield from (drafted, accepted, rate)

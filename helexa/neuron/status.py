@@ -38,7 +38,8 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
             used_bytes=s.kv.used_bytes, block_size=s.kv.block_size,
             bytes_per_token=s.kv.bytes_per_token,
             fixed_bytes_per_request=s.kv.fixed_bytes_per_request,
-            state_total_bytes=s.kv.state_total_bytes, state_free_bytes=s.kv.state_free_bytes))
+            state_total_bytes=s.kv.state_total_bytes, state_free_bytes=s.kv.state_free_bytes,
+            host_total_bytes=s.kv.host_total_bytes, host_cached_bytes=s.kv.host_cached_bytes))
         m.in_flight, m.queued, m.running = s.in_flight, s.queued, s.running
         m.decode_tokens_per_sec = s.decode_tokens_per_sec
         m.prefill_tokens_per_sec = s.prefill_tokens_per_sec

@@ -246,7 +246,7 @@ class WatchRequest(_message.Message):
     def __init__(self, heartbeat_ms: _Optional[int] = ...) -> None: ...
 
 class KvLedger(_message.Message):
-    __slots__ = ("total_bytes", "free_bytes", "cached_bytes", "reserved_bytes", "used_bytes", "block_size", "bytes_per_token", "fixed_bytes_per_request", "state_total_bytes", "state_free_bytes")
+    __slots__ = ("total_bytes", "free_bytes", "cached_bytes", "reserved_bytes", "used_bytes", "block_size", "bytes_per_token", "fixed_bytes_per_request", "state_total_bytes", "state_free_bytes", "host_total_bytes", "host_cached_bytes")
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,8 @@ class KvLedger(_message.Message):
     FIXED_BYTES_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STATE_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_CACHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     total_bytes: int
     free_bytes: int
     cached_bytes: int
@@ -267,7 +269,9 @@ class KvLedger(_message.Message):
     fixed_bytes_per_request: int
     state_total_bytes: int
     state_free_bytes: int
-    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., state_total_bytes: _Optional[int] = ..., state_free_bytes: _Optional[int] = ...) -> None: ...
+    host_total_bytes: int
+    host_cached_bytes: int
+    def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., state_total_bytes: _Optional[int] = ..., state_free_bytes: _Optional[int] = ..., host_total_bytes: _Optional[int] = ..., host_cached_bytes: _Optional[int] = ...) -> None: ...
 
 class AdmissionLimits(_message.Message):
     __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs", "default_output_tokens")
