@@ -16,6 +16,9 @@ sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
   ``moe_torch_iterative.py``). No host sync; it reads every expert once and computes
   E / k times the routed rows, memory-bound only while N is a decode batch.
 
+Experts kept quantised (a GGUF's stacks, one op per expert) have the looped and masked
+forms only (``run_quantised_experts``), chosen by the same rule.
+
 ``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
 are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
 fastest there at every batch (bench/moe_dispatch.py). No GPU figure was measured: the CUDA
@@ -24,6 +27,7 @@ thresholds follow the byte counts above.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -81,6 +85,45 @@ def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen:
 
 
 FORMS = {"looped": experts_looped, "gathered": experts_gathered, "masked": experts_masked}
+
+
+def quantised_masked(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor], torch.Tensor],
+                     num_experts: int, chosen: torch.Tensor, weights: torch.Tensor
+                     ) -> torch.Tensor:
+    """experts_masked for experts kept quantised (a GGUF's stacks: ``kernel(which, expert,
+    x)`` is x @ W[expert]^T on its op): no host sync, so a CUDA graph can capture it."""
+    out = torch.zeros_like(x)
+    for expert in range(num_experts):
+        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
+        gate, up = kernel("w13", expert, x).chunk(2, dim=-1)
+        out += kernel("w2", expert, F.silu(gate) * up) * weight
+    return out
+
+
+def quantised_looped(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor], torch.Tensor],
+                     chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """experts_looped for experts kept quantised: one host sync (the chosen experts)."""
+    out = torch.zeros_like(x)
+    for expert in chosen.unique().tolist():
+        rows, slot = torch.where(chosen == expert)
+        gate, up = kernel("w13", expert, x[rows]).chunk(2, dim=-1)
+        y = kernel("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
+        out.index_add_(0, rows, y)
+    return out
+
+
+def run_quantised_experts(x: torch.Tensor,
+                          kernel: Callable[[str, int, torch.Tensor], torch.Tensor],
+                          num_experts: int, chosen: torch.Tensor, weights: torch.Tensor
+                          ) -> torch.Tensor:
+    """Quantised experts by choose_form's rule: the looped form where it would loop, else
+    (a CUDA decode step, or a capture) the masked one; a quantised stack has no gathered
+    form (its experts are separate ops, not one tensor to index)."""
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if choose_form(x.device.type, x.shape[0], chosen.shape[1], num_experts,
+                   capturing) == "looped":
+        return quantised_looped(x, kernel, chosen, weights)
+    return quantised_masked(x, kernel, num_experts, chosen, weights)
 
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,

@@ -110,3 +110,31 @@ def test_a_moe_layer_on_the_cuda_path_syncs_nowhere_and_answers_the_same(monkeyp
     with NoHostSync():
         got = block(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _op_kernel(w13: torch.Tensor, w2: torch.Tensor) -> Any:
+    """A quantised stack's experts_kernel(which, expert, x) stand-in: one op per expert."""
+    return lambda which, e, x: torch.nn.functional.linear(x, (w13 if which == "w13" else w2)[e])
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_quantised_experts_masked_match_looped_and_make_no_host_sync(n):
+    w13, w2 = _experts()
+    x, chosen, weights = _routing(n, 8, 2, 32)
+    kernel = _op_kernel(w13, w2)
+    want = moe_experts.quantised_looped(x, kernel, chosen, weights)
+    torch.testing.assert_close(want, experts_looped(x, w13, w2, chosen, weights))
+    with NoHostSync():
+        got = moe_experts.quantised_masked(x, kernel, 8, chosen, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_gguf_moe_layer_on_the_cuda_path_syncs_nowhere(monkeypatch):
+    block = _block(shared=False)
+    block.experts_kernel = _op_kernel(block.w13.data, block.w2.data)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(4))
+    want = block(x)  # CPU: one pass per chosen expert
+    monkeypatch.setattr(moe_experts, "choose_form", lambda *a: "gathered")  # a CUDA decode
+    with NoHostSync():
+        got = block(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

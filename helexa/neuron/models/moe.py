@@ -13,7 +13,8 @@ and w2 [E, H, I/tp] so a token's expert is one index; the products run in the fo
 helexa/kernels/moe_experts.py picks for the device and step (on CUDA, decode-sized steps
 without a host sync, so a CUDA graph can hold them). A GGUF file's quantised expert
 stacks run each expert's product through ``experts_kernel`` instead
-(helexa/neuron/formats/gguf/experts.py), one pass per chosen expert.
+(helexa/neuron/formats/gguf/experts.py): one pass per chosen expert, or on CUDA's
+decode-sized steps one over every expert, again without a host sync.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from helexa.kernels.moe_experts import run_experts
+from helexa.kernels.moe_experts import run_experts, run_quantised_experts
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
     HotModule,
@@ -78,17 +79,6 @@ class SparseMoeBlock(HotModule):
         start = self.tp_rank * cols
         _copy_checked(param.data[shard], loaded[:, start:start + cols], f"expert {shard} down")
 
-    def _quantised_experts(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor
-                           ) -> torch.Tensor:
-        """The experts through experts_kernel, one pass per chosen expert (a host sync)."""
-        out = torch.zeros_like(x)
-        for expert in chosen.unique().tolist():
-            rows, slot = torch.where(chosen == expert)
-            gate, up = self.experts_kernel("w13", expert, x[rows]).chunk(2, dim=-1)
-            y = self.experts_kernel("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
-            out.index_add_(0, rows, y)
-        return out
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
         probs = F.linear(x, self.gate).float().softmax(dim=-1)  # [N, E]
@@ -99,7 +89,8 @@ class SparseMoeBlock(HotModule):
         if self.experts_kernel is None:
             out = run_experts(x, self.w13, self.w2, chosen, weights)
         else:
-            out = self._quantised_experts(x, chosen, weights)
+            out = run_quantised_experts(x, self.experts_kernel, self.w13.shape[0], chosen,
+                                        weights)
         if self.shared is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             shared = self.shared_down.linear(F.silu(gate) * up, None)  # partial sum: reduced below
