@@ -74,3 +74,29 @@ def test_a_change_after_a_quiet_spell_is_seen_within_100_ms() -> None:
         return stamps[1] - t_change
 
     assert asyncio.run(run()) < 0.1
+
+
+def test_metrics_show_the_host_tier_only_where_a_model_has_one():
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from helexa.neuron.engine import messages as em
+    from helexa.neuron.metrics import NeuronMetrics
+
+    def model(mid: str, host: int) -> SimpleNamespace:
+        kv = em.KvLedger(total_bytes=100, free_bytes=100, cached_bytes=0, reserved_bytes=0,
+                         used_bytes=0, block_size=16, bytes_per_token=4,
+                         host_total_bytes=host, host_cached_bytes=host // 4)
+        return SimpleNamespace(model_id=mid, state=2, engine_status=em.EngineStatus(
+            kv=kv, in_flight=0, queued=0, running=0, prefix_host_hit_tokens=48,
+            host_offloaded_blocks=5, host_restored_blocks=3))
+
+    residency = SimpleNamespace(models={"a": model("a", 4096), "b": model("b", 0)})
+    text = generate_latest(NeuronMetrics(residency).registry).decode()  # type: ignore[arg-type]
+    assert 'helexa_kv_host_total_bytes{model="a"} 4096.0' in text
+    assert 'helexa_kv_host_cached_bytes{model="a"} 1024.0' in text
+    assert 'helexa_kv_host_offloaded_blocks_total{model="a"} 5.0' in text
+    assert 'helexa_kv_host_restored_blocks_total{model="a"} 3.0' in text
+    assert 'helexa_prefix_host_hit_tokens_total{model="a"} 48.0' in text
+    assert 'helexa_kv_host_total_bytes{model="b"}' not in text
