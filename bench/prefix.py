@@ -1,16 +1,21 @@
-"""The prefix cache: TTFT of a chat's second turn, cache on against off, at long histories.
+"""The prefix cache: TTFT of a chat's second turn, cache off, on, and restored from the
+host tier, at long histories.
 
     .venv/bin/python bench/prefix.py [--model DIR] [--history 2000,8000] [--repeats 3]
-                                     [--threads 1]
+                                     [--threads 1] [--host-cache-mb 512]
 
-Starts two `helexa neuron` daemons on loopback with the same model, one with
-the prefix cache (the default) and one with `kv.prefix_cache = false`. In
-every repeat a fresh conversation (its own history, so nothing of it is
-cached yet) is played on both, interleaved:
+Starts three `helexa neuron` daemons on loopback with the same model: one with
+the prefix cache (the default), one with `kv.prefix_cache = false`, and one
+with the cache and a host tier (`kv.host_cache_mb`). In every repeat a fresh
+conversation (its own history, so nothing of it is cached yet) is played on
+each, interleaved:
 
 - turn 1: system prompt + a user message of about --history tokens (cold);
 - turn 2: turn 1, the assistant's reply, a short new question — the cached
-  daemon reuses turn 1's blocks, the other recomputes the whole prompt.
+  daemon reuses turn 1's blocks, the uncached one recomputes the whole prompt,
+  and on the host-tier daemon another caller's prompts fill its whole pool
+  between the turns (so turn 1's blocks are evicted to host memory), and turn 2
+  copies them back instead of recomputing them.
 
 TTFT is measured at the client, from the gRPC call to the first message
 carrying tokens; the daemon's own `usage.prefill_ms` (arrival to first
@@ -33,11 +38,14 @@ import tempfile
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.auth import bearer
 from helexa.neuron.tokenizer import Tokenizer
+from helexa.plan import check_neuron_config
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 
@@ -68,15 +76,40 @@ def history_text(tok: Tokenizer, tokens: int, repeat: int) -> str:
 
 
 def start(workdir: Path, name: str, model: Path, prefix_cache: bool, threads: int,
-          kv_budget_mb: int) -> NeuronProcess:
+          kv_budget_mb: int, host_cache_mb: int = 0) -> tuple[NeuronProcess, Any]:
+    """The daemon, and its model's plan (pool tokens and context)."""
     (workdir / "token").write_text(TOKEN + "\n")
+    kv: dict[str, Any] = {"kv_budget_mb": kv_budget_mb, "prefix_cache": prefix_cache}
+    if host_cache_mb:
+        kv["host_cache_mb"] = host_cache_mb
     cfg = write_neuron_config(workdir / f"{name}.toml", {
         "server": {"name": name, "listen": "127.0.0.1:0", "token_file": "token"},
         "engine": {"torch_threads": threads},
-        "kv": {"kv_budget_mb": kv_budget_mb, "prefix_cache": prefix_cache},
+        "kv": kv,
         "models": [{"id": "m", "path": str(model)}],
     })
-    return start_neuron(cfg)
+    plan = check_neuron_config(cfg, load_neuron_config(cfg))[0]
+    return start_neuron(cfg), plan
+
+
+_FILLS = 0
+
+
+async def fill_pool(stub, tag: str, plan: Any, tok: Tokenizer) -> None:
+    """Another caller's prompts, one after another, as many tokens as the whole pool: every
+    cached block of the conversation is evicted (to the host tier, where there is one)."""
+    global _FILLS
+    left, i = plan.pool_tokens, 0
+    while left > 0:
+        _FILLS += 1  # every fill its own text: a fill that hit its own cache would evict nothing
+        n = max(1, min(left, plan.context - 2))
+        ids = tok.encode(history_text(tok, n, 10_000 + _FILLS), add_special_tokens=False)[:n]
+        req = pb.GenerateRequest(req_id=f"{tag}-fill{i}", model="m", principal="filler",
+                                 token_ids=pb.TokenIds(ids=ids), max_tokens=1,
+                                 sampling=pb.SamplingParams(temperature=0.0))
+        async for _ in stub.Generate(req, metadata=bearer(TOKEN)):
+            pass
+        left, i = left - n, i + 1
 
 
 def request(req_id: str, messages: list[tuple[str, str]], max_tokens: int) -> pb.GenerateRequest:
@@ -99,26 +132,39 @@ async def turn(stub, req: pb.GenerateRequest) -> tuple[float, str, pb.Usage]:
     return ttft, "".join(text), usage
 
 
-async def conversation(stub, tag: str, history: str, max_tokens: int) -> list[tuple]:
+async def conversation(stub, tag: str, history: str, max_tokens: int,
+                       fill: tuple[Any, Tokenizer] | None = None) -> list[tuple]:
+    """Both turns; with `fill` (a plan) the pool is filled by another caller between them."""
     first = [("system", SYSTEM), ("user", history)]
     t1 = await turn(stub, request(f"{tag}-1", first, max_tokens))
+    if fill is not None:
+        await fill_pool(stub, tag, *fill)
     second = [*first, ("assistant", t1[1]), ("user", FOLLOW_UP)]
     t2 = await turn(stub, request(f"{tag}-2", second, max_tokens))
     return [t1, t2]
 
 
-async def run(on: str, off: str, histories: list[str], max_tokens: int) -> dict[str, list]:
-    rows: dict[str, list] = {"turn 1": [], "turn 2 (cache)": [], "turn 1 (no cache)": [],
-                             "turn 2 (no cache)": []}
-    async with grpc.aio.insecure_channel(on) as ch_on, grpc.aio.insecure_channel(off) as ch_off:
-        s_on, s_off = neuron_pb2_grpc.NeuronStub(ch_on), neuron_pb2_grpc.NeuronStub(ch_off)
+KINDS = ("cache", "no cache", "host")  # the daemons, in the tables' order
+
+
+async def run(addresses: dict[str, str], host_plan: Any, tok: Tokenizer,
+              histories: list[str], max_tokens: int) -> dict[str, list]:
+    rows: dict[str, list] = {f"turn {t} ({k})": [] for k in KINDS for t in (1, 2)}
+    channels = {k: grpc.aio.insecure_channel(a) for k, a in addresses.items()}
+    try:
+        stubs = {k: neuron_pb2_grpc.NeuronStub(c) for k, c in channels.items()}
         for i, history in enumerate(histories):
-            # alternate which daemon goes first, so neither always runs on a warmer machine
-            order = [(s_on, ""), (s_off, " (no cache)")][:: 1 if i % 2 == 0 else -1]
-            for stub, suffix in order:
-                t1, t2 = await conversation(stub, f"r{i}-{'off' if suffix else 'on'}", history, max_tokens)
-                rows["turn 1" + suffix].append(t1)
-                rows[("turn 2 (cache)" if not suffix else "turn 2" + suffix)].append(t2)
+            # rotate which daemon goes first, so none always runs on a warmer machine
+            order = KINDS[i % 3:] + KINDS[:i % 3]
+            for kind in order:
+                t1, t2 = await conversation(stubs[kind], f"r{i}-{kind.replace(' ', '')}",
+                                            history, max_tokens,
+                                            (host_plan, tok) if kind == "host" else None)
+                rows[f"turn 1 ({kind})"].append(t1)
+                rows[f"turn 2 ({kind})"].append(t2)
+    finally:
+        for c in channels.values():
+            await c.close()
     return rows
 
 
@@ -131,28 +177,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per reply")
     ap.add_argument("--threads", type=int, default=1, help="each engine's torch threads")
     ap.add_argument("--kv-budget-mb", type=int, default=256)
+    ap.add_argument("--host-cache-mb", type=int, default=512,
+                    help="the host-tier daemon's kv.host_cache_mb")
     args = ap.parse_args(argv)
     model = args.model or default_model()
     tok = Tokenizer.from_dir(model)
     sizes = [int(x) for x in args.history.split(",")]
     results: dict[int, dict[str, list]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prefix-") as d:
-        n_on = start(Path(d), "on", model, True, args.threads, args.kv_budget_mb)
+        daemons: dict[str, NeuronProcess] = {}
         try:
-            n_off = start(Path(d), "off", model, False, args.threads, args.kv_budget_mb)
-            try:
-                for k, size in enumerate(sizes):
-                    # one warm-up conversation (first-step costs), then the measured ones;
-                    # each size its own documents, so nothing of it is cached yet
-                    histories = [history_text(tok, size, 100 * k + r)
-                                 for r in range(args.repeats + 1)]
-                    rows = asyncio.run(run(n_on.address, n_off.address, histories,
-                                           args.max_tokens))
-                    results[size] = {name: v[1:] for name, v in rows.items()}
-            finally:
-                n_off.stop()
+            for kind, cache, host_mb in (("cache", True, 0), ("no cache", False, 0),
+                                         ("host", True, args.host_cache_mb)):
+                daemons[kind], plan = start(Path(d), kind.replace(" ", ""), model, cache,
+                                            args.threads, args.kv_budget_mb, host_mb)
+                if kind == "host":
+                    host_plan = plan
+            addresses = {k: n.address for k, n in daemons.items()}
+            for k, size in enumerate(sizes):
+                # one warm-up conversation (first-step costs), then the measured ones;
+                # each size its own documents, so nothing of it is cached yet
+                histories = [history_text(tok, size, 100 * k + r)
+                             for r in range(args.repeats + 1)]
+                rows = asyncio.run(run(addresses, host_plan, tok, histories,
+                                       args.max_tokens))
+                results[size] = {name: v[1:] for name, v in rows.items()}
         finally:
-            n_on.stop()
+            for n in daemons.values():
+                n.stop()
     print(f"model {model}; {args.repeats} conversations per size, medians; TTFT at the client "
           f"(and the daemon's prefill_ms)")
     for size, rows in results.items():
@@ -163,13 +215,18 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(r[2].cached_tokens for r in runs):>8.0f}"
                   f"{statistics.median(r[0] for r in runs) * 1000:>10.1f}"
                   f"{statistics.median(r[2].prefill_ms for r in runs):>12.1f}")
-    print("\nsecond-turn TTFT, cold (prefix cache off) against warm (on), side by side")
-    print(f"{'history':>9}{'cold ms':>10}{'warm ms':>10}{'cold / warm':>13}{'cached':>8}")
+    print(f"\nsecond-turn TTFT, side by side: cold (prefix cache off), warm (on), and "
+          f"restored from the host tier after another caller filled the pool "
+          f"({host_plan.pool_tokens:,} tokens)")
+    print(f"{'history':>9}{'cold ms':>10}{'warm ms':>10}{'host ms':>10}{'cold/warm':>11}"
+          f"{'cold/host':>11}{'cached':>8}{'restored':>10}")
     for size, rows in results.items():
-        cold = statistics.median(r[0] for r in rows["turn 2 (no cache)"]) * 1000
-        warm = statistics.median(r[0] for r in rows["turn 2 (cache)"]) * 1000
+        cold, warm, host = (statistics.median(r[0] for r in rows[f"turn 2 ({k})"]) * 1000
+                            for k in ("no cache", "cache", "host"))
         cached = statistics.median(r[2].cached_tokens for r in rows["turn 2 (cache)"])
-        print(f"{size:>9,}{cold:>10.1f}{warm:>10.1f}{cold / warm:>13.1f}{cached:>8.0f}")
+        restored = statistics.median(r[2].cached_tokens for r in rows["turn 2 (host)"])
+        print(f"{size:>9,}{cold:>10.1f}{warm:>10.1f}{host:>10.1f}{cold / warm:>11.1f}"
+              f"{cold / host:>11.1f}{cached:>8.0f}{restored:>10.0f}")
     return 0
 
 
