@@ -69,9 +69,11 @@ class EngineCore:
         self.prefix_sharing = spec.prefix_sharing
         self.attention_backend = self.runner.attention_backend
         self.sampler = sampler or Sampler()
+        # first: a draft model's layers take the target's block count here, before the host
+        # tier (new_pool) makes host twins of every runner's pool
+        self.speculator = Speculator(runners, self.ensure_blocks, spec, self.limits, log=logger)
         # the runner's own count: on CUDA it sizes the pool by measurement, the plan's as ceiling
         self.pool = self.new_pool(self.runner.num_blocks)
-        self.speculator = Speculator(runners, self.ensure_blocks, spec, self.limits, log=logger)
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,

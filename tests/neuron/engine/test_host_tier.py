@@ -263,3 +263,52 @@ def test_a_storm_through_both_tiers_leaves_the_ledger_whole(tiny_checkpoint):
     assert core.status().prefix_host_hit_tokens > 0 and host.blocks.num_evicted_total
     assert host.num_restored_snapshots
     assert_whole(core, hybrid=True)
+
+
+def test_a_kv_dtype_switch_re_plans_the_host_tier_with_the_pool(tiny_checkpoint):
+    """A profile's kv_dtype switch (ResetKv) drops the pool and the tier together, and the
+    new tier's twins hold the new dtype's blocks: a session resumes from host after it."""
+    model_dir = tiny_checkpoint("qwen3")
+    core = model_core(model_dir, host_cache_mb=2)
+    cold = model_core(model_dir, prefix_cache=False)
+    model_session(core, cold, 2, seed=8)
+    before = core.pool.host
+    assert before is not None and before.blocks.num_filed
+    assert core.reset_kv(m.ResetKv(num_blocks=120, kv_dtype="int8", bytes_per_token=0,
+                                   context=960, max_output_tokens=959)) == "ok"
+    after = core.pool.host
+    assert after is not None and after is not before and after.blocks.num_filed == 0
+    assert core.runner.host_kv is not None and core.runner.kv_dtype == "int8"
+    quantised = model_core(model_dir, prefix_cache=False, kv_dtype="int8")
+    model_session(core, quantised, 3, seed=9)  # int8 KV both sides: the same tokens
+    assert core.status().prefix_host_hit_tokens > 0
+    assert_whole(core)
+
+
+def test_a_draft_models_layers_go_to_the_host_and_back_with_each_block(tiny_checkpoint):
+    """speculation = "draft:<id>": the draft model's layers share every block, so its KV is
+    copied with the target's; the session keeps a cold server's tokens while drafting."""
+    from helexa.checkpoint.memory import kv_bytes_per_token
+    from helexa.checkpoint.shape import read_model_shape
+
+    target = tiny_checkpoint("qwen3")
+    draft = tiny_checkpoint("qwen3", hidden_size=32, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=64, seed=7)
+    def per_token(d: Path) -> int:
+        return kv_bytes_per_token(read_model_shape(d / "config.json"), 1, "auto")
+
+    draft_bpt = per_token(draft)
+    spec = EngineSpec(model_id="tiny", model_dir=str(target), num_blocks=120, block_size=8,
+                      context=960, bytes_per_token=per_token(target) + draft_bpt,
+                      host_cache_mb=2,
+                      draft_model_id="small", draft_model_dir=str(draft),
+                      draft_bytes_per_token=draft_bpt,
+                      limits=m.Limits(anon_max_in_flight=8, speculation="draft:small",
+                                      spec_k=4, spec_full_below=1.0, spec_off_above=1.01,
+                                      spec_min_acceptance=0.0))
+    warm = EngineCore(spec)
+    assert warm._runners.draft is not None and warm._runners.draft.host_kv is not None
+    model_session(warm, model_core(target, prefix_cache=False), 4, seed=10)
+    st = warm.status()
+    assert st.prefix_host_hit_tokens > 0 and st.spec_drafted_tokens > 0
+    assert_whole(warm)
