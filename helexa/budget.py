@@ -7,7 +7,10 @@ This module is the rule's one owner; everyone else calls it:
 - the daemon (helexa/neuron/limits.py) refuses with it before tokens cross the
   pipe, so the message is the engine's own;
 - the router (helexa/router/selection.py) estimates with it which neuron's free KV
-  fits a request, so the figure it predicts is the one the neuron reserves.
+  fits a request, so the figure it predicts is the one the neuron reserves;
+- the plan (helexa/plan.py) splits a hybrid's budget into blocks and state slots with
+  `state_slots`, and the engine and the plan size the prefix cache's host tier with
+  `host_tier_size`.
 
 The rule (docs/architecture.md, "The KV pool and its ledger"): a request
 may use `context` tokens, prompt and output together. Its output budget is
@@ -20,6 +23,8 @@ standard library and helexa/refusal.py, so the router pays nothing for calling i
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from helexa.refusal import Refusal
 
@@ -99,3 +104,23 @@ def host_tier_size(host_bytes_per_card: int, num_blocks: int, bytes_per_block: i
         return host_bytes_per_card // max(1, bytes_per_block), 0
     snaps = host_bytes_per_card * num_snapshots // device
     return (host_bytes_per_card - snaps * snapshot_bytes) // max(1, bytes_per_block), snaps
+
+
+def state_slots(plan: Any, max_in_flight: int) -> tuple[int, int]:
+    """(KV blocks, state slots) a hybrid model's budget (a helexa.plan.ModelPlan) is split
+    into; (num_blocks, 0) for a dense one.
+
+    The engine holds one linear-attention state slot per request in flight, allocated at
+    load beside the blocks and out of the same budget: `max_in_flight` slots, fewer if
+    that would leave less than one request of `context` tokens, never fewer than one.
+    Each slot also sets aside its held_bytes (a speculative verification row it may hold).
+    The prefix snapshot slots (num_snapshot_slots × fixed_bytes) come out of it first.
+    """
+    if not plan.fixed_bytes:
+        return plan.num_blocks, 0
+    block_bytes = plan.block_size * plan.bytes_per_token
+    context_bytes = -(-plan.context // plan.block_size) * block_bytes
+    per_slot = plan.fixed_bytes + plan.held_bytes
+    budget = plan.kv_budget_bytes - plan.num_snapshot_slots * plan.fixed_bytes
+    slots = max(1, min(max_in_flight, (budget - context_bytes) // per_slot))
+    return (budget - slots * per_slot) // block_bytes, slots

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from helexa.budget import host_tier_size
+from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.layers_present import missing_layers
@@ -360,26 +360,6 @@ def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_d
                         f"unreadable model config ({e!r})") from None
     return (weight_bytes_per_card(d_shape, 1, weight_dtype),
             kv_bytes_per_token(d_shape, 1, kv_dtype))
-
-
-def state_slots(plan: ModelPlan, max_in_flight: int) -> tuple[int, int]:
-    """(KV blocks, state slots) a hybrid model's budget is split into; (num_blocks, 0) for
-    a dense one.
-
-    The engine holds one linear-attention state slot per request in flight, allocated at
-    load beside the blocks and out of the same budget: `max_in_flight` slots, fewer if
-    that would leave less than one request of `context` tokens, never fewer than one.
-    Each slot also sets aside its held_bytes (a speculative verification row it may hold).
-    The prefix snapshot slots (num_snapshot_slots × fixed_bytes) come out of it first.
-    """
-    if not plan.fixed_bytes:
-        return plan.num_blocks, 0
-    block_bytes = plan.block_size * plan.bytes_per_token
-    context_bytes = math.ceil(plan.context / plan.block_size) * block_bytes
-    per_slot = plan.fixed_bytes + plan.held_bytes
-    budget = plan.kv_budget_bytes - plan.num_snapshot_slots * plan.fixed_bytes
-    slots = max(1, min(max_in_flight, (budget - context_bytes) // per_slot))
-    return (budget - slots * per_slot) // block_bytes, slots
 
 
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:

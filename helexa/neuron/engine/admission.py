@@ -36,7 +36,8 @@ from collections.abc import Callable
 
 from helexa.budget import reservation_blocks
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.block_pool import BlockKey, BlockPool
+from helexa.neuron.engine.block_key import BlockKey
+from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.refusal import Refusal
 

@@ -46,13 +46,12 @@ one request another's KV. `register` files a used full block under its key;
 from __future__ import annotations
 
 import enum
-import hashlib
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.block_key import BlockKey
 from helexa.neuron.engine.host_tier import HostTier
 from helexa.neuron.engine.snapshot_pool import SnapshotPool
 
@@ -74,36 +73,6 @@ class Block:
 
 class PoolError(RuntimeError):
     """A caller broke the pool's protocol (drew without a reservation, reserved twice)."""
-
-
-@dataclass(frozen=True)
-class BlockKey:
-    """What a full block holds: its chain digest, its parent's digest and its tokens.
-
-    Equality compares all three, so two keys that share a digest but not
-    their content are different keys.
-    """
-
-    digest: bytes
-    parent: bytes
-    tokens: bytes  # the token ids as native int64 (8 B a token; keys never leave the process)
-
-
-def _digest(parent: bytes, tokens: bytes) -> bytes:
-    # Python's hash() of a tuple is cheap to collide on purpose; SHA-256 is not.
-    return hashlib.sha256(parent + tokens).digest()
-
-
-def hash_block_tokens(parent: BlockKey | None, token_ids: Sequence[int],
-                      salt: bytes = b"") -> BlockKey:
-    """Chain key of one full block: its digest depends on every token before it, too.
-
-    `salt` stands in for the parent of a first block (prefix_filing.cache_salt): chains
-    of different salts share no key, so their blocks are never found by each other.
-    """
-    parent_digest = parent.digest if parent is not None else salt
-    tokens = array("q", token_ids).tobytes()
-    return BlockKey(_digest(parent_digest, tokens), parent_digest, tokens)
 
 
 class BlockPool:

@@ -20,7 +20,7 @@ another user's long prompt re-prefills its whole history on its next turn. With 
 A host block is in one of three states: free, filed (least recently used first: evicted
 when a new copy out needs room) or pinned (a queued copy in reads it; never evicted until
 the copies are taken). A key already filed here is not copied again: equal keys are equal
-content (block_pool.BlockKey). The tier is sized as the device pool's mix of blocks and
+content (block_key.BlockKey). The tier is sized as the device pool's mix of blocks and
 snapshots (host_tier_size), per card: each tensor-parallel rank keeps its own shard.
 """
 
@@ -34,7 +34,7 @@ import msgspec
 from helexa.budget import host_tier_size  # noqa: F401  (the tier's size rule lives there)
 
 if TYPE_CHECKING:
-    from helexa.neuron.engine.block_pool import BlockKey
+    from helexa.neuron.engine.block_key import BlockKey
 
 
 class KvMoves(msgspec.Struct, array_like=True):

@@ -33,6 +33,7 @@ from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.host_tier import KvMoves
+from helexa.neuron.engine.pool_probe import measured_blocks
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
 from helexa.neuron.engine.speculative import mtp_passes
@@ -150,7 +151,7 @@ class ModelRunner:
         self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
         self.extra_bytes_per_block = extra_bytes_per_block
         if self.device.type == "cuda" and tp_size == 1 and measure_pool:
-            num_blocks = self._measured_blocks(num_blocks, kv_dtype, context)
+            num_blocks = measured_blocks(self, num_blocks, kv_dtype, context)
         self._reset_own_kv(num_blocks, kv_dtype)
         log.info("engine.attention_backend", backend=self.backend.describe(),
                  device=str(self.device), tp_rank=tp_rank)
@@ -210,32 +211,6 @@ class ModelRunner:
         with self.backend.executor.capturing():
             for b in sizes:
                 self.execute([SeqInput([0], 0, [0], True, i % slots) for i in range(b)])
-
-    def _measured_blocks(self, planned: int, kv_dtype: str, context: int) -> int:
-        """CUDA: on a probe pool, the peaks of a worst-case step and (graphs hold a pool of
-        their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
-        bs, rows = self.block_size, max(1, self.max_num_seqs)
-        prefill = max(2, self.max_batched_tokens - (rows - 1))
-        probe = -(-prefill // bs) + rows
-        self._reset_own_kv(probe, kv_dtype)
-        bytes_per_block = self.kv_bytes_per_block + self.extra_bytes_per_block
-        table = list(range(-(-prefill // bs)))
-        slots = max(1, self.num_state_slots)  # hybrids: any slots will do for a probe
-        step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
-            SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
-        peak = memory_plan.peak_step_bytes(self.device, lambda: self.execute(step))
-        if self.backend.executor.graph_sizes():  # captured at load into a pool held apart
-            decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
-            peak += memory_plan.peak_step_bytes(self.device, lambda: self.execute(decode))
-        self._allocate_kv([], 0, None)  # free the probe pool
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
-                                        block_size=bs, context=context, free_bytes=free,
-                                        total_bytes=total, step_peak=peak)
-        log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
-                 free_mib=free // 2**20, step_peak_mib=peak // 2**20)
-        return blocks
 
     def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
         """The prefix cache's host tier on every rank: host twins of `num_blocks` blocks of

@@ -1,7 +1,7 @@
 """Prefix filing: a request's full blocks under the chain hash of the tokens they hold.
 
 A block's key is the hash of its tokens chained to its parent's key
-(block_pool.hash_block_tokens), so equal keys mean equal prefixes up to and
+(block_key.hash_block_tokens), so equal keys mean equal prefixes up to and
 including that block; an image's tokens are keyed by the image's content hash
 (images.py: PromptImages.hash_ids), so two images of one size never share KV. A prompt's keys are known when it arrives (admission
 looks them up to reuse cached blocks); its blocks are filed as the steps
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import hashlib
 
-from helexa.neuron.engine.block_pool import BlockKey, BlockPool, hash_block_tokens
+from helexa.neuron.engine.block_key import BlockKey, hash_block_tokens
+from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.request import Request
 
 

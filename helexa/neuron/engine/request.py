@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from helexa.neuron.engine import messages
-from helexa.neuron.engine.block_pool import BlockKey
+from helexa.neuron.engine.block_key import BlockKey
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.images import PromptImages

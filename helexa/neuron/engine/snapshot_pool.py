@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from helexa.neuron.engine.block_pool import BlockKey
+    from helexa.neuron.engine.block_key import BlockKey
 
 
 class SnapshotError(RuntimeError):

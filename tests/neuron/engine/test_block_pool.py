@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from helexa.neuron.engine.block_pool import BlockPool, BlockState, PoolError, hash_block_tokens
+from helexa.neuron.engine.block_key import hash_block_tokens
+from helexa.neuron.engine.block_pool import BlockPool, BlockState, PoolError
 
 
 def make_pool(n: int = 8) -> BlockPool:
@@ -155,10 +156,10 @@ def test_random_storm_keeps_the_ledger_whole():
 
 
 def test_a_digest_collision_is_a_miss_never_another_prompts_blocks(monkeypatch):
-    from helexa.neuron.engine import block_pool
+    from helexa.neuron.engine import block_key
 
     # Every block gets the same digest: what a crafted collision would achieve.
-    monkeypatch.setattr(block_pool, "_digest", lambda parent, tokens: b"\x00" * 32)
+    monkeypatch.setattr(block_key, "_digest", lambda parent, tokens: b"\x00" * 32)
     pool = make_pool(4)
     pool.reserve("tenant-a", 2)
     b0, b1 = pool.draw("tenant-a"), pool.draw("tenant-a")

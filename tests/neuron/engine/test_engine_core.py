@@ -368,9 +368,9 @@ def test_reset_kv_replans_the_pool_only_when_nothing_is_in_flight():
 
 
 def test_a_prefix_digest_collision_serves_no_other_tenants_kv(monkeypatch):
-    from helexa.neuron.engine import block_pool
+    from helexa.neuron.engine import block_key
 
-    monkeypatch.setattr(block_pool, "_digest", lambda parent, tokens: b"\x01" * 32)
+    monkeypatch.setattr(block_key, "_digest", lambda parent, tokens: b"\x01" * 32)
     core = make_core(prefix_cache=True)
     secret = [11, 12, 13, 14, 15, 16, 17, 18, 19]
     drive(core, m.ToEngine(new=[new("alice", secret, 3, principal="alice")]))

@@ -13,7 +13,8 @@ from support.engine import assert_whole, drive
 from support.fake_runner import FakeRunner
 
 from helexa.neuron.engine import messages as m
-from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+from helexa.neuron.engine.block_key import hash_block_tokens
+from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.host_tier import HostTier, host_tier_size
 from helexa.neuron.engine.spec import EngineSpec

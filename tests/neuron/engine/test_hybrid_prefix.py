@@ -196,7 +196,8 @@ def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkp
 
 
 def test_pool_pins_a_hit_snapshot_and_drops_one_whose_block_is_evicted():
-    from helexa.neuron.engine.block_pool import BlockPool, hash_block_tokens
+    from helexa.neuron.engine.block_key import hash_block_tokens
+    from helexa.neuron.engine.block_pool import BlockPool
 
     pool = BlockPool(3, 2, bytes_per_block=10, num_state_slots=1, fixed_bytes=100,
                      num_snapshot_slots=2)

@@ -1,0 +1,41 @@
+"""The CUDA pool sized by measurement at load (memory_plan.py says why): the model runner's
+probe of a worst-case step, on a probe pool, before its real pool is allocated."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+import torch
+
+from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine.seq_input import SeqInput
+
+log = structlog.get_logger(component="engine")
+
+
+def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
+    """CUDA: on a probe pool, the peaks of a worst-case step and (graphs hold a pool of
+    their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
+    bs, rows = runner.block_size, max(1, runner.max_num_seqs)
+    prefill = max(2, runner.max_batched_tokens - (rows - 1))
+    probe = -(-prefill // bs) + rows
+    runner._reset_own_kv(probe, kv_dtype)
+    bytes_per_block = runner.kv_bytes_per_block + runner.extra_bytes_per_block
+    table = list(range(-(-prefill // bs)))
+    slots = max(1, runner.num_state_slots)  # hybrids: any slots will do for a probe
+    step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
+        SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
+    peak = memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(step))
+    if runner.backend.executor.graph_sizes():  # captured at load into a pool held apart
+        decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
+        peak += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
+    runner._allocate_kv([], 0, None)  # free the probe pool
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(runner.device)
+    blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
+                                    block_size=bs, context=context, free_bytes=free,
+                                    total_bytes=total, step_peak=peak)
+    log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
+             free_mib=free // 2**20, step_peak_mib=peak // 2**20)
+    return blocks
