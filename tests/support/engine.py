@@ -84,3 +84,25 @@ def truth_from(reference: dict[str, list[int]], prompts: dict[str, list[int]]
                     return reference[rid][done:done + k]
         return []
     return truth
+
+
+def storm(core: EngineCore, news: Sequence[m.NewRequest], abandon: set[str]) -> int:
+    """Every request of `news` at once, those in `abandon` aborted once they stream,
+    stepping until idle; asserts after every step that nothing else is refused or fails,
+    the pool's invariants hold and its ledger adds up. Returns the prefix-cache hits."""
+    inbound: m.ToEngine | None = m.ToEngine(new=list(news))
+    hits = 0
+    for _ in range(20_000):
+        out = core.step(inbound)
+        inbound = m.ToEngine()
+        for u in out.updates:
+            assert u.refused_code is None and (u.error == "" or u.req_id in abandon), u
+            hits += bool(u.admitted and u.cached_tokens)
+            if u.req_id in abandon and u.new_token_ids and u.finished is None:
+                inbound.aborts.append(m.Abort(req_id=u.req_id))
+        core.pool.check()
+        led = core.pool.ledger()
+        assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
+        if not core.has_work and not inbound.aborts:
+            return hits
+    raise AssertionError("engine did not go idle")

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from support.engine import assert_whole, drive
+from support.engine import assert_whole, drive, storm
 from support.fake_runner import FakeRunner
 
 from helexa.neuron.engine import messages as m
@@ -249,18 +249,7 @@ def test_a_storm_through_both_tiers_leaves_the_ledger_whole(tiny_checkpoint):
     news = [turn(f"r{i}", rng.choice(stems)[:rng.randrange(17, 60)]
                  + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))],
                  rng.randrange(2, 20)) for i in range(48)]
-    abandon = {n.req_id for n in news[::3]}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    for _ in range(20_000):
-        out = core.step(inbound)
-        inbound = m.ToEngine()
-        for u in out.updates:
-            assert u.refused_code is None and (u.error == "" or u.req_id in abandon), u
-            if u.req_id in abandon and u.new_token_ids and u.finished is None:
-                inbound.aborts.append(m.Abort(req_id=u.req_id))
-        core.pool.check()
-        if not core.has_work and not inbound.aborts:
-            break
+    storm(core, news, {n.req_id for n in news[::3]})
     assert core.status().prefix_host_hit_tokens > 0 and host.blocks.num_evicted_total
     assert host.num_restored_snapshots
     assert_whole(core, hybrid=True)

@@ -9,7 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
-from support.engine import Run, assert_whole, drive, with_drafter
+from support.engine import Run, assert_whole, drive, storm, with_drafter
 from support.mtp import SPEC
 
 from helexa.neuron.engine import messages as m
@@ -174,22 +174,7 @@ def test_storm_evicting_blocks_and_snapshots_leaves_the_ledger_whole(tiny_checkp
     news = [turn(f"r{i}", rng.choice(stems)[:rng.randrange(17, 40)]
                  + [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))],
                  rng.randrange(2, 20)) for i in range(40)]
-    abandon = {n.req_id for n in news[::3]}
-    inbound: m.ToEngine | None = m.ToEngine(new=news)
-    hits = 0
-    for _ in range(20_000):
-        out = core.step(inbound)
-        inbound = m.ToEngine()
-        for u in out.updates:
-            assert u.refused_code is None and (u.error == "" or u.req_id in abandon), u
-            hits += bool(u.admitted and u.cached_tokens)
-            if u.req_id in abandon and u.new_token_ids and u.finished is None:
-                inbound.aborts.append(m.Abort(req_id=u.req_id))
-        core.pool.check()
-        led = core.pool.ledger()
-        assert led.free_bytes + led.reserved_bytes + led.used_bytes == led.total_bytes
-        if not core.has_work and not inbound.aborts:
-            break
+    hits = storm(core, news, {n.req_id for n in news[::3]})
     assert hits and core.pool.num_evicted_total and core.pool.snapshots is not None
     assert core.pool.snapshots.num_evicted_total
     assert_whole(core, hybrid=True)
