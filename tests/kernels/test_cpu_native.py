@@ -43,12 +43,12 @@ def test_gemm_matches_linear(m, n, k, bias):
 
 
 def _runner(model_dir, backend: str, monkeypatch, threads: int = 1,
-            matmul: str = "measure") -> ModelRunner:
+            matmul: str = "measure", **kw) -> ModelRunner:
     with monkeypatch.context() as mp:
         mp.setenv("HELEXA_CPU_MATMUL", matmul)
         with torch_threads(threads):  # the matmul kernels are measured at this thread count
             return ModelRunner(model_dir, num_blocks=96, block_size=16, max_num_seqs=8,
-                               max_batched_tokens=512, backend=backend)
+                               max_batched_tokens=512, backend=backend, **kw)
 
 
 def _drive(runner: ModelRunner, prompts, tables, steps: int) -> list[torch.Tensor]:
@@ -143,3 +143,58 @@ def test_disabled_or_unbuildable_kernels_fall_back(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="false failed"):
         cpu_native.build(tmp_path / "x.so")
     assert not list(tmp_path.rglob("*.so*"))  # no half-written library left behind
+
+
+# A GGUF whose layer 0 is K-quants (4-bit kquant, 8-bit Q6_K / Q5_K) and layer 1 Q8_0
+# attention with float MLPs: every matmul kind hx_decode_layers runs, in one step.
+_MIXED = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+          {"attn_q": "Q8_0", "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0",
+           "ffn_gate": "F16", "ffn_up": "F16", "ffn_down": "F16"}]
+
+
+def _gguf_type(mixed: bool):
+    def type_of(name: str) -> str:
+        if name.startswith("blk.") and mixed:
+            _, layer, part, _ = name.split(".")
+            return _MIXED[int(layer)][part]
+        return "Q8_0" if name.startswith(("blk.", "token_embd")) else "Q6_K"
+    return type_of
+
+
+@needs_lib
+@pytest.mark.parametrize(("arch", "mixed", "kind"), [
+    *[("qwen3", True, isa) for isa in ("plain", "avx2", "vnni")],
+    ("qwen2", True, "avx2"),  # QKV bias: added after the quantised product
+    ("qwen3", False, "int8g"),  # all 8-bit: int8g.c's kernel inside the fused step
+    ("qwen3", True, "tile"),  # torch tiles somewhere: layer by layer
+])
+def test_quantised_decode_runs_every_layer_in_one_native_call(
+        tiny_checkpoint, tmp_path, monkeypatch, arch, mixed, kind):
+    """A GGUF model's decode step through hx_decode_layers gives the logits and KV of the
+    same kernels called layer by layer from Python."""
+    from support.gguf_reference import write_gguf
+
+    from helexa.kernels.cpu import kquant
+
+    if kind in kquant.ISAS and kind not in kquant.isas():
+        pytest.skip(f"no {kind} build on this CPU")
+    src = tiny_checkpoint(arch, hidden_size=256, num_heads=4, num_kv_heads=2,
+                          intermediate_size=512, num_layers=2)
+    write_gguf(src, tmp_path / "m.gguf", _gguf_type(mixed))
+    monkeypatch.setenv("HELEXA_CPU_KQUANT", kind)  # read at each call, not only at load
+    fused, layered = (_runner(tmp_path / "m.gguf", "cpu", monkeypatch, 1, "native",
+                              dtype="float32") for _ in range(2))
+    layered.backend.executor.native._fused_plan = lambda rows: None
+    assert fused.backend.executor.native.fused(1) == fused.backend.executor.native.fused(3) \
+        == (kind != "tile")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (19, 33, 6)]
+    tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
+    with torch_threads(1):
+        a, b = _drive(fused, prompts, tables, 5), _drive(layered, prompts, tables, 5)
+    for step, (x, y) in enumerate(zip(a, b, strict=True)):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {step}")
+    for kv_a, kv_b in zip(fused.kv_pools, layered.kv_pools, strict=True):
+        torch.testing.assert_close(kv_a.k_heads, kv_b.k_heads, rtol=0, atol=0)
+        torch.testing.assert_close(kv_a.v_heads, kv_b.v_heads, rtol=0, atol=0)

@@ -1,10 +1,11 @@
 """Native CPU decode of a dense decoder (Llama / Qwen2 / Qwen3): helexa/kernels/cpu/native.c
 doing everything between the matmuls of a pure-decode step.
 
-Per layer four matmuls (each through its installed CpuLinear) and three native
-calls instead of ~40 eager ops; or, when every layer matmul runs hx_gemm at this
-batch size, all layers in one native call (hx_decode_layers). Applies to fp32
-weights and plain fp32 KV at tp = 1; the cpu backend decides when
+Per layer four matmuls (each through its installed kernel) and three native calls
+instead of ~40 eager ops; or, when every layer matmul has a native kernel at this
+batch size (hx_gemm's panels for float weights, kquant.c's or int8g.c's for quantised
+ones: each kernel's ``mat_words``), all layers in one native call (hx_decode_layers).
+Applies to fp32 activations and plain fp32 KV at tp = 1; the cpu backend decides when
 (helexa/kernels/backends/cpu.py). The model is read, never changed: its structure
 (``model.layers[i].self_attn.qkv_proj`` ...) is that of helexa/neuron/models/llama.py.
 """
@@ -16,7 +17,6 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.cpu.matmul import CpuLinear, bucket
 from helexa.kernels.paged_kv import PagedKV
 
 
@@ -49,7 +49,7 @@ class NativeDecode:
         model, lib = self.model, self.lib
         x = model.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
         b, hidden = x.shape
-        fused = self._fused_plan(bucket(b))
+        fused = self._fused_plan(b)
         normed = torch.empty_like(x)
         attn0 = model.model.layers[0].self_attn
         h, kvh, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
@@ -67,11 +67,13 @@ class NativeDecode:
             plan, eps, inter = fused
             qkv, tmp, gate_up, act = (torch.empty(b, n, dtype=x.dtype)
                                       for n in ((h + 2 * kvh) * d, hidden, 2 * inter, inter))
-            lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp, normed_p,
-                                 b, hidden, h, kvh, d, inter, qkv.data_ptr(),
-                                 attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
-                                 act.data_ptr(), *rotary, num_slots, *paging, scale,
-                                 work.data_ptr())
+            rc = lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp,
+                                      normed_p, b, hidden, h, kvh, d, inter, qkv.data_ptr(),
+                                      attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
+                                      act.data_ptr(), *rotary, num_slots, *paging, scale,
+                                      work.data_ptr())
+            if rc != 0:
+                raise RuntimeError(f"hx_decode_layers: a matmul refused its shape (code {rc})")
         else:  # matmuls through their kernels between the native calls
             context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
             for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in self.layers:
@@ -91,7 +93,7 @@ class NativeDecode:
 
     def fused(self, rows: int) -> bool:
         """Whether a step of this many rows runs all layers in one native call."""
-        return self._fused_plan(bucket(rows)) is not None
+        return self._fused_plan(rows) is not None
 
     def _plan(self) -> tuple[tuple, list[tuple]]:
         """The first norm's (weight pointer or None, eps), and per layer its matmul modules,
@@ -115,29 +117,28 @@ class NativeDecode:
                          mlp.down_proj, norm(nxt)))
         return norm(layers[0].input_layernorm), plan
 
-    def _fused_plan(self, b: int) -> tuple | None:
-        """hx_decode_layers' plan ([L, 13] words, [L, 3] eps, intermediate size) for row
-        bucket ``b``, or None when some matmul does not run hx_gemm there."""
-        if b in self._fused:
-            return self._fused[b]
+    def _fused_plan(self, rows: int) -> tuple | None:
+        """hx_decode_layers' plan ([L, 4 * MAT_WORDS + 5] words, [L, 3] eps, intermediate
+        size) for a step of ``rows`` rows, or None when some matmul has no native kernel at
+        that size (each kernel's choice is by its own row buckets, so this is kept per row
+        count)."""
+        if rows in self._fused:
+            return self._fused[rows]
 
-        def packed(mod: Any) -> tuple[int, int] | None:
-            k = getattr(mod, "kernel", None)
-            if not isinstance(k, CpuLinear) or k.choice[b] != "native" or k.native is None:
-                return None
-            weight, bias = k.native
-            return weight.data_ptr(), 0 if bias is None else bias.data_ptr()
+        def words(mod: Any) -> list[int] | None:
+            fn = getattr(getattr(mod, "kernel", None), "mat_words", None)
+            return None if fn is None else fn(rows, getattr(mod, "bias", None))
 
-        words, eps, out = [], [], None
+        plan, eps, out = [], [], None
         for qkv, (qkn, qk_eps), (k, v), o, post, gate_up, inter, down, nxt in self.layers:
-            mats = [packed(m) for m in (qkv, o, gate_up, down)]
+            mats = [words(m) for m in (qkv, o, gate_up, down)]
             if any(m is None for m in mats) or inter != self.layers[0][6]:
                 break
-            words.append([w for m in mats if m is not None for w in m]
-                         + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
+            plan.append([w for m in mats if m is not None for w in m]
+                        + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
             eps.append([qk_eps, post[1], nxt[1]])
         else:
-            out = (torch.tensor(words, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
+            out = (torch.tensor(plan, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
                    self.layers[0][6])
-        self._fused[b] = out
+        self._fused[rows] = out
         return out

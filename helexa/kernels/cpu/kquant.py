@@ -275,6 +275,26 @@ class KQuantLinear:
             y = y + bias
         return y.view(*shape[:-1], self.w.shape[0])
 
+    def mat_words(self, rows: int, bias: torch.Tensor | None) -> list[int] | None:
+        """This product at ``rows`` rows as one matmul of hx_decode_layers (native.c's mat()),
+        or None when its measured kind there is torch tiles (or inputs are permuted)."""
+        if self.perm is not None or (bias is not None and (
+                bias.dtype != torch.float32 or not bias.is_contiguous())):
+            return None
+        kind, threads = choice(self.w, rows)
+        w, (n, k) = self.w, self.w.shape
+        if kind in ISAS:
+            return cpu_native.mat_words(cpu_native.MAT_KQUANT, n, k, w.packed, bias, ISAS[kind],
+                                        w.bits, w.group, w.scales, w.zeros, threads)
+        if kind == "int8g":
+            from helexa.kernels.cpu import int8g
+
+            best = int8g.isas(cpu_native.load())[-1]
+            return cpu_native.mat_words(cpu_native.MAT_INT8G, n, k, w.packed, bias,
+                                        int8g.ISAS[best][0], 8, w.group, w.scales, w.zeros,
+                                        threads)
+        return None
+
     def prepare(self, max_num_seqs: int) -> None:
         """Measure this layer's kernels now, not in the first request's decode step."""
         for rows in sorted({1, min(max_num_seqs, 2), PREFILL_PROBE_ROWS}):

@@ -66,6 +66,15 @@ class CpuLinear:
     def kind(self, rows: int) -> str:
         return self.choice[bucket(rows)]
 
+    def mat_words(self, rows: int, bias: torch.Tensor | None) -> list[int] | None:
+        """This product at ``rows`` rows as one matmul of hx_decode_layers, or None when it
+        does not run hx_gemm there."""
+        if self.choice[bucket(rows)] != "native" or self.native is None or bias is not self.bias:
+            return None
+        packed, padded_bias = self.native
+        return cpu_native.mat_words(cpu_native.MAT_PANELS, self.n, packed.shape[1], packed,
+                                    padded_bias)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kind = self.choice[bucket(x.shape[0])]
         if kind == "native" and bias is self.bias and self.native is not None:

@@ -13,7 +13,8 @@
  *   hx_silu_mul      silu(gate) * up
  *   hx_gemm          y = x W^T + b over W packed in 16-column panels, for which oneDNN's
  *                    blocked matmul runs at ~35% of the FMA peak when x has 2-16 rows
- *   hx_decode_layers all of a step's layers at once when every matmul is packed
+ *   hx_decode_layers all of a step's layers at once when every matmul has a native kernel
+ *                    (these panels, kquant.c's or int8g.c's)
  *
  * Layout contract (helexa/kernels/attention.py PagedKV): K and V of one layer are
  * [kv_heads, num_slots, head_dim] contiguous; token t of a row lives in slot
@@ -353,36 +354,79 @@ void hx_gemm(const float *x, int64_t M, int64_t K, const float *wp, int64_t N,
     }
 }
 
-/* A whole decode step's layers in one call, for models whose every matmul is packed for
- * hx_gemm: per layer qkv, attention, o_proj, residual + norm, gate|up, silu * up, down,
- * residual + the next norm, with no Python between them (each eager call between two
- * weight streams runs with cold caches). plan: [L, 13] words per layer: packed weight and
- * padded bias (0 = none) of qkv, o, gate|up, down; q/k norm weight (0 = none); the weights
- * (0 = folded) of the post-attention norm and of the norm after the MLP (the next layer's
- * input norm, or the final one); the layer's K and V pools. eps: [L, 3] (q/k norm, post-
- * attention norm, next norm). x [B, hidden] is the residual stream and normed its first
+/* One matmul of hx_decode_layers, MAT_WORDS int64 words (helexa/kernels/cpu/decode.py
+ * builds them from each layer's kernel): kind, N, K, weight, bias (0 = none), then per kind
+ * isa, bits, group, scales, zeros, threads. Kinds: MAT_PANELS, hx_gemm's 16-column panels
+ * (bias padded to them); MAT_KQUANT, kquant.c's integer kernel; MAT_INT8G, int8g.c's. */
+#define MAT_WORDS 11
+enum { MAT_PANELS = 0, MAT_KQUANT = 1, MAT_INT8G = 2 };
+int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint8_t *w,
+                   int64_t bits, int64_t N, const float *s, const float *z, int64_t group,
+                   float *y, int64_t threads);
+int64_t hx_int8g_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const int8_t *q,
+                      int64_t N, const void *s, const void *z, int64_t group, int64_t bf16,
+                      float *y, int64_t threads);
+
+static int64_t mat(const int64_t *d, const float *x, int64_t M, float *y) {
+#define P(i) ((const void *)(intptr_t)d[i])
+    const int64_t N = d[1], K = d[2];
+    const float *bias = (const float *)P(4);
+    int64_t rc;
+    switch (d[0]) {
+        case MAT_PANELS:
+            hx_gemm(x, M, K, (const float *)P(3), N, bias, y);
+            return 0;
+        case MAT_KQUANT:
+            rc = hx_kq_gemm(d[5], x, M, K, (const uint8_t *)P(3), d[6], N, (const float *)P(8),
+                            (const float *)P(9), d[7], y, d[10]);
+            break;
+        case MAT_INT8G:
+            rc = hx_int8g_gemm(d[5], x, M, K, (const int8_t *)P(3), N, P(8), P(9), d[7], 0, y,
+                               d[10]);
+            break;
+        default:
+            return -4;
+    }
+#undef P
+    if (rc == 0 && bias)
+        for (int64_t m = 0; m < M; m++)
+            for (int64_t n = 0; n < N; n++) y[m * N + n] += bias[n];
+    return rc;
+}
+
+/* A whole decode step's layers in one call, for models whose every matmul has a native
+ * kernel at this batch size: per layer qkv, attention, o_proj, residual + norm, gate|up,
+ * silu * up, down, residual + the next norm, with no Python between them (each eager call
+ * between two weight streams runs with cold caches). plan: [L, 4 * MAT_WORDS + 5] words per
+ * layer: the matmuls qkv, o, gate|up, down (see mat()); q/k norm weight (0 = none); the
+ * weights (0 = folded) of the post-attention norm and of the norm after the MLP (the next
+ * layer's input norm, or the final one); the layer's K and V pools. eps: [L, 3] (q/k norm,
+ * post-attention norm, next norm). x [B, hidden] is the residual stream and normed its first
  * norm on entry; on return normed holds the final norm of x. Scratch: qkv [B, (H+2KVH)*D],
- * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. */
-void hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float *x, float *normed,
-                      int64_t B, int64_t hidden, int64_t H, int64_t KVH, int64_t D,
-                      int64_t inter, float *qkv, float *attn_out, float *tmp, float *gate_up,
-                      float *act, const float *cos_tab, const float *sin_tab,
-                      const int64_t *positions, int64_t num_slots, const int64_t *tables,
-                      int64_t max_blocks, int64_t block_size, float scale, float *work) {
-#define W(i) ((const float *)(intptr_t)p[i])
-    for (int64_t l = 0; l < L; l++) {
-        const int64_t *p = plan + l * 13;
+ * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. Returns 0, or
+ * a matmul's error code (the step's result is then not to be used). */
+int64_t hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float *x,
+                         float *normed, int64_t B, int64_t hidden, int64_t H, int64_t KVH,
+                         int64_t D, int64_t inter, float *qkv, float *attn_out, float *tmp,
+                         float *gate_up, float *act, const float *cos_tab,
+                         const float *sin_tab, const int64_t *positions, int64_t num_slots,
+                         const int64_t *tables, int64_t max_blocks, int64_t block_size,
+                         float scale, float *work) {
+#define W(i) ((float *)(intptr_t)p[4 * MAT_WORDS + (i)])
+    int64_t rc = 0;
+    for (int64_t l = 0; l < L && rc == 0; l++) {
+        const int64_t *p = plan + l * (4 * MAT_WORDS + 5);
         const float *e = eps + l * 3;
-        hx_gemm(normed, B, hidden, W(0), (H + 2 * KVH) * D, W(1), qkv);
-        hx_attn_decode(qkv, B, H, KVH, D, W(8), e[0], cos_tab, sin_tab, positions,
-                       (float *)(intptr_t)p[11], (float *)(intptr_t)p[12], num_slots, tables,
-                       max_blocks, block_size, attn_out, scale, work);
-        hx_gemm(attn_out, B, H * D, W(2), hidden, W(3), tmp);
-        hx_add_rmsnorm(x, tmp, normed, W(9), B, hidden, e[1]);
-        hx_gemm(normed, B, hidden, W(4), 2 * inter, W(5), gate_up);
+        if ((rc = mat(p, normed, B, qkv))) break;
+        hx_attn_decode(qkv, B, H, KVH, D, W(0), e[0], cos_tab, sin_tab, positions, W(3), W(4),
+                       num_slots, tables, max_blocks, block_size, attn_out, scale, work);
+        if ((rc = mat(p + MAT_WORDS, attn_out, B, tmp))) break;
+        hx_add_rmsnorm(x, tmp, normed, W(1), B, hidden, e[1]);
+        if ((rc = mat(p + 2 * MAT_WORDS, normed, B, gate_up))) break;
         hx_silu_mul(gate_up, act, B, inter);
-        hx_gemm(act, B, inter, W(6), hidden, W(7), tmp);
-        hx_add_rmsnorm(x, tmp, normed, W(10), B, hidden, e[2]);
+        rc = mat(p + 3 * MAT_WORDS, act, B, tmp);
+        if (rc == 0) hx_add_rmsnorm(x, tmp, normed, W(2), B, hidden, e[2]);
     }
 #undef W
+    return rc;
 }

@@ -31,6 +31,8 @@ import torch
 SOURCE = Path(__file__).with_name("native.c")
 SOURCES = (SOURCE, Path(__file__).with_name("int8g.c"), Path(__file__).with_name("kquant.c"))
 PANEL = 16  # columns per packed weight panel (cpu_native.c)
+MAT_WORDS = 11  # int64 words of one matmul of hx_decode_layers (native.c's mat())
+MAT_PANELS, MAT_KQUANT, MAT_INT8G = 0, 1, 2  # its kinds
 # No -ffast-math: linking with it adds crtfastmath.o, whose constructor sets flush-to-zero
 # and denormals-are-zero for the whole process on load (5e-324 > 0 turns False, msgspec's
 # gt=0 checks pass 0). Reassociation alone, for vectorised reductions, has no such hook.
@@ -56,7 +58,8 @@ _SIGNATURES = {
     "hx_kq_gemm": [_I, _P, _I, _I, _P, _I, _I, _P, _P, _I, _P, _I],
     "hx_kq_quantize": [_P, _I, _I, _P, _P, _P],
 }
-_RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I, "hx_kq_isas": _I, "hx_kq_gemm": _I}  # the others return nothing
+_RESTYPES = {"hx_int8g_isas": _I, "hx_int8g_gemm": _I, "hx_kq_isas": _I, "hx_kq_gemm": _I,
+             "hx_decode_layers": _I}  # the others return nothing
 
 
 def enabled() -> bool:
@@ -141,6 +144,19 @@ def pack_weight(weight: torch.Tensor, bias: torch.Tensor | None
     b = torch.zeros(padded, dtype=torch.float32)
     b[:n] = bias
     return packed, b
+
+
+def mat_words(kind: int, n: int, k: int, weight: torch.Tensor, bias: torch.Tensor | None,
+              isa: int = 0, bits: int = 0, group: int = 0, scales: torch.Tensor | None = None,
+              zeros: torch.Tensor | None = None, threads: int = 0) -> list[int]:
+    """One matmul of hx_decode_layers as native.c's mat() reads it (MAT_WORDS words); the
+    tensors must outlive the plan (the kernels that build these words hold them)."""
+
+    def ptr(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    return [kind, n, k, weight.data_ptr(), ptr(bias), isa, bits, group, ptr(scales), ptr(zeros),
+            threads]
 
 
 def gemm(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
