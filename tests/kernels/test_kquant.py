@@ -36,17 +36,16 @@ def unpacked(typ: str, n: int, k: int, seed: int) -> kq.KqWeight:
 def test_the_activation_is_quantised_as_the_torch_rule_says(rows):
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)) * 3
     x[0, :32] = 0  # an all-zero block: scale 0, values 0
-    halves = torch.empty(rows, 512, dtype=torch.int8)
+    got = torch.empty(rows, 256, dtype=torch.int16)
     dx, sums = torch.empty(rows, 8), torch.empty(rows, 16)
-    native.load().hx_kq_quantize(x.data_ptr(), rows, 256, halves.data_ptr(), dx.data_ptr(),
+    native.load().hx_kq_quantize(x.data_ptr(), rows, 256, got.data_ptr(), dx.data_ptr(),
                                  sums.data_ptr())
     v, want_dx = kq.quantize_activation(x)
-    hi, lo = kq.split_halves(v)
-    got = halves.view(rows, 8, 2, 32)
-    assert torch.equal(got[:, :, 0].reshape(rows, 256), hi)
-    assert torch.equal(got[:, :, 1].reshape(rows, 256), lo)
+    assert torch.equal(got, v)
     assert torch.equal(dx, want_dx)
-    assert int(lo.min()) >= -64 and int(lo.max()) <= 63 and int(hi.abs().max()) <= 127
+    assert int(v.abs().max()) == int(kq.VMAX) and not v[0, :32].any()
+    want_sums = (v.view(rows, 16, 16).sum(-1).float() * dx.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(sums, want_sums, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("typ", ["Q4_K", "Q5_K", "Q6_K", "Q8_0"])

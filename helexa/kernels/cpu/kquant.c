@@ -6,19 +6,24 @@
  * signed int8: the layouts GGUF's Q4_K / Q5_K / Q6_K / Q8_0 and GPTQ / AWQ /
  * compressed-tensors int4 unpack to (helexa/kernels/quant.py). As llama.cpp does for its
  * K-quants, the activation row is quantised once per call, in blocks of 32, and every
- * weight chunk of 32 is dotted with it in integers: u8 x s8 products summed in int32
- * (AVX2 maddubs + madd, or one VNNI dpbusd), then scaled once per chunk by s * dx in fp32.
- * llama.cpp's int8 activations (error amax / 254 a value) moved greedy tokens of the
- * parity tests; here each value is v = nearest(x * 16256 / amax), 15 bits, held as two
- * int8 halves (v = 128 * hi + lo, lo in -64..63) and dotted as two int8 passes,
- * (dot_hi << 7) + dot_lo: the error is amax / 32512, 128x smaller, for one more dpbusd.
- * Signed int8 weights use the sign trick (|w| against x with w's sign), so no product
- * saturates. The zeros are applied once per group against the group's sum of the same
- * v, a dot over the row's groups.
+ * weight block of 32 is dotted with it in integers, then scaled once per block by s * dx in
+ * fp32. llama.cpp's int8 activations (error amax / 254 a value) moved greedy tokens of the
+ * parity tests; here each value is v = nearest(x * 16256 / amax), 15 bits in an int16
+ * (error amax / 32512). Two ways to dot it:
+ *   - wide (plain C, AVX2, VNNI): the weight's values are widened to int16 once per weight
+ *     vector and multiplied with every activation row by pmaddwd (int16 pairs summed into
+ *     int32) or VNNI's vpdpwssd (the same, accumulating): the widening is paid once for all
+ *     of a step's rows;
+ *   - halves (VNNI8): v held as two int8 halves (v = 128 * hi + lo, lo in -64..63) and each
+ *     weight byte dotted with both by vpdpbusd, (dot_hi << 7) + dot_lo: no widening, twice
+ *     the dot products, so faster at one row and slower at eight on the Xeon it was measured
+ *     on (signed int8 weights use the sign trick, |w| against x with w's sign).
+ * No product or sum leaves int32 (|u| <= 128, |v| <= 16256). The zeros are applied once
+ * per group against the group's sum of the same v, a dot over the row's groups.
  *
- * Three builds of one loop: plain C (any CPU), AVX2 and AVX2 with VNNI (AVX-VNNI or
- * AVX512-VNNI at 256 bits). Integer sums are exact in all three; their fp32 sums differ
- * only in order. Weight rows are split over threads started per call (only when each
+ * Four builds: plain C (any CPU), AVX2, AVX2 with VNNI (AVX-VNNI or AVX512-VNNI at 256
+ * bits) both wide, and VNNI8. Integer sums are exact in all; their fp32 sums differ only in
+ * order. Which runs a layer is measured (kquant.py). Weight rows are split over threads started per call (only when each
  * gets MIN_THREAD_BYTES), as in int8g.c. Built into the same library as native.c by
  * helexa/kernels/cpu/native.py.
  */
@@ -31,6 +36,7 @@
 #define KQ_PLAIN 1
 #define KQ_AVX2 2
 #define KQ_VNNI 4
+#define KQ_VNNI8 8
 #define XBLOCK 32 /* activation values per int8 scale */
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -47,24 +53,24 @@ int64_t hx_kq_isas(void) {
     isas |= KQ_AVX2;
 #endif
 #ifdef HAVE_VNNI
-    isas |= KQ_VNNI;
+    isas |= KQ_VNNI | KQ_VNNI8;
 #endif
     return isas;
 }
 
 /* ---------------------------------------------------------------- the activation */
 
-/* x [M, K] fp32 -> xq int8 [M, 2K] (per block of 32: hi [32] then lo [32]), dx [M, K / 32]
- * and xs [M, K / 16] = dx * (sum of 16 v): per 32 values dx = amax / VMAX and
- * v = nearest-even(x * (VMAX / amax)) = 128 * hi + lo. One rule in every build. */
-#define VMAX 16256.0f /* 127 * 128 */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx,
+/* x [M, K] fp32 -> xq int16 [M, K], dx [M, K / 32] and xs [M, K / 16] = dx * (sum of 16 v):
+ * per 32 values dx = amax / VMAX and v = nearest-even(x * (VMAX / amax)). One rule in every
+ * build. */
+#define VMAX 16256.0f /* 127 * 128: two int8 halves hold it */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int16_t *xq, float *dx,
                           float *xs) {
     const int64_t B = K / XBLOCK;
     for (int64_t m = 0; m < M; m++) {
         for (int64_t b = 0; b < B; b++) {
             const float *v = x + m * K + b * XBLOCK;
-            int8_t *hi = xq + m * 2 * K + b * 2 * XBLOCK, *lo = hi + XBLOCK;
+            int16_t *q = xq + m * K + b * XBLOCK;
             float amax = 0.0f;
             for (int i = 0; i < XBLOCK; i++) amax = fmaxf(amax, fabsf(v[i]));
             const float iscale = amax > 0.0f ? VMAX / amax : 0.0f;
@@ -72,10 +78,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
             for (int i = 0; i < XBLOCK; i++) {
                 float r = rintf(v[i] * iscale);
                 r = r > VMAX ? VMAX : (r < -VMAX ? -VMAX : r);
-                const int32_t q = (int32_t)r, h = (q + 64) >> 7;
-                hi[i] = (int8_t)h;
-                lo[i] = (int8_t)(q - 128 * h);
-                if (i < 16) s0 += q; else s1 += q;
+                q[i] = (int16_t)r;
+                if (i < 16) s0 += q[i]; else s1 += q[i];
             }
             const float d = amax / VMAX;
             dx[m * B + b] = d;
@@ -85,10 +89,19 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
     }
 }
 
+/* v int16 [M, K] -> per block of 32: hi [32] then lo [32] int8, v = 128 * hi + lo. */
+static void split_halves(const int16_t *v, int64_t M, int64_t K, int8_t *halves) {
+    for (int64_t i = 0; i < M * K; i++) {
+        const int32_t h = (v[i] + 64) >> 7, b = i / XBLOCK, j = i % XBLOCK;
+        halves[b * 2 * XBLOCK + j] = (int8_t)h;
+        halves[b * 2 * XBLOCK + XBLOCK + j] = (int8_t)(v[i] - 128 * h);
+    }
+}
+
 /* ---------------------------------------------------------------- plain C */
 
 /* y[m, n] for weight rows nb..ne-1 (zeros not yet added). */
-static void rows_plain(int64_t bits, int64_t M, int64_t K, const int8_t *xq, const float *dx,
+static void rows_plain(int64_t bits, int64_t M, int64_t K, const int16_t *xq, const float *dx,
                        const uint8_t *w, int64_t N, int64_t nb, int64_t ne, const float *s,
                        int64_t group, const int32_t *gi, float *y) {
     const int64_t G = K / group, B = K / XBLOCK;
@@ -96,11 +109,10 @@ static void rows_plain(int64_t bits, int64_t M, int64_t K, const int8_t *xq, con
     for (int64_t n = nb; n < ne; n++) {
         const uint8_t *wr = w + n * row_bytes;
         for (int64_t m = 0; m < M; m++) {
-            const int8_t *xr = xq + m * 2 * K;
+            const int16_t *xr = xq + m * K;
             float acc = 0.0f;
             for (int64_t b = 0; b < B; b++) {
-                int32_t part[2] = {0, 0}; /* the chunk's two halves: groups of 16 */
-                const int8_t *hi = xr + b * 2 * XBLOCK, *lo = hi + XBLOCK;
+                int32_t part[2] = {0, 0}; /* the block's two halves: groups of 16 */
                 for (int i = 0; i < XBLOCK; i++) {
                     const int64_t k = b * XBLOCK + i;
                     int32_t u;
@@ -110,7 +122,7 @@ static void rows_plain(int64_t bits, int64_t M, int64_t K, const int8_t *xq, con
                     } else {
                         u = (int8_t)wr[k];
                     }
-                    part[i >= 16] += u * (128 * hi[i] + lo[i]);
+                    part[i >= 16] += u * xr[k];
                 }
                 if (group == 16) {
                     acc += ((float)part[0] * s[n * G + 2 * b] +
@@ -127,16 +139,16 @@ static void rows_plain(int64_t bits, int64_t M, int64_t K, const int8_t *xq, con
 /* ---------------------------------------------------------------- AVX2 (+ VNNI) */
 
 #ifdef HAVE_AVX2
-/* u8 [32] . s8 [32] -> int32 x 8 (lane l: bytes 4l..4l+3) */
-static inline __m256i dot_u8s8(__m256i u, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+/* acc + (int16 pairs of a . b summed into int32 x 8) */
+static inline __m256i dotw_avx2(__m256i acc, __m256i a, __m256i b) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
 }
 #ifdef HAVE_VNNI
-static inline __m256i dot_u8s8_vnni(__m256i u, __m256i x) {
+static inline __m256i dotw_vnni(__m256i acc, __m256i a, __m256i b) {
 #ifdef __AVXVNNI__
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
 #else
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x); /* AVX512-VNNI + VL */
+    return _mm256_dpwssd_epi32(acc, a, b); /* AVX512-VNNI + VL */
 #endif
 }
 #endif
@@ -148,6 +160,97 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
+#define LOADX(p) _mm256_loadu_si256((const __m256i *)(p))
+/* int8 / uint8 [32] -> int16 [16] x 2 */
+#define WIDEN(CVT, v, a, b)                                                                    \
+    do {                                                                                       \
+        a = CVT(_mm256_castsi256_si128(v));                                                    \
+        b = CVT(_mm256_extracti128_si256(v, 1));                                               \
+    } while (0)
+
+/* R weight rows x MR activation rows of accumulators; DOT accumulates int16 pair products. */
+#define KQ_BLOCK(NAME, DOT)                                                                    \
+    static inline __attribute__((always_inline)) void NAME(                                   \
+        const int R, const int MR, const int64_t bits, int64_t K, const int16_t *xq,         \
+        const float *dx, const uint8_t *w, int64_t N, int64_t n0, const float *s,             \
+        int64_t group, const int32_t *gi, float *y) {                                          \
+        const int64_t G = K / group, B = K / XBLOCK;                                           \
+        const int64_t row_bytes = bits == 4 ? K / 2 : K;                                       \
+        const __m256i zero = _mm256_setzero_si256();                                           \
+        __m256 acc[4][8];                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm256_setzero_ps(); \
+        if (bits == 4) {                                                                       \
+            const __m256i low = _mm256_set1_epi8(0x0F);                                        \
+            for (int64_t c = 0; c < K / 64; c++) {                                             \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    const __m256i v = LOADX(w + (n0 + r) * row_bytes + c * 32);                \
+                    __m256i u0, u1, u2, u3; /* values 64c + 16i .. + 15 */                     \
+                    WIDEN(_mm256_cvtepu8_epi16, _mm256_and_si256(v, low), u0, u1);             \
+                    WIDEN(_mm256_cvtepu8_epi16, _mm256_and_si256(_mm256_srli_epi16(v, 4), low), \
+                          u2, u3);                                                             \
+                    const float *sr = s + (n0 + r) * G;                                        \
+                    const float s_lo = sr[gi[2 * c]], s_hi = sr[gi[2 * c + 1]];                \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {                     \
+                        const int16_t *xr = xq + m * K + c * 64;                               \
+                        const __m256i p_lo = DOT(DOT(zero, u0, LOADX(xr)), u1, LOADX(xr + 16)); \
+                        const __m256i p_hi =                                                   \
+                            DOT(DOT(zero, u2, LOADX(xr + 32)), u3, LOADX(xr + 48));            \
+                        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_lo),                  \
+                                                    _mm256_set1_ps(s_lo * dx[m * B + 2 * c]),  \
+                                                    acc[r][m]);                                \
+                        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p_hi),                  \
+                                                    _mm256_set1_ps(s_hi * dx[m * B + 2 * c + 1]), \
+                                                    acc[r][m]);                                \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        } else {                                                                               \
+            for (int64_t b = 0; b < B; b++) {                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    __m256i u0, u1;                                                            \
+                    WIDEN(_mm256_cvtepi8_epi16, LOADX(w + (n0 + r) * row_bytes + b * XBLOCK),  \
+                          u0, u1);                                                             \
+                    const float *sr = s + (n0 + r) * G;                                        \
+                    _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {                     \
+                        const int16_t *xr = xq + m * K + b * XBLOCK;                           \
+                        const float d = dx[m * B + b];                                         \
+                        if (group == 16) { /* a scale per 16 values */                         \
+                            acc[r][m] = _mm256_fmadd_ps(                                       \
+                                _mm256_cvtepi32_ps(DOT(zero, u0, LOADX(xr))),                  \
+                                _mm256_set1_ps(sr[2 * b] * d), acc[r][m]);                     \
+                            acc[r][m] = _mm256_fmadd_ps(                                       \
+                                _mm256_cvtepi32_ps(DOT(zero, u1, LOADX(xr + 16))),             \
+                                _mm256_set1_ps(sr[2 * b + 1] * d), acc[r][m]);                 \
+                        } else {                                                               \
+                            const __m256i p = DOT(DOT(zero, u0, LOADX(xr)), u1, LOADX(xr + 16)); \
+                            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                 \
+                                                        _mm256_set1_ps(sr[gi[b]] * d),         \
+                                                        acc[r][m]);                            \
+                        }                                                                      \
+                    }                                                                          \
+                }                                                                              \
+            }                                                                                  \
+        }                                                                                      \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)                               \
+                y[m * N + n0 + r] = hsum8(acc[r][m]);                                          \
+    }
+
+KQ_BLOCK(block_avx2, dotw_avx2)
+#ifdef HAVE_VNNI
+KQ_BLOCK(block_vnni, dotw_vnni)
+#endif
+
+#ifdef HAVE_VNNI
+/* u8 [32] . s8 [32] -> int32 x 8 (lane l: bytes 4l..4l+3) */
+static inline __m256i dot_u8s8_vnni(__m256i u, __m256i x) {
+#ifdef __AVXVNNI__
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+#else
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x); /* AVX512-VNNI + VL */
+#endif
+}
 /* The chunk's scale vector: one scale, or (groups of 16) the two halves' (lanes 0-3, 4-7). */
 static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, const int32_t *gi) {
     if (group == 16) {
@@ -169,8 +272,8 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
             DOT(a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)(xr)), w)), 7),       \
         DOT(a, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)((xr) + 32)), w)))
 
-/* R weight rows x MR activation rows of accumulators; DOT is the u8 . s8 product. */
-#define KQ_BLOCK(NAME, DOT)                                                                    \
+/* The halves form: R weight rows x MR activation rows; DOT is the u8 . s8 product. */
+#define KQ_BLOCK8(NAME, DOT)                                                                    \
     static inline __attribute__((always_inline)) void NAME(                                   \
         const int R, const int MR, const int64_t bits, int64_t K, const int8_t *xq,          \
         const float *dx, const uint8_t *w, int64_t N, int64_t n0, const float *s,             \
@@ -222,9 +325,7 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
                 y[m * N + n0 + r] = hsum8(acc[r][m]);                                          \
     }
 
-KQ_BLOCK(block_avx2, dot_u8s8)
-#ifdef HAVE_VNNI
-KQ_BLOCK(block_vnni, dot_u8s8_vnni)
+KQ_BLOCK8(block_vnni8, dot_u8s8_vnni)
 #endif
 
 /* Rows nb..ne-1, R at a time so R * MR accumulators stay in registers. */
@@ -235,8 +336,8 @@ KQ_BLOCK(block_vnni, dot_u8s8_vnni)
         for (; n < ne; n++) BLOCK(1, MR, bits, K, xq, dx, w, N, n, s, group, gi, y);              \
     } while (0)
 
-#define KQ_ROWS(NAME, BLOCK)                                                                   \
-    static void NAME(int64_t bits, int64_t M, int64_t K, const int8_t *xq, const float *dx,   \
+#define KQ_ROWS(NAME, BLOCK, XT)                                                               \
+    static void NAME(int64_t bits, int64_t M, int64_t K, const XT *xq, const float *dx,       \
                      const uint8_t *w, int64_t N, int64_t nb, int64_t ne, const float *s,     \
                      int64_t group, const int32_t *gi, float *y) {                             \
         switch (M) {                                                                           \
@@ -251,9 +352,10 @@ KQ_BLOCK(block_vnni, dot_u8s8_vnni)
         }                                                                                      \
     }
 
-KQ_ROWS(rows_avx2, block_avx2)
+KQ_ROWS(rows_avx2, block_avx2, int16_t)
 #ifdef HAVE_VNNI
-KQ_ROWS(rows_vnni, block_vnni)
+KQ_ROWS(rows_vnni, block_vnni, int16_t)
+KQ_ROWS(rows_vnni8, block_vnni8, int8_t)
 #endif
 #endif /* HAVE_AVX2 */
 
@@ -261,7 +363,8 @@ KQ_ROWS(rows_vnni, block_vnni)
 
 typedef struct {
     int64_t isa, bits, M, K, N, nb, ne, group;
-    const int8_t *xq;
+    const int16_t *xq;
+    const int8_t *halves; /* VNNI8: xq as two int8 halves [M, 2K] */
     const float *dx, *xs, *s, *z; /* xs [M, G]: each group's dx * sum of xq */
     const int32_t *gi; /* scale index of each chunk of 32 (groups >= 32) */
     const uint8_t *w;
@@ -275,10 +378,15 @@ static void *run_job(void *arg) {
     const int64_t K = j->K, N = j->N, G = K / j->group, B = K / XBLOCK;
     for (int64_t m = 0; m < j->M; m += 8) {
         const int64_t rows = j->M - m < 8 ? j->M - m : 8;
-        const int8_t *xq = j->xq + m * 2 * K;
+        const int16_t *xq = j->xq + m * K;
         const float *dx = j->dx + m * B;
         float *y = j->y + m * N;
 #ifdef HAVE_VNNI
+        if (j->isa == KQ_VNNI8) {
+            rows_vnni8(j->bits, rows, K, j->halves + m * 2 * K, dx, j->w, N, j->nb, j->ne, j->s,
+                       j->group, j->gi, y);
+            continue;
+        }
         if (j->isa == KQ_VNNI) {
             rows_vnni(j->bits, rows, K, xq, dx, j->w, N, j->nb, j->ne, j->s, j->group, j->gi, y);
             continue;
@@ -316,20 +424,23 @@ static void *run_job(void *arg) {
 int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint8_t *w,
                    int64_t bits, int64_t N, const float *s, const float *z, int64_t group,
                    float *y, int64_t threads) {
-    if (!(hx_kq_isas() & isa) || (isa != KQ_PLAIN && isa != KQ_AVX2 && isa != KQ_VNNI))
+    if (!(hx_kq_isas() & isa) ||
+        (isa != KQ_PLAIN && isa != KQ_AVX2 && isa != KQ_VNNI && isa != KQ_VNNI8))
         return -1;
     if ((bits != 4 && bits != 8) || K % (bits == 4 ? 64 : XBLOCK) || group < 16 ||
         K % group || (group != 16 && group % XBLOCK) || (bits == 4 && group == 16))
         return -2;
-    int8_t *xq = malloc((size_t)(M * 2 * K));
+    int16_t *xq = malloc((size_t)(M * K) * sizeof(int16_t));
     float *dx = malloc((size_t)(M * (K / XBLOCK)) * sizeof(float));
     float *xs = malloc((size_t)(M * (K / 16)) * sizeof(float));
     int32_t *gi = malloc((size_t)(K / XBLOCK) * sizeof(int32_t));
-    if (!xq || !dx || !xs || !gi) {
-        free(xq), free(dx), free(xs), free(gi);
+    int8_t *halves = isa == KQ_VNNI8 ? malloc((size_t)(M * 2 * K)) : NULL;
+    if (!xq || !dx || !xs || !gi || (isa == KQ_VNNI8 && !halves)) {
+        free(xq), free(dx), free(xs), free(gi), free(halves);
         return -3;
     }
     quantize_rows(x, M, K, xq, dx, xs);
+    if (halves) split_halves(xq, M, K, halves);
     for (int64_t b = 0; b < K / XBLOCK; b++) gi[b] = (int32_t)(b * XBLOCK / group);
     if (z) { /* the sums of 16 -> each group's, in place (a group spans >= 16 values) */
         const int64_t G = K / group, per = group / 16;
@@ -350,7 +461,7 @@ int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint
     const int64_t per = ((N + t - 1) / t + 3) / 4 * 4; /* whole blocks of 4 rows a thread */
     for (int64_t i = 0; i < t; i++) {
         const int64_t nb = i * per < N ? i * per : N, ne = nb + per < N ? nb + per : N;
-        jobs[i] = (Job){isa, bits, M, K, N, nb, ne, group, xq, dx, xs, s, z, gi, w, y};
+        jobs[i] = (Job){isa, bits, M, K, N, nb, ne, group, xq, halves, dx, xs, s, z, gi, w, y};
         if (i > 0) started[i] = pthread_create(&ids[i], NULL, run_job, &jobs[i]) == 0;
     }
     for (int64_t i = 1; i < t; i++)
@@ -358,11 +469,11 @@ int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint
     run_job(&jobs[0]);
     for (int64_t i = 1; i < t; i++)
         if (started[i]) pthread_join(ids[i], NULL);
-    free(xq), free(dx), free(xs), free(gi);
+    free(xq), free(dx), free(xs), free(gi), free(halves);
     return 0;
 }
 
 /* The activation quantisation alone (the tests compare it with the torch reference's). */
-void hx_kq_quantize(const float *x, int64_t M, int64_t K, int8_t *xq, float *dx, float *xs) {
+void hx_kq_quantize(const float *x, int64_t M, int64_t K, int16_t *xq, float *dx, float *xs) {
     quantize_rows(x, M, K, xq, dx, xs);
 }

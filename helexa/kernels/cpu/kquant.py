@@ -6,17 +6,20 @@ compressed-tensors int4) or int8 (Q8_0, Q6_K, Q5_K and layers fusing several typ
 fp32 scales and zeros (the values helexa/kernels/quant.py's layouts hold, repacked:
 :func:`pack`). The native kernel quantises the activation once per call per 32
 values (llama.cpp's activations have 8 bits, which moved greedy tokens of the parity
-tests; these 15, as two int8 halves) and sums products in integers; :func:`emulate` is
+tests; these 15) and sums products in integers (int16 pairs, pmaddwd or VNNI's vpdpwssd,
+against the weight widened once for all of a step's rows; or two int8 halves against the
+weight's bytes, VNNI's vpdpbusd: kquant.c says when each wins); :func:`emulate` is
 the same arithmetic in plain torch, and :func:`dequantize` the plain-torch float weight
 every path is tested against (tests/kernels/test_kquant.py states the tolerances).
 
-Which runs a layer's decode rows — the native kernel (plain C, AVX2, AVX2 + VNNI; on one
+Which runs a layer's decode rows — the native kernel (plain C, AVX2, VNNI, VNNI8; on one
 thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit weights) or
 torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
 2 to ``NATIVE_MAX_ROWS``; more, a prefill chunk, probed at ``PREFILL_PROBE_ROWS``), as
 int8g.py does. Prefill is measured too: dequantising every tile of the weight for each chunk
 cost more than the integer kernel's pass per 8 rows on the 29M qwen3 of bench/engine.py.
-``HELEXA_CPU_KQUANT`` (``tile``, ``int8g``, ``plain``, ``avx2``, ``vnni``) forces a kind.
+``HELEXA_CPU_KQUANT`` (``tile``, ``int8g``, ``plain``, ``avx2``, ``vnni``, ``vnni8``) forces a
+kind.
 """
 
 from __future__ import annotations
@@ -34,8 +37,10 @@ from helexa.kernels.cpu import native as cpu_native
 NATIVE_MAX_ROWS = 8  # more rows: a prefill chunk (its own measured bucket)
 PREFILL_PROBE_ROWS = 64  # rows the prefill bucket is measured at
 XBLOCK = 32  # activation values per scale (kquant.c)
-VMAX = 16256.0  # 127 * 128: the activation's 15-bit range, two int8 halves (kquant.c)
-ISAS = {"plain": 1, "avx2": 2, "vnni": 4}  # name -> kquant.c's bit
+VMAX = 16256.0  # 127 * 128: the activation's 15-bit range (kquant.c: two int8 halves hold it)
+# name -> kquant.c's bit: plain C, AVX2, VNNI (int16 activations against widened weights),
+# VNNI8 (the activation as two int8 halves against the weight's bytes)
+ISAS = {"plain": 1, "avx2": 2, "vnni": 4, "vnni8": 8}
 KINDS = ("tile", "int8g", *ISAS)
 TILE_BYTES = 4 << 20  # float bytes of one dequantised tile
 _PROBE_ROWS = (1, NATIVE_MAX_ROWS, PREFILL_PROBE_ROWS)  # per bucket (:func:`bucket`)
@@ -125,8 +130,7 @@ def tiles(x: torch.Tensor, w: KqWeight) -> torch.Tensor:
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kquant.c's rule in torch: x [M, K] fp32 -> (v int16 [M, K], dx fp32 [M, K / 32]) with
-    dx = amax / VMAX and v = nearest-even(x * (VMAX / amax)) per 32 values; the kernel holds
-    v as two int8 halves, ``v = 128 * hi + lo``."""
+    dx = amax / VMAX and v = nearest-even(x * (VMAX / amax)) per 32 values."""
     m, k = x.shape
     b = x.view(m, k // XBLOCK, XBLOCK)
     amax = b.abs().amax(-1, keepdim=True)
@@ -134,12 +138,6 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     iscale = torch.where(amax > 0, torch.full_like(amax, VMAX) / amax, torch.zeros_like(amax))
     v = torch.round(b * iscale).clamp_(-VMAX, VMAX).to(torch.int16).view(m, k)
     return v, (amax / VMAX).view(m, -1)
-
-
-def split_halves(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """v int16 -> (hi, lo) int8 with v = 128 * hi + lo and lo in -64..63."""
-    hi = torch.div(v.int() + 64, 128, rounding_mode="floor")
-    return hi.to(torch.int8), (v.int() - 128 * hi).to(torch.int8)
 
 
 def emulate(x: torch.Tensor, w: KqWeight) -> torch.Tensor:
