@@ -161,6 +161,11 @@ static inline float hsum8(__m256 v) {
 }
 
 #define LOADX(p) _mm256_loadu_si256((const __m256i *)(p))
+/* Weight rows are read PF_ROWS ahead: a step's weights stream from L3 or memory, where the
+ * hardware's prefetchers alone left the loop at two thirds of its in-cache speed (a prefetch
+ * never faults, past the last row included). */
+#define PF_ROWS 8
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T0)
 /* int8 / uint8 [32] -> int16 [16] x 2 */
 #define WIDEN(CVT, v, a, b)                                                                    \
     do {                                                                                       \
@@ -184,6 +189,7 @@ static inline float hsum8(__m256 v) {
             const __m256i low = _mm256_set1_epi8(0x0F);                                        \
             for (int64_t c = 0; c < K / 64; c++) {                                             \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + c * 32);                     \
                     const __m256i v = LOADX(w + (n0 + r) * row_bytes + c * 32);                \
                     __m256i u0, u1, u2, u3; /* values 64c + 16i .. + 15 */                     \
                     WIDEN(_mm256_cvtepu8_epi16, _mm256_and_si256(v, low), u0, u1);             \
@@ -209,6 +215,7 @@ static inline float hsum8(__m256 v) {
             for (int64_t b = 0; b < B; b++) {                                                  \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
                     __m256i u0, u1;                                                            \
+                    PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + b * XBLOCK);                 \
                     WIDEN(_mm256_cvtepi8_epi16, LOADX(w + (n0 + r) * row_bytes + b * XBLOCK),  \
                           u0, u1);                                                             \
                     const float *sr = s + (n0 + r) * G;                                        \
@@ -287,6 +294,7 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
             const __m256i low = _mm256_set1_epi8(0x0F);                                        \
             for (int64_t c = 0; c < K / 64; c++) {                                             \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + c * 32);                     \
                     const __m256i v = _mm256_loadu_si256(                                      \
                         (const __m256i *)(w + (n0 + r) * row_bytes + c * 32));                 \
                     const __m256i lo = _mm256_and_si256(v, low);                               \
@@ -307,6 +315,7 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
         } else {                                                                               \
             for (int64_t b = 0; b < B; b++) {                                                  \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                          \
+                    PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + b * XBLOCK);                 \
                     const __m256i v = _mm256_loadu_si256(                                      \
                         (const __m256i *)(w + (n0 + r) * row_bytes + b * XBLOCK));             \
                     const __m256i a = _mm256_abs_epi8(v);                                      \
