@@ -135,15 +135,16 @@ def _tokenizer_metadata(w: gguf.GGUFWriter, src: Path, pre: str = "qwen2") -> No
     tok = json.loads((src / "tokenizer.json").read_text())
     vocab = dict(tok["model"]["vocab"])
     special = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    size = max([*vocab.values(), *special.values()]) + 1
+    cfg = json.loads((src / "config.json").read_text())
+    cfg = {**cfg, **cfg.get("text_config", {})}  # the multimodal wrapper's ids are its text's
+    # padded to the embedding's rows, as llama.cpp's converter does (its loader checks them)
+    size = max([*vocab.values(), *special.values(), int(cfg.get("vocab_size", 0)) - 1]) + 1
     tokens, types = [f"[PAD{i}]" for i in range(size)], [gguf.TokenType.UNUSED] * size
     for text, i in vocab.items():
         tokens[i], types[i] = text, gguf.TokenType.NORMAL
     for text, i in special.items():
         tokens[i], types[i] = text, gguf.TokenType.CONTROL
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
-    cfg = json.loads((src / "config.json").read_text())
-    cfg = {**cfg, **cfg.get("text_config", {})}  # the multimodal wrapper's ids are its text's
     tcfg = json.loads((src / "tokenizer_config.json").read_text())
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(pre)  # helexa/fixtures/tiny.py's split pattern is Qwen2's
