@@ -115,8 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     helexa, hurl = start_helexa(args.gguf, args.dtype, args.threads,
                                 args.log_dir / "bench-helexa.log")
-    llama, lurl = start_llamacpp(args.gguf, args.threads, args.log_dir / "bench-llamacpp.log",
-                                 args.llama_server, args.streams)
+    try:
+        llama, lurl = start_llamacpp(args.gguf, args.threads,
+                                     args.log_dir / "bench-llamacpp.log", args.llama_server,
+                                     args.streams)
+    except BaseException:  # helexa up must not outlive the run (it would load later ones)
+        helexa.terminate()
+        helexa.wait(timeout=60)
+        raise
     servers = {"helexa": (hurl, args.gguf.stem), "llama.cpp": (lurl, str(args.gguf))}
     counts = (1, args.streams)
     got: dict[tuple[str, int], list[float]] = {(s, n): [] for s in servers for n in counts}
