@@ -109,3 +109,26 @@ def test_prefill_and_decode_rows_take_their_buckets_measured_kind(monkeypatch):
     assert {c.split(" (")[1] for c in kq.chosen()} >= {"1 row)", "2-8 rows)", "prefill)"}
     monkeypatch.setenv("HELEXA_CPU_KQUANT", "tile")  # forced: the tiles, whatever the rows
     torch.testing.assert_close(layer(x, None), kq.tiles(x, w), rtol=0, atol=0)
+
+
+def test_a_short_prefill_takes_the_native_passes_when_they_cost_less_than_tiles(monkeypatch):
+    """The prefill bucket is measured at 64 rows; a chunk of 16 whose two passes of 8 rows
+    measured cheaper than that tile call runs natively, one of 40 (five passes) on tiles."""
+    w = unpacked("Q4_K", 64, 256, seed=2)
+    threads = torch.get_num_threads()
+    few, prefill = kq._key(w, 1, threads), kq._key(w, 2, threads)
+    build = kq.isas()[-1]
+    monkeypatch.setitem(kq._choices, prefill, ("tile", 0))
+    # 2-8 rows: int8g.c fastest (no passes beyond 8 rows), then the native build
+    monkeypatch.setitem(kq._times, few, {("int8g", 1): 250.0, (build, 1): 300.0, ("tile", 0): 900})
+    monkeypatch.setitem(kq._times, prefill, {("tile", 0): 1000.0, (build, 1): 2400.0})
+    monkeypatch.setitem(kq._choices, few, ("int8g", 1))
+    assert kq.choice(w, 16) == (build, 1)
+    assert kq.choice(w, 40) == ("tile", 0)
+    assert kq.choice(w, 4) == ("int8g", 1)  # decode rows keep their bucket's winner
+    kq._times[few][build, 1] = 600.0  # two passes no longer pay
+    assert kq.choice(w, 16)[0] == "tile"
+    kq._times[few][build, 1] = 300.0
+    x = torch.randn(16, 256)
+    layer = kq.KQuantLinear(torch.nn.Module(), w)
+    torch.testing.assert_close(layer(x, None), kq.run(build, x, w, 1), rtol=0, atol=0)

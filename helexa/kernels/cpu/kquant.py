@@ -46,6 +46,7 @@ TILE_BYTES = 4 << 20  # float bytes of one dequantised tile
 _PROBE_ROWS = (1, NATIVE_MAX_ROWS, PREFILL_PROBE_ROWS)  # per bucket (:func:`bucket`)
 _BUCKETS = ("1 row", f"2-{NATIVE_MAX_ROWS} rows", "prefill")
 _choices: dict[tuple, tuple[str, int]] = {}  # key -> (kind, native threads)
+_times: dict[tuple, dict[tuple[str, int], float]] = {}  # key -> µs per call of each (kind, threads)
 log = structlog.get_logger(component="kernels")
 
 
@@ -216,20 +217,44 @@ def bucket(rows: int) -> int:
 
 def choice(w: KqWeight, rows: int) -> tuple[str, int]:
     """(kind, native threads) for ``rows`` rows of this layer: forced, else measured once
-    per (shape, form, bucket, torch threads)."""
+    per (shape, form, bucket, torch threads). A prefill chunk whose bucket measured tiles
+    fastest (at PREFILL_PROBE_ROWS rows) still takes the native kernel when its passes of
+    NATIVE_MAX_ROWS rows, at the fastest native build's measured time each (int8g.c may
+    have won those rows: it takes no more), cost less than that tile call: the
+    tiles dequantise the whole weight whatever the rows, so a short prompt's few rows are
+    faster natively (bench/engine.py's 29M qwen3 Q4_K_M: a 16-token prefill in 2 passes)."""
     threads = torch.get_num_threads()
     forced = _forced()
     if forced is not None:
         return (forced if forced in _candidates(w, rows) else "tile"), threads
-    key = (w.shape, w.bits, w.group, w.zeros is not None, bucket(rows), threads)
-    got = _choices.get(key)
-    if got is None:  # engine processes call from one thread: no lock
-        # the candidates only on a miss: asking the library costs ~5% of a decode step
-        got = _choices[key] = _measure(w, _candidates(w, rows), _PROBE_ROWS[bucket(rows)])
+    b = bucket(rows)
+    got = _measured(w, b, threads)
+    if b == 2 and got[0] == "tile":
+        _measured(w, 1, threads)
+        few = {kt: us for kt, us in _times[_key(w, 1, threads)].items() if kt[0] in ISAS}
+        if few:
+            best = min(few, key=few.__getitem__)
+            if -(-rows // NATIVE_MAX_ROWS) * few[best] < _times[_key(w, 2, threads)][got]:
+                return best
     return got
 
 
-def _measure(w: KqWeight, cands: list[str], rows: int) -> tuple[str, int]:
+def _key(w: KqWeight, b: int, threads: int) -> tuple:
+    return (w.shape, w.bits, w.group, w.zeros is not None, b, threads)
+
+
+def _measured(w: KqWeight, b: int, threads: int) -> tuple[str, int]:
+    key = _key(w, b, threads)
+    got = _choices.get(key)
+    if got is None:  # engine processes call from one thread: no lock
+        # the candidates only on a miss: asking the library costs ~5% of a decode step
+        _times[key] = _measure(w, _candidates(w, _PROBE_ROWS[b]), _PROBE_ROWS[b])
+        got = _choices[key] = min(_times[key], key=_times[key].__getitem__)
+    return got
+
+
+def _measure(w: KqWeight, cands: list[str], rows: int) -> dict[tuple[str, int], float]:
+    """µs per call of each candidate (kind, native threads) at ``rows`` rows (logged)."""
     from helexa.kernels.cpu.matmul import _time_us
 
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(rows))
@@ -242,7 +267,7 @@ def _measure(w: KqWeight, cands: list[str], rows: int) -> tuple[str, int]:
     log.info("kernels.cpu_quant_matmul_chosen", shape=f"{w.shape[0]}x{w.shape[1]}", bits=w.bits,
              group=w.group, rows=rows, kind=best[0], native_threads=best[1],
              times_us={f"{k}x{t}" if t else k: round(us, 1) for (k, t), us in times.items()})
-    return best
+    return times
 
 
 def chosen() -> list[str]:
