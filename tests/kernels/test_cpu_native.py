@@ -164,7 +164,7 @@ def _gguf_type(mixed: bool):
 
 @needs_lib
 @pytest.mark.parametrize(("arch", "mixed", "kind"), [
-    *[("qwen3", True, isa) for isa in ("plain", "avx2", "vnni", "vnni8")],
+    *[("qwen3", True, isa) for isa in ("plain", "avx2", "vnni", "vnni8", "avx512")],
     ("qwen2", True, "avx2"),  # QKV bias: added after the quantised product
     ("qwen3", False, "int8g"),  # all 8-bit: int8g.c's kernel inside the fused step
     ("qwen3", True, "tile"),  # torch tiles somewhere: layer by layer

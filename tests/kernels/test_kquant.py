@@ -67,14 +67,15 @@ def test_every_build_computes_the_torch_arithmetic(typ, rows):
             assert ((y - exact).abs() <= bound + SUM_ORDER * scale).all(), (isa, threads)
 
 
-@pytest.mark.parametrize(("bits", "group", "zeros"), [(4, 32, True), (4, 128, True),
-                                                      (8, 16, False), (8, 32, True),
-                                                      (8, 256, True), (8, 512, False)])
-def test_the_forms_the_loader_hands_over(bits, group, zeros):
+@pytest.mark.parametrize(("bits", "group", "zeros", "k"), [
+    (4, 32, True, 512), (4, 128, True, 512), (8, 16, False, 512), (8, 32, True, 512),
+    (8, 256, True, 512), (8, 512, False, 512),
+    (4, 64, True, 320), (8, 16, False, 96)])  # K no multiple of 128: the 512-bit loop's tail
+def test_the_forms_the_loader_hands_over(bits, group, zeros, k):
     # GGUF's types, and the layouts of layers fusing several (int8 at 16 with zeros) or
     # per-channel ones; a 4-bit form keeps its values exactly
     g = torch.Generator().manual_seed(group)
-    n, k = 24, 512
+    n = 24
     lo, hi = (0, 16) if bits == 4 else (-128, 128)
     q = torch.randint(lo, hi, (n, k), generator=g)
     s = torch.rand(n, k // group, generator=g) * 0.01

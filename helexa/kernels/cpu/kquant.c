@@ -21,8 +21,8 @@
  * No product or sum leaves int32 (|u| <= 128, |v| <= 16256). The zeros are applied once
  * per group against the group's sum of the same v, a dot over the row's groups.
  *
- * Four builds: plain C (any CPU), AVX2, AVX2 with VNNI (AVX-VNNI or AVX512-VNNI at 256
- * bits) both wide, and VNNI8. Integer sums are exact in all; their fp32 sums differ only in
+ * Five builds: plain C (any CPU), AVX2, AVX2 with VNNI (AVX-VNNI or AVX512-VNNI at 256
+ * bits) and AVX-512 (with AVX512-VNNI where there), all wide, and VNNI8. Integer sums are exact in all; their fp32 sums differ only in
  * order. Which runs a layer is measured (kquant.py). Weight rows are split over threads started per call (only when each
  * gets MIN_THREAD_BYTES), as in int8g.c. Built into the same library as native.c by
  * helexa/kernels/cpu/native.py.
@@ -37,11 +37,15 @@
 #define KQ_AVX2 2
 #define KQ_VNNI 4
 #define KQ_VNNI8 8
+#define KQ_AVX512 16
 #define XBLOCK 32 /* activation values per int8 scale */
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HAVE_AVX512 1
+#endif
 #if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
 #define HAVE_VNNI 1
 #endif
@@ -54,6 +58,9 @@ int64_t hx_kq_isas(void) {
 #endif
 #ifdef HAVE_VNNI
     isas |= KQ_VNNI | KQ_VNNI8;
+#endif
+#ifdef HAVE_AVX512
+    isas |= KQ_AVX512;
 #endif
     return isas;
 }
@@ -366,6 +373,100 @@ KQ_ROWS(rows_avx2, block_avx2, int16_t)
 KQ_ROWS(rows_vnni, block_vnni, int16_t)
 KQ_ROWS(rows_vnni8, block_vnni8, int8_t)
 #endif
+
+#ifdef HAVE_AVX512
+/* The wide form at 512 bits: a block of 32 values is one int16 vector, dotted by one
+ * vpdpwssd (AVX512-VNNI) or pmaddwd + add; 4-bit rows are read 128 values at a time (K a
+ * multiple of 128, else the AVX2 loop runs the call). */
+static inline __m512i dotw512(__m512i acc, __m512i a, __m512i b) {
+#ifdef __AVX512VNNI__
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+
+static inline __attribute__((always_inline)) void block_avx512(
+    const int R, const int MR, const int64_t bits, int64_t K, const int16_t *xq,
+    const float *dx, const uint8_t *w, int64_t N, int64_t n0, const float *s, int64_t group,
+    const int32_t *gi, float *y) {
+    const int64_t G = K / group, B = K / XBLOCK;
+    const int64_t row_bytes = bits == 4 ? K / 2 : K;
+    const __m512i zero = _mm512_setzero_si512();
+    __m512 acc[4][8];
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
+    if (bits == 4) {
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int64_t c = 0; c < K / 128; c++) {
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + c * 64);
+                const __m512i v = _mm512_loadu_si512(w + (n0 + r) * row_bytes + c * 64);
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                __m512i u[4]; /* blocks 4c .. 4c + 3 */
+                u[0] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo));
+                u[1] = _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi));
+                u[2] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo, 1));
+                u[3] = _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi, 1));
+                const float *sr = s + (n0 + r) * G;
+                _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+                    const int16_t *xr = xq + m * K + c * 128;
+                    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+                        const __m512i p = dotw512(zero, u[j], _mm512_loadu_si512(xr + 32 * j));
+                        acc[r][m] = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(p),
+                            _mm512_set1_ps(sr[gi[4 * c + j]] * dx[m * B + 4 * c + j]), acc[r][m]);
+                    }
+                }
+            }
+        }
+    } else {
+        for (int64_t b = 0; b < B; b++) {
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+                PREFETCH(w + (n0 + r + PF_ROWS) * row_bytes + b * XBLOCK);
+                const __m512i u = _mm512_cvtepi8_epi16(
+                    _mm256_loadu_si256((const __m256i *)(w + (n0 + r) * row_bytes + b * XBLOCK)));
+                const float *sr = s + (n0 + r) * G;
+                /* groups of 16: lanes 0-7 hold values 0-15, lanes 8-15 values 16-31 */
+                const __m512 sv = group == 16
+                    ? _mm512_castpd_ps(_mm512_insertf64x4(
+                          _mm512_castpd256_pd512(_mm256_castps_pd(_mm256_set1_ps(sr[2 * b]))),
+                          _mm256_castps_pd(_mm256_set1_ps(sr[2 * b + 1])), 1))
+                    : _mm512_set1_ps(sr[gi[b]]);
+                _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) {
+                    const __m512i p =
+                        dotw512(zero, u, _mm512_loadu_si512(xq + m * K + b * XBLOCK));
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p), sv),
+                                                _mm512_set1_ps(dx[m * B + b]), acc[r][m]);
+                }
+            }
+        }
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
+            y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+static void rows_avx512(int64_t bits, int64_t M, int64_t K, const int16_t *xq, const float *dx,
+                        const uint8_t *w, int64_t N, int64_t nb, int64_t ne, const float *s,
+                        int64_t group, const int32_t *gi, float *y) {
+    if (bits == 4 && K % 128) {
+        rows_avx2(bits, M, K, xq, dx, w, N, nb, ne, s, group, gi, y);
+        return;
+    }
+    switch (M) { /* 32 zmm: R * MR accumulators and 4 weight vectors */
+        case 1: KQ_RUN(block_avx512, 4, 1); break;
+        case 2: KQ_RUN(block_avx512, 4, 2); break;
+        case 3: KQ_RUN(block_avx512, 4, 3); break;
+        case 4: KQ_RUN(block_avx512, 4, 4); break;
+        case 5: KQ_RUN(block_avx512, 2, 5); break;
+        case 6: KQ_RUN(block_avx512, 2, 6); break;
+        case 7: KQ_RUN(block_avx512, 2, 7); break;
+        default: KQ_RUN(block_avx512, 2, 8); break;
+    }
+}
+#endif
 #endif /* HAVE_AVX2 */
 
 /* ---------------------------------------------------------------- the call */
@@ -390,6 +491,13 @@ static void *run_job(void *arg) {
         const int16_t *xq = j->xq + m * K;
         const float *dx = j->dx + m * B;
         float *y = j->y + m * N;
+#ifdef HAVE_AVX512
+        if (j->isa == KQ_AVX512) {
+            rows_avx512(j->bits, rows, K, xq, dx, j->w, N, j->nb, j->ne, j->s, j->group, j->gi,
+                        y);
+            continue;
+        }
+#endif
 #ifdef HAVE_VNNI
         if (j->isa == KQ_VNNI8) {
             rows_vnni8(j->bits, rows, K, j->halves + m * 2 * K, dx, j->w, N, j->nb, j->ne, j->s,
@@ -434,7 +542,8 @@ int64_t hx_kq_gemm(int64_t isa, const float *x, int64_t M, int64_t K, const uint
                    int64_t bits, int64_t N, const float *s, const float *z, int64_t group,
                    float *y, int64_t threads) {
     if (!(hx_kq_isas() & isa) ||
-        (isa != KQ_PLAIN && isa != KQ_AVX2 && isa != KQ_VNNI && isa != KQ_VNNI8))
+        (isa != KQ_PLAIN && isa != KQ_AVX2 && isa != KQ_VNNI && isa != KQ_VNNI8 &&
+         isa != KQ_AVX512))
         return -1;
     if ((bits != 4 && bits != 8) || K % (bits == 4 ? 64 : XBLOCK) || group < 16 ||
         K % group || (group != 16 && group % XBLOCK) || (bits == 4 && group == 16))

@@ -12,14 +12,14 @@ weight's bytes, VNNI's vpdpbusd: kquant.c says when each wins); :func:`emulate` 
 the same arithmetic in plain torch, and :func:`dequantize` the plain-torch float weight
 every path is tested against (tests/kernels/test_kquant.py states the tolerances).
 
-Which runs a layer's decode rows — the native kernel (plain C, AVX2, VNNI, VNNI8; on one
+Which runs a layer's decode rows — the native kernel (plain C, AVX2, VNNI, VNNI8, AVX512; on one
 thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit weights) or
 torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
 2 to ``NATIVE_MAX_ROWS``; more, a prefill chunk, probed at ``PREFILL_PROBE_ROWS``), as
 int8g.py does. Prefill is measured too: dequantising every tile of the weight for each chunk
 cost more than the integer kernel's pass per 8 rows on the 29M qwen3 of bench/engine.py.
-``HELEXA_CPU_KQUANT`` (``tile``, ``int8g``, ``plain``, ``avx2``, ``vnni``, ``vnni8``) forces a
-kind.
+``HELEXA_CPU_KQUANT`` (``tile``, ``int8g``, ``plain``, ``avx2``, ``vnni``, ``vnni8``,
+``avx512``) forces a kind.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ PREFILL_PROBE_ROWS = 64  # rows the prefill bucket is measured at
 XBLOCK = 32  # activation values per scale (kquant.c)
 VMAX = 16256.0  # 127 * 128: the activation's 15-bit range (kquant.c: two int8 halves hold it)
 # name -> kquant.c's bit: plain C, AVX2, VNNI (int16 activations against widened weights),
-# VNNI8 (the activation as two int8 halves against the weight's bytes)
-ISAS = {"plain": 1, "avx2": 2, "vnni": 4, "vnni8": 8}
+# VNNI8 (the activation as two int8 halves against the weight's bytes), AVX512 (the wide form
+# at 512 bits, with AVX512-VNNI where the CPU has it)
+ISAS = {"plain": 1, "avx2": 2, "vnni": 4, "vnni8": 8, "avx512": 16}
 KINDS = ("tile", "int8g", *ISAS)
 TILE_BYTES = 4 << 20  # float bytes of one dequantised tile
 _PROBE_ROWS = (1, NATIVE_MAX_ROWS, PREFILL_PROBE_ROWS)  # per bucket (:func:`bucket`)
