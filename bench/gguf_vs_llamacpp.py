@@ -6,6 +6,9 @@ decode tok/s at 1 and N concurrent streams and the ratios, on this machine.
     .venv/bin/python bench/gguf_vs_llamacpp.py FILE.gguf [--dtype fp32] [--threads 2]
                                                [--llama-server BIN]
 
+``bench/llamacpp_files.py DIR`` writes the files of the issue's comparison: bench/engine.py's
+29M qwen3 quantised to Q4_K_M and Q6_K by llama.cpp's own quantiser, and its F32 file.
+
 ``--llama-server BIN`` serves with llama.cpp's own C++ server instead (``llama-server``,
 built from llama.cpp's tree: ``cmake --build build --target llama-server``), given
 ``--streams`` parallel slots so N streams decode as one batch there too; llama-cpp-python's
