@@ -188,6 +188,8 @@ def test_quantised_decode_runs_every_layer_in_one_native_call(
     layered.backend.executor.native._fused_plan = lambda rows: None
     assert fused.backend.executor.native.fused(1) == fused.backend.executor.native.fused(3) \
         == (kind != "tile")
+    if kind != "tile":  # the LM head's matmul runs in the same native call
+        assert fused.backend.executor.native._fused_plan(1)[3] is not None
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (19, 33, 6)]
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]

@@ -42,6 +42,11 @@ class NativeDecode:
         self.model, self.pools, self.lib = model, pools, lib
         self.first_norm, self.layers = self._plan()
         self._fused: dict[int, tuple | None] = {}
+        self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
+        attn0 = model.model.layers[0].self_attn
+        self.heads = (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim)
+        self.scale = 1.0 / math.sqrt(attn0.head_dim)
+        self.num_slots, self.block_size = pools[0].k_heads.shape[2], pools[0].k_cache.shape[1]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  tables: torch.Tensor, decode_len: int,
@@ -50,32 +55,31 @@ class NativeDecode:
         x = model.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
         b, hidden = x.shape
         fused = self._fused_plan(b)
-        normed = torch.empty_like(x)
-        attn0 = model.model.layers[0].self_attn
-        h, kvh, d = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-        work = torch.empty((h // kvh) * decode_len + d, dtype=torch.float32)
-        attn_out = torch.empty(b, h * d, dtype=x.dtype)
+        h, kvh, d = self.heads
+        normed, attn_out, qkv, tmp, gate_up, act, work = self._scratch(b, hidden, decode_len)
         rotary = (model.rotary.cos.data_ptr(), model.rotary.sin_signed.data_ptr(),
                   positions.data_ptr())
-        pool0 = self.pools[0]
-        num_slots, block_size = pool0.k_heads.shape[2], pool0.k_cache.shape[1]
-        paging = (tables.data_ptr(), tables.shape[1], block_size)
-        scale = 1.0 / math.sqrt(d)
+        paging = (tables.data_ptr(), tables.shape[1], self.block_size)
         xp, normed_p = x.data_ptr(), normed.data_ptr()
         lib.hx_add_rmsnorm(xp, None, normed_p, self.first_norm[0], b, hidden, self.first_norm[1])
         if fused is not None:  # every matmul native at this batch size: one call for all layers
-            plan, eps, inter = fused
-            qkv, tmp, gate_up, act = (torch.empty(b, n, dtype=x.dtype)
-                                      for n in ((h + 2 * kvh) * d, hidden, 2 * inter, inter))
+            plan, eps, inter, head = fused
+            logits = None
+            if head is not None and logits_rows is None:  # the head's matmul in the same call
+                logits = torch.empty(b, int(head[1]), dtype=torch.float32)
             rc = lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp,
                                       normed_p, b, hidden, h, kvh, d, inter, qkv.data_ptr(),
                                       attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
-                                      act.data_ptr(), *rotary, num_slots, *paging, scale,
-                                      work.data_ptr())
+                                      act.data_ptr(), *rotary, self.num_slots, *paging,
+                                      self.scale, work.data_ptr(),
+                                      None if logits is None else head.data_ptr(),
+                                      None if logits is None else logits.data_ptr())
             if rc != 0:
                 raise RuntimeError(f"hx_decode_layers: a matmul refused its shape (code {rc})")
+            if logits is not None:
+                return logits
         else:  # matmuls through their kernels between the native calls
-            context = (num_slots, *paging, attn_out.data_ptr(), scale, work.data_ptr())
+            context = (self.num_slots, *paging, attn_out.data_ptr(), self.scale, work.data_ptr())
             for qkv_proj, qk_norm, pools, o_proj, post, gate_up, inter, down, nxt in self.layers:
                 qkv = qkv_proj(normed)
                 lib.hx_attn_decode(qkv.data_ptr(), b, h, kvh, d, *qk_norm, *rotary, *pools,
@@ -90,6 +94,27 @@ class NativeDecode:
         if logits_rows is not None:
             normed = normed.index_select(0, logits_rows)
         return model.lm_head(normed).float()
+
+    def _scratch(self, rows: int, hidden: int, decode_len: int) -> tuple[torch.Tensor, ...]:
+        """The step's scratch tensors for ``rows`` rows, kept from step to step (a step reads
+        nothing a previous one left there): normed, attn_out, then hx_decode_layers' qkv,
+        tmp, gate_up and act, and the attention's work for ``decode_len`` (grown to powers of
+        two, as the context grows a token a step)."""
+        h, kvh, d = self.heads
+        inter = self.layers[0][6]
+        need = (h // kvh) * decode_len + d
+        got = self._buffers.get(rows)
+        if got is None or got[-1].numel() < need:
+            got = tuple(torch.empty(rows, n, dtype=torch.float32) for n in (
+                hidden, h * d, (h + 2 * kvh) * d, hidden, 2 * inter, inter)) + (
+                torch.empty(1 << (need - 1).bit_length(), dtype=torch.float32),)
+            self._buffers[rows] = got
+        return got
+
+    def _head_alone(self) -> bool:
+        """The LM head is its kernel's matmul and nothing more (one rank: no vocab gather)."""
+        head = self.model.lm_head
+        return getattr(head, "tp_size", 1) == 1 and getattr(head, "bias", None) is None
 
     def fused(self, rows: int) -> bool:
         """Whether a step of this many rows runs all layers in one native call."""
@@ -119,9 +144,9 @@ class NativeDecode:
 
     def _fused_plan(self, rows: int) -> tuple | None:
         """hx_decode_layers' plan ([L, 4 * MAT_WORDS + 5] words, [L, 3] eps, intermediate
-        size) for a step of ``rows`` rows, or None when some matmul has no native kernel at
-        that size (each kernel's choice is by its own row buckets, so this is kept per row
-        count)."""
+        size, the LM head's MAT_WORDS words or None) for a step of ``rows`` rows, or None
+        when some layer matmul has no native kernel at that size (each kernel's choice is by
+        its own row buckets, so this is kept per row count)."""
         if rows in self._fused:
             return self._fused[rows]
 
@@ -138,7 +163,8 @@ class NativeDecode:
                         + [qkn or 0, post[0] or 0, nxt[0] or 0, k, v])
             eps.append([qk_eps, post[1], nxt[1]])
         else:
+            head = words(self.model.lm_head) if self._head_alone() else None
             out = (torch.tensor(plan, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
-                   self.layers[0][6])
+                   self.layers[0][6], None if head is None else torch.tensor(head))
         self._fused[rows] = out
         return out

@@ -403,15 +403,17 @@ static int64_t mat(const int64_t *d, const float *x, int64_t M, float *y) {
  * layer's input norm, or the final one); the layer's K and V pools. eps: [L, 3] (q/k norm,
  * post-attention norm, next norm). x [B, hidden] is the residual stream and normed its first
  * norm on entry; on return normed holds the final norm of x. Scratch: qkv [B, (H+2KVH)*D],
- * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. Returns 0, or
- * a matmul's error code (the step's result is then not to be used). */
+ * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. head (MAT_WORDS
+ * words, or NULL): the LM head's matmul of the final norm into logits [B, its N], so a greedy
+ * step's Python is the embedding and the argmax. Returns 0, or a matmul's error code (the
+ * step's result is then not to be used). */
 int64_t hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float *x,
                          float *normed, int64_t B, int64_t hidden, int64_t H, int64_t KVH,
                          int64_t D, int64_t inter, float *qkv, float *attn_out, float *tmp,
                          float *gate_up, float *act, const float *cos_tab,
                          const float *sin_tab, const int64_t *positions, int64_t num_slots,
                          const int64_t *tables, int64_t max_blocks, int64_t block_size,
-                         float scale, float *work) {
+                         float scale, float *work, const int64_t *head, float *logits) {
 #define W(i) ((float *)(intptr_t)p[4 * MAT_WORDS + (i)])
     int64_t rc = 0;
     for (int64_t l = 0; l < L && rc == 0; l++) {
@@ -428,5 +430,6 @@ int64_t hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float
         if (rc == 0) hx_add_rmsnorm(x, tmp, normed, W(2), B, hidden, e[2]);
     }
 #undef W
+    if (rc == 0 && head) rc = mat(head, normed, B, logits);
     return rc;
 }
