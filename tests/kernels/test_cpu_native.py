@@ -188,8 +188,9 @@ def test_quantised_decode_runs_every_layer_in_one_native_call(
     layered.backend.executor.native._fused_plan = lambda rows: None
     assert fused.backend.executor.native.fused(1) == fused.backend.executor.native.fused(3) \
         == (kind != "tile")
-    if kind != "tile":  # the LM head's matmul runs in the same native call
+    if kind != "tile":  # the LM head's matmul and the embedding's lookup in the same call
         assert fused.backend.executor.native._fused_plan(1)[3] is not None
+        assert fused.backend.executor.native.embed is not None
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (19, 33, 6)]
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
@@ -200,3 +201,7 @@ def test_quantised_decode_runs_every_layer_in_one_native_call(
     for kv_a, kv_b in zip(fused.kv_pools, layered.kv_pools, strict=True):
         torch.testing.assert_close(kv_a.k_heads, kv_b.k_heads, rtol=0, atol=0)
         torch.testing.assert_close(kv_a.v_heads, kv_b.v_heads, rtol=0, atol=0)
+    if kind != "tile":  # a token id past the table fails the step, as torch's lookup does
+        vocab = fused.backend.executor.native.embed_rows
+        with pytest.raises(IndexError, match="outside the vocabulary"):
+            fused.execute([SeqInput([vocab + 3], 19, tables[0], True)])

@@ -47,33 +47,49 @@ class NativeDecode:
         self.heads = (attn0.num_heads, attn0.num_kv_heads, attn0.head_dim)
         self.scale = 1.0 / math.sqrt(attn0.head_dim)
         self.num_slots, self.block_size = pools[0].k_heads.shape[2], pools[0].k_cache.shape[1]
+        self.hidden = model.cfg.hidden_size
+        self.embed, self.embed_rows = self._embed_words()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  tables: torch.Tensor, decode_len: int,
                  logits_rows: torch.Tensor | None) -> torch.Tensor:
         model, lib = self.model, self.lib
-        x = model.model.embed_tokens(input_ids)  # [B, hidden], a fresh tensor: updated in place
-        b, hidden = x.shape
+        b = input_ids.shape[0]
         fused = self._fused_plan(b)
+        embed = None
+        if fused is not None and self.embed is not None and input_ids.dtype == torch.int64 \
+                and input_ids.is_contiguous():
+            embed = self.embed  # the rows looked up (and normed) in hx_decode_layers
+            x = torch.empty(b, self.hidden, dtype=torch.float32)
+        else:
+            x = model.model.embed_tokens(input_ids)  # [B, hidden], fresh: updated in place
+        hidden = x.shape[1]
         h, kvh, d = self.heads
         normed, attn_out, qkv, tmp, gate_up, act, work = self._scratch(b, hidden, decode_len)
         rotary = (model.rotary.cos.data_ptr(), model.rotary.sin_signed.data_ptr(),
                   positions.data_ptr())
         paging = (tables.data_ptr(), tables.shape[1], self.block_size)
         xp, normed_p = x.data_ptr(), normed.data_ptr()
-        lib.hx_add_rmsnorm(xp, None, normed_p, self.first_norm[0], b, hidden, self.first_norm[1])
+        if embed is None:
+            lib.hx_add_rmsnorm(xp, None, normed_p, self.first_norm[0], b, hidden,
+                               self.first_norm[1])
         if fused is not None:  # every matmul native at this batch size: one call for all layers
             plan, eps, inter, head = fused
             logits = None
             if head is not None and logits_rows is None:  # the head's matmul in the same call
-                logits = torch.empty(b, int(head[1]), dtype=torch.float32)
-            rc = lib.hx_decode_layers(plan.shape[0], plan.data_ptr(), eps.data_ptr(), xp,
+                logits = torch.empty(b, head[1], dtype=torch.float32)
+            rc = lib.hx_decode_layers(len(plan), plan.data_ptr(), eps.data_ptr(), xp,
                                       normed_p, b, hidden, h, kvh, d, inter, qkv.data_ptr(),
                                       attn_out.data_ptr(), tmp.data_ptr(), gate_up.data_ptr(),
                                       act.data_ptr(), *rotary, self.num_slots, *paging,
                                       self.scale, work.data_ptr(),
-                                      None if logits is None else head.data_ptr(),
-                                      None if logits is None else logits.data_ptr())
+                                      None if logits is None else head[0].data_ptr(),
+                                      None if logits is None else logits.data_ptr(),
+                                      None if embed is None else embed.data_ptr(),
+                                      input_ids.data_ptr(), *self.first_norm)
+            if rc == -5:
+                raise IndexError(f"a token id outside the vocabulary of {self.embed_rows}: "
+                                 f"{input_ids.tolist()}")
             if rc != 0:
                 raise RuntimeError(f"hx_decode_layers: a matmul refused its shape (code {rc})")
             if logits is not None:
@@ -111,6 +127,26 @@ class NativeDecode:
             self._buffers[rows] = got
         return got
 
+    def _embed_words(self) -> tuple[torch.Tensor | None, int]:
+        """hx_decode_layers' EMBED_WORDS for a grouped int8 table of fp32 scales (and zeros)
+        on one rank (GGUF's quantised token_embd), and its rows; None where the embedding
+        is another kind (its own lookup runs in Python)."""
+        from helexa.neuron.formats.methods import Int8gLookup
+
+        emb = self.model.model.embed_tokens
+        if not isinstance(getattr(emb, "lookup", None), Int8gLookup) \
+                or getattr(emb, "tp_size", 1) != 1:
+            return None, 0
+        q, s, z = emb.qweight, emb.qscales, getattr(emb, "qzeros", None)
+        if (q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] != self.hidden
+                or s.dtype != torch.float32 or s.dim() != 2 or self.hidden % s.shape[1]
+                or (z is not None and (z.dtype != torch.float32 or z.shape != s.shape))
+                or not all(t.is_contiguous() for t in (q, s) + ((z,) if z is not None else ()))):
+            return None, 0
+        words = [self.hidden // s.shape[1], q.shape[0], q.data_ptr(), s.data_ptr(),
+                 0 if z is None else z.data_ptr()]
+        return torch.tensor(words, dtype=torch.int64), q.shape[0]
+
     def _head_alone(self) -> bool:
         """The LM head is its kernel's matmul and nothing more (one rank: no vocab gather)."""
         head = self.model.lm_head
@@ -144,7 +180,7 @@ class NativeDecode:
 
     def _fused_plan(self, rows: int) -> tuple | None:
         """hx_decode_layers' plan ([L, 4 * MAT_WORDS + 5] words, [L, 3] eps, intermediate
-        size, the LM head's MAT_WORDS words or None) for a step of ``rows`` rows, or None
+        size, the LM head's MAT_WORDS words and its N, or None) for a step of ``rows`` rows, or None
         when some layer matmul has no native kernel at that size (each kernel's choice is by
         its own row buckets, so this is kept per row count)."""
         if rows in self._fused:
@@ -165,6 +201,6 @@ class NativeDecode:
         else:
             head = words(self.model.lm_head) if self._head_alone() else None
             out = (torch.tensor(plan, dtype=torch.int64), torch.tensor(eps, dtype=torch.float32),
-                   self.layers[0][6], None if head is None else torch.tensor(head))
+                   self.layers[0][6], None if head is None else (torch.tensor(head), head[1]))
         self._fused[rows] = out
         return out

@@ -404,18 +404,49 @@ static int64_t mat(const int64_t *d, const float *x, int64_t M, float *y) {
  * post-attention norm, next norm). x [B, hidden] is the residual stream and normed its first
  * norm on entry; on return normed holds the final norm of x. Scratch: qkv [B, (H+2KVH)*D],
  * attn_out [B, H*D], tmp [B, hidden], gate_up [B, 2*inter], act [B, inter]. head (MAT_WORDS
- * words, or NULL): the LM head's matmul of the final norm into logits [B, its N], so a greedy
- * step's Python is the embedding and the argmax. Returns 0, or a matmul's error code (the
- * step's result is then not to be used). */
+ * words, or NULL): the LM head's matmul of the final norm into logits [B, its N]. embed
+ * (EMBED_WORDS words, or NULL): x's rows are first looked up from a grouped int8 table
+ * (group, V, int8 q [V, hidden], fp32 scales and zeros [V, hidden / group], zeros 0 = none)
+ * at ids [B] (-5 for an id outside 0..V-1), and normed (norm0, eps0) computed from them. Each Python operation between two
+ * weight streams started with cold caches: a step's embedding through numpy took ~200 us
+ * there, against ~5 us here. Returns 0, or a matmul's error code (the step's result is then
+ * not to be used). */
+#define EMBED_WORDS 5
+static int64_t lookup_int8g(const int64_t *e, const int64_t *ids, int64_t B, int64_t K,
+                            float *x) {
+    const int64_t group = e[0], V = e[1], G = K / group;
+    const int8_t *q = (const int8_t *)(intptr_t)e[2];
+    const float *s = (const float *)(intptr_t)e[3], *z = (const float *)(intptr_t)e[4];
+    for (int64_t b = 0; b < B; b++)
+        if (ids[b] < 0 || ids[b] >= V) return -5;
+    for (int64_t b = 0; b < B; b++) {
+        const int8_t *qr = q + ids[b] * K;
+        const float *sr = s + ids[b] * G, *zr = z ? z + ids[b] * G : NULL;
+        float *xr = x + b * K;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t i = 0; i < group; i++) {
+                const float v = (float)qr[g * group + i] * sr[g];
+                xr[g * group + i] = zr ? v + zr[g] : v;
+            }
+    }
+    return 0;
+}
+
 int64_t hx_decode_layers(int64_t L, const int64_t *plan, const float *eps, float *x,
                          float *normed, int64_t B, int64_t hidden, int64_t H, int64_t KVH,
                          int64_t D, int64_t inter, float *qkv, float *attn_out, float *tmp,
                          float *gate_up, float *act, const float *cos_tab,
                          const float *sin_tab, const int64_t *positions, int64_t num_slots,
                          const int64_t *tables, int64_t max_blocks, int64_t block_size,
-                         float scale, float *work, const int64_t *head, float *logits) {
+                         float scale, float *work, const int64_t *head, float *logits,
+                         const int64_t *embed, const int64_t *ids, const float *norm0,
+                         float eps0) {
 #define W(i) ((float *)(intptr_t)p[4 * MAT_WORDS + (i)])
     int64_t rc = 0;
+    if (embed) {
+        if ((rc = lookup_int8g(embed, ids, B, hidden, x))) return rc;
+        hx_add_rmsnorm(x, NULL, normed, norm0, B, hidden, eps0);
+    }
     for (int64_t l = 0; l < L && rc == 0; l++) {
         const int64_t *p = plan + l * (4 * MAT_WORDS + 5);
         const float *e = eps + l * 3;

@@ -51,7 +51,7 @@ _SIGNATURES = {
     "hx_silu_mul": [_P, _P, _I, _I],
     "hx_gemm": [_P, _I, _I, _P, _I, _P, _P],
     "hx_decode_layers": [_I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P,
-                         _P, _I, _P, _I, _I, _F, _P, _P, _P],
+                         _P, _I, _P, _I, _I, _F, _P, _P, _P, _P, _P, _P, _F],
     "hx_int8g_isas": [],
     "hx_int8g_gemm": [_I, _P, _I, _I, _P, _I, _P, _P, _I, _I, _P, _I],
     "hx_kq_isas": [],
