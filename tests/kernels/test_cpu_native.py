@@ -71,6 +71,19 @@ def _drive(runner: ModelRunner, prompts, tables, steps: int) -> list[torch.Tenso
     return out
 
 
+def _same_steps(a: ModelRunner, b: ModelRunner, prompts, tables, steps: int, *,
+                logits_tol: float, kv_tol: float) -> None:
+    """Both runners driven alike (one thread) give each step's logits and write the same
+    KV, within the tolerances."""
+    with torch_threads(1):
+        got, want = _drive(a, prompts, tables, steps), _drive(b, prompts, tables, steps)
+    for step, (x, y) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(x, y, rtol=logits_tol, atol=logits_tol, msg=f"step {step}")
+    for kv_a, kv_b in zip(a.kv_pools, b.kv_pools, strict=True):
+        torch.testing.assert_close(kv_a.k_heads, kv_b.k_heads, rtol=kv_tol, atol=kv_tol)
+        torch.testing.assert_close(kv_a.v_heads, kv_b.v_heads, rtol=kv_tol, atol=kv_tol)
+
+
 @needs_lib
 @pytest.mark.parametrize("arch,kw", [
     ("qwen3", {}),  # q/k norm
@@ -93,13 +106,7 @@ def test_native_decode_steps_match_the_eager_path(tiny_checkpoint, monkeypatch, 
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (21, 40, 7)]
     # scattered, out-of-order blocks: the kernels must follow the tables
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
-    with torch_threads(1):
-        a, b = _drive(native, prompts, tables, 6), _drive(eager, prompts, tables, 6)
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"step {step}")
-    for kv_a, kv_b in zip(native.kv_pools, eager.kv_pools, strict=True):  # same KV written
-        torch.testing.assert_close(kv_a.k_heads, kv_b.k_heads, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(kv_a.v_heads, kv_b.v_heads, rtol=1e-5, atol=1e-5)
+    _same_steps(native, eager, prompts, tables, 6, logits_tol=1e-4, kv_tol=1e-5)
 
 
 @needs_lib
@@ -194,13 +201,7 @@ def test_quantised_decode_runs_every_layer_in_one_native_call(
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (19, 33, 6)]
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
-    with torch_threads(1):
-        a, b = _drive(fused, prompts, tables, 5), _drive(layered, prompts, tables, 5)
-    for step, (x, y) in enumerate(zip(a, b, strict=True)):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, msg=f"step {step}")
-    for kv_a, kv_b in zip(fused.kv_pools, layered.kv_pools, strict=True):
-        torch.testing.assert_close(kv_a.k_heads, kv_b.k_heads, rtol=0, atol=0)
-        torch.testing.assert_close(kv_a.v_heads, kv_b.v_heads, rtol=0, atol=0)
+    _same_steps(fused, layered, prompts, tables, 5, logits_tol=1e-5, kv_tol=0)
     if kind != "tile":  # a token id past the table fails the step, as torch's lookup does
         vocab = fused.backend.executor.native.embed_rows
         with pytest.raises(IndexError, match="outside the vocabulary"):
