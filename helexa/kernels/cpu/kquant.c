@@ -180,6 +180,16 @@ static inline float hsum8(__m256 v) {
         b = CVT(_mm256_extracti128_si256(v, 1));                                               \
     } while (0)
 
+/* Every block's R x MR fp32 accumulators: declared zero, and each summed into y at the end. */
+#define ACC_ZERO(T, ZERO)                                                                      \
+    T acc[4][8];                                                                               \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = ZERO()
+#define ACC_STORE(HSUM)                                                                        \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                        \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)                                   \
+            y[m * N + n0 + r] = HSUM(acc[r][m])
+
 /* R weight rows x MR activation rows of accumulators; DOT accumulates int16 pair products. */
 #define KQ_BLOCK(NAME, DOT)                                                                    \
     static inline __attribute__((always_inline)) void NAME(                                   \
@@ -189,9 +199,7 @@ static inline float hsum8(__m256 v) {
         const int64_t G = K / group, B = K / XBLOCK;                                           \
         const int64_t row_bytes = bits == 4 ? K / 2 : K;                                       \
         const __m256i zero = _mm256_setzero_si256();                                           \
-        __m256 acc[4][8];                                                                      \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm256_setzero_ps(); \
+        ACC_ZERO(__m256, _mm256_setzero_ps);                                                   \
         if (bits == 4) {                                                                       \
             const __m256i low = _mm256_set1_epi8(0x0F);                                        \
             for (int64_t c = 0; c < K / 64; c++) {                                             \
@@ -246,9 +254,7 @@ static inline float hsum8(__m256 v) {
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)                               \
-                y[m * N + n0 + r] = hsum8(acc[r][m]);                                          \
+        ACC_STORE(hsum8);                                                                      \
     }
 
 KQ_BLOCK(block_avx2, dotw_avx2)
@@ -294,9 +300,7 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
         int64_t group, const int32_t *gi, float *y) {                                          \
         const int64_t G = K / group, B = K / XBLOCK;                                           \
         const int64_t row_bytes = bits == 4 ? K / 2 : K;                                       \
-        __m256 acc[4][8];                                                                      \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm256_setzero_ps(); \
+        ACC_ZERO(__m256, _mm256_setzero_ps);                                                   \
         if (bits == 4) {                                                                       \
             const __m256i low = _mm256_set1_epi8(0x0F);                                        \
             for (int64_t c = 0; c < K / 64; c++) {                                             \
@@ -336,9 +340,7 @@ static inline __m256 chunk_scale(const float *sr, int64_t group, int64_t b, cons
                 }                                                                              \
             }                                                                                  \
         }                                                                                      \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                    \
-            _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)                               \
-                y[m * N + n0 + r] = hsum8(acc[r][m]);                                          \
+        ACC_STORE(hsum8);                                                                      \
     }
 
 KQ_BLOCK8(block_vnni8, dot_u8s8_vnni)
@@ -393,9 +395,7 @@ static inline __attribute__((always_inline)) void block_avx512(
     const int64_t G = K / group, B = K / XBLOCK;
     const int64_t row_bytes = bits == 4 ? K / 2 : K;
     const __m512i zero = _mm512_setzero_si512();
-    __m512 acc[4][8];
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++) acc[r][m] = _mm512_setzero_ps();
+    ACC_ZERO(__m512, _mm512_setzero_ps);
     if (bits == 4) {
         const __m512i low = _mm512_set1_epi8(0x0F);
         for (int64_t c = 0; c < K / 128; c++) {
@@ -443,9 +443,7 @@ static inline __attribute__((always_inline)) void block_avx512(
             }
         }
     }
-    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)
-        _Pragma("GCC unroll 8") for (int m = 0; m < MR; m++)
-            y[m * N + n0 + r] = _mm512_reduce_add_ps(acc[r][m]);
+    ACC_STORE(_mm512_reduce_add_ps);
 }
 
 static void rows_avx512(int64_t bits, int64_t M, int64_t K, const int16_t *xq, const float *dx,
