@@ -36,10 +36,15 @@ from helexa.kernels.cpu import native as cpu_native
 
 KINDS = ("torch", "onednn", "native")
 FEW_ROWS = 16  # rows 2..FEW_ROWS are a batched decode; more, a prefill chunk
-# At decode sizes hx_gemm is taken while within this factor of the fastest: a decode step
-# whose every layer matmul is native runs all layers in one C call, which saves more than
-# a few percent on one product (bench/engine.py: fused vs per-layer decode).
+# At decode sizes hx_gemm is taken while within this factor of the fastest, or within
+# NATIVE_SLACK_US of it: a decode step whose every layer matmul is native runs all layers
+# in one C call, and that saves more than a few percent on one product. On the F32 29M
+# qwen3 of bench/engine.py (one thread, AVX-512 Xeon) only 512x512 kept its steps from
+# fusing (hx_gemm 37 against torch's 19 us at one row, 60 against 43 at eight, each timed
+# hot); all-native fused steps ran 1.19x (one stream, 65.9 against 56.9 tok/s) and 1.17x
+# (eight, 401.5 against 340.4) the measured per-layer ones, interleaved in one process.
 NATIVE_SLACK = 1.15
+NATIVE_SLACK_US = 50.0
 log = structlog.get_logger(component="kernels")
 
 
@@ -168,12 +173,20 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None, rows: tuple[int, in
 
         cands["native"] = native
     times = {kind: [_time_us(functools.partial(fn, x)) for x in xs] for kind, fn in cands.items()}
+    return Choice((n, k), column_major, choose(times), times)
+
+
+def choose(times: dict[str, list[float]]) -> tuple[str, str, str]:
+    """The kind per row bucket from µs per call at each: the fastest, except that at decode
+    sizes hx_gemm within NATIVE_SLACK (or NATIVE_SLACK_US) of it wins, as only an
+    all-native layer stack runs fused (hx_decode_layers: no eager ops between)."""
     kinds = [min(times, key=lambda kd: times[kd][i]) for i in range(3)]  # noqa: B023 (used at once)
-    for i in (0, 1):  # decode sizes: hx_gemm within NATIVE_SLACK of the best still wins, as
-        # only an all-native layer stack runs fused (hx_decode_layers: no eager ops between)
-        if "native" in times and times["native"][i] <= NATIVE_SLACK * times[kinds[i]][i]:
-            kinds[i] = "native"
-    return Choice((n, k), column_major, (kinds[0], kinds[1], kinds[2]), times)
+    for i in (0, 1):
+        if "native" in times:
+            native, best = times["native"][i], times[kinds[i]][i]
+            if native <= NATIVE_SLACK * best or native - best <= NATIVE_SLACK_US:
+                kinds[i] = "native"
+    return kinds[0], kinds[1], kinds[2]
 
 
 def install(linears: list[tuple[Any, bool]], lib: Any, *, max_num_seqs: int,
