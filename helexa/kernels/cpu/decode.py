@@ -130,20 +130,21 @@ class NativeDecode:
     def _embed_words(self) -> tuple[torch.Tensor | None, int]:
         """hx_decode_layers' EMBED_WORDS for a grouped int8 table of fp32 scales (and zeros)
         on one rank (GGUF's quantised token_embd), and its rows; None where the embedding
-        is another kind (its own lookup runs in Python)."""
-        from helexa.neuron.formats.methods import Int8gLookup
-
+        is another kind (its own lookup runs in Python). The grouped table is known by its
+        lookup's ``group`` and its buffers (helexa/neuron/formats/methods.py's Int8gLookup:
+        a layer below it does not import it)."""
         emb = self.model.model.embed_tokens
-        if not isinstance(getattr(emb, "lookup", None), Int8gLookup) \
-                or getattr(emb, "tp_size", 1) != 1:
+        group = getattr(getattr(emb, "lookup", None), "group", None)
+        if not isinstance(group, int) or getattr(emb, "tp_size", 1) != 1 \
+                or not hasattr(emb, "qweight") or not hasattr(emb, "qscales"):
             return None, 0
         q, s, z = emb.qweight, emb.qscales, getattr(emb, "qzeros", None)
         if (q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] != self.hidden
-                or s.dtype != torch.float32 or s.dim() != 2 or self.hidden % s.shape[1]
+                or s.dtype != torch.float32 or s.dim() != 2 or s.shape[1] * group != self.hidden
                 or (z is not None and (z.dtype != torch.float32 or z.shape != s.shape))
                 or not all(t.is_contiguous() for t in (q, s) + ((z,) if z is not None else ()))):
             return None, 0
-        words = [self.hidden // s.shape[1], q.shape[0], q.data_ptr(), s.data_ptr(),
+        words = [group, q.shape[0], q.data_ptr(), s.data_ptr(),
                  0 if z is None else z.data_ptr()]
         return torch.tensor(words, dtype=torch.int64), q.shape[0]
 
