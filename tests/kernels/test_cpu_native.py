@@ -203,6 +203,6 @@ def test_quantised_decode_runs_every_layer_in_one_native_call(
     tables = [[9, 2, 30, 4, 11], [5, 17, 3, 50, 51], [60, 1, 44, 8, 20]]
     _same_steps(fused, layered, prompts, tables, 5, logits_tol=1e-5, kv_tol=0)
     if kind != "tile":  # a token id past the table fails the step, as torch's lookup does
-        vocab = fused.backend.executor.native.embed_rows
+        vocab = int(fused.backend.executor.native.embed[1])
         with pytest.raises(IndexError, match="outside the vocabulary"):
             fused.execute([SeqInput([vocab + 3], 19, tables[0], True)])

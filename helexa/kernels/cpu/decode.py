@@ -48,7 +48,7 @@ class NativeDecode:
         self.scale = 1.0 / math.sqrt(attn0.head_dim)
         self.num_slots, self.block_size = pools[0].k_heads.shape[2], pools[0].k_cache.shape[1]
         self.hidden = model.cfg.hidden_size
-        self.embed, self.embed_rows = self._embed_words()
+        self.embed = self._embed_words()
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  tables: torch.Tensor, decode_len: int,
@@ -63,9 +63,9 @@ class NativeDecode:
             x = torch.empty(b, self.hidden, dtype=torch.float32)
         else:
             x = model.model.embed_tokens(input_ids)  # [B, hidden], fresh: updated in place
-        hidden = x.shape[1]
+        hidden = self.hidden
         h, kvh, d = self.heads
-        normed, attn_out, qkv, tmp, gate_up, act, work = self._scratch(b, hidden, decode_len)
+        normed, attn_out, qkv, tmp, gate_up, act, work = self._scratch(b, decode_len)
         rotary = (model.rotary.cos.data_ptr(), model.rotary.sin_signed.data_ptr(),
                   positions.data_ptr())
         paging = (tables.data_ptr(), tables.shape[1], self.block_size)
@@ -88,7 +88,7 @@ class NativeDecode:
                                       None if embed is None else embed.data_ptr(),
                                       input_ids.data_ptr(), *self.first_norm)
             if rc == -5:
-                raise IndexError(f"a token id outside the vocabulary of {self.embed_rows}: "
+                raise IndexError(f"a token id outside the vocabulary of {int(embed[1])}: "
                                  f"{input_ids.tolist()}")
             if rc != 0:
                 raise RuntimeError(f"hx_decode_layers: a matmul refused its shape (code {rc})")
@@ -111,13 +111,13 @@ class NativeDecode:
             normed = normed.index_select(0, logits_rows)
         return model.lm_head(normed).float()
 
-    def _scratch(self, rows: int, hidden: int, decode_len: int) -> tuple[torch.Tensor, ...]:
+    def _scratch(self, rows: int, decode_len: int) -> tuple[torch.Tensor, ...]:
         """The step's scratch tensors for ``rows`` rows, kept from step to step (a step reads
         nothing a previous one left there): normed, attn_out, then hx_decode_layers' qkv,
         tmp, gate_up and act, and the attention's work for ``decode_len`` (grown to powers of
         two, as the context grows a token a step)."""
         h, kvh, d = self.heads
-        inter = self.layers[0][6]
+        hidden, inter = self.hidden, self.layers[0][6]
         need = (h // kvh) * decode_len + d
         got = self._buffers.get(rows)
         if got is None or got[-1].numel() < need:
@@ -127,9 +127,9 @@ class NativeDecode:
             self._buffers[rows] = got
         return got
 
-    def _embed_words(self) -> tuple[torch.Tensor | None, int]:
+    def _embed_words(self) -> torch.Tensor | None:
         """hx_decode_layers' EMBED_WORDS for a grouped int8 table of fp32 scales (and zeros)
-        on one rank (GGUF's quantised token_embd), and its rows; None where the embedding
+        on one rank (GGUF's quantised token_embd); None where the embedding
         is another kind (its own lookup runs in Python). The grouped table is known by its
         lookup's ``group`` and its buffers (helexa/neuron/formats/methods.py's Int8gLookup:
         a layer below it does not import it)."""
@@ -137,16 +137,16 @@ class NativeDecode:
         group = getattr(getattr(emb, "lookup", None), "group", None)
         if not isinstance(group, int) or getattr(emb, "tp_size", 1) != 1 \
                 or not hasattr(emb, "qweight") or not hasattr(emb, "qscales"):
-            return None, 0
+            return None
         q, s, z = emb.qweight, emb.qscales, getattr(emb, "qzeros", None)
         if (q.dtype != torch.int8 or q.dim() != 2 or q.shape[1] != self.hidden
                 or s.dtype != torch.float32 or s.dim() != 2 or s.shape[1] * group != self.hidden
                 or (z is not None and (z.dtype != torch.float32 or z.shape != s.shape))
                 or not all(t.is_contiguous() for t in (q, s) + ((z,) if z is not None else ()))):
-            return None, 0
+            return None
         words = [group, q.shape[0], q.data_ptr(), s.data_ptr(),
                  0 if z is None else z.data_ptr()]
-        return torch.tensor(words, dtype=torch.int64), q.shape[0]
+        return torch.tensor(words, dtype=torch.int64)
 
     def _head_alone(self) -> bool:
         """The LM head is its kernel's matmul and nothing more (one rank: no vocab gather)."""
@@ -181,9 +181,9 @@ class NativeDecode:
 
     def _fused_plan(self, rows: int) -> tuple | None:
         """hx_decode_layers' plan ([L, 4 * MAT_WORDS + 5] words, [L, 3] eps, intermediate
-        size, the LM head's MAT_WORDS words and its N, or None) for a step of ``rows`` rows, or None
-        when some layer matmul has no native kernel at that size (each kernel's choice is by
-        its own row buckets, so this is kept per row count)."""
+        size, the LM head's MAT_WORDS words and its N, or None) for a step of ``rows`` rows,
+        or None when some layer matmul has no native kernel at that size (each kernel's
+        choice is by its own row buckets, so this is kept per row count)."""
         if rows in self._fused:
             return self._fused[rows]
 
