@@ -172,9 +172,9 @@ class Int8gLookup:
         mod, i = self.mod, ids.numpy()
         groups = mod.qscales.shape[-1]
         q = mod.qweight.numpy()[i].reshape(*ids.shape, groups, -1).astype(np.float32)
-        rows = q * mod.qscales.numpy()[i].astype(np.float32)[..., None]
+        rows = q * mod.qscales.numpy()[i][..., None]  # fp32 scales and zeros (the caller's test)
         if hasattr(mod, "qzeros"):
-            rows = rows + mod.qzeros.numpy()[i].astype(np.float32)[..., None]
+            rows = rows + mod.qzeros.numpy()[i][..., None]
         return torch.from_numpy(rows.reshape(*ids.shape, -1))
 
 
