@@ -22,9 +22,10 @@
  * per group against the group's sum of the same v, a dot over the row's groups.
  *
  * Five builds: plain C (any CPU), AVX2, AVX2 with VNNI (AVX-VNNI or AVX512-VNNI at 256
- * bits) and AVX-512 (with AVX512-VNNI where there), all wide, and VNNI8. Integer sums are exact in all; their fp32 sums differ only in
- * order. Which runs a layer is measured (kquant.py). Weight rows are split over threads started per call (only when each
- * gets MIN_THREAD_BYTES), as in int8g.c. Built into the same library as native.c by
+ * bits) and AVX-512 (with AVX512-VNNI where there), all wide, and VNNI8. Integer sums are
+ * exact in all; their fp32 sums differ only in order. Which runs a layer is measured
+ * (kquant.py). Weight rows are split over threads started per call (only when each gets
+ * MIN_THREAD_BYTES), as in int8g.c. Built into the same library as native.c by
  * helexa/kernels/cpu/native.py.
  */
 #include <math.h>

@@ -342,10 +342,11 @@ static void gemm_panel(const float *x, int64_t M, int64_t K, const float *w, con
 #if defined(__AVX2__) && defined(__FMA__)
     int64_t m = 0;
 #ifdef __AVX512F__
-    for (; M - m >= 2; m += 8) {
+    while (M - m >= 2) {
+        const int64_t rows = M - m < 8 ? M - m : 8;
         const float *xm = x + m * K;
         float *ym = y + m * ldy;
-        switch (M - m < 8 ? M - m : 8) {
+        switch (rows) {
             case 2: gemm_rows512(2, xm, K, w, bias, ym, ldy); break;
             case 3: gemm_rows512(3, xm, K, w, bias, ym, ldy); break;
             case 4: gemm_rows512(4, xm, K, w, bias, ym, ldy); break;
@@ -354,8 +355,8 @@ static void gemm_panel(const float *x, int64_t M, int64_t K, const float *w, con
             case 7: gemm_rows512(7, xm, K, w, bias, ym, ldy); break;
             default: gemm_rows512(8, xm, K, w, bias, ym, ldy); break;
         }
+        m += rows;
     }
-    if (m > M) m = M;
 #endif
     for (; m + 4 <= M; m += 4) gemm_rows4(x + m * K, K, w, bias, y + m * ldy, ldy);
     switch (M - m) {
@@ -443,9 +444,9 @@ static int64_t mat(const int64_t *d, const float *x, int64_t M, float *y) {
  * words, or NULL): the LM head's matmul of the final norm into logits [B, its N]. embed
  * (EMBED_WORDS words, or NULL): x's rows are first looked up from a grouped int8 table
  * (group, V, int8 q [V, hidden], fp32 scales and zeros [V, hidden / group], zeros 0 = none)
- * at ids [B] (-5 for an id outside 0..V-1), and normed (norm0, eps0) computed from them. Each Python operation between two
- * weight streams started with cold caches: a step's embedding through numpy took ~200 us
- * there, against ~5 us here. Returns 0, or a matmul's error code (the step's result is then
+ * at ids [B] (-5 for an id outside 0..V-1), and normed (norm0, eps0) computed from them.
+ * Each Python operation between two weight streams started with cold caches: a step's
+ * embedding through numpy took ~200 us there, against ~5 us here. Returns 0, or a matmul's error code (the step's result is then
  * not to be used). */
 #define EMBED_WORDS 5
 static int64_t lookup_int8g(const int64_t *e, const int64_t *ids, int64_t B, int64_t K,
