@@ -12,7 +12,7 @@ weight's bytes, VNNI's vpdpbusd: kquant.c says when each wins); :func:`emulate` 
 the same arithmetic in plain torch, and :func:`dequantize` the plain-torch float weight
 every path is tested against (tests/kernels/test_kquant.py states the tolerances).
 
-Which runs a layer's decode rows — the native kernel (plain C, AVX2, VNNI, VNNI8, AVX512; on one
+Which runs a layer's decode rows — the native kernel (AVX2, VNNI, VNNI8, AVX512, plain C where none; on one
 thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit weights) or
 torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
 2 to ``NATIVE_MAX_ROWS``; more, a prefill chunk, probed at ``PREFILL_PROBE_ROWS``), as
@@ -184,9 +184,12 @@ def _forced() -> str | None:
     return raw
 
 
-def _candidates(w: KqWeight, rows: int) -> list[str]:
+def _candidates(w: KqWeight, rows: int, *, all_isas: bool = False) -> list[str]:
     """The kinds that can run ``rows`` rows of ``w`` here, tiles first (int8g.c takes a
-    decode step's few rows only)."""
+    decode step's few rows only). The plain C build is measured only on a CPU with no
+    other (18-50x slower than AVX2 at every bucket on the 29M qwen3 of bench/engine.py;
+    not timing it took helexa/neuron/formats/gguf/activation.py's two loads of its Q4_K_M
+    file from 20.1 to 8.6 s) unless ``all_isas`` (a forced kind may still name it)."""
     out = ["tile"]
     lib = cpu_native.load()
     if w.bits == 8 and lib is not None and rows <= NATIVE_MAX_ROWS:
@@ -194,7 +197,8 @@ def _candidates(w: KqWeight, rows: int) -> list[str]:
 
         if any(w.group % int8g.ISAS[i][1] == 0 for i in int8g.isas(lib)):
             out.append("int8g")
-    return out + list(isas())
+    simd = [i for i in isas() if i != "plain"]
+    return out + (list(isas()) if all_isas or not simd else simd)
 
 
 def run(kind: str, x: torch.Tensor, w: KqWeight, threads: int) -> torch.Tensor:
@@ -227,7 +231,7 @@ def choice(w: KqWeight, rows: int) -> tuple[str, int]:
     threads = torch.get_num_threads()
     forced = _forced()
     if forced is not None:
-        return (forced if forced in _candidates(w, rows) else "tile"), threads
+        return (forced if forced in _candidates(w, rows, all_isas=True) else "tile"), threads
     b = bucket(rows)
     got = _measured(w, b, threads)
     if b == 2 and got[0] == "tile":
