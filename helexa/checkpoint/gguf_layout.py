@@ -109,9 +109,25 @@ def stays_quantised(arch: str, part: str, typ: str, cfg: dict[str, Any]) -> bool
     return int(cfg["linear_value_head_dim"]) % QUANT_TYPES[typ][1] == 0
 
 
-def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) -> int:
-    """Bytes one card holds of a GGUF model (the layouts helexa/neuron/formats/gguf/ loads):
-    each of our layers from the tensors that fill it (the part tables above)."""
+@dataclass(frozen=True)
+class CardLayer:
+    """One of our matmul layers as a card holds it: its layout, [rows, cols] on the card,
+    ``count`` of them (an expert stack's experts). ``lookup``: the embedding (rows gathered);
+    ``tied``: a head that runs the embedding's table (its bytes are the embedding's)."""
+
+    name: str
+    layout: Layout
+    rows: int
+    cols: int
+    count: int = 1
+    lookup: bool = False
+    tied: bool = False
+
+
+def card_layers(path: Path, cfg: dict[str, Any], tp: int) -> tuple[list[CardLayer], int]:
+    """The layers one card holds of a GGUF model (the layouts helexa/neuron/formats/gguf/
+    loads, from the part tables above), and the float values beside them (norms, biases,
+    routers, the linear-attention parameters)."""
     tensors = tensor_types(path)
     text = {**cfg, **cfg.get("text_config", {})}  # an HF config beside it may be the wrapper
     arch = metadata(path, "general.architecture")
@@ -122,7 +138,8 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
     def part_rows(part: str, rows: int) -> int:
         return rows // kv * kv_card if part in ("attn_k", "attn_v") else rows // tp
 
-    total = 0
+    layers: list[CardLayer] = []
+    floats = 0
     fused: dict[tuple[int, str], list[tuple[str, str, tuple[int, ...]]]] = {}
     stacks: dict[tuple[int, bool], list[tuple[str, tuple[int, ...]]]] = {}
     for name, (typ, shape) in tensors.items():
@@ -132,35 +149,47 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
         layer, part = where
         numel = math.prod(shape)
         if part in SPLIT_PARAMS:  # float, split by the linear-attention heads
-            total += numel // tp * elt
+            floats += numel // tp
         elif name.endswith(".bias") or part not in (*FUSED, *ROW_PARALLEL, *EXPERTS):
-            total += numel * elt  # norms, biases, routers: float, whole on every card
+            floats += numel  # norms, biases, routers: float, whole on every card
         elif part in EXPERTS:  # the w13 (gate, up) and w2 (down) stacks of the MoE block
             stacks.setdefault((layer, part == "ffn_down_exps"), []).append((typ, shape))
         elif part in ROW_PARALLEL:
             rows, cols = shape
             layout = (layout_of([typ], rows=rows) if stays_quantised(arch, part, typ, text)
                       else FLOAT)
-            total += layout_bytes(layout, rows, cols // tp, elt)
+            layers.append(CardLayer(f"blk.{layer}.{part}", layout, rows, cols // tp))
         else:
             fused.setdefault((layer, FUSED[part]), []).append((part, typ, shape))
-    for (_, down), parts in stacks.items():  # [experts, rows, cols]; per expert as a layer
+    for (layer, down), parts in stacks.items():  # [experts, rows, cols]; per expert as a layer
         e, rows, cols = parts[0][1]
         rows = rows if down else sum(shape[1] for _, shape in parts) // tp
         cols = cols // tp if down else cols
         types = [typ for typ, _ in parts]
         layout = layout_of(types, rows=rows) if all(t in QUANT_TYPES for t in types) else FLOAT
-        total += e * layout_bytes(layout, rows, cols, elt)
-    for parts in fused.values():
+        layers.append(CardLayer(f"blk.{layer}.{'down' if down else 'gate_up'}_exps", layout,
+                                rows, cols, count=e))
+    for (layer, fused_name), parts in fused.items():
         rows = sum(part_rows(part, shape[0]) for part, _, shape in parts)
-        layout = layout_of([typ for _, typ, _ in parts], rows=rows)
-        total += layout_bytes(layout, rows, parts[0][2][1], elt)
+        layers.append(CardLayer(f"blk.{layer}.{fused_name}",
+                                layout_of([typ for _, typ, _ in parts], rows=rows), rows,
+                                parts[0][2][1]))
     vocab_rows = math.ceil(int(tensors["token_embd.weight"][1][0]) / tp)
     hidden = int(text["hidden_size"])
     embd = layout_of([tensors["token_embd.weight"][0]], lookup=True)
-    total += layout_bytes(embd, vocab_rows, hidden, elt)
+    layers.append(CardLayer("token_embd", embd, vocab_rows, hidden, lookup=True))
     if "output.weight" in tensors and not text.get("tie_word_embeddings"):
         head = layout_of([tensors["output.weight"][0]], rows=vocab_rows)
-        total += layout_bytes(head, vocab_rows, hidden, elt)
-    return total + sum(shape[0] for name, (_, shape) in tensors.items()
-                       if name == "output_norm.weight") * elt
+        layers.append(CardLayer("output", head, vocab_rows, hidden))
+    else:
+        layers.append(CardLayer("output", embd, vocab_rows, hidden, tied=True))
+    norm = sum(shape[0] for name, (_, shape) in tensors.items() if name == "output_norm.weight")
+    return layers, floats + norm
+
+
+def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) -> int:
+    """Bytes one card holds of a GGUF model: its layers (:func:`card_layers`) in their
+    layouts, scales, zeros and float values ``elt`` bytes each."""
+    layers, floats = card_layers(path, cfg, tp)
+    return floats * elt + sum(layer.count * layout_bytes(layer.layout, layer.rows, layer.cols, elt)
+                              for layer in layers if not layer.tied)

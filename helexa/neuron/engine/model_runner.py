@@ -41,7 +41,7 @@ from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
 from helexa.neuron.engine.tp_worker import TpWorkers
 from helexa.neuron.engine.vision_step import VisionStep
-from helexa.neuron.formats.base import open_checkpoint
+from helexa.neuron.formats.base import Checkpoint, open_checkpoint
 from helexa.neuron.formats.loader import load_model, resolve_dtype, weight_bytes
 from helexa.neuron.formats.quantise import QuantSpec
 from helexa.neuron.models.config import parse_dtype
@@ -70,7 +70,7 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
 class ModelRunner:
     """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "cpu", dtype: str = "auto",
+    def __init__(self, model_dir: str | Path | Checkpoint, *, device: str = "cpu", dtype: str = "auto",
                  num_blocks: int, block_size: int, kv_dtype: str = "auto", max_num_seqs: int,
                  max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
                  progress: Callable[[int, int], None] | None = None,
@@ -99,7 +99,9 @@ class ModelRunner:
         aside for the MTP head after the target's (as the plan counted them; None: as
         config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
-        ckpt = open_checkpoint(model_dir)  # config.json read once for this load
+        # config.json read once for this load (or a Checkpoint opened by the caller)
+        ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
+        model_dir = ckpt.path
         self.hf_config, self.config = ckpt.raw, ckpt.config
         self.device = torch.device(device)
         self._tp: TpWorkers | None = None

@@ -57,6 +57,9 @@ class Checkpoint:
     config: ModelConfig
     gguf: Path | None  # the GGUF file; None for safetensors
     mmproj: Path | None = None  # a GGUF model's vision tower (llama.cpp's mmproj file)
+    # Only the first this-many decoder layers' tensors load (None: all): the truncated
+    # model helexa/neuron/formats/gguf/activation.py times.
+    first_layers: int | None = None
 
     @property
     def quantization_config(self) -> dict[str, Any]:
