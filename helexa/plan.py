@@ -32,6 +32,7 @@ from typing import Any
 
 from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
+from helexa.checkpoint.gguf_layout import QUANT_TYPES
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
@@ -215,7 +216,12 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             weights = gguf_weight_bytes_per_card(gguf, raw, tp, ELT_BYTES[dtype_name(weight_dtype)])
         except (GgufError, KeyError) as e:
             raise PlanError(f"{where('path')}: {gguf}: {e}") from None
-        weight_dtype += f", GGUF {type_summary(gguf)}"
+        types = type_summary(gguf)
+        weight_dtype += f", GGUF {types}"
+        devices = entry.devices or cfg.server.devices[:tp]
+        if entry.dtype == "auto" and all(d.split(":")[0] == "cpu" for d in devices) \
+                and any(t in QUANT_TYPES for t in types.split(", ")):
+            weight_dtype += "; on CPU the neuron runs fp32 or bf16 as it measures at load"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
         weights = quantized_weight_bytes_per_card(

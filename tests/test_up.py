@@ -213,6 +213,14 @@ def test_up_serves_a_gguf_file_alone(tmp_path, tiny_checkpoint):
             model="tiny-q4", messages=[{"role": "user", "content": "JSON please"}],
             max_tokens=6, temperature=0, response_format={"type": "json_object"})
         assert shaped.choices[0].message.content.lstrip().startswith("{")
+        # dtype auto on CPU: fp32 against bf16 measured on this CPU, and the model planned
+        # and loaded in the winner (its kv_dtype auto follows it); the status page says so
+        with urllib.request.urlopen(f"{url}/status.json", timeout=10) as resp:
+            (m,) = json.load(resp)["neurons"][0]["models"]
+        dtype, _, why = m["activations"].partition(" ")
+        assert dtype in ("fp32", "bf16") and why.startswith("(measured on this CPU, a decode "
+                                                              "step at 1 row: fp32 "), m
+        assert m["kv_dtype"] == dtype, m
     finally:
         rc = up.stop()
     assert rc == 0, "".join(up.lines)

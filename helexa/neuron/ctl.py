@@ -89,6 +89,8 @@ def format_status(st: pb.ModelsResponse) -> str:
                      f"{attn:<6} {m.limits.context:>7} {m.in_flight:>5} {m.queued:>5} {kv:>18}")
         if " " in m.attention_backend:
             lines.append(f"    attention: {m.attention_backend}")
+        if m.activations:
+            lines.append(f"    activations: {m.activations}")
         if m.error:
             lines.append(f"    error: {m.error}")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
     r.num_state_slots = slots
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
-        dtype=r.entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
+        dtype=r.load_entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
         num_state_slots=slots, fixed_bytes=plan.fixed_bytes,
         block_size=plan.block_size, kv_dtype=plan.kv_dtype,
         bytes_per_token=plan.bytes_per_token, context=plan.context,

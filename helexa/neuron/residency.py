@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
+from helexa.neuron import activation
 from helexa.neuron.engine import messages
 from helexa.neuron.engine_launch import build_spec, load_tokenizer, start_engine
 from helexa.neuron.eviction import device_memory_mb, evictions_for
@@ -155,7 +156,8 @@ class Residency:
         log.info("model.loading", model=entry.id, devices=r.devices, profile=r.profile)
         evicted: list[str] = []
         try:
-            r.plan = plan_model(self.cfg, entry, self.config_path, kv_dtype=r.kv_dtype,
+            r.activations = await activation.choose(self.cfg, entry, self.config_path, r.devices)
+            r.plan = plan_model(self.cfg, r.load_entry, self.config_path, kv_dtype=r.kv_dtype,
                                 device_memory_mb=self.device_memory_mb(r.devices))
             r.kv_dtype = r.plan.kv_dtype
             r.limits = ModelLimits.from_plan(r.plan, self.cfg.kv.prefix_cache,
@@ -321,7 +323,7 @@ class Residency:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
         new_limits = effective_limits(self.cfg, profile, r.entry)
-        new_plan = plan_model(self.cfg, r.entry, self.config_path,
+        new_plan = plan_model(self.cfg, r.load_entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
         changed = diff_limits(r.admission, new_limits)

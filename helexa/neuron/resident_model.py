@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import ModelLimits
@@ -55,6 +57,25 @@ class ResidentModel:
     failures: int = 0  # consecutive failed loads
     retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
     num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
+    # The activation dtype measured for a quantised GGUF on CPU (helexa/neuron/activation.py)
+    activations: Any = None
+
+    @property
+    def activations_status(self) -> str:
+        """The activation dtype and why, as Watch and `helexa ctl status` show it."""
+        if self.activations is not None:
+            return str(self.activations.status())
+        if self.plan is None:
+            return ""
+        dtype = self.plan.weight_dtype.split(",")[0].split(";")[0]
+        return f"{dtype} (the {'checkpoint' if self.entry.dtype == 'auto' else 'config'}'s dtype)"
+
+    @property
+    def load_entry(self) -> ModelEntry:
+        """The entry as planned and loaded: ``dtype = "auto"`` replaced by the measured one."""
+        if self.activations is None:
+            return self.entry
+        return msgspec.structs.replace(self.entry, dtype=self.activations.dtype)
 
     @property
     def model_id(self) -> str:

@@ -39,6 +39,8 @@ def test_ctl_loads_and_unloads_a_catalogue_model(neuron_main: NeuronProcess,
     status = ctl(neuron_main, "status")
     assert "tiny-b" in status.stdout and "ready" not in status.stdout.split("tiny-b")[1]
     assert " cpu " in status.stdout.split("tiny-b")[0]  # the ready model's attention backend
+    # and the dtype its activations run in: the tiny checkpoint's, not measured (not a GGUF)
+    assert "    activations: fp32 (the checkpoint's dtype)" in status.stdout.split("tiny-b")[0]
 
 
 def test_ctl_profile_switches_admission_knobs_at_runtime(neuron_main: NeuronProcess,
