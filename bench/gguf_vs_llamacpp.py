@@ -3,7 +3,7 @@
 decode tok/s at 1 and N concurrent streams and the ratios, on this machine.
 
     .venv/bin/pip install -e '.[bench]'       # builds llama.cpp from source (minutes)
-    .venv/bin/python bench/gguf_vs_llamacpp.py FILE.gguf [--dtype fp32] [--threads 2]
+    .venv/bin/python bench/gguf_vs_llamacpp.py FILE.gguf [--dtype auto] [--threads 2]
                                                [--llama-server BIN]
 
 ``bench/llamacpp_files.py DIR`` writes the files of the issue's comparison: bench/engine.py's
@@ -107,7 +107,9 @@ def start_llamacpp(path: Path, threads: int, log: Path, server: str | None,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("gguf", type=Path)
-    ap.add_argument("--dtype", default="fp32", help="helexa's activation dtype (helexa up --dtype)")
+    ap.add_argument("--dtype", default="auto",
+                    help="helexa's activation dtype (helexa up --dtype; auto: as a user gets it, "
+                         "measured at load on CPU: docs/quantization.md)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--streams", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for url, model in servers.values():  # warm-up
             streams_tok_s(url, model, 1, 8, -1)
+        with urllib.request.urlopen(f"{hurl}/status.json", timeout=10) as resp:
+            (status,) = json.load(resp)["neurons"][0]["models"]
         for rep in range(args.repeats):
             for n in counts:
                 for name, (url, model) in servers.items():
@@ -143,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
           f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}  "
           f"llama.cpp: {args.llama_server or 'llama_cpp.server'}  load {os.getloadavg()[0]:.1f}")
+    print(f"  helexa activations: {status.get('activations', '?')}")
     for n in counts:
         h, c = (statistics.median(got[s, n]) for s in servers)
         per = [a / b for a, b in zip(got["helexa", n], got["llama.cpp", n], strict=True)]
