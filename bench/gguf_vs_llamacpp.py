@@ -130,16 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     servers = {"helexa": (hurl, args.gguf.stem), "llama.cpp": (lurl, str(args.gguf))}
     counts = (1, args.streams)
-    got: dict[tuple[str, int], list[float]] = {(s, n): [] for s in servers for n in counts}
     try:
-        for url, model in servers.values():  # warm-up
-            streams_tok_s(url, model, 1, 8, -1)
-        with urllib.request.urlopen(f"{hurl}/status.json", timeout=10) as resp:
-            (status,) = json.load(resp)["neurons"][0]["models"]
-        for rep in range(args.repeats):
-            for n in counts:
-                for name, (url, model) in servers.items():
-                    got[name, n].append(streams_tok_s(url, model, n, args.new_tokens, rep))
+        got, status = compare(servers, counts, args.new_tokens, args.repeats)
     finally:
         for proc in (helexa, llama):
             proc.terminate()
@@ -147,13 +139,37 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
           f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}  "
           f"llama.cpp: {args.llama_server or 'llama_cpp.server'}  load {os.getloadavg()[0]:.1f}")
+    report(got, status, counts, "llama.cpp")
+    return 0
+
+
+def compare(servers: dict[str, tuple[str, str]], counts: tuple[int, ...], new_tokens: int,
+            repeats: int) -> tuple[dict[tuple[str, int], list[float]], dict]:
+    """tok/s of each server (name -> (url, model)) at each stream count, every repeat
+    running each count on each server in turn (after one warm-up request each); and
+    helexa's model as its status page shows it (the first server is helexa)."""
+    got: dict[tuple[str, int], list[float]] = {(s, n): [] for s in servers for n in counts}
+    for url, model in servers.values():  # warm-up
+        streams_tok_s(url, model, 1, 8, -1)
+    with urllib.request.urlopen(f"{next(iter(servers.values()))[0]}/status.json",
+                                timeout=10) as resp:
+        (status,) = json.load(resp)["neurons"][0]["models"]
+    for rep in range(repeats):
+        for n in counts:
+            for name, (url, model) in servers.items():
+                got[name, n].append(streams_tok_s(url, model, n, new_tokens, rep))
+    return got, status
+
+
+def report(got: dict[tuple[str, int], list[float]], status: dict, counts: tuple[int, ...],
+           other: str) -> None:
+    """Each stream count's medians and the median of the repeats' own ratios."""
     print(f"  helexa activations: {status.get('activations', '?')}")
     for n in counts:
-        h, c = (statistics.median(got[s, n]) for s in servers)
-        per = [a / b for a, b in zip(got["helexa", n], got["llama.cpp", n], strict=True)]
-        print(f"  {n} stream(s): helexa {h:7.1f} tok/s  llama.cpp {c:7.1f} tok/s  "
+        h, c = (statistics.median(got[s, n]) for s in ("helexa", other))
+        per = [a / b for a, b in zip(got["helexa", n], got[other, n], strict=True)]
+        print(f"  {n} stream(s): helexa {h:7.1f} tok/s  {other} {c:7.1f} tok/s  "
               f"ratio {statistics.median(per):.2f}x [{' '.join(f'{x:.2f}' for x in per)}]")
-    return 0
 
 
 if __name__ == "__main__":
