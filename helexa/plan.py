@@ -32,8 +32,8 @@ from typing import Any
 
 from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
-from helexa.checkpoint.gguf_layout import QUANT_TYPES
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
+from helexa.checkpoint.gguf_layout import worth_measuring
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
@@ -220,7 +220,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", GGUF {types}"
         devices = entry.devices or cfg.server.devices[:tp]
         if entry.dtype == "auto" and all(d.split(":")[0] == "cpu" for d in devices) \
-                and any(t in QUANT_TYPES for t in types.split(", ")):
+                and worth_measuring(gguf, raw):
             weight_dtype += "; on CPU the neuron runs fp32 or bf16 as it measures at load"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file

@@ -193,3 +193,18 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
     layers, floats = card_layers(path, cfg, tp)
     return floats * elt + sum(layer.count * layout_bytes(layer.layout, layer.rows, layer.cols, elt)
                               for layer in layers if not layer.tied)
+
+
+def worth_measuring(gguf: Path, raw: dict[str, Any]) -> bool:
+    """Whether a neuron on CPU measures fp32 against bf16 for the file
+    (helexa/neuron/activation.py): where either holds it well, quantised matmul layers
+    (the dtype changes only the scales' bytes) or float ones mostly F32 (bf16 rounds them,
+    fp32 keeps them). A 16-bit float file keeps its ``auto`` dtype: fp32 would double it."""
+    layers, _ = card_layers(gguf, raw, 1)
+    if any(la.layout.op != "float" for la in layers if not la.lookup):
+        return True
+    numel: dict[str, int] = {}
+    for typ, shape in tensor_types(gguf).values():
+        if len(shape) == 2:
+            numel[typ] = numel.get(typ, 0) + math.prod(shape)
+    return bool(numel) and max(numel, key=numel.__getitem__) == "F32"

@@ -167,8 +167,8 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     devices: Annotated[list[str] | None, field_meta(
         "Devices of this model; none = the first tp devices of the neuron.", RESTART)] = None
     dtype: Annotated[Literal["auto", "fp32", "fp16", "bf16"], field_meta(
-        "Weight dtype; auto = the checkpoint's torch_dtype, but a quantised GGUF on CPU "
-        "runs fp32 or bf16, whichever decodes faster on this CPU (measured at load).",
+        "Weight dtype; auto = the checkpoint's torch_dtype, but a quantised or F32 GGUF on "
+        "CPU runs fp32 or bf16, whichever decodes faster on this CPU (measured at load).",
         RESTART)] = "auto"
     quantize: Annotated[Literal["none", "int8", "int4"], field_meta(
         "Quantise a float checkpoint's weights at load (weight-only): int8 = every linear, the "

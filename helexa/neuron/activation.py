@@ -1,10 +1,10 @@
-"""The activation dtype of a quantised GGUF model on CPU, chosen by measuring this CPU.
+"""The activation dtype of a GGUF model on CPU, chosen by measuring this CPU.
 
 A GGUF file says bf16 as its ``auto`` dtype, but on CPU its quantised layers' op follows
 the activations' dtype: fp32 runs helexa's integer kernels, bf16 torch's int4 and grouped
-int8 ops, and which is faster depends on the CPU. So a model entry with ``dtype = "auto"``
-whose devices are all CPU and whose file holds quantised layers is measured before it is
-planned: a child process (helexa/neuron/formats/gguf/activation.py, so the daemon stays
+int8 ops, and which is faster depends on the CPU (float matmuls too). So a model entry
+with ``dtype = "auto"`` whose devices are all CPU and whose file holds quantised layers,
+or F32 ones (helexa/checkpoint/gguf_layout.py's ``worth_measuring``), is measured before it is planned: a child process (helexa/neuron/formats/gguf/activation.py, so the daemon stays
 torch-free) times greedy decode steps of the model's first layers in both dtypes, at one
 row and at eight, and scales them to the whole model. bf16 is chosen when its step takes
 under ``BF16_SHARE`` of fp32's, summed over both (fp32 holds the file's scales exactly;
@@ -26,7 +26,7 @@ from typing import Any
 import structlog
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config
-from helexa.checkpoint.gguf_layout import card_layers
+from helexa.checkpoint.gguf_layout import worth_measuring
 from helexa.checkpoint.shape import read_model_shape
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 
@@ -46,12 +46,6 @@ class Activations:
 
     def status(self) -> str:
         return f"{self.dtype} ({self.why})"
-
-
-def quantised(gguf: Path, raw: dict[str, Any]) -> bool:
-    """Whether the file holds a quantised matmul layer (else it is float: nothing to choose)."""
-    layers, _ = card_layers(gguf, raw, 1)
-    return any(la.layout.op != "float" for la in layers if not la.lookup)
 
 
 def measured_gguf(entry: ModelEntry, config_path: Path | None, devices: list[str]
@@ -85,8 +79,8 @@ async def choose(cfg: NeuronConfig, entry: ModelEntry, config_path: Path | None,
         return None
     try:
         raw = read_config(gguf)
-        if not quantised(gguf, raw):
-            return None  # float throughout: the checkpoint's dtype, nothing to choose
+        if not worth_measuring(gguf, raw):
+            return None  # a 16-bit float file: its auto dtype, nothing to choose
     except (GgufError, KeyError, ValueError, OSError):
         return None  # the plan refuses the file, naming what is wrong
     key = (str(gguf), gguf.stat().st_mtime_ns, cfg.engine.torch_threads)

@@ -55,11 +55,16 @@ def test_only_an_auto_dtype_quantised_gguf_on_cpu_is_measured(tmp_path, q4_file,
     assert activation.measured_gguf(st, path, ["cpu"]) is None  # safetensors
 
 
-def test_a_float_gguf_has_nothing_to_choose(tmp_path, tiny_checkpoint):
-    path = tmp_path / "f32.gguf"
-    write_gguf(tiny_checkpoint("qwen3", **TINY), path, lambda name: "F32")
-    cfg, entry, cfg_path = entry_of(tmp_path, path)
+def test_a_16_bit_float_gguf_keeps_its_dtype_and_an_f32_one_is_measured(tmp_path,
+                                                                          tiny_checkpoint):
+    src = tiny_checkpoint("qwen3", **TINY)
+    write_gguf(src, tmp_path / "f16.gguf", lambda name: "F16")
+    cfg, entry, cfg_path = entry_of(tmp_path, tmp_path / "f16.gguf")
     assert asyncio.run(activation.choose(cfg, entry, cfg_path, ["cpu"])) is None
+    write_gguf(src, tmp_path / "f32.gguf", lambda name: "F32")
+    cfg, entry, cfg_path = entry_of(tmp_path, tmp_path / "f32.gguf")
+    got = asyncio.run(activation.choose(cfg, entry, cfg_path, ["cpu"]))
+    assert got is not None and got.why.startswith("measured on this CPU"), got
 
 
 def test_a_failed_measurement_keeps_the_files_dtype_and_says_why(tmp_path, q4_file,
