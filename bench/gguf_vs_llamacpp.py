@@ -35,6 +35,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -92,55 +93,43 @@ def start_llamacpp(path: Path, threads: int, log: Path, server: str | None,
                "127.0.0.1", "--port", str(port), "--n_ctx", "4096", "--n_threads",
                str(threads), "--n_threads_batch", str(threads)]
     proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    return proc, ready(proc, f"http://127.0.0.1:{port}", "/v1/models", log, "llama.cpp's server")
+
+
+def ready(proc: subprocess.Popen, url: str, probe: str, log: Path, name: str) -> str:
+    """``url`` once a GET of ``probe`` there answers; RuntimeError, naming ``log``, if the
+    server exits first or is not up within 300 s."""
     for _ in range(600):
         try:
-            urllib.request.urlopen(f"{url}/v1/models", timeout=2).read()
-            return proc, url
+            urllib.request.urlopen(f"{url}{probe}", timeout=2).read()
+            return url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama.cpp's server exited: see {log}") from None
+                raise RuntimeError(f"{name} exited: see {log}") from None
             time.sleep(0.5)
-    raise RuntimeError("llama.cpp's server did not start")
+    raise RuntimeError(f"{name} did not start")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("gguf", type=Path)
-    ap.add_argument("--dtype", default="auto",
-                    help="helexa's activation dtype (helexa up --dtype; auto: as a user gets it, "
-                         "measured at load on CPU: docs/quantization.md)")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--streams", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
-    ap.add_argument("--llama-server", default=None,
-                    help="llama.cpp's llama-server binary (default: llama_cpp.server)")
-    args = ap.parse_args(argv)
-    helexa, hurl = start_helexa(args.gguf, args.dtype, args.threads,
-                                args.log_dir / "bench-helexa.log")
+def against(helexa_args: tuple[Path, str, int, Path],
+            start_other: Callable[[], tuple[subprocess.Popen, str]],
+            models: tuple[str, str], other: str, counts: tuple[int, ...], new_tokens: int,
+            repeats: int) -> tuple[dict[tuple[str, int], list[float]], dict]:
+    """helexa (start_helexa's arguments) and the other server started, ``compare``d on
+    ``models`` (helexa's, the other's), both stopped however it ends."""
+    helexa, hurl = start_helexa(*helexa_args)
     try:
-        llama, lurl = start_llamacpp(args.gguf, args.threads,
-                                     args.log_dir / "bench-llamacpp.log", args.llama_server,
-                                     args.streams)
+        proc, url = start_other()
     except BaseException:  # helexa up must not outlive the run (it would load later ones)
         helexa.terminate()
         helexa.wait(timeout=60)
         raise
-    servers = {"helexa": (hurl, args.gguf.stem), "llama.cpp": (lurl, str(args.gguf))}
-    counts = (1, args.streams)
     try:
-        got, status = compare(servers, counts, args.new_tokens, args.repeats)
+        return compare({"helexa": (hurl, models[0]), other: (url, models[1])}, counts,
+                       new_tokens, repeats)
     finally:
-        for proc in (helexa, llama):
-            proc.terminate()
-            proc.wait(timeout=60)
-    print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
-          f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}  "
-          f"llama.cpp: {args.llama_server or 'llama_cpp.server'}  load {os.getloadavg()[0]:.1f}")
-    report(got, status, counts, "llama.cpp")
-    return 0
+        for p in (helexa, proc):
+            p.terminate()
+            p.wait(timeout=60)
 
 
 def compare(servers: dict[str, tuple[str, str]], counts: tuple[int, ...], new_tokens: int,
@@ -170,6 +159,33 @@ def report(got: dict[tuple[str, int], list[float]], status: dict, counts: tuple[
         per = [a / b for a, b in zip(got["helexa", n], got[other, n], strict=True)]
         print(f"  {n} stream(s): helexa {h:7.1f} tok/s  {other} {c:7.1f} tok/s  "
               f"ratio {statistics.median(per):.2f}x [{' '.join(f'{x:.2f}' for x in per)}]")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf", type=Path)
+    ap.add_argument("--dtype", default="auto",
+                    help="helexa's activation dtype (helexa up --dtype; auto: as a user gets it, "
+                         "measured at load on CPU: docs/quantization.md)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--log-dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--llama-server", default=None,
+                    help="llama.cpp's llama-server binary (default: llama_cpp.server)")
+    args = ap.parse_args(argv)
+    counts = (1, args.streams)
+    got, status = against(
+        (args.gguf, args.dtype, args.threads, args.log_dir / "bench-helexa.log"),
+        lambda: start_llamacpp(args.gguf, args.threads, args.log_dir / "bench-llamacpp.log",
+                               args.llama_server, args.streams),
+        (args.gguf.stem, str(args.gguf)), "llama.cpp", counts, args.new_tokens, args.repeats)
+    print(f"bench/gguf_vs_llamacpp.py {args.gguf.name}  helexa --dtype {args.dtype}  "
+          f"threads={args.threads}  new={args.new_tokens}  repeats={args.repeats}  "
+          f"llama.cpp: {args.llama_server or 'llama_cpp.server'}  load {os.getloadavg()[0]:.1f}")
+    report(got, status, counts, "llama.cpp")
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,11 +18,9 @@ import argparse
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
-from gguf_vs_llamacpp import compare, free_port, report, start_helexa
+from gguf_vs_llamacpp import against, free_port, ready, report
 
 
 def start_transformers(model: Path, dtype: str, threads: int, log: Path
@@ -34,16 +32,7 @@ def start_transformers(model: Path, dtype: str, threads: int, log: Path
                             stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             env={**os.environ, "OMP_NUM_THREADS": str(threads),
                                  "HF_HUB_OFFLINE": "1"})
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=2).read()
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited: see {log}") from None
-            time.sleep(0.5)
-    raise RuntimeError("transformers serve did not start")
+    return proc, ready(proc, f"http://127.0.0.1:{port}", "/health", log, "transformers serve")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,23 +50,14 @@ def main(argv: list[str] | None = None) -> int:
         from helexa.fixtures.tiny import bench_checkpoint
 
         args.model = bench_checkpoint()
-    helexa, hurl = start_helexa(args.model, args.dtype, args.threads,
-                                args.log_dir / "bench-helexa.log")
-    try:
-        hf, turl = start_transformers(args.model, {"fp32": "float32", "bf16": "bfloat16"}[
-            args.dtype], args.threads, args.log_dir / "bench-transformers.log")
-    except BaseException:
-        helexa.terminate()
-        helexa.wait(timeout=60)
-        raise
-    servers = {"helexa": (hurl, args.model.name), "transformers": (turl, str(args.model))}
     counts = (1, args.streams)
-    try:
-        got, status = compare(servers, counts, args.new_tokens, args.repeats)
-    finally:
-        for proc in (helexa, hf):
-            proc.terminate()
-            proc.wait(timeout=60)
+    hf_dtype = {"fp32": "float32", "bf16": "bfloat16"}[args.dtype]
+    got, status = against(
+        (args.model, args.dtype, args.threads, args.log_dir / "bench-helexa.log"),
+        lambda: start_transformers(args.model, hf_dtype, args.threads,
+                                   args.log_dir / "bench-transformers.log"),
+        (args.model.name, str(args.model)), "transformers", counts, args.new_tokens,
+        args.repeats)
     import transformers
 
     print(f"bench/transformers_serve.py {args.model.name}  {args.dtype}  threads={args.threads}  "
