@@ -32,8 +32,8 @@ from typing import Any
 
 from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
+from helexa.checkpoint.gguf_layout import measures_activations
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
-from helexa.checkpoint.gguf_layout import worth_measuring
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
     fixed_bytes_per_request,
@@ -99,7 +99,8 @@ class ModelPlan:
 
     model_id: str
     tp: int
-    weight_dtype: str
+    weight_dtype: str  # float_dtype and notes, for the printout
+    float_dtype: str  # the weights' and activations' (fp32 | bf16 | fp16)
     kv_dtype: str  # resolved, never "auto"
     weight_bytes_per_card: int
     bytes_per_token: int
@@ -218,9 +219,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             raise PlanError(f"{where('path')}: {gguf}: {e}") from None
         types = type_summary(gguf)
         weight_dtype += f", GGUF {types}"
-        devices = entry.devices or cfg.server.devices[:tp]
-        if entry.dtype == "auto" and all(d.split(":")[0] == "cpu" for d in devices) \
-                and worth_measuring(gguf, raw):
+        if measures_activations(gguf, raw, entry.dtype, entry.devices or cfg.server.devices[:tp]):
             weight_dtype += "; on CPU the neuron runs fp32 or bf16 as it measures at load"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
@@ -317,7 +316,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     trade = [(n, min(context, tokens_each(budget, n, block_bytes, bs, slot)))
              for n in TRADE_SESSIONS]
     plan = ModelPlan(
-        model_id=entry.id, tp=tp, weight_dtype=weight_dtype, kv_dtype=kv,
+        model_id=entry.id, tp=tp, weight_dtype=weight_dtype, float_dtype=float_dtype, kv_dtype=kv,
         weight_bytes_per_card=weights, bytes_per_token=per_token, fixed_bytes=fixed,
         block_size=bs, kv_budget_bytes=budget, num_blocks=num_blocks, pool_tokens=pool_tokens,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,

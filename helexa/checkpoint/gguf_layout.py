@@ -195,11 +195,15 @@ def weight_bytes_per_card(path: Path, cfg: dict[str, Any], tp: int, elt: int) ->
                               for layer in layers if not layer.tied)
 
 
-def worth_measuring(gguf: Path, raw: dict[str, Any]) -> bool:
-    """Whether a neuron on CPU measures fp32 against bf16 for the file
-    (helexa/neuron/activation.py): where either holds it well, quantised matmul layers
-    (the dtype changes only the scales' bytes) or float ones mostly F32 (bf16 rounds them,
-    fp32 keeps them). A 16-bit float file keeps its ``auto`` dtype: fp32 would double it."""
+def measures_activations(gguf: Path, raw: dict[str, Any], dtype: str, devices: list[str]
+                         ) -> bool:
+    """Whether a neuron measures fp32 against bf16 for this model before planning it
+    (helexa/neuron/activation.py): ``dtype`` auto, every device a CPU, and a file either
+    dtype holds well, quantised matmul layers (the dtype changes only the scales' bytes) or
+    float ones mostly F32 (bf16 rounds them, fp32 keeps them). A 16-bit float file keeps
+    its ``auto`` dtype: fp32 would double it."""
+    if dtype != "auto" or not devices or any(d.split(":")[0] != "cpu" for d in devices):
+        return False
     layers, _ = card_layers(gguf, raw, 1)
     if any(la.layout.op != "float" for la in layers if not la.lookup):
         return True

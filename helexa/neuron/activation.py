@@ -4,8 +4,9 @@ A GGUF file says bf16 as its ``auto`` dtype, but on CPU its quantised layers' op
 the activations' dtype: fp32 runs helexa's integer kernels, bf16 torch's int4 and grouped
 int8 ops, and which is faster depends on the CPU (float matmuls too). So a model entry
 with ``dtype = "auto"`` whose devices are all CPU and whose file holds quantised layers,
-or F32 ones (helexa/checkpoint/gguf_layout.py's ``worth_measuring``), is measured before it is planned: a child process (helexa/neuron/formats/gguf/activation.py, so the daemon stays
-torch-free) times greedy decode steps of the model's first layers in both dtypes, at one
+or F32 ones (helexa/checkpoint/gguf_layout.py's ``measures_activations``), is measured
+before it is planned: a child process (helexa/neuron/formats/gguf/activation.py, so the
+daemon stays torch-free) times greedy decode steps of the model's first layers in both dtypes, at one
 row and at eight, and scales them to the whole model. bf16 is chosen when its step takes
 under ``BF16_SHARE`` of fp32's, summed over both (fp32 holds the file's scales exactly;
 bf16 rounds them), else fp32. The plan and the engine then run the chosen dtype as if the
@@ -26,7 +27,7 @@ from typing import Any
 import structlog
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config
-from helexa.checkpoint.gguf_layout import worth_measuring
+from helexa.checkpoint.gguf_layout import measures_activations
 from helexa.checkpoint.shape import read_model_shape
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 
@@ -50,15 +51,17 @@ class Activations:
 
 def measured_gguf(entry: ModelEntry, config_path: Path | None, devices: list[str]
                   ) -> Path | None:
-    """The entry's GGUF file when its activation dtype is measured: dtype auto, every
-    device a CPU, a file that is not float throughout."""
-    if entry.dtype != "auto" or entry.path is None or not devices \
-            or any(d.split(":")[0] != "cpu" for d in devices):
-        return None
+    """The entry's GGUF file when its activation dtype is measured (``measures_activations``);
+    None otherwise, or for a path the plan will refuse, naming what is wrong."""
+    if entry.dtype != "auto" or entry.path is None:
+        return None  # before opening anything: most entries stop here
     try:
         gguf = find_gguf(resolve_path(config_path, entry.path))
-    except GgufError:
-        return None  # the plan says what is wrong with the path
+        if gguf is None or not measures_activations(gguf, read_config(gguf), entry.dtype,
+                                                    devices):
+            return None
+    except (GgufError, KeyError, ValueError, OSError):
+        return None
     return gguf
 
 
@@ -77,12 +80,6 @@ async def choose(cfg: NeuronConfig, entry: ModelEntry, config_path: Path | None,
     gguf = measured_gguf(entry, config_path, devices)
     if gguf is None:
         return None
-    try:
-        raw = read_config(gguf)
-        if not worth_measuring(gguf, raw):
-            return None  # a 16-bit float file: its auto dtype, nothing to choose
-    except (GgufError, KeyError, ValueError, OSError):
-        return None  # the plan refuses the file, naming what is wrong
     key = (str(gguf), gguf.stat().st_mtime_ns, cfg.engine.torch_threads)
     if key in _cache:
         return _cache[key]
@@ -91,7 +88,7 @@ async def choose(cfg: NeuronConfig, entry: ModelEntry, config_path: Path | None,
     except (TimeoutError, OSError, RuntimeError, ValueError) as e:
         why = str(e) or type(e).__name__
         log.warning("model.activation_measure_failed", model=entry.id, error=why)
-        return Activations(read_model_shape(raw).torch_dtype,
+        return Activations(read_model_shape(read_config(gguf)).torch_dtype,
                            f"the file's own: measuring fp32 against bf16 failed: {why}")
     got = _cache[key] = decide(times)
     log.info("model.activation_dtype", model=entry.id, dtype=got.dtype, why=got.why,

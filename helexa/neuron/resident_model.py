@@ -14,13 +14,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from helexa.config.schema import ModelEntry
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import ModelLimits
+
+if TYPE_CHECKING:
+    from helexa.neuron.activation import Activations
 
 FAILED_RETRY_SECS = 30.0
 FAILED_RETRY_MAX_SECS = 600.0
@@ -57,18 +60,18 @@ class ResidentModel:
     failures: int = 0  # consecutive failed loads
     retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
     num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
-    # The activation dtype measured for a quantised GGUF on CPU (helexa/neuron/activation.py)
-    activations: Any = None
+    # The activation dtype measured for a GGUF on CPU (helexa/neuron/activation.py)
+    activations: Activations | None = None
 
     @property
     def activations_status(self) -> str:
         """The activation dtype and why, as Watch and `helexa ctl status` show it."""
         if self.activations is not None:
-            return str(self.activations.status())
+            return self.activations.status()
         if self.plan is None:
             return ""
-        dtype = self.plan.weight_dtype.split(",")[0].split(";")[0]
-        return f"{dtype} (the {'checkpoint' if self.entry.dtype == 'auto' else 'config'}'s dtype)"
+        whose = "checkpoint" if self.entry.dtype == "auto" else "config"
+        return f"{self.plan.float_dtype} (the {whose}'s dtype)"
 
     @property
     def load_entry(self) -> ModelEntry:

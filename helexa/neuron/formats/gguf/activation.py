@@ -1,5 +1,5 @@
-"""How long a quantised GGUF model's decode step takes on this CPU in each activation
-dtype: the measurement behind ``dtype = "auto"`` for such a model (docs/quantization.md,
+"""How long a GGUF model's decode step takes on this CPU in each activation dtype: the
+measurement behind ``dtype = "auto"`` for a quantised or F32 file (docs/quantization.md,
 "Activation dtype on CPU"; helexa/neuron/activation.py runs it and decides).
 
 A quantised layer's op follows its activations' dtype (``install_op`` in format.py): fp32
@@ -22,6 +22,7 @@ Run as ``python -m helexa.neuron.formats.gguf.activation FILE [THREADS]``: print
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import sys
 import time
@@ -43,7 +44,7 @@ WARM, TIMED = 3, 12  # rounds of decode steps: untimed, then timed (the fastest 
 
 def truncated(ckpt: Checkpoint, layers: int) -> Checkpoint:
     """The checkpoint as a model of its first ``layers`` decoder layers, text only, no MTP."""
-    raw = json.loads(json.dumps(ckpt.raw))
+    raw = copy.deepcopy(ckpt.raw)
     text = raw.get("text_config", raw)
     total = int(text["num_hidden_layers"])
     for key, value in list(text.items()):  # per-layer lists: the first layers'
