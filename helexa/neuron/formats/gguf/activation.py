@@ -2,7 +2,7 @@
 measurement behind ``dtype = "auto"`` for a quantised or F32 file (docs/quantization.md,
 "Activation dtype on CPU"; helexa/neuron/activation.py runs it and decides).
 
-A quantised layer's op follows its activations' dtype (``install_op`` in format.py): fp32
+A quantised layer's op follows its activations' dtype (format.py's GgufLinear): fp32
 runs helexa/kernels/cpu/kquant.py's integer kernels inside the native decode call, bf16
 torch's int4 op (Q4_K) and the grouped int8 op beside bf16 norms, attention and
 elementwise ops; which is faster depends on the CPU (AVX512-BF16 and AMX, or neither) and

@@ -283,25 +283,15 @@ class GgufLinear(LinearMethod):
         scale = layer._parameters.pop("gguf_scale").data
         p_zero = layer._parameters.pop("gguf_zero", None)
         zero = None if p_zero is None else p_zero.data
-        if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
-            install_int8g(layer, q, scale, zero, self.fmt.dtype)  # a lookup: int8g's rows
-            layer.lookup = Int8gLookup(layer, q.shape[1] // scale.shape[1])
+        lookup = isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead)
+        if not lookup and kquant.install(layer, q, scale, zero, self.fmt.dtype):
+            return  # CPU, fp32 activations: helexa/kernels/cpu/kquant.py's integer dot products
+        if self.layout.op == "int4":  # tinygemm: w = (q - 8) * scale + zero'
+            install_int4(layer, q.to(torch.uint8), scale, 8 * scale + zero, self.fmt.dtype)
         else:
-            install_op(layer, self.layout.op, q, scale, zero, self.fmt.dtype)
-
-
-def install_op(layer: nn.Module, op: str, q: torch.Tensor, scale: torch.Tensor,
-               zero: torch.Tensor | None, dtype: torch.dtype) -> None:
-    """A quantised matmul layer's op for ``dtype`` activations: on CPU in fp32
-    helexa/kernels/cpu/kquant.py's integer dot products where they take the shape, else
-    the layout's op (``int4``: tinygemm, w = (q - 8) * scale + zero'; else grouped int8)."""
-    if kquant.install(layer, q, scale, zero, dtype):
-        return
-    if op == "int4":
-        assert zero is not None, "a Q4_K layout has zeros"
-        install_int4(layer, q.to(torch.uint8), scale, 8 * scale + zero, dtype)
-    else:
-        install_int8g(layer, q, scale, zero, dtype)
+            install_int8g(layer, q, scale, zero, self.fmt.dtype)
+        if lookup:
+            layer.lookup = Int8gLookup(layer, q.shape[1] // scale.shape[1])
 
 
 def share_tied_head(model: nn.Module) -> None:
