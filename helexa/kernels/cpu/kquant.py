@@ -12,9 +12,9 @@ weight's bytes, VNNI's vpdpbusd: kquant.c says when each wins); :func:`emulate` 
 the same arithmetic in plain torch, and :func:`dequantize` the plain-torch float weight
 every path is tested against (tests/kernels/test_kquant.py states the tolerances).
 
-Which runs a layer's decode rows — the native kernel (AVX2, VNNI, VNNI8, AVX512, plain C where none; on one
-thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit weights) or
-torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
+Which runs a layer's decode rows — the native kernel (AVX2, VNNI, VNNI8, AVX512, plain C
+where none; on one thread or torch's count), helexa/kernels/cpu/int8g.c's fp32 kernel (8-bit
+weights) or torch tiles — is measured on the layer's own weight at load, per row bucket (one row;
 2 to ``NATIVE_MAX_ROWS``; more, a prefill chunk, probed at ``PREFILL_PROBE_ROWS``), as
 int8g.py does. Prefill is measured too: dequantising every tile of the weight for each chunk
 cost more than the integer kernel's pass per 8 rows on the 29M qwen3 of bench/engine.py.

@@ -446,8 +446,8 @@ static int64_t mat(const int64_t *d, const float *x, int64_t M, float *y) {
  * (group, V, int8 q [V, hidden], fp32 scales and zeros [V, hidden / group], zeros 0 = none)
  * at ids [B] (-5 for an id outside 0..V-1), and normed (norm0, eps0) computed from them.
  * Each Python operation between two weight streams started with cold caches: a step's
- * embedding through numpy took ~200 us there, against ~5 us here. Returns 0, or a matmul's error code (the step's result is then
- * not to be used). */
+ * embedding through numpy took ~200 us there, against ~5 us here. Returns 0, or a matmul's
+ * error code (the step's result is then not to be used). */
 #define EMBED_WORDS 5
 static int64_t lookup_int8g(const int64_t *e, const int64_t *ids, int64_t B, int64_t K,
                             float *x) {

@@ -70,9 +70,9 @@ def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torc
 class ModelRunner:
     """Owns the model's weights and this rank's KV pool (through its backend); executes steps."""
 
-    def __init__(self, model_dir: str | Path | Checkpoint, *, device: str = "cpu", dtype: str = "auto",
-                 num_blocks: int, block_size: int, kv_dtype: str = "auto", max_num_seqs: int,
-                 max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, model_dir: str | Path | Checkpoint, *, device: str = "cpu",
+                 dtype: str = "auto", num_blocks: int, block_size: int, kv_dtype: str = "auto",
+                 max_num_seqs: int, max_batched_tokens: int, tp_rank: int = 0, tp_size: int = 1,
                  progress: Callable[[int, int], None] | None = None,
                  devices: list[str] | None = None, backend: str = "auto",
                  cuda_graphs: bool = True, plan_bytes_per_block: int = 0,
