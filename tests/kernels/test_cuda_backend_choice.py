@@ -3,6 +3,11 @@
 No GPU here: the stand-in records the arguments each FlashInfer wrapper is built and
 planned with, so the test sees which decode kernel a (GQA group, dtype, head_dim) gets,
 and which models the backend selection sends to the torch backend instead (and says why).
+Its ``append_paged_kv_cache`` does what FlashInfer 0.6.13's kernel does (csrc/page.cu,
+page.cuh: the slot of row i is the page ``indices[indptr[batch_indices[i]] + positions[i]
+// page_size]``, entry ``positions[i] % page_size``) after the checks it makes, and its
+cuda-graph wrappers' ``plan`` copies the layout into their buffers as FlashInfer's does: so
+the tests see where each step's K/V land, eager and replayed.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import backends
 from helexa.kernels.backends import cuda
-from helexa.kernels.backends.base import StepPlan
+from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
 from helexa.kernels.backends.cuda import CudaAttention
 
 
@@ -25,10 +30,41 @@ class _Wrapper:
     def __init__(self, log: list[dict[str, Any]], kind: str, workspace: torch.Tensor,
                  layout: str, **kwargs: Any) -> None:
         self.record: dict[str, Any] = {"kind": kind, "layout": layout, **kwargs, "plans": []}
+        self.kwargs = kwargs
         log.append(self.record)
 
     def plan(self, *args: Any, **kwargs: Any) -> None:
         self.record["plans"].append((args, kwargs))
+        if self.kwargs.get("use_cuda_graph"):  # FlashInfer copies into the fixed buffers
+            indptr, indices, last = args[:3]
+            self.kwargs["paged_kv_indptr_buffer"].copy_(indptr)
+            self.kwargs["paged_kv_last_page_len_buffer"].copy_(last)
+            self.kwargs["paged_kv_indices_buffer"][:len(indices)].copy_(indices)
+
+    def run(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return q
+
+
+def _append_paged_kv_cache(key: torch.Tensor, value: torch.Tensor, batch_indices: torch.Tensor,
+                           positions: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                           indices: torch.Tensor, indptr: torch.Tensor,
+                           last_page_len: torch.Tensor, layout: str = "NHD") -> None:
+    k_cache, v_cache = cache
+    assert layout == "NHD"
+    for t in (batch_indices, positions, indices, indptr, last_page_len):
+        assert t.dtype == torch.int32 and t.dim() == 1 and t.is_contiguous()
+        assert t.device == key.device
+    assert key.stride(-1) == value.stride(-1) == 1 and key.dim() == value.dim() == 3
+    assert key.dtype == value.dtype == k_cache.dtype  # its kernels take the cache's type
+    assert indptr.numel() == last_page_len.numel() + 1
+    assert batch_indices.numel() == positions.numel() == key.shape[0]
+    assert k_cache.stride() == v_cache.stride()
+    page_size = k_cache.shape[1]
+    flat = indptr[batch_indices.long()].long() * page_size + positions.long()
+    page, entry = flat // page_size, flat % page_size
+    slots = indices[page].long() * page_size + entry
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value
 
 
 @pytest.fixture
@@ -40,6 +76,7 @@ def fake_flashinfer(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
         lambda ws, layout, **kw: _Wrapper(built, "decode", ws, layout, **kw))
     mod.BatchPrefillWithPagedKVCacheWrapper = (  # type: ignore[attr-defined]
         lambda ws, layout, **kw: _Wrapper(built, "prefill", ws, layout, **kw))
+    mod.append_paged_kv_cache = _append_paged_kv_cache  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashinfer", mod)
     monkeypatch.setattr(cuda, "flashinfer", mod)
     return built
@@ -116,3 +153,64 @@ def test_selection_runs_torch_for_a_model_flashinfer_cannot_serve(
 @pytest.mark.parametrize("dtype", cuda.DTYPES)
 def test_flashinfer_serves_its_dtypes_and_head_sizes(head_dim: int, dtype: torch.dtype) -> None:
     assert cuda.unsupported(backends.AttentionShape(24, 4, head_dim, dtype)) == ""
+
+
+def _kv(n: int, kv_heads: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # k, v as the model hands them over: views of one projection, strided by row
+    kv = torch.randn(n, 2 * kv_heads + 3, head_dim, generator=g).to(torch.bfloat16)
+    return kv[:, 3:3 + kv_heads], kv[:, 3 + kv_heads:]
+
+
+def _written(att: CudaAttention, layer: int, slots: list[int], k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Pool ``layer`` holds k, v at exactly ``slots`` and zeros everywhere else."""
+    kv = att.pools[layer]
+    want_k, want_v = torch.zeros_like(kv.k_slots), torch.zeros_like(kv.v_slots)
+    want_k[slots], want_v[slots] = k, v
+    torch.testing.assert_close(kv.k_slots, want_k, rtol=0, atol=0)
+    torch.testing.assert_close(kv.v_slots, want_v, rtol=0, atol=0)
+
+
+def test_a_mixed_steps_kv_lands_at_the_runners_slots_in_one_append_per_layer(
+        fake_flashinfer: list[dict[str, Any]]) -> None:
+    att = _backend(8, 2, 64, storage=torch.bfloat16, compute=torch.bfloat16, graph_rows=4)
+    # two decode rows (one at a block's first entry), a fresh prompt, and a chunk over
+    # cached context that crosses a block boundary: blocks in no order, as the pool hands out
+    rows = [([5, 2], 20), ([7], 0)]
+    prefills = [([3, 6], 0, 18), ([1, 4, 0], 12, 30)]  # (table, cached, cached + chunk)
+    slots = [token_slots(t, p, p + 1, 16)[0] for t, p in rows]
+    step = StepPlan(slot_mapping=torch.tensor(slots), decode_positions=[p for _, p in rows],
+                    decode_tables=[t for t, _ in rows], block_size=16, num_blocks=8)
+    start = len(rows)
+    for table, cached, end in prefills:
+        n = end - cached
+        step.prefills.append(PrefillRow(start, start + n, cached, table))
+        slots += token_slots(table, cached, end, 16)
+        start += n
+    meta = att.plan(step)
+    assert meta.wrapper is att._prefill
+    k, v = _kv(len(slots), 2, 64, seed=1)
+    q = torch.zeros(len(slots), 8, 64, dtype=torch.bfloat16)
+    att.forward(1, q, k, v, meta)
+    _written(att, 1, slots, k, v)
+    _written(att, 0, [], k[:0], v[:0])  # the other layer's pool is untouched
+
+
+def test_a_replayed_decode_step_writes_its_own_steps_slots(
+        fake_flashinfer: list[dict[str, Any]]) -> None:
+    att = _backend(8, 2, 64, storage=torch.bfloat16, compute=torch.bfloat16, graph_rows=4)
+    static = att.static_meta(3)  # what the captured 3-row graph runs with
+    q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
+    for seed, rows in enumerate([[([0], 3), ([1, 2], 16), ([4], 15)],
+                                 [([6, 5], 31), ([3], 0), ([2, 7], 17)]]):
+        step = StepPlan(slot_mapping=torch.empty(0), decode_positions=[p for _, p in rows],
+                        decode_tables=[t for t, _ in rows], block_size=16, num_blocks=8)
+        meta = att.plan(step)
+        assert meta.graph_rows == 3 and meta.append is static.append  # the graph's buffers
+        for pool in att.pools:
+            pool.k_cache.zero_()
+            pool.v_cache.zero_()
+        k, v = _kv(3, 2, 64, seed=seed)
+        att.forward(0, q, k, v, static)  # the replay: static inputs only
+        _written(att, 0, [token_slots(t, p, p + 1, 16)[0] for t, p in rows], k, v)

@@ -1,7 +1,8 @@
 """The CUDA graph executor's bookkeeping, with the CUDA calls stood in by a CPU runtime:
 every decode size captured at load, largest first, into one pool; replays read each
-step's own inputs (state slots included, for hybrids); nothing is captured mid-serving;
-a new pool drops the graphs. No GPU runs here: what a real capture costs is unmeasured."""
+step's own inputs (the KV layout its plan filled, and state slots for hybrids); nothing is
+captured mid-serving; a new pool drops the graphs. No GPU runs here: what a real capture
+costs is unmeasured."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.backends.cuda import CudaMetadata
+from helexa.kernels.backends.cuda import CudaMetadata, KvAppend
 from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 from helexa.kernels.backends.gdn import GdnMetadata
 
@@ -46,12 +47,25 @@ class StandInRuntime:
 
 
 class StandInAttention:
+    """As CudaAttention: a b-row decode step's plan fills that size's static KV-append
+    buffers (one per size, which its graph reads) with the step's layout."""
+
     def __init__(self, graph_rows: int) -> None:
         self.graph_rows = graph_rows
+        self.static: dict[int, KvAppend] = {}
 
     def static_meta(self, b: int) -> CudaMetadata:
-        return CudaMetadata(backend=self, slot_mapping=torch.zeros(b, dtype=torch.long),  # type: ignore[arg-type]
-                            num_decode=b, graph_rows=b)
+        if b not in self.static:
+            z = torch.zeros(b, dtype=torch.int32)
+            self.static[b] = KvAppend(torch.arange(b, dtype=torch.int32), z.clone(), z.clone(),
+                                      torch.zeros(b + 1, dtype=torch.int32), z.clone())
+        return CudaMetadata(backend=self, append=self.static[b], num_decode=b, graph_rows=b)  # type: ignore[arg-type]
+
+    def plan(self, b: int, positions: torch.Tensor, pages: torch.Tensor) -> CudaMetadata:
+        meta = self.static_meta(b)
+        meta.append.positions.copy_(positions)
+        meta.append.indices[:b].copy_(pages)
+        return meta
 
 
 class Model(torch.nn.Module):
@@ -62,7 +76,7 @@ class Model(torch.nn.Module):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: CudaMetadata,
                 logits_rows: torch.Tensor | None, state: GdnMetadata | None = None
                 ) -> torch.Tensor:
-        row = ids * 1000 + positions * 100 + meta.slot_mapping * 10
+        row = ids * 1000 + positions * 100 + meta.append.indices[:len(ids)] * 10
         if state is not None:
             row = row + state.decode_slots
         return row[:, None].float() + torch.arange(VOCAB)
@@ -75,8 +89,8 @@ def executor(rows: int = 4) -> tuple[CudaGraphExecutor, StandInRuntime]:
 
 def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False) -> torch.Tensor:
     ids = torch.arange(b) + seed
-    positions, slots = torch.arange(b) * 2 + seed, torch.arange(b) + 3 * seed
-    meta = CudaMetadata(backend=None, slot_mapping=slots, num_decode=b, graph_rows=b)  # type: ignore[arg-type]
+    positions, pages = torch.arange(b) * 2 + seed, torch.arange(b) + 3 * seed
+    meta = ex.attention.plan(b, positions, pages)  # type: ignore[attr-defined]
     gdn = GdnMetadata(backend=None, decode_slots=torch.arange(b) + 7 * seed) if state else None  # type: ignore[arg-type]
     return ex.run(Model(), ids, positions, meta, None, gdn)
 

@@ -13,13 +13,17 @@ or in the default tests needs it.
   a pure-decode step through BatchDecodeWithPagedKVCacheWrapper, any step with
   a prefill chunk through BatchPrefillWithPagedKVCacheWrapper (causal, queries
   aligned to the end of their context, so a chunk over cached context needs no
-  mask and decode rows ride along with q_len 1). K/V are written with one
-  index_copy_ per layer; attention reads the pages in place, no gather.
+  mask and decode rows ride along with q_len 1). Each layer's new K and V are written
+  by one kernel, FlashInfer's ``append_paged_kv_cache``, over the same paged layout the
+  step planned (:class:`KvAppend`: each flat row's batch row and position in its
+  sequence, built once a step); attention reads the pages in place, no gather.
 - CUDA graphs (``engine.cuda_graphs``, any tp, dense or hybrid): a pure-decode step of
   b rows, 1 <= b <= max_slots, is planned on its own cuda-graph decode wrapper over fixed
-  index buffers and a static slot tensor (:meth:`CudaAttention.static_meta`); the
-  executor (cuda_graphs.py) captures every b at load and replays after, with the step's
-  ids, positions and slots copied into its static inputs.
+  index buffers, and its KV append reads those buffers and two more of its own (the rows'
+  batch indices and positions): ``plan`` fills them all for the step, so the graph
+  replays with the step's layout (:meth:`CudaAttention.static_meta`). The executor
+  (cuda_graphs.py) captures every b at load and replays after, with the step's ids and
+  positions copied into its static inputs.
 - Quantised kv dtypes, and a kv dtype other than the queries' (FlashInfer's kernels take one
   q/kv dtype pair per build): the composed torch backend (``reference``) allocates and plans.
 - What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256/512.
@@ -112,11 +116,26 @@ class NhdKV(PagedKV):
 
 
 @dataclass
+class KvAppend:
+    """Where a step's new K/V go, as FlashInfer's ``append_paged_kv_cache`` reads it: int32
+    on the device. Flat row i is token ``positions[i]`` of batch row ``batch_indices[i]``,
+    whose pages are ``indices[indptr[b]:indptr[b + 1]]`` (the layout its attention is
+    planned on; ``last_page_len`` completes it). The same flat slot as the runner's slot
+    mapping: ``indices[indptr[b] + p // block_size] * block_size + p % block_size``."""
+
+    batch_indices: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    indices: torch.Tensor  # [>= indptr[-1]]
+    indptr: torch.Tensor  # [B + 1]
+    last_page_len: torch.Tensor  # [B]
+
+
+@dataclass
 class CudaMetadata(StepMeta):
     """A step planned on one FlashInfer wrapper that every layer runs."""
 
     backend: CudaAttention
-    slot_mapping: torch.Tensor  # [N] int64: where each new token's K/V is written
+    append: KvAppend
     num_decode: int
     wrapper: Any = None  # the planned FlashInfer wrapper
     graph_rows: int = 0  # a pure-decode step of this many rows on a cuda-graph wrapper (0: none)
@@ -124,8 +143,8 @@ class CudaMetadata(StepMeta):
 
 @dataclass
 class _GraphWrapper:
-    wrapper: Any  # a cuda-graph decode wrapper over fixed index buffers
-    slots: torch.Tensor  # [b] int64: the static slot mapping a captured step reads
+    wrapper: Any  # a cuda-graph decode wrapper over the fixed index buffers of ``append``
+    append: KvAppend  # static: every buffer a captured step's KV writes read
 
 
 class CudaAttention(AttentionBackend):
@@ -203,60 +222,79 @@ class CudaAttention(AttentionBackend):
                              "blocks")
         i32 = torch.int32
         indptr_t, last_t = torch.tensor(indptr, dtype=i32), torch.tensor(last, dtype=i32)
-        indices_t = torch.tensor(indices, dtype=i32)
-        meta = CudaMetadata(backend=self, slot_mapping=step.slot_mapping,
-                            num_decode=step.num_decode)
         kvh, d = self.pools[0].num_kv_heads, self.pools[0].head_dim
         common = dict(q_data_type=self._q_dtype, kv_data_type=self._kv_dtype)
+        b = step.num_decode
+        if not step.prefills and b <= self.graph_rows:
+            # the graph's buffers: the wrapper's plan fills its three, this the positions
+            g = self._graph_wrapper(b)
+            g.append.positions.copy_(torch.tensor(step.decode_positions, dtype=i32))
+            g.wrapper.plan(indptr_t, torch.tensor(indices, dtype=i32), last_t, self.heads,
+                           kvh, d, bs, pos_encoding_mode="NONE", **common)
+            return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
+                                graph_rows=b)
+        rows, positions = list(range(b)), list(step.decode_positions)
+        for j, r in enumerate(step.prefills):
+            rows.extend([b + j] * (r.end - r.start))
+            positions.extend(range(r.num_computed, r.num_computed + r.end - r.start))
+        # one copy to the device: pages, their layout, and each flat row's place
+        flat = torch.tensor(indices + indptr + last + rows + positions, dtype=i32).to(self.device)
+        n_idx, n_ptr, n = len(indices), len(indptr), len(rows)
+        at = n_idx + n_ptr + len(last)
+        append = KvAppend(batch_indices=flat[at:at + n], positions=flat[at + n:],
+                          indices=flat[:n_idx], indptr=flat[n_idx:n_idx + n_ptr],
+                          last_page_len=flat[n_idx + n_ptr:at])
+        meta = CudaMetadata(backend=self, append=append, num_decode=b)
         if not step.prefills:
-            b = step.num_decode
-            if b <= self.graph_rows:
-                meta.graph_rows = b
-                meta.wrapper = self._graph_wrapper(b).wrapper
-            else:
-                meta.wrapper = self._decode
-            meta.wrapper.plan(indptr_t, indices_t.to(self.device), last_t, self.heads, kvh, d,
-                              bs, pos_encoding_mode="NONE", **common)
+            meta.wrapper = self._decode
+            meta.wrapper.plan(indptr_t, append.indices, last_t, self.heads, kvh, d, bs,
+                              pos_encoding_mode="NONE", **common)
             return meta
         qo = [0]
         for _ in step.decode_positions:
             qo.append(qo[-1] + 1)
         for r in step.prefills:
             qo.append(qo[-1] + r.end - r.start)
-        self._prefill.plan(torch.tensor(qo, dtype=i32), indptr_t, indices_t.to(self.device),
-                           last_t, self.heads, kvh, d, bs, causal=True, **common)
+        self._prefill.plan(torch.tensor(qo, dtype=i32), indptr_t, append.indices, last_t,
+                           self.heads, kvh, d, bs, causal=True, **common)
         meta.wrapper = self._prefill
         return meta
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: CudaMetadata) -> torch.Tensor:
-        kv = self.pools[layer]
-        kv.k_slots.index_copy_(0, meta.slot_mapping, k.to(kv.k_slots.dtype))
-        kv.v_slots.index_copy_(0, meta.slot_mapping, v.to(kv.v_slots.dtype))
+        kv, w = self.pools[layer], meta.append
+        # k, v are the pool's dtype (a pool of another dtype runs the torch path) and
+        # contiguous in their last dim (the kernel takes the row and head strides)
+        flashinfer.append_paged_kv_cache(k, v, w.batch_indices, w.positions,
+                                         (kv.k_cache, kv.v_cache), w.indices, w.indptr,
+                                         w.last_page_len, "NHD")
         return meta.wrapper.run(q.contiguous(), (kv.k_cache, kv.v_cache))
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
     def static_meta(self, b: int) -> CudaMetadata:
-        """The metadata a captured b-row decode step runs with: the graph wrapper (planned
-        each step by ``plan``) and a static slot mapping the executor fills before replay."""
+        """The metadata a captured b-row decode step runs with: the graph wrapper and the
+        static buffers of its KV append, which ``plan`` fills for each step."""
         g = self._graph_wrapper(b)
-        return CudaMetadata(backend=self, slot_mapping=g.slots, num_decode=b, wrapper=g.wrapper,
+        return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
                             graph_rows=b)
 
     def _graph_wrapper(self, b: int) -> _GraphWrapper:
         g = self._graph_wrappers.get(b)
         if g is None:
             dev, i32 = self.device, torch.int32
+            append = KvAppend(
+                batch_indices=torch.arange(b, dtype=i32, device=dev),  # row i is token i's
+                positions=torch.zeros(b, dtype=i32, device=dev),
+                indices=torch.zeros(self._graph_index_cap, dtype=i32, device=dev),
+                indptr=torch.zeros(b + 1, dtype=i32, device=dev),
+                last_page_len=torch.zeros(b, dtype=i32, device=dev))
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._graph_workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.tensor_cores,
-                paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=i32, device=dev),
-                paged_kv_indices_buffer=torch.zeros(self._graph_index_cap, dtype=i32,
-                                                    device=dev),
-                paged_kv_last_page_len_buffer=torch.zeros(b, dtype=i32, device=dev))
-            g = self._graph_wrappers[b] = _GraphWrapper(
-                wrapper, torch.zeros(b, dtype=torch.long, device=dev))
+                use_tensor_cores=self.tensor_cores, paged_kv_indptr_buffer=append.indptr,
+                paged_kv_indices_buffer=append.indices,
+                paged_kv_last_page_len_buffer=append.last_page_len)
+            g = self._graph_wrappers[b] = _GraphWrapper(wrapper, append)
         return g
 
 

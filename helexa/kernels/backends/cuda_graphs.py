@@ -9,11 +9,11 @@ graph is ever captured mid-serving (a size without one runs layer by layer).
 
 A pure-decode step of b rows that the cuda attention backend planned on its b-row
 cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py) replays its graph: the step's ids,
-positions, KV slots and, for hybrid models, linear-attention state slots
-(GdnMetadata.decode_slots) are copied into the graph's static inputs (the wrapper itself
-was re-planned by the step's ``plan``), the graph replayed, and its rows of the one
-shared output buffer copied out. Graphs hold the pools' addresses, so a new pool drops
-them (the runner captures again). With tensor parallelism every rank runs the same steps
+positions and, for hybrid models, linear-attention state slots
+(GdnMetadata.decode_slots) are copied into the graph's static inputs (the step's ``plan``
+already filled the wrapper's index buffers and its KV append's positions), the graph
+replayed, and its rows of the one shared output buffer copied out. Graphs hold the pools'
+addresses, so a new pool drops them (the runner captures again). With tensor parallelism every rank runs the same steps
 in the same order, so their graphs hold the same collectives; the worker ranks capture
 whenever the leader's load steps reach them.
 
@@ -67,7 +67,7 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     ids: torch.Tensor
     positions: torch.Tensor
-    meta: CudaMetadata  # static: the graph wrapper and its slot mapping
+    meta: CudaMetadata  # static: the graph wrapper and its KV append's buffers
     state: Any  # static GdnMetadata (hybrids): its decode_slots filled before replay; or None
 
 
@@ -122,7 +122,6 @@ class CudaGraphExecutor(StepExecutor):
             g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta, state)
         g.ids.copy_(input_ids)
         g.positions.copy_(positions)
-        g.meta.slot_mapping.copy_(meta.slot_mapping)
         if g.state is not None:
             g.state.decode_slots.copy_(state.decode_slots)
         self.runtime.replay(g.graph)
@@ -134,7 +133,6 @@ class CudaGraphExecutor(StepExecutor):
         """Capture a b-row decode step over this step's (already planned) inputs."""
         static = self.attention.static_meta(b)
         ids, pos = input_ids.clone(), positions.clone()
-        static.slot_mapping.copy_(meta.slot_mapping)
         # a pure-decode step's state metadata is its slots alone: a fixed buffer of them
         static_state = None if state is None else replace(
             state, decode_slots=state.decode_slots.clone())
