@@ -3,8 +3,8 @@ and the per-request state it keeps in place of a KV cache.
 
 One in-projection per rank yields [q | k | v | z | b | a] for this rank's heads:
 tensor parallelism splits the linear-attention key heads (and with them their
-value heads) across ranks, the conv channels with them, and all-reduces after
-out_proj like any row-parallel layer. Checkpoints spell the projection two
+value heads) across ranks, the conv channels with them, and out_proj's partial sums
+are reduced by the norm that follows, as for every decoder layer's output (layers.py). Checkpoints spell the projection two
 ways: Qwen3.5 as in_proj_qkv ([all q | all k | all v]), in_proj_z, in_proj_b,
 in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba, grouped per key head
 ([q, k, v, z] of key head 0, then key head 1, ...). Both load into one layout.
@@ -60,7 +60,7 @@ class GatedDeltaNet(HotModule):
         out = self.conv_dim + self.vh * self.dv + 2 * self.vh
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, out * tp_size, **kw)
         self.in_proj.weight.weight_loader = self._load_in_proj  # type: ignore[attr-defined]
-        self.out_proj = RowParallelLinear(vh * self.dv, cfg.hidden_size, **kw)
+        self.out_proj = RowParallelLinear(vh * self.dv, cfg.hidden_size, defer=True, **kw)
 
         def param(*shape: int, loader: Any) -> nn.Parameter:
             return _set_loader(nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),

@@ -47,6 +47,7 @@ from helexa.neuron.models.layers import (
     VocabParallelEmbedding,
     _copy_checked,
     _split_rows,
+    decoder_stack,
 )
 from helexa.neuron.models.moe import SparseMoeBlock
 from helexa.neuron.models.mrope import MmStep, axis_of_columns, mrope_cos_sin
@@ -103,7 +104,8 @@ class Attention(HotModule):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_dim = cfg.rotary_dim or cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, **kw)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        defer=True, **kw)
         norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
@@ -136,7 +138,8 @@ class MLP(HotModule):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2, **kw)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, **kw)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, defer=True,
+                                           **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -146,7 +149,8 @@ class MLP(HotModule):
 class DecoderLayer(HotModule):
     def __init__(self, cfg: ModelConfig, index: int, attention_index: int, **kw: Any) -> None:
         super().__init__()
-        norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
+        # each norm's add reduces the deferred product before it (layers.py)
+        norm_kw = {"dtype": kw["dtype"], "device": kw["device"], "reduce": kw["tp_size"] > 1}
         self.linear = cfg.layer_types[index] == "linear_attention" if cfg.layer_types else False
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         if self.linear:
@@ -155,17 +159,20 @@ class DecoderLayer(HotModule):
         else:
             self.self_attn = Attention(cfg, attention_index, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
-        self.mlp: HotModule = SparseMoeBlock(cfg, **kw) if cfg.is_moe_layer(index) else MLP(cfg, **kw)
+        self.mlp: HotModule = (SparseMoeBlock(cfg, defer=True, **kw) if cfg.is_moe_layer(index)
+                               else MLP(cfg, **kw))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMeta, state: GdnMetadata | None) -> torch.Tensor:
-        h = self.input_layernorm(x)
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: StepMeta, state: GdnMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the normed input, x: the residual stream -> (MLP output, stream after
+        attention); partial sums at tp > 1 (layers.decoder_stack)."""
         if self.linear:
             assert state is not None, "a hybrid model's step needs its state metadata"
-            x = x + self.linear_attn(h, state)
+            y = self.linear_attn(h, state)
         else:
-            x = x + self.self_attn(h, cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+            y = self.self_attn(h, cos, sin, meta)
+        h, x = self.post_attention_layernorm.add(y, x)
+        return self.mlp(h), x
 
 
 class Backbone(nn.Module):
@@ -177,7 +184,8 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, sum(1 for t in kinds[:i] if t == "full_attention"), **kw)
             for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"],
+                            device=kw["device"], reduce=kw["tp_size"] > 1)
 
 
 class HybridForCausalLM(nn.Module):
@@ -307,16 +315,12 @@ class HybridForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         if mm is not None and mm.rows is not None and mm.embeds is not None:
             x = x.index_copy(0, mm.rows, mm.embeds.to(x.dtype))  # image tokens: the tower's
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, meta, state)
+        h = decoder_stack(self.model.layers, self.model.norm, x, cos, sin, meta, state)
         if self.keep_hidden:
-            self.last_hidden = x = self.model.norm(x)
-            if logits_indices is not None:
-                x = x.index_select(0, logits_indices)
-            return self.lm_head(x).float()
+            self.last_hidden = h
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+            h = h.index_select(0, logits_indices)
+        return self.lm_head(h).float()
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                     meta: StepMeta, logits_indices: torch.Tensor | None = None

@@ -8,6 +8,16 @@ the full tensor. With tp_size = 1 every layer is plain single-device code;
 with tp_size > 1 the row-parallel and vocab-parallel layers all-reduce and the
 LM head all-gathers over the default torch.distributed group.
 
+A row-parallel product a residual add and an RMSNorm follow (every attention, linear
+attention, MLP and MoE output of a decoder layer) is built with ``defer=True``: it
+returns its partial sums, and the norm's :meth:`RMSNorm.add` reduces them, adds the
+residual stream and normalises, ``(norm(x + Σ y), x + Σ y)``: the plain path is one
+all-reduce, an add and the norm; a device may install one kernel for all three
+(``RMSNorm.fused``: FlashInfer's on CUDA, helexa/kernels/backends/cuda_comm.py). A decoder
+layer therefore takes its normed input and the residual stream and hands the next norm
+its output (the vLLM layout): ``forward(h, x) -> (y, x)``, the model's loop calling
+:func:`decoder_stack`.
+
 Sharding (vLLM / gpt-fast style):
 - ColumnParallelLinear: output features split; no communication.
 - RowParallelLinear: input features split; all-reduce of the partial sums.
@@ -202,15 +212,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(ParallelLinearBase):
-    """y = x W^T with W's input columns split; partial sums all-reduced across ranks."""
+    """y = x W^T with W's input columns split; partial sums all-reduced across ranks, or
+    (``defer``) left for the RMSNorm.add that follows (see the module docstring)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, *,
                  tp_rank: int = 0, tp_size: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, defer: bool = False) -> None:
         if in_features % tp_size:
             raise ValueError(f"input size {in_features} not divisible by tp={tp_size}")
         super().__init__(in_features // tp_size, out_features, bias, tp_rank=tp_rank,
                          tp_size=tp_size, dtype=dtype, device=device)
+        self.defer = defer
 
     def weight_loader(self, param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:
         if param.dim() == 1:  # bias: whole, added once (rank 0) after the reduce
@@ -224,7 +236,8 @@ class RowParallelLinear(ParallelLinearBase):
         if self.tp_size == 1:
             return self.linear(x, self.bias)
         y = self.linear(x, self.bias if self.tp_rank == 0 else None)
-        _all_reduce(y)
+        if not self.defer:
+            _all_reduce(y)
         return y
 
 
@@ -290,12 +303,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 
 class RMSNorm(HotModule):
-    """RMSNorm over the last dim, computed in fp32 as transformers does."""
+    """RMSNorm over the last dim, computed in fp32 as transformers does. ``reduce``: its
+    :meth:`add` receives a deferred row-parallel product's partial sums (tp > 1)."""
 
     def __init__(self, size: int, eps: float, *, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, reduce: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.reduce = reduce
+        # A device's reduce + add + norm in one kernel: (y, x, weight | None, eps) ->
+        # (normed, summed), or None for a step it does not take (the plain path runs).
+        self.fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float],
+                             tuple[torch.Tensor, torch.Tensor] | None] | None = None
         self.weight = _set_loader(
             nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
             replicated_loader,
@@ -315,6 +334,41 @@ class RMSNorm(HotModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, None if self.folded else self.weight, self.eps)
+
+    def add(self, y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + y), x + y), y all-reduced first where ``reduce`` (its partial sums)."""
+        if self.fused is not None:
+            out = self.fused(y, x, None if self.folded else self.weight, self.eps)
+            if out is not None:
+                return out
+        if self.reduce:
+            _all_reduce(y)
+        x = x + y
+        return self(x), x
+
+
+class StackLayer(Protocol):
+    """A decoder layer as :func:`decoder_stack` runs it."""
+
+    input_layernorm: RMSNorm
+
+    def __call__(self, h: torch.Tensor, x: torch.Tensor, *args: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def decoder_stack(layers: Any, final_norm: RMSNorm, x: torch.Tensor, *args: Any
+                  ) -> torch.Tensor:
+    """Run decoder layers over the residual stream x (the embeddings): each takes its
+    normed input and the stream and returns its output and the stream, which the next
+    layer's input norm (the final norm after the last) adds and normalises. Returns the
+    final normed hidden states."""
+    stack: list[StackLayer] = list(layers)
+    h = stack[0].input_layernorm(x)
+    for i, layer in enumerate(stack):
+        y, x = layer(h, x, *args)
+        nxt = stack[i + 1].input_layernorm if i + 1 < len(stack) else final_norm
+        h, x = nxt.add(y, x)
+    return h
 
 
 def replicated_loader(param: nn.Parameter, loaded: SliceGetter, shard_id: Any = None) -> None:

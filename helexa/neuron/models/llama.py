@@ -26,6 +26,7 @@ from helexa.neuron.models.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    decoder_stack,
 )
 
 
@@ -39,7 +40,7 @@ class Attention(HotModule):
         self.num_kv_heads = self.qkv_proj.num_kv_heads  # per rank
         self.head_dim = cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        bias=cfg.o_bias, **kw)
+                                        bias=cfg.o_bias, defer=True, **kw)
         self.eps = cfg.rms_norm_eps
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
@@ -72,7 +73,7 @@ class MLP(HotModule):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, **kw)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, defer=True,
                                            bias=cfg.mlp_bias, **kw)
         self.inter = self.gate_up_proj.weight.shape[0] // 2
 
@@ -84,16 +85,19 @@ class MLP(HotModule):
 class DecoderLayer(HotModule):
     def __init__(self, cfg: ModelConfig, layer: int, **kw) -> None:
         super().__init__()
-        norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
+        # each norm's add reduces the deferred product before it (layers.py)
+        norm_kw = {"dtype": kw["dtype"], "device": kw["device"], "reduce": kw["tp_size"] > 1}
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.self_attn = Attention(cfg, layer, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.mlp = MLP(cfg, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMeta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the normed input, x: the residual stream -> (MLP output, stream after
+        attention); partial sums at tp > 1 (layers.decoder_stack)."""
+        h, x = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, meta), x)
+        return self.mlp(h), x
 
 
 class Backbone(nn.Module):
@@ -101,7 +105,8 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, **kw)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, **kw) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"], device=kw["device"])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=kw["dtype"],
+                            device=kw["device"], reduce=kw["tp_size"] > 1)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -148,9 +153,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
         cos, sin = self.rotary.cos_sin(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d]: broadcast over heads
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, meta)
+        h = decoder_stack(self.model.layers, self.model.norm, self.model.embed_tokens(input_ids),
+                          cos, sin, meta)
         if logits_indices is not None:
-            x = x.index_select(0, logits_indices)
-        return self.lm_head(self.model.norm(x)).float()
+            h = h.index_select(0, logits_indices)
+        return self.lm_head(h).float()

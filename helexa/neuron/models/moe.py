@@ -41,8 +41,12 @@ from helexa.neuron.models.layers import (
 
 class SparseMoeBlock(HotModule):
     def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype = torch.float32, device: Any = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: Any = None,
+                 defer: bool = False) -> None:
+        """``defer``: return the partial sums at tp > 1, for the RMSNorm.add that follows
+        to reduce (helexa/neuron/models/layers.py)."""
         super().__init__()
+        self.defer = defer
         e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         if inter % tp_size:
             raise ValueError(f"moe_intermediate_size {inter} not divisible by tp={tp_size}")
@@ -95,6 +99,6 @@ class SparseMoeBlock(HotModule):
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             shared = self.shared_down.linear(F.silu(gate) * up, None)  # partial sum: reduced below
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
-        if self.tp_size > 1:
+        if self.tp_size > 1 and not self.defer:
             _all_reduce(out)
         return out

@@ -31,7 +31,7 @@ from torch import nn
 from helexa.kernels.backends.base import StepMeta
 from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
-from helexa.neuron.models.layers import RMSNorm, RowParallelLinear
+from helexa.neuron.models.layers import RMSNorm, RowParallelLinear, decoder_stack
 
 
 def layer_config(cfg: ModelConfig) -> ModelConfig:
@@ -56,7 +56,8 @@ class MtpHead(nn.Module):
         self.fc = RowParallelLinear(2 * h, h, **kw)
         self.tp_rank, self.tp_size = kw["tp_rank"], kw["tp_size"]
         self.layers = nn.ModuleList([DecoderLayer(self.cfg, 0, attention_index, **kw)])
-        self.norm = RMSNorm(h, cfg.rms_norm_eps, **norm_kw)
+        # reduces the layer's deferred output, as the target's norms do (layers.py)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, reduce=kw["tp_size"] > 1, **norm_kw)
         self.loaded: set[tuple[str, Any]] = set()  # (parameter, shard) filled at load
 
     @property
@@ -101,5 +102,4 @@ class MtpHead(nn.Module):
         if self.tp_size > 1:  # this rank's input columns
             width = x.shape[-1] // self.tp_size
             x = x[:, self.tp_rank * width:(self.tp_rank + 1) * width]
-        x = self.fc(x)
-        return self.norm(self.layer(x, cos, sin, meta, None))
+        return decoder_stack(self.layers, self.norm, self.fc(x), cos, sin, meta, None)
