@@ -17,6 +17,9 @@ addresses, so a new pool drops them (the runner captures again). With tensor par
 in the same order, so their graphs hold the same collectives; the worker ranks capture
 whenever the leader's load steps reach them.
 
+At tp > 1 ``prepare`` also gives the model's reducing norms FlashInfer's fused all-reduce
++ add + RMSNorm where every rank can run it (cuda_comm.py); ``describe`` says which runs.
+
 The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
 """
 
@@ -30,7 +33,8 @@ from typing import Any
 import structlog
 import torch
 
-from helexa.checkpoint.memory import graph_capture_sizes
+from helexa.checkpoint.memory import fused_allreduce_rows, graph_capture_sizes
+from helexa.kernels.backends import cuda_comm
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
 from helexa.kernels.backends.executor import LinearSite, StepExecutor, model_forward
 from helexa.kernels.paged_kv import PagedKV
@@ -72,9 +76,12 @@ class _Graph:
 
 
 class CudaGraphExecutor(StepExecutor):
-    def __init__(self, attention: CudaAttention, runtime: GraphRuntime | None = None) -> None:
+    def __init__(self, attention: CudaAttention, runtime: GraphRuntime | None = None,
+                 comm: cuda_comm.CommRuntime | None = None) -> None:
         self.attention = attention
         self.runtime = runtime or GraphRuntime()
+        self.comm = comm or cuda_comm.CommRuntime()
+        self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
@@ -82,7 +89,8 @@ class CudaGraphExecutor(StepExecutor):
 
     def describe(self) -> str:
         rows = self.attention.graph_rows
-        return f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
+        graphs = f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
+        return f"{graphs}; {self.allreduce}" if self.allreduce else graphs
 
     def graph_sizes(self) -> list[int]:
         return graph_capture_sizes(self.attention.graph_rows)
@@ -105,6 +113,13 @@ class CudaGraphExecutor(StepExecutor):
         self.attention.heads = loaded.attention_layers[0].num_heads  # FlashInfer plans with it
         if self.attention.graph_rows:  # a captured graph holds the rotary table's address
             loaded.rotary.ensure(loaded.cfg.max_position_embeddings)  # never grow it
+        if tp_size > 1:  # the norms whose add reduces a deferred product (models/layers.py)
+            norms = [m for m in model.modules()
+                     if getattr(m, "reduce", False) is True and hasattr(m, "fused")]
+            self.allreduce = cuda_comm.install(
+                norms, hidden=loaded.cfg.hidden_size, dtype=norms[0].weight.dtype,
+                device=self.attention.device, rows=fused_allreduce_rows(max_num_seqs),
+                runtime=self.comm)
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         self._graphs = {}  # graphs hold the old pools' addresses
