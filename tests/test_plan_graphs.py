@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from helexa.checkpoint.memory import graph_capture_sizes, graph_pool_bytes
+from helexa.checkpoint.memory import (
+    allreduce_workspace_bytes,
+    fused_allreduce_rows,
+    graph_capture_sizes,
+    graph_pool_bytes,
+)
 from helexa.checkpoint.shape import read_model_shape
 from helexa.cli import main as helexa_main
 from helexa.config.schema import load_neuron_config
@@ -69,3 +74,27 @@ def test_no_graph_line_without_cuda_graphs(tmp_path, capsys):
     assert plan_model(cfg, cfg.models[0], path).graph_pool_bytes == 0
     assert helexa_main(["plan", str(path)]) == 0
     assert "CUDA graph pool" not in capsys.readouterr().out
+
+
+def test_a_tp2_cuda_plan_counts_the_fused_allreduce_workspace(tmp_path, capsys):
+    shape = read_model_shape(DENSE)
+    # FlashInfer 0.6.13's buffers for 128 rows of 4,096 bf16 at tp 2: one of 2 x 128 x 4,096
+    # x 2 B, three Lamport buffers the same, 2 x 256 int32 flags
+    assert allreduce_workspace_bytes(shape, 2, 128) == 4 * 2_097_152 + 2_048
+    assert allreduce_workspace_bytes(shape, 1, 128) == 0
+    assert fused_allreduce_rows(8) == 128 and fused_allreduce_rows(256) == 256
+    path = tmp_path / "n.toml"
+    path.write_text('[server]\ndevices = ["cuda:0", "cuda:1"]\ndevice_memory_mb = 81920\n'
+                    '[engine]\nmax_slots = 8\n[kv]\nkv_budget_mb = 4096\n[[models]]\nid = "m"\n'
+                    f'config = "{DENSE}"\ntp = 2\n')
+    cfg = load_neuron_config(path)
+    p = plan_model(cfg, cfg.models[0], path)
+    assert (p.allreduce_rows, p.allreduce_workspace_bytes) == (128, 8_390_656)
+    assert helexa_main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert ("all-reduce space    8.0 MiB for the fused all-reduce + RMSNorm of steps up to 128 "
+            "rows (where FlashInfer's runs), in the activation headroom") in out
+    assert "inside the 512.0 MiB activation headroom with the all-reduce workspace" in out
+    cpu = _toml(tmp_path, "max_slots = 8", tp=2)  # CPU ranks: gloo, no workspace
+    cfg = load_neuron_config(cpu)
+    assert plan_model(cfg, cfg.models[0], cpu).allreduce_workspace_bytes == 0

@@ -25,6 +25,10 @@ Per card, with tp-way tensor parallelism:
     (an estimate of what one shared pool holds for the largest captured batch: the smaller
     batches reuse it; an MoE layer's gathered expert copies, helexa/kernels/moe_experts.py,
     are not in it; not measured on a GPU)
+    allreduce_workspace_bytes (tp > 1 on CUDA: the fused all-reduce + add + RMSNorm,
+        helexa/kernels/backends/cuda_comm.py) = 4 × tp × rows × hidden × 2
+        + tp × 256 × 4                       # FlashInfer 0.6.13's three symmetric buffers
+    rows = fused_allreduce_rows(max_slots) = max(128, max_slots)  # 128: its one-shot limit
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from helexa.checkpoint.layer_memory import (
 from helexa.checkpoint.shape import ELT_BYTES, ModelShape, dtype_name, param_split
 from helexa.checkpoint.weights import quantized_weight_bytes_per_card
 
-__all__ = ["QUANT_GROUP", "fixed_bytes_per_request", "graph_capture_sizes",
+__all__ = ["QUANT_GROUP", "allreduce_workspace_bytes", "fixed_bytes_per_request",
+           "fused_allreduce_rows", "graph_capture_sizes",
            "graph_pool_bytes", "held_bytes_per_request",
            "kv_bytes_per_token", "kv_heads_per_card", "kv_token_head_bytes",
            "weight_bytes_per_card"]
@@ -101,6 +106,21 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     return max_slots * per_row
+
+
+def fused_allreduce_rows(max_slots: int) -> int:
+    """Steps of up to this many rows run the fused all-reduce (cuda_comm.py): every decode
+    batch, and at least FlashInfer's one-shot limit of 128 rows."""
+    return max(128, max_slots)
+
+
+def allreduce_workspace_bytes(shape: ModelShape, tp: int, rows: int) -> int:
+    """The fused all-reduce's workspace on each card at tp > 1 (0 at tp 1): FlashInfer
+    0.6.13's trtllm_create_ipc_workspace_for_all_reduce_fusion allocates a tp × rows ×
+    hidden × 2-byte buffer, 3 Lamport buffers of the same size and tp × 256 int32 flags."""
+    if tp <= 1:
+        return 0
+    return 4 * tp * rows * shape.hidden_size * 2 + tp * 256 * 4
 
 
 def format_bytes(n: float) -> str:

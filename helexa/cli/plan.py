@@ -60,11 +60,16 @@ def format_plan(p: ModelPlan) -> str:
         lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
                      " state slot: one verification row's inputs, for rollback")
     if p.graph_rows:
-        fits = ("inside" if p.graph_pool_bytes <= p.headroom_bytes
+        fits = ("inside" if p.graph_pool_bytes + p.allreduce_workspace_bytes <= p.headroom_bytes
                 else "MORE than (raise kv.activation_headroom_mb)")
         lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate) for decode"
                      f" batches {p.graph_rows}..1 captured at load, {fits} the "
-                     f"{format_bytes(p.headroom_bytes)} activation headroom")
+                     f"{format_bytes(p.headroom_bytes)} activation headroom"
+                     + (" with the all-reduce workspace" if p.allreduce_rows else ""))
+    if p.allreduce_rows:
+        lines.append(f"    all-reduce space    {format_bytes(p.allreduce_workspace_bytes)} for the "
+                     f"fused all-reduce + RMSNorm of steps up to {p.allreduce_rows} rows (where "
+                     "FlashInfer's runs), in the activation headroom")
     lines += [
         f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
         f"  (model positions {p.max_position_embeddings:,})",
