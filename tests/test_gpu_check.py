@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,10 +29,50 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
         assert parity["gqa_group"] == 6 and parity["match"], parity
-    for name in ("dense_big", "hybrid"):
+    for name in ("dense_big", "hybrid_big"):
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
+
+
+def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
+    import zipfile
+
+    meta = "".join(f"Requires-Dist: {r}\n" for r in requires)
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as z:
+        z.writestr(f"{name}-{version}.dist-info/METADATA",
+                   f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n{meta}")
+
+
+def test_the_wheel_folder_fills_only_what_the_machine_lacks(tmp_path: Path,
+                                                            monkeypatch: Any) -> None:
+    """Offline install plan: a requirement the machine meets stays; an unmet one takes the
+    folder's wheel and follows that wheel's own requirements; torch is never taken; what
+    has no wheel is named."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_wheels
+    finally:
+        sys.path.pop(0)
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    _wheel(folder, "flashinfer_python", "0.6.13", ["apache-tvm-ffi<0.2,>=0.1.6", "torch",
+                                                   "nvidia-cutlass-dsl>=4.5.0",
+                                                   'cuda-python>=13.0; extra == "nvep"'])
+    _wheel(folder, "apache_tvm_ffi", "0.1.15", [])
+    _wheel(folder, "torch", "2.13.0", [])
+    _wheel(folder, "msgspec", "0.23.0", [])
+    have = {"msgspec": "0.23.0", "torch": "2.11.0", "structlog": "20.1.0"}
+    monkeypatch.setattr(gpu_wheels, "installed",
+                        lambda n: gpu_wheels.Version(have[n]) if n in have else None)
+    monkeypatch.setattr(gpu_wheels, "wanted", lambda root: [gpu_wheels.Requirement(r) for r in (
+        "torch==2.13.0", "msgspec>=0.18", "structlog>=24.1", "flashinfer-python==0.6.13")])
+    install, met, missing = gpu_wheels.plan(ROOT, folder)
+    assert sorted(p.name.split("-")[0] for p in install) == ["apache_tvm_ffi",
+                                                             "flashinfer_python"]
+    assert met == ["msgspec 0.23.0"]
+    assert missing == ["structlog>=24.1 (installed: 20.1.0)",
+                       "nvidia-cutlass-dsl>=4.5.0 (installed: none)"]

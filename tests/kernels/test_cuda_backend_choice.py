@@ -111,6 +111,8 @@ def test_decode_runs_on_tensor_cores_where_the_cuda_core_kernel_cannot(
     meta = att.plan(_decode_step(3))  # 3 rows > graph_rows: the plain decode wrapper
     decode = [w for w in fake_flashinfer if w["kind"] == "decode"]
     assert [w.get("use_tensor_cores") for w in decode] == [tensor_cores]
+    # prefill on FA2, the module tensor-core decode shares (one JIT build on first load)
+    assert [w.get("backend") for w in fake_flashinfer if w["kind"] == "prefill"] == ["fa2"]
     (args, kwargs), = decode[0]["plans"]
     assert args[3:7] == (heads, kv_heads, head_dim, 16)
     assert kwargs["q_data_type"] == kwargs["kv_data_type"] == dtype
