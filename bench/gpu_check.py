@@ -11,14 +11,19 @@ failing stage still leaves the others' figures:
   fresh process (FlashInfer's JIT compiles here), against a second load of the same model.
 - ``parity``: greedy decode of helexa against transformers on the device, bf16, for a dense
   (qwen3) and a hybrid (qwen3_5) init-tiny checkpoint with a GQA group of 6 (12 query heads,
-  2 kv heads): the tokens, and the first step where they differ.
+  2 kv heads): the tokens, the first step where they differ, and two yardsticks for a
+  divergence: where transformers' eager attention leaves its own sdpa tokens, and
+  transformers' logit margin between the two tokens at helexa's first divergence.
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
-  untied input embedding, of which a step gathers a row) = steps/s at best.
+  untied input embedding, of which a step gathers a row) = steps/s at best; and batch 1
+  again with the models' torch norms and SiLU (HELEXA_CUDA_FUSED=0) beside the fused
+  kernels, the ratio of the two measured in the same run.
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
-  CPU: aten ops, and aten::_local_scalar_dense).
+  CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
+  its wall time (host-bound where the gap is large), and the costliest kernels.
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -39,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from helexa.kernels.backends import cuda_fused
 
 STAGES = ("env", "compile", "parity", "decode", "profile", "ttft")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
@@ -145,28 +153,59 @@ def stage_compile(ctx: dict[str, Any]) -> dict[str, Any]:
             "backend": backend}
 
 
-def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
+def _hf(path: Path, device: str, impl: str) -> Any:
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                attn_implementation=impl).to(device)
+
+
+def _greedy(hf: Any, prompt: list[int], n: int, device: str) -> list[int]:
+    ids = torch.tensor([prompt], device=device)
+    with torch.inference_mode():
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return gen[0, len(prompt):].tolist()
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Greedy tokens of helexa and of transformers (sdpa), and two yardsticks for a
+    divergence in bf16: where transformers' own eager attention leaves its sdpa tokens
+    (the noise floor of bf16 greedy decoding on random weights), and, at helexa's first
+    divergence, transformers' logit margin between its token and helexa's over the same
+    prefix (a near tie, in units of the logits' spread, is rounding, not a wrong kernel)."""
     n, out = ctx["sizes"]["parity_tokens"], {}
+    dev = ctx["device"]
     for name in ("dense", "hybrid"):
         prompt = [(7 * i + 3) % 500 + 1 for i in range(ctx["sizes"]["prompt"])]
-        r = Runner(ctx[name], ctx["device"], 1, len(prompt) + n)
+        r = Runner(ctx[name], dev, 1, len(prompt) + n)
         ours = r.prefill([prompt])
         for _ in range(n - 1):
             ours.append(r.step(ours[-1:])[0])
         r.close()
-        hf = AutoModelForCausalLM.from_pretrained(ctx[name], dtype=torch.bfloat16).to(ctx["device"])
-        ids = torch.tensor([prompt], device=ctx["device"])
-        with torch.inference_mode():
-            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                              max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-        theirs = gen[0, len(prompt):].tolist()
-        diverge = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=True))
-                        if a != b), None)
-        out[name] = {"match": ours == theirs, "first_divergence": diverge, "gqa_group": 6,
-                     "helexa": ours, "transformers": theirs}
-        del hf
+        res: dict[str, Any] = {"gqa_group": 6, "helexa": ours}
+        for impl in ("sdpa", "eager"):
+            hf = _hf(ctx[name], dev, impl)
+            res[impl] = _greedy(hf, prompt, n, dev)
+            if impl == "sdpa":
+                d = _first_diff(ours, res[impl])
+                if d is not None:
+                    with torch.inference_mode():
+                        logits = hf(torch.tensor([prompt + ours[:d]], device=dev)).logits[0, -1]
+                    lf = logits.float()
+                    res["margin_at_divergence"] = float(lf[res[impl][d]] - lf[ours[d]])
+                    res["logit_std"] = float(lf.std())
+            del hf
+        res["transformers"] = res.pop("sdpa")
+        res["match"] = ours == res["transformers"]
+        res["first_divergence"] = _first_diff(ours, res["transformers"])
+        res["transformers_eager_vs_sdpa_divergence"] = _first_diff(res["eager"],
+                                                                    res["transformers"])
+        out[name] = res
     return out
 
 
@@ -218,6 +257,22 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
         r.close()
+        # the same steps with the models' torch norms and SiLU (cuda_fused.py's switch)
+        os.environ[cuda_fused.ENV] = "0"
+        try:
+            r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["decode_tokens"] + 8)
+            last = r.step(r.prefill([[(j % 400) + 1 for j in range(s["prompt"])]]))
+            sync(dev)
+            t = time.perf_counter()
+            for _ in range(s["decode_tokens"]):
+                last = r.step(last)
+            sync(dev)
+            plain = s["decode_tokens"] / (time.perf_counter() - t)
+            r.close()
+        finally:
+            del os.environ[cuda_fused.ENV]
+        res["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
+        res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
         out[name] = res
     return out
 
@@ -234,13 +289,21 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
         last = r.step(r.prefill([list(range(1, s["prompt"] + 1))]))
         sync(r.device)
         with profile(activities=acts) as prof:
+            t = time.perf_counter()
             for _ in range(s["profile_steps"]):
                 last = r.step(last)
             sync(r.device)
+            wall = time.perf_counter() - t
         r.close()
         events = prof.events()
+        top: dict[str, list[float]] = {}
         if cuda_dev:
             kernels = sum(1 for e in events if e.device_type == DeviceType.CUDA)
+            for e in events:
+                if e.device_type == DeviceType.CUDA:
+                    slot = top.setdefault(e.name[:90], [0, 0.0])
+                    slot[0] += 1
+                    slot[1] += e.time_range.elapsed_us()
             syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize",
                         "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"))
             kind = "cuda kernels; cuda*Synchronize and blocking cudaMemcpy"
@@ -250,7 +313,12 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
             kind = "dry run: aten ops; aten::_local_scalar_dense"
         per = s["profile_steps"]
         out[name] = {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,
-                     "counted": kind}
+                     "counted": kind,
+                     # device time the kernels take, against the step's wall time
+                     "kernel_us_per_step": sum(v[1] for v in top.values()) / per,
+                     "wall_us_per_step": wall / per * 1e6,
+                     "top_kernels": [{"name": k, "per_step": v[0] / per, "us_per_step": v[1] / per}
+                                     for k, v in sorted(top.items(), key=lambda kv: -kv[1][1])[:12]]}
     return out
 
 

@@ -29,11 +29,14 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
         assert parity["gqa_group"] == 6 and parity["match"], parity
+        assert parity["transformers_eager_vs_sdpa_divergence"] is None, parity
     for name in ("dense_big", "hybrid_big"):
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
+        assert stages["decode"][name]["fused_vs_torch_norms_batch1"] > 0
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
+        assert stages["profile"][name]["wall_us_per_step"] > 0
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
 

@@ -17,7 +17,8 @@ addresses, so a new pool drops them (the runner captures again). With tensor par
 in the same order, so their graphs hold the same collectives; the worker ranks capture
 whenever the leader's load steps reach them.
 
-At tp > 1 ``prepare`` also gives the model's reducing norms FlashInfer's fused all-reduce
+``prepare`` gives the model's norms and MLPs FlashInfer's one-kernel RMSNorm, residual add
++ RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1 it also gives the model's reducing norms FlashInfer's fused all-reduce
 + add + RMSNorm where every rank can run it (cuda_comm.py); ``describe`` says which runs.
 
 The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
@@ -34,7 +35,7 @@ import structlog
 import torch
 
 from helexa.checkpoint.memory import fused_allreduce_rows, graph_capture_sizes
-from helexa.kernels.backends import cuda_comm
+from helexa.kernels.backends import cuda_comm, cuda_fused
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
 from helexa.kernels.backends.executor import LinearSite, StepExecutor, model_forward
 from helexa.kernels.paged_kv import PagedKV
@@ -77,10 +78,13 @@ class _Graph:
 
 class CudaGraphExecutor(StepExecutor):
     def __init__(self, attention: CudaAttention, runtime: GraphRuntime | None = None,
-                 comm: cuda_comm.CommRuntime | None = None) -> None:
+                 comm: cuda_comm.CommRuntime | None = None,
+                 fused_ops: cuda_fused.FusedOps | None = None) -> None:
         self.attention = attention
         self.runtime = runtime or GraphRuntime()
         self.comm = comm or cuda_comm.CommRuntime()
+        self.fused_ops = fused_ops  # None: FlashInfer's (cuda_fused.FusedOps)
+        self.fused = ""  # which norm / SiLU kernels run (cuda_fused.install)
         self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
@@ -90,7 +94,7 @@ class CudaGraphExecutor(StepExecutor):
     def describe(self) -> str:
         rows = self.attention.graph_rows
         graphs = f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
-        return f"{graphs}; {self.allreduce}" if self.allreduce else graphs
+        return "; ".join(p for p in (graphs, self.fused, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
         return graph_capture_sizes(self.attention.graph_rows)
@@ -113,6 +117,8 @@ class CudaGraphExecutor(StepExecutor):
         self.attention.heads = loaded.attention_layers[0].num_heads  # FlashInfer plans with it
         if self.attention.graph_rows:  # a captured graph holds the rotary table's address
             loaded.rotary.ensure(loaded.cfg.max_position_embeddings)  # never grow it
+        self.fused = cuda_fused.install(model, loaded.model.embed_tokens.weight.dtype,
+                                        self.fused_ops)
         if tp_size > 1:  # the norms whose add reduces a deferred product (models/layers.py)
             norms = [m for m in model.modules()
                      if getattr(m, "reduce", False) is True and hasattr(m, "fused")]

@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels.backends.base import StepMeta, attention
@@ -48,6 +47,7 @@ from helexa.neuron.models.layers import (
     _copy_checked,
     _split_rows,
     decoder_stack,
+    silu_and_mul,
 )
 from helexa.neuron.models.moe import SparseMoeBlock
 from helexa.neuron.models.mrope import MmStep, axis_of_columns, mrope_cos_sin
@@ -138,12 +138,12 @@ class MLP(HotModule):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size,
                                                        [cfg.intermediate_size] * 2, **kw)
+        self.silu_and_mul = silu_and_mul  # a device's executor may give a one-kernel form
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, defer=True,
                                            **kw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(HotModule):

@@ -44,7 +44,7 @@ from helexa.kernels.norm import rms_norm
 COMM_STATS = {"bytes": 0}
 
 
-def _all_reduce(t: torch.Tensor) -> None:
+def all_reduce(t: torch.Tensor) -> None:
     COMM_STATS["bytes"] += t.numel() * t.element_size()
     dist.all_reduce(t)
 
@@ -237,7 +237,7 @@ class RowParallelLinear(ParallelLinearBase):
             return self.linear(x, self.bias)
         y = self.linear(x, self.bias if self.tp_rank == 0 else None)
         if not self.defer:
-            _all_reduce(y)
+            all_reduce(y)
         return y
 
 
@@ -276,7 +276,7 @@ class VocabParallelEmbedding(HotModule):
         mine = (ids >= self.vocab_start) & (ids < self.vocab_end)
         local = torch.where(mine, ids - self.vocab_start, 0)
         out = self._rows(local) * mine.unsqueeze(-1).to(self.dtype)
-        _all_reduce(out)
+        all_reduce(out)
         return out
 
 
@@ -315,6 +315,10 @@ class RMSNorm(HotModule):
         # (normed, summed), or None for a step it does not take (the plain path runs).
         self.fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float],
                              tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        # A device's norm in one kernel: (x, weight | None, eps, out | None) -> normed, or
+        # None for an input it does not take (the torch form runs). out: where to write.
+        self.kernel: Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor | None],
+                              torch.Tensor | None] | None = None
         self.weight = _set_loader(
             nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
             replicated_loader,
@@ -332,8 +336,14 @@ class RMSNorm(HotModule):
                 lin.weight.mul_(self.weight.to(lin.weight.dtype))
         self.folded = True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, None if self.folded else self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        weight = None if self.folded else self.weight
+        if self.kernel is not None:
+            y = self.kernel(x, weight, self.eps, out)
+            if y is not None:
+                return y
+        y = rms_norm(x, weight, self.eps)
+        return y if out is None else out.copy_(y)
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + y), x + y), y all-reduced first where ``reduce`` (its partial sums)."""
@@ -342,9 +352,17 @@ class RMSNorm(HotModule):
             if out is not None:
                 return out
         if self.reduce:
-            _all_reduce(y)
+            all_reduce(y)
         x = x + y
         return self(x), x
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: silu(x[..., :d]) * x[..., d:] for x [..., 2d] (a merged gate/up product);
+    the torch form. An MLP's ``silu_and_mul`` attribute is this unless a device's executor
+    gave it a one-kernel form (cuda_fused.py)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
 
 
 class StackLayer(Protocol):

@@ -11,7 +11,6 @@ kernels. Nothing here knows which device it runs on.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels.backends.base import StepMeta, attention
@@ -27,6 +26,7 @@ from helexa.neuron.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     decoder_stack,
+    silu_and_mul,
 )
 
 
@@ -61,7 +61,13 @@ class Attention(HotModule):
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split_with_sizes([h + kvh, kvh], 1)
-        if self.qk_norm_weight is not None:  # q and k heads normed in one go
+        if self.qk_norm_weight is not None and self.q_norm.kernel is not None:
+            # a device's norm kernel, q's heads and k's written side by side for the rotary
+            out = qk.new_empty(n, h + kvh, d)
+            self.q_norm(qk[:, :h], out[:, :h])
+            self.k_norm(qk[:, h:], out[:, h:])
+            qk = out
+        elif self.qk_norm_weight is not None:  # q and k heads normed in one go
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
         q, k = apply_rotary(qk, cos, sin).split_with_sizes([h, kvh], 1)  # q and k rotated at once
         o = attention(q, k, v, self.layer, meta)
@@ -73,13 +79,13 @@ class MLP(HotModule):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
             cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, **kw)
+        self.silu_and_mul = silu_and_mul  # a device's executor may give a one-kernel form
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, defer=True,
                                            bias=cfg.mlp_bias, **kw)
         self.inter = self.gate_up_proj.weight.shape[0] // 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(HotModule):

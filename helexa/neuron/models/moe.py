@@ -32,9 +32,9 @@ from helexa.neuron.models.layers import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     SliceGetter,
-    _all_reduce,
     _copy_checked,
     _set_loader,
+    all_reduce,
     replicated_loader,
 )
 
@@ -100,5 +100,5 @@ class SparseMoeBlock(HotModule):
             shared = self.shared_down.linear(F.silu(gate) * up, None)  # partial sum: reduced below
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * shared
         if self.tp_size > 1 and not self.defer:
-            _all_reduce(out)
+            all_reduce(out)
         return out

@@ -1,0 +1,134 @@
+"""One-kernel RMSNorm, residual add + RMSNorm and SiLU-and-mul on CUDA (FlashInfer's).
+
+The models' torch forms are several small kernels each: an RMSNorm in fp32 is a cast, a
+reduction, the eps add, the rsqrt, the scaling and a cast back (7 launches with its
+weight), the residual add one more, SwiGLU's gate two. A dense decoder layer ran ~39
+kernels a decode step, ~27 of them these, on the first GPU run (bench/gpu_check.sh, an
+H200: 233 a step for 6 layers, 0.44 of the weight-streaming roofline at batch 1), and in a
+launch-bound step each costs a few microseconds whatever its size. :func:`install` gives
+the loaded model's modules FlashInfer's kernels through the seams the models keep for it
+(helexa/neuron/models/layers.py): ``RMSNorm.kernel`` (``flashinfer.rmsnorm``, 2-D rows or
+3-D heads with their strides, so a q/k norm reads the projection's view in place),
+``RMSNorm.fused`` (``flashinfer.fused_add_rmsnorm``: the residual stream gains the layer's
+output and the next norm is taken in one pass, in place: both tensors are the step's own)
+and an MLP's ``silu_and_mul``. At tp > 1 a reducing norm's fused add all-reduces first;
+cuda_comm.py then replaces that with the one-kernel all-reduce where it can run.
+
+Where they run: bf16 or fp16 weights (FlashInfer's norm kernels take those) and a norm
+width a multiple of 8 (its 16-byte vector loads); anything else keeps the torch form, as
+does any call whose tensors the kernel would not read (another dtype, a last dim that is
+not contiguous). FlashInfer computes the norm in fp32 and scales by the weight before the
+one rounding, where transformers rounds first: results agree to bf16 rounding.
+``HELEXA_CUDA_FUSED=0`` leaves every module its torch form (a diagnostic switch: the GPU
+check measures both side by side).
+
+FlashInfer's calls sit behind :class:`FusedOps` so that CPU tests can stand in for them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import structlog
+import torch
+
+log = structlog.get_logger(component="kernels")
+
+DTYPES = (torch.bfloat16, torch.float16)
+ENV = "HELEXA_CUDA_FUSED"
+
+
+class FusedOps:
+    """FlashInfer's three kernels (a test stands in torch forms of them)."""
+
+    def __init__(self) -> None:
+        import flashinfer
+
+        self.fi = flashinfer
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                out: torch.Tensor | None) -> torch.Tensor:
+        return self.fi.rmsnorm(x, weight, eps, out=out)
+
+    def fused_add_rmsnorm(self, y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> None:
+        self.fi.fused_add_rmsnorm(y, x, weight, eps)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fi.silu_and_mul(x)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
+
+
+def _rows_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.dim() in (2, 3) and t.stride(-1) == 1
+
+
+def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = None) -> str:
+    """Give the model's norms and MLPs the fused kernels; returns the describe line."""
+    from helexa.neuron.models.layers import RMSNorm, all_reduce
+
+    if not enabled():
+        return f"norms, SiLU: torch ({ENV}=0)"
+    if dtype not in DTYPES:
+        return f"norms, SiLU: torch ({str(dtype).removeprefix('torch.')} weights)"
+    first = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
+    if first is None:
+        return ""
+    try:  # a first call of each builds (JIT) and proves them before any graph holds them
+        ops = ops or FusedOps()
+        dev = first.weight.device
+        probe = torch.randn(2, 64, dtype=dtype, device=dev)
+        w = torch.ones(64, dtype=dtype, device=dev)
+        ops.rmsnorm(probe, w, 1e-6, None)
+        ops.fused_add_rmsnorm(probe.clone(), probe.clone(), w, 1e-6)
+        ops.silu_and_mul(probe)
+    except Exception as e:  # noqa: BLE001 - any failure: the torch forms run, said why
+        log.warning("kernels.fused_ops", fused=False, reason=f"{type(e).__name__}: {e}")
+        return f"norms, SiLU: torch (FlashInfer's kernels failed: {type(e).__name__})"
+    ones: dict[int, torch.Tensor] = {}
+
+    def weight_of(norm: RMSNorm, w: torch.Tensor | None) -> torch.Tensor:
+        if w is not None:
+            return w
+        n = norm.weight.shape[-1]
+        if n not in ones:  # a folded norm scales by nothing
+            ones[n] = torch.ones(n, dtype=dtype, device=norm.weight.device)
+        return ones[n]
+
+    def kernel_for(norm: RMSNorm) -> Any:
+        def kernel(x: torch.Tensor, w: torch.Tensor | None, eps: float,
+                   out: torch.Tensor | None) -> torch.Tensor | None:
+            if not _rows_ok(x, dtype) or (out is not None and not _rows_ok(out, dtype)):
+                return None
+            return ops.rmsnorm(x, weight_of(norm, w), eps, out)
+        return kernel
+
+    def fused_for(norm: RMSNorm) -> Any:
+        reduce = norm.reduce
+
+        def fused(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+            if (y.dim() != 2 or not y.is_contiguous() or not x.is_contiguous()
+                    or y.dtype != dtype or x.dtype != dtype or y.shape != x.shape):
+                return None
+            if reduce:
+                all_reduce(y)
+            ops.fused_add_rmsnorm(y, x, weight_of(norm, w), eps)  # x += y; y = norm(x)
+            return y, x
+        return fused
+
+    norms = mlps = 0
+    for m in model.modules():
+        if isinstance(m, RMSNorm) and m.weight.shape[-1] % 8 == 0 and m.weight.dtype == dtype:
+            m.kernel = kernel_for(m)
+            m.fused = fused_for(m)
+            norms += 1
+        elif hasattr(m, "silu_and_mul") and hasattr(m, "gate_up_proj"):
+            m.silu_and_mul = ops.silu_and_mul
+            mlps += 1
+    log.info("kernels.fused_ops", norms=norms, mlps=mlps)
+    return "norms, residual add + norm, SiLU: FlashInfer kernels"

@@ -1,0 +1,103 @@
+"""The cuda executor's one-kernel norms and SiLU (cuda_fused.py), with FlashInfer's three
+kernels stood in by torch forms of what they compute (fp32 inside, in place where
+FlashInfer writes in place): every norm and MLP of a dense and a hybrid model is routed
+to them, and the model's logits are what its torch forms give, to bf16 rounding. No GPU
+runs here: what the kernels save on one is measured by bench/gpu_check.sh."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helexa.kernels.backends import cuda_fused
+from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+from helexa.neuron.models.layers import RMSNorm
+
+
+class StandInOps:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: Counter[str] = Counter()
+        self.fail = fail
+
+    @staticmethod
+    def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float,
+                out: torch.Tensor | None) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("ninja: build stopped")
+        self.calls["rmsnorm"] += 1
+        y = self._norm(x, w, eps).to(x.dtype)
+        return y if out is None else out.copy_(y)
+
+    def fused_add_rmsnorm(self, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                          eps: float) -> None:
+        self.calls["fused_add_rmsnorm"] += 1
+        s = x.float() + y.float()
+        x.copy_(s)
+        y.copy_(self._norm(s, w, eps))  # the unrounded sum, as FlashInfer's kernel
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls["silu_and_mul"] += 1
+        gate, up = x.float().chunk(2, dim=-1)
+        return (F.silu(gate) * up).to(x.dtype)
+
+
+def _logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    return runner.execute([SeqInput(prompt, 0, [0, 1, 2], True, 0)])[0].float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_norms_and_mlps_run_the_fused_kernels_and_agree(
+        tiny_checkpoint: Callable[..., Path], arch: str) -> None:
+    path = tiny_checkpoint(arch=arch, dtype="bfloat16", hidden_size=64, num_heads=4,
+                           num_kv_heads=2, head_dim=16, intermediate_size=128)
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
+                         max_num_seqs=2, num_state_slots=2, backend="torch", max_batched_tokens=64)
+    prompt = [5, 9, 14, 3, 7, 21, 2]
+    plain = _logits(runner, prompt)
+    runner.close()
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
+                         max_num_seqs=2, num_state_slots=2, backend="torch", max_batched_tokens=64)
+    ops = StandInOps()
+    line = cuda_fused.install(runner.model, torch.bfloat16, ops)  # type: ignore[arg-type]
+    assert line == "norms, residual add + norm, SiLU: FlashInfer kernels"
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.kernel is not None and m.fused is not None for m in norms)
+    ops.calls.clear()  # the install's probe calls
+    fused = _logits(runner, prompt)
+    runner.close()
+    layers = len(runner.model.model.layers)
+    # every layer's two adds are fused; each MLP's gate is one kernel
+    assert ops.calls["fused_add_rmsnorm"] == 2 * layers
+    assert ops.calls["silu_and_mul"] == layers
+    assert ops.calls["rmsnorm"] >= 1  # the first input norm (and the q / k norms)
+    err = (fused - plain).norm() / plain.norm()
+    assert err < 2e-2, err
+    assert fused.argmax() == plain.argmax()
+
+
+def test_what_the_kernels_do_not_serve_keeps_the_torch_forms(
+        tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_checkpoint(arch="qwen3", dtype="bfloat16", hidden_size=64, num_heads=4,
+                           num_kv_heads=2, head_dim=16, intermediate_size=128)
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
+                         max_num_seqs=2, backend="torch", max_batched_tokens=64)
+    model = runner.model
+    assert cuda_fused.install(model, torch.float32, StandInOps()) == (  # type: ignore[arg-type]
+        "norms, SiLU: torch (float32 weights)")
+    line = cuda_fused.install(model, torch.bfloat16, StandInOps(fail=True))  # type: ignore[arg-type]
+    assert line == "norms, SiLU: torch (FlashInfer's kernels failed: RuntimeError)"
+    monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")
+    assert cuda_fused.install(model, torch.bfloat16, StandInOps()) == (  # type: ignore[arg-type]
+        "norms, SiLU: torch (HELEXA_CUDA_FUSED=0)")
+    assert all(m.kernel is None and m.fused is None
+               for m in model.modules() if isinstance(m, RMSNorm))
+    runner.close()
