@@ -20,7 +20,8 @@ state after only the first few of them: the rollback of rejected drafts
 flash-linear-attention (``fla-core``) installed, the state backend
 (helexa/kernels/backends/gdn.py) runs prefill on its chunked Triton kernel
 (``fla_chunked``) and decode on its fused recurrent one (``fla_decode``: the whole
-step, decay, delta update and output, in one launch per layer), import-guarded: CPU
+step, decay, delta update and output, in one launch per layer; ``fla_decode_gated`` for a
+step of decode rows alone: the L2 norms and the gates too), import-guarded: CPU
 never needs them. fla's recurrent kernel takes grouped heads (value head h reads key
 head h // (v_heads / k_heads), the grouping the torch forms get from
 ``repeat_interleave``), so decode passes q and k as they are; its chunked kernel takes
@@ -32,8 +33,12 @@ q and k arrive L2-normalised (``l2norm``) and q is scaled by the caller's
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+from helexa.kernels.norm import rms_norm
 
 CHUNK = 64
 
@@ -42,6 +47,55 @@ try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _fla_chunk = _fla_recurrent = None
+try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
+    from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _fla_norm_gated = None
+
+
+def fla_gated_available() -> bool:
+    """fla's recurrent kernel takes the norms and gates itself (fla-core 0.6 and newer)."""
+    if _fla_recurrent is None:
+        return False
+    import inspect
+
+    try:
+        params = inspect.signature(_fla_recurrent).parameters
+    except (TypeError, ValueError):
+        return False
+    return all(p in params for p in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
+                                     "use_beta_sigmoid_in_kernel", "A_log", "dt_bias"))
+
+
+class GateInputs(NamedTuple):
+    """A decode step's gate inputs as the layer's projection gives them: a, b [N, v_heads]
+    (raw), and the layer's A_log, dt_bias [v_heads]. :func:`gates` turns them into the
+    rule's g and beta; fla's fused decode takes them raw and does the same in its kernel."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+
+
+def gates(raw: GateInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) [N, v_heads] fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    g = -raw.A_log.float().exp() * F.softplus(raw.a.float() + raw.dt_bias.float())
+    return g, raw.b.float().sigmoid()
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """A Gated DeltaNet layer's output norm per value head: rmsnorm(o) * weight * silu(z).
+    o [N, v_heads, v_dim] fp32, z [N, v_heads * v_dim] -> [N, v_heads, v_dim] in ``dtype``.
+    The torch form rounds as the reference models do (the norm to ``dtype`` before the
+    weight); on CUDA with fla installed one kernel (fp32 inside, one rounding) replaces its
+    ~12."""
+    if _fla_norm_gated is not None and o.is_cuda:
+        return _fla_norm_gated(o, z.reshape(o.shape), weight, None, activation="swish",
+                               eps=eps).to(dtype)
+    y = rms_norm(o, None, eps).to(dtype) * weight
+    return (y.float() * F.silu(z.reshape(o.shape).float())).to(dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -242,3 +296,21 @@ def fla_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                               output_final_state=True)
     states.copy_(final)
     return o[:, 0].float()
+
+
+def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateInputs,
+                     states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A whole pure-decode step on fla's fused recurrent kernel, its inputs as the conv gives
+    them (CUDA only): q, k [B, key_heads, dk] not yet normalised, v [B, v_heads, dv], the
+    gates raw; the kernel takes the L2 norms, q's k_dim^-0.5 scale, g and beta (:func:`gates`'
+    formulas, fp32) itself, so none of the ~25 small kernels those are in torch run. states
+    [B, v_heads, dk, dv] are read, not written. Returns (o [B, v_heads, dv] fp32, the new
+    states fp32)."""
+    assert _fla_recurrent is not None
+    o, final = _fla_recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=raw.a[:, None],
+                              beta=raw.b[:, None], scale=q.shape[-1] ** -0.5,
+                              initial_state=states, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                              A_log=raw.A_log, dt_bias=raw.dt_bias,
+                              use_beta_sigmoid_in_kernel=True)
+    return o[:, 0].float(), final

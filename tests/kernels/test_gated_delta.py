@@ -76,6 +76,20 @@ def test_fla_kernel_matches_reference_in_bf16():
     torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.skipif(gd._fla_norm_gated is None or not torch.cuda.is_available(),
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
+def test_fla_gated_norm_matches_the_torch_form():
+    """fla's one-kernel gated RMSNorm against the torch form the models round like."""
+    gen = torch.Generator().manual_seed(4)
+    o = torch.randn(5, 6, 64, generator=gen) * 3
+    z = torch.randn(5, 6 * 64, generator=gen).bfloat16()
+    w = (1 + 0.1 * torch.randn(64, generator=gen)).bfloat16()
+    want = gd.gated_rms_norm(o, z, w, 1e-6, torch.bfloat16)  # on CPU: the torch form
+    got = gd.gated_rms_norm(o.cuda(), z.cuda(), w.cuda(), 1e-6, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == o.shape
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=3e-2, rtol=3e-2)
+
+
 # ---- speculative verification rows: token by token, and the state after any prefix -------
 
 

@@ -27,15 +27,28 @@ class StandInRecurrent:
 
     def __call__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, scale: float, initial_state: torch.Tensor,
-                 output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 output_final_state: bool, use_qk_l2norm_in_kernel: bool = False,
+                 use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
+                 dt_bias: torch.Tensor | None = None, use_beta_sigmoid_in_kernel: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale,
-                           "state": initial_state.shape, "final": output_final_state})
+                           "state": initial_state.shape, "final": output_final_state,
+                           "in_kernel": (use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                         use_beta_sigmoid_in_kernel)})
         group = v.shape[2] // q.shape[2]
         state = initial_state.float().clone()
+        if use_gate_in_kernel:  # fla's kernel: g = -exp(A_log) softplus(g + dt_bias)
+            assert A_log is not None and dt_bias is not None
+            g = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias.float())
+        if use_beta_sigmoid_in_kernel:
+            beta = beta.float().sigmoid()
         out = []
         for t in range(q.shape[1]):  # each value head reads its group's key head
-            qt = q[:, t].float().repeat_interleave(group, 1) * scale
-            kt = k[:, t].float().repeat_interleave(group, 1)
+            qt, kt = q[:, t].float(), k[:, t].float()
+            if use_qk_l2norm_in_kernel:  # x / sqrt(sum x^2 + 1e-6), then q's scale
+                qt, kt = gd.l2norm(qt), gd.l2norm(kt)
+            qt = qt.repeat_interleave(group, 1) * scale
+            kt = kt.repeat_interleave(group, 1)
             out.append(gd.delta_rule_decode(qt, kt, v[:, t], g[:, t], beta[:, t], state))
         return torch.stack(out, 1).to(v.dtype), state
 
@@ -65,7 +78,8 @@ def test_fla_decode_passes_grouped_heads_and_matches_the_torch_step(stand_in):
                                 beta, want_states)
     got = gd.fla_decode(q, k, v, g, beta, states, torch.float32)
     assert stand_in.calls == [{"q": (3, 1, KH, DK), "k": (3, 1, KH, DK), "v": (3, 1, VH, DV),
-                               "scale": 1.0, "state": (3, VH, DK, DV), "final": True}]
+                               "scale": 1.0, "state": (3, VH, DK, DV), "final": True,
+                               "in_kernel": (False, False, False)}]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # fp32, the same sums
     torch.testing.assert_close(states, want_states, rtol=1e-6, atol=1e-6)
 
@@ -80,6 +94,7 @@ def _states(fla_decode: bool) -> GatedDeltaStates:
     states = GatedDeltaStates(torch.device("cpu"))
     states.allocate([_spec()], 4)
     states._fla_decode = fla_decode  # as allocate sets it on CUDA with fla installed
+    states._fla_gated = fla_decode and gd.fla_gated_available()
     return states
 
 
@@ -89,7 +104,17 @@ def _steps(states: GatedDeltaStates) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
     channels = _spec().conv_channels
     weight = torch.randn(channels, CONV_K, generator=gen)
-    plans = [
+    outs = []
+    for plan, rows in zip(_plans(), [5, 4, 2, 2], strict=True):
+        mixed = torch.randn(rows, channels, generator=gen)
+        g = -torch.rand(rows, VH, generator=gen)
+        beta = torch.rand(rows, VH, generator=gen)
+        outs.append(states.forward(0, mixed, (g, beta), weight, states.plan(plan)))
+    return outs + [states.layers[0].recurrent.clone()]
+
+
+def _plans() -> list[StepPlan]:
+    return [
         StepPlan(slot_mapping=torch.empty(0), prefills=[PrefillRow(0, 5, 0, [], 1)]),
         StepPlan(slot_mapping=torch.empty(0), decode_positions=[5], decode_tables=[[]],
                  decode_state_slots=[1], prefills=[PrefillRow(1, 4, 0, [], 2)]),
@@ -98,13 +123,33 @@ def _steps(states: GatedDeltaStates) -> list[torch.Tensor]:
         StepPlan(slot_mapping=torch.empty(0), decode_positions=[7, 4], decode_tables=[[], []],
                  decode_state_slots=[1, 2]),
     ]
+
+
+def _gated_steps(states: GatedDeltaStates) -> list[torch.Tensor]:
+    """_steps' plans with raw gate inputs (as the model layer passes them)."""
+    gen = torch.Generator().manual_seed(11)
+    channels = _spec().conv_channels
+    weight = torch.randn(channels, CONV_K, generator=gen)
+    a_log, dt_bias = torch.randn(VH, generator=gen), torch.randn(VH, generator=gen)
     outs = []
-    for plan, rows in zip(plans, [5, 4, 2, 2], strict=True):
+    for plan in _plans():
+        rows = len(plan.decode_positions) + sum(r.end - r.start for r in plan.prefills)
         mixed = torch.randn(rows, channels, generator=gen)
-        g = -torch.rand(rows, VH, generator=gen)
-        beta = torch.rand(rows, VH, generator=gen)
-        outs.append(states.forward(0, mixed, g, beta, weight, states.plan(plan)))
+        raw = gd.GateInputs(torch.randn(rows, VH, generator=gen),
+                            torch.randn(rows, VH, generator=gen), a_log, dt_bias)
+        outs.append(states.forward(0, mixed, raw, weight, states.plan(plan)))
     return outs + [states.layers[0].recurrent.clone()]
+
+
+def test_a_pure_decode_step_with_raw_gates_runs_norms_and_gates_in_the_kernel(stand_in):
+    plain, fused = _gated_steps(_states(False)), _gated_steps(_states(True))
+    # step 2 mixes a decode row with a prefill: the gates are taken in torch and the
+    # grouped kernel runs as before; steps 3 and 4 (decode alone) hand fla the raw inputs
+    assert [c["in_kernel"] for c in stand_in.calls] == [(False, False, False),
+                                                        (True, True, True), (True, True, True)]
+    assert all(c["scale"] == DK ** -0.5 for c in stand_in.calls[1:])
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
 
 
 def test_the_backend_on_fla_decode_gives_the_torch_paths_outputs_and_states(stand_in):
@@ -142,3 +187,28 @@ def test_fla_kernel_decode_matches_the_torch_step(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not gd.fla_decode_available(torch.device("cuda")),
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fla_kernel_gated_decode_matches_the_torch_step(dtype):
+    """fla's kernel with the L2 norms, q's scale and the gates inside it, against the torch
+    forms of each (gd.l2norm, gd.gates) and the torch rule."""
+    gen = torch.Generator().manual_seed(9)
+    b = 4
+    q, k = (torch.randn(b, KH, DK, generator=gen) * 3 for _ in range(2))
+    v = torch.randn(b, VH, DV, generator=gen)
+    raw = gd.GateInputs(*(torch.randn(*s, generator=gen) for s in ((b, VH), (b, VH), (VH,),
+                                                                   (VH,))))
+    states = torch.randn(b, VH, DK, DV, generator=gen)
+    g, beta = gd.gates(raw)
+    want_states = states.clone()
+    want = gd.delta_rule_decode((gd.l2norm(q) * DK ** -0.5).repeat_interleave(3, 1),
+                                gd.l2norm(k).repeat_interleave(3, 1), v, g, beta, want_states)
+    cuda = gd.GateInputs(*(x.cuda() for x in raw))
+    got, final = gd.fla_decode_gated(q.cuda().to(dtype), k.cuda().to(dtype),
+                                     v.cuda().to(dtype), cuda, states.cuda())
+    tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
+    torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(final.cpu(), want_states, rtol=tol, atol=tol)

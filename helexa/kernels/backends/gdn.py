@@ -57,10 +57,12 @@ class GatedDeltaStates:
         self.layers: list[LinearState] = []
         self._fla = False
         self._fla_decode = False
+        self._fla_gated = False  # pure decode steps: norms and gates in fla's kernel too
 
     def describe(self) -> str:
         return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, "
-                f"{'fla fused' if self._fla_decode else 'torch'} decode")
+                f"{'fla fused' if self._fla_decode else 'torch'} decode"
+                f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
         """Drop the old states, then give each layer (as its spec states) num_slots slots."""
@@ -69,6 +71,7 @@ class GatedDeltaStates:
         self.layers = [LinearState(s, num_slots, self.device) for s in self.specs]
         self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and gd.fla_decode_available(self.device)
+        self._fla_gated = self._fla_decode and gd.fla_gated_available()
 
     @property
     def bytes_per_slot(self) -> int:
@@ -136,11 +139,14 @@ class GatedDeltaStates:
                 lengths=lengths)
         return meta
 
-    def forward(self, layer: int, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    def forward(self, layer: int, mixed: torch.Tensor,
+                gate: tuple[torch.Tensor, torch.Tensor] | gd.GateInputs,
                 conv_weight: torch.Tensor, meta: GdnMetadata) -> torch.Tensor:
         """Linear layer ``layer`` over its slots: mixed [N, channels] conv inputs ([q | k | v]),
-        g, beta [N, v_heads] fp32 gates, conv_weight [channels, K] -> o [N, v_heads, v_dim]
-        fp32. q and k are L2-normalised (q scaled by k_dim^-0.5) after the conv."""
+        gate the (g, beta) [N, v_heads] fp32 gates or their raw inputs (gd.GateInputs),
+        conv_weight [channels, K] -> o [N, v_heads, v_dim] fp32. q and k are L2-normalised
+        (q scaled by k_dim^-0.5) after the conv. A step of decode rows alone with raw gates
+        runs fla's kernel with the norms and gates inside it (gd.fla_decode_gated)."""
         spec, state = self.specs[layer], self.layers[layer]
         n = mixed.shape[0]
         kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
@@ -160,6 +166,14 @@ class GatedDeltaStates:
             windows = state.conv.index_select(0, rows.slots)
             conv[rows.flat] = gd.conv1d_steps(mixed_rows, conv_weight, windows)[rows.valid]
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
+        if (isinstance(gate, gd.GateInputs) and self._fla_gated and nd == n
+                and not meta.prefills and rows is None):
+            states = state.recurrent.index_select(0, meta.decode_slots)
+            o, final = gd.fla_decode_gated(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
+                                           v.reshape(n, vh, dv), gate, states)
+            state.recurrent.index_copy_(0, meta.decode_slots, final.to(state.recurrent.dtype))
+            return o
+        g, beta = gd.gates(gate) if isinstance(gate, gd.GateInputs) else gate
         q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
         k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
         grouped_q = q
@@ -192,8 +206,8 @@ class GatedDeltaStates:
         return o
 
 
-def gated_delta(mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+def gated_delta(mixed: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | gd.GateInputs,
                 conv_weight: torch.Tensor, layer: int, meta: GdnMetadata) -> torch.Tensor:
     """The one op a Gated DeltaNet layer calls (its index among the model's linear-attention
     layers: ``layer``): see GatedDeltaStates.forward."""
-    return meta.backend.forward(layer, mixed, g, beta, conv_weight, meta)
+    return meta.backend.forward(layer, mixed, gate, conv_weight, meta)

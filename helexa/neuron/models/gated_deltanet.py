@@ -21,13 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.checkpoint.shape import dtype_name
 from helexa.kernels.backends.gdn import GdnMetadata, gated_delta
-from helexa.kernels.norm import rms_norm
+from helexa.kernels.gated_delta import GateInputs, gated_rms_norm
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
     ColumnParallelLinear,
@@ -137,11 +136,9 @@ class GatedDeltaNet(HotModule):
         n = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split([self.conv_dim, self.vh * self.dv, self.vh,
                                                 self.vh], dim=-1)
-        beta = b.float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        o = gated_delta(mixed, g, beta, self.conv_weight, self.layer, meta)  # [N, vh, dv] fp32
+        raw = GateInputs(a, b, self.A_log, self.dt_bias)  # g, beta: gated_delta.gates
+        o = gated_delta(mixed, raw, self.conv_weight, self.layer, meta)  # [N, vh, dv] fp32
         # Gated RMSNorm per value head: norm(o) * w * silu(z), the norm in fp32 as the reference.
-        o = rms_norm(o, None, self.eps).to(x.dtype) * self.norm_weight
-        o = (o.float() * F.silu(z.reshape(n, self.vh, self.dv).float())).to(x.dtype)
+        o = gated_rms_norm(o, z, self.norm_weight, self.eps, x.dtype)
         return self.out_proj(o.reshape(n, self.vh * self.dv))
 
