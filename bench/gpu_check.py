@@ -55,19 +55,19 @@ GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
 def sizes(dry: bool) -> dict[str, Any]:
     """Checkpoint shapes and lengths: GPU ones sized to stream weights, dry-run ones tiny.
 
-    The GPU's big checkpoints have an 8B-class model's layers (Qwen3-8B's hidden 4096,
-    intermediate 12288, 32 query / 8 kv heads of 128; the hybrid's full-attention layers a GQA
-    group of 6 and Gated DeltaNet of 16 key / 32 value heads) but fewer of them, so random
-    weights are made and loaded inside the check's minutes; per layer the kernels, launches
-    and bytes are those of the real model's.
+    On the GPU the big dense checkpoint is Qwen3-8B's shape whole (36 layers of hidden 4096,
+    intermediate 12288, 32 query / 8 kv heads of 128, its 151,936-token vocabulary: 8.2B
+    parameters, 16.4 GB in bf16), and the big hybrid an 8B-class Qwen3.5 (32 layers of that
+    width, one in four full attention with a GQA group of 6, Gated DeltaNet of 16 key / 32
+    value heads), their random weights drawn on the GPU so they are made in seconds.
     """
     hd = 8 if dry else 128  # one head size: FlashInfer compiles one set of modules
     # 4 layers: a hybrid holds one full-attention layer in 4
     small = dict(hidden_size=12 * hd, num_layers=4, intermediate_size=4 * 12 * hd,
                  vocab_size=512 if dry else 4096, head_dim=hd, **GROUP_6)
-    layer_8b = dict(hidden_size=4096, intermediate_size=12288, head_dim=128, vocab_size=32768)
-    big = small if dry else dict(layer_8b, num_layers=6, num_heads=32, num_kv_heads=8)
-    hybrid_big = small if dry else dict(layer_8b, num_layers=8, num_heads=24, num_kv_heads=4,
+    layer_8b = dict(hidden_size=4096, intermediate_size=12288, head_dim=128, vocab_size=151936)
+    big = small if dry else dict(layer_8b, num_layers=36, num_heads=32, num_kv_heads=8)
+    hybrid_big = small if dry else dict(layer_8b, num_layers=32, num_heads=24, num_kv_heads=4,
                                         linear_heads=(16, 32))
     return dict(small=small, big=big, hybrid_big=hybrid_big,
                 parity_tokens=8 if dry else 32,
@@ -116,10 +116,11 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def make_model(root: Path, name: str, arch: str, shape: dict[str, Any]) -> Path:
+def make_model(root: Path, name: str, arch: str, shape: dict[str, Any],
+               device: str = "cpu") -> Path:
     from helexa.fixtures.tiny import init_tiny
 
-    return init_tiny(root / name, arch=arch, dtype="bfloat16", **shape)
+    return init_tiny(root / name, arch=arch, dtype="bfloat16", device=device, **shape)
 
 
 def stage_env(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -348,9 +349,10 @@ def run(dry: bool, out_path: Path, budget_secs: float) -> dict[str, Any]:
         ctx: dict[str, Any] = {"device": device, "sizes": s,
                                "dense": make_model(root, "dense", "qwen3", s["small"]),
                                "hybrid": make_model(root, "hybrid", "qwen3_5", s["small"]),
-                               "dense_big": make_model(root, "dense_big", "qwen3", s["big"]),
+                               "dense_big": make_model(root, "dense_big", "qwen3", s["big"],
+                                                       device),
                                "hybrid_big": make_model(root, "hybrid_big", "qwen3_5",
-                                                        s["hybrid_big"])}
+                                                        s["hybrid_big"], device)}
         report["models_s"] = time.perf_counter() - start
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
