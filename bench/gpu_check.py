@@ -233,6 +233,17 @@ def streamed_bytes(model: torch.nn.Module, held: int) -> int:
     return held - emb.numel() * emb.element_size()
 
 
+def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
+    """Prefill ``batch`` streams, one warm step (graph replay, plans), then ``steps`` timed."""
+    last = r.step(r.prefill([[(i + j) % 400 + 1 for j in range(prompt)] for i in range(batch)]))
+    sync(r.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        last = r.step(last)
+    sync(r.device)
+    return steps / (time.perf_counter() - t)
+
+
 def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
     s, dev = ctx["sizes"], torch.device(ctx["device"])
     bw = copy_bandwidth(dev, s["copy_mib"])
@@ -246,15 +257,7 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
                                "roofline_steps_per_s": roofline_steps,
                                "backend": r.runner.backend.describe()}
         for batch in (1, 8):
-            last = r.prefill([[(i + j) % 400 + 1 for j in range(s["prompt"])]
-                              for i in range(batch)])
-            last = r.step(last)  # warm (graph capture, plans)
-            sync(dev)
-            t = time.perf_counter()
-            for _ in range(s["decode_tokens"]):
-                last = r.step(last)
-            sync(dev)
-            steps = s["decode_tokens"] / (time.perf_counter() - t)
+            steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
         r.close()
@@ -262,13 +265,7 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
         os.environ[cuda_fused.ENV] = "0"
         try:
             r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["decode_tokens"] + 8)
-            last = r.step(r.prefill([[(j % 400) + 1 for j in range(s["prompt"])]]))
-            sync(dev)
-            t = time.perf_counter()
-            for _ in range(s["decode_tokens"]):
-                last = r.step(last)
-            sync(dev)
-            plain = s["decode_tokens"] / (time.perf_counter() - t)
+            plain = decode_steps_per_s(r, 1, s["prompt"], s["decode_tokens"])
             r.close()
         finally:
             del os.environ[cuda_fused.ENV]
