@@ -125,6 +125,14 @@ def test_decode_runs_on_tensor_cores_where_the_cuda_core_kernel_cannot(
                               f"(GQA group {heads // kv_heads})")
 
 
+def test_freeing_the_pool_chooses_no_path(fake_flashinfer: list[dict[str, Any]]) -> None:
+    """The load frees its probe pool with no layers and no storage dtype: that is no
+    quantised pool, so the backend neither switches to the torch path nor says it did."""
+    att = _backend(24, 4, 128, storage=torch.bfloat16, compute=torch.bfloat16)
+    assert att.allocate_kv([], 0, 16, storage=None, compute=torch.bfloat16) == []
+    assert att.torch_path == "" and att.describe() == "flashinfer 0.6.13-standin"
+
+
 def test_kv_of_another_dtype_than_the_queries_runs_the_torch_path(
         fake_flashinfer: list[dict[str, Any]]) -> None:
     att = _backend(24, 4, 128, storage=torch.float16, compute=torch.bfloat16)

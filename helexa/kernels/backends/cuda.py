@@ -185,6 +185,8 @@ class CudaAttention(AttentionBackend):
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
         self._graph_wrappers = {}  # their index buffers are sized by the pool
         self.pools = []
+        if not layers:  # a pool freed (the load's probe pool): nothing chosen, nothing said
+            return self.pools
         self.quantised = storage is None
         self.torch_path = ("quantised KV" if storage is None else
                            f"KV {_name(storage)} with {_name(compute)} queries"
