@@ -19,7 +19,9 @@ failing stage still leaves the others' figures:
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
   untied input embedding, of which a step gathers a row) = steps/s at best; and batch 1
   again with the models' torch norms and SiLU (HELEXA_CUDA_FUSED=0) beside the fused
-  kernels, the ratio of the two measured in the same run.
+  kernels, the ratio of the two measured in the same run; for a model whose GQA group the
+  CUDA-core decode kernel serves, batch 1 and 8 again on the tensor-core kernel (the
+  measurement cuda.tensor_cores waits for).
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
   CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
@@ -244,6 +246,28 @@ def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def tensor_core_decode(path: Path, device: str, s: dict[str, Any], roofline_steps: float,
+                       cuda_core: dict[str, Any]) -> dict[str, Any]:
+    """Decode of a model whose GQA group the CUDA-core kernel serves, forced onto FlashInfer's
+    tensor-core kernel (what cuda.tensor_cores would choose if measurement said so)."""
+    from helexa.kernels.backends import cuda
+
+    chosen = cuda.tensor_cores
+    cuda.tensor_cores = lambda group: True
+    try:
+        r = Runner(path, device, 8, s["prompt"] + s["decode_tokens"] + 8)
+        out: dict[str, Any] = {"backend": r.runner.backend.describe()}
+        for batch in (1, 8):
+            steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
+            out[f"batch{batch}"] = {"tok_s": steps * batch,
+                                    "roofline_fraction": steps / roofline_steps,
+                                    "vs_cuda_cores": steps / cuda_core[f"batch{batch}"]["steps_s"]}
+        r.close()
+    finally:
+        cuda.tensor_cores = chosen
+    return out
+
+
 def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
     s, dev = ctx["sizes"], torch.device(ctx["device"])
     bw = copy_bandwidth(dev, s["copy_mib"])
@@ -271,6 +295,12 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             del os.environ[cuda_fused.ENV]
         res["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
         res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
+        if "CUDA cores" in res["backend"]:  # the same steps on the tensor-core decode kernel
+            try:  # its failure must not cost the stage the figures above
+                res["tensor_core_decode"] = tensor_core_decode(ctx[name], ctx["device"], s,
+                                                               roofline_steps, res)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                res["tensor_core_decode"] = {"error": f"{type(e).__name__}: {e}"}
         out[name] = res
     return out
 

@@ -84,7 +84,8 @@ def unsupported(shape: AttentionShape) -> str:
 def tensor_cores(group: int) -> bool:
     """Decode on the tensor-core kernel? Only where the CUDA-core one cannot run: for the
     groups it serves FlashInfer documents the CUDA-core kernel as the one for small groups,
-    and no GPU measurement here says otherwise (bench/gpu_check.sh can measure it)."""
+    and no GPU measurement here says otherwise yet (bench/gpu_check.sh's decode stage times
+    both kernels on the same model: ``tensor_core_decode``)."""
     return group not in CUDA_CORE_GROUPS
 
 
