@@ -36,10 +36,9 @@ from helexa.checkpoint.gguf_layout import measures_activations
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
-    allreduce_workspace_bytes,
     fixed_bytes_per_request,
     format_bytes,
-    fused_allreduce_rows,
+    fused_allreduce_plan,
     graph_pool_bytes,
     held_bytes_per_request,
     kv_bytes_per_token,
@@ -136,8 +135,7 @@ class ModelPlan:
     # their one shared pool (an estimate) kept inside the activation headroom; 0 without.
     graph_rows: int = 0
     graph_pool_bytes: int = 0
-    # tp > 1 on CUDA devices: the fused all-reduce + add + RMSNorm's workspace for steps of
-    # up to allreduce_rows rows (helexa/kernels/backends/cuda_comm.py), in the headroom too.
+    # tp > 1 on CUDA: the fused all-reduce's workspace, in the headroom too (cuda_comm.py)
     allreduce_rows: int = 0
     allreduce_workspace_bytes: int = 0
     headroom_bytes: int = 0
@@ -339,8 +337,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     max_slots = profile.max_slots if profile and profile.max_slots else cfg.engine.max_slots
     graph_rows = max_slots if cfg.engine.cuda_graphs else 0
-    on_cuda = all(str(d).startswith("cuda") for d in entry.devices or cfg.server.devices[:tp])
-    ar_rows = fused_allreduce_rows(max_slots) if tp > 1 and on_cuda else 0
+    ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots,
+                                             entry.devices or cfg.server.devices[:tp])
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
         not fixed or plan.num_snapshot_slots) else 0
     host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,
@@ -348,11 +346,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks,
                    graph_rows=graph_rows, headroom_bytes=headroom,
                    graph_pool_bytes=graph_pool_bytes(shape, tp, graph_rows, float_dtype),
-                   allreduce_rows=ar_rows,
-                   allreduce_workspace_bytes=(allreduce_workspace_bytes(shape, tp, ar_rows)
-                                              if ar_rows else 0),
-                   host_bytes_per_card=host_bytes if host_blocks else 0,
-                   host_blocks=host_blocks, host_snapshots=host_snaps)
+                   allreduce_rows=ar_rows, allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
+                   host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps)
 
 
 def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,

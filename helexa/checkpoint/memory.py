@@ -115,12 +115,22 @@ def fused_allreduce_rows(max_slots: int) -> int:
 
 
 def allreduce_workspace_bytes(shape: ModelShape, tp: int, rows: int) -> int:
-    """The fused all-reduce's workspace on each card at tp > 1 (0 at tp 1): FlashInfer
+    """The fused all-reduce's workspace on each card at tp > 1 (0 at tp 1 or 0 rows): FlashInfer
     0.6.13's trtllm_create_ipc_workspace_for_all_reduce_fusion allocates a tp × rows ×
     hidden × 2-byte buffer, 3 Lamport buffers of the same size and tp × 256 int32 flags."""
-    if tp <= 1:
+    if tp <= 1 or rows <= 0:
         return 0
     return 4 * tp * rows * shape.hidden_size * 2 + tp * 256 * 4
+
+
+def fused_allreduce_plan(shape: ModelShape, tp: int, max_slots: int,
+                         devices: list[str]) -> tuple[int, int]:
+    """(rows, workspace bytes per card) of the fused all-reduce: tp > 1 on CUDA devices
+    only (cuda_comm.py runs it nowhere else); (0, 0) elsewhere."""
+    if tp <= 1 or not all(str(d).startswith("cuda") for d in devices):
+        return 0, 0
+    rows = fused_allreduce_rows(max_slots)
+    return rows, allreduce_workspace_bytes(shape, tp, rows)
 
 
 def format_bytes(n: float) -> str:

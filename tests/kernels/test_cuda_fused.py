@@ -70,7 +70,7 @@ def test_norms_and_mlps_run_the_fused_kernels_and_agree(
     line = cuda_fused.install(runner.model, torch.bfloat16, ops)  # type: ignore[arg-type]
     assert line == "norms, residual add + norm, SiLU: FlashInfer kernels"
     norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
-    assert norms and all(m.kernel is not None and m.fused is not None for m in norms)
+    assert norms and all(m.kernel is not None and m.add_kernel is not None for m in norms)
     ops.calls.clear()  # the install's probe calls
     fused = _logits(runner, prompt)
     runner.close()
@@ -98,6 +98,6 @@ def test_what_the_kernels_do_not_serve_keeps_the_torch_forms(
     monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")
     assert cuda_fused.install(model, torch.bfloat16, StandInOps()) == (  # type: ignore[arg-type]
         "norms, SiLU: torch (HELEXA_CUDA_FUSED=0)")
-    assert all(m.kernel is None and m.fused is None
+    assert all(m.kernel is None and m.add_kernel is None
                for m in model.modules() if isinstance(m, RMSNorm))
     runner.close()

@@ -116,17 +116,6 @@ def _all_agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def _first(*hooks: Callable[..., Any]) -> Callable[..., Any]:
-    """The first of the hooks that takes the step (returns other than None)."""
-    def hook(*args: Any) -> Any:
-        for h in hooks:
-            out = h(*args)
-            if out is not None:
-                return out
-        return None
-    return hook
-
-
 def install(norms: list[Any], *, hidden: int, dtype: torch.dtype, device: torch.device,
             rows: int, runtime: CommRuntime | None = None) -> str:
     """Give each of ``norms`` (the model's RMSNorms whose add reduces) the fused kernel where
@@ -159,7 +148,7 @@ def install(norms: list[Any], *, hidden: int, dtype: torch.dtype, device: torch.
         return f"tp all-reduce: NCCL ({why})"
     op: Callable[..., Any] = FusedAddNorm(comm, workspace, rows,
                                           torch.ones(hidden, dtype=dtype, device=device))
-    for norm in norms:  # steps over ``rows`` run the norm's earlier hook, if it had one
-        norm.fused = op if norm.fused is None else _first(op, norm.fused)
+    for norm in norms:  # steps over ``rows``: NCCL, then the norm's add kernel if it has one
+        norm.fused = op
     log.info("kernels.tp_allreduce", fused=True, rows=rows, norms=len(norms))
     return f"tp all-reduce: fused with add + RMSNorm (FlashInfer) for steps of <= {rows} rows"

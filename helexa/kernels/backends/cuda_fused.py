@@ -9,10 +9,10 @@ launch-bound step each costs a few microseconds whatever its size. :func:`instal
 the loaded model's modules FlashInfer's kernels through the seams the models keep for it
 (helexa/neuron/models/layers.py): ``RMSNorm.kernel`` (``flashinfer.rmsnorm``, 2-D rows or
 3-D heads with their strides, so a q/k norm reads the projection's view in place),
-``RMSNorm.fused`` (``flashinfer.fused_add_rmsnorm``: the residual stream gains the layer's
-output and the next norm is taken in one pass, in place: both tensors are the step's own)
-and an MLP's ``silu_and_mul``. At tp > 1 a reducing norm's fused add all-reduces first;
-cuda_comm.py then replaces that with the one-kernel all-reduce where it can run.
+``RMSNorm.add_kernel`` (``flashinfer.fused_add_rmsnorm``: the residual stream gains the
+layer's output and the next norm is taken in one pass, in place: both tensors are the
+step's own) and an MLP's ``silu_and_mul``. At tp > 1 the norm all-reduces before its add
+kernel, unless cuda_comm.py's one-kernel all-reduce + add + norm takes the step.
 
 Where they run: bf16 or fp16 weights (FlashInfer's norm kernels take those) and a norm
 width a multiple of 8 (its 16-byte vector loads); anything else keeps the torch form, as
@@ -63,19 +63,22 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def _is_norm(m: torch.nn.Module) -> bool:
+    """An RMSNorm with the models' seams (helexa/neuron/models/layers.py, a layer above)."""
+    return all(hasattr(m, a) for a in ("kernel", "add_kernel", "folded", "eps", "weight"))
+
+
 def _rows_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.dim() in (2, 3) and t.stride(-1) == 1
 
 
 def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = None) -> str:
     """Give the model's norms and MLPs the fused kernels; returns the describe line."""
-    from helexa.neuron.models.layers import RMSNorm, all_reduce
-
     if not enabled():
         return f"norms, SiLU: torch ({ENV}=0)"
     if dtype not in DTYPES:
         return f"norms, SiLU: torch ({str(dtype).removeprefix('torch.')} weights)"
-    first = next((m for m in model.modules() if isinstance(m, RMSNorm)), None)
+    first = next((m for m in model.modules() if _is_norm(m)), None)
     if first is None:
         return ""
     try:  # a first call of each builds (JIT) and proves them before any graph holds them
@@ -91,7 +94,7 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
         return f"norms, SiLU: torch (FlashInfer's kernels failed: {type(e).__name__})"
     ones: dict[int, torch.Tensor] = {}
 
-    def weight_of(norm: RMSNorm, w: torch.Tensor | None) -> torch.Tensor:
+    def weight_of(norm: Any, w: torch.Tensor | None) -> torch.Tensor:
         if w is not None:
             return w
         n = norm.weight.shape[-1]
@@ -99,7 +102,7 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
             ones[n] = torch.ones(n, dtype=dtype, device=norm.weight.device)
         return ones[n]
 
-    def kernel_for(norm: RMSNorm) -> Any:
+    def kernel_for(norm: Any) -> Any:
         def kernel(x: torch.Tensor, w: torch.Tensor | None, eps: float,
                    out: torch.Tensor | None) -> torch.Tensor | None:
             if not _rows_ok(x, dtype) or (out is not None and not _rows_ok(out, dtype)):
@@ -107,25 +110,21 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
             return ops.rmsnorm(x, weight_of(norm, w), eps, out)
         return kernel
 
-    def fused_for(norm: RMSNorm) -> Any:
-        reduce = norm.reduce
-
-        def fused(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def add_for(norm: Any) -> Any:
+        def add(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
             if (y.dim() != 2 or not y.is_contiguous() or not x.is_contiguous()
                     or y.dtype != dtype or x.dtype != dtype or y.shape != x.shape):
                 return None
-            if reduce:
-                all_reduce(y)
             ops.fused_add_rmsnorm(y, x, weight_of(norm, w), eps)  # x += y; y = norm(x)
             return y, x
-        return fused
+        return add
 
     norms = mlps = 0
     for m in model.modules():
-        if isinstance(m, RMSNorm) and m.weight.shape[-1] % 8 == 0 and m.weight.dtype == dtype:
+        if _is_norm(m) and m.weight.shape[-1] % 8 == 0 and m.weight.dtype == dtype:
             m.kernel = kernel_for(m)
-            m.fused = fused_for(m)
+            m.add_kernel = add_for(m)
             norms += 1
         elif hasattr(m, "silu_and_mul") and hasattr(m, "gate_up_proj"):
             m.silu_and_mul = ops.silu_and_mul

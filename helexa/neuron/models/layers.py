@@ -311,14 +311,12 @@ class RMSNorm(HotModule):
         super().__init__()
         self.eps = eps
         self.reduce = reduce
-        # A device's reduce + add + norm in one kernel: (y, x, weight | None, eps) ->
-        # (normed, summed), or None for a step it does not take (the plain path runs).
-        self.fused: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, float],
-                             tuple[torch.Tensor, torch.Tensor] | None] | None = None
-        # A device's norm in one kernel: (x, weight | None, eps, out | None) -> normed, or
-        # None for an input it does not take (the torch form runs). out: where to write.
-        self.kernel: Callable[[torch.Tensor, torch.Tensor | None, float, torch.Tensor | None],
-                              torch.Tensor | None] | None = None
+        # A device's kernels (None, or a hook returning None for a step: the torch forms):
+        # ``fused`` (y, x, weight | None, eps) -> (normed, summed) with the reduce (tp > 1),
+        # ``add_kernel`` the same after it, ``kernel`` (x, weight | None, eps, out) -> normed.
+        self.fused: Callable[..., Any] | None = None
+        self.add_kernel: Callable[..., Any] | None = None
+        self.kernel: Callable[..., Any] | None = None
         self.weight = _set_loader(
             nn.Parameter(torch.ones(size, dtype=dtype, device=device), requires_grad=False),
             replicated_loader,
@@ -338,21 +336,20 @@ class RMSNorm(HotModule):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = None if self.folded else self.weight
-        if self.kernel is not None:
-            y = self.kernel(x, weight, self.eps, out)
-            if y is not None:
-                return y
+        if self.kernel is not None and (y := self.kernel(x, weight, self.eps, out)) is not None:
+            return y
         y = rms_norm(x, weight, self.eps)
         return y if out is None else out.copy_(y)
 
     def add(self, y: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + y), x + y), y all-reduced first where ``reduce`` (its partial sums)."""
-        if self.fused is not None:
-            out = self.fused(y, x, None if self.folded else self.weight, self.eps)
-            if out is not None:
-                return out
+        w = None if self.folded else self.weight
+        if self.fused is not None and (both := self.fused(y, x, w, self.eps)) is not None:
+            return both
         if self.reduce:
             all_reduce(y)
+        if self.add_kernel is not None and (both := self.add_kernel(y, x, w, self.eps)):
+            return both
         x = x + y
         return self(x), x
 
