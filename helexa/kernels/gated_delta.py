@@ -314,3 +314,55 @@ def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: Gat
                               A_log=raw.A_log, dt_bias=raw.dt_bias,
                               use_beta_sigmoid_in_kernel=True)
     return o[:, 0].float(), final
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
+
+
+def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
+                    value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+    """Run fla's gated decode (fla_decode_gated) and gated norm (gated_rms_norm) once on a
+    small random step at a layer's sizes (so the kernels' builds are the ones serving
+    uses) against the torch forms: "" where both agree, else why not. A gated norm that
+    fails is switched off for the process (the torch form runs)."""
+    global _fla_norm_gated
+    gen = torch.Generator().manual_seed(0)
+    kh, vh, dk, dv = key_heads, value_heads, key_dim, value_dim
+    q, k = (torch.randn(1, kh, dk, generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(1, vh, dv, generator=gen).to(dtype)
+    raw = GateInputs(*(torch.randn(*shape, generator=gen).to(dtype)
+                       for shape in ((1, vh), (1, vh), (vh,), (vh,))))
+    states = torch.randn(1, vh, dk, dv, generator=gen)
+    g, beta = gates(raw)
+    want_states = states.clone()
+    want = delta_rule_decode((l2norm(q.float()) * dk ** -0.5).repeat_interleave(vh // kh, 1),
+                             l2norm(k.float()).repeat_interleave(vh // kh, 1), v, g, beta,
+                             want_states)
+    reasons = []
+    try:
+        dev = GateInputs(*(x.to(device) for x in raw))
+        got, final = fla_decode_gated(q.to(device), k.to(device), v.to(device), dev,
+                                      states.to(device))
+        err = max(_rel(got.cpu(), want), _rel(final.cpu(), want_states))
+        if not err < tol:
+            reasons.append(f"fla's gated decode is off by {err:.2g} (relative)")
+    except Exception as e:  # noqa: BLE001 - any failure: the torch gates run, said why
+        reasons.append(f"fla's gated decode failed ({type(e).__name__}: {e})")
+    if _fla_norm_gated is not None and device.type == "cuda":
+        o = torch.randn(2, vh, dv, generator=gen)
+        z = torch.randn(2, vh * dv, generator=gen).to(dtype)
+        w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype)
+        norm = _fla_norm_gated
+        try:
+            got_n = gated_rms_norm(o.to(device), z.to(device), w.to(device), 1e-6, dtype).cpu()
+            _fla_norm_gated = None  # the torch form, for the reference
+            err = _rel(got_n, gated_rms_norm(o, z, w, 1e-6, dtype))
+            if err < tol:
+                _fla_norm_gated = norm
+            else:
+                reasons.append(f"fla's gated norm is off by {err:.2g} (relative)")
+        except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
+            _fla_norm_gated = None
+            reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
+    return "; ".join(reasons)

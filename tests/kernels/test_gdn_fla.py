@@ -212,3 +212,25 @@ def test_fla_kernel_gated_decode_matches_the_torch_step(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
     torch.testing.assert_close(final.cpu(), want_states, rtol=tol, atol=tol)
+
+
+def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkeypatch):
+    """At allocate (CUDA with fla) the gated decode is run once against the torch forms: a
+    kernel that agrees stays on; one that computes something else is turned off, the
+    reason logged, and the model's decode steps compute the gates in torch."""
+    assert gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32) == ""
+    monkeypatch.setattr(gd, "fla_decode_available", lambda device: True)
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    assert states._fla_gated and "norms and gates in the kernel" in states.describe()
+
+    def no_gates(**kw: Any) -> tuple[torch.Tensor, torch.Tensor]:  # raw a, b taken as g, beta
+        kw.update(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
+        return StandInRecurrent()(**kw)
+
+    monkeypatch.setattr(gd, "_fla_recurrent", no_gates)
+    monkeypatch.setattr(gd, "fla_gated_available", lambda: True)
+    assert "fla's gated decode is off by" in gd.probe_fla_gated(
+        torch.device("cpu"), KH, VH, DK, DV, torch.float32)
+    states.allocate([_spec()], 4)
+    assert states._fla_decode and not states._fla_gated

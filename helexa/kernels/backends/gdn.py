@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan
 from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
+
+log = structlog.get_logger(component="kernels")
 
 
 @dataclass
@@ -72,6 +75,13 @@ class GatedDeltaStates:
         self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and gd.fla_decode_available(self.device)
         self._fla_gated = self._fla_decode and gd.fla_gated_available()
+        if self._fla_gated:  # proved at load against the torch forms, as the first step runs
+            s = specs[0]
+            why = gd.probe_fla_gated(self.device, s.key_heads, s.value_heads, s.key_dim,
+                                     s.value_dim, TORCH_DTYPES[s.dtype])
+            if why:
+                log.warning("kernels.fla_fallback", reason=why)
+                self._fla_gated = "gated decode" not in why
 
     @property
     def bytes_per_slot(self) -> int:
