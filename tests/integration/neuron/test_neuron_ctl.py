@@ -73,8 +73,10 @@ def test_a_kv_dtype_switch_under_load_keeps_every_request(neuron_main: NeuronPro
     async def run() -> tuple[list, pb.NeuronStatus, pb.NeuronStatus]:
         async with NeuronClient(neuron_main.address, neuron_token) as c:
             before = await c.status()
+            # 900 tokens each (both fit the 2,048-token pool): long enough to be seen in flight
+            # together on a fast CPU, where 300 could end between two Watch updates
             runs = [asyncio.ensure_future(c.generate(chat_request(
-                f"sw-{i}", principal=f"s{i}", max_tokens=300, ignore_eos=True))) for i in range(2)]
+                f"sw-{i}", principal=f"s{i}", max_tokens=900, ignore_eos=True))) for i in range(2)]
             await c.watch_until(lambda st: model_of(st).in_flight == 2)
             res = await asyncio.to_thread(ctl, neuron_main, "profile", "tiny", "long")
             assert res.returncode == 0, res.stderr
@@ -87,5 +89,5 @@ def test_a_kv_dtype_switch_under_load_keeps_every_request(neuron_main: NeuronPro
         return outs, before, after
 
     outs, before, after = asyncio.run(run())
-    assert all(o[-1].usage.completion_tokens == 300 for o in outs)
+    assert all(o[-1].usage.completion_tokens == 900 for o in outs)
     assert model_of(after).limits.context > model_of(before).limits.context

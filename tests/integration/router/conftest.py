@@ -54,8 +54,11 @@ def rdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def neurons(rdir: Path, tiny_model_dir: Path,
             tiny_checkpoint: Callable[..., Path]) -> Iterator[dict[str, NeuronProcess]]:
-    # 4 KiB of KV per token: 1,024 tokens in nt's 4 MiB.
-    fat = tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
+    # 4 KiB of KV per token: 1,024 tokens in nt's 4 MiB. The wide MLP (~100 MB of fp32
+    # weights read a token) keeps a 1,000-token request in flight for seconds on any CPU,
+    # so the 429 / 503 tests' holder cannot finish before their second request arrives.
+    fat = tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64, hidden_size=512,
+                          intermediate_size=8192)
     # A short thinking budget (high 16 tokens, medium 8, low 2) keeps thoughts testable.
     tiny = [{"id": "tiny", "path": str(tiny_model_dir), "thinking_budget_tokens": 16}]
     qwen35 = tiny_checkpoint("qwen3_5", chat_template="qwen3_5")
