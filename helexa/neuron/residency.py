@@ -30,6 +30,7 @@ import structlog
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 from helexa.neuron import activation
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.client import EngineBusy
 from helexa.neuron.engine_launch import build_spec, load_tokenizer, start_engine
 from helexa.neuron.eviction import device_memory_mb, evictions_for
 from helexa.neuron.limits import ModelLimits, diff_limits, effective_kv_dtype, effective_limits
@@ -353,19 +354,27 @@ class Residency:
         t0 = time.monotonic()
         try:
             r.client.stop_admitting(True)
-            # queued requests stay queued across the switch; only in-flight ones hold blocks
-            if not await self.wait_idle(r, self.cfg.server.drain_secs, in_flight_only=True):
-                raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not finish "
-                              f"within drain_secs ({self.cfg.server.drain_secs:g} s); "
-                              "the switch was abandoned", 1000)
-            try:
-                await reset(num_blocks=state_slots(plan, r.num_state_slots)[0],
-                            kv_dtype=plan.kv_dtype,
-                            bytes_per_token=plan.bytes_per_token, context=plan.context,
-                            max_output_tokens=plan.output)
-            except Exception as e:  # the engine kept its pool; say why it would not switch
-                raise Refusal("invalid_request_error",
-                              f"kv_dtype: the engine could not re-plan its pool: {e}") from e
+            deadline = t0 + self.cfg.server.drain_secs
+            while True:
+                # queued requests stay queued across the switch; only in-flight ones hold
+                # blocks. The engine may admit one more before the stop reaches it: then it
+                # answers busy, and the switch waits again.
+                left = deadline - time.monotonic()
+                if left <= 0 or not await self.wait_idle(r, left, in_flight_only=True):
+                    raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not "
+                                  f"finish within drain_secs ({self.cfg.server.drain_secs:g} s);"
+                                  " the switch was abandoned", 1000)
+                try:
+                    await reset(num_blocks=state_slots(plan, r.num_state_slots)[0],
+                                kv_dtype=plan.kv_dtype,
+                                bytes_per_token=plan.bytes_per_token, context=plan.context,
+                                max_output_tokens=plan.output)
+                    break
+                except EngineBusy:
+                    await asyncio.sleep(0.05)  # its status says in flight once it reports
+                except Exception as e:  # the engine kept its pool; say why it would not switch
+                    raise Refusal("invalid_request_error",
+                                  f"kv_dtype: the engine could not re-plan its pool: {e}") from e
             r.plan, r.kv_dtype, r.limits = (plan, plan.kv_dtype,
                                              ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache,
                                                                    self.cfg.kv.prefix_sharing))

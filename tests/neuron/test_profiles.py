@@ -87,6 +87,23 @@ def test_a_kv_dtype_switch_lets_in_flight_work_finish_and_advertises_new_limits(
     assert any(c.startswith("kv_dtype: fp32 -> int8") for c in res.changed)
 
 
+def test_a_switch_the_engine_answers_busy_waits_and_asks_again(config_path: Path) -> None:
+    """A request admitted just before the stop reached the engine makes its first re-plan
+    answer busy: the switch waits for in-flight work again and re-plans, it does not fail."""
+    async def body(stub, daemon, engine):
+        engine.busy_resets = 2
+        res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="long"),
+                                    metadata=MD)
+        st = (await stub.Watch(pb.WatchRequest(), metadata=MD).read()).models[0]
+        await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile=""), metadata=MD)
+        return res, st, engine.busy_answers, len(engine.reset_calls)
+
+    res, st, busy, resets = run_fake_neuron(config_path, body, script=lambda _p, _i: 7)
+    assert busy == 2 and resets == 2  # two busy answers, then the switch and the switch back
+    assert st.kv_dtype == "int8" and st.state == pb.MODEL_STATE_READY
+    assert any(c.startswith("kv_dtype: fp32 -> int8") for c in res.changed)
+
+
 def test_an_unknown_profile_is_refused_naming_the_known_ones(config_path: Path) -> None:
     async def body(stub, daemon, engine):
         with pytest.raises(grpc.aio.AioRpcError) as e:

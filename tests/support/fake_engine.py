@@ -50,6 +50,10 @@ class FakeEngineClient:
         self.active: set[str] = set()
         self.requests: list[m.NewRequest] = []
         self.reset_calls: list[dict[str, Any]] = []
+        # reset_kv answers busy this many times first, as a real engine does when a request
+        # was admitted just before the stop reached it
+        self.busy_resets = 0
+        self.busy_answers = 0
         self.alive = True
         self.pid = os.getpid()
         self.status = self._status()
@@ -139,6 +143,12 @@ class FakeEngineClient:
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
                        **plan: Any) -> None:
         """Re-plan the pool (only between requests, as the daemon guarantees)."""
+        if self.busy_resets:
+            from helexa.neuron.engine.client import EngineBusy
+
+            self.busy_resets -= 1
+            self.busy_answers += 1
+            raise EngineBusy("1 requests in flight; stop admitting and let them finish first")
         assert not self.active, "reset_kv with requests in flight"
         self.reset_calls.append(dict(num_blocks=num_blocks, kv_dtype=kv_dtype,
                                      bytes_per_token=bytes_per_token, **plan))

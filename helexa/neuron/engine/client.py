@@ -48,6 +48,11 @@ class EngineError(RuntimeError):
     """The engine process failed to start, or died."""
 
 
+class EngineBusy(EngineError):
+    """reset_kv found requests in flight (one admitted just before admitting stopped, say):
+    wait for them and ask again."""
+
+
 _live_processes: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
@@ -202,6 +207,8 @@ class EngineClient:
             answer = await self._reset_done
         finally:
             self._reset_done = None
+        if answer.startswith(messages.RESET_BUSY):
+            raise EngineBusy(answer.removeprefix(messages.RESET_BUSY))
         if answer != "ok":
             raise EngineError(answer)
 

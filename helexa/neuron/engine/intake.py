@@ -148,8 +148,8 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
 def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
     """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
     adm = core.admission
-    if adm.num_in_flight:
-        return (f"{adm.num_in_flight} requests in flight;"
+    if adm.num_in_flight:  # BUSY: the caller may wait for them and ask again
+        return (f"{messages.RESET_BUSY}{adm.num_in_flight} requests in flight;"
                 " stop admitting and let them finish first")
     try:
         core.runner.reset_kv(r.num_blocks, r.kv_dtype)

@@ -241,3 +241,8 @@ class FromEngine(msgspec.Struct, kw_only=True):
     ready: bool = False
     # Answer to ToEngine.reset_kv: "ok", or why the pool was not re-planned.
     kv_reset: str = ""
+
+
+# A kv_reset answer that starts so: requests were in flight; the caller may wait for them
+# and ask again (client.EngineBusy).
+RESET_BUSY = "busy: "
