@@ -94,6 +94,11 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     if _fla_norm_gated is not None and o.is_cuda:
         return _fla_norm_gated(o, z.reshape(o.shape), weight, None, activation="swish",
                                eps=eps).to(dtype)
+    return _gated_rms_norm_torch(o, z, weight, eps, dtype)
+
+
+def _gated_rms_norm_torch(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
+                          dtype: torch.dtype) -> torch.Tensor:
     y = rms_norm(o, None, eps).to(dtype) * weight
     return (y.float() * F.silu(z.reshape(o.shape).float())).to(dtype)
 
@@ -321,11 +326,12 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
-                    value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+                    value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> tuple[bool, str]:
     """Run fla's gated decode (fla_decode_gated) and gated norm (gated_rms_norm) once on a
     small random step at a layer's sizes (so the kernels' builds are the ones serving
-    uses) against the torch forms: "" where both agree, else why not. A gated norm that
-    fails is switched off for the process (the torch form runs)."""
+    uses) against the torch forms: (whether the gated decode may run, why a part may not:
+    "" when both agree). A gated norm that fails is switched off for the process (the torch
+    form runs)."""
     global _fla_norm_gated
     gen = torch.Generator().manual_seed(0)
     kh, vh, dk, dv = key_heads, value_heads, key_dim, value_dim
@@ -349,20 +355,18 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
             reasons.append(f"fla's gated decode is off by {err:.2g} (relative)")
     except Exception as e:  # noqa: BLE001 - any failure: the torch gates run, said why
         reasons.append(f"fla's gated decode failed ({type(e).__name__}: {e})")
+    decode_ok = not reasons
     if _fla_norm_gated is not None and device.type == "cuda":
         o = torch.randn(2, vh, dv, generator=gen)
         z = torch.randn(2, vh * dv, generator=gen).to(dtype)
         w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype)
-        norm = _fla_norm_gated
         try:
             got_n = gated_rms_norm(o.to(device), z.to(device), w.to(device), 1e-6, dtype).cpu()
-            _fla_norm_gated = None  # the torch form, for the reference
-            err = _rel(got_n, gated_rms_norm(o, z, w, 1e-6, dtype))
-            if err < tol:
-                _fla_norm_gated = norm
-            else:
+            err = _rel(got_n, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
+            if not err < tol:
+                _fla_norm_gated = None
                 reasons.append(f"fla's gated norm is off by {err:.2g} (relative)")
         except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
             _fla_norm_gated = None
             reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
-    return "; ".join(reasons)
+    return decode_ok, "; ".join(reasons)

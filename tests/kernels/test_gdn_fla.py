@@ -218,7 +218,7 @@ def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkey
     """At allocate (CUDA with fla) the gated decode is run once against the torch forms: a
     kernel that agrees stays on; one that computes something else is turned off, the
     reason logged, and the model's decode steps compute the gates in torch."""
-    assert gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32) == ""
+    assert gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32) == (True, "")
     monkeypatch.setattr(gd, "fla_decode_available", lambda device: True)
     states = GatedDeltaStates(torch.device("cpu"))
     states.allocate([_spec()], 4)
@@ -230,7 +230,7 @@ def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkey
 
     monkeypatch.setattr(gd, "_fla_recurrent", no_gates)
     monkeypatch.setattr(gd, "fla_gated_available", lambda: True)
-    assert "fla's gated decode is off by" in gd.probe_fla_gated(
-        torch.device("cpu"), KH, VH, DK, DV, torch.float32)
+    ok, why = gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32)
+    assert not ok and "fla's gated decode is off by" in why
     states.allocate([_spec()], 4)
     assert states._fla_decode and not states._fla_gated

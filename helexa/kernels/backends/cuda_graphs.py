@@ -18,8 +18,9 @@ in the same order, so their graphs hold the same collectives; the worker ranks c
 whenever the leader's load steps reach them.
 
 ``prepare`` gives the model's norms and MLPs FlashInfer's one-kernel RMSNorm, residual add
-+ RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1 it also gives the model's reducing norms FlashInfer's fused all-reduce
-+ add + RMSNorm where every rank can run it (cuda_comm.py); ``describe`` says which runs.
++ RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1 it also gives the model's reducing
+norms FlashInfer's fused all-reduce + add + RMSNorm where every rank can run it
+(cuda_comm.py); ``describe`` says which runs.
 
 The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
 """

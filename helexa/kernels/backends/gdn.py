@@ -77,11 +77,11 @@ class GatedDeltaStates:
         self._fla_gated = self._fla_decode and gd.fla_gated_available()
         if self._fla_gated:  # proved at load against the torch forms, as the first step runs
             s = specs[0]
-            why = gd.probe_fla_gated(self.device, s.key_heads, s.value_heads, s.key_dim,
-                                     s.value_dim, TORCH_DTYPES[s.dtype])
+            self._fla_gated, why = gd.probe_fla_gated(self.device, s.key_heads, s.value_heads,
+                                                      s.key_dim, s.value_dim,
+                                                      TORCH_DTYPES[s.dtype])
             if why:
                 log.warning("kernels.fla_fallback", reason=why)
-                self._fla_gated = "gated decode" not in why
 
     @property
     def bytes_per_slot(self) -> int:

@@ -4,10 +4,11 @@ and the per-request state it keeps in place of a KV cache.
 One in-projection per rank yields [q | k | v | z | b | a] for this rank's heads:
 tensor parallelism splits the linear-attention key heads (and with them their
 value heads) across ranks, the conv channels with them, and out_proj's partial sums
-are reduced by the norm that follows, as for every decoder layer's output (layers.py). Checkpoints spell the projection two
-ways: Qwen3.5 as in_proj_qkv ([all q | all k | all v]), in_proj_z, in_proj_b,
-in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba, grouped per key head
-([q, k, v, z] of key head 0, then key head 1, ...). Both load into one layout.
+are reduced by the norm that follows, as for every decoder layer's output (layers.py).
+Checkpoints spell the projection two ways: Qwen3.5 as in_proj_qkv ([all q | all k |
+all v]), in_proj_z, in_proj_b, in_proj_a; Qwen3-Next as in_proj_qkvz and in_proj_ba,
+grouped per key head ([q, k, v, z] of key head 0, then key head 1, ...). Both load into
+one layout.
 
 The layer declares the state it needs per request (``state_spec``, a
 LinearAttentionSpec: helexa plan counts it, the state backend allocates it) and hands
