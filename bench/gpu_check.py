@@ -340,13 +340,14 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
             syncs = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
             kind = "dry run: aten ops; aten::_local_scalar_dense"
         per = s["profile_steps"]
+        costliest = sorted(top.items(), key=lambda kv: -kv[1][1])[:12]
         out[name] = {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,
                      "counted": kind,
                      # device time the kernels take, against the step's wall time
                      "kernel_us_per_step": sum(v[1] for v in top.values()) / per,
                      "wall_us_per_step": wall / per * 1e6,
-                     "top_kernels": [{"name": k, "per_step": v[0] / per, "us_per_step": v[1] / per}
-                                     for k, v in sorted(top.items(), key=lambda kv: -kv[1][1])[:12]]}
+                     "top_kernels": [{"name": k, "per_step": v[0] / per,
+                                      "us_per_step": v[1] / per} for k, v in costliest]}
     return out
 
 
