@@ -71,14 +71,23 @@ class _Held:
 class LinearState:
     """One layer's conv windows [slots, channels, K - 1] and recurrent states
     [slots, v_heads, k_dim, v_dim], in the model's dtype (as its spec, and so helexa plan,
-    counts them), and the verification rows held until their requests' next step."""
+    counts them), and the verification rows held until their requests' next step.
+
+    ``v_major`` stores the states as [slots, v_heads, v_dim, k_dim] (``pool``, the layout
+    FlashInfer's pool decode reads and writes in place: gated_delta.fi_decode_pool);
+    ``recurrent`` is then its transposed view, so every other reader sees one shape."""
 
     def __init__(self, spec: LinearAttentionSpec, num_slots: int,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, *, v_major: bool = False) -> None:
         dtype = TORCH_DTYPES[spec.dtype]
         self.conv = torch.zeros(num_slots, *spec.conv_shape, dtype=dtype, device=device)
-        self.recurrent = torch.zeros(num_slots, *spec.recurrent_shape, dtype=dtype,
-                                     device=device)
+        heads, dk, dv = spec.recurrent_shape
+        self.pool: torch.Tensor | None = None
+        if v_major:
+            self.pool = torch.zeros(num_slots, heads, dv, dk, dtype=dtype, device=device)
+            self.recurrent = self.pool.transpose(-1, -2)
+        else:
+            self.recurrent = torch.zeros(num_slots, heads, dk, dv, dtype=dtype, device=device)
         self.nbytes = self.conv.nbytes + self.recurrent.nbytes
         self._held: dict[int, tuple[_Held, int]] = {}  # slot -> (rows, its row)
 

@@ -79,6 +79,8 @@ class Model(torch.nn.Module):
         row = ids * 1000 + positions * 100 + meta.append.indices[:len(ids)] * 10
         if state is not None:
             row = row + state.decode_slots
+            if state.decode_slots32 is not None:  # FlashInfer's pool decode reads these
+                row = row + 10000 * state.decode_slots32
         return row[:, None].float() + torch.arange(VOCAB)
 
 
@@ -87,24 +89,28 @@ def executor(rows: int = 4) -> tuple[CudaGraphExecutor, StandInRuntime]:
     return CudaGraphExecutor(StandInAttention(rows), runtime), runtime  # type: ignore[arg-type]
 
 
-def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False) -> torch.Tensor:
+def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False,
+           pool: bool = False) -> torch.Tensor:
+    """pool: the state metadata carries the int32 slots FlashInfer's pool decode reads."""
     ids = torch.arange(b) + seed
     positions, pages = torch.arange(b) * 2 + seed, torch.arange(b) + 3 * seed
     meta = ex.attention.plan(b, positions, pages)  # type: ignore[attr-defined]
-    gdn = GdnMetadata(backend=None, decode_slots=torch.arange(b) + 7 * seed) if state else None  # type: ignore[arg-type]
-    return ex.run(Model(), ids, positions, meta, None, gdn)
+    slots = torch.arange(b) + 7 * seed
+    gdn = GdnMetadata(backend=None, decode_slots=slots,  # type: ignore[arg-type]
+                      decode_slots32=(slots + 1).to(torch.int32) if pool else None)
+    return ex.run(Model(), ids, positions, meta, None, gdn if state else None)
 
 
-def eager(b: int, seed: int, state: bool = False) -> torch.Tensor:
+def eager(b: int, seed: int, state: bool = False, pool: bool = False) -> torch.Tensor:
     ex, _ = executor(0)  # no graphs
-    return decode(ex, b, seed, state)
+    return decode(ex, b, seed, state, pool)
 
 
-def load(ex: CudaGraphExecutor, state: bool = False) -> None:
+def load(ex: CudaGraphExecutor, state: bool = False, pool: bool = False) -> None:
     """What the model runner does at load (model_runner._capture_graphs)."""
     with ex.capturing():
         for b in ex.graph_sizes():
-            decode(ex, b, seed=0, state=state)
+            decode(ex, b, seed=0, state=state, pool=pool)
 
 
 def test_every_size_is_captured_at_load_largest_first_into_one_pool():
@@ -132,6 +138,14 @@ def test_a_hybrids_state_slots_reach_the_replay():
     ex, _ = executor(2)
     load(ex, state=True)
     torch.testing.assert_close(decode(ex, 2, seed=3, state=True), eager(2, 3, state=True))
+
+
+def test_the_int32_slots_of_flashinfers_pool_decode_reach_the_replay():
+    ex, _ = executor(2)
+    load(ex, state=True, pool=True)
+    got = decode(ex, 2, seed=5, state=True, pool=True)
+    torch.testing.assert_close(got, eager(2, 5, state=True, pool=True))
+    assert not torch.equal(got, eager(2, 5, state=True))  # the twin counts in the logits
 
 
 def test_nothing_is_captured_mid_serving():

@@ -150,6 +150,16 @@ def used_blocks(table: list[int], length: int, block_size: int, num_blocks: int)
     return table[:used]
 
 
+def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A step's small index list on ``device``. To a CUDA device from pinned host memory,
+    without waiting: a copy from pageable memory would hold the host until the device has
+    run everything queued before it (a host sync per call, which the GPU check counts)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
     out: list[int] = []

@@ -9,11 +9,12 @@ graph is ever captured mid-serving (a size without one runs layer by layer).
 
 A pure-decode step of b rows that the cuda attention backend planned on its b-row
 cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py) replays its graph: the step's ids,
-positions and, for hybrid models, linear-attention state slots
-(GdnMetadata.decode_slots) are copied into the graph's static inputs (the step's ``plan``
-already filled the wrapper's index buffers and its KV append's positions), the graph
-replayed, and its rows of the one shared output buffer copied out. Graphs hold the pools'
-addresses, so a new pool drops them (the runner captures again). With tensor parallelism every rank runs the same steps
+positions and, for hybrid models, linear-attention state slots (GdnMetadata.decode_slots,
+and their int32 twin for FlashInfer's pool decode) are copied into the graph's static
+inputs (the step's ``plan`` already filled the wrapper's index buffers and its KV append's
+positions), the graph replayed, and its rows of the one shared output buffer copied out.
+Graphs hold the pools' addresses, so a new pool drops them (the runner captures again).
+With tensor parallelism every rank runs the same steps
 in the same order, so their graphs hold the same collectives; the worker ranks capture
 whenever the leader's load steps reach them.
 
@@ -146,6 +147,8 @@ class CudaGraphExecutor(StepExecutor):
         g.positions.copy_(positions)
         if g.state is not None:
             g.state.decode_slots.copy_(state.decode_slots)
+            if g.state.decode_slots32 is not None:
+                g.state.decode_slots32.copy_(state.decode_slots32)
         self.runtime.replay(g.graph)
         assert self._out is not None
         return self._out[:b].clone()  # the shared output is overwritten by the next replay
@@ -157,7 +160,8 @@ class CudaGraphExecutor(StepExecutor):
         ids, pos = input_ids.clone(), positions.clone()
         # a pure-decode step's state metadata is its slots alone: a fixed buffer of them
         static_state = None if state is None else replace(
-            state, decode_slots=state.decode_slots.clone())
+            state, decode_slots=state.decode_slots.clone(),
+            decode_slots32=None if state.decode_slots32 is None else state.decode_slots32.clone())
         if self._pool is None:
             self._pool = self.runtime.pool()
         out_rows = max(b, self.attention.graph_rows)

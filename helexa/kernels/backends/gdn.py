@@ -19,7 +19,9 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
   decode (q and k passed grouped, as the layer has them) and, for 16-bit models, its
   chunked prefill; else helexa/kernels/gated_delta.py's torch forms (the reference, each
   key head repeated to its value heads); a verification row runs token by token as
-  decode and is held, its slot left as it was.
+  decode and is held, its slot left as it was. A step of decode rows alone runs, where
+  ``allocate`` proved it on the device, FlashInfer's pool decode: one kernel reads and
+  writes each row's state in its slot (the states then V-major: LinearState.pool).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import gated_delta as gd
-from helexa.kernels.backends.base import StepPlan
+from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
 
 log = structlog.get_logger(component="kernels")
@@ -43,6 +45,7 @@ class GdnMetadata:
 
     backend: GatedDeltaStates
     decode_slots: torch.Tensor  # [num decode rows] int64
+    decode_slots32: torch.Tensor | None = None  # the same, int32: FlashInfer's pool decode
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
     fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
     verify: VerifyRows | None = None
@@ -61,17 +64,23 @@ class GatedDeltaStates:
         self._fla = False
         self._fla_decode = False
         self._fla_gated = False  # pure decode steps: norms and gates in fla's kernel too
+        self._fi_pool = False  # pure decode steps: FlashInfer's kernel, states in place
+        self._a_log: dict[int, torch.Tensor] = {}  # each layer's A_log in fp32 (FlashInfer's)
 
     def describe(self) -> str:
-        return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, "
-                f"{'fla fused' if self._fla_decode else 'torch'} decode"
-                f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
+        decode = ("FlashInfer pool decode (states in place)" if self._fi_pool else
+                  f"{'fla fused' if self._fla_decode else 'torch'} decode"
+                  f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
+        return f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}"
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
         """Drop the old states, then give each layer (as its spec states) num_slots slots."""
         self.layers = []
         self.specs = list(specs)
-        self.layers = [LinearState(s, num_slots, self.device) for s in self.specs]
+        self._a_log = {}
+        self._fi_pool = bool(specs) and self._fi_pool_proved(specs[0])
+        self.layers = [LinearState(s, num_slots, self.device, v_major=self._fi_pool)
+                       for s in self.specs]
         self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and gd.fla_decode_available(self.device)
         self._fla_gated = self._fla_decode and gd.fla_gated_available()
@@ -82,6 +91,18 @@ class GatedDeltaStates:
                                                       TORCH_DTYPES[s.dtype])
             if why:
                 log.warning("kernels.fla_fallback", reason=why)
+
+    def _fi_pool_proved(self, s: LinearAttentionSpec) -> bool:
+        """FlashInfer's pool decode serves these layers and agrees with the torch forms on
+        one small step at their sizes (else the reason is logged and the others run)."""
+        dtype = TORCH_DTYPES[s.dtype]
+        if gd.fi_pool_unavailable(self.device, dtype, s.key_dim, s.value_dim):
+            return False  # not this device or model: nothing to say
+        why = gd.probe_fi_pool(self.device, s.key_heads, s.value_heads, s.key_dim,
+                               s.value_dim, dtype)
+        if why:
+            log.warning("kernels.flashinfer_gdn_fallback", reason=why)
+        return not why
 
     @property
     def bytes_per_slot(self) -> int:
@@ -127,12 +148,14 @@ class GatedDeltaStates:
             raise ValueError("a hybrid model's sequence needs a state slot (SeqInput.state_slot)")
         dev = self.device
         restored = {slot for _, slot in step.state_restores}  # start from a snapshot instead
-        meta = GdnMetadata(backend=self, decode_slots=torch.tensor(
-            step.decode_state_slots, dtype=torch.long, device=dev),
+        meta = GdnMetadata(backend=self, decode_slots=to_device(
+            step.decode_state_slots, torch.long, dev),
             fresh_slots=[slot for computed, slot in rows if computed == 0],
             resume={slot: computed for computed, slot in rows
                     if computed and slot not in restored},
             restores=list(step.state_restores), saves=list(step.state_saves))
+        if self._fi_pool:
+            meta.decode_slots32 = meta.decode_slots.to(torch.int32)
         verify = [r for r in step.prefills if r.verify]
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
         if verify:
@@ -154,9 +177,11 @@ class GatedDeltaStates:
                 conv_weight: torch.Tensor, meta: GdnMetadata) -> torch.Tensor:
         """Linear layer ``layer`` over its slots: mixed [N, channels] conv inputs ([q | k | v]),
         gate the (g, beta) [N, v_heads] fp32 gates or their raw inputs (gd.GateInputs),
-        conv_weight [channels, K] -> o [N, v_heads, v_dim] fp32. q and k are L2-normalised
-        (q scaled by k_dim^-0.5) after the conv. A step of decode rows alone with raw gates
-        runs fla's kernel with the norms and gates inside it (gd.fla_decode_gated)."""
+        conv_weight [channels, K] -> o [N, v_heads, v_dim] fp32 (in the model's dtype from
+        FlashInfer's pool decode). q and k are L2-normalised (q scaled by k_dim^-0.5) after
+        the conv. A step of decode rows alone with raw gates runs FlashInfer's pool kernel
+        (gd.fi_decode_pool: the states read and written in their slots) where it was proved
+        at load, else fla's kernel with the norms and gates inside it (gd.fla_decode_gated)."""
         spec, state = self.specs[layer], self.layers[layer]
         n = mixed.shape[0]
         kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
@@ -176,8 +201,15 @@ class GatedDeltaStates:
             windows = state.conv.index_select(0, rows.slots)
             conv[rows.flat] = gd.conv1d_steps(mixed_rows, conv_weight, windows)[rows.valid]
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
-        if (isinstance(gate, gd.GateInputs) and self._fla_gated and nd == n
-                and not meta.prefills and rows is None):
+        pure_decode = (isinstance(gate, gd.GateInputs) and nd == n and not meta.prefills
+                       and rows is None)
+        if pure_decode and self._fi_pool and meta.decode_slots32 is not None:
+            assert isinstance(gate, gd.GateInputs) and state.pool is not None
+            return gd.fi_decode_pool(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
+                                     v.reshape(n, vh, dv), gate, self._a_log32(layer, gate),
+                                     state.pool, meta.decode_slots32)
+        if pure_decode and self._fla_gated:
+            assert isinstance(gate, gd.GateInputs)
             states = state.recurrent.index_select(0, meta.decode_slots)
             o, final = gd.fla_decode_gated(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
                                            v.reshape(n, vh, dv), gate, states)
@@ -214,6 +246,14 @@ class GatedDeltaStates:
                                                state.recurrent.dtype)[rows.valid]
             state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
         return o
+
+    def _a_log32(self, layer: int, gate: gd.GateInputs) -> torch.Tensor:
+        """The layer's A_log in fp32, made once (a step captured in a CUDA graph reads the
+        copy the warm-up step made: the weights never change under a loaded model)."""
+        got = self._a_log.get(layer)
+        if got is None:
+            got = self._a_log[layer] = gate.A_log.detach().float().contiguous()
+        return got
 
 
 def gated_delta(mixed: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | gd.GateInputs,

@@ -1,0 +1,191 @@
+"""The Gated DeltaNet state backend on FlashInfer's pool decode, against a stand-in for its
+kernel written from FlashInfer 0.6.13's documented semantics and the checks its launcher
+makes (gdn_decode.gated_delta_rule_decode_pretranspose: q, k [B, 1, H, K] and v [B, 1, HV, V]
+16-bit, A_log fp32, a bf16 pool [slots, HV, V, K] with K contiguous, int32 slot indices,
+each row's state read from and written back to its slot). No GPU runs here: the kernel
+itself is what bench/gpu_check.sh's hybrid decode runs, and the load probe proves it on the
+device against the torch forms before any request does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import gated_delta as gd
+from helexa.kernels.backends.base import PrefillRow, StepPlan
+from helexa.kernels.backends.gdn import GatedDeltaStates
+
+KH, VH, D, CONV_K = 2, 4, 128, 4  # FlashInfer's bf16-state kernels take heads of 128 x 128
+BF16 = torch.bfloat16
+UNAVAILABLE = gd.fi_pool_unavailable  # the real checks, before a test stands them in
+
+
+class StandInGdnDecode:
+    """FlashInfer's gdn_decode module as documented, in torch; records each call."""
+
+    _GDN_DECODE_BF16_STATE_AVAILABLE = True
+
+    def __init__(self, wrong_slot: bool = False) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.wrong_slot = wrong_slot  # a broken kernel: writes the slot after the one given
+
+    def gated_delta_rule_decode_pretranspose(
+            self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any,
+            A_log: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor, b: torch.Tensor,
+            scale: float | None = None, output: Any = None, use_qk_l2norm: bool = True,
+            initial_state: torch.Tensor | None = None,
+            initial_state_indices: torch.Tensor | None = None,
+            output_state_indices: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T, H, K = q.shape
+        HV, V = v.shape[2], v.shape[3]
+        pool = initial_state
+        assert state is None and pool is not None and T == 1
+        assert pool.shape[1:] == (HV, V, K) and pool.stride(-1) == 1 and pool.dtype == BF16
+        assert K == V == 128 and q.dtype in (torch.float16, BF16) and A_log.dtype == torch.float32
+        assert initial_state_indices is not None and initial_state_indices.shape == (B,)
+        assert initial_state_indices.dtype == torch.int32
+        assert all(t.is_contiguous() for t in (q, k, v, a, b))
+        self.calls.append({"rows": B, "scale": scale, "l2norm": use_qk_l2norm})
+        idx = initial_state_indices.long()
+        states = pool[idx].transpose(-1, -2).float()  # [B, HV, K, V]
+        g = -A_log.exp() * F.softplus(a[:, 0].float() + dt_bias.float())
+        beta = b[:, 0].float().sigmoid()
+        qf, kf = q[:, 0].float(), k[:, 0].float()
+        if use_qk_l2norm:
+            qf, kf = gd.l2norm(qf), gd.l2norm(kf)
+        group = HV // H
+        o = gd.delta_rule_decode((qf * scale).repeat_interleave(group, 1),
+                                 kf.repeat_interleave(group, 1), v[:, 0], g, beta, states)
+        pool[(idx + 1) % pool.shape[0] if self.wrong_slot else idx] = \
+            states.transpose(-1, -2).to(pool.dtype)
+        return o[:, None].to(q.dtype), pool
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandInGdnDecode:
+    """The stand-in as FlashInfer's module, and the device checks passed (CPU here)."""
+    fake = StandInGdnDecode()
+    monkeypatch.setattr(gd, "_fi_gdn", fake)
+    monkeypatch.setattr(gd, "fi_pool_unavailable", lambda *a: "")
+    return fake
+
+
+def _spec() -> LinearAttentionSpec:
+    return LinearAttentionSpec(key_heads=KH, value_heads=VH, key_dim=D, value_dim=D,
+                               conv_channels=2 * KH * D + VH * D, conv_kernel=CONV_K,
+                               dtype="bf16")
+
+
+def _plans() -> list[StepPlan]:
+    """A prefill of 5 tokens into slot 1; slot 1 decoding beside a fresh prefill into slot 2;
+    then two pure decode steps of both, in two orders."""
+    e = torch.empty(0)
+    return [
+        StepPlan(slot_mapping=e, prefills=[PrefillRow(0, 5, 0, [], 1)]),
+        StepPlan(slot_mapping=e, decode_positions=[5], decode_tables=[[]],
+                 decode_state_slots=[1], prefills=[PrefillRow(1, 4, 0, [], 2)]),
+        StepPlan(slot_mapping=e, decode_positions=[6, 3], decode_tables=[[], []],
+                 decode_state_slots=[1, 2]),
+        StepPlan(slot_mapping=e, decode_positions=[4, 7], decode_tables=[[], []],
+                 decode_state_slots=[2, 1]),
+    ]
+
+
+def _run(states: GatedDeltaStates) -> list[torch.Tensor]:
+    """Each step's outputs (fp32) with raw gates, as the model layer passes them, then every
+    slot's state as the torch forms read it."""
+    gen = torch.Generator().manual_seed(3)
+    channels = _spec().conv_channels
+    weight = (torch.randn(channels, CONV_K, generator=gen) * 0.5).to(BF16)
+    a_log = torch.randn(VH, generator=gen).to(BF16)
+    dt_bias = torch.randn(VH, generator=gen).to(BF16)
+    outs = []
+    for plan in _plans():
+        rows = len(plan.decode_positions) + sum(r.end - r.start for r in plan.prefills)
+        mixed = torch.randn(rows, channels, generator=gen).to(BF16)
+        raw = gd.GateInputs(torch.randn(rows, VH, generator=gen).to(BF16),
+                            torch.randn(rows, VH, generator=gen).to(BF16), a_log, dt_bias)
+        outs.append(states.forward(0, mixed, raw, weight, states.plan(plan)).float())
+    return outs + [states.layers[0].recurrent.float()]
+
+
+def _states() -> GatedDeltaStates:
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    return states
+
+
+def test_pure_decode_steps_run_flashinfers_kernel_on_the_slots_in_place(stand_in, monkeypatch):
+    fused = _states()
+    assert fused._fi_pool and "FlashInfer pool decode" in fused.describe()
+    pool = fused.layers[0].pool
+    assert pool is not None and pool.shape == (4, VH, D, D) and pool.is_contiguous()
+    assert fused.layers[0].recurrent.data_ptr() == pool.data_ptr()  # one storage, two views
+    stand_in.calls.clear()  # the load probe's call
+    got = _run(fused)
+    # the two pure decode steps reach the kernel; the prefill and the mixed step do not
+    assert stand_in.calls == [{"rows": 2, "scale": D ** -0.5, "l2norm": True}] * 2
+    monkeypatch.setattr(gd, "fi_pool_unavailable", UNAVAILABLE)
+    plain_states = GatedDeltaStates(torch.device("cpu"))
+    plain_states.allocate([_spec()], 4)  # not on CUDA: the torch forms, K-major states
+    assert not plain_states._fi_pool and plain_states.layers[0].pool is None
+    want = _run(plain_states)
+    for g, w in zip(got, want, strict=True):  # bf16 states and inputs: rounding apart
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_the_load_probe_proves_the_kernel_or_leaves_it_off(stand_in, monkeypatch):
+    """A kernel that writes a slot it was not given is caught at load: the states stay
+    K-major, the decode runs the other kernels, and the reason is said."""
+    assert gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16) == ""
+    broken = StandInGdnDecode(wrong_slot=True)
+    monkeypatch.setattr(gd, "_fi_gdn", broken)
+    why = gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
+    assert why == "FlashInfer's pool decode wrote a slot it was not given"
+    states = _states()
+    assert not states._fi_pool and states.layers[0].pool is None
+    assert "FlashInfer" not in states.describe()
+    _run(states)
+    assert len(broken.calls) == 2  # the two probes' calls, none since
+
+
+def test_a_kernel_that_raises_at_the_probe_is_left_off(stand_in, monkeypatch):
+    def fails(**kw: Any) -> Any:
+        raise AssertionError("K and V must be 128")
+
+    monkeypatch.setattr(stand_in, "gated_delta_rule_decode_pretranspose", fails)
+    why = gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
+    assert why == "FlashInfer's pool decode failed (AssertionError: K and V must be 128)"
+    assert not _states()._fi_pool
+
+
+@pytest.mark.parametrize(("device", "dtype", "dims", "why"), [
+    ("cpu", BF16, (128, 128), "not a CUDA device"),
+    ("cuda", torch.float16, (128, 128), "its kernels keep bf16 states, the model's are float16"),
+    ("cuda", BF16, (64, 128), "its kernels take heads of 128 x 128, these are 64 x 128"),
+])
+def test_what_the_pool_kernel_cannot_serve_is_named(monkeypatch, device, dtype, dims, why):
+    monkeypatch.setattr(gd, "_fi_gdn", StandInGdnDecode())
+    assert gd.fi_pool_unavailable(torch.device(device), dtype, *dims) == why
+
+
+def test_without_flashinfer_or_its_cute_kernels_the_pool_decode_is_off(monkeypatch):
+    monkeypatch.setattr(gd, "_fi_gdn", None)
+    assert gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
+        "FlashInfer is not installed"
+
+    class NoCute:
+        _GDN_DECODE_BF16_STATE_AVAILABLE = False
+
+    monkeypatch.setattr(gd, "_fi_gdn", NoCute())
+    assert "did not import" in gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128)
+
+
+@pytest.mark.skipif(gd.fi_pool_unavailable(torch.device("cuda"), BF16, D, D) != "",
+                    reason="needs FlashInfer's GDN kernels on a Hopper-class GPU")
+def test_flashinfers_pool_kernel_matches_the_torch_step():
+    assert gd.probe_fi_pool(torch.device("cuda"), KH, VH, D, D, BF16) == ""
