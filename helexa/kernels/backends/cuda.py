@@ -37,6 +37,7 @@ or in the default tests needs it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import structlog
@@ -48,6 +49,7 @@ from helexa.kernels.backends.base import (
     AttentionShape,
     StepMeta,
     StepPlan,
+    pinned_i32,
     used_blocks,
 )
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
@@ -228,43 +230,48 @@ class CudaAttention(AttentionBackend):
         if any(not 0 <= b < step.num_blocks for b in indices):
             raise ValueError(f"block table holds a block outside the pool of {step.num_blocks} "
                              "blocks")
-        i32 = torch.int32
-        indptr_t, last_t = torch.tensor(indptr, dtype=i32), torch.tensor(last, dtype=i32)
-        kvh, d = self.pools[0].num_kv_heads, self.pools[0].head_dim
-        common = dict(q_data_type=self._q_dtype, kv_data_type=self._kv_dtype)
         b = step.num_decode
-        if not step.prefills and b <= self.graph_rows:
-            # the graph's buffers: the wrapper's plan fills its three, this the positions
-            g = self._graph_wrapper(b)
-            g.append.positions.copy_(torch.tensor(step.decode_positions, dtype=i32))
-            g.wrapper.plan(indptr_t, torch.tensor(indices, dtype=i32), last_t, self.heads,
-                           kvh, d, bs, pos_encoding_mode="NONE", **common)
-            return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
-                                graph_rows=b)
+        graph = not step.prefills and b <= self.graph_rows
         rows, positions = list(range(b)), list(step.decode_positions)
         for j, r in enumerate(step.prefills):
             rows.extend([b + j] * (r.end - r.start))
             positions.extend(range(r.num_computed, r.num_computed + r.end - r.start))
-        # one copy to the device: pages, their layout, and each flat row's place
-        flat = torch.tensor(indices + indptr + last + rows + positions, dtype=i32).to(self.device)
-        n_idx, n_ptr, n = len(indices), len(indptr), len(rows)
-        at = n_idx + n_ptr + len(last)
-        append = KvAppend(batch_indices=flat[at:at + n], positions=flat[at + n:],
-                          indices=flat[:n_idx], indptr=flat[n_idx:n_idx + n_ptr],
-                          last_page_len=flat[n_idx + n_ptr:at])
+        qo: list[int] = []  # the prefill wrapper's query offsets: decode rows take one each
+        if step.prefills:
+            qo = list(range(b + 1))
+            for r in step.prefills:
+                qo.append(qo[-1] + r.end - r.start)
+        # One host list, pinned, and one copy of it to the device that does not wait: the
+        # layout FlashInfer's plan reads on the host (indptr, last page lengths, query
+        # offsets: it copies them into its buffers from pinned memory, async too) and the
+        # device part (pages, each flat row's batch row and position). A copy from pageable
+        # memory would hold the host until the device drained its queue (host syncs a step).
+        host = pinned_i32(indptr + last + qo + indices + rows + positions, self.device)
+        dev = host.to(self.device, non_blocking=True)
+        at = list(accumulate([0, len(indptr), len(last), len(qo), len(indices), len(rows),
+                              len(positions)]))
+        indptr_h, last_h, qo_h = host[at[0]:at[1]], host[at[1]:at[2]], host[at[2]:at[3]]
+        indices_d, rows_d, positions_d = dev[at[3]:at[4]], dev[at[4]:at[5]], dev[at[5]:at[6]]
+        kvh, d = self.pools[0].num_kv_heads, self.pools[0].head_dim
+        common = dict(q_data_type=self._q_dtype, kv_data_type=self._kv_dtype)
+        if graph:
+            # the graph's buffers: the wrapper's plan fills its three, this the positions
+            g = self._graph_wrapper(b)
+            g.append.positions.copy_(positions_d)
+            g.wrapper.plan(indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
+                           pos_encoding_mode="NONE", **common)
+            return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
+                                graph_rows=b)
+        append = KvAppend(batch_indices=rows_d, positions=positions_d, indices=indices_d,
+                          indptr=dev[at[0]:at[1]], last_page_len=dev[at[1]:at[2]])
         meta = CudaMetadata(backend=self, append=append, num_decode=b)
         if not step.prefills:
             meta.wrapper = self._decode
-            meta.wrapper.plan(indptr_t, append.indices, last_t, self.heads, kvh, d, bs,
+            meta.wrapper.plan(indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
                               pos_encoding_mode="NONE", **common)
             return meta
-        qo = [0]
-        for _ in step.decode_positions:
-            qo.append(qo[-1] + 1)
-        for r in step.prefills:
-            qo.append(qo[-1] + r.end - r.start)
-        self._prefill.plan(torch.tensor(qo, dtype=i32), indptr_t, append.indices, last_t,
-                           self.heads, kvh, d, bs, causal=True, **common)
+        self._prefill.plan(qo_h, indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
+                           causal=True, **common)
         meta.wrapper = self._prefill
         return meta
 
