@@ -146,7 +146,7 @@ def stage_compile(ctx: dict[str, Any]) -> dict[str, Any]:
         r = Runner(ctx["dense"], ctx["device"], 1, 64)
         r.step(r.prefill([[1, 2, 3, 4]]))
         sync(r.device)
-        backend = r.runner.backend.describe()
+        backend = r.runner.attention_backend
         r.close()
         return time.perf_counter() - t, backend
 
@@ -256,7 +256,7 @@ def tensor_core_decode(path: Path, device: str, s: dict[str, Any], roofline_step
     cuda.tensor_cores = lambda group: True
     try:
         r = Runner(path, device, 8, s["prompt"] + s["decode_tokens"] + 8)
-        out: dict[str, Any] = {"backend": r.runner.backend.describe()}
+        out: dict[str, Any] = {"backend": r.runner.attention_backend}
         for batch in (1, 8):
             steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
             out[f"batch{batch}"] = {"tok_s": steps * batch,
@@ -279,7 +279,7 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
         res: dict[str, Any] = {"weight_bytes": r.runner.weight_bytes,
                                "step_weight_bytes": step_bytes,
                                "roofline_steps_per_s": roofline_steps,
-                               "backend": r.runner.backend.describe()}
+                               "backend": r.runner.attention_backend}
         for batch in (1, 8):
             steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,

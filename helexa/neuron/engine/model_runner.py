@@ -155,7 +155,7 @@ class ModelRunner:
         if self.device.type == "cuda" and tp_size == 1 and measure_pool:
             num_blocks = measured_blocks(self, num_blocks, kv_dtype, context)
         self._reset_own_kv(num_blocks, kv_dtype)
-        log.info("engine.attention_backend", backend=self.backend.describe(),
+        log.info("engine.attention_backend", backend=self.attention_backend,
                  device=str(self.device), tp_rank=tp_rank)
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
@@ -174,8 +174,11 @@ class ModelRunner:
 
     @property
     def attention_backend(self) -> str:
-        """The attention backend and what it chose, as status shows it."""
-        return self.backend.describe()
+        """The attention backend and what it chose, and a hybrid's linear-attention kernels,
+        as status shows it."""
+        if self.linear_states is None:
+            return self.backend.describe()
+        return f"{self.backend.describe()}; {self.linear_states.describe()}"
 
     # ---- KV pool -------------------------------------------------------------------------
 
