@@ -145,6 +145,17 @@ def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) 
     return F.silu((seq * weight).sum(-1))
 
 
+def conv1d_decode_slots(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+    """conv1d_decode over windows kept in slots: x [B, C]; pool [slots, C, K - 1], row b's
+    window at ``slots[b]`` (read, then written back in place); -> [B, C]. The same sums as
+    conv1d_decode, bit for bit, in six kernels where gathering the windows, updating the
+    copy and scattering it back took eight."""
+    seq = torch.cat([pool.index_select(0, slots).to(x.dtype), x.unsqueeze(-1)], dim=-1)
+    pool.index_copy_(0, slots, seq[..., 1:].to(pool.dtype))
+    return F.silu((seq * weight).sum(-1))
+
+
 def conv1d_steps(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
     """T new tokens per row, one at a time as conv1d_decode takes them (so bit for bit what
     T decode steps give): x [B, T, C], windows [B, C, K - 1] (updated in place) -> [B, T, C]."""

@@ -66,6 +66,23 @@ def test_conv1d_in_pieces_matches_one_pass():
     torch.testing.assert_close(torch.cat([first, second, torch.stack(steps)]), whole)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv1d_over_slots_is_the_gathered_decode_bit_for_bit(dtype):
+    """The decode step's conv reading and writing windows in their slots gives what the
+    gathered form (the one verification rows replay) gives, and touches no other slot."""
+    g = torch.Generator().manual_seed(4)
+    x, weight = (torch.randn(3, 6, generator=g).to(dtype),
+                 torch.randn(6, 4, generator=g).to(dtype))
+    pool = torch.randn(5, 6, 3, generator=g).to(dtype)
+    slots = torch.tensor([4, 0, 2])
+    gathered = pool[slots].clone()
+    want = gd.conv1d_decode(x, weight, gathered)
+    got_pool = pool.clone()
+    got = gd.conv1d_decode_slots(x, weight, got_pool, slots)
+    assert torch.equal(got, want) and torch.equal(got_pool[slots], gathered)
+    assert torch.equal(got_pool[[1, 3]], pool[[1, 3]])
+
+
 @pytest.mark.skipif(not gd.fla_available(torch.device("cuda"), torch.bfloat16),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_kernel_matches_reference_in_bf16():

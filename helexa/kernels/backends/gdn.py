@@ -186,11 +186,13 @@ class GatedDeltaStates:
         n = mixed.shape[0]
         kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
         nd = meta.decode_slots.numel()
-        conv = torch.empty_like(mixed)
-        if nd:
-            windows = state.conv.index_select(0, meta.decode_slots)
-            conv[:nd] = gd.conv1d_decode(mixed[:nd], conv_weight, windows)
-            state.conv.index_copy_(0, meta.decode_slots, windows)
+        if nd == n:  # decode rows alone: the conv's output is the whole step's
+            conv = gd.conv1d_decode_slots(mixed, conv_weight, state.conv, meta.decode_slots)
+        else:
+            conv = torch.empty_like(mixed)
+        if nd and nd < n:
+            conv[:nd] = gd.conv1d_decode_slots(mixed[:nd], conv_weight, state.conv,
+                                               meta.decode_slots)
         for start, end, slot in meta.prefills:
             conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
                                                         state.conv[slot])
