@@ -19,7 +19,9 @@ failing stage still leaves the others' figures:
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
   untied input embedding, of which a step gathers a row) = steps/s at best; and batch 1
   again with the models' torch norms and SiLU (HELEXA_CUDA_FUSED=0) beside the fused
-  kernels, the ratio of the two measured in the same run; for a model whose GQA group the
+  kernels, the ratio of the two measured in the same run; for a hybrid on FlashInfer's
+  Gated DeltaNet pool decode, batch 1 again without it (HELEXA_FLASHINFER_GDN=0: fla's
+  kernel on gathered states), the ratio likewise; for a model whose GQA group the
   CUDA-core decode kernel serves, batch 1 and 8 again on the tensor-core kernel (the
   measurement cuda.tensor_cores waits for).
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
@@ -48,6 +50,7 @@ from typing import Any
 
 import torch
 
+from helexa.kernels import gated_delta
 from helexa.kernels.backends import cuda_fused
 
 STAGES = ("env", "compile", "parity", "decode", "profile", "ttft")
@@ -246,6 +249,21 @@ def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
+    """Batch-1 decode tok/s of checkpoint ``name`` with switch ``env`` set to "0" (the
+    fused norms' or FlashInfer's Gated DeltaNet decode turned off), and its backend line."""
+    s = ctx["sizes"]
+    os.environ[env] = "0"
+    try:
+        r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["decode_tokens"] + 8)
+        tok_s = decode_steps_per_s(r, 1, s["prompt"], s["decode_tokens"])
+        backend = r.runner.attention_backend
+        r.close()
+    finally:
+        del os.environ[env]
+    return {"tok_s": tok_s, "backend": backend}
+
+
 def tensor_core_decode(path: Path, device: str, s: dict[str, Any], roofline_steps: float,
                        cuda_core: dict[str, Any]) -> dict[str, Any]:
     """Decode of a model whose GQA group the CUDA-core kernel serves, forced onto FlashInfer's
@@ -286,15 +304,17 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
                                     "roofline_fraction": steps / roofline_steps}
         r.close()
         # the same steps with the models' torch norms and SiLU (cuda_fused.py's switch)
-        os.environ[cuda_fused.ENV] = "0"
-        try:
-            r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["decode_tokens"] + 8)
-            plain = decode_steps_per_s(r, 1, s["prompt"], s["decode_tokens"])
-            r.close()
-        finally:
-            del os.environ[cuda_fused.ENV]
+        plain = batch1_with(ctx, name, cuda_fused.ENV)["tok_s"]
         res["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
         res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
+        if "FlashInfer pool decode" in res["backend"]:  # the hybrid's decode on fla instead
+            try:  # its failure must not cost the stage the figures above
+                other = batch1_with(ctx, name, gated_delta.FI_GDN_ENV)
+                other["roofline_fraction"] = other["tok_s"] / roofline_steps
+                res["batch1_without_flashinfer_gdn"] = other
+                res["flashinfer_gdn_vs_other_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                res["batch1_without_flashinfer_gdn"] = {"error": f"{type(e).__name__}: {e}"}
         if "CUDA cores" in res["backend"]:  # the same steps on the tensor-core decode kernel
             try:  # its failure must not cost the stage the figures above
                 res["tensor_core_decode"] = tensor_core_decode(ctx[name], ctx["device"], s,

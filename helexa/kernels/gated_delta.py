@@ -40,7 +40,8 @@ q and k arrive L2-normalised (``l2norm``) and q is scaled by the caller's
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import os
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -58,10 +59,11 @@ try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
     from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _fla_norm_gated = None
-try:  # FlashInfer's decode step over a pool of states, read and written in place by slot
-    from flashinfer import gdn_decode as _fi_gdn
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fi_gdn = None
+# FlashInfer's decode step over a pool of states, read and written in place by slot:
+# imported on first use (its CuTe DSL takes seconds to import; only hybrids on CUDA ask)
+_fi_gdn: Any = None
+_fi_gdn_tried = False
+FI_GDN_ENV = "HELEXA_FLASHINFER_GDN"  # "0": never use it (the GPU check's side-by-side run)
 
 
 def fla_gated_available() -> bool:
@@ -399,16 +401,33 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
 FI_POOL_DIM = 128  # its bf16-state kernels are built for k_dim = v_dim = 128 only
 
 
+def _fi_module() -> Any:
+    """FlashInfer's gdn_decode module, imported once (None where it does not import)."""
+    global _fi_gdn, _fi_gdn_tried
+    if _fi_gdn is None and not _fi_gdn_tried:
+        _fi_gdn_tried = True
+        try:
+            from flashinfer import gdn_decode
+
+            _fi_gdn = gdn_decode
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            _fi_gdn = None
+    return _fi_gdn
+
+
 def fi_pool_unavailable(device: torch.device, dtype: torch.dtype, key_dim: int,
                         value_dim: int) -> str:
     """Why FlashInfer's pool decode (fi_decode_pool) cannot serve these layers ("" when it
     can): it needs CUDA on Hopper or newer, FlashInfer with its CuTe DSL kernels, bf16
-    states, and heads of 128 x 128."""
+    states, and heads of 128 x 128; ``HELEXA_FLASHINFER_GDN=0`` turns it off."""
     if device.type != "cuda":
         return "not a CUDA device"
-    if _fi_gdn is None:
+    if os.environ.get(FI_GDN_ENV, "1") == "0":
+        return f"{FI_GDN_ENV}=0"
+    module = _fi_module()
+    if module is None:
         return "FlashInfer is not installed"
-    if not getattr(_fi_gdn, "_GDN_DECODE_BF16_STATE_AVAILABLE", False):
+    if not getattr(module, "_GDN_DECODE_BF16_STATE_AVAILABLE", False):
         return "FlashInfer's bf16-state Gated DeltaNet kernels did not import (CuTe DSL)"
     if dtype != torch.bfloat16:
         return f"its kernels keep bf16 states, the model's are {str(dtype).removeprefix('torch.')}"
@@ -427,8 +446,9 @@ def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateI
     k_dim^-0.5 scale), v [B, v_heads, dv], the gates raw (with ``a_log``, the layer's A_log
     in fp32); row b's state is slot ``slots[b]`` (int32) of ``pool`` [slots, v_heads, dv,
     dk], read and written in place. Returns o [B, v_heads, dv] in v's dtype."""
-    assert _fi_gdn is not None
-    o, _ = _fi_gdn.gated_delta_rule_decode_pretranspose(
+    module = _fi_module()
+    assert module is not None
+    o, _ = module.gated_delta_rule_decode_pretranspose(
         q=q[:, None].contiguous(), k=k[:, None].contiguous(), v=v[:, None].contiguous(),
         state=None, A_log=a_log, a=raw.a[:, None].contiguous(), dt_bias=raw.dt_bias,
         b=raw.b[:, None].contiguous(), scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,

@@ -134,8 +134,14 @@ def test_what_the_pool_kernel_cannot_serve_is_named(monkeypatch, device, dtype, 
 
 def test_without_flashinfer_or_its_cute_kernels_the_pool_decode_is_off(monkeypatch):
     monkeypatch.setattr(gd, "_fi_gdn", None)
+    monkeypatch.setattr(gd, "_fi_gdn_tried", False)  # the import is tried (none here)
     assert gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
         "FlashInfer is not installed"
+    monkeypatch.setattr(gd, "_fi_gdn", StandInGdnDecode())
+    monkeypatch.setenv(gd.FI_GDN_ENV, "0")  # the switch the GPU check's side-by-side run sets
+    assert gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
+        "HELEXA_FLASHINFER_GDN=0"
+    monkeypatch.delenv(gd.FI_GDN_ENV)
 
     class NoCute:
         _GDN_DECODE_BF16_STATE_AVAILABLE = False
