@@ -448,12 +448,23 @@ def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateI
     dk], read and written in place. Returns o [B, v_heads, dv] in v's dtype."""
     module = _fi_module()
     assert module is not None
+    q, k, v, a, b = (_aligned(x[:, None]) for x in (q, k, v, raw.a, raw.b))
     o, _ = module.gated_delta_rule_decode_pretranspose(
-        q=q[:, None].contiguous(), k=k[:, None].contiguous(), v=v[:, None].contiguous(),
-        state=None, A_log=a_log, a=raw.a[:, None].contiguous(), dt_bias=raw.dt_bias,
-        b=raw.b[:, None].contiguous(), scale=q.shape[-1] ** -0.5, use_qk_l2norm=True,
-        initial_state=pool, initial_state_indices=slots)
+        q=q, k=k, v=v, state=None, A_log=a_log, a=a, dt_bias=raw.dt_bias, b=b,
+        scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, initial_state=pool,
+        initial_state_indices=slots)
     return o[:, 0]
+
+
+FI_ALIGN = 32  # bytes: FlashInfer's CuTe launcher declares its tensors so aligned
+
+
+def _aligned(x: torch.Tensor) -> torch.Tensor:
+    """x contiguous at a FI_ALIGN-byte address, copied only where it is not (a, b are views
+    into the layer's projection: at 24 value heads a row's a starts 48 bytes past b's)."""
+    if x.is_contiguous() and x.data_ptr() % FI_ALIGN == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
 
 
 def probe_fi_pool(device: torch.device, key_heads: int, value_heads: int, key_dim: int,

@@ -97,6 +97,24 @@ def test_pure_decode_steps_run_flashinfers_kernel_on_the_slots_in_place(stand_in
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
+def test_gates_at_an_unaligned_offset_of_the_projection_reach_the_kernel_aligned(stand_in):
+    """At batch 1, a and b are contiguous views into the layer's projection output; with 2
+    value heads a starts 4 bytes past b (at 24 heads, 48), off the 32-byte alignment the
+    kernel declares. Such a view is copied; an aligned one is passed as it is."""
+    proj = torch.randn(1, 3 * D + 2 * VH + 2, dtype=BF16)  # [q | k | v ... | b | a] of one row
+    b, a = proj[:, 3 * D:3 * D + VH], proj[:, 3 * D + VH:3 * D + 2 * VH]
+    assert a.is_contiguous() and a.data_ptr() % 32 != 0
+    q = torch.randn(1, KH, D, dtype=BF16)
+    raw = gd.GateInputs(a, b, torch.randn(VH, dtype=BF16), torch.randn(VH, dtype=BF16))
+    pool = torch.zeros(2, VH, D, D, dtype=BF16)
+    o = gd.fi_decode_pool(q, q.clone(), torch.randn(1, VH, D, dtype=BF16), raw,
+                          raw.A_log.float(), pool, torch.tensor([1], dtype=torch.int32))
+    assert o.shape == (1, VH, D) and stand_in.calls == [{"rows": 1, "scale": D ** -0.5,
+                                                          "l2norm": True}]
+    aligned = torch.empty(64, dtype=BF16)[:16].view(1, 16)
+    assert gd._aligned(aligned) is aligned and gd._aligned(a) is not a
+
+
 def test_the_load_probe_proves_the_kernel_or_leaves_it_off(stand_in, monkeypatch):
     """A kernel that writes a slot it was not given is caught at load: the states stay
     K-major, the decode runs the other kernels, and the reason is said."""

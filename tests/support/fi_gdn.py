@@ -40,7 +40,8 @@ class StandInGdnDecode:
         assert K == V == 128 and q.dtype in (torch.float16, BF16) and A_log.dtype == torch.float32
         assert initial_state_indices is not None and initial_state_indices.shape == (B,)
         assert initial_state_indices.dtype == torch.int32
-        assert all(t.is_contiguous() for t in (q, k, v, a, b))
+        # its launcher declares each tensor 32-byte aligned (from_dlpack(assumed_align=32))
+        assert all(t.is_contiguous() and t.data_ptr() % 32 == 0 for t in (q, k, v, a, b))
         self.calls.append({"rows": B, "scale": scale, "l2norm": use_qk_l2norm})
         idx = initial_state_indices.long()
         states = pool[idx].transpose(-1, -2).float()  # [B, HV, K, V]
