@@ -27,7 +27,8 @@ failing stage still leaves the others' figures:
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
   CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
-  its wall time (host-bound where the gap is large), and the costliest kernels.
+  its wall time (host-bound where the gap is large), and the costliest kernels; then, out
+  of the profiler, the host's µs a step in each part of the runner's step (HostTimes).
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from helexa.kernels import gated_delta
+from helexa.kernels import flashinfer_gdn
 from helexa.kernels.backends import cuda_fused
 
 STAGES = ("env", "compile", "parity", "decode", "profile", "ttft")
@@ -309,7 +310,7 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
         res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
         if "FlashInfer pool decode" in res["backend"]:  # the hybrid's decode on fla instead
             try:  # its failure must not cost the stage the figures above
-                other = batch1_with(ctx, name, gated_delta.FI_GDN_ENV)
+                other = batch1_with(ctx, name, flashinfer_gdn.FI_GDN_ENV)
                 other["roofline_fraction"] = other["tok_s"] / roofline_steps
                 res["batch1_without_flashinfer_gdn"] = other
                 res["flashinfer_gdn_vs_other_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
@@ -325,6 +326,57 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class HostTimes:
+    """Host time a decode step spends in each part of ModelRunner.execute, by timing the
+    calls (wrapped on this runner's objects alone, nothing in the engine's own path): what
+    a call queues on the device is not waited for, so each figure is the host's own work
+    plus any wait the call makes (a blocking copy shows up in the part that makes it).
+    ``read_tokens`` is the argmax and the read-back of the sampled tokens: the one wait a
+    step needs, in which the host idles until the device has run the step."""
+
+    def __init__(self, r: Runner) -> None:
+        self.us: dict[str, float] = {}
+        runner = r.runner
+        self._wrap(runner, "_prepare", "prepare")
+        self._wrap(runner.backend.attention, "plan", "attention_plan")
+        if runner.linear_states is not None:
+            self._wrap(runner.linear_states, "plan", "state_plan")
+        self._wrap(runner.backend.executor, "run", "forward_or_replay")
+
+    def _wrap(self, obj: Any, attr: str, part: str) -> None:
+        inner = getattr(obj, attr)
+        self.us[part] = 0.0
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.us[part] += (time.perf_counter() - t) * 1e6
+
+        setattr(obj, attr, timed)
+
+    def per_step(self, r: Runner, last: list[int], steps: int) -> dict[str, float]:
+        """Run ``steps`` decode steps; µs per step of each part, the read-back and the
+        whole step, and what none of the parts covers (``other``)."""
+        for part in self.us:
+            self.us[part] = 0.0
+        read, start = 0.0, time.perf_counter()
+        for _ in range(steps):
+            logits = r.runner.execute([r.SeqInput([x], r.lens[i], r.tables[i], True, i)
+                                       for i, x in enumerate(last)])
+            r.lens = [n + 1 for n in r.lens]
+            t = time.perf_counter()
+            last = logits.argmax(-1).tolist()
+            read += time.perf_counter() - t
+        wall = (time.perf_counter() - start) * 1e6
+        out = {part: us / steps for part, us in self.us.items()}
+        out["read_tokens"] = read * 1e6 / steps
+        out["step_wall"] = wall / steps
+        out["other"] = out["step_wall"] - sum(v for k, v in out.items() if k != "step_wall")
+        return out
+
+
 def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -333,7 +385,8 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda_dev else [])
     out: dict[str, Any] = {}
     for name in ("dense_big", "hybrid_big"):
-        r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["profile_steps"] + 8)
+        r = Runner(ctx[name], ctx["device"], 1,
+                   s["prompt"] + s["profile_steps"] + s["decode_tokens"] + 8)
         last = r.step(r.prefill([list(range(1, s["prompt"] + 1))]))
         sync(r.device)
         with profile(activities=acts) as prof:
@@ -342,6 +395,8 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
                 last = r.step(last)
             sync(r.device)
             wall = time.perf_counter() - t
+        host = HostTimes(r)  # the same steps again, outside the profiler
+        host_us = host.per_step(r, last, s["decode_tokens"])
         r.close()
         events = prof.events()
         top: dict[str, list[float]] = {}
@@ -366,6 +421,8 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
                      # device time the kernels take, against the step's wall time
                      "kernel_us_per_step": sum(v[1] for v in top.values()) / per,
                      "wall_us_per_step": wall / per * 1e6,
+                     # outside the profiler: where a step's host time goes (HostTimes)
+                     "host_us_per_step": host_us,
                      "top_kernels": [{"name": k, "per_step": v[0] / per,
                                       "us_per_step": v[1] / per} for k, v in costliest]}
     return out

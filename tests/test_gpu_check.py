@@ -37,6 +37,11 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
         assert stages["profile"][name]["wall_us_per_step"] > 0
+        host = stages["profile"][name]["host_us_per_step"]
+        parts = {"prepare", "attention_plan", "forward_or_replay", "read_tokens", "other"}
+        assert parts | ({"state_plan"} if name == "hybrid_big" else set()) == \
+            set(host) - {"step_wall"}, host
+        assert host["step_wall"] >= host["forward_or_replay"] > 0 and host["prepare"] > 0
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
 

@@ -74,7 +74,7 @@ class LinearState:
     counts them), and the verification rows held until their requests' next step.
 
     ``v_major`` stores the states as [slots, v_heads, v_dim, k_dim] (``pool``, the layout
-    FlashInfer's pool decode reads and writes in place: gated_delta.fi_decode_pool);
+    FlashInfer's pool decode reads and writes in place: flashinfer_gdn.fi_decode_pool);
     ``recurrent`` is then its transposed view, so every other reader sees one shape."""
 
     def __init__(self, spec: LinearAttentionSpec, num_slots: int,

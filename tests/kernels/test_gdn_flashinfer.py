@@ -15,21 +15,22 @@ import torch
 from support.fi_gdn import StandInGdnDecode
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.gdn import GatedDeltaStates
 
 KH, VH, D, CONV_K = 2, 4, 128, 4  # FlashInfer's bf16-state kernels take heads of 128 x 128
 BF16 = torch.bfloat16
-UNAVAILABLE = gd.fi_pool_unavailable  # the real checks, before a test stands them in
+UNAVAILABLE = fig.fi_pool_unavailable  # the real checks, before a test stands them in
 
 
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandInGdnDecode:
     """The stand-in as FlashInfer's module, and the device checks passed (CPU here)."""
     fake = StandInGdnDecode()
-    monkeypatch.setattr(gd, "_fi_gdn", fake)
-    monkeypatch.setattr(gd, "fi_pool_unavailable", lambda *a: "")
+    monkeypatch.setattr(fig, "_fi_gdn", fake)
+    monkeypatch.setattr(fig, "fi_pool_unavailable", lambda *a: "")
     return fake
 
 
@@ -88,7 +89,7 @@ def test_pure_decode_steps_run_flashinfers_kernel_on_the_slots_in_place(stand_in
     got = _run(fused)
     # the two pure decode steps reach the kernel; the prefill and the mixed step do not
     assert stand_in.calls == [{"rows": 2, "scale": D ** -0.5, "l2norm": True}] * 2
-    monkeypatch.setattr(gd, "fi_pool_unavailable", UNAVAILABLE)
+    monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
     plain_states = GatedDeltaStates(torch.device("cpu"))
     plain_states.allocate([_spec()], 4)  # not on CUDA: the torch forms, K-major states
     assert not plain_states._fi_pool and plain_states.layers[0].pool is None
@@ -107,21 +108,21 @@ def test_gates_at_an_unaligned_offset_of_the_projection_reach_the_kernel_aligned
     q = torch.randn(1, KH, D, dtype=BF16)
     raw = gd.GateInputs(a, b, torch.randn(VH, dtype=BF16), torch.randn(VH, dtype=BF16))
     pool = torch.zeros(2, VH, D, D, dtype=BF16)
-    o = gd.fi_decode_pool(q, q.clone(), torch.randn(1, VH, D, dtype=BF16), raw,
+    o = fig.fi_decode_pool(q, q.clone(), torch.randn(1, VH, D, dtype=BF16), raw,
                           raw.A_log.float(), pool, torch.tensor([1], dtype=torch.int32))
     assert o.shape == (1, VH, D) and stand_in.calls == [{"rows": 1, "scale": D ** -0.5,
                                                           "l2norm": True}]
     aligned = torch.empty(64, dtype=BF16)[:16].view(1, 16)
-    assert gd._aligned(aligned) is aligned and gd._aligned(a) is not a
+    assert fig._aligned(aligned) is aligned and fig._aligned(a) is not a
 
 
 def test_the_load_probe_proves_the_kernel_or_leaves_it_off(stand_in, monkeypatch):
     """A kernel that writes a slot it was not given is caught at load: the states stay
     K-major, the decode runs the other kernels, and the reason is said."""
-    assert gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16) == ""
+    assert fig.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16) == ""
     broken = StandInGdnDecode(wrong_slot=True)
-    monkeypatch.setattr(gd, "_fi_gdn", broken)
-    why = gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
+    monkeypatch.setattr(fig, "_fi_gdn", broken)
+    why = fig.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
     assert why == "FlashInfer's pool decode wrote a slot it was not given"
     states = _states()
     assert not states._fi_pool and states.layers[0].pool is None
@@ -135,7 +136,7 @@ def test_a_kernel_that_raises_at_the_probe_is_left_off(stand_in, monkeypatch):
         raise AssertionError("K and V must be 128")
 
     monkeypatch.setattr(stand_in, "gated_delta_rule_decode_pretranspose", fails)
-    why = gd.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
+    why = fig.probe_fi_pool(torch.device("cpu"), KH, VH, D, D, BF16)
     assert why == "FlashInfer's pool decode failed (AssertionError: K and V must be 128)"
     assert not _states()._fi_pool
 
@@ -146,29 +147,29 @@ def test_a_kernel_that_raises_at_the_probe_is_left_off(stand_in, monkeypatch):
     ("cuda", BF16, (64, 128), "its kernels take heads of 128 x 128, these are 64 x 128"),
 ])
 def test_what_the_pool_kernel_cannot_serve_is_named(monkeypatch, device, dtype, dims, why):
-    monkeypatch.setattr(gd, "_fi_gdn", StandInGdnDecode())
-    assert gd.fi_pool_unavailable(torch.device(device), dtype, *dims) == why
+    monkeypatch.setattr(fig, "_fi_gdn", StandInGdnDecode())
+    assert fig.fi_pool_unavailable(torch.device(device), dtype, *dims) == why
 
 
 def test_without_flashinfer_or_its_cute_kernels_the_pool_decode_is_off(monkeypatch):
-    monkeypatch.setattr(gd, "_fi_gdn", None)
-    monkeypatch.setattr(gd, "_fi_gdn_tried", False)  # the import is tried (none here)
-    assert gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
+    monkeypatch.setattr(fig, "_fi_gdn", None)
+    monkeypatch.setattr(fig, "_fi_gdn_tried", False)  # the import is tried (none here)
+    assert fig.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
         "FlashInfer is not installed"
-    monkeypatch.setattr(gd, "_fi_gdn", StandInGdnDecode())
-    monkeypatch.setenv(gd.FI_GDN_ENV, "0")  # the switch the GPU check's side-by-side run sets
-    assert gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
+    monkeypatch.setattr(fig, "_fi_gdn", StandInGdnDecode())
+    monkeypatch.setenv(fig.FI_GDN_ENV, "0")  # the switch the GPU check's side-by-side run sets
+    assert fig.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128) == \
         "HELEXA_FLASHINFER_GDN=0"
-    monkeypatch.delenv(gd.FI_GDN_ENV)
+    monkeypatch.delenv(fig.FI_GDN_ENV)
 
     class NoCute:
         _GDN_DECODE_BF16_STATE_AVAILABLE = False
 
-    monkeypatch.setattr(gd, "_fi_gdn", NoCute())
-    assert "did not import" in gd.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128)
+    monkeypatch.setattr(fig, "_fi_gdn", NoCute())
+    assert "did not import" in fig.fi_pool_unavailable(torch.device("cuda"), BF16, 128, 128)
 
 
-@pytest.mark.skipif(gd.fi_pool_unavailable(torch.device("cuda"), BF16, D, D) != "",
+@pytest.mark.skipif(fig.fi_pool_unavailable(torch.device("cuda"), BF16, D, D) != "",
                     reason="needs FlashInfer's GDN kernels on a Hopper-class GPU")
 def test_flashinfers_pool_kernel_matches_the_torch_step():
-    assert gd.probe_fi_pool(torch.device("cuda"), KH, VH, D, D, BF16) == ""
+    assert fig.probe_fi_pool(torch.device("cuda"), KH, VH, D, D, BF16) == ""

@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
@@ -96,9 +97,9 @@ class GatedDeltaStates:
         """FlashInfer's pool decode serves these layers and agrees with the torch forms on
         one small step at their sizes (else the reason is logged and the others run)."""
         dtype = TORCH_DTYPES[s.dtype]
-        if gd.fi_pool_unavailable(self.device, dtype, s.key_dim, s.value_dim):
+        if fig.fi_pool_unavailable(self.device, dtype, s.key_dim, s.value_dim):
             return False  # not this device or model: nothing to say
-        why = gd.probe_fi_pool(self.device, s.key_heads, s.value_heads, s.key_dim,
+        why = fig.probe_fi_pool(self.device, s.key_heads, s.value_heads, s.key_dim,
                                s.value_dim, dtype)
         if why:
             log.warning("kernels.flashinfer_gdn_fallback", reason=why)
@@ -180,7 +181,7 @@ class GatedDeltaStates:
         conv_weight [channels, K] -> o [N, v_heads, v_dim] fp32 (in the model's dtype from
         FlashInfer's pool decode). q and k are L2-normalised (q scaled by k_dim^-0.5) after
         the conv. A step of decode rows alone with raw gates runs FlashInfer's pool kernel
-        (gd.fi_decode_pool: the states read and written in their slots) where it was proved
+        (flashinfer_gdn.fi_decode_pool: the states read and written in their slots) where proved
         at load, else fla's kernel with the norms and gates inside it (gd.fla_decode_gated)."""
         spec, state = self.specs[layer], self.layers[layer]
         n = mixed.shape[0]
@@ -207,7 +208,7 @@ class GatedDeltaStates:
                        and rows is None)
         if pure_decode and self._fi_pool and meta.decode_slots32 is not None:
             assert isinstance(gate, gd.GateInputs) and state.pool is not None
-            return gd.fi_decode_pool(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
+            return fig.fi_decode_pool(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
                                      v.reshape(n, vh, dv), gate, self._a_log32(layer, gate),
                                      state.pool, meta.decode_slots32)
         if pure_decode and self._fla_gated:

@@ -11,10 +11,10 @@ import torch
 from support.fi_gdn import StandInGdnDecode
 
 from helexa.fixtures.tiny import init_tiny
-from helexa.kernels import gated_delta as gd
+from helexa.kernels import flashinfer_gdn as fig
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
-UNAVAILABLE = gd.fi_pool_unavailable
+UNAVAILABLE = fig.fi_pool_unavailable
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +49,8 @@ def test_a_hybrid_on_the_pool_kernel_gives_the_torch_paths_logits(checkpoint, mo
     assert "torch decode" in plain.attention_backend
     want = _steps(plain)
     fake = StandInGdnDecode()
-    monkeypatch.setattr(gd, "_fi_gdn", fake)
-    monkeypatch.setattr(gd, "fi_pool_unavailable", lambda *a: "")  # as on a Hopper GPU
+    monkeypatch.setattr(fig, "_fi_gdn", fake)
+    monkeypatch.setattr(fig, "fi_pool_unavailable", lambda *a: "")  # as on a Hopper GPU
     fused = _runner(checkpoint)
     assert "FlashInfer pool decode (states in place)" in fused.attention_backend
     assert all(layer.pool is not None for layer in fused.linear_states.layers)
@@ -65,4 +65,4 @@ def test_a_hybrid_on_the_pool_kernel_gives_the_torch_paths_logits(checkpoint, mo
         # the stand-in's o kept in fp32 the logits are bit for bit the torch path's)
         assert float((g - w).abs().max()) < 0.1 * float(w.std())
         assert torch.equal(g.argmax(-1), w.argmax(-1))
-    monkeypatch.setattr(gd, "fi_pool_unavailable", UNAVAILABLE)
+    monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
