@@ -9,9 +9,15 @@ linear, llama3, yarn) so logits match the reference. Layout is "rotate half"
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+# A device's one-launch rotation: (positions [N], q [N, h, d], k [N, kvh, d], the table's
+# cos_sin_cache) -> None, q's and k's leading rotary dims rotated in place
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 def rope_inv_freq(
@@ -92,6 +98,8 @@ class RotaryTable:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
+        self.kernel: RopeKernel | None = None  # use_kernel
+        self.cos_sin_cache: torch.Tensor | None = None  # the kernel's table (kernel_cache)
         self._build(initial_len)
 
     def _build(self, length: int) -> None:
@@ -109,9 +117,68 @@ class RotaryTable:
         """Grow the table so positions < max_position can be looked up."""
         if max_position > self.length:
             self._build(max(max_position, 2 * self.length))
+            if self.kernel is not None:
+                self.cos_sin_cache = self.kernel_cache()
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions], self.sin_signed[positions]
+
+    def kernel_cache(self) -> torch.Tensor:
+        """[length, rotary_dim] fp32: each frequency's cos, then its sin, scaled and not
+        rounded (the table FlashInfer's rope reads: vLLM's and SGLang's cos_sin_cache)."""
+        pos = torch.arange(self.length, device=self.device, dtype=torch.float32)
+        freqs = torch.outer(pos, self.inv_freq)
+        return torch.cat([freqs.cos() * self.scaling, freqs.sin() * self.scaling], dim=-1)
+
+    def use_kernel(self, kernel: RopeKernel | None) -> None:
+        """Rotate with a device's one-launch kernel from now on (None: the torch form)."""
+        self.kernel = kernel
+        self.cos_sin_cache = self.kernel_cache() if kernel is not None else None
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        """The step's rotation of rows at ``positions`` [N]."""
+        if self.kernel is not None:
+            return Rotation(positions=positions, table=self)
+        cos, sin = self.cos_sin(positions)
+        return Rotation(cos.unsqueeze(1), sin.unsqueeze(1))
+
+
+@dataclass
+class Rotation:
+    """One step's rotary embedding, as each attention layer of the step applies it to its q
+    and k: cos and sign-carrying sin rows [N, 1, rotary_dim] gathered once (the torch form),
+    or the step's positions for the table's device kernel, which rotates q and k in place
+    in one launch (RotaryTable.use_kernel: FlashInfer's on CUDA, cuda_fused.install_rope)."""
+
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    table: RotaryTable | None = None
+
+    def pair(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, h, d] and k [N, kvh, d] rotated in their leading rotary_dim dims, the rest
+        passed through; in place where the kernel runs (so they must be the step's own)."""
+        if self.table is not None:
+            assert self.table.kernel is not None and self.table.cos_sin_cache is not None
+            self.table.kernel(self.positions, q, k, self.table.cos_sin_cache)
+            return q, k
+        assert self.cos is not None and self.sin is not None
+        r = self.cos.shape[-1]
+        if r == q.shape[-1]:
+            return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+        return (torch.cat([apply_rotary(q[..., :r], self.cos, self.sin), q[..., r:]], dim=-1),
+                torch.cat([apply_rotary(k[..., :r], self.cos, self.sin), k[..., r:]], dim=-1))
+
+    def joint(self, qk: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k side by side in one tensor [N, heads + kv_heads, d] (full rotary) -> the
+        rotated q and k: one rotation of both in the torch form, as in the kernel."""
+        if self.table is not None:
+            q, k = qk.split_with_sizes([heads, qk.shape[1] - heads], 1)
+            return self.pair(q, k)
+        assert self.cos is not None and self.sin is not None
+        rotated = apply_rotary(qk, self.cos, self.sin)
+        q, k = rotated.split_with_sizes([heads, qk.shape[1] - heads], 1)
+        return q, k
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

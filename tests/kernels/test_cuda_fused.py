@@ -49,6 +49,20 @@ class StandInOps:
         gate, up = x.float().chunk(2, dim=-1)
         return (F.silu(gate) * up).to(x.dtype)
 
+    def apply_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   cache: torch.Tensor) -> None:
+        """FlashInfer's apply_rope_with_cos_sin_cache_inplace (neox): the leading
+        cache.shape[1] dims of each head as two halves, in fp32 from the cache, in place."""
+        if self.fail:
+            raise RuntimeError("ninja: build stopped")
+        assert cache.dtype == torch.float32 and q.shape[-1] == k.shape[-1]
+        self.calls["apply_rope"] += 1
+        half = cache.shape[1] // 2
+        cos, sin = cache[positions, :half][:, None], cache[positions, half:][:, None]
+        for x in (q, k):
+            x1, x2 = x[..., :half].float(), x[..., half:2 * half].float()
+            x[..., :half], x[..., half:2 * half] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
 
 def _logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
     return runner.execute([SeqInput(prompt, 0, [0, 1, 2], True, 0)])[0].float()
@@ -100,4 +114,66 @@ def test_what_the_kernels_do_not_serve_keeps_the_torch_forms(
         "norms, SiLU: torch (HELEXA_CUDA_FUSED=0)")
     assert all(m.kernel is None and m.add_kernel is None
                for m in model.modules() if isinstance(m, RMSNorm))
+    runner.close()
+
+
+@pytest.mark.parametrize(("arch", "head_dim"), [("qwen3", 64), ("qwen3_5", 64)])
+def test_rope_runs_one_kernel_a_layer_and_agrees(
+        tiny_checkpoint: Callable[..., Path], arch: str, head_dim: int) -> None:
+    """q and k rotated together in place, once per attention layer, from an fp32 table: the
+    logits are the torch form's to bf16 rounding; Qwen3.5's partial rotary (its leading
+    quarter) included."""
+    path = tiny_checkpoint(arch=arch, dtype="bfloat16", hidden_size=128, num_heads=2,
+                           num_kv_heads=1, head_dim=head_dim, intermediate_size=128)
+
+    def run(ops: StandInOps | None) -> tuple[torch.Tensor, str, ModelRunner]:
+        runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8,
+                             block_size=16, max_num_seqs=2, num_state_slots=2,
+                             backend="torch", max_batched_tokens=64)
+        line = "" if ops is None else cuda_fused.install_rope(
+            runner.model, torch.bfloat16, ops)  # type: ignore[arg-type]
+        if ops is not None:
+            ops.calls.clear()  # the probe's
+        logits = runner.execute([SeqInput([5, 9, 14, 3, 7, 21, 2], 0, [0, 1], True, 0)])
+        logits = torch.cat([logits, runner.execute([SeqInput([11], 7, [0, 1], True, 0)])])
+        runner.close()
+        return logits.float(), line, runner
+
+    plain, _, _ = run(None)
+    ops = StandInOps()
+    fused, line, runner = run(ops)
+    assert line == "rope: FlashInfer kernel"
+    rotary = runner.model.rotary
+    assert rotary.cos_sin_cache is not None and rotary.cos_sin_cache.dtype == torch.float32
+    assert rotary.cos_sin_cache.shape[1] == rotary.head_dim  # the rotary dims: a quarter
+    assert ops.calls["apply_rope"] == 2 * len(runner.model.attention_layers)  # two steps
+    err = (fused - plain).norm() / plain.norm()
+    assert err < 2e-2, err
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+def test_rope_the_kernel_cannot_serve_or_that_fails_its_probe_stays_torch(
+        tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tiny_checkpoint(arch="qwen3", dtype="bfloat16", hidden_size=64, num_heads=4,
+                           num_kv_heads=2, head_dim=16, intermediate_size=128)
+    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
+                         max_num_seqs=2, backend="torch", max_batched_tokens=64)
+    model = runner.model
+    assert cuda_fused.install_rope(model, torch.bfloat16, StandInOps()) == (  # type: ignore[arg-type]
+        "rope: torch (FlashInfer's rope does not take this dtype or head size)")  # 16
+    monkeypatch.setattr(cuda_fused, "ROPE_HEAD_DIMS", (16,))
+    assert cuda_fused.install_rope(model, torch.bfloat16, StandInOps(fail=True)) == (  # type: ignore[arg-type]
+        "rope: torch (FlashInfer's rope failed: RuntimeError)")
+
+    class Wrong(StandInOps):  # rotates by the wrong half: caught by the probe
+        def apply_rope(self, positions, q, k, cache):  # type: ignore[no-untyped-def]
+            super().apply_rope(positions, q, k, cache.flip(-1))
+
+    line = cuda_fused.install_rope(model, torch.bfloat16, Wrong())  # type: ignore[arg-type]
+    assert line.startswith("rope: torch (FlashInfer's rope is off by "), line
+    assert model.rotary.kernel is None
+    monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")
+    assert cuda_fused.install_rope(model, torch.bfloat16, StandInOps()) == (  # type: ignore[arg-type]
+        "rope: torch (HELEXA_CUDA_FUSED=0)")
+    assert model.rotary.kernel is None
     runner.close()

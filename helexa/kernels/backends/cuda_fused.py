@@ -58,6 +58,13 @@ class FusedOps:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self.fi.silu_and_mul(x)
 
+    def apply_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   cos_sin_cache: torch.Tensor) -> None:
+        """q [N, h, d], k [N, kvh, d] rotated in place (their leading cos_sin_cache.shape[1]
+        dims, rotate-half pairs), in one launch."""
+        self.fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, q.shape[-1],
+                                                       cos_sin_cache, is_neox=True)
+
 
 def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
@@ -131,3 +138,54 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
             mlps += 1
     log.info("kernels.fused_ops", norms=norms, mlps=mlps)
     return "norms, residual add + norm, SiLU: FlashInfer kernels"
+
+
+ROPE_HEAD_DIMS = (64, 128, 256, 512)  # the head sizes FlashInfer's rope kernel is built for
+
+
+def install_rope(model: torch.nn.Module, dtype: torch.dtype,
+                 ops: FusedOps | None = None) -> str:
+    """Give the model's rotary table FlashInfer's one-launch rope (q and k rotated in place
+    together, in fp32 from an fp32 cos/sin table, where the torch form is three kernels
+    for the pair, six where q and k are rotated apart), after one probe step agrees with
+    the torch form; returns the describe line ("" for a model without a rotary table)."""
+    rotary: Any = getattr(model, "rotary", None)
+    attention = getattr(model, "attention_layers", None)
+    if rotary is None or not attention:
+        return ""
+    if not enabled():
+        return f"rope: torch ({ENV}=0)"
+    head_dim = attention[0].head_dim
+    if dtype not in DTYPES or head_dim not in ROPE_HEAD_DIMS or rotary.head_dim % 2:
+        return "rope: torch (FlashInfer's rope does not take this dtype or head size)"
+    try:
+        ops = ops or FusedOps()
+        why = _probe_rope(rotary, ops, head_dim, dtype)
+        said = why
+    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
+        why, said = f"rope failed ({type(e).__name__}: {e})", f"rope failed: {type(e).__name__}"
+    if why:
+        log.warning("kernels.fused_rope", fused=False, reason=why)
+        return f"rope: torch (FlashInfer's {said})"
+    rotary.use_kernel(ops.apply_rope)
+    log.info("kernels.fused_rope", fused=True, rotary_dim=rotary.head_dim)
+    return "rope: FlashInfer kernel"
+
+
+def _probe_rope(rotary: Any, ops: FusedOps, head_dim: int, dtype: torch.dtype) -> str:
+    """Rotate a small q and k at far-apart positions with the kernel and with the torch
+    form (the table's own rows): "" when they agree to bf16 rounding, else why not."""
+    from helexa.kernels.rotary import Rotation
+
+    gen = torch.Generator().manual_seed(0)
+    dev = rotary.device
+    positions = torch.tensor([0, 7, rotary.length - 1], device=dev)
+    q = torch.randn(3, 2, head_dim, generator=gen).to(dtype).to(dev)
+    k = torch.randn(3, 1, head_dim, generator=gen).to(dtype).to(dev)
+    cos, sin = rotary.cos_sin(positions)
+    want_q, want_k = Rotation(cos.unsqueeze(1), sin.unsqueeze(1)).pair(q, k)
+    got_q, got_k = q.clone(), k.clone()
+    ops.apply_rope(positions, got_q, got_k, rotary.kernel_cache())
+    err = max(float((g.float() - w.float()).norm() / w.float().norm())
+              for g, w in ((got_q, want_q), (got_k, want_k)))
+    return "" if err < 2e-2 else f"rope is off by {err:.2g} (relative)"

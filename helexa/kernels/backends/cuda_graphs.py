@@ -119,8 +119,10 @@ class CudaGraphExecutor(StepExecutor):
         self.attention.heads = loaded.attention_layers[0].num_heads  # FlashInfer plans with it
         if self.attention.graph_rows:  # a captured graph holds the rotary table's address
             loaded.rotary.ensure(loaded.cfg.max_position_embeddings)  # never grow it
-        self.fused = cuda_fused.install(model, loaded.model.embed_tokens.weight.dtype,
-                                        self.fused_ops)
+        dtype = loaded.model.embed_tokens.weight.dtype
+        self.fused = cuda_fused.install(model, dtype, self.fused_ops)
+        rope = cuda_fused.install_rope(model, dtype, self.fused_ops)
+        self.fused = "; ".join(p for p in (self.fused, rope) if p)
         if tp_size > 1:  # the norms whose add reduces a deferred product (models/layers.py)
             norms = [m for m in model.modules()
                      if getattr(m, "reduce", False) is True and hasattr(m, "fused")]

@@ -29,7 +29,7 @@ from torch import nn
 
 from helexa.kernels.backends.base import StepMeta, attention
 from helexa.kernels.backends.gdn import GdnMetadata
-from helexa.kernels.rotary import RotaryTable, apply_rotary
+from helexa.kernels.rotary import RotaryTable, Rotation
 from helexa.log import get_logger
 from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
@@ -103,15 +103,13 @@ class Attention(HotModule):
                                                cfg.num_kv_heads, gated=self.gated, **kw)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.rotary_dim = cfg.rotary_dim or cfg.head_dim
         self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
                                         defer=True, **kw)
         norm_kw = {"dtype": kw["dtype"], "device": kw["device"]}
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **norm_kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, meta: StepMeta) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qg, k, v = self.qkv_proj(x).split([self.qkv_proj.q_factor * h * d, kvh * d, kvh * d], -1)
@@ -121,12 +119,7 @@ class Attention(HotModule):
             q, gate = qg.view(n, h, d), None
         q = self.q_norm(q)
         k = self.k_norm(k.view(n, kvh, d))
-        r = self.rotary_dim
-        if r == d:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        else:  # partial rotary: the trailing dims pass through
-            q = torch.cat([apply_rotary(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-            k = torch.cat([apply_rotary(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        q, k = rot.pair(q, k)  # partial rotary: the trailing dims pass through
         o = attention(q, k, v.view(n, kvh, d), self.layer, meta).reshape(n, h * d)
         if gate is not None:
             o = o * torch.sigmoid(gate.reshape(n, h * d))
@@ -162,7 +155,7 @@ class DecoderLayer(HotModule):
         self.mlp: HotModule = (SparseMoeBlock(cfg, defer=True, **kw) if cfg.is_moe_layer(index)
                                else MLP(cfg, **kw))
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, x: torch.Tensor, rot: Rotation,
                 meta: StepMeta, state: GdnMetadata | None) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the normed input, x: the residual stream -> (MLP output, stream after
         attention); partial sums at tp > 1 (layers.decoder_stack)."""
@@ -170,7 +163,7 @@ class DecoderLayer(HotModule):
             assert state is not None, "a hybrid model's step needs its state metadata"
             y = self.linear_attn(h, state)
         else:
-            y = self.self_attn(h, cos, sin, meta)
+            y = self.self_attn(h, rot, meta)
         h, x = self.post_attention_layernorm.add(y, x)
         return self.mlp(h), x
 
@@ -307,15 +300,15 @@ class HybridForCausalLM(nn.Module):
         None); ``state``: the step's linear-attention state metadata (helexa/kernels/backends/
         gdn.py), which the model runner builds and passes in."""
         mm = self.mm
-        if mm is not None and mm.positions is not None:  # (t, h, w) per row
+        if mm is not None and mm.positions is not None:  # (t, h, w) per row: the torch form
             cos, sin = mrope_cos_sin(self.rotary, mm.positions, self.mrope_axes)
+            rot = Rotation(cos.unsqueeze(1), sin.unsqueeze(1))  # [N, 1, rotary_dim]
         else:
-            cos, sin = self.rotary.cos_sin(positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, rotary_dim]
+            rot = self.rotary.rotation(positions)
         x = self.model.embed_tokens(input_ids)
         if mm is not None and mm.rows is not None and mm.embeds is not None:
             x = x.index_copy(0, mm.rows, mm.embeds.to(x.dtype))  # image tokens: the tower's
-        h = decoder_stack(self.model.layers, self.model.norm, x, cos, sin, meta, state)
+        h = decoder_stack(self.model.layers, self.model.norm, x, rot, meta, state)
         if self.keep_hidden:
             self.last_hidden = h
         if logits_indices is not None:
@@ -328,8 +321,7 @@ class HybridForCausalLM(nn.Module):
         """The MTP head over rows (token t + 1 in input_ids, the target's hidden at t in
         hidden [N, H], position t): (fp32 logits of rows logits_indices, output [N, H])."""
         assert self.mtp is not None, "no MTP head"
-        cos, sin = self.rotary.cos_sin(positions)
-        y = self.mtp(self.model.embed_tokens(input_ids), hidden, cos.unsqueeze(1),
-                     sin.unsqueeze(1), meta)
+        y = self.mtp(self.model.embed_tokens(input_ids), hidden,
+                     self.rotary.rotation(positions), meta)
         rows = y if logits_indices is None else y.index_select(0, logits_indices)
         return self.lm_head(rows).float(), y

@@ -15,7 +15,7 @@ from torch import nn
 
 from helexa.kernels.backends.base import StepMeta, attention
 from helexa.kernels.norm import rms_norm
-from helexa.kernels.rotary import RotaryTable, apply_rotary
+from helexa.kernels.rotary import RotaryTable, Rotation
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
     HotModule,
@@ -56,8 +56,7 @@ class Attention(HotModule):
                 self.k_norm.weight.expand(self.num_kv_heads, -1),
             ])
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                meta: StepMeta) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rot: Rotation, meta: StepMeta) -> torch.Tensor:
         n = x.shape[0]
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).view(n, h + 2 * kvh, d).split_with_sizes([h + kvh, kvh], 1)
@@ -69,7 +68,7 @@ class Attention(HotModule):
             qk = out
         elif self.qk_norm_weight is not None:  # q and k heads normed in one go
             qk = rms_norm(qk, self.qk_norm_weight, self.eps)
-        q, k = apply_rotary(qk, cos, sin).split_with_sizes([h, kvh], 1)  # q and k rotated at once
+        q, k = rot.joint(qk, h)  # q and k rotated at once
         o = attention(q, k, v, self.layer, meta)
         return self.o_proj(o.reshape(n, h * d))
 
@@ -98,11 +97,11 @@ class DecoderLayer(HotModule):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **norm_kw)
         self.mlp = MLP(cfg, **kw)
 
-    def forward(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, h: torch.Tensor, x: torch.Tensor, rot: Rotation,
                 meta: StepMeta) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the normed input, x: the residual stream -> (MLP output, stream after
         attention); partial sums at tp > 1 (layers.decoder_stack)."""
-        h, x = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, meta), x)
+        h, x = self.post_attention_layernorm.add(self.self_attn(h, rot, meta), x)
         return self.mlp(h), x
 
 
@@ -157,10 +156,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMeta,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [N] -> fp32 logits [M, vocab] for rows logits_indices (all if None)."""
-        cos, sin = self.rotary.cos_sin(positions)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, d]: broadcast over heads
+        rot = self.rotary.rotation(positions)  # gathered once: every layer rotates with it
         h = decoder_stack(self.model.layers, self.model.norm, self.model.embed_tokens(input_ids),
-                          cos, sin, meta)
+                          rot, meta)
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
         return self.lm_head(h).float()

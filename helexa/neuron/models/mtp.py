@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from helexa.kernels.backends.base import StepMeta
+from helexa.kernels.rotary import Rotation
 from helexa.neuron.models import hybrid_weights
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import RMSNorm, RowParallelLinear, decoder_stack
@@ -94,12 +95,12 @@ class MtpHead(nn.Module):
                 self.layer.input_layernorm, self.layer.post_attention_layernorm,
                 attn.q_norm, attn.k_norm]
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rot: Rotation,
+                meta: StepMeta) -> torch.Tensor:
         """embeds [N, H] (of tokens t + 1), hidden [N, H] (at t) -> normed output [N, H]."""
         x = torch.cat([self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)],
                       dim=-1)
         if self.tp_size > 1:  # this rank's input columns
             width = x.shape[-1] // self.tp_size
             x = x[:, self.tp_rank * width:(self.tp_rank + 1) * width]
-        return decoder_stack(self.layers, self.norm, self.fc(x), cos, sin, meta, None)
+        return decoder_stack(self.layers, self.norm, self.fc(x), rot, meta, None)
