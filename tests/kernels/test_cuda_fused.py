@@ -98,12 +98,17 @@ def test_norms_and_mlps_run_the_fused_kernels_and_agree(
     assert fused.argmax() == plain.argmax()
 
 
-def test_what_the_kernels_do_not_serve_keeps_the_torch_forms(
-        tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def _small_runner(tiny_checkpoint: Callable[..., Path]) -> ModelRunner:
+    """A bf16 qwen3 of head_dim 16 (a size FlashInfer's rope is not built for)."""
     path = tiny_checkpoint(arch="qwen3", dtype="bfloat16", hidden_size=64, num_heads=4,
                            num_kv_heads=2, head_dim=16, intermediate_size=128)
-    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
-                         max_num_seqs=2, backend="torch", max_batched_tokens=64)
+    return ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
+                       max_num_seqs=2, backend="torch", max_batched_tokens=64)
+
+
+def test_what_the_kernels_do_not_serve_keeps_the_torch_forms(
+        tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = _small_runner(tiny_checkpoint)
     model = runner.model
     assert cuda_fused.install(model, torch.float32, StandInOps()) == (  # type: ignore[arg-type]
         "norms, SiLU: torch (float32 weights)")
@@ -154,10 +159,7 @@ def test_rope_runs_one_kernel_a_layer_and_agrees(
 
 def test_rope_the_kernel_cannot_serve_or_that_fails_its_probe_stays_torch(
         tiny_checkpoint: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tiny_checkpoint(arch="qwen3", dtype="bfloat16", hidden_size=64, num_heads=4,
-                           num_kv_heads=2, head_dim=16, intermediate_size=128)
-    runner = ModelRunner(path, device="cpu", dtype="bfloat16", num_blocks=8, block_size=16,
-                         max_num_seqs=2, backend="torch", max_batched_tokens=64)
+    runner = _small_runner(tiny_checkpoint)
     model = runner.model
     assert cuda_fused.install_rope(model, torch.bfloat16, StandInOps()) == (  # type: ignore[arg-type]
         "rope: torch (FlashInfer's rope does not take this dtype or head size)")  # 16
