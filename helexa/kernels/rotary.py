@@ -137,8 +137,8 @@ class RotaryTable:
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """The step's rotation of rows at ``positions`` [N]."""
-        if self.kernel is not None:
-            return Rotation(positions=positions, table=self)
+        if self.kernel is not None:  # FlashInfer's checks its ids contiguous
+            return Rotation(positions=positions.contiguous(), table=self)
         cos, sin = self.cos_sin(positions)
         return Rotation(cos.unsqueeze(1), sin.unsqueeze(1))
 
