@@ -18,7 +18,7 @@ failing stage still leaves the others' figures:
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
   untied input embedding, of which a step gathers a row) = steps/s at best; and batch 1
-  again with the models' torch norms and SiLU (HELEXA_CUDA_FUSED=0) beside the fused
+  again with the models' torch norms, SiLU and rope (HELEXA_CUDA_FUSED=0) beside the fused
   kernels, the ratio of the two measured in the same run; for a hybrid on FlashInfer's
   Gated DeltaNet pool decode, batch 1 again without it (HELEXA_FLASHINFER_GDN=0: fla's
   kernel on gathered states), the ratio likewise; for a model whose GQA group the
@@ -304,7 +304,7 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
         r.close()
-        # the same steps with the models' torch norms and SiLU (cuda_fused.py's switch)
+        # the same steps with the models' torch norms, SiLU and rope (cuda_fused.py's switch)
         plain = batch1_with(ctx, name, cuda_fused.ENV)["tok_s"]
         res["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
         res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
