@@ -98,13 +98,14 @@ def _decode_step(rows: int) -> StepPlan:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "tensor_cores"), [
-    (4, 4, False), (8, 4, False), (6, 2, False), (16, 4, False), (32, 4, False),
+    (4, 4, False), (8, 4, False), (6, 2, False),  # groups 1-3: the CUDA-core kernel
+    (16, 4, True), (32, 4, True),  # groups 4 (Qwen3-8B) and 8: tensor cores, as SGLang
     (24, 4, True),  # Qwen3.5-27B: group 6 (also 6 per rank at tp = 2)
     (28, 4, True),  # Qwen2.5-7B: group 7
     (20, 4, True), (64, 4, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_decode_runs_on_tensor_cores_where_the_cuda_core_kernel_cannot(
+def test_decode_runs_on_tensor_cores_from_a_group_of_4_and_where_cuda_cores_cannot(
         fake_flashinfer: list[dict[str, Any]], heads: int, kv_heads: int, tensor_cores: bool,
         dtype: torch.dtype, head_dim: int) -> None:
     att = _backend(heads, kv_heads, head_dim, storage=dtype, compute=dtype, graph_rows=2)

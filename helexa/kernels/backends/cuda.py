@@ -30,7 +30,8 @@ or in the default tests needs it.
   Its CUDA-core decode kernel is built for GQA groups 1, 2, 3, 4 and 8 only and raises
   ``Unsupported group_size`` at ``plan`` for any other (Qwen3.5-27B and Qwen2.5-7B have 6
   or 7); its tensor-core decode kernel serves every group, so :func:`tensor_cores` picks
-  that one wherever the CUDA-core kernel cannot run. ``select`` runs the torch backend,
+  that one wherever the CUDA-core kernel cannot run, and for every group of 4 and more
+  (SGLang's rule). ``select`` runs the torch backend,
   saying why, for a model FlashInfer cannot serve at all.
 """
 
@@ -83,12 +84,18 @@ def unsupported(shape: AttentionShape) -> str:
     return ""
 
 
+TENSOR_CORE_GROUP = 4  # from this GQA group up, decode on tensor cores (SGLang's rule)
+
+
 def tensor_cores(group: int) -> bool:
-    """Decode on the tensor-core kernel? Only where the CUDA-core one cannot run: for the
-    groups it serves FlashInfer documents the CUDA-core kernel as the one for small groups,
-    and no GPU measurement here says otherwise yet (bench/gpu_check.sh's decode stage times
-    both kernels on the same model: ``tensor_core_decode``)."""
-    return group not in CUDA_CORE_GROUPS
+    """Decode on the tensor-core kernel? Wherever the CUDA-core kernel cannot run, and for
+    groups of 4 and more: FlashInfer documents tensor cores as faster for large groups, and
+    SGLang's FlashInfer backend takes them from a group of 4 in 16-bit KV. On the one GPU
+    measured here (an H200) the CUDA-core kernel took ~15 µs a layer at batch 1 over 130
+    tokens (docs/operating.md); bench/gpu_check.sh's decode stage times the other kernel on
+    the same model beside the chosen one (``other_decode_kernel``), so the next GPU run
+    says whether this rule holds there."""
+    return group not in CUDA_CORE_GROUPS or group >= TENSOR_CORE_GROUP
 
 
 def available() -> bool:
