@@ -17,19 +17,20 @@ failing stage still leaves the others' figures:
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
-  untied input embedding, of which a step gathers a row) = steps/s at best; and batch 1
-  again with the models' torch norms, SiLU and rope (HELEXA_CUDA_FUSED=0) beside the fused
-  kernels, the ratio of the two measured in the same run; for a hybrid on FlashInfer's
-  Gated DeltaNet pool decode, batch 1 again without it (HELEXA_FLASHINFER_GDN=0: fla's
-  kernel on gathered states), the ratio likewise; for a model whose GQA group both of
-  FlashInfer's decode kernels serve, batch 1 and 8 again on the kernel cuda.tensor_cores
-  did not choose (``other_decode_kernel``: the measurement its rule waits for).
+  untied input embedding, of which a step gathers a row) = steps/s at best.
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
   CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
   its wall time (host-bound where the gap is large), and the costliest kernels; then, out
   of the profiler, the host's µs a step in each part of the runner's step (HostTimes).
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
+- ``compare``: batch 1 of each big model again with one GPU kernel turned off, the ratio
+  to the decode stage's run: the models' torch norms, SiLU and rope (HELEXA_CUDA_FUSED=0);
+  for a hybrid on FlashInfer's Gated DeltaNet pool decode, fla's kernel on gathered
+  states instead (HELEXA_FLASHINFER_GDN=0); for a model whose GQA group both of
+  FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
+  not choose (``other_decode_kernel``: the measurement its rule waits for). Last, so a
+  check short of time loses these and not the figures before.
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
 the script cannot rot where no GPU is; its figures mean nothing about a GPU.
@@ -56,7 +57,7 @@ from helexa.kernels import flashinfer_gdn
 from helexa.kernels.backends import cuda_fused
 from helexa.kernels.backends.cuda import CUDA_CORE_GROUPS
 
-STAGES = ("env", "compile", "parity", "decode", "profile", "ttft")
+STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "compare")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
 
 
@@ -309,26 +310,45 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
         r.close()
+        out[name] = res
+    ctx["decode"] = out  # what the compare stage measures beside
+    return out
+
+
+def stage_compare(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Batch-1 decode of each big model with one of its GPU kernels turned off, beside the
+    decode stage's run with it: the fused norms, SiLU and rope (HELEXA_CUDA_FUSED=0), the
+    hybrid's FlashInfer Gated DeltaNet decode (HELEXA_FLASHINFER_GDN=0), and FlashInfer's
+    other decode kernel (batch 8 too). Last, so that a check running out of time loses
+    these ratios and not the figures of the stages before."""
+    if "decode" not in ctx:
+        raise RuntimeError("the decode stage did not run: nothing to compare with")
+    s, out = ctx["sizes"], {}
+    for name, res in ctx["decode"].items():
+        if not isinstance(res, dict):
+            continue
+        roofline_steps = res["roofline_steps_per_s"]
+        got: dict[str, Any] = {}
         # the same steps with the models' torch norms, SiLU and rope (cuda_fused.py's switch)
         plain = batch1_with(ctx, name, cuda_fused.ENV)["tok_s"]
-        res["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
-        res["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
+        got["batch1_torch_norms"] = {"tok_s": plain, "roofline_fraction": plain / roofline_steps}
+        got["fused_vs_torch_norms_batch1"] = res["batch1"]["steps_s"] / plain
         if "FlashInfer pool decode" in res["backend"]:  # the hybrid's decode on fla instead
             try:  # its failure must not cost the stage the figures above
                 other = batch1_with(ctx, name, flashinfer_gdn.FI_GDN_ENV)
                 other["roofline_fraction"] = other["tok_s"] / roofline_steps
-                res["batch1_without_flashinfer_gdn"] = other
-                res["flashinfer_gdn_vs_other_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
+                got["batch1_without_flashinfer_gdn"] = other
+                got["flashinfer_gdn_vs_other_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
             except Exception as e:  # noqa: BLE001 - reported, not raised
-                res["batch1_without_flashinfer_gdn"] = {"error": f"{type(e).__name__}: {e}"}
+                got["batch1_without_flashinfer_gdn"] = {"error": f"{type(e).__name__}: {e}"}
         group = re.search(r"GQA group (\d+)", res["backend"])
         if group and int(group[1]) in CUDA_CORE_GROUPS:  # both decode kernels serve it
             try:  # its failure must not cost the stage the figures above
-                res["other_decode_kernel"] = other_decode_kernel(ctx[name], ctx["device"], s,
+                got["other_decode_kernel"] = other_decode_kernel(ctx[name], ctx["device"], s,
                                                                  roofline_steps, res)
             except Exception as e:  # noqa: BLE001 - reported, not raised
-                res["other_decode_kernel"] = {"error": f"{type(e).__name__}: {e}"}
-        out[name] = res
+                got["other_decode_kernel"] = {"error": f"{type(e).__name__}: {e}"}
+        out[name] = got
     return out
 
 
@@ -467,7 +487,8 @@ def run(dry: bool, out_path: Path, budget_secs: float) -> dict[str, Any]:
         report["models_s"] = time.perf_counter() - start
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
-            "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft}
+            "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
+            "compare": stage_compare}
         for name in STAGES:
             if time.perf_counter() - start > budget_secs:
                 report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}

@@ -20,11 +20,11 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gpu_check: 6/6 stages ok" in proc.stdout
+    assert "gpu_check: 7/7 stages ok" in proc.stdout
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["dry_run"] is True
-    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft"]
+    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft", "compare"]
     assert all(s["ok"] for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
@@ -33,7 +33,7 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     for name in ("dense_big", "hybrid_big"):
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
-        assert stages["decode"][name]["fused_vs_torch_norms_batch1"] > 0
+        assert stages["compare"][name]["fused_vs_torch_norms_batch1"] > 0
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
         assert stages["profile"][name]["wall_us_per_step"] > 0
