@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.gated_delta import GateInputs, delta_rule_decode, gates, l2norm
+from helexa.kernels.gated_delta import (
+    GateInputs,
+    delta_rule_decode,
+    gates,
+    l2norm,
+    rel_error,
+)
 
 # imported on first use (its CuTe DSL takes seconds to import; only hybrids on CUDA ask)
 _fi_gdn: Any = None
@@ -84,10 +90,6 @@ def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateI
     return o[:, 0]
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
-
-
 FI_ALIGN = 32  # bytes: FlashInfer's CuTe launcher declares its tensors so aligned
 
 
@@ -130,5 +132,5 @@ def probe_fi_pool(device: torch.device, key_heads: int, value_heads: int, key_di
         return f"FlashInfer's pool decode failed ({type(e).__name__}: {e})"
     if not torch.equal(got_pool[1], pool[1]):
         return "FlashInfer's pool decode wrote a slot it was not given"
-    err = max(_rel(got.cpu(), want), _rel(got_pool, want_pool))
+    err = max(rel_error(got.cpu(), want), rel_error(got_pool, want_pool))
     return "" if err < tol else f"FlashInfer's pool decode is off by {err:.2g} (relative)"

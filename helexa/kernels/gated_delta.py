@@ -335,7 +335,8 @@ def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: Gat
     return o[:, 0].float(), final
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """|got - want| / |want| (Frobenius, in fp32): how far a kernel's probe step is off."""
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
 
 
@@ -364,7 +365,7 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
         dev = GateInputs(*(x.to(device) for x in raw))
         got, final = fla_decode_gated(q.to(device), k.to(device), v.to(device), dev,
                                       states.to(device))
-        err = max(_rel(got.cpu(), want), _rel(final.cpu(), want_states))
+        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
         if not err < tol:
             reasons.append(f"fla's gated decode is off by {err:.2g} (relative)")
     except Exception as e:  # noqa: BLE001 - any failure: the torch gates run, said why
@@ -376,7 +377,7 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
         w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype)
         try:
             got_n = gated_rms_norm(o.to(device), z.to(device), w.to(device), 1e-6, dtype).cpu()
-            err = _rel(got_n, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
+            err = rel_error(got_n, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
             if not err < tol:
                 _fla_norm_gated = None
                 reasons.append(f"fla's gated norm is off by {err:.2g} (relative)")

@@ -130,10 +130,14 @@ class RotaryTable:
         freqs = torch.outer(pos, self.inv_freq)
         return torch.cat([freqs.cos() * self.scaling, freqs.sin() * self.scaling], dim=-1)
 
-    def use_kernel(self, kernel: RopeKernel | None) -> None:
-        """Rotate with a device's one-launch kernel from now on (None: the torch form)."""
+    def use_kernel(self, kernel: RopeKernel | None, cache: torch.Tensor | None = None) -> None:
+        """Rotate with a device's one-launch kernel from now on (None: the torch form), over
+        ``cache`` (this table's kernel_cache, made here when not given)."""
         self.kernel = kernel
-        self.cos_sin_cache = self.kernel_cache() if kernel is not None else None
+        if kernel is None:
+            self.cos_sin_cache = None
+        else:
+            self.cos_sin_cache = cache if cache is not None else self.kernel_cache()
 
     def rotation(self, positions: torch.Tensor) -> Rotation:
         """The step's rotation of rows at ``positions`` [N]."""

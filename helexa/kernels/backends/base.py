@@ -150,22 +150,18 @@ def used_blocks(table: list[int], length: int, block_size: int, num_blocks: int)
     return table[:used]
 
 
-def pinned_i32(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int32 host tensor of ``values``, pinned where ``device`` is a CUDA device (so a
-    copy of it there need not wait: see to_device)."""
-    host = torch.tensor(values, dtype=torch.int32)
+def pinned(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host tensor of ``values``, pinned where ``device`` is a CUDA device: a copy to it
+    from there need not wait, where one from pageable memory holds the host until the
+    device has run everything queued before it (a host sync, which the GPU check counts).
+    PyTorch's pinned allocator keeps the buffer until a copy from it has run."""
+    host = torch.tensor(values, dtype=dtype)
     return host.pin_memory() if device.type == "cuda" else host
 
 
 def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A step's small index list on ``device``. To a CUDA device from pinned host memory,
-    without waiting: a copy from pageable memory would hold the host until the device has
-    run everything queued before it (a host sync per call, which the GPU check counts).
-    PyTorch's pinned allocator keeps the host buffer until that copy has run."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    """A step's small index list on ``device``, copied from pinned memory without waiting."""
+    return pinned(values, dtype, device).to(device, non_blocking=True)
 
 
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

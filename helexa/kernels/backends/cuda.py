@@ -50,7 +50,7 @@ from helexa.kernels.backends.base import (
     AttentionShape,
     StepMeta,
     StepPlan,
-    pinned_i32,
+    pinned,
     used_blocks,
 )
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
@@ -253,7 +253,7 @@ class CudaAttention(AttentionBackend):
         # offsets: it copies them into its buffers from pinned memory, async too) and the
         # device part (pages, each flat row's batch row and position). A copy from pageable
         # memory would hold the host until the device drained its queue (host syncs a step).
-        host = pinned_i32(indptr + last + qo + indices + rows + positions, self.device)
+        host = pinned(indptr + last + qo + indices + rows + positions, torch.int32, self.device)
         dev = host.to(self.device, non_blocking=True)
         at = list(accumulate([0, len(indptr), len(last), len(qo), len(indices), len(rows),
                               len(positions)]))

@@ -160,21 +160,24 @@ def install_rope(model: torch.nn.Module, dtype: torch.dtype,
         return "rope: torch (FlashInfer's rope does not take this dtype or head size)"
     try:
         ops = ops or FusedOps()
-        why = _probe_rope(rotary, ops, head_dim, dtype)
+        cache = rotary.kernel_cache()  # probed, then installed: built once
+        why = _probe_rope(rotary, ops, head_dim, dtype, cache)
         said = why
     except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
         why, said = f"rope failed ({type(e).__name__}: {e})", f"rope failed: {type(e).__name__}"
     if why:
         log.warning("kernels.fused_rope", fused=False, reason=why)
         return f"rope: torch (FlashInfer's {said})"
-    rotary.use_kernel(ops.apply_rope)
+    rotary.use_kernel(ops.apply_rope, cache)
     log.info("kernels.fused_rope", fused=True, rotary_dim=rotary.head_dim)
     return "rope: FlashInfer kernel"
 
 
-def _probe_rope(rotary: Any, ops: FusedOps, head_dim: int, dtype: torch.dtype) -> str:
+def _probe_rope(rotary: Any, ops: FusedOps, head_dim: int, dtype: torch.dtype,
+                cache: torch.Tensor) -> str:
     """Rotate a small q and k at far-apart positions with the kernel and with the torch
     form (the table's own rows): "" when they agree to bf16 rounding, else why not."""
+    from helexa.kernels.gated_delta import rel_error
     from helexa.kernels.rotary import Rotation
 
     gen = torch.Generator().manual_seed(0)
@@ -185,7 +188,6 @@ def _probe_rope(rotary: Any, ops: FusedOps, head_dim: int, dtype: torch.dtype) -
     cos, sin = rotary.cos_sin(positions)
     want_q, want_k = Rotation(cos.unsqueeze(1), sin.unsqueeze(1)).pair(q, k)
     got_q, got_k = q.clone(), k.clone()
-    ops.apply_rope(positions, got_q, got_k, rotary.kernel_cache())
-    err = max(float((g.float() - w.float()).norm() / w.float().norm())
-              for g, w in ((got_q, want_q), (got_k, want_k)))
+    ops.apply_rope(positions, got_q, got_k, cache)
+    err = max(rel_error(got_q, want_q), rel_error(got_k, want_k))
     return "" if err < 2e-2 else f"rope is off by {err:.2g} (relative)"

@@ -191,9 +191,9 @@ class GatedDeltaStates:
             conv = gd.conv1d_decode_slots(mixed, conv_weight, state.conv, meta.decode_slots)
         else:
             conv = torch.empty_like(mixed)
-        if nd and nd < n:
-            conv[:nd] = gd.conv1d_decode_slots(mixed[:nd], conv_weight, state.conv,
-                                               meta.decode_slots)
+            if nd:
+                conv[:nd] = gd.conv1d_decode_slots(mixed[:nd], conv_weight, state.conv,
+                                                   meta.decode_slots)
         for start, end, slot in meta.prefills:
             conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
                                                         state.conv[slot])
