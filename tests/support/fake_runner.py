@@ -10,7 +10,7 @@ which the child unpickles by reference (it inherits this process's sys.path).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -54,9 +54,15 @@ class FakeRunner:
         self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
         self.kv_dtype = kv_dtype
 
-    def run_step(self, seqs: list[Any], *, keep_hidden: bool = False) -> StepOutput:
+    def run_step(self, seqs: list[Any], *, keep_hidden: bool = False,
+                 tokens: torch.Tensor | None = None) -> StepOutput:
         """`execute`, with each sequence's first row laid out as ModelRunner lays a step
-        out (decode rows first, then the rest); no hidden states."""
+        out (decode rows first, then the rest); no hidden states. ``tokens`` replace the
+        rows' placeholder tokens, as ModelRunner takes them (a lookahead step)."""
+        if tokens is not None:
+            if any(len(s.token_ids) != 1 for s in seqs) or len(tokens) != len(seqs):
+                raise ValueError("device tokens are for pure decode steps")
+            seqs = [replace(s, token_ids=[t]) for s, t in zip(seqs, tokens.tolist(), strict=True)]
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         rest = [i for i, s in enumerate(seqs) if len(s.token_ids) != 1]
         row_starts, at = [0] * len(seqs), 0

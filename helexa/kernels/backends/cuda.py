@@ -174,6 +174,7 @@ class CudaAttention(AttentionBackend):
         self._graph_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
         self._group = 0
+        self._planned: torch.cuda.Event | None = None  # recorded after each plan's copies
         # FA2 for prefill, not "auto" (FA3 on Hopper): FA2's prefill module is the one the
         # tensor-core decode also runs, so a first load JIT-compiles one attention module, not
         # two; FA3's templates are the slowest to build. What FA3 would save on long prompts'
@@ -224,6 +225,20 @@ class CudaAttention(AttentionBackend):
     def plan(self, step: StepPlan) -> CudaMetadata | TorchMetadata:
         if not self.pools or self.torch_path:
             return self.reference.plan(step)
+        # FlashInfer's plan writes a pinned host buffer of its wrapper's and copies it to the
+        # device without waiting. The engine's lookahead plans a step while the one before
+        # runs, so wait until the last plan's copies have run (they head that step's work on
+        # the stream: the wait is over once the step before it is done, which the engine
+        # has read back by then).
+        if self._planned is not None:
+            self._planned.synchronize()
+        meta = self._plan(step)
+        if self.device.type == "cuda":  # (a stand-in FlashInfer's tests plan on the CPU)
+            self._planned = self._planned or torch.cuda.Event()
+            self._planned.record()
+        return meta
+
+    def _plan(self, step: StepPlan) -> CudaMetadata:
         bs = step.block_size
         lens = [p + 1 for p in step.decode_positions] + [r.num_computed + r.end - r.start
                                                          for r in step.prefills]

@@ -20,6 +20,9 @@ One step:
    (prefix_filing.py) and a hybrid's prefix snapshots (snapshots.py), append the tokens and stop requests on eos / stop ids /
    output budget / context, measure the rates.
 
+On a GPU a pure-decode step may be held: launched, its tokens left on the device, and
+read in the next step after the step that follows it is launched (lookahead.py).
+
 Blocks go back to the pool in one place, `finish`, whatever ended the request
 (finish, abort, refusal, error). An exception in step 3 fails the requests of
 that step (their blocks return) and the engine goes on.
@@ -32,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.budget import blocks_for_tokens
-from helexa.neuron.engine import intake, messages, snapshots
+from helexa.neuron.engine import intake, lookahead, messages, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.grammar import Grammars, advance
@@ -97,6 +100,10 @@ class EngineCore:
         self._updates: dict[str, messages.RequestUpdate] = {}
         self.kv_reset_answer = ""  # to this step's ResetKv (intake.reset_kv)
         self.grammars = Grammars(spec.model_dir, self.runner.vocab_size)
+        self.lookahead, why = lookahead.wanted(self.runner)
+        self.ahead: lookahead.Ahead | None = None  # a step launched, its tokens not yet read
+        if logger is not None:
+            logger.info("engine.lookahead", on=self.lookahead, reason=why)
         if spec.model_dir:  # a real checkpoint (the fake runner's tests have none)
             self.grammars.warm()
 
@@ -106,21 +113,55 @@ class EngineCore:
         started = time.perf_counter()
         intake.take(self, inbound)
         self.move_kv()  # admission's host-tier copies, before any pass reads or writes them
-        self.speculator.draft(self.running, self.limits.max_slots)
-        plan = self.scheduler.schedule(self.running, self.waiting)
-        if not plan.is_empty:
-            ran = self._run(plan)
-            if ran is not None:  # None: the step failed, and its requests with it
-                self._postprocess(plan, ran)
+        if self.ahead is None or not self._step_ahead():
+            self.speculator.draft(self.running, self.limits.max_slots)
+            plan = self.scheduler.schedule(self.running, self.waiting)
+            if not plan.is_empty:
+                ran = self._run(plan)
+                if ran is not None:  # None: the step failed or is held (lookahead.py)
+                    self._postprocess(plan, ran)
         out = messages.FromEngine(updates=list(self._updates.values()), status=self.status(),
                                   step_ms=(time.perf_counter() - started) * 1000,
                                   kv_reset=self.kv_reset_answer)
         self._updates, self.kv_reset_answer = {}, ""
         return out
 
+    def _step_ahead(self) -> bool:
+        """With a step held (lookahead.py): launch the one after it, then read and
+        postprocess the held one. False where none followed: the scheduler's turn."""
+        held, self.ahead = self.ahead, None
+        assert held is not None
+        failed: Exception | None = None
+        try:
+            self.ahead = lookahead.follow(self, held)
+        except Exception as e:  # noqa: BLE001 - its requests fail once the held step is read
+            failed = e
+        try:
+            ran = lookahead.read(held)
+        except Exception as e:  # the device failed: the held step's requests with it
+            self._fail([r for r, _ in held.inputs.sampled], e)
+            self.ahead = None
+            return True
+        self._postprocess(held.plan, ran)
+        if failed is not None:
+            self.ahead = None
+            self._fail([r for r, _ in held.inputs.sampled if not r.is_finished], failed)
+        return self.ahead is not None or failed is not None
+
+    def _fail(self, reqs: list[Request], e: BaseException) -> None:
+        """A step raised: its requests end with the error and the engine goes on."""
+        self.num_failed_steps += 1
+        self.consecutive_failed_steps += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        if self.log is not None:
+            self.log.exception("engine.step_failed", requests=len(reqs))
+        for req in reqs:
+            self.finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
+
     def _run(self, plan: StepPlan) -> StepResult | None:
         """The plan's rows through the model, and each request's new tokens; None when the
-        step failed (its requests are finished with the error)."""
+        step failed (its requests are finished with the error) or is held (lookahead.py:
+        read in the next step)."""
         for req_id in plan.promoted:
             req = self.requests[req_id]
             self.waiting.remove(req)
@@ -132,6 +173,10 @@ class EngineCore:
             snapshots.take_slots(self.pool, inputs.reqs, inputs.chunks, inputs.seqs,
                                  self.spec.snapshot_every_tokens)
             self.move_kv()  # a snapshot slot taken above may have evicted one to the host
+            if lookahead.holdable(self, inputs):
+                self.ahead = lookahead.launch(self, plan, inputs)
+                self.consecutive_failed_steps = 0
+                return None
             masked = inputs.masked  # their masks are computed while the model runs
             masks = self.grammars.start([inputs.sampled[j][0].matcher for j in masked]) \
                 if masked else None
@@ -139,13 +184,7 @@ class EngineCore:
             new_tokens, logprobs = pick_tokens(inputs, out.logits, self.sampler, masks,
                                                self.speculator.accept)
         except Exception as e:  # the step's requests fail; the engine goes on
-            self.num_failed_steps += 1
-            self.consecutive_failed_steps += 1
-            self.last_error = f"{type(e).__name__}: {e}"
-            if self.log is not None:
-                self.log.exception("engine.step_failed", requests=len(reqs))
-            for req in reqs:
-                self.finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
+            self._fail(reqs, e)
             return None
         self.consecutive_failed_steps = 0
         return StepResult(inputs, out, new_tokens, logprobs)
@@ -157,6 +196,8 @@ class EngineCore:
         kept = inputs.kept(new_tokens)
         num_prefill = num_decode = 0
         for req, chunk, n in zip(inputs.reqs, inputs.chunks, kept, strict=True):
+            if req.is_finished:  # aborted while its step was held: its blocks are back
+                continue
             req.num_computed_tokens += n
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
             if self.prefix_cache:

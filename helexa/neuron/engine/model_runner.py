@@ -27,7 +27,7 @@ import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import backends, kv_quant
-from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
+from helexa.kernels.backends.base import PrefillRow, StepPlan, to_device, token_slots
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
@@ -150,7 +150,6 @@ class ModelRunner:
         self.num_kv_heads = self._attn[0].num_kv_heads  # per rank
         self.kv_pools: list[PagedKV] = []
         self.host_kv: HostKv | None = None  # the prefix cache's host tier (allocate_host)
-        self._staging: torch.Tensor | None = None  # pinned host buffer for step indices (CUDA)
         self.extra_bytes_per_block = extra_bytes_per_block
         if self.device.type == "cuda" and tp_size == 1 and measure_pool:
             num_blocks = measured_blocks(self, num_blocks, kv_dtype, context)
@@ -260,12 +259,16 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput]) -> torch.Tensor:
+    def execute(self, seqs: list[SeqInput], tokens: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """Run one step; returns fp32 logits [sum of num_logits of the seqs with need_logits,
-        vocab] in input order."""
+        vocab] in input order. ``tokens``: the decode rows' input tokens, on the device
+        (runner.py run_step)."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, step, logits_rows = self._prepare(seqs)
+        if tokens is not None:
+            input_ids = self._device_tokens(seqs, tokens)
         # which state slot each row reads and writes: fresh slots cleared, held drafts settled
         state = self.linear_states.plan(step) if self.linear_states is not None else None
         attention, run = self.backend.attention, self.backend.executor.run
@@ -287,14 +290,15 @@ class ModelRunner:
             attention.step_failed()
             raise
 
-    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False) -> StepOutput:
+    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False,
+                 tokens: torch.Tensor | None = None) -> StepOutput:
         """`execute`, with what a drafter reads of the step: each sequence's first flat row,
         and with `keep_hidden` (a drafter that follows the target) the final normed hidden
         state of every row."""
         if keep_hidden:
             self.model.keep_hidden = True
         try:
-            logits = self.execute(seqs)
+            logits = self.execute(seqs, tokens)
             hidden = self.model.last_hidden if keep_hidden else None
         finally:
             if keep_hidden:
@@ -332,8 +336,8 @@ class ModelRunner:
     def _prepare(self, seqs: list[SeqInput]
                  ) -> tuple[torch.Tensor, torch.Tensor, StepPlan, torch.Tensor | None]:
         """Lay the step out flat (decode rows first) as a StepPlan. Token ids, positions,
-        write slots and logits rows reach the device as one tensor (one copy, from a
-        preallocated pinned buffer on CUDA)."""
+        write slots and logits rows reach the device as one tensor (one copy, from pinned
+        memory on CUDA)."""
         bs = self.block_size
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         step = StepPlan(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
@@ -370,24 +374,23 @@ class ModelRunner:
         n_tok = len(ids)
         want = [r for i, s in enumerate(seqs) if s.need_logits
                 for r in range(last_row[i] - logits_count(s) + 1, last_row[i] + 1)]
-        flat = self._to_device(ids + positions + slots + want)
+        # A fresh pinned buffer a step, not one reused: the engine's lookahead prepares a
+        # step while the one before runs, whose copy from its buffer may not have run yet.
+        flat = to_device(ids + positions + slots + want, torch.long, self.device)
         step.slot_mapping = flat[2 * n_tok : 3 * n_tok]
         self.model.rotary.ensure(max(positions) + 1)
         # All rows in order (pure decode where every row wants logits): skip the gather.
         logits_rows = None if want == list(range(n_tok)) else flat[3 * n_tok :]
         return flat[:n_tok], flat[n_tok : 2 * n_tok], step, logits_rows
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
-        host = torch.tensor(values, dtype=torch.long)
-        if self.device.type == "cpu":
-            return host
-        # Safe to reuse the staging buffer: every step ends in a sync (logits to the sampler).
-        if self._staging is None or self._staging.numel() < host.numel():
-            self._staging = torch.empty(max(host.numel(), 4 * self.max_batched_tokens),
-                                        dtype=torch.long).pin_memory()
-        staged = self._staging[: host.numel()]
-        staged.copy_(host)
-        return staged.to(self.device, non_blocking=True)
+    def _device_tokens(self, seqs: list[SeqInput], tokens: torch.Tensor) -> torch.Tensor:
+        """A lookahead step's input ids: ``tokens`` where every row is a decode row."""
+        if any(len(s.token_ids) != 1 for s in seqs) or tokens.shape != (len(seqs),):
+            raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
+                             "sequences: they are for pure decode steps, one token a row")
+        if self._tp is not None:  # the other ranks would need them too: never sent
+            raise ValueError("device tokens at tp > 1: the other ranks cannot read them")
+        return tokens.to(self.device, torch.long)
 
 
 def _shutdown_tp(tp: TpWorkers) -> None:

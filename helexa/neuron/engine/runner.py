@@ -73,7 +73,13 @@ class Runner(Protocol):
         """Whether the model loaded a multi-token-prediction head (helexa/neuron/models/mtp.py)."""
         ...
 
-    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False) -> StepOutput: ...
+    def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False,
+                 tokens: torch.Tensor | None = None) -> StepOutput:
+        """One step. ``tokens`` (a lookahead step, engine/lookahead.py): every sequence is a
+        decode row, and its input token is ``tokens[i]``, a tensor on the runner's device
+        that the previous step's sampling wrote and nobody has read back yet; the rows'
+        own ``token_ids`` are placeholders."""
+        ...
 
     def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
                     ) -> tuple[torch.Tensor, torch.Tensor]:

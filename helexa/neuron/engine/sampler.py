@@ -123,10 +123,7 @@ class Sampler:
             logits = logits.clone() if bitmask is None else logits  # the caller's tensor stays as the model produced it
             logits[pen_rows] = self._penalise(logits[pen_rows], [states[i] for i in pen_rows])
 
-        tokens = argmax(logits)
-        sample_rows = [i for i, s in enumerate(states) if not s.greedy]
-        if sample_rows:
-            tokens[sample_rows] = self._sample(logits[sample_rows], [states[i] for i in sample_rows])
+        tokens = self.choose(logits, states)
         token_list = tokens.tolist()
 
         out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in token_list]
@@ -143,6 +140,17 @@ class Sampler:
                                                             strict=True)]
                 out[i] = (token_list[i], TokenLogprob(token_list[i], chosen[j], top))
         return out
+
+    def choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Each row's token [n] int64 where the logits are, nothing read back: greedy rows'
+        argmax, the others drawn. No penalties or grammar masks here (``__call__`` applies
+        them first): the engine's lookahead steps (lookahead.py) call this directly for
+        requests that have neither."""
+        tokens = argmax(logits)
+        sample_rows = [i for i, s in enumerate(states) if not s.greedy]
+        if sample_rows:
+            tokens[sample_rows] = self._sample(logits[sample_rows], [states[i] for i in sample_rows])
+        return tokens
 
     @staticmethod
     def _penalise(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -211,7 +211,7 @@ def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
     calls = {"n": 0}
     real = runner.execute
 
-    def flaky(seqs):
+    def flaky(seqs, tokens=None):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             raise RuntimeError("draft forward failed")

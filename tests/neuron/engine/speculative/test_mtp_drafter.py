@@ -23,6 +23,9 @@ class _Log:
     def __init__(self) -> None:
         self.warnings: list[tuple[str, dict]] = []
 
+    def info(self, event: str, **kw) -> None:
+        return None
+
     def warning(self, event: str, **kw) -> None:
         self.warnings.append((event, kw))
 

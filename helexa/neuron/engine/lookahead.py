@@ -1,0 +1,174 @@
+"""Lookahead decode: launch step N + 1 before reading step N's tokens back, so that the
+host's work between two steps runs while the device computes.
+
+A synchronous engine step leaves the device idle while the host reads the step's tokens,
+appends them, checks stops, schedules and lays out the next step, plans its attention and
+launches it: at batch 1 on a GPU that is hundreds of µs against a few ms of weight
+streaming (docs/operating.md, the GPU check's ``host_us_per_step``). vLLM's async
+scheduling and SGLang's overlap scheduler hide it the same way.
+
+How (EngineCore.step):
+
+1. A pure-decode step whose requests all qualify (`holdable`) is launched with its tokens
+   chosen on the device (Sampler.choose) and copied back without waiting; the step is
+   held (`Ahead`), not read.
+2. The next EngineCore.step launches the step after it at once (`follow`): each request's
+   row one position further, its input token the held step's sampled token, still on the
+   device (ModelRunner takes it as ``tokens``). Only then does it read the held step's
+   tokens and postprocess them as a synchronous step would.
+3. The chain ends where a following step could not be the one the synchronous engine
+   would run, and the engine then schedules as usual.
+
+What keeps the tokens identical to the synchronous engine's:
+
+- A request qualifies only if the host never changes its sampled token or the
+  distribution of its next one: no grammar, no penalties (they count the output so far), no
+  logprobs to read, no forced thinking-budget close (ThoughtTracker.forced), no
+  speculation (the drafter reads each step's tokens), tensor parallelism off (the other
+  ranks would need the device tokens).
+- A request whose held token ends it by length or context is left out of the following
+  step; one whose held token is a stop token ends when it is read, and the row the
+  following step computed for it is dropped. That row writes one position the request's
+  reservation covers (it has not reached its budget), and its blocks go back only after
+  the row was launched, so a later owner's writes come after it on the device's stream.
+- A step that would take a hybrid's prefix snapshot, promote a waiting request, or leave a
+  running request out ends the chain: the synchronous path does those.
+
+A request aborted while its step is held is finished at once (its blocks return); the
+held step's row for it is discarded when read.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from helexa.kernels.backends.base import to_device
+from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.runner import Runner, StepOutput
+from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
+from helexa.neuron.engine.seq_input import SeqInput
+from helexa.neuron.engine.step_inputs import StepInputs, StepResult
+
+if TYPE_CHECKING:
+    from helexa.neuron.engine.engine_core import EngineCore
+
+ENV = "HELEXA_LOOKAHEAD"  # "0" off, "1" on wherever the runner can, else on CUDA at tp = 1
+
+
+def wanted(runner: Runner) -> tuple[bool, str]:
+    """Whether the engine launches lookahead steps with this runner, and why (logged)."""
+    device = getattr(runner, "device", None)
+    setting = os.environ.get(ENV, "")
+    if setting == "0":
+        return False, f"{ENV}=0"
+    if getattr(runner, "tp_size", 1) > 1:
+        return False, "tensor parallel: the other ranks cannot read the device tokens"
+    if setting == "1":
+        return True, f"{ENV}=1"
+    if device is not None and torch.device(device).type == "cuda":
+        return True, "cuda at tp = 1"
+    return False, "not a CUDA device (a CPU step leaves no device idle to overlap with)"
+
+
+@dataclass
+class Ahead:
+    """A launched pure-decode step whose tokens have not been read back."""
+
+    plan: StepPlan
+    inputs: StepInputs
+    out: StepOutput
+    tokens: torch.Tensor  # [rows] sampled, on the device
+    host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready`
+    ready: Any  # a CUDA event recorded after the copy, or None (a CPU step is done)
+
+
+def qualifies(req: Request) -> bool:
+    """Whether the host leaves req's sampled tokens as they are (the module's list)."""
+    s = req.sampling_state
+    return (req.matcher is None and req.draft is None and s is not None
+            and not s.has_penalties and not s.wants_logprobs
+            and (req.thought is None or req.thought.forced() is None))
+
+
+def holdable(core: EngineCore, inputs: StepInputs) -> bool:
+    """Whether this laid-out step may be launched and held: every row a plain decode row
+    of a qualifying request."""
+    return (core.lookahead and core.speculator.drafter is None and bool(inputs.reqs)
+            and all(not c.is_prefill and not c.num_draft for c in inputs.chunks)
+            and all(qualifies(r) for r in inputs.reqs)
+            and len(inputs.sampled) == len(inputs.reqs))
+
+
+def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
+           tokens: torch.Tensor | None = None) -> Ahead:
+    """Run the step and choose its tokens on the device; nothing is read back."""
+    out = core.runner.run_step(inputs.seqs, tokens=tokens)
+    states = [r.sampling_state for r, _ in inputs.sampled]
+    chosen = core.sampler.choose(out.logits, states)  # type: ignore[arg-type]
+    if chosen.device.type != "cuda":
+        return Ahead(plan, inputs, out, chosen, chosen, None)
+    host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+    host.copy_(chosen, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return Ahead(plan, inputs, out, chosen, host, ready)
+
+
+def follow(core: EngineCore, held: Ahead) -> Ahead | None:
+    """Launch the step after `held` from its device tokens, or None where the synchronous
+    engine would run another step (the module's list)."""
+    if not core.lookahead or core.speculator.drafter is not None:
+        return None
+    if core.waiting and len(core.running) < core.limits.max_slots:
+        return None  # a promotion is due: the scheduler's step
+    decoding = [r for r in core.running if not r.is_finished]
+    if any(r.is_prefilling for r in decoding):
+        return None
+    pool, bs = core.pool, core.pool.block_size
+    rows: list[int] = []  # held rows that go on, in order
+    reqs: list[Request] = []
+    for j, (req, _) in enumerate(held.inputs.sampled):
+        if req.is_finished:
+            continue
+        if not qualifies(req):
+            return None
+        after = req.num_tokens + 1  # its tokens once the held one is appended
+        if req.num_output_tokens + 1 >= req.output_budget or after >= core.spec.context:
+            continue  # the held token is its last
+        if pool.snapshots is not None and after % bs == 0:
+            return None  # the following row would save a prefix snapshot
+        rows.append(j)
+        reqs.append(req)
+    held_ids = {r.req_id for r, _ in held.inputs.sampled}
+    if not reqs or any(r.req_id not in held_ids for r in decoding):
+        return None  # a running request the held step left out: the scheduler rotates
+    if len(reqs) > core.limits.max_batched_tokens:
+        return None
+    inputs = StepInputs(reqs, [ScheduledChunk(r.req_id, 1, is_prefill=False) for r in reqs])
+    for i, req in enumerate(reqs):
+        start = req.num_computed_tokens + 1  # the held row's position is computed
+        core.ensure_blocks(req, start + 1)
+        seq = SeqInput(token_ids=[0], num_computed=start, block_table=req.block_table,
+                       need_logits=True, state_slot=pool.state_slot(req.req_id))
+        if req.images is not None:
+            seq.rope_delta, seq.images = req.images.chunk(start, start + 1)
+        inputs.seqs.append(seq)
+        inputs.sampled.append((req, i))
+    tokens = held.tokens if len(rows) == len(held.inputs.sampled) else \
+        held.tokens[to_device(rows, torch.long, held.tokens.device)]
+    return launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens)
+
+
+def read(held: Ahead) -> StepResult:
+    """The held step's tokens, read back (waiting for the device only as long as it is
+    still computing that step), as the synchronous path's StepResult."""
+    if held.ready is not None:
+        held.ready.synchronize()
+    picked = held.host.tolist()
+    new_tokens = {req.req_id: [t] for (req, _), t in zip(held.inputs.sampled, picked,
+                                                          strict=True)}
+    return StepResult(held.inputs, held.out, new_tokens, {})

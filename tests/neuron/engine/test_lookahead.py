@@ -1,0 +1,244 @@
+"""Lookahead decode (helexa/neuron/engine/lookahead.py): a step launched from the held
+step's device tokens before they are read. On the CPU nothing overlaps, but the engine's
+bookkeeping is the CUDA path's, so these tests hold it to what a user sees: the same
+tokens and finish reasons as the synchronous engine, every block back, aborts and failures
+handled, and no lookahead where the host would change a token."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from support.engine import assert_whole, drive
+from support.fake_runner import FakeRunner
+
+from helexa.neuron.engine import lookahead
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 100
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+class Counted:
+    """Counts the steps launched held (from the scheduler) and following (from tokens)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.held = self.followed = 0
+        real = lookahead.launch
+
+        def launch(core: EngineCore, plan: Any, inputs: Any, tokens: Any = None) -> Any:
+            if tokens is None:
+                self.held += 1
+            else:
+                self.followed += 1
+            return real(core, plan, inputs, tokens)
+
+        monkeypatch.setattr(lookahead, "launch", launch)
+
+
+def engine(monkeypatch: pytest.MonkeyPatch, on: bool, *, model_dir: str = "",
+           runner: Any = None, prefix_cache: bool = False, num_blocks: int = 96,
+           block_size: int = 4, **limits: Any) -> EngineCore:
+    monkeypatch.setenv(lookahead.ENV, "1" if on else "0")
+    spec = EngineSpec(model_id="la", model_dir=model_dir, num_blocks=num_blocks,
+                      block_size=block_size, context=256, bytes_per_token=0 if model_dir else 2,
+                      prefix_cache=prefix_cache,
+                      limits=m.Limits(**{"anon_max_in_flight": 64, **limits}))
+    if not model_dir and runner is None:
+        runner = FakeRunner(VOCAB, num_blocks, block_size)
+    core = EngineCore(spec, runner)
+    assert core.lookahead is on
+    return core
+
+
+def mixed(vocab_hint: int, stop: int | None = None) -> list[m.NewRequest]:
+    """Greedy and seeded sampling, budgets that end mid-chain at different steps."""
+    out = []
+    for i in range(6):
+        sampling = GREEDY if i % 2 else m.SamplingParams(temperature=0.9, top_p=0.9, seed=i)
+        out.append(m.NewRequest(req_id=f"r{i}", prompt_token_ids=[(7 * i + j) % vocab_hint + 3
+                                                                  for j in range(5 + 3 * i)],
+                                max_tokens=6 + 5 * i, sampling=sampling,
+                                stop_token_ids=[stop] if stop is not None and i == 3 else []))
+    return out
+
+
+def test_the_model_gives_the_synchronous_tokens_and_every_block_back(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("qwen3"))
+    sync = drive(engine(monkeypatch, False, model_dir=model, block_size=8), mixed(400),
+                 served=True)
+    stop = sync.tokens["r3"][4]  # r3 stops at its 5th token (or sooner: the same one)
+    sync = drive(engine(monkeypatch, False, model_dir=model, block_size=8), mixed(400, stop),
+                 served=True)
+    counted = Counted(monkeypatch)
+    core = engine(monkeypatch, True, model_dir=model, block_size=8)
+    run = drive(core, mixed(400, stop), served=True)
+    assert run.tokens == sync.tokens
+    assert {k: u.finished for k, u in run.final.items()} == \
+        {k: u.finished for k, u in sync.final.items()}
+    assert run.final["r3"].finished == m.FinishReason.STOP
+    assert counted.held >= 1 and counted.followed >= 20  # the chain ran, not the sync path
+    assert run.steps <= sync.steps + counted.held  # one step of delay a chain, no more
+    assert_whole(core)
+
+
+def test_a_hybrid_with_prefix_snapshots_gives_the_synchronous_tokens(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("qwen3_5"))
+    sync_core = engine(monkeypatch, False, model_dir=model, block_size=8, prefix_cache=True,
+                       max_in_flight=8)
+    sync = drive(sync_core, mixed(400), served=True)
+    sync_again = drive(sync_core, mixed(400), served=True)
+    counted = Counted(monkeypatch)
+    core = engine(monkeypatch, True, model_dir=model, block_size=8, prefix_cache=True,
+                  max_in_flight=8)
+    run = drive(core, mixed(400), served=True)
+    assert run.tokens == sync.tokens
+    assert counted.followed >= 10
+    assert counted.held >= 2  # a snapshot position ends a chain: the scheduler's step
+    assert_whole(core, hybrid=True)
+    # the same prompts again: what was filed under lookahead serves the hits it would have
+    again = drive(core, mixed(400), served=True)
+    assert again.tokens == sync.tokens
+    hits = {k: u.cached_tokens for k, u in again.admitted.items()}
+    assert hits == {k: u.cached_tokens for k, u in sync_again.admitted.items()}
+    assert sum(hits.values()) > 0
+    assert_whole(core, hybrid=True)
+
+
+def test_no_row_is_computed_for_a_request_its_budget_has_ended(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a stop token, which no one can know before it is read, costs a wasted row."""
+    def rows_run(on: bool, stop: list[int]) -> tuple[int, dict[str, list[int]]]:
+        runner = FakeRunner(VOCAB, 96, 4)
+        real, rows = runner.run_step, [0]
+
+        def run_step(seqs: Any, **kw: Any) -> Any:
+            rows[0] += len(seqs)
+            return real(seqs, **kw)
+
+        runner.run_step = run_step  # type: ignore[method-assign]
+        news = [m.NewRequest(req_id=f"r{n}", prompt_token_ids=[2, n], max_tokens=n,
+                             sampling=GREEDY, stop_token_ids=stop) for n in (3, 7, 12)]
+        tokens = drive(engine(monkeypatch, on, runner=runner), news).tokens
+        return rows[0], tokens
+
+    sync_rows, sync = rows_run(False, [])
+    la_rows, la = rows_run(True, [])
+    assert la == sync and la_rows == sync_rows
+    stop = [sync["r12"][5]]  # r12 now stops at its 6th token
+    sync_rows, sync = rows_run(False, stop)
+    la_rows, la = rows_run(True, stop)
+    assert la == sync and len(la["r12"]) <= 6 and la_rows == sync_rows + 1
+
+
+@pytest.mark.parametrize("steps", range(2, 7))  # the held row completes a block at one
+def test_an_abort_while_a_step_is_held_returns_its_blocks_at_once(
+        monkeypatch: pytest.MonkeyPatch, steps: int) -> None:
+    news = [m.NewRequest(req_id=r, prompt_token_ids=[3, 4, 5, i], max_tokens=30,
+                         sampling=GREEDY) for i, r in enumerate(("a", "b"))]
+    sync = drive(engine(monkeypatch, False, prefix_cache=True), news, served=True)
+    core = engine(monkeypatch, True, prefix_cache=True)
+    core.step(m.ToEngine(new=news))
+    for _ in range(steps):
+        core.step()
+    assert core.ahead is not None
+    used = core.pool.ledger().used_bytes
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id="a")]))
+    assert {u.req_id: u.finished for u in out.updates}["a"] == m.FinishReason.ABORT
+    assert core.pool.ledger().used_bytes < used  # a's blocks are back before its row is read
+    core.pool.check()
+    rest = drive(core)
+    got = [t for u in out.updates if u.req_id == "b" for t in u.new_token_ids]
+    assert sum(len(v) for v in rest.tokens.values()) > 0
+    assert set(rest.tokens) == {"b"} and rest.final["b"].finished == m.FinishReason.LENGTH
+    assert sync.tokens["b"][-len(rest.tokens["b"]) - len(got):] == got + rest.tokens["b"]
+    assert_whole(core)
+
+
+@pytest.mark.parametrize("host_changes", [
+    m.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
+    m.SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    m.SamplingParams(temperature=0.0, frequency_penalty=0.5),
+])
+def test_a_request_whose_tokens_the_host_changes_is_not_looked_ahead(
+        monkeypatch: pytest.MonkeyPatch, host_changes: m.SamplingParams) -> None:
+    news = [m.NewRequest(req_id="plain", prompt_token_ids=[9, 8, 7], max_tokens=12,
+                         sampling=GREEDY),
+            m.NewRequest(req_id="host", prompt_token_ids=[9, 8, 6], max_tokens=12,
+                         sampling=host_changes)]
+    sync = drive(engine(monkeypatch, False), news, served=True)
+    counted = Counted(monkeypatch)
+    logprobs: list[Any] = []
+    run = drive(engine(monkeypatch, True), news, served=True,
+                on_update=lambda u: logprobs.extend(u.logprobs or []))
+    assert run.tokens == sync.tokens
+    assert counted.held == counted.followed == 0  # batched with it, plain waits too
+    assert len(logprobs) == (12 if host_changes.logprobs else 0)
+
+
+def test_a_failed_lookahead_step_fails_its_requests_and_the_engine_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = FakeRunner(VOCAB, 96, 4)
+    real = runner.run_step
+    failures = {"left": 1}
+
+    def run_step(seqs: Any, *, keep_hidden: bool = False, tokens: Any = None) -> Any:
+        if tokens is not None and failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("device lost the step")
+        return real(seqs, keep_hidden=keep_hidden, tokens=tokens)
+
+    runner.run_step = run_step  # type: ignore[method-assign]
+    core = engine(monkeypatch, True, runner=runner)
+    news = [m.NewRequest(req_id="a", prompt_token_ids=[3, 4], max_tokens=9, sampling=GREEDY)]
+    run = drive(core, news)
+    assert run.final["a"].finished == m.FinishReason.ERROR
+    assert "device lost the step" in run.final["a"].error
+    assert run.tokens["a"], "the held step's token was read and sent before the failure"
+    assert core.num_failed_steps == 1
+    assert_whole(core)
+    again = drive(core, [m.NewRequest(req_id="b", prompt_token_ids=[3, 4], max_tokens=9,
+                                      sampling=GREEDY)], served=True)
+    assert len(again.tokens["b"]) == 9
+    assert_whole(core)
+
+
+def test_device_tokens_feed_the_model_as_its_token_ids_would(tiny_checkpoint) -> None:
+    from helexa.neuron.engine.model_runner import ModelRunner
+    from helexa.neuron.engine.seq_input import SeqInput
+
+    r = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=8, block_size=8, max_num_seqs=2,
+                    max_batched_tokens=64, device="cpu", dtype="float32")
+    r.execute([SeqInput([5, 6, 7], 0, [0], True), SeqInput([8, 9], 0, [1], True)])
+    ids = r.execute([SeqInput([11], 3, [0], True), SeqInput([12], 2, [1], True)])
+    fed = r.execute([SeqInput([0], 3, [0], True), SeqInput([0], 2, [1], True)],
+                    torch.tensor([11, 12]))
+    assert torch.equal(ids, fed)
+    with pytest.raises(ValueError, match="pure decode steps"):
+        r.execute([SeqInput([1, 2], 4, [0], True)], torch.tensor([3]))
+
+
+def test_lookahead_is_on_for_cuda_at_tp_1_and_says_why_not_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    class R:
+        def __init__(self, device: str, tp_size: int = 1) -> None:
+            self.device, self.tp_size = torch.device(device), tp_size
+
+    monkeypatch.delenv(lookahead.ENV, raising=False)
+    assert lookahead.wanted(R("cuda")) == (True, "cuda at tp = 1")  # type: ignore[arg-type]
+    on, why = lookahead.wanted(R("cpu"))  # type: ignore[arg-type]
+    assert not on and "CPU" in why
+    on, why = lookahead.wanted(R("cuda", 2))  # type: ignore[arg-type]
+    assert not on and "tensor parallel" in why
+    monkeypatch.setenv(lookahead.ENV, "0")
+    assert lookahead.wanted(R("cuda")) == (False, f"{lookahead.ENV}=0")  # type: ignore[arg-type]
+    monkeypatch.setenv(lookahead.ENV, "1")
+    assert lookahead.wanted(R("cpu"))[0]  # type: ignore[arg-type]
+    assert not lookahead.wanted(R("cpu", 2))[0]  # type: ignore[arg-type]
