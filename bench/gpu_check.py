@@ -17,7 +17,9 @@ failing stage still leaves the others' figures:
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
-  untied input embedding, of which a step gathers a row) = steps/s at best.
+  untied input embedding, of which a step gathers a row) = steps/s at best. These drive
+  the model runner alone; ``engine_batch1`` is batch 1 through the engine's step loop, as
+  a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``).
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
   CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
@@ -253,6 +255,48 @@ def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[str, Any]:
+    """Batch-1 decode as a client's stream gets it: through EngineCore (scheduler, sampler,
+    stops) on the decode stage's runner, with lookahead (helexa/neuron/engine/lookahead.py)
+    and without, interleaved, the median of three each; tok/s from the first token to the
+    last."""
+    from statistics import median
+
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1,
+                      max_batched_tokens=4096, prefill_chunk_tokens=4096)
+    core = EngineCore(EngineSpec(model_id="gpu-check", num_blocks=r.runner.num_blocks,
+                                 block_size=r.BLOCK, devices=[str(r.device)],
+                                 context=s["prompt"] + s["decode_tokens"] + 8,
+                                 prefix_cache=False, limits=limits), r.runner)
+    out: dict[str, Any] = {"lookahead_by_default": core.lookahead}
+    rates: dict[str, list[float]] = {"lookahead": [], "sync": []}
+    prompt = [(j * 7) % 400 + 1 for j in range(s["prompt"])]
+    for rep in range(3):
+        for mode in rates:
+            core.lookahead = mode == "lookahead"
+            req = m.NewRequest(req_id=f"{mode}{rep}", prompt_token_ids=prompt,
+                               max_tokens=s["decode_tokens"],
+                               sampling=m.SamplingParams(temperature=0.0))
+            got, first, inbound = 0, 0.0, m.ToEngine(new=[req])
+            while core.has_work or inbound is not None:
+                for u in core.step(inbound).updates:
+                    if u.error or u.refused_code:
+                        raise RuntimeError(f"engine run failed: {u.error or u.refused_code}")
+                    if u.new_token_ids and not got:
+                        first = time.perf_counter()
+                    got += len(u.new_token_ids)
+                inbound = None
+            rates[mode].append((got - 1) / (time.perf_counter() - first))
+    for mode, tok_s in rates.items():
+        out[mode] = {"tok_s": median(tok_s), "roofline_fraction": median(tok_s) / roofline_steps}
+    out["lookahead_vs_sync"] = out["lookahead"]["tok_s"] / out["sync"]["tok_s"]
+    return out
+
+
 def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
     """Batch-1 decode tok/s of checkpoint ``name`` with switch ``env`` set to "0" (the
     fused norms' or FlashInfer's Gated DeltaNet decode turned off), and its backend line."""
@@ -309,6 +353,10 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
+        try:  # its failure must not cost the stage the figures above
+            res["engine_batch1"] = engine_decode(r, s, roofline_steps)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            res["engine_batch1"] = {"error": f"{type(e).__name__}: {e}"}
         r.close()
         out[name] = res
     ctx["decode"] = out  # what the compare stage measures beside

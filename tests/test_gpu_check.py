@@ -34,6 +34,10 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
         assert stages["compare"][name]["fused_vs_torch_norms_batch1"] > 0
+        engine = stages["decode"][name]["engine_batch1"]  # through EngineCore, both ways
+        assert engine["lookahead_by_default"] is False, engine  # CPU: off unless asked
+        assert engine["lookahead"]["tok_s"] > 0 and engine["sync"]["tok_s"] > 0, engine
+        assert engine["lookahead_vs_sync"] > 0
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
         assert stages["profile"][name]["wall_us_per_step"] > 0
