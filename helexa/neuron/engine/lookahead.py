@@ -24,8 +24,8 @@ What keeps the tokens identical to the synchronous engine's:
 - A request qualifies only if the host never changes its sampled token or the
   distribution of its next one: no grammar, no penalties (they count the output so far), no
   logprobs to read, no forced thinking-budget close (ThoughtTracker.forced), no
-  speculation (the drafter reads each step's tokens), tensor parallelism off (the other
-  ranks would need the device tokens).
+  speculation (the drafter reads each step's tokens). At tensor parallel > 1 the other
+  ranks get the device tokens as a broadcast from rank 0 (TpStep.device_tokens).
 - A request whose held token ends it by length or context is left out of the following
   step; one whose held token is a stop token ends when it is read, and the row the
   following step computed for it is dropped. That row writes one position the request's
@@ -56,7 +56,7 @@ from helexa.neuron.engine.step_inputs import StepInputs, StepResult
 if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
 
-ENV = "HELEXA_LOOKAHEAD"  # "0" off, "1" on wherever the runner can, else on CUDA at tp = 1
+ENV = "HELEXA_LOOKAHEAD"  # "0" off, "1" on (CPU too), unset: on CUDA
 
 
 def wanted(runner: Runner) -> tuple[bool, str]:
@@ -65,12 +65,10 @@ def wanted(runner: Runner) -> tuple[bool, str]:
     setting = os.environ.get(ENV, "")
     if setting == "0":
         return False, f"{ENV}=0"
-    if getattr(runner, "tp_size", 1) > 1:
-        return False, "tensor parallel: the other ranks cannot read the device tokens"
     if setting == "1":
         return True, f"{ENV}=1"
     if device is not None and torch.device(device).type == "cuda":
-        return True, "cuda at tp = 1"
+        return True, "cuda"
     return False, "not a CUDA device (a CPU step leaves no device idle to overlap with)"
 
 

@@ -266,17 +266,21 @@ class ModelRunner:
         (runner.py run_step)."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
+        if tokens is not None and (tokens.shape != (len(seqs),)
+                                   or any(len(s.token_ids) != 1 for s in seqs)):
+            raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
+                             "sequences: they are for pure decode steps, one token a row")
         input_ids, positions, step, logits_rows = self._prepare(seqs)
-        if tokens is not None:
-            input_ids = self._device_tokens(seqs, tokens)
         # which state slot each row reads and writes: fresh slots cleared, held drafts settled
         state = self.linear_states.plan(step) if self.linear_states is not None else None
         attention, run = self.backend.attention, self.backend.executor.run
         try:
             meta = attention.plan(step)
             if self._tp is not None:
-                self._tp.send_step(seqs)
+                self._tp.send_step(seqs, device_tokens=tokens is not None)
             try:  # the tower's collectives, too, once every rank has the step
+                if tokens is not None:
+                    input_ids = self._device_tokens(tokens)
                 self.vision.attach(seqs, self.seq_starts, positions)
                 logits = run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
@@ -293,8 +297,8 @@ class ModelRunner:
     def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False,
                  tokens: torch.Tensor | None = None) -> StepOutput:
         """`execute`, with what a drafter reads of the step: each sequence's first flat row,
-        and with `keep_hidden` (a drafter that follows the target) the final normed hidden
-        state of every row."""
+        and with `keep_hidden` (a drafter that follows the target) every row's final normed
+        hidden state."""
         if keep_hidden:
             self.model.keep_hidden = True
         try:
@@ -383,14 +387,12 @@ class ModelRunner:
         logits_rows = None if want == list(range(n_tok)) else flat[3 * n_tok :]
         return flat[:n_tok], flat[n_tok : 2 * n_tok], step, logits_rows
 
-    def _device_tokens(self, seqs: list[SeqInput], tokens: torch.Tensor) -> torch.Tensor:
-        """A lookahead step's input ids: ``tokens`` where every row is a decode row."""
-        if any(len(s.token_ids) != 1 for s in seqs) or tokens.shape != (len(seqs),):
-            raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
-                             "sequences: they are for pure decode steps, one token a row")
-        if self._tp is not None:  # the other ranks would need them too: never sent
-            raise ValueError("device tokens at tp > 1: the other ranks cannot read them")
-        return tokens.to(self.device, torch.long)
+    def _device_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A lookahead step's input ids: rank 0's ``tokens`` on every rank (others: a buffer)."""
+        tokens = tokens.to(self.device, torch.long).contiguous()
+        if self.tp_size > 1:
+            torch.distributed.broadcast(tokens, src=0)
+        return tokens
 
 
 def _shutdown_tp(tp: TpWorkers) -> None:

@@ -39,6 +39,9 @@ class TpSeq(msgspec.Struct, array_like=True):
 class TpStep(msgspec.Struct, tag=True):
     seqs: list[TpSeq]
     dropped: list[int] = []  # handles rank 0 no longer tracks
+    # a lookahead step (engine/lookahead.py): the seqs' tokens are placeholders, the real
+    # ones follow as a broadcast over the group from rank 0's device
+    device_tokens: bool = False
 
 
 class TpMtp(msgspec.Struct, tag=True):

@@ -164,6 +164,9 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                                      s.rope_delta, s.images))
             if isinstance(msg, TpMtp):
                 runner.execute_mtp(seqs, None)  # the hidden states: rank 0's broadcast
+            elif msg.device_tokens:  # filled by rank 0's broadcast
+                runner.execute(seqs, torch.empty(len(seqs), dtype=torch.long,
+                                                 device=runner.device))
             else:
                 runner.execute(seqs)
     except (EOFError, OSError, KeyboardInterrupt):

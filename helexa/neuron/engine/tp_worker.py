@@ -145,8 +145,9 @@ class TpWorkers:
                       f"(exit code {self.procs[rank - 1].exitcode})")
         raise AssertionError("unreachable")
 
-    def send_step(self, seqs: list[Any]) -> None:
-        """Send the step plan (only what changed since each table was last sent)."""
+    def send_step(self, seqs: list[Any], device_tokens: bool = False) -> None:
+        """Send the step plan (only what changed since each table was last sent);
+        `device_tokens`: its tokens follow as a broadcast (TpStep)."""
         self.check()
         out = [self._seq(s) for s in seqs]
         seen = {id(s.block_table) for s in seqs}
@@ -154,7 +155,7 @@ class TpWorkers:
         dropped += self._stale
         self._stale = []
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
-        self._send(TpStep(out, dropped))
+        self._send(TpStep(out, dropped, device_tokens))
 
     def send_mtp(self, seqs: list[Any]) -> None:
         """Send an MTP head pass's sequences (their tables as send_step does; no table is

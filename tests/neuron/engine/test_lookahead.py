@@ -225,20 +225,17 @@ def test_device_tokens_feed_the_model_as_its_token_ids_would(tiny_checkpoint) ->
         r.execute([SeqInput([1, 2], 4, [0], True)], torch.tensor([3]))
 
 
-def test_lookahead_is_on_for_cuda_at_tp_1_and_says_why_not_elsewhere(
+def test_lookahead_is_on_for_cuda_and_says_why_not_elsewhere(
         monkeypatch: pytest.MonkeyPatch) -> None:
     class R:
-        def __init__(self, device: str, tp_size: int = 1) -> None:
-            self.device, self.tp_size = torch.device(device), tp_size
+        def __init__(self, device: str) -> None:
+            self.device = torch.device(device)
 
     monkeypatch.delenv(lookahead.ENV, raising=False)
-    assert lookahead.wanted(R("cuda")) == (True, "cuda at tp = 1")  # type: ignore[arg-type]
+    assert lookahead.wanted(R("cuda")) == (True, "cuda")  # type: ignore[arg-type]
     on, why = lookahead.wanted(R("cpu"))  # type: ignore[arg-type]
     assert not on and "CPU" in why
-    on, why = lookahead.wanted(R("cuda", 2))  # type: ignore[arg-type]
-    assert not on and "tensor parallel" in why
     monkeypatch.setenv(lookahead.ENV, "0")
     assert lookahead.wanted(R("cuda")) == (False, f"{lookahead.ENV}=0")  # type: ignore[arg-type]
     monkeypatch.setenv(lookahead.ENV, "1")
     assert lookahead.wanted(R("cpu"))[0]  # type: ignore[arg-type]
-    assert not lookahead.wanted(R("cpu", 2))[0]  # type: ignore[arg-type]

@@ -106,3 +106,41 @@ def test_no_rank_outlives_its_engine_process(tiny_checkpoint):
                          timeout=120, cwd=Path(__file__).parents[3])
     assert out.returncode == 0, out.stderr
     assert wait_gone(int(out.stdout.split()[-1]))
+
+
+def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint, monkeypatch):
+    """A lookahead step at tp = 2 (engine/lookahead.py): the other rank gets rank 0's
+    sampled tokens as a broadcast, so the engine streams what it streams without it."""
+    from support.engine import assert_whole, drive
+
+    from helexa.neuron.engine import lookahead
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    two = runner(tiny_checkpoint("qwen3"), 2)
+    assert two._tp is not None
+    sent, real_send = [], two._tp.send_step
+
+    def send_step(seqs, device_tokens=False):
+        sent.append(device_tokens)
+        real_send(seqs, device_tokens)
+
+    two._tp.send_step = send_step
+    runs = {}
+    try:
+        for on in (False, True):
+            monkeypatch.setenv(lookahead.ENV, "1" if on else "0")
+            spec = EngineSpec(model_id="tp", num_blocks=96, block_size=8, context=256,
+                              prefix_cache=False, limits=m.Limits(anon_max_in_flight=8))
+            core = EngineCore(spec, two)
+            news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=p, max_tokens=12 + 2 * i,
+                                 sampling=m.SamplingParams(temperature=0.0))
+                    for i, p in enumerate(prompts())]
+            sent.clear()
+            runs[on] = drive(core, news, served=True).tokens
+            assert_whole(core)
+            assert sum(sent) >= 10 if on else sum(sent) == 0  # steps sent as lookahead
+    finally:
+        two.close()
+    assert runs[True] == runs[False]
