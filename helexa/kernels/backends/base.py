@@ -30,6 +30,7 @@ runner sizes the pool.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,7 +151,7 @@ def used_blocks(table: list[int], length: int, block_size: int, num_blocks: int)
     return table[:used]
 
 
-def pinned(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def pinned(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host tensor of ``values``, pinned where ``device`` is a CUDA device: a copy to it
     from there need not wait, where one from pageable memory holds the host until the
     device has run everything queued before it (a host sync, which the GPU check counts).
@@ -159,7 +160,8 @@ def pinned(values: list[int], dtype: torch.dtype, device: torch.device) -> torch
     return host.pin_memory() if device.type == "cuda" else host
 
 
-def to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
+              ) -> torch.Tensor:
     """A step's small index list on ``device``, copied from pinned memory without waiting."""
     return pinned(values, dtype, device).to(device, non_blocking=True)
 

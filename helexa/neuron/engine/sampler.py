@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
 
@@ -104,6 +105,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def reads_back(device: torch.device) -> bool:
+    """Whether sampling may read a value back from ``device`` to decide its next op: on
+    the CPU that is free, and truncate's first-candidates shortcut saves a full sort; on a
+    GPU it would hold the host until the device is done (and a lookahead step with it)."""
+    return device.type == "cpu"
+
+
 class Sampler:
     """Picks one token per row; returns (token id, TokenLogprob or None) per row."""
 
@@ -149,7 +157,8 @@ class Sampler:
         tokens = argmax(logits)
         sample_rows = [i for i, s in enumerate(states) if not s.greedy]
         if sample_rows:
-            tokens[sample_rows] = self._sample(logits[sample_rows], [states[i] for i in sample_rows])
+            rows = to_device(sample_rows, torch.long, logits.device)
+            tokens[rows] = self._sample(logits[rows], [states[i] for i in sample_rows])
         return tokens
 
     @staticmethod
@@ -178,53 +187,68 @@ class Sampler:
         m, vocab = logits.shape
         dev = logits.device
         p = [s.params for s in states]
-        x = logits / torch.tensor([q.temperature for q in p], device=dev).unsqueeze(1)
+        # What the parameters decide is decided on the host, and their tensors reach the
+        # device from pinned memory: nothing here waits for the device, so a lookahead step
+        # (lookahead.py) samples without a read-back.
+        x = logits / to_device([q.temperature for q in p], torch.float32, dev).unsqueeze(1)
         # min_p keeps tokens whose probability is ≥ min_p × the top one's: a logit
         # floor of max + log(min_p), unchanged by top_k/top_p (they keep the max).
         floor = None
         if any(q.min_p > 0 for q in p):
-            min_p = torch.tensor([min(q.min_p, 1.0) for q in p], device=dev)
+            min_p = to_device([min(q.min_p, 1.0) for q in p], torch.float32, dev)
             floor = x.amax(dim=-1, keepdim=True) + min_p.log().unsqueeze(1)  # log 0 = -inf: no cut
-        top_k = torch.tensor([q.top_k if 0 < q.top_k < vocab else vocab for q in p], device=dev)
+        top_k = [q.top_k if 0 < q.top_k < vocab else vocab for q in p]
         # top_p ≤ 0 still keeps the best token (the cut is "mass before ≥ top_p")
-        top_p = torch.tensor([max(q.top_p, 1e-9) if q.top_p < 1 else 2.0 for q in p], device=dev)
+        top_p = [max(q.top_p, 1e-9) if q.top_p < 1 else 2.0 for q in p]
         u = _uniforms(states, dev)
         out = torch.empty(m, dtype=torch.long, device=dev)
-        trunc = (top_k < vocab) | (top_p <= 1)
-        plain = (~trunc).nonzero().squeeze(1)
-        if plain.numel():
-            xp = x[plain]
+        trunc = [k < vocab or tp <= 1 for k, tp in zip(top_k, top_p, strict=True)]
+        plain = [i for i, t in enumerate(trunc) if not t]
+        if plain:
+            sel = to_device(plain, torch.long, dev)
+            xp = x[sel]
             if floor is not None:
-                xp = xp.masked_fill(xp < floor[plain], float("-inf"))
-            out[plain] = _draw(xp, u[plain])
-        rows = trunc.nonzero().squeeze(1)
-        if rows.numel():
-            cand, idx = truncate(x[rows], top_k[rows], top_p[rows])
+                xp = xp.masked_fill(xp < floor[sel], float("-inf"))
+            out[sel] = _draw(xp, u[sel])
+        rows = [i for i, t in enumerate(trunc) if t]
+        if rows:
+            sel = to_device(rows, torch.long, dev)
+            ks = [top_k[i] for i in rows]
+            cand, idx = truncate(x[sel], to_device(ks, torch.long, dev),
+                                 to_device([top_p[i] for i in rows], torch.float32, dev),
+                                 host_top_k=None if reads_back(dev) else ks)
             if floor is not None:
-                cand = cand.masked_fill(cand < floor[rows], float("-inf"))
-            out[rows] = idx.gather(1, _draw(cand, u[rows]).unsqueeze(1)).squeeze(1)
+                cand = cand.masked_fill(cand < floor[sel], float("-inf"))
+            out[sel] = idx.gather(1, _draw(cand, u[sel]).unsqueeze(1)).squeeze(1)
         return out
 
 
 _FIRST_CANDIDATES = 1024  # top_p-only rows try this many before a full sort
 
 
-def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
+             host_top_k: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """top_k then top_p over x [m, vocab]: (candidate logits [m, k], their token ids [m, k]).
 
     Candidates are sorted best first; cut ones are -inf. top_k is vocab where
     off, top_p > 1 where off. top_p is taken over the top_k-renormalised
     distribution, as transformers does. The first _FIRST_CANDIDATES tokens of
     a top_p-only row suffice when they already hold top_p of the mass (they
-    nearly always do): a full sort of the vocab is the fallback.
+    nearly always do): a full sort of the vocab is the fallback. With ``host_top_k``
+    (top_k's values, known on the host: the CUDA path) nothing is read back from the
+    device: the vocab is sorted whole wherever a row may want more than those first
+    tokens, as vLLM's torch path sorts it.
     """
     vocab = x.shape[1]
-    need = int(top_k.max())
+    need = max(host_top_k) if host_top_k is not None else int(top_k.max())
     k = min(need, _FIRST_CANDIDATES) if need < vocab else min(vocab, _FIRST_CANDIDATES)
-    vals, idx = x.topk(k, dim=-1)
     lse_full = None
-    if k < vocab and bool((top_k > k).any()):
+    if host_top_k is not None and need > k:
+        vals, idx = x.sort(dim=-1, descending=True)
+        k = vocab
+    else:
+        vals, idx = x.topk(k, dim=-1)
+    if k < vocab and host_top_k is None and bool((top_k > k).any()):
         lse_full = torch.logsumexp(x, dim=-1, keepdim=True)
         mass = (vals - lse_full).exp().sum(dim=-1)
         closes = (top_k <= k) | ((top_k >= vocab) & (mass >= top_p))

@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
+from support.host_sync import NoHostSync
 
+from helexa.neuron.engine import sampler as sampler_module
 from helexa.neuron.engine.messages import SamplingParams
 from helexa.neuron.engine.sampler import Sampler, SamplingState, truncate
 
@@ -132,14 +134,19 @@ def reference_keep(x: torch.Tensor, top_k: int, top_p: float) -> tuple[set[int],
     return set(idx[before < top_p].tolist()), set(idx[(before - top_p).abs() < 1e-5].tolist())
 
 
+@pytest.mark.parametrize("host", [False, True])  # the GPU's way: top_k read on the host
 @pytest.mark.parametrize("scale", [0.5, 3.0, 10.0])  # flat (needs the full sort) .. peaky
-def test_truncation_matches_a_full_sort(scale):
+def test_truncation_matches_a_full_sort(scale, host):
     g = torch.Generator().manual_seed(int(scale * 10))
     x = torch.randn(6, 5000, generator=g) * scale
     cases = [(0, 0.9), (40, 1.0), (40, 0.5), (2000, 0.95), (0, 0.999), (1, 0.3)]
     top_k = torch.tensor([k or 5000 for k, _ in cases])
     top_p = torch.tensor([p if p < 1 else 2.0 for _, p in cases])
-    cand, idx = truncate(x, top_k, top_p)
+    if host:
+        with NoHostSync():
+            cand, idx = truncate(x, top_k, top_p, host_top_k=top_k.tolist())
+    else:
+        cand, idx = truncate(x, top_k, top_p)
     for row, (k, p) in enumerate(cases):
         kept = set(idx[row][cand[row] > float("-inf")].tolist())
         expected, boundary = reference_keep(x[row], k, p)
@@ -153,3 +160,19 @@ def test_top_p_over_a_large_vocab_and_edge_values():
     assert_close(frequencies(logits, top_p=0.7)[:4], [2 / 3, 1 / 3, 0, 0])
     picks = Sampler()(LOGITS.repeat(2, 1), [state(top_p=0.0), state(min_p=1.5)])
     assert [t for t, _ in picks] == [0, 0]  # both cut down to the best token
+
+
+def test_on_a_gpu_sampling_reads_nothing_back_and_draws_the_same_tokens(monkeypatch):
+    """A lookahead step samples without waiting for the device (engine/lookahead.py):
+    with reads_back off, as on a GPU, no op of choose reads a value back, and seeded rows
+    draw what the CPU's shortcut draws."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 3000, generator=g) * 2
+    kinds = [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, seed=1),
+             dict(temperature=1.0, top_k=50, seed=2), dict(temperature=0.7, min_p=0.1, seed=3),
+             dict(temperature=1.2, seed=4), dict(temperature=0.9, top_k=2000, top_p=0.95, seed=5)]
+    want = Sampler().choose(logits, [state(**k) for k in kinds])
+    monkeypatch.setattr(sampler_module, "reads_back", lambda device: False)
+    with NoHostSync():
+        got = Sampler().choose(logits, [state(**k) for k in kinds])
+    assert got.tolist() == want.tolist()
