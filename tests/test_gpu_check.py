@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "check.json"
-    env = {**os.environ, "PYTHON": sys.executable}
+    # lookahead left to its default, which the report states (off on a CPU)
+    env = {k: v for k, v in os.environ.items() if k != "HELEXA_LOOKAHEAD"}
+    env["PYTHON"] = sys.executable
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run",
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
