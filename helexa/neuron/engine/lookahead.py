@@ -31,8 +31,10 @@ What keeps the tokens identical to the synchronous engine's:
   following step computed for it is dropped. That row writes one position the request's
   reservation covers (it has not reached its budget), and its blocks go back only after
   the row was launched, so a later owner's writes come after it on the device's stream.
-- A step that would take a hybrid's prefix snapshot, promote a waiting request, or leave a
-  running request out ends the chain: the synchronous path does those.
+- A hybrid's prefix snapshot at a following row's position is taken as the synchronous
+  layout takes it (snapshots.take_slots), and filed when that step is read.
+- A step that would promote a waiting request, or leave a running request out, ends the
+  chain: the scheduler does those.
 
 A request aborted while its step is held is finished at once (its blocks return); the
 held step's row for it is discarded when read.
@@ -41,7 +43,7 @@ held step's row for it is discarded when read.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,6 +84,10 @@ class Ahead:
     tokens: torch.Tensor  # [rows] sampled, on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready`
     ready: Any  # a CUDA event recorded after the copy, or None (a CPU step is done)
+    # a hybrid's prefix snapshots the step saves (request, slot, position): they join the
+    # request's snapshot_writes when the step is read, not before, since the step before it
+    # files that request's writes when it is read
+    saves: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 def qualifies(req: Request) -> bool:
@@ -137,8 +143,6 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
         after = req.num_tokens + 1  # its tokens once the held one is appended
         if req.num_output_tokens + 1 >= req.output_budget or after >= core.spec.context:
             continue  # the held token is its last
-        if pool.snapshots is not None and after % bs == 0:
-            return None  # the following row would save a prefix snapshot
         rows.append(j)
         reqs.append(req)
     held_ids = {r.req_id for r, _ in held.inputs.sampled}
@@ -147,6 +151,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     if len(reqs) > core.limits.max_batched_tokens:
         return None
     inputs = StepInputs(reqs, [ScheduledChunk(r.req_id, 1, is_prefill=False) for r in reqs])
+    saves: list[tuple[Request, int, int]] = []
     for i, req in enumerate(reqs):
         start = req.num_computed_tokens + 1  # the held row's position is computed
         core.ensure_blocks(req, start + 1)
@@ -154,18 +159,29 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
                        need_logits=True, state_slot=pool.state_slot(req.req_id))
         if req.images is not None:
             seq.rope_delta, seq.images = req.images.chunk(start, start + 1)
+        if pool.snapshots is not None and (start + 1) % bs == 0:  # snapshots.take_slots' rule
+            seq.save_to = pool.snapshots.take(req.req_id)
+            if seq.save_to >= 0:
+                saves.append((req, seq.save_to, start + 1))
         inputs.seqs.append(seq)
         inputs.sampled.append((req, i))
+    core.move_kv()  # a snapshot slot taken above may have evicted one to the host
     tokens = held.tokens if len(rows) == len(held.inputs.sampled) else \
         held.tokens[to_device(rows, torch.long, held.tokens.device)]
-    return launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens)
+    ahead = launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens)
+    ahead.saves = saves
+    return ahead
 
 
 def read(held: Ahead) -> StepResult:
     """The held step's tokens, read back (waiting for the device only as long as it is
-    still computing that step), as the synchronous path's StepResult."""
+    still computing that step), as the synchronous path's StepResult; its snapshot saves
+    join their requests' writes, for the postprocess to file."""
     if held.ready is not None:
         held.ready.synchronize()
+    for req, slot, end in held.saves:
+        if not req.is_finished:  # a finished one gave its writing slots back
+            req.snapshot_writes.append((slot, end))
     picked = held.host.tolist()
     new_tokens = {req.req_id: [t] for (req, _), t in zip(held.inputs.sampled, picked,
                                                           strict=True)}

@@ -88,28 +88,35 @@ def test_the_model_gives_the_synchronous_tokens_and_every_block_back(
     assert_whole(core)
 
 
-def test_a_hybrid_with_prefix_snapshots_gives_the_synchronous_tokens(
+def test_a_hybrid_with_prefix_snapshots_gives_the_synchronous_tokens_and_hits(
         monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    """Snapshots at decode positions are saved by following steps and filed when they are
+    read: a second turn that extends the first one's answer hits as far as without."""
     model = str(tiny_checkpoint("qwen3_5"))
-    sync_core = engine(monkeypatch, False, model_dir=model, block_size=8, prefix_cache=True,
-                       max_in_flight=8)
-    sync = drive(sync_core, mixed(400), served=True)
-    sync_again = drive(sync_core, mixed(400), served=True)
-    counted = Counted(monkeypatch)
-    core = engine(monkeypatch, True, model_dir=model, block_size=8, prefix_cache=True,
-                  max_in_flight=8)
-    run = drive(core, mixed(400), served=True)
-    assert run.tokens == sync.tokens
-    assert counted.followed >= 10
-    assert counted.held >= 2  # a snapshot position ends a chain: the scheduler's step
-    assert_whole(core, hybrid=True)
-    # the same prompts again: what was filed under lookahead serves the hits it would have
-    again = drive(core, mixed(400), served=True)
-    assert again.tokens == sync.tokens
-    hits = {k: u.cached_tokens for k, u in again.admitted.items()}
-    assert hits == {k: u.cached_tokens for k, u in sync_again.admitted.items()}
-    assert sum(hits.values()) > 0
-    assert_whole(core, hybrid=True)
+
+    def turns(on: bool) -> tuple[dict[str, list[int]], dict[str, int], Counted | None]:
+        counted = Counted(monkeypatch) if on else None
+        core = engine(monkeypatch, on, model_dir=model, block_size=8, prefix_cache=True,
+                      max_in_flight=8)
+        first = drive(core, mixed(400), served=True)
+        assert_whole(core, hybrid=True)
+        follow_ups = [m.NewRequest(req_id=f"t{rid}", max_tokens=6, sampling=GREEDY,
+                                   prompt_token_ids=r.prompt_token_ids + first.tokens[rid][:-1]
+                                   + [11, 12, 13])
+                      for r in mixed(400) for rid in [r.req_id]]
+        second = drive(core, follow_ups, served=True)
+        assert_whole(core, hybrid=True)
+        hits = {k: u.cached_tokens for k, u in second.admitted.items()}
+        return {**first.tokens, **second.tokens}, hits, counted
+
+    sync_tokens, sync_hits, _ = turns(False)
+    tokens, hits, counted = turns(True)
+    assert tokens == sync_tokens
+    assert hits == sync_hits
+    assert counted is not None and counted.followed >= 20
+    lengths = {f"t{r.req_id}": len(r.prompt_token_ids) for r in mixed(400)}
+    # some second turn hit past its first turn's prompt: a snapshot a decode step saved
+    assert any(hits[k] > lengths[k] for k in hits), (hits, lengths)
 
 
 def test_no_row_is_computed_for_a_request_its_budget_has_ended(
