@@ -23,8 +23,9 @@ What keeps the tokens identical to the synchronous engine's:
 
 - A request qualifies only if the host never changes its sampled token or the
   distribution of its next one: no grammar, no penalties (they count the output so far), no
-  logprobs to read, no forced thinking-budget close (ThoughtTracker.forced), no
-  speculation (the drafter reads each step's tokens). At tensor parallel > 1 the other
+  forced thinking-budget close (ThoughtTracker.forced), no speculation (the drafter reads
+  each step's tokens). Logprobs are computed on the device with the tokens and copied back
+  with them. At tensor parallel > 1 the other
   ranks get the device tokens as a broadcast from rank 0 (TpStep.device_tokens).
 - A request whose held token ends it by length or context is left out of the following
   step; one whose held token is a stop token ends when it is read, and the row the
@@ -51,6 +52,7 @@ import torch
 from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
+from helexa.neuron.engine.sampler import Logprobs, logprobs
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.step_inputs import StepInputs, StepResult
@@ -84,6 +86,7 @@ class Ahead:
     tokens: torch.Tensor  # [rows] sampled, on the device
     host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready`
     ready: Any  # a CUDA event recorded after the copy, or None (a CPU step is done)
+    logprobs: Logprobs | None = None  # the rows that want them (on the host once `ready`)
     # a hybrid's prefix snapshots the step saves (request, slot, position): they join the
     # request's snapshot_writes when the step is read, not before, since the step before it
     # files that request's writes when it is read
@@ -94,7 +97,7 @@ def qualifies(req: Request) -> bool:
     """Whether the host leaves req's sampled tokens as they are (the module's list)."""
     s = req.sampling_state
     return (req.matcher is None and req.draft is None and s is not None
-            and not s.has_penalties and not s.wants_logprobs
+            and not s.has_penalties
             and (req.thought is None or req.thought.forced() is None))
 
 
@@ -113,13 +116,15 @@ def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
     out = core.runner.run_step(inputs.seqs, tokens=tokens)
     states = [r.sampling_state for r, _ in inputs.sampled]
     chosen = core.sampler.choose(out.logits, states)  # type: ignore[arg-type]
+    lps = logprobs(out.logits, chosen, states)  # type: ignore[arg-type]
     if chosen.device.type != "cuda":
-        return Ahead(plan, inputs, out, chosen, chosen, None)
+        return Ahead(plan, inputs, out, chosen, chosen, None, lps)
     host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
     host.copy_(chosen, non_blocking=True)
+    lps = lps.to_host() if lps is not None else None
     ready = torch.cuda.Event()
     ready.record()
-    return Ahead(plan, inputs, out, chosen, host, ready)
+    return Ahead(plan, inputs, out, chosen, host, ready, lps)
 
 
 def follow(core: EngineCore, held: Ahead) -> Ahead | None:
@@ -183,6 +188,9 @@ def read(held: Ahead) -> StepResult:
         if not req.is_finished:  # a finished one gave its writing slots back
             req.snapshot_writes.append((slot, end))
     picked = held.host.tolist()
-    new_tokens = {req.req_id: [t] for (req, _), t in zip(held.inputs.sampled, picked,
-                                                          strict=True)}
-    return StepResult(held.inputs, held.out, new_tokens, {})
+    sampled = held.inputs.sampled
+    new_tokens = {req.req_id: [t] for (req, _), t in zip(sampled, picked, strict=True)}
+    entries = {} if held.logprobs is None else held.logprobs.entries(
+        picked, [r.sampling_state for r, _ in sampled])  # type: ignore[misc]
+    return StepResult(held.inputs, held.out, new_tokens,
+                      {sampled[i][0].req_id: e for i, e in entries.items()})

@@ -96,6 +96,52 @@ class SamplingState:
         return m
 
 
+@dataclass
+class Logprobs:
+    """What a step's rows that want logprobs get (their positions ``rows``): the chosen
+    token's logprob [m] and the best ``k`` [m, k], where the logits are until ``to_host``."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_v: torch.Tensor
+    top_i: torch.Tensor
+
+    def to_host(self) -> Logprobs:
+        """Copies in pinned host memory that do not wait (read them once the device is
+        past the copies: a lookahead step's event, lookahead.py)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return Logprobs(self.rows, host(self.chosen), host(self.top_v), host(self.top_i))
+
+    def entries(self, tokens: list[int], states: list[SamplingState]) -> dict[int, TokenLogprob]:
+        """Each row's TokenLogprob (its own top_logprobs of the best), by position."""
+        chosen, top_v, top_i = self.chosen.tolist(), self.top_v.tolist(), self.top_i.tolist()
+        out = {}
+        for j, i in enumerate(self.rows):
+            want = states[i].params.top_logprobs
+            top = [TopToken(t, lp) for t, lp in zip(top_i[j][:want], top_v[j][:want],
+                                                    strict=True)]
+            out[i] = TokenLogprob(tokens[i], chosen[j], top)
+        return out
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, states: list[SamplingState]
+             ) -> Logprobs | None:
+    """The logprobs of the rows that want them (None: no row does): log_softmax of the
+    logits as given (penalised, before temperature), computed where they are."""
+    rows = [i for i, s in enumerate(states) if s.wants_logprobs]
+    if not rows:
+        return None
+    sel = to_device(rows, torch.long, logits.device)
+    lps = torch.log_softmax(logits[sel], dim=-1)
+    chosen = lps.gather(1, tokens[sel].unsqueeze(1)).squeeze(1)
+    k = min(max(states[i].params.top_logprobs for i in rows), logits.shape[1])
+    top_v, top_i = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
+    return Logprobs(rows, chosen, top_v, top_i)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN counts as the maximum), int64: numpy's on CPU, where
     torch's took 23 µs for one row of 8192 fp32 logits and 174 µs for eight, numpy's 3 and 9
@@ -135,18 +181,10 @@ class Sampler:
         token_list = tokens.tolist()
 
         out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in token_list]
-        lp_rows = [i for i, s in enumerate(states) if s.wants_logprobs]
-        if lp_rows:
-            lps = torch.log_softmax(logits[lp_rows], dim=-1)
-            chosen = lps.gather(1, tokens[lp_rows].unsqueeze(1)).squeeze(1).tolist()
-            k = min(max(states[i].params.top_logprobs for i in lp_rows), vocab)
-            top_vt, top_it = lps.topk(k, dim=-1) if k else (lps[:, :0], lps[:, :0].long())
-            top_v, top_i = top_vt.tolist(), top_it.tolist()
-            for j, i in enumerate(lp_rows):
-                want = states[i].params.top_logprobs
-                top = [TopToken(tid, lp) for tid, lp in zip(top_i[j][:want], top_v[j][:want],
-                                                            strict=True)]
-                out[i] = (token_list[i], TokenLogprob(token_list[i], chosen[j], top))
+        lps = logprobs(logits, tokens, states)
+        if lps is not None:
+            for i, entry in lps.entries(token_list, states).items():
+                out[i] = (token_list[i], entry)
         return out
 
     def choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

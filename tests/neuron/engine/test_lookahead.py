@@ -170,9 +170,9 @@ def test_an_abort_while_a_step_is_held_returns_its_blocks_at_once(
 
 
 @pytest.mark.parametrize("host_changes", [
-    m.SamplingParams(temperature=0.0, logprobs=True, top_logprobs=2),
     m.SamplingParams(temperature=0.0, repetition_penalty=1.3),
     m.SamplingParams(temperature=0.0, frequency_penalty=0.5),
+    m.SamplingParams(temperature=0.0, presence_penalty=0.5),
 ])
 def test_a_request_whose_tokens_the_host_changes_is_not_looked_ahead(
         monkeypatch: pytest.MonkeyPatch, host_changes: m.SamplingParams) -> None:
@@ -182,12 +182,34 @@ def test_a_request_whose_tokens_the_host_changes_is_not_looked_ahead(
                          sampling=host_changes)]
     sync = drive(engine(monkeypatch, False), news, served=True)
     counted = Counted(monkeypatch)
-    logprobs: list[Any] = []
-    run = drive(engine(monkeypatch, True), news, served=True,
-                on_update=lambda u: logprobs.extend(u.logprobs or []))
+    run = drive(engine(monkeypatch, True), news, served=True)
     assert run.tokens == sync.tokens
     assert counted.held == counted.followed == 0  # batched with it, plain waits too
-    assert len(logprobs) == (12 if host_changes.logprobs else 0)
+
+
+def test_logprobs_come_back_with_the_tokens_as_the_synchronous_engine_gives_them(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("qwen3"))
+    news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=[5, 6, 7 + i], max_tokens=10 + i,
+                         sampling=m.SamplingParams(temperature=0.0 if i else 0.8, seed=i,
+                                                   logprobs=i != 1, top_logprobs=i // 2 * 2))
+            for i in range(3)]
+
+    def run(on: bool) -> tuple[dict[str, list[int]], dict[str, list[m.TokenLogprob]]]:
+        got: dict[str, list[m.TokenLogprob]] = {}
+        tokens = drive(engine(monkeypatch, on, model_dir=model, block_size=8), news,
+                       served=True, on_update=lambda u: got.setdefault(u.req_id, []).extend(
+                           u.logprobs or [])).tokens
+        return tokens, got
+
+    sync_tokens, sync_lps = run(False)
+    counted = Counted(monkeypatch)
+    tokens, lps = run(True)
+    assert counted.followed >= 8
+    assert tokens == sync_tokens and lps == sync_lps
+    assert [len(lps.get(f"r{i}", [])) for i in range(3)] == [10, 0, 12]
+    assert [len(e.top) for e in lps["r2"]] == [2] * 12
+    assert all(e.token_id == t for e, t in zip(lps["r2"], tokens["r2"], strict=True))
 
 
 def test_a_failed_lookahead_step_fails_its_requests_and_the_engine_goes_on(
