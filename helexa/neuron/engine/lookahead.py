@@ -22,10 +22,11 @@ How (EngineCore.step):
 What keeps the tokens identical to the synchronous engine's:
 
 - A request qualifies only if the host never changes its sampled token or the
-  distribution of its next one: no grammar, no penalties (they count the output so far), no
-  forced thinking-budget close (ThoughtTracker.forced), no speculation (the drafter reads
-  each step's tokens). Logprobs are computed on the device with the tokens and copied back
-  with them. At tensor parallel > 1 the other
+  distribution of its next one: no grammar, no forced thinking-budget close
+  (ThoughtTracker.forced), no speculation (the drafter reads each step's tokens).
+  Logprobs are computed on the device with the tokens and copied back with them;
+  penalties count the held token on the device before the following step samples
+  (SamplingState.count_ahead). At tensor parallel > 1 the other
   ranks get the device tokens as a broadcast from rank 0 (TpStep.device_tokens).
 - A request whose held token ends it by length or context is left out of the following
   step; one whose held token is a stop token ends when it is read, and the row the
@@ -97,7 +98,6 @@ def qualifies(req: Request) -> bool:
     """Whether the host leaves req's sampled tokens as they are (the module's list)."""
     s = req.sampling_state
     return (req.matcher is None and req.draft is None and s is not None
-            and not s.has_penalties
             and (req.thought is None or req.thought.forced() is None))
 
 
@@ -114,9 +114,10 @@ def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
            tokens: torch.Tensor | None = None) -> Ahead:
     """Run the step and choose its tokens on the device; nothing is read back."""
     out = core.runner.run_step(inputs.seqs, tokens=tokens)
-    states = [r.sampling_state for r, _ in inputs.sampled]
-    chosen = core.sampler.choose(out.logits, states)  # type: ignore[arg-type]
-    lps = logprobs(out.logits, chosen, states)  # type: ignore[arg-type]
+    states: list[Any] = [r.sampling_state for r, _ in inputs.sampled]
+    logits = core.sampler.penalised(out.logits, states)
+    chosen = core.sampler.choose(logits, states)
+    lps = logprobs(logits, chosen, states)
     if chosen.device.type != "cuda":
         return Ahead(plan, inputs, out, chosen, chosen, None, lps)
     host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
@@ -171,6 +172,11 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
         inputs.seqs.append(seq)
         inputs.sampled.append((req, i))
     core.move_kv()  # a snapshot slot taken above may have evicted one to the host
+    vocab = held.out.logits.shape[1]
+    for req, j in zip(reqs, rows, strict=True):
+        st = req.sampling_state
+        if st is not None and st.has_penalties:  # the held token counts for this step's
+            st.count_ahead(held.tokens[j:j + 1], vocab)
     tokens = held.tokens if len(rows) == len(held.inputs.sampled) else \
         held.tokens[to_device(rows, torch.long, held.tokens.device)]
     ahead = launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens)

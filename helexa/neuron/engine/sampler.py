@@ -74,15 +74,23 @@ class SamplingState:
         return self.generator
 
     def output_counts(self, vocab: int, device: torch.device) -> torch.Tensor:
-        """[vocab] fp32 occurrences of each token in the output so far."""
+        """[vocab] fp32 occurrences of each token in the output so far, and of the tokens
+        counted ahead (`count_ahead`) that the output has not caught up with yet."""
         if self._counts is None or self._counts.device != device or self._counts.numel() != vocab:
             self._counts, self._counted = torch.zeros(vocab, device=device), 0
         new = [t for t in self.output_token_ids[self._counted:] if 0 <= t < vocab]
         if new:
-            idx = torch.tensor(new, device=device, dtype=torch.long)
+            idx = to_device(new, torch.long, device)
             self._counts.index_add_(0, idx, torch.ones(len(new), device=device))
-        self._counted = len(self.output_token_ids)
+        self._counted = max(self._counted, len(self.output_token_ids))
         return self._counts
+
+    def count_ahead(self, token: torch.Tensor, vocab: int) -> None:
+        """Count the next output token, still on the device ([1], lookahead.py), before the
+        output list holds it: it is skipped when it is appended."""
+        counts = self.output_counts(vocab, token.device)
+        counts.index_add_(0, token.clamp(0, vocab - 1), torch.ones(1, device=token.device))
+        self._counted += 1
 
     def prompt_mask(self, vocab: int, device: torch.device) -> torch.Tensor:
         """[vocab] bool: tokens present in the prompt."""
@@ -91,7 +99,7 @@ class SamplingState:
             m = torch.zeros(vocab, dtype=torch.bool, device=device)
             ids = [t for t in self.prompt_token_ids if 0 <= t < vocab]
             if ids:
-                m[torch.tensor(ids, device=device, dtype=torch.long)] = True
+                m[to_device(ids, torch.long, device)] = True
             self._prompt_mask = m
         return m
 
@@ -172,11 +180,7 @@ class Sampler:
         if bitmask is not None:
             logits = logits.clone()  # the caller's tensor stays as the model produced it
             apply_bitmask(logits, *bitmask)
-        pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
-        if pen_rows:
-            logits = logits.clone() if bitmask is None else logits  # the caller's tensor stays as the model produced it
-            logits[pen_rows] = self._penalise(logits[pen_rows], [states[i] for i in pen_rows])
-
+        logits = self.penalised(logits, states, copied=bitmask is not None)
         tokens = self.choose(logits, states)
         token_list = tokens.tolist()
 
@@ -187,11 +191,23 @@ class Sampler:
                 out[i] = (token_list[i], entry)
         return out
 
+    def penalised(self, logits: torch.Tensor, states: list[SamplingState], *,
+                  copied: bool = False) -> torch.Tensor:
+        """The logits with the rows of requests with penalties penalised, in a copy unless
+        ``copied`` (the caller's tensor stays as the model produced it)."""
+        pen_rows = [i for i, s in enumerate(states) if s.has_penalties]
+        if not pen_rows:
+            return logits
+        logits = logits if copied else logits.clone()
+        rows = to_device(pen_rows, torch.long, logits.device)
+        logits[rows] = self._penalise(logits[rows], [states[i] for i in pen_rows])
+        return logits
+
     def choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's token [n] int64 where the logits are, nothing read back: greedy rows'
         argmax, the others drawn. No penalties or grammar masks here (``__call__`` applies
-        them first): the engine's lookahead steps (lookahead.py) call this directly for
-        requests that have neither."""
+        them first; the engine's lookahead steps, lookahead.py, apply ``penalised`` and
+        have no grammar)."""
         tokens = argmax(logits)
         sample_rows = [i for i, s in enumerate(states) if not s.greedy]
         if sample_rows:
@@ -206,16 +222,17 @@ class Sampler:
         dev = logits.device
         counts = torch.stack([s.output_counts(vocab, dev) for s in states])
         seen_out = counts > 0
-        rep = torch.tensor([s.params.repetition_penalty for s in states], device=dev).unsqueeze(1)
-        if (rep != 1).any():
+        reps = [s.params.repetition_penalty for s in states]
+        if any(r != 1 for r in reps):
+            rep = to_device(reps, torch.float32, dev).unsqueeze(1)
             seen = seen_out | torch.stack([s.prompt_mask(vocab, dev) for s in states])
             scaled = torch.where(logits > 0, logits / rep, logits * rep)
             logits = torch.where(seen, scaled, logits)
         if any(s.params.frequency_penalty for s in states):
-            freq = torch.tensor([s.params.frequency_penalty for s in states], device=dev)
+            freq = to_device([s.params.frequency_penalty for s in states], torch.float32, dev)
             logits = logits - freq.unsqueeze(1) * counts
         if any(s.params.presence_penalty for s in states):
-            pres = torch.tensor([s.params.presence_penalty for s in states], device=dev)
+            pres = to_device([s.params.presence_penalty for s in states], torch.float32, dev)
             logits = logits - pres.unsqueeze(1) * seen_out
         return logits
 

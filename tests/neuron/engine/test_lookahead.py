@@ -169,22 +169,77 @@ def test_an_abort_while_a_step_is_held_returns_its_blocks_at_once(
     assert_whole(core)
 
 
-@pytest.mark.parametrize("host_changes", [
-    m.SamplingParams(temperature=0.0, repetition_penalty=1.3),
-    m.SamplingParams(temperature=0.0, frequency_penalty=0.5),
-    m.SamplingParams(temperature=0.0, presence_penalty=0.5),
-])
-def test_a_request_whose_tokens_the_host_changes_is_not_looked_ahead(
-        monkeypatch: pytest.MonkeyPatch, host_changes: m.SamplingParams) -> None:
-    news = [m.NewRequest(req_id="plain", prompt_token_ids=[9, 8, 7], max_tokens=12,
-                         sampling=GREEDY),
-            m.NewRequest(req_id="host", prompt_token_ids=[9, 8, 6], max_tokens=12,
-                         sampling=host_changes)]
-    sync = drive(engine(monkeypatch, False), news, served=True)
+def test_penalties_count_the_held_token_as_the_synchronous_engine_does(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    model = str(tiny_checkpoint("qwen3"))
+    kinds = [dict(repetition_penalty=1.5), dict(frequency_penalty=1.0),
+             dict(presence_penalty=1.5), dict(presence_penalty=1.0, temperature=0.8, seed=3),
+             dict()]
+
+    def run(on: bool, penalties: bool = True) -> dict[str, list[int]]:
+        news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=[5, 5, 6, 5, 6, 7 + i],
+                             max_tokens=24, sampling=m.SamplingParams(
+                                 **{"temperature": 0.0, **(k if penalties else {})}))
+                for i, k in enumerate(kinds)]
+        core = engine(monkeypatch, on, model_dir=model, block_size=8)
+        tokens = drive(core, news, served=True).tokens
+        assert_whole(core)
+        return tokens
+
+    sync = run(False)
+    assert sync != run(False, penalties=False)  # the penalties change what is sampled
     counted = Counted(monkeypatch)
-    run = drive(engine(monkeypatch, True), news, served=True)
-    assert run.tokens == sync.tokens
-    assert counted.held == counted.followed == 0  # batched with it, plain waits too
+    assert run(True) == sync
+    assert counted.followed >= 20
+
+
+@pytest.mark.parametrize("penalty", [dict(presence_penalty=1.5), dict(frequency_penalty=1.5)])
+def test_the_held_token_is_penalised_in_the_step_after_it(
+        monkeypatch: pytest.MonkeyPatch, penalty: dict[str, float]) -> None:
+    """A model that repeats its last token unless a penalty moves it on: each step's
+    choice turns on the token the step before chose, still unread when it samples. (Its
+    best logit is 0, which a repetition penalty leaves as it is: the model test above.)"""
+    import support.fake_runner
+
+    monkeypatch.setattr(support.fake_runner, "fake_next_token", lambda ctx, vocab: ctx[-1])
+    news = [m.NewRequest(req_id="r", prompt_token_ids=[40, 50], max_tokens=16,
+                         sampling=m.SamplingParams(temperature=0.0, **penalty))]
+    sync = drive(engine(monkeypatch, False), news, served=True).tokens["r"]
+    assert len(set(sync)) > 8  # moved on, not stuck repeating one token
+    counted = Counted(monkeypatch)
+    assert drive(engine(monkeypatch, True), news, served=True).tokens["r"] == sync
+    assert counted.followed >= 10
+
+
+def test_a_constrained_request_is_not_looked_ahead_and_a_thought_closes_on_time(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    """A grammar needs each token on the host before the next mask: no lookahead beside it.
+    A thinking budget's forced close is known a step ahead: the chain stops for it."""
+    from helexa import grammar
+    from helexa.neuron.tokenizer import Tokenizer
+
+    model = tiny_checkpoint("qwen3")
+    tok = Tokenizer.from_dir(model)
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+    g = grammar.grammar_text(grammar.json_schema({"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}))
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    think = m.Thinking(budget_tokens=6, close_ids=close, starts_open=True)
+    constrained = [m.NewRequest(req_id="json", prompt_token_ids=prompt, max_tokens=60,
+                                sampling=GREEDY, stop_token_ids=tok.eos_token_ids, grammar=g)]
+    thinking = [m.NewRequest(req_id="think", max_tokens=30, sampling=GREEDY, thinking=think,
+                             prompt_token_ids=prompt + tok.encode("<think>\n",
+                                                                  add_special_tokens=False))]
+    for news, engaged in ((constrained, False), (thinking, True)):
+        sync = drive(engine(monkeypatch, False, model_dir=str(model), block_size=8), news,
+                     served=True)
+        counted = Counted(monkeypatch)
+        run = drive(engine(monkeypatch, True, model_dir=str(model), block_size=8), news,
+                    served=True)
+        assert run.tokens == sync.tokens
+        assert (counted.followed > 0) is engaged, news[0].req_id
+    out = run.tokens["think"]
+    assert out[6:6 + len(close)] == close  # closed after its budget of 6, under lookahead
 
 
 def test_logprobs_come_back_with_the_tokens_as_the_synchronous_engine_gives_them(
