@@ -16,10 +16,15 @@ of operations, per row:
 Draws are inverse-CDF: one uniform per row against the fp64 cumulative
 weights. A request with a seed draws its uniform from its own
 torch.Generator, so the same seed gives the same tokens whatever else is in
-the batch; the others share torch's default generator. Truncation looks at
-the best 1,024 tokens first and sorts the whole vocabulary only when they
-do not hold top_p of the mass. Everything except taking the seeded
-uniforms is vectorised over the batch.
+the batch; the others share torch's default generator. On the CPU truncation
+looks at the best 1,024 tokens first and sorts the whole vocabulary only when
+they do not hold top_p of the mass; on a GPU, where that check would hold the
+host until the device is done, it sorts the whole vocabulary wherever a row may
+need more (`reads_back`). Everything except taking the seeded uniforms is
+vectorised over the batch.
+
+The engine's lookahead steps (lookahead.py) call the parts, `penalised`,
+`choose` and `logprobs`, so that nothing is read back until the step is.
 """
 
 from __future__ import annotations
