@@ -19,7 +19,10 @@ reuse a prompt);
 ``--driver runner`` drives the ModelRunner directly instead, to show what the
 engine loop costs. ``--backend`` lists attention backends (helexa/kernels/backends/),
 each run as its own helexa contender in the same interleaved repeats, so their
-figures print side by side (default: auto, the one the engine would pick).
+figures print side by side (default: auto, the one the engine would pick); a
+``:sync`` or ``:lookahead`` suffix sets the engine's lookahead decode
+(helexa/neuron/engine/lookahead.py: on by default on CUDA, where
+``--backend cuda:sync,cuda:lookahead`` prints its gain; on the CPU nothing overlaps).
 
 ``--gguf FILE`` runs helexa on a GGUF file at fp32 activations (the native quantised
 kernels, helexa/kernels/cpu/kquant.py) and at bf16 (torch's weight-only ops), and on the
@@ -85,7 +88,8 @@ class HelexaEngine:
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
                  backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
-                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none") -> None:
+                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none",
+                 lookahead: bool | None = None) -> None:
         from helexa.neuron.engine import messages
         from helexa.neuron.engine.engine_core import EngineCore
         from helexa.neuron.engine.spec import EngineSpec
@@ -102,6 +106,8 @@ class HelexaEngine:
                           dtype=dtype, torch_threads=threads, limits=limits,
                           attention_backend=backend, cuda_graphs=cuda_graphs, quantize=quantize)
         self.core = EngineCore(spec)
+        if lookahead is not None:  # else the engine's default (engine/lookahead.py: CUDA on)
+            self.core.lookahead = lookahead
         self.runner = self.core.runner
         self.vocab = self.core.runner.vocab_size
         self.n = 0
@@ -145,7 +151,8 @@ class HelexaRunner:
 
     def __init__(self, model_dir: Path, threads: int, device: str, dtype: str,
                  backend: str = "auto", *, cuda_graphs: bool = True, streams: int = 8,
-                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none") -> None:
+                 tokens: int = 4096, shuffle: bool = False, quantize: str = "none",
+                 lookahead: bool | None = None) -> None:
         import random
 
         from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
@@ -285,7 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver", choices=["engine", "runner"], default="engine")
     ap.add_argument("--backend", default="auto",
                     help="attention backends to run side by side, comma-separated "
-                         "(auto, torch, cpu, cuda; cuda:nographs without CUDA graphs)")
+                         "(auto, torch, cpu, cuda; cuda:nographs without CUDA graphs; "
+                         "a :sync or :lookahead suffix sets the engine's lookahead decode, "
+                         "e.g. cuda:sync,cuda:lookahead)")
     ap.add_argument("--skip-transformers", action="store_true",
                     help="leave transformers' generate and prefill out (big models, long "
                          "contexts: the roofline and helexa's own ratios remain)")
@@ -332,8 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [b.strip() for b in args.backend.split(",") if b.strip()]
     tokens = max(args.prompt_tokens, args.ttft_tokens) + args.new_tokens
     engines = {b: driver(model_dir, args.threads, args.device, args.dtype, b.split(":")[0],
-                         cuda_graphs=not b.endswith(":nographs"), streams=args.streams,
-                         tokens=tokens, shuffle=args.shuffle_pool) for b in names}
+                         cuda_graphs=":nographs" not in b, streams=args.streams,
+                         tokens=tokens, shuffle=args.shuffle_pool,
+                         lookahead=True if ":lookahead" in b else False if ":sync" in b
+                         else None)
+               for b in names}
     first = engines[names[0]]
     model = (first.core.runner if args.driver == "engine" else first.runner).model
     helexa_weight = model.attention_layers[0].qkv_proj.weight
