@@ -143,6 +143,7 @@ class EngineCore:
             self.ahead = None
             return True
         self._postprocess(held.plan, ran)
+        self.consecutive_failed_steps = 0  # the held step ran
         if failed is not None:
             self.ahead = None
             self._fail([r for r, _ in held.inputs.sampled if not r.is_finished], failed)

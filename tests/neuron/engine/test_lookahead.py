@@ -323,3 +323,20 @@ def test_lookahead_is_on_for_cuda_and_says_why_not_elsewhere(
     assert lookahead.wanted(R("cuda")) == (False, f"{lookahead.ENV}=0")  # type: ignore[arg-type]
     monkeypatch.setenv(lookahead.ENV, "1")
     assert lookahead.wanted(R("cpu"))[0]  # type: ignore[arg-type]
+
+
+def test_a_step_that_ran_in_the_chain_clears_the_failure_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine process gives up after so many failed steps in a row: steps that ran in
+    a lookahead chain break the row, as the scheduler's steps do."""
+    core = engine(monkeypatch, True)
+    core.step(m.ToEngine(new=[m.NewRequest(req_id="a", prompt_token_ids=[3, 4],
+                                           max_tokens=20, sampling=GREEDY)]))
+    core.step()
+    assert core.ahead is not None
+    core.consecutive_failed_steps = 2  # as if the steps before had failed
+    out = core.step()
+    assert core.ahead is not None and [u.new_token_ids for u in out.updates] != [[]]
+    assert core.consecutive_failed_steps == 0
+    drive(core)
+    assert_whole(core)
