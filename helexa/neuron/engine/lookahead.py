@@ -34,7 +34,8 @@ What keeps the tokens identical to the synchronous engine's:
   reservation covers (it has not reached its budget), and its blocks go back only after
   the row was launched, so a later owner's writes come after it on the device's stream.
 - A hybrid's prefix snapshot at a following row's position is taken as the synchronous
-  layout takes it (snapshots.take_slots), and filed when that step is read.
+  layout takes it (snapshots.take_slots), and joins its request's writes when that step is
+  read, for the postprocess to file.
 - A step that would promote a waiting request, or leave a running request out, ends the
   chain: the scheduler does those.
 
@@ -51,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from helexa.kernels.backends.base import to_device
+from helexa.neuron.engine import snapshots
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.sampler import Logprobs, logprobs
@@ -138,7 +140,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     decoding = [r for r in core.running if not r.is_finished]
     if any(r.is_prefilling for r in decoding):
         return None
-    pool, bs = core.pool, core.pool.block_size
+    pool = core.pool
     rows: list[int] = []  # held rows that go on, in order
     reqs: list[Request] = []
     for j, (req, _) in enumerate(held.inputs.sampled):
@@ -157,7 +159,6 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     if len(reqs) > core.limits.max_batched_tokens:
         return None
     inputs = StepInputs(reqs, [ScheduledChunk(r.req_id, 1, is_prefill=False) for r in reqs])
-    saves: list[tuple[Request, int, int]] = []
     for i, req in enumerate(reqs):
         start = req.num_computed_tokens + 1  # the held row's position is computed
         core.ensure_blocks(req, start + 1)
@@ -165,12 +166,11 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
                        need_logits=True, state_slot=pool.state_slot(req.req_id))
         if req.images is not None:
             seq.rope_delta, seq.images = req.images.chunk(start, start + 1)
-        if pool.snapshots is not None and (start + 1) % bs == 0:  # snapshots.take_slots' rule
-            seq.save_to = pool.snapshots.take(req.req_id)
-            if seq.save_to >= 0:
-                saves.append((req, seq.save_to, start + 1))
         inputs.seqs.append(seq)
         inputs.sampled.append((req, i))
+    saves: list[tuple[Request, int, int]] = []  # filed when this step is read
+    snapshots.take_slots(pool, reqs, inputs.chunks, inputs.seqs,
+                         core.spec.snapshot_every_tokens, later=saves)
     core.move_kv()  # a snapshot slot taken above may have evicted one to the host
     vocab = held.out.logits.shape[1]
     for req, j in zip(reqs, rows, strict=True):

@@ -41,9 +41,14 @@ def next_stop(computed: int, prompt_tokens: int, block_size: int, every_tokens: 
 
 
 def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk],
-               seqs: list[SeqInput], every_tokens: int) -> None:
+               seqs: list[SeqInput], every_tokens: int,
+               later: list[tuple[Request, int, int]] | None = None) -> None:
     """Set each sequence's restore (a hit's first step) and save (a snapshot position it
-    reaches), taking a snapshot slot for each save; a save with no slot free is skipped."""
+    reaches), taking a snapshot slot for each save; a save with no slot free is skipped.
+    Each save joins its request's snapshot_writes, for file_saves after the step; with
+    ``later`` it goes there as (request, slot, position) instead, for the caller to add
+    when the step is read (a lookahead step, launched before the step before it is read:
+    lookahead.py)."""
     snaps, bs = pool.snapshots, pool.block_size
     if snaps is None:
         return
@@ -61,7 +66,10 @@ def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk
             slot = snaps.take(req.req_id)
             if slot >= 0:
                 seq.save_to = slot
-                req.snapshot_writes.append((slot, end))
+                if later is None:
+                    req.snapshot_writes.append((slot, end))
+                else:
+                    later.append((req, slot, end))
 
 
 def file_saves(pool: BlockPool, req: Request) -> None:
