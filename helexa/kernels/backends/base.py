@@ -166,6 +166,12 @@ def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
     return pinned(values, dtype, device).to(device, non_blocking=True)
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of device tensor ``t`` in pinned host memory, made without waiting: read it
+    once an event recorded after this call has passed."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
     out: list[int] = []

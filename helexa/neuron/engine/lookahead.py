@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from helexa.kernels.backends.base import to_device
+from helexa.kernels.backends.base import to_device, to_host
 from helexa.neuron.engine import snapshots
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
@@ -122,8 +122,7 @@ def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
     lps = logprobs(logits, chosen, states)
     if chosen.device.type != "cuda":
         return Ahead(plan, inputs, out, chosen, chosen, None, lps)
-    host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
-    host.copy_(chosen, non_blocking=True)
+    host = to_host(chosen)
     lps = lps.to_host() if lps is not None else None
     ready = torch.cuda.Event()
     ready.record()

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from helexa.kernels.backends.base import to_device
+from helexa.kernels.backends.base import to_device, to_host
 from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
 
@@ -122,11 +122,8 @@ class Logprobs:
     def to_host(self) -> Logprobs:
         """Copies in pinned host memory that do not wait (read them once the device is
         past the copies: a lookahead step's event, lookahead.py)."""
-        def host(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            return out.copy_(t, non_blocking=True)
-
-        return Logprobs(self.rows, host(self.chosen), host(self.top_v), host(self.top_i))
+        return Logprobs(self.rows, to_host(self.chosen), to_host(self.top_v),
+                        to_host(self.top_i))
 
     def entries(self, tokens: list[int], states: list[SamplingState]) -> dict[int, TokenLogprob]:
         """Each row's TokenLogprob (its own top_logprobs of the best), by position."""
@@ -179,7 +176,7 @@ class Sampler:
                  ) -> list[tuple[int, TokenLogprob | None]]:
         """`bitmask` = (rows, int32 mask [len(rows), words]): those rows may only pick the
         tokens their grammar allows (grammar.py); applied before everything else."""
-        n, vocab = logits.shape
+        n = logits.shape[0]
         assert n == len(states), f"{n} logit rows for {len(states)} requests"
         logits = logits.float()
         if bitmask is not None:
