@@ -89,7 +89,6 @@ class Request:
     # Speculation (engine/speculative/): this step's draft, and how well drafts fare.
     draft: Draft | None = None
     spec_acceptance: float | None = None  # EWMA of accepted / drafted; None before any
-    steps_since_draft: int = 0
     spec_drafted_tokens: int = 0  # drafted tokens verified for it, and of those accepted
     spec_accepted_tokens: int = 0
     images: PromptImages | None = None  # a vision-language prompt's images (images.py)

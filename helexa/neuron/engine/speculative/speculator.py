@@ -36,7 +36,7 @@ from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runners, StepOutput
 from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import Draft, Drafter, Kept
-from helexa.neuron.engine.speculative.policy import choose_k, update_acceptance
+from helexa.neuron.engine.speculative.policy import choose_k, probe_due, update_acceptance
 from helexa.neuron.engine.speculative.setup import Drafters, EnsureBlocks
 from helexa.neuron.engine.speculative.verify import verify
 
@@ -54,6 +54,7 @@ class Speculator:
         self.policy: Speculation = limits
         self.drafter: Drafter | None = None
         self.pinned = False  # a drafter pinned (tests) stays whatever a speculation names
+        self.steps = 0  # steps drafted for: when probes fall due (policy.probe_due)
         self.configure(limits)
 
     @property
@@ -90,11 +91,36 @@ class Speculator:
 
     def draft(self, running: Sequence[Request], max_slots: int) -> None:
         """Leave this step's draft (possibly none) on every decoding request."""
-        occupancy = len(running) / max(1, max_slots)
-        asks: list[tuple[Request, int]] = []  # (request, most tokens it may draft)
         for req in running:
             req.draft = None
-            if self.drafter is None or req.is_prefilling or req.num_uncomputed_tokens != 1:
+        asks = self._asks(running, len(running), max_slots)
+        if asks:
+            self._propose(asks)
+        self.steps += 1
+
+    def _propose(self, asks: list[tuple[Request, int]]) -> None:
+        assert self.drafter is not None
+        try:
+            drafts = self.drafter.propose_batch([r for r, _ in asks], [k for _, k in asks])
+        except Exception:  # a draft model's forward, the MTP head's pass: costs only drafts
+            self._failed()
+            return
+        for (req, k), d in zip(asks, drafts, strict=True):
+            if d.tokens:
+                probs = d.probs[:k] if d.probs is not None else None
+                req.draft = Draft(d.tokens[:k], probs)
+
+    def _asks(self, reqs: Sequence[Request], num_running: int, max_slots: int
+              ) -> list[tuple[Request, int]]:
+        """(request, most tokens it may draft) of each request of `reqs` that drafts this
+        step (the policy's k > 0); nothing without a drafter. Changes nothing."""
+        if self.drafter is None:
+            return []
+        occupancy = num_running / max(1, max_slots)
+        probe = probe_due(self.steps)
+        asks: list[tuple[Request, int]] = []
+        for req in reqs:
+            if req.is_prefilling or req.num_uncomputed_tokens != 1:
                 continue
             st = req.sampling_state
             if st is not None and (st.has_penalties or st.wants_logprobs):
@@ -109,23 +135,10 @@ class Speculator:
                 if unforced is not None:
                     room = min(room, unforced - 1)
             k = min(room, choose_k(self.policy, occupancy=occupancy,
-                                   acceptance=req.spec_acceptance,
-                                   steps_since_draft=req.steps_since_draft))
-            req.steps_since_draft += 1
+                                   acceptance=req.spec_acceptance, probe=probe))
             if k > 0:
                 asks.append((req, k))
-        if not asks or self.drafter is None:
-            return
-        try:
-            drafts = self.drafter.propose_batch([r for r, _ in asks], [k for _, k in asks])
-        except Exception:  # a draft model's forward, the MTP head's pass: costs only drafts
-            self._failed()
-            return
-        for (req, k), d in zip(asks, drafts, strict=True):
-            if d.tokens:
-                probs = d.probs[:k] if d.probs is not None else None
-                req.draft = Draft(d.tokens[:k], probs)
-                req.steps_since_draft = 0
+        return asks
 
     def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
         """After a step: what it computed, and (request, index among the step's sequences,

@@ -87,23 +87,23 @@ def test_target_probs_are_what_the_sampler_draws_from():
 
 def test_policy_gives_way_to_load():
     pol = Speculation(spec_k=4, spec_full_below=0.25, spec_off_above=0.75)
-    ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, steps_since_draft=0)
+    ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, probe=False)
           for n in range(1, 9)]
     assert ks == [4, 4, 3, 2, 1, 0, 0, 0]
     assert choose_k(Speculation(spec_k=0), occupancy=0.1, acceptance=None,
-                    steps_since_draft=0) == 0
+                    probe=False) == 0
     # a full batch still probes now and then, and keeps drafting where drafts are right
-    assert choose_k(pol, occupancy=1.0, acceptance=None, steps_since_draft=0) == 1
-    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=8) == 1
-    assert choose_k(pol, occupancy=1.0, acceptance=0.5, steps_since_draft=3) == 0
-    assert choose_k(pol, occupancy=1.0, acceptance=0.9, steps_since_draft=0) == 4
+    assert choose_k(pol, occupancy=1.0, acceptance=None, probe=False) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, probe=True) == 1
+    assert choose_k(pol, occupancy=1.0, acceptance=0.5, probe=False) == 0
+    assert choose_k(pol, occupancy=1.0, acceptance=0.9, probe=False) == 4
 
 
 def test_policy_stops_drafting_for_a_poor_acceptor_but_probes():
     pol = Speculation(spec_k=4, spec_min_acceptance=0.3)  # probes every 8 steps
-    assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=3) == 0
-    assert choose_k(pol, occupancy=0.1, acceptance=0.1, steps_since_draft=8) == 4
-    assert choose_k(pol, occupancy=0.1, acceptance=0.9, steps_since_draft=0) == 4
+    assert choose_k(pol, occupancy=0.1, acceptance=0.1, probe=False) == 0
+    assert choose_k(pol, occupancy=0.1, acceptance=0.1, probe=True) == 4
+    assert choose_k(pol, occupancy=0.1, acceptance=0.9, probe=False) == 4
     a = update_acceptance(None, 4, 0)
     assert a == 0.0 and update_acceptance(a, 4, 4) > a and update_acceptance(a, 0, 0) == a
 
