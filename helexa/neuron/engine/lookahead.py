@@ -23,7 +23,12 @@ What keeps the tokens identical to the synchronous engine's:
 
 - A request qualifies only if the host never changes its sampled token or the
   distribution of its next one: no grammar, no forced thinking-budget close
-  (ThoughtTracker.forced), no speculation (the drafter reads each step's tokens).
+  (ThoughtTracker.forced), no draft in the step. A model with a drafter chains its
+  steps without drafts (a full batch, poor acceptance: the speculation policy's), and the
+  chain ends where the drafter would be asked for one (Speculator.quiet), since it reads
+  the tokens the held step has not yet given; requests kept from drafting probe on the
+  same steps (speculative/policy.py) so that the steps between can chain. The MTP head
+  observes each held step's hidden states when the step is read, as it would.
   Logprobs are computed on the device with the tokens and copied back with them;
   penalties count the held token on the device before the following step samples
   (SamplingState.count_ahead). At tensor parallel > 1 the other
@@ -106,7 +111,7 @@ def qualifies(req: Request) -> bool:
 def holdable(core: EngineCore, inputs: StepInputs) -> bool:
     """Whether this laid-out step may be launched and held: every row a plain decode row
     of a qualifying request."""
-    return (core.lookahead and core.speculator.drafter is None and bool(inputs.reqs)
+    return (core.lookahead and bool(inputs.reqs)
             and all(not c.is_prefill and not c.num_draft for c in inputs.chunks)
             and all(qualifies(r) for r in inputs.reqs)
             and len(inputs.sampled) == len(inputs.reqs))
@@ -115,7 +120,8 @@ def holdable(core: EngineCore, inputs: StepInputs) -> bool:
 def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
            tokens: torch.Tensor | None = None) -> Ahead:
     """Run the step and choose its tokens on the device; nothing is read back."""
-    out = core.runner.run_step(inputs.seqs, tokens=tokens)
+    out = core.runner.run_step(inputs.seqs, tokens=tokens,
+                               keep_hidden=core.speculator.follows_target)
     states: list[Any] = [r.sampling_state for r, _ in inputs.sampled]
     logits = core.sampler.penalised(out.logits, states)
     chosen = core.sampler.choose(logits, states)
@@ -132,7 +138,7 @@ def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
 def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     """Launch the step after `held` from its device tokens, or None where the synchronous
     engine would run another step (the module's list)."""
-    if not core.lookahead or core.speculator.drafter is not None:
+    if not core.lookahead:
         return None
     if core.waiting and len(core.running) < core.limits.max_slots:
         return None  # a promotion is due: the scheduler's step
@@ -142,6 +148,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     pool = core.pool
     rows: list[int] = []  # held rows that go on, in order
     reqs: list[Request] = []
+    ending = 0  # requests the held token ends by length or context
     for j, (req, _) in enumerate(held.inputs.sampled):
         if req.is_finished:
             continue
@@ -149,6 +156,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
             return None
         after = req.num_tokens + 1  # its tokens once the held one is appended
         if req.num_output_tokens + 1 >= req.output_budget or after >= core.spec.context:
+            ending += 1
             continue  # the held token is its last
         rows.append(j)
         reqs.append(req)
@@ -157,6 +165,9 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
         return None  # a running request the held step left out: the scheduler rotates
     if len(reqs) > core.limits.max_batched_tokens:
         return None
+    # running as the synchronous engine would draft: less those the held token ends
+    if not core.speculator.quiet(reqs, len(decoding) - ending, core.limits.max_slots):
+        return None  # a draft is due: the drafter needs the held step's tokens
     inputs = StepInputs(reqs, [ScheduledChunk(r.req_id, 1, is_prefill=False) for r in reqs])
     for i, req in enumerate(reqs):
         start = req.num_computed_tokens + 1  # the held row's position is computed

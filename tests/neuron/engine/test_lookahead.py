@@ -10,13 +10,16 @@ from typing import Any
 
 import pytest
 import torch
-from support.engine import assert_whole, drive
+from support.engine import assert_whole, drive, with_drafter
 from support.fake_runner import FakeRunner
+from support.mtp import requests as mtp_requests
 
 from helexa.neuron.engine import lookahead
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative import policy
+from helexa.neuron.engine.speculative.drafters import Draft, Drafter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -340,3 +343,82 @@ def test_a_step_that_ran_in_the_chain_clears_the_failure_count(
     assert core.consecutive_failed_steps == 0
     drive(core)
     assert_whole(core)
+
+
+# ---- a model with a drafter: the chain runs between the steps that draft ----------------
+
+FULL = dict(spec_k=2, spec_full_below=0.0, spec_off_above=0.0)  # every batch full: probes only
+
+
+class Probes(Drafter):
+    """Always drafts token 0 (the fake model all but never gives it: acceptance near 0,
+    so a request drafts only its probes), and records each ask: (the speculator's step
+    count, the requests asked)."""
+
+    def __init__(self) -> None:
+        self.core: EngineCore | None = None
+        self.asks: list[tuple[int, list[str]]] = []
+
+    def propose_batch(self, reqs: Any, ks: Any) -> list[Draft]:
+        assert self.core is not None
+        self.asks.append((self.core.speculator.steps, sorted(r.req_id for r in reqs)))
+        return [Draft([0] * k) for k in ks]
+
+
+def test_a_drafters_probes_fall_on_shared_steps_and_the_chain_runs_between(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a full batch a request drafts a one-token probe at once, then only on every
+    8th step, on the same steps as every other request (here two waves that arrived
+    apart): the steps between draft nothing and run as a lookahead chain. The drafts, the
+    tokens and the ledger are the synchronous engine's."""
+    def run(on: bool) -> tuple[Probes, dict[str, list[int]], Counted, EngineCore]:
+        counted = Counted(monkeypatch)
+        core = engine(monkeypatch, on, **FULL)
+        probes = Probes()
+        probes.core = with_drafter(core, probes)
+        news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=[3 + i, 9, 4], max_tokens=40,
+                             sampling=GREEDY) for i in range(6)]
+        tokens: dict[str, list[int]] = {}
+        for step in range(400):
+            arrive = news[:3] if step == 0 else news[3:] if step == 5 else []
+            for u in core.step(m.ToEngine(new=arrive) if arrive else None).updates:
+                assert u.error == "" and u.refused_code is None, u
+                tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if not core.has_work and step > 5:
+                break
+        assert_whole(core)
+        return probes, tokens, counted, core
+
+    sync, sync_tokens, _, _ = run(False)
+    ahead, tokens, counted, core = run(True)
+    assert tokens == sync_tokens and all(len(t) == 40 for t in tokens.values())
+    assert ahead.asks == sync.asks
+    first: set[str] = set()
+    for step, ids in ahead.asks:  # a known request probes only with the others
+        assert step % policy.PROBE_EVERY == 0 or not first & set(ids), (step, ids)
+        first |= set(ids)
+    assert first == {f"r{i}" for i in range(6)}
+    assert core.status().spec_drafted_tokens > 6  # probes after the first ones
+    assert counted.followed >= 25  # 6 steps in 8: a probe, a held step, six following
+
+
+def test_the_mtp_head_observes_every_step_of_a_chain(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    """MTP under a full batch: the chain's steps keep their hidden states for the head,
+    which observes them as each is read. The tokens are plain decoding's, and the head
+    drafts the probes the synchronous engine's drafts."""
+    model = str(tiny_checkpoint("qwen3_5", mtp=True))
+    news = mtp_requests(2, 4)
+    plain = drive(engine(monkeypatch, False, model_dir=model), news, served=True)
+    runs = []
+    for on in (False, True):
+        counted = Counted(monkeypatch)
+        core = engine(monkeypatch, on, model_dir=model, speculation="mtp", **FULL)
+        assert core.status().drafter == "mtp"
+        runs.append((drive(core, news, served=True), core.status(), counted))
+        assert_whole(core, hybrid=True)
+    (sync, sync_status, _), (run, status, counted) = runs
+    assert run.tokens == sync.tokens == plain.tokens
+    assert status.spec_drafted_tokens == sync_status.spec_drafted_tokens > 0
+    assert status.spec_accepted_tokens == sync_status.spec_accepted_tokens
+    assert counted.followed >= 10

@@ -54,7 +54,7 @@ class Speculator:
         self.policy: Speculation = limits
         self.drafter: Drafter | None = None
         self.pinned = False  # a drafter pinned (tests) stays whatever a speculation names
-        self.steps = 0  # steps drafted for: when probes fall due (policy.probe_due)
+        self.steps = 0  # steps drafted for (draft) or counted quiet: when probes fall due
         self.configure(limits)
 
     @property
@@ -109,6 +109,15 @@ class Speculator:
             if d.tokens:
                 probs = d.probs[:k] if d.probs is not None else None
                 req.draft = Draft(d.tokens[:k], probs)
+
+    def quiet(self, reqs: Sequence[Request], num_running: int, max_slots: int) -> bool:
+        """Whether `draft` would ask the drafter for nothing for `reqs` this step, with
+        `num_running` requests running (lookahead.follow asks before it launches a step
+        without drafts). Where quiet, the step is counted as `draft` counts it."""
+        if self.drafter is not None and self._asks(reqs, num_running, max_slots):
+            return False
+        self.steps += 1
+        return True
 
     def _asks(self, reqs: Sequence[Request], num_running: int, max_slots: int
               ) -> list[tuple[Request, int]]:

@@ -104,3 +104,29 @@ def test_a_right_head_has_its_drafts_accepted_at_tp2(tiny_checkpoint, tmp_path):
         assert_right_head_drafted(core, news, plain.tokens, plain.steps)
     finally:
         core.close()
+
+
+def test_mtp_under_a_full_batch_chains_lookahead_steps_at_tp2(tiny_checkpoint, monkeypatch):
+    """A full batch drafts only probes: the steps between run as a lookahead chain at tp = 2
+    (rank 0's device tokens broadcast, its hidden states kept for the head), and greedy
+    output is still plain decoding's."""
+    from helexa.neuron.engine import lookahead
+
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(3, 4)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    monkeypatch.setenv(lookahead.ENV, "1")
+    full = dict(spec_k=2, spec_full_below=0.0, spec_off_above=0.0)
+    core = EngineCore(at_tp(spec_for(model_dir, speculation="mtp", **full), 2))
+    launched = []
+    real = lookahead.launch
+    monkeypatch.setattr(lookahead, "launch", lambda core, plan, inputs, tokens=None: (
+        launched.append(tokens is not None), real(core, plan, inputs, tokens))[1])
+    try:
+        got = drive(core, news, served=True).tokens
+        assert got == want
+        assert core.status().spec_drafted_tokens > 0
+        assert sum(launched) >= 10  # steps launched from the held step's device tokens
+        assert_whole(core)
+    finally:
+        core.close()
