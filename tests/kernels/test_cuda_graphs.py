@@ -84,13 +84,30 @@ class Model(torch.nn.Module):
         return row[:, None].float() + torch.arange(VOCAB)
 
 
+class HiddenModel(Model):
+    """A model with an MTP head: with keep_hidden, its forward keeps its final hidden
+    states (here: a function of every static input, as its logits)."""
+
+    def __init__(self, mtp: bool = True) -> None:
+        super().__init__()
+        self.mtp = torch.nn.Identity() if mtp else None
+        self.keep_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        logits = super().forward(*args)
+        if self.keep_hidden:
+            self.last_hidden = logits[:, :3] * -2
+        return logits
+
+
 def executor(rows: int = 4) -> tuple[CudaGraphExecutor, StandInRuntime]:
     runtime = StandInRuntime()
     return CudaGraphExecutor(StandInAttention(rows), runtime), runtime  # type: ignore[arg-type]
 
 
 def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False,
-           pool: bool = False) -> torch.Tensor:
+           pool: bool = False, model: Model | None = None) -> torch.Tensor:
     """pool: the state metadata carries the int32 slots FlashInfer's pool decode reads."""
     ids = torch.arange(b) + seed
     positions, pages = torch.arange(b) * 2 + seed, torch.arange(b) + 3 * seed
@@ -98,19 +115,21 @@ def decode(ex: CudaGraphExecutor, b: int, seed: int, state: bool = False,
     slots = torch.arange(b) + 7 * seed
     gdn = GdnMetadata(backend=None, decode_slots=slots,  # type: ignore[arg-type]
                       decode_slots32=(slots + 1).to(torch.int32) if pool else None)
-    return ex.run(Model(), ids, positions, meta, None, gdn if state else None)
+    return ex.run(model or Model(), ids, positions, meta, None, gdn if state else None)
 
 
-def eager(b: int, seed: int, state: bool = False, pool: bool = False) -> torch.Tensor:
+def eager(b: int, seed: int, state: bool = False, pool: bool = False,
+          model: Model | None = None) -> torch.Tensor:
     ex, _ = executor(0)  # no graphs
-    return decode(ex, b, seed, state, pool)
+    return decode(ex, b, seed, state, pool, model)
 
 
-def load(ex: CudaGraphExecutor, state: bool = False, pool: bool = False) -> None:
+def load(ex: CudaGraphExecutor, state: bool = False, pool: bool = False,
+         model: Model | None = None) -> None:
     """What the model runner does at load (model_runner._capture_graphs)."""
     with ex.capturing():
         for b in ex.graph_sizes():
-            decode(ex, b, seed=0, state=state, pool=pool)
+            decode(ex, b, seed=0, state=state, pool=pool, model=model)
 
 
 def test_every_size_is_captured_at_load_largest_first_into_one_pool():
@@ -170,3 +189,35 @@ def test_without_graphs_nothing_is_captured():
     assert ex.graph_sizes() == [] and ex.describe() == "no graphs"
     load(ex)
     assert runtime.captured == [] and runtime.pools == []
+
+
+def test_a_step_whose_drafter_reads_the_hidden_states_replays_a_model_with_an_mtp_head():
+    """The MTP drafter asks a step for its hidden states (keep_hidden): a model with a head
+    was captured writing them, so the step replays and they are the step's own; a model
+    without one runs that step layer by layer."""
+    ex, runtime = executor(4)
+    model = HiddenModel()
+    load(ex, state=True, model=model)
+    assert model.last_hidden is None and not model.keep_hidden  # as the load found them
+    at_load = runtime.replays
+    kept = []
+    for seed in (1, 2):
+        model.keep_hidden = True
+        logits = decode(ex, 3, seed, state=True, model=model)
+        kept.append(model.last_hidden)
+        want = HiddenModel()
+        want.keep_hidden = True
+        torch.testing.assert_close(logits, eager(3, seed, state=True, model=want))
+        torch.testing.assert_close(model.last_hidden, want.last_hidden)
+    assert runtime.replays == at_load + 2
+    assert not torch.equal(kept[0], kept[1])  # each a copy: the next replay left it alone
+    model.keep_hidden = False
+    decode(ex, 2, 3, state=True, model=model)
+    assert runtime.replays == at_load + 3
+    headless = HiddenModel(mtp=False)
+    ex, runtime = executor(4)
+    load(ex, model=headless)
+    at_load = runtime.replays
+    headless.keep_hidden = True
+    decode(ex, 2, 4, model=headless)
+    assert runtime.replays == at_load and headless.last_hidden is not None  # eagerly

@@ -13,6 +13,8 @@ positions and, for hybrid models, linear-attention state slots (GdnMetadata.deco
 and their int32 twin for FlashInfer's pool decode) are copied into the graph's static
 inputs (the step's ``plan`` already filled the wrapper's index buffers and its KV append's
 positions), the graph replayed, and its rows of the one shared output buffer copied out.
+A model with an MTP head is captured writing its final hidden states to a second shared
+buffer too, so that a step whose drafter reads them (keep_hidden) replays as well.
 Graphs hold the pools' addresses, so a new pool drops them (the runner captures again).
 With tensor parallelism every rank runs the same steps
 in the same order, so their graphs hold the same collectives; the worker ranks capture
@@ -76,6 +78,7 @@ class _Graph:
     positions: torch.Tensor
     meta: CudaMetadata  # static: the graph wrapper and its KV append's buffers
     state: Any  # static GdnMetadata (hybrids): its decode_slots filled before replay; or None
+    hidden: bool = False  # it also writes the final hidden states (a model with an MTP head)
 
 
 class CudaGraphExecutor(StepExecutor):
@@ -91,6 +94,7 @@ class CudaGraphExecutor(StepExecutor):
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
+        self._hidden: torch.Tensor | None = None  # [graph_rows, hidden]: with an MTP head
         self._capturing = False
 
     def describe(self) -> str:
@@ -137,14 +141,17 @@ class CudaGraphExecutor(StepExecutor):
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
         b = meta.graph_rows if isinstance(meta, CudaMetadata) else 0
-        # keep_hidden: a drafter reads the step's hidden states, which a replay does not set
-        if not b or logits_rows is not None or getattr(model, "keep_hidden", False):
+        if not b or logits_rows is not None:
             return model_forward(model, input_ids, positions, meta, logits_rows, state)
         g = self._graphs.get(b)
         if g is None:
             if not self._capturing:  # never captured mid-serving: this size runs eagerly
                 return model_forward(model, input_ids, positions, meta, logits_rows, state)
             g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta, state)
+        # keep_hidden: a drafter reads the step's hidden states (the MTP head's input)
+        keep = getattr(model, "keep_hidden", False)
+        if keep and not g.hidden:  # captured without them: this step runs eagerly
+            return model_forward(model, input_ids, positions, meta, logits_rows, state)
         g.ids.copy_(input_ids)
         g.positions.copy_(positions)
         if g.state is not None:
@@ -153,6 +160,10 @@ class CudaGraphExecutor(StepExecutor):
                 g.state.decode_slots32.copy_(state.decode_slots32)
         self.runtime.replay(g.graph)
         assert self._out is not None
+        if keep:
+            assert self._hidden is not None
+            loaded: Any = model
+            loaded.last_hidden = self._hidden[:b].clone()
         return self._out[:b].clone()  # the shared output is overwritten by the next replay
 
     def _capture(self, model: torch.nn.Module, b: int, input_ids: torch.Tensor,
@@ -167,15 +178,30 @@ class CudaGraphExecutor(StepExecutor):
         if self._pool is None:
             self._pool = self.runtime.pool()
         out_rows = max(b, self.attention.graph_rows)
+        loaded: Any = model
+        # a model with an MTP head: its drafter may ask any step for the hidden states
+        hidden = getattr(loaded, "mtp", None) is not None
 
         def step() -> None:
-            logits = model_forward(model, ids, pos, static, None, static_state)
+            keep = getattr(loaded, "keep_hidden", False)
+            loaded.keep_hidden = keep or hidden
+            try:
+                logits = model_forward(model, ids, pos, static, None, static_state)
+                h = loaded.last_hidden if hidden else None
+            finally:
+                loaded.keep_hidden = keep
+                if hidden and not keep:  # the runner did not ask: nothing left behind
+                    loaded.last_hidden = None
             if self._out is None or self._out.shape[0] < out_rows:
                 self._out = logits.new_empty(out_rows, logits.shape[-1])  # outside any graph
             self._out[:b].copy_(logits)
+            if h is not None:
+                if self._hidden is None or self._hidden.shape[0] < out_rows:
+                    self._hidden = h.new_empty(out_rows, h.shape[-1])  # outside any graph
+                self._hidden[:b].copy_(h)
 
         if self._out is None:  # allocate the shared output before capture, not inside it
             step()
         graph = self.runtime.capture(input_ids.device, step, self._pool)
         log.info("kernels.cuda_graph_captured", rows=b)
-        return _Graph(graph, ids, pos, static, static_state)
+        return _Graph(graph, ids, pos, static, static_state, hidden)
