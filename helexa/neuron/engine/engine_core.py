@@ -113,43 +113,20 @@ class EngineCore:
         started = time.perf_counter()
         intake.take(self, inbound)
         self.move_kv()  # admission's host-tier copies, before any pass reads or writes them
-        if self.ahead is None or not self._step_ahead():
+        if self.ahead is None or not lookahead.step(self):
             self.speculator.draft(self.running, self.limits.max_slots)
             plan = self.scheduler.schedule(self.running, self.waiting)
             if not plan.is_empty:
                 ran = self._run(plan)
                 if ran is not None:  # None: the step failed or is held (lookahead.py)
-                    self._postprocess(plan, ran)
+                    self.postprocess(plan, ran)
         out = messages.FromEngine(updates=list(self._updates.values()), status=self.status(),
                                   step_ms=(time.perf_counter() - started) * 1000,
                                   kv_reset=self.kv_reset_answer)
         self._updates, self.kv_reset_answer = {}, ""
         return out
 
-    def _step_ahead(self) -> bool:
-        """With a step held (lookahead.py): launch the one after it, then read and
-        postprocess the held one. False where none followed: the scheduler's turn."""
-        held, self.ahead = self.ahead, None
-        assert held is not None
-        failed: Exception | None = None
-        try:
-            self.ahead = lookahead.follow(self, held)
-        except Exception as e:  # noqa: BLE001 - its requests fail once the held step is read
-            failed = e
-        try:
-            ran = lookahead.read(held)
-        except Exception as e:  # the device failed: the held step's requests with it
-            self._fail([r for r, _ in held.inputs.sampled], e)
-            self.ahead = None
-            return True
-        self._postprocess(held.plan, ran)
-        self.consecutive_failed_steps = 0  # the held step ran
-        if failed is not None:
-            self.ahead = None
-            self._fail([r for r, _ in held.inputs.sampled if not r.is_finished], failed)
-        return self.ahead is not None or failed is not None
-
-    def _fail(self, reqs: list[Request], e: BaseException) -> None:
+    def fail(self, reqs: list[Request], e: BaseException) -> None:
         """A step raised: its requests end with the error and the engine goes on."""
         self.num_failed_steps += 1
         self.consecutive_failed_steps += 1
@@ -174,23 +151,23 @@ class EngineCore:
             snapshots.take_slots(self.pool, inputs.reqs, inputs.chunks, inputs.seqs,
                                  self.spec.snapshot_every_tokens)
             self.move_kv()  # a snapshot slot taken above may have evicted one to the host
-            if lookahead.holdable(self, inputs):
-                self.ahead = lookahead.launch(self, plan, inputs)
-                self.consecutive_failed_steps = 0
-                return None
             masked = inputs.masked  # their masks are computed while the model runs
             masks = self.grammars.start([inputs.sampled[j][0].matcher for j in masked]) \
                 if masked else None
+            if lookahead.holdable(self, inputs):
+                self.ahead = lookahead.launch(self, plan, inputs, masks=masks)
+                self.consecutive_failed_steps = 0
+                return None
             out = self.runner.run_step(inputs.seqs, keep_hidden=self.speculator.follows_target)
             new_tokens, logprobs = pick_tokens(inputs, out.logits, self.sampler, masks,
                                                self.speculator.accept)
         except Exception as e:  # the step's requests fail; the engine goes on
-            self._fail(reqs, e)
+            self.fail(reqs, e)
             return None
         self.consecutive_failed_steps = 0
         return StepResult(inputs, out, new_tokens, logprobs)
 
-    def _postprocess(self, plan: StepPlan, ran: StepResult) -> None:
+    def postprocess(self, plan: StepPlan, ran: StepResult) -> None:
         """What the step computed becomes each request's: kept positions, filed blocks, new
         tokens and the stops they reach."""
         inputs, new_tokens, logprobs = ran.inputs, ran.new_tokens, ran.logprobs

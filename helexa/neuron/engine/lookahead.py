@@ -15,15 +15,18 @@ How (EngineCore.step):
 2. The next EngineCore.step launches the step after it at once (`follow`): each request's
    row one position further, its input token the held step's sampled token, still on the
    device (ModelRunner takes it as ``tokens``). Only then does it read the held step's
-   tokens and postprocess them as a synchronous step would.
+   tokens and postprocess them as a synchronous step would (`step`). A following step
+   with a constrained request is sampled after that (`sample`): its grammar masks need
+   the matchers past the held tokens, and are computed while its forward runs.
 3. The chain ends where a following step could not be the one the synchronous engine
    would run, and the engine then schedules as usual.
 
 What keeps the tokens identical to the synchronous engine's:
 
 - A request qualifies only if the host never changes its sampled token or the
-  distribution of its next one: no grammar, no forced thinking-budget close
-  (ThoughtTracker.forced), no draft in the step. A model with a drafter chains its
+  distribution of its next one in a way the device cannot follow: no forced
+  thinking-budget close (ThoughtTracker.forced), no draft in the step. A grammar
+  qualifies, since its mask is applied on the device before the tokens are chosen. A model with a drafter chains its
   steps without drafts (a full batch, poor acceptance: the speculation policy's), and the
   chain ends where the drafter would be asked for one (Speculator.quiet), since it reads
   the tokens the held step has not yet given; requests kept from drafting probe on the
@@ -51,6 +54,7 @@ held step's row for it is discarded when read.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +62,7 @@ import torch
 
 from helexa.kernels.backends.base import to_device, to_host
 from helexa.neuron.engine import snapshots
+from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.sampler import Logprobs, logprobs
@@ -91,9 +96,9 @@ class Ahead:
     plan: StepPlan
     inputs: StepInputs
     out: StepOutput
-    tokens: torch.Tensor  # [rows] sampled, on the device
-    host: torch.Tensor  # their copy on the host (pinned on CUDA), valid once `ready`
-    ready: Any  # a CUDA event recorded after the copy, or None (a CPU step is done)
+    tokens: torch.Tensor | None = None  # [rows] sampled on the device (None until `sample`)
+    host: torch.Tensor | None = None  # their copy on the host (pinned on CUDA) once `ready`
+    ready: Any = None  # a CUDA event recorded after the copy, or None (a CPU step is done)
     logprobs: Logprobs | None = None  # the rows that want them (on the host once `ready`)
     # a hybrid's prefix snapshots the step saves (request, slot, position): they join the
     # request's snapshot_writes when the step is read, not before, since the step before it
@@ -104,7 +109,7 @@ class Ahead:
 def qualifies(req: Request) -> bool:
     """Whether the host leaves req's sampled tokens as they are (the module's list)."""
     s = req.sampling_state
-    return (req.matcher is None and req.draft is None and s is not None
+    return (req.draft is None and s is not None
             and (req.thought is None or req.thought.forced() is None))
 
 
@@ -118,21 +123,74 @@ def holdable(core: EngineCore, inputs: StepInputs) -> bool:
 
 
 def launch(core: EngineCore, plan: StepPlan, inputs: StepInputs,
-           tokens: torch.Tensor | None = None) -> Ahead:
-    """Run the step and choose its tokens on the device; nothing is read back."""
+           tokens: torch.Tensor | None = None, *, masks: Future[torch.Tensor] | None = None,
+           defer: bool = False) -> Ahead:
+    """Run the step and, unless `defer`, choose its tokens on the device (`sample`, under
+    `masks`: the bitmasks of inputs.masked); nothing is read back."""
     out = core.runner.run_step(inputs.seqs, tokens=tokens,
                                keep_hidden=core.speculator.follows_target)
-    states: list[Any] = [r.sampling_state for r, _ in inputs.sampled]
-    logits = core.sampler.penalised(out.logits, states)
+    ahead = Ahead(plan, inputs, out)
+    if not defer:
+        sample(core, ahead, masks)
+    return ahead
+
+
+def sample(core: EngineCore, ahead: Ahead, masks: Future[torch.Tensor] | None = None) -> None:
+    """Choose a launched step's tokens on the device and copy them back without waiting.
+    Its grammar masks: ``masks`` (of inputs.masked, started with the step), else, where
+    the step's sampling waited for the held step before it to be read, those of its
+    constrained rows now, their matchers having consumed the held tokens."""
+    sampled = ahead.inputs.sampled
+    states: list[Any] = [r.sampling_state for r, _ in sampled]
+    logits = ahead.out.logits
+    rows = ahead.inputs.masked
+    if masks is None:
+        rows = [j for j in rows if not sampled[j][0].is_finished]  # ended as the held was read
+        masks = core.grammars.start([sampled[j][0].matcher for j in rows]) if rows else None
+    if masks is not None:
+        logits = logits.float().clone()  # the step's output stays as the model produced it
+        apply_bitmask(logits, rows, masks.result())
+    logits = core.sampler.penalised(logits, states, copied=masks is not None)
     chosen = core.sampler.choose(logits, states)
     lps = logprobs(logits, chosen, states)
+    ahead.tokens = chosen
     if chosen.device.type != "cuda":
-        return Ahead(plan, inputs, out, chosen, chosen, None, lps)
-    host = to_host(chosen)
-    lps = lps.to_host() if lps is not None else None
-    ready = torch.cuda.Event()
-    ready.record()
-    return Ahead(plan, inputs, out, chosen, host, ready, lps)
+        ahead.host, ahead.logprobs = chosen, lps
+        return
+    ahead.host = to_host(chosen)
+    ahead.logprobs = lps.to_host() if lps is not None else None
+    ahead.ready = torch.cuda.Event()
+    ahead.ready.record()
+
+
+def step(core: EngineCore) -> bool:
+    """EngineCore.step with a step held: launch the one after it (`follow`), read and
+    postprocess the held one, then sample the following one where it waited for that (a
+    grammar's masks). False where none followed: the scheduler's turn."""
+    held, core.ahead = core.ahead, None
+    assert held is not None
+    failed: Exception | None = None
+    try:
+        core.ahead = follow(core, held)
+    except Exception as e:  # noqa: BLE001 - its requests fail once the held step is read
+        failed = e
+    try:
+        ran = read(held)
+    except Exception as e:  # the device failed: the held step's requests with it
+        core.fail([r for r, _ in held.inputs.sampled], e)
+        core.ahead = None
+        return True
+    core.postprocess(held.plan, ran)
+    core.consecutive_failed_steps = 0  # the held step ran
+    if failed is None and core.ahead is not None and core.ahead.tokens is None:
+        try:
+            sample(core, core.ahead)
+        except Exception as e:  # noqa: BLE001 - its requests are the held step's
+            failed = e
+    if failed is not None:
+        core.ahead = None
+        core.fail([r for r, _ in held.inputs.sampled if not r.is_finished], failed)
+    return core.ahead is not None or failed is not None
 
 
 def follow(core: EngineCore, held: Ahead) -> Ahead | None:
@@ -182,6 +240,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     snapshots.take_slots(pool, reqs, inputs.chunks, inputs.seqs,
                          core.spec.snapshot_every_tokens, later=saves)
     core.move_kv()  # a snapshot slot taken above may have evicted one to the host
+    assert held.tokens is not None
     vocab = held.out.logits.shape[1]
     for req, j in zip(reqs, rows, strict=True):
         st = req.sampling_state
@@ -189,7 +248,9 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
             st.count_ahead(held.tokens[j:j + 1], vocab)
     tokens = held.tokens if len(rows) == len(held.inputs.sampled) else \
         held.tokens[to_device(rows, torch.long, held.tokens.device)]
-    ahead = launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens)
+    # a constrained row's mask needs its matcher past the held token: sample once it is read
+    defer = any(r.matcher is not None for r in reqs)
+    ahead = launch(core, StepPlan(chunks=list(inputs.chunks)), inputs, tokens, defer=defer)
     ahead.saves = saves
     return ahead
 
@@ -200,6 +261,7 @@ def read(held: Ahead) -> StepResult:
     join their requests' writes, for the postprocess to file."""
     if held.ready is not None:
         held.ready.synchronize()
+    assert held.host is not None, "a held step is sampled before it is read"
     for req, slot, end in held.saves:
         if not req.is_finished:  # a finished one gave its writing slots back
             req.snapshot_writes.append((slot, end))

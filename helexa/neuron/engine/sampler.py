@@ -24,7 +24,8 @@ need more (`reads_back`). Everything except taking the seeded uniforms is
 vectorised over the batch.
 
 The engine's lookahead steps (lookahead.py) call the parts, `penalised`,
-`choose` and `logprobs`, so that nothing is read back until the step is.
+`choose` and `logprobs`, after any grammar masks (grammar.apply_bitmask), so
+that nothing is read back until the step is.
 """
 
 from __future__ import annotations
@@ -208,8 +209,7 @@ class Sampler:
     def choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's token [n] int64 where the logits are, nothing read back: greedy rows'
         argmax, the others drawn. No penalties or grammar masks here (``__call__`` applies
-        them first; the engine's lookahead steps, lookahead.py, apply ``penalised`` and
-        have no grammar)."""
+        them first, as the engine's lookahead steps do: lookahead.sample)."""
         tokens = argmax(logits)
         sample_rows = [i for i, s in enumerate(states) if not s.greedy]
         if sample_rows:

@@ -6,6 +6,7 @@ handled, and no lookahead where the host would change a token."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -34,12 +35,13 @@ class Counted:
         self.held = self.followed = 0
         real = lookahead.launch
 
-        def launch(core: EngineCore, plan: Any, inputs: Any, tokens: Any = None) -> Any:
+        def launch(core: EngineCore, plan: Any, inputs: Any, tokens: Any = None,
+                   **kw: Any) -> Any:
             if tokens is None:
                 self.held += 1
             else:
                 self.followed += 1
-            return real(core, plan, inputs, tokens)
+            return real(core, plan, inputs, tokens, **kw)
 
         monkeypatch.setattr(lookahead, "launch", launch)
 
@@ -214,10 +216,12 @@ def test_the_held_token_is_penalised_in_the_step_after_it(
     assert counted.followed >= 10
 
 
-def test_a_constrained_request_is_not_looked_ahead_and_a_thought_closes_on_time(
+def test_constrained_and_thinking_requests_give_the_synchronous_tokens(
         monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
-    """A grammar needs each token on the host before the next mask: no lookahead beside it.
-    A thinking budget's forced close is known a step ahead: the chain stops for it."""
+    """A grammar's mask for a following step needs its matcher past the held token: that
+    step's forward is launched at once, its sampling once the held step is read. A
+    thinking budget's forced close is known a step ahead: the chain stops for it. With a
+    grammar after a thought, the mask starts at the first answering token, as without."""
     from helexa import grammar
     from helexa.neuron.tokenizer import Tokenizer
 
@@ -228,21 +232,38 @@ def test_a_constrained_request_is_not_looked_ahead_and_a_thought_closes_on_time(
         "n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"]}))
     close = tok.encode("\n</think>\n\n", add_special_tokens=False)
     think = m.Thinking(budget_tokens=6, close_ids=close, starts_open=True)
+    opened = prompt + tok.encode("<think>\n", add_special_tokens=False)
+    sampled = m.SamplingParams(temperature=0.8, seed=3)
     constrained = [m.NewRequest(req_id="json", prompt_token_ids=prompt, max_tokens=60,
-                                sampling=GREEDY, stop_token_ids=tok.eos_token_ids, grammar=g)]
+                                sampling=GREEDY, stop_token_ids=tok.eos_token_ids, grammar=g),
+                   m.NewRequest(req_id="json-sampled", prompt_token_ids=prompt, max_tokens=60,
+                                sampling=sampled, stop_token_ids=tok.eos_token_ids, grammar=g),
+                   m.NewRequest(req_id="plain", prompt_token_ids=prompt, max_tokens=30,
+                                sampling=sampled)]
     thinking = [m.NewRequest(req_id="think", max_tokens=30, sampling=GREEDY, thinking=think,
-                             prompt_token_ids=prompt + tok.encode("<think>\n",
-                                                                  add_special_tokens=False))]
-    for news, engaged in ((constrained, False), (thinking, True)):
+                             prompt_token_ids=opened),
+                m.NewRequest(req_id="think-json", max_tokens=60, sampling=GREEDY, grammar=g,
+                             thinking=think, prompt_token_ids=opened,
+                             stop_token_ids=tok.eos_token_ids)]
+    tokens: dict[str, list[int]] = {}
+    for news in (constrained, thinking):
         sync = drive(engine(monkeypatch, False, model_dir=str(model), block_size=8), news,
                      served=True)
         counted = Counted(monkeypatch)
-        run = drive(engine(monkeypatch, True, model_dir=str(model), block_size=8), news,
-                    served=True)
+        core = engine(monkeypatch, True, model_dir=str(model), block_size=8)
+        run = drive(core, news, served=True)
         assert run.tokens == sync.tokens
-        assert (counted.followed > 0) is engaged, news[0].req_id
-    out = run.tokens["think"]
-    assert out[6:6 + len(close)] == close  # closed after its budget of 6, under lookahead
+        assert {k: u.finished for k, u in run.final.items()} == \
+            {k: u.finished for k, u in sync.final.items()}
+        assert counted.followed >= 10, news[0].req_id
+        assert_whole(core)
+        tokens.update(run.tokens)
+    for rid in ("think", "think-json"):
+        assert tokens[rid][6:6 + len(close)] == close  # closed after its budget of 6
+    answers = {rid: tok.decode(tokens[rid][skip:], skip_special_tokens=True) for rid, skip
+               in (("json", 0), ("json-sampled", 0), ("think-json", 6 + len(close)))}
+    for rid, text in answers.items():  # each answer is what its grammar allows
+        assert isinstance(json.loads(text)["n"], int), (rid, text)
 
 
 def test_logprobs_come_back_with_the_tokens_as_the_synchronous_engine_gives_them(

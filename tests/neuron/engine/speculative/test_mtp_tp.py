@@ -120,8 +120,8 @@ def test_mtp_under_a_full_batch_chains_lookahead_steps_at_tp2(tiny_checkpoint, m
     core = EngineCore(at_tp(spec_for(model_dir, speculation="mtp", **full), 2))
     launched = []
     real = lookahead.launch
-    monkeypatch.setattr(lookahead, "launch", lambda core, plan, inputs, tokens=None: (
-        launched.append(tokens is not None), real(core, plan, inputs, tokens))[1])
+    monkeypatch.setattr(lookahead, "launch", lambda core, plan, inputs, tokens=None, **kw: (
+        launched.append(tokens is not None), real(core, plan, inputs, tokens, **kw))[1])
     try:
         got = drive(core, news, served=True).tokens
         assert got == want
