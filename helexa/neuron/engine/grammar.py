@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.tokenizer import eos_token_ids
 
 
@@ -120,16 +121,17 @@ def advance(matcher: Any, token_id: int) -> str:
     return matcher.get_error() or f"token {token_id} does not fit the grammar"
 
 
-_BITS = torch.arange(32, dtype=torch.int32)
-
-
 def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> None:
     """Set the logits of `rows` [len(rows) of logits' rows] to -inf where `mask` (int32
-    [len(rows), ceil(vocab / 32)], bit t % 32 of word t // 32 = token t allowed) is 0."""
-    vocab = logits.shape[1]
-    m = mask.to(logits.device)
-    allowed = ((m.unsqueeze(-1) >> _BITS.to(m.device)) & 1).bool().flatten(1)[:, :vocab]
-    idx = torch.tensor(rows, device=logits.device)
+    [len(rows), ceil(vocab / 32)], bit t % 32 of word t // 32 = token t allowed) is 0.
+    On CUDA nothing here waits for the device: the mask and the rows reach it from pinned
+    memory (a copy from pageable memory would hold the host until the step before had run,
+    and a lookahead step samples while it runs: engine/lookahead.py)."""
+    device, vocab = logits.device, logits.shape[1]
+    m = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((m.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
+    idx = to_device(rows, torch.long, device)
     logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
 
 
