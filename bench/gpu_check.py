@@ -19,7 +19,9 @@ failing stage still leaves the others' figures:
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
   untied input embedding, of which a step gathers a row) = steps/s at best. These drive
   the model runner alone; ``engine_batch1`` is batch 1 through the engine's step loop, as
-  a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``).
+  a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``);
+  ``engine_constrained`` the same for a JSON-schema request (dense model), whose two runs'
+  tokens must ``match``.
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
   syncs per step (CUDA: device kernels, and cuda*Synchronize / blocking copies; dry run on
   CPU: aten ops, and aten::_local_scalar_dense), the kernels' device time per step against
@@ -297,6 +299,53 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
     return out
 
 
+def engine_constrained(r: Runner, path: Path, s: dict[str, Any], roofline_steps: float
+                       ) -> dict[str, Any]:
+    """A JSON-schema request at batch 1 through EngineCore, with lookahead and without:
+    each following step's mask is computed once the step before is read, while its
+    forward runs (lookahead.sample). The two runs' tokens must match; tok/s of each, and
+    the seconds the grammar's start-up took at load."""
+    from helexa import grammar
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1,
+                      max_batched_tokens=4096, prefill_chunk_tokens=4096)
+    t = time.perf_counter()
+    core = EngineCore(EngineSpec(model_id="gpu-check", model_dir=str(path),
+                                 num_blocks=r.runner.num_blocks, block_size=r.BLOCK,
+                                 devices=[str(r.device)],
+                                 context=s["prompt"] + s["decode_tokens"] + 8,
+                                 prefix_cache=False, limits=limits), r.runner)
+    out: dict[str, Any] = {"grammar_warm_s": time.perf_counter() - t}
+    schema = grammar.grammar_text(grammar.json_schema(
+        {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}))
+    prompt = [(j * 7) % 400 + 1 for j in range(s["prompt"])]
+    tokens: dict[str, list[int]] = {}
+    for mode in ("lookahead", "sync"):
+        core.lookahead = mode == "lookahead"
+        req = m.NewRequest(req_id=mode, prompt_token_ids=prompt, grammar=schema,
+                           max_tokens=s["decode_tokens"],
+                           sampling=m.SamplingParams(temperature=0.0))
+        got, first, inbound = [], 0.0, m.ToEngine(new=[req])
+        while core.has_work or inbound is not None:
+            for u in core.step(inbound).updates:
+                if u.error or u.refused_code:
+                    raise RuntimeError(f"engine run failed: {u.error or u.refused_code}")
+                if u.new_token_ids and not got:
+                    first = time.perf_counter()
+                got += u.new_token_ids
+            inbound = None
+        tokens[mode] = got
+        rate = (len(got) - 1) / (time.perf_counter() - first)
+        out[mode] = {"tokens": len(got), "tok_s": rate,
+                     "roofline_fraction": rate / roofline_steps}
+    out["match"] = tokens["lookahead"] == tokens["sync"]
+    out["lookahead_vs_sync"] = out["lookahead"]["tok_s"] / out["sync"]["tok_s"]
+    return out
+
+
 def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
     """Batch-1 decode tok/s of checkpoint ``name`` with switch ``env`` set to "0" (the
     fused norms' or FlashInfer's Gated DeltaNet decode turned off), and its backend line."""
@@ -357,6 +406,11 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             res["engine_batch1"] = engine_decode(r, s, roofline_steps)
         except Exception as e:  # noqa: BLE001 - reported, not raised
             res["engine_batch1"] = {"error": f"{type(e).__name__}: {e}"}
+        if name == "dense_big":  # the grammar's path is the same for every family
+            try:
+                res["engine_constrained"] = engine_constrained(r, ctx[name], s, roofline_steps)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                res["engine_constrained"] = {"error": f"{type(e).__name__}: {e}"}
         r.close()
         out[name] = res
     ctx["decode"] = out  # what the compare stage measures beside

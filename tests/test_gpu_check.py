@@ -48,6 +48,9 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         assert parts | ({"state_plan"} if name == "hybrid_big" else set()) == \
             set(host) - {"step_wall"}, host
         assert host["step_wall"] >= host["forward_or_replay"] > 0 and host["prepare"] > 0
+    constrained = stages["decode"]["dense_big"]["engine_constrained"]  # a JSON schema
+    assert constrained["match"] is True, constrained  # lookahead's tokens are the sync's
+    assert constrained["lookahead"]["tokens"] == constrained["sync"]["tokens"] > 1, constrained
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
 
