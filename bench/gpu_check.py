@@ -13,7 +13,8 @@ failing stage still leaves the others' figures:
   (qwen3) and a hybrid (qwen3_5) init-tiny checkpoint with a GQA group of 6 (12 query heads,
   2 kv heads): the tokens, the first step where they differ, and two yardsticks for a
   divergence: where transformers' eager attention leaves its own sdpa tokens, and
-  transformers' logit margin between the two tokens at helexa's first divergence.
+  transformers' logit margin between the two tokens at helexa's first divergence. Then
+  (``mtp``) speculation with an MTP head through the engine, against plain decoding.
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
@@ -220,6 +221,75 @@ def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
         res["transformers_eager_vs_sdpa_divergence"] = _first_diff(res["eager"],
                                                                     res["transformers"])
         out[name] = res
+    try:  # its failure must not cost the stage the figures above
+        out["mtp"] = mtp_engine(ctx)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        out["mtp"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+# the speculation policies mtp_engine runs: off, drafting spec_k every step, and a full
+# batch's probes only (the steps between them chained by lookahead decode)
+MTP_POLICIES: dict[str, dict[str, Any]] = {
+    "plain": dict(speculation="off"),
+    "drafting": dict(speculation="mtp", spec_k=3, spec_full_below=1.0, spec_off_above=1.01,
+                     spec_min_acceptance=0.0),
+    "probes": dict(speculation="mtp", spec_k=2, spec_full_below=0.0, spec_off_above=0.0)}
+
+
+def mtp_engine(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Speculation with the MTP head on the device, through EngineCore on a tiny hybrid
+    with a head: the greedy tokens of each MTP_POLICIES entry, the first step where a
+    speculating run leaves plain decoding's (verification rows round in another order than
+    decode rows, so a near tie may flip in bf16), drafted and accepted tokens, and the
+    steps lookahead launched from device tokens (``probes``: the MTP head observes the
+    chained steps' hidden states, which their graph replays keep)."""
+    from helexa.neuron.engine import lookahead
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    n = ctx["sizes"]["parity_tokens"]
+    prompt = [(5 * i + 2) % 500 + 1 for i in range(ctx["sizes"]["prompt"])]
+    out: dict[str, Any] = {}
+    real_launch = lookahead.launch
+    followed: dict[str, int] = {}
+
+    def launch(core: Any, plan: Any, inputs: Any, tokens: Any = None, **kw: Any) -> Any:
+        name = core.ahead_name  # the run counting: its steps launched from device tokens
+        followed[name] = followed.get(name, 0) + (tokens is not None)
+        return real_launch(core, plan, inputs, tokens, **kw)
+
+    lookahead.launch = launch  # type: ignore[assignment]
+    try:
+        for name, policy in MTP_POLICIES.items():
+            limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1, **policy)
+            core = EngineCore(EngineSpec(model_id="mtp-check", model_dir=str(ctx["hybrid_mtp"]),
+                                         devices=[ctx["device"]], num_blocks=64, prefix_cache=False,
+                                         context=len(prompt) + n + 8, limits=limits))
+            core.lookahead = True  # as on a GPU by default: the dry run takes its path too
+            core.ahead_name = name  # type: ignore[attr-defined]
+            try:
+                req = m.NewRequest(req_id=name, prompt_token_ids=prompt, max_tokens=n,
+                                   sampling=m.SamplingParams(temperature=0.0))
+                tokens: list[int] = []
+                inbound: m.ToEngine | None = m.ToEngine(new=[req])
+                while core.has_work or inbound is not None:
+                    for u in core.step(inbound).updates:
+                        if u.error or u.refused_code:
+                            raise RuntimeError(f"{name}: {u.error or u.refused_code}")
+                        tokens += u.new_token_ids
+                    inbound = None
+                st = core.status()
+                out[name] = {"tokens": tokens, "drafter": st.drafter,
+                             "drafted": st.spec_drafted_tokens, "accepted": st.spec_accepted_tokens,
+                             "followed_steps": followed.get(name, 0)}
+            finally:
+                core.close()
+    finally:
+        lookahead.launch = real_launch  # type: ignore[assignment]
+    for name in ("drafting", "probes"):
+        out[name]["first_divergence"] = _first_diff(out["plain"]["tokens"], out[name]["tokens"])
     return out
 
 
@@ -582,6 +652,8 @@ def run(dry: bool, out_path: Path, budget_secs: float) -> dict[str, Any]:
         ctx: dict[str, Any] = {"device": device, "sizes": s,
                                "dense": make_model(root, "dense", "qwen3", s["small"]),
                                "hybrid": make_model(root, "hybrid", "qwen3_5", s["small"]),
+                               "hybrid_mtp": make_model(root, "hybrid_mtp", "qwen3_5",
+                                                        dict(s["small"], mtp=True)),
                                "dense_big": make_model(root, "dense_big", "qwen3", s["big"],
                                                        device),
                                "hybrid_big": make_model(root, "hybrid_big", "qwen3_5",

@@ -32,6 +32,10 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         parity = stages["parity"][name]
         assert parity["gqa_group"] == 6 and parity["match"], parity
         assert parity["transformers_eager_vs_sdpa_divergence"] is None, parity
+    mtp = stages["parity"]["mtp"]  # speculation with an MTP head, through the engine
+    assert all(len(mtp[k]["tokens"]) == 8 for k in ("plain", "drafting", "probes")), mtp
+    assert mtp["drafting"]["drafted"] > 0 and mtp["probes"]["followed_steps"] > 0, mtp
+    assert "first_divergence" in mtp["probes"], mtp
     for name in ("dense_big", "hybrid_big"):
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
