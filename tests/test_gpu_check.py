@@ -37,6 +37,7 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     assert mtp["drafting"]["drafted"] > 0 and mtp["probes"]["followed_steps"] > 0, mtp
     assert "first_divergence" in mtp["probes"], mtp
     for name in ("dense_big", "hybrid_big"):
+        assert stages["decode"][name]["load_s"] > 0
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
         assert stages["compare"][name]["fused_vs_torch_norms_batch1"] > 0
