@@ -266,6 +266,43 @@ def test_constrained_and_thinking_requests_give_the_synchronous_tokens(
         assert isinstance(json.loads(text)["n"], int), (rid, text)
 
 
+def test_a_constrained_request_aborted_in_the_chain_gives_its_blocks_back(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    """An abort of a constrained request between two lookahead steps: its blocks come
+    back at once, the following step's sampling leaves its row alone, and the plain
+    request beside it streams what the synchronous engine gives it."""
+    from helexa import grammar
+    from helexa.neuron.tokenizer import Tokenizer
+
+    model = str(tiny_checkpoint("qwen3"))
+    tok = Tokenizer.from_dir(model)
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+    g = grammar.grammar_text(grammar.json_schema({"type": "object", "properties": {
+        "text": {"type": "string"}}, "required": ["text"]}))
+    news = [m.NewRequest(req_id="json", prompt_token_ids=prompt, max_tokens=40,
+                         sampling=GREEDY, grammar=g),
+            m.NewRequest(req_id="plain", prompt_token_ids=prompt, max_tokens=20,
+                         sampling=GREEDY)]
+    sync = drive(engine(monkeypatch, False, model_dir=model, block_size=8), news, served=True)
+    core = engine(monkeypatch, True, model_dir=model, block_size=8)
+    got: dict[str, list[int]] = {}
+    for step in range(6):
+        for u in core.step(m.ToEngine(new=news) if step == 0 else None).updates:
+            got.setdefault(u.req_id, []).extend(u.new_token_ids)
+    assert core.ahead is not None and core.ahead.tokens is not None  # sampled, held
+    used = core.pool.num_used_blocks
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id="json")]))
+    assert {u.req_id: u.finished for u in out.updates}["json"] == m.FinishReason.ABORT
+    assert core.pool.num_used_blocks < used
+    for u in out.updates:
+        got.setdefault(u.req_id, []).extend(u.new_token_ids)
+    rest = drive(core, served=True)
+    assert set(rest.tokens) == {"plain"}
+    assert got["plain"] + rest.tokens["plain"] == sync.tokens["plain"]
+    assert got["json"] == sync.tokens["json"][:len(got["json"])]
+    assert_whole(core)
+
+
 def test_logprobs_come_back_with_the_tokens_as_the_synchronous_engine_gives_them(
         monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
     model = str(tiny_checkpoint("qwen3"))
