@@ -26,12 +26,13 @@ What keeps the tokens identical to the synchronous engine's:
 - A request qualifies only if the host never changes its sampled token or the
   distribution of its next one in a way the device cannot follow: no forced
   thinking-budget close (ThoughtTracker.forced), no draft in the step. A grammar
-  qualifies, since its mask is applied on the device before the tokens are chosen. A model with a drafter chains its
-  steps without drafts (a full batch, poor acceptance: the speculation policy's), and the
-  chain ends where the drafter would be asked for one (Speculator.quiet), since it reads
-  the tokens the held step has not yet given; requests kept from drafting probe on the
-  same steps (speculative/policy.py) so that the steps between can chain. The MTP head
-  observes each held step's hidden states when the step is read, as it would.
+  qualifies, since its mask is applied on the device before the tokens are chosen.
+  A model with a drafter chains its steps without drafts (a full batch, poor
+  acceptance: the speculation policy's), and the chain ends where the drafter would be
+  asked for one (Speculator.quiet), since it reads the tokens the held step has not yet
+  given; requests kept from drafting probe on the same steps (speculative/policy.py) so
+  that the steps between can chain. The MTP head observes each held step's hidden states
+  when the step is read, as it would.
   Logprobs are computed on the device with the tokens and copied back with them;
   penalties count the held token on the device before the following step samples
   (SamplingState.count_ahead). At tensor parallel > 1 the other
