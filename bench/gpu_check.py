@@ -272,14 +272,7 @@ def mtp_engine(ctx: dict[str, Any]) -> dict[str, Any]:
             try:
                 req = m.NewRequest(req_id=name, prompt_token_ids=prompt, max_tokens=n,
                                    sampling=m.SamplingParams(temperature=0.0))
-                tokens: list[int] = []
-                inbound: m.ToEngine | None = m.ToEngine(new=[req])
-                while core.has_work or inbound is not None:
-                    for u in core.step(inbound).updates:
-                        if u.error or u.refused_code:
-                            raise RuntimeError(f"{name}: {u.error or u.refused_code}")
-                        tokens += u.new_token_ids
-                    inbound = None
+                tokens, _ = engine_request(core, req)
                 st = core.status()
                 out[name] = {"tokens": tokens, "drafter": st.drafter,
                              "drafted": st.spec_drafted_tokens, "accepted": st.spec_accepted_tokens,
@@ -327,6 +320,40 @@ def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def engine_batch1_core(r: Runner, s: dict[str, Any], model_dir: Path | None = None) -> Any:
+    """EngineCore on the stage's runner, one request at a time (``model_dir``: its
+    tokenizer, which a grammar needs)."""
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1,
+                      max_batched_tokens=4096, prefill_chunk_tokens=4096)
+    return EngineCore(EngineSpec(model_id="gpu-check", model_dir=str(model_dir or ""),
+                                 num_blocks=r.runner.num_blocks, block_size=r.BLOCK,
+                                 devices=[str(r.device)],
+                                 context=s["prompt"] + s["decode_tokens"] + 8,
+                                 prefix_cache=False, limits=limits), r.runner)
+
+
+def engine_request(core: Any, req: Any) -> tuple[list[int], float]:
+    """Step ``core`` until ``req``, sent first, is done: its tokens, and the seconds from
+    its first token to its last."""
+    from helexa.neuron.engine import messages as m
+
+    got: list[int] = []
+    first, inbound = 0.0, m.ToEngine(new=[req])
+    while core.has_work or inbound is not None:
+        for u in core.step(inbound).updates:
+            if u.error or u.refused_code:
+                raise RuntimeError(f"engine run failed: {u.error or u.refused_code}")
+            if u.new_token_ids and not got:
+                first = time.perf_counter()
+            got += u.new_token_ids
+        inbound = None
+    return got, time.perf_counter() - first
+
+
 def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[str, Any]:
     """Batch-1 decode as a client's stream gets it: through EngineCore (scheduler, sampler,
     stops) on the decode stage's runner, with lookahead (helexa/neuron/engine/lookahead.py)
@@ -335,15 +362,8 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
     from statistics import median
 
     from helexa.neuron.engine import messages as m
-    from helexa.neuron.engine.engine_core import EngineCore
-    from helexa.neuron.engine.spec import EngineSpec
 
-    limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1,
-                      max_batched_tokens=4096, prefill_chunk_tokens=4096)
-    core = EngineCore(EngineSpec(model_id="gpu-check", num_blocks=r.runner.num_blocks,
-                                 block_size=r.BLOCK, devices=[str(r.device)],
-                                 context=s["prompt"] + s["decode_tokens"] + 8,
-                                 prefix_cache=False, limits=limits), r.runner)
+    core = engine_batch1_core(r, s)
     out: dict[str, Any] = {"lookahead_by_default": core.lookahead}
     rates: dict[str, list[float]] = {"lookahead": [], "sync": []}
     prompt = [(j * 7) % 400 + 1 for j in range(s["prompt"])]
@@ -353,16 +373,8 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
             req = m.NewRequest(req_id=f"{mode}{rep}", prompt_token_ids=prompt,
                                max_tokens=s["decode_tokens"],
                                sampling=m.SamplingParams(temperature=0.0))
-            got, first, inbound = 0, 0.0, m.ToEngine(new=[req])
-            while core.has_work or inbound is not None:
-                for u in core.step(inbound).updates:
-                    if u.error or u.refused_code:
-                        raise RuntimeError(f"engine run failed: {u.error or u.refused_code}")
-                    if u.new_token_ids and not got:
-                        first = time.perf_counter()
-                    got += len(u.new_token_ids)
-                inbound = None
-            rates[mode].append((got - 1) / (time.perf_counter() - first))
+            got, secs = engine_request(core, req)
+            rates[mode].append((len(got) - 1) / secs)
     for mode, tok_s in rates.items():
         out[mode] = {"tok_s": median(tok_s), "roofline_fraction": median(tok_s) / roofline_steps}
     out["lookahead_vs_sync"] = out["lookahead"]["tok_s"] / out["sync"]["tok_s"]
@@ -377,17 +389,9 @@ def engine_constrained(r: Runner, path: Path, s: dict[str, Any], roofline_steps:
     the seconds the grammar's start-up took at load."""
     from helexa import grammar
     from helexa.neuron.engine import messages as m
-    from helexa.neuron.engine.engine_core import EngineCore
-    from helexa.neuron.engine.spec import EngineSpec
 
-    limits = m.Limits(max_in_flight=1, anon_max_in_flight=1, max_slots=1,
-                      max_batched_tokens=4096, prefill_chunk_tokens=4096)
     t = time.perf_counter()
-    core = EngineCore(EngineSpec(model_id="gpu-check", model_dir=str(path),
-                                 num_blocks=r.runner.num_blocks, block_size=r.BLOCK,
-                                 devices=[str(r.device)],
-                                 context=s["prompt"] + s["decode_tokens"] + 8,
-                                 prefix_cache=False, limits=limits), r.runner)
+    core = engine_batch1_core(r, s, path)
     out: dict[str, Any] = {"grammar_warm_s": time.perf_counter() - t}
     schema = grammar.grammar_text(grammar.json_schema(
         {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}))
@@ -398,17 +402,9 @@ def engine_constrained(r: Runner, path: Path, s: dict[str, Any], roofline_steps:
         req = m.NewRequest(req_id=mode, prompt_token_ids=prompt, grammar=schema,
                            max_tokens=s["decode_tokens"],
                            sampling=m.SamplingParams(temperature=0.0))
-        got, first, inbound = [], 0.0, m.ToEngine(new=[req])
-        while core.has_work or inbound is not None:
-            for u in core.step(inbound).updates:
-                if u.error or u.refused_code:
-                    raise RuntimeError(f"engine run failed: {u.error or u.refused_code}")
-                if u.new_token_ids and not got:
-                    first = time.perf_counter()
-                got += u.new_token_ids
-            inbound = None
+        got, secs = engine_request(core, req)
         tokens[mode] = got
-        rate = (len(got) - 1) / (time.perf_counter() - first)
+        rate = (len(got) - 1) / secs
         out[mode] = {"tokens": len(got), "tok_s": rate,
                      "roofline_fraction": rate / roofline_steps}
     out["match"] = tokens["lookahead"] == tokens["sync"]
