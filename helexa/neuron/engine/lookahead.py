@@ -63,7 +63,6 @@ import torch
 
 from helexa.kernels.backends.base import to_device, to_host
 from helexa.neuron.engine import snapshots
-from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.sampler import Logprobs, logprobs
@@ -143,15 +142,12 @@ def sample(core: EngineCore, ahead: Ahead, masks: Future[torch.Tensor] | None = 
     constrained rows now, their matchers having consumed the held tokens."""
     sampled = ahead.inputs.sampled
     states: list[Any] = [r.sampling_state for r, _ in sampled]
-    logits = ahead.out.logits
     rows = ahead.inputs.masked
     if masks is None:
         rows = [j for j in rows if not sampled[j][0].is_finished]  # ended as the held was read
         masks = core.grammars.start([sampled[j][0].matcher for j in rows]) if rows else None
-    if masks is not None:
-        logits = logits.float().clone()  # the step's output stays as the model produced it
-        apply_bitmask(logits, rows, masks.result())
-    logits = core.sampler.penalised(logits, states, copied=masks is not None)
+    logits = core.sampler.prepare(ahead.out.logits, states,
+                                  (rows, masks.result()) if masks is not None else None)
     chosen = core.sampler.choose(logits, states)
     lps = logprobs(logits, chosen, states)
     ahead.tokens = chosen

@@ -23,9 +23,9 @@ host until the device is done, it sorts the whole vocabulary wherever a row may
 need more (`reads_back`). Everything except taking the seeded uniforms is
 vectorised over the batch.
 
-The engine's lookahead steps (lookahead.py) call the parts, `penalised`,
-`choose` and `logprobs`, after any grammar masks (grammar.apply_bitmask), so
-that nothing is read back until the step is.
+The engine's lookahead steps (lookahead.py) call the parts, `prepare` (grammar
+masks, penalties), `choose` and `logprobs`, so that nothing is read back until
+the step is.
 """
 
 from __future__ import annotations
@@ -179,11 +179,7 @@ class Sampler:
         tokens their grammar allows (grammar.py); applied before everything else."""
         n = logits.shape[0]
         assert n == len(states), f"{n} logit rows for {len(states)} requests"
-        logits = logits.float()
-        if bitmask is not None:
-            logits = logits.clone()  # the caller's tensor stays as the model produced it
-            apply_bitmask(logits, *bitmask)
-        logits = self.penalised(logits, states, copied=bitmask is not None)
+        logits = self.prepare(logits, states, bitmask)
         tokens = self.choose(logits, states)
         token_list = tokens.tolist()
 
@@ -193,6 +189,17 @@ class Sampler:
             for i, entry in lps.entries(token_list, states).items():
                 out[i] = (token_list[i], entry)
         return out
+
+    def prepare(self, logits: torch.Tensor, states: list[SamplingState],
+                bitmask: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:
+        """The logits tokens are chosen from: fp32, the grammar masks of ``bitmask`` (as
+        ``__call__`` takes it) applied, then the penalties; in a copy wherever anything
+        applies (the caller's tensor stays as the model produced it)."""
+        logits = logits.float()
+        if bitmask is not None:
+            logits = logits.clone()
+            apply_bitmask(logits, *bitmask)
+        return self.penalised(logits, states, copied=bitmask is not None)
 
     def penalised(self, logits: torch.Tensor, states: list[SamplingState], *,
                   copied: bool = False) -> torch.Tensor:
@@ -208,8 +215,8 @@ class Sampler:
 
     def choose(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Each row's token [n] int64 where the logits are, nothing read back: greedy rows'
-        argmax, the others drawn. No penalties or grammar masks here (``__call__`` applies
-        them first, as the engine's lookahead steps do: lookahead.sample)."""
+        argmax, the others drawn. No penalties or grammar masks here: ``prepare`` applies
+        them first (``__call__`` and the engine's lookahead steps, lookahead.sample)."""
         tokens = argmax(logits)
         sample_rows = [i for i, s in enumerate(states) if not s.greedy]
         if sample_rows:
