@@ -16,7 +16,8 @@ obviously right, the one every other form is tested against),
 runs a few tokens per row as that many decode steps would (a speculative
 verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
 state after only the first few of them: the rollback of rejected drafts
-(docs/speculation.md). On CUDA, with
+(docs/speculation.md); on fla, ``fla_steps`` and ``fla_advance`` do each in one launch
+(and ``conv1d_steps_unfolded`` the row's conv in a few). On CUDA, with
 flash-linear-attention (``fla-core``) installed, the state backend
 (helexa/kernels/backends/gdn.py) runs prefill on its chunked Triton kernel
 (``fla_chunked``) and decode on its fused recurrent one (``fla_decode``: the whole
@@ -152,6 +153,18 @@ def conv1d_steps(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) -
     """T new tokens per row, one at a time as conv1d_decode takes them (so bit for bit what
     T decode steps give): x [B, T, C], windows [B, C, K - 1] (updated in place) -> [B, T, C]."""
     return torch.stack([conv1d_decode(x[:, t], weight, windows) for t in range(x.shape[1])], 1)
+
+
+def conv1d_steps_unfolded(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor
+                          ) -> torch.Tensor:
+    """conv1d_steps' outputs in a few kernels for any T (windows read, not written): the T
+    windows of [window | x] unfolded and each summed against the weight. The same
+    products, summed in another order than conv1d_decode's, so equal to rounding, not bit
+    for bit: the form for the fla path, whose decode runs other kernels anyway.
+    x [B, T, C], windows [B, C, K - 1] -> [B, T, C]."""
+    seq = torch.cat([windows.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K - 1 + T]
+    taps = seq.unfold(-1, weight.shape[1], 1)  # [B, C, T, K]
+    return F.silu((taps * weight[:, None, :]).sum(-1)).transpose(1, 2)
 
 
 def conv1d_window_after(windows: torch.Tensor, x: torch.Tensor, kept: torch.Tensor
@@ -315,6 +328,39 @@ def fla_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                               output_final_state=True)
     states.copy_(final)
     return o[:, 0].float()
+
+
+def fla_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """delta_rule_steps' outputs on fla's fused recurrent kernel (CUDA only): every row's T
+    tokens in one launch, grouped heads as fla_decode takes them. q, k [B, T, key_heads, dk]
+    (q normalised and scaled); v [B, T, v_heads, dv]; g, beta [B, T, v_heads]; states
+    [B, v_heads, dk, dv] fp32, read, not written (a verification row is held, not kept).
+    Returns o [B, T, v_heads, dv] fp32. The kernel carries the state between a row's tokens
+    in fp32 where T decode steps round it to the model's dtype: the outputs agree with
+    theirs to that rounding (fla_advance carries it the same way)."""
+    assert _fla_recurrent is not None
+    o, _ = _fla_recurrent(q=q.to(dtype).contiguous(), k=k.to(dtype).contiguous(),
+                          v=v.to(dtype).contiguous(), g=g.float().contiguous(),
+                          beta=beta.to(dtype).contiguous(), scale=1.0,
+                          initial_state=states.contiguous(), output_final_state=False)
+    return o.float()
+
+
+def fla_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                states: torch.Tensor, kept: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """delta_rule_advance on fla's kernel, one launch (CUDA only): the states after only the
+    first kept[b] of row b's tokens, a token past kept[b] run with g = beta = 0 (x 1, + 0:
+    the state exactly as it was). Inputs as fla_steps' (k grouped), kept [B]; states read,
+    not written. Returns the new states [B, v_heads, dk, dv] fp32."""
+    assert _fla_recurrent is not None
+    mask = (torch.arange(k.shape[1], device=k.device)[None, :] < kept[:, None])[..., None]
+    keys = k.to(dtype).contiguous()
+    _, final = _fla_recurrent(q=keys, k=keys, v=v.to(dtype).contiguous(),
+                              g=(g.float() * mask).contiguous(),
+                              beta=(beta.float() * mask).to(dtype).contiguous(), scale=1.0,
+                              initial_state=states.contiguous(), output_final_state=True)
+    return final
 
 
 def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateInputs,

@@ -109,17 +109,18 @@ class LinearState:
         self._drop(slots)
 
     def begin_step(self, fresh_slots: list[int], resume: dict[int, int],
-                   restores: Sequence[tuple[int, int]] = ()) -> None:
+                   restores: Sequence[tuple[int, int]] = (), *, fla: bool = False) -> None:
         """Before a step's forward: clear the fresh slots, start the restored ones from their
         snapshots (restores: (snapshot slot, state slot)), settle the held ones (resume:
-        slot -> num_computed of each row of the step that continues its own state)."""
+        slot -> num_computed of each row of the step that continues its own state; ``fla``:
+        on fla's kernel, as settle says)."""
         if fresh_slots:
             self.clear(fresh_slots)
         if restores:
             self.copy(restores)
             self._drop([to for _, to in restores])  # what a recycled slot held is not theirs
         if self._held:
-            self.settle(resume)
+            self.settle(resume, fla=fla)
 
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole slots (from, to): a prefix snapshot taken or restored. A slot is one
@@ -137,9 +138,11 @@ class LinearState:
         for r, slot in enumerate(rows.slot_ids):
             self._held[slot] = (held, r)
 
-    def settle(self, resume: dict[int, int]) -> None:
+    def settle(self, resume: dict[int, int], *, fla: bool = False) -> None:
         """Advance each held slot whose request continues (slot -> its num_computed) by the
-        positions of its verification row that stood, exactly as decoding only them would."""
+        positions of its verification row that stood, exactly as decoding only them would
+        (``fla``: in one launch of fla's kernel, gated_delta.fla_advance, the state carried
+        in fp32 between the positions as the verification's own launch carried it)."""
         picked: dict[int, tuple[_Held, list[int], list[int]]] = {}
         for slot, computed in resume.items():
             got = self._held.pop(slot, None)
@@ -162,14 +165,20 @@ class LinearState:
             rows, kept = [rows[i] for i in order], [kept[i] for i in order]
             if rows != list(range(len(held.slots))):
                 held = held.rows(rows)
-            self._advance(held, torch.tensor(kept, dtype=torch.long, device=held.k.device))
+            self._advance(held, torch.tensor(kept, dtype=torch.long, device=held.k.device),
+                          fla)
         self._compact({id(h): h for h, _, _ in picked.values()})
 
-    def _advance(self, held: _Held, kept: torch.Tensor) -> None:
+    def _advance(self, held: _Held, kept: torch.Tensor, fla: bool) -> None:
         slots = torch.tensor(held.slots, dtype=torch.long, device=self.conv.device)
         window = gd.conv1d_window_after(self.conv.index_select(0, slots), held.mixed, kept)
         self.conv.index_copy_(0, slots, window.to(self.conv.dtype))
         states = self.recurrent.index_select(0, slots).float()
+        if fla:  # grouped heads, one launch
+            final = gd.fla_advance(held.k, held.v, held.g, held.beta, states, kept,
+                                   self.recurrent.dtype)
+            self.recurrent.index_copy_(0, slots, final.to(self.recurrent.dtype))
+            return
         ratio = held.v.shape[2] // held.k.shape[2]  # each key head serves `ratio` value heads
         k = held.k.repeat_interleave(ratio, 2) if ratio > 1 else held.k
         gd.delta_rule_advance(k, held.v, held.g, held.beta, states, kept, self.recurrent.dtype)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from support.fla import StandInRecurrent
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import gated_delta as gd
@@ -17,40 +18,6 @@ from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.gdn import GatedDeltaStates
 
 KH, VH, DK, DV, CONV_K = 2, 6, 8, 4, 4  # a group of 3 value heads per key head
-
-
-class StandInRecurrent:
-    """fla's fused_recurrent_gated_delta_rule as documented, in torch; records each call."""
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def __call__(self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, scale: float, initial_state: torch.Tensor,
-                 output_final_state: bool, use_qk_l2norm_in_kernel: bool = False,
-                 use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
-                 dt_bias: torch.Tensor | None = None, use_beta_sigmoid_in_kernel: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale,
-                           "state": initial_state.shape, "final": output_final_state,
-                           "in_kernel": (use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                         use_beta_sigmoid_in_kernel)})
-        group = v.shape[2] // q.shape[2]
-        state = initial_state.float().clone()
-        if use_gate_in_kernel:  # fla's kernel: g = -exp(A_log) softplus(g + dt_bias)
-            assert A_log is not None and dt_bias is not None
-            g = -A_log.float().exp() * torch.nn.functional.softplus(g.float() + dt_bias.float())
-        if use_beta_sigmoid_in_kernel:
-            beta = beta.float().sigmoid()
-        out = []
-        for t in range(q.shape[1]):  # each value head reads its group's key head
-            qt, kt = q[:, t].float(), k[:, t].float()
-            if use_qk_l2norm_in_kernel:  # x / sqrt(sum x^2 + 1e-6), then q's scale
-                qt, kt = gd.l2norm(qt), gd.l2norm(kt)
-            qt = qt.repeat_interleave(group, 1) * scale
-            kt = kt.repeat_interleave(group, 1)
-            out.append(gd.delta_rule_decode(qt, kt, v[:, t], g[:, t], beta[:, t], state))
-        return torch.stack(out, 1).to(v.dtype), state
 
 
 @pytest.fixture
@@ -159,6 +126,89 @@ def test_the_backend_on_fla_decode_gives_the_torch_paths_outputs_and_states(stan
     assert all(c["q"][2] == KH and c["v"][2] == VH for c in stand_in.calls)
     for got, want in zip(fused, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32
+
+
+def _verify_plans() -> list[StepPlan]:
+    """Prefills of 5 and 3 tokens into slots 1 and 2; then verification rows of 4 and 2
+    tokens (padded together); then decode rows after 2 of 4 and 2 of 2 stood; then slot 2
+    decoding beside a verification row of 3 for slot 1."""
+    empty = torch.empty(0)
+    return [
+        StepPlan(slot_mapping=empty, prefills=[PrefillRow(0, 5, 0, [], 1),
+                                               PrefillRow(5, 8, 0, [], 2)]),
+        StepPlan(slot_mapping=empty, prefills=[PrefillRow(0, 4, 5, [], 1, verify=True),
+                                               PrefillRow(4, 6, 3, [], 2, verify=True)]),
+        StepPlan(slot_mapping=empty, decode_positions=[7, 5], decode_tables=[[], []],
+                 decode_state_slots=[1, 2]),
+        StepPlan(slot_mapping=empty, decode_positions=[6], decode_tables=[[]],
+                 decode_state_slots=[2], prefills=[PrefillRow(1, 4, 8, [], 1, verify=True)]),
+    ]
+
+
+def _verify_steps(states: GatedDeltaStates) -> list[torch.Tensor]:
+    """_verify_plans' outputs, then slot 1 settled after 1 of its last row's 3 tokens, and
+    both slots' conv windows and states."""
+    gen = torch.Generator().manual_seed(13)
+    channels = _spec().conv_channels
+    weight = torch.randn(channels, CONV_K, generator=gen)
+    outs = []
+    for plan, rows in zip(_verify_plans(), [8, 6, 2, 4], strict=True):
+        mixed = torch.randn(rows, channels, generator=gen)
+        g = -torch.rand(rows, VH, generator=gen)
+        beta = torch.rand(rows, VH, generator=gen)
+        outs.append(states.forward(0, mixed, (g, beta), weight, states.plan(plan)))
+    states.settle({1: 9})
+    layer = states.layers[0]
+    return outs + [layer.conv.clone(), layer.recurrent.clone()]
+
+
+def test_verification_rows_and_their_settling_run_in_one_fla_launch_each(stand_in):
+    """Speculative verification on fla: each step's verification rows, padded together,
+    are one call of the kernel (grouped heads, no final state: the rows are held), and
+    settling them is one more (the final state after the positions that stood); outputs,
+    windows and states are the torch path's, token by token."""
+    plain, fused = _verify_steps(_states(False)), _verify_steps(_states(True))
+    calls = [(c["q"], c["final"]) for c in stand_in.calls]
+    assert calls == [((2, 4, KH, DK), False),  # step 2: both verification rows
+                     ((2, 4, KH, DK), True),  # step 3: both settled (2 and 2 stood) ...
+                     ((2, 1, KH, DK), True),  # ... then its two decode rows
+                     ((1, 1, KH, DK), True),  # step 4: slot 2's decode row
+                     ((1, 3, KH, DK), False),  # ... and slot 1's verification row
+                     ((1, 3, KH, DK), True)]  # the explicit settle (1 of 3 stood)
+    assert all(c["v"][2] == VH for c in stand_in.calls)
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
+
+
+def test_rejected_positions_leave_the_fla_advance_where_it_stood(stand_in):
+    """fla_advance's masked positions (g = beta = 0) change nothing: the state after kept
+    tokens of a longer row is that of a row of only those tokens."""
+    gen = torch.Generator().manual_seed(3)
+    k = gd.l2norm(torch.randn(2, 5, KH, DK, generator=gen))
+    v = torch.randn(2, 5, VH, DV, generator=gen)
+    g, beta = -torch.rand(2, 5, VH, generator=gen), torch.rand(2, 5, VH, generator=gen)
+    states = torch.randn(2, VH, DK, DV, generator=gen)
+    before = states.clone()
+    got = gd.fla_advance(k, v, g, beta, states, torch.tensor([2, 5]), torch.float32)
+    for row, kept in ((0, 2), (1, 5)):
+        want = states[row : row + 1].clone()
+        at = slice(row, row + 1)
+        for t in range(kept):  # the torch rule, a token at a time, each key head repeated
+            gd.delta_rule_decode(k[at, t].repeat_interleave(3, 1),
+                                 k[at, t].repeat_interleave(3, 1), v[at, t], g[at, t],
+                                 beta[at, t], want)
+        torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(states, before)  # read, not written
+
+
+def test_the_one_pass_conv_gives_the_token_by_token_outputs():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 40, generator=gen)
+    weight = torch.randn(40, CONV_K, generator=gen)
+    windows = torch.randn(3, 40, CONV_K - 1, generator=gen)
+    want = gd.conv1d_steps(x, weight, windows.clone())
+    torch.testing.assert_close(gd.conv1d_steps_unfolded(x, weight, windows), want,
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_the_plain_path_never_calls_fla(stand_in):

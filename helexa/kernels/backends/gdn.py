@@ -19,9 +19,11 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
   decode (q and k passed grouped, as the layer has them) and, for 16-bit models, its
   chunked prefill; else helexa/kernels/gated_delta.py's torch forms (the reference, each
   key head repeated to its value heads); a verification row runs token by token as
-  decode and is held, its slot left as it was. A step of decode rows alone runs, where
-  ``allocate`` proved it on the device, FlashInfer's pool decode: one kernel reads and
-  writes each row's state in its slot (the states then V-major: LinearState.pool).
+  decode (on fla, every row's tokens in one launch) and is held, its slot left as it
+  was, until the next step settles it (one launch again on fla). A step of decode rows
+  alone runs, where ``allocate`` proved it on the device, FlashInfer's pool decode: one
+  kernel reads and writes each row's state in its slot (the states then V-major:
+  LinearState.pool).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class GatedDeltaStates:
         """Advance each held slot whose request continues (slot -> its num_computed) by the
         positions of its verification row that stood (plan does this for a step's rows)."""
         for state in self.layers:
-            state.settle(resume)
+            state.settle(resume, fla=self._fla_decode)
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -127,7 +129,7 @@ class GatedDeltaStates:
         """This step's metadata; fresh slots cleared and held rows settled on every layer."""
         meta = self.build(step)
         for state in self.layers:
-            state.begin_step(meta.fresh_slots, meta.resume, meta.restores)
+            state.begin_step(meta.fresh_slots, meta.resume, meta.restores, fla=self._fla_decode)
         return meta
 
     def end_step(self, meta: GdnMetadata) -> None:
@@ -202,7 +204,8 @@ class GatedDeltaStates:
         if rows is not None:
             mixed_rows = mixed[rows.index]  # [B, T, channels]
             windows = state.conv.index_select(0, rows.slots)
-            conv[rows.flat] = gd.conv1d_steps(mixed_rows, conv_weight, windows)[rows.valid]
+            steps = gd.conv1d_steps_unfolded if self._fla_decode else gd.conv1d_steps
+            conv[rows.flat] = steps(mixed_rows, conv_weight, windows)[rows.valid]
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
         pure_decode = (isinstance(gate, gd.GateInputs) and nd == n and not meta.prefills
                        and rows is None)
@@ -222,9 +225,10 @@ class GatedDeltaStates:
         q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
         k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
         grouped_q = q
-        if vh > kh and (not self._fla_decode or meta.prefills or rows is not None):
+        if vh > kh and (not self._fla_decode or meta.prefills):
             # the torch forms and fla's chunked kernel take a key head per value head:
-            # each key head serves vh / kh consecutive value heads
+            # each key head serves vh / kh consecutive value heads (fla's recurrent one,
+            # decode and verification rows, takes them grouped)
             q, k = q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1)
         v = v.reshape(n, vh, dv)
         o = torch.empty(n, vh, dv, dtype=torch.float32, device=mixed.device)
@@ -245,8 +249,13 @@ class GatedDeltaStates:
         if rows is not None:
             states = state.recurrent.index_select(0, rows.slots).float()
             at = rows.index
-            o[rows.flat] = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
-                                               state.recurrent.dtype)[rows.valid]
+            if self._fla_decode:  # every row's tokens in one launch
+                got = gd.fla_steps(grouped_q[at], key_heads[at], v[at], g[at], beta[at],
+                                   states, mixed.dtype)
+            else:
+                got = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
+                                          state.recurrent.dtype)
+            o[rows.flat] = got[rows.valid]
             state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
         return o
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 from support.engine import assert_whole, drive, with_drafter
+from support.fla import StandInRecurrent
 from support.mtp import SPEC, assert_right_head_drafted, craft_right_mtp_head, requests, spec_for
 
+from helexa.kernels import gated_delta as gd
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.model_runner import ModelRunner
@@ -40,6 +42,35 @@ def test_a_head_that_predicts_the_target_has_its_drafts_accepted(tiny_checkpoint
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
     assert core.status().drafter == "mtp"
     assert_right_head_drafted(core, news, plain.tokens, plain.steps)
+
+
+def test_on_fla_verification_and_its_settling_are_one_launch_each(tiny_checkpoint, tmp_path,
+                                                                  monkeypatch):
+    """With fla's recurrent kernel (stood in for on CPU), verification rows run as one kernel
+    call per layer and step, their settling as one more, and the tokens are still plain
+    decoding's: a right head's drafts accepted, an untrained head's mostly rejected (each
+    settle then keeps the state past the first position or two of its row)."""
+    untrained = tiny_checkpoint("qwen3_5", mtp=True)
+    model_dir = craft_right_mtp_head(untrained, tmp_path / "crafted")
+    news = requests(1, 3)
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True)
+    plain_untrained = drive(EngineCore(spec_for(untrained)), news, served=True).tokens
+    fla = StandInRecurrent()
+    monkeypatch.setattr(gd, "_fla_recurrent", fla)
+    monkeypatch.setattr(gd, "fla_decode_available", lambda device: True)
+    rejecting = EngineCore(spec_for(untrained, speculation="mtp", **SPEC))
+    assert drive(rejecting, news, served=True).tokens == plain_untrained
+    s = rejecting.status()
+    assert 0 < s.spec_accepted_tokens < 0.5 * s.spec_drafted_tokens, s
+    assert_whole(rejecting)
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+    assert "fla fused decode" in core.runner.linear_states.describe()
+    assert_right_head_drafted(core, news, plain.tokens, plain.steps)
+    verify = [c for c in fla.calls if c["q"][1] > 1 and not c["final"]]
+    settle = [c for c in fla.calls if c["q"][1] > 1 and c["final"]]
+    assert verify and settle
+    # a row is its last token and up to spec_k drafts (fewer near max_tokens), padded together
+    assert max(c["q"][1] for c in verify) == SPEC["spec_k"] + 1
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
