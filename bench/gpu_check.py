@@ -19,7 +19,10 @@ failing stage still leaves the others' figures:
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
   untied input embedding, of which a step gathers a row) = steps/s at best. These drive
-  the model runner alone; ``engine_batch1`` is batch 1 through the engine's step loop, as
+  the model runner alone; ``verify_batch1`` a speculative verification step (the last
+  token and 3 drafts) against a decode step, µs each (what MTP's drafts cost the target:
+  speculation gains where 1 + accepted drafts exceeds the ratio); ``engine_batch1`` is
+  batch 1 through the engine's step loop, as
   a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``);
   ``engine_constrained`` the same for a JSON-schema request (dense model), whose two runs'
   tokens must ``match``.
@@ -320,6 +323,43 @@ def decode_steps_per_s(r: Runner, batch: int, prompt: int, steps: int) -> float:
     return steps / (time.perf_counter() - t)
 
 
+def verify_vs_decode(r: Runner, steps: int, k: int = 3) -> dict[str, Any]:
+    """A speculative verification step at batch 1 (a row of the last token and ``k`` drafts,
+    logits at each: what MTP's drafts cost the target) against a decode step, on the same
+    runner and stream: µs of each and their ratio. Speculation gains where the tokens a
+    verification yields, 1 + its accepted drafts, exceed the ratio. Every draft is taken as
+    accepted, so each verification also settles the whole row before it (a hybrid's held
+    state, advanced by that row's k + 1 positions)."""
+    last = r.prefill([[(j * 11) % 400 + 1 for j in range(16)]])
+    last = r.step(last)  # warm: the graph replays, the plans
+
+    def timed(run: Callable[[], None]) -> float:
+        sync(r.device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            run()
+        sync(r.device)
+        return (time.perf_counter() - t) / steps * 1e6
+
+    def decode() -> None:
+        nonlocal last
+        last = r.step(last)
+
+    def verify() -> None:
+        nonlocal last
+        row = last + [(last[0] + d) % 400 + 1 for d in range(k)]
+        logits = r.runner.execute([r.SeqInput(row, r.lens[0], r.tables[0], True, 0,
+                                              num_logits=k + 1)])
+        r.lens[0] += k + 1
+        last = [int(logits[-1].argmax())]
+
+    decode_us = timed(decode)
+    verify()  # warm: the verification's own kernels and plans
+    verify_us = timed(verify)
+    return {"drafts": k, "decode_step_us": decode_us, "verify_step_us": verify_us,
+            "verify_vs_decode": verify_us / decode_us}
+
+
 def engine_batch1_core(r: Runner, s: dict[str, Any], model_dir: Path | None = None) -> Any:
     """EngineCore on the stage's runner, one request at a time (``model_dir``: its
     tokenizer, which a grammar needs)."""
@@ -470,6 +510,10 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
             res[f"batch{batch}"] = {"tok_s": steps * batch, "steps_s": steps,
                                     "roofline_fraction": steps / roofline_steps}
+        try:  # its failure must not cost the stage the figures above
+            res["verify_batch1"] = verify_vs_decode(r, s["profile_steps"])
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            res["verify_batch1"] = {"error": f"{type(e).__name__}: {e}"}
         try:  # its failure must not cost the stage the figures above
             res["engine_batch1"] = engine_decode(r, s, roofline_steps)
         except Exception as e:  # noqa: BLE001 - reported, not raised

@@ -38,6 +38,8 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     assert "first_divergence" in mtp["probes"], mtp
     for name in ("dense_big", "hybrid_big"):
         assert stages["decode"][name]["load_s"] > 0
+        verify = stages["decode"][name]["verify_batch1"]  # a row of 1 + 3 drafts, vs decode
+        assert verify["drafts"] == 3 and verify["verify_vs_decode"] > 0, verify
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
         assert stages["compare"][name]["fused_vs_torch_norms_batch1"] > 0
