@@ -16,17 +16,10 @@ obviously right, the one every other form is tested against),
 runs a few tokens per row as that many decode steps would (a speculative
 verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
 state after only the first few of them: the rollback of rejected drafts
-(docs/speculation.md); on fla, ``fla_steps`` and ``fla_advance`` do each in one launch
-(and ``conv1d_steps_unfolded`` the row's conv in a few). On CUDA, with
-flash-linear-attention (``fla-core``) installed, the state backend
-(helexa/kernels/backends/gdn.py) runs prefill on its chunked Triton kernel
-(``fla_chunked``) and decode on its fused recurrent one (``fla_decode``: the whole
-step, decay, delta update and output, in one launch per layer; ``fla_decode_gated`` for a
-step of decode rows alone: the L2 norms and the gates too), import-guarded: CPU
-never needs them. fla's recurrent kernel takes grouped heads (value head h reads key
-head h // (v_heads / k_heads), the grouping the torch forms get from
-``repeat_interleave``), so decode passes q and k as they are; its chunked kernel takes
-one head count for q, k and v, so prefill repeats them.
+(docs/speculation.md), and ``conv1d_steps_unfolded`` a verification row's conv in one
+pass. On CUDA, flash-linear-attention's kernels run these steps where installed
+(helexa/kernels/fla_gdn.py: prefill, decode, verification and its settling, the gated
+norm), import-guarded: CPU never needs them.
 
 FlashInfer's Gated DeltaNet decode goes further for a step of decode rows alone
 (helexa/kernels/flashinfer_gdn.py): it reads and writes each row's state in its slot.
@@ -42,34 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels.norm import rms_norm
-
 CHUNK = 64
-
-try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_chunk = _fla_recurrent = None
-try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
-    from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_norm_gated = None
-
-
-def fla_gated_available() -> bool:
-    """fla's recurrent kernel takes the norms and gates itself (fla-core 0.6 and newer)."""
-    if _fla_recurrent is None:
-        return False
-    import inspect
-
-    try:
-        params = inspect.signature(_fla_recurrent).parameters
-    except (TypeError, ValueError):
-        return False
-    return all(p in params for p in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
-                                     "use_beta_sigmoid_in_kernel", "A_log", "dt_bias"))
-
 
 class GateInputs(NamedTuple):
     """A decode step's gate inputs as the layer's projection gives them: a, b [N, v_heads]
@@ -86,25 +52,6 @@ def gates(raw: GateInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(g, beta) [N, v_heads] fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
     g = -raw.A_log.float().exp() * F.softplus(raw.a.float() + raw.dt_bias.float())
     return g, raw.b.float().sigmoid()
-
-
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """A Gated DeltaNet layer's output norm per value head: rmsnorm(o) * weight * silu(z).
-    o [N, v_heads, v_dim] fp32, z [N, v_heads * v_dim] -> [N, v_heads, v_dim] in ``dtype``.
-    The torch form rounds as the reference models do (the norm to ``dtype`` before the
-    weight); on CUDA with fla installed one kernel (fp32 inside, one rounding) replaces its
-    ~12."""
-    if _fla_norm_gated is not None and o.is_cuda:
-        return _fla_norm_gated(o, z.reshape(o.shape), weight, None, activation="swish",
-                               eps=eps).to(dtype)
-    return _gated_rms_norm_torch(o, z, weight, eps, dtype)
-
-
-def _gated_rms_norm_torch(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                          dtype: torch.dtype) -> torch.Tensor:
-    y = rms_norm(o, None, eps).to(dtype) * weight
-    return (y.float() * F.silu(z.reshape(o.shape).float())).to(dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -289,145 +236,6 @@ def delta_rule_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: 
             states.copy_(states.to(state_dtype))
 
 
-def fla_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """flash-linear-attention's Triton kernels apply: CUDA, the package installed, and a
-    16-bit model (its chunked kernel refuses fp32 inputs)."""
-    return _fla_chunk is not None and device.type == "cuda" and dtype != torch.float32
-
-
-def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """delta_rule_chunked on fla's kernel (CUDA only; q already normalised and scaled),
-    its inputs in the model's 16-bit `dtype`, the decays and the state in fp32."""
-    assert _fla_chunk is not None
-    o, s = _fla_chunk(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype),
-                      g[None].float(), beta[None].to(dtype), scale=1.0,
-                      initial_state=None if state is None else state[None].float(),
-                      output_final_state=True)
-    return o[0].float(), s[0]
-
-
-def fla_decode_available(device: torch.device) -> bool:
-    """fla's fused recurrent kernel applies: CUDA and the package installed (it takes fp32
-    inputs as well as 16-bit ones)."""
-    return _fla_recurrent is not None and device.type == "cuda"
-
-
-def fla_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-               beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """delta_rule_decode on fla's fused recurrent kernel (CUDA only), with grouped heads:
-    q, k [B, key_heads, dk] (q already normalised and scaled); v [B, v_heads, dv]; g, beta
-    [B, v_heads]; states [B, v_heads, dk, dv] fp32, updated in place. Returns o [B, v_heads,
-    dv] fp32. Inputs in the model's `dtype`, the decays and the state in fp32."""
-    assert _fla_recurrent is not None
-    # keywords only: fla's releases differ in the optional decays between g and beta
-    o, final = _fla_recurrent(q=q[:, None].to(dtype), k=k[:, None].to(dtype),
-                              v=v[:, None].to(dtype), g=g[:, None].float(),
-                              beta=beta[:, None].to(dtype), scale=1.0, initial_state=states,
-                              output_final_state=True)
-    states.copy_(final)
-    return o[:, 0].float()
-
-
-def fla_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """delta_rule_steps' outputs on fla's fused recurrent kernel (CUDA only): every row's T
-    tokens in one launch, grouped heads as fla_decode takes them. q, k [B, T, key_heads, dk]
-    (q normalised and scaled); v [B, T, v_heads, dv]; g, beta [B, T, v_heads]; states
-    [B, v_heads, dk, dv] fp32, read, not written (a verification row is held, not kept).
-    Returns o [B, T, v_heads, dv] fp32. The kernel carries the state between a row's tokens
-    in fp32 where T decode steps round it to the model's dtype: the outputs agree with
-    theirs to that rounding (fla_advance carries it the same way)."""
-    assert _fla_recurrent is not None
-    o, _ = _fla_recurrent(q=q.to(dtype).contiguous(), k=k.to(dtype).contiguous(),
-                          v=v.to(dtype).contiguous(), g=g.float().contiguous(),
-                          beta=beta.to(dtype).contiguous(), scale=1.0,
-                          initial_state=states.contiguous(), output_final_state=False)
-    return o.float()
-
-
-def fla_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                states: torch.Tensor, kept: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """delta_rule_advance on fla's kernel, one launch (CUDA only): the states after only the
-    first kept[b] of row b's tokens, a token past kept[b] run with g = beta = 0 (x 1, + 0:
-    the state exactly as it was). Inputs as fla_steps' (k grouped), kept [B]; states read,
-    not written. Returns the new states [B, v_heads, dk, dv] fp32."""
-    assert _fla_recurrent is not None
-    mask = (torch.arange(k.shape[1], device=k.device)[None, :] < kept[:, None])[..., None]
-    keys = k.to(dtype).contiguous()
-    _, final = _fla_recurrent(q=keys, k=keys, v=v.to(dtype).contiguous(),
-                              g=(g.float() * mask).contiguous(),
-                              beta=(beta.float() * mask).to(dtype).contiguous(), scale=1.0,
-                              initial_state=states.contiguous(), output_final_state=True)
-    return final
-
-
-def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateInputs,
-                     states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A whole pure-decode step on fla's fused recurrent kernel, its inputs as the conv gives
-    them (CUDA only): q, k [B, key_heads, dk] not yet normalised, v [B, v_heads, dv], the
-    gates raw; the kernel takes the L2 norms, q's k_dim^-0.5 scale, g and beta (:func:`gates`'
-    formulas, fp32) itself, so none of the ~25 small kernels those are in torch run. states
-    [B, v_heads, dk, dv] are read, not written. Returns (o [B, v_heads, dv] fp32, the new
-    states fp32)."""
-    assert _fla_recurrent is not None
-    o, final = _fla_recurrent(q=q[:, None], k=k[:, None], v=v[:, None], g=raw.a[:, None],
-                              beta=raw.b[:, None], scale=q.shape[-1] ** -0.5,
-                              initial_state=states, output_final_state=True,
-                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                              A_log=raw.A_log, dt_bias=raw.dt_bias,
-                              use_beta_sigmoid_in_kernel=True)
-    return o[:, 0].float(), final
-
-
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
     """|got - want| / |want| (Frobenius, in fp32): how far a kernel's probe step is off."""
     return float((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12))
-
-
-def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
-                    value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> tuple[bool, str]:
-    """Run fla's gated decode (fla_decode_gated) and gated norm (gated_rms_norm) once on a
-    small random step at a layer's sizes (so the kernels' builds are the ones serving
-    uses) against the torch forms: (whether the gated decode may run, why a part may not:
-    "" when both agree). A gated norm that fails is switched off for the process (the torch
-    form runs)."""
-    global _fla_norm_gated
-    gen = torch.Generator().manual_seed(0)
-    kh, vh, dk, dv = key_heads, value_heads, key_dim, value_dim
-    q, k = (torch.randn(1, kh, dk, generator=gen).to(dtype) for _ in range(2))
-    v = torch.randn(1, vh, dv, generator=gen).to(dtype)
-    raw = GateInputs(*(torch.randn(*shape, generator=gen).to(dtype)
-                       for shape in ((1, vh), (1, vh), (vh,), (vh,))))
-    states = torch.randn(1, vh, dk, dv, generator=gen)
-    g, beta = gates(raw)
-    want_states = states.clone()
-    want = delta_rule_decode((l2norm(q.float()) * dk ** -0.5).repeat_interleave(vh // kh, 1),
-                             l2norm(k.float()).repeat_interleave(vh // kh, 1), v, g, beta,
-                             want_states)
-    reasons = []
-    try:
-        dev = GateInputs(*(x.to(device) for x in raw))
-        got, final = fla_decode_gated(q.to(device), k.to(device), v.to(device), dev,
-                                      states.to(device))
-        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
-        if not err < tol:
-            reasons.append(f"fla's gated decode is off by {err:.2g} (relative)")
-    except Exception as e:  # noqa: BLE001 - any failure: the torch gates run, said why
-        reasons.append(f"fla's gated decode failed ({type(e).__name__}: {e})")
-    decode_ok = not reasons
-    if _fla_norm_gated is not None and device.type == "cuda":
-        o = torch.randn(2, vh, dv, generator=gen)
-        z = torch.randn(2, vh * dv, generator=gen).to(dtype)
-        w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype)
-        try:
-            got_n = gated_rms_norm(o.to(device), z.to(device), w.to(device), 1e-6, dtype).cpu()
-            err = rel_error(got_n, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
-            if not err < tol:
-                _fla_norm_gated = None
-                reasons.append(f"fla's gated norm is off by {err:.2g} (relative)")
-        except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
-            _fla_norm_gated = None
-            reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
-    return decode_ok, "; ".join(reasons)

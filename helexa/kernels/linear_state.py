@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import fla_gdn
 from helexa.kernels import gated_delta as gd
+from helexa.kernels.backends.base import to_device
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -61,7 +63,7 @@ class _Held:
     beta: torch.Tensor  # [B, T, v_heads] fp32
 
     def rows(self, rows: list[int]) -> _Held:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        idx = to_device(rows, torch.long, self.k.device)
         return _Held([self.slots[r] for r in rows], [self.starts[r] for r in rows],
                      [self.lengths[r] for r in rows],
                      *(x.index_select(0, idx) for x in (self.mixed, self.k, self.v, self.g,
@@ -103,7 +105,7 @@ class LinearState:
 
     def clear(self, slots: list[int]) -> None:
         """A request starts from nothing: zero its slots (a recycled slot holds the last one's)."""
-        idx = torch.tensor(slots, dtype=torch.long, device=self.conv.device)
+        idx = to_device(slots, torch.long, self.conv.device)
         self.conv.index_fill_(0, idx, 0)
         self.recurrent.index_fill_(0, idx, 0)
         self._drop(slots)
@@ -125,8 +127,9 @@ class LinearState:
     def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy whole slots (from, to): a prefix snapshot taken or restored. A slot is one
         request's conv window and recurrent state; a snapshot slot is the same shape."""
-        src = torch.tensor([a for a, _ in pairs], dtype=torch.long, device=self.conv.device)
-        dst = torch.tensor([b for _, b in pairs], dtype=torch.long, device=self.conv.device)
+        both = to_device([a for a, _ in pairs] + [b for _, b in pairs], torch.long,
+                         self.conv.device)
+        src, dst = both[: len(pairs)], both[len(pairs) :]
         self.conv.index_copy_(0, dst, self.conv.index_select(0, src))
         self.recurrent.index_copy_(0, dst, self.recurrent.index_select(0, src))
 
@@ -141,7 +144,7 @@ class LinearState:
     def settle(self, resume: dict[int, int], *, fla: bool = False) -> None:
         """Advance each held slot whose request continues (slot -> its num_computed) by the
         positions of its verification row that stood, exactly as decoding only them would
-        (``fla``: in one launch of fla's kernel, gated_delta.fla_advance, the state carried
+        (``fla``: in one launch of fla's kernel, fla_gdn.fla_advance, the state carried
         in fp32 between the positions as the verification's own launch carried it)."""
         picked: dict[int, tuple[_Held, list[int], list[int]]] = {}
         for slot, computed in resume.items():
@@ -165,17 +168,17 @@ class LinearState:
             rows, kept = [rows[i] for i in order], [kept[i] for i in order]
             if rows != list(range(len(held.slots))):
                 held = held.rows(rows)
-            self._advance(held, torch.tensor(kept, dtype=torch.long, device=held.k.device),
-                          fla)
+            self._advance(held, kept, fla)
         self._compact({id(h): h for h, _, _ in picked.values()})
 
-    def _advance(self, held: _Held, kept: torch.Tensor, fla: bool) -> None:
-        slots = torch.tensor(held.slots, dtype=torch.long, device=self.conv.device)
+    def _advance(self, held: _Held, kept_list: list[int], fla: bool) -> None:
+        both = to_device(held.slots + kept_list, torch.long, self.conv.device)
+        slots, kept = both[: len(held.slots)], both[len(held.slots) :]
         window = gd.conv1d_window_after(self.conv.index_select(0, slots), held.mixed, kept)
         self.conv.index_copy_(0, slots, window.to(self.conv.dtype))
         states = self.recurrent.index_select(0, slots).float()
         if fla:  # grouped heads, one launch
-            final = gd.fla_advance(held.k, held.v, held.g, held.beta, states, kept,
+            final = fla_gdn.fla_advance(held.k, held.v, held.g, held.beta, states, kept,
                                    self.recurrent.dtype)
             self.recurrent.index_copy_(0, slots, final.to(self.recurrent.dtype))
             return

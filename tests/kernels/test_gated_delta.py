@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helexa.kernels import fla_gdn as fla
 from helexa.kernels import gated_delta as gd
 
 
@@ -83,17 +84,17 @@ def test_conv1d_over_slots_is_the_gathered_decode_bit_for_bit(dtype):
     assert torch.equal(got_pool[[1, 3]], pool[[1, 3]])
 
 
-@pytest.mark.skipif(not gd.fla_available(torch.device("cuda"), torch.bfloat16),
+@pytest.mark.skipif(not fla.fla_available(torch.device("cuda"), torch.bfloat16),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_kernel_matches_reference_in_bf16():
     q, k, v, g, beta, state = (x.cuda() for x in inputs(150, h=4, dk=64, dv=64, seed=3))
     ref_o, ref_s = gd.delta_rule_reference(q, k, v, g, beta, state)
-    o, s = gd.fla_chunked(q, k, v, g, beta, state, torch.bfloat16)
+    o, s = fla.fla_chunked(q, k, v, g, beta, state, torch.bfloat16)
     torch.testing.assert_close(o, ref_o, atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(gd._fla_norm_gated is None or not torch.cuda.is_available(),
+@pytest.mark.skipif(fla._fla_norm_gated is None or not torch.cuda.is_available(),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_gated_norm_matches_the_torch_form():
     """fla's one-kernel gated RMSNorm against the torch form the models round like."""
@@ -101,8 +102,8 @@ def test_fla_gated_norm_matches_the_torch_form():
     o = torch.randn(5, 6, 64, generator=gen) * 3
     z = torch.randn(5, 6 * 64, generator=gen).bfloat16()
     w = (1 + 0.1 * torch.randn(64, generator=gen)).bfloat16()
-    want = gd.gated_rms_norm(o, z, w, 1e-6, torch.bfloat16)  # on CPU: the torch form
-    got = gd.gated_rms_norm(o.cuda(), z.cuda(), w.cuda(), 1e-6, torch.bfloat16)
+    want = fla.gated_rms_norm(o, z, w, 1e-6, torch.bfloat16)  # on CPU: the torch form
+    got = fla.gated_rms_norm(o.cuda(), z.cuda(), w.cuda(), 1e-6, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == o.shape
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=3e-2, rtol=3e-2)
 

@@ -13,6 +13,7 @@ import torch
 from support.fla import StandInRecurrent
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import fla_gdn as fla
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.gdn import GatedDeltaStates
@@ -23,7 +24,7 @@ KH, VH, DK, DV, CONV_K = 2, 6, 8, 4, 4  # a group of 3 value heads per key head
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> StandInRecurrent:
     fake = StandInRecurrent()
-    monkeypatch.setattr(gd, "_fla_recurrent", fake)
+    monkeypatch.setattr(fla, "_fla_recurrent", fake)
     return fake
 
 
@@ -43,7 +44,7 @@ def test_fla_decode_passes_grouped_heads_and_matches_the_torch_step(stand_in):
     want_states = states.clone()
     want = gd.delta_rule_decode(q.repeat_interleave(3, 1), k.repeat_interleave(3, 1), v, g,
                                 beta, want_states)
-    got = gd.fla_decode(q, k, v, g, beta, states, torch.float32)
+    got = fla.fla_decode(q, k, v, g, beta, states, torch.float32)
     assert stand_in.calls == [{"q": (3, 1, KH, DK), "k": (3, 1, KH, DK), "v": (3, 1, VH, DV),
                                "scale": 1.0, "state": (3, VH, DK, DV), "final": True,
                                "in_kernel": (False, False, False)}]
@@ -61,7 +62,7 @@ def _states(fla_decode: bool) -> GatedDeltaStates:
     states = GatedDeltaStates(torch.device("cpu"))
     states.allocate([_spec()], 4)
     states._fla_decode = fla_decode  # as allocate sets it on CUDA with fla installed
-    states._fla_gated = fla_decode and gd.fla_gated_available()
+    states._fla_gated = fla_decode and fla.fla_gated_available()
     return states
 
 
@@ -189,7 +190,7 @@ def test_rejected_positions_leave_the_fla_advance_where_it_stood(stand_in):
     g, beta = -torch.rand(2, 5, VH, generator=gen), torch.rand(2, 5, VH, generator=gen)
     states = torch.randn(2, VH, DK, DV, generator=gen)
     before = states.clone()
-    got = gd.fla_advance(k, v, g, beta, states, torch.tensor([2, 5]), torch.float32)
+    got = fla.fla_advance(k, v, g, beta, states, torch.tensor([2, 5]), torch.float32)
     for row, kept in ((0, 2), (1, 5)):
         want = states[row : row + 1].clone()
         at = slice(row, row + 1)
@@ -219,13 +220,13 @@ def test_the_plain_path_never_calls_fla(stand_in):
 
 
 def test_fla_decode_is_chosen_only_on_cuda_with_fla_installed(stand_in, monkeypatch):
-    assert not gd.fla_decode_available(torch.device("cpu"))
-    assert gd.fla_decode_available(torch.device("cuda"))
-    monkeypatch.setattr(gd, "_fla_recurrent", None)
-    assert not gd.fla_decode_available(torch.device("cuda"))
+    assert not fla.fla_decode_available(torch.device("cpu"))
+    assert fla.fla_decode_available(torch.device("cuda"))
+    monkeypatch.setattr(fla, "_fla_recurrent", None)
+    assert not fla.fla_decode_available(torch.device("cuda"))
 
 
-@pytest.mark.skipif(not gd.fla_decode_available(torch.device("cuda")),
+@pytest.mark.skipif(not fla.fla_decode_available(torch.device("cuda")),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_kernel_decode_matches_the_torch_step(dtype):
@@ -233,13 +234,13 @@ def test_fla_kernel_decode_matches_the_torch_step(dtype):
     want_states = states.clone()
     want = gd.delta_rule_decode(q.repeat_interleave(3, 1), k.repeat_interleave(3, 1), v, g,
                                 beta, want_states)
-    got = gd.fla_decode(q, k, v, g, beta, states, dtype)
+    got = fla.fla_decode(q, k, v, g, beta, states, dtype)
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not gd.fla_decode_available(torch.device("cuda")),
+@pytest.mark.skipif(not fla.fla_decode_available(torch.device("cuda")),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_kernel_gated_decode_matches_the_torch_step(dtype):
@@ -257,7 +258,7 @@ def test_fla_kernel_gated_decode_matches_the_torch_step(dtype):
     want = gd.delta_rule_decode((gd.l2norm(q) * DK ** -0.5).repeat_interleave(3, 1),
                                 gd.l2norm(k).repeat_interleave(3, 1), v, g, beta, want_states)
     cuda = gd.GateInputs(*(x.cuda() for x in raw))
-    got, final = gd.fla_decode_gated(q.cuda().to(dtype), k.cuda().to(dtype),
+    got, final = fla.fla_decode_gated(q.cuda().to(dtype), k.cuda().to(dtype),
                                      v.cuda().to(dtype), cuda, states.cuda())
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
     torch.testing.assert_close(got.cpu(), want, rtol=tol, atol=tol)
@@ -268,8 +269,8 @@ def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkey
     """At allocate (CUDA with fla) the gated decode is run once against the torch forms: a
     kernel that agrees stays on; one that computes something else is turned off, the
     reason logged, and the model's decode steps compute the gates in torch."""
-    assert gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32) == (True, "")
-    monkeypatch.setattr(gd, "fla_decode_available", lambda device: True)
+    assert fla.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32) == (True, "")
+    monkeypatch.setattr(fla, "fla_decode_available", lambda device: True)
     states = GatedDeltaStates(torch.device("cpu"))
     states.allocate([_spec()], 4)
     assert states._fla_gated and "norms and gates in the kernel" in states.describe()
@@ -278,9 +279,9 @@ def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkey
         kw.update(use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False)
         return StandInRecurrent()(**kw)
 
-    monkeypatch.setattr(gd, "_fla_recurrent", no_gates)
-    monkeypatch.setattr(gd, "fla_gated_available", lambda: True)
-    ok, why = gd.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32)
+    monkeypatch.setattr(fla, "_fla_recurrent", no_gates)
+    monkeypatch.setattr(fla, "fla_gated_available", lambda: True)
+    ok, why = fla.probe_fla_gated(torch.device("cpu"), KH, VH, DK, DV, torch.float32)
     assert not ok and "fla's gated decode is off by" in why
     states.allocate([_spec()], 4)
     assert states._fla_decode and not states._fla_gated

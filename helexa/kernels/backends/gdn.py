@@ -29,11 +29,13 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
+from helexa.kernels import fla_gdn as fla
 from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan, to_device
@@ -84,12 +86,12 @@ class GatedDeltaStates:
         self._fi_pool = bool(specs) and self._fi_pool_proved(specs[0])
         self.layers = [LinearState(s, num_slots, self.device, v_major=self._fi_pool)
                        for s in self.specs]
-        self._fla = bool(specs) and gd.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
-        self._fla_decode = bool(specs) and gd.fla_decode_available(self.device)
-        self._fla_gated = self._fla_decode and gd.fla_gated_available()
+        self._fla = bool(specs) and fla.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
+        self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
+        self._fla_gated = self._fla_decode and fla.fla_gated_available()
         if self._fla_gated:  # proved at load against the torch forms, as the first step runs
             s = specs[0]
-            self._fla_gated, why = gd.probe_fla_gated(self.device, s.key_heads, s.value_heads,
+            self._fla_gated, why = fla.probe_fla_gated(self.device, s.key_heads, s.value_heads,
                                                       s.key_dim, s.value_dim,
                                                       TORCH_DTYPES[s.dtype])
             if why:
@@ -163,16 +165,22 @@ class GatedDeltaStates:
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
         if verify:
             lengths = [r.end - r.start for r in verify]
-            steps = torch.arange(max(lengths))
-            start = torch.tensor([r.start for r in verify])[:, None]
-            length = torch.tensor(lengths)[:, None]
-            index = start + torch.minimum(steps, length - 1)
-            valid = steps < length
+            longest = max(lengths)
+            # [B, T]: each row's flat rows, a short row repeating its last; valid positions
+            index = [r.start + min(t, n - 1) for r, n in zip(verify, lengths, strict=True)
+                     for t in range(longest)]
+            valid = [int(t < n) for n in lengths for t in range(longest)]
+            flat = [i for i, ok in zip(index, valid, strict=True) if ok]
+            slots = [r.state_slot for r in verify]
+            # one copy from pinned memory that does not wait (one from a Python list would
+            # hold the host until the device ran everything queued: a host sync)
+            got = to_device(index + valid + flat + slots, torch.long, dev)
+            cut = list(accumulate([0, len(index), len(valid), len(flat), len(slots)]))
             meta.verify = VerifyRows(
-                index=index.to(dev), valid=valid.to(dev), flat=index[valid].to(dev),
-                slots=torch.tensor([r.state_slot for r in verify], dtype=torch.long, device=dev),
-                slot_ids=[r.state_slot for r in verify], starts=[r.num_computed for r in verify],
-                lengths=lengths)
+                index=got[cut[0]:cut[1]].view(len(verify), longest),
+                valid=got[cut[1]:cut[2]].view(len(verify), longest).bool(),
+                flat=got[cut[2]:cut[3]], slots=got[cut[3]:cut[4]], slot_ids=slots,
+                starts=[r.num_computed for r in verify], lengths=lengths)
         return meta
 
     def forward(self, layer: int, mixed: torch.Tensor,
@@ -184,7 +192,7 @@ class GatedDeltaStates:
         FlashInfer's pool decode). q and k are L2-normalised (q scaled by k_dim^-0.5) after
         the conv. A step of decode rows alone with raw gates runs FlashInfer's pool kernel
         (flashinfer_gdn.fi_decode_pool: the states read and written in their slots) where proved
-        at load, else fla's kernel with the norms and gates inside it (gd.fla_decode_gated)."""
+        at load, else fla's kernel with the norms and gates inside it (fla.fla_decode_gated)."""
         spec, state = self.specs[layer], self.layers[layer]
         n = mixed.shape[0]
         kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
@@ -217,7 +225,7 @@ class GatedDeltaStates:
         if pure_decode and self._fla_gated:
             assert isinstance(gate, gd.GateInputs)
             states = state.recurrent.index_select(0, meta.decode_slots)
-            o, final = gd.fla_decode_gated(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
+            o, final = fla.fla_decode_gated(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
                                            v.reshape(n, vh, dv), gate, states)
             state.recurrent.index_copy_(0, meta.decode_slots, final.to(state.recurrent.dtype))
             return o
@@ -235,7 +243,7 @@ class GatedDeltaStates:
         if nd:
             states = state.recurrent.index_select(0, meta.decode_slots).float()
             if self._fla_decode:  # one fused launch, the heads grouped as they are
-                o[:nd] = gd.fla_decode(grouped_q[:nd], key_heads[:nd], v[:nd], g[:nd],
+                o[:nd] = fla.fla_decode(grouped_q[:nd], key_heads[:nd], v[:nd], g[:nd],
                                        beta[:nd], states, mixed.dtype)
             else:
                 o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
@@ -243,14 +251,14 @@ class GatedDeltaStates:
         for start, end, slot in meta.prefills:
             args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
                     state.recurrent[slot])
-            o[start:end], final = (gd.fla_chunked(*args, mixed.dtype) if self._fla
+            o[start:end], final = (fla.fla_chunked(*args, mixed.dtype) if self._fla
                                    else gd.delta_rule_chunked(*args))
             state.recurrent[slot] = final.to(state.recurrent.dtype)
         if rows is not None:
             states = state.recurrent.index_select(0, rows.slots).float()
             at = rows.index
             if self._fla_decode:  # every row's tokens in one launch
-                got = gd.fla_steps(grouped_q[at], key_heads[at], v[at], g[at], beta[at],
+                got = fla.fla_steps(grouped_q[at], key_heads[at], v[at], g[at], beta[at],
                                    states, mixed.dtype)
             else:
                 got = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,

@@ -12,7 +12,7 @@ from support.engine import assert_whole, drive, with_drafter
 from support.fla import StandInRecurrent
 from support.mtp import SPEC, assert_right_head_drafted, craft_right_mtp_head, requests, spec_for
 
-from helexa.kernels import gated_delta as gd
+from helexa.kernels import fla_gdn as fla
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.model_runner import ModelRunner
@@ -55,9 +55,9 @@ def test_on_fla_verification_and_its_settling_are_one_launch_each(tiny_checkpoin
     news = requests(1, 3)
     plain = drive(EngineCore(spec_for(model_dir)), news, served=True)
     plain_untrained = drive(EngineCore(spec_for(untrained)), news, served=True).tokens
-    fla = StandInRecurrent()
-    monkeypatch.setattr(gd, "_fla_recurrent", fla)
-    monkeypatch.setattr(gd, "fla_decode_available", lambda device: True)
+    kernel = StandInRecurrent()
+    monkeypatch.setattr(fla, "_fla_recurrent", kernel)
+    monkeypatch.setattr(fla, "fla_decode_available", lambda device: True)
     rejecting = EngineCore(spec_for(untrained, speculation="mtp", **SPEC))
     assert drive(rejecting, news, served=True).tokens == plain_untrained
     s = rejecting.status()
@@ -66,8 +66,8 @@ def test_on_fla_verification_and_its_settling_are_one_launch_each(tiny_checkpoin
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
     assert "fla fused decode" in core.runner.linear_states.describe()
     assert_right_head_drafted(core, news, plain.tokens, plain.steps)
-    verify = [c for c in fla.calls if c["q"][1] > 1 and not c["final"]]
-    settle = [c for c in fla.calls if c["q"][1] > 1 and c["final"]]
+    verify = [c for c in kernel.calls if c["q"][1] > 1 and not c["final"]]
+    settle = [c for c in kernel.calls if c["q"][1] > 1 and c["final"]]
     assert verify and settle
     # a row is its last token and up to spec_k drafts (fewer near max_tokens), padded together
     assert max(c["q"][1] for c in verify) == SPEC["spec_k"] + 1
