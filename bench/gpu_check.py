@@ -21,7 +21,9 @@ failing stage still leaves the others' figures:
   untied input embedding, of which a step gathers a row) = steps/s at best. These drive
   the model runner alone; ``verify_batch1`` a speculative verification step (the last
   token and 3 drafts) against a decode step, µs each (what MTP's drafts cost the target:
-  speculation gains where 1 + accepted drafts exceeds the ratio); ``engine_batch1`` is
+  speculation gains where 1 + accepted drafts exceeds the ratio; and the host syncs a
+  verification step makes, one of them the check's own read of its token);
+  ``engine_batch1`` is
   batch 1 through the engine's step loop, as
   a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``);
   ``engine_constrained`` the same for a JSON-schema request (dense model), whose two runs'
@@ -356,8 +358,23 @@ def verify_vs_decode(r: Runner, steps: int, k: int = 3) -> dict[str, Any]:
     decode_us = timed(decode)
     verify()  # warm: the verification's own kernels and plans
     verify_us = timed(verify)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # host-side events suffice
+        for _ in range(steps):
+            verify()
+        sync(r.device)
     return {"drafts": k, "decode_step_us": decode_us, "verify_step_us": verify_us,
-            "verify_vs_decode": verify_us / decode_us}
+            "verify_vs_decode": verify_us / decode_us,
+            "host_syncs_per_verify_step": host_syncs(prof.events(), r.device) / steps}
+
+
+def host_syncs(events: Any, device: torch.device) -> int:
+    """Host syncs among profiler events: on CUDA cuda*Synchronize calls and blocking
+    cudaMemcpy; on CPU (the dry run) aten::_local_scalar_dense, a scalar read."""
+    names = (("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy") if device.type == "cuda" else ("aten::_local_scalar_dense",))
+    return sum(1 for e in events if e.name in names)
 
 
 def engine_batch1_core(r: Runner, s: dict[str, Any], model_dir: Path | None = None) -> Any:
@@ -647,13 +664,11 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
                     slot = top.setdefault(e.name[:90], [0, 0.0])
                     slot[0] += 1
                     slot[1] += e.time_range.elapsed_us()
-            syncs = sum(1 for e in events if e.name in ("cudaStreamSynchronize",
-                        "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"))
             kind = "cuda kernels; cuda*Synchronize and blocking cudaMemcpy"
         else:
             kernels = sum(1 for e in events if e.name.startswith("aten::"))
-            syncs = sum(1 for e in events if e.name == "aten::_local_scalar_dense")
             kind = "dry run: aten ops; aten::_local_scalar_dense"
+        syncs = host_syncs(events, r.device)
         per = s["profile_steps"]
         costliest = sorted(top.items(), key=lambda kv: -kv[1][1])[:12]
         out[name] = {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,

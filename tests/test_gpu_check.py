@@ -40,6 +40,7 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         assert stages["decode"][name]["load_s"] > 0
         verify = stages["decode"][name]["verify_batch1"]  # a row of 1 + 3 drafts, vs decode
         assert verify["drafts"] == 3 and verify["verify_vs_decode"] > 0, verify
+        assert "host_syncs_per_verify_step" in verify, verify
         for batch in ("batch1", "batch8"):
             assert 0 < stages["decode"][name][batch]["roofline_fraction"]
         assert stages["compare"][name]["fused_vs_torch_norms_batch1"] > 0
