@@ -23,7 +23,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from helexa.kernels.gated_delta import GateInputs, delta_rule_decode, gates, l2norm, rel_error
+from helexa.kernels.gated_delta import (
+    GateInputs,
+    delta_rule_advance,
+    delta_rule_decode,
+    delta_rule_steps,
+    gates,
+    l2norm,
+    rel_error,
+)
 from helexa.kernels.norm import rms_norm
 
 try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
@@ -207,3 +215,31 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
             _fla_norm_gated = None
             reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
     return decode_ok, "; ".join(reasons)
+
+
+def probe_fla_steps(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
+                    value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+    """Run fla_steps and fla_advance once on two small verification rows at a layer's sizes
+    (rows of 3 tokens; 1 and 3 of them kept) against the torch forms, delta_rule_steps and
+    delta_rule_advance: "" when both agree, else why not (verification rows then run the
+    torch forms, so a kernel that fails here never fails a request's step)."""
+    gen = torch.Generator().manual_seed(1)
+    kh, vh, dk, dv, b, t = key_heads, value_heads, key_dim, value_dim, 2, 3
+    q = l2norm(torch.randn(b, t, kh, dk, generator=gen)) * dk ** -0.5
+    k = l2norm(torch.randn(b, t, kh, dk, generator=gen))
+    v = torch.randn(b, t, vh, dv, generator=gen).to(dtype)
+    g, beta = -torch.rand(b, t, vh, generator=gen), torch.rand(b, t, vh, generator=gen)
+    states = torch.randn(b, vh, dk, dv, generator=gen)
+    kept = torch.tensor([1, 3])
+    qr, kr = q.repeat_interleave(vh // kh, 2), k.repeat_interleave(vh // kh, 2)
+    want = delta_rule_steps(qr, kr, v, g, beta, states.clone(), torch.float32)
+    want_states = states.clone()
+    delta_rule_advance(kr, v, g, beta, want_states, kept, torch.float32)
+    try:
+        dev = [x.to(device) for x in (q, k, v, g, beta, states, kept)]
+        got = fla_steps(*dev[:6], dtype)
+        final = fla_advance(dev[1], dev[2], dev[3], dev[4], dev[5], dev[6], dtype)
+        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
+    except Exception as e:  # noqa: BLE001 - any failure: the torch forms run, said why
+        return f"fla's verification kernel failed ({type(e).__name__}: {e})"
+    return "" if err < tol else f"fla's verification kernel is off by {err:.2g} (relative)"

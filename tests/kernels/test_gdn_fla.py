@@ -63,6 +63,7 @@ def _states(fla_decode: bool) -> GatedDeltaStates:
     states.allocate([_spec()], 4)
     states._fla_decode = fla_decode  # as allocate sets it on CUDA with fla installed
     states._fla_gated = fla_decode and fla.fla_gated_available()
+    states._fla_verify = fla_decode
     return states
 
 
@@ -200,6 +201,35 @@ def test_rejected_positions_leave_the_fla_advance_where_it_stood(stand_in):
                                  beta[at, t], want)
         torch.testing.assert_close(got[row : row + 1], want, rtol=1e-5, atol=1e-6)
     assert torch.equal(states, before)  # read, not written
+
+
+def test_a_verification_kernel_that_disagrees_is_turned_off_at_load(stand_in, monkeypatch):
+    """At allocate (CUDA with fla) fla's verification and settling run once against the
+    torch forms: a kernel that agrees serves verification rows; one that computes something
+    else (here: a row's tokens each read the state before the row) is turned off with its
+    reason, and verification rows run the torch forms, the tokens the same."""
+    monkeypatch.setattr(fla, "fla_decode_available", lambda device: True)
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    assert states._fla_verify and "verification rows fla, one launch" in states.describe()
+
+    def stale(**kw: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if kw["q"].shape[1] == 1:
+            return StandInRecurrent()(**kw)
+        outs = [StandInRecurrent()(**{**kw, **{n: kw[n][:, t : t + 1] for n in
+                                               ("q", "k", "v", "g", "beta")}})
+                for t in range(kw["q"].shape[1])]
+        return torch.cat([o for o, _ in outs], 1), outs[-1][1]
+
+    monkeypatch.setattr(fla, "_fla_recurrent", stale)
+    assert "fla's verification kernel is off by" in fla.probe_fla_steps(
+        torch.device("cpu"), KH, VH, DK, DV, torch.float32)
+    states.allocate([_spec()], 4)
+    assert states._fla_decode and not states._fla_verify
+    assert "verification rows torch, token by token" in states.describe()
+    plain = _verify_steps(_states(False))
+    for got, want in zip(_verify_steps(states), plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_one_pass_conv_gives_the_token_by_token_outputs():

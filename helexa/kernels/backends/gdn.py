@@ -69,6 +69,7 @@ class GatedDeltaStates:
         self._fla = False
         self._fla_decode = False
         self._fla_gated = False  # pure decode steps: norms and gates in fla's kernel too
+        self._fla_verify = False  # verification rows and their settling: one fla launch each
         self._fi_pool = False  # pure decode steps: FlashInfer's kernel, states in place
         self._a_log: dict[int, torch.Tensor] = {}  # each layer's A_log in fp32 (FlashInfer's)
 
@@ -76,7 +77,9 @@ class GatedDeltaStates:
         decode = ("FlashInfer pool decode (states in place)" if self._fi_pool else
                   f"{'fla fused' if self._fla_decode else 'torch'} decode"
                   f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
-        return f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}"
+        verify = "fla, one launch" if self._fla_verify else "torch, token by token"
+        return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}, "
+                f"verification rows {verify}")
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
         """Drop the old states, then give each layer (as its spec states) num_slots slots."""
@@ -95,6 +98,14 @@ class GatedDeltaStates:
                                                       s.key_dim, s.value_dim,
                                                       TORCH_DTYPES[s.dtype])
             if why:
+                log.warning("kernels.fla_fallback", reason=why)
+        self._fla_verify = self._fla_decode
+        if self._fla_verify:  # proved at load too: a failing kernel must not fail a step
+            s = specs[0]
+            why = fla.probe_fla_steps(self.device, s.key_heads, s.value_heads, s.key_dim,
+                                      s.value_dim, TORCH_DTYPES[s.dtype])
+            if why:
+                self._fla_verify = False
                 log.warning("kernels.fla_fallback", reason=why)
 
     def _fi_pool_proved(self, s: LinearAttentionSpec) -> bool:
@@ -123,7 +134,7 @@ class GatedDeltaStates:
         """Advance each held slot whose request continues (slot -> its num_computed) by the
         positions of its verification row that stood (plan does this for a step's rows)."""
         for state in self.layers:
-            state.settle(resume, fla=self._fla_decode)
+            state.settle(resume, fla=self._fla_verify)
 
     # ---- per step ------------------------------------------------------------------------
 
@@ -131,7 +142,7 @@ class GatedDeltaStates:
         """This step's metadata; fresh slots cleared and held rows settled on every layer."""
         meta = self.build(step)
         for state in self.layers:
-            state.begin_step(meta.fresh_slots, meta.resume, meta.restores, fla=self._fla_decode)
+            state.begin_step(meta.fresh_slots, meta.resume, meta.restores, fla=self._fla_verify)
         return meta
 
     def end_step(self, meta: GdnMetadata) -> None:
@@ -212,7 +223,7 @@ class GatedDeltaStates:
         if rows is not None:
             mixed_rows = mixed[rows.index]  # [B, T, channels]
             windows = state.conv.index_select(0, rows.slots)
-            steps = gd.conv1d_steps_unfolded if self._fla_decode else gd.conv1d_steps
+            steps = gd.conv1d_steps_unfolded if self._fla_verify else gd.conv1d_steps
             conv[rows.flat] = steps(mixed_rows, conv_weight, windows)[rows.valid]
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
         pure_decode = (isinstance(gate, gd.GateInputs) and nd == n and not meta.prefills
@@ -233,7 +244,8 @@ class GatedDeltaStates:
         q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
         k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
         grouped_q = q
-        if vh > kh and (not self._fla_decode or meta.prefills):
+        if vh > kh and (not self._fla_decode or meta.prefills
+                        or (rows is not None and not self._fla_verify)):
             # the torch forms and fla's chunked kernel take a key head per value head:
             # each key head serves vh / kh consecutive value heads (fla's recurrent one,
             # decode and verification rows, takes them grouped)
@@ -257,7 +269,7 @@ class GatedDeltaStates:
         if rows is not None:
             states = state.recurrent.index_select(0, rows.slots).float()
             at = rows.index
-            if self._fla_decode:  # every row's tokens in one launch
+            if self._fla_verify:  # every row's tokens in one launch
                 got = fla.fla_steps(grouped_q[at], key_heads[at], v[at], g[at], beta[at],
                                    states, mixed.dtype)
             else:
