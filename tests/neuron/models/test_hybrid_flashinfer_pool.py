@@ -2,7 +2,8 @@
 CPU, tests/support/fi_gdn.py): with the states stored V-major for it, prefill (the torch
 chunked form over the transposed view), decode rows beside a prefill, and pure decode
 steps through the kernel give the torch path's logits, and the runner says which
-linear-attention kernels it runs."""
+linear-attention kernels it runs; so do speculative verification rows and their settling
+on fla's kernel (tests/support/fla.py) beside it."""
 
 from __future__ import annotations
 
@@ -63,6 +64,51 @@ def test_a_hybrid_on_the_pool_kernel_gives_the_torch_paths_logits(checkpoint, mo
         # FlashInfer's kernel hands o back in bf16 (as fla's does), the torch rule in fp32:
         # one rounding of o per layer apart, here 0.07 of the logits' spread at most (with
         # the stand-in's o kept in fp32 the logits are bit for bit the torch path's)
+        assert float((g - w).abs().max()) < 0.1 * float(w.std())
+        assert torch.equal(g.argmax(-1), w.argmax(-1))
+    monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
+
+
+def _spec_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Slot 0 prefills 9 tokens; verifies a row of its token and 3 drafts; decodes after 2
+    of the 4 stood (the held row settled); verifies again beside slot 1's prefill; decodes
+    after all 4 stood beside slot 1's decode; then both decode (fixed tokens throughout)."""
+    a, b, t0, t1 = list(range(1, 10)), list(range(20, 25)), [0, 1, 2], [3, 4]
+    out = [runner.execute([SeqInput(a, 0, t0, True, 0)])]
+    out.append(runner.execute([SeqInput([7, 8, 9, 10], 9, t0, True, 0, num_logits=4)]))
+    out.append(runner.execute([SeqInput([11], 11, t0, True, 0)]))
+    out.append(runner.execute([SeqInput([12, 13, 14, 15], 12, t0, True, 0, num_logits=4),
+                               SeqInput(b, 0, t1, True, 1)]))
+    out.append(runner.execute([SeqInput([16], 16, t0, True, 0), SeqInput([40], 5, t1, True, 1)]))
+    out.append(runner.execute([SeqInput([17], 17, t0, True, 0), SeqInput([41], 6, t1, True, 1)]))
+    return out
+
+
+def test_verification_on_fla_beside_the_pool_kernel_gives_the_torch_paths_logits(
+        checkpoint, monkeypatch):
+    """As on a Hopper GPU with fla installed: decode on FlashInfer's pool kernel (states
+    V-major), verification rows and their settling on fla's kernel (both stood in) read and
+    write the states through the transposed view, and every step's logits are the torch
+    path's to bf16 rounding, the same tokens first."""
+    from support.fla import StandInRecurrent
+
+    from helexa.kernels import fla_gdn
+
+    want = _spec_steps(_runner(checkpoint))
+    monkeypatch.setattr(fig, "_fi_gdn", StandInGdnDecode())
+    monkeypatch.setattr(fig, "fi_pool_unavailable", lambda *a: "")
+    recurrent = StandInRecurrent()
+    monkeypatch.setattr(fla_gdn, "_fla_recurrent", recurrent)
+    monkeypatch.setattr(fla_gdn, "fla_decode_available", lambda device: True)
+    fused = _runner(checkpoint)
+    assert "FlashInfer pool decode" in fused.attention_backend
+    assert "verification rows fla, one launch" in fused.attention_backend
+    recurrent.calls.clear()  # the load probes'
+    got = _spec_steps(fused)
+    # per linear layer: two verifications, two settlings (before steps 3 and 5)
+    assert sum(c["q"][1] == 4 for c in recurrent.calls) == 4 * len(fused.linear_states.layers)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape
         assert float((g - w).abs().max()) < 0.1 * float(w.std())
         assert torch.equal(g.argmax(-1), w.argmax(-1))
     monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
