@@ -67,19 +67,26 @@ def _states(fla_decode: bool) -> GatedDeltaStates:
     return states
 
 
-def _steps(states: GatedDeltaStates) -> list[torch.Tensor]:
-    """A prefill of 5 tokens into slot 1, then a step decoding slot 1 beside a fresh
-    prefill into slot 2, then two pure decode steps of both: each step's outputs."""
-    gen = torch.Generator().manual_seed(7)
+def _run_plans(states: GatedDeltaStates, plans: list[StepPlan], seed: int
+               ) -> list[torch.Tensor]:
+    """Each plan's outputs, from seeded inputs with (g, beta) gates."""
+    gen = torch.Generator().manual_seed(seed)
     channels = _spec().conv_channels
     weight = torch.randn(channels, CONV_K, generator=gen)
     outs = []
-    for plan, rows in zip(_plans(), [5, 4, 2, 2], strict=True):
+    for plan in plans:
+        rows = len(plan.decode_positions) + sum(r.end - r.start for r in plan.prefills)
         mixed = torch.randn(rows, channels, generator=gen)
         g = -torch.rand(rows, VH, generator=gen)
         beta = torch.rand(rows, VH, generator=gen)
         outs.append(states.forward(0, mixed, (g, beta), weight, states.plan(plan)))
-    return outs + [states.layers[0].recurrent.clone()]
+    return outs
+
+
+def _steps(states: GatedDeltaStates) -> list[torch.Tensor]:
+    """A prefill of 5 tokens into slot 1, then a step decoding slot 1 beside a fresh
+    prefill into slot 2, then two pure decode steps of both: each step's outputs."""
+    return _run_plans(states, _plans(), 7) + [states.layers[0].recurrent.clone()]
 
 
 def _plans() -> list[StepPlan]:
@@ -150,15 +157,7 @@ def _verify_plans() -> list[StepPlan]:
 def _verify_steps(states: GatedDeltaStates) -> list[torch.Tensor]:
     """_verify_plans' outputs, then slot 1 settled after 1 of its last row's 3 tokens, and
     both slots' conv windows and states."""
-    gen = torch.Generator().manual_seed(13)
-    channels = _spec().conv_channels
-    weight = torch.randn(channels, CONV_K, generator=gen)
-    outs = []
-    for plan, rows in zip(_verify_plans(), [8, 6, 2, 4], strict=True):
-        mixed = torch.randn(rows, channels, generator=gen)
-        g = -torch.rand(rows, VH, generator=gen)
-        beta = torch.rand(rows, VH, generator=gen)
-        outs.append(states.forward(0, mixed, (g, beta), weight, states.plan(plan)))
+    outs = _run_plans(states, _verify_plans(), 13)
     states.settle({1: 9})
     layer = states.layers[0]
     return outs + [layer.conv.clone(), layer.recurrent.clone()]
