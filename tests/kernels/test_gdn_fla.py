@@ -272,6 +272,17 @@ def test_fla_kernel_decode_matches_the_torch_step(dtype):
 @pytest.mark.skipif(not fla.fla_decode_available(torch.device("cuda")),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(KH, VH, DK, DV), (16, 32, 128, 128)])  # ours, Qwen3.5's
+def test_fla_kernel_verification_and_settling_match_the_torch_steps(dtype, heads):
+    """fla's kernel over rows of several tokens (fla_steps) and its masked advance
+    (fla_advance) against delta_rule_steps / delta_rule_advance: the load probe's check,
+    which must pass on a GPU that serves speculation on fla."""
+    assert fla.probe_fla_steps(torch.device("cuda"), *heads, dtype) == ""
+
+
+@pytest.mark.skipif(not fla.fla_decode_available(torch.device("cuda")),
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fla_kernel_gated_decode_matches_the_torch_step(dtype):
     """fla's kernel with the L2 norms, q's scale and the gates inside it, against the torch
     forms of each (gd.l2norm, gd.gates) and the torch rule."""
