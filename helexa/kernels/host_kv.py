@@ -4,8 +4,9 @@
 Every tensor of a layer's pool that has a block dimension first (K and V, or a quantised
 pool's data and scales; helexa/kernels/paged_kv.py, the cuda backend's NHD pool) gets a host
 twin of `num_blocks` blocks; every linear-attention state tensor (conv, recurrent, a slot
-dimension first) one of `num_snapshots` slots. On CUDA the twins are pinned, so copies run
-at the link's speed. A step's copies run out first, then in (host_tier.KvMoves).
+dimension first) one of `num_snapshots` slots. On CUDA the twins and the rows each copy
+gathers are pinned, so copies run at the link's speed without a wait per tensor. A step's
+copies run out first, then in (host_tier.KvMoves).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from helexa.kernels.backends.base import to_device
 
 
 def block_tensors(pool: Any) -> list[torch.Tensor]:
@@ -54,25 +57,51 @@ def _twin(t: torch.Tensor, n: int, pin: bool) -> torch.Tensor:
     return host.pin_memory() if pin else host
 
 
-def _index(pairs: list[tuple[int, int]], which: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([p[which] for p in pairs], dtype=torch.long, device=device)
+# The most bytes copied out to pinned memory before the host waits once for all of them
+# (copy-out's staging: the host memory it holds at a time, beside the twins themselves).
+STAGE_BYTES = 64 * 2**20
 
 
 def _out(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
-    if not pairs or not twins:
-        return
-    src = _index(pairs, 0, twins[0][0].device)
-    dst = _index(pairs, 1, torch.device("cpu"))
-    for dev, host in twins:
-        host.index_copy_(0, dst, dev.index_select(0, src).to("cpu"))
-
-
-def _in(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Device rows -> host twins: each tensor's rows gathered on the device and copied into
+    pinned memory without waiting, the host waiting once per STAGE_BYTES of them, then
+    scattered into the twins (a copy from the device into pageable memory would wait for
+    the device to drain its queue once per tensor)."""
     if not pairs or not twins:
         return
     device = twins[0][0].device
-    src = _index(pairs, 0, torch.device("cpu"))
-    dst = _index(pairs, 1, device)
+    pin = device.type == "cuda"
+    src = to_device([a for a, _ in pairs], torch.long, device)
+    dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def land() -> None:
+        if pin:
+            torch.cuda.current_stream(device).synchronize()
+        for host, rows in staged:
+            host.index_copy_(0, dst, rows)
+        staged.clear()
+
     for dev, host in twins:
-        rows = host.index_select(0, src)
-        dev.index_copy_(0, dst, rows.to(device, non_blocking=rows.is_pinned()))
+        rows = dev.index_select(0, src)
+        out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+        staged.append((host, out.copy_(rows, non_blocking=pin)))
+        if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
+            land()
+    land()
+
+
+def _in(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Host twins -> device rows: each tensor's rows gathered on the host into pinned memory
+    and copied to the device without waiting (PyTorch's pinned allocator keeps a buffer
+    until its copy has run)."""
+    if not pairs or not twins:
+        return
+    device = twins[0][0].device
+    pin = device.type == "cuda"
+    src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
+    dst = to_device([b for _, b in pairs], torch.long, device)
+    for dev, host in twins:
+        rows = torch.empty((len(pairs), *host.shape[1:]), dtype=host.dtype, pin_memory=pin)
+        torch.index_select(host, 0, src, out=rows)
+        dev.index_copy_(0, dst, rows.to(device, non_blocking=pin))

@@ -9,14 +9,16 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from support.engine import assert_whole, drive, storm
 from support.fake_runner import FakeRunner
 
+from helexa.kernels import host_kv
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.block_key import hash_block_tokens
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.engine_core import EngineCore
-from helexa.neuron.engine.host_tier import HostTier, host_tier_size
+from helexa.neuron.engine.host_tier import HostTier, KvMoves, host_tier_size
 from helexa.neuron.engine.spec import EngineSpec
 
 GREEDY = m.SamplingParams(temperature=0.0)
@@ -302,3 +304,26 @@ def test_a_draft_models_layers_go_to_the_host_and_back_with_each_block(tiny_chec
     st = warm.status()
     assert st.prefix_host_hit_tokens > 0 and st.spec_drafted_tokens > 0
     assert_whole(warm)
+
+
+@pytest.mark.parametrize("stage_bytes", [1, 64 * 2**20])  # a wait per tensor, or one
+def test_host_copies_carry_every_tensors_rows_there_and_back(monkeypatch, stage_bytes):
+    """HostKv's copies, whatever the copy-out's staging holds at once: blocks and state
+    slots copied out land in their host slots, and copied back in they land in their device
+    slots, byte for byte, the rows not moved untouched (a transposed state view too)."""
+    monkeypatch.setattr(host_kv, "STAGE_BYTES", stage_bytes)
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(6, 4, 3, generator=gen) for _ in range(2))
+    conv = torch.randn(3, 5, 2, generator=gen)
+    recurrent = torch.randn(3, 2, 4, 4, generator=gen).transpose(-1, -2)  # as a V-major pool's
+    tier = host_kv.HostKv([k, v], [conv, recurrent], num_blocks=4, num_snapshots=2)
+    before = [t.clone() for t in (k, v, conv, recurrent)]
+    tier.apply(KvMoves(blocks_out=[(5, 0), (2, 3)], states_out=[(1, 1)]))
+    for t in (k, v, conv, recurrent):
+        t.zero_()
+    tier.apply(KvMoves(blocks_in=[(3, 0), (0, 4)], states_in=[(1, 2)]))
+    for got, want in zip((k, v), before[:2], strict=True):
+        assert torch.equal(got[0], want[2]) and torch.equal(got[4], want[5])
+        assert not got[[1, 2, 3, 5]].any()  # only the two moved in
+    for got, want in zip((conv, recurrent), before[2:], strict=True):
+        assert torch.equal(got[2], want[1]) and not got[:2].any()
