@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from helexa.kernels.backends.base import to_device
+
 if TYPE_CHECKING:
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
@@ -29,8 +31,8 @@ def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor 
     tensor parallel > 1 every rank runs the pass: rank 0 sends the sequences and
     broadcasts `hidden`; the other ranks pass None and get back their own logits slice."""
     input_ids, positions, step, logits_rows = runner._prepare(seqs)  # the step's own layout
-    flat = torch.tensor([r for st, s in zip(runner.seq_starts, seqs, strict=True)
-                         for r in range(st, st + len(s.token_ids))], device=runner.device)
+    flat = to_device([r for st, s in zip(runner.seq_starts, seqs, strict=True)
+                      for r in range(st, st + len(s.token_ids))], torch.long, runner.device)
     if hidden is not None and hidden.shape[0] != len(flat):
         raise ValueError(f"{hidden.shape[0]} hidden rows for {len(flat)} tokens")
     tp = runner._tp
