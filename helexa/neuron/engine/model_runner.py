@@ -281,7 +281,7 @@ class ModelRunner:
             try:  # the tower's collectives, too, once every rank has the step
                 if tokens is not None:
                     input_ids = self._device_tokens(tokens)
-                self.vision.attach(seqs, self.seq_starts, positions)
+                positions = self.vision.attach(seqs, self.seq_starts, positions)
                 logits = run(self.model, input_ids, positions, meta, logits_rows, state)
             except RuntimeError as e:  # a collective failed: a rank died or wedged
                 if self._tp is not None:

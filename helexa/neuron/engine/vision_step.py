@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.images import chunk_positions
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.models.mrope import MmStep
@@ -46,29 +47,47 @@ class VisionStep:
         return self.processor is not None and getattr(self.model, "visual", None) is not None
 
     def attach(self, seqs: Sequence[SeqInput], starts: Sequence[int],
-               positions: torch.Tensor) -> None:
+               positions: torch.Tensor) -> torch.Tensor:
         """Set the model's MmStep for the step (M-RoPE positions, and the tower's embeddings
-        for the images this step's chunks reach); nothing for a model that takes no images."""
-        if self.takes_images:
+        for the images this step's chunks reach) and return the 1-D positions the model
+        runs with. A step no image token is in (every decode step, and text chunks) gets no
+        MmStep: each row's three positions are equal, which plain rope rotates exactly as
+        M-RoPE would (helexa/neuron/models/mrope.py), so its rows' positions come back
+        shifted by their rope_delta instead. A CUDA graph reads only those 1-D positions: an
+        image request's decode steps replay like any other, at the right positions."""
+        if not self.takes_images:
+            return positions
+        if any(s.images for s in seqs):
             self.model.mm = self.inputs(seqs, starts, positions)
+            return positions
+        self.model.mm = None
+        if not any(s.rope_delta for s in seqs):
+            return positions
+        shift = [0] * positions.shape[0]
+        for s, first_row in zip(seqs, starts, strict=True):
+            shift[first_row:first_row + len(s.token_ids)] = [s.rope_delta] * len(s.token_ids)
+        return positions + to_device(shift, positions.dtype, positions.device)
 
     def inputs(self, seqs: Sequence[SeqInput], starts: Sequence[int],
                positions: torch.Tensor) -> MmStep | None:
         if not any(s.images or s.rope_delta for s in seqs):
             return None
-        pos3 = positions.unsqueeze(0).repeat(3, 1)
+        n_rows = positions.shape[0]
+        host = [0] * (3 * n_rows)  # (t, h, w) of every row, laid out [3, N], one copy
         rows: list[int] = []
         pieces: list[tuple[bytes, int, int]] = []  # (image hash, first, end) of its tokens
         for s, first_row in zip(seqs, starts, strict=True):
             n, c = len(s.token_ids), s.num_computed
-            t, h, w = chunk_positions(c, n, s.rope_delta, s.images)
-            pos3[:, first_row: first_row + n] = torch.tensor([t, h, w], device=positions.device)
+            for axis, values in enumerate(chunk_positions(c, n, s.rope_delta, s.images)):
+                host[axis * n_rows + first_row: axis * n_rows + first_row + n] = values
             for span in s.images:
                 img = span.image
                 lo, hi = max(img.offset, c), min(img.end, c + n)
                 if lo < hi:
                     rows.extend(range(first_row + lo - c, first_row + hi - c))
                     pieces.append((img.content_hash, lo - img.offset, hi - img.offset))
+        pos3 = to_device(host + rows, positions.dtype, positions.device)
+        rows_d, pos3 = pos3[3 * n_rows:], pos3[:3 * n_rows].view(3, n_rows)
         if not pieces:
             return MmStep(pos3, None, None)
         self._encode([span.image for s in seqs for span in s.images])
@@ -77,7 +96,7 @@ class VisionStep:
             for span in s.images:
                 if span.image.end <= s.num_computed + len(s.token_ids):
                     self._cache.pop(span.image.content_hash, None)
-        return MmStep(pos3, torch.tensor(rows, device=positions.device), embeds)
+        return MmStep(pos3, rows_d, embeds)
 
     def _encode(self, images: list[ImageInput]) -> None:
         """Run the tower once over every image not cached yet."""

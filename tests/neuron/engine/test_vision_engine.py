@@ -134,3 +134,40 @@ def test_one_tower_call_holds_at_most_the_largest_image(vl_dir, tmp_path):
     assert both["a"] == run(core_for(small), request(small, "a", a))[0]["a"]
     assert both["b"] == run(core_for(small), request(small, "b", b))[0]["b"]
     assert_whole(core)
+
+
+def test_an_image_requests_decode_steps_run_on_shifted_1d_positions(vl_dir, monkeypatch):
+    """A CUDA graph reads only a step's 1-D positions: every step no image token is in (an
+    image request's decode steps, and text chunks after the image) reaches the executor
+    with no MmStep and its positions shifted by the request's rope_delta, max(rows, cols) -
+    rows x cols for one image, and the tokens are those of the M-RoPE path (each step's
+    (t, h, w) handed to the model, as before)."""
+    from helexa.neuron.engine.vision_step import VisionStep
+
+    img = make_image(200, 130, 3)
+    core = core_for(vl_dir)
+    seen: list[tuple[bool, list[int]]] = []
+    executor, real_run = core.runner.backend.executor, core.runner.backend.executor.run
+
+    def run_step(model, ids, positions, *rest):
+        seen.append((model.mm is None, positions.tolist()))
+        return real_run(model, ids, positions, *rest)
+
+    monkeypatch.setattr(executor, "run", run_step)
+    req = request(vl_dir, "a", img)
+    tokens = run(core, req)[0]["a"]
+    image = req.images[0]
+    delta = max(image.rows, image.cols) - image.rows * image.cols
+    assert delta < 0 and not seen[0][0]  # the chunk with the image: the M-RoPE path
+    decodes = [pos for plain, pos in seen if len(pos) == 1]
+    assert len(decodes) == len(tokens) - 1
+    assert all(plain for plain, pos in seen[1:])  # no image token after the first chunk
+    prompt = len(req.prompt_token_ids)
+    assert decodes == [[prompt + i + delta] for i in range(len(decodes))]
+
+    def mrope_attach(self, seqs, starts, positions):  # the M-RoPE path for every step
+        self.model.mm = self.inputs(seqs, starts, positions) if self.takes_images else None
+        return positions
+
+    monkeypatch.setattr(VisionStep, "attach", mrope_attach)
+    assert run(core_for(vl_dir), request(vl_dir, "b", img))[0]["b"] == tokens
