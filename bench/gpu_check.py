@@ -14,7 +14,8 @@ failing stage still leaves the others' figures:
   2 kv heads): the tokens, the first step where they differ, and two yardsticks for a
   divergence: where transformers' eager attention leaves its own sdpa tokens, and
   transformers' logit margin between the two tokens at helexa's first divergence. Then
-  (``mtp``) speculation with an MTP head through the engine, against plain decoding.
+  (``mtp``) speculation with an MTP head through the engine, against plain decoding, and
+  (``vision``) a prompt with an image against transformers' Qwen3.5 and its processor.
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
@@ -230,7 +231,61 @@ def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
         out["mtp"] = mtp_engine(ctx)
     except Exception as e:  # noqa: BLE001 - reported, not raised
         out["mtp"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
+        out["vision"] = vision_parity(ctx)
+    except Exception as e:  # noqa: BLE001 - reported, not raised
+        out["vision"] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def vision_parity(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Greedy decoding of a prompt with an image on the device, bf16: helexa (its decode
+    steps, which no image token is in, replaying CUDA graphs at the request's M-RoPE-shifted
+    positions) against transformers' Qwen3.5 with its own processor (tests/support/vision.py),
+    on a tiny vision checkpoint of the parity stage's text shape: the tokens, the first step
+    where they differ, and transformers' logit margin there (as the text parity's)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.vision import greedy_generate_images, hf_inputs, image_inputs, make_image
+    from transformers import Qwen3_5ForConditionalGeneration
+
+    path, dev, n = ctx["vision"], ctx["device"], ctx["sizes"]["parity_tokens"]
+    img = make_image(200, 130, 1)
+    ask = [{"role": "user", "content": [{"type": "image"},
+                                        {"type": "text", "text": "What is in this picture?"}]}]
+    inputs = hf_inputs(path, ask, [img])
+    prompt = inputs["input_ids"][0].tolist()
+    images = image_inputs(path, prompt, [img])
+    r = Runner(path, dev, 1, len(prompt) + n)
+    ours = greedy_generate_images(r.runner, [prompt], [images], n)[0]
+    backend = r.runner.attention_backend
+    r.close()
+    hf = Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16).to(dev)
+    on_dev = {k: v.to(dev) for k, v in inputs.items()}
+    with torch.inference_mode():
+        gen = hf.generate(**on_dev, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                          pad_token_id=0)
+    ref = gen[0, len(prompt):].tolist()
+    res: dict[str, Any] = {"image_tokens": images[0].rows * images[0].cols,
+                           "backend": backend, "helexa": ours, "transformers": ref,
+                           "match": ours == ref, "first_divergence": _first_diff(ours, ref)}
+    d = res["first_divergence"]
+    if d is not None:
+        try:  # a yardstick: its failure must not cost the tokens above
+            ids = torch.tensor([prompt + ours[:d]], device=dev)
+            image = {k: on_dev[k] for k in ("pixel_values", "image_grid_thw")}
+            if "mm_token_type_ids" in on_dev:  # per token: the generated ones are text (0)
+                kinds = on_dev["mm_token_type_ids"]
+                image["mm_token_type_ids"] = torch.cat(
+                    [kinds, kinds.new_zeros(1, ids.shape[1] - kinds.shape[1])], dim=1)
+            with torch.inference_mode():
+                logits = hf(input_ids=ids, attention_mask=torch.ones_like(ids),
+                            **image).logits[0, -1].float()
+            res["margin_at_divergence"] = float(logits[ref[d]] - logits[ours[d]])
+            res["logit_std"] = float(logits.std())
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            res["margin_error"] = f"{type(e).__name__}: {e}"
+    del hf
+    return res
 
 
 # the speculation policies mtp_engine runs: off, drafting spec_k every step, and a full
@@ -711,6 +766,8 @@ def run(dry: bool, out_path: Path, budget_secs: float) -> dict[str, Any]:
                                "hybrid": make_model(root, "hybrid", "qwen3_5", s["small"]),
                                "hybrid_mtp": make_model(root, "hybrid_mtp", "qwen3_5",
                                                         dict(s["small"], mtp=True)),
+                               "vision": make_model(root, "vision", "qwen3_5",
+                                                    dict(s["small"], vision=True)),
                                "dense_big": make_model(root, "dense_big", "qwen3", s["big"],
                                                        device),
                                "hybrid_big": make_model(root, "hybrid_big", "qwen3_5",

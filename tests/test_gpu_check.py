@@ -36,6 +36,8 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     assert all(len(mtp[k]["tokens"]) == 8 for k in ("plain", "drafting", "probes")), mtp
     assert mtp["drafting"]["drafted"] > 0 and mtp["probes"]["followed_steps"] > 0, mtp
     assert "first_divergence" in mtp["probes"], mtp
+    vision = stages["parity"]["vision"]  # a prompt with an image, against transformers
+    assert vision["image_tokens"] > 0 and vision["match"], vision
     for name in ("dense_big", "hybrid_big"):
         assert stages["decode"][name]["load_s"] > 0
         verify = stages["decode"][name]["verify_batch1"]  # a row of 1 + 3 drafts, vs decode
