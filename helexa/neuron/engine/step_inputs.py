@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.messages import TokenLogprob
 from helexa.neuron.engine.request import Request
@@ -30,7 +31,8 @@ from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 
 # (request, logits [k + 1, vocab] of its verification row, k) -> the tokens it produces
-Verify = Callable[[Request, torch.Tensor, int], list[int]]
+# (request, its verification row's logits, drafts, the row's argmax where read already)
+Verify = Callable[[Request, torch.Tensor, int, "list[int] | None"], list[int]]
 
 
 @dataclass
@@ -107,7 +109,10 @@ def pick_tokens(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler,
     """Each request's new tokens from the step's logits, and the sampled ones' logprobs.
     `masks` are the grammar bitmasks of `inputs.masked`, computed while the model ran."""
     sampled, verified = inputs.sampled, inputs.verified
-    sample_logits = logits[[r for _, r in sampled]] if verified else logits
+    # rows picked by an index copied from pinned memory (a Python list as an index is a
+    # copy to a GPU that waits for it to drain)
+    sample_logits = logits.index_select(0, to_device([r for _, r in sampled], torch.long,
+                                                     logits.device)) if verified else logits
     states = [_sampling_state(r) for r, _ in sampled]
     if masks is not None:
         picks = sampler(sample_logits, states, bitmask=(inputs.masked, masks.result()))
@@ -116,9 +121,26 @@ def pick_tokens(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler,
     new_tokens = {req.req_id: [token] for (req, _), (token, _) in zip(sampled, picks,
                                                                         strict=True)}
     logprobs = {req.req_id: lp for (req, _), (_, lp) in zip(sampled, picks, strict=True)}
+    targets = _greedy_targets(verified, logits)
     for req, row, k in verified:
-        new_tokens[req.req_id] = verify(req, logits[row:row + k + 1], k)
+        new_tokens[req.req_id] = verify(req, logits[row:row + k + 1], k,
+                                        targets.get(req.req_id))
     return new_tokens, logprobs
+
+
+def _greedy_targets(verified: list[tuple[Request, int, int]], logits: torch.Tensor
+                    ) -> dict[str, list[int]]:
+    """The argmax of every greedy verification row, all read back at once: one wait for the
+    device where reading each request's own would wait once per request."""
+    greedy = [(req, row, k) for req, row, k in verified if _sampling_state(req).greedy]
+    if not greedy:
+        return {}
+    index = [r for _, row, k in greedy for r in range(row, row + k + 1)]
+    flat = logits.index_select(0, to_device(index, torch.long, logits.device)).argmax(-1)
+    picked, out, at = flat.tolist(), {}, 0
+    for req, _, k in greedy:
+        out[req.req_id], at = picked[at:at + k + 1], at + k + 1
+    return out
 
 
 def _sampling_state(req: Request) -> SamplingState:

@@ -164,12 +164,14 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.release(req)
 
-    def accept(self, req: Request, logits: torch.Tensor, num_draft: int) -> list[int]:
-        """Verify `req`'s row (logits [num_draft + 1, vocab]): the tokens it produces."""
+    def accept(self, req: Request, logits: torch.Tensor, num_draft: int,
+               target: list[int] | None = None) -> list[int]:
+        """Verify `req`'s row (logits [num_draft + 1, vocab]; ``target``: their argmax, where
+        the step read it already): the tokens it produces."""
         assert req.draft is not None and req.sampling_state is not None
         draft = req.draft.tokens[:num_draft]
         q = req.draft.probs[:num_draft] if req.draft.probs is not None else None
-        out = verify(logits, draft, q, req.sampling_state)
+        out = verify(logits, draft, q, req.sampling_state, target)
         accepted = len(out) - 1
         self.drafted_tokens += num_draft
         self.accepted_tokens += accepted

@@ -28,12 +28,14 @@ from helexa.neuron.engine.sampler import SamplingState, truncate
 
 
 def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-           state: SamplingState) -> list[int]:
-    """logits [k + 1, vocab] of one request's verification row -> its new tokens."""
+           state: SamplingState, target: list[int] | None = None) -> list[int]:
+    """logits [k + 1, vocab] of one request's verification row -> its new tokens (greedy:
+    ``target``, the rows' argmax, where the caller read it already)."""
     k = len(draft)
     assert logits.shape[0] == k + 1, f"{logits.shape[0]} logit rows for {k} drafted tokens"
     if state.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        if target is None:
+            target = logits.argmax(dim=-1).tolist()
         a = 0
         while a < k and draft[a] == target[a]:
             a += 1

@@ -73,6 +73,29 @@ def test_on_fla_verification_and_its_settling_are_one_launch_each(tiny_checkpoin
     assert max(c["q"][1] for c in verify) == SPEC["spec_k"] + 1
 
 
+def test_a_steps_greedy_verification_rows_are_read_back_together(tiny_checkpoint, monkeypatch):
+    """Each greedy request's verification needs its rows' argmax on the host: a step reads
+    them for all its greedy rows at once (on a GPU one wait, not one per request), and each
+    request's verification gets exactly its own rows' argmax."""
+    from helexa.neuron.engine.speculative import speculator as spec_mod
+
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(3, 6)
+    want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    calls: list[tuple[list[int] | None, list[int]]] = []
+    real = spec_mod.verify
+
+    def recording(logits, draft, q, state, target=None):
+        calls.append((target, logits.argmax(-1).tolist()))
+        return real(logits, draft, q, state, target)
+
+    monkeypatch.setattr(spec_mod, "verify", recording)
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+    assert drive(core, news, served=True).tokens == want
+    assert len(calls) > 10 and all(got == own for got, own in calls), calls[:3]
+    assert_whole(core)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint, arch):
     model_dir = tiny_checkpoint(arch, mtp=True)
