@@ -84,7 +84,8 @@ class FakeRunner:
             self.kv[device] = list(self.host[host])
         self.num_moves += 1
 
-    def execute_mtp(self, seqs: list[Any], hidden: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def execute_mtp(self, seqs: list[Any], hidden: Any, tokens: Any = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError("the fake runner has no MTP head")
 
     def mtp_logits(self, hidden: Any, rows: int = 0) -> torch.Tensor:

@@ -315,9 +315,9 @@ class ModelRunner:
     def has_mtp_head(self) -> bool:
         return getattr(self.model, "mtp", None) is not None  # only hybrid families have one
 
-    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return mtp_passes.execute_mtp(self, seqs, hidden)
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None,
+                    tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return mtp_passes.execute_mtp(self, seqs, hidden, tokens)
 
     def mtp_logits(self, hidden: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
         return mtp_passes.mtp_logits(self, hidden, rows)

@@ -81,9 +81,10 @@ class Runner(Protocol):
         own ``token_ids`` are placeholders."""
         ...
 
-    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP head's pass (speculative/mtp_passes.py): (logits, the head's output)."""
+    def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None,
+                    tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP head's pass (speculative/mtp_passes.py): (logits, the head's output);
+        ``tokens``: one-token rows' input tokens on the device, as execute's."""
         ...
 
     def mtp_logits(self, hidden: torch.Tensor | None, rows: int = 0) -> torch.Tensor: ...

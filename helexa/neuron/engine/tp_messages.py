@@ -46,6 +46,7 @@ class TpStep(msgspec.Struct, tag=True):
 
 class TpMtp(msgspec.Struct, tag=True):
     seqs: list[TpSeq]  # the hidden states follow as a broadcast over the group
+    device_tokens: bool = False  # as TpStep's: the tokens are broadcast before them
 
 
 class TpMtpLogits(msgspec.Struct, tag=True):

@@ -157,11 +157,11 @@ class TpWorkers:
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
         self._send(TpStep(out, dropped, device_tokens))
 
-    def send_mtp(self, seqs: list[Any]) -> None:
+    def send_mtp(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send an MTP head pass's sequences (their tables as send_step does; no table is
-        dropped: the next step says which are gone)."""
+        dropped: the next step says which are gone); `device_tokens` as send_step's."""
         self.check()
-        self._send(TpMtp([self._seq(s) for s in seqs]))
+        self._send(TpMtp([self._seq(s) for s in seqs], device_tokens))
 
     def send_mtp_logits(self, rows: int) -> None:
         self.check()

@@ -20,7 +20,9 @@ state h_t and token t + 1, and predicts token t + 2. So it follows the target:
   one pass; the head's output at the last position, through the lm_head, gives
   draft 1; for k > 1 the head runs k - 1 more single-token steps for all of them
   at once, each reading its own previous output as the hidden state and its own
-  greedy token as the next input, one position further. Those steps write the
+  greedy token as the next input, one position further (the tokens stay on the
+  device, as lookahead's do, each pass launched without waiting for the one before;
+  all the drafts are read back once, at the end). Those steps write the
   head's KV past the request's computed length; the backlog's pass overwrites
   the positions the target keeps, and the rest are overwritten before they are
   read (attention reads positions up to the query's own), as the target's own
@@ -31,7 +33,8 @@ a draft with the target's own probability of it (verify.py).
 
 At tensor parallel > 1 every pass runs on every rank (mtp_passes.py,
 tp_worker.py): the drafts are decided here, on rank 0, from the gathered logits,
-and reach the other ranks as the next pass's tokens. A model whose checkpoint
+and reach the other ranks as the next pass's tokens, broadcast from rank 0's
+device. A model whose checkpoint
 has no head is refused (`MtpUnavailable`, logged as engine.speculation_refused).
 """
 
@@ -42,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.seq_input import SeqInput
@@ -138,19 +142,28 @@ class MtpDrafter(Drafter):
         # draft 1: the head's prediction at the last position the target computed
         hidden = {i: f.out for i, _, _, f in chain if f.out is not None}
         first = self.runner.mtp_logits(torch.stack([hidden[i] for i, *_ in chain]))
-        for (i, *_), token in zip(chain, first.argmax(-1).tolist(), strict=True):
-            drafts[i].tokens.append(token)
-        # drafts 2..k: the head chained on its own output, one position further each
+        # drafts 2..k: the head chained on its own output, one position further each, its
+        # tokens kept on the device (each pass launched without waiting for the one
+        # before) and all read back at the end, at once
+        passes = [([i for i, *_ in chain], first.argmax(-1))]
         for j in range(1, max(k for _, _, k, _ in chain)):
+            before, tokens = passes[-1]
             active = [(i, req, f) for i, req, k, f in chain if k > j]
-            seqs = [SeqInput([drafts[i].tokens[-1]], f.start - 1 + j, req.block_table, True)
-                    for i, req, f in active]
+            ids = [i for i, _, _ in active]
+            if ids != before:  # fewer rows go on: theirs of the last pass's tokens
+                at = {i: row for row, i in enumerate(before)}
+                tokens = tokens[to_device([at[i] for i in ids], torch.long, tokens.device)]
+            seqs = [SeqInput([0], f.start - 1 + j, req.block_table, True)
+                    for _, req, f in active]
             logits, out = self.runner.execute_mtp(
-                seqs, torch.stack([hidden[i] for i, _, _ in active]))
-            for row, ((i, _, _), token) in enumerate(zip(active, logits.argmax(-1).tolist(),
-                                                         strict=True)):
-                drafts[i].tokens.append(token)
+                seqs, torch.stack([hidden[i] for i in ids]), tokens)
+            passes.append((ids, logits.argmax(-1)))
+            for row, i in enumerate(ids):
                 hidden[i] = out[row]
+        picked = iter(torch.cat([t for _, t in passes]).tolist())
+        for ids, _ in passes:
+            for i in ids:
+                drafts[i].tokens.append(next(picked))
         return drafts
 
     def release(self, req: Request) -> None:

@@ -22,14 +22,21 @@ if TYPE_CHECKING:
 
 
 @torch.inference_mode()
-def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor | None,
+                tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the model's MTP head over `seqs`: each row's token is the one after its
     position, `hidden` [rows, H] (seqs' rows in order) the target's at that position.
     K/V go to the head's layer of the pool under each block table. Returns (fp32 logits
     of the rows that seqs ask for, the head's output [rows, H] in seqs' row order). At
     tensor parallel > 1 every rank runs the pass: rank 0 sends the sequences and
-    broadcasts `hidden`; the other ranks pass None and get back their own logits slice."""
+    broadcasts `hidden`; the other ranks pass None and get back their own logits slice.
+    ``tokens``: one-token rows' input tokens on the device (the drafter's previous pass's
+    argmax, never read back), rank 0's broadcast first at tensor parallel > 1; the rows'
+    own token_ids are then placeholders."""
+    if tokens is not None and (tokens.shape != (len(seqs),)
+                               or any(len(s.token_ids) != 1 for s in seqs)):
+        raise ValueError(f"device tokens {tuple(tokens.shape)} for an MTP pass of "
+                         f"{len(seqs)} sequences: they are for one token a row")
     input_ids, positions, step, logits_rows = runner._prepare(seqs)  # the step's own layout
     flat = to_device([r for st, s in zip(runner.seq_starts, seqs, strict=True)
                       for r in range(st, st + len(s.token_ids))], torch.long, runner.device)
@@ -37,8 +44,10 @@ def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor 
         raise ValueError(f"{hidden.shape[0]} hidden rows for {len(flat)} tokens")
     tp = runner._tp
     if tp is not None:
-        tp.send_mtp(seqs)
+        tp.send_mtp(seqs, device_tokens=tokens is not None)
     try:
+        if tokens is not None:
+            input_ids = runner._device_tokens(tokens)
         hidden = _shared_rows(runner, hidden, len(flat))
         x = torch.empty_like(hidden)
         x[flat] = hidden  # to the step's flat layout

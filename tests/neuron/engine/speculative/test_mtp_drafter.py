@@ -96,6 +96,43 @@ def test_a_steps_greedy_verification_rows_are_read_back_together(tiny_checkpoint
     assert_whole(core)
 
 
+def test_chained_head_passes_take_their_tokens_on_the_device(tiny_checkpoint, tmp_path,
+                                                             monkeypatch):
+    """Drafts 2..k: each head pass takes the pass before's argmax as device tokens (never
+    read back between passes; rows that draft fewer drop out), and the drafts are what the
+    same passes give with those tokens read back and sent as the rows' own: with a right
+    head (whose drafts stand only where each row got its own token) the same drafted and
+    accepted counts, the same output."""
+    model_dir = craft_right_mtp_head(tiny_checkpoint("qwen3_5", mtp=True), tmp_path / "right")
+    news = requests(4, 6)  # budgets of 6..29 tokens: near its end a request drafts fewer
+    device_passes: list[int] = []
+
+    def run(host_tokens: bool) -> tuple[dict, int, int]:
+        core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+        runner = core.runner
+        real = runner.execute_mtp
+
+        def execute_mtp(seqs, hidden, tokens=None):
+            if tokens is not None:
+                if host_tokens:  # as before: the tokens read back and sent in the rows
+                    for seq, t in zip(seqs, tokens.tolist(), strict=True):
+                        seq.token_ids = [t]
+                    tokens = None
+                else:
+                    device_passes.append(len(seqs))
+            return real(seqs, hidden, tokens)
+
+        monkeypatch.setattr(runner, "execute_mtp", execute_mtp)
+        got = drive(core, news, served=True).tokens
+        st = core.status()
+        assert_whole(core)
+        return got, st.spec_drafted_tokens, st.spec_accepted_tokens
+
+    on_device, host = run(False), run(True)
+    assert on_device == host and host[2] >= 0.9 * host[1], host[1:]
+    assert device_passes and min(device_passes) < max(device_passes)  # rows dropped out
+
+
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_next"])
 def test_greedy_output_identical_alone_and_in_a_mixed_batch_of_8(tiny_checkpoint, arch):
     model_dir = tiny_checkpoint(arch, mtp=True)
