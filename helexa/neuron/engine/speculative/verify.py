@@ -14,7 +14,9 @@ drawn from row a, so every verification yields between 1 and k + 1 tokens.
   norm(max(0, p - q)) and verification stops; when all k are accepted the
   extra token is drawn from p. Each output token is then distributed
   exactly as p, whatever the drafter proposed. A seeded request draws its
-  uniforms from its own generator.
+  uniforms from its own generator, all k at once; the k tests reach the host in
+  one read, the token after them in one more (a GPU waits twice a request, not
+  twice a draft).
 
 Requests with penalties or logprobs are not speculated (policy in the
 engine core): their next distribution depends on the tokens accepted before.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.sampler import SamplingState, truncate
 
 
@@ -42,11 +45,17 @@ def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
         return draft[:a] + [target[a]]
     p = target_probs(logits.float(), state)
     gen = state.seeded_generator(logits.device)
+    # every draft's test in one read from the device: a uniform u_i each (drawn at once;
+    # those past the first rejection go unused), p_i(d_i) and q_i(d_i)
+    rows = torch.arange(k, device=logits.device)
+    at = to_device(draft, torch.long, logits.device)
+    u = torch.rand(k, dtype=torch.float64, device=logits.device, generator=gen)
+    q_d = q[rows, at].double() if q is not None else torch.ones_like(u)
+    tests = torch.stack([u, p[rows, at].double(), q_d]).tolist()
     out: list[int] = []
     for i, d in enumerate(draft):
-        q_d = float(q[i, d]) if q is not None else 1.0
-        u = float(torch.rand(1, dtype=torch.float64, device=logits.device, generator=gen)[0])
-        if q_d > 0 and u * q_d < float(p[i, d]):  # u < p/q, without the division
+        u_i, p_d, q_i = tests[0][i], tests[1][i], tests[2][i]
+        if q_i > 0 and u_i * q_i < p_d:  # u < p/q, without the division
             out.append(d)
             continue
         residual = p[i].double().clone()
@@ -54,7 +63,8 @@ def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
             residual = (residual - q[i].double()).clamp_(min=0)
         else:
             residual[d] = 0.0
-        out.append(_draw(residual if residual.sum() > 0 else p[i].double(), gen))
+        # an empty residual (p <= q everywhere): draw from p (chosen on the device: no read)
+        out.append(_draw(torch.where(residual.sum() > 0, residual, p[i].double()), gen))
         return out
     out.append(_draw(p[k].double(), gen))
     return out
