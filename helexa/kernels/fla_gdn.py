@@ -103,18 +103,30 @@ def fla_decode_available(device: torch.device) -> bool:
     return _fla_recurrent is not None and device.type == "cuda"
 
 
+def _recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype, final: bool
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's fused recurrent kernel over [B, T, ...] inputs with the torch forms' g and beta
+    (q already normalised and scaled): q, k, v and beta in the model's `dtype`, the decays
+    and the state in fp32. (o, the final state where `final`, else None)."""
+    assert _fla_recurrent is not None
+    # keywords only: fla's releases differ in the optional decays between g and beta
+    o, last = _fla_recurrent(q=q.to(dtype).contiguous(), k=k.to(dtype).contiguous(),
+                             v=v.to(dtype).contiguous(), g=g.float().contiguous(),
+                             beta=beta.to(dtype).contiguous(), scale=1.0,
+                             initial_state=states.contiguous(), output_final_state=final)
+    return o, last
+
+
 def fla_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, states: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """delta_rule_decode on fla's fused recurrent kernel (CUDA only), with grouped heads:
     q, k [B, key_heads, dk] (q already normalised and scaled); v [B, v_heads, dv]; g, beta
     [B, v_heads]; states [B, v_heads, dk, dv] fp32, updated in place. Returns o [B, v_heads,
     dv] fp32. Inputs in the model's `dtype`, the decays and the state in fp32."""
-    assert _fla_recurrent is not None
-    # keywords only: fla's releases differ in the optional decays between g and beta
-    o, final = _fla_recurrent(q=q[:, None].to(dtype), k=k[:, None].to(dtype),
-                              v=v[:, None].to(dtype), g=g[:, None].float(),
-                              beta=beta[:, None].to(dtype), scale=1.0, initial_state=states,
-                              output_final_state=True)
+    o, final = _recurrent(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None],
+                          states, dtype, final=True)
+    assert final is not None
     states.copy_(final)
     return o[:, 0].float()
 
@@ -128,12 +140,7 @@ def fla_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     Returns o [B, T, v_heads, dv] fp32. The kernel carries the state between a row's tokens
     in fp32 where T decode steps round it to the model's dtype: the outputs agree with
     theirs to that rounding (fla_advance carries it the same way)."""
-    assert _fla_recurrent is not None
-    o, _ = _fla_recurrent(q=q.to(dtype).contiguous(), k=k.to(dtype).contiguous(),
-                          v=v.to(dtype).contiguous(), g=g.float().contiguous(),
-                          beta=beta.to(dtype).contiguous(), scale=1.0,
-                          initial_state=states.contiguous(), output_final_state=False)
-    return o.float()
+    return _recurrent(q, k, v, g, beta, states, dtype, final=False)[0].float()
 
 
 def fla_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -141,14 +148,12 @@ def fla_advance(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
     """delta_rule_advance on fla's kernel, one launch (CUDA only): the states after only the
     first kept[b] of row b's tokens, a token past kept[b] run with g = beta = 0 (x 1, + 0:
     the state exactly as it was). Inputs as fla_steps' (k grouped), kept [B]; states read,
-    not written. Returns the new states [B, v_heads, dk, dv] fp32."""
-    assert _fla_recurrent is not None
+    not written. Returns the new states [B, v_heads, dk, dv] fp32 (the outputs, q = k,
+    unused)."""
     mask = (torch.arange(k.shape[1], device=k.device)[None, :] < kept[:, None])[..., None]
-    keys = k.to(dtype).contiguous()
-    _, final = _fla_recurrent(q=keys, k=keys, v=v.to(dtype).contiguous(),
-                              g=(g.float() * mask).contiguous(),
-                              beta=(beta.float() * mask).to(dtype).contiguous(), scale=1.0,
-                              initial_state=states.contiguous(), output_final_state=True)
+    _, final = _recurrent(k, k, v, g.float() * mask, beta.float() * mask, states, dtype,
+                          final=True)
+    assert final is not None
     return final
 
 

@@ -179,7 +179,7 @@ class LinearState:
         states = self.recurrent.index_select(0, slots).float()
         if fla:  # grouped heads, one launch
             final = fla_gdn.fla_advance(held.k, held.v, held.g, held.beta, states, kept,
-                                   self.recurrent.dtype)
+                                        self.recurrent.dtype)
             self.recurrent.index_copy_(0, slots, final.to(self.recurrent.dtype))
             return
         ratio = held.v.shape[2] // held.k.shape[2]  # each key head serves `ratio` value heads

@@ -95,8 +95,8 @@ class GatedDeltaStates:
         if self._fla_gated:  # proved at load against the torch forms, as the first step runs
             s = specs[0]
             self._fla_gated, why = fla.probe_fla_gated(self.device, s.key_heads, s.value_heads,
-                                                      s.key_dim, s.value_dim,
-                                                      TORCH_DTYPES[s.dtype])
+                                                       s.key_dim, s.value_dim,
+                                                       TORCH_DTYPES[s.dtype])
             if why:
                 log.warning("kernels.fla_fallback", reason=why)
         self._fla_verify = self._fla_decode
@@ -237,7 +237,7 @@ class GatedDeltaStates:
             assert isinstance(gate, gd.GateInputs)
             states = state.recurrent.index_select(0, meta.decode_slots)
             o, final = fla.fla_decode_gated(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
-                                           v.reshape(n, vh, dv), gate, states)
+                                            v.reshape(n, vh, dv), gate, states)
             state.recurrent.index_copy_(0, meta.decode_slots, final.to(state.recurrent.dtype))
             return o
         g, beta = gd.gates(gate) if isinstance(gate, gd.GateInputs) else gate
@@ -256,7 +256,7 @@ class GatedDeltaStates:
             states = state.recurrent.index_select(0, meta.decode_slots).float()
             if self._fla_decode:  # one fused launch, the heads grouped as they are
                 o[:nd] = fla.fla_decode(grouped_q[:nd], key_heads[:nd], v[:nd], g[:nd],
-                                       beta[:nd], states, mixed.dtype)
+                                        beta[:nd], states, mixed.dtype)
             else:
                 o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
@@ -271,7 +271,7 @@ class GatedDeltaStates:
             at = rows.index
             if self._fla_verify:  # every row's tokens in one launch
                 got = fla.fla_steps(grouped_q[at], key_heads[at], v[at], g[at], beta[at],
-                                   states, mixed.dtype)
+                                    states, mixed.dtype)
             else:
                 got = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
                                           state.recurrent.dtype)
