@@ -266,11 +266,7 @@ class ModelRunner:
         (runner.py run_step)."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
-        if tokens is not None and (tokens.shape != (len(seqs),)
-                                   or any(len(s.token_ids) != 1 for s in seqs)):
-            raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
-                             "sequences: they are for pure decode steps, one token a row")
-        input_ids, positions, step, logits_rows = self._prepare(seqs)
+        input_ids, positions, step, logits_rows = self._prepare(seqs, tokens)
         # which state slot each row reads and writes: fresh slots cleared, held drafts settled
         state = self.linear_states.plan(step) if self.linear_states is not None else None
         attention, run = self.backend.attention, self.backend.executor.run
@@ -337,11 +333,15 @@ class ModelRunner:
     def tp_pids(self) -> list[int]:
         return self._tp.pids if self._tp is not None else []
 
-    def _prepare(self, seqs: list[SeqInput]
+    def _prepare(self, seqs: list[SeqInput], tokens: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, StepPlan, torch.Tensor | None]:
         """Lay the step out flat (decode rows first) as a StepPlan. Token ids, positions,
         write slots and logits rows reach the device as one tensor (one copy, from pinned
-        memory on CUDA)."""
+        memory on CUDA). Device ``tokens`` are refused unless one token a row (execute's)."""
+        if tokens is not None and (tokens.shape != (len(seqs),)
+                                   or any(len(s.token_ids) != 1 for s in seqs)):
+            raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
+                             "sequences: they are for pure decode steps, one token a row")
         bs = self.block_size
         decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
         step = StepPlan(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,

@@ -30,8 +30,8 @@ from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 
-# (request, logits [k + 1, vocab] of its verification row, k) -> the tokens it produces
-# (request, its verification row's logits, drafts, the row's argmax where read already)
+# (request, logits [k + 1, vocab] of its verification row, k, the rows' argmax where the
+# step read it already) -> the tokens it produces
 Verify = Callable[[Request, torch.Tensor, int, "list[int] | None"], list[int]]
 
 

@@ -162,15 +162,13 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
                                      s.state_slot, s.num_logits, s.restore_from, s.save_to,
                                      s.rope_delta, s.images))
-            if isinstance(msg, TpMtp):  # the hidden states (and tokens): rank 0's broadcasts
-                runner.execute_mtp(seqs, None, torch.empty(
-                    len(seqs), dtype=torch.long, device=runner.device)
-                    if msg.device_tokens else None)
-            elif msg.device_tokens:  # filled by rank 0's broadcast
-                runner.execute(seqs, torch.empty(len(seqs), dtype=torch.long,
-                                                 device=runner.device))
+            # a lookahead step's or chained MTP pass's tokens: filled by rank 0's broadcast
+            tokens = torch.empty(len(seqs), dtype=torch.long, device=runner.device) \
+                if msg.device_tokens else None
+            if isinstance(msg, TpMtp):  # the hidden states: rank 0's broadcast too
+                runner.execute_mtp(seqs, None, tokens)
             else:
-                runner.execute(seqs)
+                runner.execute(seqs, tokens)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve
     except Exception:

@@ -33,11 +33,8 @@ def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor 
     ``tokens``: one-token rows' input tokens on the device (the drafter's previous pass's
     argmax, never read back), rank 0's broadcast first at tensor parallel > 1; the rows'
     own token_ids are then placeholders."""
-    if tokens is not None and (tokens.shape != (len(seqs),)
-                               or any(len(s.token_ids) != 1 for s in seqs)):
-        raise ValueError(f"device tokens {tuple(tokens.shape)} for an MTP pass of "
-                         f"{len(seqs)} sequences: they are for one token a row")
-    input_ids, positions, step, logits_rows = runner._prepare(seqs)  # the step's own layout
+    # the step's own layout (device tokens checked there, as for a step)
+    input_ids, positions, step, logits_rows = runner._prepare(seqs, tokens)
     flat = to_device([r for st, s in zip(runner.seq_starts, seqs, strict=True)
                       for r in range(st, st + len(s.token_ids))], torch.long, runner.device)
     if hidden is not None and hidden.shape[0] != len(flat):
