@@ -149,7 +149,9 @@ def test_an_int4_switch_under_load_reaches_the_router_and_buys_context(
 
     async def in_flight(n: int) -> None:
         async with NeuronClient(neuron_switch.address, neuron_token) as c:
-            await c.watch_until(lambda st: model_of(st, "fat").in_flight >= n)
+            # a loaded 2-core CI run has taken over 10 s to admit the first two
+            await c.watch_until(lambda st: model_of(st, "fat").in_flight >= n,
+                                timeout_secs=40)
 
     with ThreadPoolExecutor(4) as pool:
         runs = [pool.submit(stream, i) for i in range(3)]
