@@ -30,9 +30,10 @@ from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 
-# (request, logits [k + 1, vocab] of its verification row, k, the rows' argmax where the
-# step read it already) -> the tokens it produces
-Verify = Callable[[Request, torch.Tensor, int, "list[int] | None"], list[int]]
+# a step's verification rows, each (request, its logits rows, num_draft, their argmax where
+# read already) -> each one's new tokens (Speculator.accept)
+Verify = Callable[[list[tuple[Request, torch.Tensor, int, "list[int] | None"]]],
+                  list[list[int]]]
 
 
 @dataclass
@@ -122,9 +123,11 @@ def pick_tokens(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler,
                                                                         strict=True)}
     logprobs = {req.req_id: lp for (req, _), (_, lp) in zip(sampled, picks, strict=True)}
     targets = _greedy_targets(verified, logits)
-    for req, row, k in verified:
-        new_tokens[req.req_id] = verify(req, logits[row:row + k + 1], k,
-                                        targets.get(req.req_id))
+    if verified:
+        outs = verify([(req, logits[row:row + k + 1], k, targets.get(req.req_id))
+                       for req, row, k in verified])
+        new_tokens.update((req.req_id, out) for (req, _, _), out in zip(verified, outs,
+                                                                         strict=True))
     return new_tokens, logprobs
 
 

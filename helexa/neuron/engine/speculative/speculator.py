@@ -5,7 +5,7 @@ policy how many tokens each decoding request may draft (policy.py) and the
 drafter for them, and leaves them on the request (`Request.draft`); the
 scheduler then gives that request a row of 1 + len(draft) tokens (when the
 step's token budget has room) and the engine scores it with logits at every
-position. `accept` verifies the row (verify.py) and keeps the figures, per model
+position. `accept` verifies a step's rows (verify.py) and keeps the figures, per model
 and per request; `observe` shows the drafter the step (the MTP head follows the
 target), `release` tells it a request ended. A drafter that fails costs drafts,
 never output: its exception is logged (engine.draft_failed) and the step goes on
@@ -38,7 +38,7 @@ from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import Draft, Drafter, Kept
 from helexa.neuron.engine.speculative.policy import choose_k, probe_due, update_acceptance
 from helexa.neuron.engine.speculative.setup import Drafters, EnsureBlocks
-from helexa.neuron.engine.speculative.verify import verify
+from helexa.neuron.engine.speculative.verify import Row, verify_rows
 
 
 class Speculator:
@@ -164,22 +164,27 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.release(req)
 
-    def accept(self, req: Request, logits: torch.Tensor, num_draft: int,
-               target: list[int] | None = None) -> list[int]:
-        """Verify `req`'s row (logits [num_draft + 1, vocab]; ``target``: their argmax, where
-        the step read it already): the tokens it produces."""
-        assert req.draft is not None and req.sampling_state is not None
-        draft = req.draft.tokens[:num_draft]
-        q = req.draft.probs[:num_draft] if req.draft.probs is not None else None
-        out = verify(logits, draft, q, req.sampling_state, target)
-        accepted = len(out) - 1
-        self.drafted_tokens += num_draft
-        self.accepted_tokens += accepted
-        req.spec_drafted_tokens += num_draft  # the request's own usage (docs/api.md)
-        req.spec_accepted_tokens += accepted
-        req.spec_acceptance = update_acceptance(req.spec_acceptance, num_draft, accepted)
-        req.draft = None
-        return out
+    def accept(self, rows: list[tuple[Request, torch.Tensor, int, list[int] | None]]
+               ) -> list[list[int]]:
+        """Verify a step's rows, each (request, its logits [num_draft + 1, vocab], num_draft,
+        their argmax where the step read it already): the tokens each produces. One call a
+        step, so that the sampled rows share their reads (verify.verify_rows)."""
+        checked = []
+        for req, logits, num_draft, target in rows:
+            assert req.draft is not None and req.sampling_state is not None
+            q = req.draft.probs[:num_draft] if req.draft.probs is not None else None
+            checked.append(Row(logits, req.draft.tokens[:num_draft], q, req.sampling_state,
+                               target))
+        outs = verify_rows(checked)
+        for (req, _, num_draft, _), out in zip(rows, outs, strict=True):
+            accepted = len(out) - 1
+            self.drafted_tokens += num_draft
+            self.accepted_tokens += accepted
+            req.spec_drafted_tokens += num_draft  # the request's own usage (docs/api.md)
+            req.spec_accepted_tokens += accepted
+            req.spec_acceptance = update_acceptance(req.spec_acceptance, num_draft, accepted)
+            req.draft = None
+        return outs
 
     def _failed(self) -> None:
         if self.log is not None:

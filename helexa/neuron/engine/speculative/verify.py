@@ -14,9 +14,9 @@ drawn from row a, so every verification yields between 1 and k + 1 tokens.
   norm(max(0, p - q)) and verification stops; when all k are accepted the
   extra token is drawn from p. Each output token is then distributed
   exactly as p, whatever the drafter proposed. A seeded request draws its
-  uniforms from its own generator, all k at once; the k tests reach the host in
-  one read, the token after them in one more (a GPU waits twice a request, not
-  twice a draft).
+  uniforms from its own generator, all k at once. The tests of every sampled row
+  of a step reach the host in one read, the tokens after them in one more (a GPU
+  waits twice a step, where it once waited twice a draft of every request).
 
 Requests with penalties or logprobs are not speculated (policy in the
 engine core): their next distribution depends on the tokens accepted before.
@@ -24,50 +24,109 @@ engine core): their next distribution depends on the tokens accepted before.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 
 from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.sampler import SamplingState, truncate
 
 
+@dataclass
+class Row:
+    """One request's verification row: logits [k + 1, vocab] over [last token, d_1 .. d_k],
+    its drafts, the drafter's distributions q [k, vocab] (None: a deterministic drafter),
+    its sampling state, and for a greedy request the rows' argmax where the caller read it
+    already (``target``)."""
+
+    logits: torch.Tensor
+    draft: list[int]
+    q: torch.Tensor | None
+    state: SamplingState
+    target: list[int] | None = None
+
+
 def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
            state: SamplingState, target: list[int] | None = None) -> list[int]:
-    """logits [k + 1, vocab] of one request's verification row -> its new tokens (greedy:
-    ``target``, the rows' argmax, where the caller read it already)."""
-    k = len(draft)
-    assert logits.shape[0] == k + 1, f"{logits.shape[0]} logit rows for {k} drafted tokens"
-    if state.greedy:
-        if target is None:
-            target = logits.argmax(dim=-1).tolist()
-        a = 0
-        while a < k and draft[a] == target[a]:
-            a += 1
-        return draft[:a] + [target[a]]
-    p = target_probs(logits.float(), state)
-    gen = state.seeded_generator(logits.device)
-    # every draft's test in one read from the device: a uniform u_i each (drawn at once;
-    # those past the first rejection go unused), p_i(d_i) and q_i(d_i)
-    rows = torch.arange(k, device=logits.device)
-    at = to_device(draft, torch.long, logits.device)
-    u = torch.rand(k, dtype=torch.float64, device=logits.device, generator=gen)
-    q_d = q[rows, at].double() if q is not None else torch.ones_like(u)
-    tests = torch.stack([u, p[rows, at].double(), q_d]).tolist()
-    out: list[int] = []
-    for i, d in enumerate(draft):
-        u_i, p_d, q_i = tests[0][i], tests[1][i], tests[2][i]
-        if q_i > 0 and u_i * q_i < p_d:  # u < p/q, without the division
-            out.append(d)
-            continue
-        residual = p[i].double().clone()
-        if q is not None:
-            residual = (residual - q[i].double()).clamp_(min=0)
+    """One request's verification row -> its new tokens (see verify_rows)."""
+    return verify_rows([Row(logits, draft, q, state, target)])[0]
+
+
+def verify_rows(rows: list[Row]) -> list[list[int]]:
+    """A step's verification rows -> each request's new tokens. The sampled rows are
+    verified together: every draft's test of every row reaches the host in one read, and
+    the token after each row's accepted drafts in one more (two waits a step on a GPU,
+    however many requests it verifies)."""
+    out: list[list[int]] = []
+    sampled: list[int] = []
+    for i, row in enumerate(rows):
+        k = len(row.draft)
+        assert row.logits.shape[0] == k + 1, f"{row.logits.shape[0]} logit rows for {k} drafts"
+        if row.state.greedy:
+            out.append(_greedy(row))
         else:
-            residual[d] = 0.0
-        # an empty residual (p <= q everywhere): draw from p (chosen on the device: no read)
-        out.append(_draw(torch.where(residual.sum() > 0, residual, p[i].double()), gen))
-        return out
-    out.append(_draw(p[k].double(), gen))
+            out.append([])
+            sampled.append(i)
+    if sampled:
+        for i, tokens in zip(sampled, _sampled([rows[i] for i in sampled]), strict=True):
+            out[i] = tokens
     return out
+
+
+def _greedy(row: Row) -> list[int]:
+    target = row.target if row.target is not None else _read(row.logits.argmax(dim=-1))
+    draft, a = row.draft, 0
+    while a < len(draft) and draft[a] == target[a]:
+        a += 1
+    return draft[:a] + [target[a]]
+
+
+def _sampled(rows: list[Row]) -> list[list[int]]:
+    device = rows[0].logits.device
+    drafts = to_device([d for row in rows for d in row.draft], torch.long, device)
+    probs, gens, tests, at = [], [], [], 0
+    for row in rows:
+        k = len(row.draft)
+        p = target_probs(row.logits.float(), row.state)
+        gen = row.state.seeded_generator(device)
+        # a uniform u_i for each draft, all k at once (those past the first rejection go
+        # unused), beside p_i(d_i) and q_i(d_i): a [k, 3] of tests
+        pos, d = torch.arange(k, device=device), drafts[at:at + k]
+        u = torch.rand(k, dtype=torch.float64, device=device, generator=gen)
+        q_d = row.q[pos, d].double() if row.q is not None else torch.ones_like(u)
+        tests.append(torch.stack([u, p[pos, d].double(), q_d], dim=1))
+        probs.append(p)
+        gens.append(gen)
+        at += k
+    read, at = _read(torch.cat(tests)), 0  # every row's tests: the step's first wait
+    accepted, draws = [], []
+    for row, p, gen in zip(rows, probs, gens, strict=True):
+        k, a = len(row.draft), 0
+        for u, p_d, q_d in read[at:at + k]:
+            if not (q_d > 0 and u * q_d < p_d):  # u < p/q, without the division
+                break
+            a += 1
+        at += k
+        if a < k:  # rejected: drawn from norm(max(0, p - q)) at the rejected position
+            residual = p[a].double().clone()
+            if row.q is not None:
+                residual = (residual - row.q[a].double()).clamp_(min=0)
+            else:
+                residual[row.draft[a]] = 0.0
+            # an empty residual (p <= q everywhere): draw from p (chosen on the device)
+            weights = torch.where(residual.sum() > 0, residual, p[a].double())
+        else:
+            weights = p[k].double()
+        accepted.append(a)
+        draws.append(_draw(weights, gen))
+    picked = _read(torch.cat(draws))  # every row's token after its drafts: the second wait
+    return [row.draft[:a] + [t] for row, a, t in zip(rows, accepted, picked, strict=True)]
+
+
+def _read(t: torch.Tensor) -> list[Any]:
+    """A device tensor on the host: the one place verification waits for the device."""
+    return t.tolist()
 
 
 def target_probs(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
@@ -89,7 +148,8 @@ def target_probs(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
     return torch.softmax(x, dim=-1)
 
 
-def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> int:
+def _draw(weights: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+    """One index drawn from unnormalised weights [vocab], left on the device: [1] int64."""
     cdf = weights.cumsum(dim=0)
     u = torch.rand(1, dtype=torch.float64, device=weights.device, generator=gen) * cdf[-1]
-    return int(torch.searchsorted(cdf, u, right=True).clamp_(max=weights.numel() - 1)[0])
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=weights.numel() - 1)

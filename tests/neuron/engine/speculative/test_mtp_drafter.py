@@ -83,16 +83,20 @@ def test_a_steps_greedy_verification_rows_are_read_back_together(tiny_checkpoint
     news = requests(3, 6)
     want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
     calls: list[tuple[list[int] | None, list[int]]] = []
-    real = spec_mod.verify
+    real = spec_mod.verify_rows
 
-    def recording(logits, draft, q, state, target=None):
-        calls.append((target, logits.argmax(-1).tolist()))
-        return real(logits, draft, q, state, target)
+    per_step: list[int] = []
 
-    monkeypatch.setattr(spec_mod, "verify", recording)
+    def recording(rows):
+        calls.extend((row.target, row.logits.argmax(-1).tolist()) for row in rows)
+        per_step.append(len(rows))
+        return real(rows)
+
+    monkeypatch.setattr(spec_mod, "verify_rows", recording)
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
     assert drive(core, news, served=True).tokens == want
     assert len(calls) > 10 and all(got == own for got, own in calls), calls[:3]
+    assert max(per_step) == len(news), per_step  # a step's rows are verified in one call (verify.verify_rows)
     assert_whole(core)
 
 

@@ -10,9 +10,10 @@ from helexa.config.speculation import Speculation
 from helexa.neuron.engine.messages import SamplingParams
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.sampler import Sampler, SamplingState
+from helexa.neuron.engine.speculative import verify as verify_mod
 from helexa.neuron.engine.speculative.drafters import NgramDrafter
 from helexa.neuron.engine.speculative.policy import choose_k, update_acceptance
-from helexa.neuron.engine.speculative.verify import target_probs, verify
+from helexa.neuron.engine.speculative.verify import Row, target_probs, verify, verify_rows
 
 V = 6
 N = 4_000  # sampler draws (vectorised)
@@ -71,6 +72,41 @@ def test_rejection_rule_with_a_deterministic_draft_and_truncation():
     for _ in range(TRIALS):
         counts[verify(logits, [guess], None, st)[0]] += 1
     close(counts / TRIALS, p[0], TRIALS)
+
+
+def test_a_steps_sampled_rows_are_verified_together_in_two_reads(monkeypatch):
+    """Rows of different requests verified in one call: the host waits for the device twice
+    (every draft's test, then every row's token after its drafts) however many rows, and
+    each row keeps its own target distribution (rows with a stochastic drafter, with a
+    deterministic one, with no draft, and a greedy row whose argmax was read already)."""
+    reads = []
+    real_read = verify_mod._read
+    monkeypatch.setattr(verify_mod, "_read", lambda t: reads.append(t.shape) or real_read(t))
+    gen = torch.Generator().manual_seed(4)
+    target = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05])
+    poor = torch.stack([target.flip(0), target])  # rejected 60 % of the time at token 1
+    a_logits = torch.stack([target, target.flip(0), target]).log()
+    b_logits = torch.randn(3, V, generator=gen)
+    b_logits[0, 2] += 3.0  # its first guess stands far more often than row a's drafts
+    c_logits = torch.randn(1, V, generator=gen)
+    a, b = state(temperature=1.0, seed=7), state(temperature=0.8, top_k=4)
+    c, g = state(temperature=1.2, seed=9), state(temperature=0.0)
+    pa, pb, pc = (target_probs(x, st) for x, st in ((a_logits, a), (b_logits, b), (c_logits, c)))
+    guess = [int(pb[0].argmax()), int(pb[1].argmax())]
+    firsts = torch.zeros(3, V)
+    trials = 1_500
+    for _ in range(trials):
+        d = [int(torch.multinomial(poor[i], 1, generator=gen)) for i in range(2)]
+        outs = verify_rows([Row(a_logits, d, poor, a), Row(b_logits, guess, None, b),
+                            Row(torch.eye(2, V), [0], None, g, target=[0, 3]),
+                            Row(c_logits, [], None, c)])
+        for i, out in enumerate((outs[0], outs[1], outs[3])):
+            firsts[i, out[0]] += 1
+        assert outs[2] == [0, 3]
+    assert len(reads) == 2 * trials
+    assert reads[:2] == [(4, 3), (3,)]  # 2 + 2 + 0 drafts' tests; 3 sampled rows' tokens
+    for i, p in enumerate((pa[0], pb[0], pc[0])):
+        close(firsts[i] / trials, p, trials)
 
 
 def test_target_probs_are_what_the_sampler_draws_from():
