@@ -9,6 +9,7 @@
 #
 #   bench/gpu_check.sh [--out FILE]                   # on the GPU machine
 #   bench/gpu_check.sh --dry-run [--out FILE]         # every stage on CPU, small: checks the script
+#   bench/gpu_check.sh --stages decode,profile [...]  # some stages (the rest of a run cut short)
 #
 # Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS
 # (default ./wheels: filled on a connected machine as docs/operating.md "The GPU check" says).
@@ -17,12 +18,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=${HELEXA_WHEELS:-wheels}
 DRY=()
+STAGES=()
 OUT=gpu_check.json
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY=(--dry-run); shift ;;
     --out) OUT=$2; shift 2 ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --out FILE)" >&2; exit 2 ;;
+    --stages) STAGES=(--stages "$2"); shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --out FILE, --stages LIST)" >&2; exit 2 ;;
   esac
 done
 
@@ -42,4 +45,4 @@ if [[ ${#DRY[@]} -eq 0 ]]; then
   "$PY" -c 'import flashinfer' || echo "gpu_check: FlashInfer does not import: the torch backend runs" >&2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec timeout 480 "$PY" bench/gpu_check.py "${DRY[@]}" --out "$OUT" --budget-secs 420
+exec timeout 480 "$PY" bench/gpu_check.py "${DRY[@]}" "${STAGES[@]}" --out "$OUT" --budget-secs 420

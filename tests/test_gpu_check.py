@@ -65,6 +65,23 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     assert stages["compile"]["first_load_s"] > 0
 
 
+def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path) -> None:
+    """--stages runs a subset in the usual order (what a run cut short by its budget did
+    not reach); a subset the check cannot run is refused with the reason."""
+    out = tmp_path / "some.json"
+    env = dict(os.environ, PYTHON=sys.executable)
+    run = ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out)]
+    proc = subprocess.run([*run, "--stages", "ttft,env"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_check: 2/2 stages ok" in proc.stdout
+    assert list(json.loads(out.read_text())["stages"]) == ["env", "ttft"]
+    for stages, why in (("compare", "add decode"), ("decode,speed", "unknown stage(s) speed")):
+        proc = subprocess.run([*run, "--stages", stages], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+
+
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
     import zipfile
 
