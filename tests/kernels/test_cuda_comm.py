@@ -64,3 +64,23 @@ def test_a_failed_workspace_on_one_rank_keeps_every_rank_on_nccl(ranks):
     assert ranks[0]["workspace"]["destroyed"] == [True]  # the rank that built one frees it
     for rank in (0, 1):
         assert ranks[rank]["workspace"]["fused"] == [False, False]
+
+
+def test_the_fused_all_reduce_is_installed_once_the_ranks_group_exists(tmp_path):
+    """The executor is prepared while each rank loads apart (no group yet: asking the other
+    ranks then raised on every CUDA load at tp > 1); its fused all-reduce is installed by
+    ``grouped``, which every rank runs once all joined."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=tp_comm.run_rank_loading, args=(r, str(tmp_path / "init"),
+                                                                 results)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    for rank in (0, 1):
+        assert got[rank]["prepared"] == ""
+        assert got[rank]["grouped"].startswith("tp all-reduce: fused with add + RMSNorm")
+        assert got[rank]["fused"] == [True, True]

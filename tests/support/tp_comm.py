@@ -121,3 +121,43 @@ def run_rank(rank: int, init_file: str, results: Any) -> None:
         }))
     finally:
         dist.destroy_process_group()
+
+
+class _Attention:
+    """What CudaGraphExecutor reads of its attention backend at load (no graphs)."""
+
+    graph_rows, heads, device = 0, 0, torch.device("cpu")
+
+
+class _Model(torch.nn.Module):
+    """What CudaGraphExecutor.prepare / grouped read of a loaded model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = torch.nn.ModuleList(_norms(folded=False))
+        self.cfg = type("Cfg", (), {"hidden_size": HIDDEN})()
+        self.attention_layers = [type("Attn", (), {"num_heads": 4, "head_dim": 16})()]
+        self.model = torch.nn.Module()
+        self.model.embed_tokens = torch.nn.Embedding(4, HIDDEN, dtype=torch.bfloat16)
+
+
+def run_rank_loading(rank: int, init_file: str, results: Any) -> None:
+    """A rank's load as ModelRunner orders it: the executor prepared before the group
+    exists (the ranks load apart), then grouped once every rank joined."""
+    import os
+
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+
+    os.environ["HELEXA_CUDA_FUSED"] = "0"  # the norms' one-kernel forms: not this test's
+    runtime = StandInRuntime()
+    executor = CudaGraphExecutor(_Attention(), comm=runtime)  # type: ignore[arg-type]
+    model = _Model()
+    executor.prepare(model, [], max_num_seqs=ROWS, max_batched_tokens=64, tp_size=2)
+    prepared = executor.allreduce
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        executor.grouped(model)
+        results.put((rank, {"prepared": prepared, "grouped": executor.allreduce,
+                            "fused": [n.fused is not None for n in model.norms]}))
+    finally:
+        dist.destroy_process_group()

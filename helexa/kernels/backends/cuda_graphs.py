@@ -21,9 +21,9 @@ in the same order, so their graphs hold the same collectives; the worker ranks c
 whenever the leader's load steps reach them.
 
 ``prepare`` gives the model's norms and MLPs FlashInfer's one-kernel RMSNorm, residual add
-+ RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1 it also gives the model's reducing
-norms FlashInfer's fused all-reduce + add + RMSNorm where every rank can run it
-(cuda_comm.py); ``describe`` says which runs.
++ RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1, once the ranks' group exists
+(``grouped``), the model's reducing norms get FlashInfer's fused all-reduce + add + RMSNorm
+where every rank can run it (cuda_comm.py); ``describe`` says which runs.
 
 The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
 """
@@ -96,6 +96,7 @@ class CudaGraphExecutor(StepExecutor):
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
         self._hidden: torch.Tensor | None = None  # [graph_rows, hidden]: with an MTP head
         self._capturing = False
+        self._allreduce_rows = 0  # tp > 1: the fused all-reduce's rows, installed in grouped
 
     def describe(self) -> str:
         rows = self.attention.graph_rows
@@ -127,13 +128,20 @@ class CudaGraphExecutor(StepExecutor):
         self.fused = cuda_fused.install(model, dtype, self.fused_ops)
         rope = cuda_fused.install_rope(model, dtype, self.fused_ops)
         self.fused = "; ".join(p for p in (self.fused, rope) if p)
-        if tp_size > 1:  # the norms whose add reduces a deferred product (models/layers.py)
-            norms = [m for m in model.modules()
-                     if getattr(m, "reduce", False) is True and hasattr(m, "fused")]
-            self.allreduce = cuda_comm.install(
-                norms, hidden=loaded.cfg.hidden_size, dtype=norms[0].weight.dtype,
-                device=self.attention.device, rows=fused_allreduce_rows(max_num_seqs),
-                runtime=self.comm)
+        self._allreduce_rows = fused_allreduce_rows(max_num_seqs) if tp_size > 1 else 0
+
+    def grouped(self, model: torch.nn.Module) -> None:
+        # at tp > 1: the norms whose add reduces a deferred product (models/layers.py) get
+        # FlashInfer's fused all-reduce + add + RMSNorm where every rank can run it; install
+        # asks the other ranks, so it runs once the group exists (never in prepare)
+        if not self._allreduce_rows:
+            return
+        loaded: Any = model
+        norms = [m for m in model.modules()
+                 if getattr(m, "reduce", False) is True and hasattr(m, "fused")]
+        self.allreduce = cuda_comm.install(
+            norms, hidden=loaded.cfg.hidden_size, dtype=norms[0].weight.dtype,
+            device=self.attention.device, rows=self._allreduce_rows, runtime=self.comm)
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         self._graphs = {}  # graphs hold the old pools' addresses

@@ -9,6 +9,7 @@ That is a :class:`StepExecutor`, one per model runner, built with its attention 
 - at load, ``prepare`` gets the model and its linear layers as :class:`LinearSite`s (the
   model code lists them: helexa/neuron/models/layers.py ``linear_sites``), so kernels/
   never imports the model code; the dependency points neuron → kernels only;
+- at tp > 1, once the ranks' group exists, ``grouped`` (set-up that asks the other ranks);
 - whenever the pools are (re)allocated, ``kv_allocated`` gets them;
 - per step, ``run`` returns the step's fp32 logits: the model's forward, unless the
   executor has a whole-step path for this step's metadata;
@@ -75,6 +76,11 @@ class StepExecutor:
     def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
                 max_batched_tokens: int, tp_size: int) -> None:
         """After loading (and the model's own finalize): device-specific weight prep."""
+        return None
+
+    def grouped(self, model: torch.nn.Module) -> None:
+        """Tensor parallel: every rank's group formed (each rank calls this once, in the same
+        order, before any step): the set-up that asks the other ranks (none here)."""
         return None
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:

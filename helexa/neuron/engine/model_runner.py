@@ -91,13 +91,12 @@ class ModelRunner:
         (helexa/neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
         ``quant_group_size``) quantises the weights at load (helexa/neuron/formats/quantise.py).
         Hybrid models hold ``num_state_slots`` linear-attention states, one per request
-        (SeqInput.state_slot), and ``num_snapshot_slots`` more of the same shape after them
-        for prefix-cache snapshots (SeqInput.restore_from / save_to). ``extra_bytes_per_block``: bytes of each block that other
-        layers sharing this pool's block ids take (a draft model's, already loaded), counted
-        when CUDA measures the pool; ``measure_pool`` False keeps ``num_blocks`` as given
-        (a draft model's pool follows its target's). ``mtp_kv_layers`` pool layers are set
-        aside for the MTP head after the target's (as the plan counted them; None: as
-        config.json says)."""
+        (SeqInput.state_slot), and ``num_snapshot_slots`` more after them for prefix-cache
+        snapshots (restore_from / save_to). ``extra_bytes_per_block``: bytes of each block
+        that layers sharing its ids take (a draft model's), counted when CUDA measures the
+        pool; ``measure_pool`` False keeps ``num_blocks`` as given (a draft model's pool
+        follows its target's). ``mtp_kv_layers`` pool layers are set aside for the MTP head
+        after the target's (as the plan counted them; None: as config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
         # config.json read once for this load (or a Checkpoint opened by the caller)
         ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
@@ -159,6 +158,7 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
+            self.backend.executor.grouped(self.model)  # the workers' after their TpReady
         if tp_rank > 0:  # the leader's capture steps (below) reach this rank as steps
             self.backend.executor.follow_leader()
         else:

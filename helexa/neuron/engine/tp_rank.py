@@ -21,6 +21,7 @@ import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
+from typing import Any
 
 import msgspec
 
@@ -96,6 +97,14 @@ def _die_with_parent() -> None:
             pass
 
 
+def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str) -> None:
+    """A worker rank's new pool (a kv_dtype switch): its own KV only. Its graphs are captured
+    as rank 0's capture steps arrive as steps (ModelRunner.reset_kv would run capture steps
+    of its own, whose collectives no other rank joins, and then rank 0's again)."""
+    runner._reset_own_kv(num_blocks, kv_dtype)
+    runner.backend.executor.follow_leader()
+
+
 def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> None:
     """Entry point of a spawned rank: load the shard, join, then run steps until told."""
     _die_with_parent()
@@ -130,13 +139,15 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
     tables: dict[int, list[int]] = {}
     try:
+        # set-up that asks the other ranks, as rank 0 does once every TpReady is in
+        runner.backend.executor.grouped(runner.model)
         while True:
             msg = decoder.decode(conn.recv_bytes())
             if isinstance(msg, TpStop):
                 break
             if isinstance(msg, TpResetKv):
                 tables.clear()
-                runner.reset_kv(msg.num_blocks, msg.kv_dtype)
+                reset_kv_following(runner, msg.num_blocks, msg.kv_dtype)
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)

@@ -68,3 +68,16 @@ def test_graphs_are_captured_at_load_largest_first_and_not_while_serving(
     assert ex.steps[3:] == [(3, False, hybrid), (1, False, hybrid)]
     runner.reset_kv(16)  # a new pool: its graphs are captured again, before any request
     assert ex.steps[5:] == [(3, True, hybrid), (2, True, hybrid), (1, True, hybrid)]
+
+
+def test_a_worker_rank_follows_rank_0s_capture_steps_after_a_new_pool(tiny_checkpoint,
+                                                                      recording):
+    """At tp > 1 a worker rank captures nothing on its own, at load or after a new pool (a
+    kv_dtype switch): rank 0's capture steps reach it as steps, each with the collectives
+    rank 0 runs. Capturing on its own there would issue collectives no rank joins."""
+    from helexa.neuron.engine.tp_rank import reset_kv_following
+
+    worker = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4,
+                         max_num_seqs=3, max_batched_tokens=64, tp_rank=1, tp_size=2)
+    reset_kv_following(worker, 12, "auto")
+    assert worker.num_blocks == 12 and recording[0].steps == []
