@@ -57,7 +57,7 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scales [N])^T + bias."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(scales.dtype)
+    x2 = x.reshape(-1, shape[-1]).to(scales.dtype).contiguous()  # as int4_linear
     y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales).to(x.dtype)
     if bias is not None:
         y = y + bias
@@ -150,7 +150,7 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, n: int,
                 scales_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T + bias for the int4 layout above; W has ``n`` rows."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).to(scales_zeros.dtype)
+    x2 = x.reshape(-1, shape[-1]).to(scales_zeros.dtype).contiguous()  # the ops require it
     if packed.device.type == "cuda":
         y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)
     else:

@@ -41,6 +41,12 @@ def test_int4_op_equals_dequantized_matmul(group):
     assert bool(((deq - w).abs() <= step / 2 + 1e-5).all())
     y = qk.int4_linear(x, qk.int4_pack(q), group, 48, qk.int4_scales_zeros(s, z, torch.float32), b)
     torch.testing.assert_close(y, x @ deq.T + b, rtol=1e-5, atol=1e-4)
+    # a rank's columns of a wider input (the MTP head's fc at tp > 1): a strided view
+    wide = torch.randn(3, 512, generator=g)
+    cols = wide[:, 256:]
+    y = qk.int4_linear(cols, qk.int4_pack(q), group, 48, qk.int4_scales_zeros(s, z, torch.float32),
+                       b)
+    torch.testing.assert_close(y, cols @ deq.T + b, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize(("kind", "shrink"), [("int8", 3.5), ("int4", 4.2)])
