@@ -41,7 +41,7 @@ class VerifyRows:
     """A step's speculative verification rows, padded to [rows, longest] for the kernels."""
 
     index: torch.Tensor  # [B, T] flat row of each position (a short row repeats its last)
-    valid: torch.Tensor  # [B, T] bool: a real position of its row
+    valid: torch.Tensor  # [valid positions] int64: each real position's b * T + t
     flat: torch.Tensor  # [valid positions] their flat rows, in [B, T] order
     slots: torch.Tensor  # [B] int64 state slots
     slot_ids: list[int]

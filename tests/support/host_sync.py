@@ -1,7 +1,8 @@
 """A dispatch mode that fails the first op which would make the host wait for a CUDA
 device: a scalar read (.item, .tolist, a bool of a tensor) or an op whose output size
-depends on the data (nonzero, unique, masked_select). A CUDA graph cannot capture
-either, so a path meant for capture runs under it in CPU tests."""
+depends on the data (nonzero, unique, masked_select, indexing by a bool mask, whose
+nonzero runs inside the index op, below what a dispatch mode sees). A CUDA graph cannot
+capture either, so a path meant for capture runs under it in CPU tests."""
 
 from __future__ import annotations
 
@@ -21,4 +22,8 @@ class NoHostSync(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         if func.overloadpacket in HOST_SYNC_OPS:
             raise AssertionError(f"host sync: {func}")
+        if func.overloadpacket in (aten.index, aten.index_put, aten.index_put_) and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                for i in (args[1] if len(args) > 1 else ()) if i is not None):
+            raise AssertionError(f"host sync: {func} by a bool mask")
         return func(*args, **(kwargs or {}))

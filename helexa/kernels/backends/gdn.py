@@ -180,8 +180,10 @@ class GatedDeltaStates:
             # [B, T]: each row's flat rows, a short row repeating its last; valid positions
             index = [r.start + min(t, n - 1) for r, n in zip(verify, lengths, strict=True)
                      for t in range(longest)]
-            valid = [int(t < n) for n in lengths for t in range(longest)]
-            flat = [i for i, ok in zip(index, valid, strict=True) if ok]
+            # the real positions of [B, T] flattened (a bool mask as an index would make the
+            # device count them for the host: a wait), and their flat rows
+            valid = [b * longest + t for b, n in enumerate(lengths) for t in range(n)]
+            flat = [index[i] for i in valid]
             slots = [r.state_slot for r in verify]
             # one copy from pinned memory that does not wait (one from a Python list would
             # hold the host until the device ran everything queued: a host sync)
@@ -189,7 +191,7 @@ class GatedDeltaStates:
             cut = list(accumulate([0, len(index), len(valid), len(flat), len(slots)]))
             meta.verify = VerifyRows(
                 index=got[cut[0]:cut[1]].view(len(verify), longest),
-                valid=got[cut[1]:cut[2]].view(len(verify), longest).bool(),
+                valid=got[cut[1]:cut[2]],
                 flat=got[cut[2]:cut[3]], slots=got[cut[3]:cut[4]], slot_ids=slots,
                 starts=[r.num_computed for r in verify], lengths=lengths)
         return meta
@@ -224,7 +226,7 @@ class GatedDeltaStates:
             mixed_rows = mixed[rows.index]  # [B, T, channels]
             windows = state.conv.index_select(0, rows.slots)
             steps = gd.conv1d_steps_unfolded if self._fla_verify else gd.conv1d_steps
-            conv[rows.flat] = steps(mixed_rows, conv_weight, windows)[rows.valid]
+            conv[rows.flat] = steps(mixed_rows, conv_weight, windows).flatten(0, 1)[rows.valid]
         q, k, v = conv.split([kh * dk, kh * dk, vh * dv], dim=-1)
         pure_decode = (isinstance(gate, gd.GateInputs) and nd == n and not meta.prefills
                        and rows is None)
@@ -275,7 +277,7 @@ class GatedDeltaStates:
             else:
                 got = gd.delta_rule_steps(q[at], k[at], v[at], g[at], beta[at], states,
                                           state.recurrent.dtype)
-            o[rows.flat] = got[rows.valid]
+            o[rows.flat] = got.flatten(0, 1)[rows.valid]
             state.hold(rows, mixed_rows, key_heads[at], v[at], g[at], beta[at])
         return o
 

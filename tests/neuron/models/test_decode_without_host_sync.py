@@ -30,3 +30,33 @@ def test_a_decode_forward_makes_no_host_sync_outside_attention(tiny_checkpoint, 
     with NoHostSync(), torch.inference_mode():
         logits = runner.model(ids, positions, meta, None, *([state] if state else []))
     assert logits.shape == (2, runner.vocab_size)
+
+
+@pytest.mark.parametrize("fla", [False, True])
+def test_a_verification_step_of_a_hybrid_makes_no_host_sync_outside_attention(
+        tiny_checkpoint, monkeypatch, fla):
+    """A speculative verification row (its token and 3 drafts) beside a decode row, on the
+    torch forms and on fla's kernel (stood in): its linear-attention layers take their rows
+    by index, never by a bool mask (each would be a wait for the device, twice a layer)."""
+    from support.fla import StandInRecurrent
+
+    from helexa.kernels import fla_gdn
+
+    if fla:
+        monkeypatch.setattr(fla_gdn, "_fla_recurrent", StandInRecurrent())
+        monkeypatch.setattr(fla_gdn, "fla_decode_available", lambda device: True)
+    runner = ModelRunner(tiny_checkpoint("qwen3_5"), num_blocks=16, block_size=4,
+                         max_num_seqs=2, max_batched_tokens=64, num_state_slots=2,
+                         backend="torch")
+    assert ("verification rows fla" in runner.attention_backend) == fla
+    runner.execute([SeqInput([1, 2, 3], 0, [1], True, 0), SeqInput([1, 2], 0, [2], True, 1)])
+    seqs = [SeqInput([4], 3, [1], True, 0), SeqInput([5, 6, 7, 8], 2, [2, 3], True, 1,
+                                                      num_logits=4)]
+    ids, positions, step, rows = runner._prepare(seqs)
+    state = runner.linear_states.plan(step)
+    meta = runner.backend.attention.plan(step)
+    monkeypatch.setattr(runner.backend.attention, "forward",
+                        lambda layer, q, k, v, meta: torch.zeros_like(q))
+    with NoHostSync(), torch.inference_mode():
+        logits = runner.model(ids, positions, meta, rows, state)
+    assert logits.shape == (5, runner.vocab_size)
