@@ -100,6 +100,7 @@ class RotaryTable:
         self.device = torch.device(device)
         self.kernel: RopeKernel | None = None  # use_kernel
         self.cos_sin_cache: torch.Tensor | None = None  # the kernel's table (kernel_cache)
+        self.frozen = False  # set where CUDA graphs will hold the table: it never grows
         self._build(initial_len)
 
     def _build(self, length: int) -> None:
@@ -114,8 +115,15 @@ class RotaryTable:
         self.length = length
 
     def ensure(self, max_position: int) -> None:
-        """Grow the table so positions < max_position can be looked up."""
+        """Grow the table so positions < max_position can be looked up (ValueError once
+        frozen: CUDA graphs hold its address, and a new table would leave them reading
+        freed memory)."""
         if max_position > self.length:
+            if self.frozen:
+                raise ValueError(
+                    f"position {max_position - 1} is past the rotary table's {self.length} "
+                    "positions, which the captured CUDA graphs hold (the model's positions: "
+                    "config.json max_position_embeddings and its rope scaling)")
             self._build(max(max_position, 2 * self.length))
             if self.kernel is not None:
                 self.cos_sin_cache = self.kernel_cache()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 
 from helexa.kernels.backends.cuda import CudaMetadata, KvAppend
@@ -221,3 +222,32 @@ def test_a_step_whose_drafter_reads_the_hidden_states_replays_a_model_with_an_mt
     headless.keep_hidden = True
     decode(ex, 2, 4, model=headless)
     assert runtime.replays == at_load and headless.last_hidden is not None  # eagerly
+
+
+def test_graphs_hold_a_rotary_table_for_the_models_whole_reach_never_grown(
+        tiny_checkpoint, tmp_path, monkeypatch):
+    """Graphs hold the rotary table's address: prepare sizes it for every position the
+    model addresses, rope scaling's reach included (yarn x 4 here, as helexa plan caps the
+    context), and a later position past it is refused, naming it, where growing the table
+    would leave every replay reading freed memory."""
+    import json
+    import shutil
+
+    from helexa.neuron.formats.base import open_checkpoint
+    from helexa.neuron.formats.loader import load_model
+
+    path = tmp_path / "yarn"
+    shutil.copytree(tiny_checkpoint("qwen3"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(max_position_embeddings=256, rope_parameters={
+        "rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+        "original_max_position_embeddings": 256})
+    (path / "config.json").write_text(json.dumps(cfg))
+    monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")  # the fused kernels: not this test's
+    model = load_model(open_checkpoint(path), device=torch.device("cpu"), dtype="float32")
+    executor = CudaGraphExecutor(StandInAttention(2), runtime=StandInRuntime())  # type: ignore[arg-type]
+    executor.prepare(model, [], max_num_seqs=2, max_batched_tokens=64, tp_size=1)
+    assert model.rotary.length >= 1024
+    model.rotary.ensure(1024)  # within: nothing to do
+    with pytest.raises(ValueError, match="position 1024 is past the rotary table"):
+        model.rotary.ensure(1025)

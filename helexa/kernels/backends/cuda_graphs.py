@@ -39,12 +39,21 @@ import structlog
 import torch
 
 from helexa.checkpoint.memory import fused_allreduce_rows, graph_capture_sizes
+from helexa.checkpoint.shape import max_positions
 from helexa.kernels.backends import cuda_comm, cuda_fused
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
 from helexa.kernels.backends.executor import LinearSite, StepExecutor, model_forward
 from helexa.kernels.paged_kv import PagedKV
 
 log = structlog.get_logger(component="kernels")
+
+
+def rope_reach(cfg: Any) -> int:
+    """The positions a model addresses: max_position_embeddings, or its rope-scaled reach
+    (checkpoint/shape.py max_positions, from the model's parsed config)."""
+    scaling = {**cfg.rope.params, "rope_type": cfg.rope.rope_type}
+    return max_positions({"max_position_embeddings": cfg.max_position_embeddings,
+                          "rope_scaling": scaling})
 
 
 class GraphRuntime:
@@ -122,8 +131,11 @@ class CudaGraphExecutor(StepExecutor):
         # Any: the model families share no typed base (helexa/neuron/models/)
         loaded: Any = model
         self.attention.heads = loaded.attention_layers[0].num_heads  # FlashInfer plans with it
-        if self.attention.graph_rows:  # a captured graph holds the rotary table's address
-            loaded.rotary.ensure(loaded.cfg.max_position_embeddings)  # never grow it
+        if self.attention.graph_rows:  # a captured graph holds the rotary table's address:
+            # sized for every position the model addresses (rope scaling's reach included,
+            # as helexa plan caps the context), then never grown
+            loaded.rotary.ensure(rope_reach(loaded.cfg))
+            loaded.rotary.frozen = True
         dtype = loaded.model.embed_tokens.weight.dtype
         self.fused = cuda_fused.install(model, dtype, self.fused_ops)
         rope = cuda_fused.install_rope(model, dtype, self.fused_ops)
