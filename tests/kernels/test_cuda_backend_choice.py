@@ -146,8 +146,9 @@ def test_kv_of_another_dtype_than_the_queries_runs_the_torch_path(
 
 @pytest.mark.parametrize(("dtype", "head_dim", "reason"), [
     (torch.float32, 128, "FlashInfer has no float32 kernels (fp16, bf16 only)"),
-    (torch.bfloat16, 96, "FlashInfer has no kernels for head_dim 96 (64, 128, 256, 512 only)"),
-    (torch.float16, 80, "FlashInfer has no kernels for head_dim 80 (64, 128, 256, 512 only)")])
+    (torch.bfloat16, 96, "FlashInfer has no kernels for head_dim 96 (64, 128, 256 only)"),
+    (torch.float16, 80, "FlashInfer has no kernels for head_dim 80 (64, 128, 256 only)"),
+    (torch.bfloat16, 512, "FlashInfer has no kernels for head_dim 512 (64, 128, 256 only)")])
 @pytest.mark.parametrize("asked", ["auto", "cuda"])
 def test_selection_runs_torch_for_a_model_flashinfer_cannot_serve(
         fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch,

@@ -7,7 +7,7 @@ naming one asks for exactly that (``cuda`` without FlashInfer is an error). Each
 is one entry of ``REGISTRY``: a function building that device's pair.
 
 Given the model's attention ``shape``, ``cuda`` (asked for or picked by ``auto``) is not
-used for a model FlashInfer cannot serve (fp32, head_dim outside 64/128/256/512:
+used for a model FlashInfer cannot serve (fp32, head_dim outside 64/128/256:
 cuda.unsupported): the torch backend runs instead, and the log line and ``describe()``
 (the load log, Watch, ``ctl status``) say so and why. Falling back rather than refusing
 keeps one config valid across a fleet's checkpoints; the reason is never silent.

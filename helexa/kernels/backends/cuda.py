@@ -26,7 +26,7 @@ or in the default tests needs it.
   positions copied into its static inputs.
 - Quantised kv dtypes, and a kv dtype other than the queries' (FlashInfer's kernels take one
   q/kv dtype pair per build): the composed torch backend (``reference``) allocates and plans.
-- What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256/512.
+- What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256 (512: no valid FA2 tile).
   Its CUDA-core decode kernel is built for GQA groups 1, 2, 3, 4 and 8 only and raises
   ``Unsupported group_size`` at ``plan`` for any other (Qwen3.5-27B and Qwen2.5-7B have 6
   or 7); its tensor-core decode kernel serves every group, so :func:`tensor_cores` picks
@@ -67,7 +67,9 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
 WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family
 # What FlashInfer 0.6's prebuilt/JIT kernels are instantiated for (its dispatch macros):
 CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)  # GQA groups its CUDA-core decode kernel serves
-HEAD_DIMS = (64, 128, 256, 512)
+# 512 is instantiated but its FA2 prefill (and tensor-core decode) tiles are all invalid in
+# 0.6.13 (prefill.cuh KernelTraits::IsInvalid: 8 x 32 MMA columns of the output >= 256)
+HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)  # fp32 raises KeyError in its JIT at load
 
 log = structlog.get_logger(component="kernels")
