@@ -233,3 +233,18 @@ def test_a_replayed_decode_step_writes_its_own_steps_slots(
         k, v = _kv(3, 2, 64, seed=seed)
         att.forward(0, q, k, v, static)  # the replay: static inputs only
         _written(att, 0, [token_slots(t, p, p + 1, 16)[0] for t, p in rows], k, v)
+
+
+def test_the_cuda_backend_makes_its_device_the_current_one(
+        fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model on cuda:1 (tp 1, one model per engine process): FlashInfer's CuTe kernels and
+    torch's graph capture launch on the current device, so the backend makes it cuda:1."""
+    current: list[torch.device] = []
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+    monkeypatch.setattr(cuda, "CudaAttention", lambda device, graph_rows: types.SimpleNamespace(
+        device=device, graph_rows=graph_rows, name="cuda"))  # its buffers need the device
+    dev = backends.select("cuda", torch.device("cuda:1"),
+                          shape=backends.AttentionShape(24, 4, 128, torch.bfloat16))
+    assert dev.name == "cuda" and current == [torch.device("cuda:1")]

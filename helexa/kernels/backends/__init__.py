@@ -85,6 +85,11 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
                          f"({cuda.import_error()})")
     from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 
+    # one model per engine process: its device becomes the current one, which FlashInfer's
+    # CuTe kernels and torch's graph capture launch on (a model on cuda:1 would otherwise
+    # have its kernels launched on cuda:0's stream, or captured into an empty graph)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
     attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if opts.cuda_graphs
                                    else 0)
     return Device(attention, CudaGraphExecutor(attention))
