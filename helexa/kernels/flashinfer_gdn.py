@@ -90,6 +90,25 @@ def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateI
     return o[:, 0]
 
 
+def warm_fi_pool(pool: torch.Tensor, key_heads: int, key_dim: int, rows: int) -> None:
+    """Build FlashInfer's kernel for every decode batch of 1..``rows`` rows over ``pool`` (a
+    layer's [slots, v_heads, v_dim, k_dim]; every layer's has its shape) now, at load: it
+    compiles one per batch size and pool shape on first use (seconds each), which a step of
+    a new size would otherwise wait for mid-serving. Runs zeros through slots 0..rows - 1,
+    then zeroes the pool (no request holds a slot yet)."""
+    vh, dv = pool.shape[1], pool.shape[2]
+    dtype, dev = pool.dtype, pool.device
+    a_log = torch.zeros(vh, dtype=torch.float32, device=dev)
+    for b in range(1, rows + 1):
+        zeros = GateInputs(torch.zeros(b, vh, dtype=dtype, device=dev),
+                           torch.zeros(b, vh, dtype=dtype, device=dev), a_log,
+                           torch.zeros(vh, dtype=dtype, device=dev))
+        q = torch.zeros(b, key_heads, key_dim, dtype=dtype, device=dev)
+        fi_decode_pool(q, q.clone(), torch.zeros(b, vh, dv, dtype=dtype, device=dev), zeros,
+                       a_log, pool, torch.arange(b, dtype=torch.int32, device=dev))
+    pool.zero_()
+
+
 FI_ALIGN = 32  # bytes: FlashInfer's CuTe launcher declares its tensors so aligned
 
 

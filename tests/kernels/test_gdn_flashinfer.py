@@ -173,3 +173,17 @@ def test_without_flashinfer_or_its_cute_kernels_the_pool_decode_is_off(monkeypat
                     reason="needs FlashInfer's GDN kernels on a Hopper-class GPU")
 def test_flashinfers_pool_kernel_matches_the_torch_step():
     assert fig.probe_fi_pool(torch.device("cuda"), KH, VH, D, D, BF16) == ""
+
+
+def test_the_kernel_is_built_for_every_decode_batch_when_the_pool_is_allocated(stand_in):
+    """FlashInfer compiles its kernel per batch size and pool shape on first use: allocate
+    runs it once for each size 1..decode_rows over the real pool (so no decode step of a new
+    size waits for a compile mid-serving)."""
+    states = GatedDeltaStates(torch.device("cpu"))
+    stand_in.calls.clear()
+    states.allocate([_spec()], 4, decode_rows=3)
+    built = [c["rows"] for c in stand_in.calls]
+    assert built[-3:] == [1, 2, 3]  # after the probe's own call on its small pool
+    stand_in.calls.clear()
+    states.allocate([_spec()], 2, decode_rows=8)  # never more rows than slots
+    assert [c["rows"] for c in stand_in.calls][-2:] == [1, 2]

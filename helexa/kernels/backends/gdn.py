@@ -28,6 +28,7 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -81,14 +82,24 @@ class GatedDeltaStates:
         return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}, "
                 f"verification rows {verify}")
 
-    def allocate(self, specs: list[LinearAttentionSpec], num_slots: int) -> None:
-        """Drop the old states, then give each layer (as its spec states) num_slots slots."""
+    def allocate(self, specs: list[LinearAttentionSpec], num_slots: int,
+                 decode_rows: int = 0) -> None:
+        """Drop the old states, then give each layer (as its spec states) num_slots slots;
+        FlashInfer's pool decode, where it runs, built now for decode steps of 1..decode_rows
+        rows (the most a step decodes: the runner's max_num_seqs)."""
         self.layers = []
         self.specs = list(specs)
         self._a_log = {}
         self._fi_pool = bool(specs) and self._fi_pool_proved(specs[0])
         self.layers = [LinearState(s, num_slots, self.device, v_major=self._fi_pool)
                        for s in self.specs]
+        if self._fi_pool and decode_rows:
+            start, rows = time.perf_counter(), min(decode_rows, num_slots)
+            pool = self.layers[0].pool
+            assert pool is not None
+            fig.warm_fi_pool(pool, specs[0].key_heads, specs[0].key_dim, rows)
+            log.info("kernels.flashinfer_gdn_built", rows=rows,
+                     secs=round(time.perf_counter() - start, 1))
         self._fla = bool(specs) and fla.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
         self._fla_gated = self._fla_decode and fla.fla_gated_available()

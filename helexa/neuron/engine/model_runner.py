@@ -197,8 +197,8 @@ class ModelRunner:
         layers = [AttentionSpec(a.num_kv_heads, a.head_dim, self.kv_dtype) for a in self._attn]
         self._allocate_kv(layers + layers[-1:] * self.mtp_kv_layers, num_blocks, storage)
         if self.linear_states is not None:
-            self.linear_states.allocate([layer.state_spec for layer in self._linear],
-                                        self.num_state_slots + self.num_snapshot_slots)
+            self.linear_states.allocate([x.state_spec for x in self._linear], self.num_state_slots
+                                        + self.num_snapshot_slots, self.max_num_seqs)
 
     def _allocate_kv(self, layers: list[AttentionSpec], num_blocks: int,
                      storage: torch.dtype | None) -> None:
