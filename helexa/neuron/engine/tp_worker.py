@@ -26,12 +26,14 @@ fails or times out fails the whole group (TpError): the model must restart.
 Collectives never block the host (no NCCL blocking wait, tp_rank.NCCL_ENV): a health
 check thread (:meth:`TpWorkers.watch`, once a second, off the hot path) finds a rank
 process that died and aborts an NCCL group, so a step waiting on it fails at once rather
-than at the watchdog's timeout; the next step says which rank died.
+than at the watchdog's timeout; the next step says which rank died. Where a kernel spins
+on the dead rank and no step returns, the health check ends the engine process itself.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -40,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.tp_messages import (
@@ -61,6 +64,11 @@ from helexa.neuron.engine.tp_messages import (
     TpStop,
 )
 from helexa.neuron.engine.tp_rank import join_group, worker_main
+
+log = structlog.get_logger(component="engine")
+GIVE_UP_SECS = 30.0  # after aborting a group on a dead rank: the step loop's time to end it
+EXIT_RANK_LOST = 70  # the engine process's exit status when the health check ends it
+_exit = os._exit  # (a test stands in for it)
 
 
 @dataclass
@@ -112,16 +120,24 @@ class TpWorkers:
         threading.Thread(target=self.watch, args=(device.startswith("cuda"),),
                          name="helexa-tp-health", daemon=True).start()
 
-    def watch(self, nccl: bool, interval_secs: float = 1.0) -> None:
+    def watch(self, nccl: bool, interval_secs: float = 1.0,
+              grace_secs: float = GIVE_UP_SECS) -> None:
         """The health check: until close(), note the first rank process found dead; on NCCL
         abort the group so a collective or host sync waiting on that rank returns (gloo
-        fails on a closed peer by itself). It only records: the step thread raises."""
+        fails on a closed peer by itself). It records: the step thread raises, and the
+        engine ends (EngineGaveUp). A kernel spinning on the dead rank's data never returns
+        to the host, though (FlashInfer's fused all-reduce polls for it; collectives replayed
+        from a CUDA graph are not the watchdog's to abort): if the runner is not closed
+        within ``grace_secs``, this thread ends the engine process, as the step loop would."""
         while not self._stop_watch.wait(interval_secs):
             dead = self._dead_rank()
             if dead and not self.failed and not self._stop_watch.is_set():
                 self.failed = dead
                 if nccl:
                     _abort_group()
+                    if not self._stop_watch.wait(grace_secs):
+                        log.error("engine.tp_gave_up", reason=dead, waited_secs=grace_secs)
+                        _exit(EXIT_RANK_LOST)
                 return
 
     def _wait_all(self, kind: type, timeout_secs: float) -> list[Any]:
