@@ -22,9 +22,10 @@ Per card, with tp-way tensor parallelism:
         + weight bytes × (4 × hidden + (heads + 2 × kv_heads)/tp × head_dim
                           + 2 × intermediate/tp)       # one layer's live activations
         + (hybrids) 2 × v_heads/tp × k_dim × v_dim × 4 )  # one layer's gathered states, fp32
+        + (MoE) min(max_slots, experts // top_k) × top_k × 3 × moe_intermediate/tp × hidden
+          × weight bytes                 # one layer's expert copies (moe_experts.py, gathered)
     (an estimate of what one shared pool holds for the largest captured batch: the smaller
-    batches reuse it; an MoE layer's gathered expert copies, helexa/kernels/moe_experts.py,
-    are not in it; not measured on a GPU)
+    batches reuse it; not measured on a GPU)
     allreduce_workspace_bytes (tp > 1 on CUDA: the fused all-reduce + add + RMSNorm,
         helexa/kernels/backends/cuda_comm.py) = 4 × tp × rows × hidden × 2
         + tp × 256 × 4                       # FlashInfer 0.6.13's three symmetric buffers
@@ -105,7 +106,18 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
     if shape.linear_attention_layers:
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
-    return max_slots * per_row
+    return max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt)
+
+
+def moe_gathered_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> int:
+    """An MoE layer's expert copies in the gathered form (helexa/kernels/moe_experts.py), the
+    form of captured decode batches of rows x top_k <= experts: each (row, choice)'s
+    gate/up and down matrices, 3 x moe_intermediate/tp x hidden, for the largest such batch."""
+    k = shape.num_experts_per_tok
+    if not shape.num_experts or not k:
+        return 0
+    rows = min(max_slots, shape.num_experts // k)
+    return rows * k * 3 * math.ceil(shape.moe_intermediate_size / tp) * shape.hidden_size * elt
 
 
 def fused_allreduce_rows(max_slots: int) -> int:

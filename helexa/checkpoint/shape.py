@@ -58,6 +58,7 @@ class ModelShape:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     num_experts: int = 0
+    num_experts_per_tok: int = 0  # top_k: the experts each token's router picks
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     mtp_layers: int = 0  # multi-token-prediction layers config.json declares
@@ -107,6 +108,7 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
         linear_value_head_dim=int(c.get("linear_value_head_dim", 0)) if linear else 0,
         linear_conv_kernel_dim=int(c.get("linear_conv_kernel_dim", 0)) if linear else 0,
         num_experts=int(c.get("num_experts") or c.get("num_local_experts") or 0),
+        num_experts_per_tok=int(c.get("num_experts_per_tok") or 0),
         # Mixtral names the expert width intermediate_size; Qwen-MoE has its own key.
         moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
         shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
