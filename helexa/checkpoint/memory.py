@@ -22,10 +22,12 @@ Per card, with tp-way tensor parallelism:
         + weight bytes × (4 × hidden + (heads + 2 × kv_heads)/tp × head_dim
                           + 2 × intermediate/tp)       # one layer's live activations
         + (hybrids) 2 × v_heads/tp × k_dim × v_dim × 4 )  # one layer's gathered states, fp32
-        + (MoE) min(max_slots, experts // top_k) × top_k × 3 × moe_intermediate/tp × hidden
-          × weight bytes                 # one layer's expert copies (moe_experts.py, gathered)
-    (an estimate of what one shared pool holds for the largest captured batch: the smaller
-    batches reuse it; not measured on a GPU)
+      + (MoE) min(max_slots, experts // top_k) × top_k × 3 × moe_intermediate/tp × hidden
+        × weight bytes                   # one layer's expert copies (moe_experts.py, gathered)
+      + max_slots × (8 MiB               # each graph's FlashInfer wrapper: its int workspace
+                     + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
+    (an estimate of what one shared pool holds for the largest captured batch, the smaller
+    batches reusing it, and what the graphs' wrappers hold beside it; not measured on a GPU)
     allreduce_workspace_bytes (tp > 1 on CUDA: the fused all-reduce + add + RMSNorm,
         helexa/kernels/backends/cuda_comm.py) = 4 × tp × rows × hidden × 2
         + tp × 256 × 4                       # FlashInfer 0.6.13's three symmetric buffers
@@ -94,8 +96,13 @@ def graph_capture_sizes(max_slots: int) -> list[int]:
     return list(range(max_slots, 0, -1))
 
 
-def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None) -> int:
-    """The shared CUDA-graph pool's bytes on each card for decode batches up to max_slots
+FI_WRAPPER_INT_BYTES = 8 * 2**20  # FlashInfer 0.6.13: each decode wrapper's int workspace
+
+
+def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None,
+                     num_blocks: int = 0) -> int:
+    """The shared CUDA-graph pool's bytes on each card for decode batches up to max_slots,
+    with what the graphs' attention wrappers hold beside it for a pool of ``num_blocks``
     (see the module docstring; an estimate, in the weights' dtype, default the checkpoint's)."""
     elt = ELT_BYTES[dtype_name(dtype or shape.torch_dtype)]
     heads = math.ceil(shape.num_heads / tp) + 2 * kv_heads_per_card(shape, tp)
@@ -106,7 +113,8 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
     if shape.linear_attention_layers:
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
-    return max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt)
+    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) if max_slots else 0
+    return max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt) + wrappers
 
 
 def moe_gathered_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> int:

@@ -62,8 +62,9 @@ def format_plan(p: ModelPlan) -> str:
     if p.graph_rows:
         fits = ("inside" if p.graph_pool_bytes + p.allreduce_workspace_bytes <= p.headroom_bytes
                 else "MORE than (raise kv.activation_headroom_mb)")
-        lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate) for decode"
-                     f" batches {p.graph_rows}..1 captured at load, {fits} the "
+        lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate, with the"
+                     f" graphs' attention buffers) for decode batches {p.graph_rows}..1 captured"
+                     f" at load, {fits} the "
                      f"{format_bytes(p.headroom_bytes)} activation headroom"
                      + (" with the all-reduce workspace" if p.allreduce_rows else ""))
     if p.allreduce_rows:

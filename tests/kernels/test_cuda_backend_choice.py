@@ -235,6 +235,29 @@ def test_a_replayed_decode_step_writes_its_own_steps_slots(
         _written(att, 0, [token_slots(t, p, p + 1, 16)[0] for t, p in rows], k, v)
 
 
+def test_graph_wrappers_share_one_page_buffer_and_each_replay_reads_its_own_pages(
+        fake_flashinfer: list[dict[str, Any]]) -> None:
+    """Every b-row graph reads its pages from one buffer of graph_rows x pool blocks (one
+    each held graph_rows^2 x blocks in all: 1.3 GB of indices and workspaces at 64 rows of
+    50k blocks, uncounted); steps of alternating sizes each write at their own pages."""
+    att = _backend(8, 2, 64, storage=torch.bfloat16, compute=torch.bfloat16, graph_rows=4)
+    three, two = att.static_meta(3), att.static_meta(2)
+    assert three.append.indices is two.append.indices and three.append.indices.numel() == 4 * 8
+    q = torch.zeros(3, 8, 64, dtype=torch.bfloat16)
+    for seed, rows in enumerate([[([0], 3), ([1, 2], 16), ([4], 15)], [([6, 5], 31), ([3], 0)],
+                                 [([7], 2), ([5, 1], 20), ([6], 9)]]):
+        step = StepPlan(slot_mapping=torch.empty(0), decode_positions=[p for _, p in rows],
+                        decode_tables=[t for t, _ in rows], block_size=16, num_blocks=8)
+        static = att.static_meta(len(rows))
+        assert att.plan(step).append is static.append
+        for pool in att.pools:
+            pool.k_cache.zero_()
+            pool.v_cache.zero_()
+        k, v = _kv(len(rows), 2, 64, seed=seed)
+        att.forward(0, q[:len(rows)], k, v, static)  # the replay: static inputs only
+        _written(att, 0, [token_slots(t, p, p + 1, 16)[0] for t, p in rows], k, v)
+
+
 def test_the_cuda_backend_makes_its_device_the_current_one(
         fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A model on cuda:1 (tp 1, one model per engine process): FlashInfer's CuTe kernels and

@@ -184,6 +184,7 @@ class CudaAttention(AttentionBackend):
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD",
                                                                        backend="fa2")
         self._graph_wrappers: dict[int, _GraphWrapper] = {}
+        self._graph_indices: torch.Tensor | None = None  # every graph wrapper's pages
 
     def describe(self) -> str:
         version = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
@@ -196,7 +197,8 @@ class CudaAttention(AttentionBackend):
 
     def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
-        self._graph_wrappers = {}  # their index buffers are sized by the pool
+        self._graph_wrappers = {}  # their index buffer is sized by the pool
+        self._graph_indices = None
         self.pools = []
         if not layers:  # a pool freed (the load's probe pool): nothing chosen, nothing said
             return self.pools
@@ -219,7 +221,11 @@ class CudaAttention(AttentionBackend):
                       for s in layers]
         self._kv_dtype = storage
         self._q_dtype = compute
-        self._graph_index_cap = max(1, self.graph_rows) * num_blocks
+        # One page-index buffer every graph wrapper reads (graph_rows x pool blocks: rows
+        # may share prefix blocks), where one each held graph_rows^2 x blocks in all; each
+        # step's plan copies its pages in on the stream, after the replays before it read.
+        self._graph_indices = torch.zeros(max(1, self.graph_rows) * num_blocks,
+                                          dtype=torch.int32, device=self.device)
         return self.pools
 
     # ---- per step ------------------------------------------------------------------------
@@ -322,10 +328,11 @@ class CudaAttention(AttentionBackend):
         g = self._graph_wrappers.get(b)
         if g is None:
             dev, i32 = self.device, torch.int32
+            assert self._graph_indices is not None, "graph wrappers come after allocate_kv"
             append = KvAppend(
                 batch_indices=torch.arange(b, dtype=i32, device=dev),  # row i is token i's
                 positions=torch.zeros(b, dtype=i32, device=dev),
-                indices=torch.zeros(self._graph_index_cap, dtype=i32, device=dev),
+                indices=self._graph_indices,
                 indptr=torch.zeros(b + 1, dtype=i32, device=dev),
                 last_page_len=torch.zeros(b, dtype=i32, device=dev))
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
