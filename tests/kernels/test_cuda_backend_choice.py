@@ -266,8 +266,22 @@ def test_the_cuda_backend_makes_its_device_the_current_one(
     monkeypatch.setattr(cuda, "available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
-    monkeypatch.setattr(cuda, "CudaAttention", lambda device, graph_rows: types.SimpleNamespace(
-        device=device, graph_rows=graph_rows, name="cuda"))  # its buffers need the device
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(cuda, "CudaAttention", lambda device, **kw: types.SimpleNamespace(
+        device=device, name="cuda", **kw))  # its buffers need the device
     dev = backends.select("cuda", torch.device("cuda:1"),
                           shape=backends.AttentionShape(24, 4, 128, torch.bfloat16))
     assert dev.name == "cuda" and current == [torch.device("cuda:1")]
+
+
+def test_flashinfers_scratch_holds_a_split_prefill_of_a_wide_gqa_group() -> None:
+    """A split-kv prefill plan keeps each split's fp32 partial output: group x 2 CTAs an SM x
+    128 rows x head_dim floats. From a group of 16 (Qwen3-235B at tp 4) that passes the 256
+    MiB default, where FlashInfer's plan raises 'Buffer overflow'; narrower groups keep it."""
+    cpu = torch.device("cpu")  # as on a 132-SM H100 / H200
+    assert cuda.workspace_bytes(None, cpu) == cuda.WORKSPACE_BYTES
+    assert cuda.workspace_bytes(backends.AttentionShape(24, 4, 256, torch.bfloat16),
+                                cpu) == cuda.WORKSPACE_BYTES  # Qwen3.5-27B: group 6
+    wide = cuda.workspace_bytes(backends.AttentionShape(64, 4, 128, torch.bfloat16), cpu)
+    assert wide >= 16 * 2 * 132 * 128 * 128 * 4 > cuda.WORKSPACE_BYTES

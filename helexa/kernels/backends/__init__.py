@@ -57,6 +57,7 @@ class DeviceOptions:
     cuda_graphs: bool = True
     max_num_seqs: int = 8
     tp_size: int = 1
+    shape: AttentionShape | None = None  # the model's attention, where known
 
 
 def _torch(device: torch.device, opts: DeviceOptions) -> Device:
@@ -91,7 +92,8 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
     attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if opts.cuda_graphs
-                                   else 0)
+                                   else 0, workspace_bytes=cuda.workspace_bytes(opts.shape,
+                                                                                 device))
     return Device(attention, CudaGraphExecutor(attention))
 
 
@@ -116,7 +118,7 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
             name = "cuda" if cuda.available() else "torch"
         else:
             name = "torch"
-    opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size)
+    opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size, shape)
     if name == "cuda" and shape is not None:
         from helexa.kernels.backends import cuda
 

@@ -64,7 +64,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     flashinfer = None
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family
+WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family: at least this
 # What FlashInfer 0.6's prebuilt/JIT kernels are instantiated for (its dispatch macros):
 CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)  # GQA groups its CUDA-core decode kernel serves
 # 512 is instantiated but its FA2 prefill (and tensor-core decode) tiles are all invalid in
@@ -73,6 +73,22 @@ HEAD_DIMS = (64, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16)  # fp32 raises KeyError in its JIT at load
 
 log = structlog.get_logger(component="kernels")
+
+
+def workspace_bytes(shape: AttentionShape | None, device: torch.device) -> int:
+    """FlashInfer's float scratch for this model: WORKSPACE_BYTES, or what a split-kv
+    prefill plan can take where that is more. Its plan puts each split's partial output in
+    fp32, num_qo_heads x padded_batch_size x cta_tile_q x head_dim floats, the batch up to
+    2 CTAs an SM per kv head (scheduler.cuh, PrefillPlan): group x 2 x SMs x 128 x
+    head_dim x 4 bytes, over 256 MiB from a GQA group of 16 at head_dim 128 on 132 SMs
+    (Qwen3-235B at tp 4), where the plan would raise 'Buffer overflow'."""
+    if shape is None:
+        return WORKSPACE_BYTES
+    group = shape.heads // max(1, shape.kv_heads)
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" and torch.cuda.is_available() else 132)
+    split = group * 2 * sms * 128 * (shape.head_dim + 1) * 4  # partial outputs and their sums
+    return max(WORKSPACE_BYTES, split + 16 * 2**20)  # + the plan's smaller arrays
 
 
 def unsupported(shape: AttentionShape) -> str:
@@ -162,9 +178,10 @@ class _GraphWrapper:
 class CudaAttention(AttentionBackend):
     name = "cuda"
 
-    def __init__(self, device: torch.device, *, graph_rows: int = 0) -> None:
+    def __init__(self, device: torch.device, *, graph_rows: int = 0,
+                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
         """``graph_rows``: pure-decode steps of 1..graph_rows rows are planned for CUDA graph
-        capture (0: none)."""
+        capture (0: none); ``workspace_bytes``: FlashInfer's float scratch (workspace_bytes)."""
         super().__init__(device)
         self.reference = TorchBackend(device)
         self.graph_rows = graph_rows
@@ -172,8 +189,8 @@ class CudaAttention(AttentionBackend):
         self.quantised = False
         self.torch_path = ""  # why the pools run the torch path ("" when FlashInfer's)
         self.tensor_cores = False  # decode on FlashInfer's tensor-core kernel (tensor_cores)
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._graph_workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        self._graph_workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
         self._group = 0
         self._planned: torch.cuda.Event | None = None  # recorded after each plan's copies
