@@ -343,10 +343,9 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         not fixed or plan.num_snapshot_slots) else 0
     host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,
                                              plan.num_snapshot_slots, fixed)
+    graphs = graph_pool_bytes(shape, tp, graph_rows, float_dtype, plan.num_blocks)
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks,
-                   graph_rows=graph_rows, headroom_bytes=headroom,
-                   graph_pool_bytes=graph_pool_bytes(shape, tp, graph_rows, float_dtype,
-                                                     plan.num_blocks),
+                   graph_rows=graph_rows, headroom_bytes=headroom, graph_pool_bytes=graphs,
                    allreduce_rows=ar_rows, allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
                    host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps)
 

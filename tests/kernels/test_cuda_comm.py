@@ -14,12 +14,11 @@ import pytest
 from support import tp_comm
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+def _two_ranks(target: Any, init: str) -> dict[int, dict[str, Any]]:
+    """Run ``target(rank, init, results)`` in two spawned ranks: what each reported."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    init = tmp_path_factory.mktemp("comm") / "init"
-    procs = [ctx.Process(target=tp_comm.run_rank, args=(r, str(init), results)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, init, results)) for r in (0, 1)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=120) for _ in procs)
@@ -27,6 +26,11 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]
         p.join(timeout=30)
         assert p.exitcode == 0
     return got
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    return _two_ranks(tp_comm.run_rank, str(tmp_path_factory.mktemp("comm") / "init"))
 
 
 def test_where_every_rank_can_the_norms_run_the_fused_kernel(ranks):
@@ -70,16 +74,7 @@ def test_the_fused_all_reduce_is_installed_once_the_ranks_group_exists(tmp_path)
     """The executor is prepared while each rank loads apart (no group yet: asking the other
     ranks then raised on every CUDA load at tp > 1); its fused all-reduce is installed by
     ``grouped``, which every rank runs once all joined."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=tp_comm.run_rank_loading, args=(r, str(tmp_path / "init"),
-                                                                 results)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    got = _two_ranks(tp_comm.run_rank_loading, str(tmp_path / "init"))
     for rank in (0, 1):
         assert got[rank]["prepared"] == ""
         assert got[rank]["grouped"].startswith("tp all-reduce: fused with add + RMSNorm")
