@@ -260,8 +260,9 @@ def test_graph_wrappers_share_one_page_buffer_and_each_replay_reads_its_own_page
 
 def test_the_cuda_backend_makes_its_device_the_current_one(
         fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A model on cuda:1 (tp 1, one model per engine process): FlashInfer's CuTe kernels and
-    torch's graph capture launch on the current device, so the backend makes it cuda:1."""
+    """A model on cuda:1 (tp 1, one model per engine process): FlashInfer's CuTe kernels,
+    torch's graph capture and lookahead's event use the current device, so the backend
+    chosen for it, cuda or torch, makes it cuda:1."""
     current: list[torch.device] = []
     monkeypatch.setattr(cuda, "available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -273,6 +274,10 @@ def test_the_cuda_backend_makes_its_device_the_current_one(
     dev = backends.select("cuda", torch.device("cuda:1"),
                           shape=backends.AttentionShape(24, 4, 128, torch.bfloat16))
     assert dev.name == "cuda" and current == [torch.device("cuda:1")]
+    # the torch backend on a GPU too (FlashInfer absent, an fp32 model, head_dim 96)
+    dev = backends.select("auto", torch.device("cuda:2"),
+                          shape=backends.AttentionShape(24, 4, 96, torch.bfloat16))
+    assert dev.name == "torch" and current[-1] == torch.device("cuda:2")
 
 
 def test_flashinfers_scratch_holds_a_split_prefill_of_a_wide_gqa_group() -> None:

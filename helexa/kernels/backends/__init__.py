@@ -86,11 +86,6 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
                          f"({cuda.import_error()})")
     from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 
-    # one model per engine process: its device becomes the current one, which FlashInfer's
-    # CuTe kernels and torch's graph capture launch on (a model on cuda:1 would otherwise
-    # have its kernels launched on cuda:0's stream, or captured into an empty graph)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(device)
     attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if opts.cuda_graphs
                                    else 0, workspace_bytes=cuda.workspace_bytes(opts.shape,
                                                                                  device))
@@ -118,6 +113,11 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
             name = "cuda" if cuda.available() else "torch"
         else:
             name = "torch"
+    if device.type == "cuda" and torch.cuda.is_available():
+        # one model per engine process: its device becomes the current one, which
+        # FlashInfer's CuTe kernels, torch's graph capture and a bare Event().record() use
+        # (a model on cuda:1 would otherwise launch on, capture from, or wait for cuda:0)
+        torch.cuda.set_device(device)
     opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size, shape)
     if name == "cuda" and shape is not None:
         from helexa.kernels.backends import cuda

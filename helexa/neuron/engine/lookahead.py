@@ -157,7 +157,7 @@ def sample(core: EngineCore, ahead: Ahead, masks: Future[torch.Tensor] | None = 
     ahead.host = to_host(chosen)
     ahead.logprobs = lps.to_host() if lps is not None else None
     ahead.ready = torch.cuda.Event()
-    ahead.ready.record()
+    ahead.ready.record(torch.cuda.current_stream(chosen.device))  # where the copies queued
 
 
 def step(core: EngineCore) -> bool:
