@@ -4,9 +4,12 @@
 Every tensor of a layer's pool that has a block dimension first (K and V, or a quantised
 pool's data and scales; helexa/kernels/paged_kv.py, the cuda backend's NHD pool) gets a host
 twin of `num_blocks` blocks; every linear-attention state tensor (conv, recurrent, a slot
-dimension first) one of `num_snapshots` slots. On CUDA the twins and the rows each copy
-gathers are pinned, so copies run at the link's speed without a wait per tensor. A step's
-copies run out first, then in (host_tier.KvMoves).
+dimension first) one of `num_snapshots` slots. The twins are pageable memory, exactly
+their size: on CUDA the rows each copy moves are staged in pinned buffers (which PyTorch's
+pinned allocator rounds up to a power of two and keeps once freed: the twins pinned took up
+to twice `host_cache_mb`, and a resized tier kept the old ones), so copies still run at
+the link's speed without a wait per tensor. A step's copies run out first, then in
+(host_tier.KvMoves).
 """
 
 from __future__ import annotations
@@ -37,10 +40,8 @@ class HostKv:
 
     def __init__(self, blocks: list[torch.Tensor], states: list[torch.Tensor],
                  num_blocks: int, num_snapshots: int) -> None:
-        pin = any(t.device.type == "cuda" for t in blocks + states)
-        self._blocks = [(t, _twin(t, num_blocks, pin)) for t in blocks] if num_blocks else []
-        self._states = [(t, _twin(t, num_snapshots, pin)) for t in states] \
-            if num_snapshots else []
+        self._blocks = [(t, _twin(t, num_blocks)) for t in blocks] if num_blocks else []
+        self._states = [(t, _twin(t, num_snapshots)) for t in states] if num_snapshots else []
         self.nbytes = sum(h.nbytes for _, h in self._blocks + self._states)
 
     @torch.inference_mode()
@@ -52,9 +53,8 @@ class HostKv:
         _in(self._states, moves.states_in)
 
 
-def _twin(t: torch.Tensor, n: int, pin: bool) -> torch.Tensor:
-    host = torch.empty((n, *t.shape[1:]), dtype=t.dtype, device="cpu")
-    return host.pin_memory() if pin else host
+def _twin(t: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.empty((n, *t.shape[1:]), dtype=t.dtype, device="cpu")
 
 
 # The most bytes copied out to pinned memory before the host waits once for all of them
