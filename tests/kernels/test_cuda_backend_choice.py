@@ -266,7 +266,13 @@ def test_the_cuda_backend_makes_its_device_the_current_one(
     current: list[torch.device] = []
     monkeypatch.setattr(cuda, "available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+
+    def set_device(d: torch.device) -> None:
+        if d.index is None:  # as torch's: "Expected a torch.device with a specified index"
+            raise ValueError(f"no index: {d}")
+        current.append(d)
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: types.SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(cuda, "CudaAttention", lambda device, **kw: types.SimpleNamespace(
@@ -278,6 +284,9 @@ def test_the_cuda_backend_makes_its_device_the_current_one(
     dev = backends.select("auto", torch.device("cuda:2"),
                           shape=backends.AttentionShape(24, 4, 96, torch.bfloat16))
     assert dev.name == "torch" and current[-1] == torch.device("cuda:2")
+    # a bare "cuda" (the GPU check's, a one-GPU host's) is the current device: left as is
+    assert backends.select("cuda", torch.device("cuda"), shape=backends.AttentionShape(
+        24, 4, 128, torch.bfloat16)).name == "cuda" and len(current) == 2
 
 
 def test_flashinfers_scratch_holds_a_split_prefill_of_a_wide_gqa_group() -> None:

@@ -113,10 +113,11 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
             name = "cuda" if cuda.available() else "torch"
         else:
             name = "torch"
-    if device.type == "cuda" and torch.cuda.is_available():
+    if device.type == "cuda" and device.index is not None and torch.cuda.is_available():
         # one model per engine process: its device becomes the current one, which
         # FlashInfer's CuTe kernels, torch's graph capture and a bare Event().record() use
-        # (a model on cuda:1 would otherwise launch on, capture from, or wait for cuda:0)
+        # (a model on cuda:1 would otherwise launch on, capture from, or wait for cuda:0);
+        # a bare "cuda" is the current device already (set_device refuses it)
         torch.cuda.set_device(device)
     opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size, shape)
     if name == "cuda" and shape is not None:
