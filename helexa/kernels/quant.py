@@ -126,24 +126,19 @@ def int4_pack(q: torch.Tensor) -> torch.Tensor:
                                                               _INNER_K_TILES)
 
 
-def int4_cuda_refusal(dtype: torch.dtype) -> str:
-    """Why int4 weights cannot run on CUDA for a model of ``dtype`` ("" when they can):
-    torch's CUDA op (``_weight_int4pack_mm``) takes bf16 activations and scales only."""
-    if dtype == torch.bfloat16:
-        return ""
-    name = str(dtype).removeprefix("torch.")
-    return (f"int4 weights on CUDA need a bfloat16 model: torch's int4 CUDA op "
-            f"(_weight_int4pack_mm) takes bf16 activations only, and this model loads as {name} "
-            "(set dtype = \"bfloat16\", or quantize = \"int8\")")
+def int4_operand_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the int4 op's scales and activations for a model of ``dtype``: on CUDA
+    bf16 whatever the model's (torch's CUDA op, ``_weight_int4pack_mm``, takes bf16 only:
+    an fp16 or fp32 model's activations are rounded to bf16 for these products and the
+    products come back in its dtype, as vLLM serves fp16 AWQ files), else ``dtype``."""
+    return torch.bfloat16 if device.type == "cuda" else dtype
 
 
 def int4_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """scales, zeros [N, G] -> the op's [G, N, 2] operand (ValueError where the CUDA op
-    cannot take ``dtype``: every int4 format packs through here at load)."""
-    why = int4_cuda_refusal(dtype) if scales.device.type == "cuda" else ""
-    if why:
-        raise ValueError(why)
-    return torch.stack([scales.t(), zeros.t()], dim=-1).to(dtype).contiguous()
+    """scales, zeros [N, G] -> the op's [G, N, 2] operand, in int4_operand_dtype (every int4
+    format packs through here at load)."""
+    op = int4_operand_dtype(scales.device, dtype)
+    return torch.stack([scales.t(), zeros.t()], dim=-1).to(op).contiguous()
 
 
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, n: int,

@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from helexa.kernels import quant as qk
 from helexa.neuron.formats.base import (
     Checkpoint,
     CheckpointFormat,
@@ -24,7 +23,6 @@ from helexa.neuron.formats.base import (
 from helexa.neuron.formats.compressed_tensors import CompressedTensors
 from helexa.neuron.formats.gguf.format import Gguf
 from helexa.neuron.formats.gptq import Gptq
-from helexa.neuron.formats.methods import QuantConfigError
 from helexa.neuron.formats.quantise import QuantiseAtLoad, QuantSpec
 from helexa.neuron.formats.tensor_map import MissingTensor
 from helexa.neuron.formats.unquantised import Unquantised
@@ -64,10 +62,6 @@ def load_model(model_path: str | Path | Checkpoint, device: str | torch.device =
     ckpt = model_path if isinstance(model_path, Checkpoint) else open_checkpoint(model_path)
     fmt = detect(ckpt, quantize)
     torch_dtype = resolve_dtype(ckpt.config, dtype)
-    if quantize is not None and quantize.kind == "int4" and torch.device(device).type == "cuda":
-        why = qk.int4_cuda_refusal(torch_dtype)  # refused before a byte is loaded
-        if why:
-            raise QuantConfigError(why)
     with torch.device(device):
         model = build_model(ckpt.config, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype,
                             device=device)

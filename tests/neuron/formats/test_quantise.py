@@ -81,17 +81,17 @@ def test_bad_quant_settings_are_refused():
         QuantSpec("int4", 48)
 
 
-@pytest.mark.parametrize(("dtype", "name"), [("float32", "float32"), ("float16", "float16")])
-def test_int4_on_cuda_is_refused_at_load_for_a_model_not_in_bf16(tiny_checkpoint, dtype, name):
-    # Refused before any weight or device memory is touched, so this runs without a GPU.
-    with pytest.raises(QuantConfigError) as err:
-        load_model(tiny_checkpoint("qwen3"), device="cuda", dtype=dtype,
-                   quantize=QuantSpec("int4", 32))
-    assert str(err.value) == (
-        "int4 weights on CUDA need a bfloat16 model: torch's int4 CUDA op (_weight_int4pack_mm) "
-        f"takes bf16 activations only, and this model loads as {name} "
-        '(set dtype = "bfloat16", or quantize = "int8")')
-    assert qk.int4_cuda_refusal(torch.bfloat16) == ""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_on_cuda_runs_bf16_whatever_the_models_dtype(dtype):
+    """torch's int4 CUDA op takes bf16 scales and activations only: on CUDA the operand is
+    bf16 for any model (fp16 AWQ / GPTQ files load as they are, their activations rounded to
+    bf16 for these products); elsewhere the model's own dtype."""
+    assert qk.int4_operand_dtype(torch.device("cuda"), dtype) == torch.bfloat16
+    assert qk.int4_operand_dtype(torch.device("cpu"), dtype) == dtype
+    s, z = torch.rand(48, 2), torch.rand(48, 2)
+    assert qk.int4_scales_zeros(s, z, dtype).dtype == dtype  # on CPU
+    meta = qk.int4_scales_zeros(s.to("meta"), z.to("meta"), dtype)
+    assert meta.dtype == dtype and meta.shape == (2, 48, 2)
 
 
 @pytest.mark.parametrize("k,tiles", [(4096, 8), (5120, 8), (2560, 8), (192, 4), (320, 4),
