@@ -57,6 +57,8 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scales [N])^T + bias."""
     shape = x.shape
+    if x.numel() == 0:  # a step wanting no logits: the CUDA op's launch of 0 rows is invalid
+        return x.new_zeros(*shape[:-1], qweight.shape[0])
     x2 = x.reshape(-1, shape[-1]).to(scales.dtype).contiguous()  # as int4_linear
     y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales).to(x.dtype)
     if bias is not None:
@@ -145,6 +147,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, n: int,
                 scales_zeros: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T + bias for the int4 layout above; W has ``n`` rows."""
     shape = x.shape
+    if x.numel() == 0:  # a step wanting no logits: the CUDA op's launch of 0 rows is invalid
+        return x.new_zeros(*shape[:-1], n)
     x2 = x.reshape(-1, shape[-1]).to(scales_zeros.dtype).contiguous()  # the ops require it
     if packed.device.type == "cuda":
         y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)

@@ -60,7 +60,8 @@ def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None,
     """w [N, K] -> (int8 [N, K], scales [N] in ``dtype``); symmetric, one scale a row.
     ``absmax`` per row (from the whole row) when ``w`` is one rank's columns."""
     w = w.float()
-    amax = w.abs().amax(dim=1) if absmax is None else absmax.float()
+    # absmax: from the checkpoint's whole rows, read on the host
+    amax = w.abs().amax(dim=1) if absmax is None else absmax.to(w.device, torch.float32)
     scales = (amax / 127).clamp_min(1e-8).to(dtype)
     q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scales

@@ -103,3 +103,32 @@ def test_the_cuda_int4_layout_takes_the_deepest_k_tiling_the_width_allows(k, til
     assert k % (tiles * 16) == 0
     with pytest.raises(ValueError, match="divisible by 32"):
         qk.cuda_inner_k_tiles(k + 16)
+
+
+def test_a_ranks_int8_quantiser_takes_the_rows_absmax_read_on_the_host():
+    """At tp > 1 each row's absmax comes from the checkpoint's whole row, read on the host,
+    while the rank's columns are on the device (meta stands in for CUDA here: mixing a CPU
+    scale into the device's division raised)."""
+    w, absmax = torch.randn(6, 8), torch.full((6,), 4.0)
+    q, s = quantize_int8(w.to("meta"), absmax=absmax)
+    assert q.device.type == s.device.type == "meta"
+    torch.testing.assert_close(quantize_int8(w, absmax=absmax)[1],
+                               (absmax / 127).to(torch.bfloat16))
+
+
+def test_a_step_wanting_no_logits_never_launches_the_quantised_head(monkeypatch):
+    """A step of prompt chunks that end before their prompt does wants no logits: the head
+    gets 0 rows, which torch's int8 and int4 CUDA ops would launch as an invalid grid."""
+    def refuse(*args):
+        raise AssertionError("launched with 0 rows")
+
+    x = torch.zeros(0, 64)
+    q, s = quantize_int8(torch.randn(32, 64), dtype=torch.float32)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", refuse)
+    assert qk.int8_linear(x, q, s, None).shape == (0, 32)
+    q4, s4, z4 = quantize_int4(torch.randn(32, 64), 32, torch.float32)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", refuse)
+    sz = qk.int4_scales_zeros(s4, z4, torch.float32)
+    assert qk.int4_linear(x, qk.int4_pack(q4), 32, 32, sz, None).shape == (0, 32)
+    with pytest.raises(AssertionError, match="0 rows"):  # the stand-in is the one reached
+        qk.int4_linear(torch.zeros(1, 64), qk.int4_pack(q4), 32, 32, sz, None)
