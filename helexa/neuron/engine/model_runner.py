@@ -191,7 +191,7 @@ class ModelRunner:
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)
-        self.num_blocks = num_blocks
+        self.num_blocks, self.host_kv = num_blocks, None  # its twins hold the old pool
         # The MTP head's KV is in the pool too, after the target's layers, as helexa plan
         # counts it (whether or not its weights loaded: plan reads config.json alone)
         layers = [AttentionSpec(a.num_kv_heads, a.head_dim, self.kv_dtype) for a in self._attn]

@@ -8,6 +8,7 @@ from typing import Any
 import structlog
 import torch
 
+from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.seq_input import SeqInput
 
@@ -27,9 +28,13 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
         SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
     peak = memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(step))
-    if runner.backend.executor.graph_sizes():  # captured at load into a pool held apart
+    if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
         decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
         peak += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
+        # each graph's FlashInfer wrapper (its int workspace), made at capture after the
+        # pool; their one page-index buffer grows with the pool (graph_pool_bytes says so)
+        peak += len(graphs) * FI_WRAPPER_INT_BYTES
+        bytes_per_block += 4 * max(graphs)
     runner._allocate_kv([], 0, None)  # free the probe pool
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -257,17 +257,24 @@ def test_a_storm_through_both_tiers_leaves_the_ledger_whole(tiny_checkpoint):
     assert_whole(core, hybrid=True)
 
 
-def test_a_kv_dtype_switch_re_plans_the_host_tier_with_the_pool(tiny_checkpoint):
-    """A profile's kv_dtype switch (ResetKv) drops the pool and the tier together, and the
-    new tier's twins hold the new dtype's blocks: a session resumes from host after it."""
+def test_a_kv_dtype_switch_re_plans_the_host_tier_with_the_pool(tiny_checkpoint, monkeypatch):
+    """A profile's kv_dtype switch (ResetKv) drops the pool and the tier together (the old
+    twins, which hold the old pool's tensors, before the new pool is made: both at once
+    would not fit a GPU), and the new tier's twins hold the new dtype's blocks: a session
+    resumes from host after it."""
     model_dir = tiny_checkpoint("qwen3")
     core = model_core(model_dir, host_cache_mb=2)
     cold = model_core(model_dir, prefix_cache=False)
     model_session(core, cold, 2, seed=8)
     before = core.pool.host
     assert before is not None and before.blocks.num_filed
+    tiers_at_allocation: list[object] = []
+    real = core.runner._allocate_kv
+    monkeypatch.setattr(core.runner, "_allocate_kv", lambda *a, **kw: (
+        tiers_at_allocation.append(core.runner.host_kv), real(*a, **kw))[1])
     assert core.reset_kv(m.ResetKv(num_blocks=120, kv_dtype="int8", bytes_per_token=0,
                                    context=960, max_output_tokens=959)) == "ok"
+    assert tiers_at_allocation == [None]
     after = core.pool.host
     assert after is not None and after is not before and after.blocks.num_filed == 0
     assert core.runner.host_kv is not None and core.runner.kv_dtype == "int8"

@@ -1,0 +1,42 @@
+"""The CUDA pool sized by measurement (pool_probe.measured_blocks), its CUDA calls stood in:
+what it leaves beside the pool for the graphs captured after it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES
+from helexa.neuron.engine import memory_plan, pool_probe
+
+MIB = 2**20
+
+
+def _measure(monkeypatch: Any, graphs: list[int]) -> dict[str, int]:
+    fitted: dict[str, int] = {}
+    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: 100 * MIB)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(memory_plan, "fit_blocks", lambda **kw: fitted.update(kw) or 1000)
+    runner = SimpleNamespace(
+        block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512,
+        kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
+        device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
+        _allocate_kv=lambda *a: None, execute=lambda seqs: None,
+        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs)))
+    assert pool_probe.measured_blocks(runner, 5000, "auto", 2048) == 1000
+    return fitted
+
+
+def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypatch):
+    """Graphs are captured after the pool is sized: each b-row graph's FlashInfer wrapper
+    holds an 8 MiB int workspace, and their one page-index buffer takes 4 B a block for
+    each of max_slots rows. The measurement counts both (without graphs, neither)."""
+    plain = _measure(monkeypatch, [])
+    assert (plain["step_peak"], plain["bytes_per_block"]) == (100 * MIB, 2 * MIB)
+    graphs = _measure(monkeypatch, [16, 8, 4, 2, 1])
+    # the decode step's peak too (graphs hold a pool apart), then the five wrappers
+    assert graphs["step_peak"] == 200 * MIB + 5 * FI_WRAPPER_INT_BYTES
+    assert graphs["bytes_per_block"] == 2 * MIB + 4 * 16
