@@ -9,6 +9,7 @@ import structlog
 import torch
 
 from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES
+from helexa.checkpoint.vision_shape import read_vision_shape
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.seq_input import SeqInput
 
@@ -35,6 +36,7 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
         # pool; their one page-index buffer grows with the pool (graph_pool_bytes says so)
         peak += len(graphs) * FI_WRAPPER_INT_BYTES
         bytes_per_block += 4 * max(graphs)
+    peak = max(peak, encoder_peak(runner))
     runner._allocate_kv([], 0, None)  # free the probe pool
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
@@ -44,3 +46,19 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
              free_mib=free // 2**20, step_peak_mib=peak // 2**20)
     return blocks
+
+
+def encoder_peak(runner: Any) -> int:
+    """A model with a vision tower: the tower's activations over the largest image its
+    processor makes (the plan's estimate, checkpoint/vision_shape.py), which the probe's
+    text-only steps never reach. The tower runs before the text model in its step and its
+    activations are freed first, so a step peaks at the larger of the two (as helexa plan
+    counts it); 0 for a model that takes no images."""
+    vision = getattr(runner, "vision", None)
+    if vision is None or not vision.takes_images:
+        return 0
+    shape = read_vision_shape(runner.hf_config)
+    if shape is None:
+        return 0
+    return shape.encoder_activation_bytes(vision.processor.max_patches, runner.tp_size,
+                                          runner.dtype.itemsize)

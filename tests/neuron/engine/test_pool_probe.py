@@ -14,8 +14,9 @@ from helexa.neuron.engine import memory_plan, pool_probe
 MIB = 2**20
 
 
-def _measure(monkeypatch: Any, graphs: list[int]) -> dict[str, int]:
+def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0) -> dict[str, int]:
     fitted: dict[str, int] = {}
+    monkeypatch.setattr(pool_probe, "encoder_peak", lambda runner: encoder)
     monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: 100 * MIB)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
@@ -40,3 +41,27 @@ def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypa
     # the decode step's peak too (graphs hold a pool apart), then the five wrappers
     assert graphs["step_peak"] == 200 * MIB + 5 * FI_WRAPPER_INT_BYTES
     assert graphs["bytes_per_block"] == 2 * MIB + 4 * 16
+    # a vision tower whose largest image peaks above the text steps: the larger counts
+    assert _measure(monkeypatch, [], encoder=300 * MIB)["step_peak"] == 300 * MIB
+    assert _measure(monkeypatch, [], encoder=30 * MIB)["step_peak"] == 100 * MIB
+
+
+def test_a_vision_models_measured_step_peak_is_at_least_its_towers(tiny_checkpoint):
+    """The probe's steps are text: a model with a vision tower counts the tower's
+    activations over its largest image too, the figure helexa plan reserves (its step peaks
+    at the larger of the two); a text model counts none."""
+    import json
+
+    from helexa.checkpoint.vision_shape import max_image_patches, read_vision_shape
+    from helexa.neuron.engine.model_runner import ModelRunner
+
+    path = tiny_checkpoint("qwen3_5", vision=True)
+    runner = ModelRunner(path, num_blocks=16, block_size=4, max_num_seqs=2,
+                         max_batched_tokens=64, num_state_slots=2)
+    shape = read_vision_shape(json.loads((path / "config.json").read_text()))
+    assert shape is not None and runner.vision.takes_images
+    want = shape.encoder_activation_bytes(max_image_patches(path, shape), 1, 4)  # fp32
+    assert pool_probe.encoder_peak(runner) == want > 0
+    text = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4, max_num_seqs=2,
+                       max_batched_tokens=64)
+    assert pool_probe.encoder_peak(text) == 0
