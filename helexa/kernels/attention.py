@@ -63,6 +63,7 @@ class DecodeGroup:
     max_len: int
     slots: torch.Tensor | None = None  # [b, max_len] int64, padded with slot 0 (masked)
     start: int | None = None  # one row over consecutive slots [start, start + max_len): views
+    min_len: int | None = None  # the shortest row's length on the host (None: read it)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
@@ -170,7 +171,8 @@ def _decode_group(q: torch.Tensor, kv: PagedKV, grp: DecodeGroup) -> torch.Tenso
     if t <= chunk:
         kc, vc = kv.gather_heads(slots.reshape(-1))  # [kvh, b * T, d]
         mask = None
-        if b > 1 and int(grp.lengths.min()) != t:
+        shortest = grp.min_len if grp.min_len is not None else int(grp.lengths.min())
+        if b > 1 and shortest != t:  # the planner's host figure: no read of the device
             ar = torch.arange(t, device=q.device)
             mask = (ar[None, :] < grp.lengths[:, None]).view(1, b, 1, t)
         o = F.scaled_dot_product_attention(qh, kc.view(kvh, b, t, d), vc.view(kvh, b, t, d),

@@ -25,6 +25,7 @@ from helexa.kernels.backends.base import (
     AttentionBackend,
     StepMeta,
     StepPlan,
+    to_device,
     token_slots,
     used_blocks,
 )
@@ -90,17 +91,22 @@ class TorchBackend(AttentionBackend):
             nblk = -(-t // bs)
             tables = [used_blocks(step.decode_tables[i], lens[i], bs, step.num_blocks)
                       for i in rows]
+            # lists reach a GPU from pinned memory, not waiting (a copy from pageable
+            # memory waits for the device: one a layer a step on the quantised-KV path)
             grp = DecodeGroup(
                 rows=None if len(groups) == 1 and rows == sorted(rows) else
-                torch.tensor(rows, device=dev),
-                lengths=torch.tensor([lens[i] for i in rows], device=dev), max_len=t)
+                to_device(rows, torch.long, dev),
+                lengths=to_device([lens[i] for i in rows], torch.long, dev), max_len=t,
+                min_len=min(lens[i] for i in rows))
             if len(rows) == 1 and tables[0] == list(range(tables[0][0], tables[0][0] + nblk)):
                 grp.start = tables[0][0] * bs  # a reservation drawn in order: no gather
             else:
                 table = torch.tensor([tab + [0] * (nblk - len(tab)) for tab in tables],
                                      dtype=torch.long)
                 ar = torch.arange(t)
-                grp.slots = (table[:, ar // bs] * bs + ar % bs).to(dev)
+                slots = table[:, ar // bs] * bs + ar % bs
+                grp.slots = (slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda"
+                             else slots)
             out.append(grp)
         return out
 
@@ -117,8 +123,8 @@ class TorchBackend(AttentionBackend):
         if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
             chunk.context_start = blocks[0] * bs
         else:
-            chunk.context_slots = torch.tensor(token_slots(table, 0, c + n, bs),
-                                               device=self.device)
+            chunk.context_slots = to_device(token_slots(table, 0, c + n, bs), torch.long,
+                                            self.device)
         if c + n <= DECODE_CHUNK_TOKENS:  # else no [n, T] mask: keys a chunk at a time
             ctx = torch.arange(c + n, device=self.device)
             chunk.mask = ctx[None, :] <= ctx[c:, None]

@@ -60,3 +60,20 @@ def test_a_verification_step_of_a_hybrid_makes_no_host_sync_outside_attention(
     with NoHostSync(), torch.inference_mode():
         logits = runner.model(ids, positions, meta, rows, state)
     assert logits.shape == (5, runner.vocab_size)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
+def test_decode_over_quantised_kv_makes_no_host_sync(tiny_checkpoint, kv_dtype):
+    """Quantised KV runs the torch attention path on CUDA too (FlashInfer reads no packed
+    pool): its decode rows of different lengths take their mask from the planner's host
+    figure, not a read of the device each layer."""
+    runner = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4, max_num_seqs=2,
+                         max_batched_tokens=64, backend="torch", kv_dtype=kv_dtype)
+    runner.execute([SeqInput([1, 2, 3, 4, 5], 0, [1, 2], True, 0),
+                    SeqInput([1, 2, 3], 0, [3], True, 1)])
+    seqs = [SeqInput([4], 5, [1, 2], True, 0), SeqInput([5], 3, [3], True, 1)]
+    ids, positions, step, _ = runner._prepare(seqs)
+    meta = runner.backend.attention.plan(step)
+    with NoHostSync(), torch.inference_mode():
+        logits = runner.model(ids, positions, meta, None)
+    assert logits.shape == (2, runner.vocab_size)
