@@ -111,6 +111,9 @@ class CheckpointFormat(ABC):
 
     # How a refusal of an unknown quant_method names this format ("" for none).
     describes = ""
+    # The checkpoint holds packed tensors in place of most linear weights: the model is
+    # built with them on meta and the float ones made real after attach (deferred.py).
+    packed = False
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt

@@ -114,6 +114,8 @@ def dequantize_ct(stored: torch.Tensor, scale: torch.Tensor, zero_point: torch.T
 class CompressedTensors(SafetensorsFormat):
     """quantization_config.quant_method = "compressed-tensors" (pack-quantized)."""
 
+    packed = True  # its layers' float weights are built on meta (loader.py)
+
     describes = "compressed-tensors pack-quantized"
 
     def __init__(self, ckpt: Checkpoint, scheme: CtScheme) -> None:

@@ -104,6 +104,8 @@ def dequantize_gptq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
 class Gptq(SafetensorsFormat):
     """quantization_config.quant_method = "gptq" or "awq"; the LM head stays float."""
 
+    packed = True  # its layers' float weights are built on meta (loader.py)
+
     describes = "gptq and awq"
 
     def __init__(self, ckpt: Checkpoint, scheme: GptqScheme) -> None:

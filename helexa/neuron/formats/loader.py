@@ -8,6 +8,7 @@ steps. Nothing here names a format or a quantisation scheme.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from helexa.neuron.formats.gptq import Gptq
 from helexa.neuron.formats.quantise import QuantiseAtLoad, QuantSpec
 from helexa.neuron.formats.tensor_map import MissingTensor
 from helexa.neuron.formats.unquantised import Unquantised
+from helexa.neuron.models import deferred
 from helexa.neuron.models.config import ModelConfig, parse_dtype
 from helexa.neuron.models.registry import build_model
 
@@ -62,10 +64,11 @@ def load_model(model_path: str | Path | Checkpoint, device: str | torch.device =
     ckpt = model_path if isinstance(model_path, Checkpoint) else open_checkpoint(model_path)
     fmt = detect(ckpt, quantize)
     torch_dtype = resolve_dtype(ckpt.config, dtype)
-    with torch.device(device):
+    with torch.device(device), deferred.deferred_weights() if fmt.packed else nullcontext():
         model = build_model(ckpt.config, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype,
                             device=device)
     fmt.attach(model)
+    deferred.materialise(model, device)  # the float weights the format left: real now
     fmt.load(model, progress)
     fmt.finish(model)  # before finalize: what is quantised is the checkpoint's weight
     model.finalize()

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels import quant as qk
+from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import TensorSlice
 
 
@@ -181,7 +182,7 @@ class Int8gLookup:
 def drop_float_weight(mod: nn.Module) -> tuple[torch.dtype, torch.device]:
     """Replace a layer's float weight by an empty buffer (its checkpoint holds other
     tensors in its place); the weight's (dtype, device)."""
-    dtype, device = mod.weight.dtype, mod.weight.device
+    dtype, device = mod.weight.dtype, deferred.home(mod, mod.weight)
     del mod.weight
     mod.register_buffer("weight", torch.empty(0, dtype=dtype, device=device), persistent=False)
     return dtype, device

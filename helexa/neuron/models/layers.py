@@ -1,12 +1,11 @@
 """Tensor-parallel layer classes with per-parameter weight loaders.
 
-Each parameter carries ``weight_loader(param, loaded, shard_id)`` where
-``loaded`` is a lazy slice of the checkpoint tensor (safetensors'
-``safe_open(...).get_slice(name)``, or a :class:`TensorSlice` around a torch
-tensor) so a rank reads only the rows/columns it owns and never materialises
-the full tensor. With tp_size = 1 every layer is plain single-device code;
-with tp_size > 1 the row-parallel and vocab-parallel layers all-reduce and the
-LM head all-gathers over the default torch.distributed group.
+Each parameter carries ``weight_loader(param, loaded, shard_id)`` where ``loaded`` is a
+lazy slice of the checkpoint tensor (safetensors' ``safe_open(...).get_slice(name)``, or a
+:class:`TensorSlice` around a torch tensor) so a rank reads only the rows/columns it owns
+and never materialises the full tensor (linear weights may start on meta: deferred.py).
+With tp_size = 1 every layer is plain single-device code; with tp_size > 1 the
+row-parallel and vocab-parallel layers all-reduce and the LM head all-gathers.
 
 A row-parallel product a residual add and an RMSNorm follow (every attention, linear
 attention, MLP and MoE output of a decoder layer) is built with ``defer=True``: it
@@ -39,6 +38,7 @@ from torch import nn
 
 from helexa.kernels.backends.executor import LinearSite
 from helexa.kernels.norm import rms_norm
+from helexa.neuron.models import deferred
 
 # Bytes each rank sends into collectives (tp > 1), for bench/tp.py; a plain int add per call.
 COMM_STATS = {"bytes": 0}
@@ -58,8 +58,8 @@ class SliceGetter(Protocol):
 
 
 class HotModule(nn.Module):
-    """An nn.Module whose call goes straight to forward: nn.Module's hook machinery
-    costs ~5 µs a call, ~80 calls a decode step. These modules take no hooks."""
+    """An nn.Module whose call goes straight to forward (nn.Module's hooks cost ~5 µs a
+    call, ~80 calls a decode step). These modules take no hooks."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -67,7 +67,6 @@ class HotModule(nn.Module):
 
 class TensorSlice:
     """Adapts an in-memory tensor to the SliceGetter protocol (tests, tied weights)."""
-
     def __init__(self, tensor: torch.Tensor) -> None:
         self.tensor = tensor
 
@@ -101,16 +100,17 @@ class ParallelLinearBase(HotModule):
         dtype: torch.dtype, device: torch.device | str | None,
     ) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size, self.weight_home = tp_rank, tp_size, device
+        at = deferred.place(device)  # meta while a quantised format decides (deferred.py)
         self.weight = _set_loader(
-            nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype, device=device),
+            nn.Parameter(torch.empty(out_per_rank, in_per_rank, dtype=dtype, device=at),
                          requires_grad=False),
             self.weight_loader,
         )
         self.bias = None
         if bias:
             self.bias = _set_loader(
-                nn.Parameter(torch.empty(out_per_rank, dtype=dtype, device=device),
+                nn.Parameter(torch.empty(out_per_rank, dtype=dtype, device=at),
                              requires_grad=False),
                 self.weight_loader,
             )

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels.moe_experts import run_experts, run_quantised_experts
+from helexa.neuron.models import deferred
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
     HotModule,
@@ -54,13 +55,14 @@ class SparseMoeBlock(HotModule):
         self.top_k, self.norm_topk = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.inter = inter // tp_size  # per rank
 
-        def param(*shape: int, loader: Any) -> nn.Parameter:
-            return _set_loader(nn.Parameter(torch.empty(*shape, dtype=dtype, device=device),
+        def param(*shape: int, loader: Any, at: Any = device) -> nn.Parameter:
+            return _set_loader(nn.Parameter(torch.empty(*shape, dtype=dtype, device=at),
                                             requires_grad=False), loader)
 
+        self.weight_home = device  # the expert stacks may start on meta (deferred.py)
         self.gate = param(e, h, loader=replicated_loader)  # the router
-        self.w13 = param(e, 2 * self.inter, h, loader=self._load_w13)
-        self.w2 = param(e, h, self.inter, loader=self._load_w2)
+        self.w13 = param(e, 2 * self.inter, h, loader=self._load_w13, at=deferred.place(device))
+        self.w2 = param(e, h, self.inter, loader=self._load_w2, at=deferred.place(device))
         # (which, expert, x) -> x @ W^T for experts kept quantised (helexa/neuron/formats/gguf/experts.py)
         self.experts_kernel: Any = None
         self.shared = None

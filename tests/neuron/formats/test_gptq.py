@@ -118,3 +118,30 @@ def test_8bit_layers_choose_their_decode_kernels_at_load(gptq_dirs, monkeypatch)
         assert measured == ({(s, b) for s in shapes for b in (False, True)} if fit else set())
     finally:
         run.close()
+
+
+def test_a_packed_checkpoint_never_holds_its_float_weights(gptq_dirs, monkeypatch):
+    """A GPTQ file replaces most linear weights by packed ones: the model is built with them
+    on meta (models/deferred.py), so what is allocated before the format attaches its
+    tensors is no more than the model serves with (on a GPU, CUDA allocates at build: a
+    4-bit 32B model would otherwise need its ~64 GB float size to load)."""
+    from helexa.neuron.formats import loader
+    from helexa.neuron.formats.gptq import Gptq
+
+    held: list[int] = []
+    real_attach = Gptq.attach
+
+    def attach(self, model):
+        held.append(sum(t.numel() * t.element_size()
+                        for t in [*model.parameters(), *model.buffers()] if not t.is_meta))
+        return real_attach(self, model)
+
+    monkeypatch.setattr(Gptq, "attach", attach)
+    q_dir, ref_dir = gptq_dirs(False, True)
+    model = loader.load_model(q_dir, dtype="float32")
+    served = loader.weight_bytes(model)
+    assert held and held[0] < served
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    # built as before, all float, the model held the float file's bytes at this point
+    float_bytes = loader.weight_bytes(loader.load_model(ref_dir, dtype="float32"))
+    assert held[0] < served < float_bytes

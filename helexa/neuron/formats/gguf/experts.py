@@ -27,6 +27,7 @@ from helexa.checkpoint.gguf import GgufError, reader
 from helexa.checkpoint.gguf_layout import FLOAT, QUANT_TYPES, Layout, layout_of
 from helexa.kernels import quant as qk
 from helexa.neuron.formats.gguf.unpack import to_layout
+from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import TensorSlice
 from helexa.neuron.models.moe import SparseMoeBlock
 
@@ -66,13 +67,14 @@ def attach_experts(model: nn.Module, path: Path) -> None:
                     f"tp={mlp.tp_size} = {k} per rank, not a multiple of {layout.group}")
             loader = w.weight_loader
             del mlp._parameters[which]
-            mlp.register_buffer(which, torch.empty(0, dtype=w.dtype, device=w.device),
+            at = deferred.home(mlp, w)  # the stack may have been built on meta
+            mlp.register_buffer(which, torch.empty(0, dtype=w.dtype, device=at),
                                 persistent=False)
             comps = {"q": (torch.int8, k), "scale": (torch.float32, k // layout.group)}
             if layout.zeros:
                 comps["zero"] = (torch.float32, k // layout.group)
             for comp, (dtype, width) in comps.items():
-                p = nn.Parameter(torch.zeros(e, rows, width, dtype=dtype, device=w.device),
+                p = nn.Parameter(torch.zeros(e, rows, width, dtype=dtype, device=at),
                                  requires_grad=False)
                 p.weight_loader = loader  # type: ignore[attr-defined]
                 mlp.register_parameter(f"gguf_{which}_{comp}", p)

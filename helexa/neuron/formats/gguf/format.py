@@ -69,6 +69,8 @@ GGUF_ARCHITECTURES = (*ARCHITECTURES.values(), "Qwen3_5ForConditionalGeneration"
 class Gguf(CheckpointFormat):
     """A ``.gguf`` file (or a folder holding one): quantised or not, tensor by tensor."""
 
+    packed = True  # its layers' float weights are built on meta (loader.py)
+
     def __init__(self, ckpt: Checkpoint) -> None:
         super().__init__(ckpt)
         assert ckpt.gguf is not None
