@@ -110,9 +110,15 @@ class QuantiseAtLoad(SafetensorsFormat):
         return None
 
     def finish(self, model: nn.Module) -> None:
-        super().finish(model)
-        for mod in model.modules():  # free the float weights (a tied head's goes with the embedding)
-            if getattr(mod, "quant", None) is not None and isinstance(mod.weight, nn.Parameter):
+        """Each layer quantised, then its float weight freed at once: the load peaks at the
+        float model and one layer's quantised copy, not every layer's (a tied head's float
+        goes with the later of its two layers)."""
+        for mod in list(model.modules()):
+            method = getattr(mod, "quant", None)
+            if not isinstance(method, LinearMethod):
+                continue
+            method.process_weights_after_loading(mod)
+            if isinstance(mod.weight, nn.Parameter):
                 mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype,
                                                       device=mod.weight.device), requires_grad=False)
 

@@ -132,3 +132,35 @@ def test_a_step_wanting_no_logits_never_launches_the_quantised_head(monkeypatch)
     assert qk.int4_linear(x, qk.int4_pack(q4), 32, 32, sz, None).shape == (0, 32)
     with pytest.raises(AssertionError, match="0 rows"):  # the stand-in is the one reached
         qk.int4_linear(torch.zeros(1, 64), qk.int4_pack(q4), 32, 32, sz, None)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantising_at_load_frees_each_float_weight_as_it_goes(tiny_checkpoint, monkeypatch,
+                                                               kind):
+    """Each layer's float weight goes as soon as the layer is quantised, so the load peaks
+    at the float model and one layer's quantised copy, never every layer's beside it (a
+    tied head shares the embedding's float until both are done)."""
+    from helexa.neuron.formats import quantise
+
+    still_float: list[int] = []
+    real = quantise.AtLoadMethod.process_weights_after_loading
+
+    def process(self, layer):
+        done = [m for m in model_box[0].modules() if hasattr(m, "qweight") and m is not layer]
+        still_float.append(sum(1 for m in done if m.weight.numel()
+                               and m.weight is not layer.weight))
+        return real(self, layer)
+
+    model_box: list = []
+    real_attach = quantise.QuantiseAtLoad.attach
+
+    def attach(self, model):
+        model_box.append(model)
+        return real_attach(self, model)
+
+    monkeypatch.setattr(quantise.AtLoadMethod, "process_weights_after_loading", process)
+    monkeypatch.setattr(quantise.QuantiseAtLoad, "attach", attach)
+    model = load_model(tiny_checkpoint("qwen3"), dtype="float32",
+                       quantize=QuantSpec(kind, 32))
+    assert len(still_float) > 8 and set(still_float) == {0}
+    assert all(m.weight.numel() == 0 for m in model.modules() if hasattr(m, "qweight"))
