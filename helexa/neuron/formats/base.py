@@ -114,6 +114,9 @@ class CheckpointFormat(ABC):
     # The checkpoint holds packed tensors in place of most linear weights: the model is
     # built with them on meta and the float ones made real after attach (deferred.py).
     packed = False
+    # It reads float weights to pack them itself (quantize at load): on a GPU they are
+    # staged in host memory and each is packed onto the card as its layer is done.
+    stages_float = False
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt

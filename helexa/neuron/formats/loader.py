@@ -64,13 +64,17 @@ def load_model(model_path: str | Path | Checkpoint, device: str | torch.device =
     ckpt = model_path if isinstance(model_path, Checkpoint) else open_checkpoint(model_path)
     fmt = detect(ckpt, quantize)
     torch_dtype = resolve_dtype(ckpt.config, dtype)
-    with torch.device(device), deferred.deferred_weights() if fmt.packed else nullcontext():
+    # linear weights built where the format wants them first (models/deferred.py)
+    defer = "meta" if fmt.packed else (
+        "cpu" if fmt.stages_float and torch.device(device).type != "cpu" else None)
+    with torch.device(device), deferred.deferred_weights(defer) if defer else nullcontext():
         model = build_model(ckpt.config, tp_rank=tp_rank, tp_size=tp_size, dtype=torch_dtype,
                             device=device)
     fmt.attach(model)
     deferred.materialise(model, device)  # the float weights the format left: real now
     fmt.load(model, progress)
     fmt.finish(model)  # before finalize: what is quantised is the checkpoint's weight
+    deferred.settle(model)  # what was staged on the host and stays float: home now
     model.finalize()
     # a part the model loads whole or not at all (the vision tower) that came in part
     partial: list[str] = getattr(model, "missing_tensors", [])

@@ -29,6 +29,7 @@ from helexa.kernels import quant as qk
 from helexa.neuron.formats.base import Checkpoint, LinearMethod, asks_quantize
 from helexa.neuron.formats.methods import Int4Linear, Int8Linear, Int8Lookup, QuantConfigError
 from helexa.neuron.formats.streaming import SafetensorsFormat
+from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import (
     ParallelLinearBase,
     ParallelLMHead,
@@ -89,6 +90,8 @@ def quantize_int4(w: torch.Tensor, group_size: int, dtype: torch.dtype = torch.b
 class QuantiseAtLoad(SafetensorsFormat):
     """A float safetensors checkpoint with ``quantize`` = int8 or int4."""
 
+    stages_float = True  # on a GPU the float weights wait in host memory (loader.py)
+
     def __init__(self, ckpt: Checkpoint, spec: QuantSpec) -> None:
         super().__init__(ckpt)
         self.spec = spec
@@ -119,8 +122,9 @@ class QuantiseAtLoad(SafetensorsFormat):
                 continue
             method.process_weights_after_loading(mod)
             if isinstance(mod.weight, nn.Parameter):
-                mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype,
-                                                      device=mod.weight.device), requires_grad=False)
+                at = deferred.home(mod, mod.weight)
+                mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype, device=at),
+                                          requires_grad=False)
 
 
 class AtLoadMethod(LinearMethod):
@@ -142,16 +146,17 @@ class AtLoadMethod(LinearMethod):
         w, dtype = layer.weight, self.fmt.dtype
         if w.numel() == 0:
             return  # done already
+        data = w.data.to(deferred.home(layer, w))  # a weight staged on the host: one layer
         if self.kind == "int8":
             rows = self.fmt.int8_rows
             if id(w) not in rows:  # a tied head shares the embedding's rows
-                rows[id(w)] = quantize_int8(w.data, self.absmax, dtype)
+                rows[id(w)] = quantize_int8(data, self.absmax, dtype)
             q, s = rows[id(w)]
             layer.register_buffer("qweight", q, persistent=False)
             layer.register_buffer("qscales", s, persistent=False)
             layer.kernel = Int8Linear(layer)
         else:
-            q, s, z = quantize_int4(w.data, self.group_size, dtype)
+            q, s, z = quantize_int4(data, self.group_size, dtype)
             layer.register_buffer("qweight", qk.int4_pack(q), persistent=False)
             layer.register_buffer("qscales_zeros", qk.int4_scales_zeros(s, z, dtype),
                                   persistent=False)

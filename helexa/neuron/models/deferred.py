@@ -7,7 +7,9 @@ the float model's size until replaced (CUDA allocates on ``torch.empty``, where 
 stay uncommitted): a 4-bit 32B model would need ~64 GB to load and ~18 GB to serve. Inside
 :func:`deferred_weights` the layers put those weights on the meta device (no memory) and
 remember where they belong (``weight_home``); after the format's attach the loader makes
-what is left real there (:func:`materialise`), before any weight is read.
+what is left real there (:func:`materialise`), before any weight is read. Quantize-at-load
+(which reads the float weights) stages them in host memory instead and packs each onto
+the device as its layer is done; :func:`settle` moves the rest (biases, float layers).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ from typing import Any
 import torch
 from torch import nn
 
-_DEFERRED: ContextVar[bool] = ContextVar("helexa_deferred_weights", default=False)
+_DEFERRED: ContextVar[str | None] = ContextVar("helexa_deferred_weights", default=None)
 
 
 @contextmanager
-def deferred_weights() -> Iterator[None]:
-    """Build the model's linear and expert weights on the meta device (see the module
-    docstring)."""
-    token = _DEFERRED.set(True)
+def deferred_weights(to: str = "meta") -> Iterator[None]:
+    """Build the model's linear and expert weights on ``to`` (see the module docstring):
+    "meta" for a packed checkpoint; "cpu" to stage a float checkpoint's weights in host
+    memory where quantize-at-load packs them onto the device layer by layer."""
+    token = _DEFERRED.set(to)
     try:
         yield
     finally:
@@ -35,14 +38,46 @@ def deferred_weights() -> Iterator[None]:
 
 
 def place(device: Any) -> Any:
-    """Where a linear or expert weight is built: ``device``, or meta inside deferred_weights."""
-    return torch.device("meta") if _DEFERRED.get() else device
+    """Where a linear or expert weight is built: ``device``, or deferred_weights' target."""
+    to = _DEFERRED.get()
+    return device if to is None else torch.device(to)
 
 
 def home(module: nn.Module, t: torch.Tensor) -> torch.device:
-    """The device ``t`` (one of ``module``'s weights) belongs on: its own, or where its
-    layer was built for where it was deferred."""
-    return getattr(module, "weight_home", t.device) if t.is_meta else t.device
+    """The device ``t`` (one of ``module``'s weights) belongs on: where its layer was built
+    for (``weight_home``), else its own."""
+    at = getattr(module, "weight_home", None)
+    return t.device if at is None else torch.device(at)
+
+
+def away(module: nn.Module, t: torch.Tensor) -> bool:
+    """``t`` is not on its home device (built deferred, on meta or staged on the host)."""
+    at = home(module, t)
+    return t.device.type != at.type or (at.index is not None and t.device.index != at.index)
+
+
+def settle(model: nn.Module) -> int:
+    """After loading: every staged weight (built on the host by deferred_weights("cpu"))
+    moved to its home device, attributes and sharing kept; returns the bytes moved."""
+    moved: dict[int, torch.Tensor] = {}
+    total = 0
+    for mod in model.modules():
+        if getattr(mod, "weight_home", None) is None:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None or t.is_meta or not away(mod, t):
+                    continue
+                new = moved.get(id(t))
+                if new is None:
+                    new = t.detach().to(home(mod, t))
+                    if isinstance(t, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=False)
+                        new.__dict__.update(t.__dict__)
+                    moved[id(t)] = new
+                    total += new.numel() * new.element_size()
+                table[name] = new
+    return total
 
 
 def materialise(model: nn.Module, device: Any) -> int:

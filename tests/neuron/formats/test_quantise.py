@@ -164,3 +164,30 @@ def test_quantising_at_load_frees_each_float_weight_as_it_goes(tiny_checkpoint, 
                        quantize=QuantSpec(kind, 32))
     assert len(still_float) > 8 and set(still_float) == {0}
     assert all(m.weight.numel() == 0 for m in model.modules() if hasattr(m, "qweight"))
+
+
+def test_quantising_onto_a_gpu_stages_the_float_weights_in_host_memory(tiny_checkpoint,
+                                                                     monkeypatch):
+    """On a device other than the CPU (meta stands in for a GPU here) a float checkpoint's
+    linear weights are read into host memory, each packed onto the device as its layer is
+    done, and the rest (biases, float layers) moved there after: the card never holds the
+    float model, only the quantised one (the float model of a model quantised to fit a card
+    would not fit it). The embedding (a lookup, not staged) is packed where it lives."""
+    from helexa.neuron.formats import quantise
+    from helexa.neuron.models.layers import ParallelLinearBase
+
+    where: list[tuple[str, str, str]] = []
+    real = quantise.AtLoadMethod.process_weights_after_loading
+
+    def process(self, layer):
+        before = layer.weight.device.type
+        real(self, layer)
+        kind = "linear" if isinstance(layer, ParallelLinearBase) else "embedding"
+        where.append((kind, before, layer.qweight.device.type))
+
+    monkeypatch.setattr(quantise.AtLoadMethod, "process_weights_after_loading", process)
+    model = load_model(tiny_checkpoint("qwen3"), device="meta", dtype="float32",
+                       quantize=QuantSpec("int8", 32))
+    assert ("linear", "cpu", "meta") in where and ("embedding", "meta", "meta") in where
+    assert {w for w in where if w[0] == "linear"} == {("linear", "cpu", "meta")}
+    assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
