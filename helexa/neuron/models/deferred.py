@@ -14,7 +14,7 @@ the device as its layer is done; :func:`settle` moves the rest (biases, float la
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -59,41 +59,33 @@ def away(module: nn.Module, t: torch.Tensor) -> bool:
 def settle(model: nn.Module) -> int:
     """After loading: every staged weight (built on the host by deferred_weights("cpu"))
     moved to its home device, attributes and sharing kept; returns the bytes moved."""
-    moved: dict[int, torch.Tensor] = {}
-    total = 0
-    for mod in model.modules():
-        if getattr(mod, "weight_home", None) is None:
-            continue
-        for table in (mod._parameters, mod._buffers):
-            for name, t in list(table.items()):
-                if t is None or t.is_meta or not away(mod, t):
-                    continue
-                new = moved.get(id(t))
-                if new is None:
-                    new = t.detach().to(home(mod, t))
-                    if isinstance(t, nn.Parameter):
-                        new = nn.Parameter(new, requires_grad=False)
-                        new.__dict__.update(t.__dict__)
-                    moved[id(t)] = new
-                    total += new.numel() * new.element_size()
-                table[name] = new
-    return total
+    return _replace(model, lambda mod, t: getattr(mod, "weight_home", None) is not None
+                    and not t.is_meta and away(mod, t),
+                    lambda mod, t: t.detach().to(home(mod, t)))
 
 
 def materialise(model: nn.Module, device: Any) -> int:
     """Every parameter and buffer still on the meta device made real (uninitialised) on
     ``device``, attributes kept (weight loaders) and shared ones still shared (a tied
     head); returns the bytes made."""
+    return _replace(model, lambda mod, t: t.is_meta,
+                    lambda mod, t: torch.empty_like(t, device=device))
+
+
+def _replace(model: nn.Module, pick: Callable[[nn.Module, torch.Tensor], bool],
+             make: Callable[[nn.Module, torch.Tensor], torch.Tensor]) -> int:
+    """Each parameter and buffer ``pick`` chooses replaced by ``make``'s tensor (a parameter
+    stays one, its attributes kept; one tensor shared by two modules stays shared)."""
     made: dict[int, torch.Tensor] = {}
     total = 0
     for mod in model.modules():
         for table in (mod._parameters, mod._buffers):
             for name, t in list(table.items()):
-                if t is None or not t.is_meta:
+                if t is None or not pick(mod, t):
                     continue
                 new = made.get(id(t))
                 if new is None:
-                    new = torch.empty_like(t, device=device)
+                    new = make(mod, t)
                     if isinstance(t, nn.Parameter):
                         new = nn.Parameter(new, requires_grad=False)
                         new.__dict__.update(t.__dict__)
