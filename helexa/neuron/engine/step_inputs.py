@@ -30,10 +30,9 @@ from helexa.neuron.engine.sampler import Sampler, SamplingState
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 
-# a step's verification rows, each (request, its logits rows, num_draft, their argmax where
-# read already) -> each one's new tokens (Speculator.accept)
-Verify = Callable[[list[tuple[Request, torch.Tensor, int, "list[int] | None"]]],
-                  list[list[int]]]
+# a step's verification rows, each (request, its logits rows, num_draft) -> each one's new
+# tokens (Speculator.accept)
+Verify = Callable[[list[tuple[Request, torch.Tensor, int]]], list[list[int]]]
 
 
 @dataclass
@@ -122,28 +121,11 @@ def pick_tokens(inputs: StepInputs, logits: torch.Tensor, sampler: Sampler,
     new_tokens = {req.req_id: [token] for (req, _), (token, _) in zip(sampled, picks,
                                                                         strict=True)}
     logprobs = {req.req_id: lp for (req, _), (_, lp) in zip(sampled, picks, strict=True)}
-    targets = _greedy_targets(verified, logits)
     if verified:
-        outs = verify([(req, logits[row:row + k + 1], k, targets.get(req.req_id))
-                       for req, row, k in verified])
+        outs = verify([(req, logits[row:row + k + 1], k) for req, row, k in verified])
         new_tokens.update((req.req_id, out) for (req, _, _), out in zip(verified, outs,
                                                                          strict=True))
     return new_tokens, logprobs
-
-
-def _greedy_targets(verified: list[tuple[Request, int, int]], logits: torch.Tensor
-                    ) -> dict[str, list[int]]:
-    """The argmax of every greedy verification row, all read back at once: one wait for the
-    device where reading each request's own would wait once per request."""
-    greedy = [(req, row, k) for req, row, k in verified if _sampling_state(req).greedy]
-    if not greedy:
-        return {}
-    index = [r for _, row, k in greedy for r in range(row, row + k + 1)]
-    flat = logits.index_select(0, to_device(index, torch.long, logits.device)).argmax(-1)
-    picked, out, at = flat.tolist(), {}, 0
-    for req, _, k in greedy:
-        out[req.req_id], at = picked[at:at + k + 1], at + k + 1
-    return out
 
 
 def _sampling_state(req: Request) -> SamplingState:

@@ -164,19 +164,17 @@ class Speculator:
         if self.drafter is not None:
             self.drafter.release(req)
 
-    def accept(self, rows: list[tuple[Request, torch.Tensor, int, list[int] | None]]
-               ) -> list[list[int]]:
-        """Verify a step's rows, each (request, its logits [num_draft + 1, vocab], num_draft,
-        their argmax where the step read it already): the tokens each produces. One call a
-        step, so that the sampled rows share their reads (verify.verify_rows)."""
+    def accept(self, rows: list[tuple[Request, torch.Tensor, int]]) -> list[list[int]]:
+        """Verify a step's rows, each (request, its logits [num_draft + 1, vocab], num_draft):
+        the tokens each produces. One call a step, so that the rows share their reads from
+        the device (verify.verify_rows)."""
         checked = []
-        for req, logits, num_draft, target in rows:
+        for req, logits, num_draft in rows:
             assert req.draft is not None and req.sampling_state is not None
             q = req.draft.probs[:num_draft] if req.draft.probs is not None else None
-            checked.append(Row(logits, req.draft.tokens[:num_draft], q, req.sampling_state,
-                               target))
+            checked.append(Row(logits, req.draft.tokens[:num_draft], q, req.sampling_state))
         outs = verify_rows(checked)
-        for (req, _, num_draft, _), out in zip(rows, outs, strict=True):
+        for (req, _, num_draft), out in zip(rows, outs, strict=True):
             accepted = len(out) - 1
             self.drafted_tokens += num_draft
             self.accepted_tokens += accepted

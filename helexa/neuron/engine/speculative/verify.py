@@ -16,7 +16,8 @@ drawn from row a, so every verification yields between 1 and k + 1 tokens.
   exactly as p, whatever the drafter proposed. A seeded request draws its
   uniforms from its own generator, all k at once. The tests of every sampled row
   of a step reach the host in one read, the tokens after them in one more (a GPU
-  waits twice a step, where it once waited twice a draft of every request).
+  waits twice a step, where it once waited twice a draft of every request); every
+  greedy row's argmax in one read too.
 
 Requests with penalties or logprobs are not speculated (policy in the
 engine core): their next distribution depends on the tokens accepted before.
@@ -37,49 +38,50 @@ from helexa.neuron.engine.sampler import SamplingState, truncate
 class Row:
     """One request's verification row: logits [k + 1, vocab] over [last token, d_1 .. d_k],
     its drafts, the drafter's distributions q [k, vocab] (None: a deterministic drafter),
-    its sampling state, and for a greedy request the rows' argmax where the caller read it
-    already (``target``)."""
+    and its sampling state."""
 
     logits: torch.Tensor
     draft: list[int]
     q: torch.Tensor | None
     state: SamplingState
-    target: list[int] | None = None
 
 
 def verify(logits: torch.Tensor, draft: list[int], q: torch.Tensor | None,
-           state: SamplingState, target: list[int] | None = None) -> list[int]:
+           state: SamplingState) -> list[int]:
     """One request's verification row -> its new tokens (see verify_rows)."""
-    return verify_rows([Row(logits, draft, q, state, target)])[0]
+    return verify_rows([Row(logits, draft, q, state)])[0]
 
 
 def verify_rows(rows: list[Row]) -> list[list[int]]:
-    """A step's verification rows -> each request's new tokens. The sampled rows are
-    verified together: every draft's test of every row reaches the host in one read, and
-    the token after each row's accepted drafts in one more (two waits a step on a GPU,
-    however many requests it verifies)."""
-    out: list[list[int]] = []
-    sampled: list[int] = []
-    for i, row in enumerate(rows):
+    """A step's verification rows -> each request's new tokens. Rows are verified together:
+    every greedy row's argmax reaches the host in one read; every sampled row's draft tests
+    in one more, and the token after each one's accepted drafts in a third (three waits a
+    step on a GPU at most, however many requests it verifies)."""
+    for row in rows:
         k = len(row.draft)
         assert row.logits.shape[0] == k + 1, f"{row.logits.shape[0]} logit rows for {k} drafts"
-        if row.state.greedy:
-            out.append(_greedy(row))
-        else:
-            out.append([])
-            sampled.append(i)
+    out: list[list[int]] = [[] for _ in rows]
+    greedy = [i for i, row in enumerate(rows) if row.state.greedy]
+    sampled = [i for i, row in enumerate(rows) if not row.state.greedy]
+    if greedy:
+        for i, tokens in zip(greedy, _greedy([rows[i] for i in greedy]), strict=True):
+            out[i] = tokens
     if sampled:
         for i, tokens in zip(sampled, _sampled([rows[i] for i in sampled]), strict=True):
             out[i] = tokens
     return out
 
 
-def _greedy(row: Row) -> list[int]:
-    target = row.target if row.target is not None else _read(row.logits.argmax(dim=-1))
-    draft, a = row.draft, 0
-    while a < len(draft) and draft[a] == target[a]:
-        a += 1
-    return draft[:a] + [target[a]]
+def _greedy(rows: list[Row]) -> list[list[int]]:
+    """The longest prefix of each row's drafts its argmax agrees with, and the argmax after."""
+    picked, at, out = _read(torch.cat([row.logits for row in rows]).argmax(dim=-1)), 0, []
+    for row in rows:
+        draft, target, a = row.draft, picked[at:at + len(row.draft) + 1], 0
+        while a < len(draft) and draft[a] == target[a]:
+            a += 1
+        out.append(draft[:a] + [target[a]])
+        at += len(draft) + 1
+    return out
 
 
 def _sampled(rows: list[Row]) -> list[list[int]]:

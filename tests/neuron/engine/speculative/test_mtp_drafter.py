@@ -78,21 +78,30 @@ def test_a_steps_greedy_verification_rows_are_read_back_together(tiny_checkpoint
     them for all its greedy rows at once (on a GPU one wait, not one per request), and each
     request's verification gets exactly its own rows' argmax."""
     from helexa.neuron.engine.speculative import speculator as spec_mod
+    from helexa.neuron.engine.speculative import verify as verify_mod
 
     model_dir = tiny_checkpoint("qwen3_5", mtp=True)
     news = requests(3, 6)
     want = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
-    calls: list[tuple[list[int] | None, list[int]]] = []
+    calls: list[tuple[list[int], list[int]]] = []
     real = spec_mod.verify_rows
-
     per_step: list[int] = []
+    reads: list[int] = []
+    real_read = verify_mod._read
 
     def recording(rows):
-        calls.extend((row.target, row.logits.argmax(-1).tolist()) for row in rows)
+        before = len(reads)
+        outs = real(rows)
+        for row, out in zip(rows, outs, strict=True):  # its own rows' argmax, taken apart
+            own = row.logits.argmax(-1).tolist()
+            a = next((j for j, d in enumerate(row.draft) if d != own[j]), len(row.draft))
+            calls.append((out, row.draft[:a] + [own[a]]))
         per_step.append(len(rows))
-        return real(rows)
+        assert len(reads) - before == 1  # every greedy row of the step: one read
+        return outs
 
     monkeypatch.setattr(spec_mod, "verify_rows", recording)
+    monkeypatch.setattr(verify_mod, "_read", lambda t: reads.append(1) or real_read(t))
     core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
     assert drive(core, news, served=True).tokens == want
     assert len(calls) > 10 and all(got == own for got, own in calls), calls[:3]

@@ -74,11 +74,12 @@ def test_rejection_rule_with_a_deterministic_draft_and_truncation():
     close(counts / TRIALS, p[0], TRIALS)
 
 
-def test_a_steps_sampled_rows_are_verified_together_in_two_reads(monkeypatch):
-    """Rows of different requests verified in one call: the host waits for the device twice
-    (every draft's test, then every row's token after its drafts) however many rows, and
-    each row keeps its own target distribution (rows with a stochastic drafter, with a
-    deterministic one, with no draft, and a greedy row whose argmax was read already)."""
+def test_a_steps_rows_are_verified_together_in_three_reads(monkeypatch):
+    """Rows of different requests verified in one call: the host waits for the device three
+    times (every greedy row's argmax, every draft's test, then every sampled row's token
+    after its drafts) however many rows, and each row keeps its own target distribution
+    (rows with a stochastic drafter, with a deterministic one, with no draft, and a greedy
+    row, which takes its own argmax)."""
     reads = []
     real_read = verify_mod._read
     monkeypatch.setattr(verify_mod, "_read", lambda t: reads.append(t.shape) or real_read(t))
@@ -98,13 +99,14 @@ def test_a_steps_sampled_rows_are_verified_together_in_two_reads(monkeypatch):
     for _ in range(trials):
         d = [int(torch.multinomial(poor[i], 1, generator=gen)) for i in range(2)]
         outs = verify_rows([Row(a_logits, d, poor, a), Row(b_logits, guess, None, b),
-                            Row(torch.eye(2, V), [0], None, g, target=[0, 3]),
+                            Row(torch.eye(V)[[0, 3]], [0], None, g),
                             Row(c_logits, [], None, c)])
         for i, out in enumerate((outs[0], outs[1], outs[3])):
             firsts[i, out[0]] += 1
         assert outs[2] == [0, 3]
-    assert len(reads) == 2 * trials
-    assert reads[:2] == [(4, 3), (3,)]  # 2 + 2 + 0 drafts' tests; 3 sampled rows' tokens
+    assert len(reads) == 3 * trials
+    # the greedy row's 2 argmaxes; 2 + 2 + 0 drafts' tests; 3 sampled rows' tokens
+    assert reads[:3] == [(2,), (4, 3), (3,)]
     for i, p in enumerate((pa[0], pb[0], pc[0])):
         close(firsts[i] / trials, p, trials)
 
