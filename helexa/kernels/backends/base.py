@@ -166,6 +166,12 @@ def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
     return pinned(values, dtype, device).to(device, non_blocking=True)
 
 
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor ``t`` on ``device``, through pinned memory where that is a CUDA device
+    (as ``pinned``: no wait); ``t`` itself elsewhere."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A copy of device tensor ``t`` in pinned host memory, made without waiting: read it
     once an event recorded after this call has passed."""

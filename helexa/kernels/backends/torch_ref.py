@@ -25,6 +25,7 @@ from helexa.kernels.backends.base import (
     AttentionBackend,
     StepMeta,
     StepPlan,
+    host_to_device,
     to_device,
     token_slots,
     used_blocks,
@@ -104,9 +105,7 @@ class TorchBackend(AttentionBackend):
                 table = torch.tensor([tab + [0] * (nblk - len(tab)) for tab in tables],
                                      dtype=torch.long)
                 ar = torch.arange(t)
-                slots = table[:, ar // bs] * bs + ar % bs
-                grp.slots = (slots.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda"
-                             else slots)
+                grp.slots = host_to_device(table[:, ar // bs] * bs + ar % bs, dev)
             out.append(grp)
         return out
 

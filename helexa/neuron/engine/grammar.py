@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.backends.base import to_device
+from helexa.kernels.backends.base import host_to_device, to_device
 from helexa.neuron.tokenizer import eos_token_ids
 
 
@@ -128,7 +128,7 @@ def apply_bitmask(logits: torch.Tensor, rows: list[int], mask: torch.Tensor) -> 
     memory (a copy from pageable memory would hold the host until the step before had run,
     and a lookahead step samples while it runs: engine/lookahead.py)."""
     device, vocab = logits.device, logits.shape[1]
-    m = mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+    m = host_to_device(mask, device)
     bits = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((m.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]
     idx = to_device(rows, torch.long, device)
