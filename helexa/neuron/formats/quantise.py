@@ -112,20 +112,6 @@ class QuantiseAtLoad(SafetensorsFormat):
             return AtLoadMethod(self, self.spec.kind, self.spec.group_size)
         return None
 
-    def finish(self, model: nn.Module) -> None:
-        """Each layer quantised, then its float weight freed at once: the load peaks at the
-        float model and one layer's quantised copy, not every layer's (a tied head's float
-        goes with the later of its two layers)."""
-        for mod in list(model.modules()):
-            method = getattr(mod, "quant", None)
-            if not isinstance(method, LinearMethod):
-                continue
-            method.process_weights_after_loading(mod)
-            if isinstance(mod.weight, nn.Parameter):
-                at = deferred.home(mod, mod.weight)
-                mod.weight = nn.Parameter(torch.empty(0, dtype=mod.weight.dtype, device=at),
-                                          requires_grad=False)
-
 
 class AtLoadMethod(LinearMethod):
     """One layer quantised at load: int8 (a scale a row) or int4 (groups of ``group_size``)."""
@@ -164,6 +150,11 @@ class AtLoadMethod(LinearMethod):
         self.absmax = None
         if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
             layer.lookup = Int8Lookup(layer)
+        # its float weight goes now, not once every layer is done: the load peaks at the
+        # float model and one layer's quantised copy (a tied head's float goes with the
+        # later of its two layers, which both hold it)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=deferred.home(layer, w)),
+                                    requires_grad=False)
 
 
 def _check_int4(name: str, mod: Any, group: int) -> None:
