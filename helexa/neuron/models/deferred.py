@@ -10,6 +10,9 @@ remember where they belong (``weight_home``); after the format's attach the load
 what is left real there (:func:`materialise`), before any weight is read. Quantize-at-load
 (which reads the float weights) stages them in host memory instead and packs each onto
 the device as its layer is done; :func:`settle` moves the rest (biases, float layers).
+A format's own staging tensors (GGUF's unpacked parts, 1.25 bytes a value) stay on meta
+past materialise (:func:`until_loaded`) and are made real one layer at a time as the
+file's tensors arrive (:func:`real`), so they never pile up for the whole model.
 """
 
 from __future__ import annotations
@@ -67,9 +70,31 @@ def settle(model: nn.Module) -> int:
 def materialise(model: nn.Module, device: Any) -> int:
     """Every parameter and buffer still on the meta device made real (uninitialised) on
     ``device``, attributes kept (weight loaders) and shared ones still shared (a tied
-    head); returns the bytes made."""
-    return _replace(model, lambda mod, t: t.is_meta,
+    head), except those left for their first load (:func:`until_loaded`); returns the
+    bytes made."""
+    return _replace(model, lambda mod, t: t.is_meta and getattr(t, "load_home", None) is None,
                     lambda mod, t: torch.empty_like(t, device=device))
+
+
+def until_loaded(shape: tuple[int, ...], dtype: torch.dtype, at: Any) -> nn.Parameter:
+    """A parameter of ``shape`` that belongs on ``at`` but holds no memory until the first
+    piece loads into it (:func:`real`): materialise leaves it on meta."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+    p.load_home = torch.device(at)  # type: ignore[attr-defined]
+    return p
+
+
+def real(module: nn.Module, name: str) -> nn.Parameter:
+    """``module``'s parameter ``name``, made real (zeros) on its home first if it is still
+    waiting for its first load (:func:`until_loaded`); attributes kept."""
+    p = module._parameters[name]
+    assert p is not None
+    if not p.is_meta or getattr(p, "load_home", None) is None:
+        return p
+    new = nn.Parameter(torch.zeros_like(p, device=p.load_home), requires_grad=False)
+    new.__dict__.update(p.__dict__)
+    module._parameters[name] = new
+    return new
 
 
 def _replace(model: nn.Module, pick: Callable[[nn.Module, torch.Tensor], bool],

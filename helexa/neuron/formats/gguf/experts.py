@@ -7,7 +7,8 @@ intermediate]; or ``ffn_gate_up_exps``), each expert's rows quantised as a 2-D w
 are. Before loading, a MoE block whose stacks are quantised gets, in place of its float
 ``w13`` / ``w2``, their unpacked form per expert (``gguf_w13_q`` int8 [E, rows, cols],
 ``gguf_w13_scale`` / ``_zero`` fp32 per group), filled through the block's own expert
-loaders (each rank its rows of w13, its columns of w2, groups never cut). Once a
+loaders (each rank its rows of w13, its columns of w2, groups never cut); they hold
+memory only from their layer's first expert on (deferred.until_loaded). Once a
 stack's parts are in, :func:`install` moves them onto the op of
 :func:`helexa.checkpoint.gguf_layout.layout_of`: grouped int8 (``q * scale + zero``), or tinygemm's
 int4 for ``Q4_K``, one packed weight per expert; the block then calls
@@ -73,9 +74,8 @@ def attach_experts(model: nn.Module, path: Path) -> None:
             comps = {"q": (torch.int8, k), "scale": (torch.float32, k // layout.group)}
             if layout.zeros:
                 comps["zero"] = (torch.float32, k // layout.group)
-            for comp, (dtype, width) in comps.items():
-                p = nn.Parameter(torch.zeros(e, rows, width, dtype=dtype, device=at),
-                                 requires_grad=False)
+            for comp, (dtype, width) in comps.items():  # real as the layer loads
+                p = deferred.until_loaded((e, rows, width), dtype, at)
                 p.weight_loader = loader  # type: ignore[attr-defined]
                 mlp.register_parameter(f"gguf_{which}_{comp}", p)
             if not hasattr(mlp, "gguf_stacks"):
@@ -144,7 +144,7 @@ def load_piece(mlp: nn.Module, mod_name: str, attr: str, shard: Any, value: Any,
     for comp, v in zip(("q", "scale", "zero"), to_layout(value, stack.layout), strict=True):
         name = f"gguf_{attr}_{comp}"
         if v is not None and name in mlp._parameters:
-            p = mlp._parameters[name]
+            p = deferred.real(mlp, name)
             with torch.no_grad():
                 p.weight_loader(p, TensorSlice(v), shard)
             on_loaded(None, (f"{mod_name}.{name}", shard), 0)

@@ -55,6 +55,7 @@ from helexa.neuron.formats.methods import (
     install_int8g,
 )
 from helexa.neuron.formats.tensor_map import check_loaded, expected_tensors, target
+from helexa.neuron.models import deferred
 from helexa.neuron.models.config import UnsupportedArchitecture
 from helexa.neuron.models.layers import ParallelLMHead, TensorSlice, VocabParallelEmbedding
 
@@ -256,9 +257,8 @@ class GgufLinear(LinearMethod):
         shapes = {"gguf_q": (torch.int8, k), "gguf_scale": (torch.float32, k // self.layout.group)}
         if self.layout.zeros:
             shapes["gguf_zero"] = (torch.float32, k // self.layout.group)
-        for pname, (pdtype, width) in shapes.items():
-            p = nn.Parameter(torch.zeros(rows, width, dtype=pdtype, device=device),
-                             requires_grad=False)
+        for pname, (pdtype, width) in shapes.items():  # memory from the first part on
+            p = deferred.until_loaded((rows, width), pdtype, device)
             p.weight_loader = loader  # type: ignore[attr-defined]
             layer.register_parameter(pname, p)
 
@@ -270,7 +270,7 @@ class GgufLinear(LinearMethod):
                          to_layout(value, self.layout), strict=True))
         for comp, v in parts.items():
             if v is not None and comp in layer._parameters:
-                p = layer._parameters[comp]
+                p = deferred.real(layer, comp)
                 with torch.no_grad():
                     p.weight_loader(p, TensorSlice(v), shard)
                 on_loaded(name, (f"{mod_name}.{comp}", shard), 0)

@@ -219,3 +219,45 @@ def test_value_head_columns_move_on_the_unpacked_form_or_the_float(dim):
     assert isinstance(moved, tuple) == (dim % 32 == 0)
     want = dequantize(*unpacked)[:, _grouped(2, 3, dim)]
     assert torch.equal(dequantize(*moved) if isinstance(moved, tuple) else moved, want)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_moe", "qwen3_next"])
+def test_unpacked_parts_hold_memory_one_layer_at_a_time(hybrid_gguf, monkeypatch, family):
+    """A quantised tensor loads through its unpacked form (int8 values, fp32 scales: ~1.25
+    bytes a value, more than the op keeps). The form is made as its layer's tensors arrive
+    and freed when the layer's op is installed, so loading never holds it for the whole
+    model (on a GPU, where allocation commits, making all of it at attach held ~2x the
+    served bytes at once: a 27B Q4_K file ~34 GB on its way to ~15 GB)."""
+    from helexa.neuron.formats.gguf.format import Gguf
+    from helexa.neuron.models import deferred
+
+    def unpacked(model, real: bool) -> dict[str, int]:
+        """Bytes of unpacked parts per layer ("model.layers.N") or top-level module."""
+        out: dict[str, int] = {}
+        for name, p in model.named_parameters():
+            if ".gguf_" in name and p.is_meta != real:
+                parts = name.split(".")
+                group = ".".join(parts[:3] if parts[1] == "layers" else parts[:2])
+                out[group] = out.get(group, 0) + p.numel() * p.element_size()
+        return out
+
+    seen: dict[str, object] = {"peak": 0}
+    real_attach, real_real = Gguf.attach, deferred.real
+
+    def attach(self, model):
+        real_attach(self, model)
+        seen["model"], seen["at_attach"] = model, unpacked(model, True)
+        seen["sizes"] = unpacked(model, False)
+
+    def made(module, name):
+        p = real_real(module, name)
+        seen["peak"] = max(seen["peak"], sum(unpacked(seen["model"], True).values()))
+        return p
+
+    monkeypatch.setattr(Gguf, "attach", attach)
+    monkeypatch.setattr(deferred, "real", made)
+    run = runner(hybrid_gguf(family)[0])
+    sizes = seen["sizes"]
+    assert seen["at_attach"] == {} and len(sizes) >= 5, sizes  # nothing real before loading
+    assert 0 < seen["peak"] <= max(sizes.values()) < sum(sizes.values()) / 3
+    assert not any(".gguf_" in n for n, _ in run.model.named_parameters())  # all installed
