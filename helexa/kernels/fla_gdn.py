@@ -11,10 +11,10 @@ helexa/kernels/gated_delta.py that it is tested against:
   settling at the next step, one launch each, for delta_rule_steps / delta_rule_advance;
 - ``gated_rms_norm``: a layer's output norm, fla's one kernel where it runs.
 
-fla's recurrent kernel takes grouped heads (value head h reads key head h // (v_heads /
-k_heads), the grouping the torch forms get from ``repeat_interleave``), so decode and
-verification pass q and k as they are; its chunked kernel takes one head count for q, k
-and v, so prefill repeats them. ``probe_fla_gated`` proves the gated decode and norm at
+fla's kernels take grouped heads (value head h reads key head h // (v_heads / k_heads),
+the grouping the torch forms get from ``repeat_interleave``): the recurrent one for
+years, the chunked one from fla-core 0.5 (its "GVA"; the ``.[cuda]`` extra's floor), so
+prefill, decode and verification all pass q and k as they are. ``probe_fla_gated`` proves the gated decode and norm at
 load against the torch forms. The state backend (helexa/kernels/backends/gdn.py) chooses.
 """
 
@@ -88,6 +88,7 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 beta: torch.Tensor, state: torch.Tensor | None, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """delta_rule_chunked on fla's kernel (CUDA only; q already normalised and scaled),
+    with grouped heads: q, k [T, key_heads, dk]; v [T, v_heads, dv]; g, beta [T, v_heads];
     its inputs in the model's 16-bit `dtype`, the decays and the state in fp32."""
     assert _fla_chunk is not None
     o, s = _fla_chunk(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype),

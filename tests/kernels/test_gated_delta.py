@@ -94,6 +94,20 @@ def test_fla_kernel_matches_reference_in_bf16():
     torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.skipif(not fla.fla_available(torch.device("cuda"), torch.bfloat16),
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
+def test_fla_chunked_takes_grouped_key_heads():
+    """Two key heads, each serving two consecutive value heads (Qwen3.5's grouping): fla's
+    chunked kernel given them grouped computes what the reference does with them repeated."""
+    q, k, v, g, beta, state = (x.cuda() for x in inputs(150, h=4, dk=64, dv=64, seed=5))
+    qg, kg = q[:, ::2].contiguous(), k[:, ::2].contiguous()  # key head j serves 2j, 2j + 1
+    ref_o, ref_s = gd.delta_rule_reference(qg.repeat_interleave(2, 1),
+                                           kg.repeat_interleave(2, 1), v, g, beta, state)
+    o, s = fla.fla_chunked(qg, kg, v, g, beta, state, torch.bfloat16)
+    torch.testing.assert_close(o, ref_o, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
+
+
 @pytest.mark.skipif(fla._fla_norm_gated is None or not torch.cuda.is_available(),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_gated_norm_matches_the_torch_form():

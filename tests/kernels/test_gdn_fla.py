@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from support.fla import StandInRecurrent
+from support.fla import StandInChunked, StandInRecurrent
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import fla_gdn as fla
@@ -135,6 +135,23 @@ def test_the_backend_on_fla_decode_gives_the_torch_paths_outputs_and_states(stan
     assert all(c["q"][2] == KH and c["v"][2] == VH for c in stand_in.calls)
     for got, want in zip(fused, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # fp32
+
+
+def test_fla_chunked_prefill_takes_the_key_heads_grouped(stand_in, monkeypatch):
+    """Prefill on fla's chunked kernel (fla-core 0.5 on) passes q and k as the checkpoint
+    groups them, no repeat to the value heads; outputs and states are the torch path's."""
+    chunked = StandInChunked()
+    monkeypatch.setattr(fla, "_fla_chunk", chunked)
+    plain = _steps(_states(False))
+    states = _states(True)
+    states._fla = True  # as allocate sets it on CUDA, fla installed, a 16-bit model
+    fused = _steps(states)
+    # step 1's prefill of 5 and step 2's of 3, one call each, q and k grouped
+    assert [(c["q"], c["k"], c["v"]) for c in chunked.calls] == [
+        ((1, 5, KH, DK), (1, 5, KH, DK), (1, 5, VH, DV)),
+        ((1, 3, KH, DK), (1, 3, KH, DK), (1, 3, VH, DV))]
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 stand-in
 
 
 def _verify_plans() -> list[StepPlan]:

@@ -45,3 +45,24 @@ class StandInRecurrent:
             kt = kt.repeat_interleave(group, 1)
             out.append(gd.delta_rule_decode(qt, kt, v[:, t], g[:, t], beta[:, t], state))
         return torch.stack(out, 1).to(v.dtype), state
+
+
+class StandInChunked:
+    """fla's chunk_gated_delta_rule as documented from fla-core 0.5 (grouped key heads:
+    q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], state [N, HV, K, V]), in
+    torch; records each call's shapes."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                 beta: torch.Tensor, *, scale: float, initial_state: torch.Tensor | None,
+                 output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale})
+        assert q.shape[0] == 1 and v.shape[2] % q.shape[2] == 0, "fla takes one sequence here"
+        group = v.shape[2] // q.shape[2]
+        o, s = gd.delta_rule_chunked(q[0].float().repeat_interleave(group, 1) * scale,
+                                     k[0].float().repeat_interleave(group, 1), v[0].float(),
+                                     g[0].float(), beta[0].float(),
+                                     None if initial_state is None else initial_state[0])
+        return o[None].to(v.dtype), s[None]

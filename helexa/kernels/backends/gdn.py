@@ -257,11 +257,10 @@ class GatedDeltaStates:
         q = gd.l2norm(q.reshape(n, kh, dk).float()) * dk ** -0.5
         k = key_heads = gd.l2norm(k.reshape(n, kh, dk).float())
         grouped_q = q
-        if vh > kh and (not self._fla_decode or meta.prefills
+        if vh > kh and ((nd and not self._fla_decode) or (meta.prefills and not self._fla)
                         or (rows is not None and not self._fla_verify)):
-            # the torch forms and fla's chunked kernel take a key head per value head:
-            # each key head serves vh / kh consecutive value heads (fla's recurrent one,
-            # decode and verification rows, takes them grouped)
+            # the torch forms take a key head per value head: each key head serves
+            # vh / kh consecutive value heads (fla's kernels take them grouped)
             q, k = q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1)
         v = v.reshape(n, vh, dv)
         o = torch.empty(n, vh, dv, dtype=torch.float32, device=mixed.device)
@@ -274,10 +273,10 @@ class GatedDeltaStates:
                 o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
         for start, end, slot in meta.prefills:
-            args = (q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end],
-                    state.recurrent[slot])
-            o[start:end], final = (fla.fla_chunked(*args, mixed.dtype) if self._fla
-                                   else gd.delta_rule_chunked(*args))
+            rest = (v[start:end], g[start:end], beta[start:end], state.recurrent[slot])
+            o[start:end], final = (
+                fla.fla_chunked(grouped_q[start:end], key_heads[start:end], *rest, mixed.dtype)
+                if self._fla else gd.delta_rule_chunked(q[start:end], k[start:end], *rest))
             state.recurrent[slot] = final.to(state.recurrent.dtype)
         if rows is not None:
             states = state.recurrent.index_select(0, rows.slots).float()
