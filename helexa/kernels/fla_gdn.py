@@ -14,8 +14,10 @@ helexa/kernels/gated_delta.py that it is tested against:
 fla's kernels take grouped heads (value head h reads key head h // (v_heads / k_heads),
 the grouping the torch forms get from ``repeat_interleave``): the recurrent one for
 years, the chunked one from fla-core 0.5 (its "GVA"; the ``.[cuda]`` extra's floor), so
-prefill, decode and verification all pass q and k as they are. ``probe_fla_gated`` proves the gated decode and norm at
-load against the torch forms. The state backend (helexa/kernels/backends/gdn.py) chooses.
+prefill, decode and verification all pass q and k as they are. Each kernel is run once
+at load against its torch form (the ``probe_fla_*``), and one that fails or disagrees
+is left off with the reason logged, so it never fails a request's step. The state
+backend (helexa/kernels/backends/gdn.py) chooses.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from helexa.kernels.gated_delta import (
     GateInputs,
     delta_rule_advance,
+    delta_rule_chunked,
     delta_rule_decode,
     delta_rule_steps,
     gates,
@@ -221,6 +224,52 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
             _fla_norm_gated = None
             reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
     return decode_ok, "; ".join(reasons)
+
+
+def probe_fla_chunked(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
+                      value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+    """Run fla_chunked once on a prefill of 70 tokens (past one 64-token chunk) from a
+    state, the key heads grouped, at a layer's sizes, against delta_rule_chunked with them
+    repeated: "" when they agree, else why not (prefill then runs the torch form: an fla
+    older than 0.5 takes no grouped heads in this kernel and fails here, not in a step)."""
+    gen = torch.Generator().manual_seed(2)
+    kh, vh, dk, dv, t = key_heads, value_heads, key_dim, value_dim, 70
+    q = l2norm(torch.randn(t, kh, dk, generator=gen)) * dk ** -0.5
+    k = l2norm(torch.randn(t, kh, dk, generator=gen))
+    v = torch.randn(t, vh, dv, generator=gen).to(dtype)
+    g, beta = -torch.rand(t, vh, generator=gen), torch.rand(t, vh, generator=gen)
+    state = torch.randn(vh, dk, dv, generator=gen)
+    want, want_state = delta_rule_chunked(q.repeat_interleave(vh // kh, 1),
+                                          k.repeat_interleave(vh // kh, 1), v, g, beta, state)
+    try:
+        got, final = fla_chunked(*(x.to(device) for x in (q, k, v, g, beta, state)), dtype)
+        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_state))
+    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
+        return f"fla's chunked prefill kernel failed ({type(e).__name__}: {e})"
+    return "" if err < tol else f"fla's chunked prefill kernel is off by {err:.2g} (relative)"
+
+
+def probe_fla_decode(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
+                     value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+    """Run fla_decode once on two decode rows at a layer's sizes against delta_rule_decode:
+    "" when they agree, else why not (decode then runs the torch step)."""
+    gen = torch.Generator().manual_seed(3)
+    kh, vh, dk, dv, b = key_heads, value_heads, key_dim, value_dim, 2
+    q = l2norm(torch.randn(b, kh, dk, generator=gen)) * dk ** -0.5
+    k = l2norm(torch.randn(b, kh, dk, generator=gen))
+    v = torch.randn(b, vh, dv, generator=gen).to(dtype)
+    g, beta = -torch.rand(b, vh, generator=gen), torch.rand(b, vh, generator=gen)
+    states = torch.randn(b, vh, dk, dv, generator=gen)
+    want_states = states.clone()
+    want = delta_rule_decode(q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1),
+                             v, g, beta, want_states)
+    try:
+        dev_states = states.to(device)
+        got = fla_decode(*(x.to(device) for x in (q, k, v, g, beta)), dev_states, dtype)
+        err = max(rel_error(got.cpu(), want), rel_error(dev_states.cpu(), want_states))
+    except Exception as e:  # noqa: BLE001 - any failure: the torch step runs, said why
+        return f"fla's decode kernel failed ({type(e).__name__}: {e})"
+    return "" if err < tol else f"fla's decode kernel is off by {err:.2g} (relative)"
 
 
 def probe_fla_steps(device: torch.device, key_heads: int, value_heads: int, key_dim: int,

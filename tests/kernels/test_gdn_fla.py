@@ -342,3 +342,38 @@ def test_the_load_probe_proves_the_gated_kernel_or_turns_it_off(stand_in, monkey
     assert not ok and "fla's gated decode is off by" in why
     states.allocate([_spec()], 4)
     assert states._fla_decode and not states._fla_gated
+
+
+def test_the_prefill_and_decode_kernels_are_proved_at_load_or_left_off(stand_in, monkeypatch):
+    """At allocate (CUDA with fla) the chunked prefill and the decode kernel each run once
+    against the torch forms. An fla whose chunked kernel takes no grouped heads (as before
+    0.5) or whose decode disagrees is left off, the reason logged, and the torch forms
+    serve the same outputs and states: a failing kernel never fails a request's step."""
+    monkeypatch.setattr(fla, "fla_decode_available", lambda device: True)
+    monkeypatch.setattr(fla, "fla_available", lambda device, dtype: True)
+    monkeypatch.setattr(fla, "_fla_chunk", StandInChunked())
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    assert states._fla and states._fla_decode
+
+    def one_head_count(q, k, v, *args, **kw):  # fla 0.4's chunked kernel: H == HV only
+        if q.shape[2] != v.shape[2]:
+            raise AssertionError("q, k and v must have the same number of heads")
+        return StandInChunked()(q, k, v, *args, **kw)
+
+    def no_decay(**kw: Any) -> tuple[torch.Tensor, torch.Tensor]:  # a kernel ignoring g
+        return StandInRecurrent()(**{**kw, "g": torch.zeros_like(kw["g"])})
+
+    monkeypatch.setattr(fla, "_fla_chunk", one_head_count)
+    monkeypatch.setattr(fla, "_fla_recurrent", no_decay)
+    from helexa.kernels.backends import gdn
+    warned = []
+    monkeypatch.setattr(gdn.log, "warning", lambda event, **kw: warned.append(kw["reason"]))
+    states.allocate([_spec()], 4)
+    assert not states._fla and not states._fla_decode and not states._fla_verify
+    assert any("fla's chunked prefill kernel failed (AssertionError: q, k and v must have"
+               in w for w in warned), warned
+    assert any("fla's decode kernel is off by" in w for w in warned), warned
+    plain = _steps(_states(False))
+    for got, want in zip(_steps(states), plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -29,6 +29,7 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -102,6 +103,10 @@ class GatedDeltaStates:
                      secs=round(time.perf_counter() - start, 1))
         self._fla = bool(specs) and fla.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
+        if self._fla:  # each kernel proved at load: a failing one must not fail a step
+            self._fla = self._fla_proved(fla.probe_fla_chunked, specs[0])
+        if self._fla_decode:
+            self._fla_decode = self._fla_proved(fla.probe_fla_decode, specs[0])
         self._fla_gated = self._fla_decode and fla.fla_gated_available()
         if self._fla_gated:  # proved at load against the torch forms, as the first step runs
             s = specs[0]
@@ -110,14 +115,16 @@ class GatedDeltaStates:
                                                        TORCH_DTYPES[s.dtype])
             if why:
                 log.warning("kernels.fla_fallback", reason=why)
-        self._fla_verify = self._fla_decode
-        if self._fla_verify:  # proved at load too: a failing kernel must not fail a step
-            s = specs[0]
-            why = fla.probe_fla_steps(self.device, s.key_heads, s.value_heads, s.key_dim,
-                                      s.value_dim, TORCH_DTYPES[s.dtype])
-            if why:
-                self._fla_verify = False
-                log.warning("kernels.fla_fallback", reason=why)
+        self._fla_verify = self._fla_decode and self._fla_proved(fla.probe_fla_steps, specs[0])
+
+    def _fla_proved(self, probe: Callable[..., str], s: LinearAttentionSpec) -> bool:
+        """An fla ``probe`` (helexa/kernels/fla_gdn.py) agrees at these layers' sizes; else
+        its reason is logged and the torch form runs."""
+        why = probe(self.device, s.key_heads, s.value_heads, s.key_dim, s.value_dim,
+                    TORCH_DTYPES[s.dtype])
+        if why:
+            log.warning("kernels.fla_fallback", reason=why)
+        return not why
 
     def _fi_pool_proved(self, s: LinearAttentionSpec) -> bool:
         """FlashInfer's pool decode serves these layers and agrees with the torch forms on
