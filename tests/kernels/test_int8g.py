@@ -124,3 +124,27 @@ def test_rows_split_over_threads_give_the_same_products(isa):
     for threads in (1, 3, 8):
         y = int8g_cpu.native(lib, isa, x, q, s, z, 32, threads=threads)
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_per_row_int8_off_the_cpu_runs_many_rows_on_the_tiles(monkeypatch) -> None:
+    """On CUDA torch's per-row int8 op reads the weight once per input row: a decode step's
+    few rows keep it, a prefill chunk's many take the dequantised tiles (one group a row),
+    which give the same product. The device is meta here, standing in for CUDA."""
+    calls: list[int] = []
+    real_op = torch.ops.aten._weight_int8pack_mm
+
+    def counted(x, q, s):
+        calls.append(x.shape[0])
+        return real_op(x, q, s)
+
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", counted)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-128, 128, (40, 64), dtype=torch.int8, generator=g)
+    s = torch.rand(40, generator=g) * 0.02
+    for rows in (1, qk.INT8_CUDA_OP_ROWS, qk.INT8_CUDA_OP_ROWS + 1, 300):
+        y = qk.int8_linear(torch.randn(rows, 64, device="meta"), q.to("meta"), s.to("meta"), None)
+        assert y.shape == (rows, 40) and y.device.type == "meta"
+    assert calls == [1, qk.INT8_CUDA_OP_ROWS]  # 9 and 300 rows: the tiles
+    x = torch.randn(300, 64, generator=g)  # on the CPU: the tiles' product is the op's
+    torch.testing.assert_close(qk.int8g_tiles(x, q, s[:, None], None, 64),
+                               real_op(x, q, s), rtol=1e-5, atol=1e-5)
