@@ -44,8 +44,11 @@ def context_for(model_dir: Path, kv_dtype: str) -> int:
 
 @pytest.fixture(scope="module")
 def fat_model(tiny_checkpoint: Callable[..., Path]) -> Path:
-    # 4 KiB of fp32 KV per token: 256 tokens in 1 MiB; int4 packs 6.4x more
-    return tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64)
+    # 4 KiB of fp32 KV per token: 256 tokens in 1 MiB; int4 packs 6.4x more. Wide MLPs
+    # (KV per token unchanged) make a 100-token stream last ~0.8 s, not ~0.1: long enough
+    # for two to be seen in flight together on a loaded 2-core run
+    return tiny_checkpoint("qwen3", num_heads=4, num_kv_heads=4, head_dim=64,
+                           hidden_size=1024, intermediate_size=4096)
 
 
 @pytest.fixture(scope="module")
