@@ -5,6 +5,7 @@ prefix cache, and the same pool figures as helexa plan."""
 from __future__ import annotations
 
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -131,12 +132,17 @@ def test_plan_and_running_engine_agree_on_beasts_pool(tiny_checkpoint, tmp_path)
     # family and layout (Qwen3.5, multimodal wrapper, bf16), at its tp = 2.
     model_dir = tiny_checkpoint("qwen3_5", dtype="bfloat16")
     text = (REPO / "asset/neuron/beast.toml").read_text()
-    text = text.replace('path = "/srv/models/Qwen/Qwen3.5-27B"', f'path = "{model_dir}"')
-    text = text.replace('config = "../models/Qwen/Qwen3.5-27B/config.json"\n', "")
-    text = text.replace("context = 131072", "context = 1024").replace(
-        "max_output_tokens = 32768", "max_output_tokens = 512").replace(
-        "kv_budget_mb = 4713", "kv_budget_mb = 2").replace(
-        'devices = ["cuda:0", "cuda:1"]', 'devices = ["cpu", "cpu"]')
+    swaps = [('path = "/srv/models/Qwen/Qwen3.5-27B"', f'path = "{model_dir}"'),
+             ('config = "../models/Qwen/Qwen3.5-27B/config.json"\n', ""),
+             ("context = 131072", "context = 1024"),
+             ("max_output_tokens = 32768", "max_output_tokens = 512"),
+             ('devices = ["cuda:0", "cuda:1"]', 'devices = ["cpu", "cpu"]')]
+    for old, new in swaps:  # each must match: a missed one would test another config
+        assert old in text, old
+        text = text.replace(old, new)
+    # every pool 2 MiB (a missed swap once planned the real 4,270 MiB pool on the CPU)
+    text, n = re.subn(r"^kv_budget_mb = \d+$", "kv_budget_mb = 2", text, flags=re.M)
+    assert n >= 1
     path = tmp_path / "beast.toml"
     path.write_text(text)
     cfg = load_neuron_config(path)
@@ -146,7 +152,7 @@ def test_plan_and_running_engine_agree_on_beasts_pool(tiny_checkpoint, tmp_path)
     num_blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     assert slots == cfg.admission.max_in_flight
     assert num_blocks * plan.block_size * plan.bytes_per_token + slots * plan.fixed_bytes \
-        <= plan.kv_budget_bytes
+        <= plan.kv_budget_bytes == 2 << 20
     spec = EngineSpec(model_id=entry.id, model_dir=str(model_dir), devices=["cpu", "cpu"],
                       dtype="bf16", tp=2, num_blocks=num_blocks, block_size=plan.block_size,
                       bytes_per_token=plan.bytes_per_token, context=plan.context,
