@@ -48,11 +48,16 @@ def test_the_pool_of_the_dense_8b_worked_by_hand():
     assert graph_pool_bytes(shape, 1, 0) == 0
 
 
-def test_a_hybrids_pool_counts_its_gathered_states_per_card():
-    shape = read_model_shape(HYBRID)  # 48 value heads of 128 x 128 fp32 state
+def test_a_hybrids_pool_counts_its_gathered_states_and_scratch_slot_per_card():
+    shape = read_model_shape(HYBRID)  # 48 value heads of 128 x 128 state, bf16
     without = replace(shape, linear_num_value_heads=0)
-    # the states gathered and updated (2 copies) for one layer, 24 value heads per card
-    assert graph_pool_bytes(shape, 2, 1) - graph_pool_bytes(without, 2, 1) == 2 * 24 * 128 * 128 * 4
+    # the states gathered and updated (2 copies, fp32) for one layer, 24 value heads per
+    # card; and the state pool's scratch slot (FlashInfer's padding rows): every one of the
+    # 48 linear-attention layers' 24 heads, in bf16 (37.7 MB)
+    gathered, scratch = 2 * 24 * 128 * 128 * 4, 48 * 24 * 128 * 128 * 2
+    assert shape.linear_attention_layers == 48
+    assert graph_pool_bytes(shape, 2, 1) - graph_pool_bytes(without, 2, 1) == gathered + scratch
+    assert graph_pool_bytes(shape, 2, 2) - graph_pool_bytes(without, 2, 2) == 2 * gathered + scratch
 
 
 def test_plan_prints_the_graph_pool_line(tmp_path, capsys):

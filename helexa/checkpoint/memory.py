@@ -26,6 +26,9 @@ Per card, with tp-way tensor parallelism:
         × weight bytes                   # one layer's expert copies (moe_experts.py, gathered)
       + max_slots × (8 MiB               # each graph's FlashInfer wrapper: its int workspace
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
+      + (hybrids) linear-attention layers × v_heads/tp × k_dim × v_dim × weight bytes
+                                         # the state pool's scratch slot, FlashInfer's
+                                         # padding rows' (flashinfer_gdn.fi_rows)
     (an estimate of what one shared pool holds for the largest captured batch, the smaller
     batches reusing it, and what the graphs' wrappers hold beside it; not measured on a GPU)
     allreduce_workspace_bytes (tp > 1 on CUDA: the fused all-reduce + add + RMSNorm,
@@ -114,7 +117,10 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) if max_slots else 0
-    return max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt) + wrappers
+    scratch = shape.linear_attention_layers * math.ceil(shape.linear_num_value_heads / tp) * (
+        shape.linear_key_head_dim * shape.linear_value_head_dim * elt) if max_slots else 0
+    return (max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt) + wrappers
+            + scratch)
 
 
 def moe_gathered_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> int:

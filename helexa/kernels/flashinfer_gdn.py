@@ -72,41 +72,65 @@ def fi_pool_unavailable(device: torch.device, dtype: torch.dtype, key_dim: int,
     return ""
 
 
+def fi_rows(n: int) -> int:
+    """The batch FlashInfer's pool kernel runs a step of ``n`` decode rows at: 1, 2, 4, then
+    the next multiple of 8. It compiles one kernel per batch size (its cache key holds B;
+    ~10 s each by its own CI's figures, FlashInfer issue 4110), so a step pads up to one of
+    these (the extra rows on the pool's scratch slot) and max_slots = 64 builds 11 kernels
+    at load, not 64."""
+    if n <= 4:
+        return 1 << max(n - 1, 0).bit_length()
+    return -(-n // 8) * 8
+
+
 def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateInputs,
-                   a_log: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor
-                   ) -> torch.Tensor:
+                   a_log: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor,
+                   scratch: int | None = None) -> torch.Tensor:
     """A whole pure-decode step on FlashInfer's pool kernel, its inputs as the conv gives
     them: q, k [B, key_heads, dk] not yet normalised (it takes the L2 norms and q's
     k_dim^-0.5 scale), v [B, v_heads, dv], the gates raw (with ``a_log``, the layer's A_log
     in fp32); row b's state is slot ``slots[b]`` (int32) of ``pool`` [slots, v_heads, dv,
-    dk], read and written in place. Returns o [B, v_heads, dv] in v's dtype."""
+    dk], read and written in place. With a ``scratch`` slot (one no request holds) the
+    step runs at :func:`fi_rows` rows, the padding rows zeros on that slot. Returns o [B,
+    v_heads, dv] in v's dtype."""
     module = _fi_module()
     assert module is not None
-    q, k, v, a, b = (_aligned(x[:, None]) for x in (q, k, v, raw.a, raw.b))
+    n = q.shape[0]
+    pad = fi_rows(n) - n if scratch is not None else 0
+    a, b = raw.a, raw.b
+    if pad:  # zeros: finite through the norms and gates, and only the scratch slot moves
+        q, k, v, a, b = (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]) for x in (q, k, v, a, b))
+        slots = torch.cat([slots, slots.new_full((pad,), scratch)])
+    q, k, v, a, b = (_aligned(x[:, None]) for x in (q, k, v, a, b))
     o, _ = module.gated_delta_rule_decode_pretranspose(
         q=q, k=k, v=v, state=None, A_log=a_log, a=a, dt_bias=raw.dt_bias, b=b,
         scale=q.shape[-1] ** -0.5, use_qk_l2norm=True, initial_state=pool,
         initial_state_indices=slots)
-    return o[:, 0]
+    return o[:n, 0]
 
 
-def warm_fi_pool(pool: torch.Tensor, key_heads: int, key_dim: int, rows: int) -> None:
-    """Build FlashInfer's kernel for every decode batch of 1..``rows`` rows over ``pool`` (a
-    layer's [slots, v_heads, v_dim, k_dim]; every layer's has its shape) now, at load: it
-    compiles one per batch size and pool shape on first use (seconds each), which a step of
-    a new size would otherwise wait for mid-serving. Runs zeros through slots 0..rows - 1,
-    then zeroes the pool (no request holds a slot yet)."""
+def warm_fi_pool(pool: torch.Tensor, key_heads: int, key_dim: int, rows: int,
+                 scratch: int) -> list[int]:
+    """Build FlashInfer's kernel for every batch a decode step of 1..``rows`` rows runs at
+    (:func:`fi_rows`) over ``pool`` (a layer's [slots + 1, v_heads, v_dim, k_dim], its last
+    slot ``scratch``; every layer's has its shape) now, at load: it compiles one per batch
+    size and pool shape on first use (seconds each), which a step of a new size would
+    otherwise wait for mid-serving. Runs zeros through slots 0..rows - 1, then zeroes the
+    pool (no request holds a slot yet); returns the batch sizes built."""
     vh, dv = pool.shape[1], pool.shape[2]
     dtype, dev = pool.dtype, pool.device
     a_log = torch.zeros(vh, dtype=torch.float32, device=dev)
-    for b in range(1, rows + 1):
+    sizes = sorted({fi_rows(b) for b in range(1, rows + 1)})
+    for size in sizes:
+        b = min(size, rows)  # padded up to size on the scratch slot
         zeros = GateInputs(torch.zeros(b, vh, dtype=dtype, device=dev),
                            torch.zeros(b, vh, dtype=dtype, device=dev), a_log,
                            torch.zeros(vh, dtype=dtype, device=dev))
         q = torch.zeros(b, key_heads, key_dim, dtype=dtype, device=dev)
         fi_decode_pool(q, q.clone(), torch.zeros(b, vh, dv, dtype=dtype, device=dev), zeros,
-                       a_log, pool, torch.arange(b, dtype=torch.int32, device=dev))
+                       a_log, pool, torch.arange(b, dtype=torch.int32, device=dev), scratch)
     pool.zero_()
+    return sizes
 
 
 FI_ALIGN = 32  # bytes: FlashInfer's CuTe launcher declares its tensors so aligned

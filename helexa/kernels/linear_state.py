@@ -75,9 +75,11 @@ class LinearState:
     [slots, v_heads, k_dim, v_dim], in the model's dtype (as its spec, and so helexa plan,
     counts them), and the verification rows held until their requests' next step.
 
-    ``v_major`` stores the states as [slots, v_heads, v_dim, k_dim] (``pool``, the layout
-    FlashInfer's pool decode reads and writes in place: flashinfer_gdn.fi_decode_pool);
-    ``recurrent`` is then its transposed view, so every other reader sees one shape."""
+    ``v_major`` stores the states as [slots + 1, v_heads, v_dim, k_dim] (``pool``, the
+    layout FlashInfer's pool decode reads and writes in place: flashinfer_gdn.fi_decode_pool,
+    its last slot the ``scratch`` its padding rows run on, which no request holds);
+    ``recurrent`` is then the transposed view of the real slots, so every other reader sees
+    one shape."""
 
     def __init__(self, spec: LinearAttentionSpec, num_slots: int,
                  device: torch.device | str, *, v_major: bool = False) -> None:
@@ -85,12 +87,15 @@ class LinearState:
         self.conv = torch.zeros(num_slots, *spec.conv_shape, dtype=dtype, device=device)
         heads, dk, dv = spec.recurrent_shape
         self.pool: torch.Tensor | None = None
+        self.scratch: int | None = None  # the pool's padding slot
         if v_major:
-            self.pool = torch.zeros(num_slots, heads, dv, dk, dtype=dtype, device=device)
-            self.recurrent = self.pool.transpose(-1, -2)
+            self.pool = torch.zeros(num_slots + 1, heads, dv, dk, dtype=dtype, device=device)
+            self.scratch = num_slots
+            self.recurrent = self.pool[:num_slots].transpose(-1, -2)
         else:
             self.recurrent = torch.zeros(num_slots, heads, dk, dv, dtype=dtype, device=device)
-        self.nbytes = self.conv.nbytes + self.recurrent.nbytes
+        # the slots' bytes (as the spec counts them; the scratch slot is the graph pool's)
+        self.nbytes = self.conv.nbytes + self.recurrent.numel() * self.recurrent.element_size()
         self._held: dict[int, tuple[_Held, int]] = {}  # slot -> (rows, its row)
 
     @property

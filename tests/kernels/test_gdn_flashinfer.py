@@ -83,7 +83,7 @@ def test_pure_decode_steps_run_flashinfers_kernel_on_the_slots_in_place(stand_in
     fused = _states()
     assert fused._fi_pool and "FlashInfer pool decode" in fused.describe()
     pool = fused.layers[0].pool
-    assert pool is not None and pool.shape == (4, VH, D, D) and pool.is_contiguous()
+    assert pool is not None and pool.shape == (5, VH, D, D) and pool.is_contiguous()  # + scratch
     assert fused.layers[0].recurrent.data_ptr() == pool.data_ptr()  # one storage, two views
     stand_in.calls.clear()  # the load probe's call
     got = _run(fused)
@@ -177,13 +177,59 @@ def test_flashinfers_pool_kernel_matches_the_torch_step():
 
 def test_the_kernel_is_built_for_every_decode_batch_when_the_pool_is_allocated(stand_in):
     """FlashInfer compiles its kernel per batch size and pool shape on first use: allocate
-    runs it once for each size 1..decode_rows over the real pool (so no decode step of a new
-    size waits for a compile mid-serving)."""
+    runs it once for each size a step of 1..decode_rows rows runs at (1, 2, 4, then
+    multiples of 8) over the real pool, so no decode step waits for a compile mid-serving,
+    and 64 slots build 11 kernels, not 64."""
+    assert [fig.fi_rows(n) for n in range(1, 18)] == [1, 2, 4, 4, *[8] * 4, *[16] * 8, 24]
     states = GatedDeltaStates(torch.device("cpu"))
     stand_in.calls.clear()
     states.allocate([_spec()], 4, decode_rows=3)
     built = [c["rows"] for c in stand_in.calls]
-    assert built[-3:] == [1, 2, 3]  # after the probe's own call on its small pool
+    assert built[-3:] == [1, 2, 4]  # after the probe's own call on its small pool
     stand_in.calls.clear()
     states.allocate([_spec()], 2, decode_rows=8)  # never more rows than slots
     assert [c["rows"] for c in stand_in.calls][-2:] == [1, 2]
+    stand_in.calls.clear()
+    states.allocate([_spec()], 64, decode_rows=64)
+    assert [c["rows"] for c in stand_in.calls][1:] == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert not states.layers[0].pool.any()  # zeroed after: no request holds a slot yet
+
+
+def test_a_decode_step_pads_to_a_built_size_on_the_scratch_slot(stand_in, monkeypatch):
+    """A step of 5 decode rows runs the kernel at 8: the 3 padding rows are zeros on the
+    pool's scratch slot (its last, which no request holds). Outputs and every real slot's
+    state are the torch path's, an idle slot is untouched, and the scratch stays finite."""
+    e = torch.empty(0)
+    slots = [5, 0, 1, 3, 4]
+    plans = [StepPlan(slot_mapping=e, prefills=[PrefillRow(3 * i, 3 * i + 3, 0, [], s)
+                                                for i, s in enumerate(slots)]),
+             StepPlan(slot_mapping=e, decode_positions=[3] * 5, decode_tables=[[]] * 5,
+                      decode_state_slots=slots)]
+
+    def run(states: GatedDeltaStates) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(8)
+        channels = _spec().conv_channels
+        weight = (torch.randn(channels, CONV_K, generator=gen) * 0.5).to(BF16)
+        a_log, dt_bias = (torch.randn(VH, generator=gen).to(BF16) for _ in range(2))
+        outs = []
+        for plan in plans:
+            rows = len(plan.decode_positions) + sum(r.end - r.start for r in plan.prefills)
+            raw = gd.GateInputs(torch.randn(rows, VH, generator=gen).to(BF16),
+                                torch.randn(rows, VH, generator=gen).to(BF16), a_log, dt_bias)
+            mixed = torch.randn(rows, channels, generator=gen).to(BF16)
+            outs.append(states.forward(0, mixed, raw, weight, states.plan(plan)).float())
+        return outs + [states.layers[0].recurrent.float()]
+
+    fused = GatedDeltaStates(torch.device("cpu"))
+    fused.allocate([_spec()], 6)
+    stand_in.calls.clear()
+    got = run(fused)
+    assert [c["rows"] for c in stand_in.calls] == [8]
+    pool = fused.layers[0].pool
+    assert pool is not None and pool.shape[0] == 7 and fused.layers[0].scratch == 6
+    assert not pool[2].any() and torch.isfinite(pool[6].float()).all()
+    monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
+    plain = GatedDeltaStates(torch.device("cpu"))
+    plain.allocate([_spec()], 6)
+    for g, w in zip(got, run(plain), strict=True):  # bf16 states and inputs: rounding apart
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)

@@ -98,8 +98,9 @@ class GatedDeltaStates:
             start, rows = time.perf_counter(), min(decode_rows, num_slots)
             pool = self.layers[0].pool
             assert pool is not None
-            fig.warm_fi_pool(pool, specs[0].key_heads, specs[0].key_dim, rows)
-            log.info("kernels.flashinfer_gdn_built", rows=rows,
+            sizes = fig.warm_fi_pool(pool, specs[0].key_heads, specs[0].key_dim, rows,
+                                     num_slots)
+            log.info("kernels.flashinfer_gdn_built", rows=rows, sizes=sizes,
                      secs=round(time.perf_counter() - start, 1))
         self._fla = bool(specs) and fla.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
@@ -252,7 +253,7 @@ class GatedDeltaStates:
             assert isinstance(gate, gd.GateInputs) and state.pool is not None
             return fig.fi_decode_pool(q.reshape(n, kh, dk), k.reshape(n, kh, dk),
                                      v.reshape(n, vh, dv), gate, self._a_log32(layer, gate),
-                                     state.pool, meta.decode_slots32)
+                                     state.pool, meta.decode_slots32, state.scratch)
         if pure_decode and self._fla_gated:
             assert isinstance(gate, gd.GateInputs)
             states = state.recurrent.index_select(0, meta.decode_slots)
