@@ -16,8 +16,10 @@ sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
   ``moe_torch_iterative.py``). No host sync; it reads every expert once and computes
   E / k times the routed rows, memory-bound only while N is a decode batch.
 
-Experts kept quantised (a GGUF's stacks, one op per expert) have the looped and masked
-forms only (``run_quantised_experts``), chosen by the same rule.
+Experts kept quantised (a GGUF's stacks, one op per expert) have the three forms too
+(``run_quantised_experts``), chosen by the same rule: the gathered one indexes each stack's
+packed buffers by the chosen ids on the device and runs one op per (token, slot), where
+the masked one runs all E experts' ops.
 
 ``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
 are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
@@ -28,7 +30,7 @@ thresholds follow the byte counts above.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -112,17 +114,33 @@ def quantised_looped(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor],
     return out
 
 
+def quantised_gathered(x: torch.Tensor, kernel: Any, chosen: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+    """experts_gathered for experts kept quantised: ``kernel.select`` gathers each (token,
+    slot)'s expert from the stacks' packed buffers on the device (only the chosen experts'
+    bytes read), then one op per (token, slot), a loop of N x k known on the host: no host
+    sync, so a CUDA graph can capture it."""
+    n, k = chosen.shape
+    picked = kernel.select(chosen.reshape(-1))  # entry j: token j // k's slot j % k
+    ys = []
+    for j in range(n * k):
+        gate, up = picked("w13", j, x[j // k : j // k + 1]).chunk(2, dim=-1)
+        ys.append(picked("w2", j, F.silu(gate) * up))
+    return (torch.cat(ys).view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+
 def run_quantised_experts(x: torch.Tensor,
                           kernel: Callable[[str, int, torch.Tensor], torch.Tensor],
                           num_experts: int, chosen: torch.Tensor, weights: torch.Tensor
                           ) -> torch.Tensor:
-    """Quantised experts by choose_form's rule: the looped form where it would loop, else
-    (a CUDA decode step, or a capture) the masked one; a quantised stack has no gathered
-    form (its experts are separate ops, not one tensor to index)."""
+    """Quantised experts by choose_form's rule: the looped form where it would loop, the
+    gathered one where it would gather (if the kernel can ``select``), else the masked."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    if choose_form(x.device.type, x.shape[0], chosen.shape[1], num_experts,
-                   capturing) == "looped":
+    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], num_experts, capturing)
+    if form == "looped":
         return quantised_looped(x, kernel, chosen, weights)
+    if form == "gathered" and hasattr(kernel, "select"):
+        return quantised_gathered(x, kernel, chosen, weights)
     return quantised_masked(x, kernel, num_experts, chosen, weights)
 
 

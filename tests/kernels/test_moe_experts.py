@@ -138,3 +138,64 @@ def test_a_gguf_moe_layer_on_the_cuda_path_syncs_nowhere(monkeypatch):
     with NoHostSync():
         got = block(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _quantised_block(w13_op: str, w2_op: str) -> torch.nn.Module:
+    """A MoE block's expert stacks as a GGUF file leaves them (formats/gguf/experts.py's
+    install): w13 and w2 each on ``op`` ("int4", "int8g"), or "float" (kept as it is)."""
+    from helexa.checkpoint.gguf_layout import Layout
+    from helexa.neuron.formats.gguf.experts import ExpertStack, install
+
+    gen = torch.Generator().manual_seed(9)
+    e, h, i, group = 8, 64, 32, 32
+    mlp = torch.nn.Module()
+    mlp.experts_kernel = None
+    mlp.gguf_stacks = {}
+    for which, (rows, k), op in (("w13", (2 * i, h), w13_op), ("w2", (h, i), w2_op)):
+        if op == "float":
+            mlp.register_buffer(which, torch.randn(e, rows, k, generator=gen) * k ** -0.5)
+            continue
+        lo, hi = (0, 16) if op == "int4" else (-128, 128)
+        q = torch.randint(lo, hi, (e, rows, k), dtype=torch.int8, generator=gen)
+        scale = torch.rand(e, rows, k // group, generator=gen) * 0.02 / k ** 0.5
+        zero = torch.randn(e, rows, k // group, generator=gen) * 0.01
+        for comp, t in (("q", q), ("scale", scale), ("zero", zero)):
+            mlp.register_parameter(f"gguf_{which}_{comp}",
+                                   torch.nn.Parameter(t, requires_grad=False))
+        mlp.gguf_stacks[which] = ExpertStack(Layout(op, group, True))
+        install(mlp, which, torch.float32)
+    return mlp
+
+
+@pytest.mark.parametrize(("w13_op", "w2_op"), [("int4", "int8g"), ("int8g", "float")])
+@pytest.mark.parametrize("n", [1, 3])
+def test_quantised_experts_gathered_match_looped_and_make_no_host_sync(w13_op, w2_op, n):
+    """The gathered form over a GGUF's quantised stacks: each (token, slot)'s expert indexed
+    out of the packed buffers on the device (the ids never read back), one op each; the
+    same sums as one pass per chosen expert."""
+    mlp = _quantised_block(w13_op, w2_op)
+    kernel = mlp.experts_kernel
+    assert set(kernel.ops) == {w for w, op in (("w13", w13_op), ("w2", w2_op)) if op != "float"}
+    x, chosen, weights = _routing(n, 8, 2, 64)
+    want = moe_experts.quantised_looped(x, kernel, chosen, weights)
+    with NoHostSync():
+        got = moe_experts.quantised_gathered(x, kernel, chosen, weights)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    picked = kernel.select(chosen.reshape(-1))  # entry j is expert chosen.flat[j]
+    j = 1
+    torch.testing.assert_close(picked("w2", j, x[:1, :32]),
+                               kernel("w2", int(chosen.reshape(-1)[j]), x[:1, :32]))
+
+
+def test_the_rule_sends_a_cuda_decode_of_quantised_experts_to_the_gathered_form(monkeypatch):
+    mlp = _quantised_block("int4", "int8g")
+    x, chosen, weights = _routing(3, 8, 2, 64)
+    seen = []
+    monkeypatch.setattr(moe_experts, "quantised_gathered",
+                        lambda *a: seen.append("gathered") or moe_experts.quantised_looped(*a))
+    monkeypatch.setattr(moe_experts, "choose_form", lambda *a: "gathered")  # a CUDA decode
+    moe_experts.run_quantised_experts(x, mlp.experts_kernel, 8, chosen, weights)
+    assert seen == ["gathered"]
+    plain = _op_kernel(*_experts())  # a kernel that cannot select: the masked form
+    moe_experts.run_quantised_experts(x[:, :32], plain, 8, chosen, weights)
+    assert seen == ["gathered"]

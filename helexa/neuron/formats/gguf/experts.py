@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -107,12 +108,28 @@ def install(mlp: nn.Module, which: str, dtype: torch.dtype) -> None:
     mlp.experts_kernel = kernel
 
 
+_PARTS = ("qweight", "qscales", "qzeros", "qscales_zeros")  # a quantised stack's buffers
+
+
 class QuantExperts:
     """experts_kernel(which, expert, x) -> x @ W[expert]^T on the stack's op."""
 
-    def __init__(self, mlp: nn.Module) -> None:
-        self.mlp = mlp
+    def __init__(self, mlp: Any) -> None:
+        self.mlp = mlp  # the MoE block, or a gathered namespace of its stacks (select)
         self.ops: dict[str, tuple[str, int, int]] = {}  # which -> (op, group, rows)
+
+    def select(self, experts: torch.Tensor) -> QuantExperts:
+        """The same products over the experts ``experts`` (device ids) names, gathered:
+        expert j of the result is ``experts[j]``. Each stack's packed buffers (or a float
+        stack's matrices) are indexed on the device, so no host sync waits for the ids and
+        only the chosen experts' bytes are read (moe_experts.quantised_gathered)."""
+        names = [f"{w}_{p}" for w in ("w13", "w2") for p in _PARTS]
+        names += [w for w in ("w13", "w2") if w not in self.ops]  # a float stack
+        gathered = SimpleNamespace(**{n: getattr(self.mlp, n).index_select(0, experts)
+                                      for n in names if hasattr(self.mlp, n)})
+        out = QuantExperts(gathered)
+        out.ops = self.ops
+        return out
 
     def __call__(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         op = self.ops.get(which)
