@@ -95,7 +95,7 @@ class SparseMoeBlock(HotModule):
         if self.experts_kernel is None:
             out = run_experts(x, self.w13, self.w2, chosen, weights)
         else:
-            out = run_quantised_experts(x, self.experts_kernel, self.w13.shape[0], chosen,
+            out = run_quantised_experts(x, self.experts_kernel, self.gate.shape[0], chosen,
                                         weights)
         if self.shared is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)

@@ -261,3 +261,33 @@ def test_unpacked_parts_hold_memory_one_layer_at_a_time(hybrid_gguf, monkeypatch
     assert seen["at_attach"] == {} and len(sizes) >= 5, sizes  # nothing real before loading
     assert 0 < seen["peak"] <= max(sizes.values()) < sum(sizes.values()) / 3
     assert not any(".gguf_" in n for n, _ in run.model.named_parameters())  # all installed
+
+
+def test_a_gguf_moe_layer_on_a_cuda_decode_runs_the_gathered_form(hybrid_gguf, monkeypatch):
+    """A layer whose expert stacks stay quantised (its w13 / w2 parameters are empty) counts
+    its experts from the router: a CUDA decode step takes the gathered form, with no host
+    sync, and answers as the CPU's one pass per chosen expert does. (Counted from the empty
+    w13, the rule saw 0 experts and the masked form looped over none: only the shared
+    expert was left.)"""
+    from support.host_sync import NoHostSync
+
+    from helexa.kernels import moe_experts
+
+    run = runner(hybrid_gguf("qwen3_5_moe")[0])
+    block = run.model.model.layers[0].mlp  # Q4_K / Q6_K stacks
+    assert block.experts_kernel is not None and block.w13.numel() == 0
+    e, k = block.gate.shape[0], block.top_k
+    x = torch.randn(e // k, block.gate.shape[1], generator=torch.Generator().manual_seed(5))
+    want = block(x)  # CPU: the looped form
+    real, seen = moe_experts.choose_form, []
+
+    def on_cuda(device_type, rows, top_k, experts, capturing=False):
+        form = real("cuda", rows, top_k, experts, capturing)
+        seen.append((experts, form))
+        return form
+
+    monkeypatch.setattr(moe_experts, "choose_form", on_cuda)
+    with NoHostSync():
+        got = block(x)
+    assert seen == [(e, "gathered")]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
