@@ -28,7 +28,10 @@ Per card, with tp-way tensor parallelism:
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
       + (hybrids) linear-attention layers × v_heads/tp × k_dim × v_dim × weight bytes
                                          # the state pool's scratch slot, FlashInfer's
-                                         # padding rows' (flashinfer_gdn.fi_rows)
+                                         # padding rows' (flashinfer_gdn.fi_rows): made
+                                         # only where its pool decode runs (bf16, heads of
+                                         # 128 x 128, Hopper on), counted here for any
+                                         # hybrid; with graphs off, in the headroom uncounted
     (an estimate of what one shared pool holds for the largest captured batch, the smaller
     batches reusing it, and what the graphs' wrappers hold beside it; not measured on a GPU)
     allreduce_workspace_bytes (tp > 1 on CUDA: the fused all-reduce + add + RMSNorm,
