@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,41 @@ class NeuronProcess:
     def stop(self, timeout_secs: float = 30.0) -> int:
         """SIGTERM (drain) and wait; SIGKILL if it does not exit in time."""
         return stop_process(self.proc, timeout_secs)
+
+
+def stop_all(procs: Iterable[NeuronProcess], timeout_secs: float = 15.0) -> None:
+    """Stop daemons side by side: SIGTERM (drain) to every one first, then wait for each,
+    SIGKILL for one still running at the deadline. (One at a time, a session's daemons
+    took many seconds at its end, each waiting for the last to drain.)"""
+    alive = [p.proc for p in procs if p.proc.poll() is None]
+    for proc in alive:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_secs
+    for proc in alive:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_neurons(configs: dict[str, tuple[Path, Path]]) -> dict[str, NeuronProcess]:
+    """Start several daemons side by side (name -> (config path, log path)), as
+    start_neuron does each; if one fails, those that started are stopped and its error
+    raised."""
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = {name: pool.submit(start_neuron, cfg, log_path=log)
+                   for name, (cfg, log) in configs.items()}
+    started, error = {}, None
+    for name, f in futures.items():
+        try:
+            started[name] = f.result()
+        except Exception as e:  # noqa: BLE001 - the first failure is raised below
+            error = error or e
+    if error is not None:
+        stop_all(started.values())
+        raise error
+    return started
 
 
 def start_neuron(config_path: str | Path, *, log_path: str | Path | None = None,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support.neuron import NeuronProcess, start_neuron, write_neuron_config
+from support.neuron import NeuronProcess, start_neuron, stop_all, write_neuron_config
 
 TOKEN = "integration-token"
 # Short, so a queued request times out well before a 200-token request holding
@@ -58,8 +58,7 @@ def start_daemon(neuron_dir: Path) -> Iterator[Callable[..., NeuronProcess]]:
         return proc
 
     yield start
-    for proc in started:
-        proc.stop(timeout_secs=15)
+    stop_all(started)
 
 
 @pytest.fixture(scope="session")

@@ -24,7 +24,12 @@ import tomli_w
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
 
 from router_procs import RouterProcess, start_router, wait_for  # noqa: E402
-from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
+from support.neuron import (  # noqa: E402
+    NeuronProcess,
+    start_neurons,
+    stop_all,
+    write_neuron_config,
+)
 
 from helexa.router.auth import hash_key  # noqa: E402
 
@@ -82,9 +87,8 @@ def ops(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
     started: dict[str, NeuronProcess] = {}
     router = None
     try:
-        for name, cfg in configs.items():
-            path = write_neuron_config(d / f"{name}.toml", cfg)
-            started[name] = start_neuron(path, log_path=d / f"{name}.log")
+        started = start_neurons({name: (write_neuron_config(d / f"{name}.toml", cfg),
+                                        d / f"{name}.log") for name, cfg in configs.items()})
         (d / "router.toml").write_text(tomli_w.dumps({
             "server": {"listen": "127.0.0.1:0"},
             "auth": {"keys_file": "keys.toml", "require_auth": False, "load_principals": []},
@@ -102,5 +106,4 @@ def ops(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path,
     finally:
         if router is not None:
             router.stop()
-        for proc in started.values():
-            proc.stop(timeout_secs=15)
+        stop_all(started.values())

@@ -37,7 +37,12 @@ from router_procs import (  # noqa: E402
     start_router,
     wait_for,
 )
-from support.neuron import NeuronProcess, start_neuron, write_neuron_config  # noqa: E402
+from support.neuron import (  # noqa: E402
+    NeuronProcess,
+    start_neurons,
+    stop_all,
+    write_neuron_config,
+)
 
 from helexa.router.auth import hash_key  # noqa: E402
 
@@ -76,15 +81,12 @@ def neurons(rdir: Path, tiny_model_dir: Path,
                           # model takes, so a queued request times out before it ends
                           kv_max_wait_secs=0.1),
     }
-    started: dict[str, NeuronProcess] = {}
+    started = start_neurons({name: (write_neuron_config(rdir / f"{name}.toml", cfg),
+                                    rdir / f"{name}.log") for name, cfg in configs.items()})
     try:
-        for name, cfg in configs.items():
-            path = write_neuron_config(rdir / f"{name}.toml", cfg)
-            started[name] = start_neuron(path, log_path=rdir / f"{name}.log")
         yield started
     finally:
-        for proc in started.values():
-            proc.stop(timeout_secs=15)
+        stop_all(started.values())
 
 
 @pytest.fixture(scope="session")
