@@ -181,12 +181,9 @@ def fla_decode_gated(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: Gat
 
 def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
                     value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> tuple[bool, str]:
-    """Run fla's gated decode (fla_decode_gated) and gated norm (gated_rms_norm) once on a
-    small random step at a layer's sizes (so the kernels' builds are the ones serving
-    uses) against the torch forms: (whether the gated decode may run, why a part may not:
-    "" when both agree). A gated norm that fails is switched off for the process (the torch
-    form runs)."""
-    global _fla_norm_gated
+    """Run fla's gated decode (fla_decode_gated) once on a small random step at a layer's
+    sizes (so the kernel's build is the one serving uses) against the torch forms:
+    (whether the gated decode may run, why not: "" when it agrees)."""
     gen = torch.Generator().manual_seed(0)
     kh, vh, dk, dv = key_heads, value_heads, key_dim, value_dim
     q, k = (torch.randn(1, kh, dk, generator=gen).to(dtype) for _ in range(2))
@@ -199,31 +196,47 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
     want = delta_rule_decode((l2norm(q.float()) * dk ** -0.5).repeat_interleave(vh // kh, 1),
                              l2norm(k.float()).repeat_interleave(vh // kh, 1), v, g, beta,
                              want_states)
-    reasons = []
     try:
         dev = GateInputs(*(x.to(device) for x in raw))
         got, final = fla_decode_gated(q.to(device), k.to(device), v.to(device), dev,
                                       states.to(device))
         err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
-        if not err < tol:
-            reasons.append(f"fla's gated decode is off by {err:.2g} (relative)")
     except Exception as e:  # noqa: BLE001 - any failure: the torch gates run, said why
-        reasons.append(f"fla's gated decode failed ({type(e).__name__}: {e})")
-    decode_ok = not reasons
-    if _fla_norm_gated is not None and device.type == "cuda":
-        o = torch.randn(2, vh, dv, generator=gen)
-        z = torch.randn(2, vh * dv, generator=gen).to(dtype)
-        w = (1 + 0.1 * torch.randn(dv, generator=gen)).to(dtype)
-        try:
-            got_n = gated_rms_norm(o.to(device), z.to(device), w.to(device), 1e-6, dtype).cpu()
-            err = rel_error(got_n, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
-            if not err < tol:
-                _fla_norm_gated = None
-                reasons.append(f"fla's gated norm is off by {err:.2g} (relative)")
-        except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
-            _fla_norm_gated = None
-            reasons.append(f"fla's gated norm failed ({type(e).__name__}: {e})")
-    return decode_ok, "; ".join(reasons)
+        return False, f"fla's gated decode failed ({type(e).__name__}: {e})"
+    return (True, "") if err < tol else (
+        False, f"fla's gated decode is off by {err:.2g} (relative)")
+
+
+def fla_norm_available(device: torch.device) -> bool:
+    """fla's gated RMSNorm runs for this device (gated_rms_norm): CUDA, the kernel imported
+    (and not switched off by its probe)."""
+    return _fla_norm_gated is not None and device.type == "cuda"
+
+
+def probe_fla_norm(device: torch.device, value_heads: int, value_dim: int, dtype: torch.dtype,
+                   tol: float = 2e-2) -> str:
+    """Run fla's gated RMSNorm once at a layer's sizes against the torch form, wherever it
+    would run (fla_norm_available), whatever the decode kernels' probes said: "" when it
+    agrees (or does not run); else why, and it is switched off for the process (the torch
+    form runs), so it never fails or skews a step."""
+    global _fla_norm_gated
+    if not fla_norm_available(device):
+        return ""
+    assert _fla_norm_gated is not None
+    gen = torch.Generator().manual_seed(4)
+    o = torch.randn(2, value_heads, value_dim, generator=gen)
+    z = torch.randn(2, value_heads * value_dim, generator=gen).to(dtype)
+    w = (1 + 0.1 * torch.randn(value_dim, generator=gen)).to(dtype)
+    try:
+        got = _fla_norm_gated(o.to(device), z.to(device).reshape(o.shape), w.to(device), None,
+                              activation="swish", eps=1e-6).to(dtype).cpu()
+        err = rel_error(got, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
+        why = "" if err < tol else f"fla's gated norm is off by {err:.2g} (relative)"
+    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
+        why = f"fla's gated norm failed ({type(e).__name__}: {e})"
+    if why:
+        _fla_norm_gated = None
+    return why
 
 
 def probe_fla_chunked(device: torch.device, key_heads: int, value_heads: int, key_dim: int,

@@ -377,3 +377,30 @@ def test_the_prefill_and_decode_kernels_are_proved_at_load_or_left_off(stand_in,
     plain = _steps(_states(False))
     for got, want in zip(_steps(states), plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_gated_norm_is_proved_at_load_even_where_no_fla_decode_runs(monkeypatch):
+    """fla's gated RMSNorm runs wherever it imported (every hybrid layer, every step), so
+    allocate proves it whatever the decode kernels' probes said: with fla's recurrent
+    kernel absent, a norm that raises is switched off, its reason logged, and the layer's
+    norm is the torch form."""
+    from helexa.kernels.backends import gdn
+
+    def broken(*args: Any, **kw: Any) -> torch.Tensor:
+        raise RuntimeError("triton: out of resources")
+
+    monkeypatch.setattr(fla, "_fla_recurrent", None)  # no fla decode, no gated probe
+    monkeypatch.setattr(fla, "_fla_norm_gated", broken)
+    monkeypatch.setattr(fla, "fla_norm_available", lambda device: fla._fla_norm_gated is not None)
+    warned: list[str] = []
+    monkeypatch.setattr(gdn.log, "warning", lambda event, **kw: warned.append(kw["reason"]))
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    assert not states._fla_decode and fla._fla_norm_gated is None
+    assert warned == ["fla's gated norm failed (RuntimeError: triton: out of resources)"]
+    # a norm that agrees stays on
+    monkeypatch.setattr(fla, "_fla_norm_gated", lambda o, z, w, b, activation, eps:
+                        (fla._gated_rms_norm_torch(o, z, w, eps, torch.float32)))
+    warned.clear()
+    states.allocate([_spec()], 4)
+    assert fla._fla_norm_gated is not None and warned == []

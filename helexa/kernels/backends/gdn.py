@@ -117,6 +117,12 @@ class GatedDeltaStates:
             if why:
                 log.warning("kernels.fla_fallback", reason=why)
         self._fla_verify = self._fla_decode and self._fla_proved(fla.probe_fla_steps, specs[0])
+        if specs:  # the gated norm runs wherever it imported, whatever decode runs
+            s = specs[0]
+            why = fla.probe_fla_norm(self.device, s.value_heads, s.value_dim,
+                                     TORCH_DTYPES[s.dtype])
+            if why:
+                log.warning("kernels.fla_fallback", reason=why)
 
     def _fla_proved(self, probe: Callable[..., str], s: LinearAttentionSpec) -> bool:
         """An fla ``probe`` (helexa/kernels/fla_gdn.py) agrees at these layers' sizes; else
