@@ -299,3 +299,14 @@ def test_flashinfers_scratch_holds_a_split_prefill_of_a_wide_gqa_group() -> None
                                 cpu) == cuda.WORKSPACE_BYTES  # Qwen3.5-27B: group 6
     wide = cuda.workspace_bytes(backends.AttentionShape(64, 4, 128, torch.bfloat16), cpu)
     assert wide >= 16 * 2 * 132 * 128 * 128 * 4 > cuda.WORKSPACE_BYTES
+
+
+def test_the_graph_wrappers_workspace_exists_only_where_graphs_are_captured(
+        fake_flashinfer: list[dict[str, Any]]) -> None:
+    """FlashInfer's float scratch for the graph wrappers (256 MiB) is made only when the
+    backend captures decode graphs: with engine.cuda_graphs off it would hold card memory
+    that nothing uses and no plan counts."""
+    off = CudaAttention(torch.device("cpu"), graph_rows=0, workspace_bytes=1024)
+    on = CudaAttention(torch.device("cpu"), graph_rows=4, workspace_bytes=1024)
+    assert off._graph_workspace is None
+    assert on._graph_workspace is not None and on._graph_workspace.numel() == 1024

@@ -190,7 +190,9 @@ class CudaAttention(AttentionBackend):
         self.torch_path = ""  # why the pools run the torch path ("" when FlashInfer's)
         self.tensor_cores = False  # decode on FlashInfer's tensor-core kernel (tensor_cores)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        self._graph_workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+        # the graph wrappers' float scratch, only where graphs are captured
+        self._graph_workspace = (torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
+                                 if graph_rows else None)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
         self._group = 0
         self._planned: torch.cuda.Event | None = None  # recorded after each plan's copies
@@ -346,6 +348,7 @@ class CudaAttention(AttentionBackend):
         if g is None:
             dev, i32 = self.device, torch.int32
             assert self._graph_indices is not None, "graph wrappers come after allocate_kv"
+            assert self._graph_workspace is not None, "graph wrappers need graph_rows"
             append = KvAppend(
                 batch_indices=torch.arange(b, dtype=i32, device=dev),  # row i is token i's
                 positions=torch.zeros(b, dtype=i32, device=dev),
