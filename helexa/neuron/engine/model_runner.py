@@ -33,7 +33,7 @@ from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.host_tier import KvMoves
-from helexa.neuron.engine.pool_probe import measured_blocks
+from helexa.neuron.engine.pool_probe import measured_blocks, switch_pool
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
 from helexa.neuron.engine.speculative import mtp_passes
@@ -150,7 +150,8 @@ class ModelRunner:
         self.kv_pools: list[PagedKV] = []
         self.host_kv: HostKv | None = None  # the prefix cache's host tier (allocate_host)
         self.extra_bytes_per_block = extra_bytes_per_block
-        if self.device.type == "cuda" and tp_size == 1 and measure_pool:
+        self.measure_pool = self.device.type == "cuda" and tp_size == 1 and measure_pool
+        if self.measure_pool:
             num_blocks = measured_blocks(self, num_blocks, kv_dtype, context)
         self._reset_own_kv(num_blocks, kv_dtype)
         log.info("engine.attention_backend", backend=self.attention_backend,
@@ -181,13 +182,11 @@ class ModelRunner:
 
     # ---- KV pool -------------------------------------------------------------------------
 
-    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto") -> None:
-        """(Re)allocate the KV pool without touching the weights; old contents are dropped."""
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto", context: int = 0) -> None:
+        """A new KV pool without touching the weights (pool_probe.switch_pool: measured on
+        CUDA as at load, the old pool kept where it fails); ``num_blocks`` is the result."""
         resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
-        if self._tp is not None:
-            self._tp.reset_kv(num_blocks, kv_dtype)
-        self._reset_own_kv(num_blocks, kv_dtype)
-        self._capture_graphs()  # the old graphs held the old pools
+        switch_pool(self, num_blocks, kv_dtype, context)
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)

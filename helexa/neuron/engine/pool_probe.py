@@ -1,5 +1,6 @@
 """The CUDA pool sized by measurement at load (memory_plan.py says why): the model runner's
-probe of a worst-case step, on a probe pool, before its real pool is allocated."""
+probe of a worst-case step, on a probe pool, before its real pool is allocated; and a
+pool switch (a kv_dtype profile) sized the same way, or undone where it fails."""
 
 from __future__ import annotations
 
@@ -62,3 +63,31 @@ def encoder_peak(runner: Any) -> int:
         return 0
     return shape.encoder_activation_bytes(vision.processor.max_patches, runner.tp_size,
                                           runner.dtype.itemsize)
+
+
+def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0) -> None:
+    """A new pool of ``kv_dtype`` without touching the weights (old contents dropped), every
+    rank's; on CUDA at tp 1 measured again as at load (``num_blocks`` the ceiling,
+    ``context`` the one request it must hold), the graphs captured over it. If any part
+    fails (the device's memory, a kernel), the pool it had is made again with its graphs,
+    so the engine serves on as before, and the error is raised."""
+    previous = (runner.num_blocks, runner.kv_dtype)
+    try:
+        _make_pool(runner, num_blocks, kv_dtype, context if runner.measure_pool else None)
+    except Exception:
+        runner._allocate_kv([], 0, None)  # whatever was half made goes first
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _make_pool(runner, *previous, None)  # its size was measured when it was made
+        raise
+
+
+def _make_pool(runner: Any, num_blocks: int, kv_dtype: str, measure: int | None) -> None:
+    """Every rank's pool of ``num_blocks`` (measured for one request of ``measure`` tokens
+    where not None) and the graphs over it."""
+    if runner._tp is not None:
+        runner._tp.reset_kv(num_blocks, kv_dtype)
+    if measure is not None:
+        num_blocks = measured_blocks(runner, num_blocks, kv_dtype, measure)
+    runner._reset_own_kv(num_blocks, kv_dtype)
+    runner._capture_graphs()  # the old graphs held the old pools

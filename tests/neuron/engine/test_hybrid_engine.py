@@ -190,3 +190,58 @@ def test_kv_dtype_switch_keeps_the_state_slots_and_the_outputs(tiny_checkpoint):
     after = drive(core, m.ToEngine(new=[new("b", prompt)])).tokens
     assert after["b"] == before["a"]
     assert_whole(core, hybrid=True)
+
+
+def test_a_kv_switch_that_fails_leaves_the_old_pool_serving(tiny_checkpoint, monkeypatch):
+    """A kv_dtype switch whose new pool cannot be made (the device's memory, say) makes the
+    pool it had again, graphs and state slots included: the engine answers why the
+    switch failed and serves on, the same tokens as before, nothing leaked."""
+    import torch
+
+    core = core_for(tiny_checkpoint("qwen3_5"), max_in_flight=3)
+    prompt = [random.Random(3).randrange(3, 500) for _ in range(30)]
+    before = drive(core, m.ToEngine(new=[new("a", prompt)])).tokens
+    runner, blocks, dtype = core.runner, core.runner.num_blocks, core.runner.kv_dtype
+    real = runner._reset_own_kv
+
+    def no_room(num_blocks: int, kv_dtype: str) -> None:
+        real(num_blocks, kv_dtype)
+        if kv_dtype == "int8":
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(runner, "_reset_own_kv", no_room)
+    answer = core.reset_kv(m.ResetKv(num_blocks=300, kv_dtype="int8", bytes_per_token=0,
+                                     context=512))
+    assert answer == ("re-planning the pool failed: OutOfMemoryError: CUDA out of memory "
+                      "(simulated)")
+    assert (runner.num_blocks, runner.kv_dtype, core.pool.num_blocks) == (blocks, dtype, blocks)
+    assert runner.kv_pools and all(p.k_cache.shape[0] == blocks and p.kv_dtype == dtype
+                                   for p in runner.kv_pools)
+    after = drive(core, m.ToEngine(new=[new("b", prompt)])).tokens
+    assert after["b"] == before["a"]
+    assert_whole(core, hybrid=True)
+
+
+def test_a_kv_switch_on_a_measured_device_sizes_the_pool_by_measurement(tiny_checkpoint,
+                                                                        monkeypatch):
+    """Where the load measured the pool (CUDA, tp 1), a kv_dtype switch measures again, the
+    plan's count its ceiling and the switch's context the request it must hold, and the
+    engine's pool and ledger take the measured count, not the plan's."""
+    from helexa.neuron.engine import pool_probe
+
+    core = core_for(tiny_checkpoint("qwen3_5"), max_in_flight=3)
+    asked: list[tuple[int, str, int]] = []
+
+    def measured(runner, planned: int, kv_dtype: str, context: int) -> int:
+        asked.append((planned, kv_dtype, context))
+        return planned // 2
+
+    monkeypatch.setattr(pool_probe, "measured_blocks", measured)
+    core.runner.measure_pool = True  # as on CUDA at tp 1
+    assert core.reset_kv(m.ResetKv(num_blocks=200, kv_dtype="fp16", bytes_per_token=0,
+                                   context=512)) == "ok"
+    assert asked == [(200, "fp16", 512)]
+    assert core.runner.num_blocks == core.pool.num_blocks == core.spec.num_blocks == 100
+    prompt = [random.Random(4).randrange(3, 500) for _ in range(20)]
+    drive(core, m.ToEngine(new=[new("c", prompt)]))
+    assert_whole(core, hybrid=True)
