@@ -22,6 +22,8 @@ backend (helexa/kernels/backends/gdn.py) chooses.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -239,50 +241,65 @@ def probe_fla_norm(device: torch.device, value_heads: int, value_dim: int, dtype
     return why
 
 
+def _random_rows(lead: tuple[int, ...], kh: int, vh: int, dk: int, dv: int,
+                 dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, ...]:
+    """A probe's seeded inputs of ``lead`` rows at a layer's sizes: q (normalised, scaled),
+    k (normalised), v in ``dtype``, log decays g <= 0, beta; and then a state per leading
+    row but the last (``lead[:-1]``, or one state for a single sequence)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(*lead, kh, dk, generator=gen)) * dk ** -0.5
+    k = l2norm(torch.randn(*lead, kh, dk, generator=gen))
+    v = torch.randn(*lead, vh, dv, generator=gen).to(dtype)
+    g, beta = -torch.rand(*lead, vh, generator=gen), torch.rand(*lead, vh, generator=gen)
+    return q, k, v, g, beta, torch.randn(*lead[:-1], vh, dk, dv, generator=gen)
+
+
+def _agrees(what: str, run: Callable[[], float], tol: float) -> str:
+    """"" when ``run`` (a kernel against its torch form: the relative error) is within
+    ``tol``; else why not, a failure of the kernel included (the torch form then runs, so
+    a kernel that fails here never fails a request's step)."""
+    try:
+        err = run()
+    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
+        return f"fla's {what} failed ({type(e).__name__}: {e})"
+    return "" if err < tol else f"fla's {what} is off by {err:.2g} (relative)"
+
+
 def probe_fla_chunked(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
                       value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
     """Run fla_chunked once on a prefill of 70 tokens (past one 64-token chunk) from a
     state, the key heads grouped, at a layer's sizes, against delta_rule_chunked with them
     repeated: "" when they agree, else why not (prefill then runs the torch form: an fla
     older than 0.5 takes no grouped heads in this kernel and fails here, not in a step)."""
-    gen = torch.Generator().manual_seed(2)
-    kh, vh, dk, dv, t = key_heads, value_heads, key_dim, value_dim, 70
-    q = l2norm(torch.randn(t, kh, dk, generator=gen)) * dk ** -0.5
-    k = l2norm(torch.randn(t, kh, dk, generator=gen))
-    v = torch.randn(t, vh, dv, generator=gen).to(dtype)
-    g, beta = -torch.rand(t, vh, generator=gen), torch.rand(t, vh, generator=gen)
-    state = torch.randn(vh, dk, dv, generator=gen)
+    kh, vh = key_heads, value_heads
+    q, k, v, g, beta, state = _random_rows((70,), kh, vh, key_dim, value_dim, dtype, 2)
     want, want_state = delta_rule_chunked(q.repeat_interleave(vh // kh, 1),
                                           k.repeat_interleave(vh // kh, 1), v, g, beta, state)
-    try:
+
+    def run() -> float:
         got, final = fla_chunked(*(x.to(device) for x in (q, k, v, g, beta, state)), dtype)
-        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_state))
-    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
-        return f"fla's chunked prefill kernel failed ({type(e).__name__}: {e})"
-    return "" if err < tol else f"fla's chunked prefill kernel is off by {err:.2g} (relative)"
+        return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_state))
+
+    return _agrees("chunked prefill kernel", run, tol)
 
 
 def probe_fla_decode(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
                      value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
     """Run fla_decode once on two decode rows at a layer's sizes against delta_rule_decode:
     "" when they agree, else why not (decode then runs the torch step)."""
-    gen = torch.Generator().manual_seed(3)
-    kh, vh, dk, dv, b = key_heads, value_heads, key_dim, value_dim, 2
-    q = l2norm(torch.randn(b, kh, dk, generator=gen)) * dk ** -0.5
-    k = l2norm(torch.randn(b, kh, dk, generator=gen))
-    v = torch.randn(b, vh, dv, generator=gen).to(dtype)
-    g, beta = -torch.rand(b, vh, generator=gen), torch.rand(b, vh, generator=gen)
-    states = torch.randn(b, vh, dk, dv, generator=gen)
+    kh, vh = key_heads, value_heads
+    q, k, v, g, beta, _ = _random_rows((2,), kh, vh, key_dim, value_dim, dtype, 3)
+    states = torch.randn(2, vh, key_dim, value_dim, generator=torch.Generator().manual_seed(3))
     want_states = states.clone()
     want = delta_rule_decode(q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1),
                              v, g, beta, want_states)
-    try:
+
+    def run() -> float:
         dev_states = states.to(device)
         got = fla_decode(*(x.to(device) for x in (q, k, v, g, beta)), dev_states, dtype)
-        err = max(rel_error(got.cpu(), want), rel_error(dev_states.cpu(), want_states))
-    except Exception as e:  # noqa: BLE001 - any failure: the torch step runs, said why
-        return f"fla's decode kernel failed ({type(e).__name__}: {e})"
-    return "" if err < tol else f"fla's decode kernel is off by {err:.2g} (relative)"
+        return max(rel_error(got.cpu(), want), rel_error(dev_states.cpu(), want_states))
+
+    return _agrees("decode kernel", run, tol)
 
 
 def probe_fla_steps(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
@@ -291,23 +308,18 @@ def probe_fla_steps(device: torch.device, key_heads: int, value_heads: int, key_
     (rows of 3 tokens; 1 and 3 of them kept) against the torch forms, delta_rule_steps and
     delta_rule_advance: "" when both agree, else why not (verification rows then run the
     torch forms, so a kernel that fails here never fails a request's step)."""
-    gen = torch.Generator().manual_seed(1)
-    kh, vh, dk, dv, b, t = key_heads, value_heads, key_dim, value_dim, 2, 3
-    q = l2norm(torch.randn(b, t, kh, dk, generator=gen)) * dk ** -0.5
-    k = l2norm(torch.randn(b, t, kh, dk, generator=gen))
-    v = torch.randn(b, t, vh, dv, generator=gen).to(dtype)
-    g, beta = -torch.rand(b, t, vh, generator=gen), torch.rand(b, t, vh, generator=gen)
-    states = torch.randn(b, vh, dk, dv, generator=gen)
+    kh, vh = key_heads, value_heads
+    q, k, v, g, beta, states = _random_rows((2, 3), kh, vh, key_dim, value_dim, dtype, 1)
     kept = torch.tensor([1, 3])
     qr, kr = q.repeat_interleave(vh // kh, 2), k.repeat_interleave(vh // kh, 2)
     want = delta_rule_steps(qr, kr, v, g, beta, states.clone(), torch.float32)
     want_states = states.clone()
     delta_rule_advance(kr, v, g, beta, want_states, kept, torch.float32)
-    try:
+
+    def run() -> float:
         dev = [x.to(device) for x in (q, k, v, g, beta, states, kept)]
         got = fla_steps(*dev[:6], dtype)
         final = fla_advance(dev[1], dev[2], dev[3], dev[4], dev[5], dev[6], dtype)
-        err = max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
-    except Exception as e:  # noqa: BLE001 - any failure: the torch forms run, said why
-        return f"fla's verification kernel failed ({type(e).__name__}: {e})"
-    return "" if err < tol else f"fla's verification kernel is off by {err:.2g} (relative)"
+        return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
+
+    return _agrees("verification kernel", run, tol)
