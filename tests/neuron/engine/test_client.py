@@ -277,6 +277,7 @@ def _rank_pids(engine_pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # test_tp.py's killed rank and the daemon's (test_neuron_tp.py) run by default
 def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
     """tp = 2: killing rank 1 fails the request in the step that finds it with an error,
     and the engine goes down at once (on_fatal), rather than failing step after step."""
