@@ -69,6 +69,16 @@ BAD = {
     "devices vs tp": ('[[models]]\nid = "a"\nconfig = "c.json"\ntp = 2\ndevices = ["cpu"]\n',
                       "models[0].devices", "expected 2 devices"),
     "table as value": ("server = 3\n", "server", "expected object, got int"),
+    # CUDA ranks need a card each, named by index (both would put every rank on cuda:0)
+    "ranks on one card": ('[server]\ndevices = ["cuda:0"]\n[[models]]\nid = "a"\n'
+                          'config = "c.json"\ntp = 2\n', "models[0].devices",
+                          "tp = 2 needs 2 devices, got 1 (cuda:0): list a card per rank"),
+    "one card twice": ('[[models]]\nid = "a"\nconfig = "c.json"\ntp = 2\n'
+                       'devices = ["cuda:1", "cuda:1"]\n', "models[0].devices",
+                       "cuda:1, cuda:1 name one card twice"),
+    "a card without its index": ('[[models]]\nid = "a"\nconfig = "c.json"\ntp = 2\n'
+                                 'devices = ["cuda", "cuda:1"]\n', "models[0].devices",
+                                 "name each CUDA device by its index"),
 }
 
 

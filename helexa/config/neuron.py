@@ -246,6 +246,9 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if draft and not any(d.id == draft and d.path for d in self.models):
                 raise ValueError(f"models[{i}].speculation: expected draft:<model id> naming a "
                                  f"[[models]] entry with a `path`, got `{m.speculation}`")
+            problem = device_problem(m.devices or self.server.devices[: m.tp], m.tp)
+            if problem:
+                raise ValueError(f"models[{i}].devices: {problem}")
             if m.profile is not None and m.profile not in self.profiles:
                 names = ", ".join(sorted(self.profiles)) or "none defined"
                 raise ValueError(f"models[{i}].profile: expected one of the [profiles.*] ({names}),"
@@ -257,3 +260,27 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 return m
         raise KeyError(model_id)
 
+
+
+def canonical_device(device: str) -> str:
+    """One name per card: a bare "cuda" is the process's current card, cuda:0 at start."""
+    return "cuda:0" if device.strip() == "cuda" else device.strip()
+
+
+def device_problem(devices: list[str], tp: int) -> str:
+    """Why ``devices`` cannot hold ``tp`` ranks ("" when they can): on CUDA each rank needs
+    a card of its own, named by its index (CPU ranks share the host)."""
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return ""
+    if len(devices) < tp:
+        return (f"tp = {tp} needs {tp} devices, got {len(devices)} ({', '.join(devices)}): "
+                "list a card per rank in server.devices or the model's devices")
+    if tp > 1 and any(":" not in d for d in cuda):
+        return (f"tp = {tp}: name each CUDA device by its index (cuda:0, cuda:1, ...), got "
+                f"{', '.join(devices)}")
+    named = [canonical_device(d) for d in devices[:tp]]
+    if len(set(named)) < len(named):
+        return (f"{', '.join(devices[:tp])} name one card twice: each tensor-parallel rank "
+                "needs a card of its own")
+    return ""

@@ -9,7 +9,7 @@ daemon never opens a CUDA context of its own).
 
 from __future__ import annotations
 
-import functools
+import os
 import subprocess
 from collections.abc import Iterable
 
@@ -65,15 +65,33 @@ def device_memory_mb(cfg: NeuronConfig, devices: list[str]) -> int | None:
     return min(sizes) if sizes and None not in sizes else None  # type: ignore[type-var]
 
 
-@functools.cache
+_CARD_MB: dict[str, int] = {}  # what nvidia-smi said, per card (a failure is asked again)
+
+
 def _cuda_memory_mb(device: str) -> int | None:
     """Total memory of `cuda:N` from nvidia-smi (no CUDA context in the daemon), else None."""
     if not device.startswith("cuda"):
         return None
-    index = device.partition(":")[2] or "0"
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits",
-                              "-i", index], capture_output=True, text=True, timeout=10)
-        return int(out.stdout.strip().splitlines()[0]) if out.returncode == 0 else None
-    except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
-        return None
+    card = nvidia_smi_card(device)
+    if card not in _CARD_MB:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                                  "--format=csv,noheader,nounits", "-i", card],
+                                 capture_output=True, text=True, timeout=10)
+            if out.returncode != 0:
+                return None
+            _CARD_MB[card] = int(out.stdout.strip().splitlines()[0])
+        except (OSError, ValueError, IndexError, subprocess.TimeoutExpired):
+            return None
+    return _CARD_MB[card]
+
+
+def nvidia_smi_card(device: str) -> str:
+    """How nvidia-smi names CUDA's `cuda:N`: N counts the cards CUDA_VISIBLE_DEVICES lists
+    (their indexes, UUIDs or bus ids, which ``-i`` takes too), which nvidia-smi ignores;
+    with none listed, N itself (cards numbered in bus order, as CUDA_DEVICE_ORDER=PCI_BUS_ID
+    numbers them: docs/operating.md)."""
+    index = int(device.partition(":")[2] or 0)
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return visible[index] if index < len(visible) else str(index)

@@ -27,6 +27,7 @@ from typing import Any
 
 import structlog
 
+from helexa.config.neuron import canonical_device
 from helexa.config.schema import ModelEntry, NeuronConfig, resolve_path
 from helexa.neuron import activation
 from helexa.neuron.engine import messages
@@ -205,7 +206,8 @@ class Residency:
         return device_memory_mb(self.cfg, devices)
 
     def _devices_of(self, entry: ModelEntry) -> list[str]:
-        return list(entry.devices or self.cfg.server.devices[: entry.tp])
+        """Its cards, one name each ("cuda" is cuda:0), so eviction counts a card once."""
+        return [canonical_device(d) for d in entry.devices or self.cfg.server.devices[: entry.tp]]
 
     async def _make_room(self, new: ResidentModel) -> list[str]:
         """Evict LRU idle models of equal or lower priority until `new` fits every device."""

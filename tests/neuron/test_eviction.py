@@ -47,3 +47,47 @@ def test_busy_failed_higher_priority_and_other_cards_are_never_chosen() -> None:
     assert e.value.code == "overloaded"
     assert e.value.message == ("not enough device memory for `bigger`: it needs 70 MiB per "
                                "card of 100 MiB, and no idle model of priority <= 1 can make room")
+
+
+def test_a_bare_cuda_and_cuda_0_are_one_card_to_the_residency(tmp_path) -> None:
+    """A model on the neuron's ["cuda"] and one naming ["cuda:0"] share a card: the
+    residency names both cuda:0, so the second evicts the first rather than load beside it
+    and run the card out of memory."""
+    import msgspec
+
+    from helexa.config.schema import NeuronConfig
+    from helexa.neuron.residency import Residency
+
+    cfg = msgspec.convert({"server": {"devices": ["cuda"], "device_memory_mb": 100},
+                           "models": [{"id": "a", "path": "m"},
+                                      {"id": "b", "path": "m", "devices": ["cuda:0"]}]},
+                          NeuronConfig)
+    res = Residency(cfg, tmp_path / "neuron.toml")
+    assert [res._devices_of(e) for e in cfg.models] == [["cuda:0"], ["cuda:0"]]
+    a = model("a", 70, res._devices_of(cfg.models[0]), used_ms=1)
+    b = model("b", 70, res._devices_of(cfg.models[1]), state=ModelState.LOADING)
+    assert [m.model_id for m in evictions_for(b, [a, b], cap_mb=100)] == ["a"]
+
+
+def test_nvidia_smi_is_asked_for_the_card_cuda_numbers(monkeypatch) -> None:
+    """cuda:N counts the cards CUDA_VISIBLE_DEVICES lists, which nvidia-smi ignores: the
+    memory query names the listed card; a failed query is asked again, not remembered."""
+    from helexa.neuron import eviction
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,GPU-5f1c")
+    assert [eviction.nvidia_smi_card(d) for d in ("cuda", "cuda:0", "cuda:1")] == [
+        "2", "2", "GPU-5f1c"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert eviction.nvidia_smi_card("cuda:3") == "3"
+    asked, answers = [], iter([(1, ""), (0, "81559\n")])
+
+    def run(argv, **kw):
+        asked.append(argv[-1])
+        rc, out = next(answers)
+        return SimpleNamespace(returncode=rc, stdout=out)
+
+    monkeypatch.setattr(eviction.subprocess, "run", run)
+    monkeypatch.setattr(eviction, "_CARD_MB", {})
+    assert eviction._cuda_memory_mb("cuda:3") is None  # nvidia-smi failed this once
+    assert eviction._cuda_memory_mb("cuda:3") == 81559
+    assert eviction._cuda_memory_mb("cuda:3") == 81559 and asked == ["3", "3"]  # then kept
