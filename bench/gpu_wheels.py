@@ -71,28 +71,33 @@ def plan(root: Path, folder: Path) -> tuple[list[Path], list[str], list[str]]:
     wheels = folder_wheels(folder)
     todo: deque[Requirement] = deque(wanted(root))
     chosen: dict[str, Path] = {}
-    met: list[str] = []
+    met: dict[str, str] = {}
     missing: list[str] = []
-    seen: set[str] = set()
+    seen: set[tuple[str, str]] = set()  # each (name, specifier): a later one may be stricter
     while todo:
         req = todo.popleft()
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue
         name = canonicalize_name(req.name)
-        if name in NEVER or name in seen:
+        if name in NEVER or (name, str(req.specifier)) in seen:
             continue
-        seen.add(name)
+        seen.add((name, str(req.specifier)))
+        found = wheels.get(name)
+        if name in chosen:  # its folder wheel is taken: it must meet this one too
+            if found is None or not req.specifier.contains(found[0], prereleases=True):
+                missing.append(f"{req} (the folder's: {found[0] if found else 'none'})")
+            continue
         have = installed(name)
         if have is not None and req.specifier.contains(have, prereleases=True):
-            met.append(f"{name} {have}")
+            met[name] = f"{name} {have}"
             continue
-        found = wheels.get(name)
         if found is None or not req.specifier.contains(found[0], prereleases=True):
             missing.append(f"{req} (installed: {have or 'none'})")
             continue
-        chosen[name] = found[1]
+        chosen[name] = found[1]  # an installed one an earlier requirement met gives way
+        met.pop(name, None)
         todo.extend(wheel_requires(found[1]))
-    return list(chosen.values()), met, missing
+    return list(chosen.values()), list(met.values()), missing
 
 
 def main(argv: list[str]) -> int:

@@ -120,3 +120,12 @@ def test_the_wheel_folder_fills_only_what_the_machine_lacks(tmp_path: Path,
     assert met == ["msgspec 0.23.0"]
     assert missing == ["structlog>=24.1 (installed: 20.1.0)",
                        "nvidia-cutlass-dsl>=4.5.0 (installed: none)"]
+    # a later, stricter requirement of a name the machine met: the folder's wheel is taken
+    _wheel(folder, "transformers", "4.57.0", ["tokenizers>=0.22"])
+    _wheel(folder, "tokenizers", "0.22.1", [])
+    have.update(tokenizers="0.20.3")
+    monkeypatch.setattr(gpu_wheels, "wanted", lambda root: [gpu_wheels.Requirement(r) for r in (
+        "tokenizers>=0.19", "transformers>=4.50")])
+    install, met, missing = gpu_wheels.plan(ROOT, folder)
+    assert sorted(p.name.split("-")[0] for p in install) == ["tokenizers", "transformers"]
+    assert met == [] and missing == []
