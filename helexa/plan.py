@@ -223,7 +223,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             raise PlanError(f"{where('path')}: {gguf}: {e}") from None
         types = type_summary(gguf)
         weight_dtype += f", GGUF {types}"
-        if measures_activations(gguf, raw, entry.dtype, entry.devices or cfg.server.devices[:tp]):
+        if measures_activations(gguf, raw, entry.dtype, cfg.devices_of(entry)):
             weight_dtype += "; on CPU the neuron runs fp32 or bf16 as it measures at load"
     elif in_file is not None:  # quantised in the checkpoint: its own layout, float head
         kind, group, reordered = in_file
@@ -337,8 +337,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     max_slots = profile.max_slots if profile and profile.max_slots else cfg.engine.max_slots
     graph_rows = max_slots if cfg.engine.cuda_graphs else 0
-    ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots,
-                                             entry.devices or cfg.server.devices[:tp])
+    ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, cfg.devices_of(entry))
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
         not fixed or plan.num_snapshot_slots) else 0
     host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,

@@ -246,13 +246,17 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             if draft and not any(d.id == draft and d.path for d in self.models):
                 raise ValueError(f"models[{i}].speculation: expected draft:<model id> naming a "
                                  f"[[models]] entry with a `path`, got `{m.speculation}`")
-            problem = device_problem(m.devices or self.server.devices[: m.tp], m.tp)
+            problem = device_problem(self.devices_of(m), m.tp)
             if problem:
                 raise ValueError(f"models[{i}].devices: {problem}")
             if m.profile is not None and m.profile not in self.profiles:
                 names = ", ".join(sorted(self.profiles)) or "none defined"
                 raise ValueError(f"models[{i}].profile: expected one of the [profiles.*] ({names}),"
                                  f" got `{m.profile}`")
+
+    def devices_of(self, entry: ModelEntry) -> list[str]:
+        """The devices ``entry``'s ranks run on: its own, else the first tp of the neuron's."""
+        return list(entry.devices or self.server.devices[: entry.tp])
 
     def model(self, model_id: str) -> ModelEntry:
         for m in self.models:

@@ -252,9 +252,9 @@ def check_plans(config_path: Path, cfg: NeuronConfig) -> None:
 
     check_neuron_config(config_path, cfg)
     for entry in cfg.models:
-        devices = list(entry.devices or cfg.server.devices[: entry.tp])
         try:
-            plan_model(cfg, entry, config_path, device_memory_mb=device_memory_mb(cfg, devices))
+            plan_model(cfg, entry, config_path,
+                       device_memory_mb=device_memory_mb(cfg, cfg.devices_of(entry)))
         except UnknownBudget:
             continue  # no figure to plan with: the load will say so for this model alone
 

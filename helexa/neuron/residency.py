@@ -207,7 +207,7 @@ class Residency:
 
     def _devices_of(self, entry: ModelEntry) -> list[str]:
         """Its cards, one name each ("cuda" is cuda:0), so eviction counts a card once."""
-        return [canonical_device(d) for d in entry.devices or self.cfg.server.devices[: entry.tp]]
+        return [canonical_device(d) for d in self.cfg.devices_of(entry)]
 
     async def _make_room(self, new: ResidentModel) -> list[str]:
         """Evict LRU idle models of equal or lower priority until `new` fits every device."""
