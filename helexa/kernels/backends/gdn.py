@@ -104,31 +104,26 @@ class GatedDeltaStates:
                      secs=round(time.perf_counter() - start, 1))
         self._fla = bool(specs) and fla.fla_available(self.device, TORCH_DTYPES[specs[0].dtype])
         self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
-        if self._fla:  # each kernel proved at load: a failing one must not fail a step
-            self._fla = self._fla_proved(fla.probe_fla_chunked, specs[0])
-        if self._fla_decode:
-            self._fla_decode = self._fla_proved(fla.probe_fla_decode, specs[0])
-        self._fla_gated = self._fla_decode and fla.fla_gated_available()
-        if self._fla_gated:  # proved at load against the torch forms, as the first step runs
-            s = specs[0]
-            self._fla_gated, why = fla.probe_fla_gated(self.device, s.key_heads, s.value_heads,
-                                                       s.key_dim, s.value_dim,
-                                                       TORCH_DTYPES[s.dtype])
-            if why:
-                log.warning("kernels.fla_fallback", reason=why)
+        # each kernel proved at load, as the first step runs: a failing one must not fail a step
+        self._fla = self._fla and self._fla_proved(fla.probe_fla_chunked, specs[0])
+        self._fla_decode = self._fla_decode and self._fla_proved(fla.probe_fla_decode, specs[0])
+        self._fla_gated = (self._fla_decode and fla.fla_gated_available()
+                           and self._fla_proved(fla.probe_fla_gated, specs[0]))
         self._fla_verify = self._fla_decode and self._fla_proved(fla.probe_fla_steps, specs[0])
         if specs:  # the gated norm runs wherever it imported, whatever decode runs
             s = specs[0]
-            why = fla.probe_fla_norm(self.device, s.value_heads, s.value_dim,
-                                     TORCH_DTYPES[s.dtype])
-            if why:
-                log.warning("kernels.fla_fallback", reason=why)
+            self._fla_said(fla.probe_fla_norm(self.device, s.value_heads, s.value_dim,
+                                              TORCH_DTYPES[s.dtype]))
 
     def _fla_proved(self, probe: Callable[..., str], s: LinearAttentionSpec) -> bool:
-        """An fla ``probe`` (helexa/kernels/fla_gdn.py) agrees at these layers' sizes; else
-        its reason is logged and the torch form runs."""
-        why = probe(self.device, s.key_heads, s.value_heads, s.key_dim, s.value_dim,
-                    TORCH_DTYPES[s.dtype])
+        """An fla ``probe`` (helexa/kernels/fla_gdn.py) agrees at these layers' sizes."""
+        return self._fla_said(probe(self.device, s.key_heads, s.value_heads, s.key_dim,
+                                    s.value_dim, TORCH_DTYPES[s.dtype]))
+
+    @staticmethod
+    def _fla_said(why: str) -> bool:
+        """A probe's verdict: True where it agreed; else its reason logged (the torch form
+        runs) and False."""
         if why:
             log.warning("kernels.fla_fallback", reason=why)
         return not why
