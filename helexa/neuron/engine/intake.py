@@ -151,20 +151,24 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
     if adm.num_in_flight:  # BUSY: the caller may wait for them and ask again
         return (f"{messages.RESET_BUSY}{adm.num_in_flight} requests in flight;"
                 " stop admitting and let them finish first")
+    failed = ""
     try:  # on CUDA measured as at load: the runner's count is the pool's, the plan's a ceiling
         core.runner.reset_kv(r.num_blocks, r.kv_dtype, r.context)
-    except Exception as e:  # the runner made its old pool again, empty: so is the engine's
-        core.pool = adm.pool = core.new_pool(core.runner.num_blocks)  # (its prefix cache
-        adm.drain = DrainMeter()  # named blocks whose contents went with the old pool)
-        return f"re-planning the pool failed: {type(e).__name__}: {e}"
+    except Exception as e:  # the runner made its old pool again, empty
+        failed = f"re-planning the pool failed: {type(e).__name__}: {e}"
     blocks = core.runner.num_blocks
-    core.spec = msgspec.structs.replace(
-        core.spec, num_blocks=blocks, kv_dtype=r.kv_dtype,
-        bytes_per_token=r.bytes_per_token, context=r.context,
-        max_output_tokens=r.max_output_tokens)
-    core.speculator.drafters.reset_kv(blocks, r.kv_dtype)  # a draft model's layers
+    if not failed:
+        core.spec = msgspec.structs.replace(
+            core.spec, num_blocks=blocks, kv_dtype=r.kv_dtype,
+            bytes_per_token=r.bytes_per_token, context=r.context,
+            max_output_tokens=r.max_output_tokens)
+        core.speculator.drafters.reset_kv(blocks, r.kv_dtype)  # a draft model's layers
+    # a new, empty pool either way: the old one's prefix cache named blocks whose contents
+    # went with the runner's old pool, and its release counter means nothing now
     core.pool = adm.pool = core.new_pool(blocks)
-    adm.drain = DrainMeter()  # the old pool's release counter means nothing now
+    adm.drain = DrainMeter()
+    if failed:
+        return failed
     for req in adm.queued():  # queued under the old context, refused if too long now
         problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
                                 max_output_tokens=r.max_output_tokens)
