@@ -91,8 +91,7 @@ def real(module: nn.Module, name: str) -> nn.Parameter:
     assert p is not None
     if not p.is_meta or getattr(p, "load_home", None) is None:
         return p
-    new = nn.Parameter(torch.zeros_like(p, device=p.load_home), requires_grad=False)
-    new.__dict__.update(p.__dict__)
+    new = _as_before(p, torch.zeros_like(p, device=p.load_home))
     module._parameters[name] = new
     return new
 
@@ -110,11 +109,17 @@ def _replace(model: nn.Module, pick: Callable[[nn.Module, torch.Tensor], bool],
                     continue
                 new = made.get(id(t))
                 if new is None:
-                    new = make(mod, t)
-                    if isinstance(t, nn.Parameter):
-                        new = nn.Parameter(new, requires_grad=False)
-                        new.__dict__.update(t.__dict__)
-                    made[id(t)] = new
+                    new = made[id(t)] = _as_before(t, make(mod, t))
                     total += new.numel() * new.element_size()
                 table[name] = new
     return total
+
+
+def _as_before(old: torch.Tensor, new: torch.Tensor) -> Any:
+    """``new`` in ``old``'s place: a parameter if it was one, its attributes (weight
+    loaders, load_home) kept."""
+    if not isinstance(old, nn.Parameter):
+        return new
+    p = nn.Parameter(new, requires_grad=False)
+    p.__dict__.update(old.__dict__)
+    return p
