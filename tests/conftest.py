@@ -8,12 +8,17 @@ vocab 512). `tiny_checkpoint(arch, **kw)` makes any other (the keywords of
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from helexa.fixtures.tiny import init_tiny
+
+# Triton's interpreter runs helexa's Triton kernels on CPU tensors (tests/kernels/
+# test_int8g_triton.py); it must be chosen before Triton is first imported, which is here.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,9 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
   torch op takes groups, so :func:`int8g_tiles` dequantises one tile of rows at
   a time (at most ``INT8G_TILE_BYTES`` of float weight live) and multiplies it;
   on CPU a decode step's few rows go to a native kernel that dequantises in
-  registers instead, where it measures faster (helexa/kernels/cpu/int8g.py).
+  registers instead, where it measures faster (helexa/kernels/cpu/int8g.py); on CUDA
+  to a Triton kernel that does the same, where it agrees with the tiles on the card
+  (helexa/kernels/cuda/int8g.py).
 
 No op materialises the whole float weight. Activations, scales and zeros are in
 the model's dtype. On CPU torch's int8 and int4 ops are vectorised only for bf16
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from helexa.kernels.cpu import int8g as int8g_cpu
+from helexa.kernels.cuda import int8g as int8g_cuda
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_ROW_MULTIPLE = 16  # the packers need N % 16 == 0
@@ -93,6 +96,8 @@ def int8g_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x2 = x.reshape(-1, k).to(scales.dtype)
     if x2.device.type == "cpu":  # few rows: the native kernel where it measured faster
         out = int8g_cpu.linear(x2, qweight, scales, zeros, group_size, int8g_tiles)
+    elif x2.device.type == "cuda":  # few rows: the Triton kernel where it proved itself
+        out = int8g_cuda.linear(x2, qweight, scales, zeros, group_size, int8g_tiles)
     else:
         out = int8g_tiles(x2, qweight, scales, zeros, group_size)
     y = out.to(x.dtype)

@@ -251,3 +251,49 @@ def test_graphs_hold_a_rotary_table_for_the_models_whole_reach_never_grown(
     model.rotary.ensure(1024)  # within: nothing to do
     with pytest.raises(ValueError, match="position 1024 is past the rotary table"):
         model.rotary.ensure(1025)
+
+
+def test_grouped_int8_layers_prove_their_decode_kernel_at_load(tiny_checkpoint, monkeypatch):
+    """prepare runs each grouped int8 layer's product once (helexa/kernels/cuda/int8g.py: the
+    Triton kernel's probe and compile happen at load, not in the first request's step), and
+    describe says which kernel serves them."""
+    from helexa.kernels.backends.executor import LinearSite
+    from helexa.kernels.cuda import int8g as int8g_cuda
+    from helexa.neuron.formats.base import open_checkpoint
+    from helexa.neuron.formats.loader import load_model
+
+    class Measured:
+        def __init__(self) -> None:
+            self.prepared: list[int] = []
+
+        def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            return x
+
+        def prepare(self, max_num_seqs: int) -> None:
+            self.prepared.append(max_num_seqs)
+
+    monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")  # the fused kernels: not this test's
+    model = load_model(open_checkpoint(tiny_checkpoint("qwen3")), device=torch.device("cpu"),
+                       dtype="float32")
+    seen: list[torch.device] = []
+    monkeypatch.setattr(int8g_cuda, "describe",
+                        lambda device: seen.append(device) or "grouped int8 decode: Triton kernel")
+    kernels = [Measured(), Measured()]
+    plain = torch.nn.Linear(2, 2)
+    plain.kernel = None  # type: ignore[assignment]
+    sites = [LinearSite(module=plain, quantised=False, tied=False)]  # type: ignore[arg-type]
+    for k in kernels:
+        mod = torch.nn.Linear(2, 2)
+        mod.kernel = k  # type: ignore[assignment]
+        sites.append(LinearSite(module=mod, quantised=True, tied=False))  # type: ignore[arg-type]
+    ex = CudaGraphExecutor(StandInAttention(2), runtime=StandInRuntime())  # type: ignore[arg-type]
+    ex.attention.device = torch.device("cuda", 0)  # the stand-in's card
+    ex.prepare(model, sites, max_num_seqs=6, max_batched_tokens=64, tp_size=1)
+    assert [k.prepared for k in kernels] == [[6], [6]]
+    assert seen == [ex.attention.device]
+    assert ex.describe().endswith("rope: torch (HELEXA_CUDA_FUSED=0); "
+                                  "grouped int8 decode: Triton kernel")
+    # a model with no such layer says nothing of them
+    ex = CudaGraphExecutor(StandInAttention(2), runtime=StandInRuntime())  # type: ignore[arg-type]
+    ex.prepare(model, sites[:1], max_num_seqs=6, max_batched_tokens=64, tp_size=1)
+    assert "grouped int8" not in ex.describe()

@@ -23,7 +23,10 @@ whenever the leader's load steps reach them.
 ``prepare`` gives the model's norms and MLPs FlashInfer's one-kernel RMSNorm, residual add
 + RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1, once the ranks' group exists
 (``grouped``), the model's reducing norms get FlashInfer's fused all-reduce + add + RMSNorm
-where every rank can run it (cuda_comm.py); ``describe`` says which runs.
+where every rank can run it (cuda_comm.py); ``describe`` says which runs. Grouped int8
+layers (GGUF Q8_0/Q6_K/Q5_K, GPTQ 8-bit) run their decode kernel once in ``prepare``, so
+that it proves itself on the card, and Triton compiles it, at load
+(helexa/kernels/cuda/int8g.py).
 
 The CUDA calls sit behind :class:`GraphRuntime` so that CPU tests can stand in for them.
 """
@@ -42,7 +45,8 @@ from helexa.checkpoint.memory import fused_allreduce_rows, graph_capture_sizes
 from helexa.checkpoint.shape import max_positions
 from helexa.kernels.backends import cuda_comm, cuda_fused
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
-from helexa.kernels.backends.executor import LinearSite, StepExecutor, model_forward
+from helexa.kernels.backends.executor import LinearSite, MeasuredAtLoad, StepExecutor, model_forward
+from helexa.kernels.cuda import int8g as int8g_cuda
 from helexa.kernels.paged_kv import PagedKV
 
 log = structlog.get_logger(component="kernels")
@@ -100,6 +104,7 @@ class CudaGraphExecutor(StepExecutor):
         self.fused_ops = fused_ops  # None: FlashInfer's (cuda_fused.FusedOps)
         self.fused = ""  # which norm / SiLU kernels run (cuda_fused.install)
         self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
+        self.quantised = ""  # which kernel a grouped int8 layer's decode step runs
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
@@ -110,7 +115,7 @@ class CudaGraphExecutor(StepExecutor):
     def describe(self) -> str:
         rows = self.attention.graph_rows
         graphs = f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
-        return "; ".join(p for p in (graphs, self.fused, self.allreduce) if p)
+        return "; ".join(p for p in (graphs, self.fused, self.quantised, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
         return graph_capture_sizes(self.attention.graph_rows)
@@ -141,6 +146,12 @@ class CudaGraphExecutor(StepExecutor):
         rope = cuda_fused.install_rope(model, dtype, self.fused_ops)
         self.fused = "; ".join(p for p in (self.fused, rope) if p)
         self._allreduce_rows = fused_allreduce_rows(max_num_seqs) if tp_size > 1 else 0
+        # grouped int8 layers: their decode kernel proves itself (and Triton compiles it for
+        # each shape) now, not in the first request's step (helexa/kernels/cuda/int8g.py)
+        measured = [s.module.kernel for s in linears if isinstance(s.module.kernel, MeasuredAtLoad)]
+        for kernel in measured:
+            kernel.prepare(max_num_seqs)
+        self.quantised = int8g_cuda.describe(self.attention.device) if measured else ""
 
     def grouped(self, model: torch.nn.Module) -> None:
         # at tp > 1: the norms whose add reduces a deferred product (models/layers.py) get

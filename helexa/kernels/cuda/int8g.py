@@ -1,0 +1,163 @@
+"""The grouped int8 matmul on CUDA for the few rows of a decode step (Triton).
+
+helexa/kernels/quant.py's plain-torch op, ``int8g_tiles``, dequantises a tile of weight
+rows (4 MiB of float) to memory and multiplies it on cuBLAS. That is right for a prefill
+chunk, where the GEMM amortises the tile over many rows. For a decode step's few rows it
+launches about four kernels a tile (a 5120 x 17408 layer: ~170 a step) and writes and
+reads back two float bytes for each int8 one. This kernel (helexa/kernels/cuda/
+_int8g_triton.py) reads each int8 byte and its group's scale once, dequantises in
+registers and multiplies on the tensor cores (rows padded to 16), with K split over
+programs so that a layer of few output rows still fills the card; the spans' fp32
+partial sums are added after. It serves the layouts of GGUF Q8_0, Q6_K and Q5_K, GPTQ
+8-bit and grouped int8 alike (any group size that divides K, zeros or none).
+
+Steps of at most ``ROWS`` rows take it; more keep the tiles. The bound, the block sizes
+and the split are read from the kernels' arithmetic, not measured: no GPU has run this.
+
+The kernel earns its place on the card it runs on: the first call for each (device,
+dtype, group size, zeros or not) runs it against the tiles on a seeded layer, outside
+any graph capture, and a kernel that fails or disagrees leaves that key to the tiles,
+the reason logged as ``kernels.cuda_grouped_matmul_fallback``. No Triton (a CPU-only
+install, or ``HELEXA_TRITON_INT8G=0``) means the tiles. The tests run the same kernel on
+CPU tensors through Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections.abc import Callable
+
+import structlog
+import torch
+
+ROWS = 16  # a decode step's rows: one block of the tensor-core tile
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+PROGRAMS_PER_SM = 4  # K is split until the programs number this many per SM ...
+MIN_SPAN_BLOCKS = 4  # ... while each keeps at least this many BLOCK_K steps
+_TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
+
+Tiles = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
+log = structlog.get_logger(component="kernels")
+_verdicts: dict[tuple, str] = {}  # (device, dtype, group, zeros) -> "" or why the tiles serve
+_lock = threading.Lock()
+
+
+@functools.cache
+def unavailable() -> str:
+    """"" where the kernel can be built; else why not."""
+    if os.environ.get("HELEXA_TRITON_INT8G", "1") == "0":
+        return "HELEXA_TRITON_INT8G=0"
+    try:
+        from helexa.kernels.cuda import _int8g_triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - no Triton, or one that does not import here
+        return f"triton does not import ({type(e).__name__}: {e})"
+    return ""
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_k(n: int, k: int, rows: int, sms: int) -> int:
+    """How many spans K is cut into: enough programs for PROGRAMS_PER_SM on each of
+    ``sms``, each span at least MIN_SPAN_BLOCKS steps of BLOCK_K."""
+    blocks = -(-n // BLOCK_N) * -(-rows // BLOCK_M)
+    want = -(-PROGRAMS_PER_SM * sms // blocks)
+    return max(1, min(want, k // (BLOCK_K * MIN_SPAN_BLOCKS)))
+
+
+def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+        zeros: torch.Tensor | None, group_size: int, sms: int, interpret: bool = False
+        ) -> torch.Tensor:
+    """x [M, K] (scales' dtype) @ W^T on the kernel, W = q * scale + zero per group;
+    [M, N] in scales' dtype. ``interpret``: Triton's interpreter (CPU tensors)."""
+    from helexa.kernels.cuda import _int8g_triton
+
+    m, k = x.shape
+    n = qweight.shape[0]
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    scales = scales.contiguous()
+    zeros = None if zeros is None else zeros.contiguous()
+    split = split_k(n, k, m, sms)
+    span = -(-k // (split * BLOCK_K)) * BLOCK_K
+    split = -(-k // span)  # no span left empty
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (-(-n // BLOCK_N), split, -(-m // BLOCK_M))
+    dot, precision = _int8g_triton.operands(x.dtype, interpret)
+    _int8g_triton.build(interpret)[grid](
+        x, qweight.contiguous(), scales, scales if zeros is None else zeros, part,
+        m, n, k, group_size, span, x.stride(0), qweight.stride(0), scales.stride(0), m * n,
+        HAS_ZEROS=zeros is not None, DOT=dot, PRECISION=precision,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    out = part[0] if split == 1 else part.sum(0)
+    return out.to(scales.dtype)
+
+
+def probe(device: torch.device, dtype: torch.dtype, group_size: int, zeros: bool,
+          tiles: Tiles, sms: int, interpret: bool = False) -> str:
+    """Run the kernel against ``tiles`` on a seeded layer of this kind (3 rows, a ragged
+    last block of outputs, K split in two): "" when within the dtype's tolerance, else why
+    not (a failure of the kernel included)."""
+    gen = torch.Generator().manual_seed(group_size)
+    k = group_size * -(-2 * BLOCK_K * MIN_SPAN_BLOCKS // group_size)
+    n = 3 * BLOCK_N - 5
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    s = torch.rand(n, k // group_size, generator=gen) * 0.02 + 1e-3
+    z = torch.randn(n, k // group_size, generator=gen) * 0.01 if zeros else None
+    x = torch.randn(3, k, generator=gen)
+    q, s, x = q.to(device), s.to(device, dtype), x.to(device, dtype)
+    z = None if z is None else z.to(device, dtype)
+    try:
+        got = run(x, q, s, z, group_size, sms, interpret).float()
+    except Exception as e:  # noqa: BLE001 - any failure: the tiles serve, said why
+        return f"the Triton kernel failed ({type(e).__name__}: {e})"
+    want = tiles(x, q, s, z, group_size).float()
+    err = float((got - want).norm() / want.norm())
+    tol = _TOL.get(dtype, 1e-2)
+    return "" if err < tol else f"the Triton kernel is off by {err:.2g} (relative; {tol} allowed)"
+
+
+def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+           zeros: torch.Tensor | None, group_size: int, tiles: Tiles) -> torch.Tensor:
+    """x [M, K] on a CUDA device @ W^T: the kernel for a decode step's rows where it has
+    proved itself on this card, else ``tiles``; [M, N] in scales' dtype."""
+    if x.shape[0] > ROWS or x.shape[0] == 0 or unavailable():
+        return tiles(x, qweight, scales, zeros, group_size)
+    key = (x.device, scales.dtype, group_size, zeros is not None)
+    why = _verdicts.get(key)
+    if why is None:
+        if _capturing():  # a probe syncs: never in a graph capture
+            return tiles(x, qweight, scales, zeros, group_size)
+        with _lock:
+            why = _verdicts.get(key)
+            if why is None:
+                why = _verdicts[key] = probe(x.device, scales.dtype, group_size,
+                                             zeros is not None, tiles, _sms(x.device.index or 0))
+                kind = {"device": str(x.device), "group": group_size, "zeros": zeros is not None,
+                        "dtype": str(scales.dtype).removeprefix("torch.")}
+                if why:
+                    log.warning("kernels.cuda_grouped_matmul_fallback", reason=why, **kind)
+                else:
+                    log.info("kernels.cuda_grouped_matmul_chosen", kernel="triton", **kind)
+    if why:
+        return tiles(x, qweight, scales, zeros, group_size)
+    return run(x, qweight, scales, zeros, group_size, _sms(x.device.index or 0))
+
+
+def describe(device: torch.device) -> str:
+    """What serves grouped int8 decode steps on ``device``, for the executor's describe()."""
+    if why := unavailable():
+        return f"grouped int8 decode: dequantised tiles ({why})"
+    said = sorted({why for (on, *_), why in _verdicts.items()
+                   if on.type == device.type and device.index in (None, on.index)})
+    if not said:
+        return ""
+    return "; ".join("grouped int8 decode: Triton kernel" if not why
+                     else f"grouped int8 decode: dequantised tiles ({why})" for why in said)

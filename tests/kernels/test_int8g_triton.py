@@ -1,0 +1,161 @@
+"""The grouped int8 decode kernel for CUDA (helexa/kernels/cuda/int8g.py), run on CPU tensors by
+Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET before Triton is imported): the
+same kernel source the card compiles, its dot on fp32 operands (the interpreter's one
+difference, helexa/kernels/cuda/_int8g_triton.py ``operands``). Then the choice around it:
+which steps take it, its probe, and what serves when the probe or Triton says no."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import structlog
+import torch
+
+from helexa.kernels import quant as qk
+from helexa.kernels.cuda import int8g as ci
+
+pytest.importorskip("triton")
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets it before any import"
+
+
+def _layer(n: int, k: int, group: int, dtype: torch.dtype, zeros: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).to(dtype)
+    z = (torch.randn(n, k // group, generator=g) * 0.02).to(dtype) if zeros else None
+    return q, s, z, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("group", "zeros"), [(16, True), (32, False), (128, True), (None, False)])
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_kernel_is_the_matmul_of_the_dequantised_weight(dtype, group, zeros, m):
+    # 133 outputs: three blocks of 64, the last ragged; K = 1,344 inputs (1,408 for groups
+    # of 128): ten 128-wide steps and a ragged eleventh; sms=8: K split in two spans
+    # (split_k), the second shorter; group None: one group a row (per-channel scales)
+    n, k = 133, 1344 if (group or 1) < 128 else 1408
+    group = group or k
+    q, s, z, g = _layer(n, k, group, dtype, zeros, seed=m + group)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    assert ci.split_k(n, k, m, sms=8) == 2
+    y = ci.run(x, q, s, z, group, sms=8, interpret=True)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = x.float() @ qk.dequantize_int8g(q, s, z, group).t()
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # the output's rounding to 16 bits
+    torch.testing.assert_close(y.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+def test_kernel_reads_rows_at_their_stride_and_agrees_with_the_tiles():
+    # x a column slice of a wider tensor (a fused qkv's part): rows at a stride, each
+    # contiguous; two spans of K; the tiles are the reference the card's probe uses
+    q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=True, seed=7)
+    wide = torch.randn(5, 3000, generator=g)
+    x = wide[:, 1000:2024]
+    assert not x.is_contiguous()
+    y = ci.run(x, q, s, z, 32, sms=4, interpret=True)
+    ref = qk.int8g_tiles(x.contiguous(), q, s, z, 32)  # fp32, summed in another order
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_split_k_fills_the_card_and_keeps_spans_whole():
+    # Qwen3.5-27B's down projection (5120 x 17408) at one row on an H100 (132 SMs):
+    # 80 output blocks want 4 x 132 programs, so 7 spans of K (each 20 steps of 128)
+    assert ci.split_k(5120, 17408, 1, sms=132) == 7
+    # a wide layer already fills the card: K stays whole
+    assert ci.split_k(248320, 5120, 1, sms=132) == 1
+    # a short K is never cut below MIN_SPAN_BLOCKS steps a span
+    assert ci.split_k(64, 1024, 1, sms=132) == 1024 // (ci.BLOCK_K * ci.MIN_SPAN_BLOCKS)
+    assert ci.split_k(64, 256, 1, sms=132) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_probe_passes_the_kernel_and_catches_a_wrong_one(dtype):
+    cpu = torch.device("cpu")
+    assert ci.probe(cpu, dtype, 32, True, qk.int8g_tiles, sms=4, interpret=True) == ""
+
+    def off(x, q, s, z, group):  # a reference the kernel cannot match
+        return qk.int8g_tiles(x, q, s, z, group) * 1.1
+
+    why = ci.probe(cpu, dtype, 32, True, off, sms=4, interpret=True)
+    assert why.startswith("the Triton kernel is off by")
+
+
+class _Card:
+    """linear() on CPU tensors as if on a card: the interpreter runs, no capture by default."""
+
+    def __init__(self, monkeypatch, capturing: bool = False) -> None:
+        self.tile_calls = 0
+        monkeypatch.setattr(ci, "_verdicts", {})
+        monkeypatch.setattr(ci, "_sms", lambda index: 4)
+        monkeypatch.setattr(ci, "_capturing", lambda: capturing)
+        run = ci.run
+        monkeypatch.setattr(ci, "run", lambda *a, **kw: run(*a[:6], interpret=True))
+
+    def tiles(self, *args):
+        self.tile_calls += 1
+        return qk.int8g_tiles(*args)
+
+
+def test_a_decode_step_takes_the_kernel_once_it_has_proved_itself(monkeypatch):
+    card = _Card(monkeypatch)
+    q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=True, seed=3)
+    x = torch.randn(2, 1024, generator=g)
+    with structlog.testing.capture_logs() as logs:
+        y = ci.linear(x, q, s, z, 32, card.tiles)
+        ci.linear(x, q, s, z, 32, card.tiles)
+    assert card.tile_calls == 1  # the probe's reference, once; the steps ran the kernel
+    assert [e["event"] for e in logs] == ["kernels.cuda_grouped_matmul_chosen"]
+    assert logs[0]["group"] == 32 and logs[0]["zeros"] is True
+    ref = qk.int8g_tiles(x, q, s, z, 32)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    assert ci.describe(torch.device("cpu")) == "grouped int8 decode: Triton kernel"
+    # a prefill chunk (more than ROWS rows) keeps the tiles
+    ci.linear(torch.randn(ci.ROWS + 1, 1024, generator=g), q, s, z, 32, card.tiles)
+    assert card.tile_calls == 2
+
+
+def test_a_kernel_that_fails_its_probe_leaves_that_kind_to_the_tiles(monkeypatch):
+    card = _Card(monkeypatch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("out of shared memory")
+
+    monkeypatch.setattr(ci, "run", broken)
+    q, s, z, g = _layer(70, 1024, 32, torch.bfloat16, zeros=False, seed=4)
+    x = torch.randn(1, 1024, generator=g).to(torch.bfloat16)
+    with structlog.testing.capture_logs() as logs:
+        y = ci.linear(x, q, s, z, 32, card.tiles)
+        ci.linear(x, q, s, z, 32, card.tiles)
+    assert [e["event"] for e in logs] == ["kernels.cuda_grouped_matmul_fallback"]
+    assert logs[0]["reason"] == ("the Triton kernel failed (RuntimeError: out of shared memory)")
+    assert card.tile_calls == 2  # both steps (the probe stopped at the failure)
+    torch.testing.assert_close(y, qk.int8g_tiles(x, q, s, z, 32))
+    assert ci.describe(torch.device("cpu")) == (
+        "grouped int8 decode: dequantised tiles (the Triton kernel failed "
+        "(RuntimeError: out of shared memory))")
+
+
+def test_no_probe_inside_a_graph_capture(monkeypatch):
+    # a probe reads its error back to the host, which a capture forbids: an unproved kind
+    # captures the tiles and is probed at its next eager step
+    card = _Card(monkeypatch, capturing=True)
+    q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=False, seed=5)
+    x = torch.randn(1, 1024, generator=g)
+    ci.linear(x, q, s, z, 32, card.tiles)
+    assert card.tile_calls == 1 and ci._verdicts == {}
+
+
+def test_without_triton_the_tiles_serve(monkeypatch):
+    monkeypatch.setenv("HELEXA_TRITON_INT8G", "0")
+    ci.unavailable.cache_clear()
+    try:
+        card = _Card(monkeypatch)
+        q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=False, seed=6)
+        ci.linear(torch.randn(1, 1024, generator=g), q, s, z, 32, card.tiles)
+        assert card.tile_calls == 1 and ci._verdicts == {}
+        assert ci.describe(torch.device("cpu")) == (
+            "grouped int8 decode: dequantised tiles (HELEXA_TRITON_INT8G=0)")
+    finally:
+        monkeypatch.delenv("HELEXA_TRITON_INT8G")
+        ci.unavailable.cache_clear()
