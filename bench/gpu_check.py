@@ -42,6 +42,10 @@ failing stage still leaves the others' figures:
   FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
   not choose (``other_decode_kernel``: the measurement its rule waits for). Last, so a
   check short of time loses these and not the figures before.
+- ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1 and 8 rows on the
+  Triton kernel, the dequantised tiles and a bf16 F.linear: µs a call and the fraction of
+  copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
+  issue's figures.
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
 the script cannot rot where no GPU is; its figures mean nothing about a GPU.
@@ -68,7 +72,7 @@ from helexa.kernels import flashinfer_gdn
 from helexa.kernels.backends import cuda_fused
 from helexa.kernels.backends.cuda import CUDA_CORE_GROUPS
 
-STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "compare")
+STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "compare", "int8g")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
 
 
@@ -755,6 +759,61 @@ def stage_ttft(ctx: dict[str, Any]) -> dict[str, Any]:
     return {"prompt_tokens": n, "ttft_s": ttft}
 
 
+def _us_per_call(fn: Callable[[], Any], device: torch.device, reps: int) -> float:
+    fn()  # warm: compiles, plans, allocations
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync(device)
+    return (time.perf_counter() - t) / reps * 1e6
+
+
+def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
+    """One large grouped int8 layer (Qwen3.5-27B's down projection, 5120 x 17408, groups of
+    32 with zeros: GGUF Q5_K's layout; dry run 256 x 1024) at 1 and 8 rows: µs a call on
+    the Triton kernel (helexa/kernels/cuda/int8g.py; its probe's verdict first), on the
+    dequantised tiles, and as a bf16 F.linear of the float weight; each call's bytes read
+    (int8 weight with its scales and zeros; the float weight's 2 bytes a value) as a
+    fraction of the measured copy bandwidth. Dry run: the kernel through Triton's
+    interpreter (tests/conftest.py sets TRITON_INTERPRET for the test that runs this)."""
+    from helexa.kernels import quant as qk
+    from helexa.kernels.cuda import int8g as ci
+
+    dry = ctx["device"] == "cpu"
+    dev = torch.device(ctx["device"])
+    n, k, group = (256, 1024, 32) if dry else (5120, 17408, 32)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8).to(dev)
+    sc = (torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3).to(dev, torch.bfloat16)
+    zs = (torch.randn(n, k // group, generator=gen) * 0.01).to(dev, torch.bfloat16)
+    w = qk.dequantize_int8g(q, sc, zs, group).to(torch.bfloat16)
+    sms = 4 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
+    out: dict[str, Any] = {"shape": [n, k], "group": group, "unavailable": ci.unavailable()}
+    if not dry and not out["unavailable"]:
+        out["probe"] = ci.probe(dev, torch.bfloat16, group, True, qk.int8g_tiles, sms) or "ok"
+    bw = copy_bandwidth(dev, ctx["sizes"]["copy_mib"])
+    quant_bytes = q.numel() + 2 * (sc.numel() + zs.numel())
+    reps = 2 if dry else 50
+    for rows in (1, 8):
+        x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
+        paths: dict[str, tuple[Callable[[], Any], int]] = {
+            "tiles": (lambda x=x: qk.int8g_tiles(x, q, sc, zs, group), quant_bytes),
+            "bf16_linear": (lambda x=x: torch.nn.functional.linear(x, w), 2 * n * k)}
+        if not out["unavailable"]:
+            paths["triton"] = (lambda x=x: ci.run(x, q, sc, zs, group, sms, interpret=dry),
+                               quant_bytes)
+        got: dict[str, Any] = {}
+        for name, (fn, nbytes) in paths.items():
+            us = _us_per_call(fn, dev, reps)
+            got[name] = {"us": us, "bandwidth_fraction": nbytes / (us * 1e-6) / bw}
+        if "triton" in got:
+            got["triton_vs_tiles"] = got["tiles"]["us"] / got["triton"]["us"]
+            got["triton_vs_bf16_linear"] = got["bf16_linear"]["us"] / got["triton"]["us"]
+        out[f"rows{rows}"] = got
+    return out
+
+
 def run(dry: bool, out_path: Path, budget_secs: float,
         stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
     device = "cpu" if dry else "cuda"
@@ -780,7 +839,7 @@ def run(dry: bool, out_path: Path, budget_secs: float,
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
             "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
-            "compare": stage_compare}
+            "compare": stage_compare, "int8g": stage_int8g}
         for name in stages:
             if time.perf_counter() - start > budget_secs:
                 report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}

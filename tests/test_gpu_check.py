@@ -22,11 +22,12 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gpu_check: 7/7 stages ok" in proc.stdout
+    assert "gpu_check: 8/8 stages ok" in proc.stdout
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["dry_run"] is True
-    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft", "compare"]
+    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft", "compare",
+                            "int8g"]
     assert all(s["ok"] for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
@@ -63,6 +64,12 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
     assert constrained["lookahead"]["tokens"] == constrained["sync"]["tokens"] > 1, constrained
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
+    int8g = stages["int8g"]  # the Triton kernel (interpreted here) beside the tiles
+    assert int8g["unavailable"] == "" and int8g["shape"] == [256, 1024], int8g
+    for rows in ("rows1", "rows8"):
+        assert set(int8g[rows]) == {"tiles", "bf16_linear", "triton", "triton_vs_tiles",
+                                    "triton_vs_bf16_linear"}, int8g
+        assert all(int8g[rows][p]["us"] > 0 for p in ("tiles", "bf16_linear", "triton"))
 
 
 def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path) -> None:
