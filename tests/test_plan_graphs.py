@@ -86,6 +86,26 @@ def test_no_graph_line_without_cuda_graphs(tmp_path, capsys):
     assert "CUDA graph pool" not in capsys.readouterr().out
 
 
+def test_a_pool_flashinfer_does_not_read_captures_no_graphs_and_says_why(tmp_path, capsys):
+    # a quantised pool, or one of another float dtype than the model's, runs the torch path
+    # on a cuda backend, eagerly (helexa/checkpoint/kv_path.py): no graph pool is held
+    for kv, why in (("int8", "quantised KV (int8)"), ("fp16", "KV fp16 with bf16 queries")):
+        path = tmp_path / "n.toml"
+        path.write_text(_toml(tmp_path, "max_slots = 8").read_text()
+                        .replace("[kv]\n", f'[kv]\nkv_dtype = "{kv}"\n'))
+        cfg = load_neuron_config(path)
+        p = plan_model(cfg, cfg.models[0], path)
+        assert (p.graph_rows, p.graph_pool_bytes, p.graphs_off) == (0, 0, why)
+        assert helexa_main(["plan", str(path)]) == 0
+        out = capsys.readouterr().out
+        assert "CUDA graph pool" not in out
+        assert (f"CUDA graphs         none: {why} runs FlashInfer's torch path on a cuda "
+                "backend, every decode step eagerly") in out
+    # the model's own dtype: graphs, and no such line
+    p = plan_model(cfg, cfg.models[0], path, kv_dtype="bf16")
+    assert (p.graph_rows, p.graphs_off) == (8, "")
+
+
 def test_a_tp2_cuda_plan_counts_the_fused_allreduce_workspace(tmp_path, capsys):
     shape = read_model_shape(DENSE)
     # FlashInfer 0.6.13's buffers for 128 rows of 4,096 bf16 at tp 2: one of 2 x 128 x 4,096

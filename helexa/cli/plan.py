@@ -67,6 +67,9 @@ def format_plan(p: ModelPlan) -> str:
                      f" at load, {fits} the "
                      f"{format_bytes(p.headroom_bytes)} activation headroom"
                      + (" with the all-reduce workspace" if p.allreduce_rows else ""))
+    if p.graphs_off:
+        lines.append(f"    CUDA graphs         none: {p.graphs_off} runs FlashInfer's torch path on"
+                     " a cuda backend, every decode step eagerly")
     if p.allreduce_rows:
         lines.append(f"    all-reduce space    {format_bytes(p.allreduce_workspace_bytes)} for the "
                      f"fused all-reduce + RMSNorm of steps up to {p.allreduce_rows} rows (where "

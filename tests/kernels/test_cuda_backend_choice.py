@@ -310,3 +310,24 @@ def test_the_graph_wrappers_workspace_exists_only_where_graphs_are_captured(
     on = CudaAttention(torch.device("cpu"), graph_rows=4, workspace_bytes=1024)
     assert off._graph_workspace is None
     assert on._graph_workspace is not None and on._graph_workspace.numel() == 1024
+
+
+def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[str, Any]]) -> None:
+    """A quantised KV pool runs the torch path: no step is planned on a graph wrapper, so
+    the executor says it captures none and the graph wrappers' scratch is given back; a
+    switch back to a pool FlashInfer reads makes it again and plans graph rows."""
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+
+    att = CudaAttention(torch.device("cpu"), graph_rows=4)
+    att.heads = 24
+    ex = CudaGraphExecutor(att)
+    att.allocate_kv([AttentionSpec(4, 128, "int8")] * 2, 8, 16, storage=None,
+                    compute=torch.bfloat16)
+    assert att._graph_workspace is None
+    assert ex.describe() == "no graphs (quantised KV: torch path, eager)"
+    assert not getattr(att.plan(_decode_step(2)), "graph_rows", 0)
+    att.allocate_kv([AttentionSpec(4, 128, "bf16")] * 2, 8, 16, storage=torch.bfloat16,
+                    compute=torch.bfloat16)
+    assert att._graph_workspace is not None and att._graph_workspace.numel() == att._workspace.numel()
+    assert ex.describe() == "graphs for 1..4 rows, captured at load"
+    assert att.plan(_decode_step(2)).graph_rows == 2

@@ -53,6 +53,7 @@ class StandInAttention:
 
     def __init__(self, graph_rows: int) -> None:
         self.graph_rows = graph_rows
+        self.torch_path = ""  # a pool FlashInfer reads
         self.static: dict[int, KvAppend] = {}
 
     def static_meta(self, b: int) -> CudaMetadata:

@@ -227,9 +227,14 @@ class CudaAttention(AttentionBackend):
                            if storage != compute else "")
         if self.torch_path:  # a pool FlashInfer's kernels do not read: the torch path's
             log.info("kernels.flashinfer_torch_path", reason=self.torch_path)
+            # its steps run eagerly (plan never gives graph rows): no graph wrapper's scratch
+            self._graph_workspace = None
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
             return self.pools
+        if self.graph_rows and self._graph_workspace is None:  # back from the torch path
+            self._graph_workspace = torch.empty(self._workspace.numel(), dtype=torch.uint8,
+                                                device=self.device)
         self._group = self.heads // max(1, layers[0].kv_heads)
         self.tensor_cores = tensor_cores(self._group)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(

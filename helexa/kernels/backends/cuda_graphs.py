@@ -115,6 +115,8 @@ class CudaGraphExecutor(StepExecutor):
     def describe(self) -> str:
         rows = self.attention.graph_rows
         graphs = f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
+        if rows and self.attention.torch_path:  # its steps are planned for the torch path
+            graphs = f"no graphs ({self.attention.torch_path}: torch path, eager)"
         return "; ".join(p for p in (graphs, self.fused, self.quantised, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
