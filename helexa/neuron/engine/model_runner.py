@@ -278,9 +278,9 @@ class ModelRunner:
                     input_ids = self._device_tokens(tokens)
                 positions = self.vision.attach(seqs, self.seq_starts, positions)
                 logits = run(self.model, input_ids, positions, meta, logits_rows, state)
-            except RuntimeError as e:  # a collective failed: a rank died or wedged
-                if self._tp is not None:
-                    self._tp.fail_step(e)
+            except (RuntimeError, ValueError) as e:  # ValueError: the group was aborted
+                if self._tp is not None and (isinstance(e, RuntimeError) or self._tp.failed):
+                    self._tp.fail_step(e)  # a collective failed: a rank died or wedged
                 raise
             if state is not None:
                 state.backend.end_step(state)  # the step's prefix snapshots
@@ -396,4 +396,4 @@ class ModelRunner:
 
 def _shutdown_tp(tp: TpWorkers) -> None:
     tp.close()
-    leave_group()
+    leave_group(abort=bool(tp.failed))

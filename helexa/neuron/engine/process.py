@@ -130,6 +130,10 @@ def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encode
             batch.append(decoder.decode(conn.recv_bytes()))
         inbound = merge_inbound(batch) if batch else None
         out = core.step(inbound)
+        broken = core.runner.failed
+        if broken:  # a tensor-parallel rank died or wedged: no later step can succeed, and
+            # this one's tokens may come from all-reduces an abort cut short: never sent
+            raise EngineGaveUp(f"tensor-parallel runner failed: {broken}")
         status = out.status
         assert status is not None  # every step reports the model's status
         key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
@@ -140,9 +144,6 @@ def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encode
             last_status, last_status_at = key, now
         if inbound is not None and inbound.shutdown:
             return
-        broken = core.runner.failed
-        if broken:  # a tensor-parallel rank died or wedged: no later step can succeed
-            raise EngineGaveUp(f"tensor-parallel runner failed: {broken}")
         if core.consecutive_failed_steps >= MAX_CONSECUTIVE_FAILED_STEPS:
             raise EngineGaveUp(f"{core.consecutive_failed_steps} steps failed in a row;"
                                f" the last: {core.last_error}")

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
+import structlog
 
 from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
@@ -41,6 +42,8 @@ from helexa.neuron.engine.tp_messages import (
     TpStop,
 )
 
+log = structlog.get_logger(component="engine")
+
 # NCCL, set before the group forms. No blocking wait: with TORCH_NCCL_BLOCKING_WAIT every
 # synchronous collective becomes a host sync plus a sleep of at least 1 ms (a decode step of a
 # 27B hybrid issues ~130), so collectives stay on the stream. A dead or wedged rank is found
@@ -50,18 +53,21 @@ from helexa.neuron.engine.tp_messages import (
 # the model failed (TpWorkers.fail_step) and the neuron stays up. TpWorkers' health check
 # (tp_worker.py, a thread off the hot path) catches a rank process that died. The heartbeat
 # monitor and trace dumps stay off: they kill or stall the process. A value already in the
-# environment wins.
+# environment wins, except for blocking wait, which is always off (torch reads both names;
+# a host's stale NCCL_BLOCKING_WAIT=1 would otherwise make tensor parallelism crawl).
 NCCL_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # CleanUpOnly: abort the communicators, never kill
     "TORCH_NCCL_ENABLE_MONITORING": "0",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
 }
+NCCL_NO_BLOCKING_WAIT = {"TORCH_NCCL_BLOCKING_WAIT": "0", "NCCL_BLOCKING_WAIT": "0"}
 
 
 def nccl_environment(env: dict[str, str]) -> dict[str, str]:
     """The NCCL variables a GPU group forms with, given the process environment ``env``
-    (whose own values win)."""
-    return {key: env.get(key, value) for key, value in NCCL_ENV.items()}
+    (whose own values win, but for blocking wait: off)."""
+    return {**{key: env.get(key, value) for key, value in NCCL_ENV.items()},
+            **NCCL_NO_BLOCKING_WAIT}
 
 
 def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs: float) -> None:
@@ -73,6 +79,9 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
 
     backend = "nccl" if device.startswith("cuda") else "gloo"
     if backend == "nccl":
+        if asked := {k: os.environ[k] for k in NCCL_NO_BLOCKING_WAIT
+                     if os.environ.get(k, "0") != "0"}:
+            log.warning("engine.nccl_blocking_wait_off", inherited=asked)
         os.environ.update(nccl_environment(dict(os.environ)))
         torch.cuda.set_device(torch.device(device))
     if dist.is_initialized():  # a failed model's group, never closed: one model per process
@@ -81,11 +90,25 @@ def join_group(init_file: str, rank: int, world: int, device: str, timeout_secs:
                             world_size=world, timeout=timedelta(seconds=timeout_secs))
 
 
-def leave_group() -> None:
+def leave_group(abort: bool = False) -> None:
+    """Leave the group; ``abort`` (it failed): abort its communicators instead, since
+    NCCL's orderly shutdown waits for every kernel of theirs, one spinning on a lost rank
+    included."""
     import torch.distributed as dist
 
-    if dist.is_initialized():
+    if abort:
+        abort_group()
+    elif dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """Abort the default group's communicators (what NCCL's watchdog does at its timeout)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6
+    if abort is not None and c10d.is_initialized():
+        abort()
 
 
 def _die_with_parent() -> None:

@@ -63,6 +63,7 @@ from helexa.neuron.engine.tp_messages import (
     TpStep,
     TpStop,
 )
+from helexa.neuron.engine.tp_rank import abort_group as _abort_group
 from helexa.neuron.engine.tp_rank import join_group, worker_main
 
 log = structlog.get_logger(component="engine")
@@ -85,7 +86,10 @@ class TpWorkers:
     _next_handle: int = 0
     _stale: list[int] = field(default_factory=list)  # handles replaced, for the next step
     _encoder: Any = field(default_factory=msgspec.msgpack.Encoder)
-    _stop_watch: threading.Event = field(default_factory=threading.Event)
+    _stop_watch: threading.Event = field(default_factory=threading.Event)  # health polls end
+    _closed: threading.Event = field(default_factory=threading.Event)  # the runner closed it
+    _nccl: bool = False  # the group is NCCL's (a CUDA model), once joined
+    give_up_secs: float = GIVE_UP_SECS
 
     @classmethod
     def start(cls, args: RunnerArgs, world: int) -> tuple[TpWorkers, str]:
@@ -117,28 +121,32 @@ class TpWorkers:
             self.fail(f"tensor-parallel group did not form: {e}")
         ready = self._wait_all(TpReady, args.timeout_secs)
         self.kv_bytes_per_block = [m.kv_bytes_per_block for m in ready]
-        threading.Thread(target=self.watch, args=(device.startswith("cuda"),),
+        self._nccl = device.startswith("cuda")
+        threading.Thread(target=self.watch, args=(self._nccl,),
                          name="helexa-tp-health", daemon=True).start()
 
-    def watch(self, nccl: bool, interval_secs: float = 1.0,
-              grace_secs: float = GIVE_UP_SECS) -> None:
-        """The health check: until close(), note the first rank process found dead; on NCCL
-        abort the group so a collective or host sync waiting on that rank returns (gloo
-        fails on a closed peer by itself). It records: the step thread raises, and the
-        engine ends (EngineGaveUp). A kernel spinning on the dead rank's data never returns
-        to the host, though (FlashInfer's fused all-reduce polls for it; collectives replayed
-        from a CUDA graph are not the watchdog's to abort): if the runner is not closed
-        within ``grace_secs``, this thread ends the engine process, as the step loop would."""
+    def watch(self, nccl: bool, interval_secs: float = 1.0) -> None:
+        """The health check: until the group fails or closes, note the first rank process
+        found dead; on NCCL abort the group so a collective or host sync waiting on that
+        rank returns (gloo fails on a closed peer by itself). It records: the step thread
+        raises, and the engine ends (EngineGaveUp). A kernel spinning on the dead rank's
+        data never returns to the host, though (FlashInfer's fused all-reduce polls for it;
+        collectives replayed from a CUDA graph are not the watchdog's to abort): if the
+        runner is not closed within ``give_up_secs``, this thread ends the engine process,
+        as the step loop would."""
         while not self._stop_watch.wait(interval_secs):
             dead = self._dead_rank()
             if dead and not self.failed and not self._stop_watch.is_set():
                 self.failed = dead
                 if nccl:
                     _abort_group()
-                    if not self._stop_watch.wait(grace_secs):
-                        log.error("engine.tp_gave_up", reason=dead, waited_secs=grace_secs)
-                        _exit(EXIT_RANK_LOST)
+                    self._give_up_unless_closed()
                 return
+
+    def _give_up_unless_closed(self) -> None:
+        if not self._closed.wait(self.give_up_secs):
+            log.error("engine.tp_gave_up", reason=self.failed, waited_secs=self.give_up_secs)
+            _exit(EXIT_RANK_LOST)
 
     def _wait_all(self, kind: type, timeout_secs: float) -> list[Any]:
         got = []
@@ -251,14 +259,27 @@ class TpWorkers:
         self.fail(f"tensor-parallel step failed (a rank wedged or its link broke): {error}")
 
     def fail(self, why: str) -> None:
-        """Mark the group failed and end every rank: a broken group cannot be mended."""
-        self.failed = self.failed or why
-        self.close(timeout_secs=0.0)
+        """Mark the group failed and end every rank: a broken group cannot be mended. On
+        NCCL the step thread may find the loss first (lookahead sends a step while the one
+        before still runs): it aborts the group as the health check would, and arms the
+        same last resort, since a step in flight may wait on the lost rank for good."""
+        first, self.failed = not self.failed, self.failed or why
+        if first and self._nccl:
+            _abort_group()
+            threading.Thread(target=self._give_up_unless_closed, name="helexa-tp-give-up",
+                             daemon=True).start()
+        self._stop_watch.set()
+        self._end_ranks(0.0)
         raise TpError(self.failed)
 
     def close(self, timeout_secs: float = 5.0) -> None:
-        """Stop every rank (politely first, then by force); safe to call twice."""
+        """Stop every rank (politely first, then by force); safe to call twice. The runner's
+        close: the health check's last resort stands down."""
         self._stop_watch.set()
+        self._end_ranks(timeout_secs)
+        self._closed.set()
+
+    def _end_ranks(self, timeout_secs: float) -> None:
         for conn in self.conns:
             try:
                 conn.send_bytes(self._encoder.encode(TpStop()))
@@ -272,17 +293,11 @@ class TpWorkers:
         for conn in self.conns:
             conn.close()
         self.conns = []
-        self.init_dir.cleanup()
+        if self.init_dir is not None:
+            self.init_dir.cleanup()
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
 
-def _abort_group() -> None:
-    """Abort the default group's communicators (what NCCL's watchdog does at its timeout)."""
-    import torch.distributed.distributed_c10d as c10d
-
-    abort = getattr(c10d, "_abort_process_group", None)  # torch >= 2.6
-    if abort is not None and c10d.is_initialized():
-        abort()

@@ -301,3 +301,29 @@ def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
         assert not client.alive
 
     asyncio.run(main())
+
+
+def test_a_step_that_ends_with_the_group_failed_sends_nothing():
+    """A tensor-parallel step can return normally after its group was aborted (NCCL's kernels
+    leave early on the abort flag): its tokens may come from cut-short all-reduces, so the
+    loop gives up before sending them, with the reason, and the daemon fails the requests."""
+    import multiprocessing
+
+    import msgspec
+
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.process import EngineGaveUp, run_loop
+
+    class LostRank(FakeRunner):
+        def run_step(self, seqs, *, keep_hidden=False, tokens=None):
+            out = super().run_step(seqs, keep_hidden=keep_hidden, tokens=tokens)
+            self.failed = "tensor-parallel rank 1 died (exit code -9)"  # found mid-step
+            return out
+
+    core = EngineCore(spec(), LostRank(64, 512, 4))
+    here, there = multiprocessing.Pipe()
+    here.send_bytes(msgspec.msgpack.Encoder().encode(m.ToEngine(new=[m.NewRequest(
+        req_id="x", prompt_token_ids=[1, 2, 3], max_tokens=4)])))
+    with pytest.raises(EngineGaveUp, match="rank 1 died"):
+        run_loop(core, there, msgspec.msgpack.Encoder())
+    assert not here.poll(0.1)  # no update, no token, left the loop

@@ -50,9 +50,9 @@ def execute_mtp(runner: ModelRunner, seqs: list[SeqInput], hidden: torch.Tensor 
         x[flat] = hidden  # to the step's flat layout
         meta = runner.backend.attention.plan_side(step)
         logits, y = runner.model.mtp_forward(input_ids, positions, x, meta, logits_rows)
-    except RuntimeError as e:
-        if tp is not None:  # a collective failed: a rank died or wedged
-            tp.fail_step(e)
+    except (RuntimeError, ValueError) as e:  # ValueError: the group was aborted
+        if tp is not None and (isinstance(e, RuntimeError) or tp.failed):
+            tp.fail_step(e)  # a collective failed: a rank died or wedged
         raise
     return logits, y.index_select(0, flat)
 
@@ -69,8 +69,8 @@ def mtp_logits(runner: ModelRunner, hidden: torch.Tensor | None, rows: int = 0) 
             tp.send_mtp_logits(rows)
     try:
         logits: torch.Tensor = runner.model.lm_head(_shared_rows(runner, hidden, rows)).float()
-    except RuntimeError as e:
-        if tp is not None:
+    except (RuntimeError, ValueError) as e:  # ValueError: the group was aborted
+        if tp is not None and (isinstance(e, RuntimeError) or tp.failed):
             tp.fail_step(e)
         raise
     return logits
