@@ -55,6 +55,7 @@ Benchmarks print figures; they assert nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -133,6 +134,7 @@ class Runner:
 
     def close(self) -> None:
         self.runner.close()
+        del self.runner  # the weights go with the last reference (free_device collects)
 
 
 def sync(device: torch.device) -> None:
@@ -145,6 +147,29 @@ def make_model(root: Path, name: str, arch: str, shape: dict[str, Any],
     from helexa.fixtures.tiny import init_tiny
 
     return init_tiny(root / name, arch=arch, dtype="bfloat16", device=device, **shape)
+
+
+def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
+               out: dict[str, Any]) -> dict[str, Any]:
+    """``measure`` each model into ``out`` on its own: one that raises leaves its error and
+    the others' figures (the run then counts the stage failed: ``failed``)."""
+    for name in names:
+        try:
+            out[name] = measure(name)
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            out[name] = {"error": f"{type(e).__name__}: {e}",
+                         "trace": traceback.format_exc(limit=6)}
+            out.setdefault("failed", []).append(name)
+        free_device()
+    return out
+
+
+def free_device() -> None:
+    """Drop what closed runners left (their cycles: HostTimes' wrappers, engine cores) and
+    give the allocator's cache back, so that one big model at a time holds the card."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def stage_env(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -205,7 +230,8 @@ def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
     prefix (a near tie, in units of the logits' spread, is rounding, not a wrong kernel)."""
     n, out = ctx["sizes"]["parity_tokens"], {}
     dev = ctx["device"]
-    for name in ("dense", "hybrid"):
+
+    def parity(name: str) -> dict[str, Any]:
         prompt = [(7 * i + 3) % 500 + 1 for i in range(ctx["sizes"]["prompt"])]
         r = Runner(ctx[name], dev, 1, len(prompt) + n)
         ours = r.prefill([prompt])
@@ -230,7 +256,9 @@ def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
         res["first_divergence"] = _first_diff(ours, res["transformers"])
         res["transformers_eager_vs_sdpa_divergence"] = _first_diff(res["eager"],
                                                                     res["transformers"])
-        out[name] = res
+        return res
+
+    each_model(("dense", "hybrid"), parity, out)
     try:  # its failure must not cost the stage the figures above
         out["mtp"] = mtp_engine(ctx)
     except Exception as e:  # noqa: BLE001 - reported, not raised
@@ -573,7 +601,9 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
     s, dev = ctx["sizes"], torch.device(ctx["device"])
     bw = copy_bandwidth(dev, s["copy_mib"])
     out: dict[str, Any] = {"copy_bandwidth_gbs": bw / 1e9}
-    for name in ("dense_big", "hybrid_big"):
+    ctx["decode"] = out  # what the compare stage measures beside (a failed model: its error)
+
+    def decode(name: str) -> dict[str, Any]:
         t = time.perf_counter()  # graphs for 1..8 rows captured, each size's kernels built
         r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8)
         load_s = time.perf_counter() - t
@@ -601,8 +631,9 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 res["engine_constrained"] = {"error": f"{type(e).__name__}: {e}"}
         r.close()
-        out[name] = res
-    ctx["decode"] = out  # what the compare stage measures beside
+        return res
+
+    each_model(("dense_big", "hybrid_big"), decode, out)
     return out
 
 
@@ -616,7 +647,7 @@ def stage_compare(ctx: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("the decode stage did not run: nothing to compare with")
     s, out = ctx["sizes"], {}
     for name, res in ctx["decode"].items():
-        if not isinstance(res, dict):
+        if not isinstance(res, dict) or "error" in res:  # a figure, or a model that failed
             continue
         roofline_steps = res["roofline_steps_per_s"]
         got: dict[str, Any] = {}
@@ -701,7 +732,8 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
     s, cuda_dev = ctx["sizes"], ctx["device"] == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda_dev else [])
     out: dict[str, Any] = {}
-    for name in ("dense_big", "hybrid_big"):
+
+    def profiled(name: str) -> dict[str, Any]:
         r = Runner(ctx[name], ctx["device"], 1,
                    s["prompt"] + s["profile_steps"] + s["decode_tokens"] + 8)
         last = r.step(r.prefill([list(range(1, s["prompt"] + 1))]))
@@ -733,23 +765,26 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
         syncs = host_syncs(events, r.device) - (1 if cuda_dev else 0)
         per = s["profile_steps"]
         costliest = sorted(top.items(), key=lambda kv: -kv[1][1])[:12]
-        out[name] = {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,
-                     "counted": kind,
-                     # device time the kernels take, against the step's wall time
-                     "kernel_us_per_step": sum(v[1] for v in top.values()) / per,
-                     "wall_us_per_step": wall / per * 1e6,
-                     # outside the profiler: where a step's host time goes (HostTimes)
-                     "host_us_per_step": host_us,
-                     "top_kernels": [{"name": k, "per_step": v[0] / per,
-                                      "us_per_step": v[1] / per} for k, v in costliest]}
-    return out
+        return {"kernels_per_step": kernels / per, "host_syncs_per_step": syncs / per,
+                "counted": kind,
+                # device time the kernels take, against the step's wall time timed outside
+                # the profiler (which, tracing every launch, about doubled it on the H200)
+                "kernel_us_per_step": sum(v[1] for v in top.values()) / per,
+                "wall_us_per_step": host_us["step_wall"],
+                "profiled_wall_us_per_step": wall / per * 1e6,
+                # outside the profiler: where a step's host time goes (HostTimes)
+                "host_us_per_step": host_us,
+                "top_kernels": [{"name": k, "per_step": v[0] / per,
+                                 "us_per_step": v[1] / per} for k, v in costliest]}
+
+    return each_model(("dense_big", "hybrid_big"), profiled, out)
 
 
 def stage_ttft(ctx: dict[str, Any]) -> dict[str, Any]:
     n = ctx["sizes"]["ttft_prompt"]
     r = Runner(ctx["dense_big"], ctx["device"], 1, n + 8)
     prompt = [(i * 13) % 400 + 1 for i in range(n)]
-    r.prefill([prompt[:32]])  # warm the prefill path
+    r.prefill([prompt])  # warm: the prefill path, and the allocator at this prompt's size
     sync(r.device)
     t = time.perf_counter()
     r.prefill([prompt])
@@ -776,7 +811,7 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
     dequantised tiles, and as a bf16 F.linear of the float weight; each call's bytes read
     (int8 weight with its scales and zeros; the float weight's 2 bytes a value) as a
     fraction of the measured copy bandwidth. Dry run: the kernel through Triton's
-    interpreter (tests/conftest.py sets TRITON_INTERPRET for the test that runs this)."""
+    interpreter (main sets TRITON_INTERPRET)."""
     from helexa.kernels import quant as qk
     from helexa.kernels.cuda import int8g as ci
 
@@ -814,8 +849,29 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Models(dict):  # type: ignore[type-arg]
+    """The stages' context: a checkpoint by name (``ctx["dense_big"]``) is made the first
+    time a stage asks for it, inside that stage's error handling, so a stage needing no big
+    model never waits for one and a disk too small fails the stage that needed it, not the
+    run."""
+
+    def __init__(self, root: Path, specs: dict[str, tuple[str, dict[str, Any], str]],
+                 **items: Any) -> None:
+        super().__init__(**items)
+        self.root, self.specs, self.made_s = root, specs, {}
+
+    def __missing__(self, name: str) -> Path:
+        if name not in self.specs:
+            raise KeyError(name)
+        arch, shape, device = self.specs[name]
+        t = time.perf_counter()
+        self[name] = path = make_model(self.root, name, arch, shape, device)
+        self.made_s[name] = time.perf_counter() - t
+        return path
+
+
 def run(dry: bool, out_path: Path, budget_secs: float,
-        stages: tuple[str, ...] = STAGES) -> dict[str, Any]:
+        stages: tuple[str, ...] = STAGES, decode_from: Path | None = None) -> dict[str, Any]:
     device = "cpu" if dry else "cuda"
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible to torch (use --dry-run on CPU)")
@@ -823,35 +879,38 @@ def run(dry: bool, out_path: Path, budget_secs: float,
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="helexa-gpu-check-") as tmp:
         s = sizes(dry)
-        root = Path(tmp)
-        ctx: dict[str, Any] = {"device": device, "sizes": s,
-                               "dense": make_model(root, "dense", "qwen3", s["small"]),
-                               "hybrid": make_model(root, "hybrid", "qwen3_5", s["small"]),
-                               "hybrid_mtp": make_model(root, "hybrid_mtp", "qwen3_5",
-                                                        dict(s["small"], mtp=True)),
-                               "vision": make_model(root, "vision", "qwen3_5",
-                                                    dict(s["small"], vision=True)),
-                               "dense_big": make_model(root, "dense_big", "qwen3", s["big"],
-                                                       device),
-                               "hybrid_big": make_model(root, "hybrid_big", "qwen3_5",
-                                                        s["hybrid_big"], device)}
-        report["models_s"] = time.perf_counter() - start
+        specs = {"dense": ("qwen3", s["small"], "cpu"), "hybrid": ("qwen3_5", s["small"], "cpu"),
+                 "hybrid_mtp": ("qwen3_5", dict(s["small"], mtp=True), "cpu"),
+                 "vision": ("qwen3_5", dict(s["small"], vision=True), "cpu"),
+                 "dense_big": ("qwen3", s["big"], device),
+                 "hybrid_big": ("qwen3_5", s["hybrid_big"], device)}
+        ctx = Models(Path(tmp), specs, device=device, sizes=s)
+        if decode_from is not None:  # compare beside a first run's decode figures
+            ctx["decode"] = json.loads(decode_from.read_text())["stages"]["decode"]
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
             "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
             "compare": stage_compare, "int8g": stage_int8g}
         for name in stages:
-            if time.perf_counter() - start > budget_secs:
+            at = time.perf_counter() - start
+            if at > budget_secs:
                 report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}
                 continue
+            # on record before it runs: a stage the time bound kills says so in the report
+            report["stages"][name] = {"ok": False, "error": f"started {at:.0f} s into the run "
+                                      "and never finished (killed at the time bound?)"}
+            out_path.write_text(json.dumps(report, indent=2, default=str))
             t = time.perf_counter()
             try:
-                result = {"ok": True, **fns[name](ctx)}
+                got = fns[name](ctx)
+                result = {"ok": not got.get("failed"), **got}
             except Exception as e:  # noqa: BLE001 - one failing stage leaves the others
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}",
                           "trace": traceback.format_exc(limit=6)}
+            free_device()
             result["secs"] = time.perf_counter() - t
             report["stages"][name] = result
+            report["models_s"] = ctx.made_s  # each checkpoint's making, in its first stage
             print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
             # after every stage: a run cut short by its time limit still leaves its figures
             out_path.write_text(json.dumps(report, indent=2, default=str))
@@ -867,16 +926,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-secs", type=float, default=420.0,
                     help="stages not started by then are skipped (the script's limit is 8 min)")
     ap.add_argument("--stages", default=",".join(STAGES),
-                    help="a comma-separated subset, run in the usual order (compare needs decode):"
-                         " a second run for the stages a first one left over its budget")
+                    help="a comma-separated subset, run in the usual order (compare needs decode,"
+                         " or --decode-from): a second run for the stages a first one left")
+    ap.add_argument("--decode-from", type=Path,
+                    help="a first run's report, whose decode figures compare measures beside")
     args = ap.parse_args(argv)
+    if args.dry_run:  # the int8g stage's Triton kernel on CPU: chosen before Triton's import
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     wanted = args.stages.split(",")
     if unknown := [x for x in wanted if x not in STAGES]:
         ap.error(f"unknown stage(s) {', '.join(unknown)}: the stages are {', '.join(STAGES)}")
-    if "compare" in wanted and "decode" not in wanted:
-        ap.error("the compare stage measures beside the decode stage's figures: add decode")
+    if "compare" in wanted and "decode" not in wanted and args.decode_from is None:
+        ap.error("the compare stage measures beside the decode stage's figures: add decode, "
+                 "or --decode-from a first run's report")
+    if args.decode_from is not None:
+        try:
+            json.loads(args.decode_from.read_text())["stages"]["decode"]["dense_big"]
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--decode-from {args.decode_from}: no decode figures there "
+                     f"({type(e).__name__}: {e})")
     stages = tuple(x for x in STAGES if x in wanted)
-    report = run(args.dry_run, args.out, args.budget_secs, stages)
+    report = run(args.dry_run, args.out, args.budget_secs, stages, args.decode_from)
     failed = [k for k, v in report["stages"].items() if not v["ok"]]
     print(f"gpu_check: {len(stages) - len(failed)}/{len(stages)} stages ok"
           f"{' (failed: ' + ', '.join(failed) + ')' if failed else ''}; wrote {args.out}")

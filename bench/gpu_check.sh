@@ -10,7 +10,8 @@
 #
 #   bench/gpu_check.sh [--out FILE]                   # on the GPU machine
 #   bench/gpu_check.sh --dry-run [--out FILE]         # every stage on CPU, small: checks the script
-#   bench/gpu_check.sh --stages decode,profile [...]  # some stages (the rest of a run cut short)
+#   bench/gpu_check.sh --stages profile,ttft,compare,int8g --decode-from gpu_check.json --out rest.json
+#                                                     # the rest of a run cut short
 #
 # Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS
 # (default ./wheels: filled on a connected machine as docs/operating.md "The GPU check" says).
@@ -25,8 +26,9 @@ while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) DRY=(--dry-run); shift ;;
     --out) OUT=$2; shift 2 ;;
-    --stages) STAGES=(--stages "$2"); shift 2 ;;
-    *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --out FILE, --stages LIST)" >&2; exit 2 ;;
+    --stages) STAGES+=(--stages "$2"); shift 2 ;;
+    --decode-from) STAGES+=(--decode-from "$2"); shift 2 ;;
+    *) echo "gpu_check.sh: unknown argument $1 (--dry-run, --out FILE, --stages LIST, --decode-from FILE)" >&2; exit 2 ;;
   esac
 done
 
@@ -40,7 +42,7 @@ if [[ ${#DRY[@]} -eq 0 ]]; then
   if [[ -d "$WHEELS" ]]; then
     "$PY" bench/gpu_wheels.py "$WHEELS"
   fi
-  "$PY" -c 'import msgspec, structlog, grpc, tomli_w, gguf, llguidance, transformers' || {
+  "$PY" -c 'import msgspec, structlog, grpc, tomli_w, gguf, llguidance; from transformers import Qwen3_5ForConditionalGeneration' || {
     echo "gpu_check: a needed package does not import (wheel folder: $WHEELS; docs/operating.md, The GPU check)" >&2; exit 1; }
   # without FlashInfer the check still runs (on the torch backend) and its env stage says why
   "$PY" -c 'import flashinfer' || echo "gpu_check: FlashInfer does not import: the torch backend runs" >&2

@@ -4,7 +4,7 @@ touching the machine's own PyTorch (bench/gpu_check.sh runs it).
     python bench/gpu_wheels.py WHEEL_FOLDER
 
 What it wants: the project's dependencies and its `cuda` extra (pyproject.toml), and
-transformers (the parity reference), torch excepted. A requirement the machine already
+transformers as its `dev` extra pins it (the parity reference), torch excepted. A requirement the machine already
 satisfies stays as it is; for one it does not, the folder's wheel goes in with --no-deps, and
 that wheel's own requirements are followed the same way. So a folder filled by a full
 `pip download` (torch and NVIDIA's CUDA libraries among its files) and a folder holding only
@@ -23,18 +23,29 @@ from collections import deque
 from importlib import metadata
 from pathlib import Path
 
-from packaging.requirements import Requirement
-from packaging.tags import sys_tags
-from packaging.utils import canonicalize_name, parse_wheel_filename
-from packaging.version import Version
+try:  # packaging comes with what this installs, not with PyTorch: pip's own copy before it
+    from packaging.requirements import Requirement
+    from packaging.tags import sys_tags
+    from packaging.utils import canonicalize_name, parse_wheel_filename
+    from packaging.version import Version
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
+    from pip._vendor.packaging.tags import sys_tags  # type: ignore[no-redef]
+    from pip._vendor.packaging.utils import (  # type: ignore[no-redef]
+        canonicalize_name,
+        parse_wheel_filename,
+    )
+    from pip._vendor.packaging.version import Version  # type: ignore[no-redef]
 
 NEVER = {"torch"}  # the machine's build, whatever the folder holds
 
 
 def wanted(root: Path) -> list[Requirement]:
     project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
-    reqs = [*project["dependencies"], *project["optional-dependencies"]["cuda"],
-            "transformers>=4.45"]
+    extras = project["optional-dependencies"]
+    # transformers as the tests pin it: the parity reference's Qwen3.5 classes came in 5.2
+    reference = next(r for r in extras["dev"] if r.startswith("transformers"))
+    reqs = [*project["dependencies"], *extras["cuda"], reference]
     return [Requirement(r) for r in reqs]
 
 

@@ -83,10 +83,66 @@ def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gpu_check: 2/2 stages ok" in proc.stdout
     assert list(json.loads(out.read_text())["stages"]) == ["env", "ttft"]
-    for stages, why in (("compare", "add decode"), ("decode,speed", "unknown stage(s) speed")):
-        proc = subprocess.run([*run, "--stages", stages], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+    for stages, why in (("compare", "add decode"), ("decode,speed", "unknown stage(s) speed"),
+                        ("compare --decode-from " + str(out), "no decode figures there")):
+        stages, *more = stages.split(" ", 1)
+        proc = subprocess.run([*run, "--stages", stages, *(more[0].split() if more else [])],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
+    # a first run's decode figures, then compare beside them in a second
+    first = tmp_path / "first.json"
+    proc = subprocess.run([*run[:-1], str(first), "--stages", "decode"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.run([*run, "--stages", "compare", "--decode-from", str(first)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0 and "gpu_check: 1/1 stages ok" in proc.stdout, proc.stderr
+    compare = json.loads(out.read_text())["stages"]["compare"]
+    assert compare["dense_big"]["fused_vs_torch_norms_batch1"] > 0, compare
+
+
+def _gpu_check() -> Any:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.pop(0)
+    return gpu_check
+
+
+def test_one_models_failure_leaves_the_others_figures() -> None:
+    gc = _gpu_check()
+
+    def measure(name: str) -> dict[str, Any]:
+        if name == "hybrid_big":
+            raise RuntimeError("Gated DeltaNet kernel failed")
+        return {"tok_s": 1.0}
+
+    out = gc.each_model(("dense_big", "hybrid_big"), measure, {"copy_bandwidth_gbs": 4.0})
+    assert out["dense_big"] == {"tok_s": 1.0} and out["copy_bandwidth_gbs"] == 4.0
+    assert out["hybrid_big"]["error"] == "RuntimeError: Gated DeltaNet kernel failed"
+    assert out["failed"] == ["hybrid_big"]
+
+
+def test_a_stage_is_on_record_before_it_runs_and_models_are_made_when_asked(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """A stage the time bound kills mid-way leaves "never finished" in the report (written
+    before it starts), and a checkpoint is made only when a stage asks for it."""
+    gc = _gpu_check()
+    out = tmp_path / "r.json"
+    seen: dict[str, Any] = {}
+
+    def stage(ctx: dict[str, Any]) -> dict[str, Any]:
+        seen["on_disk"] = json.loads(out.read_text())["stages"]["ttft"]
+        ctx["dense"]  # the small dense checkpoint, made now
+        return {"failed": ["dense"]}
+
+    monkeypatch.setattr(gc, "stage_ttft", stage)
+    report = gc.run(True, out, 400.0, ("ttft",))
+    assert seen["on_disk"]["ok"] is False
+    assert "never finished (killed at the time bound?)" in seen["on_disk"]["error"]
+    assert list(report["models_s"]) == ["dense"]  # no big model was made
+    assert report["stages"]["ttft"]["ok"] is False  # a failed model fails the stage
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
