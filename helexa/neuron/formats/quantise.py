@@ -9,7 +9,10 @@ never see any of this: they call their layers as before.
 scale per output row (symmetric). ``"int4"``: the decoder's linears int4 in
 groups of ``group_size`` along the input (asymmetric: a scale and a zero per
 group), the LM head and the embedding int8 (the head is the layer most
-sensitive to error and a small share of the bytes).
+sensitive to error and a small share of the bytes). A MoE block's routed experts
+are quantised as its linears are, each expert a weight of its own, once the load is
+done (:func:`quantise_experts`), and run on the quantised stacks' op
+(helexa/neuron/formats/gguf/experts.py ``QuantExperts``); its router stays float.
 
 Quantisation is of the checkpoint's tensor, independent of tensor parallelism:
 an int8 row scale is the absmax of the whole row (row-parallel layers read it
@@ -27,6 +30,7 @@ from torch import nn
 
 from helexa.kernels import quant as qk
 from helexa.neuron.formats.base import Checkpoint, LinearMethod, asks_quantize
+from helexa.neuron.formats.gguf.experts import QuantExperts
 from helexa.neuron.formats.methods import Int4Linear, Int8Linear, Int8Lookup, QuantConfigError
 from helexa.neuron.formats.streaming import SafetensorsFormat
 from helexa.neuron.models import deferred
@@ -36,6 +40,7 @@ from helexa.neuron.models.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from helexa.neuron.models.moe import SparseMoeBlock
 
 QUANT_KINDS = ("none", "int8", "int4")
 
@@ -111,6 +116,86 @@ class QuantiseAtLoad(SafetensorsFormat):
         if isinstance(layer, ParallelLinearBase):
             return AtLoadMethod(self, self.spec.kind, self.spec.group_size)
         return None
+
+    def attach(self, model: nn.Module) -> None:
+        super().attach(model)
+        for name, mod in model.named_modules():
+            if isinstance(mod, SparseMoeBlock):  # refused now, not after the whole load
+                _check_experts(name, mod, self.spec)
+                if self.spec.kind == "int8" and mod.tp_size > 1:
+                    _wrap_expert_absmax(mod)
+
+    def finish(self, model: nn.Module) -> None:
+        super().finish(model)
+        for mod in model.modules():
+            if isinstance(mod, SparseMoeBlock) and mod.experts_kernel is None:
+                quantise_experts(mod, self.spec, self.dtype)
+
+
+def quantise_experts(mlp: SparseMoeBlock, spec: QuantSpec, dtype: torch.dtype) -> None:
+    """A MoE block's float expert stacks (w13 [E, 2 x inter, hidden], w2 [E, hidden, inter])
+    -> the quantised stacks QuantExperts runs, each expert quantised as a linear of its own
+    (int8: a scale a row, from the whole row at tp > 1; int4: groups of ``group_size``),
+    one expert at a time on the stack's home device (a stack staged in host memory moves
+    there an expert at a time); the float stacks are freed."""
+    kernel = QuantExperts(mlp)
+    absmax: dict[int, torch.Tensor] = getattr(mlp, "w2_absmax", {})
+    for which in ("w13", "w2"):
+        w = getattr(mlp, which)
+        at = deferred.home(mlp, w)
+        e, rows, k = w.shape
+        if spec.kind == "int8":  # grouped int8 of one group a row: the per-row layout
+            qs = torch.empty(e, rows, k, dtype=torch.int8, device=at)
+            ss = torch.empty(e, rows, 1, dtype=dtype, device=at)
+            for i in range(e):
+                whole = absmax.get(i) if which == "w2" else None
+                q, sc = quantize_int8(w[i].to(at), whole, dtype)
+                qs[i], ss[i, :, 0] = q, sc
+            mlp.register_buffer(f"{which}_qweight", qs, persistent=False)
+            mlp.register_buffer(f"{which}_qscales", ss, persistent=False)
+            kernel.ops[which] = ("int8g", k, rows)
+        else:
+            packed, sz = [], []
+            for i in range(e):
+                q, sc, z = quantize_int4(w[i].to(at), spec.group_size, dtype)
+                packed.append(qk.int4_pack(q))
+                sz.append(qk.int4_scales_zeros(sc, z, dtype))
+            mlp.register_buffer(f"{which}_qweight", torch.stack(packed), persistent=False)
+            mlp.register_buffer(f"{which}_qscales_zeros", torch.stack(sz), persistent=False)
+            kernel.ops[which] = ("int4", spec.group_size, rows)
+        del mlp._parameters[which]
+        mlp.register_buffer(which, torch.empty(0, dtype=w.dtype, device=at), persistent=False)
+    mlp.__dict__.pop("w2_absmax", None)
+    mlp.experts_kernel = kernel
+
+
+def _check_experts(name: str, mlp: SparseMoeBlock, spec: QuantSpec) -> None:
+    if spec.kind != "int4":
+        return
+    for which in ("w13", "w2"):
+        _, n, k = getattr(mlp, which).shape
+        if k % spec.group_size:
+            raise QuantConfigError(
+                f"{name}.{which}: int4 groups of {spec.group_size} would straddle ranks or "
+                f"experts' rows: {k} input features per rank, not a multiple of "
+                f"{spec.group_size}")
+        if n % qk.INT4_ROW_MULTIPLE:
+            raise QuantConfigError(f"{name}.{which}: int4 needs each expert's output rows per "
+                                   f"rank divisible by {qk.INT4_ROW_MULTIPLE}, got {n}")
+
+
+def _wrap_expert_absmax(mlp: Any) -> None:
+    """int8 at tp > 1: each expert's down projection is split by its inputs, so each rank
+    keeps the whole rows' absmax as they load (its scales then are tp's own, as a
+    row-parallel linear's)."""
+    inner = mlp.w2.weight_loader
+    mlp.w2_absmax = {}
+
+    def loader(param: nn.Parameter, loaded: Any, shard: Any) -> None:
+        mlp.w2_absmax[shard] = loaded[:].float().abs().amax(dim=1)
+        inner(param, loaded, shard)
+
+    mlp.w2.weight_loader = loader
 
 
 class AtLoadMethod(LinearMethod):

@@ -42,12 +42,32 @@ def reference_dirs(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
 def test_quantized_greedy_matches_dequantized_reference(reference_dirs, greedy_reference,
                                                         prompt_picker, arch, kind):
+    # qwen3_moe: the routed experts quantised as linears of their own (the reference
+    # dequantises every expert's projections), run on the quantised stacks' op
     src, ref = reference_dirs(arch, kind)
     prompt = prompt_picker(ref, 0, 21)
-    ours = greedy_generate(runner(src, kind), [prompt], NEW_TOKENS)[0]
+    run = runner(src, kind)
+    if arch == "qwen3_moe":
+        mlp = run.model.model.layers[0].mlp
+        assert mlp.experts_kernel is not None and mlp.w13.numel() == mlp.w2.numel() == 0
+    ours = greedy_generate(run, [prompt], NEW_TOKENS)[0]
+    greedy_reference(ref, prompt, ours)
+
+
+def test_quantized_experts_at_tp2_keep_whole_row_scales(reference_dirs, greedy_reference,
+                                                        prompt_picker):
+    # int8 at tp = 2 (real rank processes over gloo): each expert's down projection is split
+    # by its inputs, and each rank's row scales come from the whole rows, as the reference's
+    src, ref = reference_dirs("qwen3_moe", "int8")
+    prompt = prompt_picker(ref, 3, 19)
+    run = runner(src, "int8", tp_size=2)
+    try:
+        ours = greedy_generate(run, [prompt], NEW_TOKENS)[0]
+    finally:
+        run.close()
     greedy_reference(ref, prompt, ours)
 
 
