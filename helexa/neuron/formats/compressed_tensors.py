@@ -33,6 +33,7 @@ from helexa.neuron.formats.base import (
     set_aside_mtp,
 )
 from helexa.neuron.formats.methods import (
+    PackAsLoaded,
     UnpackedSlice,
     drop_float_weight,
     install_int4,
@@ -137,7 +138,10 @@ class CompressedTensors(SafetensorsFormat):
     def attach(self, model: nn.Module) -> None:
         set_aside_mtp(model)
         self.packed_modules = getattr(model, "packed_modules", {})
+        self.as_loaded = PackAsLoaded()
         super().attach(model)
+        self.as_loaded.count(model, self.ckpt.config.tie_word_embeddings,
+                             ("weight_packed", "weight_scale", "weight_zero_point"))
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         if not isinstance(layer, ParallelLinearBase) or self._all_ignored(prefix):
@@ -181,12 +185,11 @@ class CtMethod(LinearMethod):
             params["weight_zero_point"] = (torch.int8, groups,
                                            lambda t: unpack_zero_point(t, bits))
         for pname, (pdtype, width, fn) in params.items():
-            p = nn.Parameter(torch.empty(n, width, dtype=pdtype, device=device), requires_grad=False)
             inner = layer.weight_loader
             if pname != "weight_packed" and scheme.group_size is None and row:
                 inner = replicated_loader  # one scale per whole row: every rank holds it whole
-            p.weight_loader = _unpacking_loader(inner, fn)  # type: ignore[attr-defined]
-            layer.register_parameter(pname, p)
+            self.fmt.as_loaded.part(layer, pname, (n, width), pdtype, device,
+                                    _unpacking_loader(inner, fn))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The unpacked values into the op's layout: 4 bits -> int4 with zero = -zp * scale,

@@ -35,6 +35,7 @@ from helexa.neuron.formats.base import (
 )
 from helexa.neuron.formats.compressed_tensors import unpack_int32
 from helexa.neuron.formats.methods import (
+    PackAsLoaded,
     QuantConfigError,
     UnpackedSlice,
     drop_float_weight,
@@ -126,10 +127,15 @@ class Gptq(SafetensorsFormat):
 
     def attach(self, model: nn.Module) -> None:
         set_aside_mtp(model)
+        self.as_loaded = PackAsLoaded()
         super().attach(model)
+        self.as_loaded.count(model, self.ckpt.config.tie_word_embeddings, _PARTS)
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod | None:
         return GptqMethod(self.scheme, self) if isinstance(layer, ParallelLinearBase) else None
+
+
+_PARTS = ("qweight", "qzeros", "scales", "g_idx")  # a GPTQ layer's tensors in the file
 
 
 class GptqMethod(LinearMethod):
@@ -173,9 +179,8 @@ class GptqMethod(LinearMethod):
             layer.register_buffer("g_idx", torch.arange(full_k, dtype=torch.int32) // group,
                                   persistent=False)
         for pname, (pdtype, shape, fn, loader) in specs.items():
-            p = nn.Parameter(torch.empty(shape, dtype=pdtype, device=device), requires_grad=False)
-            p.weight_loader = _loader(loader or layer.weight_loader, fn)  # type: ignore[attr-defined]
-            layer.register_parameter(pname, p)
+            self.fmt.as_loaded.part(layer, pname, shape, pdtype, device,
+                                    _loader(loader or layer.weight_loader, fn))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Into the int4 op: inputs in group order, ``zero = (8 - z) * scale``; 8 bits into

@@ -146,3 +146,55 @@ def test_a_packed_checkpoint_never_holds_its_float_weights(gptq_dirs, monkeypatc
     # built as before, all float, the model held the float file's bytes at this point
     float_bytes = loader.weight_bytes(loader.load_model(ref_dir, dtype="float32"))
     assert held[0] < served < float_bytes
+
+
+@pytest.mark.parametrize(("desc_act", "sym", "bits"), [(False, True, 4), (True, False, 8)])
+def test_each_layer_packs_as_its_last_piece_loads(gptq_dirs, monkeypatch, desc_act, sym, bits):
+    """A layer's unpacked parts (one byte a value, and its zeros and scales) hold memory
+    from its first piece to its last, when it packs at once (methods.py PackAsLoaded): the
+    load never holds every layer unpacked (on a GPU, where allocating commits, a 72B AWQ
+    file held ~70 GB of them before the first packed, against ~42 GB served)."""
+    from helexa.neuron.formats import loader
+    from helexa.neuron.formats.gptq import _PARTS, Gptq, GptqMethod
+
+    seen: dict[str, object] = {"model": None, "held": [], "in_finish": 0, "finishing": False}
+    real_load, real_finish = Gptq.load, Gptq.finish
+    real_pack = GptqMethod.process_weights_after_loading
+
+    def unpacked_bytes() -> int:
+        return sum(p.numel() * p.element_size() for m in seen["model"].modules()
+                   for n, p in m._parameters.items()
+                   if n in _PARTS and p is not None and not p.is_meta)
+
+    def load(self, model, progress=None):
+        seen["model"] = model
+        return real_load(self, model, progress)
+
+    def finish(self, model):
+        seen["finishing"] = True
+        return real_finish(self, model)
+
+    def pack(self, layer):
+        if "qzeros" in layer._parameters:  # a real packing, not a repeat
+            seen["held"].append(unpacked_bytes())
+            seen["in_finish"] += seen["finishing"]
+        return real_pack(self, layer)
+
+    monkeypatch.setattr(Gptq, "load", load)
+    monkeypatch.setattr(Gptq, "finish", finish)
+    monkeypatch.setattr(GptqMethod, "process_weights_after_loading", pack)
+    q_dir, _ = gptq_dirs(desc_act, sym, bits)
+    model = loader.load_model(q_dir, dtype="float32")
+    layers = [m for m in model.modules() if getattr(m, "kernel", None) is not None]
+    assert len(seen["held"]) == len(layers) > 4 and seen["in_finish"] == 0
+    # at each packing only the layers in flight are unpacked (q/k/v until v_proj, around
+    # o_proj; gate/up): under a third of the model's unpacked values alone
+    assert max(seen["held"]) <= sum(_values(m) for m in layers) / 3
+    assert unpacked_bytes() == 0
+
+
+def _values(m) -> int:
+    """A packed layer's weight values (its unpacked q's bytes), from its op's buffers."""
+    if hasattr(m, "qscales_zeros"):  # int4: [G, N, 2] scales and zeros
+        return m.kernel.n * m.qscales_zeros.shape[0] * m.kernel.group_size
+    return m.qweight.numel()  # grouped int8 [N, K]
