@@ -149,7 +149,13 @@ def allreduce_workspace_bytes(shape: ModelShape, tp: int, rows: int) -> int:
     hidden × 2-byte buffer, 3 Lamport buffers of the same size and tp × 256 int32 flags."""
     if tp <= 1 or rows <= 0:
         return 0
-    return 4 * tp * rows * shape.hidden_size * 2 + tp * 256 * 4
+    return fused_allreduce_workspace(shape.hidden_size, tp, rows)
+
+
+def fused_allreduce_workspace(hidden: int, tp: int, rows: int) -> int:
+    """allreduce_workspace_bytes of a model of ``hidden`` width (cuda_comm.py checks it
+    against the card's free memory before building it)."""
+    return 4 * tp * rows * hidden * 2 + tp * 256 * 4
 
 
 def fused_allreduce_plan(shape: ModelShape, tp: int, max_slots: int,

@@ -11,6 +11,7 @@ import multiprocessing as mp
 from typing import Any
 
 import pytest
+import torch
 from support import tp_comm
 
 
@@ -59,15 +60,36 @@ def test_one_rank_on_an_unserved_gpu_keeps_every_rank_on_nccl(ranks):
         assert got["rows3_n0_kernel"] == 0
 
 
-def test_a_failed_workspace_on_one_rank_keeps_every_rank_on_nccl(ranks):
-    assert ranks[1]["workspace"]["line"] == (
-        "tp all-reduce: NCCL (FlashInfer's workspace failed (RuntimeError: symmetric memory "
-        "rendezvous failed))")
-    assert ranks[0]["workspace"]["line"] == (
-        "tp all-reduce: NCCL (another rank's workspace failed (its log says why))")
-    assert ranks[0]["workspace"]["destroyed"] == [True]  # the rank that built one frees it
+def test_a_card_short_of_the_workspace_keeps_every_rank_on_nccl(ranks):
+    # rank 1 has 1 KiB free, under the workspace (4 x 2 ranks x ROWS rows x HIDDEN x 2 B)
+    from helexa.checkpoint.memory import format_bytes, fused_allreduce_workspace
+
+    need = format_bytes(fused_allreduce_workspace(tp_comm.HIDDEN, 2, tp_comm.ROWS))
+    assert ranks[1]["memory"]["line"] == (
+        f"tp all-reduce: NCCL (1.0 KiB free on GPU 0, under the {need} workspace)")
+    assert ranks[0]["memory"]["line"] == (
+        "tp all-reduce: NCCL (another rank cannot (its log says why))")
     for rank in (0, 1):
-        assert ranks[rank]["workspace"]["fused"] == [False, False]
+        assert ranks[rank]["memory"]["fused"] == [False, False]
+
+
+def test_a_workspace_failing_on_one_rank_stops_the_load_naming_the_switch(ranks):
+    """FlashInfer's workspace is a collective of its own: a rank failing inside it may leave
+    the group's collectives out of step, so its load stops (the model fails; the other
+    ranks' waits end with it) rather than agree on NCCL over mismatched collectives."""
+    assert ranks[1]["workspace"]["error"] == (
+        "FlashInfer's fused all-reduce workspace failed on rank 1 (RuntimeError: symmetric "
+        "memory rendezvous failed); the group's collectives may be out of step, so the load "
+        "stops: HELEXA_FUSED_ALLREDUCE=0 runs NCCL's all-reduce instead")
+
+
+def test_the_switch_keeps_nccl(monkeypatch):
+    from helexa.kernels.backends import cuda_comm
+
+    monkeypatch.setenv(cuda_comm.ENV, "0")
+    why, comm = cuda_comm._local_reason(tp_comm.StandInRuntime(), torch.device("cpu"), 2,
+                                        torch.bfloat16, [0, 1], 1)
+    assert (why, comm) == ("HELEXA_FUSED_ALLREDUCE=0", None)
 
 
 def test_the_fused_all_reduce_is_installed_once_the_ranks_group_exists(tmp_path):

@@ -54,9 +54,13 @@ class StandInComm:
 
 
 class StandInRuntime(cuda_comm.CommRuntime):
-    def __init__(self, capability: tuple[int, int] = (9, 0), fail_workspace: bool = False):
+    def __init__(self, capability: tuple[int, int] = (9, 0), fail_workspace: bool = False,
+                 free: int = 1 << 40):
         self.comm = StandInComm()
-        self.cap, self.fail = capability, fail_workspace
+        self.cap, self.fail, self.free = capability, fail_workspace, free
+
+    def free_bytes(self, device: torch.device) -> int:
+        return self.free
 
     def module(self) -> Any:
         return self.comm
@@ -87,12 +91,18 @@ def _norms(folded: bool) -> list[RMSNorm]:
     return out
 
 
-def _case(rank: int, runtime: StandInRuntime) -> dict[str, Any]:
+def _case(rank: int, runtime: StandInRuntime, steps: bool = True) -> dict[str, Any]:
+    """``steps``: then run steps through the norms (not after a rank's load stopped)."""
     norms = _norms(folded=True)
-    line = cuda_comm.install(norms, hidden=HIDDEN, dtype=torch.bfloat16,
-                             device=torch.device("cpu"), rows=ROWS, runtime=runtime)
+    try:
+        line = cuda_comm.install(norms, hidden=HIDDEN, dtype=torch.bfloat16,
+                                 device=torch.device("cpu"), rows=ROWS, runtime=runtime)
+    except RuntimeError as e:
+        return {"error": str(e)}
     got: dict[str, Any] = {"line": line, "fused": [n.fused is not None for n in norms],
                            "destroyed": [w.destroyed for w in runtime.comm.workspaces]}
+    if not steps:
+        return got
     g = torch.Generator().manual_seed(100 + rank)  # each rank's own partial sums
     for rows in (3, ROWS, ROWS + 1):
         y = torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16)
@@ -117,7 +127,8 @@ def run_rank(rank: int, init_file: str, results: Any) -> None:
         results.put((rank, {
             "fused": _case(rank, StandInRuntime()),
             "capability": _case(rank, StandInRuntime(capability=(8, 9) if rank else (9, 0))),
-            "workspace": _case(rank, StandInRuntime(fail_workspace=rank == 1)),
+            "memory": _case(rank, StandInRuntime(free=(1 << 10) if rank else 1 << 40)),
+            "workspace": _case(rank, StandInRuntime(fail_workspace=rank == 1), steps=False),
         }))
     finally:
         dist.destroy_process_group()

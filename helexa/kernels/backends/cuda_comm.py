@@ -14,11 +14,15 @@ near the link's bandwidth there.
 Where it runs (every rank must agree, or a step would deadlock with one rank in NCCL and
 another in the fused kernel): FlashInfer's ``comm`` module imports; tp is 2, 4 or 8; the
 model's dtype is bf16 or fp16; every rank's GPU is compute capability 9.0 or 10.0 (the
-ones vLLM enables this fusion on); every pair of the ranks' GPUs has peer access; and
-every rank built its workspace. Each rank decides locally, the group takes the minimum
-over ranks (two small collectives at load), and if any rank cannot, none does and the
-reason is said (the load log, Watch and ``ctl status`` through the executor's
-``describe``). The workspace is counted in ``helexa plan`` (memory.py
+ones vLLM enables this fusion on); every pair of the ranks' GPUs has peer access; every
+card has the workspace's bytes free; and ``HELEXA_FUSED_ALLREDUCE`` is not ``0``. Each
+rank decides locally, the group takes the minimum over ranks (two small collectives at
+load), and if any rank cannot, none does and the reason is said (the load log, Watch and
+``ctl status`` through the executor's ``describe``). Then every rank builds its part of
+the workspace, which is itself a collective (FlashInfer's symmetric-memory rendezvous
+and barriers): a rank whose part fails there may leave the group's collectives out of
+step, which no agreement afterwards could mend, so that failure stops the load with
+the reason and the switch. The workspace is counted in ``helexa plan`` (memory.py
 allreduce_workspace_bytes).
 
 FlashInfer's calls sit behind :class:`CommRuntime` so that CPU tests can stand in for them.
@@ -26,6 +30,7 @@ FlashInfer's calls sit behind :class:`CommRuntime` so that CPU tests can stand i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,8 +39,11 @@ import structlog
 import torch
 import torch.distributed as dist
 
+from helexa.checkpoint.memory import format_bytes, fused_allreduce_workspace
+
 log = structlog.get_logger(component="kernels")
 
+ENV = "HELEXA_FUSED_ALLREDUCE"  # "0": NCCL's all-reduce, whatever the cards
 WORLD_SIZES = (2, 4, 8)
 CAPABILITIES = ((9, 0), (10, 0))
 DTYPES = (torch.bfloat16, torch.float16)
@@ -57,6 +65,9 @@ class CommRuntime:
 
     def peer_access(self, a: int, b: int) -> bool:
         return bool(torch.cuda.can_device_access_peer(a, b))
+
+    def free_bytes(self, device: torch.device) -> int:
+        return int(torch.cuda.mem_get_info(device)[0])
 
     def workspace(self, comm: Any, *, rank: int, world: int, rows: int, hidden: int,
                   dtype: torch.dtype) -> Any:
@@ -90,8 +101,11 @@ class FusedAddNorm:
 
 
 def _local_reason(runtime: CommRuntime, device: torch.device, world: int,
-                  dtype: torch.dtype, peers: list[int]) -> tuple[str, Any]:
-    """Why this rank cannot run the fused kernel ("" when it can), and flashinfer.comm."""
+                  dtype: torch.dtype, peers: list[int], need: int) -> tuple[str, Any]:
+    """Why this rank cannot run the fused kernel ("" when it can), and flashinfer.comm;
+    ``need``: its workspace's bytes on this card."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"{ENV}=0", None
     if world not in WORLD_SIZES:
         return f"tp {world} (FlashInfer's fused all-reduce serves tp 2, 4, 8)", None
     if dtype not in DTYPES:
@@ -104,6 +118,10 @@ def _local_reason(runtime: CommRuntime, device: torch.device, world: int,
     for other in peers:
         if other != mine and not runtime.peer_access(mine, other):
             return f"no peer access from GPU {mine} to GPU {other}", None
+    free = runtime.free_bytes(device)
+    if free < need:
+        return (f"{format_bytes(free)} free on GPU {mine}, under the "
+                f"{format_bytes(need)} workspace"), None
     try:
         return "", runtime.module()
     except Exception as e:  # noqa: BLE001 - any import failure: not available, said why
@@ -128,24 +146,20 @@ def install(norms: list[Any], *, hidden: int, dtype: torch.dtype, device: torch.
     gathered = [torch.zeros_like(index) for _ in range(world)]
     dist.all_gather(gathered, index)
     peers = [int(t.item()) for t in gathered]
-    reason, comm = _local_reason(runtime, device, world, dtype, peers)
+    need = fused_allreduce_workspace(hidden, world, rows)
+    reason, comm = _local_reason(runtime, device, world, dtype, peers, need)
     if not _all_agree(not reason, device):
         why = reason or "another rank cannot (its log says why)"
         log.info("kernels.tp_allreduce", fused=False, reason=why)
         return f"tp all-reduce: NCCL ({why})"
-    workspace: Any = None
-    try:
+    try:  # a collective of FlashInfer's own: its failure is the group's (module docstring)
         workspace = runtime.workspace(comm, rank=rank, world=world, rows=rows, hidden=hidden,
                                       dtype=dtype)
-        reason = ""
-    except Exception as e:  # noqa: BLE001 - any failure: NCCL runs, said why
-        reason = f"FlashInfer's workspace failed ({type(e).__name__}: {e})"
-    if not _all_agree(not reason, device):
-        if workspace is not None:
-            workspace.destroy()
-        why = reason or "another rank's workspace failed (its log says why)"
-        log.warning("kernels.tp_allreduce", fused=False, reason=why)
-        return f"tp all-reduce: NCCL ({why})"
+    except Exception as e:
+        raise RuntimeError(
+            f"FlashInfer's fused all-reduce workspace failed on rank {rank} "
+            f"({type(e).__name__}: {e}); the group's collectives may be out of step, so the "
+            f"load stops: {ENV}=0 runs NCCL's all-reduce instead") from e
     op: Callable[..., Any] = FusedAddNorm(comm, workspace, rows,
                                           torch.ones(hidden, dtype=dtype, device=device))
     for norm in norms:  # steps over ``rows``: NCCL, then the norm's add kernel if it has one
