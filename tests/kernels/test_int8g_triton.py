@@ -28,17 +28,19 @@ def _layer(n: int, k: int, group: int, dtype: torch.dtype, zeros: bool, seed: in
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("group", "zeros"), [(16, True), (32, False), (128, True), (None, False)])
+@pytest.mark.parametrize(("group", "zeros"), [(16, True), (32, False), (128, True), (256, True),
+                                              (96, False), (None, False)])
 @pytest.mark.parametrize("m", [1, 3, 16])
 def test_kernel_is_the_matmul_of_the_dequantised_weight(dtype, group, zeros, m):
-    # 133 outputs: three blocks of 64, the last ragged; K = 1,344 inputs (1,408 for groups
-    # of 128): ten 128-wide steps and a ragged eleventh; sms=8: K split in two spans
-    # (split_k), the second shorter; group None: one group a row (per-channel scales)
-    n, k = 133, 1344 if (group or 1) < 128 else 1408
-    group = group or k
+    # 133 outputs: three blocks of 64, the last ragged; K about 1,344 inputs, whole groups:
+    # 128-wide steps, the last ragged where K is not a multiple of 128; sms=8: K split in
+    # spans (split_k). Groups of 16/32/128 tile a step, one of 256 spans two, 96 and a
+    # whole row (None: per-channel scales) neither (each value's own scale)
+    group = group or 1344
+    n, k = 133, group * -(-1344 // group)
     q, s, z, g = _layer(n, k, group, dtype, zeros, seed=m + group)
     x = torch.randn(m, k, generator=g).to(dtype)
-    assert ci.split_k(n, k, m, sms=8) == 2
+    assert ci.split_k(n, k, m, sms=8) >= 2
     y = ci.run(x, q, s, z, group, sms=8, interpret=True)
     assert y.dtype == dtype and y.shape == (m, n)
     ref = x.float() @ qk.dequantize_int8g(q, s, z, group).t()
@@ -56,6 +58,14 @@ def test_kernel_reads_rows_at_their_stride_and_agrees_with_the_tiles():
     y = ci.run(x, q, s, z, 32, sms=4, interpret=True)
     ref = qk.int8g_tiles(x.contiguous(), q, s, z, 32)  # fp32, summed in another order
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_each_group_size_reads_its_scales_the_cheapest_way():
+    from helexa.kernels.cuda._int8g_triton import grouping
+
+    assert [grouping(g, 128) for g in (16, 32, 64, 128)] == [1, 1, 1, 1]  # a load per group
+    assert [grouping(g, 128) for g in (256, 17408)] == [2, 2]  # the step in one group
+    assert [grouping(g, 128) for g in (96, 1344)] == [0, 0]  # a scale per value
 
 
 def test_split_k_fills_the_card_and_keeps_spans_whole():
@@ -91,6 +101,7 @@ class _Card:
         monkeypatch.setattr(ci, "_capturing", lambda: capturing)
         run = ci.run
         monkeypatch.setattr(ci, "run", lambda *a, **kw: run(*a[:6], interpret=True))
+        self.run = run
 
     def tiles(self, *args):
         self.tile_calls += 1
@@ -104,7 +115,7 @@ def test_a_decode_step_takes_the_kernel_once_it_has_proved_itself(monkeypatch):
     with structlog.testing.capture_logs() as logs:
         y = ci.linear(x, q, s, z, 32, card.tiles)
         ci.linear(x, q, s, z, 32, card.tiles)
-    assert card.tile_calls == 1  # the probe's reference, once; the steps ran the kernel
+    assert card.tile_calls == 2  # the probe's two references; the steps ran the kernel
     assert [e["event"] for e in logs] == ["kernels.cuda_grouped_matmul_chosen"]
     assert logs[0]["group"] == 32 and logs[0]["zeros"] is True
     ref = qk.int8g_tiles(x, q, s, z, 32)
@@ -112,7 +123,7 @@ def test_a_decode_step_takes_the_kernel_once_it_has_proved_itself(monkeypatch):
     assert ci.describe(torch.device("cpu")) == "grouped int8 decode: Triton kernel"
     # a prefill chunk (more than ROWS rows) keeps the tiles
     ci.linear(torch.randn(ci.ROWS + 1, 1024, generator=g), q, s, z, 32, card.tiles)
-    assert card.tile_calls == 2
+    assert card.tile_calls == 3
 
 
 def test_a_kernel_that_fails_its_probe_leaves_that_kind_to_the_tiles(monkeypatch):
@@ -159,3 +170,21 @@ def test_without_triton_the_tiles_serve(monkeypatch):
     finally:
         monkeypatch.delenv("HELEXA_TRITON_INT8G")
         ci.unavailable.cache_clear()
+
+
+def test_a_layer_whose_own_build_fails_falls_back_and_says_why(monkeypatch):
+    # the probe passed, then this layer's own shape failed to build: its kind takes the
+    # tiles from then on (outside a capture), never failing the load or the step
+    card = _Card(monkeypatch)
+    q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=False, seed=8)
+    x = torch.randn(1, 1024, generator=g)
+    ci.linear(x, q, s, z, 32, card.tiles)  # proves itself
+    monkeypatch.setattr(ci, "run", lambda *a, **kw: (_ for _ in ()).throw(
+        RuntimeError("out of resources: shared memory")))
+    with structlog.testing.capture_logs() as logs:
+        y = ci.linear(x, q, s, z, 32, card.tiles)
+    assert [e["event"] for e in logs] == ["kernels.cuda_grouped_matmul_fallback"]
+    assert logs[0]["reason"] == ("the Triton kernel failed on a (70, 1024) layer "
+                                 "(RuntimeError: out of resources: shared memory)")
+    torch.testing.assert_close(y, qk.int8g_tiles(x, q, s, z, 32))
+    assert ci.describe(torch.device("cpu")).startswith("grouped int8 decode: dequantised tiles")
