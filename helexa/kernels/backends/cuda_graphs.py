@@ -45,7 +45,12 @@ from helexa.checkpoint.memory import fused_allreduce_rows, graph_capture_sizes
 from helexa.checkpoint.shape import max_positions
 from helexa.kernels.backends import cuda_comm, cuda_fused
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
-from helexa.kernels.backends.executor import LinearSite, MeasuredAtLoad, StepExecutor, model_forward
+from helexa.kernels.backends.executor import (
+    LinearSite,
+    StepExecutor,
+    measured_at_load,
+    model_forward,
+)
 from helexa.kernels.cuda import int8g as int8g_cuda
 from helexa.kernels.paged_kv import PagedKV
 
@@ -150,7 +155,7 @@ class CudaGraphExecutor(StepExecutor):
         self._allreduce_rows = fused_allreduce_rows(max_num_seqs) if tp_size > 1 else 0
         # grouped int8 layers: their decode kernel proves itself (and Triton compiles it for
         # each shape) now, not in the first request's step (helexa/kernels/cuda/int8g.py)
-        measured = [s.module.kernel for s in linears if isinstance(s.module.kernel, MeasuredAtLoad)]
+        measured = measured_at_load(model, linears)  # a MoE block's quantised experts too
         for kernel in measured:
             kernel.prepare(max_num_seqs)
         self.quantised = int8g_cuda.describe(self.attention.device) if measured else ""

@@ -66,6 +66,16 @@ class MeasuredAtLoad(Protocol):
     def prepare(self, max_num_seqs: int) -> None: ...
 
 
+def measured_at_load(model: torch.nn.Module, linears: list[LinearSite]) -> list[MeasuredAtLoad]:
+    """Every product of ``model`` that picks its kernels at its first call: the linears'
+    (``linears``), and a MoE block's quantised experts (its ``experts_kernel``)."""
+    found: list[MeasuredAtLoad] = [s.module.kernel for s in linears
+                                   if isinstance(s.module.kernel, MeasuredAtLoad)]
+    found += [m.experts_kernel for m in model.modules()
+              if isinstance(getattr(m, "experts_kernel", None), MeasuredAtLoad)]
+    return found
+
+
 class StepExecutor:
     """Every step through the model's forward; the weights keep their kernels."""
 

@@ -21,8 +21,8 @@ import torch
 from helexa.kernels.backends.cpu import CpuAttention, NativeStep
 from helexa.kernels.backends.executor import (
     LinearSite,
-    MeasuredAtLoad,
     StepExecutor,
+    measured_at_load,
     model_forward,
 )
 from helexa.kernels.cpu import decode as cpu_decode
@@ -49,9 +49,8 @@ class CpuExecutor(StepExecutor):
     def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
                 max_batched_tokens: int, tp_size: int) -> None:
         self.model = model
-        for site in linears:  # grouped int8: its decode kernels measured at load
-            if isinstance(site.module.kernel, MeasuredAtLoad):
-                site.module.kernel.prepare(max_num_seqs)
+        for kernel in measured_at_load(model, linears):  # grouped int8: measured at load
+            kernel.prepare(max_num_seqs)
         if next(model.parameters()).dtype != torch.float32:
             return  # the native kernels and oneDNN packing are fp32-only
         self.lib = cpu_native.load() if tp_size == 1 else None

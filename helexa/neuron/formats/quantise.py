@@ -192,7 +192,9 @@ def _wrap_expert_absmax(mlp: Any) -> None:
     mlp.w2_absmax = {}
 
     def loader(param: nn.Parameter, loaded: Any, shard: Any) -> None:
-        mlp.w2_absmax[shard] = loaded[:].float().abs().amax(dim=1)
+        # of the rows as the model holds them (a float32 file served in bf16: rounded
+        # first), as tp = 1 quantises them
+        mlp.w2_absmax[shard] = loaded[:].to(param.dtype).float().abs().amax(dim=1)
         inner(param, loaded, shard)
 
     mlp.w2.weight_loader = loader
@@ -258,8 +260,9 @@ def _wrap_absmax_loader(mod: Any, method: AtLoadMethod) -> None:
     inner = mod.weight.weight_loader
 
     def loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns
-            method.absmax = loaded[:].float().abs().amax(dim=1)
+        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns, of
+            # the rows as the model holds them (rounded to its dtype first, as at tp = 1)
+            method.absmax = loaded[:].to(param.dtype).float().abs().amax(dim=1)
         inner(param, loaded, shard_id)
 
     mod.weight.weight_loader = loader

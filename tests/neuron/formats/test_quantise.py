@@ -191,3 +191,49 @@ def test_quantising_onto_a_gpu_stages_the_float_weights_in_host_memory(tiny_chec
     assert ("linear", "cpu", "meta") in where and ("embedding", "meta", "meta") in where
     assert {w for w in where if w[0] == "linear"} == {("linear", "cpu", "meta")}
     assert all(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_int8_scales_at_tp2_are_tp1s_for_a_float32_file_served_in_bf16(tiny_checkpoint, arch):
+    """A row-parallel shard's int8 scales come from the whole row as the model holds it
+    (rounded to bf16 first), so rank 0's are tp = 1's: its o_proj, down_proj and (MoE) each
+    expert's down projection. From the file's fp32 rows ~1 in 4 scales differed."""
+    from helexa.neuron.formats.loader import load_model
+
+    src = tiny_checkpoint(arch)
+    one = load_model(src, dtype="bfloat16", quantize=QuantSpec("int8"))
+    two = load_model(src, dtype="bfloat16", quantize=QuantSpec("int8"), tp_rank=0, tp_size=2)
+    layer1, layer2 = one.model.layers[0], two.model.layers[0]
+    pairs = [(layer1.self_attn.o_proj.qscales, layer2.self_attn.o_proj.qscales)]
+    if arch == "qwen3_moe":
+        pairs.append((layer1.mlp.w2_qscales, layer2.mlp.w2_qscales))
+    else:
+        pairs.append((layer1.mlp.down_proj.qscales, layer2.mlp.down_proj.qscales))
+    for a, b in pairs:
+        assert torch.equal(a, b)
+
+
+def test_quantised_experts_pick_their_kernels_at_load(tiny_checkpoint, monkeypatch):
+    """A MoE block's grouped int8 experts run their op once at load (QuantExperts.prepare,
+    from the executor's prepare), so its kernel choice (measured on CPU, probed and built on
+    CUDA) happens then, not in the first request's step; int4 stacks need none."""
+    from helexa.neuron.engine.model_runner import ModelRunner
+    from helexa.neuron.formats.gguf.experts import QuantExperts
+
+    calls: list[tuple[str, int]] = []
+    real = QuantExperts.__call__
+
+    def call(self, which, expert, x):
+        calls.append((which, x.shape[0]))
+        return real(self, which, expert, x)
+
+    monkeypatch.setattr(QuantExperts, "__call__", call)
+    for kind, want in (("int8", {("w13", 1), ("w13", 2), ("w2", 1), ("w2", 2)}), ("int4", set())):
+        calls.clear()
+        run = ModelRunner(tiny_checkpoint("qwen3_moe"), num_blocks=8, block_size=8,
+                          max_num_seqs=4, max_batched_tokens=64, quantize=kind,
+                          quant_group_size=32)
+        try:
+            assert set(calls) == want, (kind, calls)  # two MoE layers: each stack's op ran
+        finally:
+            run.close()

@@ -131,6 +131,20 @@ class QuantExperts:
         out.ops = self.ops
         return out
 
+    def prepare(self, max_num_seqs: int) -> None:
+        """Run each grouped int8 stack's op once at load (one expert, the row counts a
+        decode step has), so that it picks its kernels now (helexa/kernels/cpu/int8g.py
+        measures; helexa/kernels/cuda/int8g.py probes and builds), not in the first
+        request's step. The experts of a stack share their shape: one run serves all."""
+        with torch.inference_mode():
+            for which, (kind, _, _) in self.ops.items():
+                if kind == "int4":
+                    continue
+                q = getattr(self.mlp, f"{which}_qweight")
+                dtype = getattr(self.mlp, f"{which}_qscales").dtype
+                for rows in sorted({1, min(max_num_seqs, 2)}):
+                    self(which, 0, torch.zeros(rows, q.shape[-1], dtype=dtype, device=q.device))
+
     def __call__(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         op = self.ops.get(which)
         m = self.mlp
