@@ -34,13 +34,12 @@ from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
 from helexa.checkpoint.gguf_layout import measures_activations
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
-from helexa.checkpoint.kv_path import torch_path_kv
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
+    cuda_graph_plan,
     fixed_bytes_per_request,
     format_bytes,
     fused_allreduce_plan,
-    graph_pool_bytes,
     held_bytes_per_request,
     kv_bytes_per_token,
     tokens_each,
@@ -136,9 +135,7 @@ class ModelPlan:
     # their one shared pool (an estimate) kept inside the activation headroom; 0 without.
     graph_rows: int = 0
     graph_pool_bytes: int = 0
-    # why engine.cuda_graphs captures nothing for this model: its KV pool runs the torch
-    # path on CUDA, eagerly ("" where graphs are captured, or not asked for)
-    graphs_off: str = ""
+    graphs_off: str = ""  # why engine.cuda_graphs captures nothing (memory.cuda_graph_plan)
     # tp > 1 on CUDA: the fused all-reduce's workspace, in the headroom too (cuda_comm.py)
     allreduce_rows: int = 0
     allreduce_workspace_bytes: int = 0
@@ -340,19 +337,15 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                                                            room // fixed)))
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     max_slots = profile.max_slots if profile and profile.max_slots else cfg.engine.max_slots
-    # the cuda backend captures FlashInfer's decode; a pool its kernels do not read runs
-    # the torch path, eagerly (helexa/kernels/backends/cuda.py ``torch_path``)
-    graphs_off = torch_path_kv(kv, float_dtype) if cfg.engine.cuda_graphs else ""
-    graph_rows = max_slots if cfg.engine.cuda_graphs and not graphs_off else 0
     ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, cfg.devices_of(entry))
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
         not fixed or plan.num_snapshot_slots) else 0
     host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,
                                              plan.num_snapshot_slots, fixed)
-    graphs = graph_pool_bytes(shape, tp, graph_rows, float_dtype, plan.num_blocks)
-    return replace(plan, num_state_slots=slots, blocks_beside_state=blocks,
+    graph_rows, graphs_off, graphs = cuda_graph_plan(
+        shape, tp, max_slots if cfg.engine.cuda_graphs else 0, kv, float_dtype, plan.num_blocks)
+    return replace(plan, num_state_slots=slots, blocks_beside_state=blocks, graphs_off=graphs_off,
                    graph_rows=graph_rows, headroom_bytes=headroom, graph_pool_bytes=graphs,
-                   graphs_off=graphs_off,
                    allreduce_rows=ar_rows, allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
                    host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps)
 

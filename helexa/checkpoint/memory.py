@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 
+from helexa.checkpoint.kv_path import torch_path_kv
 from helexa.checkpoint.layer_memory import (
     QUANT_GROUP,
     LinearAttentionSpec,
@@ -53,7 +54,8 @@ from helexa.checkpoint.layer_memory import (
 from helexa.checkpoint.shape import ELT_BYTES, ModelShape, dtype_name, param_split
 from helexa.checkpoint.weights import quantized_weight_bytes_per_card
 
-__all__ = ["QUANT_GROUP", "allreduce_workspace_bytes", "fixed_bytes_per_request",
+__all__ = ["QUANT_GROUP", "allreduce_workspace_bytes", "cuda_graph_plan",
+           "fixed_bytes_per_request", "fused_allreduce_workspace",
            "fused_allreduce_rows", "graph_capture_sizes",
            "graph_pool_bytes", "held_bytes_per_request",
            "kv_bytes_per_token", "kv_heads_per_card", "kv_token_head_bytes",
@@ -156,6 +158,17 @@ def fused_allreduce_workspace(hidden: int, tp: int, rows: int) -> int:
     """allreduce_workspace_bytes of a model of ``hidden`` width (cuda_comm.py checks it
     against the card's free memory before building it)."""
     return 4 * tp * rows * hidden * 2 + tp * 256 * 4
+
+
+def cuda_graph_plan(shape: ModelShape, tp: int, rows: int, kv_dtype: str, float_dtype: str,
+                    num_blocks: int) -> tuple[int, str, int]:
+    """(rows, why none, pool bytes) of the CUDA graphs engine.cuda_graphs captures for
+    decode batches 1..``rows`` (0: not asked for). The cuda backend captures FlashInfer's
+    decode; a KV pool its kernels do not read runs the torch path, eagerly, with no graph
+    (helexa/checkpoint/kv_path.py): then (0, why, 0)."""
+    off = torch_path_kv(kv_dtype, float_dtype) if rows else ""
+    rows = 0 if off else rows
+    return rows, off, graph_pool_bytes(shape, tp, rows, float_dtype, num_blocks)
 
 
 def fused_allreduce_plan(shape: ModelShape, tp: int, max_slots: int,
