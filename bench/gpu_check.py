@@ -37,6 +37,7 @@ failing stage still leaves the others' figures:
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
 - ``compare``: batch 1 of each big model again with one GPU kernel turned off, the ratio
   to the decode stage's run: the models' torch norms, SiLU and rope (HELEXA_CUDA_FUSED=0);
+  a hybrid's conv1d decode on the torch form (HELEXA_TRITON_CONV=0);
   for a hybrid on FlashInfer's Gated DeltaNet pool decode, fla's kernel on gathered
   states instead (HELEXA_FLASHINFER_GDN=0); for a model whose GQA group both of
   FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
@@ -663,6 +664,14 @@ def stage_compare(ctx: dict[str, Any]) -> dict[str, Any]:
                 got["flashinfer_gdn_vs_other_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 got["batch1_without_flashinfer_gdn"] = {"error": f"{type(e).__name__}: {e}"}
+        if "conv1d decode Triton" in res["backend"]:  # the hybrid's conv on the torch form
+            try:  # its failure must not cost the stage the figures above
+                other = batch1_with(ctx, name, "HELEXA_TRITON_CONV")
+                other["roofline_fraction"] = other["tok_s"] / roofline_steps
+                got["batch1_torch_conv"] = other
+                got["triton_conv_vs_torch_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                got["batch1_torch_conv"] = {"error": f"{type(e).__name__}: {e}"}
         group = re.search(r"GQA group (\d+)", res["backend"])
         if group and int(group[1]) in CUDA_CORE_GROUPS:  # both decode kernels serve it
             try:  # its failure must not cost the stage the figures above

@@ -41,6 +41,7 @@ from helexa.kernels import fla_gdn as fla
 from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan, to_device
+from helexa.kernels.cuda import conv_decode as cuda_conv
 from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
 
 log = structlog.get_logger(component="kernels")
@@ -73,6 +74,7 @@ class GatedDeltaStates:
         self._fla_gated = False  # pure decode steps: norms and gates in fla's kernel too
         self._fla_verify = False  # verification rows and their settling: one fla launch each
         self._fi_pool = False  # pure decode steps: FlashInfer's kernel, states in place
+        self._conv_decode = gd.conv1d_decode_slots  # decode rows' conv: Triton's one launch
         self._a_log: dict[int, torch.Tensor] = {}  # each layer's A_log in fp32 (FlashInfer's)
 
     def describe(self) -> str:
@@ -80,8 +82,9 @@ class GatedDeltaStates:
                   f"{'fla fused' if self._fla_decode else 'torch'} decode"
                   f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
         verify = "fla, one launch" if self._fla_verify else "torch, token by token"
+        conv = "Triton, one launch" if self._conv_decode is not gd.conv1d_decode_slots else "torch"
         return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}, "
-                f"verification rows {verify}")
+                f"verification rows {verify}; conv1d decode {conv}")
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int,
                  decode_rows: int = 0) -> None:
@@ -114,6 +117,13 @@ class GatedDeltaStates:
             s = specs[0]
             self._fla_said(fla.probe_fla_norm(self.device, s.value_heads, s.value_dim,
                                               TORCH_DTYPES[s.dtype]))
+        self._conv_decode = gd.conv1d_decode_slots
+        if specs:
+            s = specs[0]
+            self._conv_decode, why = cuda_conv.chosen(self.device, s.conv_channels,
+                                                      s.conv_kernel, TORCH_DTYPES[s.dtype])
+            if why:
+                log.warning("kernels.cuda_conv_fallback", reason=why)
 
     def _fla_proved(self, probe: Callable[..., str], s: LinearAttentionSpec) -> bool:
         """An fla ``probe`` (helexa/kernels/fla_gdn.py) agrees at these layers' sizes."""
@@ -231,11 +241,11 @@ class GatedDeltaStates:
         kh, vh, dk, dv = spec.key_heads, spec.value_heads, spec.key_dim, spec.value_dim
         nd = meta.decode_slots.numel()
         if nd == n:  # decode rows alone: the conv's output is the whole step's
-            conv = gd.conv1d_decode_slots(mixed, conv_weight, state.conv, meta.decode_slots)
+            conv = self._conv_decode(mixed, conv_weight, state.conv, meta.decode_slots)
         else:
             conv = torch.empty_like(mixed)
             if nd:
-                conv[:nd] = gd.conv1d_decode_slots(mixed[:nd], conv_weight, state.conv,
+                conv[:nd] = self._conv_decode(mixed[:nd], conv_weight, state.conv,
                                                    meta.decode_slots)
         for start, end, slot in meta.prefills:
             conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
