@@ -52,11 +52,12 @@ def int8g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_span,  # noqa: 
                 w += z.to(tl.float32)[:, :, None]
             w = w.reshape(BLOCK_N, BLOCK_K)
         elif GROUPING == 2:  # BLOCK_K divides G: the step lies in one group
-            s = tl.load(s_ptr + rows_s + k0 // G, mask=in_n[:, None], other=0.0)
+            # (a span's last steps may lie past K, where its row has no group left)
+            smask = in_n[:, None] & ((k0 + tl.zeros((BLOCK_N, 1), dtype=tl.int32)) < K)
+            s = tl.load(s_ptr + rows_s + k0 // G, mask=smask, other=0.0)
             w = q * s.to(tl.float32)
             if HAS_ZEROS:
-                w += tl.load(z_ptr + rows_s + k0 // G, mask=in_n[:, None],
-                             other=0.0).to(tl.float32)
+                w += tl.load(z_ptr + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
         else:  # any other group: each value's own group's scale
             group = offs_k[None, :] // G
             wmask = in_n[:, None] & in_k[None, :]
