@@ -13,12 +13,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from helexa.fixtures.tiny import init_tiny
 
 # Triton's interpreter runs helexa's Triton kernels on CPU tensors (tests/kernels/
-# test_int8g_triton.py); it must be chosen before Triton is first imported, which is here.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# test_int8g_triton.py, test_conv_decode_triton.py); it must be chosen before Triton is
+# first imported, which is here. Not on a CUDA host: there every Triton kernel (fla's, and
+# the probes of helexa's) would run interpreted too; those tests then skip.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
