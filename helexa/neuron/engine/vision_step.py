@@ -90,7 +90,8 @@ class VisionStep:
         rows_d, pos3 = pos3[3 * n_rows:], pos3[:3 * n_rows].view(3, n_rows)
         if not pieces:
             return MmStep(pos3, None, None)
-        self._encode([span.image for s in seqs for span in s.images])
+        self._encode([span.image for s in seqs for span in s.images],
+                     {key for key, _, _ in pieces})
         embeds = torch.cat([self._cache[key][a:b] for key, a, b in pieces])
         for s in seqs:  # an image whose last token this step reached is done with
             for span in s.images:
@@ -98,8 +99,10 @@ class VisionStep:
                     self._cache.pop(span.image.content_hash, None)
         return MmStep(pos3, rows_d, embeds)
 
-    def _encode(self, images: list[ImageInput]) -> None:
-        """Run the tower once over every image not cached yet."""
+    def _encode(self, images: list[ImageInput], needed: set[bytes]) -> None:
+        """Run the tower once over every image not cached yet; the cache then keeps its
+        ``max_cached`` newest images, and every image of ``needed`` (this step reads them,
+        however many)."""
         todo: dict[bytes, ImageInput] = {}
         for img in images:
             if img.content_hash in self._cache:
@@ -114,8 +117,9 @@ class VisionStep:
                     for i in todo.values()]
         for group in _groups(prepared, self.processor.max_patches):
             self._run_tower(group)
-        while len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+        extra = len(self._cache) - self.max_cached
+        for key in [k for k in self._cache if k not in needed][:max(0, extra)]:
+            del self._cache[key]  # the oldest first
 
     def _run_tower(self, prepared: list[PreparedImage]) -> None:
         assert self.processor is not None and self._table is not None

@@ -171,3 +171,26 @@ def test_an_image_requests_decode_steps_run_on_shifted_1d_positions(vl_dir, monk
 
     monkeypatch.setattr(VisionStep, "attach", mrope_attach)
     assert run(core_for(vl_dir), request(vl_dir, "b", img))[0]["b"] == tokens
+
+
+def test_a_step_reading_more_images_than_the_cache_holds(vl_dir):
+    """Two requests of 9 images each, prefilled in one step: 18 images the step reads,
+    past the embedding cache's 16. None of them is evicted before the step reads it (it
+    failed every request of the step with a KeyError), a text request beside them is
+    served, and the pool comes back whole."""
+    images = [make_image(32, 32, seed=s) for s in range(18)]
+    reqs = []
+    for i in range(2):
+        mine = images[9 * i: 9 * i + 9]
+        ask = [{"role": "user", "content": [{"type": "image"} for _ in mine]
+                + [{"type": "text", "text": "Which?"}]}]
+        prompt = hf_inputs(vl_dir, ask, mine)["input_ids"][0].tolist()
+        reqs.append(m.NewRequest(req_id=f"nine{i}", prompt_token_ids=prompt, max_tokens=3,
+                                 sampling=GREEDY, images=image_inputs(vl_dir, prompt, mine)))
+    reqs.append(m.NewRequest(req_id="text", prompt_token_ids=[5, 6, 7], max_tokens=3,
+                             sampling=GREEDY))
+    core = core_for(vl_dir, chunk=1024)
+    assert sum(len(r.images) for r in reqs if r.images) > core.runner.vision.max_cached
+    tokens, _ = run(core, *reqs)
+    assert {k: len(v) for k, v in tokens.items()} == {"nine0": 3, "nine1": 3, "text": 3}
+    assert core.pool.num_free_blocks == core.pool.num_blocks
