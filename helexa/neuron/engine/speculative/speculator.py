@@ -152,6 +152,8 @@ class Speculator:
     def observe(self, step: StepOutput, kept: Sequence[Kept]) -> None:
         """After a step: what it computed, and (request, index among the step's sequences,
         positions computed and kept) for each request still running."""
+        # an image request never drafts (choose, above): the drafter need not follow it
+        kept = [k for k in kept if k[0].images is None]
         if self.drafter is None or not kept:
             return
         try:

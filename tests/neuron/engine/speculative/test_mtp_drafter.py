@@ -305,3 +305,35 @@ def test_a_head_that_fails_costs_drafts_not_output(tiny_checkpoint):
     assert failures and set(failures) == {"engine.draft_failed"}
     assert core.status().spec_drafted_tokens > 0
     assert_whole(core)
+
+
+def test_an_image_request_is_not_followed_by_the_head(tiny_checkpoint):
+    """An image request never drafts (its positions are M-RoPE's, a drafter's 1-D): the
+    MTP head must not run catch-up passes over its rows either (it ran one per step,
+    over every prompt row, for drafts that could never come); a text request beside it is
+    followed and drafts."""
+    from support.vision import hf_inputs, image_inputs, make_image
+
+    model_dir = tiny_checkpoint("qwen3_5", vision=True, mtp=True)
+    img = make_image(64, 48, 1)
+    ask = [{"role": "user", "content": [{"type": "image"},
+                                        {"type": "text", "text": "What is it?"}]}]
+    prompt = hf_inputs(model_dir, ask, [img])["input_ids"][0].tolist()
+    image = m.NewRequest(req_id="img", prompt_token_ids=prompt, max_tokens=8,
+                         sampling=m.SamplingParams(temperature=0.0),
+                         images=image_inputs(model_dir, prompt, [img]))
+    text = m.NewRequest(req_id="txt", prompt_token_ids=list(range(3, 40)), max_tokens=8,
+                        sampling=m.SamplingParams(temperature=0.0))
+    core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+    followed: list[str] = []
+    real = core.speculator.drafter.observe
+
+    def observe(step, kept):
+        followed.extend(k[0].req_id for k in kept)
+        return real(step, kept)
+
+    core.speculator.drafter.observe = observe
+    got = drive(core, [image, text], served=True).tokens
+    assert len(got["img"]) == len(got["txt"]) == 8
+    assert "img" not in followed and "txt" in followed
+    assert_whole(core)
