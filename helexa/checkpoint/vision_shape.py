@@ -75,13 +75,18 @@ class VisionShape:
         block holds live: the residual stream and a norm's output (2 × hidden each
         patch), then the larger of attention's (qkv, q and k rotated in fp32, the output:
         hidden / tp × (3 + 2 × 4 / elt + 1)) and the MLP's (fc1's output and its
-        activation: 2 × intermediate / tp), plus the fp32 rotary tables and patches.
-        Attention runs one image at a time in a fused kernel, so no n × n scores."""
+        activation: 2 × intermediate / tp), plus the fp32 rotary tables and patches, the
+        patches in the tower's dtype and the merger's output (out_hidden per merged patch).
+        Attention runs one image at a time in a fused kernel, so no n × n scores. A CPU
+        run's live tensors, tracked (tests/neuron/models/test_vision_memory.py), stay
+        within it."""
         h, i = self.hidden_size, self.intermediate_size
         attn = (h // tp) * (4 * elt + 2 * FP32_BYTES)
         mlp = 2 * (i // tp) * elt
-        per_patch = 2 * h * elt + max(attn, mlp) + FP32_BYTES * (2 * self.head_dim + self.patch_dim)
-        return patches * per_patch
+        per_patch = (2 * h * elt + max(attn, mlp) + FP32_BYTES * (2 * self.head_dim + self.patch_dim)
+                     + self.patch_dim * elt)
+        merged = -(-patches // self.spatial_merge_size ** 2)
+        return patches * per_patch + merged * self.out_hidden_size * elt
 
 
 def pixel_bounds(preprocessor: dict[str, Any]) -> tuple[int, int]:

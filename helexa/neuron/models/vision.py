@@ -194,8 +194,18 @@ class VisionTower(nn.Module):
         for t, h, w in grids:
             y0, y1, fy = _taps(h, side, table.device)
             x0, x1, fx = _taps(w, side, table.device)
-            rows = table[y0] * (1 - fy)[:, None, None] + table[y1] * fy[:, None, None]
-            grid = rows[:, x0] * (1 - fx)[None, :, None] + rows[:, x1] * fx[None, :, None]
+            # a few output rows at a time: one row's resampling spans the table's width
+            # (side), more than the image's for a narrow one, so the whole image's held
+            # side / w times the grid; the same products either way
+            step = min(h, max(m, (h * w) // side // m * m))
+            parts = []
+            for a in range(0, h, step):
+                b = min(h, a + step)
+                rows = (table[y0[a:b]] * (1 - fy[a:b])[:, None, None]
+                        + table[y1[a:b]] * fy[a:b, None, None])
+                parts.append(rows[:, x0] * (1 - fx)[None, :, None]
+                             + rows[:, x1] * fx[None, :, None])
+            grid = torch.cat(parts) if len(parts) > 1 else parts[0]
             grid = grid.view(h // m, m, w // m, m, -1).permute(0, 2, 1, 3, 4).reshape(h * w, -1)
             out.append(grid.repeat(t, 1))
         return torch.cat(out)
@@ -226,7 +236,9 @@ def _taps(n: int, side: int, device: Any) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary in fp32, as transformers' apply_rotary_pos_emb_vision."""
-    xf = x.float()
-    return torch.addcmul(xf * cos, torch.roll(xf, xf.shape[-1] // 2, dims=-1),
-                         sin_signed).to(x.dtype)
+    """Rotate-half rotary in fp32, as transformers' apply_rotary_pos_emb_vision: the same
+    products and sums, in place, so that two fp32 copies of x are live at once (the
+    encoder's headroom, checkpoint/vision_shape.py, counts two), not four."""
+    xf = x.to(torch.float32, copy=True)
+    rolled = torch.roll(xf, xf.shape[-1] // 2, dims=-1)
+    return xf.mul_(cos).addcmul_(rolled, sin_signed).to(x.dtype)
