@@ -1,1 +1,18 @@
 """Kernels of the CUDA device written for helexa (Triton), each beside its plain-torch reference."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+
+def unavailable(switch: str, source: str) -> str:
+    """"" where the Triton kernel of module ``source`` (in this package) can be built; else
+    why not: its ``switch`` set to 0, or a Triton that does not import here."""
+    if os.environ.get(switch, "1") == "0":
+        return f"{switch}=0"
+    try:
+        importlib.import_module(f"{__name__}.{source}")
+    except Exception as e:  # noqa: BLE001 - no Triton, or one that does not import here
+        return f"triton does not import ({type(e).__name__}: {e})"
+    return ""

@@ -19,11 +19,11 @@ kernel's source on CPU through Triton's interpreter. It is unmeasured on a GPU.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 
 import torch
 
+from helexa.kernels import cuda as cuda_kernels
 from helexa.kernels import gated_delta as gd
 
 BLOCK_C = 128  # channels a program: a row of Qwen3.5-27B's 10,240 conv channels is 80 programs
@@ -33,13 +33,7 @@ _TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 @functools.cache
 def unavailable() -> str:
     """"" where the kernel can be built; else why not."""
-    if os.environ.get("HELEXA_TRITON_CONV", "1") == "0":
-        return "HELEXA_TRITON_CONV=0"
-    try:
-        from helexa.kernels.cuda import _conv_decode_triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - no Triton, or one that does not import here
-        return f"triton does not import ({type(e).__name__}: {e})"
-    return ""
+    return cuda_kernels.unavailable("HELEXA_TRITON_CONV", "_conv_decode_triton")
 
 
 def conv1d_decode_slots(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tensor,

@@ -25,12 +25,13 @@ CPU tensors through Triton's interpreter.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 from collections.abc import Callable
 
 import structlog
 import torch
+
+from helexa.kernels import cuda as cuda_kernels
 
 ROWS = 16  # a decode step's rows: one block of the tensor-core tile
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
@@ -47,13 +48,7 @@ _lock = threading.Lock()
 @functools.cache
 def unavailable() -> str:
     """"" where the kernel can be built; else why not."""
-    if os.environ.get("HELEXA_TRITON_INT8G", "1") == "0":
-        return "HELEXA_TRITON_INT8G=0"
-    try:
-        from helexa.kernels.cuda import _int8g_triton  # noqa: F401
-    except Exception as e:  # noqa: BLE001 - no Triton, or one that does not import here
-        return f"triton does not import ({type(e).__name__}: {e})"
-    return ""
+    return cuda_kernels.unavailable("HELEXA_TRITON_INT8G", "_int8g_triton")
 
 
 def _capturing() -> bool:
