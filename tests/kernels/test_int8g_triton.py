@@ -69,6 +69,13 @@ def test_each_group_size_reads_its_scales_the_cheapest_way():
     assert [grouping(g, 128) for g in (96, 1344)] == [0, 0]  # a scale per value
 
 
+def test_an_fp32_models_steps_are_shallower():
+    # fp32 operands at 128-wide steps took 255 registers and spilled (sm90 build): 32
+    assert ci.BLOCK_K_FP32 == 32
+    assert ci.split_k(5120, 17408, 1, sms=132, block_k=ci.BLOCK_K_FP32) == 7
+    assert ci.split_k(64, 1024, 1, sms=132, block_k=ci.BLOCK_K_FP32) == 8  # spans of 4 steps
+
+
 def test_split_k_fills_the_card_and_keeps_spans_whole():
     # Qwen3.5-27B's down projection (5120 x 17408) at one row on an H100 (132 SMs):
     # 80 output blocks want 4 x 132 programs, so 7 spans of K (each 20 steps of 128)
@@ -197,16 +204,16 @@ def test_a_span_past_k_reads_no_scale_past_its_row(group):
     # lies past K, where a row has no group left. Its scale and zero must not be read: the
     # tensors here sit in a larger buffer whose next values are NaN (the last row's would
     # have read one), and the output must be the dequantised matmul's
-    n, k = 64, 1792
+    n, k = 64, 1792  # bf16: steps of 128 (fp32's are 32, whose spans end at K here)
     assert ci.split_k(n, k, 1, sms=8) == 3
-    q, s, z, g = _layer(n, k, group, torch.float32, zeros=True, seed=group)
+    q, s, z, g = _layer(n, k, group, torch.bfloat16, zeros=True, seed=group)
     groups = k // group
-    s_buf = torch.full((n * groups + 8,), float("nan"))
-    z_buf = torch.full((n * groups + 8,), float("nan"))
+    s_buf = torch.full((n * groups + 8,), float("nan"), dtype=torch.bfloat16)
+    z_buf = torch.full((n * groups + 8,), float("nan"), dtype=torch.bfloat16)
     s_buf[:n * groups], z_buf[:n * groups] = s.flatten(), z.flatten()
     s_view, z_view = s_buf[:n * groups].view(n, groups), z_buf[:n * groups].view(n, groups)
-    x = torch.randn(2, k, generator=g)
-    y = ci.run(x, q, s_view, z_view, group, sms=8, interpret=True)
-    ref = x @ qk.dequantize_int8g(q, s, z, group).t()
+    x = torch.randn(2, k, generator=g).to(torch.bfloat16)
+    y = ci.run(x, q, s_view, z_view, group, sms=8, interpret=True).float()
+    ref = x.float() @ qk.dequantize_int8g(q, s, z, group).t()
     assert torch.isfinite(y).all()
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())

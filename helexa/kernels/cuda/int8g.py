@@ -35,6 +35,10 @@ from helexa.kernels import cuda as cuda_kernels
 
 ROWS = 16  # a decode step's rows: one block of the tensor-core tile
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
+# an fp32 model's steps, shallower: its fp32 operands at BLOCK_K = 128 took 255 registers
+# and spilled 1,352 B a thread (compiled for sm90), at 64 still 208-280 B; at 32, 242-247
+# registers and none
+BLOCK_K_FP32 = 32
 PROGRAMS_PER_SM = 4  # K is split until the programs number this many per SM ...
 MIN_SPAN_BLOCKS = 4  # ... while each keeps at least this many BLOCK_K steps
 _TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
@@ -60,12 +64,12 @@ def _sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def split_k(n: int, k: int, rows: int, sms: int) -> int:
+def split_k(n: int, k: int, rows: int, sms: int, block_k: int = BLOCK_K) -> int:
     """How many spans K is cut into: enough programs for PROGRAMS_PER_SM on each of
-    ``sms``, each span at least MIN_SPAN_BLOCKS steps of BLOCK_K."""
+    ``sms``, each span at least MIN_SPAN_BLOCKS steps of ``block_k``."""
     blocks = -(-n // BLOCK_N) * -(-rows // BLOCK_M)
     want = -(-PROGRAMS_PER_SM * sms // blocks)
-    return max(1, min(want, k // (BLOCK_K * MIN_SPAN_BLOCKS)))
+    return max(1, min(want, k // (block_k * MIN_SPAN_BLOCKS)))
 
 
 def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -80,8 +84,9 @@ def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x = x if x.stride(-1) == 1 else x.contiguous()
     scales = scales.contiguous()
     zeros = None if zeros is None else zeros.contiguous()
-    split = split_k(n, k, m, sms)
-    span = -(-k // (split * BLOCK_K)) * BLOCK_K
+    block_k = BLOCK_K_FP32 if x.dtype == torch.float32 else BLOCK_K
+    split = split_k(n, k, m, sms, block_k)
+    span = -(-k // (split * block_k)) * block_k
     split = -(-k // span)  # no span left empty
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     grid = (-(-n // BLOCK_N), split, -(-m // BLOCK_M))
@@ -89,9 +94,9 @@ def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     _int8g_triton.build(interpret)[grid](
         x, qweight.contiguous(), scales, scales if zeros is None else zeros, part,
         m, n, k, span, x.stride(0), qweight.stride(0), scales.stride(0),
-        G=group_size, GROUPING=_int8g_triton.grouping(group_size, BLOCK_K),
+        G=group_size, GROUPING=_int8g_triton.grouping(group_size, block_k),
         HAS_ZEROS=zeros is not None, DOT=dot, PRECISION=precision,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=block_k)
     out = part[0] if split == 1 else part.sum(0)
     return out.to(scales.dtype)
 
