@@ -179,6 +179,23 @@ def test_nothing_is_captured_mid_serving():
     torch.testing.assert_close(got, eager(3, 4))  # ran layer by layer
 
 
+def test_a_step_carrying_image_inputs_runs_eagerly():
+    """A step whose model holds image inputs (a vision model's MmStep: the tower's
+    embeddings, M-RoPE positions) never replays a graph, which reads ids and 1-D positions
+    alone; the next step without them replays again."""
+    ex, runtime = executor(4)
+    model = Model()
+    load(ex, model=model)
+    at_load = runtime.replays
+    model.mm = object()  # the vision step's inputs for this step
+    got = decode(ex, 2, seed=5, model=model)
+    assert runtime.replays == at_load
+    torch.testing.assert_close(got, eager(2, 5))
+    model.mm = None
+    decode(ex, 2, seed=6, model=model)
+    assert runtime.replays == at_load + 1
+
+
 def test_a_worker_rank_captures_as_the_leaders_steps_arrive():
     ex, runtime = executor(2)
     ex.follow_leader()

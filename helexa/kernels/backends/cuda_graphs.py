@@ -179,7 +179,9 @@ class CudaGraphExecutor(StepExecutor):
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
         b = meta.graph_rows if isinstance(meta, CudaMetadata) else 0
-        if not b or logits_rows is not None:
+        # a step carrying image inputs (a vision model's MmStep: M-RoPE positions, the
+        # tower's embeddings) runs eagerly: a graph reads ids and 1-D positions alone
+        if not b or logits_rows is not None or getattr(model, "mm", None) is not None:
             return model_forward(model, input_ids, positions, meta, logits_rows, state)
         g = self._graphs.get(b)
         if g is None:
