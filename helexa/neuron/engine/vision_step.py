@@ -8,8 +8,10 @@ embeddings are not cached yet goes through the tower, images of several requests
 together in calls of at most the largest image's patches (so a step's activations stay
 within what `helexa plan` set aside); the embeddings stay cached by content hash until
 a chunk reaches the image's last token, so a prefill chunked smaller than an image runs
-the tower once. The cache is bounded (`max_cached`, oldest first out): an image whose
-request was aborted mid-image is dropped in time, and one evicted early is recomputed.
+the tower once. The cache is bounded (`max_cached` images, and the bytes of two of the
+largest image's embeddings, oldest first out, never an image the step reads): an image
+whose request was aborted mid-image is dropped in time, and one evicted early is
+recomputed.
 """
 
 from __future__ import annotations
@@ -41,6 +43,22 @@ class VisionStep:
         self._table = value_table(processor, device) if processor is not None else None
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.tower_runs = 0  # tower calls so far (tests: chunked prefill runs it once)
+
+    @property
+    def max_cached_bytes(self) -> int:
+        """Two of the largest image's embeddings (the processor's largest, merged, in the
+        tower's dtype): between steps the cache holds no more; 0 without a tower."""
+        if not self.takes_images:
+            return 0
+        assert self.processor is not None
+        v = self.model.visual.shape
+        tokens = -(-self.processor.max_patches // v.spatial_merge_size ** 2)
+        elt = next(self.model.visual.parameters()).element_size()
+        return 2 * tokens * v.out_hidden_size * elt
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._cache.values())
 
     @property
     def takes_images(self) -> bool:
@@ -117,9 +135,13 @@ class VisionStep:
                     for i in todo.values()]
         for group in _groups(prepared, self.processor.max_patches):
             self._run_tower(group)
-        extra = len(self._cache) - self.max_cached
-        for key in [k for k in self._cache if k not in needed][:max(0, extra)]:
-            del self._cache[key]  # the oldest first
+        over, size, bound = len(self._cache) - self.max_cached, self.cached_bytes, \
+            self.max_cached_bytes
+        for key in [k for k in self._cache if k not in needed]:  # the oldest first
+            if over <= 0 and size <= bound:
+                break
+            over, size = over - 1, size - self._cache[key].numel() * self._cache[key].element_size()
+            del self._cache[key]
 
     def _run_tower(self, prepared: list[PreparedImage]) -> None:
         assert self.processor is not None and self._table is not None

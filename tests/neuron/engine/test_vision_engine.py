@@ -194,3 +194,20 @@ def test_a_step_reading_more_images_than_the_cache_holds(vl_dir):
     tokens, _ = run(core, *reqs)
     assert {k: len(v) for k, v in tokens.items()} == {"nine0": 3, "nine1": 3, "text": 3}
     assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_the_embedding_cache_holds_no_more_than_two_largest_images(vl_dir):
+    """Images encoded and never finished (their requests aborted mid-image) stay cached
+    until pushed out: the cache keeps at most two of the largest image's embeddings
+    between steps (max_cached_bytes), whatever their count, newest kept."""
+    core = core_for(vl_dir)
+    vision = core.runner.vision
+    images = [make_image(448 + 16 * i, 448, seed=i) for i in range(12)]  # ~800-1,100 patches each
+    ask = [{"role": "user", "content": [{"type": "image"} for _ in images]}]
+    prompt = hf_inputs(vl_dir, ask, images)["input_ids"][0].tolist()
+    inputs = image_inputs(vl_dir, prompt, images)
+    for img in inputs:  # one at a time, as steps that reach an image and never finish it
+        vision._encode([img], {img.content_hash})
+    assert 0 < vision.cached_bytes <= vision.max_cached_bytes
+    assert len(vision._cache) < len(inputs)
+    assert inputs[-1].content_hash in vision._cache  # the newest stays
