@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from helexa.checkpoint.vision_shape import VisionShape
 from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.images import chunk_positions
 from helexa.neuron.engine.messages import ImageInput
@@ -51,9 +52,9 @@ class VisionStep:
         if not self.takes_images:
             return 0
         assert self.processor is not None
-        v = self.model.visual.shape
+        v: VisionShape = self.model.visual.shape
         tokens = -(-self.processor.max_patches // v.spatial_merge_size ** 2)
-        elt = next(self.model.visual.parameters()).element_size()
+        elt: int = next(self.model.visual.parameters()).element_size()
         return 2 * tokens * v.out_hidden_size * elt
 
     @property
@@ -108,19 +109,29 @@ class VisionStep:
         rows_d, pos3 = pos3[3 * n_rows:], pos3[:3 * n_rows].view(3, n_rows)
         if not pieces:
             return MmStep(pos3, None, None)
-        self._encode([span.image for s in seqs for span in s.images],
-                     {key for key, _, _ in pieces})
+        self._encode([span.image for s in seqs for span in s.images])
         embeds = torch.cat([self._cache[key][a:b] for key, a, b in pieces])
         for s in seqs:  # an image whose last token this step reached is done with
             for span in s.images:
                 if span.image.end <= s.num_computed + len(s.token_ids):
                     self._cache.pop(span.image.content_hash, None)
+        self._evict({key for key, _, _ in pieces})
         return MmStep(pos3, rows_d, embeds)
 
-    def _encode(self, images: list[ImageInput], needed: set[bytes]) -> None:
-        """Run the tower once over every image not cached yet; the cache then keeps its
-        ``max_cached`` newest images, and every image of ``needed`` (this step reads them,
-        however many)."""
+    def _evict(self, keep: set[bytes]) -> None:
+        """Once the step has read its images and dropped those it finished: the oldest out
+        until the cache holds at most ``max_cached`` images and ``max_cached_bytes``, never
+        one of ``keep`` (a chunked image the step reads is kept, however many)."""
+        over, size, bound = len(self._cache) - self.max_cached, self.cached_bytes, \
+            self.max_cached_bytes
+        for key in [k for k in self._cache if k not in keep]:  # the oldest first
+            if over <= 0 and size <= bound:
+                break
+            over, size = over - 1, size - self._cache[key].numel() * self._cache[key].element_size()
+            del self._cache[key]
+
+    def _encode(self, images: list[ImageInput]) -> None:
+        """Run the tower once over every image not cached yet."""
         todo: dict[bytes, ImageInput] = {}
         for img in images:
             if img.content_hash in self._cache:
@@ -135,21 +146,17 @@ class VisionStep:
                     for i in todo.values()]
         for group in _groups(prepared, self.processor.max_patches):
             self._run_tower(group)
-        over, size, bound = len(self._cache) - self.max_cached, self.cached_bytes, \
-            self.max_cached_bytes
-        for key in [k for k in self._cache if k not in needed]:  # the oldest first
-            if over <= 0 and size <= bound:
-                break
-            over, size = over - 1, size - self._cache[key].numel() * self._cache[key].element_size()
-            del self._cache[key]
 
     def _run_tower(self, prepared: list[PreparedImage]) -> None:
         assert self.processor is not None and self._table is not None
         patches = torch.cat([pixel_patches(p, self.processor, self._table) for p in prepared])
         out = self.model.visual(patches, [(1, p.grid_h, p.grid_w) for p in prepared])
         self.tower_runs += 1
-        for p, part in zip(prepared, out.split([p.num_tokens for p in prepared]), strict=True):
-            self._cache[p.content_hash] = part
+        parts = out.split([p.num_tokens for p in prepared])
+        for p, part in zip(prepared, parts, strict=True):
+            # each image its own memory: a view would keep the whole call's output alive
+            # after its partners are done with, and the byte bound would not see it
+            self._cache[p.content_hash] = part.clone() if len(parts) > 1 else part
 
 
 def _groups(prepared: list[PreparedImage], max_patches: int) -> list[list[PreparedImage]]:

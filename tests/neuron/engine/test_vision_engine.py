@@ -207,7 +207,50 @@ def test_the_embedding_cache_holds_no_more_than_two_largest_images(vl_dir):
     prompt = hf_inputs(vl_dir, ask, images)["input_ids"][0].tolist()
     inputs = image_inputs(vl_dir, prompt, images)
     for img in inputs:  # one at a time, as steps that reach an image and never finish it
-        vision._encode([img], {img.content_hash})
+        vision._encode([img])
+        vision._evict({img.content_hash})
     assert 0 < vision.cached_bytes <= vision.max_cached_bytes
+    # each entry holds its own memory (a view of a tower call's output over several images
+    # would keep all of it alive, unseen by the bound)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size()
+               for t in vision._cache.values())
     assert len(vision._cache) < len(inputs)
     assert inputs[-1].content_hash in vision._cache  # the newest stays
+
+
+def test_an_unfinished_image_outlives_a_step_that_finishes_others(vl_dir):
+    """The cache is cut after a step drops the images it finished: request C's half-read
+    image survives a step of request R that finishes image a and starts b, since b and C's
+    image fit the bound once a is gone (cut before the drop, C's image was evicted and its
+    tower run repeated). Three of the largest images: two fit the bound, three do not."""
+    import torch
+
+    from helexa.neuron.engine.images import PromptImages
+    from helexa.neuron.engine.seq_input import SeqInput
+
+    core = core_for(vl_dir)
+    vision = core.runner.vision
+    big = [make_image(1024, 1024, seed=60 + i) for i in range(3)]  # the processor's largest
+
+    def prompt_of(images):
+        ask = [{"role": "user", "content": [{"type": "image"} for _ in images]}]
+        ids = hf_inputs(vl_dir, ask, images)["input_ids"][0].tolist()
+        return ids, PromptImages.of(image_inputs(vl_dir, ids, images))
+
+    c_ids, c_imgs = prompt_of(big[:1])
+    r_ids, r_imgs = prompt_of(big[1:])
+    c, (a, b) = c_imgs.spans[0].image, [sp.image for sp in r_imgs.spans]
+    assert 2 * c.num_tokens * 64 * 4 == vision.max_cached_bytes  # fp32, hidden 64
+
+    def step(ids, imgs, start, end):
+        delta, spans = imgs.chunk(start, end)
+        seq = SeqInput(ids[start:end], start, [], False, 0, rope_delta=delta, images=spans)
+        vision.inputs([seq], [0], torch.arange(start, end))
+
+    runs = vision.tower_runs
+    step(c_ids, c_imgs, 0, c.offset + 10)  # C reads half its image
+    step(r_ids, r_imgs, 0, a.offset + 10)  # R reads half of a
+    step(r_ids, r_imgs, a.offset + 10, b.offset + 10)  # R finishes a, starts b; C waits
+    assert set(vision._cache) == {c.content_hash, b.content_hash}
+    step(c_ids, c_imgs, c.offset + 10, len(c_ids))  # C finishes: no second tower run
+    assert vision.tower_runs == runs + 3 and c.content_hash not in vision._cache
