@@ -236,7 +236,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f", {entry.quantize} g{entry.quant_group_size}, int8 head"
     elif entry.quantize == "int8":
         weight_dtype += ", int8"
-    encoder = 0  # the tower's activations for the largest image (vision_shape.py)
+    encoder = cache = 0  # the tower's activations, its embedding cache (vision_shape.py)
     if shape.vision is not None:  # in the weights above, float: say how much of them
         split, whole = shape.vision.param_split(tp)
         elt = ELT_BYTES[dtype_name(float_dtype)]
@@ -245,11 +245,11 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             weights += tower
         weight_dtype += f"; vision tower {format_bytes(tower)}" + (
             f" from {mmproj.name}" if mmproj is not None else "")
-        encoder = shape.vision.encoder_activation_bytes(
-            max_image_patches(gguf or cfg_path.parent, shape.vision), tp, elt)
+        patches = max_image_patches(gguf or cfg_path.parent, shape.vision)
+        encoder, cache = (shape.vision.encoder_activation_bytes(patches, tp, elt),
+                          shape.vision.embedding_cache_bytes(patches, elt))
     specs = speculations(cfg, entry)
-    # Pool layers for the MTP head where some speculation drafts with it (nothing to pay
-    # for otherwise: speculation = "mtp" is then refused at runtime).
+    # pool layers for the MTP head where a speculation drafts with it (else "mtp" is refused)
     mtp_layers = shape.mtp_layers if any(s.method == "mtp" for s in specs) else 0
     per_token = kv_bytes_per_token(shape, tp, kv, mtp_layers)
     draft_id = specs[0].draft_model  # a draft model is per model: never a profile's
@@ -262,12 +262,12 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         weight_dtype += f"; + draft {draft_id} {format_bytes(draft_weights)}"
 
     device_mb = device_memory_mb or cfg.server.device_memory_mb
-    # The tower runs before the text model in its step and its activations are freed
-    # first (only the image tokens' embeddings go on): the step peaks at the larger.
-    headroom = max(cfg.kv.activation_headroom_mb * MIB, encoder)
+    # the tower's activations go before the text model's; the embedding cache stays
+    headroom = max(cfg.kv.activation_headroom_mb * MIB, encoder) + cache
+    within = " within it" if headroom - cache > encoder else ""
     headroom_text = f"{math.ceil(headroom / MIB):,} MiB headroom" + (
-        f" (the vision encoder's {math.ceil(encoder / MIB):,} MiB"
-        f"{' within it' if headroom > encoder else ''})" if encoder else "")
+        f" (the vision encoder's {math.ceil(encoder / MIB):,} MiB{within}, and its embedding"
+        f" cache's {math.ceil(cache / MIB):,} MiB)" if encoder else "")
     budget_mb = entry.kv_budget_mb or cfg.kv.kv_budget_mb
     budget_key = "kv_budget_mb" if entry.kv_budget_mb else "kv.kv_budget_mb"
     if budget_mb is not None:

@@ -88,6 +88,13 @@ class VisionShape:
         merged = -(-patches // self.spatial_merge_size ** 2)
         return patches * per_patch + merged * self.out_hidden_size * elt
 
+    def embedding_cache_bytes(self, patches: int, elt: int) -> int:
+        """What the engine's embedding cache holds at most between steps (one card):
+        two of the largest image's embeddings (``patches`` patches, merged, out_hidden
+        wide; helexa/neuron/engine/vision_step.py). It lives beside the text model's
+        activations and the tower's, so the headroom counts it on top of both."""
+        return 2 * -(-patches // self.spatial_merge_size ** 2) * self.out_hidden_size * elt
+
 
 def pixel_bounds(preprocessor: dict[str, Any]) -> tuple[int, int]:
     """(min_pixels, max_pixels) of a preprocessor_config.json dict: transformers takes size

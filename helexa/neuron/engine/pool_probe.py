@@ -37,7 +37,9 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
         # pool; their one page-index buffer grows with the pool (graph_pool_bytes says so)
         peak += len(graphs) * FI_WRAPPER_INT_BYTES
         bytes_per_block += 4 * max(graphs)
-    peak = max(peak, encoder_peak(runner))
+    # the tower's activations or the text step's, and beside either the embedding cache
+    vision = getattr(runner, "vision", None)
+    peak = max(peak, encoder_peak(runner)) + (vision.max_cached_bytes if vision else 0)
     runner._allocate_kv([], 0, None)  # free the probe pool
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)

@@ -53,9 +53,8 @@ class VisionStep:
             return 0
         assert self.processor is not None
         v: VisionShape = self.model.visual.shape
-        tokens = -(-self.processor.max_patches // v.spatial_merge_size ** 2)
         elt: int = next(self.model.visual.parameters()).element_size()
-        return 2 * tokens * v.out_hidden_size * elt
+        return v.embedding_cache_bytes(self.processor.max_patches, elt)
 
     @property
     def cached_bytes(self) -> int:

@@ -14,7 +14,9 @@ from helexa.neuron.engine import memory_plan, pool_probe
 MIB = 2**20
 
 
-def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0) -> dict[str, int]:
+def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
+             cache: int | None = None) -> dict[str, int]:
+    """``cache``: a vision model's embedding cache bound (None: no tower)."""
     fitted: dict[str, int] = {}
     monkeypatch.setattr(pool_probe, "encoder_peak", lambda runner: encoder)
     monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: 100 * MIB)
@@ -26,7 +28,8 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0) -> dict[str,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
         device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
         _allocate_kv=lambda *a: None, execute=lambda seqs: None,
-        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs)))
+        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs)),
+        vision=None if cache is None else SimpleNamespace(max_cached_bytes=cache))
     assert pool_probe.measured_blocks(runner, 5000, "auto", 2048) == 1000
     return fitted
 
@@ -44,6 +47,11 @@ def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypa
     # a vision tower whose largest image peaks above the text steps: the larger counts
     assert _measure(monkeypatch, [], encoder=300 * MIB)["step_peak"] == 300 * MIB
     assert _measure(monkeypatch, [], encoder=30 * MIB)["step_peak"] == 100 * MIB
+    # its embedding cache stays beside whichever peaks
+    assert _measure(monkeypatch, [], encoder=300 * MIB, cache=40 * MIB)["step_peak"] == \
+        340 * MIB
+    assert _measure(monkeypatch, [], encoder=30 * MIB, cache=40 * MIB)["step_peak"] == \
+        140 * MIB
 
 
 def test_a_vision_models_measured_step_peak_is_at_least_its_towers(tiny_checkpoint):

@@ -106,11 +106,14 @@ def test_plan_sets_the_encoders_activations_aside(vl_dir, tmp_path):
     p, q = plan(vl_dir), plan(big)
     shape = p.shape.vision
     assert max_image_patches(big, shape) == 4 * max_image_patches(vl_dir, shape)
-    encoder = shape.encoder_activation_bytes(max_image_patches(vl_dir, shape), 1, 4)  # fp32
-    assert p.kv_budget_bytes - q.kv_budget_bytes == 3 * encoder
-    assert f"the vision encoder's {-(-encoder // 2**20):,} MiB" in p.budget_source
+    patches = max_image_patches(vl_dir, shape)
+    encoder = shape.encoder_activation_bytes(patches, 1, 4)  # fp32
+    cache = shape.embedding_cache_bytes(patches, 4)  # two of the largest image's embeddings
+    assert p.kv_budget_bytes - q.kv_budget_bytes == 3 * encoder + 3 * cache
+    assert (f"the vision encoder's {-(-encoder // 2**20):,} MiB" in p.budget_source
+            and f"its embedding cache's {-(-cache // 2**20):,} MiB" in p.budget_source)
     # a headroom above the encoder's already holds it: the tower's activations are freed
-    # before the text model's peak in the same step
+    # before the text model's peak in the same step; the cache stays beside either
     roomy = plan(vl_dir, headroom_mb=4 * -(-encoder // 2**20) + 1)
-    assert plan(big, headroom_mb=4 * -(-encoder // 2**20) + 1).kv_budget_bytes == \
-        roomy.kv_budget_bytes
+    assert roomy.kv_budget_bytes - plan(big, headroom_mb=4 * -(-encoder // 2**20) + 1
+                                        ).kv_budget_bytes == 3 * cache
