@@ -143,27 +143,33 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         with _lock:
             why = _verdicts.get(key)
             if why is None:
-                why = _verdicts[key] = probe(x.device, scales.dtype, group_size,
-                                             zeros is not None, tiles, _sms(x.device.index or 0))
-                kind = {"device": str(x.device), "group": group_size, "zeros": zeros is not None,
-                        "dtype": str(scales.dtype).removeprefix("torch.")}
-                if why:
-                    log.warning("kernels.cuda_grouped_matmul_fallback", reason=why, **kind)
-                else:
-                    log.info("kernels.cuda_grouped_matmul_chosen", kernel="triton", **kind)
+                why = _verdict(key, probe(x.device, scales.dtype, group_size, zeros is not None,
+                                          tiles, _sms(x.device.index or 0)))
     if why:
         return tiles(x, qweight, scales, zeros, group_size)
+    sms = _sms(x.device.index or 0)
     if _capturing():  # a launch failing in a capture spoils it: nothing to fall back to
-        return run(x, qweight, scales, zeros, group_size, _sms(x.device.index or 0))
+        return run(x, qweight, scales, zeros, group_size, sms)
     try:  # this layer's own build (prepare runs every layer's at load): a failure is its kind's
-        return run(x, qweight, scales, zeros, group_size, _sms(x.device.index or 0))
+        return run(x, qweight, scales, zeros, group_size, sms)
     except Exception as e:  # noqa: BLE001 - the tiles serve from now on, said why
-        why = _verdicts[key] = (f"the Triton kernel failed on a {tuple(qweight.shape)} layer "
-                                f"({type(e).__name__}: {e})")
-        log.warning("kernels.cuda_grouped_matmul_fallback", reason=why, device=str(x.device),
-                    group=group_size, zeros=zeros is not None,
-                    dtype=str(scales.dtype).removeprefix("torch."))
+        _verdict(key, f"the Triton kernel failed on a {tuple(qweight.shape)} layer "
+                      f"({type(e).__name__}: {e})")
         return tiles(x, qweight, scales, zeros, group_size)
+
+
+def _verdict(key: tuple, why: str) -> str:
+    """Record and log what a kind (device, dtype, group, zeros) runs: "" the kernel, else
+    why the tiles."""
+    _verdicts[key] = why
+    device, dtype, group, zeros = key
+    kind = {"device": str(device), "group": group, "zeros": zeros,
+            "dtype": str(dtype).removeprefix("torch.")}
+    if why:
+        log.warning("kernels.cuda_grouped_matmul_fallback", reason=why, **kind)
+    else:
+        log.info("kernels.cuda_grouped_matmul_chosen", kernel="triton", **kind)
+    return why
 
 
 def describe(device: torch.device) -> str:
