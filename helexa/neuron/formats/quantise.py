@@ -192,9 +192,7 @@ def _wrap_expert_absmax(mlp: Any) -> None:
     mlp.w2_absmax = {}
 
     def loader(param: nn.Parameter, loaded: Any, shard: Any) -> None:
-        # of the rows as the model holds them (a float32 file served in bf16: rounded
-        # first), as tp = 1 quantises them
-        mlp.w2_absmax[shard] = loaded[:].to(param.dtype).float().abs().amax(dim=1)
+        mlp.w2_absmax[shard] = whole_row_absmax(loaded, param.dtype)
         inner(param, loaded, shard)
 
     mlp.w2.weight_loader = loader
@@ -256,13 +254,19 @@ def _check_int4(name: str, mod: Any, group: int) -> None:
                                f"{qk.INT4_ROW_MULTIPLE}, got {n}")
 
 
+def whole_row_absmax(loaded: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's absmax over the checkpoint tensor's every column (all ranks' shards), of
+    the rows as the model holds them: rounded to its ``dtype`` first (a float32 file
+    served in bf16), as tp = 1 quantises them. The int8 row scale of a row-parallel shard."""
+    return loaded[:].to(dtype).float().abs().amax(dim=1)
+
+
 def _wrap_absmax_loader(mod: Any, method: AtLoadMethod) -> None:
     inner = mod.weight.weight_loader
 
     def loader(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
-        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns, of
-            # the rows as the model holds them (rounded to its dtype first, as at tp = 1)
-            method.absmax = loaded[:].to(param.dtype).float().abs().amax(dim=1)
+        if param.dim() == 2:  # the weight: each row's absmax over all ranks' columns
+            method.absmax = whole_row_absmax(loaded, param.dtype)
         inner(param, loaded, shard_id)
 
     mod.weight.weight_loader = loader
