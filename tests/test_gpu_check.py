@@ -10,11 +10,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
-    out = tmp_path / "check.json"
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One dry run of every stage, its report's path and its stdout; the tests below read
+    it rather than each running the ~20 s decode stage again."""
+    out = tmp_path_factory.mktemp("gpu_check") / "check.json"
     # lookahead left to its default, which the report states (off on a CPU)
     env = {k: v for k, v in os.environ.items() if k != "HELEXA_LOOKAHEAD"}
     env["PYTHON"] = sys.executable
@@ -22,7 +27,12 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
                            "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gpu_check: 8/8 stages ok" in proc.stdout
+    return out, proc.stdout
+
+
+def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
+    out, stdout = whole_run
+    assert "gpu_check: 8/8 stages ok" in stdout
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["dry_run"] is True
@@ -72,7 +82,8 @@ def test_the_dry_run_reports_every_stage(tmp_path: Path) -> None:
         assert all(int8g[rows][p]["us"] > 0 for p in ("tiles", "bf16_linear", "triton"))
 
 
-def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path) -> None:
+def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path,
+                                                        whole_run: tuple[Path, str]) -> None:
     """--stages runs a subset in the usual order (what a run cut short by its budget did
     not reach); a subset the check cannot run is refused with the reason."""
     out = tmp_path / "some.json"
@@ -90,10 +101,7 @@ def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path) -> None:
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and why in proc.stderr, proc.stderr
     # a first run's decode figures, then compare beside them in a second
-    first = tmp_path / "first.json"
-    proc = subprocess.run([*run[:-1], str(first), "--stages", "decode"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, _ = whole_run
     proc = subprocess.run([*run, "--stages", "compare", "--decode-from", str(first)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0 and "gpu_check: 1/1 stages ok" in proc.stdout, proc.stderr
