@@ -16,7 +16,8 @@ of operations, per row:
 Draws are inverse-CDF: one uniform per row against the fp64 cumulative
 weights. A request with a seed draws its uniform from its own
 torch.Generator, so the same seed gives the same tokens whatever else is in
-the batch; the others share torch's default generator. On the CPU truncation
+the batch (tied candidates go in token-id order, `ranked`, however the batch
+truncated); the others share torch's default generator. On the CPU truncation
 looks at the best 1,024 tokens first and sorts the whole vocabulary only when
 they do not hold top_p of the mass; on a GPU, where that check would hold the
 host until the device is done, it sorts the whole vocabulary wherever a row may
@@ -308,17 +309,15 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
     k = min(need, _FIRST_CANDIDATES) if need < vocab else min(vocab, _FIRST_CANDIDATES)
     lse_full = None
     if host_top_k is not None and need > k:
-        vals, idx = x.sort(dim=-1, descending=True)
         k = vocab
-    else:
-        vals, idx = x.topk(k, dim=-1)
+    vals, idx = ranked(x, k)
     if k < vocab and host_top_k is None and bool((top_k > k).any()):
         lse_full = torch.logsumexp(x, dim=-1, keepdim=True)
         mass = (vals - lse_full).exp().sum(dim=-1)
         closes = (top_k <= k) | ((top_k >= vocab) & (mass >= top_p))
         if not bool(closes.all()):
-            vals, idx = x.sort(dim=-1, descending=True)
             k, lse_full = vocab, None
+            vals, idx = ranked(x, k)
     ranks = torch.arange(k, device=x.device).unsqueeze(0)
     vals = vals.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(vals, dim=-1, keepdim=True)
@@ -327,6 +326,39 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
     probs = (vals - lse).exp()
     before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
     return vals.masked_fill(before >= top_p.unsqueeze(1), float("-inf")), idx
+
+
+def ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The best k of x [m, vocab] per row, best first and tied values by token id: (values,
+    token ids). Whichever path the batch took (a top-k of some k, or the whole vocabulary
+    sorted), a seeded row then gets the same candidates in the same order, so its uniform
+    lands on the same token; topk orders ties as it likes, and bf16 logits tie often."""
+    vocab = x.shape[1]
+    if k >= vocab:
+        return x.sort(dim=-1, descending=True, stable=True)  # stable: ties by token id
+    if not reads_back(x.device):
+        return _ranked_by_key(x, k)
+    vals, idx = x.topk(k + 1, dim=-1)
+    # the k-th place tied with the one after it: topk kept which of the tie it liked
+    straddles = vals[:, k] == vals[:, k - 1]
+    idx, order = idx[:, :k].sort(dim=-1)  # ties by token id within the k
+    vals, by_value = vals[:, :k].gather(1, order).sort(dim=-1, descending=True, stable=True)
+    idx = idx.gather(1, by_value)
+    if bool(straddles.any()):
+        rows = straddles.nonzero().squeeze(1)
+        vals[rows], idx[rows] = _ranked_by_key(x[rows], k)
+    return vals, idx
+
+
+def _ranked_by_key(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ranked` in one top-k of an int64 key a token: the value's bits made
+    order-preserving, above the reversed token id. Exact, and nothing read back."""
+    bits = (x.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 ties +0.0, as in a sort
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
+    vocab = x.shape[1]
+    key += vocab - 1 - torch.arange(vocab, device=x.device)
+    idx = (vocab - 1) - (key.topk(k, dim=-1)[0] & 0xFFFFFFFF)
+    return x.gather(1, idx), idx
 
 
 def _uniforms(states: list[SamplingState], device: torch.device) -> torch.Tensor:

@@ -89,6 +89,32 @@ def test_same_seed_same_tokens_whatever_the_batch():
     assert other_seed != alone
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_same_seed_same_tokens_whatever_the_batch_when_logits_tie(monkeypatch, gpu):
+    """bf16 logits tie often. Tied candidates go in token order, so whether the batch's
+    truncation took a top-k or sorted the whole vocabulary (a top_p-only or a wide top_k
+    neighbour) does not change which token a seeded row's uniform lands on."""
+    if gpu:
+        monkeypatch.setattr(sampler_module, "reads_back", lambda device: False)
+    g = torch.Generator().manual_seed(11)
+    steps = [(torch.randn(1, 64, generator=g) * 2).round() / 2 for _ in range(40)]
+
+    def tokens(neighbours: list[dict]) -> list[int]:
+        target = state(seed=3, temperature=0.9, top_k=5)
+        crowd = [state(**k) for k in neighbours]
+        out = []
+        for row in steps:
+            logits = torch.cat([row, *(row.roll(i + 1, 1) for i in range(len(crowd)))])
+            out.append(Sampler()(logits, [target, *crowd])[0][0])
+            target.output_token_ids.append(out[-1])
+        return out
+
+    alone = tokens([])
+    assert tokens([dict(temperature=1.0, top_p=0.8, seed=1)]) == alone  # a full sort
+    assert tokens([dict(temperature=1.0, top_k=40, seed=2)]) == alone  # a wider top-k
+    assert tokens([dict(temperature=1.0, top_k=2000, seed=4)]) == alone
+
+
 def test_repetition_frequency_and_presence_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.0, 0.5]])
     rep = state(prompt=[0, 1], repetition_penalty=2.0, temperature=0.0, logprobs=True)
