@@ -215,6 +215,8 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
             continue  # the held token is its last
         rows.append(j)
         reqs.append(req)
+    if core.waiting and len(decoding) - ending < core.limits.max_slots:
+        return None  # the held token frees a slot: the scheduler's step promotes
     held_ids = {r.req_id for r, _ in held.inputs.sampled}
     if not reqs or any(r.req_id not in held_ids for r in decoding):
         return None  # a running request the held step left out: the scheduler rotates

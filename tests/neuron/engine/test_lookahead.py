@@ -480,3 +480,29 @@ def test_the_mtp_head_observes_every_step_of_a_chain(
     assert status.spec_drafted_tokens == sync_status.spec_drafted_tokens > 0
     assert status.spec_accepted_tokens == sync_status.spec_accepted_tokens
     assert counted.followed >= 10
+
+
+def test_a_waiting_request_starts_when_the_held_token_ends_a_slot_holder(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slots full, one request waiting: the step whose held token ends a running request by
+    its budget frees a slot, so the next step is the scheduler's and promotes the waiting
+    one, at the step the synchronous engine would."""
+    def first_token_steps(on: bool) -> dict[str, int]:
+        core = engine(monkeypatch, on, max_slots=2)
+        news = [m.NewRequest(req_id=r, prompt_token_ids=[2, 3, n], max_tokens=n,
+                             sampling=GREEDY) for r, n in (("a", 3), ("b", 12), ("c", 4))]
+        inbound: m.ToEngine | None = m.ToEngine(new=news)
+        first: dict[str, int] = {}
+        for steps in range(1, 200):
+            for u in core.step(inbound).updates:
+                if u.new_token_ids:
+                    first.setdefault(u.req_id, steps)
+            inbound = None
+            if not core.has_work:
+                break
+        assert_whole(core)
+        return first
+
+    sync, la = first_token_steps(False), first_token_steps(True)
+    assert sync["c"] > sync["a"]  # c waited for a's slot
+    assert la == sync
