@@ -331,3 +331,37 @@ def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[st
     assert att._graph_workspace is not None and att._graph_workspace.numel() == att._workspace.numel()
     assert ex.describe() == "graphs for 1..4 rows, captured at load"
     assert att.plan(_decode_step(2)).graph_rows == 2
+
+
+def test_a_plan_waits_only_for_its_own_wrappers_last_copies(
+        fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan rewrites its wrapper's pinned buffer, so it waits for that wrapper's last
+    plan's copies, and no other's: an MTP head's pass planned between two lookahead steps
+    (the prefill wrapper, recorded behind the step in flight) must not hold the next decode
+    step's plan until that step is done."""
+    events: list[list[str]] = []  # per event: what happened to it, in order
+
+    class Event:
+        def __init__(self) -> None:
+            self.log: list[str] = []
+            events.append(self.log)
+
+        def record(self) -> None:
+            self.log.append("record")
+
+        def synchronize(self) -> None:
+            self.log.append("wait")
+
+    monkeypatch.setattr(cuda, "copies_done_event", lambda device: Event())
+    att = _backend(8, 2, 64, storage=torch.bfloat16, compute=torch.bfloat16, graph_rows=4)
+    side = StepPlan(slot_mapping=torch.arange(5), decode_positions=[], decode_tables=[],
+                    prefills=[PrefillRow(block_table=[3], num_computed=0, start=0, end=5)],
+                    block_size=16, num_blocks=8)
+    att.plan(_decode_step(2))  # the held step
+    att.plan(_decode_step(2))  # the step after it, launched before it is read
+    att.plan_side(side)  # the MTP head's catch-up, while that one runs
+    att.plan(_decode_step(2))
+    att.plan_side(side)
+    decode, prefill = events
+    assert decode == ["record", "wait", "record", "wait", "record"]
+    assert prefill == ["record", "wait", "record"]

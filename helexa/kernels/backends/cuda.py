@@ -195,7 +195,8 @@ class CudaAttention(AttentionBackend):
                                  if graph_rows else None)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
         self._group = 0
-        self._planned: torch.cuda.Event | None = None  # recorded after each plan's copies
+        # per wrapper, an event recorded after its last plan's copies (id(wrapper) -> event)
+        self._planned: dict[int, Any] = {}
         # FA2 for prefill, not "auto" (FA3 on Hopper): FA2's prefill module is the one the
         # tensor-core decode also runs, so a first load JIT-compiles one attention module, not
         # two; FA3's templates are the slowest to build. What FA3 would save on long prompts'
@@ -218,6 +219,7 @@ class CudaAttention(AttentionBackend):
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
         self._graph_wrappers = {}  # their index buffer is sized by the pool
         self._graph_indices = None
+        self._planned = {}
         self.pools = []
         if not layers:  # a pool freed (the load's probe pool): nothing chosen, nothing said
             return self.pools
@@ -257,18 +259,22 @@ class CudaAttention(AttentionBackend):
     def plan(self, step: StepPlan) -> CudaMetadata | TorchMetadata:
         if not self.pools or self.torch_path:
             return self.reference.plan(step)
-        # FlashInfer's plan writes a pinned host buffer of its wrapper's and copies it to the
-        # device without waiting. The engine's lookahead plans a step while the one before
-        # runs, so wait until the last plan's copies have run (they head that step's work on
-        # the stream: the wait is over once the step before it is done, which the engine
-        # has read back by then).
-        if self._planned is not None:
-            self._planned.synchronize()
-        meta = self._plan(step)
-        if self.device.type == "cuda":  # (a stand-in FlashInfer's tests plan on the CPU)
-            self._planned = self._planned or torch.cuda.Event()
-            self._planned.record()
-        return meta
+        return self._plan(step)
+
+    def _plan_wrapper(self, wrapper: Any, *args: Any, **kwargs: Any) -> None:
+        """wrapper.plan, once its last plan's copies have run. FlashInfer's plan writes a
+        pinned host buffer of the wrapper's own and copies it to the device without
+        waiting; the engine's lookahead plans a step while the one before runs. Only the
+        wrapper planned waits: an MTP head's pass planned between steps (on the prefill
+        wrapper) must not make the next decode step's plan wait for the step in flight."""
+        done = self._planned.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        wrapper.plan(*args, **kwargs)
+        event = done or copies_done_event(self.device)
+        if event is not None:  # (a stand-in FlashInfer's tests plan on the CPU)
+            event.record()
+            self._planned[id(wrapper)] = event
 
     def _plan(self, step: StepPlan) -> CudaMetadata:
         bs = step.block_size
@@ -312,8 +318,8 @@ class CudaAttention(AttentionBackend):
             # the graph's buffers: the wrapper's plan fills its three, this the positions
             g = self._graph_wrapper(b)
             g.append.positions.copy_(positions_d)
-            g.wrapper.plan(indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
-                           pos_encoding_mode="NONE", **common)
+            self._plan_wrapper(g.wrapper, indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
+                               pos_encoding_mode="NONE", **common)
             return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
                                 graph_rows=b)
         append = KvAppend(batch_indices=rows_d, positions=positions_d, indices=indices_d,
@@ -321,11 +327,11 @@ class CudaAttention(AttentionBackend):
         meta = CudaMetadata(backend=self, append=append, num_decode=b)
         if not step.prefills:
             meta.wrapper = self._decode
-            meta.wrapper.plan(indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
-                              pos_encoding_mode="NONE", **common)
+            self._plan_wrapper(meta.wrapper, indptr_h, indices_d, last_h, self.heads, kvh, d,
+                               bs, pos_encoding_mode="NONE", **common)
             return meta
-        self._prefill.plan(qo_h, indptr_h, indices_d, last_h, self.heads, kvh, d, bs,
-                           causal=True, **common)
+        self._plan_wrapper(self._prefill, qo_h, indptr_h, indices_d, last_h, self.heads, kvh,
+                           d, bs, causal=True, **common)
         meta.wrapper = self._prefill
         return meta
 
@@ -367,6 +373,11 @@ class CudaAttention(AttentionBackend):
                 paged_kv_last_page_len_buffer=append.last_page_len)
             g = self._graph_wrappers[b] = _GraphWrapper(wrapper, append)
         return g
+
+
+def copies_done_event(device: torch.device) -> Any:
+    """An event to record after a plan's copies: None off a GPU."""
+    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def _name(dtype: torch.dtype) -> str:
