@@ -98,6 +98,30 @@ def test_norms_and_mlps_run_the_fused_kernels_and_agree(
     assert fused.argmax() == plain.argmax()
 
 
+def test_rows_off_the_norm_kernels_alignment_take_the_torch_form(
+        tiny_checkpoint: Callable[..., Path]) -> None:
+    """FlashInfer's CuTe-DSL norms assume 16-byte aligned rows (a contiguous 2-D input:
+    gcd(128, its row bytes)); a row sliced off a wider tensor at an odd offset is
+    contiguous, yet starts elsewhere. Such an input takes the torch form (the kernel
+    says None) and never reaches FlashInfer."""
+    runner = _small_runner(tiny_checkpoint)
+    ops = StandInOps()
+    cuda_fused.install(runner.model, torch.bfloat16, ops)  # type: ignore[arg-type]
+    norm = next(m for m in runner.model.modules() if isinstance(m, RMSNorm))
+    ops.calls.clear()
+    wide = torch.randn(4, 3 * 64, dtype=torch.bfloat16)  # rows of 384 B
+    assert norm.kernel(wide[1:2, 64:128], None, 1e-6, None) is not None  # 512 B in
+    assert norm.kernel(wide[1:2, 8:72], None, 1e-6, None) is None  # 400 B: 16, not 128
+    assert norm.kernel(wide[1:3, 8:72], None, 1e-6, None) is not None  # strided: 16 B
+    assert norm.kernel(wide[1:3, 4:68], None, 1e-6, None) is None  # 392 B: not even 16
+    flat = torch.randn(3 * 64 + 8, dtype=torch.bfloat16)
+    y, x = flat[4:4 + 64].view(1, 64), torch.randn(1, 64, dtype=torch.bfloat16)
+    assert norm.add_kernel(y, x, None, 1e-6) is None  # 8 B in
+    assert norm.add_kernel(flat[64:128].view(1, 64), x, None, 1e-6) is not None
+    assert ops.calls["rmsnorm"] == 2 and ops.calls["fused_add_rmsnorm"] == 1
+    runner.close()
+
+
 def _small_runner(tiny_checkpoint: Callable[..., Path]) -> ModelRunner:
     """A bf16 qwen3 of head_dim 16 (a size FlashInfer's rope is not built for)."""
     path = tiny_checkpoint(arch="qwen3", dtype="bfloat16", hidden_size=64, num_heads=4,

@@ -27,6 +27,7 @@ FlashInfer's calls sit behind :class:`FusedOps` so that CPU tests can stand in f
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -76,7 +77,21 @@ def _is_norm(m: torch.nn.Module) -> bool:
 
 
 def _rows_ok(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.dim() in (2, 3) and t.stride(-1) == 1
+    return (t.dtype == dtype and t.dim() in (2, 3) and t.stride(-1) == 1
+            and _aligned(t))
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Where FlashInfer's CuTe-DSL norms assume their rows start: 16 bytes, and a
+    contiguous 2-D tensor gcd(128, a row's bytes) (one row sliced from a wider tensor is
+    contiguous, yet can start anywhere). Anything else takes the torch form. Off a GPU
+    (a stand-in's tests) the start within the storage stands for the address, as torch's
+    CUDA allocations start 512-byte aligned."""
+    need = 16
+    if t.dim() == 2 and t.is_contiguous():
+        need = max(16, math.gcd(128, t.shape[-1] * t.element_size()))
+    start = t.data_ptr() if t.is_cuda else t.storage_offset() * t.element_size()
+    return start % need == 0
 
 
 def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = None) -> str:
@@ -121,7 +136,8 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
         def add(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None,
                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
             if (y.dim() != 2 or not y.is_contiguous() or not x.is_contiguous()
-                    or y.dtype != dtype or x.dtype != dtype or y.shape != x.shape):
+                    or y.dtype != dtype or x.dtype != dtype or y.shape != x.shape
+                    or not _aligned(x) or not _aligned(y)):
                 return None
             ops.fused_add_rmsnorm(y, x, weight_of(norm, w), eps)  # x += y; y = norm(x)
             return y, x
