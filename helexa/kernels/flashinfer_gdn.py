@@ -92,7 +92,9 @@ def fi_decode_pool(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw: GateI
     in fp32); row b's state is slot ``slots[b]`` (int32) of ``pool`` [slots, v_heads, dv,
     dk], read and written in place. With a ``scratch`` slot (one no request holds) the
     step runs at :func:`fi_rows` rows, the padding rows zeros on that slot. Returns o [B,
-    v_heads, dv] in v's dtype."""
+    v_heads, dv] in v's dtype: a view of FlashInfer's own output buffer for this batch
+    size, which its next call of that size (the next layer's) rewrites, so the caller
+    uses it before that call (each layer does, before the next layer runs)."""
     module = _fi_module()
     assert module is not None
     n = q.shape[0]
