@@ -177,6 +177,8 @@ def test_nothing_is_captured_mid_serving():
     got = decode(ex, 3, seed=4)  # a serving step before the runner captured again
     assert runtime.replays == at_load and len(runtime.captured) == 4
     torch.testing.assert_close(got, eager(3, 4))  # ran layer by layer
+    load(ex)  # captured again over the new KV pool: into a memory pool of their own
+    assert len(runtime.pools) == 2 and set(runtime.captured[4:]) == {runtime.pools[1]}
 
 
 def test_a_step_carrying_image_inputs_runs_eagerly():

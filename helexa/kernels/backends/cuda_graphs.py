@@ -175,6 +175,10 @@ class CudaGraphExecutor(StepExecutor):
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         self._graphs = {}  # graphs hold the old pools' addresses
+        # and a fresh memory pool for the next captures: torch reuses a pool id only while
+        # something still holds it (its use count), and a block a library left in the old
+        # one would make the recapture after a KV switch stop on that check
+        self._pool = None
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
