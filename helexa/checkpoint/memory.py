@@ -26,6 +26,8 @@ Per card, with tp-way tensor parallelism:
         × weight bytes                   # one layer's expert copies (moe_experts.py, gathered)
       + max_slots × (8 MiB               # each graph's FlashInfer wrapper: its int workspace
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
+      + flashinfer_workspace_bytes(group, head_dim)  # the graph wrappers' one float scratch:
+                                         # 256 MiB, or a split-kv plan's where more
       + (hybrids) linear-attention layers × v_heads/tp × k_dim × v_dim × weight bytes
                                          # the state pool's scratch slot, FlashInfer's
                                          # padding rows' (flashinfer_gdn.fi_rows): made
@@ -56,7 +58,7 @@ from helexa.checkpoint.weights import quantized_weight_bytes_per_card
 
 __all__ = ["QUANT_GROUP", "allreduce_workspace_bytes", "cuda_graph_plan",
            "fixed_bytes_per_request", "fused_allreduce_workspace",
-           "fused_allreduce_rows", "graph_capture_sizes",
+           "flashinfer_workspace_bytes", "fused_allreduce_rows", "graph_capture_sizes",
            "graph_pool_bytes", "held_bytes_per_request",
            "kv_bytes_per_token", "kv_heads_per_card", "kv_token_head_bytes",
            "weight_bytes_per_card"]
@@ -105,6 +107,19 @@ def graph_capture_sizes(max_slots: int) -> list[int]:
 
 
 FI_WRAPPER_INT_BYTES = 8 * 2**20  # FlashInfer 0.6.13: each decode wrapper's int workspace
+FI_FLOAT_WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's float scratch, a wrapper family's: at least
+
+
+def flashinfer_workspace_bytes(group: int, head_dim: int, sms: int = 132) -> int:
+    """FlashInfer's float scratch for a GQA ``group`` at ``head_dim``: FI_FLOAT_WORKSPACE_BYTES,
+    or what a split-kv prefill plan can take where that is more. Its plan puts each split's
+    partial output in fp32, num_qo_heads x padded_batch_size x cta_tile_q x head_dim floats,
+    the batch up to 2 CTAs an SM per kv head (scheduler.cuh, PrefillPlan): group x 2 x SMs x
+    128 x head_dim x 4 bytes, over 256 MiB from a GQA group of 16 at head_dim 128 on 132 SMs
+    (Qwen3-235B at tp 4), where the plan would raise 'Buffer overflow'. ``sms``: the card's
+    (132 on an H100 or H200 SXM, what a plan without the card assumes)."""
+    split = group * 2 * sms * 128 * (head_dim + 1) * 4  # partial outputs and their sums
+    return max(FI_FLOAT_WORKSPACE_BYTES, split + 16 * 2**20)  # + the plan's smaller arrays
 
 
 def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None,
@@ -121,7 +136,9 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
     if shape.linear_attention_layers:
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
-    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) if max_slots else 0
+    # the graph wrappers' int workspaces and page indices, and their one float scratch
+    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + flashinfer_workspace_bytes(
+        shape.num_heads // max(1, shape.num_kv_heads), shape.head_dim) if max_slots else 0
     scratch = shape.linear_attention_layers * math.ceil(shape.linear_num_value_heads / tp) * (
         shape.linear_key_head_dim * shape.linear_value_head_dim * elt) if max_slots else 0
     return (max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt) + wrappers

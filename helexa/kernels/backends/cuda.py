@@ -45,6 +45,7 @@ import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
+from helexa.checkpoint.memory import FI_FLOAT_WORKSPACE_BYTES, flashinfer_workspace_bytes
 from helexa.kernels.backends.base import (
     AttentionBackend,
     AttentionShape,
@@ -64,7 +65,7 @@ except Exception as e:  # noqa: BLE001 - any import failure means "not available
     flashinfer = None
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
-WORKSPACE_BYTES = 256 * 2**20  # FlashInfer's scratch, per wrapper family: at least this
+WORKSPACE_BYTES = FI_FLOAT_WORKSPACE_BYTES  # FlashInfer's scratch, per wrapper family: at least
 # What FlashInfer 0.6's prebuilt/JIT kernels are instantiated for (its dispatch macros):
 CUDA_CORE_GROUPS = (1, 2, 3, 4, 8)  # GQA groups its CUDA-core decode kernel serves
 # 512 is instantiated but its FA2 prefill (and tensor-core decode) tiles are all invalid in
@@ -76,19 +77,15 @@ log = structlog.get_logger(component="kernels")
 
 
 def workspace_bytes(shape: AttentionShape | None, device: torch.device) -> int:
-    """FlashInfer's float scratch for this model: WORKSPACE_BYTES, or what a split-kv
-    prefill plan can take where that is more. Its plan puts each split's partial output in
-    fp32, num_qo_heads x padded_batch_size x cta_tile_q x head_dim floats, the batch up to
-    2 CTAs an SM per kv head (scheduler.cuh, PrefillPlan): group x 2 x SMs x 128 x
-    head_dim x 4 bytes, over 256 MiB from a GQA group of 16 at head_dim 128 on 132 SMs
-    (Qwen3-235B at tp 4), where the plan would raise 'Buffer overflow'."""
+    """FlashInfer's float scratch for this model (memory.flashinfer_workspace_bytes, with
+    this card's SMs): one for the prefill and eager decode wrappers, one more for the graph
+    wrappers where graphs are captured (the plan counts that one in its graph pool)."""
     if shape is None:
         return WORKSPACE_BYTES
-    group = shape.heads // max(1, shape.kv_heads)
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" and torch.cuda.is_available() else 132)
-    split = group * 2 * sms * 128 * (shape.head_dim + 1) * 4  # partial outputs and their sums
-    return max(WORKSPACE_BYTES, split + 16 * 2**20)  # + the plan's smaller arrays
+    return flashinfer_workspace_bytes(shape.heads // max(1, shape.kv_heads), shape.head_dim,
+                                      sms)
 
 
 def unsupported(shape: AttentionShape) -> str:
