@@ -30,16 +30,18 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
         SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
     peak = memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(step))
+    held = 0  # what stays allocated beside any step's activations
     if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
         decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
-        peak += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
+        held += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
         # each graph's FlashInfer wrapper (its int workspace), made at capture after the
         # pool; their one page-index buffer grows with the pool (graph_pool_bytes says so)
-        peak += len(graphs) * FI_WRAPPER_INT_BYTES
+        held += len(graphs) * FI_WRAPPER_INT_BYTES
         bytes_per_block += 4 * max(graphs)
-    # the tower's activations or the text step's, and beside either the embedding cache
+    # the tower's activations or the text step's; beside either the embedding cache and the
+    # graphs' pool (an image step runs eagerly while the captured graphs hold theirs)
     vision = getattr(runner, "vision", None)
-    peak = max(peak, encoder_peak(runner)) + (vision.max_cached_bytes if vision else 0)
+    peak = max(peak, encoder_peak(runner)) + held + (vision.max_cached_bytes if vision else 0)
     runner._allocate_kv([], 0, None)  # free the probe pool
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)

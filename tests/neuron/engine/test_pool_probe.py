@@ -52,6 +52,10 @@ def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypa
         340 * MIB
     assert _measure(monkeypatch, [], encoder=30 * MIB, cache=40 * MIB)["step_peak"] == \
         140 * MIB
+    # the graphs' pool and wrappers are held while an image step runs (eagerly): beside the
+    # tower's peak, not inside it
+    assert _measure(monkeypatch, [2, 1], encoder=300 * MIB, cache=40 * MIB)["step_peak"] == \
+        300 * MIB + 100 * MIB + 2 * FI_WRAPPER_INT_BYTES + 40 * MIB
 
 
 def test_a_vision_models_measured_step_peak_is_at_least_its_towers(tiny_checkpoint):
