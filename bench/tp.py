@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     for (tp, streams), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         med[tp, streams] = statistics.median(x[0] for x in runs)
         comm, plan = runs[-1][1], runs[-1][2]
-        print(f"  {tp:>2} {streams:>7} {med[tp, streams]:>13.1f}   {comm:>22,.0f} {plan:>17,.0f}"
+        # COMM_STATS counts in Python, per call: a replayed CUDA graph and FlashInfer's fused
+        # all-reduce + norm run no Python per collective, so on a GPU it would undercount
+        counted = f"{comm:>22,.0f}" if args.device == "cpu" else f"{'(CPU only)':>22}"
+        print(f"  {tp:>2} {streams:>7} {med[tp, streams]:>13.1f}   {counted} {plan:>17,.0f}"
               f"   [{' '.join(f'{x[0]:.1f}' for x in runs)}]")
     for streams in (1, args.streams):
         print(f"  TP=2 / TP=1 at {streams} stream(s): {med[2, streams] / med[1, streams]:.2f}x")
