@@ -125,14 +125,12 @@ class ModelPlan:
     # Hybrids with the prefix cache on: prefix snapshot slots (fixed_bytes each), out of what
     # the state slots and one full-context request leave (up to kv.prefix_snapshots).
     num_snapshot_slots: int = 0
-    # A draft model (speculation = "draft:<id>"): its share of weight_bytes_per_card and of
-    # bytes_per_token (its layers' KV shares each request's blocks); 0 without one.
+    # a draft model's share of weight_bytes_per_card and bytes_per_token (its KV in our blocks)
     draft_model_id: str = ""
     draft_weight_bytes: int = 0
     draft_bytes_per_token: int = 0
     mtp_kv_layers: int = 0  # pool layers for the MTP head (where a speculation names mtp)
-    # engine.cuda_graphs: decode batches 1..graph_rows captured at load on a cuda backend,
-    # their one shared pool (an estimate) kept inside the activation headroom; 0 without.
+    # engine.cuda_graphs: decode batches 1..graph_rows captured at load; their pool (estimate)
     graph_rows: int = 0
     graph_pool_bytes: int = 0
     graphs_off: str = ""  # why engine.cuda_graphs captures nothing (memory.cuda_graph_plan)
@@ -140,6 +138,7 @@ class ModelPlan:
     allreduce_rows: int = 0
     allreduce_workspace_bytes: int = 0
     headroom_bytes: int = 0
+    vision_peak_bytes: int = 0  # in the headroom: the tower's activations + embedding cache
     # kv.host_cache_mb: the prefix cache's host tier, per card (host memory, not the pool's
     # budget): blocks and snapshots in the pool's own mix (budget.host_tier_size).
     host_bytes_per_card: int = 0
@@ -333,20 +332,21 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         # prefix snapshots come after the state slots: what is left beside them and one
         # request of `context` tokens, up to kv.prefix_snapshots
         room = budget - math.ceil(context / bs) * block_bytes - slots * slot
-        plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots,
-                                                           room // fixed)))
+        plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots, room // fixed)))
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     max_slots = profile.max_slots if profile and profile.max_slots else cfg.engine.max_slots
-    ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, cfg.devices_of(entry))
+    devices = cfg.devices_of(entry)
+    ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, devices)
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
         not fixed or plan.num_snapshot_slots) else 0
     host_blocks, host_snaps = host_tier_size(host_bytes, blocks, block_bytes,
                                              plan.num_snapshot_slots, fixed)
-    graph_rows, graphs_off, graphs = cuda_graph_plan(
-        shape, tp, max_slots if cfg.engine.cuda_graphs else 0, kv, float_dtype, plan.num_blocks)
+    graph_rows, graphs_off, graphs = cuda_graph_plan(shape, tp, max_slots * cfg.engine.cuda_graphs,
+                                                     kv, float_dtype, plan.num_blocks, devices)
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks, graphs_off=graphs_off,
                    graph_rows=graph_rows, headroom_bytes=headroom, graph_pool_bytes=graphs,
-                   allreduce_rows=ar_rows, allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
+                   vision_peak_bytes=encoder + cache, allreduce_rows=ar_rows,
+                   allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
                    host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps)
 
 

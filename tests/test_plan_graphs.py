@@ -9,6 +9,7 @@ from pathlib import Path
 
 from helexa.checkpoint.memory import (
     allreduce_workspace_bytes,
+    format_bytes,
     fused_allreduce_rows,
     graph_capture_sizes,
     graph_pool_bytes,
@@ -25,8 +26,9 @@ HYBRID = ASSET / "models" / "Qwen" / "Qwen3.5-27B" / "config.json"
 
 def _toml(tmp_path: Path, engine: str = "", model: Path = DENSE, tp: int = 1) -> Path:
     path = tmp_path / "n.toml"
-    path.write_text(f'[engine]\n{engine}\n[kv]\nkv_budget_mb = 4096\n[[models]]\nid = "m"\n'
-                    f'config = "{model}"\ntp = {tp}\n')
+    devices = ", ".join(f'"cuda:{i}"' for i in range(tp))
+    path.write_text(f'[server]\ndevices = [{devices}]\n[engine]\n{engine}\n[kv]\n'
+                    f'kv_budget_mb = 4096\n[[models]]\nid = "m"\nconfig = "{model}"\ntp = {tp}\n')
     return path
 
 
@@ -76,7 +78,36 @@ def test_plan_prints_the_graph_pool_line(tmp_path, capsys):
 
 def test_a_pool_beyond_the_headroom_says_so(tmp_path, capsys):
     assert helexa_main(["plan", str(_toml(tmp_path, "max_slots = 512"))]) == 0
-    assert "MORE than (raise kv.activation_headroom_mb) the 512.0 MiB" in capsys.readouterr().out
+    assert ("MORE than the 512.0 MiB activation headroom (5.0 GiB in all: raise "
+            "kv.activation_headroom_mb)") in capsys.readouterr().out
+
+
+def test_a_cpu_neuron_captures_no_graphs(tmp_path, capsys):
+    path = tmp_path / "n.toml"
+    path.write_text(_toml(tmp_path, "max_slots = 8").read_text().replace('"cuda:0"', '"cpu"'))
+    cfg = load_neuron_config(path)
+    assert plan_model(cfg, cfg.models[0], path).graph_rows == 0
+    assert helexa_main(["plan", str(path)]) == 0
+    assert "CUDA graph" not in capsys.readouterr().out
+
+
+def test_the_graph_pool_sits_beside_a_vision_towers_peak(tmp_path, capsys):
+    """An image step runs eagerly while the graphs hold their pool: the line weighs the
+    pool, the all-reduce space and the tower's peak with its embedding cache together."""
+    path = _toml(tmp_path, "max_slots = 16", model=HYBRID, tp=2)
+    cfg = load_neuron_config(path)
+    p = plan_model(cfg, cfg.models[0], path)
+    held = p.graph_pool_bytes + p.allreduce_workspace_bytes + p.vision_peak_bytes
+    assert p.vision_peak_bytes > p.graph_pool_bytes > 0 and held > p.headroom_bytes
+    assert helexa_main(["plan", str(path)]) == 0
+    assert (f"MORE than the {format_bytes(p.headroom_bytes)} activation headroom with the "
+            "all-reduce workspace and the vision tower's peak and cache "
+            f"({format_bytes(held)} in all") in capsys.readouterr().out
+    roomy = tmp_path / "roomy.toml"
+    roomy.write_text(path.read_text().replace("[kv]\n", "[kv]\nactivation_headroom_mb = 4096\n"))
+    assert helexa_main(["plan", str(roomy)]) == 0
+    assert "inside the 4.3 GiB activation headroom with the all-reduce workspace and the " \
+        "vision tower's peak and cache\n" in capsys.readouterr().out
 
 
 def test_no_graph_line_without_cuda_graphs(tmp_path, capsys):
@@ -127,6 +158,7 @@ def test_a_tp2_cuda_plan_counts_the_fused_allreduce_workspace(tmp_path, capsys):
             "rows (where FlashInfer's runs), in the activation headroom") in out
     assert "inside the 512.0 MiB activation headroom with the all-reduce workspace" in out
     cpu = _toml(tmp_path, "max_slots = 8", tp=2)  # CPU ranks: gloo, no workspace
+    cpu.write_text(cpu.read_text().replace('"cuda:0", "cuda:1"', '"cpu", "cpu"'))
     cfg = load_neuron_config(cpu)
     assert plan_model(cfg, cfg.models[0], cpu).allreduce_workspace_bytes == 0
 

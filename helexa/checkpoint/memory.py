@@ -178,11 +178,14 @@ def fused_allreduce_workspace(hidden: int, tp: int, rows: int) -> int:
 
 
 def cuda_graph_plan(shape: ModelShape, tp: int, rows: int, kv_dtype: str, float_dtype: str,
-                    num_blocks: int) -> tuple[int, str, int]:
+                    num_blocks: int, devices: list[str]) -> tuple[int, str, int]:
     """(rows, why none, pool bytes) of the CUDA graphs engine.cuda_graphs captures for
-    decode batches 1..``rows`` (0: not asked for). The cuda backend captures FlashInfer's
-    decode; a KV pool its kernels do not read runs the torch path, eagerly, with no graph
-    (helexa/checkpoint/kv_path.py): then (0, why, 0)."""
+    decode batches 1..``rows`` (0: not asked for) on CUDA ``devices`` (none elsewhere).
+    The cuda backend captures FlashInfer's decode; a KV pool its kernels do not read runs
+    the torch path, eagerly, with no graph (helexa/checkpoint/kv_path.py): then (0, why,
+    0)."""
+    if not all(str(d).startswith("cuda") for d in devices):
+        rows = 0
     off = torch_path_kv(kv_dtype, float_dtype) if rows else ""
     rows = 0 if off else rows
     return rows, off, graph_pool_bytes(shape, tp, rows, float_dtype, num_blocks)

@@ -60,13 +60,18 @@ def format_plan(p: ModelPlan) -> str:
         lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
                      " state slot: one verification row's inputs, for rollback")
     if p.graph_rows:
-        fits = ("inside" if p.graph_pool_bytes + p.allreduce_workspace_bytes <= p.headroom_bytes
-                else "MORE than (raise kv.activation_headroom_mb)")
+        # beside what an image step peaks at: the graphs' pool is held all the while
+        held = p.graph_pool_bytes + p.allreduce_workspace_bytes + p.vision_peak_bytes
+        beside = [w for w, n in (("the all-reduce workspace", p.allreduce_rows),
+                                 ("the vision tower's peak and cache", p.vision_peak_bytes)) if n]
+        fits = (f"inside the {format_bytes(p.headroom_bytes)} activation headroom"
+                if held <= p.headroom_bytes else
+                f"MORE than the {format_bytes(p.headroom_bytes)} activation headroom")
         lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate, with the"
                      f" graphs' attention buffers) for decode batches {p.graph_rows}..1 captured"
-                     f" at load, {fits} the "
-                     f"{format_bytes(p.headroom_bytes)} activation headroom"
-                     + (" with the all-reduce workspace" if p.allreduce_rows else ""))
+                     f" at load, {fits}" + (" with " + " and ".join(beside) if beside else "")
+                     + ("" if held <= p.headroom_bytes else
+                        f" ({format_bytes(held)} in all: raise kv.activation_headroom_mb)"))
     if p.graphs_off:
         lines.append(f"    CUDA graphs         none: {p.graphs_off} runs FlashInfer's torch path on"
                      " a cuda backend, every decode step eagerly")

@@ -80,7 +80,8 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     activation_headroom_mb: Annotated[int, field_meta(
         "Memory kept free for activations when the pool is derived from device memory; for a "
         "model with a vision tower at least its encoder's over the largest image, and its "
-        "embedding cache beside (helexa plan shows both).", RESTART, ge=0)] = 512
+        "embedding cache beside; on CUDA it holds the decode graphs' pool too (helexa plan "
+        "shows each and whether they fit).", RESTART, ge=0)] = 512
     prefix_cache: Annotated[bool, field_meta(
         "Share KV blocks of identical prompt prefixes between requests.", RESTART)] = True
     prefix_snapshots: Annotated[int, field_meta(
