@@ -205,10 +205,13 @@ def test_a_mixed_steps_kv_lands_at_the_runners_slots_in_one_append_per_layer(
     # the prefill wrapper's layout: a query row per decode row, then each chunk's rows; the
     # pages each row's context spans, and how full its last page is
     prefill = next(w for w in fake_flashinfer if w["kind"] == "prefill")
-    (qo, indptr, indices, last, *_), _ = prefill["plans"][-1]
+    (qo, indptr, indices, last, *_), kw = prefill["plans"][-1]
     assert qo.tolist() == [0, 1, 2, 20, 38]
     assert indptr.tolist() == [0, 2, 3, 5, 7] and indices.tolist() == [5, 2, 7, 3, 6, 1, 4]
     assert last.tolist() == [5, 1, 2, 14]
+    # each row's context length, from the step's one host buffer (pinned on a GPU), so
+    # FlashInfer makes and copies none of its own from pageable memory
+    assert kw["seq_lens"].tolist() == [21, 1, 18, 30] and kw["seq_lens"].device.type == "cpu"
     k, v = _kv(len(slots), 2, 64, seed=1)
     q = torch.zeros(len(slots), 8, 64, dtype=torch.bfloat16)
     att.forward(1, q, k, v, meta)

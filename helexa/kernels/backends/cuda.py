@@ -303,10 +303,14 @@ class CudaAttention(AttentionBackend):
         # offsets: it copies them into its buffers from pinned memory, async too) and the
         # device part (pages, each flat row's batch row and position). A copy from pageable
         # memory would hold the host until the device drained its queue (host syncs a step).
-        host = pinned(indptr + last + qo + indices + rows + positions, torch.int32, self.device)
+        # (the prefill plan's kv lengths too: given none, FlashInfer makes them in pageable
+        # memory and copies them from there each step)
+        kv_lens = lens if step.prefills else []
+        host = pinned(indptr + last + qo + indices + rows + positions + kv_lens, torch.int32,
+                      self.device)
         dev = host.to(self.device, non_blocking=True)
         at = list(accumulate([0, len(indptr), len(last), len(qo), len(indices), len(rows),
-                              len(positions)]))
+                              len(positions), len(kv_lens)]))
         indptr_h, last_h, qo_h = host[at[0]:at[1]], host[at[1]:at[2]], host[at[2]:at[3]]
         indices_d, rows_d, positions_d = dev[at[3]:at[4]], dev[at[4]:at[5]], dev[at[5]:at[6]]
         kvh, d = self.pools[0].num_kv_heads, self.pools[0].head_dim
@@ -328,7 +332,7 @@ class CudaAttention(AttentionBackend):
                                bs, pos_encoding_mode="NONE", **common)
             return meta
         self._plan_wrapper(self._prefill, qo_h, indptr_h, indices_d, last_h, self.heads, kvh,
-                           d, bs, causal=True, **common)
+                           d, bs, causal=True, seq_lens=host[at[6]:at[7]], **common)
         meta.wrapper = self._prefill
         return meta
 
