@@ -126,6 +126,12 @@ class HostIndex:
             assert self._index[key.digest] == slot
 
 
+def _last_per_target(copies: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(source, target) copies, the last one to each target alone, in queue order."""
+    last = {target: i for i, (_, target) in enumerate(copies)}
+    return [c for i, c in enumerate(copies) if last[c[1]] == i]
+
+
 class HostTier:
     """Host blocks and host snapshots, and the copies queued since the engine last took
     them. `bytes_per_block` and `snapshot_bytes` are per card, as the ledger's."""
@@ -189,12 +195,18 @@ class HostTier:
 
     def take_moves(self) -> KvMoves:
         """The copies queued since the last call, for the runner to make now; the host
-        slots they read are unpinned (nothing can evict them before the copies run)."""
+        slots they read are unpinned (nothing can evict them before the copies run). A
+        device block or slot restored into twice (its first restore's request ended
+        before its step, the block went back and a later one in the same intake drew it)
+        keeps only its last copy in: one scatter with a repeated target leaves either
+        write on CUDA, not the later."""
         moves, self._moves = self._moves, KvMoves([], [], [], [])
         for host_block, _ in moves.blocks_in:
             self.blocks.unpin(host_block)
         for host_snapshot, _ in moves.states_in:
             self.snapshots.unpin(host_snapshot)
+        moves.blocks_in = _last_per_target(moves.blocks_in)
+        moves.states_in = _last_per_target(moves.states_in)
         return moves
 
     def clear(self) -> None:

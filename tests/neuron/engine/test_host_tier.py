@@ -102,6 +102,32 @@ def test_a_host_block_pinned_for_a_copy_in_is_never_evicted_for_a_copy_out():
     pool.check()
 
 
+def test_a_block_restored_into_twice_in_one_intake_keeps_the_later_copy():
+    """c's restore lands in block B; c ends before its step (an abort), B goes back filed,
+    and d's reservation in the same intake evicts B and restores another host block into
+    it. Only d's copy may run: both in one scatter would leave either write on CUDA."""
+    host = HostTier(4, 10)
+    pool = BlockPool(1, 1, 10, host=host)
+    k1, k2 = keys([1], 1)[0], keys([2], 1)[0]
+    for i, k in enumerate((k1, k2)):
+        assert pool.reserve(f"r{i}", 1)
+        pool.register(pool.draw(f"r{i}"), k)
+        pool.release(f"r{i}")
+    assert pool.reserve("x", 1)  # the last one out to the host too
+    host.take_moves()
+    pool.release("x")
+    (h1,), (h2,) = host.match([k1]), host.match([k2])
+    assert pool.reserve("c", 1, (), -1, [(h1, k1)])
+    pool.release("c")
+    assert pool.reserve("d", 1, (), -1, [(h2, k2)])
+    (b,) = pool.restored_blocks("d")
+    assert host.take_moves().blocks_in == [(h2, b)]
+    assert pool.match_prefix([k2]) == [b] and pool.match_prefix([k1]) == []
+    pool.release("d")
+    pool.check()
+    host.check()  # both host blocks unpinned
+
+
 # --- an engine (the fake runner keeps token ids as its KV: a wrong copy changes output) --
 
 
