@@ -339,23 +339,43 @@ def ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not reads_back(x.device):
         return _ranked_by_key(x, k)
     vals, idx = x.topk(k + 1, dim=-1)
-    # the k-th place tied with the one after it: topk kept which of the tie it liked
-    straddles = vals[:, k] == vals[:, k - 1]
+    # the k-th place tied with the one after it: topk kept which of the tie it liked (a
+    # tie of -inf, masked tokens, carries no probability: its order moves no draw)
+    last, after = vals[:, k - 1], vals[:, k]
+    straddles = ((after == last) & (after > float("-inf"))) | after.isnan()
     idx, order = idx[:, :k].sort(dim=-1)  # ties by token id within the k
     vals, by_value = vals[:, :k].gather(1, order).sort(dim=-1, descending=True, stable=True)
     idx = idx.gather(1, by_value)
-    if bool(straddles.any()):
-        rows = straddles.nonzero().squeeze(1)
-        vals[rows], idx[rows] = _ranked_by_key(x[rows], k)
+    for r in straddles.nonzero().squeeze(1).tolist():  # the CPU: settle the boundary alone
+        row = x[r]
+        if bool(row.isnan().any()):
+            v, i = _ranked_by_key(row[None], k)
+            vals[r], idx[r] = v[0], i[0]
+            continue
+        above = (row > last[r]).nonzero().squeeze(1)  # fewer than k, ascending ids
+        tied = (row == last[r]).nonzero().squeeze(1)[:k - above.numel()]
+        ids = torch.cat([above, tied])
+        vals[r], order = row[ids].sort(descending=True, stable=True)
+        idx[r] = ids[order]
     return vals, idx
+
+
+_KEY_BYTES = 64 * 2**20  # what _ranked_by_key's keys and their temporaries hold at once
 
 
 def _ranked_by_key(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ranked` in one top-k of an int64 key a token: the value's bits made
-    order-preserving, above the reversed token id. Exact, and nothing read back."""
-    bits = (x.float() + 0.0).view(torch.int32)  # + 0.0: -0.0 ties +0.0, as in a sort
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
+    order-preserving, above the reversed token id. Exact, and nothing read back; rows
+    taken in parts of at most _KEY_BYTES (~24 B a logit), a decode batch's in one."""
     vocab = x.shape[1]
+    rows = max(1, _KEY_BYTES // (24 * vocab))
+    if x.shape[0] > rows:
+        parts = [_ranked_by_key(part, k) for part in x.split(rows)]
+        return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
+    # + 0.0: -0.0 ties +0.0, as in a sort; every NaN the largest, as a sort ranks them
+    f = x.float() + 0.0
+    bits = torch.where(f.isnan(), f.abs(), f).view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
     key += vocab - 1 - torch.arange(vocab, device=x.device)
     idx = (vocab - 1) - (key.topk(k, dim=-1)[0] & 0xFFFFFFFF)
     return x.gather(1, idx), idx

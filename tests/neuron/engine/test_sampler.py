@@ -115,6 +115,36 @@ def test_same_seed_same_tokens_whatever_the_batch_when_logits_tie(monkeypatch, g
     assert tokens([dict(temperature=1.0, top_k=2000, seed=4)]) == alone
 
 
+@pytest.mark.parametrize("gpu", [False, True])
+def test_ranked_candidates_are_a_stable_sorts_first_k(monkeypatch, gpu):
+    """However ties fall (bf16 values, -0.0 beside 0.0, rows all alike, masked -inf
+    tokens, NaN), ranked's candidates are those a stable sort of the vocabulary puts first,
+    in its order; on the GPU path in parts of a bounded size. Masked tokens (-inf) past
+    the finite ones carry no probability, so their order is left as it falls."""
+    if gpu:
+        monkeypatch.setattr(sampler_module, "reads_back", lambda device: False)
+        monkeypatch.setattr(sampler_module, "_KEY_BYTES", 3 * 24 * 300)  # 3 rows a part
+    g = torch.Generator().manual_seed(7)
+    for trial in range(120):
+        vocab = int(torch.randint(5, 300, (1,), generator=g))
+        k = int(torch.randint(1, vocab, (1,), generator=g))
+        x = (torch.randn(7, vocab, generator=g) * 2).round() / 2
+        if trial % 4 == 1:
+            x[:, torch.randint(0, vocab, (vocab // 2,), generator=g)] = float("-inf")
+        elif trial % 4 == 2:
+            x = x.bfloat16().float()
+        elif trial % 4 == 3:
+            x[0, torch.randint(0, vocab, (3,), generator=g)] = float("nan")
+            x[1] = 0.0
+            x[1, ::3] = -0.0
+        want = torch.where(x.isnan(), float("inf"), x + 0.0).sort(
+            dim=-1, descending=True, stable=True)[1][:, :k]
+        vals, ids = sampler_module.ranked(x, k)
+        ranked_ok = vals > float("-inf")
+        assert torch.equal(ids[ranked_ok], want[ranked_ok]), trial
+        torch.testing.assert_close(vals, x.gather(1, ids), rtol=0, atol=0, equal_nan=True)
+
+
 def test_repetition_frequency_and_presence_penalties():
     logits = torch.tensor([[2.0, -2.0, 1.0, 0.0, 0.5]])
     rep = state(prompt=[0, 1], repetition_penalty=2.0, temperature=0.0, logprobs=True)
