@@ -22,8 +22,10 @@ Per card, with tp-way tensor parallelism:
         + weight bytes × (4 × hidden + (heads + 2 × kv_heads)/tp × head_dim
                           + 2 × intermediate/tp)       # one layer's live activations
         + (hybrids) 2 × v_heads/tp × k_dim × v_dim × 4 )  # one layer's gathered states, fp32
-      + (MoE) min(max_slots, experts // top_k) × top_k × 3 × moe_intermediate/tp × hidden
-        × weight bytes                   # one layer's expert copies (moe_experts.py, gathered)
+      + (MoE) max(min(max_slots, experts // (3 × top_k)) × top_k × 3 × moe_intermediate/tp
+                  × hidden,              # one layer's expert copies (moe_experts.py, gathered)
+                  experts × max_slots × (3 × moe_intermediate/tp + hidden))  # or its batched
+                  × weight bytes         # products (masked), where max_slots is past gathering
       + max_slots × (8 MiB               # each graph's FlashInfer wrapper: its int workspace
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
       + flashinfer_workspace_bytes(group, head_dim)  # the graph wrappers' one float scratch:
@@ -141,19 +143,26 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         shape.num_heads // max(1, shape.num_kv_heads), shape.head_dim) if max_slots else 0
     scratch = shape.linear_attention_layers * math.ceil(shape.linear_num_value_heads / tp) * (
         shape.linear_key_head_dim * shape.linear_value_head_dim * elt) if max_slots else 0
-    return (max_slots * per_row + moe_gathered_bytes(shape, tp, max_slots, elt) + wrappers
+    return (max_slots * per_row + moe_expert_bytes(shape, tp, max_slots, elt) + wrappers
             + scratch)
 
 
-def moe_gathered_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> int:
-    """An MoE layer's expert copies in the gathered form (helexa/kernels/moe_experts.py), the
-    form of captured decode batches of rows x top_k <= experts: each (row, choice)'s
-    gate/up and down matrices, 3 x moe_intermediate/tp x hidden, for the largest such batch."""
+def moe_expert_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> int:
+    """What an MoE layer's experts hold in a captured decode step (helexa/kernels/
+    moe_experts.py), the larger of the two sync-free forms': the gathered form's copies of
+    each (row, choice)'s gate/up and down matrices (3 x moe_intermediate/tp x hidden), for
+    the largest batch it takes (3 x rows x top_k <= experts), and the masked form's
+    batched products at max_slots rows, experts x rows x (3 x moe_intermediate/tp +
+    hidden). A quantised stack gathers packed bytes in place of them (no more)."""
     k = shape.num_experts_per_tok
     if not shape.num_experts or not k:
         return 0
-    rows = min(max_slots, shape.num_experts // k)
-    return rows * k * 3 * math.ceil(shape.moe_intermediate_size / tp) * shape.hidden_size * elt
+    inter = math.ceil(shape.moe_intermediate_size / tp)
+    rows = min(max_slots, shape.num_experts // (3 * k))
+    gathered = rows * k * 3 * inter * shape.hidden_size * elt
+    masked = (shape.num_experts * max_slots * (3 * inter + shape.hidden_size) * elt
+              if max_slots > rows else 0)
+    return max(gathered, masked)
 
 
 def fused_allreduce_rows(max_slots: int) -> int:

@@ -5,21 +5,23 @@ stacked experts (w13 [E, 2I, H], gate rows then up rows; w2 [E, H, I]) and retur
 sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
 
 - ``experts_looped``: one pass per expert that some token chose. It reads each chosen
-  expert once and computes only routed rows, but finding the chosen experts and their
-  rows (``unique``, ``where``) waits for the device: a host sync per layer, which a CUDA
-  graph cannot capture. The form for CPU and for prefill.
+  expert once and computes only routed rows, but how many rows each expert has (one
+  ``bincount`` read back after a sort of the choices) waits for the device: a host sync
+  per layer, which a CUDA graph cannot capture. The form for CPU and for prefill.
 - ``experts_gathered``: each (token, slot)'s expert matrices gathered and multiplied in
   one batched matmul (SGLang's torch-native MoE, ``fused_moe_native.py``). No host sync;
-  it copies N x k expert matrices, so it is the form while N x k <= E.
-- ``experts_masked``: a static loop over all E experts, each applied to every row and
-  weighted by that row's routing weight for it (zero where not chosen: vLLM's
-  ``moe_torch_iterative.py``). No host sync; it reads every expert once and computes
+  it copies N x k expert matrices (read, written, read again: 3 N k experts' bytes), so
+  it is the form while 3 N k <= E.
+- ``experts_masked``: every expert applied to every row and weighted by that row's
+  routing weight for it (zero where not chosen, as vLLM's ``moe_torch_iterative.py``),
+  in two batched matmuls over the stacked experts and one weighted sum: a handful of
+  kernels a layer, whatever E. No host sync; it reads every expert once and computes
   E / k times the routed rows, memory-bound only while N is a decode batch.
 
 Experts kept quantised (a GGUF's stacks, one op per expert) have the three forms too
-(``run_quantised_experts``), chosen by the same rule: the gathered one indexes each stack's
-packed buffers by the chosen ids on the device and runs one op per (token, slot), where
-the masked one runs all E experts' ops.
+(``run_quantised_experts``), chosen by the same rule, gathering while N k <= E (no copy
+there: the gathered form indexes each stack's packed buffers by the chosen ids on the
+device and runs one op per (token, slot)), where the masked one runs all E experts' ops.
 
 ``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
 are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
@@ -44,20 +46,40 @@ SYNC_FREE_MAX_ROWS = 256
 
 
 def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
-                capturing: bool = False) -> Form:
+                capturing: bool = False, copies: int = 3) -> Form:
     """Which form runs num_rows tokens' experts on this device (see the module docstring);
-    ``capturing``: a CUDA graph is being captured, which no host sync may interrupt."""
+    ``capturing``: a CUDA graph is being captured, which no host sync may interrupt;
+    ``copies``: expert reads a gathered (token, slot) costs (3 for float stacks, 1 for
+    quantised ones, whose gathered form indexes in place)."""
     if device_type != "cuda" or (num_rows > SYNC_FREE_MAX_ROWS and not capturing):
         return "looped"
-    return "gathered" if num_rows * top_k <= num_experts else "masked"
+    return "gathered" if copies * num_rows * top_k <= num_experts else "masked"
+
+
+def routed(chosen: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, rows, slots) for each expert some token chose, rows ascending: one host
+    sync for the whole layer (the experts' row counts, read back once), where a ``where``
+    per expert made one each. (Counted by a scatter: CUDA's bincount reads the ids' min
+    and max back first.)"""
+    k = chosen.shape[1]
+    flat = chosen.reshape(-1)
+    order = flat.argsort(stable=True)  # by expert, then by (row, slot)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    out, start = [], 0
+    for expert, count in enumerate(counts.tolist()):
+        if count:
+            idx = order[start:start + count]
+            out.append((expert, idx // k, idx % k))
+            start += count
+    return out
 
 
 def experts_looped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
-    """x [N, H]; chosen, weights [N, k] -> [N, H]; one host sync (the chosen experts)."""
+    """x [N, H]; chosen, weights [N, k] -> [N, H]; one host sync (``routed``)."""
     out = torch.zeros_like(x)
-    for expert in chosen.unique().tolist():
-        rows, slot = torch.where(chosen == expert)
+    for expert, rows, slot in routed(chosen, w13.shape[0]):
         gate, up = F.linear(x[rows], w13[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[expert]) * weights[rows, slot, None]
         out.index_add_(0, rows, y)
@@ -77,13 +99,14 @@ def experts_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
-    """As experts_looped, with no host sync: every expert over every row, weighted."""
-    out = torch.zeros_like(x)
-    for expert in range(w13.shape[0]):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)  # [N, 1], 0 if unrouted
-        gate, up = F.linear(x, w13[expert]).chunk(2, dim=-1)
-        out += F.linear(F.silu(gate) * up, w2[expert]) * weight
-    return out
+    """As experts_looped, with no host sync: every expert over every row, weighted, in
+    batched matmuls over the stacks (each expert read once; [E, N, 2I] and [E, N, H]
+    held between them)."""
+    route = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
+    route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
+    gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
+    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, N, H]
+    return torch.einsum("enh,ne->nh", y, route)
 
 
 FORMS = {"looped": experts_looped, "gathered": experts_gathered, "masked": experts_masked}
@@ -95,19 +118,20 @@ def quantised_masked(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor],
     """experts_masked for experts kept quantised (a GGUF's stacks: ``kernel(which, expert,
     x)`` is x @ W[expert]^T on its op): no host sync, so a CUDA graph can capture it."""
     out = torch.zeros_like(x)
+    route = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+    route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
     for expert in range(num_experts):
-        weight = (weights * (chosen == expert)).sum(dim=-1, keepdim=True)
         gate, up = kernel("w13", expert, x).chunk(2, dim=-1)
-        out += kernel("w2", expert, F.silu(gate) * up) * weight
+        out += kernel("w2", expert, F.silu(gate) * up) * route[:, expert, None]
     return out
 
 
 def quantised_looped(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor], torch.Tensor],
-                     chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """experts_looped for experts kept quantised: one host sync (the chosen experts)."""
+                     num_experts: int, chosen: torch.Tensor, weights: torch.Tensor
+                     ) -> torch.Tensor:
+    """experts_looped for experts kept quantised: one host sync (``routed``)."""
     out = torch.zeros_like(x)
-    for expert in chosen.unique().tolist():
-        rows, slot = torch.where(chosen == expert)
+    for expert, rows, slot in routed(chosen, num_experts):
         gate, up = kernel("w13", expert, x[rows]).chunk(2, dim=-1)
         y = kernel("w2", expert, F.silu(gate) * up) * weights[rows, slot, None]
         out.index_add_(0, rows, y)
@@ -136,9 +160,9 @@ def run_quantised_experts(x: torch.Tensor,
     """Quantised experts by choose_form's rule: the looped form where it would loop, the
     gathered one where it would gather (if the kernel can ``select``), else the masked."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], num_experts, capturing)
+    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], num_experts, capturing, 1)
     if form == "looped":
-        return quantised_looped(x, kernel, chosen, weights)
+        return quantised_looped(x, kernel, num_experts, chosen, weights)
     if form == "gathered" and hasattr(kernel, "select"):
         return quantised_gathered(x, kernel, chosen, weights)
     return quantised_masked(x, kernel, num_experts, chosen, weights)

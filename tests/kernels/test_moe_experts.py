@@ -71,18 +71,37 @@ def test_sync_free_forms_make_no_host_sync(form):
     assert form(*meta).shape == (4, 32)
 
 
-def test_the_looped_form_is_caught_syncing():
+def test_the_looped_form_reads_the_routing_back_once_a_layer(monkeypatch):
+    """It reads how many rows each expert has (one tolist a layer: a host sync on a GPU,
+    which the meta device, holding no data, refuses), where it read each chosen expert's
+    rows apart (a nonzero each) and gives the same products."""
     w13, w2 = _experts()
-    x, chosen, weights = _routing(4, 8, 2, 32)
-    with pytest.raises(AssertionError, match="host sync"), NoHostSync():
-        experts_looped(x, w13, w2, chosen, weights)
+    x, chosen, weights = _routing(16, 8, 2, 32)
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        experts_looped(*(t.to("meta") for t in (x, w13, w2, chosen, weights)))
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real(t))
+    with NoHostSync():  # no nonzero, unique or scalar read
+        got = experts_looped(x, w13, w2, chosen, weights)
+    assert len(reads) == 1
+    want = torch.zeros_like(x)
+    for n in range(16):
+        for e, w in zip(chosen[n].tolist(), weights[n], strict=True):
+            gate, up = torch.nn.functional.linear(x[n], w13[e]).chunk(2)
+            want[n] += torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]) * w
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_the_rule_keeps_syncs_off_cuda_decode_steps_only():
     assert choose_form("cpu", 1, 8, 128) == "looped"
     assert choose_form("cuda", 1, 8, 128) == "gathered"
-    assert choose_form("cuda", 16, 8, 128) == "gathered"  # 128 expert copies: E's worth
-    assert choose_form("cuda", 17, 8, 128) == "masked"
+    # a float stack's gathered (token, slot) costs 3 experts' reads: E's worth at 5 rows
+    assert choose_form("cuda", 5, 8, 128) == "gathered"
+    assert choose_form("cuda", 6, 8, 128) == "masked"
+    # a quantised stack's is indexed in place: one read each
+    assert choose_form("cuda", 16, 8, 128, copies=1) == "gathered"
+    assert choose_form("cuda", 17, 8, 128, copies=1) == "masked"
     assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS, 8, 128) == "masked"
     assert choose_form("cuda", moe_experts.SYNC_FREE_MAX_ROWS + 1, 8, 128) == "looped"
     # a graph of a batch that large is still captured whole: no sync may interrupt it
@@ -122,7 +141,7 @@ def test_quantised_experts_masked_match_looped_and_make_no_host_sync(n):
     w13, w2 = _experts()
     x, chosen, weights = _routing(n, 8, 2, 32)
     kernel = _op_kernel(w13, w2)
-    want = moe_experts.quantised_looped(x, kernel, chosen, weights)
+    want = moe_experts.quantised_looped(x, kernel, 8, chosen, weights)
     torch.testing.assert_close(want, experts_looped(x, w13, w2, chosen, weights))
     with NoHostSync():
         got = moe_experts.quantised_masked(x, kernel, 8, chosen, weights)
@@ -177,7 +196,7 @@ def test_quantised_experts_gathered_match_looped_and_make_no_host_sync(w13_op, w
     kernel = mlp.experts_kernel
     assert set(kernel.ops) == {w for w, op in (("w13", w13_op), ("w2", w2_op)) if op != "float"}
     x, chosen, weights = _routing(n, 8, 2, 64)
-    want = moe_experts.quantised_looped(x, kernel, chosen, weights)
+    want = moe_experts.quantised_looped(x, kernel, 8, chosen, weights)
     with NoHostSync():
         got = moe_experts.quantised_gathered(x, kernel, chosen, weights)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -192,7 +211,8 @@ def test_the_rule_sends_a_cuda_decode_of_quantised_experts_to_the_gathered_form(
     x, chosen, weights = _routing(3, 8, 2, 64)
     seen = []
     monkeypatch.setattr(moe_experts, "quantised_gathered",
-                        lambda *a: seen.append("gathered") or moe_experts.quantised_looped(*a))
+                        lambda x, k, c, w: seen.append("gathered")
+                        or moe_experts.quantised_looped(x, k, 8, c, w))
     monkeypatch.setattr(moe_experts, "choose_form", lambda *a: "gathered")  # a CUDA decode
     moe_experts.run_quantised_experts(x, mlp.experts_kernel, 8, chosen, weights)
     assert seen == ["gathered"]

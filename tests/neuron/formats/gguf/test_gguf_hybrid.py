@@ -284,8 +284,8 @@ def test_a_gguf_moe_layer_on_a_cuda_decode_runs_the_gathered_form(hybrid_gguf, m
     want = block(x)  # CPU: the looped form
     real, seen = moe_experts.choose_form, []
 
-    def on_cuda(device_type, rows, top_k, experts, capturing=False):
-        form = real("cuda", rows, top_k, experts, capturing)
+    def on_cuda(device_type, rows, top_k, experts, capturing=False, copies=3):
+        form = real("cuda", rows, top_k, experts, capturing, copies)
         seen.append((experts, form))
         return form
 
