@@ -815,7 +815,8 @@ def _us_per_call(fn: Callable[[], Any], device: torch.device, reps: int) -> floa
 
 def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
     """One large grouped int8 layer (Qwen3.5-27B's down projection, 5120 x 17408, groups of
-    32 with zeros: GGUF Q5_K's layout; dry run 256 x 1024) at 1 and 8 rows: µs a call on
+    32 with zeros: GGUF Q5_K's layout; dry run 256 x 1024) at 1, 8 and 32 rows (two of the
+    kernel's 16-row blocks, each reading the weight again): µs a call on
     the Triton kernel (helexa/kernels/cuda/int8g.py; its probe's verdict first), on the
     dequantised tiles, and as a bf16 F.linear of the float weight; each call's bytes read
     (int8 weight with its scales and zeros; the float weight's 2 bytes a value) as a
@@ -839,7 +840,7 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
     bw = copy_bandwidth(dev, ctx["sizes"]["copy_mib"])
     quant_bytes = q.numel() + 2 * (sc.numel() + zs.numel())
     reps = 2 if dry else 50
-    for rows in (1, 8):
+    for rows in (1, 8, 32):
         x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
         paths: dict[str, tuple[Callable[[], Any], int]] = {
             "tiles": (lambda x=x: qk.int8g_tiles(x, q, sc, zs, group), quant_bytes),

@@ -76,7 +76,7 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
     assert stages["compile"]["first_load_s"] > 0
     int8g = stages["int8g"]  # the Triton kernel (interpreted here) beside the tiles
     assert int8g["unavailable"] == "" and int8g["shape"] == [256, 1024], int8g
-    for rows in ("rows1", "rows8"):
+    for rows in ("rows1", "rows8", "rows32"):
         assert set(int8g[rows]) == {"tiles", "bf16_linear", "triton", "triton_vs_tiles",
                                     "triton_vs_bf16_linear"}, int8g
         assert all(int8g[rows][p]["us"] > 0 for p in ("tiles", "bf16_linear", "triton"))

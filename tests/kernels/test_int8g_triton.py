@@ -61,6 +61,19 @@ def test_kernel_reads_rows_at_their_stride_and_agrees_with_the_tiles():
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+def test_a_decode_batch_of_several_row_blocks_and_a_weight_view():
+    """40 rows (three blocks of 16, the last ragged) and a weight that is a view into a
+    wider one (read at its own copy's row stride)."""
+    q, s, z, g = _layer(70, 1024, 32, torch.bfloat16, zeros=False, seed=11)
+    wide = torch.randint(-128, 128, (70, 1500), generator=g, dtype=torch.int8)
+    wide[:, :1024] = q
+    x = torch.randn(40, 1024, generator=g).to(torch.bfloat16)
+    assert ci.ROWS >= 40
+    y = ci.run(x, wide[:, :1024], s, z, 32, sms=4, interpret=True)
+    ref = x.float() @ qk.dequantize_int8g(q, s, z, 32).t()
+    torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
+
+
 def test_each_group_size_reads_its_scales_the_cheapest_way():
     from helexa.kernels.cuda._int8g_triton import grouping
 

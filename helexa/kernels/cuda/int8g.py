@@ -11,7 +11,7 @@ programs so that a layer of few output rows still fills the card; the spans' fp3
 partial sums are added after. It serves the layouts of GGUF Q8_0, Q6_K and Q5_K, GPTQ
 8-bit and grouped int8 alike (any group size that divides K, zeros or none).
 
-Steps of at most ``ROWS`` rows take it; more keep the tiles. The bound, the block sizes
+Steps of at most ``ROWS`` rows (64) take it; more keep the tiles. The bound, the block sizes
 and the split are read from the kernels' arithmetic, not measured: no GPU has run this.
 
 The kernel earns its place on the card it runs on: the first call for each (device,
@@ -33,7 +33,10 @@ import torch
 
 from helexa.kernels import cuda as cuda_kernels
 
-ROWS = 16  # a decode step's rows: one block of the tensor-core tile
+# A decode step's rows, up to four blocks of the tensor-core tile. Each 16-row block reads
+# the int8 weight again (a byte a value each: four at 64 rows), where the tiles write and
+# read back two float bytes a value besides: read from the arithmetic, not measured.
+ROWS = 64
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 128
 # an fp32 model's steps, shallower: its fp32 operands at BLOCK_K = 128 took 255 registers
 # and spilled 1,352 B a thread (compiled for sm90), at 64 still 208-280 B; at 32, 242-247
@@ -82,6 +85,7 @@ def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     m, k = x.shape
     n = qweight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
+    qweight = qweight.contiguous()  # (its row stride is passed: the copy's, not the view's)
     scales = scales.contiguous()
     zeros = None if zeros is None else zeros.contiguous()
     block_k = BLOCK_K_FP32 if x.dtype == torch.float32 else BLOCK_K
@@ -92,7 +96,7 @@ def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     grid = (-(-n // BLOCK_N), split, -(-m // BLOCK_M))
     dot, precision = _int8g_triton.operands(x.dtype, interpret)
     _int8g_triton.build(interpret)[grid](
-        x, qweight.contiguous(), scales, scales if zeros is None else zeros, part,
+        x, qweight, scales, scales if zeros is None else zeros, part,
         m, n, k, span, x.stride(0), qweight.stride(0), scales.stride(0),
         G=group_size, GROUPING=_int8g_triton.grouping(group_size, block_k),
         HAS_ZEROS=zeros is not None, DOT=dot, PRECISION=precision,
@@ -103,19 +107,19 @@ def run(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 def probe(device: torch.device, dtype: torch.dtype, group_size: int, zeros: bool,
           tiles: Tiles, sms: int, interpret: bool = False) -> str:
-    """Run the kernel against ``tiles`` on a seeded layer of this kind (3 rows, a ragged
-    last block of outputs, K split in two): "" when within the dtype's tolerance, else why
-    not (a failure of the kernel included)."""
+    """Run the kernel against ``tiles`` on a seeded layer of this kind (3 rows, then 20:
+    two blocks of rows; a ragged last block of outputs, K split in two): "" when within
+    the dtype's tolerance, else why not (a failure of the kernel included)."""
     gen = torch.Generator().manual_seed(group_size)
     k = group_size * -(-2 * BLOCK_K * MIN_SPAN_BLOCKS // group_size)
     tol = _TOL.get(dtype, 1e-2)
     # outputs ragged against the blocks, then a multiple of 16 (the build a real layer's
     # shape takes: Triton specialises N on its divisibility by 16)
-    for n in (3 * BLOCK_N - 5, 2 * BLOCK_N):
+    for n, rows in ((3 * BLOCK_N - 5, 3), (2 * BLOCK_N, BLOCK_M + 4)):
         q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         s = torch.rand(n, k // group_size, generator=gen) * 0.02 + 1e-3
         z = torch.randn(n, k // group_size, generator=gen) * 0.01 if zeros else None
-        x = torch.randn(3, k, generator=gen)
+        x = torch.randn(rows, k, generator=gen)
         q, s, x = q.to(device), s.to(device, dtype), x.to(device, dtype)
         z = None if z is None else z.to(device, dtype)
         try:
