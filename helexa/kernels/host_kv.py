@@ -36,59 +36,111 @@ def state_tensors(states: Any) -> list[torch.Tensor]:
 
 
 class HostKv:
-    """Host twins of one rank's pool tensors and state tensors."""
+    """Host twins of one rank's pool tensors and state tensors.
+
+    A copy out does not hold the host: its rows are gathered on the device and copied into
+    pinned memory without waiting, and land in the twins later, in the order queued: once
+    their copies have run (checked at the next ``apply``), before any copy in (which may
+    read the same host rows), or when more than STAGE_BYTES wait (the oldest first). A
+    copy from the device into pageable memory would wait for the device once per tensor;
+    waiting once per copy-out still drained the step the engine's lookahead held in flight."""
 
     def __init__(self, blocks: list[torch.Tensor], states: list[torch.Tensor],
                  num_blocks: int, num_snapshots: int) -> None:
         self._blocks = [(t, _twin(t, num_blocks)) for t in blocks] if num_blocks else []
         self._states = [(t, _twin(t, num_snapshots)) for t in states] if num_snapshots else []
         self.nbytes = sum(h.nbytes for _, h in self._blocks + self._states)
+        self._pending: list[_Staged] = []
 
     @torch.inference_mode()
     def apply(self, moves: Any) -> None:
         """Copy out (device -> host), then in (host -> device)."""
-        _out(self._blocks, moves.blocks_out)
-        _out(self._states, moves.states_out)
+        self._land(all_of_them=False)
+        self._out(self._blocks, moves.blocks_out)
+        self._out(self._states, moves.states_out)
+        if moves.blocks_in or moves.states_in:
+            self._land(all_of_them=True)
         _in(self._blocks, moves.blocks_in)
         _in(self._states, moves.states_in)
+
+    def flush(self) -> None:
+        """Land every copy out now (waiting for its copies)."""
+        self._land(all_of_them=True)
+
+    @property
+    def pending_bytes(self) -> int:
+        return sum(p.nbytes for p in self._pending)
+
+    def _land(self, all_of_them: bool) -> None:
+        """The pending copies out, oldest first: all of them, or those already copied."""
+        while self._pending and (all_of_them or self._pending[0].done()):
+            self._pending.pop(0).land()
+
+    def _out(self, twins: list[tuple[torch.Tensor, torch.Tensor]],
+             pairs: list[tuple[int, int]]) -> None:
+        """Device rows -> pinned memory, queued; landed in the twins later (the class's)."""
+        if not pairs or not twins:
+            return
+        device = twins[0][0].device
+        pin = device.type == "cuda"
+        src = to_device([a for a, _ in pairs], torch.long, device)
+        dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+        def queue() -> None:
+            self._pending.append(_Staged(list(staged), dst, copied_event(device)))
+            staged.clear()
+            while self.pending_bytes >= STAGE_BYTES and self._pending:
+                self._pending.pop(0).land()
+
+        for dev, host in twins:
+            rows = dev.index_select(0, src)
+            out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+            staged.append((host, out.copy_(rows, non_blocking=pin)))
+            if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
+                queue()
+        if staged:
+            queue()
+        self._land(all_of_them=False)  # what is copied already (off a GPU: all of it)
 
 
 def _twin(t: torch.Tensor, n: int) -> torch.Tensor:
     return torch.empty((n, *t.shape[1:]), dtype=t.dtype, device="cpu")
 
 
-# The most bytes copied out to pinned memory before the host waits once for all of them
-# (copy-out's staging: the host memory it holds at a time, beside the twins themselves).
+# The most bytes copied out to pinned memory and not yet landed in the twins (copy-out's
+# staging: the host memory it holds at a time, beside the twins themselves); past it the
+# host waits for the oldest.
 STAGE_BYTES = 64 * 2**20
 
 
-def _out(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
-    """Device rows -> host twins: each tensor's rows gathered on the device and copied into
-    pinned memory without waiting, the host waiting once per STAGE_BYTES of them, then
-    scattered into the twins (a copy from the device into pageable memory would wait for
-    the device to drain its queue once per tensor)."""
-    if not pairs or not twins:
-        return
-    device = twins[0][0].device
-    pin = device.type == "cuda"
-    src = to_device([a for a, _ in pairs], torch.long, device)
-    dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
-    staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+def copied_event(device: torch.device) -> Any:
+    """An event recorded after a copy-out's device-to-host copies (None off a GPU, where
+    they are done when queued)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
-    def land() -> None:
-        if pin:
-            torch.cuda.current_stream(device).synchronize()
-        for host, rows in staged:
-            host.index_copy_(0, dst, rows)
-        staged.clear()
 
-    for dev, host in twins:
-        rows = dev.index_select(0, src)
-        out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
-        staged.append((host, out.copy_(rows, non_blocking=pin)))
-        if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
-            land()
-    land()
+class _Staged:
+    """Copied-out rows in pinned memory, landed in their twins once the copies have run:
+    (twin, rows) pairs, the twins' rows to write (dst) and the event after the copies."""
+
+    def __init__(self, staged: list[tuple[torch.Tensor, torch.Tensor]], dst: torch.Tensor,
+                 event: Any) -> None:
+        self.staged, self.dst, self.event = staged, dst, event
+        self.nbytes = sum(r.nbytes for _, r in staged)
+
+    def done(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def land(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+        for host, rows in self.staged:
+            host.index_copy_(0, self.dst, rows)
 
 
 def _in(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -360,3 +361,42 @@ def test_host_copies_carry_every_tensors_rows_there_and_back(monkeypatch, stage_
         assert not got[[1, 2, 3, 5]].any()  # only the two moved in
     for got, want in zip((conv, recurrent), before[2:], strict=True):
         assert torch.equal(got[2], want[1]) and not got[:2].any()
+
+
+def test_a_copy_out_waits_for_nothing_and_lands_before_a_copy_in_reads(monkeypatch):
+    """On a GPU a copy out's rows reach pinned memory without the host waiting (a wait
+    would drain the step the engine's lookahead holds in flight). They land in the twins
+    once copied, oldest first, and at the latest before a copy in, which may read them:
+    here host block 0 is written twice, by two steps' evictions, and read back."""
+    events: list[Any] = []
+
+    class Copies:  # a CUDA event whose copies run only when the test says
+        def __init__(self) -> None:
+            self.ran = False
+            self.waits = 0
+            events.append(self)
+
+        def query(self) -> bool:
+            return self.ran
+
+        def synchronize(self) -> None:
+            self.waits += 1
+            self.ran = True
+
+    monkeypatch.setattr(host_kv, "copied_event", lambda device: Copies())
+    k = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    tier = host_kv.HostKv([k], [], num_blocks=2, num_snapshots=0)
+    twin = tier._blocks[0][1]
+    twin.zero_()
+    tier.apply(KvMoves(blocks_out=[(5, 0)]))
+    assert not twin.any() and tier.pending_bytes == 16  # queued, not landed, no wait
+    tier.apply(KvMoves(blocks_out=[(2, 0), (3, 1)]))  # a later step's eviction, same slot
+    assert not twin.any() and [e.waits for e in events] == [0, 0]
+    events[0].ran = True  # the first step's copies have run: the next apply lands them
+    tier.apply(KvMoves())
+    assert torch.equal(twin[0], k[5]) and not twin[1].any() and events[1].waits == 0
+    k.zero_()
+    tier.apply(KvMoves(blocks_in=[(0, 4), (1, 0)]))  # reads slot 0: the later copy landed
+    assert events[1].waits == 1 and tier.pending_bytes == 0
+    assert torch.equal(k[4], torch.arange(8, 12.0)) and torch.equal(k[0], torch.arange(12, 16.0))
+
