@@ -16,7 +16,7 @@ of operations, per row:
 Draws are inverse-CDF: one uniform per row against the fp64 cumulative
 weights. A request with a seed draws its uniform from its own
 torch.Generator, so the same seed gives the same tokens whatever else is in
-the batch (tied candidates go in token-id order, `ranked`, however the batch
+the batch (tied candidates go in token-id order, ranking.py, however the batch
 truncated); the others share torch's default generator. On the CPU truncation
 looks at the best 1,024 tokens first and sorts the whole vocabulary only when
 they do not hold top_p of the mass; on a GPU, where that check would hold the
@@ -38,6 +38,7 @@ import torch
 from helexa.kernels.backends.base import to_device, to_host
 from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
+from helexa.neuron.engine.ranking import ranked
 
 _GREEDY_BELOW = 1e-5  # temperatures this small are greedy (and would overflow)
 
@@ -310,14 +311,14 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
     lse_full = None
     if host_top_k is not None and need > k:
         k = vocab
-    vals, idx = ranked(x, k)
+    vals, idx = ranked(x, k, on_host=reads_back(x.device))
     if k < vocab and host_top_k is None and bool((top_k > k).any()):
         lse_full = torch.logsumexp(x, dim=-1, keepdim=True)
         mass = (vals - lse_full).exp().sum(dim=-1)
         closes = (top_k <= k) | ((top_k >= vocab) & (mass >= top_p))
         if not bool(closes.all()):
             k, lse_full = vocab, None
-            vals, idx = ranked(x, k)
+            vals, idx = ranked(x, k, on_host=reads_back(x.device))
     ranks = torch.arange(k, device=x.device).unsqueeze(0)
     vals = vals.masked_fill(ranks >= top_k.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(vals, dim=-1, keepdim=True)
@@ -326,59 +327,6 @@ def truncate(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *,
     probs = (vals - lse).exp()
     before = probs.cumsum(dim=-1) - probs  # mass of the better tokens
     return vals.masked_fill(before >= top_p.unsqueeze(1), float("-inf")), idx
-
-
-def ranked(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The best k of x [m, vocab] per row, best first and tied values by token id: (values,
-    token ids). Whichever path the batch took (a top-k of some k, or the whole vocabulary
-    sorted), a seeded row then gets the same candidates in the same order, so its uniform
-    lands on the same token; topk orders ties as it likes, and bf16 logits tie often."""
-    vocab = x.shape[1]
-    if k >= vocab:
-        return x.sort(dim=-1, descending=True, stable=True)  # stable: ties by token id
-    if not reads_back(x.device):
-        return _ranked_by_key(x, k)
-    vals, idx = x.topk(k + 1, dim=-1)
-    # the k-th place tied with the one after it: topk kept which of the tie it liked (a
-    # tie of -inf, masked tokens, carries no probability: its order moves no draw)
-    last, after = vals[:, k - 1], vals[:, k]
-    straddles = ((after == last) & (after > float("-inf"))) | after.isnan()
-    idx, order = idx[:, :k].sort(dim=-1)  # ties by token id within the k
-    vals, by_value = vals[:, :k].gather(1, order).sort(dim=-1, descending=True, stable=True)
-    idx = idx.gather(1, by_value)
-    for r in straddles.nonzero().squeeze(1).tolist():  # the CPU: settle the boundary alone
-        row = x[r]
-        if bool(row.isnan().any()):
-            v, i = _ranked_by_key(row[None], k)
-            vals[r], idx[r] = v[0], i[0]
-            continue
-        above = (row > last[r]).nonzero().squeeze(1)  # fewer than k, ascending ids
-        tied = (row == last[r]).nonzero().squeeze(1)[:k - above.numel()]
-        ids = torch.cat([above, tied])
-        vals[r], order = row[ids].sort(descending=True, stable=True)
-        idx[r] = ids[order]
-    return vals, idx
-
-
-_KEY_BYTES = 64 * 2**20  # what _ranked_by_key's keys and their temporaries hold at once
-
-
-def _ranked_by_key(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ranked` in one top-k of an int64 key a token: the value's bits made
-    order-preserving, above the reversed token id. Exact, and nothing read back; rows
-    taken in parts of at most _KEY_BYTES (~24 B a logit), a decode batch's in one."""
-    vocab = x.shape[1]
-    rows = max(1, _KEY_BYTES // (24 * vocab))
-    if x.shape[0] > rows:
-        parts = [_ranked_by_key(part, k) for part in x.split(rows)]
-        return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
-    # + 0.0: -0.0 ties +0.0, as in a sort; every NaN the largest, as a sort ranks them
-    f = x.float() + 0.0
-    bits = torch.where(f.isnan(), f.abs(), f).view(torch.int32)
-    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long() << 32
-    key += vocab - 1 - torch.arange(vocab, device=x.device)
-    idx = (vocab - 1) - (key.topk(k, dim=-1)[0] & 0xFFFFFFFF)
-    return x.gather(1, idx), idx
 
 
 def _uniforms(states: list[SamplingState], device: torch.device) -> torch.Tensor:

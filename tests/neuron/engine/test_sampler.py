@@ -8,6 +8,7 @@ import pytest
 import torch
 from support.host_sync import NoHostSync
 
+from helexa.neuron.engine import ranking
 from helexa.neuron.engine import sampler as sampler_module
 from helexa.neuron.engine.messages import SamplingParams
 from helexa.neuron.engine.sampler import Sampler, SamplingState, truncate
@@ -123,7 +124,7 @@ def test_ranked_candidates_are_a_stable_sorts_first_k(monkeypatch, gpu):
     the finite ones carry no probability, so their order is left as it falls."""
     if gpu:
         monkeypatch.setattr(sampler_module, "reads_back", lambda device: False)
-        monkeypatch.setattr(sampler_module, "_KEY_BYTES", 3 * 24 * 300)  # 3 rows a part
+        monkeypatch.setattr(ranking, "_KEY_BYTES", 3 * 24 * 300)  # 3 rows a part
     g = torch.Generator().manual_seed(7)
     for trial in range(120):
         vocab = int(torch.randint(5, 300, (1,), generator=g))
@@ -139,7 +140,7 @@ def test_ranked_candidates_are_a_stable_sorts_first_k(monkeypatch, gpu):
             x[1, ::3] = -0.0
         want = torch.where(x.isnan(), float("inf"), x + 0.0).sort(
             dim=-1, descending=True, stable=True)[1][:, :k]
-        vals, ids = sampler_module.ranked(x, k)
+        vals, ids = ranking.ranked(x, k, on_host=sampler_module.reads_back(x.device))
         ranked_ok = vals > float("-inf")
         assert torch.equal(ids[ranked_ok], want[ranked_ok]), trial
         torch.testing.assert_close(vals, x.gather(1, ids), rtol=0, atol=0, equal_nan=True)
