@@ -100,13 +100,20 @@ def experts_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
     """As experts_looped, with no host sync: every expert over every row, weighted, in
-    batched matmuls over the stacks (each expert read once; [E, N, 2I] and [E, N, H]
-    held between them)."""
-    route = torch.zeros(x.shape[0], w13.shape[0], dtype=x.dtype, device=x.device)
+    one matmul over the gate/up stack seen as one [E 2I, H] matrix, one batched over the
+    down stack and a sum over experts (each expert read once; [E, N, 2I] and [E, N, H]
+    held between them). The routing weight scales each expert's activations before its
+    down projection, which is linear, so unrouted experts add zeros."""
+    e, n = w13.shape[0], x.shape[0]
+    route = torch.zeros(n, e, dtype=x.dtype, device=x.device)
     route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
-    gate, up = torch.matmul(x, w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, N, I] each
-    y = torch.bmm(F.silu(gate) * up, w2.transpose(1, 2))  # [E, N, H]
-    return torch.einsum("enh,ne->nh", y, route)
+    if w13.is_contiguous():  # [E 2I, H] @ x^T: the stack read in place, x not copied E times
+        h = (w13.view(-1, x.shape[1]) @ x.t()).view(e, -1, n).transpose(1, 2)
+    else:
+        h = torch.matmul(x, w13.transpose(1, 2))
+    gate, up = h.chunk(2, dim=-1)  # [E, N, I] each
+    act = F.silu(gate) * up * route.t().unsqueeze(-1)
+    return torch.bmm(act, w2.transpose(1, 2)).sum(dim=0)  # [E, N, H] -> [N, H]
 
 
 FORMS = {"looped": experts_looped, "gathered": experts_gathered, "masked": experts_masked}
