@@ -205,6 +205,11 @@ class HostTier:
             self.blocks.unpin(host_block)
         for host_snapshot, _ in moves.states_in:
             self.snapshots.unpin(host_snapshot)
+        # likewise a host block or snapshot evicted into twice in one intake (its first
+        # key evicted from the host again by a later copy out): the later key is the one
+        # filed there; a pinned host slot (a copy in reads it) is never evicted
+        moves.blocks_out = _last_per_target(moves.blocks_out)
+        moves.states_out = _last_per_target(moves.states_out)
         moves.blocks_in = _last_per_target(moves.blocks_in)
         moves.states_in = _last_per_target(moves.states_in)
         return moves

@@ -363,6 +363,19 @@ def test_host_copies_carry_every_tensors_rows_there_and_back(monkeypatch, stage_
         assert torch.equal(got[2], want[1]) and not got[:2].any()
 
 
+def test_a_host_block_evicted_into_twice_in_one_intake_keeps_the_later_copy():
+    """A host tier of one block: two device blocks evicted in one intake both go to it,
+    the second's key filed there. Only the second copy out may run (one scatter with a
+    repeated target leaves a mix of both rows)."""
+    host = HostTier(1, 10)
+    k0, k1 = keys([1], 1)[0], keys([2], 1)[0]
+    host.evicted_block(0, k0)
+    host.evicted_block(1, k1)
+    moves = host.take_moves()
+    assert moves.blocks_out == [(1, 0)]
+    assert host.match([k1]) == [0] and host.match([k0]) == []
+
+
 def test_a_copy_out_waits_for_nothing_and_lands_before_a_copy_in_reads(monkeypatch):
     """On a GPU a copy out's rows reach pinned memory without the host waiting (a wait
     would drain the step the engine's lookahead holds in flight). They land in the twins
