@@ -164,19 +164,20 @@ def test_a_tp2_cuda_plan_counts_the_fused_allreduce_workspace(tmp_path, capsys):
 
 
 def test_an_moe_pool_counts_one_layers_expert_copies_or_batched_products():
-    """Captured decode batches of 3 x rows x top_k <= experts run the gathered form, which
-    copies each (row, choice)'s gate/up and down matrices; larger ones run the masked form's
-    batched products over every expert (helexa/kernels/moe_experts.py): the pool counts the
-    larger of the two. Qwen3-30B-A3B's shape: 128 experts, top 8, width 768, hidden 2,048."""
+    """Captured decode batches of rows x top_k <= experts may run the gathered form (a
+    quantised stack's bound; a float stack's is a third of it), which copies each (row,
+    choice)'s gate/up and down matrices; larger ones run the masked form's batched products
+    over every expert (helexa/kernels/moe_experts.py): the pool counts the larger of the
+    two. Qwen3-30B-A3B's shape: 128 experts, top 8, width 768, hidden 2,048."""
     moe = replace(read_model_shape(DENSE), num_experts=128, num_experts_per_tok=8,
                   moe_intermediate_size=768, hidden_size=2048, intermediate_size=6144)
     dense = replace(moe, num_experts=0)
     copies = 3 * 768 * 2048 * 2  # one (row, choice): gate + up + down, bf16
-    assert graph_pool_bytes(moe, 1, 4) - graph_pool_bytes(dense, 1, 4) == 4 * 8 * copies
-    # past 5 rows (3 x 6 x 8 > 128) the masked form; its products at 8 rows are smaller
-    assert graph_pool_bytes(moe, 1, 8) - graph_pool_bytes(dense, 1, 8) == 5 * 8 * copies
-    assert graph_pool_bytes(moe, 2, 8) - graph_pool_bytes(dense, 2, 8) == 5 * 8 * copies // 2
-    # at 512 rows the batched products, 128 experts x 512 rows x (3 x 768 + 2,048), outgrow
-    # the copies
-    assert graph_pool_bytes(moe, 1, 512) - graph_pool_bytes(dense, 1, 512) == \
-        128 * 512 * (3 * 768 + 2048) * 2
+    assert graph_pool_bytes(moe, 1, 8) - graph_pool_bytes(dense, 1, 8) == 8 * 8 * copies
+    # past 16 rows (16 x 8 = 128) nothing gathers more
+    assert graph_pool_bytes(moe, 1, 64) - graph_pool_bytes(dense, 1, 64) == 16 * 8 * copies
+    assert graph_pool_bytes(moe, 2, 8) - graph_pool_bytes(dense, 2, 8) == 8 * 8 * copies // 2
+    # at 2,048 rows the batched products, 128 experts x 2,048 rows x (3 x 768 + 2,048),
+    # outgrow the copies
+    assert graph_pool_bytes(moe, 1, 2048) - graph_pool_bytes(dense, 1, 2048) == \
+        128 * 2048 * (3 * 768 + 2048) * 2

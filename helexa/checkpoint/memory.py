@@ -22,7 +22,7 @@ Per card, with tp-way tensor parallelism:
         + weight bytes × (4 × hidden + (heads + 2 × kv_heads)/tp × head_dim
                           + 2 × intermediate/tp)       # one layer's live activations
         + (hybrids) 2 × v_heads/tp × k_dim × v_dim × 4 )  # one layer's gathered states, fp32
-      + (MoE) max(min(max_slots, experts // (3 × top_k)) × top_k × 3 × moe_intermediate/tp
+      + (MoE) max(min(max_slots, experts // top_k) × top_k × 3 × moe_intermediate/tp
                   × hidden,              # one layer's expert copies (moe_experts.py, gathered)
                   experts × max_slots × (3 × moe_intermediate/tp + hidden))  # or its batched
                   × weight bytes         # products (masked), where max_slots is past gathering
@@ -151,18 +151,18 @@ def moe_expert_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> in
     """What an MoE layer's experts hold in a captured decode step (helexa/kernels/
     moe_experts.py), the larger of the two sync-free forms': the gathered form's copies of
     each (row, choice)'s gate/up and down matrices (3 x moe_intermediate/tp x hidden), for
-    the largest batch it takes (3 x rows x top_k <= experts), and the masked form's
-    batched products at max_slots rows, experts x rows x (3 x moe_intermediate/tp +
-    hidden). A quantised stack gathers packed bytes in place of them (no more)."""
+    the largest batch it takes (rows x top_k <= experts: a quantised stack's bound, whose
+    packed copies are at most the weights' dtype a value; a float stack stops at a third
+    of that), and the masked form's batched products at max_slots rows, experts x rows x
+    (3 x moe_intermediate/tp + hidden)."""
     k = shape.num_experts_per_tok
     if not shape.num_experts or not k:
         return 0
     inter = math.ceil(shape.moe_intermediate_size / tp)
-    rows = min(max_slots, shape.num_experts // (3 * k))
+    rows = min(max_slots, shape.num_experts // k)
     gathered = rows * k * 3 * inter * shape.hidden_size * elt
-    masked = (shape.num_experts * max_slots * (3 * inter + shape.hidden_size) * elt
-              if max_slots > rows else 0)
-    return max(gathered, masked)
+    masked = shape.num_experts * max_slots * (3 * inter + shape.hidden_size) * elt
+    return max(gathered, masked if max_slots * 3 * k > shape.num_experts else 0)
 
 
 def fused_allreduce_rows(max_slots: int) -> int:

@@ -19,9 +19,10 @@ sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
   E / k times the routed rows, memory-bound only while N is a decode batch.
 
 Experts kept quantised (a GGUF's stacks, one op per expert) have the three forms too
-(``run_quantised_experts``), chosen by the same rule, gathering while N k <= E (no copy
-there: the gathered form indexes each stack's packed buffers by the chosen ids on the
-device and runs one op per (token, slot)), where the masked one runs all E experts' ops.
+(``run_quantised_experts``), chosen by the same rule, gathering while N k <= E (the
+gathered form copies each (token, slot)'s packed expert out of the stacks by the chosen
+ids on the device, a byte or less a value, and runs one op each), where the masked one
+runs all E experts' ops.
 
 ``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
 are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
@@ -49,8 +50,8 @@ def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
                 capturing: bool = False, copies: int = 3) -> Form:
     """Which form runs num_rows tokens' experts on this device (see the module docstring);
     ``capturing``: a CUDA graph is being captured, which no host sync may interrupt;
-    ``copies``: expert reads a gathered (token, slot) costs (3 for float stacks, 1 for
-    quantised ones, whose gathered form indexes in place)."""
+    ``copies``: expert reads a gathered (token, slot) costs in float bytes (3 for float
+    stacks; 1 for quantised ones, whose packed copies are a byte or less a value)."""
     if device_type != "cuda" or (num_rows > SYNC_FREE_MAX_ROWS and not capturing):
         return "looped"
     return "gathered" if copies * num_rows * top_k <= num_experts else "masked"
@@ -90,6 +91,8 @@ def experts_gathered(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """As experts_looped, with no host sync: each (token, slot)'s experts gathered."""
     n, k = chosen.shape
+    if n == 0:
+        return torch.zeros_like(x)
     flat = chosen.reshape(-1)  # [N k]
     rows = x[:, None].expand(n, k, x.shape[1]).reshape(n * k, x.shape[1], 1)  # [N k, H, 1]
     gate, up = torch.bmm(w13.index_select(0, flat), rows)[..., 0].chunk(2, dim=-1)
@@ -105,6 +108,8 @@ def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen:
     held between them). The routing weight scales each expert's activations before its
     down projection, which is linear, so unrouted experts add zeros."""
     e, n = w13.shape[0], x.shape[0]
+    if n == 0:
+        return torch.zeros_like(x)
     route = torch.zeros(n, e, dtype=x.dtype, device=x.device)
     route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
     if w13.is_contiguous():  # [E 2I, H] @ x^T: the stack read in place, x not copied E times

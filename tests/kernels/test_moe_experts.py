@@ -60,6 +60,13 @@ def test_sync_free_forms_match_the_looped_one_bf16(form):
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("form", [experts_gathered, experts_masked, experts_looped])
+def test_a_step_of_no_rows_gives_no_rows(form):
+    w13, w2 = _experts()
+    x, chosen, weights = _routing(3, 8, 2, 32)
+    assert form(x[:0], w13, w2, chosen[:0], weights[:0]).shape == (0, 32)
+
+
 @pytest.mark.parametrize("form", [experts_gathered, experts_masked])
 def test_sync_free_forms_make_no_host_sync(form):
     w13, w2 = _experts()
