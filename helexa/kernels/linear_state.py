@@ -36,6 +36,11 @@ from helexa.kernels.backends.base import to_device
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def pair_indices(pairs: Sequence[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """(from, to) slot pairs as one device tensor, the froms then the tos."""
+    return to_device([a for a, _ in pairs] + [b for _, b in pairs], torch.long, device)
+
+
 @dataclass
 class VerifyRows:
     """A step's speculative verification rows, padded to [rows, longest] for the kernels."""
@@ -108,32 +113,36 @@ class LinearState:
         batches = {id(b): b for b, _ in self._held.values()}.values()
         return sum(x.nbytes for b in batches for x in (b.mixed, b.k, b.v, b.g, b.beta))
 
-    def clear(self, slots: list[int]) -> None:
-        """A request starts from nothing: zero its slots (a recycled slot holds the last one's)."""
-        idx = to_device(slots, torch.long, self.conv.device)
+    def clear(self, slots: list[int], idx: torch.Tensor | None = None) -> None:
+        """A request starts from nothing: zero its slots (a recycled slot holds the last one's).
+        ``idx``: the slots on the device already (one copy for all layers)."""
+        idx = to_device(slots, torch.long, self.conv.device) if idx is None else idx
         self.conv.index_fill_(0, idx, 0)
         self.recurrent.index_fill_(0, idx, 0)
         self._drop(slots)
 
     def begin_step(self, fresh_slots: list[int], resume: dict[int, int],
-                   restores: Sequence[tuple[int, int]] = (), *, fla: bool = False) -> None:
+                   restores: Sequence[tuple[int, int]] = (), *, fla: bool = False,
+                   on_device: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+                   ) -> None:
         """Before a step's forward: clear the fresh slots, start the restored ones from their
         snapshots (restores: (snapshot slot, state slot)), settle the held ones (resume:
         slot -> num_computed of each row of the step that continues its own state; ``fla``:
-        on fla's kernel, as settle says)."""
+        on fla's kernel, as settle says). ``on_device``: the fresh slots' and the restores'
+        indices on the device already (slot_indices: one copy a step for every layer)."""
         if fresh_slots:
-            self.clear(fresh_slots)
+            self.clear(fresh_slots, on_device[0])
         if restores:
-            self.copy(restores)
+            self.copy(restores, on_device[1])
             self._drop([to for _, to in restores])  # what a recycled slot held is not theirs
         if self._held:
             self.settle(resume, fla=fla)
 
-    def copy(self, pairs: Sequence[tuple[int, int]]) -> None:
+    def copy(self, pairs: Sequence[tuple[int, int]], both: torch.Tensor | None = None) -> None:
         """Copy whole slots (from, to): a prefix snapshot taken or restored. A slot is one
-        request's conv window and recurrent state; a snapshot slot is the same shape."""
-        both = to_device([a for a, _ in pairs] + [b for _, b in pairs], torch.long,
-                         self.conv.device)
+        request's conv window and recurrent state; a snapshot slot is the same shape.
+        ``both``: pair_indices(pairs) on the device already."""
+        both = pair_indices(pairs, self.conv.device) if both is None else both
         src, dst = both[: len(pairs)], both[len(pairs) :]
         self.conv.index_copy_(0, dst, self.conv.index_select(0, src))
         self.recurrent.index_copy_(0, dst, self.recurrent.index_select(0, src))

@@ -42,7 +42,7 @@ from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.cuda import conv_decode as cuda_conv
-from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows
+from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows, pair_indices
 
 log = structlog.get_logger(component="kernels")
 
@@ -171,8 +171,13 @@ class GatedDeltaStates:
     def plan(self, step: StepPlan) -> GdnMetadata:
         """This step's metadata; fresh slots cleared and held rows settled on every layer."""
         meta = self.build(step)
+        # the fresh slots and the restores on the device once, for every layer
+        on_device = (to_device(meta.fresh_slots, torch.long, self.device)
+                     if meta.fresh_slots else None,
+                     pair_indices(meta.restores, self.device) if meta.restores else None)
         for state in self.layers:
-            state.begin_step(meta.fresh_slots, meta.resume, meta.restores, fla=self._fla_verify)
+            state.begin_step(meta.fresh_slots, meta.resume, meta.restores, fla=self._fla_verify,
+                             on_device=on_device)
         return meta
 
     def end_step(self, meta: GdnMetadata) -> None:
@@ -180,8 +185,9 @@ class GatedDeltaStates:
         slots (a prefix-cache snapshot at a block boundary; never a verification row's, whose
         slot is left as it was before the row)."""
         if meta.saves:
+            both = pair_indices(meta.saves, self.device)  # once, for every layer
             for state in self.layers:
-                state.copy(meta.saves)
+                state.copy(meta.saves, both)
 
     def build(self, step: StepPlan) -> GdnMetadata:
         """The slots of a step laid out flat as StepPlan says: one-token rows first (in

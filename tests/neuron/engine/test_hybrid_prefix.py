@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from support.engine import Run, assert_whole, drive, storm, with_drafter
 from support.mtp import SPEC
 
@@ -214,3 +215,39 @@ def test_pool_pins_a_hit_snapshot_and_drops_one_whose_block_is_evicted():
     pool.release("c")
     pool.check()
     assert pool.ledger().free_bytes == pool.ledger().total_bytes == 330
+
+
+def test_a_steps_fresh_restored_and_saved_slots_reach_the_device_once(tiny_checkpoint,
+                                                                      monkeypatch):
+    """Clearing a new request's slots, restoring a snapshot and saving one touch every
+    linear-attention layer's state; their slot indices go to the device once a step for
+    all the layers (each a pinned copy on a GPU), not once a layer, and the states are
+    those of copying per layer."""
+    from helexa.kernels import linear_state
+    from helexa.kernels.backends import gdn
+    from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+    path = tiny_checkpoint("qwen3_5")
+    r = ModelRunner(path, num_blocks=16, block_size=8, max_num_seqs=2, max_batched_tokens=64,
+                    num_state_slots=4, backend="torch")
+    copies: list[str] = []
+    for module in (linear_state, gdn):
+        real = module.to_device
+        monkeypatch.setattr(module, "to_device", lambda v, dt, dev, _r=real, _m=module.__name__:
+                            copies.append(_m) or _r(v, dt, dev))
+    layers = sum(1 for t in r.model.cfg.layer_types if t == "linear_attention")
+    assert layers >= 2
+    a = list(range(1, 9))
+    first = r.execute([SeqInput(a, 0, [0], True, 0, save_to=2)])  # fresh slot 0, saved to 2
+    copies.clear()
+    again = r.execute([SeqInput(a, 0, [1], True, 1, save_to=3)])  # fresh 1; save to 3
+    # the fresh slot (gdn) and the save's pair (linear_state.pair_indices) once each, where
+    # each layer made one of each
+    assert copies.count("helexa.kernels.linear_state") == 1 < layers
+    torch.testing.assert_close(again, first)
+    follow = r.execute([SeqInput([9], 8, [0, 2], True, 0)])
+    copies.clear()
+    resumed = r.execute([SeqInput([9], 8, [1, 3], True, 1, restore_from=2)])  # from the save
+    assert copies.count("helexa.kernels.linear_state") == 1 < layers
+    torch.testing.assert_close(resumed, follow)
+    r.close()
