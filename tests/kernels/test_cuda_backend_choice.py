@@ -368,3 +368,9 @@ def test_a_plan_waits_only_for_its_own_wrappers_last_copies(
     decode, prefill = events
     assert decode == ["record", "wait", "record", "wait", "record"]
     assert prefill == ["record", "wait", "record"]
+    # a new pool (a kv_dtype switch) makes the decode wrappers again; the prefill wrapper
+    # lives on, so its next plan still waits for its last one's copies
+    att.allocate_kv([AttentionSpec(2, 64, "bf16")] * 2, 8, 16, storage=torch.bfloat16,
+                    compute=torch.bfloat16)
+    att.plan_side(side)
+    assert prefill == ["record", "wait", "record", "wait", "record"]

@@ -216,7 +216,9 @@ class CudaAttention(AttentionBackend):
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
         self._graph_wrappers = {}  # their index buffer is sized by the pool
         self._graph_indices = None
-        self._planned = {}
+        # the decode wrappers are made again below; the prefill one lives on, and so does
+        # the wait for its last plan's copies
+        self._planned = {k: e for k, e in self._planned.items() if k == id(self._prefill)}
         self.pools = []
         if not layers:  # a pool freed (the load's probe pool): nothing chosen, nothing said
             return self.pools
