@@ -193,18 +193,23 @@ def cuda_graph_plan(shape: ModelShape, tp: int, rows: int, kv_dtype: str, float_
     The cuda backend captures FlashInfer's decode; a KV pool its kernels do not read runs
     the torch path, eagerly, with no graph (helexa/checkpoint/kv_path.py): then (0, why,
     0)."""
-    if not all(str(d).startswith("cuda") for d in devices):
+    if not on_cuda(devices):
         rows = 0
     off = torch_path_kv(kv_dtype, float_dtype) if rows else ""
     rows = 0 if off else rows
     return rows, off, graph_pool_bytes(shape, tp, rows, float_dtype, num_blocks)
 
 
+def on_cuda(devices: list[str]) -> bool:
+    """Whether every device a model's ranks run on is a CUDA one."""
+    return all(str(d).startswith("cuda") for d in devices)
+
+
 def fused_allreduce_plan(shape: ModelShape, tp: int, max_slots: int,
                          devices: list[str]) -> tuple[int, int]:
     """(rows, workspace bytes per card) of the fused all-reduce: tp > 1 on CUDA devices
     only (cuda_comm.py runs it nowhere else); (0, 0) elsewhere."""
-    if tp <= 1 or not all(str(d).startswith("cuda") for d in devices):
+    if tp <= 1 or not on_cuda(devices):
         return 0, 0
     rows = fused_allreduce_rows(max_slots)
     return rows, allreduce_workspace_bytes(shape, tp, rows)

@@ -62,15 +62,15 @@ def format_plan(p: ModelPlan) -> str:
     if p.graph_rows:
         # beside what an image step peaks at: the graphs' pool is held all the while
         held = p.graph_pool_bytes + p.allreduce_workspace_bytes + p.vision_peak_bytes
+        fits = held <= p.headroom_bytes
         beside = [w for w, n in (("the all-reduce workspace", p.allreduce_rows),
                                  ("the vision tower's peak and cache", p.vision_peak_bytes)) if n]
-        fits = (f"inside the {format_bytes(p.headroom_bytes)} activation headroom"
-                if held <= p.headroom_bytes else
-                f"MORE than the {format_bytes(p.headroom_bytes)} activation headroom")
         lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate, with the"
                      f" graphs' attention buffers) for decode batches {p.graph_rows}..1 captured"
-                     f" at load, {fits}" + (" with " + " and ".join(beside) if beside else "")
-                     + ("" if held <= p.headroom_bytes else
+                     f" at load, {'inside' if fits else 'MORE than'} the "
+                     f"{format_bytes(p.headroom_bytes)} activation headroom"
+                     + (" with " + " and ".join(beside) if beside else "")
+                     + ("" if fits else
                         f" ({format_bytes(held)} in all: raise kv.activation_headroom_mb)"))
     if p.graphs_off:
         lines.append(f"    CUDA graphs         none: {p.graphs_off} runs FlashInfer's torch path on"
