@@ -76,6 +76,13 @@ def routed(chosen: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tens
     return out
 
 
+def routing_table(x: torch.Tensor, num_experts: int, chosen: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+    """[N, E] in x's dtype: each row's routing weight for each expert, 0 where unrouted."""
+    route = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
+    return route.scatter_(1, chosen, weights.to(x.dtype))
+
+
 def experts_looped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
     """x [N, H]; chosen, weights [N, k] -> [N, H]; one host sync (``routed``)."""
@@ -110,8 +117,7 @@ def experts_masked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen:
     e, n = w13.shape[0], x.shape[0]
     if n == 0:
         return torch.zeros_like(x)
-    route = torch.zeros(n, e, dtype=x.dtype, device=x.device)
-    route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
+    route = routing_table(x, e, chosen, weights)
     if w13.is_contiguous():  # [E 2I, H] @ x^T: the stack read in place, x not copied E times
         h = (w13.view(-1, x.shape[1]) @ x.t()).view(e, -1, n).transpose(1, 2)
     else:
@@ -130,8 +136,7 @@ def quantised_masked(x: torch.Tensor, kernel: Callable[[str, int, torch.Tensor],
     """experts_masked for experts kept quantised (a GGUF's stacks: ``kernel(which, expert,
     x)`` is x @ W[expert]^T on its op): no host sync, so a CUDA graph can capture it."""
     out = torch.zeros_like(x)
-    route = torch.zeros(x.shape[0], num_experts, dtype=x.dtype, device=x.device)
-    route.scatter_(1, chosen, weights.to(x.dtype))  # [N, E]: 0 where unrouted
+    route = routing_table(x, num_experts, chosen, weights)
     for expert in range(num_experts):
         gate, up = kernel("w13", expert, x).chunk(2, dim=-1)
         out += kernel("w2", expert, F.silu(gate) * up) * route[:, expert, None]
