@@ -63,17 +63,15 @@ class HostKv:
         _in(self._blocks, moves.blocks_in)
         _in(self._states, moves.states_in)
 
-    def flush(self) -> None:
-        """Land every copy out now (waiting for its copies)."""
-        self._land(all_of_them=True)
-
     @property
     def pending_bytes(self) -> int:
         return sum(p.nbytes for p in self._pending)
 
     def _land(self, all_of_them: bool) -> None:
-        """The pending copies out, oldest first: all of them, or those already copied."""
-        while self._pending and (all_of_them or self._pending[0].done()):
+        """The pending copies out, oldest first: all of them, or those already copied, and
+        then the oldest while more than STAGE_BYTES wait."""
+        while self._pending and (all_of_them or self._pending[0].done()
+                                 or self.pending_bytes >= STAGE_BYTES):
             self._pending.pop(0).land()
 
     def _out(self, twins: list[tuple[torch.Tensor, torch.Tensor]],
@@ -90,8 +88,7 @@ class HostKv:
         def queue() -> None:
             self._pending.append(_Staged(list(staged), dst, copied_event(device)))
             staged.clear()
-            while self.pending_bytes >= STAGE_BYTES and self._pending:
-                self._pending.pop(0).land()
+            self._land(all_of_them=False)
 
         for dev, host in twins:
             rows = dev.index_select(0, src)
@@ -100,8 +97,7 @@ class HostKv:
             if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
                 queue()
         if staged:
-            queue()
-        self._land(all_of_them=False)  # what is copied already (off a GPU: all of it)
+            queue()  # (and lands what is copied already: off a GPU, all of it)
 
 
 def _twin(t: torch.Tensor, n: int) -> torch.Tensor:

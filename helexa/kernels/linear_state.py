@@ -129,7 +129,8 @@ class LinearState:
         snapshots (restores: (snapshot slot, state slot)), settle the held ones (resume:
         slot -> num_computed of each row of the step that continues its own state; ``fla``:
         on fla's kernel, as settle says). ``on_device``: the fresh slots' and the restores'
-        indices on the device already (slot_indices: one copy a step for every layer)."""
+        indices on the device already (GatedDeltaStates.plan makes them once a step for
+        every layer)."""
         if fresh_slots:
             self.clear(fresh_slots, on_device[0])
         if restores:
