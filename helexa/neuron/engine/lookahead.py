@@ -195,8 +195,6 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     engine would run another step (the module's list)."""
     if not core.lookahead:
         return None
-    if core.waiting and len(core.running) < core.limits.max_slots:
-        return None  # a promotion is due: the scheduler's step
     decoding = [r for r in core.running if not r.is_finished]
     if any(r.is_prefilling for r in decoding):
         return None
@@ -216,7 +214,7 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
         rows.append(j)
         reqs.append(req)
     if core.waiting and len(decoding) - ending < core.limits.max_slots:
-        return None  # the held token frees a slot: the scheduler's step promotes
+        return None  # a promotion is due (a free slot, or one the held token frees)
     held_ids = {r.req_id for r, _ in held.inputs.sampled}
     if not reqs or any(r.req_id not in held_ids for r in decoding):
         return None  # a running request the held step left out: the scheduler rotates
