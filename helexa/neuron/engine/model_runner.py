@@ -230,10 +230,10 @@ class ModelRunner:
                  mib=self.host_kv.nbytes // 2**20, tp_rank=self.tp_rank)
 
     def move_kv(self, moves: KvMoves) -> None:
-        """This step's copies between the pool and the host tier, on every rank."""
-        if self._tp is not None:
-            self._tp.move_kv(moves)
-        self._move_own_kv(moves)
+        """This step's copies between the pool and the host tier, on every rank (a failure
+        on any raises once every rank has answered: TpWorkers.move_kv)."""
+        (self._tp.move_kv(moves, self._move_own_kv) if self._tp is not None
+         else self._move_own_kv(moves))
 
     def _move_own_kv(self, moves: KvMoves) -> None:
         if self.host_kv is None:

@@ -3,7 +3,7 @@
 Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
 (helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
 over a dedicated pipe, msgpack-encoded, never through the compute group; a
-rank answers only while starting (`FromRank`). A step carries only what
+rank answers only while starting and after the host tier's copies (`FromRank`). A step carries only what
 changed: each sequence's new tokens and the blocks appended to its table
 since rank 0 last sent it, under a handle both sides know it by.
 """
@@ -65,6 +65,7 @@ class TpAllocHost(msgspec.Struct, tag=True):
 
 class TpMoveKv(msgspec.Struct, tag=True):
     moves: KvMoves  # copies between the pool and the host tier, before the next step
+    # (each rank answers TpMoved: a rank whose copies failed says so instead of ending)
 
 
 class TpStop(msgspec.Struct, tag=True):
@@ -88,7 +89,11 @@ class TpFailed(msgspec.Struct, tag=True):
 
 
 ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpAllocHost | TpMoveKv | TpStop | TpJoin
-FromRank = TpLoaded | TpReady | TpFailed
+class TpMoved(msgspec.Struct, tag=True):
+    error: str = ""  # the rank's host-tier copies failed: why ("" when they were made)
+
+
+FromRank = TpLoaded | TpReady | TpFailed | TpMoved
 
 
 @dataclass

@@ -33,6 +33,7 @@ from helexa.neuron.engine.tp_messages import (
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMoved,
     TpMoveKv,
     TpMtp,
     TpMtpLogits,
@@ -175,8 +176,13 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)
                 continue
-            if isinstance(msg, TpMoveKv):
-                runner._move_own_kv(msg.moves)
+            if isinstance(msg, TpMoveKv):  # a failure fails the restoring requests, not the group
+                try:
+                    runner._move_own_kv(msg.moves)
+                    error = ""
+                except Exception as e:  # noqa: BLE001 - rank 0 decides what it costs
+                    error = f"{type(e).__name__}: {e}"
+                conn.send_bytes(encoder.encode(TpMoved(error)))
                 continue
             if isinstance(msg, TpMtpLogits):
                 runner.mtp_logits(None, msg.rows)

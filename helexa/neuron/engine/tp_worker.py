@@ -36,16 +36,18 @@ import multiprocessing as mp
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import structlog
 
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.tp_messages import (
+    DEFAULT_TIMEOUT_SECS,
     FromRank,
     RunnerArgs,
     ToRank,
@@ -54,6 +56,7 @@ from helexa.neuron.engine.tp_messages import (
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMoved,
     TpMoveKv,
     TpMtp,
     TpMtpLogits,
@@ -90,6 +93,7 @@ class TpWorkers:
     _closed: threading.Event = field(default_factory=threading.Event)  # the runner closed it
     _nccl: bool = False  # the group is NCCL's (a CUDA model), once joined
     give_up_secs: float = GIVE_UP_SECS
+    timeout_secs: float = DEFAULT_TIMEOUT_SECS  # a rank's answer to TpMoveKv (the group's)
 
     @classmethod
     def start(cls, args: RunnerArgs, world: int) -> tuple[TpWorkers, str]:
@@ -116,6 +120,7 @@ class TpWorkers:
         """Everyone loaded: all ranks join the group together (so its short timeout holds)."""
         self._send(TpJoin())
         try:
+            self.timeout_secs = args.timeout_secs
             join_group(args.init_file, 0, len(self.procs) + 1, device, args.timeout_secs)
         except Exception as e:
             self.fail(f"tensor-parallel group did not form: {e}")
@@ -222,9 +227,37 @@ class TpWorkers:
         self.check()
         self._send(TpAllocHost(num_blocks, num_snapshots))
 
-    def move_kv(self, moves: KvMoves) -> None:
+    def move_kv(self, moves: KvMoves, own: Callable[[KvMoves], None]) -> None:
+        """The host tier's copies on every rank: sent to the others, made here by ``own``,
+        then each rank's answer read. RuntimeError naming every rank whose copies failed
+        (the engine then fails the requests restoring from the tier and empties it: the
+        group goes on); a rank that does not answer within the group's timeout, or has
+        gone, fails the group."""
         self.check()
         self._send(TpMoveKv(moves))
+        try:
+            own(moves)
+        finally:
+            self._moved(self.timeout_secs)
+
+    def _moved(self, timeout_secs: float) -> None:
+        errors = []
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if not conn.poll(timeout_secs):
+                    self.fail(f"tensor-parallel rank {rank} did not make its host-tier "
+                              f"copies within {timeout_secs:.0f} s")
+                msg = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
+            except (EOFError, OSError):
+                self.fail(f"tensor-parallel rank {rank} is gone "
+                          f"(exit code {self.procs[rank - 1].exitcode})")
+            if not isinstance(msg, TpMoved):
+                self.fail(f"tensor-parallel rank {rank}: expected TpMoved, got {msg!r}")
+            if msg.error:
+                errors.append(f"rank {rank}: {msg.error}")
+        if errors:
+            raise RuntimeError("host-tier copies failed on tensor-parallel "
+                               + "; ".join(errors))
 
     def _send(self, msg: ToRank) -> None:
         data = self._encoder.encode(msg)
@@ -258,7 +291,7 @@ class TpWorkers:
         self.check()
         self.fail(f"tensor-parallel step failed (a rank wedged or its link broke): {error}")
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str) -> NoReturn:
         """Mark the group failed and end every rank: a broken group cannot be mended. On
         NCCL the step thread may find the loss first (lookahead sends a step while the one
         before still runs): it aborts the group as the health check would, and arms the

@@ -259,6 +259,38 @@ def test_tensor_parallel_ranks_each_restore_their_shard(tiny_checkpoint):
         warm.close()
 
 
+def test_a_failed_copy_on_another_rank_fails_the_restoring_request_not_the_group(
+        tiny_checkpoint):
+    """Rank 1's copies in fail (its host twins replaced by one-block ones after a turn was
+    pushed out to the host, so the rows it should restore are not there): the request
+    restoring them fails with an error naming rank 1, the tier is emptied, and the group
+    serves on; with rank 1's twins whole again a session resumes from the host, its
+    tokens a cold server's."""
+    model_dir = tiny_checkpoint("qwen3_5")
+    warm = model_core(model_dir, host_cache_mb=4, tp=2, devices=["cpu", "cpu"])
+    cold = model_core(model_dir, prefix_cache=False)
+    try:
+        tp, host = warm.runner._tp, warm.pool.host
+        assert tp is not None and host is not None
+        rng = random.Random(4)
+        prompt = [rng.randrange(3, 500) for _ in range(60)]
+        drive(warm, [turn("w0", prompt, 8)], served=True)
+        for other in ("o0", "o1"):  # two others' prompts push the first out to the host
+            drive(warm, [turn(other, [rng.randrange(3, 500) for _ in range(900)], 2)],
+                  served=True)
+        tp.allocate_host(1, 1)  # rank 1 alone
+        run = drive(warm, [turn("w1", prompt, 8)])
+        error = run.final["w1"].error
+        assert "host tier" in error and "tensor-parallel rank 1: IndexError" in error, error
+        assert host.blocks.num_filed == 0
+        tp.allocate_host(host.blocks.num_slots, host.snapshots.num_slots)
+        model_session(warm, cold, 3, seed=9)  # asserts a cold server's tokens each turn
+        assert warm.status().prefix_host_hit_tokens > 0
+        assert_whole(warm, hybrid=True)
+    finally:
+        warm.close()
+
+
 def test_a_storm_through_both_tiers_leaves_the_ledger_whole(tiny_checkpoint):
     """Requests sharing three stems, a third of them aborted mid-stream, on a pool and a
     host tier both too small for them: every step keeps both tiers' invariants."""
