@@ -3,7 +3,8 @@ only, import-guarded: CPU never needs them), each the fla form of a torch form i
 helexa/kernels/gated_delta.py that it is tested against:
 
 - ``fla_chunked``: prefill on fla's chunked Triton kernel (16-bit models), for
-  delta_rule_chunked;
+  delta_rule_chunked; ``fla_chunked_varlen`` a step's prefills in one launch (fla's
+  ``cu_seqlens``);
 - ``fla_decode``: a decode step on its fused recurrent kernel (decay, delta update and
   output in one launch per layer), for delta_rule_decode; ``fla_decode_gated`` the same for
   a step of decode rows alone with the L2 norms and the gates inside the kernel too;
@@ -22,7 +23,9 @@ backend (helexa/kernels/backends/gdn.py) chooses.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,9 @@ try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _fla_chunk = _fla_recurrent = None
+# fla-core 0.5 on: the chunked kernel takes the sequences' offsets on the host as well
+_TAKES_CU_CPU = (_fla_chunk is not None
+                 and "cu_seqlens_cpu" in inspect.signature(_fla_chunk).parameters)
 try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
     from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -101,6 +107,27 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                       initial_state=None if state is None else state[None].float(),
                       output_final_state=True)
     return o[0].float(), s[0]
+
+
+def fla_chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, states: torch.Tensor, lengths: list[int],
+                       cu_seqlens: torch.Tensor, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla_chunked over several sequences in one launch of each of fla's kernels: their
+    tokens back to back (q, k [T, key_heads, dk]; v [T, v_heads, dv]; g, beta [T, v_heads]),
+    ``lengths`` theirs, ``cu_seqlens`` [P + 1] int64 on the device (0 and the running sums of
+    lengths), states [P, v_heads, dk, dv] each one's state before its tokens. fla is given
+    the offsets on the host too where it takes them (where it does not, it reads them back
+    from the device: a host sync). Returns (o [T, v_heads, dv] fp32, finals [P, ...] fp32)."""
+    assert _fla_chunk is not None
+    extra = {}
+    if _TAKES_CU_CPU:
+        extra["cu_seqlens_cpu"] = torch.tensor([0, *accumulate(lengths)], dtype=torch.long)
+    o, s = _fla_chunk(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype),
+                      g[None].float(), beta[None].to(dtype), scale=1.0,
+                      initial_state=states.float(), output_final_state=True,
+                      cu_seqlens=cu_seqlens, **extra)
+    return o[0].float(), s
 
 
 def fla_decode_available(device: torch.device) -> bool:
@@ -280,6 +307,34 @@ def probe_fla_chunked(device: torch.device, key_heads: int, value_heads: int, ke
         return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_state))
 
     return _agrees("chunked prefill kernel", run, tol)
+
+
+def probe_fla_varlen(device: torch.device, key_heads: int, value_heads: int, key_dim: int,
+                     value_dim: int, dtype: torch.dtype, tol: float = 2e-2) -> str:
+    """Run fla_chunked_varlen once on three prefills back to back (5, 70 and 1 tokens: short,
+    past one chunk, a single token), each from its own state, against delta_rule_chunked
+    run sequence by sequence: "" when they agree, else why not (a step's prefills then run
+    one fla launch each)."""
+    kh, vh, lengths = key_heads, value_heads, [5, 70, 1]
+    q, k, v, g, beta, _ = _random_rows((sum(lengths),), kh, vh, key_dim, value_dim, dtype, 4)
+    states = _random_rows((len(lengths), 1), kh, vh, key_dim, value_dim, dtype, 5)[5]
+    qr, kr = q.repeat_interleave(vh // kh, 1), k.repeat_interleave(vh // kh, 1)
+    outs, finals, at = [], [], 0
+    for i, n in enumerate(lengths):
+        o, s = delta_rule_chunked(qr[at:at + n], kr[at:at + n], v[at:at + n], g[at:at + n],
+                                  beta[at:at + n], states[i])
+        outs.append(o)
+        finals.append(s)
+        at += n
+    want, want_states = torch.cat(outs), torch.stack(finals)
+
+    def run() -> float:
+        cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.long, device=device)
+        got, final = fla_chunked_varlen(*(x.to(device) for x in (q, k, v, g, beta, states)),
+                                        lengths, cu, dtype)
+        return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
+
+    return _agrees("chunked prefill kernel over several sequences", run, tol)
 
 
 def probe_fla_decode(device: torch.device, key_heads: int, value_heads: int, key_dim: int,

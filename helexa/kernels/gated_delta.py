@@ -78,6 +78,30 @@ def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor |
     return F.silu(out).t().to(x.dtype), seq[:, -(k - 1):]
 
 
+def conv1d_prefill_varlen(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor,
+                          lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """conv1d_prefill over several sequences in one conv: x [sum(lengths), C], the
+    sequences' tokens back to back; windows [P, C, K - 1], sequence i's previous inputs.
+    Each sequence is laid out as [window | tokens] one after another and a single
+    convolution runs over the whole row; the outputs that straddle two sequences are
+    dropped. Returns (out [sum(lengths), C], the new windows [P, C, K - 1]): the same
+    products and sums as conv1d_prefill's, sequence by sequence."""
+    c, k = weight.shape
+    pieces: list[torch.Tensor] = []
+    at, offsets = 0, []  # each sequence's first token in x; its window's first column in seq
+    for i, n in enumerate(lengths):
+        pieces += [windows[i].to(x.dtype), x[at:at + n].t()]
+        offsets.append(at + i * (k - 1))
+        at += n
+    seq = torch.cat(pieces, dim=1)  # [C, sum(lengths) + P (K - 1)]
+    out = F.silu(F.conv1d(seq.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=c)[0])
+    # sequence i's outputs start where its window does; its new window ends its segment
+    kept = torch.cat([out[:, o:o + n] for o, n in zip(offsets, lengths, strict=True)], dim=1)
+    after = torch.stack([seq[:, o + n:o + n + k - 1] for o, n in zip(offsets, lengths,
+                                                                       strict=True)])
+    return kept.t().to(x.dtype), after
+
+
 def conv1d_decode(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
     """One new token per row: x [B, C], windows [B, C, K - 1] (updated in place) -> [B, C]."""
     seq = torch.cat([windows.to(x.dtype), x.unsqueeze(-1)], dim=-1)  # [B, C, K]

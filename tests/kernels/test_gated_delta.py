@@ -68,6 +68,26 @@ def test_conv1d_in_pieces_matches_one_pass():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_several_prefills_in_one_conv_match_their_convs_one_by_one(dtype):
+    """A step's prefills share one convolution (their windows laid between them): each
+    sequence's outputs and new window are what its own conv gives, including sequences
+    shorter than the window (whose new window keeps part of the old one)."""
+    g = torch.Generator().manual_seed(6)
+    lengths, c, k = [1, 2, 7, 70], 10, 4
+    x = torch.randn(sum(lengths), c, generator=g).to(dtype)
+    weight = torch.randn(c, k, generator=g).to(dtype)
+    windows = torch.randn(len(lengths), c, k - 1, generator=g).to(dtype)
+    got, after = gd.conv1d_prefill_varlen(x, weight, windows, lengths)
+    at = 0
+    for i, n in enumerate(lengths):
+        want, window = gd.conv1d_prefill(x[at:at + n], weight, windows[i])
+        torch.testing.assert_close(got[at:at + n], want, rtol=1e-6, atol=1e-6)
+        assert torch.equal(after[i], window)  # copies: exact
+        at += n
+    assert got.shape == x.shape and got.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv1d_over_slots_is_the_gathered_decode_bit_for_bit(dtype):
     """The decode step's conv reading and writing windows in their slots gives what the
     gathered form (the one verification rows replay) gives, and touches no other slot."""

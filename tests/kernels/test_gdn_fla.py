@@ -154,6 +154,79 @@ def test_fla_chunked_prefill_takes_the_key_heads_grouped(stand_in, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 stand-in
 
 
+def _mixed_plans() -> list[StepPlan]:
+    """Prefills of 5 and 3 tokens into slots 1 and 2 (one step, side by side); then slot 1
+    decoding beside fresh prefills into slots 0 and 3 with slot 2's verification row of 2
+    between them (so the prefills' rows are not contiguous)."""
+    empty = torch.empty(0)
+    return [
+        StepPlan(slot_mapping=empty, prefills=[PrefillRow(0, 5, 0, [], 1),
+                                               PrefillRow(5, 8, 0, [], 2)]),
+        StepPlan(slot_mapping=empty, decode_positions=[5], decode_tables=[[]],
+                 decode_state_slots=[1],
+                 prefills=[PrefillRow(1, 5, 0, [], 0), PrefillRow(5, 7, 3, [], 2, verify=True),
+                           PrefillRow(7, 8, 0, [], 3)]),
+    ]
+
+
+def _mixed_steps(states: GatedDeltaStates) -> list[torch.Tensor]:
+    outs = _run_plans(states, _mixed_plans(), 17)
+    layer = states.layers[0]
+    return outs + [layer.conv.clone(), layer.recurrent.clone()]
+
+
+@pytest.mark.parametrize("cu_on_host", [False, True])
+def test_a_steps_prefills_run_in_one_fla_chunked_launch(stand_in, monkeypatch, cu_on_host):
+    """Several prefills in one step are one call of fla's chunked kernel (their rows back to
+    back, cu_seqlens their offsets, one state each; the offsets given on the host too where
+    fla takes them), also when a verification row lies between them; outputs, conv windows
+    and states are the torch path's, a prefill at a time."""
+    chunked = StandInChunked()
+    monkeypatch.setattr(fla, "_fla_chunk", chunked)
+    monkeypatch.setattr(fla, "_TAKES_CU_CPU", cu_on_host)
+    plain = _mixed_steps(_states(False))
+    states = _states(True)
+    states._fla = states._fla_varlen = True  # as allocate sets them on CUDA with fla
+    fused = _mixed_steps(states)
+    assert [(c["q"], c["cu"]) for c in chunked.calls] == [((1, 8, KH, DK), [0, 5, 8]),
+                                                          ((1, 5, KH, DK), [0, 4, 5])]
+    assert [c["cu_cpu"] for c in chunked.calls] == (
+        [("cpu", [0, 5, 8]), ("cpu", [0, 4, 5])] if cu_on_host else [None, None])
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 stand-in
+
+
+def test_a_varlen_kernel_that_disagrees_leaves_prefills_one_launch_each(stand_in, monkeypatch):
+    """At allocate the several-sequence form of fla's chunked kernel is proved on its own:
+    one that runs the sequences as one (ignoring cu_seqlens, so state leaks from one
+    request into the next) is left off, the reason logged, and each prefill is one call."""
+    from helexa.kernels.backends import gdn
+
+    def one_sequence(q, k, v, g, beta, **kw):
+        kw.pop("cu_seqlens", None)
+        kw.pop("cu_seqlens_cpu", None)
+        state = kw.pop("initial_state")
+        o, s = StandInChunked()(q, k, v, g, beta, initial_state=state[:1], **kw)
+        return o, s.expand(state.shape[0], *s.shape[1:])
+
+    plain = _mixed_steps(_states(False))
+    monkeypatch.setattr(fla, "fla_available", lambda device, dtype: True)
+    monkeypatch.setattr(fla, "_fla_chunk", one_sequence)
+    warned: list[str] = []
+    monkeypatch.setattr(gdn.log, "warning", lambda event, **kw: warned.append(kw["reason"]))
+    states = GatedDeltaStates(torch.device("cpu"))
+    states.allocate([_spec()], 4)
+    assert states._fla and not states._fla_varlen
+    assert any("fla's chunked prefill kernel over several sequences is off by" in w
+               for w in warned), warned
+    chunked = StandInChunked()
+    monkeypatch.setattr(fla, "_fla_chunk", chunked)
+    fused = _mixed_steps(states)
+    assert [c["cu"] for c in chunked.calls] == [None] * 4  # each prefill its own call
+    for got, want in zip(fused, plain, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _verify_plans() -> list[StepPlan]:
     """Prefills of 5 and 3 tokens into slots 1 and 2; then verification rows of 4 and 2
     tokens (padded together); then decode rows after 2 of 4 and 2 of 2 stood; then slot 2
@@ -284,6 +357,16 @@ def test_fla_kernel_decode_matches_the_torch_step(dtype):
     tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16 inputs: 8 bits of mantissa
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
     torch.testing.assert_close(states, want_states, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(not fla.fla_available(torch.device("cuda"), torch.bfloat16),
+                    reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
+@pytest.mark.parametrize("heads", [(KH, VH, DK, DV), (16, 32, 128, 128)])  # ours, Qwen3.5's
+def test_fla_kernel_runs_a_steps_prefills_in_one_launch(heads):
+    """fla's chunked kernel over several sequences back to back (cu_seqlens), each from its
+    own state, against delta_rule_chunked a sequence at a time: the load probe's check,
+    which must pass on a GPU for a step's prefills to share one launch."""
+    assert fla.probe_fla_varlen(torch.device("cuda"), *heads, torch.bfloat16) == ""
 
 
 @pytest.mark.skipif(not fla.fla_decode_available(torch.device("cuda")),

@@ -49,20 +49,33 @@ class StandInRecurrent:
 
 class StandInChunked:
     """fla's chunk_gated_delta_rule as documented from fla-core 0.5 (grouped key heads:
-    q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], state [N, HV, K, V]), in
-    torch; records each call's shapes."""
+    q, k [B, T, H, K], v [B, T, HV, V], g, beta [B, T, HV], state [N, HV, K, V]; with
+    ``cu_seqlens`` B is 1 and the N sequences lie back to back, each from its own state), in
+    torch; records each call's shapes and offsets."""
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, *, scale: float, initial_state: torch.Tensor | None,
-                 output_final_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale})
+                 output_final_state: bool, cu_seqlens: torch.Tensor | None = None,
+                 cu_seqlens_cpu: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        cu = None if cu_seqlens is None else cu_seqlens.tolist()
+        self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale, "cu": cu,
+                           "cu_cpu": None if cu_seqlens_cpu is None else
+                           (cu_seqlens_cpu.device.type, cu_seqlens_cpu.tolist())})
         assert q.shape[0] == 1 and v.shape[2] % q.shape[2] == 0, "fla takes one sequence here"
+        cu = cu or [0, q.shape[1]]
+        assert initial_state is None or initial_state.shape[0] == len(cu) - 1
         group = v.shape[2] // q.shape[2]
-        o, s = gd.delta_rule_chunked(q[0].float().repeat_interleave(group, 1) * scale,
-                                     k[0].float().repeat_interleave(group, 1), v[0].float(),
-                                     g[0].float(), beta[0].float(),
-                                     None if initial_state is None else initial_state[0])
-        return o[None].to(v.dtype), s[None]
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(cu, cu[1:], strict=False)):
+            o, s = gd.delta_rule_chunked(q[0, a:b].float().repeat_interleave(group, 1) * scale,
+                                         k[0, a:b].float().repeat_interleave(group, 1),
+                                         v[0, a:b].float(), g[0, a:b].float(),
+                                         beta[0, a:b].float(),
+                                         None if initial_state is None else initial_state[i])
+            outs.append(o)
+            finals.append(s)
+        return torch.cat(outs)[None].to(v.dtype), torch.stack(finals)

@@ -17,8 +17,10 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
 - per layer, ``forward`` runs the causal conv1d and the gated delta rule over the slots,
   choosing the kernel: on CUDA with flash-linear-attention installed, its fused recurrent
   decode (q and k passed grouped, as the layer has them) and, for 16-bit models, its
-  chunked prefill; else helexa/kernels/gated_delta.py's torch forms (the reference, each
-  key head repeated to its value heads); a verification row runs token by token as
+  chunked prefill (a step's prefills in one launch of each kernel: fla's ``cu_seqlens``);
+  else helexa/kernels/gated_delta.py's torch forms (the reference, each key head repeated
+  to its value heads, a prefill at a time); a step's prefills share one convolution
+  (gated_delta.conv1d_prefill_varlen) whichever rule runs; a verification row runs token by token as
   decode (on fla, every row's tokens in one launch) and is held, its slot left as it
   was, until the next step settles it (one launch again on fla). A step of decode rows
   alone runs, where ``allocate`` proved it on the device, FlashInfer's pool decode: one
@@ -55,6 +57,10 @@ class GdnMetadata:
     decode_slots: torch.Tensor  # [num decode rows] int64
     decode_slots32: torch.Tensor | None = None  # the same, int32: FlashInfer's pool decode
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
+    # two or more prefills run together: their slots and their offsets (0, then the running
+    # sums of their lengths) on the device
+    prefill_slots: torch.Tensor | None = None
+    prefill_cu: torch.Tensor | None = None
     fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
     verify: VerifyRows | None = None
     resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
@@ -70,6 +76,7 @@ class GatedDeltaStates:
         self.specs: list[LinearAttentionSpec] = []
         self.layers: list[LinearState] = []
         self._fla = False
+        self._fla_varlen = False  # a step's prefills in one launch (fla's cu_seqlens)
         self._fla_decode = False
         self._fla_gated = False  # pure decode steps: norms and gates in fla's kernel too
         self._fla_verify = False  # verification rows and their settling: one fla launch each
@@ -83,7 +90,9 @@ class GatedDeltaStates:
                   f"{' (norms and gates in the kernel)' if self._fla_gated else ''}")
         verify = "fla, one launch" if self._fla_verify else "torch, token by token"
         conv = "Triton, one launch" if self._conv_decode is not gd.conv1d_decode_slots else "torch"
-        return (f"gated delta rule: {'fla' if self._fla else 'torch'} chunked prefill, {decode}, "
+        prefill = ("fla chunked prefill (a step's prefills in one launch)" if self._fla_varlen
+                   else f"{'fla' if self._fla else 'torch'} chunked prefill")
+        return (f"gated delta rule: {prefill}, {decode}, "
                 f"verification rows {verify}; conv1d decode {conv}")
 
     def allocate(self, specs: list[LinearAttentionSpec], num_slots: int,
@@ -109,6 +118,7 @@ class GatedDeltaStates:
         self._fla_decode = bool(specs) and fla.fla_decode_available(self.device)
         # each kernel proved at load, as the first step runs: a failing one must not fail a step
         self._fla = self._fla and self._fla_proved(fla.probe_fla_chunked, specs[0])
+        self._fla_varlen = self._fla and self._fla_proved(fla.probe_fla_varlen, specs[0])
         self._fla_decode = self._fla_decode and self._fla_proved(fla.probe_fla_decode, specs[0])
         self._fla_gated = (self._fla_decode and fla.fla_gated_available()
                            and self._fla_proved(fla.probe_fla_gated, specs[0]))
@@ -210,6 +220,11 @@ class GatedDeltaStates:
             meta.decode_slots32 = meta.decode_slots.to(torch.int32)
         verify = [r for r in step.prefills if r.verify]
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
+        if len(meta.prefills) > 1:  # one conv (and on fla one kernel) for all of them
+            slots = [slot for _, _, slot in meta.prefills]
+            cu = [0, *accumulate(end - start for start, end, _ in meta.prefills)]
+            got = to_device(slots + cu, torch.long, dev)
+            meta.prefill_slots, meta.prefill_cu = got[:len(slots)], got[len(slots):]
         if verify:
             lengths = [r.end - r.start for r in verify]
             longest = max(lengths)
@@ -253,7 +268,13 @@ class GatedDeltaStates:
             if nd:
                 conv[:nd] = self._conv_decode(mixed[:nd], conv_weight, state.conv,
                                                    meta.decode_slots)
-        for start, end, slot in meta.prefills:
+        if meta.prefill_slots is not None:  # several prefills: one conv over them all
+            out, after = gd.conv1d_prefill_varlen(
+                _rows(mixed, meta.prefills), conv_weight,
+                state.conv.index_select(0, meta.prefill_slots), _lengths(meta.prefills))
+            _put(conv, meta.prefills, out)
+            state.conv.index_copy_(0, meta.prefill_slots, after.to(state.conv.dtype))
+        for start, end, slot in meta.prefills if meta.prefill_slots is None else ():
             conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
                                                         state.conv[slot])
             state.conv[slot] = window
@@ -297,7 +318,17 @@ class GatedDeltaStates:
             else:
                 o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
-        for start, end, slot in meta.prefills:
+        varlen = self._fla_varlen and meta.prefill_slots is not None
+        if varlen:  # every prefill in one launch of each of fla's kernels
+            assert meta.prefill_slots is not None and meta.prefill_cu is not None
+            got, finals = fla.fla_chunked_varlen(
+                *(_rows(x, meta.prefills) for x in (grouped_q, key_heads, v, g, beta)),
+                state.recurrent.index_select(0, meta.prefill_slots), _lengths(meta.prefills),
+                meta.prefill_cu, mixed.dtype)
+            _put(o, meta.prefills, got)
+            state.recurrent.index_copy_(0, meta.prefill_slots,
+                                        finals.to(state.recurrent.dtype))
+        for start, end, slot in () if varlen else meta.prefills:
             rest = (v[start:end], g[start:end], beta[start:end], state.recurrent[slot])
             o[start:end], final = (
                 fla.fla_chunked(grouped_q[start:end], key_heads[start:end], *rest, mixed.dtype)
@@ -323,6 +354,33 @@ class GatedDeltaStates:
         if got is None:
             got = self._a_log[layer] = gate.A_log.detach().float().contiguous()
         return got
+
+
+def _lengths(spans: list[tuple[int, int, int]]) -> list[int]:
+    return [end - start for start, end, _ in spans]
+
+
+def _contiguous(spans: list[tuple[int, int, int]]) -> bool:
+    """The spans follow one another with nothing between them (no verification row)."""
+    return all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def _rows(x: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The spans' rows of x back to back: a view where they are contiguous, else one cat."""
+    if _contiguous(spans):
+        return x[spans[0][0]:spans[-1][1]]
+    return torch.cat([x[start:end] for start, end, _ in spans])
+
+
+def _put(dst: torch.Tensor, spans: list[tuple[int, int, int]], src: torch.Tensor) -> None:
+    """The inverse of _rows: src's rows written back to the spans' rows of dst."""
+    if _contiguous(spans):
+        dst[spans[0][0]:spans[-1][1]] = src
+        return
+    at = 0
+    for start, end, _ in spans:
+        dst[start:end] = src[at:at + end - start]
+        at += end - start
 
 
 def gated_delta(mixed: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | gd.GateInputs,
