@@ -180,7 +180,6 @@ def test_no_probe_inside_a_graph_capture(monkeypatch):
 
 def test_without_triton_the_tiles_serve(monkeypatch):
     monkeypatch.setenv("HELEXA_TRITON_INT8G", "0")
-    ci.unavailable.cache_clear()
     try:
         card = _Card(monkeypatch)
         q, s, z, g = _layer(70, 1024, 32, torch.float32, zeros=False, seed=6)
@@ -190,7 +189,6 @@ def test_without_triton_the_tiles_serve(monkeypatch):
             "grouped int8 decode: dequantised tiles (HELEXA_TRITON_INT8G=0)")
     finally:
         monkeypatch.delenv("HELEXA_TRITON_INT8G")
-        ci.unavailable.cache_clear()
 
 
 def test_a_layer_whose_own_build_fails_falls_back_and_says_why(monkeypatch):

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
 
 def unavailable(switch: str, source: str) -> str:
     """"" where the Triton kernel of module ``source`` (in this package) can be built; else
-    why not: its ``switch`` set to 0, or a Triton that does not import here."""
+    why not: its ``switch`` set to 0 (read at every call, so a load after setting it runs
+    without the kernel: the GPU check's side-by-side runs), or a Triton that does not
+    import here (tried once)."""
     if os.environ.get(switch, "1") == "0":
         return f"{switch}=0"
+    return _import_error(source)
+
+
+@functools.cache
+def _import_error(source: str) -> str:
     try:
         importlib.import_module(f"{__name__}.{source}")
     except Exception as e:  # noqa: BLE001 - no Triton, or one that does not import here

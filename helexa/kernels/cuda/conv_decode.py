@@ -18,7 +18,6 @@ kernel's source on CPU through Triton's interpreter. It is unmeasured on a GPU.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -30,7 +29,6 @@ BLOCK_C = 128  # channels a program: a row of Qwen3.5-27B's 10,240 conv channels
 _TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
-@functools.cache
 def unavailable() -> str:
     """"" where the kernel can be built; else why not."""
     return cuda_kernels.unavailable("HELEXA_TRITON_CONV", "_conv_decode_triton")

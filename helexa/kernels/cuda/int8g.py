@@ -52,7 +52,6 @@ _verdicts: dict[tuple, str] = {}  # (device, dtype, group, zeros) -> "" or why t
 _lock = threading.Lock()
 
 
-@functools.cache
 def unavailable() -> str:
     """"" where the kernel can be built; else why not."""
     return cuda_kernels.unavailable("HELEXA_TRITON_INT8G", "_int8g_triton")
