@@ -41,8 +41,10 @@ failing stage still leaves the others' figures:
   for a hybrid on FlashInfer's Gated DeltaNet pool decode, fla's kernel on gathered
   states instead (HELEXA_FLASHINFER_GDN=0); for a model whose GQA group both of
   FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
-  not choose (``other_decode_kernel``: the measurement its rule waits for). Last, so a
-  check short of time loses these and not the figures before.
+  not choose (``other_decode_kernel``: the measurement its rule waits for); the dense
+  model over an int8 KV pool, batch 1 and 8, on the Triton quantised-KV decode and on
+  the torch path (``int8_kv``). Last, so a check short of time loses these and not the
+  figures before.
 - ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1 and 8 rows on the
   Triton kernel, the dequantised tiles and a bf16 F.linear: µs a call and the fraction of
   copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
@@ -107,7 +109,8 @@ class Runner:
 
     BLOCK = 16
 
-    def __init__(self, model_dir: Path, device: str, streams: int, tokens: int) -> None:
+    def __init__(self, model_dir: Path, device: str, streams: int, tokens: int,
+                 kv_dtype: str = "auto") -> None:
         from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
         self.SeqInput = SeqInput
@@ -115,7 +118,7 @@ class Runner:
         self.runner = ModelRunner(model_dir, device=device, dtype="bfloat16",
                                   num_blocks=streams * self.per + 1, block_size=self.BLOCK,
                                   max_num_seqs=max(8, streams), max_batched_tokens=4096,
-                                  num_state_slots=max(8, streams))
+                                  num_state_slots=max(8, streams), kv_dtype=kv_dtype)
         self.device = torch.device(device)
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
@@ -573,6 +576,35 @@ def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
     return {"tok_s": tok_s, "backend": backend}
 
 
+def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dict[str, Any]:
+    """Batch 1 and 8 decode of checkpoint ``name`` over an int8 KV pool, whose decode rows
+    run the Triton kernel where its probe agreed (kernels/cuda/quant_decode.py), and again
+    on the torch path (its switch at 0): each run's backend line, steps/s and fraction of
+    the weights' roofline (the KV's bytes at these prompts are a rounding error beside the
+    weights'), and the kernel's speed-up at batch 1."""
+    s, out = ctx["sizes"], {}
+    for label, env in (("triton", ""), ("torch_path", "HELEXA_TRITON_QUANT_DECODE")):
+        if env:
+            os.environ[env] = "0"
+        try:
+            r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8,
+                       kv_dtype="int8")
+            got: dict[str, Any] = {"backend": r.runner.attention_backend,
+                                   "kv_dtype": r.runner.kv_dtype}
+            for batch in (1, 8):
+                steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
+                got[f"batch{batch}"] = {"steps_s": steps,
+                                        "roofline_fraction": steps / roofline_steps}
+            r.close()
+        finally:
+            if env:
+                del os.environ[env]
+        out[label] = got
+    out["triton_vs_torch_path_batch1"] = (out["triton"]["batch1"]["steps_s"]
+                                          / out["torch_path"]["batch1"]["steps_s"])
+    return out
+
+
 def other_decode_kernel(path: Path, device: str, s: dict[str, Any], roofline_steps: float,
                         chosen: dict[str, Any]) -> dict[str, Any]:
     """Decode of the same model on FlashInfer's other decode kernel than the one
@@ -672,6 +704,11 @@ def stage_compare(ctx: dict[str, Any]) -> dict[str, Any]:
                 got["triton_conv_vs_torch_batch1"] = res["batch1"]["steps_s"] / other["tok_s"]
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 got["batch1_torch_conv"] = {"error": f"{type(e).__name__}: {e}"}
+        if name == "dense_big":  # an int8 KV pool: the Triton decode kernel, then the torch path
+            try:  # its failure must not cost the stage the figures above
+                got["int8_kv"] = int8_kv_decode(ctx, name, roofline_steps)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                got["int8_kv"] = {"error": f"{type(e).__name__}: {e}"}
         group = re.search(r"GQA group (\d+)", res["backend"])
         if group and int(group[1]) in CUDA_CORE_GROUPS:  # both decode kernels serve it
             try:  # its failure must not cost the stage the figures above

@@ -72,6 +72,11 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
     constrained = stages["decode"]["dense_big"]["engine_constrained"]  # a JSON schema
     assert constrained["match"] is True, constrained  # lookahead's tokens are the sync's
     assert constrained["lookahead"]["tokens"] == constrained["sync"]["tokens"] > 1, constrained
+    int8_kv = stages["compare"]["dense_big"]["int8_kv"]  # an int8 pool, both decode paths
+    assert int8_kv["triton_vs_torch_path_batch1"] > 0, int8_kv
+    for path in ("triton", "torch_path"):
+        assert int8_kv[path]["kv_dtype"] == "int8", int8_kv
+        assert all(int8_kv[path][b]["roofline_fraction"] > 0 for b in ("batch1", "batch8"))
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
     assert stages["compile"]["first_load_s"] > 0
     int8g = stages["int8g"]  # the Triton kernel (interpreted here) beside the tiles

@@ -8,7 +8,8 @@ or in the default tests needs it.
   kv_heads, head_dim] for K and for V, the layout FlashInfer reads; a token's
   flat slot (block * block_size + offset) is the same as on every backend.
   Quantised kv dtypes (per-token-head scales, helexa/kernels/kv_quant.py) are not a
-  FlashInfer format: those pools run the torch backend's path.
+  FlashInfer format: those pools run the torch backend's path, their decode rows on one
+  Triton kernel where it agreed at load (helexa/kernels/cuda/quant_decode.py).
 - Per step, one ``plan`` on host-side index arrays (no device-to-host copy):
   a pure-decode step through BatchDecodeWithPagedKVCacheWrapper, any step with
   a prefill chunk through BatchPrefillWithPagedKVCacheWrapper (causal, queries
@@ -55,6 +56,7 @@ from helexa.kernels.backends.base import (
     used_blocks,
 )
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
+from helexa.kernels.cuda import quant_decode
 from helexa.kernels.paged_kv import PagedKV
 
 try:  # the optional extra
@@ -206,7 +208,8 @@ class CudaAttention(AttentionBackend):
     def describe(self) -> str:
         version = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
         if self.torch_path:
-            return f"{version}; {self.torch_path}: torch path"
+            kernel = ", decode on Triton" if self.reference.quant_decode is not None else ""
+            return f"{version}; {self.torch_path}: torch path{kernel}"
         if not self.pools:
             return version
         kernel = "tensor cores" if self.tensor_cores else "CUDA cores"
@@ -232,6 +235,12 @@ class CudaAttention(AttentionBackend):
             self._graph_workspace = None
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
+            s = layers[0]  # a quantised pool's decode rows: one Triton kernel where it agreed
+            ok, why = quant_decode.chosen(self.device, s.kv_dtype, self.heads, s.kv_heads,
+                                          s.head_dim, compute) if storage is None else (False, "")
+            if why:
+                log.warning("kernels.quant_decode_fallback", reason=why)
+            self.reference.quant_decode = quant_decode.decode if ok else None
             return self.pools
         if self.graph_rows and self._graph_workspace is None:  # back from the torch path
             self._graph_workspace = torch.empty(self._workspace.numel(), dtype=torch.uint8,

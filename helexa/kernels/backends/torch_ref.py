@@ -9,6 +9,7 @@ at a time, so one 32k-token row beside short ones costs a chunk, not the batch p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,11 +42,17 @@ class TorchMetadata(StepMeta):
     slot_mapping: torch.Tensor  # [N] int64: where each new token's K/V is written
     num_decode: int = 0
     decode_groups: list[DecodeGroup] = field(default_factory=list)
+    # with a quantised-KV decode kernel (TorchBackend.quant_decode): every decode row's
+    # pages [B, blocks] and context [B], int32 on the device; the longest; the block size
+    decode_rows: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
 class TorchBackend(AttentionBackend):
     name = "torch"
+    # A kernel for quantised pools' decode rows, (q, kv, table, lens, longest, block_size)
+    # -> out, set by the backend that composes this one (cuda: kernels/cuda/quant_decode.py)
+    quant_decode: Callable[..., torch.Tensor] | None = None
 
     def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
@@ -58,7 +65,9 @@ class TorchBackend(AttentionBackend):
     def plan(self, step: StepPlan) -> TorchMetadata:
         meta = TorchMetadata(backend=self, slot_mapping=step.slot_mapping,
                              num_decode=step.num_decode)
-        if step.num_decode:
+        if step.num_decode and self.quant_decode is not None and self.pools[0].quantized:
+            meta.decode_rows = self.decode_rows(step)
+        elif step.num_decode:
             meta.decode_groups = self.decode_groups(step)
         meta.prefills = [self.prefill_chunk(r.start, r.end, r.num_computed, r.block_table,
                                             step.block_size) for r in step.prefills]
@@ -68,7 +77,10 @@ class TorchBackend(AttentionBackend):
                 meta: TorchMetadata) -> torch.Tensor:
         kv = self.pools[layer]
         kv.write(meta.slot_mapping, k, v)
-        groups = meta.decode_groups
+        groups, rows, kernel = meta.decode_groups, meta.decode_rows, self.quant_decode
+        if rows is not None and kernel is not None:
+            return paged_attention(q, k, v, kv, meta.num_decode,
+                                   lambda q, k, v: kernel(q, kv, *rows), meta.prefills)
         return paged_attention(q, k, v, kv, meta.num_decode,
                                lambda q, k, v: grouped_decode(q, kv, groups), meta.prefills)
 
@@ -108,6 +120,18 @@ class TorchBackend(AttentionBackend):
                 grp.slots = host_to_device(table[:, ar // bs] * bs + ar % bs, dev)
             out.append(grp)
         return out
+
+    def decode_rows(self, step: StepPlan) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Every decode row's used pages (padded with page 0) and context length, int32 on
+        the device in one copy, for the quantised-KV decode kernel; the longest; block size."""
+        bs = step.block_size
+        lens = [p + 1 for p in step.decode_positions]
+        tables = [used_blocks(t, n, bs, step.num_blocks)
+                  for t, n in zip(step.decode_tables, lens, strict=True)]
+        width = max(len(t) for t in tables)
+        flat = [page for t in tables for page in t + [0] * (width - len(t))]
+        got = to_device(flat + lens, torch.int32, self.device)
+        return got[:len(flat)].view(len(lens), width), got[len(flat):], max(lens), bs
 
     def prefill_chunk(self, start: int, end: int, num_computed: int, table: list[int],
                       block_size: int) -> PrefillChunk:

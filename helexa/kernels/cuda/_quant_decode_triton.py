@@ -1,0 +1,140 @@
+"""The Triton source of helexa/kernels/cuda/quant_decode.py's kernels (imported only where
+Triton is).
+
+``split_kernel``: one program takes one decode row, one kv head (all the query heads of its
+GQA group, padded to 16 rows for ``tl.dot``) and one split of the row's context. It walks
+the split BLOCK_N tokens at a time: each token's page from the row's block table, its
+K and V bytes and per-token-head scales from the quantised pool (int8; fp8 e4m3 decoded
+from its bits; int4 two to a byte, a scale per 32 dims), dequantised in registers to the
+queries' dtype, as the torch path's gather does; scores and the online softmax in fp32.
+It writes the split's normalised output and its log-sum-exp. The products run on the
+card's 16-bit matrix units; with DOT_F32 (Triton's interpreter, whose bf16 dot is not a
+float one) the same 16-bit values are multiplied in fp32, which gives the same sums up to
+their order. ``merge_kernel``: one
+program a (row, query head) weighs the splits by their log-sum-exp (a split past the row's
+end has -inf: weight 0).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import triton
+import triton.language as tl
+
+KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
+
+
+@triton.jit
+def _dequant(data_ptr, scale_ptr, rows, offs_d, in_tok, in_d, DATA_DIM: tl.constexpr,
+             NUM_SCALES: tl.constexpr, KIND: tl.constexpr):
+    """[BLOCK_N, DP] fp32 values of the token-heads at flat ``rows`` (slot * kv_heads + head)."""
+    mask = in_tok[:, None] & in_d[None, :]
+    if KIND == 2:  # int4: dim d in byte d // 2, low nibble first, stored as value + 8
+        byte = tl.load(data_ptr + rows[:, None] * DATA_DIM + offs_d[None, :] // 2, mask=mask,
+                       other=136).to(tl.int32)
+        nib = (byte >> ((offs_d[None, :] % 2) * 4)) & 15
+        val = (nib - 8).to(tl.float32)
+        scale = tl.load(scale_ptr + rows[:, None] * NUM_SCALES + offs_d[None, :] // 32,
+                        mask=mask, other=0.0)
+    else:
+        raw = tl.load(data_ptr + rows[:, None] * DATA_DIM + offs_d[None, :], mask=mask, other=0)
+        if KIND == 0:  # int8, symmetric
+            val = raw.to(tl.float32)
+        else:  # fp8 e4m3 bits: sign, 4 exponent bits (bias 7), 3 mantissa bits
+            bits = raw.to(tl.int32) & 255
+            e = (bits >> 3) & 15
+            m = (bits & 7).to(tl.float32)
+            mag = tl.where(e == 0, m * 0.001953125,  # subnormal: m / 8 * 2^-6
+                           (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+            val = tl.where((bits & 128) != 0, -mag, mag)
+        scale = tl.load(scale_ptr + rows * NUM_SCALES, mask=in_tok, other=0.0)[:, None]
+    return val * scale
+
+
+def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  # noqa: ANN001
+                 out_ptr, lse_ptr, sm_scale, stride_qb, stride_qh, stride_table, split_len,
+                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DP: tl.constexpr, DATA_DIM: tl.constexpr,
+                 NUM_SCALES: tl.constexpr, KIND: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + row)
+    start = split * split_len
+    end = tl.minimum(length, start + split_len)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_g = offs_g < GROUP
+    in_d = offs_d < HEAD_DIM
+    qh = head * GROUP + offs_g  # this kv head's query heads
+    q = tl.load(q_ptr + row * stride_qb + qh[:, None] * stride_qh + offs_d[None, :],
+                mask=in_g[:, None] & in_d[None, :], other=0.0)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    den = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        in_tok = tok < end
+        page = tl.load(table_ptr + row * stride_table + tok // BLOCK_SIZE, mask=in_tok,
+                       other=0).to(tl.int64)
+        rows = (page * BLOCK_SIZE + tok % BLOCK_SIZE) * KV_HEADS + head
+        k = _dequant(k_data, k_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+        k = k.to(q.dtype)  # as the torch path's gather gives it
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale  # [GP, BLOCK_N] fp32
+        s = tl.where(in_tok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        corr = tl.exp(m - m_new)
+        den = den * corr + tl.sum(p, 1)
+        v = _dequant(v_data, v_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+        pv = p.to(q.dtype)
+        v = v.to(q.dtype)
+        if DOT_F32:
+            pv = tl.dot(pv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pv, v)
+        acc = acc * corr[:, None] + pv
+        m = m_new
+    # a split past the row's end (or an empty one) leaves m at -inf: den 0, weight 0
+    safe = tl.where(den > 0, den, 1.0)
+    at = (row * KV_HEADS * GROUP + qh) * SPLITS + split  # [GP]
+    tl.store(out_ptr + at[:, None] * DP + offs_d[None, :], acc / safe[:, None],
+             mask=in_g[:, None] & in_d[None, :])
+    tl.store(lse_ptr + at, tl.where(den > 0, m + tl.log(safe), float("-inf")), mask=in_g)
+
+
+def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,  # noqa: ANN001
+                 HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DP: tl.constexpr,
+                 SPLITS: tl.constexpr, SP: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SP)
+    offs_d = tl.arange(0, DP)
+    in_s = offs_s < SPLITS
+    at = (row * HEADS + head) * SPLITS + offs_s
+    lse = tl.load(lse_ptr + at, mask=in_s, other=float("-inf"))
+    top = tl.max(lse, 0)
+    w = tl.where(in_s & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+    part = tl.load(part_ptr + at[:, None] * DP + offs_d[None, :],
+                   mask=in_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(o_ptr + row * stride_ob + head * stride_oh + offs_d,
+             o.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+@functools.cache
+def build(interpret: bool) -> tuple[Any, Any]:
+    """The two kernels compiled for the device, or run by Triton's interpreter on CPU."""
+    if interpret:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        return InterpretedFunction(split_kernel), InterpretedFunction(merge_kernel)
+    return triton.jit(split_kernel), triton.jit(merge_kernel)

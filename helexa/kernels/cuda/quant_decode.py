@@ -1,0 +1,145 @@
+"""Decode attention over a quantised KV pool on CUDA in two kernels a layer (Triton).
+
+FlashInfer reads no quantised pool of helexa's (kernels/kv_quant.py: int8, fp8 e4m3 and
+int4 data with per-token-head fp32 scales), so on CUDA those pools run the torch path,
+whose decode gathers each length group's K and V, dequantises them to the queries'
+dtype and calls SDPA: tens of kernels a layer a step at short context, hundreds at long
+(a chunk of 8,192 row-tokens at a time), and every gathered byte written and read again.
+Here one kernel (helexa/kernels/cuda/_quant_decode_triton.py ``split_kernel``) reads the
+pages in place through each row's block table, dequantises in registers and keeps the
+softmax online, each program a split of one row's context for one kv head and its GQA
+group (flash-decoding: enough programs to fill the card at batch 1), and a second merges
+the splits. The new tokens' K and V are written before, by the torch path's quantise.
+
+The cuda backend (helexa/kernels/backends/cuda.py) runs it for a quantised pool's decode
+rows where :func:`probe` agreed on the device at load (rows of several lengths over
+scattered pages, against the torch path), else the torch path, the reason logged as
+``kernels.quant_decode_fallback``. No Triton, a 32-bit model, or
+``HELEXA_TRITON_QUANT_DECODE=0``: the torch path. The tests run the kernels' source on CPU
+through Triton's interpreter. It is unmeasured on a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from helexa.kernels import cuda as cuda_kernels
+from helexa.kernels.attention import DecodeGroup, grouped_decode
+from helexa.kernels.paged_kv import PagedKV
+
+BLOCK_N = 32  # tokens a program reads at a time
+MIN_SPLIT = 256  # tokens: no split is shorter (a short row is one split)
+TARGET_PROGRAMS = 264  # about two a streaming multiprocessor on an H100
+_KIND = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
+_TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
+
+
+def unavailable() -> str:
+    """"" where the kernels can be built; else why not."""
+    return cuda_kernels.unavailable("HELEXA_TRITON_QUANT_DECODE", "_quant_decode_triton")
+
+
+def splits(rows: int, kv_heads: int, max_len: int) -> tuple[int, int]:
+    """How each row's context is cut: (splits, tokens a split), enough programs to fill the
+    card, no split shorter than MIN_SPLIT tokens, each a whole number of BLOCK_N tiles
+    (the longest row's last split is never empty)."""
+    want = max(1, min(-(-TARGET_PROGRAMS // (rows * kv_heads)), max_len // MIN_SPLIT))
+    length = -(-max_len // want)
+    length = -(-length // BLOCK_N) * BLOCK_N
+    return -(-max_len // length), length
+
+
+def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor,
+           max_len: int, block_size: int, interpret: bool = False) -> torch.Tensor:
+    """One query per decode row over its context in the quantised pool ``kv``: q [B, heads,
+    d] (fp16/bf16), table [B, max_blocks] int32 (each row's pages), lens [B] int32 (its
+    context, the new token's included, already written), max_len the longest (a host
+    figure) -> [B, heads, d] in q's dtype."""
+    from helexa.kernels.cuda import _quant_decode_triton as src
+
+    b, heads, d = q.shape
+    kvh = kv.num_kv_heads
+    group = heads // kvh
+    out = torch.empty_like(q)
+    if b == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    n_split, split_len = splits(b, kvh, max_len)
+    dp = max(16, 1 << (d - 1).bit_length())
+    part = torch.empty(b, heads, n_split, dp, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, heads, n_split, dtype=torch.float32, device=q.device)
+    split_kernel, merge_kernel = src.build(interpret)
+    assert kv.k_data.is_contiguous() and kv.k_scale.is_contiguous() and table.stride(-1) == 1
+    split_kernel[(b, kvh, n_split)](
+        q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, table, lens, part, lse,
+        1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0), split_len,
+        KV_HEADS=kvh, GROUP=group, GP=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=d,
+        DP=dp, DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
+        KIND=_KIND[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLITS=n_split,
+        DOT_F32=interpret)
+    merge_kernel[(b, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads,
+                             HEAD_DIM=d, DP=dp, SPLITS=n_split,
+                             SP=max(2, 1 << (n_split - 1).bit_length()))
+    return out
+
+
+def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
+          dtype: torch.dtype, interpret: bool = False) -> str:
+    """Three decode rows (contexts of 1, 37 and 300 tokens over scattered pages, one split
+    more than one program) at a layer's sizes against the torch path's decode: "" when
+    they agree within the dtype's tolerance, else why not (a failure included)."""
+    gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
+    block_size, lens = 16, [1, 37, 300]
+    blocks = sum(-(-n // block_size) for n in lens)
+    kv = PagedKV(blocks + 3, block_size, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
+                 compute=dtype, device=device)
+    slots = (blocks + 3) * block_size
+    kv.write(torch.arange(slots, device=device),
+             torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype),
+             torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype))
+    pages = (torch.randperm(blocks + 3, generator=gen)[:blocks] if blocks else
+             torch.empty(0, dtype=torch.long)).tolist()
+    tables, at = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(pages[at:at + need])
+        at += need
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(device, dtype)
+    table, lens_t, want = reference_inputs(tables, lens, block_size, q, kv)
+    try:
+        got = decode(q, kv, table, lens_t, max(lens), block_size, interpret)
+    except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
+        return f"the Triton quantised-KV decode failed ({type(e).__name__}: {e})"
+    tol = _TOL.get(dtype, 3e-2)
+    err = float((got.float() - want.float()).norm() / want.float().norm())
+    if not err < tol:
+        return f"the Triton quantised-KV decode is off by {err:.2g} (relative; {tol} allowed)"
+    return ""
+
+
+def reference_inputs(tables: list[list[int]], lens: list[int], block_size: int,
+                     q: torch.Tensor, kv: PagedKV
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's table and lengths for rows of these block tables, and the torch path's
+    output for them (one length group, each row's slots gathered)."""
+    dev, width = q.device, max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    ar = torch.arange(max(lens))
+    slots = (table.long()[:, ar // block_size] * block_size + ar % block_size).to(dev)
+    grp = DecodeGroup(rows=None, lengths=torch.tensor(lens, device=dev), max_len=max(lens),
+                      min_len=min(lens), slots=slots)
+    return (table.to(dev), torch.tensor(lens, dtype=torch.int32, device=dev),
+            grouped_decode(q, kv, [grp]))
+
+
+def chosen(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
+           dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether this kernel serves a quantised pool of these sizes on ``device`` (its probe
+    agreed), and why not where it could run here but was refused ("" otherwise)."""
+    if device.type != "cuda" or unavailable() or dtype not in _TOL or kv_dtype not in _KIND:
+        return False, ""
+    why = probe(device, kv_dtype, heads, kv_heads, head_dim, dtype)
+    return not why, why

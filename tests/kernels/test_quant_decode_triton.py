@@ -1,0 +1,124 @@
+"""Decode attention over a quantised KV pool in two Triton launches
+(helexa/kernels/cuda/quant_decode.py), run on CPU tensors by Triton's interpreter
+(tests/conftest.py sets TRITON_INTERPRET), against the torch path it replaces on CUDA; its
+splits, its probe, and a whole model's greedy decode through the torch backend with it."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+from helexa.kernels.backends.base import StepPlan
+from helexa.kernels.backends.torch_ref import TorchBackend
+from helexa.kernels.cuda import quant_decode as qd
+from helexa.kernels.paged_kv import PagedKV
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
+    "Triton's interpreter is off (tests/conftest.py: a CUDA host, where the card runs it)"))
+
+CPU = torch.device("cpu")
+
+
+def _pool(kv_dtype: str, kvh: int, d: int, blocks: int, bs: int, dtype: torch.dtype,
+          seed: int) -> PagedKV:
+    gen = torch.Generator().manual_seed(seed)
+    kv = PagedKV(blocks, bs, kvh, d, kv_dtype=kv_dtype, storage=None, compute=dtype, device=CPU)
+    n = blocks * bs
+    kv.write(torch.arange(n), torch.randn(n, kvh, d, generator=gen).to(dtype) * 3,
+             torch.randn(n, kvh, d, generator=gen).to(dtype))
+    return kv
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(12, 2, 64), (4, 4, 40), (7, 1, 80)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, monkeypatch):
+    """Rows of 1, 17, 40 and 130 tokens over scattered pages (GQA groups of 6, 1 and 7;
+    head sizes off the powers of two; int4's last scale group partial), the longest row cut
+    into splits of 32 tokens and the shorter rows' later splits empty: within the dtype's
+    rounding of the torch path's gather, dequantise and SDPA."""
+    monkeypatch.setattr(qd, "MIN_SPLIT", 16)  # many splits at these short contexts
+    bs, lens = 8, [17, 1, 130, 40]
+    kv = _pool(kv_dtype, kvh, d, 40, bs, dtype, seed=heads + d)
+    pages = torch.randperm(40, generator=torch.Generator().manual_seed(d)).tolist()
+    tables, at = [], 0
+    for n in lens:
+        tables.append(pages[at:at + -(-n // bs)])
+        at += -(-n // bs)
+    q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    table, lens_t, want = qd.reference_inputs(tables, lens, bs, q, kv)
+    assert qd.splits(len(lens), kvh, max(lens))[0] > 1
+    got = qd.decode(q, kv, table, lens_t, max(lens), bs, interpret=True)
+    assert got.dtype == dtype and got.shape == q.shape
+    # the kernel rounds the softmax weights to the queries' dtype before they meet V (as
+    # flash attention does): a few units in the last place of bf16 where SDPA keeps fp32
+    tol = {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < tol / 3
+
+
+def test_splits_fill_the_card_at_batch_1_and_never_cut_a_short_row():
+    # one row, 4 kv heads, 32k of context: 66 programs' worth, in whole tiles of 32 tokens
+    # 64 splits of 512; a row of 300 tokens stays whole; 32 rows of 8 kv heads fill the
+    # card already (2 splits); 1,000 tokens cut at most into 3 of 256 or more
+    assert qd.splits(1, 4, 32768) == (64, 512)
+    assert qd.splits(1, 4, 300) == (1, 320)
+    assert qd.splits(32, 8, 32768) == (2, 16384)
+    assert qd.splits(1, 8, 1000) == (3, 352)
+
+
+def test_the_probe_passes_the_kernel_and_catches_a_wrong_or_failing_one(monkeypatch):
+    assert qd.probe(CPU, "int4", 8, 2, 64, torch.bfloat16, interpret=True) == ""
+    real = qd.decode
+    monkeypatch.setattr(qd, "decode", lambda *a, **kw: real(*a, **kw) * 1.05)
+    assert qd.probe(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True).startswith(
+        "the Triton quantised-KV decode is off by")
+
+    def broken(*a, **kw):
+        raise RuntimeError("out of resources: shared memory")
+
+    monkeypatch.setattr(qd, "decode", broken)
+    assert qd.probe(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True) == (
+        "the Triton quantised-KV decode failed (RuntimeError: out of resources: shared memory)")
+
+
+def test_it_is_chosen_only_on_cuda_for_16_bit_queries():
+    assert qd.chosen(CPU, "int8", 8, 2, 64, torch.bfloat16) == (False, "")
+    assert qd.chosen(torch.device("cuda"), "int8", 8, 2, 64, torch.float32) == (False, "")
+    assert qd.chosen(torch.device("cuda"), "bf16", 8, 2, 64, torch.bfloat16) == (False, "")
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
+def test_the_torch_backend_decodes_a_step_on_the_kernel(kv_dtype):
+    """The torch backend with the kernel set (as the cuda backend sets it where its probe
+    agreed) plans a decode step's rows as one table and writes and attends as before:
+    the step's output is the plain torch backend's, a prefill riding along unchanged."""
+    bs, kvh, heads, d = 4, 2, 6, 32
+    from helexa.checkpoint.layer_memory import AttentionSpec
+    from helexa.kernels.backends.base import PrefillRow
+
+    spec = [AttentionSpec(kv_heads=kvh, head_dim=d, kv_dtype=kv_dtype)]
+    outs = []
+    for kernel in (None, functools.partial(qd.decode, interpret=True)):
+        backend = TorchBackend(CPU)
+        backend.quant_decode = kernel
+        backend.allocate_kv(spec, 16, bs, storage=None, compute=torch.float16)
+        gen = torch.Generator().manual_seed(3)
+        # rows of 9 and 3 tokens decoding (pages out of order), then a prefill of 5
+        fill = torch.arange(16 * bs)
+        backend.pools[0].write(fill, torch.randn(16 * bs, kvh, d, generator=gen).half(),
+                               torch.randn(16 * bs, kvh, d, generator=gen).half())
+        slots = torch.tensor([5 * bs + 0, 2 * bs + 2, 9 * bs, 9 * bs + 1, 9 * bs + 2,
+                              9 * bs + 3, 10 * bs])
+        step = StepPlan(slot_mapping=slots, decode_positions=[8, 2],
+                        decode_tables=[[7, 3, 5], [2]], block_size=bs, num_blocks=16,
+                        prefills=[PrefillRow(2, 7, 0, [9, 10])])
+        meta = backend.plan(step)
+        assert (meta.decode_rows is not None) == (kernel is not None)
+        q, k, v = (torch.randn(7, h, d, generator=gen).half() for h in (heads, kvh, kvh))
+        outs.append(backend.forward(0, q, k, v, meta))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=4e-3, atol=4e-3)
