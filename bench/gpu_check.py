@@ -42,8 +42,8 @@ failing stage still leaves the others' figures:
   states instead (HELEXA_FLASHINFER_GDN=0); for a model whose GQA group both of
   FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
   not choose (``other_decode_kernel``: the measurement its rule waits for); the dense
-  model over an int8 KV pool, batch 1 and 8, on the Triton quantised-KV decode and on
-  the torch path (``int8_kv``). Last, so a check short of time loses these and not the
+  model over an int8 KV pool, batch 1 and 8, on the Triton quantised-KV write and decode
+  and on the torch path (``int8_kv``). Last, so a check short of time loses these and not the
   figures before.
 - ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1 and 8 rows on the
   Triton kernel, the dequantised tiles and a bf16 F.linear: µs a call and the fraction of
@@ -577,15 +577,15 @@ def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
 
 
 def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dict[str, Any]:
-    """Batch 1 and 8 decode of checkpoint ``name`` over an int8 KV pool, whose decode rows
-    run the Triton kernel where its probe agreed (kernels/cuda/quant_decode.py), and again
-    on the torch path (its switch at 0): each run's backend line, steps/s and fraction of
-    the weights' roofline (the KV's bytes at these prompts are a rounding error beside the
-    weights'), and the kernel's speed-up at batch 1."""
+    """Batch 1 and 8 decode of checkpoint ``name`` over an int8 KV pool, whose writes and
+    decode rows run Triton kernels where their probes agreed (kernels/cuda/quant_write.py,
+    quant_decode.py), and again on the torch path (both switches at 0): each run's backend
+    line, steps/s and fraction of the weights' roofline (the KV's bytes at these prompts
+    are a rounding error beside the weights'), and the kernels' speed-up at batch 1."""
     s, out = ctx["sizes"], {}
-    for label, env in (("triton", ""), ("torch_path", "HELEXA_TRITON_QUANT_DECODE")):
-        if env:
-            os.environ[env] = "0"
+    off = ("HELEXA_TRITON_QUANT_WRITE", "HELEXA_TRITON_QUANT_DECODE")
+    for label, envs in (("triton", ()), ("torch_path", off)):
+        os.environ.update(dict.fromkeys(envs, "0"))
         try:
             r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8,
                        kv_dtype="int8")
@@ -597,7 +597,7 @@ def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dic
                                         "roofline_fraction": steps / roofline_steps}
             r.close()
         finally:
-            if env:
+            for env in envs:
                 del os.environ[env]
         out[label] = got
     out["triton_vs_torch_path_batch1"] = (out["triton"]["batch1"]["steps_s"]

@@ -8,8 +8,9 @@ or in the default tests needs it.
   kv_heads, head_dim] for K and for V, the layout FlashInfer reads; a token's
   flat slot (block * block_size + offset) is the same as on every backend.
   Quantised kv dtypes (per-token-head scales, helexa/kernels/kv_quant.py) are not a
-  FlashInfer format: those pools run the torch backend's path, their decode rows on one
-  Triton kernel where it agreed at load (helexa/kernels/cuda/quant_decode.py).
+  FlashInfer format: those pools run the torch backend's path, their writes and decode
+  rows on Triton kernels where they agreed at load (kernels/cuda/quant_write.py,
+  quant_decode.py).
 - Per step, one ``plan`` on host-side index arrays (no device-to-host copy):
   a pure-decode step through BatchDecodeWithPagedKVCacheWrapper, any step with
   a prefill chunk through BatchPrefillWithPagedKVCacheWrapper (causal, queries
@@ -208,8 +209,10 @@ class CudaAttention(AttentionBackend):
     def describe(self) -> str:
         version = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
         if self.torch_path:
-            kernel = ", decode on Triton" if self.reference.quant_decode is not None else ""
-            return f"{version}; {self.torch_path}: torch path{kernel}"
+            ref = self.reference
+            on = " and ".join(p for p, f in (("writes", ref.quant_write),
+                                             ("decode", ref.quant_decode)) if f)
+            return f"{version}; {self.torch_path}: torch path" + (f", {on} on Triton" if on else "")
         if not self.pools:
             return version
         kernel = "tensor cores" if self.tensor_cores else "CUDA cores"
@@ -235,12 +238,9 @@ class CudaAttention(AttentionBackend):
             self._graph_workspace = None
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
-            s = layers[0]  # a quantised pool's decode rows: one Triton kernel where it agreed
-            ok, why = quant_decode.chosen(self.device, s.kv_dtype, self.heads, s.kv_heads,
-                                          s.head_dim, compute) if storage is None else (False, "")
-            if why:
-                log.warning("kernels.quant_decode_fallback", reason=why)
-            self.reference.quant_decode = quant_decode.decode if ok else None
+            # a quantised pool's writes and decode rows: Triton kernels where they agreed
+            quant_decode.choose(self.reference, layers[0] if storage is None else None,
+                                self.heads, compute)
             return self.pools
         if self.graph_rows and self._graph_workspace is None:  # back from the torch path
             self._graph_workspace = torch.empty(self._workspace.numel(), dtype=torch.uint8,

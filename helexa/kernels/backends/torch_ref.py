@@ -53,6 +53,8 @@ class TorchBackend(AttentionBackend):
     # A kernel for quantised pools' decode rows, (q, kv, table, lens, longest, block_size)
     # -> out, set by the backend that composes this one (cuda: kernels/cuda/quant_decode.py)
     quant_decode: Callable[..., torch.Tensor] | None = None
+    # and one writing their new K and V, (kv, slot_mapping, k, v) (kernels/cuda/quant_write.py)
+    quant_write: Callable[..., None] | None = None
 
     def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
@@ -76,7 +78,10 @@ class TorchBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchMetadata) -> torch.Tensor:
         kv = self.pools[layer]
-        kv.write(meta.slot_mapping, k, v)
+        if self.quant_write is not None and kv.quantized:
+            self.quant_write(kv, meta.slot_mapping, k, v)
+        else:
+            kv.write(meta.slot_mapping, k, v)
         groups, rows, kernel = meta.decode_groups, meta.decode_rows, self.quant_decode
         if rows is not None and kernel is not None:
             return paged_attention(q, k, v, kv, meta.num_decode,

@@ -9,7 +9,8 @@ Here one kernel (helexa/kernels/cuda/_quant_decode_triton.py ``split_kernel``) r
 pages in place through each row's block table, dequantises in registers and keeps the
 softmax online, each program a split of one row's context for one kv head and its GQA
 group (flash-decoding: enough programs to fill the card at batch 1), and a second merges
-the splits. The new tokens' K and V are written before, by the torch path's quantise.
+the splits. The new tokens' K and V are written before, by kernels/cuda/quant_write.py's
+kernel where it serves (else the torch form); :func:`choose` sets both on the torch backend.
 
 The cuda backend (helexa/kernels/backends/cuda.py) runs it for a quantised pool's decode
 rows where :func:`probe` agreed on the device at load (rows of several lengths over
@@ -23,11 +24,17 @@ from __future__ import annotations
 
 import math
 
+import structlog
 import torch
 
+from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import cuda as cuda_kernels
 from helexa.kernels.attention import DecodeGroup, grouped_decode
+from helexa.kernels.backends.torch_ref import TorchBackend
+from helexa.kernels.cuda import quant_write
 from helexa.kernels.paged_kv import PagedKV
+
+log = structlog.get_logger(component="kernels")
 
 BLOCK_N = 32  # tokens a program reads at a time
 MIN_SPLIT = 256  # tokens: no split is shorter (a short row is one split)
@@ -143,3 +150,23 @@ def chosen(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_
         return False, ""
     why = probe(device, kv_dtype, heads, kv_heads, head_dim, dtype)
     return not why, why
+
+
+def choose(backend: TorchBackend, spec: AttentionSpec | None, heads: int,
+           compute: torch.dtype) -> None:
+    """Set the torch backend's quantised-pool kernels (``quant_write``, ``quant_decode``)
+    for pools of ``spec`` (None: a float pool, neither) on its device: each where its probe
+    agreed, else None, the reason logged (``kernels.quant_write_fallback`` /
+    ``kernels.quant_decode_fallback``) where it could run here but was refused."""
+    backend.quant_write = backend.quant_decode = None
+    if spec is None:
+        return
+    dev = backend.device
+    wrote, why = quant_write.chosen(dev, spec.kv_dtype, spec.kv_heads, spec.head_dim, compute)
+    if why:
+        log.warning("kernels.quant_write_fallback", reason=why)
+    read, why = chosen(dev, spec.kv_dtype, heads, spec.kv_heads, spec.head_dim, compute)
+    if why:
+        log.warning("kernels.quant_decode_fallback", reason=why)
+    backend.quant_write = quant_write.write if wrote else None
+    backend.quant_decode = decode if read else None
