@@ -578,7 +578,7 @@ def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
 
 def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dict[str, Any]:
     """Batch 1 and 8 decode of checkpoint ``name`` over an int8 KV pool, whose writes and
-    decode rows run Triton kernels where their probes agreed (kernels/cuda/quant_write.py,
+    attention run Triton kernels where their probes agreed (kernels/cuda/quant_write.py,
     quant_decode.py), and again on the torch path (both switches at 0): each run's backend
     line, steps/s and fraction of the weights' roofline (the KV's bytes at these prompts
     are a rounding error beside the weights'), and the kernels' speed-up at batch 1."""

@@ -67,11 +67,13 @@ class DecodeGroup:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV,
-                    num_decode: int, decode: DecodeFn,
-                    prefills: list[PrefillChunk]) -> torch.Tensor:
+                    num_decode: int, decode: DecodeFn, prefills: list[PrefillChunk],
+                    prefill: Callable[[torch.Tensor, PrefillChunk], torch.Tensor] | None = None
+                    ) -> torch.Tensor:
     """Attention for a step whose new K/V are already written to the pool ``kv``: the
     first ``num_decode`` rows through ``decode`` (a backend's decode path), then each
-    prefill chunk causally over its cached context and itself.
+    prefill chunk causally over its cached context and itself (one over cached context
+    through ``prefill`` where given: a backend's kernel, (q of the chunk, chunk) -> out).
 
     q [N, heads, d]; k, v [N, kv_heads, d] (this step's, used directly by
     prefill chunks with no cached context). Returns [N, heads, d].
@@ -91,6 +93,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Paged
             vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True,
                                                enable_gqa=heads != kvh)
+        elif prefill is not None:
+            out[chunk.start : chunk.end] = prefill(q[chunk.start : chunk.end], chunk)
+            continue
         elif chunk.mask is None:  # a long context: a chunk of keys at a time
             out[chunk.start : chunk.end] = _prefill_long(q[chunk.start : chunk.end], kv, chunk)
             continue

@@ -339,10 +339,10 @@ def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[st
 def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
         fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A quantised pool asks the Triton kernels' probes at the layers' sizes: where they
-    agreed, its new K and V are written by one and its decode rows are planned as one table
-    for the other, and the backend line says so; where one disagreed, the reason is logged
-    and its torch form runs (decode rows in length groups); a float pool of another dtype
-    than the queries' asks nothing."""
+    agreed, its new K and V are written by one, its decode rows are planned as one table
+    for another and its prefill chunks go to the third, and the backend line says so; where
+    one disagreed, the reason is logged and its torch form runs (decode rows in length
+    groups); a float pool of another dtype than the queries' asks nothing."""
     from helexa.kernels.cuda import quant_decode, quant_write
 
     asked: list[tuple[Any, ...]] = []
@@ -356,11 +356,15 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
     att.heads = 24
     spec = [AttentionSpec(4, 128, "int4")] * 2
     att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)
-    assert asked == [(torch.device("cpu"), "int4", 4, 128, torch.bfloat16),
-                     (torch.device("cpu"), "int4", 24, 4, 128, torch.bfloat16)]
+    cpu = torch.device("cpu")
+    assert asked == [(cpu, "int4", 4, 128, torch.bfloat16),
+                     (cpu, "int4", 24, 4, 128, torch.bfloat16),
+                     (cpu, "int4", 24, 4, 128, torch.bfloat16, quant_decode.probe_prefill)]
     assert att.reference.quant_decode is quant_decode.decode and not warned
     assert att.reference.quant_write is quant_write.write
-    assert att.describe().endswith("quantised KV: torch path, writes and decode on Triton")
+    assert att.reference.quant_prefill is quant_decode.prefill
+    assert att.describe().endswith(
+        "quantised KV: torch path (Triton: writes, decode, prefill)")
     meta = att.plan(_decode_step(2))
     assert meta.decode_rows is not None and not meta.decode_groups
     table, lens, longest, bs = meta.decode_rows
@@ -369,14 +373,15 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
     write_verdict = (False, "the Triton quantised-KV write's k_data differs from the ...")
     att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)
     assert att.reference.quant_decode is None and att.reference.quant_write is None
-    assert att.describe().endswith("torch path")
+    assert att.reference.quant_prefill is None and att.describe().endswith("torch path")
     assert warned == [("kernels.quant_write_fallback", write_verdict[1]),
-                      ("kernels.quant_decode_fallback", verdict[1])]
+                      ("kernels.quant_decode_fallback", verdict[1]),
+                      ("kernels.quant_prefill_fallback", verdict[1])]
     meta = att.plan(_decode_step(2))
     assert meta.decode_rows is None and meta.decode_groups
     att.allocate_kv([AttentionSpec(4, 128, "fp16")] * 2, 8, 16, storage=torch.float16,
                     compute=torch.bfloat16)
-    assert len(asked) == 4 and att.reference.quant_decode is att.reference.quant_write is None
+    assert len(asked) == 6 and att.reference.quant_decode is att.reference.quant_write is None
 
 
 def test_a_plan_waits_only_for_its_own_wrappers_last_copies(

@@ -61,6 +61,35 @@ def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, monkeypatc
     assert float((got.float() - want.float()).norm() / want.float().norm()) < tol / 3
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize(("heads", "kvh", "d"), [(12, 2, 64), (7, 7, 40), (24, 1, 80)])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_the_prefill_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, consecutive):
+    """A chunk of 37 queries ending a 150-token context (GQA groups of 6, 1 and 24: 10, 64
+    and 2 queries a program; the causal edge inside the key tiles), its context's slots
+    scattered or one consecutive run, against the torch path both ways it reads a
+    context: masked SDPA over the whole of it, and a chunk of keys at a time (what a
+    context past DECODE_CHUNK_TOKENS takes, mask None)."""
+    from helexa.kernels.attention import PrefillChunk, paged_attention
+
+    bs, n, context = 8, 37, 150
+    kv = _pool(kv_dtype, kvh, d, 24, bs, torch.float16, seed=heads * d)
+    pages = (list(range(3, 22)) if consecutive else
+             torch.randperm(24, generator=torch.Generator().manual_seed(2)).tolist()[:19])
+    slots = [pages[i // bs] * bs + i % bs for i in range(context)]
+    chunk = PrefillChunk(start=0, end=n, context_len=context,
+                         context_start=slots[0] if consecutive else None,
+                         context_slots=None if consecutive else torch.tensor(slots))
+    q = torch.randn(n, heads, d, generator=torch.Generator().manual_seed(4)).half()
+    got = qd.prefill(q, kv, chunk, interpret=True)
+    ctx = torch.arange(context)
+    for mask in (ctx[None, :] <= ctx[context - n:, None], None):
+        ref = PrefillChunk(start=0, end=n, context_len=context,
+                           context_slots=torch.tensor(slots), mask=mask)
+        want = paged_attention(q, q[:, :kvh], q[:, :kvh], kv, 0, qd._no_decode, [ref])
+        torch.testing.assert_close(got.float(), want.float(), rtol=4e-3, atol=4e-3)
+
+
 def test_splits_fill_the_card_at_batch_1_and_never_cut_a_short_row():
     # one row, 4 kv heads, 32k of context: 66 programs' worth, in whole tiles of 32 tokens
     # 64 splits of 512; a row of 300 tokens stays whole; 32 rows of 8 kv heads fill the
@@ -73,6 +102,15 @@ def test_splits_fill_the_card_at_batch_1_and_never_cut_a_short_row():
 
 def test_the_probe_passes_the_kernel_and_catches_a_wrong_or_failing_one(monkeypatch):
     assert qd.probe(CPU, "int4", 8, 2, 64, torch.bfloat16, interpret=True) == ""
+    assert qd.probe_prefill(CPU, "int4", 8, 2, 64, torch.bfloat16, interpret=True) == ""
+    real_prefill = qd.prefill
+
+    def off(q, kv, chunk, interpret=False):  # a wrong answer
+        return real_prefill(q, kv, chunk, interpret) * 0.9
+
+    monkeypatch.setattr(qd, "prefill", off)
+    assert qd.probe_prefill(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True).startswith(
+        "the Triton quantised-KV prefill is off by")
     real = qd.decode
     monkeypatch.setattr(qd, "decode", lambda *a, **kw: real(*a, **kw) * 1.05)
     assert qd.probe(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True).startswith(
@@ -124,12 +162,14 @@ def test_the_torch_backend_decodes_a_step_on_the_kernel(kv_dtype):
     torch.testing.assert_close(outs[1].float(), outs[0].float(), rtol=4e-3, atol=4e-3)
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
-def test_a_model_decodes_the_same_with_both_kernels(tiny_checkpoint, kv_dtype):
-    """A whole model (qwen3, fp16) over a quantised pool: a prefill of two rows, then six
-    decode steps whose new K and V are written by the write kernel and whose rows are read
-    by the decode kernel (both interpreted), against the torch path, the same tokens fed
-    to both: the pools byte-equal after and the logits equal to fp16's rounding."""
+@pytest.mark.parametrize("kv_dtype", ["int4"])  # the kernels' tests above take the others
+def test_a_model_serves_the_same_with_the_three_kernels(tiny_checkpoint, kv_dtype):
+    """A whole model (qwen3, fp16) over a quantised pool: a prompt in two chunks (the
+    second over the first's cached KV, on the prefill kernel) beside another, then six
+    decode steps of both whose rows are read by the decode kernel, every new K and V
+    written by the write kernel (all interpreted), against the torch path, the same
+    tokens fed to both: the pools byte-equal after and the logits equal to fp16's
+    rounding."""
     from helexa.kernels.cuda import quant_write as qw
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
@@ -149,9 +189,15 @@ def test_a_model_decodes_the_same_with_both_kernels(tiny_checkpoint, kv_dtype):
                 _calls.append("decode")
                 return qd.decode(*a, interpret=True)
 
-            attn.quant_write, attn.quant_decode = written, read
+            def ahead(*a, _calls=calls):
+                _calls.append("prefill")
+                return qd.prefill(*a, interpret=True)
+
+            attn.quant_write, attn.quant_decode, attn.quant_prefill = written, read, ahead
         a, b = list(range(1, 10)), list(range(20, 25))
-        out = [r.execute([SeqInput(a, 0, [0, 1], True), SeqInput(b, 0, [2, 3], True)])]
+        # a's prompt in two chunks, the second over the first's cached KV beside b's prompt
+        out = [r.execute([SeqInput(a[:4], 0, [0, 1], True)]),
+               r.execute([SeqInput(a[4:], 4, [0, 1], True), SeqInput(b, 0, [2, 3], True)])]
         for i in range(6):
             out.append(r.execute([SeqInput([30 + i], 9 + i, [0, 1], True),
                                   SeqInput([40 + i], 5 + i, [2, 3], True)]))
@@ -159,8 +205,10 @@ def test_a_model_decodes_the_same_with_both_kernels(tiny_checkpoint, kv_dtype):
         pools.append([(p.k_data.clone(), p.v_data.clone()) for p in attn.pools])
         layers = len(attn.pools)
         r.close()
-        if kernels:  # every layer writes each step; decode rows in the six decode steps
-            assert calls.count("write") == 7 * layers and calls.count("decode") == 6 * layers
+        if kernels:  # every layer writes each step; decode rows in the six decode steps;
+            # the one chunk over cached context (b's prompt has none: SDPA on its own K/V)
+            assert calls.count("write") == 8 * layers and calls.count("decode") == 6 * layers
+            assert calls.count("prefill") == layers
     assert all(torch.equal(x, y) for p, q in zip(*pools, strict=True)
                for x, y in zip(p, q, strict=True))
     for plain, fused in zip(*runs, strict=True):

@@ -210,9 +210,10 @@ class CudaAttention(AttentionBackend):
         version = f"flashinfer {getattr(flashinfer, '__version__', '?')}"
         if self.torch_path:
             ref = self.reference
-            on = " and ".join(p for p, f in (("writes", ref.quant_write),
-                                             ("decode", ref.quant_decode)) if f)
-            return f"{version}; {self.torch_path}: torch path" + (f", {on} on Triton" if on else "")
+            on = [p for p, f in (("writes", ref.quant_write), ("decode", ref.quant_decode),
+                                 ("prefill", ref.quant_prefill)) if f]
+            return f"{version}; {self.torch_path}: torch path" + (
+                f" (Triton: {', '.join(on)})" if on else "")
         if not self.pools:
             return version
         kernel = "tensor cores" if self.tensor_cores else "CUDA cores"

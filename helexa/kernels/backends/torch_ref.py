@@ -55,6 +55,8 @@ class TorchBackend(AttentionBackend):
     quant_decode: Callable[..., torch.Tensor] | None = None
     # and one writing their new K and V, (kv, slot_mapping, k, v) (kernels/cuda/quant_write.py)
     quant_write: Callable[..., None] | None = None
+    # and one for a prefill chunk over cached context, (q, kv, chunk) -> out
+    quant_prefill: Callable[..., torch.Tensor] | None = None
 
     def allocate_kv(self, layers: list[AttentionSpec], num_blocks: int, block_size: int, *,
                     storage: torch.dtype | None, compute: torch.dtype) -> list[PagedKV]:
@@ -83,11 +85,15 @@ class TorchBackend(AttentionBackend):
         else:
             kv.write(meta.slot_mapping, k, v)
         groups, rows, kernel = meta.decode_groups, meta.decode_rows, self.quant_decode
+        ahead = self.quant_prefill
+        prefill = (None if ahead is None or not kv.quantized else
+                   lambda q, chunk: ahead(q, kv, chunk))
         if rows is not None and kernel is not None:
             return paged_attention(q, k, v, kv, meta.num_decode,
-                                   lambda q, k, v: kernel(q, kv, *rows), meta.prefills)
+                                   lambda q, k, v: kernel(q, kv, *rows), meta.prefills, prefill)
         return paged_attention(q, k, v, kv, meta.num_decode,
-                               lambda q, k, v: grouped_decode(q, kv, groups), meta.prefills)
+                               lambda q, k, v: grouped_decode(q, kv, groups), meta.prefills,
+                               prefill)
 
     # ---- step plans ----------------------------------------------------------------------
 

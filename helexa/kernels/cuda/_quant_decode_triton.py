@@ -1,7 +1,7 @@
 """The Triton source of helexa/kernels/cuda/quant_decode.py's kernels (imported only where
 Triton is).
 
-``split_kernel``: one program takes one decode row, one kv head (all the query heads of its
+``split_kernel`` (decode rows): one program takes one decode row, one kv head (all the query heads of its
 GQA group, padded to 16 rows for ``tl.dot``) and one split of the row's context. It walks
 the split BLOCK_N tokens at a time: each token's page from the row's block table, its
 K and V bytes and per-token-head scales from the quantised pool (int8; fp8 e4m3 decoded
@@ -12,7 +12,8 @@ card's 16-bit matrix units; with DOT_F32 (Triton's interpreter, whose bf16 dot i
 float one) the same 16-bit values are multiplied in fp32, which gives the same sums up to
 their order. ``merge_kernel``: one
 program a (row, query head) weighs the splits by their log-sum-exp (a split past the row's
-end has -inf: weight 0).
+end has -inf: weight 0). ``prefill_kernel``: a prefill chunk over its cached context and
+itself, causally, the same reads, a block of queries (by GQA group) a program.
 """
 
 from __future__ import annotations
@@ -111,6 +112,67 @@ def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  
     tl.store(lse_ptr + at, tl.where(den > 0, m + tl.log(safe), float("-inf")), mask=in_g)
 
 
+def prefill_kernel(q_ptr, k_data, k_scale, v_data, v_scale, slots_ptr,  # noqa: ANN001
+                   out_ptr, slot0, n, context, sm_scale, stride_qt, stride_qh, stride_ot,
+                   stride_oh, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, TOK: tl.constexpr,
+                   R: tl.constexpr, HEAD_DIM: tl.constexpr, DP: tl.constexpr,
+                   DATA_DIM: tl.constexpr, NUM_SCALES: tl.constexpr, KIND: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SLOTS: tl.constexpr, DOT_F32: tl.constexpr):
+    """A prefill chunk of ``n`` queries at the end of a ``context``-token sequence: one
+    program a block of TOK queries and one kv head, its R rows (query token, GQA head)
+    walking the keys up to the block's last position, each key's slot read from
+    ``slots_ptr`` (SLOTS) or ``slot0 + position``, causally masked, softmax online."""
+    blk = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_r = tl.arange(0, R)
+    offs_d = tl.arange(0, DP)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_d = offs_d < HEAD_DIM
+    tok = blk * TOK + offs_r // GROUP
+    valid = (offs_r < TOK * GROUP) & (tok < n)
+    qpos = context - n + tok  # each row's position in the sequence
+    qh = head * GROUP + offs_r % GROUP
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + qh[:, None] * stride_qh + offs_d[None, :],
+                mask=valid[:, None] & in_d[None, :], other=0.0)
+    m = tl.full([R], float("-inf"), tl.float32)
+    den = tl.zeros([R], tl.float32)
+    acc = tl.zeros([R, DP], tl.float32)
+    last = tl.minimum(context, context - n + blk * TOK + TOK)  # keys past it: masked for all
+    for n0 in range(0, last, BLOCK_N):
+        kpos = n0 + offs_n
+        in_tok = kpos < last
+        if SLOTS:
+            slot = tl.load(slots_ptr + kpos, mask=in_tok, other=0).to(tl.int64)
+        else:
+            slot = slot0 + kpos.to(tl.int64)
+        rows = slot * KV_HEADS + head
+        k = _dequant(k_data, k_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+        k = k.to(q.dtype)
+        if DOT_F32:
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        # key 0 is every row's in the first tile: no row's maximum stays -inf after it
+        s = tl.where(in_tok[None, :] & (kpos[None, :] <= qpos[:, None]), s * sm_scale,
+                     float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        corr = tl.exp(m - m_new)
+        den = den * corr + tl.sum(p, 1)
+        v = _dequant(v_data, v_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+        pv = p.to(q.dtype)
+        v = v.to(q.dtype)
+        if DOT_F32:
+            pv = tl.dot(pv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(pv, v)
+        acc = acc * corr[:, None] + pv
+        m = m_new
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_d[None, :])
+
+
 def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,  # noqa: ANN001
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DP: tl.constexpr,
                  SPLITS: tl.constexpr, SP: tl.constexpr):
@@ -131,10 +193,12 @@ def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,  # noqa: ANN001
 
 
 @functools.cache
-def build(interpret: bool) -> tuple[Any, Any]:
-    """The two kernels compiled for the device, or run by Triton's interpreter on CPU."""
+def build(interpret: bool) -> tuple[Any, Any, Any]:
+    """The split, merge and prefill kernels compiled for the device, or run by Triton's
+    interpreter on CPU."""
+    kernels = (split_kernel, merge_kernel, prefill_kernel)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return InterpretedFunction(split_kernel), InterpretedFunction(merge_kernel)
-    return triton.jit(split_kernel), triton.jit(merge_kernel)
+        return tuple(InterpretedFunction(k) for k in kernels)  # type: ignore[return-value]
+    return tuple(triton.jit(k) for k in kernels)  # type: ignore[return-value]

@@ -1,4 +1,5 @@
-"""Decode attention over a quantised KV pool on CUDA in two kernels a layer (Triton).
+"""Attention over a quantised KV pool on CUDA (Triton): a step's decode rows in two kernels
+a layer, a prefill chunk over its cached context in one.
 
 FlashInfer reads no quantised pool of helexa's (kernels/kv_quant.py: int8, fp8 e4m3 and
 int4 data with per-token-head fp32 scales), so on CUDA those pools run the torch path,
@@ -9,13 +10,17 @@ Here one kernel (helexa/kernels/cuda/_quant_decode_triton.py ``split_kernel``) r
 pages in place through each row's block table, dequantises in registers and keeps the
 softmax online, each program a split of one row's context for one kv head and its GQA
 group (flash-decoding: enough programs to fill the card at batch 1), and a second merges
-the splits. The new tokens' K and V are written before, by kernels/cuda/quant_write.py's
-kernel where it serves (else the torch form); :func:`choose` sets both on the torch backend.
+the splits. A prefill chunk over cached context (``prefill``: ``prefill_kernel``) reads the
+same pages the same way, a block of its queries with their GQA heads (64 rows) a program,
+causally, where the torch path gathered and dequantised the context a few hundred keys at
+a time past 8,192 tokens. The new tokens' K and V are written before, by
+kernels/cuda/quant_write.py's kernel where it serves (else the torch form).
 
-The cuda backend (helexa/kernels/backends/cuda.py) runs it for a quantised pool's decode
-rows where :func:`probe` agreed on the device at load (rows of several lengths over
-scattered pages, against the torch path), else the torch path, the reason logged as
-``kernels.quant_decode_fallback``. No Triton, a 32-bit model, or
+:func:`choose` sets all three on the cuda backend's torch backend for a quantised pool,
+each where its probe agreed on the device at load (decode rows of several lengths and
+prefill chunks over scattered and consecutive pages, against the torch path), else the
+torch path, the reason logged as ``kernels.quant_decode_fallback`` /
+``kernels.quant_prefill_fallback``. No Triton, a 32-bit model, or
 ``HELEXA_TRITON_QUANT_DECODE=0``: the torch path. The tests run the kernels' source on CPU
 through Triton's interpreter. It is unmeasured on a GPU.
 """
@@ -23,13 +28,14 @@ through Triton's interpreter. It is unmeasured on a GPU.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import cuda as cuda_kernels
-from helexa.kernels.attention import DecodeGroup, grouped_decode
+from helexa.kernels.attention import DecodeGroup, PrefillChunk, grouped_decode, paged_attention
 from helexa.kernels.backends.torch_ref import TorchBackend
 from helexa.kernels.cuda import quant_write
 from helexa.kernels.paged_kv import PagedKV
@@ -37,6 +43,7 @@ from helexa.kernels.paged_kv import PagedKV
 log = structlog.get_logger(component="kernels")
 
 BLOCK_N = 32  # tokens a program reads at a time
+PREFILL_ROWS = 64  # a prefill program's (query, GQA head) rows: 64 // group queries
 MIN_SPLIT = 256  # tokens: no split is shorter (a short row is one split)
 TARGET_PROGRAMS = 264  # about two a streaming multiprocessor on an H100
 _KIND = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
@@ -78,7 +85,7 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     dp = max(16, 1 << (d - 1).bit_length())
     part = torch.empty(b, heads, n_split, dp, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, n_split, dtype=torch.float32, device=q.device)
-    split_kernel, merge_kernel = src.build(interpret)
+    split_kernel, merge_kernel, _ = src.build(interpret)
     assert kv.k_data.is_contiguous() and kv.k_scale.is_contiguous() and table.stride(-1) == 1
     split_kernel[(b, kvh, n_split)](
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, table, lens, part, lse,
@@ -91,6 +98,76 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
                              HEAD_DIM=d, DP=dp, SPLITS=n_split,
                              SP=max(2, 1 << (n_split - 1).bit_length()))
     return out
+
+
+def prefill(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk,
+            interpret: bool = False) -> torch.Tensor:
+    """A prefill chunk's queries q [n, heads, d] (fp16/bf16) over its whole context in the
+    quantised pool ``kv`` (cached tokens and its own, already written: ``chunk``'s slots,
+    or its consecutive run from context_start), causally -> [n, heads, d] in q's dtype."""
+    from helexa.kernels.cuda import _quant_decode_triton as src
+
+    n, heads, d = q.shape
+    kvh = kv.num_kv_heads
+    group = heads // kvh
+    out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    tok = max(1, PREFILL_ROWS // group)
+    rows = 1 << (tok * group - 1).bit_length()
+    slots = chunk.context_slots
+    _, _, prefill_kernel = src.build(interpret)
+    prefill_kernel[(-(-n // tok), kvh)](
+        q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, slots if slots is not None else q,
+        out, chunk.context_start or 0, n, chunk.context_len, 1.0 / math.sqrt(d),
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), KV_HEADS=kvh, GROUP=group,
+        TOK=tok, R=max(16, rows), HEAD_DIM=d, DP=max(16, 1 << (d - 1).bit_length()),
+        DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
+        KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N, SLOTS=slots is not None, DOT_F32=interpret)
+    return out
+
+
+def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, interpret: bool = False) -> str:
+    """Two prefill chunks (5 queries ending a 75-token context over scattered pages; 40
+    ending a 64-token one over consecutive pages) at a layer's sizes against the torch
+    path's: "" when they agree within the dtype's tolerance, else why not (a failure
+    included)."""
+    gen = torch.Generator().manual_seed(heads * head_dim + kv_heads + 1)
+    bs, blocks = 16, 12
+    kv = PagedKV(blocks, bs, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
+                 compute=dtype, device=device)
+    kv.write(torch.arange(blocks * bs, device=device),
+             torch.randn(blocks * bs, kv_heads, head_dim, generator=gen).to(device, dtype),
+             torch.randn(blocks * bs, kv_heads, head_dim, generator=gen).to(device, dtype))
+    worst = 0.0
+    for n, context, table in ((5, 75, [7, 2, 9, 0, 11]), (40, 64, [4, 5, 6, 7])):
+        slots = [table[i // bs] * bs + i % bs for i in range(context)]
+        consecutive = table == list(range(table[0], table[0] + len(table)))
+        chunk = PrefillChunk(start=0, end=n, context_len=context,
+                             context_start=slots[0] if consecutive else None,
+                             context_slots=None if consecutive else
+                             torch.tensor(slots, device=device))
+        q = torch.randn(n, heads, head_dim, generator=gen).to(device, dtype)
+        ctx = torch.arange(context, device=device)
+        ref = PrefillChunk(start=0, end=n, context_len=context,
+                           context_slots=torch.tensor(slots, device=device),
+                           mask=ctx[None, :] <= ctx[context - n:, None])
+        want = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], kv, 0, _no_decode,
+                               [ref]).float()
+        try:
+            got = prefill(q, kv, chunk, interpret).float()
+        except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
+            return f"the Triton quantised-KV prefill failed ({type(e).__name__}: {e})"
+        worst = max(worst, float((got - want).norm() / want.norm()))
+    tol = _TOL.get(dtype, 3e-2)
+    if not worst < tol:
+        return f"the Triton quantised-KV prefill is off by {worst:.2g} (relative; {tol} allowed)"
+    return ""
+
+
+def _no_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    raise AssertionError("a prefill probe has no decode rows")
 
 
 def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
@@ -143,12 +220,13 @@ def reference_inputs(tables: list[list[int]], lens: list[int], block_size: int,
 
 
 def chosen(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
-           dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether this kernel serves a quantised pool of these sizes on ``device`` (its probe
-    agreed), and why not where it could run here but was refused ("" otherwise)."""
+           dtype: torch.dtype, check: Callable[..., str] | None = None) -> tuple[bool, str]:
+    """Whether the decode kernel (or the one ``check``, probe_prefill, proves) serves a
+    quantised pool of these sizes on ``device`` (its probe agreed), and why not where it
+    could run here but was refused ("" otherwise)."""
     if device.type != "cuda" or unavailable() or dtype not in _TOL or kv_dtype not in _KIND:
         return False, ""
-    why = probe(device, kv_dtype, heads, kv_heads, head_dim, dtype)
+    why = (check or probe)(device, kv_dtype, heads, kv_heads, head_dim, dtype)
     return not why, why
 
 
@@ -158,7 +236,7 @@ def choose(backend: TorchBackend, spec: AttentionSpec | None, heads: int,
     for pools of ``spec`` (None: a float pool, neither) on its device: each where its probe
     agreed, else None, the reason logged (``kernels.quant_write_fallback`` /
     ``kernels.quant_decode_fallback``) where it could run here but was refused."""
-    backend.quant_write = backend.quant_decode = None
+    backend.quant_write = backend.quant_decode = backend.quant_prefill = None
     if spec is None:
         return
     dev = backend.device
@@ -168,5 +246,10 @@ def choose(backend: TorchBackend, spec: AttentionSpec | None, heads: int,
     read, why = chosen(dev, spec.kv_dtype, heads, spec.kv_heads, spec.head_dim, compute)
     if why:
         log.warning("kernels.quant_decode_fallback", reason=why)
+    ahead, why = chosen(dev, spec.kv_dtype, heads, spec.kv_heads, spec.head_dim, compute,
+                        probe_prefill)
+    if why:
+        log.warning("kernels.quant_prefill_fallback", reason=why)
     backend.quant_write = quant_write.write if wrote else None
     backend.quant_decode = decode if read else None
+    backend.quant_prefill = prefill if ahead else None
