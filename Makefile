@@ -19,7 +19,7 @@ up: setup
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) tests/typecheck.py
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 wheel-serve: setup  # build the wheel, install it non-editable in a fresh venv, serve one request
 	bash .ci/wheel-serve

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from helexa.fixtures.tiny import init_tiny
@@ -23,6 +26,20 @@ from helexa.fixtures.tiny import init_tiny
 # the probes of helexa's) would run interpreted too; those tests then skip.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _print_logger(*args: object) -> structlog.PrintLogger:
+    """structlog's default logger, printing to the current stdout (which a test's capsys
+    reads), but only for the main thread: a session's in-process router
+    (tests/router/conftest.py) logs from its own thread a neuron's health whenever it
+    changes, into whichever test's captured stdout was current then (a CLI's printed
+    paths, read with capsys, once got a `neuron.up` line among them). Other threads print
+    to the process's standard error."""
+    main = threading.current_thread() is threading.main_thread()
+    return structlog.PrintLogger(sys.stdout if main else sys.__stderr__)
+
+
+structlog.configure(logger_factory=_print_logger)
 
 
 @pytest.fixture(scope="session")

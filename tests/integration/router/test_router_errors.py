@@ -4,6 +4,8 @@ Retry-After where due), against real processes."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import time
 
 import httpx2
@@ -105,7 +107,7 @@ def test_queue_full_is_503_overloaded_with_retry_after(router):
     assert int(e.value.response.headers["retry-after"]) >= 1
 
 
-def test_on_demand_load_is_503_model_loading_then_serves(router):
+def test_on_demand_load_is_503_model_loading_then_serves(router, neurons):
     with pytest.raises(openai.InternalServerError) as e:
         router.client("bob").chat.completions.create(model="lazy", messages=MSG, max_tokens=2)
     assert e.value.code == "service_unavailable"  # bob may not cause loads
@@ -124,6 +126,13 @@ def test_on_demand_load_is_503_model_loading_then_serves(router):
             return None
 
     assert wait_for(served, timeout=60).choices[0].message.content is not None
+    # leave the shared fleet as found: lazy unloaded, gone from the router's models
+    nt = neurons["nt"]
+    ctl = subprocess.run([sys.executable, "-m", "helexa.cli", "ctl", "--config",
+                          str(nt.config_path), "--address", nt.address, "unload", "lazy"],
+                         capture_output=True, text=True, timeout=120)
+    assert ctl.returncode == 0, ctl.stderr
+    wait_for(lambda: "lazy" not in {m.id for m in router.client().models.list()}, timeout=30)
 
 
 def test_n_over_the_principal_cap_is_400_saying_why(router):
