@@ -124,10 +124,21 @@ def test_the_probe_passes_the_kernel_and_catches_a_wrong_or_failing_one(monkeypa
         "the Triton quantised-KV decode failed (RuntimeError: out of resources: shared memory)")
 
 
-def test_it_is_chosen_only_on_cuda_for_16_bit_queries():
+def test_it_is_chosen_only_on_cuda_for_16_bit_queries_unless_switched_off(monkeypatch):
+    from helexa.kernels.cuda import quant_write as qw
+
+    cuda = torch.device("cuda")
     assert qd.chosen(CPU, "int8", 8, 2, 64, torch.bfloat16) == (False, "")
-    assert qd.chosen(torch.device("cuda"), "int8", 8, 2, 64, torch.float32) == (False, "")
-    assert qd.chosen(torch.device("cuda"), "bf16", 8, 2, 64, torch.bfloat16) == (False, "")
+    assert qd.chosen(cuda, "int8", 8, 2, 64, torch.float32) == (False, "")
+    assert qd.chosen(cuda, "bf16", 8, 2, 64, torch.bfloat16) == (False, "")
+    monkeypatch.setattr(qd, "probe", lambda *a: "")
+    monkeypatch.setattr(qw, "probe", lambda *a: "")
+    assert qd.chosen(cuda, "int8", 8, 2, 64, torch.bfloat16) == (True, "")
+    assert qw.chosen(cuda, "int8", 2, 64, torch.bfloat16) == (True, "")
+    monkeypatch.setenv("HELEXA_TRITON_QUANT_DECODE", "0")  # read at each load
+    monkeypatch.setenv("HELEXA_TRITON_QUANT_WRITE", "0")
+    assert qd.chosen(cuda, "int8", 8, 2, 64, torch.bfloat16) == (False, "")
+    assert qw.chosen(cuda, "int8", 2, 64, torch.bfloat16) == (False, "")
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int4"])
