@@ -47,9 +47,14 @@ try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as _fla_recurrent
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     _fla_chunk = _fla_recurrent = None
-# fla-core 0.5 on: the chunked kernel takes the sequences' offsets on the host as well
-_TAKES_CU_CPU = (_fla_chunk is not None
-                 and "cu_seqlens_cpu" in inspect.signature(_fla_chunk).parameters)
+# What the chunked kernel takes beside cu_seqlens, so that it need not read the offsets
+# back: its chunks' (sequence, chunk) pairs (fla-core after 0.5.2), else the offsets on
+# the host (0.5), from which it still copies the pairs to the device (one wait a step, as
+# long as every layer is handed the same tensor: fla caches the pairs by identity)
+_FLA_PARAMS = inspect.signature(_fla_chunk).parameters if _fla_chunk is not None else {}
+_TAKES_CHUNK_INDICES = "chunk_indices" in _FLA_PARAMS
+_TAKES_CU_CPU = "cu_seqlens_cpu" in _FLA_PARAMS
+FLA_CHUNK = 64  # the chunked kernel's chunk (chunk_gated_delta_rule's default)
 try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
     from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
 except Exception:  # noqa: BLE001 - any import failure means "not available"
@@ -109,20 +114,32 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     return o[0].float(), s[0]
 
 
+def varlen_layout(lengths: list[int]) -> tuple[list[int], list[int]]:
+    """For sequences of these lengths back to back: cu_seqlens (0, then the running sums)
+    and fla's chunk indices, each FLA_CHUNK-token chunk's (sequence, chunk) flattened."""
+    chunks = [x for i, n in enumerate(lengths) for j in range(-(-n // FLA_CHUNK))
+              for x in (i, j)]
+    return [0, *accumulate(lengths)], chunks
+
+
 def fla_chunked_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                       beta: torch.Tensor, states: torch.Tensor, lengths: list[int],
-                       cu_seqlens: torch.Tensor, dtype: torch.dtype
+                       beta: torch.Tensor, states: torch.Tensor, cu_seqlens: torch.Tensor,
+                       cu_host: torch.Tensor, chunks: torch.Tensor, dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla_chunked over several sequences in one launch of each of fla's kernels: their
     tokens back to back (q, k [T, key_heads, dk]; v [T, v_heads, dv]; g, beta [T, v_heads]),
-    ``lengths`` theirs, ``cu_seqlens`` [P + 1] int64 on the device (0 and the running sums of
-    lengths), states [P, v_heads, dk, dv] each one's state before its tokens. fla is given
-    the offsets on the host too where it takes them (where it does not, it reads them back
-    from the device: a host sync). Returns (o [T, v_heads, dv] fp32, finals [P, ...] fp32)."""
+    states [P, v_heads, dk, dv] each one's state before its tokens; varlen_layout's
+    cu_seqlens [P + 1] int64 on the device and ``cu_host`` on the host, and its chunk
+    indices ``chunks`` [chunks, 2] int64 on the device. fla takes the chunk indices where it
+    can (no wait), else the host offsets (one wait on the first layer, fla's cache after:
+    the same tensors every layer of a step), else reads the offsets back itself (a wait a
+    layer). Returns (o [T, v_heads, dv] fp32, finals [P, ...] fp32)."""
     assert _fla_chunk is not None
-    extra = {}
-    if _TAKES_CU_CPU:
-        extra["cu_seqlens_cpu"] = torch.tensor([0, *accumulate(lengths)], dtype=torch.long)
+    extra: dict[str, torch.Tensor] = {}
+    if _TAKES_CHUNK_INDICES:
+        extra["chunk_indices"] = chunks
+    elif _TAKES_CU_CPU:
+        extra["cu_seqlens_cpu"] = cu_host
     o, s = _fla_chunk(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype),
                       g[None].float(), beta[None].to(dtype), scale=1.0,
                       initial_state=states.float(), output_final_state=True,
@@ -329,9 +346,11 @@ def probe_fla_varlen(device: torch.device, key_heads: int, value_heads: int, key
     want, want_states = torch.cat(outs), torch.stack(finals)
 
     def run() -> float:
-        cu = torch.tensor([0, *accumulate(lengths)], dtype=torch.long, device=device)
+        cu, chunks = varlen_layout(lengths)
         got, final = fla_chunked_varlen(*(x.to(device) for x in (q, k, v, g, beta, states)),
-                                        lengths, cu, dtype)
+                                        torch.tensor(cu, device=device), torch.tensor(cu),
+                                        torch.tensor(chunks, device=device).view(-1, 2),
+                                        dtype)
         return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
 
     return _agrees("chunked prefill kernel over several sequences", run, tol)

@@ -175,15 +175,17 @@ def _mixed_steps(states: GatedDeltaStates) -> list[torch.Tensor]:
     return outs + [layer.conv.clone(), layer.recurrent.clone()]
 
 
-@pytest.mark.parametrize("cu_on_host", [False, True])
-def test_a_steps_prefills_run_in_one_fla_chunked_launch(stand_in, monkeypatch, cu_on_host):
+@pytest.mark.parametrize("takes", ["chunk_indices", "cu_seqlens_cpu", "neither"])
+def test_a_steps_prefills_run_in_one_fla_chunked_launch(stand_in, monkeypatch, takes):
     """Several prefills in one step are one call of fla's chunked kernel (their rows back to
-    back, cu_seqlens their offsets, one state each; the offsets given on the host too where
-    fla takes them), also when a verification row lies between them; outputs, conv windows
-    and states are the torch path's, a prefill at a time."""
+    back, cu_seqlens their offsets, one state each; beside them the chunks' (sequence,
+    chunk) pairs where fla takes them, else the offsets on the host where it takes those),
+    also when a verification row lies between them; outputs, conv windows and states are
+    the torch path's, a prefill at a time."""
     chunked = StandInChunked()
     monkeypatch.setattr(fla, "_fla_chunk", chunked)
-    monkeypatch.setattr(fla, "_TAKES_CU_CPU", cu_on_host)
+    monkeypatch.setattr(fla, "_TAKES_CHUNK_INDICES", takes == "chunk_indices")
+    monkeypatch.setattr(fla, "_TAKES_CU_CPU", takes != "neither")
     plain = _mixed_steps(_states(False))
     states = _states(True)
     states._fla = states._fla_varlen = True  # as allocate sets them on CUDA with fla
@@ -191,9 +193,18 @@ def test_a_steps_prefills_run_in_one_fla_chunked_launch(stand_in, monkeypatch, c
     assert [(c["q"], c["cu"]) for c in chunked.calls] == [((1, 8, KH, DK), [0, 5, 8]),
                                                           ((1, 5, KH, DK), [0, 4, 5])]
     assert [c["cu_cpu"] for c in chunked.calls] == (
-        [("cpu", [0, 5, 8]), ("cpu", [0, 4, 5])] if cu_on_host else [None, None])
+        [("cpu", [0, 5, 8]), ("cpu", [0, 4, 5])] if takes == "cu_seqlens_cpu" else [None] * 2)
+    assert [c["chunks"] for c in chunked.calls] == (  # every prefill here is one chunk
+        [[[0, 0], [1, 0]], [[0, 0], [1, 0]]] if takes == "chunk_indices" else [None] * 2)
     for got, want in zip(fused, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 stand-in
+
+
+def test_the_varlen_layout_names_every_chunk_of_every_sequence():
+    # fla's chunk indices: each 64-token chunk's (sequence, chunk within it), in order
+    cu, chunks = fla.varlen_layout([5, 130, 64, 1])
+    assert cu == [0, 5, 135, 199, 200]
+    assert chunks == [0, 0, 1, 0, 1, 1, 1, 2, 2, 0, 3, 0]
 
 
 def test_a_varlen_kernel_that_disagrees_leaves_prefills_one_launch_each(stand_in, monkeypatch):

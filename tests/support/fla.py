@@ -59,12 +59,14 @@ class StandInChunked:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                  beta: torch.Tensor, *, scale: float, initial_state: torch.Tensor | None,
                  output_final_state: bool, cu_seqlens: torch.Tensor | None = None,
-                 cu_seqlens_cpu: torch.Tensor | None = None
+                 cu_seqlens_cpu: torch.Tensor | None = None,
+                 chunk_indices: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         cu = None if cu_seqlens is None else cu_seqlens.tolist()
         self.calls.append({"q": q.shape, "k": k.shape, "v": v.shape, "scale": scale, "cu": cu,
                            "cu_cpu": None if cu_seqlens_cpu is None else
-                           (cu_seqlens_cpu.device.type, cu_seqlens_cpu.tolist())})
+                           (cu_seqlens_cpu.device.type, cu_seqlens_cpu.tolist()),
+                           "chunks": None if chunk_indices is None else chunk_indices.tolist()})
         assert q.shape[0] == 1 and v.shape[2] % q.shape[2] == 0, "fla takes one sequence here"
         cu = cu or [0, q.shape[1]]
         assert initial_state is None or initial_state.shape[0] == len(cu) - 1

@@ -57,10 +57,12 @@ class GdnMetadata:
     decode_slots: torch.Tensor  # [num decode rows] int64
     decode_slots32: torch.Tensor | None = None  # the same, int32: FlashInfer's pool decode
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
-    # two or more prefills run together: their slots and their offsets (0, then the running
-    # sums of their lengths) on the device
+    # two or more prefills run together: their slots, their offsets (0, then the running
+    # sums of their lengths) and fla's chunk indices on the device, the offsets on the host
     prefill_slots: torch.Tensor | None = None
     prefill_cu: torch.Tensor | None = None
+    prefill_chunks: torch.Tensor | None = None
+    prefill_cu_host: torch.Tensor | None = None
     fresh_slots: list[int] = field(default_factory=list)  # requests starting at token 0
     verify: VerifyRows | None = None
     resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
@@ -222,9 +224,12 @@ class GatedDeltaStates:
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
         if len(meta.prefills) > 1:  # one conv (and on fla one kernel) for all of them
             slots = [slot for _, _, slot in meta.prefills]
-            cu = [0, *accumulate(end - start for start, end, _ in meta.prefills)]
-            got = to_device(slots + cu, torch.long, dev)
-            meta.prefill_slots, meta.prefill_cu = got[:len(slots)], got[len(slots):]
+            cu, chunks = fla.varlen_layout(_lengths(meta.prefills))
+            got = to_device(slots + cu + chunks, torch.long, dev)  # one copy, no wait
+            at = list(accumulate([0, len(slots), len(cu), len(chunks)]))
+            meta.prefill_slots, meta.prefill_cu = got[:at[1]], got[at[1]:at[2]]
+            meta.prefill_chunks = got[at[2]:at[3]].view(-1, 2)
+            meta.prefill_cu_host = torch.tensor(cu)
         if verify:
             lengths = [r.end - r.start for r in verify]
             longest = max(lengths)
@@ -321,10 +326,11 @@ class GatedDeltaStates:
         varlen = self._fla_varlen and meta.prefill_slots is not None
         if varlen:  # every prefill in one launch of each of fla's kernels
             assert meta.prefill_slots is not None and meta.prefill_cu is not None
+            assert meta.prefill_cu_host is not None and meta.prefill_chunks is not None
             got, finals = fla.fla_chunked_varlen(
                 *(_rows(x, meta.prefills) for x in (grouped_q, key_heads, v, g, beta)),
-                state.recurrent.index_select(0, meta.prefill_slots), _lengths(meta.prefills),
-                meta.prefill_cu, mixed.dtype)
+                state.recurrent.index_select(0, meta.prefill_slots), meta.prefill_cu,
+                meta.prefill_cu_host, meta.prefill_chunks, mixed.dtype)
             _put(o, meta.prefills, got)
             state.recurrent.index_copy_(0, meta.prefill_slots,
                                         finals.to(state.recurrent.dtype))
