@@ -7,10 +7,10 @@ Layout beside the plain cache (per layer, K and V alike):
 
 | kv_dtype  | data                                   | scales per token-head    |
 |-----------|----------------------------------------|--------------------------|
-| fp8_e4m3  | float8_e4m3fn bits (stored as uint8)   | 1: amax / 448            |
-| int8      | int8, symmetric, −127..127             | 1: amax / 127            |
+| fp8_e4m3  | float8_e4m3fn bits (stored as uint8)   | 1: amax × (1/448)        |
+| int8      | int8, symmetric, −127..127             | 1: amax × (1/127)        |
 | int4      | two per byte (even index = low nibble), | ceil(head_dim / 32):     |
-|           | stored as value + 8, −7..7             | amax of the group / 7    |
+|           | stored as value + 8, −7..7             | amax of the group × (1/7) |
 
 So one token-head takes exactly `helexa.checkpoint.layer_memory.kv_token_head_bytes` bytes
 (`QuantSpec.bytes_per_token_head`), which is what `helexa plan`, the ledger
@@ -85,11 +85,14 @@ def quantize(x: torch.Tensor, kv_dtype: str) -> tuple[torch.Tensor, torch.Tensor
     if kv_dtype == "int4":
         return _quantize_int4(xf, spec)
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(_TINY)
+    # amax times the reciprocal, not amax / 127: CUDA computes a tensor divided by a number
+    # that way, so CPU, CUDA and the Triton write kernel (kernels/cuda/quant_write.py)
+    # store the same scales bit for bit
     if kv_dtype == "int8":
-        scale = amax / 127.0
+        scale = amax * (1.0 / 127.0)
         data = torch.round(xf / scale).clamp_(-127, 127).to(torch.int8)
     else:  # fp8_e4m3: scale the token-head into the format's range, keep its 3-bit mantissa
-        scale = amax / _FP8_MAX
+        scale = amax * (1.0 / _FP8_MAX)
         data = (xf / scale).clamp_(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     return data, scale
 
@@ -100,7 +103,7 @@ def _quantize_int4(xf: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, tor
     if padded != d:
         xf = torch.nn.functional.pad(xf, (0, padded - d))
     groups = xf.unflatten(-1, (spec.num_scales, INT4_GROUP))  # [..., G, 32]
-    scale = groups.abs().amax(dim=-1).clamp_min(_TINY) / 7.0  # [..., G]
+    scale = groups.abs().amax(dim=-1).clamp_min(_TINY) * (1.0 / 7.0)  # [..., G]
     # Offset to 1..15 before the cast: float → uint8 of a negative value is undefined.
     q = (torch.round(groups / scale.unsqueeze(-1)).clamp_(-7, 7) + 8).to(torch.uint8)
     q = q.flatten(-2)[..., : 2 * spec.data_dim]

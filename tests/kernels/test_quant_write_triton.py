@@ -72,6 +72,8 @@ def test_integer_formats_round_ties_to_even(kv_dtype):
     torch.round does, and -0.5 to 0."""
     top = 127 if kv_dtype == "int8" else 7
     ties = torch.arange(-top, top).float() + 0.5
+    # and just under a half, where adding 0.5 first would round up: torch.round gives 0, 1
+    ties = torch.cat([torch.tensor([0.49999997, -0.49999997, 1.4999999]), ties])
     d = 32 if kv_dtype == "int4" else 256
     x = torch.zeros(2, 1, d)
     flat = x.view(-1)
@@ -79,6 +81,20 @@ def test_integer_formats_round_ties_to_even(kv_dtype):
     x[:, 0, d - 1] = top  # every row's (and group's) amax
     want, got = _both(kv_dtype, x, x.clone(), torch.tensor([3, 1]))
     _same(want, got)
+
+
+def test_scales_are_amax_times_the_reciprocal_on_every_device():
+    """kv_quant's scale is amax * float32(1 / 127) (and 1/448, 1/7), what CUDA computes for
+    a tensor divided by a number, so CPU, CUDA and the kernel agree bit for bit; amax / 127
+    differs in the last bit for some amax (here, a few of 4,096)."""
+    amax = torch.rand(4096, generator=torch.Generator().manual_seed(1)) * 100 + 0.01
+    x = torch.zeros(4096, 1, 32)
+    x[:, 0, 0] = amax
+    for kv_dtype, c in (("int8", 127.0), ("fp8_e4m3", 448.0), ("int4", 7.0)):
+        _, scale = kv_quant.quantize(x, kv_dtype)
+        want = amax * torch.tensor(1.0 / c, dtype=torch.float32)
+        assert torch.equal(scale[:, 0, 0], want), kv_dtype
+        assert not torch.equal(want, amax / c)  # the division would store other scales
 
 
 def test_the_probe_catches_a_wrong_or_failing_kernel(monkeypatch):

@@ -46,9 +46,10 @@ def _dequant(data_ptr, scale_ptr, rows, offs_d, in_tok, in_d, DATA_DIM: tl.const
         else:  # fp8 e4m3 bits: sign, 4 exponent bits (bias 7), 3 mantissa bits
             bits = raw.to(tl.int32) & 255
             e = (bits >> 3) & 15
-            m = (bits & 7).to(tl.float32)
-            mag = tl.where(e == 0, m * 0.001953125,  # subnormal: m / 8 * 2^-6
-                           (m + 8.0) * tl.exp2((e - 10).to(tl.float32)))
+            m = bits & 7
+            # a normal one is fp32's bits with the exponent rebiased; a subnormal m / 8 * 2^-6
+            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
             val = tl.where((bits & 128) != 0, -mag, mag)
         scale = tl.load(scale_ptr + rows * NUM_SCALES, mask=in_tok, other=0.0)[:, None]
     return val * scale
@@ -56,10 +57,10 @@ def _dequant(data_ptr, scale_ptr, rows, offs_d, in_tok, in_d, DATA_DIM: tl.const
 
 def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  # noqa: ANN001
                  out_ptr, lse_ptr, sm_scale, stride_qb, stride_qh, stride_table, split_len,
-                 KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                 splits, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                  HEAD_DIM: tl.constexpr, DP: tl.constexpr, DATA_DIM: tl.constexpr,
                  NUM_SCALES: tl.constexpr, KIND: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, DOT_F32: tl.constexpr):
+                 BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.program_id(2)
@@ -106,7 +107,7 @@ def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  
         m = m_new
     # a split past the row's end (or an empty one) leaves m at -inf: den 0, weight 0
     safe = tl.where(den > 0, den, 1.0)
-    at = (row * KV_HEADS * GROUP + qh) * SPLITS + split  # [GP]
+    at = (row * KV_HEADS * GROUP + qh) * splits + split  # [GP]
     tl.store(out_ptr + at[:, None] * DP + offs_d[None, :], acc / safe[:, None],
              mask=in_g[:, None] & in_d[None, :])
     tl.store(lse_ptr + at, tl.where(den > 0, m + tl.log(safe), float("-inf")), mask=in_g)
@@ -173,15 +174,15 @@ def prefill_kernel(q_ptr, k_data, k_scale, v_data, v_scale, slots_ptr,  # noqa: 
              o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_d[None, :])
 
 
-def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,  # noqa: ANN001
+def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, splits,  # noqa: ANN001
                  HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DP: tl.constexpr,
-                 SPLITS: tl.constexpr, SP: tl.constexpr):
+                 SP: tl.constexpr):
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SP)
     offs_d = tl.arange(0, DP)
-    in_s = offs_s < SPLITS
-    at = (row * HEADS + head) * SPLITS + offs_s
+    in_s = offs_s < splits
+    at = (row * HEADS + head) * splits + offs_s
     lse = tl.load(lse_ptr + at, mask=in_s, other=float("-inf"))
     top = tl.max(lse, 0)
     w = tl.where(in_s & (lse > float("-inf")), tl.exp(lse - top), 0.0)
@@ -196,9 +197,21 @@ def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh,  # noqa: ANN001
 def build(interpret: bool) -> tuple[Any, Any, Any]:
     """The split, merge and prefill kernels compiled for the device, or run by Triton's
     interpreter on CPU."""
+    # Triton specialises an int argument on its value 1 and divisibility by 16, and a pointer
+    # on its alignment: the split count and length, a step's table width, a chunk's length
+    # and context grow with the sequences, and the lengths and slots are views at any
+    # offset, so none of them is specialised on (one build per layer shape, not one every
+    # few hundred tokens of a growing context)
+    keeps = ({"do_not_specialize": ["stride_table", "split_len", "splits"],
+              "do_not_specialize_on_alignment": ["table_ptr", "lens_ptr", "q_ptr"]},
+             {"do_not_specialize": ["splits"]},
+             {"do_not_specialize": ["slot0", "n", "context"],
+              "do_not_specialize_on_alignment": ["slots_ptr", "q_ptr"]})
     kernels = (split_kernel, merge_kernel, prefill_kernel)
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
-        return tuple(InterpretedFunction(k) for k in kernels)  # type: ignore[return-value]
-    return tuple(triton.jit(k) for k in kernels)  # type: ignore[return-value]
+        return tuple(InterpretedFunction(k, **keep)  # type: ignore[return-value]
+                     for k, keep in zip(kernels, keeps, strict=True))
+    return tuple(triton.jit(k, **keep)  # type: ignore[return-value]
+                 for k, keep in zip(kernels, keeps, strict=True))

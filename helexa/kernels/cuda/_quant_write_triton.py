@@ -17,16 +17,19 @@ import triton
 import triton.language as tl
 
 KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
-TINY = 1e-12  # kv_quant._TINY: an all-zero token-head's scale
+# kv_quant._TINY (an all-zero token-head's scale) and the formats' reciprocals, written as
+# literals: a Triton kernel reads no module global, and the scale is amax times the
+# reciprocal, as kv_quant computes it on every device (CUDA's tensor / scalar is that too)
 
 
 @triton.jit
 def _rne(y):
-    """Round half to even (torch.round)."""
-    r = tl.floor(y + 0.5)
-    tie = (r - y) == 0.5
+    """Round half to even (torch.round): from the floor and the exact remainder (adding 0.5
+    first would round 0.49999997 up)."""
+    r = tl.floor(y)
+    d = y - r
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
-    return tl.where(tie & odd, r - 1.0, r)
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
 
 
 @triton.jit
@@ -60,7 +63,7 @@ def _quantise(src, data, scale, row, slot, head, offs, in_d, KV_HEADS: tl.conste
         lo = tl.load(base + lo_d, mask=lo_d < HEAD_DIM, other=0.0).to(tl.float32)
         hi = tl.load(base + hi_d, mask=hi_d < HEAD_DIM, other=0.0).to(tl.float32)
         amax = tl.maximum(tl.max(tl.abs(lo), 1), tl.max(tl.abs(hi), 1))
-        s = tl.maximum(amax, TINY) / 7.0  # [NSP]
+        s = tl.maximum(amax, 1e-12) * 0.14285714285714285  # [NSP]: amax * (1 / 7)
         tl.store(scale + at * NUM_SCALES + offs_g, s, mask=offs_g < NUM_SCALES)
         q_lo = tl.minimum(tl.maximum(_rne(tl.math.div_rn(lo, s[:, None])), -7.0), 7.0) + 8.0
         q_hi = tl.minimum(tl.maximum(_rne(tl.math.div_rn(hi, s[:, None])), -7.0), 7.0) + 8.0
@@ -70,7 +73,8 @@ def _quantise(src, data, scale, row, slot, head, offs, in_d, KV_HEADS: tl.conste
     else:
         x = tl.load(base + offs, mask=in_d, other=0.0).to(tl.float32)
         top = 127.0 if KIND == 0 else 448.0
-        s = tl.maximum(tl.max(tl.abs(x), 0), TINY) / top
+        inv = 0.007874015748031496 if KIND == 0 else 0.002232142857142857  # 1/127, 1/448
+        s = tl.maximum(tl.max(tl.abs(x), 0), 1e-12) * inv
         tl.store(scale + at, s)
         y = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -top), top)
         if KIND == 0:

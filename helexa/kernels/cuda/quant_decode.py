@@ -89,13 +89,13 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     assert kv.k_data.is_contiguous() and kv.k_scale.is_contiguous() and table.stride(-1) == 1
     split_kernel[(b, kvh, n_split)](
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, table, lens, part, lse,
-        1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0), split_len,
+        1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0), split_len, n_split,
         KV_HEADS=kvh, GROUP=group, GP=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=d,
         DP=dp, DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
-        KIND=_KIND[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, SPLITS=n_split,
-        DOT_F32=interpret)
-    merge_kernel[(b, heads)](part, lse, out, out.stride(0), out.stride(1), HEADS=heads,
-                             HEAD_DIM=d, DP=dp, SPLITS=n_split,
+        KIND=_KIND[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, DOT_F32=interpret,
+        num_warps=_warps(dp))
+    merge_kernel[(b, heads)](part, lse, out, out.stride(0), out.stride(1), n_split,
+                             HEADS=heads, HEAD_DIM=d, DP=dp,
                              SP=max(2, 1 << (n_split - 1).bit_length()))
     return out
 
@@ -123,8 +123,15 @@ def prefill(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), KV_HEADS=kvh, GROUP=group,
         TOK=tok, R=max(16, rows), HEAD_DIM=d, DP=max(16, 1 << (d - 1).bit_length()),
         DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
-        KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N, SLOTS=slots is not None, DOT_F32=interpret)
+        KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N, SLOTS=slots is not None, DOT_F32=interpret,
+        num_warps=_warps(max(16, 1 << (d - 1).bit_length())))
     return out
+
+
+def _warps(dp: int) -> int:
+    """Warps a program: 8 from 128 dims (at 4, a 128-dim int8 split program holds 255
+    registers and spills, by ptxas for sm90: a review's compile, no card run), else 4."""
+    return 8 if dp >= 128 else 4
 
 
 def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int,
@@ -157,6 +164,7 @@ def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int
                                [ref]).float()
         try:
             got = prefill(q, kv, chunk, interpret).float()
+            _settled(device)
         except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
             return f"the Triton quantised-KV prefill failed ({type(e).__name__}: {e})"
         worst = max(worst, float((got - want).norm() / want.norm()))
@@ -166,17 +174,25 @@ def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int
     return ""
 
 
+def _settled(device: torch.device) -> None:
+    """Wait for a probe's kernels on a CUDA device, so that a fault of theirs (an illegal
+    address) raises inside the probe's try, not at some later step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _no_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     raise AssertionError("a prefill probe has no decode rows")
 
 
 def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
           dtype: torch.dtype, interpret: bool = False) -> str:
-    """Three decode rows (contexts of 1, 37 and 300 tokens over scattered pages, one split
-    more than one program) at a layer's sizes against the torch path's decode: "" when
-    they agree within the dtype's tolerance, else why not (a failure included)."""
+    """Four decode rows (contexts of 1, 37, 300 and 700 tokens over scattered pages: the
+    longest in two splits, the others' second split empty) at a layer's sizes against the
+    torch path's decode: "" when they agree within the dtype's tolerance, else why not (a
+    failure included)."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
-    block_size, lens = 16, [1, 37, 300]
+    block_size, lens = 16, [1, 37, 300, 700]
     blocks = sum(-(-n // block_size) for n in lens)
     kv = PagedKV(blocks + 3, block_size, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
                  compute=dtype, device=device)
@@ -195,6 +211,7 @@ def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_d
     table, lens_t, want = reference_inputs(tables, lens, block_size, q, kv)
     try:
         got = decode(q, kv, table, lens_t, max(lens), block_size, interpret)
+        _settled(device)
     except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
         return f"the Triton quantised-KV decode failed ({type(e).__name__}: {e})"
     tol = _TOL.get(dtype, 3e-2)
