@@ -1,0 +1,55 @@
+"""helexa's quantised-KV Triton kernels compiled for an sm90 card down to PTX on this
+machine (tests/support/triton_compile.py, in a process without TRITON_INTERPRET): the
+interpreter the other kernel tests use runs the source in numpy and let a kernel through
+that read a module global, which a real compile refuses (the write kernel's first
+version: on a GPU its probe would have failed and it would never have run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+SCRIPT = Path(__file__).resolve().parents[1] / "support" / "triton_compile.py"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, object]:
+    try:  # the compiler's stages, as the script calls them
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"this Triton has no compiler to call from here ({e})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+def test_every_quantised_kv_kernel_compiles_for_sm90(compiled):
+    assert not [k for k in compiled if k.startswith("failed/")], compiled
+    assert set(compiled) == {f"{k}/{d}" for k in ("split", "prefill", "write")
+                             for d in ("int8", "fp8_e4m3", "int4")} | {"merge"}
+
+
+def test_no_kernel_spills_registers_at_its_launch_warps(compiled):
+    # at 4 warps a 128-dim split program held 255 registers and spilled (quant_decode._warps)
+    assert {k: v["spills"] for k, v in compiled.items() if v["spills"]} == {}
+
+
+def test_the_write_kernel_divides_correctly_rounded_as_torch_does(compiled):
+    # its stored bytes must be the torch form's: the quotient x / scale correctly rounded,
+    # the scale amax times the reciprocal (no approximate division anywhere)
+    for name in ("int8", "fp8_e4m3", "int4"):
+        got = compiled[f"write/{name}"]
+        assert got["div_full"] == 0 and got["div_rn"] > 0, (name, got)

@@ -1,0 +1,82 @@
+"""Compile helexa's quantised-KV Triton kernels for an sm90 card down to PTX, on any
+machine (no GPU: Triton's own compiler stages, to PTX and not to a cubin), and print what
+each produced as JSON: run by tests/kernels/test_triton_compile.py in a process of its own,
+without TRITON_INTERPRET, so that what only a real compile sees (a module global read in a
+kernel, a type a load or dot will not take, registers spilled to local memory) is caught
+where the interpreter, which runs the same source in numpy, passes."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import triton
+from triton._C.libtriton import ir
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+
+from helexa.kernels.cuda import _quant_decode_triton as qd
+from helexa.kernels.cuda import _quant_write_triton as qw
+from helexa.kernels.cuda.quant_decode import _warps
+
+TARGET = GPUTarget("cuda", 90, 32)
+BACKEND = CUDABackend(TARGET)
+
+
+def ptx(fn: object, types: list[str], consts: dict[str, object], warps: int) -> str:
+    jit = triton.jit(fn)
+    sig = dict(zip(jit.arg_names, types, strict=False))
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = ASTSource(jit, sig, consts)
+    opts = BACKEND.parse_options({"num_warps": warps, "num_stages": 3})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    BACKEND.load_dialects(ctx)
+    mod = src.make_ir(TARGET, opts, BACKEND.get_codegen_implementation(opts),
+                      BACKEND.get_module_map(), ctx)
+    stages: dict[str, object] = {}
+    BACKEND.add_stages(stages, opts, src.language)
+    for stage in ("ttir", "ttgir", "llir", "ptx"):
+        mod = stages[stage](mod, {})  # type: ignore[operator]
+    return str(mod)
+
+
+def stats(text: str) -> dict[str, int]:
+    pats = {"spills": "ld.local", "div_full": "div.full.f32", "div_rn": "div.rn"}
+    return {k: len(re.findall(re.escape(p), text)) for k, p in pats.items()}
+
+
+def main() -> int:
+    out: dict[str, object] = {}
+    d, group, dp = 128, 6, 128  # Qwen3.5-27B's attention: head_dim 256 is the other size
+    for kind, name in ((0, "int8"), (1, "fp8_e4m3"), (2, "int4")):
+        data = "*i8" if kind == 0 else "*u8"
+        ns, dd = (-(-d // 32), d // 2) if kind == 2 else (1, d)
+        try:
+            out[f"split/{name}"] = stats(ptx(qd.split_kernel, [
+                "*bf16", data, "*fp32", data, "*fp32", "*i32", "*i32", "*fp32", "*fp32", "fp32",
+                "i32", "i32", "i32", "i32", "i32"], dict(
+                KV_HEADS=4, GROUP=group, GP=16, HEAD_DIM=d, DP=dp, DATA_DIM=dd,
+                NUM_SCALES=ns, KIND=kind, BLOCK_SIZE=16, BLOCK_N=32, DOT_F32=False),
+                _warps(dp)))
+            out[f"prefill/{name}"] = stats(ptx(qd.prefill_kernel, [
+                "*bf16", data, "*fp32", data, "*fp32", "*i64", "*bf16", "i64", "i32", "i32",
+                "fp32", "i32", "i32", "i32", "i32"], dict(
+                KV_HEADS=4, GROUP=group, TOK=10, R=64, HEAD_DIM=d, DP=dp, DATA_DIM=dd,
+                NUM_SCALES=ns, KIND=kind, BLOCK_N=32, SLOTS=True, DOT_F32=False), _warps(dp)))
+            out[f"write/{name}"] = stats(ptx(qw.write_kernel, [
+                "*bf16", "*bf16", "*i64", data, "*fp32", data, "*fp32", "i32", "i32", "i32",
+                "i32"], dict(KV_HEADS=4, HEAD_DIM=d, DP=dp, DATA_DIM=dd, NUM_SCALES=ns,
+                            NSP=1 << (ns - 1).bit_length(), KIND=kind), 4))
+        except Exception as e:  # noqa: BLE001 - reported: the test names the kernel
+            out[f"failed/{name}"] = f"{type(e).__name__}: {e}"[-800:]
+    out["merge"] = stats(ptx(qd.merge_kernel, ["*fp32", "*fp32", "*bf16", "i32", "i32", "i32"],
+                             dict(HEADS=24, HEAD_DIM=d, DP=dp, SP=64), 4))
+    json.dump(out, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
