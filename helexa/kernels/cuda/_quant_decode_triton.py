@@ -55,6 +55,34 @@ def _dequant(data_ptr, scale_ptr, rows, offs_d, in_tok, in_d, DATA_DIM: tl.const
     return val * scale
 
 
+@triton.jit
+def _dot(a, b, DOT_F32: tl.constexpr):
+    """a @ b of 16-bit tiles on the matrix units, accumulated in fp32; with DOT_F32 the
+    same 16-bit values multiplied in fp32 (Triton's interpreter: its bf16 dot is no float
+    one)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _tile(q, m, den, acc, k_data, k_scale, v_data, v_scale, rows, offs_d, in_tok, in_d,
+          allowed, sm_scale, DATA_DIM: tl.constexpr, NUM_SCALES: tl.constexpr,
+          KIND: tl.constexpr, DOT_F32: tl.constexpr):
+    """One tile of keys (token-heads at flat ``rows``) into the online softmax of q's rows:
+    K and V dequantised to q's dtype (as the torch path's gather gives them), the scores
+    where ``allowed`` [rows of q, tile] kept, the running maximum, sum and output updated."""
+    k = _dequant(k_data, k_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+    s = _dot(q, tl.trans(k.to(q.dtype)), DOT_F32)
+    s = tl.where(allowed, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    corr = tl.exp(m - m_new)
+    v = _dequant(v_data, v_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
+    acc = acc * corr[:, None] + _dot(p.to(q.dtype), v.to(q.dtype), DOT_F32)
+    return m_new, den * corr + tl.sum(p, 1), acc
+
+
 def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  # noqa: ANN001
                  out_ptr, lse_ptr, sm_scale, stride_qb, stride_qh, stride_table, split_len,
                  splits, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
@@ -84,27 +112,9 @@ def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  
         page = tl.load(table_ptr + row * stride_table + tok // BLOCK_SIZE, mask=in_tok,
                        other=0).to(tl.int64)
         rows = (page * BLOCK_SIZE + tok % BLOCK_SIZE) * KV_HEADS + head
-        k = _dequant(k_data, k_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
-        k = k.to(q.dtype)  # as the torch path's gather gives it
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale  # [GP, BLOCK_N] fp32
-        s = tl.where(in_tok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        corr = tl.exp(m - m_new)
-        den = den * corr + tl.sum(p, 1)
-        v = _dequant(v_data, v_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
-        pv = p.to(q.dtype)
-        v = v.to(q.dtype)
-        if DOT_F32:
-            pv = tl.dot(pv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(pv, v)
-        acc = acc * corr[:, None] + pv
-        m = m_new
+        m, den, acc = _tile(q, m, den, acc, k_data, k_scale, v_data, v_scale, rows, offs_d,
+                            in_tok, in_d, in_tok[None, :], sm_scale, DATA_DIM, NUM_SCALES,
+                            KIND, DOT_F32)
     # a split past the row's end (or an empty one) leaves m at -inf: den 0, weight 0
     safe = tl.where(den > 0, den, 1.0)
     at = (row * KV_HEADS * GROUP + qh) * splits + split  # [GP]
@@ -147,28 +157,10 @@ def prefill_kernel(q_ptr, k_data, k_scale, v_data, v_scale, slots_ptr,  # noqa: 
         else:
             slot = slot0 + kpos.to(tl.int64)
         rows = slot * KV_HEADS + head
-        k = _dequant(k_data, k_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
-        k = k.to(q.dtype)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         # key 0 is every row's in the first tile: no row's maximum stays -inf after it
-        s = tl.where(in_tok[None, :] & (kpos[None, :] <= qpos[:, None]), s * sm_scale,
-                     float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        corr = tl.exp(m - m_new)
-        den = den * corr + tl.sum(p, 1)
-        v = _dequant(v_data, v_scale, rows, offs_d, in_tok, in_d, DATA_DIM, NUM_SCALES, KIND)
-        pv = p.to(q.dtype)
-        v = v.to(q.dtype)
-        if DOT_F32:
-            pv = tl.dot(pv.to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(pv, v)
-        acc = acc * corr[:, None] + pv
-        m = m_new
+        m, den, acc = _tile(q, m, den, acc, k_data, k_scale, v_data, v_scale, rows, offs_d,
+                            in_tok, in_d, in_tok[None, :] & (kpos[None, :] <= qpos[:, None]),
+                            sm_scale, DATA_DIM, NUM_SCALES, KIND, DOT_F32)
     o = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + qh[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=valid[:, None] & in_d[None, :])
