@@ -8,9 +8,9 @@ or in the default tests needs it.
   kv_heads, head_dim] for K and for V, the layout FlashInfer reads; a token's
   flat slot (block * block_size + offset) is the same as on every backend.
   Quantised kv dtypes (per-token-head scales, helexa/kernels/kv_quant.py) are not a
-  FlashInfer format: those pools run the torch backend's path, their writes and decode
-  rows on Triton kernels where they agreed at load (kernels/cuda/quant_write.py,
-  quant_decode.py).
+  FlashInfer format: those pools run the torch backend's path, their writes, decode rows
+  and prefill chunks over cached context on Triton kernels where each agreed at load
+  (kernels/cuda/quant_write.py, quant_decode.py).
 - Per step, one ``plan`` on host-side index arrays (no device-to-host copy):
   a pure-decode step through BatchDecodeWithPagedKVCacheWrapper, any step with
   a prefill chunk through BatchPrefillWithPagedKVCacheWrapper (causal, queries
@@ -239,7 +239,7 @@ class CudaAttention(AttentionBackend):
             self._graph_workspace = None
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
-            # a quantised pool's writes and decode rows: Triton kernels where they agreed
+            # a quantised pool's writes, decode rows and prefill chunks: Triton where agreed
             quant_decode.choose(self.reference, layers[0] if storage is None else None,
                                 self.heads, compute)
             return self.pools
