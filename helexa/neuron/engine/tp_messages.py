@@ -3,9 +3,10 @@
 Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
 (helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
 over a dedicated pipe, msgpack-encoded, never through the compute group; a
-rank answers only while starting and after the host tier's copies (`FromRank`). A step carries only what
-changed: each sequence's new tokens and the blocks appended to its table
-since rank 0 last sent it, under a handle both sides know it by.
+rank answers only while starting and after the host tier's copies
+(`FromRank`). A step carries only what changed: each sequence's new tokens
+and the blocks appended to its table since rank 0 last sent it, under a
+handle both sides know it by.
 """
 
 from __future__ import annotations
@@ -88,11 +89,11 @@ class TpFailed(msgspec.Struct, tag=True):
     error: str
 
 
-ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpAllocHost | TpMoveKv | TpStop | TpJoin
 class TpMoved(msgspec.Struct, tag=True):
     error: str = ""  # the rank's host-tier copies failed: why ("" when they were made)
 
 
+ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpAllocHost | TpMoveKv | TpStop | TpJoin
 FromRank = TpLoaded | TpReady | TpFailed | TpMoved
 
 

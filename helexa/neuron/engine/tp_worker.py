@@ -153,10 +153,13 @@ class TpWorkers:
             log.error("engine.tp_gave_up", reason=self.failed, waited_secs=self.give_up_secs)
             _exit(EXIT_RANK_LOST)
 
-    def _wait_all(self, kind: type, timeout_secs: float) -> list[Any]:
+    def _wait_all(self, kind: type, timeout_secs: float,
+                  doing: tuple[str, str] = ("start", "starting")) -> list[Any]:
+        """Each rank's answer, of type ``kind``; ``doing``: what the ranks were asked to do,
+        as the failures name it (did not <do> within, exited while <doing>)."""
         got = []
         for rank, conn in enumerate(self.conns, start=1):
-            msg = self._recv(rank, conn, timeout_secs)
+            msg = self._recv(rank, conn, timeout_secs, doing)
             if isinstance(msg, TpFailed):
                 self.fail(f"tensor-parallel rank {rank} failed to start: {msg.error}")
             if not isinstance(msg, kind):
@@ -164,15 +167,16 @@ class TpWorkers:
             got.append(msg)
         return got
 
-    def _recv(self, rank: int, conn: Connection, timeout_secs: float) -> FromRank:
+    def _recv(self, rank: int, conn: Connection, timeout_secs: float,
+              doing: tuple[str, str]) -> FromRank:
         try:
             if not conn.poll(timeout_secs):
-                self.fail(f"tensor-parallel rank {rank} did not start within {timeout_secs:.0f} s")
+                self.fail(f"tensor-parallel rank {rank} did not {doing[0]} within "
+                          f"{timeout_secs:.0f} s")
             return msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
         except (EOFError, OSError):
-            self.fail(f"tensor-parallel rank {rank} exited while starting "
+            self.fail(f"tensor-parallel rank {rank} exited while {doing[1]} "
                       f"(exit code {self.procs[rank - 1].exitcode})")
-        raise AssertionError("unreachable")
 
     def send_step(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send the step plan (only what changed since each table was last sent);
@@ -238,23 +242,10 @@ class TpWorkers:
         try:
             own(moves)
         finally:
-            self._moved(self.timeout_secs)
-
-    def _moved(self, timeout_secs: float) -> None:
-        errors = []
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                if not conn.poll(timeout_secs):
-                    self.fail(f"tensor-parallel rank {rank} did not make its host-tier "
-                              f"copies within {timeout_secs:.0f} s")
-                msg = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
-            except (EOFError, OSError):
-                self.fail(f"tensor-parallel rank {rank} is gone "
-                          f"(exit code {self.procs[rank - 1].exitcode})")
-            if not isinstance(msg, TpMoved):
-                self.fail(f"tensor-parallel rank {rank}: expected TpMoved, got {msg!r}")
-            if msg.error:
-                errors.append(f"rank {rank}: {msg.error}")
+            answers = self._wait_all(TpMoved, self.timeout_secs, (
+                "make its host-tier copies", "making its host-tier copies"))
+        errors = [f"rank {rank}: {a.error}" for rank, a in enumerate(answers, start=1)
+                  if a.error]
         if errors:
             raise RuntimeError("host-tier copies failed on tensor-parallel "
                                + "; ".join(errors))
