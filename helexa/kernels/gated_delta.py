@@ -64,7 +64,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU over one sequence's new tokens.
+    """Depthwise causal conv + SiLU over one sequence's new tokens (the reference the
+    state backend's conv1d_prefill_varlen is tested against).
 
     x [T, C]; weight [C, K]; window [C, K - 1] (the previous inputs, None = zeros).
     Returns (out [T, C], the new window [C, K - 1]).

@@ -20,12 +20,12 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
   chunked prefill (a step's prefills in one launch of each kernel: fla's ``cu_seqlens``);
   else helexa/kernels/gated_delta.py's torch forms (the reference, each key head repeated
   to its value heads, a prefill at a time); a step's prefills share one convolution
-  (gated_delta.conv1d_prefill_varlen) whichever rule runs; a verification row runs token by token as
-  decode (on fla, every row's tokens in one launch) and is held, its slot left as it
-  was, until the next step settles it (one launch again on fla). A step of decode rows
-  alone runs, where ``allocate`` proved it on the device, FlashInfer's pool decode: one
-  kernel reads and writes each row's state in its slot (the states then V-major:
-  LinearState.pool).
+  (gated_delta.conv1d_prefill_varlen) whichever rule runs; a verification row runs token
+  by token as decode (on fla, every row's tokens in one launch) and is held, its slot
+  left as it was, until the next step settles it (one launch again on fla). A step of
+  decode rows alone runs, where ``allocate`` proved it on the device, FlashInfer's pool
+  decode: one kernel reads and writes each row's state in its slot (the states then
+  V-major: LinearState.pool).
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ class GdnMetadata:
     decode_slots: torch.Tensor  # [num decode rows] int64
     decode_slots32: torch.Tensor | None = None  # the same, int32: FlashInfer's pool decode
     prefills: list[tuple[int, int, int]] = field(default_factory=list)  # (start, end, slot)
-    # two or more prefills run together: their slots, their offsets (0, then the running
-    # sums of their lengths) and fla's chunk indices on the device, the offsets on the host
+    # the prefills' slots on the device (their conv runs as one); with two or more on fla,
+    # their offsets (0, then the running sums of their lengths) and fla's chunk indices on
+    # the device and the offsets on the host (their rule runs as one too)
     prefill_slots: torch.Tensor | None = None
     prefill_cu: torch.Tensor | None = None
     prefill_chunks: torch.Tensor | None = None
@@ -222,14 +223,16 @@ class GatedDeltaStates:
             meta.decode_slots32 = meta.decode_slots.to(torch.int32)
         verify = [r for r in step.prefills if r.verify]
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
-        if len(meta.prefills) > 1:  # one conv (and on fla one kernel) for all of them
+        if meta.prefills:  # one conv for all of them (and on fla, for two or more, one rule)
             slots = [slot for _, _, slot in meta.prefills]
-            cu, chunks = fla.varlen_layout(_lengths(meta.prefills))
+            cu, chunks = (fla.varlen_layout(_lengths(meta.prefills))
+                          if self._fla_varlen and len(slots) > 1 else ([], []))
             got = to_device(slots + cu + chunks, torch.long, dev)  # one copy, no wait
             at = list(accumulate([0, len(slots), len(cu), len(chunks)]))
-            meta.prefill_slots, meta.prefill_cu = got[:at[1]], got[at[1]:at[2]]
-            meta.prefill_chunks = got[at[2]:at[3]].view(-1, 2)
-            meta.prefill_cu_host = torch.tensor(cu)
+            meta.prefill_slots = got[:at[1]]
+            if cu:
+                meta.prefill_cu, meta.prefill_chunks = got[at[1]:at[2]], got[at[2]:].view(-1, 2)
+                meta.prefill_cu_host = torch.tensor(cu)
         if verify:
             lengths = [r.end - r.start for r in verify]
             longest = max(lengths)
@@ -273,16 +276,12 @@ class GatedDeltaStates:
             if nd:
                 conv[:nd] = self._conv_decode(mixed[:nd], conv_weight, state.conv,
                                                    meta.decode_slots)
-        if meta.prefill_slots is not None:  # several prefills: one conv over them all
+        if meta.prefill_slots is not None:  # the prefills: one conv over them all
             out, after = gd.conv1d_prefill_varlen(
                 _rows(mixed, meta.prefills), conv_weight,
                 state.conv.index_select(0, meta.prefill_slots), _lengths(meta.prefills))
             _put(conv, meta.prefills, out)
             state.conv.index_copy_(0, meta.prefill_slots, after.to(state.conv.dtype))
-        for start, end, slot in meta.prefills if meta.prefill_slots is None else ():
-            conv[start:end], window = gd.conv1d_prefill(mixed[start:end], conv_weight,
-                                                        state.conv[slot])
-            state.conv[slot] = window
         rows = meta.verify  # token by token as decode, the slots left as they are (held)
         if rows is not None:
             mixed_rows = mixed[rows.index]  # [B, T, channels]
@@ -323,7 +322,7 @@ class GatedDeltaStates:
             else:
                 o[:nd] = gd.delta_rule_decode(q[:nd], k[:nd], v[:nd], g[:nd], beta[:nd], states)
             state.recurrent.index_copy_(0, meta.decode_slots, states.to(state.recurrent.dtype))
-        varlen = self._fla_varlen and meta.prefill_slots is not None
+        varlen = meta.prefill_cu is not None
         if varlen:  # every prefill in one launch of each of fla's kernels
             assert meta.prefill_slots is not None and meta.prefill_cu is not None
             assert meta.prefill_cu_host is not None and meta.prefill_chunks is not None
