@@ -6,8 +6,9 @@ sum over k of weight * w2[e] @ (silu(gate) * up), [N, H]:
 
 - ``experts_looped``: one pass per expert that some token chose. It reads each chosen
   expert once and computes only routed rows, but how many rows each expert has (one
-  ``bincount`` read back after a sort of the choices) waits for the device: a host sync
-  per layer, which a CUDA graph cannot capture. The form for CPU and for prefill.
+  count per expert, read back after a sort of the choices: ``routed``) waits for the
+  device: a host sync per layer, which a CUDA graph cannot capture. The form for CPU and
+  for prefill.
 - ``experts_gathered``: each (token, slot)'s expert matrices gathered and multiplied in
   one batched matmul (SGLang's torch-native MoE, ``fused_moe_native.py``). No host sync;
   it copies N x k expert matrices (read, written, read again: 3 N k experts' bytes), so
