@@ -6,6 +6,8 @@ import functools
 import importlib
 import os
 
+import torch
+
 
 def unavailable(switch: str, source: str) -> str:
     """"" where the Triton kernel of module ``source`` (in this package) can be built; else
@@ -15,6 +17,13 @@ def unavailable(switch: str, source: str) -> str:
     if os.environ.get(switch, "1") == "0":
         return f"{switch}=0"
     return _import_error(source)
+
+
+def settled(device: torch.device) -> None:
+    """Wait for the kernels queued on a CUDA device: a load probe's, so that a fault of
+    theirs (an illegal address) raises inside the probe, not at some later step."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @functools.cache

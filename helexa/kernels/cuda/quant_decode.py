@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import structlog
 import torch
@@ -113,6 +114,7 @@ def prefill(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk,
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    dp = max(16, 1 << (d - 1).bit_length())
     tok = max(1, PREFILL_ROWS // group)
     rows = 1 << (tok * group - 1).bit_length()
     slots = chunk.context_slots
@@ -121,10 +123,9 @@ def prefill(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk,
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, slots if slots is not None else q,
         out, chunk.context_start or 0, n, chunk.context_len, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), KV_HEADS=kvh, GROUP=group,
-        TOK=tok, R=max(16, rows), HEAD_DIM=d, DP=max(16, 1 << (d - 1).bit_length()),
-        DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
-        KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N, SLOTS=slots is not None, DOT_F32=interpret,
-        num_warps=_warps(max(16, 1 << (d - 1).bit_length())))
+        TOK=tok, R=max(16, rows), HEAD_DIM=d, DP=dp, DATA_DIM=kv.k_data.shape[-1],
+        NUM_SCALES=kv.k_scale.shape[-1], KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N,
+        SLOTS=slots is not None, DOT_F32=interpret, num_warps=_warps(dp))
     return out
 
 
@@ -141,13 +142,8 @@ def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int
     path's: "" when they agree within the dtype's tolerance, else why not (a failure
     included)."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads + 1)
-    bs, blocks = 16, 12
-    kv = PagedKV(blocks, bs, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
-                 compute=dtype, device=device)
-    kv.write(torch.arange(blocks * bs, device=device),
-             torch.randn(blocks * bs, kv_heads, head_dim, generator=gen).to(device, dtype),
-             torch.randn(blocks * bs, kv_heads, head_dim, generator=gen).to(device, dtype))
-    worst = 0.0
+    bs = 16
+    kv = _random_pool(kv_dtype, 12, bs, kv_heads, head_dim, dtype, device, gen)
     for n, context, table in ((5, 75, [7, 2, 9, 0, 11]), (40, 64, [4, 5, 6, 7])):
         slots = [table[i // bs] * bs + i % bs for i in range(context)]
         consecutive = table == list(range(table[0], table[0] + len(table)))
@@ -162,23 +158,39 @@ def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int
                            mask=ctx[None, :] <= ctx[context - n:, None])
         want = paged_attention(q, q[:, :kv_heads], q[:, :kv_heads], kv, 0, _no_decode,
                                [ref]).float()
-        try:
-            got = prefill(q, kv, chunk, interpret).float()
-            _settled(device)
-        except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
-            return f"the Triton quantised-KV prefill failed ({type(e).__name__}: {e})"
-        worst = max(worst, float((got - want).norm() / want.norm()))
-    tol = _TOL.get(dtype, 3e-2)
-    if not worst < tol:
-        return f"the Triton quantised-KV prefill is off by {worst:.2g} (relative; {tol} allowed)"
+        why = _agrees("prefill", partial(prefill, q, kv, chunk, interpret), want, dtype, device)
+        if why:
+            return why
     return ""
 
 
-def _settled(device: torch.device) -> None:
-    """Wait for a probe's kernels on a CUDA device, so that a fault of theirs (an illegal
-    address) raises inside the probe's try, not at some later step."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _random_pool(kv_dtype: str, blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> PagedKV:
+    """A quantised pool of ``blocks`` blocks, every slot written with seeded K and V."""
+    kv = PagedKV(blocks, block_size, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
+                 compute=dtype, device=device)
+    n = blocks * block_size
+    kv.write(torch.arange(n, device=device),
+             torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype),
+             torch.randn(n, kv_heads, head_dim, generator=gen).to(device, dtype))
+    return kv
+
+
+def _agrees(what: str, run: Callable[[], torch.Tensor], want: torch.Tensor,
+            dtype: torch.dtype, device: torch.device) -> str:
+    """"" when the kernel's output (``run``, waited for) is within the dtype's relative
+    tolerance of the torch path's ``want``; else why not, a failure of the kernel included
+    (the torch path then serves, so a kernel that fails here never fails a step)."""
+    try:
+        got = run().float()
+        cuda_kernels.settled(device)
+    except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
+        return f"the Triton quantised-KV {what} failed ({type(e).__name__}: {e})"
+    tol = _TOL.get(dtype, 3e-2)
+    err = float((got - want.float()).norm() / want.float().norm())
+    if not err < tol:
+        return f"the Triton quantised-KV {what} is off by {err:.2g} (relative; {tol} allowed)"
+    return ""
 
 
 def _no_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -194,12 +206,7 @@ def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_d
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     block_size, lens = 16, [1, 37, 300, 700]
     blocks = sum(-(-n // block_size) for n in lens)
-    kv = PagedKV(blocks + 3, block_size, kv_heads, head_dim, kv_dtype=kv_dtype, storage=None,
-                 compute=dtype, device=device)
-    slots = (blocks + 3) * block_size
-    kv.write(torch.arange(slots, device=device),
-             torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype),
-             torch.randn(slots, kv_heads, head_dim, generator=gen).to(device, dtype))
+    kv = _random_pool(kv_dtype, blocks + 3, block_size, kv_heads, head_dim, dtype, device, gen)
     pages = (torch.randperm(blocks + 3, generator=gen)[:blocks] if blocks else
              torch.empty(0, dtype=torch.long)).tolist()
     tables, at = [], 0
@@ -209,16 +216,8 @@ def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_d
         at += need
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(device, dtype)
     table, lens_t, want = reference_inputs(tables, lens, block_size, q, kv)
-    try:
-        got = decode(q, kv, table, lens_t, max(lens), block_size, interpret)
-        _settled(device)
-    except Exception as e:  # noqa: BLE001 - any failure: the torch path serves, said why
-        return f"the Triton quantised-KV decode failed ({type(e).__name__}: {e})"
-    tol = _TOL.get(dtype, 3e-2)
-    err = float((got.float() - want.float()).norm() / want.float().norm())
-    if not err < tol:
-        return f"the Triton quantised-KV decode is off by {err:.2g} (relative; {tol} allowed)"
-    return ""
+    return _agrees("decode", lambda: decode(q, kv, table, lens_t, max(lens), block_size,
+                                            interpret), want, dtype, device)
 
 
 def reference_inputs(tables: list[list[int]], lens: list[int], block_size: int,
@@ -249,10 +248,11 @@ def chosen(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_
 
 def choose(backend: TorchBackend, spec: AttentionSpec | None, heads: int,
            compute: torch.dtype) -> None:
-    """Set the torch backend's quantised-pool kernels (``quant_write``, ``quant_decode``)
-    for pools of ``spec`` (None: a float pool, neither) on its device: each where its probe
-    agreed, else None, the reason logged (``kernels.quant_write_fallback`` /
-    ``kernels.quant_decode_fallback``) where it could run here but was refused."""
+    """Set the torch backend's quantised-pool kernels (``quant_write``, ``quant_decode``,
+    ``quant_prefill``) for pools of ``spec`` (None: a float pool, none) on its device: each
+    where its probe agreed, else None, the reason logged (``kernels.quant_write_fallback``,
+    ``kernels.quant_decode_fallback``, ``kernels.quant_prefill_fallback``) where it could
+    run here but was refused."""
     backend.quant_write = backend.quant_decode = backend.quant_prefill = None
     if spec is None:
         return

@@ -70,8 +70,7 @@ def probe(device: torch.device, kv_dtype: str, kv_heads: int, head_dim: int,
     pools[0].write(slots, k, v)
     try:
         write(pools[1], slots, k, v, interpret)
-        if device.type == "cuda":  # a fault of the kernel's raises here, not at a later step
-            torch.cuda.synchronize(device)
+        cuda_kernels.settled(device)
     except Exception as e:  # noqa: BLE001 - any failure: the reference serves, said why
         return f"the Triton quantised-KV write failed ({type(e).__name__}: {e})"
     want, got = pools
