@@ -369,6 +369,10 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
     assert meta.decode_rows is not None and not meta.decode_groups
     table, lens, longest, bs = meta.decode_rows
     assert table.tolist() == [[0], [1]] and lens.tolist() == [4, 4] and (longest, bs) == (4, 16)
+    over_cache = StepPlan(slot_mapping=torch.arange(20, 24), block_size=16, num_blocks=8,
+                          prefills=[PrefillRow(0, 4, 20, [0, 1])])  # 4 tokens after 20
+    chunk = att.plan(over_cache).prefills[0]  # the kernel masks as it goes: no [n, T] mask
+    assert chunk.context_len == 24 and chunk.mask is None
     verdict = (False, "the Triton quantised-KV decode is off by 0.5 (relative; 0.03 allowed)")
     write_verdict = (False, "the Triton quantised-KV write's k_data differs from the ...")
     att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)
@@ -379,6 +383,7 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
                       ("kernels.quant_prefill_fallback", verdict[1])]
     meta = att.plan(_decode_step(2))
     assert meta.decode_rows is None and meta.decode_groups
+    assert att.plan(over_cache).prefills[0].mask.shape == (4, 24)  # SDPA reads one
     att.allocate_kv([AttentionSpec(4, 128, "fp16")] * 2, 8, 16, storage=torch.float16,
                     compute=torch.bfloat16)
     assert len(asked) == 6 and att.reference.quant_decode is att.reference.quant_write is None

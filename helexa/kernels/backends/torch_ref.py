@@ -147,7 +147,7 @@ class TorchBackend(AttentionBackend):
     def prefill_chunk(self, start: int, end: int, num_computed: int, table: list[int],
                       block_size: int) -> PrefillChunk:
         """A chunk over cached context reads it as a view when its blocks are consecutive,
-        else by gather indices; with a causal mask over context + chunk."""
+        else by gather indices; with a causal mask over context + chunk where SDPA reads it."""
         chunk = PrefillChunk(start=start, end=end)
         c, n, bs = num_computed, end - start, block_size
         if c == 0:
@@ -159,7 +159,10 @@ class TorchBackend(AttentionBackend):
         else:
             chunk.context_slots = to_device(token_slots(table, 0, c + n, bs), torch.long,
                                             self.device)
-        if c + n <= DECODE_CHUNK_TOKENS:  # else no [n, T] mask: keys a chunk at a time
+        # no [n, T] mask over a long context (keys a chunk at a time) or for the quantised
+        # prefill kernel (it masks each row as it goes)
+        kernel = self.quant_prefill is not None and self.pools[0].quantized
+        if c + n <= DECODE_CHUNK_TOKENS and not kernel:
             ctx = torch.arange(c + n, device=self.device)
             chunk.mask = ctx[None, :] <= ctx[c:, None]
         return chunk
