@@ -561,19 +561,31 @@ def engine_constrained(r: Runner, path: Path, s: dict[str, Any], roofline_steps:
     return out
 
 
+def decode_with(ctx: dict[str, Any], name: str, off: tuple[str, ...] = (),
+                kv_dtype: str = "auto", batches: tuple[int, ...] = (1,)) -> dict[str, Any]:
+    """Decode steps/s of checkpoint ``name`` at each of ``batches`` (``batch<b>``), its
+    switches ``off`` set to "0" and its pool of ``kv_dtype``; its backend line and kv dtype."""
+    s = ctx["sizes"]
+    os.environ.update(dict.fromkeys(off, "0"))
+    try:
+        r = Runner(ctx[name], ctx["device"], max(batches), s["prompt"] + s["decode_tokens"] + 8,
+                   kv_dtype=kv_dtype)
+        got: dict[str, Any] = {"backend": r.runner.attention_backend,
+                               "kv_dtype": r.runner.kv_dtype}
+        for batch in batches:
+            got[f"batch{batch}"] = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
+        r.close()
+    finally:
+        for env in off:
+            del os.environ[env]
+    return got
+
+
 def batch1_with(ctx: dict[str, Any], name: str, env: str) -> dict[str, Any]:
     """Batch-1 decode tok/s of checkpoint ``name`` with switch ``env`` set to "0" (the
     fused norms' or FlashInfer's Gated DeltaNet decode turned off), and its backend line."""
-    s = ctx["sizes"]
-    os.environ[env] = "0"
-    try:
-        r = Runner(ctx[name], ctx["device"], 1, s["prompt"] + s["decode_tokens"] + 8)
-        tok_s = decode_steps_per_s(r, 1, s["prompt"], s["decode_tokens"])
-        backend = r.runner.attention_backend
-        r.close()
-    finally:
-        del os.environ[env]
-    return {"tok_s": tok_s, "backend": backend}
+    got = decode_with(ctx, name, (env,))
+    return {"tok_s": got["batch1"], "backend": got["backend"]}
 
 
 def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dict[str, Any]:
@@ -582,23 +594,13 @@ def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dic
     quant_decode.py), and again on the torch path (both switches at 0): each run's backend
     line, steps/s and fraction of the weights' roofline (the KV's bytes at these prompts
     are a rounding error beside the weights'), and the kernels' speed-up at batch 1."""
-    s, out = ctx["sizes"], {}
+    out = {}
     off = ("HELEXA_TRITON_QUANT_WRITE", "HELEXA_TRITON_QUANT_DECODE")
     for label, envs in (("triton", ()), ("torch_path", off)):
-        os.environ.update(dict.fromkeys(envs, "0"))
-        try:
-            r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8,
-                       kv_dtype="int8")
-            got: dict[str, Any] = {"backend": r.runner.attention_backend,
-                                   "kv_dtype": r.runner.kv_dtype}
-            for batch in (1, 8):
-                steps = decode_steps_per_s(r, batch, s["prompt"], s["decode_tokens"])
-                got[f"batch{batch}"] = {"steps_s": steps,
-                                        "roofline_fraction": steps / roofline_steps}
-            r.close()
-        finally:
-            for env in envs:
-                del os.environ[env]
+        got = decode_with(ctx, name, envs, "int8", (1, 8))
+        for batch in ("batch1", "batch8"):
+            got[batch] = {"steps_s": got[batch],
+                          "roofline_fraction": got[batch] / roofline_steps}
         out[label] = got
     out["triton_vs_torch_path_batch1"] = (out["triton"]["batch1"]["steps_s"]
                                           / out["torch_path"]["batch1"]["steps_s"])
