@@ -5,12 +5,20 @@ PY := $(VENV)/bin/python
 
 .PHONY: setup up test lint typecheck proto slow wheel-serve
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(VENV)/fla/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# fla-core as the cuda extra pins it, beside the venv, not in it (so no CPU process imports
+# it): tests/kernels/test_fla_real.py runs its kernels in Triton's interpreter
+FLA_PIN = $(PY) -c 'import tomllib; e = tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["cuda"]; print(next(d for d in e if d.startswith("fla-core")))'
+$(VENV)/fla/.installed: $(VENV)/.installed
+	rm -rf $(VENV)/fla
+	$(PY) -m pip install -q --no-deps --target $(VENV)/fla einops==0.8.2 "$$($(FLA_PIN))"
 	touch $@
 
 up: setup

@@ -14,10 +14,11 @@ helexa/kernels/gated_delta.py that it is tested against:
 
 fla's kernels take grouped heads (value head h reads key head h // (v_heads / k_heads),
 the grouping the torch forms get from ``repeat_interleave``): the recurrent one for
-years, the chunked one from fla-core 0.5 (its "GVA"; the ``.[cuda]`` extra's floor), so
-prefill, decode and verification all pass q and k as they are. Each kernel is run once
-at load against its torch form (the ``probe_fla_*``), and one that fails or disagrees
-is left off with the reason logged, so it never fails a request's step. The state
+years, the chunked one from fla-core 0.5 (its "GVA"), so prefill, decode and
+verification all pass q and k as they are. Each kernel is run once at load against its
+torch form (the ``probe_fla_*``), and one that fails or disagrees is left off with the
+reason logged, so it never fails a request's step. The release the ``.[cuda]`` extra
+pins is run here in the tests too, on CPU (tests/kernels/test_fla_real.py). The state
 backend (helexa/kernels/backends/gdn.py) chooses.
 """
 
@@ -82,7 +83,8 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     The torch form rounds as the reference models do (the norm to ``dtype`` before the
     weight); on CUDA with fla installed one kernel (fp32 inside, one rounding) replaces its
     ~12."""
-    if _fla_norm_gated is not None and o.is_cuda:
+    if fla_norm_available(o.device):
+        assert _fla_norm_gated is not None
         return _fla_norm_gated(o, z.reshape(o.shape), weight, None, activation="swish",
                                eps=eps).to(dtype)
     return _gated_rms_norm_torch(o, z, weight, eps, dtype)
