@@ -66,8 +66,6 @@ def fla_gated_available() -> bool:
     """fla's recurrent kernel takes the norms and gates itself (fla-core 0.6 and newer)."""
     if _fla_recurrent is None:
         return False
-    import inspect
-
     try:
         params = inspect.signature(_fla_recurrent).parameters
     except (TypeError, ValueError):
