@@ -118,24 +118,50 @@ def test_no_graph_line_without_cuda_graphs(tmp_path, capsys):
     assert "CUDA graph pool" not in capsys.readouterr().out
 
 
-def test_a_pool_flashinfer_does_not_read_captures_no_graphs_and_says_why(tmp_path, capsys):
-    # a quantised pool, or one of another float dtype than the model's, runs the torch path
-    # on a cuda backend, eagerly (helexa/checkpoint/kv_path.py): no graph pool is held
-    for kv, why in (("int8", "quantised KV (int8)"), ("fp16", "KV fp16 with bf16 queries")):
+def test_a_float_pool_of_another_dtype_captures_no_graphs_and_says_why(tmp_path, capsys):
+    # a pool of another float dtype than the model's runs the torch path on a cuda
+    # backend, eagerly (helexa/checkpoint/kv_path.py): no graph pool is held
+    path = tmp_path / "n.toml"
+    path.write_text(_toml(tmp_path, "max_slots = 8").read_text()
+                    .replace("[kv]\n", '[kv]\nkv_dtype = "fp16"\n'))
+    cfg = load_neuron_config(path)
+    p = plan_model(cfg, cfg.models[0], path)
+    why = "KV fp16 with bf16 queries"
+    assert (p.graph_rows, p.graph_pool_bytes, p.graphs_off) == (0, 0, why)
+    assert helexa_main(["plan", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "CUDA graph pool" not in out
+    assert (f"CUDA graphs         none: {why} runs FlashInfer's torch path on a cuda "
+            "backend, every decode step eagerly") in out
+    # the model's own dtype: graphs, and no such line
+    p = plan_model(cfg, cfg.models[0], path, kv_dtype="bf16")
+    assert (p.graph_rows, p.graphs_off) == (8, "")
+
+
+def test_a_quantised_pool_captures_graphs_over_its_triton_kernels(tmp_path, capsys):
+    """A quantised pool's decode steps are captured too (the torch path's Triton kernels,
+    helexa/kernels/backends/torch_ref.py): its graphs hold no FlashInfer wrapper but each
+    row's pages (int32, as many as the pool has blocks), its context and its token's slot,
+    and one layer's split scratch, worked by hand for the dense 8B."""
+    shape = read_model_shape(DENSE)
+    activations = 8 * 1_613_568  # test_the_pool_of_the_dense_8b_worked_by_hand's 8 rows
+    # at most 264 programs plus one a (row, kv head): (264 + 8 x 8) x a group of 4 x
+    # (128 dims + 1 log-sum-exp) x 4 B; and 8 rows x (4 B x 1000 blocks + 4 + 8)
+    scratch = (264 + 8 * 8) * 4 * 129 * 4
+    assert graph_pool_bytes(shape, 1, 8, num_blocks=1000, quantised_kv=True) == (
+        activations + 8 * (4 * 1000 + 12) + scratch)
+    for kv in ("int8", "fp8_e4m3", "int4"):
         path = tmp_path / "n.toml"
         path.write_text(_toml(tmp_path, "max_slots = 8").read_text()
                         .replace("[kv]\n", f'[kv]\nkv_dtype = "{kv}"\n'))
         cfg = load_neuron_config(path)
         p = plan_model(cfg, cfg.models[0], path)
-        assert (p.graph_rows, p.graph_pool_bytes, p.graphs_off) == (0, 0, why)
+        assert (p.graph_rows, p.graphs_off) == (8, "")
+        assert p.graph_pool_bytes == graph_pool_bytes(shape, 1, 8, "bf16", p.num_blocks,
+                                                      quantised_kv=True)
         assert helexa_main(["plan", str(path)]) == 0
         out = capsys.readouterr().out
-        assert "CUDA graph pool" not in out
-        assert (f"CUDA graphs         none: {why} runs FlashInfer's torch path on a cuda "
-                "backend, every decode step eagerly") in out
-    # the model's own dtype: graphs, and no such line
-    p = plan_model(cfg, cfg.models[0], path, kv_dtype="bf16")
-    assert (p.graph_rows, p.graphs_off) == (8, "")
+        assert "CUDA graph pool" in out and "CUDA graphs         none" not in out
 
 
 def test_a_tp2_cuda_plan_counts_the_fused_allreduce_workspace(tmp_path, capsys):

@@ -30,6 +30,11 @@ Per card, with tp-way tensor parallelism:
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
       + flashinfer_workspace_bytes(group, head_dim)  # the graph wrappers' one float scratch:
                                          # 256 MiB, or a split-kv plan's where more
+        (a quantised pool, whose graphs run the torch path's Triton kernels, in place of
+        the three wrapper lines: torch_ref.py static_meta, kernels/cuda/quant_decode.py)
+        max_slots × (4 × pool blocks + 12)  # each graph's pages (int32), context, slots
+      + (SPLIT_PROGRAMS + max_slots × kv_heads/tp) × group × (pow2(head_dim) + 1) × 4
+                                         # one layer's split scratch: partial outputs, fp32
       + (hybrids) linear-attention layers × v_heads/tp × k_dim × v_dim × weight bytes
                                          # the state pool's scratch slot, FlashInfer's
                                          # padding rows' (flashinfer_gdn.fi_rows): made
@@ -48,7 +53,7 @@ from __future__ import annotations
 
 import math
 
-from helexa.checkpoint.kv_path import torch_path_kv
+from helexa.checkpoint.kv_path import FLOAT_KV, SPLIT_PROGRAMS, graphs_off
 from helexa.checkpoint.layer_memory import (
     QUANT_GROUP,
     LinearAttentionSpec,
@@ -125,10 +130,11 @@ def flashinfer_workspace_bytes(group: int, head_dim: int, sms: int = 132) -> int
 
 
 def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None,
-                     num_blocks: int = 0) -> int:
+                     num_blocks: int = 0, quantised_kv: bool = False) -> int:
     """The shared CUDA-graph pool's bytes on each card for decode batches up to max_slots,
     with what the graphs' attention wrappers hold beside it for a pool of ``num_blocks``
-    (see the module docstring; an estimate, in the weights' dtype, default the checkpoint's)."""
+    (``quantised_kv``: the torch path's buffers and split scratch in their place; see the
+    module docstring; an estimate, in the weights' dtype, default the checkpoint's)."""
     elt = ELT_BYTES[dtype_name(dtype or shape.torch_dtype)]
     heads = math.ceil(shape.num_heads / tp) + 2 * kv_heads_per_card(shape, tp)
     inter = max(shape.intermediate_size, shape.moe_intermediate_size,
@@ -139,8 +145,13 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     # the graph wrappers' int workspaces and page indices, and their one float scratch
+    group = shape.num_heads // max(1, shape.num_kv_heads)
     wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + flashinfer_workspace_bytes(
-        shape.num_heads // max(1, shape.num_kv_heads), shape.head_dim) if max_slots else 0
+        group, shape.head_dim) if max_slots else 0
+    if quantised_kv and max_slots:
+        dp = max(16, 1 << (shape.head_dim - 1).bit_length())
+        wrappers = max_slots * (4 * num_blocks + 12) + (
+            SPLIT_PROGRAMS + max_slots * kv_heads_per_card(shape, tp)) * group * (dp + 1) * 4
     scratch = shape.linear_attention_layers * math.ceil(shape.linear_num_value_heads / tp) * (
         shape.linear_key_head_dim * shape.linear_value_head_dim * elt) if max_slots else 0
     return (max_slots * per_row + moe_expert_bytes(shape, tp, max_slots, elt) + wrappers
@@ -190,14 +201,15 @@ def cuda_graph_plan(shape: ModelShape, tp: int, rows: int, kv_dtype: str, float_
                     num_blocks: int, devices: list[str]) -> tuple[int, str, int]:
     """(rows, why none, pool bytes) of the CUDA graphs engine.cuda_graphs captures for
     decode batches 1..``rows`` (0: not asked for) on CUDA ``devices`` (none elsewhere).
-    The cuda backend captures FlashInfer's decode; a KV pool its kernels do not read runs
-    the torch path, eagerly, with no graph (helexa/checkpoint/kv_path.py): then (0, why,
-    0)."""
+    The cuda backend captures FlashInfer's decode, or a quantised pool's Triton kernels; a
+    float pool of another dtype than the queries' runs the torch path, eagerly, with no
+    graph (helexa/checkpoint/kv_path.py): then (0, why, 0)."""
     if not on_cuda(devices):
         rows = 0
-    off = torch_path_kv(kv_dtype, float_dtype) if rows else ""
+    off = graphs_off(kv_dtype, float_dtype) if rows else ""
     rows = 0 if off else rows
-    return rows, off, graph_pool_bytes(shape, tp, rows, float_dtype, num_blocks)
+    return rows, off, graph_pool_bytes(shape, tp, rows, float_dtype, num_blocks,
+                                       quantised_kv=kv_dtype not in FLOAT_KV)
 
 
 def on_cuda(devices: list[str]) -> bool:

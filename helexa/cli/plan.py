@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from helexa.checkpoint.kv_path import FLOAT_KV
 from helexa.checkpoint.memory import format_bytes, kv_heads_per_card
 from helexa.config.schema import AdmissionConfig, ConfigError, KvConfig, load_neuron_config
 from helexa.plan import ModelPlan, PlanError, plan_model
+
+# a quantised pool's graphs run the torch path's Triton kernels, captured where they serve
+QUANT_GRAPHS = " (quantised KV: where its Triton write and decode kernels serve)"
 
 
 def _count(n: int) -> str:
@@ -67,7 +71,8 @@ def format_plan(p: ModelPlan) -> str:
                                  ("the vision tower's peak and cache", p.vision_peak_bytes)) if n]
         lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate, with the"
                      f" graphs' attention buffers) for decode batches {p.graph_rows}..1 captured"
-                     f" at load, {'inside' if fits else 'MORE than'} the "
+                     f" at load{QUANT_GRAPHS if p.kv_dtype not in FLOAT_KV else ''},"
+                     f" {'inside' if fits else 'MORE than'} the "
                      f"{format_bytes(p.headroom_bytes)} activation headroom"
                      + (" with " + " and ".join(beside) if beside else "")
                      + ("" if fits else

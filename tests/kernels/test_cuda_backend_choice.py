@@ -367,8 +367,9 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
         "quantised KV: torch path (Triton: writes, decode, prefill)")
     meta = att.plan(_decode_step(2))
     assert meta.decode_rows is not None and not meta.decode_groups
-    table, lens, longest, bs = meta.decode_rows
-    assert table.tolist() == [[0], [1]] and lens.tolist() == [4, 4] and (longest, bs) == (4, 16)
+    table, lens, longest, bs, per_row = meta.decode_rows
+    assert table.tolist() == [[0], [1]] and lens.tolist() == [4, 4]
+    assert (longest, bs, per_row, meta.graph_rows) == (4, 16, False, 0)  # no graphs asked
     over_cache = StepPlan(slot_mapping=torch.arange(20, 24), block_size=16, num_blocks=8,
                           prefills=[PrefillRow(0, 4, 20, [0, 1])])  # 4 tokens after 20
     chunk = att.plan(over_cache).prefills[0]  # the kernel masks as it goes: no [n, T] mask
@@ -387,6 +388,67 @@ def test_a_quantised_pools_decode_rows_run_the_triton_kernel_where_it_agreed(
     att.allocate_kv([AttentionSpec(4, 128, "fp16")] * 2, 8, 16, storage=torch.float16,
                     compute=torch.bfloat16)
     assert len(asked) == 6 and att.reference.quant_decode is att.reference.quant_write is None
+
+
+def test_a_quantised_pools_decode_steps_are_planned_into_its_graphs_buffers(
+        fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """With graphs asked for and the Triton write and decode kernels serving, a pure-decode
+    step of up to graph_rows rows is planned into fixed buffers (the first b rows of one
+    set: the new tokens' slots, each row's pages and context) with the split count of the
+    most a row can hold (the model's reach, else the pool's), each row split on the device;
+    the next step of that size refills the same tensors; a step with a prefill, one wider
+    than the graphs, or a pool whose write kernel was refused is planned afresh; a page
+    outside the pool is refused before any kernel reads it; freeing the pool frees the
+    torch path's too."""
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+    from helexa.kernels.cuda import quant_decode, quant_write
+
+    verdicts = {"write": (True, ""), "decode": (True, "")}
+    monkeypatch.setattr(quant_decode, "chosen", lambda *a: verdicts["decode"])
+    monkeypatch.setattr(quant_write, "chosen", lambda *a: verdicts["write"])
+    att = CudaAttention(torch.device("cpu"), graph_rows=4)
+    att.heads = 24
+    spec = [AttentionSpec(4, 128, "int8")] * 2
+    att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)
+    assert CudaGraphExecutor(att).describe() == (  # type: ignore[arg-type]
+        "graphs for 1..4 rows, captured at load (the torch path's Triton kernels)")
+    first = att.plan(StepPlan(slot_mapping=torch.tensor([5, 33]), decode_positions=[5, 17],
+                              decode_tables=[[0], [2, 6]], block_size=16, num_blocks=8))
+    assert first is att.static_meta(2) and first.graph_rows == 2 and not first.decode_groups
+    assert first.decode_rows is not None
+    table, lens, most, bs, per_row = first.decode_rows
+    assert (most, bs, per_row) == (128, 16, True) and table.shape == (2, 8)
+    assert table[:, :2].tolist() == [[0, 0], [2, 6]] and lens.tolist() == [6, 18]
+    assert first.slot_mapping.tolist() == [5, 33]
+    again = att.plan(StepPlan(slot_mapping=torch.tensor([70, 9]), decode_positions=[40, 2],
+                              decode_tables=[[3, 1, 4], [7]], block_size=16, num_blocks=8))
+    assert again is first and lens.tolist() == [41, 3] and table[0, :3].tolist() == [3, 1, 4]
+    assert first.slot_mapping.tolist() == [70, 9]
+    three = att.static_meta(3)  # the same rows, three of them
+    assert three.decode_rows is not None
+    assert three.decode_rows[0].data_ptr() == table.data_ptr()
+    assert three.slot_mapping.data_ptr() == first.slot_mapping.data_ptr()
+    mixed = att.plan(StepPlan(slot_mapping=torch.arange(3), decode_positions=[5],
+                              decode_tables=[[0]], prefills=[PrefillRow(1, 3, 0, [1])],
+                              block_size=16, num_blocks=8))
+    wide = att.plan(_decode_step(5))
+    assert mixed.graph_rows == wide.graph_rows == 0
+    assert wide.decode_rows is not None and wide.decode_rows[2:] == (4, 16, False)
+    att.reference.reach = 40  # set by the graph executor from the model's rope reach
+    att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)  # fresh buffers
+    meta = att.plan(_decode_step(2))
+    assert meta.decode_rows is not None and meta.decode_rows[0].shape == (2, 3)
+    assert meta.decode_rows[2] == 40 and meta.decode_rows[0].data_ptr() != table.data_ptr()
+    with pytest.raises(ValueError, match="a block outside the pool of 8 blocks"):
+        att.plan(StepPlan(slot_mapping=torch.tensor([5]), decode_positions=[20],
+                          decode_tables=[[0, 8]], block_size=16, num_blocks=8))  # no page 8
+    att.allocate_kv([], 0, 16, storage=None, compute=torch.bfloat16)  # the probe pool freed
+    assert att.pools == [] and att.reference.pools == [] and not att.reference.graph_ready()
+    verdicts["write"] = (False, "refused")
+    att.allocate_kv(spec, 8, 16, storage=None, compute=torch.bfloat16)
+    assert att.plan(_decode_step(2)).graph_rows == 0
+    assert CudaGraphExecutor(att).describe() == (  # type: ignore[arg-type]
+        "no graphs (quantised KV: torch path, eager)")
 
 
 def test_a_plan_waits_only_for_its_own_wrappers_last_copies(

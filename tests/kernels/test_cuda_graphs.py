@@ -6,45 +6,18 @@ costs is unmeasured."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
+from support.graphs import StandInRuntime
 
 from helexa.kernels.backends.cuda import CudaMetadata, KvAppend
 from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 from helexa.kernels.backends.gdn import GdnMetadata
+from helexa.kernels.backends.torch_ref import TorchBackend
 
 VOCAB = 5
-
-
-@dataclass
-class StandInGraph:
-    run: Any
-
-
-@dataclass
-class StandInRuntime:
-    """Captures by recording the step; replays by running it again over the static inputs
-    (what a CUDA graph does with the tensors it was captured on)."""
-
-    pools: list[object] = field(default_factory=list)
-    captured: list[object] = field(default_factory=list)  # each capture's pool
-    replays: int = 0
-
-    def pool(self) -> object:
-        self.pools.append(object())
-        return self.pools[-1]
-
-    def capture(self, device: torch.device, run: Any, pool: object) -> StandInGraph:
-        run()
-        self.captured.append(pool)
-        return StandInGraph(run)
-
-    def replay(self, graph: StandInGraph) -> None:
-        self.replays += 1
-        graph.run()
 
 
 class StandInAttention:
@@ -54,6 +27,7 @@ class StandInAttention:
     def __init__(self, graph_rows: int) -> None:
         self.graph_rows = graph_rows
         self.torch_path = ""  # a pool FlashInfer reads
+        self.reference = TorchBackend(torch.device("cpu"))  # the torch path, here unused
         self.static: dict[int, KvAppend] = {}
 
     def static_meta(self, b: int) -> CudaMetadata:

@@ -35,12 +35,15 @@ def _pool(kv_dtype: str, kvh: int, d: int, blocks: int, bs: int, dtype: torch.dt
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize(("heads", "kvh", "d"), [(12, 2, 64), (4, 4, 40), (7, 1, 80)])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, monkeypatch):
+@pytest.mark.parametrize(("dtype", "per_row"), [(torch.float16, False),
+                                                 (torch.bfloat16, False), (torch.float16, True)])
+def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, per_row, monkeypatch):
     """Rows of 1, 17, 40 and 130 tokens over scattered pages (GQA groups of 6, 1 and 7;
     head sizes off the powers of two; int4's last scale group partial), the longest row cut
-    into splits of 32 tokens and the shorter rows' later splits empty: within the dtype's
-    rounding of the torch path's gather, dequantise and SDPA."""
+    into splits of 32 tokens and the shorter rows' later splits empty; or, as a captured
+    graph runs it (per_row), the split count of a 2,048-token most, each row's own context
+    cut into that many spans: within the dtype's rounding of the torch path's gather,
+    dequantise and SDPA."""
     monkeypatch.setattr(qd, "MIN_SPLIT", 16)  # many splits at these short contexts
     bs, lens = 8, [17, 1, 130, 40]
     kv = _pool(kv_dtype, kvh, d, 40, bs, dtype, seed=heads + d)
@@ -51,8 +54,9 @@ def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, monkeypatc
         at += -(-n // bs)
     q = torch.randn(len(lens), heads, d, generator=torch.Generator().manual_seed(1)).to(dtype)
     table, lens_t, want = qd.reference_inputs(tables, lens, bs, q, kv)
-    assert qd.splits(len(lens), kvh, max(lens))[0] > 1
-    got = qd.decode(q, kv, table, lens_t, max(lens), bs, interpret=True)
+    most = 2048 if per_row else max(lens)
+    assert qd.splits(len(lens), kvh, most)[0] > 1
+    got = qd.decode(q, kv, table, lens_t, most, bs, per_row=per_row, interpret=True)
     assert got.dtype == dtype and got.shape == q.shape
     # the kernel rounds the softmax weights to the queries' dtype before they meet V (as
     # flash attention does): a few units in the last place of bf16 where SDPA keeps fp32
@@ -115,6 +119,11 @@ def test_the_probe_passes_the_kernel_and_catches_a_wrong_or_failing_one(monkeypa
     monkeypatch.setattr(qd, "decode", lambda *a, **kw: real(*a, **kw) * 1.05)
     assert qd.probe(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True).startswith(
         "the Triton quantised-KV decode is off by")
+
+    monkeypatch.setattr(qd, "decode", lambda *a, per_row=False, **kw:
+                        real(*a, per_row=per_row, **kw) * (1.05 if per_row else 1))
+    assert qd.probe(CPU, "int8", 8, 2, 64, torch.bfloat16, interpret=True).startswith(
+        "the Triton quantised-KV decode (a graph's splits) is off by")
 
     def broken(*a, **kw):
         raise RuntimeError("out of resources: shared memory")
@@ -224,3 +233,64 @@ def test_a_model_serves_the_same_with_the_three_kernels(tiny_checkpoint, kv_dtyp
                for x, y in zip(p, q, strict=True))
     for plain, fused in zip(*runs, strict=True):
         assert (fused.float() - plain.float()).abs().max() <= 0.02 * plain.float().abs().max()
+
+
+def test_a_model_on_a_quantised_pool_replays_its_captured_decode_graphs(
+        tiny_checkpoint, monkeypatch):
+    """The cuda backend over an int8 pool, its three kernels interpreted and CUDA graphs
+    stood in (tests/support/graphs.py): decode steps of 4, 3, 2 and 1 rows are captured at
+    load; then steps of rows at other lengths, pages and positions (a row crossing into a
+    new page) replay them, and a step with a prefill runs eagerly: every step's logits are
+    the plain torch path's, the same tokens fed to both."""
+    import types
+
+    from support.graphs import StandInRuntime
+
+    from helexa.kernels.backends import Device
+    from helexa.kernels.backends import cuda as cuda_backend
+    from helexa.kernels.backends.cuda import CudaAttention
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+    from helexa.kernels.cuda import quant_write as qw
+    from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+
+    def interpreted(backend, spec, heads, compute):  # as quant_decode.choose where agreed
+        on = spec is not None
+        backend.quant_write = functools.partial(qw.write, interpret=True) if on else None
+        backend.quant_decode = functools.partial(qd.decode, interpret=True) if on else None
+        backend.quant_prefill = functools.partial(qd.prefill, interpret=True) if on else None
+
+    monkeypatch.setattr(qd, "choose", interpreted)
+    monkeypatch.setattr(cuda_backend, "flashinfer", types.SimpleNamespace(
+        __version__="standin", BatchPrefillWithPagedKVCacheWrapper=lambda *a, **kw: None))
+    monkeypatch.setenv("HELEXA_CUDA_FUSED", "0")  # FlashInfer's norms: not this test's
+    path = tiny_checkpoint("qwen3", dtype="float16")
+    a, b, c = list(range(1, 10)), list(range(20, 25)), list(range(40, 50))
+    ta, tb, tc = [1, 2, 4], [3, 6], [5, 7]
+    steps = [[SeqInput(a, 0, ta, True, 0), SeqInput(b, 0, tb, True, 1)],
+             [SeqInput([60], 9, ta, True, 0), SeqInput([61], 5, tb, True, 1)],
+             [SeqInput([62], 10, ta, True, 0), SeqInput(c, 0, tc, True, 2)]]
+    for i in range(5):  # three rows; a's 16th token opens its second page
+        steps.append([SeqInput([63 + i], 11 + i, ta, True, 0),
+                      SeqInput([70 + i], 6 + i, tb, True, 1),
+                      SeqInput([80 + i], 10 + i, tc, True, 2)])
+    steps.append([SeqInput([90], 15, tc, True, 2)])
+    runs, runtime, at_load = [], StandInRuntime(), 0
+    for graphs in (False, True):
+        r = ModelRunner(path, num_blocks=8, block_size=8, max_num_seqs=4,
+                        max_batched_tokens=64, kv_dtype="int8", backend="torch")
+        if graphs:
+            att = CudaAttention(CPU, graph_rows=4, workspace_bytes=1024)
+            ex = CudaGraphExecutor(att, runtime)
+            r.backend = Device(att, ex)
+            ex.prepare(r.model, [], max_num_seqs=4, max_batched_tokens=64, tp_size=1)
+            r._reset_own_kv(8, "int8")
+            r._capture_graphs()
+            assert len(runtime.captured) == 4
+            at_load = runtime.replays  # each capture step replays its new graph once
+            assert ("graphs for 1..4 rows, captured at load (the torch path's Triton "
+                    "kernels)") in r.attention_backend
+        runs.append([r.execute(s) for s in steps])
+        r.close()
+    assert runtime.replays - at_load == 7  # every pure-decode step: one of 2 rows, five of 3, one of 1
+    for plain, replayed in zip(*runs, strict=True):
+        assert (replayed.float() - plain.float()).abs().max() <= 0.02 * plain.float().abs().max()

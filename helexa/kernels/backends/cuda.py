@@ -183,7 +183,7 @@ class CudaAttention(AttentionBackend):
         """``graph_rows``: pure-decode steps of 1..graph_rows rows are planned for CUDA graph
         capture (0: none); ``workspace_bytes``: FlashInfer's float scratch (workspace_bytes)."""
         super().__init__(device)
-        self.reference = TorchBackend(device)
+        self.reference = TorchBackend(device, graph_rows=graph_rows)
         self.graph_rows = graph_rows
         self.heads = 0  # query heads per rank: the executor sets it once the model is loaded
         self.quantised = False
@@ -226,7 +226,7 @@ class CudaAttention(AttentionBackend):
         # the decode wrappers are made again below; the prefill one lives on, and so does
         # the wait for its last plan's copies
         self._planned = {k: e for k, e in self._planned.items() if k == id(self._prefill)}
-        self.pools = []
+        self.pools = self.reference.pools = []  # a quantised pool's are the torch path's
         if not layers:  # a pool freed (the load's probe pool): nothing chosen, nothing said
             return self.pools
         self.quantised = storage is None
@@ -235,7 +235,7 @@ class CudaAttention(AttentionBackend):
                            if storage != compute else "")
         if self.torch_path:  # a pool FlashInfer's kernels do not read: the torch path's
             log.info("kernels.flashinfer_torch_path", reason=self.torch_path)
-            # its steps run eagerly (plan never gives graph rows): no graph wrapper's scratch
+            # no FlashInfer graph wrapper: no scratch for one (its graphs read its own buffers)
             self._graph_workspace = None
             self.pools = self.reference.allocate_kv(layers, num_blocks, block_size,
                                                     storage=storage, compute=compute)
@@ -360,9 +360,12 @@ class CudaAttention(AttentionBackend):
 
     # ---- CUDA graphs ---------------------------------------------------------------------
 
-    def static_meta(self, b: int) -> CudaMetadata:
+    def static_meta(self, b: int) -> CudaMetadata | TorchMetadata:
         """The metadata a captured b-row decode step runs with: the graph wrapper and the
-        static buffers of its KV append, which ``plan`` fills for each step."""
+        static buffers of its KV append, which ``plan`` fills for each step (a quantised
+        pool's torch path: its own, TorchBackend.static_meta)."""
+        if self.torch_path:
+            return self.reference.static_meta(b)
         g = self._graph_wrapper(b)
         return CudaMetadata(backend=self, append=g.append, num_decode=b, wrapper=g.wrapper,
                             graph_rows=b)

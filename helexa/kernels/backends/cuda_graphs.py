@@ -8,7 +8,9 @@ decode step per size, and a step whose b has no graph is captured then; after lo
 graph is ever captured mid-serving (a size without one runs layer by layer).
 
 A pure-decode step of b rows that the cuda attention backend planned on its b-row
-cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py) replays its graph: the step's ids,
+cuda-graph wrapper (CudaMetadata.graph_rows, cuda.py), or, over a quantised pool whose
+writes and decode rows run Triton kernels, into the torch path's fixed buffers for b rows
+(TorchMetadata.graph_rows, torch_ref.py), replays its graph: the step's ids,
 positions and, for hybrid models, linear-attention state slots (GdnMetadata.decode_slots,
 and their int32 twin for FlashInfer's pool decode) are copied into the graph's static
 inputs (the step's ``plan`` already filled the wrapper's index buffers and its KV append's
@@ -51,6 +53,7 @@ from helexa.kernels.backends.executor import (
     measured_at_load,
     model_forward,
 )
+from helexa.kernels.backends.torch_ref import TorchMetadata
 from helexa.kernels.cuda import int8g as int8g_cuda
 from helexa.kernels.paged_kv import PagedKV
 
@@ -94,7 +97,7 @@ class _Graph:
     graph: Any  # torch.cuda.CUDAGraph
     ids: torch.Tensor
     positions: torch.Tensor
-    meta: CudaMetadata  # static: the graph wrapper and its KV append's buffers
+    meta: CudaMetadata | TorchMetadata  # static: the buffers the step's plan fills
     state: Any  # static GdnMetadata (hybrids): its decode_slots filled before replay; or None
     hidden: bool = False  # it also writes the final hidden states (a model with an MTP head)
 
@@ -121,7 +124,9 @@ class CudaGraphExecutor(StepExecutor):
         rows = self.attention.graph_rows
         graphs = f"graphs for 1..{rows} rows, captured at load" if rows else "no graphs"
         if rows and self.attention.torch_path:  # its steps are planned for the torch path
-            graphs = f"no graphs ({self.attention.torch_path}: torch path, eager)"
+            graphs = (f"{graphs} (the torch path's Triton kernels)"
+                      if self.attention.reference.graph_ready() else
+                      f"no graphs ({self.attention.torch_path}: torch path, eager)")
         return "; ".join(p for p in (graphs, self.fused, self.quantised, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
@@ -148,6 +153,9 @@ class CudaGraphExecutor(StepExecutor):
             # as helexa plan caps the context), then never grown
             loaded.rotary.ensure(rope_reach(loaded.cfg))
             loaded.rotary.frozen = True
+            # a quantised pool's graphs: each row's pages and the decode's splits for as
+            # many positions (torch_ref.py static_meta)
+            self.attention.reference.reach = rope_reach(loaded.cfg)
         dtype = loaded.model.embed_tokens.weight.dtype
         self.fused = cuda_fused.install(model, dtype, self.fused_ops)
         rope = cuda_fused.install_rope(model, dtype, self.fused_ops)
@@ -182,7 +190,7 @@ class CudaGraphExecutor(StepExecutor):
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
-        b = meta.graph_rows if isinstance(meta, CudaMetadata) else 0
+        b = meta.graph_rows if isinstance(meta, CudaMetadata | TorchMetadata) else 0
         # a step carrying image inputs (a vision model's MmStep: M-RoPE positions, the
         # tower's embeddings) runs eagerly: a graph reads ids and 1-D positions alone
         if not b or logits_rows is not None or getattr(model, "mm", None) is not None:
@@ -211,7 +219,8 @@ class CudaGraphExecutor(StepExecutor):
         return self._out[:b].clone()  # the shared output is overwritten by the next replay
 
     def _capture(self, model: torch.nn.Module, b: int, input_ids: torch.Tensor,
-                 positions: torch.Tensor, meta: CudaMetadata, state: Any) -> _Graph:
+                 positions: torch.Tensor, meta: CudaMetadata | TorchMetadata,
+                 state: Any) -> _Graph:
         """Capture a b-row decode step over this step's (already planned) inputs."""
         static = self.attention.static_meta(b)
         ids, pos = input_ids.clone(), positions.clone()

@@ -93,8 +93,12 @@ def split_kernel(q_ptr, k_data, k_scale, v_data, v_scale, table_ptr, lens_ptr,  
     head = tl.program_id(1)
     split = tl.program_id(2)
     length = tl.load(lens_ptr + row)
-    start = split * split_len
-    end = tl.minimum(length, start + split_len)
+    # split_len 0: this row's own context cut into ``splits`` spans of whole tiles (a
+    # captured graph's split count is fixed, whatever the rows' lengths)
+    span = tl.where(split_len > 0, split_len,
+                    tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N)
+    start = split * span
+    end = tl.minimum(length, start + span)
     offs_g = tl.arange(0, GP)
     offs_d = tl.arange(0, DP)
     offs_n = tl.arange(0, BLOCK_N)
@@ -177,9 +181,10 @@ def merge_kernel(part_ptr, lse_ptr, o_ptr, stride_ob, stride_oh, splits,  # noqa
     at = (row * HEADS + head) * splits + offs_s
     lse = tl.load(lse_ptr + at, mask=in_s, other=float("-inf"))
     top = tl.max(lse, 0)
-    w = tl.where(in_s & (lse > float("-inf")), tl.exp(lse - top), 0.0)
+    full = in_s & (lse > float("-inf"))  # an empty split's partial output is not read
+    w = tl.where(full, tl.exp(lse - top), 0.0)
     part = tl.load(part_ptr + at[:, None] * DP + offs_d[None, :],
-                   mask=in_s[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+                   mask=full[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
     tl.store(o_ptr + row * stride_ob + head * stride_oh + offs_d,
              o.to(o_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)

@@ -21,8 +21,12 @@ each where its probe agreed on the device at load (decode rows of several length
 prefill chunks over scattered and consecutive pages, against the torch path), else the
 torch path, the reason logged as ``kernels.quant_decode_fallback`` /
 ``kernels.quant_prefill_fallback``. No Triton, a 32-bit model, or
-``HELEXA_TRITON_QUANT_DECODE=0``: the torch path. The tests run the kernels' source on CPU
-through Triton's interpreter. It is unmeasured on a GPU.
+``HELEXA_TRITON_QUANT_DECODE=0``: the torch path. With the write and decode kernels
+serving, a pure-decode step is captured in a CUDA graph (torch_ref.py static_meta): its
+split count is then the one the most a row can hold gets, and each row's own context is
+cut into that many spans on the device (``decode(per_row=True)``; the probe proves that
+form too). The tests run the kernels' source on CPU through Triton's interpreter. It is
+unmeasured on a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from functools import partial
 import structlog
 import torch
 
+from helexa.checkpoint.kv_path import SPLIT_PROGRAMS
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import cuda as cuda_kernels
 from helexa.kernels.attention import DecodeGroup, PrefillChunk, grouped_decode, paged_attention
@@ -46,7 +51,11 @@ log = structlog.get_logger(component="kernels")
 BLOCK_N = 32  # tokens a program reads at a time
 PREFILL_ROWS = 64  # a prefill program's (query, GQA head) rows: 64 // group queries
 MIN_SPLIT = 256  # tokens: no split is shorter (a short row is one split)
-TARGET_PROGRAMS = 264  # about two a streaming multiprocessor on an H100
+TARGET_PROGRAMS = SPLIT_PROGRAMS  # about two a streaming multiprocessor on an H100
+# a captured graph's splits at most: its count follows the most a row can hold, not the
+# step's longest row, and the merge's tile is splits (to a power of two) x head size; at
+# 128 splits of 256 dims it spills (ptxas for sm90, a review's compile), at 64 it does not
+GRAPH_SPLITS = 64
 _KIND = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
 _TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
@@ -67,11 +76,15 @@ def splits(rows: int, kv_heads: int, max_len: int) -> tuple[int, int]:
 
 
 def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor,
-           max_len: int, block_size: int, interpret: bool = False) -> torch.Tensor:
+           max_len: int, block_size: int, per_row: bool = False,
+           interpret: bool = False) -> torch.Tensor:
     """One query per decode row over its context in the quantised pool ``kv``: q [B, heads,
     d] (fp16/bf16), table [B, max_blocks] int32 (each row's pages), lens [B] int32 (its
     context, the new token's included, already written), max_len the longest (a host
-    figure) -> [B, heads, d] in q's dtype."""
+    figure) -> [B, heads, d] in q's dtype. ``per_row`` (a captured graph's step, where
+    max_len is the most any row can hold, not the step's): the split count that length
+    gets, each row's own context cut into that many spans on the device, so that no launch
+    reads a figure of the step's from the host."""
     from helexa.kernels.cuda import _quant_decode_triton as src
 
     b, heads, d = q.shape
@@ -83,6 +96,8 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     if q.stride(-1) != 1:
         q = q.contiguous()
     n_split, split_len = splits(b, kvh, max_len)
+    if per_row:
+        n_split = min(n_split, GRAPH_SPLITS)
     dp = max(16, 1 << (d - 1).bit_length())
     part = torch.empty(b, heads, n_split, dp, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, n_split, dtype=torch.float32, device=q.device)
@@ -90,7 +105,8 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     assert kv.k_data.is_contiguous() and kv.k_scale.is_contiguous() and table.stride(-1) == 1
     split_kernel[(b, kvh, n_split)](
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, table, lens, part, lse,
-        1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0), split_len, n_split,
+        1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0),
+        0 if per_row else split_len, n_split,
         KV_HEADS=kvh, GROUP=group, GP=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=d,
         DP=dp, DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
         KIND=_KIND[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, DOT_F32=interpret,
@@ -200,8 +216,10 @@ def _no_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tenso
 def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_dim: int,
           dtype: torch.dtype, interpret: bool = False) -> str:
     """Four decode rows (contexts of 1, 37, 300 and 700 tokens over scattered pages: the
-    longest in two splits, the others' second split empty) at a layer's sizes against the
-    torch path's decode: "" when they agree within the dtype's tolerance, else why not (a
+    longest in two splits, the others' second split empty; then as a captured graph cuts
+    them, each row in as many splits as a graph of 4 rows, then of the longest alone, takes
+    at most: every merge a graph may compile) at a layer's sizes against the
+    torch path's decode: "" when both agree within the dtype's tolerance, else why not (a
     failure included)."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     block_size, lens = 16, [1, 37, 300, 700]
@@ -216,8 +234,15 @@ def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_d
         at += need
     q = torch.randn(len(lens), heads, head_dim, generator=gen).to(device, dtype)
     table, lens_t, want = reference_inputs(tables, lens, block_size, q, kv)
-    return _agrees("decode", lambda: decode(q, kv, table, lens_t, max(lens), block_size,
-                                            interpret), want, dtype, device)
+    graph = partial(decode, per_row=True, interpret=interpret)  # the most splits a graph
+    return (_agrees("decode", lambda: decode(q, kv, table, lens_t, max(lens), block_size,
+                                             interpret=interpret), want, dtype, device)
+            or _agrees("decode (a graph's splits)",  # takes: 4 rows', then the longest's
+                       lambda: graph(q, kv, table, lens_t, 1 << 20, block_size), want, dtype,
+                       device)
+            or _agrees("decode (a graph's splits)",
+                       lambda: graph(q[3:], kv, table[3:], lens_t[3:], 1 << 20, block_size),
+                       want[3:], dtype, device))
 
 
 def reference_inputs(tables: list[list[int]], lens: list[int], block_size: int,

@@ -35,8 +35,10 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
         decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
         held += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
         # each graph's FlashInfer wrapper (its int workspace), made at capture after the
-        # pool; their one page-index buffer grows with the pool (graph_pool_bytes says so)
-        held += len(graphs) * FI_WRAPPER_INT_BYTES
+        # pool (none where a quantised pool's graphs run the torch path's kernels); their
+        # one page-index buffer grows with the pool (graph_pool_bytes says so)
+        if not getattr(runner.backend.attention, "torch_path", ""):
+            held += len(graphs) * FI_WRAPPER_INT_BYTES
         bytes_per_block += 4 * max(graphs)
     # the tower's activations or the text step's; beside either the embedding cache and the
     # graphs' pool (an image step runs eagerly while the captured graphs hold theirs)

@@ -15,8 +15,9 @@ MIB = 2**20
 
 
 def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
-             cache: int | None = None) -> dict[str, int]:
-    """``cache``: a vision model's embedding cache bound (None: no tower)."""
+             cache: int | None = None, torch_path: str = "") -> dict[str, int]:
+    """``cache``: a vision model's embedding cache bound (None: no tower); ``torch_path``:
+    why the cuda backend's pools run the torch path ("": FlashInfer's)."""
     fitted: dict[str, int] = {}
     monkeypatch.setattr(pool_probe, "encoder_peak", lambda runner: encoder)
     monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: 100 * MIB)
@@ -28,7 +29,8 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
         device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
         _allocate_kv=lambda *a: None, execute=lambda seqs: None,
-        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs)),
+        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs),
+                                attention=SimpleNamespace(torch_path=torch_path)),
         vision=None if cache is None else SimpleNamespace(max_cached_bytes=cache))
     assert pool_probe.measured_blocks(runner, 5000, "auto", 2048) == 1000
     return fitted
@@ -44,6 +46,11 @@ def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypa
     # the decode step's peak too (graphs hold a pool apart), then the five wrappers
     assert graphs["step_peak"] == 200 * MIB + 5 * FI_WRAPPER_INT_BYTES
     assert graphs["bytes_per_block"] == 2 * MIB + 4 * 16
+    # a quantised pool's graphs (the torch path's Triton kernels) hold no FlashInfer
+    # wrapper; their one page table takes the same 4 B a block for each row
+    quantised = _measure(monkeypatch, [16, 8, 4, 2, 1], torch_path="quantised KV")
+    assert (quantised["step_peak"], quantised["bytes_per_block"]) == (200 * MIB,
+                                                                       2 * MIB + 4 * 16)
     # a vision tower whose largest image peaks above the text steps: the larger counts
     assert _measure(monkeypatch, [], encoder=300 * MIB)["step_peak"] == 300 * MIB
     assert _measure(monkeypatch, [], encoder=30 * MIB)["step_peak"] == 100 * MIB
