@@ -17,7 +17,26 @@ HOST_SYNC_OPS = {aten._local_scalar_dense, aten.nonzero, aten._unique2, aten.uni
 
 
 class NoHostSync(TorchDispatchMode):
-    """Raises AssertionError("host sync: <op>") at the first op of HOST_SYNC_OPS."""
+    """Raises AssertionError("host sync: <op>") at the first op of HOST_SYNC_OPS, or at a
+    ``Tensor.tolist`` (which reads a CPU tensor's memory without any op a dispatch mode
+    sees; of a GPU tensor, it copies to the host and waits). (``Tensor.numpy`` of a GPU
+    tensor raises on its own, so a CPU-only path may call it.)"""
+
+    def __init__(self, tolist: bool = False) -> None:
+        """``tolist``: let Tensor.tolist through (a test that counts them itself)."""
+        super().__init__()
+        self._reads = () if tolist else ("tolist",)
+
+    def __enter__(self) -> NoHostSync:
+        self._saved = {name: getattr(torch.Tensor, name) for name in self._reads}
+        for name in self._reads:
+            setattr(torch.Tensor, name, _refuse(name))
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
         if func.overloadpacket in HOST_SYNC_OPS:
@@ -27,3 +46,9 @@ class NoHostSync(TorchDispatchMode):
                 for i in (args[1] if len(args) > 1 else ()) if i is not None):
             raise AssertionError(f"host sync: {func} by a bool mask")
         return func(*args, **(kwargs or {}))
+
+
+def _refuse(name: str) -> Any:
+    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"host sync: Tensor.{name}")
+    return read

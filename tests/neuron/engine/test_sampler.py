@@ -200,8 +200,9 @@ def test_truncation_matches_a_full_sort(scale, host):
     top_k = torch.tensor([k or 5000 for k, _ in cases])
     top_p = torch.tensor([p if p < 1 else 2.0 for _, p in cases])
     if host:
+        host_top_k = top_k.tolist()  # the engine's own list, as the GPU's way takes it
         with NoHostSync():
-            cand, idx = truncate(x, top_k, top_p, host_top_k=top_k.tolist())
+            cand, idx = truncate(x, top_k, top_p, host_top_k=host_top_k)
     else:
         cand, idx = truncate(x, top_k, top_p)
     for row, (k, p) in enumerate(cases):

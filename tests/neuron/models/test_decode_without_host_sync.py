@@ -77,3 +77,25 @@ def test_decode_over_quantised_kv_makes_no_host_sync(tiny_checkpoint, kv_dtype):
     with NoHostSync(), torch.inference_mode():
         logits = runner.model(ids, positions, meta, None)
     assert logits.shape == (2, runner.vocab_size)
+
+
+def test_a_graphs_decode_over_quantised_kv_makes_no_host_sync(tiny_checkpoint):
+    """Where a quantised pool's write and decode kernels serve (stood in by sync-free ops,
+    as the Triton kernels are on CUDA), a decode step is planned into a graph's fixed
+    buffers (TorchBackend.static_meta) and its forward, attention included, reads no value
+    back: not its lengths, not its split count, not a tolist."""
+    runner = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4, max_num_seqs=2,
+                         max_batched_tokens=64, backend="torch", kv_dtype="int8")
+    attn = runner.backend.attention
+    attn.graph_rows = 2  # as the cuda backend composes it with graphs asked for
+    attn.quant_write = lambda kv, slots, k, v: kv.k_scale.index_fill_(0, slots, 1.0)
+    attn.quant_decode = lambda q, kv, table, lens, most, bs, per_row: (
+        q * lens[:, None, None].to(q.dtype) + table[:, :1, None].to(q.dtype))
+    runner.execute([SeqInput([1, 2, 3], 0, [1], True, 0), SeqInput([1, 2], 0, [2], True, 1)])
+    ids, positions, step, _ = runner._prepare([SeqInput([4], 3, [1], True, 0),
+                                               SeqInput([5], 2, [2], True, 1)])
+    meta = attn.plan(step)
+    assert meta.graph_rows == 2 and meta.decode_rows is not None and meta.decode_rows[4]
+    with NoHostSync(), torch.inference_mode():
+        logits = runner.model(ids, positions, meta, None)
+    assert logits.shape == (2, runner.vocab_size)
