@@ -2,7 +2,7 @@
 fla-core at the version the ``cuda`` extra pins (`make setup` puts it in .venv/fla) runs
 on CPU in Triton's interpreter (tests/support/fla_real.py, in a process of its own). Every
 load probe agrees at the flagship's head layout (Qwen3.5's group of 3 value heads per key
-head, head size 128) and at a group of 1; a wrong chunk layout is refused; and a whole
+head, head size 128); a wrong chunk layout is refused; and a whole
 hybrid model takes every fla path helexa has (a step's prefills in one chunked launch with
 fla's chunk indices, decode with the norms and gates in the kernel, verification rows and
 their settling, the gated norm) with the torch forms' logits. The stand-in tests
@@ -41,10 +41,9 @@ def test_the_pinned_fla_takes_what_helexa_hands_it(report):
     assert report["takes"] == {"chunk_indices": True, "cu_seqlens_cpu": True, "gated": True}
 
 
-@pytest.mark.parametrize("layout", ["2x6x128", "4x4x64"])
-def test_every_load_probe_agrees_with_fla(report, layout):
-    assert report["probes"][layout] == {name: "" for name in report["probes"][layout]}
-    assert len(report["probes"][layout]) == 6
+def test_every_load_probe_agrees_with_fla_at_the_flagships_head_layout(report):
+    probes = report["probes"]["2x6x128"]  # Qwen3.5's 3 value heads a key head, of 128
+    assert probes == {name: "" for name in probes} and len(probes) == 6
 
 
 def test_a_chunk_layout_fla_does_not_take_is_refused(report):

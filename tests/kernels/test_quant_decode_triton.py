@@ -33,10 +33,12 @@ def _pool(kv_dtype: str, kvh: int, d: int, blocks: int, bs: int, dtype: torch.dt
     return kv
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
-@pytest.mark.parametrize(("heads", "kvh", "d"), [(12, 2, 64), (4, 4, 40), (7, 1, 80)])
-@pytest.mark.parametrize(("dtype", "per_row"), [(torch.float16, False),
-                                                 (torch.bfloat16, False), (torch.float16, True)])
+@pytest.mark.parametrize(("kv_dtype", "heads", "kvh", "d", "dtype", "per_row"), [
+    (kv, *shape, dtype, False) for kv in ("int8", "fp8_e4m3", "int4")
+    for shape in ((12, 2, 64), (4, 4, 40), (7, 1, 80))
+    for dtype in (torch.float16, torch.bfloat16)] + [  # a graph's splits: each shape once
+    ("int8", 12, 2, 64, torch.float16, True), ("fp8_e4m3", 4, 4, 40, torch.bfloat16, True),
+    ("int4", 7, 1, 80, torch.float16, True)])
 def test_the_kernel_is_the_torch_path(kv_dtype, heads, kvh, d, dtype, per_row, monkeypatch):
     """Rows of 1, 17, 40 and 130 tokens over scattered pages (GQA groups of 6, 1 and 7;
     head sizes off the powers of two; int4's last scale group partial), the longest row cut
