@@ -56,12 +56,11 @@ def interpreter_shims() -> None:
 
 
 def probes(fla: Any, kh: int, vh: int, d: int) -> dict[str, str]:
-    """Every load probe at these head counts and size, fp16: "" where fla agrees."""
-    names = ["probe_fla_chunked", "probe_fla_varlen", "probe_fla_decode", "probe_fla_gated",
-             "probe_fla_steps"]
-    said = {n: getattr(fla, n)(CPU, kh, vh, d, d, torch.float16) for n in names}
-    said["probe_fla_norm"] = fla.probe_fla_norm(CPU, vh, d, torch.float16)
-    return said
+    """The chunked kernels' and the decode kernel's load probes at these head counts and
+    size, fp16: "" where fla agrees (the model below runs every probe at its own sizes as
+    it loads; a head of 128 takes the chunked kernels' blocks past 64)."""
+    names = ["probe_fla_chunked", "probe_fla_varlen", "probe_fla_decode"]
+    return {n: getattr(fla, n)(CPU, kh, vh, d, d, torch.float16) for n in names}
 
 
 def wrong_chunks(fla: Any) -> str:
