@@ -19,6 +19,12 @@ def unavailable(switch: str, source: str) -> str:
     return _import_error(source)
 
 
+def pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two at least ``n`` and ``least``: a Triton tile's size (a
+    block's dims must be powers of two; tl.dot takes no fewer than 16 rows)."""
+    return max(least, 1 << (n - 1).bit_length())
+
+
 def settled(device: torch.device) -> None:
     """Wait for the kernels queued on a CUDA device: a load probe's, so that a fault of
     theirs (an illegal address) raises inside the probe, not at some later step."""

@@ -24,8 +24,6 @@ from typing import Any
 import triton
 import triton.language as tl
 
-KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
-
 
 @triton.jit
 def _dequant(data_ptr, scale_ptr, rows, offs_d, in_tok, in_d, DATA_DIM: tl.constexpr,

@@ -16,10 +16,10 @@ from typing import Any
 import triton
 import triton.language as tl
 
-KIND_INT8, KIND_FP8, KIND_INT4 = 0, 1, 2
-# kv_quant._TINY (an all-zero token-head's scale) and the formats' reciprocals, written as
-# literals: a Triton kernel reads no module global, and the scale is amax times the
-# reciprocal, as kv_quant computes it on every device (CUDA's tensor / scalar is that too)
+# KIND: quant_write.KINDS (0 int8, 1 fp8 e4m3, 2 int4). kv_quant._TINY (an all-zero
+# token-head's scale) and the formats' reciprocals are written as literals: a Triton kernel
+# reads no module global, and the scale is amax times the reciprocal, as kv_quant computes
+# it on every device (CUDA's tensor / scalar is that too)
 
 
 @triton.jit

@@ -52,7 +52,7 @@ def conv1d_decode_slots(x: torch.Tensor, weight: torch.Tensor, pool: torch.Tenso
     grid = (b, -(-c // BLOCK_C))
     _conv_decode_triton.build(interpret)[grid](
         x, weight, pool, slots, y, c, x.stride(0), y.stride(0), pool.stride(0),
-        K=k, KW=max(2, 1 << (k - 2).bit_length()), BLOCK_C=BLOCK_C)
+        K=k, KW=cuda_kernels.pow2(k - 1, 2), BLOCK_C=BLOCK_C)
     return y
 
 

@@ -42,6 +42,7 @@ from helexa.checkpoint.kv_path import SPLIT_PROGRAMS
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import cuda as cuda_kernels
 from helexa.kernels.attention import DecodeGroup, PrefillChunk, grouped_decode, paged_attention
+from helexa.kernels.backends.base import token_slots
 from helexa.kernels.backends.torch_ref import TorchBackend
 from helexa.kernels.cuda import quant_write
 from helexa.kernels.paged_kv import PagedKV
@@ -56,7 +57,6 @@ TARGET_PROGRAMS = SPLIT_PROGRAMS  # about two a streaming multiprocessor on an H
 # step's longest row, and the merge's tile is splits (to a power of two) x head size; at
 # 128 splits of 256 dims it spills (ptxas for sm90, a review's compile), at 64 it does not
 GRAPH_SPLITS = 64
-_KIND = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
 _TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
 
@@ -98,7 +98,7 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     n_split, split_len = splits(b, kvh, max_len)
     if per_row:
         n_split = min(n_split, GRAPH_SPLITS)
-    dp = max(16, 1 << (d - 1).bit_length())
+    dp = cuda_kernels.pow2(d, 16)
     part = torch.empty(b, heads, n_split, dp, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, n_split, dtype=torch.float32, device=q.device)
     split_kernel, merge_kernel, _ = src.build(interpret)
@@ -107,13 +107,13 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, table, lens, part, lse,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), table.stride(0),
         0 if per_row else split_len, n_split,
-        KV_HEADS=kvh, GROUP=group, GP=max(16, 1 << (group - 1).bit_length()), HEAD_DIM=d,
+        KV_HEADS=kvh, GROUP=group, GP=cuda_kernels.pow2(group, 16), HEAD_DIM=d,
         DP=dp, DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=kv.k_scale.shape[-1],
-        KIND=_KIND[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N, DOT_F32=interpret,
-        num_warps=_warps(dp))
+        KIND=quant_write.KINDS[kv.kv_dtype], BLOCK_SIZE=block_size, BLOCK_N=BLOCK_N,
+        DOT_F32=interpret, num_warps=_warps(dp))
     merge_kernel[(b, heads)](part, lse, out, out.stride(0), out.stride(1), n_split,
                              HEADS=heads, HEAD_DIM=d, DP=dp,
-                             SP=max(2, 1 << (n_split - 1).bit_length()))
+                             SP=cuda_kernels.pow2(n_split, 2))
     return out
 
 
@@ -130,17 +130,16 @@ def prefill(q: torch.Tensor, kv: PagedKV, chunk: PrefillChunk,
     out = torch.empty(n, heads, d, dtype=q.dtype, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    dp = max(16, 1 << (d - 1).bit_length())
+    dp = cuda_kernels.pow2(d, 16)
     tok = max(1, PREFILL_ROWS // group)
-    rows = 1 << (tok * group - 1).bit_length()
     slots = chunk.context_slots
     _, _, prefill_kernel = src.build(interpret)
     prefill_kernel[(-(-n // tok), kvh)](
         q, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, slots if slots is not None else q,
         out, chunk.context_start or 0, n, chunk.context_len, 1.0 / math.sqrt(d),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), KV_HEADS=kvh, GROUP=group,
-        TOK=tok, R=max(16, rows), HEAD_DIM=d, DP=dp, DATA_DIM=kv.k_data.shape[-1],
-        NUM_SCALES=kv.k_scale.shape[-1], KIND=_KIND[kv.kv_dtype], BLOCK_N=BLOCK_N,
+        TOK=tok, R=cuda_kernels.pow2(tok * group, 16), HEAD_DIM=d, DP=dp, DATA_DIM=kv.k_data.shape[-1],
+        NUM_SCALES=kv.k_scale.shape[-1], KIND=quant_write.KINDS[kv.kv_dtype], BLOCK_N=BLOCK_N,
         SLOTS=slots is not None, DOT_F32=interpret, num_warps=_warps(dp))
     return out
 
@@ -161,7 +160,7 @@ def probe_prefill(device: torch.device, kv_dtype: str, heads: int, kv_heads: int
     bs = 16
     kv = _random_pool(kv_dtype, 12, bs, kv_heads, head_dim, dtype, device, gen)
     for n, context, table in ((5, 75, [7, 2, 9, 0, 11]), (40, 64, [4, 5, 6, 7])):
-        slots = [table[i // bs] * bs + i % bs for i in range(context)]
+        slots = token_slots(table, 0, context, bs)
         consecutive = table == list(range(table[0], table[0] + len(table)))
         chunk = PrefillChunk(start=0, end=n, context_len=context,
                              context_start=slots[0] if consecutive else None,
@@ -265,7 +264,8 @@ def chosen(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_
     """Whether the decode kernel (or the one ``check``, probe_prefill, proves) serves a
     quantised pool of these sizes on ``device`` (its probe agreed), and why not where it
     could run here but was refused ("" otherwise)."""
-    if device.type != "cuda" or unavailable() or dtype not in _TOL or kv_dtype not in _KIND:
+    if (device.type != "cuda" or unavailable() or dtype not in _TOL
+            or kv_dtype not in quant_write.KINDS):
         return False, ""
     why = (check or probe)(device, kv_dtype, heads, kv_heads, head_dim, dtype)
     return not why, why

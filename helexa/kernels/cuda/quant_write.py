@@ -22,7 +22,9 @@ import torch
 from helexa.kernels import cuda as cuda_kernels
 from helexa.kernels.paged_kv import PagedKV
 
-_KIND = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
+# each quantised kv dtype's KIND in the Triton sources (_quant_write_triton.py and
+# _quant_decode_triton.py compare KIND with these literals: a kernel reads no global)
+KINDS = {"int8": 0, "fp8_e4m3": 1, "int4": 2}
 
 
 def unavailable() -> str:
@@ -49,8 +51,8 @@ def write(kv: PagedKV, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Ten
     src.build(interpret)[(n, kvh)](
         k, v, slot_mapping, kv.k_data, kv.k_scale, kv.v_data, kv.v_scale, k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), KV_HEADS=kvh, HEAD_DIM=d,
-        DP=max(16, 1 << (d - 1).bit_length()), DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=ns,
-        NSP=1 << (ns - 1).bit_length(), KIND=_KIND[kv.kv_dtype])
+        DP=cuda_kernels.pow2(d, 16), DATA_DIM=kv.k_data.shape[-1], NUM_SCALES=ns,
+        NSP=cuda_kernels.pow2(ns), KIND=KINDS[kv.kv_dtype])
 
 
 def probe(device: torch.device, kv_dtype: str, kv_heads: int, head_dim: int,
@@ -84,7 +86,7 @@ def chosen(device: torch.device, kv_dtype: str, kv_heads: int, head_dim: int,
            dtype: torch.dtype) -> tuple[bool, str]:
     """Whether this kernel writes a quantised pool of these sizes on ``device`` (its probe
     agreed), and why not where it could run here but was refused ("" otherwise)."""
-    if device.type != "cuda" or unavailable() or kv_dtype not in _KIND:
+    if device.type != "cuda" or unavailable() or kv_dtype not in KINDS:
         return False, ""
     why = probe(device, kv_dtype, kv_heads, head_dim, dtype)
     return not why, why
