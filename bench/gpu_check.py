@@ -43,8 +43,8 @@ failing stage still leaves the others' figures:
   FlashInfer's decode kernels serve, batch 1 and 8 on the kernel cuda.tensor_cores did
   not choose (``other_decode_kernel``: the measurement its rule waits for); the dense
   model over an int8 KV pool, batch 1 and 8, on the Triton quantised-KV write and decode
-  (its decode steps in CUDA graphs) and on the torch path, eagerly (``int8_kv``). Last, so a check short of time loses these and not the
-  figures before.
+  (its decode steps in CUDA graphs) and on the torch path, eagerly (``int8_kv``). Last,
+  so a check short of time loses these and not the figures before.
 - ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1 and 8 rows on the
   Triton kernel, the dequantised tiles and a bf16 F.linear: µs a call and the fraction of
   copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
@@ -592,9 +592,9 @@ def int8_kv_decode(ctx: dict[str, Any], name: str, roofline_steps: float) -> dic
     """Batch 1 and 8 decode of checkpoint ``name`` over an int8 KV pool, whose writes and
     attention run Triton kernels where their probes agreed (kernels/cuda/quant_write.py,
     quant_decode.py; its decode steps then captured as CUDA graphs), and again on the torch
-    path (both switches at 0: eagerly): each run's backend
-    line, steps/s and fraction of the weights' roofline (the KV's bytes at these prompts
-    are a rounding error beside the weights'), and the kernels' speed-up at batch 1."""
+    path (both switches at 0: eagerly): each run's backend line, steps/s and fraction of
+    the weights' roofline (the KV's bytes at these prompts are a rounding error beside the
+    weights'), and the kernels' speed-up at batch 1."""
     out = {}
     off = ("HELEXA_TRITON_QUANT_WRITE", "HELEXA_TRITON_QUANT_DECODE")
     for label, envs in (("triton", ()), ("torch_path", off)):
