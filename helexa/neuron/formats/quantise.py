@@ -174,14 +174,8 @@ def _check_experts(name: str, mlp: SparseMoeBlock, spec: QuantSpec) -> None:
         return
     for which in ("w13", "w2"):
         _, n, k = getattr(mlp, which).shape
-        if k % spec.group_size:
-            raise QuantConfigError(
-                f"{name}.{which}: int4 groups of {spec.group_size} would straddle ranks or "
-                f"experts' rows: {k} input features per rank, not a multiple of "
-                f"{spec.group_size}")
-        if n % qk.INT4_ROW_MULTIPLE:
-            raise QuantConfigError(f"{name}.{which}: int4 needs each expert's output rows per "
-                                   f"rank divisible by {qk.INT4_ROW_MULTIPLE}, got {n}")
+        _check_int4_shape(f"{name}.{which}", n, k, spec.group_size,
+                          f"{k} input features per rank", "ranks or experts' rows")
 
 
 def _wrap_expert_absmax(mlp: Any) -> None:
@@ -244,11 +238,17 @@ class AtLoadMethod(LinearMethod):
 
 def _check_int4(name: str, mod: Any, group: int) -> None:
     n, k = mod.weight.shape
+    _check_int4_shape(name, n, k, group, f"{k * mod.tp_size} input features / "
+                      f"tp={mod.tp_size} = {k} per rank")
+
+
+def _check_int4_shape(name: str, n: int, k: int, group: int, inputs: str,
+                      straddles: str = "ranks") -> None:
+    """A rank's [n, k] share of an int4 weight: whole groups of ``group`` inputs a row,
+    and rows by the packer's multiple."""
     if k % group:
-        whole = k * mod.tp_size
-        raise QuantConfigError(
-            f"{name}: int4 groups of {group} would straddle ranks: {whole} input features"
-            f" / tp={mod.tp_size} = {k} per rank, not a multiple of {group}")
+        raise QuantConfigError(f"{name}: int4 groups of {group} would straddle {straddles}: "
+                               f"{inputs}, not a multiple of {group}")
     if n % qk.INT4_ROW_MULTIPLE:
         raise QuantConfigError(f"{name}: int4 needs output rows per rank divisible by "
                                f"{qk.INT4_ROW_MULTIPLE}, got {n}")

@@ -74,6 +74,20 @@ def test_int4_groups_straddling_ranks_are_refused(tiny_checkpoint):
         QuantiseAtLoad(ckpt, QuantSpec("int4", 64)).attach(model)
 
 
+def test_int4_groups_straddling_an_experts_rows_are_refused(tiny_checkpoint):
+    """A routed expert's down projection reads moe_intermediate_size inputs (96 here):
+    groups of 64 would run from one expert's row into the next's."""
+    from helexa.neuron.models.hybrid import HybridForCausalLM
+    ckpt = open_checkpoint(tiny_checkpoint("qwen3_moe", intermediate_size=192))
+    model = HybridForCausalLM(ckpt.config, tp_rank=0, tp_size=1)
+    with pytest.raises(QuantConfigError,
+                       match=r"mlp\.w2: int4 groups of 64 would straddle ranks or experts' "
+                             r"rows: 96 input features per rank, not a multiple of 64"):
+        QuantiseAtLoad(ckpt, QuantSpec("int4", 64)).attach(model)
+    QuantiseAtLoad(ckpt, QuantSpec("int4", 32)).attach(  # 96 holds three: accepted
+        HybridForCausalLM(ckpt.config, tp_rank=0, tp_size=1))
+
+
 def test_bad_quant_settings_are_refused():
     with pytest.raises(QuantConfigError, match="expected one of"):
         QuantSpec("int3")
