@@ -163,6 +163,8 @@ def quantised_gathered(x: torch.Tensor, kernel: Any, chosen: torch.Tensor,
     bytes read), then one op per (token, slot), a loop of N x k known on the host: no host
     sync, so a CUDA graph can capture it."""
     n, k = chosen.shape
+    if n == 0:
+        return torch.zeros_like(x)
     picked = kernel.select(chosen.reshape(-1))  # entry j: token j // k's slot j % k
     ys = []
     for j in range(n * k):
