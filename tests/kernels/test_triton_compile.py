@@ -1,4 +1,4 @@
-"""helexa's quantised-KV Triton kernels compiled for an sm90 card down to PTX on this
+"""helexa's quantised-KV and grouped int8 Triton kernels compiled for an sm90 card down to PTX on this
 machine (tests/support/triton_compile.py, in a process without TRITON_INTERPRET): the
 interpreter the other kernel tests use runs the source in numpy and let a kernel through
 that read a module global, which a real compile refuses (the write kernel's first
@@ -38,8 +38,16 @@ def compiled() -> dict[str, object]:
 
 def test_every_quantised_kv_kernel_compiles_for_sm90(compiled):
     assert not [k for k in compiled if k.startswith("failed/")], compiled
-    assert set(compiled) == {f"{k}/{d}" for k in ("split", "prefill", "write")
-                             for d in ("int8", "fp8_e4m3", "int4")} | {"merge"}
+    assert {k for k in compiled if not k.startswith("int8g/")} == {
+        f"{k}/{d}" for k in ("split", "prefill", "write")
+        for d in ("int8", "fp8_e4m3", "int4")} | {"merge"}
+
+
+def test_the_grouped_int8_kernel_compiles_for_each_way_it_reads_scales(compiled):
+    # groups of 32 (a load a group), per-row int8's one group a row, groups of 96 (a scale
+    # a value), and an fp32 model's shallower steps
+    assert {k for k in compiled if k.startswith("int8g/")} == {
+        "int8g/bf16/32", "int8g/bf16/5120", "int8g/fp16/96", "int8g/fp32/5120"}
 
 
 def test_no_kernel_spills_registers_at_its_launch_warps(compiled):

@@ -1,4 +1,4 @@
-"""Compile helexa's quantised-KV Triton kernels for an sm90 card down to PTX, on any
+"""Compile helexa's quantised-KV and grouped int8 Triton kernels for an sm90 card down to PTX, on any
 machine (no GPU: Triton's own compiler stages, to PTX and not to a cubin), and print what
 each produced as JSON: run by tests/kernels/test_triton_compile.py in a process of its own,
 without TRITON_INTERPRET, so that what only a real compile sees (a module global read in a
@@ -17,8 +17,10 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
+from helexa.kernels.cuda import _int8g_triton as i8
 from helexa.kernels.cuda import _quant_decode_triton as qd
 from helexa.kernels.cuda import _quant_write_triton as qw
+from helexa.kernels.cuda import int8g
 from helexa.kernels.cuda.quant_decode import _warps
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -74,6 +76,18 @@ def main() -> int:
             out[f"failed/{name}"] = f"{type(e).__name__}: {e}"[-800:]
     out["merge"] = stats(ptx(qd.merge_kernel, ["*fp32", "*fp32", "*bf16", "i32", "i32", "i32"],
                              dict(HEADS=24, HEAD_DIM=d, DP=dp, SP=64), 4))
+    # the grouped int8 decode kernel (int8g.run's launch: 4 warps): a load of scales per
+    # group, per-row int8's one group a row (one scale a step), a scale per value; fp32
+    # models' shallower steps
+    for dtype, group, zeros in (("bf16", 32, True), ("bf16", 5120, False), ("fp16", 96, False),
+                                ("fp32", 5120, False)):
+        block_k = int8g.BLOCK_K_FP32 if dtype == "fp32" else int8g.BLOCK_K
+        dot = {"bf16": i8.tl.bfloat16, "fp16": i8.tl.float16, "fp32": i8.tl.float32}[dtype]
+        out[f"int8g/{dtype}/{group}"] = stats(ptx(i8.int8g_kernel, [
+            f"*{dtype}", "*i8", f"*{dtype}", f"*{dtype}", "*fp32"] + ["i32"] * 7, dict(
+            G=group, GROUPING=i8.grouping(group, block_k), HAS_ZEROS=zeros, DOT=dot,
+            PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=int8g.BLOCK_M,
+            BLOCK_N=int8g.BLOCK_N, BLOCK_K=block_k), 4))
     json.dump(out, sys.stdout)
     return 0
 
