@@ -3,9 +3,9 @@
 The layout (docs/quantization.md) is what torch's own weight-only ops take:
 
 - int8: ``qweight`` int8 [N, K], one scale per output row, ``w = q * scale``;
-  run by ``aten._weight_int8pack_mm`` (CPU; CUDA for a decode step's few rows: its CUDA
-  kernel reads the whole weight once per input row, so more rows than
-  ``INT8_CUDA_OP_ROWS``, a prefill chunk, take the tiles below as one group a row).
+  run by ``aten._weight_int8pack_mm`` on CPU; on CUDA as grouped int8 (below) with one
+  group a row (torch's CUDA kernel gives each output a thread that reads its weight row
+  alone, once per input row).
 - int4: values 0..15 in groups of ``group_size`` along K, a scale and a float
   zero per (group, row), ``w = (q - 8) * scale + zero`` (tinygemm's convention);
   packed by ``aten._convert_weight_to_int4pack_for_cpu`` and run by
@@ -58,16 +58,6 @@ def compute_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return model_dtype
 
 
-# torch's CUDA _weight_int8pack_mm (int8mm.cu) computes each output with one thread (a
-# warp in later releases) reading its weight row, so M input rows read the weight M times;
-# the dequantised tiles read it once whatever M (their 16-bit tile, INT8G_TILE_BYTES, is
-# written and read back within the cache) and multiply on cuBLAS. A decode step of up to
-# this many rows keeps the op (at one row it is a GEMV, with no tile launches); more rows,
-# a prefill chunk above all, take the tiles. The bound is read from the kernels, not
-# measured: no GPU has run either path.
-INT8_CUDA_OP_ROWS = 8
-
-
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ (qweight [N, K] int8 * scales [N])^T + bias."""
@@ -75,8 +65,10 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.numel() == 0:  # a step wanting no logits: the CUDA op's launch of 0 rows is invalid
         return x.new_zeros(*shape[:-1], qweight.shape[0])
     x2 = x.reshape(-1, shape[-1]).to(scales.dtype).contiguous()  # as int4_linear
-    if x2.device.type != "cpu" and x2.shape[0] > INT8_CUDA_OP_ROWS:  # a prefill chunk
-        y = int8g_tiles(x2, qweight, scales[:, None], None, qweight.shape[1]).to(x.dtype)
+    if x2.device.type != "cpu":  # one group a row: the Triton kernel for a decode step's
+        # rows where it proved itself on the card, else (a prefill chunk) the tiles
+        y = int8g_cuda.linear(x2, qweight, scales[:, None], None, qweight.shape[1],
+                              int8g_tiles).to(x.dtype)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales).to(x.dtype)
     if bias is not None:

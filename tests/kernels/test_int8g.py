@@ -9,6 +9,7 @@ import torch
 from helexa.kernels import quant as qk
 from helexa.kernels.cpu import int8g as int8g_cpu
 from helexa.kernels.cpu import native as cpu_native
+from helexa.kernels.cuda import int8g as int8g_cuda
 
 
 @pytest.mark.parametrize("zeros", [False, True])
@@ -126,25 +127,28 @@ def test_rows_split_over_threads_give_the_same_products(isa):
         torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
 
-def test_per_row_int8_off_the_cpu_runs_many_rows_on_the_tiles(monkeypatch) -> None:
-    """On CUDA torch's per-row int8 op reads the weight once per input row: a decode step's
-    few rows keep it, a prefill chunk's many take the dequantised tiles (one group a row),
-    which give the same product. The device is meta here, standing in for CUDA."""
-    calls: list[int] = []
-    real_op = torch.ops.aten._weight_int8pack_mm
+def test_per_row_int8_off_the_cpu_runs_as_grouped_int8_of_one_group_a_row(monkeypatch) -> None:
+    """On CUDA torch's per-row int8 op gives each output a thread reading its weight row
+    alone: every step goes to the grouped int8 op instead (the Triton kernel for a decode
+    step's rows, the tiles for a prefill chunk), the row's scale its one group. The device
+    is meta here, standing in for CUDA; the products are compared on the CPU."""
+    calls: list[tuple[int, tuple[int, ...], int]] = []
 
-    def counted(x, q, s):
-        calls.append(x.shape[0])
-        return real_op(x, q, s)
+    def counted(x, q, s, z, group, tiles):  # the tiles stand in for the kernel on meta
+        calls.append((x.shape[0], tuple(s.shape), group))
+        return tiles(x, q, s, z, group)
 
-    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", counted)
+    monkeypatch.setattr(int8g_cuda, "linear", counted)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", None)  # never reached
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-128, 128, (40, 64), dtype=torch.int8, generator=g)
     s = torch.rand(40, generator=g) * 0.02
-    for rows in (1, qk.INT8_CUDA_OP_ROWS, qk.INT8_CUDA_OP_ROWS + 1, 300):
+    for rows in (1, 9, 300):
         y = qk.int8_linear(torch.randn(rows, 64, device="meta"), q.to("meta"), s.to("meta"), None)
         assert y.shape == (rows, 40) and y.device.type == "meta"
-    assert calls == [1, qk.INT8_CUDA_OP_ROWS]  # 9 and 300 rows: the tiles
-    x = torch.randn(300, 64, generator=g)  # on the CPU: the tiles' product is the op's
-    torch.testing.assert_close(qk.int8g_tiles(x, q, s[:, None], None, 64),
-                               real_op(x, q, s), rtol=1e-5, atol=1e-5)
+    assert calls == [(1, (40, 1), 64), (9, (40, 1), 64), (300, (40, 1), 64)]
+    monkeypatch.undo()
+    x = torch.randn(5, 64, generator=g)  # the grouped forms' product is the op's
+    want = torch.ops.aten._weight_int8pack_mm(x, q, s)
+    torch.testing.assert_close(qk.int8g_tiles(x, q, s[:, None], None, 64), want,
+                               rtol=1e-5, atol=1e-5)  # the kernel's: test_int8g_triton.py

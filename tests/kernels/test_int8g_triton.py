@@ -74,6 +74,18 @@ def test_a_decode_batch_of_several_row_blocks_and_a_weight_view():
     torch.testing.assert_close(y.float(), ref, rtol=8e-3, atol=8e-3 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("k", [640, 1280])  # a row of 5 steps of 128 (one scale a step);
+def test_one_group_a_row_is_torchs_per_row_int8_op(k):  # 10 (K split in two spans)
+    """Per-row int8 (quantize = "int8") runs on CUDA as this kernel with the row's scale its
+    one group (helexa/kernels/quant.py int8_linear): torch's own op's product."""
+    g = torch.Generator().manual_seed(k)
+    q = torch.randint(-128, 128, (133, k), dtype=torch.int8, generator=g)
+    s = torch.rand(133, generator=g) * 0.02 + 1e-3
+    x = torch.randn(3, k, generator=g)
+    torch.testing.assert_close(ci.run(x, q, s[:, None], None, k, sms=8, interpret=True),
+                               torch.ops.aten._weight_int8pack_mm(x, q, s), rtol=1e-4, atol=1e-4)
+
+
 def test_each_group_size_reads_its_scales_the_cheapest_way():
     from helexa.kernels.cuda._int8g_triton import grouping
 

@@ -9,7 +9,8 @@ _int8g_triton.py) reads each int8 byte and its group's scale once, dequantises i
 registers and multiplies on the tensor cores (rows padded to 16), with K split over
 programs so that a layer of few output rows still fills the card; the spans' fp32
 partial sums are added after. It serves the layouts of GGUF Q8_0, Q6_K and Q5_K, GPTQ
-8-bit and grouped int8 alike (any group size that divides K, zeros or none).
+8-bit and grouped int8 alike (any group size that divides K, zeros or none), and per-row
+int8 as one group a row (helexa/kernels/quant.py int8_linear).
 
 Steps of at most ``ROWS`` rows (64) take it; more keep the tiles. The bound, the block sizes
 and the split are read from the kernels' arithmetic, not measured: no GPU has run this.

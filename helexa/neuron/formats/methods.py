@@ -39,8 +39,22 @@ class Int8Linear:
             x = x.index_select(-1, self.perm)
         return qk.int8_linear(x, self.mod.qweight, self.mod.qscales, bias)
 
+    def prepare(self, max_num_seqs: int) -> None:
+        """On CUDA: the grouped int8 kernel it runs on (one group a row) proves itself and
+        compiles for this layer now, not in a graph capture or the first request's step."""
+        if self.mod.qweight.device.type == "cuda":
+            _warm(self, self.mod.qweight.shape[1], self.mod.qscales, max_num_seqs)
+
     def dequantized(self) -> torch.Tensor:
         return qk.dequantize_int8(self.mod.qweight, self.mod.qscales)
+
+
+def _warm(kernel: Any, k: int, scales: torch.Tensor, max_num_seqs: int) -> None:
+    """One call of ``kernel`` at one row and at two (the row buckets the CPU kernels
+    measure), each of k zero inputs in the scales' dtype."""
+    with torch.inference_mode():
+        for rows in sorted({1, min(max_num_seqs, 2)}):
+            kernel(torch.zeros(rows, k, dtype=scales.dtype, device=scales.device), None)
 
 
 class Int4Linear:
@@ -72,11 +86,7 @@ class Int8gLinear:
     def prepare(self, max_num_seqs: int) -> None:
         """Make the op choose its kernels for this layer now (helexa/kernels/cpu/int8g.py measures
         at the first call of each row bucket), not in the first request's decode step."""
-        k = self.mod.qweight.shape[1]
-        with torch.inference_mode():
-            for rows in sorted({1, min(max_num_seqs, 2)}):
-                self(torch.zeros(rows, k, dtype=self.mod.qscales.dtype,
-                                 device=self.mod.qweight.device), None)
+        _warm(self, self.mod.qweight.shape[1], self.mod.qscales, max_num_seqs)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [N, K] in the inputs' own order."""
