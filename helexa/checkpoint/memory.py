@@ -28,8 +28,9 @@ Per card, with tp-way tensor parallelism:
                   × weight bytes         # products (masked), where max_slots is past gathering
       + max_slots × (8 MiB               # each graph's FlashInfer wrapper: its int workspace
                      + 4 × pool blocks)  # their one page-index buffer (cuda.py), int32
-      + flashinfer_workspace_bytes(group, head_dim)  # the graph wrappers' one float scratch:
-                                         # 256 MiB, or a split-kv plan's where more
+      + flashinfer_graph_workspace_bytes(heads/tp, kv_heads/tp, head_dim, max_slots)
+                                         # the graph wrappers' one float scratch: 256 MiB,
+                                         # or their split-kv plans' where more
         (a quantised pool, whose graphs run the torch path's Triton kernels, in place of
         the three wrapper lines: torch_ref.py static_meta, kernels/cuda/quant_decode.py)
         max_slots × (4 × pool blocks + 12)  # each graph's pages (int32), context, slots
@@ -65,7 +66,8 @@ from helexa.checkpoint.weights import quantized_weight_bytes_per_card
 
 __all__ = ["QUANT_GROUP", "allreduce_workspace_bytes", "cuda_graph_plan",
            "fixed_bytes_per_request", "fused_allreduce_workspace",
-           "flashinfer_workspace_bytes", "fused_allreduce_rows", "graph_capture_sizes",
+           "flashinfer_graph_workspace_bytes", "flashinfer_workspace_bytes",
+           "fused_allreduce_rows", "graph_capture_sizes",
            "graph_pool_bytes", "held_bytes_per_request",
            "kv_bytes_per_token", "kv_heads_per_card", "kv_token_head_bytes",
            "weight_bytes_per_card"]
@@ -129,6 +131,26 @@ def flashinfer_workspace_bytes(group: int, head_dim: int, sms: int = 132) -> int
     return max(FI_FLOAT_WORKSPACE_BYTES, split + 16 * 2**20)  # + the plan's smaller arrays
 
 
+def flashinfer_graph_workspace_bytes(heads: int, kv_heads: int, head_dim: int, rows: int,
+                                     sms: int = 132) -> int:
+    """The graph decode wrappers' one float scratch, for batches of up to ``rows`` of
+    ``heads`` query and ``kv_heads`` KV heads a card: FI_FLOAT_WORKSPACE_BYTES, or what
+    their plans take where that is more. In graph mode FlashInfer 0.6.13 always splits
+    the KV (scheduler.cuh). On tensor cores (PrefillPlan) each split keeps an fp32
+    partial output of a tile of query rows: heads x padded x tile x head_dim floats,
+    padded = max(2 CTAs an SM // kv_heads, ceil(rows x group / tile) + rows - 1) and the
+    tile 16, 64 or 128 rows as the group passes 16 or 64 (FA2DetermineCtaTileQ): it grows
+    with the batch, past 256 MiB from 340 rows of Qwen3-32B (64 heads, 8 KV, 128 dims).
+    On CUDA cores (DecodePlan) the splits are at most the grid, 16 blocks an SM:
+    heads x 16 x SMs // kv_heads x head_dim floats."""
+    group = max(1, heads // max(1, kv_heads))
+    tile = 128 if group > 64 and head_dim < 256 else 64 if group > 16 else 16
+    padded = max(2 * sms // max(1, kv_heads), -(-rows * group // tile) + rows - 1)
+    tensor_cores = heads * padded * tile * (head_dim + 1) * 4  # partial outputs and sums
+    cuda_cores = heads * (16 * sms // max(1, kv_heads)) * (head_dim + 1) * 4
+    return max(FI_FLOAT_WORKSPACE_BYTES, max(tensor_cores, cuda_cores) + 16 * 2**20)
+
+
 def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | None = None,
                      num_blocks: int = 0, quantised_kv: bool = False) -> int:
     """The shared CUDA-graph pool's bytes on each card for decode batches up to max_slots,
@@ -146,8 +168,10 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     # the graph wrappers' int workspaces and page indices, and their one float scratch
     group = shape.num_heads // max(1, shape.num_kv_heads)
-    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + flashinfer_workspace_bytes(
-        group, shape.head_dim) if max_slots else 0
+    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + (
+        flashinfer_graph_workspace_bytes(math.ceil(shape.num_heads / tp),
+                                         kv_heads_per_card(shape, tp), shape.head_dim,
+                                         max_slots)) if max_slots else 0
     if quantised_kv and max_slots:
         dp = max(16, 1 << (shape.head_dim - 1).bit_length())
         wrappers = max_slots * (4 * num_blocks + 12) + (

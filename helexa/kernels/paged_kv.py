@@ -7,6 +7,7 @@ sequence lives in slot ``block_table[t // block_size] * block_size + t % block_s
 of the flattened [num_slots, kv_heads, head_dim] view. A pool holds what its layer's
 memory statement counts (helexa/checkpoint/layer_memory.py AttentionSpec: K and V of
 ``bytes_per_token`` per token), which the model runner checks against the plan at load.
+The cuda backend's plain-dtype pools keep FlashInfer's token-major pages (:class:`NhdKV`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,27 @@ class PagedKV:
         if k.dtype != self.compute:
             k, v = k.to(self.compute), v.to(self.compute)
         return k, v
+
+
+class NhdKV(PagedKV):
+    """A plain-dtype pool in FlashInfer's NHD page layout, the cuda backend's
+    (backends/cuda.py): [num_blocks, block_size, kv_heads, head_dim], token-major where
+    PagedKV is head-major; the same flat slots."""
+
+    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
+                 storage: torch.dtype, compute: torch.dtype, kv_dtype: str,
+                 device: torch.device) -> None:
+        self.kv_dtype, self.head_dim, self.compute = kv_dtype, head_dim, compute
+        self.num_kv_heads, self.quantized = kv_heads, False
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=storage, device=device)
+        self.v_cache = torch.zeros(shape, dtype=storage, device=device)
+        self.k_slots = self.k_cache.view(-1, kv_heads, head_dim)
+        self.v_slots = self.v_cache.view(-1, kv_heads, head_dim)
+        # [1, kv_heads, num_slots, head_dim] views, as PagedKV has (strided here)
+        self.k_heads = self.k_slots.transpose(0, 1).unsqueeze(0)
+        self.v_heads = self.v_slots.transpose(0, 1).unsqueeze(0)
+        self.nbytes = 2 * self.k_cache.nbytes
 
 
 def write_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, slot_mapping: torch.Tensor,

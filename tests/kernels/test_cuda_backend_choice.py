@@ -304,15 +304,32 @@ def test_flashinfers_scratch_holds_a_split_prefill_of_a_wide_gqa_group() -> None
     assert wide >= 16 * 2 * 132 * 128 * 128 * 4 > cuda.WORKSPACE_BYTES
 
 
+def test_the_graph_wrappers_scratch_holds_their_largest_batchs_split_plan() -> None:
+    """In graph mode FlashInfer 0.6.13 always splits the KV; on tensor cores each split's
+    fp32 partial output is a tile of 16 query rows (group <= 16), and the splits number
+    max(2 CTAs an SM / kv heads, ceil(rows x group / 16) + rows - 1) (scheduler.cuh
+    PrefillSplitQOKVIndptr). Qwen3-32B (64 heads, 8 KV, 128 dims) at 512 rows needs
+    64 x 767 x 16 x 128 x 4 bytes for its partial outputs: past the 256 MiB the eager
+    wrappers keep, where its first graph plan would raise 'Buffer overflow'."""
+    cpu, shape = torch.device("cpu"), backends.AttentionShape(64, 8, 128, torch.bfloat16)
+    assert cuda.workspace_bytes(shape, cpu, 8) == cuda.WORKSPACE_BYTES  # 33 splits: ~17 MiB
+    need = 64 * (-(-512 * 8 // 16) + 511) * 16 * 128 * 4
+    assert need > cuda.WORKSPACE_BYTES
+    assert cuda.workspace_bytes(shape, cpu, 512) >= need + 64 * 767 * 16 * 4  # + their sums
+    assert cuda.workspace_bytes(shape, cpu) == cuda.WORKSPACE_BYTES  # eager: unchanged
+
+
 def test_the_graph_wrappers_workspace_exists_only_where_graphs_are_captured(
         fake_flashinfer: list[dict[str, Any]]) -> None:
     """FlashInfer's float scratch for the graph wrappers (256 MiB) is made only when the
     backend captures decode graphs: with engine.cuda_graphs off it would hold card memory
     that nothing uses and no plan counts."""
-    off = CudaAttention(torch.device("cpu"), graph_rows=0, workspace_bytes=1024)
-    on = CudaAttention(torch.device("cpu"), graph_rows=4, workspace_bytes=1024)
+    off = CudaAttention(torch.device("cpu"), graph_rows=0, workspace_bytes=1024,
+                        graph_workspace_bytes=2048)
+    on = CudaAttention(torch.device("cpu"), graph_rows=4, workspace_bytes=1024,
+                       graph_workspace_bytes=2048)
     assert off._graph_workspace is None
-    assert on._graph_workspace is not None and on._graph_workspace.numel() == 1024
+    assert on._graph_workspace is not None and on._graph_workspace.numel() == 2048
 
 
 def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[str, Any]]) -> None:
@@ -321,7 +338,7 @@ def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[st
     switch back to a pool FlashInfer reads makes it again and plans graph rows."""
     from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 
-    att = CudaAttention(torch.device("cpu"), graph_rows=4)
+    att = CudaAttention(torch.device("cpu"), graph_rows=4, graph_workspace_bytes=2048)
     att.heads = 24
     ex = CudaGraphExecutor(att)
     att.allocate_kv([AttentionSpec(4, 128, "int8")] * 2, 8, 16, storage=None,
@@ -331,7 +348,7 @@ def test_a_quantised_pool_runs_eagerly_and_says_so(fake_flashinfer: list[dict[st
     assert not getattr(att.plan(_decode_step(2)), "graph_rows", 0)
     att.allocate_kv([AttentionSpec(4, 128, "bf16")] * 2, 8, 16, storage=torch.bfloat16,
                     compute=torch.bfloat16)
-    assert att._graph_workspace is not None and att._graph_workspace.numel() == att._workspace.numel()
+    assert att._graph_workspace is not None and att._graph_workspace.numel() == 2048
     assert ex.describe() == "graphs for 1..4 rows, captured at load"
     assert att.plan(_decode_step(2)).graph_rows == 2
 

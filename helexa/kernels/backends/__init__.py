@@ -86,9 +86,10 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
                          f"({cuda.import_error()})")
     from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
 
-    attention = cuda.CudaAttention(device, graph_rows=opts.max_num_seqs if opts.cuda_graphs
-                                   else 0, workspace_bytes=cuda.workspace_bytes(opts.shape,
-                                                                                 device))
+    rows = opts.max_num_seqs if opts.cuda_graphs else 0
+    attention = cuda.CudaAttention(
+        device, graph_rows=rows, workspace_bytes=cuda.workspace_bytes(opts.shape, device),
+        graph_workspace_bytes=cuda.workspace_bytes(opts.shape, device, rows))
     return Device(attention, CudaGraphExecutor(attention))
 
 

@@ -47,7 +47,11 @@ import structlog
 import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
-from helexa.checkpoint.memory import FI_FLOAT_WORKSPACE_BYTES, flashinfer_workspace_bytes
+from helexa.checkpoint.memory import (
+    FI_FLOAT_WORKSPACE_BYTES,
+    flashinfer_graph_workspace_bytes,
+    flashinfer_workspace_bytes,
+)
 from helexa.kernels.backends.base import (
     AttentionBackend,
     AttentionShape,
@@ -58,7 +62,7 @@ from helexa.kernels.backends.base import (
 )
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
 from helexa.kernels.cuda import quant_decode
-from helexa.kernels.paged_kv import PagedKV
+from helexa.kernels.paged_kv import NhdKV, PagedKV
 
 try:  # the optional extra
     import flashinfer
@@ -79,16 +83,20 @@ DTYPES = (torch.float16, torch.bfloat16)  # fp32 raises KeyError in its JIT at l
 log = structlog.get_logger(component="kernels")
 
 
-def workspace_bytes(shape: AttentionShape | None, device: torch.device) -> int:
-    """FlashInfer's float scratch for this model (memory.flashinfer_workspace_bytes, with
-    this card's SMs): one for the prefill and eager decode wrappers, one more for the graph
-    wrappers where graphs are captured (the plan counts that one in its graph pool)."""
+def workspace_bytes(shape: AttentionShape | None, device: torch.device,
+                    graph_rows: int = 0) -> int:
+    """FlashInfer's float scratch for this model with this card's SMs: the prefill and
+    eager decode wrappers' (memory.flashinfer_workspace_bytes), or with ``graph_rows`` the
+    graph wrappers' for batches up to that many (flashinfer_graph_workspace_bytes; the
+    plan counts it in its graph pool)."""
     if shape is None:
         return WORKSPACE_BYTES
     sms = (torch.cuda.get_device_properties(device).multi_processor_count
            if device.type == "cuda" and torch.cuda.is_available() else 132)
-    return flashinfer_workspace_bytes(shape.heads // max(1, shape.kv_heads), shape.head_dim,
-                                      sms)
+    if graph_rows:
+        return flashinfer_graph_workspace_bytes(shape.heads, shape.kv_heads, shape.head_dim,
+                                                graph_rows, sms)
+    return flashinfer_workspace_bytes(shape.group, shape.head_dim, sms)
 
 
 def unsupported(shape: AttentionShape) -> str:
@@ -122,25 +130,6 @@ def available() -> bool:
 
 def import_error() -> str:
     return _IMPORT_ERROR or ("no CUDA device" if not torch.cuda.is_available() else "")
-
-
-class NhdKV(PagedKV):
-    """A plain-dtype pool in FlashInfer's NHD page layout (see the module docstring)."""
-
-    def __init__(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, *,
-                 storage: torch.dtype, compute: torch.dtype, kv_dtype: str,
-                 device: torch.device) -> None:
-        self.kv_dtype, self.head_dim, self.compute = kv_dtype, head_dim, compute
-        self.num_kv_heads, self.quantized = kv_heads, False
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=storage, device=device)
-        self.v_cache = torch.zeros(shape, dtype=storage, device=device)
-        self.k_slots = self.k_cache.view(-1, kv_heads, head_dim)
-        self.v_slots = self.v_cache.view(-1, kv_heads, head_dim)
-        # [1, kv_heads, num_slots, head_dim] views, as PagedKV has (strided here)
-        self.k_heads = self.k_slots.transpose(0, 1).unsqueeze(0)
-        self.v_heads = self.v_slots.transpose(0, 1).unsqueeze(0)
-        self.nbytes = 2 * self.k_cache.nbytes
 
 
 @dataclass
@@ -179,9 +168,11 @@ class CudaAttention(AttentionBackend):
     name = "cuda"
 
     def __init__(self, device: torch.device, *, graph_rows: int = 0,
-                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = WORKSPACE_BYTES,
+                 graph_workspace_bytes: int = WORKSPACE_BYTES) -> None:
         """``graph_rows``: pure-decode steps of 1..graph_rows rows are planned for CUDA graph
-        capture (0: none); ``workspace_bytes``: FlashInfer's float scratch (workspace_bytes)."""
+        capture (0: none); ``workspace_bytes``, ``graph_workspace_bytes``: FlashInfer's float
+        scratch for the eager wrappers and the graph ones (workspace_bytes)."""
         super().__init__(device)
         self.reference = TorchBackend(device, graph_rows=graph_rows)
         self.graph_rows = graph_rows
@@ -191,8 +182,9 @@ class CudaAttention(AttentionBackend):
         self.tensor_cores = False  # decode on FlashInfer's tensor-core kernel (tensor_cores)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
         # the graph wrappers' float scratch, only where graphs are captured
-        self._graph_workspace = (torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-                                 if graph_rows else None)
+        self._graph_workspace_bytes = graph_workspace_bytes
+        self._graph_workspace = (torch.empty(graph_workspace_bytes, dtype=torch.uint8,
+                                             device=device) if graph_rows else None)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
         self._group = 0
         # per wrapper, an event recorded after its last plan's copies (id(wrapper) -> event)
@@ -244,7 +236,7 @@ class CudaAttention(AttentionBackend):
                                 self.heads, compute)
             return self.pools
         if self.graph_rows and self._graph_workspace is None:  # back from the torch path
-            self._graph_workspace = torch.empty(self._workspace.numel(), dtype=torch.uint8,
+            self._graph_workspace = torch.empty(self._graph_workspace_bytes, dtype=torch.uint8,
                                                 device=self.device)
         self._group = self.heads // max(1, layers[0].kv_heads)
         self.tensor_cores = tensor_cores(self._group)
