@@ -291,3 +291,33 @@ def test_grouped_int8_layers_prove_their_decode_kernel_at_load(tiny_checkpoint, 
     ex = CudaGraphExecutor(StandInAttention(2), runtime=StandInRuntime())  # type: ignore[arg-type]
     ex.prepare(model, sites[:1], max_num_seqs=6, max_batched_tokens=64, tp_size=1)
     assert "grouped int8" not in ex.describe()
+
+
+def test_every_graph_size_warms_up_on_one_side_stream(monkeypatch) -> None:
+    """The real runtime's warm run before each capture goes to a side stream: one for all
+    sizes, since cuBLAS keeps a workspace for every stream it ever ran on (a new stream a
+    size held one each). Torch's CUDA calls are stood in for: this host has no GPU."""
+    from contextlib import nullcontext
+
+    from helexa.kernels.backends.cuda_graphs import GraphRuntime
+
+    made: list[object] = []
+
+    class Stream:
+        def wait_stream(self, other: object) -> None:
+            pass
+
+    class SideStream(Stream):
+        def __init__(self, device: torch.device) -> None:
+            made.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Stream", SideStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", lambda *a, **k: nullcontext())
+    runtime, ran = GraphRuntime(), []
+    for b in (4, 3, 2, 1):
+        runtime.capture(torch.device("cuda", 0), lambda b=b: ran.append(b), pool=None)
+    assert ran == [4, 4, 3, 3, 2, 2, 1, 1]  # a warm run, then the captured one
+    assert len(made) == 1

@@ -75,9 +75,16 @@ class GraphRuntime:
         """A memory pool every graph of this executor shares."""
         return torch.cuda.graph_pool_handle()
 
+    def __init__(self) -> None:
+        self._warm: dict[torch.device, Any] = {}
+
     def capture(self, device: torch.device, run: Callable[[], None], pool: Any) -> Any:
-        """run once off the capture (allocator, lazy inits), then captured into pool."""
-        stream = torch.cuda.Stream(device)
+        """run once off the capture (allocator, lazy inits), then captured into pool. The
+        warm runs share one side stream: each new stream would get cuBLAS a workspace of its
+        own, never freed (torch keeps one a (handle, stream)), a graph size each."""
+        stream = self._warm.get(device)
+        if stream is None:
+            stream = self._warm[device] = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
             run()
