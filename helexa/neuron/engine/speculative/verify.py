@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from helexa.kernels.backends.base import to_device
-from helexa.neuron.engine.sampler import SamplingState, truncate
+from helexa.neuron.engine.sampler import SamplingState, reads_back, truncate
 
 
 @dataclass
@@ -132,7 +132,8 @@ def _read(t: torch.Tensor) -> list[Any]:
 
 
 def target_probs(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
-    """[n, vocab] the distribution the sampler draws from, for every row of one request."""
+    """[n, vocab] the distribution the sampler draws from, for every row of one request;
+    nothing read back from a GPU (top_k is known on the host: sampler.py truncate)."""
     sp = state.params
     n, vocab = logits.shape
     x = logits / sp.temperature
@@ -143,7 +144,8 @@ def target_probs(logits: torch.Tensor, state: SamplingState) -> torch.Tensor:
     if top_k < vocab or sp.top_p < 1:
         top_p = max(sp.top_p, 1e-9) if sp.top_p < 1 else 2.0
         cand, idx = truncate(x, torch.full((n,), top_k, device=x.device),
-                             torch.full((n,), top_p, device=x.device))
+                             torch.full((n,), top_p, device=x.device),
+                             host_top_k=None if reads_back(x.device) else [top_k] * n)
         x = torch.full_like(x, float("-inf")).scatter_(1, idx, cand)
     if floor is not None:
         x = x.masked_fill(x < floor, float("-inf"))

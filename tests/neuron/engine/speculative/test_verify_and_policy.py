@@ -123,6 +123,27 @@ def test_target_probs_are_what_the_sampler_draws_from():
         close(freq, p, N)
 
 
+def test_target_probs_read_nothing_back_from_a_gpu(monkeypatch):
+    """Sampled verification truncates each request's rows by its top_k / top_p: on a GPU
+    (reads_back off) with top_k known on the host, as the sampler does, not read back from
+    the device three times a row. The same distributions either way."""
+    from support.host_sync import NoHostSync
+
+    from helexa.neuron.engine import sampler as sampler_module
+
+    torch.manual_seed(3)
+    logits = torch.randn(3, 2048) * 3  # more than the first candidates a top_p row tries
+    kws = ({"temperature": 0.7, "top_p": 0.8, "top_k": 20}, {"temperature": 1.0, "top_p": 0.95},
+           {"temperature": 1.0, "top_k": 50}, {"temperature": 0.9, "min_p": 0.1, "top_p": 0.9})
+    on_cpu = [target_probs(logits, state(**kw)) for kw in kws]
+    for where in (sampler_module, verify_mod):
+        monkeypatch.setattr(where, "reads_back", lambda device: False)
+    with NoHostSync():
+        on_gpu = [target_probs(logits, state(**kw)) for kw in kws]
+    for a, b in zip(on_cpu, on_gpu, strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_policy_gives_way_to_load():
     pol = Speculation(spec_k=4, spec_full_below=0.25, spec_off_above=0.75)
     ks = [choose_k(pol, occupancy=n / 8, acceptance=0.5, probe=False)
