@@ -200,6 +200,23 @@ def test_a_steps_prefills_run_in_one_fla_chunked_launch(stand_in, monkeypatch, t
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 stand-in
 
 
+@pytest.mark.parametrize("prefills", [2, 3])
+def test_a_steps_fla_offsets_start_at_16_byte_boundaries(prefills):
+    """The step's prefill slots, cu_seqlens and chunk indices reach the device in one copy;
+    each part starts 16-byte aligned, as the load probe's fresh tensors did: Triton builds
+    a pointer's alignment into its kernel, so an offset 8 bytes in (slots of an odd count
+    before it) would build fla's chunked kernels again at the first such serving step."""
+    states = _states(True)
+    states._fla = states._fla_varlen = True
+    rows = [PrefillRow(70 * i, 70 * (i + 1), 0, [], i) for i in range(prefills)]
+    meta = states.build(StepPlan(slot_mapping=torch.empty(0), prefills=rows))
+    assert meta.prefill_slots.tolist() == list(range(prefills))
+    assert meta.prefill_cu.tolist() == [70 * i for i in range(prefills + 1)]
+    assert meta.prefill_chunks.tolist() == [[i, c] for i in range(prefills) for c in (0, 1)]
+    assert [t.data_ptr() % 16 for t in (meta.prefill_slots, meta.prefill_cu,
+                                         meta.prefill_chunks)] == [0, 0, 0]
+
+
 def test_the_varlen_layout_names_every_chunk_of_every_sequence():
     # fla's chunk indices: each 64-token chunk's (sequence, chunk within it), in order
     cu, chunks = fla.varlen_layout([5, 130, 64, 1])

@@ -227,11 +227,15 @@ class GatedDeltaStates:
             slots = [slot for _, _, slot in meta.prefills]
             cu, chunks = (fla.varlen_layout(_lengths(meta.prefills))
                           if self._fla_varlen and len(slots) > 1 else ([], []))
-            got = to_device(slots + cu + chunks, torch.long, dev)  # one copy, no wait
-            at = list(accumulate([0, len(slots), len(cu), len(chunks)]))
-            meta.prefill_slots = got[:at[1]]
+            # one copy, no wait; each part at a 16-byte boundary, as fla's kernels were
+            # built for at load (Triton builds a pointer's alignment into its kernel)
+            parts = [xs + [0] * (len(xs) % 2) for xs in (slots, cu, chunks)]
+            got = to_device([x for xs in parts for x in xs], torch.long, dev)
+            at = list(accumulate([0] + [len(xs) for xs in parts]))
+            meta.prefill_slots = got[:len(slots)]
             if cu:
-                meta.prefill_cu, meta.prefill_chunks = got[at[1]:at[2]], got[at[2]:].view(-1, 2)
+                meta.prefill_cu = got[at[1]:at[1] + len(cu)]
+                meta.prefill_chunks = got[at[2]:at[2] + len(chunks)].view(-1, 2)
                 meta.prefill_cu_host = torch.tensor(cu)
         if verify:
             lengths = [r.end - r.start for r in verify]
