@@ -140,10 +140,16 @@ FI_ALIGN = 32  # bytes: FlashInfer's CuTe launcher declares its tensors so align
 
 def _aligned(x: torch.Tensor) -> torch.Tensor:
     """x contiguous at a FI_ALIGN-byte address, copied only where it is not (a, b are views
-    into the layer's projection: at 24 value heads a row's a starts 48 bytes past b's)."""
-    if x.is_contiguous() and x.data_ptr() % FI_ALIGN == 0:
-        return x
-    return x.clone(memory_format=torch.contiguous_format)
+    into the layer's projection: at 24 value heads a row's a starts 48 bytes past b's),
+    with a contiguous tensor's strides: a row of one is a view whose batch stride is the
+    projection's width, which addresses nothing but is not what the kernel was built on
+    (warm_fi_pool's fresh tensors); its view with those strides is free."""
+    if not (x.is_contiguous() and x.data_ptr() % FI_ALIGN == 0):
+        return x.clone(memory_format=torch.contiguous_format)
+    strides = [1] * x.dim()
+    for d in range(x.dim() - 2, -1, -1):
+        strides[d] = strides[d + 1] * x.shape[d + 1]
+    return x if list(x.stride()) == strides else x.as_strided(x.shape, strides)
 
 
 def probe_fi_pool(device: torch.device, key_heads: int, value_heads: int, key_dim: int,

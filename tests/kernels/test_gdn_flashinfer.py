@@ -114,6 +114,13 @@ def test_gates_at_an_unaligned_offset_of_the_projection_reach_the_kernel_aligned
                                                           "l2norm": True}]
     aligned = torch.empty(64, dtype=BF16)[:16].view(1, 16)
     assert fig._aligned(aligned) is aligned and fig._aligned(a) is not a
+    # a row of one at an aligned offset of a wider projection: the same bytes, no copy, with
+    # a fresh tensor's strides (its batch stride is the projection's width)
+    row = torch.randn(1, 3 * D, dtype=BF16).as_strided((1, KH, D), (3 * D, D, 1))[:, None]
+    assert row.is_contiguous() and row.stride(0) == 3 * D
+    got = fig._aligned(row)
+    assert got.data_ptr() == row.data_ptr() and got.stride() == (KH * D, KH * D, D, 1)
+    assert torch.equal(got, row)
 
 
 def test_the_load_probe_proves_the_kernel_or_leaves_it_off(stand_in, monkeypatch):

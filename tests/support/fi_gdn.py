@@ -42,6 +42,9 @@ class StandInGdnDecode:
         assert initial_state_indices.dtype == torch.int32
         # its launcher declares each tensor 32-byte aligned (from_dlpack(assumed_align=32))
         assert all(t.is_contiguous() and t.data_ptr() % 32 == 0 for t in (q, k, v, a, b))
+        # and their strides those of fresh tensors, as the kernel was first built on (its
+        # layout may be static: a size-1 batch's stride included)
+        assert all(t.stride() == torch.empty(t.shape).stride() for t in (q, k, v, a, b))
         self.calls.append({"rows": B, "scale": scale, "l2norm": use_qk_l2norm})
         idx = initial_state_indices.long()
         states = pool[idx].transpose(-1, -2).float()  # [B, HV, K, V]
