@@ -106,7 +106,7 @@ def _twin(t: torch.Tensor, n: int) -> torch.Tensor:
 
 # The most bytes copied out to pinned memory and not yet landed in the twins (copy-out's
 # staging: the host memory it holds at a time, beside the twins themselves); past it the
-# host waits for the oldest.
+# host waits for the oldest. Copy-in stages as much at a time, then waits for it.
 STAGE_BYTES = 64 * 2**20
 
 
@@ -141,15 +141,26 @@ class _Staged:
 
 def _in(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
     """Host twins -> device rows: each tensor's rows gathered on the host into pinned memory
-    and copied to the device without waiting (PyTorch's pinned allocator keeps a buffer
-    until its copy has run)."""
+    and copied to the device without waiting, in parts of at most STAGE_BYTES. Once that
+    many are queued the host waits for them to have run: PyTorch's pinned allocator keeps
+    each buffer until its copy has, and keeps the memory once freed, so a restore staged
+    whole (a long context's blocks, every layer's) stayed pinned for the process's life;
+    after the wait the next parts reuse the same buffers."""
     if not pairs or not twins:
         return
     device = twins[0][0].device
     pin = device.type == "cuda"
     src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
     dst = to_device([b for _, b in pairs], torch.long, device)
+    queued = 0
     for dev, host in twins:
-        rows = torch.empty((len(pairs), *host.shape[1:]), dtype=host.dtype, pin_memory=pin)
-        torch.index_select(host, 0, src, out=rows)
-        dev.index_copy_(0, dst, rows.to(device, non_blocking=pin))
+        step = max(1, STAGE_BYTES // max(1, host[0].nbytes))  # rows in a part
+        for at in range(0, len(pairs), step):
+            rows = torch.empty((min(step, len(pairs) - at), *host.shape[1:]), dtype=host.dtype,
+                               pin_memory=pin)
+            torch.index_select(host, 0, src[at:at + step], out=rows)
+            dev.index_copy_(0, dst[at:at + step], rows.to(device, non_blocking=pin))
+            queued += rows.nbytes
+            if queued >= STAGE_BYTES and (event := copied_event(device)) is not None:
+                event.synchronize()  # the parts queued have reached the device
+                queued = 0

@@ -445,3 +445,29 @@ def test_a_copy_out_waits_for_nothing_and_lands_before_a_copy_in_reads(monkeypat
     assert events[1].waits == 1 and tier.pending_bytes == 0
     assert torch.equal(k[4], torch.arange(8, 12.0)) and torch.equal(k[0], torch.arange(12, 16.0))
 
+
+
+def test_a_copy_in_stages_at_most_stage_bytes_before_it_waits(monkeypatch):
+    """A restore is staged in pinned memory a part at a time: once STAGE_BYTES are queued
+    the host waits for them to have reached the device, so the pinned buffers (which
+    PyTorch keeps once freed) never hold more than about that, whatever the restore's size;
+    a tensor's rows are cut into parts too. Here two rows a part, five rows a tensor."""
+    waits: list[int] = []
+
+    class Copies:
+        def synchronize(self) -> None:
+            waits.append(len(waits))
+
+    gen = torch.Generator().manual_seed(1)
+    k, v = (torch.randn(8, 4, 3, generator=gen) for _ in range(2))
+    tier = host_kv.HostKv([k, v], [], num_blocks=8, num_snapshots=0)
+    tier.apply(KvMoves(blocks_out=[(i, 7 - i) for i in range(8)]))
+    before = (k.clone(), v.clone())
+    k.zero_(), v.zero_()
+    monkeypatch.setattr(host_kv, "STAGE_BYTES", 2 * k[0].nbytes)
+    monkeypatch.setattr(host_kv, "copied_event", lambda device: Copies())
+    tier.apply(KvMoves(blocks_in=[(7 - i, i) for i in range(5)]))
+    # k's parts of 2, 2, 1 rows, then v's: a wait at 2, 4, 1 + 2 and 4 rows queued
+    assert len(waits) == 4
+    for got, want in zip((k, v), before, strict=True):
+        assert torch.equal(got[:5], want[:5]) and not got[5:].any()
