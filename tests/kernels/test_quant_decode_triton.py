@@ -106,6 +106,35 @@ def test_splits_fill_the_card_at_batch_1_and_never_cut_a_short_row():
     assert qd.splits(1, 8, 1000) == (3, 352)
 
 
+def test_every_step_launches_the_one_merge_build_the_probe_compiled(monkeypatch):
+    """Eager steps of short and long contexts and a graph's step all launch the merge at
+    GRAPH_SPLITS' tile (one build a layer shape, compiled by the load's probe, not a new one
+    at each power of two a growing context reaches), and no step cuts a row into more
+    splits than that (at one row of one KV head a long context wanted 264)."""
+    from helexa.kernels.cuda import _quant_decode_triton as src
+
+    launched: list[tuple[str, int]] = []
+
+    class Kernel:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((self.name, kw["SP"] if "SP" in kw else grid[2]))
+            return launch
+
+    monkeypatch.setattr(src, "build", lambda interpret: (Kernel("split"), Kernel("merge"),
+                                                         Kernel("prefill")))
+    kv = _pool("int8", 1, 64, 2, 16, torch.bfloat16, seed=0)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    table, lens = torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    for max_len, per_row in ((300, False), (2048, False), (1 << 20, False), (1 << 20, True)):
+        qd.decode(q, kv, table, lens, max_len, 16, per_row=per_row)
+    assert {sp for name, sp in launched if name == "merge"} == {qd.GRAPH_SPLITS}
+    assert [n for name, n in launched if name == "split"] == [1, 8, 64, 64]
+
+
 def test_the_probe_passes_the_kernel_and_catches_a_wrong_or_failing_one(monkeypatch):
     # a graph's most splits cut to 8 here (interpreted, 64 take seconds a probe); the
     # merge's 64-split build is compiled for sm90 by test_triton_compile.py

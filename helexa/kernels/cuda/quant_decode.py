@@ -53,9 +53,11 @@ BLOCK_N = 32  # tokens a program reads at a time
 PREFILL_ROWS = 64  # a prefill program's (query, GQA head) rows: 64 // group queries
 MIN_SPLIT = 256  # tokens: no split is shorter (a short row is one split)
 TARGET_PROGRAMS = SPLIT_PROGRAMS  # about two a streaming multiprocessor on an H100
-# a captured graph's splits at most: its count follows the most a row can hold, not the
-# step's longest row, and the merge's tile is splits (to a power of two) x head size; at
-# 128 splits of 256 dims it spills (ptxas for sm90, a review's compile), at 64 it does not
+# a step's splits at most, a captured graph's (whose count follows the most a row can
+# hold, not the step's longest row) and an eager one's alike: the merge's tile is
+# GRAPH_SPLITS x head size for every step, one build per layer shape that the probe
+# compiles (a tile of the step's own count built another at each new power of two
+# mid-serving); at 128 splits of 256 dims it spills (ptxas for sm90), at 64 it does not
 GRAPH_SPLITS = 64
 _TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2}
 
@@ -67,9 +69,10 @@ def unavailable() -> str:
 
 def splits(rows: int, kv_heads: int, max_len: int) -> tuple[int, int]:
     """How each row's context is cut: (splits, tokens a split), enough programs to fill the
-    card, no split shorter than MIN_SPLIT tokens, each a whole number of BLOCK_N tiles
-    (the longest row's last split is never empty)."""
-    want = max(1, min(-(-TARGET_PROGRAMS // (rows * kv_heads)), max_len // MIN_SPLIT))
+    card, no split shorter than MIN_SPLIT tokens, at most GRAPH_SPLITS, each a whole number
+    of BLOCK_N tiles (the longest row's last split is never empty)."""
+    want = max(1, min(-(-TARGET_PROGRAMS // (rows * kv_heads)), max_len // MIN_SPLIT,
+                      GRAPH_SPLITS))
     length = -(-max_len // want)
     length = -(-length // BLOCK_N) * BLOCK_N
     return -(-max_len // length), length
@@ -96,8 +99,6 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
     if q.stride(-1) != 1:
         q = q.contiguous()
     n_split, split_len = splits(b, kvh, max_len)
-    if per_row:
-        n_split = min(n_split, GRAPH_SPLITS)
     dp = cuda_kernels.pow2(d, 16)
     part = torch.empty(b, heads, n_split, dp, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, n_split, dtype=torch.float32, device=q.device)
@@ -113,7 +114,7 @@ def decode(q: torch.Tensor, kv: PagedKV, table: torch.Tensor, lens: torch.Tensor
         DOT_F32=interpret, num_warps=_warps(dp))
     merge_kernel[(b, heads)](part, lse, out, out.stride(0), out.stride(1), n_split,
                              HEADS=heads, HEAD_DIM=d, DP=dp,
-                             SP=cuda_kernels.pow2(n_split, 2))
+                             SP=cuda_kernels.pow2(GRAPH_SPLITS, 2))
     return out
 
 
@@ -216,10 +217,10 @@ def probe(device: torch.device, kv_dtype: str, heads: int, kv_heads: int, head_d
           dtype: torch.dtype, interpret: bool = False) -> str:
     """Four decode rows (contexts of 1, 37, 300 and 700 tokens over scattered pages: the
     longest in two splits, the others' second split empty; then as a captured graph cuts
-    them, each row in as many splits as a graph of 4 rows, then of the longest alone, takes
-    at most: every merge a graph may compile) at a layer's sizes against the
-    torch path's decode: "" when both agree within the dtype's tolerance, else why not (a
-    failure included)."""
+    them, each row's own context in as many spans as a graph of 4 rows, then of the
+    longest alone, takes) at a layer's sizes against the torch path's decode, every step's
+    one merge build among them: "" when all agree within the dtype's tolerance, else why
+    not (a failure included)."""
     gen = torch.Generator().manual_seed(heads * head_dim + kv_heads)
     block_size, lens = 16, [1, 37, 300, 700]
     blocks = sum(-(-n // block_size) for n in lens)
