@@ -10,12 +10,11 @@ helexa/kernels/gated_delta.py that it is tested against:
   a step of decode rows alone with the L2 norms and the gates inside the kernel too;
 - ``fla_steps`` / ``fla_advance``: a step's speculative verification rows, and their
   settling at the next step, one launch each, for delta_rule_steps / delta_rule_advance;
-- ``gated_rms_norm``: a layer's output norm, fla's one kernel where it runs.
 
 fla's kernels take grouped heads (value head h reads key head h // (v_heads / k_heads),
 the grouping the torch forms get from ``repeat_interleave``): the recurrent one for
 years, the chunked one from fla-core 0.5 (its "GVA"), so prefill, decode and
-verification all pass q and k as they are. Each kernel is run once at load against its
+verification all pass q and k as they are. A layer's output norm: helexa/kernels/fla_norm.py. Each kernel is run once at load against its
 torch form (the ``probe_fla_*``), and one that fails or disagrees is left off with the
 reason logged, so it never fails a request's step. The release the ``.[cuda]`` extra
 pins is run here in the tests too, on CPU (tests/kernels/test_fla_real.py). The state
@@ -29,7 +28,6 @@ from collections.abc import Callable
 from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
 
 from helexa.kernels.gated_delta import (
     GateInputs,
@@ -41,7 +39,6 @@ from helexa.kernels.gated_delta import (
     l2norm,
     rel_error,
 )
-from helexa.kernels.norm import rms_norm
 
 try:  # optional GPU kernels (pip install -e '.[cuda]'); never needed on CPU
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
@@ -56,10 +53,6 @@ _FLA_PARAMS = inspect.signature(_fla_chunk).parameters if _fla_chunk is not None
 _TAKES_CHUNK_INDICES = "chunk_indices" in _FLA_PARAMS
 _TAKES_CU_CPU = "cu_seqlens_cpu" in _FLA_PARAMS
 FLA_CHUNK = 64  # the chunked kernel's chunk (chunk_gated_delta_rule's default)
-try:  # fla's gated RMSNorm (Triton): norm, weight and SiLU gate in one kernel
-    from fla.modules.fused_norm_gate import rms_norm_gated as _fla_norm_gated
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _fla_norm_gated = None
 
 
 def fla_gated_available() -> bool:
@@ -72,26 +65,6 @@ def fla_gated_available() -> bool:
         return False
     return all(p in params for p in ("use_qk_l2norm_in_kernel", "use_gate_in_kernel",
                                      "use_beta_sigmoid_in_kernel", "A_log", "dt_bias"))
-
-
-def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                   dtype: torch.dtype) -> torch.Tensor:
-    """A Gated DeltaNet layer's output norm per value head: rmsnorm(o) * weight * silu(z).
-    o [N, v_heads, v_dim] fp32, z [N, v_heads * v_dim] -> [N, v_heads, v_dim] in ``dtype``.
-    The torch form rounds as the reference models do (the norm to ``dtype`` before the
-    weight); on CUDA with fla installed one kernel (fp32 inside, one rounding) replaces its
-    ~12."""
-    if fla_norm_available(o.device):
-        assert _fla_norm_gated is not None
-        return _fla_norm_gated(o, z.reshape(o.shape), weight, None, activation="swish",
-                               eps=eps).to(dtype)
-    return _gated_rms_norm_torch(o, z, weight, eps, dtype)
-
-
-def _gated_rms_norm_torch(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float,
-                          dtype: torch.dtype) -> torch.Tensor:
-    y = rms_norm(o, None, eps).to(dtype) * weight
-    return (y.float() * F.silu(z.reshape(o.shape).float())).to(dtype)
 
 
 def fla_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -250,38 +223,6 @@ def probe_fla_gated(device: torch.device, key_heads: int, value_heads: int, key_
         return max(rel_error(got.cpu(), want), rel_error(final.cpu(), want_states))
 
     return _agrees("gated decode", run, tol)
-
-
-def fla_norm_available(device: torch.device) -> bool:
-    """fla's gated RMSNorm runs for this device (gated_rms_norm): CUDA, the kernel imported
-    (and not switched off by its probe)."""
-    return _fla_norm_gated is not None and device.type == "cuda"
-
-
-def probe_fla_norm(device: torch.device, value_heads: int, value_dim: int, dtype: torch.dtype,
-                   tol: float = 2e-2) -> str:
-    """Run fla's gated RMSNorm once at a layer's sizes against the torch form, wherever it
-    would run (fla_norm_available), whatever the decode kernels' probes said: "" when it
-    agrees (or does not run); else why, and it is switched off for the process (the torch
-    form runs), so it never fails or skews a step."""
-    global _fla_norm_gated
-    if not fla_norm_available(device):
-        return ""
-    assert _fla_norm_gated is not None
-    gen = torch.Generator().manual_seed(4)
-    o = torch.randn(2, value_heads, value_dim, generator=gen)
-    z = torch.randn(2, value_heads * value_dim, generator=gen).to(dtype)
-    w = (1 + 0.1 * torch.randn(value_dim, generator=gen)).to(dtype)
-    try:
-        got = _fla_norm_gated(o.to(device), z.to(device).reshape(o.shape), w.to(device), None,
-                              activation="swish", eps=1e-6).to(dtype).cpu()
-        err = rel_error(got, _gated_rms_norm_torch(o, z, w, 1e-6, dtype))
-        why = "" if err < tol else f"fla's gated norm is off by {err:.2g} (relative)"
-    except Exception as e:  # noqa: BLE001 - any failure: the torch form runs, said why
-        why = f"fla's gated norm failed ({type(e).__name__}: {e})"
-    if why:
-        _fla_norm_gated = None
-    return why
 
 
 def _random_rows(lead: tuple[int, ...], kh: int, vh: int, dk: int, dv: int,

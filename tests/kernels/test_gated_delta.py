@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from helexa.kernels import fla_gdn as fla
+from helexa.kernels import fla_norm
 from helexa.kernels import gated_delta as gd
 
 
@@ -128,7 +129,7 @@ def test_fla_chunked_takes_grouped_key_heads():
     torch.testing.assert_close(s, ref_s, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.skipif(fla._fla_norm_gated is None or not torch.cuda.is_available(),
+@pytest.mark.skipif(fla_norm._fla_norm_gated is None or not torch.cuda.is_available(),
                     reason="needs CUDA and fla-core (pip install -e '.[cuda]')")
 def test_fla_gated_norm_matches_the_torch_form():
     """fla's one-kernel gated RMSNorm against the torch form the models round like."""
@@ -136,8 +137,8 @@ def test_fla_gated_norm_matches_the_torch_form():
     o = torch.randn(5, 6, 64, generator=gen) * 3
     z = torch.randn(5, 6 * 64, generator=gen).bfloat16()
     w = (1 + 0.1 * torch.randn(64, generator=gen)).bfloat16()
-    want = fla.gated_rms_norm(o, z, w, 1e-6, torch.bfloat16)  # on CPU: the torch form
-    got = fla.gated_rms_norm(o.cuda(), z.cuda(), w.cuda(), 1e-6, torch.bfloat16)
+    want = fla_norm.gated_rms_norm(o, z, w, 1e-6, torch.bfloat16)  # on CPU: the torch form
+    got = fla_norm.gated_rms_norm(o.cuda(), z.cuda(), w.cuda(), 1e-6, torch.bfloat16)
     assert got.dtype == torch.bfloat16 and got.shape == o.shape
     torch.testing.assert_close(got.float().cpu(), want.float(), atol=3e-2, rtol=3e-2)
 

@@ -14,6 +14,7 @@ from support.fla import StandInChunked, StandInRecurrent
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import fla_gdn as fla
+from helexa.kernels import fla_norm
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import PrefillRow, StepPlan
 from helexa.kernels.backends.gdn import GatedDeltaStates
@@ -501,17 +502,43 @@ def test_the_gated_norm_is_proved_at_load_even_where_no_fla_decode_runs(monkeypa
         raise RuntimeError("triton: out of resources")
 
     monkeypatch.setattr(fla, "_fla_recurrent", None)  # no fla decode, no gated probe
-    monkeypatch.setattr(fla, "_fla_norm_gated", broken)
-    monkeypatch.setattr(fla, "fla_norm_available", lambda device: fla._fla_norm_gated is not None)
+    monkeypatch.setattr(fla_norm, "_fla_norm_gated", broken)
+    monkeypatch.setattr(fla_norm, "fla_norm_available",
+                        lambda device: fla_norm._fla_norm_gated is not None)
     warned: list[str] = []
     monkeypatch.setattr(gdn.log, "warning", lambda event, **kw: warned.append(kw["reason"]))
     states = GatedDeltaStates(torch.device("cpu"))
     states.allocate([_spec()], 4)
-    assert not states._fla_decode and fla._fla_norm_gated is None
+    assert not states._fla_decode and fla_norm._fla_norm_gated is None
     assert warned == ["fla's gated norm failed (RuntimeError: triton: out of resources)"]
     # a norm that agrees stays on
-    monkeypatch.setattr(fla, "_fla_norm_gated", lambda o, z, w, b, activation, eps:
-                        (fla._gated_rms_norm_torch(o, z, w, eps, torch.float32)))
+    monkeypatch.setattr(fla_norm, "_fla_norm_gated", lambda o, z, w, b, activation, eps:
+                        (fla_norm._gated_rms_norm_torch(o, z, w, eps, torch.float32)))
     warned.clear()
     states.allocate([_spec()], 4)
-    assert fla._fla_norm_gated is not None and warned == []
+    assert fla_norm._fla_norm_gated is not None and warned == []
+
+
+def test_a_long_prefills_norm_runs_in_parts_of_the_bucket_the_probe_tuned(monkeypatch):
+    """fla's gated norm tunes itself afresh (9 builds timed on the card) for each 65,536
+    rows of its input, a token's value heads its rows: a long prefill's norm runs in parts
+    of at most that many, each the bucket the load's probe tuned; the same output."""
+    calls: list[int] = []
+
+    def norm(o, z, w, b, activation, eps):
+        calls.append(o.shape[0] * o.shape[1])  # the rows fla's kernel sees
+        return fla_norm._gated_rms_norm_torch(o, z, w, eps, torch.float32)
+
+    monkeypatch.setattr(fla_norm, "_fla_norm_gated", norm)
+    monkeypatch.setattr(fla_norm, "fla_norm_available", lambda device: True)
+    monkeypatch.setattr(fla_norm, "FLA_NORM_ROWS", 60)  # 10 tokens of 6 value heads
+    gen = torch.Generator().manual_seed(0)
+    o = torch.randn(25, VH, DV, generator=gen)
+    z = torch.randn(25, VH * DV, generator=gen)
+    w = torch.randn(DV, generator=gen)
+    got = fla_norm.gated_rms_norm(o, z, w, 1e-6, torch.float32)
+    assert calls == [60, 60, 30]
+    torch.testing.assert_close(got, fla_norm._gated_rms_norm_torch(o, z, w, 1e-6, torch.float32))
+    calls.clear()
+    fla_norm.gated_rms_norm(o[:10], z[:10], w, 1e-6, torch.float32)  # one part: one call
+    assert calls == [60]

@@ -112,6 +112,7 @@ def model(fla: Any) -> dict[str, Any]:
     """A 4-layer qwen3_5 (3 Gated DeltaNet layers; 2 key heads, 6 value heads of 32: the
     flagship's group of 3) in fp16: _steps on the torch forms, then on fla's kernels."""
     from helexa.fixtures.tiny import init_tiny
+    from helexa.kernels import fla_norm
     from helexa.kernels.backends import gdn
     from helexa.neuron.engine.model_runner import ModelRunner
 
@@ -129,11 +130,11 @@ def model(fla: Any) -> dict[str, Any]:
     # as on CUDA with fla installed: every fla path offered, each proved at load
     fla.fla_available = lambda device, dtype: dtype != torch.float32
     fla.fla_decode_available = lambda device: True
-    fla.fla_norm_available = lambda device: fla._fla_norm_gated is not None
+    fla_norm.fla_norm_available = lambda device: fla_norm._fla_norm_gated is not None
     calls: list[dict[str, Any]] = []
     fla._fla_chunk = _counted(fla._fla_chunk, calls, "chunked")
     fla._fla_recurrent = _counted(fla._fla_recurrent, calls, "recurrent")
-    fla._fla_norm_gated = _counted(fla._fla_norm_gated, calls, "norm")
+    fla_norm._fla_norm_gated = _counted(fla_norm._fla_norm_gated, calls, "norm")
     fallbacks: list[str] = []
     gdn.log.warning = lambda event, **kw: fallbacks.append(f"{event}: {kw}")  # type: ignore
     fused = runner()

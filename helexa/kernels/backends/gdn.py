@@ -40,6 +40,7 @@ import torch
 
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.kernels import fla_gdn as fla
+from helexa.kernels import fla_norm
 from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
 from helexa.kernels.backends.base import StepPlan, to_device
@@ -128,8 +129,8 @@ class GatedDeltaStates:
         self._fla_verify = self._fla_decode and self._fla_proved(fla.probe_fla_steps, specs[0])
         if specs:  # the gated norm runs wherever it imported, whatever decode runs
             s = specs[0]
-            self._fla_said(fla.probe_fla_norm(self.device, s.value_heads, s.value_dim,
-                                              TORCH_DTYPES[s.dtype]))
+            self._fla_said(fla_norm.probe_fla_norm(self.device, s.value_heads, s.value_dim,
+                                                   TORCH_DTYPES[s.dtype]))
         self._conv_decode = gd.conv1d_decode_slots
         if specs:
             s = specs[0]

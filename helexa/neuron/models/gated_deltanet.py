@@ -27,7 +27,7 @@ from torch import nn
 from helexa.checkpoint.layer_memory import LinearAttentionSpec
 from helexa.checkpoint.shape import dtype_name
 from helexa.kernels.backends.gdn import GdnMetadata, gated_delta
-from helexa.kernels.fla_gdn import gated_rms_norm
+from helexa.kernels.fla_norm import gated_rms_norm
 from helexa.kernels.gated_delta import GateInputs
 from helexa.neuron.models.config import ModelConfig
 from helexa.neuron.models.layers import (
