@@ -232,8 +232,9 @@ class ModelRunner:
     def move_kv(self, moves: KvMoves) -> None:
         """This step's copies between the pool and the host tier, on every rank (a failure
         on any raises once every rank has answered: TpWorkers.move_kv)."""
-        (self._tp.move_kv(moves, self._move_own_kv) if self._tp is not None
-         else self._move_own_kv(moves))
+        if self._tp is None:
+            return self._move_own_kv(moves)
+        self._tp.move_kv(moves, self._move_own_kv)
 
     def _move_own_kv(self, moves: KvMoves) -> None:
         if self.host_kv is None:
