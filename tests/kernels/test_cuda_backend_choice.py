@@ -319,6 +319,24 @@ def test_the_graph_wrappers_scratch_holds_their_largest_batchs_split_plan() -> N
     assert cuda.workspace_bytes(shape, cpu) == cuda.WORKSPACE_BYTES  # eager: unchanged
 
 
+def test_each_rank_sizes_flashinfers_scratch_for_its_own_heads(monkeypatch) -> None:
+    """The runner gives select the whole model's heads; at tp 2 a rank's wrappers plan its
+    half (Qwen3-32B: 32 query and 4 KV heads a card), and its graph scratch is what the
+    plan counts a card, not the whole model's (402 MiB where the plan counted 256)."""
+    from helexa.checkpoint.memory import flashinfer_graph_workspace_bytes
+
+    monkeypatch.setattr(cuda, "available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # 132 SMs, no set_device
+    monkeypatch.setattr(cuda, "CudaAttention", lambda device, **kw: types.SimpleNamespace(
+        device=device, name="cuda", **kw))
+    whole = backends.AttentionShape(64, 8, 128, torch.bfloat16)
+    got = backends.select("cuda", torch.device("cuda"), max_num_seqs=512, tp_size=2,
+                          shape=whole).attention
+    assert got.graph_workspace_bytes == flashinfer_graph_workspace_bytes(32, 4, 128, 512)
+    assert got.graph_workspace_bytes < flashinfer_graph_workspace_bytes(64, 8, 128, 512)
+    assert whole.per_rank(8) == backends.AttentionShape(8, 1, 128, torch.bfloat16)
+
+
 def test_the_graph_wrappers_workspace_exists_only_where_graphs_are_captured(
         fake_flashinfer: list[dict[str, Any]]) -> None:
     """FlashInfer's float scratch for the graph wrappers (256 MiB) is made only when the

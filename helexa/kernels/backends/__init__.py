@@ -57,7 +57,7 @@ class DeviceOptions:
     cuda_graphs: bool = True
     max_num_seqs: int = 8
     tp_size: int = 1
-    shape: AttentionShape | None = None  # the model's attention, where known
+    shape: AttentionShape | None = None  # this rank's attention (per_rank), where known
 
 
 def _torch(device: torch.device, opts: DeviceOptions) -> Device:
@@ -101,8 +101,9 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
            tp_size: int = 1, shape: AttentionShape | None = None) -> Device:
     """The device backend ``name`` (one of NAMES) for ``device``; ValueError naming what is
     wrong. ``cuda_graphs`` lets the cuda one capture decode steps of up to
-    ``max_num_seqs`` rows. ``shape``: the model's attention, for the cuda fallback (see the
-    module docstring)."""
+    ``max_num_seqs`` rows. ``shape``: the whole model's attention (each of ``tp_size`` ranks
+    sizes its own share), for the cuda fallback and FlashInfer's scratch (see the module
+    docstring)."""
     if name not in NAMES:
         raise ValueError(f"attention backend {name!r} is not one of {', '.join(NAMES)}")
     if name == "auto":
@@ -120,7 +121,8 @@ def select(name: str, device: torch.device, *, cuda_graphs: bool = True, max_num
         # (a model on cuda:1 would otherwise launch on, capture from, or wait for cuda:0);
         # a bare "cuda" is the current device already (set_device refuses it)
         torch.cuda.set_device(device)
-    opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size, shape)
+    opts = DeviceOptions(cuda_graphs, max_num_seqs, tp_size,
+                         shape.per_rank(tp_size) if shape is not None else None)
     if name == "cuda" and shape is not None:
         from helexa.kernels.backends import cuda
 

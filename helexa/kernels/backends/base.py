@@ -80,8 +80,8 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class AttentionShape:
-    """A model's attention as a kernel library sees it (per rank; the GQA
-    group is the same on every rank)."""
+    """A model's attention as a kernel library sees it: the whole model's heads as the
+    runner gives it, one rank's once ``per_rank`` (backends.select does)."""
 
     heads: int
     kv_heads: int
@@ -91,6 +91,12 @@ class AttentionShape:
     @property
     def group(self) -> int:
         return self.heads // max(1, self.kv_heads)
+
+    def per_rank(self, tp: int) -> AttentionShape:
+        """On one of ``tp`` ranks: the query heads split, the KV heads split or, fewer than
+        the ranks, one on each (the plan's kv_heads_per_card)."""
+        return AttentionShape(self.heads // tp, -(-self.kv_heads // tp), self.head_dim,
+                              self.dtype)
 
 
 class AttentionBackend(ABC):
