@@ -5,7 +5,8 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
 - int8: ``qweight`` int8 [N, K], one scale per output row, ``w = q * scale``;
   run by ``aten._weight_int8pack_mm`` on CPU; on CUDA as grouped int8 (below) with one
   group a row (torch's CUDA kernel gives each output a thread that reads its weight row
-  alone, once per input row).
+  alone, once per input row), which keeps a decode step's few rows where the grouped
+  kernel does not serve (``INT8_CUDA_OP_ROWS``).
 - int4: values 0..15 in groups of ``group_size`` along K, a scale and a float
   zero per (group, row), ``w = (q - 8) * scale + zero`` (tinygemm's convention);
   packed by ``aten._convert_weight_to_int4pack_for_cpu`` and run by
@@ -66,14 +67,29 @@ def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return x.new_zeros(*shape[:-1], qweight.shape[0])
     x2 = x.reshape(-1, shape[-1]).to(scales.dtype).contiguous()  # as int4_linear
     if x2.device.type != "cpu":  # one group a row: the Triton kernel for a decode step's
-        # rows where it proved itself on the card, else (a prefill chunk) the tiles
+        # rows where it proved itself on the card, else _int8_rows_fallback
         y = int8g_cuda.linear(x2, qweight, scales[:, None], None, qweight.shape[1],
-                              int8g_tiles).to(x.dtype)
+                              _int8_rows_fallback).to(x.dtype)
     else:
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales).to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], qweight.shape[0])
+
+
+# torch's CUDA op reads a weight row per output thread, once per input row: a decode
+# step's few rows keep it where the Triton kernel does not serve (no Triton, its probe
+# failed, HELEXA_TRITON_INT8G=0), more take the tiles. Read from the kernels, not measured.
+INT8_CUDA_OP_ROWS = 8
+
+
+def _int8_rows_fallback(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                        zeros: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """Per-row int8 off the Triton kernel (scales [N, 1], one group a row): torch's op for
+    up to INT8_CUDA_OP_ROWS rows, else the tiles (a probe's layer of several groups too)."""
+    if x.shape[0] <= INT8_CUDA_OP_ROWS and scales.shape[1] == 1 and zeros is None:
+        return torch.ops.aten._weight_int8pack_mm(x, qweight, scales[:, 0])
+    return int8g_tiles(x, qweight, scales, zeros, group_size)
 
 
 INT8G_TILE_BYTES = 4 << 20  # float bytes of one dequantised tile: stays in cache

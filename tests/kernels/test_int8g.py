@@ -130,23 +130,28 @@ def test_rows_split_over_threads_give_the_same_products(isa):
 def test_per_row_int8_off_the_cpu_runs_as_grouped_int8_of_one_group_a_row(monkeypatch) -> None:
     """On CUDA torch's per-row int8 op gives each output a thread reading its weight row
     alone: every step goes to the grouped int8 op instead (the Triton kernel for a decode
-    step's rows, the tiles for a prefill chunk), the row's scale its one group. The device
-    is meta here, standing in for CUDA; the products are compared on the CPU."""
+    step's rows), the row's scale its one group. Where that kernel does not serve, a decode
+    step's few rows keep torch's op and more take the tiles, which give the same product.
+    The device is meta here, standing in for CUDA; the products are compared on the CPU."""
     calls: list[tuple[int, tuple[int, ...], int]] = []
+    ops: list[int] = []
 
-    def counted(x, q, s, z, group, tiles):  # the tiles stand in for the kernel on meta
+    def not_served(x, q, s, z, group, fallback):  # the kernel off: its fallback runs
         calls.append((x.shape[0], tuple(s.shape), group))
-        return tiles(x, q, s, z, group)
+        return fallback(x, q, s, z, group)
 
-    monkeypatch.setattr(int8g_cuda, "linear", counted)
-    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", None)  # never reached
+    real_op = torch.ops.aten._weight_int8pack_mm
+    monkeypatch.setattr(int8g_cuda, "linear", not_served)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm",
+                        lambda x, q, s: ops.append(x.shape[0]) or real_op(x, q, s))
     g = torch.Generator().manual_seed(2)
     q = torch.randint(-128, 128, (40, 64), dtype=torch.int8, generator=g)
     s = torch.rand(40, generator=g) * 0.02
-    for rows in (1, 9, 300):
+    for rows in (1, qk.INT8_CUDA_OP_ROWS, qk.INT8_CUDA_OP_ROWS + 1, 300):
         y = qk.int8_linear(torch.randn(rows, 64, device="meta"), q.to("meta"), s.to("meta"), None)
         assert y.shape == (rows, 40) and y.device.type == "meta"
-    assert calls == [(1, (40, 1), 64), (9, (40, 1), 64), (300, (40, 1), 64)]
+    assert [c[0] for c in calls] == [1, 8, 9, 300] and {c[1:] for c in calls} == {((40, 1), 64)}
+    assert ops == [1, qk.INT8_CUDA_OP_ROWS]  # 9 and 300 rows: the tiles
     monkeypatch.undo()
     x = torch.randn(5, 64, generator=g)  # the grouped forms' product is the op's
     want = torch.ops.aten._weight_int8pack_mm(x, q, s)
