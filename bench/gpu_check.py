@@ -13,9 +13,7 @@ failing stage still leaves the others' figures:
   (qwen3) and a hybrid (qwen3_5) init-tiny checkpoint with a GQA group of 6 (12 query heads,
   2 kv heads): the tokens, the first step where they differ, and two yardsticks for a
   divergence: where transformers' eager attention leaves its own sdpa tokens, and
-  transformers' logit margin between the two tokens at helexa's first divergence. Then
-  (``mtp``) speculation with an MTP head through the engine, against plain decoding, and
-  (``vision``) a prompt with an image against transformers' Qwen3.5 and its processor.
+  transformers' logit margin between the two tokens at helexa's first divergence.
 - ``decode``: batch-1 and batch-8 decode tok/s of a larger dense and a hybrid checkpoint,
   with the fraction of the weight-streaming roofline: measured copy bandwidth (a device
   tensor copied, read + write bytes / s) ÷ the weight bytes a step reads (all, less an
@@ -35,6 +33,9 @@ failing stage still leaves the others' figures:
   its wall time (host-bound where the gap is large), and the costliest kernels; then, out
   of the profiler, the host's µs a step in each part of the runner's step (HostTimes).
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
+- ``spec_vision``: (``mtp``) speculation with an MTP head through the engine, against plain
+  decoding, and (``vision``) a prompt with an image against transformers' Qwen3.5 and its
+  processor.
 - ``compare``: batch 1 of each big model again with one GPU kernel turned off, the ratio
   to the decode stage's run: the models' torch norms, SiLU and rope (HELEXA_CUDA_FUSED=0);
   a hybrid's conv1d decode on the torch form (HELEXA_TRITON_CONV=0);
@@ -45,8 +46,9 @@ failing stage still leaves the others' figures:
   model over an int8 KV pool, batch 1 and 8, on the Triton quantised-KV write and decode
   (its decode steps in CUDA graphs) and on the torch path, eagerly (``int8_kv``). Last,
   so a check short of time loses these and not the figures before.
-- ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1 and 8 rows on the
-  Triton kernel, the dequantised tiles and a bf16 F.linear: µs a call and the fraction of
+- ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1, 8 and 32 rows on the
+  Triton kernel, the dequantised tiles and a bf16 F.linear, and the same weight as per-row
+  int8 on torch's op and on the kernel at one group a row: µs a call and the fraction of
   copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
   issue's figures.
 
@@ -62,6 +64,7 @@ import gc
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -76,7 +79,9 @@ from helexa.kernels import flashinfer_gdn
 from helexa.kernels.backends import cuda_fused
 from helexa.kernels.backends.cuda import CUDA_CORE_GROUPS
 
-STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "compare", "int8g")
+# in the order the issue's figures come first: a run cut short loses the later ones
+STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "spec_vision", "compare",
+          "int8g")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
 
 
@@ -153,6 +158,11 @@ def make_model(root: Path, name: str, arch: str, shape: dict[str, Any],
     return init_tiny(root / name, arch=arch, dtype="bfloat16", device=device, **shape)
 
 
+# set by run while a stage runs: puts a stage's figures so far on record (each_model calls
+# it after each model, so a stage killed at the time bound keeps what it measured)
+progress: Callable[[dict[str, Any]], None] = lambda partial: None  # noqa: E731
+
+
 def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
                out: dict[str, Any]) -> dict[str, Any]:
     """``measure`` each model into ``out`` on its own: one that raises leaves its error and
@@ -165,6 +175,7 @@ def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
                          "trace": traceback.format_exc(limit=6)}
             out.setdefault("failed", []).append(name)
         free_device()
+        progress(out)
     return out
 
 
@@ -193,8 +204,9 @@ def stage_env(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def stage_compile(ctx: dict[str, Any]) -> dict[str, Any]:
     def load_and_step() -> tuple[float, str]:
+        path = ctx["dense"]  # made (the first time) before the clock starts
         t = time.perf_counter()
-        r = Runner(ctx["dense"], ctx["device"], 1, 64)
+        r = Runner(path, ctx["device"], 1, 64)
         r.step(r.prefill([[1, 2, 3, 4]]))
         sync(r.device)
         backend = r.runner.attention_backend
@@ -262,16 +274,15 @@ def stage_parity(ctx: dict[str, Any]) -> dict[str, Any]:
                                                                     res["transformers"])
         return res
 
-    each_model(("dense", "hybrid"), parity, out)
-    try:  # its failure must not cost the stage the figures above
-        out["mtp"] = mtp_engine(ctx)
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        out["mtp"] = {"error": f"{type(e).__name__}: {e}"}
-    try:
-        out["vision"] = vision_parity(ctx)
-    except Exception as e:  # noqa: BLE001 - reported, not raised
-        out["vision"] = {"error": f"{type(e).__name__}: {e}"}
-    return out
+    return each_model(("dense", "hybrid"), parity, out)
+
+
+def stage_spec_vision(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Speculation with an MTP head through the engine against plain decoding (``mtp``),
+    and a prompt with an image against transformers (``vision``): after the issue's
+    figures, each failing on its own."""
+    return each_model(("mtp", "vision"), lambda name: {"mtp": mtp_engine,
+                                                      "vision": vision_parity}[name](ctx), {})
 
 
 def vision_parity(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -451,7 +462,10 @@ def verify_vs_decode(r: Runner, steps: int, k: int = 3) -> dict[str, Any]:
     verify_us = timed(verify)
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # host-side events suffice
+    # host-side events suffice, but a CPU-only profile first in a process can leave a later
+    # one (the profile stage's) without the device's events: the same activities as there
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if r.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
         for _ in range(steps):
             verify()
         sync(r.device)
@@ -875,8 +889,12 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
     w = qk.dequantize_int8g(q, sc, zs, group).to(torch.bfloat16)
     sms = 4 if dry else torch.cuda.get_device_properties(dev).multi_processor_count
     out: dict[str, Any] = {"shape": [n, k], "group": group, "unavailable": ci.unavailable()}
-    if not dry and not out["unavailable"]:
+    row_s = (torch.rand(n, generator=gen) * 0.02 + 1e-3).to(dev, torch.bfloat16)
+    serves = not out["unavailable"]
+    if not dry and serves:
         out["probe"] = ci.probe(dev, torch.bfloat16, group, True, qk.int8g_tiles, sms) or "ok"
+        out["probe_row"] = ci.probe(dev, torch.bfloat16, k, False, qk.int8g_tiles, sms) or "ok"
+        serves = out["probe"] == out["probe_row"] == "ok"
     bw = copy_bandwidth(dev, ctx["sizes"]["copy_mib"])
     quant_bytes = q.numel() + 2 * (sc.numel() + zs.numel())
     reps = 2 if dry else 50
@@ -884,17 +902,27 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
         x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
         paths: dict[str, tuple[Callable[[], Any], int]] = {
             "tiles": (lambda x=x: qk.int8g_tiles(x, q, sc, zs, group), quant_bytes),
-            "bf16_linear": (lambda x=x: torch.nn.functional.linear(x, w), 2 * n * k)}
-        if not out["unavailable"]:
+            "bf16_linear": (lambda x=x: torch.nn.functional.linear(x, w), 2 * n * k),
+            # per-row int8 (quantize = "int8"): torch's op against the kernel at one group
+            # a row, the choice helexa/kernels/quant.py int8_linear makes on CUDA
+            "row_torch_op": (lambda x=x: torch.ops.aten._weight_int8pack_mm(x, q, row_s),
+                             q.numel() + 2 * n)}
+        if serves:
             paths["triton"] = (lambda x=x: ci.run(x, q, sc, zs, group, sms, interpret=dry),
                                quant_bytes)
+            paths["row_triton"] = (lambda x=x: ci.run(x, q, row_s[:, None], None, k, sms,
+                                                      interpret=dry), q.numel() + 2 * n)
         got: dict[str, Any] = {}
         for name, (fn, nbytes) in paths.items():
-            us = _us_per_call(fn, dev, reps)
-            got[name] = {"us": us, "bandwidth_fraction": nbytes / (us * 1e-6) / bw}
-        if "triton" in got:
-            got["triton_vs_tiles"] = got["tiles"]["us"] / got["triton"]["us"]
-            got["triton_vs_bf16_linear"] = got["bf16_linear"]["us"] / got["triton"]["us"]
+            try:  # one path failing leaves the others' figures
+                us = _us_per_call(fn, dev, reps)
+                got[name] = {"us": us, "bandwidth_fraction": nbytes / (us * 1e-6) / bw}
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                got[name] = {"error": f"{type(e).__name__}: {e}"}
+        for a, b in (("triton", "tiles"), ("triton", "bf16_linear"),
+                     ("row_triton", "row_torch_op")):
+            if "us" in got.get(a, {}) and "us" in got.get(b, {}):
+                got[f"{a}_vs_{b}"] = got[b]["us"] / got[a]["us"]
         out[f"rows{rows}"] = got
     return out
 
@@ -922,6 +950,7 @@ class Models(dict):  # type: ignore[type-arg]
 
 def run(dry: bool, out_path: Path, budget_secs: float,
         stages: tuple[str, ...] = STAGES, decode_from: Path | None = None) -> dict[str, Any]:
+    global progress
     device = "cpu" if dry else "cuda"
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible to torch (use --dry-run on CPU)")
@@ -935,12 +964,12 @@ def run(dry: bool, out_path: Path, budget_secs: float,
                  "dense_big": ("qwen3", s["big"], device),
                  "hybrid_big": ("qwen3_5", s["hybrid_big"], device)}
         ctx = Models(Path(tmp), specs, device=device, sizes=s)
-        if decode_from is not None:  # compare beside a first run's decode figures
+        if decode_from is not None and "decode" not in stages:  # beside a first run's figures
             ctx["decode"] = json.loads(decode_from.read_text())["stages"]["decode"]
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
             "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
-            "compare": stage_compare, "int8g": stage_int8g}
+            "spec_vision": stage_spec_vision, "compare": stage_compare, "int8g": stage_int8g}
         for name in stages:
             at = time.perf_counter() - start
             if at > budget_secs:
@@ -950,6 +979,12 @@ def run(dry: bool, out_path: Path, budget_secs: float,
             report["stages"][name] = {"ok": False, "error": f"started {at:.0f} s into the run "
                                       "and never finished (killed at the time bound?)"}
             out_path.write_text(json.dumps(report, indent=2, default=str))
+
+            def on_record(partial: dict[str, Any], name: str = name) -> None:
+                report["stages"][name]["partial"] = partial
+                out_path.write_text(json.dumps(report, indent=2, default=str))
+
+            progress = on_record
             t = time.perf_counter()
             try:
                 got = fns[name](ctx)
@@ -964,9 +999,17 @@ def run(dry: bool, out_path: Path, budget_secs: float,
             print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
             # after every stage: a run cut short by its time limit still leaves its figures
             out_path.write_text(json.dumps(report, indent=2, default=str))
+    progress = lambda partial: None  # noqa: E731
     report["secs"] = time.perf_counter() - start
     out_path.write_text(json.dumps(report, indent=2, default=str))
     return report
+
+
+def exit_on_sigterm() -> None:
+    """The time bound's SIGTERM (gpu_check.sh's timeout) as an exit: the checkpoints'
+    temporary folder (tens of GB at whole-model sizes, which a second run on the same disk
+    would need again) is removed, and the report keeps what each stage put on record."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -989,13 +1032,14 @@ def main(argv: list[str] | None = None) -> int:
     if "compare" in wanted and "decode" not in wanted and args.decode_from is None:
         ap.error("the compare stage measures beside the decode stage's figures: add decode, "
                  "or --decode-from a first run's report")
-    if args.decode_from is not None:
+    if args.decode_from is not None and "decode" not in wanted:
         try:
             json.loads(args.decode_from.read_text())["stages"]["decode"]["dense_big"]
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--decode-from {args.decode_from}: no decode figures there "
                      f"({type(e).__name__}: {e})")
     stages = tuple(x for x in STAGES if x in wanted)
+    exit_on_sigterm()
     report = run(args.dry_run, args.out, args.budget_secs, stages, args.decode_from)
     failed = [k for k, v in report["stages"].items() if not v["ok"]]
     print(f"gpu_check: {len(stages) - len(failed)}/{len(stages)} stages ok"

@@ -32,22 +32,22 @@ def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
     out, stdout = whole_run
-    assert "gpu_check: 8/8 stages ok" in stdout
+    assert "gpu_check: 9/9 stages ok" in stdout
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["dry_run"] is True
-    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft", "compare",
-                            "int8g"]
+    assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft",
+                            "spec_vision", "compare", "int8g"]
     assert all(s["ok"] for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
         assert parity["gqa_group"] == 6 and parity["match"], parity
         assert parity["transformers_eager_vs_sdpa_divergence"] is None, parity
-    mtp = stages["parity"]["mtp"]  # speculation with an MTP head, through the engine
+    mtp = stages["spec_vision"]["mtp"]  # speculation with an MTP head, through the engine
     assert all(len(mtp[k]["tokens"]) == 8 for k in ("plain", "drafting", "probes")), mtp
     assert mtp["drafting"]["drafted"] > 0 and mtp["probes"]["followed_steps"] > 0, mtp
     assert "first_divergence" in mtp["probes"], mtp
-    vision = stages["parity"]["vision"]  # a prompt with an image, against transformers
+    vision = stages["spec_vision"]["vision"]  # a prompt with an image, against transformers
     assert vision["image_tokens"] > 0 and vision["match"], vision
     for name in ("dense_big", "hybrid_big"):
         assert stages["decode"][name]["load_s"] > 0
@@ -81,10 +81,11 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
     assert stages["compile"]["first_load_s"] > 0
     int8g = stages["int8g"]  # the Triton kernel (interpreted here) beside the tiles
     assert int8g["unavailable"] == "" and int8g["shape"] == [256, 1024], int8g
+    paths = ("tiles", "bf16_linear", "triton", "row_torch_op", "row_triton")  # row: per-row
     for rows in ("rows1", "rows8", "rows32"):
-        assert set(int8g[rows]) == {"tiles", "bf16_linear", "triton", "triton_vs_tiles",
-                                    "triton_vs_bf16_linear"}, int8g
-        assert all(int8g[rows][p]["us"] > 0 for p in ("tiles", "bf16_linear", "triton"))
+        assert set(int8g[rows]) == {*paths, "triton_vs_tiles", "triton_vs_bf16_linear",
+                                    "row_triton_vs_row_torch_op"}, int8g
+        assert all(int8g[rows][p]["us"] > 0 for p in paths), int8g
 
 
 def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path,
@@ -156,6 +157,41 @@ def test_a_stage_is_on_record_before_it_runs_and_models_are_made_when_asked(
     assert "never finished (killed at the time bound?)" in seen["on_disk"]["error"]
     assert list(report["models_s"]) == ["dense"]  # no big model was made
     assert report["stages"]["ttft"]["ok"] is False  # a failed model fails the stage
+
+
+def test_a_stage_killed_at_the_time_bound_keeps_each_model_it_measured(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    """The time bound's SIGTERM ends the run mid-stage: the models the stage had measured
+    are on record (each_model writes them as it goes), the stage still says it never
+    finished, and the checkpoints' temporary folder is gone."""
+    import signal
+
+    gc = _gpu_check()
+    out = tmp_path / "r.json"
+    folders: list[Path] = []
+
+    def stage(ctx: dict[str, Any]) -> dict[str, Any]:
+        folders.append(ctx.root)
+
+        def measure(name: str) -> dict[str, Any]:
+            if name == "hybrid_big":  # the bound strikes while the second model runs
+                os.kill(os.getpid(), signal.SIGTERM)
+            return {"tok_s": 1.0}
+
+        return gc.each_model(("dense_big", "hybrid_big"), measure, {})
+
+    monkeypatch.setattr(gc, "stage_decode", stage)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        gc.exit_on_sigterm()  # as main does
+        with pytest.raises(SystemExit):
+            gc.run(True, out, 400.0, ("decode",))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    decode = json.loads(out.read_text())["stages"]["decode"]
+    assert decode["ok"] is False and "never finished" in decode["error"]
+    assert decode["partial"] == {"dense_big": {"tok_s": 1.0}}
+    assert folders and not folders[0].exists()
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
