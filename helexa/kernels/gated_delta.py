@@ -18,8 +18,8 @@ verification row), and ``delta_rule_advance`` / ``conv1d_window_after`` give the
 state after only the first few of them: the rollback of rejected drafts
 (docs/speculation.md), and ``conv1d_steps_unfolded`` a verification row's conv in one
 pass. On CUDA, flash-linear-attention's kernels run these steps where installed
-(helexa/kernels/fla_gdn.py: prefill, decode, verification and its settling, the gated
-norm), import-guarded: CPU never needs them.
+(helexa/kernels/fla_gdn.py: prefill, decode, verification and its settling;
+helexa/kernels/fla_norm.py: the gated norm), import-guarded: CPU never needs them.
 
 FlashInfer's Gated DeltaNet decode goes further for a step of decode rows alone
 (helexa/kernels/flashinfer_gdn.py): it reads and writes each row's state in its slot.

@@ -141,26 +141,28 @@ class _Staged:
 
 def _in(twins: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
     """Host twins -> device rows: each tensor's rows gathered on the host into pinned memory
-    and copied to the device without waiting, in parts of at most STAGE_BYTES. Once that
-    many are queued the host waits for them to have run: PyTorch's pinned allocator keeps
-    each buffer until its copy has, and keeps the memory once freed, so a restore staged
-    whole (a long context's blocks, every layer's) stayed pinned for the process's life;
-    after the wait the next parts reuse the same buffers."""
+    and copied to the device without waiting, in parts of at most half STAGE_BYTES. Past
+    STAGE_BYTES queued the host waits for the oldest part to have run (its event): PyTorch's
+    pinned allocator keeps each buffer until its copy has, and keeps the memory once freed,
+    so a restore staged whole (a long context's blocks, every layer's) stayed pinned for
+    the process's life; now the next parts reuse the buffers, the host gathering one while
+    the one before it copies."""
     if not pairs or not twins:
         return
     device = twins[0][0].device
     pin = device.type == "cuda"
     src = torch.tensor([a for a, _ in pairs], dtype=torch.long)
     dst = to_device([b for _, b in pairs], torch.long, device)
-    queued = 0
+    queued: list[tuple[Any, int]] = []  # each part's event and bytes, oldest first
     for dev, host in twins:
-        step = max(1, STAGE_BYTES // max(1, host[0].nbytes))  # rows in a part
+        step = max(1, STAGE_BYTES // 2 // max(1, host[0].nbytes))  # rows in a part
         for at in range(0, len(pairs), step):
             rows = torch.empty((min(step, len(pairs) - at), *host.shape[1:]), dtype=host.dtype,
                                pin_memory=pin)
             torch.index_select(host, 0, src[at:at + step], out=rows)
             dev.index_copy_(0, dst[at:at + step], rows.to(device, non_blocking=pin))
-            queued += rows.nbytes
-            if queued >= STAGE_BYTES and (event := copied_event(device)) is not None:
-                event.synchronize()  # the parts queued have reached the device
-                queued = 0
+            if (event := copied_event(device)) is None:
+                continue  # off a GPU the copy is done
+            queued.append((event, rows.nbytes))
+            while len(queued) > 1 and sum(n for _, n in queued) > STAGE_BYTES:
+                queued.pop(0)[0].synchronize()  # the oldest part has reached the device
