@@ -10,7 +10,7 @@
 #
 #   bench/gpu_check.sh [--out FILE]                   # on the GPU machine
 #   bench/gpu_check.sh --dry-run [--out FILE]         # every stage on CPU, small: checks the script
-#   bench/gpu_check.sh --stages profile,ttft,compare,int8g --decode-from gpu_check.json --out rest.json
+#   bench/gpu_check.sh --stages profile,ttft,spec_vision,compare,int8g --decode-from gpu_check.json --out rest.json
 #                                                     # the rest of a run cut short
 #
 # Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS
