@@ -29,7 +29,9 @@ def wait_for(cond, timeout=10.0):
 
 
 def serving(fl):
-    return next(n for n in (fl.n1, fl.n2) if n.requests)
+    """The fake with this test's call in flight (a late call of an earlier test, which the
+    session's fleet may still get after its reset, is not in its fresh models' counts)."""
+    return next(n for n in (fl.n1, fl.n2) if n.models["tiny"].in_flight)
 
 
 def test_a_neuron_leaving_rotation_ends_its_streams_with_an_error_event(fl):
@@ -46,7 +48,7 @@ def test_a_neuron_leaving_rotation_ends_its_streams_with_an_error_event(fl):
     assert rest[-1] != "data: [DONE]"
     err = json.loads(rest[-1].removeprefix("data: "))["error"]
     assert err["code"] == "upstream_error" and "stopped answering" in err["message"]
-    wait_for(lambda: hung.cancelled == before + 1)  # the call was ended on the neuron too
+    wait_for(lambda: hung.cancelled > before)  # the call was ended on the neuron too
     wait_for(lambda: fl.lt.call(lambda: hung.models["tiny"].used_bytes == 0))
 
 
