@@ -48,9 +48,9 @@ failing stage still leaves the others' figures:
   so a check short of time loses these and not the figures before.
 - ``int8g``: one large grouped int8 layer (GGUF Q5_K's layout) at 1, 8 and 32 rows on the
   Triton kernel, the dequantised tiles and a bf16 F.linear, and the same weight as per-row
-  int8 on torch's op and on the kernel at one group a row, and as int4 on torch's op at 1,
-  8 and 512 rows: µs a call and the fraction of copy bandwidth its bytes make
-  (stage_int8g). After compare: it is not one of the
+  int8 on torch's op and on the kernel at one group a row, and as int4 at 1, 8 and 512
+  rows (helexa's int4 product, torch's op alone, bf16): µs a call and the fraction of
+  copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
   issue's figures.
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
@@ -930,28 +930,39 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
 
 
 def int4_rows(dev: torch.device, w: torch.Tensor, reps: int, bw: float) -> dict[str, Any]:
-    """The same weight quantised to int4 (groups of 128) on torch's int4 op (tinygemm on
-    CUDA) against the bf16 F.linear, at a decode step's rows and a prefill chunk's (512):
-    the op computes a tile of outputs a block and reads its inputs again for each, so its
-    cost grows with the rows where cuBLAS's does not (a review's concern for int4 prefill;
-    µs a call each, and the op's over the linear's)."""
+    """The same weight quantised to int4 (groups of 128), at a decode step's rows and a
+    prefill chunk's (512): helexa's int4 product (``helexa``: torch's op, tinygemm, up to
+    64 rows; beyond, the weight dequantised in tiles onto cuBLAS where its probe agreed,
+    helexa/kernels/cuda/int4_tiles.py), torch's op alone (``torch_op``: it reads its inputs
+    again for each tile of outputs) and the bf16 F.linear; µs a call each, and each over
+    the linear's."""
     from helexa.kernels import quant as qk
     from helexa.neuron.formats.quantise import quantize_int4
 
     n, k = w.shape
     q, sc, zs = quantize_int4(w, 128, torch.bfloat16)
     packed, sz = qk.int4_pack(q), qk.int4_scales_zeros(sc, zs, torch.bfloat16)
+    raw = (torch.ops.aten._weight_int4pack_mm if dev.type == "cuda"
+           else torch.ops.aten._weight_int4pack_mm_for_cpu)
     gen = torch.Generator().manual_seed(1)
     got: dict[str, Any] = {}
     for rows in (1, 8, 512):
         x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
-        try:
-            op = _us_per_call(lambda x=x: qk.int4_linear(x, packed, 128, n, sz, None), dev, reps)
-            lin = _us_per_call(lambda x=x: torch.nn.functional.linear(x, w), dev, reps)
-            got[f"rows{rows}"] = {"op_us": op, "bf16_linear_us": lin, "op_vs_linear": op / lin,
-                                  "op_bandwidth_fraction": (n * k // 2) / (op * 1e-6) / bw}
-        except Exception as e:  # noqa: BLE001 - reported, not raised
-            got[f"rows{rows}"] = {"error": f"{type(e).__name__}: {e}"}
+        paths = {"helexa": lambda x=x: qk.int4_linear(x, packed, 128, n, sz, None),
+                 "torch_op": lambda x=x: raw(x, packed, 128, sz),
+                 "bf16_linear": lambda x=x: torch.nn.functional.linear(x, w)}
+        res: dict[str, Any] = {}
+        for name, fn in paths.items():
+            try:  # one path failing leaves the others' figures
+                res[f"{name}_us"] = _us_per_call(fn, dev, reps)
+            except Exception as e:  # noqa: BLE001 - reported, not raised
+                res[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        for name in ("helexa", "torch_op"):
+            if f"{name}_us" in res and "bf16_linear_us" in res:
+                res[f"{name}_vs_bf16_linear"] = res[f"{name}_us"] / res["bf16_linear_us"]
+        if "helexa_us" in res:
+            res["helexa_bandwidth_fraction"] = (n * k // 2) / (res["helexa_us"] * 1e-6) / bw
+        got[f"rows{rows}"] = res
     return got
 
 

@@ -337,7 +337,7 @@ def _logged_events() -> set[str]:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr in _LOG_METHODS and node.args:
                 events |= {s for s in _strings(node.args[0])
-                           if re.fullmatch(r"[a-z_]+(\.[a-z_]+)+", s)}
+                           if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+", s)}
     return events
 
 
@@ -346,7 +346,7 @@ def test_every_logged_event_is_in_the_observability_doc() -> None:
     text = CONTRACTS["observability"].read_text()
     table = "\n".join(line for line in text.splitlines() if line.startswith("| `"))
     documented = {e for row in table.splitlines()
-                  for e in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)`", row.split(" | ")[0])}
+                  for e in re.findall(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)`", row.split(" | ")[0])}
     assert {"request.start", "request.done", "request.rejected", "neuron.down"} <= logged
     assert not logged - documented, f"docs/observability.md lacks events {sorted(logged - documented)}"
     assert not documented - logged, \

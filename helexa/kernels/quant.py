@@ -10,7 +10,9 @@ The layout (docs/quantization.md) is what torch's own weight-only ops take:
 - int4: values 0..15 in groups of ``group_size`` along K, a scale and a float
   zero per (group, row), ``w = (q - 8) * scale + zero`` (tinygemm's convention);
   packed by ``aten._convert_weight_to_int4pack_for_cpu`` and run by
-  ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``).
+  ``aten._weight_int4pack_mm_for_cpu`` (CUDA: ``_weight_int4pack_mm``, and for more than a
+  decode step's rows its packed weight dequantised in tiles onto cuBLAS:
+  helexa/kernels/cuda/int4_tiles.py).
 - grouped int8: ``qweight`` int8 [N, K] in groups of ``group_size`` along K, a
   scale and an optional zero per (row, group), ``w = q * scale + zero``: the
   layout of GGUF Q8_0/Q6_K/Q5_K, GPTQ 8-bit and grouped or asymmetric int8. No
@@ -34,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from helexa.kernels.cpu import int8g as int8g_cpu
+from helexa.kernels.cuda import int4_tiles as int4_cuda
 from helexa.kernels.cuda import int8g as int8g_cuda
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -149,11 +152,15 @@ def dequantize_int8g(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.T
 def int4_pack(q: torch.Tensor) -> torch.Tensor:
     """Values 0..15 [N, K] (any int dtype) -> the device op's packed tensor."""
     if q.device.type == "cuda":
-        u8 = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
-        return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(),
-                                                          cuda_inner_k_tiles(q.shape[1]))
+        return int4_pack_cuda(q, cuda_inner_k_tiles(q.shape[1]))
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(),
                                                               _INNER_K_TILES)
+
+
+def int4_pack_cuda(q: torch.Tensor, inner_k_tiles: int) -> torch.Tensor:
+    """Values 0..15 [N, K] on a CUDA device -> torch's CUDA int4 op's packed tensor."""
+    u8 = (q[:, ::2].to(torch.uint8) << 4) | q[:, 1::2].to(torch.uint8)
+    return torch.ops.aten._convert_weight_to_int4pack(u8.contiguous(), inner_k_tiles)
 
 
 def int4_operand_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -178,8 +185,9 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, n: int,
     if x.numel() == 0:  # a step wanting no logits: the CUDA op's launch of 0 rows is invalid
         return x.new_zeros(*shape[:-1], n)
     x2 = x.reshape(-1, shape[-1]).to(scales_zeros.dtype).contiguous()  # the ops require it
-    if packed.device.type == "cuda":
-        y = torch.ops.aten._weight_int4pack_mm(x2, packed, group_size, scales_zeros)
+    if packed.device.type != "cpu":  # many rows: dequantised tiles where they proved
+        y = int4_cuda.linear(x2, packed, group_size, n, scales_zeros,  # themselves
+                             torch.ops.aten._weight_int4pack_mm, int4_pack_cuda)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)
     y = y.to(x.dtype)

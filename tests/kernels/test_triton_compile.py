@@ -38,7 +38,7 @@ def compiled() -> dict[str, object]:
 
 def test_every_quantised_kv_kernel_compiles_for_sm90(compiled):
     assert not [k for k in compiled if k.startswith("failed/")], compiled
-    assert {k for k in compiled if not k.startswith("int8g/")} == {
+    assert {k for k in compiled if not k.startswith(("int8g/", "int4_tiles/"))} == {
         f"{k}/{d}" for k in ("split", "prefill", "write")
         for d in ("int8", "fp8_e4m3", "int4")} | {"merge"}
 
@@ -48,6 +48,11 @@ def test_the_grouped_int8_kernel_compiles_for_each_way_it_reads_scales(compiled)
     # a value), and an fp32 model's shallower steps
     assert {k for k in compiled if k.startswith("int8g/")} == {
         "int8g/bf16/32", "int8g/bf16/5120", "int8g/fp16/96", "int8g/fp32/5120"}
+
+
+def test_the_int4_tile_kernel_compiles_at_each_inner_k_tiling(compiled):
+    assert {k for k in compiled if k.startswith("int4_tiles/")} == {
+        "int4_tiles/8/128", "int4_tiles/2/32"}
 
 
 def test_no_kernel_spills_registers_at_its_launch_warps(compiled):

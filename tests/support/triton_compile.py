@@ -1,4 +1,4 @@
-"""Compile helexa's quantised-KV and grouped int8 Triton kernels for an sm90 card down to PTX, on any
+"""Compile helexa's quantised-KV, grouped int8 and int4-tile Triton kernels for an sm90 card down to PTX, on any
 machine (no GPU: Triton's own compiler stages, to PTX and not to a cubin), and print what
 each produced as JSON: run by tests/kernels/test_triton_compile.py in a process of its own,
 without TRITON_INTERPRET, so that what only a real compile sees (a module global read in a
@@ -17,6 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
+from helexa.kernels.cuda import _int4_tiles_triton as i4
 from helexa.kernels.cuda import _int8g_triton as i8
 from helexa.kernels.cuda import _quant_decode_triton as qd
 from helexa.kernels.cuda import _quant_write_triton as qw
@@ -88,6 +89,12 @@ def main() -> int:
             G=group, GROUPING=i8.grouping(group, block_k), HAS_ZEROS=zeros, DOT=dot,
             PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=int8g.BLOCK_M,
             BLOCK_N=int8g.BLOCK_N, BLOCK_K=block_k), 4))
+    # the int4 dequantisation into tiles (int4_tiles.dequantize's launch: 4 warps) at the
+    # deepest and the shallowest inner k-tiling
+    for inner, group in ((8, 128), (2, 32)):
+        out[f"int4_tiles/{inner}/{group}"] = stats(ptx(i4.int4_tile_kernel, [
+            "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32"],
+            dict(INNER=inner, G=group), 4))
     json.dump(out, sys.stdout)
     return 0
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helexa.kernels import quant as qk
+from helexa.kernels.cuda import int4_tiles
 from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import TensorSlice
 
@@ -68,6 +69,13 @@ class Int4Linear:
             x = x.index_select(-1, self.perm)
         return qk.int4_linear(x, self.mod.qweight, self.group_size, self.n,
                               self.mod.qscales_zeros, bias)
+
+    def prepare(self, max_num_seqs: int) -> None:
+        """On CUDA: the tiles a prefill chunk's rows take prove themselves for this layer's
+        kind now (helexa/kernels/cuda/int4_tiles.py), not in the first request's prefill."""
+        w = self.mod.qweight
+        if w.device.type == "cuda" and not int4_tiles.unavailable():
+            int4_tiles.verdict(w.device, self.group_size, w.shape[3] * 2, qk.int4_pack_cuda)
 
 
 class Int8gLinear:
