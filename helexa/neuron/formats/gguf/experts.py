@@ -28,6 +28,7 @@ from torch import nn
 from helexa.checkpoint.gguf import GgufError, reader
 from helexa.checkpoint.gguf_layout import FLOAT, QUANT_TYPES, Layout, layout_of
 from helexa.kernels import quant as qk
+from helexa.kernels.cuda import int4_tiles
 from helexa.neuron.formats.gguf.unpack import to_layout
 from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import TensorSlice
@@ -135,12 +136,15 @@ class QuantExperts:
         """Run each grouped int8 stack's op once at load (one expert, the row counts a
         decode step has), so that it picks its kernels now (helexa/kernels/cpu/int8g.py
         measures; helexa/kernels/cuda/int8g.py probes and builds), not in the first
-        request's step. The experts of a stack share their shape: one run serves all."""
+        request's step; an int4 stack's prefill tiles prove themselves on CUDA. The experts
+        of a stack share their shape: one run serves all."""
         with torch.inference_mode():
-            for which, (kind, _, _) in self.ops.items():
-                if kind == "int4":
-                    continue
+            for which, (kind, group, _) in self.ops.items():
                 q = getattr(self.mlp, f"{which}_qweight")
+                if kind == "int4":  # its prefill's tiles (helexa/kernels/cuda/int4_tiles.py)
+                    if q.device.type == "cuda" and not int4_tiles.unavailable():
+                        int4_tiles.verdict(q.device, group, q.shape[-1] * 2, qk.int4_pack_cuda)
+                    continue
                 dtype = getattr(self.mlp, f"{which}_qscales").dtype
                 for rows in sorted({1, min(max_num_seqs, 2)}):
                     self(which, 0, torch.zeros(rows, q.shape[-1], dtype=dtype, device=q.device))
