@@ -185,8 +185,8 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, group_size: int, n: int,
     if x.numel() == 0:  # a step wanting no logits: the CUDA op's launch of 0 rows is invalid
         return x.new_zeros(*shape[:-1], n)
     x2 = x.reshape(-1, shape[-1]).to(scales_zeros.dtype).contiguous()  # the ops require it
-    if packed.device.type != "cpu":  # many rows: dequantised tiles where they proved
-        y = int4_cuda.linear(x2, packed, group_size, n, scales_zeros,  # themselves
+    if packed.dim() == 4:  # torch's CUDA layout; many rows: dequantised tiles where they
+        y = int4_cuda.linear(x2, packed, group_size, n, scales_zeros,  # proved themselves
                              torch.ops.aten._weight_int4pack_mm, int4_pack_cuda)
     else:
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, group_size, scales_zeros)

@@ -93,3 +93,13 @@ def test_more_rows_than_a_decode_step_take_the_tiles_where_they_proved_themselve
     y = qk.int4_linear(torch.zeros(2, 3, 256, device="meta"), packed, 128, 40,
                        torch.zeros(2, 40, 2, dtype=torch.bfloat16, device="meta"), None)
     assert y.shape == (2, 3, 40) and seen == [(6, 256)]
+
+
+def test_the_backend_line_says_what_serves_int4_prefill(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(it, "_verdicts", {(dev, 128, 8): "", (dev, 32, 4): "off by 2"})
+    assert it.describe(dev) == ("int4 prefill: dequantised tiles on cuBLAS; "
+                                "int4 prefill: torch's op (off by 2)")
+    assert it.describe(torch.device("cuda", 1)) == ""  # nothing proved on that card
+    monkeypatch.setenv("HELEXA_TRITON_INT4", "0")
+    assert it.describe(dev) == "int4 prefill: torch's op (HELEXA_TRITON_INT4=0)"

@@ -54,6 +54,7 @@ from helexa.kernels.backends.executor import (
     model_forward,
 )
 from helexa.kernels.backends.torch_ref import TorchMetadata
+from helexa.kernels.cuda import int4_tiles as int4_cuda
 from helexa.kernels.cuda import int8g as int8g_cuda
 from helexa.kernels.paged_kv import PagedKV
 
@@ -173,7 +174,10 @@ class CudaGraphExecutor(StepExecutor):
         measured = measured_at_load(model, linears)  # a MoE block's quantised experts too
         for kernel in measured:
             kernel.prepare(max_num_seqs)
-        self.quantised = int8g_cuda.describe(self.attention.device) if measured else ""
+        kinds = {getattr(k, "kind", "int8") for k in measured}
+        self.quantised = "; ".join(p for p in (
+            int8g_cuda.describe(self.attention.device) if kinds - {"int4"} else "",
+            int4_cuda.describe(self.attention.device) if "int4" in kinds else "") if p)
 
     def grouped(self, model: torch.nn.Module) -> None:
         # at tp > 1: the norms whose add reduces a deferred product (models/layers.py) get

@@ -127,3 +127,14 @@ def verdict(device: torch.device, group_size: int, inner: int, pack: Pack,
             else:
                 log.info("kernels.cuda_int4_tiles_chosen", **kind)
     return why
+
+
+def describe(device: torch.device) -> str:
+    """What serves int4 products of many rows on ``device``, for the executor's describe()
+    ("" before any int4 kind was proved there)."""
+    if why := unavailable():
+        return f"int4 prefill: torch's op ({why})"
+    said = sorted({why for (on, *_), why in _verdicts.items()
+                   if on.type == device.type and device.index in (None, on.index)})
+    return "; ".join("int4 prefill: dequantised tiles on cuBLAS" if not why
+                     else f"int4 prefill: torch's op ({why})" for why in said)

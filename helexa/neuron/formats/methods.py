@@ -59,6 +59,8 @@ def _warm(kernel: Any, k: int, scales: torch.Tensor, max_num_seqs: int) -> None:
 
 
 class Int4Linear:
+    kind = "int4"  # (the executor's describe: not a grouped int8 product)
+
     def __init__(self, mod: nn.Module, group_size: int, q: torch.Tensor,
                  perm: torch.Tensor | None = None) -> None:
         self.mod, self.group_size, self.n = mod, group_size, q.shape[0]

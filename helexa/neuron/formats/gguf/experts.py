@@ -132,6 +132,11 @@ class QuantExperts:
         out.ops = self.ops
         return out
 
+    @property
+    def kind(self) -> str:
+        """"int4" where every quantised stack is int4 (the executor's describe), else "int8"."""
+        return "int4" if all(op[0] == "int4" for op in self.ops.values()) else "int8"
+
     def prepare(self, max_num_seqs: int) -> None:
         """Run each grouped int8 stack's op once at load (one expert, the row counts a
         decode step has), so that it picks its kernels now (helexa/kernels/cpu/int8g.py
