@@ -19,6 +19,18 @@ def unavailable(switch: str, source: str) -> str:
     return _import_error(source)
 
 
+def described(verdicts: dict[tuple, str], device: torch.device, unavailable: str,
+              kernel: str, fallback: str) -> str:
+    """A kernel's line in the executor's describe(): ``fallback (why)`` where it cannot be
+    built, else one entry per verdict recorded for ``device`` (keys start with the device):
+    ``kernel`` where it proved itself, ``fallback (why)`` where not; "" before any."""
+    if unavailable:
+        return f"{fallback} ({unavailable})"
+    said = sorted({why for (on, *_), why in verdicts.items()
+                   if on.type == device.type and device.index in (None, on.index)})
+    return "; ".join(kernel if not why else f"{fallback} ({why})" for why in said)
+
+
 def pow2(n: int, least: int = 1) -> int:
     """The smallest power of two at least ``n`` and ``least``: a Triton tile's size (a
     block's dims must be powers of two; tl.dot takes no fewer than 16 rows)."""

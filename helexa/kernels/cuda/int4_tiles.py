@@ -81,14 +81,16 @@ def probe(device: torch.device, group_size: int, inner: int, pack: Pack,
     super-tiles, or two groups) that ``pack`` (torch's CUDA packing, at ``inner`` k-tiles)
     packed, against the values packed: "" when they agree to the scales' rounding, else
     why not."""
+    from helexa.kernels.quant import dequantize_int4  # (quant imports this module)
+
     gen = torch.Generator().manual_seed(group_size * 10 + inner)
     k = 2 * max(group_size, inner * 16)
     q = torch.randint(0, 16, (40, k), generator=gen, dtype=torch.int32)
     s = torch.rand(k // group_size, 40, generator=gen) * 0.02 + 1e-3
     z = torch.randn(k // group_size, 40, generator=gen) * 0.01
-    sz = torch.stack([s, z], dim=-1).to(device, torch.bfloat16)
-    want = (q.float() - 8) * sz[..., 0].float().cpu().repeat_interleave(group_size, 0).t() + \
-        sz[..., 1].float().cpu().repeat_interleave(group_size, 0).t()
+    sz = torch.stack([s, z], dim=-1).to(torch.bfloat16)  # [K / G, N, 2], as the op reads
+    want = dequantize_int4(q, sz[..., 0].t(), sz[..., 1].t(), group_size)
+    sz = sz.to(device)
     try:
         packed = pack(q.to(device), inner)
         got = torch.cat([dequantize(packed, sz, 0, 32, group_size, interpret),
@@ -117,6 +119,8 @@ def verdict(device: torch.device, group_size: int, inner: int, pack: Pack,
     """What serves this kind's many-row products: "" the tiles, else why torch's op (the
     probe runs once a kind, outside a graph capture; Int4Linear.prepare calls it at load)."""
     key = (device, group_size, inner)
+    if (why := _verdicts.get(key)) is not None:  # (a prefill's every layer asks)
+        return why
     with _lock:
         why = _verdicts.get(key)
         if why is None:
@@ -129,12 +133,16 @@ def verdict(device: torch.device, group_size: int, inner: int, pack: Pack,
     return why
 
 
+def prepare(packed: torch.Tensor, group_size: int, pack: Pack) -> None:
+    """At load: the verdict for a layer's (or an expert stack's) kind, where the tiles can
+    run (a CUDA weight in torch's layout, Triton importable), so that no prefill probes."""
+    if packed.device.type == "cuda" and not unavailable():
+        verdict(packed.device, group_size, packed.shape[-1] * 2, pack)
+
+
 def describe(device: torch.device) -> str:
     """What serves int4 products of many rows on ``device``, for the executor's describe()
     ("" before any int4 kind was proved there)."""
-    if why := unavailable():
-        return f"int4 prefill: torch's op ({why})"
-    said = sorted({why for (on, *_), why in _verdicts.items()
-                   if on.type == device.type and device.index in (None, on.index)})
-    return "; ".join("int4 prefill: dequantised tiles on cuBLAS" if not why
-                     else f"int4 prefill: torch's op ({why})" for why in said)
+    return cuda_kernels.described(_verdicts, device, unavailable(),
+                                  "int4 prefill: dequantised tiles on cuBLAS",
+                                  "int4 prefill: torch's op")

@@ -178,11 +178,6 @@ def _verdict(key: tuple, why: str) -> str:
 
 def describe(device: torch.device) -> str:
     """What serves grouped int8 decode steps on ``device``, for the executor's describe()."""
-    if why := unavailable():
-        return f"grouped int8 decode: dequantised tiles ({why})"
-    said = sorted({why for (on, *_), why in _verdicts.items()
-                   if on.type == device.type and device.index in (None, on.index)})
-    if not said:
-        return ""
-    return "; ".join("grouped int8 decode: Triton kernel" if not why
-                     else f"grouped int8 decode: dequantised tiles ({why})" for why in said)
+    return cuda_kernels.described(_verdicts, device, unavailable(),
+                                  "grouped int8 decode: Triton kernel",
+                                  "grouped int8 decode: dequantised tiles")

@@ -75,9 +75,7 @@ class Int4Linear:
     def prepare(self, max_num_seqs: int) -> None:
         """On CUDA: the tiles a prefill chunk's rows take prove themselves for this layer's
         kind now (helexa/kernels/cuda/int4_tiles.py), not in the first request's prefill."""
-        w = self.mod.qweight
-        if w.device.type == "cuda" and not int4_tiles.unavailable():
-            int4_tiles.verdict(w.device, self.group_size, w.shape[3] * 2, qk.int4_pack_cuda)
+        int4_tiles.prepare(self.mod.qweight, self.group_size, qk.int4_pack_cuda)
 
 
 class Int8gLinear:

@@ -147,8 +147,7 @@ class QuantExperts:
             for which, (kind, group, _) in self.ops.items():
                 q = getattr(self.mlp, f"{which}_qweight")
                 if kind == "int4":  # its prefill's tiles (helexa/kernels/cuda/int4_tiles.py)
-                    if q.device.type == "cuda" and not int4_tiles.unavailable():
-                        int4_tiles.verdict(q.device, group, q.shape[-1] * 2, qk.int4_pack_cuda)
+                    int4_tiles.prepare(q, group, qk.int4_pack_cuda)
                     continue
                 dtype = getattr(self.mlp, f"{which}_qscales").dtype
                 for rows in sorted({1, min(max_num_seqs, 2)}):
