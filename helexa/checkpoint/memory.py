@@ -167,15 +167,18 @@ def graph_pool_bytes(shape: ModelShape, tp: int, max_slots: int, dtype: str | No
         per_row += 2 * math.ceil(shape.linear_num_value_heads / tp) * (
             shape.linear_key_head_dim * shape.linear_value_head_dim * 4)
     # the graph wrappers' int workspaces and page indices, and their one float scratch
-    group = shape.num_heads // max(1, shape.num_kv_heads)
-    wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + (
-        flashinfer_graph_workspace_bytes(math.ceil(shape.num_heads / tp),
-                                         kv_heads_per_card(shape, tp), shape.head_dim,
-                                         max_slots)) if max_slots else 0
-    if quantised_kv and max_slots:
+    kvh = kv_heads_per_card(shape, tp)
+    if not max_slots:
+        wrappers = 0
+    elif quantised_kv:  # the torch path's buffers and one layer's split scratch
         dp = max(16, 1 << (shape.head_dim - 1).bit_length())
+        group = shape.num_heads // max(1, shape.num_kv_heads)
         wrappers = max_slots * (4 * num_blocks + 12) + (
-            SPLIT_PROGRAMS + max_slots * kv_heads_per_card(shape, tp)) * group * (dp + 1) * 4
+            SPLIT_PROGRAMS + max_slots * kvh) * group * (dp + 1) * 4
+    else:
+        wrappers = max_slots * (FI_WRAPPER_INT_BYTES + 4 * num_blocks) + (
+            flashinfer_graph_workspace_bytes(math.ceil(shape.num_heads / tp), kvh,
+                                             shape.head_dim, max_slots))
     scratch = shape.linear_attention_layers * math.ceil(shape.linear_num_value_heads / tp) * (
         shape.linear_key_head_dim * shape.linear_value_head_dim * elt) if max_slots else 0
     return (max_slots * per_row + moe_expert_bytes(shape, tp, max_slots, elt) + wrappers
