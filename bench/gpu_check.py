@@ -913,20 +913,28 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
                                quant_bytes)
             paths["row_triton"] = (lambda x=x: ci.run(x, q, row_s[:, None], None, k, sms,
                                                       interpret=dry), q.numel() + 2 * n)
-        got: dict[str, Any] = {}
-        for name, (fn, nbytes) in paths.items():
-            try:  # one path failing leaves the others' figures
-                us = _us_per_call(fn, dev, reps)
-                got[name] = {"us": us, "bandwidth_fraction": nbytes / (us * 1e-6) / bw}
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                got[name] = {"error": f"{type(e).__name__}: {e}"}
-        for a, b in (("triton", "tiles"), ("triton", "bf16_linear"),
-                     ("row_triton", "row_torch_op")):
-            if "us" in got.get(a, {}) and "us" in got.get(b, {}):
-                got[f"{a}_vs_{b}"] = got[b]["us"] / got[a]["us"]
-        out[f"rows{rows}"] = got
+        out[f"rows{rows}"] = time_paths(paths, dev, reps, bw, (
+            ("triton", "tiles"), ("triton", "bf16_linear"), ("row_triton", "row_torch_op")))
     out["int4"] = int4_rows(dev, w, reps, bw)
     return out
+
+
+def time_paths(paths: dict[str, tuple[Callable[[], Any], int]], dev: torch.device, reps: int,
+               bw: float, pairs: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """Each path's µs a call and the fraction of copy bandwidth its bytes make (a path
+    that raises: its error, the others' figures kept), and for each (a, b) of ``pairs``
+    ``a_vs_b``: b's µs over a's (above 1, a is the faster)."""
+    got: dict[str, Any] = {}
+    for name, (fn, nbytes) in paths.items():
+        try:
+            us = _us_per_call(fn, dev, reps)
+            got[name] = {"us": us, "bandwidth_fraction": nbytes / (us * 1e-6) / bw}
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            got[name] = {"error": f"{type(e).__name__}: {e}"}
+    for a, b in pairs:
+        if "us" in got.get(a, {}) and "us" in got.get(b, {}):
+            got[f"{a}_vs_{b}"] = got[b]["us"] / got[a]["us"]
+    return got
 
 
 def int4_rows(dev: torch.device, w: torch.Tensor, reps: int, bw: float) -> dict[str, Any]:
@@ -934,8 +942,7 @@ def int4_rows(dev: torch.device, w: torch.Tensor, reps: int, bw: float) -> dict[
     prefill chunk's (512): helexa's int4 product (``helexa``: torch's op, tinygemm, up to
     64 rows; beyond, the weight dequantised in tiles onto cuBLAS where its probe agreed,
     helexa/kernels/cuda/int4_tiles.py), torch's op alone (``torch_op``: it reads its inputs
-    again for each tile of outputs) and the bf16 F.linear; µs a call each, and each over
-    the linear's."""
+    again for each tile of outputs) and the bf16 F.linear (time_paths)."""
     from helexa.kernels import quant as qk
     from helexa.neuron.formats.quantise import quantize_int4
 
@@ -945,24 +952,16 @@ def int4_rows(dev: torch.device, w: torch.Tensor, reps: int, bw: float) -> dict[
     raw = (torch.ops.aten._weight_int4pack_mm if dev.type == "cuda"
            else torch.ops.aten._weight_int4pack_mm_for_cpu)
     gen = torch.Generator().manual_seed(1)
+    quant_bytes = n * k // 2 + sz.numel() * sz.element_size()
     got: dict[str, Any] = {}
     for rows in (1, 8, 512):
         x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
-        paths = {"helexa": lambda x=x: qk.int4_linear(x, packed, 128, n, sz, None),
-                 "torch_op": lambda x=x: raw(x, packed, 128, sz),
-                 "bf16_linear": lambda x=x: torch.nn.functional.linear(x, w)}
-        res: dict[str, Any] = {}
-        for name, fn in paths.items():
-            try:  # one path failing leaves the others' figures
-                res[f"{name}_us"] = _us_per_call(fn, dev, reps)
-            except Exception as e:  # noqa: BLE001 - reported, not raised
-                res[f"{name}_error"] = f"{type(e).__name__}: {e}"
-        for name in ("helexa", "torch_op"):
-            if f"{name}_us" in res and "bf16_linear_us" in res:
-                res[f"{name}_vs_bf16_linear"] = res[f"{name}_us"] / res["bf16_linear_us"]
-        if "helexa_us" in res:
-            res["helexa_bandwidth_fraction"] = (n * k // 2) / (res["helexa_us"] * 1e-6) / bw
-        got[f"rows{rows}"] = res
+        got[f"rows{rows}"] = time_paths({
+            "helexa": (lambda x=x: qk.int4_linear(x, packed, 128, n, sz, None), quant_bytes),
+            "torch_op": (lambda x=x: raw(x, packed, 128, sz), quant_bytes),
+            "bf16_linear": (lambda x=x: torch.nn.functional.linear(x, w), 2 * n * k)},
+            dev, reps, bw, (("helexa", "torch_op"), ("helexa", "bf16_linear"),
+                            ("torch_op", "bf16_linear")))
     return got
 
 
