@@ -33,6 +33,11 @@ failing stage still leaves the others' figures:
   its wall time (host-bound where the gap is large), and the costliest kernels; then, out
   of the profiler, the host's µs a step in each part of the runner's step (HostTimes).
 - ``ttft``: time to first token of a 4096-token prompt (dry run: 256).
+
+The decode, profile and ttft stages share one runner of each big model (``Models.big``):
+a 16 GB load and its graph capture once for the three, not once each. The report's
+``models_s`` is the seconds each checkpoint took to make, ``loads_s`` those of every
+runner load by checkpoint: where the check's time went.
 - ``spec_vision``: (``mtp``) speculation with an MTP head through the engine, against plain
   decoding, and (``vision``) a prompt with an image against transformers' Qwen3.5 and its
   processor.
@@ -83,6 +88,8 @@ from helexa.kernels.backends.cuda import CUDA_CORE_GROUPS
 # in the order the issue's figures come first: a run cut short loses the later ones
 STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "spec_vision", "compare",
           "int8g")
+# the stages that share each big model's runner (Models.big): loaded once for the three
+HELD_BY = ("decode", "profile", "ttft")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
 
 
@@ -110,6 +117,11 @@ def sizes(dry: bool) -> dict[str, Any]:
                 profile_steps=2 if dry else 8)
 
 
+# seconds each ModelRunner load took (weights to the device, graphs captured), by checkpoint
+# folder: where the check's time goes, in the report as ``loads_s``
+LOADS: dict[str, list[float]] = {}
+
+
 class Runner:
     """A ModelRunner driven with greedy argmax: streams prefilled, then decoded together."""
 
@@ -121,10 +133,13 @@ class Runner:
 
         self.SeqInput = SeqInput
         self.per = -(-tokens // self.BLOCK) + 1
+        t = time.perf_counter()
         self.runner = ModelRunner(model_dir, device=device, dtype="bfloat16",
                                   num_blocks=streams * self.per + 1, block_size=self.BLOCK,
                                   max_num_seqs=max(8, streams), max_batched_tokens=4096,
                                   num_state_slots=max(8, streams), kv_dtype=kv_dtype)
+        self.name = model_dir.name
+        LOADS.setdefault(self.name, []).append(time.perf_counter() - t)
         self.device = torch.device(device)
 
     def prefill(self, prompts: list[list[int]]) -> list[int]:
@@ -165,9 +180,10 @@ progress: Callable[[dict[str, Any]], None] = lambda partial: None  # noqa: E731
 
 
 def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
-               out: dict[str, Any]) -> dict[str, Any]:
+               out: dict[str, Any], held: Models | None = None) -> dict[str, Any]:
     """``measure`` each model into ``out`` on its own: one that raises leaves its error and
-    the others' figures (the run then counts the stage failed: ``failed``)."""
+    the others' figures (the run then counts the stage failed: ``failed``) and, where
+    ``held`` holds a runner of it, that runner closed."""
     for name in names:
         try:
             out[name] = measure(name)
@@ -175,6 +191,8 @@ def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
             out[name] = {"error": f"{type(e).__name__}: {e}",
                          "trace": traceback.format_exc(limit=6)}
             out.setdefault("failed", []).append(name)
+            if held is not None:
+                held.drop(name)
         free_device()
         progress(out)
     return out
@@ -182,7 +200,8 @@ def each_model(names: tuple[str, ...], measure: Callable[[str], dict[str, Any]],
 
 def free_device() -> None:
     """Drop what closed runners left (their cycles: HostTimes' wrappers, engine cores) and
-    give the allocator's cache back, so that one big model at a time holds the card."""
+    give the allocator's cache back, so that the big models held (Models.big) are the only
+    ones on the card."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -655,8 +674,9 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
     ctx["decode"] = out  # what the compare stage measures beside (a failed model: its error)
 
     def decode(name: str) -> dict[str, Any]:
+        ctx[name]  # the checkpoint made first: load_s is the load alone
         t = time.perf_counter()  # graphs for 1..8 rows captured, each size's kernels built
-        r = Runner(ctx[name], ctx["device"], 8, s["prompt"] + s["decode_tokens"] + 8)
+        r = ctx.big(name)  # kept for the profile and ttft stages
         load_s = time.perf_counter() - t
         step_bytes = streamed_bytes(r.runner.model, r.runner.weight_bytes)
         roofline_steps = bw / step_bytes  # weights streamed once per step
@@ -681,10 +701,9 @@ def stage_decode(ctx: dict[str, Any]) -> dict[str, Any]:
                 res["engine_constrained"] = engine_constrained(r, ctx[name], s, roofline_steps)
             except Exception as e:  # noqa: BLE001 - reported, not raised
                 res["engine_constrained"] = {"error": f"{type(e).__name__}: {e}"}
-        r.close()
         return res
 
-    each_model(("dense_big", "hybrid_big"), decode, out)
+    each_model(("dense_big", "hybrid_big"), decode, out, ctx)
     return out
 
 
@@ -748,6 +767,7 @@ class HostTimes:
 
     def __init__(self, r: Runner) -> None:
         self.us: dict[str, float] = {}
+        self._undo: list[Callable[[], None]] = []
         runner = r.runner
         self._wrap(runner, "_prepare", "prepare")
         self._wrap(runner.backend.attention, "plan", "attention_plan")
@@ -758,6 +778,10 @@ class HostTimes:
     def _wrap(self, obj: Any, attr: str, part: str) -> None:
         inner = getattr(obj, attr)
         self.us[part] = 0.0
+        if attr in vars(obj):  # an attribute of the object's own: put it back
+            self._undo.append(lambda: setattr(obj, attr, inner))
+        else:  # the class's method: drop the wrapper that shadows it
+            self._undo.append(lambda: delattr(obj, attr))
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t = time.perf_counter()
@@ -767,6 +791,11 @@ class HostTimes:
                 self.us[part] += (time.perf_counter() - t) * 1e6
 
         setattr(obj, attr, timed)
+
+    def restore(self) -> None:
+        """The wrapped calls as they were (the runner is the decode stage's, held for ttft)."""
+        while self._undo:
+            self._undo.pop()()
 
     def per_step(self, r: Runner, last: list[int], steps: int) -> dict[str, float]:
         """Run ``steps`` decode steps; µs per step of each part, the read-back and the
@@ -798,8 +827,7 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def profiled(name: str) -> dict[str, Any]:
-        r = Runner(ctx[name], ctx["device"], 1,
-                   s["prompt"] + s["profile_steps"] + s["decode_tokens"] + 8)
+        r = ctx.big(name)  # the decode stage's, where it ran
         last = r.step(r.prefill([list(range(1, s["prompt"] + 1))]))
         sync(r.device)
         with profile(activities=acts) as prof:
@@ -809,8 +837,10 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
             sync(r.device)
             wall = time.perf_counter() - t
         host = HostTimes(r)  # the same steps again, outside the profiler
-        host_us = host.per_step(r, last, s["decode_tokens"])
-        r.close()
+        try:
+            host_us = host.per_step(r, last, s["decode_tokens"])
+        finally:
+            host.restore()  # the held runner goes on to ttft unwrapped
         events = prof.events()
         top: dict[str, list[float]] = {}
         if cuda_dev:  # device events less copies and fills: the kernels launched
@@ -841,12 +871,12 @@ def stage_profile(ctx: dict[str, Any]) -> dict[str, Any]:
                 "top_kernels": [{"name": k, "per_step": v[0] / per,
                                  "us_per_step": v[1] / per} for k, v in costliest]}
 
-    return each_model(("dense_big", "hybrid_big"), profiled, out)
+    return each_model(("dense_big", "hybrid_big"), profiled, out, ctx)
 
 
 def stage_ttft(ctx: dict[str, Any]) -> dict[str, Any]:
     n = ctx["sizes"]["ttft_prompt"]
-    r = Runner(ctx["dense_big"], ctx["device"], 1, n + 8)
+    r = ctx.big("dense_big")  # the decode stage's, where it ran
     prompt = [(i * 13) % 400 + 1 for i in range(n)]
     r.prefill([prompt])  # warm: the prefill path, and the allocator at this prompt's size
     sync(r.device)
@@ -854,7 +884,6 @@ def stage_ttft(ctx: dict[str, Any]) -> dict[str, Any]:
     r.prefill([prompt])
     sync(r.device)
     ttft = time.perf_counter() - t
-    r.close()
     return {"prompt_tokens": n, "ttft_s": ttft}
 
 
@@ -975,6 +1004,30 @@ class Models(dict):  # type: ignore[type-arg]
                  **items: Any) -> None:
         super().__init__(**items)
         self.root, self.specs, self.made_s = root, specs, {}
+        self.held: dict[str, Runner] = {}
+
+    def big(self, name: str) -> Runner:
+        """The runner of big checkpoint ``name`` that the decode, profile and ttft stages
+        share (HELD_BY), loaded the first time one asks: 8 streams of the ttft prompt's
+        length, so each stage's streams fit. A 16 GB model loads and captures its graphs
+        once for the three, not once each; both big models stay on the card (about 40 GB
+        with their pools) until a stage outside HELD_BY starts (release)."""
+        if name not in self.held:
+            s = self["sizes"]
+            tokens = max(s["ttft_prompt"], s["prompt"] + s["profile_steps"]
+                         + s["decode_tokens"]) + 8
+            self.held[name] = Runner(self[name], self["device"], 8, tokens)
+        return self.held[name]
+
+    def drop(self, name: str) -> None:
+        """Close ``name``'s held runner, if any (a measurement on it failed: the next stage
+        loads it afresh)."""
+        if (r := self.held.pop(name, None)) is not None:
+            r.close()
+
+    def release(self) -> None:
+        for name in list(self.held):
+            self.drop(name)
 
     def __missing__(self, name: str) -> Path:
         if name not in self.specs:
@@ -993,6 +1046,7 @@ def run(dry: bool, out_path: Path, budget_secs: float,
     if not dry and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device visible to torch (use --dry-run on CPU)")
     report: dict[str, Any] = {"dry_run": dry, "stages": {}}
+    LOADS.clear()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="helexa-gpu-check-") as tmp:
         s = sizes(dry)
@@ -1008,35 +1062,42 @@ def run(dry: bool, out_path: Path, budget_secs: float,
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
             "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
             "spec_vision": stage_spec_vision, "compare": stage_compare, "int8g": stage_int8g}
-        for name in stages:
-            at = time.perf_counter() - start
-            if at > budget_secs:
-                report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}
-                continue
-            # on record before it runs: a stage the time bound kills says so in the report
-            report["stages"][name] = {"ok": False, "error": f"started {at:.0f} s into the run "
-                                      "and never finished (killed at the time bound?)"}
-            out_path.write_text(json.dumps(report, indent=2, default=str))
-
-            def on_record(partial: dict[str, Any], name: str = name) -> None:
-                report["stages"][name]["partial"] = partial
+        try:
+            for name in stages:
+                if name not in HELD_BY:  # the big models' shared runners off the card
+                    ctx.release()
+                    free_device()
+                at = time.perf_counter() - start
+                if at > budget_secs:
+                    report["stages"][name] = {"ok": False, "error": "skipped: over the time budget"}
+                    continue
+                # on record before it runs: a stage the time bound kills says so in the report
+                report["stages"][name] = {"ok": False, "error": f"started {at:.0f} s into the run "
+                                          "and never finished (killed at the time bound?)"}
                 out_path.write_text(json.dumps(report, indent=2, default=str))
 
-            progress = on_record
-            t = time.perf_counter()
-            try:
-                got = fns[name](ctx)
-                result = {"ok": not got.get("failed"), **got}
-            except Exception as e:  # noqa: BLE001 - one failing stage leaves the others
-                result = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                          "trace": traceback.format_exc(limit=6)}
-            free_device()
-            result["secs"] = time.perf_counter() - t
-            report["stages"][name] = result
-            report["models_s"] = ctx.made_s  # each checkpoint's making, in its first stage
-            print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
-            # after every stage: a run cut short by its time limit still leaves its figures
-            out_path.write_text(json.dumps(report, indent=2, default=str))
+                def on_record(partial: dict[str, Any], name: str = name) -> None:
+                    report["stages"][name]["partial"] = partial
+                    out_path.write_text(json.dumps(report, indent=2, default=str))
+
+                progress = on_record
+                t = time.perf_counter()
+                try:
+                    got = fns[name](ctx)
+                    result = {"ok": not got.get("failed"), **got}
+                except Exception as e:  # noqa: BLE001 - one failing stage leaves the others
+                    result = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                              "trace": traceback.format_exc(limit=6)}
+                free_device()
+                result["secs"] = time.perf_counter() - t
+                report["stages"][name] = result
+                report["models_s"] = ctx.made_s  # each checkpoint's making, in its first stage
+                report["loads_s"] = LOADS  # each runner's load, by checkpoint
+                print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
+                # after every stage: a run cut short by its time limit still leaves its figures
+                out_path.write_text(json.dumps(report, indent=2, default=str))
+        finally:
+            ctx.release()  # the last stage may have been one of HELD_BY
     progress = lambda partial: None  # noqa: E731
     report["secs"] = time.perf_counter() - start
     out_path.write_text(json.dumps(report, indent=2, default=str))

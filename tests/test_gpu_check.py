@@ -143,6 +143,39 @@ def test_one_models_failure_leaves_the_others_figures() -> None:
     assert out["failed"] == ["hybrid_big"]
 
 
+def test_the_big_models_load_once_for_decode_profile_and_ttft(tmp_path: Path,
+                                                              monkeypatch: Any) -> None:
+    """A 16 GB model's load and graph capture is paid once for the three stages that time
+    it (the report's ``loads_s`` counts each load), and every runner loaded is closed by
+    the end of the run."""
+    gc = _gpu_check()
+    closed: list[str] = []
+    real_close = gc.Runner.close
+
+    def close(self: Any) -> None:
+        closed.append(self.name)
+        real_close(self)
+
+    wrapped: list[str] = []
+    real_ttft = gc.stage_ttft
+
+    def ttft(ctx: Any) -> dict[str, Any]:  # the profile stage's timing wrappers taken off
+        r = ctx.held["dense_big"]
+        wrapped.extend(k for k in ("_prepare", "plan", "run")
+                       if k in vars(r.runner) or k in vars(r.runner.backend.attention)
+                       or k in vars(r.runner.backend.executor))
+        return real_ttft(ctx)
+
+    monkeypatch.setattr(gc.Runner, "close", close)
+    monkeypatch.setattr(gc, "stage_ttft", ttft)
+    report = gc.run(True, tmp_path / "r.json", 400.0, ("decode", "profile", "ttft"))
+    assert all(report["stages"][k]["ok"] for k in ("decode", "profile", "ttft")), report
+    assert {k: len(v) for k, v in report["loads_s"].items()} == {"dense_big": 1,
+                                                                 "hybrid_big": 1}
+    assert sorted(closed) == ["dense_big", "hybrid_big"] and wrapped == []
+    assert report["stages"]["profile"]["dense_big"]["host_us_per_step"]["prepare"] > 0
+
+
 def test_a_stage_is_on_record_before_it_runs_and_models_are_made_when_asked(
         tmp_path: Path, monkeypatch: Any) -> None:
     """A stage the time bound kills mid-way leaves "never finished" in the report (written
