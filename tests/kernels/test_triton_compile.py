@@ -55,6 +55,15 @@ def test_the_int4_tile_kernel_compiles_at_each_inner_k_tiling(compiled):
         "int4_tiles/8/128", "int4_tiles/2/32"}
 
 
+def test_the_int4_tile_kernel_stores_a_rows_values_16_bytes_at_once(compiled):
+    # the dequantised tile is 4 times the bytes the kernel reads: written as 2-byte values
+    # 4 bytes apart, each warp's store touched 8 rows' sectors a quarter full; its deepest
+    # tiling (a thread's 8 neighbouring values) must go out as one 16-byte store
+    got = compiled["int4_tiles/8/128"]
+    assert got["v4_stores"] >= 1 and got["b16_stores"] == 0, got
+    assert compiled["int4_tiles/2/32"]["b16_stores"] == 0, compiled["int4_tiles/2/32"]
+
+
 def test_no_kernel_spills_registers_at_its_launch_warps(compiled):
     # at 4 warps a 128-dim split program held 255 registers and spilled (quant_decode._warps)
     assert {k: v["spills"] for k, v in compiled.items() if v["spills"]} == {}

@@ -28,11 +28,15 @@ TARGET = GPUTarget("cuda", 90, 32)
 BACKEND = CUDABackend(TARGET)
 
 
-def ptx(fn: object, types: list[str], consts: dict[str, object], warps: int) -> str:
+def ptx(fn: object, types: list[str], consts: dict[str, object], warps: int,
+        div16: tuple[str, ...] = ()) -> str:
+    """``div16``: arguments known 16-divisible, as Triton specialises them at a launch (a
+    pointer torch allocated; an int not in the kernel's do_not_specialize)."""
     jit = triton.jit(fn)
     sig = dict(zip(jit.arg_names, types, strict=False))
     sig.update(dict.fromkeys(consts, "constexpr"))
-    src = ASTSource(jit, sig, consts)
+    attrs = {(jit.arg_names.index(a),): [["tt.divisibility", 16]] for a in div16}
+    src = ASTSource(jit, sig, consts, attrs)
     opts = BACKEND.parse_options({"num_warps": warps, "num_stages": 3})
     ctx = ir.context()
     ir.load_dialects(ctx)
@@ -47,7 +51,8 @@ def ptx(fn: object, types: list[str], consts: dict[str, object], warps: int) -> 
 
 
 def stats(text: str) -> dict[str, int]:
-    pats = {"spills": "ld.local", "div_full": "div.full.f32", "div_rn": "div.rn"}
+    pats = {"spills": "ld.local", "div_full": "div.full.f32", "div_rn": "div.rn",
+            "b16_stores": "st.global.b16", "v4_stores": "st.global.v4."}
     return {k: len(re.findall(re.escape(p), text)) for k, p in pats.items()}
 
 
@@ -90,11 +95,12 @@ def main() -> int:
             PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=int8g.BLOCK_M,
             BLOCK_N=int8g.BLOCK_N, BLOCK_K=block_k), 4))
     # the int4 dequantisation into tiles (int4_tiles.dequantize's launch: 4 warps) at the
-    # deepest and the shallowest inner k-tiling
+    # deepest and the shallowest inner k-tiling; its pointers and the tile's row stride
+    # specialised 16-divisible, as every launch's are
     for inner, group in ((8, 128), (2, 32)):
         out[f"int4_tiles/{inner}/{group}"] = stats(ptx(i4.int4_tile_kernel, [
             "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32"],
-            dict(INNER=inner, G=group), 4))
+            dict(INNER=inner, G=group), 4, ("p_ptr", "sz_ptr", "out_ptr", "stride_out")))
     json.dump(out, sys.stdout)
     return 0
 

@@ -26,31 +26,35 @@ def int4_tile_kernel(p_ptr, sz_ptr, out_ptr, n_end, n_start, k_super,  # noqa: A
     nt = n_start // 8 + tl.program_id(0)
     ko = tl.program_id(1)
     J: tl.constexpr = INNER // 2
-    t = tl.arange(0, 32)[:, None]
-    j = tl.arange(0, J)[None, :]
-    words = tl.load(p_ptr + ((nt.to(tl.int64) * k_super + ko) * 32 + t) * J + j)
-    n = nt * 8 + t // 4  # [32, 1]: each word's row
+    # the program's output, in order: its 8 rows by its INNER * 16 values along k, so that
+    # neighbouring values go out in one wide store; each value's word and nibble found
+    # backwards (the words, 32 x J of them, are read again from L1 for each nibble)
+    r = tl.arange(0, 8)[:, None]
+    c = tl.arange(0, INNER * 16)[None, :]
+    n = nt * 8 + r
     in_n = n < n_end
-    base = (ko * INNER + 2 * j) * 8  # [1, J]: the word's first byte in its row
-    for i in tl.static_range(4):
-        byte = base + (i // 2) * 8 + (i % 2) * 4 + t % 4  # [32, J]
-        for h in tl.static_range(2):  # the byte's high nibble (even k), then its low
-            q = (words >> (4 * i + 16 * h)) & 0xF
-            k = 2 * byte + h
-            at = (k // G).to(tl.int64) * stride_sz + n * 2  # [K / G, N, 2]: this row's pair
-            s = tl.load(sz_ptr + at, mask=in_n, other=0.0).to(tl.float32)
-            z = tl.load(sz_ptr + at + 1, mask=in_n, other=0.0).to(tl.float32)
-            w = (q - 8).to(tl.float32) * s + z
-            tl.store(out_ptr + (n - n_start).to(tl.int64) * stride_out + k,
-                     w.to(out_ptr.dtype.element_ty), mask=in_n)
+    b = (c % 32) // 2  # the value's byte in its 16 bytes (k-tiles 2j, 2j + 1; j = c // 32)
+    t = r * 4 + b % 4  # the word's lane: its row, the byte's offset mod 4
+    shift = 4 * ((b // 8) * 2 + (b % 8) // 4) + 16 * (c % 2)  # the byte in the word; odd k low
+    words = tl.load(p_ptr + ((nt.to(tl.int64) * k_super + ko) * 32 + t) * J + c // 32)
+    q = (words >> shift) & 0xF
+    k = ko * (INNER * 16) + c
+    at = (k // G).to(tl.int64) * stride_sz + n * 2  # [K / G, N, 2]: this row's pair
+    s = tl.load(sz_ptr + at, mask=in_n, other=0.0).to(tl.float32)
+    z = tl.load(sz_ptr + at + 1, mask=in_n, other=0.0).to(tl.float32)
+    w = (q - 8).to(tl.float32) * s + z
+    tl.store(out_ptr + (n - n_start).to(tl.int64) * stride_out + k,
+             w.to(out_ptr.dtype.element_ty), mask=in_n)
 
 
 @functools.cache
 def build(interpret: bool) -> Any:
     """The kernel compiled for the device, or run by Triton's interpreter on CPU tensors
     (the tests). Its int arguments only place rows and groups, and vary with the layer and
-    its tiling: none is specialised on, so the load probe's build serves every layer."""
-    keep = {"do_not_specialize": ["n_end", "n_start", "k_super", "stride_sz", "stride_out"]}
+    its tiling: none is specialised on, so the load probe's build serves every layer, but
+    the tile's row stride (its K, a multiple of 32 for every layer and the probe's): known
+    16-divisible, a row's values are stored 16 bytes at once."""
+    keep = {"do_not_specialize": ["n_end", "n_start", "k_super", "stride_sz"]}
     if interpret:
         from triton.runtime.interpreter import InterpretedFunction
 
