@@ -165,6 +165,9 @@ def quantised_gathered(x: torch.Tensor, kernel: Any, chosen: torch.Tensor,
     n, k = chosen.shape
     if n == 0:
         return torch.zeros_like(x)
+    routed = getattr(kernel, "routed_experts", None)  # on CUDA: each expert read in place
+    if routed is not None and (y := routed(x, chosen, weights)) is not None:
+        return y
     picked = kernel.select(chosen.reshape(-1))  # entry j: token j // k's slot j % k
     ys = []
     for j in range(n * k):

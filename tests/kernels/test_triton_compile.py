@@ -38,7 +38,8 @@ def compiled() -> dict[str, object]:
 
 def test_every_quantised_kv_kernel_compiles_for_sm90(compiled):
     assert not [k for k in compiled if k.startswith("failed/")], compiled
-    assert {k for k in compiled if not k.startswith(("int8g/", "int4_tiles/"))} == {
+    assert {k for k in compiled
+            if not k.startswith(("int8g/", "int4_tiles/", "moe_routed/"))} == {
         f"{k}/{d}" for k in ("split", "prefill", "write")
         for d in ("int8", "fp8_e4m3", "int4")} | {"merge"}
 
@@ -62,6 +63,16 @@ def test_the_int4_tile_kernel_stores_a_rows_values_16_bytes_at_once(compiled):
     got = compiled["int4_tiles/8/128"]
     assert got["v4_stores"] >= 1 and got["b16_stores"] == 0, got
     assert compiled["int4_tiles/2/32"]["b16_stores"] == 0, compiled["int4_tiles/2/32"]
+
+
+def test_the_routed_moe_kernel_reads_each_stack_kind_16_bytes_at_once(compiled):
+    # bf16, int8 at groups of 32 and 16, torch's int4 at inner 8 and 2: each thread's share
+    # of the expert's weight comes in 16-byte loads (an int4 row's words whole, not a word
+    # per value)
+    kinds = {k: v for k, v in compiled.items() if k.startswith("moe_routed/")}
+    assert set(kinds) == {"moe_routed/0/1/1", "moe_routed/1/32/1", "moe_routed/1/16/1",
+                          "moe_routed/2/32/8", "moe_routed/2/128/2"}
+    assert {k: v["v4_loads"] for k, v in kinds.items() if v["v4_loads"] < 1} == {}
 
 
 def test_no_kernel_spills_registers_at_its_launch_warps(compiled):

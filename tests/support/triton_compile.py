@@ -1,4 +1,4 @@
-"""Compile helexa's quantised-KV, grouped int8 and int4-tile Triton kernels for an sm90 card down to PTX, on any
+"""Compile helexa's quantised-KV, grouped int8, int4-tile and routed MoE Triton kernels for an sm90 card down to PTX, on any
 machine (no GPU: Triton's own compiler stages, to PTX and not to a cubin), and print what
 each produced as JSON: run by tests/kernels/test_triton_compile.py in a process of its own,
 without TRITON_INTERPRET, so that what only a real compile sees (a module global read in a
@@ -19,6 +19,7 @@ from triton.compiler import ASTSource
 
 from helexa.kernels.cuda import _int4_tiles_triton as i4
 from helexa.kernels.cuda import _int8g_triton as i8
+from helexa.kernels.cuda import _moe_routed_triton as mr
 from helexa.kernels.cuda import _quant_decode_triton as qd
 from helexa.kernels.cuda import _quant_write_triton as qw
 from helexa.kernels.cuda import int8g
@@ -52,7 +53,8 @@ def ptx(fn: object, types: list[str], consts: dict[str, object], warps: int,
 
 def stats(text: str) -> dict[str, int]:
     pats = {"spills": "ld.local", "div_full": "div.full.f32", "div_rn": "div.rn",
-            "b16_stores": "st.global.b16", "v4_stores": "st.global.v4."}
+            "b16_stores": "st.global.b16", "v4_stores": "st.global.v4.",
+            "v4_loads": "ld.global.v4."}
     return {k: len(re.findall(re.escape(p), text)) for k, p in pats.items()}
 
 
@@ -101,6 +103,17 @@ def main() -> int:
         out[f"int4_tiles/{inner}/{group}"] = stats(ptx(i4.int4_tile_kernel, [
             "*i32", "*bf16", "*bf16", "i32", "i32", "i32", "i32", "i32"],
             dict(INNER=inner, G=group), 4, ("p_ptr", "sz_ptr", "out_ptr", "stride_out")))
+    # the routed MoE expert product (moe_routed.run's launch: 4 warps) over each stack kind:
+    # bf16, grouped int8 (Q8_0 / Q5_K's 32, Q6_K's 16), torch's int4 at inner 8 and 2; the
+    # stack's shape and strides specialised as a real stack's are (multiples of 16)
+    stack_args = ("w_ptr", "s_ptr", "z_ptr", "out_ptr", "N", "K", "k_span", "stride_we",
+                  "stride_se", "stride_s")
+    for kind, wt, group, inner in ((0, "*bf16", 1, 1), (1, "*i8", 32, 1), (1, "*i8", 16, 1),
+                                   (2, "*i32", 32, 8), (2, "*i32", 128, 2)):
+        out[f"moe_routed/{kind}/{group}/{inner}"] = stats(ptx(mr.routed_kernel, [
+            "*bf16", "*i32", "*i32", wt, "*bf16", "*bf16", "*fp32"] + ["i32"] * 8, dict(
+            KIND=kind, G=group, GROUPING=mr.grouping(group, 128), HAS_ZEROS=kind == 1,
+            INNER=inner, BLOCK_N=32, BLOCK_K=128), 4, stack_args))
     json.dump(out, sys.stdout)
     return 0
 

@@ -56,6 +56,7 @@ from helexa.kernels.backends.executor import (
 from helexa.kernels.backends.torch_ref import TorchMetadata
 from helexa.kernels.cuda import int4_tiles as int4_cuda
 from helexa.kernels.cuda import int8g as int8g_cuda
+from helexa.kernels.cuda import moe_routed
 from helexa.kernels.paged_kv import PagedKV
 
 log = structlog.get_logger(component="kernels")
@@ -175,9 +176,11 @@ class CudaGraphExecutor(StepExecutor):
         for kernel in measured:
             kernel.prepare(max_num_seqs)
         kinds = {getattr(k, "kind", "int8") for k in measured}
+        experts = any(hasattr(k, "routed_experts") for k in measured)  # a GGUF's MoE stacks
         self.quantised = "; ".join(p for p in (
             int8g_cuda.describe(self.attention.device) if kinds - {"int4"} else "",
-            int4_cuda.describe(self.attention.device) if "int4" in kinds else "") if p)
+            int4_cuda.describe(self.attention.device) if "int4" in kinds else "",
+            moe_routed.describe(self.attention.device) if experts else "") if p)
 
     def grouped(self, model: torch.nn.Module) -> None:
         # at tp > 1: the norms whose add reduces a deferred product (models/layers.py) get

@@ -28,7 +28,7 @@ from torch import nn
 from helexa.checkpoint.gguf import GgufError, reader
 from helexa.checkpoint.gguf_layout import FLOAT, QUANT_TYPES, Layout, layout_of
 from helexa.kernels import quant as qk
-from helexa.kernels.cuda import int4_tiles
+from helexa.kernels.cuda import int4_tiles, moe_routed
 from helexa.neuron.formats.gguf.unpack import to_layout
 from helexa.neuron.models import deferred
 from helexa.neuron.models.layers import TensorSlice
@@ -112,12 +112,20 @@ def install(mlp: nn.Module, which: str, dtype: torch.dtype) -> None:
 _PARTS = ("qweight", "qscales", "qzeros", "qscales_zeros")  # a quantised stack's buffers
 
 
+def on_card(t: torch.Tensor) -> bool:
+    """Where the routed kernel may serve a stack: a CUDA device (the CPU keeps its ops)."""
+    return t.is_cuda
+
+
 class QuantExperts:
     """experts_kernel(which, expert, x) -> x @ W[expert]^T on the stack's op."""
 
     def __init__(self, mlp: Any) -> None:
         self.mlp = mlp  # the MoE block, or a gathered namespace of its stacks (select)
         self.ops: dict[str, tuple[str, int, int]] = {}  # which -> (op, group, rows)
+        # w13 and w2 as the routed kernel reads them, once both proved themselves at load
+        # (prepare, CUDA): then a gathered step reads its experts in place (routed_experts)
+        self.routed: dict[str, moe_routed.Stack] = {}
 
     def select(self, experts: torch.Tensor) -> QuantExperts:
         """The same products over the experts ``experts`` (device ids) names, gathered:
@@ -152,6 +160,59 @@ class QuantExperts:
                 dtype = getattr(self.mlp, f"{which}_qscales").dtype
                 for rows in sorted({1, min(max_num_seqs, 2)}):
                     self(which, 0, torch.zeros(rows, q.shape[-1], dtype=dtype, device=q.device))
+            self.routed = self._prove_routed()
+
+    def routed_stack(self, which: str) -> moe_routed.Stack | None:
+        """Stack ``which`` as helexa/kernels/cuda/moe_routed.py reads it (float, grouped int8,
+        int4 in torch's CUDA layout), else None (int4 in the CPU op's)."""
+        m = self.mlp
+        op = self.ops.get(which)
+        if op is None:  # a float stack
+            w = getattr(m, which)
+            return moe_routed.Stack("float", w, n=w.shape[1], k=w.shape[2])
+        kind, group, rows = op
+        q = getattr(m, f"{which}_qweight")
+        if kind == "int4":
+            if q.dim() != 5:  # [E, N / 8, K / (inner * 16), 32, inner / 2] on CUDA
+                return None
+            inner = q.shape[-1] * 2
+            return moe_routed.Stack("int4", q, getattr(m, f"{which}_qscales_zeros"), None,
+                                    group, rows, q.shape[2] * inner * 16)
+        return moe_routed.Stack("int8", q, getattr(m, f"{which}_qscales"),
+                                getattr(m, f"{which}_qzeros", None), group, rows, q.shape[-1])
+
+    def _prove_routed(self) -> dict[str, moe_routed.Stack]:
+        """Both stacks on the routed kernel, each run on its first and last expert against
+        its op at load (moe_routed.prove); {} where either cannot or does not agree."""
+        stacks = {w: self.routed_stack(w) for w in ("w13", "w2")}
+        if moe_routed.unavailable() or not all(s is not None and on_card(s.weight)
+                                               for s in stacks.values()):
+            return {}
+        dtype = self.mlp.gate.dtype  # the activations' (the router's weight is the model's)
+        gen = torch.Generator().manual_seed(0)
+        for which, stack in stacks.items():
+            assert stack is not None
+            x = torch.randn(1, stack.k, generator=gen).to(stack.weight.device, dtype)
+            last = stack.weight.shape[0] - 1
+            ref = torch.cat([self(which, e, x) for e in (0, last)])
+            if moe_routed.prove(x, stack, ref, (0, last)):
+                return {}
+        return stacks  # type: ignore[return-value]
+
+    def routed_experts(self, x: torch.Tensor, chosen: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor | None:
+        """The gathered form's products on the routed kernel, every (token, slot) pair's
+        expert read in place: one launch for w13, one for w2 (moe_experts.quantised_gathered);
+        None where the stacks did not prove themselves at load (prepare)."""
+        if not self.routed:
+            return None
+        n, k = chosen.shape
+        experts = chosen.reshape(-1).to(torch.int32)  # pair j: token j // k's slot j % k
+        pairs = torch.arange(n * k, dtype=torch.int32, device=x.device)
+        gate, up = moe_routed.run(x, pairs // k, experts, self.routed["w13"]).chunk(2, dim=-1)
+        y = moe_routed.run(torch.nn.functional.silu(gate) * up, pairs, experts,
+                           self.routed["w2"])
+        return (y.view(n, k, -1) * weights[..., None]).sum(dim=1)
 
     def __call__(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         op = self.ops.get(which)

@@ -1,0 +1,150 @@
+"""A mixture-of-experts step's expert products on CUDA, each read in place (Triton).
+
+The gathered form of helexa/kernels/moe_experts.py, the one a decode step takes on CUDA,
+copies each (token, slot) pair's expert out of the stacks (``index_select``: read and
+written) and then runs one op per pair on the copy (read again): three times the chosen
+experts' bytes and a few kernels a pair, 8 pairs a token for Qwen3.5's MoE. This kernel
+(helexa/kernels/cuda/_moe_routed_triton.py) takes the pairs' expert ids and rows and reads
+each pair's expert from the stack where it lies: one launch a stack for every pair, the
+experts' bytes read once, no host sync (a CUDA graph captures it). It reads float stacks,
+grouped int8 ones (GGUF Q8_0, Q6_K, Q5_K) and torch's CUDA int4 layout (GGUF Q4_K).
+
+The kernel earns its place on each stack it serves: at load (QuantExperts.prepare) it runs
+on two of the stack's own experts and is compared with the stack's op; one that fails or
+disagrees leaves that stack to the gathered copies, the reason logged as
+``kernels.cuda_moe_routed_fallback``. No Triton, or ``HELEXA_TRITON_MOE=0``: the copies.
+The tests run the same kernel on CPU tensors through Triton's interpreter. The block
+sizes and the split are read from the arithmetic, not measured: no GPU has run this.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from helexa.kernels import cuda as cuda_kernels
+
+BLOCK_N, BLOCK_K = 32, 128
+PROGRAMS_PER_SM = 4  # K is split until the programs number this many per SM ...
+MIN_SPAN_BLOCKS = 4  # ... while each keeps at least this many BLOCK_K steps
+KINDS = {"float": 0, "int8": 1, "int4": 2}
+_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+log = structlog.get_logger(component="kernels")
+# (device, kind, group, zeros, inner) -> "" or why the gathered copies serve (a stack of
+# that kind that failed its probe: a later one agreeing does not clear it)
+_verdicts: dict[tuple, str] = {}
+
+
+@dataclass(frozen=True)
+class Stack:
+    """One expert stack as the kernel reads it: ``kind`` float / int8 / int4, the weight
+    (float or int8 [E, N, K]; int4 torch's packed [E, N / 8, K / (inner * 16), 32,
+    inner / 2]), the scales (int8: [E, N, K / group]; int4: scales and zeros [E, K / group,
+    N, 2]) and int8's zeros, and the outputs ``n`` and inputs ``k`` of one expert."""
+
+    kind: str
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    group: int = 1
+    n: int = 0
+    k: int = 0
+
+
+def unavailable() -> str:
+    """"" where the kernel can be built; else why not."""
+    return cuda_kernels.unavailable("HELEXA_TRITON_MOE", "_moe_routed_triton")
+
+
+@functools.cache
+def _sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def split_k(n: int, k: int, pairs: int, sms: int) -> int:
+    """How many spans K is cut into: enough programs for PROGRAMS_PER_SM on each of
+    ``sms``, each span at least MIN_SPAN_BLOCKS steps of BLOCK_K."""
+    blocks = -(-n // BLOCK_N) * pairs
+    want = -(-PROGRAMS_PER_SM * sms // blocks)
+    return max(1, min(want, k // (BLOCK_K * MIN_SPAN_BLOCKS)))
+
+
+def run(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, stack: Stack,
+        sms: int | None = None, interpret: bool = False) -> torch.Tensor:
+    """For each pair j: x[rows[j]] @ W[experts[j]]^T, [pairs, n] in x's dtype (``rows``,
+    ``experts``: int32 on x's device). ``interpret``: Triton's interpreter (CPU tensors)."""
+    from helexa.kernels.cuda import _moe_routed_triton
+
+    pairs = experts.shape[0]
+    if pairs == 0:
+        return x.new_zeros(0, stack.n)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w, s = stack.weight, stack.scales
+    sms = sms or (_sms(x.device.index or 0) if x.is_cuda else 4)
+    split = split_k(stack.n, stack.k, pairs, sms)
+    span = -(-stack.k // (split * BLOCK_K)) * BLOCK_K
+    split = -(-stack.k // span)  # no span left empty
+    part = torch.empty(split, pairs, stack.n, dtype=torch.float32, device=x.device)
+    kind = KINDS[stack.kind]
+    inner = w.shape[-1] * 2 if kind == 2 else 1
+    # int8 [E, N, K / G]: a row's scales; int4 [E, K / G, N, 2]: a group's pairs
+    stride_se, stride_s = (s.stride(0), s.stride(1)) if s is not None else (0, 0)
+    z = stack.zeros if stack.zeros is not None else s
+    _moe_routed_triton.build(interpret)[(-(-stack.n // BLOCK_N), split, pairs)](
+        x, rows, experts, w, w if s is None else s, w if z is None else z, part,
+        pairs, stack.n, stack.k, span, x.stride(0), w.stride(0), stride_se, stride_s,
+        KIND=kind, G=stack.group, GROUPING=_moe_routed_triton.grouping(stack.group, BLOCK_K),
+        HAS_ZEROS=stack.zeros is not None, INNER=inner,
+        BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
+    out = part[0] if split == 1 else part.sum(0)
+    return out.to(x.dtype)
+
+
+def probe(x: torch.Tensor, stack: Stack, reference: torch.Tensor, experts: tuple[int, ...],
+          interpret: bool = False) -> str:
+    """Run the kernel on the pairs (row 0, expert e) for each of ``experts`` and compare
+    with ``reference`` ([pairs, n]: the stack's own op on those experts): "" when within the
+    dtype's tolerance, else why not (a failure of the kernel included). Outside any graph
+    capture: it compiles the build every step on this stack then runs."""
+    ids = torch.tensor(experts, dtype=torch.int32, device=x.device)
+    rows = torch.zeros(len(experts), dtype=torch.int32, device=x.device)
+    try:
+        got = run(x, rows, ids, stack, interpret=interpret).float()
+        cuda_kernels.settled(x.device)
+    except Exception as e:  # noqa: BLE001 - any failure: the gathered copies serve, said why
+        return f"the Triton routed expert product failed ({type(e).__name__}: {e})"
+    want = reference.float()
+    err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
+    tol = _TOL.get(x.dtype, 1e-2)
+    return "" if err < tol else f"the Triton routed expert product is off by {err:.2g}"
+
+
+def prove(x: torch.Tensor, stack: Stack, reference: torch.Tensor,
+          experts: tuple[int, ...]) -> str:
+    """``probe`` on one stack at load, its verdict kept for describe(): logged the first
+    time a kind proves itself on a device (``kernels.cuda_moe_routed_chosen``), and each
+    time a stack fails (``kernels.cuda_moe_routed_fallback``: that block's steps keep the
+    gathered copies)."""
+    why = probe(x, stack, reference, experts)
+    inner = stack.weight.shape[-1] * 2 if stack.kind == "int4" else 0
+    key = (x.device, stack.kind, stack.group, stack.zeros is not None, inner)
+    kind = {"device": str(x.device), "kind": stack.kind, "group": stack.group,
+            "outputs": stack.n, "inputs": stack.k}
+    if why:
+        _verdicts[key] = why
+        log.warning("kernels.cuda_moe_routed_fallback", reason=why, **kind)
+    elif key not in _verdicts:
+        _verdicts[key] = ""
+        log.info("kernels.cuda_moe_routed_chosen", **kind)
+    return why
+
+
+def describe(device: torch.device) -> str:
+    """What serves a decode step's quantised MoE experts on ``device``, for the executor's
+    describe() ("" before any stack was proved there)."""
+    return cuda_kernels.described(_verdicts, device, unavailable(),
+                                  "MoE experts: routed in place (Triton)",
+                                  "MoE experts: gathered copies")
