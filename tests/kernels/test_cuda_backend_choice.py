@@ -524,3 +524,25 @@ def test_a_plan_waits_only_for_its_own_wrappers_last_copies(
                     compute=torch.bfloat16)
     att.plan_side(side)
     assert prefill == ["record", "wait", "record", "wait", "record"]
+
+
+def test_an_eager_decode_plans_query_offsets_in_memory_helexa_made_first(
+        fake_flashinfer: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashInfer 0.6.13's eager decode plan copies its query offsets from the arange it
+    caches by power of two (``utils._get_range_buf(batch + 1, "cpu")``), made pageable, so
+    the copy would wait for the device each step: the backend puts that entry in the cache
+    first (pinned on a GPU), once, before the plan that reads it; graph steps leave it."""
+    cache: dict[tuple[str, Any], torch.Tensor] = {}
+    utils = types.SimpleNamespace(_cache_buf=cache, _get_range_buf=lambda n, device: None)
+    monkeypatch.setattr(cuda.flashinfer, "utils", utils, raising=False)
+    att = _backend(8, 2, 64, storage=torch.bfloat16, compute=torch.bfloat16, graph_rows=2)
+    att.plan(_decode_step(2))  # a graph wrapper's step: its offsets are fixed buffers
+    assert cache == {}
+    att.plan(_decode_step(5))  # eager: batch 5, offsets 0..5 from the arange of 8
+    assert list(cache) == [("range_8", "cpu")]
+    made = cache[("range_8", "cpu")]
+    assert made.dtype == torch.int32 and made.tolist() == list(range(8))
+    att.plan(_decode_step(7))
+    assert cache[("range_8", "cpu")] is made  # made once, never written
+    att.plan(_decode_step(8))
+    assert set(cache) == {("range_8", "cpu"), ("range_16", "cpu")}

@@ -166,6 +166,11 @@ def pinned(values: Sequence[float], dtype: torch.dtype, device: torch.device) ->
     return host.pin_memory() if device.type == "cuda" else host
 
 
+def copies_done_event(device: torch.device) -> Any:
+    """An event to record after a plan's copies: None off a GPU."""
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
 def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
               ) -> torch.Tensor:
     """A step's small index list on ``device``, copied from pinned memory without waiting."""

@@ -28,13 +28,11 @@ or in the default tests needs it.
   positions copied into its static inputs.
 - Quantised kv dtypes, and a kv dtype other than the queries' (FlashInfer's kernels take one
   q/kv dtype pair per build): the composed torch backend (``reference``) allocates and plans.
-- What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256 (512: no valid FA2 tile).
-  Its CUDA-core decode kernel is built for GQA groups 1, 2, 3, 4 and 8 only and raises
-  ``Unsupported group_size`` at ``plan`` for any other (Qwen3.5-27B and Qwen2.5-7B have 6
-  or 7); its tensor-core decode kernel serves every group, so :func:`tensor_cores` picks
-  that one wherever the CUDA-core kernel cannot run, and for every group of 4 and more
-  (SGLang's rule). ``select`` runs the torch backend,
-  saying why, for a model FlashInfer cannot serve at all.
+- What FlashInfer serves (:func:`unsupported`): fp16/bf16 queries, head_dim 64/128/256 (512:
+  no valid FA2 tile); decode of any GQA group on its tensor-core kernel, and of groups 1, 2,
+  3, 4 and 8 on its CUDA-core one (which raises ``Unsupported group_size`` at ``plan`` for
+  Qwen3.5-27B's 6; :func:`tensor_cores` chooses). ``select`` runs the torch backend, saying
+  why, for a model FlashInfer cannot serve at all.
 """
 
 from __future__ import annotations
@@ -57,6 +55,7 @@ from helexa.kernels.backends.base import (
     AttentionShape,
     StepMeta,
     StepPlan,
+    copies_done_event,
     pinned,
     used_blocks,
 )
@@ -332,6 +331,7 @@ class CudaAttention(AttentionBackend):
         meta = CudaMetadata(backend=self, append=append, num_decode=b)
         if not step.prefills:
             meta.wrapper = self._decode
+            pinned_range(b + 1, self.device)
             self._plan_wrapper(meta.wrapper, indptr_h, indices_d, last_h, self.heads, kvh, d,
                                bs, pos_encoding_mode="NONE", **common)
             return meta
@@ -383,9 +383,16 @@ class CudaAttention(AttentionBackend):
         return g
 
 
-def copies_done_event(device: torch.device) -> Any:
-    """An event to record after a plan's copies: None off a GPU."""
-    return torch.cuda.Event() if device.type == "cuda" else None
+def pinned_range(n: int, device: torch.device) -> None:
+    """FlashInfer 0.6.13's eager decode plan copies its query offsets from a cached pageable
+    arange (``_get_range_buf(batch_size + 1, "cpu")``, by power of two): a copy that waits
+    for the device each step. Its entry for ``n`` made here first, pinned (never written:
+    a queued copy may read it still); a FlashInfer without that cache is left alone."""
+    utils, size = getattr(flashinfer, "utils", None), 1 << (n - 1).bit_length()
+    cache, key = getattr(utils, "_cache_buf", None), (f"range_{size}", "cpu")
+    if isinstance(cache, dict) and hasattr(utils, "_get_range_buf") and (
+            key not in cache or (device.type == "cuda" and not cache[key].is_pinned())):
+        cache[key] = pinned(range(size), torch.int32, device)
 
 
 def _name(dtype: torch.dtype) -> str:
