@@ -334,7 +334,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         room = budget - math.ceil(context / bs) * block_bytes - slots * slot
         plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots, room // fixed)))
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
-    max_slots = profile.max_slots if profile and profile.max_slots else cfg.engine.max_slots
+    max_slots = cfg.step_ceilings()[0]  # graphs for every profile's batches (a switch)
     devices = cfg.devices_of(entry)
     ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, devices)
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (

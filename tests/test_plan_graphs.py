@@ -207,3 +207,17 @@ def test_an_moe_pool_counts_one_layers_expert_copies_or_batched_products():
     # outgrow the copies
     assert graph_pool_bytes(moe, 1, 2048) - graph_pool_bytes(dense, 1, 2048) == \
         128 * 2048 * (3 * 768 + 2048) * 2
+
+
+def test_graphs_are_planned_for_the_widest_profile_a_switch_can_reach(tmp_path):
+    """A profile switch needs no reload: the model's graphs are captured, and their pool
+    counted, for the most decode rows of the base settings and every profile."""
+    path = _toml(tmp_path, "max_slots = 8")
+    path.write_text(path.read_text() + '\n[profiles.wide]\nmax_slots = 12\n'
+                    '[profiles.narrow]\nmax_slots = 2\n')
+    cfg = load_neuron_config(path)
+    assert cfg.step_ceilings() == (12, cfg.engine.max_batched_tokens)
+    p = plan_model(cfg, cfg.models[0], path)
+    assert p.graph_rows == 12
+    assert p.graph_pool_bytes == graph_pool_bytes(read_model_shape(DENSE), 1, 12,
+                                                  num_blocks=p.num_blocks)

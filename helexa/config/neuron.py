@@ -265,6 +265,16 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 return m
         raise KeyError(model_id)
 
+    def step_ceilings(self) -> tuple[int, int]:
+        """The most decode rows (``max_slots``) and tokens (``max_batched_tokens``) a step
+        takes under [engine] or any [profiles.*]: what a model's runner is built for at
+        load (graphs captured, its pool measured beside such a step), so that a profile
+        switch stays inside what was built and needs no reload."""
+        profiles = list(self.profiles.values())
+        return (max([self.engine.max_slots] + [p.max_slots for p in profiles if p.max_slots]),
+                max([self.engine.max_batched_tokens]
+                    + [p.max_batched_tokens for p in profiles if p.max_batched_tokens]))
+
 
 
 def canonical_device(device: str) -> str:

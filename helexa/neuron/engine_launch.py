@@ -34,6 +34,7 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
     max_in_flight = r.admission.max_in_flight if r.admission else cfg.admission.max_in_flight
     num_blocks, slots = state_slots(plan, max_in_flight or 1)
     r.num_state_slots = slots
+    r.step_ceilings = cfg.step_ceilings()
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
         dtype=r.load_entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
@@ -48,7 +49,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
         attention_backend=cfg.engine.attention_backend, cuda_graphs=cfg.engine.cuda_graphs,
         quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
         draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
-        draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers)
+        draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers,
+        max_slots_ceiling=r.step_ceilings[0], max_batched_tokens_ceiling=r.step_ceilings[1])
 
 
 async def start_engine(spec: Any, **callbacks: Any) -> Any:

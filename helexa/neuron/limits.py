@@ -14,12 +14,18 @@ Refusals are helexa/refusal.py's, turned into a gRPC status only at the edge
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import structlog
 
 from helexa.budget import check_request
 from helexa.config.schema import ModelEntry, NeuronConfig
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.spec import limits_from_config
 from helexa.refusal import Refusal
+
+log = structlog.get_logger(component="neuron")
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,26 @@ def effective_limits(cfg: NeuronConfig, profile: str = "",
     """Every runtime knob of a model under `cfg`: its own [[models]] entry's speculation
     settings, then its profile's overrides."""
     return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None, entry)
+
+
+def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limits, list[str]]:
+    """``limits`` with max_slots, max_batched_tokens and prefill_chunk_tokens no larger than
+    what resident ``model``'s runner was built for at load (its ``step_ceilings``: decode
+    rows and step tokens, the most of any profile then; (0, 0): unknown, nothing cut), and
+    what was cut, logged: a step past them would run rows no graph was captured for,
+    beside activations the pool was not measured against. Raising them takes a reload."""
+    slots, tokens = model.step_ceilings
+    cut: dict[str, int] = {}
+    if slots and limits.max_slots > slots:
+        cut["max_slots"] = slots
+    for name in ("max_batched_tokens", "prefill_chunk_tokens"):
+        if tokens and getattr(limits, name) > tokens:
+            cut[name] = tokens
+    notes = [f"{k}: {getattr(limits, k)} is more than the {v} this model was loaded for; "
+             f"{v} runs (reload the model to raise it)" for k, v in cut.items()]
+    if notes:
+        log.warning("model.limits_capped", model=model.model_id, capped=notes)
+    return msgspec.structs.replace(limits, **cut), notes
 
 
 def effective_kv_dtype(cfg: NeuronConfig, profile: str = "") -> str:

@@ -34,8 +34,14 @@ from helexa.neuron.engine import messages
 from helexa.neuron.engine.client import EngineBusy
 from helexa.neuron.engine_launch import build_spec, load_tokenizer, start_engine
 from helexa.neuron.eviction import device_memory_mb, evictions_for
-from helexa.neuron.limits import ModelLimits, diff_limits, effective_kv_dtype, effective_limits
-from helexa.neuron.resident_model import ModelState, ResidentModel
+from helexa.neuron.limits import (
+    ModelLimits,
+    diff_limits,
+    effective_kv_dtype,
+    effective_limits,
+    within_ceilings,
+)
+from helexa.neuron.resident_model import ModelState, ResidentModel, failure_reason
 from helexa.plan import state_slots
 from helexa.refusal import Refusal
 
@@ -196,7 +202,7 @@ class Residency:
                      context=r.limits.context, kv_dtype=r.kv_dtype,
                      pool_tokens=r.plan.pool_tokens, evicted=evicted)
         except Exception as e:  # a load failure leaves the daemon up and says why
-            r.fail(e.message if isinstance(e, Refusal) else _reason(e))
+            r.fail(e.message if isinstance(e, Refusal) else failure_reason(e))
             log.error("model.failed", model=entry.id, error=r.error, failures=r.failures,
                       retry_after_secs=round(r.retry_after_ms / 1000))
         self._on_change()
@@ -299,14 +305,14 @@ class Residency:
         for r in self.models.values():
             if r.client is None or r.state == ModelState.FAILED:
                 continue
-            new = effective_limits(cfg, r.profile, r.entry)  # the daemon's reload updates entry
-            changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new)]
+            # (the daemon's reload updates entry) within what the runner was built for
+            new, cut = within_ceilings(effective_limits(cfg, r.profile, r.entry), r)
+            changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new) + cut]
             if new != r.admission:
                 r.client.set_limits(new)
                 r.admission = new
         self._on_change()
         return changes
-
 
     # ----------------------------------------------------------- profiles
 
@@ -325,11 +331,11 @@ class Residency:
         if r.state != ModelState.READY:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-        new_limits = effective_limits(self.cfg, profile, r.entry)
+        new_limits, cut = within_ceilings(effective_limits(self.cfg, profile, r.entry), r)
         new_plan = plan_model(self.cfg, r.load_entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
-        changed = diff_limits(r.admission, new_limits)
+        changed = diff_limits(r.admission, new_limits) + cut
         if profile != r.profile:
             changed.insert(0, f"profile: {r.profile or '(base)'} -> {profile or '(base)'}")
         if new_plan.kv_dtype != r.kv_dtype:
@@ -388,11 +394,3 @@ class Residency:
         log.info("model.switched", model=r.model_id, kv_dtype=plan.kv_dtype,
                  context=plan.context, switch_secs=round(time.monotonic() - t0, 3))
 
-
-def _reason(e: BaseException) -> str:
-    """One line saying why: the last line of an engine's traceback, else the exception."""
-    text = str(e)
-    if "Traceback (most recent call last)" in text:
-        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
-        return f"{text.splitlines()[0].strip()} {last}"
-    return f"{type(e).__name__}: {text}"

@@ -60,6 +60,8 @@ class ResidentModel:
     failures: int = 0  # consecutive failed loads
     retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
     num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
+    # the most decode rows and step tokens its runner was built for at load (engine_launch)
+    step_ceilings: tuple[int, int] = (0, 0)
     # The activation dtype measured for a GGUF on CPU (helexa/neuron/activation.py)
     activations: Activations | None = None
 
@@ -119,3 +121,12 @@ class ResidentModel:
     @property
     def retry_after_ms(self) -> int:
         return max(1000, int((self.retry_at - time.monotonic()) * 1000))
+
+
+def failure_reason(e: BaseException) -> str:
+    """One line saying why: the last line of an engine's traceback, else the exception."""
+    text = str(e)
+    if "Traceback (most recent call last)" in text:
+        last = [ln for ln in text.strip().splitlines() if ln.strip()][-1].strip()
+        return f"{text.splitlines()[0].strip()} {last}"
+    return f"{type(e).__name__}: {text}"

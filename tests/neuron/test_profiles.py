@@ -184,3 +184,40 @@ def test_a_models_own_speculation_reloads_and_a_profile_overrides_it(
     assert seen == [("ngram", 6, 0.5), ("off", 3, 0.5), ("ngram", 3, None), ("off", 3, None)]
     assert any("speculation: ngram -> off" in c for c in changes), changes
     assert "speculation: ngram -> off" in switched
+
+
+def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The runner is built at load for the most decode rows and step tokens of any profile
+    (graphs, the measured pool), so switching to the largest needs no reload; a reload that
+    asks for more than that runs the load's figure and says so in its changes."""
+    (tmp_path / "token").write_text("t")
+    cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+           "engine": {"max_slots": 4, "max_batched_tokens": 256},
+           "kv": {"kv_budget_mb": 1},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+           "profiles": {"wide": {"max_slots": 12, "max_batched_tokens": 1024}}}
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        from helexa.config.schema import load_neuron_config
+
+        spec = engine.spec
+        res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="wide"),
+                                    metadata=MD)
+        switched = engine.limits
+        cfg["profiles"]["wide"]["max_slots"] = 20  # raised in the file, then a reload
+        write_neuron_config(path, cfg)
+        changes = daemon.residency.apply_limits(load_neuron_config(path))
+        return spec, list(res.changed), switched, changes, engine.limits
+
+    spec, changed, switched, changes, after = run_fake_neuron(
+        path, body, script=lambda _p, _i: 7)
+    assert spec.limits.max_slots == 4 and spec.limits.max_batched_tokens == 256  # base runs
+    assert (spec.max_slots_ceiling, spec.max_batched_tokens_ceiling) == (12, 1024)
+    assert "max_slots: 4 -> 12" in changed and switched.max_slots == 12
+    assert switched.max_batched_tokens == 1024
+    assert not [c for c in changed if "loaded for" in c]
+    assert after.max_slots == 12  # not 20: the graphs and the pool were built for 12
+    assert ["tiny: max_slots: 20 is more than the 12 this model was loaded for; 12 runs "
+            "(reload the model to raise it)"] == [c for c in changes if "loaded for" in c]

@@ -115,8 +115,9 @@ def load_runners(spec: EngineSpec, limits: messages.Limits,
     target = ModelRunner(
         Path(spec.model_dir), device=spec.device, dtype=spec.dtype,
         num_blocks=spec.num_blocks, block_size=spec.block_size,
-        kv_dtype=spec.kv_dtype, max_num_seqs=limits.max_slots,
-        max_batched_tokens=limits.max_batched_tokens, progress=progress,
+        kv_dtype=spec.kv_dtype, max_num_seqs=max(limits.max_slots, spec.max_slots_ceiling),
+        max_batched_tokens=max(limits.max_batched_tokens, spec.max_batched_tokens_ceiling),
+        progress=progress,
         tp_size=spec.tp, backend=spec.attention_backend, cuda_graphs=spec.cuda_graphs,
         plan_bytes_per_block=(spec.bytes_per_token - spec.draft_bytes_per_token)
         * spec.block_size,

@@ -76,6 +76,11 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # its config.json's mtp_num_hidden_layers); None = the checkpoint's own config.json.
     mtp_kv_layers: int | None = None
     limits: messages.Limits = messages.Limits()
+    # what the runner is built for at load, the most of any profile (NeuronConfig
+    # step_ceilings): decode rows (graphs captured, state rows) and a step's tokens (the
+    # pool measured beside such a step); 0 = the limits'
+    max_slots_ceiling: int = 0
+    max_batched_tokens_ceiling: int = 0
     # speculation = "draft:<id>" (docs/speculation.md): the draft checkpoint, loaded with the
     # model; its KV's share of bytes_per_token (its layers share each request's blocks).
     draft_model_id: str = ""
