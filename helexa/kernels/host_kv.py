@@ -76,28 +76,34 @@ class HostKv:
 
     def _out(self, twins: list[tuple[torch.Tensor, torch.Tensor]],
              pairs: list[tuple[int, int]]) -> None:
-        """Device rows -> pinned memory, queued; landed in the twins later (the class's)."""
+        """Device rows -> pinned memory, queued; landed in the twins later (the class's). A
+        part of the rows at a time, at most half STAGE_BYTES of the widest tensor's: a long
+        context's eviction gathered whole was that many bytes of the device's free memory
+        per tensor (512 MiB for a 262K-token Qwen3.5-27B session), beside the step."""
         if not pairs or not twins:
             return
         device = twins[0][0].device
         pin = device.type == "cuda"
-        src = to_device([a for a, _ in pairs], torch.long, device)
-        dst = torch.tensor([b for _, b in pairs], dtype=torch.long)
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        step = max(1, STAGE_BYTES // 2 // max(max(1, dev[0].nbytes) for dev, _ in twins))
+        for at in range(0, len(pairs), step):
+            part = pairs[at:at + step]
+            src = to_device([a for a, _ in part], torch.long, device)
+            dst = torch.tensor([b for _, b in part], dtype=torch.long)
+            staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for dev, host in twins:
+                rows = dev.index_select(0, src)
+                out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
+                staged.append((host, out.copy_(rows, non_blocking=pin)))
+                if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
+                    self._queue(staged, dst, device)
+            if staged:
+                self._queue(staged, dst, device)  # (and lands what is copied already)
 
-        def queue() -> None:
-            self._pending.append(_Staged(list(staged), dst, copied_event(device)))
-            staged.clear()
-            self._land(all_of_them=False)
-
-        for dev, host in twins:
-            rows = dev.index_select(0, src)
-            out = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=pin)
-            staged.append((host, out.copy_(rows, non_blocking=pin)))
-            if sum(r.nbytes for _, r in staged) >= STAGE_BYTES:
-                queue()
-        if staged:
-            queue()  # (and lands what is copied already: off a GPU, all of it)
+    def _queue(self, staged: list[tuple[torch.Tensor, torch.Tensor]], dst: torch.Tensor,
+               device: torch.device) -> None:
+        self._pending.append(_Staged(list(staged), dst, copied_event(device)))
+        staged.clear()
+        self._land(all_of_them=False)
 
 
 def _twin(t: torch.Tensor, n: int) -> torch.Tensor:

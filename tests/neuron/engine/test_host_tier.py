@@ -477,3 +477,32 @@ def test_a_copy_in_stages_at_most_stage_bytes_before_it_waits(monkeypatch):
     assert len(made) == 10 and waits == list(range(8))  # the last two left to the allocator
     for got, want in zip((k, v), before, strict=True):
         assert torch.equal(got[:5], want[:5]) and not got[5:].any()
+
+
+def test_a_copy_out_gathers_its_rows_a_part_at_a_time(monkeypatch):
+    """An eviction's rows are gathered on the device in parts of at most half STAGE_BYTES
+    (a long context's blocks gathered whole were that many bytes of the device's memory a
+    tensor, beside the step), and every row still lands in its host slot."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    gathered: list[int] = []
+
+    class Gathers(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.index_select.default and args[0].shape[1:] == (4, 3):
+                gathered.append(out.shape[0])
+            return out
+
+    gen = torch.Generator().manual_seed(2)
+    k, v = (torch.randn(9, 4, 3, generator=gen) for _ in range(2))
+    tier = host_kv.HostKv([k, v], [], num_blocks=9, num_snapshots=0)
+    monkeypatch.setattr(host_kv, "STAGE_BYTES", 4 * k[0].nbytes)  # parts of 2 rows
+    with Gathers():
+        tier.apply(KvMoves(blocks_out=[(i, 8 - i) for i in range(7)]))
+    assert gathered == [2, 2, 2, 2, 2, 2, 1, 1]  # k and v of each part
+    before = (k.clone(), v.clone())
+    k.zero_(), v.zero_()
+    tier.apply(KvMoves(blocks_in=[(8 - i, i) for i in range(7)]))
+    for got, want in zip((k, v), before, strict=True):
+        assert torch.equal(got[:7], want[:7]) and not got[7:].any()
