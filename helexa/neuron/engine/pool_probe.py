@@ -22,17 +22,20 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
     bs, rows = runner.block_size, max(1, runner.max_num_seqs)
     prefill = max(2, runner.max_batched_tokens - (rows - 1))
-    probe = -(-prefill // bs) + rows
+    probe = -(-prefill // bs) + rows + 1
     runner._reset_own_kv(probe, kv_dtype)
     bytes_per_block = runner.kv_bytes_per_block + runner.extra_bytes_per_block
-    table = list(range(-(-prefill // bs)))
     slots = max(1, runner.num_state_slots)  # hybrids: any slots will do for a probe
-    step = [SeqInput([0] * prefill, 0, table, True, 0)] + [
-        SeqInput([0], 0, [len(table) + i], True, (i + 1) % slots) for i in range(rows - 1)]
-    peak = memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(step))
+    # a step's peak: the worst of its shapes - one long prefill beside rows - 1 decode rows;
+    # two prefills (a hybrid's varlen path copies q, k, v); and a step of at most
+    # SYNC_FREE_MAX_ROWS rows (a MoE block's masked form holds every expert's outputs)
+    peak = max(memory_plan.peak_step_bytes(runner.device, lambda s=s: runner.execute(s))
+               for s in probe_steps(prefill, rows, bs, slots))
+    table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
+    decode = [SeqInput([0], 0, [table_end + i], True, i % slots) for i in range(rows)]
+    peak = max(peak, sampler_peak(runner, decode))
     if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
-        decode = [SeqInput([0], 0, [len(table) + i], True, i % slots) for i in range(rows)]
         held += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
         # each graph's FlashInfer wrapper (its int workspace), made at capture after the
         # pool (none where a quantised pool's graphs run the torch path's kernels); their
@@ -53,6 +56,54 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
              free_mib=free // 2**20, step_peak_mib=peak // 2**20)
     return blocks
+
+
+def probe_steps(prefill: int, rows: int, bs: int, slots: int) -> list[list[SeqInput]]:
+    """The probe's steps of ``prefill + rows - 1`` tokens (blocks from 0, decode rows' after
+    the prefill's): one prefill beside rows - 1 decode rows, two prefills beside rows - 2
+    (where both fit), and one of at most SYNC_FREE_MAX_ROWS tokens (moe_experts)."""
+    from helexa.kernels.moe_experts import SYNC_FREE_MAX_ROWS
+
+    end = -(-prefill // bs)
+
+    def decodes(n: int, first_slot: int) -> list[SeqInput]:
+        return [SeqInput([0], 0, [end + 1 + i], True, (first_slot + i) % slots)
+                for i in range(n)]
+
+    steps = [[SeqInput([0] * prefill, 0, list(range(end)), True, 0)] + decodes(rows - 1, 1)]
+    half = prefill // 2
+    if rows >= 2 and half >= 1:
+        steps.append([SeqInput([0] * half, 0, list(range(-(-half // bs))), True, 0),
+                      SeqInput([0] * (prefill - half), 0,
+                               list(range(-(-half // bs), -(-half // bs)
+                                          + -(-(prefill - half) // bs))), True, 1 % slots)]
+                     + decodes(rows - 2, 2))
+    few = min(prefill, SYNC_FREE_MAX_ROWS)
+    if few < prefill:
+        steps.append([SeqInput([0] * few, 0, list(range(-(-few // bs))), True, 0)])
+    return steps
+
+
+def sampler_peak(runner: Any, decode: list[SeqInput]) -> int:
+    """Bytes a decode step of ``decode``'s rows holds at its sampling's peak: its logits and
+    what sampling them takes beyond (fp32 copies, a sort for top-p, logprobs; ~50 B a logit
+    with CUDA's sort), for rows that ask for all of it."""
+    from helexa.neuron.engine.messages import SamplingParams
+    from helexa.neuron.engine.sampler import Sampler, SamplingState
+
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.01,
+                            presence_penalty=0.5, repetition_penalty=1.1, logprobs=True,
+                            top_logprobs=20)
+    held: dict[str, Any] = {}
+
+    def step() -> None:
+        held["logits"] = runner.execute(decode)
+
+    peak = memory_plan.peak_step_bytes(runner.device, step)
+    logits = held.pop("logits")
+    states = [SamplingState.for_request(params, [0], []) for _ in decode]
+    sampling = memory_plan.peak_step_bytes(runner.device, lambda: Sampler()(logits, states))
+    return max(peak, logits.nbytes + sampling)
 
 
 def encoder_peak(runner: Any) -> int:

@@ -20,7 +20,9 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
     why the cuda backend's pools run the torch path ("": FlashInfer's)."""
     fitted: dict[str, int] = {}
     monkeypatch.setattr(pool_probe, "encoder_peak", lambda runner: encoder)
-    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: 100 * MIB)
+    # every measured step (the probe's forwards and the sampling after a decode) peaks at
+    # 100 MiB here; the decode's logits [rows, 8] fp32 stay held while it samples
+    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: (step(), 100 * MIB)[1])
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
     monkeypatch.setattr(memory_plan, "fit_blocks", lambda **kw: fitted.update(kw) or 1000)
@@ -28,7 +30,7 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
         block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
         device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
-        _allocate_kv=lambda *a: None, execute=lambda seqs: None,
+        _allocate_kv=lambda *a: None, execute=lambda seqs: torch.zeros(len(seqs), 8),
         backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs),
                                 attention=SimpleNamespace(torch_path=torch_path)),
         vision=None if cache is None else SimpleNamespace(max_cached_bytes=cache))
@@ -40,25 +42,28 @@ def test_the_measured_pool_leaves_room_for_the_graphs_attention_buffers(monkeypa
     """Graphs are captured after the pool is sized: each b-row graph's FlashInfer wrapper
     holds an 8 MiB int workspace, and their one page-index buffer takes 4 B a block for
     each of max_slots rows. The measurement counts both (without graphs, neither)."""
+    def step(rows: int) -> int:  # the worst step: a decode's sampling, its logits held
+        return 100 * MIB + rows * 8 * 4
+
     plain = _measure(monkeypatch, [])
-    assert (plain["step_peak"], plain["bytes_per_block"]) == (100 * MIB, 2 * MIB)
+    assert (plain["step_peak"], plain["bytes_per_block"]) == (step(8), 2 * MIB)
     graphs = _measure(monkeypatch, [16, 8, 4, 2, 1])
     # the decode step's peak too (graphs hold a pool apart), then the five wrappers
-    assert graphs["step_peak"] == 200 * MIB + 5 * FI_WRAPPER_INT_BYTES
+    assert graphs["step_peak"] == step(16) + 100 * MIB + 5 * FI_WRAPPER_INT_BYTES
     assert graphs["bytes_per_block"] == 2 * MIB + 4 * 16
     # a quantised pool's graphs (the torch path's Triton kernels) hold no FlashInfer
     # wrapper; their one page table takes the same 4 B a block for each row
     quantised = _measure(monkeypatch, [16, 8, 4, 2, 1], torch_path="quantised KV")
-    assert (quantised["step_peak"], quantised["bytes_per_block"]) == (200 * MIB,
-                                                                       2 * MIB + 4 * 16)
+    assert (quantised["step_peak"], quantised["bytes_per_block"]) == (
+        step(16) + 100 * MIB, 2 * MIB + 4 * 16)
     # a vision tower whose largest image peaks above the text steps: the larger counts
     assert _measure(monkeypatch, [], encoder=300 * MIB)["step_peak"] == 300 * MIB
-    assert _measure(monkeypatch, [], encoder=30 * MIB)["step_peak"] == 100 * MIB
+    assert _measure(monkeypatch, [], encoder=30 * MIB)["step_peak"] == step(8)
     # its embedding cache stays beside whichever peaks
     assert _measure(monkeypatch, [], encoder=300 * MIB, cache=40 * MIB)["step_peak"] == \
         340 * MIB
     assert _measure(monkeypatch, [], encoder=30 * MIB, cache=40 * MIB)["step_peak"] == \
-        140 * MIB
+        step(8) + 40 * MIB
     # the graphs' pool and wrappers are held while an image step runs (eagerly): beside the
     # tower's peak, not inside it
     assert _measure(monkeypatch, [2, 1], encoder=300 * MIB, cache=40 * MIB)["step_peak"] == \
@@ -84,3 +89,35 @@ def test_a_vision_models_measured_step_peak_is_at_least_its_towers(tiny_checkpoi
     text = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4, max_num_seqs=2,
                        max_batched_tokens=64)
     assert pool_probe.encoder_peak(text) == 0
+
+
+def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint, monkeypatch):
+    """The probe's steps (pool_probe.probe_steps) are real steps a runner takes on its probe
+    pool: one long prefill beside decode rows, two prefills (a hybrid's varlen path), one
+    of at most SYNC_FREE_MAX_ROWS tokens (a MoE block's masked form); each of the step's
+    tokens, its blocks inside the probe pool and no two sequences sharing a block; and
+    sampling a decode step's logits as a request asking for everything would."""
+    from helexa.kernels.moe_experts import SYNC_FREE_MAX_ROWS
+    from helexa.neuron.engine.model_runner import ModelRunner
+
+    bs, rows, prefill = 4, 3, 300
+    pool = -(-prefill // bs) + rows + 1  # measured_blocks' probe pool
+    steps = pool_probe.probe_steps(prefill, rows, bs, slots=3)
+    assert [sum(len(s.token_ids) for s in step) for step in steps] == [
+        prefill + rows - 1, prefill + rows - 2, SYNC_FREE_MAX_ROWS]
+    assert [sum(s.num_computed == 0 and len(s.token_ids) > 1 for s in step)
+            for step in steps] == [1, 2, 1]
+    for step in steps:
+        blocks = [b for s in step for b in s.block_table]
+        assert len(blocks) == len(set(blocks)) and max(blocks) < pool
+    runner = ModelRunner(tiny_checkpoint("qwen3_5"), num_blocks=pool, block_size=bs,
+                         max_num_seqs=rows, max_batched_tokens=prefill + rows - 1,
+                         num_state_slots=3)
+    for step in steps:
+        logits = runner.execute(step)
+        assert logits.shape[0] == len(step)  # every sequence's last token
+    # sampling runs on the decode step's real logits (its CUDA peak stood in: nothing
+    # beyond them), every row top-k, top-p, min-p, penalties and 20 logprobs
+    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: (step(), 0)[1])
+    decode = [pool_probe.SeqInput([0], 0, [pool - 1 - i], True, i) for i in range(rows)]
+    assert pool_probe.sampler_peak(runner, decode) == rows * runner.vocab_size * 4
