@@ -184,6 +184,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
+def copies_done_event(device: torch.device) -> Any:
+    """An event to record after copies queued on ``device`` (a plan's, ``to_host``'s): None
+    off a GPU, where nothing is queued."""
+    return torch.cuda.Event() if device.type == "cuda" else None
+
+
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Flat cache slots of token positions [start, end) of a sequence, a block run at a time."""
     out: list[int] = []

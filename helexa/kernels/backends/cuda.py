@@ -57,6 +57,7 @@ from helexa.kernels.backends.base import (
     AttentionShape,
     StepMeta,
     StepPlan,
+    copies_done_event,
     pinned,
     used_blocks,
 )
@@ -381,11 +382,6 @@ class CudaAttention(AttentionBackend):
                 paged_kv_last_page_len_buffer=append.last_page_len)
             g = self._graph_wrappers[b] = _GraphWrapper(wrapper, append)
         return g
-
-
-def copies_done_event(device: torch.device) -> Any:
-    """An event to record after a plan's copies: None off a GPU."""
-    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def _name(dtype: torch.dtype) -> str:
