@@ -52,3 +52,37 @@ def _refuse(name: str) -> Any:
     def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         raise AssertionError(f"host sync: Tensor.{name}")
     return read
+
+
+class CountReads(TorchDispatchMode):
+    """Counts what would make the host wait for a CUDA device, in ``reads``: each op of
+    HOST_SYNC_OPS (int(), .item(), a bool of a tensor ...) and each ``Tensor.tolist`` of a
+    tensor not in ``host`` (copies the code made to the host without waiting, read after an
+    event's wait, which the test counts itself). Nothing is counted while ``paused`` (a
+    fake runner reading what a real one keeps on the device)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.host: list[torch.Tensor] = []
+        self.paused = False
+
+    def __enter__(self) -> CountReads:
+        real = self._tolist = torch.Tensor.tolist
+
+        def tolist(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not self.paused and not any(t is h for h in self.host):
+                self.reads.append(f"tolist {tuple(t.shape)}")
+            return real(t, *args, **kwargs)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None):
+        if not self.paused and func.overloadpacket in HOST_SYNC_OPS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))

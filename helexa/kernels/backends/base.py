@@ -166,11 +166,6 @@ def pinned(values: Sequence[float], dtype: torch.dtype, device: torch.device) ->
     return host.pin_memory() if device.type == "cuda" else host
 
 
-def copies_done_event(device: torch.device) -> Any:
-    """An event to record after a plan's copies: None off a GPU."""
-    return torch.cuda.Event() if device.type == "cuda" else None
-
-
 def to_device(values: Sequence[float], dtype: torch.dtype, device: torch.device
               ) -> torch.Tensor:
     """A step's small index list on ``device``, copied from pinned memory without waiting."""
@@ -187,6 +182,12 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     """A copy of device tensor ``t`` in pinned host memory, made without waiting: read it
     once an event recorded after this call has passed."""
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+
+
+def copies_done_event(device: torch.device) -> Any:
+    """An event to record after copies queued on ``device`` (a plan's, ``to_host``'s): None
+    off a GPU, where nothing is queued."""
+    return torch.cuda.Event() if device.type == "cuda" else None
 
 
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -61,11 +61,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from helexa.kernels.backends.base import to_device, to_host
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine import snapshots
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
-from helexa.neuron.engine.sampler import Logprobs, logprobs
+from helexa.neuron.engine.sampler import Logprobs, copy_back, logprobs, read_back
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
 from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.step_inputs import StepInputs, StepResult
@@ -149,15 +149,8 @@ def sample(core: EngineCore, ahead: Ahead, masks: Future[torch.Tensor] | None = 
     logits = core.sampler.prepare(ahead.out.logits, states,
                                   (rows, masks.result()) if masks is not None else None)
     chosen = core.sampler.choose(logits, states)
-    lps = logprobs(logits, chosen, states)
     ahead.tokens = chosen
-    if chosen.device.type != "cuda":
-        ahead.host, ahead.logprobs = chosen, lps
-        return
-    ahead.host = to_host(chosen)
-    ahead.logprobs = lps.to_host() if lps is not None else None
-    ahead.ready = torch.cuda.Event()
-    ahead.ready.record(torch.cuda.current_stream(chosen.device))  # where the copies queued
+    ahead.host, ahead.logprobs, ahead.ready = copy_back(chosen, logprobs(logits, chosen, states))
 
 
 def step(core: EngineCore) -> bool:
@@ -256,16 +249,13 @@ def read(held: Ahead) -> StepResult:
     """The held step's tokens, read back (waiting for the device only as long as it is
     still computing that step), as the synchronous path's StepResult; its snapshot saves
     join their requests' writes, for the postprocess to file."""
-    if held.ready is not None:
-        held.ready.synchronize()
     assert held.host is not None, "a held step is sampled before it is read"
+    sampled = held.inputs.sampled
+    picked, entries = read_back(held.host, held.logprobs, held.ready,
+                                [r.sampling_state for r, _ in sampled])  # type: ignore[misc]
     for req, slot, end in held.saves:
         if not req.is_finished:  # a finished one gave its writing slots back
             req.snapshot_writes.append((slot, end))
-    picked = held.host.tolist()
-    sampled = held.inputs.sampled
     new_tokens = {req.req_id: [t] for (req, _), t in zip(sampled, picked, strict=True)}
-    entries = {} if held.logprobs is None else held.logprobs.entries(
-        picked, [r.sampling_state for r, _ in sampled])  # type: ignore[misc]
     return StepResult(held.inputs, held.out, new_tokens,
                       {sampled[i][0].req_id: e for i, e in entries.items()})

@@ -4,6 +4,7 @@ pool switch (a kv_dtype profile) sized the same way, or undone where it fails.""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import structlog
@@ -29,7 +30,7 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     # a step's peak: the worst of its shapes - one long prefill beside rows - 1 decode rows;
     # two prefills (a hybrid's varlen path copies q, k, v); and a step of at most
     # SYNC_FREE_MAX_ROWS rows (a MoE block's masked form holds every expert's outputs)
-    peak = max(memory_plan.peak_step_bytes(runner.device, lambda s=s: runner.execute(s))
+    peak = max(memory_plan.peak_step_bytes(runner.device, functools.partial(runner.execute, s))
                for s in probe_steps(prefill, rows, bs, slots))
     table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
@@ -103,7 +104,7 @@ def sampler_peak(runner: Any, decode: list[SeqInput]) -> int:
     logits = held.pop("logits")
     states = [SamplingState.for_request(params, [0], []) for _ in decode]
     sampling = memory_plan.peak_step_bytes(runner.device, lambda: Sampler()(logits, states))
-    return max(peak, logits.nbytes + sampling)
+    return max(peak, int(logits.nbytes) + sampling)
 
 
 def encoder_peak(runner: Any) -> int:

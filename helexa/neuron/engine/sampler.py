@@ -24,18 +24,20 @@ host until the device is done, it sorts the whole vocabulary wherever a row may
 need more (`reads_back`). Everything except taking the seeded uniforms is
 vectorised over the batch.
 
-The engine's lookahead steps (lookahead.py) call the parts, `prepare` (grammar
-masks, penalties), `choose` and `logprobs`, so that nothing is read back until
-the step is.
+The tokens and the logprobs are computed on the device and reach the host together,
+after one wait (`copy_back`, `read_back`). The engine's lookahead steps (lookahead.py)
+call the parts, `prepare` (grammar masks, penalties), `choose`, `logprobs` and
+`copy_back`, so that nothing is read back until the step is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from helexa.kernels.backends.base import to_device, to_host
+from helexa.kernels.backends.base import copies_done_event, to_device, to_host
 from helexa.neuron.engine.grammar import apply_bitmask
 from helexa.neuron.engine.messages import SamplingParams, TokenLogprob, TopToken
 from helexa.neuron.engine.ranking import ranked
@@ -115,7 +117,8 @@ class SamplingState:
 @dataclass
 class Logprobs:
     """What a step's rows that want logprobs get (their positions ``rows``): the chosen
-    token's logprob [m] and the best ``k`` [m, k], where the logits are until ``to_host``."""
+    token's logprob [m] and the best ``k`` [m, k], where the logits are until ``to_host``
+    (copy_back brings them with the step's tokens)."""
 
     rows: list[int]
     chosen: torch.Tensor
@@ -155,6 +158,31 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, states: list[SamplingSt
     return Logprobs(rows, chosen, top_v, top_i)
 
 
+def copy_back(tokens: torch.Tensor, lps: Logprobs | None
+              ) -> tuple[torch.Tensor, Logprobs | None, Any]:
+    """A step's chosen tokens and logprobs on their way to the host, none waiting for the
+    others: (tokens, logprobs, ready) for ``read_back``. On a GPU, copies in pinned memory
+    and an event recorded after them (on the current stream: the model's device is the
+    current one, kernels/backends select); elsewhere the tensors themselves, ready None."""
+    ready = copies_done_event(tokens.device)
+    if ready is None:
+        return tokens, lps, None
+    host = to_host(tokens)
+    lps = lps.to_host() if lps is not None else None
+    ready.record()
+    return host, lps, ready
+
+
+def read_back(tokens: torch.Tensor, lps: Logprobs | None, ready: Any,
+              states: list[SamplingState]) -> tuple[list[int], dict[int, TokenLogprob]]:
+    """``copy_back``'s tokens as ints and each logprob row's TokenLogprob (by position),
+    after one wait for the device: until ``ready`` has passed (a GPU's copies)."""
+    if ready is not None:
+        ready.synchronize()
+    picked = tokens.tolist()
+    return picked, {} if lps is None else lps.entries(picked, states)
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (a NaN counts as the maximum), int64: numpy's on CPU, where
     torch's took 23 µs for one row of 8192 fp32 logits and 174 µs for eight, numpy's 3 and 9
@@ -183,14 +211,9 @@ class Sampler:
         assert n == len(states), f"{n} logit rows for {len(states)} requests"
         logits = self.prepare(logits, states, bitmask)
         tokens = self.choose(logits, states)
-        token_list = tokens.tolist()
-
-        out: list[tuple[int, TokenLogprob | None]] = [(t, None) for t in token_list]
         lps = logprobs(logits, tokens, states)
-        if lps is not None:
-            for i, entry in lps.entries(token_list, states).items():
-                out[i] = (token_list[i], entry)
-        return out
+        picked, entries = read_back(*copy_back(tokens, lps), states)  # one wait
+        return [(t, entries.get(i)) for i, t in enumerate(picked)]
 
     def prepare(self, logits: torch.Tensor, states: list[SamplingState],
                 bitmask: tuple[list[int], torch.Tensor] | None = None) -> torch.Tensor:

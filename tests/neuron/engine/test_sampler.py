@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from support.host_sync import NoHostSync
+from support.host_sync import CountReads, NoHostSync
 
 from helexa.neuron.engine import ranking
 from helexa.neuron.engine import sampler as sampler_module
@@ -234,3 +234,38 @@ def test_on_a_gpu_sampling_reads_nothing_back_and_draws_the_same_tokens(monkeypa
     with NoHostSync():
         got = Sampler().choose(logits, [state(**k) for k in kinds])
     assert got.tolist() == want.tolist()
+
+
+def test_a_step_with_logprobs_waits_for_the_device_once(monkeypatch):
+    """A synchronous step's tokens and logprobs are computed on the device and copied back
+    together, read after one wait (was four: the tokens, then each logprobs tensor). A GPU
+    is stood in for: copies to the host are clones (not reads) and the copies' event counts
+    its wait; sampling truncates as on a GPU. The same tokens and logprobs as the CPU's."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(5, 300, generator=g) * 2
+    kinds = [dict(temperature=0.0, logprobs=True, top_logprobs=3),
+             dict(temperature=0.8, seed=1, logprobs=True, top_logprobs=5), dict(temperature=0.0),
+             dict(temperature=1.0, top_k=40, seed=2, logprobs=True), dict(temperature=0.9, seed=3)]
+    want = Sampler()(logits, [state(**k) for k in kinds])
+    assert [lp is not None for _, lp in want] == [True, True, False, True, False]
+    counted = CountReads()
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            counted.reads.append("wait")
+
+    def to_host(t: torch.Tensor) -> torch.Tensor:
+        copy = t.clone()
+        counted.host.append(copy)
+        return copy
+
+    monkeypatch.setattr(sampler_module, "copies_done_event", lambda device: Event())
+    monkeypatch.setattr(sampler_module, "to_host", to_host)
+    monkeypatch.setattr(sampler_module, "reads_back", lambda device: False)
+    with counted:
+        got = Sampler()(logits, [state(**k) for k in kinds])
+    assert counted.reads == ["wait"]
+    assert got == want

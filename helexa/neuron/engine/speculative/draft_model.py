@@ -19,6 +19,11 @@ Per step, for the requests the policy lets draft (`propose_batch`):
 2. chain: k − 1 more batched forwards of one token per request (a request
    leaves the batch once it has its k).
 
+The drafts stay on the device: each forward's input tokens are the drafts the one
+before chose (ModelRunner takes them as ``tokens``, as a lookahead step's), so the
+passes are launched without waiting for each other, and all the drafts are read back
+once, at the end (one wait for the device a proposal, not one a draft of every request).
+
 Greedy requests draft the draft model's argmax (q one-hot: `Draft.probs`
 None); sampled ones draw each draft from the draft model's distribution
 under the request's own temperature / top-k / top-p / min-p and return it as
@@ -44,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner
@@ -89,12 +95,14 @@ class DraftModelDrafter(Drafter):
         todo = [(i, r, k) for i, (r, k) in enumerate(zip(reqs, ks, strict=True)) if k > 0]
         if not todo:
             return out
-        drafts: dict[int, list[int]] = {i: [] for i, _, _ in todo}
         qs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in todo}
         seen = {i: self._catch_up_state(r) for i, r, _ in todo}
         for _, r, k in todo:
             # the draft writes positions up to num_tokens + k - 2 (its k-th token is not fed)
             self.ensure_blocks(r, r.num_tokens + k - 1)
+        # Every pass's drafts stay on the device, (request indices, tokens [rows]), each pass
+        # launched without waiting for the one before; all are read back once, at the end.
+        passes: list[tuple[list[int], torch.Tensor]] = []
         # 1. catch up to (and through) the last token: its logits give the first draft
         pending = {i: r.token_slice(seen[i].computed, r.num_tokens) for i, r, _ in todo}
         while pending:
@@ -112,25 +120,39 @@ class DraftModelDrafter(Drafter):
                 seqs.append(SeqInput(token_ids=pending[i][:n], num_computed=seen[i].computed,
                                      block_table=r.block_table, need_logits=n == len(pending[i])))
             logits = self.runner.run_step(seqs).logits
-            row = 0
+            done = []  # the requests this forward caught up: a logits row each, in order
             for (i, n), s in zip(batch, seqs, strict=True):
                 seen[i].computed += n
                 pending[i] = pending[i][n:]
                 if s.need_logits:
-                    self._pick(reqs[i], logits[row], drafts[i], qs[i])
-                    row += 1
+                    done.append(i)
                     del pending[i]
+            if done:
+                passes.append((done, self._pick([reqs[i] for i in done], logits,
+                                                [qs[i] for i in done])))
         # 2. chain: feed each draft back until a request has its k
-        live = [(i, r, k) for i, r, k in todo if k > 1]
-        step = 1
-        while live:
-            seqs = [SeqInput(token_ids=[drafts[i][-1]], num_computed=r.num_tokens + step - 1,
-                             block_table=r.block_table, need_logits=True) for i, r, _ in live]
-            logits = self.runner.run_step(seqs).logits
-            for row, (i, r, _) in enumerate(live):
-                self._pick(r, logits[row], drafts[i], qs[i])
-            step += 1
-            live = [(i, r, k) for i, r, k in live if len(drafts[i]) < k]
+        last = {i: t[row:row + 1] for ids, t in passes for row, i in enumerate(ids)}
+        live = [(i, r) for i, r, k in todo if k > 1]
+        tokens = torch.cat([last[i] for i, _ in live]) if live else None
+        for step in range(1, max(k for _, _, k in todo)):
+            # token_ids are placeholders: each row's input is its last draft, on the device
+            seqs = [SeqInput(token_ids=[0], num_computed=r.num_tokens + step - 1,
+                             block_table=r.block_table, need_logits=True) for _, r in live]
+            logits = self.runner.run_step(seqs, tokens=tokens).logits
+            ids = [i for i, _ in live]
+            picked = self._pick([r for _, r in live], logits, [qs[i] for i in ids])
+            passes.append((ids, picked))
+            keep = [row for row, i in enumerate(ids) if ks[i] > step + 1]
+            live = [live[row] for row in keep]  # those with their k leave the chain
+            if not live:
+                break
+            tokens = picked if len(keep) == len(ids) else \
+                picked[to_device(keep, torch.long, picked.device)]
+        read = iter(torch.cat([t for _, t in passes]).tolist())  # the one wait for the device
+        drafts: dict[int, list[int]] = {i: [] for i, _, _ in todo}
+        for ids, _ in passes:
+            for i in ids:
+                drafts[i].append(next(read))
         for i, _, k in todo:
             seen[i].pending = drafts[i][:k - 1]  # the ones whose KV the draft wrote
             probs = torch.stack(qs[i]) if qs[i] else None
@@ -151,17 +173,23 @@ class DraftModelDrafter(Drafter):
         seen.pending = []
         return seen
 
-    def _pick(self, req: Request, logits: torch.Tensor, drafts: list[int],
-              qs: list[torch.Tensor]) -> None:
-        """One more draft from the draft model's logits [vocab] at the chain's end."""
-        st = req.sampling_state
-        if st is None or st.greedy:
-            drafts.append(int(logits.argmax()))
-            return
-        q = target_probs(logits.float().unsqueeze(0), st)[0]
-        gen = st.seeded_generator(q.device)
-        drafts.append(int(torch.multinomial(q, 1, generator=gen)[0]))
-        qs.append(q)
+    @staticmethod
+    def _pick(reqs: Sequence[Request], logits: torch.Tensor,
+              qs: Sequence[list[torch.Tensor]]) -> torch.Tensor:
+        """Each request's next draft [rows], on the device, from the draft model's logits
+        [rows, vocab] at its chain's end: greedy rows' argmax; sampled rows' draw from their
+        q (appended to their qs), one row at a time in row order, so each seeded request's
+        generator draws as it would alone, and the default generator in a fixed order."""
+        picked = logits.argmax(dim=-1)
+        for row, (req, q_list) in enumerate(zip(reqs, qs, strict=True)):
+            st = req.sampling_state
+            if st is None or st.greedy:
+                continue
+            q = target_probs(logits[row].float().unsqueeze(0), st)[0]
+            gen = st.seeded_generator(q.device)
+            picked[row:row + 1] = torch.multinomial(q, 1, generator=gen)
+            q_list.append(q)
+        return picked
 
     def _forget_finished(self) -> None:
         for rid in [rid for rid, s in self._seen.items() if s.req.is_finished]:

@@ -16,12 +16,16 @@ import pytest
 import torch
 from support.engine import assert_whole, drive, with_drafter
 from support.fake_runner import FakeRunner
+from support.host_sync import CountReads
 
 from helexa.checkpoint.memory import kv_bytes_per_token
 from helexa.checkpoint.shape import read_model_shape
 from helexa.neuron.engine import messages as m
+from helexa.neuron.engine import sampler as sampler_module
 from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative import verify as verify_mod
 from helexa.neuron.engine.speculative.draft_model import DraftModelDrafter
 from helexa.neuron.engine.speculative.drafters import NgramDrafter, PerRequestDrafter
 
@@ -193,6 +197,85 @@ def test_catch_up_reads_through_the_block_table_fake_runners():
     assert_whole(core)
 
 
+def fake_logits(context: list[int], vocab: int) -> torch.Tensor:
+    """[vocab] what a FakeRunner's model gives after `context`."""
+    one_block = FakeRunner(vocab, 1, len(context))
+    return one_block.execute([SeqInput(context, 0, [0], True)])[0]
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_proposal_reads_the_device_back_once(monkeypatch, sampled):
+    """Every draft of every request, over a catch-up of several forwards and chains of
+    different lengths, reaches the host in one read: each forward's input tokens are the
+    drafts of the one before, left on the device (was one read a draft of every request:
+    22 here). Greedy rows draft the fake draft model's argmax chain; a seeded sampled row
+    draws each draft from q = the sampler's distribution of the fake's logits after the
+    drafts before it, with its own generator, in order."""
+    vocab, blocks, bs = 100, 96, 4
+    spec = EngineSpec(model_id="fake", num_blocks=blocks, block_size=bs, context=256,
+                      bytes_per_token=2, prefix_cache=False,
+                      limits=m.Limits(anon_max_in_flight=8, max_in_flight=8))
+    core = EngineCore(spec, FakeRunner(vocab, blocks, bs))
+    drafter = DraftModelDrafter("fake", FakeRunner(vocab, blocks, bs), core.ensure_blocks,
+                                max_batched_tokens=8)  # the catch-up takes several forwards
+    kinds = [GREEDY, m.SamplingParams(temperature=0.8, top_k=20, seed=5),
+             m.SamplingParams(temperature=1.1), m.SamplingParams(temperature=0.7, seed=9)]
+    rng = random.Random(0)
+    news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=[rng.randrange(vocab)
+                                                           for _ in range(3 + 3 * i)],
+                         max_tokens=30, sampling=kinds[i % 4] if sampled else GREEDY)
+            for i in range(7)]
+    core.step(m.ToEngine(new=news))
+    for _ in range(3):
+        core.step()
+    reqs = sorted(core.running, key=lambda r: r.req_id)
+    assert len(reqs) == 7 and not any(r.is_prefilling for r in reqs)
+    ks = [4, 4, 3, 1, 4, 2, 4]
+    contexts = [r.token_slice(0, r.num_tokens) for r in reqs]
+    gens = {}
+    for r in reqs:
+        gen = r.sampling_state.seeded_generator(torch.device("cpu"))
+        if gen is not None:
+            gens[r.req_id] = torch.Generator().set_state(gen.get_state())
+
+    counted = CountReads()
+    real_step = drafter.runner.run_step
+
+    def model_step(seqs, **kw):  # a real runner takes the tokens without reading them
+        counted.paused = True
+        try:
+            return real_step(seqs, **kw)
+        finally:
+            counted.paused = False
+
+    monkeypatch.setattr(drafter.runner, "run_step", model_step)
+    for where in (sampler_module, verify_mod):  # truncate as on a GPU: nothing read back
+        monkeypatch.setattr(where, "reads_back", lambda device: False)
+    with counted:
+        drafts = drafter.propose_batch(reqs, ks)
+    assert counted.reads == ["tolist (22,)"], (len(counted.reads), counted.reads[:2])
+
+    for r, k, d, ctx in zip(reqs, ks, drafts, contexts, strict=True):
+        assert len(d.tokens) == k
+        st = r.sampling_state
+        if st.greedy:
+            assert d.probs is None
+            for t in d.tokens:
+                assert t == int(fake_logits(ctx, vocab).argmax())
+                ctx = [*ctx, t]
+            continue
+        assert d.probs is not None and d.probs.shape == (k, vocab)
+        for j, t in enumerate(d.tokens):
+            q = verify_mod.target_probs(fake_logits(ctx, vocab).unsqueeze(0), st)[0]
+            torch.testing.assert_close(d.probs[j], q)
+            assert q[t] > 0
+            if r.req_id in gens:
+                assert t == int(torch.multinomial(q, 1, generator=gens[r.req_id])[0])
+            ctx = [*ctx, t]
+    if sampled:
+        assert len(gens) == 3  # r1, r3, r5: each checked against its own generator
+
+
 def test_a_draft_model_under_tensor_parallelism_is_refused(target_dir, draft_dir):
     from helexa.neuron.engine.speculative.draft_model import load_draft
 
@@ -215,7 +298,7 @@ def test_a_failing_draft_forward_costs_only_the_drafts(target_dir, draft_dir):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             raise RuntimeError("draft forward failed")
-        return real(seqs)
+        return real(seqs, tokens)
 
     runner.execute = flaky
     assert drive(core, [greedy("r", p, 20)], served=True).tokens == ref
