@@ -25,6 +25,11 @@ gathered form copies each (token, slot)'s packed expert out of the stacks by the
 ids on the device, a byte or less a value, and runs one op each), where the masked one
 runs all E experts' ops.
 
+On CUDA the gathered form's products run on one Triton kernel a stack where it proved
+itself at load (helexa/kernels/cuda/moe_routed.py: each pair's expert read where it lies
+in the stack, float or quantised), so a gathering step reads each chosen expert once and
+copies nothing; the copying forms below stay the reference and the fallback.
+
 ``choose_form`` is the rule, a pure function of the device and the step's shape (shapes
 are known on the host, so choosing costs no sync). CPU keeps the looped form: it measured
 fastest there at every batch (bench/moe_dispatch.py). No GPU figure was measured: the CUDA
@@ -192,8 +197,13 @@ def run_quantised_experts(x: torch.Tensor,
 
 
 def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-    """The expert products by the form choose_form names for this device and step."""
+                weights: torch.Tensor, routed: Any = None) -> torch.Tensor:
+    """The expert products by the form choose_form names for this device and step; the
+    gathered form on ``routed`` (helexa/kernels/cuda/moe_routed.py FloatExperts: each
+    pair's expert read in place, no copies) where it proved itself at load."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0], capturing)
+    if form == "gathered" and routed is not None and chosen.shape[0]:
+        if (y := routed(x, chosen, weights)) is not None:
+            return y
     return FORMS[form](x, w13, w2, chosen, weights)

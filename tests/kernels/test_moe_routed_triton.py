@@ -131,7 +131,7 @@ def test_a_gathered_step_reads_its_experts_in_place_once_they_proved_themselves(
 
     kernel = _quant_block(num_experts=6, hidden=256, inter=128, group=32)
     assert kernel._prove_routed() == {}  # CPU stacks: the CPU keeps its ops
-    monkeypatch.setattr(experts, "on_card", lambda t: True)
+    monkeypatch.setattr(experts.moe_routed, "on_card", lambda t: True)
     kernel.routed = kernel._prove_routed()
     assert set(kernel.routed) == {"w13", "w2"}
     assert (kernel.routed["w13"].n, kernel.routed["w13"].k) == (256, 256)
@@ -152,3 +152,42 @@ def test_a_gathered_step_reads_its_experts_in_place_once_they_proved_themselves(
     assert kernel._prove_routed() == {}
     assert experts.moe_routed.describe(torch.device("cpu")).startswith(
         "MoE experts: gathered copies (off by 0.5)")
+
+
+def test_a_float_moe_blocks_gathered_step_reads_its_experts_in_place(monkeypatch):
+    """A MoE block's float stacks (a bf16 checkpoint's) on the kernel once proved at load:
+    the same products as the gathered form, which copies each pair's matrices out first;
+    run_experts takes it where the rule says gather, and not where it says otherwise."""
+    from types import SimpleNamespace
+
+    from helexa.kernels import moe_experts
+
+    gen = torch.Generator().manual_seed(8)
+    w13 = (torch.randn(6, 2 * 64, 128, generator=gen) * 0.1).bfloat16()
+    w2 = (torch.randn(6, 128, 64, generator=gen) * 0.1).bfloat16()
+    block = SimpleNamespace(w13=w13, w2=w2)
+    routed = mr.FloatExperts(block)
+    routed.prepare(8)
+    assert routed.stacks == {}  # CPU tensors: the CPU keeps its forms
+    monkeypatch.setattr(mr, "on_card", lambda t: True)
+    routed.prepare(8)
+    assert set(routed.stacks) == {"w13", "w2"}
+    x = torch.randn(3, 128, generator=gen).bfloat16()
+    chosen = torch.tensor([[5, 0], [2, 5], [1, 3]])
+    weights = torch.rand(3, 2, generator=gen).bfloat16()
+    want = moe_experts.experts_gathered(x, w13, w2, chosen, weights)
+    got = routed(x, chosen, weights)
+    torch.testing.assert_close(got.float(), want.float(), rtol=3e-2,
+                               atol=2e-2 * want.float().abs().max())
+    calls: list[str] = []
+
+    def spy(*args):
+        calls.append("routed")
+        return routed(*args)
+
+    for form in ("gathered", "masked"):
+        monkeypatch.setattr(moe_experts, "choose_form", lambda *a, f=form, **k: f)
+        out = moe_experts.run_experts(x, w13, w2, chosen, weights, spy)
+        torch.testing.assert_close(out.float(), want.float(), rtol=3e-2,
+                                   atol=2e-2 * want.float().abs().max())
+    assert calls == ["routed"]

@@ -173,10 +173,15 @@ class CudaGraphExecutor(StepExecutor):
         # grouped int8 layers: their decode kernel proves itself (and Triton compiles it for
         # each shape) now, not in the first request's step (helexa/kernels/cuda/int8g.py)
         measured = measured_at_load(model, linears)  # a MoE block's quantised experts too
+        for block in model.modules():  # a MoE block's float stacks: read in place where proved
+            if hasattr(block, "routed") and getattr(block, "experts_kernel", 0) is None:
+                block.routed = moe_routed.FloatExperts(block)
+                measured.append(block.routed)
         for kernel in measured:
             kernel.prepare(max_num_seqs)
-        kinds = {getattr(k, "kind", "int8") for k in measured}
-        experts = any(hasattr(k, "routed_experts") for k in measured)  # a GGUF's MoE stacks
+        kinds = {getattr(k, "kind", "int8") for k in measured} - {"float"}
+        experts = any(hasattr(k, "routed_experts") or isinstance(k, moe_routed.FloatExperts)
+                      for k in measured)  # a MoE block's stacks
         self.quantised = "; ".join(p for p in (
             int8g_cuda.describe(self.attention.device) if kinds - {"int4"} else "",
             int4_cuda.describe(self.attention.device) if "int4" in kinds else "",

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from helexa.kernels import cuda as cuda_kernels
 
@@ -52,6 +54,11 @@ class Stack:
     group: int = 1
     n: int = 0
     k: int = 0
+
+
+def on_card(t: torch.Tensor) -> bool:
+    """Where the kernel may serve a stack: a CUDA device (the CPU keeps its ops)."""
+    return t.is_cuda
 
 
 def unavailable() -> str:
@@ -148,3 +155,50 @@ def describe(device: torch.device) -> str:
     return cuda_kernels.described(_verdicts, device, unavailable(),
                                   "MoE experts: routed in place (Triton)",
                                   "MoE experts: gathered copies")
+
+
+def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: Stack,
+            w2: Stack) -> torch.Tensor:
+    """A MoE block's routed experts on the kernel, every (token, slot) pair's expert read
+    in place: sum over k of weight * w2[e] @ (silu(gate) * up), [N, hidden], in two
+    launches (w13: gate rows then up rows; w2) and no host sync."""
+    n, k = chosen.shape
+    ids = chosen.reshape(-1).to(torch.int32)  # pair j: token j // k's slot j % k
+    pairs = torch.arange(n * k, dtype=torch.int32, device=x.device)
+    gate, up = run(x, pairs // k, ids, w13).chunk(2, dim=-1)
+    y = run(F.silu(gate) * up, pairs, ids, w2)
+    return (y.view(n, k, -1) * weights[..., None]).sum(dim=1)
+
+
+class FloatExperts:
+    """A MoE block's float expert stacks (``w13`` [E, 2I, H], ``w2`` [E, H, I]) on the
+    kernel, where the gathered form would copy each pair's expert matrices out first (3
+    N k experts' bytes): ``prepare`` proves both at load against F.linear on the first and
+    last expert; called, the products (None where they did not prove themselves)."""
+
+    kind = "float"
+
+    def __init__(self, mlp: Any) -> None:
+        self.mlp = mlp
+        self.stacks: dict[str, Stack] = {}
+
+    def prepare(self, max_num_seqs: int) -> None:
+        stacks = {w: Stack("float", getattr(self.mlp, w), n=getattr(self.mlp, w).shape[1],
+                           k=getattr(self.mlp, w).shape[2]) for w in ("w13", "w2")}
+        if unavailable() or not all(on_card(s.weight) for s in stacks.values()):
+            return
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for stack in stacks.values():
+                w, last = stack.weight, stack.weight.shape[0] - 1
+                x = torch.randn(1, stack.k, generator=gen).to(w.device, w.dtype)
+                ref = torch.cat([F.linear(x, w[e]) for e in (0, last)])
+                if prove(x, stack, ref, (0, last)):
+                    return
+        self.stacks = stacks
+
+    def __call__(self, x: torch.Tensor, chosen: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor | None:
+        if not self.stacks:
+            return None
+        return experts(x, chosen, weights, self.stacks["w13"], self.stacks["w2"])

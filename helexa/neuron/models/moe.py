@@ -65,6 +65,9 @@ class SparseMoeBlock(HotModule):
         self.w2 = param(e, h, self.inter, loader=self._load_w2, at=deferred.place(device))
         # (which, expert, x) -> x @ W^T for experts kept quantised (helexa/neuron/formats/gguf/experts.py)
         self.experts_kernel: Any = None
+        # float stacks on CUDA: the routed kernel (helexa/kernels/cuda/moe_routed.py), set
+        # and proved at load by the cuda executor
+        self.routed: Any = None
         self.shared = None
         if cfg.shared_expert_intermediate_size:
             kw = {"tp_rank": tp_rank, "tp_size": tp_size, "dtype": dtype, "device": device}
@@ -92,8 +95,8 @@ class SparseMoeBlock(HotModule):
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        if self.experts_kernel is None:
-            out = run_experts(x, self.w13, self.w2, chosen, weights)
+        if self.experts_kernel is None:  # float stacks: routed in place on CUDA where proved
+            out = run_experts(x, self.w13, self.w2, chosen, weights, self.routed)
         else:
             out = run_quantised_experts(x, self.experts_kernel, self.gate.shape[0], chosen,
                                         weights)

@@ -112,11 +112,6 @@ def install(mlp: nn.Module, which: str, dtype: torch.dtype) -> None:
 _PARTS = ("qweight", "qscales", "qzeros", "qscales_zeros")  # a quantised stack's buffers
 
 
-def on_card(t: torch.Tensor) -> bool:
-    """Where the routed kernel may serve a stack: a CUDA device (the CPU keeps its ops)."""
-    return t.is_cuda
-
-
 class QuantExperts:
     """experts_kernel(which, expert, x) -> x @ W[expert]^T on the stack's op."""
 
@@ -185,7 +180,7 @@ class QuantExperts:
         """Both stacks on the routed kernel, each run on its first and last expert against
         its op at load (moe_routed.prove); {} where either cannot or does not agree."""
         stacks = {w: self.routed_stack(w) for w in ("w13", "w2")}
-        if moe_routed.unavailable() or not all(s is not None and on_card(s.weight)
+        if moe_routed.unavailable() or not all(s is not None and moe_routed.on_card(s.weight)
                                                for s in stacks.values()):
             return {}
         dtype = self.mlp.gate.dtype  # the activations' (the router's weight is the model's)
@@ -206,13 +201,7 @@ class QuantExperts:
         None where the stacks did not prove themselves at load (prepare)."""
         if not self.routed:
             return None
-        n, k = chosen.shape
-        experts = chosen.reshape(-1).to(torch.int32)  # pair j: token j // k's slot j % k
-        pairs = torch.arange(n * k, dtype=torch.int32, device=x.device)
-        gate, up = moe_routed.run(x, pairs // k, experts, self.routed["w13"]).chunk(2, dim=-1)
-        y = moe_routed.run(torch.nn.functional.silu(gate) * up, pairs, experts,
-                           self.routed["w2"])
-        return (y.view(n, k, -1) * weights[..., None]).sum(dim=1)
+        return moe_routed.experts(x, chosen, weights, self.routed["w13"], self.routed["w2"])
 
     def __call__(self, which: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         op = self.ops.get(which)
