@@ -55,8 +55,9 @@ runner load by checkpoint: where the check's time went.
   Triton kernel, the dequantised tiles and a bf16 F.linear, and the same weight as per-row
   int8 on torch's op and on the kernel at one group a row, and as int4 at 1, 8 and 512
   rows (helexa's int4 product, torch's op alone, bf16): µs a call and the fraction of
-  copy bandwidth its bytes make (stage_int8g). After compare: it is not one of the
-  issue's figures.
+  copy bandwidth its bytes make (stage_int8g); and one MoE block's routed experts on the
+  routed kernel against the gathered copies it replaces, bf16, int8 and int4, at 1 and 8
+  tokens (``moe``). After compare: it is not one of the issue's figures.
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
 the script cannot rot where no GPU is; its figures mean nothing about a GPU.
@@ -945,7 +946,81 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
         out[f"rows{rows}"] = time_paths(paths, dev, reps, bw, (
             ("triton", "tiles"), ("triton", "bf16_linear"), ("row_triton", "row_torch_op")))
     out["int4"] = int4_rows(dev, w, reps, bw)
+    out["moe"] = moe_rows(dev, reps, bw, dry)
     return out
+
+
+def moe_rows(dev: torch.device, reps: int, bw: float, dry: bool) -> dict[str, Any]:
+    """One MoE block's routed experts (Qwen3.5-35B-A3B's shape: 256 experts of gate/up 2 x
+    512 x 2048 and down 2048 x 512, top 8; dry run 8 of 2 x 64 x 128, top 2) at 1 and 8
+    tokens: the routed kernel (helexa/kernels/cuda/moe_routed.py: each pair's expert read
+    in place, two launches) against the gathered copies it replaces (each pair's expert
+    copied out, then a product a pair), for bf16 stacks, grouped int8 ones (GGUF Q8_0's
+    groups of 32) and, on the GPU, torch's int4 layout (Q4_K's groups of 32); each path's
+    bytes the chosen experts' (time_paths: ``routed_vs_gathered`` its gain)."""
+    from types import SimpleNamespace
+
+    from helexa.kernels import moe_experts as me
+    from helexa.kernels import quant as qk
+    from helexa.kernels.cuda import moe_routed as mr
+    from helexa.neuron.formats.gguf.experts import QuantExperts
+
+    e, h, i, k = (8, 128, 64, 2) if dry else (256, 2048, 512, 8)
+    gen = torch.Generator().manual_seed(2)
+    w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(dev, torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(dev, torch.bfloat16)
+
+    def int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
+        g = w.float().unflatten(-1, (-1, 32))
+        scale = g.abs().amax(-1).clamp_min(1e-8) / 127
+        q = (g / scale[..., None]).round().clamp(-128, 127).to(torch.int8).flatten(-2)
+        return {"qweight": q, "qscales": scale.to(torch.bfloat16)}
+
+    stacks = {"bf16": (QuantExperts(SimpleNamespace(w13=w13, w2=w2)), 2)}
+    parts = {f"w13_{n}": t for n, t in int8(w13).items()}
+    parts |= {f"w2_{n}": t for n, t in int8(w2).items()}
+    quant = QuantExperts(SimpleNamespace(**parts))
+    quant.ops = {"w13": ("int8", 32, 2 * i), "w2": ("int8", 32, h)}
+    stacks["int8"] = (quant, 1 + 2 / 32)
+    if not dry:  # torch's CUDA int4 layout (its packing runs on the card only)
+        q4 = {}
+        for which, w in (("w13", w13), ("w2", w2)):
+            inner = qk.cuda_inner_k_tiles(w.shape[-1])
+            q = torch.randint(0, 16, w.shape, generator=gen).to(dev)
+            sz = torch.rand(e, w.shape[-1] // 32, w.shape[1], 2, generator=gen) * 0.01
+            q4[f"{which}_qweight"] = torch.stack([qk.int4_pack_cuda(q[j], inner)
+                                                  for j in range(e)])
+            q4[f"{which}_qscales_zeros"] = sz.to(dev, torch.bfloat16)
+        quant4 = QuantExperts(SimpleNamespace(**q4))
+        quant4.ops = {"w13": ("int4", 32, 2 * i), "w2": ("int4", 32, h)}
+        stacks["int4"] = (quant4, 0.5 + 4 / 32)
+    got: dict[str, Any] = {"shape": {"experts": e, "hidden": h, "inter": i, "top_k": k}}
+    for name, (kernel, bytes_per_value) in stacks.items():
+        kernel.routed = {w: kernel.routed_stack(w) for w in ("w13", "w2")}
+        for tokens in (1, 8):
+            chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
+            chosen = chosen.to(dev)
+            x = torch.randn(tokens, h, generator=gen).to(dev, torch.bfloat16)
+            weights = torch.rand(tokens, k, generator=gen).to(dev, torch.bfloat16)
+            nbytes = int(tokens * k * 3 * i * h * bytes_per_value)
+            routed = dict(kernel.routed)
+
+            def gathered(kernel: Any = kernel, x: Any = x, chosen: Any = chosen,
+                         weights: Any = weights, routed: Any = routed) -> Any:
+                if not kernel.ops:  # float stacks: run_experts' gathered form
+                    return me.experts_gathered(x, w13, w2, chosen, weights)
+                kernel.routed = {}  # the quantised stacks' copies' form
+                try:
+                    return me.quantised_gathered(x, kernel, chosen, weights)
+                finally:
+                    kernel.routed = routed
+
+            got[f"{name}_tokens{tokens}"] = time_paths({
+                "routed": (lambda kernel=kernel, x=x, chosen=chosen, weights=weights:
+                           mr.experts(x, chosen, weights, kernel.routed["w13"],
+                                      kernel.routed["w2"]), nbytes),
+                "gathered": (gathered, nbytes)}, dev, reps, bw, (("routed", "gathered"),))
+    return got
 
 
 def time_paths(paths: dict[str, tuple[Callable[[], Any], int]], dev: torch.device, reps: int,

@@ -91,6 +91,12 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
         assert all(got[p]["us"] > 0 for p in ("helexa", "torch_op", "bf16_linear")), got
         assert got["helexa_vs_torch_op"] > 0 and got["helexa_vs_bf16_linear"] > 0, got
         assert got["torch_op_vs_bf16_linear"] > 0, got
+    moe = int8g["moe"]  # the routed MoE kernel (interpreted) beside the gathered copies
+    for kind in ("bf16", "int8"):  # (int4's CUDA packing: on a GPU only)
+        for tokens in (1, 8):
+            got = moe[f"{kind}_tokens{tokens}"]
+            assert got["routed"]["us"] > 0 and got["gathered"]["us"] > 0, got
+            assert got["routed_vs_gathered"] > 0, got
 
 
 def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path,
