@@ -73,7 +73,9 @@ def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limit
     what resident ``model``'s runner was built for at load (its ``step_ceilings``: decode
     rows and step tokens, the most of any profile then; (0, 0): unknown, nothing cut), and
     what was cut, logged: a step past them would run rows no graph was captured for,
-    beside activations the pool was not measured against. Raising them takes a reload."""
+    beside activations the pool was not measured against. A hybrid's max_in_flight, no
+    more than the state slots carved at load (more would wait for a slot unsaid). Raising
+    any takes a reload."""
     slots, tokens = model.step_ceilings
     cut: dict[str, int] = {}
     if slots and limits.max_slots > slots:
@@ -83,6 +85,12 @@ def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limit
             cut[name] = tokens
     notes = [f"{k}: {getattr(limits, k)} is more than the {v} this model was loaded for; "
              f"{v} runs (reload the model to raise it)" for k, v in cut.items()]
+    states = model.num_state_slots  # a hybrid's: one a request in flight, carved at load
+    if states and limits.max_in_flight > states:
+        notes.append(f"max_in_flight: {limits.max_in_flight} is more than the {states} "
+                     "linear-attention state slots this model was loaded with; "
+                     f"{states} run at once (reload the model to raise it)")
+        cut["max_in_flight"] = states
     if notes:
         log.warning("model.limits_capped", model=model.model_id, capped=notes)
     return msgspec.structs.replace(limits, **cut), notes

@@ -49,3 +49,31 @@ def test_profile_overrides_only_what_it_sets() -> None:
     assert effective_kv_dtype(cfg, "batch") == "int8"
     assert effective_kv_dtype(cfg, "plain") == "fp16"
     assert effective_kv_dtype(cfg) == "fp16"
+
+
+def test_limits_past_what_a_model_was_loaded_for_run_at_the_loads_figures() -> None:
+    """A switch or reload asking for more decode rows or step tokens than the runner was
+    built for, or (a hybrid) more requests in flight than its state slots, runs at the
+    load's figures and says so; within them nothing changes."""
+    from types import SimpleNamespace
+
+    from helexa.neuron.engine import messages
+    from helexa.neuron.limits import within_ceilings
+
+    model = SimpleNamespace(model_id="m", step_ceilings=(8, 2048), num_state_slots=4)
+    asked = messages.Limits(max_slots=16, max_batched_tokens=4096, prefill_chunk_tokens=512,
+                            max_in_flight=32)
+    got, notes = within_ceilings(asked, model)
+    assert (got.max_slots, got.max_batched_tokens, got.prefill_chunk_tokens,
+            got.max_in_flight) == (8, 2048, 512, 4)
+    assert notes == [
+        "max_slots: 16 is more than the 8 this model was loaded for; 8 runs (reload the "
+        "model to raise it)",
+        "max_batched_tokens: 4096 is more than the 2048 this model was loaded for; 2048 runs "
+        "(reload the model to raise it)",
+        "max_in_flight: 32 is more than the 4 linear-attention state slots this model was "
+        "loaded with; 4 run at once (reload the model to raise it)"]
+    inside = messages.Limits(max_slots=8, max_batched_tokens=1024, max_in_flight=4)
+    assert within_ceilings(inside, model) == (inside, [])
+    dense = SimpleNamespace(model_id="d", step_ceilings=(0, 0), num_state_slots=0)
+    assert within_ceilings(asked, dense) == (asked, [])  # unknown ceilings: nothing cut
