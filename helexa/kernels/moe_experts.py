@@ -202,7 +202,10 @@ def run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, chosen: to
     gathered form on ``routed`` (helexa/kernels/cuda/moe_routed.py FloatExperts: each
     pair's expert read in place, no copies) where it proved itself at load."""
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0], capturing)
+    # the routed kernel reads each pair's expert once (the copies: read, written, read)
+    copies = 1 if routed is not None and getattr(routed, "stacks", None) else 3
+    form = choose_form(x.device.type, x.shape[0], chosen.shape[1], w13.shape[0], capturing,
+                       copies)
     if form == "gathered" and routed is not None and chosen.shape[0]:
         if (y := routed(x, chosen, weights)) is not None:
             return y

@@ -191,3 +191,24 @@ def test_a_float_moe_blocks_gathered_step_reads_its_experts_in_place(monkeypatch
         torch.testing.assert_close(out.float(), want.float(), rtol=3e-2,
                                    atol=2e-2 * want.float().abs().max())
     assert calls == ["routed"]
+    # a proved routed kernel reads each pair's expert once: the rule gathers while N k <= E,
+    # not only while 3 N k <= E as for the copies (a bf16 Qwen3-30B-A3B's batches 6-16)
+    seen: list[int] = []
+    monkeypatch.setattr(moe_experts, "choose_form",
+                        lambda *a, **k: seen.append(a[5] if len(a) > 5 else k["copies"])
+                        or "gathered")
+    moe_experts.run_experts(x, w13, w2, chosen, weights, routed)
+    moe_experts.run_experts(x, w13, w2, chosen, weights, None)
+    assert seen == [1, 3]
+
+
+def test_an_int4_stack_proves_itself_in_an_fp32_model(monkeypatch):
+    """torch's CUDA int4 op, the probe's reference, rounds activations and products to
+    bf16: an fp32 or fp16 model's int4 stack is held to bf16's tolerance, not its own."""
+    stack, w = _stack("int4", 32, seed=9)
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(3))
+    exact = torch.stack([x[0] @ w[e].t() for e in (0, E - 1)])
+    rounded = exact * (1 + 5e-3)  # a reference off by bf16's rounding
+    assert mr.probe(x, stack, rounded, (0, E - 1), interpret=True) == ""
+    assert mr.probe(x, stack, exact * 1.1, (0, E - 1), interpret=True).startswith(
+        "the Triton routed expert product is off by")

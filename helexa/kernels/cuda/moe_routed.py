@@ -126,6 +126,8 @@ def probe(x: torch.Tensor, stack: Stack, reference: torch.Tensor, experts: tuple
     want = reference.float()
     err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-6))
     tol = _TOL.get(x.dtype, 1e-2)
+    if stack.kind == "int4":  # its reference, torch's CUDA op, rounds x and out to bf16
+        tol = max(tol, _TOL[torch.bfloat16])
     return "" if err < tol else f"the Triton routed expert product is off by {err:.2g}"
 
 
