@@ -28,12 +28,12 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from helexa.budget import host_tier_size, state_slots
 from helexa.checkpoint.gguf import GgufError, find_gguf, read_config, type_summary
 from helexa.checkpoint.gguf_layout import measures_activations
 from helexa.checkpoint.gguf_layout import weight_bytes_per_card as gguf_weight_bytes_per_card
+from helexa.checkpoint.kv_path import torch_path_kv
 from helexa.checkpoint.layers_present import missing_layers
 from helexa.checkpoint.memory import (
     cuda_graph_plan,
@@ -42,6 +42,7 @@ from helexa.checkpoint.memory import (
     fused_allreduce_plan,
     held_bytes_per_request,
     kv_bytes_per_token,
+    on_cuda,
     tokens_each,
     weight_bytes_per_card,
 )
@@ -53,33 +54,25 @@ from helexa.checkpoint.shape import (
     max_positions,
     read_model_shape,
 )
+from helexa.checkpoint.step_memory import (
+    ActivationNeed,
+    activation_need,
+    need_sum,
+    rope_positions,
+)
 from helexa.checkpoint.vision_shape import max_image_patches, tower_loads
 from helexa.checkpoint.weights import checkpoint_quantization, quantized_weight_bytes_per_card
 from helexa.config.schema import (
-    ConfigError,
     ModelEntry,
     NeuronConfig,
     Speculation,
     resolve_path,
     resolve_speculation,
 )
+from helexa.plan_sources import PlanError, UnknownBudget, draft_costs, model_config_path
 
 MIB = 1024 * 1024
 TRADE_SESSIONS = (1, 2, 4, 8)
-
-
-class PlanError(ConfigError):
-    """A model that cannot be planned as configured; the message shows the arithmetic."""
-
-
-class UnknownBudget(PlanError):
-    """Neither a KV budget nor the device memory is known (a live device can tell)."""
-
-
-# ---------------------------------------------------------------- model shape
-
-
-# ---------------------------------------------------------------- arithmetic
 
 
 def speculations(cfg: NeuronConfig, entry: ModelEntry | None = None) -> list[Speculation]:
@@ -144,14 +137,7 @@ class ModelPlan:
     host_bytes_per_card: int = 0
     host_blocks: int = 0
     host_snapshots: int = 0
-
-
-def model_config_path(config_file: str | Path, entry: ModelEntry) -> Path:
-    """The config.json used to plan an entry: `config`, else `path`/config.json."""
-    if entry.config is not None:
-        return resolve_path(config_file, entry.config)
-    assert entry.path is not None  # ModelEntry guarantees one of them
-    return resolve_path(config_file, entry.path) / "config.json"
+    activation: ActivationNeed | None = None  # CUDA: the headroom's terms (step_memory.py)
 
 
 def _key(cfg: NeuronConfig, entry: ModelEntry, field: str) -> str:
@@ -254,8 +240,8 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
     draft_id = specs[0].draft_model  # a draft model is per model: never a profile's
     draft_weights = draft_per_token = 0
     if draft_id:  # its weights and KV come out of the same card (tp = 1)
-        draft_weights, draft_per_token = _draft_costs(cfg, config_file, draft_id, kv,
-                                                      float_dtype, where)
+        draft_weights, draft_per_token = draft_costs(cfg, config_file, draft_id, kv,
+                                                     float_dtype, where)
         weights += draft_weights
         per_token += draft_per_token
         weight_dtype += f"; + draft {draft_id} {format_bytes(draft_weights)}"
@@ -334,7 +320,9 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         room = budget - math.ceil(context / bs) * block_bytes - slots * slot
         plan = replace(plan, num_snapshot_slots=max(0, min(cfg.kv.prefix_snapshots, room // fixed)))
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
-    max_slots = cfg.step_ceilings()[0]  # graphs for every profile's batches (a switch)
+    # graphs for every profile's batches (a switch needs no reload) and a step of its own
+    # profile's tokens: NeuronConfig.step_ceilings, what the runner is built for
+    max_slots, max_tokens = cfg.step_ceilings(entry.profile or "")
     devices = cfg.devices_of(entry)
     ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, devices)
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (
@@ -343,32 +331,24 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
                                              plan.num_snapshot_slots, fixed)
     graph_rows, graphs_off, graphs = cuda_graph_plan(shape, tp, max_slots * cfg.engine.cuda_graphs,
                                                      kv, float_dtype, plan.num_blocks, devices)
+    need = None
+    if on_cuda(devices):  # what the headroom holds beside the weights and KV (step_memory.py)
+        need = activation_need(
+            shape, tp, ELT_BYTES[dtype_name(float_dtype)], tokens=max_tokens,
+            logits_rows=max_slots * (1 + spec_k), sequences=max_slots, encoder=encoder, cache=cache,
+            positions=rope_positions(shape, positions, context, cfg.engine.cuda_graphs),
+            graphs=graphs, allreduce=ar_bytes, flashinfer_pool=not torch_path_kv(kv, float_dtype))
+        if tp > 1 and budget_mb is None and need.total > headroom:  # nothing measures it
+            raise PlanError(f"{where('kv.activation_headroom_mb')}: expected the activation "
+                            f"headroom to hold what each card needs beside weights and KV at tp"
+                            f" = {tp} (not measured at load), got {headroom_text} for "
+                            f"{need_sum(need)}: raise it to {need.headroom_mb:,} MiB")
     return replace(plan, num_state_slots=slots, blocks_beside_state=blocks, graphs_off=graphs_off,
                    graph_rows=graph_rows, headroom_bytes=headroom, graph_pool_bytes=graphs,
                    vision_peak_bytes=encoder + cache, allreduce_rows=ar_rows,
                    allreduce_workspace_bytes=ar_bytes, host_blocks=host_blocks,
-                   host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps)
-
-
-def _draft_costs(cfg: NeuronConfig, config_file: str | Path, draft_id: str, kv_dtype: str,
-                 weight_dtype: str, where: Any) -> tuple[int, int]:
-    """(weight bytes, KV bytes per token) of a draft model run in the target's weight and KV
-    dtypes, unsharded (docs/speculation.md)."""
-    try:
-        d = cfg.model(draft_id)
-    except KeyError:
-        raise PlanError(f"{where('speculation')}: no [[models]] entry `{draft_id}`") from None
-    d_path = model_config_path(config_file, d)
-    try:
-        d_shape = read_model_shape(json.loads(d_path.read_text()))
-    except FileNotFoundError:
-        raise PlanError(f"{where('speculation')}: draft model `{draft_id}`: expected a model "
-                        f"config.json, no file {d_path}") from None
-    except (KeyError, ValueError, TypeError) as e:
-        raise PlanError(f"{where('speculation')}: draft model `{draft_id}`: {d_path}: "
-                        f"unreadable model config ({e!r})") from None
-    return (weight_bytes_per_card(d_shape, 1, weight_dtype),
-            kv_bytes_per_token(d_shape, 1, kv_dtype))
+                   host_bytes_per_card=host_bytes if host_blocks else 0, host_snapshots=host_snaps,
+                   activation=need)
 
 
 def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
@@ -393,8 +373,5 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
         except UnknownBudget:
             continue
     return plans
-
-
-# ------------------------------------------------------------------- printing
 
 

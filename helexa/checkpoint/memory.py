@@ -48,6 +48,48 @@ Per card, with tp-way tensor parallelism:
         helexa/kernels/backends/cuda_comm.py) = 4 × tp × rows × hidden × 2
         + tp × 256 × 4                       # FlashInfer 0.6.13's three symmetric buffers
     rows = fused_allreduce_rows(max_slots) = max(128, max_slots)  # 128: its one-shot limit
+
+On CUDA the activation headroom holds, besides those two and a vision tower's peak and
+embedding cache, what helexa/checkpoint/step_memory.py counts (B = weight bytes, H =
+hidden, heads, kv_heads, linear-attention heads and widths per card, N = tokens):
+    step_bytes = N × (largest layer kind's bytes a token + 3 × 8   # ids, positions, slots
+                      + 2 × rotary_dim × B)                       # the torch rotation's rows
+                 + logits_rows × (H × B + vocab × 4 + B × (vocab/tp + (tp > 1) × (vocab/tp × tp
+                                  + vocab)))          # rows gathered, head slice(s), fp32
+                 + (hybrids) min(max_slots, N) × v_heads × k_dim × v_dim × (B + 8)  # states
+      N = engine.max_batched_tokens, logits_rows = max_slots × (1 + spec_k); an MoE model on
+      CUDA takes the larger of that and a 256-row step (moe_experts.SYNC_FREE_MAX_ROWS)
+      holding moe_expert_bytes at min(256, N) rows (its masked or gathered form, eager)
+    held = (3 + hybrid class) × H × B   # decoder_stack's input, stream and the layer
+                                        # before's output (the hybrids' forward: embeddings)
+    dense MLP      = held + (2 × H + 3 × intermediate) × B  # stream and normed output after
+                                                           # the add; gate/up, SiLU-and-mul
+    MoE MLP        = held + 3 × H × B + 4 × experts + 12 × top_k   # output; router probs
+                     + max(3 × H + 4 × moe_inter, 2 × H + 4 × shared_inter) × B  # looped
+                     # form: one expert's rows (at most every token), gate/up, SiLU, product
+    full attention = held + (H + (q_factor × heads + 2 × kv_heads) × head_dim
+                     + 3 × (heads + kv_heads) × head_dim + (2 q_factor − 1) × heads × head_dim) × B
+                     # q, k, v; normed, rotated q and k; output (gated: sigmoid, product)
+    Gated DeltaNet = held + (conv + v_heads × v_dim + 2 v_heads    # in_proj's output
+                     + 2 × conv) × B                                # conv output, its buffer
+                     + 4 × (2 × k_heads × k_dim + 2 × v_heads + v_heads × v_dim)  # fp32 q k g β o
+                     + (2 × k_heads × k_dim + v_heads × v_dim + v_heads) × B  # fla's inputs
+                     + v_heads × (4 + (64 + k_dim + 3 × v_dim + k_dim × v_dim / 64) × B)
+                     # fla-core 0.6.0's chunk intermediates: g cumsum, A, w, u, v_new, o, h
+      conv = 2 × k_heads × k_dim + v_heads × v_dim
+    flashinfer_eager = flashinfer_workspace_bytes(heads/kv_heads, head_dim)  # >= 256 MiB
+                       + 8 MiB × (1 prefill wrapper + 1 decode wrapper where the pool is
+                                  FlashInfer's)
+    rope_table = positions × rotary_dim × (2 × B + 4)  # cos, sin; FlashInfer's fp32 table
+                                                       # (where its rope takes the head)
+      positions = the model's reach where graphs freeze the table, else its doubling
+      growth to the context
+    nccl_margin (tp > 1) = 1 GiB   # NCCL's buffers and the CUDA context: not computable,
+                                   # a stated margin (step_memory.NCCL_MARGIN_BYTES)
+    sampling = min(N, logits_rows) × vocab × (4 + 50)  # fp32 logits; the sampler's sort,
+                                   # probabilities and logprobs (50 B a logit, measured on CPU)
+    need = max(step_bytes, vision encoder, sampling) + embedding cache + graph_pool_bytes
+           + allreduce_workspace_bytes + flashinfer_eager + rope_table + nccl_margin
 """
 
 from __future__ import annotations

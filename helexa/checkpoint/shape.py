@@ -62,6 +62,7 @@ class ModelShape:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     mtp_layers: int = 0  # multi-token-prediction layers config.json declares
+    rotary_dim: int = 0  # rotated leading dims of each head (partial rotary); 0 = head_dim
     vision: VisionShape | None = None  # a vision-language checkpoint's tower (vision_config)
 
     @property
@@ -113,6 +114,7 @@ def read_model_shape(config_json: Path | str | dict) -> ModelShape:
         moe_intermediate_size=int(c.get("moe_intermediate_size") or c.get("intermediate_size") or 0),
         shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
         mtp_layers=int(c.get("mtp_num_hidden_layers") or 0),
+        rotary_dim=_rotary_dim(c, head_dim),
         vision=read_vision_shape(raw),
     )
     sharded, replicated = param_split(shape, tp=1)
@@ -131,6 +133,15 @@ def _layer_count(value: Any) -> int:
         raise ValueError(f"config.json num_hidden_layers: expected a whole number from 1 to "
                          f"{MAX_LAYERS}, got {value!r}")
     return int(value)
+
+
+def _rotary_dim(c: dict, head_dim: int) -> int:
+    """Each head's rotated dims where the rotary is partial (partial_rotary_factor, in the
+    rope parameters or beside them, as models/config.py reads it); 0 = all of head_dim."""
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    partial = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
+        or c.get("partial_rotary_factor") or 1.0
+    return int(head_dim * float(partial)) if float(partial) != 1.0 else 0
 
 
 def _replace(shape: ModelShape, **kw: Any) -> ModelShape:

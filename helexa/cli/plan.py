@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from helexa.checkpoint.kv_path import FLOAT_KV
-from helexa.checkpoint.memory import format_bytes, kv_heads_per_card
+from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES, format_bytes, kv_heads_per_card
+from helexa.checkpoint.shape import ELT_BYTES, dtype_name
+from helexa.checkpoint.step_memory import SAMPLING_BYTES_PER_LOGIT, need_sum
 from helexa.config.schema import AdmissionConfig, ConfigError, KvConfig, load_neuron_config
 from helexa.plan import ModelPlan, PlanError, plan_model
 
@@ -64,19 +66,10 @@ def format_plan(p: ModelPlan) -> str:
         lines.append(f"    speculation room    {p.held_bytes:,} B ({format_bytes(p.held_bytes)}) per"
                      " state slot: one verification row's inputs, for rollback")
     if p.graph_rows:
-        # beside what an image step peaks at: the graphs' pool is held all the while
-        held = p.graph_pool_bytes + p.allreduce_workspace_bytes + p.vision_peak_bytes
-        fits = held <= p.headroom_bytes
-        beside = [w for w, n in (("the all-reduce workspace", p.allreduce_rows),
-                                 ("the vision tower's peak and cache", p.vision_peak_bytes)) if n]
         lines.append(f"    CUDA graph pool     {format_bytes(p.graph_pool_bytes)} (estimate, with the"
                      f" graphs' attention buffers) for decode batches {p.graph_rows}..1 captured"
-                     f" at load{QUANT_GRAPHS if p.kv_dtype not in FLOAT_KV else ''},"
-                     f" {'inside' if fits else 'MORE than'} the "
-                     f"{format_bytes(p.headroom_bytes)} activation headroom"
-                     + (" with " + " and ".join(beside) if beside else "")
-                     + ("" if fits else
-                        f" ({format_bytes(held)} in all: raise kv.activation_headroom_mb)"))
+                     f" at load{QUANT_GRAPHS if p.kv_dtype not in FLOAT_KV else ''}, in the"
+                     " activation headroom")
     if p.graphs_off:
         lines.append(f"    CUDA graphs         none: {p.graphs_off} runs FlashInfer's torch path on"
                      " a cuda backend, every decode step eagerly")
@@ -84,6 +77,8 @@ def format_plan(p: ModelPlan) -> str:
         lines.append(f"    all-reduce space    {format_bytes(p.allreduce_workspace_bytes)} for the "
                      f"fused all-reduce + RMSNorm of steps up to {p.allreduce_rows} rows (where "
                      "FlashInfer's runs), in the activation headroom")
+    if p.activation is not None:
+        lines += headroom_lines(p)
     lines += [
         f"    advertised          context {p.context:,}  input {p.input:,}  output {p.output:,}"
         f"  (model positions {p.max_position_embeddings:,})",
@@ -91,6 +86,47 @@ def format_plan(p: ModelPlan) -> str:
     ]
     lines += [f"    {n:>8}  {t:>11,}" for n, t in p.trade]
     return "\n".join(lines)
+
+
+def headroom_lines(p: ModelPlan) -> list[str]:
+    """What else a CUDA card holds in the activation headroom (step_memory.py), and the
+    verdict: whether the headroom holds it all."""
+    a = p.activation
+    assert a is not None and p.shape is not None
+    st, rd = a.step, p.shape.rotary_dim or p.shape.head_dim
+    elt = ELT_BYTES[dtype_name(p.float_dtype)]
+    lines = [
+        f"    text step           {format_bytes(st.total)} (estimate) for {st.tokens:,} tokens "
+        f"(engine.max_batched_tokens) × {st.per_token:,} B, a {st.layer} layer's live "
+        f"activations a token, + {st.logits_rows:,} rows' logits {format_bytes(st.logits)}"
+        + (f" + {st.sequences} sequences' recurrent states {format_bytes(st.states)}"
+           if st.states else "")
+        + (f"; MoE steps of up to {st.sync_free_rows} rows hold "
+           f"{format_bytes(st.sync_free)} more in their sync-free expert form" if st.sync_free
+           else ""),
+        f"    sampling            {format_bytes(a.sampling)}: {st.logits_rows:,} rows × "
+        f"{p.shape.vocab_size:,} logits × (4 B + {SAMPLING_BYTES_PER_LOGIT} B the sampler's, "
+        "measured on CPU: a full sort for top-p, logprobs), after the step's forward",
+        f"    FlashInfer          {format_bytes(a.flashinfer)}: the eager wrappers' float "
+        f"workspace {format_bytes(a.flashinfer - a.flashinfer_ints * FI_WRAPPER_INT_BYTES)} + "
+        + (f"{a.flashinfer_ints} int workspaces" if a.flashinfer_ints > 1 else "an int workspace")
+        + f" of {format_bytes(FI_WRAPPER_INT_BYTES)}",
+        f"    rotary table        {format_bytes(a.rope)}: {a.rope_positions:,} positions × {rd}"
+        f" rotary dims × (cos and sin {2 * elt} B"
+        + (" + FlashInfer's fp32 table 4 B)" if a.rope > a.rope_positions * rd * 2 * elt else ")"),
+    ]
+    if a.comm:
+        lines.append(f"    NCCL and context    {format_bytes(a.comm)} at tp = {p.tp}: a stated "
+                     "margin, not computable (NCCL's buffers and the CUDA context, 0.5 to 1.6 "
+                     "GB a card: NVIDIA/nccl#964, #864)")
+    fits = a.total <= p.headroom_bytes
+    lines.append(f"    activation need     {need_sum(a)}: "
+                 + ("inside" if fits else "MORE than") + " the "
+                 f"{format_bytes(p.headroom_bytes)} activation headroom"
+                 + ("" if fits else f" (raise kv.activation_headroom_mb to {a.headroom_mb:,} MiB)")
+                 + ("; at tp = 1 the load measures a worst-case step and sizes the pool to "
+                    "what is left" if p.tp == 1 else ""))
+    return lines
 
 
 def admission_line(adm: AdmissionConfig) -> str:

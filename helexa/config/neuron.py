@@ -80,8 +80,11 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     activation_headroom_mb: Annotated[int, field_meta(
         "Memory kept free for activations when the pool is derived from device memory; for a "
         "model with a vision tower at least its encoder's over the largest image, and its "
-        "embedding cache beside; on CUDA it holds the decode graphs' pool too (helexa plan "
-        "shows each and whether they fit).", RESTART, ge=0)] = 512
+        "embedding cache beside; on CUDA it holds a step's activations at max_batched_tokens, "
+        "the decode graphs' pool, FlashInfer's workspaces and the rotary table too, and at "
+        "tp > 1 the all-reduce workspace and a margin for NCCL (helexa plan shows each and "
+        "whether they fit; at tp > 1, where the load measures nothing, a pool derived from "
+        "device memory whose headroom cannot hold them is refused).", RESTART, ge=0)] = 512
     prefix_cache: Annotated[bool, field_meta(
         "Share KV blocks of identical prompt prefixes between requests.", RESTART)] = True
     prefix_snapshots: Annotated[int, field_meta(
@@ -265,15 +268,18 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
                 return m
         raise KeyError(model_id)
 
-    def step_ceilings(self) -> tuple[int, int]:
-        """The most decode rows (``max_slots``) and tokens (``max_batched_tokens``) a step
-        takes under [engine] or any [profiles.*]: what a model's runner is built for at
-        load (graphs captured, its pool measured beside such a step), so that a profile
-        switch stays inside what was built and needs no reload."""
+    def step_ceilings(self, profile: str = "") -> tuple[int, int]:
+        """What a model running ``profile`` has its runner built for at load: the most
+        decode rows (``max_slots``) of [engine] and every [profiles.*], so that a switch to
+        any profile's batch width needs no reload (graphs captured for it); and the most
+        tokens a step takes (``max_batched_tokens``) of [engine] and ``profile``'s, which
+        its pool is measured beside (another profile's larger steps are capped at a
+        switch, and said)."""
         profiles = list(self.profiles.values())
+        own = self.profiles.get(profile) if profile else None
         return (max([self.engine.max_slots] + [p.max_slots for p in profiles if p.max_slots]),
-                max([self.engine.max_batched_tokens]
-                    + [p.max_batched_tokens for p in profiles if p.max_batched_tokens]))
+                max(self.engine.max_batched_tokens,
+                    own.max_batched_tokens if own and own.max_batched_tokens else 0))
 
 
 

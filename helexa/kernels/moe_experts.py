@@ -44,12 +44,14 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+# SYNC_FREE_MAX_ROWS, the most rows the masked form takes on CUDA (helexa plan counts its
+# products at as many): above this a step is a prefill (never captured in a graph), where
+# E / k times the routed compute stops being free and the looped form's one sync per layer
+# is cheap beside the step. An estimate, not measured.
+from helexa.checkpoint.step_memory import SYNC_FREE_MAX_ROWS
+
 Form = Literal["looped", "gathered", "masked"]
 
-# The most rows the masked form takes on CUDA: above this a step is a prefill (never
-# captured in a graph), where E / k times the routed compute stops being free and the
-# looped form's one sync per layer is cheap beside the step. An estimate, not measured.
-SYNC_FREE_MAX_ROWS = 256
 
 
 def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,

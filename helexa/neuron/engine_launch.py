@@ -34,7 +34,7 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
     max_in_flight = r.admission.max_in_flight if r.admission else cfg.admission.max_in_flight
     num_blocks, slots = state_slots(plan, max_in_flight or 1)
     r.num_state_slots = slots
-    r.step_ceilings = cfg.step_ceilings()
+    r.step_ceilings = cfg.step_ceilings(r.profile)
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
         dtype=r.load_entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,

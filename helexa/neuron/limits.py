@@ -69,7 +69,7 @@ def effective_limits(cfg: NeuronConfig, profile: str = "",
 
 
 def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limits, list[str]]:
-    """``limits`` with max_slots, max_batched_tokens and prefill_chunk_tokens no larger than
+    """``limits`` with max_slots and max_batched_tokens no larger than
     what resident ``model``'s runner was built for at load (its ``step_ceilings``: decode
     rows and step tokens, the most of any profile then; (0, 0): unknown, nothing cut), and
     what was cut, logged: a step past them would run rows no graph was captured for,
@@ -80,9 +80,8 @@ def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limit
     cut: dict[str, int] = {}
     if slots and limits.max_slots > slots:
         cut["max_slots"] = slots
-    for name in ("max_batched_tokens", "prefill_chunk_tokens"):
-        if tokens and getattr(limits, name) > tokens:
-            cut[name] = tokens
+    if tokens and limits.max_batched_tokens > tokens:  # (a chunk is at most a step's)
+        cut["max_batched_tokens"] = tokens
     notes = [f"{k}: {getattr(limits, k)} is more than the {v} this model was loaded for; "
              f"{v} runs (reload the model to raise it)" for k, v in cut.items()]
     states = model.num_state_slots  # a hybrid's: one a request in flight, carved at load

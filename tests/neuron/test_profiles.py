@@ -188,9 +188,10 @@ def test_a_models_own_speculation_reloads_and_a_profile_overrides_it(
 
 def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
         tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The runner is built at load for the most decode rows and step tokens of any profile
-    (graphs, the measured pool), so switching to the largest needs no reload; a reload that
-    asks for more than that runs the load's figure and says so in its changes."""
+    """The runner is built at load for the most decode rows of any profile (graphs) and its
+    own profile's step tokens (the measured pool): switching to the widest batch needs no
+    reload; a profile's larger steps, or a reload asking for more rows than any profile
+    had, run at the load's figures and say so in the changes."""
     (tmp_path / "token").write_text("t")
     cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
            "engine": {"max_slots": 4, "max_batched_tokens": 256},
@@ -214,10 +215,15 @@ def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
     spec, changed, switched, changes, after = run_fake_neuron(
         path, body, script=lambda _p, _i: 7)
     assert spec.limits.max_slots == 4 and spec.limits.max_batched_tokens == 256  # base runs
-    assert (spec.max_slots_ceiling, spec.max_batched_tokens_ceiling) == (12, 1024)
+    assert (spec.max_slots_ceiling, spec.max_batched_tokens_ceiling) == (12, 256)
     assert "max_slots: 4 -> 12" in changed and switched.max_slots == 12
-    assert switched.max_batched_tokens == 1024
-    assert not [c for c in changed if "loaded for" in c]
+    assert switched.max_batched_tokens == 256
+    assert [c for c in changed if "loaded for" in c] == [
+        "max_batched_tokens: 1024 is more than the 256 this model was loaded for; 256 runs "
+        "(reload the model to raise it)"]
     assert after.max_slots == 12  # not 20: the graphs and the pool were built for 12
-    assert ["tiny: max_slots: 20 is more than the 12 this model was loaded for; 12 runs "
-            "(reload the model to raise it)"] == [c for c in changes if "loaded for" in c]
+    assert [c for c in changes if "loaded for" in c] == [  # (the profile's tokens still cut)
+        "tiny: max_slots: 20 is more than the 12 this model was loaded for; 12 runs "
+        "(reload the model to raise it)",
+        "tiny: max_batched_tokens: 1024 is more than the 256 this model was loaded for; 256 "
+        "runs (reload the model to raise it)"]

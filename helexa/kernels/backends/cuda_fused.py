@@ -34,6 +34,9 @@ from typing import Any
 import structlog
 import torch
 
+# the head sizes FlashInfer's rope kernel is built for (helexa plan counts its fp32 table)
+from helexa.checkpoint.step_memory import ROPE_HEAD_DIMS
+
 log = structlog.get_logger(component="kernels")
 
 DTYPES = (torch.bfloat16, torch.float16)
@@ -156,7 +159,6 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
     return "norms, residual add + norm, SiLU: FlashInfer kernels"
 
 
-ROPE_HEAD_DIMS = (64, 128, 256, 512)  # the head sizes FlashInfer's rope kernel is built for
 
 
 def install_rope(model: torch.nn.Module, dtype: torch.dtype,

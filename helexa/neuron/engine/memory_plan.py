@@ -22,8 +22,13 @@ from collections.abc import Callable
 import torch
 
 MIB = 2**20
-MARGIN_FRACTION = 0.03  # of device memory, kept free beside the measured step (CUDA graphs,
-MARGIN_MIN_BYTES = 256 * MIB  # NCCL buffers, fragmentation)
+# kept free beside the measured step (whose peak includes the graphs' pool): the caching
+# allocator's fragmentation and what the probe step does not reach (the sampler's
+# temporaries, for one). Measured sizing runs at tp = 1 only, so no NCCL buffers: at tp > 1
+# helexa plan's arithmetic sizes the pool, with a margin of its own for NCCL and the CUDA
+# context (helexa/checkpoint/step_memory.py NCCL_MARGIN_BYTES).
+MARGIN_FRACTION = 0.03  # of device memory
+MARGIN_MIN_BYTES = 256 * MIB
 
 
 class KvPlanError(ValueError):
