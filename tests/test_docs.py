@@ -398,3 +398,14 @@ def test_the_code_map_names_every_package() -> None:
     assert "helexa/neuron/engine/" in packages
     assert not packages - listed, f"docs/architecture.md's code map lacks {sorted(packages - listed)}"
     assert not listed - packages, f"the code map lists what is no package: {sorted(listed - packages)}"
+
+
+def test_no_doc_or_config_holds_a_merge_conflicts_markers() -> None:
+    """A merge's unresolved conflict left in prose or a shipped config (ruff catches them in
+    code): every doc, example and asset file reads as one text."""
+    files = [*ROOT.glob("docs/**/*.md"), *ROOT.glob("docs/**/*.toml"), ROOT / "README.md",
+             *ROOT.glob("asset/**/*.toml")]
+    marked = [f"{f.relative_to(ROOT)}:{n}" for f in files
+              for n, line in enumerate(f.read_text().splitlines(), 1)
+              if re.match(r"(<{7}|>{7}|={7})( |$)", line)]
+    assert len(files) > 10 and marked == []
