@@ -112,7 +112,7 @@ def main() -> int:
                                    (2, "*i32", 32, 8), (2, "*i32", 128, 2)):
         out[f"moe_routed/{kind}/{group}/{inner}"] = stats(ptx(mr.routed_kernel, [
             "*bf16", "*i32", "*i32", wt, "*bf16", "*bf16", "*fp32"] + ["i32"] * 8, dict(
-            KIND=kind, G=group, GROUPING=mr.grouping(group, 128), HAS_ZEROS=kind == 1,
+            KIND=kind, G=group, GROUPING=i8.grouping(group, 128), HAS_ZEROS=kind == 1,
             INNER=inner, BLOCK_N=32, BLOCK_K=128), 4, stack_args))
     json.dump(out, sys.stdout)
     return 0

@@ -41,33 +41,43 @@ def int8g_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, k_span,  # noqa: 
                     mask=in_m[:, None] & in_k[None, :], other=0.0)
         q = tl.load(w_ptr + rows_w + offs_k[None, :], mask=in_n[:, None] & in_k[None, :],
                     other=0).to(tl.float32)
-        if GROUPING == 1:  # G divides BLOCK_K: the step's BLOCK_K // G groups, one load each
-            NG: tl.constexpr = BLOCK_K // G
-            offs_g = k0 // G + tl.arange(0, NG)
-            gmask = in_n[:, None] & (offs_g[None, :] < K // G)
-            s = tl.load(s_ptr + rows_s + offs_g[None, :], mask=gmask, other=0.0)
-            w = q.reshape(BLOCK_N, NG, G) * s.to(tl.float32)[:, :, None]
-            if HAS_ZEROS:
-                z = tl.load(z_ptr + rows_s + offs_g[None, :], mask=gmask, other=0.0)
-                w += z.to(tl.float32)[:, :, None]
-            w = w.reshape(BLOCK_N, BLOCK_K)
-        elif GROUPING == 2:  # BLOCK_K divides G: the step lies in one group
-            # (a span's last steps may lie past K, where its row has no group left)
-            smask = in_n[:, None] & ((k0 + tl.zeros((BLOCK_N, 1), dtype=tl.int32)) < K)
-            s = tl.load(s_ptr + rows_s + k0 // G, mask=smask, other=0.0)
-            w = q * s.to(tl.float32)
-            if HAS_ZEROS:
-                w += tl.load(z_ptr + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
-        else:  # any other group: each value's own group's scale
-            group = offs_k[None, :] // G
-            wmask = in_n[:, None] & in_k[None, :]
-            w = q * tl.load(s_ptr + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                w += tl.load(z_ptr + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+        w = dequant_groups(q, s_ptr, z_ptr, rows_s, in_n, offs_k, k0, K, G, GROUPING,
+                           HAS_ZEROS, BLOCK_N, BLOCK_K)
         acc += tl.dot(x.to(DOT), tl.trans(w.to(DOT)), input_precision=PRECISION)
     # the spans' partial sums: [split, M, N] fp32, this program's span at pid_k
     out = out_ptr + (pid_k * M + offs_m[:, None]).to(tl.int64) * N + offs_n[None, :]
     tl.store(out, acc, mask=in_m[:, None] & in_n[None, :])
+
+
+@triton.jit
+def dequant_groups(q, s_at, z_at, rows_s, in_n, offs_k, k0, K,  # noqa: ANN001
+                   G: tl.constexpr, GROUPING: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int8 values [BLOCK_N, BLOCK_K] (fp32) as q * scale + zero of their groups, each
+    group's scale read once where the groups tile the step (``grouping``); the routed MoE
+    kernel's int8 stacks too (_moe_routed_triton.py)."""
+    if GROUPING == 1:  # G divides BLOCK_K: the step's BLOCK_K // G groups, one load each
+        NG: tl.constexpr = BLOCK_K // G
+        offs_g = k0 // G + tl.arange(0, NG)
+        gmask = in_n[:, None] & (offs_g[None, :] < K // G)
+        s = tl.load(s_at + rows_s + offs_g[None, :], mask=gmask, other=0.0).to(tl.float32)
+        w = q.reshape(BLOCK_N, NG, G) * s[:, :, None]
+        if HAS_ZEROS:
+            z = tl.load(z_at + rows_s + offs_g[None, :], mask=gmask, other=0.0)
+            w += z.to(tl.float32)[:, :, None]
+        w = w.reshape(BLOCK_N, BLOCK_K)
+    elif GROUPING == 2:  # BLOCK_K divides G: the step lies in one group
+        smask = in_n[:, None] & ((k0 + tl.zeros((BLOCK_N, 1), dtype=tl.int32)) < K)
+        w = q * tl.load(s_at + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            w += tl.load(z_at + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
+    else:  # any other group: each value's own group's scale
+        group = offs_k[None, :] // G
+        wmask = in_n[:, None] & (offs_k[None, :] < K)
+        w = q * tl.load(s_at + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            w += tl.load(z_at + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
+    return w
 
 
 def grouping(group_size: int, block_k: int) -> int:

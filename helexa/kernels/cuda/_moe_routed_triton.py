@@ -24,6 +24,8 @@ from typing import Any
 import triton
 import triton.language as tl
 
+from helexa.kernels.cuda._int8g_triton import dequant_groups
+
 
 def routed_kernel(x_ptr, rows_ptr, experts_ptr, w_ptr, s_ptr, z_ptr, out_ptr,  # noqa: ANN001
                   pairs, N, K, k_span, stride_x, stride_we, stride_se, stride_s,
@@ -56,41 +58,11 @@ def routed_kernel(x_ptr, rows_ptr, experts_ptr, w_ptr, s_ptr, z_ptr, out_ptr,  #
             x = tl.load(x_at + offs_k, mask=in_k, other=0.0).to(tl.float32)
             w = tl.load(w_at + n * K + offs_k[None, :], mask=mask, other=0).to(tl.float32)
             if KIND == 1:
-                w = _grouped(w, s_at, z_at, n * stride_s, in_n, offs_k, k0, K, G, GROUPING,
-                             HAS_ZEROS, BLOCK_N, BLOCK_K)
+                w = dequant_groups(w, s_at, z_at, n * stride_s, in_n, offs_k, k0, K, G,
+                                   GROUPING, HAS_ZEROS, BLOCK_N, BLOCK_K)
             acc += tl.sum(w * x[None, :], axis=1)
     # the spans' partial sums: [split, pairs, N] fp32, this program's span at pid_k
     tl.store(out_ptr + (pid_k * pairs + pair).to(tl.int64) * N + offs_n, acc, mask=in_n)
-
-
-@triton.jit
-def _grouped(q, s_at, z_at, rows_s, in_n, offs_k, k0, K, G: tl.constexpr,  # noqa: ANN001
-             GROUPING: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
-    """int8 values [BLOCK_N, BLOCK_K] (fp32) as q * scale + zero of their groups, each
-    group's scale read once where the groups tile the step (as _int8g_triton.py)."""
-    if GROUPING == 1:  # G divides BLOCK_K: the step's BLOCK_K // G groups, one load each
-        NG: tl.constexpr = BLOCK_K // G
-        offs_g = k0 // G + tl.arange(0, NG)
-        gmask = in_n[:, None] & (offs_g[None, :] < K // G)
-        s = tl.load(s_at + rows_s + offs_g[None, :], mask=gmask, other=0.0).to(tl.float32)
-        w = q.reshape(BLOCK_N, NG, G) * s[:, :, None]
-        if HAS_ZEROS:
-            z = tl.load(z_at + rows_s + offs_g[None, :], mask=gmask, other=0.0)
-            w += z.to(tl.float32)[:, :, None]
-        w = w.reshape(BLOCK_N, BLOCK_K)
-    elif GROUPING == 2:  # BLOCK_K divides G: the step lies in one group
-        smask = in_n[:, None] & ((k0 + tl.zeros((BLOCK_N, 1), dtype=tl.int32)) < K)
-        w = q * tl.load(s_at + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            w += tl.load(z_at + rows_s + k0 // G, mask=smask, other=0.0).to(tl.float32)
-    else:  # any other group: each value's own group's scale
-        group = offs_k[None, :] // G
-        wmask = in_n[:, None] & (offs_k[None, :] < K)
-        w = q * tl.load(s_at + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            w += tl.load(z_at + rows_s + group, mask=wmask, other=0.0).to(tl.float32)
-    return w
 
 
 @triton.jit
@@ -135,16 +107,6 @@ def _int4_step(x_at, w_at, s_at, offs_n, in_n, n, k0, K, stride_s,  # noqa: ANN0
         acc += s * tl.sum(tl.where(mine[None, :], qx, 0.0), axis=1)
         acc += z * tl.sum(tl.where(mine, x, 0.0))
     return acc
-
-
-def grouping(group_size: int, block_k: int) -> int:
-    """How a step of ``block_k`` inputs reads its scales: 1, a load per group (the group
-    divides the step); 2, one group for the whole step; 0, a scale per value (neither)."""
-    if block_k % group_size == 0:
-        return 1
-    if group_size % block_k == 0:
-        return 2
-    return 0
 
 
 @functools.cache

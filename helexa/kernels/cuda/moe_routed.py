@@ -83,7 +83,7 @@ def run(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, stack: Stack
         sms: int | None = None, interpret: bool = False) -> torch.Tensor:
     """For each pair j: x[rows[j]] @ W[experts[j]]^T, [pairs, n] in x's dtype (``rows``,
     ``experts``: int32 on x's device). ``interpret``: Triton's interpreter (CPU tensors)."""
-    from helexa.kernels.cuda import _moe_routed_triton
+    from helexa.kernels.cuda import _int8g_triton, _moe_routed_triton
 
     pairs = experts.shape[0]
     if pairs == 0:
@@ -103,7 +103,7 @@ def run(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, stack: Stack
     _moe_routed_triton.build(interpret)[(-(-stack.n // BLOCK_N), split, pairs)](
         x, rows, experts, w, w if s is None else s, w if z is None else z, part,
         pairs, stack.n, stack.k, span, x.stride(0), w.stride(0), stride_se, stride_s,
-        KIND=kind, G=stack.group, GROUPING=_moe_routed_triton.grouping(stack.group, BLOCK_K),
+        KIND=kind, G=stack.group, GROUPING=_int8g_triton.grouping(stack.group, BLOCK_K),
         HAS_ZEROS=stack.zeros is not None, INNER=inner,
         BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K)
     out = part[0] if split == 1 else part.sum(0)
