@@ -69,13 +69,13 @@ def effective_limits(cfg: NeuronConfig, profile: str = "",
 
 
 def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limits, list[str]]:
-    """``limits`` with max_slots and max_batched_tokens no larger than
-    what resident ``model``'s runner was built for at load (its ``step_ceilings``: decode
-    rows and step tokens, the most of any profile then; (0, 0): unknown, nothing cut), and
-    what was cut, logged: a step past them would run rows no graph was captured for,
-    beside activations the pool was not measured against. A hybrid's max_in_flight, no
-    more than the state slots carved at load (more would wait for a slot unsaid). Raising
-    any takes a reload."""
+    """``limits`` with max_slots and max_batched_tokens no larger than what resident
+    ``model``'s runner was built for at load (its ``step_ceilings``, NeuronConfig's: the
+    most decode rows of any profile, its own profile's step tokens; (0, 0): unknown,
+    nothing cut), and what was cut, logged: a step past them would run rows no graph was
+    captured for, beside activations the pool was not measured against. A hybrid's
+    max_in_flight, no more than the state slots carved at load (more would wait for a
+    slot unsaid). Raising any takes a reload."""
     slots, tokens = model.step_ceilings
     cut: dict[str, int] = {}
     if slots and limits.max_slots > slots:
