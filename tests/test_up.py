@@ -329,7 +329,10 @@ def test_ctrl_c_with_a_stream_in_flight_ends_the_stream_and_stops_both_gracefull
             assert line, events
             if line.startswith("data: "):
                 events.append(line[6:].strip())
-        up.proc.send_signal(signal.SIGINT)  # Ctrl-C, the stream in flight
+        # Ctrl-C twice at once, the stream in flight (an impatient user, or `timeout`
+        # forwarding its own beside the terminal's): one stop, not a deadlock
+        up.proc.send_signal(signal.SIGINT)
+        up.proc.send_signal(signal.SIGINT)
         while line := resp.readline().decode():
             if line.startswith("data: "):
                 events.append(line[6:].strip())
@@ -415,3 +418,33 @@ def test_up_with_no_keys_runs_eight_anonymous_streams_in_one_batch(tmp_path, tin
         assert asyncio.run(run()) == 8
     finally:
         assert neuron.stop() == 0
+
+
+def test_the_stop_flag_wakes_on_signals_that_land_while_it_wakes():
+    """`up`'s stop flag is set from its SIGINT/SIGTERM handler. A threading.Event deadlocks
+    there: its set() takes the lock its wait() holds while waking, so a second signal
+    landing in that window (seen once: `timeout` forwarding a SIGINT beside the user's)
+    froze `up` with both daemons running. Here the handler sets it, and while the flag's
+    wait is waking a second signal is raised from inside the first's handling: the wait
+    returns at once, set."""
+    import threading
+
+    from helexa.cli.daemons import Stopping
+
+    stopping = Stopping()
+    raised: list[int] = []
+
+    def handler(signum, frame):
+        stopping.set()
+        if len(raised) < 2:  # the second lands while the first is being handled
+            raised.append(signum)
+            signal.raise_signal(signal.SIGINT)
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t = time.monotonic()
+        assert stopping.wait(10.0) is True
+        assert time.monotonic() - t < 2.0 and len(raised) == 2
+    finally:
+        signal.signal(signal.SIGINT, old)

@@ -23,6 +23,29 @@ import urllib.request
 from pathlib import Path
 
 
+class Stopping:
+    """Ctrl-C or SIGTERM seen: set from a signal handler, so it takes no lock. A
+    threading.Event would: its set() enters the lock its wait() holds while waking, so a
+    second signal landing then (two Ctrl-C's, or `timeout` forwarding one beside the
+    user's) deadlocked `up` with both daemons left running."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout_secs: float) -> bool:
+        """Sleep up to timeout_secs, in slices, until set; whether it is."""
+        end = time.monotonic() + timeout_secs
+        while not self._set and (left := end - time.monotonic()) > 0:
+            time.sleep(min(0.05, left))
+        return self._set
+
+
 def stop_process(proc: subprocess.Popen, timeout_secs: float) -> int:
     """SIGTERM (a helexa daemon drains on it) and wait; SIGKILL if it does not exit in time.
     Returns the exit status."""
@@ -69,7 +92,7 @@ class Child:
         return self.log_path.read_text(errors="replace")[-3000:]
 
 
-def wait_started(child: Child, timeout_secs: float, stopping: threading.Event) -> bool:
+def wait_started(child: Child, timeout_secs: float, stopping: Stopping) -> bool:
     """Wait for the child's readiness line; False (its log tail printed) if it never came."""
     end = time.monotonic() + timeout_secs
     while time.monotonic() < end and not stopping.is_set():
@@ -122,7 +145,7 @@ def model_failure(address: str, token: str, model_id: str) -> str | None:
     return status.error or f"it is {state}"
 
 def wait_listed(router: Child, model_id: str, timeout_secs: float,
-                 stopping: threading.Event) -> bool:
+                 stopping: Stopping) -> bool:
     """Wait until the router lists the model (it has the neuron's Watch report): the printed
     examples then work at once."""
     end = time.monotonic() + timeout_secs

@@ -27,7 +27,6 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import tomllib
 from pathlib import Path
 
@@ -35,7 +34,14 @@ import tomli_w
 
 from helexa.checkpoint.gguf import GgufError, find_gguf, model_path_error, read_config
 from helexa.checkpoint.mmproj import MMPROJ_PREFIX, find_mmproj
-from helexa.cli.daemons import Child, model_failure, stop_all, wait_listed, wait_started
+from helexa.cli.daemons import (
+    Child,
+    Stopping,
+    model_failure,
+    stop_all,
+    wait_listed,
+    wait_started,
+)
 from helexa.config.schema import AdmissionConfig, ConfigError, parse_drafter
 
 TINY_NAME = "tiny-qwen3"
@@ -291,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Path(tempfile.mkdtemp(prefix="helexa-up-")) if own_run else args.run_dir  # 0700
     if not own_run:
         run.mkdir(mode=0o700, parents=True, exist_ok=True)  # the token lives here
-    stopping = threading.Event()
+    stopping = Stopping()  # set by the handler: no lock (daemons.Stopping says why)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
@@ -313,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(run: Path, model_dir: Path, model_id: str, device: str, kv: int | None,
-           args: argparse.Namespace, stopping: threading.Event) -> int:
+           args: argparse.Namespace, stopping: Stopping) -> int:
     neuron_cfg, router_cfg = write_configs(run, model_dir, model_id, args.port, device, kv,
                                              args.speculation, args.draft_model,
                                              args.dtype)
