@@ -60,8 +60,7 @@ hidden, heads, kv_heads, linear-attention heads and widths per card, N = tokens)
       N = engine.max_batched_tokens, logits_rows = max_slots × (1 + spec_k); an MoE model on
       CUDA takes the larger of that and a 256-row step (moe_experts.SYNC_FREE_MAX_ROWS)
       holding moe_expert_bytes at min(256, N) rows (its masked or gathered form, eager)
-    held = (3 + hybrid class) × H × B   # decoder_stack's input, stream and the layer
-                                        # before's output (the hybrids' forward: embeddings)
+    held = 3 × H × B   # decoder_stack's input, stream and the layer before's output
     dense MLP      = held + (2 × H + 3 × intermediate) × B  # stream and normed output after
                                                            # the add; gate/up, SiLU-and-mul
     MoE MLP        = held + 3 × H × B + 4 × experts + 12 × top_k   # output; router probs

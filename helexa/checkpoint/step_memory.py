@@ -41,7 +41,6 @@ INPUT_BYTES = 3 * 8  # a token's id, position and write slot, int64 (model_runne
 # a 151,936-token vocabulary: 116 MiB at its peak, 50.2 B a logit); at tp = 1 the load's
 # probe measures it on the card (pool_probe.sampler_peak).
 SAMPLING_BYTES_PER_LOGIT = 50
-DENSE_CLASS = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")  # llama.py's
 
 
 def layer_token_bytes(shape: ModelShape, tp: int, elt: int) -> dict[str, int]:
@@ -51,9 +50,9 @@ def layer_token_bytes(shape: ModelShape, tp: int, elt: int) -> dict[str, int]:
     heads, kvh = math.ceil(shape.num_heads / tp), kv_heads_per_card(shape, tp)
     gated = 2 if shape.attn_output_gate else 1
     # decoder_stack holds the layer's normed input, the stream and the layer before's
-    # output (and the hybrids' forward the embeddings); the layer's add makes the stream
-    # after it and its normed output (the torch forms: FlashInfer's in place on CUDA)
-    held = (3 + keeps_embeddings(shape)) * h * elt
+    # output; the layer's add makes the stream after it and its normed output (the torch
+    # forms: FlashInfer's in place on CUDA)
+    held = 3 * h * elt
     out: dict[str, int] = {}
     # q, k, v, the normed and rotated q and k, the attention's output (gated: its sigmoid
     # and product) and o_proj's: as on CUDA, whose norm and rope kernels make no fp32
@@ -76,12 +75,6 @@ def layer_token_bytes(shape: ModelShape, tp: int, elt: int) -> dict[str, int]:
     if shape.linear_attention_layers:
         out["Gated DeltaNet"] = held + gdn_token_bytes(shape, tp, elt)
     return out
-
-
-def keeps_embeddings(shape: ModelShape) -> int:
-    """1 where the model's forward keeps the step's embeddings through its layers (the
-    hybrid class's, helexa/neuron/models/hybrid.py; llama.py's hands them on)."""
-    return int(shape.architecture not in DENSE_CLASS)
 
 
 def gdn_token_bytes(shape: ModelShape, tp: int, elt: int) -> int:

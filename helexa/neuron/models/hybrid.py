@@ -305,15 +305,20 @@ class HybridForCausalLM(nn.Module):
             rot = Rotation(cos.unsqueeze(1), sin.unsqueeze(1))  # [N, 1, rotary_dim]
         else:
             rot = self.rotary.rotation(positions)
-        x = self.model.embed_tokens(input_ids)
-        if mm is not None and mm.rows is not None and mm.embeds is not None:
-            x = x.index_copy(0, mm.rows, mm.embeds.to(x.dtype))  # image tokens: the tower's
-        h = decoder_stack(self.model.layers, self.model.norm, x, rot, meta, state)
+        # the embeddings handed on, no reference kept here: freed once the stream moves on
+        h = decoder_stack(self.model.layers, self.model.norm, self._embeddings(input_ids, mm),
+                          rot, meta, state)
         if self.keep_hidden:
             self.last_hidden = h
         if logits_indices is not None:
             h = h.index_select(0, logits_indices)
         return self.lm_head(h).float()
+
+    def _embeddings(self, input_ids: torch.Tensor, mm: Any) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
+        if mm is not None and mm.rows is not None and mm.embeds is not None:
+            x = x.index_copy(0, mm.rows, mm.embeds.to(x.dtype))  # image tokens: the tower's
+        return x
 
     def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
                     meta: StepMeta, logits_indices: torch.Tensor | None = None
