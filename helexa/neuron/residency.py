@@ -317,7 +317,8 @@ class Residency:
     # ----------------------------------------------------------- profiles
 
     async def set_profile(self, model_id: str, profile: str) -> tuple[ResidentModel, list[str]]:
-        """Switch a resident model's profile; a kv_dtype change re-plans the pool in place."""
+        """Switch a resident model's profile; a kv_dtype change, or a hybrid's state slots
+        (one a request in flight: the profile's max_in_flight), re-plans the pool in place."""
         from helexa.plan import plan_model
 
         r = self.models.get(model_id)
@@ -331,17 +332,21 @@ class Residency:
         if r.state != ModelState.READY:
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-        new_limits, cut = within_ceilings(effective_limits(self.cfg, profile, r.entry), r)
+        asked = effective_limits(self.cfg, profile, r.entry)
         new_plan = plan_model(self.cfg, r.load_entry, self.config_path,
                               kv_dtype=effective_kv_dtype(self.cfg, profile),
                               device_memory_mb=self.device_memory_mb(r.devices))
-        changed = diff_limits(r.admission, new_limits) + cut
-        if profile != r.profile:
-            changed.insert(0, f"profile: {r.profile or '(base)'} -> {profile or '(base)'}")
-        if new_plan.kv_dtype != r.kv_dtype:
-            changed.append(f"kv_dtype: {r.kv_dtype} -> {new_plan.kv_dtype}")
-            changed.append(f"context: {r.limits.context} -> {new_plan.context}")
-            await self._switch_pool(r, new_plan)
+        slots = state_slots(new_plan, asked.max_in_flight)[1] if r.num_state_slots else 0
+        changed = [f"profile: {r.profile or '(base)'} -> {profile or '(base)'}"] * (
+            profile != r.profile)
+        if new_plan.kv_dtype != r.kv_dtype or slots != r.num_state_slots:
+            changed += [f"{k}: {a} -> {b}" for k, a, b in (
+                ("kv_dtype", r.kv_dtype, new_plan.kv_dtype),
+                ("context", r.limits.context, new_plan.context),
+                ("state slots", r.num_state_slots, slots)) if a != b]
+            await self._switch_pool(r, new_plan, slots)
+        new_limits, cut = within_ceilings(asked, r)
+        changed[1:1] = diff_limits(r.admission, new_limits) + cut
         if new_limits != r.admission:
             r.client.set_limits(new_limits)
             r.admission = new_limits
@@ -351,7 +356,7 @@ class Residency:
         self._on_change()
         return r, changed
 
-    async def _switch_pool(self, r: ResidentModel, plan: Any) -> None:
+    async def _switch_pool(self, r: ResidentModel, plan: Any, slots: int = 0) -> None:
         """SWITCHING: stop admitting, let in-flight work finish, re-plan the pool, resume."""
         reset = getattr(r.client, "reset_kv", None)
         if reset is None:
@@ -364,17 +369,16 @@ class Residency:
             r.client.stop_admitting(True)
             deadline = t0 + self.cfg.server.drain_secs
             while True:
-                # queued requests stay queued across the switch; only in-flight ones hold
-                # blocks. The engine may admit one more before the stop reaches it: then it
-                # answers busy, and the switch waits again.
+                # queued requests stay queued; in-flight ones hold blocks. The engine may
+                # admit one more before the stop reaches it: busy, and the switch waits again
                 left = deadline - time.monotonic()
                 if left <= 0 or not await self.wait_idle(r, left, in_flight_only=True):
                     raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not "
                                   f"finish within drain_secs ({self.cfg.server.drain_secs:g} s);"
                                   " the switch was abandoned", 1000)
                 try:
-                    await reset(num_blocks=state_slots(plan, r.num_state_slots)[0],
-                                kv_dtype=plan.kv_dtype,
+                    await reset(num_blocks=state_slots(plan, slots or r.num_state_slots)[0],
+                                num_state_slots=slots, kv_dtype=plan.kv_dtype,
                                 bytes_per_token=plan.bytes_per_token, context=plan.context,
                                 max_output_tokens=plan.output)
                     break
@@ -383,9 +387,9 @@ class Residency:
                 except Exception as e:  # the engine kept its pool; say why it would not switch
                     raise Refusal("invalid_request_error",
                                   f"kv_dtype: the engine could not re-plan its pool: {e}") from e
-            r.plan, r.kv_dtype, r.limits = (plan, plan.kv_dtype,
-                                             ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache,
-                                                                   self.cfg.kv.prefix_sharing))
+            r.plan, r.kv_dtype, r.num_state_slots, r.limits = (
+                plan, plan.kv_dtype, slots or r.num_state_slots,
+                ModelLimits.from_plan(plan, self.cfg.kv.prefix_cache, self.cfg.kv.prefix_sharing))
         finally:
             r.client.stop_admitting(False)
             if r.state == ModelState.SWITCHING:

@@ -227,3 +227,35 @@ def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
         "(reload the model to raise it)",
         "tiny: max_batched_tokens: 1024 is more than the 256 this model was loaded for; 256 "
         "runs (reload the model to raise it)"]
+
+
+def test_a_hybrids_profile_with_more_in_flight_re_plans_its_state_slots(
+        tmp_path: Path, tiny_checkpoint) -> None:
+    """A hybrid holds a state slot a request in flight, carved out of its pool at load: a
+    switch to a profile allowing more in flight re-plans the pool with that many (the
+    kv dtype unchanged), and back again, each said in the changes."""
+    (tmp_path / "token").write_text("t")
+    path = write_neuron_config(tmp_path / "neuron.toml", {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+        "admission": {"max_in_flight": 2},
+        "kv": {"kv_budget_mb": 64},
+        "models": [{"id": "tiny", "path": str(tiny_checkpoint("qwen3_5"))}],
+        "profiles": {"many": {"max_in_flight": 6}}})
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        loaded = r.num_state_slots
+        wide = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="many"),
+                                     metadata=MD)
+        widened = (r.num_state_slots, engine.limits.max_in_flight)
+        back = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile=""),
+                                     metadata=MD)
+        return loaded, list(wide.changed), widened, list(back.changed), engine.reset_calls
+
+    loaded, wide, widened, back, resets = run_fake_neuron(path, body,
+                                                          script=lambda _p, _i: 7)
+    assert loaded == 2 and widened == (6, 6)
+    assert "state slots: 2 -> 6" in wide and "max_in_flight: 2 -> 6" in wide
+    assert "state slots: 6 -> 2" in back and "max_in_flight: 6 -> 2" in back
+    assert [c["num_state_slots"] for c in resets] == [6, 2]
+    assert resets[0]["num_blocks"] < resets[1]["num_blocks"]  # the slots' bytes from blocks

@@ -191,7 +191,8 @@ class EngineClient:
         self._schedule_flush()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
-                       context: int, max_output_tokens: int | None = None) -> None:
+                       context: int, max_output_tokens: int | None = None,
+                       num_state_slots: int = 0) -> None:
         """Re-plan the engine's KV pool without reloading weights (nothing may be in flight:
         stop admitting and wait for in-flight work first). EngineError says why not."""
         if not self.alive:
@@ -201,7 +202,8 @@ class EngineClient:
         self._reset_done = self._loop.create_future()
         self._pending_reset = messages.ResetKv(
             num_blocks=num_blocks, kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
-            context=context, max_output_tokens=max_output_tokens)
+            context=context, max_output_tokens=max_output_tokens,
+            num_state_slots=num_state_slots)
         self._schedule_flush()
         try:
             answer = await self._reset_done

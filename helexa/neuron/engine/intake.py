@@ -153,7 +153,7 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
                 " stop admitting and let them finish first")
     failed = ""
     try:  # on CUDA measured as at load: the runner's count is the pool's, the plan's a ceiling
-        core.runner.reset_kv(r.num_blocks, r.kv_dtype, r.context)
+        core.runner.reset_kv(r.num_blocks, r.kv_dtype, r.context, r.num_state_slots)
     except Exception as e:  # the runner made its old pool again, empty
         failed = f"re-planning the pool failed: {type(e).__name__}: {e}"
     blocks = core.runner.num_blocks
@@ -161,7 +161,8 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
         core.spec = msgspec.structs.replace(
             core.spec, num_blocks=blocks, kv_dtype=r.kv_dtype,
             bytes_per_token=r.bytes_per_token, context=r.context,
-            max_output_tokens=r.max_output_tokens)
+            max_output_tokens=r.max_output_tokens,
+            num_state_slots=r.num_state_slots or core.spec.num_state_slots)
         core.speculator.drafters.reset_kv(blocks, r.kv_dtype)  # a draft model's layers
     # a new, empty pool either way: the old one's prefix cache named blocks whose contents
     # went with the runner's old pool, and its release counter means nothing now

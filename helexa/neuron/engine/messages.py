@@ -130,6 +130,9 @@ class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
     bytes_per_token: int
     context: int
     max_output_tokens: int | None = None
+    # a hybrid model's linear-attention state slots, one a request in flight, carved anew
+    # beside the blocks (a profile's max_in_flight); 0 = as they are
+    num_state_slots: int = 0
 
 
 class ToEngine(msgspec.Struct, kw_only=True):

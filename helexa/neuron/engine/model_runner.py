@@ -53,8 +53,7 @@ log = structlog.get_logger(component="engine")
 
 
 def resolve_kv_dtype(kv_dtype: str, model_dtype: torch.dtype) -> tuple[str, torch.dtype | None]:
-    """"auto" → the model's dtype; returns the canonical name and the storage dtype
-    (None for the quantised kinds, whose storage kernels.kv_quant lays out)."""
+    """"auto" → the model's dtype: the canonical name, the storage dtype (None: quantised)."""
     if kv_dtype == "auto":
         return _KV_NAMES[model_dtype], model_dtype
     if kv_quant.is_quantized(kv_dtype):
@@ -182,11 +181,12 @@ class ModelRunner:
 
     # ---- KV pool -------------------------------------------------------------------------
 
-    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto", context: int = 0) -> None:
-        """A new KV pool without touching the weights (pool_probe.switch_pool: measured on
-        CUDA as at load, the old pool kept where it fails); ``num_blocks`` is the result."""
+    def reset_kv(self, num_blocks: int, kv_dtype: str = "auto", context: int = 0,
+                 num_state_slots: int = 0) -> None:
+        """A new KV pool (``num_blocks`` the result; a hybrid's ``num_state_slots`` anew, 0:
+        as they are) without touching the weights: pool_probe.switch_pool."""
         resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
-        switch_pool(self, num_blocks, kv_dtype, context)
+        switch_pool(self, num_blocks, kv_dtype, context, num_state_slots)
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)

@@ -123,20 +123,24 @@ def encoder_peak(runner: Any) -> int:
                                           runner.dtype.itemsize)
 
 
-def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0) -> None:
+def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0,
+                num_state_slots: int = 0) -> None:
     """A new pool of ``kv_dtype`` without touching the weights (old contents dropped), every
     rank's; on CUDA at tp 1 measured again as at load (``num_blocks`` the ceiling,
-    ``context`` the one request it must hold), the graphs captured over it. If any part
-    fails (the device's memory, a kernel), the pool it had is made again with its graphs,
-    so the engine serves on as before, and the error is raised."""
-    previous = (runner.num_blocks, runner.kv_dtype)
+    ``context`` the one request it must hold), the graphs captured over it; a hybrid's
+    ``num_state_slots`` (one a request in flight) carved anew where given. If any part
+    fails (the device's memory, a kernel), the pool it had is made again with its graphs
+    and slots, so the engine serves on as before, and the error is raised."""
+    previous = (runner.num_blocks, runner.kv_dtype, runner.num_state_slots)
     try:
+        runner.num_state_slots = num_state_slots or runner.num_state_slots
         _make_pool(runner, num_blocks, kv_dtype, context if runner.measure_pool else None)
     except Exception:
         runner._allocate_kv([], 0, None)  # whatever was half made goes first
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
-        _make_pool(runner, *previous, None)  # its size was measured when it was made
+        runner.num_state_slots = previous[2]
+        _make_pool(runner, *previous[:2], None)  # its size was measured when it was made
         raise
 
 
@@ -144,7 +148,7 @@ def _make_pool(runner: Any, num_blocks: int, kv_dtype: str, measure: int | None)
     """Every rank's pool of ``num_blocks`` (measured for one request of ``measure`` tokens
     where not None) and the graphs over it."""
     if runner._tp is not None:
-        runner._tp.reset_kv(num_blocks, kv_dtype)
+        runner._tp.reset_kv(num_blocks, kv_dtype, runner.num_state_slots)
     if measure is not None:
         num_blocks = measured_blocks(runner, num_blocks, kv_dtype, measure)
     runner._reset_own_kv(num_blocks, kv_dtype)

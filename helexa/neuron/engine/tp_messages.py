@@ -57,6 +57,7 @@ class TpMtpLogits(msgspec.Struct, tag=True):
 class TpResetKv(msgspec.Struct, tag=True):
     num_blocks: int
     kv_dtype: str
+    num_state_slots: int = 0  # a hybrid's state slots carved anew (0: as they are)
 
 
 class TpAllocHost(msgspec.Struct, tag=True):

@@ -121,10 +121,14 @@ def _die_with_parent() -> None:
             pass
 
 
-def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str) -> None:
-    """A worker rank's new pool (a kv_dtype switch): its own KV only. Its graphs are captured
-    as rank 0's capture steps arrive as steps (ModelRunner.reset_kv would run capture steps
-    of its own, whose collectives no other rank joins, and then rank 0's again)."""
+def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str,
+                       num_state_slots: int = 0) -> None:
+    """A worker rank's new pool (a kv_dtype switch, a hybrid's state slots carved anew):
+    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps
+    (ModelRunner.reset_kv would run capture steps of its own, whose collectives no other
+    rank joins, and then rank 0's again)."""
+    if num_state_slots:
+        runner.num_state_slots = num_state_slots
     runner._reset_own_kv(num_blocks, kv_dtype)
     runner.backend.executor.follow_leader()
 
@@ -171,7 +175,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 break
             if isinstance(msg, TpResetKv):
                 tables.clear()
-                reset_kv_following(runner, msg.num_blocks, msg.kv_dtype)
+                reset_kv_following(runner, msg.num_blocks, msg.kv_dtype, msg.num_state_slots)
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)

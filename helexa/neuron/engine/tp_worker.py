@@ -221,11 +221,11 @@ class TpWorkers:
         self._tables[id(table)] = (table, handle, len(table))
         return msg
 
-    def reset_kv(self, num_blocks: int, kv_dtype: str) -> None:
+    def reset_kv(self, num_blocks: int, kv_dtype: str, num_state_slots: int = 0) -> None:
         self.check()
         self._tables.clear()
         self._stale.clear()
-        self._send(TpResetKv(num_blocks, kv_dtype))
+        self._send(TpResetKv(num_blocks, kv_dtype, num_state_slots))
 
     def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
         self.check()

@@ -192,6 +192,30 @@ def test_kv_dtype_switch_keeps_the_state_slots_and_the_outputs(tiny_checkpoint):
     assert_whole(core, hybrid=True)
 
 
+def test_a_profiles_max_in_flight_carves_the_state_slots_anew(tiny_checkpoint):
+    """A hybrid holds one state slot a request in flight, carved at load: a profile that
+    allows more in flight re-plans the pool with that many slots (same kv dtype), and as
+    many requests then run at once, each the tokens it has alone; nothing leaked."""
+    core = core_for(tiny_checkpoint("qwen3_5"), max_in_flight=2)
+    assert (core.pool.num_state_slots, core.runner.num_state_slots) == (2, 2)
+    prompts = {f"r{i}": [random.Random(i).randrange(3, 500) for _ in range(20)]
+               for i in range(4)}
+    alone = {rid: drive(core, m.ToEngine(new=[new(rid, p, 6)])).tokens[rid]
+             for rid, p in prompts.items()}
+    assert core.reset_kv(m.ResetKv(num_blocks=100, kv_dtype=core.runner.kv_dtype,
+                                   bytes_per_token=0, context=512, num_state_slots=4)) == "ok"
+    assert (core.pool.num_state_slots, core.runner.num_state_slots) == (4, 4)
+    assert core.spec.num_state_slots == 4 and core.pool.num_blocks == 100
+    out = core.step(m.ToEngine(limits=m.Limits(anon_max_in_flight=64, max_in_flight=4),
+                               new=[new(rid, p, 6) for rid, p in prompts.items()]))
+    assert {u.req_id for u in out.updates if u.admitted} == set(prompts)  # all four at once
+    got = drive(core).tokens
+    for rid, toks in alone.items():
+        first = [t for u in out.updates if u.req_id == rid for t in u.new_token_ids]
+        assert first + got[rid] == toks, rid
+    assert_whole(core, hybrid=True)
+
+
 def test_a_kv_switch_that_fails_leaves_the_old_pool_serving(tiny_checkpoint, monkeypatch):
     """A kv_dtype switch whose new pool cannot be made (the device's memory, say) makes the
     pool it had again, graphs and state slots included: the engine answers why the

@@ -144,3 +144,30 @@ def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint
     finally:
         two.close()
     assert runs[True] == runs[False]
+
+
+def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint):
+    """A hybrid's pool re-planned with more state slots (a profile allowing more in flight)
+    at tp = 2: every rank carves them, so three sequences at once (slots 0-2, where the
+    load had one) decode as at tp = 1."""
+    model_dir = tiny_checkpoint("qwen3_5")
+
+    def hybrid(tp: int, slots: int) -> ModelRunner:
+        devices = [DEVICE] * tp if DEVICE == "cpu" else [f"cuda:{i}" for i in range(tp)]
+        return ModelRunner(model_dir, num_blocks=96, block_size=8, max_num_seqs=4,
+                           max_batched_tokens=256, tp_size=tp, device=devices[0],
+                           devices=devices, num_state_slots=slots)
+
+    one = hybrid(1, 3)
+    margins: list[list[float]] = []
+    ref = greedy_generate(one, prompts(), 12, margins=margins)
+    two = hybrid(2, 1)
+    try:
+        two.reset_kv(96, two.kv_dtype, 0, num_state_slots=3)
+        assert two.num_state_slots == 3
+        got = greedy_generate(two, prompts(), 12)
+    finally:
+        two.close()
+    for r, g, m in zip(ref, got, margins, strict=True):
+        tie = next((i for i, gap in enumerate(m) if gap < NEAR_TIE), len(m))
+        assert g[:tie] == r[:tie]
