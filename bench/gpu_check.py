@@ -928,7 +928,7 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
         serves = out["probe"] == out["probe_row"] == "ok"
     bw = copy_bandwidth(dev, ctx["sizes"]["copy_mib"])
     quant_bytes = q.numel() + 2 * (sc.numel() + zs.numel())
-    reps = 2 if dry else 50
+    reps = 1 if dry else 50  # (dry: Triton's interpreter, seconds a call)
     for rows in (1, 8, 32):
         x = torch.randn(rows, k, generator=gen).to(dev, torch.bfloat16)
         paths: dict[str, tuple[Callable[[], Any], int]] = {
@@ -952,8 +952,8 @@ def stage_int8g(ctx: dict[str, Any]) -> dict[str, Any]:
 
 def moe_rows(dev: torch.device, reps: int, bw: float, dry: bool) -> dict[str, Any]:
     """One MoE block's routed experts (Qwen3.5-35B-A3B's shape: 256 experts of gate/up 2 x
-    512 x 2048 and down 2048 x 512, top 8; dry run 8 of 2 x 64 x 128, top 2) at 1 and 8
-    tokens: the routed kernel (helexa/kernels/cuda/moe_routed.py: each pair's expert read
+    512 x 2048 and down 2048 x 512, top 8, at 1 and 8 tokens; dry run 8 of 2 x 64 x 128,
+    top 2, at 1 and 2): the routed kernel (helexa/kernels/cuda/moe_routed.py: each pair's expert read
     in place, two launches) against the gathered copies it replaces (each pair's expert
     copied out, then a product a pair), for bf16 stacks, grouped int8 ones (GGUF Q8_0's
     groups of 32) and, on the GPU, torch's int4 layout (Q4_K's groups of 32); each path's
@@ -997,7 +997,7 @@ def moe_rows(dev: torch.device, reps: int, bw: float, dry: bool) -> dict[str, An
     got: dict[str, Any] = {"shape": {"experts": e, "hidden": h, "inter": i, "top_k": k}}
     for name, (kernel, bytes_per_value) in stacks.items():
         kernel.routed = {w: kernel.routed_stack(w) for w in ("w13", "w2")}
-        for tokens in (1, 8):
+        for tokens in (1, 2) if dry else (1, 8):
             chosen = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(tokens)])
             chosen = chosen.to(dev)
             x = torch.randn(tokens, h, generator=gen).to(dev, torch.bfloat16)

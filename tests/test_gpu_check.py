@@ -93,7 +93,7 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
         assert got["torch_op_vs_bf16_linear"] > 0, got
     moe = int8g["moe"]  # the routed MoE kernel (interpreted) beside the gathered copies
     for kind in ("bf16", "int8"):  # (int4's CUDA packing: on a GPU only)
-        for tokens in (1, 8):
+        for tokens in (1, 2):  # (1 and 8 on a GPU)
             got = moe[f"{kind}_tokens{tokens}"]
             assert got["routed"]["us"] > 0 and got["gathered"]["us"] > 0, got
             assert got["routed_vs_gathered"] > 0, got

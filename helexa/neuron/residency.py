@@ -339,14 +339,13 @@ class Residency:
         slots = state_slots(new_plan, asked.max_in_flight)[1] if r.num_state_slots else 0
         changed = [f"profile: {r.profile or '(base)'} -> {profile or '(base)'}"] * (
             profile != r.profile)
-        if new_plan.kv_dtype != r.kv_dtype or slots != r.num_state_slots:
-            changed += [f"{k}: {a} -> {b}" for k, a, b in (
-                ("kv_dtype", r.kv_dtype, new_plan.kv_dtype),
+        pool = [f"{k}: {a} -> {b}" for k, a, b in (("kv_dtype", r.kv_dtype, new_plan.kv_dtype),
                 ("context", r.limits.context, new_plan.context),
                 ("state slots", r.num_state_slots, slots)) if a != b]
+        if pool:  # the pool re-planned (a kv_dtype, a hybrid's state slots)
             await self._switch_pool(r, new_plan, slots)
         new_limits, cut = within_ceilings(asked, r)
-        changed[1:1] = diff_limits(r.admission, new_limits) + cut
+        changed += diff_limits(r.admission, new_limits) + cut + pool
         if new_limits != r.admission:
             r.client.set_limits(new_limits)
             r.admission = new_limits
