@@ -34,7 +34,9 @@ def _pool(kv_dtype: str, kvh: int, d: int, blocks: int, bs: int, dtype: torch.dt
 
 
 @pytest.mark.parametrize(("kv_dtype", "heads", "kvh", "d", "dtype", "per_row"), [
-    (kv, *shape, dtype, False) for kv in ("int8", "fp8_e4m3", "int4")
+    pytest.param(kv, *shape, dtype, False, marks=[pytest.mark.slow] * (
+        dtype == torch.float16 and shape != (12, 2, 64)))  # fp16: one shape in the default run
+    for kv in ("int8", "fp8_e4m3", "int4")
     for shape in ((12, 2, 64), (4, 4, 40), (7, 1, 80))
     for dtype in (torch.float16, torch.bfloat16)] + [  # a graph's splits: each shape once
     ("int8", 12, 2, 64, torch.float16, True), ("fp8_e4m3", 4, 4, 40, torch.bfloat16, True),
