@@ -186,7 +186,7 @@ def test_up_serves_any_checkpoint_on_cpu_at_once_and_cleans_its_run_folder(tmp_p
 
 def test_up_serves_a_gguf_file_alone(tmp_path, tiny_checkpoint):
     # a .gguf with no HF files beside it: config, tokenizer and chat template from its metadata
-    sys.path.insert(0, str(Path(__file__).parent / "neuron" / "models"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "neuron" / "models"))
     from support.gguf_reference import write_gguf
 
     src = tiny_checkpoint("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2,
