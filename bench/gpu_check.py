@@ -59,8 +59,9 @@ runner load by checkpoint: where the check's time went.
   routed kernel against the gathered copies it replaces, bf16, int8 and int4, at 1 and 8
   tokens (``moe``). After compare: it is not one of the issue's figures.
 
-``--dry-run`` runs every stage on CPU at small sizes (tests/test_gpu_check.py runs it) so
-the script cannot rot where no GPU is; its figures mean nothing about a GPU.
+``--dry-run`` runs every stage on CPU at small sizes (tests/integration/bench/
+test_gpu_check.py runs it) so the script cannot rot where no GPU is; its figures mean
+nothing about a GPU.
 Benchmarks print figures; they assert nothing.
 """
 

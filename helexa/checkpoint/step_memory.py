@@ -7,8 +7,8 @@ activation headroom (helexa/plan.py). The formulas are memory.py's docstring tab
 
 Activations are freed layer by layer, so a step peaks in its largest layer: each kind's
 live bytes a token at its peak (layer_token_bytes, the torch forms' and fla's tensors as
-the model code makes them; tests/test_step_memory.py checks them against what a CPU
-step really holds). An estimate, not a measurement: at tp = 1 the load measures a
+the model code makes them; tests/checkpoint/test_step_memory.py checks them against what
+a CPU step really holds). An estimate, not a measurement: at tp = 1 the load measures a
 worst-case step instead (helexa/neuron/engine/pool_probe.py).
 """
 

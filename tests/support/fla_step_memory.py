@@ -2,7 +2,7 @@
 in .venv/fla, run on CPU by Triton's interpreter as in fla_real.py): the most bytes its
 tensors hold at once, beside helexa plan's estimate of the step (helexa/checkpoint/
 step_memory.py step_activations), which on CUDA counts fla's chunked intermediates. Run by
-tests/test_step_memory.py in a process of its own; prints one JSON object.
+tests/checkpoint/test_step_memory.py in a process of its own; prints one JSON object.
 
     TRITON_INTERPRET=1 PYTHONPATH=.venv/fla:.:tests python -P tests/support/fla_step_memory.py
 

@@ -31,7 +31,7 @@ from helexa.checkpoint.step_memory import (
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.engine.seq_input import SeqInput
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ASSET = ROOT / "asset" / "models" / "Qwen"
 DENSE, HYBRID = ASSET / "Qwen3-8B" / "config.json", ASSET / "Qwen3.5-27B" / "config.json"
 FLA = Path(sys.prefix) / "fla"
