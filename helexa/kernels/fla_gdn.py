@@ -14,9 +14,10 @@ helexa/kernels/gated_delta.py that it is tested against:
 fla's kernels take grouped heads (value head h reads key head h // (v_heads / k_heads),
 the grouping the torch forms get from ``repeat_interleave``): the recurrent one for
 years, the chunked one from fla-core 0.5 (its "GVA"), so prefill, decode and
-verification all pass q and k as they are. A layer's output norm: helexa/kernels/fla_norm.py. Each kernel is run once at load against its
-torch form (the ``probe_fla_*``), and one that fails or disagrees is left off with the
-reason logged, so it never fails a request's step. The release the ``.[cuda]`` extra
+verification all pass q and k as they are (a layer's output norm: helexa/kernels/
+fla_norm.py). Each kernel is run once at load against its torch form (the
+``probe_fla_*``), and one that fails or disagrees is left off with the reason logged, so
+it never fails a request's step. The release the ``.[cuda]`` extra
 pins is run here in the tests too, on CPU (tests/kernels/test_fla_real.py). The state
 backend (helexa/kernels/backends/gdn.py) chooses.
 """

@@ -53,7 +53,6 @@ from helexa.checkpoint.step_memory import SYNC_FREE_MAX_ROWS
 Form = Literal["looped", "gathered", "masked"]
 
 
-
 def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
                 capturing: bool = False, copies: int = 3) -> Form:
     """Which form runs num_rows tokens' experts on this device (see the module docstring);

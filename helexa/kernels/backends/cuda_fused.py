@@ -159,8 +159,6 @@ def install(model: torch.nn.Module, dtype: torch.dtype, ops: FusedOps | None = N
     return "norms, residual add + norm, SiLU: FlashInfer kernels"
 
 
-
-
 def install_rope(model: torch.nn.Module, dtype: torch.dtype,
                  ops: FusedOps | None = None) -> str:
     """Give the model's rotary table FlashInfer's one-launch rope (q and k rotated in place
