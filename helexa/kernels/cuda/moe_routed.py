@@ -20,6 +20,7 @@ sizes and the split are read from the arithmetic, not measured: no GPU has run t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +152,26 @@ def prove(x: torch.Tensor, stack: Stack, reference: torch.Tensor,
     return why
 
 
+def prove_stacks(stacks: dict[str, Stack | None],
+                 op: Callable[[str, int, torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype) -> dict[str, Stack]:
+    """A MoE block's stacks on the kernel at load: each run on its first and last expert
+    against ``op`` (the stack's own product: which, expert, x), activations of ``dtype``;
+    ``stacks`` where all agree, {} where the kernel cannot be built, a stack is not on a
+    card (or has no form the kernel reads: None), or one disagrees (prove says why)."""
+    if unavailable() or not all(s is not None and on_card(s.weight) for s in stacks.values()):
+        return {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for which, stack in stacks.items():
+            assert stack is not None
+            x = torch.randn(1, stack.k, generator=gen).to(stack.weight.device, dtype)
+            last = stack.weight.shape[0] - 1
+            if prove(x, stack, torch.cat([op(which, e, x) for e in (0, last)]), (0, last)):
+                return {}
+    return stacks  # type: ignore[return-value]
+
+
 def describe(device: torch.device) -> str:
     """What serves a decode step's quantised MoE experts on ``device``, for the executor's
     describe() ("" before any stack was proved there)."""
@@ -185,19 +206,11 @@ class FloatExperts:
         self.stacks: dict[str, Stack] = {}
 
     def prepare(self, max_num_seqs: int) -> None:
-        stacks = {w: Stack("float", getattr(self.mlp, w), n=getattr(self.mlp, w).shape[1],
-                           k=getattr(self.mlp, w).shape[2]) for w in ("w13", "w2")}
-        if unavailable() or not all(on_card(s.weight) for s in stacks.values()):
-            return
-        gen = torch.Generator().manual_seed(0)
-        with torch.inference_mode():
-            for stack in stacks.values():
-                w, last = stack.weight, stack.weight.shape[0] - 1
-                x = torch.randn(1, stack.k, generator=gen).to(w.device, w.dtype)
-                ref = torch.cat([F.linear(x, w[e]) for e in (0, last)])
-                if prove(x, stack, ref, (0, last)):
-                    return
-        self.stacks = stacks
+        w13, w2 = self.mlp.w13, self.mlp.w2
+        self.stacks = prove_stacks(
+            {w: Stack("float", t, n=t.shape[1], k=t.shape[2]) for w, t in (("w13", w13),
+                                                                         ("w2", w2))},
+            lambda which, e, x: F.linear(x, getattr(self.mlp, which)[e]), w13.dtype)
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor | None:

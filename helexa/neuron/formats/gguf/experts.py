@@ -177,22 +177,11 @@ class QuantExperts:
                                 getattr(m, f"{which}_qzeros", None), group, rows, q.shape[-1])
 
     def _prove_routed(self) -> dict[str, moe_routed.Stack]:
-        """Both stacks on the routed kernel, each run on its first and last expert against
-        its op at load (moe_routed.prove); {} where either cannot or does not agree."""
-        stacks = {w: self.routed_stack(w) for w in ("w13", "w2")}
-        if moe_routed.unavailable() or not all(s is not None and moe_routed.on_card(s.weight)
-                                               for s in stacks.values()):
-            return {}
-        dtype = self.mlp.gate.dtype  # the activations' (the router's weight is the model's)
-        gen = torch.Generator().manual_seed(0)
-        for which, stack in stacks.items():
-            assert stack is not None
-            x = torch.randn(1, stack.k, generator=gen).to(stack.weight.device, dtype)
-            last = stack.weight.shape[0] - 1
-            ref = torch.cat([self(which, e, x) for e in (0, last)])
-            if moe_routed.prove(x, stack, ref, (0, last)):
-                return {}
-        return stacks  # type: ignore[return-value]
+        """Both stacks on the routed kernel, proved against this kernel's own products
+        (moe_routed.prove_stacks), in the activations' dtype (the router's weight is the
+        model's); {} where either cannot or does not agree."""
+        return moe_routed.prove_stacks({w: self.routed_stack(w) for w in ("w13", "w2")},
+                                       self, self.mlp.gate.dtype)
 
     def routed_experts(self, x: torch.Tensor, chosen: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor | None:
