@@ -39,7 +39,7 @@ INPUT_BYTES = 3 * 8  # a token's id, position and write slot, int64 (model_runne
 # penalties, 20 logprobs: helexa/neuron/engine/sampler.py on CUDA's path, a full sort):
 # its temporaries a logit beyond the fp32 logits themselves. Measured on CPU (16 rows of
 # a 151,936-token vocabulary: 116 MiB at its peak, 50.2 B a logit); at tp = 1 the load's
-# probe measures it on the card (pool_probe.sampler_peak).
+# probe measures it on the card (pool_probe.decode_peaks).
 SAMPLING_BYTES_PER_LOGIT = 50
 
 

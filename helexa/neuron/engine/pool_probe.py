@@ -35,9 +35,10 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
     decode = [SeqInput([0], 0, [table_end + i], True, i % slots) for i in range(rows)]
-    peak = max(peak, sampler_peak(runner, decode))
+    decoded, sampled = decode_peaks(runner, decode)
+    peak = max(peak, sampled)
     if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
-        held += memory_plan.peak_step_bytes(runner.device, lambda: runner.execute(decode))
+        held += decoded  # the graphs' pool: the largest decode step's activations
         # each graph's FlashInfer wrapper (its int workspace), made at capture after the
         # pool (none where a quantised pool's graphs run the torch path's kernels); their
         # one page-index buffer grows with the pool (graph_pool_bytes says so)
@@ -85,10 +86,11 @@ def probe_steps(prefill: int, rows: int, bs: int, slots: int) -> list[list[SeqIn
     return steps
 
 
-def sampler_peak(runner: Any, decode: list[SeqInput]) -> int:
-    """Bytes a decode step of ``decode``'s rows holds at its sampling's peak: its logits and
-    what sampling them takes beyond (fp32 copies, a sort for top-p, logprobs; ~50 B a logit
-    with CUDA's sort), for rows that ask for all of it."""
+def decode_peaks(runner: Any, decode: list[SeqInput]) -> tuple[int, int]:
+    """A decode step of ``decode``'s rows, run once: its forward's peak, and the bytes it
+    holds at its sampling's peak (the larger of that and its logits with what sampling
+    them takes beyond: fp32 copies, a sort for top-p, logprobs; ~50 B a logit with CUDA's
+    sort), for rows that ask for all of it."""
     from helexa.neuron.engine.messages import SamplingParams
     from helexa.neuron.engine.sampler import Sampler, SamplingState
 
@@ -104,7 +106,7 @@ def sampler_peak(runner: Any, decode: list[SeqInput]) -> int:
     logits = held.pop("logits")
     states = [SamplingState.for_request(params, [0], []) for _ in decode]
     sampling = memory_plan.peak_step_bytes(runner.device, lambda: Sampler()(logits, states))
-    return max(peak, int(logits.nbytes) + sampling)
+    return peak, max(peak, int(logits.nbytes) + sampling)
 
 
 def encoder_peak(runner: Any) -> int:

@@ -120,4 +120,4 @@ def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint, 
     # beyond them), every row top-k, top-p, min-p, penalties and 20 logprobs
     monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: (step(), 0)[1])
     decode = [pool_probe.SeqInput([0], 0, [pool - 1 - i], True, i) for i in range(rows)]
-    assert pool_probe.sampler_peak(runner, decode) == rows * runner.vocab_size * 4
+    assert pool_probe.decode_peaks(runner, decode) == (0, rows * runner.vocab_size * 4)
