@@ -971,15 +971,13 @@ def moe_rows(dev: torch.device, reps: int, bw: float, dry: bool) -> dict[str, An
     w13 = (torch.randn(e, 2 * i, h, generator=gen) * 0.02).to(dev, torch.bfloat16)
     w2 = (torch.randn(e, h, i, generator=gen) * 0.02).to(dev, torch.bfloat16)
 
-    def int8(w: torch.Tensor) -> dict[str, torch.Tensor]:
-        g = w.float().unflatten(-1, (-1, 32))
-        scale = g.abs().amax(-1).clamp_min(1e-8) / 127
-        q = (g / scale[..., None]).round().clamp(-128, 127).to(torch.int8).flatten(-2)
-        return {"qweight": q, "qscales": scale.to(torch.bfloat16)}
-
     stacks = {"bf16": (QuantExperts(SimpleNamespace(w13=w13, w2=w2)), 2)}
-    parts = {f"w13_{n}": t for n, t in int8(w13).items()}
-    parts |= {f"w2_{n}": t for n, t in int8(w2).items()}
+    parts = {}  # random values, as stage_int8g's layer: the timings read bytes, not them
+    for which, w in (("w13", w13), ("w2", w2)):
+        parts[f"{which}_qweight"] = torch.randint(-128, 128, w.shape, generator=gen,
+                                                  dtype=torch.int8).to(dev)
+        parts[f"{which}_qscales"] = (torch.rand(*w.shape[:2], w.shape[2] // 32, generator=gen)
+                                     * 0.02 + 1e-3).to(dev, torch.bfloat16)
     quant = QuantExperts(SimpleNamespace(**parts))
     quant.ops = {"w13": ("int8", 32, 2 * i), "w2": ("int8", 32, h)}
     stacks["int8"] = (quant, 1 + 2 / 32)
