@@ -338,6 +338,10 @@ def _logged_events() -> set[str]:
                     and node.func.attr in _LOG_METHODS and node.args:
                 events |= {s for s in _strings(node.args[0])
                            if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+", s)}
+            # a kernel's verdicts (helexa/kernels/cuda/__init__.py) log its event's pair
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Verdicts":
+                event = node.args[0].value  # type: ignore[attr-defined]
+                events |= {f"{event}_chosen", f"{event}_fallback"}
     return events
 
 

@@ -97,7 +97,7 @@ def test_more_rows_than_a_decode_step_take_the_tiles_where_they_proved_themselve
 
 def test_the_backend_line_says_what_serves_int4_prefill(monkeypatch):
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(it, "_verdicts", {(dev, 128, 8): "", (dev, 32, 4): "off by 2"})
+    monkeypatch.setattr(it._verdicts, "_by_kind", {(dev, 128, 8): "", (dev, 32, 4): "off by 2"})
     assert it.describe(dev) == ("int4 prefill: dequantised tiles on cuBLAS; "
                                 "int4 prefill: torch's op (off by 2)")
     assert it.describe(torch.device("cuda", 1)) == ""  # nothing proved on that card

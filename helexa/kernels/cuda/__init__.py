@@ -5,8 +5,14 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
+import structlog
 import torch
+
+log = structlog.get_logger(component="kernels")
 
 
 def unavailable(switch: str, source: str) -> str:
@@ -19,16 +25,57 @@ def unavailable(switch: str, source: str) -> str:
     return _import_error(source)
 
 
-def described(verdicts: dict[tuple, str], device: torch.device, unavailable: str,
-              kernel: str, fallback: str) -> str:
-    """A kernel's line in the executor's describe(): ``fallback (why)`` where it cannot be
-    built, else one entry per verdict recorded for ``device`` (keys start with the device):
-    ``kernel`` where it proved itself, ``fallback (why)`` where not; "" before any."""
-    if unavailable:
-        return f"{fallback} ({unavailable})"
-    said = sorted({why for (on, *_), why in verdicts.items()
-                   if on.type == device.type and device.index in (None, on.index)})
-    return "; ".join(kernel if not why else f"{fallback} ({why})" for why in said)
+class Verdicts:
+    """What serves each kind of a kernel's calls (keys start with the device): "" the
+    kernel, which proved itself on that card, else why its fallback does. ``event``_chosen
+    is logged the first time a kind proves itself, ``event``_fallback each time one fails
+    (a kind that failed stays failed: a later agreeing probe does not clear it)."""
+
+    def __init__(self, event: str, kernel: str, fallback: str) -> None:
+        self.event, self.kernel, self.fallback = event, kernel, fallback
+        self._by_kind: dict[tuple, str] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple) -> str | None:
+        """The kind's verdict, None before it has one."""
+        return self._by_kind.get(key)
+
+    def record(self, key: tuple, why: str, **kind: Any) -> str:
+        """A probe's or a failed call's outcome for ``key`` (``kind``: the log's fields)."""
+        if why:
+            self._by_kind[key] = why
+            log.warning(f"{self.event}_fallback", reason=why, **kind)
+        elif key not in self._by_kind:
+            self._by_kind[key] = ""
+            log.info(f"{self.event}_chosen", **kind)
+        return self._by_kind[key]
+
+    def decide(self, key: tuple, probe: Callable[[], str], **kind: Any) -> str:
+        """The kind's verdict, ``probe``'s the first time it is asked (once, whatever the
+        threads asking)."""
+        if (why := self._by_kind.get(key)) is not None:
+            return why
+        with self._lock:
+            if (why := self._by_kind.get(key)) is None:
+                why = self.record(key, probe(), **kind)
+        return why
+
+    def clear(self) -> None:
+        self._by_kind.clear()
+
+    def __len__(self) -> int:
+        return len(self._by_kind)
+
+    def describe(self, device: torch.device, unavailable: str) -> str:
+        """The kernel's line in the executor's describe(): ``fallback (why)`` where it
+        cannot be built, else one entry per verdict recorded for ``device``: ``kernel``
+        where it proved itself, ``fallback (why)`` where not; "" before any."""
+        if unavailable:
+            return f"{self.fallback} ({unavailable})"
+        said = sorted({why for (on, *_), why in self._by_kind.items()
+                       if on.type == device.type and device.index in (None, on.index)})
+        return "; ".join(self.kernel if not why else f"{self.fallback} ({why})"
+                         for why in said)
 
 
 def pow2(n: int, least: int = 1) -> int:

@@ -22,7 +22,6 @@ torch's CUDA packing (tests/support/tinygemm.py).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import structlog
@@ -35,8 +34,10 @@ TILE_BYTES = 16 << 20  # bf16 bytes of one dequantised tile
 
 Op = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
 log = structlog.get_logger(component="kernels")
-_verdicts: dict[tuple, str] = {}  # (device, group, inner) -> "" or why torch's op serves
-_lock = threading.Lock()
+# (device, group, inner) -> "" or why torch's op serves
+_verdicts = cuda_kernels.Verdicts("kernels.cuda_int4_tiles",
+                                  "int4 prefill: dequantised tiles on cuBLAS",
+                                  "int4 prefill: torch's op")
 
 
 def unavailable() -> str:
@@ -118,19 +119,9 @@ def verdict(device: torch.device, group_size: int, inner: int, pack: Pack,
             interpret: bool = False) -> str:
     """What serves this kind's many-row products: "" the tiles, else why torch's op (the
     probe runs once a kind, outside a graph capture; Int4Linear.prepare calls it at load)."""
-    key = (device, group_size, inner)
-    if (why := _verdicts.get(key)) is not None:  # (a prefill's every layer asks)
-        return why
-    with _lock:
-        why = _verdicts.get(key)
-        if why is None:
-            why = _verdicts[key] = probe(device, group_size, inner, pack, interpret)
-            kind = {"device": str(device), "group": group_size, "inner_k_tiles": inner}
-            if why:
-                log.warning("kernels.cuda_int4_tiles_fallback", reason=why, **kind)
-            else:
-                log.info("kernels.cuda_int4_tiles_chosen", **kind)
-    return why
+    kind = {"device": str(device), "group": group_size, "inner_k_tiles": inner}
+    return _verdicts.decide((device, group_size, inner),  # (a prefill's every layer asks)
+                            lambda: probe(device, group_size, inner, pack, interpret), **kind)
 
 
 def prepare(packed: torch.Tensor, group_size: int, pack: Pack) -> None:
@@ -143,6 +134,4 @@ def prepare(packed: torch.Tensor, group_size: int, pack: Pack) -> None:
 def describe(device: torch.device) -> str:
     """What serves int4 products of many rows on ``device``, for the executor's describe()
     ("" before any int4 kind was proved there)."""
-    return cuda_kernels.described(_verdicts, device, unavailable(),
-                                  "int4 prefill: dequantised tiles on cuBLAS",
-                                  "int4 prefill: torch's op")
+    return _verdicts.describe(device, unavailable())

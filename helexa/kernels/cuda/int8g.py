@@ -26,7 +26,6 @@ CPU tensors through Triton's interpreter.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 
 import structlog
@@ -49,8 +48,10 @@ _TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 Tiles = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
 log = structlog.get_logger(component="kernels")
-_verdicts: dict[tuple, str] = {}  # (device, dtype, group, zeros) -> "" or why the tiles serve
-_lock = threading.Lock()
+# (device, dtype, group, zeros) -> "" or why the tiles serve
+_verdicts = cuda_kernels.Verdicts("kernels.cuda_grouped_matmul",
+                                  "grouped int8 decode: Triton kernel",
+                                  "grouped int8 decode: dequantised tiles")
 
 
 def unavailable() -> str:
@@ -140,15 +141,15 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.shape[0] > ROWS or x.shape[0] == 0 or unavailable():
         return tiles(x, qweight, scales, zeros, group_size)
     key = (x.device, scales.dtype, group_size, zeros is not None)
+    kind = {"device": str(x.device), "group": group_size, "zeros": zeros is not None,
+            "dtype": str(scales.dtype).removeprefix("torch.")}
     why = _verdicts.get(key)
     if why is None:
         if _capturing():  # a probe syncs: never in a graph capture
             return tiles(x, qweight, scales, zeros, group_size)
-        with _lock:
-            why = _verdicts.get(key)
-            if why is None:
-                why = _verdict(key, probe(x.device, scales.dtype, group_size, zeros is not None,
-                                          tiles, _sms(x.device.index or 0)))
+        why = _verdicts.decide(key, lambda: probe(x.device, scales.dtype, group_size,
+                                                  zeros is not None, tiles,
+                                                  _sms(x.device.index or 0)), **kind)
     if why:
         return tiles(x, qweight, scales, zeros, group_size)
     sms = _sms(x.device.index or 0)
@@ -157,27 +158,11 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     try:  # this layer's own build (prepare runs every layer's at load): a failure is its kind's
         return run(x, qweight, scales, zeros, group_size, sms)
     except Exception as e:  # noqa: BLE001 - the tiles serve from now on, said why
-        _verdict(key, f"the Triton kernel failed on a {tuple(qweight.shape)} layer "
-                      f"({type(e).__name__}: {e})")
+        _verdicts.record(key, f"the Triton kernel failed on a {tuple(qweight.shape)} layer "
+                              f"({type(e).__name__}: {e})", **kind)
         return tiles(x, qweight, scales, zeros, group_size)
-
-
-def _verdict(key: tuple, why: str) -> str:
-    """Record and log what a kind (device, dtype, group, zeros) runs: "" the kernel, else
-    why the tiles."""
-    _verdicts[key] = why
-    device, dtype, group, zeros = key
-    kind = {"device": str(device), "group": group, "zeros": zeros,
-            "dtype": str(dtype).removeprefix("torch.")}
-    if why:
-        log.warning("kernels.cuda_grouped_matmul_fallback", reason=why, **kind)
-    else:
-        log.info("kernels.cuda_grouped_matmul_chosen", kernel="triton", **kind)
-    return why
 
 
 def describe(device: torch.device) -> str:
     """What serves grouped int8 decode steps on ``device``, for the executor's describe()."""
-    return cuda_kernels.described(_verdicts, device, unavailable(),
-                                  "grouped int8 decode: Triton kernel",
-                                  "grouped int8 decode: dequantised tiles")
+    return _verdicts.describe(device, unavailable())

@@ -38,7 +38,9 @@ _TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 log = structlog.get_logger(component="kernels")
 # (device, kind, group, zeros, inner) -> "" or why the gathered copies serve (a stack of
 # that kind that failed its probe: a later one agreeing does not clear it)
-_verdicts: dict[tuple, str] = {}
+_verdicts = cuda_kernels.Verdicts("kernels.cuda_moe_routed",
+                                  "MoE experts: routed in place (Triton)",
+                                  "MoE experts: gathered copies")
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,7 @@ def prove(x: torch.Tensor, stack: Stack, reference: torch.Tensor,
     key = (x.device, stack.kind, stack.group, stack.zeros is not None, inner)
     kind = {"device": str(x.device), "kind": stack.kind, "group": stack.group,
             "outputs": stack.n, "inputs": stack.k}
-    if why:
-        _verdicts[key] = why
-        log.warning("kernels.cuda_moe_routed_fallback", reason=why, **kind)
-    elif key not in _verdicts:
-        _verdicts[key] = ""
-        log.info("kernels.cuda_moe_routed_chosen", **kind)
+    _verdicts.record(key, why, **kind)
     return why
 
 
@@ -175,9 +172,7 @@ def prove_stacks(stacks: dict[str, Stack | None],
 def describe(device: torch.device) -> str:
     """What serves a decode step's quantised MoE experts on ``device``, for the executor's
     describe() ("" before any stack was proved there)."""
-    return cuda_kernels.described(_verdicts, device, unavailable(),
-                                  "MoE experts: routed in place (Triton)",
-                                  "MoE experts: gathered copies")
+    return _verdicts.describe(device, unavailable())
 
 
 def experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w13: Stack,
