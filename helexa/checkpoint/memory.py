@@ -241,7 +241,16 @@ def moe_expert_bytes(shape: ModelShape, tp: int, max_slots: int, elt: int) -> in
     rows = min(max_slots, shape.num_experts // k)
     gathered = rows * k * 3 * inter * shape.hidden_size * elt
     masked = shape.num_experts * max_slots * (3 * inter + shape.hidden_size) * elt
-    return max(gathered, masked if max_slots * 3 * k > shape.num_experts else 0)
+    return max(gathered, 0 if moe_gathers(max_slots, k, shape.num_experts) else masked)
+
+
+def moe_gathers(rows: int, top_k: int, experts: int, copies: int = 3) -> bool:
+    """Whether a sync-free MoE step of ``rows`` rows takes the gathered form (helexa/
+    kernels/moe_experts.py choose_form) rather than the masked one: while the experts'
+    bytes its (row, choice) copies cost, ``copies`` reads of each (3 for float stacks, 1
+    for quantised ones or where nothing is copied), stay within reading every expert once.
+    helexa plan counts float stacks' 3, the most any stack costs."""
+    return copies * rows * top_k <= experts
 
 
 def fused_allreduce_rows(max_slots: int) -> int:

@@ -22,6 +22,7 @@ from helexa.checkpoint.memory import (
     flashinfer_workspace_bytes,
     format_bytes,
     kv_heads_per_card,
+    moe_gathers,
 )
 from helexa.checkpoint.shape import ModelShape
 
@@ -154,13 +155,13 @@ def sync_free_bytes(shape: ModelShape, tp: int, rows: int, elt: int) -> int:
     """An MoE layer's float experts in an eager CUDA step of ``rows`` rows (at most
     SYNC_FREE_MAX_ROWS), in the form moe_experts.choose_form runs: the masked form's
     [E, rows, 2I] and [E, rows, I] activations and [E, rows, H] products where 3 x rows x
-    top_k > E, else the gathered form's copies of each (row, choice)'s gate/up matrix
+    top_k > E (moe_gathers), else the gathered form's copies of each (row, choice)'s gate/up matrix
     (2I x H, the larger of its two gathers). The decode graphs' own are graph_pool_bytes'."""
     e, k = shape.num_experts, shape.num_experts_per_tok
     if not rows or not e or not k:
         return 0
     inter = math.ceil(shape.moe_intermediate_size / tp)
-    if 3 * rows * k > e:
+    if not moe_gathers(rows, k, e):
         return e * rows * (3 * inter + shape.hidden_size) * elt
     return rows * k * 2 * inter * shape.hidden_size * elt
 

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 # products at as many): above this a step is a prefill (never captured in a graph), where
 # E / k times the routed compute stops being free and the looped form's one sync per layer
 # is cheap beside the step. An estimate, not measured.
+from helexa.checkpoint.memory import moe_gathers
 from helexa.checkpoint.step_memory import SYNC_FREE_MAX_ROWS
 
 Form = Literal["looped", "gathered", "masked"]
@@ -61,7 +62,7 @@ def choose_form(device_type: str, num_rows: int, top_k: int, num_experts: int,
     stacks; 1 for quantised ones, whose packed copies are a byte or less a value)."""
     if device_type != "cuda" or (num_rows > SYNC_FREE_MAX_ROWS and not capturing):
         return "looped"
-    return "gathered" if copies * num_rows * top_k <= num_experts else "masked"
+    return "gathered" if moe_gathers(num_rows, top_k, num_experts, copies) else "masked"
 
 
 def routed(chosen: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
