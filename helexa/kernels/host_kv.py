@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from helexa.kernels.backends.base import to_device
+from helexa.kernels.backends.base import copies_done_event, to_device
 
 
 def block_tensors(pool: Any) -> list[torch.Tensor]:
@@ -119,10 +119,9 @@ STAGE_BYTES = 64 * 2**20
 def copied_event(device: torch.device) -> Any:
     """An event recorded after a copy-out's device-to-host copies (None off a GPU, where
     they are done when queued)."""
-    if device.type != "cuda":
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event = copies_done_event(device)
+    if event is not None:
+        event.record()
     return event
 
 

@@ -184,10 +184,29 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
 
 
-def copies_done_event(device: torch.device) -> Any:
+class CopiesDone:
+    """A CUDA event that ``record`` places after the work queued so far on its device's
+    current stream (a plan's copies, ``to_host``'s). It names that stream itself:
+    ``Event.record()`` alone takes the calling thread's current device's, and a wait on
+    cuda:0's stream for copies queued on cuda:1 would pass before they land."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.event = device, torch.cuda.Event()
+
+    def record(self) -> None:
+        self.event.record(torch.cuda.current_stream(self.device))
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return bool(self.event.query())
+
+
+def copies_done_event(device: torch.device) -> CopiesDone | None:
     """An event to record after copies queued on ``device`` (a plan's, ``to_host``'s): None
     off a GPU, where nothing is queued."""
-    return torch.cuda.Event() if device.type == "cuda" else None
+    return CopiesDone(device) if device.type == "cuda" else None
 
 
 def token_slots(table: list[int], start: int, end: int, block_size: int) -> list[int]:

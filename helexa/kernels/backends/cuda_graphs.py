@@ -82,8 +82,11 @@ class GraphRuntime:
 
     def capture(self, device: torch.device, run: Callable[[], None], pool: Any) -> Any:
         """run once off the capture (allocator, lazy inits), then captured into pool. The
-        warm runs share one side stream: each new stream would get cuBLAS a workspace of its
-        own, never freed (torch keeps one a (handle, stream)), a graph size each."""
+        warm runs and the captures share one side stream of ``device``: each new stream
+        would get cuBLAS a workspace of its own, never freed (torch keeps one a (handle,
+        stream)), a graph size each; and torch.cuda.graph's own capture stream is made on
+        whichever device is current when it is first used, where a capture on another
+        device's stream would record none of this device's kernels."""
         stream = self._warm.get(device)
         if stream is None:
             stream = self._warm[device] = torch.cuda.Stream(device)
@@ -93,7 +96,8 @@ class GraphRuntime:
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the tensor-parallel health thread may touch CUDA meanwhile
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=pool, stream=stream,
+                              capture_error_mode="thread_local"):
             run()
         return graph
 

@@ -162,8 +162,8 @@ def copy_back(tokens: torch.Tensor, lps: Logprobs | None
               ) -> tuple[torch.Tensor, Logprobs | None, Any]:
     """A step's chosen tokens and logprobs on their way to the host, none waiting for the
     others: (tokens, logprobs, ready) for ``read_back``. On a GPU, copies in pinned memory
-    and an event recorded after them (on the current stream: the model's device is the
-    current one, kernels/backends select); elsewhere the tensors themselves, ready None."""
+    and an event recorded after them on the stream of the device they queued on; elsewhere
+    the tensors themselves, ready None."""
     ready = copies_done_event(tokens.device)
     if ready is None:
         return tokens, lps, None
