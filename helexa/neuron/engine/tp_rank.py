@@ -138,8 +138,10 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     _die_with_parent()
     import torch
 
+    from helexa.log import setup_logging
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
+    setup_logging("neuron")  # JSON lines on stderr, as the engine process writes them
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToRank)
     device = args.devices[rank] if len(args.devices) > rank else args.devices[0]
