@@ -17,10 +17,6 @@ Two checks at load (helexa/neuron/engine/model_runner.py):
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 MIB = 2**20
 # kept free beside the measured step (whose peak includes the graphs' pool): the caching
 # allocator's fragmentation and what the probe step does not reach (the sampler's
@@ -43,16 +39,6 @@ def check_bytes_per_block(plan: int, runner: int, ranks: list[int]) -> None:
             f"KV bytes per block disagree: helexa plan's {plan or 'not given'}, this "
             f"runner's {runner}, tensor-parallel ranks' {ranks or 'none'} (the ledger must "
             "count what the pool holds)")
-
-
-def peak_step_bytes(device: torch.device, step: Callable[[], object]) -> int:
-    """Bytes a step allocates above what was allocated before it, at its peak (CUDA)."""
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
 def fit_blocks(*, planned_blocks: int, bytes_per_block: int, block_size: int, context: int,

@@ -1,6 +1,7 @@
 """The CUDA pool sized by measurement at load (memory_plan.py says why): the model runner's
 probe of a worst-case step, on a probe pool, before its real pool is allocated; and a
-pool switch (a kv_dtype profile) sized the same way, or undone where it fails."""
+pool switch (a kv_dtype profile) sized the same way, or undone where it fails. The device's
+memory is read through the runner's meter (device_memory.py)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     # a step's peak: the worst of its shapes - one long prefill beside rows - 1 decode rows;
     # two prefills (a hybrid's varlen path copies q, k, v); and a step of at most
     # SYNC_FREE_MAX_ROWS rows (a MoE block's masked form holds every expert's outputs)
-    peak = max(memory_plan.peak_step_bytes(runner.device, functools.partial(runner.execute, s))
+    peak = max(runner.meter.peak_bytes(functools.partial(runner.execute, s))
                for s in probe_steps(prefill, rows, bs, slots))
     table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
@@ -50,8 +51,7 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     vision = getattr(runner, "vision", None)
     peak = max(peak, encoder_peak(runner)) + held + (vision.max_cached_bytes if vision else 0)
     runner._allocate_kv([], 0, None)  # free the probe pool
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(runner.device)
+    free, total = runner.meter.free_bytes()
     blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
                                     block_size=bs, context=context, free_bytes=free,
                                     total_bytes=total, step_peak=peak)
@@ -102,10 +102,10 @@ def decode_peaks(runner: Any, decode: list[SeqInput]) -> tuple[int, int]:
     def step() -> None:
         held["logits"] = runner.execute(decode)
 
-    peak = memory_plan.peak_step_bytes(runner.device, step)
+    peak = runner.meter.peak_bytes(step)
     logits = held.pop("logits")
     states = [SamplingState.for_request(params, [0], []) for _ in decode]
-    sampling = memory_plan.peak_step_bytes(runner.device, lambda: Sampler()(logits, states))
+    sampling = runner.meter.peak_bytes(lambda: Sampler()(logits, states))
     return peak, max(peak, int(logits.nbytes) + sampling)
 
 
