@@ -3,10 +3,10 @@ interface chosen by device type: the bytes a step allocates at its peak, and the
 free on the device once the allocator's cached blocks are released.
 
 CUDA's meter reads its caching allocator's statistics and the driver's free memory. A
-device without such readings (CPU) has no meter, so its pool is the plan's. A runner
-builds its meter for its device and rank (``device_meter``); a test hands ModelRunner
-another factory (its ``memory_meter``) to drive the probe's real code path on CPU with
-readings of its choosing.
+device without such readings (CPU) has no meter, so its pool is the plan's. Every
+tensor-parallel rank builds its own meter for its own device (``device_meter``); a test
+hands ModelRunner another factory (its ``memory_meter``, carried to every rank in
+RunnerArgs) to drive the probe's real code path on CPU with readings of its choosing.
 """
 
 from __future__ import annotations

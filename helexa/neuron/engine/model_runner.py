@@ -86,7 +86,7 @@ class ModelRunner:
         ``backend`` names the attention backend (helexa/kernels/backends/__init__.py: auto,
         torch, cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps.
         ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool really
-        takes, on every rank; on CUDA (one rank) the pool is sized by measurement,
+        takes, on every rank; on CUDA the pool is sized by measurement on every rank,
         ``num_blocks`` its ceiling, refusing a pool that cannot hold ``context`` tokens
         (pool_probe.py; ``memory_meter`` reads the device's memory: device_memory.py's, or a
         test's on CPU). ``quantize`` (none, int8, int4; int4 in groups of ``quant_group_size``)
@@ -117,7 +117,8 @@ class ModelRunner:
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
                 cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
                 num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers,
-                num_snapshot_slots=num_snapshot_slots)
+                num_snapshot_slots=num_snapshot_slots, measure_pool=measure_pool,
+                memory_meter=memory_meter)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
@@ -149,10 +150,8 @@ class ModelRunner:
         self.host_kv: HostKv | None = None  # the prefix cache's host tier (allocate_host)
         self.extra_bytes_per_block = extra_bytes_per_block
         self.meter = (memory_meter or device_meter)(self.device, tp_rank)  # None: CPU's
-        self.measure_pool = tp_size == 1 and measure_pool and self.meter is not None
-        if self.measure_pool:
-            num_blocks = pool_probe.measured_blocks(self, num_blocks, kv_dtype, context)
-        self._reset_own_kv(num_blocks, kv_dtype)
+        self.measure_pool = measure_pool and self.meter is not None
+        self._reset_own_kv(pool_probe.load_blocks(self, num_blocks, kv_dtype, context), kv_dtype)
         log.info("engine.attention_backend", backend=self.attention_backend,
                  device=str(self.device), tp_rank=tp_rank)
         if self._tp is not None:
@@ -166,10 +165,10 @@ class ModelRunner:
                 memory_plan.check_bytes_per_block(
                     plan_bytes_per_block, self.kv_bytes_per_block,
                     self._tp.kv_bytes_per_block if self._tp is not None else [])
-            except memory_plan.KvPlanError:
+                pool_probe.pool_at_load(self, num_blocks, kv_dtype, context)  # and graphs
+            except Exception:  # the ranks' processes end with the load
                 self.close()
                 raise
-            self._capture_graphs()
 
     @property
     def attention_backend(self) -> str:
