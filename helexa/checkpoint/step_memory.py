@@ -8,8 +8,8 @@ activation headroom (helexa/plan.py). The formulas are memory.py's docstring tab
 Activations are freed layer by layer, so a step peaks in its largest layer: each kind's
 live bytes a token at its peak (layer_token_bytes, the torch forms' and fla's tensors as
 the model code makes them; tests/checkpoint/test_step_memory.py checks them against what
-a CPU step really holds). An estimate, not a measurement: at tp = 1 the load measures a
-worst-case step instead (helexa/neuron/engine/pool_probe.py).
+a CPU step really holds). An estimate, not a measurement: the load measures a worst-case
+step instead, on every card (helexa/neuron/engine/pool_probe.py).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ INPUT_BYTES = 3 * 8  # a token's id, position and write slot, int64 (model_runne
 # Sampling a step's logits as a request asking for everything would (top-k, top-p, min-p,
 # penalties, 20 logprobs: helexa/neuron/engine/sampler.py on CUDA's path, a full sort):
 # its temporaries a logit beyond the fp32 logits themselves. Measured on CPU (16 rows of
-# a 151,936-token vocabulary: 116 MiB at its peak, 50.2 B a logit); at tp = 1 the load's
-# probe measures it on the card (pool_probe.decode_peaks).
+# a 151,936-token vocabulary: 116 MiB at its peak, 50.2 B a logit); the load's probe
+# measures it on the card (pool_probe.decode_peaks: rank 0's, the one that samples).
 SAMPLING_BYTES_PER_LOGIT = 50
 
 

@@ -124,8 +124,9 @@ def headroom_lines(p: ModelPlan) -> list[str]:
                  + ("inside" if fits else "MORE than") + " the "
                  f"{format_bytes(p.headroom_bytes)} activation headroom"
                  + ("" if fits else f" (raise kv.activation_headroom_mb to {a.headroom_mb:,} MiB)")
-                 + ("; at tp = 1 the load measures a worst-case step and sizes the pool to "
-                    "what is left" if p.tp == 1 else ""))
+                 + ("; the load measures a worst-case step and sizes the pool to what is left"
+                    if p.tp == 1 else "; the load measures a worst-case step on every card "
+                    "and sizes the pool to what is left, the least any card holds"))
     return lines
 
 

@@ -83,8 +83,8 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         "embedding cache beside; on CUDA it holds a step's activations at max_batched_tokens, "
         "the decode graphs' pool, FlashInfer's workspaces and the rotary table too, and at "
         "tp > 1 the all-reduce workspace and a margin for NCCL (helexa plan shows each and "
-        "whether they fit; at tp > 1, where the load measures nothing, a pool derived from "
-        "device memory whose headroom cannot hold them is refused).", RESTART, ge=0)] = 512
+        "whether they fit; the load measures a worst-case step on every card and trims a "
+        "pool they would not leave room for).", RESTART, ge=0)] = 512
     prefix_cache: Annotated[bool, field_meta(
         "Share KV blocks of identical prompt prefixes between requests.", RESTART)] = True
     prefix_snapshots: Annotated[int, field_meta(

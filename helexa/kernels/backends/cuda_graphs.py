@@ -153,8 +153,8 @@ class CudaGraphExecutor(StepExecutor):
         finally:
             self._capturing = False
 
-    def follow_leader(self) -> None:
-        self._capturing = True  # a worker rank captures as the leader's load steps arrive
+    def follow_leader(self, on: bool = True) -> None:
+        self._capturing = on  # a worker rank captures as the leader's load steps arrive
 
     def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
                 max_batched_tokens: int, tp_size: int) -> None:

@@ -106,8 +106,9 @@ class StepExecutor:
         """The steps run inside are the capture steps of graph_sizes."""
         yield
 
-    def follow_leader(self) -> None:
-        """A tensor-parallel worker rank: capture as the leader's capture steps arrive."""
+    def follow_leader(self, on: bool = True) -> None:
+        """A tensor-parallel worker rank: capture as the leader's capture steps arrive (``on``
+        False: no more, its steps eager as the leader's are, e.g. the pool's probe)."""
         return None
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,

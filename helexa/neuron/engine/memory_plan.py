@@ -7,26 +7,23 @@ Two checks at load (helexa/neuron/engine/model_runner.py):
   tensor-parallel rank's must be one number, else the ledger would promise
   memory the pool does not have (or waste what it has). A mismatch fails the
   load naming the three.
-- on CUDA (one rank), the pool is sized from memory measured after a
-  worst-case step rather than from arithmetic alone: the step's peak
+- on CUDA (every tensor-parallel rank), the pool is sized from memory measured
+  after a worst-case step rather than from arithmetic alone: the step's peak
   temporaries and a margin are kept free, the planned block count
   (kv_budget_mb's) is the ceiling, and a pool too small for one request of the
-  configured context refuses to load with the arithmetic. On CPU the planned
-  budget stands.
+  configured context refuses to load with the arithmetic; at tp > 1 each rank
+  fits its own card and the pool is the least of them (pool_probe.py). On CPU
+  the planned budget stands.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-
 MIB = 2**20
 # kept free beside the measured step (whose peak includes the graphs' pool): the caching
 # allocator's fragmentation and what the probe step does not reach (the sampler's
-# temporaries, for one). Measured sizing runs at tp = 1 only, so no NCCL buffers: at tp > 1
-# helexa plan's arithmetic sizes the pool, with a margin of its own for NCCL and the CUDA
-# context (helexa/checkpoint/step_memory.py NCCL_MARGIN_BYTES).
+# temporaries, for one). At tp > 1 what NCCL allocated for the probe's collectives is held
+# when free memory is read (so are the CUDA context and the all-reduce workspace); what it
+# allocates later, for a collective first run after load, is this margin's too.
 MARGIN_FRACTION = 0.03  # of device memory
 MARGIN_MIN_BYTES = 256 * MIB
 
@@ -43,16 +40,6 @@ def check_bytes_per_block(plan: int, runner: int, ranks: list[int]) -> None:
             f"KV bytes per block disagree: helexa plan's {plan or 'not given'}, this "
             f"runner's {runner}, tensor-parallel ranks' {ranks or 'none'} (the ledger must "
             "count what the pool holds)")
-
-
-def peak_step_bytes(device: torch.device, step: Callable[[], object]) -> int:
-    """Bytes a step allocates above what was allocated before it, at its peak (CUDA)."""
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step()
-    torch.cuda.synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - before)
 
 
 def fit_blocks(*, planned_blocks: int, bytes_per_block: int, block_size: int, context: int,

@@ -31,9 +31,9 @@ from helexa.kernels.backends.base import PrefillRow, StepPlan, to_device, token_
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
-from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine import memory_plan, pool_probe
+from helexa.neuron.engine.device_memory import MeterFactory, device_meter
 from helexa.neuron.engine.host_tier import KvMoves
-from helexa.neuron.engine.pool_probe import measured_blocks, switch_pool
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
 from helexa.neuron.engine.speculative import mtp_passes
@@ -78,24 +78,26 @@ class ModelRunner:
                  context: int = 0, quantize: str = "none",
                  quant_group_size: int = 128, num_state_slots: int = 0,
                  extra_bytes_per_block: int = 0, measure_pool: bool = True,
-                 mtp_kv_layers: int | None = None, num_snapshot_slots: int = 0) -> None:
+                 mtp_kv_layers: int | None = None, num_snapshot_slots: int = 0,
+                 memory_meter: MeterFactory | None = None) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
-        them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else
-        every rank uses ``device``. close() stops them (so does garbage collection or exit).
-        ``backend`` names the attention backend (helexa/kernels/backends/__init__.py: auto, torch,
-        cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps.
-        ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool
-        really takes, on every rank; on CUDA the pool is sized by measurement with
-        ``num_blocks`` as ceiling, refusing a pool that cannot hold ``context`` tokens
-        (helexa/neuron/engine/memory_plan.py). ``quantize`` (none, int8, int4; int4 in groups of
-        ``quant_group_size``) quantises the weights at load (helexa/neuron/formats/quantise.py).
-        Hybrid models hold ``num_state_slots`` linear-attention states, one per request
-        (SeqInput.state_slot), and ``num_snapshot_slots`` more after them for prefix-cache
-        snapshots (restore_from / save_to). ``extra_bytes_per_block``: bytes of each block
-        that layers sharing its ids take (a draft model's), counted when CUDA measures the
-        pool; ``measure_pool`` False keeps ``num_blocks`` as given (a draft model's pool
-        follows its target's). ``mtp_kv_layers`` pool layers are set aside for the MTP head
-        after the target's (as the plan counted them; None: as config.json says)."""
+        them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else every
+        rank uses ``device``. close() stops them (so does garbage collection or exit).
+        ``backend`` names the attention backend (helexa/kernels/backends/__init__.py: auto,
+        torch, cpu, cuda); ``cuda_graphs`` lets the cuda backend capture decode steps.
+        ``plan_bytes_per_block`` (helexa plan's, 0 = unknown) must equal what the pool really
+        takes, on every rank; on CUDA the pool is sized by measurement on every rank,
+        ``num_blocks`` its ceiling, refusing a pool that cannot hold ``context`` tokens
+        (pool_probe.py; ``memory_meter`` reads the device's memory: device_memory.py's, or a
+        test's on CPU). ``quantize`` (none, int8, int4; int4 in groups of ``quant_group_size``)
+        quantises the weights at load (helexa/neuron/formats/quantise.py). Hybrid models hold
+        ``num_state_slots`` linear-attention states, one per request (SeqInput.state_slot),
+        and ``num_snapshot_slots`` more for prefix-cache snapshots (restore_from / save_to).
+        ``extra_bytes_per_block``: bytes of each block that layers sharing its ids take (a
+        draft model's), counted when CUDA measures the pool; ``measure_pool`` False keeps
+        ``num_blocks`` as given (a draft model's pool follows its target's). ``mtp_kv_layers``
+        pool layers are set aside for the MTP head after the target's (as the plan counted
+        them; None: as config.json says)."""
         quant = QuantSpec(quantize, quant_group_size)
         # config.json read once for this load (or a Checkpoint opened by the caller)
         ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
@@ -115,18 +117,16 @@ class ModelRunner:
                 max_batched_tokens, devices or [device] * tp_size, backend=backend,
                 cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
                 num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers,
-                num_snapshot_slots=num_snapshot_slots)
+                num_snapshot_slots=num_snapshot_slots, measure_pool=measure_pool,
+                memory_meter=memory_meter)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_batched_tokens = max_batched_tokens
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
+        self.max_batched_tokens, self.tp_rank, self.tp_size = max_batched_tokens, tp_rank, tp_size
         self.num_state_slots = num_state_slots
         self.num_snapshot_slots = num_snapshot_slots if num_state_slots else 0
-        self.mtp_kv_layers = (self.config.mtp_num_layers if mtp_kv_layers is None
-                              else mtp_kv_layers)
+        self.mtp_kv_layers = self.config.mtp_num_layers if mtp_kv_layers is None else mtp_kv_layers
         # Any: the model families share no typed base class yet (helexa/neuron/models/).
         self.model: Any = cast(Any, load_model(ckpt, device=self.device, dtype=dtype,
                                                tp_rank=tp_rank, tp_size=tp_size,
@@ -149,10 +149,9 @@ class ModelRunner:
         self.kv_pools: list[PagedKV] = []
         self.host_kv: HostKv | None = None  # the prefix cache's host tier (allocate_host)
         self.extra_bytes_per_block = extra_bytes_per_block
-        self.measure_pool = self.device.type == "cuda" and tp_size == 1 and measure_pool
-        if self.measure_pool:
-            num_blocks = measured_blocks(self, num_blocks, kv_dtype, context)
-        self._reset_own_kv(num_blocks, kv_dtype)
+        self.meter = (memory_meter or device_meter)(self.device, tp_rank)  # None: CPU's
+        self.measure_pool = measure_pool and self.meter is not None
+        self._reset_own_kv(pool_probe.load_blocks(self, num_blocks, kv_dtype, context), kv_dtype)
         log.info("engine.attention_backend", backend=self.attention_backend,
                  device=str(self.device), tp_rank=tp_rank)
         if self._tp is not None:
@@ -166,10 +165,10 @@ class ModelRunner:
                 memory_plan.check_bytes_per_block(
                     plan_bytes_per_block, self.kv_bytes_per_block,
                     self._tp.kv_bytes_per_block if self._tp is not None else [])
-            except memory_plan.KvPlanError:
+                pool_probe.pool_at_load(self, num_blocks, kv_dtype, context)  # and graphs
+            except Exception:  # the ranks' processes end with the load
                 self.close()
                 raise
-            self._capture_graphs()
 
     @property
     def attention_backend(self) -> str:
@@ -186,7 +185,7 @@ class ModelRunner:
         """A new KV pool (``num_blocks`` the result; a hybrid's ``num_state_slots`` anew, 0:
         as they are) without touching the weights: pool_probe.switch_pool."""
         resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
-        switch_pool(self, num_blocks, kv_dtype, context, num_state_slots)
+        pool_probe.switch_pool(self, num_blocks, kv_dtype, context, num_state_slots)
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)

@@ -1,6 +1,8 @@
-"""The CUDA pool sized by measurement at load (memory_plan.py says why): the model runner's
-probe of a worst-case step, on a probe pool, before its real pool is allocated; and a
-pool switch (a kv_dtype profile) sized the same way, or undone where it fails."""
+"""The CUDA pool sized by measurement (memory_plan.py says why): the model runner's probe of
+a worst-case step, on a probe pool, before its real pool is allocated; at tp > 1 the same
+probe on every rank, in lockstep, and the least rank's fit for all; and a pool switch (a
+kv_dtype profile) sized the same way, or undone where it fails. The device's memory is read
+through the runner's meter (device_memory.py)."""
 
 from __future__ import annotations
 
@@ -14,23 +16,23 @@ from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES
 from helexa.checkpoint.vision_shape import read_vision_shape
 from helexa.neuron.engine import memory_plan
 from helexa.neuron.engine.seq_input import SeqInput
+from helexa.neuron.engine.tp_messages import TpMeasure, TpMeasured
 
 log = structlog.get_logger(component="engine")
 
 
 def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
-    """CUDA: on a probe pool, the peaks of a worst-case step and (graphs hold a pool of
-    their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks)."""
-    bs, rows = runner.block_size, max(1, runner.max_num_seqs)
-    prefill = max(2, runner.max_batched_tokens - (rows - 1))
-    probe = -(-prefill // bs) + rows + 1
-    runner._reset_own_kv(probe, kv_dtype)
+    """This rank's card: on a probe pool, the peaks of a worst-case step and (graphs hold a
+    pool of their own) a max_num_seqs-row decode; the pool is what is left (fit_blocks).
+    At tp > 1 every rank runs it at once (the steps' collectives): measure_group."""
+    meter, bs, (prefill, rows) = runner.meter, runner.block_size, _probe_shape(runner)
+    runner._reset_own_kv(probe_blocks(runner), kv_dtype)
     bytes_per_block = runner.kv_bytes_per_block + runner.extra_bytes_per_block
     slots = max(1, runner.num_state_slots)  # hybrids: any slots will do for a probe
     # a step's peak: the worst of its shapes - one long prefill beside rows - 1 decode rows;
     # two prefills (a hybrid's varlen path copies q, k, v); and a step of at most
     # SYNC_FREE_MAX_ROWS rows (a MoE block's masked form holds every expert's outputs)
-    peak = max(memory_plan.peak_step_bytes(runner.device, functools.partial(runner.execute, s))
+    peak = max(meter.peak_bytes(functools.partial(runner.execute, s))
                for s in probe_steps(prefill, rows, bs, slots))
     table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
@@ -49,15 +51,76 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     # graphs' pool (an image step runs eagerly while the captured graphs hold theirs)
     vision = getattr(runner, "vision", None)
     peak = max(peak, encoder_peak(runner)) + held + (vision.max_cached_bytes if vision else 0)
+    if runner.tp_size > 1:  # the lookahead's broadcast of rank 0's tokens, the one collective
+        # serving runs that the probe's steps do not: what NCCL makes for it on first use
+        # is then held when free memory is read
+        runner._device_tokens(torch.zeros(rows, dtype=torch.long))
     runner._allocate_kv([], 0, None)  # free the probe pool
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(runner.device)
+    free, total = meter.free_bytes()
     blocks = memory_plan.fit_blocks(planned_blocks=planned, bytes_per_block=bytes_per_block,
                                     block_size=bs, context=context, free_bytes=free,
                                     total_bytes=total, step_peak=peak)
     log.info("engine.kv_pool_measured", planned_blocks=planned, blocks=blocks,
-             free_mib=free // 2**20, step_peak_mib=peak // 2**20)
+             free_mib=free // 2**20, step_peak_mib=peak // 2**20, tp_rank=runner.tp_rank)
     return blocks
+
+
+def _probe_shape(runner: Any) -> tuple[int, int]:
+    """The probe's prefill tokens and decode rows: a step of max_batched_tokens over
+    max_num_seqs rows."""
+    rows = max(1, runner.max_num_seqs)
+    return max(2, runner.max_batched_tokens - (rows - 1)), rows
+
+
+def probe_blocks(runner: Any) -> int:
+    """The probe pool's blocks: the long prefill's and one a decode row, and one spare."""
+    prefill, rows = _probe_shape(runner)
+    bs: int = runner.block_size
+    return -(-prefill // bs) + rows + 1
+
+
+def load_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
+    """The pool a runner allocates at load: measured (one rank), the probe's until the
+    group has formed and measures (tp > 1: pool_at_load; so a plan that over-counts its
+    card cannot fail the load before the measurement), or the plan's (nothing measures)."""
+    if not runner.measure_pool:
+        return planned
+    if runner.tp_size == 1:
+        return measured_blocks(runner, planned, kv_dtype, context)
+    return probe_blocks(runner)
+
+
+def pool_at_load(runner: Any, planned: int, kv_dtype: str, context: int) -> None:
+    """Rank 0, once the group has formed: at tp > 1 measured, every rank's pool of the
+    group's measured blocks; then the graphs captured over it (every rank's)."""
+    if runner._tp is not None and runner.measure_pool:
+        _make_pool(runner, planned, kv_dtype, context)
+    else:
+        runner._capture_graphs()
+
+
+def measure_group(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
+    """Rank 0 at tp > 1: every rank measures its own card (TpWorkers.measure; this rank's
+    steps are not sent, each rank runs them itself); the fewest blocks any rank holds."""
+    msg = TpMeasure(planned, kv_dtype, context, runner.num_state_slots)
+    ranks: list[int] = runner._tp.measure(
+        msg, lambda: measured_blocks(runner, planned, kv_dtype, context))
+    log.info("engine.kv_pool_group", planned_blocks=planned, blocks=min(ranks), ranks=ranks)
+    return min(ranks)
+
+
+def measure_as_rank(runner: Any, msg: TpMeasure) -> TpMeasured:
+    """A worker rank's TpMeasure: the probe's steps its own and eager, as rank 0 runs them
+    (not captured, as a follower of rank 0's capture steps would), its fit or why not; its
+    pool follows as TpResetKv."""
+    runner.backend.executor.follow_leader(False)
+    runner.num_state_slots = msg.num_state_slots or runner.num_state_slots
+    try:
+        return TpMeasured(measured_blocks(runner, msg.num_blocks, msg.kv_dtype, msg.context))
+    except memory_plan.KvPlanError as e:  # after every collective: the group is in step
+        return TpMeasured(error=str(e))
+    except Exception as e:  # noqa: BLE001 - rank 0 names it; this rank leaves the group
+        return TpMeasured(error=f"{type(e).__name__}: {e}", broken=True)
 
 
 def probe_steps(prefill: int, rows: int, bs: int, slots: int) -> list[list[SeqInput]]:
@@ -102,10 +165,12 @@ def decode_peaks(runner: Any, decode: list[SeqInput]) -> tuple[int, int]:
     def step() -> None:
         held["logits"] = runner.execute(decode)
 
-    peak = memory_plan.peak_step_bytes(runner.device, step)
+    peak = runner.meter.peak_bytes(step)
     logits = held.pop("logits")
+    if runner.tp_rank > 0:  # only rank 0 samples (the LM head gathers the logits there)
+        return peak, peak
     states = [SamplingState.for_request(params, [0], []) for _ in decode]
-    sampling = memory_plan.peak_step_bytes(runner.device, lambda: Sampler()(logits, states))
+    sampling = runner.meter.peak_bytes(lambda: Sampler()(logits, states))
     return peak, max(peak, int(logits.nbytes) + sampling)
 
 
@@ -128,16 +193,20 @@ def encoder_peak(runner: Any) -> int:
 def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0,
                 num_state_slots: int = 0) -> None:
     """A new pool of ``kv_dtype`` without touching the weights (old contents dropped), every
-    rank's; on CUDA at tp 1 measured again as at load (``num_blocks`` the ceiling,
+    rank's; on CUDA measured again as at load, on every rank (``num_blocks`` the ceiling,
     ``context`` the one request it must hold), the graphs captured over it; a hybrid's
     ``num_state_slots`` (one a request in flight) carved anew where given. If any part
-    fails (the device's memory, a kernel), the pool it had is made again with its graphs
-    and slots, so the engine serves on as before, and the error is raised."""
+    fails (the device's memory, a kernel, a rank's fit), the pool it had is made again with
+    its graphs and slots on every rank, so the engine serves on as before, and the error is
+    raised; unless the tensor-parallel group failed (a rank lost mid-probe): the model must
+    restart."""
     previous = (runner.num_blocks, runner.kv_dtype, runner.num_state_slots)
     try:
         runner.num_state_slots = num_state_slots or runner.num_state_slots
         _make_pool(runner, num_blocks, kv_dtype, context if runner.measure_pool else None)
     except Exception:
+        if runner.failed:  # the group is gone: no pool to make again
+            raise
         runner._allocate_kv([], 0, None)  # whatever was half made goes first
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -147,11 +216,12 @@ def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0,
 
 
 def _make_pool(runner: Any, num_blocks: int, kv_dtype: str, measure: int | None) -> None:
-    """Every rank's pool of ``num_blocks`` (measured for one request of ``measure`` tokens
-    where not None) and the graphs over it."""
+    """Every rank's pool of ``num_blocks`` (measured on every rank for one request of
+    ``measure`` tokens where not None) and the graphs over it."""
+    if measure is not None:
+        num_blocks = (measured_blocks(runner, num_blocks, kv_dtype, measure) if runner._tp is None
+                      else measure_group(runner, num_blocks, kv_dtype, measure))
     if runner._tp is not None:
         runner._tp.reset_kv(num_blocks, kv_dtype, runner.num_state_slots)
-    if measure is not None:
-        num_blocks = measured_blocks(runner, num_blocks, kv_dtype, measure)
     runner._reset_own_kv(num_blocks, kv_dtype)
     runner._capture_graphs()  # the old graphs held the old pools

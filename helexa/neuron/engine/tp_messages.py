@@ -3,8 +3,8 @@
 Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
 (helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
 over a dedicated pipe, msgpack-encoded, never through the compute group; a
-rank answers only while starting and after the host tier's copies
-(`FromRank`). A step carries only what changed: each sequence's new tokens
+rank answers only while starting, after the host tier's copies and after
+measuring its pool (`FromRank`). A step carries only what changed: each sequence's new tokens
 and the blocks appended to its table since rank 0 last sent it, under a
 handle both sides know it by.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -60,6 +61,16 @@ class TpResetKv(msgspec.Struct, tag=True):
     num_state_slots: int = 0  # a hybrid's state slots carved anew (0: as they are)
 
 
+class TpMeasure(msgspec.Struct, tag=True):
+    # every rank measures its own card (pool_probe.measure_as_rank), running the same probe
+    # steps as rank 0 in lockstep (their collectives); each answers TpMeasured, then rank 0
+    # sends the pool the group takes (a TpResetKv of the least rank's blocks)
+    num_blocks: int  # the plan's: the ceiling
+    kv_dtype: str
+    context: int  # one request of it must fit (memory_plan.fit_blocks; 0: unchecked)
+    num_state_slots: int = 0  # a hybrid's state slots carved anew (0: as they are)
+
+
 class TpAllocHost(msgspec.Struct, tag=True):
     num_blocks: int  # the prefix cache's host tier (host_tier.py): host twins to allocate
     num_snapshots: int
@@ -94,8 +105,17 @@ class TpMoved(msgspec.Struct, tag=True):
     error: str = ""  # the rank's host-tier copies failed: why ("" when they were made)
 
 
-ToRank = TpStep | TpMtp | TpMtpLogits | TpResetKv | TpAllocHost | TpMoveKv | TpStop | TpJoin
-FromRank = TpLoaded | TpReady | TpFailed | TpMoved
+class TpMeasured(msgspec.Struct, tag=True):
+    blocks: int = 0  # what fits this rank's card
+    error: str = ""  # why it could not measure ("" when it did)
+    # it failed inside the probe's steps: its collectives are out of step with the other
+    # ranks' for good, so it leaves the group after answering (rank 0 fails the group)
+    broken: bool = False
+
+
+ToRank = (TpStep | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
+          | TpStop | TpJoin)
+FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured
 
 
 @dataclass
@@ -119,6 +139,9 @@ class RunnerArgs:
     num_state_slots: int = 0  # hybrid models: linear-attention state slots
     mtp_kv_layers: int | None = None  # pool layers of the MTP head (ModelRunner)
     num_snapshot_slots: int = 0  # hybrid models: prefix snapshot slots after the state slots
+    measure_pool: bool = True  # CUDA: every rank measures its pool (TpMeasure), loading a
+    # probe-sized one until then
+    memory_meter: Any = None  # device_memory.MeterFactory (None: the device's own)
 
 
 class TpError(RuntimeError):

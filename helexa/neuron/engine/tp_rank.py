@@ -9,8 +9,9 @@ shard, say so, join when told, then run each step rank 0 sends
 the pool, keeping each sequence's block table between steps.
 
 A rank exits when rank 0 says stop, when its pipe closes, when a collective
-times out, or when its parent dies (PR_SET_PDEATHSIG), so no rank outlives the
-engine process however that ends.
+times out, when a step of the pool's measurement failed on it (TpMeasure: its
+collectives are out of step for good), or when its parent dies
+(PR_SET_PDEATHSIG), so no rank outlives the engine process however that ends.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from helexa.neuron.engine.tp_messages import (
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMeasure,
     TpMoved,
     TpMoveKv,
     TpMtp,
@@ -138,8 +140,11 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     _die_with_parent()
     import torch
 
+    from helexa.log import setup_logging
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
+    from helexa.neuron.engine.pool_probe import measure_as_rank
 
+    setup_logging("neuron")  # JSON lines on stderr, as the engine process writes them
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(ToRank)
     device = args.devices[rank] if len(args.devices) > rank else args.devices[0]
@@ -154,7 +159,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              quantize=args.quantize, quant_group_size=args.quant_group_size,
                              num_state_slots=args.num_state_slots,
                              mtp_kv_layers=args.mtp_kv_layers,
-                             num_snapshot_slots=args.num_snapshot_slots)
+                             num_snapshot_slots=args.num_snapshot_slots,
+                             measure_pool=args.measure_pool, memory_meter=args.memory_meter)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return
@@ -166,6 +172,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
         return
     conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
     tables: dict[int, list[int]] = {}
+    lost = False  # its collectives out of step with the group's (a failed probe step)
     try:
         # set-up that asks the other ranks, as rank 0 does once every TpReady is in
         runner.backend.executor.grouped(runner.model)
@@ -176,6 +183,13 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
             if isinstance(msg, TpResetKv):
                 tables.clear()
                 reset_kv_following(runner, msg.num_blocks, msg.kv_dtype, msg.num_state_slots)
+                continue
+            if isinstance(msg, TpMeasure):  # its pool follows as a TpResetKv
+                tables.clear()
+                answer = measure_as_rank(runner, msg)
+                conn.send_bytes(encoder.encode(answer))
+                if lost := answer.broken:  # rank 0 fails the group on its answer: leave
+                    break
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)
@@ -218,4 +232,4 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     except Exception:
         traceback.print_exc()  # a collective timed out or a step failed: rank 0 sees it too
     finally:
-        leave_group()
+        leave_group(abort=lost)  # abort: its own kernels may wait on the others for good

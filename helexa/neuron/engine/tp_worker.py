@@ -20,6 +20,12 @@ head on its shard and its slice of the pool; TpMtpLogits runs the shared
 lm_head alone. Rank 0 picks the drafts from the gathered logits and they reach
 the ranks as the next pass's tokens, so every rank writes the same KV.
 
+On CUDA the KV pool is sized by measurement on every rank once the group has formed
+(at load and at a pool switch): rank 0 sends TpMeasure, every rank runs the probe's steps
+of its own in lockstep (rank 0 sends none of them as steps meanwhile), fits the pool to its
+own card and answers, and the group takes the fewest blocks any rank can hold
+(:meth:`TpWorkers.measure`, helexa/neuron/engine/pool_probe.py).
+
 The messages are helexa/neuron/engine/tp_messages.py's; the group and the
 extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
 fails or times out fails the whole group (TpError): the model must restart.
@@ -56,6 +62,8 @@ from helexa.neuron.engine.tp_messages import (
     TpFailed,
     TpJoin,
     TpLoaded,
+    TpMeasure,
+    TpMeasured,
     TpMoved,
     TpMoveKv,
     TpMtp,
@@ -94,6 +102,9 @@ class TpWorkers:
     _nccl: bool = False  # the group is NCCL's (a CUDA model), once joined
     give_up_secs: float = GIVE_UP_SECS
     timeout_secs: float = DEFAULT_TIMEOUT_SECS  # a rank's answer to TpMoveKv (the group's)
+    # while every rank runs the pool's probe steps of its own (measure): rank 0's steps are
+    # not sent, and a failed one is measure's to judge, not the group's end yet
+    _lockstep: bool = False
 
     @classmethod
     def start(cls, args: RunnerArgs, world: int) -> tuple[TpWorkers, str]:
@@ -182,6 +193,8 @@ class TpWorkers:
         """Send the step plan (only what changed since each table was last sent);
         `device_tokens`: its tokens follow as a broadcast (TpStep)."""
         self.check()
+        if self._lockstep:  # every rank runs this step of its own (measure)
+            return
         out = [self._seq(s) for s in seqs]
         seen = {id(s.block_table) for s in seqs}
         dropped = [h for key, (_, h, _) in self._tables.items() if key not in seen]
@@ -250,6 +263,55 @@ class TpWorkers:
             raise RuntimeError("host-tier copies failed on tensor-parallel "
                                + "; ".join(errors))
 
+    def measure(self, msg: TpMeasure, own: Callable[[], int]) -> list[int]:
+        """The pool's measurement on every rank: sent to the others, which run the probe's
+        steps of their own, while ``own`` runs the same steps here in lockstep (their
+        collectives; rank 0's steps are not sent meanwhile); each rank's fitted blocks,
+        rank 0's first. A rank whose fit failed after the steps (memory_plan.KvPlanError:
+        the context does not fit) raises KvPlanError naming it, and the group goes on; one
+        that failed inside the steps (out of memory, a lost rank) leaves the group out of
+        step: TpError naming every rank's failure, the ranks ended."""
+        from helexa.neuron.engine.memory_plan import KvPlanError
+
+        self.check()
+        self._send(msg)
+        self._lockstep, mine, failed = True, 0, ""
+        try:
+            mine = own()
+        except KvPlanError as e:  # after every collective: the group is in step
+            failed = f"rank 0: {e}"
+        except TpError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the group is out of step: ended below
+            failed = f"rank 0: {type(e).__name__}: {e}"
+            self._lost_in_step(failed)
+        finally:
+            self._lockstep = False
+        doing = ("measure its KV pool", "measuring its KV pool")
+        answers: list[TpMeasured] = self._wait_all(TpMeasured, self.timeout_secs, doing)
+        errors = [failed] * bool(failed) + [f"rank {rank}: {a.error}" for rank, a in
+                                             enumerate(answers, start=1) if a.error]
+        if any(a.broken for a in answers):
+            self.fail("measuring the KV pool failed on tensor-parallel " + "; ".join(errors))
+        if errors:
+            raise KvPlanError("tensor-parallel " + "; ".join(errors))
+        return [mine] + [a.blocks for a in answers]
+
+    def _lost_in_step(self, failed: str) -> NoReturn:
+        """Rank 0's probe failed inside its steps: the other ranks' answers already in (a
+        rank that failed first answered before it left), then the group fails with them."""
+        errors = [failed]
+        for rank, conn in enumerate(self.conns, start=1):
+            try:
+                if conn.poll(1.0):
+                    answer = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
+                    if isinstance(answer, TpMeasured) and answer.error:
+                        errors.append(f"rank {rank}: {answer.error}")
+            except (EOFError, OSError):
+                errors.append(f"rank {rank} exited while measuring its KV pool (exit code "
+                              f"{self.procs[rank - 1].exitcode})")
+        self.fail("measuring the KV pool failed on tensor-parallel " + "; ".join(errors))
+
     def _send(self, msg: ToRank) -> None:
         data = self._encoder.encode(msg)
         self.plan_bytes = len(data)
@@ -276,7 +338,9 @@ class TpWorkers:
 
     def fail_step(self, error: Exception) -> None:
         """A collective failed mid-step: name the rank that died if one did (its exit may
-        take a moment to show), then fail the group."""
+        take a moment to show), then fail the group (measure's: measure judges)."""
+        if self._lockstep:
+            return
         for p in self.procs:
             p.join(0.5)
         self.check()

@@ -20,14 +20,13 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
     why the cuda backend's pools run the torch path ("": FlashInfer's)."""
     fitted: dict[str, int] = {}
     monkeypatch.setattr(pool_probe, "encoder_peak", lambda runner: encoder)
-    # every measured step (the probe's forwards and the sampling after a decode) peaks at
-    # 100 MiB here; the decode's logits [rows, 8] fp32 stay held while it samples
-    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: (step(), 100 * MIB)[1])
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
     monkeypatch.setattr(memory_plan, "fit_blocks", lambda **kw: fitted.update(kw) or 1000)
     runner = SimpleNamespace(
-        block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512,
+        # every measured step (the probe's forwards and the sampling after a decode) peaks at
+        # 100 MiB here; the decode's logits [rows, 8] fp32 stay held while it samples
+        meter=SimpleNamespace(peak_bytes=lambda step: (step(), 100 * MIB)[1],
+                              free_bytes=lambda: (40 * 2**30, 80 * 2**30)),
+        tp_rank=0, tp_size=1, block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
         device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
         _allocate_kv=lambda *a: None, execute=lambda seqs: torch.zeros(len(seqs), 8),
@@ -91,7 +90,7 @@ def test_a_vision_models_measured_step_peak_is_at_least_its_towers(tiny_checkpoi
     assert pool_probe.encoder_peak(text) == 0
 
 
-def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint, monkeypatch):
+def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint):
     """The probe's steps (pool_probe.probe_steps) are real steps a runner takes on its probe
     pool: one long prefill beside decode rows, two prefills (a hybrid's varlen path), one
     of at most SYNC_FREE_MAX_ROWS tokens (a MoE block's masked form); each of the step's
@@ -118,6 +117,89 @@ def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint, 
         assert logits.shape[0] == len(step)  # every sequence's last token
     # sampling runs on the decode step's real logits (its CUDA peak stood in: nothing
     # beyond them), every row top-k, top-p, min-p, penalties and 20 logprobs
-    monkeypatch.setattr(memory_plan, "peak_step_bytes", lambda device, step: (step(), 0)[1])
+    runner.meter = SimpleNamespace(peak_bytes=lambda step: (step(), 0)[1])
     decode = [pool_probe.SeqInput([0], 0, [pool - 1 - i], True, i) for i in range(rows)]
     assert pool_probe.decode_peaks(runner, decode) == (0, rows * runner.vocab_size * 4)
+
+
+def _rank(rank: int, free: int, events: list[str], fail: str = "") -> SimpleNamespace:
+    """A stand-in rank of a tp = 2 model: its steps, and what its executor was told, in
+    ``events``; its meter reads ``free`` bytes and peaks at 1 MiB a step (``fail``: its
+    first step raises that instead)."""
+    def peak_bytes(step):
+        if fail:
+            raise RuntimeError(fail)
+        step()
+        return MIB
+
+    def execute(seqs):
+        events.append("step")
+        return torch.zeros(len(seqs), 8)
+
+    return SimpleNamespace(
+        meter=SimpleNamespace(peak_bytes=peak_bytes, free_bytes=lambda: (free, 80 * 2**30)),
+        tp_rank=rank, tp_size=2, block_size=16, max_num_seqs=4, max_batched_tokens=512,
+        kv_bytes_per_block=MIB, extra_bytes_per_block=0, num_state_slots=0,
+        _reset_own_kv=lambda blocks, kv_dtype: None, _allocate_kv=lambda *a: None,
+        execute=execute, _device_tokens=lambda tokens: events.append("broadcast"),
+        backend=SimpleNamespace(executor=SimpleNamespace(
+            graph_sizes=lambda: [],
+            follow_leader=lambda on=True: events.append(f"follow {on}")),
+            attention=SimpleNamespace(torch_path="")), vision=None)
+
+
+def test_a_worker_rank_measures_its_own_card_and_says_why_it_cannot():
+    """A worker rank's TpMeasure (pool_probe.measure_as_rank): it stops following rank 0's
+    capture steps before the probe's (rank 0 runs them eagerly: a capture here would
+    leave the ranks' collectives out of step), runs the probe steps and the lookahead's
+    broadcast as rank 0 does, and samples nothing (only rank 0 samples): its peak is its
+    forward's. A fit that fails is its answer and the group is in step; a step that fails
+    is an answer that says the group is not."""
+    from helexa.neuron.engine.tp_messages import TpMeasure
+
+    margin = max(memory_plan.MARGIN_MIN_BYTES, int(memory_plan.MARGIN_FRACTION * 80 * 2**30))
+    events: list[str] = []
+    worker = _rank(1, margin + MIB + 300 * MIB, events)
+    assert pool_probe.measure_as_rank(worker, TpMeasure(5000, "auto", 2048, 3)) == \
+        pool_probe.TpMeasured(300)  # its forward's 1 MiB peak alone beside the pool
+    assert events == ["follow False", "step", "step", "step", "step", "broadcast"]
+    assert worker.num_state_slots == 3  # a switch's slots, carved for its probe as rank 0's
+    leader = _rank(0, margin + MIB + 300 * MIB, [])
+    assert pool_probe.measured_blocks(leader, 5000, "auto", 2048) < 300  # it samples
+    short = pool_probe.measure_as_rank(_rank(1, margin + MIB + 100 * MIB, []),
+                                       TpMeasure(5000, "auto", 2048))
+    assert not short.broken and short.error.startswith("KV pool does not fit: ")
+    assert "= 100 blocks of 1,048,576 B, but one request of the configured context (2048 " \
+           "tokens) needs 128 blocks" in short.error
+    oom = pool_probe.measure_as_rank(_rank(1, 0, [], fail="CUDA out of memory"),
+                                     TpMeasure(5000, "auto", 2048))
+    assert oom == pool_probe.TpMeasured(error="RuntimeError: CUDA out of memory", broken=True)
+
+
+def test_the_meter_is_chosen_by_device_and_reads_cudas_allocator(monkeypatch):
+    """device_memory: CUDA's meter (its calls stood in here) reads a step's peak above what
+    was allocated before it and the free memory once the cached blocks are released; a CPU
+    has no meter, so its pool is the plan's."""
+    from helexa.neuron.engine import device_memory
+
+    calls: list[str] = []
+    allocated = {"now": 300, "peak": 0}
+
+    def step() -> None:
+        calls.append("step")
+        allocated["peak"] = 1000
+
+    for name, fn in {
+        "synchronize": lambda device: calls.append("sync"),
+        "memory_allocated": lambda device: allocated["now"],
+        "reset_peak_memory_stats": lambda device: allocated.update(peak=allocated["now"]),
+        "max_memory_allocated": lambda device: allocated["peak"],
+        "empty_cache": lambda: calls.append("empty"),
+        "mem_get_info": lambda device: (calls.append("info"), (5, 9))[1],
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fn)
+    assert device_memory.device_meter(torch.device("cpu")) is None
+    meter = device_memory.device_meter(torch.device("cuda", 1), 1)
+    assert isinstance(meter, device_memory.CudaMeter) and meter.device == torch.device("cuda", 1)
+    assert meter.peak_bytes(step) == 700 and calls == ["sync", "step", "sync"]
+    assert meter.free_bytes() == (5, 9) and calls[3:] == ["sync", "empty", "info"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -146,28 +147,135 @@ def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint
     assert runs[True] == runs[False]
 
 
-def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint):
+@pytest.mark.parametrize("measured", [False, True])
+def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint, measured):
     """A hybrid's pool re-planned with more state slots (a profile allowing more in flight)
     at tp = 2: every rank carves them, so three sequences at once (slots 0-2, where the
-    load had one) decode as at tp = 1."""
+    load had one) decode as at tp = 1; ``measured`` (as on CUDA) every rank's probe runs
+    the hybrid's steps, its linear-attention states beside the probe pool, at load and at
+    the switch (room for the plan's 96 blocks on both ranks)."""
+    from support.pool_meter import ScriptedMeters
+
     model_dir = tiny_checkpoint("qwen3_5")
+    meter = ScriptedMeters({0: [2**40], 1: [2**40]}) if measured else None
 
     def hybrid(tp: int, slots: int) -> ModelRunner:
         devices = [DEVICE] * tp if DEVICE == "cpu" else [f"cuda:{i}" for i in range(tp)]
         return ModelRunner(model_dir, num_blocks=96, block_size=8, max_num_seqs=4,
                            max_batched_tokens=256, tp_size=tp, device=devices[0],
-                           devices=devices, num_state_slots=slots)
+                           devices=devices, num_state_slots=slots,
+                           memory_meter=meter if tp > 1 else None)
 
     one = hybrid(1, 3)
     margins: list[list[float]] = []
     ref = greedy_generate(one, prompts(), 12, margins=margins)
     two = hybrid(2, 1)
     try:
-        two.reset_kv(96, two.kv_dtype, 0, num_state_slots=3)
-        assert two.num_state_slots == 3
+        two.reset_kv(96, two.kv_dtype, 64, num_state_slots=3)
+        assert (two.num_state_slots, two.num_blocks) == (3, 96)
         got = greedy_generate(two, prompts(), 12)
     finally:
         two.close()
     for r, g, m in zip(ref, got, margins, strict=True):
         tie = next((i for i, gap in enumerate(m) if gap < NEAR_TIE), len(m))
         assert g[:tie] == r[:tie]
+
+
+def _measured(model_dir: Path, script, **kw) -> ModelRunner:
+    """A tp = 2 runner whose pool every rank measures through ``script``'s readings
+    (support/pool_meter.py: the CUDA meter's part, on CPU), as on CUDA."""
+    return ModelRunner(model_dir, num_blocks=96, block_size=8, max_num_seqs=4,
+                       max_batched_tokens=256, tp_size=2, memory_meter=script, context=64,
+                       **kw)
+
+
+def _free_for(one: ModelRunner, rank: int, blocks: int, peak: int) -> int:
+    """The free bytes a rank must read for ``blocks`` blocks to fit (memory_plan.fit_blocks:
+    beside its step's peak and the 256 MiB margin of a 1000 MiB card), at tp = 2: rank 0's
+    peak holds the max_num_seqs decode rows' logits it samples, the other ranks' do not."""
+    from helexa.neuron.engine.memory_plan import MARGIN_MIN_BYTES
+
+    sampled = 4 * one.vocab_size * 4 if rank == 0 else 0  # 4 rows' fp32 logits
+    return MARGIN_MIN_BYTES + peak + sampled + blocks * (one.kv_bytes_per_block // 2) + 7
+
+
+def test_tp2_every_rank_measures_and_the_pool_is_the_least_fit(tiny_checkpoint, monkeypatch,
+                                                               capfd):
+    """On CUDA each rank measures its own card, in lockstep, and every rank takes the fewest
+    blocks any rank holds: at load (rank 1 the least), at a kv_dtype switch (rank 0 the
+    least), and a switch that a rank cannot fit restores the old pool on every rank. The
+    steps after decode what tp = 1 decodes, over every block of the pool."""
+    from support.pool_meter import ScriptedMeters
+
+    from helexa.neuron.engine.memory_plan import KvPlanError
+    from helexa.neuron.engine.tp_worker import TpWorkers
+
+    model_dir = tiny_checkpoint("qwen3")
+    one = runner(model_dir, 1)
+    margins: list[list[float]] = []
+    ref = greedy_generate(one, prompts(), 12, margins=margins)
+    peak = 2**20
+    # per rank, what its three measurements read: load, a switch, a switch rank 1 cannot fit
+    free = {r: [_free_for(one, r, n, peak) for n in fits]
+            for r, fits in ((0, (70, 40, 60)), (1, (50, 60, 3)))}
+    sent: list[int] = []  # the pool rank 0 sends the other rank (TpResetKv)
+    real_reset = TpWorkers.reset_kv
+    monkeypatch.setattr(TpWorkers, "reset_kv", lambda self, n, *a: (sent.append(n),
+                                                                     real_reset(self, n, *a)))
+    two = _measured(model_dir, ScriptedMeters(free, peak=peak))
+    tail = [SeqInput(prompts()[0], 0, [93, 94, 95], True)]  # the last blocks of the plan's 96
+
+    def decodes_as_tp1(blocks: int) -> None:
+        got = greedy_generate(two, prompts(), 12, shuffle_seed=blocks)
+        for r, g, m in zip(ref, got, margins, strict=True):
+            tie = next((i for i, gap in enumerate(m) if gap < NEAR_TIE), len(m))
+            assert g[:tie] == r[:tie]
+        last = [SeqInput(prompts()[0], 0, [blocks - 3, blocks - 2, blocks - 1], True)]
+        torch.testing.assert_close(two.execute(last), one.execute(tail), atol=1e-4, rtol=1e-4)
+
+    try:
+        assert (two.num_blocks, sent) == (50, [50])
+        decodes_as_tp1(50)
+        two.reset_kv(96, "fp32", 64)
+        assert (two.num_blocks, sent[1:]) == (40, [40])
+        decodes_as_tp1(40)
+        with pytest.raises(KvPlanError, match=r"^tensor-parallel rank 1: KV pool does not fit: "
+                                              r".* = 3 blocks of .* \(64 tokens\) needs 8 blocks"):
+            two.reset_kv(96, "auto", 64)
+        assert (two.num_blocks, two.kv_dtype, sent[2:]) == (40, "fp32", [40])  # the old pool
+        decodes_as_tp1(40)
+    finally:
+        two.close()
+    # each rank logs its own measurement (rank 1's JSON lines, from its process)
+    lines = [json.loads(x) for x in capfd.readouterr().err.splitlines()
+             if '"engine.kv_pool_measured"' in x]
+    assert [x["blocks"] for x in lines if x["tp_rank"] == 1] == [50, 60]
+
+
+@pytest.mark.parametrize("fails", ["fit", "step"])
+def test_tp2_a_rank_that_cannot_measure_fails_the_load_naming_it(tiny_checkpoint, fails):
+    """A rank whose pool does not fit one request of the context fails the load with its
+    arithmetic; one whose probe step fails (out of memory) takes the group down with its
+    message, the other rank's collective failing at once. No rank hangs or outlives it."""
+    import multiprocessing
+
+    from support.pool_meter import ScriptedMeters
+
+    from helexa.neuron.engine.memory_plan import KvPlanError
+
+    model_dir = tiny_checkpoint("qwen3")
+    one = runner(model_dir, 1)
+    free = {0: [_free_for(one, 0, 70, 2**20)], 1: [_free_for(one, 1, 5, 2**20)]}
+    oom = {1: "CUDA out of memory (scripted)"} if fails == "step" else {}
+    start = time.monotonic()
+    if fails == "fit":
+        with pytest.raises(KvPlanError, match=r"^tensor-parallel rank 1: KV pool does not fit: "
+                                              r".* = 5 blocks of .* needs 8 blocks"):
+            _measured(model_dir, ScriptedMeters(free, fail_step=oom))
+    else:
+        with pytest.raises(TpError, match=r"(?s)^measuring the KV pool failed on tensor-parallel "
+                                          r"rank 0: .*; rank 1: RuntimeError: CUDA out of "
+                                          r"memory \(scripted\)$"):
+            _measured(model_dir, ScriptedMeters(free, fail_step=oom))
+    assert time.monotonic() - start < 15  # not a collective's timeout (20 s)
+    assert not multiprocessing.active_children()

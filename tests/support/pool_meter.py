@@ -1,0 +1,41 @@
+"""Scripted memory readings for the pool's measurement (the interface of
+helexa/neuron/engine/device_memory.py), so that its real code path runs on CPU, every
+tensor-parallel rank included: ModelRunner's ``memory_meter`` carries the script to each
+rank (pickled into its RunnerArgs), and each rank reads its own lines of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ScriptedMeters:
+    """Per rank, the free bytes each measurement reads, in order (the last repeats);
+    every metered step runs as given (its collectives too) and peaks at ``peak``; a rank
+    in ``fail_step`` raises its message at its first step instead (out of memory)."""
+
+    free: dict[int, list[int]]
+    total: int = 1000 * 2**20
+    peak: int = 2**20
+    fail_step: dict[int, str] = field(default_factory=dict)
+
+    def __call__(self, device: Any, tp_rank: int) -> ScriptedMeter:
+        return ScriptedMeter(self, tp_rank)
+
+
+class ScriptedMeter:
+    def __init__(self, script: ScriptedMeters, rank: int) -> None:
+        self.script, self.rank, self.reads = script, rank, 0
+
+    def peak_bytes(self, step: Callable[[], object]) -> int:
+        if why := self.script.fail_step.get(self.rank):
+            raise RuntimeError(why)
+        step()
+        return self.script.peak
+
+    def free_bytes(self) -> tuple[int, int]:
+        frees = self.script.free[self.rank]
+        self.reads += 1
+        return frees[min(self.reads, len(frees)) - 1], self.script.total
