@@ -122,6 +122,7 @@ class ModelPlan:
     draft_weight_bytes: int = 0
     draft_bytes_per_token: int = 0
     mtp_kv_layers: int = 0  # pool layers for the MTP head (where a speculation names mtp)
+    spec_k: int = 0  # the most drafts a verification row checks, of every speculation it runs
     # engine.cuda_graphs: decode batches 1..graph_rows captured at load; their pool (estimate)
     graph_rows: int = 0
     graph_pool_bytes: int = 0
@@ -311,7 +312,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         max_position_embeddings=positions, context=context, input=context - 1, output=output,
         trade=trade, budget_source=source, shape=shape, held_bytes=held,
         draft_model_id=draft_id, draft_weight_bytes=draft_weights,
-        draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers)
+        draft_bytes_per_token=draft_per_token, mtp_kv_layers=mtp_layers, spec_k=spec_k)
     blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     if fixed and cfg.kv.prefix_cache:
         # prefix snapshots come after the state slots: what is left beside them and one

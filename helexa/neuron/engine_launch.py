@@ -50,7 +50,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
         quantize=r.entry.quantize, quant_group_size=r.entry.quant_group_size,
         draft_model_id=plan.draft_model_id, draft_model_dir=str(draft_dir or ""),
         draft_bytes_per_token=plan.draft_bytes_per_token, mtp_kv_layers=plan.mtp_kv_layers,
-        max_slots_ceiling=r.step_ceilings[0], max_batched_tokens_ceiling=r.step_ceilings[1])
+        max_slots_ceiling=r.step_ceilings[0], max_batched_tokens_ceiling=r.step_ceilings[1],
+        spec_k_ceiling=plan.spec_k)
 
 
 async def start_engine(spec: Any, **callbacks: Any) -> Any:

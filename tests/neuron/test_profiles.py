@@ -197,7 +197,8 @@ def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
            "engine": {"max_slots": 4, "max_batched_tokens": 256},
            "kv": {"kv_budget_mb": 1},
            "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
-           "profiles": {"wide": {"max_slots": 12, "max_batched_tokens": 1024}}}
+           "profiles": {"wide": {"max_slots": 12, "max_batched_tokens": 1024,
+                                 "speculation": "ngram", "spec_k": 5}}}
     path = write_neuron_config(tmp_path / "neuron.toml", cfg)
 
     async def body(stub, daemon, engine):
@@ -216,6 +217,7 @@ def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
         path, body, script=lambda _p, _i: 7)
     assert spec.limits.max_slots == 4 and spec.limits.max_batched_tokens == 256  # base runs
     assert (spec.max_slots_ceiling, spec.max_batched_tokens_ceiling) == (12, 256)
+    assert spec.spec_k_ceiling == 5  # the probe verifies the profile's drafts, off at load
     assert "max_slots: 4 -> 12" in changed and switched.max_slots == 12
     assert switched.max_batched_tokens == 256
     assert [c for c in changed if "loaded for" in c] == [

@@ -79,7 +79,7 @@ class ModelRunner:
                  quant_group_size: int = 128, num_state_slots: int = 0,
                  extra_bytes_per_block: int = 0, measure_pool: bool = True,
                  mtp_kv_layers: int | None = None, num_snapshot_slots: int = 0,
-                 memory_meter: MeterFactory | None = None) -> None:
+                 memory_meter: MeterFactory | None = None, spec_k: int = 0) -> None:
         """tp_size > 1 on rank 0 starts ranks 1..tp_size-1 itself (tp_worker.py) and drives
         them from execute / reset_kv; ``devices`` lists one device per rank (CUDA), else every
         rank uses ``device``. close() stops them (so does garbage collection or exit).
@@ -97,7 +97,7 @@ class ModelRunner:
         draft model's), counted when CUDA measures the pool; ``measure_pool`` False keeps
         ``num_blocks`` as given (a draft model's pool follows its target's). ``mtp_kv_layers``
         pool layers are set aside for the MTP head after the target's (as the plan counted
-        them; None: as config.json says)."""
+        them; None: as config.json says); the probe verifies ``spec_k`` drafts a row too."""
         quant = QuantSpec(quantize, quant_group_size)
         # config.json read once for this load (or a Checkpoint opened by the caller)
         ckpt = model_dir if isinstance(model_dir, Checkpoint) else open_checkpoint(model_dir)
@@ -118,13 +118,13 @@ class ModelRunner:
                 cuda_graphs=cuda_graphs, quantize=quantize, quant_group_size=quant_group_size,
                 num_state_slots=num_state_slots, mtp_kv_layers=mtp_kv_layers,
                 num_snapshot_slots=num_snapshot_slots, measure_pool=measure_pool,
-                memory_meter=memory_meter)
+                memory_meter=memory_meter, spec_k=spec_k)
             # The other ranks load while this process loads its own shard.
             self._tp, _ = TpWorkers.start(self._tp_args, tp_size)
             self._finalizer = weakref.finalize(self, _shutdown_tp, self._tp)
         self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.max_batched_tokens, self.tp_rank, self.tp_size = max_batched_tokens, tp_rank, tp_size
-        self.num_state_slots = num_state_slots
+        self.num_state_slots, self.spec_k = num_state_slots, spec_k
         self.num_snapshot_slots = num_snapshot_slots if num_state_slots else 0
         self.mtp_kv_layers = self.config.mtp_num_layers if mtp_kv_layers is None else mtp_kv_layers
         # Any: the model families share no typed base class yet (helexa/neuron/models/).

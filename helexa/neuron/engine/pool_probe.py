@@ -34,10 +34,8 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
     # SYNC_FREE_MAX_ROWS rows (a MoE block's masked form holds every expert's outputs)
     peak = max(meter.peak_bytes(functools.partial(runner.execute, s))
                for s in probe_steps(prefill, rows, bs, slots))
-    table_end = -(-prefill // bs)
     held = 0  # what stays allocated beside any step's activations
-    decode = [SeqInput([0], 0, [table_end + i], True, i % slots) for i in range(rows)]
-    decoded, sampled = decode_peaks(runner, decode)
+    decoded, sampled = decode_peaks(runner, *probe_rows(runner, -(-prefill // bs), rows, slots))
     peak = max(peak, sampled)
     if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
         held += decoded  # the graphs' pool: the largest decode step's activations
@@ -73,10 +71,32 @@ def _probe_shape(runner: Any) -> tuple[int, int]:
 
 
 def probe_blocks(runner: Any) -> int:
-    """The probe pool's blocks: the long prefill's and one a decode row, and one spare."""
+    """The probe pool's blocks: the long prefill's, a verification row's for each decode
+    row (probe_rows), and one spare."""
     prefill, rows = _probe_shape(runner)
     bs: int = runner.block_size
-    return -(-prefill // bs) + rows + 1
+    return -(-prefill // bs) + rows * _row_blocks(runner) + 1
+
+
+def _row_blocks(runner: Any) -> int:
+    """Blocks of one decode row of the probe: those of a verification row of spec_k drafts
+    after one token already computed (one block without speculation)."""
+    return -(-(2 + runner.spec_k) // runner.block_size) if runner.spec_k else 1
+
+
+def probe_rows(runner: Any, first: int, rows: int, slots: int
+               ) -> tuple[list[SeqInput], list[SeqInput]]:
+    """A max_num_seqs-row decode step on blocks from ``first``, and where the model may
+    speculate (spec_k, the most of any speculation it runs) the same rows verifying spec_k
+    drafts each: one token computed, the last and its drafts scored (spec_k + 1 logits a
+    row, as engine/step_inputs.py lays a verification out); [] where it does not."""
+    per = _row_blocks(runner)
+    tables = [list(range(first + i * per, first + (i + 1) * per)) for i in range(rows)]
+    decode = [SeqInput([0], 0, t[:1], True, i % slots) for i, t in enumerate(tables)]
+    n = runner.spec_k + 1
+    verify = [SeqInput([0] * n, 1, t, True, i % slots, num_logits=n)
+              for i, t in enumerate(tables)] if runner.spec_k else []
+    return decode, verify
 
 
 def load_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
@@ -149,29 +169,46 @@ def probe_steps(prefill: int, rows: int, bs: int, slots: int) -> list[list[SeqIn
     return steps
 
 
-def decode_peaks(runner: Any, decode: list[SeqInput]) -> tuple[int, int]:
-    """A decode step of ``decode``'s rows, run once: its forward's peak, and the bytes it
-    holds at its sampling's peak (the larger of that and its logits with what sampling
-    them takes beyond: fp32 copies, a sort for top-p, logprobs; ~50 B a logit with CUDA's
-    sort), for rows that ask for all of it."""
+def decode_peaks(runner: Any, decode: list[SeqInput], verify: list[SeqInput] | None = None
+                 ) -> tuple[int, int]:
+    """A decode step of ``decode``'s rows, run once: its forward's peak, and the bytes held
+    at the peak of any step of those rows: the larger of that; its logits with what
+    sampling them takes beyond (fp32 copies, a sort for top-p, logprobs; ~50 B a logit with
+    CUDA's sort) for rows that ask for all of it; and, given ``verify`` (probe_rows), a
+    verification step's forward, or its logits, the drafter's distributions beside them and
+    what verifying sampled drafts takes (speculative/verify.py)."""
     from helexa.neuron.engine.messages import SamplingParams
     from helexa.neuron.engine.sampler import Sampler, SamplingState
+    from helexa.neuron.engine.speculative.verify import Row, verify_rows
 
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.01,
                             presence_penalty=0.5, repetition_penalty=1.1, logprobs=True,
                             top_logprobs=20)
     held: dict[str, Any] = {}
 
-    def step() -> None:
-        held["logits"] = runner.execute(decode)
+    def step(seqs: list[SeqInput]) -> None:
+        held["logits"] = runner.execute(seqs)
 
-    peak = runner.meter.peak_bytes(step)
+    peak = runner.meter.peak_bytes(lambda: step(decode))
     logits = held.pop("logits")
     if runner.tp_rank > 0:  # only rank 0 samples (the LM head gathers the logits there)
-        return peak, peak
+        return peak, max(peak, runner.meter.peak_bytes(lambda: step(verify)) if verify else 0)
     states = [SamplingState.for_request(params, [0], []) for _ in decode]
     sampling = runner.meter.peak_bytes(lambda: Sampler()(logits, states))
-    return peak, max(peak, int(logits.nbytes) + sampling)
+    most = max(peak, int(logits.nbytes) + sampling)
+    if not verify:
+        return peak, most
+    del logits
+    forward = runner.meter.peak_bytes(lambda: step(verify))
+    logits, k = held.pop("logits"), runner.spec_k  # [rows * (k + 1), vocab]
+    # penalties and logprobs are never speculated (verify.py): the drafts sampled as such
+    drafted = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.01)
+    q = torch.full((len(verify), k, logits.shape[1]), 1.0 / logits.shape[1],
+                   device=logits.device)  # a drafter's distributions, held by it meanwhile
+    rows = [Row(logits[i * (k + 1):(i + 1) * (k + 1)], [0] * k, q[i],
+                SamplingState.for_request(drafted, [0], [])) for i in range(len(verify))]
+    checking = runner.meter.peak_bytes(lambda: verify_rows(rows))
+    return peak, max(most, forward, int(logits.nbytes + q.nbytes) + checking)
 
 
 def encoder_peak(runner: Any) -> int:

@@ -125,6 +125,7 @@ def load_runners(spec: EngineSpec, limits: messages.Limits,
         extra_bytes_per_block=draft.kv_bytes_per_block if draft is not None else 0,
         context=spec.context, quantize=spec.quantize,
         quant_group_size=spec.quant_group_size, mtp_kv_layers=spec.mtp_kv_layers,
+        spec_k=spec.spec_k_ceiling,
         # hybrid models: a state slot per request in flight (dense: unused), and snapshots
         num_state_slots=slots,
         num_snapshot_slots=spec.snapshot_slots(slots),

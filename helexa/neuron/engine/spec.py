@@ -81,6 +81,9 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     # pool measured beside such a step); 0 = the limits'
     max_slots_ceiling: int = 0
     max_batched_tokens_ceiling: int = 0
+    # the most drafts a verification row checks, of every speculation the model may run
+    # (helexa plan's spec_k): the pool is measured beside such a step's logits too
+    spec_k_ceiling: int = 0
     # speculation = "draft:<id>" (docs/speculation.md): the draft checkpoint, loaded with the
     # model; its KV's share of bytes_per_token (its layers share each request's blocks).
     draft_model_id: str = ""

@@ -142,6 +142,7 @@ class RunnerArgs:
     measure_pool: bool = True  # CUDA: every rank measures its pool (TpMeasure), loading a
     # probe-sized one until then
     memory_meter: Any = None  # device_memory.MeterFactory (None: the device's own)
+    spec_k: int = 0  # the most drafts a verification row checks (the probe's verification)
 
 
 class TpError(RuntimeError):

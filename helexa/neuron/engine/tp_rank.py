@@ -160,7 +160,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                              num_state_slots=args.num_state_slots,
                              mtp_kv_layers=args.mtp_kv_layers,
                              num_snapshot_slots=args.num_snapshot_slots,
-                             measure_pool=args.measure_pool, memory_meter=args.memory_meter)
+                             measure_pool=args.measure_pool, memory_meter=args.memory_meter,
+                             spec_k=args.spec_k)
         conn.send_bytes(encoder.encode(TpLoaded()))
         if not isinstance(decoder.decode(conn.recv_bytes()), TpJoin):
             return

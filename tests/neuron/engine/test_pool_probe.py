@@ -26,7 +26,7 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
         # 100 MiB here; the decode's logits [rows, 8] fp32 stay held while it samples
         meter=SimpleNamespace(peak_bytes=lambda step: (step(), 100 * MIB)[1],
                               free_bytes=lambda: (40 * 2**30, 80 * 2**30)),
-        tp_rank=0, tp_size=1, block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512,
+        tp_rank=0, tp_size=1, block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512, spec_k=0,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
         device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
         _allocate_kv=lambda *a: None, execute=lambda seqs: torch.zeros(len(seqs), 8),
@@ -122,6 +122,35 @@ def test_the_probe_runs_each_worst_step_shape_on_a_real_runner(tiny_checkpoint):
     assert pool_probe.decode_peaks(runner, decode) == (0, rows * runner.vocab_size * 4)
 
 
+def test_a_speculating_models_probe_verifies_drafts_on_every_row(tiny_checkpoint):
+    """Where a model may speculate (spec_k: the most of any speculation it runs), the probe
+    runs a verification step too: every decode row scoring spec_k drafts after its last
+    token (spec_k + 1 logits a row, on blocks of its own), and verifying sampled drafts
+    beside the drafter's distributions; what the step holds at its peak counts its logits
+    and those distributions, well over a decode step's."""
+    from helexa.neuron.engine.model_runner import ModelRunner
+
+    bs, rows, k = 4, 3, 6
+    runner = ModelRunner(tiny_checkpoint("qwen3_5"), num_blocks=64, block_size=bs,
+                         max_num_seqs=rows, max_batched_tokens=32, num_state_slots=rows,
+                         spec_k=k)
+    assert pool_probe.probe_blocks(runner) == -(-(32 - 2) // bs) + rows * 2 + 1  # 8 tokens a row
+    decode, verify = pool_probe.probe_rows(runner, 10, rows, slots=rows)
+    assert [(s.token_ids, s.num_computed, s.block_table) for s in decode] == [
+        ([0], 0, [10]), ([0], 0, [12]), ([0], 0, [14])]
+    assert [(len(s.token_ids), s.num_computed, s.num_logits, s.block_table) for s in verify] == [
+        (k + 1, 1, k + 1, [10, 11]), (k + 1, 1, k + 1, [12, 13]), (k + 1, 1, k + 1, [14, 15])]
+    steps: list[int] = []
+    runner.meter = SimpleNamespace(peak_bytes=lambda step: (steps.append(1), step(), 0)[2])
+    logit = runner.vocab_size * 4
+    assert pool_probe.decode_peaks(runner, decode, verify) == (
+        0, rows * (k + 1) * logit + rows * k * logit)  # its logits and the drafter's q
+    assert len(steps) == 4  # decode, its sampling, the verification, its checking
+    assert pool_probe.probe_rows(ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16,
+                                             block_size=bs, max_num_seqs=2,
+                                             max_batched_tokens=32), 0, 2, 1)[1] == []
+
+
 def _rank(rank: int, free: int, events: list[str], fail: str = "") -> SimpleNamespace:
     """A stand-in rank of a tp = 2 model: its steps, and what its executor was told, in
     ``events``; its meter reads ``free`` bytes and peaks at 1 MiB a step (``fail``: its
@@ -138,7 +167,7 @@ def _rank(rank: int, free: int, events: list[str], fail: str = "") -> SimpleName
 
     return SimpleNamespace(
         meter=SimpleNamespace(peak_bytes=peak_bytes, free_bytes=lambda: (free, 80 * 2**30)),
-        tp_rank=rank, tp_size=2, block_size=16, max_num_seqs=4, max_batched_tokens=512,
+        tp_rank=rank, tp_size=2, block_size=16, max_num_seqs=4, max_batched_tokens=512, spec_k=0,
         kv_bytes_per_block=MIB, extra_bytes_per_block=0, num_state_slots=0,
         _reset_own_kv=lambda blocks, kv_dtype: None, _allocate_kv=lambda *a: None,
         execute=execute, _device_tokens=lambda tokens: events.append("broadcast"),

@@ -153,7 +153,8 @@ def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint, measured):
     at tp = 2: every rank carves them, so three sequences at once (slots 0-2, where the
     load had one) decode as at tp = 1; ``measured`` (as on CUDA) every rank's probe runs
     the hybrid's steps, its linear-attention states beside the probe pool, at load and at
-    the switch (room for the plan's 96 blocks on both ranks)."""
+    the switch (room for the plan's 96 blocks on both ranks), a verification step of two
+    drafts a row among them (every rank runs it: its collectives)."""
     from support.pool_meter import ScriptedMeters
 
     model_dir = tiny_checkpoint("qwen3_5")
@@ -164,7 +165,7 @@ def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint, measured):
         return ModelRunner(model_dir, num_blocks=96, block_size=8, max_num_seqs=4,
                            max_batched_tokens=256, tp_size=tp, device=devices[0],
                            devices=devices, num_state_slots=slots,
-                           memory_meter=meter if tp > 1 else None)
+                           memory_meter=meter if tp > 1 else None, spec_k=2 * measured)
 
     one = hybrid(1, 3)
     margins: list[list[float]] = []
