@@ -27,7 +27,7 @@ import torch
 
 from helexa.checkpoint.layer_memory import AttentionSpec
 from helexa.kernels import backends, kv_quant
-from helexa.kernels.backends.base import PrefillRow, StepPlan, to_device, token_slots
+from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
@@ -35,7 +35,7 @@ from helexa.neuron.engine import memory_plan, pool_probe
 from helexa.neuron.engine.device_memory import MeterFactory, device_meter
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.runner import StepOutput
-from helexa.neuron.engine.seq_input import SeqInput, checked_table, logits_count
+from helexa.neuron.engine.seq_input import SeqInput, lay_out
 from helexa.neuron.engine.speculative import mtp_passes
 from helexa.neuron.engine.tp_messages import RunnerArgs
 from helexa.neuron.engine.tp_rank import leave_group
@@ -341,45 +341,12 @@ class ModelRunner:
                                    or any(len(s.token_ids) != 1 for s in seqs)):
             raise ValueError(f"device tokens {tuple(tokens.shape)} for a step of {len(seqs)} "
                              "sequences: they are for pure decode steps, one token a row")
-        bs = self.block_size
-        decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
-        step = StepPlan(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
-                        num_blocks=self.num_blocks)
-        ids = [seqs[i].token_ids[0] for i in decode]
-        positions = [seqs[i].num_computed for i in decode]
-        slots: list[int] = []
-        for i in decode:
-            s = seqs[i]
-            table = checked_table(s.block_table, s.num_computed + 1, bs)
-            slots.append(table[s.num_computed // bs] * bs + s.num_computed % bs)
-            step.decode_positions.append(s.num_computed)
-            step.decode_tables.append(s.block_table)
-            step.decode_state_slots.append(s.state_slot)
-        last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
-        for i, s in enumerate(seqs):
-            n, c = len(s.token_ids), s.num_computed
-            if n == 1:
-                continue
-            if n == 0:
-                raise ValueError("SeqInput with no tokens")
-            table = checked_table(s.block_table, c + n, bs)
-            start = len(ids)
-            ids.extend(s.token_ids)
-            positions.extend(range(c, c + n))
-            slots.extend(token_slots(table, c, c + n, bs))
-            step.prefills.append(PrefillRow(start, start + n, c, table, s.state_slot,
-                                            verify=s.need_logits and s.num_logits > 1))
-            last_row[i] = start + n - 1
-        step.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
-        step.state_saves = [(s.state_slot, s.save_to) for s in seqs if s.save_to >= 0]
-        # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
-        self.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
-        n_tok = len(ids)
-        want = [r for i, s in enumerate(seqs) if s.need_logits
-                for r in range(last_row[i] - logits_count(s) + 1, last_row[i] + 1)]
+        lay = lay_out(seqs, self.block_size, self.num_blocks)
+        ids, positions, want, step = lay.ids, lay.positions, lay.want, lay.step
+        self.seq_starts, n_tok = lay.seq_starts, len(ids)
         # A fresh pinned buffer a step, not one reused: the engine's lookahead prepares a
         # step while the one before runs, whose copy from its buffer may not have run yet.
-        flat = to_device(ids + positions + slots + want, torch.long, self.device)
+        flat = to_device(ids + positions + lay.slots + want, torch.long, self.device)
         step.slot_mapping = flat[2 * n_tok : 3 * n_tok]
         self.model.rotary.ensure(max(positions) + 1)
         # All rows in order (pure decode where every row wants logits): skip the gather.

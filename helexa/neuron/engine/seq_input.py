@@ -1,10 +1,14 @@
 """SeqInput: one sequence's share of an engine step, as the engine hands it to the runner,
-and the checks the runner makes of it (helexa/neuron/engine/model_runner.py)."""
+the checks the runner makes of it, and the step laid out flat (helexa/neuron/engine/
+model_runner.py copies that to the device)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from helexa.kernels.backends.base import PrefillRow, StepPlan, token_slots
 from helexa.neuron.engine.images import ImageSpan
 
 
@@ -41,3 +45,60 @@ def checked_table(block_table: list[int], num_tokens: int, block_size: int) -> l
         raise ValueError(f"block table of {len(block_table)} blocks × {block_size} cannot hold "
                          f"{num_tokens} tokens")
     return block_table
+
+
+@dataclass
+class StepLayout:
+    """A step laid out flat, decode rows first: each token's id, position and write slot,
+    the flat rows that want logits, each sequence's first flat row, and the StepPlan the
+    attention backend plans from (its slot_mapping filled on the device)."""
+
+    step: StepPlan
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    want: list[int] = field(default_factory=list)
+    seq_starts: list[int] = field(default_factory=list)
+
+
+def lay_out(seqs: list[SeqInput], block_size: int, num_blocks: int) -> StepLayout:
+    """``seqs`` as one flat step of a pool of ``num_blocks`` blocks: one-token rows (decode)
+    first, then each longer chunk's tokens in order (a prefill, or a verification row: its
+    last token and drafts, ``num_logits`` of them wanting logits); ValueError naming a
+    sequence with no tokens, a table too short for its tokens or bad num_logits."""
+    bs = block_size
+    decode = [i for i, s in enumerate(seqs) if len(s.token_ids) == 1]
+    lay = StepLayout(StepPlan(slot_mapping=torch.empty(0, dtype=torch.long), block_size=bs,
+                              num_blocks=num_blocks))
+    step = lay.step
+    lay.ids = [seqs[i].token_ids[0] for i in decode]
+    lay.positions = [seqs[i].num_computed for i in decode]
+    for i in decode:
+        s = seqs[i]
+        table = checked_table(s.block_table, s.num_computed + 1, bs)
+        lay.slots.append(table[s.num_computed // bs] * bs + s.num_computed % bs)
+        step.decode_positions.append(s.num_computed)
+        step.decode_tables.append(s.block_table)
+        step.decode_state_slots.append(s.state_slot)
+    last_row = {i: r for r, i in enumerate(decode)}  # seq index -> flat row of its last token
+    for i, s in enumerate(seqs):
+        n, c = len(s.token_ids), s.num_computed
+        if n == 1:
+            continue
+        if n == 0:
+            raise ValueError("SeqInput with no tokens")
+        table = checked_table(s.block_table, c + n, bs)
+        start = len(lay.ids)
+        lay.ids.extend(s.token_ids)
+        lay.positions.extend(range(c, c + n))
+        lay.slots.extend(token_slots(table, c, c + n, bs))
+        step.prefills.append(PrefillRow(start, start + n, c, table, s.state_slot,
+                                        verify=s.need_logits and s.num_logits > 1))
+        last_row[i] = start + n - 1
+    step.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
+    step.state_saves = [(s.state_slot, s.save_to) for s in seqs if s.save_to >= 0]
+    # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
+    lay.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
+    lay.want = [r for i, s in enumerate(seqs) if s.need_logits
+                for r in range(last_row[i] - logits_count(s) + 1, last_row[i] + 1)]
+    return lay
