@@ -1,0 +1,112 @@
+"""A resident model's profile switch (helexa/neuron/residency.py Residency.set_profile):
+its limits handed to the engine, and where the profile changes the pool (a kv_dtype, a
+hybrid's state slots, one a request in flight) the pool re-planned in place: the model
+goes `switching`, stops admitting, lets its in-flight work finish, re-plans and resumes
+(docs/operating.md, "Tuning admission and profiles")."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from helexa.neuron.engine.client import EngineBusy
+from helexa.neuron.limits import (
+    ModelLimits,
+    diff_limits,
+    effective_kv_dtype,
+    effective_limits,
+    within_ceilings,
+)
+from helexa.neuron.resident_model import ModelState, ResidentModel
+from helexa.plan import plan_model, state_slots
+from helexa.refusal import Refusal
+
+if TYPE_CHECKING:
+    from helexa.neuron.residency import Residency
+
+log = structlog.get_logger(component="neuron")
+
+
+async def set_profile(res: Residency, model_id: str, profile: str
+                      ) -> tuple[ResidentModel, list[str]]:
+    """Switch a resident model's profile; a kv_dtype change, or a hybrid's state slots
+    (one a request in flight: the profile's max_in_flight), re-plans the pool in place."""
+    r = res.models.get(model_id)
+    if r is None:
+        res.entry(model_id)
+        raise Refusal("service_unavailable", f"The model `{model_id}` is not loaded.")
+    if profile and profile not in res.cfg.profiles:
+        names = ", ".join(sorted(res.cfg.profiles)) or "none defined"
+        raise Refusal("invalid_request_error",
+                      f"profile: expected one of the [profiles.*] ({names}), got `{profile}`")
+    if r.state != ModelState.READY:
+        raise Refusal("service_unavailable",
+                      f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
+    asked = effective_limits(res.cfg, profile, r.entry)
+    new_plan = plan_model(res.cfg, r.load_entry, res.config_path,
+                          kv_dtype=effective_kv_dtype(res.cfg, profile),
+                          device_memory_mb=res.device_memory_mb(r.devices))
+    slots = state_slots(new_plan, asked.max_in_flight)[1] if r.num_state_slots else 0
+    changed = [f"profile: {r.profile or '(base)'} -> {profile or '(base)'}"] * (
+        profile != r.profile)
+    pool = [f"{k}: {a} -> {b}" for k, a, b in (("kv_dtype", r.kv_dtype, new_plan.kv_dtype),
+            ("context", r.limits.context, new_plan.context),
+            ("state slots", r.num_state_slots, slots)) if a != b]
+    if pool:  # the pool re-planned (a kv_dtype, a hybrid's state slots)
+        await switch_pool(res, r, new_plan, slots)
+    new_limits, cut = within_ceilings(asked, r)
+    changed += diff_limits(r.admission, new_limits) + cut + pool
+    if new_limits != r.admission:
+        r.client.set_limits(new_limits)
+        r.admission = new_limits
+    r.profile = profile
+    res._profiles[model_id] = profile
+    log.info("model.profile", model=model_id, profile=profile, changed=changed)
+    res._on_change()
+    return r, changed
+
+async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 0) -> None:
+    """SWITCHING: stop admitting, let in-flight work finish, re-plan the pool, resume."""
+    reset = getattr(r.client, "reset_kv", None)
+    if reset is None:
+        raise Refusal("invalid_request_error",
+                      "kv_dtype: this engine cannot re-plan its pool at runtime yet")
+    r.state = ModelState.SWITCHING
+    res._on_change()
+    t0 = time.monotonic()
+    try:
+        r.client.stop_admitting(True)
+        deadline = t0 + res.cfg.server.drain_secs
+        while True:
+            # queued requests stay queued; in-flight ones hold blocks. The engine may
+            # admit one more before the stop reaches it: busy, and the switch waits again
+            left = deadline - time.monotonic()
+            if left <= 0 or not await res.wait_idle(r, left, in_flight_only=True):
+                raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not "
+                              f"finish within drain_secs ({res.cfg.server.drain_secs:g} s);"
+                              " the switch was abandoned", 1000)
+            try:
+                await reset(num_blocks=state_slots(plan, slots or r.num_state_slots)[0],
+                            num_state_slots=slots, kv_dtype=plan.kv_dtype,
+                            bytes_per_token=plan.bytes_per_token, context=plan.context,
+                            max_output_tokens=plan.output)
+                break
+            except EngineBusy:
+                await asyncio.sleep(0.05)  # its status says in flight once it reports
+            except Exception as e:  # the engine kept its pool; say why it would not switch
+                raise Refusal("invalid_request_error",
+                              f"kv_dtype: the engine could not re-plan its pool: {e}") from e
+        r.plan, r.kv_dtype, r.num_state_slots, r.limits = (
+            plan, plan.kv_dtype, slots or r.num_state_slots,
+            ModelLimits.from_plan(plan, res.cfg.kv.prefix_cache, res.cfg.kv.prefix_sharing))
+    finally:
+        r.client.stop_admitting(False)
+        if r.state == ModelState.SWITCHING:
+            r.state = ModelState.READY
+        res._on_change()
+    log.info("model.switched", model=r.model_id, kv_dtype=plan.kv_dtype,
+             context=plan.context, switch_secs=round(time.monotonic() - t0, 3))
+
