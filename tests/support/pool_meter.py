@@ -5,6 +5,7 @@ rank (pickled into its RunnerArgs), and each rank reads its own lines of it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,12 +15,15 @@ from typing import Any
 class ScriptedMeters:
     """Per rank, the free bytes each measurement reads, in order (the last repeats);
     every metered step runs as given (its collectives too) and peaks at ``peak``; a rank
-    in ``fail_step`` raises its message at its first step instead (out of memory)."""
+    in ``fail_step`` raises its message at its first step instead (out of memory); a rank
+    in ``late`` waits that many seconds before its first step (as a rank blocked in a
+    collective on NCCL, where a lost peer fails nothing until the group is aborted)."""
 
     free: dict[int, list[int]]
     total: int = 1000 * 2**20
     peak: int = 2**20
     fail_step: dict[int, str] = field(default_factory=dict)
+    late: dict[int, float] = field(default_factory=dict)
 
     def __call__(self, device: Any, tp_rank: int) -> ScriptedMeter:
         return ScriptedMeter(self, tp_rank)
@@ -32,6 +36,7 @@ class ScriptedMeter:
     def peak_bytes(self, step: Callable[[], object]) -> int:
         if why := self.script.fail_step.get(self.rank):
             raise RuntimeError(why)
+        time.sleep(self.script.late.pop(self.rank, 0.0))
         step()
         return self.script.peak
 

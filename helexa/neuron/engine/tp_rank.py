@@ -46,6 +46,7 @@ from helexa.neuron.engine.tp_messages import (
 )
 
 log = structlog.get_logger(component="engine")
+EXIT_MEASURE_FAILED = 3  # a probe step of the pool's measurement failed here (TpMeasure)
 
 # NCCL, set before the group forms. No blocking wait: with TORCH_NCCL_BLOCKING_WAIT every
 # synchronous collective becomes a host sync plus a sleep of at least 1 ms (a decode step of a
@@ -190,6 +191,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 answer = measure_as_rank(runner, msg)
                 conn.send_bytes(encoder.encode(answer))
                 if lost := answer.broken:  # rank 0 fails the group on its answer: leave
+                    log.error("engine.tp_measure_failed", tp_rank=rank, reason=answer.error)
                     break
                 continue
             if isinstance(msg, TpAllocHost):
@@ -234,3 +236,5 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
         traceback.print_exc()  # a collective timed out or a step failed: rank 0 sees it too
     finally:
         leave_group(abort=lost)  # abort: its own kernels may wait on the others for good
+    if lost:
+        sys.exit(EXIT_MEASURE_FAILED)

@@ -105,6 +105,10 @@ class TpWorkers:
     # while every rank runs the pool's probe steps of its own (measure): rank 0's steps are
     # not sent, and a failed one is measure's to judge, not the group's end yet
     _lockstep: bool = False
+    # an answer the health check read off a dead rank's pipe (its last words: why it left
+    # the group), for the step thread's next read of that rank; both read under the lock
+    _early: dict[int, FromRank] = field(default_factory=dict)
+    _pipe_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def start(cls, args: RunnerArgs, world: int) -> tuple[TpWorkers, str]:
@@ -180,11 +184,14 @@ class TpWorkers:
 
     def _recv(self, rank: int, conn: Connection, timeout_secs: float,
               doing: tuple[str, str]) -> FromRank:
-        try:
-            if not conn.poll(timeout_secs):
+        try:  # (the health check reads only a dead rank's pipe, which polls at once)
+            if rank not in self._early and not conn.poll(timeout_secs):
                 self.fail(f"tensor-parallel rank {rank} did not {doing[0]} within "
                           f"{timeout_secs:.0f} s")
-            return msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
+            with self._pipe_lock:
+                if rank in self._early:
+                    return self._early.pop(rank)
+                return msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
         except (EOFError, OSError):
             self.fail(f"tensor-parallel rank {rank} exited while {doing[1]} "
                       f"(exit code {self.procs[rank - 1].exitcode})")
@@ -333,8 +340,26 @@ class TpWorkers:
     def _dead_rank(self) -> str:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                return f"tensor-parallel rank {rank} died (exit code {p.exitcode})"
+                why = self._last_words(rank)
+                return (f"tensor-parallel rank {rank} failed measuring its KV pool and left "
+                        f"the group: {why}" if why else
+                        f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
         return ""
+
+    def _last_words(self, rank: int) -> str:
+        """Why a dead rank left, where it said so before it went: a probe step of the
+        pool's measurement that failed on it (TpMeasured, broken). On NCCL the other ranks
+        only wait on its collectives, so its death, not its answer, is what they see first."""
+        with self._pipe_lock:
+            if rank not in self._early and rank <= len(self.conns):
+                try:
+                    if self.conns[rank - 1].poll(0):
+                        self._early[rank] = msgspec.msgpack.decode(
+                            self.conns[rank - 1].recv_bytes(), type=FromRank)
+                except (EOFError, OSError, msgspec.DecodeError):
+                    return ""
+            answer = self._early.get(rank)
+        return answer.error if isinstance(answer, TpMeasured) and answer.broken else ""
 
     def fail_step(self, error: Exception) -> None:
         """A collective failed mid-step: name the rank that died if one did (its exit may

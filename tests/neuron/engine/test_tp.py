@@ -253,11 +253,14 @@ def test_tp2_every_rank_measures_and_the_pool_is_the_least_fit(tiny_checkpoint, 
     assert [x["blocks"] for x in lines if x["tp_rank"] == 1] == [50, 60]
 
 
-@pytest.mark.parametrize("fails", ["fit", "step"])
+@pytest.mark.parametrize("fails", ["fit", "step", "step-late"])
 def test_tp2_a_rank_that_cannot_measure_fails_the_load_naming_it(tiny_checkpoint, fails):
     """A rank whose pool does not fit one request of the context fails the load with its
     arithmetic; one whose probe step fails (out of memory) takes the group down with its
-    message, the other rank's collective failing at once. No rank hangs or outlives it."""
+    message, the other rank's collective failing at once; and where rank 0 meets the loss
+    only once that rank has gone (``step-late``: on NCCL a collective waits on a lost peer
+    until the health check finds it dead), the load still says why it left. No rank hangs
+    or outlives it."""
     import multiprocessing
 
     from support.pool_meter import ScriptedMeters
@@ -267,16 +270,21 @@ def test_tp2_a_rank_that_cannot_measure_fails_the_load_naming_it(tiny_checkpoint
     model_dir = tiny_checkpoint("qwen3")
     one = runner(model_dir, 1)
     free = {0: [_free_for(one, 0, 70, 2**20)], 1: [_free_for(one, 1, 5, 2**20)]}
-    oom = {1: "CUDA out of memory (scripted)"} if fails == "step" else {}
+    oom = {1: "CUDA out of memory (scripted)"} if fails.startswith("step") else {}
     start = time.monotonic()
     if fails == "fit":
         with pytest.raises(KvPlanError, match=r"^tensor-parallel rank 1: KV pool does not fit: "
                                               r".* = 5 blocks of .* needs 8 blocks"):
             _measured(model_dir, ScriptedMeters(free, fail_step=oom))
-    else:
+    elif fails == "step":
         with pytest.raises(TpError, match=r"(?s)^measuring the KV pool failed on tensor-parallel "
                                           r"rank 0: .*; rank 1: RuntimeError: CUDA out of "
                                           r"memory \(scripted\)$"):
             _measured(model_dir, ScriptedMeters(free, fail_step=oom))
+    else:
+        with pytest.raises(TpError, match=r"^tensor-parallel rank 1 failed measuring its KV pool "
+                                          r"and left the group: RuntimeError: CUDA out of "
+                                          r"memory \(scripted\)$"):
+            _measured(model_dir, ScriptedMeters(free, fail_step=oom, late={0: 3.0}))
     assert time.monotonic() - start < 15  # not a collective's timeout (20 s)
     assert not multiprocessing.active_children()
