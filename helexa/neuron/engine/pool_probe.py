@@ -14,7 +14,7 @@ import torch
 
 from helexa.checkpoint.memory import FI_WRAPPER_INT_BYTES
 from helexa.checkpoint.vision_shape import read_vision_shape
-from helexa.neuron.engine import memory_plan
+from helexa.neuron.engine import memory_plan, tp_measure
 from helexa.neuron.engine.seq_input import SeqInput
 from helexa.neuron.engine.tp_messages import TpMeasure, TpMeasured
 
@@ -120,11 +120,11 @@ def pool_at_load(runner: Any, planned: int, kv_dtype: str, context: int) -> None
 
 
 def measure_group(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
-    """Rank 0 at tp > 1: every rank measures its own card (TpWorkers.measure; this rank's
+    """Rank 0 at tp > 1: every rank measures its own card (tp_measure.measure; this rank's
     steps are not sent, each rank runs them itself); the fewest blocks any rank holds."""
     msg = TpMeasure(planned, kv_dtype, context, runner.num_state_slots)
-    ranks: list[int] = runner._tp.measure(
-        msg, lambda: measured_blocks(runner, planned, kv_dtype, context))
+    ranks = tp_measure.measure(runner._tp, msg,
+                               lambda: measured_blocks(runner, planned, kv_dtype, context))
     log.info("engine.kv_pool_group", planned_blocks=planned, blocks=min(ranks), ranks=ranks)
     return min(ranks)
 

@@ -24,7 +24,7 @@ On CUDA the KV pool is sized by measurement on every rank once the group has for
 (at load and at a pool switch): rank 0 sends TpMeasure, every rank runs the probe's steps
 of its own in lockstep (rank 0 sends none of them as steps meanwhile), fits the pool to its
 own card and answers, and the group takes the fewest blocks any rank can hold
-(:meth:`TpWorkers.measure`, helexa/neuron/engine/pool_probe.py).
+(helexa/neuron/engine/tp_measure.py, pool_probe.py).
 
 The messages are helexa/neuron/engine/tp_messages.py's; the group and the
 extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
@@ -52,6 +52,7 @@ import msgspec
 import structlog
 
 from helexa.neuron.engine.host_tier import KvMoves
+from helexa.neuron.engine.tp_measure import last_words
 from helexa.neuron.engine.tp_messages import (
     DEFAULT_TIMEOUT_SECS,
     FromRank,
@@ -62,8 +63,6 @@ from helexa.neuron.engine.tp_messages import (
     TpFailed,
     TpJoin,
     TpLoaded,
-    TpMeasure,
-    TpMeasured,
     TpMoved,
     TpMoveKv,
     TpMtp,
@@ -270,55 +269,6 @@ class TpWorkers:
             raise RuntimeError("host-tier copies failed on tensor-parallel "
                                + "; ".join(errors))
 
-    def measure(self, msg: TpMeasure, own: Callable[[], int]) -> list[int]:
-        """The pool's measurement on every rank: sent to the others, which run the probe's
-        steps of their own, while ``own`` runs the same steps here in lockstep (their
-        collectives; rank 0's steps are not sent meanwhile); each rank's fitted blocks,
-        rank 0's first. A rank whose fit failed after the steps (memory_plan.KvPlanError:
-        the context does not fit) raises KvPlanError naming it, and the group goes on; one
-        that failed inside the steps (out of memory, a lost rank) leaves the group out of
-        step: TpError naming every rank's failure, the ranks ended."""
-        from helexa.neuron.engine.memory_plan import KvPlanError
-
-        self.check()
-        self._send(msg)
-        self._lockstep, mine, failed = True, 0, ""
-        try:
-            mine = own()
-        except KvPlanError as e:  # after every collective: the group is in step
-            failed = f"rank 0: {e}"
-        except TpError:
-            raise
-        except Exception as e:  # noqa: BLE001 - the group is out of step: ended below
-            failed = f"rank 0: {type(e).__name__}: {e}"
-            self._lost_in_step(failed)
-        finally:
-            self._lockstep = False
-        doing = ("measure its KV pool", "measuring its KV pool")
-        answers: list[TpMeasured] = self._wait_all(TpMeasured, self.timeout_secs, doing)
-        errors = [failed] * bool(failed) + [f"rank {rank}: {a.error}" for rank, a in
-                                             enumerate(answers, start=1) if a.error]
-        if any(a.broken for a in answers):
-            self.fail("measuring the KV pool failed on tensor-parallel " + "; ".join(errors))
-        if errors:
-            raise KvPlanError("tensor-parallel " + "; ".join(errors))
-        return [mine] + [a.blocks for a in answers]
-
-    def _lost_in_step(self, failed: str) -> NoReturn:
-        """Rank 0's probe failed inside its steps: the other ranks' answers already in (a
-        rank that failed first answered before it left), then the group fails with them."""
-        errors = [failed]
-        for rank, conn in enumerate(self.conns, start=1):
-            try:
-                if conn.poll(1.0):
-                    answer = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
-                    if isinstance(answer, TpMeasured) and answer.error:
-                        errors.append(f"rank {rank}: {answer.error}")
-            except (EOFError, OSError):
-                errors.append(f"rank {rank} exited while measuring its KV pool (exit code "
-                              f"{self.procs[rank - 1].exitcode})")
-        self.fail("measuring the KV pool failed on tensor-parallel " + "; ".join(errors))
-
     def _send(self, msg: ToRank) -> None:
         data = self._encoder.encode(msg)
         self.plan_bytes = len(data)
@@ -340,26 +290,11 @@ class TpWorkers:
     def _dead_rank(self) -> str:
         for rank, p in enumerate(self.procs, start=1):
             if not p.is_alive():
-                why = self._last_words(rank)
+                why = last_words(self, rank)
                 return (f"tensor-parallel rank {rank} failed measuring its KV pool and left "
                         f"the group: {why}" if why else
                         f"tensor-parallel rank {rank} died (exit code {p.exitcode})")
         return ""
-
-    def _last_words(self, rank: int) -> str:
-        """Why a dead rank left, where it said so before it went: a probe step of the
-        pool's measurement that failed on it (TpMeasured, broken). On NCCL the other ranks
-        only wait on its collectives, so its death, not its answer, is what they see first."""
-        with self._pipe_lock:
-            if rank not in self._early and rank <= len(self.conns):
-                try:
-                    if self.conns[rank - 1].poll(0):
-                        self._early[rank] = msgspec.msgpack.decode(
-                            self.conns[rank - 1].recv_bytes(), type=FromRank)
-                except (EOFError, OSError, msgspec.DecodeError):
-                    return ""
-            answer = self._early.get(rank)
-        return answer.error if isinstance(answer, TpMeasured) and answer.broken else ""
 
     def fail_step(self, error: Exception) -> None:
         """A collective failed mid-step: name the rank that died if one did (its exit may

@@ -16,6 +16,7 @@ import msgspec
 import pytest
 import torch
 
+import helexa.log as helexa_log
 from helexa.neuron.engine import model_runner, tp_rank
 from helexa.neuron.engine.runner import load_runners
 from helexa.neuron.engine.spec import EngineSpec
@@ -84,6 +85,8 @@ def test_a_spawned_rank_makes_its_card_current_before_it_loads_its_shard(
     """Rank 1 of ["cuda:0", "cuda:1"]: cuda:1 is current before its ModelRunner's first
     CUDA use, not only once join_group runs (after the load, the pool and the probes)."""
     monkeypatch.setattr(tp_rank, "_die_with_parent", lambda: None)  # not the test process
+    # nor its logging: a rank's JSON lines on stderr would stay configured for later tests
+    monkeypatch.setattr(helexa_log, "setup_logging", lambda *a, **kw: None)
     pipe = _Pipe()
     args = RunnerArgs(str(tiny_model_dir), "auto", 8, 16, "auto", 2, 64, ["cuda:0", "cuda:1"])
     tp_rank.worker_main(pipe, args, 1, 2)  # type: ignore[arg-type]
