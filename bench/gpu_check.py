@@ -210,12 +210,23 @@ def free_device() -> None:
 
 
 def stage_env(ctx: dict[str, Any]) -> dict[str, Any]:
+    from importlib import metadata
+
     from helexa.kernels.backends import cuda
 
     out: dict[str, Any] = {"torch": torch.__version__, "device": ctx["device"],
                            "flashinfer": cuda.available(), "flashinfer_error": cuda.import_error()}
+    for name in ("flashinfer-python", "fla-core", "triton", "transformers",
+                 "nvidia-cutlass-dsl"):  # (the last: FlashInfer's Gated DeltaNet decode)
+        try:
+            out.setdefault("versions", {})[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out.setdefault("versions", {})[name] = None
+    out["scratch"] = ctx["scratch"]  # where the checkpoints are made, and why there
     if ctx["device"] == "cuda":
         out["gpu"] = torch.cuda.get_device_name(0)
+        free, total = torch.cuda.mem_get_info(0)
+        out["gpu_free_gb"], out["gpu_total_gb"] = free / 1e9, total / 1e9
     try:
         import fla  # noqa: F401
         out["fla"] = True
@@ -1113,6 +1124,37 @@ class Models(dict):  # type: ignore[type-arg]
         return path
 
 
+# the checkpoints a whole run makes, on disk at once: the two big ones (16.4 GB each in
+# bf16) and the small ones, with room to spare
+SCRATCH_BYTES = 40 * 10**9
+
+
+def scratch_folder(need: int, candidates: list[str] | None = None) -> tuple[str, dict[str, Any]]:
+    """Where the run makes its checkpoints: HELEXA_CHECK_SCRATCH where set; else the
+    temporary folder where ``need`` bytes fit there, or else the candidate (memory-backed
+    /dev/shm) with the most room that holds them, so a machine whose disk is short of the
+    big checkpoints still measures them; and what was found, for the env stage."""
+    import shutil
+
+    if chosen := os.environ.get("HELEXA_CHECK_SCRATCH"):
+        return chosen, {"path": chosen, "why": "HELEXA_CHECK_SCRATCH"}
+    default = tempfile.gettempdir()
+    free: dict[str, int] = {}
+    for path in [default, *(candidates if candidates is not None else ["/dev/shm"])]:
+        try:
+            if os.access(path, os.W_OK):
+                free[path] = shutil.disk_usage(path).free
+        except OSError:
+            continue
+    gb = {p: round(f / 1e9, 1) for p, f in free.items()}
+    if free.get(default, 0) >= need or not free:
+        return default, {"path": default, "free_gb": gb, "why": "the temporary folder"}
+    best = max(free, key=lambda p: free[p])
+    why = (f"{default} has {gb.get(default, 0)} GB free, {need / 1e9:.0f} GB wanted"
+           if free[best] >= need and best != default else "no folder holds it: the largest")
+    return best, {"path": best, "free_gb": gb, "why": why}
+
+
 def run(dry: bool, out_path: Path, budget_secs: float,
         stages: tuple[str, ...] = STAGES, decode_from: Path | None = None) -> dict[str, Any]:
     global progress
@@ -1122,14 +1164,15 @@ def run(dry: bool, out_path: Path, budget_secs: float,
     report: dict[str, Any] = {"dry_run": dry, "stages": {}}
     LOADS.clear()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="helexa-gpu-check-") as tmp:
+    where, scratch = scratch_folder(0 if dry else SCRATCH_BYTES)
+    with tempfile.TemporaryDirectory(prefix="helexa-gpu-check-", dir=where) as tmp:
         s = sizes(dry)
         specs = {"dense": ("qwen3", s["small"], "cpu"), "hybrid": ("qwen3_5", s["small"], "cpu"),
                  "hybrid_mtp": ("qwen3_5", dict(s["small"], mtp=True), "cpu"),
                  "vision": ("qwen3_5", dict(s["small"], vision=True), "cpu"),
                  "dense_big": ("qwen3", s["big"], device),
                  "hybrid_big": ("qwen3_5", s["hybrid_big"], device)}
-        ctx = Models(Path(tmp), specs, device=device, sizes=s)
+        ctx = Models(Path(tmp), specs, device=device, sizes=s, scratch=scratch)
         if decode_from is not None and "decode" not in stages:  # beside a first run's figures
             ctx["decode"] = json.loads(decode_from.read_text())["stages"]["decode"]
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {

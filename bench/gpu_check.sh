@@ -15,7 +15,8 @@
 #
 # Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS
 # (default ./wheels: filled on a connected machine as docs/operating.md "The GPU check" says),
-# HELEXA_CHECK_SECS (default 480: the whole check's seconds).
+# HELEXA_CHECK_SECS (default 480: the whole check's seconds), HELEXA_CHECK_SCRATCH (where the
+# checkpoints are made; default: the temporary folder, or /dev/shm where only it holds 40 GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

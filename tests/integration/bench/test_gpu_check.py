@@ -78,6 +78,9 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
         assert int8_kv[path]["kv_dtype"] == "int8", int8_kv
         assert all(int8_kv[path][b]["roofline_fraction"] > 0 for b in ("batch1", "batch8"))
     assert stages["ttft"]["prompt_tokens"] == 256 and stages["ttft"]["ttft_s"] > 0
+    env = stages["env"]  # what the one GPU shot needs to read its figures by
+    assert env["versions"]["triton"] and "nvidia-cutlass-dsl" in env["versions"]
+    assert env["scratch"]["path"] and env["scratch"]["why"]
     assert stages["compile"]["first_load_s"] > 0
     int8g = stages["int8g"]  # the Triton kernel (interpreted here) beside the tiles
     assert int8g["unavailable"] == "" and int8g["shape"] == [256, 1024], int8g
@@ -133,6 +136,34 @@ def _gpu_check() -> Any:
     finally:
         sys.path.pop(0)
     return gpu_check
+
+
+def test_the_checkpoints_go_where_the_big_ones_fit(tmp_path: Path, monkeypatch: Any) -> None:
+    """The two whole 8B-class checkpoints take ~33 GB: where the temporary folder's disk is
+    short of that, the run makes them in memory-backed /dev/shm if it holds them, rather
+    than failing every stage that needs them; HELEXA_CHECK_SCRATCH names a folder outright;
+    the env stage reports what was found."""
+    import shutil
+    from types import SimpleNamespace
+
+    gc = _gpu_check()
+    disk, shm = tmp_path / "disk", tmp_path / "shm"
+    disk.mkdir()
+    shm.mkdir()
+    room = {str(disk): 20 * 10**9, str(shm): 100 * 10**9}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=room[str(p)]))
+    monkeypatch.setattr(gc.tempfile, "gettempdir", lambda: str(disk))
+    monkeypatch.delenv("HELEXA_CHECK_SCRATCH", raising=False)
+    where, said = gc.scratch_folder(gc.SCRATCH_BYTES, [str(shm)])
+    assert where == str(shm) and said["free_gb"] == {str(disk): 20.0, str(shm): 100.0}
+    assert said["why"] == f"{disk} has 20.0 GB free, 40 GB wanted"
+    assert gc.scratch_folder(10 * 10**9, [str(shm)])[0] == str(disk)  # it fits: no move
+    room[str(shm)] = 30 * 10**9  # neither holds it: the roomier
+    assert gc.scratch_folder(gc.SCRATCH_BYTES, [str(shm)]) == (str(shm), {
+        "path": str(shm), "free_gb": {str(disk): 20.0, str(shm): 30.0},
+        "why": "no folder holds it: the largest"})
+    monkeypatch.setenv("HELEXA_CHECK_SCRATCH", str(tmp_path))
+    assert gc.scratch_folder(gc.SCRATCH_BYTES, [str(shm)])[0] == str(tmp_path)
 
 
 def test_one_models_failure_leaves_the_others_figures() -> None:
