@@ -29,10 +29,12 @@ class Verdicts:
     """What serves each kind of a kernel's calls (keys start with the device): "" the
     kernel, which proved itself on that card, else why its fallback does. ``event``_chosen
     is logged the first time a kind proves itself, ``event``_fallback each time one fails
-    (a kind that failed stays failed: a later agreeing probe does not clear it)."""
+    (a kind that failed stays failed: a later agreeing probe does not clear it), with the
+    fields ``fields`` names the key by (made only when logged: calls ask on hot paths)."""
 
-    def __init__(self, event: str, kernel: str, fallback: str) -> None:
-        self.event, self.kernel, self.fallback = event, kernel, fallback
+    def __init__(self, event: str, kernel: str, fallback: str,
+                 fields: Callable[[tuple], dict[str, Any]]) -> None:
+        self.event, self.kernel, self.fallback, self.fields = event, kernel, fallback, fields
         self._by_kind: dict[tuple, str] = {}
         self._lock = threading.Lock()
 
@@ -40,28 +42,26 @@ class Verdicts:
         """The kind's verdict, None before it has one."""
         return self._by_kind.get(key)
 
-    def record(self, key: tuple, why: str, **kind: Any) -> str:
-        """A probe's or a failed call's outcome for ``key`` (``kind``: the log's fields)."""
+    def record(self, key: tuple, why: str, **more: Any) -> str:
+        """A probe's or a failed call's outcome for ``key`` (``more``: log fields beside
+        the key's)."""
         if why:
             self._by_kind[key] = why
-            log.warning(f"{self.event}_fallback", reason=why, **kind)
+            log.warning(f"{self.event}_fallback", reason=why, **self.fields(key), **more)
         elif key not in self._by_kind:
             self._by_kind[key] = ""
-            log.info(f"{self.event}_chosen", **kind)
+            log.info(f"{self.event}_chosen", **self.fields(key), **more)
         return self._by_kind[key]
 
-    def decide(self, key: tuple, probe: Callable[[], str], **kind: Any) -> str:
+    def decide(self, key: tuple, probe: Callable[[], str]) -> str:
         """The kind's verdict, ``probe``'s the first time it is asked (once, whatever the
         threads asking)."""
         if (why := self._by_kind.get(key)) is not None:
             return why
         with self._lock:
             if (why := self._by_kind.get(key)) is None:
-                why = self.record(key, probe(), **kind)
+                why = self.record(key, probe())
         return why
-
-    def clear(self) -> None:
-        self._by_kind.clear()
 
     def __len__(self) -> int:
         return len(self._by_kind)

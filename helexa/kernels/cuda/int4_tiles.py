@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import structlog
 import torch
 
 from helexa.kernels import cuda as cuda_kernels
@@ -33,11 +32,11 @@ ROWS = 64  # more rows than this take the tiles (a decode step's keep torch's op
 TILE_BYTES = 16 << 20  # bf16 bytes of one dequantised tile
 
 Op = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], torch.Tensor]
-log = structlog.get_logger(component="kernels")
 # (device, group, inner) -> "" or why torch's op serves
-_verdicts = cuda_kernels.Verdicts("kernels.cuda_int4_tiles",
-                                  "int4 prefill: dequantised tiles on cuBLAS",
-                                  "int4 prefill: torch's op")
+_verdicts = cuda_kernels.Verdicts(
+    "kernels.cuda_int4_tiles", "int4 prefill: dequantised tiles on cuBLAS",
+    "int4 prefill: torch's op",
+    lambda key: {"device": str(key[0]), "group": key[1], "inner_k_tiles": key[2]})
 
 
 def unavailable() -> str:
@@ -119,9 +118,8 @@ def verdict(device: torch.device, group_size: int, inner: int, pack: Pack,
             interpret: bool = False) -> str:
     """What serves this kind's many-row products: "" the tiles, else why torch's op (the
     probe runs once a kind, outside a graph capture; Int4Linear.prepare calls it at load)."""
-    kind = {"device": str(device), "group": group_size, "inner_k_tiles": inner}
     return _verdicts.decide((device, group_size, inner),  # (a prefill's every layer asks)
-                            lambda: probe(device, group_size, inner, pack, interpret), **kind)
+                            lambda: probe(device, group_size, inner, pack, interpret))
 
 
 def prepare(packed: torch.Tensor, group_size: int, pack: Pack) -> None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 
-import structlog
 import torch
 
 from helexa.kernels import cuda as cuda_kernels
@@ -47,11 +46,12 @@ MIN_SPAN_BLOCKS = 4  # ... while each keeps at least this many BLOCK_K steps
 _TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 Tiles = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int], torch.Tensor]
-log = structlog.get_logger(component="kernels")
 # (device, dtype, group, zeros) -> "" or why the tiles serve
-_verdicts = cuda_kernels.Verdicts("kernels.cuda_grouped_matmul",
-                                  "grouped int8 decode: Triton kernel",
-                                  "grouped int8 decode: dequantised tiles")
+_verdicts = cuda_kernels.Verdicts(
+    "kernels.cuda_grouped_matmul", "grouped int8 decode: Triton kernel",
+    "grouped int8 decode: dequantised tiles",
+    lambda key: {"device": str(key[0]), "dtype": str(key[1]).removeprefix("torch."),
+                 "group": key[2], "zeros": key[3]})
 
 
 def unavailable() -> str:
@@ -141,15 +141,13 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if x.shape[0] > ROWS or x.shape[0] == 0 or unavailable():
         return tiles(x, qweight, scales, zeros, group_size)
     key = (x.device, scales.dtype, group_size, zeros is not None)
-    kind = {"device": str(x.device), "group": group_size, "zeros": zeros is not None,
-            "dtype": str(scales.dtype).removeprefix("torch.")}
     why = _verdicts.get(key)
     if why is None:
         if _capturing():  # a probe syncs: never in a graph capture
             return tiles(x, qweight, scales, zeros, group_size)
         why = _verdicts.decide(key, lambda: probe(x.device, scales.dtype, group_size,
                                                   zeros is not None, tiles,
-                                                  _sms(x.device.index or 0)), **kind)
+                                                  _sms(x.device.index or 0)))
     if why:
         return tiles(x, qweight, scales, zeros, group_size)
     sms = _sms(x.device.index or 0)
@@ -159,7 +157,7 @@ def linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return run(x, qweight, scales, zeros, group_size, sms)
     except Exception as e:  # noqa: BLE001 - the tiles serve from now on, said why
         _verdicts.record(key, f"the Triton kernel failed on a {tuple(qweight.shape)} layer "
-                              f"({type(e).__name__}: {e})", **kind)
+                              f"({type(e).__name__}: {e})")
         return tiles(x, qweight, scales, zeros, group_size)
 
 

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
 import torch
 import torch.nn.functional as F
 
@@ -35,12 +34,12 @@ PROGRAMS_PER_SM = 4  # K is split until the programs number this many per SM ...
 MIN_SPAN_BLOCKS = 4  # ... while each keeps at least this many BLOCK_K steps
 KINDS = {"float": 0, "int8": 1, "int4": 2}
 _TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-log = structlog.get_logger(component="kernels")
 # (device, kind, group, zeros, inner) -> "" or why the gathered copies serve (a stack of
 # that kind that failed its probe: a later one agreeing does not clear it)
-_verdicts = cuda_kernels.Verdicts("kernels.cuda_moe_routed",
-                                  "MoE experts: routed in place (Triton)",
-                                  "MoE experts: gathered copies")
+_verdicts = cuda_kernels.Verdicts(
+    "kernels.cuda_moe_routed", "MoE experts: routed in place (Triton)",
+    "MoE experts: gathered copies",
+    lambda key: {"device": str(key[0]), "kind": key[1], "group": key[2]})
 
 
 @dataclass(frozen=True)
@@ -143,9 +142,7 @@ def prove(x: torch.Tensor, stack: Stack, reference: torch.Tensor,
     why = probe(x, stack, reference, experts)
     inner = stack.weight.shape[-1] * 2 if stack.kind == "int4" else 0
     key = (x.device, stack.kind, stack.group, stack.zeros is not None, inner)
-    kind = {"device": str(x.device), "kind": stack.kind, "group": stack.group,
-            "outputs": stack.n, "inputs": stack.k}
-    _verdicts.record(key, why, **kind)
+    _verdicts.record(key, why, outputs=stack.n, inputs=stack.k)
     return why
 
 
