@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
-from helexa.neuron.engine.tp_messages import FromRank, TpError, TpMeasure, TpMeasured
+from helexa.neuron.engine.tp_messages import TpError, TpMeasure, TpMeasured
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.tp_worker import TpWorkers
@@ -50,32 +50,30 @@ def measure(tp: TpWorkers, msg: TpMeasure, own: Callable[[], int]) -> list[int]:
         raise KvPlanError("tensor-parallel " + "; ".join(errors))
     return [mine] + [a.blocks for a in answers]
 
+
 def lost_in_step(tp: TpWorkers, failed: str) -> NoReturn:
     """Rank 0's probe failed inside its steps: the other ranks' answers already in (a
     rank that failed first answered before it left), then the group fails with them."""
     errors = [failed]
-    for rank, conn in enumerate(tp.conns, start=1):
+    for rank in range(1, len(tp.conns) + 1):
         try:
-            if conn.poll(1.0):
-                answer = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
-                if isinstance(answer, TpMeasured) and answer.error:
-                    errors.append(f"rank {rank}: {answer.error}")
+            answer = tp.answer(rank, 1.0)
+            if isinstance(answer, TpMeasured) and answer.error:
+                errors.append(f"rank {rank}: {answer.error}")
         except (EOFError, OSError):
             errors.append(f"rank {rank} exited while measuring its KV pool (exit code "
                           f"{tp.procs[rank - 1].exitcode})")
     tp.fail("measuring the KV pool failed on tensor-parallel " + "; ".join(errors))
 
+
 def last_words(tp: TpWorkers, rank: int) -> str:
     """Why a dead rank left, where it said so before it went: a probe step of the
     pool's measurement that failed on it (TpMeasured, broken). On NCCL the other ranks
     only wait on its collectives, so its death, not its answer, is what they see first."""
-    with tp._pipe_lock:
-        if rank not in tp._early and rank <= len(tp.conns):
-            try:
-                if tp.conns[rank - 1].poll(0):
-                    tp._early[rank] = msgspec.msgpack.decode(
-                        tp.conns[rank - 1].recv_bytes(), type=FromRank)
-            except (EOFError, OSError, msgspec.DecodeError):
-                return ""
-        answer = tp._early.get(rank)
+    if rank > len(tp.conns):  # the ranks ended: nothing left to read
+        return ""
+    try:
+        answer = tp.answer(rank, 0.0, keep=True)
+    except (EOFError, OSError, msgspec.DecodeError):
+        return ""
     return answer.error if isinstance(answer, TpMeasured) and answer.broken else ""

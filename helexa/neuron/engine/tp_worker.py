@@ -172,8 +172,8 @@ class TpWorkers:
         """Each rank's answer, of type ``kind``; ``doing``: what the ranks were asked to do,
         as the failures name it (did not <do> within, exited while <doing>)."""
         got = []
-        for rank, conn in enumerate(self.conns, start=1):
-            msg = self._recv(rank, conn, timeout_secs, doing)
+        for rank in range(1, len(self.conns) + 1):
+            msg = self._recv(rank, timeout_secs, doing)
             if isinstance(msg, TpFailed):
                 self.fail(f"tensor-parallel rank {rank} failed to start: {msg.error}")
             if not isinstance(msg, kind):
@@ -181,19 +181,29 @@ class TpWorkers:
             got.append(msg)
         return got
 
-    def _recv(self, rank: int, conn: Connection, timeout_secs: float,
-              doing: tuple[str, str]) -> FromRank:
-        try:  # (the health check reads only a dead rank's pipe, which polls at once)
-            if rank not in self._early and not conn.poll(timeout_secs):
-                self.fail(f"tensor-parallel rank {rank} did not {doing[0]} within "
-                          f"{timeout_secs:.0f} s")
-            with self._pipe_lock:
-                if rank in self._early:
-                    return self._early.pop(rank)
-                return msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
+    def _recv(self, rank: int, timeout_secs: float, doing: tuple[str, str]) -> FromRank:
+        try:
+            msg = self.answer(rank, timeout_secs)
         except (EOFError, OSError):
             self.fail(f"tensor-parallel rank {rank} exited while {doing[1]} "
                       f"(exit code {self.procs[rank - 1].exitcode})")
+        if msg is None:
+            self.fail(f"tensor-parallel rank {rank} did not {doing[0]} within "
+                      f"{timeout_secs:.0f} s")
+        return msg
+
+    def answer(self, rank: int, timeout_secs: float, keep: bool = False) -> FromRank | None:
+        """Rank ``rank``'s next answer, None if none came within ``timeout_secs``: one the
+        health check read off its pipe first (a dead rank's last words), else the pipe's;
+        ``keep``: left for the next read. EOFError or OSError where its pipe is closed.
+        (The health check reads only a dead rank's pipe, which polls at once.)"""
+        conn = self.conns[rank - 1]
+        if rank not in self._early and not conn.poll(timeout_secs):
+            return None
+        with self._pipe_lock:
+            if rank not in self._early:
+                self._early[rank] = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
+            return self._early[rank] if keep else self._early.pop(rank)
 
     def send_step(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send the step plan (only what changed since each table was last sent);
