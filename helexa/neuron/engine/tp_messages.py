@@ -44,6 +44,9 @@ class TpStep(msgspec.Struct, tag=True):
     # a lookahead step (engine/lookahead.py): the seqs' tokens are placeholders, the real
     # ones follow as a broadcast over the group from rank 0's device
     device_tokens: bool = False
+    # how rank 0's executor runs the step (executor.py decide: "" eagerly, "capture",
+    # "replay"), as every rank then runs it: the graphs' collectives in step by construction
+    graph: str = ""
 
 
 class TpMtp(msgspec.Struct, tag=True):

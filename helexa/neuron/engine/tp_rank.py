@@ -127,13 +127,12 @@ def _die_with_parent() -> None:
 def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str,
                        num_state_slots: int = 0) -> None:
     """A worker rank's new pool (a kv_dtype switch, a hybrid's state slots carved anew):
-    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps
-    (ModelRunner.reset_kv would run capture steps of its own, whose collectives no other
-    rank joins, and then rank 0's again)."""
+    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps,
+    each saying so (TpStep.graph; ModelRunner.reset_kv would run capture steps of its own,
+    whose collectives no other rank joins, and then rank 0's again)."""
     if num_state_slots:
         runner.num_state_slots = num_state_slots
     runner._reset_own_kv(num_blocks, kv_dtype)
-    runner.backend.executor.follow_leader()
 
 
 def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> None:
@@ -228,8 +227,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 if msg.device_tokens else None
             if isinstance(msg, TpMtp):  # the hidden states: rank 0's broadcast too
                 runner.execute_mtp(seqs, None, tokens)
-            else:
-                runner.execute(seqs, tokens)
+            else:  # run as rank 0 runs it: captured, replayed or eager (its decision)
+                runner.execute(seqs, tokens, msg.graph)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve
     except Exception:

@@ -205,9 +205,10 @@ class TpWorkers:
                 self._early[rank] = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
             return self._early[rank] if keep else self._early.pop(rank)
 
-    def send_step(self, seqs: list[Any], device_tokens: bool = False) -> None:
+    def send_step(self, seqs: list[Any], device_tokens: bool = False, graph: str = "") -> None:
         """Send the step plan (only what changed since each table was last sent);
-        `device_tokens`: its tokens follow as a broadcast (TpStep)."""
+        `device_tokens`: its tokens follow as a broadcast; `graph`: how rank 0's executor
+        runs it, as every rank must (TpStep)."""
         self.check()
         if self._lockstep:  # every rank runs this step of its own (measure)
             return
@@ -217,7 +218,7 @@ class TpWorkers:
         dropped += self._stale
         self._stale = []
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
-        self._send(TpStep(out, dropped, device_tokens))
+        self._send(TpStep(out, dropped, device_tokens, graph))
 
     def send_mtp(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send an MTP head pass's sequences (their tables as send_step does; no table is
