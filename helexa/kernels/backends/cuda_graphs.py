@@ -132,6 +132,7 @@ class CudaGraphExecutor(StepExecutor):
         self.fused = ""  # which norm / SiLU kernels run (cuda_fused.install)
         self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
         self.quantised = ""  # which kernel a grouped int8 layer's decode step runs
+        self._kinds = (False, False, False)  # prepare's: int8, int4 and MoE kernels to describe
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
@@ -189,9 +190,14 @@ class CudaGraphExecutor(StepExecutor):
         kinds = {getattr(k, "kind", "int8") for k in measured} - {"float"}
         experts = any(hasattr(k, "routed_experts") or isinstance(k, moe_routed.FloatExperts)
                       for k in measured)  # a MoE block's stacks
+        self._kinds = (bool(kinds - {"int4"}), "int4" in kinds, experts)
+        self.agreed()
+
+    def agreed(self) -> None:
+        int8, int4, experts = self._kinds
         self.quantised = "; ".join(p for p in (
-            int8g_cuda.describe(self.attention.device) if kinds - {"int4"} else "",
-            int4_cuda.describe(self.attention.device) if "int4" in kinds else "",
+            int8g_cuda.describe(self.attention.device) if int8 else "",
+            int4_cuda.describe(self.attention.device) if int4 else "",
             moe_routed.describe(self.attention.device) if experts else "") if p)
 
     def grouped(self, model: torch.nn.Module) -> None:

@@ -100,6 +100,11 @@ class StepExecutor:
         order, before any step): the set-up that asks the other ranks (none here)."""
         return None
 
+    def agreed(self) -> None:
+        """Tensor parallel: the group refused a kernel kind this rank had chosen
+        (helexa/neuron/engine/tp_kernels.py): what ``describe`` says, as now chosen."""
+        return None
+
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         """The attention backend (re)allocated its pools (an empty list: freed)."""
         return None

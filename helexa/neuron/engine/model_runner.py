@@ -31,7 +31,7 @@ from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
-from helexa.neuron.engine import memory_plan, pool_probe
+from helexa.neuron.engine import memory_plan, pool_probe, tp_kernels
 from helexa.neuron.engine.device_memory import MeterFactory, device_meter
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.runner import StepOutput
@@ -157,6 +157,7 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
+            tp_kernels.agree(self._tp, self, self._tp.refused)  # one kernel a kind, all ranks
             self.backend.executor.grouped(self.model)  # the workers' after their TpReady
         if tp_rank == 0:  # a worker rank captures as rank 0's capture steps (below) say
             try:

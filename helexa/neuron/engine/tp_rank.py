@@ -30,6 +30,7 @@ import structlog
 from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
     ToRank,
+    TpAgree,
     TpAllocHost,
     TpFailed,
     TpJoin,
@@ -141,6 +142,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     import torch
 
     from helexa.log import setup_logging
+    from helexa.neuron.engine import tp_kernels
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
     from helexa.neuron.engine.pool_probe import measure_as_rank
 
@@ -171,7 +173,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     except BaseException:
         conn.send_bytes(encoder.encode(TpFailed(traceback.format_exc(limit=4))))
         return
-    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
+    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block, tp_kernels.own(runner))))
     tables: dict[int, list[int]] = {}
     lost = False  # its collectives out of step with the group's (a failed probe step)
     try:
@@ -192,6 +194,9 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 if lost := answer.broken:  # rank 0 fails the group on its answer: leave
                     log.error("engine.tp_measure_failed", tp_rank=rank, reason=answer.error)
                     break
+                continue
+            if isinstance(msg, TpAgree):  # the group's refused kernel kinds, before any step
+                tp_kernels.adopt(runner, msg.refused)
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)

@@ -68,6 +68,7 @@ from helexa.neuron.engine.tp_messages import (
     TpMtp,
     TpMtpLogits,
     TpReady,
+    TpRefused,
     TpResetKv,
     TpSeq,
     TpStep,
@@ -92,6 +93,7 @@ class TpWorkers:
     failed: str = ""
     plan_bytes: int = 0  # bytes of the last step plan sent to one rank
     kv_bytes_per_block: list[int] = field(default_factory=list)  # ranks 1..N-1's, once joined
+    refused: list[list[TpRefused]] = field(default_factory=list)  # their cards' (tp_kernels)
     _tables: dict[int, tuple[list[int], int, int]] = field(default_factory=dict)
     _next_handle: int = 0
     _stale: list[int] = field(default_factory=list)  # handles replaced, for the next step
@@ -140,6 +142,7 @@ class TpWorkers:
             self.fail(f"tensor-parallel group did not form: {e}")
         ready = self._wait_all(TpReady, args.timeout_secs)
         self.kv_bytes_per_block = [m.kv_bytes_per_block for m in ready]
+        self.refused = [m.refused for m in ready]
         self._nccl = device.startswith("cuda")
         threading.Thread(target=self.watch, args=(self._nccl,),
                          name="helexa-tp-health", daemon=True).start()
