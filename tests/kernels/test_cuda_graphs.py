@@ -222,6 +222,27 @@ def test_a_worker_rank_runs_each_step_as_rank_0_decided():
         step(1, 6, REPLAY)
 
 
+def test_where_another_rank_cannot_run_graphs_rank_0_runs_none():
+    """At tp > 1 rank 0 learns before capturing that another rank's graphs cannot run over
+    its pool (group_graphs): it captures no size and decides every step eager (which the
+    other ranks then run so), and its backend line says which rank and why, until a new
+    pool, over which the group is asked again. A rank whose own quantised pool runs the
+    torch path eagerly says so when asked (graphs_refused)."""
+    ex, runtime = executor(2)
+    load(ex)
+    assert ex.graphs_refused() == "" and decide(ex, 2) == REPLAY
+    ex.kv_allocated([])
+    ex.group_graphs("tensor-parallel rank 1: quantised KV: torch path, eager")
+    assert ex.graph_sizes() == []
+    with ex.capturing():
+        assert decide(ex, 2) == EAGER
+    assert ex.describe() == "no graphs (tensor-parallel rank 1: quantised KV: torch path, eager)"
+    ex.kv_allocated([])  # a new pool: asked again
+    assert ex.graph_sizes() == [2, 1]
+    ex.attention.torch_path = "quantised KV"  # type: ignore[misc]
+    assert ex.graphs_refused() == "quantised KV: torch path, eager"  # its kernels refused
+
+
 def test_without_graphs_nothing_is_captured():
     ex, runtime = executor(0)
     assert ex.graph_sizes() == [] and ex.describe() == "no graphs"

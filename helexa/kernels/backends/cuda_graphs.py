@@ -139,6 +139,7 @@ class CudaGraphExecutor(StepExecutor):
         self._hidden: torch.Tensor | None = None  # [graph_rows, hidden]: with an MTP head
         self._capturing = False
         self._allreduce_rows = 0  # tp > 1: the fused all-reduce's rows, installed in grouped
+        self._refused = ""  # tp > 1: why another rank's graphs cannot run over this pool
 
     def describe(self) -> str:
         rows = self.attention.graph_rows
@@ -147,10 +148,21 @@ class CudaGraphExecutor(StepExecutor):
             graphs = (f"{graphs} (the torch path's Triton kernels)"
                       if self.attention.reference.graph_ready() else
                       f"no graphs ({self.attention.torch_path}: torch path, eager)")
+        if rows and self._refused:
+            graphs = f"no graphs ({self._refused})"
         return "; ".join(p for p in (graphs, self.fused, self.quantised, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
-        return graph_capture_sizes(self.attention.graph_rows)
+        return [] if self._refused else graph_capture_sizes(self.attention.graph_rows)
+
+    def graphs_refused(self) -> str:
+        a = self.attention
+        if a.graph_rows and a.torch_path and not a.reference.graph_ready():
+            return f"{a.torch_path}: torch path, eager"  # its Triton kernels refused here
+        return ""
+
+    def group_graphs(self, refused: str) -> None:
+        self._refused = refused
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -215,6 +227,7 @@ class CudaGraphExecutor(StepExecutor):
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         self._graphs = {}  # graphs hold the old pools' addresses
+        self._refused = ""  # the group is asked again over the new pool (group_graphs)
         # and a fresh memory pool for the next captures: torch reuses a pool id only while
         # something still holds it (its use count), and a block a library left in the old
         # one would make the recapture after a KV switch stop on that check
@@ -223,6 +236,8 @@ class CudaGraphExecutor(StepExecutor):
     def decide(self, model: torch.nn.Module, meta: Any, logits_rows: torch.Tensor | None,
                images: bool) -> str:
         b = meta.graph_rows if isinstance(meta, CudaMetadata | TorchMetadata) else 0
+        if self._refused:  # another rank's graphs cannot run over its pool: none here
+            return EAGER
         # a step carrying image inputs (a vision model's MmStep: M-RoPE positions, the
         # tower's embeddings) runs eagerly: a graph reads ids and 1-D positions alone
         if not b or logits_rows is not None or images:

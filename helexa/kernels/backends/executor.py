@@ -113,6 +113,16 @@ class StepExecutor:
         """Decode batch sizes to capture once the pools exist, in capture order (none)."""
         return []
 
+    def graphs_refused(self) -> str:
+        """Why this rank's graphs cannot run over its pool ("" where they can, or none)."""
+        return ""
+
+    def group_graphs(self, refused: str) -> None:
+        """Tensor parallel, rank 0, before capturing over a new pool: why another rank's
+        graphs cannot run over its pool ("" where every rank's can): then none are
+        captured or replayed here, so every step runs eagerly, as rank 0 says."""
+        return None
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
         """The steps run inside are the capture steps of graph_sizes."""

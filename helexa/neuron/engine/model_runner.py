@@ -206,7 +206,10 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """At load (the pool empty): a b-row decode step per graph size while capturing."""
-        sizes, slots = self.backend.executor.graph_sizes(), max(1, self.num_state_slots)
+        executor = self.backend.executor
+        if self._tp is not None and executor.graph_sizes():  # every rank's graphs, or none
+            executor.group_graphs(self._tp.graphs_refused())
+        sizes, slots = executor.graph_sizes(), max(1, self.num_state_slots)
         if not sizes:
             return
         with self.backend.executor.capturing():

@@ -98,6 +98,10 @@ class TpMoveKv(msgspec.Struct, tag=True):
     # (each rank answers TpMoved: a rank whose copies failed says so instead of ending)
 
 
+class TpAskGraphs(msgspec.Struct, tag=True):
+    pass  # can this rank's graphs run over its pool? (each answers TpGraphs, rank 0 captures)
+
+
 class TpStop(msgspec.Struct, tag=True):
     pass
 
@@ -123,6 +127,10 @@ class TpMoved(msgspec.Struct, tag=True):
     error: str = ""  # the rank's host-tier copies failed: why ("" when they were made)
 
 
+class TpGraphs(msgspec.Struct, tag=True):
+    refused: str = ""  # why this rank's graphs cannot run over its pool ("" when they can)
+
+
 class TpMeasured(msgspec.Struct, tag=True):
     blocks: int = 0  # what fits this rank's card
     error: str = ""  # why it could not measure ("" when it did)
@@ -132,8 +140,8 @@ class TpMeasured(msgspec.Struct, tag=True):
 
 
 ToRank = (TpStep | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
-          | TpStop | TpJoin | TpAgree)
-FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured
+          | TpStop | TpJoin | TpAgree | TpAskGraphs)
+FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured | TpGraphs
 
 
 @dataclass

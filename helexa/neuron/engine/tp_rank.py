@@ -32,7 +32,9 @@ from helexa.neuron.engine.tp_messages import (
     ToRank,
     TpAgree,
     TpAllocHost,
+    TpAskGraphs,
     TpFailed,
+    TpGraphs,
     TpJoin,
     TpLoaded,
     TpMeasure,
@@ -197,6 +199,10 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 continue
             if isinstance(msg, TpAgree):  # the group's refused kernel kinds, before any step
                 tp_kernels.adopt(runner, msg.refused)
+                continue
+            if isinstance(msg, TpAskGraphs):  # before rank 0 captures over the new pool
+                refused = runner.backend.executor.graphs_refused()
+                conn.send_bytes(encoder.encode(TpGraphs(refused)))
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)

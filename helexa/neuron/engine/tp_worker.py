@@ -59,8 +59,10 @@ from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
     ToRank,
     TpAllocHost,
+    TpAskGraphs,
     TpError,
     TpFailed,
+    TpGraphs,
     TpJoin,
     TpLoaded,
     TpMoved,
@@ -259,6 +261,17 @@ class TpWorkers:
         self._tables.clear()
         self._stale.clear()
         self._send(TpResetKv(num_blocks, kv_dtype, num_state_slots))
+
+    def graphs_refused(self) -> str:
+        """Why some rank's CUDA graphs cannot run over its new pool ("" where every rank's
+        can: a quantised pool's Triton kernels proved themselves on every card), asked of
+        each rank (TpAskGraphs) before rank 0 captures, so that graphs run on all or none."""
+        self.check()
+        self._send(TpAskGraphs())
+        answers = self._wait_all(TpGraphs, self.timeout_secs, (
+            "say whether its graphs run", "saying whether its graphs run"))
+        return "; ".join(f"tensor-parallel rank {rank}: {a.refused}"
+                         for rank, a in enumerate(answers, start=1) if a.refused)
 
     def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
         self.check()

@@ -93,3 +93,43 @@ def test_a_moe_stack_proved_here_steps_back_when_the_group_refuses_its_kind(monk
     assert not moe_routed.standing(experts.stacks)
     assert experts(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long),
                    torch.ones(1, 1)) is None  # the gathered copies serve
+
+
+class GraphsExecutor(StepExecutor):
+    """Rank 0's executor as far as its graphs go: sizes to capture until the group says
+    some rank's graphs cannot run (group_graphs), then none."""
+
+    def __init__(self) -> None:
+        self.told: list[str] = []
+        self.ran = 0
+
+    def graph_sizes(self) -> list[int]:
+        return [] if any(self.told) else [2, 1]
+
+    def group_graphs(self, refused: str) -> None:
+        self.told.append(refused)
+
+    def run(self, *args, **kw):  # type: ignore[no-untyped-def]
+        self.ran += 1
+        return super().run(*args, **kw)
+
+
+@pytest.mark.parametrize("refuses", [False, True])
+def test_tp2_graphs_run_on_every_rank_or_none(tiny_checkpoint, refuses):
+    """Before rank 0 captures over a pool it asks every rank whether its graphs can run
+    over its own (a quantised pool's Triton kernels may be refused on one card): where one
+    cannot, rank 0 is told which and why and captures none, so every step runs eagerly on
+    every rank; where all can, it captures as before."""
+    why = "quantised KV: torch path, eager"
+    script = RefusingMeters(free={0: [900 * 2**20], 1: [900 * 2**20]},
+                            no_graphs={1: why} if refuses else {})
+    runner = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=96, block_size=8,
+                         max_num_seqs=4, max_batched_tokens=256, tp_size=2,
+                         memory_meter=script, context=64)
+    try:
+        ex = runner.backend.executor = GraphsExecutor()
+        runner._capture_graphs()
+        assert ex.told == [f"tensor-parallel rank 1: {why}" if refuses else ""]
+        assert ex.ran == (0 if refuses else 2)  # the capture steps, run on both ranks
+    finally:
+        runner.close()
