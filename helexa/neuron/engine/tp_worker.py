@@ -26,6 +26,12 @@ of its own in lockstep (rank 0 sends none of them as steps meanwhile), fits the 
 own card and answers, and the group takes the fewest blocks any rank can hold
 (helexa/neuron/engine/tp_measure.py, pool_probe.py).
 
+Once the group has formed, before any step, the ranks settle on one kernel a kind
+(tp_kernels.py: TpReady's refusals, TpAgree); each step says how rank 0's executor runs it
+(TpStep.graph: captured, replayed or eager), and before capturing over a new pool rank 0
+asks whether every rank's graphs can run over its own (TpAskGraphs), capturing none where
+one cannot.
+
 The messages are helexa/neuron/engine/tp_messages.py's; the group and the
 extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
 fails or times out fails the whole group (TpError): the model must restart.
