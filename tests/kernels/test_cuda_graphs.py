@@ -14,6 +14,7 @@ from support.graphs import StandInRuntime
 
 from helexa.kernels.backends.cuda import CudaMetadata, KvAppend
 from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+from helexa.kernels.backends.executor import CAPTURE, EAGER, REPLAY
 from helexa.kernels.backends.gdn import GdnMetadata
 from helexa.kernels.backends.torch_ref import TorchBackend
 
@@ -172,16 +173,74 @@ def test_a_step_carrying_image_inputs_runs_eagerly():
     assert runtime.replays == at_load + 1
 
 
-def test_a_worker_rank_captures_as_the_leaders_steps_arrive():
+def decide(ex: CudaGraphExecutor, b: int, model: Model | None = None,
+           images: bool = False) -> str:
+    """How the executor would run a b-row decode step (rank 0's decision at tp > 1)."""
+    meta = ex.attention.plan(b, torch.arange(b), torch.arange(b))  # type: ignore[attr-defined]
+    return ex.decide(model or Model(), meta, None, images)
+
+
+def test_rank_0_decides_each_step_capture_replay_or_eager():
+    """What rank 0 sends with each step (TpStep.graph): a capture step inside capturing,
+    a replay where its size has a graph, eager where not, for image inputs, and where a
+    drafter asks a headless model's step for hidden states."""
+    ex, _ = executor(2)
+    assert decide(ex, 2) == EAGER  # no graph yet, not capturing: never captured mid-serving
+    with ex.capturing():
+        assert decide(ex, 2) == CAPTURE
+        decode(ex, 2, seed=0)
+    assert decide(ex, 2) == REPLAY and decide(ex, 1) == EAGER
+    assert decide(ex, 2, images=True) == EAGER
+    headless = HiddenModel(mtp=False)
+    headless.keep_hidden = True
+    assert decide(ex, 2, model=headless) == EAGER
+
+
+def test_a_worker_rank_runs_each_step_as_rank_0_decided():
+    """A worker rank captures exactly the steps rank 0 says are captures (never in a
+    capturing mode of its own), replays where rank 0 replays and runs eagerly where rank 0
+    does, even a size it holds a graph for: its graphs' collectives stay in step with
+    rank 0's. A replay of a size it never captured fails the step, naming why."""
     ex, runtime = executor(2)
-    ex.follow_leader()
-    decode(ex, 2, seed=0)
+
+    def step(b: int, seed: int, graph: str) -> torch.Tensor:
+        ids, positions = torch.arange(b) + seed, torch.arange(b) * 2 + seed
+        meta = ex.attention.plan(b, positions, torch.arange(b) + 3 * seed)  # type: ignore[attr-defined]
+        return ex.run(Model(), ids, positions, meta, None, None, graph)
+
+    torch.testing.assert_close(step(2, 0, EAGER), eager(2, 0))
+    assert runtime.captured == [] and runtime.replays == 0
+    step(2, 0, CAPTURE)  # rank 0's capture step at load
+    assert len(runtime.captured) == 1 and runtime.replays == 1
+    torch.testing.assert_close(step(2, 3, REPLAY), eager(2, 3))
+    assert runtime.replays == 2
+    torch.testing.assert_close(step(2, 4, EAGER), eager(2, 4))  # as rank 0 runs it
+    assert runtime.replays == 2 and len(runtime.captured) == 1
+    step(1, 5, EAGER)  # a size without a graph: eager, as rank 0's
     assert len(runtime.captured) == 1
-    # no longer following (the pool's probe, whose steps the leader runs eagerly): a size
-    # without a graph runs eagerly here too, so the ranks' collectives stay in step
-    ex.follow_leader(False)
-    decode(ex, 1, seed=1)
-    assert len(runtime.captured) == 1
+    with pytest.raises(RuntimeError, match=r"rank 0 replays .* never captured \(1 rows\)"):
+        step(1, 6, REPLAY)
+
+
+def test_where_another_rank_cannot_run_graphs_rank_0_runs_none():
+    """At tp > 1 rank 0 learns before capturing that another rank's graphs cannot run over
+    its pool (group_graphs): it captures no size and decides every step eager (which the
+    other ranks then run so), and its backend line says which rank and why, until a new
+    pool, over which the group is asked again. A rank whose own quantised pool runs the
+    torch path eagerly says so when asked (graphs_refused)."""
+    ex, runtime = executor(2)
+    load(ex)
+    assert ex.graphs_refused() == "" and decide(ex, 2) == REPLAY
+    ex.kv_allocated([])
+    ex.group_graphs("tensor-parallel rank 1: quantised KV: torch path, eager")
+    assert ex.graph_sizes() == []
+    with ex.capturing():
+        assert decide(ex, 2) == EAGER
+    assert ex.describe() == "no graphs (tensor-parallel rank 1: quantised KV: torch path, eager)"
+    ex.kv_allocated([])  # a new pool: asked again
+    assert ex.graph_sizes() == [2, 1]
+    ex.attention.torch_path = "quantised KV"  # type: ignore[misc]
+    assert ex.graphs_refused() == "quantised KV: torch path, eager"  # its kernels refused
 
 
 def test_without_graphs_nothing_is_captured():

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class ScriptedMeters:
@@ -44,3 +46,31 @@ class ScriptedMeter:
         frees = self.script.free[self.rank]
         self.reads += 1
         return frees[min(self.reads, len(frees)) - 1], self.script.total
+
+
+# a grouped int8 decode kind (helexa/kernels/cuda/int8g.py's key past the device)
+INT8_KIND = (torch.bfloat16, 32, False)
+
+
+@dataclass
+class RefusingMeters(ScriptedMeters):
+    """ScriptedMeters whose ranks in ``refuse`` also find, at load, that their card refuses
+    the grouped int8 decode kernel for INT8_KIND (its probe's verdict, with that reason):
+    a per-card difference carried to each rank as the script is."""
+
+    refuse: dict[int, str] = field(default_factory=dict)
+    # worker ranks whose executor says its graphs cannot run over its pool, and why (as a
+    # quantised pool's Triton kernels refused on its card); patched in that rank's process
+    no_graphs: dict[int, str] = field(default_factory=dict)
+
+    def __call__(self, device: Any, tp_rank: int) -> ScriptedMeter:
+        if why := self.refuse.get(tp_rank):
+            from helexa.kernels.cuda import int8g
+
+            int8g._verdicts.record((torch.device(device), *INT8_KIND), why)
+        if why := self.no_graphs.get(tp_rank):
+            assert tp_rank > 0, "rank 0 is the test's own process"
+            from helexa.kernels.backends.executor import StepExecutor
+
+            StepExecutor.graphs_refused = lambda self: why  # type: ignore[method-assign]
+        return super().__call__(device, tp_rank)

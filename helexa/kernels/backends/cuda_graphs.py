@@ -19,8 +19,11 @@ A model with an MTP head is captured writing its final hidden states to a second
 buffer too, so that a step whose drafter reads them (keep_hidden) replays as well.
 Graphs hold the pools' addresses, so a new pool drops them (the runner captures again).
 With tensor parallelism every rank runs the same steps
-in the same order, so their graphs hold the same collectives; the worker ranks capture
-whenever the leader's load steps reach them.
+in the same order, and each step as rank 0 decided (``decide``: the step's TpStep.graph):
+a worker rank captures exactly the steps rank 0 captures, replays the sizes rank 0
+replays and runs eagerly the steps rank 0 runs eagerly, so their graphs hold the same
+collectives by construction; a worker asked to replay or capture a step it cannot (its
+plan of the step no graph's) fails that step, naming why, rather than run it otherwise.
 
 ``prepare`` gives the model's norms and MLPs FlashInfer's one-kernel RMSNorm, residual add
 + RMSNorm and SiLU-and-mul (cuda_fused.py). At tp > 1, once the ranks' group exists
@@ -48,6 +51,9 @@ from helexa.checkpoint.shape import max_positions
 from helexa.kernels.backends import cuda_comm, cuda_fused
 from helexa.kernels.backends.cuda import CudaAttention, CudaMetadata
 from helexa.kernels.backends.executor import (
+    CAPTURE,
+    EAGER,
+    REPLAY,
     LinearSite,
     StepExecutor,
     measured_at_load,
@@ -126,12 +132,14 @@ class CudaGraphExecutor(StepExecutor):
         self.fused = ""  # which norm / SiLU kernels run (cuda_fused.install)
         self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
         self.quantised = ""  # which kernel a grouped int8 layer's decode step runs
+        self._kinds = (False, False, False)  # prepare's: int8, int4 and MoE kernels to describe
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
         self._hidden: torch.Tensor | None = None  # [graph_rows, hidden]: with an MTP head
         self._capturing = False
         self._allreduce_rows = 0  # tp > 1: the fused all-reduce's rows, installed in grouped
+        self._refused = ""  # tp > 1: why another rank's graphs cannot run over this pool
 
     def describe(self) -> str:
         rows = self.attention.graph_rows
@@ -140,10 +148,21 @@ class CudaGraphExecutor(StepExecutor):
             graphs = (f"{graphs} (the torch path's Triton kernels)"
                       if self.attention.reference.graph_ready() else
                       f"no graphs ({self.attention.torch_path}: torch path, eager)")
+        if rows and self._refused:
+            graphs = f"no graphs ({self._refused})"
         return "; ".join(p for p in (graphs, self.fused, self.quantised, self.allreduce) if p)
 
     def graph_sizes(self) -> list[int]:
-        return graph_capture_sizes(self.attention.graph_rows)
+        return [] if self._refused else graph_capture_sizes(self.attention.graph_rows)
+
+    def graphs_refused(self) -> str:
+        a = self.attention
+        if a.graph_rows and a.torch_path and not a.reference.graph_ready():
+            return f"{a.torch_path}: torch path, eager"  # its Triton kernels refused here
+        return ""
+
+    def group_graphs(self, refused: str) -> None:
+        self._refused = refused
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
@@ -152,9 +171,6 @@ class CudaGraphExecutor(StepExecutor):
             yield
         finally:
             self._capturing = False
-
-    def follow_leader(self, on: bool = True) -> None:
-        self._capturing = on  # a worker rank captures as the leader's load steps arrive
 
     def prepare(self, model: torch.nn.Module, linears: list[LinearSite], *, max_num_seqs: int,
                 max_batched_tokens: int, tp_size: int) -> None:
@@ -186,9 +202,14 @@ class CudaGraphExecutor(StepExecutor):
         kinds = {getattr(k, "kind", "int8") for k in measured} - {"float"}
         experts = any(hasattr(k, "routed_experts") or isinstance(k, moe_routed.FloatExperts)
                       for k in measured)  # a MoE block's stacks
+        self._kinds = (bool(kinds - {"int4"}), "int4" in kinds, experts)
+        self.agreed()
+
+    def agreed(self) -> None:
+        int8, int4, experts = self._kinds
         self.quantised = "; ".join(p for p in (
-            int8g_cuda.describe(self.attention.device) if kinds - {"int4"} else "",
-            int4_cuda.describe(self.attention.device) if "int4" in kinds else "",
+            int8g_cuda.describe(self.attention.device) if int8 else "",
+            int4_cuda.describe(self.attention.device) if int4 else "",
             moe_routed.describe(self.attention.device) if experts else "") if p)
 
     def grouped(self, model: torch.nn.Module) -> None:
@@ -206,27 +227,46 @@ class CudaGraphExecutor(StepExecutor):
 
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         self._graphs = {}  # graphs hold the old pools' addresses
+        self._refused = ""  # the group is asked again over the new pool (group_graphs)
         # and a fresh memory pool for the next captures: torch reuses a pool id only while
         # something still holds it (its use count), and a block a library left in the old
         # one would make the recapture after a KV switch stop on that check
         self._pool = None
 
-    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
+    def decide(self, model: torch.nn.Module, meta: Any, logits_rows: torch.Tensor | None,
+               images: bool) -> str:
         b = meta.graph_rows if isinstance(meta, CudaMetadata | TorchMetadata) else 0
+        if self._refused:  # another rank's graphs cannot run over its pool: none here
+            return EAGER
         # a step carrying image inputs (a vision model's MmStep: M-RoPE positions, the
         # tower's embeddings) runs eagerly: a graph reads ids and 1-D positions alone
-        if not b or logits_rows is not None or getattr(model, "mm", None) is not None:
-            return model_forward(model, input_ids, positions, meta, logits_rows, state)
+        if not b or logits_rows is not None or images:
+            return EAGER
         g = self._graphs.get(b)
-        if g is None:
-            if not self._capturing:  # never captured mid-serving: this size runs eagerly
-                return model_forward(model, input_ids, positions, meta, logits_rows, state)
-            g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta, state)
+        if g is None:  # never captured mid-serving: this size runs eagerly
+            return CAPTURE if self._capturing else EAGER
         # keep_hidden: a drafter reads the step's hidden states (the MTP head's input)
-        keep = getattr(model, "keep_hidden", False)
-        if keep and not g.hidden:  # captured without them: this step runs eagerly
+        if getattr(model, "keep_hidden", False) and not g.hidden:
+            return EAGER  # captured without them: this step runs eagerly
+        return REPLAY
+
+    def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None,
+            graph: str | None = None) -> torch.Tensor:
+        if graph is None:
+            graph = self.decide(model, meta, logits_rows, getattr(model, "mm", None) is not None)
+        if graph == EAGER:
             return model_forward(model, input_ids, positions, meta, logits_rows, state)
+        b = meta.graph_rows if isinstance(meta, CudaMetadata | TorchMetadata) else 0
+        g = self._graphs.get(b)
+        if not b or (graph == REPLAY and g is None):  # out of step with rank 0's graphs
+            raise RuntimeError(f"tensor-parallel rank 0 {graph}s this step's graph, which this "
+                               "rank " + (f"never captured ({b} rows)" if b else
+                                          "planned to run eagerly"))
+        if graph == CAPTURE:
+            g = self._graphs[b] = self._capture(model, b, input_ids, positions, meta, state)
+        assert g is not None
+        keep = getattr(model, "keep_hidden", False) and g.hidden
         g.ids.copy_(input_ids)
         g.positions.copy_(positions)
         if g.state is not None:

@@ -15,7 +15,11 @@ That is a :class:`StepExecutor`, one per model runner, built with its attention 
   executor has a whole-step path for this step's metadata;
 - an executor that captures steps (CUDA graphs) names the decode batch sizes in
   ``graph_sizes``; the runner then runs one decode step of each, in that order, inside
-  ``capturing`` once the pools exist (at load, and after each reallocation).
+  ``capturing`` once the pools exist (at load, and after each reallocation);
+- per step, before it runs, ``decide`` says how ``run`` will run it (EAGER, CAPTURE,
+  REPLAY): at tp > 1 rank 0's decision travels in the step (TpStep.graph) and every other
+  rank runs the step as it says, so the ranks' graphs hold the same collectives by
+  construction (docs/architecture.md, attention backends).
 
 The base class is the plain one (every step through the model's forward, weights left
 as loaded): the ``torch`` device's, and the fallback of the others.
@@ -34,6 +38,9 @@ from helexa.kernels.paged_kv import PagedKV
 
 # kernel(x, bias) -> x @ W^T + bias, the product a linear layer runs when one is installed
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+# How a step runs (StepExecutor.decide): layer by layer, captured as a graph, or replayed
+EAGER, CAPTURE, REPLAY = "", "capture", "replay"
 
 
 class LinearModule(Protocol):
@@ -93,6 +100,11 @@ class StepExecutor:
         order, before any step): the set-up that asks the other ranks (none here)."""
         return None
 
+    def agreed(self) -> None:
+        """Tensor parallel: the group refused a kernel kind this rank had chosen
+        (helexa/neuron/engine/tp_kernels.py): what ``describe`` says, as now chosen."""
+        return None
+
     def kv_allocated(self, pools: list[PagedKV]) -> None:
         """The attention backend (re)allocated its pools (an empty list: freed)."""
         return None
@@ -101,20 +113,33 @@ class StepExecutor:
         """Decode batch sizes to capture once the pools exist, in capture order (none)."""
         return []
 
+    def graphs_refused(self) -> str:
+        """Why this rank's graphs cannot run over its pool ("" where they can, or none)."""
+        return ""
+
+    def group_graphs(self, refused: str) -> None:
+        """Tensor parallel, rank 0, before capturing over a new pool: why another rank's
+        graphs cannot run over its pool ("" where every rank's can): then none are
+        captured or replayed here, so every step runs eagerly, as rank 0 says."""
+        return None
+
     @contextmanager
     def capturing(self) -> Iterator[None]:
         """The steps run inside are the capture steps of graph_sizes."""
         yield
 
-    def follow_leader(self, on: bool = True) -> None:
-        """A tensor-parallel worker rank: capture as the leader's capture steps arrive (``on``
-        False: no more, its steps eager as the leader's are, e.g. the pool's probe)."""
-        return None
+    def decide(self, model: torch.nn.Module, meta: Any, logits_rows: torch.Tensor | None,
+               images: bool) -> str:
+        """How ``run`` runs this step (EAGER, CAPTURE or REPLAY); ``images``: the step
+        carries image inputs. Rank 0's decision is every rank's (TpStep.graph)."""
+        return EAGER
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None,
+            graph: str | None = None) -> torch.Tensor:
         """The step's fp32 logits; ``state`` is the linear-attention state backend's
-        metadata of the step (hybrid models), handed to the model's forward."""
+        metadata of the step (hybrid models), handed to the model's forward; ``graph``:
+        how to run it, as ``decide`` (rank 0's) said (None: decided here)."""
         return model_forward(model, input_ids, positions, meta, logits_rows, state)
 
 

@@ -73,7 +73,8 @@ class CpuExecutor(StepExecutor):
         self.attention.native_decode = self.native is not None
 
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None,
+            graph: str | None = None) -> torch.Tensor:
         if isinstance(meta, NativeStep):
             assert self.native is not None  # planned only while native decode is on
             return self.native(input_ids, positions, meta.tables, meta.decode_len, logits_rows)

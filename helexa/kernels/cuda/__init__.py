@@ -13,6 +13,9 @@ import structlog
 import torch
 
 log = structlog.get_logger(component="kernels")
+# every kernel's verdicts by its event, so that a tensor-parallel group can agree on them
+# (refusals / adopt: what one rank's card refused, every rank refuses; docs/architecture.md)
+_KERNELS: dict[str, Verdicts] = {}
 
 
 def unavailable(switch: str, source: str) -> str:
@@ -37,6 +40,7 @@ class Verdicts:
         self.event, self.kernel, self.fallback, self.fields = event, kernel, fallback, fields
         self._by_kind: dict[tuple, str] = {}
         self._lock = threading.Lock()
+        _KERNELS[event] = self
 
     def get(self, key: tuple) -> str | None:
         """The kind's verdict, None before it has one."""
@@ -76,6 +80,37 @@ class Verdicts:
                        if on.type == device.type and device.index in (None, on.index)})
         return "; ".join(self.kernel if not why else f"{self.fallback} ({why})"
                          for why in said)
+
+
+def _on(key: tuple, device: torch.device) -> bool:
+    on = key[0]
+    return bool(on.type == device.type and device.index in (None, on.index))
+
+
+def refusals(device: torch.device) -> list[tuple[str, list[Any], str]]:
+    """Every kind a kernel was refused for on ``device``, free of the device (another
+    rank's card reads it as its own): (the kernel's event, the kind's other fields, why)."""
+    return [(event, [str(f) if isinstance(f, torch.dtype) else f for f in key[1:]], why)
+            for event, v in _KERNELS.items() for key, why in list(v._by_kind.items())
+            if why and _on(key, device)]
+
+
+def adopt(device: torch.device, event: str, kind: list[Any], why: str) -> bool:
+    """Record a kind another rank refused (a refusals() entry) as refused on ``device`` too,
+    logged as the kernel's fallback with ``why``; False where it is already refused here
+    (or the kernel is unknown here)."""
+    verdicts = _KERNELS.get(event)
+    if verdicts is None:
+        return False
+    if device.type == "cuda" and device.index is None:  # as a call's tensors name it
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, *(getattr(torch, f[6:]) if isinstance(f, str) and f.startswith("torch.")
+                     and isinstance(getattr(torch, f[6:], None), torch.dtype) else f
+                     for f in kind))
+    if verdicts.get(key):
+        return False
+    verdicts.record(key, why)
+    return True
 
 
 def pow2(n: int, least: int = 1) -> int:

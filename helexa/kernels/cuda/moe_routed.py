@@ -140,10 +140,19 @@ def prove(x: torch.Tensor, stack: Stack, reference: torch.Tensor,
     time a stack fails (``kernels.cuda_moe_routed_fallback``: that block's steps keep the
     gathered copies)."""
     why = probe(x, stack, reference, experts)
-    inner = stack.weight.shape[-1] * 2 if stack.kind == "int4" else 0
-    key = (x.device, stack.kind, stack.group, stack.zeros is not None, inner)
-    _verdicts.record(key, why, outputs=stack.n, inputs=stack.k)
+    _verdicts.record(_key(stack), why, outputs=stack.n, inputs=stack.k)
     return why
+
+
+def _key(stack: Stack) -> tuple:
+    inner = stack.weight.shape[-1] * 2 if stack.kind == "int4" else 0
+    return (stack.weight.device, stack.kind, stack.group, stack.zeros is not None, inner)
+
+
+def standing(stacks: dict[str, Stack]) -> bool:
+    """Proved ``stacks`` (prove_stacks') whose kinds are still the kernel's: none refused
+    since (a tensor-parallel group refuses on every rank a kind one rank's card refused)."""
+    return bool(stacks) and all(not _verdicts.get(_key(s)) for s in stacks.values())
 
 
 def prove_stacks(stacks: dict[str, Stack | None],
@@ -206,6 +215,6 @@ class FloatExperts:
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor | None:
-        if not self.stacks:
+        if not standing(self.stacks):
             return None
         return experts(x, chosen, weights, self.stacks["w13"], self.stacks["w2"])

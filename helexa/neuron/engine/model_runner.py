@@ -31,7 +31,7 @@ from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.backends.gdn import GatedDeltaStates
 from helexa.kernels.host_kv import HostKv, block_tensors, state_tensors
 from helexa.kernels.paged_kv import PagedKV
-from helexa.neuron.engine import memory_plan, pool_probe
+from helexa.neuron.engine import memory_plan, pool_probe, tp_kernels
 from helexa.neuron.engine.device_memory import MeterFactory, device_meter
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.runner import StepOutput
@@ -157,10 +157,9 @@ class ModelRunner:
         if self._tp is not None:
             self._tp.wait_loaded(timeout_secs=3600.0)  # loading a big shard takes what it takes
             self._tp.join(self._tp_args, str(self.device))
+            tp_kernels.agree(self._tp, self, self._tp.refused)  # one kernel a kind, all ranks
             self.backend.executor.grouped(self.model)  # the workers' after their TpReady
-        if tp_rank > 0:  # the leader's capture steps (below) reach this rank as steps
-            self.backend.executor.follow_leader()
-        else:
+        if tp_rank == 0:  # a worker rank captures as rank 0's capture steps (below) say
             try:
                 memory_plan.check_bytes_per_block(
                     plan_bytes_per_block, self.kv_bytes_per_block,
@@ -207,7 +206,10 @@ class ModelRunner:
 
     def _capture_graphs(self) -> None:
         """At load (the pool empty): a b-row decode step per graph size while capturing."""
-        sizes, slots = self.backend.executor.graph_sizes(), max(1, self.num_state_slots)
+        executor = self.backend.executor
+        if self._tp is not None and executor.graph_sizes():  # every rank's graphs, or none
+            executor.group_graphs(self._tp.graphs_refused())
+        sizes, slots = executor.graph_sizes(), max(1, self.num_state_slots)
         if not sizes:
             return
         with self.backend.executor.capturing():
@@ -258,11 +260,13 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, seqs: list[SeqInput], tokens: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def execute(self, seqs: list[SeqInput], tokens: torch.Tensor | None = None,
+                graph: str | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits [sum of num_logits of the seqs with need_logits,
         vocab] in input order. ``tokens``: the decode rows' input tokens, on the device
-        (runner.py run_step)."""
+        (runner.py run_step). ``graph``: how the executor runs it, rank 0's decision on a
+        worker rank (TpStep.graph); None: this runner's executor decides (and at tp > 1
+        sends its decision with the step)."""
         if not seqs:
             return torch.empty(0, self.vocab_size, device=self.device)
         input_ids, positions, step, logits_rows = self._prepare(seqs, tokens)
@@ -271,13 +275,16 @@ class ModelRunner:
         attention, run = self.backend.attention, self.backend.executor.run
         try:
             meta = attention.plan(step)
+            if graph is None:
+                images = self.vision.takes_images and any(s.images for s in seqs)
+                graph = self.backend.executor.decide(self.model, meta, logits_rows, images)
             if self._tp is not None:
-                self._tp.send_step(seqs, device_tokens=tokens is not None)
+                self._tp.send_step(seqs, device_tokens=tokens is not None, graph=graph)
             try:  # the tower's collectives, too, once every rank has the step
                 if tokens is not None:
                     input_ids = self._device_tokens(tokens)
                 positions = self.vision.attach(seqs, self.seq_starts, positions)
-                logits = run(self.model, input_ids, positions, meta, logits_rows, state)
+                logits = run(self.model, input_ids, positions, meta, logits_rows, state, graph)
             except (RuntimeError, ValueError) as e:  # ValueError: the group was aborted
                 if self._tp is not None and (isinstance(e, RuntimeError) or self._tp.failed):
                     self._tp.fail_step(e)  # a collective failed: a rank died or wedged

@@ -131,9 +131,8 @@ def measure_group(runner: Any, planned: int, kv_dtype: str, context: int) -> int
 
 def measure_as_rank(runner: Any, msg: TpMeasure) -> TpMeasured:
     """A worker rank's TpMeasure: the probe's steps its own and eager, as rank 0 runs them
-    (not captured, as a follower of rank 0's capture steps would), its fit or why not; its
-    pool follows as TpResetKv."""
-    runner.backend.executor.follow_leader(False)
+    (each rank's executor decides: no graph is captured outside the capture steps), its
+    fit or why not; its pool follows as TpResetKv."""
     runner.num_state_slots = msg.num_state_slots or runner.num_state_slots
     try:
         return TpMeasured(measured_blocks(runner, msg.num_blocks, msg.kv_dtype, msg.context))

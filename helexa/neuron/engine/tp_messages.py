@@ -3,7 +3,8 @@
 Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
 (helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
 over a dedicated pipe, msgpack-encoded, never through the compute group; a
-rank answers only while starting, after the host tier's copies and after
+rank answers only while starting (with the kernel kinds its card refused, which
+rank 0 then has every rank refuse: `TpAgree`), after the host tier's copies and after
 measuring its pool (`FromRank`). A step carries only what changed: each sequence's new tokens
 and the blocks appended to its table since rank 0 last sent it, under a
 handle both sides know it by.
@@ -44,6 +45,22 @@ class TpStep(msgspec.Struct, tag=True):
     # a lookahead step (engine/lookahead.py): the seqs' tokens are placeholders, the real
     # ones follow as a broadcast over the group from rank 0's device
     device_tokens: bool = False
+    # how rank 0's executor runs the step (executor.py decide: "" eagerly, "capture",
+    # "replay"), as every rank then runs it: the graphs' collectives in step by construction
+    graph: str = ""
+
+
+class TpRefused(msgspec.Struct, array_like=True):
+    # a kernel kind a rank's card refused at load (helexa/kernels/cuda Verdicts), free of
+    # the device: refused on every rank (helexa/neuron/engine/tp_kernels.py)
+    rank: int
+    kernel: str  # the kernel's event (kernels.cuda_grouped_matmul, ...)
+    kind: list[Any]  # the kind's key past its device (dtypes as "torch.<name>")
+    why: str
+
+
+class TpAgree(msgspec.Struct, tag=True):
+    refused: list[TpRefused]  # every rank's, once the group formed: each rank refuses them
 
 
 class TpMtp(msgspec.Struct, tag=True):
@@ -81,6 +98,10 @@ class TpMoveKv(msgspec.Struct, tag=True):
     # (each rank answers TpMoved: a rank whose copies failed says so instead of ending)
 
 
+class TpAskGraphs(msgspec.Struct, tag=True):
+    pass  # can this rank's graphs run over its pool? (each answers TpGraphs, rank 0 captures)
+
+
 class TpStop(msgspec.Struct, tag=True):
     pass
 
@@ -95,6 +116,7 @@ class TpLoaded(msgspec.Struct, tag=True):
 
 class TpReady(msgspec.Struct, tag=True):
     kv_bytes_per_block: int
+    refused: list[TpRefused] = []  # the kernel kinds its card refused at load
 
 
 class TpFailed(msgspec.Struct, tag=True):
@@ -103,6 +125,10 @@ class TpFailed(msgspec.Struct, tag=True):
 
 class TpMoved(msgspec.Struct, tag=True):
     error: str = ""  # the rank's host-tier copies failed: why ("" when they were made)
+
+
+class TpGraphs(msgspec.Struct, tag=True):
+    refused: str = ""  # why this rank's graphs cannot run over its pool ("" when they can)
 
 
 class TpMeasured(msgspec.Struct, tag=True):
@@ -114,8 +140,8 @@ class TpMeasured(msgspec.Struct, tag=True):
 
 
 ToRank = (TpStep | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
-          | TpStop | TpJoin)
-FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured
+          | TpStop | TpJoin | TpAgree | TpAskGraphs)
+FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured | TpGraphs
 
 
 @dataclass

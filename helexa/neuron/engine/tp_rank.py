@@ -30,8 +30,11 @@ import structlog
 from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
     ToRank,
+    TpAgree,
     TpAllocHost,
+    TpAskGraphs,
     TpFailed,
+    TpGraphs,
     TpJoin,
     TpLoaded,
     TpMeasure,
@@ -127,13 +130,12 @@ def _die_with_parent() -> None:
 def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str,
                        num_state_slots: int = 0) -> None:
     """A worker rank's new pool (a kv_dtype switch, a hybrid's state slots carved anew):
-    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps
-    (ModelRunner.reset_kv would run capture steps of its own, whose collectives no other
-    rank joins, and then rank 0's again)."""
+    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps,
+    each saying so (TpStep.graph; ModelRunner.reset_kv would run capture steps of its own,
+    whose collectives no other rank joins, and then rank 0's again)."""
     if num_state_slots:
         runner.num_state_slots = num_state_slots
     runner._reset_own_kv(num_blocks, kv_dtype)
-    runner.backend.executor.follow_leader()
 
 
 def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> None:
@@ -142,6 +144,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     import torch
 
     from helexa.log import setup_logging
+    from helexa.neuron.engine import tp_kernels
     from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
     from helexa.neuron.engine.pool_probe import measure_as_rank
 
@@ -172,7 +175,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
     except BaseException:
         conn.send_bytes(encoder.encode(TpFailed(traceback.format_exc(limit=4))))
         return
-    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block)))
+    conn.send_bytes(encoder.encode(TpReady(runner.kv_bytes_per_block, tp_kernels.own(runner))))
     tables: dict[int, list[int]] = {}
     lost = False  # its collectives out of step with the group's (a failed probe step)
     try:
@@ -193,6 +196,13 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 if lost := answer.broken:  # rank 0 fails the group on its answer: leave
                     log.error("engine.tp_measure_failed", tp_rank=rank, reason=answer.error)
                     break
+                continue
+            if isinstance(msg, TpAgree):  # the group's refused kernel kinds, before any step
+                tp_kernels.adopt(runner, msg.refused)
+                continue
+            if isinstance(msg, TpAskGraphs):  # before rank 0 captures over the new pool
+                refused = runner.backend.executor.graphs_refused()
+                conn.send_bytes(encoder.encode(TpGraphs(refused)))
                 continue
             if isinstance(msg, TpAllocHost):
                 runner._allocate_own_host(msg.num_blocks, msg.num_snapshots)
@@ -228,8 +238,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 if msg.device_tokens else None
             if isinstance(msg, TpMtp):  # the hidden states: rank 0's broadcast too
                 runner.execute_mtp(seqs, None, tokens)
-            else:
-                runner.execute(seqs, tokens)
+            else:  # run as rank 0 runs it: captured, replayed or eager (its decision)
+                runner.execute(seqs, tokens, msg.graph)
     except (EOFError, OSError, KeyboardInterrupt):
         pass  # rank 0 went away: nothing left to serve
     except Exception:

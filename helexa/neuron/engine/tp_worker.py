@@ -26,6 +26,12 @@ of its own in lockstep (rank 0 sends none of them as steps meanwhile), fits the 
 own card and answers, and the group takes the fewest blocks any rank can hold
 (helexa/neuron/engine/tp_measure.py, pool_probe.py).
 
+Once the group has formed, before any step, the ranks settle on one kernel a kind
+(tp_kernels.py: TpReady's refusals, TpAgree); each step says how rank 0's executor runs it
+(TpStep.graph: captured, replayed or eager), and before capturing over a new pool rank 0
+asks whether every rank's graphs can run over its own (TpAskGraphs), capturing none where
+one cannot.
+
 The messages are helexa/neuron/engine/tp_messages.py's; the group and the
 extra ranks' own loop, helexa/neuron/engine/tp_rank.py's. A rank that dies,
 fails or times out fails the whole group (TpError): the model must restart.
@@ -59,8 +65,10 @@ from helexa.neuron.engine.tp_messages import (
     RunnerArgs,
     ToRank,
     TpAllocHost,
+    TpAskGraphs,
     TpError,
     TpFailed,
+    TpGraphs,
     TpJoin,
     TpLoaded,
     TpMoved,
@@ -68,6 +76,7 @@ from helexa.neuron.engine.tp_messages import (
     TpMtp,
     TpMtpLogits,
     TpReady,
+    TpRefused,
     TpResetKv,
     TpSeq,
     TpStep,
@@ -92,6 +101,7 @@ class TpWorkers:
     failed: str = ""
     plan_bytes: int = 0  # bytes of the last step plan sent to one rank
     kv_bytes_per_block: list[int] = field(default_factory=list)  # ranks 1..N-1's, once joined
+    refused: list[list[TpRefused]] = field(default_factory=list)  # their cards' (tp_kernels)
     _tables: dict[int, tuple[list[int], int, int]] = field(default_factory=dict)
     _next_handle: int = 0
     _stale: list[int] = field(default_factory=list)  # handles replaced, for the next step
@@ -140,6 +150,7 @@ class TpWorkers:
             self.fail(f"tensor-parallel group did not form: {e}")
         ready = self._wait_all(TpReady, args.timeout_secs)
         self.kv_bytes_per_block = [m.kv_bytes_per_block for m in ready]
+        self.refused = [m.refused for m in ready]
         self._nccl = device.startswith("cuda")
         threading.Thread(target=self.watch, args=(self._nccl,),
                          name="helexa-tp-health", daemon=True).start()
@@ -205,9 +216,10 @@ class TpWorkers:
                 self._early[rank] = msgspec.msgpack.decode(conn.recv_bytes(), type=FromRank)
             return self._early[rank] if keep else self._early.pop(rank)
 
-    def send_step(self, seqs: list[Any], device_tokens: bool = False) -> None:
+    def send_step(self, seqs: list[Any], device_tokens: bool = False, graph: str = "") -> None:
         """Send the step plan (only what changed since each table was last sent);
-        `device_tokens`: its tokens follow as a broadcast (TpStep)."""
+        `device_tokens`: its tokens follow as a broadcast; `graph`: how rank 0's executor
+        runs it, as every rank must (TpStep)."""
         self.check()
         if self._lockstep:  # every rank runs this step of its own (measure)
             return
@@ -217,7 +229,7 @@ class TpWorkers:
         dropped += self._stale
         self._stale = []
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
-        self._send(TpStep(out, dropped, device_tokens))
+        self._send(TpStep(out, dropped, device_tokens, graph))
 
     def send_mtp(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send an MTP head pass's sequences (their tables as send_step does; no table is
@@ -255,6 +267,17 @@ class TpWorkers:
         self._tables.clear()
         self._stale.clear()
         self._send(TpResetKv(num_blocks, kv_dtype, num_state_slots))
+
+    def graphs_refused(self) -> str:
+        """Why some rank's CUDA graphs cannot run over its new pool ("" where every rank's
+        can: a quantised pool's Triton kernels proved themselves on every card), asked of
+        each rank (TpAskGraphs) before rank 0 captures, so that graphs run on all or none."""
+        self.check()
+        self._send(TpAskGraphs())
+        answers = self._wait_all(TpGraphs, self.timeout_secs, (
+            "say whether its graphs run", "saying whether its graphs run"))
+        return "; ".join(f"tensor-parallel rank {rank}: {a.refused}"
+                         for rank, a in enumerate(answers, start=1) if a.refused)
 
     def allocate_host(self, num_blocks: int, num_snapshots: int) -> None:
         self.check()

@@ -11,16 +11,18 @@ import pytest
 import torch
 
 from helexa.kernels import backends
-from helexa.kernels.backends.executor import StepExecutor, model_forward
+from helexa.kernels.backends.executor import CAPTURE, EAGER, StepExecutor, model_forward
 from helexa.neuron.engine import model_runner
 from helexa.neuron.engine.model_runner import ModelRunner, SeqInput
 
 
 class RecordingExecutor(StepExecutor):
-    """Records (rows, capturing, has state) of each step it runs."""
+    """Records (rows, captured, has state) of each step it runs, and how it was told to
+    run it (``graphs``): a capture inside capturing, else eagerly."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[int, bool, bool]] = []
+        self.graphs: list[str | None] = []
         self._capturing = False
 
     def graph_sizes(self) -> list[int]:
@@ -34,9 +36,15 @@ class RecordingExecutor(StepExecutor):
         finally:
             self._capturing = False
 
+    def decide(self, model: torch.nn.Module, meta: Any, logits_rows: torch.Tensor | None,
+               images: bool) -> str:
+        return CAPTURE if self._capturing else EAGER
+
     def run(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: Any, logits_rows: torch.Tensor | None, state: Any = None) -> torch.Tensor:
-        self.steps.append((input_ids.shape[0], self._capturing, state is not None))
+            meta: Any, logits_rows: torch.Tensor | None, state: Any = None,
+            graph: str | None = None) -> torch.Tensor:
+        self.steps.append((input_ids.shape[0], graph == CAPTURE, state is not None))
+        self.graphs.append(graph)
         return model_forward(model, input_ids, positions, meta, logits_rows, state)
 
 
@@ -81,3 +89,46 @@ def test_a_worker_rank_follows_rank_0s_capture_steps_after_a_new_pool(tiny_check
                          max_num_seqs=3, max_batched_tokens=64, tp_rank=1, tp_size=2)
     reset_kv_following(worker, 12, "auto")
     assert worker.num_blocks == 12 and recording[0].steps == []
+
+
+def test_rank_0s_steps_say_which_are_captures_and_a_worker_runs_them_so(tiny_checkpoint,
+                                                                       recording):
+    """At tp > 1 rank 0's executor decides how each step runs and the step says so
+    (TpStep.graph): its capture steps after a new pool say capture, serving steps say
+    eager; a worker rank's runner runs each step as the message says, whatever its own
+    executor would decide (here: never a capture of its own)."""
+    import msgspec
+
+    from helexa.neuron.engine.tp_messages import TpStep
+
+    leader = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4,
+                         max_num_seqs=3, max_batched_tokens=64)
+    sent: list[tuple[TpStep, list[SeqInput]]] = []
+
+    class Ranks:  # rank 0's TpWorkers as far as a step goes: the TpStep it sends, decoded
+        failed = ""
+
+        def graphs_refused(self) -> str:
+            return ""  # every rank's graphs can run over its pool
+
+        def send_step(self, seqs: list[SeqInput], device_tokens: bool = False,
+                      graph: str = "") -> None:
+            wire = msgspec.msgpack.encode(TpStep([], [], device_tokens, graph))
+            sent.append((msgspec.msgpack.decode(wire, type=TpStep), list(seqs)))
+
+    leader._tp = Ranks()  # type: ignore[assignment]
+    try:
+        leader._capture_graphs()  # as after a new pool
+        leader.execute([SeqInput([1, 2, 3], 0, [1], True, 0)])
+        leader.execute([SeqInput([4], 3, [1], True, 0)])
+    finally:
+        leader._tp = None
+    assert [m.graph for m, _ in sent] == [CAPTURE] * 3 + [EAGER] * 2
+    worker = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4,
+                         max_num_seqs=3, max_batched_tokens=64)
+    ex = recording[1]
+    before = len(ex.graphs)
+    for msg, seqs in sent:  # as the rank loop runs them (tp_rank.worker_main)
+        worker.execute(seqs, None, msg.graph)
+    assert ex.graphs[before:] == [m.graph for m, _ in sent]
+    assert not ex._capturing

@@ -171,16 +171,13 @@ def _rank(rank: int, free: int, events: list[str], fail: str = "") -> SimpleName
         kv_bytes_per_block=MIB, extra_bytes_per_block=0, num_state_slots=0,
         _reset_own_kv=lambda blocks, kv_dtype: None, _allocate_kv=lambda *a: None,
         execute=execute, _device_tokens=lambda tokens: events.append("broadcast"),
-        backend=SimpleNamespace(executor=SimpleNamespace(
-            graph_sizes=lambda: [],
-            follow_leader=lambda on=True: events.append(f"follow {on}")),
+        backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: []),
             attention=SimpleNamespace(torch_path="")), vision=None)
 
 
 def test_a_worker_rank_measures_its_own_card_and_says_why_it_cannot():
-    """A worker rank's TpMeasure (pool_probe.measure_as_rank): it stops following rank 0's
-    capture steps before the probe's (rank 0 runs them eagerly: a capture here would
-    leave the ranks' collectives out of step), runs the probe steps and the lookahead's
+    """A worker rank's TpMeasure (pool_probe.measure_as_rank): it runs the probe steps
+    of its own (eagerly, as rank 0 runs them: no capture step among them) and the lookahead's
     broadcast as rank 0 does, and samples nothing (only rank 0 samples): its peak is its
     forward's. A fit that fails is its answer and the group is in step; a step that fails
     is an answer that says the group is not."""
@@ -191,7 +188,7 @@ def test_a_worker_rank_measures_its_own_card_and_says_why_it_cannot():
     worker = _rank(1, margin + MIB + 300 * MIB, events)
     assert pool_probe.measure_as_rank(worker, TpMeasure(5000, "auto", 2048, 3)) == \
         pool_probe.TpMeasured(300)  # its forward's 1 MiB peak alone beside the pool
-    assert events == ["follow False", "step", "step", "step", "step", "broadcast"]
+    assert events == ["step", "step", "step", "step", "broadcast"]
     assert worker.num_state_slots == 3  # a switch's slots, carved for its probe as rank 0's
     leader = _rank(0, margin + MIB + 300 * MIB, [])
     assert pool_probe.measured_blocks(leader, 5000, "auto", 2048) < 300  # it samples

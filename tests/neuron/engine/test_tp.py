@@ -123,9 +123,9 @@ def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint
     assert two._tp is not None
     sent, real_send = [], two._tp.send_step
 
-    def send_step(seqs, device_tokens=False):
+    def send_step(seqs, device_tokens=False, graph=""):
         sent.append(device_tokens)
-        real_send(seqs, device_tokens)
+        real_send(seqs, device_tokens, graph)
 
     two._tp.send_step = send_step
     runs = {}

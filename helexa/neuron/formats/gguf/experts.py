@@ -188,7 +188,7 @@ class QuantExperts:
         """The gathered form's products on the routed kernel, every (token, slot) pair's
         expert read in place: one launch for w13, one for w2 (moe_experts.quantised_gathered);
         None where the stacks did not prove themselves at load (prepare)."""
-        if not self.routed:
+        if not moe_routed.standing(self.routed):
             return None
         return moe_routed.experts(x, chosen, weights, self.routed["w13"], self.routed["w2"])
 
