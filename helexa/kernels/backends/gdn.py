@@ -43,6 +43,7 @@ from helexa.kernels import fla_gdn as fla
 from helexa.kernels import fla_norm
 from helexa.kernels import flashinfer_gdn as fig
 from helexa.kernels import gated_delta as gd
+from helexa.kernels.backends import spans as sp
 from helexa.kernels.backends.base import StepPlan, to_device
 from helexa.kernels.cuda import conv_decode as cuda_conv
 from helexa.kernels.linear_state import TORCH_DTYPES, LinearState, VerifyRows, pair_indices
@@ -226,7 +227,7 @@ class GatedDeltaStates:
         meta.prefills = [(r.start, r.end, r.state_slot) for r in step.prefills if not r.verify]
         if meta.prefills:  # one conv for all of them (and on fla, for two or more, one rule)
             slots = [slot for _, _, slot in meta.prefills]
-            cu, chunks = (fla.varlen_layout(_lengths(meta.prefills))
+            cu, chunks = (fla.varlen_layout(sp.lengths(meta.prefills))
                           if self._fla_varlen and len(slots) > 1 else ([], []))
             # one copy, no wait; each part at a 16-byte boundary, as fla's kernels were
             # built for at load (Triton builds a pointer's alignment into its kernel)
@@ -283,9 +284,9 @@ class GatedDeltaStates:
                                                    meta.decode_slots)
         if meta.prefill_slots is not None:  # the prefills: one conv over them all
             out, after = gd.conv1d_prefill_varlen(
-                _rows(mixed, meta.prefills), conv_weight,
-                state.conv.index_select(0, meta.prefill_slots), _lengths(meta.prefills))
-            _put(conv, meta.prefills, out)
+                sp.rows(mixed, meta.prefills), conv_weight,
+                state.conv.index_select(0, meta.prefill_slots), sp.lengths(meta.prefills))
+            sp.put(conv, meta.prefills, out)
             state.conv.index_copy_(0, meta.prefill_slots, after.to(state.conv.dtype))
         rows = meta.verify  # token by token as decode, the slots left as they are (held)
         if rows is not None:
@@ -332,10 +333,10 @@ class GatedDeltaStates:
             assert meta.prefill_slots is not None and meta.prefill_cu is not None
             assert meta.prefill_cu_host is not None and meta.prefill_chunks is not None
             got, finals = fla.fla_chunked_varlen(
-                *(_rows(x, meta.prefills) for x in (grouped_q, key_heads, v, g, beta)),
+                *(sp.rows(x, meta.prefills) for x in (grouped_q, key_heads, v, g, beta)),
                 state.recurrent.index_select(0, meta.prefill_slots), meta.prefill_cu,
                 meta.prefill_cu_host, meta.prefill_chunks, mixed.dtype)
-            _put(o, meta.prefills, got)
+            sp.put(o, meta.prefills, got)
             state.recurrent.index_copy_(0, meta.prefill_slots,
                                         finals.to(state.recurrent.dtype))
         for start, end, slot in () if varlen else meta.prefills:
@@ -364,33 +365,6 @@ class GatedDeltaStates:
         if got is None:
             got = self._a_log[layer] = gate.A_log.detach().float().contiguous()
         return got
-
-
-def _lengths(spans: list[tuple[int, int, int]]) -> list[int]:
-    return [end - start for start, end, _ in spans]
-
-
-def _contiguous(spans: list[tuple[int, int, int]]) -> bool:
-    """The spans follow one another with nothing between them (no verification row)."""
-    return all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-
-
-def _rows(x: torch.Tensor, spans: list[tuple[int, int, int]]) -> torch.Tensor:
-    """The spans' rows of x back to back: a view where they are contiguous, else one cat."""
-    if _contiguous(spans):
-        return x[spans[0][0]:spans[-1][1]]
-    return torch.cat([x[start:end] for start, end, _ in spans])
-
-
-def _put(dst: torch.Tensor, spans: list[tuple[int, int, int]], src: torch.Tensor) -> None:
-    """The inverse of _rows: src's rows written back to the spans' rows of dst."""
-    if _contiguous(spans):
-        dst[spans[0][0]:spans[-1][1]] = src
-        return
-    at = 0
-    for start, end, _ in spans:
-        dst[start:end] = src[at:at + end - start]
-        at += end - start
 
 
 def gated_delta(mixed: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor] | gd.GateInputs,
