@@ -413,3 +413,33 @@ def test_no_doc_or_config_holds_a_merge_conflicts_markers() -> None:
               for n, line in enumerate(f.read_text().splitlines(), 1)
               if re.match(r"(<{7}|>{7}|={7})( |$)", line)]
     assert len(files) > 10 and marked == []
+
+
+def _status_cells(table: str) -> list[tuple[set[int], str]]:
+    """(HTTP statuses, the row's first backticked name) of each row of a markdown table."""
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) >= 3 and (name := re.match(r"`([a-z_]+)`", cells[2])):
+            rows.append(({int(s) for s in re.findall(r"\b[1-5]\d\d\b", cells[1])}, name.group(1)))
+    return rows
+
+
+def test_the_anthropic_error_table_is_what_the_router_sends() -> None:
+    from helexa.router import anthropic
+
+    text = CONTRACTS["errors"].read_text()
+    openai_part, anthropic_part = text.split("On `/v1/messages`", 1)
+    given = set().union(*(s for s, _ in _status_cells(openai_part)))
+    rows = _status_cells(anthropic_part)
+    assert {400, 401, 404, 413, 429, 502, 503, 504} <= given  # the scan sees the table
+    covered: set[int] = set()
+    for statuses, doc_type in rows:
+        for status in statuses:
+            sent = anthropic._ERROR_TYPES.get(status, "api_error")
+            assert sent == doc_type, f"docs/errors.md: /v1/messages answers {status} as `{sent}`"
+        covered |= statuses
+    assert not given - covered, \
+        f"docs/errors.md: the Anthropic table lacks statuses {sorted(given - covered)}"
+    assert not covered - given, \
+        f"docs/errors.md: the Anthropic table has statuses nothing gives: {sorted(covered - given)}"
