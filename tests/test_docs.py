@@ -443,3 +443,17 @@ def test_the_anthropic_error_table_is_what_the_router_sends() -> None:
         f"docs/errors.md: the Anthropic table lacks statuses {sorted(given - covered)}"
     assert not covered - given, \
         f"docs/errors.md: the Anthropic table has statuses nothing gives: {sorted(covered - given)}"
+
+
+def test_every_log_component_is_named_in_the_observability_doc() -> None:
+    components = set()
+    for py in _SOURCES:
+        text = py.read_text()
+        components |= set(re.findall(r"get_logger\((?:component=)?\"([a-z_]+)\"", text))
+    text = CONTRACTS["observability"].read_text()
+    sentence = text[text.index("Every line has `event`, `component`"):]
+    sentence = sentence[:sentence.index("`level`")]
+    named = set(re.findall(r"`([a-z_]+)`", sentence)) - {"event", "component"}
+    assert {"router", "neuron"} <= components  # the scan sees both daemons
+    assert components == named, \
+        f"docs/observability.md names components {sorted(named)}; the code logs {sorted(components)}"
