@@ -460,3 +460,98 @@ def test_every_log_component_is_named_in_the_observability_doc() -> None:
     assert components == named, \
         f"docs/observability.md names components {sorted(named)}; the code logs {sorted(components)}"
 
+
+# ------------------------------------------------------------- commands the docs show
+
+_ALL_DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+
+
+def _fenced_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
+    """((language, body) of each fenced block, the prose around them) of a markdown text."""
+    blocks: list[tuple[str, str]] = []
+    prose: list[str] = []
+    fence: tuple[str, list[str]] | None = None
+    for line in text.splitlines():
+        m = re.match(r"\s*```(\w*)", line)
+        if m and fence is None:
+            fence = (m.group(1), [])
+        elif m:
+            blocks.append((fence[0], "\n".join(fence[1])))
+            fence = None
+        elif fence is not None:
+            fence[1].append(line)
+        else:
+            prose.append(line)
+    return blocks, "\n".join(prose)
+
+
+def _shown_commands(text: str) -> list[tuple[str, bool]]:
+    """(`helexa …` command line, whether it is a whole one from a shell block) in a doc.
+    Inline spans are prose: `FILE…` is FILE, `[--flag]` the flag, and a span offering
+    alternatives (`a|b`) or a placeholder in angle brackets is left out."""
+    found: list[tuple[str, bool]] = []
+    blocks, prose = _fenced_blocks(text)
+    for lang, block in blocks:
+        if lang not in ("", "sh", "bash"):
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s#\s.*$", "", line)
+            for segment in re.split(r"&&|\|\||\||;", line):
+                if re.match(r"\s*(?:\S*/)?helexa\s", segment):
+                    found.append((segment.strip(), True))
+    for span in re.findall(r"`((?:\.venv/bin/)?helexa [^`]+)`", prose.replace("\n", " ")):
+        if re.search(r"[|<{]", span):
+            continue
+        span = re.sub(r"\[([^\]]*)\]", r"\1", span.replace("…", " "))
+        found.append((span, False))
+    return found
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parse_error(monkeypatch, command: str) -> str | None:
+    """None when `helexa` parses the command line, else argparse's complaint."""
+    import argparse
+    import shlex
+
+    from helexa.cli import main as helexa_main
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    def error(self, message):
+        raise SystemExit(f"{self.prog}: {message}")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "error", error)
+    argv = shlex.split(command)[1:]
+    try:
+        code = helexa_main(argv)
+    except _Parsed:
+        return None
+    except SystemExit as e:
+        return str(e.code)
+    return None if code == 0 else f"exit status {code} before its arguments were parsed"
+
+
+def test_every_command_the_docs_show_parses(monkeypatch) -> None:
+    shown = [(doc.relative_to(ROOT), cmd, whole) for doc in _ALL_DOCS
+             for cmd, whole in _shown_commands(doc.read_text())]
+    assert len([s for s in shown if s[2]]) > 10 and len(shown) > 30  # the scan sees both kinds
+    wrong = []
+    for doc, cmd, whole in shown:
+        why = _parse_error(monkeypatch, cmd)
+        # prose may name a command without its required arguments (`helexa plan`), or
+        # with a placeholder for a value the parser checks (`--url URL`)
+        if why is not None and not whole and ("arguments are required" in why or any(
+                re.fullmatch(r"[A-Z][A-Z_.]*", word) and f"`{word}`" in why
+                for word in cmd.split())):
+            why = None
+        if why is not None:
+            wrong.append(f"{doc}: `{cmd}`: {why}")
+    assert not wrong, "\n".join(wrong)
