@@ -555,3 +555,60 @@ def test_every_command_the_docs_show_parses(monkeypatch) -> None:
         if why is not None:
             wrong.append(f"{doc}: `{cmd}`: {why}")
     assert not wrong, "\n".join(wrong)
+
+
+class _Any:
+    """A stand-in engine report or Watch status: every figure 1, so every series shows."""
+
+    drafter = "ngram"
+    model = "m"
+    state = 2
+    models: list[_Any] = []
+
+    def __getattr__(self, name: str) -> object:
+        return _Any() if name in ("kv", "engine_status", "status") else 1
+
+    def __int__(self) -> int:
+        return 1
+
+
+def _metric_types_and_labels() -> dict[str, tuple[str, set[str]]]:
+    """exposed name → (type, label names) of every metric family the daemons register, each
+    series shown once (the collectors' from a model that reports everything)."""
+    from types import SimpleNamespace
+
+    from helexa.neuron.metrics import NeuronMetrics
+    from helexa.router.metrics import RouterMetrics
+
+    model = SimpleNamespace(model_id="m", state=2, engine_status=_Any())
+    status = _Any()
+    status.models = [_Any()]
+    link = SimpleNamespace(name="n", healthy=lambda *_: True, status=status)
+    out: dict[str, tuple[str, set[str]]] = {}
+    for registry in (NeuronMetrics(SimpleNamespace(models={"m": model})).registry,  # type: ignore[arg-type]
+                     RouterMetrics(lambda: [link]).registry):  # type: ignore[list-item]
+        for collector in list(registry._collector_to_names):  # noqa: SLF001
+            for family in collector.collect():
+                labels = getattr(collector, "_labelnames", None)
+                if labels is None:
+                    labels = {k for s in family.samples for k in s.labels} - {"le"}
+                    assert family.samples, f"{family.name}: the stand-in shows no series"
+                name = family.name + ("_total" if family.type == "counter" else "")
+                out[name] = (family.type, set(labels))
+    return out
+
+
+def test_the_observability_doc_states_each_metrics_type_and_labels() -> None:
+    registered = _metric_types_and_labels()
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in CONTRACTS["observability"].read_text().splitlines()
+            if re.match(r"\| `(?:helexa_|vllm:)", line)]
+    assert len(rows) > 30
+    for cells in rows:
+        doc_type, doc_labels = cells[1], {x.strip() for x in cells[2].split(",") if x.strip()}
+        for raw in re.findall(r"`((?:helexa_|vllm:)[a-z_{},]+)`", cells[0]):
+            for name in _expand(raw):
+                kind, labels = registered[name]
+                assert kind == doc_type, f"docs/observability.md: `{name}` is a {kind}"
+                assert labels == doc_labels, \
+                    f"docs/observability.md: `{name}` is labelled {sorted(labels)}"
