@@ -613,3 +613,25 @@ def test_the_observability_doc_states_each_metrics_type_and_labels() -> None:
                 assert kind == doc_type, f"docs/observability.md: `{name}` is a {kind}"
                 assert labels == doc_labels, \
                     f"docs/observability.md: `{name}` is labelled {sorted(labels)}"
+
+
+def test_every_environment_variable_the_docs_name_is_read() -> None:
+    def names(paths) -> set[str]:
+        return {n for p in paths for n in re.findall(r"\bHELEXA_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+
+    named = names(_ALL_DOCS)
+    read = names([*(ROOT / "helexa").rglob("*.py"), *(ROOT / "bench").glob("*.py"),
+                  *(ROOT / "bench").glob("*.sh"), ROOT / "Makefile"])
+    assert {"HELEXA_CACHE", "HELEXA_LOOKAHEAD"} <= named  # the scan sees the docs
+    assert not named - read, f"the docs name variables nothing reads: {sorted(named - read)}"
+
+
+def test_the_helexa_up_banner_in_operating_md_is_what_up_prints() -> None:
+    from helexa.cli import up
+
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    m = re.search(r"`HELEXA UP (\S+) model (\S+) \(aliases: ([^)]*)\)`", text)
+    assert m, "operating.md lost its `HELEXA UP …` sample"
+    assert m.group(2) == up.TINY_MODEL_ID, f"helexa up serves the tiny model as {up.TINY_MODEL_ID}"
+    assert m.group(3).split(", ") == list(up.ALIASES)
+    assert "HELEXA UP {url}/v1  model {model_id} (aliases: " in (ROOT / "helexa/cli/up.py").read_text()
