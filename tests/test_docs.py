@@ -635,3 +635,27 @@ def test_the_helexa_up_banner_in_operating_md_is_what_up_prints() -> None:
     assert m.group(2) == up.TINY_MODEL_ID, f"helexa up serves the tiny model as {up.TINY_MODEL_ID}"
     assert m.group(3).split(", ") == list(up.ALIASES)
     assert "HELEXA UP {url}/v1  model {model_id} (aliases: " in (ROOT / "helexa/cli/up.py").read_text()
+
+
+_UNITS = {"": 1, "s": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+
+
+def _defaults_stated(text: str) -> list[tuple[str, float]]:
+    """(key, value) where prose gives a key's default in brackets: `limits.max_tools` tools
+    (128), `limits.max_schema_bytes` (512 KiB), `timeouts.client_write_secs` (30 s)."""
+    return [(key, float(num.replace(",", "")) * _UNITS[unit])
+            for key, num, unit in re.findall(
+                r"`([a-z_]+\.[a-z_]+)`[^`()]{0,12}\((\d[\d,.]*) ?(KiB|MiB|GiB|s)?\)", text)]
+
+
+def test_defaults_the_prose_states_are_the_schemas() -> None:
+    stated = [(doc.name, key, value) for doc in PROSE for key, value in
+              _defaults_stated(doc.read_text())]
+    assert {"limits.max_tools", "timeouts.client_write_secs"} <= {k for _, k, _ in stated}
+    for doc, key, value in stated:
+        defaults = []
+        for cfg in (config.NeuronConfig(), config.RouterConfig()):
+            section, name = key.split(".")
+            if hasattr(getattr(cfg, section, None), name):
+                defaults.append(getattr(getattr(cfg, section), name))
+        assert value in defaults, f"docs/{doc}: `{key}` defaults to {defaults}, not {value:g}"
