@@ -659,3 +659,30 @@ def test_defaults_the_prose_states_are_the_schemas() -> None:
             if hasattr(getattr(cfg, section, None), name):
                 defaults.append(getattr(getattr(cfg, section), name))
         assert value in defaults, f"docs/{doc}: `{key}` defaults to {defaults}, not {value:g}"
+
+
+def test_limits_the_docs_state_are_the_codes_constants() -> None:
+    import inspect
+
+    from helexa.neuron import status
+    from helexa.router import event_replies, request_model
+    from helexa.router.json_depth import MAX_JSON_DEPTH
+
+    docs = {name: " ".join((ROOT / "docs" / f"{name}.md").read_text().split())
+            for name in ("http", "errors", "api", "grpc", "architecture")}
+    watch_hz = round(1 / inspect.signature(status.StatusHub).parameters["min_interval_secs"].default)
+    stated = [
+        ("http", f"JSON nested at most {MAX_JSON_DEPTH} levels"),
+        ("errors", f"JSON nested deeper than {MAX_JSON_DEPTH} levels"),
+        ("http", f"`stop` (up to {request_model.MAX_STOP} strings)"),
+        ("http", f"`n` (1–{request_model.MAX_N})"),
+        ("http", f"`top_logprobs` (0–{request_model.MAX_TOP_LOGPROBS_CHAT})"),
+        ("http", f"`logprobs` (0–{request_model.MAX_LOGPROBS_COMPLETION})"),
+        ("api", f"`logprobs` (0..{request_model.MAX_LOGPROBS_COMPLETION})"),
+        ("api", f"a `ping` event goes out every {event_replies.PING_SECS:g} s"),
+        ("api", f"(`: ping`) goes out every {event_replies.PING_SECS:g} s"),
+        ("grpc", f"(at most {watch_hz} a second)"),
+        ("architecture", f"(at most {watch_hz} messages a second)"),
+    ]
+    missing = [f"docs/{doc}.md: {text!r}" for doc, text in stated if text not in docs[doc]]
+    assert not missing, "the docs no longer state the code's limit:\n" + "\n".join(missing)
