@@ -686,3 +686,40 @@ def test_limits_the_docs_state_are_the_codes_constants() -> None:
     ]
     missing = [f"docs/{doc}.md: {text!r}" for doc, text in stated if text not in docs[doc]]
     assert not missing, "the docs no longer state the code's limit:\n" + "\n".join(missing)
+
+
+def _members() -> dict[str, set[str]]:
+    """class → the names its body defines (methods, fields, self.x), over helexa/ and the
+    proto's messages."""
+    members: dict[str, set[str]] = {}
+    for py in _SOURCES:
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = members.setdefault(node.name, set())
+                for n in ast.walk(node):
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(n.name)
+                    elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                        names.add(n.target.id)
+                    elif isinstance(n, ast.Assign):
+                        names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+                    elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                        names.add(n.attr)
+    proto = (ROOT / "proto/helexa/neuron/v1/neuron.proto").read_text()
+    for name, body in re.findall(r"^message (\w+) \{(.*?)^\}", proto, re.S | re.M):
+        members.setdefault(name, set()).update(re.findall(r"(\w+) = \d+;", body))
+    return members
+
+
+# llama.cpp's converter, which quantization.md names as the source of a GGUF's tensors
+_FOREIGN_CLASSES = {"Qwen3NextModel", "Qwen2MoeModel"}
+
+
+def test_every_class_member_the_docs_name_exists() -> None:
+    members = _members()
+    named = {(doc.name, cls, attr) for doc in _ALL_DOCS for cls, attr in re.findall(
+        r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z_0-9]*)(?:\([^)]*\))?`", doc.read_text())}
+    assert {("architecture.md", "Sampler", "choose"), ("grpc.md", "Image", "data")} <= named
+    missing = [f"{doc}: `{cls}.{attr}`" for doc, cls, attr in sorted(named)
+               if cls not in _FOREIGN_CLASSES and attr not in members.get(cls, set())]
+    assert not missing, f"the docs name members no class has: {missing}"
