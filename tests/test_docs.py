@@ -723,3 +723,15 @@ def test_every_class_member_the_docs_name_exists() -> None:
     missing = [f"{doc}: `{cls}.{attr}`" for doc, cls, attr in sorted(named)
                if cls not in _FOREIGN_CLASSES and attr not in members.get(cls, set())]
     assert not missing, f"the docs name members no class has: {missing}"
+
+
+def test_every_name_the_docs_place_in_a_source_file_is_there() -> None:
+    # "`helexa/budget.py` `host_tier_size`", "(helexa/kernels/cuda/quant_decode.py `prefill`"
+    placed = {(doc.name, path, name) for doc in _ALL_DOCS for path, name in re.findall(
+        r"`?(helexa/[\w/]+\.py)`?,? (?:its )?`([A-Za-z_]\w*)(?:\([^`]*\))?`",
+        " ".join(doc.read_text().split()))}
+    assert ("architecture.md", "helexa/budget.py", "host_tier_size") in placed
+    missing = [f"{doc}: {path} `{name}`" for doc, path, name in sorted(placed)
+               if not re.search(rf"^\s*(?:async def|def|class) {name}\b|^{name}\s*[:=]",
+                                (ROOT / path).read_text(), re.M)]
+    assert not missing, f"the docs place names where they are not defined: {missing}"
