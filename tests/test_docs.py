@@ -735,3 +735,18 @@ def test_every_name_the_docs_place_in_a_source_file_is_there() -> None:
                if not re.search(rf"^\s*(?:async def|def|class) {name}\b|^{name}\s*[:=]",
                                 (ROOT / path).read_text(), re.M)]
     assert not missing, f"the docs place names where they are not defined: {missing}"
+
+
+# the host operating.md walks through adding: named as the file you would write
+_EXAMPLE_PATHS = {"asset/neuron/gpu-1.toml"}
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    # helexa/… is test_every_source_path_the_docs_name_exists'; these are the other folders
+    named = {(doc.name, m.group(1)) for doc in _ALL_DOCS for m in re.finditer(
+        r"(?<![\w/.-])((?:tests|bench|deploy|asset|proto|docs|\.github|\.ci)/[\w./-]*\w)",
+        doc.read_text())}
+    assert {"bench/gpu_check.sh", "proto/helexa/neuron/v1/neuron.proto"} <= {p for _, p in named}
+    missing = sorted(f"{doc}: {path}" for doc, path in named
+                     if path not in _EXAMPLE_PATHS and not (ROOT / path).exists())
+    assert not missing, f"the docs name paths that are not in the tree: {missing}"
