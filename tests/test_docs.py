@@ -750,3 +750,17 @@ def test_every_repository_path_the_docs_name_exists() -> None:
     missing = sorted(f"{doc}: {path}" for doc, path in named
                      if path not in _EXAMPLE_PATHS and not (ROOT / path).exists())
     assert not missing, f"the docs name paths that are not in the tree: {missing}"
+
+
+def test_the_tuning_table_names_only_reloadable_keys() -> None:
+    # operating.md: "All of these apply on reload (SIGHUP), without touching weights or the pool"
+    text = (ROOT / "docs" / "operating.md").read_text()
+    table = text[text.index("## Tuning admission and profiles"):]
+    table = "\n".join(line for line in table[:table.index("\n\n", table.index("| symptom"))]
+                      .splitlines() if line.startswith("|"))
+    keys = re.findall(r"`([a-z_]+\.[a-z_]+)`", table)
+    assert len(keys) > 8
+    restart = [k for k in keys if field_apply(NeuronConfig, k) != "reload"]
+    # a restart key may be named only to say that it needs one
+    restart = [k for k in restart if f"`{k}` itself needs a restart" not in table]
+    assert not restart, f"docs/operating.md's reload table names restart keys {restart}"
