@@ -764,3 +764,13 @@ def test_the_tuning_table_names_only_reloadable_keys() -> None:
     # a restart key may be named only to say that it needs one
     restart = [k for k in restart if f"`{k}` itself needs a restart" not in table]
     assert not restart, f"docs/operating.md's reload table names restart keys {restart}"
+
+
+def test_operating_md_lists_every_field_a_profile_overrides() -> None:
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    sentence = text[text.index("is a named set of overrides of"):]
+    sentence = sentence[:sentence.index(". ")]
+    listed = {k.split(".")[1] for k in re.findall(r"`([a-z_]+\.[a-z_]+)`", sentence)}
+    profile_fields = {f.name for f in msgspec.structs.fields(config.ProfileConfig)}
+    assert listed == profile_fields, \
+        f"docs/operating.md: a profile overrides {sorted(profile_fields)}, it lists {sorted(listed)}"
