@@ -774,3 +774,36 @@ def test_operating_md_lists_every_field_a_profile_overrides() -> None:
     profile_fields = {f.name for f in msgspec.structs.fields(config.ProfileConfig)}
     assert listed == profile_fields, \
         f"docs/operating.md: a profile overrides {sorted(profile_fields)}, it lists {sorted(listed)}"
+
+
+def _bounds(struct: type, name: str) -> tuple[float, float]:
+    """The (lower, upper) bound msgspec checks on an optional numeric field."""
+    import typing
+
+    hint = typing.get_type_hints(struct, include_extras=True)[name]
+    annotated = next(a for a in typing.get_args(hint) if typing.get_origin(a) is Annotated)
+    meta = next(m for m in annotated.__metadata__ if isinstance(m, msgspec.Meta))
+    lower = meta.ge if meta.ge is not None else meta.gt
+    assert lower is not None and meta.le is not None, name
+    return lower, meta.le
+
+
+def test_the_sampling_ranges_in_http_md_are_the_request_models() -> None:
+    from helexa.router.request_model import RequestBody
+
+    def num(x: float) -> str:
+        return f"{x:g}".replace("-", "−")
+
+    def span(name: str) -> str:
+        lower, upper = _bounds(RequestBody, name)
+        return f"{num(lower)}–{num(upper)}"
+
+    text = (ROOT / "docs" / "http.md").read_text()
+    stated = [f"`temperature` ({span('temperature')})", f"`min_p` ({span('min_p')})",
+              f"`top_p` ({num(_bounds(RequestBody, 'top_p')[0])} < p ≤ "
+              f"{num(_bounds(RequestBody, 'top_p')[1])})",
+              f"`frequency_penalty` ({span('frequency_penalty')})",
+              f"`repetition_penalty` ({span('repetition_penalty')})"]
+    assert _bounds(RequestBody, "presence_penalty") == _bounds(RequestBody, "frequency_penalty")
+    missing = [s for s in stated if s not in text]
+    assert not missing, f"docs/http.md no longer states the ranges the router checks: {missing}"
