@@ -807,3 +807,17 @@ def test_the_sampling_ranges_in_http_md_are_the_request_models() -> None:
     assert _bounds(RequestBody, "presence_penalty") == _bounds(RequestBody, "frequency_penalty")
     missing = [s for s in stated if s not in text]
     assert not missing, f"docs/http.md no longer states the ranges the router checks: {missing}"
+
+
+def test_readme_lists_init_tinys_architectures() -> None:
+    from helexa.cli import model
+
+    source = (ROOT / "helexa/cli/model.py").read_text()
+    assert "choices=ARCHS" in source and "choices=list(CHAT_TEMPLATES)" in source
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `helexa model init-tiny"))
+    archs = re.search(r"\(([a-z0-9_, ]+);", row)
+    assert archs, "README.md's init-tiny row lost its list of architectures"
+    assert archs.group(1).split(", ") == list(model.ARCHS)
+    for template in re.findall(r"--chat-template (\w+)", row):
+        assert template in model.CHAT_TEMPLATES
