@@ -821,3 +821,30 @@ def test_readme_lists_init_tinys_architectures() -> None:
     assert archs.group(1).split(", ") == list(model.ARCHS)
     for template in re.findall(r"--chat-template (\w+)", row):
         assert template in model.CHAT_TEMPLATES
+
+
+def test_the_event_table_says_which_daemon_logs_each_event() -> None:
+    """helexa/router/ logs the router's lines; the neuron's, its engines' and kernels' lines
+    reach the neuron's journal."""
+    sides: dict[str, set[str]] = {}
+    for py in _SOURCES:
+        side = "router" if "router" in py.relative_to(ROOT).parts else "neuron"
+        for node in ast.walk(ast.parse(py.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _LOG_METHODS and node.args:
+                for s in _strings(node.args[0]):
+                    if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+", s):
+                        sides.setdefault(s, set()).add(side)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Verdicts":
+                for suffix in ("_chosen", "_fallback"):
+                    sides.setdefault(node.args[0].value + suffix, set()).add(side)  # type: ignore[attr-defined]
+    wrong = []
+    for line in CONTRACTS["observability"].read_text().splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            said = {c.strip() for c in cells[1].split(",")}
+            for event in re.findall(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)`", cells[0]):
+                if sides.get(event, said) != said:
+                    wrong.append(f"`{event}`: {sorted(sides[event])}")
+    assert len(sides) > 60
+    assert not wrong, f"docs/observability.md's component column is wrong for {wrong}"
