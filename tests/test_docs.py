@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import re
 from pathlib import Path
 from typing import Annotated
@@ -199,6 +200,12 @@ _SOURCES = [p for p in sorted((ROOT / "helexa").rglob("*.py")) if "proto" not in
 _LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
 
 
+@functools.cache
+def _tree(py: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once for all the tests that walk the sources."""
+    return ast.parse(py.read_text())
+
+
 def _strings(node: ast.AST) -> list[str]:
     return [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)
             and isinstance(n.value, str)]
@@ -244,7 +251,7 @@ def _emitted_codes() -> set[str]:
     codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
     for py in _SOURCES:
         if py.parts[-2] in ("router", "neuron", "engine"):
-            codes |= _code_literals(ast.parse(py.read_text()))
+            codes |= _code_literals(_tree(py))
     return codes
 
 
@@ -336,7 +343,7 @@ def test_every_registered_metric_is_in_the_observability_doc() -> None:
 def _logged_events() -> set[str]:
     events = set()
     for py in _SOURCES:
-        for node in ast.walk(ast.parse(py.read_text())):
+        for node in ast.walk(_tree(py)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr in _LOG_METHODS and node.args:
                 events |= {s for s in _strings(node.args[0])
@@ -693,7 +700,7 @@ def _members() -> dict[str, set[str]]:
     proto's messages."""
     members: dict[str, set[str]] = {}
     for py in _SOURCES:
-        for node in ast.walk(ast.parse(py.read_text())):
+        for node in ast.walk(_tree(py)):
             if isinstance(node, ast.ClassDef):
                 names = members.setdefault(node.name, set())
                 for n in ast.walk(node):
@@ -829,7 +836,7 @@ def test_the_event_table_says_which_daemon_logs_each_event() -> None:
     sides: dict[str, set[str]] = {}
     for py in _SOURCES:
         side = "router" if "router" in py.relative_to(ROOT).parts else "neuron"
-        for node in ast.walk(ast.parse(py.read_text())):
+        for node in ast.walk(_tree(py)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr in _LOG_METHODS and node.args:
                 for s in _strings(node.args[0]):
