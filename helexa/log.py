@@ -1,6 +1,7 @@
 """structlog set-up: one JSON object per line on stderr.
 
-Every line carries `event` and `component` (`router` or `neuron`); request
+Every line carries `event` and `component` (`router`, `neuron`, `engine` or
+`kernels`: docs/observability.md); request
 events add `req_id`, `model` and `principal` (bind them with
 `log.bind(...)`). Request spans are `request.start` → `request.done` or
 `request.rejected`; `helexa journal concurrency` reads them back.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import difflib
+import functools
 import re
 from pathlib import Path
 from typing import Annotated
@@ -117,8 +118,9 @@ def test_a_broken_example_would_be_caught(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------- prose vs code
 
-PROSE = [ROOT / "docs" / f"{name}.md" for name in ("architecture", "operating", "http", "grpc",
-                                                  "errors", "observability")]
+# every doc but the generated reference (whose catalogue keys are a third schema's)
+PROSE = [p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "config.md"] + [
+    ROOT / "README.md"]
 _TOP_KEYS = {f.name for schema in (config.NeuronConfig, config.RouterConfig)
              for f in msgspec.structs.fields(schema)}
 
@@ -140,7 +142,7 @@ def test_config_keys_named_in_the_docs_exist() -> None:
     for doc in PROSE:
         for key in re.findall(r"`([a-z_]+(?:\[\])?(?:\.(?:<name>|[a-z_]+)(?:\[\])?)+)`", doc.read_text()):
             if key.split(".")[0].removesuffix("[]") in _TOP_KEYS and key not in events:
-                named.add((doc.name, key))
+                named.add((str(doc.relative_to(ROOT)), key))
     assert len(named) > 20
     for doc, key in sorted(named):
         path = key.replace("[]", "").replace(".<name>", "")
@@ -151,7 +153,7 @@ def test_config_keys_named_in_the_docs_exist() -> None:
                 found.append(schema)
             except KeyError:
                 pass
-        assert found, f"docs/{doc} names `{key}`, which no config schema has"
+        assert found, f"{doc} names `{key}`, which no config schema has"
 
 
 def _source_metric_patterns() -> list[re.Pattern[str]]:
@@ -187,7 +189,7 @@ def test_commands_named_in_the_docs_exist() -> None:
     for doc in PROSE:
         for cmd in re.findall(r"(?<![\w/.-])helexa ([a-z]+)\b", doc.read_text()):
             if cmd not in {"serves"}:  # prose, not a command
-                assert cmd in COMMANDS, f"docs/{doc.name} names `helexa {cmd}`"
+                assert cmd in COMMANDS, f"{doc.relative_to(ROOT)} names `helexa {cmd}`"
 
 
 # ------------------------------------------------------------- the contracts vs code
@@ -196,6 +198,12 @@ CONTRACTS = {name: ROOT / "docs" / f"{name}.md" for name in ("http", "grpc", "er
                                                                "observability")}
 _SOURCES = [p for p in sorted((ROOT / "helexa").rglob("*.py")) if "proto" not in p.parts]
 _LOG_METHODS = {"debug", "info", "warning", "error", "exception", "critical"}
+
+
+@functools.cache
+def _tree(py: Path) -> ast.Module:
+    """A source file's syntax tree, parsed once for all the tests that walk the sources."""
+    return ast.parse(py.read_text())
 
 
 def _strings(node: ast.AST) -> list[str]:
@@ -208,7 +216,8 @@ def _code_literals(tree: ast.AST) -> set[str]:
     Refusal/Problem, and {status: code} / (status, code) tables."""
     codes: set[str] = set()
     types = {id(a.value) for a in ast.walk(tree) if isinstance(a, ast.Assign)
-             and any(getattr(t, "id", "") == "_TYPES" for t in a.targets)}  # `type`, not codes
+             and any(getattr(t, "id", "") in ("_TYPES", "_ERROR_TYPES")  # `type`, not codes
+                     for t in a.targets)}
     for node in ast.walk(tree):
         if id(node) in types:
             continue
@@ -242,14 +251,15 @@ def _emitted_codes() -> set[str]:
     codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
     for py in _SOURCES:
         if py.parts[-2] in ("router", "neuron", "engine"):
-            codes |= _code_literals(ast.parse(py.read_text()))
+            codes |= _code_literals(_tree(py))
     return codes
 
 
 def _error_table() -> dict[str, str]:
-    """code → its rows in docs/errors.md's table (the first name in the `code` column)."""
+    """code → its rows in docs/errors.md's table (the first name in the `code` column); the
+    Anthropic table after it gives types, which test_the_anthropic_error_table_… checks."""
     rows: dict[str, str] = {}
-    for line in CONTRACTS["errors"].read_text().splitlines():
+    for line in CONTRACTS["errors"].read_text().split("On `/v1/messages`")[0].splitlines():
         cells = line.split(" | ")
         if line.startswith("| ") and len(cells) >= 5 and not line.startswith("| situation"):
             code = re.match(r"`([a-z_]+)`", cells[2])
@@ -333,7 +343,7 @@ def test_every_registered_metric_is_in_the_observability_doc() -> None:
 def _logged_events() -> set[str]:
     events = set()
     for py in _SOURCES:
-        for node in ast.walk(ast.parse(py.read_text())):
+        for node in ast.walk(_tree(py)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr in _LOG_METHODS and node.args:
                 events |= {s for s in _strings(node.args[0])
@@ -413,3 +423,435 @@ def test_no_doc_or_config_holds_a_merge_conflicts_markers() -> None:
               for n, line in enumerate(f.read_text().splitlines(), 1)
               if re.match(r"(<{7}|>{7}|={7})( |$)", line)]
     assert len(files) > 10 and marked == []
+
+
+def _status_cells(table: str) -> list[tuple[set[int], str]]:
+    """(HTTP statuses, the row's first backticked name) of each row of a markdown table."""
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) >= 3 and (name := re.match(r"`([a-z_]+)`", cells[2])):
+            rows.append(({int(s) for s in re.findall(r"\b[1-5]\d\d\b", cells[1])}, name.group(1)))
+    return rows
+
+
+def test_the_anthropic_error_table_is_what_the_router_sends() -> None:
+    from helexa.router import anthropic
+
+    text = CONTRACTS["errors"].read_text()
+    openai_part, anthropic_part = text.split("On `/v1/messages`", 1)
+    given = set().union(*(s for s, _ in _status_cells(openai_part)))
+    rows = _status_cells(anthropic_part)
+    assert {400, 401, 404, 413, 429, 502, 503, 504} <= given  # the scan sees the table
+    covered: set[int] = set()
+    for statuses, doc_type in rows:
+        for status in statuses:
+            sent = anthropic._ERROR_TYPES.get(status, "api_error")
+            assert sent == doc_type, f"docs/errors.md: /v1/messages answers {status} as `{sent}`"
+        covered |= statuses
+    assert not given - covered, \
+        f"docs/errors.md: the Anthropic table lacks statuses {sorted(given - covered)}"
+    assert not covered - given, \
+        f"docs/errors.md: the Anthropic table has statuses nothing gives: {sorted(covered - given)}"
+
+
+def test_every_log_component_is_named_in_the_observability_doc() -> None:
+    components = set()
+    for py in _SOURCES:
+        text = py.read_text()
+        components |= set(re.findall(r"get_logger\((?:component=)?\"([a-z_]+)\"", text))
+    text = CONTRACTS["observability"].read_text()
+    sentence = text[text.index("Every line has `event`, `component`"):]
+    sentence = sentence[:sentence.index("`level`")]
+    named = set(re.findall(r"`([a-z_]+)`", sentence)) - {"event", "component"}
+    assert {"router", "neuron"} <= components  # the scan sees both daemons
+    assert components == named, \
+        f"docs/observability.md names components {sorted(named)}; the code logs {sorted(components)}"
+
+
+# ------------------------------------------------------------- commands the docs show
+
+_ALL_DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+
+
+def _fenced_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
+    """((language, body) of each fenced block, the prose around them) of a markdown text."""
+    blocks: list[tuple[str, str]] = []
+    prose: list[str] = []
+    fence: tuple[str, list[str]] | None = None
+    for line in text.splitlines():
+        m = re.match(r"\s*```(\w*)", line)
+        if m and fence is None:
+            fence = (m.group(1), [])
+        elif m:
+            blocks.append((fence[0], "\n".join(fence[1])))
+            fence = None
+        elif fence is not None:
+            fence[1].append(line)
+        else:
+            prose.append(line)
+    return blocks, "\n".join(prose)
+
+
+def _shown_commands(text: str) -> list[tuple[str, bool]]:
+    """(`helexa …` command line, whether it is a whole one from a shell block) in a doc.
+    Inline spans are prose: `FILE…` is FILE, `[--flag]` the flag, and a span offering
+    alternatives (`a|b`) or a placeholder in angle brackets is left out."""
+    found: list[tuple[str, bool]] = []
+    blocks, prose = _fenced_blocks(text)
+    for lang, block in blocks:
+        if lang not in ("", "sh", "bash"):
+            continue
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s#\s.*$", "", line)
+            for segment in re.split(r"&&|\|\||\||;", line):
+                if re.match(r"\s*(?:\S*/)?helexa\s", segment):
+                    found.append((segment.strip(), True))
+    for span in re.findall(r"`((?:\.venv/bin/)?helexa [^`]+)`", prose.replace("\n", " ")):
+        if re.search(r"[|<{]", span):
+            continue
+        span = re.sub(r"\[([^\]]*)\]", r"\1", span.replace("…", " "))
+        found.append((span, False))
+    return found
+
+
+class _Parsed(Exception):
+    pass
+
+
+def _parse_error(monkeypatch, command: str) -> str | None:
+    """None when `helexa` parses the command line, else argparse's complaint."""
+    import argparse
+    import shlex
+
+    from helexa.cli import main as helexa_main
+
+    original = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        original(self, args, namespace)
+        raise _Parsed
+
+    def error(self, message):
+        raise SystemExit(f"{self.prog}: {message}")
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "error", error)
+    argv = shlex.split(command)[1:]
+    try:
+        code = helexa_main(argv)
+    except _Parsed:
+        return None
+    except SystemExit as e:
+        return str(e.code)
+    return None if code == 0 else f"exit status {code} before its arguments were parsed"
+
+
+def test_every_command_the_docs_show_parses(monkeypatch) -> None:
+    shown = [(doc.relative_to(ROOT), cmd, whole) for doc in _ALL_DOCS
+             for cmd, whole in _shown_commands(doc.read_text())]
+    assert len([s for s in shown if s[2]]) > 10 and len(shown) > 30  # the scan sees both kinds
+    wrong = []
+    for doc, cmd, whole in shown:
+        why = _parse_error(monkeypatch, cmd)
+        # prose may name a command without its required arguments (`helexa plan`), or
+        # with a placeholder for a value the parser checks (`--url URL`)
+        if why is not None and not whole and ("arguments are required" in why or any(
+                re.fullmatch(r"[A-Z][A-Z_.]*", word) and f"`{word}`" in why
+                for word in cmd.split())):
+            why = None
+        if why is not None:
+            wrong.append(f"{doc}: `{cmd}`: {why}")
+    assert not wrong, "\n".join(wrong)
+
+
+class _Any:
+    """A stand-in engine report or Watch status: every figure 1, so every series shows."""
+
+    drafter = "ngram"
+    model = "m"
+    state = 2
+    models: list[_Any] = []
+
+    def __getattr__(self, name: str) -> object:
+        return _Any() if name in ("kv", "engine_status", "status") else 1
+
+    def __int__(self) -> int:
+        return 1
+
+
+def _metric_types_and_labels() -> dict[str, tuple[str, set[str]]]:
+    """exposed name → (type, label names) of every metric family the daemons register, each
+    series shown once (the collectors' from a model that reports everything)."""
+    from types import SimpleNamespace
+
+    from helexa.neuron.metrics import NeuronMetrics
+    from helexa.router.metrics import RouterMetrics
+
+    model = SimpleNamespace(model_id="m", state=2, engine_status=_Any())
+    status = _Any()
+    status.models = [_Any()]
+    link = SimpleNamespace(name="n", healthy=lambda *_: True, status=status)
+    out: dict[str, tuple[str, set[str]]] = {}
+    for registry in (NeuronMetrics(SimpleNamespace(models={"m": model})).registry,  # type: ignore[arg-type]
+                     RouterMetrics(lambda: [link]).registry):  # type: ignore[list-item]
+        for collector in list(registry._collector_to_names):  # noqa: SLF001
+            for family in collector.collect():
+                labels = getattr(collector, "_labelnames", None)
+                if labels is None:
+                    labels = {k for s in family.samples for k in s.labels} - {"le"}
+                    assert family.samples, f"{family.name}: the stand-in shows no series"
+                name = family.name + ("_total" if family.type == "counter" else "")
+                out[name] = (family.type, set(labels))
+    return out
+
+
+def test_the_observability_doc_states_each_metrics_type_and_labels() -> None:
+    registered = _metric_types_and_labels()
+    rows = [[c.strip() for c in line.strip("|").split("|")]
+            for line in CONTRACTS["observability"].read_text().splitlines()
+            if re.match(r"\| `(?:helexa_|vllm:)", line)]
+    assert len(rows) > 30
+    for cells in rows:
+        doc_type, doc_labels = cells[1], {x.strip() for x in cells[2].split(",") if x.strip()}
+        for raw in re.findall(r"`((?:helexa_|vllm:)[a-z_{},]+)`", cells[0]):
+            for name in _expand(raw):
+                kind, labels = registered[name]
+                assert kind == doc_type, f"docs/observability.md: `{name}` is a {kind}"
+                assert labels == doc_labels, \
+                    f"docs/observability.md: `{name}` is labelled {sorted(labels)}"
+
+
+def test_every_environment_variable_the_docs_name_is_read() -> None:
+    def names(paths) -> set[str]:
+        return {n for p in paths for n in re.findall(r"\bHELEXA_[A-Z0-9_]*[A-Z0-9]\b", p.read_text())}
+
+    named = names(_ALL_DOCS)
+    read = names([*(ROOT / "helexa").rglob("*.py"), *(ROOT / "bench").glob("*.py"),
+                  *(ROOT / "bench").glob("*.sh"), ROOT / "Makefile"])
+    assert {"HELEXA_CACHE", "HELEXA_LOOKAHEAD"} <= named  # the scan sees the docs
+    assert not named - read, f"the docs name variables nothing reads: {sorted(named - read)}"
+
+
+def test_the_helexa_up_banner_in_operating_md_is_what_up_prints() -> None:
+    from helexa.cli import up
+
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    m = re.search(r"`HELEXA UP (\S+) model (\S+) \(aliases: ([^)]*)\)`", text)
+    assert m, "operating.md lost its `HELEXA UP …` sample"
+    assert m.group(2) == up.TINY_MODEL_ID, f"helexa up serves the tiny model as {up.TINY_MODEL_ID}"
+    assert m.group(3).split(", ") == list(up.ALIASES)
+    assert "HELEXA UP {url}/v1  model {model_id} (aliases: " in (ROOT / "helexa/cli/up.py").read_text()
+
+
+_UNITS = {"": 1, "s": 1, "KiB": 1024, "MiB": 1024 ** 2, "GiB": 1024 ** 3}
+
+
+def _defaults_stated(text: str) -> list[tuple[str, float]]:
+    """(key, value) where prose gives a key's default in brackets: `limits.max_tools` tools
+    (128), `limits.max_schema_bytes` (512 KiB), `timeouts.client_write_secs` (30 s)."""
+    return [(key, float(num.replace(",", "")) * _UNITS[unit])
+            for key, num, unit in re.findall(
+                r"`([a-z_]+\.[a-z_]+)`[^`()]{0,12}\((\d[\d,.]*) ?(KiB|MiB|GiB|s)?\)", text)]
+
+
+def test_defaults_the_prose_states_are_the_schemas() -> None:
+    stated = [(doc.name, key, value) for doc in PROSE for key, value in
+              _defaults_stated(doc.read_text())]
+    assert {"limits.max_tools", "timeouts.client_write_secs"} <= {k for _, k, _ in stated}
+    for doc, key, value in stated:
+        defaults = []
+        for cfg in (config.NeuronConfig(), config.RouterConfig()):
+            section, name = key.split(".")
+            if hasattr(getattr(cfg, section, None), name):
+                defaults.append(getattr(getattr(cfg, section), name))
+        assert value in defaults, f"docs/{doc}: `{key}` defaults to {defaults}, not {value:g}"
+
+
+def test_limits_the_docs_state_are_the_codes_constants() -> None:
+    import inspect
+
+    from helexa.neuron import status
+    from helexa.router import event_replies, request_model
+    from helexa.router.json_depth import MAX_JSON_DEPTH
+
+    docs = {name: " ".join((ROOT / "docs" / f"{name}.md").read_text().split())
+            for name in ("http", "errors", "api", "grpc", "architecture")}
+    watch_hz = round(1 / inspect.signature(status.StatusHub).parameters["min_interval_secs"].default)
+    stated = [
+        ("http", f"JSON nested at most {MAX_JSON_DEPTH} levels"),
+        ("errors", f"JSON nested deeper than {MAX_JSON_DEPTH} levels"),
+        ("http", f"`stop` (up to {request_model.MAX_STOP} strings)"),
+        ("http", f"`n` (1–{request_model.MAX_N})"),
+        ("http", f"`top_logprobs` (0–{request_model.MAX_TOP_LOGPROBS_CHAT})"),
+        ("http", f"`logprobs` (0–{request_model.MAX_LOGPROBS_COMPLETION})"),
+        ("api", f"`logprobs` (0..{request_model.MAX_LOGPROBS_COMPLETION})"),
+        ("api", f"a `ping` event goes out every {event_replies.PING_SECS:g} s"),
+        ("api", f"(`: ping`) goes out every {event_replies.PING_SECS:g} s"),
+        ("grpc", f"(at most {watch_hz} a second)"),
+        ("architecture", f"(at most {watch_hz} messages a second)"),
+    ]
+    missing = [f"docs/{doc}.md: {text!r}" for doc, text in stated if text not in docs[doc]]
+    assert not missing, "the docs no longer state the code's limit:\n" + "\n".join(missing)
+
+
+def _members() -> dict[str, set[str]]:
+    """class → the names its body defines (methods, fields, self.x), over helexa/ and the
+    proto's messages."""
+    members: dict[str, set[str]] = {}
+    for py in _SOURCES:
+        for node in ast.walk(_tree(py)):
+            if isinstance(node, ast.ClassDef):
+                names = members.setdefault(node.name, set())
+                for n in ast.walk(node):
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        names.add(n.name)
+                    elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+                        names.add(n.target.id)
+                    elif isinstance(n, ast.Assign):
+                        names |= {t.id for t in n.targets if isinstance(t, ast.Name)}
+                    elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                        names.add(n.attr)
+    proto = (ROOT / "proto/helexa/neuron/v1/neuron.proto").read_text()
+    for name, body in re.findall(r"^message (\w+) \{(.*?)^\}", proto, re.S | re.M):
+        members.setdefault(name, set()).update(re.findall(r"(\w+) = \d+;", body))
+    return members
+
+
+# llama.cpp's converter, which quantization.md names as the source of a GGUF's tensors
+_FOREIGN_CLASSES = {"Qwen3NextModel", "Qwen2MoeModel"}
+
+
+def test_every_class_member_the_docs_name_exists() -> None:
+    members = _members()
+    named = {(doc.name, cls, attr) for doc in _ALL_DOCS for cls, attr in re.findall(
+        r"`([A-Z][A-Za-z0-9]+)\.([a-z_][a-z_0-9]*)(?:\([^)]*\))?`", doc.read_text())}
+    assert {("architecture.md", "Sampler", "choose"), ("grpc.md", "Image", "data")} <= named
+    missing = [f"{doc}: `{cls}.{attr}`" for doc, cls, attr in sorted(named)
+               if cls not in _FOREIGN_CLASSES and attr not in members.get(cls, set())]
+    assert not missing, f"the docs name members no class has: {missing}"
+
+
+def test_every_name_the_docs_place_in_a_source_file_is_there() -> None:
+    # "`helexa/budget.py` `host_tier_size`", "(helexa/kernels/cuda/quant_decode.py `prefill`"
+    placed = {(doc.name, path, name) for doc in _ALL_DOCS for path, name in re.findall(
+        r"`?(helexa/[\w/]+\.py)`?,? (?:its )?`([A-Za-z_]\w*)(?:\([^`]*\))?`",
+        " ".join(doc.read_text().split()))}
+    assert ("architecture.md", "helexa/budget.py", "host_tier_size") in placed
+    missing = [f"{doc}: {path} `{name}`" for doc, path, name in sorted(placed)
+               if not re.search(rf"^\s*(?:async def|def|class) {name}\b|^{name}\s*[:=]",
+                                (ROOT / path).read_text(), re.M)]
+    assert not missing, f"the docs place names where they are not defined: {missing}"
+
+
+# the host operating.md walks through adding: named as the file you would write
+_EXAMPLE_PATHS = {"asset/neuron/gpu-1.toml"}
+
+
+def test_every_repository_path_the_docs_name_exists() -> None:
+    # helexa/… is test_every_source_path_the_docs_name_exists'; these are the other folders
+    named = {(doc.name, m.group(1)) for doc in _ALL_DOCS for m in re.finditer(
+        r"(?<![\w/.-])((?:tests|bench|deploy|asset|proto|docs|\.github|\.ci)/[\w./-]*\w)",
+        doc.read_text())}
+    assert {"bench/gpu_check.sh", "proto/helexa/neuron/v1/neuron.proto"} <= {p for _, p in named}
+    missing = sorted(f"{doc}: {path}" for doc, path in named
+                     if path not in _EXAMPLE_PATHS and not (ROOT / path).exists())
+    assert not missing, f"the docs name paths that are not in the tree: {missing}"
+
+
+def test_the_tuning_table_names_only_reloadable_keys() -> None:
+    # operating.md: "All of these apply on reload (SIGHUP), without touching weights or the pool"
+    text = (ROOT / "docs" / "operating.md").read_text()
+    table = text[text.index("## Tuning admission and profiles"):]
+    table = "\n".join(line for line in table[:table.index("\n\n", table.index("| symptom"))]
+                      .splitlines() if line.startswith("|"))
+    keys = re.findall(r"`([a-z_]+\.[a-z_]+)`", table)
+    assert len(keys) > 8
+    restart = [k for k in keys if field_apply(NeuronConfig, k) != "reload"]
+    # a restart key may be named only to say that it needs one
+    restart = [k for k in restart if f"`{k}` itself needs a restart" not in table]
+    assert not restart, f"docs/operating.md's reload table names restart keys {restart}"
+
+
+def test_operating_md_lists_every_field_a_profile_overrides() -> None:
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    sentence = text[text.index("is a named set of overrides of"):]
+    sentence = sentence[:sentence.index(". ")]
+    listed = {k.split(".")[1] for k in re.findall(r"`([a-z_]+\.[a-z_]+)`", sentence)}
+    profile_fields = {f.name for f in msgspec.structs.fields(config.ProfileConfig)}
+    assert listed == profile_fields, \
+        f"docs/operating.md: a profile overrides {sorted(profile_fields)}, it lists {sorted(listed)}"
+
+
+def _bounds(struct: type, name: str) -> tuple[float, float]:
+    """The (lower, upper) bound msgspec checks on an optional numeric field."""
+    import typing
+
+    hint = typing.get_type_hints(struct, include_extras=True)[name]
+    annotated = next(a for a in typing.get_args(hint) if typing.get_origin(a) is Annotated)
+    meta = next(m for m in annotated.__metadata__ if isinstance(m, msgspec.Meta))
+    lower = meta.ge if meta.ge is not None else meta.gt
+    assert lower is not None and meta.le is not None, name
+    return lower, meta.le
+
+
+def test_the_sampling_ranges_in_http_md_are_the_request_models() -> None:
+    from helexa.router.request_model import RequestBody
+
+    def num(x: float) -> str:
+        return f"{x:g}".replace("-", "−")
+
+    def span(name: str) -> str:
+        lower, upper = _bounds(RequestBody, name)
+        return f"{num(lower)}–{num(upper)}"
+
+    text = (ROOT / "docs" / "http.md").read_text()
+    stated = [f"`temperature` ({span('temperature')})", f"`min_p` ({span('min_p')})",
+              f"`top_p` ({num(_bounds(RequestBody, 'top_p')[0])} < p ≤ "
+              f"{num(_bounds(RequestBody, 'top_p')[1])})",
+              f"`frequency_penalty` ({span('frequency_penalty')})",
+              f"`repetition_penalty` ({span('repetition_penalty')})"]
+    assert _bounds(RequestBody, "presence_penalty") == _bounds(RequestBody, "frequency_penalty")
+    missing = [s for s in stated if s not in text]
+    assert not missing, f"docs/http.md no longer states the ranges the router checks: {missing}"
+
+
+def test_readme_lists_init_tinys_architectures() -> None:
+    from helexa.cli import model
+
+    source = (ROOT / "helexa/cli/model.py").read_text()
+    assert "choices=ARCHS" in source and "choices=list(CHAT_TEMPLATES)" in source
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines()
+               if line.startswith("| `helexa model init-tiny"))
+    archs = re.search(r"\(([a-z0-9_, ]+);", row)
+    assert archs, "README.md's init-tiny row lost its list of architectures"
+    assert archs.group(1).split(", ") == list(model.ARCHS)
+    for template in re.findall(r"--chat-template (\w+)", row):
+        assert template in model.CHAT_TEMPLATES
+
+
+def test_the_event_table_says_which_daemon_logs_each_event() -> None:
+    """helexa/router/ logs the router's lines; the neuron's, its engines' and kernels' lines
+    reach the neuron's journal."""
+    sides: dict[str, set[str]] = {}
+    for py in _SOURCES:
+        side = "router" if "router" in py.relative_to(ROOT).parts else "neuron"
+        for node in ast.walk(_tree(py)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in _LOG_METHODS and node.args:
+                for s in _strings(node.args[0]):
+                    if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+", s):
+                        sides.setdefault(s, set()).add(side)
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "Verdicts":
+                for suffix in ("_chosen", "_fallback"):
+                    sides.setdefault(node.args[0].value + suffix, set()).add(side)  # type: ignore[attr-defined]
+    wrong = []
+    for line in CONTRACTS["observability"].read_text().splitlines():
+        if line.startswith("| `"):
+            cells = [c.strip() for c in line.strip("|").split(" | ")]
+            said = {c.strip() for c in cells[1].split(",")}
+            for event in re.findall(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+)`", cells[0]):
+                if sides.get(event, said) != said:
+                    wrong.append(f"`{event}`: {sorted(sides[event])}")
+    assert len(sides) > 60
+    assert not wrong, f"docs/observability.md's component column is wrong for {wrong}"
