@@ -161,3 +161,16 @@ def test_a_forced_xml_call_cut_before_it_streamed_stays_a_call():
                         .finish(text)))
     assert forced.content == ""
     assert [(c["name"], c["arguments"]) for c in forced.whole] == [("w", '{"city": "Pa')]
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("step", STEPS)
+def test_a_hermes_call_cut_after_its_arguments_keeps_their_closing_brace(step, forced):
+    # max_tokens ran out between the arguments' `}` and the call's own: the arguments are
+    # whole, and a stream (or a Responses / Anthropic reply) must not drop their last `}`
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": {"name": "Oslo"}}'
+    out = run(OutputParser(tool_mode="hermes", forced=forced), text, step)
+    assert [(c["name"], c["arguments"]) for c in out.whole] == [
+        ("w", '{"city": {"name": "Oslo"}}')]
+    out = run(OutputParser(tool_mode="hermes", forced=forced), text + "}", step)
+    assert [c["arguments"] for c in out.whole] == ['{"city": {"name": "Oslo"}}']
