@@ -93,7 +93,7 @@ class ResponseEncoder:
 
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
         """The non-streaming body."""
-        self._parts(self._parse(reply, final=True))
+        self._parts(self._parse(reply, final=True, whole=True))
         status = _status(reply.finish_reason)
         self._close(last=status)
         return self.response(status, reply.usage)
@@ -132,11 +132,15 @@ class ResponseEncoder:
 
     # ------------------------------------------------------------------ building items
 
-    def _parse(self, msg: pb.GenerateResponse, final: bool) -> Parts:
+    def _parse(self, msg: pb.GenerateResponse, final: bool, whole: bool = False) -> Parts:
+        """whole: msg is a reply that did not stream, read as chat reads one (a call it
+        leaves open is text, unless the choice was forced: docs/api.md)."""
         if self.parser is None:
             return Parts(content=msg.text)
         if msg.thought_open:
             self.parser.thought_opened()
+        if whole:
+            return self.parser.finish(msg.text)
         parts = self.parser.feed(msg.text)
         if final:
             rest = self.parser.finish()
