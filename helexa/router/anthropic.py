@@ -72,7 +72,7 @@ class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ATool(msgspec.Struct, kw_only=True):
     name: FunctionName
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # a client tool's; server tools have none
     description: str | None = None
     type: str | None = None  # "custom" or absent; server tools are refused below
     cache_control: Any = None
@@ -238,6 +238,8 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
     for i, t in enumerate(tools):
         if t.type not in (None, "custom"):
             raise unsupported(f"tools[{i}].type", f"server tools (`{t.type}`)")
+        if t.input_schema is None:
+            raise bad_request(f"`tools[{i}].input_schema` is required", f"tools[{i}].input_schema")
     openai_body = ChatBody(
         model=body.model, messages=[], tools=[Tool(
             type="function", function=FunctionDef(
