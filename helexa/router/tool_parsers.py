@@ -127,12 +127,14 @@ class HermesParser(ToolParser):
                     return content, pieces
                 continue
             i = self._buf.find(CALL_OPEN)
-            keep = 0 if final else held(self._buf, CALL_OPEN)
+            # a forced reply is calls only: a next call's tag cut at the end is not text
+            keep = held(self._buf, CALL_OPEN) if not final or self.forced else 0
             end = i if i >= 0 else len(self._buf) - keep
             text_part, self._buf = self._buf[:end], self._buf[end:]
             if not (self.num_calls and not text_part.strip()):  # the gaps between calls
                 content += text_part
             if i < 0:
+                self._buf = "" if final else self._buf
                 return content, pieces
             self._buf, self._in_call = self._buf[len(CALL_OPEN):], True
 
