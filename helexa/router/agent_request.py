@@ -192,19 +192,23 @@ def _check(c: grammar.Constraint, param: str) -> None:
                           param) from None
 
 
+def check_arguments(text: str, param: str) -> None:
+    """An earlier call's arguments must be a JSON object's text (blank: none), else a 400
+    naming param: the field as the client sent it."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad_request(f"`{param}` must be a JSON object, as text", param)
+
+
 def tool_calls_json(calls: list[Any], param: str) -> str:
     """An assistant message's tool calls as the JSON the neuron's template input takes;
     arguments must be a JSON object's text (templates iterate them: `arguments|items`),
     blank meaning none. param names the message (`messages[i]`)."""
     for j, c in enumerate(calls):
-        text = c.function.arguments
-        try:
-            args = json.loads(text) if text.strip() else {}
-        except ValueError:
-            args = None
-        if not isinstance(args, dict):
-            where = f"{param}.tool_calls[{j}].function.arguments"
-            raise bad_request(f"`{where}` must be a JSON object, as text", where)
+        check_arguments(c.function.arguments, f"{param}.tool_calls[{j}].function.arguments")
     return json.dumps([{"id": c.id, "type": "function",
                         "function": {"name": c.function.name, "arguments": c.function.arguments}}
                        for c in calls])

@@ -182,6 +182,8 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
+                if not isinstance(b.input, dict | None):
+                    raise bad_request(f"`{p}[{j}].input` must be an object", f"{p}[{j}].input")
                 calls.append({"id": b.id, "type": "function", "function": {
                     "name": b.name, "arguments": json.dumps(b.input or {})}})
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":

@@ -230,6 +230,7 @@ def _turns(b: ResponsesBody) -> list[Turn]:
         elif it.type == "function_call":
             if not it.call_id or not it.name:
                 raise bad_request(f"`{p}` needs `call_id` and `name`", p)
+            agent_request.check_arguments(it.arguments or "", f"{p}.arguments")
             calls.append({"id": it.call_id, "type": "function", "function": {
                 "name": it.name, "arguments": it.arguments or "{}"}})
         elif it.type == "function_call_output":

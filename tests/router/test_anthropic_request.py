@@ -31,3 +31,13 @@ def test_a_server_tool_is_refused_as_one():
 def test_a_client_tool_without_its_schema_names_it():
     e = refused([{"name": "w", "input_schema": {"type": "object"}}, {"name": "v"}])
     assert e.param == "tools[1].input_schema" and "required" in e.message
+
+
+
+def test_an_earlier_tool_use_input_that_is_no_object_names_it():
+    # the router translates turns to chat's; the 400 names the field the client sent
+    body = {"model": "m", "max_tokens": 4, "messages": MSG + [{"role": "assistant", "content": [
+        {"type": "text", "text": "ok"}, {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == "messages[1].content[1].input"
