@@ -31,6 +31,7 @@ to a thinking budget from the model's catalogue entry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from typing import Any
 
@@ -94,7 +95,7 @@ def force_tools(req: Any) -> None:
             enforced.append(t)
             continue
         param = f"tools[{i}].function.parameters"
-        r = reduced(_parameters(fn), param)
+        r = reduced(_parameters(fn, param), param)
         req.unenforced += _located(param, r)
         enforced.append({"type": "function", "function": {**fn, "parameters": r.schema}})
     # The JSON form, checked here; the neuron writes it in the model's format (forward.py),
@@ -110,10 +111,13 @@ def force_tools(req: Any) -> None:
         raise bad_request(f"`tools`: {e}", "tools") from None
 
 
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    """The function's whole parameters schema (what the reply is checked against)."""
-    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
-    return params
+def _parameters(fn: dict[str, Any], param: str) -> dict[str, Any]:
+    """The function's whole parameters schema as a forced call writes it (an object's:
+    tool_grammar.object_parameters), what the reply is checked against."""
+    try:
+        return tool_grammar.object_parameters(fn)
+    except grammar.GrammarError as e:
+        raise bad_request(f"`{param}`: {e}", param) from None
 
 
 def _located(param: str, r: grammar.Reduced) -> list[str]:
@@ -176,7 +180,10 @@ def reply_violations(req: Any, content: str, calls: list[dict[str, str]]) -> lis
     if not req.unenforced:
         return []
     if req.tool_choice in ("required", "function"):
-        params = {t["function"]["name"]: _parameters(t["function"]) for t in req.tools}
+        params = {}
+        for t in req.tools:  # the forced ones passed object_parameters at the request
+            with contextlib.suppress(grammar.GrammarError):
+                params[t["function"]["name"]] = tool_grammar.object_parameters(t["function"])
         return [f"{c['name']}: {v}" for c in calls if c["name"] in params
                 for v in schema_check.json_violations(c["arguments"], params[c["name"]])]
     if req.response_schema is not None:
