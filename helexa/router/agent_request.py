@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Any
 
 from helexa import grammar, tool_grammar
 from helexa.router import schema_check
-from helexa.router.errors import bad_request
+from helexa.router.errors import ApiError, bad_request
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
@@ -83,6 +84,27 @@ def _tools(b: ChatBody, req: Any, caps: RequestCaps) -> None:
             raise bad_request("`response_format` cannot be combined with a forced `tool_choice`",
                               "response_format")
         force_tools(req)
+
+
+def apply_as(body: ChatBody, req: Any, caps: RequestCaps, where: list[str],
+             schema_key: str) -> None:
+    """apply() for a body translated from another API (Anthropic's, Responses'): a 400 or
+    an unenforced keyword about chat's `tools[i].function...` names the tool as the client
+    listed it, where[i], and its schema as schema_key (`input_schema`, `parameters`)."""
+    def rename(text: str) -> str:
+        return _CHAT_TOOL.sub(lambda m: where[int(m[1])] + (
+            "." + (schema_key if m[2] == "parameters" else m[2]) if m[2] else ""), text)
+    try:
+        apply(body, req, caps)
+    except ApiError as e:
+        if e.param is None or not _CHAT_TOOL.match(e.param):
+            raise
+        e.message, e.param = rename(e.message), rename(e.param)
+        raise
+    req.unenforced = [rename(u) for u in req.unenforced]
+
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(?:\.(parameters|name|description))?")
 
 
 def force_tools(req: Any) -> None:

@@ -259,7 +259,8 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
         else:
             openai_body.tool_choice = {"auto": "auto", "any": "required",
                                        "none": "none"}[c.type]  # type: ignore[assignment]
-    agent_request.apply(openai_body, req, caps)
+    agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
+                           "input_schema")
 
 
 def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

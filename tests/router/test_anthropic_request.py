@@ -41,3 +41,14 @@ def test_an_earlier_tool_use_input_that_is_no_object_names_it():
     with pytest.raises(ApiError) as e:
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.status == 400 and e.value.param == "messages[1].content[1].input"
+
+
+def test_a_tool_schema_error_names_its_input_schema():
+    body = {"model": "m", "max_tokens": 4, "messages": MSG, "tool_choice": {"type": "any"},
+            "tools": [{"name": "a", "input_schema": {"type": "object"}},
+                      {"name": "b", "input_schema": {"type": "object", "properties": {
+                          "x": {"$ref": "#/nope"}}}}]}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tools[1].input_schema"
+    assert e.value.message.startswith("`tools[1].input_schema`")

@@ -21,3 +21,17 @@ def test_an_earlier_calls_arguments_that_are_no_object_name_the_item(arguments):
         responses_api.parse_request(json.dumps(body).encode())
     assert e.value.status == 400 and e.value.param == "input[1].arguments"
     assert "`input[1].arguments`" in e.value.message
+
+
+def test_a_tool_schema_error_names_the_tool_as_listed():
+    # hosted tools are not offered and a namespace's functions are flattened: the 400
+    # still names the tool where the client listed it
+    bad = {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}
+    body = {"model": "m", "input": "x", "tool_choice": "required", "tools": [
+        {"type": "web_search"}, {"type": "function", "name": "a", "parameters": {}},
+        {"type": "namespace", "name": "ns", "tools": [
+            {"type": "function", "name": "b", "parameters": bad}]}]}
+    with pytest.raises(ApiError) as e:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tools[2].tools[0].parameters"
+    assert e.value.message.startswith("`tools[2].tools[0].parameters`")
