@@ -33,3 +33,32 @@ def test_a_forced_call_cut_short_is_still_a_call():
     out = whole('<tool_call>\n{"name": "w", "arguments": {"city": "Pa', "required")["output"]
     assert [(o["type"], o["name"], o["arguments"]) for o in out] == [
         ("function_call", "w", '{"city": "Pa')]
+
+
+def streamed(text: str, step: int) -> dict:
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice="auto")
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes"))
+    enc.start()
+    for i in range(0, len(text), step):
+        enc.feed(pb.GenerateResponse(text=text[i:i + step]))
+    enc.feed(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
+                                 usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+    return enc.response("completed")
+
+
+def test_items_come_in_the_order_the_model_wrote_them_whole_or_streamed():
+    # docs/api.md: output items in the order the model wrote them, text after a call
+    # after it, in a reply that did not stream as in one that did
+    text = ('Let me check.\n<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>\nDone.')
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice="auto")
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes"))
+    out = enc.whole(pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP,
+                                        usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+    def shape(r: dict) -> list:  # (a gap's newlines aside: a stream drops them)
+        return [(o["type"], (o.get("arguments") or o["content"][0]["text"]).strip())
+                for o in r["output"]]
+    assert shape(out) == [("message", "Let me check."),
+                          ("function_call", '{"city": "Oslo"}'), ("message", "Done.")]
+    for step in (1, 3, 7):
+        assert shape(streamed(text, step)) == shape(out)
