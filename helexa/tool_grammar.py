@@ -139,9 +139,23 @@ def _named(fns: list[dict[str, Any]], name: str) -> dict[str, Any]:
 def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
     """The function's parameters as the grammar can enforce them (grammar.enforceable: the
     router reduced them the same way and lists what was dropped)."""
-    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
-    reduced: dict[str, Any] = grammar.enforceable(params).schema
+    reduced: dict[str, Any] = grammar.enforceable(object_parameters(fn)).schema
     return reduced
+
+
+def object_parameters(fn: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters as a forced call writes them: an object's schema (a call's
+    arguments are an object; the next turn sends them back as one). A schema without a
+    `type` (`properties` and `required` only, as many clients write it) is an object's;
+    one whose type admits no object is a GrammarError."""
+    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
+    kind = params.get("type")
+    if kind is None or (isinstance(kind, list) and "object" in kind):
+        return {**params, "type": "object"}
+    if kind != "object":
+        raise grammar.GrammarError(f"a function's arguments are an object; the parameters "
+                                   f"of `{fn.get('name')}` are of type {json.dumps(kind)}")
+    return params
 
 
 def _lit(text: str) -> str:

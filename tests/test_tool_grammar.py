@@ -119,3 +119,20 @@ def test_unknown_names_and_formats_are_refused():
         tool_grammar.forced("xml9", TOOLS, "", False)
     with pytest.raises(grammar.GrammarError, match="at least one tool"):
         tool_grammar.forced("qwen3_xml", [], "", False)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", ""])
+def test_parameters_without_a_type_are_an_object(models, fmt):
+    # a schema of `properties` and `required` only (no `type`, as many clients write one)
+    # allows any JSON value; a forced call's arguments are an object still: the model once
+    # answered `"arguments": true`, which the next turn cannot send back
+    loose = [{"type": "function", "function": {"name": "f", "parameters": {
+        "properties": {"a": {"type": "integer"}}}}}]
+    m, c = Matcher(models["hermes"]), tool_grammar.forced(fmt, loose, "", False)
+    call = '<tool_call>\n{"name": "f", "arguments": %s}\n</tool_call>' if fmt else \
+        '[{"name":"f","arguments":%s}]'
+    assert m.accepts(c, call % ('{"a": 1}' if fmt else '{"a":1}'))
+    assert not m.accepts(c, call % "true")
+    with pytest.raises(grammar.GrammarError, match="object"):
+        tool_grammar.forced(fmt, [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "string"}}}], "", False)

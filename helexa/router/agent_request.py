@@ -31,12 +31,14 @@ to a thinking budget from the model's catalogue entry.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from typing import Any
 
 from helexa import grammar, tool_grammar
 from helexa.router import schema_check
-from helexa.router.errors import bad_request
+from helexa.router.errors import ApiError, bad_request
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
@@ -84,6 +86,27 @@ def _tools(b: ChatBody, req: Any, caps: RequestCaps) -> None:
         force_tools(req)
 
 
+def apply_as(body: ChatBody, req: Any, caps: RequestCaps, where: list[str],
+             schema_key: str) -> None:
+    """apply() for a body translated from another API (Anthropic's, Responses'): a 400 or
+    an unenforced keyword about chat's `tools[i].function...` names the tool as the client
+    listed it, where[i], and its schema as schema_key (`input_schema`, `parameters`)."""
+    def rename(text: str) -> str:
+        return _CHAT_TOOL.sub(lambda m: where[int(m[1])] + (
+            "." + (schema_key if m[2] == "parameters" else m[2]) if m[2] else ""), text)
+    try:
+        apply(body, req, caps)
+    except ApiError as e:
+        if e.param is None or not _CHAT_TOOL.match(e.param):
+            raise
+        e.message, e.param = rename(e.message), rename(e.param)
+        raise
+    req.unenforced = [rename(u) for u in req.unenforced]
+
+
+_CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(?:\.(parameters|name|description))?")
+
+
 def force_tools(req: Any) -> None:
     """The constraint of a forced tool choice over req.tools: each tool's parameters as the
     grammar can enforce them (what it cannot is listed in req.unenforced)."""
@@ -94,7 +117,7 @@ def force_tools(req: Any) -> None:
             enforced.append(t)
             continue
         param = f"tools[{i}].function.parameters"
-        r = reduced(_parameters(fn), param)
+        r = reduced(_parameters(fn, param), param)
         req.unenforced += _located(param, r)
         enforced.append({"type": "function", "function": {**fn, "parameters": r.schema}})
     # The JSON form, checked here; the neuron writes it in the model's format (forward.py),
@@ -110,10 +133,13 @@ def force_tools(req: Any) -> None:
         raise bad_request(f"`tools`: {e}", "tools") from None
 
 
-def _parameters(fn: dict[str, Any]) -> dict[str, Any]:
-    """The function's whole parameters schema (what the reply is checked against)."""
-    params: dict[str, Any] = fn.get("parameters") or {"type": "object", "properties": {}}
-    return params
+def _parameters(fn: dict[str, Any], param: str) -> dict[str, Any]:
+    """The function's whole parameters schema as a forced call writes it (an object's:
+    tool_grammar.object_parameters), what the reply is checked against."""
+    try:
+        return tool_grammar.object_parameters(fn)
+    except grammar.GrammarError as e:
+        raise bad_request(f"`{param}`: {e}", param) from None
 
 
 def _located(param: str, r: grammar.Reduced) -> list[str]:
@@ -176,7 +202,10 @@ def reply_violations(req: Any, content: str, calls: list[dict[str, str]]) -> lis
     if not req.unenforced:
         return []
     if req.tool_choice in ("required", "function"):
-        params = {t["function"]["name"]: _parameters(t["function"]) for t in req.tools}
+        params = {}
+        for t in req.tools:  # the forced ones passed object_parameters at the request
+            with contextlib.suppress(grammar.GrammarError):
+                params[t["function"]["name"]] = tool_grammar.object_parameters(t["function"])
         return [f"{c['name']}: {v}" for c in calls if c["name"] in params
                 for v in schema_check.json_violations(c["arguments"], params[c["name"]])]
     if req.response_schema is not None:
@@ -192,19 +221,23 @@ def _check(c: grammar.Constraint, param: str) -> None:
                           param) from None
 
 
+def check_arguments(text: str, param: str) -> None:
+    """An earlier call's arguments must be a JSON object's text (blank: none), else a 400
+    naming param: the field as the client sent it."""
+    try:
+        args = json.loads(text) if text.strip() else {}
+    except ValueError:
+        args = None
+    if not isinstance(args, dict):
+        raise bad_request(f"`{param}` must be a JSON object, as text", param)
+
+
 def tool_calls_json(calls: list[Any], param: str) -> str:
     """An assistant message's tool calls as the JSON the neuron's template input takes;
     arguments must be a JSON object's text (templates iterate them: `arguments|items`),
     blank meaning none. param names the message (`messages[i]`)."""
     for j, c in enumerate(calls):
-        text = c.function.arguments
-        try:
-            args = json.loads(text) if text.strip() else {}
-        except ValueError:
-            args = None
-        if not isinstance(args, dict):
-            where = f"{param}.tool_calls[{j}].function.arguments"
-            raise bad_request(f"`{where}` must be a JSON object, as text", where)
+        check_arguments(c.function.arguments, f"{param}.tool_calls[{j}].function.arguments")
     return json.dumps([{"id": c.id, "type": "function",
                         "function": {"name": c.function.name, "arguments": c.function.arguments}}
                        for c in calls])

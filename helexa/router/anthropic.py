@@ -72,7 +72,7 @@ class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class ATool(msgspec.Struct, kw_only=True):
     name: FunctionName
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None  # a client tool's; server tools have none
     description: str | None = None
     type: str | None = None  # "custom" or absent; server tools are refused below
     cache_control: Any = None
@@ -182,6 +182,8 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
+                if not isinstance(b.input, dict | None):
+                    raise bad_request(f"`{p}[{j}].input` must be an object", f"{p}[{j}].input")
                 calls.append({"id": b.id, "type": "function", "function": {
                     "name": b.name, "arguments": json.dumps(b.input or {})}})
             elif b.type in ("thinking", "redacted_thinking") and m.role == "assistant":
@@ -238,6 +240,8 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
     for i, t in enumerate(tools):
         if t.type not in (None, "custom"):
             raise unsupported(f"tools[{i}].type", f"server tools (`{t.type}`)")
+        if t.input_schema is None:
+            raise bad_request(f"`tools[{i}].input_schema` is required", f"tools[{i}].input_schema")
     openai_body = ChatBody(
         model=body.model, messages=[], tools=[Tool(
             type="function", function=FunctionDef(
@@ -255,7 +259,8 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
         else:
             openai_body.tool_choice = {"auto": "auto", "any": "required",
                                        "none": "none"}[c.type]  # type: ignore[assignment]
-    agent_request.apply(openai_body, req, caps)
+    agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
+                           "input_schema")
 
 
 def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

@@ -7,8 +7,9 @@ Content blocks come from the parsed parts of the output (agent_output.py):
 opens a block when its first piece arrives and closes it when another kind
 starts or the message ends: message_start, then per block
 content_block_start / content_block_delta (text_delta, thinking_delta,
-input_json_delta) / content_block_stop, then message_delta (stop reason,
-usage) and message_stop; a stream that fails ends with an `error` event.
+input_json_delta; a thinking block's last is its signature_delta) /
+content_block_stop, then message_delta (stop reason, usage) and message_stop; a
+stream that fails ends with an `error` event.
 """
 
 from __future__ import annotations
@@ -126,8 +127,12 @@ class StreamEncoder:
     def _close(self) -> bytes:
         if self.kind is None:
             return b""
+        out = b""
+        if self.kind == "thinking":  # a thought's end carries its (empty) signature
+            out = self._delta({"type": "signature_delta", "signature": ""})
         self.kind = None
-        return event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        return out + event("content_block_stop", {"type": "content_block_stop",
+                                                  "index": self.index})
 
     def _delta(self, delta: dict[str, Any]) -> bytes:
         return event("content_block_delta", {"type": "content_block_delta", "index": self.index,
@@ -141,8 +146,6 @@ class StreamEncoder:
                                                "signature": ""})
             out += self._delta({"type": "thinking_delta", "thinking": parts.reasoning})
         if parts.content:
-            if self.kind == "thinking":  # a thought's end carries its (empty) signature
-                out += self._delta({"type": "signature_delta", "signature": ""})
             if self.kind != "text":
                 out += self._open("text", {"type": "text", "text": ""})
             out += self._delta({"type": "text_delta", "text": parts.content})

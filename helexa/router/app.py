@@ -154,8 +154,11 @@ async def error_envelope(request: web.Request, handler: Handler) -> web.StreamRe
 
 
 def _api_of(request: web.Request) -> str:
-    """Whose error envelope a request gets: Anthropic's under /v1/messages, else OpenAI's."""
-    return "messages" if request.path.startswith("/v1/messages") else "openai"
+    """Whose error envelope a request gets: Anthropic's under /v1/messages and on
+    /v1/models for Anthropic's SDK (its `anthropic-version` header), else OpenAI's."""
+    anthropic = request.path.startswith("/v1/messages") or (
+        request.path.startswith("/v1/models") and "anthropic-version" in request.headers)
+    return "messages" if anthropic else "openai"
 
 
 async def models(request: web.Request) -> web.Response:

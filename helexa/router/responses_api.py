@@ -230,6 +230,7 @@ def _turns(b: ResponsesBody) -> list[Turn]:
         elif it.type == "function_call":
             if not it.call_id or not it.name:
                 raise bad_request(f"`{p}` needs `call_id` and `name`", p)
+            agent_request.check_arguments(it.arguments or "", f"{p}.arguments")
             calls.append({"id": it.call_id, "type": "function", "function": {
                 "name": it.name, "arguments": it.arguments or "{}"}})
         elif it.type == "function_call_output":
@@ -266,21 +267,24 @@ def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[s
     calls.clear()
 
 
-def _functions(tools: list[RTool]) -> list[RTool]:
+def _functions(tools: list[RTool], at: str = "tools") -> list[tuple[str, RTool]]:
+    """The function tools offered to the model, each with its path as the client listed
+    it (`tools[2]`, a namespace's `tools[3].tools[0]`)."""
     out = []
-    for t in tools:
+    for i, t in enumerate(tools):
         if t.type == "function":
-            out.append(t)
+            out.append((f"{at}[{i}]", t))
         elif t.type == "namespace":
-            out += _functions(t.tools or [])
+            out += _functions(t.tools or [], f"{at}[{i}].tools")
     return out
 
 
 def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
-    fns = _functions(b.tools or [])
-    for i, t in enumerate(fns):
+    listed = _functions(b.tools or [])
+    fns = [t for _, t in listed]
+    for where, t in listed:
         if not t.name:
-            raise bad_request(f"`tools[{i}].name` is required", f"tools[{i}].name")
+            raise bad_request(f"`{where}.name` is required", f"{where}.name")
     body = ChatBody(model=b.model, messages=[], tools=[Tool(type="function", function=FunctionDef(
         name=t.name or "", description=t.description, parameters=t.parameters))
         for t in fns] or None, parallel_tool_calls=b.parallel_tool_calls)
@@ -293,7 +297,7 @@ def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
         body.tool_choice = c
     if body.tool_choice in ("auto", "required") and not fns:
         body.tool_choice = None  # only hosted tools were listed: nothing to call here
-    agent_request.apply(body, req, caps)
+    agent_request.apply_as(body, req, caps, [w for w, _ in listed], "parameters")
 
 
 def _text_format(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:

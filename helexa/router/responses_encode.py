@@ -19,6 +19,7 @@ it with response.failed. Every event carries its `sequence_number`.
 from __future__ import annotations
 
 import os
+import re
 import time
 from typing import Any
 
@@ -28,6 +29,7 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import ParsedRequest
+from helexa.router.tool_parsers import CALL_CLOSE, CALL_OPEN
 
 
 def response_id() -> str:
@@ -92,8 +94,18 @@ class ResponseEncoder:
             "usage": usage(u) if u is not None else None}
 
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
-        """The non-streaming body."""
-        self._parts(self._parse(reply, final=True))
+        """The non-streaming body: the text fed a call at a time, so the items keep the
+        order the model wrote them in; the last piece goes with the end, as chat reads a
+        whole reply (a call it leaves open is text, unless the choice was forced)."""
+        if self.parser is None:
+            self._parts(Parts(content=reply.text))
+        else:
+            if reply.thought_open:
+                self.parser.thought_opened()
+            *pieces, last = _at_calls(reply.text)
+            for piece in pieces:
+                self._parts(self.parser.feed(piece))
+            self._parts(self.parser.finish(last))
         status = _status(reply.finish_reason)
         self._close(last=status)
         return self.response(status, reply.usage)
@@ -249,6 +261,12 @@ class ResponseEncoder:
         name = ("response.reasoning_summary_text.delta" if self.req.reasoning_summary
                 else "response.reasoning_text.delta")
         return self._event(name, **self._where(), delta=text, **part[2])
+
+
+def _at_calls(text: str) -> list[str]:
+    """text cut before each call's opening tag and after each closing one."""
+    pieces = re.split(f"({re.escape(CALL_OPEN)}.*?{re.escape(CALL_CLOSE)})", text, flags=re.S)
+    return [p for p in pieces if p] or [""]
 
 
 def _status(finish: int) -> str:

@@ -112,6 +112,7 @@ class HermesParser(ToolParser):
         self._in_call = False
         self._streaming: CallPiece | None = None  # the call whose arguments are streaming
         self._lead = False  # its arguments have not begun (whitespace may come first)
+        self._sent = ""  # the arguments of the streaming call sent so far
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
         self._buf += text
@@ -126,12 +127,14 @@ class HermesParser(ToolParser):
                     return content, pieces
                 continue
             i = self._buf.find(CALL_OPEN)
-            keep = 0 if final else held(self._buf, CALL_OPEN)
+            # a forced reply is calls only: a next call's tag cut at the end is not text
+            keep = held(self._buf, CALL_OPEN) if not final or self.forced else 0
             end = i if i >= 0 else len(self._buf) - keep
             text_part, self._buf = self._buf[:end], self._buf[end:]
             if not (self.num_calls and not text_part.strip()):  # the gaps between calls
                 content += text_part
             if i < 0:
+                self._buf = "" if final else self._buf
                 return content, pieces
             self._buf, self._in_call = self._buf[len(CALL_OPEN):], True
 
@@ -145,7 +148,7 @@ class HermesParser(ToolParser):
             head = _HERMES_HEAD.match(self._buf)
             if head is not None:  # stream the arguments from here on
                 self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
-                self._buf, self._lead = self._buf[head.end():], True
+                self._buf, self._lead, self._sent = self._buf[head.end():], True, ""
                 return False, self._streaming, ""
             return False, None, ""
         if self._streaming is None:  # closed before its head was seen: parse it whole
@@ -163,7 +166,10 @@ class HermesParser(ToolParser):
         if j >= 0 or final:
             end = j if j >= 0 else len(self._buf) - held(self._buf, CALL_CLOSE)
             args = self._buf[:end].rstrip()
-            args = args[:-1].rstrip() if args.endswith("}") else args  # the call's own }
+            # the call's own }: always before its closing tag; in a call cut short
+            # (max_tokens) only when the arguments before it are whole JSON already
+            if args.endswith("}") and (j >= 0 or _is_json(self._sent + args[:-1])):
+                args = args[:-1].rstrip()
             self._buf = self._buf[end + len(CALL_CLOSE):] if j >= 0 else ""
             self._in_call, self._streaming = False, None
             return True, CallPiece(index, args) if args else None, ""
@@ -171,6 +177,7 @@ class HermesParser(ToolParser):
         safe = self._buf[:len(self._buf) - keep].rstrip()
         safe = safe[:-1] if safe.endswith("}") else safe  # may be the call's own }
         self._buf = self._buf[len(safe):]
+        self._sent += safe
         return False, CallPiece(index, safe) if safe else None, ""
 
     def _whole(self, body: str) -> CallPiece | None:
@@ -295,6 +302,14 @@ class ForcedListParser(ToolParser):
         if pieces or body.lstrip().startswith("["):
             return "", pieces
         return body, []
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 # A forced call's head as the grammar writes it (compact, name first).

@@ -97,7 +97,8 @@ class Qwen3XmlParser(ToolParser):
         while True:
             if self._state == "text":
                 i = self._buf.find(CALL_OPEN)
-                keep = 0 if final else held(self._buf, CALL_OPEN)
+                # a forced reply is calls only: a next call's tag cut at the end is not text
+                keep = held(self._buf, CALL_OPEN) if not final or self.forced else 0
                 end = i if i >= 0 else len(self._buf) - keep
                 part = self._buf[:end]
                 if self.num_calls and not part.strip() and i < 0 and not final:
@@ -106,6 +107,7 @@ class Qwen3XmlParser(ToolParser):
                 if not (self.num_calls and not part.strip()):  # the gaps between calls
                     self._content += part
                 if i < 0:
+                    self._buf = "" if final else self._buf
                     break
                 self._buf, self._raw, self._state = self._buf[len(CALL_OPEN):], CALL_OPEN, \
                     "function"

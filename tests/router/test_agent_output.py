@@ -161,3 +161,34 @@ def test_a_forced_xml_call_cut_before_it_streamed_stays_a_call():
                         .finish(text)))
     assert forced.content == ""
     assert [(c["name"], c["arguments"]) for c in forced.whole] == [("w", '{"city": "Pa')]
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("step", STEPS)
+def test_a_hermes_call_cut_after_its_arguments_keeps_their_closing_brace(step, forced):
+    # max_tokens ran out between the arguments' `}` and the call's own: the arguments are
+    # whole, and a stream (or a Responses / Anthropic reply) must not drop their last `}`
+    text = '<tool_call>\n{"name": "w", "arguments": {"city": {"name": "Oslo"}}'
+    out = run(OutputParser(tool_mode="hermes", forced=forced), text, step)
+    assert [(c["name"], c["arguments"]) for c in out.whole] == [
+        ("w", '{"city": {"name": "Oslo"}}')]
+    out = run(OutputParser(tool_mode="hermes", forced=forced), text + "}", step)
+    assert [c["arguments"] for c in out.whole] == ['{"city": {"name": "Oslo"}}']
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_forced_reply_cut_in_its_next_calls_tag_is_calls_only(step):
+    # tool_choice required: max_tokens ended the output inside the next call's opening tag;
+    # the reply is the whole call, never `<tool_c` as content (an agent would show it)
+    call = '<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for cut in ("\n<", "\n<tool_c", "\n<tool_call>"):
+        out = run(OutputParser(tool_mode="hermes", forced=True), call + cut, step)
+        assert out.content == "", cut
+        assert [(c["name"], c["arguments"]) for c in out.whole] == [("w", '{"city": "Oslo"}')]
+    xml = "<tool_call>\n<function=w>\n<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>"
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    for cut in ("\n<", "\n<tool_c"):
+        out = run(OutputParser(tool_mode="qwen3_xml", tools=tools, forced=True), xml + cut, step)
+        assert out.content == "", cut
+        assert [(c["name"], c["arguments"]) for c in out.whole] == [("w", '{"city": "Oslo"}')]

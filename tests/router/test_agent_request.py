@@ -164,3 +164,14 @@ def test_the_reply_is_checked_against_the_whole_schema():
         "name": "x", "schema": AGENT_SCHEMA}})
     assert fmt.unenforced and reply_violations(fmt, bad, []) != []
     assert reply_violations(fmt, ok, []) == []
+
+
+def test_a_forced_choice_of_a_function_whose_arguments_are_no_object_is_a_400():
+    s = {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "s"}}):
+        e = refused(tools=[s], tool_choice=choice)
+        assert e.param == "tools[0].function.parameters" and "object" in e.message
+    assert chat(tools=[s]).tool_choice == "auto"  # under auto the schema is prompt text only
+    loose = {"type": "function", "function": {"name": "l", "parameters": {
+        "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}
+    assert chat(tools=[loose], tool_choice="required").constraint is not None

@@ -130,6 +130,22 @@ def test_unknown_model_is_404(fl):
     assert 'model="nope"' not in m and 'helexa_router_requests_total{code="404",model="unknown"}' in m
 
 
+def test_anthropics_sdk_reads_a_models_404_in_its_own_envelope(fl):
+    # /v1/models answers Anthropic's SDK (anthropic-version) in Anthropic's shape, its
+    # errors included (docs/api.md)
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=fl.url, api_key=ALICE_KEY, max_retries=0, timeout=15)
+    assert a.models.retrieve("tiny").type == "model"
+    with pytest.raises(anthropic.NotFoundError) as e:
+        a.models.retrieve("nope")
+    assert e.value.body == {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model `nope` does not exist"}}
+    with pytest.raises(openai.NotFoundError) as o:  # OpenAI's SDK still gets its own
+        fl.client().models.retrieve("nope")
+    assert o.value.code == "model_not_found"
+
+
 def test_body_over_the_limit_is_413(fl):
     r = httpx2.post(fl.url + "/v1/chat/completions",
                     json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]})

@@ -1,0 +1,54 @@
+"""Anthropic Messages request bodies: the 400s a client reads (router/anthropic.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa.router import anthropic
+from helexa.router.errors import ApiError
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def refused(tools: list[dict]) -> ApiError:
+    for parse, extra in ((anthropic.parse_request, {"max_tokens": 4}),
+                         (anthropic.parse_count_request, {})):
+        with pytest.raises(ApiError) as e:
+            parse(json.dumps({"model": "m", "messages": MSG, "tools": tools, **extra}).encode())
+        assert e.value.status == 400
+    return e.value
+
+
+def test_a_server_tool_is_refused_as_one():
+    # server tools carry no input_schema (docs/api.md: they are refused); the 400 must say
+    # that, not that the schema is missing
+    e = refused([{"type": "web_search_20250305", "name": "web_search", "max_uses": 5}])
+    assert e.param == "tools[0].type" and "web_search_20250305" in e.message
+
+
+def test_a_client_tool_without_its_schema_names_it():
+    e = refused([{"name": "w", "input_schema": {"type": "object"}}, {"name": "v"}])
+    assert e.param == "tools[1].input_schema" and "required" in e.message
+
+
+
+def test_an_earlier_tool_use_input_that_is_no_object_names_it():
+    # the router translates turns to chat's; the 400 names the field the client sent
+    body = {"model": "m", "max_tokens": 4, "messages": MSG + [{"role": "assistant", "content": [
+        {"type": "text", "text": "ok"}, {"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == "messages[1].content[1].input"
+
+
+def test_a_tool_schema_error_names_its_input_schema():
+    body = {"model": "m", "max_tokens": 4, "messages": MSG, "tool_choice": {"type": "any"},
+            "tools": [{"name": "a", "input_schema": {"type": "object"}},
+                      {"name": "b", "input_schema": {"type": "object", "properties": {
+                          "x": {"$ref": "#/nope"}}}}]}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tools[1].input_schema"
+    assert e.value.message.startswith("`tools[1].input_schema`")

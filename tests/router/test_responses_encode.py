@@ -1,0 +1,64 @@
+"""Responses API replies built from a neuron's messages (router/responses_encode.py)."""
+
+from __future__ import annotations
+
+from helexa.proto import neuron_pb2 as pb
+from helexa.router.agent_output import OutputParser
+from helexa.router.openai_api import ParsedRequest
+from helexa.router.responses_encode import ResponseEncoder
+
+TOOLS = [{"type": "function", "function": {"name": "w", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def whole(text: str, tool_choice: str = "auto") -> dict:
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice=tool_choice)
+    forced = tool_choice == "required"
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes", forced=forced))
+    return enc.whole(pb.GenerateResponse(
+        text=text, finish_reason=pb.FINISH_REASON_LENGTH,
+        usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+
+
+def test_a_call_cut_short_in_a_reply_that_did_not_stream_is_text_as_in_chat():
+    # docs/api.md: a reply that does not stream never has a half call (chat and
+    # Anthropic read it so); codex would otherwise get arguments that are not JSON
+    text = 'Sure.\n<tool_call>\n{"name": "w", "arguments": {"city": "Pa'
+    out = whole(text)["output"]
+    assert [o["type"] for o in out] == ["message"]
+    assert out[0]["content"][0]["text"] == text
+
+
+def test_a_forced_call_cut_short_is_still_a_call():
+    out = whole('<tool_call>\n{"name": "w", "arguments": {"city": "Pa', "required")["output"]
+    assert [(o["type"], o["name"], o["arguments"]) for o in out] == [
+        ("function_call", "w", '{"city": "Pa')]
+
+
+def streamed(text: str, step: int) -> dict:
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice="auto")
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes"))
+    enc.start()
+    for i in range(0, len(text), step):
+        enc.feed(pb.GenerateResponse(text=text[i:i + step]))
+    enc.feed(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
+                                 usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+    return enc.response("completed")
+
+
+def test_items_come_in_the_order_the_model_wrote_them_whole_or_streamed():
+    # docs/api.md: output items in the order the model wrote them, text after a call
+    # after it, in a reply that did not stream as in one that did
+    text = ('Let me check.\n<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>\nDone.')
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice="auto")
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes"))
+    out = enc.whole(pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP,
+                                        usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+    def shape(r: dict) -> list:  # (a gap's newlines aside: a stream drops them)
+        return [(o["type"], (o.get("arguments") or o["content"][0]["text"]).strip())
+                for o in r["output"]]
+    assert shape(out) == [("message", "Let me check."),
+                          ("function_call", '{"city": "Oslo"}'), ("message", "Done.")]
+    for step in (1, 3, 7):
+        assert shape(streamed(text, step)) == shape(out)

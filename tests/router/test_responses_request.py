@@ -1,0 +1,37 @@
+"""Responses API request bodies: the 400s a client reads (router/responses_api.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helexa.router import responses_api
+from helexa.router.errors import ApiError
+
+
+@pytest.mark.parametrize("arguments", ['{"a": 1', "[1]", "nope"])
+def test_an_earlier_calls_arguments_that_are_no_object_name_the_item(arguments):
+    # the router translates items to chat turns; the 400 must name the field the client
+    # sent (input[i].arguments), not the translation's messages[j].tool_calls[k]...
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "x"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": arguments}]}
+    with pytest.raises(ApiError) as e:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.param == "input[1].arguments"
+    assert "`input[1].arguments`" in e.value.message
+
+
+def test_a_tool_schema_error_names_the_tool_as_listed():
+    # hosted tools are not offered and a namespace's functions are flattened: the 400
+    # still names the tool where the client listed it
+    bad = {"type": "object", "properties": {"x": {"$ref": "#/nope"}}}
+    body = {"model": "m", "input": "x", "tool_choice": "required", "tools": [
+        {"type": "web_search"}, {"type": "function", "name": "a", "parameters": {}},
+        {"type": "namespace", "name": "ns", "tools": [
+            {"type": "function", "name": "b", "parameters": bad}]}]}
+    with pytest.raises(ApiError) as e:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tools[2].tools[0].parameters"
+    assert e.value.message.startswith("`tools[2].tools[0].parameters`")
