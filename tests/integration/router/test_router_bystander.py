@@ -142,6 +142,10 @@ def _attacks() -> list[tuple[str, str, bytes, str]]:
             {"model": "tiny", "messages": MSG, "max_tokens": 4, "output_config": {
                 "format": {"type": "json_schema", "schema": ENDLESS}}}).encode(),
          "no finite value satisfies it"),
+        # Each prompt of a batch is a neuron call: 10,000 of them held the loop for seconds.
+        ("a batch of 10,000 prompts", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": ["a"] * 10_000, "max_tokens": 2}).encode(),
+         "max_per_principal"),
         ("JSON 1,000 deep", "/v1/chat/completions",
          f'{{"model": "tiny", "messages": {json.dumps(MSG)}, "metadata": {deep}}}'.encode(),
          "deeper than 128 levels"),
