@@ -12,11 +12,23 @@ request: `server.read_timeout_secs` is aiohttp's keep-alive timeout, which
 closes a connection still waiting for (the rest of) a request's headers,
 from the moment it opened or its last response ended; and `read_body`
 answers 408 when a body stops arriving for as long.
+
+A reply must not be held for a client that never reads it either. A stream
+ends itself (client_stream.py); a whole reply (a non-streaming answer, which
+with `n` and `top_logprobs` is megabytes) is written by aiohttp after its
+handler returned, into the transport's buffer, with no end to the wait: a
+client that sent requests and read nothing kept every reply in the router's
+memory for as long as it kept its sockets open. `_EnvelopeHandler` watches
+each reply's write: when the transport's buffer has not shrunk for
+`timeouts.client_write_secs`, the connection is aborted and its buffer freed
+(docs/http.md, "Generation requests").
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -30,6 +42,36 @@ log = structlog.get_logger(component="router")
 
 
 class _EnvelopeHandler(RequestHandler):
+    # timeouts.client_write_secs as now configured (a reload changes it), set by RouterRunner
+    write_secs: Callable[[], float] = staticmethod(lambda: 30.0)
+
+    async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
+                              start_time: float | None) -> tuple[web.StreamResponse, bool]:
+        watch = asyncio.get_running_loop().create_task(self._end_if_stalled(request))
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            watch.cancel()
+
+    async def _end_if_stalled(self, request: BaseRequest) -> None:
+        """Abort the connection once its unsent bytes have not shrunk for write_secs (the
+        write waiting on them then fails as a client that left)."""
+        transport = request.transport
+        if transport is None:
+            return
+        # This first runs once the reply's write waits on the buffer to drain.
+        left = transport.get_write_buffer_size()
+        while not transport.is_closing():
+            secs = self.write_secs()
+            await asyncio.sleep(secs)
+            now = transport.get_write_buffer_size()
+            if now and now >= left:
+                log.info("http.client_stalled", unsent_bytes=now, path=request.path,
+                         secs=secs)
+                transport.abort()
+                return
+            left = now
+
     def handle_error(self, request: BaseRequest, status: int = 500,
                      exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -49,17 +91,29 @@ class _EnvelopeHandler(RequestHandler):
 
 
 class _EnvelopeServer(web.Server):
+    write_secs: Callable[[], float] = staticmethod(lambda: 30.0)
+
     def __call__(self) -> RequestHandler:
         # Server.__call__ builds RequestHandler(self, loop=..., **kwargs); only the class differs.
-        return _EnvelopeHandler(self, loop=self._loop, **self._kwargs)
+        handler = _EnvelopeHandler(self, loop=self._loop, **self._kwargs)
+        handler.write_secs = self.write_secs
+        return handler
 
 
 class RouterRunner(web.AppRunner):
-    """An AppRunner whose connections answer malformed HTTP in the OpenAI envelope."""
+    """An AppRunner whose connections answer malformed HTTP in the OpenAI envelope and
+    end a reply its client does not read for `write_secs`."""
+
+    def __init__(self, app: web.Application, *, write_secs: Callable[[], float],
+                 **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.write_secs = write_secs
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer  # same state, one overridden factory method
+        assert isinstance(server, _EnvelopeServer)
+        server.write_secs = self.write_secs
         return server
 
 

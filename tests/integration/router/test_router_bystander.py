@@ -241,6 +241,49 @@ def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
         sock.close()
 
 
+def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
+    """A non-streaming reply of megabytes (16 choices with 20 top logprobs a token) to a
+    client that reads none of it: after client_write_secs the router aborts the connection
+    and frees the reply. It kept every such reply in its memory for as long as the client
+    kept the socket open, so a client sending request after request grew it without end."""
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 200, "n": 16,
+                       "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+
+    def done() -> int:
+        return router.log_path.read_text().count('"request.done"')
+    before = done()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        # Read nothing: the reply (about 4 MB) outgrows the kernel's buffers. Once it is
+        # made, give the router a few client_write_secs, then read what is left.
+        wait_for(lambda: done() > before, timeout=60)
+        time.sleep(3 * WRITE_SECS)
+        sock.settimeout(5)
+        got, ended = 0, False
+        try:
+            while chunk := sock.recv(1 << 16):
+                got += len(chunk)
+            ended = True
+        except ConnectionResetError:
+            ended = True
+        except TimeoutError:
+            pass  # still open: the router holds the reply's connection
+        assert ended and got < 3_000_000, (ended, got)
+        assert '"http.client_stalled"' in router.log_path.read_text()
+        assert healthy(router)
+    finally:
+        sock.close()
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
