@@ -11,7 +11,10 @@ A connection must also not be held open by a client that sends half a
 request: `server.read_timeout_secs` is aiohttp's keep-alive timeout, which
 closes a connection still waiting for (the rest of) a request's headers,
 from the moment it opened or its last response ended; and `read_body`
-answers 408 when a body stops arriving for as long.
+answers 408 when a body stops arriving for as long, or arrives slower than
+`MIN_BODY_BYTES_PER_SEC` once that long has passed: a body trickled a byte
+at a time (slowloris) held its connection and handler until max_body_bytes,
+weeks at a byte a second, and enough such connections take every socket.
 
 A reply must not be held for a client that never reads it either. A stream
 ends itself (client_stream.py); a whole reply (a non-streaming answer, which
@@ -117,18 +120,33 @@ class RouterRunner(web.AppRunner):
         return server
 
 
+# A body must keep up this average once its first read_timeout_secs are over: at 64 KiB/s an
+# 8 MiB body (the default server.max_body_bytes) is given 128 s more; a trickle is refused.
+MIN_BODY_BYTES_PER_SEC = 64 * 1024
+
+
 async def read_body(request: web.Request, max_body_bytes: int, read_timeout_secs: float) -> bytes:
     """The whole body, or 413 past max_body_bytes, or 408 when no byte of it came for
-    read_timeout_secs (both close the connection: the unread rest cannot be skipped)."""
+    read_timeout_secs or it came slower than MIN_BODY_BYTES_PER_SEC after that long (both
+    close the connection: the unread rest cannot be skipped)."""
     if (request.content_length or 0) > max_body_bytes:
         raise ApiError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
     chunks: list[bytes] = []
     size = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
     while True:
+        # The body's deadline so far: the grace, then a second per MIN_BODY_BYTES_PER_SEC.
+        left = start + read_timeout_secs + size / MIN_BODY_BYTES_PER_SEC - loop.time()
         try:
-            async with asyncio.timeout(read_timeout_secs):
+            async with asyncio.timeout(min(read_timeout_secs, max(left, 0.0))):
                 chunk = await request.content.readany()
         except TimeoutError:
+            if left < read_timeout_secs:
+                raise ApiError(408, f"the request body came slower than "
+                                    f"{MIN_BODY_BYTES_PER_SEC // 1024} KiB/s ({size} bytes in "
+                                    f"{loop.time() - start:.0f} s)",
+                               code="request_timeout") from None
             raise ApiError(408, f"no byte of the request body came for {read_timeout_secs:g} s",
                            code="request_timeout") from None
         if not chunk:
@@ -138,5 +156,3 @@ async def read_body(request: web.Request, max_body_bytes: int, read_timeout_secs
             raise ApiError(413, f"request body over {max_body_bytes} bytes",
                            code="request_too_large")
         chunks.append(chunk)
-
-
