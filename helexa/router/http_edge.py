@@ -127,8 +127,9 @@ MIN_BODY_BYTES_PER_SEC = 64 * 1024
 
 async def read_body(request: web.Request, max_body_bytes: int, read_timeout_secs: float) -> bytes:
     """The whole body, or 413 past max_body_bytes, or 408 when no byte of it came for
-    read_timeout_secs or it came slower than MIN_BODY_BYTES_PER_SEC after that long (both
-    close the connection: the unread rest cannot be skipped)."""
+    read_timeout_secs or it came slower than MIN_BODY_BYTES_PER_SEC after that long, or 400
+    when it does not decode (a broken gzip or deflate, a bad chunk); each closes the
+    connection: the unread rest cannot be skipped."""
     if (request.content_length or 0) > max_body_bytes:
         raise ApiError(413, f"request body over {max_body_bytes} bytes", code="request_too_large")
     chunks: list[bytes] = []
@@ -141,6 +142,10 @@ async def read_body(request: web.Request, max_body_bytes: int, read_timeout_secs
         try:
             async with asyncio.timeout(min(read_timeout_secs, max(left, 0.0))):
                 chunk = await request.content.readany()
+        except web.RequestPayloadError as e:  # a Content-Encoding or chunk that does not decode
+            why = getattr(e.__cause__, "message", None) or str(e)
+            raise ApiError(400, f"the request body could not be read: {why}",
+                           code="invalid_request_error", close=True) from None
         except TimeoutError:
             if left < read_timeout_secs:
                 raise ApiError(408, f"the request body came slower than "

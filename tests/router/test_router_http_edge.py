@@ -104,3 +104,16 @@ def test_a_body_trickled_a_byte_at_a_time_is_a_408_and_closed(edge):
     status, _, err = envelope(reply)
     assert status == 408 and err["code"] == "request_timeout" and "slower than" in err["message"]
     assert took < 5, took
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/tokenize"])
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+def test_a_body_that_does_not_decode_is_a_400_and_closed(edge, path, encoding):
+    """A Content-Encoding the body does not follow was a 500 internal_error (and a traceback
+    in the log): the client's mistake, named as such."""
+    reply = exchange(edge, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
+                           f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert b"Connection: close" in head
+    assert b"could not be read" in body and encoding.encode() in body
