@@ -215,6 +215,39 @@ def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     wait_for(lambda: ledger_whole(router), timeout=15)
 
 
+def test_200000_turns_stall_no_stream(pair):
+    """A chat of 200,000 short turns, and the same to /tokenize, at once: the router built
+    their messages' protos (and /tokenize the JSON of 1.6 million ids) on the loop that
+    carries every stream, which held the bystander's chunks for over a second."""
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    by = Bystander(router, output_limit(router) - 64)
+    thread = threading.Thread(target=by.run, daemon=True)
+    thread.start()
+    assert by.started.wait(60) and by.error is None, by.error
+    turns = [{"role": "user", "content": "x"}] * 200_000
+    codes: dict[str, int] = {}
+
+    def send(path: str, body: dict) -> None:
+        codes[path] = httpx2.post(router.url + path, json=body, timeout=120).status_code
+    t0 = time.monotonic()
+    sends = [threading.Thread(target=send, args=(path, body)) for path, body in [
+        ("/v1/chat/completions", {"model": "tiny", "messages": turns, "max_tokens": 4}),
+        ("/tokenize", {"model": "tiny", "messages": turns})]]
+    for t in sends:
+        t.start()
+    for t in sends:
+        t.join(120)
+    t1 = time.monotonic()
+    by.stop.set()
+    thread.join(30)
+    # Over the context (a 400 naming it), and counted.
+    assert codes == {"/v1/chat/completions": 400, "/tokenize": 200}, codes
+    assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+    assert by.longest_gap_secs(t0, t1) < 1.0
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
 def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
