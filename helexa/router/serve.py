@@ -170,7 +170,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(model), t0, req_id, headers)
         else:
-            resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], headers)
+            # Off the loop: 16 choices with top_logprobs are tens of MB of JSON.
+            resp = await state.work_pool.run(
+                _reply, env, choices, [c for c in calls if isinstance(c, Completed)], headers)
         _check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])

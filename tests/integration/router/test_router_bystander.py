@@ -364,3 +364,49 @@ def test_stalled_streams_hold_little_router_memory(tmp_path, tiny_model_dir):
             s.close()
         router.stop()
         neuron.stop(timeout_secs=15)
+
+
+@pytest.mark.slow
+def test_a_whole_reply_of_megabytes_stalls_no_stream(tmp_path, tiny_model_dir):
+    """16 choices of 1,500 tokens with 20 top logprobs each, not streamed: about 32 MB of
+    JSON. The router built and encoded it on the loop that carries every stream, which held
+    a bystander's chunks for over 2 s."""
+    cfg = {"server": {"name": "nw", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": 20},
+           "kv": {"kv_budget_mb": 64, "activation_headroom_mb": 0},
+           "admission": {"max_in_flight": 20, "anon_max_in_flight": 20},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    neuron = start_neuron(write_neuron_config(tmp_path / "nw.toml", cfg),
+                          log_path=tmp_path / "nw.log")
+    (tmp_path / "router.toml").write_text(tomli_w.dumps({
+        "server": {"listen": "127.0.0.1:0"},
+        "neurons": {"endpoints": [{"name": "nw", "address": neuron.address}]}}))
+    router = start_router(tmp_path / "router.toml")
+    try:
+        wait_for(lambda: httpx2.get(router.url + "/health").json()["neurons"]["nw"]["healthy"],
+                 timeout=30)
+        by = Bystander(router, 12_000)
+        thread = threading.Thread(target=by.run, daemon=True)
+        thread.start()
+        assert by.started.wait(60) and by.error is None, by.error
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 1500, "n": 16,
+                           "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=120) as s:
+            # A raw socket: reading the reply costs this process (the bystander's) little.
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            first, got = s.recv(64), 0
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        t1 = time.monotonic()
+        by.stop.set()
+        thread.join(30)
+        assert first.startswith(b"HTTP/1.1 200") and got > 20_000_000, (first, got)
+        assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+        assert by.longest_gap_secs(t0, t1) < 1.0
+    finally:
+        router.stop()
+        neuron.stop(timeout_secs=15)
