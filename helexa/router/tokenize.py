@@ -128,7 +128,8 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         treq.text = b.prompt or ""
     out = await _call(request, treq)
-    return await _off_loop(request, _tokens_reply, out)
+    reply: web.Response = await _off_loop(request, _tokens_reply, out)
+    return reply
 
 
 async def detokenize(request: web.Request) -> web.Response:
