@@ -352,6 +352,9 @@ def error_body(e: ApiError) -> dict[str, Any]:
 
 
 def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=e.status, body=msgspec.json.encode(error_body(e)),
+    resp = web.Response(status=e.status, body=msgspec.json.encode(error_body(e)),
                         content_type="application/json",
                         headers={**e.headers(), **(extra_headers or {})})
+    if e.closes_connection:
+        resp.force_close()
+    return resp

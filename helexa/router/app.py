@@ -266,7 +266,8 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
     await state.registry.start()
     await state.registry.set_endpoints(cfg.neurons.endpoints)
     state.status.start()
-    runner = RouterRunner(build_app(state), handler_cancellation=True, access_log=None,
+    runner = RouterRunner(build_app(state), write_secs=lambda: state.client_write_secs,
+                          handler_cancellation=True, access_log=None,
                           shutdown_timeout=SHUTDOWN_GRACE_SECS,
                           keepalive_timeout=cfg.server.read_timeout_secs,
                           # after a 408/413, the unread body is drained at most this long

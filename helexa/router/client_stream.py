@@ -3,8 +3,10 @@
 aiohttp waits for the socket to drain once 64 KiB sit unsent (its writer's
 limit, over the transport's 64 KiB high-water mark), so the bytes the router
 holds for one stream are bounded by those two and the kernel's send buffer.
-While a write waits, the handler stops reading its gRPC call, so HTTP/2 flow
-control holds the neuron's replies back too. What the wait lacked was an end:
+While a write waits, the handler stops reading its gRPC call; the neuron's
+replies still arrive (the channel's HTTP/2 window grows to take them, and the
+engine does not pause a request), so they wait in the channel until the
+stream ends (docs/http.md, "Generation requests"). What the wait lacked was an end:
 a client that reads nothing kept its request generating (and its KV held)
 until the deadline. `ClientStream.write` waits at most
 `timeouts.client_write_secs`; past it the connection is aborted and

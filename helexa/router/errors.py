@@ -37,7 +37,7 @@ class ApiError(Exception):
     """A refusal rendered as the OpenAI error envelope."""
 
     def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
-                 retry_after_secs: float | None = None) -> None:
+                 retry_after_secs: float | None = None, close: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -46,6 +46,9 @@ class ApiError(Exception):
         if retry_after_secs is None and code in RETRYABLE_CODES:
             retry_after_secs = DEFAULT_RETRY_AFTER_SECS
         self.retry_after_secs = retry_after_secs
+        # The request's body was not read to its end (a 408, a 413, or one that could not be
+        # decoded): its unread rest cannot be skipped safely, so the connection is closed.
+        self.closes_connection = close or status in (408, 413)
 
     @property
     def type(self) -> str:
@@ -65,7 +68,7 @@ class ApiError(Exception):
         headers = {**self.headers(), **(extra_headers or {})}
         resp = web.Response(status=self.status, text=json.dumps(self.body()),
                             content_type="application/json", headers=headers)
-        if self.status in (408, 413):  # the unread rest of the body cannot be skipped safely
+        if self.closes_connection:
             resp.force_close()
         return resp
 

@@ -5,7 +5,11 @@ waited is not a 429 or a 503 (which invite a retry) but a 400:
 
 - `n` choices over the sum of the `max_per_principal` those neurons report:
   each choice is one request of the same principal (a choice refused on one
-  neuron is retried on another), so the last ones would always be refused.
+  neuron is retried on another), so the last ones would always be refused. A
+  completions batch is `n` choices for each of its prompts, and counts so: a
+  batch of 10,000 prompts opened 10,000 neuron calls at once, which held the
+  event loop (every other stream) for seconds before the 503 that invited a
+  retry.
 - A prompt whose tokens are over the largest advertised context, judged from
   a LOWER bound of its tokens (the router has no tokenizer; the neuron makes
   the exact check, docs/architecture.md). Refusing here spares the neuron the
@@ -51,11 +55,18 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> No
     if not candidates:
         return
     caps = [c.max_per_principal for c in candidates]
-    if all(caps) and req.n > sum(caps):
+    prompts = max(1, len(req.prompt_batch))
+    if all(caps) and req.n * prompts > sum(caps):
+        if prompts == 1:
+            raise bad_request(
+                f"`n` = {req.n} asks for more choices than one caller may have at once on "
+                f"the neurons serving `{req.model}` (max_per_principal {sum(caps)} in all); "
+                f"send at most {sum(caps)}", "n")
         raise bad_request(
-            f"`n` = {req.n} asks for more choices than one caller may have at once on the "
-            f"neurons serving `{req.model}` (max_per_principal {sum(caps)} in all); "
-            f"send at most {sum(caps)}", "n")
+            f"{prompts} prompts × `n` = {req.n} asks for {prompts * req.n} choices, more "
+            f"than one caller may have at once on the neurons serving `{req.model}` "
+            f"(max_per_principal {sum(caps)} in all); send at most {sum(caps)} per request",
+            "prompt")
     context = max(c.context for c in candidates)
     if context <= 0:
         return

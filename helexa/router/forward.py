@@ -93,8 +93,7 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         repetition_penalty=req.repetition_penalty or 1.0,
         logprobs=req.logprobs, top_logprobs=req.top_logprobs)
     if req.seed is not None:
-        # Choices of one seeded request differ from each other yet stay reproducible.
-        sampling.seed = (req.seed + choice + 2**63) % 2**64 - 2**63
+        sampling.seed = _choice_seed(req.seed, choice)
     g = pb.GenerateRequest(
         req_id=req_id, model=model, principal=principal, sampling=sampling, stop=req.stop,
         stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
@@ -121,6 +120,34 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
     else:
         g.text = req.prompt_text or ""
     return g
+
+
+def _choice_seed(seed: int, choice: int) -> int:
+    """Choices of one seeded request differ from each other yet stay reproducible."""
+    return (seed + choice + 2**63) % 2**64 - 2**63
+
+
+def generate_requests(prompts: list[ParsedRequest], n: int, *, model: str, principal: str,
+                      req_id: str, deadline_unix_ms: int) -> list[pb.GenerateRequest]:
+    """Every choice's GenerateRequest: `n` for each prompt, the k-th prompt's i-th choice
+    named `{req_id}-{k * n + i}` (just `req_id` when there is one). Building the messages grows
+    with them (200,000 turns took 0.6 s), so serve.py runs this on its work pool, off the
+    loop that carries every stream; a prompt's choices copy its first one's message."""
+    one = len(prompts) * n == 1
+    out: list[pb.GenerateRequest] = []
+    for k, sub in enumerate(prompts):
+        first = generate_request(sub, model=model, principal=principal,
+                                 req_id=req_id if one else f"{req_id}-{k * n}",
+                                 deadline_unix_ms=deadline_unix_ms, choice=0)
+        out.append(first)
+        for i in range(1, n):
+            g = pb.GenerateRequest()
+            g.CopyFrom(first)
+            g.req_id = f"{req_id}-{k * n + i}"
+            if sub.seed is not None:
+                g.sampling.seed = _choice_seed(sub.seed, i)
+            out.append(g)
+    return out
 
 
 def chat_proto(req: ParsedRequest) -> pb.Chat:

@@ -19,6 +19,7 @@ its first token and its last together.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +46,7 @@ from helexa.router.errors import ApiError
 from helexa.router.event_replies import FAILED as _FAILED
 from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
 from helexa.router.feasibility import refuse_unservable
-from helexa.router.forward import Completed, OpenStream, generate_request
+from helexa.router.forward import Completed, OpenStream, generate_requests
 from helexa.router.http_edge import read_body
 from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import ModelSeries
@@ -143,11 +144,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                                est.max_tokens)
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         prompts = req.per_prompt()  # a completions batch: n choices for each prompt
-        greqs = [generate_request(sub, model=model, principal="" if principal == "anonymous"
-                                  else principal, req_id=req_id if len(prompts) * req.n == 1
-                                  else f"{req_id}-{k * req.n + i}",
-                                  deadline_unix_ms=deadline_ms, choice=i)
-                 for k, sub in enumerate(prompts) for i in range(req.n)]
+        greqs = await state.work_pool.run(
+            functools.partial(generate_requests, prompts, req.n, model=model,
+                              principal="" if principal == "anonymous" else principal,
+                              req_id=req_id, deadline_unix_ms=deadline_ms))
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
         calls = await _open_all(state, greqs, est, key, principal, req.kind, req.stream)
@@ -170,7 +170,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(model), t0, req_id, headers)
         else:
-            resp = _reply(env, choices, [c for c in calls if isinstance(c, Completed)], headers)
+            # Off the loop: 16 choices with top_logprobs are tens of MB of JSON.
+            resp = await state.work_pool.run(
+                _reply, env, choices, [c for c in calls if isinstance(c, Completed)], headers)
         _check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])

@@ -76,7 +76,18 @@ async def _body(request: web.Request) -> bytes:
 async def _decoded(request: web.Request, t: type) -> Any:
     """The body as the struct `t`, decoded on the router's work pool (an 8 MiB body is a
     fifth of a second of decoding and depth checking: not on the loop)."""
-    return await request.app[STATE].work_pool.run(decode_as, await _body(request), t)
+    return await _off_loop(request, decode_as, await _body(request), t)
+
+
+async def _off_loop(request: web.Request, fn: Any, *args: Any) -> Any:
+    """fn(*args) on the router's work pool: the messages' protos and the reply's JSON grow
+    with the request (200,000 turns, or 1.6 million ids back, held every stream's loop for
+    a second and more)."""
+    return await request.app[STATE].work_pool.run(fn, *args)
+
+
+def _json(data: dict[str, Any]) -> web.Response:
+    return web.Response(body=msgspec.json.encode(data), content_type="application/json")
 
 
 def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Chat:
@@ -87,6 +98,21 @@ def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Ch
     return chat
 
 
+def _turns(messages: list[Message]) -> list[Turn]:
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _tokens_reply(out: pb.TokenizeResponse) -> web.Response:
+    return _json({"count": len(out.token_ids), "max_model_len": out.max_model_len,
+                  "tokens": list(out.token_ids)})
+
+
+def _detokenize_request(b: DetokenizeBody) -> pb.TokenizeRequest:
+    if any(t > INT32_MAX for t in b.tokens):
+        raise bad_request("`tokens` holds an id beyond int32", "tokens")
+    return pb.TokenizeRequest(model=b.model, token_ids=pb.TokenIds(ids=b.tokens))
+
+
 async def tokenize(request: web.Request) -> web.Response:
     b: TokenizeBody = await _decoded(request, TokenizeBody)
     if (b.prompt is None) == (b.messages is None):
@@ -94,24 +120,29 @@ async def tokenize(request: web.Request) -> web.Response:
     treq = pb.TokenizeRequest(model=b.model, add_special_tokens=b.add_special_tokens,
                               add_generation_prompt=b.add_generation_prompt)
     if b.messages is not None:
-        turns = [_message(m, i) for i, m in enumerate(b.messages)]
+        turns = await _off_loop(request, _turns, b.messages)
         await images.resolve(ParsedRequest(kind="chat", model=b.model, messages=turns),
                              request.app[STATE].cfg.images)  # image tokens count too
-        treq.chat.CopyFrom(_chat(turns, b.chat_template_kwargs, b.tools))
+        treq.chat.CopyFrom(await _off_loop(request, _chat, turns, b.chat_template_kwargs,
+                                           b.tools))
     else:
         treq.text = b.prompt or ""
     out = await _call(request, treq)
-    return web.json_response({"count": len(out.token_ids), "max_model_len": out.max_model_len,
-                              "tokens": list(out.token_ids)})
+    reply: web.Response = await _off_loop(request, _tokens_reply, out)
+    return reply
 
 
 async def detokenize(request: web.Request) -> web.Response:
     b: DetokenizeBody = await _decoded(request, DetokenizeBody)
-    if any(t > INT32_MAX for t in b.tokens):
-        raise bad_request("`tokens` holds an id beyond int32", "tokens")
-    out = await _call(request, pb.TokenizeRequest(model=b.model,
-                                                  token_ids=pb.TokenIds(ids=b.tokens)))
-    return web.json_response({"prompt": out.text})
+    out = await _call(request, await _off_loop(request, _detokenize_request, b))
+    return _json({"prompt": out.text})
+
+
+def _count_chat(req: ParsedRequest) -> pb.Chat:
+    chat = chat_proto(req)
+    if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
+        chat.tools_json = msgspec.json.encode(req.tools).decode()
+    return chat
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -120,9 +151,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         req = await state.work_pool.run(anthropic.parse_count_request, await _body(request),
                                         state.caps)
         await images.resolve(req, state.cfg.images)
-        chat = chat_proto(req)
-        if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
-            chat.tools_json = msgspec.json.encode(req.tools).decode()
+        chat = await state.work_pool.run(_count_chat, req)
         out = await _call(request, pb.TokenizeRequest(
             model=req.model, chat=chat, add_generation_prompt=True,
             reasoning_effort=req.reasoning_effort))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+import time
 
 import msgspec
 import pytest
@@ -77,3 +78,42 @@ def test_a_half_sent_body_is_a_408_and_closed(edge):
                            b"Content-Length: 100\r\n\r\n" + BODY[:20])
     status, headers, err = envelope(reply)
     assert status == 408 and err["code"] == "request_timeout"
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_a_408_and_closed(edge):
+    """Each byte within the read timeout, none ever idle for it: a slowloris held its
+    connection (and handler) until max_body_bytes, weeks at this rate."""
+    with socket.create_connection(edge, timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Length: 100000\r\n\r\n")
+        s.settimeout(0.2)
+        reply, t0 = b"", time.monotonic()
+        while time.monotonic() - t0 < 10:
+            try:
+                s.sendall(b" ")
+                chunk = s.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break  # closed under our write: the 408 was read before, or is lost
+            if not chunk:
+                break
+            reply += chunk
+        took = time.monotonic() - t0
+    assert reply, f"no answer in {took:.1f} s"
+    status, _, err = envelope(reply)
+    assert status == 408 and err["code"] == "request_timeout" and "slower than" in err["message"]
+    assert took < 5, took
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/tokenize"])
+@pytest.mark.parametrize("encoding", ["deflate", "gzip"])
+def test_a_body_that_does_not_decode_is_a_400_and_closed(edge, path, encoding):
+    """A Content-Encoding the body does not follow was a 500 internal_error (and a traceback
+    in the log): the client's mistake, named as such."""
+    reply = exchange(edge, f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Encoding: {encoding}\r\n"
+                           f"Content-Length: {len(BODY)}\r\n\r\n".encode() + BODY)
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply[:300]
+    assert b"Connection: close" in head
+    assert b"could not be read" in body and encoding.encode() in body

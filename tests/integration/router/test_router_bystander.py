@@ -142,6 +142,10 @@ def _attacks() -> list[tuple[str, str, bytes, str]]:
             {"model": "tiny", "messages": MSG, "max_tokens": 4, "output_config": {
                 "format": {"type": "json_schema", "schema": ENDLESS}}}).encode(),
          "no finite value satisfies it"),
+        # Each prompt of a batch is a neuron call: 10,000 of them held the loop for seconds.
+        ("a batch of 10,000 prompts", "/v1/completions", json.dumps(
+            {"model": "tiny", "prompt": ["a"] * 10_000, "max_tokens": 2}).encode(),
+         "max_per_principal"),
         ("JSON 1,000 deep", "/v1/chat/completions",
          f'{{"model": "tiny", "messages": {json.dumps(MSG)}, "metadata": {deep}}}'.encode(),
          "deeper than 128 levels"),
@@ -211,6 +215,39 @@ def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     wait_for(lambda: ledger_whole(router), timeout=15)
 
 
+def test_200000_turns_stall_no_stream(pair):
+    """A chat of 200,000 short turns, and the same to /tokenize, at once: the router built
+    their messages' protos (and /tokenize the JSON of 1.6 million ids) on the loop that
+    carries every stream, which held the bystander's chunks for over a second."""
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    by = Bystander(router, output_limit(router) - 64)
+    thread = threading.Thread(target=by.run, daemon=True)
+    thread.start()
+    assert by.started.wait(60) and by.error is None, by.error
+    turns = [{"role": "user", "content": "x"}] * 200_000
+    codes: dict[str, int] = {}
+
+    def send(path: str, body: dict) -> None:
+        codes[path] = httpx2.post(router.url + path, json=body, timeout=120).status_code
+    t0 = time.monotonic()
+    sends = [threading.Thread(target=send, args=(path, body)) for path, body in [
+        ("/v1/chat/completions", {"model": "tiny", "messages": turns, "max_tokens": 4}),
+        ("/tokenize", {"model": "tiny", "messages": turns})]]
+    for t in sends:
+        t.start()
+    for t in sends:
+        t.join(120)
+    t1 = time.monotonic()
+    by.stop.set()
+    thread.join(30)
+    # Over the context (a 400 naming it), and counted.
+    assert codes == {"/v1/chat/completions": 400, "/tokenize": 200}, codes
+    assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+    assert by.longest_gap_secs(t0, t1) < 1.0
+    wait_for(lambda: ledger_whole(router), timeout=15)
+
+
 def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
@@ -235,6 +272,49 @@ def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
         assert healthy(router)
     finally:
         sock.close()
+
+
+def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
+    """A non-streaming reply of megabytes (16 choices with 20 top logprobs a token) to a
+    client that reads none of it: after client_write_secs the router aborts the connection
+    and frees the reply. It kept every such reply in its memory for as long as the client
+    kept the socket open, so a client sending request after request grew it without end."""
+    _, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 200, "n": 16,
+                       "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+
+    def done() -> int:
+        return router.log_path.read_text().count('"request.done"')
+    before = done()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        # Read nothing: the reply (about 4 MB) outgrows the kernel's buffers. Once it is
+        # made, give the router a few client_write_secs, then read what is left.
+        wait_for(lambda: done() > before, timeout=60)
+        time.sleep(3 * WRITE_SECS)
+        sock.settimeout(5)
+        got, ended = 0, False
+        try:
+            while chunk := sock.recv(1 << 16):
+                got += len(chunk)
+            ended = True
+        except ConnectionResetError:
+            ended = True
+        except TimeoutError:
+            pass  # still open: the router holds the reply's connection
+        assert ended and got < 3_000_000, (ended, got)
+        assert '"http.client_stalled"' in router.log_path.read_text()
+        assert healthy(router)
+    finally:
+        sock.close()
+    wait_for(lambda: ledger_whole(router), timeout=15)
 
 
 def _rss_mb(pid: int) -> float:
@@ -282,5 +362,51 @@ def test_stalled_streams_hold_little_router_memory(tmp_path, tiny_model_dir):
     finally:
         for s in socks:
             s.close()
+        router.stop()
+        neuron.stop(timeout_secs=15)
+
+
+@pytest.mark.slow
+def test_a_whole_reply_of_megabytes_stalls_no_stream(tmp_path, tiny_model_dir):
+    """16 choices of 1,500 tokens with 20 top logprobs each, not streamed: about 32 MB of
+    JSON. The router built and encoded it on the loop that carries every stream, which held
+    a bystander's chunks for over 2 s."""
+    cfg = {"server": {"name": "nw", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": 20},
+           "kv": {"kv_budget_mb": 64, "activation_headroom_mb": 0},
+           "admission": {"max_in_flight": 20, "anon_max_in_flight": 20},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    neuron = start_neuron(write_neuron_config(tmp_path / "nw.toml", cfg),
+                          log_path=tmp_path / "nw.log")
+    (tmp_path / "router.toml").write_text(tomli_w.dumps({
+        "server": {"listen": "127.0.0.1:0"},
+        "neurons": {"endpoints": [{"name": "nw", "address": neuron.address}]}}))
+    router = start_router(tmp_path / "router.toml")
+    try:
+        wait_for(lambda: httpx2.get(router.url + "/health").json()["neurons"]["nw"]["healthy"],
+                 timeout=30)
+        by = Bystander(router, 12_000)
+        thread = threading.Thread(target=by.run, daemon=True)
+        thread.start()
+        assert by.started.wait(60) and by.error is None, by.error
+        host, port = router.url.removeprefix("http://").rsplit(":", 1)
+        body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 1500, "n": 16,
+                           "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
+        t0 = time.monotonic()
+        with socket.create_connection((host, int(port)), timeout=120) as s:
+            # A raw socket: reading the reply costs this process (the bystander's) little.
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+            first, got = s.recv(64), 0
+            while chunk := s.recv(1 << 20):
+                got += len(chunk)
+        t1 = time.monotonic()
+        by.stop.set()
+        thread.join(30)
+        assert first.startswith(b"HTTP/1.1 200") and got > 20_000_000, (first, got)
+        assert by.error is None and not by.finished, (by.error, by.lines[-3:])
+        assert by.longest_gap_secs(t0, t1) < 1.0
+    finally:
         router.stop()
         neuron.stop(timeout_secs=15)
