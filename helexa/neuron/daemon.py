@@ -205,12 +205,18 @@ class NeuronDaemon:
         self.hub.heartbeat_secs = self.cfg.server.heartbeat_secs
         for r in self.residency.models.values():
             r.entry = self.cfg.model(r.model_id)
-        self.residency.apply_limits(self.cfg)
+        switching = {m for m, _ in profile_changes}
+        # a hybrid's new max_in_flight: its state slots re-planned in place, as at a switch
+        replans = [m for m in self.residency.state_replans(self.cfg) if m not in switching]
+        self.residency.apply_limits(self.cfg, tuple(replans))
         for model_id, profile in profile_changes:  # the file's profile wins over a runtime switch
             if model_id in self.residency.models:
                 asyncio.ensure_future(self._switch_profile(model_id, profile))
             else:
                 self.residency.forget_profile(model_id)
+        for model_id in replans:
+            r = self.residency.models[model_id]
+            asyncio.ensure_future(self._switch_profile(model_id, r.profile))
         log.info("config.reloaded", changed=len(applied))
         return applied
 

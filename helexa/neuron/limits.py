@@ -68,14 +68,16 @@ def effective_limits(cfg: NeuronConfig, profile: str = "",
     return limits_from_config(cfg, cfg.profiles.get(profile) if profile else None, entry)
 
 
-def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limits, list[str]]:
+def within_ceilings(limits: messages.Limits, model: Any, replan: bool = False
+                    ) -> tuple[messages.Limits, list[str]]:
     """``limits`` with max_slots and max_batched_tokens no larger than what resident
     ``model``'s runner was built for at load (its ``step_ceilings``, NeuronConfig's: the
     most decode rows of any profile, its own profile's step tokens; (0, 0): unknown,
     nothing cut), and what was cut, logged: a step past them would run rows no graph was
-    captured for, beside activations the pool was not measured against. A hybrid's
-    max_in_flight, no more than the state slots carved at load (more would wait for a
-    slot unsaid). Raising any takes a reload."""
+    captured for, beside activations the pool was not measured against (raising them
+    takes a reload). A hybrid's max_in_flight, no more than the state slots its pool holds
+    (more would wait for a slot unsaid); ``replan``: its pool is about to be re-planned
+    for the new figure (profile_switch.py), said so."""
     slots, tokens = model.step_ceilings
     cut: dict[str, int] = {}
     if slots and limits.max_slots > slots:
@@ -87,8 +89,10 @@ def within_ceilings(limits: messages.Limits, model: Any) -> tuple[messages.Limit
     states = model.num_state_slots  # a hybrid's: one a request in flight, carved at load
     if states and limits.max_in_flight > states:
         notes.append(f"max_in_flight: {limits.max_in_flight} is more than the {states} "
-                     "linear-attention state slots this model was loaded with; "
-                     f"{states} run at once (reload the model to raise it)")
+                     "linear-attention state slots this model holds; "
+                     f"{states} run at once " + (
+                         "until its pool is re-planned for more (model.switched)" if replan
+                         else "(its pool holds no more beside one request of its context)"))
         cut["max_in_flight"] = states
     if notes:
         log.warning("model.limits_capped", model=model.model_id, capped=notes)

@@ -296,21 +296,32 @@ class Residency:
 
     # ----------------------------------------------------------- runtime limits
 
-    def apply_limits(self, cfg: NeuronConfig) -> list[str]:
-        """Hand every resident engine its limits under `cfg`; returns 'model: key old -> new'."""
+    def apply_limits(self, cfg: NeuronConfig, replans: tuple[str, ...] = ()) -> list[str]:
+        """Hand every resident engine its limits under `cfg`; returns 'model: key old -> new'.
+        ``replans``: models whose pool is re-planned next (state_replans)."""
         self.cfg = cfg
         changes: list[str] = []
         for r in self.models.values():
             if r.client is None or r.state == ModelState.FAILED:
                 continue
             # (the daemon's reload updates entry) within what the runner was built for
-            new, cut = within_ceilings(effective_limits(cfg, r.profile, r.entry), r)
+            new, cut = within_ceilings(effective_limits(cfg, r.profile, r.entry), r,
+                                       replan=r.model_id in replans)
             changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new) + cut]
             if new != r.admission:
                 r.client.set_limits(new)
                 r.admission = new
         self._on_change()
         return changes
+
+    def state_replans(self, cfg: NeuronConfig) -> list[str]:
+        """Ready hybrid models whose max_in_flight under ``cfg`` is not the state slots
+        their pool holds: a reload re-plans their pool in place, as a profile switch
+        does (set_profile; where the pool holds no other count, nothing is switched)."""
+        return [r.model_id for r in self.models.values()
+                if r.num_state_slots and r.client is not None and r.state == ModelState.READY
+                and effective_limits(cfg, r.profile, r.entry).max_in_flight
+                != r.num_state_slots]
 
     # ----------------------------------------------------------- profiles
 

@@ -71,8 +71,11 @@ def test_limits_past_what_a_model_was_loaded_for_run_at_the_loads_figures() -> N
         "model to raise it)",
         "max_batched_tokens: 4096 is more than the 2048 this model was loaded for; 2048 runs "
         "(reload the model to raise it)",
-        "max_in_flight: 32 is more than the 4 linear-attention state slots this model was "
-        "loaded with; 4 run at once (reload the model to raise it)"]
+        "max_in_flight: 32 is more than the 4 linear-attention state slots this model "
+        "holds; 4 run at once (its pool holds no more beside one request of its context)"]
+    _, notes = within_ceilings(asked, model, replan=True)  # a reload re-plans its pool next
+    assert notes[-1].endswith("4 run at once until its pool is re-planned for more "
+                              "(model.switched)")
     inside = messages.Limits(max_slots=8, max_batched_tokens=1024, max_in_flight=4)
     assert within_ceilings(inside, model) == (inside, [])
     dense = SimpleNamespace(model_id="d", step_ceilings=(0, 0), num_state_slots=0)

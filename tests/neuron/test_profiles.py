@@ -261,3 +261,43 @@ def test_a_hybrids_profile_with_more_in_flight_re_plans_its_state_slots(
     assert "state slots: 6 -> 2" in back and "max_in_flight: 6 -> 2" in back
     assert [c["num_state_slots"] for c in resets] == [6, 2]
     assert resets[0]["num_blocks"] < resets[1]["num_blocks"]  # the slots' bytes from blocks
+
+
+def test_a_reload_changing_a_hybrids_max_in_flight_re_plans_its_state_slots(
+        tmp_path: Path, tiny_checkpoint) -> None:
+    """max_in_flight needs no model reload: a SIGHUP raising a hybrid's re-plans its pool
+    with that many state slots in place (as a profile switch does), and lowering it gives
+    the slots back to the blocks; a reload changing nothing of it switches nothing."""
+    (tmp_path / "token").write_text("t")
+    cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+           "admission": {"max_in_flight": 2},
+           "kv": {"kv_budget_mb": 64},
+           "models": [{"id": "tiny", "path": str(tiny_checkpoint("qwen3_5"))}]}
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def until(cond) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("no re-plan")
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        seen = [(r.num_state_slots, engine.limits.max_in_flight)]
+        for n in (5, 3):
+            cfg["admission"]["max_in_flight"] = n
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            await until(lambda n=n: r.num_state_slots == n and engine.limits.max_in_flight == n)
+            seen.append((r.num_state_slots, engine.limits.max_in_flight))
+        cfg["engine"] = {"spec_k": 3}  # a reload leaving max_in_flight as it is
+        write_neuron_config(path, cfg)
+        daemon.reload()
+        await asyncio.sleep(0.2)
+        return seen, [(c["num_state_slots"], c["num_blocks"]) for c in engine.reset_calls]
+
+    seen, resets = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert seen == [(2, 2), (5, 5), (3, 3)]
+    # one re-plan a change, none for the reload that changed none; slots' bytes from blocks
+    assert [slots for slots, _ in resets] == [5, 3] and resets[0][1] < resets[1][1]
