@@ -3,9 +3,12 @@
 A request that no neuron serving its model could accept however long it
 waited is not a 429 or a 503 (which invite a retry) but a 400:
 
-- `n` choices over the sum of the `max_per_principal` those neurons report:
+- `n` choices over the sum of what those neurons let one caller hold at once:
   each choice is one request of the same principal (a choice refused on one
   neuron is retried on another), so the last ones would always be refused. A
+  neuron holds at most its `max_per_principal` of one caller's requests, and
+  at most `max_in_flight + max_queue_depth` of anyone's (past both it answers
+  503 overloaded, which no retry of the same request could ever get past). A
   completions batch is `n` choices for each of its prompts, and counts so: a
   batch of 10,000 prompts opened 10,000 neuron calls at once, which held the
   event loop (every other stream) for seconds before the 503 that invited a
@@ -54,19 +57,21 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> No
     could ever serve; return when one might."""
     if not candidates:
         return
-    caps = [c.max_per_principal for c in candidates]
+    caps = [min(c.max_per_principal, c.max_held or c.max_per_principal) for c in candidates]
     prompts = max(1, len(req.prompt_batch))
     if all(caps) and req.n * prompts > sum(caps):
+        why = (f"max_per_principal {sum(caps)} in all"
+               if all(cap == c.max_per_principal for cap, c in zip(caps, candidates, strict=True))
+               else f"{sum(caps)} in all: each one's max_per_principal, or its "
+                    "max_in_flight + max_queue_depth where smaller")
         if prompts == 1:
             raise bad_request(
                 f"`n` = {req.n} asks for more choices than one caller may have at once on "
-                f"the neurons serving `{req.model}` (max_per_principal {sum(caps)} in all); "
-                f"send at most {sum(caps)}", "n")
+                f"the neurons serving `{req.model}` ({why}); send at most {sum(caps)}", "n")
         raise bad_request(
             f"{prompts} prompts × `n` = {req.n} asks for {prompts * req.n} choices, more "
             f"than one caller may have at once on the neurons serving `{req.model}` "
-            f"(max_per_principal {sum(caps)} in all); send at most {sum(caps)} per request",
-            "prompt")
+            f"({why}); send at most {sum(caps)} per request", "prompt")
     context = max(c.context for c in candidates)
     if context <= 0:
         return

@@ -328,6 +328,8 @@ class Registry:
                 pending_sends=len(mine), pending_bytes=sum(p.kv_bytes for p in mine),
                 default_output_tokens=m.admission.default_output_tokens or DEFAULT_OUTPUT_TOKENS,
                 max_per_principal=m.admission.max_per_principal,
+                max_held=(m.admission.max_in_flight + m.admission.max_queue_depth
+                          if m.admission.max_in_flight else 0),
                 fixed_bytes=m.kv.fixed_bytes_per_request))
         return out
 

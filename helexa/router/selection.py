@@ -54,6 +54,7 @@ class Candidate:
     pending_bytes: int = 0
     default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # as the neuron reports it in Watch
     max_per_principal: int = 0  # queued + in flight of one principal; 0 = not reported
+    max_held: int = 0  # max_in_flight + max_queue_depth: all it holds at once; 0 = unknown
     fixed_bytes: int = 0  # hybrid models: state each request reserves beside its KV
 
     @property

@@ -48,6 +48,7 @@ class FakeModel:
     block_size: int = 16
     bytes_per_token: int = 1024
     max_in_flight: int = 64
+    max_queue_depth: int = 256
     max_per_principal: int = 64
     used_bytes: int = 0
     in_flight: int = 0
@@ -64,6 +65,7 @@ class FakeModel:
                            bytes_per_token=self.bytes_per_token),
             in_flight=self.in_flight, queued=self.queued, running=self.in_flight,
             admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight,
+                                         max_queue_depth=self.max_queue_depth,
                                          max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output),

@@ -17,7 +17,9 @@ from helexa.router import serve
 MSG = [{"role": "user", "content": "hello there"}]
 
 
-def set_model(fl, **kw):
+def set_model(fl, seen_as=None, **kw):
+    """Set the fake neurons' model fields ``kw``, then wait until the router's candidates
+    show them (or ``seen_as``: the candidates' fields that follow from them)."""
     def go():
         for n in (fl.n1, fl.n2):
             for k, v in kw.items():
@@ -27,7 +29,8 @@ def set_model(fl, **kw):
 
     def seen():
         cands = fl.state.registry.candidates("tiny")
-        return len(cands) == 2 and all(getattr(c, k) == v for c in cands for k, v in kw.items())
+        return len(cands) == 2 and all(getattr(c, k) == v for c in cands
+                                       for k, v in (seen_as or kw).items())
     end = time.monotonic() + 10
     while not fl.lt.call(seen):  # the router has the new report
         assert time.monotonic() < end
@@ -46,6 +49,21 @@ def test_n_over_the_principal_cap_is_400_not_429(fl):
     assert sent(fl) == 0
     r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=4)
     assert len(r.choices) == 4
+
+
+def test_n_over_what_the_neurons_hold_at_once_is_400_not_a_503_forever(fl):
+    """A neuron holds max_in_flight + max_queue_depth requests at once, whoever sends them:
+    more choices than that on every neuron would get a 503 on every retry."""
+    set_model(fl, max_in_flight=1, max_queue_depth=1, max_per_principal=64,
+              seen_as={"max_held": 2, "max_per_principal": 64})
+    with pytest.raises(openai.BadRequestError) as e:
+        fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=5)
+    assert e.value.body["param"] == "n" and "send at most 4" in e.value.message
+    assert "max_in_flight + max_queue_depth" in e.value.message
+    assert sent(fl) == 0
+    r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=4)
+    assert len(r.choices) == 4
+    set_model(fl, max_in_flight=64, max_queue_depth=256, seen_as={"max_held": 320})
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_any_neuron(fl):
