@@ -133,6 +133,7 @@ class CudaGraphExecutor(StepExecutor):
         self.allreduce = ""  # tp > 1: which all-reduce runs (cuda_comm.install)
         self.quantised = ""  # which kernel a grouped int8 layer's decode step runs
         self._kinds = (False, False, False)  # prepare's: int8, int4 and MoE kernels to describe
+        self._experts: list[Any] = []  # prepare's MoE stacks on the routed kernel (agreed)
         self._graphs: dict[int, _Graph] = {}
         self._pool: Any = None
         self._out: torch.Tensor | None = None  # [graph_rows, vocab] fp32: every graph's logits
@@ -203,9 +204,12 @@ class CudaGraphExecutor(StepExecutor):
         experts = any(hasattr(k, "routed_experts") or isinstance(k, moe_routed.FloatExperts)
                       for k in measured)  # a MoE block's stacks
         self._kinds = (bool(kinds - {"int4"}), "int4" in kinds, experts)
+        self._experts = [k for k in measured if hasattr(k, "agreed")]  # a MoE block's stacks
         self.agreed()
 
     def agreed(self) -> None:
+        for kernel in self._experts:  # proved stacks of a kind refused since step back
+            kernel.agreed()
         int8, int4, experts = self._kinds
         self.quantised = "; ".join(p for p in (
             int8g_cuda.describe(self.attention.device) if int8 else "",

@@ -149,10 +149,13 @@ def _key(stack: Stack) -> tuple:
     return (stack.weight.device, stack.kind, stack.group, stack.zeros is not None, inner)
 
 
-def standing(stacks: dict[str, Stack]) -> bool:
-    """Proved ``stacks`` (prove_stacks') whose kinds are still the kernel's: none refused
-    since (a tensor-parallel group refuses on every rank a kind one rank's card refused)."""
-    return bool(stacks) and all(not _verdicts.get(_key(s)) for s in stacks.values())
+def standing(stacks: dict[str, Stack]) -> dict[str, Stack]:
+    """Proved ``stacks`` (prove_stacks'), {} where a kind of theirs was refused since: by
+    another block's probe of the same kind, or by another rank's card (a tensor-parallel
+    group refuses on every rank a kind one rank's card refused). The executor prunes with
+    it once the verdicts are agreed (CudaGraphExecutor.agreed), not at every call, so a
+    step's form (moe_experts.run_experts: the copies it counts) sees the stacks that run."""
+    return stacks if stacks and all(not _verdicts.get(_key(s)) for s in stacks.values()) else {}
 
 
 def prove_stacks(stacks: dict[str, Stack | None],
@@ -215,6 +218,9 @@ class FloatExperts:
 
     def __call__(self, x: torch.Tensor, chosen: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor | None:
-        if not standing(self.stacks):
+        if not self.stacks:
             return None
         return experts(x, chosen, weights, self.stacks["w13"], self.stacks["w2"])
+
+    def agreed(self) -> None:
+        self.stacks = standing(self.stacks)

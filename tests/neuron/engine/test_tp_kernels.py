@@ -78,21 +78,44 @@ def test_the_backend_line_names_the_rank_that_refused(monkeypatch):
 
 def test_a_moe_stack_proved_here_steps_back_when_the_group_refuses_its_kind(monkeypatch):
     """A MoE block's stacks proved at load read their experts in place only while their
-    kind stands: refused by the group (another rank's card), the block's steps take the
-    gathered copies, as that rank's do."""
+    kind stands: refused by the group (another rank's card), the executor drops them, and
+    the block's steps take the gathered copies, as that rank's do, sized as copies (the
+    form's choice counts the three reads and writes a copy costs, not the kernel's one)."""
+    from helexa.kernels import moe_experts
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
     from helexa.kernels.cuda import moe_routed
 
     monkeypatch.setattr(moe_routed._verdicts, "_by_kind", {})
-    stack = moe_routed.Stack("float", torch.zeros(2, 4, 3), n=4, k=3)
+    stack = moe_routed.Stack("float", torch.zeros(8, 4, 3), n=4, k=3)
     experts = moe_routed.FloatExperts(None)
     experts.stacks = {"w13": stack, "w2": stack}
     moe_routed._verdicts.record(moe_routed._key(stack), "")  # proved on this card
-    assert moe_routed.standing(experts.stacks)
+    ex = CudaGraphExecutor(SimpleNamespace(device=torch.device("cpu"), graph_rows=0,  # type: ignore[arg-type]
+                                           torch_path=""))
+    ex._kinds, ex._experts = (False, False, True), [experts]  # as prepare leaves them
+    ex.agreed()
+    assert experts.stacks  # standing: nothing refused yet
+
+    copies = []
+    real = moe_experts.choose_form
+
+    def spy(*a, **kw):
+        copies.append(a[5])
+        return real(*a, **kw)
+    monkeypatch.setattr(moe_experts, "choose_form", spy)
+
+    def step():  # a two-row decode step of 2 choices over 8 experts
+        return moe_experts.run_experts(torch.zeros(2, 3), torch.zeros(8, 6, 3),
+                                       torch.zeros(8, 3, 3), torch.zeros(2, 2, dtype=torch.long),
+                                       torch.ones(2, 2), experts)
+    step()
     refused = TpRefused(1, "kernels.cuda_moe_routed", ["float", 1, False, 0], WHY)
-    assert tp_kernels.adopt(_rank0(StepExecutor()), [refused]) == 1
-    assert not moe_routed.standing(experts.stacks)
+    assert tp_kernels.adopt(_rank0(ex), [refused]) == 1
+    assert experts.stacks == {}
     assert experts(torch.zeros(1, 3), torch.zeros(1, 1, dtype=torch.long),
                    torch.ones(1, 1)) is None  # the gathered copies serve
+    step()
+    assert copies == [1, 3]
 
 
 class GraphsExecutor(StepExecutor):

@@ -183,12 +183,16 @@ class QuantExperts:
         return moe_routed.prove_stacks({w: self.routed_stack(w) for w in ("w13", "w2")},
                                        self, self.mlp.gate.dtype)
 
+    def agreed(self) -> None:
+        """The verdicts settled (CudaGraphExecutor.agreed): stacks of a refused kind go."""
+        self.routed = moe_routed.standing(self.routed)
+
     def routed_experts(self, x: torch.Tensor, chosen: torch.Tensor,
                        weights: torch.Tensor) -> torch.Tensor | None:
         """The gathered form's products on the routed kernel, every (token, slot) pair's
         expert read in place: one launch for w13, one for w2 (moe_experts.quantised_gathered);
         None where the stacks did not prove themselves at load (prepare)."""
-        if not moe_routed.standing(self.routed):
+        if not self.routed:
             return None
         return moe_routed.experts(x, chosen, weights, self.routed["w13"], self.routed["w2"])
 
