@@ -90,12 +90,15 @@ def arguments_of(text: str) -> str:
 def input_of(arguments: str) -> str:
     """A call's arguments (JSON text) as the custom tool's input: the `input` string (of a
     call cut short: as much of it as was written); a model that named its one argument
-    otherwise gets that string; anything else is the arguments' text as written."""
+    otherwise, or wrote the arguments as one JSON string (freeform, as OpenAI's models
+    call custom tools), gets that string; anything else is the arguments' text."""
     try:
         args = json.loads(arguments)
     except ValueError:
         partial = partial_input(arguments)
         return arguments if partial is None else partial
+    if isinstance(args, str):
+        return args
     if isinstance(args, dict):
         if isinstance(args.get(INPUT), str):
             return str(args[INPUT])
@@ -106,15 +109,19 @@ def input_of(arguments: str) -> str:
 
 def partial_input(arguments: str) -> str | None:
     """The decoded part of `input` in arguments written so far (`{"input": "abc\\` gives
-    `abc`), or None before its string opens; what streams as input deltas."""
+    `abc`; arguments that are one JSON string: of that string), or None before its string
+    opens; what streams as input deltas."""
     head = arguments.lstrip()
     key = '"' + INPUT + '"'
-    if not head.startswith("{") or not head[1:].lstrip().startswith(key):
+    if head.startswith('"'):
+        body = head[1:]
+    elif head.startswith("{") and head[1:].lstrip().startswith(key):
+        rest = head[1:].lstrip()[len(key):].lstrip()
+        if not rest.startswith(":") or not rest[1:].lstrip().startswith('"'):
+            return None
+        body = rest[1:].lstrip()[1:]
+    else:
         return None
-    rest = head[1:].lstrip()[len(key):].lstrip()
-    if not rest.startswith(":") or not rest[1:].lstrip().startswith('"'):
-        return None
-    body = rest[1:].lstrip()[1:]
     i = 0
     while i < len(body) and body[i] != '"':
         if body[i] != "\\":

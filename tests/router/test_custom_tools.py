@@ -98,7 +98,8 @@ def test_custom_calls_and_outputs_in_input_are_the_calls_and_tool_turns():
 
 @pytest.mark.parametrize("args,want", [
     ('{"input": "a\\nb"}', "a\nb"), ('{"text": "solo"}', "solo"), ('{"a": 1}', '{"a": 1}'),
-    ('{"input": "cut \\u00e9 sh', "cut é sh"), ("nonsense", "nonsense")])
+    ('{"input": "cut \\u00e9 sh', "cut é sh"), ("nonsense", "nonsense"),
+    ('"*** Begin Patch\\n"', "*** Begin Patch\n"), ('"freefo', "freefo")])
 def test_a_calls_arguments_as_the_input(args, want):
     assert custom_tools.input_of(args) == want
 
@@ -123,9 +124,10 @@ def _run(req, text: str, step: int) -> tuple[dict, list[dict]]:
 
 
 @pytest.mark.parametrize("step", [1, 5, 1000])
-def test_a_custom_call_is_a_custom_tool_call_item_whole_and_streamed(step):
+@pytest.mark.parametrize("args", ['{"input": "12-ab\\"c"}', '"12-ab\\"c"'])  # freeform too
+def test_a_custom_call_is_a_custom_tool_call_item_whole_and_streamed(step, args):
     req = parse(tools=[CODE, PATCH], tool_choice={"type": "custom", "name": "code"})
-    text = '<tool_call>\n{"name": "code", "arguments": {"input": "12-ab\\"c"}}\n</tool_call>'
+    text = '<tool_call>\n{"name": "code", "arguments": ' + args + '}\n</tool_call>'
     enc = ResponseEncoder("resp_1", "m", req, parser_for(req, "hermes", ""))
     whole = enc.whole(pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP,
                                           usage=pb.Usage()))
