@@ -45,6 +45,25 @@ _XML_CLOSE = "</function>\n</tool_call>"
 # </parameter>); lazy, so the value ends at the first close the grammar allows.
 _NO_CLOSE = r"~/(?s:.*)<\/parameter>(?s:.*)/"
 _WORDS = {"boolean": ("true", "false", "True", "False"), "null": ("null", "None")}
+LARK_KEY = "x-helexa-lark"
+
+
+def for_template(tools: list[Any]) -> list[Any]:
+    """The tools as the chat template renders them: without LARK_KEY (the grammar is in the
+    parameter's description already)."""
+    out = []
+    for t in tools:
+        fn = t.get("function") if isinstance(t, dict) else None
+        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn, dict) else None
+        if not isinstance(props, dict) or not any(
+                isinstance(v, dict) and LARK_KEY in v for v in props.values()):
+            out.append(t)
+            continue
+        clean = {k: {n: x for n, x in v.items() if n != LARK_KEY} if isinstance(v, dict) else v
+                 for k, v in props.items()}
+        out.append({**t, "function": {**fn, "parameters": {**fn["parameters"],
+                                                           "properties": clean}}})
+    return out
 
 
 def calls_schema(tools: list[dict[str, Any]], function: str, parallel: bool) -> dict[str, Any]:
@@ -208,6 +227,9 @@ def _param_rules(rule: str, key: str, schema: Any, root: dict[str, Any]) -> list
     types = value_types(schema, root)
     sub = schema if isinstance(schema, dict) else {}
     choices = sub.get("enum", [sub["const"]] if "const" in sub else None)
+    if isinstance(sub.get(LARK_KEY), str) and types == frozenset({"string"}):
+        return [f"{rule}: {head} {rule}_text {_lit(_PARAM_CLOSE)}",
+                f"{rule}_text: %lark {{\n{sub[LARK_KEY]}\n}}"]
     if types is not None and "string" in types:
         if isinstance(choices, list) and all(isinstance(c, str) for c in choices):
             words = " | ".join(_lit(c) for c in choices)

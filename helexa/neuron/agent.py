@@ -88,7 +88,8 @@ def template_inputs(chat: pb.Chat, effort: str,
             raise Refusal("invalid_request_error", "chat_template_kwargs: expected an object")
         kwargs.update(extra)
     if chat.tools_json:
-        kwargs["tools"] = _json(chat.tools_json, "tools")
+        tools = _json(chat.tools_json, "tools")
+        kwargs["tools"] = tool_grammar.for_template(tools) if isinstance(tools, list) else tools
     asked = effort not in ("", "none") or kwargs.get("enable_thinking") is True
     if constrained and not asked:
         kwargs["enable_thinking"] = False  # a thought the grammar would not let through

@@ -80,6 +80,7 @@ class ParsedRequest:
     tools: list[dict[str, Any]] = field(default_factory=list)
     tool_choice: str = "none"  # none | auto | required | function
     tool_name: str | None = None  # tool_choice "function": which one
+    custom_tools: dict[str, Any] = field(default_factory=dict)  # Responses: name -> the tool
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None  # the grammar the output follows
     response_schema_name: str | None = None

@@ -11,10 +11,12 @@ limits, constraints and the template's tool rendering are shared:
   parts with an `image_url`, a data: or http(s) URL, as chat's image_url parts:
   router/images.py), `function_call` (an assistant turn's
   calls; consecutive calls share one turn), `function_call_output` (a tool
-  turn), `reasoning` (the next assistant turn's earlier thought, from its
+  turn), `custom_tool_call` / `custom_tool_call_output` (the same, for a
+  custom tool: custom_tools.py), `reasoning` (the next assistant turn's earlier thought, from its
   `content` or `summary` text);
 - `tools` of type `function` (and the functions inside a `namespace` tool)
-  are offered; hosted tools (`web_search`, `file_search`, ...) run on
+  are offered, and `custom` tools as the function custom_tools.py renders;
+  hosted tools (`web_search`, `file_search`, ...) run on
   OpenAI's side and are not offered to the model (codex always lists one);
 - `tool_choice`, `parallel_tool_calls`, `reasoning.effort`, `text.format`
   and `max_output_tokens` (a ceiling, fitted to the context) map as the
@@ -34,7 +36,7 @@ import msgspec
 from msgspec import Meta
 
 from helexa import grammar
-from helexa.router import agent_request, images
+from helexa.router import agent_request, custom_tools, images
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
@@ -70,7 +72,8 @@ class Item(msgspec.Struct, kw_only=True):
     call_id: str | None = None  # function_call, function_call_output
     name: str | None = None  # function_call
     arguments: str | None = None  # function_call
-    output: str | list[Part] | None = None  # function_call_output
+    input: str | None = None  # custom_tool_call
+    output: str | list[Part] | None = None  # function_call_output, custom_tool_call_output
     summary: list[Part] | None = None  # reasoning
     id: Any = None  # accepted: ids of earlier output items
     status: Any = None
@@ -88,6 +91,7 @@ class RTool(msgspec.Struct, kw_only=True):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
     tools: list[RTool] | None = None  # namespace
+    format: Any = None  # custom: text, or a lark / regex grammar (custom_tools.py)
 
 
 class RToolChoice(msgspec.Struct, kw_only=True):
@@ -213,7 +217,7 @@ def _turns(b: ResponsesBody) -> list[Turn]:
     thought: list[str] = []  # reasoning for the next assistant turn
     for i, it in enumerate(items):
         p = f"input[{i}]"
-        if it.type != "function_call" and calls:
+        if it.type not in _CALLS and calls:
             _close_calls(turns, calls, thought)
         if it.type == "message":
             role = it.role or "user"
@@ -233,7 +237,12 @@ def _turns(b: ResponsesBody) -> list[Turn]:
             agent_request.check_arguments(it.arguments or "", f"{p}.arguments")
             calls.append({"id": it.call_id, "type": "function", "function": {
                 "name": it.name, "arguments": it.arguments or "{}"}})
-        elif it.type == "function_call_output":
+        elif it.type == "custom_tool_call":
+            if not it.call_id or not it.name:
+                raise bad_request(f"`{p}` needs `call_id` and `name`", p)
+            calls.append({"id": it.call_id, "type": "function", "function": {
+                "name": it.name, "arguments": custom_tools.arguments_of(it.input or "")}})
+        elif it.type in ("function_call_output", "custom_tool_call_output"):
             if not it.call_id:
                 raise bad_request(f"`{p}.call_id` is required", f"{p}.call_id")
             turns.append(Turn(role="tool", tool_call_id=it.call_id,
@@ -255,6 +264,9 @@ def _turns(b: ResponsesBody) -> list[Turn]:
     return turns
 
 
+_CALLS = ("function_call", "custom_tool_call")
+
+
 def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[str]) -> None:
     """The calls since the last item as one assistant turn (merged into an assistant message
     right before them: a reply's text and calls are one turn)."""
@@ -268,11 +280,11 @@ def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[s
 
 
 def _functions(tools: list[RTool], at: str = "tools") -> list[tuple[str, RTool]]:
-    """The function tools offered to the model, each with its path as the client listed
-    it (`tools[2]`, a namespace's `tools[3].tools[0]`)."""
+    """The function and custom tools offered to the model, each with its path as the client
+    listed it (`tools[2]`, a namespace's `tools[3].tools[0]`)."""
     out = []
     for i, t in enumerate(tools):
-        if t.type == "function":
+        if t.type in ("function", "custom"):
             out.append((f"{at}[{i}]", t))
         elif t.type == "namespace":
             out += _functions(t.tools or [], f"{at}[{i}].tools")
@@ -285,12 +297,18 @@ def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
     for where, t in listed:
         if not t.name:
             raise bad_request(f"`{where}.name` is required", f"{where}.name")
+        if t.type == "custom":
+            req.custom_tools[t.name] = {"type": "custom", "name": t.name,
+                                        "description": t.description,
+                                        "format": custom_tools.format_of(t.format, where)}
     body = ChatBody(model=b.model, messages=[], tools=[Tool(type="function", function=FunctionDef(
-        name=t.name or "", description=t.description, parameters=t.parameters))
-        for t in fns] or None, parallel_tool_calls=b.parallel_tool_calls)
+        name=t.name or "", description=t.description, parameters=t.parameters
+        if t.type == "function" else custom_tools.parameters(
+            req.custom_tools[t.name or ""]["format"]))) for t in fns] or None,
+        parallel_tool_calls=b.parallel_tool_calls)
     c = b.tool_choice
     if isinstance(c, RToolChoice):
-        if c.type != "function" or not c.name:
+        if c.type not in ("function", "custom") or not c.name:
             raise unsupported("tool_choice", f"tool_choice of type `{c.type}`")
         body.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=c.name))
     elif c is not None:

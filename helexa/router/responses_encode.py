@@ -4,13 +4,16 @@ Output items come from the parsed parts of the output (agent_output.py), in
 the order the model wrote them: `reasoning` (the thought, as `content`
 `reasoning_text`, or as a `summary_text` summary when `reasoning.summary`
 asked for one: the thought is returned whole either way), `message`
-(`output_text`), `function_call` (`call_id`, `name`, `arguments`). The
+(`output_text`), `function_call` (`call_id`, `name`, `arguments`), or for
+a custom tool `custom_tool_call` (`call_id`, `name`, `input`: the text the
+call's `input` argument holds, custom_tools.py). The
 status is `completed`, or `incomplete` with `incomplete_details.reason:
 max_output_tokens` when the output budget ran out. Streaming sends
 response.created and response.in_progress, then per item
 response.output_item.added, its part and delta events
 (response.reasoning_text.delta or response.reasoning_summary_text.delta,
-response.output_text.delta, response.function_call_arguments.delta) and
+response.output_text.delta, response.function_call_arguments.delta,
+response.custom_tool_call_input.delta as the input's string decodes) and
 their .done events, response.output_item.done, and last
 response.completed or response.incomplete; a neuron failing mid-stream ends
 it with response.failed. Every event carries its `sequence_number`.
@@ -26,6 +29,7 @@ from typing import Any
 import msgspec
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router import custom_tools
 from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import ParsedRequest
@@ -59,6 +63,7 @@ class ResponseEncoder:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
         self.calls: dict[int, dict[str, Any]] = {}  # a call piece's index -> its item
+        self.arguments: dict[str, str] = {}  # a custom call's item id -> its arguments' text
         self.seq = 0
 
     # ------------------------------------------------------------------ the response object
@@ -82,11 +87,12 @@ class ResponseEncoder:
             "instructions": None, "metadata": {}, "parallel_tool_calls": r.parallel_tool_calls,
             "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_tokens,
             "tool_choice": r.tool_choice if r.tool_choice != "function"
-            else {"type": "function", "name": r.tool_name},
-            "tools": [{"type": "function", "name": t["function"]["name"],
-                       "description": t["function"].get("description"),
-                       "parameters": t["function"]["parameters"], "strict": False}
-                      for t in r.tools],
+            else {"type": "custom" if r.tool_name in r.custom_tools else "function",
+                  "name": r.tool_name},
+            "tools": [r.custom_tools.get(t["function"]["name"]) or {
+                "type": "function", "name": t["function"]["name"],
+                "description": t["function"].get("description"),
+                "parameters": t["function"]["parameters"], "strict": False} for t in r.tools],
             "reasoning": {"effort": r.reasoning_effort or None,
                           "summary": "auto" if r.reasoning_summary else None},
             "text": {"format": fmt}, "store": False, "previous_response_id": None,
@@ -194,6 +200,7 @@ class ResponseEncoder:
         if item is None:
             return b""
         item["status"] = "incomplete" if last == "incomplete" else "completed"
+        rest = self._finish_input(item) if item["type"] == "custom_tool_call" else ""
         if not stream:
             return b""
         self.open = item  # for _where
@@ -209,6 +216,12 @@ class ResponseEncoder:
         elif item["type"] == "function_call":
             out += self._event("response.function_call_arguments.done", **self._where(),
                                name=item["name"], arguments=item["arguments"])
+        elif item["type"] == "custom_tool_call":
+            if rest:
+                out += self._event("response.custom_tool_call_input.delta", **self._where(),
+                                   delta=rest)
+            out += self._event("response.custom_tool_call_input.done", **self._where(),
+                               input=item["input"])
         if part is not None:
             out += self._event(part[0] + ".done", **self._where(), part=part[1], **part[2])
         out += self._event("response.output_item.done", output_index=len(self.items) - 1,
@@ -239,14 +252,40 @@ class ResponseEncoder:
             if c.id is not None:
                 self.calls[c.index] = {"type": "function_call", "id": _item_id("fc"),
                                        "call_id": c.id, "name": c.name or "", "arguments": ""}
+                if c.name in self.req.custom_tools:
+                    self.calls[c.index] = {"type": "custom_tool_call", "id": _item_id("ctc"),
+                                           "call_id": c.id, "name": c.name, "input": ""}
+                    self.arguments[self.calls[c.index]["id"]] = ""
                 out += self._begin(self.calls[c.index], stream)
             call = self.calls.get(c.index)
-            if call is not None and c.arguments:
+            if call is not None and c.arguments and call["type"] == "custom_tool_call":
+                out += self._custom_input(call, c.arguments, stream)
+            elif call is not None and c.arguments:
                 call["arguments"] += c.arguments
                 if stream and call is self.open:
                     out += self._event("response.function_call_arguments.delta",
                                        **self._where(), delta=c.arguments)
         return out
+
+    def _custom_input(self, call: dict[str, Any], arguments: str, stream: bool) -> bytes:
+        """A custom call's arguments so far; its input grows by what of the `input` string
+        they decode to (a delta event while it streams)."""
+        self.arguments[call["id"]] += arguments
+        sofar = custom_tools.partial_input(self.arguments[call["id"]]) or ""
+        delta = sofar[len(call["input"]):] if sofar.startswith(call["input"]) else ""
+        call["input"] = sofar if delta else call["input"]
+        if not (delta and stream and call is self.open):
+            return b""
+        return self._event("response.custom_tool_call_input.delta", **self._where(),
+                           delta=delta)
+
+    def _finish_input(self, item: dict[str, Any]) -> str:
+        """Set a closing custom call's whole input (custom_tools.input_of); return what of
+        it did not stream yet (nothing when it does not extend what streamed)."""
+        whole = custom_tools.input_of(self.arguments.pop(item["id"], ""))
+        rest = whole[len(item["input"]):] if whole.startswith(item["input"]) else ""
+        item["input"] = whole
+        return rest
 
     def _text(self, text: str, stream: bool) -> bytes:
         assert self.open is not None

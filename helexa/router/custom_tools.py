@@ -1,0 +1,139 @@
+"""The Responses API's `custom` tools: free-text input, offered to the model as a function.
+
+A custom tool (`{"type": "custom", "name", "description", "format"}`; codex's
+freeform `apply_patch` is one) takes text, not JSON. Chat templates render
+only function schemas, so this module, the one place that decides it,
+renders a custom tool as a function with one required string parameter,
+`input`, whose description states the format (docs/api.md, Responses,
+"Custom tools"):
+
+- `format` `text` (or none): any text;
+- `grammar` with `syntax: regex`: the parameter's `pattern` is the whole
+  input anchored (`^(?:...)$`), so a forced call is held to it in every
+  call format (helexa.grammar enforces `pattern`);
+- `grammar` with `syntax: lark`: the parameter carries the grammar under
+  tool_grammar.LARK_KEY; a forced call is held to it where the model's
+  format writes the value as raw text (`qwen3_xml`), and not in the JSON
+  formats, whose string escapes a Lark grammar cannot describe.
+
+A grammar that does not compile is a 400 naming `tools[i].format.definition`
+with llguidance's reason. A call of the function comes back as a
+`custom_tool_call` whose `input` is the string (`input_of`); an earlier
+`custom_tool_call` in `input` goes back to the template as the same
+function's call (`arguments_of`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from helexa import grammar
+from helexa.router.errors import bad_request
+from helexa.tool_grammar import LARK_KEY
+
+INPUT = "input"
+_SYNTAX: dict[str, grammar.Kind] = {"lark": "lark", "regex": "regex"}
+
+
+def format_of(fmt: Any, where: str) -> dict[str, Any]:
+    """The tool's format as OpenAI echoes it, checked; a 400 naming the field otherwise.
+    where: the tool as the client listed it (`tools[3]`)."""
+    if fmt is None:
+        return {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise bad_request(f"`{where}.format` must be an object", f"{where}.format")
+    kind = fmt.get("type")
+    if kind == "text":
+        return {"type": "text"}
+    if kind != "grammar":
+        raise bad_request(f"`{where}.format.type` must be `text` or `grammar`, not "
+                          f"{json.dumps(kind)}", f"{where}.format.type")
+    syntax, definition = fmt.get("syntax"), fmt.get("definition")
+    if syntax not in _SYNTAX:
+        raise bad_request(f"`{where}.format.syntax` must be `lark` or `regex`, not "
+                          f"{json.dumps(syntax)}", f"{where}.format.syntax")
+    if not isinstance(definition, str) or not definition.strip():
+        raise bad_request(f"`{where}.format.definition` is required: the grammar's text",
+                          f"{where}.format.definition")
+    try:
+        grammar.check(grammar.Constraint(kind=_SYNTAX[syntax], source=definition))
+    except grammar.GrammarError as e:
+        reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+        raise bad_request(f"`{where}.format.definition`: the {syntax} grammar cannot be "
+                          f"used: {reason}", f"{where}.format.definition") from None
+    return {"type": "grammar", "syntax": syntax, "definition": definition}
+
+
+def parameters(fmt: dict[str, Any]) -> dict[str, Any]:
+    """The function parameters a custom tool of this (checked) format is offered with."""
+    prop: dict[str, Any] = {"type": "string"}
+    if fmt["type"] == "text":
+        prop["description"] = "The input, as free text (not JSON)."
+    elif fmt["syntax"] == "regex":
+        prop["description"] = ("The input, as text the whole of which matches this regular "
+                               "expression: " + fmt["definition"])
+        prop["pattern"] = f"^(?:{fmt['definition']})$"
+    else:
+        prop["description"] = ("The input, as text in the language of this Lark grammar:\n"
+                               + fmt["definition"])
+        prop[LARK_KEY] = fmt["definition"]
+    return {"type": "object", "properties": {INPUT: prop}, "required": [INPUT],
+            "additionalProperties": False}
+
+
+def arguments_of(text: str) -> str:
+    """An earlier custom call's input as the function call's arguments."""
+    return json.dumps({INPUT: text}, ensure_ascii=False)
+
+
+def input_of(arguments: str) -> str:
+    """A call's arguments (JSON text) as the custom tool's input: the `input` string (of a
+    call cut short: as much of it as was written); a model that named its one argument
+    otherwise, or wrote the arguments as one JSON string (freeform, as OpenAI's models
+    call custom tools), gets that string; anything else is the arguments' text."""
+    try:
+        args = json.loads(arguments)
+    except ValueError:
+        partial = partial_input(arguments)
+        return arguments if partial is None else partial
+    if isinstance(args, str):
+        return args
+    if isinstance(args, dict):
+        if isinstance(args.get(INPUT), str):
+            return str(args[INPUT])
+        if len(args) == 1 and isinstance(next(iter(args.values())), str):
+            return str(next(iter(args.values())))
+    return arguments
+
+
+def partial_input(arguments: str) -> str | None:
+    """The decoded part of `input` in arguments written so far (`{"input": "abc\\` gives
+    `abc`; arguments that are one JSON string: of that string), or None before its string
+    opens; what streams as input deltas."""
+    head = arguments.lstrip()
+    key = '"' + INPUT + '"'
+    if head.startswith('"'):
+        body = head[1:]
+    elif head.startswith("{") and head[1:].lstrip().startswith(key):
+        rest = head[1:].lstrip()[len(key):].lstrip()
+        if not rest.startswith(":") or not rest[1:].lstrip().startswith('"'):
+            return None
+        body = rest[1:].lstrip()[1:]
+    else:
+        return None
+    i = 0
+    while i < len(body) and body[i] != '"':
+        if body[i] != "\\":
+            i += 1
+            continue
+        step = 6 if body[i + 1:i + 2] == "u" else 2
+        if step == 6 and "d800" <= body[i + 2:i + 6].lower() < "dc00":
+            step = 12  # a surrogate pair's first half waits for its second
+        if i + step > len(body):
+            break
+        i += step
+    try:
+        return str(json.loads('"' + body[:i] + '"'))
+    except ValueError:
+        return None
