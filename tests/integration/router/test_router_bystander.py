@@ -248,21 +248,27 @@ def test_200000_turns_stall_no_stream(pair):
     wait_for(lambda: ledger_whole(router), timeout=15)
 
 
+def _post_to_a_small_window(router: RouterProcess, body: bytes) -> socket.socket:
+    """A chat request sent over a raw socket with a small receive window, so that the
+    router's writes stop draining soon after the client stops reading; the socket."""
+    host, port = router.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return sock
+
+
 def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
-    host, port = router.url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
                        "stream": True, "ignore_eos": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
-    sock = socket.socket()
-    # A small window: the router's writes stop draining soon after the client stops reading.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
+    sock = _post_to_a_small_window(router, body)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
         # Read nothing more. The neuron generates, the buffers fill, then within
         # client_write_secs of that the router ends the stream and the call.
@@ -281,20 +287,14 @@ def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
     kept the socket open, so a client sending request after request grew it without end."""
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
-    host, port = router.url.removeprefix("http://").rsplit(":", 1)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 200, "n": 16,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
 
     def done() -> int:
         return router.log_path.read_text().count('"request.done"')
     before = done()
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
+    sock = _post_to_a_small_window(router, body)
     try:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         # Read nothing: the reply (about 4 MB) outgrows the kernel's buffers. Once it is
         # made, give the router a few client_write_secs, then read what is left.
         wait_for(lambda: done() > before, timeout=60)
