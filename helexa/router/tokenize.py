@@ -82,8 +82,9 @@ async def _decoded(request: web.Request, t: type) -> Any:
 async def _off_loop(request: web.Request, fn: Any, *args: Any) -> Any:
     """fn(*args) on the router's work pool: the messages' protos and the reply's JSON grow
     with the request (200,000 turns, or 1.6 million ids back, held every stream's loop for
-    a second and more)."""
-    return await request.app[STATE].work_pool.run(fn, *args)
+    a second and more). Counted against the caller's share of the pool (429 beyond it)."""
+    state = request.app[STATE]
+    return await state.work_pool.run(state.auth.principal(authorization(request)), fn, *args)
 
 
 def _json(data: dict[str, Any]) -> web.Response:
@@ -148,10 +149,10 @@ def _count_chat(req: ParsedRequest) -> pb.Chat:
 async def count_tokens(request: web.Request) -> web.Response:
     try:
         state = request.app[STATE]
-        req = await state.work_pool.run(anthropic.parse_count_request, await _body(request),
-                                        state.caps)
+        req = await _off_loop(request, anthropic.parse_count_request, await _body(request),
+                              state.caps)
         await images.resolve(req, state.cfg.images)
-        chat = await state.work_pool.run(_count_chat, req)
+        chat = await _off_loop(request, _count_chat, req)
         out = await _call(request, pb.TokenizeRequest(
             model=req.model, chat=chat, add_generation_prompt=True,
             reasoning_effort=req.reasoning_effort))
