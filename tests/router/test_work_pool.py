@@ -190,3 +190,35 @@ def test_close_cancels_waiting_tasks():
         with pytest.raises(ApiError):
             await pool.run("a", sum, [1])
     asyncio.run(main())
+
+
+def test_the_share_is_reloadable_and_its_refusals_are_counted():
+    import msgspec
+
+    from helexa.config.router import LimitsConfig, RouterConfig
+    from helexa.router.app import RouterState
+
+    cfg = RouterConfig(limits=LimitsConfig(schema_workers=1, schema_queue_depth=7))
+    state = RouterState(cfg, None)
+    try:
+        assert state.work_pool.per_principal == 2  # a quarter of 1 + 7
+        state.apply(msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
+            cfg.limits, schema_per_principal=1)))
+        assert state.work_pool.per_principal == 1
+        gate = threading.Event()
+
+        async def main() -> None:
+            held = asyncio.ensure_future(state.work_pool.run("a", gate.wait))
+            await _until(lambda: state.work_pool.tasks == 1)
+            with pytest.raises(ApiError):
+                await state.work_pool.run("a", sum, [1])
+            gate.set()
+            await held
+        asyncio.run(main())
+        text = state.metrics.render().decode()
+        assert 'helexa_router_work_refusals_total{reason="principal_share"} 1.0' in text
+        assert "helexa_router_work_tasks 0.0" in text
+        state.apply(cfg)  # unset again: derived from the pool's size
+        assert state.work_pool.per_principal == 2
+    finally:
+        state.work_pool.close()
