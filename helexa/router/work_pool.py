@@ -187,8 +187,10 @@ class WorkPool:
         if isinstance(got, str):
             self.on_refuse(got, principal)
             if got == OVER_SHARE:
-                raise ApiError(429, f"too many of this API key's requests are already being "
-                                    f"parsed or waiting to be ({self.per_principal}, "
+                whose = ("callers without an API key (who share one allowance)"
+                         if principal == "anonymous" else "this API key")
+                raise ApiError(429, f"too many requests of {whose} are already being parsed "
+                                    f"or waiting to be ({self.per_principal}, "
                                     f"limits.schema_per_principal); retry",
                                code="rate_limit_exceeded")
             raise ApiError(503, f"the router is busy: {self.workers + self.queue_depth} "

@@ -36,7 +36,9 @@ def _refuse() -> None:
 def test_the_default_share_is_a_quarter_of_the_pool():
     assert default_share(2, 64) == 16
     assert default_share(1, 0) == 1
-    assert WorkPool(2, 64).per_principal == 16
+    pool = WorkPool(2, 64)
+    assert pool.per_principal == 16
+    pool.close()
 
 
 async def _until(cond: Callable[[], bool]) -> None:
@@ -90,8 +92,15 @@ def test_a_principal_over_its_share_is_429_while_another_gets_in():
                 await pool.run("a", sum, [1])
             assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
             assert "limits.schema_per_principal" in e.value.message
+            assert "this API key" in e.value.message
             assert e.value.headers() == {"Retry-After": "1"}
             assert refused == [(OVER_SHARE, "a")]
+            anonymous = [asyncio.ensure_future(pool.run("anonymous", release.wait))
+                         for _ in range(2)]
+            await asyncio.sleep(0.01)
+            with pytest.raises(ApiError) as e:  # every caller without a key: one principal
+                await pool.run("anonymous", sum, [1])
+            assert e.value.status == 429 and "without an API key" in e.value.message
             assert pool.submit("a", sum, [1]) == OVER_SHARE  # background work too
             other = asyncio.ensure_future(pool.run("b", sum, [5]))  # b still gets in
             # Work after the neuron answered is counted but never refused for the share.
@@ -100,7 +109,7 @@ def test_a_principal_over_its_share_is_429_while_another_gets_in():
             assert pool.tasks_of("a") == 3 and pool.tasks_of("b") == 1
             release.set()
             assert await other == 5 and await late == 7
-            await asyncio.gather(*held)
+            await asyncio.gather(*held, *anonymous)
             await _until(lambda: pool.tasks == 0)
             assert pool.principals == 0 and not pool._waiting and not pool._turns
         finally:
