@@ -7,7 +7,7 @@ from typing import Annotated
 
 import msgspec
 
-from helexa.config.fields import RELOAD, RESTART, field_meta
+from helexa.config.fields import RELOAD, RESTART, field_meta, optional
 from helexa.config.images import ImagesConfig
 
 
@@ -92,6 +92,13 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     schema_queue_depth: Annotated[int, field_meta(
         "Requests that may wait for a schema worker; beyond it 503 overloaded.",
         RESTART, ge=0)] = 64
+    schema_per_principal: Annotated[optional(int, ge=1), field_meta(
+        "Tasks of one principal (an API key's; callers without a key are one principal) that "
+        "may be running on the schema workers or waiting for one (parsing a body, building its "
+        "neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
+        "while others still get in, and waiting tasks are served round robin between "
+        "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default).",
+        RELOAD)] = None
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

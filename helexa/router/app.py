@@ -41,7 +41,7 @@ from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
 from helexa.router.request_caps import RequestCaps
 from helexa.router.status import StatusBoard, status_routes
-from helexa.router.work_pool import WorkPool
+from helexa.router.work_pool import WorkPool, default_share
 
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -61,8 +61,12 @@ class RouterState:
                                   self.metrics.in_progress)
         self.max_body_bytes = cfg.server.max_body_bytes
         self.read_timeout_secs = cfg.server.read_timeout_secs
-        # Body parsing and schema work, off this loop (work_pool.py); its size needs a restart.
+        # Body parsing and schema work, off this loop (work_pool.py); its size needs a restart,
+        # its share per principal does not.
         self.work_pool = WorkPool(cfg.limits.schema_workers, cfg.limits.schema_queue_depth)
+        self.work_pool.on_refuse = self._work_refused
+        self.metrics.work_tasks.set_function(lambda: self.work_pool.tasks)
+        self.metrics.work_principals.set_function(lambda: self.work_pool.principals)
         self.apply(cfg)
 
     def apply(self, cfg: RouterConfig) -> None:
@@ -93,6 +97,9 @@ class RouterState:
         self.request_secs = cfg.timeouts.request_secs
         self.client_write_secs = cfg.timeouts.client_write_secs
         self.caps = RequestCaps.of(cfg.limits)
+        pool = self.work_pool
+        pool.per_principal = cfg.limits.schema_per_principal or \
+            default_share(pool.workers, pool.queue_depth)
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token
@@ -101,6 +108,13 @@ class RouterState:
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
         self.registry.first_report_secs = cfg.timeouts.first_report_secs
         self.registry.stream_idle_secs = cfg.timeouts.stream_idle_secs
+
+    def _work_refused(self, reason: str, principal: str) -> None:
+        """The work pool refused a principal's task (429 over its share, 503 full)."""
+        self.metrics.work_refusals.labels(reason).inc()
+        self.log.info("router.work_refused", principal=principal, reason=reason,
+                      principal_tasks=self.work_pool.tasks_of(principal),
+                      tasks=self.work_pool.tasks, share=self.work_pool.per_principal)
 
     async def reload(self) -> None:
         """SIGHUP: all or nothing. Every part of the new config (keys, token, aliases, every

@@ -165,6 +165,17 @@ class RouterMetrics:
                                   "Requests sent to each neuron", ["neuron", "model"], registry=r)
         self.in_progress = Gauge("helexa_router_requests_in_progress",
                                  "Requests the router is serving now", registry=r)
+        # The work pool (work_pool.py): its refusals, and the tasks it holds now.
+        self.work_refusals = Counter("helexa_router_work_refusals",
+                                     "Work the router's parsing pool refused, by reason: "
+                                     "principal_share (429) or pool_full (503)", ["reason"],
+                                     registry=r)
+        self.work_tasks = Gauge("helexa_router_work_tasks",
+                                "Tasks running on the router's parsing pool or waiting for it",
+                                registry=r)
+        self.work_principals = Gauge("helexa_router_work_principals",
+                                     "Principals with a task on the router's parsing pool",
+                                     registry=r)
         self.prompt_tokens = Counter("helexa_router_prompt_tokens",
                                      "Prompt tokens of finished requests (cached ones included)",
                                      ["model"], registry=r)

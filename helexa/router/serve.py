@@ -128,11 +128,12 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     try:
         principal = ctx["principal"] = state.auth.principal(authorization(request))
         raw = await read_body(request, state.max_body_bytes, state.read_timeout_secs)
-        # Off the loop (work_pool.py): decoding and schema compiling grow with the body.
+        # Off the loop (work_pool.py): decoding and schema compiling grow with the body. Each
+        # task counts against the principal's share of the pool (429 beyond it).
         if kind in _PARSERS:
-            req = await state.work_pool.run(_PARSERS[kind], raw, state.caps)
+            req = await state.work_pool.run(principal, _PARSERS[kind], raw, state.caps)
         else:
-            req = await state.work_pool.run(parse_request, raw, kind, state.caps)
+            req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
@@ -145,7 +146,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         deadline_ms = int((time.time() + state.request_secs) * 1000)
         prompts = req.per_prompt()  # a completions batch: n choices for each prompt
         greqs = await state.work_pool.run(
-            functools.partial(generate_requests, prompts, req.n, model=model,
+            principal, functools.partial(generate_requests, prompts, req.n, model=model,
                               principal="" if principal == "anonymous" else principal,
                               req_id=req_id, deadline_unix_ms=deadline_ms))
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
@@ -170,9 +171,11 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(model), t0, req_id, headers)
         else:
-            # Off the loop: 16 choices with top_logprobs are tens of MB of JSON.
+            # Off the loop: 16 choices with top_logprobs are tens of MB of JSON. Counted, never
+            # refused for the principal's share: the tokens are made (work_pool.py).
             resp = await state.work_pool.run(
-                _reply, env, choices, [c for c in calls if isinstance(c, Completed)], headers)
+                principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
+                headers, share=False)
         _check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
@@ -283,8 +286,10 @@ def _check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
     client has its reply and the header that warned of it)."""
     if not req.unenforced:
         return
-    if not state.work_pool.submit(_check_replies, state, req, model, calls, choices, dict(ctx)):
-        state.log.warning("request.schema_check_skipped", **ctx, reason="work pool full")
+    why = state.work_pool.submit(ctx["principal"], _check_replies, state, req, model, calls,
+                                 choices, dict(ctx))
+    if why is not None:  # the pool full, or the principal holding its share of it
+        state.log.warning("request.schema_check_skipped", **ctx, reason=why)
 
 
 def _check_replies(state: Any, req: ParsedRequest, model: str, calls: list[Any],

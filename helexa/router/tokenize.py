@@ -79,11 +79,14 @@ async def _decoded(request: web.Request, t: type) -> Any:
     return await _off_loop(request, decode_as, await _body(request), t)
 
 
-async def _off_loop(request: web.Request, fn: Any, *args: Any) -> Any:
+async def _off_loop(request: web.Request, fn: Any, *args: Any, share: bool = True) -> Any:
     """fn(*args) on the router's work pool: the messages' protos and the reply's JSON grow
     with the request (200,000 turns, or 1.6 million ids back, held every stream's loop for
-    a second and more)."""
-    return await request.app[STATE].work_pool.run(fn, *args)
+    a second and more). Counted against the caller's share of the pool: 429 beyond it,
+    unless `share` is False (the reply, once the neuron has answered; work_pool.py)."""
+    state = request.app[STATE]
+    return await state.work_pool.run(state.auth.principal(authorization(request)), fn, *args,
+                                     share=share)
 
 
 def _json(data: dict[str, Any]) -> web.Response:
@@ -128,7 +131,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         treq.text = b.prompt or ""
     out = await _call(request, treq)
-    reply: web.Response = await _off_loop(request, _tokens_reply, out)
+    reply: web.Response = await _off_loop(request, _tokens_reply, out, share=False)
     return reply
 
 
@@ -148,10 +151,10 @@ def _count_chat(req: ParsedRequest) -> pb.Chat:
 async def count_tokens(request: web.Request) -> web.Response:
     try:
         state = request.app[STATE]
-        req = await state.work_pool.run(anthropic.parse_count_request, await _body(request),
-                                        state.caps)
+        req = await _off_loop(request, anthropic.parse_count_request, await _body(request),
+                              state.caps)
         await images.resolve(req, state.cfg.images)
-        chat = await state.work_pool.run(_count_chat, req)
+        chat = await _off_loop(request, _count_chat, req)
         out = await _call(request, pb.TokenizeRequest(
             model=req.model, chat=chat, add_generation_prompt=True,
             reasoning_effort=req.reasoning_effort))

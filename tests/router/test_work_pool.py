@@ -1,26 +1,29 @@
 """The router's bounded worker pool: results and errors come back, a full pool refuses at once
-(503 overloaded), and a task counts until its thread finishes it."""
+(503 overloaded), a task counts until its thread finishes it; one principal over its share is
+refused 429 while another gets in, waiting tasks are served round robin between principals,
+and every count returns to zero after errors and cancellations."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from helexa.router.errors import ApiError
-from helexa.router.work_pool import WorkPool
+from helexa.router.work_pool import OVER_SHARE, POOL_FULL, WorkPool, default_share
 
 
 def test_run_returns_the_result_and_raises_the_error():
     async def main() -> None:
         pool = WorkPool(1, 0)
         try:
-            assert await pool.run(sum, [1, 2, 3]) == 6
+            assert await pool.run("a", sum, [1, 2, 3]) == 6
             with pytest.raises(ApiError) as e:
-                await pool.run(_refuse)
+                await pool.run("a", _refuse)
             assert e.value.status == 400
-            assert pool.tasks == 0
+            assert pool.tasks == 0 and pool.tasks_of("a") == 0 and pool.principals == 0
         finally:
             pool.close()
     asyncio.run(main())
@@ -30,29 +33,201 @@ def _refuse() -> None:
     raise ApiError(400, "no", code="invalid_request_error")
 
 
+def test_the_default_share_is_a_quarter_of_the_pool():
+    assert default_share(2, 64) == 16
+    assert default_share(1, 0) == 1
+    pool = WorkPool(2, 64)
+    assert pool.per_principal == 16
+    pool.close()
+
+
+async def _until(cond: Callable[[], bool]) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not met")
+
+
 def test_a_full_pool_refuses_503_and_frees_its_place_when_the_thread_is_done():
     release = threading.Event()
 
     async def main() -> None:
-        pool = WorkPool(1, 1)  # one running, one waiting
+        pool = WorkPool(1, 1, per_principal=2)  # one running, one waiting
         try:
-            held = [asyncio.ensure_future(pool.run(release.wait)) for _ in range(2)]
-            await asyncio.sleep(0)
+            held = [asyncio.ensure_future(pool.run("a", release.wait)) for _ in range(2)]
+            await _until(lambda: pool.tasks == 2)
             with pytest.raises(ApiError) as e:
-                await pool.run(sum, [1])
+                await pool.run("b", sum, [1])
             assert e.value.status == 503 and e.value.code == "overloaded"
             assert "limits.schema_workers" in e.value.message
-            assert not pool.submit(sum, [1])  # background work is dropped, and says so
-            # A caller that leaves does not free the place: its thread still works.
+            assert pool.submit("b", sum, [1]) == POOL_FULL  # dropped, and says why
+            # A caller that leaves while its task runs does not free the place: its thread
+            # still works.
+            await _until(lambda: len(pool._waiting["a"]) == 1)  # the first one is running
             held[0].cancel()
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.05)
             assert pool.tasks == 2
             release.set()
             await asyncio.gather(held[1])
-            while pool.tasks:
-                await asyncio.sleep(0.01)
-            assert await pool.run(sum, [2]) == 2
+            await _until(lambda: pool.tasks == 0)
+            assert await pool.run("b", sum, [2]) == 2
         finally:
             release.set()
             pool.close()
     asyncio.run(main())
+
+
+def test_a_principal_over_its_share_is_429_while_another_gets_in():
+    release = threading.Event()
+    refused: list[tuple[str, str]] = []
+
+    async def main() -> None:
+        pool = WorkPool(1, 8, per_principal=2)
+        pool.on_refuse = lambda reason, principal: refused.append((reason, principal))
+        try:
+            held = [asyncio.ensure_future(pool.run("a", release.wait)) for _ in range(2)]
+            await _until(lambda: pool.tasks_of("a") == 2)
+            with pytest.raises(ApiError) as e:
+                await pool.run("a", sum, [1])
+            assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
+            assert "limits.schema_per_principal" in e.value.message
+            assert "this API key" in e.value.message
+            assert e.value.headers() == {"Retry-After": "1"}
+            assert refused == [(OVER_SHARE, "a")]
+            anonymous = [asyncio.ensure_future(pool.run("anonymous", release.wait))
+                         for _ in range(2)]
+            await asyncio.sleep(0.01)
+            with pytest.raises(ApiError) as e:  # every caller without a key: one principal
+                await pool.run("anonymous", sum, [1])
+            assert e.value.status == 429 and "without an API key" in e.value.message
+            assert pool.submit("a", sum, [1]) == OVER_SHARE  # background work too
+            other = asyncio.ensure_future(pool.run("b", sum, [5]))  # b still gets in
+            # Work after the neuron answered is counted but never refused for the share.
+            late = asyncio.ensure_future(pool.run("a", sum, [7], share=False))
+            await asyncio.sleep(0.01)
+            assert pool.tasks_of("a") == 3 and pool.tasks_of("b") == 1
+            release.set()
+            assert await other == 5 and await late == 7
+            await asyncio.gather(*held, *anonymous)
+            await _until(lambda: pool.tasks == 0)
+            assert pool.principals == 0 and not pool._waiting and not pool._turns
+        finally:
+            release.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_waiting_tasks_are_served_round_robin_between_principals():
+    gate = threading.Event()
+    order: list[str] = []
+
+    def note(name: str) -> None:
+        order.append(name)
+
+    async def main() -> None:
+        pool = WorkPool(1, 16, per_principal=8)
+        try:
+            first = asyncio.ensure_future(pool.run("x", gate.wait))  # holds the one thread
+            await _until(lambda: pool.tasks == 1 and not pool._turns)
+            runs = [asyncio.ensure_future(pool.run("a", note, f"a{i}")) for i in range(5)]
+            await asyncio.sleep(0.01)
+            runs += [asyncio.ensure_future(pool.run("b", note, f"b{i}")) for i in range(2)]
+            await asyncio.sleep(0.01)
+            gate.set()
+            await asyncio.gather(first, *runs)
+            # b's first task waits for one of a's, not for a's whole backlog.
+            assert order == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"]
+            assert pool.tasks == 0 and pool.principals == 0
+        finally:
+            gate.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_counts_return_to_zero_after_errors_and_cancellations():
+    gate = threading.Event()
+
+    def boom() -> None:
+        raise RuntimeError("a bug of ours")
+
+    async def main() -> None:
+        pool = WorkPool(1, 16, per_principal=8)
+        try:
+            running = asyncio.ensure_future(pool.run("a", gate.wait))
+            await _until(lambda: pool.tasks == 1 and not pool._turns)
+            waiting = [asyncio.ensure_future(pool.run("a", sum, [i])) for i in range(4)]
+            failing = asyncio.ensure_future(pool.run("b", boom))
+            await asyncio.sleep(0.01)
+            assert pool.tasks_of("a") == 5 and pool.tasks_of("b") == 1
+            # Callers that leave while their task waits: it leaves the queue and stops
+            # counting at once; the running one counts until its thread is done.
+            for w in waiting[:3]:
+                w.cancel()
+            running.cancel()
+            await asyncio.sleep(0.01)
+            assert pool.tasks_of("a") == 2 and pool.tasks == 3
+            assert len(pool._waiting["a"]) == 1
+            gate.set()
+            assert await waiting[3] == 3
+            with pytest.raises(RuntimeError):
+                await failing
+            await _until(lambda: pool.tasks == 0)
+            assert pool.principals == 0 and not pool._waiting and not pool._turns
+            assert pool.tasks_of("a") == pool.tasks_of("b") == 0
+        finally:
+            gate.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_close_cancels_waiting_tasks():
+    gate = threading.Event()
+
+    async def main() -> None:
+        pool = WorkPool(1, 4, per_principal=4)
+        running = asyncio.ensure_future(pool.run("a", gate.wait))
+        await _until(lambda: pool.tasks == 1 and not pool._turns)
+        waiting = asyncio.ensure_future(pool.run("a", sum, [1]))
+        await asyncio.sleep(0.01)
+        pool.close()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        gate.set()
+        await running
+        assert pool.tasks == 0
+        with pytest.raises(ApiError):
+            await pool.run("a", sum, [1])
+    asyncio.run(main())
+
+
+def test_the_share_is_reloadable_and_its_refusals_are_counted():
+    import msgspec
+
+    from helexa.config.router import LimitsConfig, RouterConfig
+    from helexa.router.app import RouterState
+
+    cfg = RouterConfig(limits=LimitsConfig(schema_workers=1, schema_queue_depth=7))
+    state = RouterState(cfg, None)
+    try:
+        assert state.work_pool.per_principal == 2  # a quarter of 1 + 7
+        state.apply(msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
+            cfg.limits, schema_per_principal=1)))
+        assert state.work_pool.per_principal == 1
+        gate = threading.Event()
+
+        async def main() -> None:
+            held = asyncio.ensure_future(state.work_pool.run("a", gate.wait))
+            await _until(lambda: state.work_pool.tasks == 1)
+            with pytest.raises(ApiError):
+                await state.work_pool.run("a", sum, [1])
+            gate.set()
+            await held
+        asyncio.run(main())
+        text = state.metrics.render().decode()
+        assert 'helexa_router_work_refusals_total{reason="principal_share"} 1.0' in text
+        assert "helexa_router_work_tasks 0.0" in text
+        state.apply(cfg)  # unset again: derived from the pool's size
+        assert state.work_pool.per_principal == 2
+    finally:
+        state.work_pool.close()
