@@ -97,7 +97,9 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "may be running on the schema workers or waiting for one (parsing a body, building its "
         "neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
         "while others still get in, and waiting tasks are served round robin between "
-        "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default).",
+        "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default); "
+        "with no auth.keys_file, where every caller is the one anonymous principal, all of "
+        "them.",
         RELOAD)] = None
 
 

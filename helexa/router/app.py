@@ -97,9 +97,10 @@ class RouterState:
         self.request_secs = cfg.timeouts.request_secs
         self.client_write_secs = cfg.timeouts.client_write_secs
         self.caps = RequestCaps.of(cfg.limits)
-        pool = self.work_pool
-        pool.per_principal = cfg.limits.schema_per_principal or \
-            default_share(pool.workers, pool.queue_depth)
+        pool = self.work_pool  # without keys every caller is the one principal: all of it
+        pool.per_principal = cfg.limits.schema_per_principal or (
+            default_share(pool.workers, pool.queue_depth) if keys
+            else pool.workers + pool.queue_depth)
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token

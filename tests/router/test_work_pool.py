@@ -201,16 +201,22 @@ def test_close_cancels_waiting_tasks():
     asyncio.run(main())
 
 
-def test_the_share_is_reloadable_and_its_refusals_are_counted():
+def test_the_share_is_reloadable_and_its_refusals_are_counted(tmp_path):
     import msgspec
 
-    from helexa.config.router import LimitsConfig, RouterConfig
+    from helexa.config.router import AuthConfig, LimitsConfig, RouterConfig
     from helexa.router.app import RouterState
+    from helexa.router.auth import hash_key
 
-    cfg = RouterConfig(limits=LimitsConfig(schema_workers=1, schema_queue_depth=7))
-    state = RouterState(cfg, None)
-    try:
-        assert state.work_pool.per_principal == 2  # a quarter of 1 + 7
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[keys]\n"{hash_key("k1")}" = "alice"\n')
+    keyless = RouterConfig(limits=LimitsConfig(schema_workers=1, schema_queue_depth=7))
+    cfg = msgspec.structs.replace(keyless, auth=AuthConfig(keys_file=str(keys)))
+    state = RouterState(keyless, None)
+    try:  # no keys: every caller is the one anonymous principal, and the pool is all its
+        assert state.work_pool.per_principal == 8
+        state.apply(cfg)
+        assert state.work_pool.per_principal == 2  # keys: a quarter of 1 + 7
         state.apply(msgspec.structs.replace(cfg, limits=msgspec.structs.replace(
             cfg.limits, schema_per_principal=1)))
         assert state.work_pool.per_principal == 1
