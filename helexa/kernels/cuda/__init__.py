@@ -98,12 +98,11 @@ def refusals(device: torch.device) -> list[tuple[str, list[Any], str]]:
 def adopt(device: torch.device, event: str, kind: list[Any], why: str) -> bool:
     """Record a kind another rank refused (a refusals() entry) as refused on ``device`` too,
     logged as the kernel's fallback with ``why``; False where it is already refused here
-    (or the kernel is unknown here)."""
+    (or the kernel is unknown here). ``device``: the rank's card by its index, as a call's
+    tensors name it (tensor parallelism needs each card named: helexa/config/neuron.py device_problem)."""
     verdicts = _KERNELS.get(event)
     if verdicts is None:
         return False
-    if device.type == "cuda" and device.index is None:  # as a call's tensors name it
-        device = torch.device("cuda", torch.cuda.current_device())
     key = (device, *(getattr(torch, f[6:]) if isinstance(f, str) and f.startswith("torch.")
                      and isinstance(getattr(torch, f[6:], None), torch.dtype) else f
                      for f in kind))
