@@ -215,6 +215,7 @@ def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     wait_for(lambda: ledger_whole(router), timeout=15)
 
 
+@pytest.mark.slow  # 12 s alone, 30 s in a loaded run
 def test_200000_turns_stall_no_stream(pair):
     """A chat of 200,000 short turns, and the same to /tokenize, at once: the router built
     their messages' protos (and /tokenize the JSON of 1.6 million ids) on the loop that
