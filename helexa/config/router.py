@@ -21,7 +21,7 @@ class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     read_timeout_secs: Annotated[float, field_meta(
         "A connection that sends no byte of a request's headers for this long (from its "
         "opening or its last response: also the keep-alive idle time) is closed, and a body "
-        "that stops arriving for this long, or arrives slower than 64 KiB/s after it, is "
+        "that stops arriving for this long, or arrives slower than 8 KiB/s after it, is "
         "answered 408 and closed.", RESTART, gt=0)] = 15.0
 
 

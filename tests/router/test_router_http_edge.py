@@ -106,6 +106,25 @@ def test_a_body_trickled_a_byte_at_a_time_is_a_408_and_closed(edge):
     assert took < 5, took
 
 
+def test_a_slow_but_steady_body_is_read_whole(edge):
+    """A body at 24 KiB/s (a congested mobile uplink's), never idle, 2.5 s long past a 0.5 s
+    read timeout: read whole. A floor of 64 KiB/s cut such clients' image bodies with a 408
+    after most of the body had come, and their retries the same."""
+    body = b" " * (60 * 1024 - len(BODY)) + BODY  # JSON may start with whitespace
+    with socket.create_connection(edge, timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\n"
+                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n")
+        for at in range(0, len(body), 6 * 1024):
+            s.sendall(body[at:at + 6 * 1024])
+            time.sleep(0.25)
+        reply = b""
+        while b"\r\n\r\n" not in reply and (chunk := s.recv(65536)):
+            reply += chunk
+    # read whole and parsed: what a router without neurons answers a good body, not a 408
+    assert reply.startswith(b"HTTP/1.1 503"), reply[:300]
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages", "/tokenize"])
 @pytest.mark.parametrize("encoding", ["deflate", "gzip"])
 def test_a_body_that_does_not_decode_is_a_400_and_closed(edge, path, encoding):
