@@ -28,8 +28,10 @@ requests"), so each task belongs to a principal (the caller's API key's, or
   checked before the pool's own bound, so a principal over its share hears
   that it is, not that the router is busy. Work a request needs once the
   neuron has answered (`share=False`: encoding the reply) counts toward the
-  cap but is never refused by it: the neuron's own per-principal admission
-  already bounds such work, and the tokens are made.
+  cap and the pool's bound but is never refused by either, and waits ahead of
+  the parses: the tokens are made (a 503 would throw them away and invite a
+  retry that makes them again), and the neuron's own admission already bounds
+  such work.
 - the order: waiting tasks are served round robin between principals, each
   principal's in the order they came, so one key's backlog delays another's
   task by at most one task per principal with work waiting, not by the whole
@@ -113,15 +115,17 @@ class WorkPool:
             mine = self._of.get(principal, 0)
             if share and mine >= self.per_principal:
                 return OVER_SHARE
-            if self._tasks >= self.workers + self.queue_depth or self._closed:
+            if self._closed or (share and self._tasks >= self.workers + self.queue_depth):
                 return POOL_FULL
             self._tasks += 1
             self._of[principal] = mine + 1
             queue = self._waiting.get(principal)
             if queue is None:
                 queue = self._waiting[principal] = deque()
-                self._turns.append(principal)
-            queue.append(task)
+                (self._turns.append if share else self._turns.appendleft)(principal)
+            # work whose tokens are made goes first: before its principal's parses, and (when
+            # its principal had none waiting) before the other principals' turns
+            (queue.append if share else queue.appendleft)(task)
             self._cv.notify()
         # Added outside the lock: a callback run at once (the task already done) takes it.
         task.fut.add_done_callback(lambda _: self._finished(task))
@@ -182,7 +186,8 @@ class WorkPool:
                   share: bool = True) -> T:
         """fn(*args) on a worker, counted as `principal`'s; its exception (an ApiError among
         them) is raised here. Raises ApiError 429 rate_limit_exceeded when the principal
-        holds its share (unless `share` is False), 503 overloaded when the pool is full."""
+        holds its share, 503 overloaded when the pool is full; neither where `share` is
+        False (work whose tokens are made: it waits ahead of the parses instead)."""
         got = self._try_submit(principal, fn, args, share)
         if isinstance(got, str):
             self.on_refuse(got, principal)

@@ -78,6 +78,38 @@ def test_a_full_pool_refuses_503_and_frees_its_place_when_the_thread_is_done():
     asyncio.run(main())
 
 
+def test_a_reply_whose_tokens_are_made_is_never_refused_and_goes_first():
+    """A whole reply's encoding once the neuron answered (share=False) is taken when the
+    pool is full and its principal over its share (a 503 threw the tokens away and its
+    retry made them again), and runs before the parses waiting."""
+    release = threading.Event()
+    order: list[str] = []
+
+    def note(what: str) -> str:
+        order.append(what)
+        return what
+
+    async def main() -> None:
+        pool = WorkPool(1, 1, per_principal=2)  # one running, one waiting: full
+        try:
+            held = asyncio.ensure_future(pool.run("a", release.wait))
+            await _until(lambda: pool.tasks == 1)
+            parse = asyncio.ensure_future(pool.run("b", note, "parse"))
+            await _until(lambda: pool.tasks == 2)
+            with pytest.raises(ApiError):
+                await pool.run("a", note, "refused")  # a parse: the pool is full
+            reply = asyncio.ensure_future(pool.run("a", note, "reply", share=False))
+            await _until(lambda: pool.tasks == 3)
+            release.set()
+            assert await reply == "reply" and await parse == "parse" and await held
+            assert order == ["reply", "parse"]
+            await _until(lambda: pool.tasks == 0)
+        finally:
+            release.set()
+            pool.close()
+    asyncio.run(main())
+
+
 def test_a_principal_over_its_share_is_429_while_another_gets_in():
     release = threading.Event()
     refused: list[tuple[str, str]] = []
