@@ -57,7 +57,9 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> No
     could ever serve; return when one might."""
     if not candidates:
         return
-    caps = [min(c.max_per_principal, c.max_held or c.max_per_principal) for c in candidates]
+    # each neuron's: the smaller of its two caps it reports (0: neither reported)
+    caps = [min([v for v in (c.max_per_principal, c.max_held) if v], default=0)
+            for c in candidates]
     prompts = max(1, len(req.prompt_batch))
     if all(caps) and req.n * prompts > sum(caps):
         why = (f"max_per_principal {sum(caps)} in all"
