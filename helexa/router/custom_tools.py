@@ -93,9 +93,11 @@ def input_of(arguments: str) -> str:
     otherwise, or wrote the arguments as one JSON string (freeform, as OpenAI's models
     call custom tools), gets that string; anything else is the arguments' text."""
     try:
-        args = json.loads(arguments)
+        args = json.loads(arguments, strict=False)  # a raw newline in a string, as models write
     except ValueError:
         partial = partial_input(arguments)
+        if partial is None and ('{"' + INPUT + '":"').startswith("".join(arguments.split())):
+            return ""  # cut before the input's string opened: none of it was written
         return arguments if partial is None else partial
     if isinstance(args, str):
         return args
@@ -134,6 +136,6 @@ def partial_input(arguments: str) -> str | None:
             break
         i += step
     try:
-        return str(json.loads('"' + body[:i] + '"'))
+        return str(json.loads('"' + body[:i] + '"', strict=False))
     except ValueError:
         return None

@@ -96,7 +96,7 @@ class ToolParser:
     def _parsed(self, body: str, key: str = "arguments") -> CallPiece | None:
         """A whole call `{"name", key}` as one piece, or None when it is not one."""
         try:
-            obj = json.loads(body)
+            obj = json.loads(body, strict=False)  # models write raw newlines in strings
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):

@@ -99,7 +99,8 @@ def test_custom_calls_and_outputs_in_input_are_the_calls_and_tool_turns():
 @pytest.mark.parametrize("args,want", [
     ('{"input": "a\\nb"}', "a\nb"), ('{"text": "solo"}', "solo"), ('{"a": 1}', '{"a": 1}'),
     ('{"input": "cut \\u00e9 sh', "cut é sh"), ("nonsense", "nonsense"),
-    ('"*** Begin Patch\\n"', "*** Begin Patch\n"), ('"freefo', "freefo")])
+    ('"*** Begin Patch\\n"', "*** Begin Patch\n"), ('"freefo', "freefo"),
+    ('{"input":', ""), ('{ "inp', "")])  # cut before the input opened: none of it
 def test_a_calls_arguments_as_the_input(args, want):
     assert custom_tools.input_of(args) == want
 
@@ -143,6 +144,25 @@ def test_a_custom_call_is_a_custom_tool_call_item_whole_and_streamed(step, args)
         "response.custom_tool_call_input.done") < kinds.index("response.output_item.done")
     deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
     assert "".join(deltas) == '12-ab"c' and all(deltas)
+
+
+@pytest.mark.parametrize("step", [3, 1000])
+def test_a_raw_newline_in_the_input_string_is_the_input_whole_and_streamed(step):
+    """Models write a newline inside a JSON string raw, which strict JSON refuses: the input
+    was then the arguments' JSON (the deltas stopped at the newline, and in one chunk the
+    call was text), so codex would apply a patch wrapped in JSON."""
+    req = parse(tools=[CODE, PATCH], tool_choice="auto")
+    text = '<tool_call>\n{"name": "apply_patch", "arguments": {"input": "line1\nline2"}}' \
+        '\n</tool_call>'
+    enc = ResponseEncoder("resp_1", "m", req, parser_for(req, "hermes", ""))
+    whole = enc.whole(pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP,
+                                          usage=pb.Usage()))
+    final, events = _run(req, text, step)
+    for r in (whole, final):
+        (item,) = r["output"]
+        assert (item["type"], item["input"]) == ("custom_tool_call", "line1\nline2")
+    deltas = [e["delta"] for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert "".join(deltas) == "line1\nline2"
 
 
 def _accepts(c: grammar.Constraint, text: str) -> bool:
