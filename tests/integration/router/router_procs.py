@@ -18,7 +18,7 @@ import httpx2
 import openai
 import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
-from support.neuron import NeuronProcess
+from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 TOKEN = "router-integration-token"
 PRINCIPALS = ["alice", "bob", "carol", "dave", *[f"p{i}" for i in range(8)]]
@@ -107,6 +107,18 @@ def neuron_cfg(name: str, models: list[dict], kv_mb: int, **admission: Any) -> d
         "admission": {"kv_max_wait_secs": 5.0, **admission},
         "models": models,
     }
+
+
+def tiny_neuron(folder: Path, name: str, model_dir: Path, kv_mb: int, max_slots: int = 4,
+                **sections: dict[str, Any]) -> NeuronProcess:
+    """A neuron on loopback serving ``model_dir`` as `tiny` (one torch thread, no headroom,
+    quick heartbeats), its config and log in ``folder``; ``sections``: more of the config."""
+    cfg = {"server": {"name": name, "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
+           "engine": {"torch_threads": 1, "max_slots": max_slots},
+           "kv": {"kv_budget_mb": kv_mb, "activation_headroom_mb": 0},
+           "models": [{"id": "tiny", "path": str(model_dir)}], **sections}
+    return start_neuron(write_neuron_config(folder / f"{name}.toml", cfg),
+                        log_path=folder / f"{name}.log")
 
 
 def router_config(rdir: Path, neurons: dict[str, NeuronProcess]) -> dict[str, Any]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, start_router, wait_for
-from support.neuron import NeuronProcess, start_neuron, write_neuron_config
+from router_procs import RouterProcess, start_router, tiny_neuron, wait_for
+from support.neuron import NeuronProcess
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 JSON = {"Content-Type": "application/json"}
@@ -30,11 +30,7 @@ ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("bystander")
-    cfg = {"server": {"name": "nb", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
-           "engine": {"torch_threads": 1, "max_slots": 4},
-           "kv": {"kv_budget_mb": 8, "activation_headroom_mb": 0},
-           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
-    neuron = start_neuron(write_neuron_config(d / "nb.toml", cfg), log_path=d / "nb.log")
+    neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8)
     (d / "router.toml").write_text(tomli_w.dumps({
         "server": {"listen": "127.0.0.1:0", "max_body_bytes": 8 * 1024 * 1024},
         "neurons": {"endpoints": [{"name": "nb", "address": neuron.address}]},
@@ -327,12 +323,7 @@ def _rss_mb(pid: int) -> float:
 def test_stalled_streams_hold_little_router_memory(tmp_path, tiny_model_dir):
     """8 clients that read nothing, for 15 s (under client_write_secs): the router's memory
     stays flat. It grew 43 MB in 20 s when each stream kept every logprob it had sent."""
-    cfg = {"server": {"name": "nm", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
-           "engine": {"torch_threads": 1, "max_slots": 8},
-           "kv": {"kv_budget_mb": 32, "activation_headroom_mb": 0},
-           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
-    neuron = start_neuron(write_neuron_config(tmp_path / "nm.toml", cfg),
-                          log_path=tmp_path / "nm.log")
+    neuron = tiny_neuron(tmp_path, "nm", tiny_model_dir, kv_mb=32, max_slots=8)
     (tmp_path / "router.toml").write_text(tomli_w.dumps({
         "server": {"listen": "127.0.0.1:0"},
         "neurons": {"endpoints": [{"name": "nm", "address": neuron.address}]},
@@ -372,13 +363,8 @@ def test_a_whole_reply_of_megabytes_stalls_no_stream(tmp_path, tiny_model_dir):
     """16 choices of 1,500 tokens with 20 top logprobs each, not streamed: about 32 MB of
     JSON. The router built and encoded it on the loop that carries every stream, which held
     a bystander's chunks for over 2 s."""
-    cfg = {"server": {"name": "nw", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
-           "engine": {"torch_threads": 1, "max_slots": 20},
-           "kv": {"kv_budget_mb": 64, "activation_headroom_mb": 0},
-           "admission": {"max_in_flight": 20, "anon_max_in_flight": 20},
-           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
-    neuron = start_neuron(write_neuron_config(tmp_path / "nw.toml", cfg),
-                          log_path=tmp_path / "nw.log")
+    neuron = tiny_neuron(tmp_path, "nw", tiny_model_dir, kv_mb=64, max_slots=20,
+                         admission={"max_in_flight": 20, "anon_max_in_flight": 20})
     (tmp_path / "router.toml").write_text(tomli_w.dumps({
         "server": {"listen": "127.0.0.1:0"},
         "neurons": {"endpoints": [{"name": "nw", "address": neuron.address}]}}))

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, key_of, start_router, wait_for
-from support.neuron import NeuronProcess, start_neuron, write_neuron_config
+from router_procs import RouterProcess, key_of, start_router, tiny_neuron, wait_for
+from support.neuron import NeuronProcess
 
 from helexa.router.auth import hash_key
 
@@ -35,11 +35,7 @@ SLOW = json.dumps({"model": "no-such-model", "max_tokens": 4,
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("workfair")
-    cfg = {"server": {"name": "nw", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
-           "engine": {"torch_threads": 1, "max_slots": 4},
-           "kv": {"kv_budget_mb": 4, "activation_headroom_mb": 0},
-           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
-    neuron = start_neuron(write_neuron_config(d / "nw.toml", cfg), log_path=d / "nw.log")
+    neuron = tiny_neuron(d, "nw", tiny_model_dir, kv_mb=4)
     (d / "keys.toml").write_text(tomli_w.dumps(
         {"keys": {hash_key(key_of(p)): p for p in ("alice", "bob")}}))
     (d / "router.toml").write_text(tomli_w.dumps({
