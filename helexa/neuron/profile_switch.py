@@ -25,6 +25,7 @@ from helexa.plan import plan_model, state_slots
 from helexa.refusal import Refusal
 
 if TYPE_CHECKING:
+    from helexa.config.schema import NeuronConfig
     from helexa.neuron.residency import Residency
 
 log = structlog.get_logger(component="neuron")
@@ -46,10 +47,7 @@ async def set_profile(res: Residency, model_id: str, profile: str
         raise Refusal("service_unavailable",
                       f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
     asked = effective_limits(res.cfg, profile, r.entry)
-    new_plan = plan_model(res.cfg, r.load_entry, res.config_path,
-                          kv_dtype=effective_kv_dtype(res.cfg, profile),
-                          device_memory_mb=res.device_memory_mb(r.devices))
-    slots = state_slots(new_plan, asked.max_in_flight)[1] if r.num_state_slots else 0
+    new_plan, slots = planned(res, r, profile, res.cfg)
     changed = [f"profile: {r.profile or '(base)'} -> {profile or '(base)'}"] * (
         profile != r.profile)
     pool = [f"{k}: {a} -> {b}" for k, a, b in (("kv_dtype", r.kv_dtype, new_plan.kv_dtype),
@@ -67,6 +65,18 @@ async def set_profile(res: Residency, model_id: str, profile: str
     log.info("model.profile", model=model_id, profile=profile, changed=changed)
     res._on_change()
     return r, changed
+
+def planned(res: Residency, r: ResidentModel, profile: str, cfg: NeuronConfig
+            ) -> tuple[Any, int]:
+    """The pool ``r`` would be planned with under ``cfg`` running ``profile``, and its state
+    slots (a hybrid's: its max_in_flight, fewer where one full context would not fit beside
+    them; 0 for a dense model). Raises PlanError where it cannot be planned."""
+    plan = plan_model(cfg, r.load_entry, res.config_path,
+                      kv_dtype=effective_kv_dtype(cfg, profile),
+                      device_memory_mb=res.device_memory_mb(r.devices))
+    asked = effective_limits(cfg, profile, r.entry)
+    return plan, state_slots(plan, asked.max_in_flight)[1] if r.num_state_slots else 0
+
 
 async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 0) -> None:
     """SWITCHING: stop admitting, let in-flight work finish, re-plan the pool, resume."""

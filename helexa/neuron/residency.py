@@ -315,13 +315,25 @@ class Residency:
         return changes
 
     def state_replans(self, cfg: NeuronConfig) -> list[str]:
-        """Ready hybrid models whose max_in_flight under ``cfg`` is not the state slots
-        their pool holds: a reload re-plans their pool in place, as a profile switch
-        does (set_profile; where the pool holds no other count, nothing is switched)."""
-        return [r.model_id for r in self.models.values()
-                if r.num_state_slots and r.client is not None and r.state == ModelState.READY
-                and effective_limits(cfg, r.profile, r.entry).max_in_flight
-                != r.num_state_slots]
+        """Ready hybrid models whose pool under ``cfg`` would hold another count of state
+        slots (its max_in_flight changed): a reload re-plans their pool in place, as a
+        profile switch does (set_profile). A model its pool caps below max_in_flight (one
+        full context must fit beside the slots) is not switched again for nothing."""
+        from helexa.neuron.profile_switch import planned
+
+        out = []
+        for r in self.models.values():
+            if not r.num_state_slots or r.client is None or r.state != ModelState.READY:
+                continue
+            try:
+                _, slots = planned(self, r, r.profile, cfg)
+            except Exception as e:  # noqa: BLE001 - as at a switch: kept, and said
+                log.warning("model.profile_failed", model=r.model_id, profile=r.profile,
+                            error=str(e))
+                continue
+            if slots != r.num_state_slots:
+                out.append(r.model_id)
+        return out
 
     # ----------------------------------------------------------- profiles
 

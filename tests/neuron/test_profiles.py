@@ -291,13 +291,23 @@ def test_a_reload_changing_a_hybrids_max_in_flight_re_plans_its_state_slots(
             daemon.reload()
             await until(lambda n=n: r.num_state_slots == n and engine.limits.max_in_flight == n)
             seen.append((r.num_state_slots, engine.limits.max_in_flight))
+        cfg["admission"]["max_in_flight"] = 100_000  # more than the pool holds
+        write_neuron_config(path, cfg)
+        daemon.reload()
+        await until(lambda: len(engine.reset_calls) == 3 and r.state.name == "READY")
+        capped = r.num_state_slots
+        from helexa.config.schema import load_neuron_config
+        assert daemon.residency.state_replans(load_neuron_config(path)) == []  # none again
         cfg["engine"] = {"spec_k": 3}  # a reload leaving max_in_flight as it is
         write_neuron_config(path, cfg)
         daemon.reload()
         await asyncio.sleep(0.2)
-        return seen, [(c["num_state_slots"], c["num_blocks"]) for c in engine.reset_calls]
+        return seen, capped, [(c["num_state_slots"], c["num_blocks"])
+                              for c in engine.reset_calls]
 
-    seen, resets = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    seen, capped, resets = run_fake_neuron(path, body, script=lambda _p, _i: 7)
     assert seen == [(2, 2), (5, 5), (3, 3)]
-    # one re-plan a change, none for the reload that changed none; slots' bytes from blocks
-    assert [slots for slots, _ in resets] == [5, 3] and resets[0][1] < resets[1][1]
+    assert 5 < capped < 100_000  # as many as fit beside one full context
+    # one re-plan a change, none for a reload that changes none (the capped model's
+    # included); the slots' bytes come from the blocks
+    assert [slots for slots, _ in resets] == [5, 3, capped] and resets[0][1] < resets[1][1]
