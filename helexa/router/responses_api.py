@@ -310,6 +310,10 @@ def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
     if isinstance(c, RToolChoice):
         if c.type not in ("function", "custom") or not c.name:
             raise unsupported("tool_choice", f"tool_choice of type `{c.type}`")
+        if c.type == "custom" and c.name not in req.custom_tools and any(
+                t.name == c.name for t in fns):  # its kind as listed (a missing one: below)
+            raise bad_request(f"`tool_choice` names `{c.name}` as a custom tool; it is listed "
+                              "as a function (`{\"type\": \"function\"}`)", "tool_choice")
         body.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=c.name))
     elif c is not None:
         body.tool_choice = c

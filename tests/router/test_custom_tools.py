@@ -53,6 +53,10 @@ def test_a_named_custom_choice_forces_that_tool():
     req = parse(tools=[NOTE, CODE], tool_choice={"type": "custom", "name": "code"})
     assert (req.tool_choice, req.tool_name) == ("function", "code")
     assert "^(?:[0-9]+-[a-z]+)$" in req.constraint.source
+    fn = {"type": "function", "name": "fn", "parameters": {"type": "object"}}
+    with pytest.raises(ApiError) as e:  # a function named as a custom tool: not that kind
+        parse(tools=[fn, CODE], tool_choice={"type": "custom", "name": "fn"})
+    assert e.value.param == "tool_choice" and "listed as a function" in e.value.message
 
 
 @pytest.mark.parametrize("tool,param", [
