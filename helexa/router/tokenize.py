@@ -46,7 +46,7 @@ class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeResponse:
     state = request.app[STATE]
-    principal = state.auth.principal(authorization(request))  # 401 when auth is required
+    principal = _principal(request)  # 401 when auth is required
     treq.principal = "" if principal == "anonymous" else principal  # the neuron's caps
     treq.model = state.aliases.resolve(treq.model)
     candidates = state.registry.candidates(treq.model)
@@ -69,8 +69,17 @@ async def _body(request: web.Request) -> bytes:
     """The body, once the caller's key is known good: an unknown key is a 401 whatever the
     body holds, as on the generation endpoints."""
     state = request.app[STATE]
-    state.auth.principal(authorization(request))
+    _principal(request)
     return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
+
+
+def _principal(request: web.Request) -> str:
+    """The caller's principal (a 401 for an unknown key where keys are required), resolved
+    once a request: the body's check and each task on the work pool ask for it."""
+    if (principal := request.get("principal")) is None:
+        principal = request["principal"] = \
+            request.app[STATE].auth.principal(authorization(request))
+    return str(principal)
 
 
 async def _decoded(request: web.Request, t: type) -> Any:
@@ -84,9 +93,7 @@ async def _off_loop(request: web.Request, fn: Any, *args: Any, share: bool = Tru
     with the request (200,000 turns, or 1.6 million ids back, held every stream's loop for
     a second and more). Counted against the caller's share of the pool: 429 beyond it,
     unless `share` is False (the reply, once the neuron has answered; work_pool.py)."""
-    state = request.app[STATE]
-    return await state.work_pool.run(state.auth.principal(authorization(request)), fn, *args,
-                                     share=share)
+    return await request.app[STATE].work_pool.run(_principal(request), fn, *args, share=share)
 
 
 def _json(data: dict[str, Any]) -> web.Response:

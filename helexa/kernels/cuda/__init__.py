@@ -76,13 +76,13 @@ class Verdicts:
         where it proved itself, ``fallback (why)`` where not; "" before any."""
         if unavailable:
             return f"{self.fallback} ({unavailable})"
-        said = sorted({why for (on, *_), why in self._by_kind.items()
-                       if on.type == device.type and device.index in (None, on.index)})
+        said = sorted({why for key, why in self._by_kind.items() if _on(key, device)})
         return "; ".join(self.kernel if not why else f"{self.fallback} ({why})"
                          for why in said)
 
 
 def _on(key: tuple, device: torch.device) -> bool:
+    """A verdict's key is for ``device`` (a device without an index: any of its type)."""
     on = key[0]
     return bool(on.type == device.type and device.index in (None, on.index))
 
