@@ -807,7 +807,7 @@ def test_the_sampling_ranges_in_http_md_are_the_request_models() -> None:
 
     text = (ROOT / "docs" / "http.md").read_text()
     stated = [f"`temperature` ({span('temperature')})", f"`min_p` ({span('min_p')})",
-              f"`top_p` ({num(_bounds(RequestBody, 'top_p')[0])} < p ≤ "
+              f"`top_p` ({num(_bounds(RequestBody, 'top_p')[0])} ≤ p ≤ "
               f"{num(_bounds(RequestBody, 'top_p')[1])})",
               f"`frequency_penalty` ({span('frequency_penalty')})",
               f"`repetition_penalty` ({span('repetition_penalty')})"]

@@ -110,7 +110,7 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],
                               Meta(max_length=16)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     stream: bool | None = None
     tools: list[ATool] | None = None

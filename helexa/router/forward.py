@@ -85,9 +85,12 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
 def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: str,
                      deadline_unix_ms: int, choice: int = 0) -> pb.GenerateRequest:
     """The GenerateRequest for one choice of a parsed request."""
+    # top_p 0 keeps the smallest set holding none of the mass, the top token alone: greedy
+    # decoding (OpenAI takes 0; on the wire 0 means unset, so it is sent as temperature 0)
+    greedy = req.top_p == 0
     sampling = pb.SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None or greedy else req.top_p,
         top_k=req.top_k or 0, min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty or 1.0,

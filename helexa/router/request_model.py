@@ -135,7 +135,7 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     max_tokens: MaxTokens | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
     presence_penalty: Penalty | None = None

@@ -124,7 +124,7 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     stream: bool | None = None
     tools: list[RTool] | None = None
     tool_choice: Literal["auto", "none", "required"] | RToolChoice | None = None

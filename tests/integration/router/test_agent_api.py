@@ -180,3 +180,18 @@ def test_reasoning_then_a_schema_constrained_answer(router, stream):
         reasoning, content = msg.get("reasoning_content"), msg["content"]
     assert reasoning  # the thought (budget 8) came first ...
     check_record(json.loads(content))  # ... then the answer the schema constrains
+
+
+def test_top_p_zero_is_greedy_whatever_the_temperature_and_seed(router):
+    """OpenAI takes top_p 0: the smallest set holding none of the mass is the top token."""
+    c = router.client()
+    greedy = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=12,
+                                       temperature=0).choices[0].message.content
+    for seed in (1, 2):
+        r = c.chat.completions.create(model="tiny", messages=MSG, max_tokens=12,
+                                      temperature=2.0, top_p=0, seed=seed)
+        assert r.choices[0].message.content == greedy
+    sampled = {c.chat.completions.create(model="tiny", messages=MSG, max_tokens=12,
+                                         temperature=2.0, seed=seed).choices[0].message.content
+               for seed in (1, 2)}
+    assert sampled != {greedy}  # temperature 2 alone does sample: the check above can fail
