@@ -137,9 +137,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
-        if any(images.parts_of(req)):  # decoded in a worker thread; their tokens estimated
+        if any(images.parts_of(req)):  # decoded on the work pool; their tokens estimated
             vision = images.check_model_takes_images(req, model, state.registry)
-            await images.resolve(req, state.cfg.images)
+            await images.resolve(req, state.cfg.images, state.work_pool, principal)
             if vision is not None:
                 est = Estimate(est.prompt_tokens + images.estimated_tokens(req, vision),
                                est.max_tokens)
