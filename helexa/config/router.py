@@ -94,8 +94,8 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         RESTART, ge=0)] = 64
     schema_per_principal: Annotated[optional(int, ge=1), field_meta(
         "Tasks of one principal (an API key's; callers without a key are one principal) that "
-        "may be running on the schema workers or waiting for one (parsing a body, building its "
-        "neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
+        "may be running on the schema workers or waiting for one (parsing a body, decoding its "
+        "images, building its neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
         "while others still get in, and waiting tasks are served round robin between "
         "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default); "
         "with no auth.keys_file, where every caller is the one anonymous principal, all of "

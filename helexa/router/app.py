@@ -67,6 +67,7 @@ class RouterState:
         self.work_pool.on_refuse = self._work_refused
         self.metrics.work_tasks.set_function(lambda: self.work_pool.tasks)
         self.metrics.work_principals.set_function(lambda: self.work_pool.principals)
+        self.metrics.work_background.set_function(lambda: self.work_pool.background)
         self.apply(cfg)
 
     def apply(self, cfg: RouterConfig) -> None:

@@ -3,21 +3,24 @@ naming the part and the limit when it cannot be used.
 
 The front ends (openai_api.py, anthropic.py, responses_api.py) leave an `ImagePart` among a turn's parts
 for each image: a data: URL or base64 text still to decode, or an http(s) URL still to
-fetch. `resolve(req, cfg)` then, before a neuron is chosen:
+fetch. `resolve(req, cfg, pool, principal)` then, before a neuron is chosen:
 1. counts the request's images against `images.max_per_request` (nothing is decoded
    for a request that has too many);
-2. turns base64 into bytes (its length checked against `images.max_bytes` first) and
-   fetches URLs where the operator allows it (`images.fetch_urls`, only the hosts in
+2. checks each base64 image's length against `images.max_bytes` and fetches URLs
+   where the operator allows it (`images.fetch_urls`, only the hosts in
    `images.fetch_hosts`, no redirects, `fetch_timeout_secs`, `max_bytes`);
-3. decodes each image (helexa/image_decode.py: format, header pixels against
-   `images.max_pixels`, truncation) in a worker thread, so the event loop never waits
-   on Pillow, and keeps its size for the router's token estimate.
+3. turns base64 into bytes and decodes each image (helexa/image_decode.py: format,
+   header pixels against `images.max_pixels`, truncation), one image a task on the
+   router's work pool (work_pool.py) as the caller's principal: the event loop never
+   waits on Pillow, and a key sending many large images has only its share of the
+   pool's threads (429 past it, 503 when the pool is full) and takes its turn between
+   the other principals' parses, an image at a time. Each image keeps its size for
+   the router's token estimate.
 The neuron receives the files themselves and decodes them again under its own limits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import binascii
 import math
@@ -33,6 +36,7 @@ from helexa.router.errors import ApiError, bad_request, unsupported
 
 if TYPE_CHECKING:
     from helexa.router.openai_api import ParsedRequest
+    from helexa.router.work_pool import WorkPool
 
 VIDEO_PART_TYPES = ("video_url", "video", "input_video")
 _FETCH_CHUNK_BYTES = 1 << 16
@@ -85,8 +89,10 @@ def parts_of(req: ParsedRequest) -> Iterator[ImagePart]:
                 yield part
 
 
-async def resolve(req: ParsedRequest, cfg: ImagesConfig) -> None:
-    """Every image of `req` as bytes and a size, or the ApiError(400) of the first that fails."""
+async def resolve(req: ParsedRequest, cfg: ImagesConfig, pool: WorkPool,
+                  principal: str) -> None:
+    """Every image of `req` as bytes and a size, or the ApiError(400) of the first that fails;
+    decoded on `pool` as `principal`'s work (its ApiError 429 or 503 where it refuses)."""
     images = list(parts_of(req))
     if not images:
         return
@@ -96,31 +102,33 @@ async def resolve(req: ParsedRequest, cfg: ImagesConfig) -> None:
                           "are accepted per request", field)
     for img in images:
         if img.b64 is not None:
-            img.data = _b64(img, cfg.max_bytes)
+            _check_b64_size(img, cfg.max_bytes)
         elif img.url is not None:
             img.data = await _fetch(img, cfg)
     limits = ImageLimits(max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels)
-    await asyncio.to_thread(_decode_all, images, limits)
+    for img in images:  # one at a time: a request's images take one place of its share
+        await pool.run(principal, _decode, img, limits)
 
 
-def _b64(img: ImagePart, max_bytes: int) -> bytes:
-    text = img.b64 or ""
-    if len(text) * 3 // 4 > max_bytes + 3:  # refused before decoding a byte
-        raise bad_request(f"`{img.param}`: the image is about {len(text) * 3 // 4} bytes; at "
-                          f"most {max_bytes} are accepted", img.param)
-    try:
-        return base64.b64decode(text.strip(), validate=True)
-    except (binascii.Error, ValueError):
-        raise bad_request(f"`{img.param}`: the image's base64 data is not valid base64",
-                          img.param) from None
+def _check_b64_size(img: ImagePart, max_bytes: int) -> None:
+    size = len(img.b64 or "") * 3 // 4
+    if size > max_bytes + 3:  # refused before decoding a byte
+        raise bad_request(f"`{img.param}`: the image is about {size} bytes; at most "
+                          f"{max_bytes} are accepted", img.param)
 
 
-def _decode_all(images: list[ImagePart], limits: ImageLimits) -> None:
-    for img in images:
+def _decode(img: ImagePart, limits: ImageLimits) -> None:
+    """On a worker: the image's bytes from its base64, then its size from Pillow."""
+    if img.b64 is not None:
         try:
-            img.width, img.height = decode_image(img.data, limits).size
-        except ImageError as e:
-            raise bad_request(f"`{img.param}`: {e}", img.param) from None
+            img.data = base64.b64decode(img.b64.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise bad_request(f"`{img.param}`: the image's base64 data is not valid base64",
+                              img.param) from None
+    try:
+        img.width, img.height = decode_image(img.data, limits).size
+    except ImageError as e:
+        raise bad_request(f"`{img.param}`: {e}", img.param) from None
 
 
 def host_allowed(host: str, allowed: list[str]) -> bool:

@@ -168,13 +168,18 @@ class RouterMetrics:
         # The work pool (work_pool.py): its refusals, and the tasks it holds now.
         self.work_refusals = Counter("helexa_router_work_refusals",
                                      "Work the router's parsing pool refused, by reason: "
-                                     "principal_share (429) or pool_full (503)", ["reason"],
+                                     "principal_share (429), pool_full (503), or "
+                                     "background_full (a schema check dropped)", ["reason"],
                                      registry=r)
         self.work_tasks = Gauge("helexa_router_work_tasks",
                                 "Tasks running on the router's parsing pool or waiting for it",
                                 registry=r)
         self.work_principals = Gauge("helexa_router_work_principals",
                                      "Principals with a task on the router's parsing pool",
+                                     registry=r)
+        self.work_background = Gauge("helexa_router_work_background_tasks",
+                                     "Background tasks (schema checks of finished replies) "
+                                     "running on the router's parsing pool or waiting",
                                      registry=r)
         self.prompt_tokens = Counter("helexa_router_prompt_tokens",
                                      "Prompt tokens of finished requests (cached ones included)",

@@ -137,9 +137,9 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         model = ctx["model"] = state.aliases.resolve(req.model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
-        if any(images.parts_of(req)):  # decoded in a worker thread; their tokens estimated
+        if any(images.parts_of(req)):  # decoded on the work pool; their tokens estimated
             vision = images.check_model_takes_images(req, model, state.registry)
-            await images.resolve(req, state.cfg.images)
+            await images.resolve(req, state.cfg.images, state.work_pool, principal)
             if vision is not None:
                 est = Estimate(est.prompt_tokens + images.estimated_tokens(req, vision),
                                est.max_tokens)
@@ -281,15 +281,19 @@ def _headers(req: ParsedRequest, call: Any, req_id: str) -> dict[str, str]:
 
 def _check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
                   choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
-    """Check each finished reply against the keywords its grammar could not enforce, on a
-    worker (the check grows with the schema and the reply); a violation is logged (the
-    client has its reply and the header that warned of it)."""
+    """Check each finished reply against the keywords its grammar could not enforce, in the
+    work pool's background lane (the check grows with the schema and the reply; it never
+    counts toward the principal's share, work_pool.py); a violation is logged (the client
+    has its reply and the header that warned of it), and so is a check dropped unrun."""
     if not req.unenforced:
         return
-    why = state.work_pool.submit(ctx["principal"], _check_replies, state, req, model, calls,
-                                 choices, dict(ctx))
-    if why is not None:  # the pool full, or the principal holding its share of it
+    ctx = dict(ctx)
+
+    def skipped(why: str) -> None:  # the background lane was full: this check went
+        state.metrics.work_refusals.labels(why).inc()
         state.log.warning("request.schema_check_skipped", **ctx, reason=why)
+    state.work_pool.submit(ctx["principal"], _check_replies, state, req, model, calls,
+                           choices, ctx, on_drop=skipped)
 
 
 def _check_replies(state: Any, req: ParsedRequest, model: str, calls: list[Any],

@@ -96,6 +96,13 @@ async def _off_loop(request: web.Request, fn: Any, *args: Any, share: bool = Tru
     return await request.app[STATE].work_pool.run(_principal(request), fn, *args, share=share)
 
 
+async def _images(request: web.Request, req: ParsedRequest) -> None:
+    """The request's images decoded (their tokens count too), on the work pool as the
+    caller's (images.py)."""
+    state = request.app[STATE]
+    await images.resolve(req, state.cfg.images, state.work_pool, _principal(request))
+
+
 def _json(data: dict[str, Any]) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), content_type="application/json")
 
@@ -131,8 +138,7 @@ async def tokenize(request: web.Request) -> web.Response:
                               add_generation_prompt=b.add_generation_prompt)
     if b.messages is not None:
         turns = await _off_loop(request, _turns, b.messages)
-        await images.resolve(ParsedRequest(kind="chat", model=b.model, messages=turns),
-                             request.app[STATE].cfg.images)  # image tokens count too
+        await _images(request, ParsedRequest(kind="chat", model=b.model, messages=turns))
         treq.chat.CopyFrom(await _off_loop(request, _chat, turns, b.chat_template_kwargs,
                                            b.tools))
     else:
@@ -160,7 +166,7 @@ async def count_tokens(request: web.Request) -> web.Response:
         state = request.app[STATE]
         req = await _off_loop(request, anthropic.parse_count_request, await _body(request),
                               state.caps)
-        await images.resolve(req, state.cfg.images)
+        await _images(request, req)
         chat = await _off_loop(request, _count_chat, req)
         out = await _call(request, pb.TokenizeRequest(
             model=req.model, chat=chat, add_generation_prompt=True,

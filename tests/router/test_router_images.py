@@ -1,7 +1,9 @@
 """The router's image parts (helexa/router/images.py): OpenAI image_url parts and Anthropic
 image blocks become ImageParts in order among the text; resolving them decodes data: URLs
 and base64 within the [images] limits, refusing with a 400 that names the part and the
-limit; URLs are fetched only from allowed hosts; tokens are estimated as the neuron counts."""
+limit; URLs are fetched only from allowed hosts; tokens are estimated as the neuron counts.
+Decoding runs on the router's work pool as the caller's principal: a key holding its share
+is 429 there while another key's images decode."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import asyncio
 import base64
 import io
 import json
+import threading
 
 import pytest
 from PIL import Image
@@ -18,6 +21,7 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic, images
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import parse_request
+from helexa.router.work_pool import WorkPool
 
 
 def png(w: int, h: int) -> bytes:
@@ -39,7 +43,11 @@ def img_part(url: str) -> dict:
 
 
 def resolve(req, **cfg) -> None:
-    asyncio.run(images.resolve(req, ImagesConfig(**cfg)))
+    pool = WorkPool(1, 4)
+    try:
+        asyncio.run(images.resolve(req, ImagesConfig(**cfg), pool, "alice"))
+    finally:
+        pool.close()
 
 
 def refusal(req, **cfg) -> ApiError:
@@ -154,3 +162,41 @@ def test_anthropic_tool_result_images():
     with pytest.raises(ApiError, match="blocks of type `document` here") as e:
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.param == "messages[2].content[0].content[1].type"
+
+
+def test_images_decode_on_the_work_pool_within_the_callers_share(monkeypatch):
+    decoded_on: list[tuple[str, int]] = []
+    real = images.decode_image
+
+    def spy(data, limits):
+        decoded_on.append((threading.current_thread().name, pool.tasks_of("bob")))
+        return real(data, limits)
+    monkeypatch.setattr(images, "decode_image", spy)
+    req = parse_request(json.dumps(chat(img_part(data_url(png(8, 8))),
+                                        img_part(data_url(png(9, 9))))).encode(), "chat")
+    gate = threading.Event()
+    pool = WorkPool(1, 4, per_principal=1)
+
+    async def main() -> None:
+        held = asyncio.ensure_future(pool.run("alice", gate.wait))  # alice holds her share
+        await asyncio.sleep(0)  # its task submitted
+        try:
+            assert pool.tasks_of("alice") == 1
+            with pytest.raises(ApiError) as e:
+                await images.resolve(req, ImagesConfig(), pool, "alice")
+            assert e.value.status == 429 and e.value.code == "rate_limit_exceeded"
+            assert "limits.schema_per_principal" in e.value.message
+            assert decoded_on == []  # refused before a byte was decoded
+            gate.set()
+            await held
+            await images.resolve(req, ImagesConfig(), pool, "bob")
+        finally:
+            gate.set()
+    try:
+        asyncio.run(main())
+    finally:
+        pool.close()
+    # On the pool's threads, one image a task, each counted as bob's.
+    assert decoded_on == [("router-work-0", 1), ("router-work-0", 1)]
+    sizes = [(p.width, p.height) for p in images.parts_of(req)]
+    assert sizes == [(8, 8), (9, 9)] and pool.tasks == 0

@@ -1,7 +1,10 @@
 """The router's bounded worker pool: results and errors come back, a full pool refuses at once
 (503 overloaded), a task counts until its thread finishes it; one principal over its share is
 refused 429 while another gets in, waiting tasks are served round robin between principals,
-and every count returns to zero after errors and cancellations."""
+and every count returns to zero after errors and cancellations. Background work (a finished
+reply's schema check) never counts toward a principal's share nor the pool's bound, runs after
+every waiting request's task and never on every thread, and when its own lane is full the
+principal with the most waiting loses its newest."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from helexa.router.errors import ApiError
-from helexa.router.work_pool import OVER_SHARE, POOL_FULL, WorkPool, default_share
+from helexa.router.work_pool import BACKGROUND_FULL, OVER_SHARE, WorkPool, default_share
 
 
 def test_run_returns_the_result_and_raises_the_error():
@@ -61,10 +64,13 @@ def test_a_full_pool_refuses_503_and_frees_its_place_when_the_thread_is_done():
                 await pool.run("b", sum, [1])
             assert e.value.status == 503 and e.value.code == "overloaded"
             assert "limits.schema_workers" in e.value.message
-            assert pool.submit("b", sum, [1]) == POOL_FULL  # dropped, and says why
+            # Background work has a lane of its own: taken while requests' are refused.
+            ran = threading.Event()
+            pool.submit("b", ran.set, on_drop=lambda why: pytest.fail(why))
+            assert pool.background == 1 and pool.tasks == 2
             # A caller that leaves while its task runs does not free the place: its thread
             # still works.
-            await _until(lambda: len(pool._waiting["a"]) == 1)  # the first one is running
+            await _until(lambda: len(pool._lane.waiting["a"]) == 1)  # the first one is running
             held[0].cancel()
             await asyncio.sleep(0.05)
             assert pool.tasks == 2
@@ -72,6 +78,7 @@ def test_a_full_pool_refuses_503_and_frees_its_place_when_the_thread_is_done():
             await asyncio.gather(held[1])
             await _until(lambda: pool.tasks == 0)
             assert await pool.run("b", sum, [2]) == 2
+            await _until(lambda: ran.is_set() and pool.background == 0)
         finally:
             release.set()
             pool.close()
@@ -133,7 +140,8 @@ def test_a_principal_over_its_share_is_429_while_another_gets_in():
             with pytest.raises(ApiError) as e:  # every caller without a key: one principal
                 await pool.run("anonymous", sum, [1])
             assert e.value.status == 429 and "without an API key" in e.value.message
-            assert pool.submit("a", sum, [1]) == OVER_SHARE  # background work too
+            pool.submit("a", sum, [1])  # background work: taken, not counted toward a's share
+            assert pool.background == 1
             other = asyncio.ensure_future(pool.run("b", sum, [5]))  # b still gets in
             # Work after the neuron answered is counted but never refused for the share.
             late = asyncio.ensure_future(pool.run("a", sum, [7], share=False))
@@ -143,7 +151,7 @@ def test_a_principal_over_its_share_is_429_while_another_gets_in():
             assert await other == 5 and await late == 7
             await asyncio.gather(*held, *anonymous)
             await _until(lambda: pool.tasks == 0)
-            assert pool.principals == 0 and not pool._waiting and not pool._turns
+            assert pool.principals == 0 and not pool._lane.waiting and not pool._lane.turns
         finally:
             release.set()
             pool.close()
@@ -161,7 +169,7 @@ def test_waiting_tasks_are_served_round_robin_between_principals():
         pool = WorkPool(1, 16, per_principal=8)
         try:
             first = asyncio.ensure_future(pool.run("x", gate.wait))  # holds the one thread
-            await _until(lambda: pool.tasks == 1 and not pool._turns)
+            await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
             runs = [asyncio.ensure_future(pool.run("a", note, f"a{i}")) for i in range(5)]
             await asyncio.sleep(0.01)
             runs += [asyncio.ensure_future(pool.run("b", note, f"b{i}")) for i in range(2)]
@@ -187,7 +195,7 @@ def test_counts_return_to_zero_after_errors_and_cancellations():
         pool = WorkPool(1, 16, per_principal=8)
         try:
             running = asyncio.ensure_future(pool.run("a", gate.wait))
-            await _until(lambda: pool.tasks == 1 and not pool._turns)
+            await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
             waiting = [asyncio.ensure_future(pool.run("a", sum, [i])) for i in range(4)]
             failing = asyncio.ensure_future(pool.run("b", boom))
             await asyncio.sleep(0.01)
@@ -199,13 +207,13 @@ def test_counts_return_to_zero_after_errors_and_cancellations():
             running.cancel()
             await asyncio.sleep(0.01)
             assert pool.tasks_of("a") == 2 and pool.tasks == 3
-            assert len(pool._waiting["a"]) == 1
+            assert len(pool._lane.waiting["a"]) == 1
             gate.set()
             assert await waiting[3] == 3
             with pytest.raises(RuntimeError):
                 await failing
             await _until(lambda: pool.tasks == 0)
-            assert pool.principals == 0 and not pool._waiting and not pool._turns
+            assert pool.principals == 0 and not pool._lane.waiting and not pool._lane.turns
             assert pool.tasks_of("a") == pool.tasks_of("b") == 0
         finally:
             gate.set()
@@ -219,7 +227,7 @@ def test_close_cancels_waiting_tasks():
     async def main() -> None:
         pool = WorkPool(1, 4, per_principal=4)
         running = asyncio.ensure_future(pool.run("a", gate.wait))
-        await _until(lambda: pool.tasks == 1 and not pool._turns)
+        await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
         waiting = asyncio.ensure_future(pool.run("a", sum, [1]))
         await asyncio.sleep(0.01)
         pool.close()
@@ -269,3 +277,110 @@ def test_the_share_is_reloadable_and_its_refusals_are_counted(tmp_path):
         assert state.work_pool.per_principal == 2
     finally:
         state.work_pool.close()
+
+
+def test_a_principals_background_work_never_makes_its_next_request_429():
+    """A key's finished requests left schema checks waiting: its next request is taken (its
+    share counts only requests' tasks) and runs before those checks."""
+    gate = threading.Event()
+    order: list[str] = []
+
+    def note(what: str) -> str:
+        order.append(what)
+        return what
+
+    async def main() -> None:
+        pool = WorkPool(1, 8, per_principal=2)
+        try:
+            held = asyncio.ensure_future(pool.run("a", gate.wait))  # a's request, running
+            await _until(lambda: pool.tasks_of("a") == 1 and not pool._lane.turns)
+            for i in range(4):  # more checks than a's whole share
+                pool.submit("a", note, f"check{i}", on_drop=lambda why: pytest.fail(why))
+            assert pool.background == 4 and pool.tasks_of("a") == 1 and pool.tasks == 1
+            parse = asyncio.ensure_future(pool.run("a", note, "parse"))
+            await _until(lambda: pool.tasks_of("a") == 2)
+            with pytest.raises(ApiError) as e:  # its requests' own share still holds
+                await pool.run("a", note, "refused")
+            assert e.value.status == 429
+            gate.set()
+            assert await parse == "parse" and await held
+            await _until(lambda: pool.background == 0)
+            assert order == ["parse", "check0", "check1", "check2", "check3"]
+            assert pool.tasks == 0 and pool.principals == 0
+        finally:
+            gate.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_background_work_leaves_a_thread_for_requests():
+    """With two workers, checks that take long hold one thread at most: a request's task
+    runs on the other at once."""
+    gate = threading.Event()
+
+    async def main() -> None:
+        pool = WorkPool(2, 8, per_principal=4)
+        try:
+            for _ in range(3):
+                pool.submit("a", gate.wait)
+            await _until(lambda: pool._bg_running == 1)
+            assert await asyncio.wait_for(pool.run("b", sum, [4]), 5) == 4
+            assert pool._bg_running == 1 and pool.background == 3
+            gate.set()
+            await _until(lambda: pool.background == 0)
+        finally:
+            gate.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_a_full_background_lane_drops_the_newest_of_the_principal_with_most_waiting():
+    gate = threading.Event()
+    order: list[str] = []
+    dropped: list[tuple[str, str]] = []
+
+    def note(what: str) -> None:
+        order.append(what)
+
+    def submit(pool: WorkPool, principal: str, name: str) -> None:
+        pool.submit(principal, note, name,
+                    on_drop=lambda why: dropped.append((name, why)))
+
+    async def main() -> None:
+        pool = WorkPool(1, 8, background_depth=4)
+        try:
+            held = asyncio.ensure_future(pool.run("x", gate.wait))  # the one thread
+            await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
+            for name in ("a0", "a1", "a2", "b0"):
+                submit(pool, name[0], name)
+            assert pool.background == 4 and not dropped
+            submit(pool, "b", "b1")  # full: a has the most waiting, its newest goes
+            assert dropped == [("a2", BACKGROUND_FULL)]
+            submit(pool, "a", "a3")  # a and b have two each: a's new one goes
+            assert dropped[-1] == ("a3", BACKGROUND_FULL) and pool.background == 4
+            gate.set()
+            await held
+            await _until(lambda: pool.background == 0)
+            assert order == ["a0", "b0", "a1", "b1"]  # round robin between principals
+            assert not pool._bg_lane.waiting and not pool._bg_lane.turns
+        finally:
+            gate.set()
+            pool.close()
+    asyncio.run(main())
+
+
+def test_close_cancels_waiting_background_work_without_a_drop():
+    gate = threading.Event()
+    dropped: list[str] = []
+
+    async def main() -> None:
+        pool = WorkPool(1, 1)
+        running = asyncio.ensure_future(pool.run("a", gate.wait))
+        await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
+        pool.submit("a", sum, [1], on_drop=dropped.append)
+        pool.close()
+        gate.set()
+        await running
+        pool.submit("a", sum, [1], on_drop=dropped.append)  # after close: dropped at once
+        assert dropped == [BACKGROUND_FULL]
+    asyncio.run(main())

@@ -4,7 +4,7 @@ neuron, with a pool of one worker and four places waiting, two of them at most o
 turns, over half a second of parsing each); A's requests past its share are 429 in its API's envelope while
 key B's request in the same moment is served (not 503, nor left behind A's backlog); and
 when A's clients leave mid-parse, the pool's counts return to zero and A has its whole share
-again."""
+again. A finished reply's schema check runs in the pool's background lane, end to end."""
 
 from __future__ import annotations
 
@@ -192,3 +192,31 @@ def test_counts_return_to_zero_when_the_flooding_clients_leave(pair):
         t.join(60)
     assert codes == [200] * SHARE, codes
     wait_for(lambda: pool_idle(router), timeout=10)
+
+
+def test_a_finished_replys_schema_check_runs_in_the_background(pair):
+    """`uniqueItems` is not enforced while decoding: the reply cut at max_tokens is checked
+    after it was sent, on the pool's background lane, and its violation logged; the key's
+    tasks and the background lane's then return to zero."""
+    _, router = pair
+    wait_for(lambda: pool_idle(router), timeout=30)
+    schema = {"type": "object", "required": ["tags"], "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    r = httpx2.post(router.url + "/v1/chat/completions", headers=headers("alice"), timeout=60,
+                    json={"model": "tiny", "messages": MSG, "max_tokens": 2,
+                          "response_format": {"type": "json_schema",
+                                              "json_schema": {"name": "t", "schema": schema}}})
+    assert r.status_code == 200, r.text[:300]
+    assert "uniqueItems" in r.headers["x-helexa-unenforced-schema"]
+    req_id = r.headers["x-request-id"]
+
+    def logged() -> list[dict]:
+        lines = [json.loads(x) for x in router.log_path.read_text().splitlines()
+                 if req_id in x and x.startswith("{")]
+        return [x for x in lines if x.get("event", "").startswith("request.schema_")]
+    wait_for(lambda: logged(), timeout=10, every=0.05)
+    (line,) = logged()
+    assert line["event"] == "request.schema_violation" and line["principal"] == "alice", line
+    assert "not JSON" in line["violations"][0]
+    wait_for(lambda: pool_idle(router)
+             and router.metric("helexa_router_work_background_tasks") == 0, timeout=10)
