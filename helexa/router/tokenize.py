@@ -73,11 +73,15 @@ async def _body(request: web.Request) -> bytes:
     return await read_body(request, state.max_body_bytes, state.read_timeout_secs)
 
 
+# aiohttp 3.14 warns of a str key in a request (NotAppKeyWarning) and offers RequestKey
+_PRINCIPAL: Any = web.RequestKey("principal", str) if hasattr(web, "RequestKey") else "principal"
+
+
 def _principal(request: web.Request) -> str:
     """The caller's principal (a 401 for an unknown key where keys are required), resolved
     once a request: the body's check and each task on the work pool ask for it."""
-    if (principal := request.get("principal")) is None:
-        principal = request["principal"] = \
+    if (principal := request.get(_PRINCIPAL)) is None:
+        principal = request[_PRINCIPAL] = \
             request.app[STATE].auth.principal(authorization(request))
     return str(principal)
 
