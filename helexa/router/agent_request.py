@@ -37,7 +37,7 @@ import re
 from typing import Any
 
 from helexa import grammar, tool_grammar
-from helexa.router import schema_check
+from helexa.router import cut_calls, schema_check
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
@@ -221,23 +221,30 @@ def _check(c: grammar.Constraint, param: str) -> None:
                           param) from None
 
 
-def check_arguments(text: str, param: str) -> None:
-    """An earlier call's arguments must be a JSON object's text (blank: none), else a 400
-    naming param: the field as the client sent it."""
+def call_arguments(text: str, param: str, repaired: list[str]) -> str:
+    """An earlier call's arguments as the JSON object text the neuron takes: the client's
+    text where it is one (blank: none); where a call cut short by max_tokens left a prefix
+    of one, the object it began (cut_calls.py), with param added to repaired; else a 400
+    naming param, the field as the client sent it."""
     try:
         args = json.loads(text) if text.strip() else {}
-    except ValueError:
-        args = None
+    except (ValueError, RecursionError):
+        args = cut_calls.repair(text)
+        if args is not None:
+            repaired.append(param)
+            return json.dumps(args)
     if not isinstance(args, dict):
-        raise bad_request(f"`{param}` must be a JSON object, as text", param)
+        raise bad_request(f"`{param}` must be a JSON object, as text (or a call cut short: "
+                          f"the start of one)", param)
+    return text
 
 
-def tool_calls_json(calls: list[Any], param: str) -> str:
+def tool_calls_json(calls: list[Any], param: str, repaired: list[str]) -> str:
     """An assistant message's tool calls as the JSON the neuron's template input takes;
     arguments must be a JSON object's text (templates iterate them: `arguments|items`),
-    blank meaning none. param names the message (`messages[i]`)."""
-    for j, c in enumerate(calls):
-        check_arguments(c.function.arguments, f"{param}.tool_calls[{j}].function.arguments")
-    return json.dumps([{"id": c.id, "type": "function",
-                        "function": {"name": c.function.name, "arguments": c.function.arguments}}
-                       for c in calls])
+    blank meaning none, or the start of one (`call_arguments`). param names the message
+    (`messages[i]`)."""
+    return json.dumps([{"id": c.id, "type": "function", "function": {
+        "name": c.function.name, "arguments": call_arguments(
+            c.function.arguments, f"{param}.tool_calls[{j}].function.arguments", repaired)}}
+        for j, c in enumerate(calls)])

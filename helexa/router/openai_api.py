@@ -90,6 +90,9 @@ class ParsedRequest:
     thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
     reasoning_summary: bool = False  # Responses: the thought is returned as a summary
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Earlier calls cut short by max_tokens, read as the object they began (cut_calls.py):
+    # the fields, as `messages[1].tool_calls[0].function.arguments`.
+    repaired_calls: list[str] = field(default_factory=list)
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""
@@ -121,7 +124,7 @@ def parse_request(body: bytes | Any, kind: Kind,
 
 
 def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
-    req.messages = [_message(m, i) for i, m in enumerate(b.messages)]
+    req.messages = [_message(m, i, req.repaired_calls) for i, m in enumerate(b.messages)]
     agent_request.apply(b, req, caps)
     req.logprobs = bool(b.logprobs)
     req.top_logprobs = b.top_logprobs or 0
@@ -131,7 +134,7 @@ def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
         else b.max_tokens
 
 
-def _message(m: Message, i: int) -> Turn:
+def _message(m: Message, i: int, repaired: list[str]) -> Turn:
     p = f"messages[{i}]"
     if m.role not in _ROLES:
         raise unsupported(f"{p}.role", f"role `{m.role}`")
@@ -141,7 +144,7 @@ def _message(m: Message, i: int) -> Turn:
         if m.role != "assistant":
             raise bad_request(f"`{p}.tool_calls` is only allowed on assistant messages",
                               f"{p}.tool_calls")
-        turn.tool_calls_json = agent_request.tool_calls_json(m.tool_calls, p)
+        turn.tool_calls_json = agent_request.tool_calls_json(m.tool_calls, p, repaired)
     if m.role == "tool":
         if not m.tool_call_id:
             raise bad_request(f"`{p}.tool_call_id` is required for role tool",

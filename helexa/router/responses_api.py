@@ -159,8 +159,9 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
                           f"send the whole conversation in `input`", param)
     if b.background:
         raise unsupported("background", "responses are answered in the request")
-    req = ParsedRequest(kind="responses", model=b.model, messages=_turns(b),
-                        max_tokens=b.max_output_tokens, fit_max_tokens=True,
+    repaired: list[str] = []
+    req = ParsedRequest(kind="responses", model=b.model, messages=_turns(b, repaired),
+                        repaired_calls=repaired, max_tokens=b.max_output_tokens, fit_max_tokens=True,
                         temperature=b.temperature, top_p=b.top_p, stream=bool(b.stream),
                         include_usage=True)
     _tools(b, req, caps)
@@ -209,7 +210,7 @@ def _user_turn(content: str | list[Part] | None, param: str) -> Turn:
     return Turn(role="user", content=text, parts=parts if has_images else None)
 
 
-def _turns(b: ResponsesBody) -> list[Turn]:
+def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
     system = [b.instructions] if b.instructions else []
     items = [Item(role="user", content=b.input)] if isinstance(b.input, str) else b.input
     turns: list[Turn] = []
@@ -234,9 +235,9 @@ def _turns(b: ResponsesBody) -> list[Turn]:
         elif it.type == "function_call":
             if not it.call_id or not it.name:
                 raise bad_request(f"`{p}` needs `call_id` and `name`", p)
-            agent_request.check_arguments(it.arguments or "", f"{p}.arguments")
+            args = agent_request.call_arguments(it.arguments or "", f"{p}.arguments", repaired)
             calls.append({"id": it.call_id, "type": "function", "function": {
-                "name": it.name, "arguments": it.arguments or "{}"}})
+                "name": it.name, "arguments": args or "{}"}})
         elif it.type == "custom_tool_call":
             if not it.call_id or not it.name:
                 raise bad_request(f"`{p}` needs `call_id` and `name`", p)

@@ -151,6 +151,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                               req_id=req_id, deadline_unix_ms=deadline_ms))
         log.info("request.start", **ctx, kind=kind, stream=req.stream, n=req.n,
                  est_prompt_tokens=est.prompt_tokens, max_tokens=req.max_tokens)
+        if req.repaired_calls:  # a call max_tokens cut, sent back as received (cut_calls.py)
+            log.info("request.history_call_repaired", **ctx, fields=req.repaired_calls)
         calls = await _open_all(state, greqs, est, key, principal, req.kind, req.stream)
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)

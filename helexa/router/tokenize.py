@@ -120,7 +120,7 @@ def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Ch
 
 
 def _turns(messages: list[Message]) -> list[Turn]:
-    return [_message(m, i) for i, m in enumerate(messages)]
+    return [_message(m, i, []) for i, m in enumerate(messages)]  # as a chat renders them
 
 
 def _tokens_reply(out: pb.TokenizeResponse) -> web.Response:

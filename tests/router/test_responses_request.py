@@ -10,7 +10,7 @@ from helexa.router import responses_api
 from helexa.router.errors import ApiError
 
 
-@pytest.mark.parametrize("arguments", ['{"a": 1', "[1]", "nope"])
+@pytest.mark.parametrize("arguments", ['{"a" 1', '{"a": 1} x', "[1]", "nope"])
 def test_an_earlier_calls_arguments_that_are_no_object_name_the_item(arguments):
     # the router translates items to chat turns; the 400 must name the field the client
     # sent (input[i].arguments), not the translation's messages[j].tool_calls[k]...
