@@ -24,10 +24,13 @@ $(VENV)/fla/.installed: $(VENV)/.installed
 up: setup
 	$(VENV)/bin/helexa up
 
+# Python's bytecode cache on for the tests even where the environment turns it off
+# (PYTHONDONTWRITEBYTECODE): the suite starts a few hundred helexa processes, and each
+# compiled every module it imports again (~15% of a daemon test's CPU time)
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) tests/typecheck.py
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 wheel-serve: setup  # build the wheel, install it non-editable in a fresh venv, serve one request
 	bash .ci/wheel-serve

@@ -19,8 +19,20 @@ from pathlib import Path
 import pytest
 
 
+def _with_the_sessions_cpu_kernels(cache: Path) -> None:
+    """An empty cache folder but for the compiled CPU kernels (test_cpu_native.py tests
+    their build): the model is made from nothing without ~12 s of C compiling again."""
+    from helexa.kernels.cpu import native
+
+    built = native.library_path()  # in the default cache, where the other tests build it
+    if native.load() is not None and built.exists():
+        (cache / "kernels").mkdir(parents=True)
+        shutil.copy2(built, cache / "kernels" / built.name)
+
+
 def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
     env = {**os.environ, "HELEXA_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    _with_the_sessions_cpu_kernels(tmp_path / "cache")
     proc = subprocess.Popen(
         [sys.executable, "-m", "helexa.cli", "up", "--port", "0", "--run-dir", str(tmp_path / "run")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
