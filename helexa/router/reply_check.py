@@ -22,7 +22,8 @@ def check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
     """Check each finished reply against the keywords its grammar could not enforce, in the
     work pool's background lane (the check grows with the schema and the reply; it never
     counts toward the principal's share, work_pool.py); a violation is logged (the client
-    has its reply and the header that warned of it), and so is a check dropped unrun."""
+    has its reply and the header that warned of it), and so is a check dropped unrun or
+    one that failed."""
     if not req.unenforced:
         return
     ctx = dict(ctx)
@@ -39,15 +40,26 @@ def _check_replies(state: Any, req: ParsedRequest, model: str, calls: list[Any],
     for c in choices:
         if c.finish_reason is None:
             continue
-        parser = reply_parser(state, req, model, calls) or OutputParser()
-        if c.thought_open:
-            parser.thought_opened()
-        a, b = parser.feed("".join(c.text)), parser.finish()
-        found = agent_request.reply_violations(req, a.content + b.content,
-                                               whole_calls(a.calls + b.calls))
+        try:
+            found = _violations(state, req, model, calls, c)
+        except Exception as e:  # a bug of ours: said, with the request it was for
+            state.metrics.work_background_failures.inc()
+            state.log.exception("request.schema_check_failed", **ctx, choice=c.index,
+                                error=repr(e))
+            continue
         if found:
             state.log.warning("request.schema_violation", **ctx, choice=c.index,
                               violations=found[:20], unenforced=req.unenforced[:20])
+
+
+def _violations(state: Any, req: ParsedRequest, model: str, calls: list[Any],
+                c: encode.Choice) -> list[str]:
+    parser = reply_parser(state, req, model, calls) or OutputParser()
+    if c.thought_open:
+        parser.thought_opened()
+    a, b = parser.feed("".join(c.text)), parser.finish()
+    return agent_request.reply_violations(req, a.content + b.content,
+                                          whole_calls(a.calls + b.calls))
 
 
 def reply_parser(state: Any, req: ParsedRequest, model: str,
