@@ -41,7 +41,7 @@ from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
 from helexa.router.request_caps import RequestCaps
 from helexa.router.status import StatusBoard, status_routes
-from helexa.router.work_pool import WorkPool, default_share
+from helexa.router.work_pool import WorkPool, default_share, log_background_failure
 
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,6 +65,7 @@ class RouterState:
         # its share per principal does not.
         self.work_pool = WorkPool(cfg.limits.schema_workers, cfg.limits.schema_queue_depth)
         self.work_pool.on_refuse = self._work_refused
+        self.work_pool.on_background_error = self._background_failed
         self.metrics.work_tasks.set_function(lambda: self.work_pool.tasks)
         self.metrics.work_principals.set_function(lambda: self.work_pool.principals)
         self.metrics.work_background.set_function(lambda: self.work_pool.background)
@@ -117,6 +118,11 @@ class RouterState:
         self.log.info("router.work_refused", principal=principal, reason=reason,
                       principal_tasks=self.work_pool.tasks_of(principal),
                       tasks=self.work_pool.tasks, share=self.work_pool.per_principal)
+
+    def _background_failed(self, principal: str, task: str, error: BaseException) -> None:
+        """Background work on the pool raised (a bug): counted, and logged with its traceback."""
+        self.metrics.work_background_failures.inc()
+        log_background_failure(principal, task, error)
 
     async def reload(self) -> None:
         """SIGHUP: all or nothing. Every part of the new config (keys, token, aliases, every

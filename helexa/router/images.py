@@ -6,16 +6,18 @@ for each image: a data: URL or base64 text still to decode, or an http(s) URL st
 fetch. `resolve(req, cfg, pool, principal)` then, before a neuron is chosen:
 1. counts the request's images against `images.max_per_request` (nothing is decoded
    for a request that has too many);
-2. checks each base64 image's length against `images.max_bytes` and fetches URLs
-   where the operator allows it (`images.fetch_urls`, only the hosts in
-   `images.fetch_hosts`, no redirects, `fetch_timeout_secs`, `max_bytes`);
-3. turns base64 into bytes and decodes each image (helexa/image_decode.py: format,
-   header pixels against `images.max_pixels`, truncation), one image a task on the
-   router's work pool (work_pool.py) as the caller's principal: the event loop never
-   waits on Pillow, and a key sending many large images has only its share of the
-   pool's threads (429 past it, 503 when the pool is full) and takes its turn between
-   the other principals' parses, an image at a time. Each image keeps its size for
-   the router's token estimate.
+2. takes the images in the request's order, each to its end before the next: checks a
+   base64 image's length against `images.max_bytes` or fetches a URL where the
+   operator allows it (`images.fetch_urls`, only the hosts in `images.fetch_hosts`, no
+   redirects, `fetch_timeout_secs`, `max_bytes`), then turns base64 into bytes and
+   decodes the image (helexa/image_decode.py: format, header pixels against
+   `images.max_pixels`, truncation) as one task on the router's work pool
+   (work_pool.py), the caller's principal's: the event loop never waits on Pillow, and
+   a key sending many large images has only its share of the pool's threads (429 past
+   it, 503 when the pool is full) and takes its turn between the other principals'
+   parses, an image at a time. The 400 therefore names the first image that fails,
+   and no URL after it is fetched. Each image keeps its size for the router's token
+   estimate.
 The neuron receives the files themselves and decodes them again under its own limits.
 """
 
@@ -100,13 +102,14 @@ async def resolve(req: ParsedRequest, cfg: ImagesConfig, pool: WorkPool,
         field = turns_field(req)
         raise bad_request(f"`{field}`: {len(images)} images; at most {cfg.max_per_request} "
                           "are accepted per request", field)
+    limits = ImageLimits(max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels)
+    # In order, each image whole before the next: the first that fails is the one named,
+    # and nothing after it is fetched; one task at a time, one place of the share.
     for img in images:
         if img.b64 is not None:
             _check_b64_size(img, cfg.max_bytes)
         elif img.url is not None:
             img.data = await _fetch(img, cfg)
-    limits = ImageLimits(max_bytes=cfg.max_bytes, max_pixels=cfg.max_pixels)
-    for img in images:  # one at a time: a request's images take one place of its share
         await pool.run(principal, _decode, img, limits)
 
 

@@ -171,6 +171,10 @@ class RouterMetrics:
                                      "principal_share (429), pool_full (503), or "
                                      "background_full (a schema check dropped)", ["reason"],
                                      registry=r)
+        self.work_background_failures = Counter(
+            "helexa_router_work_background_failures",
+            "Background tasks on the router's parsing pool (schema checks of finished "
+            "replies) that raised: a bug, logged with its traceback", registry=r)
         self.work_tasks = Gauge("helexa_router_work_tasks",
                                 "Tasks running on the router's parsing pool or waiting for it",
                                 registry=r)

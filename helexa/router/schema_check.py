@@ -13,6 +13,13 @@ against forty `a`s and a `b` runs for minutes. A pattern whose repeated group
 itself repeats or branches (`(a+)+`, `(a|aa)*`: `backtracks()`) is therefore
 not run here; the grammar enforced it if it could compile it, and the
 violation list says it went unchecked otherwise.
+
+The walk (and json.loads) recurses once per level of the reply, and again per `$ref`
+and combinator followed, so a reply nested deeper than a request body may be
+(json_depth.py, 128 levels) is not read, and a walk that still runs out of Python's
+recursion (a schema that refers to itself without the reply going deeper) stops there:
+the violation list says so either way, where a RecursionError would have ended the
+check unseen.
 """
 
 from __future__ import annotations
@@ -22,24 +29,38 @@ import re
 from functools import lru_cache
 from typing import Any
 
+from helexa.router.json_depth import MAX_JSON_DEPTH, json_depth_error
+
 _TYPES: dict[str, Any] = {
     "object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
 
+TOO_DEEP = f"$: not checked (the JSON nests deeper than {MAX_JSON_DEPTH} levels)"
+TOO_DEEP_TO_WALK = "$: not checked to its end (the reply and its schema nest too deeply to walk)"
+
+
 def violations(instance: Any, schema: Any) -> list[str]:
-    """What in `instance` breaks `schema`, as `path: reason` lines (empty: it is valid)."""
+    """What in `instance` breaks `schema`, as `path: reason` lines (empty: it is valid); a
+    walk too deep for Python's recursion ends with a line saying it stopped."""
     out: list[str] = []
-    _check(instance, schema, schema, "$", out)
+    try:
+        _check(instance, schema, schema, "$", out)
+    except RecursionError:
+        out.append(TOO_DEEP_TO_WALK)
     return out
 
 
 def json_violations(text: str, schema: Any) -> list[str]:
-    """violations() of a JSON text; text that is not JSON is one violation."""
+    """violations() of a JSON text; text that is not JSON is one violation, and so is text
+    nested too deep to read (json.loads recurses per level too)."""
+    if json_depth_error(text.encode()) is not None:
+        return [TOO_DEEP]
     try:
         instance = json.loads(text)
     except ValueError as e:
         return [f"$: not JSON ({e})"]
     return violations(instance, schema)
+
 
 
 def _is_type(v: Any, t: str) -> bool:

@@ -31,16 +31,16 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import (
-    agent_request,
     anthropic,
     anthropic_encode,
     encode,
     event_replies,
     images,
+    reply_check,
     responses_api,
     responses_encode,
 )
-from helexa.router.agent_output import OutputParser, parser_for
+from helexa.router.agent_output import OutputParser
 from helexa.router.client_stream import ClientStalled, ClientStream
 from helexa.router.errors import ApiError
 from helexa.router.event_replies import FAILED as _FAILED
@@ -52,7 +52,6 @@ from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import ModelSeries
 from helexa.router.openai_api import Kind, ParsedRequest, parse_request
 from helexa.router.selection import Estimate, affinity_key, estimate_prompt_tokens
-from helexa.router.tool_parsers import whole_calls
 
 if TYPE_CHECKING:
     from helexa.router.app import RouterState
@@ -157,7 +156,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         env = encode.Envelope(id=("chatcmpl-" if kind == "chat" else "cmpl-") + req_id,
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=k * req.n + i, prompt_index=k,
-                                 parser=_parser(state, req, model, calls),
+                                 parser=reply_check.reply_parser(state, req, model, calls),
                                  echo=(sub.prompt_text or "") if req.echo else "")
                    for k, sub in enumerate(prompts) for i in range(req.n)]
         streams = [c for c in calls if isinstance(c, OpenStream)]
@@ -178,7 +177,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             resp = await state.work_pool.run(
                 principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
                 headers, share=False)
-        _check_schema(state, req, model, calls, choices, ctx)
+        reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
@@ -279,54 +278,6 @@ def _headers(req: ParsedRequest, call: Any, req_id: str) -> dict[str, str]:
     if req.unenforced:
         headers["x-helexa-unenforced-schema"] = "; ".join(req.unenforced)[:4000]
     return headers
-
-
-def _check_schema(state: Any, req: ParsedRequest, model: str, calls: list[Any],
-                  choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
-    """Check each finished reply against the keywords its grammar could not enforce, in the
-    work pool's background lane (the check grows with the schema and the reply; it never
-    counts toward the principal's share, work_pool.py); a violation is logged (the client
-    has its reply and the header that warned of it), and so is a check dropped unrun."""
-    if not req.unenforced:
-        return
-    ctx = dict(ctx)
-
-    def skipped(why: str) -> None:  # the background lane was full: this check went
-        state.metrics.work_refusals.labels(why).inc()
-        state.log.warning("request.schema_check_skipped", **ctx, reason=why)
-    state.work_pool.submit(ctx["principal"], _check_replies, state, req, model, calls,
-                           choices, ctx, on_drop=skipped)
-
-
-def _check_replies(state: Any, req: ParsedRequest, model: str, calls: list[Any],
-                   choices: list[encode.Choice], ctx: dict[str, Any]) -> None:
-    for c in choices:
-        if c.finish_reason is None:
-            continue
-        parser = _parser(state, req, model, calls) or OutputParser()
-        if c.thought_open:
-            parser.thought_opened()
-        a, b = parser.feed("".join(c.text)), parser.finish()
-        found = agent_request.reply_violations(req, a.content + b.content,
-                                               whole_calls(a.calls + b.calls))
-        if found:
-            state.log.warning("request.schema_violation", **ctx, choice=c.index,
-                              violations=found[:20], unenforced=req.unenforced[:20])
-
-
-def _parser(state: Any, req: ParsedRequest, model: str,
-            calls: list[Any]) -> OutputParser | None:
-    """A chat reply's thought / answer / tool-call parser, on the formats the serving
-    neuron reported for the model."""
-    if req.messages is None:
-        return None
-    link = state.registry.links.get(calls[0].neuron) if calls else None
-    status = link.model_status(model) if link is not None else None
-    tool_parser = status.tool_parser if status is not None else ""
-    reasoning_parser = status.reasoning_parser if status is not None else ""
-    if req.tool_choice == "none" and not reasoning_parser:
-        return None
-    return parser_for(req, tool_parser, reasoning_parser)
 
 
 def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateResponse) -> None:

@@ -48,7 +48,10 @@ given), served round robin between principals too; when it is full the task
 dropped is the newest of the principal with the most waiting (the new one, when
 that is its own principal), so one key's checks cannot push out everyone
 else's. A dropped task's caller is told (`on_drop`); it is diagnostics, not
-the client's answer.
+the client's answer. Nobody awaits background work, so an exception it raises is
+told to `on_background_error` (app.py counts it and logs
+`router.background_work_failed` with its traceback), never kept on a future
+nobody reads; the thread goes on to the next task.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from helexa.log import get_logger
 from helexa.router.errors import ApiError
 
 T = TypeVar("T")
@@ -78,6 +82,12 @@ def default_share(workers: int, queue_depth: int) -> int:
 
 def _ignore(reason: str) -> None:
     pass
+
+
+def log_background_failure(principal: str, task: str, error: BaseException) -> None:
+    """`on_background_error` unless the router sets its own: the failure, logged."""
+    get_logger("router").error("router.background_work_failed", principal=principal,
+                               task=task, error=repr(error), exc_info=error)
 
 
 class _Task:
@@ -144,6 +154,10 @@ class WorkPool:
         # Told of each refusal, on the caller's thread: (reason, principal). app.py logs and
         # counts it.
         self.on_refuse: Callable[[str, str], None] = lambda reason, principal: None
+        # Told of each background task that raised, on its worker: (principal, the
+        # function's name, the exception).
+        self.on_background_error: Callable[[str, str, BaseException], None] = \
+            log_background_failure
         self._cv = threading.Condition(threading.Lock())
         self._lane = _Lane()  # requests' tasks waiting
         self._bg_lane = _Lane()  # background tasks waiting
@@ -226,24 +240,36 @@ class WorkPool:
 
     def _work(self) -> None:
         while (task := self._next()) is not None:
-            self._run_one(task)
-            if task.on_drop is not None:
-                with self._cv:
-                    self._bg_running -= 1
-                    self._cv.notify()  # another thread may take background work now
-                task.fn, task.args = None, ()
+            try:
+                self._run_one(task)
+            finally:
+                if task.on_drop is not None:
+                    with self._cv:
+                        self._bg_running -= 1
+                        self._cv.notify()  # another thread may take background work now
+                    task.fn, task.args = None, ()
 
-    @staticmethod
-    def _run_one(task: _Task) -> None:
+    def _run_one(self, task: _Task) -> None:
         fn, args = task.fn, task.args
         if fn is None or not task.fut.set_running_or_notify_cancel():
             return  # cancelled between leaving the queue and here: already uncounted
         try:
             result = fn(*args)
-        except BaseException as e:  # as ThreadPoolExecutor: the caller gets it
-            task.fut.set_exception(e)
+        except BaseException as e:
+            if task.on_drop is None:  # as ThreadPoolExecutor: the caller gets it
+                task.fut.set_exception(e)
+            else:  # background work: nobody reads its future
+                task.fut.set_result(None)
+                self._report(task.principal, fn, e)
         else:
             task.fut.set_result(result)
+
+    def _report(self, principal: str, fn: Callable[..., Any], error: BaseException) -> None:
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        try:
+            self.on_background_error(principal, name, error)
+        except Exception:  # the hook's own failure must not end this thread, nor hide this
+            log_background_failure(principal, name, error)
 
     async def run(self, principal: str, fn: Callable[..., T], *args: Any,
                   share: bool = True) -> T:

@@ -101,6 +101,28 @@ def test_urls_are_fetched_only_from_allowed_hosts():
     assert not images.host_allowed("example.org.evil.com", ["*.example.org", "example.org"])
 
 
+@pytest.mark.parametrize("later", [
+    img_part("https://images.example.org/a.png"),  # a URL: not fetched, nor refused first
+    img_part(data_url(b"x" * 200)),  # an image over max_bytes: not the one named
+])
+def test_the_first_failing_image_is_named_and_nothing_after_it_fetched(monkeypatch, later):
+    fetched: list[str] = []
+    real = images._fetch
+
+    async def fetch(img, cfg):  # an allowed URL "fetched" without a network; others refused
+        fetched.append(img.url)
+        return png(8, 8) if cfg.fetch_urls else await real(img, cfg)
+    monkeypatch.setattr(images, "_fetch", fetch)
+    req = parse_request(json.dumps(chat(img_part("data:image/png;base64,!!!not base64!!!"),
+                                        later)).encode(), "chat")
+    for fetch_urls in (False, True):
+        e = refusal(req, max_bytes=100, fetch_urls=fetch_urls,
+                    fetch_hosts=["images.example.org"])
+        assert e.param == "messages[0].content[0].image_url"
+        assert "not valid base64" in e.message
+    assert fetched == []
+
+
 def test_anthropic_image_blocks():
     body = {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",

@@ -30,3 +30,12 @@ def test_a_backtracking_pattern_is_not_run_and_says_so():
     assert violations({"a" * 40 + "b": 1}, {"type": "object",
                                              "patternProperties": {"(a+)+$": False}}) == []
     assert time.monotonic() - t0 < 0.5
+
+
+def test_a_walk_too_deep_for_pythons_recursion_stops_and_says_so():
+    from helexa.router.schema_check import json_violations
+
+    assert violations([], {"anyOf": [{"$ref": "#"}]}) == [
+        "$: not checked to its end (the reply and its schema nest too deeply to walk)"]
+    assert json_violations("[" * 129 + "]" * 129, {"type": "array"}) == [
+        "$: not checked (the JSON nests deeper than 128 levels)"]

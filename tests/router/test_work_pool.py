@@ -384,3 +384,52 @@ def test_close_cancels_waiting_background_work_without_a_drop():
         pool.submit("a", sum, [1], on_drop=dropped.append)  # after close: dropped at once
         assert dropped == [BACKGROUND_FULL]
     asyncio.run(main())
+
+
+def test_background_work_that_raises_is_reported_once_and_its_thread_goes_on():
+    """Nobody awaits background work: its exception goes to on_background_error, once,
+    never onto a future nobody reads; the lane's count returns to zero and the same
+    thread takes the next task."""
+    reported: list[tuple[str, str, str]] = []
+    ran: list[str] = []
+
+    def boom() -> None:
+        raise RecursionError("maximum recursion depth exceeded")
+
+    async def main() -> None:
+        pool = WorkPool(1, 1)
+        pool.on_background_error = lambda p, task, e: reported.append((p, task, repr(e)))
+        try:
+            pool.submit("a", boom, on_drop=lambda why: pytest.fail(why))
+            pool.submit("b", lambda: ran.append(threading.current_thread().name))
+            await _until(lambda: pool.background == 0 and ran)
+            assert await pool.run("c", sum, [3]) == 3
+        finally:
+            pool.close()
+    asyncio.run(main())
+    assert reported == [
+        ("a", "test_background_work_that_raises_is_reported_once_and_its_thread_goes_on."
+              "<locals>.boom", "RecursionError('maximum recursion depth exceeded')")]
+    assert ran == ["router-work-0"]
+
+
+def test_the_router_counts_and_logs_background_work_that_raised():
+    import structlog
+
+    from helexa.config.router import LimitsConfig, RouterConfig
+    from helexa.router.app import RouterState
+
+    state = RouterState(RouterConfig(limits=LimitsConfig(schema_workers=1)), None)
+
+    async def main() -> None:
+        state.work_pool.submit("alice", _refuse)
+        await _until(lambda: state.work_pool.background == 0)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            asyncio.run(main())
+    finally:
+        state.work_pool.close()
+    (line,) = [x for x in logs if x["event"] == "router.background_work_failed"]
+    assert line["principal"] == "alice" and line["task"] == "_refuse"
+    assert line["error"].startswith("ApiError(") and isinstance(line["exc_info"], ApiError)
+    assert "helexa_router_work_background_failures_total 1.0" in state.metrics.render().decode()
