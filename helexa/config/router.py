@@ -66,7 +66,8 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         RELOAD, ge=0)] = 5.0
     stream_idle_secs: Annotated[float, field_meta(
         "A stream whose neuron sends no token for this long after its last one is ended "
-        "with an upstream_error event (a hung host). Before the first token the bound is this "
+        "with an upstream_error event (a hung host); the time the router itself does not read, "
+        "its client's socket being full, does not count. Before the first token the bound is this "
         "plus four times the prompt's prefill at the model's measured rate, so a long prompt "
         "is not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
         "at once.", RELOAD, gt=0)] = 30.0

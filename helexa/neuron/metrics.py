@@ -24,7 +24,7 @@ _LEDGER = ("total", "free", "cached", "reserved", "used")
 
 
 class _ResidencyCollector(Collector):
-    """helexa_kv_*_bytes{model}, helexa_requests_{in_flight,queued,running}{model}."""
+    """helexa_kv_*_bytes{model}, helexa_requests_{in_flight,queued,running,paused}{model}."""
 
     def __init__(self, residency: Residency) -> None:
         self._residency = residency
@@ -33,7 +33,8 @@ class _ResidencyCollector(Collector):
         kv = {k: GaugeMetricFamily(f"helexa_kv_{k}_bytes", f"KV pool bytes {k} (per card)",
                                    labels=["model"]) for k in _LEDGER}
         counts = {k: GaugeMetricFamily(f"helexa_requests_{k}", f"Requests {k.replace('_', ' ')}",
-                                       labels=["model"]) for k in ("in_flight", "queued", "running")}
+                                       labels=["model"])
+                  for k in ("in_flight", "queued", "running", "paused")}
         fixed = GaugeMetricFamily("helexa_kv_fixed_bytes_per_request",
                                   "Linear-attention state bytes each request holds (per card; "
                                   "hybrid models, included in the helexa_kv_* figures)",
@@ -83,6 +84,7 @@ class _ResidencyCollector(Collector):
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)
+            counts["paused"].add_metric([r.model_id], s.paused)
             if s.drafter != "off" or s.spec_drafted_tokens:
                 labels = [r.model_id, s.drafter]
                 drafted.add_metric(labels, s.spec_drafted_tokens)
@@ -122,6 +124,8 @@ class NeuronMetrics:
         self.cached_tokens = Counter("helexa_cached_prompt_tokens",
                                      "Prompt tokens served from the prefix cache", ["model"],
                                      registry=r)
+        self.pauses = Counter("helexa_request_pauses", "Requests paused because their caller "
+                              "stopped reading (each pause counts)", ["model"], registry=r)
         self.decode_tokens = Counter("helexa_decode_tokens", "Tokens generated", ["model"],
                                      registry=r)
 

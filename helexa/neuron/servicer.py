@@ -178,7 +178,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None))
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
-        updates = r.client.generate(new)
+        updates = r.client.generate(new, on_flow=self._flow_logger(model, blog))
         self._open[new.req_id] = r
         try:
             async for upd in updates:
@@ -206,6 +206,21 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             await updates.aclose()
             if out.finished or client_gone:
                 self._done(model, out, client_gone, blog)
+
+    def _flow_logger(self, model: str, blog: Any) -> Any:
+        """What a request's pauses and resumes say (flow control, engine/flow.py): its caller
+        stopped reading, so its tokens wait here and the engine leaves it out of steps."""
+        since = [0.0]
+
+        def told(paused: bool, unread: int) -> None:
+            if paused:
+                since[0] = time.monotonic()
+                self.metrics.pauses.labels(model).inc()
+                blog.info("request.paused", unread_tokens=unread)
+            else:
+                blog.info("request.resumed", unread_tokens=unread,
+                          paused_ms=round((time.monotonic() - since[0]) * 1000, 3))
+        return told
 
     def _done(self, model: str, out: OutputProcessor, client_gone: bool, blog: Any) -> None:
         """Count a request that ran (finished, failed or left) and log its request.done."""

@@ -42,6 +42,7 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
             state_total_bytes=s.kv.state_total_bytes, state_free_bytes=s.kv.state_free_bytes,
             host_total_bytes=s.kv.host_total_bytes, host_cached_bytes=s.kv.host_cached_bytes))
         m.in_flight, m.queued, m.running = s.in_flight, s.queued, s.running
+        m.paused = s.paused
         m.decode_tokens_per_sec = s.decode_tokens_per_sec
         m.prefill_tokens_per_sec = s.prefill_tokens_per_sec
         m.attention_backend = s.attention_backend

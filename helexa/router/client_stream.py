@@ -1,25 +1,35 @@
-"""A client's event stream with back-pressure: a client that stops reading ends its stream.
+"""A client's event stream with back-pressure: a client that stops reading pauses its
+request, and is ended if it does not read again.
 
 aiohttp waits for the socket to drain once 64 KiB sit unsent (its writer's
-limit, over the transport's 64 KiB high-water mark), so the bytes the router
-holds for one stream are bounded by those two and the kernel's send buffer.
-While a write waits, the handler stops reading its gRPC call; the neuron's
-replies still arrive (the channel's HTTP/2 window grows to take them, and the
-engine does not pause a request), so they wait in the channel until the
-stream ends (docs/http.md, "Generation requests"). What the wait lacked was an end:
-a client that reads nothing kept its request generating (and its KV held)
-until the deadline. `ClientStream.write` waits at most
-`timeouts.client_write_secs`; past it the connection is aborted and
-`ClientStalled` raised, which ends the handler the way a client that left
-does: its neuron calls are cancelled (serve.handle's `finally`), which
-aborts them on the neuron and returns their KV.
+limit, over the transport's 64 KiB high-water mark), and the stream's socket
+keeps at most SEND_BUFFER_BYTES in the kernel (set at `prepare`; the kernel's
+own sizing grew it to 4 MiB on loopback, megabytes of tokens made for nobody),
+so the bytes held for one stream are bounded by those three. While a write
+waits, the handler stops reading its gRPC call; the call's window does not
+grow (registry.channel_options), so the neuron's writes wait in turn and the
+neuron pauses the request (helexa/neuron/engine/flow.py): it leaves the decode
+batch, keeping its KV, and resumes when the client reads again (docs/http.md,
+"Generation requests"). What the wait lacked was an end: a client that reads
+nothing would hold its request's KV until the deadline. `ClientStream.write`
+waits at most `timeouts.client_write_secs`; past it the connection is aborted
+and `ClientStalled` raised, which ends the handler the way a client that left
+does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
+them on the neuron and returns their KV.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+
+# The kernel's send buffer of a stream's socket (it reserves twice this, for its own
+# bookkeeping): megabytes a second to a client 100 ms away, far over a token stream's
+# needs. It stays so for later requests on the connection: the kernel sizes it no more.
+SEND_BUFFER_BYTES = 256 * 1024
 
 
 class ClientStalled(ConnectionResetError):
@@ -34,6 +44,16 @@ class ClientStream(web.StreamResponse):
         super().__init__(headers=headers)
         self.request = request
         self.write_secs = write_secs
+
+    async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
+        transport = request.transport
+        sock = transport.get_extra_info("socket") if transport is not None else None
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            except OSError:
+                pass  # the kernel's sizing, as before
+        return await super().prepare(request)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         try:

@@ -188,6 +188,7 @@ class OpenStream:
             yield msg
             if self.finished:
                 return
+            self.flight.reading()
             try:
                 msg = await self.call.read()
             except asyncio.CancelledError:

@@ -8,8 +8,11 @@ event on the stream, or a 503 before the first byte, within moments,
 instead of silence until gRPC keepalive gives up (a minute).
 
 Overdue knows about prefill. Once tokens flow, a stream is overdue after
-`timeouts.stream_idle_secs` without one. Before its first token (a thinking
-model's first message comes at admission, ahead of the prefill), it is
+`timeouts.stream_idle_secs` without one while the router waits for it: not
+while the router itself is not reading (its client's socket is full, and a
+client may read again within `timeouts.client_write_secs`, however long).
+Before its first token (a thinking model's first message comes at
+admission, ahead of the prefill), it is
 overdue only past a prefill deadline: the idle bound plus PREFILL_MARGIN
 times the prompt's tokens (the first message says how many) over the
 model's measured prefill rate (from Watch; MIN_PREFILL_TOKENS_PER_SEC when
@@ -72,6 +75,13 @@ class Flight:
             self.prompt_tokens = getattr(msg, "prompt_tokens", 0)
         if msg is None or msg.token_ids or msg.finish_reason:
             self.last_at = now
+
+    def reading(self) -> None:
+        """The router asks for the next message. It stops asking while its client's socket is
+        full (client_stream.py), and the neuron, its window full, then sends nothing: that
+        silence is the client's, so once tokens flow the idle bound counts from here."""
+        if self.last_at:
+            self.last_at = max(self.last_at, time.monotonic())
 
     def prefill_deadline_secs(self, idle_secs: float) -> float:
         """How long after the first message the first token may take."""

@@ -54,6 +54,9 @@ class NeuronMirror:
                                       "Requests holding a KV reservation on the neuron", labels=labels)
         queued = GaugeMetricFamily("helexa_neuron_queued",
                                    "Requests waiting for admission on the neuron", labels=labels)
+        paused = GaugeMetricFamily("helexa_neuron_paused",
+                                   "Requests in flight on the neuron left out of decode steps "
+                                   "because their client stopped reading", labels=labels)
         state = GaugeMetricFamily("helexa_neuron_model_state",
                                   "1 for the model's lifecycle state on the neuron",
                                   labels=[*labels, "state"])
@@ -69,10 +72,12 @@ class NeuronMirror:
                     kv[f].add_metric(lv, float(getattr(m.kv, f"{f}_bytes")))
                 in_flight.add_metric(lv, float(m.in_flight))
                 queued.add_metric(lv, float(m.queued))
+                paused.add_metric(lv, float(m.paused))
                 state.add_metric([*lv, _STATES.get(m.state, "unknown")], 1.0)
         yield from kv.values()
         yield in_flight
         yield queued
+        yield paused
         yield state
         yield up
         yield from self._vllm()

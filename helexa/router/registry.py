@@ -37,6 +37,7 @@ log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
 HEALTH_TICK_SECS = 0.1
 LOOP_STALL_SECS = 0.25  # a health tick this late means the router itself was not running
+STREAM_WINDOW_BYTES = 64 * 1024  # what a call's unread replies may hold (channel_options)
 
 
 @dataclass
@@ -63,6 +64,16 @@ def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+        # The window each call grants the neuron stays at STREAM_WINDOW_BYTES: without BDP
+        # probing it does not grow with the link, so a stream the router stops reading (its
+        # client's socket is full: client_stream.py) fills it and the neuron's writes wait,
+        # and the neuron pauses the request (helexa/neuron/engine/flow.py). With probing
+        # on (gRPC's default) it grew to megabytes a call, held here. A reply bigger than
+        # the window still comes whole (gRPC widens the window for a message being read),
+        # and a stream read as it comes moves STREAM_WINDOW_BYTES a round trip (64 MB/s at
+        # 1 ms; a token stream with 20 top logprobs needs about 0.3 KB a token).
+        ("grpc.http2.bdp_probe", 0),
+        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
     ]
 
 

@@ -79,7 +79,9 @@ def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
 
 
 async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """Messages of all choices as they come, as (choice index, message)."""
+    """Messages of all choices as they come, as (choice index, message). Each choice's pump
+    reads at most one message ahead of the consumer, so a client that stops reading stops
+    the reads, and gRPC's flow control then the neuron (registry.channel_options)."""
     if len(streams) == 1:
         async for msg in streams[0].messages():
             yield 0, msg
@@ -87,11 +89,14 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
     done = _Done()
     queue: asyncio.Queue[tuple[int, pb.GenerateResponse | BaseException | _Done]] = \
         asyncio.Queue()
+    taken = [asyncio.Event() for _ in streams]  # set when the consumer took a pump's message
 
     async def pump(i: int, s: OpenStream) -> None:
         try:
             async for msg in s.messages():
+                taken[i].clear()
                 queue.put_nowait((i, msg))
+                await taken[i].wait()
         except BaseException as e:  # handed to the consumer, which decides
             queue.put_nowait((i, e))
         finally:
@@ -108,6 +113,7 @@ async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.Gener
                 raise item
             else:
                 yield i, item
+                taken[i].set()  # its pump reads the next once this one is written
     finally:
         for t in tasks:
             t.cancel()

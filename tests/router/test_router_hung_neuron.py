@@ -4,6 +4,7 @@ message for stream_idle_secs ends with an upstream_error event."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -137,6 +138,43 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
     slow.heard(None)  # tokens flow: the idle bound from here on
     assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")
+
+
+def test_the_idle_bound_counts_while_the_router_waits_not_while_its_client_does():
+    """A client whose socket stayed full for 100 s (the router read nothing meanwhile: the
+    neuron paused the request) reads again: the stream is not overdue for the neuron's
+    silence the client caused, only for one that follows the router's next read."""
+    from helexa.proto import neuron_pb2 as pb
+    from helexa.router.forward import OpenStream
+    from helexa.router.inflight import Flight
+
+    class Call:
+        def __init__(self) -> None:
+            self.go = asyncio.Event()
+
+        async def read(self) -> pb.GenerateResponse:
+            await self.go.wait()
+            return pb.GenerateResponse(token_ids=[2])
+
+        def done(self) -> bool:
+            return False
+
+    async def main() -> None:
+        flight, call = Flight("n", streaming=True), Call()
+        first = pb.GenerateResponse(token_ids=[1])
+        flight.heard(first)
+        it = OpenStream("n", call, first, flight).messages()  # type: ignore[arg-type]
+        assert (await anext(it)).token_ids == [1]
+        flight.last_at -= 100  # the client held the router that long before reading again
+        nxt = asyncio.ensure_future(anext(it))
+        await asyncio.sleep(0)  # the router now waits for the neuron
+        now = time.monotonic()
+        assert flight.overdue(now, 30) is None
+        assert flight.overdue(now + 31, 30) is not None  # the neuron's own silence counts
+        call.go.set()
+        assert (await nxt).token_ids == [2]
+
+    asyncio.run(main())
 
 
 def test_a_silent_prefill_keeps_the_client_alive_with_pings(fl, monkeypatch):

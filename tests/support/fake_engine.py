@@ -87,8 +87,9 @@ class FakeEngineClient:
         self.status = self._status()
         self.on_status(self.status)
 
-    async def generate(self, req: m.NewRequest) -> AsyncIterator[m.RequestUpdate]:
-        self.requests.append(req)
+    async def generate(self, req: m.NewRequest, on_flow: Any = None
+                       ) -> AsyncIterator[m.RequestUpdate]:
+        self.requests.append(req)  # no flow control: a generator is never ahead of its reader
         if not self.admitting or self.refuse:
             code, msg, retry = self.refuse or ("shutting_down", "not admitting", 1000)
             self.refuse = None

@@ -15,7 +15,8 @@ status, whether the engine is alive. A request's updates arrive on its own
 asyncio.Queue; `generate` yields them until the request finishes or is
 refused, and closing it early sends Abort(reason="client_gone"). If the
 engine process dies, every open request gets finished=ERROR and on_fatal is
-called once.
+called once. A request whose updates are taken too slowly is paused in the
+engine until they are taken (flow.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 import msgspec
 
 from helexa.neuron.engine import messages
+from helexa.neuron.engine.flow import Flow, OnFlow
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec
 
@@ -89,6 +91,7 @@ class EngineClient:
         self.fatal = ""
         self._closing = False
         self._streams: dict[str, asyncio.Queue[messages.RequestUpdate]] = {}
+        self.flow = Flow(self._schedule_flush)
         self._pending_new: list[messages.NewRequest] = []
         self._pending_aborts: list[messages.Abort] = []
         self._pending_limits: messages.Limits | None = None
@@ -147,8 +150,11 @@ class EngineClient:
 
     # --- requests ----------------------------------------------------------
 
-    async def generate(self, req: messages.NewRequest) -> AsyncIterator[messages.RequestUpdate]:
-        """Updates of `req` until it finishes or is refused; closing early aborts it."""
+    async def generate(self, req: messages.NewRequest, on_flow: OnFlow | None = None
+                       ) -> AsyncIterator[messages.RequestUpdate]:
+        """Updates of `req` until it finishes or is refused; closing early aborts it. Taken
+        too slowly, the request is paused in the engine until they are (flow.py), and
+        `on_flow` hears of each pause and resume."""
         if not self.alive or self._closing:
             yield messages.RequestUpdate(req_id=req.req_id, finished=messages.FinishReason.ERROR,
                                          error=self.fatal or "the engine is shut down")
@@ -159,18 +165,21 @@ class EngineClient:
         if not self._streams:
             self._last_heard = self._loop.time()  # an idle engine says nothing: start the clock
         self._streams[req.req_id] = updates
+        self.flow.open(req.req_id, on_flow)
         self._pending_new.append(req)
         self._schedule_flush()
         done = False
         try:
             while True:
                 upd = await updates.get()
+                self.flow.taken(req.req_id, len(upd.new_token_ids))
                 done = _is_terminal(upd)
                 yield upd
                 if done:
                     return
         finally:
             self._streams.pop(req.req_id, None)
+            self.flow.close(req.req_id)
             if not done and self.alive:
                 self.abort(req.req_id, "client_gone")
 
@@ -246,7 +255,8 @@ class EngineClient:
         msg = messages.ToEngine(new=self._pending_new, aborts=self._pending_aborts,
                                 limits=self._pending_limits, stop_admitting=self._stop_admitting,
                                 shutdown=self._pending_shutdown, reset_kv=self._pending_reset,
-                                refuse_queued=self._pending_refuse_queued)
+                                refuse_queued=self._pending_refuse_queued,
+                                paused=self.flow.take())
         self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
         self._pending_reset, self._pending_refuse_queued = None, False
         data = self._encoder.encode(msg)
@@ -337,6 +347,7 @@ class EngineClient:
             stream = self._streams.get(upd.req_id)
             if stream is not None:
                 stream.put_nowait(upd)
+                self.flow.arrived(upd.req_id, len(upd.new_token_ids), _is_terminal(upd))
         if msg.kv_reset and self._reset_done is not None and not self._reset_done.done():
             self._reset_done.set_result(msg.kv_reset)
         if msg.status is not None and self.on_status is not None:

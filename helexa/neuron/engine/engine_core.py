@@ -88,6 +88,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # queued, in flight or running
         self.running: list[Request] = []  # batch rows, in order
         self.waiting: list[Request] = []  # in flight, no batch row yet (admission order)
+        self.paused: dict[str, Request] = {}  # in flight, left out of steps (intake.pause)
         self.decode_tokens_per_sec = 0.0
         self.prefill_tokens_per_sec = 0.0
         self.num_failed_steps = 0
@@ -319,6 +320,7 @@ class EngineCore:
             in_flight=self.admission.num_in_flight,
             queued=self.admission.num_queued,
             running=len(self.running),
+            paused=len(self.paused),
             decode_tokens_per_sec=round(self.decode_tokens_per_sec, 1),
             prefill_tokens_per_sec=round(self.prefill_tokens_per_sec, 1),
             admitting=self.admission.admitting,
@@ -351,6 +353,7 @@ class EngineCore:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            self.paused.pop(req.req_id, None)
         upd = self.update(req)
         upd.finished = status.finish_reason
         upd.error = reason if status != RequestStatus.FINISHED_STOPPED else ""

@@ -8,7 +8,8 @@
    helexa/budget.py, grammar),
    then queued (admission.py) or refused, each admitted as far as it fits before
    the next arrives, so the queue depth a newcomer meets is the real one;
-4. aborts, a re-planned pool (`reset_kv`, only while nothing is in flight), shutdown;
+4. pauses and resumes (flow control: `pause`), aborts, a re-planned pool (`reset_kv`,
+   only while nothing is in flight), shutdown;
 5. queued requests that waited too long for KV are refused, those past their
    deadline aborted, and admission admits what now fits (fair order, whole
    reservation or nothing).
@@ -63,6 +64,8 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
     for new in inbound.new:  # new before aborts: an abort may follow its request at once
         add_request(core, new)
         admit(core)  # so the queue depth a newcomer meets is the real one
+    for req_id, paused in inbound.paused.items():
+        (pause if paused else resume)(core, req_id)
     for abort in inbound.aborts:
         aborted = core.requests.get(abort.req_id)
         if aborted is not None:
@@ -72,6 +75,37 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
     if inbound.shutdown:
         for req in list(core.requests.values()):
             core.finish(req, RequestStatus.FINISHED_ABORTED, "shutdown")
+
+
+def pause(core: EngineCore, req_id: str) -> None:
+    """Leave a request out of steps: its caller stopped taking its tokens (the daemon's
+    flow control, client.py). It gives up its batch row, so it holds no decode width, and
+    keeps everything else (reservation, blocks, state slot, sampler and grammar state), as
+    in flight; a deadline or an abort still ends it (`finish`). Not a preemption: nothing is
+    freed or recomputed, and `resume` puts it back where it stopped."""
+    req = core.requests.get(req_id)
+    if req is None or req_id in core.paused:
+        return
+    if req in core.running:
+        core.running.remove(req)
+    elif req in core.waiting:
+        core.waiting.remove(req)
+    else:
+        return  # queued: it has made no token a caller could leave unread
+    req.status = RequestStatus.IN_FLIGHT
+    req.draft = None  # drafted for this step; the scheduler gives a resumed row none
+    core.paused[req_id] = req
+
+
+def resume(core: EngineCore, req_id: str) -> None:
+    """Its caller reads again: the request waits for a batch row, ahead of the prompts
+    waiting for their first (it has waited longer), and the scheduler gives it one as it
+    would promote them (scheduler.py, step 3)."""
+    req = core.paused.pop(req_id, None)
+    if req is None:
+        return
+    at = next((i for i, r in enumerate(core.waiting) if r.is_prefilling), len(core.waiting))
+    core.waiting.insert(at, req)
 
 
 def set_limits(core: EngineCore, limits: messages.Limits) -> None:

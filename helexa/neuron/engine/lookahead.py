@@ -49,7 +49,8 @@ What keeps the tokens identical to the synchronous engine's:
   chain: the scheduler does those.
 
 A request aborted while its step is held is finished at once (its blocks return); the
-held step's row for it is discarded when read.
+held step's row for it is discarded when read. One paused while its step is held
+(intake.pause) keeps the held token, and the following step has no row for it.
 """
 
 from __future__ import annotations
@@ -196,8 +197,8 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     reqs: list[Request] = []
     ending = 0  # requests the held token ends by length or context
     for j, (req, _) in enumerate(held.inputs.sampled):
-        if req.is_finished:
-            continue
+        if req.is_finished or req.req_id in core.paused:
+            continue  # a paused one's held token is still read; it gets no following row
         if not qualifies(req):
             return None
         after = req.num_tokens + 1  # its tokens once the held one is appended

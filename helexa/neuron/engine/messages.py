@@ -145,6 +145,10 @@ class ToEngine(msgspec.Struct, kw_only=True):
     refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
     shutdown: bool = False  # exit after aborting everything
     reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
+    # Flow control (client.py): req_id -> True where its caller stopped taking its tokens
+    # (the engine leaves it out of steps, its reservation held), False once it takes them
+    # again; the latest word on a request wins.
+    paused: dict[str, bool] = {}
 
 
 class TopToken(msgspec.Struct, frozen=True, array_like=True):
@@ -211,6 +215,7 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: int
     queued: int
     running: int
+    paused: int = 0  # in flight, left out of steps: their callers are not reading (client.py)
     decode_tokens_per_sec: float = 0.0
     prefill_tokens_per_sec: float = 0.0
     admitting: bool = True

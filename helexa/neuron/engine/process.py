@@ -55,6 +55,7 @@ def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
     for msg in batch:
         merged.new.extend(msg.new)
         merged.aborts.extend(msg.aborts)
+        merged.paused = {**merged.paused, **msg.paused}  # the latest word on each wins
         merged.limits = msg.limits or merged.limits  # each is the whole set: the latest wins
         merged.shutdown = merged.shutdown or msg.shutdown
         merged.refuse_queued = merged.refuse_queued or msg.refuse_queued
@@ -118,7 +119,7 @@ def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder,
 
 def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:
     decoder = msgspec.msgpack.Decoder(messages.ToEngine)
-    last_status: tuple[messages.KvLedger, int, int, int, bool] | None = None
+    last_status: tuple[messages.KvLedger, int, int, int, int, bool] | None = None
     last_status_at = 0.0
     while True:
         batch: list[messages.ToEngine] = []
@@ -136,7 +137,8 @@ def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encode
             raise EngineGaveUp(f"tensor-parallel runner failed: {broken}")
         status = out.status
         assert status is not None  # every step reports the model's status
-        key = (status.kv, status.in_flight, status.queued, status.running, status.admitting)
+        key = (status.kv, status.in_flight, status.queued, status.running, status.paused,
+               status.admitting)
         now = time.monotonic()
         if (out.updates or out.kv_reset or key != last_status
                 or now - last_status_at >= _STATUS_EVERY_SECS):

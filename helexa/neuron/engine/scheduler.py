@@ -14,7 +14,10 @@ The algorithm, under a token budget of `max_batched_tokens` per step:
    batch order), each at most `prefill_chunk_tokens` and what budget is left.
 3. Then, while fewer than `max_slots` requests are running and budget is
    left, promote waiting in-flight requests (admission order) to running and
-   give each its first prefill chunk.
+   give each its first prefill chunk, or its next decode token where its
+   prompt is already in: a request resumed after a pause (intake.py
+   `pause`: a paused request is in neither list, so it holds no row and
+   takes no budget; resumed ones wait ahead of new prompts).
 
 A prompt longer than the chunk limit is therefore prefilled over several
 steps, interleaved with everyone else's decode tokens. A hybrid model with
@@ -92,8 +95,11 @@ class Scheduler:
         for req in waiting:  # 3. promote
             if budget == 0 or num_running >= self.max_slots:
                 break
-            n = self._chunk(req, budget)
-            plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
+            prefill = req.is_prefilling
+            if not prefill and req.num_uncomputed_tokens == 0:
+                continue  # nothing to compute (never so for a resumed request)
+            n = self._chunk(req, budget) if prefill else 1
+            plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=prefill))
             plan.promoted.append(req.req_id)
             budget -= n
             num_running += 1

@@ -6,6 +6,7 @@ stream ended (its KV back) after timeouts.client_write_secs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -31,12 +32,7 @@ ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("bystander")
     neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8)
-    (d / "router.toml").write_text(tomli_w.dumps({
-        "server": {"listen": "127.0.0.1:0", "max_body_bytes": 8 * 1024 * 1024},
-        "neurons": {"endpoints": [{"name": "nb", "address": neuron.address}]},
-        # A neuron silent for 1 s leaves rotation: a loop held that long would show.
-        "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
-                     "client_write_secs": WRITE_SECS}}))
+    (d / "router.toml").write_text(tomli_w.dumps(router_config(neuron, WRITE_SECS)))
     router = start_router(d / "router.toml")
     try:
         wait_for(lambda: healthy(router), timeout=30)
@@ -44,6 +40,31 @@ def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, Rout
     finally:
         router.stop()
         neuron.stop(timeout_secs=15)
+
+
+def router_config(neuron: NeuronProcess, write_secs: float) -> dict:
+    return {
+        "server": {"listen": "127.0.0.1:0", "max_body_bytes": 8 * 1024 * 1024},
+        "neurons": {"endpoints": [{"name": "nb", "address": neuron.address}]},
+        # A neuron silent for 1 s leaves rotation: a loop held that long would show.
+        "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
+                     "client_write_secs": write_secs}}
+
+
+@contextlib.contextmanager
+def client_write_secs(neuron: NeuronProcess, router: RouterProcess, secs: float
+                      ) -> Iterator[None]:
+    """The router's timeouts.client_write_secs at `secs` (a reload) for the block."""
+    def reload(write_secs: float) -> None:
+        before = router.log_path.read_text().count('"config.reloaded"')
+        router.reload(router_config(neuron, write_secs))
+        wait_for(lambda: router.log_path.read_text().count('"config.reloaded"') > before,
+                 timeout=15)
+    reload(secs)
+    try:
+        yield
+    finally:
+        reload(WRITE_SECS)
 
 
 def healthy(router: RouterProcess) -> bool:
@@ -397,3 +418,116 @@ def test_a_whole_reply_of_megabytes_stalls_no_stream(tmp_path, tiny_model_dir):
     finally:
         router.stop()
         neuron.stop(timeout_secs=15)
+
+
+def _dechunk(raw: bytes) -> bytes | None:
+    """An HTTP/1.1 chunked body, whole; None while its last chunk has not come."""
+    out, i = bytearray(), 0
+    while (j := raw.find(b"\r\n", i)) >= 0:
+        size = int(raw[i:j].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        if len(raw) < j + 2 + size + 2:
+            return None
+        out += raw[j + 2:j + 2 + size]
+        i = j + 2 + size + 2
+    return None
+
+
+def _read_to_the_end(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The response's head and whole (chunked) body, read from the start."""
+    sock.settimeout(30)
+    buf = b""
+    while chunk := sock.recv(1 << 16):
+        buf += chunk
+        head, sep, rest = buf.partition(b"\r\n\r\n")
+        if sep and (body := _dechunk(rest)) is not None:
+            return head, body
+    raise AssertionError(f"the stream was closed before its end: {buf[-300:]!r}")
+
+
+def _events(body: bytes) -> list[dict]:
+    """A stream's events; it ends with exactly one [DONE]."""
+    data = [line[6:] for line in body.decode().split("\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and data.count("[DONE]") == 1, data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def _text(events: list[dict]) -> str:
+    return "".join(c.get("delta", {}).get("content") or "" for e in events for c in e["choices"])
+
+
+def _tokens(events: list[dict]) -> list[str]:
+    return [t["token"] for e in events for c in e["choices"] if c.get("logprobs")
+            for t in c["logprobs"]["content"]]
+
+
+def _paused(router: RouterProcess) -> float:
+    return router.metric("helexa_neuron_paused", model="tiny", neuron="nb")
+
+
+def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
+    """Two clients stop reading a long stream: the neuron pauses both (it makes no tokens
+    for them and they hold no decode row) while a third client's stream flows on. One
+    reads again and gets its whole stream, the text the third got for the same greedy
+    request; the other never does, and is ended after client_write_secs with every KV
+    block back. Before, both kept generating into the router's gRPC channel."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    n = 1000
+    stall = {"model": "tiny", "messages": MSG, "stream": True, "ignore_eos": True,
+             "temperature": 0, "logprobs": True, "top_logprobs": 20,
+             "stream_options": {"include_usage": True}}
+    body = json.dumps({**stall, "max_tokens": n}).encode()
+    paused_before = {r["req_id"] for r in neuron.logs("request.paused")}
+    socks: list[socket.socket] = []
+    with client_write_secs(neuron, router, 5.0):
+        reference: list[bytes] = []
+        arrivals: list[float] = []
+
+        def read_reference() -> None:  # the same request (lighter to read), as it comes
+            with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                               json={**stall, "max_tokens": 1600, "logprobs": False,
+                                     "top_logprobs": None}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        reference.append(line.encode() + b"\n")
+                        arrivals.append(time.monotonic())
+        thread = threading.Thread(target=read_reference, daemon=True)
+        thread.start()
+        try:
+            socks = [_post_to_a_small_window(router, body) for _ in range(2)]
+            # (the reference too may be paused a moment where this process reads it slower
+            # than the neuron makes it: the same rule)
+            wait_for(lambda: _paused(router) >= 2, timeout=30)
+            t0 = time.monotonic()
+            time.sleep(0.5)
+            assert _paused(router) >= 2  # still: neither stalled client read a byte
+            flowing = [t for t in arrivals if t >= t0]
+            assert len(flowing) > 10, len(flowing)  # the third stream went on meanwhile
+            assert max(b - a for a, b in zip([t0, *flowing], flowing, strict=False)) < 1.0
+            head, whole = _read_to_the_end(socks[0])  # one reads again
+            assert head.startswith(b"HTTP/1.1 200")
+            events = _events(whole)
+            usage = events[-1]["usage"]
+            assert usage["completion_tokens"] == n, usage
+            assert [c["finish_reason"] for e in events for c in e["choices"]
+                    if c["finish_reason"]] == ["length"]
+            assert len(_tokens(events)) == n  # a logprob a token
+            thread.join(60)
+            assert not thread.is_alive()
+            text = _text(events)
+            assert text and _text(_events(b"".join(reference))).startswith(text)  # in order
+            # the other never reads again: ended, its KV back
+            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=30)
+        finally:
+            for s in socks:
+                s.close()
+    # the neuron's word on both stalled requests
+    ids = {r["req_id"] for r in neuron.logs("request.paused")} - paused_before
+    done = [(r["finish_reason"], r["completion_tokens"]) for r in neuron.logs("request.done")
+            if r["req_id"] in ids]
+    assert ("length", n) in done, done
+    gone = [t for why, t in done if why == "client_gone"]
+    assert len(gone) == 1 and gone[0] < 0.8 * n, done  # paused: it made little
+    assert healthy(router)

@@ -15,6 +15,7 @@ from support.fake_runner import FakeRunner, FakeRunnerFactory, fake_next_token
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
+from helexa.neuron.engine.flow import PAUSE_TOKENS
 from helexa.neuron.engine.spec import EngineSpec
 
 VOCAB = 64
@@ -54,6 +55,32 @@ async def until(pred, timeout: float = 30.0) -> None:  # generous: the machine m
     while not pred():
         assert time.monotonic() < end, "condition not reached in time"
         await asyncio.sleep(0.01)
+
+
+async def falls_behind(client: EngineClient) -> None:
+    """Flow control (flow.py): a stream nobody reads stops growing at about PAUSE_TOKENS
+    unread, the engine reports it paused and makes nothing for it while another stream
+    goes on; read again, it resumes and every token comes, in order."""
+    told: list[tuple[bool, int]] = []
+    slow = client.generate(m.NewRequest(req_id="slow", prompt_token_ids=[3, 4, 5],
+                                        max_tokens=400, sampling=GREEDY),
+                           on_flow=lambda paused, unread: told.append((paused, unread)))
+    tokens = list((await anext(slow)).new_token_ids)  # admitted; then read nothing
+    await until(lambda: client.status is not None and client.status.paused == 1)
+    assert client.flow.num_paused == 1 and told[0][0] is True
+    unread = client.flow._unread["slow"]
+    assert PAUSE_TOKENS <= unread < PAUSE_TOKENS + 16  # a step or two past the word
+    other, _ = await collect(client, m.NewRequest(req_id="other", prompt_token_ids=[9],
+                                                  max_tokens=100, sampling=GREEDY))
+    assert other == expected([9], 100)  # it ran meanwhile
+    assert client.flow._unread["slow"] == unread  # and the paused one made nothing
+    async for upd in slow:
+        tokens += upd.new_token_ids
+        last = upd
+    assert tokens == expected([3, 4, 5], 400) and last.finished == m.FinishReason.LENGTH
+    assert [p for p, _ in told][:2] == [True, False] and told[-1][0] is False
+    await until(lambda: client.status.in_flight == 0 and client.status.paused == 0
+                and client.status.kv.free_bytes == client.status.kv.total_bytes)
 
 
 def test_streams_aborts_limits_and_shutdown():
@@ -97,6 +124,8 @@ def test_streams_aborts_limits_and_shutdown():
         await until(lambda: client.status.in_flight == client.status.queued == 0
                     and client.status.kv.free_bytes == client.status.kv.total_bytes)
         assert client.num_open_requests == 0
+
+        await falls_behind(client)
 
         # limits at runtime: one in flight at a time, the second waits in the queue
         client.set_limits(msgspec.structs.replace(client.spec.limits, max_in_flight=1))
@@ -327,3 +356,4 @@ def test_a_step_that_ends_with_the_group_failed_sends_nothing():
     with pytest.raises(EngineGaveUp, match="rank 1 died"):
         run_loop(core, there, msgspec.msgpack.Encoder())
     assert not here.poll(0.1)  # no update, no token, left the loop
+

@@ -98,3 +98,17 @@ def test_a_hybrids_prefill_chunks_end_where_prefix_snapshots_are_kept():
     assert ends == [32, 64, 88, 96, 100]
     plain = Scheduler(max_slots=4, max_batched_tokens=512, prefill_chunk_tokens=512)
     assert [c.num_tokens for c in plain.schedule([], [req("d", 100)]).chunks] == [100]
+
+
+def test_a_resumed_request_is_promoted_with_its_decode_token():
+    """A request resumed after a pause waits in flight with its prompt in the cache: it gets
+    a row back as a waiting prompt would, but one decode token rather than a prefill chunk;
+    a paused one is in neither list, so its row went to the waiting prompt."""
+    s = Scheduler(max_slots=2, max_batched_tokens=16, prefill_chunk_tokens=8)
+    resumed = decoding("r", outputs=5)
+    resumed.status = RequestStatus.IN_FLIGHT
+    plan = s.schedule([decoding("d")], [resumed, req("w", 30)])
+    assert plan.chunks == [ScheduledChunk("d", 1, False), ScheduledChunk("r", 1, False)]
+    assert plan.promoted == ["r"] and plan.decode_ids == ["d", "r"]
+    plan = s.schedule([decoding("d")], [req("w", 30)])  # r paused: w takes the row
+    assert plan.promoted == ["w"]

@@ -1,0 +1,173 @@
+"""A request whose caller stops taking its tokens is paused (ToEngine.paused, intake.pause):
+it makes no tokens and holds no batch row while paused, keeps its reservation, and once
+resumed goes on exactly where it stopped (no token lost, repeated or reordered), with or
+without lookahead, speculation or a grammar; a deadline or an abort still ends it with
+every block back."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from support.engine import assert_whole, drive, with_drafter
+from support.fake_runner import FakeRunner, fake_next_token
+
+from helexa import grammar
+from helexa.fixtures.tiny import init_tiny
+from helexa.neuron.engine import lookahead
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.engine.speculative.drafters import NgramDrafter, OracleDrafter
+from helexa.neuron.tokenizer import Tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+VOCAB = 100
+GREEDY = m.SamplingParams(temperature=0.0)
+
+
+def make_core(monkeypatch: pytest.MonkeyPatch, *, ahead: bool = False, model_dir: str = "",
+              **limits: Any) -> EngineCore:
+    monkeypatch.setenv(lookahead.ENV, "1" if ahead else "0")
+    spec = EngineSpec(model_id="fake", model_dir=model_dir, num_blocks=64, block_size=4,
+                      context=256, bytes_per_token=2,
+                      limits=m.Limits(**{"anon_max_in_flight": 64, **limits}))
+    return EngineCore(spec, FakeRunner(VOCAB if not model_dir else 512, 64, 4))
+
+
+def new(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> m.NewRequest:
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=GREEDY, **kw)
+
+
+def expected(prompt: list[int], n: int) -> list[int]:
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        out.append(fake_next_token(ctx, VOCAB))
+        ctx.append(out[-1])
+    return out
+
+
+def step(core: EngineCore, tokens: dict[str, list[int]], inbound: m.ToEngine | None = None
+         ) -> dict[str, int]:
+    """One step; each request's new tokens appended to `tokens`; how many each got."""
+    got: dict[str, int] = {}
+    for u in core.step(inbound).updates:
+        tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+        got[u.req_id] = got.get(u.req_id, 0) + len(u.new_token_ids)
+    core.pool.check()
+    return got
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "lookahead"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "oracle"])
+def test_a_paused_request_makes_nothing_and_resumes_where_it_stopped(monkeypatch, ahead,
+                                                                    drafter):
+    core = make_core(monkeypatch, ahead=ahead, spec_k=3, spec_off_above=1.01,
+                     spec_full_below=1.0)
+    pa, pb = [5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 9, 8, 9, 8]
+    want = {"a": expected(pa, 60), "b": expected(pb, 60)}
+    if drafter != "none":
+        with_drafter(core, NgramDrafter(min_n=1) if drafter == "ngram" else OracleDrafter(
+            lambda ctx, k: expected(ctx, k)))
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[new("a", pa, 60), new("b", pb, 60)]))
+    for _ in range(3):
+        step(core, tokens)
+    step(core, tokens, m.ToEngine(paused={"a": True}))  # a held step may still give one
+    held = len(tokens["a"])
+    st = core.status()
+    assert (st.paused, st.running, st.in_flight) == (1, 1, 2)
+    b_before = len(tokens["b"])
+    for _ in range(6):
+        got = step(core, tokens)
+        assert got.get("a", 0) == 0  # paused: no row, no token
+    assert len(tokens["a"]) == held and len(tokens["b"]) > b_before  # the other goes on
+    assert core.status().paused == 1 and core.pool.ledger().reserved_bytes > 0
+    step(core, tokens, m.ToEngine(paused={"a": False}))
+    run = drive(core, served=True)
+    for rid, more in run.tokens.items():
+        tokens[rid].extend(more)
+    assert tokens == want  # nothing lost, repeated or reordered
+    assert run.final["a"].finished == m.FinishReason.LENGTH
+    assert_whole(core)
+
+
+def test_a_paused_request_gives_up_its_row_and_gets_one_back(monkeypatch):
+    """max_slots 1: pausing the running request lets the waiting one run; resumed, it waits
+    for the row, then finishes whole."""
+    core = make_core(monkeypatch, max_slots=1, max_in_flight=2)
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[new("a", [1, 2, 3], 30), new("b", [4, 5], 12)]))
+    step(core, tokens)
+    assert "b" not in tokens or not tokens["b"]  # no row for b yet
+    step(core, tokens, m.ToEngine(paused={"a": True}))
+    got = step(core, tokens)
+    assert got.get("b", 0) == 1 and not got.get("a")
+    assert (core.status().running, core.status().paused) == (1, 1)
+    got = step(core, tokens, m.ToEngine(paused={"a": False}))  # b holds the one row
+    assert not got.get("a") and core.status().paused == 0
+    run = drive(core, served=True)
+    for rid, more in run.tokens.items():
+        tokens[rid].extend(more)
+    assert tokens == {"a": expected([1, 2, 3], 30), "b": expected([4, 5], 12)}
+    assert_whole(core)
+
+
+def test_a_paused_request_still_ends_by_abort_or_deadline(monkeypatch):
+    now = [1000.0]
+    core = make_core(monkeypatch)
+    core.admission.wall_clock = core.admission.clock = lambda: now[0]
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[new("a", [1, 2], 50), new("b", [3, 4], 50,
+                                                                   deadline_unix=1001.0)]))
+    step(core, tokens, m.ToEngine(paused={"a": True, "b": True}))
+    assert core.status().paused == 2
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id="a")]))
+    assert [(u.req_id, u.finished) for u in out.updates] == [("a", m.FinishReason.ABORT)]
+    now[0] = 1002.0
+    out = core.step()
+    assert [(u.req_id, u.finished, u.error) for u in out.updates] == [
+        ("b", m.FinishReason.ABORT, "deadline")]
+    assert core.status().paused == 0
+    assert_whole(core)
+    # words about requests it does not hold (ended, or never seen) change nothing
+    core.step(m.ToEngine(paused={"a": False, "zz": True}))
+    assert_whole(core)
+
+
+def test_a_paused_constrained_request_resumes_inside_its_grammar(monkeypatch, tmp_path):
+    d = init_tiny(tmp_path / "m")
+    tok = Tokenizer.from_dir(d)
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+    g = grammar.grammar_text(grammar.json_schema(schema))
+    prompt = tok.encode_chat([{"role": "user", "content": "A record."}])
+
+    def request() -> m.NewRequest:
+        return m.NewRequest(req_id="g", prompt_token_ids=prompt, max_tokens=200,
+                            sampling=m.SamplingParams(temperature=1.0, seed=3),
+                            stop_token_ids=tok.eos_token_ids, grammar=g)
+
+    ref_core = make_core(monkeypatch, model_dir=str(d))
+    reference = drive(ref_core, [request()], served=True)
+    ref_core.close()
+    core = make_core(monkeypatch, model_dir=str(d))
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[request()]))
+    step(core, tokens)
+    step(core, tokens, m.ToEngine(paused={"g": True}))
+    for _ in range(3):
+        assert not step(core, tokens).get("g")
+    step(core, tokens, m.ToEngine(paused={"g": False}))
+    run = drive(core, served=True)
+    tokens["g"].extend(run.tokens.get("g", []))
+    assert tokens["g"] == reference.tokens["g"]
+    assert run.final["g"].finished == m.FinishReason.STOP
+    ids = [t for t in tokens["g"] if t not in tok.eos_token_ids]
+    assert set(json.loads(tok.decode(ids))) == {"name", "n"}
+    assert_whole(core)
+    core.close()
