@@ -178,9 +178,10 @@ def step(core: EngineCore) -> bool:
             sample(core, core.ahead)
         except Exception as e:  # noqa: BLE001 - its requests are the held step's
             failed = e
-    if failed is not None:
-        core.ahead = None
-        core.fail([r for r, _ in held.inputs.sampled if not r.is_finished], failed)
+    if failed is not None:  # the following step's requests: the held step's live ones but
+        core.ahead = None  # those paused as it launched (they had no row in it)
+        core.fail([r for r, _ in held.inputs.sampled
+                   if not r.is_finished and r.req_id not in core.paused], failed)
     return core.ahead is not None or failed is not None
 
 

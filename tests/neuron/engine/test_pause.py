@@ -171,3 +171,31 @@ def test_a_paused_constrained_request_resumes_inside_its_grammar(monkeypatch, tm
     assert set(json.loads(tok.decode(ids))) == {"name", "n"}
     assert_whole(core)
     core.close()
+
+
+def test_a_following_step_that_fails_does_not_fail_a_request_paused_as_it_launched(
+        monkeypatch):
+    """With a step held (lookahead), pausing `a` launches the next step without its row; when
+    that launch fails, `b` (its one row) ends with the error and `a` stays paused, whole."""
+    core = make_core(monkeypatch, ahead=True)
+    real, armed = core.runner.run_step, [False]
+
+    def run_step(seqs: Any, *, keep_hidden: bool = False, tokens: Any = None) -> Any:
+        if tokens is not None and armed[0]:
+            armed[0] = False
+            raise RuntimeError("device lost the step")
+        return real(seqs, keep_hidden=keep_hidden, tokens=tokens)
+
+    core.runner.run_step = run_step  # type: ignore[method-assign]
+    core.step(m.ToEngine(new=[new(r, [3, 4], 40) for r in ("a", "b")]))
+    for _ in range(3):
+        core.step()
+    assert core.ahead is not None  # a chain is on: the held step has rows for a and b
+    armed[0] = True
+    out = core.step(m.ToEngine(paused={"a": True}))
+    ended = {u.req_id: u.error for u in out.updates if u.finished is not None}
+    assert "device lost the step" in ended.get("b", ""), ended
+    assert "a" not in ended and "a" in core.paused
+    run = drive(core, m.ToEngine(paused={"a": False}))
+    assert run.final["a"].error == "" and len(run.tokens["a"]) > 0
+    assert_whole(core)

@@ -1,0 +1,110 @@
+"""Pause and resume on real tiny hybrid models (Gated DeltaNet state slots, MTP's held
+verification rows, lookahead on and off, tp = 2 over gloo): overlapping pauses give the
+tokens of a run with none, and the ledger and state slots come back whole. Marked slow
+(~2 minutes on 2 cores); test_pause.py covers the same engine paths on the fake runner in
+the default run."""
+
+from __future__ import annotations
+
+import pytest
+from support.engine import assert_whole, drive
+from support.mtp import SPEC, requests, spec_for
+
+from helexa.neuron.engine import lookahead
+from helexa.neuron.engine import messages as m
+from helexa.neuron.engine.engine_core import EngineCore
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
+
+
+def run_with_pauses(core, news, schedule, max_steps=3000):
+    """schedule: step index -> ToEngine paused dict."""
+    tokens: dict[str, list[int]] = {}
+    inbound = m.ToEngine(new=list(news))
+    for i in range(max_steps):
+        words = schedule.get(i)
+        if words:
+            inbound = m.ToEngine(new=inbound.new if inbound else [], paused=words)
+        out = core.step(inbound)
+        inbound = None
+        for u in out.updates:
+            assert u.refused_code is None and u.error == "", u
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+        core.pool.check()
+        if not core.has_work and i > max(schedule, default=0):
+            return tokens
+    raise AssertionError("not idle")
+
+
+@pytest.mark.parametrize("ahead", ["0", "1"])
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, ahead, spec):
+    monkeypatch.setenv(lookahead.ENV, ahead)
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(3, 4)
+    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids, max_tokens=40,
+                         sampling=n.sampling) for n in news]
+    extra = {} if spec == "none" else dict(speculation="mtp", **SPEC)
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    for at in (4, 5, 6, 7, 9):
+        core = EngineCore(spec_for(model_dir, **extra))
+        sched = {at: {"r0": True, "r2": True}, at + 1: {"r1": True},
+                 at + 6: {"r0": False}, at + 8: {"r2": False, "r1": False}}
+        got = run_with_pauses(core, news, sched)
+        assert got == plain, at
+        assert_whole(core, hybrid=True)
+        core.close()
+
+
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_tp2_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, spec):
+    import msgspec
+    monkeypatch.setenv(lookahead.ENV, "1")
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(3, 4)
+    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids, max_tokens=30,
+                         sampling=n.sampling) for n in news]
+    extra = {} if spec == "none" else dict(speculation="mtp", **SPEC)
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    core = EngineCore(msgspec.structs.replace(spec_for(model_dir, **extra), tp=2))
+    try:
+        for at in (5, 8):
+            sched = {at: {"r0": True, "r2": True}, at + 1: {"r1": True},
+                     at + 6: {"r0": False}, at + 8: {"r2": False, "r1": False}}
+            got = run_with_pauses(core, news, sched)
+            assert got == plain, at
+            assert_whole(core, hybrid=True)
+    finally:
+        core.close()
+
+
+@pytest.mark.parametrize("ahead", ["0", "1"])
+def test_hybrid_pause_with_held_verification_row(tiny_checkpoint, monkeypatch, ahead):
+    monkeypatch.setenv(lookahead.ENV, ahead)
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = requests(3, 4)
+    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids, max_tokens=30,
+                         sampling=n.sampling) for n in news]
+    plain = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    held_hits = 0
+    for at in range(2, 22):
+        core = EngineCore(spec_for(model_dir, speculation="mtp", **SPEC))
+        tokens: dict[str, list[int]] = {}
+        inbound = m.ToEngine(new=news)
+        for i in range(2000):
+            if i == at:
+                inbound = m.ToEngine(paused={"r0": True})
+            if i == at + 1:
+                slot = core.pool.state_slot("r0")
+                if slot >= 0 and slot in core.runner.linear_states.layers[0]._held:
+                    held_hits += 1
+            if i == at + 5:
+                inbound = m.ToEngine(paused={"r0": False})
+            for u in core.step(inbound).updates:
+                tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            inbound = None
+            if not core.has_work:
+                break
+        assert tokens == plain, at
+        assert_whole(core, hybrid=True)
+    assert held_hits > 0
