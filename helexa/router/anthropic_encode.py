@@ -39,7 +39,7 @@ def tool_use_id(call_id: str) -> str:
 
 def _input(arguments: str) -> Any:
     try:
-        return json.loads(arguments)
+        return json.loads(arguments, strict=False)
     except ValueError:
         return {}
 

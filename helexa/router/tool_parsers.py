@@ -64,6 +64,40 @@ class CallPiece:
     name: str | None = None  # set on a call's first piece
 
 
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+_SIGNIFICANT = re.compile(r'["\\\x00-\x1f]')
+
+
+class StrictJson:
+    """JSON text fed piece by piece, with the control characters inside its strings
+    escaped (`\\n`, `\\t`, `\\u0001`); outside strings they are whitespace or errors, and
+    stay as written."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False  # the last character was a backslash inside a string
+
+    def __call__(self, text: str) -> str:
+        out, pos, i = [], 0, 0
+        if self.escaped and text:  # the character a backslash in the last piece escapes
+            self.escaped, i = False, 1
+        while (m := _SIGNIFICANT.search(text, i)) is not None:
+            ch, i = m.group(), m.end()
+            if ch == '"':
+                self.in_string = not self.in_string
+            elif not self.in_string:
+                continue
+            elif ch == "\\":
+                if i < len(text):
+                    i += 1
+                else:
+                    self.escaped = True
+            else:
+                out += [text[pos:m.start()], _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"]
+                pos = i
+        return "".join(out) + text[pos:] if out else text
+
+
 def whole_calls(pieces: list[CallPiece]) -> list[dict[str, str]]:
     """[{"id", "name", "arguments"}] from the pieces, in index order."""
     calls: dict[int, dict[str, str]] = {}
@@ -112,7 +146,8 @@ class HermesParser(ToolParser):
         self._in_call = False
         self._streaming: CallPiece | None = None  # the call whose arguments are streaming
         self._lead = False  # its arguments have not begun (whitespace may come first)
-        self._sent = ""  # the arguments of the streaming call sent so far
+        self._sent = ""  # the arguments of the streaming call sent so far, as written
+        self._strict = StrictJson()  # its arguments as they go out
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
         self._buf += text
@@ -149,6 +184,7 @@ class HermesParser(ToolParser):
             if head is not None:  # stream the arguments from here on
                 self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
                 self._buf, self._lead, self._sent = self._buf[head.end():], True, ""
+                self._strict = StrictJson()
                 return False, self._streaming, ""
             return False, None, ""
         if self._streaming is None:  # closed before its head was seen: parse it whole
@@ -172,13 +208,13 @@ class HermesParser(ToolParser):
                 args = args[:-1].rstrip()
             self._buf = self._buf[end + len(CALL_CLOSE):] if j >= 0 else ""
             self._in_call, self._streaming = False, None
-            return True, CallPiece(index, args) if args else None, ""
+            return True, CallPiece(index, self._strict(args)) if args else None, ""
         keep = held(self._buf, CALL_CLOSE)
         safe = self._buf[:len(self._buf) - keep].rstrip()
         safe = safe[:-1] if safe.endswith("}") else safe  # may be the call's own }
         self._buf = self._buf[len(safe):]
         self._sent += safe
-        return False, CallPiece(index, safe) if safe else None, ""
+        return False, CallPiece(index, self._strict(safe)) if safe else None, ""
 
     def _whole(self, body: str) -> CallPiece | None:
         """A whole call's body as one piece, its arguments as written (as a stream sends
@@ -187,7 +223,7 @@ class HermesParser(ToolParser):
         head = _HERMES_HEAD.match(body)
         if piece is not None and head is not None:
             args = body[head.end():].rstrip()
-            piece.arguments = args[:-1].rstrip() if args.endswith("}") else args
+            piece.arguments = StrictJson()(args[:-1].rstrip() if args.endswith("}") else args)
         return piece
 
     def _cut(self) -> tuple[bool, CallPiece | None, str]:
@@ -200,7 +236,8 @@ class HermesParser(ToolParser):
         head = _HERMES_HEAD.match(body)
         if head is None:  # cut before its name was whole: nothing to call, and never text
             return True, None, ""
-        return True, self._start(json.loads(f'"{head.group(1)}"'), body[head.end():]), ""
+        return True, self._start(json.loads(f'"{head.group(1)}"'),
+                                 StrictJson()(body[head.end():])), ""
 
 
 class Llama3JsonParser(ToolParser):
@@ -306,7 +343,7 @@ class ForcedListParser(ToolParser):
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        json.loads(text, strict=False)
     except ValueError:
         return False
     return True
