@@ -11,6 +11,7 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router import anthropic
 from helexa.router.agent_output import OutputParser
 from helexa.router.anthropic_encode import StreamEncoder, full_message
 
@@ -67,3 +68,15 @@ def test_a_call_with_raw_newlines_keeps_its_input_whole_and_streams_json_the_sdk
     out = enc.start() + enc.feed(pb.GenerateResponse(text=WRITE[:50])) + enc.feed(
         pb.GenerateResponse(text=WRITE[50:], finish_reason=pb.FINISH_REASON_STOP))
     assert sdk_final(out).content[0].input == WRITTEN  # the SDK's jiter refuses raw ones
+
+
+def test_string_arguments_come_back_as_an_object_the_next_request_takes():
+    text = '<tool_call>\n{"name": "Read", "arguments": "{\\"file_path\\": \\"a.py\\"}"}\n</tool_call>'
+    r = pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)
+    block = full_message("msg", "m", r, OutputParser(tool_mode="hermes"), [])["content"][0]
+    assert block["input"] == {"file_path": "a.py"}
+    body = {"model": "m", "max_tokens": 9, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [block]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"],
+                                      "content": "x"}]}]}
+    anthropic.parse_request(json.dumps(body).encode())  # a string input would be a 400
