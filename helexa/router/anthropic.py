@@ -102,9 +102,11 @@ class AOutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: AOutputFormat | None = None
 
 
-class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A Messages body without `max_tokens`: what `/v1/messages/count_tokens` takes (fields
+    that cannot change the prompt are accepted and ignored there)."""
+
     model: Annotated[str, Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)]
     messages: Annotated[list[AMessage], Meta(min_length=1)]
     system: str | list[Block] | None = None
     stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],
@@ -131,13 +133,8 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workspace_id: Any = None
 
 
-class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
-    messages: Annotated[list[AMessage], Meta(min_length=1)]
-    system: str | list[Block] | None = None
-    tools: list[ATool] | None = None
-    tool_choice: AToolChoice | None = None
-    thinking: AThinking | None = None
+class MessagesBody(CountTokensBody, forbid_unknown_fields=True, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 
 def _text(content: str | list[Block] | None, param: str) -> str:
@@ -257,6 +254,9 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
             openai_body.tool_choice = NamedToolChoice(
                 type="function", function=NamedFunction(name=c.name))
         else:
+            if c.type == "any" and not tools:  # chat's own 400 would say `required`
+                raise bad_request("`tool_choice` is `any` but no `tools` were given",
+                                  "tool_choice")
             openai_body.tool_choice = {"auto": "auto", "any": "required",
                                        "none": "none"}[c.type]  # type: ignore[assignment]
     agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
@@ -271,8 +271,8 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
         req.reasoning_effort = "none"
         return
     req.template_kwargs["enable_thinking"] = True
-    if t.type == "adaptive":
-        return  # the model's catalogue budget
+    if t.type == "adaptive" or (t.type == "between_tools" and t.budget_tokens is None):
+        return  # the model's catalogue budget (the SDK's between_tools has no budget)
     if t.budget_tokens is None:
         raise bad_request("`thinking.budget_tokens` is required when thinking is enabled",
                           "thinking.budget_tokens")
@@ -282,7 +282,8 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
     req.thinking_budget_tokens = t.budget_tokens
 
 
-def _output_config(body: MessagesBody, req: ParsedRequest, caps: RequestCaps) -> None:
+def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
+                   caps: RequestCaps) -> None:
     o = body.output_config
     if o is None:
         return
@@ -314,6 +315,7 @@ def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedR
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req, caps)
     _thinking(b, req)
+    _output_config(b, req, caps)  # effort and a format can turn thinking off: the prompt
     return req
 
 

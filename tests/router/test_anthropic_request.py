@@ -52,3 +52,33 @@ def test_a_tool_schema_error_names_its_input_schema():
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.param == "tools[1].input_schema"
     assert e.value.message.startswith("`tools[1].input_schema`")
+
+
+def test_between_tools_in_the_sdks_shape_takes_the_catalogue_budget():
+    # the SDK's ThinkingConfigBetweenToolsParam is `type` alone
+    body = {"model": "m", "max_tokens": 9, "messages": MSG, "thinking": {"type": "between_tools"}}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    assert req.template_kwargs["enable_thinking"] is True
+    assert not req.thinking_budget_tokens  # the model's own, as under adaptive
+
+
+@pytest.mark.parametrize("field", [{"cache_control": {"type": "ephemeral"}},
+                                   {"output_config": {"effort": "low"}},
+                                   {"context_management": {"edits": []}}, {"speed": "fast"},
+                                   {"metadata": {"user_id": "u"}}, {"temperature": 0.5}])
+def test_count_tokens_takes_the_body_messages_takes(field):
+    body = {"model": "m", "messages": MSG, **field}
+    counted = anthropic.parse_count_request(json.dumps(body).encode())
+    sent = anthropic.parse_request(json.dumps({**body, "max_tokens": 9}).encode())
+    assert counted.reasoning_effort == sent.reasoning_effort  # the same prompt is counted
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_count_request(json.dumps({**body, "max_tokens": 9}).encode())
+    assert e.value.status == 400 and "max_tokens" in e.value.message
+
+
+def test_any_without_tools_names_anthropics_choice():
+    body = {"model": "m", "max_tokens": 9, "messages": MSG, "tool_choice": {"type": "any"}}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tool_choice" and "`any`" in e.value.message
+    assert "required" not in e.value.message  # chat's name for it, which the client never sent
