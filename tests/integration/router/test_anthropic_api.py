@@ -127,14 +127,19 @@ def test_system_messages_anywhere_join_the_system_prompt(router):
 
 
 def test_streams_report_input_tokens_from_the_start(router):
+    # message_start's usage is message_delta's: input_tokens uncached, as Anthropic defines it
     c = client(router)
-    n = c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens
-    with c.messages.stream(model="tiny", max_tokens=4, messages=MSGS,
-                           extra_body={"temperature": 0}) as s:
-        start = next(e for e in s if e.type == "message_start")
-        final = s.get_final_message()
-    assert start.message.usage.input_tokens == n
-    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == n
+    msgs = [{"role": "user", "content": "Tell me about the sea, " * 40}]
+    n = c.messages.count_tokens(model="tiny", messages=msgs).input_tokens
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        with c.messages.stream(model="tiny", max_tokens=2, messages=msgs,
+                               extra_body={"temperature": 0}) as s:
+            start = next(e for e in s if e.type == "message_start").message.usage
+            final = s.get_final_message().usage
+        assert start.input_tokens + (start.cache_read_input_tokens or 0) == n
+        assert (start.input_tokens, start.cache_read_input_tokens) == (
+            final.input_tokens, final.cache_read_input_tokens)
+    assert final.cache_read_input_tokens
 
 
 def test_max_tokens_over_the_context_is_fitted_and_said(router):
