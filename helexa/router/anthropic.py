@@ -10,7 +10,8 @@ assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
 functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
 required / named / none; `thinking: {type: enabled, budget_tokens}` an
-explicit thinking budget. The reply is built from the same parsed parts
+explicit thinking budget; a final assistant message the answer begun (a
+prefill, `_prefill`), which the reply continues. The reply is built from the same parsed parts
 (agent_output.py) as content blocks (`thinking`, `text`, `tool_use`), with
 Anthropic's stop reasons and usage; streaming follows Anthropic's event
 sequence (message_start, content_block_start / _delta / _stop per block,
@@ -33,7 +34,7 @@ from msgspec import Meta
 
 from helexa.router import agent_request, images
 from helexa.router.errors import ApiError, bad_request, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -297,6 +298,25 @@ def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
                                           caps)
 
 
+def _prefill(body: CountTokensBody, req: ParsedRequest) -> None:
+    """A final assistant message is the answer begun: the reply continues it and holds only
+    the continuation, as Anthropic's does (an empty one is no prefill)."""
+    last, param = body.messages[-1], f"messages[{len(body.messages) - 1}]"
+    if last.role != "assistant" or not req.messages or req.messages[-1].role != "assistant":
+        return
+    turn = req.messages[-1]
+    if not turn.content and not turn.tool_calls_json:
+        req.messages.pop()  # nothing begun: a fresh answer
+        return
+    if turn.content != turn.content.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace",
+                          f"{param}.content")
+    if req.template_kwargs.get("enable_thinking"):
+        raise bad_request(f"`{param}`: a final assistant message cannot be continued with "
+                          "`thinking` enabled", "thinking")
+    continue_final(req, param)
+
+
 def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
     b: MessagesBody = decode_as(raw, MessagesBody)
@@ -307,6 +327,7 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     _tools(b, req, caps)
     _thinking(b, req)
     _output_config(b, req, caps)
+    _prefill(b, req)
     return req
 
 
@@ -316,6 +337,7 @@ def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedR
     _tools(b, req, caps)
     _thinking(b, req)
     _output_config(b, req, caps)  # effort and a format can turn thinking off: the prompt
+    _prefill(b, req)
     return req
 
 

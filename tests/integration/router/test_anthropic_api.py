@@ -204,3 +204,27 @@ def test_every_body_error_is_in_anthropics_envelope(router, path):
         assert got["error"]["message"], what
     r = httpx2.post(router.url + path, content=b"{", headers={"x-api-key": "sk-wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_prefill_is_continued_as_the_open_prompt_would_be(router):
+    # A final assistant message is the answer begun: the prompt ends with its text (no end
+    # of turn, no new generation prompt) and the reply is only the continuation
+    auth = {"Authorization": f"Bearer {key_of('alice')}"}
+    prefill = [*MSGS, {"role": "assistant", "content": "The sea is"}]
+    ids = httpx2.post(router.url + "/tokenize", headers=auth, json={
+        "model": "tiny", "messages": prefill, "continue_final_message": True}).json()["tokens"]
+    prompt = httpx2.post(router.url + "/detokenize", headers=auth,
+                         json={"model": "tiny", "tokens": ids}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe sea is")
+    want = router.client().completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                              temperature=0).choices[0].text
+    m = client(router).messages.create(model="tiny", max_tokens=6, messages=prefill,
+                                       extra_body={"temperature": 0})
+    assert m.content[0].text == want and m.usage.input_tokens + (
+        m.usage.cache_read_input_tokens or 0) == len(ids)
+    chat = router.client().chat.completions.create(
+        model="tiny", messages=prefill, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert chat.choices[0].message.content == want
+    assert client(router).messages.count_tokens(model="tiny",
+                                                messages=prefill).input_tokens == len(ids)
