@@ -116,6 +116,7 @@ class OutputProcessor:
         if resp.ByteSize() or self.finish_reason is not None:
             if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
                 resp.prompt_tokens = len(self.new.prompt_token_ids)
+                resp.cached_tokens = self.cached_tokens
                 if (self.new.max_tokens is not None
                         and self.new.max_tokens != self._requested_max_tokens):
                     resp.fitted_max_tokens = self.new.max_tokens

@@ -67,7 +67,8 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
         if not msgs:
             raise Refusal("invalid_request_error", "messages: expected at least one message")
         try:
-            return list(tokenizer.encode_chat(msgs, **kwargs))
+            return list(tokenizer.encode_chat(
+                msgs, continue_final_message=request.chat.continue_final_message, **kwargs))
         except Exception as e:  # the checkpoint's template refused these messages
             raise Refusal("invalid_request_error",
                           f"messages: the model's chat template failed: {e}") from None

@@ -92,7 +92,8 @@ def tokenize_reply(r: Any, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
     elif which == "chat":
         msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort)
         try:
-            ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt, **kwargs)
+            ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt,
+                                          request.chat.continue_final_message, **kwargs)
             # images: their pads count as the prompt's tokens do (vision/prompt.py)
             out.token_ids.extend(with_images(r.tokenizer, request, list(ids))[0])
         except Refusal:

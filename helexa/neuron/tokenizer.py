@@ -36,6 +36,19 @@ class TemplateError(Exception):
     """The chat template refused the messages (its raise_exception), or is missing."""
 
 
+def _open_final(text: str, final: dict) -> str:
+    """The rendered chat cut right after its final message's text (transformers'
+    continue_final_message): that message stays open, its end of turn dropped."""
+    content = final.get("content")
+    if isinstance(content, list):  # parts: the last text part
+        content = next((p["text"] for p in reversed(content) if "text" in p), None)
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise TemplateError("the final message to continue has no text the template renders")
+    at = text.rindex(content.strip())
+    whole = text[at:at + len(content.lstrip())] == content  # its trailing space kept
+    return text[:at + len(content.lstrip() if whole else content.strip())]
+
+
 def _token_text(value: Any) -> str | None:
     """tokenizer_config writes special tokens as strings or as AddedToken dicts."""
     if isinstance(value, dict):
@@ -308,18 +321,21 @@ class Tokenizer:
         return _compile_template(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+                            continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) does.
 
         Extra keywords (tools, enable_thinking, …) are passed to the template.
+        continue_final_message: the last message is left open (cut after its text, no
+        generation prompt) for the output to continue it, as transformers does.
         """
         ctx = {k: v for k, v in self.special_tokens.items() if v is not None}
         ctx.update(kwargs)
-        return self._template.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt, **ctx)
+        text = self._template.render(messages=messages, add_generation_prompt=(
+            add_generation_prompt and not continue_final_message), **ctx)
+        return _open_final(text, messages[-1]) if continue_final_message else text
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    **kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """The prompt's ids; special tokens come only from the template's markup."""
         # The template writes any bos itself, so the text is encoded without
         # adding special tokens (as transformers does for chat).
@@ -327,7 +343,8 @@ class Tokenizer:
         caller_text = _strings([messages, kwargs])  # tools and the like are caller text too
         # str.find per token text, not the regex: a megabyte prompt takes milliseconds
         if pattern is None or not any(t in s for s in caller_text for t in self._special_ids):
-            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            text = self.apply_chat_template(messages, add_generation_prompt,
+                                            continue_final_message, **kwargs)
             return self.encode(text, add_special_tokens=False)
         sentinel_of, text_of = self._sentinels("".join(caller_text))
 
@@ -335,6 +352,7 @@ class Tokenizer:
             return pattern.sub(lambda m: sentinel_of[m.group(0)], s)
 
         text = self.apply_chat_template(_replace_strings(messages, quote), add_generation_prompt,
+                                        continue_final_message,
                                         **_replace_strings(kwargs, quote))
         restore = re.compile("|".join(map(re.escape, text_of)))
         ids: list[int] = []

@@ -92,14 +92,16 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls_json: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ..., reasoning_content: _Optional[str] = ..., parts: _Optional[_Iterable[_Union[ContentPart, _Mapping]]] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages", "tools_json", "template_kwargs_json")
+    __slots__ = ("messages", "tools_json", "template_kwargs_json", "continue_final_message")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     TEMPLATE_KWARGS_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONTINUE_FINAL_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     tools_json: str
     template_kwargs_json: str
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ...) -> None: ...
+    continue_final_message: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "lark", "tool_choice")
@@ -216,7 +218,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., reasoning_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason", "thought_open", "prompt_tokens", "fitted_max_tokens")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason", "thought_open", "prompt_tokens", "fitted_max_tokens", "cached_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +229,7 @@ class GenerateResponse(_message.Message):
     THOUGHT_OPEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FITTED_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -237,7 +240,8 @@ class GenerateResponse(_message.Message):
     thought_open: bool
     prompt_tokens: int
     fitted_max_tokens: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ..., thought_open: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., fitted_max_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ..., thought_open: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., fitted_max_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)

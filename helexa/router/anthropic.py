@@ -10,7 +10,8 @@ assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
 functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
 required / named / none; `thinking: {type: enabled, budget_tokens}` an
-explicit thinking budget. The reply is built from the same parsed parts
+explicit thinking budget; a final assistant message the answer begun (a
+prefill, `_prefill`), which the reply continues. The reply is built from the same parsed parts
 (agent_output.py) as content blocks (`thinking`, `text`, `tool_use`), with
 Anthropic's stop reasons and usage; streaming follows Anthropic's event
 sequence (message_start, content_block_start / _delta / _stop per block,
@@ -33,7 +34,7 @@ from msgspec import Meta
 
 from helexa.router import agent_request, images
 from helexa.router.errors import ApiError, bad_request, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -102,9 +103,11 @@ class AOutputConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     format: AOutputFormat | None = None
 
 
-class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A Messages body without `max_tokens`: what `/v1/messages/count_tokens` takes (fields
+    that cannot change the prompt are accepted and ignored there)."""
+
     model: Annotated[str, Meta(min_length=1)]
-    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)]
     messages: Annotated[list[AMessage], Meta(min_length=1)]
     system: str | list[Block] | None = None
     stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],
@@ -131,13 +134,8 @@ class MessagesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     workspace_id: Any = None
 
 
-class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
-    messages: Annotated[list[AMessage], Meta(min_length=1)]
-    system: str | list[Block] | None = None
-    tools: list[ATool] | None = None
-    tool_choice: AToolChoice | None = None
-    thinking: AThinking | None = None
+class MessagesBody(CountTokensBody, forbid_unknown_fields=True, kw_only=True):
+    max_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)]
 
 
 def _text(content: str | list[Block] | None, param: str) -> str:
@@ -257,6 +255,9 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
             openai_body.tool_choice = NamedToolChoice(
                 type="function", function=NamedFunction(name=c.name))
         else:
+            if c.type == "any" and not tools:  # chat's own 400 would say `required`
+                raise bad_request("`tool_choice` is `any` but no `tools` were given",
+                                  "tool_choice")
             openai_body.tool_choice = {"auto": "auto", "any": "required",
                                        "none": "none"}[c.type]  # type: ignore[assignment]
     agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
@@ -271,8 +272,8 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
         req.reasoning_effort = "none"
         return
     req.template_kwargs["enable_thinking"] = True
-    if t.type == "adaptive":
-        return  # the model's catalogue budget
+    if t.type == "adaptive" or (t.type == "between_tools" and t.budget_tokens is None):
+        return  # the model's catalogue budget (the SDK's between_tools has no budget)
     if t.budget_tokens is None:
         raise bad_request("`thinking.budget_tokens` is required when thinking is enabled",
                           "thinking.budget_tokens")
@@ -282,7 +283,8 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
     req.thinking_budget_tokens = t.budget_tokens
 
 
-def _output_config(body: MessagesBody, req: ParsedRequest, caps: RequestCaps) -> None:
+def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
+                   caps: RequestCaps) -> None:
     o = body.output_config
     if o is None:
         return
@@ -296,6 +298,25 @@ def _output_config(body: MessagesBody, req: ParsedRequest, caps: RequestCaps) ->
                                           caps)
 
 
+def _prefill(body: CountTokensBody, req: ParsedRequest) -> None:
+    """A final assistant message is the answer begun: the reply continues it and holds only
+    the continuation, as Anthropic's does (an empty one is no prefill)."""
+    last, param = body.messages[-1], f"messages[{len(body.messages) - 1}]"
+    if last.role != "assistant" or not req.messages or req.messages[-1].role != "assistant":
+        return
+    turn = req.messages[-1]
+    if not turn.content and not turn.tool_calls_json:
+        req.messages.pop()  # nothing begun: a fresh answer
+        return
+    if turn.content != turn.content.rstrip():
+        raise bad_request("final assistant content cannot end with trailing whitespace",
+                          f"{param}.content")
+    if req.template_kwargs.get("enable_thinking"):
+        raise bad_request(f"`{param}`: a final assistant message cannot be continued with "
+                          "`thinking` enabled", "thinking")
+    continue_final(req, param)
+
+
 def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
     b: MessagesBody = decode_as(raw, MessagesBody)
@@ -306,6 +327,7 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     _tools(b, req, caps)
     _thinking(b, req)
     _output_config(b, req, caps)
+    _prefill(b, req)
     return req
 
 
@@ -314,6 +336,8 @@ def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedR
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req, caps)
     _thinking(b, req)
+    _output_config(b, req, caps)  # effort and a format can turn thinking off: the prompt
+    _prefill(b, req)
     return req
 
 

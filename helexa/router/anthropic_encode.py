@@ -39,7 +39,7 @@ def tool_use_id(call_id: str) -> str:
 
 def _input(arguments: str) -> Any:
     try:
-        return json.loads(arguments)
+        return json.loads(arguments, strict=False)
     except ValueError:
         return {}
 
@@ -97,13 +97,15 @@ class StreamEncoder:
         self.kind: str | None = None  # the open block's type
         self.calls = 0
 
-    prompt_tokens = 0  # the first neuron message's count, for message_start
+    # The first neuron message's counts, for message_start (the usage message_delta says).
+    prompt_tokens = cached_tokens = 0
 
     def start(self) -> bytes:
         return event("message_start", {"type": "message_start", "message": {
             "id": self.msg_id, "type": "message", "role": "assistant", "model": self.model,
             "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}}})
+            "usage": usage(pb.Usage(prompt_tokens=self.prompt_tokens,
+                                    cached_tokens=self.cached_tokens))}})
 
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
         """The non-streaming reply."""

@@ -35,7 +35,7 @@ from helexa.router import fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
-from helexa.router.errors import ApiError
+from helexa.router.errors import ApiError, bad_request
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.registry import Registry
@@ -216,7 +216,9 @@ async def models(request: web.Request) -> web.Response:
     anthropic_client = "anthropic-version" in request.headers
     if anthropic_client:  # Anthropic's SDK reads its own shape (type, display_name, ...)
         data = [{**e, "type": "model", "display_name": e["id"],
-                 "created_at": "1970-01-01T00:00:00Z"} for e in data]
+                 "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active",
+                 "max_input_tokens": e["limit"]["input"], "max_tokens": e["limit"]["output"]}
+                for e in data]
     if "model" in request.match_info:
         found = next((e for e in data if e["id"] == request.match_info["model"]), None)
         if found is None:
@@ -224,10 +226,28 @@ async def models(request: web.Request) -> web.Response:
                            code="model_not_found", param="model")
         return web.json_response(found)
     if anthropic_client:
-        return web.json_response({"data": data, "has_more": False,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None})
+        return web.json_response(anthropic_page(data, request.query))
     return web.json_response({"object": "list", "data": data})
+
+
+def anthropic_page(data: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """One page of Anthropic's model list: `limit` (1 to 1,000, default 20) entries after
+    `after_id` or before `before_id`, with `has_more`, `first_id` and `last_id`."""
+    raw = query.get("limit", "20")
+    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+        raise bad_request("`limit` must be an integer from 1 to 1000", "limit")
+    limit, ids = int(raw), [e["id"] for e in data]
+    for name in ("after_id", "before_id"):
+        if name in query and query[name] not in ids:
+            raise bad_request(f"`{name}`: no model `{query[name]}`", name)
+    if "before_id" in query:
+        end = ids.index(query["before_id"])
+        page, more = data[max(0, end - limit):end], end > limit
+    else:
+        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
+        page, more = data[start:start + limit], start + limit < len(data)
+    return {"data": page, "has_more": more, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}
 
 
 async def health(request: web.Request) -> web.Response:

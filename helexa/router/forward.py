@@ -165,6 +165,7 @@ def chat_proto(req: ParsedRequest) -> pb.Chat:
         chat.tools_json = json.dumps(req.tools)
     if req.template_kwargs:
         chat.template_kwargs_json = json.dumps(req.template_kwargs)
+    chat.continue_final_message = req.continue_final  # a prefill: the reply continues it
     return chat
 
 

@@ -90,6 +90,7 @@ class ParsedRequest:
     thinking_budget_tokens: int | None = None  # explicit (Anthropic's thinking.budget_tokens)
     reasoning_summary: bool = False  # Responses: the thought is returned as a summary
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    continue_final: bool = False  # the reply continues the final assistant message (a prefill)
     # Earlier calls cut short by max_tokens, read as the object they began (cut_calls.py):
     # the fields, as `messages[1].tool_calls[0].function.arguments`.
     repaired_calls: list[str] = field(default_factory=list)
@@ -132,6 +133,31 @@ def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     req.max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None \
         else b.max_tokens
+    if b.continue_final_message:
+        if b.add_generation_prompt:
+            raise bad_request("`continue_final_message` and `add_generation_prompt` cannot "
+                              "both be true", "add_generation_prompt")
+        continue_final(req, f"messages[{len(b.messages) - 1}]")
+    elif b.add_generation_prompt is False:
+        raise unsupported("add_generation_prompt", "`false` without `continue_final_message`")
+
+
+def continue_final(req: ParsedRequest, param: str) -> None:
+    """The reply continues the final message, the assistant's answer begun (a prefill:
+    vLLM's continue_final_message, Anthropic's final assistant message), or a 400 where it
+    cannot: param names that message."""
+    last = (req.messages or [Turn(role="", content="")])[-1]
+    if last.role != "assistant":
+        raise bad_request(f"`{param}`: only a final assistant message can be continued", param)
+    if last.tool_calls_json:
+        raise bad_request(f"`{param}`: a final assistant message the reply continues can hold "
+                          "text only, no tool calls", param)
+    if not last.content.strip():
+        raise bad_request(f"`{param}`: the final assistant message to continue is empty", param)
+    if req.constraint is not None:  # the grammar starts at the output's start
+        raise bad_request(f"`{param}`: a final assistant message cannot be continued under "
+                          "constrained output (a schema or a forced tool choice)", param)
+    req.continue_final = True
 
 
 def _message(m: Message, i: int, repaired: list[str]) -> Turn:

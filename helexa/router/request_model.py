@@ -203,6 +203,9 @@ class ChatBody(RequestBody, kw_only=True):
     parallel_tool_calls: bool | None = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra template variables
+    # vLLM's prefill: the reply continues the final (assistant) message (openai_api.py)
+    continue_final_message: bool | None = None
+    add_generation_prompt: bool | None = None
 
     UNSUPPORTED: ClassVar[tuple[str, ...]] = tuple(
         f for f in RequestBody.UNSUPPORTED if f not in ("tools", "tool_choice", "reasoning_effort"))

@@ -269,7 +269,8 @@ def _encoder(kind: str, req: ParsedRequest, model: str, call: Any,
     if kind == "messages":
         enc = anthropic_encode.StreamEncoder(anthropic_encode.message_id(), model, parser,
                                              req.stop)
-        enc.prompt_tokens = call.first.prompt_tokens if isinstance(call, OpenStream) else 0
+        if isinstance(call, OpenStream):
+            enc.prompt_tokens, enc.cached_tokens = call.first.prompt_tokens, call.first.cached_tokens
         return enc
     return responses_encode.ResponseEncoder(responses_encode.response_id(), model, req, parser)
 

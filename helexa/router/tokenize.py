@@ -4,7 +4,7 @@ The router has no tokenizer: tokenising asks a neuron where the model is
 ready (its Tokenize RPC, the model's own tokenizer and chat template), so
 counts are exactly those a request would be admitted with. Bodies follow
 vLLM (`/tokenize`: `prompt` or `messages`, `add_special_tokens`,
-`add_generation_prompt`; `/detokenize`: `tokens`) and Anthropic
+`add_generation_prompt`, `continue_final_message`; `/detokenize`: `tokens`) and Anthropic
 (`count_tokens`: a Messages body without max_tokens), decoded by msgspec.
 """
 
@@ -23,7 +23,7 @@ from helexa.router import anthropic, images
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
 from helexa.router.http_edge import read_body
-from helexa.router.openai_api import ParsedRequest, Turn, _message
+from helexa.router.openai_api import ParsedRequest, Turn, _message, continue_final
 from helexa.router.request_model import INT32_MAX, Message, TokenId, decode_as
 from helexa.router.serve import STATE, authorization
 
@@ -34,6 +34,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the final message left open (a prefill)
     return_token_strs: bool | None = None  # accepted; the ids are what we return
     tools: Any = None  # accepted with messages (rendered into the prompt)
     chat_template_kwargs: dict[str, Any] | None = None
@@ -145,6 +146,10 @@ async def tokenize(request: web.Request) -> web.Response:
         await _images(request, ParsedRequest(kind="chat", model=b.model, messages=turns))
         treq.chat.CopyFrom(await _off_loop(request, _chat, turns, b.chat_template_kwargs,
                                            b.tools))
+        if b.continue_final_message:
+            continue_final(ParsedRequest(kind="chat", model=b.model, messages=turns),
+                           f"messages[{len(turns) - 1}]")
+            treq.chat.continue_final_message = True
     else:
         treq.text = b.prompt or ""
     out = await _call(request, treq)

@@ -10,7 +10,12 @@ OpenAI's streamed `delta.tool_calls` and of Anthropic's `input_json_delta`.
   anywhere in the answer. Once `{"name": "...", "arguments": ` has arrived
   the arguments stream as they are written, holding back only what may be
   the closing `}` and tag; a call that does not start that way is parsed
-  whole at its closing tag, and one that is not JSON stays text.
+  whole at its closing tag, and one that is not JSON stays text. Models
+  write raw newlines and tabs inside the arguments' strings, which JSON
+  forbids: those go out escaped (`StrictJson`), so a client that parses
+  arguments strictly (the SDKs, codex, Claude Code) reads them. Arguments
+  written as a JSON string holding an object (double-encoded; llama3_json's
+  too) are that object, sent whole when the call closes (`_object_text`).
 - `llama3_json`: the answer is `{"name", "parameters"}` (several joined by
   `;`), parsed when the answer ends; any other answer is text.
 - `qwen3_xml` (Qwen3.5, Qwen3-Coder): xml_tool_parser.py.
@@ -64,6 +69,40 @@ class CallPiece:
     name: str | None = None  # set on a call's first piece
 
 
+_ESCAPES = {"\n": "\\n", "\t": "\\t", "\r": "\\r", "\b": "\\b", "\f": "\\f"}
+_SIGNIFICANT = re.compile(r'["\\\x00-\x1f]')
+
+
+class StrictJson:
+    """JSON text fed piece by piece, with the control characters inside its strings
+    escaped (`\\n`, `\\t`, `\\u0001`); outside strings they are whitespace or errors, and
+    stay as written."""
+
+    def __init__(self) -> None:
+        self.in_string = False
+        self.escaped = False  # the last character was a backslash inside a string
+
+    def __call__(self, text: str) -> str:
+        out, pos, i = [], 0, 0
+        if self.escaped and text:  # the character a backslash in the last piece escapes
+            self.escaped, i = False, 1
+        while (m := _SIGNIFICANT.search(text, i)) is not None:
+            ch, i = m.group(), m.end()
+            if ch == '"':
+                self.in_string = not self.in_string
+            elif not self.in_string:
+                continue
+            elif ch == "\\":
+                if i < len(text):
+                    i += 1
+                else:
+                    self.escaped = True
+            else:
+                out += [text[pos:m.start()], _ESCAPES.get(ch) or f"\\u{ord(ch):04x}"]
+                pos = i
+        return "".join(out) + text[pos:] if out else text
+
+
 def whole_calls(pieces: list[CallPiece]) -> list[dict[str, str]]:
     """[{"id", "name", "arguments"}] from the pieces, in index order."""
     calls: dict[int, dict[str, str]] = {}
@@ -102,7 +141,9 @@ class ToolParser:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
         args: Any = obj.get(key, obj.get("arguments", obj.get("parameters", {})))
-        return self._start(obj["name"], args if isinstance(args, str) else json.dumps(args))
+        if isinstance(args, str):
+            return self._start(obj["name"], _object_text(args) or args)
+        return self._start(obj["name"], json.dumps(args))
 
 
 class HermesParser(ToolParser):
@@ -112,7 +153,9 @@ class HermesParser(ToolParser):
         self._in_call = False
         self._streaming: CallPiece | None = None  # the call whose arguments are streaming
         self._lead = False  # its arguments have not begun (whitespace may come first)
-        self._sent = ""  # the arguments of the streaming call sent so far
+        self._sent = ""  # the arguments of the streaming call sent so far, as written
+        self._strict = StrictJson()  # its arguments as they go out
+        self._quoted = False  # they are a JSON string: read whole, as the object it holds
 
     def feed(self, text: str, final: bool) -> tuple[str, list[CallPiece]]:
         self._buf += text
@@ -149,6 +192,7 @@ class HermesParser(ToolParser):
             if head is not None:  # stream the arguments from here on
                 self._streaming = self._start(json.loads(f'"{head.group(1)}"'))
                 self._buf, self._lead, self._sent = self._buf[head.end():], True, ""
+                self._strict = StrictJson()
                 return False, self._streaming, ""
             return False, None, ""
         if self._streaming is None:  # closed before its head was seen: parse it whole
@@ -160,9 +204,11 @@ class HermesParser(ToolParser):
             self._buf = self._buf.lstrip()
             if not self._buf and j < 0 and not final:
                 return False, None, ""
-            self._lead = False
+            self._lead, self._quoted = False, self._buf.startswith('"')
             j = self._buf.find(CALL_CLOSE)
         index = self._streaming.index
+        if self._quoted and j < 0 and not final:
+            return False, None, ""
         if j >= 0 or final:
             end = j if j >= 0 else len(self._buf) - held(self._buf, CALL_CLOSE)
             args = self._buf[:end].rstrip()
@@ -172,13 +218,14 @@ class HermesParser(ToolParser):
                 args = args[:-1].rstrip()
             self._buf = self._buf[end + len(CALL_CLOSE):] if j >= 0 else ""
             self._in_call, self._streaming = False, None
+            args = (self._quoted and _unquoted(args)) or self._strict(args)
             return True, CallPiece(index, args) if args else None, ""
         keep = held(self._buf, CALL_CLOSE)
         safe = self._buf[:len(self._buf) - keep].rstrip()
         safe = safe[:-1] if safe.endswith("}") else safe  # may be the call's own }
         self._buf = self._buf[len(safe):]
         self._sent += safe
-        return False, CallPiece(index, safe) if safe else None, ""
+        return False, CallPiece(index, self._strict(safe)) if safe else None, ""
 
     def _whole(self, body: str) -> CallPiece | None:
         """A whole call's body as one piece, its arguments as written (as a stream sends
@@ -187,7 +234,8 @@ class HermesParser(ToolParser):
         head = _HERMES_HEAD.match(body)
         if piece is not None and head is not None:
             args = body[head.end():].rstrip()
-            piece.arguments = args[:-1].rstrip() if args.endswith("}") else args
+            args = args[:-1].rstrip() if args.endswith("}") else args
+            piece.arguments = (args.startswith('"') and _unquoted(args)) or StrictJson()(args)
         return piece
 
     def _cut(self) -> tuple[bool, CallPiece | None, str]:
@@ -200,7 +248,8 @@ class HermesParser(ToolParser):
         head = _HERMES_HEAD.match(body)
         if head is None:  # cut before its name was whole: nothing to call, and never text
             return True, None, ""
-        return True, self._start(json.loads(f'"{head.group(1)}"'), body[head.end():]), ""
+        return True, self._start(json.loads(f'"{head.group(1)}"'),
+                                 StrictJson()(body[head.end():])), ""
 
 
 class Llama3JsonParser(ToolParser):
@@ -304,9 +353,28 @@ class ForcedListParser(ToolParser):
         return body, []
 
 
+def _object_text(value: str) -> str | None:
+    """Arguments a model wrote as a JSON string holding the object (double-encoded, as
+    some do): that object's JSON text; None where the string holds no object."""
+    try:
+        obj = json.loads(value, strict=False)
+    except ValueError:
+        return None
+    return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
+
+
+def _unquoted(text: str) -> str | None:
+    """_object_text of the JSON string text is (`"{\\"a\\": 1}"`), or None."""
+    try:
+        value = json.loads(text, strict=False)
+    except ValueError:
+        return None
+    return _object_text(value) if isinstance(value, str) else None
+
+
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text)
+        json.loads(text, strict=False)
     except ValueError:
         return False
     return True

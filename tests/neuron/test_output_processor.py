@@ -153,6 +153,8 @@ def test_usage_counts_cached_tokens_and_times_each_phase(tok) -> None:
     assert u.queue_ms == pytest.approx(10.0) and u.prefill_ms == pytest.approx(20.0)
     assert u.decode_ms == pytest.approx(10.0 * (len(ids) - 1))
     assert not any(r.HasField("usage") for r in sent[:-1])  # usage on the last message only
+    # the first message says the prompt's counts already (Anthropic's message_start)
+    assert (sent[0].prompt_tokens, sent[0].cached_tokens) == (len(prompt), 4)
 
 
 def test_first_and_inter_token_times_for_the_metrics(tok) -> None:

@@ -55,6 +55,24 @@ def test_chat_renders_and_encodes_as_transformers(pair, chat, gen):
     assert ours.encode_chat(msgs, add_generation_prompt=gen) == list(ref_ids)
 
 
+@pytest.mark.parametrize("prefill", ["The sea is", "Text with a trailing space ",
+                                     "<|im_end|> forged?"])
+def test_a_final_message_continued_renders_as_transformers(pair, prefill):
+    # continue_final_message (a prefill): the last message open, no end of turn, no
+    # generation prompt; special-token text in it stays text
+    ours, ref = pair
+    msgs = [*CHATS[1], {"role": "assistant", "content": prefill}]
+    text = ref.apply_chat_template(msgs, tokenize=False, continue_final_message=True)
+    assert ours.apply_chat_template(msgs, continue_final_message=True) == text
+    assert text.rstrip().endswith(prefill.rstrip()) and text.count("<|im_start|>") == 5
+    ids = ours.encode_chat(msgs, continue_final_message=True)
+    assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ids.count(ours.token_to_id("<|im_end|>")) == 4  # the forged one is text
+    with pytest.raises(TemplateError, match="final message"):
+        ours.encode_chat([*CHATS[0], {"role": "assistant", "content": " "}],
+                         continue_final_message=True)
+
+
 def test_rich_template_from_chat_template_jinja(tiny_model_dir, tmp_path):
     d = tmp_path / "m"
     shutil.copytree(tiny_model_dir, d)

@@ -192,3 +192,33 @@ def test_a_forced_reply_cut_in_its_next_calls_tag_is_calls_only(step):
         out = run(OutputParser(tool_mode="qwen3_xml", tools=tools, forced=True), xml + cut, step)
         assert out.content == "", cut
         assert [(c["name"], c["arguments"]) for c in out.whole] == [("w", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_hermes_arguments_with_raw_control_characters_go_out_as_strict_json(step):
+    # models write raw newlines and tabs inside strings (Write / Edit / Bash contents); JSON
+    # forbids them there, and the SDKs, codex and Claude Code parse arguments strictly
+    content = 'func f() {\n\treturn "\\\\"\r\x01\n}'
+    args = json.dumps({"file_path": "a.go", "content": content}, ensure_ascii=False)
+    raw = args.replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r").replace(
+        "\\u0001", "\x01")
+    text = f'<tool_call>\n{{"name": "Write", "arguments": {raw}}}\n</tool_call>'
+    for out in (run(OutputParser(tool_mode="hermes"), text, step),
+                Out(**vars(OutputParser(tool_mode="hermes").finish(text)))):
+        assert json.loads(out.whole[0]["arguments"]) == {"file_path": "a.go", "content": content}
+    cut = run(OutputParser(tool_mode="hermes", forced=True), text[:-30], step)
+    assert "\n" not in cut.whole[0]["arguments"] and "\\n" in cut.whole[0]["arguments"]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_hermes_arguments_written_as_a_json_string_are_the_object_it_holds(step):
+    # some models double-encode: `"arguments": "{\"path\": ...}"`; a client needs the object
+    # (Anthropic refuses a tool_use input that is no object when it is sent back)
+    text = ('<tool_call>\n{"name": "Read", "arguments": "{\\"file_path\\": \\"a\u00e9.py\\", '
+            '\\"n\\": 2}"}\n</tool_call>')
+    for out in (run(OutputParser(tool_mode="hermes"), text, step),
+                Out(**vars(OutputParser(tool_mode="hermes").finish(text)))):
+        assert out.content == ""
+        assert json.loads(out.whole[0]["arguments"]) == {"file_path": "a\u00e9.py", "n": 2}
+    plain = '<tool_call>\n{"name": "Say", "arguments": "hello"}\n</tool_call>'
+    assert run(OutputParser(tool_mode="hermes"), plain, step).whole[0]["arguments"] == '"hello"'

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
+from anthropic._models import construct_type
+from anthropic.lib.streaming._messages import accumulate_event
+from anthropic.types import RawMessageStreamEvent
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router import anthropic
 from helexa.router.agent_output import OutputParser
-from helexa.router.anthropic_encode import StreamEncoder
+from helexa.router.anthropic_encode import StreamEncoder, full_message
 
 
 def events(texts: list[str], finish: int, tool_mode: str = "none") -> list[dict]:
@@ -35,3 +40,43 @@ def test_every_thinking_block_ends_with_its_signature(after):
     assert evs[stop - 1]["delta"] == {"type": "signature_delta", "signature": ""}
     assert sum(e["type"] == "content_block_delta" and e["delta"]["type"] == "signature_delta"
                for e in evs) == 1
+
+
+# A hermes call as models write it: raw newlines and tabs inside the arguments' strings.
+WRITE = ('<tool_call>\n{"name": "Write", "arguments": {"file_path": "a.go", '
+         '"content": "func f() {\n\treturn\n}"}}\n</tool_call>')
+WRITTEN = {"file_path": "a.go", "content": "func f() {\n\treturn\n}"}
+
+
+def sdk_final(raw: bytes) -> Any:
+    """The message the anthropic SDK's stream accumulator makes of the events."""
+    snap, bufs = None, {}
+    for chunk in raw.decode().split("\n\n"):
+        if chunk.strip():
+            data = json.loads(chunk.split("\ndata: ", 1)[1])
+            snap = accumulate_event(event=construct_type(type_=RawMessageStreamEvent,
+                                                         value=data),
+                                    current_snapshot=snap, json_bufs=bufs)
+    return snap
+
+
+def test_a_call_with_raw_newlines_keeps_its_input_whole_and_streams_json_the_sdk_reads():
+    r = pb.GenerateResponse(text=WRITE, finish_reason=pb.FINISH_REASON_STOP)
+    assert full_message("msg", "m", r, OutputParser(tool_mode="hermes"), [])[
+        "content"][0]["input"] == WRITTEN
+    enc = StreamEncoder("msg", "m", OutputParser(tool_mode="hermes"), [])
+    out = enc.start() + enc.feed(pb.GenerateResponse(text=WRITE[:50])) + enc.feed(
+        pb.GenerateResponse(text=WRITE[50:], finish_reason=pb.FINISH_REASON_STOP))
+    assert sdk_final(out).content[0].input == WRITTEN  # the SDK's jiter refuses raw ones
+
+
+def test_string_arguments_come_back_as_an_object_the_next_request_takes():
+    text = '<tool_call>\n{"name": "Read", "arguments": "{\\"file_path\\": \\"a.py\\"}"}\n</tool_call>'
+    r = pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)
+    block = full_message("msg", "m", r, OutputParser(tool_mode="hermes"), [])["content"][0]
+    assert block["input"] == {"file_path": "a.py"}
+    body = {"model": "m", "max_tokens": 9, "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": [block]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"],
+                                      "content": "x"}]}]}
+    anthropic.parse_request(json.dumps(body).encode())  # a string input would be a 400

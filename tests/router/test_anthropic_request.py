@@ -8,6 +8,7 @@ import pytest
 
 from helexa.router import anthropic
 from helexa.router.errors import ApiError
+from helexa.router.forward import chat_proto
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -52,3 +53,68 @@ def test_a_tool_schema_error_names_its_input_schema():
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.param == "tools[1].input_schema"
     assert e.value.message.startswith("`tools[1].input_schema`")
+
+
+def test_between_tools_in_the_sdks_shape_takes_the_catalogue_budget():
+    # the SDK's ThinkingConfigBetweenToolsParam is `type` alone
+    body = {"model": "m", "max_tokens": 9, "messages": MSG, "thinking": {"type": "between_tools"}}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    assert req.template_kwargs["enable_thinking"] is True
+    assert not req.thinking_budget_tokens  # the model's own, as under adaptive
+
+
+@pytest.mark.parametrize("field", [{"cache_control": {"type": "ephemeral"}},
+                                   {"output_config": {"effort": "low"}},
+                                   {"context_management": {"edits": []}}, {"speed": "fast"},
+                                   {"metadata": {"user_id": "u"}}, {"temperature": 0.5}])
+def test_count_tokens_takes_the_body_messages_takes(field):
+    body = {"model": "m", "messages": MSG, **field}
+    counted = anthropic.parse_count_request(json.dumps(body).encode())
+    sent = anthropic.parse_request(json.dumps({**body, "max_tokens": 9}).encode())
+    assert counted.reasoning_effort == sent.reasoning_effort  # the same prompt is counted
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_count_request(json.dumps({**body, "max_tokens": 9}).encode())
+    assert e.value.status == 400 and "max_tokens" in e.value.message
+
+
+def test_any_without_tools_names_anthropics_choice():
+    body = {"model": "m", "max_tokens": 9, "messages": MSG, "tool_choice": {"type": "any"}}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.param == "tool_choice" and "`any`" in e.value.message
+    assert "required" not in e.value.message  # chat's name for it, which the client never sent
+
+
+def prefilled(last: dict, **extra) -> dict:
+    return {"model": "m", "max_tokens": 9, "messages": [*MSG, last], **extra}
+
+
+def test_a_final_assistant_message_is_continued():
+    # Anthropic's prefill: the reply continues the final assistant message
+    req = anthropic.parse_request(json.dumps(prefilled(
+        {"role": "assistant", "content": [{"type": "text", "text": "The sea"}]})).encode())
+    assert req.messages[-1].role == "assistant" and req.messages[-1].content == "The sea"
+    assert chat_proto(req).continue_final_message
+    body = prefilled({"role": "assistant", "content": "The sea"})
+    del body["max_tokens"]
+    count = anthropic.parse_count_request(json.dumps(body).encode())
+    assert chat_proto(count).continue_final_message  # counted as it is sent
+    # an empty one begins nothing: a fresh answer, as without it
+    empty = anthropic.parse_request(json.dumps(prefilled(
+        {"role": "assistant", "content": []})).encode())
+    assert empty.messages[-1].role == "user" and not chat_proto(empty).continue_final_message
+
+
+@pytest.mark.parametrize("last, extra, param", [
+    ({"role": "assistant", "content": "The sea "}, {}, "messages[1].content"),
+    ({"role": "assistant", "content": "The sea"},
+     {"thinking": {"type": "enabled", "budget_tokens": 4}}, "thinking"),
+    ({"role": "assistant", "content": [{"type": "text", "text": "x"}, {
+        "type": "tool_use", "id": "t", "name": "f", "input": {}}]}, {}, "messages[1]"),
+    ({"role": "assistant", "content": "{"}, {"output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object"}}}}, "messages[1]"),
+])
+def test_a_prefill_that_cannot_be_honoured_is_a_400_naming_why(last, extra, param):
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(prefilled(last, **extra)).encode())
+    assert e.value.status == 400 and e.value.param == param

@@ -146,6 +146,28 @@ def test_anthropics_sdk_reads_a_models_404_in_its_own_envelope(fl):
     assert o.value.code == "model_not_found"
 
 
+def test_anthropics_sdk_pages_the_models_and_reads_their_limits(fl):
+    import anthropic
+
+    a = anthropic.Anthropic(base_url=fl.url, api_key=ALICE_KEY, max_retries=0, timeout=15)
+    openai_ids = [m.id for m in fl.client().models.list()]
+    assert len(openai_ids) >= 2
+    first = a.models.list(limit=1)
+    assert [m.id for m in first.data] == openai_ids[:1] and first.has_more
+    assert [m.id for m in a.models.list(limit=1)] == openai_ids  # the SDK pages on after_id
+    last = a.models.list(before_id=openai_ids[-1], limit=1)
+    assert [m.id for m in last.data] == openai_ids[-2:-1]
+    limits = {m.id: m.limit for m in fl.client().models.list()}
+    for m in a.models.list():
+        assert (m.max_input_tokens, m.max_tokens) == (limits[m.id]["input"],
+                                                      limits[m.id]["output"])
+    for query in ("limit=0", "limit=x", "after_id=nope"):
+        r = httpx2.get(fl.url + "/v1/models?" + query,
+                       headers={"x-api-key": ALICE_KEY, "anthropic-version": "2023-06-01"})
+        assert r.status_code == 400 and r.json()["type"] == "error", query
+        assert query.split("=")[0] in r.json()["error"]["message"]
+
+
 def test_body_over_the_limit_is_413(fl):
     r = httpx2.post(fl.url + "/v1/chat/completions",
                     json={"model": "tiny", "messages": [{"role": "user", "content": "x" * 70_000}]})

@@ -159,3 +159,20 @@ def test_raw_bytes_decode_like_objects():
     with pytest.raises(ApiError) as e:
         parse_request(b'{"model": "m", "prompt": [1, 99999999999999999999999]}', "completion")
     assert e.value.status == 400 and e.value.param == "prompt[1]"
+
+
+def test_vllms_continue_final_message_continues_the_assistants_answer():
+    prefill = [*MSG, {"role": "assistant", "content": "The sea"}]
+    for extra in ({}, {"add_generation_prompt": False}):
+        r = parse_request({"model": "m", "messages": prefill, "continue_final_message": True,
+                           **extra}, "chat")
+        assert r.continue_final and r.messages[-1].content == "The sea"
+    assert not parse_request({"model": "m", "messages": prefill}, "chat").continue_final
+    for body, param in (
+            ({"messages": MSG, "continue_final_message": True}, "messages[0]"),
+            ({"messages": prefill, "continue_final_message": True,
+              "add_generation_prompt": True}, "add_generation_prompt"),
+            ({"messages": MSG, "add_generation_prompt": False}, "add_generation_prompt"),
+            ({"messages": prefill, "continue_final_message": True,
+              "response_format": {"type": "json_object"}}, "messages[1]")):
+        assert refused({"model": "m", **body}).param == param, body

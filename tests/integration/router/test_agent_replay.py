@@ -92,7 +92,9 @@ def check_anthropic_stream(events: list) -> None:
     names = [n for n, _ in events]
     assert "error" not in names, events[-1]
     assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
-    assert events[0][1]["message"]["usage"]["input_tokens"] > 1000  # a real prompt's count
+    usage = events[0][1]["message"]["usage"]  # a real prompt's count, uncached and cached
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 1000
+    assert events[-2][1]["usage"]["input_tokens"] == usage["input_tokens"]
     open_index = None
     for name, data in events[1:-2]:
         if name == "content_block_start":

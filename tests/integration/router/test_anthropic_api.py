@@ -127,14 +127,19 @@ def test_system_messages_anywhere_join_the_system_prompt(router):
 
 
 def test_streams_report_input_tokens_from_the_start(router):
+    # message_start's usage is message_delta's: input_tokens uncached, as Anthropic defines it
     c = client(router)
-    n = c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens
-    with c.messages.stream(model="tiny", max_tokens=4, messages=MSGS,
-                           extra_body={"temperature": 0}) as s:
-        start = next(e for e in s if e.type == "message_start")
-        final = s.get_final_message()
-    assert start.message.usage.input_tokens == n
-    assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) == n
+    msgs = [{"role": "user", "content": "Tell me about the sea, " * 40}]
+    n = c.messages.count_tokens(model="tiny", messages=msgs).input_tokens
+    for _ in range(2):  # the second finds the first's prompt in the prefix cache
+        with c.messages.stream(model="tiny", max_tokens=2, messages=msgs,
+                               extra_body={"temperature": 0}) as s:
+            start = next(e for e in s if e.type == "message_start").message.usage
+            final = s.get_final_message().usage
+        assert start.input_tokens + (start.cache_read_input_tokens or 0) == n
+        assert (start.input_tokens, start.cache_read_input_tokens) == (
+            final.input_tokens, final.cache_read_input_tokens)
+    assert final.cache_read_input_tokens
 
 
 def test_max_tokens_over_the_context_is_fitted_and_said(router):
@@ -199,3 +204,27 @@ def test_every_body_error_is_in_anthropics_envelope(router, path):
         assert got["error"]["message"], what
     r = httpx2.post(router.url + path, content=b"{", headers={"x-api-key": "sk-wrong"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+
+
+def test_a_prefill_is_continued_as_the_open_prompt_would_be(router):
+    # A final assistant message is the answer begun: the prompt ends with its text (no end
+    # of turn, no new generation prompt) and the reply is only the continuation
+    auth = {"Authorization": f"Bearer {key_of('alice')}"}
+    prefill = [*MSGS, {"role": "assistant", "content": "The sea is"}]
+    ids = httpx2.post(router.url + "/tokenize", headers=auth, json={
+        "model": "tiny", "messages": prefill, "continue_final_message": True}).json()["tokens"]
+    prompt = httpx2.post(router.url + "/detokenize", headers=auth,
+                         json={"model": "tiny", "tokens": ids}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\nThe sea is")
+    want = router.client().completions.create(model="tiny", prompt=ids, max_tokens=6,
+                                              temperature=0).choices[0].text
+    m = client(router).messages.create(model="tiny", max_tokens=6, messages=prefill,
+                                       extra_body={"temperature": 0})
+    assert m.content[0].text == want and m.usage.input_tokens + (
+        m.usage.cache_read_input_tokens or 0) == len(ids)
+    chat = router.client().chat.completions.create(
+        model="tiny", messages=prefill, max_tokens=6, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert chat.choices[0].message.content == want
+    assert client(router).messages.count_tokens(model="tiny",
+                                                messages=prefill).input_tokens == len(ids)
