@@ -16,7 +16,9 @@ response.output_text.delta, response.function_call_arguments.delta,
 response.custom_tool_call_input.delta as the input's string decodes) and
 their .done events, response.output_item.done, and last
 response.completed or response.incomplete; a neuron failing mid-stream ends
-it with response.failed. Every event carries its `sequence_number`.
+it with response.failed. Every event carries its `sequence_number`. While
+the neuron is silent (a long prompt's prefill) response.in_progress comes
+again as the keep-alive (event_replies.py).
 """
 
 from __future__ import annotations
@@ -140,8 +142,13 @@ class ResponseEncoder:
         return out + self._event(kind, response=self.response(status, msg.usage))
 
     def ping(self) -> bytes:
-        """A keep-alive while the neuron is silent: an SSE comment, which clients skip."""
-        return b": ping\n\n"
+        """A keep-alive while the neuron is silent: `response.in_progress` again, the
+        response as it stands. An event, not an SSE comment: codex's idle timer (and any
+        client's that runs per event) never sees a comment, and the SDKs take the repeat."""
+        r = self.response("in_progress")
+        r["output"] = [{**i, "status": "in_progress"} if i is self.open else i
+                       for i in self.items]
+        return self._event("response.in_progress", response=r)
 
     def failed(self, err: ApiError) -> bytes:
         """The last event of a stream whose neuron failed."""
