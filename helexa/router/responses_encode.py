@@ -133,7 +133,7 @@ class ResponseEncoder:
     def feed(self, msg: pb.GenerateResponse) -> bytes:
         """The events of one neuron message (the closing ones on the last)."""
         final = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        out = self._parts(self._parse(msg, final=final), stream=True)
+        out = self._feed(msg, final)
         if not final:
             return out
         status = _status(msg.finish_reason)
@@ -157,17 +157,20 @@ class ResponseEncoder:
 
     # ------------------------------------------------------------------ building items
 
-    def _parse(self, msg: pb.GenerateResponse, final: bool) -> Parts:
+    def _feed(self, msg: pb.GenerateResponse, final: bool) -> bytes:
+        """The events of one message's text, in the order it was written (a call, then
+        text after it: OutputParser.feed_in_order)."""
         if self.parser is None:
-            return Parts(content=msg.text)
+            return self._parts(Parts(content=msg.text), stream=True)
         if msg.thought_open:
             self.parser.thought_opened()
-        parts = self.parser.feed(msg.text)
+        *pieces, last = self.parser.feed_in_order(msg.text)
+        out = b"".join([self._parts(p, stream=True) for p in pieces])
         if final:
             rest = self.parser.finish()
-            parts = Parts(parts.reasoning + rest.reasoning, parts.content + rest.content,
-                          parts.calls + rest.calls)
-        return parts
+            last = Parts(last.reasoning + rest.reasoning, last.content + rest.content,
+                         last.calls + rest.calls)
+        return out + self._parts(last, stream=True)
 
     def _begin(self, item: dict[str, Any], stream: bool) -> bytes:
         out = self._close(stream)

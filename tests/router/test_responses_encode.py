@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser
 from helexa.router.openai_api import ParsedRequest
@@ -62,3 +64,41 @@ def test_items_come_in_the_order_the_model_wrote_them_whole_or_streamed():
                           ("function_call", '{"city": "Oslo"}'), ("message", "Done.")]
     for step in (1, 3, 7):
         assert shape(streamed(text, step)) == shape(out)
+
+
+NOTE = {"type": "custom", "name": "note", "description": "n"}
+
+
+def test_a_message_spanning_a_call_keeps_the_order_the_model_wrote():
+    # One neuron message may hold text, a whole call and more text (coalesced deltas, a
+    # speculative step's accepted run): the stream's items are still message, call,
+    # message, as in the reply that did not stream, however the text is cut.
+    from helexa.router import responses_api
+    from helexa.router.agent_output import parser_for
+
+    text = ('Before.<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '\nAfter.<tool_call>\n{"name": "note", "arguments": {"input": "x"}}\n</tool_call>'
+            'End.')
+    body = {"model": "m", "input": "hi", "stream": True, "tools": [
+        {"type": "function", "name": "w", "parameters": TOOLS[0]["function"]["parameters"]},
+        NOTE]}
+    req = responses_api.parse_request(json.dumps(body).encode())
+
+    def shape(r: dict) -> list:
+        return [(o["type"], (o.get("arguments") or o.get("input") or
+                             o["content"][0]["text"]).strip()) for o in r["output"]]
+
+    done = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
+                               usage=pb.Usage(prompt_tokens=3, completion_tokens=9))
+    whole = shape(ResponseEncoder("r", "m", req, parser_for(req, "hermes", "")).whole(
+        pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)))
+    assert [k for k, _ in whole] == ["message", "function_call", "message",
+                                     "custom_tool_call", "message"]
+    for cuts in [(), *[(i,) for i in range(1, len(text))]]:  # one message, or two anywhere
+        enc = ResponseEncoder("r", "m", req, parser_for(req, "hermes", ""))
+        enc.start()
+        bounds = [0, *cuts, len(text)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            enc.feed(pb.GenerateResponse(text=text[a:b]))
+        enc.feed(done)
+        assert shape(enc.response("completed")) == whole, cuts
