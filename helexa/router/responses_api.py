@@ -102,7 +102,7 @@ class RToolChoice(msgspec.Struct, kw_only=True):
 
 
 class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -169,7 +169,8 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     _tools(b, req, caps)
     if b.reasoning is not None and b.reasoning.effort is not None:
         effort = b.reasoning.effort
-        req.reasoning_effort = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
+        req.reasoning_effort = {"minimal": "low", "xhigh": "high", "max": "high"}.get(effort,
+                                                                                     effort)
     req.reasoning_summary = b.reasoning is not None and \
         (b.reasoning.summary or b.reasoning.generate_summary) is not None
     _text_format(b, req, caps)

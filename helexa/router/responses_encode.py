@@ -48,7 +48,8 @@ def _item_id(prefix: str) -> str:
 
 def usage(u: pb.Usage) -> dict[str, Any]:
     return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                     "cache_write_tokens": 0},  # the SDK's types require it
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
@@ -83,7 +84,10 @@ class ResponseEncoder:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": self.items,
-            "error": None if error is None else {"code": error.code, "message": error.message},
+            # OpenAI's codes for a failed response are a closed set (the SDK's types): ours is
+            # `server_error` there, helexa's own code heads the message
+            "error": None if error is None else {"code": "server_error",
+                                                 "message": f"{error.code}: {error.message}"},
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None,
             "instructions": None, "metadata": {}, "parallel_tool_calls": r.parallel_tool_calls,
@@ -179,8 +183,10 @@ class ResponseEncoder:
         if not stream:
             return out
         added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):  # its part comes with *_part.added
             added["content"] = []
+        if item["type"] == "reasoning":
+            added["summary"] = []
         out += self._event("response.output_item.added", output_index=len(self.items) - 1,
                            item=added)
         part = self._part_of(item)
