@@ -35,7 +35,7 @@ import msgspec
 Kind = Literal["json_schema", "json_object", "regex", "lark"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
 # The JSON compiler's options: compact separators, no whitespace runs.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarError(ValueError):
@@ -230,9 +230,9 @@ def _grammar(kind: str, source: str) -> str:
                 raise GrammarError(f"the schema is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GrammarError("the schema must be a JSON object")
-            grammar = m.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+            grammar = m.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         elif kind == "json_object":
-            grammar = m.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+            grammar = m.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         elif kind == "regex":
             grammar = m.grammar_from_regex(source)
         elif kind == "lark":

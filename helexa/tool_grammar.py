@@ -99,11 +99,40 @@ def forced(fmt: str, tools: list[dict[str, Any]], function: str,
         raise grammar.GrammarError(f"unknown tool-call format `{fmt}`")
     if function:
         fns, parallel = [_named(fns, function)], False
-    rules = [f"start: call ({json.dumps(_SEPARATOR[fmt])} call)*" if parallel else "start: call",
-             "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
+    return grammar.Constraint(kind="lark", source="\n".join(
+        _calls_rules(fmt, fns, parallel, "start")) + "\n")
+
+
+def calls_or_answer(fmt: str, tools: list[dict[str, Any]], parallel: bool,
+                    answer: grammar.Constraint) -> grammar.Constraint:
+    """Tools offered under tool_choice auto with a structured answer (Responses'
+    `text.format`, chat's `response_format`): the output is calls in format fmt ("" reads
+    as hermes, as the router parses calls under auto), or the answer, one JSON value of
+    `answer` (a json_schema or json_object constraint). A call's arguments are any object:
+    under auto a tool's schema is prompt text only, never compiled."""
+    fns = [{"name": t["function"]["name"], "parameters": {"type": "object"}} for t in tools]
+    if not fns:
+        raise grammar.GrammarError("calls or an answer needs at least one tool")
+    fmt = fmt or "hermes"
+    if fmt not in FORMATS:
+        raise grammar.GrammarError(f"unknown tool-call format `{fmt}`")
+    schema: Any = json.loads(answer.source) if answer.kind == "json_schema" \
+        else {"type": "object"}
+    schema = {} if schema is True else schema
+    if isinstance(schema, dict):
+        schema = {**schema, "x-guidance": grammar.JSON_OPTIONS}
+    rules = ["start: calls | answer", "answer: %json " + json.dumps(schema, ensure_ascii=False)]
+    return grammar.Constraint(kind="lark", source="\n".join(
+        rules + _calls_rules(fmt, fns, parallel, "calls")) + "\n")
+
+
+def _calls_rules(fmt: str, fns: list[dict[str, Any]], parallel: bool, top: str) -> list[str]:
+    """Rule `top`: one call of fns in format fmt, or several (parallel) one after another."""
+    rules = [f"{top}: call ({json.dumps(_SEPARATOR[fmt])} call)*" if parallel
+             else f"{top}: call", "call: " + " | ".join(f"call_{i}" for i in range(len(fns)))]
     for i, fn in enumerate(fns):
         rules += _call_rules(fmt, i, fn)
-    return grammar.Constraint(kind="lark", source="\n".join(rules) + "\n")
+    return rules
 
 
 def value_types(schema: Any, root: dict[str, Any]) -> frozenset[str] | None:
@@ -199,7 +228,9 @@ def _call_rules(fmt: str, i: int, fn: dict[str, Any]) -> list[str]:
         return [f"call_{i}: {_lit(head)} args_{i} {_lit(_HERMES_CLOSE)}",
                 f"args_{i}: {_json_rule(params)}"]
     if fmt == "llama3_json":
-        return [f"call_{i}: {_lit(llama3_head(name))} args_{i} \"}}\"",
+        # the opening brace its own literal: one lexeme `{"name": ...` beside an answer's
+        # %json (calls_or_answer) fails that JSON's first key in llguidance's lexer
+        return [f"call_{i}: \"{{\" {_lit(llama3_head(name)[1:])} args_{i} \"}}\"",
                 f"args_{i}: {_json_rule(params)}"]
     return _xml_rules(i, name, json.loads(grammar.json_schema(params).source))
 

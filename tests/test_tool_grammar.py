@@ -35,8 +35,10 @@ class Matcher:
         self.lt = llguidance.LLTokenizer(text, n_vocab=self.hf.get_vocab_size(), eos_token=[eos])
         self.eos = eos
 
-    def accepts(self, c: grammar.Constraint, text: str) -> bool:
-        m = llguidance.LLMatcher(self.lt, grammar.grammar_text(c), log_level=0)
+    def accepts(self, c: grammar.Constraint | str, text: str) -> bool:
+        """c: a constraint, or a grammar's text as llguidance takes it."""
+        m = llguidance.LLMatcher(self.lt, c if isinstance(c, str) else grammar.grammar_text(c),
+                                 log_level=0)
         ok = all(m.consume_token(t) for t in self.hf.encode(text).ids)
         return ok and m.consume_token(self.eos)  # and nothing more is required
 
@@ -136,3 +138,41 @@ def test_parameters_without_a_type_are_an_object(models, fmt):
     with pytest.raises(grammar.GrammarError, match="object"):
         tool_grammar.forced(fmt, [{"type": "function", "function": {
             "name": "f", "parameters": {"type": "string"}}}], "", False)
+
+
+ANSWER = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
+CODEX_CALLS = {  # what the model writes for codex's shell({"command": ["ls"]}), per format
+    "hermes": '<tool_call>\n{"name": "shell", "arguments": {"command": ["ls"]}}\n</tool_call>',
+    "qwen3_xml": '<tool_call>\n<function=shell>\n<parameter=command>\n["ls"]\n</parameter>\n'
+                 '</function>\n</tool_call>',
+    "llama3_json": '{"name": "shell", "parameters": {"command": ["ls"]}}'}
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_xml", "llama3_json"])
+def test_an_answer_format_beside_tools_under_auto_still_lets_the_model_call(models, fmt):
+    # codex exec --output-schema: tools under tool_choice auto and text.format json_schema.
+    # OpenAI holds the final message to the schema, not the calls before it; a grammar of
+    # the schema alone made every call impossible. The request as the router sends it, the
+    # grammar as the neuron builds it in the model's call format:
+    from helexa.neuron import agent
+    from helexa.router import forward, responses_api
+
+    req = responses_api.parse_request(json.dumps({
+        "model": "m", "input": "run the tests, then report", "tool_choice": "auto",
+        "parallel_tool_calls": False, "tools": [
+            {"type": "function", "name": "shell", "parameters": {
+                "type": "object", "properties": {"command": {"type": "array"}}}},
+            {"type": "web_search"}],
+        "text": {"format": {"type": "json_schema", "name": "out", "strict": True,
+                            "schema": ANSWER}}}).encode())
+    g = forward.generate_request(req, model="m", principal="p", req_id="r",
+                                 deadline_unix_ms=0)
+    text = agent.constraint_grammar(g, fmt)
+    assert text is not None
+    m = Matcher(models["hermes" if fmt == "llama3_json" else fmt])
+    assert m.accepts(text, CODEX_CALLS[fmt])  # a call, its arguments free (auto: never compiled)
+    assert m.accepts(text, '{"ok":true}')  # or the answer, held to the schema
+    assert not m.accepts(text, '{"ok":1}') and not m.accepts(text, "Done.")
+    two = CODEX_CALLS[fmt] + ("; " if fmt == "llama3_json" else "\n") + CODEX_CALLS[fmt]
+    assert not m.accepts(text, two)  # parallel_tool_calls false: one call

@@ -12,7 +12,8 @@ The neuron owns the checkpoint's template, so it decides here (one place):
   as mappings, as Hugging Face templates expect: `arguments|items` needs one)
   and tool results, `tools`, and extra variables (`enable_thinking`, ...);
 - the engine's inputs: the grammar of a constrained request (a forced tool
-  choice in the model's own format, helexa/tool_grammar.py) and the thinking
+  choice in the model's own format, or under auto calls in it or a structured
+  answer: helexa/tool_grammar.py) and the thinking
   budget (`reasoning_effort` → tokens: high = the entry's
   thinking_budget_tokens, medium half, low an eighth, none 0).
 """
@@ -116,7 +117,8 @@ def call_arguments(text: str, where: str) -> dict[str, Any]:
 
 def constraint_grammar(request: pb.GenerateRequest, tool_format: str = "") -> str | None:
     """The llguidance grammar of a constrained request, or None; a Refusal if it is bad.
-    A forced tool choice is written in tool_format, the model's own (`tool_parser`)."""
+    A forced tool choice, and the calls beside a structured answer under auto, are written
+    in tool_format, the model's own (`tool_parser`)."""
     if not request.HasField("constraint"):
         return None
     kind = request.constraint.WhichOneof("kind")
@@ -130,6 +132,16 @@ def constraint_grammar(request: pb.GenerateRequest, tool_format: str = "") -> st
                                                             choice.parallel))
         except grammar.GrammarError as e:
             raise Refusal("invalid_request_error", f"tools: {e}") from None
+    if kind == "calls_or_answer":
+        either = request.constraint.calls_or_answer
+        tools = _json(request.chat.tools_json, "tools") if request.chat.tools_json else []
+        answer = grammar.Constraint(kind="json_schema", source=either.answer_schema) \
+            if either.answer_schema else grammar.Constraint(kind="json_object")
+        try:
+            return grammar.grammar_text(tool_grammar.calls_or_answer(
+                tool_format, tools, either.parallel, answer))
+        except grammar.GrammarError as e:
+            raise Refusal("invalid_request_error", f"response_format: {e}") from None
     source = "" if kind == "json_object" else getattr(request.constraint, kind)
     try:
         return grammar.grammar_text(grammar.Constraint(kind=kind, source=source))

@@ -113,7 +113,11 @@ class OutputProcessor:
             resp.finish_reason = self.finish_reason
             resp.stop_reason = self.stop_reason
             resp.usage.CopyFrom(self.usage())
-        if resp.ByteSize() or self.finish_reason is not None:
+        # The first message goes out at admission, whatever it holds: the caller learns that
+        # no refusal can follow (the router then opens its client's stream and keeps it
+        # alive through the prefill, docs/http.md).
+        if resp.ByteSize() or self.finish_reason is not None or \
+                (upd.admitted and not self._sent_first):
             if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
                 resp.prompt_tokens = len(self.new.prompt_token_ids)
                 resp.cached_tokens = self.cached_tokens

@@ -104,18 +104,28 @@ class Chat(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., template_kwargs_json: _Optional[str] = ..., continue_final_message: _Optional[bool] = ...) -> None: ...
 
 class Constraint(_message.Message):
-    __slots__ = ("json_schema", "json_object", "regex", "lark", "tool_choice")
+    __slots__ = ("json_schema", "json_object", "regex", "lark", "tool_choice", "calls_or_answer")
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     LARK_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_OR_ANSWER_FIELD_NUMBER: _ClassVar[int]
     json_schema: str
     json_object: bool
     regex: str
     lark: str
     tool_choice: ToolChoice
-    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ...) -> None: ...
+    calls_or_answer: CallsOrAnswer
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., calls_or_answer: _Optional[_Union[CallsOrAnswer, _Mapping]] = ...) -> None: ...
+
+class CallsOrAnswer(_message.Message):
+    __slots__ = ("parallel", "answer_schema")
+    PARALLEL_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    parallel: bool
+    answer_schema: str
+    def __init__(self, parallel: _Optional[bool] = ..., answer_schema: _Optional[str] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
     __slots__ = ("function", "parallel")

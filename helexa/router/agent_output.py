@@ -20,10 +20,11 @@ known, so no marker ever reaches the client.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.router.tool_parsers import PARSERS, CallPiece, ToolParser, held
+from helexa.router.tool_parsers import CALL_CLOSE, PARSERS, CallPiece, ToolParser, held
 from helexa.router.xml_tool_parser import Qwen3XmlParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -52,6 +53,7 @@ class OutputParser:
         self.tools.forced = forced
         self._buf = ""  # thought text not yet emitted (a marker may be starting)
         self._after_thought = False
+        self._tail = ""  # the text fed so far, its last len(CALL_CLOSE) - 1 characters
 
     # ------------------------------------------------------------------ feeding
 
@@ -65,6 +67,19 @@ class OutputParser:
         answer = self._thought(text, out, final=False)
         self._answer_part(answer, out, final=False)
         return out
+
+    def feed_in_order(self, text: str) -> list[Parts]:
+        """feed(), a piece at a time, each piece ending where a call closes (a closing tag
+        begun in an earlier feed included): one Parts holds no order, and text after a
+        call in the same delta (coalesced deltas, a speculative step's run) follows it.
+        The event streams, whose items or blocks have an order, read these."""
+        seen = self._tail + text
+        cuts = [m.end() - len(self._tail) for m in re.finditer(re.escape(CALL_CLOSE), seen)
+                if m.end() > len(self._tail)]
+        self._tail = seen[-(len(CALL_CLOSE) - 1):]
+        bounds = [0, *cuts, len(text)]
+        return [self.feed(text[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)
+                if b > a or b == len(text)]
 
     def finish(self, text: str = "") -> Parts:
         """The output's end; text: its last piece, or a whole reply that did not stream

@@ -17,7 +17,10 @@ constraint the engine enforces:
 - `auto` leaves the model free and its own format is parsed back; `none`
   hides nothing from the template but parses no calls. Either way a tool's
   schema is prompt text only: it is never compiled, so no schema an agent
-  sends can fail the request.
+  sends can fail the request. With a `response_format` beside tools under
+  `auto` the output is calls (in the model's format, any arguments) or that
+  JSON answer (`calls_or_answer`), as OpenAI applies a format to the final
+  message only: `codex exec --output-schema` calls tools before it answers.
 
 Keywords the grammar cannot enforce (helexa.grammar.enforceable) are dropped
 from a constraint and listed in `req.unenforced` (the router says them in
@@ -196,6 +199,14 @@ def constrain_to_schema(req: Any, schema: Any, param: str,
     _check(req.constraint, param)
 
 
+def calls_or_answer(req: Any) -> bool:
+    """Tools are offered under auto beside a structured answer: the output is calls of the
+    tools or that answer (helexa/tool_grammar.py calls_or_answer, built by the neuron in
+    the model's call format)."""
+    return req.tool_choice == "auto" and bool(req.tools) and req.constraint is not None \
+        and req.constraint.kind in ("json_schema", "json_object")
+
+
 def reply_violations(req: Any, content: str, calls: list[dict[str, str]]) -> list[str]:
     """Where a finished reply breaks the schemas whose keywords the grammar did not enforce
     (empty when it enforced them all, or the reply keeps to them)."""
@@ -208,7 +219,7 @@ def reply_violations(req: Any, content: str, calls: list[dict[str, str]]) -> lis
                 params[t["function"]["name"]] = tool_grammar.object_parameters(t["function"])
         return [f"{c['name']}: {v}" for c in calls if c["name"] in params
                 for v in schema_check.json_violations(c["arguments"], params[c["name"]])]
-    if req.response_schema is not None:
+    if req.response_schema is not None and not calls:  # calls instead of the answer
         return schema_check.json_violations(content, req.response_schema)
     return []
 

@@ -163,12 +163,12 @@ class StreamEncoder:
     def feed(self, msg: pb.GenerateResponse) -> bytes:
         """The events one neuron message makes (the closing ones included on the last)."""
         if self.parser is None:
-            parts = Parts(content=msg.text)
+            pieces = [Parts(content=msg.text)]
         else:
             if msg.thought_open:
                 self.parser.thought_opened()
-            parts = self.parser.feed(msg.text)
-        out = self._parts(parts)
+            pieces = self.parser.feed_in_order(msg.text)  # a call, then text after it
+        out = b"".join([self._parts(p) for p in pieces])
         if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return out
         if self.parser is not None:

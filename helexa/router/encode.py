@@ -213,12 +213,12 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     """One SSE chunk for one neuron message (None when it carries nothing to say)."""
     finish = (FINISH_REASONS.get(msg.finish_reason)
               if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
+    if msg.thought_open and choice.parser is not None:  # (said on the first message, often
+        choice.parser.thought_opened()  # one with nothing else: the admission's)
     if not msg.text and not msg.token_ids and finish is None:
         return None  # (a first message's prompt ids then ride on the next chunk)
     body: dict[str, Any] = {"index": choice.index}
     if env.chat and choice.parser is not None:
-        if msg.thought_open:
-            choice.parser.thought_opened()
         parts = choice.parser.feed(msg.text)
         if finish is not None:
             rest = choice.parser.finish()

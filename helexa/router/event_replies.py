@@ -7,17 +7,22 @@ events), `feed(msg)` (the events of one neuron message, the closing ones on
 the last) and `failed(err)` (the event that ends a stream that failed).
 Every failure after the first event, the neuron's or ours, ends the stream
 with that event, so a client never sees a stream simply stop. While the
-neuron is silent (a long prompt's prefill: minutes on a CPU) the stream
-sends a keep-alive every PING_SECS (`ping()`: Anthropic's `ping` event, an
-SSE comment for Responses), as Anthropic's API does: Claude Code drops a
-stream after 300 s without a byte and starts the request over.
+neuron is silent (a long prompt's prefill: minutes on a CPU; the neuron's
+first message comes at admission, so the stream is open by then) the stream
+sends a keep-alive every PING_SECS (`ping()`: Anthropic's `ping` event, as
+Anthropic's API does; Responses' `response.in_progress` again). Each is an
+event, never an SSE comment, because agents time out per event: Claude Code
+drops a stream after 300 s without one, codex after its
+`stream_idle_timeout`, and both then start the request over (its prefill
+too). Chat streams send SSE comments (`with_pings`, serve.py): chat has no
+event that clients skip.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import msgspec
@@ -34,6 +39,8 @@ FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 PING_SECS = 10.0
+SSE_PING = b": ping\n\n"  # chat's keep-alive: an SSE comment (its clients know no other)
+T = TypeVar("T")
 
 
 class UpstreamFailed(Exception):
@@ -71,7 +78,7 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
     await resp.prepare(request)
     await resp.write(enc.start())
     try:
-        async for msg in _with_pings(call.messages(), resp, enc):
+        async for msg in with_pings(call.messages(), resp, enc.ping):
             if on_message is not None:
                 on_message(msg)
             check_finish(msg)
@@ -95,16 +102,16 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
     return resp
 
 
-async def _with_pings(messages: AsyncIterator[pb.GenerateResponse], resp: web.StreamResponse,
-                      enc: Encoder) -> AsyncIterator[pb.GenerateResponse]:
-    """The messages, writing enc.ping() to the client each PING_SECS none arrives. The read
+async def with_pings(messages: AsyncIterator[T], resp: web.StreamResponse,
+                     ping: Callable[[], bytes]) -> AsyncIterator[T]:
+    """The messages, writing ping() to the client each PING_SECS none arrives. The read
     runs in a task of its own so that a ping never cancels it halfway."""
     it = aiter(messages)
     while True:
         nxt = asyncio.ensure_future(anext(it))
         try:
             while not (await asyncio.wait({nxt}, timeout=PING_SECS))[0]:
-                await resp.write(enc.ping())
+                await resp.write(ping())
             msg = nxt.result()
         except StopAsyncIteration:
             return

@@ -25,6 +25,7 @@ import grpc
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
+from helexa.router import agent_request
 from helexa.router.errors import ApiError
 from helexa.router.inflight import Flight
 from helexa.router.openai_api import ParsedRequest
@@ -108,6 +109,11 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
         g.constraint.tool_choice.SetInParent()
         g.constraint.tool_choice.function = req.tool_name or ""
         g.constraint.tool_choice.parallel = req.parallel_tool_calls
+    elif agent_request.calls_or_answer(req):  # the neuron writes the calls' side
+        assert req.constraint is not None
+        g.constraint.calls_or_answer.parallel = req.parallel_tool_calls
+        g.constraint.calls_or_answer.answer_schema = \
+            req.constraint.source if req.constraint.kind == "json_schema" else ""
     elif req.constraint is not None:
         if req.constraint.kind == "json_object":
             g.constraint.json_object = True

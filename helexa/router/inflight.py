@@ -11,8 +11,8 @@ Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not
 while the router itself is not reading (its client's socket is full, and a
 client may read again within `timeouts.client_write_secs`, however long).
-Before its first token (a thinking model's first message comes at
-admission, ahead of the prefill), it is
+Before its first token (the first message comes at admission, ahead of the
+prefill's end), it is
 overdue only past a prefill deadline: the idle bound plus PREFILL_MARGIN
 times the prompt's tokens (the first message says how many) over the
 model's measured prefill rate (from Watch; MIN_PREFILL_TOKENS_PER_SEC when

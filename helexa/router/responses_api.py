@@ -11,8 +11,9 @@ limits, constraints and the template's tool rendering are shared:
   parts with an `image_url`, a data: or http(s) URL, as chat's image_url parts:
   router/images.py), `function_call` (an assistant turn's
   calls; consecutive calls share one turn), `function_call_output` (a tool
-  turn), `custom_tool_call` / `custom_tool_call_output` (the same, for a
-  custom tool: custom_tools.py), `reasoning` (the next assistant turn's earlier thought, from its
+  turn; its `output` a string or parts, `input_image` ones included: codex's
+  view_image answers with the image), `custom_tool_call` /
+  `custom_tool_call_output` (the same, for a custom tool: custom_tools.py), `reasoning` (the next assistant turn's earlier thought, from its
   `content` or `summary` text);
 - `tools` of type `function` (and the functions inside a `namespace` tool)
   are offered, and `custom` tools as the function custom_tools.py renders;
@@ -54,7 +55,8 @@ _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_t
 
 
 class Part(msgspec.Struct, kw_only=True):
-    """One content part of an input item: text, or (user messages) an input_image."""
+    """One content part of an input item: text, or (user messages, tool outputs) an
+    input_image."""
 
     type: str
     text: str | None = None
@@ -100,7 +102,7 @@ class RToolChoice(msgspec.Struct, kw_only=True):
 
 
 class Reasoning(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
     generate_summary: Literal["auto", "concise", "detailed"] | None = None
 
@@ -167,7 +169,8 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     _tools(b, req, caps)
     if b.reasoning is not None and b.reasoning.effort is not None:
         effort = b.reasoning.effort
-        req.reasoning_effort = {"minimal": "low", "xhigh": "high"}.get(effort, effort)
+        req.reasoning_effort = {"minimal": "low", "xhigh": "high", "max": "high"}.get(effort,
+                                                                                     effort)
     req.reasoning_summary = b.reasoning is not None and \
         (b.reasoning.summary or b.reasoning.generate_summary) is not None
     _text_format(b, req, caps)
@@ -185,10 +188,12 @@ def _text(content: str | list[Part] | None, param: str) -> str:
     return "".join(out)
 
 
-def _user_turn(content: str | list[Part] | None, param: str) -> Turn:
-    """A user message: its text, and its parts in order where it holds input_image parts."""
+def _parts_turn(role: str, content: str | list[Part] | None, param: str,
+                call_id: str = "") -> Turn:
+    """A user message or a tool's output (a screenshot codex's view_image took): its text,
+    and its parts in order where it holds input_image parts."""
     if content is None or isinstance(content, str):
-        return Turn(role="user", content=content or "")
+        return Turn(role=role, content=content or "", tool_call_id=call_id)
     parts: list[str | images.ImagePart] = []
     for j, part in enumerate(content):
         q = f"{param}[{j}]"
@@ -207,7 +212,8 @@ def _user_turn(content: str | list[Part] | None, param: str) -> Turn:
             raise unsupported(f"{q}.type", f"content parts of type `{part.type}`")
     text = "".join(x for x in parts if isinstance(x, str))
     has_images = any(isinstance(x, images.ImagePart) for x in parts)
-    return Turn(role="user", content=text, parts=parts if has_images else None)
+    return Turn(role=role, content=text, tool_call_id=call_id,
+                parts=parts if has_images else None)
 
 
 def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
@@ -225,7 +231,7 @@ def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
             if role in ("system", "developer"):
                 system.append(_text(it.content, f"{p}.content"))
             elif role == "user":
-                turns.append(_user_turn(it.content, f"{p}.content"))
+                turns.append(_parts_turn("user", it.content, f"{p}.content"))
             elif role == "assistant":
                 turns.append(Turn(role=role, content=_text(it.content, f"{p}.content"),
                                   reasoning="".join(thought)))
@@ -246,8 +252,7 @@ def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
         elif it.type in ("function_call_output", "custom_tool_call_output"):
             if not it.call_id:
                 raise bad_request(f"`{p}.call_id` is required", f"{p}.call_id")
-            turns.append(Turn(role="tool", tool_call_id=it.call_id,
-                              content=_text(it.output, f"{p}.output")))
+            turns.append(_parts_turn("tool", it.output, f"{p}.output", it.call_id))
         elif it.type == "reasoning":
             text = _text(it.content, f"{p}.content") or _text(it.summary, f"{p}.summary")
             thought.append(text)

@@ -16,7 +16,9 @@ response.output_text.delta, response.function_call_arguments.delta,
 response.custom_tool_call_input.delta as the input's string decodes) and
 their .done events, response.output_item.done, and last
 response.completed or response.incomplete; a neuron failing mid-stream ends
-it with response.failed. Every event carries its `sequence_number`.
+it with response.failed. Every event carries its `sequence_number`. While
+the neuron is silent (a long prompt's prefill) response.in_progress comes
+again as the keep-alive (event_replies.py).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ def _item_id(prefix: str) -> str:
 
 def usage(u: pb.Usage) -> dict[str, Any]:
     return {"input_tokens": u.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": u.cached_tokens},
+            "input_tokens_details": {"cached_tokens": u.cached_tokens,
+                                     "cache_write_tokens": 0},  # the SDK's types require it
             "output_tokens": u.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
             "total_tokens": u.prompt_tokens + u.completion_tokens}
@@ -81,7 +84,10 @@ class ResponseEncoder:
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": self.items,
-            "error": None if error is None else {"code": error.code, "message": error.message},
+            # OpenAI's codes for a failed response are a closed set (the SDK's types): ours is
+            # `server_error` there, helexa's own code heads the message
+            "error": None if error is None else {"code": "server_error",
+                                                 "message": f"{error.code}: {error.message}"},
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None,
             "instructions": None, "metadata": {}, "parallel_tool_calls": r.parallel_tool_calls,
@@ -131,7 +137,7 @@ class ResponseEncoder:
     def feed(self, msg: pb.GenerateResponse) -> bytes:
         """The events of one neuron message (the closing ones on the last)."""
         final = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
-        out = self._parts(self._parse(msg, final=final), stream=True)
+        out = self._feed(msg, final)
         if not final:
             return out
         status = _status(msg.finish_reason)
@@ -140,8 +146,13 @@ class ResponseEncoder:
         return out + self._event(kind, response=self.response(status, msg.usage))
 
     def ping(self) -> bytes:
-        """A keep-alive while the neuron is silent: an SSE comment, which clients skip."""
-        return b": ping\n\n"
+        """A keep-alive while the neuron is silent: `response.in_progress` again, the
+        response as it stands. An event, not an SSE comment: codex's idle timer (and any
+        client's that runs per event) never sees a comment, and the SDKs take the repeat."""
+        r = self.response("in_progress")
+        r["output"] = [{**i, "status": "in_progress"} if i is self.open else i
+                       for i in self.items]
+        return self._event("response.in_progress", response=r)
 
     def failed(self, err: ApiError) -> bytes:
         """The last event of a stream whose neuron failed."""
@@ -150,17 +161,20 @@ class ResponseEncoder:
 
     # ------------------------------------------------------------------ building items
 
-    def _parse(self, msg: pb.GenerateResponse, final: bool) -> Parts:
+    def _feed(self, msg: pb.GenerateResponse, final: bool) -> bytes:
+        """The events of one message's text, in the order it was written (a call, then
+        text after it: OutputParser.feed_in_order)."""
         if self.parser is None:
-            return Parts(content=msg.text)
+            return self._parts(Parts(content=msg.text), stream=True)
         if msg.thought_open:
             self.parser.thought_opened()
-        parts = self.parser.feed(msg.text)
+        *pieces, last = self.parser.feed_in_order(msg.text)
+        out = b"".join([self._parts(p, stream=True) for p in pieces])
         if final:
             rest = self.parser.finish()
-            parts = Parts(parts.reasoning + rest.reasoning, parts.content + rest.content,
-                          parts.calls + rest.calls)
-        return parts
+            last = Parts(last.reasoning + rest.reasoning, last.content + rest.content,
+                         last.calls + rest.calls)
+        return out + self._parts(last, stream=True)
 
     def _begin(self, item: dict[str, Any], stream: bool) -> bytes:
         out = self._close(stream)
@@ -169,8 +183,10 @@ class ResponseEncoder:
         if not stream:
             return out
         added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):  # its part comes with *_part.added
             added["content"] = []
+        if item["type"] == "reasoning":
+            added["summary"] = []
         out += self._event("response.output_item.added", output_index=len(self.items) - 1,
                            item=added)
         part = self._part_of(item)

@@ -6,10 +6,11 @@ principal, body, alias, selection (Dispatcher), then either an SSE stream
 over Generate calls or one JSON body from Complete calls (unary: a stream
 costs more gRPC CPU on both ends, and a non-streaming client sees nothing
 before the end anyway). `n > 1` fans out into n calls (one per choice). HTTP
-headers go out only after every choice's first neuron message (or whole
-reply), so a neuron's refusal is still a proper HTTP error; after that, a
-neuron failing mid-stream ends the SSE stream with an `upstream_error`
-event. If the client goes away the handler is cancelled (aiohttp handler
+headers go out only after every choice's first neuron message (it comes at
+admission) or whole reply, so a neuron's refusal is still a proper HTTP error;
+after that, SSE comments keep the stream alive while the neuron is silent (a
+long prefill), and a neuron failing mid-stream ends it with an
+`upstream_error` event. If the client goes away the handler is cancelled (aiohttp handler
 cancellation), which cancels the gRPC calls in flight (the `finally` below
 cancels open streams), and that aborts them on the neuron. TTFT and
 inter-token latency are observed on streams only: a Complete reply carries
@@ -323,7 +324,8 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
     last = [0.0]
     seen_first = [False] * len(choices)
     try:
-        async for i, msg in _merge(streams):
+        async for i, msg in event_replies.with_pings(_merge(streams), resp,
+                                                     lambda: event_replies.SSE_PING):
             _timing(series, t0, last, msg)
             check_finish(msg)
             encode.with_stop_str(env.req, msg)

@@ -194,3 +194,17 @@ def test_a_broken_engine_link_finishes_as_an_error(tok) -> None:
     out.fail("EOFError: pipe closed")
     assert out.finished and out.outcome(client_gone=False) == "error"
     assert out.error == "EOFError: pipe closed"
+
+
+def test_the_first_message_comes_at_admission_before_any_token(tok) -> None:
+    # A long prompt's prefill takes minutes on a CPU: the caller (the router) hears at
+    # admission that the request is being served, whether or not the prompt opened a
+    # thought, so it can open its client's stream and keep it alive meanwhile.
+    prompt = tok.encode("Once upon a time")
+    out = processor(tok, prompt)
+    admitted = out.process(m.RequestUpdate(req_id="r", admitted=True)).response
+    assert admitted is not None and not admitted.text and not admitted.token_ids
+    assert admitted.prompt_tokens == len(prompt)
+    assert out.process(m.RequestUpdate(req_id="r")).response is None  # prefill: nothing new
+    first = out.process(m.RequestUpdate(req_id="r", new_token_ids=[70])).response
+    assert first is not None and first.text and not first.prompt_tokens

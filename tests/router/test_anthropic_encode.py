@@ -80,3 +80,20 @@ def test_string_arguments_come_back_as_an_object_the_next_request_takes():
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": block["id"],
                                       "content": "x"}]}]}
     anthropic.parse_request(json.dumps(body).encode())  # a string input would be a 400
+
+
+def test_text_after_a_call_in_the_same_message_follows_its_tool_use_block():
+    # one neuron message may hold a whole call and text after it (coalesced deltas): each
+    # delta goes to its own block, in the order written, whatever the cut
+    text = ('Let me look.<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n'
+            '</tool_call>\nDone.')
+    for cut in range(0, len(text)):
+        evs = events([text[:cut], text[cut:]], pb.FINISH_REASON_STOP, tool_mode="hermes")
+        kinds = {e["index"]: e["content_block"]["type"] for e in evs
+                 if e["type"] == "content_block_start"}
+        assert list(kinds.values()) == ["text", "tool_use", "text"], cut
+        deltas = [(kinds[e["index"]], e["delta"]) for e in evs
+                  if e["type"] == "content_block_delta"]
+        assert all((k == "tool_use") == (d["type"] == "input_json_delta") for k, d in deltas)
+        assert json.loads("".join(d["partial_json"] for k, d in deltas if k == "tool_use")) \
+            == {"city": "Oslo"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser
 from helexa.router.openai_api import ParsedRequest
@@ -62,3 +64,90 @@ def test_items_come_in_the_order_the_model_wrote_them_whole_or_streamed():
                           ("function_call", '{"city": "Oslo"}'), ("message", "Done.")]
     for step in (1, 3, 7):
         assert shape(streamed(text, step)) == shape(out)
+
+
+NOTE = {"type": "custom", "name": "note", "description": "n"}
+
+
+def test_a_message_spanning_a_call_keeps_the_order_the_model_wrote():
+    # One neuron message may hold text, a whole call and more text (coalesced deltas, a
+    # speculative step's accepted run): the stream's items are still message, call,
+    # message, as in the reply that did not stream, however the text is cut.
+    from helexa.router import responses_api
+    from helexa.router.agent_output import parser_for
+
+    text = ('Before.<tool_call>\n{"name": "w", "arguments": {"city": "Oslo"}}\n</tool_call>'
+            '\nAfter.<tool_call>\n{"name": "note", "arguments": {"input": "x"}}\n</tool_call>'
+            'End.')
+    body = {"model": "m", "input": "hi", "stream": True, "tools": [
+        {"type": "function", "name": "w", "parameters": TOOLS[0]["function"]["parameters"]},
+        NOTE]}
+    req = responses_api.parse_request(json.dumps(body).encode())
+
+    def shape(r: dict) -> list:
+        return [(o["type"], (o.get("arguments") or o.get("input") or
+                             o["content"][0]["text"]).strip()) for o in r["output"]]
+
+    done = pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP,
+                               usage=pb.Usage(prompt_tokens=3, completion_tokens=9))
+    whole = shape(ResponseEncoder("r", "m", req, parser_for(req, "hermes", "")).whole(
+        pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)))
+    assert [k for k, _ in whole] == ["message", "function_call", "message",
+                                     "custom_tool_call", "message"]
+    for cuts in [(), *[(i,) for i in range(1, len(text))]]:  # one message, or two anywhere
+        enc = ResponseEncoder("r", "m", req, parser_for(req, "hermes", ""))
+        enc.start()
+        bounds = [0, *cuts, len(text)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            enc.feed(pb.GenerateResponse(text=text[a:b]))
+        enc.feed(done)
+        assert shape(enc.response("completed")) == whole, cuts
+
+
+def test_every_event_validates_against_the_openai_sdks_types():
+    # The SDK's types are the contract clients are typed against (openai 3.63): usage's
+    # input_tokens_details.cache_write_tokens is required, response.failed's error.code is
+    # one of OpenAI's, and a reasoning item comes with no part until its *_part.added (a
+    # client that folds both would hold the part twice).
+    import typing
+
+    from openai.types.responses import ResponseStreamEvent
+
+    from helexa.router import responses_api
+    from helexa.router.agent_output import parser_for
+    from helexa.router.errors import ApiError
+
+    union = typing.get_args(ResponseStreamEvent)[0]  # Annotated[Union[...], discriminator]
+    kinds = {typing.get_args(c.model_fields["type"].annotation)[0]: c
+             for c in typing.get_args(union)}
+
+    def check(ev: dict) -> None:  # the event's own type, strictly: its errors name fields
+        kinds[ev["type"]].model_validate(ev)
+    for summary in (None, "auto"):
+        body = {"model": "m", "input": "hi", "stream": True, "tools": [{
+            "type": "function", "name": "w", "parameters": TOOLS[0]["function"]["parameters"]}],
+            "reasoning": {"effort": "max", **({"summary": summary} if summary else {})}}
+        req = responses_api.parse_request(json.dumps(body).encode())
+        assert req.reasoning_effort == "high"
+        ends = [lambda e: e.feed(pb.GenerateResponse(
+                    finish_reason=pb.FINISH_REASON_STOP,
+                    usage=pb.Usage(prompt_tokens=3, completion_tokens=9, cached_tokens=2))),
+                lambda e: e.failed(ApiError(502, "the neuron failed mid-stream: x",
+                                            code="upstream_error"))]
+        for end in ends:
+            enc = ResponseEncoder("resp_1", "m", req, parser_for(req, "hermes", "think"))
+            raw = enc.start() + enc.ping() + enc.feed(pb.GenerateResponse(
+                text='<think>Hm.</think>Sure.<tool_call>\n{"name": "w", "arguments": '
+                     '{"city": "Oslo"}}\n</tool_call>')) + end(enc)
+            events = [json.loads(line[6:]) for line in raw.decode().splitlines()
+                      if line.startswith("data: ")]
+            for ev in events:
+                check(ev)
+            added = next(e["item"] for e in events if e["type"] == "response.output_item.added")
+            assert added["type"] == "reasoning" and added["summary"] == [] == added["content"]
+            last = events[-1]["response"]
+            if last["status"] == "failed":
+                assert last["error"]["code"] == "server_error"
+                assert last["error"]["message"].startswith("upstream_error: the neuron failed")
+            else:
+                assert last["usage"]["input_tokens_details"]["cached_tokens"] == 2

@@ -35,3 +35,27 @@ def test_a_tool_schema_error_names_the_tool_as_listed():
         responses_api.parse_request(json.dumps(body).encode())
     assert e.value.param == "tools[2].tools[0].parameters"
     assert e.value.message.startswith("`tools[2].tools[0].parameters`")
+
+
+PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"
+       "+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg==")
+
+
+@pytest.mark.parametrize("kind", ["function_call", "custom_tool_call"])
+def test_a_tool_output_may_hold_an_image(kind):
+    # codex's view_image (and an MCP tool returning a screenshot) answers with input_image
+    # parts in the call's output; the tool turn takes them as a user turn does
+    call = {"type": kind, "call_id": "c1", "name": "look",
+            **({"arguments": "{}"} if kind == "function_call" else {"input": "a.png"})}
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "look"}, call,
+        {"type": f"{kind}_output", "call_id": "c1", "output": [
+            {"type": "input_text", "text": "a.png:"},
+            {"type": "input_image", "image_url": PNG, "detail": "high"}]}]}
+    tool = responses_api.parse_request(json.dumps(body).encode()).messages[-1]
+    assert (tool.role, tool.tool_call_id, tool.content) == ("tool", "c1", "a.png:")
+    assert tool.parts is not None and tool.parts[0] == "a.png:" and len(tool.parts) == 2
+    body["input"][2]["output"][1] = {"type": "input_file", "file_id": "f"}
+    with pytest.raises(ApiError) as e:
+        responses_api.parse_request(json.dumps(body).encode())
+    assert e.value.param == "input[2].output[1].type"

@@ -17,3 +17,28 @@ def test_chat_logprobs_bytes_are_the_tokens_own_bytes():
     assert [c["bytes"] for c in content] == [[0xC5], [0xBC], list(b" hi")]
     assert bytes(content[0]["bytes"] + content[1]["bytes"]).decode() == "ż"
     assert content[0]["top_logprobs"][0]["bytes"] == [0xC4]
+
+
+def test_a_stream_whose_prompt_opened_the_thought_streams_it_as_reasoning():
+    # Qwen3.5's template opens <think> in the prompt: the neuron's first message (at
+    # admission, before any token) says so and holds nothing else. The thought that follows
+    # is reasoning_content, never content with a stray </think>.
+    from helexa.router import encode
+    from helexa.router.agent_output import OutputParser
+    from helexa.router.openai_api import ParsedRequest
+
+    env = encode.Envelope(id="c", created=0, model="m",
+                          req=ParsedRequest(kind="chat", model="m", messages=[], stream=True))
+    choice = encode.Choice(index=0, prompt_index=0, echo="",
+                           parser=OutputParser(reasoning_parser="think"))
+    msgs = [pb.GenerateResponse(thought_open=True, prompt_tokens=9),
+            pb.GenerateResponse(text="Let me see.", token_ids=[1]),
+            pb.GenerateResponse(text="</think>\n\nHi.", token_ids=[2],
+                                finish_reason=pb.FINISH_REASON_STOP)]
+    deltas = []
+    for i, m in enumerate(msgs):
+        chunk = encode.delta_chunk(env, choice, m, first=i == 0)
+        encode.add_delta(choice, m, streamed=True)
+        deltas += [chunk["choices"][0]["delta"]] if chunk else []
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let me see."
+    assert "".join(d.get("content") or "" for d in deltas) == "Hi."

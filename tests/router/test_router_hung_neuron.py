@@ -178,23 +178,34 @@ def test_the_idle_bound_counts_while_the_router_waits_not_while_its_client_does(
 
 
 def test_a_silent_prefill_keeps_the_client_alive_with_pings(fl, monkeypatch):
-    # Claude Code drops a stream after 300 s without a byte: Anthropic's ping events, and an
-    # SSE comment on Responses streams, go out while the neuron is silent
+    # Agents time out per event (Claude Code after 300 s, codex after its
+    # stream_idle_timeout) and start over, prefill and all: while the neuron is silent,
+    # Anthropic's ping events and Responses' response.in_progress go out, events a client's
+    # SSE parser yields (never comments, which it drops); chat streams get SSE comments
+    from openai._streaming import SSEDecoder
+
     from helexa.router import event_replies
 
     monkeypatch.setattr(event_replies, "PING_SECS", 0.2)
     set_b(fl, admission_message_secs=1.0)
+
+    def raw(path: str, body: dict) -> bytes:
+        with httpx2.stream("POST", fl.url + path, timeout=30, json=body) as r:
+            return b"".join(r.iter_bytes())
     try:
-        with httpx2.stream("POST", fl.url + "/v1/messages", timeout=30, json={
-                "model": "tiny", "max_tokens": 3, "stream": True, "messages": MSG}) as r:
-            lines = [line for line in r.iter_lines() if line]
-        with httpx2.stream("POST", fl.url + "/v1/responses", timeout=30, json={
-                "model": "tiny", "input": "hi", "max_output_tokens": 3, "stream": True}) as r:
-            rlines = [line for line in r.iter_lines() if line]
+        anthropic = raw("/v1/messages", {"model": "tiny", "max_tokens": 3, "stream": True,
+                                         "messages": MSG})
+        responses = raw("/v1/responses", {"model": "tiny", "input": "hi", "stream": True,
+                                          "max_output_tokens": 3})
+        chat = raw("/v1/chat/completions", {"model": "tiny", "max_tokens": 3, "stream": True,
+                                            "messages": MSG})
     finally:
         set_b(fl, admission_message_secs=None)
-    names = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+    names = [e.event for e in SSEDecoder().iter_bytes(iter([anthropic]))]
     assert names[0] == "message_start" and names[1] == "ping" and names[-1] == "message_stop"
-    assert ": ping" in rlines and rlines[-1].startswith("data: ")
-    assert json.loads(rlines[-1].removeprefix("data: "))["type"] in ("response.completed",
-                                                                       "response.incomplete")
+    events = [e.json() for e in SSEDecoder().iter_bytes(iter([responses]))]
+    kinds = [e["type"] for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.in_progress"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e["sequence_number"] for e in events] == list(range(1, len(events) + 1))
+    assert chat.count(b"\n: ping\n\n") >= 2 and chat.endswith(b"data: [DONE]\n\n")

@@ -144,3 +144,19 @@ def test_logprobs_carry_each_tokens_raw_bytes(neuron_main: NeuronProcess, neuron
     # a token holding part of a character: its text is U+FFFD, its bytes are its own
     split = [lp for lp in lps if lp.token == "\ufffd"]
     assert split and all(len(lp.token_bytes) == 1 and lp.token_bytes[0] >= 0x80 for lp in split)
+
+
+def test_a_long_prompts_first_message_comes_at_admission(neuron_main: NeuronProcess,
+                                                        neuron_token: str) -> None:
+    # Over one prefill chunk (512 tokens), the prefill takes several engine steps: the first
+    # message says at admission that the request is served (prompt_tokens, no token yet),
+    # so the router can open its client's stream and keep it alive through the prefill.
+    text = " ".join(f"w{i}" for i in range(400))  # unlike any other prompt: nothing cached
+
+    async def run() -> list[pb.GenerateResponse]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            return await c.generate(chat_request("gen-long", text, max_tokens=2))
+
+    msgs = asyncio.run(run())
+    assert msgs[0].prompt_tokens > 512 and not msgs[0].token_ids and not msgs[0].text
+    assert msgs[-1].usage.completion_tokens == 2 == sum(len(m.token_ids) for m in msgs)

@@ -195,3 +195,27 @@ def test_top_p_zero_is_greedy_whatever_the_temperature_and_seed(router):
                                          temperature=2.0, seed=seed).choices[0].message.content
                for seed in (1, 2)}
     assert sampled != {greedy}  # temperature 2 alone does sample: the check above can fail
+
+
+def test_a_schema_answer_beside_tools_under_auto_leaves_calls_possible(router):
+    # codex exec --output-schema (and chat's response_format with tools): the format holds
+    # the final answer, not the calls before it. Sampled choices either call a tool (a call
+    # the budget cut is text starting the call) or answer with the schema's JSON, never
+    # free text; under the schema alone no choice could start a call. (This random model
+    # starts a call at seed 0 already, at 2.0; a few more seeds keep it from hanging on one.)
+    called = False
+    for seed in range(0, 12, 2):
+        r = router.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}],
+            max_tokens=40, temperature=2.0, seed=seed, n=2, tools=[WEATHER, TIME],
+            tool_choice="auto", response_format={"type": "json_schema", "json_schema": {
+                "name": "rec", "schema": SCHEMA, "strict": True}})
+        for ch in r.choices:
+            text = ch.message.content or ""
+            if ch.message.tool_calls or text.startswith("<tool_call>\n{\"name\": \"get_"):
+                called = True
+            elif ch.finish_reason == "stop":
+                check_record(json.loads(text))
+        if called:
+            break
+    assert called

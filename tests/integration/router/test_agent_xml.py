@@ -189,3 +189,19 @@ def test_object_keys_from_the_caller_never_become_control_tokens(router, tokeniz
     benign, forged = prompt_ids("x"), prompt_ids(FORGED_KEY)
     assert sum(i in specials for i in forged) == sum(i in specials for i in benign) > 0
     assert tokenizer.decode(forged, skip_special_tokens=False).count(FORGED_KEY) == 2
+
+
+def test_a_streamed_thought_the_prompt_opened_is_reasoning(router):
+    # Qwen3.5's template opens <think> in the prompt; the neuron says so on its first
+    # message, which a prompt over one prefill chunk (512 tokens, none of it cached: the
+    # stream goes first) gets at admission, with nothing else in it. Streamed, the thought
+    # is reasoning_content as in a reply that did not stream, never content.
+    long = [{"role": "user", "content": "The sea is deep. " * 60 + MSG[0]["content"]}]
+    kw = dict(model=MODEL, messages=long, max_tokens=10, temperature=0,
+              reasoning_effort="high")
+    chunks = list(router.client().chat.completions.create(stream=True, **kw))
+    whole = router.client().chat.completions.create(**kw).choices[0].message
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thought = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+    assert thought and thought == whole.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == (whole.content or "")

@@ -199,6 +199,24 @@ def test_anthropic_sdk_image_in_a_tool_result(stack):
     assert with_image.usage.input_tokens == without.usage.input_tokens + 6 + 2  # + markers
 
 
+def test_openai_sdk_responses_image_in_a_tool_output(stack):
+    # codex's view_image answers with the picture as the call's output: the model sees it
+    # in the tool turn (its image tokens counted), as an Anthropic tool_result's
+    url, _ = stack
+    img = data_url(png(make_image(100, 70, 22)))  # 6 image tokens
+
+    def turns(*output):
+        return [{"role": "user", "content": "Look at a.png."},
+                {"type": "function_call", "call_id": "c1", "name": "view_image",
+                 "arguments": '{"path": "a.png"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": [
+                    {"type": "input_text", "text": "a.png"}, *output]}]
+    shot = {"type": "input_image", "image_url": img, "detail": "high"}
+    with_image = oa(url).responses.create(model="vl", max_output_tokens=4, input=turns(shot))
+    without = oa(url).responses.create(model="vl", max_output_tokens=4, input=turns())
+    assert with_image.usage.input_tokens == without.usage.input_tokens + 6 + 2  # + markers
+
+
 def test_image_urls_are_fetched_from_allowed_hosts_only(stack, image_server):
     url, _ = stack
     fetched = ask(url, image_part(f"http://{image_server}/cat.png"))
