@@ -68,8 +68,9 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "A stream whose neuron sends no token for this long after its last one is ended "
         "with an upstream_error event (a hung host); the time the router itself does not read, "
         "its client's socket being full, does not count. Before the first token the bound is this "
-        "plus four times the prompt's prefill at the model's measured rate, so a long prompt "
-        "is not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
+        "plus four times the prompt's prefill at the model's measured rate, from when the "
+        "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
+        "not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
         "at once.", RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "

@@ -80,6 +80,7 @@ class OutputProcessor:
         self.stop_reason = ""
         self.error = ""
         self._sent_first = False
+        self._sent_started = False  # prefill_started was sent
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,8 @@ class OutputProcessor:
                 resp.prompt_token_ids.extend(self.new.prompt_token_ids)
             if self.new.thinking is not None and self.new.thinking.starts_open:
                 resp.thought_open = True
+        if upd.started and not self._sent_started:  # it got a row: its prefill begins now
+            resp.prefill_started = self._sent_started = True
         if upd.new_token_ids:
             self._tokens(upd, resp, out)
         if self.finish_reason is None and upd.finished is not None:

@@ -197,7 +197,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             client_gone = False
         except Refusal as e:
             client_gone = False
-            await self._refuse(context, blog, model, e)
+            if out.finished:  # the engine failed it after admission, before a token: it ran
+                await abort(context, e)  # (counted and logged by _done), no refusal
+            else:
+                await self._refuse(context, blog, model, e)
         except Exception as e:  # the engine link broke: not the caller's doing
             client_gone = False
             out.fail(f"{type(e).__name__}: {e}")

@@ -11,14 +11,19 @@ Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not
 while the router itself is not reading (its client's socket is full, and a
 client may read again within `timeouts.client_write_secs`, however long).
-Before its first token (the first message comes at admission, ahead of the
-prefill's end), it is
-overdue only past a prefill deadline: the idle bound plus PREFILL_MARGIN
-times the prompt's tokens (the first message says how many) over the
-model's measured prefill rate (from Watch; MIN_PREFILL_TOKENS_PER_SEC when
-nothing was measured yet), so a 100k-token prompt is not cut at 30 s and a
-hung host is still caught. Before the first message the request may be
-queued: the neuron bounds that wait itself (`kv_max_wait_secs`). Ending a flight cancels its gRPC
+Before its first token, it is overdue only past a prefill deadline counted
+from the message that says its prefill began (`prefill_started`: the
+request got a batch row): the idle bound plus PREFILL_MARGIN times the
+prompt's tokens (the first message says how many) over the model's measured
+prefill rate (from Watch; MIN_PREFILL_TOKENS_PER_SEC when nothing was
+measured yet), so a 100k-token prompt is not cut at 30 s and a hung host is
+still caught. The first message comes at admission; an admitted request may
+then wait for a row (more in flight than `max_slots`) as long as the
+requests running take, which no prefill rate predicts: that wait is bounded
+by the request's deadline, not here. Before the first message the request
+may be queued: the neuron bounds that wait itself (`kv_max_wait_secs`). A
+neuron that never says `prefill_started` (older than the field) starts the
+clock with its first token. Ending a flight cancels its gRPC
 call; the call's pending read raises CancelledError in the handler task,
 which `lost()` tells apart from the handler itself being cancelled (the
 client went away) and turns into `UpstreamLost`.
@@ -46,8 +51,8 @@ class Flight:
     """One call on one neuron: its gRPC call, when it brought its first message and its last
     tokens, why it ended."""
 
-    __slots__ = ("neuron", "call", "streaming", "first_at", "last_at", "prompt_tokens",
-                 "prefill_tokens_per_sec", "reason", "on_end", "__weakref__")
+    __slots__ = ("neuron", "call", "streaming", "first_at", "started_at", "last_at",
+                 "prompt_tokens", "prefill_tokens_per_sec", "reason", "on_end", "__weakref__")
 
     def __init__(self, neuron: str, *, streaming: bool,
                  prefill_tokens_per_sec: float = 0.0) -> None:
@@ -55,6 +60,7 @@ class Flight:
         self.call: Any = None  # the grpc.aio call, once made
         self.streaming = streaming
         self.first_at = 0.0  # monotonic time of the first message; 0 = none yet
+        self.started_at = 0.0  # when its prefill began (prefill_started); 0 = not yet
         self.last_at = 0.0  # monotonic time of the last message with tokens; 0 = none yet
         self.prompt_tokens = 0  # as the first message says
         self.prefill_tokens_per_sec = prefill_tokens_per_sec  # the model's, from Watch
@@ -73,7 +79,10 @@ class Flight:
         if not self.first_at:
             self.first_at = now
             self.prompt_tokens = getattr(msg, "prompt_tokens", 0)
-        if msg is None or msg.token_ids or msg.finish_reason:
+        tokens = msg is None or bool(msg.token_ids) or bool(msg.finish_reason)
+        if not self.started_at and (tokens or getattr(msg, "prefill_started", False)):
+            self.started_at = now
+        if tokens:
             self.last_at = now
 
     def reading(self) -> None:
@@ -84,20 +93,20 @@ class Flight:
             self.last_at = max(self.last_at, time.monotonic())
 
     def prefill_deadline_secs(self, idle_secs: float) -> float:
-        """How long after the first message the first token may take."""
+        """How long after its prefill began the first token may take."""
         rate = max(self.prefill_tokens_per_sec, MIN_PREFILL_TOKENS_PER_SEC)
         return idle_secs + PREFILL_MARGIN * self.prompt_tokens / rate
 
     def overdue(self, now: float, idle_secs: float) -> str | None:
         """Why the stream should be ended now, or None while it is in time."""
-        if not self.streaming or not self.first_at:
-            return None  # a unary call, or queued: the neuron bounds the wait
+        if not self.streaming or not self.started_at:
+            return None  # a unary call, or queued or waiting for a row: bounded elsewhere
         if self.last_at:
             if now - self.last_at > idle_secs:
                 return f"no message from neuron {self.neuron} for {idle_secs:g} s"
             return None
         deadline = self.prefill_deadline_secs(idle_secs)
-        if now - self.first_at > deadline:
+        if now - self.started_at > deadline:
             return (f"no token from neuron {self.neuron} within {deadline:.0f} s of prefill "
                     f"({self.prompt_tokens} prompt tokens at a measured "
                     f"{self.prefill_tokens_per_sec:.0f} tokens/s)")

@@ -208,3 +208,19 @@ def test_the_first_message_comes_at_admission_before_any_token(tok) -> None:
     assert out.process(m.RequestUpdate(req_id="r")).response is None  # prefill: nothing new
     first = out.process(m.RequestUpdate(req_id="r", new_token_ids=[70])).response
     assert first is not None and first.text and not first.prompt_tokens
+
+
+def test_the_message_of_the_step_a_row_was_given_says_the_prefill_began(tok) -> None:
+    """Admitted with no row free: the first message (at admission) opens the stream but
+    says nothing of a prefill; the step that gives the row sends prefill_started, once."""
+    out = processor(tok)
+    sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True, prompt_tokens=2),
+                      m.RequestUpdate(req_id="r", started=True),
+                      m.RequestUpdate(req_id="r", new_token_ids=[5]),
+                      m.RequestUpdate(req_id="r", started=True, new_token_ids=[6]),
+                      m.RequestUpdate(req_id="r", finished=m.FinishReason.LENGTH)])
+    assert [r.prefill_started for r in sent] == [False, True, False, False, False]
+    out = processor(tok)  # a row free at admission: the first message says both
+    sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True, started=True,
+                                      prompt_tokens=2)])
+    assert sent[0].prefill_started and sent[0].prompt_tokens > 0

@@ -179,6 +179,27 @@ def test_engine_refusals_and_unknown_models_map_to_statuses_with_codes(config_pa
     assert missing[0] == grpc.StatusCode.NOT_FOUND and missing[1]["helexa-code"] == "model_not_found"
 
 
+def test_an_engine_failure_after_admission_is_one_failed_request_not_a_refusal(
+        config_path: Path, tok: Tokenizer) -> None:
+    """The first message (admission) went out, then the engine failed before a token: the
+    call ends INTERNAL upstream_error, counted once as an error, never as a refusal."""
+    async def body(stub, daemon, engine):
+        engine.fail_before_token = "RuntimeError: device lost"
+        got: list[pb.GenerateResponse] = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for r in stub.Generate(chat(), metadata=bearer(TOKEN)):
+                got.append(r)
+        return got, e.value, sample(daemon, "error"), sample(daemon, "rejected"), \
+            daemon.metrics.registry.get_sample_value(
+                "helexa_refusals_total", {"model": "tiny", "code": "upstream_error"})
+
+    got, err, errors, rejected, refused = serve(config_path, tok, body)
+    assert len(got) == 1 and got[0].prompt_tokens > 0 and got[0].prefill_started
+    assert err.code() == grpc.StatusCode.INTERNAL
+    assert dict(err.trailing_metadata() or ())["helexa-code"] == "upstream_error"
+    assert (errors, rejected, refused or 0.0) == (1.0, 0.0, 0.0)
+
+
 def test_a_request_past_its_deadline_is_aborted(config_path: Path, tok: Tokenizer) -> None:
     async def body(stub, daemon, engine):
         deadline = int((time.time() + 0.15) * 1000)

@@ -82,6 +82,9 @@ class Behaviour:
     # a thinking model's way: a first message at admission (thought_open, prompt_tokens),
     # then this long of prefill before the first token
     admission_message_secs: float | None = None
+    # admitted with no batch row free: this long before the row (prefill_started), the
+    # admission message said nothing of a prefill (with admission_message_secs)
+    row_wait_secs: float | None = None
     default_tokens: int = 8
     silent: bool = False  # Watch stops sending (the neuron looks hung)
     no_complete: bool = False  # Complete is UNIMPLEMENTED, as on a neuron older than it
@@ -230,7 +233,12 @@ class FakeNeuron(pbg.NeuronServicer):
             if self.b.first_delay_secs:
                 await asyncio.sleep(self.b.first_delay_secs)
             if self.b.admission_message_secs is not None:
-                yield pb.GenerateResponse(thought_open=True, prompt_tokens=len(prompt_ids))
+                waits = self.b.row_wait_secs
+                yield pb.GenerateResponse(thought_open=True, prompt_tokens=len(prompt_ids),
+                                          prefill_started=waits is None)
+                if waits is not None:
+                    await asyncio.sleep(waits)
+                    yield pb.GenerateResponse(prefill_started=True)
                 await asyncio.sleep(self.b.admission_message_secs)
             for i in range(n):
                 if fail_after is not None and i >= fail_after:

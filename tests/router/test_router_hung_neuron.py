@@ -101,6 +101,22 @@ def test_the_idle_bound_waits_for_the_first_token_then_knows_about_prefill(fl):
     assert lines[-1] == "data: [DONE]"  # 1 s of prefill: within 0.3 + 4 x 101 / 100 s
 
 
+def test_a_request_waiting_for_a_batch_row_is_not_cut_as_a_slow_prefill(fl):
+    # more requests in flight than max_slots: one admitted (its stream open, kept alive)
+    # waits for a row while the others run, far past any prefill deadline of its prompt;
+    # the clock starts when the neuron says its prefill began
+    fl.state.registry.stream_idle_secs = 0.3
+    set_b(fl, admission_message_secs=0.1, row_wait_secs=2.0)
+    try:
+        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, admission_message_secs=None, row_wait_secs=None)
+    assert lines[-1] == "data: [DONE]", lines[-1]  # 2 s > 0.3 + 4 x 1 / 100 s
+
+
 def test_a_prefill_past_its_deadline_is_still_caught(fl):
     fl.state.registry.stream_idle_secs = 0.3
     set_b(fl, admission_message_secs=60.0)  # admitted, then never a token: a wedged engine
@@ -124,6 +140,7 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     class Msg:
         token_ids: list[int] = []
         finish_reason = 0
+        prefill_started = True  # a row was free at admission
 
         def __init__(self, prompt_tokens: int) -> None:
             self.prompt_tokens = prompt_tokens
@@ -138,6 +155,17 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
     slow.heard(None)  # tokens flow: the idle bound from here on
     assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")
+    # admitted with no row free: no prefill clock until the neuron says it began
+    waiting = Flight("n", streaming=True, prefill_tokens_per_sec=1000.0)
+    admitted = Msg(10)
+    admitted.prefill_started = False
+    waiting.heard(admitted)
+    assert waiting.overdue(waiting.first_at + 3600, 30) is None
+    began = Msg(0)
+    began.prefill_started = True
+    waiting.heard(began)
+    assert waiting.overdue(waiting.started_at + 30, 30) is None
+    assert "within 30 s of prefill" in waiting.overdue(waiting.started_at + 31, 30)
 
 
 def test_the_idle_bound_counts_while_the_router_waits_not_while_its_client_does():

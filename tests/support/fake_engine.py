@@ -45,6 +45,7 @@ class FakeEngineClient:
         self.on_fatal = on_fatal or (lambda _m: None)
         self.limits = spec.limits
         self.admitting = True
+        self.fail_before_token: str | None = None  # fail each request after admitting it
         self.refuse: tuple[str, str, int] | None = None
         self.aborts: dict[str, str] = {}
         self.active: set[str] = set()
@@ -100,8 +101,13 @@ class FakeEngineClient:
         self._changed()
         finished = False
         try:
-            yield m.RequestUpdate(req_id=req.req_id, admitted=True,
+            yield m.RequestUpdate(req_id=req.req_id, admitted=True, started=True,
                                   prompt_tokens=len(req.prompt_token_ids))
+            if self.fail_before_token is not None:  # the engine failed its prefill
+                finished = True
+                yield m.RequestUpdate(req_id=req.req_id, finished=m.FinishReason.ERROR,
+                                      error=self.fail_before_token)
+                return
             budget = output_budget(len(req.prompt_token_ids), req.max_tokens,
                                    context=self.spec.context,
                                    default_output_tokens=self.limits.default_output_tokens,

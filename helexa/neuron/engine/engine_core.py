@@ -146,6 +146,7 @@ class EngineCore:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self.update(req).started = True
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
             inputs = lay_out(plan, reqs, self.pool, self.ensure_blocks)

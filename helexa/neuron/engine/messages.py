@@ -171,6 +171,9 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     admitted: bool = False  # became in flight in this step (reservation held)
     prompt_tokens: int = 0  # set when admitted
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when admitted)
+    # Got a batch row in this step (its prefill begins; or, resumed from a pause, its
+    # decode goes on): until then an admitted request waits for one (max_slots).
+    started: bool = False
     finished: FinishReason | None = None
     # A refusal ends the request before it produced anything: code is the
     # OpenAI-style code (overloaded, rate_limit_exceeded, shutting_down, ...).

@@ -379,3 +379,25 @@ def test_a_prefix_digest_collision_serves_no_other_tenants_kv(monkeypatch):
     assert admitted["mallory"].cached_tokens == 0
     assert tokens["mallory"] == expected(probe, 3)
     assert_whole(core)
+
+
+def test_a_request_admitted_with_no_row_free_is_started_when_it_gets_one() -> None:
+    """More in flight than max_slots: b is admitted at once (its stream opens) but its
+    prefill begins only when a's row frees, and its update says so then, not before."""
+    core = make_core(max_slots=1, max_in_flight=2)
+    started: dict[str, list[int]] = {"a": [], "b": []}
+    admitted: dict[str, int] = {}
+    for step in range(1, 40):
+        out = core.step(m.ToEngine(new=[new("a", [3, 4], 6), new("b", [5, 6], 2)])
+                        if step == 1 else None)
+        for u in out.updates:
+            if u.admitted:
+                admitted[u.req_id] = step
+            if u.started:
+                started[u.req_id].append(step)
+        if not core.has_work:
+            break
+    assert admitted == {"a": 1, "b": 1}
+    assert started["a"] == [1]
+    assert len(started["b"]) == 1 and started["b"][0] > 6  # a's 6 tokens came first
+    assert_whole(core)
