@@ -25,8 +25,8 @@ up: setup
 	$(VENV)/bin/helexa up
 
 # Python's bytecode cache on for the tests even where the environment turns it off
-# (PYTHONDONTWRITEBYTECODE): the suite starts a few hundred helexa processes, and each
-# compiled every module it imports again (~15% of a daemon test's CPU time)
+# (PYTHONDONTWRITEBYTECODE): the suite starts many helexa processes, and each compiled
+# every module it imports again (test_small_endpoints.py: 36.0 s of CPU off, 29.9 s on)
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) tests/typecheck.py
