@@ -9,6 +9,7 @@ import json
 import time
 
 import httpx2
+from router_fake_neuron import Behaviour
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -20,6 +21,22 @@ def set_b(fl, **kw):
                 setattr(n.b, k, v)
             n.changed()
     fl.lt.call(go)
+
+
+def stream_lines(fl, idle_secs: float, prompt: str = "x", max_tokens: int = 3,
+                 **behaviour) -> list[str]:
+    """A streamed completion's non-empty lines, the router's stream_idle_secs and the fake
+    neurons' behaviour set for it (and put back)."""
+    fl.state.registry.stream_idle_secs = idle_secs
+    set_b(fl, **behaviour)
+    try:
+        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
+                "stream": True}) as r:
+            return [line for line in r.iter_lines() if line]
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, **{k: getattr(Behaviour(), k) for k in behaviour})
 
 
 def wait_for(cond, timeout=10.0):
@@ -73,14 +90,8 @@ def test_a_non_streaming_call_on_a_neuron_leaving_rotation_is_served_elsewhere(f
 
 
 def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(fl):
-    fl.state.registry.stream_idle_secs = 0.5
-    set_b(fl, token_delay_secs=60.0)  # the first token comes, then nothing (a wedged engine)
-    try:
-        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
-                "model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}) as r:
-            lines = [line for line in r.iter_lines() if line]
-    finally:
-        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+    # the first token comes, then nothing (a wedged engine)
+    lines = stream_lines(fl, 0.5, max_tokens=5, token_delay_secs=60.0)
     err = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert err["code"] == "upstream_error" and "no message from neuron" in err["message"]
     assert json.loads(lines[0].removeprefix("data: "))["choices"][0]["text"] == "w0 "
@@ -89,15 +100,7 @@ def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(fl):
 def test_the_idle_bound_waits_for_the_first_token_then_knows_about_prefill(fl):
     # a thinking model's first message comes at admission; its prefill then takes longer
     # than the idle bound: the stream must not be cut before its first token
-    fl.state.registry.stream_idle_secs = 0.3
-    set_b(fl, admission_message_secs=1.0)
-    try:
-        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
-                "model": "tiny", "prompt": "x" * 400, "max_tokens": 3, "stream": True}) as r:
-            lines = [line for line in r.iter_lines() if line]
-    finally:
-        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
-        set_b(fl, admission_message_secs=None)
+    lines = stream_lines(fl, 0.3, "x" * 400, admission_message_secs=1.0)
     assert lines[-1] == "data: [DONE]"  # 1 s of prefill: within 0.3 + 4 x 101 / 100 s
 
 
@@ -105,30 +108,14 @@ def test_a_request_waiting_for_a_batch_row_is_not_cut_as_a_slow_prefill(fl):
     # more requests in flight than max_slots: one admitted (its stream open, kept alive)
     # waits for a row while the others run, far past any prefill deadline of its prompt;
     # the clock starts when the neuron says its prefill began
-    fl.state.registry.stream_idle_secs = 0.3
-    set_b(fl, admission_message_secs=0.1, row_wait_secs=2.0)
-    try:
-        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
-                "model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
-            lines = [line for line in r.iter_lines() if line]
-    finally:
-        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
-        set_b(fl, admission_message_secs=None, row_wait_secs=None)
+    lines = stream_lines(fl, 0.3, admission_message_secs=0.1, row_wait_secs=2.0)
     assert lines[-1] == "data: [DONE]", lines[-1]  # 2 s > 0.3 + 4 x 1 / 100 s
 
 
 def test_a_prefill_past_its_deadline_is_still_caught(fl):
-    fl.state.registry.stream_idle_secs = 0.3
-    set_b(fl, admission_message_secs=60.0)  # admitted, then never a token: a wedged engine
-    try:
-        t0 = time.monotonic()
-        with httpx2.stream("POST", fl.url + "/v1/completions", timeout=30, json={
-                "model": "tiny", "prompt": "x", "max_tokens": 3, "stream": True}) as r:
-            lines = [line for line in r.iter_lines() if line]
-        took = time.monotonic() - t0
-    finally:
-        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
-        set_b(fl, admission_message_secs=None)
+    t0 = time.monotonic()  # admitted, then never a token: a wedged engine
+    lines = stream_lines(fl, 0.3, admission_message_secs=60.0)
+    took = time.monotonic() - t0
     err = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert err["code"] == "upstream_error" and "within" in err["message"]
     assert "1 prompt tokens" in err["message"] and took < 10

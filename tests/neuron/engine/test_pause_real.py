@@ -36,16 +36,22 @@ def run_with_pauses(core, news, schedule, max_steps=3000):
     raise AssertionError("not idle")
 
 
+def _unpaused(tiny_checkpoint, monkeypatch, ahead: str, spec: str, max_tokens: int):
+    """The tiny hybrid with an MTP head, three requests, the drafter's settings for `spec`,
+    and the tokens a run with no pause gives."""
+    monkeypatch.setenv(lookahead.ENV, ahead)
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids,
+                         max_tokens=max_tokens, sampling=n.sampling) for n in requests(3, 4)]
+    extra = {} if spec == "none" else dict(speculation="mtp", **SPEC)
+    return model_dir, news, extra, drive(EngineCore(spec_for(model_dir)), news,
+                                         served=True).tokens
+
+
 @pytest.mark.parametrize("ahead", ["0", "1"])
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, ahead, spec):
-    monkeypatch.setenv(lookahead.ENV, ahead)
-    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
-    news = requests(3, 4)
-    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids, max_tokens=40,
-                         sampling=n.sampling) for n in news]
-    extra = {} if spec == "none" else dict(speculation="mtp", **SPEC)
-    plain = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    model_dir, news, extra, plain = _unpaused(tiny_checkpoint, monkeypatch, ahead, spec, 40)
     for at in (4, 5, 6, 7, 9):
         core = EngineCore(spec_for(model_dir, **extra))
         sched = {at: {"r0": True, "r2": True}, at + 1: {"r1": True},
@@ -59,13 +65,7 @@ def test_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, ahead, spec
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_tp2_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, spec):
     import msgspec
-    monkeypatch.setenv(lookahead.ENV, "1")
-    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
-    news = requests(3, 4)
-    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids, max_tokens=30,
-                         sampling=n.sampling) for n in news]
-    extra = {} if spec == "none" else dict(speculation="mtp", **SPEC)
-    plain = drive(EngineCore(spec_for(model_dir)), news, served=True).tokens
+    model_dir, news, extra, plain = _unpaused(tiny_checkpoint, monkeypatch, "1", spec, 30)
     core = EngineCore(msgspec.structs.replace(spec_for(model_dir, **extra), tp=2))
     try:
         for at in (5, 8):
