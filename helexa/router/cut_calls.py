@@ -19,9 +19,9 @@ end the session, so the router reads such text as the object it began
 Only text that is a prefix of a JSON object is read so: anything else (`[1, 2]`,
 `"hello"`, `{"a" 1}`, a whole object with more after it, a raw control character
 in a string, as json.loads refuses) stays a 400 naming the field, and so does
-nesting deeper than MAX_DEPTH. The repaired object goes to the neuron as JSON text
-(json.dumps: the same history renders the same tokens every turn, so the prefix
-cache still hits). The result is deterministic and never raises.
+nesting deeper than a request body may (MAX_JSON_DEPTH, json_depth.py). The
+repaired object goes to the neuron as JSON text (json.dumps: the same history
+renders the same tokens every turn, so the prefix cache still hits). The result is deterministic and never raises.
 
 Why not jiter's partial mode (pulled in by the openai and anthropic SDKs): it also
 reads text that is no prefix of any JSON (`{"a": 1 2`, `{"a": "b"c`,
@@ -36,7 +36,7 @@ import json
 import re
 from typing import Any
 
-MAX_DEPTH = 128  # a cut call nested deeper is refused (the recursion stays far from the limit)
+from helexa.router.json_depth import MAX_JSON_DEPTH
 
 _WS = re.compile(r"[ \t\n\r]*")
 # A string as json.loads reads it (strict: no raw control character), closed or not.
@@ -95,7 +95,7 @@ class _Reader:
         return self.literal()
 
     def object(self, depth: int) -> tuple[dict[str, Any], bool]:
-        if depth > MAX_DEPTH:
+        if depth > MAX_JSON_DEPTH:
             raise _NotAPrefix
         self.i += 1
         out: dict[str, Any] = {}
@@ -128,7 +128,7 @@ class _Reader:
             self.i += 1
 
     def array(self, depth: int) -> tuple[list[Any], bool]:
-        if depth > MAX_DEPTH:
+        if depth > MAX_JSON_DEPTH:
             raise _NotAPrefix
         self.i += 1
         out: list[Any] = []

@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helexa.router import responses_api
-from helexa.router.cut_calls import MAX_DEPTH, repair
+from helexa.router.cut_calls import repair
 from helexa.router.errors import ApiError
+from helexa.router.json_depth import MAX_JSON_DEPTH
 from helexa.router.openai_api import parse_request
 
 PROPERTY = settings(max_examples=80, deadline=None, derandomize=True, database=None,
@@ -101,7 +102,7 @@ def test_cut_text_reads_as_the_object_it_began(text, want):
     '{"a" 1}', '{"a": 1 2', '{"a": "b"c', '{"a": 1.5.', '{"a": 01', '{"a": trux',
     '{"a": 1,}', '{"a": [1, ]', '{,', '{"a": "x\\q', '{"a": "x\ny',  # garbage within
     '{"a": 1} x', '{"a": 1}}', '{}{', '{"a": NaN',  # more after a whole object
-    '{"a": ' * (MAX_DEPTH + 1),  # past the depth limit
+    '{"a": ' * (MAX_JSON_DEPTH + 1),  # past the depth limit
 ])
 def test_text_that_is_no_start_of_an_object_is_refused(text):
     assert repair(text) is None
