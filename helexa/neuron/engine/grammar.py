@@ -42,6 +42,7 @@ class Grammars:
         self._tokenizer: Any = None
         self._executor: Any = None
         self._pool: ThreadPoolExecutor | None = None
+        self._pin = torch.cuda.is_available()  # pinned masks on a CUDA host (apply_bitmask)
         self.warmed = False  # warm() built the tokenizer view and one matcher's mask
         self.unavailable = ""  # why this engine cannot run grammars, when warm() found out
 
@@ -96,15 +97,21 @@ class Grammars:
         return m
 
     def start(self, matchers: list[Any]) -> Future[torch.Tensor]:
-        """Begin filling one bitmask row per matcher; the future gives int32 [rows, words]."""
-        import llguidance.torch as lgt
+        """Begin filling one bitmask row per matcher; the future gives int32 [rows, words].
 
-        assert self._pool is not None
-        mask = lgt.allocate_token_bitmask(len(matchers), self.vocab_size)
+        The executor writes into the tensor's memory itself (what `llguidance.torch`'s
+        helpers wrap: importing that module compiles a `torch.compile` kernel this engine
+        does not use, 2.5 s of every model load on a CPU). The mask is pinned on a CUDA
+        host, so its copy to the device need not wait (apply_bitmask)."""
+        assert self._pool is not None and self._executor is not None
+        words = (self.vocab_size + 31) // 32
+        mask = torch.full((len(matchers), words), -1, dtype=torch.int32,
+                          pin_memory=self._pin)
         pairs = [(m, i) for i, m in enumerate(matchers)]
+        executor = self._executor
 
         def fill() -> torch.Tensor:
-            lgt.fill_next_token_bitmask_par(self._executor, pairs, mask)
+            executor.unsafe_compute_mask_ptr(pairs, mask.data_ptr(), words * 4, len(matchers))
             return mask
 
         return self._pool.submit(fill)
