@@ -202,9 +202,10 @@ def _message(m: Message, i: int, repaired: list[str]) -> Turn:
         parts.append(part.text)
     turn.content = "".join(texts)
     if len(texts) < len(parts):  # it holds images
-        if m.role != "user":
-            raise unsupported(f"{p}.content", f"images in a {m.role} message (user messages "
-                              "take them)")
+        if m.role not in ("user", "tool"):  # a tool's screenshot, as Anthropic's tool_result
+            article = "an" if m.role[0] in "aeiou" else "a"
+            raise unsupported(f"{p}.content", f"images in {article} {m.role} message (user "
+                              "and tool messages take them)")
         turn.parts = parts
     return turn
 

@@ -66,7 +66,7 @@ def test_bad_image_and_video_parts_and_the_function_role_are_refused():
     assert "image/bmp" in e.message
     e = refused({"model": "m", "messages": [{"role": "assistant", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
-    assert e.param == "messages[0].content" and "user messages" in e.message
+    assert e.param == "messages[0].content" and "an assistant message (user and tool" in e.message
     assert refused({"model": "m", "messages": [{"role": "function", "content": "x"}]}).param == \
         "messages[0].role"
 

@@ -217,6 +217,30 @@ def test_openai_sdk_responses_image_in_a_tool_output(stack):
     assert with_image.usage.input_tokens == without.usage.input_tokens + 6 + 2  # + markers
 
 
+def test_openai_sdk_chat_image_in_a_tool_message(stack):
+    # agents on chat completions (an MCP screenshot tool) answer a call with image parts
+    url, _ = stack
+    img = data_url(png(make_image(100, 70, 22)))  # 6 image tokens
+
+    def turns(*result):
+        return [{"role": "user", "content": "Take a screenshot."},
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": "c1", "type": "function",
+                    "function": {"name": "shot", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1",
+                 "content": [{"type": "text", "text": "here"}, *result]}]
+    chat = oa(url).chat.completions
+    with_image = chat.create(model="vl", max_tokens=4, messages=turns(image_part(img)))
+    without = chat.create(model="vl", max_tokens=4, messages=turns())
+    assert with_image.usage.prompt_tokens == without.usage.prompt_tokens + 6 + 2  # + markers
+    with pytest.raises(openai.BadRequestError) as e:  # an assistant's own turn takes none
+        chat.create(model="vl", max_tokens=4, messages=[
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": [{"type": "text", "text": "see"}, image_part(img)]},
+            {"role": "user", "content": "and?"}])
+    assert e.value.body["param"] == "messages[1].content"
+
+
 def test_image_urls_are_fetched_from_allowed_hosts_only(stack, image_server):
     url, _ = stack
     fetched = ask(url, image_part(f"http://{image_server}/cat.png"))
