@@ -179,7 +179,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None))
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
-        updates = r.client.generate(new, on_flow=self._flow_logger(model, blog))
+        pauses = _Pauses(blog, self.metrics.pauses.labels(model))
+        updates = r.client.generate(new, on_flow=pauses)
         self._open[new.req_id] = r
         try:
             async for upd in updates:
@@ -209,24 +210,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             self._open.pop(new.req_id, None)
             await updates.aclose()
             if out.finished or client_gone:
-                self._done(model, out, client_gone, blog)
+                self._done(model, out, client_gone, blog, pauses)
 
-    def _flow_logger(self, model: str, blog: Any) -> Any:
-        """What a request's pauses and resumes say (flow control, engine/flow.py): its caller
-        stopped reading, so its tokens wait here and the engine leaves it out of steps."""
-        since = [0.0]
-
-        def told(paused: bool, unread: int) -> None:
-            if paused:
-                since[0] = time.monotonic()
-                self.metrics.pauses.labels(model).inc()
-                blog.info("request.paused", unread_tokens=unread)
-            else:
-                blog.info("request.resumed", unread_tokens=unread,
-                          paused_ms=round((time.monotonic() - since[0]) * 1000, 3))
-        return told
-
-    def _done(self, model: str, out: OutputProcessor, client_gone: bool, blog: Any) -> None:
+    def _done(self, model: str, out: OutputProcessor, client_gone: bool, blog: Any,
+              pauses: _Pauses | None = None) -> None:
         """Count a request that ran (finished, failed or left) and log its request.done."""
         outcome = out.outcome(client_gone)
         prompt_tokens, cached = len(out.new.prompt_token_ids), out.cached_tokens
@@ -239,7 +226,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                   completion_tokens=u.completion_tokens, cached_tokens=cached,
                   queue_ms=round(u.queue_ms, 3), prefill_ms=round(u.prefill_ms, 3),
                   decode_ms=round(u.decode_ms, 3), finish_reason=outcome,
-                  stop_reason=out.stop_reason, client_gone=client_gone, error=out.error or None)
+                  stop_reason=out.stop_reason, client_gone=client_gone, error=out.error or None,
+                  **(pauses.summary() if pauses is not None else {}))
 
     async def _refuse(self, context: grpc.aio.ServicerContext, blog: Any, model: str,
                       e: Refusal) -> None:
@@ -323,3 +311,41 @@ def _enable_thinking(request: pb.GenerateRequest) -> Any:
     _, kwargs = agent.template_inputs(pb.Chat(template_kwargs_json=request.chat.template_kwargs_json), "")
     return kwargs.get("enable_thinking")
 
+
+class _Pauses:
+    """What a request's pauses and resumes say (flow control, engine/flow.py): its caller
+    stopped reading, so its tokens wait here and the engine leaves it out of steps. A
+    reader slower than the model is paced, a pause every ~192 tokens: the first pause and
+    its resume are logged at info, later ones at debug, and request.done counts them all."""
+
+    def __init__(self, blog: Any, counter: Any) -> None:
+        self.blog, self.counter = blog, counter
+        self.count, self.paused_secs, self._since = 0, 0.0, 0.0
+
+    def __call__(self, paused: bool, unread: int) -> None:
+        if paused:
+            self._since = time.monotonic()
+            self.count += 1
+            self.counter.inc()
+            kw: dict[str, Any] = {"unread_tokens": unread, "pause": self.count}
+            if self.count == 1:
+                self.blog.info("request.paused", **kw)
+            else:
+                self.blog.debug("request.paused", **kw)
+        elif self._since:
+            secs = time.monotonic() - self._since
+            self.paused_secs, self._since = self.paused_secs + secs, 0.0
+            kw = {"unread_tokens": unread, "pause": self.count,
+                  "paused_ms": round(secs * 1000, 3)}
+            if self.count == 1:
+                self.blog.info("request.resumed", **kw)
+            else:
+                self.blog.debug("request.resumed", **kw)
+
+    def summary(self) -> dict[str, Any]:
+        """request.done's fields: how many pauses and how long in all; none if none."""
+        if not self.count:
+            return {}
+        ongoing = time.monotonic() - self._since if self._since else 0.0  # ended paused
+        return {"pauses": self.count,
+                "paused_ms": round((self.paused_secs + ongoing) * 1000, 3)}

@@ -414,3 +414,36 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
     code, md = serve(config_path, tok, body)
     assert order == ["small streamed", "watch", "huge tokenised"]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and md["helexa-code"] == "context_length_exceeded"
+
+
+def test_a_paced_requests_pauses_are_logged_once_at_info_and_counted_at_its_end():
+    # a reader slower than the model pauses its request every ~192 tokens: the log says
+    # the first pause and resume at info, the rest at debug, and request.done sums them
+    from helexa.neuron.servicer import _Pauses
+
+    said: list[tuple[str, str, int]] = []
+
+    class Blog:
+        def info(self, event: str, **kw: object) -> None:
+            said.append(("info", event, kw["pause"]))
+
+        def debug(self, event: str, **kw: object) -> None:
+            said.append(("debug", event, kw["pause"]))
+
+    class Counter:
+        n = 0
+
+        def inc(self) -> None:
+            Counter.n += 1
+
+    pauses = _Pauses(Blog(), Counter())
+    assert pauses.summary() == {}
+    for _ in range(3):
+        pauses(True, 256)
+        pauses(False, 64)
+    pauses(True, 256)  # ends paused: that pause counts to the end
+    assert [s for s in said if s[0] == "info"] == [("info", "request.paused", 1),
+                                                    ("info", "request.resumed", 1)]
+    assert len([s for s in said if s[0] == "debug"]) == 5
+    summary = pauses.summary()
+    assert summary["pauses"] == 4 == Counter.n and summary["paused_ms"] >= 0

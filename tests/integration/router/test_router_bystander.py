@@ -530,4 +530,8 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
     assert ("length", n) in done, done
     gone = [t for why, t in done if why == "client_gone"]
     assert len(gone) == 1 and gone[0] < 0.8 * n, done  # paused: it made little
+    # each request's done line counts its pauses and the time they took, paused ones too
+    paced = [(r.get("pauses", 0), r.get("paused_ms", 0)) for r in neuron.logs("request.done")
+             if r["req_id"] in ids]
+    assert len(paced) == 2 and all(k >= 1 and ms > 400 for k, ms in paced), paced
     assert healthy(router)
