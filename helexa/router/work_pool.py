@@ -333,7 +333,9 @@ class WorkPool:
         background ones without on_drop: the router is stopping)."""
         with self._cv:
             self._closed = True
-            waiting = self._lane.all() + self._bg_lane.all()
+            background = self._bg_lane.all()
+            self._bg_waiting -= len(background)  # never to run: no longer counted
+            waiting = self._lane.all() + background
             self._cv.notify_all()
         for t in waiting:
             t.fut.cancel()

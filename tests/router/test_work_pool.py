@@ -378,7 +378,9 @@ def test_close_cancels_waiting_background_work_without_a_drop():
         running = asyncio.ensure_future(pool.run("a", gate.wait))
         await _until(lambda: pool.tasks == 1 and not pool._lane.turns)
         pool.submit("a", sum, [1], on_drop=dropped.append)
+        assert pool.background == 1
         pool.close()
+        assert pool.background == 0  # the waiting one is gone, not counted as waiting
         gate.set()
         await running
         pool.submit("a", sum, [1], on_drop=dropped.append)  # after close: dropped at once
