@@ -284,15 +284,17 @@ class Residency:
         return True
 
     async def shutdown(self) -> None:
-        """Stop every engine (used after draining on SIGTERM)."""
-        for model_id in list(self.models):
-            r = self.models[model_id]
+        """Stop every engine (used after draining on SIGTERM), side by side: each process
+        takes its own time to exit, and a neuron's stop is the longest of them, not the sum."""
+        async def stop(model_id: str, r: ResidentModel) -> None:
             if r.client is not None:
                 try:
                     await r.client.shutdown(5.0)
                 except Exception as e:
                     log.warning("model.shutdown_error", model=model_id, error=str(e))
             self.models.pop(model_id, None)
+
+        await asyncio.gather(*(stop(model_id, r) for model_id, r in list(self.models.items())))
 
     # ----------------------------------------------------------- runtime limits
 
