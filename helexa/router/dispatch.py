@@ -131,9 +131,9 @@ class Dispatcher:
                 continue
             except UpstreamClosed as e:
                 raise ApiError(502, str(e), code="upstream_error") from None
-            if isinstance(result, OpenStream) and refusal is None:  # its one retry is left
+            if isinstance(result, OpenStream):  # a loss before its first token: _resume
                 result.resume = functools.partial(self._resume, greq, est, key, kind,
-                                                  frozenset(tried | {name}))
+                                                  set(tried | {name}), refusal is None)
             return result
 
     async def _call(self, rpc: Any, greq: pb.GenerateRequest, est: Estimate, cand: Candidate,
@@ -179,20 +179,25 @@ class Dispatcher:
         return err
 
     async def _resume(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, kind: str,
-                      tried: frozenset[str], lost: OpenStream, e: Exception) -> OpenStream:
-        """The stream of a neuron lost before its first token (forward.OpenStream), opened
-        on the next neuron in the preference order within the request's deadline; else
-        UpstreamLost saying why not."""
+                      tried: set[str], unrefused: bool, lost: OpenStream, e: Exception,
+                      retry_left: bool) -> OpenStream:
+        """A neuron lost before its stream's first token (forward.OpenStream), counted and
+        logged; the stream opened on the next neuron in the preference order within the
+        request's deadline, where its one retry is left (no refusal used it at the open,
+        no loss before); else UpstreamLost saying why not."""
         model, reason = greq.model, err_detail(e)
+        tried.add(lost.neuron)
         err = self._refused(greq, lost.neuron, e, kind, retry=None)
         left_secs = (greq.deadline_unix_ms / 1000 - time.time() if greq.deadline_unix_ms
                      else self.settings.request_secs)
         candidates = [c for c in self.registry.candidates(model) if c.neuron not in tried]
-        order = rank(candidates, est, key) if left_secs > 0 else []
+        may = unrefused and retry_left
+        order = rank(candidates, est, key) if left_secs > 0 and may else []
         log.info("request.neuron_lost", req_id=greq.req_id, neuron=lost.neuron, model=model,
                  code=err.code, reason=reason, retry_on=order[0] if order else None)
         if not order:
-            why = "its deadline passed" if left_secs <= 0 else "no other neuron serves it"
+            why = ("its one retry was used" if not may else "its deadline passed"
+                   if left_secs <= 0 else "no other neuron serves it")
             raise UpstreamLost(f"{reason} (before its first token; not retried: {why})")
         cand = next(c for c in candidates if c.neuron == order[0])
         try:

@@ -196,7 +196,8 @@ def resumable(err: Exception) -> bool:
         isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE)
 
 
-Resume = Callable[["OpenStream", Exception], Awaitable["OpenStream"]]
+# (the lost stream, why, whether a retry is left): the new stream, or UpstreamLost
+Resume = Callable[["OpenStream", Exception, bool], Awaitable["OpenStream"]]
 
 
 @dataclass
@@ -204,9 +205,10 @@ class OpenStream:
     """A Generate call whose first message has arrived; iterate it for the rest.
 
     Until a message with output came (only the admission's and prefill_started's did), a
-    neuron lost (`resumable`) is not the client's failure: `resume` (set by the dispatcher,
-    once) opens the request on the next neuron, and the stream goes on over that call,
-    the new first message's fields the client already has left out."""
+    neuron lost (`resumable`) is not the client's failure: `resume` (set by the dispatcher)
+    counts and logs the loss and, once, opens the request on the next neuron, and the
+    stream goes on over that call, the new first message's fields the client already has
+    left out."""
 
     neuron: str
     call: grpc.aio.UnaryStreamCall
@@ -215,6 +217,7 @@ class OpenStream:
     finished: bool = False  # the finish message arrived: nothing left to abort
     resume: Resume | None = None
     delivered: bool = False  # a message with output went out: no resume past this
+    resumed: bool = False  # it went on over another neuron's call once: no second time
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """The messages; raises UpstreamLost when the router ended the call (inflight.py)."""
@@ -246,14 +249,15 @@ class OpenStream:
 
     async def _resumed(self, err: Exception) -> pb.GenerateResponse | None:
         """Go on over a call on another neuron, returning its first message as a next one
-        (None when it holds nothing new), or raise err: output went out already, the error
-        is the engine's, or the stream was resumed once."""
-        resume, self.resume = self.resume, None
-        if self.delivered or resume is None or not resumable(err):
+        (None when it holds nothing new), or raise err: output went out already, or the
+        error is the engine's; or UpstreamLost when the retry is used (the loss counted
+        and logged by `resume` all the same)."""
+        if self.delivered or self.resume is None or not resumable(err):
             raise err from None
         self.cancel()  # a no-op for a call the router ended or that broke
         self.flight.ended()  # it runs there no more: the registry counts it out
-        new = await resume(self, err)
+        new = await self.resume(self, err, not self.resumed)
+        self.resumed = True
         if differ := [f for f in _AGREE if getattr(new.first, f) != getattr(self.first, f)]:
             new.cancel()
             new.flight.ended()

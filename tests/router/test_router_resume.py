@@ -133,3 +133,37 @@ def test_no_retry_past_the_request_deadline(fl):
     err = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert err["code"] == "upstream_error" and "its deadline passed" in err["message"]
     assert len(other.requests) == 0
+
+
+def refusals(fl) -> dict[str, float]:
+    """helexa_router_refusals_total by neuron (code service_unavailable)."""
+    out: dict[str, float] = {}
+    for line in httpx2.get(fl.url + "/metrics").text.splitlines():
+        if line.startswith("helexa_router_refusals_total{") and \
+                'code="service_unavailable"' in line:
+            neuron = line.split('neuron="')[1].split('"')[0]
+            out[neuron] = out.get(neuron, 0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_a_second_loss_before_the_first_token_is_counted_and_not_retried(fl):
+    # the stream goes on on the other neuron, which is lost too before its first token:
+    # no third try, and both losses are counted (and logged as request.neuron_lost)
+    set_b(fl, admission_message_secs=30.0)
+    before = refusals(fl)
+    with httpx2.stream("POST", fl.url + "/v1/chat/completions", timeout=30, json=CHAT) as r:
+        lines = r.iter_lines()
+        next(lines)
+        lost, other = admitted_on(fl)
+        set_b(fl, [lost], silent=True)
+        wait_for(lambda: len(other.requests) == 1)  # retried there
+        set_b(fl, [other], silent=True)
+        rest = [line for line in lines if line]
+    err = json.loads(rest[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "its one retry was used" in err["message"]
+    after = refusals(fl)
+    assert {n: after.get(n, 0) - before.get(n, 0) for n in (lost.name, other.name)} == \
+        {lost.name: 1, other.name: 1}
+    set_b(fl, silent=False)
+    wait_for(lambda: fl.lt.call(lambda: all(n.models["tiny"].used_bytes == 0
+                                            for n in (fl.n1, fl.n2))))
