@@ -71,7 +71,8 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "plus four times the prompt's prefill at the model's measured rate, from when the "
         "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
         "not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
-        "at once.", RELOAD, gt=0)] = 30.0
+        "at once. A stream ended so before its first token is retried once on another "
+        "neuron (docs/errors.md).", RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "
         "stays full) is ended and its neuron call cancelled, which returns the request's KV.",

@@ -8,7 +8,16 @@ is in `auth.load_principals`; a refusal before the first byte
 once on the next neuron in the preference order.
 
 A streaming request gets an open Generate stream (its first message in
-hand); a non-streaming one gets Complete's whole reply. For the latter every
+hand: the neuron sends it at admission, and the client's stream opens on
+it). The same one retry covers a stream whose neuron is lost after that but
+before its first token (its call broke with a RETRYABLE status, or the
+router ended it: out of rotation, or silent past the prefill bound), when
+its opening was its first neuron's (no refusal used the retry): the stream
+goes on over a call on the next neuron in the preference order, the lost one
+left out, within the request's deadline (`_resume`, driven by
+forward.OpenStream). Once a token went out, or when the engine failed
+(INTERNAL), the client gets the `upstream_error` event. A non-streaming
+request gets Complete's whole reply. For the latter every
 error comes before the first byte to the client, so the same rule covers
 the whole call: a refusal with a retryable status is retried once, and so
 is a neuron that dies mid-generation (its call ends UNAVAILABLE), which is
@@ -25,6 +34,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import structlog
@@ -38,13 +48,20 @@ from helexa.router.forward import (
     OpenStream,
     UpstreamClosed,
     complete,
+    err_detail,
     map_rpc_error,
     open_generate,
 )
 from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
-from helexa.router.selection import Estimate, rank, rendezvous_score, reservation_bytes
+from helexa.router.selection import (
+    Candidate,
+    Estimate,
+    rank,
+    rendezvous_score,
+    reservation_bytes,
+)
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
@@ -99,44 +116,99 @@ class Dispatcher:
                     raise refusal  # nobody else to try: the client sees the neuron's answer
                 await self._await_model(model, principal, load_deadline)
                 continue
-            order = rank(candidates, est, key)
-            name = order[0]
+            name = rank(candidates, est, key)[0]
             cand = next(c for c in candidates if c.neuron == name)
-            link = self.registry.links[name]
-            send = self.registry.note_send(name, model, reservation_bytes(cand, est))
-            if not stream:  # no first byte will say the neuron has it: its Watch will
-                send.answered(after_secs=UNARY_SEEN_SECS)
-            self.metrics.selections.labels(name, model).inc()
-            flight = link.open_flight(streaming=stream, model=model)
-            flight.on_end = functools.partial(self.registry.note_end, send)
             try:
-                result = await rpc(link.stub, name, greq, metadata=link.metadata,
-                                   timeout_secs=self.settings.request_secs + 5, flight=flight)
-                if not stream:  # a unary call returns its whole reply
-                    flight.ended()
-                return result
-            except UpstreamLost as e:  # before the first byte: another neuron may serve it
-                err = ApiError(503, str(e), code="service_unavailable")
-                self.metrics.refusals.labels(name, model, err.code).inc()
-                log.info("request.refused", req_id=greq.req_id, neuron=name, model=model,
-                         code=err.code, reason=str(e), retry=refusal is None)
-                if refusal is not None:
+                result = await self._call(rpc, greq, est, cand, stream)
+            except (UpstreamLost, grpc.aio.AioRpcError) as e:
+                retry = refusal is None and (not isinstance(e, grpc.aio.AioRpcError)
+                                             or e.code() in RETRYABLE)
+                err = self._refused(greq, name, e, kind, retry=retry)
+                if not retry:
                     raise err from None
                 refusal = err
                 tried.add(name)
-            except grpc.aio.AioRpcError as e:
-                err = map_rpc_error(e, kind)
-                self.metrics.refusals.labels(name, model, err.code).inc()
-                log.info("request.refused", req_id=greq.req_id, neuron=name, model=model,
-                         grpc=e.code().name, code=err.code, retry=refusal is None)
-                if e.code() not in RETRYABLE or refusal is not None:
-                    raise err from None
-                refusal = err
-                tried.add(name)
+                continue
             except UpstreamClosed as e:
                 raise ApiError(502, str(e), code="upstream_error") from None
-            finally:
-                send.answered()
+            if isinstance(result, OpenStream):  # a loss before its first token: _resume
+                result.resume = functools.partial(self._resume, greq, est, key, kind,
+                                                  set(tried | {name}), refusal is None)
+            return result
+
+    async def _call(self, rpc: Any, greq: pb.GenerateRequest, est: Estimate, cand: Candidate,
+                    stream: bool) -> OpenStream | Completed:
+        """One call on cand's neuron, counted where selection will see it."""
+        name, model = cand.neuron, greq.model
+        link = self.registry.links[name]
+        send = self.registry.note_send(name, model, reservation_bytes(cand, est))
+        if not stream:  # no first byte will say the neuron has it: its Watch will
+            send.answered(after_secs=UNARY_SEEN_SECS)
+        self.metrics.selections.labels(name, model).inc()
+        flight = link.open_flight(streaming=stream, model=model)
+        flight.on_end = functools.partial(self.registry.note_end, send)
+        try:
+            result: OpenStream | Completed = await rpc(
+                link.stub, name, greq, metadata=link.metadata,
+                timeout_secs=self._timeout_secs(greq), flight=flight)
+            if not stream:  # a unary call returns its whole reply
+                flight.ended()
+            return result
+        finally:
+            send.answered()
+
+    def _timeout_secs(self, greq: pb.GenerateRequest) -> float:
+        """The gRPC deadline of a call: the request's own (the neuron aborts it then) and a
+        margin for its abort to arrive."""
+        if not greq.deadline_unix_ms:
+            return self.settings.request_secs + 5
+        return max(0.0, greq.deadline_unix_ms / 1000 - time.time()) + 5
+
+    def _refused(self, greq: pb.GenerateRequest, name: str, e: Exception, kind: str, *,
+                 retry: bool | None) -> ApiError:
+        """The client's error for a neuron's refusal or loss, counted, and logged as a
+        refusal unless `retry` is None."""
+        if isinstance(e, grpc.aio.AioRpcError):
+            err, grpc_code = map_rpc_error(e, kind), e.code().name
+        else:  # the router ended the call: the neuron stopped answering
+            err, grpc_code = ApiError(503, str(e), code="service_unavailable"), None
+        self.metrics.refusals.labels(name, greq.model, err.code).inc()
+        if retry is not None:
+            log.info("request.refused", req_id=greq.req_id, neuron=name, model=greq.model,
+                     grpc=grpc_code, code=err.code, reason=err.message, retry=retry)
+        return err
+
+    async def _resume(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, kind: str,
+                      tried: set[str], unrefused: bool, lost: OpenStream, e: Exception,
+                      retry_left: bool) -> OpenStream:
+        """A neuron lost before its stream's first token (forward.OpenStream), counted and
+        logged; the stream opened on the next neuron in the preference order within the
+        request's deadline, where its one retry is left (no refusal used it at the open,
+        no loss before); else UpstreamLost saying why not."""
+        model, reason = greq.model, err_detail(e)
+        tried.add(lost.neuron)
+        err = self._refused(greq, lost.neuron, e, kind, retry=None)
+        left_secs = (greq.deadline_unix_ms / 1000 - time.time() if greq.deadline_unix_ms
+                     else self.settings.request_secs)
+        candidates = [c for c in self.registry.candidates(model) if c.neuron not in tried]
+        may = unrefused and retry_left
+        order = rank(candidates, est, key) if left_secs > 0 and may else []
+        log.info("request.neuron_lost", req_id=greq.req_id, neuron=lost.neuron, model=model,
+                 code=err.code, reason=reason, retry_on=order[0] if order else None)
+        if not order:
+            why = ("its one retry was used" if not may else "its deadline passed"
+                   if left_secs <= 0 else "no other neuron serves it")
+            raise UpstreamLost(f"{reason} (before its first token; not retried: {why})")
+        cand = next(c for c in candidates if c.neuron == order[0])
+        try:
+            stream = await self._call(open_generate, greq, est, cand, True)
+        except (UpstreamLost, grpc.aio.AioRpcError, UpstreamClosed) as e2:
+            if not isinstance(e2, UpstreamClosed):
+                self._refused(greq, cand.neuron, e2, kind, retry=False)
+            raise UpstreamLost(f"{reason} (before its first token), and neuron {cand.neuron} "
+                               f"failed it too: {err_detail(e2)}") from None
+        assert isinstance(stream, OpenStream)
+        return stream
 
     async def _await_model(self, model: str, principal: str, deadline: float) -> None:
         """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx."""

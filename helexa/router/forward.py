@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -27,7 +27,7 @@ from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
 from helexa.router import agent_request
 from helexa.router.errors import ApiError
-from helexa.router.inflight import Flight
+from helexa.router.inflight import Flight, UpstreamLost
 from helexa.router.openai_api import ParsedRequest
 
 # Refusals before the first byte that another neuron may well accept. NOT_FOUND too: the
@@ -175,42 +175,113 @@ def chat_proto(req: ParsedRequest) -> pb.Chat:
     return chat
 
 
+# Set on a stream's first message only: a resumed stream's new first message loses them.
+_FIRST_ONLY = ("thought_open", "prompt_tokens", "fitted_max_tokens", "cached_tokens",
+               "prompt_token_ids", "prefill_started")
+# What the client saw of the first message, which a resumed stream's must repeat.
+_AGREE = ("prompt_tokens", "thought_open", "fitted_max_tokens", "prompt_token_ids")
+
+
+def has_output(msg: pb.GenerateResponse) -> bool:
+    """The message brings the client something generated (or the end)."""
+    return bool(msg.token_ids or msg.text or msg.logprobs
+                or msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED)
+
+
+def resumable(err: Exception) -> bool:
+    """A lost neuron (the router ended its call, or the call broke with a status another
+    neuron may well not answer: RETRYABLE, UNAVAILABLE for a neuron that died), not
+    the engine's failure: the request may run elsewhere while nothing was generated."""
+    return isinstance(err, UpstreamLost) or (
+        isinstance(err, grpc.aio.AioRpcError) and err.code() in RETRYABLE)
+
+
+# (the lost stream, why, whether a retry is left): the new stream, or UpstreamLost
+Resume = Callable[["OpenStream", Exception, bool], Awaitable["OpenStream"]]
+
+
 @dataclass
 class OpenStream:
-    """A Generate call whose first message has arrived; iterate it for the rest."""
+    """A Generate call whose first message has arrived; iterate it for the rest.
+
+    Until a message with output came (only the admission's and prefill_started's did), a
+    neuron lost (`resumable`) is not the client's failure: `resume` (set by the dispatcher)
+    counts and logs the loss and, once, opens the request on the next neuron, and the
+    stream goes on over that call, the new first message's fields the client already has
+    left out."""
 
     neuron: str
     call: grpc.aio.UnaryStreamCall
     first: pb.GenerateResponse
     flight: Flight
     finished: bool = False  # the finish message arrived: nothing left to abort
+    resume: Resume | None = None
+    delivered: bool = False  # a message with output went out: no resume past this
+    resumed: bool = False  # it went on over another neuron's call once: no second time
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """The messages; raises UpstreamLost when the router ended the call (inflight.py)."""
-        msg = self.first
+        msg: pb.GenerateResponse | None = self.first
         while True:
-            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self.finished = True
-                self.flight.ended()
-            yield msg
-            if self.finished:
-                return
+            if msg is not None:
+                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                    self.finished = True
+                    self.flight.ended()
+                self.delivered = self.delivered or has_output(msg)
+                yield msg
+                if self.finished:
+                    return
             self.flight.reading()
             try:
-                msg = await self.call.read()
+                read = await self.call.read()
             except asyncio.CancelledError:
-                if (lost := self.flight.lost()) is not None:
-                    raise lost from None
-                raise
-            if msg is grpc.aio.EOF:
+                if (lost := self.flight.lost()) is None:
+                    raise
+                msg = await self._resumed(lost)
+                continue
+            except grpc.aio.AioRpcError as e:
+                msg = await self._resumed(e)
+                continue
+            if read is grpc.aio.EOF:
                 return
-            self.flight.heard(msg)
+            self.flight.heard(read)
+            msg = read
+
+    async def _resumed(self, err: Exception) -> pb.GenerateResponse | None:
+        """Go on over a call on another neuron, returning its first message as a next one
+        (None when it holds nothing new), or raise err: output went out already, or the
+        error is the engine's; or UpstreamLost when the retry is used (the loss counted
+        and logged by `resume` all the same)."""
+        if self.delivered or self.resume is None or not resumable(err):
+            raise err from None
+        self.cancel()  # a no-op for a call the router ended or that broke
+        self.flight.ended()  # it runs there no more: the registry counts it out
+        new = await self.resume(self, err, not self.resumed)
+        self.resumed = True
+        if differ := [f for f in _AGREE if getattr(new.first, f) != getattr(self.first, f)]:
+            new.cancel()
+            new.flight.ended()
+            raise UpstreamLost(f"{err_detail(err)}; neuron {new.neuron}, which took the "
+                               f"request over, disagrees on {', '.join(differ)}")
+        self.neuron, self.call, self.flight = new.neuron, new.call, new.flight
+        msg = pb.GenerateResponse()
+        msg.CopyFrom(new.first)
+        for f in _FIRST_ONLY:
+            msg.ClearField(f)
+        return msg if has_output(msg) else None
 
     def cancel(self) -> None:
         """Abort on the neuron, unless it already finished (its status then arrives on its
         own; cancelling would only cost both sides a RST_STREAM)."""
         if not self.finished and not self.call.done():
             self.call.cancel()
+
+
+def err_detail(e: BaseException) -> str:
+    """What a failed call says: its status's details, or the exception's text."""
+    if isinstance(e, grpc.aio.AioRpcError):
+        return str(e.details() or e.code().name)
+    return str(e)
 
 
 class UpstreamClosed(Exception):

@@ -4,8 +4,9 @@ Each Generate or Complete call the dispatcher opens is a `Flight` on its
 neuron's link. The registry's health loop ends every flight of a neuron that
 leaves rotation (its Watch went silent or broke), and a stream that is
 overdue: a hung host (SIGSTOP, a wedged engine) is then an `upstream_error`
-event on the stream, or a 503 before the first byte, within moments,
-instead of silence until gRPC keepalive gives up (a minute).
+event on the stream once a token went out, a retry on another neuron before
+that (dispatch.py), or a 503 with none left, within moments, instead of
+silence until gRPC keepalive gives up (a minute).
 
 Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not

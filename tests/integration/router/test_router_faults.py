@@ -1,5 +1,6 @@
 """Faults and spreading with real processes: a client leaving frees KV, a neuron draining or
-killed mid-stream, a refused request failing over, a burst spreading over two neurons."""
+killed mid-stream, or killed before its streams' first tokens (they go on elsewhere), a
+refused request failing over, a burst spreading over two neurons."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import socket
 import httpx2
 import openai
 import pytest
-from router_procs import key_of, router_config, wait_for
-from support.neuron import start_neuron, write_neuron_config
+from router_procs import key_of, neuron_cfg, router_config, wait_for
+from support.neuron import start_neuron, start_neurons, stop_all, write_neuron_config
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 
@@ -152,3 +153,91 @@ def _refused_shutting_down(router) -> bool:
     except openai.InternalServerError as e:
         return e.code == "shutting_down" and int(e.response.headers["retry-after"]) >= 1
     return False
+
+
+@pytest.mark.slow  # two neurons of its own (~10 s to start on a busy 2-core machine)
+def test_streams_whose_neuron_dies_before_their_first_token_go_on_on_another(
+        router, neurons, rdir, tiny_model_dir):
+    """nv has one batch row. A holder stream runs in it; a chat stream, an Anthropic stream
+    and a non-streaming call are admitted there and wait for the row (their openings sent:
+    the first message comes at admission). ns then joins and nv is killed: the three go on
+    on ns, whole and as a greedy run there writes them; the holder, which had tokens out,
+    ends with an upstream_error event."""
+    def cfg(name: str) -> dict:
+        c = neuron_cfg(name, [{"id": "resumable", "path": str(tiny_model_dir)}], 16,
+                       max_in_flight=4)
+        c["engine"]["max_slots"] = 1
+        return c
+    pair = start_neurons({n: (write_neuron_config(rdir / f"{n}.toml", cfg(n)), rdir / f"{n}.log")
+                          for n in ("nv", "ns")})
+    nv = pair["nv"]
+    base = router_config(rdir, neurons)
+
+    def with_(*names: str) -> dict:
+        return {**base, "neurons": {**base["neurons"], "endpoints": [
+            *base["neurons"]["endpoints"],
+            *({"name": n, "address": pair[n].address} for n in names)]}}
+
+    def healthy(name: str) -> bool:
+        return httpx2.get(router.url + "/health").json()["neurons"].get(
+            name, {}).get("healthy", False)
+
+    def auth(p: str) -> dict:
+        return {"Authorization": f"Bearer {key_of(p)}"}
+
+    chat = {"model": "resumable", "messages": MSG, "max_tokens": 12, "temperature": 0}
+    anth = {"model": "resumable", "messages": MSG, "max_tokens": 12, "temperature": 0,
+            "stream": True}
+    holder_lines: list[str] = []
+    try:
+        router.reload(with_("nv"))
+        wait_for(lambda: healthy("nv"), timeout=15)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool, \
+                httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                              headers=auth("p0"), json={**chat, "max_tokens": 8000,
+                                                        "stream": True, "ignore_eos": True}) as h:
+            holder = h.iter_lines()
+            holder_lines += [next(holder), next(holder)]  # the role chunk, then a token
+            drain = pool.submit(lambda: holder_lines.extend(holder))
+            with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                               headers=auth("p1"), json={**chat, "stream": True}) as c, \
+                    httpx2.stream("POST", router.url + "/v1/messages", timeout=60,
+                                  headers={"x-api-key": key_of("p2")}, json=anth) as a:
+                streamed = [c.iter_lines(), a.iter_lines()]
+                openings = [next(streamed[0]), next(streamed[1])]  # admitted on nv
+                whole = pool.submit(lambda: httpx2.post(
+                    router.url + "/v1/chat/completions", timeout=60, headers=auth("p3"),
+                    json=chat))
+                wait_for(lambda: router.metric("helexa_neuron_in_flight", neuron="nv",
+                                               model="resumable") == 4, timeout=10)
+                router.reload(with_("nv", "ns"))
+                wait_for(lambda: healthy("ns"), timeout=15)
+                nv.proc.kill()
+                chat_lines = [openings[0], *streamed[0]]
+                anth_raw = "\n".join([openings[1], *streamed[1]])
+            drain.result(timeout=30)
+            reply = whole.result(timeout=30)
+        greedy = router.client("bob").chat.completions.create(**chat).choices[0].message.content
+        assert greedy
+        chat_lines = [line for line in chat_lines if line]
+        assert chat_lines[-1] == "data: [DONE]", chat_lines[-1]
+        assert sum('"role"' in line for line in chat_lines) == 1
+        assert "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                       for line in chat_lines[:-1]) == greedy
+        events = [(e.split("\n")[0].removeprefix("event: "), e.split("data: ", 1)[1])
+                  for e in anth_raw.split("\n\n") if e.strip()]
+        assert events[0][0] == "message_start" and events[-1][0] == "message_stop", events
+        assert "".join(json.loads(d)["delta"].get("text", "") for n, d in events
+                       if n == "content_block_delta") == greedy
+        assert reply.status_code == 200 and \
+            reply.json()["choices"][0]["message"]["content"] == greedy
+        # the holder had tokens out when nv died: an error event ends its stream
+        last = [line for line in holder_lines if line][-1]
+        assert json.loads(last.removeprefix("data: "))["error"]["code"] == "upstream_error"
+        lost = [json.loads(line) for line in router.log_path.read_text().splitlines()
+                if '"request.neuron_lost"' in line and '"neuron":"nv"' in line]
+        assert len(lost) == 2 and all(r["retry_on"] == "ns" for r in lost), lost
+        wait_for(lambda: kv_whole(router, "ns", "resumable"), timeout=10)
+    finally:
+        router.reload(base)
+        stop_all(pair.values(), timeout_secs=5)
