@@ -137,11 +137,14 @@ async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 
             except EngineBusy:
                 await asyncio.sleep(0.05)  # its status says in flight once it reports
             except Exception as e:  # the engine kept its pool; say why it would not switch
+                if ceilings != r.step_ceilings:
+                    r.refused_ceilings = ceilings
                 raise Refusal("invalid_request_error",
                               f"{what}: the engine could not re-plan its pool: {e}") from e
         r.plan, r.kv_dtype, r.num_state_slots, r.step_ceilings, r.limits = (
             plan, plan.kv_dtype, slots or r.num_state_slots, ceilings,
             ModelLimits.from_plan(plan, res.cfg.kv.prefix_cache, res.cfg.kv.prefix_sharing))
+        r.refused_ceilings = (0, 0)
     finally:
         r.client.stop_admitting(False)
         if r.state == ModelState.SWITCHING:

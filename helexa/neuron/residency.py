@@ -320,14 +320,17 @@ class Residency:
         holding another count of state slots (its max_in_flight changed): a reload
         re-plans them in place, as a profile switch does (set_profile). A model its pool
         caps below max_in_flight (one full context must fit beside the slots) is not
-        switched again for nothing."""
+        switched again for nothing, nor one whose last re-plan for the same ceilings failed
+        (its card cannot hold them: each try drains it and empties its prefix cache; a
+        profile switch, or a config asking for other ceilings, tries again)."""
         from helexa.neuron.profile_switch import planned, widened
 
         out = []
         for r in self.models.values():
             if r.client is None or r.state != ModelState.READY:
                 continue
-            if widened(r, cfg, r.profile) != r.step_ceilings:
+            want = widened(r, cfg, r.profile)
+            if want != r.step_ceilings and want != r.refused_ceilings:
                 out.append(r.model_id)
                 continue
             if not r.num_state_slots:

@@ -352,3 +352,40 @@ def test_a_reload_changing_a_hybrids_max_in_flight_re_plans_its_state_slots(
     # one re-plan a change, none for a reload that changes none (the capped model's
     # included); the slots' bytes come from the blocks
     assert [slots for slots, _ in resets] == [5, 3, capped] and resets[0][1] < resets[1][1]
+
+
+def test_a_widen_the_card_cannot_hold_is_tried_once_not_at_every_reload(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A reload asking for more rows than the card holds fails once; later reloads asking
+    for the same (a SIGHUP for another key) do not drain the model and fail again, while a
+    config asking for other rows tries again."""
+    (tmp_path / "token").write_text("t")
+    cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+           "engine": {"max_slots": 2}, "kv": {"kv_budget_mb": 1},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        engine.fail_resets = "KvPlanError: KV pool does not fit"
+        real, calls = engine.reset_kv, []
+
+        async def counted(**kw):
+            calls.append(kw.get("max_slots"))
+            return await real(**kw)
+        engine.reset_kv = counted
+        write_neuron_config(path, {**cfg, "engine": {"max_slots": 4}})
+        listed = []
+        for _ in range(3):  # the first reload widens; the next two change nothing
+            daemon.reload()
+            await asyncio.sleep(0.3)
+            listed.append(daemon.residency.pool_replans(daemon.cfg))
+        write_neuron_config(path, {**cfg, "engine": {"max_slots": 3}})  # other figures
+        daemon.reload()
+        await asyncio.sleep(0.3)
+        return r.step_ceilings, r.state.name, listed, calls
+
+    ceilings, state, listed, calls = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert ceilings == (2, 2048) and state == "READY"  # serving at the width it had
+    assert listed == [[], [], []]  # not listed again after its failed try
+    assert calls == [4, 3]  # one try for 4 rows, then one for 3
