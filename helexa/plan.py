@@ -146,11 +146,14 @@ def _key(cfg: NeuronConfig, entry: ModelEntry, field: str) -> str:
 
 
 def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
-               kv_dtype: str | None = None, device_memory_mb: int | None = None) -> ModelPlan:
+               kv_dtype: str | None = None, device_memory_mb: int | None = None,
+               step_ceilings: tuple[int, int] | None = None) -> ModelPlan:
     """Plan one catalogue entry; raises PlanError (with the arithmetic) if it cannot work.
 
     `kv_dtype` overrides the configured one (profile, then [kv]);
-    `device_memory_mb` overrides server.device_memory_mb (a live device's size).
+    `device_memory_mb` overrides server.device_memory_mb (a live device's size);
+    `step_ceilings` the decode rows and step tokens the runner is built for (a resident
+    model's, widened by a switch: helexa/neuron/profile_switch.py; NeuronConfig's by default).
     """
     def where(field: str) -> str:  # `file: models[i].field` (or a [kv] key) for messages
         return f"{config_file}: {field if '.' in field else _key(cfg, entry, field)}"
@@ -322,7 +325,7 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         blocks, slots = state_slots(plan, cfg.admission.max_in_flight)
     # graphs for every profile's batches (a switch needs no reload) and a step of its own
     # profile's tokens: NeuronConfig.step_ceilings, what the runner is built for
-    max_slots, max_tokens = cfg.step_ceilings(entry.profile or "")
+    max_slots, max_tokens = step_ceilings or cfg.step_ceilings(entry.profile or "")
     devices = cfg.devices_of(entry)
     ar_rows, ar_bytes = fused_allreduce_plan(shape, tp, max_slots, devices)
     host_bytes = cfg.kv.host_cache_mb * MIB // tp if cfg.kv.prefix_cache and (

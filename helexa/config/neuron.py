@@ -116,9 +116,12 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
     """[engine]: the scheduler's and the engine process's keys, and (from Speculation) every
     model's speculation."""
 
-    max_slots: Annotated[int, field_meta("Rows in the decode batch (running requests).", RELOAD, ge=1)] = 8
+    max_slots: Annotated[int, field_meta(
+        "Rows in the decode batch (running requests); more than a model was built for "
+        "rebuilds it in place (switching).", RELOAD, ge=1)] = 8
     max_batched_tokens: Annotated[int, field_meta(
-        "Token budget of one engine step (decode tokens + prefill chunks).", RELOAD, ge=1)] = 2048
+        "Token budget of one engine step (decode tokens + prefill chunks); more than a model "
+        "was built for rebuilds it in place (switching).", RELOAD, ge=1)] = 2048
     prefill_chunk_tokens: Annotated[int, field_meta(
         "Largest prefill chunk of one request in one step.", RELOAD, ge=1)] = 512
     torch_threads: Annotated[optional(int, ge=1), field_meta(
@@ -271,10 +274,10 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def step_ceilings(self, profile: str = "") -> tuple[int, int]:
         """What a model running ``profile`` has its runner built for at load: the most
         decode rows (``max_slots``) of [engine] and every [profiles.*], so that a switch to
-        any profile's batch width needs no reload (graphs captured for it); and the most
+        any profile's batch width needs no re-plan (graphs captured for it); and the most
         tokens a step takes (``max_batched_tokens``) of [engine] and ``profile``'s, which
-        its pool is measured beside (another profile's larger steps are capped at a
-        switch, and said)."""
+        its pool is measured beside (a switch asking for more rebuilds it in place:
+        helexa/neuron/profile_switch.py widened)."""
         profiles = list(self.profiles.values())
         own = self.profiles.get(profile) if profile else None
         return (max([self.engine.max_slots] + [p.max_slots for p in profiles if p.max_slots]),

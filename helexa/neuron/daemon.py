@@ -206,8 +206,9 @@ class NeuronDaemon:
         for r in self.residency.models.values():
             r.entry = self.cfg.model(r.model_id)
         switching = {m for m, _ in profile_changes}
-        # a hybrid's new max_in_flight: its state slots re-planned in place, as at a switch
-        replans = [m for m in self.residency.state_replans(self.cfg) if m not in switching]
+        # a hybrid's new max_in_flight (its state slots), more rows or a larger step than a
+        # model was built for (its width): re-planned in place, as at a switch
+        replans = [m for m in self.residency.pool_replans(self.cfg) if m not in switching]
         self.residency.apply_limits(self.cfg, tuple(replans))
         for model_id, profile in profile_changes:  # the file's profile wins over a runtime switch
             if model_id in self.residency.models:

@@ -71,21 +71,24 @@ def effective_limits(cfg: NeuronConfig, profile: str = "",
 def within_ceilings(limits: messages.Limits, model: Any, replan: bool = False
                     ) -> tuple[messages.Limits, list[str]]:
     """``limits`` with max_slots and max_batched_tokens no larger than what resident
-    ``model``'s runner was built for at load (its ``step_ceilings``, NeuronConfig's: the
-    most decode rows of any profile, its own profile's step tokens; (0, 0): unknown,
-    nothing cut), and what was cut, logged: a step past them would run rows no graph was
-    captured for, beside activations the pool was not measured against (raising them
-    takes a reload). A hybrid's max_in_flight, no more than the state slots its pool holds
-    (more would wait for a slot unsaid); ``replan``: its pool is about to be re-planned
-    for the new figure (profile_switch.py), said so."""
+    ``model``'s runner is built for (its ``step_ceilings``: at load NeuronConfig's, the
+    most decode rows of any profile and its own profile's step tokens, widened by a
+    switch since; (0, 0): unknown, nothing cut), and what was cut, logged: a step past
+    them would run rows no graph was captured for, beside activations the pool was not
+    measured against. A hybrid's max_in_flight, no more than the state slots its pool
+    holds (more would wait for a slot unsaid). ``replan``: the model is about to be
+    re-planned for the new figures (profile_switch.py: its pool, its width), said so;
+    else raising them takes a switch to a profile asking for them, or a reload of the
+    model."""
     slots, tokens = model.step_ceilings
     cut: dict[str, int] = {}
     if slots and limits.max_slots > slots:
         cut["max_slots"] = slots
     if tokens and limits.max_batched_tokens > tokens:  # (a chunk is at most a step's)
         cut["max_batched_tokens"] = tokens
-    notes = [f"{k}: {getattr(limits, k)} is more than the {v} this model was loaded for; "
-             f"{v} runs (reload the model to raise it)" for k, v in cut.items()]
+    notes = [f"{k}: {getattr(limits, k)} is more than the {v} this model is built for; "
+             f"{v} runs " + ("until it is rebuilt for more (model.switched)" if replan
+                             else "(reload the model to raise it)") for k, v in cut.items()]
     states = model.num_state_slots  # a hybrid's: one a request in flight, carved at load
     if states and limits.max_in_flight > states:
         notes.append(f"max_in_flight: {limits.max_in_flight} is more than the {states} "

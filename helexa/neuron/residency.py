@@ -300,7 +300,7 @@ class Residency:
 
     def apply_limits(self, cfg: NeuronConfig, replans: tuple[str, ...] = ()) -> list[str]:
         """Hand every resident engine its limits under `cfg`; returns 'model: key old -> new'.
-        ``replans``: models whose pool is re-planned next (state_replans)."""
+        ``replans``: models whose pool is re-planned next (pool_replans)."""
         self.cfg = cfg
         changes: list[str] = []
         for r in self.models.values():
@@ -316,16 +316,26 @@ class Residency:
         self._on_change()
         return changes
 
-    def state_replans(self, cfg: NeuronConfig) -> list[str]:
-        """Ready hybrid models whose pool under ``cfg`` would hold another count of state
-        slots (its max_in_flight changed): a reload re-plans their pool in place, as a
-        profile switch does (set_profile). A model its pool caps below max_in_flight (one
-        full context must fit beside the slots) is not switched again for nothing."""
-        from helexa.neuron.profile_switch import planned
+    def pool_replans(self, cfg: NeuronConfig) -> list[str]:
+        """Ready models whose pool under ``cfg`` must be re-planned: asked for more decode
+        rows or a larger step than they were built for (step_ceilings), or a hybrid's pool
+        holding another count of state slots (its max_in_flight changed): a reload
+        re-plans them in place, as a profile switch does (set_profile). A model its pool
+        caps below max_in_flight (one full context must fit beside the slots) is not
+        switched again for nothing, nor one whose last re-plan for the same ceilings failed
+        (its card cannot hold them: each try drains it and empties its prefix cache; a
+        profile switch, or a config asking for other ceilings, tries again)."""
+        from helexa.neuron.profile_switch import planned, widened
 
         out = []
         for r in self.models.values():
-            if not r.num_state_slots or r.client is None or r.state != ModelState.READY:
+            if r.client is None or r.state != ModelState.READY:
+                continue
+            want = widened(r, cfg, r.profile)
+            if want != r.step_ceilings and want != r.refused_ceilings:
+                out.append(r.model_id)
+                continue
+            if not r.num_state_slots:
                 continue
             try:
                 _, slots = planned(self, r, r.profile, cfg)

@@ -62,6 +62,9 @@ class ResidentModel:
     num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds
     # the most decode rows and step tokens its runner was built for at load (engine_launch)
     step_ceilings: tuple[int, int] = (0, 0)
+    # the ceilings a re-plan last failed to build (profile_switch.switch_pool): a reload
+    # asking for them again does not drain the model to fail again (Residency.pool_replans)
+    refused_ceilings: tuple[int, int] = (0, 0)
     # The activation dtype measured for a GGUF on CPU (helexa/neuron/activation.py)
     activations: Activations | None = None
 

@@ -546,3 +546,25 @@ def test_an_eager_decode_plans_query_offsets_in_memory_helexa_made_first(
     assert cache[("range_8", "cpu")] is made  # made once, never written
     att.plan(_decode_step(8))
     assert set(cache) == {("range_8", "cpu"), ("range_16", "cpu")}
+
+
+def test_a_wider_batch_makes_the_graph_wrappers_scratch_and_indices_at_its_width(
+        fake_flashinfer: list[dict[str, Any]]) -> None:
+    """The executor told of a wider batch (a profile with more rows): the graph wrappers'
+    float scratch is made again at the new width's size with the next pool, the old one
+    given back first, and decode steps up to the new width are planned on graph wrappers
+    (a step the old width ran eagerly)."""
+    from helexa.kernels.backends.cuda_graphs import CudaGraphExecutor
+
+    att = CudaAttention(torch.device("cpu"), graph_rows=2, graph_workspace_bytes=2048)
+    att.heads = 8
+    ex = CudaGraphExecutor(att, graph_workspace=lambda rows: 1000 * rows)
+    layers = [AttentionSpec(4, 128, "bf16")] * 2
+    att.allocate_kv(layers, 8, 16, storage=torch.bfloat16, compute=torch.bfloat16)
+    assert not getattr(att.plan(_decode_step(5)), "graph_rows", 0)  # wider than built: eager
+    ex.set_graph_rows(5)
+    att.allocate_kv(layers, 8, 16, storage=torch.bfloat16, compute=torch.bfloat16)
+    assert att._graph_workspace is not None and att._graph_workspace.numel() == 5000
+    assert att._graph_indices is not None and att._graph_indices.numel() == 5 * 8
+    assert att.plan(_decode_step(5)).graph_rows == 5
+    assert ex.describe() == "graphs for 1..5 rows, captured at load"

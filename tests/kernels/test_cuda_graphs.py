@@ -385,3 +385,37 @@ def test_every_graph_size_warms_up_on_one_side_stream(monkeypatch) -> None:
         runtime.capture(torch.device("cuda", 0), lambda b=b: ran.append(b), pool=None)
     assert ran == [4, 4, 3, 3, 2, 2, 1, 1]  # a warm run, then the captured one
     assert len(made) == 1
+
+
+def test_a_wider_batch_drops_the_old_graphs_and_their_pool_then_captures_every_size():
+    """A profile with more decode rows, switched with no request running: the graphs of
+    the old width go first, with their memory pool and the shared outputs, and the next
+    capture (over the new pool) takes every size up to the new width into a fresh pool;
+    its widest batch then replays, as eager as it ran. Narrower again: the same."""
+    ex, runtime = executor(2)
+    load(ex)
+    old_out = ex._out
+    ex.set_graph_rows(4)
+    assert ex._graphs == {} and ex._pool is None and ex._out is None
+    assert ex.graph_sizes() == [4, 3, 2, 1] and ex.attention.reference.graph_rows == 4
+    got = decode(ex, 2, seed=6)  # a step before the runner captured again: eager
+    assert len(runtime.captured) == 2
+    torch.testing.assert_close(got, eager(2, 6))
+    load(ex)
+    assert list(ex._graphs) == [4, 3, 2, 1] and len(runtime.pools) == 2
+    assert set(runtime.captured[2:]) == {runtime.pools[1]}  # none into the old pool
+    assert ex._out is not None and ex._out is not old_out and ex._out.shape[0] == 4
+    at = runtime.replays
+    torch.testing.assert_close(decode(ex, 4, seed=7), eager(4, 7))
+    assert runtime.replays == at + 1
+    ex.set_graph_rows(3)
+    load(ex)
+    assert list(ex._graphs) == [3, 2, 1] and len(runtime.pools) == 3
+
+
+def test_without_graphs_a_wider_batch_captures_none():
+    ex, runtime = executor(0)
+    ex.set_graph_rows(6)
+    assert ex.graph_sizes() == [] and ex.attention.graph_rows == 0
+    load(ex)
+    assert runtime.captured == []

@@ -51,10 +51,11 @@ def test_profile_overrides_only_what_it_sets() -> None:
     assert effective_kv_dtype(cfg) == "fp16"
 
 
-def test_limits_past_what_a_model_was_loaded_for_run_at_the_loads_figures() -> None:
-    """A switch or reload asking for more decode rows or step tokens than the runner was
-    built for, or (a hybrid) more requests in flight than its state slots, runs at the
-    load's figures and says so; within them nothing changes."""
+def test_limits_past_what_a_model_is_built_for_run_at_its_figures_until_rebuilt() -> None:
+    """Limits asking for more decode rows or step tokens than the runner is built for, or
+    (a hybrid) more requests in flight than its state slots, run at its figures and say
+    so: until the re-plan that follows (a reload's) is done, or for good where none can
+    (an engine that cannot re-plan); within them nothing changes."""
     from types import SimpleNamespace
 
     from helexa.neuron.engine import messages
@@ -67,15 +68,17 @@ def test_limits_past_what_a_model_was_loaded_for_run_at_the_loads_figures() -> N
     assert (got.max_slots, got.max_batched_tokens, got.prefill_chunk_tokens,
             got.max_in_flight) == (8, 2048, 512, 4)
     assert notes == [
-        "max_slots: 16 is more than the 8 this model was loaded for; 8 runs (reload the "
+        "max_slots: 16 is more than the 8 this model is built for; 8 runs (reload the "
         "model to raise it)",
-        "max_batched_tokens: 4096 is more than the 2048 this model was loaded for; 2048 runs "
+        "max_batched_tokens: 4096 is more than the 2048 this model is built for; 2048 runs "
         "(reload the model to raise it)",
         "max_in_flight: 32 is more than the 4 linear-attention state slots this model "
         "holds; 4 run at once (its pool holds no more beside one request of its context)"]
     _, notes = within_ceilings(asked, model, replan=True)  # a reload re-plans its pool next
     assert notes[-1].endswith("4 run at once until its pool is re-planned for more "
                               "(model.switched)")
+    assert notes[0] == ("max_slots: 16 is more than the 8 this model is built for; 8 runs "
+                        "until it is rebuilt for more (model.switched)")
     inside = messages.Limits(max_slots=8, max_batched_tokens=1024, max_in_flight=4)
     assert within_ceilings(inside, model) == (inside, [])
     dense = SimpleNamespace(model_id="d", step_ceilings=(0, 0), num_state_slots=0)

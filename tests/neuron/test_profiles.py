@@ -186,49 +186,90 @@ def test_a_models_own_speculation_reloads_and_a_profile_overrides_it(
     assert "speculation: ngram -> off" in switched
 
 
-def test_a_model_is_built_for_every_profile_and_a_larger_value_later_is_capped(
+def test_a_model_is_built_for_every_profile_and_rebuilt_in_place_for_a_wider_one(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     """The runner is built at load for the most decode rows of any profile (graphs) and its
     own profile's step tokens (the measured pool): switching to the widest batch needs no
-    reload; a profile's larger steps, or a reload asking for more rows than any profile
-    had, run at the load's figures and say so in the changes."""
+    re-plan; a profile's larger steps re-plan the pool beside them in place, and so does a
+    reload asking for more rows than any profile had (no model reload, nothing capped
+    once done), each said in the changes and sent to the engine."""
     (tmp_path / "token").write_text("t")
     cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
            "engine": {"max_slots": 4, "max_batched_tokens": 256},
            "kv": {"kv_budget_mb": 1},
            "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
            "profiles": {"wide": {"max_slots": 12, "max_batched_tokens": 1024,
-                                 "speculation": "ngram", "spec_k": 5}}}
+                                 "speculation": "ngram", "spec_k": 5},
+                        "rows": {"max_slots": 12}}}
     path = write_neuron_config(tmp_path / "neuron.toml", cfg)
 
     async def body(stub, daemon, engine):
-        from helexa.config.schema import load_neuron_config
-
+        r = daemon.residency.models["tiny"]
         spec = engine.spec
+        rows = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="rows"),
+                                     metadata=MD)
+        at_rows = len(engine.reset_calls)
         res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="wide"),
                                     metadata=MD)
         switched = engine.limits
+        cfg["models"][0]["profile"] = "wide"
         cfg["profiles"]["wide"]["max_slots"] = 20  # raised in the file, then a reload
         write_neuron_config(path, cfg)
-        changes = daemon.residency.apply_limits(load_neuron_config(path))
-        return spec, list(res.changed), switched, changes, engine.limits
+        daemon.reload()
+        for _ in range(500):
+            if len(engine.reset_calls) == 2 and r.state.name == "READY":
+                break
+            await asyncio.sleep(0.01)
+        return (spec, list(rows.changed), at_rows, list(res.changed), switched,
+                engine.reset_calls, engine.limits, r.step_ceilings, r.plan.graph_rows)
 
-    spec, changed, switched, changes, after = run_fake_neuron(
-        path, body, script=lambda _p, _i: 7)
+    (spec, rows, at_rows, changed, switched, resets, after, ceilings,
+     graph_rows) = run_fake_neuron(path, body, script=lambda _p, _i: 7)
     assert spec.limits.max_slots == 4 and spec.limits.max_batched_tokens == 256  # base runs
     assert (spec.max_slots_ceiling, spec.max_batched_tokens_ceiling) == (12, 256)
     assert spec.spec_k_ceiling == 5  # the probe verifies the profile's drafts, off at load
-    assert "max_slots: 4 -> 12" in changed and switched.max_slots == 12
-    assert switched.max_batched_tokens == 256
-    assert [c for c in changed if "loaded for" in c] == [
-        "max_batched_tokens: 1024 is more than the 256 this model was loaded for; 256 runs "
-        "(reload the model to raise it)"]
-    assert after.max_slots == 12  # not 20: the graphs and the pool were built for 12
-    assert [c for c in changes if "loaded for" in c] == [  # (the profile's tokens still cut)
-        "tiny: max_slots: 20 is more than the 12 this model was loaded for; 12 runs "
-        "(reload the model to raise it)",
-        "tiny: max_batched_tokens: 1024 is more than the 256 this model was loaded for; 256 "
-        "runs (reload the model to raise it)"]
+    assert "max_slots: 4 -> 12" in rows and at_rows == 0  # built for it: nothing re-planned
+    assert "max_slots: 4 -> 12" not in changed and switched.max_slots == 12
+    assert "built for max_batched_tokens: 256 -> 1024" in changed
+    assert switched.max_batched_tokens == 1024 and not [c for c in changed if "runs" in c]
+    assert [(c["max_slots"], c["max_batched_tokens"]) for c in resets] == [(12, 1024),
+                                                                           (20, 1024)]
+    assert after.max_slots == 20 and ceilings == (20, 1024)
+    assert graph_rows == 0  # on CPU: no graphs (the plan counts none), at any width
+
+
+def test_a_wider_profile_the_card_cannot_hold_is_refused_and_the_old_width_kept(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A switch to a profile wider than the model was built for whose pool the engine
+    cannot make (the card's memory) is refused with the engine's reason: the model keeps
+    its width and limits, ready, and serves on."""
+    (tmp_path / "token").write_text("t")
+    path = write_neuron_config(tmp_path / "neuron.toml", {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+        "engine": {"max_slots": 2},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
+        "profiles": {"huge": {"max_batched_tokens": 65536}}})
+    why = ("re-planning the pool failed: KvPlanError: KV pool does not fit: 900 MiB free "
+           "after loading - 880 MiB peak of a worst-case step")
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        engine.fail_resets = why
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="huge"),
+                                  metadata=MD)
+        out = await _collect(stub.Generate(_gen("after", 3), metadata=MD))
+        return refused.value, r.state.name, r.profile, r.step_ceilings, engine.limits, out
+
+    refused, state, profile, ceilings, limits, out = run_fake_neuron(
+        path, body, script=lambda _p, _i: 7)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.details() == ("max_batched_tokens: the engine could not re-plan its pool: "
+                                 + why)
+    assert (state, profile, ceilings) == ("READY", "", (2, 2048))
+    assert (limits.max_slots, limits.max_batched_tokens) == (2, 2048)
+    assert out[-1].usage.completion_tokens == 3
 
 
 def test_a_hybrids_profile_with_more_in_flight_re_plans_its_state_slots(
@@ -297,7 +338,7 @@ def test_a_reload_changing_a_hybrids_max_in_flight_re_plans_its_state_slots(
         await until(lambda: len(engine.reset_calls) == 3 and r.state.name == "READY")
         capped = r.num_state_slots
         from helexa.config.schema import load_neuron_config
-        assert daemon.residency.state_replans(load_neuron_config(path)) == []  # none again
+        assert daemon.residency.pool_replans(load_neuron_config(path)) == []  # none again
         cfg["engine"] = {"spec_k": 3}  # a reload leaving max_in_flight as it is
         write_neuron_config(path, cfg)
         daemon.reload()
@@ -311,3 +352,40 @@ def test_a_reload_changing_a_hybrids_max_in_flight_re_plans_its_state_slots(
     # one re-plan a change, none for a reload that changes none (the capped model's
     # included); the slots' bytes come from the blocks
     assert [slots for slots, _ in resets] == [5, 3, capped] and resets[0][1] < resets[1][1]
+
+
+def test_a_widen_the_card_cannot_hold_is_tried_once_not_at_every_reload(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A reload asking for more rows than the card holds fails once; later reloads asking
+    for the same (a SIGHUP for another key) do not drain the model and fail again, while a
+    config asking for other rows tries again."""
+    (tmp_path / "token").write_text("t")
+    cfg = {"server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+           "engine": {"max_slots": 2}, "kv": {"kv_budget_mb": 1},
+           "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        engine.fail_resets = "KvPlanError: KV pool does not fit"
+        real, calls = engine.reset_kv, []
+
+        async def counted(**kw):
+            calls.append(kw.get("max_slots"))
+            return await real(**kw)
+        engine.reset_kv = counted
+        write_neuron_config(path, {**cfg, "engine": {"max_slots": 4}})
+        listed = []
+        for _ in range(3):  # the first reload widens; the next two change nothing
+            daemon.reload()
+            await asyncio.sleep(0.3)
+            listed.append(daemon.residency.pool_replans(daemon.cfg))
+        write_neuron_config(path, {**cfg, "engine": {"max_slots": 3}})  # other figures
+        daemon.reload()
+        await asyncio.sleep(0.3)
+        return r.step_ceilings, r.state.name, listed, calls
+
+    ceilings, state, listed, calls = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert ceilings == (2, 2048) and state == "READY"  # serving at the width it had
+    assert listed == [[], [], []]  # not listed again after its failed try
+    assert calls == [4, 3]  # one try for 4 rows, then one for 3

@@ -55,6 +55,7 @@ class FakeEngineClient:
         # was admitted just before the stop reached it
         self.busy_resets = 0
         self.busy_answers = 0
+        self.fail_resets = ""  # reset_kv fails saying this (a pool the card cannot hold)
         self.alive = True
         self.pid = os.getpid()
         self.status = self._status()
@@ -157,6 +158,10 @@ class FakeEngineClient:
             self.busy_answers += 1
             raise EngineBusy("1 requests in flight; stop admitting and let them finish first")
         assert not self.active, "reset_kv with requests in flight"
+        if self.fail_resets:  # the engine kept its pool and width (intake.reset_kv)
+            from helexa.neuron.engine.client import EngineError
+
+            raise EngineError(self.fail_resets)
         self.reset_calls.append(dict(num_blocks=num_blocks, kv_dtype=kv_dtype,
                                      bytes_per_token=bytes_per_token, **plan))
         self.spec = msgspec.structs.replace(self.spec, num_blocks=num_blocks, kv_dtype=kv_dtype,

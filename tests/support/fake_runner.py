@@ -50,7 +50,8 @@ class FakeRunner:
         self.num_steps = 0
 
     def reset_kv(self, num_blocks: int, kv_dtype: str = "auto", context: int = 0,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, max_num_seqs: int = 0,
+                 max_batched_tokens: int = 0) -> None:
         self.num_blocks = num_blocks
         self.kv = [[-1] * self.block_size for _ in range(num_blocks)]
         self.kv_dtype = kv_dtype

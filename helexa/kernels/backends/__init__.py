@@ -90,7 +90,9 @@ def _cuda(device: torch.device, opts: DeviceOptions) -> Device:
     attention = cuda.CudaAttention(
         device, graph_rows=rows, workspace_bytes=cuda.workspace_bytes(opts.shape, device),
         graph_workspace_bytes=cuda.workspace_bytes(opts.shape, device, rows))
-    return Device(attention, CudaGraphExecutor(attention))
+    # a wider profile's graphs (CudaGraphExecutor.set_graph_rows): their scratch for n rows
+    return Device(attention, CudaGraphExecutor(
+        attention, graph_workspace=lambda n: cuda.workspace_bytes(opts.shape, device, n)))
 
 
 REGISTRY: dict[str, Callable[[torch.device, DeviceOptions], Device]] = {

@@ -180,8 +180,7 @@ class CudaAttention(AttentionBackend):
         self.torch_path = ""  # why the pools run the torch path ("" when FlashInfer's)
         self.tensor_cores = False  # decode on FlashInfer's tensor-core kernel (tensor_cores)
         self._workspace = torch.empty(workspace_bytes, dtype=torch.uint8, device=device)
-        # the graph wrappers' float scratch, only where graphs are captured
-        self._graph_workspace_bytes = graph_workspace_bytes
+        self.graph_workspace_bytes = graph_workspace_bytes  # graph wrappers' scratch, if any
         self._graph_workspace = (torch.empty(graph_workspace_bytes, dtype=torch.uint8,
                                              device=device) if graph_rows else None)
         self._decode: Any = None  # built by allocate_kv, once the GQA group is known
@@ -234,8 +233,10 @@ class CudaAttention(AttentionBackend):
             quant_decode.choose(self.reference, layers[0] if storage is None else None,
                                 self.heads, compute)
             return self.pools
-        if self.graph_rows and self._graph_workspace is None:  # back from the torch path
-            self._graph_workspace = torch.empty(self._graph_workspace_bytes, dtype=torch.uint8,
+        ws = self._graph_workspace  # none back from the torch path; another size: wider
+        if self.graph_rows and (ws is None or ws.numel() != self.graph_workspace_bytes):
+            self._graph_workspace = ws = None  # graphs (set_graph_rows): the old freed first
+            self._graph_workspace = torch.empty(self.graph_workspace_bytes, dtype=torch.uint8,
                                                 device=self.device)
         self._group = self.heads // max(1, layers[0].kv_heads)
         self.tensor_cores = tensor_cores(self._group)

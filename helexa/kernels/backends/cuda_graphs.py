@@ -18,6 +18,11 @@ positions), the graph replayed, and its rows of the one shared output buffer cop
 A model with an MTP head is captured writing its final hidden states to a second shared
 buffer too, so that a step whose drafter reads them (keep_hidden) replays as well.
 Graphs hold the pools' addresses, so a new pool drops them (the runner captures again).
+A wider decode batch (``set_graph_rows``: a profile with more rows, switched with no
+request running) drops them too, their memory pool and the shared outputs with them,
+before the attention backend's graph buffers are made at the new width; the runner then
+captures every size anew over its next pool. The fused all-reduce's rows (tp > 1) stay
+as ``prepare`` installed them: a batch wider than those runs NCCL's all-reduce.
 With tensor parallelism every rank runs the same steps
 in the same order, and each step as rank 0 decided (``decide``: the step's TpStep.graph):
 a worker rank captures exactly the steps rank 0 captures, replays the sizes rank 0
@@ -124,8 +129,11 @@ class _Graph:
 class CudaGraphExecutor(StepExecutor):
     def __init__(self, attention: CudaAttention, runtime: GraphRuntime | None = None,
                  comm: cuda_comm.CommRuntime | None = None,
-                 fused_ops: cuda_fused.FusedOps | None = None) -> None:
+                 fused_ops: cuda_fused.FusedOps | None = None,
+                 graph_workspace: Callable[[int], int] | None = None) -> None:
         self.attention = attention
+        # FlashInfer's graph wrappers' scratch for batches of up to n rows (set_graph_rows)
+        self.graph_workspace = graph_workspace
         self.runtime = runtime or GraphRuntime()
         self.comm = comm or cuda_comm.CommRuntime()
         self.fused_ops = fused_ops  # None: FlashInfer's (cuda_fused.FusedOps)
@@ -155,6 +163,19 @@ class CudaGraphExecutor(StepExecutor):
 
     def graph_sizes(self) -> list[int]:
         return [] if self._refused else graph_capture_sizes(self.attention.graph_rows)
+
+    def set_graph_rows(self, rows: int) -> None:
+        if not self.attention.graph_rows:  # engine.cuda_graphs off: none, at any width
+            return
+        # the old graphs and their memory pool go first (kv_allocated's), and the shared
+        # outputs sized for the old rows; nothing of theirs runs: no request is in flight
+        self.kv_allocated([])
+        self._out = self._hidden = None
+        a = self.attention  # its graph wrappers, their page indices and scratch (the old
+        # freed first) are made at the new width with the next pool (CudaAttention.allocate_kv)
+        a.graph_rows = a.reference.graph_rows = rows
+        if self.graph_workspace is not None:
+            a.graph_workspace_bytes = self.graph_workspace(rows)
 
     def graphs_refused(self) -> str:
         a = self.attention

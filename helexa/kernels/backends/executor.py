@@ -11,6 +11,8 @@ That is a :class:`StepExecutor`, one per model runner, built with its attention 
   never imports the model code; the dependency points neuron → kernels only;
 - at tp > 1, once the ranks' group exists, ``grouped`` (set-up that asks the other ranks);
 - whenever the pools are (re)allocated, ``kv_allocated`` gets them;
+- where the runner is rebuilt for wider decode batches (a wider profile, with no request
+  running: pool_probe.switch_pool), ``set_graph_rows`` before its next pool;
 - per step, ``run`` returns the step's fp32 logits: the model's forward, unless the
   executor has a whole-step path for this step's metadata;
 - an executor that captures steps (CUDA graphs) names the decode batch sizes in
@@ -112,6 +114,12 @@ class StepExecutor:
     def graph_sizes(self) -> list[int]:
         """Decode batch sizes to capture once the pools exist, in capture order (none)."""
         return []
+
+    def set_graph_rows(self, rows: int) -> None:
+        """Decode batches of up to ``rows`` from the next pool on (the runner rebuilt for a
+        wider profile, no request running, its pool about to be made anew): the graphs
+        captured for the old width dropped first, their memory with them (none here)."""
+        return None
 
     def graphs_refused(self) -> str:
         """Why this rank's graphs cannot run over its pool ("" where they can, or none)."""

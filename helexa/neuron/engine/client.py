@@ -201,9 +201,12 @@ class EngineClient:
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
                        context: int, max_output_tokens: int | None = None,
-                       num_state_slots: int = 0) -> None:
-        """Re-plan the engine's KV pool without reloading weights (nothing may be in flight:
-        stop admitting and wait for in-flight work first). EngineError says why not."""
+                       num_state_slots: int = 0, max_slots: int = 0,
+                       max_batched_tokens: int = 0) -> None:
+        """Re-plan the engine's KV pool without reloading weights, its runner rebuilt for
+        ``max_slots`` decode rows and ``max_batched_tokens`` a step where given (nothing may
+        be in flight: stop admitting and wait for in-flight work first). EngineError says
+        why not."""
         if not self.alive:
             raise EngineError(self.fatal or "the engine is shut down")
         if self._reset_done is not None:
@@ -212,7 +215,8 @@ class EngineClient:
         self._pending_reset = messages.ResetKv(
             num_blocks=num_blocks, kv_dtype=kv_dtype, bytes_per_token=bytes_per_token,
             context=context, max_output_tokens=max_output_tokens,
-            num_state_slots=num_state_slots)
+            num_state_slots=num_state_slots, max_slots=max_slots,
+            max_batched_tokens=max_batched_tokens)
         self._schedule_flush()
         try:
             answer = await self._reset_done

@@ -180,14 +180,16 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
 
 
 def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
-    """Re-plan the pool (a kv_dtype switch) while nothing is in flight; "ok" or why not."""
+    """Re-plan the pool (a kv_dtype switch, a hybrid's state slots, a wider batch) while
+    nothing is in flight; "ok" or why not."""
     adm = core.admission
     if adm.num_in_flight:  # BUSY: the caller may wait for them and ask again
         return (f"{messages.RESET_BUSY}{adm.num_in_flight} requests in flight;"
                 " stop admitting and let them finish first")
     failed = ""
     try:  # on CUDA measured as at load: the runner's count is the pool's, the plan's a ceiling
-        core.runner.reset_kv(r.num_blocks, r.kv_dtype, r.context, r.num_state_slots)
+        core.runner.reset_kv(r.num_blocks, r.kv_dtype, r.context, r.num_state_slots,
+                             r.max_slots, r.max_batched_tokens)
     except Exception as e:  # the runner made its old pool again, empty
         failed = f"re-planning the pool failed: {type(e).__name__}: {e}"
     blocks = core.runner.num_blocks
@@ -196,7 +198,10 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
             core.spec, num_blocks=blocks, kv_dtype=r.kv_dtype,
             bytes_per_token=r.bytes_per_token, context=r.context,
             max_output_tokens=r.max_output_tokens,
-            num_state_slots=r.num_state_slots or core.spec.num_state_slots)
+            num_state_slots=r.num_state_slots or core.spec.num_state_slots,
+            max_slots_ceiling=r.max_slots or core.spec.max_slots_ceiling,
+            max_batched_tokens_ceiling=(r.max_batched_tokens
+                                        or core.spec.max_batched_tokens_ceiling))
         core.speculator.drafters.reset_kv(blocks, r.kv_dtype)  # a draft model's layers
     # a new, empty pool either way: the old one's prefix cache named blocks whose contents
     # went with the runner's old pool, and its release counter means nothing now

@@ -119,7 +119,8 @@ class Limits(Speculation, frozen=True, kw_only=True):
 
 
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
-    """Re-plan the KV pool without reloading weights (a profile's kv_dtype switch).
+    """Re-plan the KV pool without reloading weights (a profile's kv_dtype switch, a
+    hybrid's state slots, a batch wider than the runner was built for).
 
     Only while nothing is in flight: the daemon stops admitting and waits for
     in-flight work to finish first. Queued requests stay queued. (Added by the
@@ -133,6 +134,10 @@ class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
     # a hybrid model's linear-attention state slots, one a request in flight, carved anew
     # beside the blocks (a profile's max_in_flight); 0 = as they are
     num_state_slots: int = 0
+    # the decode rows and step tokens the runner is built for (a profile wider than the
+    # load's: graphs captured again, the pool measured beside such a step); 0 = as they are
+    max_slots: int = 0
+    max_batched_tokens: int = 0
 
 
 class ToEngine(msgspec.Struct, kw_only=True):

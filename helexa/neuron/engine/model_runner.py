@@ -180,11 +180,14 @@ class ModelRunner:
     # ---- KV pool -------------------------------------------------------------------------
 
     def reset_kv(self, num_blocks: int, kv_dtype: str = "auto", context: int = 0,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, max_num_seqs: int = 0,
+                 max_batched_tokens: int = 0) -> None:
         """A new KV pool (``num_blocks`` the result; a hybrid's ``num_state_slots`` anew, 0:
-        as they are) without touching the weights: pool_probe.switch_pool."""
+        as they are) without touching the weights, the runner rebuilt for ``max_num_seqs``
+        decode rows and ``max_batched_tokens`` a step where given: pool_probe.switch_pool."""
         resolve_kv_dtype(kv_dtype, self.dtype)  # refuse a bad kv_dtype before any rank acts
-        pool_probe.switch_pool(self, num_blocks, kv_dtype, context, num_state_slots)
+        pool_probe.switch_pool(self, num_blocks, kv_dtype, context, num_state_slots,
+                               max_num_seqs, max_batched_tokens)
 
     def _reset_own_kv(self, num_blocks: int, kv_dtype: str) -> None:
         self.kv_dtype, storage = resolve_kv_dtype(kv_dtype, self.dtype)

@@ -122,7 +122,8 @@ def pool_at_load(runner: Any, planned: int, kv_dtype: str, context: int) -> None
 def measure_group(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
     """Rank 0 at tp > 1: every rank measures its own card (tp_measure.measure; this rank's
     steps are not sent, each rank runs them itself); the fewest blocks any rank holds."""
-    msg = TpMeasure(planned, kv_dtype, context, runner.num_state_slots)
+    msg = TpMeasure(planned, kv_dtype, context, runner.num_state_slots, runner.max_num_seqs,
+                    runner.max_batched_tokens)
     ranks = tp_measure.measure(runner._tp, msg,
                                lambda: measured_blocks(runner, planned, kv_dtype, context))
     log.info("engine.kv_pool_group", planned_blocks=planned, blocks=min(ranks), ranks=ranks)
@@ -134,6 +135,7 @@ def measure_as_rank(runner: Any, msg: TpMeasure) -> TpMeasured:
     (each rank's executor decides: no graph is captured outside the capture steps), its
     fit or why not; its pool follows as TpResetKv."""
     runner.num_state_slots = msg.num_state_slots or runner.num_state_slots
+    set_width(runner, msg.max_num_seqs, msg.max_batched_tokens)
     try:
         return TpMeasured(measured_blocks(runner, msg.num_blocks, msg.kv_dtype, msg.context))
     except memory_plan.KvPlanError as e:  # after every collective: the group is in step
@@ -227,18 +229,23 @@ def encoder_peak(runner: Any) -> int:
 
 
 def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0,
-                num_state_slots: int = 0) -> None:
+                num_state_slots: int = 0, max_num_seqs: int = 0,
+                max_batched_tokens: int = 0) -> None:
     """A new pool of ``kv_dtype`` without touching the weights (old contents dropped), every
     rank's; on CUDA measured again as at load, on every rank (``num_blocks`` the ceiling,
     ``context`` the one request it must hold), the graphs captured over it; a hybrid's
-    ``num_state_slots`` (one a request in flight) carved anew where given. If any part
+    ``num_state_slots`` (one a request in flight) carved anew where given, and the runner
+    rebuilt for ``max_num_seqs`` decode rows and ``max_batched_tokens`` a step where given
+    (a wider profile: set_width; the pool measured beside such a step). If any part
     fails (the device's memory, a kernel, a rank's fit), the pool it had is made again with
-    its graphs and slots on every rank, so the engine serves on as before, and the error is
-    raised; unless the tensor-parallel group failed (a rank lost mid-probe): the model must
-    restart."""
-    previous = (runner.num_blocks, runner.kv_dtype, runner.num_state_slots)
+    its graphs, slots and width on every rank, so the engine serves on as before, and the
+    error is raised; unless the tensor-parallel group failed (a rank lost mid-probe): the
+    model must restart."""
+    previous = (runner.num_blocks, runner.kv_dtype, runner.num_state_slots,
+                runner.max_num_seqs, runner.max_batched_tokens)
     try:
         runner.num_state_slots = num_state_slots or runner.num_state_slots
+        set_width(runner, max_num_seqs, max_batched_tokens)
         _make_pool(runner, num_blocks, kv_dtype, context if runner.measure_pool else None)
     except Exception:
         if runner.failed:  # the group is gone: no pool to make again
@@ -247,8 +254,24 @@ def switch_pool(runner: Any, num_blocks: int, kv_dtype: str, context: int = 0,
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
         runner.num_state_slots = previous[2]
+        set_width(runner, *previous[3:])
         _make_pool(runner, *previous[:2], None)  # its size was measured when it was made
         raise
+
+
+def set_width(runner: Any, max_num_seqs: int, max_batched_tokens: int) -> None:
+    """The runner's decode rows and step tokens from its next pool on (0: as they are),
+    with no request running: what depends on them follows (the executor's graphs, dropped
+    with their memory and captured again at the new width over the next pool; a hybrid's
+    decode-row state buffers, made with it; the probe's step, measured beside it)."""
+    rows = max_num_seqs or runner.max_num_seqs
+    runner.max_batched_tokens = max_batched_tokens or runner.max_batched_tokens
+    if rows == runner.max_num_seqs:
+        return
+    if runner.device.type == "cuda":  # the old graphs' last replays done before they go
+        torch.cuda.synchronize(runner.device)
+    runner.max_num_seqs = rows
+    runner.backend.executor.set_graph_rows(rows)
 
 
 def _make_pool(runner: Any, num_blocks: int, kv_dtype: str, measure: int | None) -> None:
@@ -257,7 +280,8 @@ def _make_pool(runner: Any, num_blocks: int, kv_dtype: str, measure: int | None)
     if measure is not None:
         num_blocks = (measured_blocks(runner, num_blocks, kv_dtype, measure) if runner._tp is None
                       else measure_group(runner, num_blocks, kv_dtype, measure))
-    if runner._tp is not None:
-        runner._tp.reset_kv(num_blocks, kv_dtype, runner.num_state_slots)
+    if runner._tp is not None:  # every rank at rank 0's width (set_width), restored ones too
+        runner._tp.reset_kv(num_blocks, kv_dtype, runner.num_state_slots, runner.max_num_seqs,
+                            runner.max_batched_tokens)
     runner._reset_own_kv(num_blocks, kv_dtype)
     runner._capture_graphs()  # the old graphs held the old pools

@@ -76,6 +76,10 @@ class TpResetKv(msgspec.Struct, tag=True):
     num_blocks: int
     kv_dtype: str
     num_state_slots: int = 0  # a hybrid's state slots carved anew (0: as they are)
+    # rank 0's decode rows and step tokens (pool_probe.set_width: a wider profile, or the
+    # width restored where it failed); 0: as they are
+    max_num_seqs: int = 0
+    max_batched_tokens: int = 0
 
 
 class TpMeasure(msgspec.Struct, tag=True):
@@ -86,6 +90,8 @@ class TpMeasure(msgspec.Struct, tag=True):
     kv_dtype: str
     context: int  # one request of it must fit (memory_plan.fit_blocks; 0: unchecked)
     num_state_slots: int = 0  # a hybrid's state slots carved anew (0: as they are)
+    max_num_seqs: int = 0  # the probe's decode rows and step tokens (as TpResetKv's)
+    max_batched_tokens: int = 0
 
 
 class TpAllocHost(msgspec.Struct, tag=True):

@@ -128,13 +128,18 @@ def _die_with_parent() -> None:
 
 
 def reset_kv_following(runner: Any, num_blocks: int, kv_dtype: str,
-                       num_state_slots: int = 0) -> None:
-    """A worker rank's new pool (a kv_dtype switch, a hybrid's state slots carved anew):
-    its own KV only. Its graphs are captured as rank 0's capture steps arrive as steps,
+                       num_state_slots: int = 0, max_num_seqs: int = 0,
+                       max_batched_tokens: int = 0) -> None:
+    """A worker rank's new pool (a kv_dtype switch, a hybrid's state slots carved anew, a
+    wider profile's rows: rank 0's width, pool_probe.set_width): its own KV only. Its
+    graphs are captured as rank 0's capture steps arrive as steps,
     each saying so (TpStep.graph; ModelRunner.reset_kv would run capture steps of its own,
     whose collectives no other rank joins, and then rank 0's again)."""
+    from helexa.neuron.engine.pool_probe import set_width
+
     if num_state_slots:
         runner.num_state_slots = num_state_slots
+    set_width(runner, max_num_seqs, max_batched_tokens)
     runner._reset_own_kv(num_blocks, kv_dtype)
 
 
@@ -187,7 +192,8 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 break
             if isinstance(msg, TpResetKv):
                 tables.clear()
-                reset_kv_following(runner, msg.num_blocks, msg.kv_dtype, msg.num_state_slots)
+                reset_kv_following(runner, msg.num_blocks, msg.kv_dtype, msg.num_state_slots,
+                                   msg.max_num_seqs, msg.max_batched_tokens)
                 continue
             if isinstance(msg, TpMeasure):  # its pool follows as a TpResetKv
                 tables.clear()

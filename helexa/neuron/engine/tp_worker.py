@@ -262,11 +262,13 @@ class TpWorkers:
         self._tables[id(table)] = (table, handle, len(table))
         return msg
 
-    def reset_kv(self, num_blocks: int, kv_dtype: str, num_state_slots: int = 0) -> None:
+    def reset_kv(self, num_blocks: int, kv_dtype: str, num_state_slots: int = 0,
+                 max_num_seqs: int = 0, max_batched_tokens: int = 0) -> None:
         self.check()
         self._tables.clear()
         self._stale.clear()
-        self._send(TpResetKv(num_blocks, kv_dtype, num_state_slots))
+        self._send(TpResetKv(num_blocks, kv_dtype, num_state_slots, max_num_seqs,
+                             max_batched_tokens))
 
     def graphs_refused(self) -> str:
         """Why some rank's CUDA graphs cannot run over its new pool ("" where every rank's

@@ -119,3 +119,46 @@ def test_sigterm_refuses_new_work_finishes_in_flight_and_exits_0(
         assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
         assert out[-1].usage.completion_tokens == 900
     assert daemon.proc.wait(timeout=30) == 0
+
+
+def test_sighup_to_a_wider_profile_rebuilds_the_batch_in_place_without_a_reload(
+        neuron_main: NeuronProcess, neuron_main_config: dict[str, Any],
+        neuron_token: str) -> None:
+    """A profile with more decode rows than the model was built for at load (6, where every
+    profile then had at most 4), named by the file on SIGHUP: the model re-plans in place
+    and six streams then decode in one batch; no weights reloaded, the ledger whole."""
+    wide = copy.deepcopy(neuron_main_config)
+    wide["profiles"]["six"] = {"max_slots": 6, "max_in_flight": 6}
+    wide["models"][0]["profile"] = "six"
+    loads_before = len(neuron_main.logs("model.loading"))
+
+    async def run() -> tuple[int, int]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            write_neuron_config(neuron_main.config_path, wide)
+            neuron_main.signal(signal.SIGHUP)
+            await c.watch_until(lambda st: model_of(st).profile == "six"
+                                and model_of(st).state == pb.MODEL_STATE_READY, timeout_secs=30)
+            calls = [c.stub.Generate(chat_request(f"six-{i}", principal=f"w{i}", max_tokens=250,
+                                                  ignore_eos=True), metadata=c.md)
+                     for i in range(6)]
+            try:  # (4 at most without the rebuild: the rest wait in flight for a row)
+                st = await c.watch_until(lambda st: model_of(st).running == 6, timeout_secs=30)
+            finally:
+                for call in calls:
+                    call.cancel()
+            write_neuron_config(neuron_main.config_path, neuron_main_config)
+            neuron_main.signal(signal.SIGHUP)
+            after = await c.watch_until(lambda st: model_of(st).profile == ""
+                                        and ledger_whole(st), timeout_secs=30)
+            return model_of(st).running, model_of(after).admission.max_slots
+
+    try:
+        running, back = asyncio.run(run())
+    finally:
+        write_neuron_config(neuron_main.config_path, neuron_main_config)
+    assert running == 6 and back == 4
+    assert len(neuron_main.logs("model.loading")) == loads_before  # weights untouched
+    switched = neuron_main.wait_for_log("model.profile", where=lambda r: r.get("profile") == "six")
+    assert "built for max_slots: 4 -> 6" in switched["changed"]
+    assert neuron_main.wait_for_log("model.switched")["max_slots"] == 6
+    assert not [r for r in neuron_main.logs("model.limits_capped") if "six" in str(r)]

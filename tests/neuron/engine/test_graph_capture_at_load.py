@@ -1,6 +1,8 @@
 """The model runner captures its executor's decode graphs at load (and after a new pool),
 one b-row decode step per size in the executor's order, dense or hybrid, and never while
-serving. The executor is a recording stand-in for the CUDA one (no GPU here)."""
+serving; a wider batch (a profile with more rows) tells the executor before its new pool,
+then captures every size anew. The executor is a recording stand-in for the CUDA one (no
+GPU here)."""
 
 from __future__ import annotations
 
@@ -24,9 +26,15 @@ class RecordingExecutor(StepExecutor):
         self.steps: list[tuple[int, bool, bool]] = []
         self.graphs: list[str | None] = []
         self._capturing = False
+        self.rows = 3
+        self.widths: list[int] = []  # each set_graph_rows
 
     def graph_sizes(self) -> list[int]:
-        return [3, 2, 1]
+        return list(range(self.rows, 0, -1))
+
+    def set_graph_rows(self, rows: int) -> None:
+        self.rows = rows
+        self.widths.append(rows)
 
     @contextmanager
     def capturing(self):
@@ -132,3 +140,48 @@ def test_rank_0s_steps_say_which_are_captures_and_a_worker_runs_them_so(tiny_che
         worker.execute(seqs, None, msg.graph)
     assert ex.graphs[before:] == [m.graph for m, _ in sent]
     assert not ex._capturing
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_a_wider_batch_captures_every_size_anew_over_a_new_pool_weights_kept(
+        tiny_checkpoint, recording, arch):
+    """A profile with more decode rows and a larger step than the load's, its pool
+    re-planned with no request running: the executor is told the new width before the
+    new pool, the runner captures every size up to it over that pool, and a batch that
+    wide then runs; the weights are the ones loaded."""
+    hybrid = arch == "qwen3_5"
+    runner = ModelRunner(tiny_checkpoint(arch), num_blocks=16, block_size=4, max_num_seqs=3,
+                         max_batched_tokens=64, num_state_slots=6 if hybrid else 0)
+    ex, weights = recording[0], runner.model.model.embed_tokens.weight
+    runner.reset_kv(16, runner.kv_dtype, max_num_seqs=6, max_batched_tokens=128)
+    assert ex.widths == [6] and (runner.max_num_seqs, runner.max_batched_tokens) == (6, 128)
+    assert ex.steps[3:] == [(b, True, hybrid) for b in (6, 5, 4, 3, 2, 1)]
+    assert runner.model.model.embed_tokens.weight is weights
+    prompts = [SeqInput([1 + i, 2], 0, [i], True, i) for i in range(6)]
+    runner.execute(prompts)
+    logits = runner.execute([SeqInput([3], 2, [i], True, i) for i in range(6)])
+    assert logits.shape[0] == 6 and ex.steps[-1] == (6, False, hybrid)
+    runner.reset_kv(16, runner.kv_dtype, max_num_seqs=6, max_batched_tokens=256)
+    assert ex.widths == [6] and runner.max_batched_tokens == 256  # the rows as they were
+
+
+def test_a_wider_batch_the_device_cannot_hold_keeps_the_old_width_and_pool(
+        tiny_checkpoint, recording):
+    """Where the pool measured beside the wider step cannot hold one request of the
+    context, the re-plan fails saying so, and the runner is as it was: its width, the
+    executor's (graphs captured again at it) and its pool."""
+    from support.pool_meter import ScriptedMeters
+
+    from helexa.neuron.engine.memory_plan import MARGIN_MIN_BYTES, KvPlanError
+
+    script = ScriptedMeters({0: [2**40, MARGIN_MIN_BYTES]})  # room at load, none after
+    runner = ModelRunner(tiny_checkpoint("qwen3"), num_blocks=16, block_size=4,
+                         max_num_seqs=3, max_batched_tokens=64, memory_meter=script,
+                         context=16)
+    ex = recording[0]
+    with pytest.raises(KvPlanError, match="KV pool does not fit"):
+        runner.reset_kv(16, runner.kv_dtype, 16, max_num_seqs=6, max_batched_tokens=128)
+    assert ex.widths == [6, 3]
+    assert (runner.max_num_seqs, runner.max_batched_tokens, runner.num_blocks) == (3, 64, 16)
+    assert ex.steps[-3:] == [(3, True, False), (2, True, False), (1, True, False)]
+    assert runner.execute([SeqInput([1, 2], 0, [0], True)]).shape[0] == 1

@@ -190,21 +190,22 @@ def _measured(model_dir: Path, script, **kw) -> ModelRunner:
                        **kw)
 
 
-def _free_for(one: ModelRunner, rank: int, blocks: int, peak: int) -> int:
+def _free_for(one: ModelRunner, rank: int, blocks: int, peak: int, rows: int = 4) -> int:
     """The free bytes a rank must read for ``blocks`` blocks to fit (memory_plan.fit_blocks:
     beside its step's peak and the 256 MiB margin of a 1000 MiB card), at tp = 2: rank 0's
     peak holds the max_num_seqs decode rows' logits it samples, the other ranks' do not."""
     from helexa.neuron.engine.memory_plan import MARGIN_MIN_BYTES
 
-    sampled = 4 * one.vocab_size * 4 if rank == 0 else 0  # 4 rows' fp32 logits
+    sampled = rows * one.vocab_size * 4 if rank == 0 else 0  # the rows' fp32 logits
     return MARGIN_MIN_BYTES + peak + sampled + blocks * (one.kv_bytes_per_block // 2) + 7
 
 
 def test_tp2_every_rank_measures_and_the_pool_is_the_least_fit(tiny_checkpoint, monkeypatch,
                                                                capfd):
     """On CUDA each rank measures its own card, in lockstep, and every rank takes the fewest
-    blocks any rank holds: at load (rank 1 the least), at a kv_dtype switch (rank 0 the
-    least), and a switch that a rank cannot fit restores the old pool on every rank. The
+    blocks any rank holds: at load (rank 1 the least), at a kv_dtype switch to a wider
+    batch (rank 0 the least; every rank measures and runs at rank 0's width), and a
+    switch that a rank cannot fit restores the old pool and width on every rank. The
     steps after decode what tp = 1 decodes, over every block of the pool."""
     from support.pool_meter import ScriptedMeters
 
@@ -217,12 +218,13 @@ def test_tp2_every_rank_measures_and_the_pool_is_the_least_fit(tiny_checkpoint, 
     ref = greedy_generate(one, prompts(), 12, margins=margins)
     peak = 2**20
     # per rank, what its three measurements read: load, a switch, a switch rank 1 cannot fit
-    free = {r: [_free_for(one, r, n, peak) for n in fits]
-            for r, fits in ((0, (70, 40, 60)), (1, (50, 60, 3)))}
+    free = {r: [_free_for(one, r, n, peak, rows) for n, rows in fits]
+            for r, fits in ((0, ((70, 4), (40, 6), (60, 8))), (1, ((50, 4), (60, 6), (3, 8))))}
     sent: list[int] = []  # the pool rank 0 sends the other rank (TpResetKv)
+    widths: list[tuple[int, ...]] = []  # and the width it runs at (rows, step tokens)
     real_reset = TpWorkers.reset_kv
-    monkeypatch.setattr(TpWorkers, "reset_kv", lambda self, n, *a: (sent.append(n),
-                                                                     real_reset(self, n, *a)))
+    monkeypatch.setattr(TpWorkers, "reset_kv", lambda self, n, *a: (
+        sent.append(n), widths.append(a[2:]), real_reset(self, n, *a)))
     two = _measured(model_dir, ScriptedMeters(free, peak=peak))
     tail = [SeqInput(prompts()[0], 0, [93, 94, 95], True)]  # the last blocks of the plan's 96
 
@@ -237,13 +239,14 @@ def test_tp2_every_rank_measures_and_the_pool_is_the_least_fit(tiny_checkpoint, 
     try:
         assert (two.num_blocks, sent) == (50, [50])
         decodes_as_tp1(50)
-        two.reset_kv(96, "fp32", 64)
-        assert (two.num_blocks, sent[1:]) == (40, [40])
+        two.reset_kv(96, "fp32", 64, max_num_seqs=6, max_batched_tokens=512)
+        assert (two.num_blocks, sent[1:], widths[1:]) == (40, [40], [(6, 512)])
         decodes_as_tp1(40)
         with pytest.raises(KvPlanError, match=r"^tensor-parallel rank 1: KV pool does not fit: "
                                               r".* = 3 blocks of .* \(64 tokens\) needs 8 blocks"):
-            two.reset_kv(96, "auto", 64)
+            two.reset_kv(96, "auto", 64, max_num_seqs=8, max_batched_tokens=1024)
         assert (two.num_blocks, two.kv_dtype, sent[2:]) == (40, "fp32", [40])  # the old pool
+        assert (two.max_num_seqs, two.max_batched_tokens, widths[2:]) == (6, 512, [(6, 512)])
         decodes_as_tp1(40)
     finally:
         two.close()
