@@ -7,7 +7,8 @@ download), whose 128k-token context and KV pool fit a coding agent's prompt;
 says so), or a .gguf file: a Qwen3.5 GGUF takes images with llama.cpp's vision
 tower file, the `mmproj*.gguf` beside it or the one `--mmproj FILE` names.
 On CPU the KV pool is `--kv-budget-mb`, else a share of the host's available
-memory (printed). It writes the configs it needs to a private run folder
+memory (printed). A request without a max_tokens may write UP_OUTPUT_TOKENS (what
+an agent's turn needs: codex names no ceiling). It writes the configs it needs to a private run folder
 (0700, removed on exit unless `--run-dir` names one), starts both daemons as
 child processes (ports are picked by the OS unless `--port` says otherwise),
 and prints the endpoint with a curl and a Python example only once the
@@ -60,6 +61,11 @@ CPU_KV_MIN_MB, CPU_KV_MAX_MB = 16, 2048
 # The tiny model's pool: 512 B a token, so 128 MiB holds two requests of its whole 128k
 # context (an agent and its side requests), or eight of 32k.
 TINY_KV_MB = 128
+# The output budget of a request that names none (kv.default_output_tokens, capped by the
+# context left). codex never sends max_output_tokens and fails a turn the budget cuts
+# ("Incomplete response returned"), so 1024 would end its turns with a long thought or
+# patch; Claude Code asks 32,000 of every request itself.
+UP_OUTPUT_TOKENS = 32768
 
 
 # The HF side files a GGUF model may have beside it (helexa/checkpoint/gguf.py reads them).
@@ -149,7 +155,8 @@ def write_configs(run: Path, model_dir: Path, model_id: str, port: int, device: 
     neuron = {"server": {"name": "local", "listen": "127.0.0.1:0", "token_file": str(token),
                          "address_file": str(run / "neuron.addr"), "devices": [device],
                          "drain_secs": DRAIN_SECS},
-              "kv": {"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {},
+              "kv": {"default_output_tokens": UP_OUTPUT_TOKENS,
+                     **({"kv_budget_mb": kv_budget_mb} if kv_budget_mb else {})},
               # no keys here: every caller is anonymous, so the anonymous cap would be the
               # whole batch's; they get the ordinary limits instead (max_in_flight, max_slots)
               "admission": {"anon_max_in_flight": ANON_IN_FLIGHT_NO_KEYS},

@@ -3,7 +3,7 @@
 The body decodes into msgspec structs (`MessagesBody`) and translates into
 the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
 admission, aliases, limits, the engine's constraints and the template's tool
-rendering are shared: `system`, and `system` messages anywhere in
+rendering are shared: `system` (less Claude Code's billing header), and `system` messages anywhere in
 `messages` (Claude Code sends them mid-conversation), become the one system
 turn, in order (chat templates take a system prompt only at the start); `tool_use` blocks an
 assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
@@ -151,9 +151,24 @@ def _text(content: str | list[Block] | None, param: str) -> str:
     return "".join(out)
 
 
+# Claude Code's first system block (or line): billing metadata, not prompt. Its tail is a hash
+# of the request, so kept, it starts every session's prompt differently and no session's
+# request finds the ~50k-token system prompt and tools another left in the prefix cache.
+BILLING_HEADER = "x-anthropic-billing-header:"
+
+
+def _system(system: str | list[Block]) -> str:
+    """The top-level system prompt's text, without Claude Code's billing header."""
+    if isinstance(system, str):
+        head, _, rest = system.partition("\n")
+        return rest if head.startswith(BILLING_HEADER) else system
+    return _text([Block(type="text") if b.type == "text" and (b.text or "").startswith(
+        BILLING_HEADER) else b for b in system], "system")  # an error names the block sent
+
+
 def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     turns: list[Turn] = []
-    system = [] if body.system is None else [_text(body.system, "system")]
+    system = [] if body.system is None else [_system(body.system)]
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
         if m.role == "system":

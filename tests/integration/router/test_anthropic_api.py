@@ -126,6 +126,28 @@ def test_system_messages_anywhere_join_the_system_prompt(router):
     assert n_mid == n_top  # the same prompt as one system prompt of both, in order
 
 
+def test_claude_codes_billing_header_does_not_split_the_prefix_cache(router):
+    # Claude Code's system[0] (captured from 2.1.197, tests/fixtures/agents/claude_code-1.json)
+    # ends in a hash of the request: two sessions, or two turns where it adds `cch=`, differ
+    # there, before the whole system prompt and tools. It is billing metadata, not prompt.
+    c = client(router)
+    rest = [{"type": "text", "text": "You are a Claude agent, built on Anthropic's Claude Agent "
+             "SDK.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "\nYou are an interactive agent. " * 30}]
+    n = c.messages.count_tokens(model="tiny", system=rest, messages=MSGS).input_tokens
+    for tail in ("123", "cc4; cch=0aaa9"):  # a different prompt's header, a later turn's
+        head = {"type": "text",
+                "text": f"x-anthropic-billing-header: cc_version=2.1.197.{tail}; cc_entrypoint=cli;"}
+        assert c.messages.count_tokens(model="tiny", system=[head, *rest],
+                                       messages=MSGS).input_tokens == n
+        m = c.messages.create(model="tiny", max_tokens=1, system=[head, *rest], messages=MSGS)
+    assert m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0) == n
+    assert (m.usage.cache_read_input_tokens or 0) >= n - 16  # all but the last block's tokens
+    as_string = "\n".join([head["text"], "".join(b["text"] for b in rest)])
+    assert c.messages.count_tokens(model="tiny", system=as_string,
+                                   messages=MSGS).input_tokens == n
+
+
 def test_streams_report_input_tokens_from_the_start(router):
     # message_start's usage is message_delta's: input_tokens uncached, as Anthropic defines it
     c = client(router)

@@ -56,6 +56,11 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
 
         limit = httpx2.get(base + "/v1/models/helexa/tiny-qwen3", timeout=10).json()["limit"]
         assert limit["context"] >= 32768  # a coding agent's prompt fits (opencode's is ~18k)
+        # and its answer: codex sends no max_output_tokens and fails a turn cut at the
+        # default budget (1024 for a fleet's neuron: codex 0.171 exited 1 after 1024 tokens)
+        status = httpx2.get(base + "/status.json", timeout=10).json()
+        model = status["neurons"][0]["models"][0]
+        assert model["admission"]["default_output_tokens"] >= 32000  # Claude Code's ask
         if shutil.which("curl"):
             curl = re.search(r"^  (curl .*?)\n\n", text, re.S | re.M).group(1)
             r = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=60)
