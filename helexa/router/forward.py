@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
     else:
         status, code = _FALLBACK.get(e.code(), (502, "upstream_error"))
     retry_after = None
-    if md.get("helexa-retry-after-ms", "").isdigit():
+    if re.fullmatch(r"[0-9]{1,9}", md.get("helexa-retry-after-ms", "")):
         retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
     param = md.get("helexa-param")
     if code == "context_length_exceeded" and not param:

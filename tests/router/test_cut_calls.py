@@ -65,7 +65,7 @@ def test_every_prefix_of_an_object_reads_as_a_cut_of_it(obj, how):
 
 
 @PROPERTY
-@given(st.text(alphabet='{}[]":, \n-+.0123456789eEtrufalsn\\xq', max_size=40))
+@given(st.text(alphabet='{}[]":, \n-+.0123456789eEtrufalsn\\xq\u00b2\u0661', max_size=40))
 def test_any_text_reads_as_an_object_or_nothing_and_never_raises(text):
     got = repair(text)
     assert got is None or (isinstance(got, dict) and json.loads(json.dumps(got)) == got)
@@ -103,6 +103,7 @@ def test_cut_text_reads_as_the_object_it_began(text, want):
     '{"a": 1,}', '{"a": [1, ]', '{,', '{"a": "x\\q', '{"a": "x\ny',  # garbage within
     '{"a": 1} x', '{"a": 1}}', '{}{', '{"a": NaN',  # more after a whole object
     '{"a": ' * (MAX_JSON_DEPTH + 1),  # past the depth limit
+    '{"a": \u00b2', '{"a": \u0661}', '{"a": [1, \u0663',  # digits str.isdigit() takes
 ])
 def test_text_that_is_no_start_of_an_object_is_refused(text):
     assert repair(text) is None
