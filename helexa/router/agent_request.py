@@ -42,6 +42,7 @@ from typing import Any
 from helexa import grammar, tool_grammar
 from helexa.router import cut_calls, schema_check
 from helexa.router.errors import ApiError, bad_request
+from helexa.router.json_depth import MAX_JSON_DEPTH, json_depth_error
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
@@ -274,7 +275,11 @@ def call_arguments(text: str, param: str, repaired: list[str]) -> str:
     """An earlier call's arguments as the JSON object text the neuron takes: the client's
     text where it is one (blank: none); where a call cut short by max_tokens left a prefix
     of one, the object it began (cut_calls.py), with param added to repaired; else a 400
-    naming param, the field as the client sent it."""
+    naming param, the field as the client sent it; so is text nested deeper than a body may
+    be (json_depth.py: it would overflow the recursion of json.loads or the template)."""
+    if json_depth_error(text.encode()) is not None:
+        raise bad_request(f"`{param}` nests JSON deeper than {MAX_JSON_DEPTH} levels, the "
+                          "limit (arrays and objects inside one another)", param)
     try:
         args = json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError):
