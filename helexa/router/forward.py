@@ -18,8 +18,9 @@ import asyncio
 import json
 import math
 import re
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -185,19 +186,59 @@ class OpenStream:
     first: pb.GenerateResponse
     flight: Flight
     finished: bool = False  # the finish message arrived: nothing left to abort
+    # Read ahead (`read_ahead`): messages read, not yet taken, and the task reading them.
+    ahead: deque[pb.GenerateResponse] = field(default_factory=deque)
+    reader: asyncio.Task[None] | None = None
+    reading_ahead: bool = False
+
+    def read_ahead(self) -> None:
+        """Read the messages into memory as they come, however many, until
+        `stop_reading_ahead`: while the sibling choices of an `n > 1` request wait to be
+        admitted (serve.py), unread this call would fill its gRPC window and the neuron
+        pause it, holding the KV they may wait for. Bounded by the reply itself (its
+        max_tokens), and in time by the siblings' admission (kv_max_wait_secs)."""
+        self.reading_ahead = True
+        self.reader = asyncio.get_running_loop().create_task(self._read_ahead())
+        self.reader.add_done_callback(_retrieved)  # messages() or cancel() takes the error
+
+    def stop_reading_ahead(self) -> None:
+        """Stop after the read in flight (cancelling it would abort the call); `messages`
+        takes what was read first, then reads as its consumer does."""
+        self.reading_ahead = False
+
+    async def _read_ahead(self) -> None:
+        msg = self.first
+        while msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED and self.reading_ahead:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            self.flight.heard(msg)
+            self.ahead.append(msg)
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finished = True  # it no longer runs on the neuron
+            self.flight.ended()
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The messages; raises UpstreamLost when the router ended the call (inflight.py)."""
+        """The messages; raises UpstreamLost when the router ended the call (inflight.py).
+        Those read ahead come first; then it reads one at a time, as its consumer takes
+        them, so a consumer that stops stops the reads (and the neuron: flow control)."""
         msg = self.first
         while True:
-            if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            last = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+            if last:
                 self.finished = True
                 self.flight.ended()
             yield msg
-            if self.finished:
+            if last:
                 return
-            self.flight.reading()
             try:
+                if not self.ahead and (reader := self.reader) is not None:
+                    self.reader, self.reading_ahead = None, False
+                    await reader  # its read in flight, if any, brings one more
+                if self.ahead:
+                    msg = self.ahead.popleft()
+                    continue
+                self.flight.reading()
                 msg = await self.call.read()
             except asyncio.CancelledError:
                 if (lost := self.flight.lost()) is not None:
@@ -210,8 +251,15 @@ class OpenStream:
     def cancel(self) -> None:
         """Abort on the neuron, unless it already finished (its status then arrives on its
         own; cancelling would only cost both sides a RST_STREAM)."""
+        if self.reader is not None:
+            self.reader.cancel()
         if not self.finished and not self.call.done():
             self.call.cancel()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # raised again where it is awaited; never "never retrieved"
 
 
 class UpstreamClosed(Exception):
