@@ -60,6 +60,11 @@ def _json(text: str, what: str) -> Any:
         raise Refusal("invalid_request_error", f"{what}: not valid JSON: {e}") from None
 
 
+# What the chat is rendered with besides the template variables (Tokenizer.encode_chat's own
+# arguments): from chat_template_kwargs they would collide with them (a TypeError).
+RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt", "continue_final_message")
+
+
 def template_inputs(chat: pb.Chat, effort: str,
                     constrained: bool = False) -> tuple[list[dict], dict[str, Any]]:
     """(messages, extra template variables) for the checkpoint's template. A constrained
@@ -87,6 +92,10 @@ def template_inputs(chat: pb.Chat, effort: str,
         extra = _json(chat.template_kwargs_json, "chat_template_kwargs")
         if not isinstance(extra, dict):
             raise Refusal("invalid_request_error", "chat_template_kwargs: expected an object")
+        clash = next((k for k in RESERVED_TEMPLATE_KWARGS if k in extra), None)
+        if clash is not None:  # the router refuses these first (router/agent_request.py)
+            raise Refusal("invalid_request_error", f"chat_template_kwargs.{clash}: the "
+                          "request's own field sets it, not a template variable")
         kwargs.update(extra)
     if chat.tools_json:
         tools = _json(chat.tools_json, "tools")

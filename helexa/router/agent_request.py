@@ -42,22 +42,61 @@ from typing import Any
 from helexa import grammar, tool_grammar
 from helexa.router import cut_calls, schema_check
 from helexa.router.errors import ApiError, bad_request
+from helexa.router.json_depth import MAX_JSON_DEPTH, json_depth_error
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps, SchemaBudget, check_tool_count
 from helexa.router.request_model import ChatBody, NamedToolChoice
 
 
-def apply(b: ChatBody, req: Any, caps: RequestCaps = DEFAULT_CAPS) -> None:
+def apply(b: ChatBody, req: Any,
+          caps: RequestCaps = DEFAULT_CAPS) -> tuple[bool | None, bool | None]:
     """Fill req's agent fields from the body; raises ApiError(400) naming the param (a cap of
-    request_caps.py among them, checked before any schema is compiled)."""
+    request_caps.py among them, checked before any schema is compiled). Returns the
+    (add_generation_prompt, continue_final_message) in force (`template_kwargs`)."""
     _tools(b, req, caps)
     _response_format(b, req, caps)
     effort = b.reasoning_effort
     req.reasoning_effort = "low" if effort == "minimal" else (effort or "")
-    req.template_kwargs = dict(b.chat_template_kwargs or {})
+    req.template_kwargs, add_prompt, continue_final = template_kwargs(
+        b.chat_template_kwargs, b.add_generation_prompt, b.continue_final_message)
     thinking = req.template_kwargs.get("enable_thinking")
     if thinking is not None and not isinstance(thinking, bool):
         raise bad_request("`chat_template_kwargs.enable_thinking` must be a boolean",
                           "chat_template_kwargs.enable_thinking")
+    return add_prompt, continue_final
+
+
+# Template variables that request fields set, refused in chat_template_kwargs (vLLM refuses
+# chat_template and tokenize there; messages would collide with the messages rendered).
+_RESERVED_KWARGS = {"messages": "send the conversation as `messages`",
+                    "tools": "send the tools as the request's `tools`",
+                    "chat_template": "the checkpoint's own chat template is used",
+                    "tokenize": "the prompt is always tokenized"}
+# These two vLLM takes from chat_template_kwargs too, over the request's own fields.
+_FLAG_KWARGS = ("add_generation_prompt", "continue_final_message")
+
+
+def template_kwargs(given: dict[str, Any] | None, add_generation_prompt: bool | None,
+                    continue_final_message: bool | None
+                    ) -> tuple[dict[str, Any], bool | None, bool | None]:
+    """(the template variables, add_generation_prompt, continue_final_message) from a body's
+    chat_template_kwargs and its own fields: as in vLLM, a boolean add_generation_prompt or
+    continue_final_message in chat_template_kwargs wins over the field; a key naming another
+    request field (`_RESERVED_KWARGS`) is a 400 naming it."""
+    kwargs = dict(given or {})
+    flags = {"add_generation_prompt": add_generation_prompt,
+             "continue_final_message": continue_final_message}
+    for key, why in _RESERVED_KWARGS.items():
+        if key in kwargs:
+            raise bad_request(f"`chat_template_kwargs.{key}` is not a template variable a "
+                              f"request sets: {why}", f"chat_template_kwargs.{key}")
+    for key in _FLAG_KWARGS:
+        if key in kwargs:
+            value = kwargs.pop(key)
+            if not isinstance(value, bool):
+                raise bad_request(f"`chat_template_kwargs.{key}` must be a boolean",
+                                  f"chat_template_kwargs.{key}")
+            flags[key] = value
+    return kwargs, flags["add_generation_prompt"], flags["continue_final_message"]
 
 
 def _tools(b: ChatBody, req: Any, caps: RequestCaps) -> None:
@@ -236,7 +275,11 @@ def call_arguments(text: str, param: str, repaired: list[str]) -> str:
     """An earlier call's arguments as the JSON object text the neuron takes: the client's
     text where it is one (blank: none); where a call cut short by max_tokens left a prefix
     of one, the object it began (cut_calls.py), with param added to repaired; else a 400
-    naming param, the field as the client sent it."""
+    naming param, the field as the client sent it; so is text nested deeper than a body may
+    be (json_depth.py: it would overflow the recursion of json.loads or the template)."""
+    if json_depth_error(text.encode()) is not None:
+        raise bad_request(f"`{param}` nests JSON deeper than {MAX_JSON_DEPTH} levels, the "
+                          "limit (arrays and objects inside one another)", param)
     try:
         args = json.loads(text) if text.strip() else {}
     except (ValueError, RecursionError):

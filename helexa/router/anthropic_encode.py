@@ -24,6 +24,7 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.anthropic import error_body
 from helexa.router.errors import ApiError
+from helexa.router.json_depth import json_depth_error
 from helexa.router.tool_parsers import whole_calls
 
 _STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
@@ -38,6 +39,10 @@ def tool_use_id(call_id: str) -> str:
 
 
 def _input(arguments: str) -> Any:
+    """A call's arguments as tool_use's `input`: {} where they are no JSON, or nest deeper
+    than a body may (json_depth.py: reading or writing them again would overflow)."""
+    if json_depth_error(arguments.encode()) is not None:
+        return {}
     try:
         return json.loads(arguments, strict=False)
     except ValueError:

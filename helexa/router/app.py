@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -46,6 +47,7 @@ from helexa.router.work_pool import WorkPool, default_share, log_background_fail
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = serve.STATE
+_LIMIT = re.compile(r"[0-9]{1,9}")  # the page size: ASCII decimal, int() of few digits
 
 
 class RouterState:
@@ -234,7 +236,9 @@ def anthropic_page(data: list[dict[str, Any]], query: Any) -> dict[str, Any]:
     """One page of Anthropic's model list: `limit` (1 to 1,000, default 20) entries after
     `after_id` or before `before_id`, with `has_more`, `first_id` and `last_id`."""
     raw = query.get("limit", "20")
-    if not raw.isdigit() or not 1 <= int(raw) <= 1000:
+    # ASCII digits only, and few: str.isdigit() takes `²` and `١`, and int() of 5,000
+    # digits raises; both are the same 400 as `limit=0`
+    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= 1000:
         raise bad_request("`limit` must be an integer from 1 to 1000", "limit")
     limit, ids = int(raw), [e["id"] for e in data]
     for name in ("after_id", "before_id"):

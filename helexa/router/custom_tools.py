@@ -30,6 +30,7 @@ from typing import Any
 
 from helexa import grammar
 from helexa.router.errors import bad_request
+from helexa.router.json_depth import loads
 from helexa.tool_grammar import LARK_KEY
 
 INPUT = "input"
@@ -93,7 +94,7 @@ def input_of(arguments: str) -> str:
     otherwise, or wrote the arguments as one JSON string (freeform, as OpenAI's models
     call custom tools), gets that string; anything else is the arguments' text."""
     try:
-        args = json.loads(arguments, strict=False)  # a raw newline in a string, as models write
+        args = loads(arguments, strict=False)  # a raw newline in a string, as models write
     except ValueError:
         partial = partial_input(arguments)
         if partial is None and ('{"' + INPUT + '":"').startswith("".join(arguments.split())):

@@ -90,7 +90,7 @@ class _Reader:
             return self.array(depth + 1)
         if c == '"':
             return self.string()
-        if c == "-" or c.isdigit():
+        if c == "-" or "0" <= c <= "9":  # not isdigit(): `²` is no JSON number
             return self.number()
         return self.literal()
 

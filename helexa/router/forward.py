@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -72,7 +74,7 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
     else:
         status, code = _FALLBACK.get(e.code(), (502, "upstream_error"))
     retry_after = None
-    if md.get("helexa-retry-after-ms", "").isdigit():
+    if re.fullmatch(r"[0-9]{1,9}", md.get("helexa-retry-after-ms", "")):
         retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
     param = md.get("helexa-param")
     if code == "context_length_exceeded" and not param:
@@ -218,21 +220,62 @@ class OpenStream:
     resume: Resume | None = None
     delivered: bool = False  # a message with output went out: no resume past this
     resumed: bool = False  # it went on over another neuron's call once: no second time
+    # Read ahead (`read_ahead`): messages read, not yet taken, and the task reading them.
+    ahead: deque[pb.GenerateResponse] = field(default_factory=deque)
+    reader: asyncio.Task[None] | None = None
+    reading_ahead: bool = False
+
+    def read_ahead(self) -> None:
+        """Read the messages into memory as they come, however many, until
+        `stop_reading_ahead`: while the sibling choices of an `n > 1` request wait to be
+        admitted (serve.py), unread this call would fill its gRPC window and the neuron
+        pause it, holding the KV they may wait for. Bounded by the reply itself (its
+        max_tokens), and in time by the siblings' admission (kv_max_wait_secs)."""
+        self.reading_ahead = True
+        self.reader = asyncio.get_running_loop().create_task(self._read_ahead())
+        self.reader.add_done_callback(_retrieved)  # messages() or cancel() takes the error
+
+    def stop_reading_ahead(self) -> None:
+        """Stop after the read in flight (cancelling it would abort the call); `messages`
+        takes what was read first, then reads as its consumer does."""
+        self.reading_ahead = False
+
+    async def _read_ahead(self) -> None:
+        msg = self.first
+        while msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED and self.reading_ahead:
+            msg = await self.call.read()
+            if msg is grpc.aio.EOF:
+                return
+            self.flight.heard(msg)
+            self.ahead.append(msg)
+        if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+            self.finished = True  # it no longer runs on the neuron
+            self.flight.ended()
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The messages; raises UpstreamLost when the router ended the call (inflight.py)."""
+        """The messages; raises UpstreamLost when the router ended the call (inflight.py).
+        Those read ahead come first; then it reads one at a time, as its consumer takes
+        them, so a consumer that stops stops the reads (and the neuron: flow control). A
+        neuron lost before any output was taken is the dispatcher's to resume (_resumed)."""
         msg: pb.GenerateResponse | None = self.first
         while True:
             if msg is not None:
-                if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                last = msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+                if last:  # (a read ahead may have seen it already: the end is this one)
                     self.finished = True
                     self.flight.ended()
                 self.delivered = self.delivered or has_output(msg)
                 yield msg
-                if self.finished:
+                if last:
                     return
-            self.flight.reading()
             try:
+                if not self.ahead and (reader := self.reader) is not None:
+                    self.reader, self.reading_ahead = None, False
+                    await reader  # its read in flight, if any, brings one more
+                if self.ahead:
+                    msg = self.ahead.popleft()
+                    continue
+                self.flight.reading()
                 read = await self.call.read()
             except asyncio.CancelledError:
                 if (lost := self.flight.lost()) is None:
@@ -256,6 +299,8 @@ class OpenStream:
             raise err from None
         self.cancel()  # a no-op for a call the router ended or that broke
         self.flight.ended()  # it runs there no more: the registry counts it out
+        self.ahead.clear()  # (none taken: a read ahead ends at the loss, its messages too)
+        self.reader, self.reading_ahead = None, False
         new = await self.resume(self, err, not self.resumed)
         self.resumed = True
         if differ := [f for f in _AGREE if getattr(new.first, f) != getattr(self.first, f)]:
@@ -273,8 +318,15 @@ class OpenStream:
     def cancel(self) -> None:
         """Abort on the neuron, unless it already finished (its status then arrives on its
         own; cancelling would only cost both sides a RST_STREAM)."""
+        if self.reader is not None:
+            self.reader.cancel()
         if not self.finished and not self.call.done():
             self.call.cancel()
+
+
+def _retrieved(task: asyncio.Task[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # raised again where it is awaited; never "never retrieved"
 
 
 def err_detail(e: BaseException) -> str:

@@ -8,6 +8,9 @@ the cause. Refusing it here, once, for every front end, makes it a 400 naming th
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 # Deeper than any real tool schema or message (a body's own structure is ~6 levels), far
 # below Python's recursion limit of 1000 that the walkers downstream share.
 MAX_JSON_DEPTH = 128
@@ -41,3 +44,13 @@ def json_depth_error(raw: bytes | bytearray | memoryview) -> str | None:
             return None
     return (f"The body nests JSON deeper than {MAX_JSON_DEPTH} levels, the limit "
             f"(arrays and objects inside one another)")
+
+
+def loads(text: str, **kw: Any) -> Any:
+    """json.loads for model output, which no body limit bounds: text nested past Python's
+    recursion limit (json.loads recurses per level) is a ValueError too, as any other text
+    that is no JSON, so the readers' unparsable path takes it, not a 500 mid-reply."""
+    try:
+        return json.loads(text, **kw)
+    except RecursionError:
+        raise ValueError("JSON nested too deep to read") from None

@@ -126,19 +126,19 @@ def parse_request(body: bytes | Any, kind: Kind,
 
 def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
     req.messages = [_message(m, i, req.repaired_calls) for i, m in enumerate(b.messages)]
-    agent_request.apply(b, req, caps)
+    add_prompt, continue_final_message = agent_request.apply(b, req, caps)
     req.logprobs = bool(b.logprobs)
     req.top_logprobs = b.top_logprobs or 0
     if req.top_logprobs and not req.logprobs:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     req.max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None \
         else b.max_tokens
-    if b.continue_final_message:
-        if b.add_generation_prompt:
+    if continue_final_message:
+        if add_prompt:
             raise bad_request("`continue_final_message` and `add_generation_prompt` cannot "
                               "both be true", "add_generation_prompt")
         continue_final(req, f"messages[{len(b.messages) - 1}]")
-    elif b.add_generation_prompt is False:
+    elif add_prompt is False:
         raise unsupported("add_generation_prompt", "`false` without `continue_final_message`")
 
 

@@ -225,7 +225,10 @@ async def _open_all(state: RouterState, greqs: list[pb.GenerateRequest], est: Es
                     key: bytes, principal: str, kind: Kind,
                     stream: bool) -> list[OpenStream | Completed]:
     """One open stream (or Complete reply) per choice, or the first refusal (the others are
-    cancelled)."""
+    cancelled). A choice's stream open while others wait to be admitted is read ahead
+    (forward.OpenStream.read_ahead) until they all are: unread, the neuron would pause it,
+    and a sibling waiting for KV would wait for the KV it holds (a 503 at kv_max_wait_secs).
+    Complete calls run side by side anyway, each to its end."""
     if len(greqs) == 1:  # the common case, without a task per choice
         return [await state.dispatcher.open(greqs[0], est, key, principal=principal, kind=kind,
                                             stream=stream)]
@@ -235,12 +238,20 @@ async def _open_all(state: RouterState, greqs: list[pb.GenerateRequest], est: Es
              for g in greqs]
     ok = False
     try:
-        await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [e for t in tasks if (e := t.exception()) is not None]
-        if errors:
-            raise errors[0]
+        waiting = set(tasks)
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for t in sorted(done, key=tasks.index):
+                if (e := t.exception()) is not None:
+                    raise e
+                if waiting and isinstance(call := t.result(), OpenStream):
+                    call.read_ahead()
         ok = True
-        return [t.result() for t in tasks]
+        opened = [t.result() for t in tasks]
+        for c in opened:
+            if isinstance(c, OpenStream):
+                c.stop_reading_ahead()  # from here its reads wait for the client's
+        return opened
     finally:
         if not ok:  # a refusal, or the client left: no choice may keep running
             for t in tasks:

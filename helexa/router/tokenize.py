@@ -20,6 +20,7 @@ from msgspec import Meta
 from helexa import __version__
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic, images
+from helexa.router.agent_request import template_kwargs
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
 from helexa.router.http_edge import read_body
@@ -139,14 +140,15 @@ async def tokenize(request: web.Request) -> web.Response:
     b: TokenizeBody = await _decoded(request, TokenizeBody)
     if (b.prompt is None) == (b.messages is None):
         raise bad_request("give exactly one of `prompt` and `messages`", "prompt")
+    kwargs, add_prompt, continue_final_message = template_kwargs(
+        b.chat_template_kwargs, b.add_generation_prompt, b.continue_final_message)
     treq = pb.TokenizeRequest(model=b.model, add_special_tokens=b.add_special_tokens,
-                              add_generation_prompt=b.add_generation_prompt)
+                              add_generation_prompt=add_prompt is not False)
     if b.messages is not None:
         turns = await _off_loop(request, _turns, b.messages)
         await _images(request, ParsedRequest(kind="chat", model=b.model, messages=turns))
-        treq.chat.CopyFrom(await _off_loop(request, _chat, turns, b.chat_template_kwargs,
-                                           b.tools))
-        if b.continue_final_message:
+        treq.chat.CopyFrom(await _off_loop(request, _chat, turns, kwargs, b.tools))
+        if continue_final_message:
             continue_final(ParsedRequest(kind="chat", model=b.model, messages=turns),
                            f"messages[{len(turns) - 1}]")
             treq.chat.continue_final_message = True

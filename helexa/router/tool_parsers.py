@@ -43,6 +43,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from helexa.router.json_depth import loads
 from helexa.tool_grammar import llama3_head
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -135,7 +136,7 @@ class ToolParser:
     def _parsed(self, body: str, key: str = "arguments") -> CallPiece | None:
         """A whole call `{"name", key}` as one piece, or None when it is not one."""
         try:
-            obj = json.loads(body, strict=False)  # models write raw newlines in strings
+            obj = loads(body, strict=False)  # models write raw newlines in strings
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -317,7 +318,7 @@ class ForcedListParser(ToolParser):
             return "", []
         body, self._buf = self._buf, ""
         try:
-            items = json.loads(body)
+            items = loads(body)
         except ValueError:
             return self._cut(body)
         pieces = [self._parsed(json.dumps(i)) for i in items] if isinstance(items, list) else []
@@ -339,7 +340,7 @@ class ForcedListParser(ToolParser):
                 i += 1
             try:
                 item, i = decoder.raw_decode(body, i)
-            except ValueError:
+            except (ValueError, RecursionError):  # not whole, or nested past Python's limit
                 head = _FORCED_HEAD.match(body, i)
                 if head is not None:
                     pieces.append(self._start(json.loads(f'"{head.group(1)}"'),
@@ -357,7 +358,7 @@ def _object_text(value: str) -> str | None:
     """Arguments a model wrote as a JSON string holding the object (double-encoded, as
     some do): that object's JSON text; None where the string holds no object."""
     try:
-        obj = json.loads(value, strict=False)
+        obj = loads(value, strict=False)
     except ValueError:
         return None
     return json.dumps(obj, ensure_ascii=False) if isinstance(obj, dict) else None
@@ -366,7 +367,7 @@ def _object_text(value: str) -> str | None:
 def _unquoted(text: str) -> str | None:
     """_object_text of the JSON string text is (`"{\\"a\\": 1}"`), or None."""
     try:
-        value = json.loads(text, strict=False)
+        value = loads(text, strict=False)
     except ValueError:
         return None
     return _object_text(value) if isinstance(value, str) else None
@@ -374,7 +375,7 @@ def _unquoted(text: str) -> str | None:
 
 def _is_json(text: str) -> bool:
     try:
-        json.loads(text, strict=False)
+        loads(text, strict=False)
     except ValueError:
         return False
     return True

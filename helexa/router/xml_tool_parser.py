@@ -36,6 +36,7 @@ import json
 import re
 from typing import Any
 
+from helexa.router.json_depth import loads
 from helexa.router.tool_parsers import CALL_OPEN, CallPiece, ToolParser, held
 from helexa.tool_grammar import type_of, value_types
 
@@ -58,7 +59,7 @@ def convert(text: str, types: frozenset[str] | None) -> Any:
     if types == TEXT:
         return text
     try:
-        value = json.loads(text, parse_constant=_no_constants)
+        value = loads(text, parse_constant=_no_constants)  # too deep: text, as not JSON
     except ValueError:
         pass
     else:

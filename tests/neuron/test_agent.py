@@ -122,3 +122,17 @@ def test_a_forced_choice_is_written_in_the_model_format():
     req.constraint.tool_choice.function = "g"
     with pytest.raises(Refusal, match="tools: no tool is named `g`"):
         agent.constraint_grammar(req, "qwen3_xml")
+
+
+@pytest.mark.parametrize("key", ["messages", "add_generation_prompt", "continue_final_message"])
+def test_a_template_variable_the_request_sets_is_refused_not_a_type_error(tok, key):
+    # The router refuses these first (router/agent_request.py); the neuron never lets them
+    # collide with encode_chat's own arguments (a TypeError quoting Python internals)
+    from helexa.neuron.servicer import tokenise
+
+    chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
+                   template_kwargs_json=json.dumps({key: False}))
+    with pytest.raises(Refusal) as e:
+        tokenise(tok, pb.GenerateRequest(chat=chat))
+    assert e.value.message.startswith(f"chat_template_kwargs.{key}:")
+    assert "keyword argument" not in e.value.message

@@ -13,6 +13,9 @@ act alike on both RPCs:
     [[slow:0.05]]                                   seconds between tokens
     [[tokens:5]]                                    produce 5 tokens (default 8, capped by max_tokens)
 
+With `kv_wait_secs` set, a request waits for its reservation to fit the pool (its
+first message only then), as a neuron's admission does.
+
 Generated tokens are "w0 ", "w1 ", ... with ids 100, 101, ...; a prompt's
 tokens are estimated as one per 4 characters (token-id prompts are exact).
 Run as a script it serves one fake neuron and prints `NEURON LISTENING host:port`.
@@ -86,6 +89,10 @@ class Behaviour:
     # admission message said nothing of a prefill (with admission_message_secs)
     row_wait_secs: float | None = None
     default_tokens: int = 8
+    # a request whose reservation does not fit the pool's free bytes waits for them this
+    # long (its first message only then), then is refused overloaded (kv_max_wait_secs)
+    kv_wait_secs: float | None = None
+    late_choice_secs: float = 0.0  # an n > 1 request's second choice (`-1`) admitted this late
     silent: bool = False  # Watch stops sending (the neuron looks hung)
     no_complete: bool = False  # Complete is UNIMPLEMENTED, as on a neuron older than it
     load_secs: float = 0.2
@@ -104,6 +111,7 @@ class FakeNeuron(pbg.NeuronServicer):
         self.requests: list[pb.GenerateRequest] = []
         self.rpcs: list[str] = []  # "Generate" or "Complete", one per entry of requests
         self.cancelled = 0
+        self.sent: dict[str, int] = {}  # req_id -> token messages gRPC took (flow control)
         self.loads: list[str] = []
         self.draining = False
         self.seq = 0
@@ -226,6 +234,17 @@ class FakeNeuron(pbg.NeuronServicer):
             * m.bytes_per_token
         fail_after = int(marks["fail"]) if "fail" in marks else self.b.fail_after
         delay = float(marks.get("slow", self.b.token_delay_secs))
+        if self.b.kv_wait_secs is not None:
+            total = m.num_blocks * m.block_size * m.bytes_per_token
+            deadline = time.monotonic() + self.b.kv_wait_secs
+            while m.used_bytes + reserve > total:
+                if time.monotonic() > deadline:
+                    context.set_trailing_metadata([("helexa-code", "overloaded")])
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                        "fake: no KV for it within kv_wait_secs")
+                await asyncio.sleep(0.01)
+        if request.req_id.endswith("-1"):
+            await asyncio.sleep(self.b.late_choice_secs)
         m.used_bytes += reserve
         m.in_flight += 1
         self.changed()
@@ -254,6 +273,7 @@ class FakeNeuron(pbg.NeuronServicer):
                 if i == 0 and request.return_prompt_token_ids:
                     msg.prompt_token_ids.extend(prompt_ids)
                 yield msg
+                self.sent[request.req_id] = i + 1
             yield pb.GenerateResponse(
                 finish_reason=pb.FINISH_REASON_LENGTH if n == budget else pb.FINISH_REASON_STOP,
                 usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=n,

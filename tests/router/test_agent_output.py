@@ -222,3 +222,34 @@ def test_hermes_arguments_written_as_a_json_string_are_the_object_it_holds(step)
         assert json.loads(out.whole[0]["arguments"]) == {"file_path": "a\u00e9.py", "n": 2}
     plain = '<tool_call>\n{"name": "Say", "arguments": "hello"}\n</tool_call>'
     assert run(OutputParser(tool_mode="hermes"), plain, step).whole[0]["arguments"] == '"hello"'
+
+
+DEEP = 2000  # past Python's recursion limit for json.loads (1000): a reply can nest that deep
+DEEP_OBJECT = '{"a":' * DEEP + "1" + "}" * DEEP
+
+
+@pytest.mark.parametrize("step", [0, 7])
+@pytest.mark.parametrize("arguments", [json.dumps("[" * DEEP), json.dumps(DEEP_OBJECT)])
+def test_hermes_string_arguments_nested_past_the_recursion_limit_are_read_as_written(
+        step, arguments):
+    # a double-encoded string that holds no object it can read: the call keeps the string
+    # as written, as for `"not json"` (it raised RecursionError: a 500, or an error event)
+    text = '<tool_call>\n{"name": "f", "arguments": ' + arguments + '}\n</tool_call>'
+    out = run(OutputParser(tool_mode="hermes"), text, step)
+    assert out.content == "" and [(c["name"], c["arguments"]) for c in out.whole] == [
+        ("f", arguments)]
+
+
+@pytest.mark.parametrize("mode,text", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": ' + "[" * DEEP + "]" * DEEP
+     + '}}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": ' + DEEP_OBJECT + "}"),
+    ("json_list", '[{"name":"f","arguments":' + DEEP_OBJECT + "}]"),  # as its grammar writes
+    ("json_list", '[{"name":"f","arguments":{}},{"name":"g","arguments":' + DEEP_OBJECT),
+    ("qwen3_xml", "<tool_call>\n<function=f>\n<parameter=x>\n" + "[" * DEEP + "]" * DEEP
+     + "\n</parameter>\n</function>\n</tool_call>")])
+def test_calls_nested_past_the_recursion_limit_never_raise(mode, text):
+    # whole (text where it cannot be read, as other broken JSON) or streamed (as written)
+    for step in (0, 7):
+        out = run(OutputParser(tool_mode=mode), text, step)
+        assert out.content or out.calls, (mode, step)

@@ -97,3 +97,15 @@ def test_text_after_a_call_in_the_same_message_follows_its_tool_use_block():
         assert all((k == "tool_use") == (d["type"] == "input_json_delta") for k, d in deltas)
         assert json.loads("".join(d["partial_json"] for k, d in deltas if k == "tool_use")) \
             == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("depth", [129, 2000])
+def test_a_calls_arguments_nested_too_deep_are_an_empty_input_not_a_500(depth):
+    # a forced call's arguments go out as written; tool_use's `input` reads them, and reads
+    # nothing where they nest past a body's limit (json_depth.py), as where they are no JSON
+    text = '{"a":' * depth + "1" + "}" * depth
+    r = pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)
+    msg = full_message("msg", "m", r, OutputParser(tool_mode="json_args", tool_name="f"), [])
+    assert [(b["type"], b["name"], b["input"]) for b in msg["content"]] == [
+        ("tool_use", "f", {})]
+    json.dumps(msg)  # the reply can be written

@@ -43,6 +43,13 @@ def test_an_earlier_tool_use_input_that_is_no_object_names_it():
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.status == 400 and e.value.param == "messages[1].content[1].input"
 
+    # an object in the body: the body's own depth limit covers it (request_model.py)
+    deep = json.loads('{"a":' * 200 + "1" + "}" * 200)
+    body["messages"][-1]["content"][1]["input"] = deep
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.status == 400 and "deeper than 128 levels" in e.value.message
+
 
 def test_a_tool_schema_error_names_its_input_schema():
     body = {"model": "m", "max_tokens": 4, "messages": MSG, "tool_choice": {"type": "any"},

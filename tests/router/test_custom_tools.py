@@ -104,7 +104,8 @@ def test_custom_calls_and_outputs_in_input_are_the_calls_and_tool_turns():
     ('{"input": "a\\nb"}', "a\nb"), ('{"text": "solo"}', "solo"), ('{"a": 1}', '{"a": 1}'),
     ('{"input": "cut \\u00e9 sh', "cut é sh"), ("nonsense", "nonsense"),
     ('"*** Begin Patch\\n"', "*** Begin Patch\n"), ('"freefo', "freefo"),
-    ('{"input":', ""), ('{ "inp', "")])  # cut before the input opened: none of it
+    ('{"input":', ""), ('{ "inp', ""),  # cut before the input opened: none of it
+    ("[" * 2000 + "]" * 2000, "[" * 2000 + "]" * 2000)])  # past json.loads' recursion: text
 def test_a_calls_arguments_as_the_input(args, want):
     assert custom_tools.input_of(args) == want
 

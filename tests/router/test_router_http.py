@@ -161,7 +161,9 @@ def test_anthropics_sdk_pages_the_models_and_reads_their_limits(fl):
     for m in a.models.list():
         assert (m.max_input_tokens, m.max_tokens) == (limits[m.id]["input"],
                                                       limits[m.id]["output"])
-    for query in ("limit=0", "limit=x", "after_id=nope"):
+    # str.isdigit() takes `²` and `١` (Arabic-Indic one); int() of 5,000 digits raises
+    for query in ("limit=0", "limit=x", "after_id=nope", "limit=%C2%B2", "limit=%D9%A1",
+                  "limit=" + "1" * 5000, "limit=1001", "limit=-1", "limit=+5", "limit= 5"):
         r = httpx2.get(fl.url + "/v1/models?" + query,
                        headers={"x-api-key": ALICE_KEY, "anthropic-version": "2023-06-01"})
         assert r.status_code == 400 and r.json()["type"] == "error", query

@@ -1,11 +1,18 @@
 """A streamed request of several choices (`n`) reads its neuron calls only as fast as its
 client takes the events: a client that stops reading stops every call's reads, so gRPC's
-flow control reaches the neuron, which pauses the requests (docs/http.md)."""
+flow control reaches the neuron, which pauses the requests (docs/http.md). While some
+choices wait to be admitted, those already admitted are read ahead (serve._open_all)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import time
 from typing import Any
+
+import httpx2
+from router_fake_neuron import FakeModel
 
 from helexa.router import serve
 
@@ -35,3 +42,79 @@ def test_a_client_that_stops_reading_stops_every_choices_reads():
             assert [k for j, k in got if j == i] == list(range(call.n))
 
     asyncio.run(main())
+
+
+# 20 logprobs a token: ~330 bytes a message, so 1,000 tokens overfill the router's 64 KiB
+# gRPC window (registry.channel_options) many times over.
+LONG = {"stream": True, "n": 2, "logprobs": True, "top_logprobs": 20}
+
+
+def _other(fl, **model: Any) -> None:
+    """`other` (on n2 alone) with these limits; n2 waits for KV as a neuron's admission does."""
+    def go() -> None:
+        fl.n2.models["other"] = FakeModel("other", **model)
+        fl.n2.b.kv_wait_secs = 3.0
+        fl.n2.changed()
+    fl.lt.call(go)
+
+    def seen() -> bool:  # the router's view of n2 has the new limits
+        status = fl.state.registry.links["n2"].status
+        return any(m.model == "other" and m.limits.context == model["context"]
+                   for m in status.models) if status else False
+    end = time.monotonic() + 10
+    while not fl.lt.call(seen):
+        assert time.monotonic() < end, "the router never saw n2's new limits"
+        time.sleep(0.02)
+
+
+def test_a_choice_waiting_for_kv_is_not_blocked_by_its_own_sibling(fl):
+    # The pool holds one choice's reservation (1,008 tokens of 1,600), not two: choice 1 is
+    # admitted once choice 0 ends. Before, nobody read choice 0 until every choice was
+    # admitted, so its window filled and it stopped (a neuron pauses it), holding the KV
+    # choice 1 waited for: 503 overloaded after kv_max_wait_secs.
+    _other(fl, context=2048, output=1024, num_blocks=100)
+    with httpx2.stream("POST", fl.url + "/v1/chat/completions", timeout=30, json={
+            "model": "other", "max_tokens": 1000, **LONG,
+            "messages": [{"role": "user", "content": "[[tokens:1000]] go"}]}) as r:
+        assert r.status_code == 200, r.read()
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    tokens = [sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks
+                  if c["choices"] and c["choices"][0]["index"] == i
+                  and c["choices"][0]["logprobs"]) for i in (0, 1)]
+    finish = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"] for c in chunks
+              if c["choices"] and c["choices"][0]["finish_reason"]}
+    assert tokens == [1000, 1000] and finish == {0: "length", 1: "length"}
+
+
+def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl):
+    # Choice 0 is read ahead until choice 1 is admitted (0.2 s later), then no more: a
+    # client that reads nothing stops every choice's reads (and the neuron: it pauses them)
+    _other(fl, context=32768, output=20000, num_blocks=4096)
+    fl.n2.b.late_choice_secs = 0.2
+    body = json.dumps({"model": "other", "max_tokens": 20000, **LONG, "messages": [
+        {"role": "user", "content": "[[tokens:20000]] go"}]}).encode()
+    host, port = fl.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(256).startswith(b"HTTP/1.1 200")
+        ids = [g.req_id for g in fl.n2.requests[-2:]]
+
+        def sent() -> list[int]:
+            return fl.lt.call(lambda: [fl.n2.sent.get(i, 0) for i in ids])
+        last, end = sent(), time.monotonic() + 20
+        while True:  # the buffers fill, then the reads stop
+            time.sleep(0.3)
+            now = sent()
+            if now == last:
+                break
+            assert time.monotonic() < end, now
+            last = now
+        assert max(now) < 20000, now  # both stopped, neither read to its end
+    finally:
+        sock.close()

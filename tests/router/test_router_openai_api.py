@@ -176,3 +176,26 @@ def test_vllms_continue_final_message_continues_the_assistants_answer():
             ({"messages": prefill, "continue_final_message": True,
               "response_format": {"type": "json_object"}}, "messages[1]")):
         assert refused({"model": "m", **body}).param == param, body
+
+
+def test_chat_template_kwargs_may_carry_vllms_flags_and_no_other_request_field():
+    # vLLM merges chat_template_kwargs over the request's own add_generation_prompt and
+    # continue_final_message; a key naming another field is a 400 naming it, never a clash
+    # at the neuron's template call
+    prefill = [*MSG, {"role": "assistant", "content": "The sea"}]
+    r = parse_request({"model": "m", "messages": prefill, "chat_template_kwargs": {
+        "continue_final_message": True, "add_generation_prompt": False, "x": 1}}, "chat")
+    assert r.continue_final and r.template_kwargs == {"x": 1}
+    r = parse_request({"model": "m", "messages": prefill, "continue_final_message": True,
+                       "chat_template_kwargs": {"continue_final_message": False}}, "chat")
+    assert not r.continue_final and r.template_kwargs == {}
+    assert refused({"model": "m", "messages": prefill, "chat_template_kwargs": {
+        "continue_final_message": True, "add_generation_prompt": True}}).param \
+        == "add_generation_prompt"
+    for key in ("messages", "tools", "chat_template", "tokenize"):
+        e = refused({"model": "m", "messages": MSG, "chat_template_kwargs": {key: []}})
+        assert e.param == f"chat_template_kwargs.{key}" and "not a template variable" \
+            in e.message, key
+    e = refused({"model": "m", "messages": MSG,
+                 "chat_template_kwargs": {"add_generation_prompt": "no"}})
+    assert e.param == "chat_template_kwargs.add_generation_prompt" and "boolean" in e.message

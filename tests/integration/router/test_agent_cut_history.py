@@ -11,6 +11,8 @@ import openai
 import pytest
 from tokenizers import Tokenizer
 
+from helexa.router.json_depth import MAX_JSON_DEPTH
+
 READ = {"type": "function", "function": {
     "name": "read_file", "description": "Read a file",
     "parameters": {"type": "object", "required": ["path"],
@@ -97,3 +99,23 @@ def test_arguments_that_are_no_start_of_an_object_are_still_a_400(router, argume
         router.client().chat.completions.create(model="tiny", messages=history(arguments),
                                                 tools=[READ], max_tokens=2)
     assert e.value.body["param"] == FIELD and FIELD in e.value.body["message"]
+
+
+@pytest.mark.parametrize("model", ["tiny", "qwen35"])
+def test_whole_arguments_nested_to_the_limit_render_and_past_it_are_a_400(router, model):
+    # json.loads and the template recurse per level: to the body's depth limit both cope
+    # (tojson and `arguments|items`); past it a 400 names the field and the limit, where
+    # it was the template failing ("maximum recursion depth") or "must be a JSON object"
+    def nested(depth: int) -> str:
+        return '{"a":' * depth + "1" + "}" * depth
+
+    c = router.client()
+    r = c.chat.completions.create(model=model, messages=history(nested(MAX_JSON_DEPTH)),
+                                  tools=[READ], max_tokens=1)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    for depth in (MAX_JSON_DEPTH + 1, 990):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=history(nested(depth)),
+                                      tools=[READ], max_tokens=1)
+        assert e.value.body["param"] == FIELD
+        assert f"deeper than {MAX_JSON_DEPTH} levels" in e.value.body["message"], depth

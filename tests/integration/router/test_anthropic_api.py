@@ -238,6 +238,15 @@ def test_a_prefill_is_continued_as_the_open_prompt_would_be(router):
     prompt = httpx2.post(router.url + "/detokenize", headers=auth,
                          json={"model": "tiny", "tokens": ids}).json()["prompt"]
     assert prompt.endswith("<|im_start|>assistant\nThe sea is")
+    for kwargs in ({"continue_final_message": True}, {"messages": [], "tools": 1}):
+        # vLLM's flags may come in chat_template_kwargs; another field is a 400 naming it
+        r = httpx2.post(router.url + "/tokenize", headers=auth, json={
+            "model": "tiny", "messages": prefill, "chat_template_kwargs": kwargs})
+        if "messages" in kwargs:
+            assert r.status_code == 400 and r.json()["error"]["param"] == \
+                "chat_template_kwargs.messages", r.text
+        else:
+            assert r.json()["tokens"] == ids
     want = router.client().completions.create(model="tiny", prompt=ids, max_tokens=6,
                                               temperature=0).choices[0].text
     m = client(router).messages.create(model="tiny", max_tokens=6, messages=prefill,

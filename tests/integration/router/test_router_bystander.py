@@ -31,7 +31,8 @@ ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("bystander")
-    neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8)
+    # a KV wait shorter than the router's stream_idle_secs (30 s), which ends a stalled holder
+    neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8, admission={"kv_max_wait_secs": 10.0})
     (d / "router.toml").write_text(tomli_w.dumps(router_config(neuron, WRITE_SECS)))
     router = start_router(d / "router.toml")
     try:
@@ -535,3 +536,34 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
              if r["req_id"] in ids]
     assert len(paced) == 2 and all(k >= 1 and ms > 400 for k, ms in paced), paced
     assert healthy(router)
+
+
+def test_a_stream_of_two_choices_completes_when_one_must_wait_for_the_others_kv(pair):
+    """A stalled stream (paused, its client reads nothing) holds most of the pool; each
+    choice of an n=2 stream fits what is left, not both, so choice 1 waits for the KV choice
+    0 holds. The router reads choice 0 ahead meanwhile, so it runs to its end and frees
+    that KV. Before, nobody read it until every choice was admitted: the neuron paused it,
+    and choice 1 got 503 after kv_max_wait_secs (10 s here)."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    n = 1000
+    hog = json.dumps({"model": "tiny", "messages": MSG, "ignore_eos": True, "stream": True,
+                      "logprobs": True, "top_logprobs": 20,
+                      "max_tokens": output_limit(router) - 3 * n // 2}).encode()
+    with client_write_secs(neuron, router, 60.0):  # the holder stays, paused
+        holder = _post_to_a_small_window(router, hog)
+        try:
+            wait_for(lambda: _paused(router) == 1, timeout=30)
+            with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60,
+                               json={"model": "tiny", "messages": MSG, "max_tokens": n,
+                                     "n": 2, "stream": True, "ignore_eos": True,
+                                     "logprobs": True, "top_logprobs": 20}) as r:
+                assert r.status_code == 200, r.read()
+                body = b"".join(r.iter_bytes())
+            events = _events(body)
+            got = [sum(len(c["logprobs"]["content"]) for e in events for c in e["choices"]
+                       if c["index"] == i and c.get("logprobs")) for i in (0, 1)]
+            assert got == [n, n]
+        finally:
+            holder.close()  # its call is cancelled: its KV back
+        wait_for(lambda: ledger_whole(router), timeout=30)
