@@ -58,6 +58,11 @@ runner load by checkpoint: where the check's time went.
   copy bandwidth its bytes make (stage_int8g); and one MoE block's routed experts on the
   routed kernel against the gathered copies it replaces, bf16, int8 and int4, at 1 and 8
   tokens (``moe``). After compare: it is not one of the issue's figures.
+- ``widen``: a small dense model rebuilt through the engine's pool re-plan for more decode
+  rows and a larger step without reloading its weights, then a widen the card cannot
+  hold (bench/gpu_widen.py): the graph sizes captured, the memory reserved at each point,
+  whether its greedy tokens match an eager load's and its own before the widen, the
+  refusal's message. Last: it takes the time the others leave.
 
 ``--dry-run`` runs every stage on CPU at small sizes (tests/integration/bench/
 test_gpu_check.py runs it) so the script cannot rot where no GPU is; its figures mean
@@ -82,6 +87,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_widen import stage_widen  # bench/: the script's own folder, first on sys.path
 
 from helexa.kernels import flashinfer_gdn
 from helexa.kernels.backends import cuda_fused
@@ -89,7 +95,7 @@ from helexa.kernels.backends.cuda import CUDA_CORE_GROUPS
 
 # in the order the issue's figures come first: a run cut short loses the later ones
 STAGES = ("env", "compile", "parity", "decode", "profile", "ttft", "spec_vision", "compare",
-          "int8g")
+          "int8g", "widen")
 # the stages that share each big model's runner (Models.big): loaded once for the three
 HELD_BY = ("decode", "profile", "ttft")
 GROUP_6 = dict(num_heads=12, num_kv_heads=2)  # Qwen3.5-27B's GQA group (24 / 4)
@@ -1178,7 +1184,8 @@ def run(dry: bool, out_path: Path, budget_secs: float,
         fns: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
             "env": stage_env, "compile": stage_compile, "parity": stage_parity,
             "decode": stage_decode, "profile": stage_profile, "ttft": stage_ttft,
-            "spec_vision": stage_spec_vision, "compare": stage_compare, "int8g": stage_int8g}
+            "spec_vision": stage_spec_vision, "compare": stage_compare, "int8g": stage_int8g,
+            "widen": lambda ctx: stage_widen(ctx, lambda partial: progress(partial))}
         try:
             for name in stages:
                 if name not in HELD_BY:  # the big models' shared runners off the card

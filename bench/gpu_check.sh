@@ -4,13 +4,15 @@
 # else it needs from a folder of wheels, then run bench/gpu_check.py: greedy parity against
 # transformers (dense and hybrid, bf16, GQA group 6), batch-1 and batch-8 decode tok/s with
 # the fraction of the weight-streaming roofline, kernels and host syncs per decode step,
-# TTFT of a 4k prompt and the first-load compile time, printed and written as JSON. At most
-# 8 minutes of wall time (HELEXA_CHECK_SECS), the wheels' install included (the driver
-# skips stages not started a minute before the end).
+# TTFT of a 4k prompt and the first-load compile time, and last a small model widened in
+# place (more decode rows and a larger step, no reload: graphs, memory, tokens, and a widen
+# the card cannot hold refused), printed and written as JSON. At most 8 minutes of wall
+# time (HELEXA_CHECK_SECS), the wheels' install included (the driver skips stages not
+# started a minute before the end).
 #
 #   bench/gpu_check.sh [--out FILE]                   # on the GPU machine
 #   bench/gpu_check.sh --dry-run [--out FILE]         # every stage on CPU, small: checks the script
-#   bench/gpu_check.sh --stages profile,ttft,spec_vision,compare,int8g --decode-from gpu_check.json --out rest.json
+#   bench/gpu_check.sh --stages profile,ttft,spec_vision,compare,int8g,widen --decode-from gpu_check.json --out rest.json
 #                                                     # the rest of a run cut short
 #
 # Environment: PYTHON (default: python3 on the PATH, the machine's PyTorch), HELEXA_WHEELS

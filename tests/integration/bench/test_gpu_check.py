@@ -32,12 +32,12 @@ def whole_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
     out, stdout = whole_run
-    assert "gpu_check: 9/9 stages ok" in stdout
+    assert "gpu_check: 10/10 stages ok" in stdout
     report = json.loads(out.read_text())
     stages = report["stages"]
     assert report["dry_run"] is True
     assert list(stages) == ["env", "compile", "parity", "decode", "profile", "ttft",
-                            "spec_vision", "compare", "int8g"]
+                            "spec_vision", "compare", "int8g", "widen"]
     assert all(s["ok"] for s in stages.values()), {k: s.get("error") for k, s in stages.items()}
     for name in ("dense", "hybrid"):
         parity = stages["parity"][name]
@@ -100,6 +100,23 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
             got = moe[f"{kind}_tokens{tokens}"]
             assert got["routed"]["us"] > 0 and got["gathered"]["us"] > 0, got
             assert got["routed_vs_gathered"] > 0, got
+    widen = stages["widen"]  # widened in place through the engine, then a widen refused
+    assert all(widen["checks"].values()) and "failed" not in widen, widen["checks"]
+    assert widen["rows_before"] == 2 and widen["graphs"] == (
+        "off on cpu: none captured, the steps run eagerly"), widen
+    widened = widen["widened"]
+    assert (widened["answer"], widened["rows_after"], widened["tokens_after"]) == (
+        "ok", 5, 128), widened
+    assert widened["captured_after"] == [] and widened["reserved_after"] is None, widened
+    tokens = widen["tokens"]  # 5 rows of 4 greedy tokens: as a fresh load at that width,
+    assert [len(r) for r in tokens["wide"]] == [4] * 5 and tokens["wide"] == tokens["eager"]
+    assert tokens["wide"][:2] == tokens["old"]  # and as the 2 rows decoded before the widen
+    failure = widen["failure"]  # a step the (stand-in) card cannot hold: the width kept
+    assert failure["answer"] == ("re-planning the pool failed: RuntimeError: out of memory: "
+                                 "the dry run's stand-in card holds a step of 512 tokens, "
+                                 "not 65536"), failure
+    assert (failure["rows_after"], failure["tokens_after"]) == (5, 128), failure
+    assert tokens["after_failure"] == tokens["wide"], tokens
 
 
 def test_a_second_run_takes_the_stages_a_first_one_left(tmp_path: Path,
@@ -267,6 +284,49 @@ def test_a_stage_killed_at_the_time_bound_keeps_each_model_it_measured(
     assert decode["ok"] is False and "never finished" in decode["error"]
     assert decode["partial"] == {"dense_big": {"tok_s": 1.0}}
     assert folders and not folders[0].exists()
+
+
+def test_the_widen_stage_fails_a_gpu_record_that_kept_memory_or_decoded_otherwise(
+        tmp_path: Path) -> None:
+    """What the widen stage checks on a GPU, which the dry run cannot reach: graphs for
+    every size 1..12 and the memory reserved within the load's plus the new graph pool
+    (helexa plan's estimate) hold on a sound record; memory kept beyond that, a graph
+    missing, or a 12-row batch decoding other tokens than the eager load each fail the
+    stage by name, with the step where the tokens parted."""
+    gc = _gpu_check()
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu_widen
+    finally:
+        sys.path.pop(0)
+    path = gc.make_model(tmp_path, "dense", "qwen3", gc.sizes(True)["small"])
+    w = gpu_widen.Widen({"sizes": gc.sizes(False), "device": "cuda", "dense": path},
+                        lambda partial: None)
+    rows, gib = list(range(1, 13)), 2**30
+    tokens = [[7, 8, 9]] * 12
+
+    def check(after: int, captured: list[int], eager: list[list[int]]) -> dict[str, Any]:
+        state = dict(captured_logged=rows, rows_after=12, tokens_after=1024,
+                     captured_after=captured, reserved_after=after)
+        w.out.update(captured_before=rows[:4], reserved_load=gib,
+                     widened=dict(state, answer="ok"),
+                     failure=dict(state, answer="re-planning the pool failed: OutOfMemory"))
+        w.tokens = {"old": tokens[:4], "wide": tokens, "eager": eager,
+                    "after_failure": tokens}
+        checks = w.checks()
+        return {"failed": [k for k, ok in checks.items() if not ok], "out": w.out}
+
+    sound = check(gib + 64 * 2**20, rows, tokens)
+    assert sound["failed"] == [], sound
+    est = sound["out"]["graph_pool_estimate"]
+    assert est["new"] > est["old"] > 0 and sound["out"]["reserved_growth"] == 64 * 2**20
+    assert check(gib + est["new"] + 2**20, rows, tokens)["failed"] == [
+        "reserved_within_load_plus_new_pool", "reserved_after_failure_within"]
+    assert check(gib, rows[1:], tokens)["failed"] == ["graphs_at_new_rows",
+                                                      "failure_kept_width"]
+    wrong = check(gib, rows, [[7, 8, 9]] * 11 + [[7, 3, 9]])
+    assert wrong["failed"] == ["wide_matches_eager"]
+    assert wrong["out"]["first_divergence"]["wide_vs_eager"] == 1
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
