@@ -272,7 +272,8 @@ class OpenStream:
                 if not self.ahead and (reader := self.reader) is not None:
                     self.reader, self.reading_ahead = None, False
                     await reader  # its read in flight, if any, brings one more
-                if self.ahead:
+                if self.ahead:  # read, unsent: the wait for them is the client's
+                    self.flight.reading()
                     msg = self.ahead.popleft()
                     continue
                 self.flight.reading()
@@ -299,8 +300,7 @@ class OpenStream:
             raise err from None
         self.cancel()  # a no-op for a call the router ended or that broke
         self.flight.ended()  # it runs there no more: the registry counts it out
-        self.ahead.clear()  # (none taken: a read ahead ends at the loss, its messages too)
-        self.reader, self.reading_ahead = None, False
+        self.reader, self.reading_ahead = None, False  # (`ahead` is empty: taken first)
         new = await self.resume(self, err, not self.resumed)
         self.resumed = True
         if differ := [f for f in _AGREE if getattr(new.first, f) != getattr(self.first, f)]:
