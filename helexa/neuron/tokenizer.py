@@ -320,21 +320,23 @@ class Tokenizer:
             raise TemplateError("this model has no chat template; send a plain prompt instead")
         return _compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) does.
 
-        Extra keywords (tools, enable_thinking, …) are passed to the template.
+        Extra keywords (tools, enable_thinking, …) are passed to the template (`self` and
+        `messages` among them: those two are positional only here, so a caller's template
+        variable of that name is one, not a clash of arguments).
         continue_final_message: the last message is left open (cut after its text, no
         generation prompt) for the output to continue it, as transformers does.
         """
         ctx = {k: v for k, v in self.special_tokens.items() if v is not None}
         ctx.update(kwargs)
-        text = self._template.render(messages=messages, add_generation_prompt=(
-            add_generation_prompt and not continue_final_message), **ctx)
+        text = self._template.render({**ctx, "messages": messages, "add_generation_prompt": (
+            add_generation_prompt and not continue_final_message)})  # (a dict: any key)
         return _open_final(text, messages[-1]) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+    def encode_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """The prompt's ids; special tokens come only from the template's markup."""
         # The template writes any bos itself, so the text is encoded without

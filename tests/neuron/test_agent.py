@@ -136,3 +136,17 @@ def test_a_template_variable_the_request_sets_is_refused_not_a_type_error(tok, k
         tokenise(tok, pb.GenerateRequest(chat=chat))
     assert e.value.message.startswith(f"chat_template_kwargs.{key}:")
     assert "keyword argument" not in e.value.message
+
+
+@pytest.mark.parametrize("key", ["self", "text", "kwargs"])
+def test_a_template_variable_named_as_a_python_argument_is_only_a_template_variable(tok, key):
+    # `self` once collided with encode_chat's own (a TypeError quoting Python, answered as
+    # "the model's chat template failed"): any other name is the template's to read
+    from helexa.neuron.servicer import tokenise
+
+    def ids(kwargs: dict) -> list[int]:
+        chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
+                       template_kwargs_json=json.dumps(kwargs))
+        return tokenise(tok, pb.GenerateRequest(chat=chat))
+
+    assert ids({key: "x"}) == ids({})  # the template reads no such variable: same prompt
