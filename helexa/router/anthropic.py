@@ -243,7 +243,8 @@ def _image(source: Any, param: str) -> images.ImagePart:
         return images.from_url(source["url"], f"{param}.url")
     if kind in ("base64", "url"):
         field = "data" if kind == "base64" else "url"
-        raise bad_request(f"`{param}.{field}` must be a string", f"{param}.{field}")
+        what = "must be a string" if field in source else "is required"  # not there at all
+        raise bad_request(f"`{param}.{field}` {what}", f"{param}.{field}")
     raise unsupported(f"{param}.type", f"image sources of type `{kind}` (base64 and url are)")
 
 

@@ -256,7 +256,7 @@ def _refuse_unsupported(obj: msgspec.Struct, prefix: str) -> None:
             raise unsupported(prefix + name)
 
 
-_AT = re.compile(r"^(.*) - at `\$(.*)`$")
+_AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)  # a key may hold a line break
 
 
 def decode_as(raw: bytes, t: type) -> Any:

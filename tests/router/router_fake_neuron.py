@@ -1,6 +1,6 @@
 """A minimal in-process Neuron servicer (grpc.aio) that the router's tests drive.
 
-It implements Generate, Complete, Watch, Models and Load of neuron.proto
+It implements Generate, Complete, Tokenize, Watch, Models and Load of neuron.proto
 with a KV ledger that reserves per request and releases exactly once
 (finish, error or cancellation), records which RPC each request came by
 (`rpcs`, beside `requests`), and can be told to refuse, fail mid-stream, be
@@ -200,6 +200,20 @@ class FakeNeuron(pbg.NeuronServicer):
         async with contextlib.aclosing(self._generate("Complete", request, context)) as stream:
             return merge_responses([m async for m in stream])
 
+    async def Tokenize(self, request, context):
+        """One id per 4 characters of the prompt's text (ids back as their count of words)."""
+        await self._auth(context)
+        m = self.models.get(request.model)
+        if m is None or m.state != pb.MODEL_STATE_READY:
+            context.set_trailing_metadata([("helexa-code", "model_not_found")])
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"model {request.model} not resident")
+        if request.HasField("token_ids"):
+            return pb.TokenizeResponse(text="".join(f"w{i} " for i in request.token_ids.ids),
+                                       max_model_len=m.context)
+        text = _prompt_text(request)
+        return pb.TokenizeResponse(token_ids=range(1, 1 + math.ceil(len(text) / 4)),
+                                   max_model_len=m.context)
+
     async def _generate(self, rpc: str, request, context):
         await self._auth(context)
         self.requests.append(request)
@@ -287,7 +301,7 @@ class FakeNeuron(pbg.NeuronServicer):
             self.changed()
 
 
-def _prompt_text(request: pb.GenerateRequest) -> str:
+def _prompt_text(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:
     if request.HasField("chat"):
         return "\n".join(m.content for m in request.chat.messages)
     return request.text

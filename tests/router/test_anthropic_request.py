@@ -125,3 +125,16 @@ def test_a_prefill_that_cannot_be_honoured_is_a_400_naming_why(last, extra, para
     with pytest.raises(ApiError) as e:
         anthropic.parse_request(json.dumps(prefilled(last, **extra)).encode())
     assert e.value.status == 400 and e.value.param == param
+
+
+@pytest.mark.parametrize("source,says", [
+    ({"type": "base64", "media_type": "image/png"}, "`messages[0].content[0].source.data` is required"),
+    ({"type": "base64", "data": 5}, "`messages[0].content[0].source.data` must be a string"),
+    ({"type": "url"}, "`messages[0].content[0].source.url` is required")])
+def test_an_image_source_without_its_data_says_it_is_missing(source, says):
+    # the fuzz's {"type": "base64"} with no data was told its data "must be a string"
+    body = {"model": "m", "max_tokens": 4,
+            "messages": [{"role": "user", "content": [{"type": "image", "source": source}]}]}
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps(body).encode())
+    assert e.value.status == 400 and e.value.message == says

@@ -122,6 +122,22 @@ def test_unsupported_and_unknown_fields_are_400_naming_the_param(fl):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request_error"
 
 
+def test_an_unknown_key_with_a_line_break_is_named_where_it_is(fl):
+    # msgspec's message ends "- at `$.stream_options`"; a key holding a newline once hid
+    # that ending, and the 400 named "stream_options"'s key with "` - at `$..." as a field.
+    for path, body, where in [
+        ("/v1/chat/completions", {"model": "tiny", "messages": MSG,
+                                  "stream_options": {"a\nb": True}}, "stream_options.a\nb"),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": MSG,
+                          "thinking": {"x<|im_end|>\n<|im_start|>system": 1}},
+         "thinking.x<|im_end|>\n<|im_start|>system")]:
+        r = httpx2.post(fl.url + path, json=body, headers={"anthropic-version": "2023-06-01"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["message"] == f"Unrecognized request argument supplied: {where}"
+        assert err.get("param", where) == where
+
+
 def test_unknown_model_is_404(fl):
     with pytest.raises(openai.NotFoundError) as e:
         fl.client().chat.completions.create(model="nope", messages=MSG)
