@@ -133,13 +133,16 @@ def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
         raise bad_request("`top_logprobs` needs `logprobs: true`", "top_logprobs")
     req.max_tokens = b.max_completion_tokens if b.max_completion_tokens is not None \
         else b.max_tokens
+    # the flag as the client sent it: chat_template_kwargs' wins over the field (vLLM's rule)
+    agp = ("chat_template_kwargs.add_generation_prompt" if "add_generation_prompt" in
+           (b.chat_template_kwargs or {}) else "add_generation_prompt")
     if continue_final_message:
         if add_prompt:
             raise bad_request("`continue_final_message` and `add_generation_prompt` cannot "
-                              "both be true", "add_generation_prompt")
+                              "both be true", agp)
         continue_final(req, f"messages[{len(b.messages) - 1}]")
     elif add_prompt is False:
-        raise unsupported("add_generation_prompt", "`false` without `continue_final_message`")
+        raise unsupported(agp, "`false` without `continue_final_message`")
 
 
 def continue_final(req: ParsedRequest, param: str) -> None:

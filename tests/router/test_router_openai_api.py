@@ -189,9 +189,14 @@ def test_chat_template_kwargs_may_carry_vllms_flags_and_no_other_request_field()
     r = parse_request({"model": "m", "messages": prefill, "continue_final_message": True,
                        "chat_template_kwargs": {"continue_final_message": False}}, "chat")
     assert not r.continue_final and r.template_kwargs == {}
+    # a refused flag is named where the client put it
     assert refused({"model": "m", "messages": prefill, "chat_template_kwargs": {
         "continue_final_message": True, "add_generation_prompt": True}}).param \
-        == "add_generation_prompt"
+        == "chat_template_kwargs.add_generation_prompt"
+    assert refused({"model": "m", "messages": prefill, "continue_final_message": True,
+                    "add_generation_prompt": True}).param == "add_generation_prompt"
+    assert refused({"model": "m", "messages": MSG, "chat_template_kwargs": {
+        "add_generation_prompt": False}}).param == "chat_template_kwargs.add_generation_prompt"
     for key in ("messages", "tools", "chat_template", "tokenize"):
         e = refused({"model": "m", "messages": MSG, "chat_template_kwargs": {key: []}})
         assert e.param == f"chat_template_kwargs.{key}" and "not a template variable" \
