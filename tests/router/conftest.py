@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx2
 import pytest
 import tomli_w
 
@@ -62,3 +63,10 @@ def fl(fleet: Fleet):
     fleet.wait_healthy()
     yield fleet
     fleet.reset()
+
+
+@pytest.fixture(scope="module")
+def http(fleet: Fleet):
+    """A plain HTTP client of the session fleet's router, a module's."""
+    with httpx2.Client(base_url=fleet.url, timeout=30) as c:
+        yield c

@@ -62,6 +62,13 @@ class Fleet:
             self.n2.changed()
         self.lt.call(go)
 
+    def ledgers_whole(self) -> bool:
+        """Every fake model's reservations back and nothing in flight."""
+        def whole():
+            return all(m.used_bytes == 0 and m.in_flight == 0
+                       for n in (self.n1, self.n2) for m in n.models.values())
+        return self.lt.call(whole)
+
 
 def _wait_healthy(f: Fleet, timeout: float = 10.0) -> None:
     """Both fakes in rotation, and the router's view of their models up to date."""

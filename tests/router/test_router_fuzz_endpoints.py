@@ -13,7 +13,6 @@ import json
 import time
 
 import endpoint_bodies as eb
-import httpx2
 import pytest
 import structlog.testing
 from hypothesis import HealthCheck, given, settings
@@ -32,19 +31,6 @@ ENDPOINTS = {  # path, bodies, whether the envelope is Anthropic's
     "tokenize": ("/tokenize", eb.tokenize_bodies(), False),
     "chat": ("/v1/chat/completions", eb.chat_bodies(), False),
 }
-
-
-@pytest.fixture(scope="module")
-def http(fleet):
-    with httpx2.Client(base_url=fleet.url, timeout=30) as c:
-        yield c
-
-
-def _ledgers_whole(fl) -> bool:
-    def whole():
-        return all(m.used_bytes == 0 and m.in_flight == 0
-                   for n in (fl.n1, fl.n2) for m in n.models.values())
-    return fl.lt.call(whole)
 
 
 def _send(fl, send):
@@ -75,7 +61,7 @@ def _fuzz(fl, http, name: str, profile: str) -> None:
     with structlog.testing.capture_logs() as logs:
         one()
         end = time.monotonic() + 10
-        while not _ledgers_whole(fl):
+        while not fl.ledgers_whole():
             assert time.monotonic() < end, "a reservation never came back"
             time.sleep(0.02)
     assert [e for e in logs if e.get("exc_info")] == []
