@@ -324,9 +324,9 @@ class Tokenizer:
                             continue_final_message: bool = False, **kwargs: Any) -> str:
         """The prompt text, rendered as transformers' apply_chat_template(tokenize=False) does.
 
-        Extra keywords (tools, enable_thinking, …) are passed to the template (`self` and
-        `messages` among them: those two are positional only here, so a caller's template
-        variable of that name is one, not a clash of arguments).
+        Extra keywords (tools, enable_thinking, …) are passed to the template, `self` among
+        them (`self` and `messages` are positional only here, so no keyword clashes with
+        them; the messages rendered are these, a `messages` keyword is ignored).
         continue_final_message: the last message is left open (cut after its text, no
         generation prompt) for the output to continue it, as transformers does.
         """
