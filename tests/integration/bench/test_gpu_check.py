@@ -305,14 +305,19 @@ def test_the_widen_stage_fails_a_gpu_record_that_kept_memory_or_decoded_otherwis
     rows, gib = list(range(1, 13)), 2**30
     tokens = [[7, 8, 9]] * 12
 
-    def check(after: int, captured: list[int], eager: list[list[int]]) -> dict[str, Any]:
+    def check(after: int, captured: list[int], eager: list[list[int]],
+              pools_after: dict[str, int] | None = None, old: list[list[int]] | None = None,
+              old_gap: float = 1.0) -> dict[str, Any]:
         state = dict(captured_logged=rows, rows_after=12, tokens_after=1024,
-                     captured_after=captured, reserved_after=after)
+                     captured_after=captured, reserved_after=after,
+                     graph_pools_after=pools_after or {"1:7": 8 * 2**20})
         w.out.update(captured_before=rows[:4], reserved_load=gib,
+                     graph_pools_load={"1:3": 4 * 2**20},
                      widened=dict(state, answer="ok"),
                      failure=dict(state, answer="re-planning the pool failed: OutOfMemory"))
-        w.tokens = {"old": tokens[:4], "wide": tokens, "eager": eager,
+        w.tokens = {"old": old or tokens[:4], "wide": tokens, "eager": eager,
                     "after_failure": tokens}
+        w.gaps = {"old": [[old_gap] * 3 for _ in range(4)]}
         checks = w.checks()
         return {"failed": [k for k, ok in checks.items() if not ok], "out": w.out}
 
@@ -327,6 +332,15 @@ def test_the_widen_stage_fails_a_gpu_record_that_kept_memory_or_decoded_otherwis
     wrong = check(gib, rows, [[7, 8, 9]] * 11 + [[7, 3, 9]])
     assert wrong["failed"] == ["wide_matches_eager"]
     assert wrong["out"]["first_divergence"]["wide_vs_eager"] == 1
+    # the load's graph pool still held after the widen: its memory was not given back
+    kept = check(gib + 64 * 2**20, rows, tokens, pools_after={"1:3": 4 * 2**20, "1:7": 1})
+    assert kept["failed"] == ["old_graph_pools_released"], kept["failed"]
+    # the first 4 rows part from the 4-row run: at a near tie (gap 0.0625) a batch of
+    # another width may flip, and passes; at a clear choice (gap 1.0) it fails
+    parted = [[7, 8, 9]] * 3 + [[7, 8, 4]]
+    tie = check(gib, rows, tokens, old=parted, old_gap=0.0625)
+    assert tie["failed"] == [] and tie["out"]["old_gap_at_divergence"] == 0.0625
+    assert check(gib, rows, tokens, old=parted)["failed"] == ["wide_matches_old_rows"]
 
 
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> None:
