@@ -179,6 +179,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None))
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
+        counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))
         updates = r.client.generate(new, on_flow=pauses)
         self._open[new.req_id] = r
@@ -199,7 +200,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         except Refusal as e:
             client_gone = False
             if out.finished:  # the engine failed it after admission, before a token: it ran
-                await abort(context, e)  # (counted and logged by _done), no refusal
+                # counted and logged by _done, no refusal, before the caller hears of it
+                counted = True
+                self._done(model, out, client_gone, blog, pauses)
+                await abort(context, e)
             else:
                 await self._refuse(context, blog, model, e)
         except Exception as e:  # the engine link broke: not the caller's doing
@@ -209,7 +213,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         finally:
             self._open.pop(new.req_id, None)
             await updates.aclose()
-            if out.finished or client_gone:
+            if (out.finished or client_gone) and not counted:
                 self._done(model, out, client_gone, blog, pauses)
 
     def _done(self, model: str, out: OutputProcessor, client_gone: bool, blog: Any,
