@@ -133,7 +133,8 @@ class Dispatcher:
                 raise ApiError(502, str(e), code="upstream_error") from None
             if isinstance(result, OpenStream):  # a loss before its first token: _resume
                 result.resume = functools.partial(self._resume, greq, est, key, kind,
-                                                  set(tried | {name}), refusal is None)
+                                                  set(tried | {name}))
+                result.resumed = refusal is not None  # a refusal used its one retry
             return result
 
     async def _call(self, rpc: Any, greq: pb.GenerateRequest, est: Estimate, cand: Candidate,
@@ -157,12 +158,16 @@ class Dispatcher:
         finally:
             send.answered()
 
+    def _left_secs(self, greq: pb.GenerateRequest) -> float:
+        """The seconds left of the request's deadline (request_secs where it names none)."""
+        if not greq.deadline_unix_ms:
+            return self.settings.request_secs
+        return greq.deadline_unix_ms / 1000 - time.time()
+
     def _timeout_secs(self, greq: pb.GenerateRequest) -> float:
         """The gRPC deadline of a call: the request's own (the neuron aborts it then) and a
         margin for its abort to arrive."""
-        if not greq.deadline_unix_ms:
-            return self.settings.request_secs + 5
-        return max(0.0, greq.deadline_unix_ms / 1000 - time.time()) + 5
+        return max(0.0, self._left_secs(greq)) + 5
 
     def _refused(self, greq: pb.GenerateRequest, name: str, e: Exception, kind: str, *,
                  retry: bool | None) -> ApiError:
@@ -179,24 +184,22 @@ class Dispatcher:
         return err
 
     async def _resume(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, kind: str,
-                      tried: set[str], unrefused: bool, lost: OpenStream, e: Exception,
+                      tried: set[str], lost: OpenStream, e: Exception,
                       retry_left: bool) -> OpenStream:
         """A neuron lost before its stream's first token (forward.OpenStream), counted and
         logged; the stream opened on the next neuron in the preference order within the
-        request's deadline, where its one retry is left (no refusal used it at the open,
-        no loss before); else UpstreamLost saying why not."""
+        request's deadline, where its one retry is left (`retry_left`: no refusal used it at
+        the open, no loss before); else UpstreamLost saying why not."""
         model, reason = greq.model, err_detail(e)
         tried.add(lost.neuron)
         err = self._refused(greq, lost.neuron, e, kind, retry=None)
-        left_secs = (greq.deadline_unix_ms / 1000 - time.time() if greq.deadline_unix_ms
-                     else self.settings.request_secs)
+        left_secs = self._left_secs(greq)
         candidates = [c for c in self.registry.candidates(model) if c.neuron not in tried]
-        may = unrefused and retry_left
-        order = rank(candidates, est, key) if left_secs > 0 and may else []
+        order = rank(candidates, est, key) if left_secs > 0 and retry_left else []
         log.info("request.neuron_lost", req_id=greq.req_id, neuron=lost.neuron, model=model,
                  code=err.code, reason=reason, retry_on=order[0] if order else None)
         if not order:
-            why = ("its one retry was used" if not may else "its deadline passed"
+            why = ("its one retry was used" if not retry_left else "its deadline passed"
                    if left_secs <= 0 else "no other neuron serves it")
             raise UpstreamLost(f"{reason} (before its first token; not retried: {why})")
         cand = next(c for c in candidates if c.neuron == order[0])

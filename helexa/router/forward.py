@@ -219,7 +219,7 @@ class OpenStream:
     finished: bool = False  # the finish message arrived: nothing left to abort
     resume: Resume | None = None
     delivered: bool = False  # a message with output went out: no resume past this
-    resumed: bool = False  # it went on over another neuron's call once: no second time
+    resumed: bool = False  # its one retry is used (a refusal at the open, or a resume)
     # Read ahead (`read_ahead`): messages read, not yet taken, and the task reading them.
     ahead: deque[pb.GenerateResponse] = field(default_factory=deque)
     reader: asyncio.Task[None] | None = None
