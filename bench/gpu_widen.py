@@ -101,8 +101,9 @@ def reserved(device: torch.device) -> int | None:
 
 def graph_pools(device: torch.device) -> dict[str, int] | None:
     """The caching allocator's private pools (CUDA graphs' memory) and the bytes each
-    holds, by pool id, once what nothing references is given back; None off CUDA."""
-    if reserved(device) is None:
+    holds, by pool id; None off CUDA. Read right after `reserved`, which gave back what
+    nothing references."""
+    if device.type != "cuda":
         return None
     pools: dict[str, int] = {}
     for seg in torch.cuda.memory_snapshot():
