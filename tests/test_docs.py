@@ -436,7 +436,7 @@ def _status_cells(table: str) -> list[tuple[set[int], str]]:
 
 
 def test_the_anthropic_error_table_is_what_the_router_sends() -> None:
-    from helexa.router import anthropic
+    from helexa.router import anthropic_errors
 
     text = CONTRACTS["errors"].read_text()
     openai_part, anthropic_part = text.split("On `/v1/messages`", 1)
@@ -446,7 +446,7 @@ def test_the_anthropic_error_table_is_what_the_router_sends() -> None:
     covered: set[int] = set()
     for statuses, doc_type in rows:
         for status in statuses:
-            sent = anthropic._ERROR_TYPES.get(status, "api_error")
+            sent = anthropic_errors._ERROR_TYPES.get(status, "api_error")
             assert sent == doc_type, f"docs/errors.md: /v1/messages answers {status} as `{sent}`"
         covered |= statuses
     assert not given - covered, \

@@ -17,23 +17,19 @@ Anthropic's stop reasons and usage; streaming follows Anthropic's event
 sequence (message_start, content_block_start / _delta / _stop per block,
 message_delta, message_stop). `max_tokens` is a ceiling, as Anthropic's
 clients use it: over what the context leaves, the neuron fits it
-(`fit_max_tokens`). Errors use Anthropic's envelope, and the context errors
-Anthropic's own wording, which Claude Code parses ("prompt is too long: N
-tokens > C maximum").
+(`fit_max_tokens`). Errors use Anthropic's envelope (anthropic_errors.py).
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Annotated, Any, Literal
 
 import msgspec
-from aiohttp import web
 from msgspec import Meta
 
 from helexa.router import agent_request, images
-from helexa.router.errors import ApiError, bad_request, unsupported
+from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
@@ -355,46 +351,3 @@ def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedR
     _output_config(b, req, caps)  # effort and a format can turn thinking off: the prompt
     _prefill(b, req)
     return req
-
-
-# --------------------------------------------------------------------------- errors
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-# The context refusals (helexa/budget.py's wording, and the router's own lower bound).
-_PROMPT_TOO_LONG = re.compile(r"maximum context length is (\d+) tokens; the prompt has "
-                              r"(?:at least )?(\d+) tokens?")
-_OVER_CONTEXT = re.compile(r"maximum context length is (\d+) tokens; the request asks for \d+ "
-                           r"tokens \((\d+) in the prompt \+ (\d+) max_tokens\)")
-
-
-def message_of(e: ApiError) -> str:
-    """The error's message in Anthropic's words where a client parses them: Claude Code
-    compacts on "prompt is too long: N tokens > C maximum" and lowers max_tokens on "input
-    length and `max_tokens` exceed context limit: P + M > C"."""
-    if e.code != "context_length_exceeded":
-        return e.message
-    if m := _PROMPT_TOO_LONG.search(e.message):
-        return f"prompt is too long: {m.group(2)} tokens > {int(m.group(1)) - 1} maximum"
-    if m := _OVER_CONTEXT.search(e.message):
-        return (f"input length and `max_tokens` exceed context limit: {m.group(2)} + "
-                f"{m.group(3)} > {m.group(1)}, decrease input length or `max_tokens` and try "
-                f"again")
-    return e.message
-
-
-def error_body(e: ApiError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": _ERROR_TYPES.get(e.status, "api_error"),
-                                       "message": message_of(e)}}
-
-
-def error_response(e: ApiError, extra_headers: dict[str, str] | None = None) -> web.Response:
-    resp = web.Response(status=e.status, body=msgspec.json.encode(error_body(e)),
-                        content_type="application/json",
-                        headers={**e.headers(), **(extra_headers or {})})
-    if e.closes_connection:
-        resp.force_close()
-    return resp

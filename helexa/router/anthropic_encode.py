@@ -22,7 +22,7 @@ import msgspec
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser, Parts
-from helexa.router.anthropic import error_body
+from helexa.router.anthropic_errors import error_body
 from helexa.router.errors import ApiError
 from helexa.router.json_depth import json_depth_error
 from helexa.router.tool_parsers import whole_calls

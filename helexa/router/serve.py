@@ -34,6 +34,7 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router import (
     anthropic,
     anthropic_encode,
+    anthropic_errors,
     encode,
     event_replies,
     images,
@@ -272,7 +273,7 @@ def authorization(request: web.Request) -> str | None:
 def error_response(kind: str, e: ApiError, headers: dict[str, str]) -> web.Response:
     """The refusal in the envelope of the endpoint's API (Anthropic's on /v1/messages)."""
     if kind == "messages":
-        return anthropic.error_response(e, headers)
+        return anthropic_errors.error_response(e, headers)
     return e.response(headers)
 
 

@@ -19,7 +19,7 @@ from msgspec import Meta
 
 from helexa import __version__
 from helexa.proto import neuron_pb2 as pb
-from helexa.router import anthropic, images
+from helexa.router import anthropic, anthropic_errors, images
 from helexa.router.agent_request import template_kwargs
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto, map_rpc_error
@@ -183,7 +183,7 @@ async def count_tokens(request: web.Request) -> web.Response:
             model=req.model, chat=chat, add_generation_prompt=True,
             reasoning_effort=req.reasoning_effort))
     except ApiError as e:
-        return anthropic.error_response(e)
+        return anthropic_errors.error_response(e)
     return web.json_response({"input_tokens": len(out.token_ids)})
 
 
