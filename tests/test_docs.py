@@ -382,6 +382,33 @@ def test_the_repository_cites_only_its_own_docs() -> None:
         assert (ROOT / "docs" / link).exists(), f"docs link to a missing docs/{link}"
 
 
+
+def _sections(doc: Path) -> set[str]:
+    """A doc's headings and its bold paragraph leads (`**Ports to open.**`): what a
+    citation may name."""
+    text = doc.read_text()
+    return ({h.strip() for h in re.findall(r"^#+\s+(.*)$", text, re.M)}
+            | {b.rstrip(".:") for b in re.findall(r"^\*\*([^*]+)\*\*", text, re.M)})
+
+
+def test_every_docs_section_the_repository_cites_exists() -> None:
+    # Code and docs cite a section as `docs/architecture.md, "The KV pool and its ledger"`;
+    # a heading renamed or removed leaves the citation pointing at nothing.
+    sections = {d.name: _sections(d) for d in (ROOT / "docs").glob("*.md")}
+    files = [*ROOT.glob("helexa/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py"),
+             *ROOT.glob("docs/*.md"), *ROOT.glob("asset/**/*.toml"), ROOT / "README.md"]
+    cited, missing = 0, []
+    for f in files:
+        flat = re.sub(r"\n\s*(?:#\s*)?", " ", f.read_text())  # a citation broken over lines
+        for doc, section in re.findall(r'docs/(\w+\.md), "([^"]+)"', flat):
+            cited += 1
+            if doc not in sections:
+                missing.append(f"{f.relative_to(ROOT)}: docs/{doc} does not exist")
+            elif not any(h.startswith(section) for h in sections[doc]):
+                missing.append(f"{f.relative_to(ROOT)}: docs/{doc} has no section {section!r}")
+    assert cited > 10  # the scan sees the citations
+    assert not missing, "\n".join(missing)
+
 # `helexa/…` source paths in prose: a file (.py, .c) or a folder (trailing slash), not an
 # alias such as helexa/balanced, a config file name, or proto/helexa/… (checked as part of it).
 _SOURCE_PATH = re.compile(r"(?<![\w/.-])(helexa/(?:\w+/)*(?:\w+\.(?:py|c))?)(?![\w/.-])")

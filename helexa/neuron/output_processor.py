@@ -1,6 +1,6 @@
 """One request's engine updates → the `GenerateResponse` deltas its caller receives. Pure.
 
-The engine sends token ids, never text (docs/architecture.md, "Processes").
+The engine sends token ids, never text (docs/architecture.md, "What each process owns").
 Everything that turns its per-step `RequestUpdate`s into what a caller sees
 is here: incremental detokenisation (helexa/neuron/detokenizer.py), stop
 strings across token boundaries, logprobs with each token's text and bytes,

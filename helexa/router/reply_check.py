@@ -1,5 +1,5 @@
 """A finished generation reply checked against the schema keywords its grammar could not
-enforce (docs/api.md, "JSON schema keywords under constrained decoding"), and the parser
+enforce (docs/api.md, "JSON Schema keywords under constrained decoding"), and the parser
 that splits a chat reply into thought, answer and tool calls for it and for the encoders.
 
 The check runs in the work pool's background lane (work_pool.py): the client already has

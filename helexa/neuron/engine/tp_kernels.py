@@ -1,5 +1,5 @@
-"""A tensor-parallel group's one choice per kernel kind (docs/architecture.md, tensor
-parallel): a Triton kernel proves itself at load on each rank's own card (helexa/kernels/
+"""A tensor-parallel group's one choice per kernel kind (docs/architecture.md,
+"Attention backends"): a Triton kernel proves itself at load on each rank's own card (helexa/kernels/
 cuda Verdicts: int8g, int4_tiles, moe_routed), and a kind any rank's card refused is
 refused on every rank, so that the ranks launch the same kernels and their CUDA graphs
 capture the same work. Each worker rank's TpReady carries its refusals; once the group has
