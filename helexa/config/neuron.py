@@ -39,7 +39,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Memory of each device in MiB, for planning without a device; none = ask the device.",
         RESTART)] = None
     drain_secs: Annotated[float, field_meta(
-        "On SIGTERM or a draining unload, how long in-flight work may finish.", RELOAD, ge=0)] = 30.0
+        "On SIGTERM, a draining unload or a profile switch that re-plans the pool, how long "
+        "in-flight work may finish (a switch still busy then is refused model_busy).", RELOAD, ge=0)] = 30.0
     request_timeout_secs: Annotated[float, field_meta(
         "Deadline of a request that brings none of its own.", RELOAD, gt=0)] = 600.0
     heartbeat_secs: Annotated[float, field_meta(
@@ -208,7 +209,7 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         RELOAD, ge=0)] = 4096
     # Speculation per model: over [engine], under the profile the model runs (docs/speculation.md).
     speculation: Annotated[str | None, field_meta(
-        "This model's drafter, over engine.speculation: ngram, off, or draft:<model id> (a "
+        "This model's drafter, over engine.speculation: ngram, mtp, off, or draft:<model id> (a "
         "smaller [[models]] entry of the same tokenizer, loaded with this model at tp = 1; its "
         "weights and KV count in this model's plan). A profile's speculation overrides it.",
         RELOAD)] = None

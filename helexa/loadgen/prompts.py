@@ -1,9 +1,9 @@
 """Prompts of an exact length in tokens, as the server counts them (chat template included).
 
-The count comes from, in order of preference: the endpoint's `/tokenize`
-(vLLM's shape: `POST /tokenize {"model", "messages"}` → `{"count"}`), or
-the checkpoint's own tokenizer (`--tokenizer DIR`: tokenizer.json and the
-chat template of tokenizer_config.json). With neither, prompts are
+The count comes from the checkpoint's own tokenizer when `--tokenizer DIR`
+is given (tokenizer.json and the chat template of tokenizer_config.json or
+chat_template.jinja), else from the endpoint's `/tokenize` (vLLM's shape:
+`POST /tokenize {"model", "messages"}` → `{"count"}`). With neither, prompts are
 estimates: words times tokens a word, a ratio each endpoint learns from the
 `prompt_tokens` its answers report (bench_load.py), and the records say what
 the server counted.
