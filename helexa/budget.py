@@ -17,6 +17,11 @@ may use `context` tokens, prompt and output together. Its output budget is
 `max_tokens` when the client gave one, else `default_output_tokens`
 capped by what the context leaves and by the model's `max_output_tokens`.
 It reserves `ceil((prompt + budget) / block_size)` blocks, all at admission.
+A budget the client did not name is growable (kv.grow_output): when the output
+reaches it, the engine may grow it by `grown_budget` out of free blocks that no
+queued request needs (helexa/neuron/engine/growth.py); one the client named
+(max_tokens) is its exact ceiling and never grows. The router's estimate is the
+admission reservation, never a growth.
 
 Pure functions of plain numbers: no process state, no imports beyond the
 standard library and helexa/refusal.py, so the router pays nothing for calling it.
@@ -38,6 +43,16 @@ def output_budget(prompt_tokens: int, max_tokens: int | None, *, context: int,
     if max_output_tokens is not None:
         budget = min(budget, max_output_tokens)
     return budget
+
+
+def grown_budget(prompt_tokens: int, budget: int, step: int, *, context: int, block_size: int,
+                 max_output_tokens: int | None = None) -> int:
+    """A growable budget one growth on: `step` more tokens, prompt and output rounded up
+    to whole blocks, never past the context nor the output limit (None: context - 1);
+    `budget` itself when it is at either already."""
+    total = blocks_for_tokens(prompt_tokens + budget + step, block_size) * block_size
+    output_limit = context - 1 if max_output_tokens is None else max_output_tokens
+    return max(budget, min(total - prompt_tokens, context - prompt_tokens, output_limit))
 
 
 def fitted_max_tokens(prompt_tokens: int, max_tokens: int, *, context: int,

@@ -76,8 +76,14 @@ class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     kv_dtype: Annotated[KvDtype, field_meta(
         "KV cache dtype; auto = the model's dtype. Quantised dtypes buy context.", RESTART)] = "auto"
     default_output_tokens: Annotated[int, field_meta(
-        "Output budget reserved for a request without max_tokens (capped by the context left).",
+        "Output budget reserved for a request without max_tokens (capped by the context left); "
+        "with grow_output it grows by as much again while the pool has room.",
         RELOAD, ge=1)] = 1024
+    grow_output: Annotated[bool, field_meta(
+        "A request without max_tokens whose output reaches its reservation's end grows it by "
+        "default_output_tokens (in whole blocks, up to the context and max_output_tokens) "
+        "out of free blocks no queued request needs, and goes on; where none are, it ends "
+        "with finish_reason length. false = it always ends there.", RELOAD)] = True
     activation_headroom_mb: Annotated[int, field_meta(
         "Memory kept free for activations when the pool is derived from device memory; for a "
         "model with a vision tower at least its encoder's over the largest image, and its "

@@ -53,6 +53,14 @@ class _ResidencyCollector(Collector):
         host_hits = CounterMetricFamily("helexa_prefix_host_hit_tokens",
                                         "Prompt tokens restored from the host tier (part of "
                                         "the prefix cache's hits)", labels=["model"])
+        # Growable reservations (kv.grow_output; helexa/neuron/engine/growth.py), since start.
+        growths = CounterMetricFamily("helexa_kv_growths", "Reservations grown when a request "
+                                      "without max_tokens reached its output budget",
+                                      labels=["model"])
+        refused = CounterMetricFamily("helexa_kv_growths_refused",
+                                      "Growths refused (the request ended at its budget): the "
+                                      "pool had no room, or requests queued for KV needed it",
+                                      labels=["model", "reason"])
         state = GaugeMetricFamily("helexa_model_state",
                                   "Model lifecycle state (1 loading, 2 ready, 3 switching, "
                                   "4 draining, 5 failed)", labels=["model"])
@@ -81,6 +89,9 @@ class _ResidencyCollector(Collector):
                 for k, c in host_moves.items():
                     c.add_metric([r.model_id], getattr(s, f"host_{k}_blocks"))
                 host_hits.add_metric([r.model_id], s.prefix_host_hit_tokens)
+            growths.add_metric([r.model_id], s.kv_growths)
+            refused.add_metric([r.model_id, "no_room"], s.kv_growths_refused_no_room)
+            refused.add_metric([r.model_id, "queued"], s.kv_growths_refused_queued)
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)
@@ -97,6 +108,7 @@ class _ResidencyCollector(Collector):
         yield from host.values()
         yield from host_moves.values()
         yield host_hits
+        yield from (growths, refused)
         yield from counts.values()
         yield state
         yield from (drafted, accepted, rate)

@@ -112,6 +112,10 @@ class Admission:
     def reservation_blocks(self, req: Request) -> int:
         return reservation_blocks(req.num_prompt_tokens, req.output_budget, self.pool.block_size)
 
+    def queued_blocks(self) -> int:
+        """The whole reservations of every queued request (their prefix hits not counted)."""
+        return sum(self.reservation_blocks(r) for q in self._queues.values() for r in q)
+
     # --- decisions ---------------------------------------------------------
 
     def submit(self, req: Request) -> Refusal | None:
@@ -134,7 +138,7 @@ class Admission:
             return Refusal("overloaded",
                            f"{self._num_queued} requests queued (max_queue_depth"
                            f" {self.limits.max_queue_depth})",
-                           self.retry_after_ms(self._deficit(self._queued_blocks() + need)))
+                           self.retry_after_ms(self._deficit(self.queued_blocks() + need)))
         req.status = RequestStatus.QUEUED
         req.queued_at = self.clock()
         self._queues.setdefault(req.principal, deque()).append(req)
@@ -193,7 +197,7 @@ class Admission:
                     timed_out.append((req, Refusal(
                         "overloaded", f"waited {now - req.queued_at:.1f} s for KV"
                         f" (kv_max_wait_secs {wait:g})",
-                        self.retry_after_ms(self._deficit(self._queued_blocks())))))
+                        self.retry_after_ms(self._deficit(self.queued_blocks())))))
         return timed_out, past_deadline
 
     def remove(self, req: Request) -> None:
@@ -272,6 +276,3 @@ class Admission:
 
     def _deficit(self, blocks_wanted: int) -> int:
         return blocks_wanted - self.pool.num_free_blocks
-
-    def _queued_blocks(self) -> int:
-        return sum(self.reservation_blocks(r) for q in self._queues.values() for r in q)

@@ -15,7 +15,8 @@ is in exactly one state:
 A request's life in the pool: `reserve(req_id, n, reuse)` pins the cached
 blocks it will reuse and takes `n` more as reserved, all or nothing;
 `draw(req_id)` turns one of its reserved blocks into a used one as its
-sequence grows; `release(req_id)` gives back everything it holds, exactly
+sequence grows; `extend(req_id, n)` sets aside n more, all or nothing (its
+output budget grows); `release(req_id)` gives back everything it holds, exactly
 once (a second call is a no-op and says so). Admission (policy) decides who
 may reserve; this file only answers and mutates.
 
@@ -215,13 +216,8 @@ class BlockPool:
                 block.state = BlockState.USED
             block.ref_count += 1
             held.append(block_id)
-        taken: deque[int] = deque()
-        for _ in range(n):
-            block_id = self._take_block()
-            self.blocks[block_id].state = BlockState.RESERVED
-            taken.append(block_id)
-        self._num_reserved += n
-        self._reserved[req_id] = taken
+        self._reserved[req_id] = taken = deque[int]()
+        self._set_aside(taken, n)
         self._held[req_id] = held
         if self.num_state_slots:
             self._slot_of[req_id] = self._free_slots.popleft()
@@ -237,6 +233,13 @@ class BlockPool:
             assert self.snapshots is not None and host is not None
             slot = self.snapshots.take_for_restore(req_id, host_snapshot[1])
             host.restore_snapshot(host_snapshot[0], slot)
+        return True
+
+    def extend(self, req_id: str, n: int) -> bool:
+        """Set aside `n` more blocks for req_id, all or nothing (its budget grows: growth.py)."""
+        if not self.holds(req_id) or n > self.num_free_blocks:
+            return False
+        self._set_aside(self._reserved[req_id], n)
         return True
 
     def restored_blocks(self, req_id: str) -> list[int]:
@@ -339,6 +342,13 @@ class BlockPool:
 
     def _num_unreferenced(self, reuse: Sequence[int]) -> int:
         return sum(1 for i in reuse if self.blocks[i].state == BlockState.CACHED)
+
+    def _set_aside(self, taken: deque[int], n: int) -> None:
+        for _ in range(n):
+            block_id = self._take_block()
+            self.blocks[block_id].state = BlockState.RESERVED
+            taken.append(block_id)
+        self._num_reserved += n
 
     def _take_block(self) -> int:
         if self._free:

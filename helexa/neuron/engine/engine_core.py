@@ -18,7 +18,8 @@ One step:
    verification row;
 4. postprocess: count the kept positions as computed, file full blocks
    (prefix_filing.py) and a hybrid's prefix snapshots (snapshots.py), append the tokens and stop requests on eos / stop ids /
-   output budget / context, measure the rates.
+   output budget (a growable one grows first where it may: growth.py) / context, measure
+   the rates.
 
 On a GPU a pure-decode step may be held: launched, its tokens left on the device, and
 read in the next step after the step that follows it is launched (lookahead.py).
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.budget import blocks_for_tokens
-from helexa.neuron.engine import intake, lookahead, messages, snapshots
+from helexa.neuron.engine import growth, intake, lookahead, messages, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.grammar import Grammars, advance
@@ -94,6 +95,7 @@ class EngineCore:
         self.num_failed_steps = 0
         self.consecutive_failed_steps = 0  # the engine process gives up past a bound
         self.last_error = ""
+        self.growth = growth.GrowthCounts()  # growable reservations' growths (growth.py)
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.prefix_host_hit_tokens = 0
@@ -227,8 +229,9 @@ class EngineCore:
         if token_id in req.stop_token_ids or (req.matcher is not None
                                                and req.matcher.is_stopped()):
             self.finish(req, RequestStatus.FINISHED_STOPPED)
-        elif req.num_output_tokens >= req.output_budget or req.num_tokens >= self.spec.context:
-            self.finish(req, RequestStatus.FINISHED_LENGTH)
+        elif req.num_tokens >= self.spec.context or (
+                req.num_output_tokens >= req.output_budget and not growth.grow(self, req)):
+            self.finish(req, RequestStatus.FINISHED_LENGTH)  # its budget, grown or not
 
     def _measure(self, num_decode: int, num_prefill: int) -> None:
         now = self.clock()
@@ -331,7 +334,7 @@ class EngineCore:
             host_offloaded_blocks=self.pool.host.num_offloaded_blocks if self.pool.host else 0,
             host_restored_blocks=self.pool.host.num_restored_blocks if self.pool.host else 0,
             attention_backend=self.attention_backend,
-            **self.speculator.figures(),
+            **self.speculator.figures(), **self.growth.figures(),
         )
 
     def close(self) -> None:

@@ -139,7 +139,7 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
                            default_output_tokens=core.limits.default_output_tokens,
                            max_output_tokens=max_output)
     req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
-                  sampling=new.sampling, principal=new.principal,
+                  growable=new.max_tokens is None, sampling=new.sampling, principal=new.principal,
                   stop_token_ids=frozenset(new.stop_token_ids),
                   deadline_unix=new.deadline_unix)
     if new.req_id in core.requests:

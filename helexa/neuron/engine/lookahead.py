@@ -38,7 +38,8 @@ What keeps the tokens identical to the synchronous engine's:
   (SamplingState.count_ahead). At tensor parallel > 1 the other
   ranks get the device tokens as a broadcast from rank 0 (TpStep.device_tokens).
 - A request whose held token ends it by length or context is left out of the following
-  step; one whose held token is a stop token ends when it is read, and the row the
+  step (one whose budget may grow grows first where it can: growth.py, and keeps its
+  row); one whose held token is a stop token ends when it is read, and the row the
   following step computed for it is dropped. That row writes one position the request's
   reservation covers (it has not reached its budget), and its blocks go back only after
   the row was launched, so a later owner's writes come after it on the device's stream.
@@ -63,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from helexa.kernels.backends.base import to_device
-from helexa.neuron.engine import snapshots
+from helexa.neuron.engine import growth, snapshots
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.sampler import Logprobs, copy_back, logprobs, read_back
@@ -203,9 +204,10 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
         if not qualifies(req):
             return None
         after = req.num_tokens + 1  # its tokens once the held one is appended
-        if req.num_output_tokens + 1 >= req.output_budget or after >= core.spec.context:
+        if after >= core.spec.context or (req.num_output_tokens + 1 >= req.output_budget
+                                          and not growth.grow(core, req, final=False)):
             ending += 1
-            continue  # the held token is its last
+            continue  # the held token is its last (unless the postprocess grows it)
         rows.append(j)
         reqs.append(req)
     if core.waiting and len(decoding) - ending < core.limits.max_slots:

@@ -82,7 +82,8 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     req_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams = SamplingParams()
-    max_tokens: int | None = None  # None = min(default_output_tokens, context - prompt)
+    # None = min(default_output_tokens, context - prompt), growable (growth.py)
+    max_tokens: int | None = None
     principal: str = ""  # "" = anonymous
     stop_token_ids: list[int] = []  # eos ids are added by the daemon unless ignore_eos
     deadline_unix: float = 0.0  # absolute deadline (time.time()); 0 = none
@@ -116,6 +117,7 @@ class Limits(Speculation, frozen=True, kw_only=True):
     max_batched_tokens: int = _ENGINE.max_batched_tokens
     prefill_chunk_tokens: int = _ENGINE.prefill_chunk_tokens
     default_output_tokens: int = _KV.default_output_tokens
+    grow_output: bool = _KV.grow_output
 
 
 class ResetKv(msgspec.Struct, frozen=True, kw_only=True):
@@ -242,6 +244,11 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     drafter: str = "off"
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # Growable reservations (growth.py), cumulative since start: growths, and growths refused
+    # because the pool had no room, or because requests queued for KV needed what it had.
+    kv_growths: int = 0
+    kv_growths_refused_no_room: int = 0
+    kv_growths_refused_queued: int = 0
 
 
 class FromEngine(msgspec.Struct, kw_only=True):

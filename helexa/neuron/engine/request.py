@@ -2,8 +2,10 @@
 
 A request moves QUEUED → IN_FLIGHT (admitted: its whole KV reservation is
 held) → RUNNING (it has a row in the batch: prefill chunks, then decode) →
-one of the FINISHED_* states. The status is an ordered enum so that
-"is it finished?" is one comparison and "has it been admitted?" another.
+one of the FINISHED_* states. A request whose client named no max_tokens
+(`growable`) may grow its reservation and budget while it runs (growth.py).
+The status is an ordered enum so that "is it finished?" is one comparison and
+"has it been admitted?" another.
 
 Everything else is counters: how many tokens are already in the KV cache
 (`num_computed_tokens`), how many of those came from the prefix cache, the
@@ -63,6 +65,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     output_budget: int  # most new tokens it may produce (its reservation covers them)
+    growable: bool = False  # its client named no max_tokens: the budget may grow (growth.py)
     sampling: messages.SamplingParams = field(default_factory=messages.SamplingParams)
     principal: str = ""  # "" = anonymous
     stop_token_ids: frozenset[int] = frozenset()
@@ -75,7 +78,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     num_host_tokens: int = 0  # ... of which restored from its host tier
     block_table: list[int] = field(default_factory=list)
-    num_reserved_blocks: int = 0  # the whole reservation, set at admission
+    num_reserved_blocks: int = 0  # the whole reservation, set at admission (and growth)
     block_hashes: list[BlockKey] = field(default_factory=list)  # chain keys of its full blocks
     cache_salt: bytes = b""  # its first block's parent (prefix_filing.cache_salt)
     num_filed_blocks: int = 0  # leading blocks already offered to the prefix index

@@ -8,7 +8,8 @@
   (XML tool calls).
 - `nt`: serves `tight` (fat KV tokens in a 1 MiB pool, one request in flight,
   a 0.1 s wait for it) for 429 and 503 overloaded, and has `lazy` in its catalogue
-  (not preloaded) for on-demand loads.
+  (not preloaded) for on-demand loads; `tiny-grow` (the tiny checkpoint, a 64-token
+  context, 8 tokens of default output) for a reservation's growth.
 - the router: require_auth with a keys file (alice may cause loads), alias
   `helexa/balanced` → tiny, a short load wait, fast reconnects.
 
@@ -75,12 +76,17 @@ def neurons(rdir: Path, tiny_model_dir: Path,
                                         "speculation": "ngram"}],
                          2, max_per_principal=1, max_in_flight=4),
         "nt": neuron_cfg("nt", [{"id": "tight", "path": str(fat)},
-                                 {"id": "lazy", "path": str(tiny_model_dir), "preload": False}],
+                                 {"id": "lazy", "path": str(tiny_model_dir), "preload": False},
+                                 # a 64-token context and an 8-token default output budget:
+                                 # a reply without max_tokens grows 7 times in a second
+                                 {"id": "tiny-grow", "path": str(tiny_model_dir),
+                                  "context": 64, "profile": "short"}],
                           4, max_per_principal=1, max_in_flight=1, max_queue_depth=1,
                           # far under the seconds the 1,000-token request holding the
                           # model takes, so a queued request times out before it ends
                           kv_max_wait_secs=0.1),
     }
+    configs["nt"]["profiles"] = {"short": {"default_output_tokens": 8}}
     started = start_neurons({name: (write_neuron_config(rdir / f"{name}.toml", cfg),
                                     rdir / f"{name}.log") for name, cfg in configs.items()})
     try:

@@ -28,10 +28,12 @@ MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("hostile")
-    # A small default output budget: a generated body without max_tokens stays quick.
+    # A small default output budget, never grown: a generated body without max_tokens
+    # stays quick.
     cfg = {"server": {"name": "nf", "listen": "127.0.0.1:0", "heartbeat_secs": 0.5},
            "engine": {"torch_threads": 1, "max_slots": 4},
-           "kv": {"kv_budget_mb": 2, "activation_headroom_mb": 0, "default_output_tokens": 8},
+           "kv": {"kv_budget_mb": 2, "activation_headroom_mb": 0, "default_output_tokens": 8,
+                  "grow_output": False},
            "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
     neuron = start_neuron(write_neuron_config(d / "nf.toml", cfg), log_path=d / "nf.log")
     (d / "router.toml").write_text(tomli_w.dumps({

@@ -32,6 +32,22 @@ def test_reserve_draw_release_order_and_ledger():
     pool.check()
 
 
+def test_extend_sets_aside_more_all_or_nothing_and_release_returns_them():
+    pool = make_pool()
+    assert pool.reserve("a", 2) and pool.reserve("b", 3)
+    assert [pool.draw("a"), pool.draw("a")] == [0, 1]
+    assert not pool.extend("a", 4) and pool.num_reserved_for("a") == 0  # 3 free: nothing
+    assert not pool.extend("nobody", 1)
+    assert pool.extend("a", 2) and pool.num_reserved_for("a") == 2
+    assert pool.draw("a") == 5  # its table goes on in the blocks set aside
+    led = pool.ledger()
+    assert (led.free_bytes, led.reserved_bytes, led.used_bytes) == (40, 160, 120)
+    pool.check()
+    assert pool.release("a")
+    assert pool.num_free_blocks == 5 and pool.num_reserved_blocks == 3  # b's alone
+    pool.check()
+
+
 def test_release_twice_is_a_reported_noop():
     pool = make_pool()
     pool.reserve("a", 2)

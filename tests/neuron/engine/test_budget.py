@@ -8,7 +8,7 @@ import random
 import pytest
 from support.fake_runner import FakeRunner
 
-from helexa.budget import check_request, output_budget, reservation_blocks
+from helexa.budget import check_request, grown_budget, output_budget, reservation_blocks
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
@@ -84,3 +84,11 @@ def test_router_daemon_and_engine_apply_one_rule(seed: int) -> None:
         if max_tokens is not None or budget == min(default_output, context - prompt):
             assert reservation_bytes(router, Estimate(prompt, max_tokens)) == \
                 blocks * BLOCK * BPT, (prompt, max_tokens)
+
+
+def test_a_growth_fills_whole_blocks_and_stops_at_the_context_and_the_output_limit() -> None:
+    def grow(budget: int, max_output: int | None = None) -> int:
+        return grown_budget(5, budget, 8, context=64, block_size=4, max_output_tokens=max_output)
+    assert grow(8) == 19  # 5 + 8 + 8 = 21 tokens round up to 24: 6 whole blocks
+    assert grow(51) == grow(56) == 59  # the context's last token, no further
+    assert grow(19, max_output=21) == 21 and grow(21, max_output=21) == 21

@@ -184,7 +184,7 @@ def test_ledger_whole_after_a_storm(prefix_cache: bool):
     runner = FlakyRunner({rng.randrange(400) for _ in range(25)})
     core = make_core(num_blocks=40, runner=runner, prefix_cache=prefix_cache, max_in_flight=6,
                      max_slots=4, max_batched_tokens=16, prefill_chunk_tokens=6,
-                     max_queue_depth=10, max_per_principal=6)
+                     max_queue_depth=10, max_per_principal=6, default_output_tokens=6)
     shared = [rng.randrange(VOCAB) for _ in range(12)]
     live: list[str] = []
     outcomes: dict[str, str] = {}
@@ -192,7 +192,9 @@ def test_ledger_whole_after_a_storm(prefix_cache: bool):
         inbound = m.ToEngine()
         if rng.random() < 0.3:
             prompt = (shared[: rng.randrange(13)] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 20))])
-            inbound.new = [new(f"r{i}", prompt, rng.randrange(1, 30), principal=rng.choice("abc"))]
+            max_tokens = rng.randrange(1, 30)  # every 4th names none: it grows (growth.py)
+            inbound.new = [new(f"r{i}", prompt, None if i % 4 == 0 else max_tokens,
+                               principal=rng.choice("abc"))]
             live.append(f"r{i}")
         if live and rng.random() < 0.15:
             inbound.aborts = [m.Abort(req_id=rng.choice(live))]
@@ -211,6 +213,7 @@ def test_ledger_whole_after_a_storm(prefix_cache: bool):
     kinds = set(outcomes.values())
     assert {"ABORT", "ERROR", "LENGTH"} <= kinds, kinds
     assert len(outcomes) == len(live)
+    assert core.status().kv_growths > 0
 
 
 def test_tiny_model_batched_and_chunked_equals_single_requests(tiny_model_dir):

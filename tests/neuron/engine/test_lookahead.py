@@ -506,3 +506,40 @@ def test_a_waiting_request_starts_when_the_held_token_ends_a_slot_holder(
     sync, la = first_token_steps(False), first_token_steps(True)
     assert sync["c"] > sync["a"]  # c waited for a's slot
     assert la == sync
+
+
+def test_a_request_without_max_tokens_grows_inside_the_chain(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held token that would end a growable request's budget grows it (growth.py) before
+    the following step is launched, so the chain goes on past kv.default_output_tokens with
+    the synchronous tokens; with a request queued for KV it ends there as synchronously."""
+    growths = ("kv_growths", "kv_growths_refused_no_room", "kv_growths_refused_queued")
+
+    def run(on: bool, num_blocks: int, news: list[m.NewRequest]
+            ) -> tuple[Any, Counted, list[int]]:
+        counted = Counted(monkeypatch)
+        core = engine(monkeypatch, on, num_blocks=num_blocks, default_output_tokens=8)
+        out = drive(core, news, served=True)
+        assert_whole(core)
+        return out, counted, [getattr(core.status(), k) for k in growths]
+
+    idle = [m.NewRequest(req_id=f"g{i}", prompt_token_ids=[3, 4, 5, i], sampling=GREEDY)
+            for i in range(2)] + [m.NewRequest(req_id="n", prompt_token_ids=[3, 4, 5, 9],
+                                               max_tokens=8, sampling=GREEDY)]
+    sync, _, _ = run(False, 96, idle)
+    la, counted, _ = run(True, 96, idle)
+    # 96 blocks hold one full context (64) and not two: g1 is cut where the pool runs out
+    # (as synchronously), then g0 grows into what g1 gave back, to the context
+    assert la.tokens == sync.tokens and len(la.tokens["g0"]) == 256 - 4
+    assert 8 < len(la.tokens["g1"]) < 256 - 4 and len(la.tokens["n"]) == 8
+    assert counted.held == 1 and counted.followed >= 200  # one chain: no break to grow
+    # 8 blocks: g0 reserves 3, h (4 + 20 tokens: 6) is queued for KV: g0 ends at 8
+    queued = [m.NewRequest(req_id="g0", prompt_token_ids=[3, 4, 5, 0], sampling=GREEDY),
+              m.NewRequest(req_id="h", prompt_token_ids=[1, 2, 3, 4], max_tokens=20,
+                           sampling=GREEDY, principal="q")]
+    sync, _, sync_growths = run(False, 8, queued)
+    la, _, la_growths = run(True, 8, queued)
+    assert la.tokens == sync.tokens and len(la.tokens["g0"]) == 8
+    assert la.final["g0"].finished == m.FinishReason.LENGTH
+    # the chain's try to grow is not a refusal; the end, read back, is: counted once
+    assert la_growths == sync_growths == [0, 0, 1]

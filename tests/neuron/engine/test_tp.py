@@ -111,7 +111,9 @@ def test_no_rank_outlives_its_engine_process(tiny_checkpoint):
 
 def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint, monkeypatch):
     """A lookahead step at tp = 2 (engine/lookahead.py): the other rank gets rank 0's
-    sampled tokens as a broadcast, so the engine streams what it streams without it."""
+    sampled tokens as a broadcast, so the engine streams what it streams without it. A
+    request without max_tokens grows past kv.default_output_tokens to the context: rank 0
+    alone holds budgets and reservations, the other rank sees block tables."""
     from support.engine import assert_whole, drive
 
     from helexa.neuron.engine import lookahead
@@ -132,15 +134,19 @@ def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint
     try:
         for on in (False, True):
             monkeypatch.setenv(lookahead.ENV, "1" if on else "0")
-            spec = EngineSpec(model_id="tp", num_blocks=96, block_size=8, context=256,
-                              prefix_cache=False, limits=m.Limits(anon_max_in_flight=8))
+            spec = EngineSpec(model_id="tp", num_blocks=96, block_size=8, context=64,
+                              prefix_cache=False,
+                              limits=m.Limits(anon_max_in_flight=8, default_output_tokens=8))
             core = EngineCore(spec, two)
             news = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=p, max_tokens=12 + 2 * i,
                                  sampling=m.SamplingParams(temperature=0.0))
                     for i, p in enumerate(prompts())]
+            news.append(m.NewRequest(req_id="grows", prompt_token_ids=prompts()[1],
+                                     sampling=m.SamplingParams(temperature=0.0)))
             sent.clear()
             runs[on] = drive(core, news, served=True).tokens
             assert_whole(core)
+            assert len(runs[on]["grows"]) == 64 - len(prompts()[1])
             assert sum(sent) >= 10 if on else sum(sent) == 0  # steps sent as lookahead
     finally:
         two.close()

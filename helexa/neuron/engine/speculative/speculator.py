@@ -20,7 +20,9 @@ positions are simply overwritten by later steps and attention never reads
 them (it reads positions below the query's own). Drafts are capped at the
 request's remaining output budget less one, so every position written lies
 inside its reservation: speculation never draws a block the reservation
-does not cover, and the ledger is unchanged by it.
+does not cover, and the ledger is unchanged by it. A growable request's budget
+grows only once its output reaches it (engine/growth.py): its drafts shrink in
+the last spec_k tokens before, and the room is read anew after.
 """
 
 from __future__ import annotations

@@ -49,11 +49,12 @@ def per_token(model_dir: Path) -> int:
 
 
 def tiny_core(target: Path, draft: Path | None, *, speculation: str = "off",
-              num_blocks: int = 96, **limits) -> EngineCore:
+              num_blocks: int = 96, context: int = 256, **limits) -> EngineCore:
     torch.set_num_threads(1)
     draft_bpt = per_token(draft) if draft is not None else 0
     spec = EngineSpec(model_id="tiny", model_dir=str(target), num_blocks=num_blocks,
-                      block_size=8, context=256, bytes_per_token=per_token(target) + draft_bpt,
+                      block_size=8, context=context,
+                      bytes_per_token=per_token(target) + draft_bpt,
                       prefix_cache=True, draft_model_id="small" if draft else "",
                       draft_model_dir=str(draft or ""), draft_bytes_per_token=draft_bpt,
                       limits=m.Limits(**{"anon_max_in_flight": 16, "max_in_flight": 16,
@@ -99,6 +100,24 @@ def test_greedy_output_is_identical_with_a_draft_model_alone(target_dir, draft_d
     core = tiny_core(target_dir, draft_dir, speculation="draft:small")
     assert drive(core, [greedy("r", p, 40)], served=True).tokens == ref
     assert core.status().spec_drafted_tokens > 0
+    assert_whole(core)
+
+
+def test_a_growing_request_drafts_on_with_the_drafts_kv_in_its_grown_blocks(target_dir,
+                                                                              draft_dir):
+    """The draft model has no pool of its own: its KV lives in the target's blocks, so a
+    request that named no max_tokens grows both with its reservation (growth.py) and keeps
+    the target's tokens past kv.default_output_tokens."""
+    p = prompts(1)[0]
+    ref = drive(tiny_core(target_dir, None, context=64), [greedy("r", p, 64 - len(p))],
+                served=True).tokens
+    core = tiny_core(target_dir, draft_dir, speculation="draft:small", context=64,
+                     default_output_tokens=8)
+    run = drive(core, [m.NewRequest(req_id="r", prompt_token_ids=p, sampling=GREEDY)],
+                served=True)
+    assert run.tokens == ref and run.final["r"].finished == m.FinishReason.LENGTH
+    s = core.status()
+    assert s.kv_growths >= 5 and s.spec_drafted_tokens > 0
     assert_whole(core)
 
 

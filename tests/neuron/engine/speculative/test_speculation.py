@@ -93,6 +93,17 @@ def test_greedy_output_is_identical_alone(kind: str):
         assert s.spec_accepted_tokens == 0
 
 
+def test_a_request_without_max_tokens_drafts_through_its_growths():
+    """Its budget grows at each end of its reservation (growth.py): the drafts stay inside
+    it, and the output is the reference's, past kv.default_output_tokens to the context."""
+    news = [m.NewRequest(req_id="r0", prompt_token_ids=list(range(VOCAB)) + [7, 3],
+                         sampling=GREEDY)]
+    ref, got, core, _ = run_all(None, news, KINDS["oracle"], default_output_tokens=8)
+    assert got == ref and len(got["r0"]) == 256 - VOCAB - 2
+    s = core.status()
+    assert s.kv_growths > 10 and s.spec_accepted_tokens == s.spec_drafted_tokens > 0
+
+
 def test_greedy_output_is_identical_in_a_batch_of_8_mixed_with_chunked_prefill():
     news = workload(random.Random(5), 8)
     kinds = list(KINDS)
@@ -124,14 +135,16 @@ def test_ledger_whole_after_a_storm_with_speculation(prefix_cache: bool):
     rng = random.Random(11)
     core = make_core(None, StormDrafter(rng), num_blocks=48,
                      prefix_cache=prefix_cache, max_in_flight=6, max_slots=4,
-                     max_batched_tokens=14, prefill_chunk_tokens=6, max_queue_depth=10)
+                     max_batched_tokens=14, prefill_chunk_tokens=6, max_queue_depth=10,
+                     default_output_tokens=6)
     live: list[str] = []
     for i in range(300):
         inbound = m.ToEngine()
         if rng.random() < 0.3:
             base = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
+            max_tokens = rng.randrange(1, 30)  # every 4th names none: it grows (growth.py)
             inbound.new = [m.NewRequest(req_id=f"r{i}", prompt_token_ids=base * 3,
-                                        max_tokens=rng.randrange(1, 30),
+                                        max_tokens=None if i % 4 == 0 else max_tokens,
                                         sampling=rng.choice([GREEDY, SAMPLED]),
                                         stop_token_ids=[rng.randrange(VOCAB)])]
             live.append(f"r{i}")
@@ -146,6 +159,7 @@ def test_ledger_whole_after_a_storm_with_speculation(prefix_cache: bool):
     assert_whole(core)
     s = core.status()
     assert 0 < s.spec_accepted_tokens < s.spec_drafted_tokens and s.drafter == "storm"
+    assert s.kv_growths > 0
 
 
 def fake_truth(context: list[int], k: int) -> list[int]:
