@@ -141,12 +141,20 @@ def test_a_template_variable_the_request_sets_is_refused_not_a_type_error(tok, k
 @pytest.mark.parametrize("key", ["self", "text", "kwargs"])
 def test_a_template_variable_named_as_a_python_argument_is_only_a_template_variable(tok, key):
     # `self` once collided with encode_chat's own (a TypeError quoting Python, answered as
-    # "the model's chat template failed"): any other name is the template's to read
+    # "the model's chat template failed"): any other name is the template's to read. Jinja
+    # keeps `self` for the template's own reference, so a template never sees that one.
     from helexa.neuron.servicer import tokenise
+
+    shows = Tokenizer(tok._tok, eos_token_ids=tok.eos_token_ids,
+                      special_tokens=tok.special_tokens,
+                      chat_template="{{ messages[0]['content'] }}:{{ text | default('-') }}:"
+                                    "{{ kwargs | default('-') }}:{{ self is string }}")
 
     def ids(kwargs: dict) -> list[int]:
         chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
                        template_kwargs_json=json.dumps(kwargs))
-        return tokenise(tok, pb.GenerateRequest(chat=chat))
+        return tokenise(shows, pb.GenerateRequest(chat=chat))
 
-    assert ids({key: "x"}) == ids({})  # the template reads no such variable: same prompt
+    want = {"self": "hi:-:-:False", "text": "hi:x:-:False", "kwargs": "hi:-:x:False"}[key]
+    assert ids({key: "x"}) == shows.encode(want, add_special_tokens=False)
+    assert ids({}) == shows.encode("hi:-:-:False", add_special_tokens=False)

@@ -416,19 +416,24 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
     assert code == grpc.StatusCode.INVALID_ARGUMENT and md["helexa-code"] == "context_length_exceeded"
 
 
-def test_a_paced_requests_pauses_are_logged_once_at_info_and_counted_at_its_end():
+def test_a_paced_requests_pauses_are_logged_once_at_info_and_counted_at_its_end(monkeypatch):
     # a reader slower than the model pauses its request every ~192 tokens: the log says
     # the first pause and resume at info, the rest at debug, and request.done sums them
+    from types import SimpleNamespace
+
+    from helexa.neuron import servicer
     from helexa.neuron.servicer import _Pauses
 
-    said: list[tuple[str, str, int]] = []
+    now = [100.0]
+    monkeypatch.setattr(servicer, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    said: list[tuple[str, str, int, object]] = []
 
     class Blog:
         def info(self, event: str, **kw: object) -> None:
-            said.append(("info", event, kw["pause"]))
+            said.append(("info", event, kw["pause"], kw.get("paused_ms")))
 
         def debug(self, event: str, **kw: object) -> None:
-            said.append(("debug", event, kw["pause"]))
+            said.append(("debug", event, kw["pause"], kw.get("paused_ms")))
 
     class Counter:
         n = 0
@@ -438,12 +443,15 @@ def test_a_paced_requests_pauses_are_logged_once_at_info_and_counted_at_its_end(
 
     pauses = _Pauses(Blog(), Counter())
     assert pauses.summary() == {}
-    for _ in range(3):
+    for held in (0.5, 0.25, 0.125):  # paused this long, then 0.5 s reading again
         pauses(True, 256)
+        now[0] += held
         pauses(False, 64)
+        now[0] += 0.5
     pauses(True, 256)  # ends paused: that pause counts to the end
-    assert [s for s in said if s[0] == "info"] == [("info", "request.paused", 1),
-                                                    ("info", "request.resumed", 1)]
+    now[0] += 0.0625
+    assert [s for s in said if s[0] == "info"] == [("info", "request.paused", 1, None),
+                                                    ("info", "request.resumed", 1, 500.0)]
+    assert [s[3] for s in said if s[1] == "request.resumed"] == [500.0, 250.0, 125.0]
     assert len([s for s in said if s[0] == "debug"]) == 5
-    summary = pauses.summary()
-    assert summary["pauses"] == 4 == Counter.n and summary["paused_ms"] >= 0
+    assert pauses.summary() == {"pauses": 4, "paused_ms": 937.5} and Counter.n == 4

@@ -39,7 +39,11 @@ def test_a_consumer_slow_with_what_was_read_ahead_is_not_a_silent_neuron():
         s.read_ahead()  # as while a sibling choice waits for admission
         for i in range(50):
             call.items.put_nowait(pb.GenerateResponse(text=f"w{i} ", token_ids=[100 + i]))
-        await asyncio.sleep(0.05)
+        end = time.monotonic() + 5
+        while len(s.ahead) < 50:  # every message taken off the call into memory
+            assert time.monotonic() < end, (len(s.ahead), call.items.qsize())
+            await asyncio.sleep(0.005)
+        assert call.items.empty() and len(s.ahead) == 50
         s.stop_reading_ahead()  # every choice admitted: the client's pace from here
         got: list[int] = []
         overdue = None

@@ -87,11 +87,21 @@ def test_a_choice_waiting_for_kv_is_not_blocked_by_its_own_sibling(fl):
     assert tokens == [1000, 1000] and finish == {0: "length", 1: "length"}
 
 
-def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl):
+def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl, monkeypatch):
     # Choice 0 is read ahead until choice 1 is admitted (0.2 s later), then no more: a
     # client that reads nothing stops every choice's reads (and the neuron: it pauses them)
     _other(fl, context=32768, output=20000, num_blocks=4096)
     fl.n2.b.late_choice_secs = 0.2
+    opened: list[Any] = []
+    ahead_at_open: list[tuple[bool, bool]] = []  # (read ahead, still reading ahead) a choice
+    open_all = serve._open_all
+
+    async def recorded(*args: Any, **kw: Any) -> Any:
+        got = await open_all(*args, **kw)
+        opened.extend(got)
+        ahead_at_open.extend((c.reader is not None, c.reading_ahead) for c in got)
+        return got
+    monkeypatch.setattr(serve, "_open_all", recorded)
     body = json.dumps({"model": "other", "max_tokens": 20000, **LONG, "messages": [
         {"role": "user", "content": "[[tokens:20000]] go"}]}).encode()
     host, port = fl.url.removeprefix("http://").rsplit(":", 1)
@@ -103,6 +113,15 @@ def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl):
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
+        # choice 0 was read ahead while choice 1 waited; once both were in, neither is
+        assert ahead_at_open == [(True, False), (False, False)], ahead_at_open
+
+        def readers_done() -> bool:  # the read in flight when it stopped brought one more
+            return fl.lt.call(lambda: all(c.reader is None or c.reader.done() for c in opened))
+        end = time.monotonic() + 10
+        while not readers_done():
+            assert time.monotonic() < end, "a choice is still read ahead"
+            time.sleep(0.02)
         ids = [g.req_id for g in fl.n2.requests[-2:]]
 
         def sent() -> list[int]:

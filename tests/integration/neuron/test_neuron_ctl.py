@@ -6,7 +6,6 @@ import asyncio
 import subprocess
 import sys
 
-import pytest
 from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_whole, model_of
 
 from helexa.proto import neuron_pb2 as pb
@@ -65,11 +64,6 @@ def test_ctl_profile_switches_admission_knobs_at_runtime(neuron_main: NeuronProc
 
 def test_a_kv_dtype_switch_under_load_keeps_every_request(neuron_main: NeuronProcess,
                                                           neuron_token: str) -> None:
-    from helexa.neuron.engine.client import EngineClient
-
-    if not hasattr(EngineClient, "reset_kv"):
-        pytest.skip("the engine cannot re-plan its pool at runtime yet (EngineClient.reset_kv)")
-
     async def run() -> tuple[list, pb.NeuronStatus, pb.NeuronStatus]:
         async with NeuronClient(neuron_main.address, neuron_token) as c:
             before = await c.status()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx2
+from router_procs import TOKEN, wait_for
+from support.neuron import NeuronClient, model_of
 
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
 
@@ -62,16 +66,27 @@ def test_health_and_metrics_mirror(router):
     assert router.metric("helexa_neuron_kv_total_bytes", neuron="nb", model="tiny") == 2 << 20
 
 
-def test_usage_reports_accepted_and_rejected_drafts(router):
-    """n-gram speculation on a prompt that repeats: the drafts the model kept reach the
-    client as usage.completion_tokens_details, streamed (include_usage) or not."""
+def test_usage_reports_accepted_and_rejected_drafts(router, neurons):
+    """n-gram speculation on a prompt that repeats: the drafts the model kept, and those it
+    threw away, reach the client as usage.completion_tokens_details, streamed
+    (include_usage) or not; together they are what the neuron drafted for the request."""
+    def drafts() -> tuple[int, int]:  # nb's tiny-ngram: (drafted, accepted) since it started
+        async def go() -> tuple[int, int]:
+            async with NeuronClient(neurons["nb"].address, TOKEN) as c:
+                m = model_of(await c.status(), "tiny-ngram")
+                return m.spec_drafted_tokens, m.spec_accepted_tokens
+        return asyncio.run(go())
+
     text = "Repeat after me: one two three one two three one two three"
     kw = dict(model="tiny-ngram", messages=[{"role": "user", "content": text}],
               max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    before = drafts()
     full = router.client().chat.completions.create(**kw)
     d = full.usage.completion_tokens_details
     assert d.accepted_prediction_tokens > 0
-    assert d.rejected_prediction_tokens >= 0
+    wait_for(lambda: drafts()[1] == before[1] + d.accepted_prediction_tokens, timeout=10)
+    drafted = drafts()[0] - before[0]
+    assert d.accepted_prediction_tokens + d.rejected_prediction_tokens == drafted, drafted
     assert d.accepted_prediction_tokens < full.usage.completion_tokens == 40
     chunks = list(router.client().chat.completions.create(
         **kw, stream=True, stream_options={"include_usage": True}))

@@ -195,19 +195,22 @@ def test_counts_return_to_zero_when_the_flooding_clients_leave(pair):
 
 
 def test_a_finished_replys_schema_check_runs_in_the_background(pair):
-    """`uniqueItems` is not enforced while decoding: the reply cut at max_tokens is checked
-    after it was sent, on the pool's background lane, and its violation logged; the key's
-    tasks and the background lane's then return to zero."""
+    """`uniqueItems` is not enforced while decoding: the grammar forces a reply of two equal
+    tags, which the check after it was sent, on the pool's background lane, logs as a
+    violation; the key's tasks and the background lane's then return to zero. (That the
+    reply does not wait for the check: tests/router/test_reply_check.py.)"""
     _, router = pair
     wait_for(lambda: pool_idle(router), timeout=30)
-    schema = {"type": "object", "required": ["tags"], "properties": {
-        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    schema = {"type": "object", "required": ["tags"], "additionalProperties": False,
+              "properties": {"tags": {"type": "array", "items": {"const": "a"}, "minItems": 2,
+                                      "maxItems": 2, "uniqueItems": True}}}
     r = httpx2.post(router.url + "/v1/chat/completions", headers=headers("alice"), timeout=60,
-                    json={"model": "tiny", "messages": MSG, "max_tokens": 2,
+                    json={"model": "tiny", "messages": MSG, "max_tokens": 32,
                           "response_format": {"type": "json_schema",
                                               "json_schema": {"name": "t", "schema": schema}}})
     assert r.status_code == 200, r.text[:300]
-    assert "uniqueItems" in r.headers["x-helexa-unenforced-schema"]
+    assert "tags: uniqueItems" in r.headers["x-helexa-unenforced-schema"]
+    assert json.loads(r.json()["choices"][0]["message"]["content"]) == {"tags": ["a", "a"]}
     req_id = r.headers["x-request-id"]
 
     def logged() -> list[dict]:
@@ -217,6 +220,6 @@ def test_a_finished_replys_schema_check_runs_in_the_background(pair):
     wait_for(lambda: logged(), timeout=10, every=0.05)
     (line,) = logged()
     assert line["event"] == "request.schema_violation" and line["principal"] == "alice", line
-    assert "not JSON" in line["violations"][0]
+    assert line["violations"] == ["$.tags: items are not unique"], line
     wait_for(lambda: pool_idle(router)
              and router.metric("helexa_router_work_background_tasks") == 0, timeout=10)

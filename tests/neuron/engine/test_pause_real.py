@@ -1,8 +1,9 @@
 """Pause and resume on real tiny hybrid models (Gated DeltaNet state slots, MTP's held
 verification rows, lookahead on and off, tp = 2 over gloo): overlapping pauses give the
-tokens of a run with none, and the ledger and state slots come back whole. Marked slow
-(~2 minutes on 2 cores); test_pause.py covers the same engine paths on the fake runner in
-the default run."""
+tokens of a run with none, and the ledger and state slots come back whole. One case (MTP
+with lookahead, one overlapping schedule, about a second) is in the default run; the rest
+is marked slow (~2 minutes on 2 cores), and test_pause.py covers the same engine paths on
+the fake runner."""
 
 from __future__ import annotations
 
@@ -14,14 +15,16 @@ from helexa.neuron.engine import lookahead
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def run_with_pauses(core, news, schedule, max_steps=3000):
-    """schedule: step index -> ToEngine paused dict."""
+def run_with_pauses(core, news, schedule, max_steps=3000, before_step=None):
+    """schedule: step index -> ToEngine paused dict; before_step(i) sees the core first."""
     tokens: dict[str, list[int]] = {}
     inbound = m.ToEngine(new=list(news))
     for i in range(max_steps):
+        if before_step is not None:
+            before_step(i)
         words = schedule.get(i)
         if words:
             inbound = m.ToEngine(new=inbound.new if inbound else [], paused=words)
@@ -48,6 +51,29 @@ def _unpaused(tiny_checkpoint, monkeypatch, ahead: str, spec: str, max_tokens: i
                                          served=True).tokens
 
 
+def test_a_paused_hybrid_keeps_its_held_verification_rows(tiny_checkpoint, monkeypatch):
+    # r0 and r2 pause (r1 a step later) with MTP's verification rows held in their state
+    # slots; resumed, each settles its own rows and goes on as if it never paused
+    model_dir, news, extra, plain = _unpaused(tiny_checkpoint, monkeypatch, "1", "mtp", 20)
+    core = EngineCore(spec_for(model_dir, **extra))
+    held = core.runner.linear_states.layers[0]._held
+    sched = {6: {"r0": True, "r2": True}, 7: {"r1": True},
+             12: {"r0": False}, 14: {"r2": False, "r1": False}}
+    seen: list[set[str]] = []
+
+    def paused_holding(i: int) -> None:
+        if i in (7, 12):  # paused, before a step: which still hold their rows
+            seen.append({r for r in core.paused
+                         if core.pool.state_slot(r) in held})
+    got = run_with_pauses(core, news, sched, before_step=paused_holding)
+    assert got == plain
+    assert seen == [{"r0", "r2"}, {"r0", "r1", "r2"}]
+    assert core.status().spec_drafted_tokens > 0
+    assert_whole(core, hybrid=True)
+    core.close()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", ["0", "1"])
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, ahead, spec):
@@ -62,6 +88,7 @@ def test_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, ahead, spec
         core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["none", "mtp"])
 def test_tp2_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, spec):
     import msgspec
@@ -78,6 +105,7 @@ def test_tp2_hybrid_pause_resume_identical(tiny_checkpoint, monkeypatch, spec):
         core.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ahead", ["0", "1"])
 def test_hybrid_pause_with_held_verification_row(tiny_checkpoint, monkeypatch, ahead):
     monkeypatch.setenv(lookahead.ENV, ahead)
