@@ -17,7 +17,10 @@ caller without one), running or waiting: 429 `rate_limit_exceeded` beyond.
 Encoding a reply once the neuron has answered (`share=False`) is never
 refused, and a finished reply's schema check is background work
 (`submit`; app.py counts and logs a failure as `router.background_work_failed`).
-A principal may run on every thread (no `max_running`).
+Where the router has keys (`auth.keys_file`), one principal runs on at most
+`limits.schema_workers` - 1 threads (`max_running`; the one thread of a pool of
+one), so a key's slow bodies never keep another key's parse waiting for a
+thread; without keys every caller is one principal, and it runs on all of them.
 """
 
 from __future__ import annotations
