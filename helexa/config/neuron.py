@@ -48,6 +48,19 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_tokenize_bytes: Annotated[int, field_meta(
         "Largest Tokenize call (/tokenize, /detokenize, count_tokens) in bytes of text, "
         "messages and tools; beyond it 400 naming this key.", RELOAD, ge=1)] = 4 * 1024 * 1024
+    work_threads: Annotated[optional(int, ge=1), field_meta(
+        "Threads that prepare prompts off the event loop (chat template, tokenizing, images, "
+        "constraint grammar) for Generate, Complete and Tokenize; one principal runs on at "
+        "most all but one of them. Unset = half the CPUs the neuron may run on (at least 2, "
+        "at most 8), plus that one.", RESTART)] = None
+    work_queue_depth: Annotated[int, field_meta(
+        "Calls that may wait for a work thread; beyond it 503 overloaded.",
+        RESTART, ge=0)] = 256
+    work_per_principal: Annotated[optional(int, ge=1), field_meta(
+        "Calls of one principal (callers without an API key are one) on the work threads or "
+        "waiting for one; beyond it 429 rate_limit_exceeded while others still get in. "
+        "Waiting calls are served round robin between principals. Unset = a quarter of "
+        "work_threads + work_queue_depth (64 to 66 by default).", RELOAD)] = None
 
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

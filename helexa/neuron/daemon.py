@@ -203,6 +203,7 @@ class NeuronDaemon:
             return []
         self.cfg = merged
         self.hub.heartbeat_secs = self.cfg.server.heartbeat_secs
+        self.servicer.work.reshare(self.cfg.server)
         for r in self.residency.models.values():
             r.entry = self.cfg.model(r.model_id)
         switching = {m for m, _ in profile_changes}
@@ -248,6 +249,7 @@ class NeuronDaemon:
         await self.residency.shutdown()
         if self.server is not None:
             await self.server.stop(grace=1.0)
+        self.servicer.work.close()  # calls still waiting for it are cancelled
         log.info("neuron.stopped", aborted=left)
 
 

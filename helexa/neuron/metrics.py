@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -140,6 +140,14 @@ class NeuronMetrics:
                               "stopped reading (each pause counts)", ["model"], registry=r)
         self.decode_tokens = Counter("helexa_decode_tokens", "Tokens generated", ["model"],
                                      registry=r)
+        # The work pool (helexa/neuron/work.py): its refusals, and the calls it holds now.
+        self.work_refusals = Counter("helexa_work_refusals", "Calls the work pool refused: "
+                                     "principal_share (429) or pool_full (503)", ["reason"],
+                                     registry=r)
+        self.work_tasks = Gauge("helexa_work_tasks", "Calls whose prompt work is running on "
+                                "the work pool or waiting for it", registry=r)
+        self.work_principals = Gauge("helexa_work_principals", "Principals with a call on "
+                                     "the work pool", registry=r)
 
     def serve(self, listen: str) -> tuple[str, Any]:
         """Start the HTTP endpoint on host:port (port 0 allowed); returns the bound address."""

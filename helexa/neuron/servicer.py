@@ -1,8 +1,11 @@
 """The neuron's gRPC service (helexa.neuron.v1.Neuron) on grpc.aio: the gRPC edge only.
 
-`Generate` is the request path inside the daemon: tokenise (the checkpoint's
-chat template) and check the context on a worker thread, so a huge prompt
-never stalls other streams or Watch, hand a `NewRequest` to the model's engine,
+`Generate` is the request path inside the daemon: make the prompt (the
+checkpoint's chat template, tokens, images, the context check, the constraint
+grammar: helexa/neuron/prepare.py) as one task of the caller's principal on the
+neuron's work pool (helexa/neuron/work.py: bounded, fair between principals,
+off the event loop so a huge prompt never stalls other streams or Watch), hand
+a `NewRequest` to the model's engine,
 and send what the request's `OutputProcessor` (helexa/neuron/output_processor.py:
 detokenising, stop strings, finish, usage) makes of each `RequestUpdate`.
 Admission itself happens in the engine process; its refusals, and the
@@ -15,7 +18,6 @@ which closes the engine iterator, which aborts the request wherever it is.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -26,18 +28,16 @@ import grpc
 import structlog
 
 from helexa import __version__
-from helexa.budget import fitted_max_tokens
-from helexa.neuron import agent
 from helexa.neuron.engine import messages
 from helexa.neuron.grpc_status import abort
-from helexa.neuron.limits import check_context
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.output_processor import OutputProcessor
+from helexa.neuron.prepare import prepare
 from helexa.neuron.residency import Residency
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
-from helexa.neuron.tokenize_work import TokenizeGate
-from helexa.neuron.vision.prompt import with_images
+from helexa.neuron.tokenize_work import check_size, tokenize_reply
+from helexa.neuron.work import NeuronWork
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.refusal import Refusal
@@ -58,52 +58,6 @@ def sampling_params(s: pb.SamplingParams) -> messages.SamplingParams:
         top_logprobs=max(0, s.top_logprobs))
 
 
-def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
-    """The prompt's token ids: chat via the chat template, text as is, or ids given."""
-    which = request.WhichOneof("prompt")
-    if which == "chat":
-        msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort,
-                                             request.HasField("constraint"))
-        if not msgs:
-            raise Refusal("invalid_request_error", "messages: expected at least one message")
-        try:
-            return list(tokenizer.encode_chat(
-                msgs, continue_final_message=request.chat.continue_final_message, **kwargs))
-        except Exception as e:  # the checkpoint's template refused these messages
-            raise Refusal("invalid_request_error",
-                          f"messages: the model's chat template failed: {e}") from None
-    if which == "text":
-        ids = list(tokenizer.encode(request.text))
-        if not ids:
-            raise Refusal("invalid_request_error", "prompt: expected at least one token")
-        return ids
-    if which == "token_ids":
-        ids = list(request.token_ids.ids)
-        if not ids:
-            raise Refusal("invalid_request_error", "prompt: expected at least one token id")
-        bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
-        if bad is not None:
-            raise Refusal("invalid_request_error",
-                          f"prompt: token id {bad} is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
-        return ids
-    raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
-
-
-def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-              limits: Any) -> tuple[list[int], int | None, list[messages.ImageInput]]:
-    """Tokenise (images decoded, their tokens placed) and check the context: CPU-bound for a
-    long prompt or a large image, so Generate runs it on a worker thread (the tokenizer
-    releases the GIL for long texts, Pillow while it decodes). Returns the ids, the
-    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves) and the
-    images."""
-    ids, images = with_images(tokenizer, request, tokenise(tokenizer, request))
-    if request.fit_max_tokens and max_tokens is not None and limits is not None:
-        max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
-                                       max_output_tokens=limits.output)
-    check_context(len(ids), max_tokens, limits)
-    return ids, max_tokens, images
-
-
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
     """The RPCs; one instance per daemon, all on the daemon's asyncio loop."""
 
@@ -115,7 +69,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         self.metrics = metrics
         self.draining = False
         self._open: dict[str, ResidentModel] = {}  # req_id -> model, for every open call
-        self._tokenize_gate = TokenizeGate()
+        # every call's prompt work, fair between principals (work.py)
+        self.work = NeuronWork(residency.cfg.server, metrics)
 
     # ------------------------------------------------------------------ Generate, Complete
 
@@ -133,13 +88,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             if req_id in self._open:
                 raise Refusal("invalid_request_error",
                               f"req_id: `{req_id}` is already being served")
-            max_tokens = request.max_tokens if request.HasField("max_tokens") else None
-            prompt_ids, max_tokens, images = await asyncio.to_thread(
-                prompt_of, r.tokenizer, request, max_tokens, r.limits)
-            grammar = agent.constraint_grammar(
-                request, agent.tool_parser(r.entry, r.tokenizer.chat_template))
-            thinking = agent.thinking(r.tokenizer, r.entry, request, prompt_ids,
-                                      _enable_thinking(request))
+            # the caller leaving cancels this await: its task, still waiting, never runs
+            p = await self.work.run(principal, prepare, r.tokenizer, r.entry, r.limits,
+                                    request)
         except Refusal as e:
             await self._refuse(context, blog, request.model, e)
             return
@@ -149,11 +100,11 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
                     else arrival + self.residency.cfg.server.request_timeout_secs)
         new = messages.NewRequest(
-            req_id=req_id, prompt_token_ids=prompt_ids, sampling=sampling_params(request.sampling),
-            max_tokens=max_tokens, principal=principal, stop_token_ids=stop_ids,
-            deadline_unix=deadline, arrival_unix=arrival, grammar=grammar, thinking=thinking,
-            images=images)
-        blog.info("request.start", prompt_tokens=len(prompt_ids), max_tokens=max_tokens)
+            req_id=req_id, prompt_token_ids=p.prompt_ids,
+            sampling=sampling_params(request.sampling), max_tokens=p.max_tokens,
+            principal=principal, stop_token_ids=stop_ids, deadline_unix=deadline,
+            arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
+        blog.info("request.start", prompt_tokens=len(p.prompt_ids), max_tokens=p.max_tokens)
         r.begin()
         try:
             async for resp in self._stream(r, new, request, context, blog):
@@ -270,8 +221,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             r = self.residency.serving(request.model)
-            return await self._tokenize_gate.run(r, request,
-                                                 self.residency.cfg.server.max_tokenize_bytes)
+            check_size(request, self.residency.cfg.server.max_tokenize_bytes)
+            return await self.work.run(request.principal, tokenize_reply, r, request)
         except Refusal as e:
             await abort(context, e)
 
@@ -306,14 +257,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         except Refusal as e:
             await abort(context, e)
         return pb.SetProfileResponse(status=model_status(r), changed=changed)
-
-
-def _enable_thinking(request: pb.GenerateRequest) -> Any:
-    """chat_template_kwargs.enable_thinking as the client set it (None when not)."""
-    if request.WhichOneof("prompt") != "chat" or not request.chat.template_kwargs_json:
-        return None
-    _, kwargs = agent.template_inputs(pb.Chat(template_kwargs_json=request.chat.template_kwargs_json), "")
-    return kwargs.get("enable_thinking")
 
 
 class _Pauses:

@@ -105,6 +105,9 @@ class RouterState:
         pool.per_principal = cfg.limits.schema_per_principal or (
             default_share(pool.workers, pool.queue_depth) if keys
             else pool.workers + pool.queue_depth)
+        # with keys one principal leaves a thread to the others: another key's parse never
+        # waits for its slow ones to finish (work_pool.py)
+        pool.max_running = max(1, pool.workers - 1) if keys else pool.workers
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token

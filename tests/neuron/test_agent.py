@@ -128,7 +128,7 @@ def test_a_forced_choice_is_written_in_the_model_format():
 def test_a_template_variable_the_request_sets_is_refused_not_a_type_error(tok, key):
     # The router refuses these first (router/agent_request.py); the neuron never lets them
     # collide with encode_chat's own arguments (a TypeError quoting Python internals)
-    from helexa.neuron.servicer import tokenise
+    from helexa.neuron.prepare import tokenise
 
     chat = pb.Chat(messages=[pb.ChatMessage(role="user", content="hi")],
                    template_kwargs_json=json.dumps({key: False}))
@@ -143,7 +143,7 @@ def test_a_template_variable_named_as_a_python_argument_is_only_a_template_varia
     # `self` once collided with encode_chat's own (a TypeError quoting Python, answered as
     # "the model's chat template failed"): any other name is the template's to read. Jinja
     # keeps `self` for the template's own reference, so a template never sees that one.
-    from helexa.neuron.servicer import tokenise
+    from helexa.neuron.prepare import tokenise
 
     shows = Tokenizer(tok._tok, eos_token_ids=tok.eos_token_ids,
                       special_tokens=tok.special_tokens,

@@ -279,6 +279,47 @@ def test_the_share_is_reloadable_and_its_refusals_are_counted(tmp_path):
         state.work_pool.close()
 
 
+def test_with_keys_one_principal_leaves_a_thread_to_the_others(tmp_path):
+    """Two threads: a key's slow bodies run on one of them, so another key's parse starts at
+    once instead of waiting for one of them to finish; without keys (every caller the one
+    principal) both threads are its."""
+    import msgspec
+
+    from helexa.config.router import AuthConfig, LimitsConfig, RouterConfig
+    from helexa.router.app import RouterState
+    from helexa.router.auth import hash_key
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[keys]\n"{hash_key("k1")}" = "alice"\n"{hash_key("k2")}" = "bob"\n')
+    keyless = RouterConfig(limits=LimitsConfig(schema_workers=2))
+    state = RouterState(msgspec.structs.replace(keyless, auth=AuthConfig(keys_file=str(keys))),
+                        None)
+    gate = threading.Event()
+    running: list[str] = []
+
+    def slow(name: str) -> str:
+        running.append(name)
+        assert gate.wait(10)
+        return name
+
+    async def main() -> None:
+        pool = state.work_pool
+        slows = [asyncio.ensure_future(pool.run("alice", slow, f"a{i}")) for i in range(3)]
+        await _until(lambda: running == ["a0"] and pool.tasks == 3)
+        assert await asyncio.wait_for(pool.run("bob", sum, [1, 2]), 5) == 3
+        assert running == ["a0"]  # alice's others still wait for her thread
+        state.apply(keyless)  # no keys: the pool is all hers, both threads
+        gate.set()
+        assert await asyncio.gather(*slows) == ["a0", "a1", "a2"]
+        assert pool.tasks == 0 and pool.principals == 0
+        assert pool.max_running == 2
+
+    try:
+        asyncio.run(main())
+    finally:
+        state.work_pool.close()
+
+
 def test_a_principals_background_work_never_makes_its_next_request_429():
     """A key's finished requests left schema checks waiting: its next request is taken (its
     share counts only requests' tasks) and runs before those checks."""

@@ -1,0 +1,98 @@
+"""A Generate call's prompt work: what it costs the neuron before the engine sees it.
+
+Rendering the chat template (the agent inputs of helexa/neuron/agent.py, a request's tools
+among them), tokenising, decoding and resizing its images, checking the context and
+building its constraint grammar: CPU time that grows with the request (a 2 MB prompt,
+seconds; 128 tools' schemas, one). `prepare` does all of it in one call, which the
+servicer runs as one task of its caller's on the neuron's work pool (helexa/neuron/work.py),
+never on the event loop that carries every stream and Watch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from helexa.budget import fitted_max_tokens
+from helexa.neuron import agent
+from helexa.neuron.engine import messages
+from helexa.neuron.limits import check_context
+from helexa.neuron.vision.prompt import with_images
+from helexa.proto import neuron_pb2 as pb
+from helexa.refusal import Refusal
+
+
+def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
+    """The prompt's token ids: chat via the chat template, text as is, or ids given."""
+    which = request.WhichOneof("prompt")
+    if which == "chat":
+        msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort,
+                                             request.HasField("constraint"))
+        if not msgs:
+            raise Refusal("invalid_request_error", "messages: expected at least one message")
+        try:
+            return list(tokenizer.encode_chat(
+                msgs, continue_final_message=request.chat.continue_final_message, **kwargs))
+        except Exception as e:  # the checkpoint's template refused these messages
+            raise Refusal("invalid_request_error",
+                          f"messages: the model's chat template failed: {e}") from None
+    if which == "text":
+        ids = list(tokenizer.encode(request.text))
+        if not ids:
+            raise Refusal("invalid_request_error", "prompt: expected at least one token")
+        return ids
+    if which == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise Refusal("invalid_request_error", "prompt: expected at least one token id")
+        bad = next((i for i in ids if not 0 <= i < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise Refusal("invalid_request_error",
+                          f"prompt: token id {bad} is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+        return ids
+    raise Refusal("invalid_request_error", "prompt: expected chat messages, text or token ids")
+
+
+def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
+              limits: Any) -> tuple[list[int], int | None, list[messages.ImageInput]]:
+    """Tokenise (images decoded, their tokens placed) and check the context (the tokenizer
+    releases the GIL for long texts, Pillow while it decodes). Returns the ids, the
+    max_tokens in force (`fit_max_tokens` lowers it to what the context leaves) and the
+    images."""
+    ids, images = with_images(tokenizer, request, tokenise(tokenizer, request))
+    if request.fit_max_tokens and max_tokens is not None and limits is not None:
+        max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
+                                       max_output_tokens=limits.output)
+    check_context(len(ids), max_tokens, limits)
+    return ids, max_tokens, images
+
+
+@dataclass
+class Prepared:
+    """What the engine's NewRequest needs of the request's prompt work."""
+
+    prompt_ids: list[int]
+    max_tokens: int | None
+    images: list[messages.ImageInput]
+    grammar: str | None
+    thinking: messages.Thinking | None
+
+
+def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest) -> Prepared:
+    """The request's prompt, output bound, images, grammar and thinking bounds; a Refusal
+    naming what is wrong. The model's tokenizer, catalogue entry and limits as the call
+    found them."""
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+    ids, max_tokens, images = prompt_of(tokenizer, request, max_tokens, limits)
+    grammar = agent.constraint_grammar(request,
+                                       agent.tool_parser(entry, tokenizer.chat_template))
+    thinking = agent.thinking(tokenizer, entry, request, ids, _enable_thinking(request))
+    return Prepared(ids, max_tokens, images, grammar, thinking)
+
+
+def _enable_thinking(request: pb.GenerateRequest) -> Any:
+    """chat_template_kwargs.enable_thinking as the client set it (None when not)."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.template_kwargs_json:
+        return None
+    _, kwargs = agent.template_inputs(pb.Chat(template_kwargs_json=request.chat.template_kwargs_json), "")
+    return kwargs.get("enable_thinking")
