@@ -112,6 +112,38 @@ def test_a_request_waiting_for_a_batch_row_is_not_cut_as_a_slow_prefill(fl):
     assert lines[-1] == "data: [DONE]", lines[-1]  # 2 s > 0.3 + 4 x 1 / 100 s
 
 
+def test_a_stream_whose_neuron_says_it_waits_for_a_row_is_not_cut_and_one_silent_is(fl):
+    # a request paused while its client did not read, resumed with every batch row held:
+    # the neuron says it waits for a row, and the silence until its next token is not the
+    # neuron's; the same silence unsaid (a hung neuron, or one older than the field) is
+    lines = stream_lines(fl, 0.3, max_tokens=3, row_lost_secs=1.5)
+    assert lines[-1] == "data: [DONE]", lines[-1]  # 1.5 s > the 0.3 s idle bound
+    text = "".join(json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+                   for line in lines[:-1])
+    assert text == "w0 w1 w2 "
+    t0 = time.monotonic()
+    lines = stream_lines(fl, 0.3, max_tokens=3, row_lost_secs=1.5, row_lost_said=False)
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "no message from neuron" in err["message"]
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_wait_for_a_row_stops_the_idle_clock_until_the_next_token():
+    from helexa.proto import neuron_pb2 as pb
+    from helexa.router.inflight import Flight
+
+    f = Flight("n", streaming=True)
+    f.heard(pb.GenerateResponse(token_ids=[1], prefill_started=True))
+    f.heard(pb.GenerateResponse(waiting_for_row=True))
+    assert f.overdue(f.last_at + 3600, 30) is None  # bounded by the deadline, not here
+    f.heard(pb.GenerateResponse())  # a message with nothing: the wait goes on
+    assert f.overdue(f.last_at + 3600, 30) is None
+    f.heard(pb.GenerateResponse(token_ids=[2]))  # a row again: the idle bound from here
+    assert f.overdue(f.last_at + 31, 30).startswith("no message from neuron")
+    f.heard(pb.GenerateResponse(token_ids=[3], waiting_for_row=True))  # tokens, then a wait
+    assert f.overdue(f.last_at + 3600, 30) is None
+
+
 def test_a_prefill_past_its_deadline_is_still_caught(fl):
     t0 = time.monotonic()  # admitted, then never a token: a wedged engine
     lines = stream_lines(fl, 0.3, admission_message_secs=60.0)
