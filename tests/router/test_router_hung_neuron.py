@@ -128,6 +128,53 @@ def test_a_stream_whose_neuron_says_it_waits_for_a_row_is_not_cut_and_one_silent
     assert time.monotonic() - t0 < 1.5
 
 
+def test_a_client_that_stops_reading_longer_than_the_idle_bound_is_not_cut(fl):
+    # the client stops reading for 1.5 s (within client_write_secs): the router's buffers
+    # fill and it stops reading the neuron, whose silence then is the client's doing, not a
+    # hung neuron's, however short stream_idle_secs is
+    import socket
+    fl.state.registry.stream_idle_secs = 0.5
+    body = json.dumps({"model": "tiny", "max_tokens": 1000, "stream": True, "logprobs": True,
+                       "top_logprobs": 20, "messages": [
+                           {"role": "user", "content": "[[tokens:1000]] go"}]}).encode()
+    host, port = fl.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = sock.recv(256)
+        assert got.startswith(b"HTTP/1.1 200")
+        req_id = fl.lt.call(lambda: (fl.n1.requests + fl.n2.requests)[-1].req_id)
+
+        def sent() -> int:
+            return fl.lt.call(lambda: fl.n1.sent.get(req_id, 0) + fl.n2.sent.get(req_id, 0))
+        last, end = sent(), time.monotonic() + 20
+        while True:  # the buffers fill, then the router's reads stop
+            time.sleep(0.3)
+            if (now := sent()) == last:
+                break
+            assert time.monotonic() < end, now
+            last = now
+        assert 0 < last < 1000  # the neuron's writes wait for the router's reads
+        time.sleep(1.5)  # three idle bounds
+        chunks = [got]
+        sock.settimeout(10)
+        while not (data := b"".join(chunks[-2:])).endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        sock.close()
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+    data = b"".join(chunks)
+    assert b"upstream_error" not in data and b"data: [DONE]" in data
+    assert data.count(b'"finish_reason":"length"') == 1
+
+
 def test_a_wait_for_a_row_stops_the_idle_clock_until_the_next_token():
     from helexa.proto import neuron_pb2 as pb
     from helexa.router.inflight import Flight
@@ -139,8 +186,10 @@ def test_a_wait_for_a_row_stops_the_idle_clock_until_the_next_token():
     f.heard(pb.GenerateResponse())  # a message with nothing: the wait goes on
     assert f.overdue(f.last_at + 3600, 30) is None
     f.heard(pb.GenerateResponse(token_ids=[2]))  # a row again: the idle bound from here
+    f.reading()
     assert f.overdue(f.last_at + 31, 30).startswith("no message from neuron")
     f.heard(pb.GenerateResponse(token_ids=[3], waiting_for_row=True))  # tokens, then a wait
+    f.reading()
     assert f.overdue(f.last_at + 3600, 30) is None
 
 
@@ -172,7 +221,8 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     assert fast.prefill_deadline_secs(30) == 30 + 4 * 10
     now = slow.first_at + 200  # 200 s of prefill: the slow host is in time, the fast is not
     assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
-    slow.heard(None)  # tokens flow: the idle bound from here on
+    slow.heard(None)  # tokens flow: the idle bound from here on, while the router asks
+    slow.reading()
     assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")
     # admitted with no row free: no prefill clock until the neuron says it began
     waiting = Flight("n", streaming=True, prefill_tokens_per_sec=1000.0)
