@@ -70,8 +70,10 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "its client's socket being full, does not count. Before the first token the bound is this "
         "plus four times the prompt's prefill at the model's measured rate, from when the "
         "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
-        "not cut. Calls on a neuron that leaves rotation (unhealthy_after_secs) are ended "
-        "at once. A stream ended so before its first token is retried once on another "
+        "not cut; nor is a wait for a row after tokens flowed, which the neuron says "
+        "(waiting_for_row: resumed after a pause behind a full batch), bounded by the "
+        "request's deadline. Calls on a neuron that leaves rotation (unhealthy_after_secs) "
+        "are ended at once. A stream ended so before its first token is retried once on another "
         "neuron (docs/errors.md).", RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "

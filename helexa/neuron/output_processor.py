@@ -109,6 +109,8 @@ class OutputProcessor:
             resp.prefill_started = self._sent_started = True
         if upd.new_token_ids:
             self._tokens(upd, resp, out)
+        if upd.waiting_for_row:  # it lost its row after these tokens: the next come later
+            resp.waiting_for_row = True
         if self.finish_reason is None and upd.finished is not None:
             self._finish(upd, resp)
         if self.finish_reason is not None:

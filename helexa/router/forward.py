@@ -243,6 +243,7 @@ class OpenStream:
     async def _read_ahead(self) -> None:
         msg = self.first
         while msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED and self.reading_ahead:
+            self.flight.reading()
             msg = await self.call.read()
             if msg is grpc.aio.EOF:
                 return
@@ -273,7 +274,7 @@ class OpenStream:
                     self.reader, self.reading_ahead = None, False
                     await reader  # its read in flight, if any, brings one more
                 if self.ahead:  # read, unsent: the wait for them is the client's
-                    self.flight.reading()
+                    self.flight.reading(read=False)
                     msg = self.ahead.popleft()
                     continue
                 self.flight.reading()

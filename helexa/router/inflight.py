@@ -11,7 +11,9 @@ silence until gRPC keepalive gives up (a minute).
 Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not
 while the router itself is not reading (its client's socket is full, and a
-client may read again within `timeouts.client_write_secs`, however long).
+client may read again within `timeouts.client_write_secs`, however long): the
+clock counts from the router's ask for the next message (`reading`), and not
+at all until it asks.
 Before its first token, it is overdue only past a prefill deadline counted
 from the message that says its prefill began (`prefill_started`: the
 request got a batch row): the idle bound plus PREFILL_MARGIN times the
@@ -21,10 +23,16 @@ measured yet), so a 100k-token prompt is not cut at 30 s and a hung host is
 still caught. The first message comes at admission; an admitted request may
 then wait for a row (more in flight than `max_slots`) as long as the
 requests running take, which no prefill rate predicts: that wait is bounded
-by the request's deadline, not here. Before the first message the request
-may be queued: the neuron bounds that wait itself (`kv_max_wait_secs`). A
-neuron that never says `prefill_started` (older than the field) starts the
-clock with its first token. Ending a flight cancels its gRPC
+by the request's deadline, not here. So is a wait for a row after tokens
+flowed: a request paused while its client did not read, resumed with every
+row taken (or whose row went back to a request admitted before it), says so
+(`waiting_for_row`), and the idle clock stops until its next tokens; the
+neuron aborts it at its deadline, a hung host leaves rotation (Watch), and a
+wedged engine is killed by its daemon, which fails its requests. Before the
+first message the request may be queued: the neuron bounds that wait itself
+(`kv_max_wait_secs`). A neuron that never says `prefill_started` (older than
+the field) starts the clock with its first token; one that never says
+`waiting_for_row` is timed as before it. Ending a flight cancels its gRPC
 call; the call's pending read raises CancelledError in the handler task,
 which `lost()` tells apart from the handler itself being cancelled (the
 client went away) and turns into `UpstreamLost`.
@@ -53,7 +61,8 @@ class Flight:
     tokens, why it ended."""
 
     __slots__ = ("neuron", "call", "streaming", "first_at", "started_at", "last_at",
-                 "prompt_tokens", "prefill_tokens_per_sec", "reason", "on_end", "__weakref__")
+                 "prompt_tokens", "prefill_tokens_per_sec", "waiting_for_row", "asking",
+                 "reason", "on_end", "__weakref__")
 
     def __init__(self, neuron: str, *, streaming: bool,
                  prefill_tokens_per_sec: float = 0.0) -> None:
@@ -65,6 +74,8 @@ class Flight:
         self.last_at = 0.0  # monotonic time of the last message with tokens; 0 = none yet
         self.prompt_tokens = 0  # as the first message says
         self.prefill_tokens_per_sec = prefill_tokens_per_sec  # the model's, from Watch
+        self.waiting_for_row = False  # the neuron said it waits for a row, no token since
+        self.asking = False  # the router asked for the next message and has none yet
         self.reason: str | None = None  # set when the router ended the call
         self.on_end: Callable[[], None] | None = None  # called once, when the reply is whole
 
@@ -77,6 +88,7 @@ class Flight:
     def heard(self, msg: Any = None) -> None:
         """A message arrived (msg: the GenerateResponse; None counts as tokens)."""
         now = time.monotonic()
+        self.asking = False
         if not self.first_at:
             self.first_at = now
             self.prompt_tokens = getattr(msg, "prompt_tokens", 0)
@@ -85,11 +97,16 @@ class Flight:
             self.started_at = now
         if tokens:
             self.last_at = now
+        waits = bool(getattr(msg, "waiting_for_row", False))
+        if tokens or waits:  # the last word on it: a wait for a row, or tokens (none since)
+            self.waiting_for_row = waits
 
-    def reading(self) -> None:
-        """The router asks for the next message. It stops asking while its client's socket is
-        full (client_stream.py), and the neuron, its window full, then sends nothing: that
-        silence is the client's, so once tokens flow the idle bound counts from here."""
+    def reading(self, read: bool = True) -> None:
+        """The router asks for the next message (`read`: of the call; else it takes one it
+        read ahead). It stops asking while its client's socket is full (client_stream.py),
+        and the neuron, its window full, then sends nothing: that silence is the client's,
+        so once tokens flow the idle bound counts from here, and only while it asks."""
+        self.asking = read
         if self.last_at:
             self.last_at = max(self.last_at, time.monotonic())
 
@@ -100,10 +117,10 @@ class Flight:
 
     def overdue(self, now: float, idle_secs: float) -> str | None:
         """Why the stream should be ended now, or None while it is in time."""
-        if not self.streaming or not self.started_at:
+        if not self.streaming or not self.started_at or self.waiting_for_row:
             return None  # a unary call, or queued or waiting for a row: bounded elsewhere
         if self.last_at:
-            if now - self.last_at > idle_secs:
+            if self.asking and now - self.last_at > idle_secs:
                 return f"no message from neuron {self.neuron} for {idle_secs:g} s"
             return None
         deadline = self.prefill_deadline_secs(idle_secs)

@@ -224,3 +224,18 @@ def test_the_message_of_the_step_a_row_was_given_says_the_prefill_began(tok) -> 
     sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True, started=True,
                                       prompt_tokens=2)])
     assert sent[0].prefill_started and sent[0].prompt_tokens > 0
+
+
+def test_a_request_that_lost_its_row_says_it_waits_for_one(tok) -> None:
+    """Resumed behind a full batch (or its row reclaimed), the engine's update says the
+    request waits for a row: the caller gets a message saying so, with the tokens that came
+    before the wait where the update holds some, and nothing is said of it otherwise."""
+    out = processor(tok)
+    sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True, started=True, prompt_tokens=2),
+                      m.RequestUpdate(req_id="r", new_token_ids=[5]),
+                      m.RequestUpdate(req_id="r", waiting_for_row=True),
+                      m.RequestUpdate(req_id="r", started=True, new_token_ids=[6]),
+                      m.RequestUpdate(req_id="r", new_token_ids=[7], waiting_for_row=True),
+                      m.RequestUpdate(req_id="r", finished=m.FinishReason.LENGTH)])
+    assert [(list(r.token_ids), r.waiting_for_row) for r in sent] == [
+        ([], False), ([5], False), ([], True), ([6], False), ([7], True), ([], False)]

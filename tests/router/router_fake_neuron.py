@@ -88,6 +88,11 @@ class Behaviour:
     # admitted with no batch row free: this long before the row (prefill_started), the
     # admission message said nothing of a prefill (with admission_message_secs)
     row_wait_secs: float | None = None
+    # after its first token, no batch row for this long (paused, then resumed behind a full
+    # batch): said with a waiting_for_row message unless row_lost_said is False (an older
+    # neuron, or a hung one)
+    row_lost_secs: float | None = None
+    row_lost_said: bool = True
     default_tokens: int = 8
     # a request whose reservation does not fit the pool's free bytes waits for them this
     # long (its first message only then), then is refused overloaded (kv_max_wait_secs)
@@ -288,6 +293,10 @@ class FakeNeuron(pbg.NeuronServicer):
                     msg.prompt_token_ids.extend(prompt_ids)
                 yield msg
                 self.sent[request.req_id] = i + 1
+                if i == 0 and self.b.row_lost_secs is not None:
+                    if self.b.row_lost_said:
+                        yield pb.GenerateResponse(waiting_for_row=True)
+                    await asyncio.sleep(self.b.row_lost_secs)
             yield pb.GenerateResponse(
                 finish_reason=pb.FINISH_REASON_LENGTH if n == budget else pb.FINISH_REASON_STOP,
                 usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=n,

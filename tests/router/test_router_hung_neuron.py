@@ -112,6 +112,87 @@ def test_a_request_waiting_for_a_batch_row_is_not_cut_as_a_slow_prefill(fl):
     assert lines[-1] == "data: [DONE]", lines[-1]  # 2 s > 0.3 + 4 x 1 / 100 s
 
 
+def test_a_stream_whose_neuron_says_it_waits_for_a_row_is_not_cut_and_one_silent_is(fl):
+    # a request paused while its client did not read, resumed with every batch row held:
+    # the neuron says it waits for a row, and the silence until its next token is not the
+    # neuron's; the same silence unsaid (a hung neuron, or one older than the field) is
+    lines = stream_lines(fl, 0.3, max_tokens=3, row_lost_secs=1.5)
+    assert lines[-1] == "data: [DONE]", lines[-1]  # 1.5 s > the 0.3 s idle bound
+    text = "".join(json.loads(line.removeprefix("data: "))["choices"][0]["text"]
+                   for line in lines[:-1])
+    assert text == "w0 w1 w2 "
+    t0 = time.monotonic()
+    lines = stream_lines(fl, 0.3, max_tokens=3, row_lost_secs=1.5, row_lost_said=False)
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error" and "no message from neuron" in err["message"]
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_client_that_stops_reading_longer_than_the_idle_bound_is_not_cut(fl):
+    # the client stops reading for 1.5 s (within client_write_secs): the router's buffers
+    # fill and it stops reading the neuron, whose silence then is the client's doing, not a
+    # hung neuron's, however short stream_idle_secs is
+    import socket
+    fl.state.registry.stream_idle_secs = 0.5
+    body = json.dumps({"model": "tiny", "max_tokens": 1000, "stream": True, "logprobs": True,
+                       "top_logprobs": 20, "messages": [
+                           {"role": "user", "content": "[[tokens:1000]] go"}]}).encode()
+    host, port = fl.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect((host, int(port)))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        got = sock.recv(256)
+        assert got.startswith(b"HTTP/1.1 200")
+        req_id = fl.lt.call(lambda: (fl.n1.requests + fl.n2.requests)[-1].req_id)
+
+        def sent() -> int:
+            return fl.lt.call(lambda: fl.n1.sent.get(req_id, 0) + fl.n2.sent.get(req_id, 0))
+        last, end = sent(), time.monotonic() + 20
+        while True:  # the buffers fill, then the router's reads stop
+            time.sleep(0.3)
+            if (now := sent()) == last:
+                break
+            assert time.monotonic() < end, now
+            last = now
+        assert 0 < last < 1000  # the neuron's writes wait for the router's reads
+        time.sleep(1.5)  # three idle bounds
+        chunks = [got]
+        sock.settimeout(10)
+        while not (data := b"".join(chunks[-2:])).endswith(b"0\r\n\r\n"):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        sock.close()
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+    data = b"".join(chunks)
+    assert b"upstream_error" not in data and b"data: [DONE]" in data
+    assert data.count(b'"finish_reason":"length"') == 1
+
+
+def test_a_wait_for_a_row_stops_the_idle_clock_until_the_next_token():
+    from helexa.proto import neuron_pb2 as pb
+    from helexa.router.inflight import Flight
+
+    f = Flight("n", streaming=True)
+    f.heard(pb.GenerateResponse(token_ids=[1], prefill_started=True))
+    f.heard(pb.GenerateResponse(waiting_for_row=True))
+    assert f.overdue(f.last_at + 3600, 30) is None  # bounded by the deadline, not here
+    f.heard(pb.GenerateResponse())  # a message with nothing: the wait goes on
+    assert f.overdue(f.last_at + 3600, 30) is None
+    f.heard(pb.GenerateResponse(token_ids=[2]))  # a row again: the idle bound from here
+    f.reading()
+    assert f.overdue(f.last_at + 31, 30).startswith("no message from neuron")
+    f.heard(pb.GenerateResponse(token_ids=[3], waiting_for_row=True))  # tokens, then a wait
+    f.reading()
+    assert f.overdue(f.last_at + 3600, 30) is None
+
+
 def test_a_prefill_past_its_deadline_is_still_caught(fl):
     t0 = time.monotonic()  # admitted, then never a token: a wedged engine
     lines = stream_lines(fl, 0.3, admission_message_secs=60.0)
@@ -140,7 +221,8 @@ def test_the_prefill_deadline_grows_with_the_prompt_and_the_measured_rate():
     assert fast.prefill_deadline_secs(30) == 30 + 4 * 10
     now = slow.first_at + 200  # 200 s of prefill: the slow host is in time, the fast is not
     assert slow.overdue(now, 30) is None and fast.overdue(now, 30) is not None
-    slow.heard(None)  # tokens flow: the idle bound from here on
+    slow.heard(None)  # tokens flow: the idle bound from here on, while the router asks
+    slow.reading()
     assert slow.overdue(slow.last_at + 31, 30).startswith("no message from neuron")
     # admitted with no row free: no prefill clock until the neuron says it began
     waiting = Flight("n", streaming=True, prefill_tokens_per_sec=1000.0)

@@ -20,8 +20,9 @@ SPEC = dict(spec_k=3, spec_full_below=1.0, spec_off_above=1.01, spec_min_accepta
 def spec_for(model_dir: Path, **limits) -> EngineSpec:
     return EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=200, block_size=4,
                       context=512, bytes_per_token=0,
-                      limits=m.Limits(anon_max_in_flight=64, max_in_flight=8, max_slots=8,
-                                      prefill_chunk_tokens=6, max_batched_tokens=40, **limits))
+                      limits=m.Limits(**{"anon_max_in_flight": 64, "max_in_flight": 8,
+                                         "max_slots": 8, "prefill_chunk_tokens": 6,
+                                         "max_batched_tokens": 40, **limits}))
 
 
 def assert_right_head_drafted(core: EngineCore, news: list[m.NewRequest],

@@ -146,9 +146,10 @@ class EngineCore:
         for req_id in plan.promoted:
             req = self.requests[req_id]
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
+            req.status, req.had_row = RequestStatus.RUNNING, True
             self.running.append(req)
-            self.update(req).started = True
+            upd = self.update(req)
+            upd.started, upd.waiting_for_row = True, False
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
             inputs = lay_out(plan, reqs, self.pool, self.ensure_blocks)

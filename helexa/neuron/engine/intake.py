@@ -12,13 +12,17 @@
    only while nothing is in flight), shutdown;
 5. queued requests that waited too long for KV are refused, those past their
    deadline aborted, and admission admits what now fits (fair order, whole
-   reservation or nothing).
+   reservation or nothing);
+6. rows given back (`reclaim`): a request that lost its row (paused, then
+   resumed behind a full batch) takes one back from the running request
+   admitted last, where that one was admitted after it.
 
 Every refusal and abort ends in the core's one place requests end (`finish`).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -37,6 +41,8 @@ from helexa.refusal import Refusal
 if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
 
+_ADMITTED = itertools.count(1)  # Request.seq: admission order, the seniority for a row
+
 
 def take(core: EngineCore, inbound: messages.ToEngine | None) -> None:
     """Everything the daemon sent since the last step, then expiry and admission."""
@@ -49,6 +55,7 @@ def take(core: EngineCore, inbound: messages.ToEngine | None) -> None:
     for req in late:
         core.finish(req, RequestStatus.FINISHED_ABORTED, "deadline")
     admit(core)
+    reclaim(core)
 
 
 def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
@@ -82,7 +89,8 @@ def pause(core: EngineCore, req_id: str) -> None:
     flow control, client.py). It gives up its batch row, so it holds no decode width, and
     keeps everything else (reservation, blocks, state slot, sampler and grammar state), as
     in flight; a deadline or an abort still ends it (`finish`). Not a preemption: nothing is
-    freed or recomputed, and `resume` puts it back where it stopped."""
+    freed or recomputed, and `resume` puts it back where it stopped. The row is lent, not
+    lost: resumed, it takes one back from a request admitted after it (`reclaim`)."""
     req = core.requests.get(req_id)
     if req is None or req_id in core.paused:
         return
@@ -95,17 +103,40 @@ def pause(core: EngineCore, req_id: str) -> None:
     req.status = RequestStatus.IN_FLIGHT
     req.draft = None  # drafted for this step; the scheduler gives a resumed row none
     core.paused[req_id] = req
+    core.update(req).waiting_for_row = False  # resumed and paused again before a step
 
 
 def resume(core: EngineCore, req_id: str) -> None:
-    """Its caller reads again: the request waits for a batch row, ahead of the prompts
-    waiting for their first (it has waited longer), and the scheduler gives it one as it
-    would promote them (scheduler.py, step 3)."""
+    """Its caller reads again: the request waits for a batch row (`wait_again`), which the
+    scheduler gives it as it promotes (scheduler.py, step 3): at once where one is free,
+    else one taken back from a request admitted after it (`reclaim`, this step), else when
+    a row frees."""
     req = core.paused.pop(req_id, None)
-    if req is None:
-        return
-    at = next((i for i, r in enumerate(core.waiting) if r.is_prefilling), len(core.waiting))
+    if req is not None:
+        wait_again(core, req)
+
+
+def wait_again(core: EngineCore, req: Request) -> None:
+    """A request that had a batch row waits for one again: ahead of the prompts waiting
+    for their first, among those like it in admission order. Its update says so
+    (`waiting_for_row`, so that its caller's clock of the engine's silence stops); the step
+    that gives it the row unsets it, so a caller hears of a wait only where one happens."""
+    req.status = RequestStatus.IN_FLIGHT
+    req.draft = None  # drafted for a step it has no row in
+    at = next((i for i, r in enumerate(core.waiting) if not r.had_row or r.seq > req.seq),
+              len(core.waiting))
     core.waiting.insert(at, req)
+    core.update(req).waiting_for_row = True
+
+
+def reclaim(core: EngineCore) -> None:
+    """Rows back to requests that had one, from running requests admitted after them
+    (scheduler.py `reclaims`): a request's row is lent while it is paused, not lost. The
+    row's owner until now waits for one again (`wait_again`), its reservation and state
+    kept: nothing is freed or recomputed, and it goes on where it stopped."""
+    for req in core.scheduler.reclaims(core.running, core.waiting):
+        core.running.remove(req)
+        wait_again(core, req)
 
 
 def set_limits(core: EngineCore, limits: messages.Limits) -> None:
@@ -120,6 +151,7 @@ def set_limits(core: EngineCore, limits: messages.Limits) -> None:
 def admit(core: EngineCore) -> None:
     """Queued requests into flight as far as they fit (admission.py decides)."""
     for req in core.admission.admit():
+        req.seq = next(_ADMITTED)
         upd = core.update(req)
         upd.admitted = True
         upd.prompt_tokens = req.num_prompt_tokens

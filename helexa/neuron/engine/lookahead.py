@@ -51,7 +51,8 @@ What keeps the tokens identical to the synchronous engine's:
 
 A request aborted while its step is held is finished at once (its blocks return); the
 held step's row for it is discarded when read. One paused while its step is held
-(intake.pause) keeps the held token, and the following step has no row for it.
+(intake.pause), or whose row goes back to a request admitted before it (intake.reclaim),
+keeps the held token, and the following step has no row for it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ import torch
 
 from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine import growth, snapshots
-from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.runner import Runner, StepOutput
 from helexa.neuron.engine.sampler import Logprobs, copy_back, logprobs, read_back
 from helexa.neuron.engine.scheduler import ScheduledChunk, StepPlan
@@ -180,9 +181,9 @@ def step(core: EngineCore) -> bool:
         except Exception as e:  # noqa: BLE001 - its requests are the held step's
             failed = e
     if failed is not None:  # the following step's requests: the held step's live ones but
-        core.ahead = None  # those paused as it launched (they had no row in it)
+        core.ahead = None  # those paused or reclaimed from as it launched (no row in it)
         core.fail([r for r, _ in held.inputs.sampled
-                   if not r.is_finished and r.req_id not in core.paused], failed)
+                   if r.status == RequestStatus.RUNNING], failed)
     return core.ahead is not None or failed is not None
 
 
@@ -199,8 +200,8 @@ def follow(core: EngineCore, held: Ahead) -> Ahead | None:
     reqs: list[Request] = []
     ending = 0  # requests the held token ends by length or context
     for j, (req, _) in enumerate(held.inputs.sampled):
-        if req.is_finished or req.req_id in core.paused:
-            continue  # a paused one's held token is still read; it gets no following row
+        if req.status != RequestStatus.RUNNING:  # finished, paused or its row reclaimed:
+            continue  # a live one's held token is still read; it gets no following row
         if not qualifies(req):
             return None
         after = req.num_tokens + 1  # its tokens once the held one is appended

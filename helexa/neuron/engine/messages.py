@@ -181,6 +181,11 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     # Got a batch row in this step (its prefill begins; or, resumed from a pause, its
     # decode goes on): until then an admitted request waits for one (max_slots).
     started: bool = False
+    # Lost its batch row after it made tokens and waits for one again (resumed behind a full
+    # batch, or its row went back to a request admitted before it: intake.reclaim); its next
+    # tokens come once it has one, bounded by its deadline. Unset again by a step that
+    # gives it the row.
+    waiting_for_row: bool = False
     finished: FinishReason | None = None
     # A refusal ends the request before it produced anything: code is the
     # OpenAI-style code (overloaded, rate_limit_exceeded, shutting_down, ...).

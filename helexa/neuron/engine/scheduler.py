@@ -17,7 +17,18 @@ The algorithm, under a token budget of `max_batched_tokens` per step:
    give each its first prefill chunk, or its next decode token where its
    prompt is already in: a request resumed after a pause (intake.py
    `pause`: a paused request is in neither list, so it holds no row and
-   takes no budget; resumed ones wait ahead of new prompts).
+   takes no budget; resumed ones wait ahead of new prompts, in admission
+   order).
+
+Before a step is scheduled, `reclaims` names the running requests whose rows
+go back to requests that had a row before them (intake.py `reclaim`): a
+resumed request, with every row taken, takes one from the decoding request
+admitted last, where that one was admitted after it. Rows so go to the
+requests admitted first among those whose callers read, as vLLM's FCFS
+policy preempts the request that arrived last; a pause only lends its row.
+Since the order is fixed at admission, a request never takes back a row
+that was taken back from it. A request still prefilling keeps its row (its prefill
+clock runs at the router: helexa/router/inflight.py).
 
 A prompt longer than the chunk limit is therefore prefilled over several
 steps, interleaved with everyone else's decode tokens. A hybrid model with
@@ -104,6 +115,23 @@ class Scheduler:
             budget -= n
             num_running += 1
         return plan
+
+    def reclaims(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[Request]:
+        """Running requests that give their rows back this step: the waiting requests that
+        had a row (at the front of `waiting`, in admission order) beyond the free
+        rows each take one from the decoding request admitted last, where it was admitted
+        after them."""
+        had = [r for r in waiting if r.had_row]
+        claimants = had[max(0, self.max_slots - len(running)):]
+        if not claimants:
+            return []
+        latest = sorted((r for r in running if not r.is_prefilling), key=lambda r: -r.seq)
+        out: list[Request] = []
+        for claimant, holder in zip(claimants, latest, strict=False):
+            if holder.seq < claimant.seq:
+                break  # those after are admitted earlier still, the claimants later
+            out.append(holder)
+        return out
 
     def _chunk(self, req: Request, budget: int) -> int:
         # Prefill covers the prompt only; the first output token comes from

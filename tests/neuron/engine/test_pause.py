@@ -95,24 +95,108 @@ def test_a_paused_request_makes_nothing_and_resumes_where_it_stopped(monkeypatch
     assert_whole(core)
 
 
-def test_a_paused_request_gives_up_its_row_and_gets_one_back(monkeypatch):
-    """max_slots 1: pausing the running request lets the waiting one run; resumed, it waits
-    for the row, then finishes whole."""
-    core = make_core(monkeypatch, max_slots=1, max_in_flight=2)
+def steps(core: EngineCore, tokens: dict[str, list[int]], inbound: m.ToEngine | None = None
+          ) -> dict[str, m.RequestUpdate]:
+    """One step (as `step`), its updates by request."""
+    out = core.step(inbound).updates
+    for u in out:
+        tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+    core.pool.check()
+    return {u.req_id: u for u in out}
+
+
+def finish_all(core: EngineCore, tokens: dict[str, list[int]], waits: list[str]) -> None:
+    """Drive to the end; `waits`: the requests whose updates said they wait for a row."""
+    def seen(u: m.RequestUpdate) -> None:
+        if u.waiting_for_row:
+            waits.append(u.req_id)
+    run = drive(core, served=True, on_update=seen)
+    for rid, more in run.tokens.items():
+        tokens.setdefault(rid, []).extend(more)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "lookahead"])
+def test_a_paused_request_lends_its_row_and_takes_it_back_when_resumed(monkeypatch, ahead):
+    """max_slots 1: pausing the running request lends its row to the waiting one; resumed,
+    it takes the row back at once (it was admitted first), and the one that borrowed it
+    says it waits for a row again, then finishes whole once the row frees."""
+    core = make_core(monkeypatch, ahead=ahead, max_slots=1, max_in_flight=2)
     tokens: dict[str, list[int]] = {}
     step(core, tokens, m.ToEngine(new=[new("a", [1, 2, 3], 30), new("b", [4, 5], 12)]))
-    step(core, tokens)
-    assert "b" not in tokens or not tokens["b"]  # no row for b yet
+    for _ in range(3):
+        step(core, tokens)
+    assert not tokens.get("b")  # no row for b yet
     step(core, tokens, m.ToEngine(paused={"a": True}))
-    got = step(core, tokens)
-    assert got.get("b", 0) == 1 and not got.get("a")
-    assert (core.status().running, core.status().paused) == (1, 1)
-    got = step(core, tokens, m.ToEngine(paused={"a": False}))  # b holds the one row
-    assert not got.get("a") and core.status().paused == 0
-    run = drive(core, served=True)
-    for rid, more in run.tokens.items():
-        tokens[rid].extend(more)
+    for _ in range(3):  # b decodes in the lent row (a held step of a's may give one more)
+        step(core, tokens)
+    a_before, b_before = len(tokens["a"]), len(tokens["b"])
+    assert b_before >= 2 and (core.status().running, core.status().paused) == (1, 1)
+    ups = steps(core, tokens, m.ToEngine(paused={"a": False}))
+    assert ups["b"].waiting_for_row and ups["a"].started  # a has its row back in this step
+    assert not ups["a"].waiting_for_row
+    waits: list[str] = []
+    for _ in range(3):  # a decodes again at once; b makes nothing
+        ups = steps(core, tokens)
+        assert not ups.get("b", m.RequestUpdate(req_id="b")).new_token_ids
+    assert len(tokens["a"]) >= a_before + 2 and len(tokens["b"]) <= b_before + 1
+    finish_all(core, tokens, waits)
     assert tokens == {"a": expected([1, 2, 3], 30), "b": expected([4, 5], 12)}
+    assert waits == []  # no second wait: b's row came when a ended
+    assert_whole(core)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "lookahead"])
+def test_a_request_resumed_behind_a_full_batch_says_it_waits_for_a_row(monkeypatch, ahead):
+    """max_slots 1, both paused, `a` (admitted first) resumed first takes the free row; `b`
+    resumed behind it finds every row held by a request admitted before it: it waits, and
+    its update says so (its caller, the router, then does not count the silence against
+    the neuron); once a row frees it goes on where it stopped."""
+    core = make_core(monkeypatch, ahead=ahead, max_slots=1, max_in_flight=2)
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[new("a", [1, 2, 3], 20), new("b", [4, 5], 12)]))
+    step(core, tokens, m.ToEngine(paused={"a": True}))
+    for _ in range(3):
+        step(core, tokens)
+    step(core, tokens, m.ToEngine(paused={"b": True}))
+    ups = steps(core, tokens, m.ToEngine(paused={"a": False}))  # a row is free: no wait
+    assert "a" not in ups or not ups["a"].waiting_for_row
+    b_before = len(tokens["b"])
+    ups = steps(core, tokens, m.ToEngine(paused={"b": False}))
+    assert ups["b"].waiting_for_row and not ups["b"].new_token_ids
+    st = core.status()
+    assert (st.running, st.paused, st.in_flight) == (1, 0, 2)
+    waits: list[str] = []
+    finish_all(core, tokens, waits)
+    assert len(tokens["b"]) > b_before and waits == []
+    assert tokens == {"a": expected([1, 2, 3], 20), "b": expected([4, 5], 12)}
+    assert_whole(core)
+
+
+def test_rows_go_back_to_the_requests_admitted_first_and_never_back_and_forth(monkeypatch):
+    """max_slots 2, four requests: a and b paused lend their rows to c and d; resumed
+    together, both take them back in one step (c and d wait, saying so), and the rows stay
+    with a and b while they read, whatever c and d do."""
+    core = make_core(monkeypatch, max_slots=2, max_in_flight=4)
+    tokens: dict[str, list[int]] = {}
+    reqs = [new(r, [i + 1, i + 2], 40) for i, r in enumerate("abcd")]
+    step(core, tokens, m.ToEngine(new=reqs))
+    step(core, tokens)
+    step(core, tokens, m.ToEngine(paused={"a": True, "b": True}))
+    for _ in range(3):
+        step(core, tokens)
+    assert tokens["c"] and tokens["d"]
+    ups = steps(core, tokens, m.ToEngine(paused={"a": False, "b": False}))
+    assert ups["c"].waiting_for_row and ups["d"].waiting_for_row
+    assert ups["a"].new_token_ids and ups["b"].new_token_ids  # back in the batch at once
+    c_d = len(tokens["c"]) + len(tokens["d"])
+    for _ in range(5):
+        got = step(core, tokens)
+        assert got.get("a") == 1 and got.get("b") == 1 and not got.get("c") and not got.get("d")
+    assert len(tokens["c"]) + len(tokens["d"]) == c_d
+    waits: list[str] = []
+    finish_all(core, tokens, waits)
+    assert tokens == {r.req_id: expected(list(r.prompt_token_ids), 40) for r in reqs}
+    assert waits == []
     assert_whole(core)
 
 

@@ -1,6 +1,7 @@
 """Pause and resume on real tiny hybrid models (Gated DeltaNet state slots, MTP's held
 verification rows, lookahead on and off, tp = 2 over gloo): overlapping pauses give the
-tokens of a run with none, and the ledger and state slots come back whole. One case (MTP
+tokens of a run with none, and the ledger and state slots come back whole; so do rows
+lent by a pause and taken back on resume (max_slots below the requests). One case (MTP
 with lookahead, one overlapping schedule, about a second) is in the default run; the rest
 is marked slow (~2 minutes on 2 cores), and test_pause.py covers the same engine paths on
 the fake runner."""
@@ -18,8 +19,9 @@ from helexa.neuron.engine.engine_core import EngineCore
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def run_with_pauses(core, news, schedule, max_steps=3000, before_step=None):
-    """schedule: step index -> ToEngine paused dict; before_step(i) sees the core first."""
+def run_with_pauses(core, news, schedule, max_steps=3000, before_step=None, waits=None):
+    """schedule: step index -> ToEngine paused dict; before_step(i) sees the core first;
+    `waits` gets the ids of the updates that say their request waits for a row again."""
     tokens: dict[str, list[int]] = {}
     inbound = m.ToEngine(new=list(news))
     for i in range(max_steps):
@@ -33,6 +35,8 @@ def run_with_pauses(core, news, schedule, max_steps=3000, before_step=None):
         for u in out.updates:
             assert u.refused_code is None and u.error == "", u
             tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.waiting_for_row and waits is not None:
+                waits.append(u.req_id)
         core.pool.check()
         if not core.has_work and i > max(schedule, default=0):
             return tokens
@@ -136,3 +140,27 @@ def test_hybrid_pause_with_held_verification_row(tiny_checkpoint, monkeypatch, a
         assert tokens == plain, at
         assert_whole(core, hybrid=True)
     assert held_hits > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ahead", ["0", "1"])
+@pytest.mark.parametrize("spec", ["none", "mtp"])
+def test_hybrid_rows_lent_and_taken_back_identical(tiny_checkpoint, monkeypatch, ahead, spec):
+    """Two rows, three requests: r0's pause lends its row to r2, which had none; r0 resumed
+    takes it back (r2, mid-decode, perhaps with a held step or verification row, waits for
+    a row again), and every request's tokens are those of a run with no pause."""
+    monkeypatch.setenv(lookahead.ENV, ahead)
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    news = [m.NewRequest(req_id=n.req_id, prompt_token_ids=n.prompt_token_ids,
+                         max_tokens=30, sampling=n.sampling) for n in requests(3, 3)]
+    extra = {"max_slots": 2, **({} if spec == "none" else dict(speculation="mtp", **SPEC))}
+    plain = drive(EngineCore(spec_for(model_dir, max_slots=2)), news, served=True).tokens
+    for at in (3, 4, 6):
+        core = EngineCore(spec_for(model_dir, **extra))
+        waits: list[str] = []
+        got = run_with_pauses(core, news, {at: {"r0": True}, at + 10: {"r0": False}},
+                              waits=waits)
+        assert got == plain, at
+        assert waits == ["r2"], at  # r2 had r0's row until r0 took it back
+        assert_whole(core, hybrid=True)
+        core.close()

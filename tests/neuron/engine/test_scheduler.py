@@ -112,3 +112,22 @@ def test_a_resumed_request_is_promoted_with_its_decode_token():
     assert plan.promoted == ["r"] and plan.decode_ids == ["d", "r"]
     plan = s.schedule([decoding("d")], [req("w", 30)])  # r paused: w takes the row
     assert plan.promoted == ["w"]
+
+
+def test_rows_go_back_to_requests_that_had_one_from_those_admitted_after_them():
+    """Every row held: a waiting request that had a row takes one back from the decoding
+    request admitted last, only where that one was admitted after it; a request still
+    prefilling keeps its row, and a free row is taken before any is reclaimed."""
+    def seq(r: Request, n: int, had_row: bool = True) -> Request:
+        r.seq, r.had_row = n, had_row
+        return r
+
+    s = Scheduler(max_slots=3, max_batched_tokens=64, prefill_chunk_tokens=8)
+    a, b = seq(decoding("a"), 1), seq(decoding("b"), 2)
+    c, d = seq(decoding("c"), 5), seq(req("p", 30, computed=8), 6)
+    new = seq(req("n", 5), 7, had_row=False)
+    assert [r.req_id for r in s.reclaims([c, d, seq(decoding("e"), 4)], [a, b, new])] == \
+        ["c", "e"]  # most senior waiting from the latest decoding; p keeps its prefill row
+    assert s.reclaims([c, d, seq(decoding("e"), 4)], [new]) == []  # never had a row: waits
+    assert [r.req_id for r in s.reclaims([c, d], [a, b])] == ["c"]  # a takes the free row
+    assert s.reclaims([c, d, seq(decoding("x"), 0)], [seq(decoding("z"), 9)]) == []
