@@ -128,7 +128,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     # Plain dict rather than log.bind(): a request's fields grow as it is understood.
     ctx: dict[str, Any] = {"req_id": req_id}
     log = state.log
-    model = "-"
+    model = label = "-"  # label: the model's on the metrics (metric_label)
     code = "200"
     calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
@@ -142,6 +142,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
         model = ctx["model"] = state.aliases.resolve(req.model)
+        label = metric_label(state, model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         if any(images.parts_of(req)):  # decoded on the work pool; their tokens estimated
@@ -171,14 +172,14 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         headers = _headers(req, calls[0], req_id)
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
-            series, last = state.metrics.model(model), [0.0]
+            series, last = state.metrics.model(label), [0.0]
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
                 on_message=lambda msg: _timing(series, t0, last, msg),
                 write_secs=state.client_write_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
-                                 state.metrics.model(model), t0, req_id, headers)
+                                 state.metrics.model(label), t0, req_id, headers)
         else:
             # Off the loop: 16 choices with top_logprobs are tens of MB of JSON. Counted, never
             # refused for the principal's share: the tokens are made (work_pool.py).
@@ -187,15 +188,13 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                 headers, share=False)
         reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
-        state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        state.metrics.model(label).tokens(usage["prompt_tokens"], usage["completion_tokens"])
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
                  usage=usage, secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
         code = str(e.status)
-        if e.code == "model_not_found":
-            model = "unknown"  # a client's typo must not become a metrics label
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
         return error_response(kind, e, {"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
@@ -217,7 +216,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         for c in calls:
             c.cancel()
         state.metrics.in_progress.dec()
-        series = state.metrics.model(model)
+        series = state.metrics.model(label)
         series.answered(code)
         series.e2e.observe(time.monotonic() - t0)
 
@@ -260,6 +259,17 @@ async def _open_all(state: RouterState, greqs: list[pb.GenerateRequest], est: Es
                     t.cancel()
                 elif not t.cancelled() and t.exception() is None:
                     t.result().cancel()
+
+
+def metric_label(state: RouterState, model: str) -> str:
+    """The `model` label of a request's series: the model id itself where the operator named
+    it (an alias's target) or a neuron reported it (resident or in its catalogue), else
+    "unknown". A client's string never becomes a label, whatever refuses the request (a bad
+    image, a 429, the client leaving): each would be a hundred series more, for ever, which
+    `/metrics` shows to anyone without a key."""
+    if model in state.aliases.targets() or model in state.registry.known_models():
+        return model
+    return "unknown"
 
 
 def authorization(request: web.Request) -> str | None:
