@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import msgspec
 from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
@@ -43,7 +42,7 @@ from helexa.router import (
     responses_encode,
 )
 from helexa.router.agent_output import OutputParser
-from helexa.router.client_stream import ClientStalled, ClientStream
+from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
 from helexa.router.errors import ApiError
 from helexa.router.event_replies import FAILED as _FAILED
 from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
@@ -183,9 +182,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             # Off the loop: 16 choices with top_logprobs are tens of MB of JSON. Counted, never
             # refused for the principal's share: the tokens are made (work_pool.py).
-            resp = await state.work_pool.run(
+            body = await state.work_pool.run(
                 principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
-                headers, share=False)
+                share=False)
+            resp = await send_whole(request, body, headers, state.client_write_secs)
         reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(label).tokens(usage["prompt_tokens"], usage["completion_tokens"])
@@ -322,16 +322,15 @@ def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateR
     last[0] = now
 
 
-def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Completed],
-           headers: dict[str, str]) -> web.Response:
+def _reply(env: encode.Envelope, choices: list[encode.Choice],
+           replies: list[Completed]) -> bytearray:
     for choice, r in zip(choices, replies, strict=True):
         if r.reply.finish_reason in _FAILED:
             raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
         encode.add_delta(choice, encode.with_stop_str(env.req, r.reply))
     if any(c.finish_reason is None for c in choices):
         raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
-    return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
-                        content_type="application/json", headers=headers)
+    return encode.json_body(encode.full_body(env, choices))
 
 
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
