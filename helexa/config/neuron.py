@@ -74,8 +74,13 @@ class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, k
         "In-flight requests of anonymous callers together: callers without an API key where "
         "the router has keys (auth.keys_file). `helexa up` has no keys, so every caller is "
         "anonymous: it sets this to max_in_flight, the ordinary limits.", RELOAD, ge=0)] = 4
+    max_in_flight_per_principal: Annotated[optional(int, ge=1), field_meta(
+        "In-flight requests of one principal (an API key; anonymous callers together are "
+        "one), per model; at it that principal's queued requests wait, never blocking "
+        "others. none = no cap but max_in_flight: nothing is preempted, so one key's long "
+        "requests may then hold every place for as long as they run.", RELOAD)] = None
     kv_max_wait_secs: Annotated[float, field_meta(
-        "Longest a queued request waits for KV before 503 overloaded.", RELOAD, ge=0)] = 30.0
+        "Longest a queued request waits (for an in-flight place or KV) before 503 overloaded.", RELOAD, ge=0)] = 30.0
 
 
 class KvConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -49,9 +49,10 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
         m.drafter = s.drafter
         m.spec_drafted_tokens = s.spec_drafted_tokens
         m.spec_accepted_tokens = s.spec_accepted_tokens
-    if r.admission is not None:  # the proto's fields are Limits' of the same names
+    if r.admission is not None:  # the proto's fields are Limits' of the same names (None: 0)
         m.admission.CopyFrom(pb.AdmissionLimits(**{
-            f.name: getattr(r.admission, f.name) for f in pb.AdmissionLimits.DESCRIPTOR.fields}))
+            f.name: getattr(r.admission, f.name) or 0
+            for f in pb.AdmissionLimits.DESCRIPTOR.fields}))
     if r.limits is not None:
         m.limits.CopyFrom(pb.ModelLimits(context=r.limits.context, input=r.limits.input,
                                          output=r.limits.output,

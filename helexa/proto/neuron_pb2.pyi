@@ -292,7 +292,7 @@ class KvLedger(_message.Message):
     def __init__(self, total_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., cached_bytes: _Optional[int] = ..., reserved_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_size: _Optional[int] = ..., bytes_per_token: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., state_total_bytes: _Optional[int] = ..., state_free_bytes: _Optional[int] = ..., host_total_bytes: _Optional[int] = ..., host_cached_bytes: _Optional[int] = ...) -> None: ...
 
 class AdmissionLimits(_message.Message):
-    __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs", "default_output_tokens")
+    __slots__ = ("max_in_flight", "max_queue_depth", "max_per_principal", "anon_max_in_flight", "max_slots", "max_batched_tokens", "kv_max_wait_secs", "default_output_tokens", "max_in_flight_per_principal")
     MAX_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MAX_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_PER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -301,6 +301,7 @@ class AdmissionLimits(_message.Message):
     MAX_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_MAX_WAIT_SECS_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_PER_PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     max_in_flight: int
     max_queue_depth: int
     max_per_principal: int
@@ -309,7 +310,8 @@ class AdmissionLimits(_message.Message):
     max_batched_tokens: int
     kv_max_wait_secs: float
     default_output_tokens: int
-    def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ..., default_output_tokens: _Optional[int] = ...) -> None: ...
+    max_in_flight_per_principal: int
+    def __init__(self, max_in_flight: _Optional[int] = ..., max_queue_depth: _Optional[int] = ..., max_per_principal: _Optional[int] = ..., anon_max_in_flight: _Optional[int] = ..., max_slots: _Optional[int] = ..., max_batched_tokens: _Optional[int] = ..., kv_max_wait_secs: _Optional[float] = ..., default_output_tokens: _Optional[int] = ..., max_in_flight_per_principal: _Optional[int] = ...) -> None: ...
 
 class ModelLimits(_message.Message):
     __slots__ = ("context", "input", "output", "fixed_bytes_per_request", "prefix_cache", "prefix_sharing")

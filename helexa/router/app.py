@@ -269,7 +269,8 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(body=await state.metrics.render_off_loop(),
+                        headers={"Content-Type": CONTENT_TYPE})
 
 
 def build_app(state: RouterState) -> web.Application:

@@ -17,9 +17,9 @@ at a time (slowloris) held its connection and handler until max_body_bytes,
 weeks at a byte a second, and enough such connections take every socket.
 
 A reply must not be held for a client that never reads it either. A stream
-ends itself (client_stream.py); a whole reply (a non-streaming answer, which
-with `n` and `top_logprobs` is megabytes) is written by aiohttp after its
-handler returned, into the transport's buffer, with no end to the wait: a
+ends itself (client_stream.py), and so does a chat or completions answer
+(client_stream.send_whole: with `n` and `top_logprobs` it is megabytes); any
+other whole reply is written by aiohttp after its handler returned, into the transport's buffer, with no end to the wait: a
 client that sent requests and read nothing kept every reply in the router's
 memory for as long as it kept its sockets open. `_EnvelopeHandler` watches
 each reply's write: when the transport's buffer has not shrunk for

@@ -14,10 +14,16 @@ dashboards, autoscalers and routers read (`vllm:num_requests_running`,
 `vllm:time_to_first_token_seconds`, `vllm:inter_token_latency_seconds`,
 labelled `model_name`): the same figures, summed over the neurons holding a
 model, so a vLLM dashboard works pointed at the router.
+
+A request's `model` label is a model the fleet knows (serve.metric_label), never a
+client's string: the series stay as many as the operator's models. A scrape renders on a
+worker thread, one at a time (`render_off_loop`): the text grows with the series, and
+rendered on the event loop it would stall every stream for as long.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -210,9 +216,10 @@ class RouterMetrics:
                                               registry=r)
         r.register(NeuronMirror(links))
         self._models: dict[str, ModelSeries] = {}
+        self._render_lock = asyncio.Lock()
 
     def model(self, model: str) -> ModelSeries:
-        """The series of one model (callers pass only resolved, known model ids or "-")."""
+        """The series of one model (callers pass only known model ids, "unknown" or "-")."""
         series = self._models.get(model)
         if series is None:
             series = self._models[model] = ModelSeries(self, model)
@@ -220,3 +227,11 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    async def render_off_loop(self) -> bytes:
+        """render() on a worker thread, one scrape at a time (a flood of scrapes takes one
+        thread): the loop goes on serving streams meanwhile. The collectors are safe there:
+        prometheus_client's children copy under their locks, and the neuron mirror reads a
+        snapshot of the links (each status is replaced whole, never changed in place)."""
+        async with self._render_lock:
+            return await asyncio.to_thread(self.render)

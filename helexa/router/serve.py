@@ -27,7 +27,6 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import msgspec
 from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
@@ -43,7 +42,7 @@ from helexa.router import (
     responses_encode,
 )
 from helexa.router.agent_output import OutputParser
-from helexa.router.client_stream import ClientStalled, ClientStream
+from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
 from helexa.router.errors import ApiError
 from helexa.router.event_replies import FAILED as _FAILED
 from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
@@ -128,7 +127,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     # Plain dict rather than log.bind(): a request's fields grow as it is understood.
     ctx: dict[str, Any] = {"req_id": req_id}
     log = state.log
-    model = "-"
+    model = label = "-"  # label: the model's on the metrics (metric_label)
     code = "200"
     calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
@@ -142,6 +141,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         else:
             req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
         model = ctx["model"] = state.aliases.resolve(req.model)
+        label = metric_label(state, model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         if any(images.parts_of(req)):  # decoded on the work pool; their tokens estimated
@@ -171,31 +171,30 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         headers = _headers(req, calls[0], req_id)
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
-            series, last = state.metrics.model(model), [0.0]
+            series, last = state.metrics.model(label), [0.0]
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
                 on_message=lambda msg: _timing(series, t0, last, msg),
                 write_secs=state.client_write_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
-                                 state.metrics.model(model), t0, req_id, headers)
+                                 state.metrics.model(label), t0, req_id, headers)
         else:
             # Off the loop: 16 choices with top_logprobs are tens of MB of JSON. Counted, never
             # refused for the principal's share: the tokens are made (work_pool.py).
-            resp = await state.work_pool.run(
+            body = await state.work_pool.run(
                 principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
-                headers, share=False)
+                share=False)
+            resp = await send_whole(request, body, headers, state.client_write_secs)
         reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
-        state.metrics.model(model).tokens(usage["prompt_tokens"], usage["completion_tokens"])
+        state.metrics.model(label).tokens(usage["prompt_tokens"], usage["completion_tokens"])
         log.info("request.done", **ctx, neurons=[c.neuron for c in calls],
                  usage=usage, secs=round(time.monotonic() - t0, 4),
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
         code = str(e.status)
-        if e.code == "model_not_found":
-            model = "unknown"  # a client's typo must not become a metrics label
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
         return error_response(kind, e, {"x-request-id": req_id})
     except (asyncio.CancelledError, ConnectionResetError) as e:
@@ -217,7 +216,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         for c in calls:
             c.cancel()
         state.metrics.in_progress.dec()
-        series = state.metrics.model(model)
+        series = state.metrics.model(label)
         series.answered(code)
         series.e2e.observe(time.monotonic() - t0)
 
@@ -260,6 +259,17 @@ async def _open_all(state: RouterState, greqs: list[pb.GenerateRequest], est: Es
                     t.cancel()
                 elif not t.cancelled() and t.exception() is None:
                     t.result().cancel()
+
+
+def metric_label(state: RouterState, model: str) -> str:
+    """The `model` label of a request's series: the model id itself where the operator named
+    it (an alias's target) or a neuron reported it (resident or in its catalogue), else
+    "unknown". A client's string never becomes a label, whatever refuses the request (a bad
+    image, a 429, the client leaving): each would be a hundred series more, for ever, which
+    `/metrics` shows to anyone without a key."""
+    if model in state.aliases.targets() or model in state.registry.known_models():
+        return model
+    return "unknown"
 
 
 def authorization(request: web.Request) -> str | None:
@@ -312,16 +322,15 @@ def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateR
     last[0] = now
 
 
-def _reply(env: encode.Envelope, choices: list[encode.Choice], replies: list[Completed],
-           headers: dict[str, str]) -> web.Response:
+def _reply(env: encode.Envelope, choices: list[encode.Choice],
+           replies: list[Completed]) -> bytearray:
     for choice, r in zip(choices, replies, strict=True):
         if r.reply.finish_reason in _FAILED:
             raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
         encode.add_delta(choice, encode.with_stop_str(env.req, r.reply))
     if any(c.finish_reason is None for c in choices):
         raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
-    return web.Response(body=msgspec.json.encode(encode.full_body(env, choices)),
-                        content_type="application/json", headers=headers)
+    return encode.json_body(encode.full_body(env, choices))
 
 
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],

@@ -19,9 +19,15 @@ budget.py's):
   admitted in its place (no bypass), so a large request is never starved by
   small ones. Anonymous callers (principal "") are one principal in the
   rotation and together hold at most `anon_max_in_flight`; at that cap their
-  turn is skipped, never blocking identified callers.
+  turn is skipped, never blocking identified callers. Every principal
+  (anonymous callers too) holds at most `max_in_flight_per_principal` in
+  flight where that is set (None: no cap but max_in_flight), skipped the same
+  way at it: without it, since nothing is preempted, one key's long requests
+  may hold every place for as long as they run.
 - `expire`: a queued request older than `kv_max_wait_secs` is refused 503
-  overloaded; any request past its deadline is aborted (reason deadline).
+  overloaded, saying what it waited for: an in-flight place (all held, or its
+  principal's all held) or KV (blocks needed against blocks free); any request
+  past its deadline is aborted (reason deadline).
 
 Retry-after figures come from the pool's drain rate (blocks made free per
 second, measured over a sliding window): the blocks the caller would need
@@ -92,7 +98,10 @@ class Admission:
         self._num_queued = 0
         self.in_flight: dict[str, Request] = {}  # admitted, not finished (incl. running)
         self._per_principal: dict[str, int] = {}  # queued + in flight
-        self._anon_in_flight = 0
+        self._in_flight_of: dict[str, int] = {}  # in flight, per principal; none at 0
+        # Where the last admit stopped for KV: (the head whose reservation did not fit, the
+        # blocks it asked the pool for); None where it stopped for places or ran dry.
+        self._stopped_at: tuple[Request, int] | None = None
         self._last_expire = -_EXPIRE_EVERY_SECS
 
     # --- reports -----------------------------------------------------------
@@ -149,6 +158,7 @@ class Admission:
     def admit(self) -> list[Request]:
         """Move queued requests in flight, in fair order, while places and the pool allow."""
         admitted: list[Request] = []
+        self._stopped_at = None
         while self.admitting and self._queues and len(self.in_flight) < self.limits.max_in_flight:
             principal = self._next_principal()
             if principal is None:
@@ -156,8 +166,10 @@ class Admission:
             queue = self._queues[principal]
             req = queue[0]
             reuse, restore, host_blocks, host_snapshot = self._prefix_hits(req)
-            if not self.pool.reserve(req.req_id, self.reservation_blocks(req) - len(reuse), reuse,
-                                     restore, host_blocks, host_snapshot):
+            need = self.reservation_blocks(req) - len(reuse)
+            if not self.pool.reserve(req.req_id, need, reuse, restore, host_blocks,
+                                     host_snapshot):
+                self._stopped_at = (req, need)
                 break  # no bypass: the head waits, and everyone behind it
             queue.popleft()
             self._num_queued -= 1
@@ -171,8 +183,7 @@ class Admission:
                                                                * self.pool.block_size)
             req.num_host_tokens = len(host_blocks) * self.pool.block_size
             self.in_flight[req.req_id] = req
-            if principal == "":
-                self._anon_in_flight += 1
+            self._in_flight_of[principal] = self._in_flight_of.get(principal, 0) + 1
             admitted.append(req)
         return admitted
 
@@ -195,21 +206,43 @@ class Admission:
                     break
                 if id(req) not in late:
                     timed_out.append((req, Refusal(
-                        "overloaded", f"waited {now - req.queued_at:.1f} s for KV"
-                        f" (kv_max_wait_secs {wait:g})",
+                        "overloaded", f"waited {now - req.queued_at:.1f} s for "
+                        f"{self._waiting_for(req)} (kv_max_wait_secs {wait:g})",
                         self.retry_after_ms(self._deficit(self.queued_blocks())))))
         return timed_out, past_deadline
+
+    def _waiting_for(self, req: Request) -> str:
+        """What queued `req` waits for now, as its refusal names it."""
+        lim = self.limits
+        if not self.admitting:
+            return "admission to resume (the model is not admitting now)"
+        if len(self.in_flight) >= lim.max_in_flight:
+            return f"an in-flight place (max_in_flight {lim.max_in_flight}, all held)"
+        if (cap := self._cap_reached(req.principal)) is not None:
+            whose = "anonymous callers" if req.principal == "" else "its principal"
+            return f"an in-flight place ({cap}, all held by {whose})"
+        free = self.pool.num_free_blocks
+        if self._stopped_at is None or self._stopped_at[0] is req:
+            need = self._stopped_at[1] if self._stopped_at else self.reservation_blocks(req)
+            return f"KV ({need} blocks needed, {free} free)"
+        return (f"KV (no bypass: the request before it in turn needs {self._stopped_at[1]} "
+                f"blocks, {free} free; this one needs {self.reservation_blocks(req)})")
 
     def remove(self, req: Request) -> None:
         """Forget `req` (finished, aborted or refused while queued). The pool is not touched."""
         if self.in_flight.get(req.req_id) is req:
             del self.in_flight[req.req_id]
-            if req.principal == "":
-                self._anon_in_flight -= 1
+            held = self._in_flight_of[req.principal] - 1
+            if held:
+                self._in_flight_of[req.principal] = held
+            else:
+                del self._in_flight_of[req.principal]
         else:
             queue = self._queues.get(req.principal)
             if queue is None or req not in queue:
                 return
+            if self._stopped_at is not None and self._stopped_at[0] is req:
+                self._stopped_at = None
             queue.remove(req)
             self._num_queued -= 1
             if not queue:
@@ -239,9 +272,22 @@ class Admission:
     def _next_principal(self) -> str | None:
         """The first principal in rotation that may take an in-flight place now."""
         for principal in self._queues:
-            if principal == "" and self._anon_in_flight >= self.limits.anon_max_in_flight:
-                continue  # anonymous at its cap: skip its turn, never block the others
+            if self._cap_reached(principal) is not None:
+                continue  # at its cap: skip its turn, never block the others
             return principal
+        return None
+
+    def _cap_reached(self, principal: str) -> str | None:
+        """The in-flight cap `principal` is at ("key N"), or None while it may take a place:
+        anon_max_in_flight for anonymous callers together, max_in_flight_per_principal
+        (where set) for anyone."""
+        held = self._in_flight_of.get(principal, 0)
+        lim = self.limits
+        if principal == "" and held >= lim.anon_max_in_flight:
+            return f"anon_max_in_flight {lim.anon_max_in_flight}"
+        cap = lim.max_in_flight_per_principal
+        if cap is not None and held >= cap:
+            return f"max_in_flight_per_principal {cap}"
         return None
 
     def _prefix_hits(self, req: Request) -> tuple[list[int], int, list[tuple[int, BlockKey]],

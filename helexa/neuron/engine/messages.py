@@ -112,6 +112,7 @@ class Limits(Speculation, frozen=True, kw_only=True):
     max_queue_depth: int = _ADMISSION.max_queue_depth
     max_per_principal: int = _ADMISSION.max_per_principal
     anon_max_in_flight: int = _ADMISSION.anon_max_in_flight
+    max_in_flight_per_principal: int | None = _ADMISSION.max_in_flight_per_principal
     kv_max_wait_secs: float = _ADMISSION.kv_max_wait_secs
     max_slots: int = _ENGINE.max_slots
     max_batched_tokens: int = _ENGINE.max_batched_tokens

@@ -28,6 +28,7 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
     raised = copy.deepcopy(neuron_main_config)
     raised["admission"]["max_in_flight"] = 3
     raised["kv"]["default_output_tokens"] = 77  # reload-safe, and reported so routers estimate with it
+    raised["admission"]["max_in_flight_per_principal"] = 2  # reported too (0: no cap)
     raised["kv"]["block_size"] = 32  # load-time: reported as needing a restart, not applied
     loads_before = len(neuron_main.logs("model.loading"))
 
@@ -36,7 +37,8 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
             write_neuron_config(neuron_main.config_path, raised)
             neuron_main.signal(signal.SIGHUP)
             await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 3
-                                and model_of(st).admission.default_output_tokens == 77)
+                                and model_of(st).admission.default_output_tokens == 77
+                                and model_of(st).admission.max_in_flight_per_principal == 2)
             runs = [asyncio.ensure_future(c.generate(chat_request(
                 f"hup-{i}", principal=f"h{i}", max_tokens=400, ignore_eos=True)))
                 for i in range(5)]
@@ -45,7 +47,8 @@ def test_sighup_raising_max_in_flight_takes_effect_without_a_reload(
             await asyncio.gather(*runs)
             write_neuron_config(neuron_main.config_path, neuron_main_config)
             neuron_main.signal(signal.SIGHUP)
-            st = await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 2)
+            st = await c.watch_until(lambda st: model_of(st).admission.max_in_flight == 2
+                                     and not model_of(st).admission.max_in_flight_per_principal)
             await c.watch_until(ledger_whole)
             return peak, model_of(st).admission.max_in_flight
 

@@ -125,6 +125,81 @@ def test_anonymous_capped_and_never_blocking_identified():
     assert ids(adm.admit()) == ["n2"]
 
 
+def test_a_principal_at_its_in_flight_cap_is_skipped_never_blocking_others():
+    adm, _, _ = make(max_in_flight=10, max_in_flight_per_principal=2, anon_max_in_flight=10)
+    for i in range(4):  # A came first, with more than its cap
+        adm.submit(r(f"a{i}", "A"))
+    for who in ("B", ""):
+        for i in range(3):
+            adm.submit(r(f"{who.lower() or 'n'}{i}", who))
+    # A, B and the anonymous callers (one principal) get 2 each; 4 places stay free for
+    # whoever comes next
+    assert ids(adm.admit()) == ["a0", "b0", "n0", "a1", "b1", "n1"]
+    adm.submit(r("c0", "C"))
+    assert ids(adm.admit()) == ["c0"]
+    adm.remove(adm.in_flight["a0"])
+    adm.remove(adm.in_flight["b0"])
+    assert ids(adm.admit()) == ["a2", "b2"]  # each its own place back, never another's
+    assert ids(adm.queued()) == ["n2", "a3"]
+    # raised on reload (None: no cap but max_in_flight, as before), the queue moves on
+    adm.limits = msgspec.structs.replace(adm.limits, max_in_flight=12,
+                                         max_in_flight_per_principal=None)
+    assert ids(adm.admit()) == ["n2", "a3"]
+
+
+def test_without_a_per_principal_cap_one_key_may_hold_every_place():
+    adm, _, _ = make(max_in_flight=3)
+    for i in range(3):
+        adm.submit(r(f"a{i}", "A"))
+    adm.admit()
+    adm.submit(r("b0", "B"))
+    assert adm.admit() == [] and ids(adm.queued()) == ["b0"]
+
+
+def test_a_timed_out_request_is_told_what_it_waited_for():
+    def timed_out(adm, clock) -> str:
+        clock.t += 6.0
+        [(_, refusal)] = adm.expire()[0]
+        assert refusal.code == "overloaded"
+        return refusal.message
+    # every in-flight place held (by one key's long requests): no KV was lacking
+    adm, pool, clock = make(num_blocks=64, max_in_flight=2, kv_max_wait_secs=5.0)
+    for i in range(2):
+        adm.submit(r(f"a{i}", "A"))
+    adm.admit()
+    adm.submit(r("b", "B"))
+    assert adm.admit() == []
+    assert timed_out(adm, clock) == ("waited 6.0 s for an in-flight place (max_in_flight 2, "
+                                      "all held) (kv_max_wait_secs 5)")
+    # its own principal's cap
+    adm, pool, clock = make(max_in_flight_per_principal=1, kv_max_wait_secs=5.0)
+    adm.submit(r("a0", "A"))
+    adm.submit(r("a1", "A"))
+    assert ids(adm.admit()) == ["a0"]
+    assert timed_out(adm, clock) == (
+        "waited 6.0 s for an in-flight place (max_in_flight_per_principal 1, all held by its "
+        "principal) (kv_max_wait_secs 5)")
+    adm, pool, clock = make(anon_max_in_flight=1, kv_max_wait_secs=5.0)
+    adm.submit(r("n0", ""))
+    adm.submit(r("n1", ""))
+    adm.admit()
+    assert "(anon_max_in_flight 1, all held by anonymous callers)" in timed_out(adm, clock)
+    # KV: its own reservation does not fit; or it would, but waits behind one that does
+    # not (no bypass)
+    adm, pool, clock = make(num_blocks=10, kv_max_wait_secs=5.0)
+    adm.submit(r("h", "H", blocks=6))
+    adm.admit()
+    adm.submit(r("big", "B", blocks=5))
+    adm.submit(r("small", "C", blocks=1))
+    assert adm.admit() == []
+    clock.t += 6.0
+    refused = {req.req_id: refusal.message for req, refusal in adm.expire()[0]}
+    assert refused == {
+        "big": "waited 6.0 s for KV (5 blocks needed, 4 free) (kv_max_wait_secs 5)",
+        "small": "waited 6.0 s for KV (no bypass: the request before it in turn needs 5 "
+                 "blocks, 4 free; this one needs 1) (kv_max_wait_secs 5)"}
+
+
 def test_kv_wait_times_out_with_retry_after_from_the_drain_rate():
     adm, pool, clock = make(num_blocks=10, kv_max_wait_secs=5.0)
     for i in range(5):  # five requests of 2 blocks fill the pool
