@@ -248,3 +248,32 @@ def test_a_tiny_model_writes_past_the_default_as_with_the_budget_named(arch: str
     assert run.tokens["a"] == ref.tokens["a"]
     assert grown.status().kv_growths >= 4
     assert_whole(grown, hybrid=arch == "qwen3_5")
+
+
+def test_nothing_grows_while_the_model_admits_nothing() -> None:
+    """A drain or a profile switch stops admitting and waits for in-flight work to end:
+    a reply without max_tokens ends at its budget then (counted), rather than growing
+    toward the context past the wait; admitting again, replies grow again."""
+    core = make_core(num_blocks=64, context=128)
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, m.RequestUpdate] = {}
+
+    def go(inbound: m.ToEngine) -> None:
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.finished is not None:
+                finals[u.req_id] = u
+
+    go(m.ToEngine(new=[new("a", PROMPT)]))
+    steps = 0
+    while core.admission.num_in_flight and steps < 200:
+        go(m.ToEngine(stop_admitting=True))  # each message carries the flag (client.py)
+        steps += 1
+    assert tokens["a"] == expected(PROMPT, 8) and steps <= 10
+    assert finals["a"].finished == m.FinishReason.LENGTH
+    st = core.status()
+    assert (st.kv_growths, st.kv_growths_refused_not_admitting) == (0, 1)
+    assert_whole(core)
+    run = drive(core, [new("b", PROMPT)], served=True)  # admitting again: it grows
+    assert len(run.tokens["b"]) == 128 - len(PROMPT)
+    assert_whole(core)
