@@ -6,7 +6,8 @@ grammar: helexa/neuron/prepare.py) as one task of the caller's principal on the
 neuron's work pool (helexa/neuron/work.py: bounded, fair between principals,
 off the event loop so a huge prompt never stalls other streams or Watch; the call
 counts as the model's work from before, so a drain, an unload or an eviction waits for it,
-and it is checked again once made: `_take`, `_check`), hand
+and it holds its req_id from before too; it is checked again once made: `_take`,
+`_check`), hand
 a `NewRequest` to the model's engine,
 and send what the request's `OutputProcessor` (helexa/neuron/output_processor.py:
 detokenising, stop strings, finish, usage) makes of each `RequestUpdate`.
@@ -82,7 +83,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         req_id = request.req_id or uuid.uuid4().hex
         principal = request.principal
         blog = log.bind(req_id=req_id, model=request.model, principal=principal or "anonymous")
-        r: ResidentModel | None = None  # once set, the call counts on r (begun)
+        r: ResidentModel | None = None  # once set, the call holds its id and counts on r
         try:
             try:
                 r = self._take(request.model, req_id)
@@ -109,13 +110,14 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 yield resp
         finally:
             if r is not None:
+                self._open.pop(req_id, None)  # its own entry: a duplicate never made one
                 r.end()
                 self.hub.changed()
 
     def _take(self, model: str, req_id: str) -> ResidentModel:
         """The serving model, with the call counted on it (begun: a drain, an unload or an
-        eviction waits for it while its prompt is made); or the refusal: draining, the
-        model's state, a req_id already being served."""
+        eviction waits for it while its prompt is made) and its req_id held; or the refusal:
+        draining, the model's state, a req_id already being served."""
         if self.draining:
             raise Refusal("shutting_down", "This neuron is shutting down.",
                           int(self.residency.cfg.server.drain_secs * 1000))
@@ -123,6 +125,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         if req_id in self._open:
             raise Refusal("invalid_request_error",
                           f"req_id: `{req_id}` is already being served")
+        self._open[req_id] = r
         r.begin()
         return r
 
@@ -160,7 +163,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))
         updates = r.client.generate(new, on_flow=pauses)
-        self._open[new.req_id] = r
         try:
             async for upd in updates:
                 step = out.process(upd)
@@ -189,7 +191,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             out.fail(f"{type(e).__name__}: {e}")
             raise
         finally:
-            self._open.pop(new.req_id, None)
             await updates.aclose()
             if (out.finished or client_gone) and not counted:
                 self._done(model, out, client_gone, blog, pauses)

@@ -245,6 +245,32 @@ def test_a_call_whose_prompt_is_being_made_keeps_its_model_until_it_is_answered(
     run(cfg, body)
 
 
+def test_a_req_id_is_held_from_the_start_so_a_duplicate_is_refused_at_once(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A second call with the req_id of one whose prompt is still being made is refused at
+    once, naming the id, and leaves the first one's call as it was: it is answered whole,
+    and its id stays held (a third duplicate is refused too) until it ends."""
+    cfg = config(tmp_path, tiny_model_dir, work_threads=2)
+
+    async def body(stub: Any, daemon: Any, gated: Gated) -> None:
+        first = asyncio.ensure_future(generate(stub, chat("alice", "heavy one", "dup")))
+        await until(lambda: gated.waiting == 1)
+        code, md, msg = await asyncio.wait_for(
+            refused(generate(stub, chat("bob", "two", "dup"))), 5)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert md["helexa-code"] == "invalid_request_error" and "`dup`" in msg
+        code, _, _ = await asyncio.wait_for(refused(generate(stub, chat("carol", "3", "dup"))),
+                                            5)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT  # the refused one took no id away
+        gated.release.set()
+        out = await first
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert daemon.servicer._open == {}
+        assert daemon.residency.models["tiny"].active == 0
+
+    run(cfg, body)
+
+
 def test_the_pool_is_sized_from_the_cpus_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     for cpus, threads in [(1, 3), (2, 3), (8, 5), (64, 9)]:
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
