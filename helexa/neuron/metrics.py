@@ -59,7 +59,9 @@ class _ResidencyCollector(Collector):
                                       labels=["model"])
         refused = CounterMetricFamily("helexa_kv_growths_refused",
                                       "Growths refused (the request ended at its budget): the "
-                                      "pool had no room, or requests queued for KV needed it",
+                                      "pool had no room, requests queued for KV needed it, "
+                                      "admitted requests waited for a batch row, or the model "
+                                      "was not admitting (draining, switching)",
                                       labels=["model", "reason"])
         state = GaugeMetricFamily("helexa_model_state",
                                   "Model lifecycle state (1 loading, 2 ready, 3 switching, "
@@ -92,6 +94,9 @@ class _ResidencyCollector(Collector):
             growths.add_metric([r.model_id], s.kv_growths)
             refused.add_metric([r.model_id, "no_room"], s.kv_growths_refused_no_room)
             refused.add_metric([r.model_id, "queued"], s.kv_growths_refused_queued)
+            refused.add_metric([r.model_id, "waiting"], s.kv_growths_refused_waiting)
+            refused.add_metric([r.model_id, "not_admitting"],
+                               s.kv_growths_refused_not_admitting)
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)

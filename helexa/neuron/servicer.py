@@ -4,7 +4,10 @@
 checkpoint's chat template, tokens, images, the context check, the constraint
 grammar: helexa/neuron/prepare.py) as one task of the caller's principal on the
 neuron's work pool (helexa/neuron/work.py: bounded, fair between principals,
-off the event loop so a huge prompt never stalls other streams or Watch), hand
+off the event loop so a huge prompt never stalls other streams or Watch; the call
+counts as the model's work from before, so a drain, an unload or an eviction waits for it,
+and it holds its req_id from before too; it is checked again once made: `_take`,
+`_check`), hand
 a `NewRequest` to the model's engine,
 and send what the request's `OutputProcessor` (helexa/neuron/output_processor.py:
 detokenising, stop strings, finish, usage) makes of each `RequestUpdate`.
@@ -80,38 +83,65 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         req_id = request.req_id or uuid.uuid4().hex
         principal = request.principal
         blog = log.bind(req_id=req_id, model=request.model, principal=principal or "anonymous")
+        r: ResidentModel | None = None  # once set, the call holds its id and counts on r
         try:
-            if self.draining:
-                raise Refusal("shutting_down", "This neuron is shutting down.",
-                              int(self.residency.cfg.server.drain_secs * 1000))
-            r = self.residency.serving(request.model)
-            if req_id in self._open:
-                raise Refusal("invalid_request_error",
-                              f"req_id: `{req_id}` is already being served")
-            # the caller leaving cancels this await: its task, still waiting, never runs
-            p = await self.work.run(principal, prepare, r.tokenizer, r.entry, r.limits,
-                                    request)
-        except Refusal as e:
-            await self._refuse(context, blog, request.model, e)
-            return
-        stop_ids = list(request.stop_token_ids)
-        if not request.ignore_eos:
-            stop_ids += [i for i in r.tokenizer.eos_token_ids if i not in stop_ids]
-        deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
-                    else arrival + self.residency.cfg.server.request_timeout_secs)
-        new = messages.NewRequest(
-            req_id=req_id, prompt_token_ids=p.prompt_ids,
-            sampling=sampling_params(request.sampling), max_tokens=p.max_tokens,
-            principal=principal, stop_token_ids=stop_ids, deadline_unix=deadline,
-            arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
-        blog.info("request.start", prompt_tokens=len(p.prompt_ids), max_tokens=p.max_tokens)
-        r.begin()
-        try:
+            try:
+                r = self._take(request.model, req_id)
+                # the caller leaving cancels this await: its task, still waiting, never runs
+                p = await self.work.run(principal, prepare, r.tokenizer, r.entry, r.limits,
+                                        request)
+                self._check(request.model, r)  # a drain or an unload while it was made
+            except Refusal as e:
+                await self._refuse(context, blog, request.model, e)
+                return
+            stop_ids = list(request.stop_token_ids)
+            if not request.ignore_eos:
+                stop_ids += [i for i in r.tokenizer.eos_token_ids if i not in stop_ids]
+            deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
+                        else arrival + self.residency.cfg.server.request_timeout_secs)
+            new = messages.NewRequest(
+                req_id=req_id, prompt_token_ids=p.prompt_ids,
+                sampling=sampling_params(request.sampling), max_tokens=p.max_tokens,
+                principal=principal, stop_token_ids=stop_ids, deadline_unix=deadline,
+                arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
+            blog.info("request.start", prompt_tokens=len(p.prompt_ids),
+                      max_tokens=p.max_tokens)
             async for resp in self._stream(r, new, request, context, blog):
                 yield resp
         finally:
-            r.end()
-            self.hub.changed()
+            if r is not None:
+                self._open.pop(req_id, None)  # its own entry: a duplicate never made one
+                r.end()
+                self.hub.changed()
+
+    def _take(self, model: str, req_id: str) -> ResidentModel:
+        """The serving model, with the call counted on it (begun: a drain, an unload or an
+        eviction waits for it while its prompt is made) and its req_id held; or the refusal:
+        draining, the model's state, a req_id already being served."""
+        if self.draining:
+            raise Refusal("shutting_down", "This neuron is shutting down.",
+                          int(self.residency.cfg.server.drain_secs * 1000))
+        r = self.residency.serving(model)
+        if req_id in self._open:
+            raise Refusal("invalid_request_error",
+                          f"req_id: `{req_id}` is already being served")
+        self._open[req_id] = r
+        r.begin()
+        return r
+
+    def _check(self, model: str, r: ResidentModel) -> None:
+        """After the prompt was made: still to be served by r's engine (ready, or switching
+        profile: its engine queues the request until the switch ends), else the refusal a
+        new call would get now (shutting_down while draining, the model's state)."""
+        if self.draining:
+            raise Refusal("shutting_down", "This neuron is shutting down.",
+                          int(self.residency.cfg.server.drain_secs * 1000))
+        if self.residency.models.get(model) is r and r.state in (ModelState.READY,
+                                                                  ModelState.SWITCHING):
+            return
+        self.residency.serving(model)  # draining, failed, gone: refused as a new call
+        raise Refusal("service_unavailable",  # unloaded and loaded again meanwhile
+                      f"The model `{model}` was reloaded; send the request again.", 1000)
 
     async def Complete(self, request: pb.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
@@ -133,7 +163,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))
         updates = r.client.generate(new, on_flow=pauses)
-        self._open[new.req_id] = r
         try:
             async for upd in updates:
                 step = out.process(upd)
@@ -162,7 +191,6 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             out.fail(f"{type(e).__name__}: {e}")
             raise
         finally:
-            self._open.pop(new.req_id, None)
             await updates.aclose()
             if (out.finished or client_gone) and not counted:
                 self._done(model, out, client_gone, blog, pauses)

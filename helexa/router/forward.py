@@ -42,10 +42,9 @@ Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata: (key, value) pairs
 _CODE_STATUS = {
     "rate_limit_exceeded": 429,
     "overloaded": 503, "model_loading": 503, "shutting_down": 503, "service_unavailable": 503,
-    "model_failed": 503,
+    "model_failed": 503, "upstream_error": 502,
     "context_length_exceeded": 400, "invalid_request_error": 400,
     "model_not_found": 404,
-    "upstream_error": 502,
 }
 _FALLBACK = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "overloaded"),
@@ -272,6 +271,8 @@ class OpenStream:
             try:
                 if not self.ahead and (reader := self.reader) is not None:
                     self.reader, self.reading_ahead = None, False
+                    if not reader.done():  # its read in flight is the router's ask now:
+                        self.flight.reading()  # the neuron's silence from here counts
                     await reader  # its read in flight, if any, brings one more
                 if self.ahead:  # read, unsent: the wait for them is the client's
                     self.flight.reading(read=False)

@@ -113,10 +113,14 @@ def test_metrics_count_growths_and_refusals_by_reason():
     kv = em.KvLedger(total_bytes=100, free_bytes=100, cached_bytes=0, reserved_bytes=0,
                      used_bytes=0, block_size=16, bytes_per_token=4)
     status = em.EngineStatus(kv=kv, in_flight=0, queued=0, running=0, kv_growths=7,
-                             kv_growths_refused_no_room=2, kv_growths_refused_queued=1)
+                             kv_growths_refused_no_room=2, kv_growths_refused_queued=1,
+                             kv_growths_refused_waiting=3,
+                             kv_growths_refused_not_admitting=4)
     residency = SimpleNamespace(models={"a": SimpleNamespace(model_id="a", state=2,
                                                              engine_status=status)})
     text = generate_latest(NeuronMetrics(residency).registry).decode()  # type: ignore[arg-type]
     assert 'helexa_kv_growths_total{model="a"} 7.0' in text
     assert 'helexa_kv_growths_refused_total{model="a",reason="no_room"} 2.0' in text
     assert 'helexa_kv_growths_refused_total{model="a",reason="queued"} 1.0' in text
+    assert 'helexa_kv_growths_refused_total{model="a",reason="waiting"} 3.0' in text
+    assert 'helexa_kv_growths_refused_total{model="a",reason="not_admitting"} 4.0' in text

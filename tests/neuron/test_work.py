@@ -209,6 +209,68 @@ def test_past_its_share_a_key_is_429_and_a_full_pool_503_each_naming_its_key(
     run(cfg, body)
 
 
+async def refused(call: Any) -> tuple[grpc.StatusCode, dict[str, str], str]:
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await call
+    return e.value.code(), dict(e.value.trailing_metadata() or ()), e.value.details()
+
+
+def test_a_call_whose_prompt_is_being_made_keeps_its_model_until_it_is_answered(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A Generate whose prompt is on the work pool counts as the model's work: an unload is
+    refused model_busy, and a drain waits for it rather than stopping the engine under it;
+    made once the drain began, it is refused shutting_down (which the router retries
+    elsewhere), and every count returns to zero."""
+    cfg = config(tmp_path, tiny_model_dir, work_threads=2)
+
+    async def body(stub: Any, daemon: Any, gated: Gated) -> None:
+        r = daemon.residency.models["tiny"]
+        held = asyncio.ensure_future(refused(generate(stub, chat("alice", "heavy h", "h1"))))
+        await until(lambda: gated.waiting == 1)
+        assert r.busy
+        with pytest.raises(Refusal) as e:
+            await daemon.residency.unload("tiny")
+        assert e.value.code == "model_busy"
+        drain = asyncio.ensure_future(daemon.drain())
+        await until(lambda: daemon.servicer.draining)
+        assert not await daemon.residency.wait_idle(r, 0.2)  # the drain waits for it too
+        assert r.client.alive and "tiny" in daemon.residency.models and not drain.done()
+        gated.release.set()
+        code, md, _ = await held
+        assert code == grpc.StatusCode.UNAVAILABLE and md["helexa-code"] == "shutting_down"
+        assert [q.req_id for q in r.client.requests] == []  # never reached the engine
+        await drain
+        assert r.active == 0 and daemon.servicer._open == {}
+
+    run(cfg, body)
+
+
+def test_a_req_id_is_held_from_the_start_so_a_duplicate_is_refused_at_once(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A second call with the req_id of one whose prompt is still being made is refused at
+    once, naming the id, and leaves the first one's call as it was: it is answered whole,
+    and its id stays held (a third duplicate is refused too) until it ends."""
+    cfg = config(tmp_path, tiny_model_dir, work_threads=2)
+
+    async def body(stub: Any, daemon: Any, gated: Gated) -> None:
+        first = asyncio.ensure_future(generate(stub, chat("alice", "heavy one", "dup")))
+        await until(lambda: gated.waiting == 1)
+        code, md, msg = await asyncio.wait_for(
+            refused(generate(stub, chat("bob", "two", "dup"))), 5)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert md["helexa-code"] == "invalid_request_error" and "`dup`" in msg
+        code, _, _ = await asyncio.wait_for(refused(generate(stub, chat("carol", "3", "dup"))),
+                                            5)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT  # the refused one took no id away
+        gated.release.set()
+        out = await first
+        assert out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert daemon.servicer._open == {}
+        assert daemon.residency.models["tiny"].active == 0
+
+    run(cfg, body)
+
+
 def test_the_pool_is_sized_from_the_cpus_unless_set(monkeypatch: pytest.MonkeyPatch) -> None:
     for cpus, threads in [(1, 3), (2, 3), (8, 5), (64, 9)]:
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cpus: set(range(n)))

@@ -59,3 +59,43 @@ def test_a_consumer_slow_with_what_was_read_ahead_is_not_a_silent_neuron():
     got, overdue = asyncio.run(main())
     assert got == [100 + i for i in range(40)]  # in order, none lost or repeated
     assert overdue is None, overdue
+
+
+def test_a_neuron_silent_once_what_was_read_ahead_is_taken_is_overdue():
+    """Read ahead, then every choice admitted: the consumer takes what was read and then
+    waits on the reader's read still in flight. A neuron that sends nothing more then is
+    overdue after the idle bound, as on a stream never read ahead."""
+    idle = 0.3
+
+    async def main() -> tuple[list[int], str | None]:
+        call = ScriptedCall()
+        flight = Flight("n1", streaming=True)
+        flight.call = call
+        first = pb.GenerateResponse(prompt_tokens=5, prefill_started=True)
+        flight.heard(first)
+        s = OpenStream("n1", call, first, flight)  # type: ignore[arg-type]
+        s.read_ahead()
+        for i in range(5):
+            call.items.put_nowait(pb.GenerateResponse(token_ids=[100 + i]))
+        end = time.monotonic() + 5
+        while len(s.ahead) < 5:
+            assert time.monotonic() < end
+            await asyncio.sleep(0.005)
+        s.stop_reading_ahead()  # the neuron hangs from here: nothing more comes
+        it = s.messages()
+        got: list[int] = []
+        for _ in range(6):  # the first message and the 5 read ahead
+            got.extend((await anext(it)).token_ids)
+        nxt = asyncio.ensure_future(anext(it))  # waits on the reader's read in flight
+        overdue = None
+        end = time.monotonic() + 2.0  # past six idle bounds
+        while overdue is None and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+            overdue = flight.overdue(time.monotonic(), idle)
+        nxt.cancel()
+        s.cancel()
+        return got, overdue
+
+    got, overdue = asyncio.run(main())
+    assert got == [100 + i for i in range(5)]
+    assert overdue is not None and overdue.startswith("no message from neuron n1"), overdue

@@ -16,10 +16,19 @@ bound). Admission's order is then untouched: every queue's head still fits as it
 growth never delays an admission, and the no-bypass FIFO and the round-robin between
 principals mean what they meant. The simpler "only while nothing is queued" would let one
 request waiting for an in-flight place (not for KV) stop every growth on the model; this
-rule only refuses what a queued request could need. Where it refuses, or the pool has no
-room, the request ends with finish_reason "length" at the budget it had, as without growth,
-and its usage counts what it produced. A request queued behind a growing one therefore
-waits at most one growth step of it.
+rule only refuses what a queued request could need. Nor does a request grow while the engine
+admits nothing (`stop_admitting`: a drain, a profile switch waiting for in-flight work to
+end within server.drain_secs): its reply ends at its budget with "length" rather than
+growing toward the context and outlasting the drain (aborted then) or the switch (refused
+model_busy). Nor does a growth keep a batch row from
+an admitted request that waits for one: while more requests wait for a row
+(`EngineCore.waiting`: never had one, or resumed behind a full batch) than rows are free, no
+request grows, and the grower's end gives its row to the first of them. Where the rule
+refuses, or the pool has no room, the request ends with finish_reason "length" at the
+budget it had, as without growth, and its usage counts what it produced. So a growth never
+delays a queued request's admission, and a request waiting for a row waits at most for the
+budget a running request had before its next growth (`kv.default_output_tokens`), as
+without growth.
 
 Every path that decides "this request is done at its budget" asks here first:
 EngineCore._append_token (the end of the budget reached: a refusal there is final and
@@ -56,16 +65,21 @@ class GrowthCounts:
         self.grown = 0
         self.refused_no_room = 0  # the pool had fewer free blocks than the growth needs
         self.refused_queued = 0  # it had them, but requests queued for KV need them
+        self.refused_waiting = 0  # admitted requests wait for a batch row: its end frees one
+        self.refused_not_admitting = 0  # a drain or a switch waits for in-flight work to end
 
     def figures(self) -> dict[str, Any]:
         return {"kv_growths": self.grown, "kv_growths_refused_no_room": self.refused_no_room,
-                "kv_growths_refused_queued": self.refused_queued}
+                "kv_growths_refused_queued": self.refused_queued,
+                "kv_growths_refused_waiting": self.refused_waiting,
+                "kv_growths_refused_not_admitting": self.refused_not_admitting}
 
 
 def grow(core: EngineCore, req: Request, *, final: bool = True) -> bool:
     """Grow req's budget and reservation by one step where the rule allows; True when it
     grew. False, changing nothing, for a request its client gave max_tokens, with growth
-    off, at the context or output limit, or where the blocks are not to be had; `final`:
+    off, at the context or output limit, while the engine admits nothing, while admitted
+    requests wait for a row none is free for, or where the blocks are not to be had; `final`:
     the request ends if it does not grow, so a refusal is counted (lookahead.follow's try
     is not: the postprocess asks again)."""
     if not (req.growable and core.limits.grow_output):
@@ -76,6 +90,14 @@ def grow(core: EngineCore, req: Request, *, final: bool = True) -> bool:
                           block_size=pool.block_size, max_output_tokens=spec.max_output_tokens)
     if budget <= req.output_budget:
         return False  # at the context or the output limit: its end, not a refusal
+    if not core.admission.admitting:  # a drain or a switch waits for in flight to end
+        if final:
+            core.growth.refused_not_admitting += 1
+        return False
+    if len(core.waiting) > core.scheduler.max_slots - len(core.running):
+        if final:  # a row none is free for: this one's end gives it
+            core.growth.refused_waiting += 1
+        return False
     need = reservation_blocks(req.num_prompt_tokens, budget, pool.block_size) \
         - req.num_reserved_blocks
     free = pool.num_free_blocks

@@ -251,10 +251,14 @@ class EngineStatus(msgspec.Struct, frozen=True, kw_only=True):
     spec_drafted_tokens: int = 0
     spec_accepted_tokens: int = 0
     # Growable reservations (growth.py), cumulative since start: growths, and growths refused
-    # because the pool had no room, or because requests queued for KV needed what it had.
+    # because the pool had no room, because requests queued for KV needed what it had, or
+    # because admitted requests waited for a batch row, or because the engine was not
+    # admitting (a drain or a profile switch waiting for in-flight work to end).
     kv_growths: int = 0
     kv_growths_refused_no_room: int = 0
     kv_growths_refused_queued: int = 0
+    kv_growths_refused_waiting: int = 0
+    kv_growths_refused_not_admitting: int = 0
 
 
 class FromEngine(msgspec.Struct, kw_only=True):

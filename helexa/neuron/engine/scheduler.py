@@ -7,23 +7,29 @@ out; it touches no tensors and no pool, and mutates nothing.
 The algorithm, under a token budget of `max_batched_tokens` per step:
 
 1. Decode first: every running request whose prompt is fully in the cache
-   gets its one next token, in batch order, while budget lasts — plus its
-   drafted tokens (`Request.draft`, speculative/) when the budget has room
-   for all of them, else none. Running decodes are never stalled by prefill.
-2. Then prefill chunks of running requests that are still prefilling (in
+   gets its one next token, in batch order, while budget lasts.
+2. Then the requests resumed after a pause (intake.py `pause`: a paused
+   request is in neither list, so it holds no row and takes no budget), in
+   admission order while rows are free: promoted with their next decode
+   token. They decode as they did before their pause, so a prefill never
+   holds them back either.
+3. Then drafted tokens (`Request.draft`, speculative/): a running request's
+   whole draft where the budget left after every decode token of steps 1
+   and 2 has room for it, else none. Running decodes are never stalled by
+   prefill, nor by another request's drafts.
+4. Then prefill chunks of running requests that are still prefilling (in
    batch order), each at most `prefill_chunk_tokens` and what budget is left.
-3. Then, while fewer than `max_slots` requests are running and budget is
-   left, promote waiting in-flight requests (admission order) to running and
-   give each its first prefill chunk, or its next decode token where its
-   prompt is already in: a request resumed after a pause (intake.py
-   `pause`: a paused request is in neither list, so it holds no row and
-   takes no budget; resumed ones wait ahead of new prompts, in admission
-   order).
+5. Then, while fewer than `max_slots` requests are running and budget is
+   left, promote waiting in-flight requests (admission order: resumed ones
+   wait ahead of new prompts) to running and give each its first prefill
+   chunk.
 
 Before a step is scheduled, `reclaims` names the running requests whose rows
 go back to requests that had a row before them (intake.py `reclaim`): a
 resumed request, with every row taken, takes one from the decoding request
-admitted last, where that one was admitted after it. Rows so go to the
+admitted last, where that one was admitted after it, and only where the budget
+holds a decode token for every request that then decodes (step 2 promotes it
+in the same step: a row taken back is never left empty). Rows so go to the
 requests admitted first among those whose callers read, as vLLM's FCFS
 policy preempts the request that arrived last; a pause only lends its row.
 Since the order is fixed at admission, a request never takes back a row
@@ -86,46 +92,58 @@ class Scheduler:
     def schedule(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
         plan = StepPlan()
         budget = self.max_batched_tokens
-        for req in running:  # 1. decode
-            if budget == 0:
+        decoding = [r for r in running if _decodes(r)]
+        for req in decoding[:budget]:  # 1. decode
+            plan.chunks.append(ScheduledChunk(req.req_id, 1, is_prefill=False))
+        budget -= len(plan.chunks)
+        num_running = len(running)
+        for req in [r for r in waiting if _decodes(r)]:  # 2. resumed: promoted, decoding
+            if budget == 0 or num_running >= self.max_slots:
                 break
-            if not req.is_prefilling and req.num_uncomputed_tokens > 0:
-                k = len(req.draft.tokens) if req.draft is not None else 0
-                k = k if 1 + k <= budget else 0
-                plan.chunks.append(ScheduledChunk(req.req_id, 1 + k, is_prefill=False,
-                                                  num_draft=k))
-                budget -= 1 + k
-        for req in running:  # 2. prefill already running
+            plan.chunks.append(ScheduledChunk(req.req_id, 1, is_prefill=False))
+            plan.promoted.append(req.req_id)
+            budget -= 1
+            num_running += 1
+        for i, req in enumerate(decoding[:len(plan.chunks)]):  # 3. drafts, whole or none
+            k = len(req.draft.tokens) if req.draft is not None else 0
+            if 0 < k <= budget:
+                plan.chunks[i] = ScheduledChunk(req.req_id, 1 + k, is_prefill=False,
+                                                num_draft=k)
+                budget -= k
+        for req in running:  # 4. prefill already running
             if budget == 0:
                 break
             if req.is_prefilling:
                 n = self._chunk(req, budget)
                 plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
                 budget -= n
-        num_running = len(running)
-        for req in waiting:  # 3. promote
+        for req in waiting:  # 5. promote new prompts
             if budget == 0 or num_running >= self.max_slots:
                 break
-            prefill = req.is_prefilling
-            if not prefill and req.num_uncomputed_tokens == 0:
-                continue  # nothing to compute (never so for a resumed request)
-            n = self._chunk(req, budget) if prefill else 1
-            plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=prefill))
+            if not req.is_prefilling:
+                continue  # resumed (step 2), or nothing to compute
+            n = self._chunk(req, budget)
+            plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
             plan.promoted.append(req.req_id)
             budget -= n
             num_running += 1
         return plan
 
     def reclaims(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[Request]:
-        """Running requests that give their rows back this step: the waiting requests that
+        """Running requests that give their rows back this step: the resumed requests that
         had a row (at the front of `waiting`, in admission order) beyond the free
         rows each take one from the decoding request admitted last, where it was admitted
-        after them."""
-        had = [r for r in waiting if r.had_row]
-        claimants = had[max(0, self.max_slots - len(running)):]
+        after them. None where the budget cannot give each decoding request and each
+        resumed one given a row its token (`schedule`, steps 1 and 2): a row taken back
+        would stay empty, its owner no longer decoding and its claimant not yet."""
+        free = max(0, self.max_slots - len(running))
+        decoding = [r for r in running if _decodes(r)]
+        if self.max_batched_tokens - len(decoding) < free:
+            return []  # not even the free rows get a decode token this step
+        claimants = [r for r in waiting if r.had_row and _decodes(r)][free:]
         if not claimants:
             return []
-        latest = sorted((r for r in running if not r.is_prefilling), key=lambda r: -r.seq)
+        latest = sorted(decoding, key=lambda r: -r.seq)
         out: list[Request] = []
         for claimant, holder in zip(claimants, latest, strict=False):
             if holder.seq < claimant.seq:
@@ -144,3 +162,9 @@ class Scheduler:
             if stop:
                 n = min(n, stop - computed)
         return n
+
+
+def _decodes(req: Request) -> bool:
+    """Its prompt is in the cache and it has a token to compute: it decodes (a resumed
+    request waiting always has; one running only between its steps' tokens never is)."""
+    return not req.is_prefilling and req.num_uncomputed_tokens > 0

@@ -114,6 +114,75 @@ def test_growth_takes_what_is_left_once_the_queue_is_covered() -> None:
     assert_whole(core)
 
 
+def test_a_request_waiting_for_a_row_gets_it_when_the_growers_budget_ends() -> None:
+    """max_slots 1, both admitted: b waits for the row a holds. a does not grow while b
+    waits: it ends at its budget with "length" and b gets the row then, as without growth,
+    rather than at a's context (or, with a deadline, never)."""
+    now = [1000.0]
+    core = make_core(num_blocks=64, context=128, max_slots=1, max_in_flight=2)
+    core.admission.wall_clock = core.admission.clock = lambda: now[0]
+    tokens: dict[str, list[int]] = {}
+    first_b = None
+    inbound = m.ToEngine(new=[new("a", PROMPT), new("b", [1, 2, 3, 4], 8, principal="q",
+                                                      deadline_unix=1050.0)])
+    finals: dict[str, m.RequestUpdate] = {}
+    for i in range(200):
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.finished is not None:
+                finals[u.req_id] = u
+        inbound, now[0] = None, now[0] + 1.0
+        if first_b is None and tokens.get("b"):
+            first_b = i
+        if not core.has_work:
+            break
+    assert tokens["a"] == expected(PROMPT, 8) and first_b == 8
+    assert finals["a"].finished == m.FinishReason.LENGTH
+    assert tokens["b"] == expected([1, 2, 3, 4], 8)
+    assert finals["b"].finished == m.FinishReason.LENGTH
+    st = core.status()
+    assert (st.kv_growths, st.kv_growths_refused_waiting) == (0, 1)
+    assert_whole(core)
+    run = drive(core, [new("c", PROMPT)], served=True)  # nobody waits: it grows again
+    assert len(run.tokens["c"]) == 128 - len(PROMPT) and core.status().kv_growths > 0
+    assert_whole(core)
+
+
+def test_a_request_that_lent_its_row_takes_it_back_and_the_borrower_is_not_starved() -> None:
+    """max_slots 1: a paused lends its row to b; a resumed takes it back (b waits for a row
+    again, mid-reply); a then ends at its budget rather than growing, and b finishes its
+    whole reply before its deadline."""
+    now = [1000.0]
+    core = make_core(num_blocks=64, context=128, max_slots=1, max_in_flight=2)
+    core.admission.wall_clock = core.admission.clock = lambda: now[0]
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, m.RequestUpdate] = {}
+
+    def go(inbound: m.ToEngine | None = None) -> None:
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.finished is not None:
+                finals[u.req_id] = u
+        now[0] += 1.0
+
+    go(m.ToEngine(new=[new("a", [1, 2, 3]), new("b", [4, 5], 30, principal="q",
+                                                deadline_unix=1080.0)]))
+    go()
+    go(m.ToEngine(paused={"a": True}))
+    for _ in range(4):
+        go()
+    assert tokens["b"]
+    go(m.ToEngine(paused={"a": False}))
+    while core.has_work:
+        go()
+    assert tokens["a"] == expected([1, 2, 3], 8)
+    assert finals["a"].finished == m.FinishReason.LENGTH
+    assert tokens["b"] == expected([4, 5], 30)
+    assert finals["b"].finished == m.FinishReason.LENGTH
+    assert core.status().kv_growths_refused_waiting >= 1
+    assert_whole(core)
+
+
 class Failing(FakeRunner):
     """Raises on the given step (counted from 1)."""
 
@@ -179,3 +248,32 @@ def test_a_tiny_model_writes_past_the_default_as_with_the_budget_named(arch: str
     assert run.tokens["a"] == ref.tokens["a"]
     assert grown.status().kv_growths >= 4
     assert_whole(grown, hybrid=arch == "qwen3_5")
+
+
+def test_nothing_grows_while_the_model_admits_nothing() -> None:
+    """A drain or a profile switch stops admitting and waits for in-flight work to end:
+    a reply without max_tokens ends at its budget then (counted), rather than growing
+    toward the context past the wait; admitting again, replies grow again."""
+    core = make_core(num_blocks=64, context=128)
+    tokens: dict[str, list[int]] = {}
+    finals: dict[str, m.RequestUpdate] = {}
+
+    def go(inbound: m.ToEngine) -> None:
+        for u in core.step(inbound).updates:
+            tokens.setdefault(u.req_id, []).extend(u.new_token_ids)
+            if u.finished is not None:
+                finals[u.req_id] = u
+
+    go(m.ToEngine(new=[new("a", PROMPT)]))
+    steps = 0
+    while core.admission.num_in_flight and steps < 200:
+        go(m.ToEngine(stop_admitting=True))  # each message carries the flag (client.py)
+        steps += 1
+    assert tokens["a"] == expected(PROMPT, 8) and steps <= 10
+    assert finals["a"].finished == m.FinishReason.LENGTH
+    st = core.status()
+    assert (st.kv_growths, st.kv_growths_refused_not_admitting) == (0, 1)
+    assert_whole(core)
+    run = drive(core, [new("b", PROMPT)], served=True)  # admitting again: it grows
+    assert len(run.tokens["b"]) == 128 - len(PROMPT)
+    assert_whole(core)

@@ -200,6 +200,35 @@ def test_rows_go_back_to_the_requests_admitted_first_and_never_back_and_forth(mo
     assert_whole(core)
 
 
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "lookahead"])
+def test_a_row_taken_back_during_a_long_prefill_is_never_left_empty(monkeypatch, ahead):
+    """max_slots 2, a budget of 4 a step, a 60-token prompt prefilling in `a`'s lent row:
+    `a` resumed takes `b`'s row back and decodes in the same step, every step, while the
+    prefill goes on in the budget left; no step leaves a row empty."""
+    core = make_core(monkeypatch, ahead=ahead, max_slots=2, max_in_flight=3,
+                     max_batched_tokens=4, prefill_chunk_tokens=4)
+    tokens: dict[str, list[int]] = {}
+    step(core, tokens, m.ToEngine(new=[new("a", [1, 2, 3], 40), new("b", [4, 5], 40)]))
+    step(core, tokens)
+    step(core, tokens, m.ToEngine(new=[new("c", list(range(10, 70)), 5)]))
+    step(core, tokens, m.ToEngine(paused={"a": True}))  # c takes a's row: it prefills
+    step(core, tokens)
+    assert core.requests["c"].is_prefilling
+    a_before = len(tokens["a"])
+    ups = steps(core, tokens, m.ToEngine(paused={"a": False}))
+    assert ups["b"].waiting_for_row
+    decoded = 0
+    while core.requests["c"].is_prefilling:
+        got = step(core, tokens)
+        assert len(core.running) == 2 and got.get("a") == 1  # a row each: a's and c's
+        decoded += 1
+    assert decoded >= 10 and len(tokens["a"]) >= a_before + decoded
+    finish_all(core, tokens, [])
+    assert tokens == {"a": expected([1, 2, 3], 40), "b": expected([4, 5], 40),
+                      "c": expected(list(range(10, 70)), 5)}
+    assert_whole(core)
+
+
 def test_a_paused_request_still_ends_by_abort_or_deadline(monkeypatch):
     now = [1000.0]
     core = make_core(monkeypatch)

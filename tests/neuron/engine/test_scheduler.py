@@ -131,3 +131,56 @@ def test_rows_go_back_to_requests_that_had_one_from_those_admitted_after_them():
     assert s.reclaims([c, d, seq(decoding("e"), 4)], [new]) == []  # never had a row: waits
     assert [r.req_id for r in s.reclaims([c, d], [a, b])] == ["c"]  # a takes the free row
     assert s.reclaims([c, d, seq(decoding("x"), 0)], [seq(decoding("z"), 9)]) == []
+
+
+def resumed(rid: str, seq: int, outputs: int = 5) -> Request:
+    """A request that had a row, paused and resumed: waiting, its prompt in the cache."""
+    r = decoding(rid, outputs=outputs)
+    r.status, r.seq, r.had_row = RequestStatus.IN_FLIGHT, seq, True
+    return r
+
+
+def test_a_resumed_request_decodes_before_any_prefill_chunk():
+    """A prefill that would take the whole budget does not hold a resumed request back: it
+    gets its row with its decode token first, and the prefill the budget left."""
+    s = Scheduler(max_slots=2, max_batched_tokens=4, prefill_chunk_tokens=4)
+    p = req("p", 60, computed=8)
+    plan = s.schedule([p], [resumed("r", 1)])
+    assert plan.chunks == [ScheduledChunk("r", 1, False), ScheduledChunk("p", 3, True)]
+    assert plan.promoted == ["r"]
+
+
+def test_a_row_is_taken_back_only_for_a_claimant_that_decodes_in_the_same_step():
+    """Every row held, one by a prefill that takes what budget is left: the row taken back
+    from the decoding request admitted last goes to the resumed one in the same step; where
+    the budget has no token for the claimant after the running decodes, no row is taken."""
+    s = Scheduler(max_slots=2, max_batched_tokens=4, prefill_chunk_tokens=4)
+    a, b = resumed("a", 1), decoding("b")
+    b.seq, b.had_row = 2, True
+    p = req("p", 60, computed=8)
+    p.seq, p.had_row = 3, True
+    assert s.reclaims([b, p], [a]) == [b]
+    plan = s.schedule([p], [a, b])  # b waits for a row again, behind a
+    assert plan.promoted == ["a"] and plan.chunks[0] == ScheduledChunk("a", 1, False)
+    c, d = decoding("c"), decoding("d")
+    c.seq, d.seq = 4, 5
+    two = Scheduler(max_slots=3, max_batched_tokens=2, prefill_chunk_tokens=4)
+    assert two.reclaims([c, d, p], [a]) == [d]  # c's token, and a's where d's was
+    assert two.schedule([c, p], [a, d]).decode_ids == ["c", "a"]
+    one = Scheduler(max_slots=3, max_batched_tokens=1, prefill_chunk_tokens=4)
+    assert one.reclaims([c, d, p], [a]) == []  # one token: c's; a row taken would idle
+
+
+def test_drafts_take_only_what_the_decode_tokens_leave():
+    """A running request's draft never takes a token another decoding request, or a
+    resumed one taking its row, needs in the step."""
+    from helexa.neuron.engine.speculative.drafters import Draft
+    s = Scheduler(max_slots=3, max_batched_tokens=4, prefill_chunk_tokens=4)
+    d1, d2 = decoding("d1"), decoding("d2")
+    d1.draft = Draft([1, 2])
+    plan = s.schedule([d1, d2], [resumed("r", 1)])
+    assert plan.chunks == [ScheduledChunk("d1", 1, False), ScheduledChunk("d2", 1, False),
+                           ScheduledChunk("r", 1, False)]
+    plan = s.schedule([d1, d2], [])  # room for the whole draft
+    assert plan.chunks == [ScheduledChunk("d1", 3, False, num_draft=2),
+                           ScheduledChunk("d2", 1, False)]
