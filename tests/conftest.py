@@ -26,6 +26,10 @@ from helexa.fixtures.tiny import init_tiny
 # the probes of helexa's) would run interpreted too; those tests then skip.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from support.triton_interp import faster_device_calls
+
+    faster_device_calls()  # its repeated work skipped, nothing it computes changed
 
 
 def _print_logger(*args: object) -> structlog.PrintLogger:
