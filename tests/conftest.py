@@ -46,6 +46,28 @@ def _print_logger(*args: object) -> structlog.PrintLogger:
 structlog.configure(logger_factory=_print_logger)
 
 
+# Folders whose files share session daemons (their conftest.py starts them): under `make
+# test`'s `-n 2 --dist loadfile` their files run on one worker, in order, as one unit, so
+# the daemons start once, not once on each worker (tests/integration/router's three
+# neurons and their checkpoints took 13 s of each worker's time, ~35 s when it was busy).
+SHARED_DAEMONS = ("tests/integration/neuron/", "tests/integration/ops/",
+                  "tests/integration/router/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedDaemonsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in SHARED_DAEMONS if path.startswith(d)), path)
+
+    return SharedDaemonsTogether(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     made: dict[str, Path] = {}
