@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+from support.cpu_matmul_once import measure_once_per_shape
 
 from helexa.fixtures.tiny import init_tiny
 
@@ -30,6 +31,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     from support.triton_interp import faster_device_calls
 
     faster_device_calls()  # its repeated work skipped, nothing it computes changed
+measure_once_per_shape()  # tests/support/cpu_matmul_once.py says why
 
 
 def _print_logger(*args: object) -> structlog.PrintLogger:
