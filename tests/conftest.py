@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 import torch
+from support.cpu_matmul_once import measure_once_per_shape
 
 from helexa.fixtures.tiny import init_tiny
 
@@ -26,6 +27,11 @@ from helexa.fixtures.tiny import init_tiny
 # the probes of helexa's) would run interpreted too; those tests then skip.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from support.triton_interp import faster_device_calls
+
+    faster_device_calls()  # its repeated work skipped, nothing it computes changed
+measure_once_per_shape()  # tests/support/cpu_matmul_once.py says why
 
 
 def _print_logger(*args: object) -> structlog.PrintLogger:
@@ -40,6 +46,28 @@ def _print_logger(*args: object) -> structlog.PrintLogger:
 
 
 structlog.configure(logger_factory=_print_logger)
+
+
+# Folders whose files share session daemons (their conftest.py starts them): under `make
+# test`'s `-n 2 --dist loadfile` their files run on one worker, in order, as one unit, so
+# the daemons start once, not once on each worker (tests/integration/router's three
+# neurons and their checkpoints took 13 s of each worker's time, ~35 s when it was busy).
+SHARED_DAEMONS = ("tests/integration/neuron/", "tests/integration/ops/",
+                  "tests/integration/router/")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedDaemonsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in SHARED_DAEMONS if path.startswith(d)), path)
+
+    return SharedDaemonsTogether(config, log)
 
 
 @pytest.fixture(scope="session")

@@ -27,27 +27,47 @@ def _hf_model(model_dir: str):
 
 def hf_greedy(model_dir: Path, prompt: Sequence[int], max_new: int) -> tuple[list[int], int]:
     """transformers' greedy continuation and the first near-tie step (max_new if none)."""
-    return _hf_greedy(str(model_dir), tuple(prompt), max_new)
+    ref = _reference(str(model_dir), tuple(prompt))
+    ref.extend(max_new)
+    return ref.tokens[:max_new], ref.first_tie(max_new)
+
+
+class _Reference:
+    """transformers' greedy decode of one prompt, run only as far as it was asked and
+    continued from where it stopped (its KV cache kept): a prompt picked at one length and
+    compared at another decodes each step once. Step i's token and top-two gap are the
+    same however far the decode goes (one token a forward, the cache fed back)."""
+
+    def __init__(self, model_dir: str, prompt: tuple[int, ...]) -> None:
+        self.model = _hf_model(model_dir)
+        self.tokens: list[int] = []
+        self.gaps: list[float] = []  # each step's top-two logit gap
+        self.past = None
+        self.x = torch.tensor([list(prompt)], device=DEVICE)
+
+    def extend(self, steps: int, until_tie: bool = False) -> None:
+        """Decode up to ``steps`` tokens in all; with ``until_tie``, stop at a near-tie."""
+        with torch.inference_mode():
+            while len(self.tokens) < steps:
+                if until_tie and self.first_tie(len(self.gaps)) < len(self.gaps):
+                    return
+                out = self.model(self.x, past_key_values=self.past, use_cache=True)
+                self.past = out.past_key_values
+                logits = out.logits[0, -1].float()
+                top2 = logits.topk(2).values
+                self.gaps.append(float(top2[0] - top2[1]))
+                self.tokens.append(int(logits.argmax()))
+                self.x = torch.tensor([[self.tokens[-1]]], device=DEVICE)
+
+    def first_tie(self, steps: int) -> int:
+        """The first of the first ``steps`` steps (decoded) whose gap is a near-tie, else
+        ``steps``."""
+        return next((i for i, gap in enumerate(self.gaps[:steps]) if gap < NEAR_TIE), steps)
 
 
 @cache
-def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new: int) -> tuple[list[int], int]:
-    model = _hf_model(model_dir)
-    tokens: list[int] = []
-    first_tie = max_new
-    past = None
-    x = torch.tensor([list(prompt)], device=DEVICE)
-    with torch.inference_mode():
-        for step in range(max_new):
-            out = model(x, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[0, -1].float()
-            top2 = logits.topk(2).values
-            if first_tie == max_new and float(top2[0] - top2[1]) < NEAR_TIE:
-                first_tie = step
-            tokens.append(int(logits.argmax()))
-            x = torch.tensor([[tokens[-1]]], device=DEVICE)
-    return tokens, first_tie
+def _reference(model_dir: str, prompt: tuple[int, ...]) -> _Reference:
+    return _Reference(model_dir, prompt)
 
 
 def assert_greedy_matches(model_dir: Path, prompt: Sequence[int], ours: list[int],
@@ -66,7 +86,11 @@ def pick_prompt(model_dir: Path, seed: int, length: int, max_new: int = 64,
     for attempt in range(50):
         g = torch.Generator().manual_seed(seed * 1000 + attempt)
         prompt = torch.randint(3, vocab, (length,), generator=g).tolist()
-        if hf_greedy(model_dir, prompt, max_new)[1] >= min_agree:
+        # the reference's first near-tie within max_new steps is at min_agree or later:
+        # decoded only until a near-tie rules the prompt out (the rest when compared)
+        ref = _reference(str(model_dir), tuple(prompt))
+        ref.extend(min(min_agree, max_new), until_tie=True)
+        if min_agree <= max_new and ref.first_tie(min_agree) >= min_agree:
             return prompt
     raise AssertionError(f"{model_dir}: every prompt tried hits a near-tie early")
 

@@ -6,9 +6,6 @@ import json
 from typing import Any
 
 import pytest
-from anthropic._models import construct_type
-from anthropic.lib.streaming._messages import accumulate_event
-from anthropic.types import RawMessageStreamEvent
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic
@@ -50,6 +47,10 @@ WRITTEN = {"file_path": "a.go", "content": "func f() {\n\treturn\n}"}
 
 def sdk_final(raw: bytes) -> Any:
     """The message the anthropic SDK's stream accumulator makes of the events."""
+    from anthropic._models import construct_type  # not at collection: support/lazy_import.py
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+
     snap, bufs = None, {}
     for chunk in raw.decode().split("\n\n"):
         if chunk.strip():

@@ -18,8 +18,9 @@ MSG = [{"role": "user", "content": "hello there"}]
 
 
 @pytest.fixture
-def quiet_router(fleet):
-    """A fresh router over one fake neuron whose Watch says nothing until told."""
+def quiet_router(fleet, request):
+    """A fresh router over one fake neuron whose Watch says nothing until told; its
+    first_report_secs 5 s, or the test's indirect parameter."""
     lt = fleet.lt
     n = FakeNeuron("q", ["tiny"])
     n.b.silent = True
@@ -28,7 +29,8 @@ def quiet_router(fleet):
         "server": {"listen": "127.0.0.1:0"},
         "neurons": {"endpoints": [{"name": "q", "address": address}]},
         # 5 s: room for the report to arrive after the test lets it go, on a loaded machine
-        "timeouts": {"first_report_secs": 5.0, "load_wait_secs": 1.0}}, RouterConfig)
+        "timeouts": {"first_report_secs": getattr(request, "param", 5.0),
+                     "load_wait_secs": 1.0}}, RouterConfig)
     runner, state, addr = lt.run(router_app.start(cfg))
     yield n, state, f"http://{addr}"
     lt.run(router_app.stop(runner, state))
@@ -53,6 +55,8 @@ def test_a_request_before_the_first_report_waits_for_it(fleet, quiet_router):
         assert reply.result().choices[0].message.content == "w0 "
 
 
+# 1 s: no report ever comes here, so the test waits out the whole bound
+@pytest.mark.parametrize("quiet_router", [1.0], indirect=True)
 def test_the_wait_for_a_first_report_is_bounded(fleet, quiet_router):
     n, state, url = quiet_router
     t0 = time.monotonic()

@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 import re
 
-import anthropic
 import openai
 import pytest
 from router_procs import key_of
+from support.lazy_import import Lazy
 from tokenizers import Tokenizer
+
+anthropic = Lazy("anthropic")
 
 MODEL = "qwen35"
 MSG = [{"role": "user", "content": "What is the weather in Oslo?"}]

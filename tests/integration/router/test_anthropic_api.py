@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 
-import anthropic
 import httpx2
 import pytest
 from router_procs import key_of
+from support.lazy_import import Lazy
+
+anthropic = Lazy("anthropic")
 
 MSGS = [{"role": "user", "content": "Tell me about the sea."}]
 WEATHER = {"name": "get_weather", "description": "Weather in a city",

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pydantic
 import pytest
 from router_procs import key_of
+from support.lazy_import import Lazy, needs
 
-langchain_openai = pytest.importorskip("langchain_openai")
+langchain_openai = Lazy("langchain_openai")
+pytestmark = needs("langchain_openai")
 
 
 class GetWeather(pydantic.BaseModel):

@@ -10,10 +10,11 @@ import asyncio
 from typing import Annotated
 
 import pydantic
-import pytest
 from router_procs import key_of
+from support.lazy_import import Lazy, needs
 
-agents = pytest.importorskip("agents")  # openai-agents, a test-only dependency (dev extra)
+agents = Lazy("agents")
+pytestmark = needs("agents", " (openai-agents, a test-only dependency: the dev extra)")
 
 
 class Report(pydantic.BaseModel):

@@ -22,14 +22,16 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import anthropic
 import httpx2
 import openai
 import pytest
 import tomli_w
 from router_procs import TOKEN, start_router, wait_for
+from support.lazy_import import Lazy
 from support.neuron import NeuronClient, ledger_whole, start_neuron, write_neuron_config
 from support.vision import make_image
+
+anthropic = Lazy("anthropic")
 
 
 def png(img) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.ct_reference import compress, ct_checkpoint
+from support.lazy_import import needs
 
 from helexa.neuron.engine.model_runner import ModelRunner
 from helexa.neuron.formats.base import UnsupportedQuantization
@@ -18,9 +19,7 @@ from helexa.neuron.formats.compressed_tensors import (
 from helexa.neuron.formats.loader import load_model
 from helexa.neuron.formats.methods import Int8gLinear, Int8Linear
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-pytest.importorskip("compressed_tensors")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), needs("compressed_tensors")]
 
 SCHEMES = [(4, True, 32), (4, False, 64), (4, False, None), (4, True, None), (8, True, None),
            (8, True, 32), (8, False, 64), (8, False, None)]
