@@ -24,6 +24,18 @@ def fake_next_token(context: list[int], vocab_size: int) -> int:
     return (context[-1] + 1 + hash(tuple(context)) % 3) % vocab_size
 
 
+def fake_continuation(prompt: list[int], n: int, vocab_size: int,
+                      stop: int | None = None) -> list[int]:
+    """The fake model's greedy reply to `prompt`: n tokens, or up to and including `stop`."""
+    ctx, out = list(prompt), []
+    for _ in range(n):
+        out.append(fake_next_token(ctx, vocab_size))
+        ctx.append(out[-1])
+        if out[-1] == stop:
+            break
+    return out
+
+
 class FakeRunner:
     """A ModelRunner stand-in (helexa/neuron/engine/runner.py's Runner): token ids stored
     in a paged "KV cache", read back through the block tables, and logits peaked at

@@ -11,7 +11,7 @@ import time
 
 import msgspec
 import pytest
-from support.fake_runner import FakeRunner, FakeRunnerFactory, fake_next_token
+from support.fake_runner import FakeRunner, FakeRunnerFactory, fake_continuation
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
@@ -31,10 +31,7 @@ def spec(**kw) -> EngineSpec:
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(fake_next_token(ctx, VOCAB))
-    return ctx[len(prompt):]
+    return fake_continuation(prompt, n, VOCAB)
 
 
 def fake(step_secs: float = 0.0) -> FakeRunnerFactory:

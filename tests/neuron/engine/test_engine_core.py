@@ -8,7 +8,7 @@ import random
 import msgspec
 import pytest
 from support.engine import assert_whole, drive
-from support.fake_runner import FakeRunner, fake_next_token
+from support.fake_runner import FakeRunner, fake_continuation
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -33,15 +33,7 @@ def new(rid: str, prompt: list[int], max_tokens: int | None = 8, **kw) -> m.NewR
 
 
 def expected(prompt: list[int], n: int, stop: int | None = None) -> list[int]:
-    ctx = list(prompt)
-    out: list[int] = []
-    for _ in range(n):
-        t = fake_next_token(ctx, VOCAB)
-        out.append(t)
-        ctx.append(t)
-        if t == stop:
-            break
-    return out
+    return fake_continuation(prompt, n, VOCAB, stop)
 
 
 def test_single_request_greedy_tokens_and_length_finish():

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 from support.engine import assert_whole, drive
-from support.fake_runner import FakeRunner, fake_next_token
+from support.fake_runner import FakeRunner, fake_continuation
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -37,11 +37,7 @@ def new(rid: str, prompt: list[int], max_tokens: int | None = None, **kw) -> m.N
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    ctx, out = list(prompt), []
-    for _ in range(n):
-        out.append(fake_next_token(ctx, VOCAB))
-        ctx.append(out[-1])
-    return out
+    return fake_continuation(prompt, n, VOCAB)
 
 
 def test_without_max_tokens_it_grows_to_the_context_on_an_idle_pool() -> None:

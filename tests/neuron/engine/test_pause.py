@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from support.engine import assert_whole, drive, with_drafter
-from support.fake_runner import FakeRunner, fake_next_token
+from support.fake_runner import FakeRunner, fake_continuation
 
 from helexa import grammar
 from helexa.fixtures.tiny import init_tiny
@@ -43,11 +43,7 @@ def new(rid: str, prompt: list[int], max_tokens: int, **kw: Any) -> m.NewRequest
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    ctx, out = list(prompt), []
-    for _ in range(n):
-        out.append(fake_next_token(ctx, VOCAB))
-        ctx.append(out[-1])
-    return out
+    return fake_continuation(prompt, n, VOCAB)
 
 
 def step(core: EngineCore, tokens: dict[str, list[int]], inbound: m.ToEngine | None = None

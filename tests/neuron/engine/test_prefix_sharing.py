@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from support.engine import assert_whole, drive
-from support.fake_runner import FakeRunner, fake_next_token
+from support.fake_runner import FakeRunner, fake_continuation
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
@@ -32,10 +32,7 @@ def ask(core: EngineCore, rid: str, prompt: list[int], principal: str) -> tuple[
 
 
 def expected(prompt: list[int], n: int) -> list[int]:
-    ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(fake_next_token(ctx, VOCAB))
-    return ctx[len(prompt):]
+    return fake_continuation(prompt, n, VOCAB)
 
 
 def test_a_guessed_prompt_hits_nothing_of_another_principal_by_default():
