@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from helexa.neuron.engine.growth import REASONS as GROWTH_REFUSALS
 from helexa.neuron.residency import Residency
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -92,11 +93,8 @@ class _ResidencyCollector(Collector):
                     c.add_metric([r.model_id], getattr(s, f"host_{k}_blocks"))
                 host_hits.add_metric([r.model_id], s.prefix_host_hit_tokens)
             growths.add_metric([r.model_id], s.kv_growths)
-            refused.add_metric([r.model_id, "no_room"], s.kv_growths_refused_no_room)
-            refused.add_metric([r.model_id, "queued"], s.kv_growths_refused_queued)
-            refused.add_metric([r.model_id, "waiting"], s.kv_growths_refused_waiting)
-            refused.add_metric([r.model_id, "not_admitting"],
-                               s.kv_growths_refused_not_admitting)
+            for reason in GROWTH_REFUSALS:
+                refused.add_metric([r.model_id, reason], getattr(s, f"kv_growths_refused_{reason}"))
             counts["in_flight"].add_metric([r.model_id], s.in_flight)
             counts["queued"].add_metric([r.model_id], s.queued)
             counts["running"].add_metric([r.model_id], s.running)

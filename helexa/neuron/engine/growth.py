@@ -58,21 +58,24 @@ if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
 
 
+# Why a growth was refused (helexa_kv_growths_refused_total's `reason`): the pool had fewer
+# free blocks than it needs; it had them, but requests queued for KV need them; admitted
+# requests wait for a batch row (the grower's end frees one); a drain or a switch waits for
+# in-flight work to end.
+REASONS = ("no_room", "queued", "waiting", "not_admitting")
+
+
 class GrowthCounts:
-    """Growths since the engine started, and the growths refused (EngineStatus, metrics)."""
+    """Growths since the engine started, and the growths refused by reason (EngineStatus,
+    metrics)."""
 
     def __init__(self) -> None:
         self.grown = 0
-        self.refused_no_room = 0  # the pool had fewer free blocks than the growth needs
-        self.refused_queued = 0  # it had them, but requests queued for KV need them
-        self.refused_waiting = 0  # admitted requests wait for a batch row: its end frees one
-        self.refused_not_admitting = 0  # a drain or a switch waits for in-flight work to end
+        self.refused = dict.fromkeys(REASONS, 0)
 
     def figures(self) -> dict[str, Any]:
-        return {"kv_growths": self.grown, "kv_growths_refused_no_room": self.refused_no_room,
-                "kv_growths_refused_queued": self.refused_queued,
-                "kv_growths_refused_waiting": self.refused_waiting,
-                "kv_growths_refused_not_admitting": self.refused_not_admitting}
+        return {"kv_growths": self.grown,
+                **{f"kv_growths_refused_{r}": n for r, n in self.refused.items()}}
 
 
 def grow(core: EngineCore, req: Request, *, final: bool = True) -> bool:
@@ -91,24 +94,24 @@ def grow(core: EngineCore, req: Request, *, final: bool = True) -> bool:
     if budget <= req.output_budget:
         return False  # at the context or the output limit: its end, not a refusal
     if not core.admission.admitting:  # a drain or a switch waits for in flight to end
-        if final:
-            core.growth.refused_not_admitting += 1
-        return False
+        return _refused(core, "not_admitting", final)
     if len(core.waiting) > core.scheduler.max_slots - len(core.running):
-        if final:  # a row none is free for: this one's end gives it
-            core.growth.refused_waiting += 1
-        return False
+        return _refused(core, "waiting", final)  # a row none is free for: this one's end gives it
     need = reservation_blocks(req.num_prompt_tokens, budget, pool.block_size) \
         - req.num_reserved_blocks
     free = pool.num_free_blocks
+    if need > free:
+        return _refused(core, "no_room", final)
     if need > free - core.admission.queued_blocks() or not pool.extend(req.req_id, need):
-        if final:
-            if need > free:
-                core.growth.refused_no_room += 1
-            else:
-                core.growth.refused_queued += 1
-        return False
+        return _refused(core, "queued", final)
     req.num_reserved_blocks += need
     req.output_budget = budget
     core.growth.grown += 1
     return True
+
+
+def _refused(core: EngineCore, reason: str, final: bool) -> bool:
+    """False, the growth refused; counted where the request ends for it (`final`)."""
+    if final:
+        core.growth.refused[reason] += 1
+    return False
