@@ -147,7 +147,8 @@ class WorkPool:
                  name: str = "work") -> None:
         self.workers = workers
         self.queue_depth = queue_depth
-        self.per_principal = per_principal or default_share(workers, queue_depth)
+        self.per_principal = 0
+        self.set_share(per_principal)
         self.max_running = max_running or workers
         self.background_depth = background_depth or workers + queue_depth
         self.background_threads = max(1, workers - 1)
@@ -170,6 +171,10 @@ class WorkPool:
                                           daemon=True) for i in range(workers)]
         for t in self._threads:
             t.start()
+
+    def set_share(self, per_principal: int | None) -> None:
+        """`per_principal`, or where None the default share of this pool's places."""
+        self.per_principal = per_principal or default_share(self.workers, self.queue_depth)
 
     def refusal(self, reason: str, principal: str) -> Exception:
         """What a refused `run` raises: OVER_SHARE (the principal holds `per_principal`) or

@@ -118,9 +118,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         """The serving model, with the call counted on it (begun: a drain, an unload or an
         eviction waits for it while its prompt is made) and its req_id held; or the refusal:
         draining, the model's state, a req_id already being served."""
-        if self.draining:
-            raise Refusal("shutting_down", "This neuron is shutting down.",
-                          int(self.residency.cfg.server.drain_secs * 1000))
+        self._not_draining()
         r = self.residency.serving(model)
         if req_id in self._open:
             raise Refusal("invalid_request_error",
@@ -129,13 +127,17 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         r.begin()
         return r
 
+    def _not_draining(self) -> None:
+        """shutting_down while the neuron drains, its retry after drain_secs."""
+        if self.draining:
+            raise Refusal("shutting_down", "This neuron is shutting down.",
+                          int(self.residency.cfg.server.drain_secs * 1000))
+
     def _check(self, model: str, r: ResidentModel) -> None:
         """After the prompt was made: still to be served by r's engine (ready, or switching
         profile: its engine queues the request until the switch ends), else the refusal a
         new call would get now (shutting_down while draining, the model's state)."""
-        if self.draining:
-            raise Refusal("shutting_down", "This neuron is shutting down.",
-                          int(self.residency.cfg.server.drain_secs * 1000))
+        self._not_draining()
         if self.residency.models.get(model) is r and r.state in (ModelState.READY,
                                                                   ModelState.SWITCHING):
             return

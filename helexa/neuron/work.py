@@ -34,7 +34,7 @@ import structlog
 
 from helexa.config.neuron import ServerConfig
 from helexa.refusal import Refusal
-from helexa.work_pool import OVER_SHARE, WorkPool, default_share
+from helexa.work_pool import OVER_SHARE, WorkPool
 
 log = structlog.get_logger(component="neuron")
 RETRY_AFTER_MS = 1000
@@ -67,8 +67,7 @@ class NeuronWork(WorkPool):
 
     def reshare(self, cfg: ServerConfig) -> None:
         """A reloaded `server.work_per_principal` (threads and queue wait for a restart)."""
-        self.per_principal = cfg.work_per_principal or default_share(self.workers,
-                                                                     self.queue_depth)
+        self.set_share(cfg.work_per_principal)
 
     def refusal(self, reason: str, principal: str) -> Refusal:
         if reason == OVER_SHARE:
