@@ -10,6 +10,7 @@ import time
 
 import httpx2
 from router_fake_neuron import Behaviour
+from support.stalled_client import post_to_a_small_window, until_flat
 
 MSG = [{"role": "user", "content": "hello there"}]
 
@@ -132,32 +133,18 @@ def test_a_client_that_stops_reading_longer_than_the_idle_bound_is_not_cut(fl):
     # the client stops reading for 1.5 s (within client_write_secs): the router's buffers
     # fill and it stops reading the neuron, whose silence then is the client's doing, not a
     # hung neuron's, however short stream_idle_secs is
-    import socket
     fl.state.registry.stream_idle_secs = 0.5
     body = json.dumps({"model": "tiny", "max_tokens": 1000, "stream": True, "logprobs": True,
                        "top_logprobs": 20, "messages": [
                            {"role": "user", "content": "[[tokens:1000]] go"}]}).encode()
-    host, port = fl.url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock = post_to_a_small_window(fl.url, body)
     try:
-        sock.connect((host, int(port)))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
         got = sock.recv(256)
         assert got.startswith(b"HTTP/1.1 200")
         req_id = fl.lt.call(lambda: (fl.n1.requests + fl.n2.requests)[-1].req_id)
-
-        def sent() -> int:
-            return fl.lt.call(lambda: fl.n1.sent.get(req_id, 0) + fl.n2.sent.get(req_id, 0))
-        last, end = sent(), time.monotonic() + 20
-        while True:  # the buffers fill, then the router's reads stop
-            time.sleep(0.3)
-            if (now := sent()) == last:
-                break
-            assert time.monotonic() < end, now
-            last = now
+        # the buffers fill, then the router's reads stop
+        last = until_flat(lambda: fl.lt.call(
+            lambda: fl.n1.sent.get(req_id, 0) + fl.n2.sent.get(req_id, 0)))
         assert 0 < last < 1000  # the neuron's writes wait for the router's reads
         time.sleep(1.5)  # three idle bounds
         chunks = [got]

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from typing import Any
 
 import httpx2
 from router_fake_neuron import FakeModel
+from support.stalled_client import post_to_a_small_window, until_flat
 
 from helexa.router import serve
 
@@ -104,14 +104,8 @@ def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl, monke
     monkeypatch.setattr(serve, "_open_all", recorded)
     body = json.dumps({"model": "other", "max_tokens": 20000, **LONG, "messages": [
         {"role": "user", "content": "[[tokens:20000]] go"}]}).encode()
-    host, port = fl.url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock = post_to_a_small_window(fl.url, body)
     try:
-        sock.connect((host, int(port)))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\n\r\n" + body)
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
         # choice 0 was read ahead while choice 1 waited; once both were in, neither is
         assert ahead_at_open == [(True, False), (False, False)], ahead_at_open
@@ -123,17 +117,8 @@ def test_once_every_choice_is_admitted_a_stalled_client_stops_them_all(fl, monke
             assert time.monotonic() < end, "a choice is still read ahead"
             time.sleep(0.02)
         ids = [g.req_id for g in fl.n2.requests[-2:]]
-
-        def sent() -> list[int]:
-            return fl.lt.call(lambda: [fl.n2.sent.get(i, 0) for i in ids])
-        last, end = sent(), time.monotonic() + 20
-        while True:  # the buffers fill, then the reads stop
-            time.sleep(0.3)
-            now = sent()
-            if now == last:
-                break
-            assert time.monotonic() < end, now
-            last = now
+        # the buffers fill, then the reads stop
+        now = until_flat(lambda: fl.lt.call(lambda: [fl.n2.sent.get(i, 0) for i in ids]))
         assert max(now) < 20000, now  # both stopped, neither read to its end
     finally:
         sock.close()

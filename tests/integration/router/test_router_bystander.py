@@ -19,6 +19,7 @@ import pytest
 import tomli_w
 from router_procs import RouterProcess, start_router, tiny_neuron, wait_for
 from support.neuron import NeuronProcess
+from support.stalled_client import post_to_a_small_window
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 JSON = {"Content-Type": "application/json"}
@@ -267,26 +268,13 @@ def test_200000_turns_stall_no_stream(pair):
     wait_for(lambda: ledger_whole(router), timeout=15)
 
 
-def _post_to_a_small_window(router: RouterProcess, body: bytes) -> socket.socket:
-    """A chat request sent over a raw socket with a small receive window, so that the
-    router's writes stop draining soon after the client stops reading; the socket."""
-    host, port = router.url.removeprefix("http://").rsplit(":", 1)
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.connect((host, int(port)))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                 b"Content-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-    return sock
-
-
 def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
     _, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
                        "stream": True, "ignore_eos": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
-    sock = _post_to_a_small_window(router, body)
+    sock = post_to_a_small_window(router.url, body)
     try:
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
         # Read nothing more. The neuron generates, the buffers fill, then within
@@ -312,7 +300,7 @@ def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
     def done() -> int:
         return router.log_path.read_text().count('"request.done"')
     before = done()
-    sock = _post_to_a_small_window(router, body)
+    sock = post_to_a_small_window(router.url, body)
     try:
         # Read nothing: the reply (about 4 MB) outgrows the kernel's buffers. Once it is
         # made, give the router a few client_write_secs, then read what is left.
@@ -498,7 +486,7 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
         thread = threading.Thread(target=read_reference, daemon=True)
         thread.start()
         try:
-            socks = [_post_to_a_small_window(router, body) for _ in range(2)]
+            socks = [post_to_a_small_window(router.url, body) for _ in range(2)]
             # (the reference too may be paused a moment where this process reads it slower
             # than the neuron makes it: the same rule)
             wait_for(lambda: _paused(router) >= 2, timeout=30)
@@ -555,7 +543,7 @@ def test_a_stream_of_two_choices_completes_when_one_must_wait_for_the_others_kv(
                       "logprobs": True, "top_logprobs": 20,
                       "max_tokens": output_limit(router) - 3 * n // 2}).encode()
     with client_write_secs(neuron, router, 60.0):  # the holder stays, paused
-        holder = _post_to_a_small_window(router, hog)
+        holder = post_to_a_small_window(router.url, hog)
         try:
             wait_for(lambda: _paused(router) == 1, timeout=30)
             with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60,
