@@ -246,9 +246,9 @@ def _code_literals(tree: ast.AST) -> set[str]:
 
 def _emitted_codes() -> set[str]:
     from helexa.neuron.grpc_status import STATUS_OF_CODE
-    from helexa.router.forward import _CODE_STATUS
+    from helexa.router.rpc_errors import CODE_STATUS
 
-    codes = set(STATUS_OF_CODE) | set(_CODE_STATUS)
+    codes = set(STATUS_OF_CODE) | set(CODE_STATUS)
     for py in _SOURCES:
         if py.parts[-2] in ("router", "neuron", "engine"):
             codes |= _code_literals(_tree(py))
@@ -279,10 +279,10 @@ def test_every_error_code_the_code_gives_is_in_the_error_table() -> None:
 
 def test_the_error_table_states_the_status_each_code_gets() -> None:
     from helexa.neuron.grpc_status import STATUS_OF_CODE
-    from helexa.router.forward import _CODE_STATUS
+    from helexa.router.rpc_errors import CODE_STATUS
 
     table = _error_table()
-    for code, status in _CODE_STATUS.items():
+    for code, status in CODE_STATUS.items():
         assert f"| {status} |" in table[code], f"docs/errors.md: `{code}` is HTTP {status}"
     for code, grpc_status in STATUS_OF_CODE.items():
         assert f"`{grpc_status.name}`" in table[code], \

@@ -4,7 +4,7 @@ Every RPC that refuses (the servicer's, the token check's) ends its call
 with `abort`: the status for the refusal's code, its message as the
 details, and trailing metadata `helexa-code` plus `helexa-retry-after-ms`
 when the neuron has an estimate (docs/grpc.md). The router maps the code
-back to HTTP (helexa/router/forward.py); docs/errors.md states both, and
+back to HTTP (helexa/router/rpc_errors.py); docs/errors.md states both, and
 tests/test_docs.py checks this table against it.
 """
 

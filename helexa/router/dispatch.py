@@ -4,7 +4,7 @@ This is where policy (selection.rank) meets the registry's soft state and the
 gRPC edge. A request whose model is not READY anywhere waits (up to
 `timeouts.load_wait_secs`) for a load it may cause itself, if its principal
 is in `auth.load_principals`; a refusal before the first byte
-(UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND: forward.RETRYABLE) is retried
+(UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND: rpc_errors.RETRYABLE) is retried
 once on the next neuron in the preference order.
 
 A streaming request gets an open Generate stream (its first message in
@@ -43,18 +43,17 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router.auth import may_load
 from helexa.router.errors import ApiError
 from helexa.router.forward import (
-    RETRYABLE,
     Completed,
     OpenStream,
     UpstreamClosed,
     complete,
     err_detail,
-    map_rpc_error,
     open_generate,
 )
 from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
+from helexa.router.rpc_errors import RETRYABLE, map_rpc_error
 from helexa.router.selection import (
     Candidate,
     Estimate,

@@ -1,23 +1,18 @@
-"""The gRPC edge toward neurons: build a GenerateRequest, call the neuron, map refusals to HTTP.
+"""The gRPC edge toward neurons: build a GenerateRequest, call the neuron.
 
-A neuron refuses with a gRPC status plus trailing metadata `helexa-code`
-(the OpenAI-style code) and `helexa-retry-after-ms`; `map_rpc_error` turns
-that into the `ApiError` of docs/errors.md's table, with `Retry-After`
-from the neuron's estimate. Streaming requests use `open_generate`, which
-returns only once the first message has arrived, so a refusal (which the
-neuron sends before any token) is seen before the router commits to an
-HTTP status. Non-streaming requests use `complete`: the unary Complete RPC
-(a stream costs more gRPC CPU on both ends), whose one reply is the whole
-answer, so every error of such a call, a refusal or a failure, arrives
-before any byte went to the client.
+A neuron refuses before any token, with a gRPC status and trailing metadata that
+rpc_errors.py's `map_rpc_error` turns into the client's error (docs/errors.md's table).
+Streaming requests use `open_generate`, which returns only once the first message has
+arrived, so a refusal is seen before the router commits to an HTTP status. Non-streaming
+requests use `complete`: the unary Complete RPC (a stream costs more gRPC CPU on both
+ends), whose one reply is the whole answer, so every error of such a call, a refusal or a
+failure, arrives before any byte went to the client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
-import re
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -28,60 +23,11 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.responses import merge_responses
 from helexa.router import agent_request
-from helexa.router.errors import ApiError
 from helexa.router.inflight import Flight, UpstreamLost
 from helexa.router.openai_api import ParsedRequest
-
-# Refusals before the first byte that another neuron may well accept. NOT_FOUND too: the
-# router only sends where Watch said READY, so it means that report was already stale.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                       grpc.StatusCode.NOT_FOUND})
+from helexa.router.rpc_errors import RETRYABLE
 
 Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata: (key, value) pairs
-
-_CODE_STATUS = {
-    "rate_limit_exceeded": 429,
-    "overloaded": 503, "model_loading": 503, "shutting_down": 503, "service_unavailable": 503,
-    "model_failed": 503, "upstream_error": 502,
-    "context_length_exceeded": 400, "invalid_request_error": 400,
-    "model_not_found": 404,
-}
-_FALLBACK = {
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "overloaded"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "model_not_found"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    # The neuron refused the router's own token: a deployment fault, not the client's.
-    grpc.StatusCode.UNAUTHENTICATED: (503, "service_unavailable"),
-    grpc.StatusCode.PERMISSION_DENIED: (503, "service_unavailable"),
-}
-
-
-def trailing(e: grpc.aio.AioRpcError) -> dict[str, str]:
-    md = e.trailing_metadata() or ()
-    return {k: v if isinstance(v, str) else v.decode() for k, v in md}
-
-
-def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
-    """The client-facing error for a neuron's refusal or failure."""
-    md = trailing(e)
-    code = md.get("helexa-code")
-    if code in _CODE_STATUS:
-        status = _CODE_STATUS[code]
-    else:
-        status, code = _FALLBACK.get(e.code(), (502, "upstream_error"))
-    retry_after = None
-    if re.fullmatch(r"[0-9]{1,9}", md.get("helexa-retry-after-ms", "")):
-        retry_after = max(1, math.ceil(int(md["helexa-retry-after-ms"]) / 1000))
-    param = md.get("helexa-param")
-    if code == "context_length_exceeded" and not param:
-        param = {"chat": "messages", "responses": "input"}.get(kind, "prompt")
-    message = e.details() or f"neuron answered {e.code().name}"
-    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        message = "no neuron accepted the router's credentials"
-    return ApiError(status, message, code=code, param=param, retry_after_secs=retry_after)
 
 
 def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: str,

@@ -22,10 +22,11 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic, anthropic_errors, images
 from helexa.router.agent_request import template_kwargs
 from helexa.router.errors import ApiError, bad_request
-from helexa.router.forward import chat_proto, map_rpc_error
+from helexa.router.forward import chat_proto
 from helexa.router.http_edge import read_body
 from helexa.router.openai_api import ParsedRequest, Turn, _message, continue_final
 from helexa.router.request_model import INT32_MAX, Message, TokenId, decode_as
+from helexa.router.rpc_errors import map_rpc_error
 from helexa.router.serve import STATE, authorization
 
 

@@ -6,8 +6,9 @@ import grpc
 import pytest
 
 from helexa.proto import neuron_pb2 as pb
-from helexa.router.forward import generate_request, map_rpc_error
+from helexa.router.forward import generate_request
 from helexa.router.openai_api import parse_request
+from helexa.router.rpc_errors import map_rpc_error
 
 
 def rpc_error(code: grpc.StatusCode, helexa_code: str | None = None,
