@@ -275,6 +275,7 @@ def test_tp2_a_rank_that_cannot_measure_fails_the_load_naming_it(tiny_checkpoint
     from support.pool_meter import ScriptedMeters
 
     from helexa.neuron.engine.memory_plan import KvPlanError
+    from helexa.neuron.engine.tp_messages import DEFAULT_TIMEOUT_SECS
 
     model_dir = tiny_checkpoint("qwen3")
     one = runner(model_dir, 1)
@@ -295,5 +296,7 @@ def test_tp2_a_rank_that_cannot_measure_fails_the_load_naming_it(tiny_checkpoint
                                           r"and left the group: RuntimeError: CUDA out of "
                                           r"memory \(scripted\)$"):
             _measured(model_dir, ScriptedMeters(free, fail_step=oom, late={0: 3.0}))
-    assert time.monotonic() - start < 15  # not a collective's timeout (20 s)
+    # not a collective's timeout: the group's bound (20 s) was not waited out; the messages
+    # above say which rank failed and why (a 15 s bound failed at 16 s on a loaded machine)
+    assert time.monotonic() - start < DEFAULT_TIMEOUT_SECS
     assert not multiprocessing.active_children()

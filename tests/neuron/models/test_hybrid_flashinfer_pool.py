@@ -64,9 +64,20 @@ def test_a_hybrid_on_the_pool_kernel_gives_the_torch_paths_logits(checkpoint, mo
         # FlashInfer's kernel hands o back in bf16 (as fla's does), the torch rule in fp32:
         # one rounding of o per layer apart, here 0.07 of the logits' spread at most (with
         # the stand-in's o kept in fp32 the logits are bit for bit the torch path's)
-        assert float((g - w).abs().max()) < 0.1 * float(w.std())
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+        apart = float((g - w).abs().max())
+        assert apart < 0.1 * float(w.std())
+        _same_choice(g, w, apart)
     monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
+
+
+def _same_choice(got: torch.Tensor, want: torch.Tensor, apart: float) -> None:
+    """Each row's greedy token is the reference's, or one the reference has within 2 x
+    `apart` of its best: logits that differ by up to `apart` can swap two tokens only that
+    close (the random head has such near ties: 0.125 apart, swapped on an AMD EPYC)."""
+    for g, w in zip(got, want, strict=True):
+        pick = int(g.argmax())
+        assert pick == int(w.argmax()) or float(w.max() - w[pick]) <= 2 * apart, \
+            (pick, int(w.argmax()), float(w.max() - w[pick]), apart)
 
 
 def _spec_steps(runner: ModelRunner) -> list[torch.Tensor]:
@@ -109,6 +120,7 @@ def test_verification_on_fla_beside_the_pool_kernel_gives_the_torch_paths_logits
     assert sum(c["q"][1] == 4 for c in recurrent.calls) == 4 * len(fused.linear_states.layers)
     for g, w in zip(got, want, strict=True):
         assert g.shape == w.shape
-        assert float((g - w).abs().max()) < 0.1 * float(w.std())
-        assert torch.equal(g.argmax(-1), w.argmax(-1))
+        apart = float((g - w).abs().max())
+        assert apart < 0.1 * float(w.std())
+        _same_choice(g, w, apart)
     monkeypatch.setattr(fig, "fi_pool_unavailable", UNAVAILABLE)
