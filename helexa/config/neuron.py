@@ -65,7 +65,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_in_flight: Annotated[int, field_meta(
-        "Requests holding a KV reservation at once, per model.", RELOAD, ge=1)] = 16
+        "Requests holding a KV reservation at once, per model (a hybrid model: at most the "
+        "linear-attention state slots its pool holds; model.limits_capped says so).",
+        RELOAD, ge=1)] = 16
     max_queue_depth: Annotated[int, field_meta(
         "Requests waiting for admission, per model; beyond it 503 overloaded.", RELOAD, ge=0)] = 256
     max_per_principal: Annotated[int, field_meta(
