@@ -58,11 +58,12 @@ def test_merge_takes_reload_fields_and_keeps_restart_fields() -> None:
     assert set(merged.profiles) == {"fast"}
 
 
-def test_a_reload_does_not_hold_up_the_tokens_of_a_stream(
+def test_a_reload_holds_the_event_loop_for_milliseconds_not_seconds(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     """SIGHUP runs on the event loop that serves every stream: with a catalogue of a few
-    models a reload must not stall a stream's tokens (a router would declare the neuron
-    down). The largest gap between tokens around three reloads stays that of a step."""
+    models a reload must not stall the streams (a router would declare the neuron down).
+    Each of three reloads during a stream costs the loop's thread little CPU (its own
+    time, so other processes on the machine do not count), and the stream runs on."""
     (tmp_path / "token").write_text("t")
     cfg: dict[str, Any] = {
         "server": {"listen": "127.0.0.1:0", "token_file": "token"},
@@ -76,23 +77,28 @@ def test_a_reload_does_not_hold_up_the_tokens_of_a_stream(
 
     async def body(stub, daemon, engine):
         loop = asyncio.get_running_loop()
-        seen: list[float] = []
+        held: list[float] = []
+
+        def reload() -> None:  # as the SIGHUP handler runs it: on the loop
+            t0 = time.thread_time()
+            daemon.reload()
+            held.append(time.thread_time() - t0)
 
         async def hups() -> None:
             for depth in (101, 102, 103):
                 await asyncio.sleep(0.1)
                 cfg["admission"]["max_queue_depth"] = depth
                 write_neuron_config(path, cfg)
-                loop.call_soon(daemon.reload)  # as the SIGHUP handler runs it
+                loop.call_soon(reload)
 
         req = pb.GenerateRequest(req_id="s", model="tiny", text="hi", max_tokens=250,
                                  ignore_eos=True)
         reloads = asyncio.ensure_future(hups())
-        async for _ in stub.Generate(req, metadata=bearer("t")):
-            seen.append(time.monotonic())
+        out = [r async for r in stub.Generate(req, metadata=bearer("t"))]
         await reloads
-        return max(b - a for a, b in zip(seen, seen[1:], strict=False)), engine.limits
+        return held, engine.limits, out[-1]
 
-    gap, limits = run_fake_neuron(path, body, script=lambda _p, _i: 7, step_secs=0.002)
-    assert limits.max_queue_depth == 103  # the reloads applied
-    assert gap < 0.25, f"a stream's tokens stopped for {gap:.2f} s during a reload"
+    held, limits, last = run_fake_neuron(path, body, script=lambda _p, _i: 7, step_secs=0.002)
+    assert limits.max_queue_depth == 103 and len(held) == 3  # the reloads applied
+    assert last.usage.completion_tokens == 250
+    assert max(held) < 0.2, f"a reload held the event loop for {max(held):.2f} s of CPU"
