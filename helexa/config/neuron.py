@@ -65,7 +65,9 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
 class AdmissionConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     max_in_flight: Annotated[int, field_meta(
-        "Requests holding a KV reservation at once, per model.", RELOAD, ge=1)] = 16
+        "Requests holding a KV reservation at once, per model (a hybrid model: at most the "
+        "linear-attention state slots its pool holds; model.limits_capped says so).",
+        RELOAD, ge=1)] = 16
     max_queue_depth: Annotated[int, field_meta(
         "Requests waiting for admission, per model; beyond it 503 overloaded.", RELOAD, ge=0)] = 256
     max_per_principal: Annotated[int, field_meta(
@@ -214,7 +216,10 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     priority: Annotated[int, field_meta(
         "Residency priority: eviction takes the least recently used model of equal or lower priority.",
         RELOAD)] = 0
-    profile: Annotated[str | None, field_meta("Profile the model runs (a [profiles.NAME]).", RELOAD)] = None
+    profile: Annotated[str | None, field_meta(
+        "Profile the model runs (a [profiles.NAME]). A reload changing it switches the model "
+        "as `helexa ctl profile` does; one removing the profile a model was switched to at "
+        "runtime switches it back to this one.", RELOAD)] = None
     context: Annotated[optional(int, ge=2), field_meta(
         "Advertised context (prompt + output tokens); the neuron refuses to start if the pool cannot hold it.",
         RESTART)] = None

@@ -34,6 +34,7 @@ from helexa.config.schema import (
 from helexa.log import setup_logging
 from helexa.neuron.auth import TokenAuthInterceptor, server_credentials
 from helexa.neuron.metrics import NeuronMetrics
+from helexa.neuron.reconfigure import reconfigure
 from helexa.neuron.residency import ClientFactory, Residency
 from helexa.neuron.resident_model import ModelState
 from helexa.neuron.servicer import NeuronServicer
@@ -204,29 +205,10 @@ class NeuronDaemon:
         self.cfg = merged
         self.hub.heartbeat_secs = self.cfg.server.heartbeat_secs
         self.servicer.work.reshare(self.cfg.server)
-        for r in self.residency.models.values():
-            r.entry = self.cfg.model(r.model_id)
-        switching = {m for m, _ in profile_changes}
-        # a hybrid's new max_in_flight (its state slots), more rows or a larger step than a
-        # model was built for (its width): re-planned in place, as at a switch
-        replans = [m for m in self.residency.pool_replans(self.cfg) if m not in switching]
-        self.residency.apply_limits(self.cfg, tuple(replans))
-        for model_id, profile in profile_changes:  # the file's profile wins over a runtime switch
-            if model_id in self.residency.models:
-                asyncio.ensure_future(self._switch_profile(model_id, profile))
-            else:
-                self.residency.forget_profile(model_id)
-        for model_id in replans:
-            r = self.residency.models[model_id]
-            asyncio.ensure_future(self._switch_profile(model_id, r.profile))
+        # the file's profile wins over a runtime switch
+        reconfigure(self.residency, self.cfg, dict(profile_changes))
         log.info("config.reloaded", changed=len(applied))
         return applied
-
-    async def _switch_profile(self, model_id: str, profile: str) -> None:
-        try:
-            await self.residency.set_profile(model_id, profile)
-        except Exception as e:
-            log.error("model.profile_failed", model=model_id, profile=profile, error=str(e))
 
     # ------------------------------------------------------------- SIGTERM
 

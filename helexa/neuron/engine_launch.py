@@ -2,7 +2,9 @@
 
 `build_spec` turns a model's plan (helexa.plan) and the config in force into
 the `EngineSpec` its engine process is started with (helexa/neuron/engine/spec.py),
-and records the linear-attention state slots the plan carved out of the pool.
+records the linear-attention state slots the plan carved out of the pool and what
+its runner is built for, and holds its limits within them (within_ceilings, as a
+reload does: a hybrid's max_in_flight no more than its state slots).
 `start_engine` and `load_tokenizer` are what `Residency` uses unless a test
 hands it fakes.
 """
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from helexa.config.schema import NeuronConfig
+from helexa.neuron.limits import within_ceilings
 from helexa.neuron.resident_model import ResidentModel
 from helexa.plan import state_slots
 
@@ -35,6 +38,8 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
     num_blocks, slots = state_slots(plan, max_in_flight or 1)
     r.num_state_slots = slots
     r.step_ceilings = cfg.step_ceilings(r.profile)
+    if r.admission is not None:  # the ceilings a reload applies, at load too: a hybrid runs
+        r.admission, _ = within_ceilings(r.admission, r)  # no more than its state slots
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
         dtype=r.load_entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,

@@ -22,6 +22,7 @@ from helexa.neuron.limits import (
     effective_limits,
     within_ceilings,
 )
+from helexa.neuron.reconfigure import settle
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.plan import plan_model, state_slots
 from helexa.refusal import Refusal
@@ -48,7 +49,6 @@ async def set_profile(res: Residency, model_id: str, profile: str
     if r.state != ModelState.READY:
         raise Refusal("service_unavailable",
                       f"The model `{model_id}` is {r.state.name.lower()}.", 1000)
-    asked = effective_limits(res.cfg, profile, r.entry)
     ceilings = widened(r, res.cfg, profile)
     new_plan, slots = planned(res, r, profile, res.cfg, ceilings)
     changed = [f"profile: {r.profile or '(base)'} -> {profile or '(base)'}"] * (
@@ -58,18 +58,25 @@ async def set_profile(res: Residency, model_id: str, profile: str
             ("state slots", r.num_state_slots, slots),
             ("built for max_slots", r.step_ceilings[0], ceilings[0]),
             ("built for max_batched_tokens", r.step_ceilings[1], ceilings[1])) if a != b]
-    if pool:  # the pool re-planned (a kv_dtype, a hybrid's state slots, a wider step)
-        await switch_pool(res, r, new_plan, slots, ceilings)
-    new_limits, cut = within_ceilings(asked, r)
-    changed += diff_limits(r.admission, new_limits) + cut + pool
-    if new_limits != r.admission:
-        r.client.set_limits(new_limits)
-        r.admission = new_limits
-    r.profile = profile
-    res._profiles[model_id] = profile
-    log.info("model.profile", model=model_id, profile=profile, changed=changed)
+    try:
+        if pool:  # the pool re-planned (a kv_dtype, a hybrid's state slots, a wider step)
+            await switch_pool(res, r, new_plan, slots, ceilings)
+        if not r.reload_pending:  # else settle() below hands it the reload's, once
+            # the config as it is now: a reload may have come while the pool re-planned
+            new_limits, cut = within_ceilings(effective_limits(res.cfg, profile, r.entry), r)
+            changed += diff_limits(r.admission, new_limits) + cut
+            if new_limits != r.admission:
+                r.client.set_limits(new_limits)
+                r.admission = new_limits
+        changed += pool
+        r.profile = profile
+        res._profiles[model_id] = profile
+        log.info("model.profile", model=model_id, profile=profile, changed=changed)
+    finally:  # switched or not: a reload that came while it switched applies now
+        settle(res, r)
     res._on_change()
     return r, changed
+
 
 def widened(r: ResidentModel, cfg: NeuronConfig, profile: str) -> tuple[int, int]:
     """The decode rows and step tokens ``r``'s runner must be built for to run ``profile``

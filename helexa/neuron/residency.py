@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from helexa.neuron.limits import (
     effective_limits,
     within_ceilings,
 )
+from helexa.neuron.reconfigure import settle
 from helexa.neuron.resident_model import ModelState, ResidentModel, failure_reason
 from helexa.refusal import Refusal
 
@@ -203,6 +204,7 @@ class Residency:
             r.fail(e.message if isinstance(e, Refusal) else failure_reason(e))
             log.error("model.failed", model=entry.id, error=r.error, failures=r.failures,
                       retry_after_secs=round(r.retry_after_ms / 1000))
+        settle(self, r)  # a reload that came while it loaded applies now
         self._on_change()
         return r, evicted
 
@@ -298,15 +300,18 @@ class Residency:
 
     # ----------------------------------------------------------- runtime limits
 
-    def apply_limits(self, cfg: NeuronConfig, replans: tuple[str, ...] = ()) -> list[str]:
-        """Hand every resident engine its limits under `cfg`; returns 'model: key old -> new'.
-        ``replans``: models whose pool is re-planned next (pool_replans)."""
+    def apply_limits(self, cfg: NeuronConfig, replans: tuple[str, ...] = (),
+                     only: Collection[str] | None = None) -> list[str]:
+        """Hand every ready engine (``only`` those models) its limits under `cfg`; returns
+        'model: key old -> new'. ``replans``: models whose pool is re-planned next
+        (pool_replans). One loading or switching takes them when ready (reconfigure.settle)."""
         self.cfg = cfg
         changes: list[str] = []
         for r in self.models.values():
-            if r.client is None or r.state == ModelState.FAILED:
+            if r.client is None or r.state != ModelState.READY or (
+                    only is not None and r.model_id not in only):
                 continue
-            # (the daemon's reload updates entry) within what the runner was built for
+            # (reconfigure updates entry) within what the runner was built for
             new, cut = within_ceilings(effective_limits(cfg, r.profile, r.entry), r,
                                        replan=r.model_id in replans)
             changes += [f"{r.model_id}: {c}" for c in diff_limits(r.admission, new) + cut]

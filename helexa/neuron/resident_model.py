@@ -65,6 +65,11 @@ class ResidentModel:
     # the ceilings a re-plan last failed to build (profile_switch.switch_pool): a reload
     # asking for them again does not drain the model to fail again (Residency.pool_replans)
     refused_ceilings: tuple[int, int] = (0, 0)
+    # a reload that came while it loaded or switched, applied once it is ready
+    # (helexa/neuron/reconfigure.py settle), with the profile the file then named for it
+    # (None: the file named no other)
+    reload_pending: bool = False
+    reload_profile: str | None = None
     # The activation dtype measured for a GGUF on CPU (helexa/neuron/activation.py)
     activations: Activations | None = None
 

@@ -1,0 +1,87 @@
+"""A reloaded config applied to the resident models (SIGHUP: helexa/neuron/daemon.py).
+
+A ready model takes a reload at once: its limits handed to its engine, within what its
+runner is built for (helexa/neuron/limits.py within_ceilings); its pool re-planned in
+place where the new figures need it (Residency.pool_replans), its profile kept; its
+profile switched where the file names another for it (the file's wins over a runtime
+switch), or where the profile it runs is no longer in the file: back to the file's own
+(`models[].profile`, else the base settings), as `ctl profile` would switch, logged
+`model.profile_removed`. A model loading or switching when a reload comes takes it once
+it is ready (`settle`, called at the end of its load and of its switch), so no reload is
+lost to a model that was busy (docs/operating.md, "Reload, drain, restart").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import structlog
+
+from helexa.neuron.resident_model import ModelState, ResidentModel
+
+if TYPE_CHECKING:
+    from helexa.config.schema import NeuronConfig
+    from helexa.neuron.residency import Residency
+
+log = structlog.get_logger(component="neuron")
+
+_switches: set[asyncio.Future[None]] = set()  # held until done (the loop holds them weakly)
+
+
+def reconfigure(res: Residency, cfg: NeuronConfig, profiles: dict[str, str]) -> None:
+    """Apply ``cfg`` (a reload's, merged) to every resident model; ``profiles``: model id ->
+    the profile the file now names for it, where that changed ("" for the base)."""
+    res.cfg = cfg
+    for model_id, profile in list(res._profiles.items()):
+        if model_id not in res.models and (model_id in profiles
+                                           or (profile and profile not in cfg.profiles)):
+            res.forget_profile(model_id)  # its next load runs the file's profile
+    ready = []
+    for r in res.models.values():
+        r.entry = cfg.model(r.model_id)
+        if r.state in (ModelState.LOADING, ModelState.SWITCHING):
+            r.reload_pending = True  # settle(), once it is ready
+            if r.model_id in profiles:
+                r.reload_profile = profiles[r.model_id]
+        elif r.state == ModelState.READY and r.client is not None:
+            ready.append(r)
+    _apply(res, ready, profiles)
+
+
+def settle(res: Residency, r: ResidentModel) -> None:
+    """``r``'s load or switch has ended: a reload that came meanwhile applies now."""
+    if not r.reload_pending or r.state != ModelState.READY:
+        return
+    profile, r.reload_pending, r.reload_profile = r.reload_profile, False, None
+    _apply(res, [r], {r.model_id: profile} if profile is not None else {})
+
+
+def _apply(res: Residency, models: list[ResidentModel], profiles: dict[str, str]) -> None:
+    switches: dict[str, str] = {}
+    for r in models:
+        want = profiles.get(r.model_id, r.profile)
+        if want and want not in res.cfg.profiles:  # the profile it runs left the file
+            back = r.entry.profile or ""
+            log.warning("model.profile_removed", model=r.model_id, profile=want,
+                        to=back or "(base)")
+            want = back
+        if want != r.profile:
+            switches[r.model_id] = want  # its limits come with the switch
+    rest = {r.model_id for r in models} - set(switches)
+    # a hybrid's new max_in_flight (its state slots), more rows or a larger step than a
+    # model was built for (its width): re-planned in place, as at a switch
+    replans = [m for m in res.pool_replans(res.cfg) if m in rest]
+    res.apply_limits(res.cfg, tuple(replans), only=rest)
+    switches |= {m: res.models[m].profile for m in replans}
+    for model_id, profile in switches.items():
+        task = asyncio.ensure_future(_switch(res, model_id, profile))
+        _switches.add(task)
+        task.add_done_callback(_switches.discard)
+
+
+async def _switch(res: Residency, model_id: str, profile: str) -> None:
+    try:
+        await res.set_profile(model_id, profile)
+    except Exception as e:
+        log.error("model.profile_failed", model=model_id, profile=profile, error=str(e))

@@ -1,0 +1,175 @@
+"""A SIGHUP reaches every resident model: one loading or switching takes it once ready, a
+profile removed from the file is switched away from whole, and a load applies the same
+ceilings a reload does (helexa/neuron/reconfigure.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+from support.fake_engine import FakeEngineClient, run_fake_neuron
+from support.neuron import NeuronClient, model_of, write_neuron_config
+
+from helexa.config.schema import load_neuron_config
+from helexa.neuron.daemon import NeuronDaemon
+from helexa.proto import neuron_pb2 as pb
+
+
+def _config(tmp_path: Path, model_dir: Path, **over: Any) -> dict[str, Any]:
+    (tmp_path / "token").write_text("t")
+    cfg: dict[str, Any] = {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+        "admission": {"max_in_flight": 16, "max_queue_depth": 256},
+        "kv": {"kv_budget_mb": 1},
+        "models": [{"id": "tiny", "path": str(model_dir)}],
+    }
+    cfg.update(over)
+    return cfg
+
+
+async def _until(cond: Callable[[], bool], secs: float = 5.0) -> None:
+    """Wait until ``cond()``, at most ``secs`` (the test's asserts then say what is wrong)."""
+    for _ in range(int(secs * 100)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_a_reload_during_a_load_applies_once_the_model_is_ready(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The limits and the profile a reload sets while the engine is still loading are
+    the ones it serves with once ready (Watch and the engine say so)."""
+    cfg = _config(tmp_path, tiny_model_dir, profiles={"solo": {"max_in_flight": 1}})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    made = FakeEngineClient.factory(lambda _p, _i: 7)
+    loading, go = asyncio.Event(), asyncio.Event()
+
+    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
+        loading.set()
+        await go.wait()  # the engine loads its weights
+        return await made(spec, **kw)
+
+    async def run() -> tuple[Any, Any, str]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=slow_start)
+        await daemon.start()
+        preload = asyncio.ensure_future(daemon.residency.preload())
+        try:
+            await loading.wait()
+            cfg["admission"].update(max_in_flight=3, max_queue_depth=7)
+            cfg["kv"]["default_output_tokens"] = 99
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            cfg["models"][0]["profile"] = "solo"
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            go.set()
+            await preload
+            r = daemon.residency.models["tiny"]
+            await _until(lambda: r.profile == "solo" and r.state.name == "READY")
+            async with NeuronClient(daemon.address, "t") as c:
+                st = await c.watch_until(lambda st: True)
+            return model_of(st).admission, made.made[0].limits, model_of(st).profile
+        finally:
+            await daemon.drain()
+
+    shown, engine, profile = asyncio.run(run())
+    assert profile == "solo"
+    assert (shown.max_in_flight, shown.max_queue_depth, shown.default_output_tokens) == (
+        1, 7, 99)
+    assert (engine.max_in_flight, engine.max_queue_depth, engine.default_output_tokens) == (
+        1, 7, 99)
+
+
+def test_a_second_reload_during_a_re_plan_is_built_for_once_the_first_is_done(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two SIGHUPs raising engine.max_slots, the second while the first's re-plan waits for
+    in-flight work: the model ends built for and running the second's figure, and no log
+    tells the operator to reload the model for it."""
+    cfg = _config(tmp_path, tiny_model_dir, engine={"max_slots": 2})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        async with NeuronClient(daemon.address, "t") as c:
+            running = asyncio.ensure_future(c.generate(pb.GenerateRequest(
+                req_id="long", model="tiny", text="hi", max_tokens=150, ignore_eos=True)))
+            await _until(lambda: r.active == 1)
+            for rows in (4, 8):
+                cfg["engine"]["max_slots"] = rows
+                write_neuron_config(path, cfg)
+                daemon.reload()
+                await _until(lambda: r.state.name == "SWITCHING")
+            await running
+            await _until(lambda: r.state.name == "READY" and r.step_ceilings[0] == 8)
+            st = await c.watch_until(lambda st: True)
+        return ([c["max_slots"] for c in engine.reset_calls], engine.limits.max_slots,
+                model_of(st).state)
+
+    with structlog.testing.capture_logs() as logs:
+        resets, rows, state = run_fake_neuron(path, body, script=lambda _p, _i: 7,
+                                              step_secs=0.01)
+    assert resets == [4, 8] and rows == 8 and state == pb.MODEL_STATE_READY
+    notes = [n for e in logs if e["event"] == "model.limits_capped" for n in e["capped"]]
+    assert notes and not [n for n in notes if "reload the model" in n], notes
+
+
+def test_removing_the_running_profile_switches_back_to_the_files_own(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A model switched at runtime to a profile the file then drops runs the file's own
+    profile whole (its KV dtype and pool too), as `ctl profile` would switch, and says so;
+    not the dropped profile's KV with the base's admission."""
+    cfg = _config(tmp_path, tiny_model_dir, admission={"max_in_flight": 5},
+                  profiles={"q8": {"kv_dtype": "int8", "max_in_flight": 2},
+                            "solo": {"max_in_flight": 1}})
+    cfg["models"][0]["profile"] = "solo"
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        async with NeuronClient(daemon.address, "t") as c:
+            base = model_of(await c.watch_until(lambda st: True))
+            await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="q8"),
+                                  metadata=c.md)
+            on_q8 = model_of(await c.watch_until(lambda st: True))
+            del cfg["profiles"]["q8"]
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            r = daemon.residency.models["tiny"]
+            await _until(lambda: r.profile != "q8" and r.state.name == "READY")
+            st = await c.watch_until(lambda st: True)
+        return base, on_q8, model_of(st), engine.limits.max_in_flight
+
+    with structlog.testing.capture_logs() as logs:
+        base, on_q8, after, engine_max = run_fake_neuron(path, body,
+                                                         script=lambda _p, _i: 7)
+    assert (on_q8.profile, on_q8.kv_dtype, on_q8.admission.max_in_flight) == ("q8", "int8", 2)
+    assert (after.profile, after.kv_dtype, after.admission.max_in_flight, engine_max) == (
+        "solo", base.kv_dtype, 1, 1)
+    assert after.limits.context == base.limits.context
+    removed = [e for e in logs if e["event"] == "model.profile_removed"]
+    assert [(e["profile"], e["to"]) for e in removed] == [("q8", "solo")]
+
+
+def test_a_hybrid_loads_with_no_more_in_flight_than_its_state_slots(
+        tmp_path: Path, tiny_checkpoint: Callable[..., Path]) -> None:
+    """max_in_flight past the state slots a hybrid's pool holds is capped at load as a
+    reload caps it: the engine, Watch and the log say the figure it runs."""
+    path = write_neuron_config(tmp_path / "neuron.toml", _config(
+        tmp_path, tiny_checkpoint("qwen3_5"), admission={"max_in_flight": 100_000},
+        kv={"kv_budget_mb": 64}))
+
+    async def body(stub, daemon, engine):
+        async with NeuronClient(daemon.address, "t") as c:
+            st = await c.watch_until(lambda st: True)
+        return (daemon.residency.models["tiny"].num_state_slots, engine.spec.limits,
+                engine.limits, model_of(st).admission.max_in_flight)
+
+    with structlog.testing.capture_logs() as logs:
+        slots, at_start, now, shown = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert 0 < slots < 100_000
+    assert at_start.max_in_flight == now.max_in_flight == shown == slots
+    capped = [n for e in logs if e["event"] == "model.limits_capped" for n in e["capped"]]
+    assert any(n.startswith(f"max_in_flight: 100000 is more than the {slots}")
+               for n in capped), capped
