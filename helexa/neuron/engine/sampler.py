@@ -15,9 +15,11 @@ of operations, per row:
 
 Draws are inverse-CDF: one uniform per row against the fp64 cumulative
 weights. A request with a seed draws its uniform from its own
-torch.Generator, so the same seed gives the same tokens whatever else is in
+torch.Generator, so the same seed draws the same uniforms whatever else is in
 the batch (tied candidates go in token-id order, ranking.py, however the batch
-truncated); the others share torch's default generator. On the CPU truncation
+truncated); the others share torch's default generator. The same tokens follow only
+where the logits are the same, and in bfloat16 or float16 they can move with the
+batch's row count (docs/api.md, "Seeds and the batch"). On the CPU truncation
 looks at the best 1,024 tokens first and sorts the whole vocabulary only when
 they do not hold top_p of the mass; on a GPU, where that check would hold the
 host until the device is done, it sorts the whole vocabulary wherever a row may
