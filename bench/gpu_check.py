@@ -24,7 +24,8 @@ failing stage still leaves the others' figures:
   verification step makes, one of them the check's own read of its token);
   ``engine_batch1`` is
   batch 1 through the engine's step loop, as
-  a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``);
+  a client's stream gets it, with lookahead decode and without (``lookahead_vs_sync``),
+  whose greedy tokens must ``match`` (every lookahead run's those of the first sync run);
   ``engine_constrained`` the same for a JSON-schema request (dense model), whose two runs'
   tokens must ``match``.
 - ``profile``: over a few batch-1 decode steps (torch.profiler): kernels launched and host
@@ -271,6 +272,12 @@ def _greedy(hf: Any, prompt: list[int], n: int, device: str) -> list[int]:
         gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                           max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
     return gen[0, len(prompt):].tolist()
+
+
+def _diverges(a: list[int], b: list[int]) -> int:
+    """The first position two different token lists part (or the shorter one ends)."""
+    short = min(len(a), len(b))
+    return next((i for i in range(short) if a[i] != b[i]), short)
 
 
 def _first_diff(a: list[int], b: list[int]) -> int | None:
@@ -560,7 +567,8 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
     """Batch-1 decode as a client's stream gets it: through EngineCore (scheduler, sampler,
     stops) on the decode stage's runner, with lookahead (helexa/neuron/engine/lookahead.py)
     and without, interleaved, the median of three each; tok/s from the first token to the
-    last."""
+    last. Lookahead's pinned copies and events run on CUDA alone (on the CPU its copies are
+    the tensors themselves), so its greedy tokens are checked against the sync run's here."""
     from statistics import median
 
     from helexa.neuron.engine import messages as m
@@ -568,6 +576,7 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
     core = engine_batch1_core(r, s)
     out: dict[str, Any] = {"lookahead_by_default": core.lookahead}
     rates: dict[str, list[float]] = {"lookahead": [], "sync": []}
+    runs: dict[str, list[list[int]]] = {"lookahead": [], "sync": []}
     prompt = [(j * 7) % 400 + 1 for j in range(s["prompt"])]
     for rep in range(3):
         for mode in rates:
@@ -577,8 +586,13 @@ def engine_decode(r: Runner, s: dict[str, Any], roofline_steps: float) -> dict[s
                                sampling=m.SamplingParams(temperature=0.0))
             got, secs = engine_request(core, req)
             rates[mode].append((len(got) - 1) / secs)
+            runs[mode].append(got)
     for mode, tok_s in rates.items():
         out[mode] = {"tok_s": median(tok_s), "roofline_fraction": median(tok_s) / roofline_steps}
+    want = runs["sync"][0]
+    out["match"] = all(got == want for got in runs["lookahead"])
+    out["first_divergence"] = next((_diverges(got, want) for got in runs["lookahead"]
+                                    if got != want), None)
     out["lookahead_vs_sync"] = out["lookahead"]["tok_s"] / out["sync"]["tok_s"]
     return out
 

@@ -61,6 +61,7 @@ def test_the_dry_run_reports_every_stage(whole_run: tuple[Path, str]) -> None:
         assert engine["lookahead_by_default"] is False, engine  # CPU: off unless asked
         assert engine["lookahead"]["tok_s"] > 0 and engine["sync"]["tok_s"] > 0, engine
         assert engine["lookahead_vs_sync"] > 0
+        assert engine["match"] is True, engine  # lookahead's greedy tokens are the sync run's
         assert stages["profile"][name]["kernels_per_step"] > 0
         assert "host_syncs_per_step" in stages["profile"][name]
         assert stages["profile"][name]["wall_us_per_step"] > 0
