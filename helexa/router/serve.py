@@ -127,7 +127,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     # Plain dict rather than log.bind(): a request's fields grow as it is understood.
     ctx: dict[str, Any] = {"req_id": req_id}
     log = state.log
-    model = label = "-"  # label: the model's on the metrics (metric_label)
+    model = label = asked = "-"  # label: the model's on the metrics (metric_label)
     code = "200"
     calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
@@ -140,7 +140,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = await state.work_pool.run(principal, _PARSERS[kind], raw, state.caps)
         else:
             req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
-        model = ctx["model"] = state.aliases.resolve(req.model)
+        asked = req.model
+        model = ctx["model"] = state.aliases.resolve(asked)
         label = metric_label(state, model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
@@ -194,6 +195,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
+        e = state.aliases.named(e, asked)
         code = str(e.status)
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
         return error_response(kind, e, {"x-request-id": req_id})
