@@ -313,3 +313,47 @@ def test_streaming_n_choices_interleave_and_each_finishes(fl):
         usage = chunk.usage or usage
     assert texts == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "} and finishes == {0: "length", 1: "length"}
     assert usage.completion_tokens == 6
+
+
+def _switching(fl, on: bool) -> None:
+    """Both fakes report `tiny` switching profile (or ready again), as Watch would."""
+    def go():
+        for n in (fl.n1, fl.n2):
+            n.models["tiny"].state = pb.MODEL_STATE_SWITCHING if on else pb.MODEL_STATE_READY
+            n.changed()
+    fl.lt.call(go)
+    assert wait_for(lambda: len(fl.state.registry.candidates("tiny")) == (0 if on else 2))
+
+
+def test_a_request_waiting_for_a_profile_switch_ends_at_its_deadline_as_the_switch(fl):
+    """docs/errors.md: a model switching profile is 503 service_unavailable. A request waits
+    for the switch at most until its own deadline (here 0.5 s, load_wait_secs 10 s), not
+    past it, and then hears that the model is switching, not that it is loading."""
+    old = fl.state.dispatcher.settings
+    fl.state.dispatcher.settings = DispatchSettings(["*"], 10.0, 0.5)
+    fl.state.request_secs = 0.5
+    _switching(fl, True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as by_deadline:
+            fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        waited = time.monotonic() - t0
+        fl.state.dispatcher.settings = DispatchSettings(["*"], 0.5, 30)  # load_wait first
+        fl.state.request_secs = 30
+        with pytest.raises(openai.InternalServerError) as by_load_wait:
+            fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    finally:
+        fl.state.dispatcher.settings = old
+        fl.state.request_secs = fl.state.cfg.timeouts.request_secs
+        _switching(fl, False)
+    assert 0.4 <= waited < 2.0
+    e = by_deadline.value
+    assert e.status_code == 503 and e.code == "service_unavailable"
+    assert int(e.response.headers["retry-after"]) >= 1
+    assert e.body["message"] == ("`tiny` is switching profile (on n1, n2) and was not ready "
+                                 "within its deadline (timeouts.request_secs = 0.5 s); "
+                                 "retry shortly")
+    e = by_load_wait.value
+    assert e.code == "service_unavailable" and "switching profile" in e.body["message"]
+    assert "within timeouts.load_wait_secs (0.5 s)" in e.body["message"]
+    assert not fl.n1.requests and not fl.n2.requests  # never sent past its deadline
