@@ -4,6 +4,7 @@ health, on-demand loads and bursts."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx2
@@ -71,6 +72,38 @@ def test_context_length_exceeded_is_not_retried(fl):
         fl.client().completions.create(model="tiny", prompt="a" * 9000, max_tokens=1)
     assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "prompt"
     assert len(fl.n1.requests) + len(fl.n2.requests) == 1
+
+
+@pytest.mark.parametrize("why, says", [
+    ("deadline", "the request ran past its deadline (timeouts.request_secs = 30 s) and the "
+                 "neuron ended it"),
+    ("shutdown", "the neuron stopped the model before the request finished (its drain "
+                 "outlasted server.drain_secs, or the model was unloaded); retry it"),
+    ("error: step failed", "the neuron failed while generating: error: step failed"),
+])
+def test_a_request_the_neuron_ends_short_says_why(fl, why, says):
+    """docs/errors.md: a deadline, a drain that ran out and an engine failure all end the
+    request upstream_error, each saying which (the neuron's stop_reason), stream or not."""
+    ask = [{"role": "user", "content": f"[[abort:2:{why}]]"}]
+    s = fl.client().chat.completions.create(model="tiny", messages=ask, max_tokens=6,
+                                            stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as streamed:
+        for chunk in s:
+            got.append(chunk)
+    assert "".join(c.choices[0].delta.content or "" for c in got) == "w0 w1 "
+    with pytest.raises(openai.APIStatusError) as whole:
+        fl.client().chat.completions.create(model="tiny", messages=ask, max_tokens=6)
+    failed = [json.loads(line[6:]) for line in httpx2.post(
+        fl.url + "/v1/responses", json={"model": "tiny", "input": ask[0]["content"],
+                                        "stream": True}, timeout=15).text.splitlines()
+        if line.startswith("data: ")][-1]
+    assert streamed.value.body == {"message": says, "type": "server_error",
+                                   "code": "upstream_error", "param": None}
+    assert whole.value.status_code == 502 and whole.value.code == "upstream_error"
+    assert whole.value.body["message"] == says
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["error"]["message"] == f"upstream_error: {says}"
 
 
 def test_neuron_failing_mid_stream_ends_the_stream_with_an_error_event(fl):

@@ -78,6 +78,31 @@ def test_ctl_unload_drain_refuses_the_queue_at_once_and_finishes_in_flight(
     assert unloaded.returncode == 0 and "unloaded" in unloaded.stdout, unloaded.stderr
 
 
+def test_a_forced_unload_ends_in_flight_work_saying_shutdown(neuron_main: NeuronProcess,
+                                                             neuron_token: str) -> None:
+    """A request whose engine is stopped under it (unload --force; a drain that outlasts
+    drain_secs ends the same way) finishes ABORT with stop_reason `shutdown`, which the
+    router reports as such, not as a failure (docs/grpc.md)."""
+    loaded = ctl(neuron_main, "load", "tiny-b")
+    assert loaded.returncode == 0, loaded.stderr
+
+    async def run() -> tuple[list[pb.GenerateResponse], Any]:
+        async with NeuronClient(neuron_main.address, neuron_token) as c:
+            running = asyncio.ensure_future(c.generate(chat_request(
+                "uf", model="tiny-b", principal="uf", max_tokens=900, ignore_eos=True)))
+            await c.watch_until(lambda st: model_of(st, "tiny-b").in_flight == 1)
+            # the call ctl makes, sent at once: ctl's own start-up outlasts the 900 tokens
+            unloaded = await c.stub.Unload(pb.UnloadRequest(model="tiny-b", force=True),
+                                           metadata=c.md)
+            return await running, unloaded
+
+    out, unloaded = asyncio.run(run())
+    assert unloaded.unloaded
+    assert out[-1].finish_reason == pb.FINISH_REASON_ABORT
+    assert out[-1].stop_reason == "shutdown"
+    assert 0 < out[-1].usage.completion_tokens < 900
+
+
 def test_ctl_profile_switches_admission_knobs_at_runtime(neuron_main: NeuronProcess,
                                                          neuron_token: str) -> None:
     res = ctl(neuron_main, "profile", "tiny", "wide")
