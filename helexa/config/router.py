@@ -54,7 +54,8 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     request_secs: Annotated[float, field_meta(
         "Deadline given to a request (passed to the neuron).", RELOAD, gt=0)] = 600.0
     load_wait_secs: Annotated[float, field_meta(
-        "How long a request waits for an on-demand model load before 503 model_loading.", RELOAD, ge=0)] = 60.0
+        "How long a request waits for an on-demand model load (503 model_loading) or a profile "
+        "switch (503 service_unavailable), at most until its own deadline.", RELOAD, ge=0)] = 60.0
     unhealthy_after_secs: Annotated[float, field_meta(
         "A neuron whose Watch stream is silent this long leaves rotation.", RELOAD, gt=0)] = 2.0
     reconnect_max_secs: Annotated[float, field_meta(

@@ -171,8 +171,10 @@ class OutputProcessor:
             self.stop_reason = str(last)
         elif reason == messages.FinishReason.ERROR:
             self.stop_reason = self.error
-        elif reason == messages.FinishReason.ABORT and upd.error == "deadline":
-            self.stop_reason = "deadline"  # the engine enforces deadlines and says so
+        elif reason == messages.FinishReason.ABORT and upd.error in ("deadline", "shutdown"):
+            # the engine enforces deadlines, and says so; `shutdown`: its process was stopped
+            # under the request (a drain past drain_secs, a forced unload, the neuron's stop)
+            self.stop_reason = upd.error
 
     def fail(self, error: str) -> None:
         """The engine link broke mid-request (not the caller's doing): finish as an error."""

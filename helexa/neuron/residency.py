@@ -243,7 +243,9 @@ class Residency:
     # ----------------------------------------------------------- unloading
 
     async def unload(self, model_id: str, *, drain: bool = False, force: bool = False) -> bool:
-        """Stop a model's engine; refuses (model_busy) a busy model unless drain or force."""
+        """Stop a model's engine; refuses (model_busy) a busy model unless drain (its queued
+        requests refused shutting_down at once, its in-flight work given drain_secs to
+        finish) or force (all of it aborted)."""
         r = self.models.get(model_id)
         if r is None:
             self.entry(model_id)
@@ -256,7 +258,9 @@ class Residency:
         if drain and r.client is not None and r.state != ModelState.FAILED:
             r.state = ModelState.DRAINING
             self._on_change()
-            r.client.stop_admitting(True)
+            # as a SIGTERM drain (daemon.py): what is queued is refused shutting_down now, so
+            # its callers retry elsewhere, and only admitted work is waited for
+            r.client.stop_admitting(True, refuse_queued=True)
             await self.wait_idle(r, self.cfg.server.drain_secs)
         if r.client is not None:
             try:

@@ -41,6 +41,7 @@ from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
 from helexa.neuron.tokenize_work import check_size, tokenize_reply
 from helexa.neuron.work import NeuronWork
+from helexa.plan_sources import PlanError
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc
 from helexa.refusal import Refusal
@@ -284,6 +285,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                          context: grpc.aio.ServicerContext) -> pb.SetProfileResponse:
         try:
             r, changed = await self.residency.set_profile(request.model, request.profile)
+        except PlanError as e:  # planned before anything changed: the model runs on as it was
+            await abort(context, Refusal(
+                "invalid_request_error",
+                f"profile `{request.profile}` cannot run `{request.model}`: {e}"))
         except Refusal as e:
             await abort(context, e)
         return pb.SetProfileResponse(status=model_status(r), changed=changed)

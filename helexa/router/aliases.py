@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from helexa.router.errors import ApiError
+
 
 class Aliases:
     """An immutable alias table; SIGHUP swaps in a new one."""
@@ -32,3 +34,13 @@ class Aliases:
 
     def targets(self) -> set[str]:
         return set(self._table.values())
+
+    def named(self, err: ApiError, asked: str) -> ApiError:
+        """`err` as the client who asked for `asked` reads it: where `asked` is an alias
+        whose target does not exist (model_not_found), the 404 names both, so the client
+        sees the name it sent and the operator the target to fix in [aliases]."""
+        target = self._table.get(asked)
+        if target is None or err.code != "model_not_found":
+            return err
+        return ApiError(404, f"The model `{asked}` is an alias of `{target}`, which does not "
+                             "exist", code="model_not_found", param="model")

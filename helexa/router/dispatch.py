@@ -2,8 +2,9 @@
 
 This is where policy (selection.rank) meets the registry's soft state and the
 gRPC edge. A request whose model is not READY anywhere waits (up to
-`timeouts.load_wait_secs`) for a load it may cause itself, if its principal
-is in `auth.load_principals`; a refusal before the first byte
+`timeouts.load_wait_secs`, or its own deadline where that comes first) for a
+load it may cause itself, if its principal is in `auth.load_principals`, or
+for a profile switch to end; a refusal before the first byte
 (UNAVAILABLE, RESOURCE_EXHAUSTED, NOT_FOUND: rpc_errors.RETRYABLE) is retried
 once on the next neuron in the preference order.
 
@@ -105,7 +106,7 @@ class Dispatcher:
         the client should see."""
         rpc = open_generate if stream else complete
         model = greq.model
-        load_deadline = time.monotonic() + self.settings.load_wait_secs
+        wait = self._wait_bound(greq)
         tried: set[str] = set()
         refusal: ApiError | None = None
         while True:
@@ -113,7 +114,7 @@ class Dispatcher:
             if not candidates:
                 if refusal is not None:
                     raise refusal  # nobody else to try: the client sees the neuron's answer
-                await self._await_model(model, principal, load_deadline)
+                await self._await_model(model, principal, wait)
                 continue
             name = rank(candidates, est, key)[0]
             cand = next(c for c in candidates if c.neuron == name)
@@ -162,6 +163,16 @@ class Dispatcher:
         if not greq.deadline_unix_ms:
             return self.settings.request_secs
         return greq.deadline_unix_ms / 1000 - time.time()
+
+    def _wait_bound(self, greq: pb.GenerateRequest) -> tuple[float, str]:
+        """Until when (monotonic) a request may wait for its model to be ready (a load, a
+        profile switch), and what bounds it: timeouts.load_wait_secs, or the request's own
+        deadline where that comes first (sent later, the neuron would abort it at once)."""
+        load_wait, left = self.settings.load_wait_secs, self._left_secs(greq)
+        if left < load_wait:
+            why = f"its deadline (timeouts.request_secs = {self.settings.request_secs:g} s)"
+            return time.monotonic() + max(0.0, left), why
+        return time.monotonic() + load_wait, f"timeouts.load_wait_secs ({load_wait:g} s)"
 
     def _timeout_secs(self, greq: pb.GenerateRequest) -> float:
         """The gRPC deadline of a call: the request's own (the neuron aborts it then) and a
@@ -212,8 +223,9 @@ class Dispatcher:
         assert isinstance(stream, OpenStream)
         return stream
 
-    async def _await_model(self, model: str, principal: str, deadline: float) -> None:
-        """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx."""
+    async def _await_model(self, model: str, principal: str, wait: tuple[float, str]) -> None:
+        """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx;
+        `wait`: until when (monotonic) the request may wait, and what bounds it."""
         reg = self.registry
         if reg.awaiting_first_report():  # just started or reloaded: hear every neuron first
             await reg.wait_changed(0.5)
@@ -241,9 +253,16 @@ class Dispatcher:
                            code="service_unavailable")
         if not reg.models_in_state(model, *_WAITING):
             self._maybe_start_load(model, principal)
-        remaining = deadline - time.monotonic()
+        remaining = wait[0] - time.monotonic()
         if remaining <= 0:
-            raise ApiError(503, f"`{model}` is loading; retry shortly", code="model_loading",
+            switching = reg.models_in_state(model, pb.MODEL_STATE_SWITCHING)
+            if switching and not reg.models_in_state(model, pb.MODEL_STATE_LOADING):
+                # docs/errors.md, "The table": a model switching profile is service_unavailable
+                raise ApiError(503, f"`{model}` is switching profile (on "
+                               f"{', '.join(switching)}) and was not ready within {wait[1]}; "
+                               "retry shortly", code="service_unavailable")
+            raise ApiError(503, f"`{model}` is loading and was not ready within {wait[1]}; "
+                           "retry shortly", code="model_loading",
                            retry_after_secs=LOAD_RETRY_AFTER_SECS)
         await reg.wait_changed(min(remaining, 0.5))
 

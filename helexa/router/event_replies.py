@@ -34,8 +34,6 @@ from helexa.router.client_stream import ClientStream
 from helexa.router.errors import ApiError
 from helexa.router.inflight import UpstreamLost
 
-FAILED = {pb.FINISH_REASON_ABORT: "the neuron aborted the request",
-          pb.FINISH_REASON_ERROR: "the neuron failed while generating"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 PING_SECS = 10.0
@@ -44,7 +42,8 @@ T = TypeVar("T")
 
 
 class UpstreamFailed(Exception):
-    """A neuron failed after its first message."""
+    """A neuron ended the request short after its first message; str() is the client's
+    message (ended_short, or the neuron's own words)."""
 
 
 class Encoder(Protocol):
@@ -55,22 +54,50 @@ class Encoder(Protocol):
     def ping(self) -> bytes: ...
 
 
-def check_finish(msg: pb.GenerateResponse) -> None:
-    if msg.finish_reason in FAILED:
-        raise UpstreamFailed(FAILED[msg.finish_reason])
+def ended_short(msg: pb.GenerateResponse, deadline_secs: float) -> str | None:
+    """Why the neuron ended the request without finishing it (ABORT, ERROR), from its
+    `stop_reason`, in the client's words; None for a finish (stop, length) or a message
+    before the last. `deadline_secs`: the deadline the router gave it (timeouts.request_secs).
+    docs/errors.md, "The table": all of them are upstream_error."""
+    if msg.finish_reason == pb.FINISH_REASON_ABORT:
+        if msg.stop_reason == "deadline":
+            return (f"the request ran past its deadline (timeouts.request_secs = "
+                    f"{deadline_secs:g} s) and the neuron ended it")
+        if msg.stop_reason == "shutdown":
+            return ("the neuron stopped the model before the request finished (its drain "
+                    "outlasted server.drain_secs, or the model was unloaded); retry it")
+        return "the neuron aborted the request" + (
+            f" ({msg.stop_reason})" if msg.stop_reason else "")
+    if msg.finish_reason == pb.FINISH_REASON_ERROR:
+        return "the neuron failed while generating" + (
+            f": {msg.stop_reason}" if msg.stop_reason else "")
+    return None
+
+
+def check_finish(msg: pb.GenerateResponse, deadline_secs: float) -> None:
+    if (why := ended_short(msg, deadline_secs)) is not None:
+        raise UpstreamFailed(why)
+
+
+def mid_stream_error(e: grpc.aio.AioRpcError | UpstreamFailed | UpstreamLost) -> ApiError:
+    """The event that ends a stream the neuron ended short, failed or was lost under."""
+    if isinstance(e, UpstreamFailed):
+        return ApiError(502, str(e), code="upstream_error")
+    detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+    return ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
 
 
 async def reply(request: web.Request, stream: bool, choice: encode.Choice, call: Any,
                 enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
                 on_message: Callable[[pb.GenerateResponse], None] | None = None,
-                write_secs: float = 30.0) -> web.StreamResponse:
+                write_secs: float = 30.0, deadline_secs: float = 0.0) -> web.StreamResponse:
     """One choice's reply, whole (call is forward.Completed) or as the encoder's event
     stream (call is forward.OpenStream; on_message sees each of its messages: timing), whose
-    writes give up after write_secs (client_stream.py)."""
+    writes give up after write_secs (client_stream.py); deadline_secs: ended_short's."""
     if not stream:
         whole = call.reply
-        if whole.finish_reason in FAILED:
-            raise ApiError(502, FAILED[whole.finish_reason], code="upstream_error")
+        if (why := ended_short(whole, deadline_secs)) is not None:
+            raise ApiError(502, why, code="upstream_error")
         encode.add_delta(choice, whole)
         return web.Response(body=msgspec.json.encode(enc.whole(whole)),
                             content_type="application/json", headers=headers)
@@ -81,17 +108,17 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
         async for msg in with_pings(call.messages(), resp, enc.ping):
             if on_message is not None:
                 on_message(msg)
-            check_finish(msg)
+            check_finish(msg, deadline_secs)
             encode.add_delta(choice, msg, streamed=True)
             if out := enc.feed(msg):
                 await resp.write(out)
         if choice.finish_reason is None:
-            raise UpstreamFailed("the neuron ended the stream without finishing")
+            raise UpstreamFailed("the neuron failed mid-stream: it ended the stream without "
+                                 "finishing")
     except (grpc.aio.AioRpcError, UpstreamFailed, UpstreamLost) as e:
-        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
-        log.warning("request.upstream_failed", req_id=req_id, detail=detail)
-        await resp.write(enc.failed(ApiError(502, f"the neuron failed mid-stream: {detail}",
-                                             code="upstream_error")))
+        err = mid_stream_error(e)
+        log.warning("request.upstream_failed", req_id=req_id, detail=err.message)
+        await resp.write(enc.failed(err))
     except (ConnectionResetError, asyncio.CancelledError):
         raise  # the client went away: serve.handle() logs it
     except Exception:  # a bug of ours after the 200 went out: still end with the event

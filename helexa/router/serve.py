@@ -44,8 +44,13 @@ from helexa.router import (
 from helexa.router.agent_output import OutputParser
 from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
 from helexa.router.errors import ApiError
-from helexa.router.event_replies import FAILED as _FAILED
-from helexa.router.event_replies import SSE_HEADERS, UpstreamFailed, check_finish
+from helexa.router.event_replies import (
+    SSE_HEADERS,
+    UpstreamFailed,
+    check_finish,
+    ended_short,
+    mid_stream_error,
+)
 from helexa.router.feasibility import refuse_unservable
 from helexa.router.forward import Completed, OpenStream, generate_requests
 from helexa.router.http_edge import read_body
@@ -127,7 +132,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     # Plain dict rather than log.bind(): a request's fields grow as it is understood.
     ctx: dict[str, Any] = {"req_id": req_id}
     log = state.log
-    model = label = "-"  # label: the model's on the metrics (metric_label)
+    model = label = asked = "-"  # label: the model's on the metrics (metric_label)
     code = "200"
     calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
@@ -140,7 +145,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = await state.work_pool.run(principal, _PARSERS[kind], raw, state.caps)
         else:
             req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
-        model = ctx["model"] = state.aliases.resolve(req.model)
+        asked = req.model
+        model = ctx["model"] = state.aliases.resolve(asked)
         label = metric_label(state, model)
         refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
@@ -175,7 +181,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
                 on_message=lambda msg: _timing(series, t0, last, msg),
-                write_secs=state.client_write_secs)
+                write_secs=state.client_write_secs, deadline_secs=state.request_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(label), t0, req_id, headers)
@@ -184,7 +190,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             # refused for the principal's share: the tokens are made (work_pool.py).
             body = await state.work_pool.run(
                 principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
-                share=False)
+                state.request_secs, share=False)
             resp = await send_whole(request, body, headers, state.client_write_secs)
         reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
@@ -194,6 +200,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                  finish=[c.finish_reason for c in choices], client_gone=False)
         return resp
     except ApiError as e:
+        e = state.aliases.named(e, asked)
         code = str(e.status)
         log.info("request.rejected", **ctx, status=e.status, code=e.code, message=e.message)
         return error_response(kind, e, {"x-request-id": req_id})
@@ -323,10 +330,10 @@ def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateR
 
 
 def _reply(env: encode.Envelope, choices: list[encode.Choice],
-           replies: list[Completed]) -> bytearray:
+           replies: list[Completed], deadline_secs: float) -> bytearray:
     for choice, r in zip(choices, replies, strict=True):
-        if r.reply.finish_reason in _FAILED:
-            raise ApiError(502, _FAILED[r.reply.finish_reason], code="upstream_error")
+        if (why := ended_short(r.reply, deadline_secs)) is not None:
+            raise ApiError(502, why, code="upstream_error")
         encode.add_delta(choice, encode.with_stop_str(env.req, r.reply))
     if any(c.finish_reason is None for c in choices):
         raise ApiError(502, "the neuron answered without finishing", code="upstream_error")
@@ -348,7 +355,7 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
         async for i, msg in event_replies.with_pings(_merge(streams), resp,
                                                      lambda: event_replies.SSE_PING):
             _timing(series, t0, last, msg)
-            check_finish(msg)
+            check_finish(msg, state.request_secs)
             encode.with_stop_str(env.req, msg)
             chunk = encode.delta_chunk(env, choices[i], msg, first=not seen_first[i])
             encode.add_delta(choices[i], msg, streamed=True)
@@ -356,12 +363,12 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
                 seen_first[i] = True
                 await resp.write(encode.sse(chunk))
         if any(c.finish_reason is None for c in choices):
-            raise UpstreamFailed("the neuron ended the stream without finishing")
+            raise UpstreamFailed("the neuron failed mid-stream: it ended the stream without "
+                                 "finishing")
     except (grpc.aio.AioRpcError, UpstreamFailed, UpstreamLost) as e:
-        detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
+        err = mid_stream_error(e)
         state.log.warning("request.upstream_failed", req_id=req_id, model=env.model,
-                          detail=detail)
-        err = ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
+                          detail=err.message)
         await resp.write(encode.sse(err.body()))
         await resp.write_eof()
         return resp

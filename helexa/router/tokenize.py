@@ -51,14 +51,14 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
     state = request.app[STATE]
     principal = _principal(request)  # 401 when auth is required
     treq.principal = "" if principal == "anonymous" else principal  # the neuron's caps
-    treq.model = state.aliases.resolve(treq.model)
+    asked, treq.model = treq.model, state.aliases.resolve(treq.model)
     candidates = state.registry.candidates(treq.model)
     if not candidates:
         if treq.model in state.registry.known_models():
             raise ApiError(503, f"`{treq.model}` is not ready on any neuron",
                            code="service_unavailable")
-        raise ApiError(404, f"The model `{treq.model}` does not exist", code="model_not_found",
-                       param="model")
+        raise state.aliases.named(ApiError(404, f"The model `{treq.model}` does not exist",
+                                           code="model_not_found", param="model"), asked)
     link = state.registry.links[candidates[0].neuron]
     try:
         out: pb.TokenizeResponse = await link.stub.Tokenize(treq, metadata=link.metadata,

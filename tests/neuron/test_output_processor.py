@@ -111,7 +111,8 @@ def test_eos_is_stop_without_a_stop_reason_and_a_caller_stop_token_names_itself(
 @pytest.mark.parametrize("finished, error, want, stop_reason", [
     (m.FinishReason.LENGTH, "", pb.FINISH_REASON_LENGTH, ""),
     (m.FinishReason.ABORT, "deadline", pb.FINISH_REASON_ABORT, "deadline"),
-    (m.FinishReason.ABORT, "drain", pb.FINISH_REASON_ABORT, ""),
+    (m.FinishReason.ABORT, "shutdown", pb.FINISH_REASON_ABORT, "shutdown"),
+    (m.FinishReason.ABORT, "client_gone", pb.FINISH_REASON_ABORT, ""),
     (m.FinishReason.ERROR, "step failed: boom", pb.FINISH_REASON_ERROR, "step failed: boom"),
 ])
 def test_finish_reasons_and_their_stop_reason(tok, finished, error, want, stop_reason) -> None:

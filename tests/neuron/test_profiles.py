@@ -389,3 +389,34 @@ def test_a_widen_the_card_cannot_hold_is_tried_once_not_at_every_reload(
     assert ceilings == (2, 2048) and state == "READY"  # serving at the width it had
     assert listed == [[], [], []]  # not listed again after its failed try
     assert calls == [4, 3]  # one try for 4 rows, then one for 3
+
+
+def test_a_profile_whose_pool_cannot_hold_the_context_is_refused_saying_why(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`ctl profile` to a profile whose kv_dtype cannot hold the model's context (3,000
+    tokens: 1 MiB holds 4,096 at fp16, 2,048 at fp32) answers INVALID_ARGUMENT with the
+    plan's arithmetic, not UNKNOWN; the model keeps its profile, dtype and limits."""
+    (tmp_path / "token").write_text("t")
+    path = write_neuron_config(tmp_path / "neuron.toml", {
+        "server": {"listen": "127.0.0.1:0", "token_file": "token", "drain_secs": 5.0},
+        "kv": {"kv_budget_mb": 1, "kv_dtype": "fp16"},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir), "context": 3000}],
+        "profiles": {"full": {"kv_dtype": "fp32"}}})
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="full"),
+                                  metadata=MD)
+        out = await _collect(stub.Generate(_gen("after", 3), metadata=MD))
+        return (refused.value, r.state.name, r.profile, r.kv_dtype, r.limits.context,
+                engine.reset_calls, out)
+
+    refused, state, profile, kv_dtype, context, resets, out = run_fake_neuron(
+        path, body, script=lambda _p, _i: 7)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
+    assert dict(refused.trailing_metadata())["helexa-code"] == "invalid_request_error"
+    assert refused.details().startswith("profile `full` cannot run `tiny`: ")
+    assert "context: expected at most 2,048 tokens" in refused.details()
+    assert (state, profile, kv_dtype, context, resets) == ("READY", "", "fp16", 3000, [])
+    assert out[-1].usage.completion_tokens == 3

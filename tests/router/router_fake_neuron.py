@@ -252,6 +252,9 @@ class FakeNeuron(pbg.NeuronServicer):
         reserve = math.ceil((len(prompt_ids) + budget) / m.block_size) * m.block_size \
             * m.bytes_per_token
         fail_after = int(marks["fail"]) if "fail" in marks else self.b.fail_after
+        # [[abort:N:why]]: ended after N tokens as the engine ends one (finish ABORT, its
+        # stop_reason `why`: deadline, shutdown; ERROR for `error`)
+        abort_after, _, why = marks.get("abort", "").partition(":")
         delay = float(marks.get("slow", self.b.token_delay_secs))
         if self.b.kv_wait_secs is not None:
             total = m.num_blocks * m.block_size * m.bytes_per_token
@@ -281,6 +284,12 @@ class FakeNeuron(pbg.NeuronServicer):
             for i in range(n):
                 if fail_after is not None and i >= fail_after:
                     await context.abort(grpc.StatusCode.INTERNAL, "fake engine failure")
+                if abort_after and i >= int(abort_after):
+                    yield pb.GenerateResponse(
+                        finish_reason=pb.FINISH_REASON_ERROR if why.startswith("error")
+                        else pb.FINISH_REASON_ABORT, stop_reason=why,
+                        usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=i))
+                    return
                 if delay and i:
                     await asyncio.sleep(delay)
                 msg = pb.GenerateResponse(text=f"w{i} ", token_ids=[100 + i])

@@ -146,6 +146,27 @@ def test_unknown_model_is_404(fl):
     assert 'model="nope"' not in m and 'helexa_router_requests_total{code="404",model="unknown"}' in m
 
 
+def test_an_alias_to_a_missing_model_is_a_404_naming_the_alias_and_its_target(fl):
+    from helexa.router.aliases import Aliases
+
+    kept = fl.state.aliases
+    fl.state.aliases = Aliases({"helexa/balanced": "tiny", "ghost": "nope"})
+    try:
+        with pytest.raises(openai.NotFoundError) as e:
+            fl.client().chat.completions.create(model="ghost", messages=MSG)
+        tok = httpx2.post(fl.url + "/tokenize", json={"model": "ghost", "prompt": "hi"},
+                          headers={"Authorization": f"Bearer {ALICE_KEY}"})
+        ok = fl.client().chat.completions.create(model="helexa/balanced", messages=MSG,
+                                                 max_tokens=2)
+    finally:
+        fl.state.aliases = kept
+    want = "The model `ghost` is an alias of `nope`, which does not exist"
+    assert e.value.code == "model_not_found" and e.value.param == "model"
+    assert e.value.body["message"] == want
+    assert tok.status_code == 404 and tok.json()["error"]["message"] == want
+    assert ok.usage.completion_tokens == 2  # an alias to a served model is untouched
+
+
 def test_anthropics_sdk_reads_a_models_404_in_its_own_envelope(fl):
     # /v1/models answers Anthropic's SDK (anthropic-version) in Anthropic's shape, its
     # errors included (docs/api.md)

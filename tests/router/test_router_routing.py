@@ -4,6 +4,7 @@ health, on-demand loads and bursts."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import time
 
 import httpx2
@@ -71,6 +72,38 @@ def test_context_length_exceeded_is_not_retried(fl):
         fl.client().completions.create(model="tiny", prompt="a" * 9000, max_tokens=1)
     assert e.value.code == "context_length_exceeded" and e.value.body["param"] == "prompt"
     assert len(fl.n1.requests) + len(fl.n2.requests) == 1
+
+
+@pytest.mark.parametrize("why, says", [
+    ("deadline", "the request ran past its deadline (timeouts.request_secs = 30 s) and the "
+                 "neuron ended it"),
+    ("shutdown", "the neuron stopped the model before the request finished (its drain "
+                 "outlasted server.drain_secs, or the model was unloaded); retry it"),
+    ("error: step failed", "the neuron failed while generating: error: step failed"),
+])
+def test_a_request_the_neuron_ends_short_says_why(fl, why, says):
+    """docs/errors.md: a deadline, a drain that ran out and an engine failure all end the
+    request upstream_error, each saying which (the neuron's stop_reason), stream or not."""
+    ask = [{"role": "user", "content": f"[[abort:2:{why}]]"}]
+    s = fl.client().chat.completions.create(model="tiny", messages=ask, max_tokens=6,
+                                            stream=True)
+    got = []
+    with pytest.raises(openai.APIError) as streamed:
+        for chunk in s:
+            got.append(chunk)
+    assert "".join(c.choices[0].delta.content or "" for c in got) == "w0 w1 "
+    with pytest.raises(openai.APIStatusError) as whole:
+        fl.client().chat.completions.create(model="tiny", messages=ask, max_tokens=6)
+    failed = [json.loads(line[6:]) for line in httpx2.post(
+        fl.url + "/v1/responses", json={"model": "tiny", "input": ask[0]["content"],
+                                        "stream": True}, timeout=15).text.splitlines()
+        if line.startswith("data: ")][-1]
+    assert streamed.value.body == {"message": says, "type": "server_error",
+                                   "code": "upstream_error", "param": None}
+    assert whole.value.status_code == 502 and whole.value.code == "upstream_error"
+    assert whole.value.body["message"] == says
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["error"]["message"] == f"upstream_error: {says}"
 
 
 def test_neuron_failing_mid_stream_ends_the_stream_with_an_error_event(fl):
@@ -313,3 +346,47 @@ def test_streaming_n_choices_interleave_and_each_finishes(fl):
         usage = chunk.usage or usage
     assert texts == {0: "w0 w1 w2 ", 1: "w0 w1 w2 "} and finishes == {0: "length", 1: "length"}
     assert usage.completion_tokens == 6
+
+
+def _switching(fl, on: bool) -> None:
+    """Both fakes report `tiny` switching profile (or ready again), as Watch would."""
+    def go():
+        for n in (fl.n1, fl.n2):
+            n.models["tiny"].state = pb.MODEL_STATE_SWITCHING if on else pb.MODEL_STATE_READY
+            n.changed()
+    fl.lt.call(go)
+    assert wait_for(lambda: len(fl.state.registry.candidates("tiny")) == (0 if on else 2))
+
+
+def test_a_request_waiting_for_a_profile_switch_ends_at_its_deadline_as_the_switch(fl):
+    """docs/errors.md: a model switching profile is 503 service_unavailable. A request waits
+    for the switch at most until its own deadline (here 0.5 s, load_wait_secs 10 s), not
+    past it, and then hears that the model is switching, not that it is loading."""
+    old = fl.state.dispatcher.settings
+    fl.state.dispatcher.settings = DispatchSettings(["*"], 10.0, 0.5)
+    fl.state.request_secs = 0.5
+    _switching(fl, True)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(openai.InternalServerError) as by_deadline:
+            fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        waited = time.monotonic() - t0
+        fl.state.dispatcher.settings = DispatchSettings(["*"], 0.5, 30)  # load_wait first
+        fl.state.request_secs = 30
+        with pytest.raises(openai.InternalServerError) as by_load_wait:
+            fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    finally:
+        fl.state.dispatcher.settings = old
+        fl.state.request_secs = fl.state.cfg.timeouts.request_secs
+        _switching(fl, False)
+    assert 0.4 <= waited < 2.0
+    e = by_deadline.value
+    assert e.status_code == 503 and e.code == "service_unavailable"
+    assert int(e.response.headers["retry-after"]) >= 1
+    assert e.body["message"] == ("`tiny` is switching profile (on n1, n2) and was not ready "
+                                 "within its deadline (timeouts.request_secs = 0.5 s); "
+                                 "retry shortly")
+    e = by_load_wait.value
+    assert e.code == "service_unavailable" and "switching profile" in e.body["message"]
+    assert "within timeouts.load_wait_secs (0.5 s)" in e.body["message"]
+    assert not fl.n1.requests and not fl.n2.requests  # never sent past its deadline
