@@ -170,6 +170,15 @@ def test_an_invalid_config_is_refused_and_nothing_copied(shipper: Shipper, old, 
     assert not shipper.hosts.exists()  # not even the valid router config went out
 
 
+def test_a_router_alias_chain_is_refused_with_the_routers_words(shipper: Shipper) -> None:
+    router = shipper.assets / "router.toml"
+    router.write_text(router.read_text() + '\n[aliases]\nfast = "balanced"\nbalanced = "tiny"\n')
+    rc, _, err = shipper.ship("gpu-1", "--router", "edge-1")
+    assert rc == 2
+    assert f"{router}: aliases.fast: points at another alias balanced; expected a model id" in err
+    assert not shipper.hosts.exists()
+
+
 def test_no_secret_in_any_output_or_shipped_file(shipper: Shipper) -> None:
     shipper.ship("gpu-1", "--router", "edge-1")
     shipper.edit("max_in_flight = 16", "max_in_flight = 32")
