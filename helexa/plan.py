@@ -355,8 +355,9 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
     """Plan every model of a neuron config; raises PlanError on the first that cannot work.
 
     A profile that switches the KV dtype re-plans the pool at runtime, so
-    each model is also planned under every such profile. A model whose budget
-    depends on a live device's memory is skipped here.
+    each model is also planned under every such profile. A model on CUDA cards with
+    neither kv_budget_mb nor device_memory_mb is skipped here (the neuron asks the cards);
+    on a CPU nothing can tell, so UnknownBudget is raised as the load would.
     """
     plans = []
     for entry in cfg.models:
@@ -371,7 +372,8 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
                     raise PlanError(f"{e} (under [profiles.{name}] kv_dtype = "
                                     f"{profile.kv_dtype!r})") from None
         except UnknownBudget:
-            continue
+            if not on_cuda(cfg.devices_of(entry)):
+                raise
     return plans
 
 

@@ -36,7 +36,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Devices this neuron owns, e.g. [\"cuda:0\", \"cuda:1\"] or [\"cpu\"].", RESTART)] = msgspec.field(
             default_factory=lambda: ["cpu"])
     device_memory_mb: Annotated[optional(int, ge=1), field_meta(
-        "Memory of each device in MiB, for planning without a device; none = ask the device.",
+        "Memory of each device in MiB, for planning without a device; none = ask the device "
+        "(a CUDA card; a CPU has no figure to ask, so a CPU model needs kv_budget_mb).",
         RESTART)] = None
     drain_secs: Annotated[float, field_meta(
         "On SIGTERM, a draining unload or a profile switch that re-plans the pool, how long "
