@@ -305,7 +305,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         if context < 2:
             raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
                             f"got {budget / MIB:,.1f} MiB for {block_bytes:,} B blocks")
-    output = min(entry.max_output_tokens or context - 1, context - 1)
+    if (entry.max_output_tokens or 0) > context - 1:  # it would be advertised cut, silently
+        room = f"one request's room in the pool {single:,} tokens ({source})"
+        why = (f"{_key(cfg, entry, 'context')} = {context:,}" if entry.context is not None else
+               f"context {context:,} = " + (f"min({room}, model positions {positions:,})"
+                                            if positions else room) + f" in blocks of {bs}")
+        raise PlanError(f"{where('max_output_tokens')}: expected at most context - 1 = "
+                        f"{context - 1:,} ({why}), got {entry.max_output_tokens:,}")
+    output = entry.max_output_tokens or context - 1
     trade = [(n, min(context, tokens_each(budget, n, block_bytes, bs, slot)))
              for n in TRADE_SESSIONS]
     plan = ModelPlan(

@@ -220,7 +220,9 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         "Advertised context (prompt + output tokens); the neuron refuses to start if the pool cannot hold it.",
         RESTART)] = None
     max_output_tokens: Annotated[optional(int, ge=1), field_meta(
-        "Largest output a request may ask for; none = context - 1.", RESTART)] = None
+        "Largest output a request may ask for; none = context - 1. More than context - 1 "
+        "cannot be delivered: the neuron refuses to start, showing the context's arithmetic.",
+        RESTART)] = None
     kv_budget_mb: Annotated[optional(int, ge=1), field_meta(
         "This model's KV pool in MiB per card; overrides kv.kv_budget_mb.", RESTART)] = None
     tool_parser: Annotated[Literal["auto", "hermes", "llama3_json", "qwen3_xml", "none"], field_meta(
