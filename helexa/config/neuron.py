@@ -293,6 +293,13 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         """The devices ``entry``'s ranks run on: its own, else the first tp of the neuron's."""
         return list(entry.devices or self.server.devices[: entry.tp])
 
+    def devices_key(self, entry: ModelEntry) -> str:
+        """The key that names ``entry``'s devices, for messages: its own, else the neuron's."""
+        i = next((i for i, m in enumerate(self.models) if m.id == entry.id), None)
+        if entry.devices is None:
+            return "server.devices"
+        return f"models[{i}].devices" if i is not None else f"models.{entry.id}.devices"
+
     def model(self, model_id: str) -> ModelEntry:
         for m in self.models:
             if m.id == model_id:
