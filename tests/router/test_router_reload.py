@@ -56,5 +56,9 @@ def test_a_reload_with_an_alias_chain_is_refused_and_the_old_aliases_serve(fl, t
     r = fl.client().chat.completions.create(model="helexa/balanced", messages=MSG, max_tokens=1)
     assert r.choices[0].message.content == "w0 "
     chain.pop("helexa/fast")  # the same file less the chain applies: the chain was the fault
-    reload_with(fl, tmp_path, tomli_w.dumps({**current, "aliases": chain}).encode())
-    assert fl.state.aliases.items() == [("helexa/quick", "tiny")]
+    try:
+        reload_with(fl, tmp_path, tomli_w.dumps({**current, "aliases": chain}).encode())
+        assert fl.state.aliases.items() == [("helexa/quick", "tiny")]
+    finally:  # the fleet is the session's: its own config again
+        fl.lt.run(fl.state.reload())
+    assert fl.state.aliases.items() == before
