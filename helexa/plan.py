@@ -305,7 +305,14 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
         if context < 2:
             raise PlanError(f"{where(budget_key)}: expected room for at least one block, "
                             f"got {budget / MIB:,.1f} MiB for {block_bytes:,} B blocks")
-    output = min(entry.max_output_tokens or context - 1, context - 1)
+    if (entry.max_output_tokens or 0) > context - 1:  # it would be advertised cut, silently
+        room = f"one request's room in the pool {single:,} tokens ({source})"
+        why = (f"{_key(cfg, entry, 'context')} = {context:,}" if entry.context is not None else
+               f"context {context:,} = " + (f"min({room}, model positions {positions:,})"
+                                            if positions else room) + f" in blocks of {bs}")
+        raise PlanError(f"{where('max_output_tokens')}: expected at most context - 1 = "
+                        f"{context - 1:,} ({why}), got {entry.max_output_tokens:,}")
+    output = entry.max_output_tokens or context - 1
     trade = [(n, min(context, tokens_each(budget, n, block_bytes, bs, slot)))
              for n in TRADE_SESSIONS]
     plan = ModelPlan(
@@ -355,8 +362,9 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
     """Plan every model of a neuron config; raises PlanError on the first that cannot work.
 
     A profile that switches the KV dtype re-plans the pool at runtime, so
-    each model is also planned under every such profile. A model whose budget
-    depends on a live device's memory is skipped here.
+    each model is also planned under every such profile. A model on CUDA cards with
+    neither kv_budget_mb nor device_memory_mb is skipped here (the neuron asks the cards);
+    on a CPU nothing can tell, so UnknownBudget is raised as the load would.
     """
     plans = []
     for entry in cfg.models:
@@ -371,7 +379,8 @@ def check_neuron_config(path: str | Path, cfg: NeuronConfig) -> list[ModelPlan]:
                     raise PlanError(f"{e} (under [profiles.{name}] kv_dtype = "
                                     f"{profile.kv_dtype!r})") from None
         except UnknownBudget:
-            continue
+            if not on_cuda(cfg.devices_of(entry)):
+                raise
     return plans
 
 

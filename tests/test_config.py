@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,22 @@ def test_bad_router_config(tmp_path, capsys):
     rc, lines = check(path, capsys)
     assert rc == 2 and len(lines) == 1
     assert re.match(rf"{re.escape(str(path))}: timeouts\.request_secs: expected .*> 0", lines[0])
+
+
+@pytest.mark.parametrize("aliases,line", [
+    ('"helexa/balanced" = "tiny"\n"helexa/fast" = "helexa/balanced"\n',
+     'aliases."helexa/fast": points at another alias helexa/balanced; expected a model id'),
+    ('loop = "loop"\n', "aliases.loop: points at itself; expected a model id"),
+], ids=["chain", "self"])
+def test_an_alias_the_router_refuses_fails_the_check_with_its_words(tmp_path, capsys, aliases,
+                                                                     line):
+    path = tmp_path / "router.toml"
+    path.write_text(f"[aliases]\n{aliases}")
+    rc, lines = check(path, capsys)
+    assert rc == 2 and lines == [f"{path}: {line}"]
+    router = subprocess.run([sys.executable, "-m", "helexa.cli", "router", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert router.returncode == 1 and router.stderr.strip() == f"helexa router: {path}: {line}"
 
 
 def test_syntax_error_and_missing_file(tmp_path, capsys):

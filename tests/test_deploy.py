@@ -160,7 +160,8 @@ def test_dry_run_shows_the_diff_and_copies_nothing(shipper: Shipper) -> None:
     ("max_in_flight = 16", "max_in_flght = 16", "admission.max_in_flght: unknown key"),
     ("max_in_flight = 16", 'max_in_flight = "many"', "admission.max_in_flight: expected `int`"),
     ('config = "../models', 'context = 999999\nconfig = "../models', "models[0].context: expected at most"),
-], ids=["unknown-key", "wrong-type", "context-cannot-fit"])
+    ("kv_budget_mb = 64", "", "kv.kv_budget_mb: expected kv_budget_mb or server.device_memory_mb"),
+], ids=["unknown-key", "wrong-type", "context-cannot-fit", "cpu-without-a-budget"])
 def test_an_invalid_config_is_refused_and_nothing_copied(shipper: Shipper, old, new, message) -> None:
     shipper.edit(old, new)
     rc, out, err = shipper.ship("gpu-1", "--router", "edge-1")
@@ -168,6 +169,15 @@ def test_an_invalid_config_is_refused_and_nothing_copied(shipper: Shipper, old, 
     assert message.replace("`int`", "int") in err
     assert "refused, nothing copied" in err
     assert not shipper.hosts.exists()  # not even the valid router config went out
+
+
+def test_a_router_alias_chain_is_refused_with_the_routers_words(shipper: Shipper) -> None:
+    router = shipper.assets / "router.toml"
+    router.write_text(router.read_text() + '\n[aliases]\nfast = "balanced"\nbalanced = "tiny"\n')
+    rc, _, err = shipper.ship("gpu-1", "--router", "edge-1")
+    assert rc == 2
+    assert f"{router}: aliases.fast: points at another alias balanced; expected a model id" in err
+    assert not shipper.hosts.exists()
 
 
 def test_no_secret_in_any_output_or_shipped_file(shipper: Shipper) -> None:

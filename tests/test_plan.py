@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,52 @@ def test_context_that_cannot_fit_fails_with_the_arithmetic(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "12,500 blocks" in err and "9,426 blocks" in err and str(path) in err
     assert helexa_main(["config", "check", str(path)]) == 2
+
+
+def test_a_cpu_model_without_a_budget_fails_the_check_as_plan_and_the_neuron_say(tmp_path,
+                                                                                   capsys):
+    # a CPU has no memory figure to ask: the load would fail UnknownBudget, so the check does
+    path = neuron_toml(tmp_path, f'[[models]]\nid = "d"\nconfig = "{DENSE}"\n')
+    line = (f"{path}: kv.kv_budget_mb: expected kv_budget_mb or server.device_memory_mb to "
+            "plan without a device")
+    with pytest.raises(PlanError) as e:
+        check_neuron_config(path, load_neuron_config(path))
+    assert str(e.value) == line
+    assert helexa_main(["config", "check", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert helexa_main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    neuron = subprocess.run([sys.executable, "-m", "helexa.cli", "neuron", "--config", str(path)],
+                            capture_output=True, text=True, timeout=60)
+    assert neuron.returncode == 2 and neuron.stderr.splitlines() == [f"helexa neuron: {line}"]
+    # on CUDA cards the neuron asks them (nvidia-smi): nothing to say before it runs
+    gpu = neuron_toml(tmp_path, f'[server]\ndevices = ["cuda:0"]\n[[models]]\nid = "d"\n'
+                                f'config = "{DENSE}"\n', "gpu.toml")
+    assert check_neuron_config(gpu, load_neuron_config(gpu)) == []
+    assert helexa_main(["config", "check", str(gpu)]) == 0
+
+
+def test_an_output_limit_beyond_the_context_is_refused_with_the_arithmetic(tmp_path, capsys):
+    # advertised, it would have been cut to context - 1 without a word (/v1/models, Watch)
+    body = (f'[kv]\nkv_budget_mb = 1000\nblock_size = 32\n[[models]]\nid = "d"\n'
+            f'config = "{DENSE}"\ncontext = 4000\nmax_output_tokens = 5000\n')
+    path = neuron_toml(tmp_path, body)
+    line = (f"{path}: models[0].max_output_tokens: expected at most context - 1 = 3,999 "
+            "(models[0].context = 4,000), got 5,000")
+    assert helexa_main(["config", "check", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert helexa_main(["plan", str(path)]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    # a context the pool sets: the line shows where it comes from
+    derived = neuron_toml(tmp_path, body.replace("context = 4000\n", "")
+                          .replace("5000", "100000"), "d.toml")
+    with pytest.raises(PlanError, match=(
+            r"models\[0\]\.max_output_tokens: expected at most context - 1 = 7,103 \(context "
+            r"7,104 = min\(one request's room in the pool 7,104 tokens \(1,000 MiB kv_budget_mb\), "
+            r"model positions 40,960\) in blocks of 32\), got 100,000")):
+        check_neuron_config(derived, load_neuron_config(derived))
+    fits = plan_of(tmp_path, body.replace("5000", "3999"))
+    assert (fits.context, fits.output) == (4000, 3999)
 
 
 def test_missing_model_config_names_the_key(tmp_path):

@@ -33,6 +33,11 @@ _PRIMITIVES: dict[type, type] = {msgspec.inspect.StrType: str, msgspec.inspect.I
                msgspec.inspect.FloatType: float, msgspec.inspect.BoolType: bool}
 
 
+# `key: what is wrong` as a __post_init__ raises it; a key is dotted, a segment quoted where
+# TOML quotes it (aliases."helexa/balanced")
+_OWN = re.compile(r'^([A-Za-z_][\w\[\]]*(?:\.(?:[\w\[\]-]+|"(?:[^"\\]|\\.)*"))*): (.*)$')
+
+
 def _unwrap(info: Any) -> Any:
     """Strip Metadata and the None arm of an optional type."""
     while True:
@@ -106,7 +111,7 @@ def _format_error(path: Path, err: msgspec.ValidationError, raw: Any = None,
         choices = ", ".join(str(v) for v in info.values)
         msg = f"expected one of {choices}, got {msg.removeprefix('Invalid enum value ')}"
     msg = msg.replace("`", "").replace(" | null", "")  # TOML has no null: an unset key is None
-    own = re.match(r"^([A-Za-z_][\w.\[\]]*): (.*)$", msg)  # raised by a __post_init__
+    own = _OWN.match(msg)  # raised by a __post_init__
     if own:
         where = f"{where}.{own.group(1)}" if where else own.group(1)
         msg = own.group(2)

@@ -36,7 +36,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         "Devices this neuron owns, e.g. [\"cuda:0\", \"cuda:1\"] or [\"cpu\"].", RESTART)] = msgspec.field(
             default_factory=lambda: ["cpu"])
     device_memory_mb: Annotated[optional(int, ge=1), field_meta(
-        "Memory of each device in MiB, for planning without a device; none = ask the device.",
+        "Memory of each device in MiB, for planning without a device; none = ask the device "
+        "(a CUDA card; a CPU has no figure to ask, so a CPU model needs kv_budget_mb).",
         RESTART)] = None
     drain_secs: Annotated[float, field_meta(
         "On SIGTERM, a draining unload or a profile switch that re-plans the pool, how long "
@@ -224,7 +225,9 @@ class ModelEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
         "Advertised context (prompt + output tokens); the neuron refuses to start if the pool cannot hold it.",
         RESTART)] = None
     max_output_tokens: Annotated[optional(int, ge=1), field_meta(
-        "Largest output a request may ask for; none = context - 1.", RESTART)] = None
+        "Largest output a request may ask for; none = context - 1. More than context - 1 "
+        "cannot be delivered: the neuron refuses to start, showing the context's arithmetic.",
+        RESTART)] = None
     kv_budget_mb: Annotated[optional(int, ge=1), field_meta(
         "This model's KV pool in MiB per card; overrides kv.kv_budget_mb.", RESTART)] = None
     tool_parser: Annotated[Literal["auto", "hermes", "llama3_json", "qwen3_xml", "none"], field_meta(
@@ -294,6 +297,13 @@ class NeuronConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def devices_of(self, entry: ModelEntry) -> list[str]:
         """The devices ``entry``'s ranks run on: its own, else the first tp of the neuron's."""
         return list(entry.devices or self.server.devices[: entry.tp])
+
+    def devices_key(self, entry: ModelEntry) -> str:
+        """The key that names ``entry``'s devices, for messages: its own, else the neuron's."""
+        i = next((i for i, m in enumerate(self.models) if m.id == entry.id), None)
+        if entry.devices is None:
+            return "server.devices"
+        return f"models[{i}].devices" if i is not None else f"models.{entry.id}.devices"
 
     def model(self, model_id: str) -> ModelEntry:
         for m in self.models:

@@ -3,6 +3,8 @@ model aliases, timeouts and the per-request limits."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Annotated
 
 import msgspec
@@ -114,8 +116,33 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     auth: AuthConfig = msgspec.field(default_factory=AuthConfig)
     neurons: NeuronsConfig = msgspec.field(default_factory=NeuronsConfig)
     aliases: Annotated[dict[str, str], field_meta(
-        "Alias → model id, e.g. \"helexa/balanced\" = \"Qwen/Qwen3-8B\".", RELOAD)] = msgspec.field(
+        "Alias → model id, e.g. \"helexa/balanced\" = \"Qwen/Qwen3-8B\"; the id may not be "
+        "another alias or the alias itself (one hop).", RELOAD)] = msgspec.field(
             default_factory=dict)
     timeouts: TimeoutsConfig = msgspec.field(default_factory=TimeoutsConfig)
     images: ImagesConfig = msgspec.field(default_factory=ImagesConfig)
     limits: LimitsConfig = msgspec.field(default_factory=LimitsConfig)
+
+    def __post_init__(self) -> None:
+        problem = alias_problem(self.aliases)
+        if problem:
+            raise ValueError(problem)
+
+
+def alias_problem(table: dict[str, str]) -> str:
+    """Why an alias table cannot be served ("" when it can): an alias names a model id, never
+    another alias nor itself (one hop keeps `/v1/models` and error messages unambiguous).
+    The router refuses such a file at start and on reload, and `helexa config check` and
+    `helexa deploy` with it, all through RouterConfig."""
+    for alias, target in table.items():
+        key = f"aliases.{toml_key(alias)}"
+        if target == alias:
+            return f"{key}: points at itself; expected a model id"
+        if target in table:
+            return f"{key}: points at another alias `{target}`; expected a model id"
+    return ""
+
+
+def toml_key(name: str) -> str:
+    """A table key as TOML writes it: bare when it can be, else quoted."""
+    return name if re.fullmatch(r"[A-Za-z0-9_-]+", name) else json.dumps(name)

@@ -42,6 +42,7 @@ def build_spec(cfg: NeuronConfig, r: ResidentModel, model_dir: Path,
         r.admission, _ = within_ceilings(r.admission, r)  # no more than its state slots
     return EngineSpec(
         model_id=r.model_id, model_dir=str(model_dir), devices=r.devices,
+        devices_key=cfg.devices_key(r.entry),
         dtype=r.load_entry.dtype, tp=r.entry.tp, num_blocks=num_blocks,
         num_state_slots=slots, fixed_bytes=plan.fixed_bytes,
         block_size=plan.block_size, kv_dtype=plan.kv_dtype,

@@ -1,8 +1,9 @@
 """Model aliases such as `helexa/balanced` → a concrete model id, from the router config.
 
 Aliases are resolved once, at the router, before selection; neurons only
-ever see concrete model ids. An alias may not point at another alias (one
-hop keeps `/v1/models` and error messages unambiguous).
+ever see concrete model ids. An alias may not point at another alias nor at
+itself: RouterConfig refuses such a table (helexa/config/router.py,
+`alias_problem`), so `helexa config check` says what the router would.
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ class Aliases:
 
     def __init__(self, table: Mapping[str, str] | None = None) -> None:
         self._table = dict(table or {})
-        for alias, target in self._table.items():
-            if target in self._table:
-                raise ValueError(f"aliases.{alias}: points at another alias `{target}`;"
-                                 " expected a model id")
 
     def resolve(self, name: str) -> str:
         """The model id a client's `model` names (itself when it is not an alias)."""

@@ -78,7 +78,7 @@ class RouterState:
         self._commit(cfg, *self._build(cfg))
 
     def _build(self, cfg: RouterConfig) -> tuple[dict[str, str], str | None, Aliases]:
-        """Everything a config needs that can fail (files read, aliases checked)."""
+        """Everything a config needs that can fail (files read)."""
         base = self.config_path or Path("router.toml")
         try:
             keys = load_keys_file(resolve_path(base, cfg.auth.keys_file)) if cfg.auth.keys_file \
@@ -86,11 +86,7 @@ class RouterState:
             token = read_secret(base, cfg.neurons.token_file)
         except OSError as e:
             raise ConfigError(f"{base}: cannot read {e.filename}: {e.strerror}") from None
-        try:
-            aliases = Aliases(cfg.aliases)
-        except ValueError as e:
-            raise ConfigError(f"{base}: {e}") from None
-        return keys, token, aliases
+        return keys, token, Aliases(cfg.aliases)  # RouterConfig checked the table
 
     def _commit(self, cfg: RouterConfig, keys: dict[str, str], token: str | None,
                 aliases: Aliases) -> None:

@@ -101,6 +101,27 @@ def test_an_engine_that_fails_to_start_leaves_the_model_failed_with_the_reason(
     assert r.state == ModelState.FAILED and "qwen3_next" in r.error
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["server", "model"])
+def test_a_cuda_card_this_host_lacks_fails_the_load_naming_its_key(
+        tiny_model_dir: Path, tmp_path: Path, own: bool) -> None:
+    import torch
+
+    card = f"cuda:{torch.cuda.device_count()}"  # one past the last: on a CPU host, cuda:0
+    cfg = msgspec.convert({
+        "server": {"device_memory_mb": 4, **({} if own else {"devices": [card]})},
+        "kv": {"kv_budget_mb": 1, "activation_headroom_mb": 0},
+        "models": [{"id": "a", "path": str(tiny_model_dir), "preload": False,
+                    **({"devices": [card]} if own else {})}],
+    }, NeuronConfig)
+    # the real engine process, which is where torch would meet the card
+    res = Residency(cfg, tmp_path / "neuron.toml", tokenizer_loader=lambda _d: None)
+    r, _ = asyncio.run(res.load("a"))
+    key = "models[0].devices" if own else "server.devices"
+    assert r.state == ModelState.FAILED
+    assert r.error.startswith(f"loading a failed: RuntimeError: {key}: {card}"), r.error
+    assert "torch" in r.error and "Assertion" not in r.error
+
+
 def test_unloading_a_busy_model_is_refused_unless_drained(tiny_model_dir: Path,
                                                          tmp_path: Path) -> None:
     async def run() -> tuple[str, float, bool]:

@@ -3,6 +3,8 @@ serving, links and all."""
 
 from __future__ import annotations
 
+import tomllib
+
 import tomli_w
 
 MSG = [{"role": "user", "content": "hello there"}]
@@ -42,3 +44,21 @@ def test_a_reload_of_a_file_that_is_not_utf8_keeps_serving(fl, tmp_path):
     assert fl.state.registry.links == links
     r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
     assert r.choices[0].message.content == "w0 "
+
+
+
+def test_a_reload_with_an_alias_chain_is_refused_and_the_old_aliases_serve(fl, tmp_path):
+    before = fl.state.aliases.items()
+    current = tomllib.loads(fl.state.config_path.read_text())
+    chain = {"helexa/quick": "tiny", "helexa/fast": "helexa/quick"}
+    reload_with(fl, tmp_path, tomli_w.dumps({**current, "aliases": chain}).encode())
+    assert fl.state.aliases.items() == before
+    r = fl.client().chat.completions.create(model="helexa/balanced", messages=MSG, max_tokens=1)
+    assert r.choices[0].message.content == "w0 "
+    chain.pop("helexa/fast")  # the same file less the chain applies: the chain was the fault
+    try:
+        reload_with(fl, tmp_path, tomli_w.dumps({**current, "aliases": chain}).encode())
+        assert fl.state.aliases.items() == [("helexa/quick", "tiny")]
+    finally:  # the fleet is the session's: its own config again
+        fl.lt.run(fl.state.reload())
+    assert fl.state.aliases.items() == before

@@ -17,6 +17,7 @@ process, as does ToEngine(shutdown=True) after every request was aborted.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 from collections.abc import Callable
@@ -97,6 +98,9 @@ def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder,
           runner_factory: Callable[[EngineSpec], Any] | None = None) -> EngineCore:
     import torch
 
+    problem = missing_cuda(spec.devices)
+    if problem:  # before any weight is read: torch's own words would be an AssertionError
+        raise RuntimeError(f"{spec.devices_key}: {problem}")
     from helexa.log import get_logger, setup_logging
     from helexa.neuron.engine.engine_core import EngineCore
 
@@ -115,6 +119,30 @@ def _load(spec: EngineSpec, conn: Connection, encoder: msgspec.msgpack.Encoder,
     log = get_logger("neuron").bind(model=spec.model_id)
     runner = runner_factory(spec) if runner_factory is not None else None
     return EngineCore(spec, runner, logger=log, progress=progress)
+
+
+def missing_cuda(devices: list[str]) -> str:
+    """Why this host cannot run the CUDA devices named ("" when it can): torch built without
+    CUDA, no card it can see, or fewer cards than an index named."""
+    import torch
+
+    cuda = [d for d in devices if d.startswith("cuda")]
+    if not cuda:
+        return ""
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return (f"{cuda[0]} is a CUDA device, but this host's torch {torch.__version__} is built "
+                "without CUDA; name cpu, or install a CUDA build of torch")
+    count = torch.cuda.device_count()
+    if count == 0:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return (f"{cuda[0]} is a CUDA device, but torch {torch.__version__} sees no card on this "
+                "host (no driver, or " + (f"CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None
+                                          else "no card)"))
+    for d in cuda:
+        if (torch.device(d).index or 0) >= count:
+            names = "cuda:0" if count == 1 else f"cuda:0 to cuda:{count - 1}"
+            return f"{d}: torch sees {count} CUDA card(s) on this host ({names})"
+    return ""
 
 
 def run_loop(core: EngineCore, conn: Connection, encoder: msgspec.msgpack.Encoder) -> None:

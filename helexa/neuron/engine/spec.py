@@ -46,6 +46,7 @@ class EngineSpec(msgspec.Struct, frozen=True, kw_only=True):
     model_id: str
     model_dir: str = ""
     devices: list[str] = msgspec.field(default_factory=lambda: ["cpu"])
+    devices_key: str = "server.devices"  # the config key that names them, for messages
     dtype: str = "auto"  # weights: auto | fp32 | fp16 | bf16
     tp: int = 1
     num_blocks: int

@@ -193,6 +193,28 @@ def test_start_failure_raises_with_the_engines_reason(tmp_path):
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("built,cards,devices,said", [
+    (None, 0, ["cuda:0"], "cuda:0 is a CUDA device, but this host's torch 9.9 is built without CUDA"),
+    ("12.4", 0, ["cuda"], "cuda is a CUDA device, but torch 9.9 sees no card on this host"),
+    ("12.4", 2, ["cuda:0", "cuda:2"], "cuda:2: torch sees 2 CUDA card(s) on this host "
+                                      "(cuda:0 to cuda:1)"),
+    ("12.4", 1, ["cuda:0"], ""),
+    (None, 0, ["cpu", "cpu"], ""),
+], ids=["cpu-build", "no-card", "index-past-the-cards", "fits", "cpu"])
+def test_what_the_engine_says_of_cuda_cards_this_host_lacks(monkeypatch, built, cards, devices,
+                                                           said):
+    # the GPU host's branches without one (test_residency runs the real process on this host)
+    import torch
+
+    from helexa.neuron.engine.process import missing_cuda
+
+    monkeypatch.setattr(torch, "__version__", "9.9")
+    monkeypatch.setattr(torch.version, "cuda", built)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cards)
+    assert missing_cuda(devices).startswith(said) and bool(said) == bool(missing_cuda(devices))
+
+
 def test_engine_loop_gives_up_after_repeated_step_failures():
     """The process loop (run in a thread here): steps that keep failing end the engine, so
     the daemon can mark the model failed; each failed step's requests come back ERROR."""
