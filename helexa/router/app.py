@@ -62,6 +62,7 @@ class RouterState:
         self.status = StatusBoard(self.registry, self.metrics.refusals, self.metrics.requests,
                                   self.metrics.in_progress)
         self.max_body_bytes = cfg.server.max_body_bytes
+        self.models_created: dict[str, int] = {}  # /v1/models' `created` (fleet_view.created)
         self.read_timeout_secs = cfg.server.read_timeout_secs
         # Body parsing and schema work, off this loop (work_pool.py); its size needs a restart,
         # its share per principal does not.
@@ -196,11 +197,12 @@ async def models(request: web.Request) -> web.Response:
     drafters = fleet_view.drafters(state.registry)
     seeing = fleet_view.models_taking_images(state.registry)
     sharing = fleet_view.prefix_sharing(state.registry)
+    created = fleet_view.created(state.registry, state.models_created)
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
         limit: dict[str, int] = {"context": context, "input": input_, "output": output}
-        e: dict[str, Any] = {"id": model_id, "object": "model", "created": 0,
+        e: dict[str, Any] = {"id": model_id, "object": "model", "created": created[target],
                              "owned_by": "helexa", "limit": limit,
                              "max_model_len": context,  # vLLM's name for the context limit
                              "speculation": drafters.get(target, "off"),
@@ -221,7 +223,7 @@ async def models(request: web.Request) -> web.Response:
     anthropic_client = "anthropic-version" in request.headers
     if anthropic_client:  # Anthropic's SDK reads its own shape (type, display_name, ...)
         data = [{**e, "type": "model", "display_name": e["id"],
-                 "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active",
+                 "created_at": fleet_view.rfc3339(e["created"]), "lifecycle": "active",
                  "max_input_tokens": e["limit"]["input"], "max_tokens": e["limit"]["output"]}
                 for e in data]
     if "model" in request.match_info:
