@@ -32,7 +32,7 @@ from helexa.config.schema import (
     resolve_path,
 )
 from helexa.log import get_logger, setup_logging
-from helexa.router import fleet_view, serve, tokenize
+from helexa.router import cors, fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -278,6 +278,7 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=[error_envelope], client_max_size=state.max_body_bytes)
     app[STATE] = state
+    cors.install(app, lambda r: r.app[STATE].cfg.server.cors_allowed_origins)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await serve.handle(request, "chat")
