@@ -279,13 +279,65 @@ def _param_rules(rule: str, key: str, schema: Any, root: dict[str, Any]) -> list
 
 
 def _text_regex(schema: dict[str, Any]) -> str:
-    """The raw text of a string parameter, as a Lark regex."""
-    pattern = schema.get("pattern")
-    if isinstance(pattern, str):  # JSON schema patterns match anywhere unless anchored
-        body = pattern.removeprefix("^") if pattern.startswith("^") else "(?s:.*)" + pattern
-        body = body.removesuffix("$") if body.endswith("$") else body + "(?s:.*)"
-        return "/" + body.replace("/", "\\/") + "/"
-    low, high = schema.get("minLength"), schema.get("maxLength")
+    """The raw text of a string parameter as a Lark regex: its pattern and its length
+    bounds together (the intersection of the two regexes), as helexa.grammar's JSON
+    enforces them on a quoted string."""
+    pattern, low, high = schema.get("pattern"), schema.get("minLength"), schema.get("maxLength")
+    parts = [_pattern_regex(pattern)] if isinstance(pattern, str) else []
     if isinstance(low, int) or isinstance(high, int):
-        return f"/(?s:.){{{low if isinstance(low, int) else 0},{high if isinstance(high, int) else ''}}}/"
-    return "/(?s:.*)/"
+        parts.append(f"/(?s:.){{{low if isinstance(low, int) else 0},"
+                     f"{high if isinstance(high, int) else ''}}}/")
+    return " & ".join(parts) or "/(?s:.*)/"
+
+
+def _pattern_regex(pattern: str) -> str:
+    """A JSON schema pattern as a Lark regex of the whole value. A pattern matches anywhere
+    in the value unless anchored (`^` first, an unescaped `$` last), each alternative of
+    its top level by itself, as llguidance reads a pattern in JSON; `\\d` and `\\w` are
+    ASCII (ECMAScript's), as there."""
+    import llguidance
+
+    branches = []
+    for branch in _alternatives(llguidance.regex_to_lark(pattern, "dw")):
+        head = "" if branch.startswith("^") else "(?s:.*)"
+        branch = branch.removeprefix("^")
+        tail = "(?s:.*)"
+        if branch.endswith("$") and _escapes_before(branch, len(branch) - 1) % 2 == 0:
+            branch, tail = branch[:-1], ""
+        branches.append(f"{head}(?:{branch}){tail}")
+    return "/" + "|".join(branches) + "/"
+
+
+def _escapes_before(text: str, at: int) -> int:
+    """How many backslashes come right before text[at]."""
+    n = 0
+    while at - n > 0 and text[at - n - 1] == "\\":
+        n += 1
+    return n
+
+
+def _alternatives(regex: str) -> list[str]:
+    """The regex's top-level alternatives: split at each `|` outside a group, a class and
+    an escape."""
+    out, depth, in_class, start, i = [], 0, False, 0, 0
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\":
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+            if regex[i + 1:i + 3].startswith("^]") or regex[i + 1:i + 2] == "]":
+                i += 2 if regex[i + 1] == "]" else 3  # a leading `]` is a member
+                continue
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            out.append(regex[start:i])
+            start = i + 1
+        i += 1
+    return out + [regex[start:]]

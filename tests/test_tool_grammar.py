@@ -176,3 +176,29 @@ def test_an_answer_format_beside_tools_under_auto_still_lets_the_model_call(mode
     assert not m.accepts(text, '{"ok":1}') and not m.accepts(text, "Done.")
     two = CODEX_CALLS[fmt] + ("; " if fmt == "llama3_json" else "\n") + CODEX_CALLS[fmt]
     assert not m.accepts(text, two)  # parallel_tool_calls false: one call
+
+
+
+PATH = {"type": "string", "minLength": 2, "maxLength": 5, "pattern": "^[a-c ]+$"}
+PRICE = {"type": "string", "pattern": "^[0-9]+\\$"}  # an escaped `$`: a dollar, then anything
+CODE = {"type": "string", "pattern": "^x|y$"}  # starts with x, or ends with y
+
+
+@pytest.mark.parametrize(("schema", "good", "bad"), [
+    (PATH, ["ab c", "ab"], "abcabc"),  # the pattern's characters, over maxLength
+    (PATH, ["ab c"], "a"),  # under minLength
+    (PATH, ["ab c"], "abd"),  # outside the pattern
+    (PRICE, ["12$", "5$ each"], "12"),
+    (CODE, ["x1", "1y"], "1x"),
+])
+@pytest.mark.parametrize("fmt", ["hermes", "qwen3_xml"])
+def test_a_pattern_and_length_bounds_hold_together_in_every_format(models, fmt, schema, good,
+                                                                   bad):
+    # qwen3_xml writes a string raw, from a regex helexa builds; hermes writes JSON, whose
+    # string rules are llguidance's own: the same schema gets the same verdicts in both
+    put = {"type": "function", "function": {"name": "put", "parameters": {
+        "type": "object", "required": ["v"], "properties": {"v": schema}}}}
+    m, c = Matcher(models[fmt]), tool_grammar.forced(fmt, [put], "put", False)
+    for v in good:
+        assert m.accepts(c, rendered_calls(models[fmt], [("put", {"v": v})]))
+    assert not m.accepts(c, rendered_calls(models[fmt], [("put", {"v": bad})]))

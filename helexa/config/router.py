@@ -25,6 +25,12 @@ class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         "opening or its last response: also the keep-alive idle time) is closed, and a body "
         "that stops arriving for this long, or arrives slower than 8 KiB/s after it, is "
         "answered 408 and closed.", RESTART, gt=0)] = 15.0
+    cors_allowed_origins: Annotated[list[str], field_meta(
+        "Browser origins (`scheme://host[:port]`) whose pages may call the API: their CORS "
+        "preflights are answered without a key and every reply carries "
+        "Access-Control-Allow-Origin; \"*\" = any page. None by default (vLLM allows any): "
+        "a router serving callers without a key would serve every web page its users open "
+        "(docs/http.md, \"CORS\").", RESTART)] = msgspec.field(default_factory=list)
 
 
 class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

@@ -197,6 +197,7 @@ class Residency:
             r.engine_status = getattr(r.client, "status", None)
             r.state = ModelState.READY
             r.touch()
+            r.ready_unix_ms = r.last_used_unix_ms
             log.info("model.ready", model=entry.id, load_secs=round(time.monotonic() - t0, 3),
                      context=r.limits.context, kv_dtype=r.kv_dtype,
                      pool_tokens=r.plan.pool_tokens, evicted=evicted)

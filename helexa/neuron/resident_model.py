@@ -57,6 +57,7 @@ class ResidentModel:
     devices: list[str] = field(default_factory=list)
     active: int = 0  # Generate calls open in the daemon for this model
     last_used_unix_ms: int = 0
+    ready_unix_ms: int = 0  # when this load became ready (Watch; /v1/models' `created`)
     failures: int = 0  # consecutive failed loads
     retry_at: float = 0.0  # time.monotonic() before which a failed model is not reloaded
     num_state_slots: int = 0  # hybrid models: linear-attention state slots the engine holds

@@ -24,7 +24,7 @@ def model_status(r: ResidentModel) -> pb.ModelStatus:
     """One resident model as the proto's ModelStatus."""
     m = pb.ModelStatus(model=r.model_id, state=int(r.state), error=r.error,
                        profile=r.profile, kv_dtype=r.kv_dtype, tp=r.entry.tp,
-                       last_used_unix_ms=r.last_used_unix_ms,
+                       last_used_unix_ms=r.last_used_unix_ms, ready_unix_ms=r.ready_unix_ms,
                        activations=r.activations_status)
     template = r.tokenizer.chat_template if r.tokenizer is not None else None
     m.tool_parser = agent.tool_parser(r.entry, template)

@@ -330,7 +330,7 @@ class ModelLimits(_message.Message):
     def __init__(self, context: _Optional[int] = ..., input: _Optional[int] = ..., output: _Optional[int] = ..., fixed_bytes_per_request: _Optional[int] = ..., prefix_cache: _Optional[bool] = ..., prefix_sharing: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser", "drafter", "spec_drafted_tokens", "spec_accepted_tokens", "vision", "activations", "paused")
+    __slots__ = ("model", "state", "error", "kv", "in_flight", "queued", "running", "admission", "limits", "decode_tokens_per_sec", "prefill_tokens_per_sec", "profile", "kv_dtype", "tp", "last_used_unix_ms", "attention_backend", "tool_parser", "reasoning_parser", "drafter", "spec_drafted_tokens", "spec_accepted_tokens", "vision", "activations", "paused", "ready_unix_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class ModelStatus(_message.Message):
     VISION_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     PAUSED_FIELD_NUMBER: _ClassVar[int]
+    READY_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     state: ModelState
     error: str
@@ -379,7 +380,8 @@ class ModelStatus(_message.Message):
     vision: VisionInput
     activations: str
     paused: int
-    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tool_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., vision: _Optional[_Union[VisionInput, _Mapping]] = ..., activations: _Optional[str] = ..., paused: _Optional[int] = ...) -> None: ...
+    ready_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., state: _Optional[_Union[ModelState, str]] = ..., error: _Optional[str] = ..., kv: _Optional[_Union[KvLedger, _Mapping]] = ..., in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., running: _Optional[int] = ..., admission: _Optional[_Union[AdmissionLimits, _Mapping]] = ..., limits: _Optional[_Union[ModelLimits, _Mapping]] = ..., decode_tokens_per_sec: _Optional[float] = ..., prefill_tokens_per_sec: _Optional[float] = ..., profile: _Optional[str] = ..., kv_dtype: _Optional[str] = ..., tp: _Optional[int] = ..., last_used_unix_ms: _Optional[int] = ..., attention_backend: _Optional[str] = ..., tool_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., drafter: _Optional[str] = ..., spec_drafted_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., vision: _Optional[_Union[VisionInput, _Mapping]] = ..., activations: _Optional[str] = ..., paused: _Optional[int] = ..., ready_unix_ms: _Optional[int] = ...) -> None: ...
 
 class VisionInput(_message.Message):
     __slots__ = ("pixels_per_token", "min_pixels", "max_pixels")

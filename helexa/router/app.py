@@ -32,7 +32,7 @@ from helexa.config.schema import (
     resolve_path,
 )
 from helexa.log import get_logger, setup_logging
-from helexa.router import fleet_view, serve, tokenize
+from helexa.router import cors, fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.dispatch import Dispatcher, DispatchSettings
@@ -62,6 +62,7 @@ class RouterState:
         self.status = StatusBoard(self.registry, self.metrics.refusals, self.metrics.requests,
                                   self.metrics.in_progress)
         self.max_body_bytes = cfg.server.max_body_bytes
+        self.models_created: dict[str, int] = {}  # /v1/models' `created` (fleet_view.created)
         self.read_timeout_secs = cfg.server.read_timeout_secs
         # Body parsing and schema work, off this loop (work_pool.py); its size needs a restart,
         # its share per principal does not.
@@ -192,11 +193,12 @@ async def models(request: web.Request) -> web.Response:
     drafters = fleet_view.drafters(state.registry)
     seeing = fleet_view.models_taking_images(state.registry)
     sharing = fleet_view.prefix_sharing(state.registry)
+    created = fleet_view.created(state.registry, state.models_created)
 
     def entry(model_id: str, target: str) -> dict[str, Any]:
         context, input_, output = limits[target]
         limit: dict[str, int] = {"context": context, "input": input_, "output": output}
-        e: dict[str, Any] = {"id": model_id, "object": "model", "created": 0,
+        e: dict[str, Any] = {"id": model_id, "object": "model", "created": created[target],
                              "owned_by": "helexa", "limit": limit,
                              "max_model_len": context,  # vLLM's name for the context limit
                              "speculation": drafters.get(target, "off"),
@@ -217,7 +219,7 @@ async def models(request: web.Request) -> web.Response:
     anthropic_client = "anthropic-version" in request.headers
     if anthropic_client:  # Anthropic's SDK reads its own shape (type, display_name, ...)
         data = [{**e, "type": "model", "display_name": e["id"],
-                 "created_at": "1970-01-01T00:00:00Z", "lifecycle": "active",
+                 "created_at": fleet_view.rfc3339(e["created"]), "lifecycle": "active",
                  "max_input_tokens": e["limit"]["input"], "max_tokens": e["limit"]["output"]}
                 for e in data]
     if "model" in request.match_info:
@@ -272,6 +274,7 @@ async def metrics(request: web.Request) -> web.Response:
 def build_app(state: RouterState) -> web.Application:
     app = web.Application(middlewares=[error_envelope], client_max_size=state.max_body_bytes)
     app[STATE] = state
+    cors.install(app, lambda r: r.app[STATE].cfg.server.cors_allowed_origins)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await serve.handle(request, "chat")

@@ -7,7 +7,9 @@ per-request state, the prefix cache only where every neuron has it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.registry import Registry
@@ -65,3 +67,24 @@ def drafters(registry: Registry) -> dict[str, str]:
 def models_taking_images(registry: Registry) -> set[str]:
     """Models a healthy neuron serves READY and says take images (a vision tower in Watch)."""
     return {m.model for m in _ready(registry) if m.HasField("vision")}
+
+
+def created(registry: Registry, seen: dict[str, int]) -> dict[str, int]:
+    """Model → its `created` (unix seconds): when the router first saw it READY, as the
+    earliest neuron says it became ready (a neuron older than ready_unix_ms: that moment,
+    now). The first answer stays, so a model's `created` does not move between calls
+    while neurons come and go; `seen` keeps it (the router's, for its lifetime)."""
+    ready: dict[str, int] = {}
+    now = time.time()
+    for m in _ready(registry):
+        at = m.ready_unix_ms // 1000 if m.ready_unix_ms > 0 else int(now)
+        ready[m.model] = min(at, ready.get(m.model, at))
+    for model, at in ready.items():
+        seen.setdefault(model, at)
+    return seen
+
+
+def rfc3339(unix_secs: int) -> str:
+    """A `created` as Anthropic's `created_at` writes it."""
+    return datetime.fromtimestamp(unix_secs, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+

@@ -94,6 +94,8 @@ class ParsedRequest:
     # Earlier calls cut short by max_tokens, read as the object they began (cut_calls.py):
     # the fields, as `messages[1].tool_calls[0].function.arguments`.
     repaired_calls: list[str] = field(default_factory=list)
+    # Responses: what its response object repeats as the client sent it (responses_api.echoed)
+    echoed: dict[str, Any] = field(default_factory=dict)
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""

@@ -174,7 +174,28 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     req.reasoning_summary = b.reasoning is not None and \
         (b.reasoning.summary or b.reasoning.generate_summary) is not None
     _text_format(b, req, caps)
+    req.echoed = echoed(b)
     return req
+
+
+def echoed(b: ResponsesBody) -> dict[str, Any]:
+    """The settings a response object repeats as the client sent them (OpenAI's Response:
+    its `instructions`, `metadata`, `user`, `reasoning`, `text.format`, and each function
+    tool's `strict`), not as the router applied them: a json_schema format is enforced
+    whatever its `strict` says (docs/api.md, "`POST /v1/responses`")."""
+    fmt = b.text.format if b.text is not None else None
+    fmt_out: dict[str, Any] = {"type": fmt.type if fmt is not None else "text"}
+    if fmt is not None and fmt.type == "json_schema":  # name and schema as applied if absent
+        fmt_out.update(name=fmt.name or "output", schema=fmt.schema if fmt.schema is not None
+                       else {"type": "object"}, description=fmt.description, strict=fmt.strict)
+    r = b.reasoning or Reasoning()
+    return {"instructions": b.instructions,
+            "metadata": b.metadata if isinstance(b.metadata, dict) else {},
+            "user": b.user if isinstance(b.user, str) else None,
+            "reasoning": {"effort": r.effort, "summary": r.summary or r.generate_summary},
+            "format": fmt_out,
+            "strict": {t.name: t.strict for _, t in _functions(b.tools or [])
+                       if t.type == "function"}}
 
 
 def _text(content: str | list[Part] | None, param: str) -> str:

@@ -73,14 +73,8 @@ class ResponseEncoder:
 
     def response(self, status: str, u: pb.Usage | None = None,
                  error: ApiError | None = None) -> dict[str, Any]:
-        r = self.req
-        fmt: dict[str, Any] = {"type": "text"}
-        if r.constraint is not None and r.response_schema is not None:
-            fmt = {"type": "json_schema", "name": r.response_schema_name or "output",
-                   "schema": r.response_schema, "strict": True}
-        elif r.constraint is not None and r.constraint.kind == "json_object" and \
-                r.tool_choice not in ("required", "function"):
-            fmt = {"type": "json_object"}
+        r, sent = self.req, self.req.echoed  # sent: settings as the client sent them
+        strict = sent.get("strict", {})
         return {
             "id": self.id, "object": "response", "created_at": self.created_at,
             "status": status, "model": self.model, "output": self.items,
@@ -90,7 +84,8 @@ class ResponseEncoder:
                                                  "message": f"{error.code}: {error.message}"},
             "incomplete_details": {"reason": "max_output_tokens"}
             if status == "incomplete" else None,
-            "instructions": None, "metadata": {}, "parallel_tool_calls": r.parallel_tool_calls,
+            "instructions": sent.get("instructions"), "metadata": sent.get("metadata", {}),
+            "parallel_tool_calls": r.parallel_tool_calls,
             "temperature": r.temperature, "top_p": r.top_p, "max_output_tokens": r.max_tokens,
             "tool_choice": r.tool_choice if r.tool_choice != "function"
             else {"type": "custom" if r.tool_name in r.custom_tools else "function",
@@ -98,12 +93,12 @@ class ResponseEncoder:
             "tools": [r.custom_tools.get(t["function"]["name"]) or {
                 "type": "function", "name": t["function"]["name"],
                 "description": t["function"].get("description"),
-                "parameters": t["function"]["parameters"], "strict": False} for t in r.tools],
-            "reasoning": {"effort": r.reasoning_effort or None,
-                          "summary": "auto" if r.reasoning_summary else None},
-            "text": {"format": fmt}, "store": False, "previous_response_id": None,
-            "truncation": "disabled", "user": None,
-            "usage": usage(u) if u is not None else None}
+                "parameters": t["function"]["parameters"],
+                "strict": strict.get(t["function"]["name"])} for t in r.tools],
+            "reasoning": sent.get("reasoning", {"effort": None, "summary": None}),
+            "text": {"format": sent.get("format", {"type": "text"})}, "store": False,
+            "previous_response_id": None, "truncation": "disabled",
+            "user": sent.get("user"), "usage": usage(u) if u is not None else None}
 
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
         """The non-streaming body: the text fed a call at a time, so the items keep the
@@ -125,8 +120,8 @@ class ResponseEncoder:
     # ------------------------------------------------------------------ events
 
     def _event(self, kind: str, **data: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.seq, **data}  # from 0, as OpenAI's
         self.seq += 1
-        body = {"type": kind, "sequence_number": self.seq, **data}
         return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(body) + b"\n\n"
 
     def start(self) -> bytes:

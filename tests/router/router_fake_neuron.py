@@ -58,6 +58,7 @@ class FakeModel:
     queued: int = 0
     drafter: str = ""  # "" as a neuron without speculation reports it
     prefill_tokens_per_sec: float = 0.0
+    ready_unix_ms: int = 0  # 0 as a neuron older than the field reports it
 
     def status(self) -> pb.ModelStatus:
         total = self.num_blocks * self.block_size * self.bytes_per_token
@@ -72,7 +73,8 @@ class FakeModel:
                                          max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output),
-            drafter=self.drafter, prefill_tokens_per_sec=self.prefill_tokens_per_sec)
+            drafter=self.drafter, prefill_tokens_per_sec=self.prefill_tokens_per_sec,
+            ready_unix_ms=self.ready_unix_ms)
 
 
 @dataclass

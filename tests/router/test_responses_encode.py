@@ -151,3 +151,40 @@ def test_every_event_validates_against_the_openai_sdks_types():
                 assert last["error"]["message"].startswith("upstream_error: the neuron failed")
             else:
                 assert last["usage"]["input_tokens_details"]["cached_tokens"] == 2
+
+
+def test_the_response_repeats_the_settings_as_the_client_sent_them():
+    # R2: tools came back strict false when sent true, text.format strict true when sent
+    # false, instructions null when sent; OpenAI's response object repeats them as sent
+    from helexa.router import responses_api
+
+    params = {"type": "object", "properties": {}, "additionalProperties": False}
+    sent = {"model": "m", "input": "hi", "instructions": "be terse", "user": "u1",
+            "metadata": {"k": "v"}, "reasoning": {"effort": "minimal", "summary": "concise"},
+            "tools": [{"type": "function", "name": "f", "parameters": params, "strict": True},
+                      {"type": "function", "name": "g", "parameters": params}],
+            "text": {"format": {"type": "json_schema", "name": "s", "strict": False,
+                                "schema": {"type": "object"}}}}
+    req = responses_api.parse_request(json.dumps(sent).encode())
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(tool_mode="hermes"))
+    r = enc.whole(pb.GenerateResponse(text="{}", finish_reason=pb.FINISH_REASON_STOP,
+                                      usage=pb.Usage(prompt_tokens=3, completion_tokens=1)))
+    assert [(t["name"], t["strict"]) for t in r["tools"]] == [("f", True), ("g", None)]
+    assert r["text"]["format"] == {"type": "json_schema", "name": "s", "strict": False,
+                                   "schema": {"type": "object"}, "description": None}
+    assert (r["instructions"], r["user"], r["metadata"]) == ("be terse", "u1", {"k": "v"})
+    assert r["reasoning"] == {"effort": "minimal", "summary": "concise"}
+    bare = responses_api.parse_request(b'{"model": "m", "input": "hi"}')
+    r = ResponseEncoder("resp_2", "m", bare, None).response("completed")
+    assert (r["instructions"], r["text"], r["tools"], r["metadata"]) == (
+        None, {"format": {"type": "text"}}, [], {})
+
+
+def test_stream_events_count_from_zero_as_openais():
+    req = ParsedRequest(kind="responses", model="m")
+    enc = ResponseEncoder("resp_1", "m", req, None)
+    events = [json.loads(line[6:]) for line in (enc.start() + enc.feed(pb.GenerateResponse(
+        text="hi", finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))).decode().split("\n")
+        if line.startswith("data: ")]
+    assert events[0]["type"] == "response.created"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))

@@ -110,6 +110,37 @@ def test_models_lists_models_and_aliases_with_smallest_limits(fl):
     assert fl.client().models.retrieve("other").id == "other"
 
 
+def test_a_models_created_is_when_it_became_ready_and_stays(fl):
+    # R2: `created` was 0 and Anthropic's created_at 1970; vLLM and OpenAI give real times
+    import anthropic
+    from router_fake_neuron import FakeModel
+
+    def listed() -> dict:
+        return {m.id: m.created for m in fl.client().models.list()}
+
+    added = {fl.n1: {"fresh": 1_700_000_900_000, "old": 0}, fl.n2: {"fresh": 1_700_000_000_999}}
+    before = int(time.time())
+    fl.lt.call(lambda: [(n.models.update({m: FakeModel(m, ready_unix_ms=ms)
+                                          for m, ms in models.items()}), n.changed())
+                        for n, models in added.items()])
+    try:
+        end = time.monotonic() + 5.0  # until the router has the reports, not a fixed nap
+        while not {"fresh", "old"} <= set(listed()):
+            assert time.monotonic() < end, "the router never saw the new models"
+            time.sleep(0.02)
+        first = listed()
+        assert first["fresh"] == 1_700_000_000  # the earlier neuron's ready time, in seconds
+        assert before <= first["old"] <= time.time()  # no ready time: the router's first sight
+        fl.lt.call(lambda: (fl.n2.models.pop("fresh"), fl.n2.changed()))  # n2 leaves
+        time.sleep(0.2)
+        assert listed() == first  # as neurons come and go, `created` does not move
+        a = anthropic.Anthropic(base_url=fl.url, api_key=ALICE_KEY, max_retries=0, timeout=15)
+        assert a.models.retrieve("fresh").created_at.isoformat() == "2023-11-14T22:13:20+00:00"
+    finally:
+        fl.lt.call(lambda: [(n.models.pop(m, None), n.changed())
+                            for n in (fl.n1, fl.n2) for m in ("fresh", "old")])
+
+
 def test_unsupported_and_unknown_fields_are_400_naming_the_param(fl):
     c = fl.client()
     with pytest.raises(openai.BadRequestError) as e:

@@ -121,10 +121,13 @@ def tiny_neuron(folder: Path, name: str, model_dir: Path, kv_mb: int, max_slots:
                         log_path=folder / f"{name}.log")
 
 
+CORS_ORIGIN = "https://app.example"  # the one browser origin the test router allows
+
+
 def router_config(rdir: Path, neurons: dict[str, NeuronProcess]) -> dict[str, Any]:
     return {
         "server": {"listen": "127.0.0.1:0", "address_file": "router.addr",
-                   "max_body_bytes": 64 * 1024},
+                   "max_body_bytes": 64 * 1024, "cors_allowed_origins": [CORS_ORIGIN]},
         "auth": {"keys_file": "keys.toml", "require_auth": True, "load_principals": ["alice"]},
         "neurons": {"token_file": "token", "endpoints": [
             {"name": name, "address": proc.address} for name, proc in neurons.items()]},

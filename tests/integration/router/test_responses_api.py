@@ -40,6 +40,8 @@ def test_create_and_stream_agree_on_text_and_usage(router):
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         r.output_text
     assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))  # from 0, as OpenAI
+    assert r.instructions == final.instructions == "Be brief."  # settings as sent
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert "response.output_text.delta" in kinds and "response.output_item.done" in kinds
     assert final.usage.output_tokens == r.usage.output_tokens
@@ -57,6 +59,7 @@ def test_a_forced_function_call_then_its_output(router, stream):
             r = s.get_final_response()  # the grammar closes the call: response.completed
     else:
         r = c.responses.create(**kw)
+    assert r.tools[0].strict is None  # as sent: not at all
     call = next(o for o in r.output if o.type == "function_call")
     assert call.name == "get_weather" and call.call_id.startswith("call_")
     args = json.loads(call.arguments)
@@ -93,6 +96,7 @@ def test_structured_output_with_text_format(router):
         model="tiny", input="A record.", max_output_tokens=80, temperature=1.0,
         text={"format": {"type": "json_schema", "name": "rec", "schema": SCHEMA,
                          "strict": True}})
+    assert r.text.format.strict is True and r.text.format.name == "rec"
     obj = json.loads(r.output_text)
     assert set(obj) == {"name", "ok"} and isinstance(obj["ok"], bool)
 

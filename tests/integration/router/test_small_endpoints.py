@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx2
 from router_procs import key_of
 
@@ -45,5 +47,9 @@ def test_version_models_max_model_len_and_a_404_naming_the_path(router):
     assert all(m["max_model_len"] == m["limit"]["context"] for m in models)
     # kv.prefix_sharing's default: a key's cached prefixes are its own
     assert {m["id"]: m.get("prefix_sharing") for m in models}["tiny"] == "principal"
+    # `created`: when the model became ready on its neuron (this session's), the same again
+    assert all(time.time() - 3600 < m["created"] <= time.time() for m in models)
+    again = httpx2.get(router.url + "/v1/models", headers=AUTH).json()["data"]
+    assert [m["created"] for m in again] == [m["created"] for m in models]
     r = httpx2.post(router.url + "/v1/chat/completion", headers=AUTH, json={})
     assert r.status_code == 404 and "/v1/chat/completion" in r.json()["error"]["message"]
