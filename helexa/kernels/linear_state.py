@@ -186,21 +186,45 @@ class LinearState:
             self._advance(held, kept, fla)
         self._compact({id(h): h for h, _, _ in picked.values()})
 
-    def _advance(self, held: _Held, kept_list: list[int], fla: bool) -> None:
-        both = to_device(held.slots + kept_list, torch.long, self.conv.device)
-        slots, kept = both[: len(held.slots)], both[len(held.slots) :]
+    def save_held(self, saves: Sequence[tuple[int, int, int]], *, fla: bool = False) -> None:
+        """Write into snapshot slots the states of held verification rows after their first
+        positions: (state slot, snapshot slot, positions), each exactly as settling that
+        many would leave its slot (the same kernels); the slots and what they hold stay as
+        they are, for the next step to settle."""
+        picked: dict[int, tuple[_Held, list[tuple[int, int, int]]]] = {}
+        for slot, snap, kept in saves:
+            held, r = self._held[slot]
+            if not 1 <= kept <= held.lengths[r]:
+                raise ValueError(f"a snapshot after {kept} positions of a held row of "
+                                 f"{held.lengths[r]} (state slot {slot})")
+            picked.setdefault(id(held), (held, []))[1].append((r, snap, kept))
+        for held, rows in picked.values():
+            rows.sort()
+            order = [r for r, _, _ in rows]
+            part = held if order == list(range(len(held.slots))) else held.rows(order)
+            self._advance(part, [kept for _, _, kept in rows], fla,
+                          into=[snap for _, snap, _ in rows])
+
+    def _advance(self, held: _Held, kept_list: list[int], fla: bool,
+                 into: list[int] | None = None) -> None:
+        """Advance held's slots by kept_list's positions of their rows; ``into``: write the
+        states there instead (snapshot slots), the held slots left as they are."""
+        n = len(held.slots)
+        both = to_device(held.slots + kept_list + (into or []), torch.long, self.conv.device)
+        slots, kept = both[:n], both[n : 2 * n]
+        dst = both[2 * n :] if into is not None else slots
         window = gd.conv1d_window_after(self.conv.index_select(0, slots), held.mixed, kept)
-        self.conv.index_copy_(0, slots, window.to(self.conv.dtype))
+        self.conv.index_copy_(0, dst, window.to(self.conv.dtype))
         states = self.recurrent.index_select(0, slots).float()
         if fla:  # grouped heads, one launch
             final = fla_gdn.fla_advance(held.k, held.v, held.g, held.beta, states, kept,
                                         self.recurrent.dtype)
-            self.recurrent.index_copy_(0, slots, final.to(self.recurrent.dtype))
+            self.recurrent.index_copy_(0, dst, final.to(self.recurrent.dtype))
             return
         ratio = held.v.shape[2] // held.k.shape[2]  # each key head serves `ratio` value heads
         k = held.k.repeat_interleave(ratio, 2) if ratio > 1 else held.k
         gd.delta_rule_advance(k, held.v, held.g, held.beta, states, kept, self.recurrent.dtype)
-        self.recurrent.index_copy_(0, slots, states.to(self.recurrent.dtype))
+        self.recurrent.index_copy_(0, dst, states.to(self.recurrent.dtype))
 
     def _drop(self, slots: list[int]) -> None:
         touched = {}

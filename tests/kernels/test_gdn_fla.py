@@ -300,6 +300,35 @@ def test_verification_rows_and_their_settling_run_in_one_fla_launch_each(stand_i
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32
 
 
+@pytest.mark.parametrize("fla_verify", [False, True])
+def test_a_snapshot_inside_a_held_row_is_the_state_its_settling_reaches(stand_in, fla_verify):
+    """A prefix snapshot at a block boundary inside a verification row (state_held_saves)
+    is the state the row's slot reaches when that many of its positions stand, exactly;
+    the slot and the row it holds stay as they were."""
+    states = _states(fla_verify)
+    plans = _verify_plans()[:2]  # slots 1 and 2: prefills, then rows of 4 and 2 held
+    plans[1].state_held_saves = [(1, 3, 2), (2, 0, 1)]  # into the free slots 3 and 0
+    gen = torch.Generator().manual_seed(13)
+    weight = torch.randn(_spec().conv_channels, CONV_K, generator=gen)
+    layer = states.layers[0]
+    before = None
+    for plan in plans:
+        rows = sum(r.end - r.start for r in plan.prefills)
+        meta = states.plan(plan)
+        before = (layer.conv.clone(), layer.recurrent.clone())
+        states.forward(0, torch.randn(rows, _spec().conv_channels, generator=gen),
+                       (-torch.rand(rows, VH, generator=gen), torch.rand(rows, VH, generator=gen)),
+                       weight, meta)
+        states.end_step(meta)
+    assert before is not None
+    for x, was in zip((layer.conv, layer.recurrent), before, strict=True):
+        assert torch.equal(x[1:3], was[1:3])  # the held slots: as before the rows
+    states.settle({1: 5 + 2, 2: 3 + 1})
+    for x in (layer.conv, layer.recurrent):
+        assert torch.equal(x[3], x[1]) and torch.equal(x[0], x[2])
+    assert len(stand_in.calls) == (3 if fla_verify else 0)  # the rows, saves, settling
+
+
 def test_rejected_positions_leave_the_fla_advance_where_it_stood(stand_in):
     """fla_advance's masked positions (g = beta = 0) change nothing: the state after kept
     tokens of a longer row is that of a row of only those tokens."""

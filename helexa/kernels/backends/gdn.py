@@ -71,6 +71,7 @@ class GdnMetadata:
     resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
     restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
+    held_saves: list[tuple[int, int, int]] = field(default_factory=list)  # and positions
 
 
 class GatedDeltaStates:
@@ -197,12 +198,18 @@ class GatedDeltaStates:
 
     def end_step(self, meta: GdnMetadata) -> None:
         """After a step's forward: copy the states the step asked to keep into their snapshot
-        slots (a prefix-cache snapshot at a block boundary; never a verification row's, whose
-        slot is left as it was before the row)."""
+        slots (a prefix-cache snapshot at a block boundary). A verification row's slot is
+        left as it was before the row: its snapshot, at a boundary inside the row, is the
+        state after that many of its held positions (LinearState.save_held), kept only where
+        the engine then accepts them (docs/architecture.md, "Hybrid models: linear-attention
+        state")."""
         if meta.saves:
             both = pair_indices(meta.saves, self.device)  # once, for every layer
             for state in self.layers:
                 state.copy(meta.saves, both)
+        if meta.held_saves:
+            for state in self.layers:
+                state.save_held(meta.held_saves, fla=self._fla_verify)
 
     def build(self, step: StepPlan) -> GdnMetadata:
         """The slots of a step laid out flat as StepPlan says: one-token rows first (in
@@ -220,7 +227,8 @@ class GatedDeltaStates:
             fresh_slots=[slot for computed, slot in rows if computed == 0],
             resume={slot: computed for computed, slot in rows
                     if computed and slot not in restored},
-            restores=list(step.state_restores), saves=list(step.state_saves))
+            restores=list(step.state_restores), saves=list(step.state_saves),
+            held_saves=list(step.state_held_saves))
         if self._fi_pool:
             meta.decode_slots32 = meta.decode_slots.to(torch.int32)
         verify = [r for r in step.prefills if r.verify]

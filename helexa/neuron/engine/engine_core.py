@@ -184,7 +184,7 @@ class EngineCore:
             req.num_computed_tokens += n
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
             if self.prefix_cache:
-                file_full_blocks(self.pool, req)
+                file_full_blocks(self.pool, req, new_tokens.get(req.req_id, ()))
                 snapshots.file_saves(self.pool, req)  # hybrids: after the blocks they follow
         for req, chunk in zip(inputs.reqs, inputs.chunks, strict=True):
             for token_id in new_tokens.get(req.req_id, []):

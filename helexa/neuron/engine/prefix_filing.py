@@ -18,6 +18,7 @@ block-by-block oracle on other tenants' prompts). "global" has no salt.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from helexa.neuron.engine.block_key import BlockKey, hash_block_tokens
 from helexa.neuron.engine.block_pool import BlockPool
@@ -41,14 +42,20 @@ def prompt_block_hashes(prompt: list[int], block_size: int, salt: bytes = b"") -
     return hashes
 
 
-def file_full_blocks(pool: BlockPool, req: Request) -> None:
-    """File every block of `req` completed since the last call under its chain key."""
+def file_full_blocks(pool: BlockPool, req: Request, pending: Sequence[int] = ()) -> None:
+    """File every block of `req` completed since the last call under its chain key.
+    `pending`: the tokens its step produced, not appended yet: a verification row's
+    accepted drafts sit at the positions after req's tokens, computed already, and a block
+    they end is keyed by them (a key over fewer tokens would match no later prompt)."""
     bs = pool.block_size
     start = max(req.num_filed_blocks, req.num_cached_tokens // bs)
     for i in range(start, req.num_computed_tokens // bs):
         if i >= len(req.block_hashes):
             parent = req.block_hashes[i - 1] if i else None
-            req.block_hashes.append(hash_block_tokens(parent, req.hash_slice(i * bs, (i + 1) * bs),
-                                                      req.cache_salt))
+            have, end = req.num_tokens, (i + 1) * bs
+            tokens = req.hash_slice(i * bs, min(end, have))
+            if end > have:
+                tokens = tokens + list(pending[max(0, i * bs - have):end - have])
+            req.block_hashes.append(hash_block_tokens(parent, tokens, req.cache_salt))
         pool.register(req.block_table[i], req.block_hashes[i])
         req.num_filed_blocks = i + 1

@@ -135,6 +135,17 @@ class SnapshotPool:
         self._cached[slot] = None
         return True
 
+    def drop(self, req_id: str, slot: int) -> None:
+        """Free req_id's written `slot` unfiled: what it holds is not a prefix's state (a
+        verification row's, past a rejected draft)."""
+        writing = self._writing.get(req_id, [])
+        if slot not in writing:
+            raise SnapshotError(f"{req_id} is not writing snapshot slot {slot}")
+        writing.remove(slot)
+        if not writing:
+            del self._writing[req_id]
+        self._free.append(slot)
+
     def discard(self, slot: int, key: BlockKey) -> None:
         """Free `slot` if it is cached under `key` (a request's older end-of-generation
         snapshot, superseded by a later one); a pinned or refiled slot is left alone."""

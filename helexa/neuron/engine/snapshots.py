@@ -10,14 +10,19 @@ state is filed (admission.py), so snapshots are taken where an agent's next turn
   like) otherwise in the history, so the one before the last block survives that;
   the scheduler ends prefill chunks there (`next_stop`), since a state exists only at the
   end of a step's row;
-- while generating, at each block boundary a plain decode row reaches, keeping only the
+- while generating, at each block boundary a decode row reaches, keeping only the
   request's latest (the end of generation: the next turn repeats the reply too).
 
 A speculative verification row leaves its slot as it was before the row (its positions are
-settled only at the next step, helexa/kernels/linear_state.py), so it never takes one:
-a snapshot only ever holds accepted positions. Each snapshot is filed, after its step,
-under the chain key of the block that ends at its position (prefix_filing.py files those
-blocks first); a request restoring one copies it in its first step, then unpins it.
+settled only at the next step, helexa/kernels/linear_state.py) and holds its inputs; where
+the row crosses a block boundary, its snapshot is the state after the row's positions
+before the boundary, computed from what the slot holds (LinearState.save_held). It is
+filed only if the engine accepted the drafts up to the boundary, else its slot is given
+back: a snapshot only ever holds accepted positions, and a request that drafts every step
+is snapshotted at the same boundaries as one that does not. Each snapshot is filed, after
+its step, under the chain key of the block that ends at its position (prefix_filing.py
+files those blocks first); a request restoring one copies it in its first step, then
+unpins it.
 """
 
 from __future__ import annotations
@@ -54,10 +59,11 @@ def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk
         return
     for req, chunk, seq in zip(reqs, chunks, seqs, strict=True):
         seq.restore_from = snaps.restoring(req.req_id)
-        if chunk.num_draft:
-            continue  # a verification row: its slot does not hold its positions yet
-        end = seq.num_computed + chunk.num_tokens
-        if chunk.is_prefill:
+        end, kept = seq.num_computed + chunk.num_tokens, 0
+        if chunk.num_draft:  # a verification row: the first boundary inside it, if any
+            kept = bs - seq.num_computed % bs
+            wanted, end = kept <= chunk.num_tokens, seq.num_computed + kept
+        elif chunk.is_prefill:
             start = seq.num_computed
             wanted = next_stop(start, req.num_prompt_tokens, bs, every_tokens) == end
         else:
@@ -65,7 +71,7 @@ def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk
         if wanted:
             slot = snaps.take(req.req_id)
             if slot >= 0:
-                seq.save_to = slot
+                seq.save_to, seq.save_kept = slot, kept
                 if later is None:
                     req.snapshot_writes.append((slot, end))
                 else:
@@ -74,12 +80,16 @@ def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk
 
 def file_saves(pool: BlockPool, req: Request) -> None:
     """After the step (its full blocks filed): file what req's sequence saved, supersede its
-    older end-of-generation snapshot, and unpin what it restored."""
+    older end-of-generation snapshot, and unpin what it restored. A verification row's
+    snapshot past the positions it kept (a rejected draft before its boundary) is dropped."""
     snaps, bs = pool.snapshots, pool.block_size
     if snaps is None:
         return
     snaps.unpin(req.req_id)
     for slot, end in req.snapshot_writes:
+        if end > req.num_computed_tokens:
+            snaps.drop(req.req_id, slot)
+            continue
         key = req.block_hashes[end // bs - 1]
         if snaps.file(req.req_id, slot, key) and end > req.num_prompt_tokens:
             if req.gen_snapshot is not None:

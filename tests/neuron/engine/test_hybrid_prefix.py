@@ -13,6 +13,8 @@ import torch
 from support.engine import Run, assert_whole, drive, storm, with_drafter
 from support.mtp import SPEC
 
+from helexa.checkpoint.memory import kv_bytes_per_token
+from helexa.checkpoint.shape import read_model_shape
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
@@ -49,21 +51,23 @@ def scored(core: EngineCore, prompt: list[int]) -> tuple[Run, list[float]]:
     return run, logprobs
 
 
-def session(warm: EngineCore, cold: EngineCore, turns: int, seed: int) -> list[int]:
+def session(warm: EngineCore, cold: EngineCore, turns: int, seed: int,
+            max_tokens: int = 16) -> list[int]:
     """An agent session on both engines: each turn is the last turn's prompt, its reply and
-    a tool result. Asserts equal tokens every turn; returns each turn's cached tokens."""
+    a tool result. Asserts equal tokens every turn, and that each turn hits the cache up to
+    the last block boundary the last turn computed, its reply's too (its last token is
+    sampled, never computed), speculating or not; returns each turn's cached tokens."""
     rng = random.Random(seed)
     prompt = [rng.randrange(3, 500) for _ in range(90)]
     cached: list[int] = []
-    previous = 0  # the last turn's prompt tokens
+    reach = 0  # the last turn's last block boundary: prompt and reply less its last token
     for t in range(turns):
-        got = drive(warm, [turn(f"w{t}", prompt)], served=True)
-        want = drive(cold, [turn(f"c{t}", prompt)], served=True).tokens[f"c{t}"]
+        got = drive(warm, [turn(f"w{t}", prompt, max_tokens)], served=True)
+        want = drive(cold, [turn(f"c{t}", prompt, max_tokens)], served=True).tokens[f"c{t}"]
         assert got.tokens[f"w{t}"] == want, f"turn {t}"
         cached.append(got.admitted[f"w{t}"].cached_tokens)
-        if previous:
-            assert cached[t] >= 0.9 * previous, (t, cached[t], previous)
-        previous = len(prompt)
+        assert cached[t] == reach, (t, cached[t], reach)
+        reach = (len(prompt) + len(want) - 1) // 8 * 8
         prompt = prompt + want + [rng.randrange(3, 500) for _ in range(rng.randrange(9, 40))]
     return cached
 
@@ -118,6 +122,64 @@ def test_session_with_mtp_speculation_keeps_a_cold_servers_tokens(tiny_checkpoin
     session(warm, cold, 8, seed=4)
     assert warm.status().spec_drafted_tokens > 0
     assert_whole(warm, hybrid=True)
+
+
+def speculating(model_dir: Path, drafter: str, draft_dir: Path | None = None,
+                **kw) -> EngineCore:
+    """A prefix-caching core that drafts with `drafter` on every decode step it can: "mtp"
+    (the checkpoint's head), "draft" (a dense `draft_dir`), or "ngram" (where its context
+    repeats a token)."""
+    if drafter == "ngram":
+        return with_drafter(core_for(model_dir, **SPEC, **kw), NgramDrafter(min_n=1))
+    if drafter == "mtp":
+        return core_for(model_dir, speculation="mtp", **SPEC, **kw)
+    assert draft_dir is not None
+    bpt = [kv_bytes_per_token(read_model_shape(d / "config.json"), 1, "auto")
+           for d in (model_dir, draft_dir)]
+    return EngineCore(EngineSpec(
+        model_id="tiny", model_dir=str(model_dir), num_blocks=400, block_size=8, context=2048,
+        bytes_per_token=sum(bpt), draft_model_id="small", draft_model_dir=str(draft_dir),
+        draft_bytes_per_token=bpt[1],
+        limits=m.Limits(anon_max_in_flight=64, speculation="draft:small", **SPEC, **kw)))
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "draft", "ngram"])
+def test_a_speculated_reply_is_restored_as_a_cold_server_computes_it(
+        tiny_checkpoint, drafter):
+    """A reply whose steps verified drafts is snapshotted at its block boundaries as a
+    plainly decoded one is: the next turn hits up to its last boundary, and its tokens and
+    logprobs are a cold server's (the snapshot is the accepted tokens' state, exactly)."""
+    model_dir = tiny_checkpoint("qwen3_5", **({"mtp": True} if drafter == "mtp" else {}))
+    draft_dir = tiny_checkpoint("qwen3", hidden_size=32, num_layers=1, num_heads=2,
+                                num_kv_heads=1, intermediate_size=64, seed=7)
+    warm = speculating(model_dir, drafter, draft_dir)
+    cold = core_for(model_dir, prefix_cache=False)
+    rng = random.Random(12)
+    prompt = [rng.randrange(3, 500) for _ in range(45)]
+    reply = drive(warm, [turn("a", prompt, 48)], served=True).tokens["a"]
+    assert reply == drive(cold, [turn("c", prompt, 48)], served=True).tokens["c"]
+    s = warm.status()
+    assert s.spec_drafted_tokens >= 15 and s.drafter != "off", s
+    got, warm_logprobs = scored(warm, prompt + reply + [5, 6, 7])
+    assert got.admitted["b"].cached_tokens == (len(prompt) + len(reply) - 1) // 8 * 8
+    cold_run, cold_logprobs = scored(cold, prompt + reply + [5, 6, 7])
+    assert got.tokens["b"] == cold_run.tokens["b"]
+    assert warm_logprobs == pytest.approx(cold_logprobs, abs=1e-4)
+    assert_whole(warm, hybrid=True)
+
+
+def test_tensor_parallel_mtp_session_snapshots_its_replies_on_every_rank(tiny_checkpoint):
+    model_dir = tiny_checkpoint("qwen3_5", mtp=True)
+    spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=400, block_size=8,
+                      context=2048, bytes_per_token=0, tp=2, devices=["cpu", "cpu"],
+                      limits=m.Limits(anon_max_in_flight=64, speculation="mtp", **SPEC))
+    warm = EngineCore(spec)
+    try:
+        session(warm, core_for(model_dir, prefix_cache=False), 3, seed=8, max_tokens=40)
+        assert warm.status().spec_drafted_tokens > 0
+        assert_whole(warm, hybrid=True)
+    finally:
+        warm.close()
 
 
 def test_tensor_parallel_session_restores_on_every_rank(tiny_checkpoint):

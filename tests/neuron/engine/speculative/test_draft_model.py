@@ -346,6 +346,21 @@ def test_prefix_cache_hits_keep_output_and_acceptance(target_dir):
     assert_whole(core)
 
 
+def test_a_speculated_reply_is_cached_for_the_next_turn_as_a_plain_one(target_dir):
+    """A verification row's accepted drafts are keyed with its block: the next turn, which
+    repeats the reply, hits as far as after a reply decoded without drafts."""
+    p = prompts(1, seed=4)[0]
+    hits = []
+    for draft in (None, target_dir):
+        core = tiny_core(target_dir, draft, speculation="draft:small" if draft else "off")
+        reply = drive(core, [greedy("t0", p, 40)], served=True).tokens["t0"]
+        run = drive(core, [greedy("t1", p + reply + [7, 8, 9], 4)], served=True)
+        hits.append(run.admitted["t1"].cached_tokens)
+        assert_whole(core)
+    assert core.status().spec_accepted_tokens >= 30
+    assert hits[1] == hits[0] >= (len(p) + 40) // 8 * 8 - 8, (hits, len(p))
+
+
 def test_a_kv_dtype_switch_replans_the_drafts_layers_with_the_targets(target_dir):
     core = tiny_core(target_dir, target_dir, speculation="draft:small")
     draft = draft_of(core).runner
