@@ -211,6 +211,8 @@ class EngineCore:
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
         answering = req.thought is None or req.thought.answering  # a grammar follows answers
         if req.thought is not None:
+            if not answering and req.matcher is not None and token_id in req.stop_token_ids:
+                req.thought.close()  # its answer is owed: the thought ends, not the request
             forced = req.thought.forced()
             if forced is not None and forced != token_id:  # the budget is spent: close it
                 token_id, logprob = forced, None
