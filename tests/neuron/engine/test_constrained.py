@@ -163,6 +163,35 @@ def test_an_eos_sampled_in_the_thought_closes_it_and_the_answer_comes(tiny, draf
     core.close()
 
 
+def test_a_stop_token_inside_the_constrained_answer_does_not_cut_it(tiny):
+    """Only the grammar ends a constrained answer: a client's stop token id the JSON holds
+    would leave it half written (a forced call reported whole, or JSON that does not
+    parse). Free text still stops at it."""
+    d, tok = tiny
+    g = grammar.grammar_text(grammar.json_schema(SCHEMA))
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+
+    def run(stop: list[int], constrained: bool = True) -> tuple[list[int], m.RequestUpdate]:
+        req = m.NewRequest(req_id="j", prompt_token_ids=prompt, max_tokens=200,
+                           sampling=m.SamplingParams(temperature=0.0),
+                           stop_token_ids=[*tok.eos_token_ids, *stop],
+                           grammar=g if constrained else None)
+        core = core_for(d, fake=True)
+        tokens, final, _, _ = drive(core, m.ToEngine(new=[req]))
+        assert_whole(core)
+        core.close()
+        return tokens["j"], final["j"]
+
+    whole, _ = run([])
+    inside = whole[len(whole) // 2]  # a token in the middle of the JSON
+    got, final = run([inside])
+    assert got == whole and final.finished == m.FinishReason.STOP
+    validate(json.loads(tok.decode([t for t in got if t not in tok.eos_token_ids])))
+    free, _ = run([], constrained=False)
+    stop_at = free[3]
+    assert run([stop_at], constrained=False)[0] == free[:free.index(stop_at) + 1]
+
+
 class RecordingDrafter(Drafter):
     """Always drafts k copies of token 7 (mostly rejected: greedy output is unchanged) and
     records every request it was asked to draft for."""
