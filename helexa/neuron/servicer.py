@@ -157,7 +157,10 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
                       blog: Any) -> AsyncIterator[pb.GenerateResponse]:
         model = r.model_id
-        out = OutputProcessor(r.tokenizer, new, stop=request.stop,
+        # a constrained reply ends where its grammar does: a stop string inside it would
+        # leave a half call or half JSON (docs/api.md, "JSON Schema keywords under
+        # constrained decoding")
+        out = OutputProcessor(r.tokenizer, new, stop=() if new.grammar else request.stop,
                               stop_token_ids=request.stop_token_ids,
                               return_prompt_token_ids=request.return_prompt_token_ids,
                               requested_max_tokens=(request.max_tokens

@@ -131,6 +131,23 @@ def test_a_stop_string_ends_generation_before_it_and_aborts_the_engine_request(
     assert aborts == {"r1": "stop_string"}
 
 
+def test_a_stop_string_does_not_cut_a_constrained_reply(config_path: Path,
+                                                      tok: Tokenizer) -> None:
+    """A forced call or a JSON answer ends where its grammar does: cut at a client's stop
+    string it would be a half call reported whole, or JSON that does not parse (the
+    scripted engine writes ANSWER whatever the grammar; the daemon's part is not to cut)."""
+    async def body(stub, daemon, engine):
+        out = await collect(stub, chat(stop=["STOP"],
+                                       constraint=pb.Constraint(regex="[A-Za-z .]+")))
+        await asyncio.sleep(0.01)
+        return out, dict(engine.aborts)
+
+    out, aborts = serve(config_path, tok, body)
+    assert "".join(r.text for r in out) == ANSWER
+    assert out[-1].finish_reason == pb.FINISH_REASON_STOP and out[-1].stop_reason == ""
+    assert aborts == {}
+
+
 def test_prompt_over_the_context_is_refused_400_stating_both_numbers(config_path: Path,
                                                                      tok: Tokenizer) -> None:
     async def body(stub, daemon, engine):

@@ -211,6 +211,8 @@ class EngineCore:
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
         answering = req.thought is None or req.thought.answering  # a grammar follows answers
         if req.thought is not None:
+            if not answering and req.matcher is not None and token_id in req.stop_token_ids:
+                req.thought.close()  # its answer is owed: the thought ends, not the request
             forced = req.thought.forced()
             if forced is not None and forced != token_id:  # the budget is spent: close it
                 token_id, logprob = forced, None
@@ -227,8 +229,11 @@ class EngineCore:
             if error:
                 self.finish(req, RequestStatus.FINISHED_ERROR, f"grammar: {error}")
                 return
-        if token_id in req.stop_token_ids or (req.matcher is not None
-                                               and req.matcher.is_stopped()):
+        # a constrained answer ends where its grammar does (its eos), never at another stop
+        # token inside it: a half call or half JSON (docs/api.md, "JSON Schema keywords
+        # under constrained decoding")
+        if req.matcher.is_stopped() if req.matcher is not None and answering \
+                else token_id in req.stop_token_ids:
             self.finish(req, RequestStatus.FINISHED_STOPPED)
         elif req.num_tokens >= self.spec.context or (
                 req.num_output_tokens >= req.output_budget and not growth.grow(self, req)):

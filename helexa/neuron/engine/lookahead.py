@@ -25,8 +25,10 @@ What keeps the tokens identical to the synchronous engine's:
 
 - A request qualifies only if the host never changes its sampled token or the
   distribution of its next one in a way the device cannot follow: no forced
-  thinking-budget close (ThoughtTracker.forced), no draft in the step. A grammar
-  qualifies, since its mask is applied on the device before the tokens are chosen.
+  thinking-budget close (ThoughtTracker.forced), no draft in the step, no thought
+  that a grammar's answer follows (a stop token sampled in it is replaced by the
+  closing marker: ThoughtTracker.close). A grammar in the answer qualifies, since its
+  mask is applied on the device before the tokens are chosen.
   A model with a drafter chains its steps without drafts (a full batch, poor
   acceptance: the speculation policy's), and the chain ends where the drafter would be
   asked for one (Speculator.quiet), since it reads the tokens the held step has not yet
@@ -112,8 +114,11 @@ class Ahead:
 def qualifies(req: Request) -> bool:
     """Whether the host leaves req's sampled tokens as they are (the module's list)."""
     s = req.sampling_state
+    thought = req.thought
     return (req.draft is None and s is not None
-            and (req.thought is None or req.thought.forced() is None))
+            and (thought is None or thought.forced() is None)
+            # a stop token sampled in a thought a grammar follows becomes the close
+            and (thought is None or req.matcher is None or thought.answering))
 
 
 def holdable(core: EngineCore, inputs: StepInputs) -> bool:

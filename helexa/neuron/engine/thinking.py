@@ -9,7 +9,11 @@ replaced, one forced token per step), so the answer follows. The thought and
 the answer both come out of the request's one output budget (max_tokens),
 which its KV reservation covers: a long thought cannot outgrow it. A grammar
 (constrained output) applies to the answer only: the engine masks and feeds
-its matcher once the thought is over.
+its matcher once the thought is over. While a grammar waits for the answer, a
+stop token sampled inside the thought does not end the request: the engine
+writes the closing marker in its place (`close`), so the answer the grammar
+holds still comes (docs/api.md, "JSON Schema keywords under constrained
+decoding").
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class ThoughtTracker:
         if self.phase == Phase.CLOSING and self._forcing < len(self.spec.close_ids):
             return self.spec.close_ids[self._forcing]
         return None
+
+    def close(self) -> None:
+        """End the thought now: the closing marker is forced from its first token (a stop
+        token sampled inside a thought that a grammar's answer must follow)."""
+        if self.phase == Phase.THINKING:
+            self.phase, self._forcing = Phase.CLOSING, 0
 
     def observe(self, token_id: int) -> None:
         s = self.spec

@@ -120,6 +120,78 @@ def test_a_grammar_applies_to_the_answer_after_the_thought(tiny):
     assert_whole(core)
 
 
+def eos_next(tok, prompt):
+    """`prompt` with one more thought token, so that the fake model's next token is an eos."""
+    return next(prompt + [x] for x in range(400, 512)
+                if fake_next_token(prompt + [x], 512) in tok.eos_token_ids)
+
+
+@pytest.mark.parametrize("drafts", [False, True], ids=["plain", "speculating"])
+def test_an_eos_sampled_in_the_thought_closes_it_and_the_answer_comes(tiny, drafts):
+    """docs/api.md: under constraint the thought comes first and the grammar applies to the
+    answer after it. An eos the model samples inside the thought would end the request
+    with no answer (finish_reason stop, no JSON): the close is written in its place."""
+    d, tok = tiny
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    opened = tok.encode_chat([{"role": "user", "content": "Think."}], enable_thinking=True)
+    prompt = eos_next(tok, opened)
+    think = m.Thinking(budget_tokens=50, close_ids=close, starts_open=True)
+    req = m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=200,
+                       sampling=m.SamplingParams(temperature=0.0),
+                       stop_token_ids=tok.eos_token_ids, thinking=think,
+                       grammar=grammar.grammar_text(grammar.json_schema(SCHEMA)))
+    free = m.NewRequest(req_id="free", prompt_token_ids=prompt, max_tokens=200,
+                        sampling=m.SamplingParams(temperature=0.0),
+                        stop_token_ids=tok.eos_token_ids, thinking=think)
+    core = core_for(d, fake=True)
+    if drafts:  # a speculating request beside it (a constrained one is never drafted)
+        spec = EngineSpec(model_id="t", model_dir=str(d), num_blocks=256, block_size=16,
+                          context=1024, bytes_per_token=2,
+                          limits=m.Limits(anon_max_in_flight=64, spec_k=4,
+                                             spec_full_below=1.0, spec_off_above=1.01))
+        core = with_drafter(EngineCore(spec, FakeRunner(512, 256, 16)), ModelDrafter())
+    tokens, final, _, _ = drive(core, m.ToEngine(new=[req, free]))
+    out = tokens["t"]
+    assert out[:len(close)] == close  # the eos became the close, at once
+    assert final["t"].finished == m.FinishReason.STOP and final["t"].reasoning_tokens == 0
+    answer = [t for t in out[len(close):] if t not in tok.eos_token_ids]
+    validate(json.loads(tok.decode(answer)))
+    # free text is not owed an answer: the eos ends it there, as before
+    assert tokens["free"] == [fake_next_token(prompt, 512)]
+    assert final["free"].finished == m.FinishReason.STOP
+    assert_whole(core)
+    core.close()
+
+
+def test_a_stop_token_inside_the_constrained_answer_does_not_cut_it(tiny):
+    """Only the grammar ends a constrained answer: a client's stop token id the JSON holds
+    would leave it half written (a forced call reported whole, or JSON that does not
+    parse). Free text still stops at it."""
+    d, tok = tiny
+    g = grammar.grammar_text(grammar.json_schema(SCHEMA))
+    prompt = tok.encode_chat([{"role": "user", "content": "Give me a record."}])
+
+    def run(stop: list[int], constrained: bool = True) -> tuple[list[int], m.RequestUpdate]:
+        req = m.NewRequest(req_id="j", prompt_token_ids=prompt, max_tokens=200,
+                           sampling=m.SamplingParams(temperature=0.0),
+                           stop_token_ids=[*tok.eos_token_ids, *stop],
+                           grammar=g if constrained else None)
+        core = core_for(d, fake=True)
+        tokens, final, _, _ = drive(core, m.ToEngine(new=[req]))
+        assert_whole(core)
+        core.close()
+        return tokens["j"], final["j"]
+
+    whole, _ = run([])
+    inside = whole[len(whole) // 2]  # a token in the middle of the JSON
+    got, final = run([inside])
+    assert got == whole and final.finished == m.FinishReason.STOP
+    validate(json.loads(tok.decode([t for t in got if t not in tok.eos_token_ids])))
+    free, _ = run([], constrained=False)
+    stop_at = free[3]
+    assert run([stop_at], constrained=False)[0] == free[:free.index(stop_at) + 1]
+
+
 class RecordingDrafter(Drafter):
     """Always drafts k copies of token 7 (mostly rejected: greedy output is unchanged) and
     records every request it was asked to draft for."""

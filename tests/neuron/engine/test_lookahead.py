@@ -266,6 +266,47 @@ def test_constrained_and_thinking_requests_give_the_synchronous_tokens(
         assert isinstance(json.loads(text)["n"], int), (rid, text)
 
 
+def test_an_eos_in_a_thought_a_grammar_follows_gives_the_synchronous_tokens(
+        monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
+    """The host writes the thought's close in place of an eos sampled in it (a grammar's
+    answer is owed): a step launched from that eos on the device would have computed the
+    wrong token, so such a thought is not chained; its answer is."""
+    from support.fake_runner import fake_continuation
+
+    from helexa import grammar
+    from helexa.neuron.tokenizer import Tokenizer
+
+    model = tiny_checkpoint("qwen3")
+    tok = Tokenizer.from_dir(model)
+    close = tok.encode("\n</think>\n\n", add_special_tokens=False)
+    opened = tok.encode_chat([{"role": "user", "content": "x"}], enable_thinking=True)
+    # a thought the fake model ends with an eos after a few tokens, inside its budget
+    prompt = next(opened + [x] for x in range(300, 512) if any(
+        t in tok.eos_token_ids for t in fake_continuation(opened + [x], 12, 512)[4:]))
+    # a string's tokens are the model's own (mostly allowed): the answer reads the context
+    g = grammar.grammar_text(grammar.json_schema({"type": "object", "properties": {
+        "s": {"type": "string", "maxLength": 8}}, "required": ["s"]}))
+    news = [m.NewRequest(req_id="t", prompt_token_ids=prompt, max_tokens=80, sampling=GREEDY,
+                         stop_token_ids=tok.eos_token_ids, grammar=g,
+                         thinking=m.Thinking(budget_tokens=40, close_ids=close,
+                                             starts_open=True))]
+    runs = []
+    for on in (False, True):
+        counted = Counted(monkeypatch)
+        core = engine(monkeypatch, on, model_dir=str(model), block_size=8,
+                      runner=FakeRunner(512, 96, 8))
+        runs.append(drive(core, news, served=True))
+        assert_whole(core)
+    sync, run = runs
+    assert run.tokens == sync.tokens
+    out = run.tokens["t"]
+    i = next(i for i in range(len(out)) if out[i:i + len(close)] == close)
+    assert 4 <= i < 12 and run.final["t"].finished == m.FinishReason.STOP
+    answer = [t for t in out[i + len(close):] if t not in tok.eos_token_ids]
+    assert isinstance(json.loads(tok.decode(answer))["s"], str)
+    assert counted.followed > 0  # the answer chained
+
+
 def test_a_constrained_request_aborted_in_the_chain_gives_its_blocks_back(
         monkeypatch: pytest.MonkeyPatch, tiny_checkpoint) -> None:
     """An abort of a constrained request between two lookahead steps: its blocks come
