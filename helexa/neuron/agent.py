@@ -47,6 +47,19 @@ def tool_parser(entry: ModelEntry, template: str | None) -> str:
     return ""
 
 
+# The open and close tags of a call in the formats that wrap calls in the answer's text.
+CALL_TAGS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3_xml": ("<tool_call>", "</tool_call>")}
+
+
+def call_tags(entry: ModelEntry, template: str | None,
+              request: pb.GenerateRequest) -> tuple[str, str] | None:
+    """A chat request's call tags where it offers tools in a format that has them (a stop
+    string does not end the text inside a call: detokenizer.StopChecker)."""
+    if request.WhichOneof("prompt") != "chat" or not request.chat.tools_json:
+        return None
+    return CALL_TAGS.get(tool_parser(entry, template))
+
+
 def reasoning_parser(entry: ModelEntry, template: str | None) -> str:
     if entry.reasoning_parser != "auto":
         return "" if entry.reasoning_parser == "none" else entry.reasoning_parser

@@ -62,10 +62,18 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Cuts the text stream at the first stop string; emits nothing that might be one."""
+    """Cuts the text stream at the first stop string; emits nothing that might be one.
 
-    def __init__(self, stop: list[str]) -> None:
+    `calls` (a model's tool-call open and close tags, where the request offers tools):
+    a stop string inside a call does not end the text, since the call would reach the
+    client cut in half, its arguments not JSON; the stop strings apply to the text
+    around the calls (docs/api.md, "Chat and completions: shared fields"). A stop
+    string and a call's open tag that start at one place are the call."""
+
+    def __init__(self, stop: list[str], calls: tuple[str, str] | None = None) -> None:
         self.stop = [s for s in stop if s]
+        self._calls = calls if self.stop else None
+        self._in_call = False
         self._held = ""
         self.matched: str | None = None
 
@@ -75,18 +83,36 @@ class StopChecker:
             return "", None
         if not self.stop:
             return text, None
-        buf = self._held + text
-        hit: tuple[int, str] | None = None
-        for s in self.stop:
-            i = buf.find(s)
-            if i >= 0 and (hit is None or i < hit[0]):
-                hit = (i, s)
-        if hit is not None:
-            self.matched, self._held = hit[1], ""
-            return buf[:hit[0]], hit[1]
-        hold = self._partial_len(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], None
+        buf, out = self._held + text, ""
+        while True:
+            if self._in_call:
+                assert self._calls is not None
+                close = self._calls[1]
+                j = buf.find(close)
+                if j < 0:  # all but what may be the close tag's start
+                    hold = _tail_prefix(buf, close)
+                    self._held = buf[len(buf) - hold:] if hold else ""
+                    return out + buf[:len(buf) - hold], None
+                out, buf, self._in_call = out + buf[:j + len(close)], buf[j + len(close):], False
+            hit: tuple[int, str] | None = None
+            for s in self.stop:
+                i = buf.find(s)
+                if i >= 0 and (hit is None or i < hit[0]):
+                    hit = (i, s)
+            opened = buf.find(self._calls[0]) if self._calls else -1
+            if opened >= 0 and (hit is None or opened <= hit[0]):
+                assert self._calls is not None
+                cut = opened + len(self._calls[0])
+                out, buf, self._in_call = out + buf[:cut], buf[cut:], True
+                continue
+            if hit is not None:
+                self.matched, self._held = hit[1], ""
+                return out + buf[:hit[0]], hit[1]
+            hold = self._partial_len(buf)
+            if self._calls:
+                hold = max(hold, _tail_prefix(buf, self._calls[0]))
+            self._held = buf[len(buf) - hold:] if hold else ""
+            return out + buf[:len(buf) - hold], None
 
     def _partial_len(self, buf: str) -> int:
         """Length of the longest tail of buf that is a proper prefix of a stop string."""
@@ -102,3 +128,9 @@ class StopChecker:
         """At the end of the stream: the held tail (it never became a stop string)."""
         held, self._held = self._held, ""
         return "" if self.matched is not None else held
+
+
+def _tail_prefix(buf: str, marker: str) -> int:
+    """Length of the longest tail of buf that is a proper prefix of marker."""
+    return next((k for k in range(min(len(marker) - 1, len(buf)), 0, -1)
+                 if buf.endswith(marker[:k])), 0)

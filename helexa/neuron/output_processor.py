@@ -61,12 +61,13 @@ class OutputProcessor:
     def __init__(self, tokenizer: Any, new: messages.NewRequest, *, stop: Sequence[str] = (),
                  stop_token_ids: Sequence[int] = (), return_prompt_token_ids: bool = False,
                  requested_max_tokens: int | None = None,
+                 calls: tuple[str, str] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.tokenizer = tokenizer
         self.new = new
         self.clock = clock
         self._detok = IncrementalDetokenizer(tokenizer, new.prompt_token_ids)
-        self._stopper = StopChecker(list(stop))
+        self._stopper = StopChecker(list(stop), calls)  # stop strings apply outside calls
         self._caller_stop_ids = frozenset(stop_token_ids)
         self._return_prompt = return_prompt_token_ids
         self._requested_max_tokens = requested_max_tokens  # before fit_max_tokens lowered it

@@ -31,6 +31,7 @@ import grpc
 import structlog
 
 from helexa import __version__
+from helexa.neuron import agent
 from helexa.neuron.engine import messages
 from helexa.neuron.grpc_status import abort
 from helexa.neuron.metrics import NeuronMetrics
@@ -164,7 +165,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               stop_token_ids=request.stop_token_ids,
                               return_prompt_token_ids=request.return_prompt_token_ids,
                               requested_max_tokens=(request.max_tokens
-                                                    if request.HasField("max_tokens") else None))
+                                                    if request.HasField("max_tokens") else None),
+                              calls=agent.call_tags(r.entry, r.tokenizer.chat_template, request))
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))

@@ -89,3 +89,28 @@ def test_stop_over_detokenized_stream(tok):
     d, c = IncrementalDetokenizer(tok, []), StopChecker(["###", "🙂 an"])
     emitted, matched = feed_all(c, [d.add([i]) for i in ids])
     assert (emitted, matched) == (" Result: 42 ", "🙂 an")
+
+
+CALLS = ("<tool_call>", "</tool_call>")
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_a_stop_string_inside_a_call_does_not_end_the_text_and_after_it_does(size):
+    """Where the request offers tools, a stop string within <tool_call>…</tool_call> leaves
+    the call whole (cut, its arguments would not be JSON); the text around the calls is
+    cut at it as ever, however the text arrives in pieces."""
+    text = ('Let me check.\n<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n'
+            '</tool_call>\nDone: UTC it is.\nmore')
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    emitted, matched = feed_all(StopChecker(["UTC", "\n"], CALLS), pieces)
+    assert emitted == "Let me check."  # the "\n" before the call ends the text there
+    emitted, matched = feed_all(StopChecker(["UTC"], CALLS), pieces)
+    assert matched == "UTC"
+    assert emitted == text[:text.index("Done: UTC") + len("Done: ")]  # the call whole
+    assert feed_all(StopChecker(["UTC"]), pieces) == (text[:text.index("UTC")], "UTC")
+
+
+def test_a_stop_string_that_starts_where_a_call_does_is_the_call():
+    c = StopChecker(["<tool"], CALLS)
+    emitted, matched = feed_all(c, ["a <to", "ol_call>x<tool</tool_", "call> b <tool c"])
+    assert (emitted, matched) == ("a <tool_call>x<tool</tool_call> b ", "<tool")

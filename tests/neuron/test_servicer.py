@@ -148,6 +148,38 @@ def test_a_stop_string_does_not_cut_a_constrained_reply(config_path: Path,
     assert aborts == {}
 
 
+CALL_ANSWER = ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>\n'
+               'It is noon UTC now.')
+TOOLS = '[{"type": "function", "function": {"name": "get_time", "parameters": {}}}]'
+
+
+def test_a_stop_string_does_not_cut_a_call_but_cuts_the_text_after_it(config_path: Path,
+                                                                      tok: Tokenizer) -> None:
+    """With tools offered, a client's stop string inside the model's call leaves the call
+    whole (a call cut there reached clients as tool_calls with arguments that are not
+    JSON); the text after the call ends at it as ever, and the engine is told to stop."""
+    answer = tok.encode(CALL_ANSWER, add_special_tokens=False)
+
+    def script(_prompt: list[int], i: int) -> int:
+        return answer[i] if i < len(answer) else tok.eos_token_ids[0]
+
+    async def body(stub, daemon, engine):
+        tools = pb.Chat(messages=[pb.ChatMessage(role="user", content="time?")],
+                        tools_json=TOOLS)
+        with_tools = await collect(stub, pb.GenerateRequest(
+            req_id="t", model="tiny", principal="alice", chat=tools, stop=["UTC"]))
+        without = await collect(stub, chat(req_id="p", stop=["UTC"]))
+        await asyncio.sleep(0.01)
+        return with_tools, without, dict(engine.aborts)
+
+    with_tools, without, aborts = run_fake_neuron(config_path, body, script=script,
+                                                  step_secs=0.001)
+    assert "".join(r.text for r in with_tools) == CALL_ANSWER[:CALL_ANSWER.index("noon UTC") + 5]
+    assert with_tools[-1].stop_reason == "UTC"
+    assert "".join(r.text for r in without) == CALL_ANSWER[:CALL_ANSWER.index("UTC")]  # no tools
+    assert aborts == {"t": "stop_string", "p": "stop_string"}
+
+
 def test_prompt_over_the_context_is_refused_400_stating_both_numbers(config_path: Path,
                                                                      tok: Tokenizer) -> None:
     async def body(stub, daemon, engine):
