@@ -121,12 +121,7 @@ class SnapshotPool:
     def file(self, req_id: str, slot: int, key: BlockKey) -> bool:
         """File req_id's written `slot` under `key`, the chain key of the block that ends at
         its position; False (the slot freed) if a snapshot of that prefix is filed already."""
-        writing = self._writing.get(req_id, [])
-        if slot not in writing:
-            raise SnapshotError(f"{req_id} is not writing snapshot slot {slot}")
-        writing.remove(slot)
-        if not writing:
-            del self._writing[req_id]
+        self._written(req_id, slot)
         if key.digest in self._index:
             self._free.append(slot)
             return False
@@ -138,13 +133,17 @@ class SnapshotPool:
     def drop(self, req_id: str, slot: int) -> None:
         """Free req_id's written `slot` unfiled: what it holds is not a prefix's state (a
         verification row's, past a rejected draft)."""
+        self._written(req_id, slot)
+        self._free.append(slot)
+
+    def _written(self, req_id: str, slot: int) -> None:
+        """req_id is done writing `slot` (SnapshotError if it was not)."""
         writing = self._writing.get(req_id, [])
         if slot not in writing:
             raise SnapshotError(f"{req_id} is not writing snapshot slot {slot}")
         writing.remove(slot)
         if not writing:
             del self._writing[req_id]
-        self._free.append(slot)
 
     def discard(self, slot: int, key: BlockKey) -> None:
         """Free `slot` if it is cached under `key` (a request's older end-of-generation
