@@ -32,6 +32,7 @@ NAMES_DEVICE = {"synchronize", "mem_get_info", "memory_allocated", "max_memory_a
 # calls with no device to give, each for its reason
 NO_DEVICE = {
     "is_available": "asks whether there is any",
+    "device_count": "counts the cards (process.missing_cuda: a named index past the last)",
     "set_device": "it makes the model's device current (backends.select, join_group)",
     "is_current_stream_capturing": "the step's thread asks: its current device is the "
                                    "model's (select), and a wrong answer fails the capture",
