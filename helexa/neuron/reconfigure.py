@@ -8,7 +8,9 @@ switch), or where the profile it runs is no longer in the file: back to the file
 (`models[].profile`, else the base settings), as `ctl profile` would switch, logged
 `model.profile_removed`. A model loading or switching when a reload comes takes it once
 it is ready (`settle`, called at the end of its load and of its switch), so no reload is
-lost to a model that was busy (docs/operating.md, "Reload, drain, restart").
+lost to a model that was busy (docs/operating.md, "Reload, drain, restart"). One not
+resident, draining or failed takes it at its next load: a runtime switch the file's
+profile replaced, or whose profile left the file, forgotten (Residency.load_profile).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(component="neuron")
 
+_TAKES_IT = (ModelState.LOADING, ModelState.SWITCHING, ModelState.READY)
 _switches: set[asyncio.Future[None]] = set()  # held until done (the loop holds them weakly)
 
 
@@ -33,10 +36,14 @@ def reconfigure(res: Residency, cfg: NeuronConfig, profiles: dict[str, str]) -> 
     """Apply ``cfg`` (a reload's, merged) to every resident model; ``profiles``: model id ->
     the profile the file now names for it, where that changed ("" for the base)."""
     res.cfg = cfg
-    for model_id, profile in list(res._profiles.items()):
-        if model_id not in res.models and (model_id in profiles
-                                           or (profile and profile not in cfg.profiles)):
-            res.forget_profile(model_id)  # its next load runs the file's profile
+    for model_id in list(res._profiles):
+        r = res.models.get(model_id)
+        if r is not None and r.state in _TAKES_IT:
+            continue  # switched below, or by settle()
+        # gone, draining or failed: its next load runs a profile the file has
+        if model_id in profiles:
+            res.forget_profile(model_id)  # the file's wins over a runtime switch
+        res.load_profile(cfg.model(model_id))  # a removed one forgotten, and said
     ready = []
     for r in res.models.values():
         r.entry = cfg.model(r.model_id)
@@ -46,6 +53,8 @@ def reconfigure(res: Residency, cfg: NeuronConfig, profiles: dict[str, str]) -> 
                 r.reload_profile = profiles[r.model_id]
         elif r.state == ModelState.READY and r.client is not None:
             ready.append(r)
+        elif r.state == ModelState.FAILED:  # Watch shows the profile its next load runs
+            r.profile = res.load_profile(r.entry)
     _apply(res, ready, profiles)
 
 

@@ -85,7 +85,22 @@ class Residency:
         r = self.models.get(model_id)
         if r is not None:
             return r.profile
-        return self._profiles.get(model_id, self.cfg.model(model_id).profile or "")
+        own = self.cfg.model(model_id).profile or ""
+        runtime = self._profiles.get(model_id, own)  # as load_profile, unsaid
+        return runtime if not runtime or runtime in self.cfg.profiles else own
+
+    def load_profile(self, entry: ModelEntry) -> str:
+        """The profile a load of ``entry`` runs: its runtime switch while the file still
+        has that profile, else the file's own (`models[].profile`, else the base): the
+        switch forgotten, logged `model.profile_removed`, as a reload switches a ready one."""
+        own = entry.profile or ""
+        runtime = self._profiles.get(entry.id, own)
+        if not runtime or runtime in self.cfg.profiles:
+            return runtime
+        log.warning("model.profile_removed", model=entry.id, profile=runtime,
+                    to=own or "(base)")
+        self.forget_profile(entry.id)
+        return own
 
     def forget_profile(self, model_id: str) -> None:
         """Drop a runtime profile switch: the file's profile applies at the next load."""
@@ -155,7 +170,7 @@ class Residency:
                     await before.client.shutdown(5.0)
                 except Exception as e:
                     log.warning("model.shutdown_error", model=entry.id, error=str(e))
-        r.profile = self._profiles.get(entry.id, entry.profile or "")
+        r.profile = self.load_profile(entry)  # one the file has, whole
         r.kv_dtype = effective_kv_dtype(self.cfg, r.profile)
         self.models[entry.id] = r  # LOADING is visible in Watch at once
         self._on_change()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import structlog
 from support.fake_engine import FakeEngineClient, run_fake_neuron
 from support.neuron import NeuronClient, model_of, write_neuron_config
@@ -173,3 +174,64 @@ def test_a_hybrid_loads_with_no_more_in_flight_than_its_state_slots(
     capped = [n for e in logs if e["event"] == "model.limits_capped" for n in e["capped"]]
     assert any(n.startswith(f"max_in_flight: 100000 is more than the {slots}")
                for n in capped), capped
+
+
+class _SlowStop(FakeEngineClient):
+    """An engine process that takes its time to exit (a drain's unload is under way)."""
+
+    async def shutdown(self, timeout_secs: float = 5.0) -> None:
+        await asyncio.sleep(0.3)
+        self.alive = False
+
+
+@pytest.mark.parametrize("case", ["file_names_another", "removed_while_draining",
+                                  "removed_while_failed"])
+def test_a_reload_while_a_model_is_unloaded_or_failed_reaches_its_next_load(
+        tmp_path: Path, tiny_model_dir: Path, case: str) -> None:
+    """A model switched at runtime to `fast`, then a reload while it drains out (`ctl unload
+    --drain`) or after its engine died: the file naming another profile for it, or dropping
+    `fast`. Its next load runs a profile the file has, whole (Watch and the engine agree),
+    and a dropped one is said (`model.profile_removed`), not `fast` on the base limits."""
+    cfg = _config(tmp_path, tiny_model_dir, admission={"max_in_flight": 16},
+                  profiles={"fast": {"max_in_flight": 2}, "solo": {"max_in_flight": 1}})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    made = _SlowStop.factory(lambda _p, _i: 7)
+
+    async def run() -> tuple[str, Any, Any, int]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=made)
+        await daemon.start()
+        res = daemon.residency
+        try:
+            await res.load("tiny")
+            await res.set_profile("tiny", "fast")
+            if case == "removed_while_failed":
+                res._on_fatal(res.models["tiny"], "engine exited (signal 9)")
+                gone: asyncio.Future[Any] = asyncio.ensure_future(asyncio.sleep(0))
+            else:
+                gone = asyncio.ensure_future(res.unload("tiny", drain=True))
+                await _until(lambda: res.models["tiny"].state.name == "DRAINING")
+            if case == "file_names_another":
+                cfg["models"][0]["profile"] = "solo"
+            else:
+                del cfg["profiles"]["fast"]
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            await gone
+            async with NeuronClient(daemon.address, "t") as c:
+                listed = await c.stub.Models(pb.ModelsRequest(), metadata=c.md)
+                between = listed.catalogue[0].profile  # as `ctl models` shows it
+                await res.load("tiny", retry_failed=True)
+                st = await c.watch_until(lambda st: model_of(st).state == pb.MODEL_STATE_READY)
+            return between, model_of(st), made.made[-1].limits, len(made.made)
+        finally:
+            await daemon.drain()
+
+    with structlog.testing.capture_logs() as logs:
+        between, after, engine, engines = asyncio.run(run())
+    want, max_in_flight = ("solo", 1) if case == "file_names_another" else ("", 16)
+    assert engines == 2
+    assert between == want  # before the next load: the profile that load runs
+    assert (after.profile, after.admission.max_in_flight, engine.max_in_flight) == (
+        want, max_in_flight, max_in_flight)
+    removed = [(e["profile"], e["to"]) for e in logs if e["event"] == "model.profile_removed"]
+    assert removed == ([] if case == "file_names_another" else [("fast", "(base)")])
