@@ -6,8 +6,8 @@ place where the new figures need it (Residency.pool_replans), its profile kept; 
 profile switched where the file names another for it (the file's wins over a runtime
 switch), or where the profile it runs is no longer in the file: back to the file's own
 (`models[].profile`, else the base settings), as `ctl profile` would switch, logged
-`model.profile_removed`. A model loading or switching when a reload comes takes it once
-it is ready (`settle`, called at the end of its load and of its switch), so no reload is
+`model.profile_removed`. A model loading or switching when a reload comes (or with an
+earlier reload's switch scheduled, not yet begun) takes it once it is ready (`settle`, called at the end of its load and of its switch), so no reload is
 lost to a model that was busy (docs/operating.md, "Reload, drain, restart"). One not
 resident, draining or failed takes it at its next load: a runtime switch the file's
 profile replaced, or whose profile left the file, forgotten (Residency.load_profile).
@@ -47,7 +47,7 @@ def reconfigure(res: Residency, cfg: NeuronConfig, profiles: dict[str, str]) -> 
     ready = []
     for r in res.models.values():
         r.entry = cfg.model(r.model_id)
-        if r.state in (ModelState.LOADING, ModelState.SWITCHING):
+        if r.state in (ModelState.LOADING, ModelState.SWITCHING) or r.switch_queued:
             r.reload_pending = True  # settle(), once it is ready
             if r.model_id in profiles:
                 r.reload_profile = profiles[r.model_id]
@@ -84,13 +84,19 @@ def _apply(res: Residency, models: list[ResidentModel], profiles: dict[str, str]
     res.apply_limits(res.cfg, tuple(replans), only=rest)
     switches |= {m: res.models[m].profile for m in replans}
     for model_id, profile in switches.items():
+        res.models[model_id].switch_queued = True  # switching, for a reload before it runs
         task = asyncio.ensure_future(_switch(res, model_id, profile))
         _switches.add(task)
         task.add_done_callback(_switches.discard)
 
 
 async def _switch(res: Residency, model_id: str, profile: str) -> None:
+    r = res.models.get(model_id)
+    if r is not None:
+        r.switch_queued = False  # set_profile marks it switching before it yields
     try:
         await res.set_profile(model_id, profile)
     except Exception as e:
         log.error("model.profile_failed", model=model_id, profile=profile, error=str(e))
+        if r is not None:
+            settle(res, r)  # a reload that waited for this switch applies now

@@ -235,3 +235,34 @@ def test_a_reload_while_a_model_is_unloaded_or_failed_reaches_its_next_load(
         want, max_in_flight, max_in_flight)
     removed = [(e["profile"], e["to"]) for e in logs if e["event"] == "model.profile_removed"]
     assert removed == ([] if case == "file_names_another" else [("fast", "(base)")])
+
+
+def test_two_reloads_in_one_loop_turn_end_on_the_second_ones_profile(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two SIGHUPs handled back to back (no await between), the first naming `kv8` (a pool
+    re-plan), the second `solo`: the model ends running `solo` whole, as the file says,
+    and no switch is refused for the first's being under way."""
+    cfg = _config(tmp_path, tiny_model_dir,
+                  profiles={"kv8": {"kv_dtype": "int8", "max_in_flight": 3},
+                            "solo": {"max_in_flight": 1}})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        base_kv = r.kv_dtype
+        engine.busy_resets = 1  # the re-plan yields, as a real engine's answer does
+        for profile in ("kv8", "solo"):
+            cfg["models"][0]["profile"] = profile
+            write_neuron_config(path, cfg)
+            daemon.reload()
+        await _until(lambda: r.profile == "solo" and r.state.name == "READY"
+                     and r.kv_dtype == base_kv)
+        async with NeuronClient(daemon.address, "t") as c:
+            st = model_of(await c.watch_until(lambda st: True))
+        return base_kv, st, engine.limits.max_in_flight
+
+    with structlog.testing.capture_logs() as logs:
+        base_kv, st, engine_max = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert (st.profile, st.kv_dtype, st.admission.max_in_flight, engine_max) == (
+        "solo", base_kv, 1, 1)
+    assert [e for e in logs if e["event"] == "model.profile_failed"] == []
