@@ -60,14 +60,15 @@ def reconfigure(res: Residency, cfg: NeuronConfig, profiles: dict[str, str]) -> 
 
 def settle(res: Residency, r: ResidentModel) -> None:
     """``r``'s load or switch has ended: a reload that came meanwhile applies now."""
-    if not r.reload_pending or r.state != ModelState.READY:
-        return
+    if not r.reload_pending or r.state != ModelState.READY or res.models.get(r.model_id) is not r:
+        return  # (one a drain stopped meanwhile is switched no more)
     profile, r.reload_pending, r.reload_profile = r.reload_profile, False, None
     _apply(res, [r], {r.model_id: profile} if profile is not None else {})
 
 
 def _apply(res: Residency, models: list[ResidentModel], profiles: dict[str, str]) -> None:
     switches: dict[str, str] = {}
+    by_id = {r.model_id: r for r in models}
     for r in models:
         want = profiles.get(r.model_id, r.profile)
         if want and want not in res.cfg.profiles:  # the profile it runs left the file
@@ -82,9 +83,9 @@ def _apply(res: Residency, models: list[ResidentModel], profiles: dict[str, str]
     # model was built for (its width): re-planned in place, as at a switch
     replans = [m for m in res.pool_replans(res.cfg) if m in rest]
     res.apply_limits(res.cfg, tuple(replans), only=rest)
-    switches |= {m: res.models[m].profile for m in replans}
+    switches |= {m: by_id[m].profile for m in replans}
     for model_id, profile in switches.items():
-        res.models[model_id].switch_queued = True  # switching, for a reload before it runs
+        by_id[model_id].switch_queued = True  # switching, for a reload before it runs
         task = asyncio.ensure_future(_switch(res, model_id, profile))
         _switches.add(task)
         task.add_done_callback(_switches.discard)

@@ -156,7 +156,23 @@ class Residency:
             task = asyncio.ensure_future(self._load(entry))
             self._loads[model_id] = task
             task.add_done_callback(lambda _t: self._loads.pop(model_id, None))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not task.cancelled() or (me is not None and me.cancelling()):
+                raise  # this caller was cancelled, not the load
+            raise Refusal("shutting_down", f"The neuron stopped while `{model_id}` loaded.",
+                          int(self.cfg.server.drain_secs * 1000)) from None
+
+    async def cancel_loads(self) -> None:
+        """Stop the loads under way (SIGTERM's drain), so that none ends after the neuron
+        stopped with an engine left running: one still starting is shut down by its start
+        (EngineClient.start); their callers are refused `shutting_down`."""
+        loads = list(self._loads.values())
+        for task in loads:
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
 
     async def _load(self, entry: ModelEntry) -> tuple[ResidentModel, list[str]]:
         from helexa.plan import plan_model

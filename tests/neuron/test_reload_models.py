@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import structlog
 from support.fake_engine import FakeEngineClient, run_fake_neuron
@@ -266,3 +267,44 @@ def test_two_reloads_in_one_loop_turn_end_on_the_second_ones_profile(
     assert (st.profile, st.kv_dtype, st.admission.max_in_flight, engine_max) == (
         "solo", base_kv, 1, 1)
     assert [e for e in logs if e["event"] == "model.profile_failed"] == []
+
+
+def test_a_load_under_way_at_sigterm_is_stopped_not_left_running(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`ctl load` still starting its engine when SIGTERM's drain comes: the load is stopped
+    with the neuron, its caller told `shutting_down`, and no engine comes up (nor is
+    `model.ready` logged) after `neuron.stopped`."""
+    cfg = _config(tmp_path, tiny_model_dir)
+    cfg["models"][0]["preload"] = False
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    made = FakeEngineClient.factory(lambda _p, _i: 7)
+    loading, go = asyncio.Event(), asyncio.Event()
+
+    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
+        loading.set()
+        await go.wait()  # the engine loads its weights
+        return await made(spec, **kw)
+
+    async def run() -> tuple[str, list[bool]]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=slow_start)
+        await daemon.start()
+        async with NeuronClient(daemon.address, "t") as c:
+            call = asyncio.ensure_future(c.stub.Load(pb.LoadRequest(model="tiny"),
+                                                     metadata=c.md))
+            await loading.wait()
+            await daemon.drain()
+            try:
+                await call
+                code = "loaded"
+            except grpc.aio.AioRpcError as e:
+                code = dict(e.trailing_metadata() or ()).get("helexa-code", e.code().name)
+        go.set()  # an engine start not stopped would end now
+        await asyncio.sleep(0.2)
+        return code, [e.alive for e in made.made]  # type: ignore[attr-defined]
+
+    with structlog.testing.capture_logs() as logs:
+        code, alive = asyncio.run(run())
+    assert code == "shutting_down"
+    assert not any(alive), alive
+    events = [e["event"] for e in logs]
+    assert "model.ready" not in events[events.index("neuron.stopped"):], events
