@@ -274,8 +274,9 @@ def plan_model(cfg: NeuronConfig, entry: ModelEntry, config_file: str | Path, *,
             raise PlanError(f"{where('tp')}: expected the weights to leave room for KV: {source} = "
                             f"{budget / MIB:,.0f} MiB, less than one block")
     else:
-        raise UnknownBudget(f"{where('kv.kv_budget_mb')}: expected kv_budget_mb or "
-                            f"server.device_memory_mb to plan without a device")
+        raise UnknownBudget(f"{where('kv_budget_mb')}: expected kv_budget_mb (the model's or "
+                            f"kv.kv_budget_mb) or server.device_memory_mb to plan `{entry.id}` "
+                            "without a device")
 
     block_bytes = bs * per_token
     num_blocks = budget // block_bytes

@@ -160,7 +160,7 @@ def test_dry_run_shows_the_diff_and_copies_nothing(shipper: Shipper) -> None:
     ("max_in_flight = 16", "max_in_flght = 16", "admission.max_in_flght: unknown key"),
     ("max_in_flight = 16", 'max_in_flight = "many"', "admission.max_in_flight: expected `int`"),
     ('config = "../models', 'context = 999999\nconfig = "../models', "models[0].context: expected at most"),
-    ("kv_budget_mb = 64", "", "kv.kv_budget_mb: expected kv_budget_mb or server.device_memory_mb"),
+    ("kv_budget_mb = 64", "", "models[0].kv_budget_mb: expected kv_budget_mb (the model's or kv.kv_budget_mb)"),
 ], ids=["unknown-key", "wrong-type", "context-cannot-fit", "cpu-without-a-budget"])
 def test_an_invalid_config_is_refused_and_nothing_copied(shipper: Shipper, old, new, message) -> None:
     shipper.edit(old, new)

@@ -139,8 +139,8 @@ def test_a_cpu_model_without_a_budget_fails_the_check_as_plan_and_the_neuron_say
                                                                                    capsys):
     # a CPU has no memory figure to ask: the load would fail UnknownBudget, so the check does
     path = neuron_toml(tmp_path, f'[[models]]\nid = "d"\nconfig = "{DENSE}"\n')
-    line = (f"{path}: kv.kv_budget_mb: expected kv_budget_mb or server.device_memory_mb to "
-            "plan without a device")
+    line = (f"{path}: models[0].kv_budget_mb: expected kv_budget_mb (the model's or "
+            "kv.kv_budget_mb) or server.device_memory_mb to plan `d` without a device")
     with pytest.raises(PlanError) as e:
         check_neuron_config(path, load_neuron_config(path))
     assert str(e.value) == line
@@ -151,6 +151,18 @@ def test_a_cpu_model_without_a_budget_fails_the_check_as_plan_and_the_neuron_say
     neuron = subprocess.run([sys.executable, "-m", "helexa.cli", "neuron", "--config", str(path)],
                             capture_output=True, text=True, timeout=60)
     assert neuron.returncode == 2 and neuron.stderr.splitlines() == [f"helexa neuron: {line}"]
+    # one model of several without one: the message names that one, not [kv]
+    spare = neuron_toml(tmp_path, f'[[models]]\nid = "d"\nconfig = "{DENSE}"\nkv_budget_mb = 4\n'
+                                  f'[[models]]\nid = "spare"\nconfig = "{DENSE}"\n', "spare.toml")
+    assert helexa_main(["config", "check", str(spare)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"{spare}: models[1].kv_budget_mb: expected kv_budget_mb (the model's or "
+        "kv.kv_budget_mb) or server.device_memory_mb to plan `spare` without a device"]
+    # a CPU's memory given instead of a budget plans it (server.device_memory_mb's help)
+    cpu = neuron_toml(tmp_path, f'[server]\ndevice_memory_mb = 24576\n[[models]]\nid = "d"\n'
+                                f'config = "{DENSE}"\n', "cpu.toml")
+    assert [p.model_id for p in check_neuron_config(cpu, load_neuron_config(cpu))] == ["d"]
+    assert helexa_main(["config", "check", str(cpu)]) == 0
     # on CUDA cards the neuron asks them (nvidia-smi): nothing to say before it runs
     gpu = neuron_toml(tmp_path, f'[server]\ndevices = ["cuda:0"]\n[[models]]\nid = "d"\n'
                                 f'config = "{DENSE}"\n', "gpu.toml")

@@ -37,7 +37,8 @@ class ServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
             default_factory=lambda: ["cpu"])
     device_memory_mb: Annotated[optional(int, ge=1), field_meta(
         "Memory of each device in MiB, for planning without a device; none = ask the device "
-        "(a CUDA card; a CPU has no figure to ask, so a CPU model needs kv_budget_mb).",
+        "(a CUDA card). A CPU has no figure to ask: a CPU model is planned with this or with "
+        "a kv_budget_mb (its own or [kv]'s).",
         RESTART)] = None
     drain_secs: Annotated[float, field_meta(
         "On SIGTERM, a draining unload or a profile switch that re-plans the pool, how long "

@@ -217,6 +217,7 @@ class NeuronDaemon:
         drain_secs = self.cfg.server.drain_secs
         self.servicer.draining = True
         log.info("neuron.draining", drain_secs=drain_secs)
+        await self.residency.cancel_loads()  # a load is not drained: none ends after the stop
         for r in list(self.residency.models.values()):
             if r.client is not None and r.state != ModelState.FAILED:
                 r.state = ModelState.DRAINING

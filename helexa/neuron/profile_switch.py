@@ -130,7 +130,10 @@ async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 
             # queued requests stay queued; in-flight ones hold blocks. The engine may
             # admit one more before the stop reaches it: busy, and the switch waits again
             left = deadline - time.monotonic()
-            if left <= 0 or not await res.wait_idle(r, left, in_flight_only=True):
+            idle = left > 0 and await res.wait_idle(r, left, in_flight_only=True)
+            if cut := taken(res, r):
+                raise cut
+            if not idle:
                 raise Refusal("model_busy", f"in-flight work on `{r.model_id}` did not "
                               f"finish within drain_secs ({res.cfg.server.drain_secs:g} s);"
                               " the switch was abandoned", 1000)
@@ -144,6 +147,8 @@ async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 
             except EngineBusy:
                 await asyncio.sleep(0.05)  # its status says in flight once it reports
             except Exception as e:  # the engine kept its pool; say why it would not switch
+                if cut := taken(res, r):  # (its engine stopped under the re-plan)
+                    raise cut from e
                 if ceilings != r.step_ceilings:
                     r.refused_ceilings = ceilings
                 raise Refusal("invalid_request_error",
@@ -153,11 +158,24 @@ async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 
             ModelLimits.from_plan(plan, res.cfg.kv.prefix_cache, res.cfg.kv.prefix_sharing))
         r.refused_ceilings = (0, 0)
     finally:
-        r.client.stop_admitting(False)
-        if r.state == ModelState.SWITCHING:
+        if taken(res, r) is None:  # a drain's engine stays closed (it refuses shutting_down)
+            r.client.stop_admitting(False)
             r.state = ModelState.READY
         res._on_change()
     log.info("model.switched", model=r.model_id, kv_dtype=plan.kv_dtype,
              context=plan.context, max_slots=ceilings[0], max_batched_tokens=ceilings[1],
              switch_secs=round(time.monotonic() - t0, 3))
 
+
+def taken(res: Residency, r: ResidentModel) -> Refusal | None:
+    """Why a switch under way was cut, if it was: a drain took the model (`ctl unload
+    --drain`, SIGTERM: 503 `shutting_down`, as a request is told; docs/errors.md,
+    "The table"), an unload stopped it, or its engine died."""
+    if r.state == ModelState.FAILED:
+        return Refusal("model_failed", f"The model `{r.model_id}` failed while it switched "
+                       f"profile: {r.error}", r.retry_after_ms)
+    if r.state == ModelState.DRAINING or res.models.get(r.model_id) is not r:
+        return Refusal("shutting_down", f"The model `{r.model_id}` is being unloaded (a drain, or "
+                       "the neuron stopping); its "
+                       "profile switch was abandoned", int(res.cfg.server.drain_secs * 1000))
+    return None

@@ -85,7 +85,22 @@ class Residency:
         r = self.models.get(model_id)
         if r is not None:
             return r.profile
-        return self._profiles.get(model_id, self.cfg.model(model_id).profile or "")
+        own = self.cfg.model(model_id).profile or ""
+        runtime = self._profiles.get(model_id, own)  # as load_profile, unsaid
+        return runtime if not runtime or runtime in self.cfg.profiles else own
+
+    def load_profile(self, entry: ModelEntry) -> str:
+        """The profile a load of ``entry`` runs: its runtime switch while the file still
+        has that profile, else the file's own (`models[].profile`, else the base): the
+        switch forgotten, logged `model.profile_removed`, as a reload switches a ready one."""
+        own = entry.profile or ""
+        runtime = self._profiles.get(entry.id, own)
+        if not runtime or runtime in self.cfg.profiles:
+            return runtime
+        log.warning("model.profile_removed", model=entry.id, profile=runtime,
+                    to=own or "(base)")
+        self.forget_profile(entry.id)
+        return own
 
     def forget_profile(self, model_id: str) -> None:
         """Drop a runtime profile switch: the file's profile applies at the next load."""
@@ -141,7 +156,23 @@ class Residency:
             task = asyncio.ensure_future(self._load(entry))
             self._loads[model_id] = task
             task.add_done_callback(lambda _t: self._loads.pop(model_id, None))
-        return await asyncio.shield(task)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if not task.cancelled() or (me is not None and me.cancelling()):
+                raise  # this caller was cancelled, not the load
+            raise Refusal("shutting_down", f"The neuron stopped while `{model_id}` loaded.",
+                          int(self.cfg.server.drain_secs * 1000)) from None
+
+    async def cancel_loads(self) -> None:
+        """Stop the loads under way (SIGTERM's drain), so that none ends after the neuron
+        stopped with an engine left running: one still starting is shut down by its start
+        (EngineClient.start); their callers are refused `shutting_down`."""
+        loads = list(self._loads.values())
+        for task in loads:
+            task.cancel()
+        await asyncio.gather(*loads, return_exceptions=True)
 
     async def _load(self, entry: ModelEntry) -> tuple[ResidentModel, list[str]]:
         from helexa.plan import plan_model
@@ -155,7 +186,7 @@ class Residency:
                     await before.client.shutdown(5.0)
                 except Exception as e:
                     log.warning("model.shutdown_error", model=entry.id, error=str(e))
-        r.profile = self._profiles.get(entry.id, entry.profile or "")
+        r.profile = self.load_profile(entry)  # one the file has, whole
         r.kv_dtype = effective_kv_dtype(self.cfg, r.profile)
         self.models[entry.id] = r  # LOADING is visible in Watch at once
         self._on_change()

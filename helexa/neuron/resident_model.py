@@ -71,6 +71,9 @@ class ResidentModel:
     # (None: the file named no other)
     reload_pending: bool = False
     reload_profile: str | None = None
+    # a reload's switch scheduled, not yet begun (reconfigure._switch): a reload meanwhile
+    # waits for it as for a switch under way, not racing it to be refused `switching`
+    switch_queued: bool = False
     # The activation dtype measured for a GGUF on CPU (helexa/neuron/activation.py)
     activations: Activations | None = None
 

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support.fake_engine import run_fake_neuron
+from support.fake_engine import FakeEngineClient, run_fake_neuron
 from support.neuron import write_neuron_config
 
+from helexa.config.schema import load_neuron_config
 from helexa.neuron.auth import bearer
+from helexa.neuron.daemon import NeuronDaemon
 from helexa.proto import neuron_pb2 as pb
+from helexa.proto import neuron_pb2_grpc
 
 MD = bearer("t")
 
@@ -114,6 +117,59 @@ def test_an_unknown_profile_is_refused_naming_the_known_ones(config_path: Path) 
     e = run_fake_neuron(config_path, body, script=lambda _p, _i: 7)
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "batch" in e.details() and "turbo" in e.details()
+
+
+class _SlowReplan(FakeEngineClient):
+    """An engine whose re-plan answers 0.3 s later, failing if it was stopped meanwhile
+    (a real engine's process, shut down under the re-plan, answers no more)."""
+
+    async def reset_kv(self, **plan: object) -> None:
+        await asyncio.sleep(0.3)
+        if not self.alive:
+            raise RuntimeError("the engine is shut down")
+        await super().reset_kv(**plan)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("how", ["unload_drain", "sigterm"])
+def test_a_switch_cut_by_a_drain_is_refused_shutting_down_and_stays_closed(
+        config_path: Path, how: str) -> None:
+    """`ctl profile` re-planning the pool when `ctl unload --drain` (or SIGTERM's drain)
+    takes the model: the caller is told 503-class `shutting_down`, as a request to a
+    draining model is, not that its profile was invalid; and the switch does not reopen
+    admission on the draining engine."""
+    made = _SlowReplan.factory(lambda _p, _i: 7)
+
+    async def run() -> tuple[grpc.aio.AioRpcError, bool, bool]:
+        daemon = NeuronDaemon(config_path, load_neuron_config(config_path),
+                              client_factory=made)
+        await daemon.start()
+        await daemon.residency.preload()
+        r = daemon.residency.models["tiny"]
+        unloaded = True
+        try:
+            async with grpc.aio.insecure_channel(daemon.address) as ch:
+                stub = neuron_pb2_grpc.NeuronStub(ch)
+                switch = asyncio.ensure_future(stub.SetProfile(
+                    pb.SetProfileRequest(model="tiny", profile="long"), metadata=MD))
+                while r.state.name != "SWITCHING":
+                    await asyncio.sleep(0.01)
+                if how == "unload_drain":
+                    unloaded = (await stub.Unload(pb.UnloadRequest(model="tiny", drain=True),
+                                                  metadata=MD)).unloaded
+                else:
+                    await daemon.drain()
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await switch
+        finally:
+            if how != "sigterm":
+                await daemon.drain()
+        return e.value, made.made[0].admitting, unloaded
+
+    err, admitting, unloaded = asyncio.run(run())
+    assert (err.code(), dict(err.trailing_metadata() or ())["helexa-code"]) == (
+        grpc.StatusCode.UNAVAILABLE, "shutting_down"), err.details()
+    assert "being unloaded" in (err.details() or "")
+    assert not admitting and unloaded
 
 
 async def _collect(call) -> list[pb.GenerateResponse]:

@@ -9,6 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
+import pytest
 import structlog
 from support.fake_engine import FakeEngineClient, run_fake_neuron
 from support.neuron import NeuronClient, model_of, write_neuron_config
@@ -173,3 +175,136 @@ def test_a_hybrid_loads_with_no_more_in_flight_than_its_state_slots(
     capped = [n for e in logs if e["event"] == "model.limits_capped" for n in e["capped"]]
     assert any(n.startswith(f"max_in_flight: 100000 is more than the {slots}")
                for n in capped), capped
+
+
+class _SlowStop(FakeEngineClient):
+    """An engine process that takes its time to exit (a drain's unload is under way)."""
+
+    async def shutdown(self, timeout_secs: float = 5.0) -> None:
+        await asyncio.sleep(0.3)
+        self.alive = False
+
+
+@pytest.mark.parametrize("case", ["file_names_another", "removed_while_draining",
+                                  "removed_while_failed"])
+def test_a_reload_while_a_model_is_unloaded_or_failed_reaches_its_next_load(
+        tmp_path: Path, tiny_model_dir: Path, case: str) -> None:
+    """A model switched at runtime to `fast`, then a reload while it drains out (`ctl unload
+    --drain`) or after its engine died: the file naming another profile for it, or dropping
+    `fast`. Its next load runs a profile the file has, whole (Watch and the engine agree),
+    and a dropped one is said (`model.profile_removed`), not `fast` on the base limits."""
+    cfg = _config(tmp_path, tiny_model_dir, admission={"max_in_flight": 16},
+                  profiles={"fast": {"max_in_flight": 2}, "solo": {"max_in_flight": 1}})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    made = _SlowStop.factory(lambda _p, _i: 7)
+
+    async def run() -> tuple[str, Any, Any, int]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=made)
+        await daemon.start()
+        res = daemon.residency
+        try:
+            await res.load("tiny")
+            await res.set_profile("tiny", "fast")
+            if case == "removed_while_failed":
+                res._on_fatal(res.models["tiny"], "engine exited (signal 9)")
+                gone: asyncio.Future[Any] = asyncio.ensure_future(asyncio.sleep(0))
+            else:
+                gone = asyncio.ensure_future(res.unload("tiny", drain=True))
+                await _until(lambda: res.models["tiny"].state.name == "DRAINING")
+            if case == "file_names_another":
+                cfg["models"][0]["profile"] = "solo"
+            else:
+                del cfg["profiles"]["fast"]
+            write_neuron_config(path, cfg)
+            daemon.reload()
+            await gone
+            async with NeuronClient(daemon.address, "t") as c:
+                listed = await c.stub.Models(pb.ModelsRequest(), metadata=c.md)
+                between = listed.catalogue[0].profile  # as `ctl models` shows it
+                await res.load("tiny", retry_failed=True)
+                st = await c.watch_until(lambda st: model_of(st).state == pb.MODEL_STATE_READY)
+            return between, model_of(st), made.made[-1].limits, len(made.made)
+        finally:
+            await daemon.drain()
+
+    with structlog.testing.capture_logs() as logs:
+        between, after, engine, engines = asyncio.run(run())
+    want, max_in_flight = ("solo", 1) if case == "file_names_another" else ("", 16)
+    assert engines == 2
+    assert between == want  # before the next load: the profile that load runs
+    assert (after.profile, after.admission.max_in_flight, engine.max_in_flight) == (
+        want, max_in_flight, max_in_flight)
+    removed = [(e["profile"], e["to"]) for e in logs if e["event"] == "model.profile_removed"]
+    assert removed == ([] if case == "file_names_another" else [("fast", "(base)")])
+
+
+def test_two_reloads_in_one_loop_turn_end_on_the_second_ones_profile(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two SIGHUPs handled back to back (no await between), the first naming `kv8` (a pool
+    re-plan), the second `solo`: the model ends running `solo` whole, as the file says,
+    and no switch is refused for the first's being under way."""
+    cfg = _config(tmp_path, tiny_model_dir,
+                  profiles={"kv8": {"kv_dtype": "int8", "max_in_flight": 3},
+                            "solo": {"max_in_flight": 1}})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+
+    async def body(stub, daemon, engine):
+        r = daemon.residency.models["tiny"]
+        base_kv = r.kv_dtype
+        engine.busy_resets = 1  # the re-plan yields, as a real engine's answer does
+        for profile in ("kv8", "solo"):
+            cfg["models"][0]["profile"] = profile
+            write_neuron_config(path, cfg)
+            daemon.reload()
+        await _until(lambda: r.profile == "solo" and r.state.name == "READY"
+                     and r.kv_dtype == base_kv)
+        async with NeuronClient(daemon.address, "t") as c:
+            st = model_of(await c.watch_until(lambda st: True))
+        return base_kv, st, engine.limits.max_in_flight
+
+    with structlog.testing.capture_logs() as logs:
+        base_kv, st, engine_max = run_fake_neuron(path, body, script=lambda _p, _i: 7)
+    assert (st.profile, st.kv_dtype, st.admission.max_in_flight, engine_max) == (
+        "solo", base_kv, 1, 1)
+    assert [e for e in logs if e["event"] == "model.profile_failed"] == []
+
+
+def test_a_load_under_way_at_sigterm_is_stopped_not_left_running(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """`ctl load` still starting its engine when SIGTERM's drain comes: the load is stopped
+    with the neuron, its caller told `shutting_down`, and no engine comes up after the
+    neuron stopped (not asserted on info logs: a test before may have set the level)."""
+    cfg = _config(tmp_path, tiny_model_dir)
+    cfg["models"][0]["preload"] = False
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    made = FakeEngineClient.factory(lambda _p, _i: 7)
+    loading, go = asyncio.Event(), asyncio.Event()
+
+    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
+        loading.set()
+        await go.wait()  # the engine loads its weights
+        return await made(spec, **kw)
+
+    async def run() -> tuple[str, list[bool]]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=slow_start)
+        await daemon.start()
+        async with NeuronClient(daemon.address, "t") as c:
+            call = asyncio.ensure_future(c.stub.Load(pb.LoadRequest(model="tiny"),
+                                                     metadata=c.md))
+            await loading.wait()
+            drain = asyncio.ensure_future(daemon.drain())  # SIGTERM
+            try:  # read while the drain runs: its server.stop's grace is not the point
+                await asyncio.wait_for(call, 10)
+                code = "loaded"
+            except grpc.aio.AioRpcError as e:
+                code = dict(e.trailing_metadata() or ()).get("helexa-code", e.code().name)
+            except TimeoutError:
+                code = "still loading"
+            await drain
+        go.set()  # an engine start not stopped would end now
+        await asyncio.sleep(0.2)
+        return code, [e.alive for e in made.made]  # type: ignore[attr-defined]
+
+    code, alive = asyncio.run(run())
+    assert code == "shutting_down"
+    assert not any(alive), alive  # no engine left running after the neuron stopped
