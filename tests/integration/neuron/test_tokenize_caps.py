@@ -34,8 +34,9 @@ def gaps(stamps: list[float]) -> float:
 
 
 async def watch_and_stream_during_big_tokenize(address: str, token: str
-                                               ) -> tuple[int, float, float, int]:
-    """(tokens counted, longest Watch gap, longest bystander token gap, bystander tokens)."""
+                                               ) -> tuple[int, float, float, int, float]:
+    """(tokens counted, longest Watch gap, longest bystander token gap, bystander tokens,
+    the seconds the Tokenize call took)."""
     async with NeuronClient(address, token) as c:
         watch = c.stub.Watch(pb.WatchRequest(heartbeat_ms=200), metadata=c.md)
         beats: list[float] = []
@@ -55,23 +56,28 @@ async def watch_and_stream_during_big_tokenize(address: str, token: str
         beating = asyncio.create_task(beat())
         await first.wait()
         streaming = asyncio.create_task(bystander())
+        started = time.monotonic()
         out = await c.stub.Tokenize(pb.TokenizeRequest(model="tiny", text=BIG_TEXT,
                                                        principal="mallory"), metadata=c.md)
         beats.append(time.monotonic())
+        took = beats[-1] - started
         await streaming
         watch.cancel()
         await asyncio.gather(beating, return_exceptions=True)
         await c.watch_until(ledger_whole)
-    return len(out.token_ids), gaps(beats), gaps(tokens), len(tokens)
+    return len(out.token_ids), gaps(beats), gaps(tokens), len(tokens), took
 
 
 def test_watch_and_a_bystander_stream_flow_while_7_mb_tokenizes(
         neuron_roomy: NeuronProcess, neuron_token: str) -> None:
-    counted, watch_gap, token_gap, streamed = asyncio.run(
+    counted, watch_gap, token_gap, streamed, took = asyncio.run(
         watch_and_stream_during_big_tokenize(neuron_roomy.address, neuron_token))
     assert counted > 1_000_000
-    assert watch_gap < 1.0, f"Watch went {watch_gap:.2f} s without a message"
-    assert streamed == 200 and token_gap < 1.0, f"bystander gap {token_gap:.2f} s"
+    # tokenizing on the event loop would stop both for the whole call; the bound scales
+    # with it, as a loaded machine slows both (a fixed 1.0 s failed once at 1.16 s there)
+    bound = max(1.0, took / 3)
+    assert watch_gap < bound, f"Watch went {watch_gap:.2f} s without a message ({took:.2f} s call)"
+    assert streamed == 200 and token_gap < bound, f"bystander gap {token_gap:.2f} s ({took:.2f} s)"
 
 
 def test_a_call_over_max_tokenize_bytes_is_refused_naming_the_key(
