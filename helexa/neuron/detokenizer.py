@@ -116,13 +116,7 @@ class StopChecker:
 
     def _partial_len(self, buf: str) -> int:
         """Length of the longest tail of buf that is a proper prefix of a stop string."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+        return max(_tail_prefix(buf, s) for s in self.stop)
 
     def flush(self) -> str:
         """At the end of the stream: the held tail (it never became a stop string)."""

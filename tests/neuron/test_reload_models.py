@@ -40,19 +40,28 @@ async def _until(cond: Callable[[], bool], secs: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+def _slow_engine() -> tuple[Any, Any, asyncio.Event, asyncio.Event]:
+    """A fake engine factory whose start waits for `go` (the engine loads its weights),
+    having set `loading`: (the factory, the one it wraps, whose `made` lists the engines
+    started, loading, go)."""
+    made = FakeEngineClient.factory(lambda _p, _i: 7)
+    loading, go = asyncio.Event(), asyncio.Event()
+
+    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
+        loading.set()
+        await go.wait()
+        return await made(spec, **kw)
+
+    return slow_start, made, loading, go
+
+
 def test_a_reload_during_a_load_applies_once_the_model_is_ready(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     """The limits and the profile a reload sets while the engine is still loading are
     the ones it serves with once ready (Watch and the engine say so)."""
     cfg = _config(tmp_path, tiny_model_dir, profiles={"solo": {"max_in_flight": 1}})
     path = write_neuron_config(tmp_path / "neuron.toml", cfg)
-    made = FakeEngineClient.factory(lambda _p, _i: 7)
-    loading, go = asyncio.Event(), asyncio.Event()
-
-    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
-        loading.set()
-        await go.wait()  # the engine loads its weights
-        return await made(spec, **kw)
+    slow_start, made, loading, go = _slow_engine()
 
     async def run() -> tuple[Any, Any, str]:
         daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=slow_start)
@@ -277,13 +286,7 @@ def test_a_load_under_way_at_sigterm_is_stopped_not_left_running(
     cfg = _config(tmp_path, tiny_model_dir)
     cfg["models"][0]["preload"] = False
     path = write_neuron_config(tmp_path / "neuron.toml", cfg)
-    made = FakeEngineClient.factory(lambda _p, _i: 7)
-    loading, go = asyncio.Event(), asyncio.Event()
-
-    async def slow_start(spec: Any, **kw: Any) -> FakeEngineClient:
-        loading.set()
-        await go.wait()  # the engine loads its weights
-        return await made(spec, **kw)
+    slow_start, made, loading, go = _slow_engine()
 
     async def run() -> tuple[str, list[bool]]:
         daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=slow_start)
