@@ -16,9 +16,9 @@ state is filed (admission.py), so snapshots are taken where an agent's next turn
 A speculative verification row leaves its slot as it was before the row (its positions are
 settled only at the next step, helexa/kernels/linear_state.py) and holds its inputs. Once the
 engine has judged its drafts (take_held, after the step's tokens are picked), where the
-accepted positions reach a block boundary inside the row, a snapshot slot is taken and the
-runner computes the state after the row's positions before the boundary from what the slot
-holds (LinearState.save_held): a snapshot only ever holds accepted positions, a row whose
+accepted positions reach a block boundary inside the row (the furthest, where they cross
+two), a snapshot slot is taken and the runner computes the state after the row's positions
+before the boundary from what the slot holds (LinearState.save_held): a snapshot only ever holds accepted positions, a row whose
 drafts fall short takes no slot (taking one may evict a cached snapshot), and a request that
 drafts every step is snapshotted at the same boundaries as one that does not. Each snapshot
 is filed, after its step, under the chain key of the block that ends at its position
@@ -81,19 +81,23 @@ def take_slots(pool: BlockPool, reqs: list[Request], chunks: list[ScheduledChunk
 def take_held(pool: BlockPool, inputs: StepInputs, kept: list[int]
               ) -> list[tuple[int, int, int]]:
     """After a step's tokens are picked: for each verification row whose kept positions
-    (``kept``, StepInputs.kept's) reach the first block boundary inside the row, a snapshot
-    slot, joined to its request's snapshot_writes; returns (state slot, snapshot slot,
-    positions) for the runner's save_held. The slot is taken only once the drafts are
-    judged, since taking one may evict a cached snapshot: a row whose drafts fall short of
-    its boundary evicts nothing."""
+    (``kept``, StepInputs.kept's) reach a block boundary inside the row, a snapshot slot at
+    the furthest such boundary, joined to its request's snapshot_writes; returns (state
+    slot, snapshot slot, positions) for the runner's save_held. The slot is taken only once
+    the drafts are judged, since taking one may evict a cached snapshot: a row whose drafts
+    fall short of its boundary evicts nothing. A row of more positions than a block
+    (spec_k + 1 > block size) may cross two boundaries: a request keeps only its latest
+    generation snapshot (file_saves), so the earlier one, filed, would be superseded at
+    once, its slot perhaps taken from a cached snapshot; plain decoding too leaves only
+    the later."""
     snaps, bs = pool.snapshots, pool.block_size
     saves: list[tuple[int, int, int]] = []
     if snaps is None:
         return saves
     for req, chunk, seq, n in zip(inputs.reqs, inputs.chunks, inputs.seqs, kept, strict=True):
         start = seq.num_computed
-        end = start + bs - start % bs  # the first boundary inside the row
-        if not chunk.num_draft or end > start + n:
+        end = (start + n) // bs * bs  # the furthest boundary the kept positions reach
+        if not chunk.num_draft or end <= start:
             continue
         slot = snaps.take(req.req_id)
         if slot >= 0:

@@ -21,6 +21,7 @@ from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.engine.speculative.drafters import (
     AdversarialDrafter,
     NgramDrafter,
+    OracleDrafter,
     PerRequestDrafter,
 )
 
@@ -169,6 +170,30 @@ def test_a_speculated_reply_is_restored_as_a_cold_server_computes_it(
     cold_run, cold_logprobs = scored(cold, prompt + reply + [5, 6, 7])
     assert got.tokens["b"] == cold_run.tokens["b"]
     assert warm_logprobs == pytest.approx(cold_logprobs, abs=1e-4)
+    assert_whole(warm, hybrid=True)
+
+
+def test_a_row_across_two_boundaries_keeps_the_snapshot_at_the_later(tiny_checkpoint):
+    """With blocks of 4 and 6 drafts a row, every right draft accepted, a verification row
+    of 7 positions crosses two block boundaries: the reply is snapshotted at the later one,
+    as plain decoding leaves it, and the next turn hits up to the reply's last boundary with
+    a cold server's tokens."""
+    model_dir = tiny_checkpoint("qwen3_5")
+    cold = core_for(model_dir, prefix_cache=False, block_size=4)
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, 500) for _ in range(5)]
+    reply = drive(cold, [turn("c", prompt, 20)], served=True).tokens["c"]
+    warm = with_drafter(core_for(model_dir, block_size=4, spec_k=6, spec_full_below=1.0,
+                                 spec_off_above=1.01, spec_min_acceptance=0.0),
+                        OracleDrafter(truth_from({"a": reply}, {"a": prompt})))
+    run = drive(warm, [turn("a", prompt, 20)], served=True)
+    assert run.tokens["a"] == reply
+    # rows from positions 5, 12 and 19 (6, 6 and 4 drafts): the last crosses 20 and 24
+    assert run.steps <= 5 and warm.status().spec_accepted_tokens == 16
+    nxt = prompt + reply + [5, 6, 7]
+    got = drive(warm, [turn("b", nxt)], served=True)
+    assert got.admitted["b"].cached_tokens == len(prompt) + len(reply) - 1 == 24
+    assert got.tokens["b"] == drive(cold, [turn("d", nxt)], served=True).tokens["d"]
     assert_whole(warm, hybrid=True)
 
 
