@@ -8,7 +8,9 @@ a time keeps decoders that depend on neighbours (spaces, merges) correct.
 
 `StopChecker` finds stop strings that may span token boundaries: it holds
 back any tail that could be the start of a stop string, and never emits a
-matched stop string or anything after it.
+matched stop string or anything after it. `CallTracker` says whether the text
+so far ends inside a tool call (a caller's stop id does not end the reply there:
+output_processor.py).
 """
 
 from __future__ import annotations
@@ -122,6 +124,24 @@ class StopChecker:
         """At the end of the stream: the held tail (it never became a stop string)."""
         held, self._held = self._held, ""
         return "" if self.matched is not None else held
+
+
+class CallTracker:
+    """Whether the text fed so far ends inside a tool call (`calls`: its open and close
+    tags): after an open tag that no close tag has followed yet. Tags may arrive split
+    over pieces."""
+
+    def __init__(self, calls: tuple[str, str]) -> None:
+        self._calls = calls
+        self.inside = False
+        self._tail = ""  # what may be the start of the tag looked for next
+
+    def feed(self, text: str) -> None:
+        buf = self._tail + text
+        while (i := buf.find(tag := self._calls[1 if self.inside else 0])) >= 0:
+            buf, self.inside = buf[i + len(tag):], not self.inside
+        hold = _tail_prefix(buf, self._calls[1 if self.inside else 0])
+        self._tail = buf[len(buf) - hold:] if hold else ""
 
 
 def _tail_prefix(buf: str, marker: str) -> int:

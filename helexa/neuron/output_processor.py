@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from helexa.neuron.detokenizer import IncrementalDetokenizer, StopChecker
+from helexa.neuron.detokenizer import CallTracker, IncrementalDetokenizer, StopChecker
 from helexa.neuron.engine import messages
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
@@ -45,6 +45,7 @@ class Output:
 
     response: pb.GenerateResponse | None  # the message to send now; None: nothing new
     abort_engine: bool = False  # a stop string ended the request: the engine still runs it
+    abort_reason: str = "stop_string"  # or "stop_token": a caller's stop id (calls, below)
     first_token_secs: float | None = None  # the first tokens came: seconds since arrival
     inter_token_secs: float | None = None  # later tokens: seconds per token since the last
 
@@ -54,6 +55,13 @@ class OutputProcessor:
 
     `stop_token_ids` are the ids the caller asked to stop at (reported as
     `stop_reason`); the eos ids the engine also stops at are not among them.
+    `calls` (a model's tool-call tags, where the request offers tools and no grammar
+    follows the reply): the engine was not given the caller's stop ids, since one inside
+    a call must not cut it (docs/api.md, "Chat and completions: shared fields"); they are
+    checked here, token by token, outside calls, and the one that ends the reply ends it
+    as the engine would have (its token the last one kept), the engine told to stop. A
+    stop id counts as inside a call where the text up to and including its token is: the
+    open tag's own token is the call, the close tag's ends it.
     `clock` gives wall seconds (time.time), on the same scale as the request's
     arrival_unix.
     """
@@ -69,6 +77,7 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, new.prompt_token_ids)
         self._stopper = StopChecker(list(stop), calls)  # stop strings apply outside calls
         self._caller_stop_ids = frozenset(stop_token_ids)
+        self._calls = CallTracker(calls) if calls and stop_token_ids else None
         self._return_prompt = return_prompt_token_ids
         self._requested_max_tokens = requested_max_tokens  # before fit_max_tokens lowered it
         self.output_token_ids: list[int] = []
@@ -142,15 +151,34 @@ class OutputProcessor:
         else:
             out.inter_token_secs = (now - self.last_token_unix) / len(upd.new_token_ids)
         self.last_token_unix = now
-        self.output_token_ids += upd.new_token_ids
-        resp.token_ids.extend(upd.new_token_ids)
+        text, ids, stopped = self._text(upd.new_token_ids)
+        self.output_token_ids += ids
+        resp.token_ids.extend(ids)
         if upd.logprobs:
-            resp.logprobs.extend(self._logprobs(upd.logprobs))
-        text, matched = self._stopper.feed(self._detok.add(upd.new_token_ids))
+            resp.logprobs.extend(self._logprobs(upd.logprobs[:len(ids)]))
+        text, matched = self._stopper.feed(text)
         resp.text = text
         if matched is not None:  # text past the stop string is never sent
             out.abort_engine = True
             self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
+        elif stopped:  # a caller's stop id outside a call (calls): the engine goes on
+            out.abort_engine, out.abort_reason = True, "stop_token"
+            self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, str(ids[-1])
+            self._flush(resp)
+
+    def _text(self, ids: list[int]) -> tuple[str, list[int], bool]:
+        """The text `ids` add, the ids kept, and whether a caller's stop id ends the reply
+        at the last of them: where calls are tagged, the first one outside a call does."""
+        if self._calls is None:
+            return self._detok.add(ids), ids, False
+        text = ""
+        for i, token in enumerate(ids):
+            piece = self._detok.add([token])
+            self._calls.feed(piece)
+            text += piece
+            if token in self._caller_stop_ids and not self._calls.inside:
+                return text, ids[:i + 1], True
+        return text, ids, False
 
     def _finish(self, upd: messages.RequestUpdate, resp: pb.GenerateResponse) -> None:
         reason = upd.finished
@@ -159,14 +187,7 @@ class OutputProcessor:
         if reason == messages.FinishReason.ERROR and not self.output_token_ids:
             raise Refusal("upstream_error", f"the engine failed: {self.error}")
         if reason != messages.FinishReason.ABORT:
-            # What the detokenizer held back (an incomplete character at the very end) may
-            # still complete a stop string; what the stop checker held was never one.
-            tail, matched = self._stopper.feed(self._detok.flush())
-            resp.text += tail
-            if matched is not None:
-                self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
-            else:
-                resp.text += self._stopper.flush()
+            self._flush(resp)
         last = self.output_token_ids[-1] if self.output_token_ids else None
         if reason == messages.FinishReason.STOP and last in self._caller_stop_ids:
             self.stop_reason = str(last)
@@ -176,6 +197,17 @@ class OutputProcessor:
             # the engine enforces deadlines, and says so; `shutdown`: its process was stopped
             # under the request (a drain past drain_secs, a forced unload, the neuron's stop)
             self.stop_reason = upd.error
+
+    def _flush(self, resp: pb.GenerateResponse) -> None:
+        """The reply ended: what the detokenizer held back (an incomplete character at the
+        very end) may still complete a stop string; what the stop checker held was never
+        one."""
+        tail, matched = self._stopper.feed(self._detok.flush())
+        resp.text += tail
+        if matched is not None:
+            self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
+        else:
+            resp.text += self._stopper.flush()
 
     def fail(self, error: str) -> None:
         """The engine link broke mid-request (not the caller's doing): finish as an error."""

@@ -96,7 +96,12 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             except Refusal as e:
                 await self._refuse(context, blog, request.model, e)
                 return
-            stop_ids = list(request.stop_token_ids)
+            # a caller's stop id inside a tagged tool call does not end the reply (docs/api.md,
+            # "Chat and completions: shared fields"): where calls are tagged, the engine stops
+            # at eos alone and the output processor at the caller's ids outside calls
+            calls = None if p.grammar else agent.call_tags(r.entry, r.tokenizer.chat_template,
+                                                           request)
+            stop_ids = [] if calls else list(request.stop_token_ids)
             if not request.ignore_eos:
                 stop_ids += [i for i in r.tokenizer.eos_token_ids if i not in stop_ids]
             deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
@@ -108,7 +113,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
             blog.info("request.start", prompt_tokens=len(p.prompt_ids),
                       max_tokens=p.max_tokens)
-            async for resp in self._stream(r, new, request, context, blog):
+            async for resp in self._stream(r, new, request, context, blog, calls):
                 yield resp
         finally:
             if r is not None:
@@ -156,7 +161,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
 
     async def _stream(self, r: ResidentModel, new: messages.NewRequest,
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                      blog: Any) -> AsyncIterator[pb.GenerateResponse]:
+                      blog: Any, calls: tuple[str, str] | None
+                      ) -> AsyncIterator[pb.GenerateResponse]:
         model = r.model_id
         # a constrained reply ends where its grammar does: a stop string inside it would
         # leave a half call or half JSON (docs/api.md, "JSON Schema keywords under
@@ -166,7 +172,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               return_prompt_token_ids=request.return_prompt_token_ids,
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None),
-                              calls=agent.call_tags(r.entry, r.tokenizer.chat_template, request))
+                              calls=calls)
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))
@@ -175,7 +181,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             async for upd in updates:
                 step = out.process(upd)
                 if step.abort_engine:
-                    r.client.abort(new.req_id, "stop_string")
+                    r.client.abort(new.req_id, step.abort_reason)
                 if step.first_token_secs is not None:
                     self.metrics.ttft.labels(model).observe(step.first_token_secs)
                 if step.inter_token_secs is not None:

@@ -302,12 +302,11 @@ def test_verification_rows_and_their_settling_run_in_one_fla_launch_each(stand_i
 
 @pytest.mark.parametrize("fla_verify", [False, True])
 def test_a_snapshot_inside_a_held_row_is_the_state_its_settling_reaches(stand_in, fla_verify):
-    """A prefix snapshot at a block boundary inside a verification row (state_held_saves)
-    is the state the row's slot reaches when that many of its positions stand, exactly;
-    the slot and the row it holds stay as they were."""
+    """A prefix snapshot at a block boundary inside a verification row (save_held, once
+    the engine judged its drafts) is the state the row's slot reaches when that many of its
+    positions stand, exactly; the slot and the row it holds stay as they were."""
     states = _states(fla_verify)
     plans = _verify_plans()[:2]  # slots 1 and 2: prefills, then rows of 4 and 2 held
-    plans[1].state_held_saves = [(1, 3, 2), (2, 0, 1)]  # into the free slots 3 and 0
     gen = torch.Generator().manual_seed(13)
     weight = torch.randn(_spec().conv_channels, CONV_K, generator=gen)
     layer = states.layers[0]
@@ -320,6 +319,7 @@ def test_a_snapshot_inside_a_held_row_is_the_state_its_settling_reaches(stand_in
                        (-torch.rand(rows, VH, generator=gen), torch.rand(rows, VH, generator=gen)),
                        weight, meta)
         states.end_step(meta)
+    states.save_held([(1, 3, 2), (2, 0, 1)])  # into the free slots 3 and 0
     assert before is not None
     for x, was in zip((layer.conv, layer.recurrent), before, strict=True):
         assert torch.equal(x[1:3], was[1:3])  # the held slots: as before the rows

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from helexa.neuron.detokenizer import IncrementalDetokenizer, StopChecker
+from helexa.neuron.detokenizer import CallTracker, IncrementalDetokenizer, StopChecker
 from helexa.neuron.tokenizer import Tokenizer
 
 TEXTS = [
@@ -114,3 +114,17 @@ def test_a_stop_string_that_starts_where_a_call_does_is_the_call():
     c = StopChecker(["<tool"], CALLS)
     emitted, matched = feed_all(c, ["a <to", "ol_call>x<tool</tool_", "call> b <tool c"])
     assert (emitted, matched) == ("a <tool_call>x<tool</tool_call> b ", "<tool")
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_a_call_tracker_says_whether_the_text_so_far_ends_inside_a_call(size):
+    """Inside from a call's whole open tag to its whole close tag, however the tags are
+    split over the pieces."""
+    text = 'a <tool_call>\n{"x": "<tool"}\n</tool_call> b </tool_call <tool_call>{"y"'
+    tracker, seen = CallTracker(CALLS), ""
+    for i in range(0, len(text), size):
+        tracker.feed(text[i:i + size])
+        seen = text[:i + size]
+        assert tracker.inside == (seen.rfind(CALLS[0]) > seen.rfind(CALLS[1])), seen
+    assert tracker.inside
+

@@ -82,6 +82,28 @@ def test_a_stop_string_split_over_tokens_ends_before_it_and_stops_the_engine(tok
     assert sent[-1].usage.completion_tokens == len(steps)  # the tokens the engine produced
 
 
+def test_a_stop_id_in_a_speculated_update_cuts_it_there_outside_a_call(tok) -> None:
+    """Where calls are tagged the daemon checks the caller's stop ids (the engine was not
+    given them): one update of several tokens (accepted drafts) is kept up to the id outside
+    the call, its later tokens neither sent nor counted, and the engine is told to stop;
+    the same id inside the call is text."""
+    answer = '<tool_call>{"a": "U"}</tool_call> nU more'
+    ids = tok.encode(answer, add_special_tokens=False)
+    stop = tok.encode("U", add_special_tokens=False)[0]
+    second = ids.index(stop, ids.index(stop) + 1)
+    assert second % 3 < 2 and len(ids) > second + 1  # its update holds tokens after it
+    out = processor(tok, stop_token_ids=[stop], calls=("<tool_call>", "</tool_call>"))
+    steps = [out.process(m.RequestUpdate(req_id="r", new_token_ids=ids[i:i + 3]))
+             for i in range(0, second + 1, 3)]
+    sent = [s.response for s in steps if s.response is not None]
+    assert text(sent) == answer[:answer.index("nU") + 2]
+    assert [i for r in sent for i in r.token_ids] == ids[:second + 1]
+    assert (steps[-1].abort_engine, steps[-1].abort_reason) == (True, "stop_token")
+    assert (sent[-1].finish_reason, sent[-1].stop_reason) == (pb.FINISH_REASON_STOP, str(stop))
+    assert sent[-1].usage.completion_tokens == second + 1
+    assert not any(s.abort_engine for s in steps[:-1])
+
+
 def test_a_held_prefix_of_a_stop_string_comes_out_when_it_never_completes(tok) -> None:
     ids = tok.encode("Hello world. STO", add_special_tokens=False)
     out = processor(tok, stop=["STOP"])

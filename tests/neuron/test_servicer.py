@@ -180,6 +180,64 @@ def test_a_stop_string_does_not_cut_a_call_but_cuts_the_text_after_it(config_pat
     assert aborts == {"t": "stop_string", "p": "stop_string"}
 
 
+def test_a_stop_id_does_not_cut_a_call_but_stops_the_text_after_it(config_path: Path,
+                                                                   tok: Tokenizer) -> None:
+    """With tools offered, a client's stop_token_ids inside the model's call leave the call
+    whole, as its stop strings do; the same id after the call ends the reply there (its
+    token the last, as the engine stops at one), and the engine is told to stop. Without
+    tools the id cuts the call as before."""
+    answer = tok.encode(CALL_ANSWER, add_special_tokens=False)
+    stop_id = tok.encode("U", add_special_tokens=False)[0]  # in "UTC", inside and after
+    after = CALL_ANSWER.index("noon UTC") + len("noon U")
+    assert answer.count(stop_id) == 2
+
+    def script(_prompt: list[int], i: int) -> int:
+        return answer[i] if i < len(answer) else tok.eos_token_ids[0]
+
+    async def body(stub, daemon, engine):
+        tools = pb.Chat(messages=[pb.ChatMessage(role="user", content="time?")],
+                        tools_json=TOOLS)
+        with_tools = await collect(stub, pb.GenerateRequest(
+            req_id="t", model="tiny", principal="alice", chat=tools, stop_token_ids=[stop_id]))
+        without = await collect(stub, chat(req_id="p", stop_token_ids=[stop_id]))
+        await asyncio.sleep(0.01)
+        return with_tools, without, dict(engine.aborts)
+
+    with_tools, without, aborts = run_fake_neuron(config_path, body, script=script,
+                                                  step_secs=0.001)
+    assert "".join(r.text for r in with_tools) == CALL_ANSWER[:after]
+    ids = [i for r in with_tools for i in r.token_ids]
+    assert ids == answer[:answer.index(stop_id, answer.index(stop_id) + 1) + 1]
+    last = with_tools[-1]
+    assert (last.finish_reason, last.stop_reason) == (pb.FINISH_REASON_STOP, str(stop_id))
+    assert last.usage.completion_tokens == len(ids)
+    assert "".join(r.text for r in without) == CALL_ANSWER[:CALL_ANSWER.index('"UTC') + 2]
+    assert without[-1].stop_reason == str(stop_id)
+    assert aborts == {"t": "stop_token"}  # "p" the engine stopped itself
+
+
+def test_eos_inside_a_call_ends_the_reply(config_path: Path, tok: Tokenizer) -> None:
+    """The model's own end of turn ends the reply inside an open call too, as vLLM and SGLang
+    end it: nothing would close the call after it (docs/api.md)."""
+    cut = CALL_ANSWER.index('"arguments"')
+    answer = tok.encode(CALL_ANSWER[:cut], add_special_tokens=False)
+
+    def script(_prompt: list[int], i: int) -> int:
+        return answer[i] if i < len(answer) else tok.eos_token_ids[0]
+
+    async def body(stub, daemon, engine):
+        tools = pb.Chat(messages=[pb.ChatMessage(role="user", content="time?")],
+                        tools_json=TOOLS)
+        # a stop id too: the engine is then given the eos ids alone, the daemon the id
+        return await collect(stub, pb.GenerateRequest(
+            req_id="t", model="tiny", principal="alice", chat=tools,
+            stop_token_ids=[answer[-1]]))
+
+    out = run_fake_neuron(config_path, body, script=script, step_secs=0.001)
+    assert "".join(r.text for r in out) == CALL_ANSWER[:cut]
+    assert (out[-1].finish_reason, out[-1].stop_reason) == (pb.FINISH_REASON_STOP, "")
+
+
 def test_prompt_over_the_context_is_refused_400_stating_both_numbers(config_path: Path,
                                                                      tok: Tokenizer) -> None:
     async def body(stub, daemon, engine):

@@ -105,6 +105,9 @@ class FakeRunner:
     def mtp_logits(self, hidden: Any, rows: int = 0) -> torch.Tensor:
         raise NotImplementedError("the fake runner has no MTP head")
 
+    def save_held(self, saves: list[tuple[int, int, int]]) -> None:
+        raise NotImplementedError("the fake runner has no linear-attention states")
+
     def close(self) -> None:
         return None
 

@@ -70,9 +70,6 @@ class StepPlan:
     # state slot) copied in before the step, (state slot, snapshot slot) copied out after it.
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
-    # (state slot, snapshot slot, positions): a verification row's state after its first
-    # positions, from what its slot holds (helexa/kernels/linear_state.py save_held)
-    state_held_saves: list[tuple[int, int, int]] = field(default_factory=list)
     block_size: int = 16
     num_blocks: int = 0
 

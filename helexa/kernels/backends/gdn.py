@@ -13,7 +13,9 @@ in-projection's conv inputs and its gates; it keeps no state and does no bookkee
   the ones that resume from a prefix-cache hit, and settles the held ones (the rollback
   of rejected drafts, docs/speculation.md); the runner hands the metadata to the model's
   forward, then ``end_step`` copies the states the step keeps as snapshots (snapshot
-  slots are carved beside the request slots, the same shape: docs/architecture.md);
+  slots are carved beside the request slots, the same shape: docs/architecture.md), and
+  ``save_held``, once the engine has judged a verification row's drafts, the state after
+  its accepted positions up to a block boundary;
 - per layer, ``forward`` runs the causal conv1d and the gated delta rule over the slots,
   choosing the kernel: on CUDA with flash-linear-attention installed, its fused recurrent
   decode (q and k passed grouped, as the layer has them) and, for 16-bit models, its
@@ -71,7 +73,6 @@ class GdnMetadata:
     resume: dict[int, int] = field(default_factory=dict)  # slot -> num_computed, others' rows
     restores: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
-    held_saves: list[tuple[int, int, int]] = field(default_factory=list)  # and positions
 
 
 class GatedDeltaStates:
@@ -198,18 +199,20 @@ class GatedDeltaStates:
 
     def end_step(self, meta: GdnMetadata) -> None:
         """After a step's forward: copy the states the step asked to keep into their snapshot
-        slots (a prefix-cache snapshot at a block boundary). A verification row's slot is
-        left as it was before the row: its snapshot, at a boundary inside the row, is the
-        state after that many of its held positions (LinearState.save_held), kept only where
-        the engine then accepts them (docs/architecture.md, "Hybrid models: linear-attention
-        state")."""
+        slots (a prefix-cache snapshot at a block boundary)."""
         if meta.saves:
             both = pair_indices(meta.saves, self.device)  # once, for every layer
             for state in self.layers:
                 state.copy(meta.saves, both)
-        if meta.held_saves:
-            for state in self.layers:
-                state.save_held(meta.held_saves, fla=self._fla_verify)
+
+    def save_held(self, saves: list[tuple[int, int, int]]) -> None:
+        """Once the engine knows a verification row's accepted drafts: (state slot, snapshot
+        slot, positions) the state after that many of the row's held positions, a block
+        boundary the accepted ones reach, into the snapshot slot (LinearState.save_held);
+        the row stays held for the next step to settle (docs/architecture.md, "Hybrid
+        models: linear-attention state")."""
+        for state in self.layers:
+            state.save_held(saves, fla=self._fla_verify)
 
     def build(self, step: StepPlan) -> GdnMetadata:
         """The slots of a step laid out flat as StepPlan says: one-token rows first (in
@@ -227,8 +230,7 @@ class GatedDeltaStates:
             fresh_slots=[slot for computed, slot in rows if computed == 0],
             resume={slot: computed for computed, slot in rows
                     if computed and slot not in restored},
-            restores=list(step.state_restores), saves=list(step.state_saves),
-            held_saves=list(step.state_held_saves))
+            restores=list(step.state_restores), saves=list(step.state_saves))
         if self._fi_pool:
             meta.decode_slots32 = meta.decode_slots.to(torch.int32)
         verify = [r for r in step.prefills if r.verify]

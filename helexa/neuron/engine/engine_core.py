@@ -166,6 +166,10 @@ class EngineCore:
             out = self.runner.run_step(inputs.seqs, keep_hidden=self.speculator.follows_target)
             new_tokens, logprobs = pick_tokens(inputs, out.logits, self.sampler, masks,
                                                self.speculator.accept)
+            saves = snapshots.take_held(self.pool, inputs, inputs.kept(new_tokens))
+            if saves:  # verification rows' snapshots, their drafts judged
+                self.move_kv()  # a slot taken may have evicted a snapshot: out before reuse
+                self.runner.save_held(saves)
         except Exception as e:  # the step's requests fail; the engine goes on
             self.fail(reqs, e)
             return None

@@ -85,7 +85,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     # None = min(default_output_tokens, context - prompt), growable (growth.py)
     max_tokens: int | None = None
     principal: str = ""  # "" = anonymous
-    stop_token_ids: list[int] = []  # eos ids are added by the daemon unless ignore_eos
+    # eos ids are added by the daemon unless ignore_eos; the caller's are left out where
+    # the reply's tool calls are tagged (the daemon stops at them outside calls)
+    stop_token_ids: list[int] = []
     deadline_unix: float = 0.0  # absolute deadline (time.time()); 0 = none
     arrival_unix: float = 0.0
     # Constrained decoding: an llguidance grammar (helexa.grammar made it) the output follows.
@@ -98,7 +100,8 @@ class Abort(msgspec.Struct, frozen=True, kw_only=True):
     """Abort a request wherever it is; the engine answers with ABORT finished."""
 
     req_id: str
-    reason: str = "client_gone"  # client_gone | deadline | stop_string | drain | unload
+    # client_gone | deadline | stop_string | stop_token | drain | unload
+    reason: str = "client_gone"
 
 
 class Limits(Speculation, frozen=True, kw_only=True):

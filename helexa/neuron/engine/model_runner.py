@@ -299,6 +299,18 @@ class ModelRunner:
             attention.step_failed()
             raise
 
+    def save_held(self, saves: list[tuple[int, int, int]]) -> None:
+        """Verification rows' prefix snapshots once their drafts are judged, on every rank:
+        (state slot, snapshot slot, positions), GatedDeltaStates.save_held."""
+        if self._tp is not None:
+            self._tp.save_held(saves)
+        self._save_own_held(saves)
+
+    def _save_own_held(self, saves: list[tuple[int, int, int]]) -> None:
+        if self.linear_states is None:
+            raise ValueError("a held row's snapshot needs a hybrid model's linear states")
+        self.linear_states.save_held(saves)
+
     def run_step(self, seqs: list[SeqInput], *, keep_hidden: bool = False,
                  tokens: torch.Tensor | None = None) -> StepOutput:
         """`execute`, with what a drafter reads of the step: each sequence's first flat row,

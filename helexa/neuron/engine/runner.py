@@ -81,6 +81,12 @@ class Runner(Protocol):
         own ``token_ids`` are placeholders."""
         ...
 
+    def save_held(self, saves: list[tuple[int, int, int]]) -> None:
+        """Hybrid models: after a step whose verification rows' accepted positions reach a
+        block boundary, each (state slot, snapshot slot, positions) snapshot of the state
+        after that many of its row's positions (snapshots.take_held)."""
+        ...
+
     def execute_mtp(self, seqs: list[SeqInput], hidden: torch.Tensor | None,
                     tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP head's pass (speculative/mtp_passes.py): (logits, the head's output);

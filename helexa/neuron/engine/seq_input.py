@@ -32,9 +32,6 @@ class SeqInput:
     # text (and of every decode token), and the images the chunk's tokens touch.
     rope_delta: int = 0
     images: list[ImageSpan] = field(default_factory=list)
-    # A verification row's snapshot (save_to) holds the state after its first this-many
-    # positions, a block boundary inside the row (0: the state after the step).
-    save_kept: int = 0
 
 
 def logits_count(s: SeqInput) -> int:
@@ -99,10 +96,7 @@ def lay_out(seqs: list[SeqInput], block_size: int, num_blocks: int) -> StepLayou
                                         verify=s.need_logits and s.num_logits > 1))
         last_row[i] = start + n - 1
     step.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
-    step.state_saves = [(s.state_slot, s.save_to) for s in seqs
-                        if s.save_to >= 0 and not s.save_kept]
-    step.state_held_saves = [(s.state_slot, s.save_to, s.save_kept) for s in seqs
-                             if s.save_to >= 0 and s.save_kept]
+    step.state_saves = [(s.state_slot, s.save_to) for s in seqs if s.save_to >= 0]
     # each seq's first flat row (its rows are consecutive; decode rows were laid out first)
     lay.seq_starts = [last_row[i] - len(s.token_ids) + 1 for i, s in enumerate(seqs)]
     lay.want = [r for i, s in enumerate(seqs) if s.need_logits

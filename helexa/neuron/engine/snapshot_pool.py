@@ -130,12 +130,6 @@ class SnapshotPool:
         self._cached[slot] = None
         return True
 
-    def drop(self, req_id: str, slot: int) -> None:
-        """Free req_id's written `slot` unfiled: what it holds is not a prefix's state (a
-        verification row's, past a rejected draft)."""
-        self._written(req_id, slot)
-        self._free.append(slot)
-
     def _written(self, req_id: str, slot: int) -> None:
         """req_id is done writing `slot` (SnapshotError if it was not)."""
         writing = self._writing.get(req_id, [])

@@ -37,7 +37,6 @@ class TpSeq(msgspec.Struct, array_like=True):
     save_to: int = -1
     rope_delta: int = 0  # vision-language prompts: as SeqInput (every rank runs the tower)
     images: list[ImageSpan] = []
-    save_kept: int = 0  # SeqInput's
 
 
 class TpStep(msgspec.Struct, tag=True):
@@ -105,6 +104,12 @@ class TpMoveKv(msgspec.Struct, tag=True):
     # (each rank answers TpMoved: a rank whose copies failed says so instead of ending)
 
 
+class TpSaveHeld(msgspec.Struct, tag=True):
+    # after a step, once rank 0 judged its drafts: (state slot, snapshot slot, positions)
+    # of verification rows whose accepted positions reach a block boundary (no answer)
+    saves: list[tuple[int, int, int]]
+
+
 class TpAskGraphs(msgspec.Struct, tag=True):
     pass  # can this rank's graphs run over its pool? (each answers TpGraphs, rank 0 captures)
 
@@ -147,7 +152,7 @@ class TpMeasured(msgspec.Struct, tag=True):
 
 
 ToRank = (TpStep | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
-          | TpStop | TpJoin | TpAgree | TpAskGraphs)
+          | TpStop | TpJoin | TpAgree | TpAskGraphs | TpSaveHeld)
 FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured | TpGraphs
 
 

@@ -44,6 +44,7 @@ from helexa.neuron.engine.tp_messages import (
     TpMtpLogits,
     TpReady,
     TpResetKv,
+    TpSaveHeld,
     TpStep,
     TpStop,
 )
@@ -224,6 +225,9 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
             if isinstance(msg, TpMtpLogits):
                 runner.mtp_logits(None, msg.rows)
                 continue
+            if isinstance(msg, TpSaveHeld):  # a verification row's snapshot, once judged
+                runner._save_own_held(msg.saves)
+                continue
             if not isinstance(msg, TpStep | TpMtp):  # a second TpJoin: nothing to do
                 continue
             if isinstance(msg, TpStep):
@@ -238,7 +242,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
                                      s.state_slot, s.num_logits, s.restore_from, s.save_to,
-                                     s.rope_delta, s.images, s.save_kept))
+                                     s.rope_delta, s.images))
             # a lookahead step's or chained MTP pass's tokens: filled by rank 0's broadcast
             tokens = torch.empty(len(seqs), dtype=torch.long, device=runner.device) \
                 if msg.device_tokens else None

@@ -78,6 +78,7 @@ from helexa.neuron.engine.tp_messages import (
     TpReady,
     TpRefused,
     TpResetKv,
+    TpSaveHeld,
     TpSeq,
     TpStep,
     TpStop,
@@ -241,6 +242,10 @@ class TpWorkers:
         self.check()
         self._send(TpMtpLogits(rows))
 
+    def save_held(self, saves: list[tuple[int, int, int]]) -> None:
+        self.check()
+        self._send(TpSaveHeld(saves))
+
     def _seq(self, s: Any) -> TpSeq:
         """One sequence's message: its table's new blocks under the handle the ranks
         know it by, or the whole table under a new handle."""
@@ -257,7 +262,7 @@ class TpWorkers:
             blocks, fresh = list(table), True
         msg = TpSeq(handle, s.token_ids, s.num_computed, blocks, fresh, s.need_logits,
                     s.state_slot, s.num_logits, s.restore_from, s.save_to, s.rope_delta,
-                    s.images, s.save_kept)
+                    s.images)
         # Holding the list itself keeps its id from being reused while tracked.
         self._tables[id(table)] = (table, handle, len(table))
         return msg

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support.engine import Run, assert_whole, drive, storm, with_drafter
+from support.engine import Run, assert_whole, drive, storm, truth_from, with_drafter
 from support.mtp import SPEC
 
 from helexa.checkpoint.memory import kv_bytes_per_token
@@ -18,7 +18,12 @@ from helexa.checkpoint.shape import read_model_shape
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.spec import EngineSpec
-from helexa.neuron.engine.speculative.drafters import NgramDrafter
+from helexa.neuron.engine.speculative.drafters import (
+    AdversarialDrafter,
+    NgramDrafter,
+    OracleDrafter,
+    PerRequestDrafter,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -27,9 +32,9 @@ GREEDY = m.SamplingParams(temperature=0.0)
 
 def core_for(model_dir: Path, *, prefix_cache: bool = True, num_blocks: int = 400,
              num_snapshot_slots: int | None = None, checkpoint_tokens: int = 4096,
-             **limits) -> EngineCore:
+             block_size: int = 8, **limits) -> EngineCore:
     spec = EngineSpec(model_id="tiny", model_dir=str(model_dir), num_blocks=num_blocks,
-                      block_size=8, context=2048, prefix_cache=prefix_cache, bytes_per_token=0,
+                      block_size=block_size, context=2048, prefix_cache=prefix_cache, bytes_per_token=0,
                       num_snapshot_slots=num_snapshot_slots,
                       prefix_checkpoint_tokens=checkpoint_tokens,
                       limits=m.Limits(anon_max_in_flight=64, **limits))
@@ -165,6 +170,60 @@ def test_a_speculated_reply_is_restored_as_a_cold_server_computes_it(
     cold_run, cold_logprobs = scored(cold, prompt + reply + [5, 6, 7])
     assert got.tokens["b"] == cold_run.tokens["b"]
     assert warm_logprobs == pytest.approx(cold_logprobs, abs=1e-4)
+    assert_whole(warm, hybrid=True)
+
+
+def test_a_row_across_two_boundaries_keeps_the_snapshot_at_the_later(tiny_checkpoint):
+    """With blocks of 4 and 6 drafts a row, every right draft accepted, a verification row
+    of 7 positions crosses two block boundaries: the reply is snapshotted at the later one,
+    as plain decoding leaves it, and the next turn hits up to the reply's last boundary with
+    a cold server's tokens."""
+    model_dir = tiny_checkpoint("qwen3_5")
+    cold = core_for(model_dir, prefix_cache=False, block_size=4)
+    rng = random.Random(21)
+    prompt = [rng.randrange(3, 500) for _ in range(5)]
+    reply = drive(cold, [turn("c", prompt, 20)], served=True).tokens["c"]
+    warm = with_drafter(core_for(model_dir, block_size=4, spec_k=6, spec_full_below=1.0,
+                                 spec_off_above=1.01, spec_min_acceptance=0.0),
+                        OracleDrafter(truth_from({"a": reply}, {"a": prompt})))
+    run = drive(warm, [turn("a", prompt, 20)], served=True)
+    assert run.tokens["a"] == reply
+    # rows from positions 5, 12 and 19 (6, 6 and 4 drafts): the last crosses 20 and 24
+    assert run.steps <= 5 and warm.status().spec_accepted_tokens == 16
+    nxt = prompt + reply + [5, 6, 7]
+    got = drive(warm, [turn("b", nxt)], served=True)
+    assert got.admitted["b"].cached_tokens == len(prompt) + len(reply) - 1 == 24
+    assert got.tokens["b"] == drive(cold, [turn("d", nxt)], served=True).tokens["d"]
+    assert_whole(warm, hybrid=True)
+
+
+def test_a_row_whose_drafts_fall_short_of_its_boundary_evicts_no_snapshot(tiny_checkpoint):
+    """The one snapshot slot holds a's prompt snapshot; b's verification row crosses a block
+    boundary but its drafts are rejected, and b stops before reaching it: a's snapshot is
+    still there for a's next turn, whose tokens are a cold server's."""
+    model_dir = tiny_checkpoint("qwen3_5")
+    cold = core_for(model_dir, prefix_cache=False)
+    rng = random.Random(4)
+    a, b = ([rng.randrange(3, 500) for _ in range(n)] for n in (12, 5))
+    b_reply = drive(cold, [turn("cb", b)], served=True).tokens["cb"]
+    assert b_reply[0] != b_reply[1]  # b stops at its second token, after one row
+    drafter = AdversarialDrafter(truth_from({"b": b_reply}, {"b": b}), vocab_size=512)
+    warm = with_drafter(core_for(model_dir, num_snapshot_slots=1, spec_k=3,
+                                 spec_full_below=1.0, spec_off_above=1.01,
+                                 spec_min_acceptance=0.0), PerRequestDrafter({"b": drafter}))
+    drive(warm, [turn("a", a, 2)], served=True)
+    snaps = warm.pool.snapshots
+    assert snaps is not None and snaps.num_cached == 1  # a's, at 8
+    stop = m.NewRequest(req_id="b", prompt_token_ids=b, max_tokens=16, sampling=GREEDY,
+                        stop_token_ids=[b_reply[1]])
+    got = drive(warm, [stop], served=True)
+    assert got.tokens["b"] == b_reply[:2] and got.final["b"].finished == m.FinishReason.STOP
+    s = warm.status()  # its row, positions 5 to 8, verified 3 drafts and kept none
+    assert (s.spec_drafted_tokens, s.spec_accepted_tokens) == (3, 0)
+    again = a + [7, 8, 9]
+    hit = drive(warm, [turn("a2", again)], served=True)
+    assert hit.admitted["a2"].cached_tokens == 8
+    assert hit.tokens["a2"] == drive(cold, [turn("c2", again)], served=True).tokens["c2"]
     assert_whole(warm, hybrid=True)
 
 
