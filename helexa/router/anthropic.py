@@ -258,8 +258,9 @@ def _image(source: Any, param: str) -> images.ImagePart:
     """An image block's source: base64 (with its media_type) or a url."""
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source.get("data"), str):
-        images.check_media_type(str(source.get("media_type", "")), f"{param}.media_type")
-        return images.ImagePart(param, b64=source["data"])
+        media = str(source.get("media_type", ""))
+        images.check_media_type(media, f"{param}.media_type")
+        return images.ImagePart(param, b64=source["data"], media_type=media)
     if kind == "url" and isinstance(source.get("url"), str):
         return images.from_url(source["url"], f"{param}.url")
     if kind in ("base64", "url"):
