@@ -4,7 +4,8 @@
 which limit the image broke. It never decodes more than it must to find out:
 - the encoded size is checked before anything is parsed;
 - the format is probed among PNG, JPEG, WebP and GIF only (Pillow's other plugins,
-  some with a long history of parser bugs, are never tried);
+  some with a long history of parser bugs, are never tried), and where the client
+  declared one (`media_type`) the one found must be it;
 - width × height is read from the header and checked against `max_pixels` before a
   single pixel is decoded, so a decompression bomb (a few KB of PNG declaring
   50,000 × 50,000 pixels) costs a header parse; that check is the guard (its message
@@ -27,6 +28,7 @@ from typing import Any
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG",
               "image/webp": "WEBP", "image/gif": "GIF"}
+FORMAT_MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
 
 
 class ImageError(ValueError):
@@ -48,11 +50,16 @@ def image_size(data: bytes, limits: ImageLimits) -> tuple[int, int]:
     return img.size
 
 
-def decode_image(data: bytes, limits: ImageLimits) -> Any:
-    """The image as an RGB PIL.Image (first frame, transparency on white)."""
+def decode_image(data: bytes, limits: ImageLimits, media_type: str | None = None) -> Any:
+    """The image as an RGB PIL.Image (first frame, transparency on white); media_type: the
+    type the client declared for it, which must be the format Pillow finds (Anthropic's
+    rule for a base64 source's `media_type`), else ImageError naming both."""
     from PIL import Image
 
     img = _open(data, limits)
+    if media_type is not None and MIME_TYPES.get(media_type.lower()) != img.format:
+        raise ImageError(f"the image was specified using the {media_type} media type, but "
+                         f"the image appears to be an {FORMAT_MIME[img.format]} image")
     try:
         with warnings.catch_warnings():  # max_pixels was checked from the header
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)

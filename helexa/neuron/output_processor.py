@@ -185,14 +185,14 @@ class OutputProcessor:
         assert reason is not None
         self.finish_reason, self.error = int(reason), upd.error
         if reason == messages.FinishReason.ERROR and not self.output_token_ids:
-            raise Refusal("upstream_error", f"the engine failed: {self.error}")
+            raise Refusal("upstream_error", self.failure_message())
         if reason != messages.FinishReason.ABORT:
             self._flush(resp)
         last = self.output_token_ids[-1] if self.output_token_ids else None
         if reason == messages.FinishReason.STOP and last in self._caller_stop_ids:
             self.stop_reason = str(last)
         elif reason == messages.FinishReason.ERROR:
-            self.stop_reason = self.error
+            self.stop_reason = self.failure_message()
         elif reason == messages.FinishReason.ABORT and upd.error in ("deadline", "shutdown"):
             # the engine enforces deadlines, and says so; `shutdown`: its process was stopped
             # under the request (a drain past drain_secs, a forced unload, the neuron's stop)
@@ -208,6 +208,14 @@ class OutputProcessor:
             self.finish_reason, self.stop_reason = pb.FINISH_REASON_STOP, matched
         else:
             resp.text += self._stopper.flush()
+
+    def failure_message(self) -> str:
+        """What the caller is told of an engine failure: not the engine's own words (an
+        exception's text can hold paths and internals, and reaches any client), but where
+        they are: this request's `request.done` line on the neuron, whose `error` holds
+        them (docs/errors.md, "The table")."""
+        return (f"the engine failed on this request; the neuron's log has the cause under "
+                f"req_id {self.new.req_id}")
 
     def fail(self, error: str) -> None:
         """The engine link broke mid-request (not the caller's doing): finish as an error."""

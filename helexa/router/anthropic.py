@@ -3,9 +3,10 @@
 The body decodes into msgspec structs (`MessagesBody`) and translates into
 the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
 admission, aliases, limits, the engine's constraints and the template's tool
-rendering are shared: `system` (less Claude Code's billing header), and `system` messages anywhere in
-`messages` (Claude Code sends them mid-conversation), become the one system
-turn, in order (chat templates take a system prompt only at the start); `tool_use` blocks an
+rendering are shared: `system` (less Claude Code's billing header), and `system` messages in
+`messages` (Anthropic's mid-conversation system messages, which Claude Code sends; placed
+as Anthropic's rules say, else a 400), become the one system turn, in order (chat templates
+take a system prompt only at the start); `tool_use` blocks an
 assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
 functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
@@ -168,6 +169,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
         if m.role == "system":
+            _check_system_placement(body.messages, i)
             system.append(_text(m.content, p))
             continue
         if isinstance(m.content, str):
@@ -209,6 +211,29 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     return turns
 
 
+def _check_system_placement(messages: list[AMessage], i: int) -> None:
+    """Anthropic's placement rules for a `system` message in `messages` (its mid-conversation
+    system messages; docs/api.md, "`POST /v1/messages` (Anthropic)"): never the first
+    entry, right after a user message (helexa runs no server tools, whose use an assistant
+    message could end in), never beside another, and last or followed by an assistant
+    turn; a request that breaks one is a 400, as Anthropic's is."""
+    param = f"messages[{i}].role"
+    before = messages[i - 1].role if i else None
+    after = messages[i + 1].role if i + 1 < len(messages) else None
+    if before is None:
+        why = ("cannot be the first entry in `messages`; instructions that apply from the "
+               "start go in the top-level `system` field")
+    elif "system" in (before, after):
+        why = "cannot be next to another `system` message"
+    elif before != "user":
+        why = f"must follow a `user` message, not an `{before}` one"
+    elif after not in (None, "assistant"):
+        why = "must be the last entry in `messages` or be followed by an `assistant` message"
+    else:
+        return
+    raise bad_request(f"`{param}`: a `system` message {why}", param)
+
+
 def _tool_result(b: Block, param: str) -> Turn:
     """A tool_result block as a tool turn: its text, and its parts in order where it holds
     image blocks (a screenshot an agent's tool took)."""
@@ -233,8 +258,9 @@ def _image(source: Any, param: str) -> images.ImagePart:
     """An image block's source: base64 (with its media_type) or a url."""
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source.get("data"), str):
-        images.check_media_type(str(source.get("media_type", "")), f"{param}.media_type")
-        return images.ImagePart(param, b64=source["data"])
+        media = str(source.get("media_type", ""))
+        images.check_media_type(media, f"{param}.media_type")
+        return images.ImagePart(param, b64=source["data"], media_type=media)
     if kind == "url" and isinstance(source.get("url"), str):
         return images.from_url(source["url"], f"{param}.url")
     if kind in ("base64", "url"):

@@ -89,12 +89,14 @@ def _entry(t: pb.TokenLogprob | pb.TopLogprob) -> dict[str, Any]:
     return {"token": t.token, "logprob": t.logprob, "bytes": list(raw)}
 
 
-def _chat_entry(t: pb.TokenLogprob) -> dict[str, Any]:
+def chat_entry(t: pb.TokenLogprob) -> dict[str, Any]:
+    """One token's logprob as chat's `logprobs.content` entry (and Responses' output_text
+    `logprobs`): token, logprob, bytes and its `top_logprobs`."""
     return {**_entry(t), "top_logprobs": [_entry(a) for a in t.top]}
 
 
 def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
-    return {"content": [_chat_entry(t) for t in lps]}
+    return {"content": [chat_entry(t) for t in lps]}
 
 
 def _offsets(lps: list[pb.TokenLogprob], offset: int) -> list[int]:
@@ -141,7 +143,7 @@ class WholeLogprobs:
     def write(self, buf: bytearray) -> None:
         if self.chat:
             buf += b'{"content":'
-            _each(buf, self.lps, _chat_entry)
+            _each(buf, self.lps, chat_entry)
         else:
             buf += b'{"tokens":'
             _each(buf, self.lps, lambda t: t.token)

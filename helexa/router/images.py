@@ -10,8 +10,9 @@ fetch. `resolve(req, cfg, pool, principal)` then, before a neuron is chosen:
    base64 image's length against `images.max_bytes` or fetches a URL where the
    operator allows it (`images.fetch_urls`, only the hosts in `images.fetch_hosts`, no
    redirects, `fetch_timeout_secs`, `max_bytes`), then turns base64 into bytes and
-   decodes the image (helexa/image_decode.py: format, header pixels against
-   `images.max_pixels`, truncation) as one task on the router's work pool
+   decodes the image (helexa/image_decode.py: format, which must be an Anthropic base64
+   source's declared `media_type`, header pixels against `images.max_pixels`,
+   truncation) as one task on the router's work pool
    (work_pool.py), the caller's principal's: the event loop never waits on Pillow, and
    a key sending many large images has only its share of the pool's threads (429 past
    it, 503 when the pool is full) and takes its turn between the other principals'
@@ -51,6 +52,7 @@ class ImagePart:
     param: str  # where it is in the body: messages[0].content[1].image_url
     b64: str | None = None  # base64 text still to decode
     url: str | None = None  # an http(s) URL still to fetch
+    media_type: str | None = None  # the type declared where it must match (Anthropic's base64)
     data: bytes = b""  # the file, once known
     width: int = 0  # once decoded
     height: int = 0
@@ -129,7 +131,7 @@ def _decode(img: ImagePart, limits: ImageLimits) -> None:
             raise bad_request(f"`{img.param}`: the image's base64 data is not valid base64",
                               img.param) from None
     try:
-        img.width, img.height = decode_image(img.data, limits).size
+        img.width, img.height = decode_image(img.data, limits, img.media_type).size
     except ImageError as e:
         raise bad_request(f"`{img.param}`: {e}", img.param) from None
 

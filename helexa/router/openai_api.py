@@ -96,6 +96,7 @@ class ParsedRequest:
     repaired_calls: list[str] = field(default_factory=list)
     # Responses: what its response object repeats as the client sent it (responses_api.echoed)
     echoed: dict[str, Any] = field(default_factory=dict)
+    cache_key: str | None = None  # Responses' prompt_cache_key: the neuron choice's affinity
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""

@@ -21,7 +21,12 @@ limits, constraints and the template's tool rendering are shared:
   OpenAI's side and are not offered to the model (codex always lists one);
 - `tool_choice`, `parallel_tool_calls`, `reasoning.effort`, `text.format`
   and `max_output_tokens` (a ceiling, fitted to the context) map as the
-  chat fields do (agent_request.py).
+  chat fields do (agent_request.py);
+- `include: ["message.output_text.logprobs"]` with `top_logprobs` asks for
+  the answer's logprobs (responses_logprobs.py), `prompt_cache_key` picks
+  the neuron as a conversation's opening does (serve.py, selection.py), and
+  `safety_identifier`, `service_tier` and `max_tool_calls` are checked as
+  OpenAI checks them and echoed, changing nothing (docs/api.md says why).
 
 The router keeps no state: `store` is accepted and nothing is stored;
 `previous_response_id` and `conversation` are a 400 saying so.
@@ -136,20 +141,23 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     previous_response_id: str | None = None  # refused: no state
     conversation: Any = None  # refused: no state
     background: bool | None = None  # refused when true
+    include: list[str] | None = None  # "message.output_text.logprobs" is served
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # Bounded as OpenAI bounds them, and echoed; the cache key also picks the neuron
+    # (docs/api.md, "`POST /v1/responses` (OpenAI Responses)").
+    prompt_cache_key: Annotated[str, Meta(max_length=64)] | None = None
+    safety_identifier: Annotated[str, Meta(max_length=128)] | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast",
+                          "ultrafast"] | None = None  # one tier here: "default" is echoed
+    max_tool_calls: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None  # built-in tools'
     # Accepted and ignored: storage, tracking and caching hints.
     store: Any = None
     metadata: Any = None
     user: Any = None
-    include: Any = None
-    prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
-    safety_identifier: Any = None
-    service_tier: Any = None
     truncation: Any = None
     client_metadata: Any = None  # codex's
     stream_options: Any = None
-    top_logprobs: Any = None
-    max_tool_calls: Any = None
 
 
 def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
@@ -174,15 +182,22 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     req.reasoning_summary = b.reasoning is not None and \
         (b.reasoning.summary or b.reasoning.generate_summary) is not None
     _text_format(b, req, caps)
+    req.logprobs = LOGPROBS in (b.include or [])
+    req.top_logprobs = (b.top_logprobs or 0) if req.logprobs else 0
+    req.cache_key = b.prompt_cache_key
     req.echoed = echoed(b)
     return req
 
 
+LOGPROBS = "message.output_text.logprobs"  # the `include` that asks for the answer's logprobs
+
+
 def echoed(b: ResponsesBody) -> dict[str, Any]:
     """The settings a response object repeats as the client sent them (OpenAI's Response:
-    its `instructions`, `metadata`, `user`, `reasoning`, `text.format`, and each function
-    tool's `strict`), not as the router applied them: a json_schema format is enforced
-    whatever its `strict` says (docs/api.md, "`POST /v1/responses`")."""
+    its `instructions`, `metadata`, `user`, `reasoning`, `text.format`, each function
+    tool's `strict`, `prompt_cache_key`, `safety_identifier`, `max_tool_calls`,
+    `top_logprobs`), not as the router applied them: a json_schema format is enforced
+    whatever its `strict` says (docs/api.md, "`POST /v1/responses` (OpenAI Responses)")."""
     fmt = b.text.format if b.text is not None else None
     fmt_out: dict[str, Any] = {"type": fmt.type if fmt is not None else "text"}
     if fmt is not None and fmt.type == "json_schema":  # name and schema as applied if absent
@@ -195,7 +210,9 @@ def echoed(b: ResponsesBody) -> dict[str, Any]:
             "reasoning": {"effort": r.effort, "summary": r.summary or r.generate_summary},
             "format": fmt_out,
             "strict": {t.name: t.strict for _, t in _functions(b.tools or [])
-                       if t.type == "function"}}
+                       if t.type == "function"},
+            "prompt_cache_key": b.prompt_cache_key, "safety_identifier": b.safety_identifier,
+            "max_tool_calls": b.max_tool_calls, "top_logprobs": b.top_logprobs or 0}
 
 
 def _text(content: str | list[Part] | None, param: str) -> str:

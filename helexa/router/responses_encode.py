@@ -14,7 +14,8 @@ response.output_item.added, its part and delta events
 (response.reasoning_text.delta or response.reasoning_summary_text.delta,
 response.output_text.delta, response.function_call_arguments.delta,
 response.custom_tool_call_input.delta as the input's string decodes) and
-their .done events, response.output_item.done, and last
+their .done events (an output_text's carry its tokens' logprobs where
+`include` asked for them: responses_logprobs.py), response.output_item.done, and last
 response.completed or response.incomplete; a neuron failing mid-stream ends
 it with response.failed. Every event carries its `sequence_number`. While
 the neuron is silent (a long prompt's prefill) response.in_progress comes
@@ -35,6 +36,7 @@ from helexa.router import custom_tools
 from helexa.router.agent_output import OutputParser, Parts
 from helexa.router.errors import ApiError
 from helexa.router.openai_api import ParsedRequest
+from helexa.router.responses_logprobs import Token, Tokens
 from helexa.router.tool_parsers import CALL_CLOSE, CALL_OPEN
 
 
@@ -68,6 +70,7 @@ class ResponseEncoder:
         self.calls: dict[int, dict[str, Any]] = {}  # a call piece's index -> its item
         self.arguments: dict[str, str] = {}  # a custom call's item id -> its arguments' text
         self.seq = 0
+        self.tokens = Tokens() if req.logprobs else None  # the answer's logprobs, asked for
 
     # ------------------------------------------------------------------ the response object
 
@@ -98,14 +101,19 @@ class ResponseEncoder:
             "reasoning": sent.get("reasoning", {"effort": None, "summary": None}),
             "text": {"format": sent.get("format", {"type": "text"})}, "store": False,
             "previous_response_id": None, "truncation": "disabled",
-            "user": sent.get("user"), "usage": usage(u) if u is not None else None}
+            "user": sent.get("user"), "usage": usage(u) if u is not None else None,
+            # the tier that served it: the one there is (OpenAI's name for the standard one)
+            "service_tier": "default", "prompt_cache_key": sent.get("prompt_cache_key"),
+            "safety_identifier": sent.get("safety_identifier"),
+            "max_tool_calls": sent.get("max_tool_calls"),
+            "top_logprobs": sent.get("top_logprobs", 0)}
 
     def whole(self, reply: pb.GenerateResponse) -> dict[str, Any]:
         """The non-streaming body: the text fed a call at a time, so the items keep the
         order the model wrote them in; the last piece goes with the end, as chat reads a
         whole reply (a call it leaves open is text, unless the choice was forced)."""
-        if self.parser is None:
-            self._parts(Parts(content=reply.text))
+        if self.parser is None or self.tokens is not None:
+            self._feed(reply, final=True, whole=True)
         else:
             if reply.thought_open:
                 self.parser.thought_opened()
@@ -156,20 +164,36 @@ class ResponseEncoder:
 
     # ------------------------------------------------------------------ building items
 
-    def _feed(self, msg: pb.GenerateResponse, final: bool) -> bytes:
+    def _feed(self, msg: pb.GenerateResponse, final: bool, whole: bool = False) -> bytes:
         """The events of one message's text, in the order it was written (a call, then
-        text after it: OutputParser.feed_in_order)."""
+        text after it: OutputParser.feed_in_order); with logprobs asked for, a token's text
+        at a time (responses_logprobs.py). whole: the reply that did not stream, whose
+        call left open at its end is text (whole()), the items built without events."""
+        stream = not whole
+        cuts: list[tuple[str, list[Token]]] = [(msg.text, [])]
+        if self.tokens is not None and whole and self.parser is not None:
+            *calls, end = _at_calls(msg.text)  # its last piece goes whole with the end
+            cuts = self.tokens.pieces("".join(calls), msg.logprobs)
+            cuts.append((end, [t for _, ts in self.tokens.pieces(end, []) for t in ts]))
+        elif self.tokens is not None:
+            cuts = self.tokens.pieces(msg.text, msg.logprobs)
         if self.parser is None:
-            return self._parts(Parts(content=msg.text), stream=True)
+            return b"".join([self._parts(Parts(content=text), stream, lps) for text, lps in cuts])
         if msg.thought_open:
             self.parser.thought_opened()
-        *pieces, last = self.parser.feed_in_order(msg.text)
-        out = b"".join([self._parts(p, stream=True) for p in pieces])
-        if final:
-            rest = self.parser.finish()
-            last = Parts(last.reasoning + rest.reasoning, last.content + rest.content,
-                         last.calls + rest.calls)
-        return out + self._parts(last, stream=True)
+        out = b""
+        for i, (text, lps) in enumerate(cuts):
+            if whole and final and i == len(cuts) - 1:
+                out += self._parts(self.parser.finish(text), stream, lps)
+                break
+            *pieces, last = self.parser.feed_in_order(text)
+            if final and i == len(cuts) - 1:
+                rest = self.parser.finish()
+                last = Parts(last.reasoning + rest.reasoning, last.content + rest.content,
+                             last.calls + rest.calls)
+            for j, p in enumerate([*pieces, last]):
+                out += self._parts(p, stream, lps if j == 0 else [])
+        return out
 
     def _begin(self, item: dict[str, Any], stream: bool) -> bytes:
         out = self._close(stream)
@@ -219,7 +243,8 @@ class ResponseEncoder:
         part = self._part_of(item)
         if item["type"] == "message":
             out += self._event("response.output_text.done", **self._where(), content_index=0,
-                               text=part[1]["text"] if part else "", logprobs=[])
+                               text=part[1]["text"] if part else "",
+                               logprobs=part[1]["logprobs"] if part else [])
         elif item["type"] == "reasoning" and part is not None:
             name = ("response.reasoning_summary_text.done" if self.req.reasoning_summary
                     else "response.reasoning_text.done")
@@ -240,7 +265,13 @@ class ResponseEncoder:
         self.open = None
         return out
 
-    def _parts(self, parts: Parts, stream: bool = False) -> bytes:
+    def _parts(self, parts: Parts, stream: bool = False, lps: list[Token] | None = None
+               ) -> bytes:
+        """The items and events of one feed's parts; lps: the tokens that feed brought."""
+        logprobs: list[dict[str, Any]] = []
+        if self.tokens is not None:
+            self.tokens.pending += lps or []
+            logprobs = self.tokens.take(parts)
         out = b""
         if parts.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
@@ -258,7 +289,7 @@ class ResponseEncoder:
                                     "role": "assistant", "content": [
                                         {"type": "output_text", "text": "", "annotations": [],
                                          "logprobs": []}]}, stream)
-            out += self._text(parts.content, stream)
+            out += self._text(parts.content, stream, logprobs)
         for c in parts.calls:
             if c.id is not None:
                 self.calls[c.index] = {"type": "function_call", "id": _item_id("fc"),
@@ -298,16 +329,19 @@ class ResponseEncoder:
         item["input"] = whole
         return rest
 
-    def _text(self, text: str, stream: bool) -> bytes:
+    def _text(self, text: str, stream: bool, logprobs: list[dict[str, Any]] | None = None
+              ) -> bytes:
         assert self.open is not None
         part = self._part_of(self.open)
         assert part is not None
         part[1]["text"] += text
+        if logprobs:
+            part[1]["logprobs"] += logprobs
         if not stream:
             return b""
         if self.open["type"] == "message":
             return self._event("response.output_text.delta", **self._where(), content_index=0,
-                               delta=text, logprobs=[])
+                               delta=text, logprobs=logprobs or [])
         name = ("response.reasoning_summary_text.delta" if self.req.reasoning_summary
                 else "response.reasoning_text.delta")
         return self._event(name, **self._where(), delta=text, **part[2])

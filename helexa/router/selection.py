@@ -14,9 +14,11 @@ The policy, in order:
    unreported sends (so a burst spreads instead of herding onto the neuron
    that looked idle a moment ago).
 4. Neurons within `TIE_MARGIN` requests of the least loaded are near-ties,
-   ordered by rendezvous hashing of the conversation's first turns: every
-   router replica computes the same order with no shared state, and turns of
-   one conversation land where their prefix is already cached.
+   ordered by rendezvous hashing of the conversation's first turns (or of the
+   client's own key for what shares a cache, Responses' `prompt_cache_key`;
+   serve.py builds the key): every router replica computes the same order with
+   no shared state, and turns of one conversation land where their prefix is
+   already cached.
 
 The result is a preference order; the caller tries the first and, on a
 refusal before the first byte, the second.

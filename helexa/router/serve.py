@@ -73,8 +73,10 @@ class _Done:
 def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
     if req.messages is not None:
         prompt = estimate_prompt_tokens(req.prompt_chars, len(req.messages))
-        # The opening of the conversation: its system prompt and first user turn.
-        head = [t.content for t in req.messages[:2]]
+        # The opening of the conversation: its system prompt and first user turn; or the
+        # client's own name for what shares a cache (Responses' prompt_cache_key).
+        head = [t.content for t in req.messages[:2]] if req.cache_key is None \
+            else ["\0prompt_cache_key", req.cache_key]
     elif req.prompt_ids is not None:
         prompt = estimate_prompt_tokens(0, num_token_ids=len(req.prompt_ids))
         head = [",".join(map(str, req.prompt_ids[:256]))]

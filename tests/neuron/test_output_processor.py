@@ -135,7 +135,9 @@ def test_eos_is_stop_without_a_stop_reason_and_a_caller_stop_token_names_itself(
     (m.FinishReason.ABORT, "deadline", pb.FINISH_REASON_ABORT, "deadline"),
     (m.FinishReason.ABORT, "shutdown", pb.FINISH_REASON_ABORT, "shutdown"),
     (m.FinishReason.ABORT, "client_gone", pb.FINISH_REASON_ABORT, ""),
-    (m.FinishReason.ERROR, "step failed: boom", pb.FINISH_REASON_ERROR, "step failed: boom"),
+    # the engine's words stay on the neuron (request.done's `error`): the caller hears where
+    (m.FinishReason.ERROR, "step failed: /srv/x.py boom", pb.FINISH_REASON_ERROR,
+     "the engine failed on this request; the neuron's log has the cause under req_id r"),
 ])
 def test_finish_reasons_and_their_stop_reason(tok, finished, error, want, stop_reason) -> None:
     out = processor(tok)
@@ -156,7 +158,9 @@ def test_an_engine_refusal_or_an_error_before_any_token_is_a_refusal(tok) -> Non
     with pytest.raises(Refusal) as e:
         processor(tok).process(m.RequestUpdate(req_id="r", finished=m.FinishReason.ERROR,
                                                error="oom"))
-    assert (e.value.code, e.value.message) == ("upstream_error", "the engine failed: oom")
+    assert (e.value.code, e.value.message) == (
+        "upstream_error", "the engine failed on this request; the neuron's log has the cause "
+        "under req_id r")
 
 
 def test_usage_counts_cached_tokens_and_times_each_phase(tok) -> None:

@@ -188,3 +188,50 @@ def test_stream_events_count_from_zero_as_openais():
         if line.startswith("data: ")]
     assert events[0]["type"] == "response.created"
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_output_text_logprobs_are_the_answer_tokens_whole_or_streamed():
+    # docs/api.md: with include message.output_text.logprobs, an output_text's logprobs are
+    # the tokens that wrote it: not the thought's, a call's, or the markers between; a
+    # character split over two tokens (é: two bytes) goes with both, whole or streamed
+    def tok(raw: bytes, lp: float) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token=raw.decode("utf-8", "replace"), token_bytes=raw,
+                               logprob=lp, top=[pb.TopLogprob(token="x", logprob=-9.0)])
+    pieces = [b"<think>", b"hm", b"</think>", b"\n\n", b"Caf", b"\xc3", b"\xa9", b" <", b"b>",
+              b"<tool_call>", b'\n{"name": "w", "arguments": {}}\n', b"</tool_call>", b"\nOk"]
+    tokens = [tok(raw, -i / 10) for i, raw in enumerate(pieces)]
+    text = b"".join(pieces).decode()
+    # the two messages' tokens (the last one's newline is the call's: its text is "Ok")
+    answer = [[b"Caf", b"\xc3", b"\xa9", b" <", b"b>"], [b"\nOk"]]
+    req = ParsedRequest(kind="responses", model="m", tools=TOOLS, tool_choice="auto",
+                        logprobs=True, top_logprobs=1)
+
+    def logprobs(r: dict) -> list[list[bytes]]:
+        return [[bytes(t["bytes"]) for t in o["content"][0]["logprobs"]]
+                for o in r["output"] if o["type"] == "message"]
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(reasoning_parser="think",
+                                                           tool_mode="hermes"))
+    r = enc.whole(pb.GenerateResponse(text=text, logprobs=tokens,
+                                      finish_reason=pb.FINISH_REASON_STOP,
+                                      usage=pb.Usage(prompt_tokens=3, completion_tokens=9)))
+    assert [o["type"] for o in r["output"]] == ["reasoning", "message", "function_call",
+                                                "message"]
+    assert logprobs(r) == answer
+    assert r["output"][1]["content"][0]["logprobs"][0]["top_logprobs"] == [
+        {"token": "x", "logprob": -9.0, "bytes": [120]}]
+    enc = ResponseEncoder("resp_1", "m", req, OutputParser(reasoning_parser="think",
+                                                           tool_mode="hermes"))
+    enc.start()
+    # a token a message, its text as the neuron sends it: a split character's first byte
+    # held back, sent whole with its second
+    said = {b"\xc3": "", b"\xa9": "é"}
+    msgs = [pb.GenerateResponse(text=said.get(t.token_bytes, t.token), logprobs=[t])
+            for t in tokens]
+    msgs.append(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage()))
+    assert "".join(m.text for m in msgs) == text
+    events = [json.loads(e.split(b"data: ", 1)[1]) for m in msgs
+              for e in enc.feed(m).split(b"\n\n") if e]
+    deltas = [[bytes(t["bytes"]) for t in e["logprobs"]] for e in events
+              if e["type"] == "response.output_text.delta"]
+    assert [b for d in deltas for b in d] == [b for a in answer for b in a]
+    assert logprobs(events[-1]["response"]) == answer

@@ -190,9 +190,9 @@ def test_images_decode_on_the_work_pool_within_the_callers_share(monkeypatch):
     decoded_on: list[tuple[str, int]] = []
     real = images.decode_image
 
-    def spy(data, limits):
+    def spy(data, limits, media_type=None):
         decoded_on.append((threading.current_thread().name, pool.tasks_of("bob")))
-        return real(data, limits)
+        return real(data, limits, media_type)
     monkeypatch.setattr(images, "decode_image", spy)
     req = parse_request(json.dumps(chat(img_part(data_url(png(8, 8))),
                                         img_part(data_url(png(9, 9))))).encode(), "chat")

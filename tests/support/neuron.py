@@ -54,6 +54,20 @@ class NeuronProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def engine_pids(self) -> list[int]:
+        """The daemon's engine processes (multiprocessing spawn children, started from any
+        of the daemon's threads)."""
+        children = []
+        for task in os.listdir(f"/proc/{self.pid}/task"):
+            with open(f"/proc/{self.pid}/task/{task}/children") as f:
+                children += [int(p) for p in f.read().split()]
+        out = []
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"spawn_main" in f.read():
+                    out.append(pid)
+        return out
+
     def logs(self, event: str | None = None) -> list[dict[str, Any]]:
         """The daemon's JSON log lines so far (optionally only one event)."""
         out = []

@@ -135,7 +135,8 @@ class EngineCore:
         self.consecutive_failed_steps += 1
         self.last_error = f"{type(e).__name__}: {e}"
         if self.log is not None:
-            self.log.exception("engine.step_failed", requests=len(reqs))
+            self.log.exception("engine.step_failed", requests=len(reqs),
+                               req_ids=[r.req_id for r in reqs])
         for req in reqs:
             self.finish(req, RequestStatus.FINISHED_ERROR, f"{type(e).__name__}: {e}")
 

@@ -74,21 +74,6 @@ def test_100_callers_cancelling_at_random_stages_leave_the_ledger_whole(
     assert any(i % 2 for i in gone)  # Complete callers leaving abort alike
 
 
-def _engine_pids(neuron: NeuronProcess) -> list[int]:
-    """The neuron's engine processes (multiprocessing spawn children, started from any of
-    the daemon's threads)."""
-    children = []
-    for task in os.listdir(f"/proc/{neuron.pid}/task"):
-        with open(f"/proc/{neuron.pid}/task/{task}/children") as f:
-            children += [int(p) for p in f.read().split()]
-    out = []
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                out.append(pid)
-    return out
-
-
 def test_a_request_past_its_deadline_is_aborted_running_or_queued(neuron_main: NeuronProcess,
                                                                   neuron_token: str) -> None:
     """The engine ends a request whose deadline passed wherever it is. The engine is paused
@@ -113,7 +98,7 @@ def test_a_request_past_its_deadline_is_aborted_running_or_queued(neuron_main: N
             calls = [asyncio.ensure_future(one(i)) for i in range(3)]
             await c.watch_until(lambda st: model_of(st).queued == 1
                                 and sum(e.is_set() for e in first) == 2, timeout_secs=4.0)
-            engines = _engine_pids(neuron_main)
+            engines = neuron_main.engine_pids()
             for pid in engines:
                 os.kill(pid, signal.SIGSTOP)
             try:

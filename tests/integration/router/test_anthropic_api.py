@@ -117,7 +117,8 @@ def test_count_tokens_matches_what_a_request_is_admitted_with(router):
 
 def test_system_messages_anywhere_join_the_system_prompt(router):
     c = client(router)
-    # Claude Code's mid-conversation system message: one more system instruction, in order
+    # Anthropic's mid-conversation system message (Claude Code sends them): one more system
+    # instruction, in order
     with_mid = c.messages.create(model="tiny", max_tokens=3, system="Be brief.", messages=[
         *MSGS, {"role": "system", "content": "Answer in French."}])
     assert with_mid.content and with_mid.usage.output_tokens > 0
@@ -126,6 +127,27 @@ def test_system_messages_anywhere_join_the_system_prompt(router):
     n_top = c.messages.count_tokens(model="tiny", system="Be brief.\n\nAnswer in French.",
                                     messages=MSGS).input_tokens
     assert n_mid == n_top  # the same prompt as one system prompt of both, in order
+
+
+@pytest.mark.parametrize(("messages", "at", "why"), [
+    ([{"role": "system", "content": "Be brief."}, *MSGS], 0, "cannot be the first entry"),
+    ([*MSGS, {"role": "system", "content": "A."}, {"role": "system", "content": "B."}], 1,
+     "next to another"),
+    ([*MSGS, {"role": "assistant", "content": "Waves."}, {"role": "system", "content": "A."}],
+     2, "must follow a `user` message"),
+    ([*MSGS, {"role": "system", "content": "A."}, {"role": "user", "content": "More."}], 1,
+     "followed by an `assistant` message")])
+def test_a_system_message_placed_where_anthropic_refuses_it_is_a_400(router, messages, at, why):
+    # Anthropic's placement rules for mid-conversation system messages: refused as its API
+    # refuses them, naming the message's role, before any neuron is asked
+    c = client(router)
+    for call in (lambda: c.messages.create(model="tiny", max_tokens=3, messages=messages),
+                 lambda: c.messages.count_tokens(model="tiny", messages=messages)):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            call()
+        err = e.value.body["error"]
+        assert err["type"] == "invalid_request_error"
+        assert f"messages[{at}].role" in err["message"] and why in err["message"]
 
 
 def test_claude_codes_billing_header_does_not_split_the_prefix_cache(router):

@@ -112,3 +112,68 @@ def test_stateless_refusals_say_so(router):
     with pytest.raises(openai.BadRequestError) as e:
         c.responses.create(model="tiny", input=[{"type": "item_reference", "id": "msg_1"}])
     assert "keeps no state" in e.value.body["message"]
+
+
+def test_cache_key_identifier_tier_and_tool_call_cap_are_bounded_and_echoed(router):
+    c = router.client()
+    kw = dict(model="tiny", input="Hi.", max_output_tokens=3, temperature=0,
+              prompt_cache_key="conversation-7", safety_identifier="user-hash-1",
+              service_tier="flex", max_tool_calls=3, top_logprobs=2)
+    with c.responses.stream(**kw) as s:
+        events = list(s)
+    for r in (c.responses.create(**kw), events[0].response, events[-1].response):
+        assert (r.prompt_cache_key, r.safety_identifier, r.max_tool_calls, r.top_logprobs) == (
+            "conversation-7", "user-hash-1", 3, 2)
+        assert r.service_tier == "default"  # the tier that served it: the one there is
+    plain = c.responses.create(model="tiny", input="Hi.", max_output_tokens=2)
+    assert (plain.prompt_cache_key, plain.safety_identifier, plain.max_tool_calls,
+            plain.top_logprobs, plain.service_tier) == (None, None, None, 0, "default")
+    for field, bad in (("prompt_cache_key", "k" * 65), ("safety_identifier", "s" * 129),
+                       ("service_tier", "gold"), ("max_tool_calls", 0), ("top_logprobs", 21)):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.responses.create(model="tiny", input="Hi.", max_output_tokens=2, **{field: bad})
+        assert e.value.body["param"] == field, e.value.body
+
+
+def test_requests_sharing_a_prompt_cache_key_find_each_others_prefix(router):
+    # na and nb both serve tiny; without a key the router places a conversation by its
+    # opening (system prompt and first user turn), so two requests with one long system
+    # prompt and different questions may land apart. Naming one prompt_cache_key, each
+    # second request lands where the first one left that system prompt cached.
+    c = router.client()
+    for k in range(8):
+        system = f"[key {k}] You answer questions about lighthouses. " * 4
+        cached = [c.responses.create(model="tiny", instructions=system, input=question,
+                                     max_output_tokens=2, temperature=0,
+                                     prompt_cache_key=f"lighthouse-{k}"
+                                     ).usage.input_tokens_details.cached_tokens
+                  for question in (f"First question {k}?", f"Another one {k}, please?")]
+        assert cached[0] == 0 and cached[1] >= 32, (k, cached)
+
+
+@pytest.mark.parametrize("reasoning", [None, {"effort": "medium"}])
+def test_answer_logprobs_come_on_output_text_whole_and_streamed(router, reasoning):
+    c = router.client()
+    kw = dict(model="tiny", input="Tell me about the sea.", max_output_tokens=40,
+              temperature=0, include=["message.output_text.logprobs"], top_logprobs=2,
+              **({"reasoning": reasoning} if reasoning else {}))
+    r = c.responses.create(**kw)
+    (text,) = [p for o in r.output if o.type == "message" for p in o.content]
+    assert text.text and text.logprobs
+    assert all(len(t.top_logprobs) == 2 for t in text.logprobs)
+    # the tokens that wrote the answer, none of the thought's or its markers'
+    joined = b"".join(bytes(t.bytes) for t in text.logprobs).decode("utf-8", "replace")
+    assert joined == text.text
+    if reasoning:
+        assert r.output[0].type == "reasoning"
+    with c.responses.stream(**kw) as s:
+        events = list(s)
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in deltas] == \
+        [(t.token, t.logprob) for t in text.logprobs]  # greedy: the same tokens
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [t.token for t in done.logprobs] == [t.token for t in text.logprobs]
+    without = c.responses.create(**{**kw, "include": []})
+    assert without.output_text == r.output_text
+    assert not [p.logprobs for o in without.output if o.type == "message" for p in o.content
+                if p.logprobs]

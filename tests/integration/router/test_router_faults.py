@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import socket
 
@@ -144,6 +145,45 @@ def test_draining_then_killed_neuron_mid_stream(router, neurons, rdir, tiny_mode
         assert e.value.code == "service_unavailable" and e.value.response.headers["retry-after"]
     finally:
         nd.stop(timeout_secs=5)
+        router.reload(base)
+
+
+def test_an_engine_failure_tells_the_client_where_the_cause_is_not_what_it_is(
+        router, neurons, rdir, tiny_model_dir):
+    """The engine dies under a stream that has tokens out: the client's error event says the
+    engine failed and under which req_id the neuron logged why, never the engine's own words
+    (an exception's text can hold paths); the neuron's request.done for that id has them."""
+    cfg = {"server": {"name": "ne", "listen": "127.0.0.1:0", "token_file": "token",
+                      "heartbeat_secs": 1.0},
+           "engine": {"torch_threads": 1}, "kv": {"kv_budget_mb": 1},
+           "models": [{"id": "fragile", "path": str(tiny_model_dir)}]}
+    ne = start_neuron(write_neuron_config(rdir / "ne.toml", cfg), log_path=rdir / "ne.log")
+    base = router_config(rdir, neurons)
+    try:
+        router.reload({**base, "neurons": {**base["neurons"], "endpoints": [
+            *base["neurons"]["endpoints"], {"name": "ne", "address": ne.address}]}})
+        wait_for(lambda: "fragile" in {m.id for m in router.client().models.list()}, timeout=15)
+        with httpx2.stream("POST", router.url + "/v1/chat/completions", timeout=60, headers={
+                "Authorization": f"Bearer {key_of('carol')}"}, json={
+                "model": "fragile", "messages": MSG, "max_tokens": 2000, "stream": True,
+                "ignore_eos": True}) as r:
+            req_id = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)  # a token is out
+            (engine,) = ne.engine_pids()
+            os.kill(engine, signal.SIGKILL)
+            last = [line for line in lines if line][-1]
+        err = json.loads(last.removeprefix("data: "))["error"]
+        assert err["code"] == "upstream_error"
+        assert err["message"] == ("the neuron failed while generating: the engine failed on "
+                                  "this request; the neuron's log has the cause under req_id "
+                                  f"{req_id}")
+        done = ne.wait_for_log("request.done", where=lambda rec: rec["req_id"] == req_id)
+        assert done["finish_reason"] == "error"
+        assert done["error"].startswith("the engine process exited")
+    finally:
+        ne.stop(timeout_secs=5)
         router.reload(base)
 
 

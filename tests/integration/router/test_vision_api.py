@@ -171,6 +171,25 @@ def test_openai_sdk_data_url_and_anthropic_sdk_base64(stack):
     assert counted.input_tokens == m.usage.input_tokens
 
 
+def test_a_declared_type_the_bytes_are_not_is_refused_on_anthropic_served_on_openai(stack):
+    url, _ = stack
+    img = png(make_image(100, 70, 22))
+    a = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:  # Anthropic's 400: PNG sent as JPEG
+        a.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "text", "text": "Look:"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg",
+                                         "data": base64.b64encode(img).decode()}}]}])
+    err = e.value.body["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "messages[0].content[1].source" in err["message"]
+    assert "image/jpeg media type" in err["message"] and "an image/png image" in err["message"]
+    # OpenAI reads a data: URL's bytes whatever MIME type it declares, and so does helexa
+    mislabelled = "data:image/jpeg;base64," + base64.b64encode(img).decode()
+    assert ask(url, image_part(mislabelled)).usage.prompt_tokens == \
+        ask(url, image_part(data_url(img))).usage.prompt_tokens
+
+
 def test_openai_sdk_responses_input_image(stack):
     url, _ = stack
     img = png(make_image(100, 70, 22))
