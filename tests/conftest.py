@@ -32,6 +32,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     faster_device_calls()  # its repeated work skipped, nothing it computes changed
 measure_once_per_shape()  # tests/support/cpu_matmul_once.py says why
+# Engine processes and tensor-parallel ranks fork from a server that imported torch once
+# (helexa/neuron/engine/start_method.py): a rank starts in under a second, not the seconds a
+# spawned interpreter takes. `HELEXA_ENGINE_START=spawn make test` runs the default way;
+# tests/neuron/engine/test_start_method.py checks both.
+os.environ.setdefault("HELEXA_ENGINE_START", "forkserver")
 
 
 def _print_logger(*args: object) -> structlog.PrintLogger:
