@@ -7,7 +7,8 @@ seconds on a small host), nothing of the parent carried over, as CUDA requires.
 ``HELEXA_ENGINE_START=forkserver`` (docs/operating.md, "Engine processes"): they fork from
 a server process that imported torch and the engine once, started at the first use in
 each process that starts engines (multiprocessing's forkserver): a tensor-parallel rank
-starts in a fraction of a second. The test suite runs this way. The child still sees the
+starts in a fraction of a second. The test suite's own engines start this way
+(set_default), the daemons it runs as a user would. The child still sees the
 starting process's environment, and writes to its stdout and stderr, as they are at the
 start (``_as_started``), as a spawned one would; what torch reads when it is imported is
 the server's. A rank's parent is then the server, so
@@ -31,8 +32,20 @@ PRELOAD = ["torch", "helexa.neuron.engine.process", "helexa.neuron.engine.model_
            "helexa.neuron.engine.tp_rank"]
 
 
+_default = "spawn"
+
+
+def set_default(name: str) -> None:
+    """The method where HELEXA_ENGINE_START is unset, in this process only (the test suite
+    picks forkserver for the engines it starts itself; the daemons it runs keep spawn)."""
+    global _default
+    if name not in METHODS:
+        raise ValueError(f"expected one of {', '.join(METHODS)}, got `{name}`")
+    _default = name
+
+
 def method() -> str:
-    got = os.environ.get(ENV, "") or "spawn"
+    got = os.environ.get(ENV, "") or _default
     if got not in METHODS:
         raise ValueError(f"{ENV}: expected one of {', '.join(METHODS)}, got `{got}`")
     return got

@@ -19,8 +19,18 @@ def test_an_unknown_start_method_is_refused_naming_the_variable(monkeypatch):
     with pytest.raises(ValueError, match=r"^HELEXA_ENGINE_START: expected one of spawn, "
                                          r"forkserver, got `fork`$"):
         start_method.context()
-    monkeypatch.setenv(start_method.ENV, "")
-    assert start_method.context().get_start_method() == "spawn"  # the default
+    with pytest.raises(ValueError, match=r"^expected one of spawn, forkserver, got `fork`$"):
+        start_method.set_default("fork")
+
+
+def test_spawn_is_the_default_where_nothing_chose_another():
+    """What a neuron runs, unless HELEXA_ENGINE_START says otherwise (this suite's own
+    engines fork: tests/conftest.py)."""
+    code = "from helexa.neuron.engine import start_method as m; print(m.context()._name)"
+    env = {k: v for k, v in os.environ.items() if k != start_method.ENV}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, env=env)
+    assert out.stdout.split() == ["spawn"], out.stderr
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
@@ -30,9 +40,9 @@ def test_a_child_sees_the_environment_and_stderr_it_was_started_with(monkeypatch
     any) was running already for another child: the child sees both."""
     monkeypatch.setenv(start_method.ENV, method)
 
-    def run(text: str) -> int | None:
+    def run(command: str) -> int | None:
         ctx = start_method.context()
-        fn, args = start_method.target(ctx, os.system, (f'echo "{text}:$HELEXA_PROBE" >&2',))
+        fn, args = start_method.target(ctx, os.system, (command,))
         p = ctx.Process(target=fn, args=args)
         p.start()
         p.join(60)
@@ -40,10 +50,10 @@ def test_a_child_sees_the_environment_and_stderr_it_was_started_with(monkeypatch
 
     monkeypatch.delenv("HELEXA_PROBE", raising=False)
     with capfd.disabled():  # a forkserver started here writes to pytest's own stderr
-        assert run("first") == 0
+        assert run("true") == 0
     monkeypatch.setenv("HELEXA_PROBE", "set-later")
-    assert run("second") == 0
-    assert capfd.readouterr().err.splitlines() == ["second:set-later"]
+    assert run('echo "seen:$HELEXA_PROBE" >&2') == 0
+    assert capfd.readouterr().err.splitlines() == ["seen:set-later"]
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
