@@ -20,6 +20,7 @@ import torch
 from support.cpu_matmul_once import measure_once_per_shape
 
 from helexa.fixtures.tiny import init_tiny
+from helexa.neuron.engine import start_method
 
 # Triton's interpreter runs helexa's Triton kernels on CPU tensors (tests/kernels/
 # test_int8g_triton.py, test_conv_decode_triton.py); it must be chosen before Triton is
@@ -32,6 +33,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     faster_device_calls()  # its repeated work skipped, nothing it computes changed
 measure_once_per_shape()  # tests/support/cpu_matmul_once.py says why
+# The engine processes and tensor-parallel ranks the tests start themselves fork from a
+# server that imported torch once (helexa/neuron/engine/start_method.py): a rank starts in
+# under a second, not the seconds a spawned interpreter takes. Daemons the tests run start
+# theirs as a user's would (spawn), and `HELEXA_ENGINE_START=spawn make test` runs all of
+# them so; tests/neuron/engine/test_start_method.py checks both.
+start_method.set_default("forkserver")
 
 
 def _print_logger(*args: object) -> structlog.PrintLogger:

@@ -93,11 +93,11 @@ def _apply(res: Residency, models: list[ResidentModel], profiles: dict[str, str]
 
 async def _switch(res: Residency, model_id: str, profile: str) -> None:
     r = res.models.get(model_id)
-    if r is not None:
-        r.switch_queued = False  # set_profile marks it switching before it yields
+    if r is None or r.state == ModelState.DRAINING:
+        return  # unloading or draining: its next load takes the file's config
+    r.switch_queued = False  # set_profile marks it switching before it yields
     try:
         await res.set_profile(model_id, profile)
     except Exception as e:
         log.error("model.profile_failed", model=model_id, profile=profile, error=str(e))
-        if r is not None:
-            settle(res, r)  # a reload that waited for this switch applies now
+        settle(res, r)  # a reload that waited for this switch applies now

@@ -287,13 +287,14 @@ class Residency:
         if r.busy and not (drain or force):
             raise Refusal("model_busy", f"The model `{model_id}` has work in flight; "
                           "unload with drain (finish it) or force (abort it).")
-        if drain and r.client is not None and r.state != ModelState.FAILED:
+        if r.client is not None and r.state != ModelState.FAILED:
+            # out of service while it stops: a reload's switch (reconfigure) leaves it be
             r.state = ModelState.DRAINING
             self._on_change()
-            # as a SIGTERM drain (daemon.py): what is queued is refused shutting_down now, so
-            # its callers retry elsewhere, and only admitted work is waited for
-            r.client.stop_admitting(True, refuse_queued=True)
-            await self.wait_idle(r, self.cfg.server.drain_secs)
+            if drain:  # as a SIGTERM drain (daemon.py): what is queued is refused
+                # shutting_down now, so its callers retry elsewhere; admitted work finishes
+                r.client.stop_admitting(True, refuse_queued=True)
+                await self.wait_idle(r, self.cfg.server.drain_secs)
         if r.client is not None:
             try:
                 await r.client.shutdown(5.0)

@@ -311,3 +311,36 @@ def test_a_load_under_way_at_sigterm_is_stopped_not_left_running(
     code, alive = asyncio.run(run())
     assert code == "shutting_down"
     assert not any(alive), alive  # no engine left running after the neuron stopped
+
+
+def test_a_plain_unload_racing_a_reload_does_not_re_plan_the_stopping_engine(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A reload that widens an idle model's step (a pool re-plan) and a plain unload (ctl's,
+    or an eviction's: Residency.unload either way) in the same loop turn: the engine that is stopping is not re-planned, no
+    switch is logged for it, and the model's next load is built for the reload's figure."""
+    cfg = _config(tmp_path, tiny_model_dir, engine={"max_slots": 2})
+    path = write_neuron_config(tmp_path / "neuron.toml", cfg)
+    stopping = _SlowStop.factory(lambda _p, _i: 7)
+
+    async def run() -> tuple[list[Any], Any, str]:
+        daemon = NeuronDaemon(path, load_neuron_config(path), client_factory=stopping)
+        await daemon.start()
+        await daemon.residency.preload()
+        try:
+            first = stopping.made[0]
+            cfg["engine"]["max_slots"] = 4
+            write_neuron_config(path, cfg)
+            daemon.reload()  # its switch task runs at the unload's first await
+            await daemon.residency.unload("tiny")
+            await asyncio.sleep(0.1)  # a switch task, if one were left, would run now
+            gone = "tiny" not in daemon.residency.models
+            await daemon.residency.load("tiny")
+            r = daemon.residency.models["tiny"]
+            return first.reset_calls, r.step_ceilings[0], f"{gone}:{r.state.name}"
+        finally:
+            await daemon.drain()
+
+    with structlog.testing.capture_logs() as logs:
+        resets, rows, state = asyncio.run(run())
+    assert resets == [] and state == "True:READY" and rows == 4
+    assert not [e for e in logs if e["event"] in ("model.profile", "model.profile_failed")]

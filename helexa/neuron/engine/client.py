@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import multiprocessing
-import multiprocessing.util  # its exit hook must be registered before ours (atexit is LIFO)
+import multiprocessing.util  # noqa: F401 - its exit hook registered before ours (atexit: LIFO)
 import os
 import struct
 import weakref
@@ -33,7 +32,7 @@ from typing import Any
 
 import msgspec
 
-from helexa.neuron.engine import messages
+from helexa.neuron.engine import messages, start_method
 from helexa.neuron.engine.flow import Flow, OnFlow
 from helexa.neuron.engine.process import engine_main
 from helexa.neuron.engine.spec import EngineSpec
@@ -125,12 +124,12 @@ class EngineClient:
         hung collective, a stuck device): it is killed and reported like a dead one.
         `runner_factory` (picklable) replaces the model, for runs without one."""
         loop = asyncio.get_running_loop()
-        ctx = multiprocessing.get_context("spawn")
+        ctx = start_method.context()
         parent_conn, child_conn = ctx.Pipe(duplex=True)
+        fn, args = start_method.target(ctx, engine_main, (msgspec.msgpack.encode(spec),
+                                                          child_conn, runner_factory))
         # Not daemonic: an engine with tp > 1 starts its own rank processes.
-        process = ctx.Process(target=engine_main,
-                              args=(msgspec.msgpack.encode(spec), child_conn, runner_factory),
-                              name=f"helexa-engine-{spec.model_id}")
+        process = ctx.Process(target=fn, args=args, name=f"helexa-engine-{spec.model_id}")
         await loop.run_in_executor(None, process.start)
         _live_processes.add(process)
         child_conn.close()  # so that the child's death reads as EOF here

@@ -1,6 +1,6 @@
 """The engine process: one loaded model's EngineCore behind a pipe.
 
-Started by EngineClient (client.py) with multiprocessing's spawn context, so
+Started by EngineClient (client.py) in a process of its own (start_method.py), so
 the daemon's GIL never slows a step and the model's memory goes when the
 process exits. The protocol on the pipe, msgspec msgpack both ways:
 

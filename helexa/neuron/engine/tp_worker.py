@@ -1,7 +1,7 @@
 """Rank 0's handle on one model's tensor-parallel ranks 1..N-1: start, step, stop them.
 
 Rank 0 is the engine process's own ModelRunner; it starts one process per
-extra rank (multiprocessing spawn) with :meth:`TpWorkers.start`. Every rank
+extra rank (helexa/neuron/engine/start_method.py) with :meth:`TpWorkers.start`. Every rank
 loads only its weight slices and owns its slice of the KV pool (its kv heads,
 every block). The ranks form one torch.distributed group per model (gloo on
 CPU, NCCL on CUDA) through a FileStore, so no port is ever raced for, with a
@@ -44,7 +44,6 @@ on the dead rank and no step returns, the health check ends the engine process i
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import tempfile
 import threading
@@ -57,6 +56,7 @@ from typing import Any, NoReturn
 import msgspec
 import structlog
 
+from helexa.neuron.engine import start_method
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.tp_measure import last_words
 from helexa.neuron.engine.tp_messages import (
@@ -125,12 +125,12 @@ class TpWorkers:
         """Spawn ranks 1..world-1; returns the handle and the FileStore path for rank 0."""
         init_dir = tempfile.TemporaryDirectory(prefix="helexa-tp-")
         args.init_file = str(Path(init_dir.name) / "store")
-        ctx = mp.get_context("spawn")
+        ctx = start_method.context()
         procs, conns = [], []
         for rank in range(1, world):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(child, args, rank, world),
-                            name=f"helexa-tp-rank{rank}", daemon=True)
+            fn, fn_args = start_method.target(ctx, worker_main, (child, args, rank, world))
+            p = ctx.Process(target=fn, args=fn_args, name=f"helexa-tp-rank{rank}", daemon=True)
             p.start()
             child.close()
             procs.append(p)

@@ -66,10 +66,24 @@ def test_complete_answers_the_greedy_stream_in_one_message(neuron_main: NeuronPr
     assert done["completion_tokens"] == 16 and done["finish_reason"] == "length"
 
 
+def _metric_samples(neuron: NeuronProcess) -> tuple[str, dict[str, float]]:
+    body = urllib.request.urlopen(f"http://{neuron.metrics_address}/metrics").read().decode()
+    return body, {k: float(v) for k, v in (line.rsplit(" ", 1) for line in body.splitlines()
+                                           if line and not line.startswith("#"))}
+
+
 def test_watch_metrics_and_ctl_show_the_model_and_its_ledger(neuron_main: NeuronProcess,
                                                              neuron_token: str) -> None:
+    """The counters move by this test's own two requests, whatever ran before it."""
+    length, decoded = 'helexa_requests_total{model="tiny",outcome="length"}', \
+        'helexa_decode_tokens_total{model="tiny"}'
+    _, before = _metric_samples(neuron_main)
+
     async def run() -> pb.NeuronStatus:
         async with NeuronClient(neuron_main.address, neuron_token) as c:
+            for i in range(2):
+                await c.generate(chat_request(f"metered-{i}", max_tokens=12, ignore_eos=True))
+            await c.watch_until(ledger_whole)
             return await c.status()
 
     st = asyncio.run(run())
@@ -77,13 +91,11 @@ def test_watch_metrics_and_ctl_show_the_model_and_its_ledger(neuron_main: Neuron
     assert st.neuron == "main" and m.state == pb.MODEL_STATE_READY
     assert m.kv.total_bytes == m.kv.free_bytes > 0 and m.kv.bytes_per_token > 0
     assert m.limits.context == m.kv.total_bytes // m.kv.bytes_per_token
-    body = urllib.request.urlopen(f"http://{neuron_main.metrics_address}/metrics").read().decode()
-    samples = dict(line.rsplit(" ", 1) for line in body.splitlines()
-                   if line and not line.startswith("#"))
-    assert float(samples['helexa_kv_total_bytes{model="tiny"}']) == m.kv.total_bytes
+    body, samples = _metric_samples(neuron_main)
+    assert samples['helexa_kv_total_bytes{model="tiny"}'] == m.kv.total_bytes
     assert "helexa_ttft_seconds_bucket" in body
-    assert float(samples['helexa_requests_total{model="tiny",outcome="length"}']) >= 2
-    assert float(samples['helexa_decode_tokens_total{model="tiny"}']) >= 24
+    assert samples[length] - before.get(length, 0.0) == 2
+    assert samples[decoded] - before.get(decoded, 0.0) == 24
     out = subprocess.run([sys.executable, "-m", "helexa.cli", "ctl", "--config",
                           str(neuron_main.config_path), "status"],
                          capture_output=True, text=True, timeout=60)
