@@ -183,14 +183,17 @@ class Dispatcher:
                  retry: bool | None) -> ApiError:
         """The client's error for a neuron's refusal or loss, counted, and logged as a
         refusal unless `retry` is None."""
+        detail = None
         if isinstance(e, grpc.aio.AioRpcError):
             err, grpc_code = map_rpc_error(e, kind), e.code().name
+            detail = e.details() if e.details() != err.message else None  # its own words
         else:  # the router ended the call: the neuron stopped answering
             err, grpc_code = ApiError(503, str(e), code="service_unavailable"), None
         self.metrics.refusals.labels(name, greq.model, err.code).inc()
         if retry is not None:
             log.info("request.refused", req_id=greq.req_id, neuron=name, model=greq.model,
-                     grpc=grpc_code, code=err.code, reason=err.message, retry=retry)
+                     grpc=grpc_code, code=err.code, reason=err.message, retry=retry,
+                     detail=detail)
         return err
 
     async def _resume(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, kind: str,

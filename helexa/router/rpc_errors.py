@@ -46,6 +46,9 @@ _FALLBACK = {
     grpc.StatusCode.PERMISSION_DENIED: (503, "service_unavailable"),
 }
 
+# A call that ended so with no helexa code is a fault, not a refusal: its words stay in logs.
+_UNEXPLAINED = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+
 
 def trailing(e: grpc.aio.AioRpcError) -> dict[str, str]:
     md = e.trailing_metadata() or ()
@@ -55,8 +58,9 @@ def trailing(e: grpc.aio.AioRpcError) -> dict[str, str]:
 def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
     """The client-facing error for a neuron's refusal or failure."""
     md = trailing(e)
-    code = md.get("helexa-code")
-    if code in CODE_STATUS:
+    code = md.get("helexa-code", "")
+    refused = code in CODE_STATUS  # the neuron's own refusal, in its own words
+    if refused:
         status = CODE_STATUS[code]
     else:
         status, code = _FALLBACK.get(e.code(), (502, "upstream_error"))
@@ -69,4 +73,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
     message = e.details() or f"neuron answered {e.code().name}"
     if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         message = "no neuron accepted the router's credentials"
+    elif not refused and e.code() in _UNEXPLAINED:
+        # not a refusal but a fault (an exception the neuron did not expect): its text may
+        # hold paths and internals, and is the router's log's (request.refused's detail)
+        message = (f"the neuron failed on this request ({e.code().name}); the router's log "
+                   "has its words (request.refused)")
     return ApiError(status, message, code=code, param=param, retry_after_secs=retry_after)

@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 import grpc
 import msgspec
+import structlog
 from aiohttp import web
 from msgspec import Meta
 
@@ -28,6 +29,8 @@ from helexa.router.openai_api import ParsedRequest, Turn, _message, continue_fin
 from helexa.router.request_model import INT32_MAX, Message, TokenId, decode_as
 from helexa.router.rpc_errors import map_rpc_error
 from helexa.router.serve import STATE, authorization
+
+log = structlog.get_logger(component="router")
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -65,7 +68,11 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
                                                             timeout=30)
         return out
     except grpc.aio.AioRpcError as e:
-        raise map_rpc_error(e) from None
+        err = map_rpc_error(e)
+        log.info("request.refused", endpoint=request.path, neuron=candidates[0].neuron,
+                 model=treq.model, grpc=e.code().name, code=err.code, reason=err.message,
+                 detail=e.details() if e.details() != err.message else None)
+        raise err from None
 
 
 async def _body(request: web.Request) -> bytes:

@@ -71,3 +71,19 @@ def test_generate_request_carries_everything():
 def test_engine_failure_before_any_token_is_502_upstream_error():
     err = map_rpc_error(rpc_error(grpc.StatusCode.INTERNAL, "upstream_error"))
     assert (err.status, err.code, err.retry_after_secs) == (502, "upstream_error", None)
+
+
+@pytest.mark.parametrize("status", ["UNKNOWN", "INTERNAL"])
+def test_a_fault_in_the_neuron_reaches_the_client_without_its_words(status):
+    """An exception the neuron did not expect (gRPC's own words for it, no helexa code) is
+    a 502 naming the status, not the exception's text; a refusal keeps its message."""
+    words = "Unexpected <class 'AttributeError'>: 'str' object has no attribute 'get'"
+    fault = grpc.aio.AioRpcError(grpc.StatusCode[status], grpc.aio.Metadata(),
+                                 grpc.aio.Metadata(), words)
+    err = map_rpc_error(fault)
+    assert (err.status, err.code) == (502, "upstream_error")
+    assert "AttributeError" not in err.message and status in err.message
+    refusal = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(),
+                                   grpc.aio.Metadata(("helexa-code", "upstream_error")),
+                                   "the engine failed on this request; see req_id r1")
+    assert map_rpc_error(refusal).message == "the engine failed on this request; see req_id r1"
