@@ -96,7 +96,7 @@ class ParsedRequest:
     repaired_calls: list[str] = field(default_factory=list)
     # Responses: what its response object repeats as the client sent it (responses_api.echoed)
     echoed: dict[str, Any] = field(default_factory=dict)
-    cache_key: str | None = None  # Responses' prompt_cache_key: the neuron choice's affinity
+    cache_key: str | None = None  # the client's prompt_cache_key: the neuron choice's affinity
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""
@@ -249,6 +249,7 @@ def _completion(b: CompletionBody, req: ParsedRequest) -> None:
 
 
 def _common(b: RequestBody, req: ParsedRequest) -> None:
+    req.cache_key = b.prompt_cache_key
     req.temperature = b.temperature
     req.top_p = b.top_p
     req.top_k = None if b.top_k in (None, -1) else b.top_k

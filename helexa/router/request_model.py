@@ -38,6 +38,10 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Meta(min_length=1)]
 Unsupported = Any  # refused unless null: see UNSUPPORTED
 Harmless = Any  # accepted and ignored: it changes nothing we produce
+# OpenAI's bounds on its request hints (chat completions and Responses alike)
+CacheKey = Annotated[str, Meta(max_length=64)]
+SafetyIdentifier = Annotated[str, Meta(max_length=128)]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -162,10 +166,12 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     metadata: Harmless = None
     store: Harmless = None
-    service_tier: Harmless = None
     parallel_tool_calls: Harmless = None
-    prompt_cache_key: Harmless = None
-    safety_identifier: Harmless = None
+    # bounded as OpenAI bounds them; the cache key picks the neuron (docs/api.md, "Chat and
+    # completions: shared fields")
+    service_tier: ServiceTier | None = None
+    prompt_cache_key: CacheKey | None = None
+    safety_identifier: SafetyIdentifier | None = None
 
     # Known fields refused until implemented (named so the message says "not supported").
     tools: Unsupported = None

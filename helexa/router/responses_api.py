@@ -48,10 +48,13 @@ from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
+    CacheKey,
     ChatBody,
     FunctionDef,
     NamedFunction,
     NamedToolChoice,
+    SafetyIdentifier,
+    ServiceTier,
     Tool,
     decode_as,
 )
@@ -145,10 +148,9 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # Bounded as OpenAI bounds them, and echoed; the cache key also picks the neuron
     # (docs/api.md, "`POST /v1/responses` (OpenAI Responses)").
-    prompt_cache_key: Annotated[str, Meta(max_length=64)] | None = None
-    safety_identifier: Annotated[str, Meta(max_length=128)] | None = None
-    service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast",
-                          "ultrafast"] | None = None  # one tier here: "default" is echoed
+    prompt_cache_key: CacheKey | None = None
+    safety_identifier: SafetyIdentifier | None = None
+    service_tier: ServiceTier | None = None  # one tier here: "default" is echoed
     max_tool_calls: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None  # built-in tools'
     # Accepted and ignored: storage, tracking and caching hints.
     store: Any = None

@@ -151,6 +151,27 @@ def test_requests_sharing_a_prompt_cache_key_find_each_others_prefix(router):
         assert cached[0] == 0 and cached[1] >= 32, (k, cached)
 
 
+def test_chat_requests_sharing_a_prompt_cache_key_find_each_others_prefix(router):
+    """As on Responses: chat completions naming one prompt_cache_key land together; the
+    hints are bounded as OpenAI bounds them."""
+    c = router.client()
+    for k in range(8):
+        system = f"[chat key {k}] You answer questions about tides. " * 4
+        cached = [c.chat.completions.create(
+            model="tiny", max_tokens=2, temperature=0, prompt_cache_key=f"tides-{k}",
+            messages=[{"role": "system", "content": system},
+                      {"role": "user", "content": question}],
+        ).usage.prompt_tokens_details.cached_tokens
+            for question in (f"First question {k}?", f"Another one {k}, please?")]
+        assert cached[0] == 0 and cached[1] >= 32, (k, cached)
+    for field, bad in (("prompt_cache_key", "k" * 65), ("safety_identifier", "s" * 129),
+                       ("service_tier", "gold")):
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model="tiny", max_tokens=1, extra_body={field: bad},
+                                      messages=[{"role": "user", "content": "hi"}])
+        assert field in str(e.value), (field, e.value)
+
+
 @pytest.mark.parametrize("reasoning", [None, {"effort": "medium"}])
 def test_answer_logprobs_come_on_output_text_whole_and_streamed(router, reasoning):
     c = router.client()
