@@ -153,11 +153,11 @@ CALL_ANSWER = ('<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n<
 TOOLS = '[{"type": "function", "function": {"name": "get_time", "parameters": {}}}]'
 
 
-def test_a_stop_string_does_not_cut_a_call_but_cuts_the_text_after_it(config_path: Path,
-                                                                      tok: Tokenizer) -> None:
-    """With tools offered, a client's stop string inside the model's call leaves the call
-    whole (a call cut there reached clients as tool_calls with arguments that are not
-    JSON); the text after the call ends at it as ever, and the engine is told to stop."""
+def _answer_with_and_without_tools(config_path: Path, tok: Tokenizer, **stop: Any
+                                   ) -> tuple[list[pb.GenerateResponse],
+                                              list[pb.GenerateResponse], dict[str, str]]:
+    """CALL_ANSWER written by the model, asked with tools offered (req "t") and without
+    (req "p"), each with the stop fields ``stop``: both replies and the engine's aborts."""
     answer = tok.encode(CALL_ANSWER, add_special_tokens=False)
 
     def script(_prompt: list[int], i: int) -> int:
@@ -167,13 +167,21 @@ def test_a_stop_string_does_not_cut_a_call_but_cuts_the_text_after_it(config_pat
         tools = pb.Chat(messages=[pb.ChatMessage(role="user", content="time?")],
                         tools_json=TOOLS)
         with_tools = await collect(stub, pb.GenerateRequest(
-            req_id="t", model="tiny", principal="alice", chat=tools, stop=["UTC"]))
-        without = await collect(stub, chat(req_id="p", stop=["UTC"]))
+            req_id="t", model="tiny", principal="alice", chat=tools, **stop))
+        without = await collect(stub, chat(req_id="p", **stop))
         await asyncio.sleep(0.01)
         return with_tools, without, dict(engine.aborts)
 
-    with_tools, without, aborts = run_fake_neuron(config_path, body, script=script,
-                                                  step_secs=0.001)
+    return run_fake_neuron(config_path, body, script=script, step_secs=0.001)
+
+
+def test_a_stop_string_does_not_cut_a_call_but_cuts_the_text_after_it(config_path: Path,
+                                                                      tok: Tokenizer) -> None:
+    """With tools offered, a client's stop string inside the model's call leaves the call
+    whole (a call cut there reached clients as tool_calls with arguments that are not
+    JSON); the text after the call ends at it as ever, and the engine is told to stop."""
+    with_tools, without, aborts = _answer_with_and_without_tools(config_path, tok,
+                                                                 stop=["UTC"])
     assert "".join(r.text for r in with_tools) == CALL_ANSWER[:CALL_ANSWER.index("noon UTC") + 5]
     assert with_tools[-1].stop_reason == "UTC"
     assert "".join(r.text for r in without) == CALL_ANSWER[:CALL_ANSWER.index("UTC")]  # no tools
@@ -190,21 +198,8 @@ def test_a_stop_id_does_not_cut_a_call_but_stops_the_text_after_it(config_path: 
     stop_id = tok.encode("U", add_special_tokens=False)[0]  # in "UTC", inside and after
     after = CALL_ANSWER.index("noon UTC") + len("noon U")
     assert answer.count(stop_id) == 2
-
-    def script(_prompt: list[int], i: int) -> int:
-        return answer[i] if i < len(answer) else tok.eos_token_ids[0]
-
-    async def body(stub, daemon, engine):
-        tools = pb.Chat(messages=[pb.ChatMessage(role="user", content="time?")],
-                        tools_json=TOOLS)
-        with_tools = await collect(stub, pb.GenerateRequest(
-            req_id="t", model="tiny", principal="alice", chat=tools, stop_token_ids=[stop_id]))
-        without = await collect(stub, chat(req_id="p", stop_token_ids=[stop_id]))
-        await asyncio.sleep(0.01)
-        return with_tools, without, dict(engine.aborts)
-
-    with_tools, without, aborts = run_fake_neuron(config_path, body, script=script,
-                                                  step_secs=0.001)
+    with_tools, without, aborts = _answer_with_and_without_tools(config_path, tok,
+                                                                 stop_token_ids=[stop_id])
     assert "".join(r.text for r in with_tools) == CALL_ANSWER[:after]
     ids = [i for r in with_tools for i in r.token_ids]
     assert ids == answer[:answer.index(stop_id, answer.index(stop_id) + 1) + 1]

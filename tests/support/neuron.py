@@ -39,6 +39,21 @@ def write_neuron_config(path: str | Path, config: dict[str, Any]) -> Path:
     return path
 
 
+def spawned_children(pid: int) -> list[int]:
+    """``pid``'s children that multiprocessing spawned (an engine process, a tensor-parallel
+    rank; not its resource tracker), started from any of its threads."""
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            children += [int(p) for p in f.read().split()]
+    out = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                out.append(child)
+    return out
+
+
 @dataclass
 class NeuronProcess:
     """A running `helexa neuron` subprocess."""
@@ -57,16 +72,7 @@ class NeuronProcess:
     def engine_pids(self) -> list[int]:
         """The daemon's engine processes (multiprocessing spawn children, started from any
         of the daemon's threads)."""
-        children = []
-        for task in os.listdir(f"/proc/{self.pid}/task"):
-            with open(f"/proc/{self.pid}/task/{task}/children") as f:
-                children += [int(p) for p in f.read().split()]
-        out = []
-        for pid in children:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"spawn_main" in f.read():
-                    out.append(pid)
-        return out
+        return spawned_children(self.pid)
 
     def logs(self, event: str | None = None) -> list[dict[str, Any]]:
         """The daemon's JSON log lines so far (optionally only one event)."""

@@ -12,6 +12,7 @@ import time
 import msgspec
 import pytest
 from support.fake_runner import FakeRunner, FakeRunnerFactory, fake_continuation
+from support.neuron import spawned_children
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.client import EngineClient, EngineError
@@ -312,19 +313,6 @@ def test_wedged_engine_is_killed_and_reported():
     asyncio.run(main())
 
 
-def _rank_pids(engine_pid: int) -> list[int]:
-    """The engine process's spawned children that run a tensor-parallel rank
-    (not multiprocessing's resource tracker)."""
-    with open(f"/proc/{engine_pid}/task/{engine_pid}/children") as f:
-        children = [int(p) for p in f.read().split()]
-    out = []
-    for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                out.append(pid)
-    return out
-
-
 @pytest.mark.slow  # test_tp.py's killed rank and the daemon's (test_neuron_tp.py) run by default
 def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
     """tp = 2: killing rank 1 fails the request in the step that finds it with an error,
@@ -337,7 +325,7 @@ def test_a_dead_rank_fails_the_model_at_once(tiny_model_dir):
                        block_size=16, context=512, tp=2, devices=["cpu"] * 2, torch_threads=1),
             on_fatal=fatal.append)
         try:
-            [rank] = _rank_pids(client.pid)
+            [rank] = spawned_children(client.pid)
             os.kill(rank, signal.SIGKILL)
             tokens, last = await collect(client, m.NewRequest(
                 req_id="r", prompt_token_ids=list(range(3, 20)), max_tokens=8, sampling=GREEDY))
