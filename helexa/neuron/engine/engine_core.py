@@ -209,6 +209,9 @@ class EngineCore:
             req.block_table.append(self.pool.draw(req.req_id))
 
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
+        if not req.output_budget:  # max_tokens 0: the prompt alone (its logprobs), no token
+            self.finish(req, RequestStatus.FINISHED_LENGTH)
+            return
         answering = req.thought is None or req.thought.answering  # a grammar follows answers
         if req.thought is not None:
             if not answering and req.matcher is not None and token_id in req.stop_token_ids:
