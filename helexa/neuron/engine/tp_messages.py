@@ -38,6 +38,7 @@ class TpSeq(msgspec.Struct, array_like=True):
     rope_delta: int = 0  # vision-language prompts: as SeqInput (every rank runs the tower)
     images: list[ImageSpan] = []
     save_kept: int = 0  # SeqInput's
+    all_logits: bool = False  # SeqInput's: a prompt-logprobs chunk, logits at every row
 
 
 class TpStep(msgspec.Struct, tag=True):
