@@ -3,8 +3,10 @@
 The engine sends token ids, never text (docs/architecture.md, "What each process owns").
 Everything that turns its per-step `RequestUpdate`s into what a caller sees
 is here: incremental detokenisation (helexa/neuron/detokenizer.py), stop
-strings across token boundaries, logprobs with each token's text and bytes,
-the finish reason and `stop_reason`, and usage (prompt, completion and
+strings across token boundaries, logprobs with each token's text and bytes
+(the prompt's too, gathered over its prefill chunks and sent whole with the
+first tokens, each with its offset in the prompt's text), the finish reason
+and `stop_reason`, and usage (prompt, completion and
 cached tokens, speculation and reasoning counts, queue / prefill / decode
 times). No gRPC, no asyncio: the servicer feeds it updates and sends what it
 returns, so it is tested update by update without a server.
@@ -62,7 +64,11 @@ class OutputProcessor:
                  stop_token_ids: Sequence[int] = (), return_prompt_token_ids: bool = False,
                  requested_max_tokens: int | None = None,
                  calls: tuple[str, str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, prompt_text: str | None = None,
+                 text_offsets: Sequence[int] = ()) -> None:
+        """`prompt_text`: sent on the first message (return_prompt_text); `text_offsets`:
+        where each prompt token begins in the prompt's text (prepare.py), for its
+        prompt_logprobs entry."""
         self.tokenizer = tokenizer
         self.new = new
         self.clock = clock
@@ -82,6 +88,11 @@ class OutputProcessor:
         self.error = ""
         self._sent_first = False
         self._sent_started = False  # prefill_started was sent
+        self._prompt_text, self._text_offsets = prompt_text, list(text_offsets)
+        # the prompt's logprobs as its chunks came (None: not asked, or sent)
+        self._prompt_lps: list[messages.TokenLogprob] | None = \
+            [] if new.sampling.prompt_logprobs is not None else None
+        self._texts: dict[int, str] = {}  # token id -> its text (logprobs' alternatives repeat)
 
     @property
     def finished(self) -> bool:
@@ -106,6 +117,8 @@ class OutputProcessor:
                 resp.prompt_token_ids.extend(self.new.prompt_token_ids)
             if self.new.thinking is not None and self.new.thinking.starts_open:
                 resp.thought_open = True
+            if self._prompt_text is not None:
+                resp.prompt_text = self._prompt_text
         if upd.started and not self._sent_started:  # it got a row: its prefill begins now
             resp.prefill_started = self._sent_started = True
         if upd.new_token_ids:
@@ -114,6 +127,11 @@ class OutputProcessor:
             resp.waiting_for_row = True
         if self.finish_reason is None and upd.finished is not None:
             self._finish(upd, resp)
+        if self._prompt_lps is not None:
+            self._prompt_lps.extend(upd.prompt_logprobs or ())
+            if resp.token_ids or self.finish_reason is not None:  # its prefill is over
+                resp.prompt_logprobs.extend(self._prompt_entries(self._prompt_lps))
+                self._prompt_lps = None
         if self.finish_reason is not None:
             self.reasoning_tokens = upd.reasoning_tokens  # the engine's count, set when finished
             resp.finish_reason = self.finish_reason
@@ -207,11 +225,29 @@ class OutputProcessor:
         return pb.FinishReason.Name(self.finish_reason or 0).removeprefix("FINISH_REASON_").lower()
 
     def _logprobs(self, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
-        tok = self.tokenizer
-        return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
+        tok, text = self.tokenizer, self._text
+        return [pb.TokenLogprob(token_id=lp.token_id, token=text(lp.token_id),
                                 token_bytes=tok.token_bytes(lp.token_id), logprob=lp.logprob,
-                                top=[pb.TopLogprob(token_id=t.token_id,
-                                                   token=tok.decode([t.token_id]),
+                                top=[pb.TopLogprob(token_id=t.token_id, token=text(t.token_id),
                                                    token_bytes=tok.token_bytes(t.token_id),
                                                    logprob=t.logprob) for t in lp.top])
                 for lp in lps]
+
+    def _prompt_entries(self, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
+        """The prompt's entries, the first token's (no logprob) first, each with its offset
+        in the prompt's text; none where the engine scored fewer than the prompt's tokens
+        after the first (it ended the request before its prefill did)."""
+        ids = self.new.prompt_token_ids
+        if len(lps) != len(ids) - 1:
+            return []
+        first = messages.TokenLogprob(ids[0], 0.0, [])
+        out = self._logprobs([first, *lps])
+        for entry, offset in zip(out, self._text_offsets, strict=False):
+            entry.text_offset = offset
+        return out
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -114,3 +114,23 @@ def test_a_stop_string_that_starts_where_a_call_does_is_the_call():
     c = StopChecker(["<tool"], CALLS)
     emitted, matched = feed_all(c, ["a <to", "ol_call>x<tool</tool_", "call> b <tool c"])
     assert (emitted, matched) == ("a <tool_call>x<tool</tool_call> b ", "<tool")
+
+
+def test_each_prompt_tokens_offset_is_where_its_text_begins(tiny_model_dir) -> None:
+    """decode_with_offsets: the prompt decoded as an output is, and each token's start in
+    it; the tokens of a character split over several begin where the character does, and
+    a lone byte that is no character's reads U+FFFD where it stands."""
+    from helexa.neuron.detokenizer import decode_with_offsets
+    from helexa.neuron.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    ids = tok.encode("a café ☕ b")
+    text, offsets = decode_with_offsets(tok, ids)
+    assert text == "a café ☕ b" and len(offsets) == len(ids)
+    pieces = [tok.token_bytes(i) for i in ids]
+    starts = [len(b"".join(pieces[:k]).decode("utf-8", errors="ignore")) for k in range(len(ids))]
+    # a token's start: the characters its bytes before it complete (a split one's start)
+    assert offsets == starts
+    lone = [i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x9c"][0]
+    text, offsets = decode_with_offsets(tok, [ids[0], lone, ids[0]])
+    assert (text, offsets) == ("a\ufffda", [0, 1, 2])
