@@ -89,10 +89,15 @@ class OutputProcessor:
         self._sent_first = False
         self._sent_started = False  # prefill_started was sent
         self._prompt_text, self._text_offsets = prompt_text, list(text_offsets)
-        # the prompt's logprobs as its chunks came (None: not asked, or sent)
-        self._prompt_lps: list[messages.TokenLogprob] | None = \
-            [] if new.sampling.prompt_logprobs is not None else None
         self._texts: dict[int, str] = {}  # token id -> its text (logprobs' alternatives repeat)
+        # The message that will carry the prompt's logprobs, gathering them as the engine
+        # scores them, chunk by chunk: each update's few are made into entries as it comes,
+        # so a long prompt's tens of thousands never hold the event loop at once. None: not
+        # asked, or sent.
+        self._scored: pb.GenerateResponse | None = None
+        if new.sampling.prompt_logprobs is not None:
+            self._scored = pb.GenerateResponse()
+            self._add_scored([messages.TokenLogprob(new.prompt_token_ids[0], 0.0, [])])
 
     @property
     def finished(self) -> bool:
@@ -127,11 +132,10 @@ class OutputProcessor:
             resp.waiting_for_row = True
         if self.finish_reason is None and upd.finished is not None:
             self._finish(upd, resp)
-        if self._prompt_lps is not None:
-            self._prompt_lps.extend(upd.prompt_logprobs or ())
+        if self._scored is not None:
+            self._add_scored(upd.prompt_logprobs or [])
             if resp.token_ids or self.finish_reason is not None:  # its prefill is over
-                resp.prompt_logprobs.extend(self._prompt_entries(self._prompt_lps))
-                self._prompt_lps = None
+                resp = self._with_scored(resp)
         if self.finish_reason is not None:
             self.reasoning_tokens = upd.reasoning_tokens  # the engine's count, set when finished
             resp.finish_reason = self.finish_reason
@@ -140,8 +144,8 @@ class OutputProcessor:
         # The first message goes out at admission, whatever it holds: the caller learns that
         # no refusal can follow (the router then opens its client's stream and keeps it
         # alive through the prefill, docs/http.md).
-        if resp.ByteSize() or self.finish_reason is not None or \
-                (upd.admitted and not self._sent_first):
+        if resp.prompt_logprobs or resp.ByteSize() or self.finish_reason is not None or \
+                (upd.admitted and not self._sent_first):  # (ByteSize walks all of them)
             if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
                 resp.prompt_tokens = len(self.new.prompt_token_ids)
                 resp.cached_tokens = self.cached_tokens
@@ -233,18 +237,25 @@ class OutputProcessor:
                                                    logprob=t.logprob) for t in lp.top])
                 for lp in lps]
 
-    def _prompt_entries(self, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
-        """The prompt's entries, the first token's (no logprob) first, each with its offset
-        in the prompt's text; none where the engine scored fewer than the prompt's tokens
-        after the first (it ended the request before its prefill did)."""
-        ids = self.new.prompt_token_ids
-        if len(lps) != len(ids) - 1:
-            return []
-        first = messages.TokenLogprob(ids[0], 0.0, [])
-        out = self._logprobs([first, *lps])
-        for entry, offset in zip(out, self._text_offsets, strict=False):
-            entry.text_offset = offset
-        return out
+    def _add_scored(self, lps: list[messages.TokenLogprob]) -> None:
+        """The prompt's next entries (the first token's, with no logprob, came first), each
+        at its offset in the prompt's text."""
+        assert self._scored is not None
+        entries, at = self._scored.prompt_logprobs, len(self._scored.prompt_logprobs)
+        entries.extend(self._logprobs(lps))
+        for i in range(at, min(len(entries), len(self._text_offsets))):
+            entries[i].text_offset = self._text_offsets[i]
+
+    def _with_scored(self, resp: pb.GenerateResponse) -> pb.GenerateResponse:
+        """`resp` on the message that gathered the prompt's entries (its few fields copied,
+        not the entries); without them where the engine scored fewer than the prompt's
+        tokens (it ended the request before its prefill did)."""
+        scored, self._scored = self._scored, None
+        assert scored is not None
+        if len(scored.prompt_logprobs) != len(self.new.prompt_token_ids):
+            return resp
+        scored.MergeFrom(resp)
+        return scored
 
     def _text(self, token_id: int) -> str:
         text = self._texts.get(token_id)

@@ -85,7 +85,6 @@ class Prepared:
     text_offsets: list[int] = field(default_factory=list)
 
 
-
 def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest) -> Prepared:
     """The request's prompt, output bound, images, grammar and thinking bounds; a Refusal
     naming what is wrong. The model's tokenizer, catalogue entry and limits as the call
