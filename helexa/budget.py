@@ -91,8 +91,8 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
             f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
     if max_tokens is None:
         return None
-    if max_tokens < 1:
-        return Refusal("invalid_request_error", f"max_tokens: expected at least 1, got {max_tokens}")
+    if max_tokens < 0:  # 0: the prompt alone, nothing generated (its logprobs: echo)
+        return Refusal("invalid_request_error", f"max_tokens: expected at least 0, got {max_tokens}")
     if prompt_tokens + max_tokens > context:
         return Refusal(
             "context_length_exceeded",

@@ -39,3 +39,14 @@ def test_an_unfinished_stream_merges_to_an_unfinished_message():
                            pb.GenerateResponse(text="b", token_ids=[2])])
     assert got.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not got.HasField("usage")
     assert (got.text, list(got.token_ids)) == ("ab", [1, 2])
+
+
+def test_merge_keeps_the_prompts_text_and_logprobs():
+    """An echo's: the prompt's text (first message) and its tokens' logprobs (the message
+    of the first token) reach Complete's caller too."""
+    got = merge_responses([
+        pb.GenerateResponse(prompt_text="the sea", prompt_tokens=2),
+        pb.GenerateResponse(text="!", token_ids=[9], prompt_logprobs=[lp(1), lp(2)]),
+        pb.GenerateResponse(finish_reason=pb.FINISH_REASON_LENGTH)])
+    assert got.prompt_text == "the sea"
+    assert list(got.prompt_logprobs) == [lp(1), lp(2)] and list(got.token_ids) == [9]

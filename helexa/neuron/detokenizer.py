@@ -48,6 +48,14 @@ class IncrementalDetokenizer:
         """At the end of the stream: whatever is held, replacement characters included."""
         return self._emit(final=True)
 
+    def held(self) -> str:
+        """The text of the ids added but not emitted yet ("" when none): an incomplete
+        character's U+FFFD, or a real one, until what follows tells them apart."""
+        if self.read_offset >= len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        return self._decode(self.ids[self.prefix_offset:])[len(prefix):]
+
     def _emit(self, final: bool) -> str:
         if self.read_offset >= len(self.ids):
             return ""
@@ -61,6 +69,31 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self.text += delta
         return delta
+
+
+def decode_with_offsets(tokenizer: Any, ids: list[int]) -> tuple[str, list[int]]:
+    """`ids` as text, decoded as an output is (special tokens skipped, a window at a time),
+    and where each token's text begins in it, in characters: after the text of the tokens
+    before it, as far as that text is the final one's (held back, a split character's
+    first bytes read U+FFFD, which the final text has not). So a token that completes a
+    character begins where the character does, as do those that began it; one that adds
+    no text (a skipped special token) where the next text begins."""
+    detok = IncrementalDetokenizer(tokenizer, [])
+    marks = []  # before each token: the text emitted, and the text held back
+    for i in ids:
+        marks.append((len(detok.text), detok.held()))
+        detok.add([i])
+    detok.flush()
+    text = detok.text
+    return text, [at + _common(held, text, at) for at, held in marks]
+
+
+def _common(held: str, text: str, at: int) -> int:
+    """How many characters of `held` text[at:] starts with."""
+    n = 0
+    while n < len(held) and at + n < len(text) and held[n] == text[at + n]:
+        n += 1
+    return n
 
 
 class StopChecker:

@@ -3,8 +3,10 @@
 The engine sends token ids, never text (docs/architecture.md, "What each process owns").
 Everything that turns its per-step `RequestUpdate`s into what a caller sees
 is here: incremental detokenisation (helexa/neuron/detokenizer.py), stop
-strings across token boundaries, logprobs with each token's text and bytes,
-the finish reason and `stop_reason`, and usage (prompt, completion and
+strings across token boundaries, logprobs with each token's text and bytes
+(the prompt's too, gathered over its prefill chunks and sent whole with the
+first tokens, each with its offset in the prompt's text), the finish reason
+and `stop_reason`, and usage (prompt, completion and
 cached tokens, speculation and reasoning counts, queue / prefill / decode
 times). No gRPC, no asyncio: the servicer feeds it updates and sends what it
 returns, so it is tested update by update without a server.
@@ -70,7 +72,11 @@ class OutputProcessor:
                  stop_token_ids: Sequence[int] = (), return_prompt_token_ids: bool = False,
                  requested_max_tokens: int | None = None,
                  calls: tuple[str, str] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, prompt_text: str | None = None,
+                 text_offsets: Sequence[int] = ()) -> None:
+        """`prompt_text`: sent on the first message (return_prompt_text); `text_offsets`:
+        where each prompt token begins in the prompt's text (prepare.py), for its
+        prompt_logprobs entry."""
         self.tokenizer = tokenizer
         self.new = new
         self.clock = clock
@@ -91,6 +97,16 @@ class OutputProcessor:
         self.error = ""
         self._sent_first = False
         self._sent_started = False  # prefill_started was sent
+        self._prompt_text, self._text_offsets = prompt_text, list(text_offsets)
+        self._texts: dict[int, str] = {}  # token id -> its text (logprobs' alternatives repeat)
+        # The message that will carry the prompt's logprobs, gathering them as the engine
+        # scores them, chunk by chunk: each update's few are made into entries as it comes,
+        # so a long prompt's tens of thousands never hold the event loop at once. None: not
+        # asked, or sent.
+        self._scored: pb.GenerateResponse | None = None
+        if new.sampling.prompt_logprobs is not None:
+            self._scored = pb.GenerateResponse()
+            self._add_scored([messages.TokenLogprob(new.prompt_token_ids[0], 0.0, [])])
 
     @property
     def finished(self) -> bool:
@@ -115,6 +131,8 @@ class OutputProcessor:
                 resp.prompt_token_ids.extend(self.new.prompt_token_ids)
             if self.new.thinking is not None and self.new.thinking.starts_open:
                 resp.thought_open = True
+            if self._prompt_text is not None:
+                resp.prompt_text = self._prompt_text
         if upd.started and not self._sent_started:  # it got a row: its prefill begins now
             resp.prefill_started = self._sent_started = True
         if upd.new_token_ids:
@@ -123,6 +141,10 @@ class OutputProcessor:
             resp.waiting_for_row = True
         if self.finish_reason is None and upd.finished is not None:
             self._finish(upd, resp)
+        if self._scored is not None:
+            self._add_scored(upd.prompt_logprobs or [])
+            if resp.token_ids or self.finish_reason is not None:  # its prefill is over
+                resp = self._with_scored(resp)
         if self.finish_reason is not None:
             self.reasoning_tokens = upd.reasoning_tokens  # the engine's count, set when finished
             resp.finish_reason = self.finish_reason
@@ -131,8 +153,8 @@ class OutputProcessor:
         # The first message goes out at admission, whatever it holds: the caller learns that
         # no refusal can follow (the router then opens its client's stream and keeps it
         # alive through the prefill, docs/http.md).
-        if resp.ByteSize() or self.finish_reason is not None or \
-                (upd.admitted and not self._sent_first):
+        if resp.prompt_logprobs or resp.ByteSize() or self.finish_reason is not None or \
+                (upd.admitted and not self._sent_first):  # (ByteSize walks all of them)
             if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
                 resp.prompt_tokens = len(self.new.prompt_token_ids)
                 resp.cached_tokens = self.cached_tokens
@@ -247,11 +269,36 @@ class OutputProcessor:
         return pb.FinishReason.Name(self.finish_reason or 0).removeprefix("FINISH_REASON_").lower()
 
     def _logprobs(self, lps: list[messages.TokenLogprob]) -> list[pb.TokenLogprob]:
-        tok = self.tokenizer
-        return [pb.TokenLogprob(token_id=lp.token_id, token=tok.decode([lp.token_id]),
+        tok, text = self.tokenizer, self._token_text
+        return [pb.TokenLogprob(token_id=lp.token_id, token=text(lp.token_id),
                                 token_bytes=tok.token_bytes(lp.token_id), logprob=lp.logprob,
-                                top=[pb.TopLogprob(token_id=t.token_id,
-                                                   token=tok.decode([t.token_id]),
+                                top=[pb.TopLogprob(token_id=t.token_id, token=text(t.token_id),
                                                    token_bytes=tok.token_bytes(t.token_id),
                                                    logprob=t.logprob) for t in lp.top])
                 for lp in lps]
+
+    def _add_scored(self, lps: list[messages.TokenLogprob]) -> None:
+        """The prompt's next entries (the first token's, with no logprob, came first), each
+        at its offset in the prompt's text."""
+        assert self._scored is not None
+        entries, at = self._scored.prompt_logprobs, len(self._scored.prompt_logprobs)
+        entries.extend(self._logprobs(lps))
+        for i in range(at, min(len(entries), len(self._text_offsets))):
+            entries[i].text_offset = self._text_offsets[i]
+
+    def _with_scored(self, resp: pb.GenerateResponse) -> pb.GenerateResponse:
+        """`resp` on the message that gathered the prompt's entries (its few fields copied,
+        not the entries); without them where the engine scored fewer than the prompt's
+        tokens (it ended the request before its prefill did)."""
+        scored, self._scored = self._scored, None
+        assert scored is not None
+        if len(scored.prompt_logprobs) != len(self.new.prompt_token_ids):
+            return resp
+        scored.MergeFrom(resp)
+        return scored
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text

@@ -10,16 +10,19 @@ never on the event loop that carries every stream and Watch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from helexa.budget import fitted_max_tokens
 from helexa.neuron import agent
+from helexa.neuron.detokenizer import decode_with_offsets
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import check_context
 from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
+
+MAX_PROMPT_LOGPROBS = 20  # alternatives a prompt token may ask for, as top_logprobs' most
 
 
 def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
@@ -69,13 +72,17 @@ def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | Non
 
 @dataclass
 class Prepared:
-    """What the engine's NewRequest needs of the request's prompt work."""
+    """What the engine's NewRequest needs of the request's prompt work, and the prompt as
+    text with where each token begins in it, where the caller wants either (return_prompt_text,
+    sampling.prompt_logprobs: their entries' text_offset)."""
 
     prompt_ids: list[int]
     max_tokens: int | None
     images: list[messages.ImageInput]
     grammar: str | None
     thinking: messages.Thinking | None
+    prompt_text: str = ""
+    text_offsets: list[int] = field(default_factory=list)
 
 
 def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest) -> Prepared:
@@ -83,11 +90,18 @@ def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest
     naming what is wrong. The model's tokenizer, catalogue entry and limits as the call
     found them."""
     max_tokens = request.max_tokens if request.HasField("max_tokens") else None
+    scored = request.sampling.HasField("prompt_logprobs")
+    if scored and not 0 <= request.sampling.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
+        raise Refusal("invalid_request_error", f"sampling.prompt_logprobs: expected 0.."
+                      f"{MAX_PROMPT_LOGPROBS}, got {request.sampling.prompt_logprobs}")
     ids, max_tokens, images = prompt_of(tokenizer, request, max_tokens, limits)
     grammar = agent.constraint_grammar(request,
                                        agent.tool_parser(entry, tokenizer.chat_template))
     thinking = agent.thinking(tokenizer, entry, request, ids, _enable_thinking(request))
-    return Prepared(ids, max_tokens, images, grammar, thinking)
+    out = Prepared(ids, max_tokens, images, grammar, thinking)
+    if scored or request.return_prompt_text:  # a decode a token: grows with the prompt
+        out.prompt_text, out.text_offsets = decode_with_offsets(tokenizer, ids)
+    return out
 
 
 def _enable_thinking(request: pb.GenerateRequest) -> Any:

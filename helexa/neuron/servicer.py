@@ -36,7 +36,7 @@ from helexa.neuron.engine import messages
 from helexa.neuron.grpc_status import abort
 from helexa.neuron.metrics import NeuronMetrics
 from helexa.neuron.output_processor import OutputProcessor
-from helexa.neuron.prepare import prepare
+from helexa.neuron.prepare import Prepared, prepare
 from helexa.neuron.residency import Residency
 from helexa.neuron.resident_model import ModelState, ResidentModel
 from helexa.neuron.status import StatusHub, model_status
@@ -60,7 +60,8 @@ def sampling_params(s: pb.SamplingParams) -> messages.SamplingParams:
         frequency_penalty=s.frequency_penalty,
         repetition_penalty=s.repetition_penalty if s.repetition_penalty > 0 else 1.0,
         seed=s.seed if s.HasField("seed") else None, logprobs=s.logprobs or s.top_logprobs > 0,
-        top_logprobs=max(0, s.top_logprobs))
+        top_logprobs=max(0, s.top_logprobs),
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None)
 
 
 class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
@@ -113,7 +114,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                 arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
             blog.info("request.start", prompt_tokens=len(p.prompt_ids),
                       max_tokens=p.max_tokens)
-            async for resp in self._stream(r, new, request, context, blog, calls):
+            async for resp in self._stream(r, new, request, context, blog, calls, p):
                 yield resp
         finally:
             if r is not None:
@@ -161,7 +162,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
 
     async def _stream(self, r: ResidentModel, new: messages.NewRequest,
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                      blog: Any, calls: tuple[str, str] | None
+                      blog: Any, calls: tuple[str, str] | None, p: Prepared
                       ) -> AsyncIterator[pb.GenerateResponse]:
         model = r.model_id
         # a constrained reply ends where its grammar does: a stop string inside it would
@@ -172,7 +173,9 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
                               return_prompt_token_ids=request.return_prompt_token_ids,
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None),
-                              calls=calls)
+                              calls=calls,
+                              prompt_text=p.prompt_text if request.return_prompt_text else None,
+                              text_offsets=p.text_offsets)
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))

@@ -36,7 +36,7 @@ MODEL_STATE_DRAINING: ModelState
 MODEL_STATE_FAILED: ModelState
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "top_logprobs", "logprobs")
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "top_logprobs", "logprobs", "prompt_logprobs")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -57,7 +58,8 @@ class SamplingParams(_message.Message):
     seed: int
     top_logprobs: int
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., top_logprobs: _Optional[int] = ..., logprobs: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class Image(_message.Message):
     __slots__ = ("data",)
@@ -142,7 +144,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("req_id", "model", "principal", "chat", "text", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "deadline_unix_ms", "return_prompt_token_ids", "constraint", "reasoning_effort", "thinking_budget_tokens", "fit_max_tokens")
+    __slots__ = ("req_id", "model", "principal", "chat", "text", "token_ids", "max_tokens", "sampling", "stop", "stop_token_ids", "ignore_eos", "deadline_unix_ms", "return_prompt_token_ids", "constraint", "reasoning_effort", "thinking_budget_tokens", "fit_max_tokens", "return_prompt_text")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,7 @@ class GenerateRequest(_message.Message):
     REASONING_EFFORT_FIELD_NUMBER: _ClassVar[int]
     THINKING_BUDGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIT_MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     model: str
     principal: str
@@ -177,7 +180,8 @@ class GenerateRequest(_message.Message):
     reasoning_effort: str
     thinking_budget_tokens: int
     fit_max_tokens: bool
-    def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., reasoning_effort: _Optional[str] = ..., thinking_budget_tokens: _Optional[int] = ..., fit_max_tokens: _Optional[bool] = ...) -> None: ...
+    return_prompt_text: bool
+    def __init__(self, req_id: _Optional[str] = ..., model: _Optional[str] = ..., principal: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., max_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., deadline_unix_ms: _Optional[int] = ..., return_prompt_token_ids: _Optional[bool] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., reasoning_effort: _Optional[str] = ..., thinking_budget_tokens: _Optional[int] = ..., fit_max_tokens: _Optional[bool] = ..., return_prompt_text: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "token", "logprob", "token_bytes")
@@ -192,18 +196,20 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
-    __slots__ = ("token_id", "token", "logprob", "top", "token_bytes")
+    __slots__ = ("token_id", "token", "logprob", "top", "token_bytes", "text_offset")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_FIELD_NUMBER: _ClassVar[int]
     TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEXT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     token: str
     logprob: float
     top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     token_bytes: bytes
-    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token_bytes: _Optional[bytes] = ...) -> None: ...
+    text_offset: int
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., token_bytes: _Optional[bytes] = ..., text_offset: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "prefill_ms", "decode_ms", "queue_ms", "reasoning_tokens", "draft_tokens", "accepted_draft_tokens")
@@ -228,7 +234,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., reasoning_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason", "thought_open", "prompt_tokens", "fitted_max_tokens", "cached_tokens", "prefill_started", "waiting_for_row")
+    __slots__ = ("text", "token_ids", "logprobs", "finish_reason", "usage", "prompt_token_ids", "stop_reason", "thought_open", "prompt_tokens", "fitted_max_tokens", "cached_tokens", "prefill_started", "waiting_for_row", "prompt_logprobs", "prompt_text")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -242,6 +248,8 @@ class GenerateResponse(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_STARTED_FIELD_NUMBER: _ClassVar[int]
     WAITING_FOR_ROW_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
@@ -255,7 +263,9 @@ class GenerateResponse(_message.Message):
     cached_tokens: int
     prefill_started: bool
     waiting_for_row: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ..., thought_open: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., fitted_max_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_started: _Optional[bool] = ..., waiting_for_row: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_text: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., stop_reason: _Optional[str] = ..., thought_open: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., fitted_max_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_started: _Optional[bool] = ..., waiting_for_row: _Optional[bool] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_text: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("heartbeat_ms",)

@@ -4,7 +4,10 @@ Chat and completions differ only in the shape of a choice (`message`/`delta`
 vs `text`) and of logprobs (`{"content": [...]}` vs the legacy parallel
 lists). `return_token_ids` adds `prompt_token_ids` (top level) and
 per-choice `token_ids`, as vLLM does; usage carries
-`prompt_tokens_details.cached_tokens`.
+`prompt_tokens_details.cached_tokens`. A completion's `echo` starts its text
+with the prompt; with `logprobs` the prompt's tokens start its logprobs
+(completion_logprobs.py), and a stream sends both with the first generated
+token (the neuron's message that has them), as vLLM's.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from typing import Any
 import msgspec
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router import completion_logprobs
 from helexa.router.agent_output import OutputParser, Parts
+from helexa.router.completion_logprobs import JSON, each
 from helexa.router.openai_api import ParsedRequest
 from helexa.router.tool_parsers import whole_calls
 
@@ -40,6 +45,10 @@ class Choice:
     prompt_tokens: int = 0  # from the first neuron message (continuous usage)
     prompt_index: int = 0  # completions batch: which prompt this choice continues
     echo: str = ""  # completions' echo: the prompt text that starts the choice's text
+    # ... and with logprobs its tokens' (the neuron's prompt_logprobs), first in them; a
+    # stream sends the echo with them (echo_due until then)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    echo_due: bool = False
     num_calls: int = 0  # tool calls streamed so far
     thought_open: bool = False  # the prompt opened a thought (the neuron said so)
 
@@ -99,37 +108,11 @@ def _chat_logprobs(lps: list[pb.TokenLogprob]) -> dict[str, Any]:
     return {"content": [chat_entry(t) for t in lps]}
 
 
-def _offsets(lps: list[pb.TokenLogprob], offset: int) -> list[int]:
-    offsets = []
-    for t in lps:
-        offsets.append(offset)
-        offset += len(t.token)
-    return offsets
-
-
-def _completion_logprobs(lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any]:
-    return {"tokens": [t.token for t in lps], "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{a.token: a.logprob for a in t.top} for t in lps],
-            "text_offset": _offsets(lps, offset)}
-
-
-def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int) -> dict[str, Any] | None:
+def _logprobs(env: Envelope, lps: list[pb.TokenLogprob], offset: int,
+              prompt: list[pb.TokenLogprob] | None = None) -> dict[str, Any] | None:
     if not env.req.logprobs:
         return None
-    return _chat_logprobs(lps) if env.chat else _completion_logprobs(lps, offset)
-
-
-_JSON = msgspec.json.Encoder()
-
-
-def _each(buf: bytearray, items: Any, fn: Any) -> None:
-    """A JSON array of fn(item) for each item, appended to buf an item at a time."""
-    buf += b"["
-    for i, item in enumerate(items):
-        if i:
-            buf += b","
-        _JSON.encode_into(fn(item), buf, -1)
-    buf += b"]"
+    return _chat_logprobs(lps) if env.chat else completion_logprobs.as_dict(lps, offset, prompt)
 
 
 @dataclass
@@ -139,20 +122,15 @@ class WholeLogprobs:
 
     chat: bool
     lps: list[pb.TokenLogprob]
+    prompt: list[pb.TokenLogprob] = field(default_factory=list)  # an echo's, first
+    offset: int = 0  # where the generated text begins in the choice's (after an echo)
 
     def write(self, buf: bytearray) -> None:
-        if self.chat:
-            buf += b'{"content":'
-            _each(buf, self.lps, chat_entry)
-        else:
-            buf += b'{"tokens":'
-            _each(buf, self.lps, lambda t: t.token)
-            buf += b',"token_logprobs":'
-            _each(buf, self.lps, lambda t: t.logprob)
-            buf += b',"top_logprobs":'
-            _each(buf, self.lps, lambda t: {a.token: a.logprob for a in t.top})
-            buf += b',"text_offset":'
-            _JSON.encode_into(_offsets(self.lps, 0), buf, -1)
+        if not self.chat:
+            completion_logprobs.write(buf, self.lps, self.offset, self.prompt)
+            return
+        buf += b'{"content":'
+        each(buf, self.lps, chat_entry)
         buf += b"}"
 
 
@@ -169,7 +147,7 @@ def json_body(obj: Any, buf: bytearray | None = None) -> bytearray:
         for i, (key, value) in enumerate(obj.items()):
             if i:
                 buf += b","
-            _JSON.encode_into(key, buf, -1)
+            JSON.encode_into(key, buf, -1)
             buf += b":"
             json_body(value, buf)
         buf += b"}"
@@ -181,7 +159,7 @@ def json_body(obj: Any, buf: bytearray | None = None) -> bytearray:
             json_body(item, buf)
         buf += b"]"
     else:
-        _JSON.encode_into(obj, buf, -1)
+        JSON.encode_into(obj, buf, -1)
     return buf
 
 
@@ -205,6 +183,7 @@ def add_delta(choice: Choice, msg: pb.GenerateResponse, *, streamed: bool = Fals
     if not streamed:
         choice.token_ids.extend(msg.token_ids)
         choice.logprobs.extend(msg.logprobs)
+        choice.prompt_logprobs.extend(msg.prompt_logprobs)
     if msg.prompt_token_ids:
         choice.prompt_token_ids = list(msg.prompt_token_ids)
     if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
@@ -230,7 +209,8 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
                 body["message"], finish = chat_message(parts, rest, finish)
         else:
             body["text"] = c.echo + text
-        body["logprobs"] = WholeLogprobs(env.chat, c.logprobs) if env.req.logprobs else None
+        body["logprobs"] = WholeLogprobs(env.chat, c.logprobs, c.prompt_logprobs,
+                                         len(c.echo)) if env.req.logprobs else None
         body["finish_reason"] = finish
         body["stop_reason"] = c.stop_reason
         if env.req.return_token_ids:
@@ -277,6 +257,9 @@ def first_chunk(env: Envelope, choice: Choice) -> dict[str, Any] | None:
     """Chat opens each choice with the assistant role; completions have no such chunk
     unless they echo the prompt."""
     if not env.chat:
+        if env.req.echo and env.req.logprobs:  # sent with the prompt's logprobs: delta_chunk
+            choice.echo_due = True
+            return None
         if not choice.echo:
             return None
         return _chunk(env, [{"index": choice.index, "text": choice.echo, "logprobs": None,
@@ -293,7 +276,10 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
               if msg.finish_reason != pb.FINISH_REASON_UNSPECIFIED else None)
     if msg.thought_open and choice.parser is not None:  # (said on the first message, often
         choice.parser.thought_opened()  # one with nothing else: the admission's)
-    if not msg.text and not msg.token_ids and finish is None:
+    echo, echoed = "", None
+    if choice.echo_due and (msg.prompt_logprobs or finish is not None):  # the prompt's, now
+        echo, echoed, choice.echo_due = choice.echo, list(msg.prompt_logprobs), False
+    if not msg.text and not msg.token_ids and finish is None and echoed is None:
         return None  # (a first message's prompt ids then ride on the next chunk)
     body: dict[str, Any] = {"index": choice.index}
     if env.chat and choice.parser is not None:
@@ -311,8 +297,9 @@ def delta_chunk(env: Envelope, choice: Choice, msg: pb.GenerateResponse,
     elif env.chat:
         body["delta"] = {"content": msg.text} if msg.text or finish is None else {}
     else:
-        body["text"] = msg.text
-    body["logprobs"] = _logprobs(env, list(msg.logprobs), choice.text_chars)
+        body["text"] = echo + msg.text
+    body["logprobs"] = _logprobs(env, list(msg.logprobs), len(choice.echo) + choice.text_chars,
+                                 echoed)
     body["finish_reason"] = finish
     if finish is not None:
         body["stop_reason"] = msg.stop_reason or None

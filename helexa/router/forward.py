@@ -52,6 +52,10 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
     if req.max_tokens is not None:
         g.max_tokens = req.max_tokens
         g.fit_max_tokens = req.fit_max_tokens
+    if req.echo:  # completions: the prompt's text where the router has none to index
+        g.return_prompt_text = asks_prompt_text(req)
+        if req.logprobs:
+            g.sampling.prompt_logprobs = req.top_logprobs
     if req.tool_choice in ("required", "function"):  # the neuron writes the model's format
         g.constraint.tool_choice.SetInParent()
         g.constraint.tool_choice.function = req.tool_name or ""
@@ -76,6 +80,13 @@ def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: 
     else:
         g.text = req.prompt_text or ""
     return g
+
+
+def asks_prompt_text(req: ParsedRequest) -> bool:
+    """An echo whose text the neuron gives (GenerateResponse.prompt_text): a prompt of token
+    ids (the router has no tokenizer), or one whose logprobs come back, their text_offset
+    indexing that text."""
+    return req.echo and (req.prompt_ids is not None or req.logprobs)
 
 
 def _choice_seed(seed: int, choice: int) -> int:
@@ -124,9 +135,10 @@ def chat_proto(req: ParsedRequest) -> pb.Chat:
 
 # Set on a stream's first message only: a resumed stream's new first message loses them.
 _FIRST_ONLY = ("thought_open", "prompt_tokens", "fitted_max_tokens", "cached_tokens",
-               "prompt_token_ids", "prefill_started")
+               "prompt_token_ids", "prefill_started", "prompt_text")
 # What the client saw of the first message, which a resumed stream's must repeat.
-_AGREE = ("prompt_tokens", "thought_open", "fitted_max_tokens", "prompt_token_ids")
+_AGREE = ("prompt_tokens", "thought_open", "fitted_max_tokens", "prompt_token_ids",
+          "prompt_text")
 
 
 def has_output(msg: pb.GenerateResponse) -> bool:

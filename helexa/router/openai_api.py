@@ -236,12 +236,13 @@ def _completion(b: CompletionBody, req: ParsedRequest) -> None:
                           "list of several of one of those", "prompt")
     req.logprobs, req.top_logprobs = b.logprobs is not None, b.logprobs or 0
     req.max_tokens = b.max_tokens
-    if b.echo:
-        if req.prompt_text is None:
-            raise unsupported("echo", "echo of a prompt given as token ids")
-        if req.logprobs:
-            raise unsupported("echo", "echo with logprobs (the prompt's logprobs)")
-        req.echo = True
+    # echo: the prompt starts each choice's text (as the neuron decodes it, where it is
+    # token ids or logprobs are asked), with logprobs its tokens' logprobs start the
+    # choice's (encode.py); max_tokens 0 generates nothing past it, as OpenAI's and vLLM's
+    req.echo = bool(b.echo)
+    if b.max_tokens == 0 and not req.echo:
+        raise bad_request("`max_tokens` 0 is only served with `echo: true` (the prompt alone, "
+                          "and with `logprobs` its tokens' logprobs)", "max_tokens")
     if b.suffix is not None:
         raise unsupported("suffix")
     if b.best_of is not None and b.best_of != (b.n or 1):

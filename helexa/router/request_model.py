@@ -156,8 +156,8 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     include_stop_str_in_output: bool | None = None  # vLLM: the stop string ends the text
     # vLLM extras that tools send (guidellm, lm-eval) and that change nothing here:
     # special tokens are always skipped (and so never spaced), the prompt is never
-    # truncated (one over the context is refused), min_tokens is not enforced, and
-    # prompt logprobs are not computed.
+    # truncated (one over the context is refused), min_tokens is not enforced, and vLLM's
+    # prompt_logprobs field is not served (a completion's echo with logprobs gives them).
     skip_special_tokens: Harmless = None
     spaces_between_special_tokens: Harmless = None
     truncate_prompt_tokens: Harmless = None
@@ -221,6 +221,8 @@ class CompletionBody(RequestBody, kw_only=True):
     # A string, a batch of strings, token ids, or a batch of token-id lists; the batch forms
     # are served when they hold one prompt (openai_api.py), a mixed list is refused there.
     prompt: str | list[str | TokenId | list[TokenId]]
+    # 0: with echo, the prompt alone (and its logprobs) and nothing generated (openai_api.py)
+    max_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS_COMPLETION)] | None = None
     echo: bool | None = None
     best_of: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None

@@ -34,6 +34,7 @@ from helexa.router import (
     anthropic,
     anthropic_encode,
     anthropic_errors,
+    completion_logprobs,
     encode,
     event_replies,
     images,
@@ -173,7 +174,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                               created=int(time.time()), model=model, req=req)
         choices = [encode.Choice(index=k * req.n + i, prompt_index=k,
                                  parser=reply_check.reply_parser(state, req, model, calls),
-                                 echo=(sub.prompt_text or "") if req.echo else "")
+                                 echo=completion_logprobs.echo_text(sub, calls[k * req.n + i]))
                    for k, sub in enumerate(prompts) for i in range(req.n)]
         streams = [c for c in calls if isinstance(c, OpenStream)]
         headers = _headers(req, calls[0], req_id)

@@ -128,3 +128,22 @@ def test_a_call_tracker_says_whether_the_text_so_far_ends_inside_a_call(size):
         assert tracker.inside == (seen.rfind(CALLS[0]) > seen.rfind(CALLS[1])), seen
     assert tracker.inside
 
+
+def test_each_prompt_tokens_offset_is_where_its_text_begins(tiny_model_dir) -> None:
+    """decode_with_offsets: the prompt decoded as an output is, and each token's start in
+    it; the tokens of a character split over several begin where the character does, and
+    a lone byte that is no character's reads U+FFFD where it stands."""
+    from helexa.neuron.detokenizer import decode_with_offsets
+    from helexa.neuron.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_model_dir)
+    ids = tok.encode("a café ☕ b")
+    text, offsets = decode_with_offsets(tok, ids)
+    assert text == "a café ☕ b" and len(offsets) == len(ids)
+    pieces = [tok.token_bytes(i) for i in ids]
+    starts = [len(b"".join(pieces[:k]).decode("utf-8", errors="ignore")) for k in range(len(ids))]
+    # a token's start: the characters its bytes before it complete (a split one's start)
+    assert offsets == starts
+    lone = [i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x9c"][0]
+    text, offsets = decode_with_offsets(tok, [ids[0], lone, ids[0]])
+    assert (text, offsets) == ("a\ufffda", [0, 1, 2])

@@ -266,3 +266,48 @@ def test_a_request_that_lost_its_row_says_it_waits_for_one(tok) -> None:
                       m.RequestUpdate(req_id="r", finished=m.FinishReason.LENGTH)])
     assert [(list(r.token_ids), r.waiting_for_row) for r in sent] == [
         ([], False), ([5], False), ([], True), ([6], False), ([7], True), ([], False)]
+
+
+def test_prompt_logprobs_come_whole_with_the_first_token_each_at_its_offset(tok) -> None:
+    """The engine scores the prompt chunk by chunk; the caller gets every prompt token's
+    entry on one message, the first token's (no logprob) first, each with its text and its
+    offset in the prompt's text, which comes on the first message where asked."""
+    from helexa.neuron.detokenizer import decode_with_offsets
+
+    prompt = tok.encode("café au lait")
+    text_, offsets = decode_with_offsets(tok, prompt)
+    new = m.NewRequest(req_id="r", prompt_token_ids=prompt, arrival_unix=ARRIVAL,
+                       sampling=m.SamplingParams(prompt_logprobs=1))
+    out = OutputProcessor(tok, new, clock=Clock(ARRIVAL, 0.01), prompt_text=text_,
+                          text_offsets=offsets)
+    lps = [m.TokenLogprob(t, -0.5 - i, [m.TopToken(prompt[0], -0.25)])
+           for i, t in enumerate(prompt[1:])]
+    cut = len(lps) // 2
+    sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True),
+                      m.RequestUpdate(req_id="r", prompt_logprobs=lps[:cut]),
+                      m.RequestUpdate(req_id="r", prompt_logprobs=lps[cut:], new_token_ids=[5]),
+                      m.RequestUpdate(req_id="r", new_token_ids=[6],
+                                      finished=m.FinishReason.LENGTH)])
+    assert sent[0].prompt_text == text_ == "café au lait" and not sent[0].prompt_logprobs
+    with_first = [r for r in sent if r.prompt_logprobs]
+    assert len(with_first) == 1 and list(with_first[0].token_ids) == [5]
+    got = with_first[0].prompt_logprobs
+    assert [e.token_id for e in got] == prompt
+    assert got[0].logprob == 0 and not got[0].top
+    assert [e.logprob for e in got[1:]] == [lp.logprob for lp in lps]
+    assert [e.text_offset for e in got] == offsets
+    assert [e.token for e in got] == [tok.decode([t]) for t in prompt]
+    assert got[1].top[0].token == tok.decode([prompt[0]])
+
+
+def test_max_tokens_0_sends_the_prompts_logprobs_on_its_last_message(tok) -> None:
+    prompt = tok.encode("Once upon")
+    new = m.NewRequest(req_id="r", prompt_token_ids=prompt, arrival_unix=ARRIVAL, max_tokens=0,
+                       sampling=m.SamplingParams(prompt_logprobs=0))
+    out = OutputProcessor(tok, new, clock=Clock(ARRIVAL, 0.01))
+    lps = [m.TokenLogprob(t, -1.0, []) for t in prompt[1:]]
+    sent = feed(out, [m.RequestUpdate(req_id="r", admitted=True, prompt_logprobs=lps,
+                                      finished=m.FinishReason.LENGTH)])
+    assert sent[-1].finish_reason == pb.FINISH_REASON_LENGTH and not sent[-1].prompt_text
+    assert [e.token_id for e in sent[-1].prompt_logprobs] == prompt
+    assert sent[-1].usage.completion_tokens == 0

@@ -84,3 +84,55 @@ def test_a_whole_reply_with_logprobs_costs_little_more_than_its_json():
             for c in choices]
         assert got[0]["finish_reason"] == "length" and list(got[0])[:3] == [
             "index", "message" if kind == "chat" else "text", "logprobs"]
+
+
+def test_an_echo_with_logprobs_starts_with_the_prompts_whole_or_streamed():
+    """A completion echoing its prompt with logprobs: the prompt's tokens first (the first
+    one's logprob and alternatives null, -inf as -9999.0, their offsets the neuron's into
+    the echo), then the generated ones after the echo; streamed, the echo and the prompt's
+    entries ride with the first token, and the chunks add up to the whole reply."""
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from helexa.responses import merge_responses
+    from helexa.router import completion_logprobs, encode
+    from helexa.router.openai_api import parse_request
+
+    req = parse_request({"model": "m", "prompt": [1, 2, 3], "echo": True, "logprobs": 1,
+                         "max_tokens": 2, "stream": True}, "completion")
+
+    def entry(i: int, token: str, lp: float, offset: int) -> pb.TokenLogprob:
+        return pb.TokenLogprob(token_id=i, token=token, logprob=lp, text_offset=offset,
+                               top=[pb.TopLogprob(token_id=i, token=token, logprob=lp)])
+    prompt = [pb.TokenLogprob(token_id=1, token="ab"), entry(2, "\ufffd", float("-inf"), 2),
+              entry(3, "\ufffd", -1.0, 2)]  # "é" split over two tokens
+    msgs = [pb.GenerateResponse(prompt_text="abé", prompt_tokens=3),
+            pb.GenerateResponse(text="x", token_ids=[9], logprobs=[entry(9, "x", -0.5, 0)],
+                                prompt_logprobs=prompt),
+            pb.GenerateResponse(text="yz", token_ids=[10], logprobs=[entry(10, "yz", -0.25, 0)],
+                                finish_reason=pb.FINISH_REASON_LENGTH)]
+    env = encode.Envelope(id="c", created=0, model="m", req=req)
+    whole = SimpleNamespace(reply=merge_responses(msgs))
+    choice = encode.Choice(index=0, echo=completion_logprobs.echo_text(req, whole))
+    encode.add_delta(choice, whole.reply)
+    body = msgspec.json.decode(encode.json_body(encode.full_body(env, [choice])))["choices"][0]
+    assert body["text"] == "abéxyz"
+    assert body["logprobs"] == {
+        "tokens": ["ab", "\ufffd", "\ufffd", "x", "yz"],
+        "token_logprobs": [None, -9999.0, -1.0, -0.5, -0.25],
+        "top_logprobs": [None, {"\ufffd": -9999.0}, {"\ufffd": -1.0}, {"x": -0.5},
+                         {"yz": -0.25}],
+        "text_offset": [0, 2, 2, 3, 4]}
+    streamed = encode.Choice(index=0, echo=completion_logprobs.echo_text(
+        req, SimpleNamespace(first=msgs[0])))
+    assert encode.first_chunk(env, streamed) is None  # the echo waits for its logprobs
+    chunks = []
+    for i, msg in enumerate(msgs):
+        chunk = encode.delta_chunk(env, streamed, msg, first=i == 0)
+        encode.add_delta(streamed, msg, streamed=True)
+        chunks += [msgspec.json.decode(msgspec.json.encode(chunk))["choices"][0]] if chunk else []
+    assert [c["text"] for c in chunks] == ["abéx", "yz"]
+    assert [c["logprobs"]["text_offset"] for c in chunks] == [[0, 2, 2, 3], [4]]
+    assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == \
+        body["logprobs"]["token_logprobs"]

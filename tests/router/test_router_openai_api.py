@@ -109,10 +109,16 @@ def test_completion_prompt_forms():
     assert refused({"model": "m", "prompt": ["a", [1]]}, "completion").param == "prompt"
     assert refused({"model": "m", "prompt": [1, -2]}, "completion").param == "prompt[1]"
     assert parse_request({"model": "m", "prompt": "x", "echo": True}, "completion").echo
-    # echo needs the prompt's text, and with logprobs the prompt's logprobs: not served
-    assert refused({"model": "m", "prompt": [1], "echo": True}, "completion").param == "echo"
-    assert refused({"model": "m", "prompt": "x", "echo": True, "logprobs": 1},
-                   "completion").param == "echo"
+    # echo of token ids (the neuron decodes them), with logprobs (the prompt's), and with
+    # max_tokens 0 (the prompt alone: lm-eval's loglikelihood), which only echo may ask
+    assert parse_request({"model": "m", "prompt": [1], "echo": True}, "completion").echo
+    r = parse_request({"model": "m", "prompt": "x", "echo": True, "logprobs": 1,
+                       "max_tokens": 0}, "completion")
+    assert (r.echo, r.top_logprobs, r.max_tokens) == (True, 1, 0)
+    assert refused({"model": "m", "prompt": "x", "max_tokens": 0},
+                   "completion").param == "max_tokens"
+    assert refused({"model": "m", "prompt": "x", "echo": True, "max_tokens": -1},
+                   "completion").param == "max_tokens"
     assert refused({"model": "m", "prompt": "x", "logprobs": 6}, "completion").param == "logprobs"
     # Chat-only fields are unknown to completions.
     assert refused({"model": "m", "prompt": "x", "messages": MSG}, "completion").param == "messages"

@@ -121,9 +121,12 @@ class FakeRunner:
             table = seq.block_table
             for pos, token in enumerate(seq.token_ids, start=seq.num_computed):
                 self.kv[table[pos // bs]][pos % bs] = token
-            if seq.need_logits:  # one row per asked position: the last num_logits tokens
+            if seq.need_logits:  # one row per asked position: the last num_logits tokens,
                 context = [self.kv[table[p // bs]][p % bs] for p in range(end)]
-                for cut in range(end - getattr(seq, "num_logits", 1) + 1, end + 1):
+                # or every token's (all_logits: a prompt-logprobs chunk, seq_input.logits_count)
+                n = len(seq.token_ids) if getattr(seq, "all_logits", False) \
+                    else getattr(seq, "num_logits", 1)
+                for cut in range(end - n + 1, end + 1):
                     rows.append(fake_next_token(context[:cut], self.vocab_size))
         if self.step_secs:
             time.sleep(self.step_secs)

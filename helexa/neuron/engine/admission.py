@@ -297,7 +297,10 @@ class Admission:
         and the snapshot after them. A hybrid's hit ends where a snapshot is filed (on the
         device or the host), at the furthest such block boundary of the chain, or there is
         no hit."""
-        if not self.prefix_cache or not req.block_hashes:
+        # one asking for its prompt's logprobs needs every position's logits: it takes no
+        # hit, as vLLM's (it files its own blocks for others all the same)
+        if not self.prefix_cache or not req.block_hashes or \
+                req.sampling.prompt_logprobs is not None:
             return [], -1, [], None
         # Keep at least one prompt token to compute: its logits give the first output token.
         usable = (req.num_prompt_tokens - 1) // self.pool.block_size

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.budget import blocks_for_tokens
-from helexa.neuron.engine import growth, intake, lookahead, messages, snapshots
+from helexa.neuron.engine import growth, intake, lookahead, messages, prompt_logprobs, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.grammar import Grammars, advance
@@ -165,6 +165,7 @@ class EngineCore:
                 self.consecutive_failed_steps = 0
                 return None
             out = self.runner.run_step(inputs.seqs, keep_hidden=self.speculator.follows_target)
+            out, scored = prompt_logprobs.split(out, inputs)  # rows scoring prompt tokens
             new_tokens, logprobs = pick_tokens(inputs, out.logits, self.sampler, masks,
                                                self.speculator.accept)
             saves = snapshots.take_held(self.pool, inputs, inputs.kept(new_tokens))
@@ -175,7 +176,7 @@ class EngineCore:
             self.fail(reqs, e)
             return None
         self.consecutive_failed_steps = 0
-        return StepResult(inputs, out, new_tokens, logprobs)
+        return StepResult(inputs, out, new_tokens, logprobs, scored)
 
     def postprocess(self, plan: StepPlan, ran: StepResult) -> None:
         """What the step computed becomes each request's: kept positions, filed blocks, new
@@ -188,6 +189,8 @@ class EngineCore:
                 continue
             req.num_computed_tokens += n
             num_prefill += chunk.num_tokens if chunk.is_prefill else 0
+            if req.req_id in ran.prompt_logprobs:
+                self.update(req).prompt_logprobs = ran.prompt_logprobs[req.req_id]
             if self.prefix_cache:
                 file_full_blocks(self.pool, req, new_tokens.get(req.req_id, ()))
                 snapshots.file_saves(self.pool, req)  # hybrids: after the blocks they follow
@@ -214,6 +217,9 @@ class EngineCore:
             req.block_table.append(self.pool.draw(req.req_id))
 
     def _append_token(self, req: Request, token_id: int, logprob: TokenLogprob | None) -> None:
+        if not req.output_budget:  # max_tokens 0: the prompt alone (its logprobs), no token
+            self.finish(req, RequestStatus.FINISHED_LENGTH)
+            return
         answering = req.thought is None or req.thought.answering  # a grammar follows answers
         if req.thought is not None:
             if not answering and req.matcher is not None and token_id in req.stop_token_ids:

@@ -42,6 +42,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None
     logprobs: bool = False  # return the sampled token's logprob
     top_logprobs: int = 0  # alternatives per token (0..20)
+    # the prompt's tokens' logprobs (prompt_logprobs.py), with this many alternatives each;
+    # None: off. Such a request takes no prefix-cache hit (it needs every position's logits).
+    prompt_logprobs: int | None = None
 
 
 class Thinking(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +182,9 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     req_id: str
     new_token_ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): the prompt tokens this step's prefill
+    # chunk scored, in order, from the second prompt token on (the first has none).
+    prompt_logprobs: list[TokenLogprob] | None = None
     admitted: bool = False  # became in flight in this step (reservation held)
     prompt_tokens: int = 0  # set when admitted
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when admitted)

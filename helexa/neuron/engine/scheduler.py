@@ -39,7 +39,12 @@ clock runs at the router: helexa/router/inflight.py).
 A prompt longer than the chunk limit is therefore prefilled over several
 steps, interleaved with everyone else's decode tokens. A hybrid model with
 the prefix cache on (`snapshot_block_tokens` set) also ends a chunk where its
-request keeps a prefix snapshot (snapshots.py next_stop).
+request keeps a prefix snapshot (snapshots.py next_stop). The chunks of
+requests asking for their prompt's logprobs, whose every row's logits are
+computed, hold at most `prompt_logprobs.ROWS_PER_SLOT × max_slots` tokens in
+a step together (prompt_logprobs.py says why); one that finds none left
+waits for the next step, and a new prompt so held back keeps the requests
+admitted after it waiting too.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from helexa.neuron.engine.prompt_logprobs import ROWS_PER_SLOT, wants
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.snapshots import next_stop
 
@@ -110,19 +116,26 @@ class Scheduler:
                 plan.chunks[i] = ScheduledChunk(req.req_id, 1 + k, is_prefill=False,
                                                 num_draft=k)
                 budget -= k
+        scoring = ROWS_PER_SLOT * self.max_slots  # prompt-logprobs rows left (module doc)
         for req in running:  # 4. prefill already running
             if budget == 0:
                 break
             if req.is_prefilling:
-                n = self._chunk(req, budget)
+                n = self._chunk(req, budget, scoring)
+                if n == 0:
+                    continue  # its prompt's logprobs: none left this step
                 plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
                 budget -= n
+                scoring -= n if wants(req) else 0
         for req in waiting:  # 5. promote new prompts
             if budget == 0 or num_running >= self.max_slots:
                 break
             if not req.is_prefilling:
                 continue  # resumed (step 2), or nothing to compute
-            n = self._chunk(req, budget)
+            n = self._chunk(req, budget, scoring)
+            if n == 0:
+                break  # its prompt's logprobs: none left this step, and no one overtakes
+            scoring -= n if wants(req) else 0
             plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
             plan.promoted.append(req.req_id)
             budget -= n
@@ -151,11 +164,13 @@ class Scheduler:
             out.append(holder)
         return out
 
-    def _chunk(self, req: Request, budget: int) -> int:
+    def _chunk(self, req: Request, budget: int, scoring: int) -> int:
         # Prefill covers the prompt only; the first output token comes from
         # the logits of the chunk that ends the prompt.
         computed = req.num_computed_tokens
         n = min(req.num_prompt_tokens - computed, self.prefill_chunk_tokens, budget)
+        if wants(req):  # every row's logits: within the step's share (prompt_logprobs.py)
+            n = min(n, scoring)
         if self.snapshot_block_tokens:
             stop = next_stop(computed, req.num_prompt_tokens, self.snapshot_block_tokens,
                              self.snapshot_every_tokens)

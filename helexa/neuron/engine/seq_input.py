@@ -32,9 +32,14 @@ class SeqInput:
     # text (and of every decode token), and the images the chunk's tokens touch.
     rope_delta: int = 0
     images: list[ImageSpan] = field(default_factory=list)
+    # A prefill chunk whose every row wants logits (need_logits; num_logits not read): a
+    # request's prompt logprobs (engine/prompt_logprobs.py). Not a verification row.
+    all_logits: bool = False
 
 
 def logits_count(s: SeqInput) -> int:
+    if s.all_logits:
+        return len(s.token_ids)
     if not 1 <= s.num_logits <= len(s.token_ids):
         raise ValueError(f"num_logits {s.num_logits} for a chunk of {len(s.token_ids)} tokens")
     return s.num_logits
@@ -93,7 +98,8 @@ def lay_out(seqs: list[SeqInput], block_size: int, num_blocks: int) -> StepLayou
         lay.positions.extend(range(c, c + n))
         lay.slots.extend(token_slots(table, c, c + n, bs))
         step.prefills.append(PrefillRow(start, start + n, c, table, s.state_slot,
-                                        verify=s.need_logits and s.num_logits > 1))
+                                        verify=s.need_logits and s.num_logits > 1
+                                        and not s.all_logits))
         last_row[i] = start + n - 1
     step.state_restores = [(s.restore_from, s.state_slot) for s in seqs if s.restore_from >= 0]
     step.state_saves = [(s.state_slot, s.save_to) for s in seqs if s.save_to >= 0]

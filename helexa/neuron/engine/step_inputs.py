@@ -9,7 +9,9 @@ new tokens (the sampler for the sampled rows, under any grammar masks; the
 rejection rule for the verification rows: speculative/verify.py), and
 `StepInputs.kept` says how many positions each request keeps: a verification row
 keeps its decode token and the drafts accepted, so the rejected positions are
-never counted as computed and later steps overwrite them.
+never counted as computed and later steps overwrite them. A request asking for its prompt's
+logprobs has every row of its prefill chunks computed too, the scored rows apart
+(prompt_logprobs.py: they are split off before the sampler reads the logits).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.block_pool import BlockPool
 from helexa.neuron.engine.messages import TokenLogprob
+from helexa.neuron.engine.prompt_logprobs import PromptRows, scored_rows
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.runner import StepOutput
 from helexa.neuron.engine.sampler import Sampler, SamplingState
@@ -45,6 +48,8 @@ class StepInputs:
     sampled: list[tuple[Request, int]] = field(default_factory=list)  # (request, its row)
     # (request, its first row, drafts verified): rows first .. first + drafts
     verified: list[tuple[Request, int, int]] = field(default_factory=list)
+    # prefill chunks scoring prompt tokens, their rows numbered among all the runner's
+    prompt: list[PromptRows] = field(default_factory=list)
 
     @property
     def masked(self) -> list[int]:
@@ -66,12 +71,13 @@ class StepInputs:
 
 class StepResult(NamedTuple):
     """A step that ran: its rows, the runner's output, each request's new tokens, and the
-    sampled ones' logprobs."""
+    sampled ones' logprobs; and the prompt logprobs its chunks scored."""
 
     inputs: StepInputs
     out: StepOutput
     new_tokens: dict[str, list[int]]
     logprobs: dict[str, TokenLogprob | None]
+    prompt_logprobs: dict[str, list[TokenLogprob]] = {}  # never mutated
 
 
 def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
@@ -79,7 +85,8 @@ def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
     """The runner's sequences for `plan` (whose chunks' requests are `reqs`), each
     request's blocks drawn as far as it writes."""
     inputs = StepInputs(reqs, list(plan.chunks))
-    rows = 0  # logits rows so far: a verification row has num_draft + 1
+    rows = 0  # sampled logits rows so far: a verification row has num_draft + 1
+    every = 0  # the runner's logits rows so far: those, and the rows scoring the prompt
     for req, chunk in zip(inputs.reqs, inputs.chunks, strict=True):
         start = req.num_computed_tokens
         end = start + chunk.num_tokens
@@ -89,17 +96,22 @@ def lay_out(plan: StepPlan, reqs: list[Request], pool: BlockPool,
             assert req.draft is not None
             tokens += req.draft.tokens[:chunk.num_draft]
         need_logits = end - chunk.num_draft == req.num_tokens
+        scored = 0 if req.sampling.prompt_logprobs is None else scored_rows(req, start, end)
         seq = SeqInput(token_ids=tokens, num_computed=start, block_table=req.block_table,
-                       need_logits=need_logits, state_slot=pool.state_slot(req.req_id),
-                       num_logits=chunk.num_draft + 1)
+                       need_logits=need_logits or scored > 0,
+                       state_slot=pool.state_slot(req.req_id), num_logits=chunk.num_draft + 1,
+                       all_logits=scored > 0)
         if req.images is not None:  # its chunk's M-RoPE shift and images
             seq.rope_delta, seq.images = req.images.chunk(start, end)
         inputs.seqs.append(seq)
+        if scored:
+            inputs.prompt.append(PromptRows(req, every, start, scored))
         if chunk.num_draft:
             inputs.verified.append((req, rows, chunk.num_draft))
         elif need_logits:
             inputs.sampled.append((req, rows))
         rows += chunk.num_draft + 1 if need_logits else 0
+        every += len(tokens) if scored else chunk.num_draft + 1 if need_logits else 0
     return inputs
 
 

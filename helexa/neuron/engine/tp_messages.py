@@ -37,6 +37,7 @@ class TpSeq(msgspec.Struct, array_like=True):
     save_to: int = -1
     rope_delta: int = 0  # vision-language prompts: as SeqInput (every rank runs the tower)
     images: list[ImageSpan] = []
+    all_logits: bool = False  # SeqInput's: a prompt-logprobs chunk, logits at every row
 
 
 class TpStep(msgspec.Struct, tag=True):

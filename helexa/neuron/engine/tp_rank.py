@@ -242,7 +242,7 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                     table.extend(s.new_blocks)
                 seqs.append(SeqInput(s.token_ids, s.num_computed, table, s.need_logits,
                                      s.state_slot, s.num_logits, s.restore_from, s.save_to,
-                                     s.rope_delta, s.images))
+                                     s.rope_delta, s.images, s.all_logits))
             # a lookahead step's or chained MTP pass's tokens: filled by rank 0's broadcast
             tokens = torch.empty(len(seqs), dtype=torch.long, device=runner.device) \
                 if msg.device_tokens else None

@@ -262,7 +262,7 @@ class TpWorkers:
             blocks, fresh = list(table), True
         msg = TpSeq(handle, s.token_ids, s.num_computed, blocks, fresh, s.need_logits,
                     s.state_slot, s.num_logits, s.restore_from, s.save_to, s.rope_delta,
-                    s.images)
+                    s.images, s.all_logits)
         # Holding the list itself keeps its id from being reused while tracked.
         self._tables[id(table)] = (table, handle, len(table))
         return msg

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import httpx2
+import pytest
 from router_procs import key_of
 
 AUTH = {"Authorization": f"Bearer {key_of('alice')}"}
@@ -88,3 +89,82 @@ def test_vllm_metric_names_beside_helexas_own(router):
     assert 0 <= m[("vllm:kv_cache_usage_perc", (("model_name", "tiny"),))] <= 1
     assert ("vllm:num_requests_running", (("model_name", "tiny"),)) in m
     assert ("vllm:num_requests_waiting", (("model_name", "tiny"),)) in m
+
+
+def _reference_logprobs(model_dir, prompts: list[list[int]]) -> list[list[float]]:
+    """transformers' log-softmax at each position before a prompt token, at that token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            lps = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        out.append(lps[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist())
+    return out
+
+
+def test_lm_eval_loglikelihood_gets_the_prompts_logprobs(router, tiny_model_dir):
+    """lm-eval's local-completions loglikelihood: echo, logprobs 1, max_tokens 0 (a batch of
+    token-id prompts) returns each prompt's tokens, their logprobs (the first null) and their
+    best alternative, as transformers computes them, and generates nothing."""
+    c = router.client()
+    ids = [[5, 77, 301, 42, 9, 250, 18], [300, 7, 7, 64]]
+    r = c.completions.create(model="tiny", prompt=ids, echo=True, logprobs=1, max_tokens=0,
+                             temperature=0)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert r.usage.completion_tokens == 0
+    for ch, prompt, ref in zip(r.choices, ids, _reference_logprobs(tiny_model_dir, ids),
+                               strict=True):
+        lp = ch.logprobs
+        assert ch.finish_reason == "length"
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == \
+            len(lp.text_offset) == len(prompt)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref, strict=True)) < 1e-4
+        assert all(len(top) == 1 and max(top.values()) >= got - 1e-6
+                   for top, got in zip(lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True))
+        # the echo is the prompt decoded, and each token's offset indexes it
+        assert ch.text == "".join(lp.tokens)
+        assert [ch.text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens,
+                                                       strict=True)] == lp.tokens
+    # streamed: one chunk, the prompt and its logprobs, and the finish
+    chunks = [c["choices"][0] for c in _events(router, "/v1/completions", {
+        "model": "tiny", "prompt": ids[0], "echo": True, "logprobs": 1, "max_tokens": 0,
+        "stream": True}) if c["choices"]]
+    assert len(chunks) == 1 and chunks[0]["finish_reason"] == "length"
+    assert chunks[0]["text"] == r.choices[0].text
+    assert chunks[0]["logprobs"]["token_logprobs"] == r.choices[0].logprobs.token_logprobs
+
+
+def test_echo_with_logprobs_is_the_prompt_then_the_generated(router):
+    """echo + logprobs with max_tokens > 0: the prompt's tokens, then the generated ones, whose
+    logprobs are a plain request's; text_offset indexes the text whole (a character split
+    over tokens included); the stream says the same, the prompt in its first chunk."""
+    c = router.client()
+    prompt = "the sea is café ☕ deep"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2)
+    plain = c.completions.create(**kw).choices[0]
+    r = c.completions.create(**kw, echo=True)
+    ch = r.choices[0]
+    n = r.usage.prompt_tokens
+    assert ch.text == prompt + plain.text
+    lp = ch.logprobs
+    assert len(lp.tokens) == n + 4 and lp.token_logprobs[0] is None
+    assert lp.tokens[n:] == plain.logprobs.tokens
+    # (the LM head over every prompt row, not the last alone: a rounding step apart)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    # two alternatives each (a dict by text: byte pieces that both read U+FFFD are one key)
+    assert all(x <= 0 and (len(top) == 2 or "\ufffd" in top)
+               for x, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(prompt)
+    for o, t in zip(lp.text_offset, lp.tokens, strict=True):
+        assert ch.text.startswith(t, o) or "\ufffd" in t  # a piece of a split character
+    assert lp.text_offset[n + 1:] == [len(prompt) + o for o in plain.logprobs.text_offset[1:]]
+    chunks = _events(router, "/v1/completions", {**kw, "echo": True, "stream": True})
+    texts = [ch["choices"][0]["text"] for ch in chunks if ch["choices"]]
+    assert "".join(texts) == ch.text and texts[0].startswith(prompt)
+    streamed = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"]]
+    assert sum((s["token_logprobs"] for s in streamed), []) == lp.token_logprobs
+    assert sum((s["text_offset"] for s in streamed), []) == lp.text_offset

@@ -62,10 +62,13 @@ def test_output_budget_defaults_to_context_left():
     tokens, final, _, _ = drive(core, m.ToEngine(new=[new("a", [1] * 20, None)]))
     assert len(tokens["a"]) == 4 and final["a"].finished == m.FinishReason.LENGTH
     tokens, final, _, _ = drive(core, m.ToEngine(new=[new("b", [1] * 20, 5), new("c", [1] * 24, None),
-                                                   new("d", [], 3), new("e", [1], 0)]))
+                                                   new("d", [], 3), new("e", [1], -1),
+                                                   new("f", [1] * 20, 0)]))
     assert {r: u.refused_code for r, u in final.items()} == {
         "b": "context_length_exceeded", "c": "context_length_exceeded",
-        "d": "invalid_request_error", "e": "invalid_request_error"}
+        "d": "invalid_request_error", "e": "invalid_request_error", "f": None}
+    # max_tokens 0: the prompt alone (an echo's logprobs), nothing generated
+    assert tokens["f"] == [] and final["f"].finished == m.FinishReason.LENGTH
     assert_whole(core)
 
 

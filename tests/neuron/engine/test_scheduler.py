@@ -184,3 +184,26 @@ def test_drafts_take_only_what_the_decode_tokens_leave():
     plan = s.schedule([d1, d2], [])  # room for the whole draft
     assert plan.chunks == [ScheduledChunk("d1", 3, False, num_draft=2),
                            ScheduledChunk("d2", 1, False)]
+
+
+def test_prompt_logprobs_chunks_share_four_rows_a_slot_in_a_step():
+    """Chunks of requests scoring their prompt (every row's logits kept) hold at most
+    4 × max_slots tokens in a step together; others prefill as before; a new scoring prompt
+    that finds none left waits, and nobody admitted after it is promoted past it."""
+    from helexa.neuron.engine.messages import SamplingParams
+
+    def scoring(rid: str, prompt: int, computed: int = 0) -> Request:
+        r = req(rid, prompt, computed)
+        r.sampling = SamplingParams(prompt_logprobs=1)
+        return r
+
+    s = Scheduler(max_slots=3, max_batched_tokens=100, prefill_chunk_tokens=16)  # 12 rows
+    plan = s.schedule([scoring("a", 40, computed=4), req("p", 40, computed=4),
+                       scoring("b", 40, computed=4)], [])
+    assert plan.chunks == [ScheduledChunk("a", 12, True), ScheduledChunk("p", 16, True)]
+    plan = s.schedule([scoring("a", 40, computed=30)],
+                      [scoring("w", 40), req("late", 40)])
+    assert plan.chunks == [ScheduledChunk("a", 10, True), ScheduledChunk("w", 2, True),
+                           ScheduledChunk("late", 16, True)]
+    plan = s.schedule([scoring("a", 40, computed=4)], [scoring("w", 40), req("late", 40)])
+    assert plan.chunks == [ScheduledChunk("a", 12, True)] and plan.promoted == []

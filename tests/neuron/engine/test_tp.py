@@ -134,6 +134,37 @@ def test_tp2_lookahead_feeds_rank_0s_device_tokens_to_every_rank(tiny_checkpoint
     assert runs[True] == runs[False]
 
 
+def test_tp2_prompt_logprobs_are_tp1s(tiny_checkpoint):
+    """Prompt logprobs at tp = 2 (every rank runs the chunks whose every row wants logits;
+    rank 0 gathers them and scores): tp = 1's, chunk by chunk."""
+    from support.engine import assert_whole, drive
+
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    scored: dict[int, list] = {}
+    for tp in (1, 2):
+        r = runner(tiny_checkpoint("qwen3"), tp)
+        try:
+            spec = EngineSpec(model_id="tp", num_blocks=96, block_size=8, context=64,
+                              limits=m.Limits(anon_max_in_flight=8, prefill_chunk_tokens=6))
+            core = EngineCore(spec, r)
+            got = scored[tp] = []
+            drive(core, [m.NewRequest(
+                req_id="s", prompt_token_ids=prompts()[0], max_tokens=0,
+                sampling=m.SamplingParams(temperature=0.0, prompt_logprobs=2))],
+                served=True, on_update=lambda u, got=got: got.extend(u.prompt_logprobs or ()))
+            assert_whole(core)
+        finally:
+            r.close()
+    assert len(scored[2]) == len(prompts()[0]) - 1
+    assert [[t.token_id for t in e.top] for e in scored[2]] == \
+        [[t.token_id for t in e.top] for e in scored[1]]
+    torch.testing.assert_close(torch.tensor([e.logprob for e in scored[2]]),
+                               torch.tensor([e.logprob for e in scored[1]]), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("measured", [False, True])
 def test_tp2_state_slots_carved_anew_on_every_rank(tiny_checkpoint, measured):
     """A hybrid's pool re-planned with more state slots (a profile allowing more in flight)
