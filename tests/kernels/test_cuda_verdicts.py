@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import structlog
 import torch
 
@@ -41,7 +42,17 @@ def test_each_kind_is_probed_once_however_many_threads_ask() -> None:
     assert verdicts.decide((CARD0, 128), probe) == "" and len(named) == 2  # asked: none made
 
 
-def test_a_failed_kind_stays_failed_and_each_event_is_logged() -> None:
+@pytest.fixture
+def every_level():
+    """Loggers at every level, whatever an earlier test in this process configured (a
+    setup_logging at warning drops an info line before capture_logs sees it)."""
+    before = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(0))
+    yield
+    structlog.configure(wrapper_class=before)
+
+
+def test_a_failed_kind_stays_failed_and_each_event_is_logged(every_level) -> None:
     verdicts = Verdicts("kernels.k", "kernel", "fallback", _group)
     with structlog.testing.capture_logs() as logs:
         assert verdicts.record((CARD0, 128), "", outputs=64) == ""
