@@ -56,7 +56,9 @@ def test_a_child_sees_the_environment_and_stderr_it_was_started_with(monkeypatch
     assert capfd.readouterr().err.splitlines() == ["seen:set-later"]
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+# ~20 s each on 2 cores (an interpreter importing torch, then a rank): the way a neuron
+# runs by default, and the suite's own way only with -m slow
+@pytest.mark.parametrize("method", ["spawn", pytest.param("forkserver", marks=pytest.mark.slow)])
 def test_no_rank_outlives_the_process_that_started_it(tiny_model_dir, method):
     """Rank 0's process ends without any cleanup: its rank 1 is gone soon after, whether
     the rank was spawned (its parent is rank 0's process) or forked from the server."""
