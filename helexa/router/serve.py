@@ -180,8 +180,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
             series, last = state.metrics.model(label), [0.0]
+            # a whole reply's body off the loop, as chat's below (event_replies.py)
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
+                functools.partial(state.work_pool.run, principal, share=False),
                 on_message=lambda msg: _timing(series, t0, last, msg),
                 write_secs=state.client_write_secs, deadline_secs=state.request_secs)
         elif req.stream:
