@@ -43,7 +43,7 @@ from helexa.router import (
 )
 from helexa.router.agent_output import OutputParser
 from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
-from helexa.router.errors import ApiError
+from helexa.router.errors import MAX_MESSAGE_CHARS, ApiError, clip
 from helexa.router.event_replies import (
     SSE_HEADERS,
     UpstreamFailed,
@@ -218,7 +218,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         return web.Response(status=499)  # a write to a client that has gone
     except Exception as e:  # a bug of ours: the client gets the envelope, the metrics the truth
         code = "500"
-        log.exception("request.done", **ctx, outcome="error", status=500, error=repr(e),
+        log.exception("request.done", **ctx, outcome="error", status=500,
+                      error=clip(repr(e), MAX_MESSAGE_CHARS),
                       secs=round(time.monotonic() - t0, 4))
         return error_response(kind, ApiError(500, "internal error; the router's log has the "
                                                   "details", code="internal_error"),

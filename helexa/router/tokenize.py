@@ -26,13 +26,20 @@ from helexa.router.forward import chat_proto
 from helexa.router.http_edge import read_body
 from helexa.router.openai_api import ParsedRequest, Turn, _message, continue_final
 from helexa.router.request_caps import RequestCaps, SchemaBudget, check_tool_count
-from helexa.router.request_model import INT32_MAX, Message, TokenId, Tool, decode_as
+from helexa.router.request_model import (
+    INT32_MAX,
+    Message,
+    ModelName,
+    TokenId,
+    Tool,
+    decode_as,
+)
 from helexa.router.rpc_errors import map_rpc_error
 from helexa.router.serve import STATE, authorization
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     prompt: str | None = None
     messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_special_tokens: bool = True
@@ -44,7 +51,7 @@ class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     tokens: list[TokenId]
 
 
