@@ -92,6 +92,9 @@ def test_a_whole_reply_is_built_off_the_event_loop(thinking, api, count, unit, t
     ticking = asyncio.run_coroutine_threadsafe(meter.run(), thinking.lt.loop)
     try:
         r = httpx2.post(thinking.url + path, json=b, timeout=60)
+        if r.status_code == 503:  # a starved machine missed the fleet's 0.6 s health beat
+            thinking.wait_healthy()  # (test_router_fuzz.py says more): once more
+            r = httpx2.post(thinking.url + path, json=b, timeout=60)
     finally:
         meter.done = True
         ticking.result(5)
