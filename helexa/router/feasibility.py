@@ -13,12 +13,6 @@ waited is not a 429 or a 503 (which invite a retry) but a 400:
   batch of 10,000 prompts opened 10,000 neuron calls at once, which held the
   event loop (every other stream) for seconds before the 503 that invited a
   retry.
-- `n` choices over the sum of what those neurons let one caller have running
-  at once: `admission.max_in_flight_per_principal`, and for callers without an
-  API key (all of them together) `admission.anon_max_in_flight`. The choices
-  past it wait queued for places only their own siblings free, and a long
-  reply's siblings are refused 503 `overloaded` at `admission.kv_max_wait_secs`
-  (an anonymous `n` of 16 over the default 4 waited 30 s for that 503).
 - A prompt whose tokens are over the largest advertised context, judged from
   a LOWER bound of its tokens (the router has no tokenizer; the neuron makes
   the exact check, docs/architecture.md). Refusing here spares the neuron the
@@ -58,30 +52,28 @@ def prompt_tokens_lower_bound(req: ParsedRequest) -> int:
     return math.ceil(num_bytes / MAX_TOKEN_BYTES)
 
 
-def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest,
-                      anonymous: bool = False) -> None:
+def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest) -> None:
     """Raise the 400 for a request none of `candidates` (the neurons with its model READY)
-    could ever serve; return when one might. anonymous: its caller has no API key."""
+    could ever serve; return when one might."""
     if not candidates:
         return
     # each neuron's: the smaller of its two caps it reports (0: neither reported)
     caps = [min([v for v in (c.max_per_principal, c.max_held) if v], default=0)
             for c in candidates]
-    if all(caps):
+    prompts = max(1, len(req.prompt_batch))
+    if all(caps) and req.n * prompts > sum(caps):
         why = (f"max_per_principal {sum(caps)} in all"
                if all(cap == c.max_per_principal for cap, c in zip(caps, candidates, strict=True))
                else f"{sum(caps)} in all: each one's max_per_principal, or its "
                     "max_in_flight + max_queue_depth where smaller")
-        _refuse_over(req, sum(caps), "may have at once", why)
-    running = [_running_cap(c, anonymous) for c in candidates]
-    if all(running):
-        anon = [r == c.anon_max_in_flight for r, c in zip(running, candidates, strict=True)]
-        name = ("anon_max_in_flight" if anonymous and all(anon) else
-                "max_in_flight_per_principal" if not (anonymous and any(anon)) else
-                "each one's anon_max_in_flight, or its max_in_flight_per_principal where smaller")
-        _refuse_over(req, sum(running), "may have running at once",
-                     f"{name} {sum(running)} in all; the rest would wait for those to end",
-                     "callers without an API key" if anonymous else "one caller")
+        if prompts == 1:
+            raise bad_request(
+                f"`n` = {req.n} asks for more choices than one caller may have at once on "
+                f"the neurons serving `{req.model}` ({why}); send at most {sum(caps)}", "n")
+        raise bad_request(
+            f"{prompts} prompts × `n` = {req.n} asks for {prompts * req.n} choices, more "
+            f"than one caller may have at once on the neurons serving `{req.model}` "
+            f"({why}); send at most {sum(caps)} per request", "prompt")
     context = max(c.context for c in candidates)
     if context <= 0:
         return
@@ -98,25 +90,3 @@ def refuse_unservable(candidates: Sequence[Candidate], req: ParsedRequest,
         raise ApiError(400, f"This model's maximum context length is {context} tokens; the "
                             f"prompt has {what} and max_tokens asks for {req.max_tokens} more",
                        code="context_length_exceeded", param="max_tokens")
-
-
-def _running_cap(c: Candidate, anonymous: bool) -> int:
-    """How many of one caller's requests c runs at once (0: no cap of its own)."""
-    caps = (c.max_in_flight_per_principal, c.anon_max_in_flight if anonymous else 0)
-    return min([v for v in caps if v], default=0)
-
-
-def _refuse_over(req: ParsedRequest, most: int, may: str, why: str,
-                 who: str = "one caller") -> None:
-    """The 400 for more choices than `most`, what `who` `may` have on the neurons (why)."""
-    prompts = max(1, len(req.prompt_batch))
-    if req.n * prompts <= most:
-        return
-    if prompts == 1:
-        raise bad_request(
-            f"`n` = {req.n} asks for more choices than {who} {may} on the neurons serving "
-            f"`{req.model}` ({why}); send at most {most}", "n")
-    raise bad_request(
-        f"{prompts} prompts × `n` = {req.n} asks for {prompts * req.n} choices, more than "
-        f"{who} {may} on the neurons serving `{req.model}` ({why}); send at most {most} "
-        "per request", "prompt")

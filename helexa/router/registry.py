@@ -341,8 +341,6 @@ class Registry:
                 max_per_principal=m.admission.max_per_principal,
                 max_held=(m.admission.max_in_flight + m.admission.max_queue_depth
                           if m.admission.max_in_flight else 0),
-                anon_max_in_flight=m.admission.anon_max_in_flight,
-                max_in_flight_per_principal=m.admission.max_in_flight_per_principal,
                 fixed_bytes=m.kv.fixed_bytes_per_request))
         return out
 

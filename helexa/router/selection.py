@@ -57,9 +57,6 @@ class Candidate:
     default_output_tokens: int = DEFAULT_OUTPUT_TOKENS  # as the neuron reports it in Watch
     max_per_principal: int = 0  # queued + in flight of one principal; 0 = not reported
     max_held: int = 0  # max_in_flight + max_queue_depth: all it holds at once; 0 = unknown
-    # in flight at once: anonymous callers together, and one principal; 0 = no cap, or unknown
-    anon_max_in_flight: int = 0
-    max_in_flight_per_principal: int = 0
     fixed_bytes: int = 0  # hybrid models: state each request reserves beside its KV
 
     @property

@@ -150,7 +150,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         asked = req.model
         model = ctx["model"] = state.aliases.resolve(asked)
         label = metric_label(state, model)
-        refuse_unservable(state.registry.candidates(model), req, principal == "anonymous")
+        refuse_unservable(state.registry.candidates(model), req)
         est, key = _estimate(req)
         if any(images.parts_of(req)):  # decoded on the work pool; their tokens estimated
             vision = images.check_model_takes_images(req, model, state.registry)

@@ -55,8 +55,6 @@ class FakeModel:
     max_in_flight: int = 64
     max_queue_depth: int = 256
     max_per_principal: int = 64
-    anon_max_in_flight: int = 0  # 0: no cap reported
-    max_in_flight_per_principal: int = 0
     used_bytes: int = 0
     in_flight: int = 0
     queued: int = 0
@@ -76,10 +74,7 @@ class FakeModel:
             in_flight=self.in_flight, queued=self.queued, running=self.in_flight,
             admission=pb.AdmissionLimits(max_in_flight=self.max_in_flight,
                                          max_queue_depth=self.max_queue_depth,
-                                         max_per_principal=self.max_per_principal,
-                                         anon_max_in_flight=self.anon_max_in_flight,
-                                         max_in_flight_per_principal=(
-                                             self.max_in_flight_per_principal)),
+                                         max_per_principal=self.max_per_principal),
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output),
             drafter=self.drafter, prefill_tokens_per_sec=self.prefill_tokens_per_sec,

@@ -11,7 +11,6 @@ import openai
 import pytest
 import structlog
 import structlog.testing
-from router_fleet import ALICE_KEY
 
 from helexa.router import serve
 
@@ -65,31 +64,6 @@ def test_n_over_what_the_neurons_hold_at_once_is_400_not_a_503_forever(fl):
     r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=4)
     assert len(r.choices) == 4
     set_model(fl, max_in_flight=64, max_queue_depth=256, seen_as={"max_held": 320})
-
-
-def test_n_over_the_callers_running_cap_is_400_not_a_503_after_the_wait(fl):
-    """Callers without an API key run at most anon_max_in_flight at once together, a key at
-    most max_in_flight_per_principal: choices past the sum wait for their own siblings to
-    end (an anonymous n of 16 over the default 4 got a 503 after 30 s). A 400 at once."""
-    set_model(fl, anon_max_in_flight=2)  # on each of the two neurons: 4 running at most
-    anonymous, alice = fl.client(), fl.client(ALICE_KEY)
-    with pytest.raises(openai.BadRequestError) as e:
-        anonymous.chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=5)
-    assert e.value.body["param"] == "n" and "send at most 4" in e.value.message
-    assert "callers without an API key" in e.value.message
-    assert "anon_max_in_flight 4 in all" in e.value.message
-    with pytest.raises(openai.BadRequestError) as e:  # a batch's choices count together
-        anonymous.completions.create(model="tiny", prompt=["a", "b", "c"], max_tokens=1, n=2)
-    assert e.value.body["param"] == "prompt" and "anon_max_in_flight" in e.value.message
-    assert sent(fl) == 0
-    assert len(anonymous.chat.completions.create(model="tiny", messages=MSG, max_tokens=1,
-                                                 n=4).choices) == 4
-    assert len(alice.chat.completions.create(model="tiny", messages=MSG, max_tokens=1,
-                                             n=5).choices) == 5  # a key: not under it
-    set_model(fl, max_in_flight_per_principal=3)
-    with pytest.raises(openai.BadRequestError) as e:
-        alice.chat.completions.create(model="tiny", messages=MSG, max_tokens=1, n=7)
-    assert "max_in_flight_per_principal 6 in all" in e.value.message
 
 
 def test_a_prompt_that_cannot_fit_is_refused_before_any_neuron(fl):

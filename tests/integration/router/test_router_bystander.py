@@ -32,10 +32,8 @@ ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("bystander")
-    # a KV wait shorter than the router's stream_idle_secs (30 s), which ends a stalled holder;
-    # every caller here is anonymous (no keys), and a request of 16 choices may run them all
-    neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8,
-                         admission={"kv_max_wait_secs": 10.0, "anon_max_in_flight": 16})
+    # a KV wait shorter than the router's stream_idle_secs (30 s), which ends a stalled holder
+    neuron = tiny_neuron(d, "nb", tiny_model_dir, kv_mb=8, admission={"kv_max_wait_secs": 10.0})
     (d / "router.toml").write_text(tomli_w.dumps(router_config(neuron, WRITE_SECS)))
     router = start_router(d / "router.toml")
     try:
