@@ -54,7 +54,8 @@ def for_template(tools: list[Any]) -> list[Any]:
     out = []
     for t in tools:
         fn = t.get("function") if isinstance(t, dict) else None
-        props = (fn.get("parameters") or {}).get("properties") if isinstance(fn, dict) else None
+        params = fn.get("parameters") if isinstance(fn, dict) else None
+        props = params.get("properties") if isinstance(params, dict) else None
         if not isinstance(props, dict) or not any(
                 isinstance(v, dict) and LARK_KEY in v for v in props.values()):
             out.append(t)

@@ -699,7 +699,7 @@ def test_limits_the_docs_state_are_the_codes_constants() -> None:
     import inspect
 
     from helexa.neuron import status
-    from helexa.router import event_replies, request_model
+    from helexa.router import errors, event_replies, request_model
     from helexa.router.json_depth import MAX_JSON_DEPTH
 
     docs = {name: " ".join((ROOT / "docs" / f"{name}.md").read_text().split())
@@ -710,6 +710,11 @@ def test_limits_the_docs_state_are_the_codes_constants() -> None:
         ("errors", f"JSON nested deeper than {MAX_JSON_DEPTH} levels"),
         ("http", f"`stop` (up to {request_model.MAX_STOP} strings)"),
         ("http", f"`n` (1–{request_model.MAX_N})"),
+        ("http", f"at most {request_model.MAX_MODEL_CHARS} characters;"),
+        ("api", f"alias, at most {request_model.MAX_MODEL_CHARS} characters"),
+        ("errors", f"`model` itself is at most {request_model.MAX_MODEL_CHARS} characters"),
+        ("errors", f"a type or range error, longer than {errors.MAX_ECHO_CHARS} characters"),
+        ("errors", f"message longer than {errors.MAX_MESSAGE_CHARS:,} characters"),
         ("http", f"`top_logprobs` (0–{request_model.MAX_TOP_LOGPROBS_CHAT})"),
         ("http", f"`logprobs` (0–{request_model.MAX_LOGPROBS_COMPLETION})"),
         ("api", f"`logprobs` (0..{request_model.MAX_LOGPROBS_COMPLETION})"),

@@ -202,3 +202,12 @@ def test_a_pattern_and_length_bounds_hold_together_in_every_format(models, fmt, 
     for v in good:
         assert m.accepts(c, rendered_calls(models[fmt], [("put", {"v": v})]))
     assert not m.accepts(c, rendered_calls(models[fmt], [("put", {"v": bad})]))
+
+
+def test_tools_the_template_gets_pass_as_sent_whatever_their_parameters():
+    """The neuron renders what a caller sent (the router checks tools first, but gRPC callers
+    are not only the router): parameters that are not an object were an AttributeError, which
+    failed /tokenize with a 502 and nothing in the neuron's log."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": [1]}},
+             {"type": "function", "function": {"name": "g", "parameters": "x"}}, "h"]
+    assert tool_grammar.for_template(tools) == tools

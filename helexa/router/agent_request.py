@@ -108,7 +108,7 @@ def _tools(b: ChatBody, req: Any, caps: RequestCaps) -> None:
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise bad_request("`tools`: function names must be unique", "tools")
-    req.tools = [{"type": "function", "function": _function_dict(t.function)} for t in tools]
+    req.tools = tool_dicts(tools)
     req.parallel_tool_calls = b.parallel_tool_calls is not False
     choice = b.tool_choice
     if isinstance(choice, NamedToolChoice):
@@ -197,6 +197,11 @@ def reduced(schema: Any, param: str) -> grammar.Reduced:
     except grammar.GrammarError as e:
         raise bad_request(f"`{param}`: the schema cannot be used for constrained decoding: {e}",
                           param) from None
+
+
+def tool_dicts(tools: list[Any]) -> list[dict[str, Any]]:
+    """Chat's `tools` (request_model.Tool) as the template renders them."""
+    return [{"type": "function", "function": _function_dict(t.function)} for t in tools]
 
 
 def _function_dict(f: Any) -> dict[str, Any]:

@@ -38,6 +38,7 @@ from helexa.router.request_model import (
     ChatBody,
     FunctionDef,
     FunctionName,
+    ModelName,
     NamedFunction,
     NamedToolChoice,
     Tool,
@@ -104,7 +105,7 @@ class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A Messages body without `max_tokens`: what `/v1/messages/count_tokens` takes (fields
     that cannot change the prompt are accepted and ignored there)."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     messages: Annotated[list[AMessage], Meta(min_length=1)]
     system: str | list[Block] | None = None
     stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],

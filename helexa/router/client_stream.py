@@ -81,7 +81,7 @@ class ClientStream(web.StreamResponse):
             transport.abort()
 
 
-async def send_whole(request: web.Request, body: bytearray, headers: dict[str, str],
+async def send_whole(request: web.Request, body: bytes | bytearray, headers: dict[str, str],
                      write_secs: float) -> ClientStream:
     """A non-streaming JSON reply, written WHOLE_CHUNK_BYTES at a time, each write waiting
     for the socket as a stream's do. Handed to aiohttp whole, the body was joined with the

@@ -51,7 +51,7 @@ def format_of(fmt: Any, where: str) -> dict[str, Any]:
         raise bad_request(f"`{where}.format.type` must be `text` or `grammar`, not "
                           f"{json.dumps(kind)}", f"{where}.format.type")
     syntax, definition = fmt.get("syntax"), fmt.get("definition")
-    if syntax not in _SYNTAX:
+    if not isinstance(syntax, str) or syntax not in _SYNTAX:  # a list: unhashable, a 500
         raise bad_request(f"`{where}.format.syntax` must be `lark` or `regex`, not "
                           f"{json.dumps(syntax)}", f"{where}.format.syntax")
     if not isinstance(definition, str) or not definition.strip():

@@ -4,6 +4,12 @@ Every refusal a client sees is an `ApiError`, rendered as the OpenAI error
 envelope `{"error": {"message", "type", "code", "param"}}` with the HTTP
 status and, where docs/errors.md says so, a `Retry-After` header.
 Codes are the ones of that table (tests/test_docs.py keeps the two in step).
+
+A refusal quotes what the client sent where that says what is wrong (an unknown
+key, a value out of its enum), and a client's string may be megabytes: `clip`
+shortens one (a message to MAX_MESSAGE_CHARS and a param to MAX_ECHO_CHARS
+here, whatever built them; a log field where the router logs one). A 4 MB
+unknown key was an 8 MB reply and 12 MB of router log.
 """
 
 from __future__ import annotations
@@ -31,6 +37,18 @@ RETRYABLE_CODES = frozenset(
     {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable",
      "model_failed"})
 DEFAULT_RETRY_AFTER_SECS = 1
+MAX_MESSAGE_CHARS = 2048  # an error's message, longer only by clip's note of what it left out
+MAX_ECHO_CHARS = 256  # a client's string quoted on its own: a param, a key, a log field
+
+
+def clip(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """text, or where it is longer than limit its head and tail with the count of characters
+    left out between them (the head names the field, the tail often says what is wrong)."""
+    if len(text) <= limit:
+        return text
+    tail = limit // 4
+    head = limit - tail
+    return f"{text[:head]}…[{len(text) - limit} characters]…{text[len(text) - tail:]}"
 
 
 class ApiError(Exception):
@@ -38,11 +56,12 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str, param: str | None = None,
                  retry_after_secs: float | None = None, close: bool = False) -> None:
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
-        self.param = param
+        self.param = clip(param) if param is not None else None
         if retry_after_secs is None and code in RETRYABLE_CODES:
             retry_after_secs = DEFAULT_RETRY_AFTER_SECS
         self.retry_after_secs = retry_after_secs

@@ -1,7 +1,9 @@
 """The replies that are event streams of their own: Anthropic Messages and OpenAI Responses.
 
 Both front ends answer one choice, as a JSON body (from Complete's whole
-reply) or as named SSE events (over an open Generate stream), through an
+reply, built on the router's work pool as chat's is: parsing a whole reply grows
+with it, and on the event loop one reply of 88,000 characters held every other
+stream for seconds) or as named SSE events (over an open Generate stream), through an
 encoder with one interface: `whole(reply)` (the body), `start()` (the opening
 events), `feed(msg)` (the events of one neuron message, the closing ones on
 the last) and `failed(err)` (the event that ends a stream that failed).
@@ -21,7 +23,7 @@ event that clients skip.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -30,7 +32,7 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
-from helexa.router.client_stream import ClientStream
+from helexa.router.client_stream import ClientStream, send_whole
 from helexa.router.errors import ApiError
 from helexa.router.inflight import UpstreamLost
 
@@ -87,20 +89,24 @@ def mid_stream_error(e: grpc.aio.AioRpcError | UpstreamFailed | UpstreamLost) ->
     return ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
 
 
+OffLoop = Callable[[Callable[[], bytes]], Awaitable[bytes]]
+
+
 async def reply(request: web.Request, stream: bool, choice: encode.Choice, call: Any,
                 enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
+                off_loop: OffLoop,
                 on_message: Callable[[pb.GenerateResponse], None] | None = None,
                 write_secs: float = 30.0, deadline_secs: float = 0.0) -> web.StreamResponse:
-    """One choice's reply, whole (call is forward.Completed) or as the encoder's event
-    stream (call is forward.OpenStream; on_message sees each of its messages: timing), whose
-    writes give up after write_secs (client_stream.py); deadline_secs: ended_short's."""
+    """One choice's reply, whole (call is forward.Completed; its body built by off_loop, the
+    work pool's run) or as the encoder's event stream (call is forward.OpenStream;
+    on_message sees each of its messages: timing), whose writes give up after write_secs
+    (client_stream.py); deadline_secs: ended_short's."""
     if not stream:
         whole = call.reply
         if (why := ended_short(whole, deadline_secs)) is not None:
             raise ApiError(502, why, code="upstream_error")
-        encode.add_delta(choice, whole)
-        return web.Response(body=msgspec.json.encode(enc.whole(whole)),
-                            content_type="application/json", headers=headers)
+        body = await off_loop(lambda: _whole_body(choice, enc, whole))
+        return await send_whole(request, body, headers, write_secs)
     resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, write_secs=write_secs)
     await resp.prepare(request)
     await resp.write(enc.start())
@@ -127,6 +133,11 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
                                                   "details", code="internal_error")))
     await resp.write_eof()
     return resp
+
+
+def _whole_body(choice: encode.Choice, enc: Encoder, whole: pb.GenerateResponse) -> bytes:
+    encode.add_delta(choice, whole)
+    return msgspec.json.encode(enc.whole(whole))
 
 
 async def with_pings(messages: AsyncIterator[T], resp: web.StreamResponse,

@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar, Literal
 import msgspec
 from msgspec import Meta
 
-from helexa.router.errors import ApiError, bad_request, unsupported
+from helexa.router.errors import ApiError, bad_request, clip, unsupported
 from helexa.router.json_depth import json_depth_error
 
 INT32_MAX = 2**31 - 1  # the proto's int32 fields: max_tokens, top_k, token ids
@@ -31,8 +31,12 @@ MAX_N = 16
 MAX_STOP = 16
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5
+# A model id or alias: Hugging Face repo ids are at most 96 characters a part. A 4 MB name was
+# 12 MB of router log (every request line carries it) and came back in every refusal.
+MAX_MODEL_CHARS = 256
 
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
+ModelName = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 StopString = Annotated[str, Meta(min_length=1)]
@@ -134,7 +138,7 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The fields both endpoints share. `None` means "not given", as OpenAI treats null."""
 
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     max_tokens: MaxTokens | None = None
@@ -287,15 +291,15 @@ def _validation_error(text: str) -> ApiError:
     for prefix, what in (("Object contains unknown field ", "unknown"),
                          ("Object missing required field ", "missing")):
         if msg.startswith(prefix):
-            key = msg.removeprefix(prefix).strip("`")
+            key = clip(msg.removeprefix(prefix).strip("`"))  # the client's, any length
             param = f"{where}.{key}" if where else key
             if what == "unknown":
                 return bad_request(f"Unrecognized request argument supplied: {param}", param)
             return bad_request(f"`{param}` is required", param)
     if not where:
         return bad_request("The request body must be a JSON object" if "`object`" in msg
-                           else f"Invalid request body: {msg}")
-    detail = msg.replace("`", "").replace(" | null", "").replace("Invalid enum value",
-                                                                   "invalid value")
+                           else f"Invalid request body: {clip(msg)}")
+    detail = clip(msg).replace("`", "").replace(" | null", "").replace("Invalid enum value",
+                                                                         "invalid value")
     detail = detail[0].lower() + detail[1:] if detail else detail
     return bad_request(f"`{where}`: {detail}", where)

@@ -51,6 +51,7 @@ from helexa.router.request_model import (
     CacheKey,
     ChatBody,
     FunctionDef,
+    ModelName,
     NamedFunction,
     NamedToolChoice,
     SafetyIdentifier,
@@ -129,7 +130,7 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     input: str | list[Item]
     instructions: str | None = None
     max_output_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None

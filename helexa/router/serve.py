@@ -44,7 +44,7 @@ from helexa.router import (
 )
 from helexa.router.agent_output import OutputParser
 from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
-from helexa.router.errors import ApiError
+from helexa.router.errors import MAX_MESSAGE_CHARS, ApiError, clip
 from helexa.router.event_replies import (
     SSE_HEADERS,
     UpstreamFailed,
@@ -181,8 +181,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
             series, last = state.metrics.model(label), [0.0]
+            # a whole reply's body off the loop, as chat's below (event_replies.py)
             resp = await event_replies.reply(
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
+                functools.partial(state.work_pool.run, principal, share=False),
                 on_message=lambda msg: _timing(series, t0, last, msg),
                 write_secs=state.client_write_secs, deadline_secs=state.request_secs)
         elif req.stream:
@@ -217,7 +219,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         return web.Response(status=499)  # a write to a client that has gone
     except Exception as e:  # a bug of ours: the client gets the envelope, the metrics the truth
         code = "500"
-        log.exception("request.done", **ctx, outcome="error", status=500, error=repr(e),
+        log.exception("request.done", **ctx, outcome="error", status=500,
+                      error=clip(repr(e), MAX_MESSAGE_CHARS),
                       secs=round(time.monotonic() - t0, 4))
         return error_response(kind, ApiError(500, "internal error; the router's log has the "
                                                   "details", code="internal_error"),

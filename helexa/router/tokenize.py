@@ -21,12 +21,20 @@ from msgspec import Meta
 from helexa import __version__
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import anthropic, anthropic_errors, images
-from helexa.router.agent_request import template_kwargs
+from helexa.router.agent_request import template_kwargs, tool_dicts
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.forward import chat_proto
 from helexa.router.http_edge import read_body
 from helexa.router.openai_api import ParsedRequest, Turn, _message, continue_final
-from helexa.router.request_model import INT32_MAX, Message, TokenId, decode_as
+from helexa.router.request_caps import RequestCaps, SchemaBudget, check_tool_count
+from helexa.router.request_model import (
+    INT32_MAX,
+    Message,
+    ModelName,
+    TokenId,
+    Tool,
+    decode_as,
+)
 from helexa.router.rpc_errors import map_rpc_error
 from helexa.router.serve import STATE, authorization
 
@@ -34,19 +42,19 @@ log = structlog.get_logger(component="router")
 
 
 class TokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     prompt: str | None = None
     messages: Annotated[list[Message], Meta(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the final message left open (a prefill)
     return_token_strs: bool | None = None  # accepted; the ids are what we return
-    tools: Any = None  # accepted with messages (rendered into the prompt)
+    tools: list[Tool] | None = None  # with messages: rendered into the prompt, as chat's
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    model: Annotated[str, Meta(min_length=1)]
+    model: ModelName
     tokens: list[TokenId]
 
 
@@ -121,11 +129,16 @@ def _json(data: dict[str, Any]) -> web.Response:
     return web.Response(body=msgspec.json.encode(data), content_type="application/json")
 
 
-def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: Any) -> pb.Chat:
+def _chat(turns: list[Turn], kwargs: dict[str, Any] | None, tools: list[Tool] | None,
+          caps: RequestCaps) -> pb.Chat:
     req = ParsedRequest(kind="chat", model="", messages=turns, template_kwargs=kwargs or {})
     chat = chat_proto(req)
-    if tools:
-        chat.tools_json = msgspec.json.encode(tools).decode()
+    if tools:  # within chat's caps on tools (docs/http.md, "Generation requests")
+        check_tool_count(len(tools), caps)
+        budget = SchemaBudget(caps)
+        for i, t in enumerate(tools):
+            budget.take(t.function.parameters, f"tools[{i}].function.parameters")
+        chat.tools_json = msgspec.json.encode(tool_dicts(tools)).decode()
     return chat
 
 
@@ -155,7 +168,8 @@ async def tokenize(request: web.Request) -> web.Response:
     if b.messages is not None:
         turns = await _off_loop(request, _turns, b.messages)
         await _images(request, ParsedRequest(kind="chat", model=b.model, messages=turns))
-        treq.chat.CopyFrom(await _off_loop(request, _chat, turns, kwargs, b.tools))
+        treq.chat.CopyFrom(await _off_loop(request, _chat, turns, kwargs, b.tools,
+                                           request.app[STATE].caps))
         if continue_final_message:
             continue_final(ParsedRequest(kind="chat", model=b.model, messages=turns),
                            f"messages[{len(turns) - 1}]")

@@ -54,9 +54,9 @@ def call_id() -> str:
     return "call_" + os.urandom(12).hex()
 
 
-def held(buf: str, marker: str) -> int:
-    """Length of the longest tail of buf that is a proper prefix of marker."""
-    for k in range(min(len(marker) - 1, len(buf)), 0, -1):
+def held(buf: str, marker: str, start: int = 0) -> int:
+    """Length of the longest tail of buf[start:] that is a proper prefix of marker."""
+    for k in range(min(len(marker) - 1, len(buf) - start), 0, -1):
         if buf.endswith(marker[:k]):
             return k
     return 0

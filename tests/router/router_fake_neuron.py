@@ -12,6 +12,8 @@ act alike on both RPCs:
     [[fail:3]]                                      INTERNAL error after 3 tokens
     [[slow:0.05]]                                   seconds between tokens
     [[tokens:5]]                                    produce 5 tokens (default 8, capped by max_tokens)
+    [[emit:3:<b>]]                                  the reply is `<b>` 3 times, one message
+                                                    (a model that writes what it is told)
 
 With `kv_wait_secs` set, a request waits for its reservation to fit the pool (its
 first message only then), as a neuron's admission does.
@@ -59,6 +61,8 @@ class FakeModel:
     drafter: str = ""  # "" as a neuron without speculation reports it
     prefill_tokens_per_sec: float = 0.0
     ready_unix_ms: int = 0  # 0 as a neuron older than the field reports it
+    tool_parser: str = ""  # the formats a real neuron reports for its model (hermes, think)
+    reasoning_parser: str = ""
 
     def status(self) -> pb.ModelStatus:
         total = self.num_blocks * self.block_size * self.bytes_per_token
@@ -74,7 +78,8 @@ class FakeModel:
             limits=pb.ModelLimits(context=self.context, input=self.context - 1,
                                   output=self.output),
             drafter=self.drafter, prefill_tokens_per_sec=self.prefill_tokens_per_sec,
-            ready_unix_ms=self.ready_unix_ms)
+            ready_unix_ms=self.ready_unix_ms, tool_parser=self.tool_parser,
+            reasoning_parser=self.reasoning_parser)
 
 
 @dataclass
@@ -273,6 +278,12 @@ class FakeNeuron(pbg.NeuronServicer):
         m.in_flight += 1
         self.changed()
         try:
+            if "emit" in marks:
+                count, _, unit = marks["emit"].partition(":")
+                yield pb.GenerateResponse(text=unit * int(count), token_ids=[100])
+                yield pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(
+                    prompt_tokens=len(prompt_ids), completion_tokens=1))
+                return
             if self.b.first_delay_secs:
                 await asyncio.sleep(self.b.first_delay_secs)
             if self.b.admission_message_secs is not None:

@@ -65,6 +65,11 @@ def test_a_named_custom_choice_forces_that_tool():
     ({"type": "custom", "name": "t", "format": "lark"}, "tools[0].format"),
     ({"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "ebnf",
                                                 "definition": "x"}}, "tools[0].format.syntax"),
+    # not a string: it was a 500 (a list is unhashable)
+    ({"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": ["lark"],
+                                                "definition": "x"}}, "tools[0].format.syntax"),
+    ({"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": {"lark": 1},
+                                                "definition": "x"}}, "tools[0].format.syntax"),
     ({"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "lark"}},
      "tools[0].format.definition"),
     ({"type": "custom", "name": "t", "format": {"type": "grammar", "syntax": "lark",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.agent_output import OutputParser
@@ -235,3 +236,20 @@ def test_output_text_logprobs_are_the_answer_tokens_whole_or_streamed():
               if e["type"] == "response.output_text.delta"]
     assert [b for d in deltas for b in d] == [b for a in answer for b in a]
     assert logprobs(events[-1]["response"]) == answer
+
+
+def test_a_whole_reply_costs_in_proportion_to_its_length():
+    """A model may write anything: 8,000 `<tool_call>` never closed were 4.4 s of CPU (a regex
+    split that scanned to the end again from each), 24,000 calls read as text 1.1 s (each
+    piece copied the message's text so far); now 0.06 s at most. The bound leaves room on a
+    loaded machine and is still far under either."""
+    plain = ParsedRequest(kind="responses", model="m")
+    call = '<tool_call>{"name": "w", "arguments": {"city": "x"}}</tool_call>'
+    for text in ("<tool_call>" * 8000, call * 24000):
+        enc = ResponseEncoder("resp_1", "m", plain, OutputParser(reasoning_parser="think"))
+        reply = pb.GenerateResponse(text=text, finish_reason=pb.FINISH_REASON_STOP)
+        t0 = time.thread_time()  # this thread's own CPU: other processes do not count
+        out = enc.whole(reply)
+        secs = time.thread_time() - t0
+        assert [o["content"][0]["text"] for o in out["output"]] == [text]  # as written
+        assert secs < 0.3, f"{len(text)} characters took {secs:.2f} s of CPU"

@@ -12,14 +12,15 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def post_to_a_small_window(url: str, body: bytes) -> socket.socket:
-    """A chat request POSTed to the router at `url` over a raw socket with a 4 KiB receive
-    window; the socket, connected, the request sent and nothing read."""
+def post_to_a_small_window(url: str, body: bytes,
+                           path: str = "/v1/chat/completions") -> socket.socket:
+    """A request (chat's unless `path` says) POSTed to the router at `url` over a raw socket
+    with a 4 KiB receive window; the socket, connected, the request sent and nothing read."""
     host, port = url.removeprefix("http://").rsplit(":", 1)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((host, int(port)))
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\n"
                  b"Content-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock

@@ -37,6 +37,14 @@ def test_tokenize_errors_name_the_problem(router):
     assert r.status_code == 400 and "vocabulary" in r.json()["error"]["message"]
     r = httpx2.post(router.url + "/tokenize", headers=AUTH, json={"model": "tiny"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    # tools checked as chat's: parameters that are not an object were the neuron's
+    # AttributeError, a 502 with nothing in its log
+    for tools, param in (([{"type": "function", "function": {"name": "f", "parameters": [1]}}],
+                          "tools[0].function.parameters"),
+                         ([{"type": "function"}], "tools[0].function"), ("f", "tools")):
+        r = httpx2.post(router.url + "/tokenize", headers=AUTH,
+                        json={"model": "tiny", "messages": MSG, "tools": tools})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     assert httpx2.post(router.url + "/tokenize", json={"model": "tiny",
                                                         "prompt": "x"}).status_code == 401
 
