@@ -258,7 +258,7 @@ def _common(b: RequestBody, req: ParsedRequest) -> None:
     req.frequency_penalty = b.frequency_penalty or 0.0
     req.seed = b.seed
     req.stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-    req.stop_token_ids = list(b.stop_token_ids or [])
+    req.stop_token_ids = list(dict.fromkeys(b.stop_token_ids or []))  # each once, in order
     req.ignore_eos = bool(b.ignore_eos)
     req.n = b.n or 1
     req.stream = bool(b.stream)
