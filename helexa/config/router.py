@@ -100,16 +100,27 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_pattern_chars: Annotated[int, field_meta(
         "Longest regular expression (a `pattern` or a `patternProperties` key) a schema may "
         "hold; beyond it 400.", RELOAD, ge=16)] = 4096
+    max_grammar_bytes: Annotated[int, field_meta(
+        "Largest Lark grammar (a Responses custom tool's format.definition, in UTF-8 bytes) "
+        "a request may carry; beyond it 400. Compiling one grows faster than its size "
+        "(40,000 alternatives, 429 KB: 5 CPU s).", RELOAD, ge=1024)] = 64 * 1024
     schema_workers: Annotated[int, field_meta(
-        "Threads that parse request bodies and compile their schemas, off the event loop that "
-        "carries every stream and the neurons' reports.", RESTART, ge=1)] = 2
+        "Threads that parse request bodies, off the event loop that carries every stream and "
+        "the neurons' reports.", RESTART, ge=1)] = 2
     schema_queue_depth: Annotated[int, field_meta(
-        "Requests that may wait for a schema worker; beyond it 503 overloaded.",
-        RESTART, ge=0)] = 64
+        "Requests that may wait for a schema worker, and again for a compile worker; beyond "
+        "it 503 overloaded.", RESTART, ge=0)] = 64
+    compile_workers: Annotated[int, field_meta(
+        "Threads that compile a request's grammars (a response schema, a forced tool "
+        "choice's schemas, a custom tool's grammar) once its body is parsed: a pool of their "
+        "own, so a schema that takes seconds never keeps another body from being parsed. "
+        "Shared as the schema workers are (schema_per_principal, round robin).",
+        RESTART, ge=1)] = 2
     schema_per_principal: Annotated[optional(int, ge=1), field_meta(
         "Tasks of one principal (an API key's; callers without a key are one principal) that "
         "may be running on the schema workers or waiting for one (parsing a body, decoding its "
-        "images, building its neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
+        "images, building its neuron requests, /tokenize), and again on the compile workers; "
+        "beyond it that principal gets 429 rate_limit_exceeded "
         "while others still get in, and waiting tasks are served round robin between "
         "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default); "
         "with no auth.keys_file, where every caller is the one anonymous principal, all of "

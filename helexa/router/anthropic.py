@@ -371,6 +371,8 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
 
 
 def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
+    """A count_tokens body, its caps checked; its grammars are left uncompiled (req.compiles):
+    they do not change the prompt."""
     b: CountTokensBody = decode_as(raw, CountTokensBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req, caps)
