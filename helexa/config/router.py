@@ -65,7 +65,9 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "How long a request waits for an on-demand model load (503 model_loading) or a profile "
         "switch (503 service_unavailable), at most until its own deadline.", RELOAD, ge=0)] = 60.0
     unhealthy_after_secs: Annotated[float, field_meta(
-        "A neuron whose Watch stream is silent this long leaves rotation.", RELOAD, gt=0)] = 2.0
+        "A neuron whose Watch stream is silent this long leaves rotation: no new work goes "
+        "there; the calls already there go on (stream_idle_secs bounds them).", RELOAD,
+        gt=0)] = 2.0
     reconnect_max_secs: Annotated[float, field_meta(
         "Longest backoff between Watch reconnects.", RELOAD, gt=0)] = 5.0
     first_report_secs: Annotated[float, field_meta(
@@ -81,9 +83,11 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
         "not cut; nor is a wait for a row after tokens flowed, which the neuron says "
         "(waiting_for_row: resumed after a pause behind a full batch), bounded by the "
-        "request's deadline. Calls on a neuron that leaves rotation (unhealthy_after_secs) "
-        "are ended at once. A stream ended so before its first token is retried once on another "
-        "neuron (docs/errors.md).", RELOAD, gt=0)] = 30.0
+        "request's deadline. A call with no such clock (a non-streaming call, a stream queued "
+        "or waiting for a row) is ended once its neuron's Watch has been silent this long; "
+        "leaving rotation (unhealthy_after_secs) ends no call. A call ended so before its "
+        "first token is retried once on another neuron (docs/errors.md).",
+        RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "
         "stays full) is ended and its neuron call cancelled, which returns the request's KV.",
