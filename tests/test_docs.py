@@ -708,7 +708,12 @@ def test_limits_the_docs_state_are_the_codes_constants() -> None:
     stated = [
         ("http", f"JSON nested at most {MAX_JSON_DEPTH} levels"),
         ("errors", f"JSON nested deeper than {MAX_JSON_DEPTH} levels"),
-        ("http", f"`stop` (up to {request_model.MAX_STOP} strings)"),
+        ("http", f"`stop` (up to {request_model.MAX_STOP} strings, each up to "
+                 f"{request_model.MAX_STOP_CHARS:,} characters), `stop_token_ids` (up to "
+                 f"{request_model.MAX_STOP_TOKEN_IDS:,})"),
+        ("api", f"`stop` takes at most {request_model.MAX_STOP} strings of at most "
+                f"{request_model.MAX_STOP_CHARS:,} characters each, and `stop_token_ids` at "
+                f"most {request_model.MAX_STOP_TOKEN_IDS:,} ids"),
         ("http", f"`n` (1–{request_model.MAX_N})"),
         ("http", f"at most {request_model.MAX_MODEL_CHARS} characters;"),
         ("api", f"alias, at most {request_model.MAX_MODEL_CHARS} characters"),

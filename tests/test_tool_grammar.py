@@ -165,7 +165,7 @@ def test_an_answer_format_beside_tools_under_auto_still_lets_the_model_call(mode
                 "type": "object", "properties": {"command": {"type": "array"}}}},
             {"type": "web_search"}],
         "text": {"format": {"type": "json_schema", "name": "out", "strict": True,
-                            "schema": ANSWER}}}).encode())
+                            "schema": ANSWER}}}).encode()).compile()
     g = forward.generate_request(req, model="m", principal="p", req_id="r",
                                  deadline_unix_ms=0)
     text = agent.constraint_grammar(g, fmt)

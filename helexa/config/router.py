@@ -65,7 +65,9 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "How long a request waits for an on-demand model load (503 model_loading) or a profile "
         "switch (503 service_unavailable), at most until its own deadline.", RELOAD, ge=0)] = 60.0
     unhealthy_after_secs: Annotated[float, field_meta(
-        "A neuron whose Watch stream is silent this long leaves rotation.", RELOAD, gt=0)] = 2.0
+        "A neuron whose Watch stream is silent this long leaves rotation: no new work goes "
+        "there; the calls already there go on (stream_idle_secs bounds them).", RELOAD,
+        gt=0)] = 2.0
     reconnect_max_secs: Annotated[float, field_meta(
         "Longest backoff between Watch reconnects.", RELOAD, gt=0)] = 5.0
     first_report_secs: Annotated[float, field_meta(
@@ -81,9 +83,11 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
         "not cut; nor is a wait for a row after tokens flowed, which the neuron says "
         "(waiting_for_row: resumed after a pause behind a full batch), bounded by the "
-        "request's deadline. Calls on a neuron that leaves rotation (unhealthy_after_secs) "
-        "are ended at once. A stream ended so before its first token is retried once on another "
-        "neuron (docs/errors.md).", RELOAD, gt=0)] = 30.0
+        "request's deadline. A call with no such clock (a non-streaming call, a stream queued "
+        "or waiting for a row) is ended once its neuron's Watch has been silent this long; "
+        "leaving rotation (unhealthy_after_secs) ends no call. A call ended so before its "
+        "first token is retried once on another neuron (docs/errors.md).",
+        RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "
         "stays full) is ended and its neuron call cancelled, which returns the request's KV.",
@@ -100,16 +104,27 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_pattern_chars: Annotated[int, field_meta(
         "Longest regular expression (a `pattern` or a `patternProperties` key) a schema may "
         "hold; beyond it 400.", RELOAD, ge=16)] = 4096
+    max_grammar_bytes: Annotated[int, field_meta(
+        "Largest Lark grammar (a Responses custom tool's format.definition, in UTF-8 bytes) "
+        "a request may carry; beyond it 400. Compiling one grows faster than its size "
+        "(40,000 alternatives, 429 KB: 5 CPU s).", RELOAD, ge=1024)] = 64 * 1024
     schema_workers: Annotated[int, field_meta(
-        "Threads that parse request bodies and compile their schemas, off the event loop that "
-        "carries every stream and the neurons' reports.", RESTART, ge=1)] = 2
+        "Threads that parse request bodies, off the event loop that carries every stream and "
+        "the neurons' reports.", RESTART, ge=1)] = 2
     schema_queue_depth: Annotated[int, field_meta(
-        "Requests that may wait for a schema worker; beyond it 503 overloaded.",
-        RESTART, ge=0)] = 64
+        "Requests that may wait for a schema worker, and again for a compile worker; beyond "
+        "it 503 overloaded.", RESTART, ge=0)] = 64
+    compile_workers: Annotated[int, field_meta(
+        "Threads that compile a request's grammars (a response schema, a forced tool "
+        "choice's schemas, a custom tool's grammar) once its body is parsed: a pool of their "
+        "own, so a schema that takes seconds never keeps another body from being parsed. "
+        "Shared as the schema workers are (schema_per_principal, round robin).",
+        RESTART, ge=1)] = 2
     schema_per_principal: Annotated[optional(int, ge=1), field_meta(
         "Tasks of one principal (an API key's; callers without a key are one principal) that "
         "may be running on the schema workers or waiting for one (parsing a body, decoding its "
-        "images, building its neuron requests, /tokenize); beyond it that principal gets 429 rate_limit_exceeded "
+        "images, building its neuron requests, /tokenize), and again on the compile workers; "
+        "beyond it that principal gets 429 rate_limit_exceeded "
         "while others still get in, and waiting tasks are served round robin between "
         "principals. Unset = a quarter of schema_workers + schema_queue_depth (16 by default); "
         "with no auth.keys_file, where every caller is the one anonymous principal, all of "

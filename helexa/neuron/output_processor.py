@@ -82,7 +82,7 @@ class OutputProcessor:
         self.clock = clock
         self._detok = IncrementalDetokenizer(tokenizer, new.prompt_token_ids)
         self._stopper = StopChecker(list(stop), calls)  # stop strings apply outside calls
-        self._caller_stop_ids = frozenset(stop_token_ids)
+        self._caller_stop_ids = frozenset(stop_token_ids)  # the servicer's set, as it is
         self._calls = CallTracker(calls) if calls and stop_token_ids else None
         self._return_prompt = return_prompt_token_ids
         self._requested_max_tokens = requested_max_tokens  # before fit_max_tokens lowered it

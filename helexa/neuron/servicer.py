@@ -102,19 +102,22 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             # at eos alone and the output processor at the caller's ids outside calls
             calls = None if p.grammar else agent.call_tags(r.entry, r.tokenizer.chat_template,
                                                            request)
-            stop_ids = [] if calls else list(request.stop_token_ids)
+            # the caller's ids as one set, made once (the output processor takes it as it is)
+            caller_stop = frozenset(request.stop_token_ids)
+            stop_ids = set() if calls else set(caller_stop)
             if not request.ignore_eos:
-                stop_ids += [i for i in r.tokenizer.eos_token_ids if i not in stop_ids]
+                stop_ids.update(r.tokenizer.eos_token_ids)
             deadline = (request.deadline_unix_ms / 1000 if request.deadline_unix_ms > 0
                         else arrival + self.residency.cfg.server.request_timeout_secs)
             new = messages.NewRequest(
                 req_id=req_id, prompt_token_ids=p.prompt_ids,
                 sampling=sampling_params(request.sampling), max_tokens=p.max_tokens,
-                principal=principal, stop_token_ids=stop_ids, deadline_unix=deadline,
+                principal=principal, stop_token_ids=list(stop_ids), deadline_unix=deadline,
                 arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
             blog.info("request.start", prompt_tokens=len(p.prompt_ids),
                       max_tokens=p.max_tokens)
-            async for resp in self._stream(r, new, request, context, blog, calls, p):
+            async for resp in self._stream(r, new, request, context, blog, calls,
+                                           caller_stop, p):
                 yield resp
         finally:
             if r is not None:
@@ -162,14 +165,15 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
 
     async def _stream(self, r: ResidentModel, new: messages.NewRequest,
                       request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
-                      blog: Any, calls: tuple[str, str] | None, p: Prepared
+                      blog: Any, calls: tuple[str, str] | None,
+                      caller_stop: frozenset[int], p: Prepared
                       ) -> AsyncIterator[pb.GenerateResponse]:
         model = r.model_id
         # a constrained reply ends where its grammar does: a stop string inside it would
         # leave a half call or half JSON (docs/api.md, "JSON Schema keywords under
         # constrained decoding")
         out = OutputProcessor(r.tokenizer, new, stop=() if new.grammar else request.stop,
-                              stop_token_ids=request.stop_token_ids,
+                              stop_token_ids=caller_stop,
                               return_prompt_token_ids=request.return_prompt_token_ids,
                               requested_max_tokens=(request.max_tokens
                                                     if request.HasField("max_tokens") else None),

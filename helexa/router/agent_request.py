@@ -13,7 +13,7 @@ constraint the engine enforces:
   (helexa/tool_grammar.py: what its template taught, or a JSON list for a
   template that teaches none), so even a weak model returns calls whose
   arguments validate, and the router parses them with that format's parser
-  (agent_output.py). The router checks here that the tools' schemas compile;
+  (agent_output.py). The router checks that the tools' schemas compile;
 - `auto` leaves the model free and its own format is parsed back; `none`
   hides nothing from the template but parses no calls. Either way a tool's
   schema is prompt text only: it is never compiled, so no schema an agent
@@ -27,6 +27,14 @@ from a constraint and listed in `req.unenforced` (the router says them in
 the `x-helexa-unenforced-schema` header and checks the reply against the
 whole schema after generation: `reply_violations`).
 
+Compiling is the slow part (a 512 KiB schema of 13,000 required properties:
+3.6 CPU s), so parsing only checks the caps (request_caps.py) and leaves the
+compiling to `req.compiles`, which the router runs on a pool of its own
+(`ParsedRequest.compile`; docs/http.md, "Generation requests"): a body whose
+schema takes seconds never holds a thread that parses other bodies. Until
+then `req.constraint` is `PENDING`, a json_schema constraint without its
+source, so the rules between fields that ask whether there is one still hold.
+
 Reasoning: `reasoning_effort` (`minimal` counts as `low`) and
 `chat_template_kwargs.enable_thinking` travel to the neuron, which maps them
 to a thinking budget from the model's catalogue entry.
@@ -37,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 from helexa import grammar, tool_grammar
@@ -132,26 +141,48 @@ def apply_as(body: ChatBody, req: Any, caps: RequestCaps, where: list[str],
              schema_key: str) -> None:
     """apply() for a body translated from another API (Anthropic's, Responses'): a 400 or
     an unenforced keyword about chat's `tools[i].function...` names the tool as the client
-    listed it, where[i], and its schema as schema_key (`input_schema`, `parameters`)."""
+    listed it, where[i], and its schema as schema_key (`input_schema`, `parameters`), now or
+    when the compiling it left is done."""
     def rename(text: str) -> str:
         return _CHAT_TOOL.sub(lambda m: where[int(m[1])] + (
             "." + (schema_key if m[2] == "parameters" else m[2]) if m[2] else ""), text)
-    try:
-        apply(body, req, caps)
-    except ApiError as e:
-        if e.param is None or not _CHAT_TOOL.match(e.param):
+    left = len(req.compiles)
+    _renamed(lambda: apply(body, req, caps), req, rename)()
+    req.compiles[left:] = [_renamed(fn, req, rename) for fn in req.compiles[left:]]
+
+
+def _renamed(fn: Callable[[], object], req: Any,
+             rename: Callable[[str], str]) -> Callable[[], None]:
+    """fn, its 400 and the unenforced keywords it adds named by rename."""
+    def run() -> None:
+        before = len(req.unenforced)
+        try:
+            fn()
+        except ApiError as e:
+            if e.param is None or not _CHAT_TOOL.match(e.param):
+                raise
+            e.message, e.param = rename(e.message), rename(e.param)
             raise
-        e.message, e.param = rename(e.message), rename(e.param)
-        raise
-    req.unenforced = [rename(u) for u in req.unenforced]
+        req.unenforced[before:] = [rename(u) for u in req.unenforced[before:]]
+    return run
 
 
 _CHAT_TOOL = re.compile(r"tools\[(\d+)\]\.function(?:\.(parameters|name|description))?")
 
 
+# What req.constraint is while its grammar waits for req.compiles: some JSON, to be written.
+PENDING = grammar.Constraint(kind="json_schema")
+
+
 def force_tools(req: Any) -> None:
-    """The constraint of a forced tool choice over req.tools: each tool's parameters as the
-    grammar can enforce them (what it cannot is listed in req.unenforced)."""
+    """The constraint of a forced tool choice over req.tools, compiled by req.compiles."""
+    req.constraint = PENDING
+    req.compiles.append(lambda: _force_tools(req))
+
+
+def _force_tools(req: Any) -> None:
+    """Each tool's parameters as the grammar can enforce them (what it cannot is listed in
+    req.unenforced), compiled."""
     enforced = []
     for i, t in enumerate(req.tools):
         fn = t["function"]
@@ -234,11 +265,17 @@ def _response_format(b: ChatBody, req: Any, caps: RequestCaps) -> None:
 def constrain_to_schema(req: Any, schema: Any, param: str,
                         caps: RequestCaps = DEFAULT_CAPS) -> None:
     """The output is JSON valid against `schema` (as far as the grammar enforces it; the
-    rest is listed in req.unenforced and checked after generation)."""
+    rest is listed in req.unenforced and checked after generation). Checks the caps; the
+    compiling is left to req.compiles."""
     SchemaBudget(caps).take(schema, param)
+    req.response_schema = schema
+    req.constraint = PENDING
+    req.compiles.append(lambda: _constrain(req, schema, param))
+
+
+def _constrain(req: Any, schema: Any, param: str) -> None:
     r = reduced(schema, param)
     req.unenforced += _located(param, r)
-    req.response_schema = schema
     req.constraint = grammar.json_schema(r.schema)
     _check(req.constraint, param)
 

@@ -35,12 +35,14 @@ from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
+    MAX_STOP,
     ChatBody,
     FunctionDef,
     FunctionName,
     ModelName,
     NamedFunction,
     NamedToolChoice,
+    StopString,
     Tool,
     decode_as,
 )
@@ -108,8 +110,7 @@ class CountTokensBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: ModelName
     messages: Annotated[list[AMessage], Meta(min_length=1)]
     system: str | list[Block] | None = None
-    stop_sequences: Annotated[list[Annotated[str, Meta(min_length=1)]],
-                              Meta(max_length=16)] | None = None
+    stop_sequences: Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
@@ -371,6 +372,8 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
 
 
 def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
+    """A count_tokens body, its caps checked; its grammars are left uncompiled (req.compiles):
+    they do not change the prompt."""
     b: CountTokensBody = decode_as(raw, CountTokensBody)
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req, caps)

@@ -68,6 +68,10 @@ class RouterState:
         # its share per principal does not.
         self.work_pool = WorkPool(cfg.limits.schema_workers, cfg.limits.schema_queue_depth)
         self.work_pool.on_refuse = self._work_refused
+        # Compiling a parsed request's grammars: a pool of its own (agent_request.py).
+        self.compile_pool = WorkPool(cfg.limits.compile_workers, cfg.limits.schema_queue_depth,
+                                     compiling=True)
+        self.compile_pool.on_refuse = self._work_refused
         self.work_pool.on_background_error = self._background_failed
         self.metrics.work_tasks.set_function(lambda: self.work_pool.tasks)
         self.metrics.work_principals.set_function(lambda: self.work_pool.principals)
@@ -98,13 +102,14 @@ class RouterState:
         self.request_secs = cfg.timeouts.request_secs
         self.client_write_secs = cfg.timeouts.client_write_secs
         self.caps = RequestCaps.of(cfg.limits)
-        pool = self.work_pool  # without keys every caller is the one principal: all of it
-        pool.per_principal = cfg.limits.schema_per_principal or (
-            default_share(pool.workers, pool.queue_depth) if keys
-            else pool.workers + pool.queue_depth)
-        # with keys one principal leaves a thread to the others: another key's parse never
-        # waits for its slow ones to finish (work_pool.py)
-        pool.max_running = max(1, pool.workers - 1) if keys else pool.workers
+        for pool in (self.work_pool, self.compile_pool):
+            # without keys every caller is the one principal: all of it
+            pool.per_principal = cfg.limits.schema_per_principal or (
+                default_share(pool.workers, pool.queue_depth) if keys
+                else pool.workers + pool.queue_depth)
+            # with keys one principal leaves a thread to the others: another key's parse never
+            # waits for its slow ones to finish (work_pool.py)
+            pool.max_running = max(1, pool.workers - 1) if keys else pool.workers
         self.dispatcher.settings = DispatchSettings(
             list(cfg.auth.load_principals), cfg.timeouts.load_wait_secs, cfg.timeouts.request_secs)
         self.registry.token = token
@@ -115,11 +120,13 @@ class RouterState:
         self.registry.stream_idle_secs = cfg.timeouts.stream_idle_secs
 
     def _work_refused(self, reason: str, principal: str) -> None:
-        """The work pool refused a principal's task (429 over its share, 503 full)."""
+        """The work pool (or the compile pool) refused a principal's task (429 over its share,
+        503 full)."""
         self.metrics.work_refusals.labels(reason).inc()
         self.log.info("router.work_refused", principal=principal, reason=reason,
                       principal_tasks=self.work_pool.tasks_of(principal),
-                      tasks=self.work_pool.tasks, share=self.work_pool.per_principal)
+                      tasks=self.work_pool.tasks, share=self.work_pool.per_principal,
+                      compile_tasks=self.compile_pool.tasks)
 
     def _background_failed(self, principal: str, task: str, error: BaseException) -> None:
         """Background work on the pool raised (a bug): counted, and logged with its traceback."""
@@ -145,10 +152,9 @@ class RouterState:
         self.registry.swap_links(links)
         if cfg.server != old.server:
             self.log.warning("config.restart_needed", section="server")
-        if (cfg.limits.schema_workers, cfg.limits.schema_queue_depth) != \
-                (old.limits.schema_workers, old.limits.schema_queue_depth):
-            self.log.warning("config.restart_needed", section="limits",
-                             fields=["schema_workers", "schema_queue_depth"])
+        sized = ("schema_workers", "schema_queue_depth", "compile_workers")
+        if any(getattr(cfg.limits, f) != getattr(old.limits, f) for f in sized):
+            self.log.warning("config.restart_needed", section="limits", fields=list(sized))
         self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],
                       aliases=len(cfg.aliases))
 
@@ -336,6 +342,7 @@ async def stop(runner: web.AppRunner, state: RouterState) -> None:
     await state.status.close()
     await state.registry.close()
     state.work_pool.close()
+    state.compile_pool.close()
     state.log.info("router.stopped")
 
 

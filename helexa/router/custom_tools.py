@@ -17,7 +17,12 @@ renders a custom tool as a function with one required string parameter,
   formats, whose string escapes a Lark grammar cannot describe.
 
 A grammar that does not compile is a 400 naming `tools[i].format.definition`
-with llguidance's reason. A call of the function comes back as a
+with llguidance's reason; before it is compiled (`compile_check`, on the
+router's compile pool: agent_request.py), one over its cap is a 400 naming
+the cap: a regex longer than `limits.max_pattern_chars`, a Lark grammar of
+more than `limits.max_grammar_bytes` (llguidance's Lark compile grows faster
+than the grammar: 8,000 alternatives, 79 KB, took 0.23 CPU s; 40,000, 429 KB,
+5 s). A call of the function comes back as a
 `custom_tool_call` whose `input` is the string (`input_of`); an earlier
 `custom_tool_call` in `input` goes back to the template as the same
 function's call (`arguments_of`).
@@ -31,15 +36,17 @@ from typing import Any
 from helexa import grammar
 from helexa.router.errors import bad_request
 from helexa.router.json_depth import loads
+from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.tool_grammar import LARK_KEY
 
 INPUT = "input"
 _SYNTAX: dict[str, grammar.Kind] = {"lark": "lark", "regex": "regex"}
 
 
-def format_of(fmt: Any, where: str) -> dict[str, Any]:
-    """The tool's format as OpenAI echoes it, checked; a 400 naming the field otherwise.
-    where: the tool as the client listed it (`tools[3]`)."""
+def format_of(fmt: Any, where: str, caps: RequestCaps = DEFAULT_CAPS) -> dict[str, Any]:
+    """The tool's format as OpenAI echoes it, its caps checked (not yet compiled:
+    `compile_check`); a 400 naming the field otherwise. where: the tool as the client listed
+    it (`tools[3]`)."""
     if fmt is None:
         return {"type": "text"}
     if not isinstance(fmt, dict):
@@ -57,13 +64,30 @@ def format_of(fmt: Any, where: str) -> dict[str, Any]:
     if not isinstance(definition, str) or not definition.strip():
         raise bad_request(f"`{where}.format.definition` is required: the grammar's text",
                           f"{where}.format.definition")
+    if syntax == "regex" and len(definition) > caps.max_pattern_chars:
+        raise bad_request(f"`{where}.format.definition`: a regex of {len(definition)} "
+                          f"characters is longer than {caps.max_pattern_chars}, the limit "
+                          f"(limits.max_pattern_chars)", f"{where}.format.definition")
+    size = len(definition.encode())
+    if syntax == "lark" and size > caps.max_grammar_bytes:
+        raise bad_request(f"`{where}.format.definition`: a grammar of {size} bytes is more "
+                          f"than {caps.max_grammar_bytes}, the limit (limits.max_grammar_bytes)",
+                          f"{where}.format.definition")
+    return {"type": "grammar", "syntax": syntax, "definition": definition}
+
+
+def compile_check(fmt: dict[str, Any], where: str) -> None:
+    """Compile a grammar format (from format_of) to check it; a 400 naming the field with
+    llguidance's reason where it cannot be used."""
+    if fmt["type"] != "grammar":
+        return
+    syntax, definition = fmt["syntax"], fmt["definition"]
     try:
         grammar.check(grammar.Constraint(kind=_SYNTAX[syntax], source=definition))
     except grammar.GrammarError as e:
         reason = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
         raise bad_request(f"`{where}.format.definition`: the {syntax} grammar cannot be "
                           f"used: {reason}", f"{where}.format.definition") from None
-    return {"type": "grammar", "syntax": syntax, "definition": definition}
 
 
 def parameters(fmt: dict[str, Any]) -> dict[str, Any]:

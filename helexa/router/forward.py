@@ -32,7 +32,8 @@ Metadata = tuple[tuple[str, str], ...]  # gRPC call metadata: (key, value) pairs
 
 def generate_request(req: ParsedRequest, *, model: str, principal: str, req_id: str,
                      deadline_unix_ms: int, choice: int = 0) -> pb.GenerateRequest:
-    """The GenerateRequest for one choice of a parsed request."""
+    """The GenerateRequest for one choice of a parsed request (its grammars compiled)."""
+    assert not req.compiles, "ParsedRequest.compile() first"
     # top_p 0 keeps the smallest set holding none of the mass, the top token alone: greedy
     # decoding (OpenAI takes 0; on the wire 0 means unset, so it is sent as temperature 0)
     greedy = req.top_p == 0

@@ -1,12 +1,15 @@
 """Calls in flight on a neuron, so the router can end them when the neuron stops answering.
 
 Each Generate or Complete call the dispatcher opens is a `Flight` on its
-neuron's link. The registry's health loop ends every flight of a neuron that
-leaves rotation (its Watch went silent or broke), and a stream that is
-overdue: a hung host (SIGSTOP, a wedged engine) is then an `upstream_error`
-event on the stream once a token went out, a retry on another neuron before
-that (dispatch.py), or a 503 with none left, within moments, instead of
-silence until gRPC keepalive gives up (a minute).
+neuron's link. The registry's health loop ends a stream that is overdue, and
+a call with no clock of its own (`clocked`: a unary call, a stream queued or
+waiting for a row) once its neuron's Watch has been silent as long: a hung
+host (SIGSTOP, a wedged engine) is then an `upstream_error` event on the
+stream once a token went out, a retry on another neuron before that
+(dispatch.py), or a 503 with none left, within `timeouts.stream_idle_secs`,
+not when gRPC keepalive gives up (a minute) nor at the request's deadline. A neuron that only leaves rotation (silent past
+`timeouts.unhealthy_after_secs`, as a neuron busy for a few seconds is) gets
+no new work, but its calls go on (registry.py).
 
 Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not
@@ -114,6 +117,12 @@ class Flight:
         """How long after its prefill began the first token may take."""
         rate = max(self.prefill_tokens_per_sec, MIN_PREFILL_TOKENS_PER_SEC)
         return idle_secs + PREFILL_MARGIN * self.prompt_tokens / rate
+
+    def clocked(self) -> bool:
+        """Whether `overdue` times this call by its own messages: a stream whose prefill began
+        and that waits for no row. Any other call has only its neuron's Watch to tell a hung
+        neuron from a busy one (registry.py)."""
+        return self.streaming and bool(self.started_at) and not self.waiting_for_row
 
     def overdue(self, now: float, idle_secs: float) -> str | None:
         """Why the stream should be ended now, or None while it is in time."""

@@ -13,6 +13,7 @@ API treats it. Encoding responses lives in `encode.py`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -83,6 +84,8 @@ class ParsedRequest:
     custom_tools: dict[str, Any] = field(default_factory=dict)  # Responses: name -> the tool
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None  # the grammar the output follows
+    # The grammar work parsing left for the compile pool (agent_request.py): `compile()`.
+    compiles: list[Callable[[], None]] = field(default_factory=list)
     response_schema_name: str | None = None
     response_schema: Any = None  # the whole schema of a json_schema output (checked after)
     unenforced: list[str] = field(default_factory=list)  # schema keywords the grammar dropped
@@ -97,6 +100,14 @@ class ParsedRequest:
     # Responses: what its response object repeats as the client sent it (responses_api.echoed)
     echoed: dict[str, Any] = field(default_factory=dict)
     cache_key: str | None = None  # the client's prompt_cache_key: the neuron choice's affinity
+
+    def compile(self) -> ParsedRequest:
+        """Compile the grammars parsing checked the caps of (agent_request.py): slow work the
+        router runs on its compile pool, apart from body parsing; raises ApiError(400)."""
+        todo, self.compiles = self.compiles, []
+        for fn in todo:
+            fn()
+        return self
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""
@@ -260,7 +271,7 @@ def _common(b: RequestBody, req: ParsedRequest) -> None:
     req.frequency_penalty = b.frequency_penalty or 0.0
     req.seed = b.seed
     req.stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-    req.stop_token_ids = list(b.stop_token_ids or [])
+    req.stop_token_ids = list(dict.fromkeys(b.stop_token_ids or []))  # each once, in order
     req.ignore_eos = bool(b.ignore_eos)
     req.n = b.n or 1
     req.stream = bool(b.stream)

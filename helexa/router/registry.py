@@ -7,6 +7,19 @@ rotation while its stream is connected and it spoke within
 that); a broken stream is reopened with exponential backoff up to
 `timeouts.reconnect_max_secs`, and the neuron is back as soon as it speaks.
 
+Leaving rotation sends no new work there; it ends none of the calls already
+there. A neuron busy for a few seconds (a large request's work on its loop,
+a loaded host) goes silent as a hung one does, and ending every call on it
+then let one client's request cut every other client's stream (the review's
+finding 4: a 2.55 s gap from four 10,000-token completions cut a bystander).
+A call ends on its own evidence instead (`_health_loop`): a broken channel
+fails it (a dead neuron's at once), a stream that its neuron stops feeding is
+overdue after `timeouts.stream_idle_secs` (inflight.py), and a call with no
+clock of its own (a unary Complete, a stream not yet given a row or waiting
+for one) is ended once its neuron's Watch has been silent that long too: a
+host hung with SIGSTOP loses its calls then, not when gRPC keepalive gives up
+(a minute).
+
 The registry also remembers the router's own sends that the neuron has not
 reported yet (`PendingSend`): selection adds them to the neuron's load and
 subtracts their KV, so a burst spreads instead of herding onto whichever
@@ -286,19 +299,21 @@ class Registry:
             stalled, last = now - last > HEALTH_TICK_SECS + LOOP_STALL_SECS, now
             if stalled:  # our own loop stalled: Watch reports may be waiting unread, and a
                 continue  # neuron must not lose its calls for the router's pause
+            idle = self.stream_idle_secs
             for link in self.links.values():
                 healthy = link.healthy(now)
-                if healthy != link.was_healthy:
+                if healthy != link.was_healthy:  # in or out of rotation; its calls go on
                     link.was_healthy = healthy
                     log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
-                             ended_calls=0 if healthy else len(link.flights))
-                    if not healthy:  # out of rotation: what runs there will not come back
-                        for f in list(link.flights):
-                            f.end(f"neuron {link.name} stopped answering (no Watch report for"
-                                  f" {self.unhealthy_after_secs:g} s)")
+                             open_calls=len(link.flights))
                     self.notify()
+                silent = now - link.last_seen > idle  # its Watch, as long as a stream may be
                 for f in list(link.flights):
-                    if (why := f.overdue(now, self.stream_idle_secs)) is not None:
+                    why = f.overdue(now, idle)
+                    if why is None and silent and not f.clocked():
+                        why = (f"neuron {link.name} stopped answering (no Watch report for"
+                               f" {idle:g} s)")
+                    if why is not None:
                         f.end(why)
 
     async def wait_first_tries(self) -> None:

@@ -1,4 +1,5 @@
-"""Per-request size caps on what the router compiles: tools, schema bytes, regex length.
+"""Per-request size caps on what the router compiles: tools, schema bytes, regex length,
+grammar bytes.
 
 A request's tools and schemas cost the router work that grows with them (the
 grammar library compiles each schema, the reply is checked against it) and
@@ -27,10 +28,12 @@ class RequestCaps:
     max_tools: int = 128
     max_schema_bytes: int = 512 * 1024
     max_pattern_chars: int = 4096
+    max_grammar_bytes: int = 64 * 1024
 
     @classmethod
     def of(cls, cfg: LimitsConfig) -> RequestCaps:
-        return cls(cfg.max_tools, cfg.max_schema_bytes, cfg.max_pattern_chars)
+        return cls(cfg.max_tools, cfg.max_schema_bytes, cfg.max_pattern_chars,
+                   cfg.max_grammar_bytes)
 
 
 DEFAULT_CAPS = RequestCaps()

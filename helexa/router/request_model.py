@@ -29,6 +29,12 @@ INT32_MAX = 2**31 - 1  # the proto's int32 fields: max_tokens, top_k, token ids
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the proto's int64 seed
 MAX_N = 16
 MAX_STOP = 16
+# A stop string's length: the neuron holds back from a stream what may begin one (docs/api.md,
+# "Chat and completions: shared fields"), so this bounds that wait and what it holds.
+MAX_STOP_CHARS = 1024
+# stop_token_ids: each neuron call carries them and its neuron builds their set on the event
+# loop that carries every stream; 3.9M ids held one 2.35 s (docs/api.md, the same section).
+MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5
 # A model id or alias: Hugging Face repo ids are at most 96 characters a part. A 4 MB name was
@@ -39,7 +45,7 @@ TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 ModelName = Annotated[str, Meta(min_length=1, max_length=MAX_MODEL_CHARS)]
 MaxTokens = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-StopString = Annotated[str, Meta(min_length=1)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 Unsupported = Any  # refused unless null: see UNSUPPORTED
 Harmless = Any  # accepted and ignored: it changes nothing we produce
 # OpenAI's bounds on its request hints (chat completions and Responses alike)
@@ -156,7 +162,7 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Meta(ge=0.01, le=10.0)] | None = None
     ignore_eos: bool | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None  # vLLM: the stop string ends the text
     # vLLM extras that tools send (guidellm, lm-eval) and that change nothing here:
     # special tokens are always skipped (and so never spaced), the prompt is never

@@ -35,6 +35,7 @@ The reply is encoded by responses_encode.py.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Annotated, Any, Literal
 
@@ -345,9 +346,10 @@ def _tools(b: ResponsesBody, req: ParsedRequest, caps: RequestCaps) -> None:
         if not t.name:
             raise bad_request(f"`{where}.name` is required", f"{where}.name")
         if t.type == "custom":
+            fmt = custom_tools.format_of(t.format, where, caps)
             req.custom_tools[t.name] = {"type": "custom", "name": t.name,
-                                        "description": t.description,
-                                        "format": custom_tools.format_of(t.format, where)}
+                                        "description": t.description, "format": fmt}
+            req.compiles.append(functools.partial(custom_tools.compile_check, fmt, where))
     body = ChatBody(model=b.model, messages=[], tools=[Tool(type="function", function=FunctionDef(
         name=t.name or "", description=t.description, parameters=t.parameters
         if t.type == "function" else custom_tools.parameters(

@@ -148,6 +148,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             req = await state.work_pool.run(principal, _PARSERS[kind], raw, state.caps)
         else:
             req = await state.work_pool.run(principal, parse_request, raw, kind, state.caps)
+        if req.compiles:  # its grammars, caps checked: on the compile pool (agent_request.py)
+            await state.compile_pool.run(principal, req.compile)
         asked = req.model
         model = ctx["model"] = state.aliases.resolve(asked)
         label = metric_label(state, model)

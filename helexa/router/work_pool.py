@@ -17,6 +17,9 @@ caller without one), running or waiting: 429 `rate_limit_exceeded` beyond.
 Encoding a reply once the neuron has answered (`share=False`) is never
 refused, and a finished reply's schema check is background work
 (`submit`; app.py counts and logs a failure as `router.background_work_failed`).
+Compiling a request's grammars, once its body is parsed, runs on a second pool of
+the same kind (`limits.compile_workers` threads; agent_request.py): a schema that
+takes seconds to compile holds a compile thread, never one that parses bodies.
 Where the router has keys (`auth.keys_file`), one principal runs on at most
 `limits.schema_workers` - 1 threads (`max_running`; the one thread of a pool of
 one), so a key's slow bodies never keep another key's parse waiting for a
@@ -42,23 +45,27 @@ def log_background_failure(principal: str, task: str, error: BaseException) -> N
 
 
 class WorkPool(_Pool):
-    """The generic pool, its refusals the router's ApiErrors and its threads `router-work-N`."""
+    """The generic pool, its refusals the router's ApiErrors and its threads `router-work-N`
+    (`compiling`: the compile pool, `router-compile-work-N`, whose refusals say so)."""
 
     def __init__(self, workers: int, queue_depth: int, per_principal: int | None = None,
-                 background_depth: int | None = None) -> None:
-        super().__init__(workers, queue_depth, per_principal, background_depth, name="router")
+                 background_depth: int | None = None, *, compiling: bool = False) -> None:
+        super().__init__(workers, queue_depth, per_principal, background_depth,
+                         name="router-compile" if compiling else "router")
+        self.doing, self.workers_key = (("having their grammars compiled", "compile_workers")
+                                        if compiling else ("being parsed", "schema_workers"))
 
     def refusal(self, reason: str, principal: str) -> ApiError:
         if reason == OVER_SHARE:
             whose = ("callers without an API key (who share one allowance)"
                      if principal == "anonymous" else "this API key")
-            return ApiError(429, f"too many requests of {whose} are already being parsed "
+            return ApiError(429, f"too many requests of {whose} are already {self.doing} "
                                  f"or waiting to be ({self.per_principal}, "
                                  f"limits.schema_per_principal); retry",
                             code="rate_limit_exceeded")
         return ApiError(503, f"the router is busy: {self.workers + self.queue_depth} "
-                             f"requests are already being parsed or waiting to be "
-                             f"(limits.schema_workers + limits.schema_queue_depth); retry",
+                             f"requests are already {self.doing} or waiting to be "
+                             f"(limits.{self.workers_key} + limits.schema_queue_depth); retry",
                         code="overloaded")
 
     def report_failure(self, principal: str, task: str, error: BaseException) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -147,3 +148,39 @@ def test_each_prompt_tokens_offset_is_where_its_text_begins(tiny_model_dir) -> N
     lone = [i for i in range(tok.vocab_size) if tok.token_bytes(i) == b"\x9c"][0]
     text, offsets = decode_with_offsets(tok, [ids[0], lone, ids[0]])
     assert (text, offsets) == ("a\ufffda", [0, 1, 2])
+
+def test_stop_strings_end_the_text_where_one_is_first_written_however_it_arrives():
+    """Against the whole text searched at once: the text ends where a stop string is first
+    written whole (of two ending there, the longer), whatever the pieces; with none, it all
+    comes out."""
+    rng = random.Random(7)
+    for _ in range(400):
+        text = "".join(rng.choice("aab") for _ in range(rng.randrange(0, 40)))
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 6)))
+                 for _ in range(rng.randrange(1, 4))]
+        ends = [(i + len(s), -len(s), s) for s in stops if (i := text.find(s)) >= 0]
+        want = (text, None)
+        if ends:
+            end, neg, s = min(ends)
+            want = (text[:end + neg], s)
+        cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randrange(4))))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        assert feed_all(StopChecker(stops), pieces) == want, (text, stops, pieces)
+
+
+def test_long_stop_strings_cost_what_the_text_does_not_their_length_squared():
+    """Two stop strings of 64k characters that the text follows almost to the end, three
+    times over (the model writes them but for their last character): 6,000 pieces of 32
+    characters read in 0.03 CPU s; comparing each prefix of the stop strings with the held
+    tail at each piece took 0.32 s (the quadratic review finding: 3.2 s a step at n = 16
+    with 16k-character stops)."""
+    rng = random.Random(0)
+    body = "".join(rng.choice("abcdefgh ") for _ in range(65536))
+    stops = [body + "Z", body + "Q"]
+    text = (body + "y") * 3
+    checker = StopChecker(stops)
+    t0 = time.thread_time()
+    emitted = [checker.feed(text[i:i + 32])[0] for i in range(0, len(text), 32)]
+    cpu = time.thread_time() - t0
+    assert "".join(emitted) + checker.flush() == text
+    assert cpu < 0.15, f"{cpu:.3f} CPU s"

@@ -16,7 +16,8 @@ G = {"type": "function", "function": {"name": "g"}}
 
 
 def chat(**kw):
-    return parse_request({"model": "m", "messages": MSG, **kw}, "chat")
+    """Parsed, then its grammars compiled (the router runs the two on its two pools)."""
+    return parse_request({"model": "m", "messages": MSG, **kw}, "chat").compile()
 
 
 def refused(**kw) -> ApiError:

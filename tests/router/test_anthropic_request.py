@@ -57,7 +57,7 @@ def test_a_tool_schema_error_names_its_input_schema():
                       {"name": "b", "input_schema": {"type": "object", "properties": {
                           "x": {"$ref": "#/nope"}}}}]}
     with pytest.raises(ApiError) as e:
-        anthropic.parse_request(json.dumps(body).encode())
+        anthropic.parse_request(json.dumps(body).encode()).compile()
     assert e.value.param == "tools[1].input_schema"
     assert e.value.message.startswith("`tools[1].input_schema`")
 

@@ -25,7 +25,9 @@ NOTE = {"type": "custom", "name": "note"}
 
 
 def parse(**body):
-    return responses_api.parse_request(json.dumps({"model": "m", "input": "x", **body}).encode())
+    """Parsed, then its grammars compiled (the router runs the two on its two pools)."""
+    return responses_api.parse_request(json.dumps({"model": "m", "input": "x",
+                                                   **body}).encode()).compile()
 
 
 def test_a_custom_tool_reaches_the_template_as_a_function_of_one_string():

@@ -25,7 +25,8 @@ def tool(i: int, params: dict | None = None) -> dict:
 
 def refused(body: dict, caps: RequestCaps = CAPS) -> ApiError:
     with pytest.raises(ApiError) as e:
-        parse_request(json.dumps({"model": "m", "messages": MSG, **body}).encode(), "chat", caps)
+        parse_request(json.dumps({"model": "m", "messages": MSG, **body}).encode(), "chat",
+                      caps).compile()
     assert e.value.status == 400
     return e.value
 

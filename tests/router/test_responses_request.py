@@ -32,7 +32,7 @@ def test_a_tool_schema_error_names_the_tool_as_listed():
         {"type": "namespace", "name": "ns", "tools": [
             {"type": "function", "name": "b", "parameters": bad}]}]}
     with pytest.raises(ApiError) as e:
-        responses_api.parse_request(json.dumps(body).encode())
+        responses_api.parse_request(json.dumps(body).encode()).compile()
     assert e.value.param == "tools[2].tools[0].parameters"
     assert e.value.message.startswith("`tools[2].tools[0].parameters`")
 

@@ -4,6 +4,7 @@ itself failed, the loss ends the stream with an upstream_error event."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -37,20 +38,32 @@ def admitted_on(fl):
     return on, (fl.n2 if on is fl.n1 else fl.n1)
 
 
+@contextlib.contextmanager
+def idle_bound(fl, secs: float = 0.5):
+    """The router's stream_idle_secs set to `secs` (and put back)."""
+    fl.state.registry.stream_idle_secs = secs
+    try:
+        yield
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+
+
 def lose_after_admission(fl, path: str, body: dict, **other_b) -> tuple[list[str], object,
                                                                         object]:
-    """Stream `body` to `path` on a fleet whose neurons admit it and then take 30 s of
-    prefill; once the client has the stream's opening, the neuron holding the request falls
-    silent (its Watch: the router takes it out of rotation and ends its calls) and the
-    other one is given `other_b` (by default: its first token at once). Returns the
-    stream's lines, the lost fake, the other."""
-    set_b(fl, admission_message_secs=30.0)
-    with httpx2.stream("POST", fl.url + path, timeout=30, json=body) as r:
+    """Stream `body` to `path` on a fleet whose neurons admit it and leave it waiting 30 s
+    for a batch row (a stream with no clock of its own); once the client has the stream's
+    opening, the neuron holding the request falls silent (its Watch: a hung neuron, whose
+    calls without a clock the router ends after stream_idle_secs of it, 0.5 s here) and the
+    other one is given `other_b` (by default: a row and its first token at once). Returns
+    the stream's lines, the lost fake, the other."""
+    set_b(fl, admission_message_secs=30.0, row_wait_secs=30.0)
+    with idle_bound(fl), httpx2.stream("POST", fl.url + path, timeout=30, json=body) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
         opening = [next(lines)]  # it opens only once a neuron admitted the request
         lost, other = admitted_on(fl)
-        set_b(fl, [other], **(other_b or {"admission_message_secs": 0.0}))
+        set_b(fl, [other], **(other_b or {"admission_message_secs": 0.0,
+                                          "row_wait_secs": None}))
         set_b(fl, [lost], silent=True)
         return opening + list(lines), lost, other
 
@@ -124,7 +137,7 @@ def test_a_retry_whose_neuron_disagrees_on_the_prompt_ends_the_stream(fl):
 
 
 def test_no_retry_past_the_request_deadline(fl):
-    fl.state.request_secs = 0.3  # the loss is seen 0.6 s in (unhealthy_after_secs)
+    fl.state.request_secs = 0.3  # the loss is seen 0.5 s in (stream_idle_secs, here)
     try:
         lines, lost, other = lose_after_admission(fl, "/v1/chat/completions", CHAT)
         lines = [line for line in lines if line]
@@ -149,9 +162,10 @@ def refusals(fl) -> dict[str, float]:
 def test_a_second_loss_before_the_first_token_is_counted_and_not_retried(fl):
     # the stream goes on on the other neuron, which is lost too before its first token:
     # no third try, and both losses are counted (and logged as request.neuron_lost)
-    set_b(fl, admission_message_secs=30.0)
+    set_b(fl, admission_message_secs=30.0, row_wait_secs=30.0)
     before = refusals(fl)
-    with httpx2.stream("POST", fl.url + "/v1/chat/completions", timeout=30, json=CHAT) as r:
+    with idle_bound(fl), httpx2.stream("POST", fl.url + "/v1/chat/completions", timeout=30,
+                                       json=CHAT) as r:
         lines = r.iter_lines()
         next(lines)
         lost, other = admitted_on(fl)
