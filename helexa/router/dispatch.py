@@ -54,7 +54,7 @@ from helexa.router.forward import (
 from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
-from helexa.router.rpc_errors import RETRYABLE, map_rpc_error
+from helexa.router.rpc_errors import RETRYABLE, map_rpc_error, withheld
 from helexa.router.selection import (
     Candidate,
     Estimate,
@@ -186,7 +186,7 @@ class Dispatcher:
         detail = None
         if isinstance(e, grpc.aio.AioRpcError):
             err, grpc_code = map_rpc_error(e, kind), e.code().name
-            detail = e.details() if e.details() != err.message else None  # its own words
+            detail = withheld(e, err)
         else:  # the router ended the call: the neuron stopped answering
             err, grpc_code = ApiError(503, str(e), code="service_unavailable"), None
         self.metrics.refusals.labels(name, greq.model, err.code).inc()

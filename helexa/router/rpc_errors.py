@@ -79,3 +79,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
         message = (f"the neuron failed on this request ({e.code().name}); the router's log "
                    "has its words (request.refused)")
     return ApiError(status, message, code=code, param=param, retry_after_secs=retry_after)
+
+
+def withheld(e: grpc.aio.AioRpcError, err: ApiError) -> str | None:
+    """The neuron's words that ``err`` (map_rpc_error's) did not pass on, for the router's
+    log; None where the client got them."""
+    return e.details() if e.details() != err.message else None

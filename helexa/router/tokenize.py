@@ -35,7 +35,7 @@ from helexa.router.request_model import (
     Tool,
     decode_as,
 )
-from helexa.router.rpc_errors import map_rpc_error
+from helexa.router.rpc_errors import map_rpc_error, withheld
 from helexa.router.serve import STATE, authorization
 
 log = structlog.get_logger(component="router")
@@ -79,7 +79,7 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
         err = map_rpc_error(e)
         log.info("request.refused", endpoint=request.path, neuron=candidates[0].neuron,
                  model=treq.model, grpc=e.code().name, code=err.code, reason=err.message,
-                 detail=e.details() if e.details() != err.message else None)
+                 detail=withheld(e, err))
         raise err from None
 
 
