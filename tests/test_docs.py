@@ -391,16 +391,24 @@ def _sections(doc: Path) -> set[str]:
             | {b.rstrip(".:") for b in re.findall(r"^\*\*([^*]+)\*\*", text, re.M)})
 
 
+# a section cited after a comma, after a space, or in brackets: the forms the repository writes
+_CITATION = re.compile(r'docs/(\w+\.md),? \(?"([^"]+)"')
+
+
+def _citing_files() -> list[Path]:
+    return [*ROOT.glob("helexa/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("bench/*.sh"),
+            *ROOT.glob("tests/**/*.py"), *ROOT.glob("docs/*.md"), *ROOT.glob("asset/**/*.toml"),
+            *ROOT.glob("deploy/*"), ROOT / "README.md", ROOT / "Makefile"]
+
+
 def test_every_docs_section_the_repository_cites_exists() -> None:
     # Code and docs cite a section as `docs/architecture.md, "The KV pool and its ledger"`;
     # a heading renamed or removed leaves the citation pointing at nothing.
     sections = {d.name: _sections(d) for d in (ROOT / "docs").glob("*.md")}
-    files = [*ROOT.glob("helexa/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py"),
-             *ROOT.glob("docs/*.md"), *ROOT.glob("asset/**/*.toml"), ROOT / "README.md"]
     cited, missing = 0, []
-    for f in files:
+    for f in _citing_files():
         flat = re.sub(r"\n\s*(?:#\s*)?", " ", f.read_text())  # a citation broken over lines
-        for doc, section in re.findall(r'docs/(\w+\.md), "([^"]+)"', flat):
+        for doc, section in _CITATION.findall(flat):
             cited += 1
             if doc not in sections:
                 missing.append(f"{f.relative_to(ROOT)}: docs/{doc} does not exist")
@@ -408,6 +416,62 @@ def test_every_docs_section_the_repository_cites_exists() -> None:
                 missing.append(f"{f.relative_to(ROOT)}: docs/{doc} has no section {section!r}")
     assert cited > 10  # the scan sees the citations
     assert not missing, "\n".join(missing)
+
+
+def test_a_citation_without_quotes_or_a_comma_is_still_read() -> None:
+    # the three forms the repository writes, each read as (doc, section)
+    for text in ('(docs/operating.md, "The GPU check")', 'as docs/operating.md "The GPU check" says',
+                 'in docs/operating.md ("The GPU check").'):
+        assert _CITATION.findall(text) == [("operating.md", "The GPU check")], text
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # a `# comment` is no heading
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+\s+(.*)$", text, re.M):
+        a = _anchor(heading)
+        anchors.add(f"{a}-{seen[a]}" if a in seen else a)  # GitHub numbers a repeated one
+        seen[a] = seen.get(a, 0) + 1
+    return anchors
+
+
+def test_every_link_into_a_doc_names_a_heading_it_has() -> None:
+    # `[api.md](api.md#images)`, `[…](#generation-requests)`: a heading renamed leaves the
+    # link opening the page at its top
+    links, missing = 0, []
+    for doc in _ALL_DOCS:
+        for target, anchor in re.findall(r"\]\(((?:docs/)?\w+\.md)?#([^)\s]+)\)", doc.read_text()):
+            path = doc if not target else (doc.parent / target)
+            links += 1
+            if not path.exists():
+                missing.append(f"{doc.name}: {target} does not exist")
+            elif anchor not in _anchors(path):
+                missing.append(f"{doc.name}: {path.name} has no heading #{anchor}")
+    assert links > 30 and _anchor("`POST /v1/responses` (OpenAI Responses)") == \
+        "post-v1responses-openai-responses"
+    assert not missing, "\n".join(missing)
+
+
+def test_every_status_the_prose_gives_a_code_is_the_tables() -> None:
+    # "a 503 `overloaded`", "404 `model_not_found`" anywhere in the docs: the status the
+    # error table (and the router) gives that code
+    from helexa.router.rpc_errors import CODE_STATUS
+
+    table = {code: {int(s) for s in re.findall(r"\| ([1-5]\d\d) \|", rows)}
+             for code, rows in _error_table().items()}
+    pairs = [(doc.name, int(status), code) for doc in _ALL_DOCS for status, code in
+             re.findall(r"\b([1-5]\d\d) `([a-z_]+)`", " ".join(doc.read_text().split()))]
+    assert len(pairs) > 20 and table["overloaded"] == {CODE_STATUS["overloaded"]}
+    wrong = [f"docs/{doc}: {status} `{code}`, which is {sorted(table[code])}"
+             for doc, status, code in pairs if code in table and status not in table[code]]
+    assert not wrong, "\n".join(wrong)
 
 # `helexa/…` source paths in prose: a file (.py, .c) or a folder (trailing slash), not an
 # alias such as helexa/balanced, a config file name, or proto/helexa/… (checked as part of it).
@@ -523,7 +587,8 @@ def _fenced_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
 def _shown_commands(text: str) -> list[tuple[str, bool]]:
     """(`helexa …` command line, whether it is a whole one from a shell block) in a doc.
     Inline spans are prose: `FILE…` is FILE, `[--flag]` the flag, and a span offering
-    alternatives (`a|b`) or a placeholder in angle brackets is left out."""
+    alternatives (`a|b`, `[FILE|-]`) is one command per alternative, and one with a
+    placeholder in angle brackets or braces is left out."""
     found: list[tuple[str, bool]] = []
     blocks, prose = _fenced_blocks(text)
     for lang, block in blocks:
@@ -534,8 +599,14 @@ def _shown_commands(text: str) -> list[tuple[str, bool]]:
             for segment in re.split(r"&&|\|\||\||;", line):
                 if re.match(r"\s*(?:\S*/)?helexa\s", segment):
                     found.append((segment.strip(), True))
+    spans = []
     for span in re.findall(r"`((?:\.venv/bin/)?helexa [^`]+)`", prose.replace("\n", " ")):
-        if re.search(r"[|<{]", span):
+        # `helexa ctl status|load` is one command per alternative; `[FILE|-]` either
+        m = re.search(r"\[?([\w-]+(?:\\?\|[\w-]+)+)\]?", span)
+        spans += [span[:m.start()] + alt + span[m.end():]
+                  for alt in re.split(r"\\?\|", m.group(1))] if m else [span]
+    for span in spans:
+        if re.search(r"[<{]", span):
             continue
         span = re.sub(r"\[([^\]]*)\]", r"\1", span.replace("…", " "))
         found.append((span, False))
