@@ -963,3 +963,63 @@ def test_the_event_table_says_which_daemon_logs_each_event() -> None:
                     wrong.append(f"`{event}`: {sorted(sides[event])}")
     assert len(sides) > 60
     assert not wrong, f"docs/observability.md's component column is wrong for {wrong}"
+
+
+def test_the_h200_table_in_operating_md_is_the_runs_on_record() -> None:
+    """docs/operating.md, "What one H200 gave": every figure of the table is the one in
+    bench/results/gpu_check-h200-run{1,2}.json, rounded as printed."""
+    import json
+
+    runs = [json.loads((ROOT / f"bench/results/gpu_check-h200-run{i}.json").read_text())
+            for i in (1, 2)]
+    text = (ROOT / "docs" / "operating.md").read_text()
+    section = text[text.index("### What one H200 gave"):text.index("## Configs and shipping them")]
+
+    def cell(label: str, run: int) -> list[float]:
+        row = next(line for line in section.splitlines() if line.startswith(f"| {label} "))
+        return [float(n.replace(",", "")) for n in
+                re.findall(r"(?<![\w.-])-?\d[\d,]*(?:\.\d+)?", row.split(" | ")[run + 1])]
+
+    def rate(r: dict, model: str, batch: str) -> list[float]:
+        d = r["stages"]["decode"][model][batch]
+        return [round(d["tok_s"]), round(d["roofline_fraction"], 2)]
+
+    for i, r in enumerate(runs):
+        st = r["stages"]
+        diverge = [st["parity"][m]["first_divergence"] for m in ("dense", "hybrid")]
+        expect = {
+            "whole check (s)": [round(r["secs"])],
+            "first load, FlashInfer's JIT included (s)": [round(st["compile"]["first_load_s"], 1)],
+            "parity, dense, 32 greedy tokens": [diverge[0]] if diverge[0] else [32],
+            "dense batch 8: tok/s, fraction": rate(r, "dense_big", "batch8"),
+            "hybrid batch 8: tok/s, fraction": rate(r, "hybrid_big", "batch8"),
+            "kernels a decode step, dense / hybrid":
+                [st["profile"][m]["kernels_per_step"] for m in ("dense_big", "hybrid_big")],
+            "host syncs a step, dense / hybrid":
+                [st["profile"][m]["host_syncs_per_step"] for m in ("dense_big", "hybrid_big")],
+            "TTFT, 4,096-token prompt, dense (ms)": [round(st["ttft"]["ttft_s"] * 1000, 1)],
+        }
+        for model, label in (("dense_big", "dense batch 1"), ("hybrid_big", "hybrid batch 1")):
+            expect[f"{label}: tok/s, fraction of roofline" if model == "dense_big"
+                   else f"{label}: tok/s, fraction"] = rate(r, model, "batch1") + (
+                rate(r, model, "batch1_torch_norms") if "batch1_torch_norms"
+                in st["decode"][model] else [])
+        for label, figures in expect.items():
+            assert cell(label, i)[:len(figures)] == figures, \
+                f"docs/operating.md, run {i + 1}, {label!r}: the JSON says {figures}"
+        assert cell("parity, hybrid", i)[0] == diverge[1]
+    bandwidth = [f"{r['stages']['decode']['copy_bandwidth_gbs'] / 1000:.2f}" for r in runs]
+    assert f"was {bandwidth[0]} and {bandwidth[1]} TB/s" in " ".join(section.split())
+    # the prose under it reads run 2's profile: the kernels' device time a step, the five
+    # matmul kernels' (cuBLAS's nvjet) share of the dense one's, and the hybrid's roofline
+    prof, flat = runs[1]["stages"]["profile"], " ".join(section.split())
+    matmuls = sum(k["us_per_step"] for k in prof["dense_big"]["top_kernels"]
+                  if k["name"].startswith("nvjet"))
+    roofline = 1e6 / runs[1]["stages"]["decode"]["hybrid_big"]["roofline_steps_per_s"]
+    for said in (f"kernels take {prof['dense_big']['kernel_us_per_step']:,.0f} µs of device time, "
+                 f"{matmuls:.0f} of it the five matmuls",
+                 f"kernels take {prof['hybrid_big']['kernel_us_per_step']:,.0f} µs against an "
+                 f"{roofline:.0f} µs roofline",
+                 f"wall time is {1e6 / runs[1]['stages']['decode']['dense_big']['batch1']['tok_s']:,.0f}"
+                 f" µs (the decode stage's"):
+        assert said in flat, f"docs/operating.md no longer says {said!r}"
