@@ -1023,3 +1023,30 @@ def test_the_h200_table_in_operating_md_is_the_runs_on_record() -> None:
                  f"wall time is {1e6 / runs[1]['stages']['decode']['dense_big']['batch1']['tok_s']:,.0f}"
                  f" µs (the decode stage's"):
         assert said in flat, f"docs/operating.md no longer says {said!r}"
+
+
+def test_operating_md_lists_every_status_json_field() -> None:
+    # helexa/router/status.py: "The data's fields are listed in docs/operating.md"
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from helexa.router.status import StatusBoard, neuron_view
+
+    reg = CollectorRegistry()
+    board = StatusBoard(SimpleNamespace(links={}),  # type: ignore[arg-type]
+                        Counter("r", "", ["neuron", "model", "code"], registry=reg),
+                        Counter("a", "", ["model", "code"], registry=reg), Gauge("g", "", registry=reg))
+    snap = board.snapshot()
+    link = SimpleNamespace(name="n", endpoint=SimpleNamespace(address="a", tls=False), status=None,
+                           connected=False, last_seen=0.0, healthy=lambda now: False)
+    fields = {"router": set(snap["router"]), "neurons[]": set(neuron_view(link, 0.0)),  # type: ignore[arg-type]
+              "refusals": set(snap["refusals"]),
+              "refusals.neuron": set(snap["refusals"]["neuron"])}
+    assert set(snap) == {"router", "neurons", "refusals"}
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    sentence = text[text.index("`/status.json` fields:"):]
+    sentence = sentence[:sentence.index(").", sentence.index("`refusals`")) + 2]
+    named = set(re.findall(r"`([a-z_]+)(?:\[\])?`", sentence))
+    missing = {part: sorted(keys - named) for part, keys in fields.items() if keys - named}
+    assert not missing, f"docs/operating.md's `/status.json` fields lack {missing}"
