@@ -1050,3 +1050,25 @@ def test_operating_md_lists_every_status_json_field() -> None:
     named = set(re.findall(r"`([a-z_]+)(?:\[\])?`", sentence))
     missing = {part: sorted(keys - named) for part, keys in fields.items() if keys - named}
     assert not missing, f"docs/operating.md's `/status.json` fields lack {missing}"
+
+
+def test_the_tuning_tables_work_pool_refusals_name_the_keys_they_say() -> None:
+    # operating.md: "429 naming `server.work_per_principal` …, or 503 naming
+    # `server.work_threads`": each of the neuron's work-pool refusals, at the status the
+    # router gives its code, names the key the row says
+    from helexa.config.neuron import ServerConfig
+    from helexa.neuron.work import NeuronWork
+    from helexa.router.rpc_errors import CODE_STATUS
+    from helexa.work_pool import OVER_SHARE
+
+    pool = NeuronWork(ServerConfig(work_threads=2))
+    said = {CODE_STATUS[r.code]: str(r) for r in (pool.refusal(OVER_SHARE, "alice"),
+                                                  pool.refusal("pool_full", "alice"))}
+    text = (ROOT / "docs" / "operating.md").read_text()
+    table = text[text.index("## Tuning admission and profiles"):]
+    claims = [(int(status), key) for status, key in
+              re.findall(r"\b([1-5]\d\d) naming `(server\.work_[a-z_]+)`", table)]
+    assert len(claims) == 2
+    wrong = [f"{status} naming `{key}`: the {status} says {said.get(status)!r}"
+             for status, key in claims if key not in said.get(status, "")]
+    assert not wrong, f"docs/operating.md's tuning table: {wrong}"
