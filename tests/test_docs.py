@@ -1072,3 +1072,21 @@ def test_the_tuning_tables_work_pool_refusals_name_the_keys_they_say() -> None:
     wrong = [f"{status} naming `{key}`: the {status} says {said.get(status)!r}"
              for status, key in claims if key not in said.get(status, "")]
     assert not wrong, f"docs/operating.md's tuning table: {wrong}"
+
+
+def test_every_endpoint_a_doc_names_is_served_with_that_method() -> None:
+    # `POST /v1/messages/count_tokens`, api.md's endpoint table, `GET /status.json` in
+    # prose: the router serves that method on that path (HEAD and OPTIONS are answered on
+    # every GET route and by CORS; `HEAD /` is named as the 404 it gets)
+    from helexa.config.schema import RouterConfig
+    from helexa.router.app import RouterState, build_app
+
+    app = build_app(RouterState(RouterConfig(), None))
+    served = {(r.method, re.sub(r"\{model:[^}]*\}", "{model}", r.resource.canonical))
+              for r in app.router.routes() if r.resource is not None}
+    named = {(doc.name, method, path) for doc in _ALL_DOCS for method, path in
+             re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^` ]*)`?", doc.read_text())}
+    assert ("api.md", "POST", "/v1/messages/count_tokens") in named and len(named) > 15
+    wrong = sorted(f"docs/{doc}: {method} {path}" for doc, method, path in named
+                   if (method, path) not in served)
+    assert not wrong, f"the docs name endpoints the router does not serve so: {wrong}"
