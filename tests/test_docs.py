@@ -1090,3 +1090,19 @@ def test_every_endpoint_a_doc_names_is_served_with_that_method() -> None:
     wrong = sorted(f"docs/{doc}: {method} {path}" for doc, method, path in named
                    if (method, path) not in served)
     assert not wrong, f"the docs name endpoints the router does not serve so: {wrong}"
+
+
+def test_the_speculation_tables_defaults_are_the_engines() -> None:
+    # speculation.md's key table: "`spec_k` | … (default 4)", "`speculation` | … or `off`
+    # (default)": the [engine] section's defaults, which a model and a profile override
+    text = (ROOT / "docs" / "speculation.md").read_text()
+    engine = config.NeuronConfig().engine
+    stated = {}
+    for key, meaning in re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", text, re.M):
+        if m := re.search(r"\(default (\S+)\)", meaning):
+            stated[key] = m.group(1)
+        elif m := re.search(r"`([^`]+)` \(default\)", meaning):
+            stated[key] = m.group(1)
+    assert set(stated) == {"speculation", "spec_k"}
+    wrong = {k: getattr(engine, k) for k, v in stated.items() if str(getattr(engine, k)) != v}
+    assert not wrong, f"docs/speculation.md: the engine's defaults are {wrong}"
