@@ -1106,3 +1106,11 @@ def test_the_speculation_tables_defaults_are_the_engines() -> None:
     assert set(stated) == {"speculation", "spec_k"}
     wrong = {k: getattr(engine, k) for k, v in stated.items() if str(getattr(engine, k)) != v}
     assert not wrong, f"docs/speculation.md: the engine's defaults are {wrong}"
+
+
+def test_readme_lists_every_doc() -> None:
+    readme = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"`docs/(\w+\.md)`", readme[readme.index("## Documents"):
+                                                         readme.index("## Tests and benchmarks")]))
+    docs = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert not docs - listed, f"README.md's Documents lacks {sorted(docs - listed)}"
