@@ -1114,3 +1114,16 @@ def test_readme_lists_every_doc() -> None:
                                                          readme.index("## Tests and benchmarks")]))
     docs = {p.name for p in (ROOT / "docs").glob("*.md")}
     assert not docs - listed, f"README.md's Documents lacks {sorted(docs - listed)}"
+
+
+def test_metrics_are_named_in_the_prose_as_prometheus_exposes_them() -> None:
+    # a counter's series is `…_total`: a dashboard query for the bare family name finds
+    # nothing, so no doc may name one without it
+    registered = _registered_metrics()
+    named = {(doc.name, n) for doc in PROSE
+             for raw in re.findall(r"`((?:helexa_|vllm:)[a-z_{},]+)`", doc.read_text())
+             for n in _expand(raw)}
+    assert ("speculation.md", "helexa_spec_acceptance_rate") in named
+    wrong = sorted(f"docs/{doc}: `{n}`" + (" (its series is `_total`)" if f"{n}_total" in registered
+                                          else "") for doc, n in named if n not in registered)
+    assert not wrong, f"the docs name metrics the daemons do not expose: {wrong}"
