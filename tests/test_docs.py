@@ -1127,3 +1127,25 @@ def test_metrics_are_named_in_the_prose_as_prometheus_exposes_them() -> None:
     wrong = sorted(f"docs/{doc}: `{n}`" + (" (its series is `_total`)" if f"{n}_total" in registered
                                           else "") for doc, n in named if n not in registered)
     assert not wrong, f"the docs name metrics the daemons do not expose: {wrong}"
+
+
+def test_what_the_docs_say_ctl_is_told_is_what_it_prints(monkeypatch, capsys) -> None:
+    # `helexa ctl` speaks gRPC: a refusal reaches it as the status and `helexa-code` it
+    # prints ("helexa ctl: UNAVAILABLE shutting_down: …"), never as an HTTP status
+    import grpc
+
+    from helexa.neuron import ctl
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
+
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    told = re.findall(r"`ctl (\w+)` (?:is told|fails) `?([A-Z_]+|\d{3})`? ?`?([a-z_]+)`", text)
+    assert len(told) >= 3
+    for op, status, code in told:
+        async def refused(args, status=STATUS_OF_CODE[code], code=code):
+            raise grpc.aio.AioRpcError(status, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(("helexa-code", code)), "why")
+        monkeypatch.setattr(ctl, "_run", refused)
+        assert ctl.main([op, "m"] + (["p"] if op == "profile" else [])) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith(f"helexa ctl: {status} {code}: "), \
+            f"docs/operating.md: `ctl {op}` is told {status} {code}, but ctl prints {printed!r}"
