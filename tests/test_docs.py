@@ -471,6 +471,16 @@ def test_every_status_the_prose_gives_a_code_is_the_tables() -> None:
     assert len(pairs) > 20 and table["overloaded"] == {CODE_STATUS["overloaded"]}
     wrong = [f"docs/{doc}: {status} `{code}`, which is {sorted(table[code])}"
              for doc, status, code in pairs if code in table and status not in table[code]]
+    # and the neuron's gRPC status beside a code: "`INTERNAL` `upstream_error`",
+    # "`INVALID_ARGUMENT invalid_request_error`"
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
+
+    grpc_pairs = [(doc.name, status, code) for doc in _ALL_DOCS for status, code in
+                  re.findall(r"`([A-Z][A-Z_]{3,})(?:` `| )([a-z_]+)`", " ".join(doc.read_text().split()))
+                  if code in STATUS_OF_CODE]
+    assert len(grpc_pairs) >= 3
+    wrong += [f"docs/{doc}: {status} `{code}`, which the neuron gives as {STATUS_OF_CODE[code].name}"
+              for doc, status, code in grpc_pairs if STATUS_OF_CODE[code].name != status]
     assert not wrong, "\n".join(wrong)
 
 # `helexa/…` source paths in prose: a file (.py, .c) or a folder (trailing slash), not an
