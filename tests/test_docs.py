@@ -1159,3 +1159,38 @@ def test_what_the_docs_say_ctl_is_told_is_what_it_prints(monkeypatch, capsys) ->
         printed = capsys.readouterr().err
         assert printed.startswith(f"helexa ctl: {status} {code}: "), \
             f"docs/operating.md: `ctl {op}` is told {status} {code}, but ctl prints {printed!r}"
+
+
+def test_more_figures_the_docs_state_are_the_codes_constants() -> None:
+    # as test_limits_the_docs_state_are_the_codes_constants, for the figures it leaves out:
+    # backoffs, Retry-After, CORS, stream pausing, the router's estimate and edges, the
+    # measured pool's margin, the prefill bound
+    from helexa.neuron import resident_model
+    from helexa.neuron.engine import flow, memory_plan
+    from helexa.router import client_stream, cors, dispatch, http_edge, inflight, selection
+
+    docs = {name: " ".join((ROOT / "docs" / f"{name}.md").read_text().split())
+            for name in ("http", "errors", "grpc", "operating", "architecture")}
+    backoff = (f"backoff ({resident_model.FAILED_RETRY_SECS:g} s, doubling per failure, at most "
+               f"{resident_model.FAILED_RETRY_MAX_SECS / 60:g} min)")
+    times = {1.0: "once", 2.0: "twice", 4.0: "four times"}
+    stated = [
+        ("operating", backoff), ("architecture", backoff),
+        ("errors", f"`model_loading` says {dispatch.LOAD_RETRY_AFTER_SECS} s and `model_failed` "
+                   f"{dispatch.FAILED_RETRY_AFTER_SECS} s"),
+        ("http", f"`Access-Control-Max-Age` {cors.MAX_AGE_SECS} s"),
+        ("http", f"once {flow.PAUSE_TOKENS} of its tokens wait unsent"),
+        ("grpc", f"once {flow.PAUSE_TOKENS} of its tokens wait unsent"),
+        ("http", f"all but {flow.RESUME_TOKENS} of them"),
+        ("grpc", f"all but {flow.RESUME_TOKENS} ("),
+        ("http", f"about {selection.CHARS_PER_TOKEN} characters a token, plus "
+                 f"{selection.TOKENS_PER_MESSAGE} per message"),
+        ("errors", f"slower than {http_edge.MIN_BODY_BYTES_PER_SEC // 1024} KiB/s"),
+        ("http", f"set to {client_stream.SEND_BUFFER_BYTES // 1024} KiB for event streams"),
+        ("http", f"a piece at a time ({client_stream.WHOLE_CHUNK_BYTES // 1024} KiB"),
+        ("operating", f"a margin of {memory_plan.MARGIN_FRACTION:.0%} of the card, at least "
+                      f"{memory_plan.MARGIN_MIN_BYTES >> 20} MiB"),
+        ("architecture", f"plus {times[inflight.PREFILL_MARGIN]} the prompt's tokens"),
+    ]
+    missing = [f"docs/{doc}.md: {text!r}" for doc, text in stated if text not in docs[doc]]
+    assert not missing, "the docs no longer state the code's figure:\n" + "\n".join(missing)
