@@ -4,8 +4,8 @@ A custom tool (`{"type": "custom", "name", "description", "format"}`; codex's
 freeform `apply_patch` is one) takes text, not JSON. Chat templates render
 only function schemas, so this module, the one place that decides it,
 renders a custom tool as a function with one required string parameter,
-`input`, whose description states the format (docs/api.md, Responses,
-"Custom tools"):
+`input`, whose description states the format (docs/api.md,
+"`POST /v1/responses` (OpenAI Responses)", its custom tools):
 
 - `format` `text` (or none): any text;
 - `grammar` with `syntax: regex`: the parameter's `pattern` is the whole
