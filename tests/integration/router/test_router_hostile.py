@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -134,6 +135,38 @@ def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
     wait_for(lambda: ledger_whole(router), timeout=30)
     r = router.client(None).chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_non_streaming_call_on_a_hung_neuron_is_answered_by_keepalive(pair):
+    """A non-streaming call has no token clock: before keepalive ended it, it waited for the
+    Watch bound (stream_idle_secs, 120 s here) or gRPC's minute-long ping timeout."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    got: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            router.client(None).with_options(timeout=150).chat.completions.create(
+                model="tiny", messages=MSG, max_tokens=1500, extra_body={"ignore_eos": True})
+        except openai.APIError as e:
+            got["error"] = e
+        got["at"] = time.monotonic()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: router.metric("helexa_neuron_in_flight", model="tiny", neuron="nf") > 0,
+             timeout=15, every=0.01)
+    neuron.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        caller.join(150)
+        assert isinstance(got.get("error"), openai.InternalServerError), got
+        assert got["error"].code == "service_unavailable"
+        assert "ping timeout" in got["error"].message
+        assert got["at"] - t0 < 30  # well before stream_idle_secs (120 s)
+    finally:
+        neuron.signal(signal.SIGCONT)
+    wait_for(lambda: ledger_whole(router), timeout=30)
 
 
 def test_a_neuron_paused_past_its_watch_bound_keeps_its_streams(pair):
