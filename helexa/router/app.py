@@ -39,6 +39,7 @@ from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
+from helexa.router.neuron_channel import ChannelSettings
 from helexa.router.registry import Registry
 from helexa.router.request_caps import RequestCaps
 from helexa.router.status import StatusBoard, status_routes
@@ -117,6 +118,7 @@ class RouterState:
         self.registry.config_file = self.config_path or Path("router.toml")
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
+        self.registry.channel = ChannelSettings.of(cfg.timeouts)
         self.registry.first_report_secs = cfg.timeouts.first_report_secs
         self.registry.stream_idle_secs = cfg.timeouts.stream_idle_secs
 
@@ -148,7 +150,7 @@ class RouterState:
             cfg = load_router_config(self.config_path)
             built = self._build(cfg)
             links = self.registry.build_links(cfg.neurons.endpoints, config_file=self.config_path,
-                                              reconnect_max_secs=cfg.timeouts.reconnect_max_secs)
+                                              channel=ChannelSettings.of(cfg.timeouts))
         except ConfigError as e:
             self.log.error("config.reload_refused", error=str(e), kept="running config")
             return
