@@ -271,6 +271,7 @@ def _refuse_unsupported(obj: msgspec.Struct, prefix: str) -> None:
 
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)  # a key may hold a line break
+_KEY_AT = re.compile(r"^(.*) - at `key` in `\$(.*)`$", re.DOTALL)  # a map's key is wrong
 
 
 def decode_as(raw: bytes, t: type) -> Any:
@@ -288,6 +289,11 @@ def decode_as(raw: bytes, t: type) -> Any:
 def _validation_error(text: str) -> ApiError:
     """msgspec's `Expected `int` <= 2147483647 - at `$.max_tokens`` as a 400 naming the
     field (`max_tokens`, `messages[0].role`, `stream_options.include_usage`)."""
+    key_at = _KEY_AT.match(text)
+    if key_at:  # `metadata`'s keys: "a key of `metadata`: expected str of length <= 64"
+        where = key_at.group(2).lstrip(".")
+        detail = clip(key_at.group(1)).replace("`", "")
+        return bad_request(f"a key of `{where}`: {detail[0].lower()}{detail[1:]}", where)
     m = _AT.match(text)
     msg, where = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     for prefix, what in (("Object contains unknown field ", "unknown"),
