@@ -138,3 +138,24 @@ def test_an_echo_with_logprobs_starts_with_the_prompts_whole_or_streamed():
     assert [c["logprobs"]["text_offset"] for c in chunks] == [[0, 2, 2, 3], [4]]
     assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == \
         body["logprobs"]["token_logprobs"]
+
+
+def test_a_chat_completion_and_its_chunks_name_the_tier_that_served_it():
+    """OpenAI's chat completion says which service_tier served it; a client that asked for
+    `flex` reads `default`, the one tier here. A legacy completion has no such field."""
+    from helexa.router import encode
+    from helexa.router.openai_api import parse_request
+
+    for kind, body in (("chat", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("completion", {"prompt": "hi"})):
+        req = parse_request({"model": "m", "service_tier": "flex", **body}, kind)
+        env = encode.Envelope(id="c", created=0, model="m", req=req)
+        choice = encode.Choice(index=0, echo="")
+        msg = pb.GenerateResponse(text="x", token_ids=[1], finish_reason=pb.FINISH_REASON_STOP)
+        chunk = encode.delta_chunk(env, choice, msg, first=True)
+        encode.add_delta(choice, msg)
+        whole = encode.full_body(env, [choice])
+        if kind == "chat":
+            assert whole["service_tier"] == chunk["service_tier"] == "default"
+        else:
+            assert "service_tier" not in whole and "service_tier" not in chunk
