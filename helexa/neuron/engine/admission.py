@@ -23,7 +23,9 @@ budget.py's):
   (anonymous callers too) holds at most `max_in_flight_per_principal` in
   flight where that is set (None: no cap but max_in_flight), skipped the same
   way at it: without it, since nothing is preempted, one key's long requests
-  may hold every place for as long as they run.
+  may hold every place for as long as they run. A principal whose head's
+  grammar still compiles (grammar.py, off the step loop) is skipped the same
+  way: queued, it holds no place, KV or row until its matcher is ready.
 - `expire`: a queued request older than `kv_max_wait_secs` is refused 503
   overloaded, saying what it waited for: an in-flight place (all held, or its
   principal's all held) or KV (blocks needed against blocks free); any request
@@ -216,6 +218,10 @@ class Admission:
         lim = self.limits
         if not self.admitting:
             return "admission to resume (the model is not admitting now)"
+        head = self._queues[req.principal][0]
+        if head.compiling is not None:
+            return ("its grammar to compile" if head is req
+                    else "the grammar of its principal's request before it to compile")
         if len(self.in_flight) >= lim.max_in_flight:
             return f"an in-flight place (max_in_flight {lim.max_in_flight}, all held)"
         if (cap := self._cap_reached(req.principal)) is not None:
@@ -271,9 +277,11 @@ class Admission:
 
     def _next_principal(self) -> str | None:
         """The first principal in rotation that may take an in-flight place now."""
-        for principal in self._queues:
+        for principal, queue in self._queues.items():
             if self._cap_reached(principal) is not None:
                 continue  # at its cap: skip its turn, never block the others
+            if queue[0].compiling is not None:
+                continue  # its head's grammar compiles (grammar.py): the same
             return principal
         return None
 
