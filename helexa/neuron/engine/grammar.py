@@ -9,19 +9,20 @@ its matcher is ready the request holds no in-flight place, KV or row
 (admission.py skips its principal's turn); each step the engine takes the
 matchers that are ready (`Grammars.ready`), and a grammar llguidance refuses
 refuses its request with llguidance's message. A request that ends while its
-grammar compiles (abort, deadline, drain) is forgotten (`Grammars.forget`), and
+grammar compiles (abort, deadline, drain, shutdown) is forgotten (`Grammars.forget`), and
 a compile nobody waits for any more is cancelled where it has not begun.
 
-Compiled grammars are kept (the last `_CACHED_GRAMMARS`), keyed by the grammar
-and the request's prefix-sharing salt (prefix_filing.cache_salt): the n choices
+Compiled grammars are kept (the last `_CACHED_GRAMMARS`, up to
+`_CACHED_GRAMMAR_BYTES` of grammar text), keyed by the grammar and the
+request's prefix-sharing salt (prefix_filing.cache_salt): the n choices
 of one request, or a caller's repeated schema, compile once and each request
 gets its own copy (llguidance's deep_copy, ~0.2 ms), while one API key cannot
 learn by timing what another compiled (the prefix cache is salted for the same
 reason). Tensor-parallel ranks build no matchers: rank 0 alone samples.
 
-Each step, the rows that will
-be sampled and carry a matcher get their allowed-token bitmask computed in a
-worker thread while the model runs the step (`Grammars.start`): llguidance
+Each step, the rows that will be sampled and carry a matcher get their
+allowed-token bitmask computed in a worker thread while the model runs the
+step (`Grammars.start`): llguidance
 fills the masks of all rows in parallel with the GIL released, so a
 constrained row costs the batch the mask time only where it exceeds the
 forward pass. The sampler then sets every disallowed logit to -inf
@@ -47,7 +48,10 @@ import torch
 from helexa.kernels.backends.base import host_to_device, to_device
 from helexa.neuron.tokenizer import eos_token_ids
 
-_CACHED_GRAMMARS = 16  # compiled grammars kept per engine, each keyed by (salt, grammar)
+# Compiled grammars kept per engine, each keyed by (salt, grammar): at most this many, and
+# this much grammar text (a 13,000-property schema's 460 KB compiled holds ~40 MiB).
+_CACHED_GRAMMARS = 32
+_CACHED_GRAMMAR_BYTES = 2 * 2**20
 
 
 class GrammarUnavailable(Exception):
@@ -135,9 +139,11 @@ class Grammars:
         if fut is None or fut.cancelled():
             fut = self._compiled[key] = Future()
             self._compiles.put((fut, grammar))
-            while len(self._compiled) > _CACHED_GRAMMARS:
-                self._compiled.popitem(last=False)  # its waiters hold their future
         self._compiled.move_to_end(key)
+        while len(self._compiled) > 1 and (
+                len(self._compiled) > _CACHED_GRAMMARS
+                or sum(len(g) for _, g in self._compiled) > _CACHED_GRAMMAR_BYTES):
+            self._compiled.popitem(last=False)  # the oldest; its waiters hold their future
         req.compiling = fut
         self.compiling[req.req_id] = req
 

@@ -149,6 +149,20 @@ def test_the_n_choices_of_a_request_compile_their_grammar_once(tiny, monkeypatch
     core.close()
 
 
+def test_the_compiled_grammars_kept_are_bounded(tiny, monkeypatch):
+    """After as many other grammars as the engine keeps, the first compiles again."""
+    d, _ = tiny
+    core = core_for(d)
+    builds = Builds(monkeypatch)
+    grammars = [grammar.grammar_text(grammar.Constraint(kind="regex", source=f"a{{{i}}}"))
+                for i in range(1, 34)]
+    for i, g in enumerate([*grammars, grammars[-1], grammars[0]]):
+        drive(core, m.ToEngine(new=[new(f"r{i}", [1, 2, 3], 2, grammar=g)]))
+    assert builds.grammars == [*grammars, grammars[0]]  # the last kept, the first not
+    assert_whole(core)
+    core.close()
+
+
 @pytest.mark.parametrize("end", ["abort", "deadline", "drain", "shutdown"])
 def test_a_request_that_ends_while_its_grammar_compiles_leaves_nothing(tiny, monkeypatch,
                                                                        end):
