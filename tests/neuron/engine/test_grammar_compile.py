@@ -107,6 +107,25 @@ def test_a_running_stream_keeps_its_tokens_while_a_large_grammar_compiles(tiny):
     core.close()
 
 
+def test_a_request_behind_one_whose_grammar_compiles_is_not_held(tiny, monkeypatch):
+    """The same caller's next request (here anonymous, as every anonymous caller) passes
+    the one whose grammar compiles: it is admitted and served meanwhile; the first is
+    admitted once its grammar has compiled."""
+    d, _ = tiny
+    core = core_for(d)
+    builds = Builds(monkeypatch, hold=True)
+    run = drive(core, m.ToEngine(new=[new("g", [1, 2, 3], 4, grammar=SMALL),
+                                      new("free", [4, 5, 6], 6)]), max_steps=1000,
+                on_update=lambda u: u.req_id != "free" or u.finished is None
+                or builds.go.set())
+    assert run.final["free"].finished == m.FinishReason.LENGTH
+    assert run.admitted["free"].req_id == "free" and run.final["g"].finished is not None
+    order = list(run.final)
+    assert order.index("free") < order.index("g")
+    assert_whole(core)
+    core.close()
+
+
 def test_a_bad_grammar_is_refused_with_llguidances_message_compiled_once(tiny, monkeypatch):
     d, _ = tiny
     core = core_for(d)
