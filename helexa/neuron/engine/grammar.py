@@ -6,7 +6,7 @@ own, never on the step loop: compiling a large schema takes seconds (a
 13,000-property JSON schema, ~2 CPU s) and llguidance releases the GIL while it
 compiles, so the batch keeps stepping meanwhile, as vLLM and SGLang do. Until
 its matcher is ready the request holds no in-flight place, KV or row
-(admission.py skips its principal's turn); each step the engine takes the
+(admission.py passes over it); each step the engine takes the
 matchers that are ready (`Grammars.ready`), and a grammar llguidance refuses
 refuses its request with llguidance's message. A request that ends while its
 grammar compiles (abort, deadline, drain, shutdown) is forgotten (`Grammars.forget`), and
