@@ -5,8 +5,8 @@ schema, any JSON object, a regex or a Lark grammar) into the grammar text the
 engine's matchers run (helexa/neuron/engine/grammar.py), and checks it. The router
 calls `check` so a schema the library cannot serve is a 400 naming the
 problem before any neuron sees it; the neuron calls `grammar_text` again when
-it builds the request (under a millisecond: llguidance builds its parser
-lazily, per token, with no ahead-of-time compilation).
+it builds the request (text, under a millisecond; the engine compiles it into
+a matcher off its step loop, seconds for a large schema: engine/grammar.py).
 
 JSON is generated compact (no whitespace between tokens), and an object
 schema that lists `properties` without saying `additionalProperties` gets
