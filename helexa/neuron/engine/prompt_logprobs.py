@@ -46,6 +46,21 @@ def wants(req: Request) -> bool:
     return req.sampling.prompt_logprobs is not None
 
 
+def shares(need: list[int], rows: int) -> list[int]:
+    """`rows` shared between requests needing `need` rows each: equal shares (the first
+    ones one more where they do not divide), a share one needs less of going to the rest."""
+    out = [0] * len(need)
+    open_ = [i for i, n in enumerate(need) if n > 0]
+    while open_ and rows > 0:
+        each, extra = divmod(rows, len(open_))
+        for j, i in enumerate(open_):
+            give = min(need[i] - out[i], each + (j < extra))
+            out[i] += give
+            rows -= give
+        open_ = [i for i in open_ if out[i] < need[i]]
+    return out
+
+
 def scored_rows(req: Request, start: int, end: int) -> int:
     """How many rows of req's chunk of positions [start, end) score a prompt token: those
     before the prompt's last position (each scores the next token); 0 where it asks none."""
