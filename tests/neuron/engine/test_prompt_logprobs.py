@@ -186,3 +186,20 @@ def test_a_short_scoring_prompt_is_not_held_behind_a_long_one(tiny_model_dir):
     assert_reference(tiny_model_dir, short, got["short"], atol=1e-4)
     assert_reference(tiny_model_dir, long_, got["long"], atol=1e-4)
     assert_whole(core)
+
+
+def test_a_small_vocabulary_scores_whole_chunks(tiny_model_dir):
+    """The rows a step scores are bounded by bytes where that allows more than 4 a slot
+    (prompt_logprobs.allowance): the tiny model's 512-token vocabulary makes a scored row
+    small beside a 2,048-token step's layers (~500 rows, prompt_logprobs.py), so a
+    200-token prompt scores in chunks of 64 (4 steps) rather than 8 rows a step (25), as
+    transformers has its logprobs."""
+    ids = prompt(7, 200)
+    core = core_for(tiny_model_dir, max_slots=2, max_batched_tokens=2048,
+                    prefill_chunk_tokens=64)
+    assert core.scheduler.scoring_rows >= 64 > 4 * 2
+    run, got = scored(core, [m.NewRequest(req_id="s", prompt_token_ids=ids, max_tokens=0,
+                                          sampling=SCORED)])
+    assert run.steps == 4
+    assert_reference(tiny_model_dir, ids, got["s"], atol=1e-4)
+    assert_whole(core)
