@@ -92,6 +92,7 @@ class OutputProcessor:
         # Speculation: the request's totals, as the engine last said.
         self.draft_tokens = self.accepted_draft_tokens = 0
         self.admitted_unix = self.first_token_unix = self.last_token_unix = 0.0
+        self.prefilled_unix = 0.0  # its prefill's end, where it ended with no token (usage)
         self.finish_reason: int | None = None  # a pb.FinishReason once finished
         self.stop_reason = ""
         self.error = ""
@@ -206,6 +207,8 @@ class OutputProcessor:
         reason = upd.finished
         assert reason is not None
         self.finish_reason, self.error = int(reason), upd.error
+        if reason == messages.FinishReason.LENGTH and not self.output_token_ids:
+            self.prefilled_unix = self.clock()  # max_tokens 0: its prefill ends it
         if reason == messages.FinishReason.ERROR and not self.output_token_ids:
             raise Refusal("upstream_error", self.failure_message())
         if reason != messages.FinishReason.ABORT:
@@ -249,14 +252,16 @@ class OutputProcessor:
 
     def usage(self) -> pb.Usage:
         """Token counts and times so far: queue (arrival → admitted), prefill (arrival →
-        first token) and decode (first → last token), in milliseconds."""
+        first token, or to the prefill's end where it asked for none: max_tokens 0) and
+        decode (first → last token), in milliseconds."""
         arrival = self.new.arrival_unix
         first = self.first_token_unix
+        prefilled = first or self.prefilled_unix
         return pb.Usage(
             prompt_tokens=len(self.new.prompt_token_ids),
             completion_tokens=len(self.output_token_ids), cached_tokens=self.cached_tokens,
             queue_ms=(self.admitted_unix - arrival) * _MS if self.admitted_unix else 0.0,
-            prefill_ms=(first - arrival) * _MS if first else 0.0,
+            prefill_ms=(prefilled - arrival) * _MS if prefilled else 0.0,
             decode_ms=(self.last_token_unix - first) * _MS if first else 0.0,
             reasoning_tokens=self.reasoning_tokens, draft_tokens=self.draft_tokens,
             accepted_draft_tokens=self.accepted_draft_tokens)

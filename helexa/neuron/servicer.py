@@ -183,7 +183,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         client_gone = True  # until the loop ends any other way: cancellation lands anywhere
         counted = False  # _done ran already
         pauses = _Pauses(blog, self.metrics.pauses.labels(model))
-        updates = r.client.generate(new, on_flow=pauses)
+        updates = (_prompt_alone(new) if _computes_nothing(new)
+                   else r.client.generate(new, on_flow=pauses))
         try:
             async for upd in updates:
                 step = out.process(upd)
@@ -222,7 +223,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         outcome = out.outcome(client_gone)
         prompt_tokens, cached = len(out.new.prompt_token_ids), out.cached_tokens
         self.metrics.requests.labels(model, outcome).inc()
-        self.metrics.prefill_tokens.labels(model).inc(prompt_tokens - cached)
+        if not _computes_nothing(out.new):
+            self.metrics.prefill_tokens.labels(model).inc(prompt_tokens - cached)
         self.metrics.cached_tokens.labels(model).inc(cached)
         self.metrics.decode_tokens.labels(model).inc(len(out.output_token_ids))
         u = out.usage()
@@ -310,6 +312,20 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         except Refusal as e:
             await abort(context, e)
         return pb.SetProfileResponse(status=model_status(r), changed=changed)
+
+
+def _computes_nothing(new: messages.NewRequest) -> bool:
+    """A reply that needs no model computation: max_tokens 0 without prompt logprobs (an
+    echo: the prompt's text and its count, which the neuron has without the engine; vLLM
+    computes one token and drops it). Such a request is answered here, no prefill run."""
+    return new.max_tokens == 0 and new.sampling.prompt_logprobs is None
+
+
+async def _prompt_alone(new: messages.NewRequest) -> AsyncIterator[messages.RequestUpdate]:
+    """_computes_nothing's request, as the engine would end it after its prefill."""
+    yield messages.RequestUpdate(req_id=new.req_id, admitted=True, started=True,
+                                 prompt_tokens=len(new.prompt_token_ids),
+                                 finished=messages.FinishReason.LENGTH)
 
 
 class _Pauses:

@@ -100,7 +100,8 @@ def generate_requests(prompts: list[ParsedRequest], n: int, *, model: str, princ
     """Every choice's GenerateRequest: `n` for each prompt, the k-th prompt's i-th choice
     named `{req_id}-{k * n + i}` (just `req_id` when there is one). Building the messages grows
     with them (200,000 turns took 0.6 s), so serve.py runs this on its work pool, off the
-    loop that carries every stream; a prompt's choices copy its first one's message."""
+    loop that carries every stream; a prompt's choices copy its first one's message, less
+    its prompt logprobs (an echo's, asked once a prompt: echo_share.py)."""
     one = len(prompts) * n == 1
     out: list[pb.GenerateRequest] = []
     for k, sub in enumerate(prompts):
@@ -112,6 +113,7 @@ def generate_requests(prompts: list[ParsedRequest], n: int, *, model: str, princ
             g = pb.GenerateRequest()
             g.CopyFrom(first)
             g.req_id = f"{req_id}-{k * n + i}"
+            g.sampling.ClearField("prompt_logprobs")  # the first choice's serve all (echo_share)
             if sub.seed is not None:
                 g.sampling.seed = _choice_seed(sub.seed, i)
             out.append(g)

@@ -35,6 +35,7 @@ from helexa.router import (
     anthropic_encode,
     anthropic_errors,
     completion_logprobs,
+    echo_share,
     encode,
     event_replies,
     images,
@@ -339,6 +340,7 @@ def _timing(series: ModelSeries, t0: float, last: list[float], msg: pb.GenerateR
 
 def _reply(env: encode.Envelope, choices: list[encode.Choice],
            replies: list[Completed], deadline_secs: float) -> bytearray:
+    echo_share.whole(env.req, [r.reply for r in replies])  # n > 1: one call scored the prompt
     for choice, r in zip(choices, replies, strict=True):
         if (why := ended_short(r.reply, deadline_secs)) is not None:
             raise ApiError(502, why, code="upstream_error")
@@ -360,8 +362,8 @@ async def _stream(request: web.Request, env: encode.Envelope, choices: list[enco
     last = [0.0]
     seen_first = [False] * len(choices)
     try:
-        async for i, msg in event_replies.with_pings(_merge(streams), resp,
-                                                     lambda: event_replies.SSE_PING):
+        merged = echo_share.streamed(env.req, _merge(streams))  # n > 1: one choice scored
+        async for i, msg in event_replies.with_pings(merged, resp, lambda: event_replies.SSE_PING):
             _timing(series, t0, last, msg)
             check_finish(msg, state.request_secs)
             encode.with_stop_str(env.req, msg)

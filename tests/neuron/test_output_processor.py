@@ -311,3 +311,5 @@ def test_max_tokens_0_sends_the_prompts_logprobs_on_its_last_message(tok) -> Non
     assert sent[-1].finish_reason == pb.FINISH_REASON_LENGTH and not sent[-1].prompt_text
     assert [e.token_id for e in sent[-1].prompt_logprobs] == prompt
     assert sent[-1].usage.completion_tokens == 0
+    # the prefill took until that finish (+20 ms: admitted at +10), not 0 ms
+    assert sent[-1].usage.prefill_ms == pytest.approx(20.0)

@@ -9,6 +9,7 @@ statuses with their codes, auth, deadlines, cancellation and draining.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -435,6 +436,28 @@ def test_stop_strings_and_ids_past_the_caps_are_400_naming_the_field(config_path
         assert md["helexa-code"] == "invalid_request_error" and msg.startswith(field), msg
     assert at_caps[-1].finish_reason, at_caps[-1]  # at the caps: served to its end
     assert seen == 0
+
+
+def test_max_tokens_0_without_prompt_logprobs_needs_no_engine(config_path: Path,
+                                                              tok: Tokenizer) -> None:
+    """max_tokens 0 asking no prompt logprobs (an echo: the prompt's text and count) is
+    answered without the engine, as it would have ended after its prefill; one asking for
+    them runs it (they are computed)."""
+    async def body(stub, daemon, engine):
+        alone = await collect(stub, chat(req_id="a", max_tokens=0, return_prompt_text=True))
+        sent = [r.req_id for r in engine.requests]
+        scored = chat(req_id="s", max_tokens=0, sampling=pb.SamplingParams(prompt_logprobs=1))
+        with contextlib.suppress(grpc.aio.AioRpcError):  # (the fake engine scores none)
+            await collect(stub, scored)
+        return alone, sent, [r.req_id for r in engine.requests]
+
+    alone, sent, after = serve(config_path, tok, body)
+    prompt = tok.encode_chat([{"role": "user", "content": "Say hello"}])
+    assert sent == [] and after == ["s"]
+    assert alone[0].prompt_text and alone[0].prompt_tokens == len(prompt)
+    last = alone[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH and not any(r.token_ids for r in alone)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), 0)
 
 
 # ------------------------------------------------------------------ Complete

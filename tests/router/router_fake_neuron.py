@@ -22,7 +22,11 @@ With `kv_wait_secs` set, a request waits for its reservation to fit the pool (it
 first message only then), as a neuron's admission does.
 
 Generated tokens are "w0 ", "w1 ", ... with ids 100, 101, ...; a prompt's
-tokens are estimated as one per 4 characters (token-id prompts are exact).
+tokens are estimated as one per 4 characters (token-id prompts are exact). A
+token-id prompt's token t reads "p{t} " (its `prompt_text` where asked), and
+where prompt_logprobs are asked each prompt token after the first has logprob
+-1.0 (-1.0 - k for its k-th alternative), all on the message that ends the
+prefill, as the neuron's output processor sends them.
 Run as a script it serves one fake neuron and prints `NEURON LISTENING host:port`.
 """
 
@@ -298,6 +302,7 @@ class FakeNeuron(pbg.NeuronServicer):
                     await asyncio.sleep(waits)
                     yield pb.GenerateResponse(prefill_started=True)
                 await asyncio.sleep(self.b.admission_message_secs)
+            scored = _prompt_entries(request, prompt_ids)
             for i in range(n):
                 if fail_after is not None and i >= fail_after:
                     await context.abort(grpc.StatusCode.INTERNAL, "fake engine failure")
@@ -317,6 +322,9 @@ class FakeNeuron(pbg.NeuronServicer):
                              for k in range(request.sampling.top_logprobs)]))
                 if i == 0 and request.return_prompt_token_ids:
                     msg.prompt_token_ids.extend(prompt_ids)
+                if i == 0:
+                    msg.prompt_logprobs.extend(scored)
+                    msg.prompt_text = _decoded(request, text, prompt_ids)
                 yield msg
                 self.sent[request.req_id] = i + 1
                 if i == 0 and "hold" in marks:
@@ -328,7 +336,9 @@ class FakeNeuron(pbg.NeuronServicer):
             yield pb.GenerateResponse(
                 finish_reason=pb.FINISH_REASON_LENGTH if n == budget else pb.FINISH_REASON_STOP,
                 usage=pb.Usage(prompt_tokens=len(prompt_ids), completion_tokens=n,
-                               cached_tokens=len(prompt_ids) // 2))
+                               cached_tokens=len(prompt_ids) // 2),
+                prompt_logprobs=[] if n else scored,
+                prompt_text="" if n else _decoded(request, text, prompt_ids))
         except asyncio.CancelledError:
             self.cancelled += 1  # the caller cancelled the call (client gone)
             raise
@@ -348,6 +358,27 @@ def hold_gil(secs: float) -> None:
     rate = 5_000_000 / max(time.perf_counter() - t0, 1e-6)
     while (left := end - time.perf_counter()) > 0:
         sum(range(int(rate * left) + 1))
+
+
+def _decoded(request: pb.GenerateRequest, text: str, ids: list[int]) -> str:
+    """The prompt's text where asked (return_prompt_text): "p{t} " a token id."""
+    if not request.return_prompt_text:
+        return ""
+    return "".join(f"p{t} " for t in ids) if request.HasField("token_ids") else text
+
+
+def _prompt_entries(request: pb.GenerateRequest, ids: list[int]) -> list[pb.TokenLogprob]:
+    """Each prompt token's entry where prompt_logprobs are asked (else none)."""
+    if not request.sampling.HasField("prompt_logprobs"):
+        return []
+    out, at = [], 0
+    for j, t in enumerate(ids):
+        top = [pb.TopLogprob(token_id=t + k, token=f"p{t + k} ", logprob=-1.0 - k)
+               for k in range(request.sampling.prompt_logprobs)] if j else []
+        out.append(pb.TokenLogprob(token_id=t, token=f"p{t} ", logprob=-1.0 if j else 0.0,
+                                   top=top, text_offset=at))
+        at += len(f"p{t} ")
+    return out
 
 
 def _prompt_text(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:

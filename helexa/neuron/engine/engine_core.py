@@ -81,7 +81,8 @@ class EngineCore:
         self.admission = Admission(self.pool, self.limits, prefix_cache=spec.prefix_cache,
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
-                                   self.limits.prefill_chunk_tokens)
+                                   self.limits.prefill_chunk_tokens, scoring_rows=prompt_logprobs
+                                   .allowance(self.runner, self.limits.max_slots))
         if self.pool.snapshots is not None:  # hybrids: chunks end where snapshots are kept
             self.scheduler.snapshot_block_tokens = spec.block_size
             self.scheduler.snapshot_every_tokens = spec.snapshot_every_tokens

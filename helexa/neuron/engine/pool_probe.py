@@ -36,6 +36,8 @@ def measured_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> i
                for s in probe_steps(prefill, rows, bs, slots))
     held = 0  # what stays allocated beside any step's activations
     decoded, sampled = decode_peaks(runner, *probe_rows(runner, -(-prefill // bs), rows, slots))
+    if runner.tp_rank == 0:  # the rank that schedules (and samples)
+        runner.scoring_room = scoring_room(runner, peak, sampled)
     peak = max(peak, sampled)
     if graphs := runner.backend.executor.graph_sizes():  # captured at load, a pool apart
         held += decoded  # the graphs' pool: the largest decode step's activations
@@ -104,6 +106,7 @@ def load_blocks(runner: Any, planned: int, kv_dtype: str, context: int) -> int:
     group has formed and measures (tp > 1: pool_at_load; so a plan that over-counts its
     card cannot fail the load before the measurement), or the plan's (nothing measures)."""
     if not runner.measure_pool:
+        runner.scoring_room = scoring_room(runner, *estimated_peaks(runner))
         return planned
     if runner.tp_size == 1:
         return measured_blocks(runner, planned, kv_dtype, context)
@@ -210,6 +213,30 @@ def decode_peaks(runner: Any, decode: list[SeqInput], verify: list[SeqInput] | N
                 SamplingState.for_request(drafted, [0], [])) for i in range(len(verify))]
     checking = runner.meter.peak_bytes(lambda: verify_rows(rows))
     return peak, max(most, forward, int(logits.nbytes + q.nbytes) + checking)
+
+
+def scoring_room(runner: Any, forward: int, sampled: int) -> int:
+    """The bytes a step's prompt-logprobs rows may take (prompt_logprobs.py says why): the
+    prefill step's peak ``forward`` less the stream its layers pass on and the sampled
+    rows' peak ``sampled``."""
+    stream: int = runner.max_batched_tokens * 3 * runner.config.hidden_size * runner.dtype.itemsize
+    return max(0, forward - stream - sampled)
+
+
+def estimated_peaks(runner: Any) -> tuple[int, int]:
+    """Where nothing measures (CPU): the probe's prefill step's activations and its sampled
+    rows', as step_memory estimates them for `helexa plan`."""
+    from helexa.checkpoint.shape import read_model_shape
+    from helexa.checkpoint.step_memory import SAMPLING_BYTES_PER_LOGIT, step_activations
+
+    prefill, rows = _probe_shape(runner)
+    try:
+        shape = read_model_shape(runner.hf_config)
+    except Exception:  # noqa: BLE001 - a config it cannot read: 4 rows a slot (no room)
+        return 0, 0
+    step = step_activations(shape, runner.tp_size, prefill, runner.dtype.itemsize, rows,
+                            cuda=False)
+    return step.tokens * step.per_token, rows * runner.vocab_size * (4 + SAMPLING_BYTES_PER_LOGIT)
 
 
 def encoder_peak(runner: Any) -> int:

@@ -11,9 +11,25 @@ last alone, and its rows before the prompt's last position score the token after
 other rows only: the rows it samples and verifies are laid out (step_inputs.lay_out)
 as if the scored rows were not there, and a step without such a request takes none of
 this. The chunk ends as usual, so the [prompt, vocab] logits of a long prompt never exist
-at once; and a step scores at most ROWS_PER_SLOT × max_slots rows (scheduler.py), so its
-logits stay within what the load's probe measured for sampling max_slots rows
-(pool_probe.decode_peaks: the fp32 logits and ~50 B a logit beside them).
+at once; and a step scores at most `allowance` rows (the scheduler's scoring_rows, shared
+between the requests scoring in it), so its logits stay within what the load's probe
+measured. A scored row costs at most SCORED_LOGIT_BYTES a logit (its fp32 logits and, as
+they are made, the LM head's output: ≤ 10 B a logit at tp > 1). Two bounds, the larger:
+- rows: ROWS_PER_SLOT × max_slots; their logits stay under what the probe measured for
+  sampling max_slots rows (pool_probe.decode_peaks: the fp32 logits and ~50 B a logit
+  beside them), 4 × 14 B ≤ 54 B a logit.
+- bytes (`room`, set at load by pool_probe): a step of at most max_batched_tokens tokens
+  peaks in its layers at no more than the probe's prefill step of that many (measured on
+  CUDA; on CPU step_memory.step_activations' estimate of it), and its scored logits come
+  after them, when of a layer's live bytes only the stream it passes on is held
+  (3 × hidden × weight bytes a token, checkpoint/memory.py `held`). So the room is that
+  peak less the stream, less the sampled rows' peak (decode_peaks: they are sampled with
+  the scored rows' logits still held), less the scoring's own temporaries (_PIECE rows at
+  PIECE_BYTES a logit); rows = room / (vocab × SCORED_LOGIT_BYTES). A small vocabulary
+  or wide layers so score far more rows a step than 4 a slot: the tiny test Qwen3 (64
+  hidden, 512 vocab, fp32), 2,048 tokens a step, ~2.3 KB a token of a layer beyond its
+  stream: ~4.7 MB, ~600 rows of 7 KB (against 32); an 8B Qwen3 in bf16 at 8,192 tokens
+  ~90 KB a token: ~740 MB less 66 MB sampled and 233 MB of pieces, ~200 rows of 2.1 MB.
 
 A prefix-cache hit would skip positions whose logits these need: such a request takes
 none (admission.py), though it files its own blocks for the requests after it.
@@ -39,11 +55,39 @@ if TYPE_CHECKING:
 # output before them (≤ 10 B a logit at tp > 1) stay under the 54 B a logit the probe
 # measured for each sampled decode row.
 ROWS_PER_SLOT = 4
+SCORED_LOGIT_BYTES = 14  # a scored logit: fp32 (4 B) and the LM head's output (≤ 10 B)
 _PIECE = 128  # rows scored at once: the log-sum-exp's temporaries are [_PIECE, vocab]
+PIECE_BYTES = 12  # _score's a logit of a piece: a float copy, x - lse, exp's (fp32)
+
+
+def allowance(runner: object, max_slots: int) -> int:
+    """Rows a step scores (module doc): ROWS_PER_SLOT × max_slots, or more where the room
+    the probe left (`runner.scoring_room`, bytes) holds more rows of this vocabulary."""
+    rows = ROWS_PER_SLOT * max_slots
+    vocab, room = getattr(runner, "vocab_size", 0), getattr(runner, "scoring_room", 0)
+    if not isinstance(vocab, int) or not isinstance(room, int) or vocab <= 0:
+        return rows  # (a runner that says neither: the test's fakes)
+    room -= _PIECE * vocab * PIECE_BYTES
+    return max(rows, room // (vocab * SCORED_LOGIT_BYTES))
 
 
 def wants(req: Request) -> bool:
     return req.sampling.prompt_logprobs is not None
+
+
+def shares(need: list[int], rows: int) -> list[int]:
+    """`rows` shared between requests needing `need` rows each: equal shares (the first
+    ones one more where they do not divide), a share one needs less of going to the rest."""
+    out = [0] * len(need)
+    open_ = [i for i, n in enumerate(need) if n > 0]
+    while open_ and rows > 0:
+        each, extra = divmod(rows, len(open_))
+        for j, i in enumerate(open_):
+            give = min(need[i] - out[i], each + (j < extra))
+            out[i] += give
+            rows -= give
+        open_ = [i for i in open_ if out[i] < need[i]]
+    return out
 
 
 def scored_rows(req: Request, start: int, end: int) -> int:

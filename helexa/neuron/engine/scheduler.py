@@ -41,10 +41,14 @@ steps, interleaved with everyone else's decode tokens. A hybrid model with
 the prefix cache on (`snapshot_block_tokens` set) also ends a chunk where its
 request keeps a prefix snapshot (snapshots.py next_stop). The chunks of
 requests asking for their prompt's logprobs, whose every row's logits are
-computed, hold at most `prompt_logprobs.ROWS_PER_SLOT × max_slots` tokens in
-a step together (prompt_logprobs.py says why); one that finds none left
-waits for the next step, and a new prompt so held back keeps the requests
-admitted after it waiting too.
+computed, hold at most `scoring_rows` tokens in a step together (the engine
+sets it from the model's memory: prompt_logprobs.py `allowance` says why),
+shared equally between the requests that score in the step (the running ones
+still prefilling and the new prompts a free row would promote), a share one
+needs less of going to the others (prompt_logprobs.shares): a short prompt
+admitted behind a long one is so not held until the long one is done. One
+whose share is none waits for the next step, and a new prompt so held back
+keeps the requests admitted after it waiting too.
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from helexa.neuron.engine.prompt_logprobs import ROWS_PER_SLOT, wants
+from helexa.neuron.engine.prompt_logprobs import ROWS_PER_SLOT, shares, wants
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.snapshots import next_stop
 
@@ -94,6 +98,7 @@ class Scheduler:
     prefill_chunk_tokens: int
     snapshot_block_tokens: int = 0  # hybrids' prefix snapshots: the block size (0: none)
     snapshot_every_tokens: int = 0  # and their checkpoint spacing inside a prompt
+    scoring_rows: int = 0  # prompt-logprobs rows a step (0: ROWS_PER_SLOT × max_slots)
 
     def schedule(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
         plan = StepPlan()
@@ -116,26 +121,29 @@ class Scheduler:
                 plan.chunks[i] = ScheduledChunk(req.req_id, 1 + k, is_prefill=False,
                                                 num_draft=k)
                 budget -= k
-        scoring = ROWS_PER_SLOT * self.max_slots  # prompt-logprobs rows left (module doc)
+        share = self._shares(running, waiting, budget, num_running)  # module doc
+        spare = 0  # shares a request took less of (the budget ran short): the next one's
         for req in running:  # 4. prefill already running
             if budget == 0:
                 break
             if req.is_prefilling:
-                n = self._chunk(req, budget, scoring)
+                n = self._chunk(req, budget, share.get(req.req_id, 0) + spare)
                 if n == 0:
                     continue  # its prompt's logprobs: none left this step
                 plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
                 budget -= n
-                scoring -= n if wants(req) else 0
+                if wants(req):
+                    spare += share.get(req.req_id, 0) - n
         for req in waiting:  # 5. promote new prompts
             if budget == 0 or num_running >= self.max_slots:
                 break
             if not req.is_prefilling:
                 continue  # resumed (step 2), or nothing to compute
-            n = self._chunk(req, budget, scoring)
+            n = self._chunk(req, budget, share.get(req.req_id, 0) + spare)
             if n == 0:
                 break  # its prompt's logprobs: none left this step, and no one overtakes
-            scoring -= n if wants(req) else 0
+            if wants(req):
+                spare += share.get(req.req_id, 0) - n
             plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
             plan.promoted.append(req.req_id)
             budget -= n
@@ -163,6 +171,19 @@ class Scheduler:
                 break  # those after are admitted earlier still, the claimants later
             out.append(holder)
         return out
+
+    def _shares(self, running: Sequence[Request], waiting: Sequence[Request], budget: int,
+                num_running: int) -> dict[str, int]:
+        """Each request scoring its prompt this step (running and prefilling; or waiting,
+        new, within the free rows): its share of the step's scoring rows."""
+        if not any(wants(r) for r in (*running, *waiting)):
+            return {}
+        taking = [r for r in running if r.is_prefilling]
+        taking += [r for r in waiting if r.is_prefilling][:max(0, self.max_slots - num_running)]
+        scorers = [r for r in taking if wants(r)]
+        need = [self._chunk(r, budget, budget) for r in scorers]
+        rows = self.scoring_rows or ROWS_PER_SLOT * self.max_slots
+        return {r.req_id: n for r, n in zip(scorers, shares(need, rows), strict=True)}
 
     def _chunk(self, req: Request, budget: int, scoring: int) -> int:
         # Prefill covers the prompt only; the first output token comes from

@@ -171,3 +171,31 @@ def test_echo_with_logprobs_is_the_prompt_then_the_generated(router):
     streamed = [ch["choices"][0]["logprobs"] for ch in chunks if ch["choices"]]
     assert sum((s["token_logprobs"] for s in streamed), []) == lp.token_logprobs
     assert sum((s["text_offset"] for s in streamed), []) == lp.text_offset
+
+
+def test_n_choices_echo_the_same_prompt_logprobs(router):
+    """n = 2 with echo and logprobs (the neuron scores the prompt on one choice, the router
+    gives both its entries): each choice, whole or streamed, has the prompt's logprobs
+    as n = 1 has them, and greedy choices the same text."""
+    kw = dict(model="tiny", prompt=[5, 77, 301, 42, 9], echo=True, logprobs=1, max_tokens=2,
+              temperature=0)
+    c = router.client()
+    one = c.completions.create(**kw).choices[0]
+    r = c.completions.create(**kw, n=2)
+    assert [ch.index for ch in r.choices] == [0, 1]
+    for ch in r.choices:
+        assert ch.text == one.text
+        assert ch.logprobs.tokens == one.logprobs.tokens
+        assert ch.logprobs.text_offset == one.logprobs.text_offset
+        assert ch.logprobs.token_logprobs[0] is None
+        assert ch.logprobs.token_logprobs[1:] == pytest.approx(one.logprobs.token_logprobs[1:],
+                                                               abs=1e-5)
+    chunks = [c["choices"][0] for c in _events(router, "/v1/completions",
+                                               {**kw, "n": 2, "stream": True}) if c["choices"]]
+    for i in range(2):
+        mine = [ch for ch in chunks if ch["index"] == i]
+        assert "".join(ch["text"] for ch in mine) == one.text
+        assert mine[0]["logprobs"]["tokens"][:5] == one.logprobs.tokens[:5]
+        got = sum((ch["logprobs"]["token_logprobs"] for ch in mine), [])
+        assert got[0] is None and got[1:] == pytest.approx(one.logprobs.token_logprobs[1:],
+                                                           abs=1e-5)

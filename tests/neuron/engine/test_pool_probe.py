@@ -28,7 +28,8 @@ def _measure(monkeypatch: Any, graphs: list[int], encoder: int = 0,
                               free_bytes=lambda: (40 * 2**30, 80 * 2**30)),
         tp_rank=0, tp_size=1, block_size=16, max_num_seqs=max(graphs, default=8), max_batched_tokens=512, spec_k=0,
         kv_bytes_per_block=2 * MIB, extra_bytes_per_block=0, num_state_slots=0,
-        device=torch.device("cpu"), _reset_own_kv=lambda blocks, kv_dtype: None,
+        device=torch.device("cpu"), config=SimpleNamespace(hidden_size=8), dtype=torch.float32,
+        _reset_own_kv=lambda blocks, kv_dtype: None,
         _allocate_kv=lambda *a: None, execute=lambda seqs: torch.zeros(len(seqs), 8),
         backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: graphs),
                                 attention=SimpleNamespace(torch_path=torch_path)),
@@ -169,6 +170,7 @@ def _rank(rank: int, free: int, events: list[str], fail: str = "") -> SimpleName
         meter=SimpleNamespace(peak_bytes=peak_bytes, free_bytes=lambda: (free, 80 * 2**30)),
         tp_rank=rank, tp_size=2, block_size=16, max_num_seqs=4, max_batched_tokens=512, spec_k=0,
         kv_bytes_per_block=MIB, extra_bytes_per_block=0, num_state_slots=0,
+        config=SimpleNamespace(hidden_size=8), dtype=torch.float32,
         _reset_own_kv=lambda blocks, kv_dtype: None, _allocate_kv=lambda *a: None,
         execute=execute, _device_tokens=lambda tokens: events.append("broadcast"),
         backend=SimpleNamespace(executor=SimpleNamespace(graph_sizes=lambda: []),
@@ -229,3 +231,18 @@ def test_the_meter_is_chosen_by_device_and_reads_cudas_allocator(monkeypatch):
     assert isinstance(meter, device_memory.CudaMeter) and meter.device == torch.device("cuda", 1)
     assert meter.peak_bytes(step) == 700 and calls == ["sync", "step", "sync"]
     assert meter.free_bytes() == (5, 9) and calls[3:] == ["sync", "empty", "info"]
+
+
+def test_the_prompt_logprobs_rows_a_step_are_what_the_measured_room_holds():
+    """The room the probe leaves a step's scored prompt rows (its prefill step's peak less
+    the stream its layers pass on and the sampled rows' peak) holds rows of 14 B a logit
+    beside the scoring's 128-row pieces (12 B a logit); never fewer than 4 rows a slot."""
+    from helexa.neuron.engine.prompt_logprobs import allowance
+
+    runner = SimpleNamespace(max_batched_tokens=512, config=SimpleNamespace(hidden_size=8),
+                             dtype=torch.float32, vocab_size=1000)
+    runner.scoring_room = pool_probe.scoring_room(runner, 100 * MIB, 10 * MIB)
+    assert runner.scoring_room == 90 * MIB - 512 * 3 * 8 * 4
+    assert allowance(runner, 8) == (runner.scoring_room - 128 * 1000 * 12) // (1000 * 14)
+    runner.scoring_room = pool_probe.scoring_room(runner, 10 * MIB, 10 * MIB)
+    assert runner.scoring_room == 0 and allowance(runner, 8) == 32

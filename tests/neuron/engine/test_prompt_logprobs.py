@@ -160,3 +160,46 @@ def test_beside_speculation_and_lookahead_nothing_changes(tiny_model_dir, monkey
                                    atol=1e-5, rtol=0)
     assert core.status().spec_drafted_tokens > 0
     assert_whole(core)
+
+
+def test_a_short_scoring_prompt_is_not_held_behind_a_long_one(tiny_model_dir):
+    """Two scoring prompts in one step's arrivals, a long one first, 8 scoring rows a step:
+    they share them, so the short one finishes (its logprobs whole, as transformers has
+    them) while the long one is still prefilling, rather than after it."""
+    long_, short = prompt(5, 120), prompt(6, 12)
+    core = core_for(tiny_model_dir, max_slots=4, prefill_chunk_tokens=64)
+    core.scheduler.scoring_rows = 8
+    done: list[str] = []
+    got: dict[str, list] = {}
+
+    def on(u: m.RequestUpdate) -> None:
+        got.setdefault(u.req_id, []).extend(u.prompt_logprobs or [])
+        if u.finished is not None:
+            done.append(u.req_id)
+
+    run = drive(core, [
+        m.NewRequest(req_id="long", prompt_token_ids=long_, max_tokens=0, sampling=SCORED),
+        m.NewRequest(req_id="short", prompt_token_ids=short, max_tokens=0, sampling=SCORED)],
+        served=True, on_update=on)
+    assert done == ["short", "long"]
+    assert run.steps > 120 // 8  # at most 8 scoring rows a step
+    assert_reference(tiny_model_dir, short, got["short"], atol=1e-4)
+    assert_reference(tiny_model_dir, long_, got["long"], atol=1e-4)
+    assert_whole(core)
+
+
+def test_a_small_vocabulary_scores_whole_chunks(tiny_model_dir):
+    """The rows a step scores are bounded by bytes where that allows more than 4 a slot
+    (prompt_logprobs.allowance): the tiny model's 512-token vocabulary makes a scored row
+    small beside a 2,048-token step's layers (~500 rows, prompt_logprobs.py), so a
+    200-token prompt scores in chunks of 64 (4 steps) rather than 8 rows a step (25), as
+    transformers has its logprobs."""
+    ids = prompt(7, 200)
+    core = core_for(tiny_model_dir, max_slots=2, max_batched_tokens=2048,
+                    prefill_chunk_tokens=64)
+    assert core.scheduler.scoring_rows >= 64 > 4 * 2
+    run, got = scored(core, [m.NewRequest(req_id="s", prompt_token_ids=ids, max_tokens=0,
+                                          sampling=SCORED)])
+    assert run.steps == 4
+    assert_reference(tiny_model_dir, ids, got["s"], atol=1e-4)
+    assert_whole(core)

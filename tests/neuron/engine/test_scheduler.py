@@ -188,8 +188,9 @@ def test_drafts_take_only_what_the_decode_tokens_leave():
 
 def test_prompt_logprobs_chunks_share_four_rows_a_slot_in_a_step():
     """Chunks of requests scoring their prompt (every row's logits kept) hold at most
-    4 × max_slots tokens in a step together; others prefill as before; a new scoring prompt
-    that finds none left waits, and nobody admitted after it is promoted past it."""
+    4 × max_slots tokens in a step together, in equal shares, a share one needs less of
+    going to the others; others prefill as before; a new scoring prompt whose share is none
+    waits, and nobody admitted after it is promoted past it."""
     from helexa.neuron.engine.messages import SamplingParams
 
     def scoring(rid: str, prompt: int, computed: int = 0) -> Request:
@@ -200,10 +201,25 @@ def test_prompt_logprobs_chunks_share_four_rows_a_slot_in_a_step():
     s = Scheduler(max_slots=3, max_batched_tokens=100, prefill_chunk_tokens=16)  # 12 rows
     plan = s.schedule([scoring("a", 40, computed=4), req("p", 40, computed=4),
                        scoring("b", 40, computed=4)], [])
-    assert plan.chunks == [ScheduledChunk("a", 12, True), ScheduledChunk("p", 16, True)]
-    plan = s.schedule([scoring("a", 40, computed=30)],
+    assert plan.chunks == [ScheduledChunk("a", 6, True), ScheduledChunk("p", 16, True),
+                           ScheduledChunk("b", 6, True)]
+    plan = s.schedule([scoring("a", 40, computed=37)],  # needs 3 of its 6: w takes 9
                       [scoring("w", 40), req("late", 40)])
-    assert plan.chunks == [ScheduledChunk("a", 10, True), ScheduledChunk("w", 2, True),
+    assert plan.chunks == [ScheduledChunk("a", 3, True), ScheduledChunk("w", 9, True),
                            ScheduledChunk("late", 16, True)]
+    s.scoring_rows = 1  # one row for two: the first running one's; w waits, late too
     plan = s.schedule([scoring("a", 40, computed=4)], [scoring("w", 40), req("late", 40)])
-    assert plan.chunks == [ScheduledChunk("a", 12, True)] and plan.promoted == []
+    assert plan.chunks == [ScheduledChunk("a", 1, True)] and plan.promoted == []
+
+
+def test_a_short_scoring_prompt_behind_a_long_one_takes_its_share():
+    """A long scoring prompt running and a short one waiting for a row: the short one is
+    promoted with half the step's scoring rows rather than waiting for the long one."""
+    from helexa.neuron.engine.messages import SamplingParams
+
+    long_, short = req("long", 6000, computed=32), req("short", 200)
+    long_.sampling = short.sampling = SamplingParams(prompt_logprobs=1)
+    s = Scheduler(max_slots=8, max_batched_tokens=2048, prefill_chunk_tokens=512)  # 32 rows
+    plan = s.schedule([long_], [short])
+    assert plan.chunks == [ScheduledChunk("long", 16, True), ScheduledChunk("short", 16, True)]
+    assert plan.promoted == ["short"]
