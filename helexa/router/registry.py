@@ -43,13 +43,12 @@ from helexa.config.schema import ConfigError, NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 from helexa.router.inflight import Flight
+from helexa.router.loop_clock import HEALTH_TICK_SECS, LoopClock
 from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
-HEALTH_TICK_SECS = 0.1
-LOOP_STALL_SECS = 0.25  # a health tick this late means the router itself was not running
 STREAM_WINDOW_BYTES = 64 * 1024  # what a call's unread replies may hold (channel_options)
 
 
@@ -122,6 +121,7 @@ class NeuronLink:
         self.first_try_done = False  # a first report came, or the first attempt failed
         self.connected = False
         self.last_seen = 0.0
+        self.held_at_seen = 0.0  # the router's loop_clock.held() at last_seen
         self.was_healthy = False
         self.pending: list[PendingSend] = []
         # Per model: the router's calls that ended since the last report, which that report
@@ -141,7 +141,11 @@ class NeuronLink:
     def healthy(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return (self.connected and self.status is not None
-                and now - self.last_seen <= self.registry.unhealthy_after_secs)
+                and self.silent_secs(now) <= self.registry.unhealthy_after_secs)
+
+    def silent_secs(self, now: float) -> float:
+        """How long its Watch has been silent while the router listened (loop_clock.py)."""
+        return now - self.last_seen - (self.registry.loop_clock.held(now) - self.held_at_seen)
 
     def open_flight(self, *, streaming: bool, model: str = "") -> Flight:
         status = self.model_status(model)
@@ -199,7 +203,7 @@ class NeuronLink:
         now = time.monotonic()
         self.status = status
         self.first_try_done = True
-        self.last_seen = now
+        self.last_seen, self.held_at_seen = now, self.registry.loop_clock.held(now)
         self.connected = True
         self.ended = {}
         # Sends the neuron had seen before this report are now in its counters.
@@ -229,6 +233,7 @@ class Registry:
         self._endpoints = list(endpoints)
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self.loop_clock = LoopClock()
 
     async def start(self) -> None:
         await self.set_endpoints(self._endpoints)
@@ -292,13 +297,12 @@ class Registry:
                 await self._changed.wait()
 
     async def _health_loop(self) -> None:
-        last = time.monotonic()
+        self.loop_clock.tick_at = time.monotonic()
         while True:
             await asyncio.sleep(HEALTH_TICK_SECS)
             now = time.monotonic()
-            stalled, last = now - last > HEALTH_TICK_SECS + LOOP_STALL_SECS, now
-            if stalled:  # our own loop stalled: Watch reports may be waiting unread, and a
-                continue  # neuron must not lose its calls for the router's pause
+            if self.loop_clock.tick(now):  # our own loop stalled: Watch reports may wait
+                continue  # unread, and a neuron must not lose its calls for our pause
             idle = self.stream_idle_secs
             for link in self.links.values():
                 healthy = link.healthy(now)
@@ -307,7 +311,7 @@ class Registry:
                     log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
                              open_calls=len(link.flights))
                     self.notify()
-                silent = now - link.last_seen > idle  # its Watch, as long as a stream may be
+                silent = link.silent_secs(now) > idle  # its Watch, as long as a stream may be
                 for f in list(link.flights):
                     why = f.overdue(now, idle)
                     if why is None and silent and not f.clocked():
