@@ -3,7 +3,8 @@
 Each Generate or Complete call the dispatcher opens is a `Flight` on its
 neuron's link. The registry's health loop ends a stream that is overdue, and
 a call with no clock of its own (`clocked`: a unary call, a stream queued or
-waiting for a row) once its neuron's Watch has been silent as long: a hung
+waiting for a row) once its neuron's Watch has been silent as long and it
+left rotation: a hung
 host (SIGSTOP, a wedged engine) is then an `upstream_error` event on the
 stream once a token went out, a retry on another neuron before that
 (dispatch.py), or a 503 with none left, within `timeouts.stream_idle_secs`,

@@ -16,9 +16,10 @@ A call ends on its own evidence instead (`_health_loop`): a broken channel
 fails it (a dead neuron's at once), a stream that its neuron stops feeding is
 overdue after `timeouts.stream_idle_secs` (inflight.py), and a call with no
 clock of its own (a unary Complete, a stream not yet given a row or waiting
-for one) is ended once its neuron's Watch has been silent that long too: a
-host hung with SIGSTOP loses its calls then, not when gRPC keepalive gives up
-(a minute).
+for one) once its neuron's Watch has been silent that long too and it left
+rotation (a neuron still sent work is not hung; nor is a call cut between two
+beats where that bound is under their interval): a host hung with SIGSTOP
+loses its calls then, not when gRPC keepalive gives up (a minute).
 
 The registry also remembers the router's own sends that the neuron has not
 reported yet (`PendingSend`): selection adds them to the neuron's load and
@@ -120,8 +121,7 @@ class NeuronLink:
         self.opened_at = time.monotonic()
         self.first_try_done = False  # a first report came, or the first attempt failed
         self.connected = False
-        self.last_seen = 0.0
-        self.held_at_seen = 0.0  # the router's loop_clock.held() at last_seen
+        self.last_seen = self.held_at_seen = 0.0  # (the router's loop_clock.held() then)
         self.was_healthy = False
         self.pending: list[PendingSend] = []
         # Per model: the router's calls that ended since the last report, which that report
@@ -311,7 +311,7 @@ class Registry:
                     log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
                              open_calls=len(link.flights))
                     self.notify()
-                silent = link.silent_secs(now) > idle  # its Watch, as long as a stream may be
+                silent = not healthy and link.silent_secs(now) > idle  # out of rotation too
                 for f in list(link.flights):
                     why = f.overdue(now, idle)
                     if why is None and silent and not f.clocked():

@@ -139,6 +139,24 @@ def test_a_non_streaming_call_outlives_a_brief_silence_not_a_long_one(fl):
         fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
 
 
+def test_a_call_on_a_neuron_in_rotation_is_not_ended_for_its_watchs_silence(fl):
+    """A call with no clock of its own is ended for its neuron's Watch silence only once the
+    neuron left rotation too: a neuron the router still sends work to is not hung. With
+    stream_idle_secs under the heartbeat (here 0.1 s; beats every 0.25 s), every such call
+    on a healthy neuron was cut between two beats (and its retry, then a 503)."""
+    def sent() -> int:
+        return len(fl.n1.requests) + len(fl.n2.requests)
+
+    fl.state.registry.stream_idle_secs = 0.1
+    set_b(fl, first_delay_secs=1.0)
+    try:
+        r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, first_delay_secs=0.0)
+    assert r.choices[0].message.content == "w0 w1 " and sent() == 1  # answered, no retry
+
+
 def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(fl):
     # the first token comes, then nothing (a wedged engine)
     lines = stream_lines(fl, 0.5, max_tokens=5, token_delay_secs=60.0)
