@@ -47,7 +47,7 @@ if [[ ${#DRY[@]} -eq 0 ]]; then
     "$PY" bench/gpu_wheels.py "$WHEELS"
   fi
   "$PY" -c 'import msgspec, structlog, grpc, tomli_w, gguf, llguidance; from transformers import Qwen3_5ForConditionalGeneration' || {
-    echo "gpu_check: a needed package does not import (wheel folder: $WHEELS; docs/operating.md, The GPU check)" >&2; exit 1; }
+    echo "gpu_check: a needed package does not import (wheel folder: $WHEELS; "'docs/operating.md, "The GPU check")' >&2; exit 1; }
   # without FlashInfer the check still runs (on the torch backend) and its env stage says why
   "$PY" -c 'import flashinfer' || echo "gpu_check: FlashInfer does not import: the torch backend runs" >&2
 fi

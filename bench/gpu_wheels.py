@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
         return 2
     root, folder = Path(__file__).resolve().parents[1], Path(argv[0])
     if not folder.is_dir():
-        print(f"gpu_wheels: no wheel folder {folder} (docs/operating.md, The GPU check)",
+        print(f'gpu_wheels: no wheel folder {folder} (docs/operating.md, "The GPU check")',
               file=sys.stderr)
         return 1
     install, met, missing = plan(root, folder)

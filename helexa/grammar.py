@@ -5,8 +5,8 @@ schema, any JSON object, a regex or a Lark grammar) into the grammar text the
 engine's matchers run (helexa/neuron/engine/grammar.py), and checks it. The router
 calls `check` so a schema the library cannot serve is a 400 naming the
 problem before any neuron sees it; the neuron calls `grammar_text` again when
-it builds the request (under a millisecond: llguidance builds its parser
-lazily, per token, with no ahead-of-time compilation).
+it builds the request (text, under a millisecond; the engine compiles it into
+a matcher off its step loop, seconds for a large schema: engine/grammar.py).
 
 JSON is generated compact (no whitespace between tokens), and an object
 schema that lists `properties` without saying `additionalProperties` gets
@@ -195,7 +195,9 @@ def _refuse_endless(grammar: str) -> None:
     """Raise GrammarError when the grammar forces an endless output, like a schema whose
     required property is the schema itself (`{"a": {"a": ...`): it compiles, but no finite
     value satisfies it, and the engine's matcher fails on the first token (llguidance gives
-    up following the forced tokens). Follows the forced bytes on a byte-level matcher: the
+    up following the forced tokens), or one that allows nothing at all, like a `$ref` that
+    leads only to itself (the engine would stop at once with an empty, invalid reply).
+    Follows the forced bytes on a byte-level matcher: the
     same parser, no model tokenizer needed (~10 ms where it fails, well under 1 ms where
     it does not)."""
     import llguidance
@@ -208,6 +210,11 @@ def _refuse_endless(grammar: str) -> None:
     if m.is_error():
         raise GrammarError("no finite value satisfies it (what it requires nests without end: "
                            f"{m.get_error().splitlines()[0]})")
+    if not m.is_accepting():  # where the forced bytes end, some byte must be allowed
+        m.compute_bitmask()
+        if m.is_error():  # none is (NoExtensionBias): the engine would stop with nothing
+            raise GrammarError("no value satisfies it (nothing it allows can be written: "
+                               "references that lead only to each other, for one)")
 
 
 @lru_cache(maxsize=1)

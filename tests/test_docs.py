@@ -391,16 +391,24 @@ def _sections(doc: Path) -> set[str]:
             | {b.rstrip(".:") for b in re.findall(r"^\*\*([^*]+)\*\*", text, re.M)})
 
 
+# a section cited after a comma, after a space, or in brackets: the forms the repository writes
+_CITATION = re.compile(r'docs/(\w+\.md),? \(?"([^"]+)"')
+
+
+def _citing_files() -> list[Path]:
+    return [*ROOT.glob("helexa/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("bench/*.sh"),
+            *ROOT.glob("tests/**/*.py"), *ROOT.glob("docs/*.md"), *ROOT.glob("asset/**/*.toml"),
+            *ROOT.glob("deploy/*"), ROOT / "README.md", ROOT / "Makefile"]
+
+
 def test_every_docs_section_the_repository_cites_exists() -> None:
     # Code and docs cite a section as `docs/architecture.md, "The KV pool and its ledger"`;
     # a heading renamed or removed leaves the citation pointing at nothing.
     sections = {d.name: _sections(d) for d in (ROOT / "docs").glob("*.md")}
-    files = [*ROOT.glob("helexa/**/*.py"), *ROOT.glob("bench/*.py"), *ROOT.glob("tests/**/*.py"),
-             *ROOT.glob("docs/*.md"), *ROOT.glob("asset/**/*.toml"), ROOT / "README.md"]
     cited, missing = 0, []
-    for f in files:
+    for f in _citing_files():
         flat = re.sub(r"\n\s*(?:#\s*)?", " ", f.read_text())  # a citation broken over lines
-        for doc, section in re.findall(r'docs/(\w+\.md), "([^"]+)"', flat):
+        for doc, section in _CITATION.findall(flat):
             cited += 1
             if doc not in sections:
                 missing.append(f"{f.relative_to(ROOT)}: docs/{doc} does not exist")
@@ -408,6 +416,72 @@ def test_every_docs_section_the_repository_cites_exists() -> None:
                 missing.append(f"{f.relative_to(ROOT)}: docs/{doc} has no section {section!r}")
     assert cited > 10  # the scan sees the citations
     assert not missing, "\n".join(missing)
+
+
+def test_a_citation_without_quotes_or_a_comma_is_still_read() -> None:
+    # the three forms the repository writes, each read as (doc, section)
+    for text in ('(docs/operating.md, "The GPU check")', 'as docs/operating.md "The GPU check" says',
+                 'in docs/operating.md ("The GPU check").'):
+        assert _CITATION.findall(text) == [("operating.md", "The GPU check")], text
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation but `-` and `_` dropped,
+    spaces as `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(doc: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", doc.read_text(), flags=re.S)  # a `# comment` is no heading
+    anchors: set[str] = set()
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+\s+(.*)$", text, re.M):
+        a = _anchor(heading)
+        anchors.add(f"{a}-{seen[a]}" if a in seen else a)  # GitHub numbers a repeated one
+        seen[a] = seen.get(a, 0) + 1
+    return anchors
+
+
+def test_every_link_into_a_doc_names_a_heading_it_has() -> None:
+    # `[api.md](api.md#images)`, `[…](#generation-requests)`: a heading renamed leaves the
+    # link opening the page at its top
+    links, missing = 0, []
+    for doc in _ALL_DOCS:
+        for target, anchor in re.findall(r"\]\(((?:docs/)?\w+\.md)?#([^)\s]+)\)", doc.read_text()):
+            path = doc if not target else (doc.parent / target)
+            links += 1
+            if not path.exists():
+                missing.append(f"{doc.name}: {target} does not exist")
+            elif anchor not in _anchors(path):
+                missing.append(f"{doc.name}: {path.name} has no heading #{anchor}")
+    assert links > 30 and _anchor("`POST /v1/responses` (OpenAI Responses)") == \
+        "post-v1responses-openai-responses"
+    assert not missing, "\n".join(missing)
+
+
+def test_every_status_the_prose_gives_a_code_is_the_tables() -> None:
+    # "a 503 `overloaded`", "404 `model_not_found`" anywhere in the docs: the status the
+    # error table (and the router) gives that code
+    from helexa.router.rpc_errors import CODE_STATUS
+
+    table = {code: {int(s) for s in re.findall(r"\| ([1-5]\d\d) \|", rows)}
+             for code, rows in _error_table().items()}
+    pairs = [(doc.name, int(status), code) for doc in _ALL_DOCS for status, code in
+             re.findall(r"\b([1-5]\d\d) `([a-z_]+)`", " ".join(doc.read_text().split()))]
+    assert len(pairs) > 20 and table["overloaded"] == {CODE_STATUS["overloaded"]}
+    wrong = [f"docs/{doc}: {status} `{code}`, which is {sorted(table[code])}"
+             for doc, status, code in pairs if code in table and status not in table[code]]
+    # and the neuron's gRPC status beside a code: "`INTERNAL` `upstream_error`",
+    # "`INVALID_ARGUMENT invalid_request_error`"
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
+
+    grpc_pairs = [(doc.name, status, code) for doc in _ALL_DOCS for status, code in
+                  re.findall(r"`([A-Z][A-Z_]{3,})(?:` `| )([a-z_]+)`", " ".join(doc.read_text().split()))
+                  if code in STATUS_OF_CODE]
+    assert len(grpc_pairs) >= 3
+    wrong += [f"docs/{doc}: {status} `{code}`, which the neuron gives as {STATUS_OF_CODE[code].name}"
+              for doc, status, code in grpc_pairs if STATUS_OF_CODE[code].name != status]
+    assert not wrong, "\n".join(wrong)
 
 # `helexa/…` source paths in prose: a file (.py, .c) or a folder (trailing slash), not an
 # alias such as helexa/balanced, a config file name, or proto/helexa/… (checked as part of it).
@@ -523,7 +597,8 @@ def _fenced_blocks(text: str) -> tuple[list[tuple[str, str]], str]:
 def _shown_commands(text: str) -> list[tuple[str, bool]]:
     """(`helexa …` command line, whether it is a whole one from a shell block) in a doc.
     Inline spans are prose: `FILE…` is FILE, `[--flag]` the flag, and a span offering
-    alternatives (`a|b`) or a placeholder in angle brackets is left out."""
+    alternatives (`a|b`, `[FILE|-]`) is one command per alternative, and one with a
+    placeholder in angle brackets or braces is left out."""
     found: list[tuple[str, bool]] = []
     blocks, prose = _fenced_blocks(text)
     for lang, block in blocks:
@@ -534,8 +609,14 @@ def _shown_commands(text: str) -> list[tuple[str, bool]]:
             for segment in re.split(r"&&|\|\||\||;", line):
                 if re.match(r"\s*(?:\S*/)?helexa\s", segment):
                     found.append((segment.strip(), True))
+    spans = []
     for span in re.findall(r"`((?:\.venv/bin/)?helexa [^`]+)`", prose.replace("\n", " ")):
-        if re.search(r"[|<{]", span):
+        # `helexa ctl status|load` is one command per alternative; `[FILE|-]` either
+        m = re.search(r"\[?([\w-]+(?:\\?\|[\w-]+)+)\]?", span)
+        spans += [span[:m.start()] + alt + span[m.end():]
+                  for alt in re.split(r"\\?\|", m.group(1))] if m else [span]
+    for span in spans:
+        if re.search(r"[<{]", span):
             continue
         span = re.sub(r"\[([^\]]*)\]", r"\1", span.replace("…", " "))
         found.append((span, False))
@@ -892,3 +973,224 @@ def test_the_event_table_says_which_daemon_logs_each_event() -> None:
                     wrong.append(f"`{event}`: {sorted(sides[event])}")
     assert len(sides) > 60
     assert not wrong, f"docs/observability.md's component column is wrong for {wrong}"
+
+
+def test_the_h200_table_in_operating_md_is_the_runs_on_record() -> None:
+    """docs/operating.md, "What one H200 gave": every figure of the table is the one in
+    bench/results/gpu_check-h200-run{1,2}.json, rounded as printed."""
+    import json
+
+    runs = [json.loads((ROOT / f"bench/results/gpu_check-h200-run{i}.json").read_text())
+            for i in (1, 2)]
+    text = (ROOT / "docs" / "operating.md").read_text()
+    section = text[text.index("### What one H200 gave"):text.index("## Configs and shipping them")]
+
+    def cell(label: str, run: int) -> list[float]:
+        row = next(line for line in section.splitlines() if line.startswith(f"| {label} "))
+        return [float(n.replace(",", "")) for n in
+                re.findall(r"(?<![\w.-])-?\d[\d,]*(?:\.\d+)?", row.split(" | ")[run + 1])]
+
+    def rate(r: dict, model: str, batch: str) -> list[float]:
+        d = r["stages"]["decode"][model][batch]
+        return [round(d["tok_s"]), round(d["roofline_fraction"], 2)]
+
+    for i, r in enumerate(runs):
+        st = r["stages"]
+        diverge = [st["parity"][m]["first_divergence"] for m in ("dense", "hybrid")]
+        expect = {
+            "whole check (s)": [round(r["secs"])],
+            "first load, FlashInfer's JIT included (s)": [round(st["compile"]["first_load_s"], 1)],
+            "parity, dense, 32 greedy tokens": [diverge[0]] if diverge[0] else [32],
+            "dense batch 8: tok/s, fraction": rate(r, "dense_big", "batch8"),
+            "hybrid batch 8: tok/s, fraction": rate(r, "hybrid_big", "batch8"),
+            "kernels a decode step, dense / hybrid":
+                [st["profile"][m]["kernels_per_step"] for m in ("dense_big", "hybrid_big")],
+            "host syncs a step, dense / hybrid":
+                [st["profile"][m]["host_syncs_per_step"] for m in ("dense_big", "hybrid_big")],
+            "TTFT, 4,096-token prompt, dense (ms)": [round(st["ttft"]["ttft_s"] * 1000, 1)],
+        }
+        for model, label in (("dense_big", "dense batch 1"), ("hybrid_big", "hybrid batch 1")):
+            expect[f"{label}: tok/s, fraction of roofline" if model == "dense_big"
+                   else f"{label}: tok/s, fraction"] = rate(r, model, "batch1") + (
+                rate(r, model, "batch1_torch_norms") if "batch1_torch_norms"
+                in st["decode"][model] else [])
+        for label, figures in expect.items():
+            assert cell(label, i)[:len(figures)] == figures, \
+                f"docs/operating.md, run {i + 1}, {label!r}: the JSON says {figures}"
+        assert cell("parity, hybrid", i)[0] == diverge[1]
+    bandwidth = [f"{r['stages']['decode']['copy_bandwidth_gbs'] / 1000:.2f}" for r in runs]
+    assert f"was {bandwidth[0]} and {bandwidth[1]} TB/s" in " ".join(section.split())
+    # the prose under it reads run 2's profile: the kernels' device time a step, the five
+    # matmul kernels' (cuBLAS's nvjet) share of the dense one's, and the hybrid's roofline
+    prof, flat = runs[1]["stages"]["profile"], " ".join(section.split())
+    matmuls = sum(k["us_per_step"] for k in prof["dense_big"]["top_kernels"]
+                  if k["name"].startswith("nvjet"))
+    roofline = 1e6 / runs[1]["stages"]["decode"]["hybrid_big"]["roofline_steps_per_s"]
+    for said in (f"kernels take {prof['dense_big']['kernel_us_per_step']:,.0f} µs of device time, "
+                 f"{matmuls:.0f} of it the five matmuls",
+                 f"kernels take {prof['hybrid_big']['kernel_us_per_step']:,.0f} µs against an "
+                 f"{roofline:.0f} µs roofline",
+                 f"wall time is {1e6 / runs[1]['stages']['decode']['dense_big']['batch1']['tok_s']:,.0f}"
+                 f" µs (the decode stage's"):
+        assert said in flat, f"docs/operating.md no longer says {said!r}"
+
+
+def test_operating_md_lists_every_status_json_field() -> None:
+    # helexa/router/status.py: "The data's fields are listed in docs/operating.md"
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge
+
+    from helexa.router.status import StatusBoard, neuron_view
+
+    reg = CollectorRegistry()
+    board = StatusBoard(SimpleNamespace(links={}),  # type: ignore[arg-type]
+                        Counter("r", "", ["neuron", "model", "code"], registry=reg),
+                        Counter("a", "", ["model", "code"], registry=reg), Gauge("g", "", registry=reg))
+    snap = board.snapshot()
+    link = SimpleNamespace(name="n", endpoint=SimpleNamespace(address="a", tls=False), status=None,
+                           connected=False, last_seen=0.0, healthy=lambda now: False)
+    fields = {"router": set(snap["router"]), "neurons[]": set(neuron_view(link, 0.0)),  # type: ignore[arg-type]
+              "refusals": set(snap["refusals"]),
+              "refusals.neuron": set(snap["refusals"]["neuron"])}
+    assert set(snap) == {"router", "neurons", "refusals"}
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    sentence = text[text.index("`/status.json` fields:"):]
+    sentence = sentence[:sentence.index(").", sentence.index("`refusals`")) + 2]
+    named = set(re.findall(r"`([a-z_]+)(?:\[\])?`", sentence))
+    missing = {part: sorted(keys - named) for part, keys in fields.items() if keys - named}
+    assert not missing, f"docs/operating.md's `/status.json` fields lack {missing}"
+
+
+def test_the_tuning_tables_work_pool_refusals_name_the_keys_they_say() -> None:
+    # operating.md: "429 naming `server.work_per_principal` …, or 503 naming
+    # `server.work_threads`": each of the neuron's work-pool refusals, at the status the
+    # router gives its code, names the key the row says
+    from helexa.config.neuron import ServerConfig
+    from helexa.neuron.work import NeuronWork
+    from helexa.router.rpc_errors import CODE_STATUS
+    from helexa.work_pool import OVER_SHARE
+
+    pool = NeuronWork(ServerConfig(work_threads=2))
+    said = {CODE_STATUS[r.code]: str(r) for r in (pool.refusal(OVER_SHARE, "alice"),
+                                                  pool.refusal("pool_full", "alice"))}
+    text = (ROOT / "docs" / "operating.md").read_text()
+    table = text[text.index("## Tuning admission and profiles"):]
+    claims = [(int(status), key) for status, key in
+              re.findall(r"\b([1-5]\d\d) naming `(server\.work_[a-z_]+)`", table)]
+    assert len(claims) == 2
+    wrong = [f"{status} naming `{key}`: the {status} says {said.get(status)!r}"
+             for status, key in claims if key not in said.get(status, "")]
+    assert not wrong, f"docs/operating.md's tuning table: {wrong}"
+
+
+def test_every_endpoint_a_doc_names_is_served_with_that_method() -> None:
+    # `POST /v1/messages/count_tokens`, api.md's endpoint table, `GET /status.json` in
+    # prose: the router serves that method on that path (HEAD and OPTIONS are answered on
+    # every GET route and by CORS; `HEAD /` is named as the 404 it gets)
+    from helexa.config.schema import RouterConfig
+    from helexa.router.app import RouterState, build_app
+
+    app = build_app(RouterState(RouterConfig(), None))
+    served = {(r.method, re.sub(r"\{model:[^}]*\}", "{model}", r.resource.canonical))
+              for r in app.router.routes() if r.resource is not None}
+    named = {(doc.name, method, path) for doc in _ALL_DOCS for method, path in
+             re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^` ]*)`?", doc.read_text())}
+    assert ("api.md", "POST", "/v1/messages/count_tokens") in named and len(named) > 15
+    wrong = sorted(f"docs/{doc}: {method} {path}" for doc, method, path in named
+                   if (method, path) not in served)
+    assert not wrong, f"the docs name endpoints the router does not serve so: {wrong}"
+
+
+def test_the_speculation_tables_defaults_are_the_engines() -> None:
+    # speculation.md's key table: "`spec_k` | … (default 4)", "`speculation` | … or `off`
+    # (default)": the [engine] section's defaults, which a model and a profile override
+    text = (ROOT / "docs" / "speculation.md").read_text()
+    engine = config.NeuronConfig().engine
+    stated = {}
+    for key, meaning in re.findall(r"^\| `([a-z_]+)` \| (.*) \|$", text, re.M):
+        if m := re.search(r"\(default (\S+)\)", meaning):
+            stated[key] = m.group(1)
+        elif m := re.search(r"`([^`]+)` \(default\)", meaning):
+            stated[key] = m.group(1)
+    assert set(stated) == {"speculation", "spec_k"}
+    wrong = {k: getattr(engine, k) for k, v in stated.items() if str(getattr(engine, k)) != v}
+    assert not wrong, f"docs/speculation.md: the engine's defaults are {wrong}"
+
+
+def test_readme_lists_every_doc() -> None:
+    readme = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"`docs/(\w+\.md)`", readme[readme.index("## Documents"):
+                                                         readme.index("## Tests and benchmarks")]))
+    docs = {p.name for p in (ROOT / "docs").glob("*.md")}
+    assert not docs - listed, f"README.md's Documents lacks {sorted(docs - listed)}"
+
+
+def test_metrics_are_named_in_the_prose_as_prometheus_exposes_them() -> None:
+    # a counter's series is `…_total`: a dashboard query for the bare family name finds
+    # nothing, so no doc may name one without it
+    registered = _registered_metrics()
+    named = {(doc.name, n) for doc in PROSE
+             for raw in re.findall(r"`((?:helexa_|vllm:)[a-z_{},]+)`", doc.read_text())
+             for n in _expand(raw)}
+    assert ("speculation.md", "helexa_spec_acceptance_rate") in named
+    wrong = sorted(f"docs/{doc}: `{n}`" + (" (its series is `_total`)" if f"{n}_total" in registered
+                                          else "") for doc, n in named if n not in registered)
+    assert not wrong, f"the docs name metrics the daemons do not expose: {wrong}"
+
+
+def test_what_the_docs_say_ctl_is_told_is_what_it_prints(monkeypatch, capsys) -> None:
+    # `helexa ctl` speaks gRPC: a refusal reaches it as the status and `helexa-code` it
+    # prints ("helexa ctl: UNAVAILABLE shutting_down: …"), never as an HTTP status
+    import grpc
+
+    from helexa.neuron import ctl
+    from helexa.neuron.grpc_status import STATUS_OF_CODE
+
+    text = " ".join((ROOT / "docs" / "operating.md").read_text().split())
+    told = re.findall(r"`ctl (\w+)` (?:is told|fails) `?([A-Z_]+|\d{3})`? ?`?([a-z_]+)`", text)
+    assert len(told) >= 3
+    for op, status, code in told:
+        async def refused(args, status=STATUS_OF_CODE[code], code=code):
+            raise grpc.aio.AioRpcError(status, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(("helexa-code", code)), "why")
+        monkeypatch.setattr(ctl, "_run", refused)
+        assert ctl.main([op, "m"] + (["p"] if op == "profile" else [])) == 1
+        printed = capsys.readouterr().err
+        assert printed.startswith(f"helexa ctl: {status} {code}: "), \
+            f"docs/operating.md: `ctl {op}` is told {status} {code}, but ctl prints {printed!r}"
+
+
+def test_more_figures_the_docs_state_are_the_codes_constants() -> None:
+    # as test_limits_the_docs_state_are_the_codes_constants, for the figures it leaves out:
+    # backoffs, Retry-After, CORS, stream pausing, the router's estimate and edges, the
+    # measured pool's margin, the prefill bound
+    from helexa.neuron import resident_model
+    from helexa.neuron.engine import flow, memory_plan
+    from helexa.router import client_stream, cors, dispatch, http_edge, inflight, selection
+
+    docs = {name: " ".join((ROOT / "docs" / f"{name}.md").read_text().split())
+            for name in ("http", "errors", "grpc", "operating", "architecture")}
+    backoff = (f"backoff ({resident_model.FAILED_RETRY_SECS:g} s, doubling per failure, at most "
+               f"{resident_model.FAILED_RETRY_MAX_SECS / 60:g} min)")
+    times = {1.0: "once", 2.0: "twice", 4.0: "four times"}
+    stated = [
+        ("operating", backoff), ("architecture", backoff),
+        ("errors", f"`model_loading` says {dispatch.LOAD_RETRY_AFTER_SECS} s and `model_failed` "
+                   f"{dispatch.FAILED_RETRY_AFTER_SECS} s"),
+        ("http", f"`Access-Control-Max-Age` {cors.MAX_AGE_SECS} s"),
+        ("http", f"once {flow.PAUSE_TOKENS} of its tokens wait unsent"),
+        ("grpc", f"once {flow.PAUSE_TOKENS} of its tokens wait unsent"),
+        ("http", f"all but {flow.RESUME_TOKENS} of them"),
+        ("grpc", f"all but {flow.RESUME_TOKENS} ("),
+        ("http", f"about {selection.CHARS_PER_TOKEN} characters a token, plus "
+                 f"{selection.TOKENS_PER_MESSAGE} per message"),
+        ("errors", f"slower than {http_edge.MIN_BODY_BYTES_PER_SEC // 1024} KiB/s"),
+        ("http", f"set to {client_stream.SEND_BUFFER_BYTES // 1024} KiB for event streams"),
+        ("http", f"a piece at a time ({client_stream.WHOLE_CHUNK_BYTES // 1024} KiB"),
+        ("operating", f"a margin of {memory_plan.MARGIN_FRACTION:.0%} of the card, at least "
+                      f"{memory_plan.MARGIN_MIN_BYTES >> 20} MiB"),
+        ("architecture", f"plus {times[inflight.PREFILL_MARGIN]} the prompt's tokens"),
+    ]
+    missing = [f"docs/{doc}.md: {text!r}" for doc, text in stated if text not in docs[doc]]
+    assert not missing, "the docs no longer state the code's figure:\n" + "\n".join(missing)

@@ -70,6 +70,18 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         gt=0)] = 2.0
     reconnect_max_secs: Annotated[float, field_meta(
         "Longest backoff between Watch reconnects.", RELOAD, gt=0)] = 5.0
+    keepalive_secs: Annotated[float, field_meta(
+        "The router pings a neuron's connection (an HTTP/2 PING) after this long without a "
+        "byte from it. gRPC's own I/O threads answer pings, so a neuron whose Python is busy "
+        "for seconds (a large prefill) still answers; a hung host (SIGSTOP, a frozen VM, a "
+        "pulled cable) does not, and keepalive_timeout_secs later its connection is closed: "
+        "its streams end with an upstream_error event (a call before its first token is "
+        "retried on another neuron) and it leaves rotation, within about keepalive_secs + "
+        "keepalive_timeout_secs rather than stream_idle_secs. A neuron accepts pings every "
+        "0.5 s (docs/architecture.md, \"Status: Watch\").", RELOAD, ge=1)] = 2.0
+    keepalive_timeout_secs: Annotated[float, field_meta(
+        "How long a neuron may take to answer the router's ping (keepalive_secs) before its "
+        "connection is counted dead and closed, with every call on it.", RELOAD, ge=0.5)] = 3.0
     first_report_secs: Annotated[float, field_meta(
         "How long a neuron link just opened (at start or on reload) may take to bring its first "
         "Watch report: the router waits this long before it prints that it is listening, and a "
@@ -77,7 +89,8 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         RELOAD, ge=0)] = 5.0
     stream_idle_secs: Annotated[float, field_meta(
         "A stream whose neuron sends no token for this long after its last one is ended "
-        "with an upstream_error event (a hung host); the time the router itself does not read, "
+        "with an upstream_error event (a neuron that answers keepalive pings but sends "
+        "nothing, a wedged engine; a hung host is found sooner: keepalive_secs); the time the router itself does not read, "
         "its client's socket being full, does not count. Before the first token the bound is this "
         "plus four times the prompt's prefill at the model's measured rate, from when the "
         "neuron gives the request a batch row, so a long prompt, or a wait for a row, is "
@@ -85,8 +98,9 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "(waiting_for_row: resumed after a pause behind a full batch), bounded by the "
         "request's deadline. A call with no such clock (a non-streaming call, a stream queued "
         "or waiting for a row) is ended once its neuron's Watch has been silent this long and "
-        "it left rotation (unhealthy_after_secs); leaving rotation alone ends no call. A call ended so before its "
-        "first token is retried once on another neuron (docs/errors.md).",
+        "it left rotation (unhealthy_after_secs); leaving rotation alone ends no call. A "
+        "call ended so before its first token is retried once on another neuron "
+        "(docs/errors.md).",
         RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "

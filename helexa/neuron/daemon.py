@@ -97,6 +97,24 @@ def merge_reloadable(old: NeuronConfig, new: NeuronConfig) -> NeuronConfig:
     return msgspec.convert(merged, NeuronConfig)
 
 
+
+# A router pings every connection after timeouts.keepalive_secs (at least 1 s) of silence to
+# tell a hung host from a busy one (helexa/router/neuron_channel.py). gRPC documents that a
+# server by default counts a ping less than 5 minutes after the last as a strike when it has
+# sent no data since, and past two closes the connection (GOAWAY too_many_pings), which
+# would cut every call of a neuron whose replies paused (a long prefill). Pings half a
+# second apart are accepted here, so the router's may come every second.
+MIN_PING_INTERVAL_MS = 500
+
+
+def server_options() -> list[tuple[str, int]]:
+    """The neuron's gRPC server options (the test fake neuron serves with them too)."""
+    return [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+            ("grpc.http2.max_ping_strikes", 2)]
+
+
 class NeuronDaemon:
     """The daemon's parts wired together; usable in-process (tests) or from main()."""
 
@@ -121,8 +139,7 @@ class NeuronDaemon:
         srv = self.cfg.server
         token = read_secret(self.config_path, srv.token_file)
         interceptors = [TokenAuthInterceptor(token)] if token else []
-        self.server = grpc.aio.server(interceptors=interceptors, options=[
-            ("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 64 * 1024 * 1024)])
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options())
         neuron_pb2_grpc.add_NeuronServicer_to_server(self.servicer, self.server)
         host = srv.listen.rpartition(":")[0] or "127.0.0.1"
         if srv.tls_cert_file and srv.tls_key_file:

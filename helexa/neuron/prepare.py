@@ -21,6 +21,7 @@ from helexa.neuron.limits import check_context
 from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
+from helexa.stop_caps import stop_problem
 
 MAX_PROMPT_LOGPROBS = 20  # alternatives a prompt token may ask for, as top_logprobs' most
 
@@ -89,6 +90,9 @@ def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest
     """The request's prompt, output bound, images, grammar and thinking bounds; a Refusal
     naming what is wrong. The model's tokenizer, catalogue entry and limits as the call
     found them."""
+    problem = stop_problem(request.stop, request.stop_token_ids)
+    if problem is not None:  # the router's caps, checked for every caller
+        raise Refusal("invalid_request_error", problem)
     max_tokens = request.max_tokens if request.HasField("max_tokens") else None
     scored = request.sampling.HasField("prompt_logprobs")
     if scored and not 0 <= request.sampling.prompt_logprobs <= MAX_PROMPT_LOGPROBS:

@@ -169,8 +169,8 @@ async def switch_pool(res: Residency, r: ResidentModel, plan: Any, slots: int = 
 
 def taken(res: Residency, r: ResidentModel) -> Refusal | None:
     """Why a switch under way was cut, if it was: a drain took the model (`ctl unload
-    --drain`, SIGTERM: 503 `shutting_down`, as a request is told; docs/errors.md,
-    "The table"), an unload stopped it, or its engine died."""
+    --drain`, SIGTERM: `shutting_down`, UNAVAILABLE to the switch's caller as to a
+    request; docs/errors.md, "The table"), an unload stopped it, or its engine died."""
     if r.state == ModelState.FAILED:
         return Refusal("model_failed", f"The model `{r.model_id}` failed while it switched "
                        f"profile: {r.error}", r.retry_after_ms)

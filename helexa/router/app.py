@@ -39,6 +39,7 @@ from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
+from helexa.router.neuron_channel import ChannelSettings
 from helexa.router.registry import Registry
 from helexa.router.request_caps import RequestCaps
 from helexa.router.status import StatusBoard, status_routes
@@ -71,11 +72,12 @@ class RouterState:
         # Compiling a parsed request's grammars: a pool of its own (agent_request.py).
         self.compile_pool = WorkPool(cfg.limits.compile_workers, cfg.limits.schema_queue_depth,
                                      compiling=True)
-        self.compile_pool.on_refuse = self._work_refused
+        self.compile_pool.on_refuse = self._compile_refused
         self.work_pool.on_background_error = self._background_failed
         self.metrics.work_tasks.set_function(lambda: self.work_pool.tasks)
         self.metrics.work_principals.set_function(lambda: self.work_pool.principals)
         self.metrics.work_background.set_function(lambda: self.work_pool.background)
+        self.metrics.compile_tasks.set_function(lambda: self.compile_pool.tasks)
         self.apply(cfg)
 
     def apply(self, cfg: RouterConfig) -> None:
@@ -116,17 +118,22 @@ class RouterState:
         self.registry.config_file = self.config_path or Path("router.toml")
         self.registry.unhealthy_after_secs = cfg.timeouts.unhealthy_after_secs
         self.registry.reconnect_max_secs = cfg.timeouts.reconnect_max_secs
+        self.registry.channel = ChannelSettings.of(cfg.timeouts)
         self.registry.first_report_secs = cfg.timeouts.first_report_secs
         self.registry.stream_idle_secs = cfg.timeouts.stream_idle_secs
 
-    def _work_refused(self, reason: str, principal: str) -> None:
-        """The work pool (or the compile pool) refused a principal's task (429 over its share,
-        503 full)."""
-        self.metrics.work_refusals.labels(reason).inc()
-        self.log.info("router.work_refused", principal=principal, reason=reason,
-                      principal_tasks=self.work_pool.tasks_of(principal),
-                      tasks=self.work_pool.tasks, share=self.work_pool.per_principal,
-                      compile_tasks=self.compile_pool.tasks)
+    def _work_refused(self, reason: str, principal: str, pool: str = "parse") -> None:
+        """The work pool (`pool` "parse") or the compile pool ("compile") refused a principal's
+        task (429 over its share, 503 full)."""
+        counter = self.metrics.compile_refusals if pool == "compile" else self.metrics.work_refusals
+        counter.labels(reason).inc()
+        refusing = self.compile_pool if pool == "compile" else self.work_pool
+        self.log.info("router.work_refused", principal=principal, reason=reason, pool=pool,
+                      principal_tasks=refusing.tasks_of(principal), tasks=refusing.tasks,
+                      share=refusing.per_principal, compile_tasks=self.compile_pool.tasks)
+
+    def _compile_refused(self, reason: str, principal: str) -> None:
+        self._work_refused(reason, principal, "compile")
 
     def _background_failed(self, principal: str, task: str, error: BaseException) -> None:
         """Background work on the pool raised (a bug): counted, and logged with its traceback."""
@@ -143,7 +150,7 @@ class RouterState:
             cfg = load_router_config(self.config_path)
             built = self._build(cfg)
             links = self.registry.build_links(cfg.neurons.endpoints, config_file=self.config_path,
-                                              reconnect_max_secs=cfg.timeouts.reconnect_max_secs)
+                                              channel=ChannelSettings.of(cfg.timeouts))
         except ConfigError as e:
             self.log.error("config.reload_refused", error=str(e), kept="running config")
             return

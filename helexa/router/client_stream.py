@@ -7,7 +7,7 @@ keeps at most SEND_BUFFER_BYTES in the kernel (set at `prepare`; the kernel's
 own sizing grew it to 4 MiB on loopback, megabytes of tokens made for nobody),
 so the bytes held for one stream are bounded by those three. While a write
 waits, the handler stops reading its gRPC call; the call's window does not
-grow (registry.channel_options), so the neuron's writes wait in turn and the
+grow (neuron_channel.channel_options), so the neuron's writes wait in turn and the
 neuron pauses the request (helexa/neuron/engine/flow.py): it leaves the decode
 batch, keeping its KV, and resumes when the client reads again (docs/http.md,
 "Generation requests"). What the wait lacked was an end: a client that reads

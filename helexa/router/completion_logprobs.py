@@ -1,7 +1,7 @@
 """A completion's logprobs in OpenAI's legacy shape, and the prompt an echo starts it with.
 
-`tokens`, `token_logprobs`, `top_logprobs` (token text -> logprob) and
-`text_offset` are parallel lists. Where the choice echoes its prompt with
+`tokens`, `token_logprobs`, `top_logprobs` (token text -> logprob: the k best and
+the token itself) and `text_offset` are parallel lists. Where the choice echoes its prompt with
 logprobs (the neuron's `prompt_logprobs`, asked for by forward.py) the prompt's
 tokens come first, as OpenAI's and vLLM's: the first has no logprob and no
 alternatives (null: nothing precedes it), a -inf is written -9999.0 (JSON has no
@@ -71,9 +71,17 @@ def _rows(lps: list[pb.TokenLogprob], prompt: list[pb.TokenLogprob] | None
         if i == 0:
             yield t, None, None
         else:
-            yield t, _floor(t.logprob), {a.token: _floor(a.logprob) for a in t.top}
+            yield t, _floor(t.logprob), _top(t, _floor)
     for t in lps:
-        yield t, t.logprob, {a.token: a.logprob for a in t.top}
+        yield t, t.logprob, _top(t, float)
+
+
+def _top(t: pb.TokenLogprob, value: Callable[[float], float]) -> dict[str, float]:
+    """The k best at a position and the token there (OpenAI's legacy API gives up to k + 1:
+    a client reads `top_logprobs[i][tokens[i]]`), as vLLM's."""
+    top = {a.token: value(a.logprob) for a in t.top}
+    top.setdefault(t.token, value(t.logprob))
+    return top
 
 
 def as_dict(lps: list[pb.TokenLogprob], offset: int,

@@ -192,6 +192,11 @@ def add_delta(choice: Choice, msg: pb.GenerateResponse, *, streamed: bool = Fals
         choice.usage = msg.usage
 
 
+# The tier that served a chat completion, named in its reply as OpenAI's names it: one here,
+# whatever `service_tier` asked for (docs/api.md, "Chat and completions: shared fields").
+SERVICE_TIER = "default"
+
+
 def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
     """The non-streaming reply, for json_body (its logprobs are WholeLogprobs)."""
     out_choices = []
@@ -220,6 +225,8 @@ def full_body(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
              "id": env.id, "object": "chat.completion" if env.chat else "text_completion",
              "created": env.created, "model": env.model, "choices": out_choices,
              "usage": usage_dict(choices)}
+    if env.chat:
+        reply["service_tier"] = SERVICE_TIER
     if env.req.return_token_ids:
         reply["prompt_token_ids"] = choices[0].prompt_token_ids if choices else None
     return reply
@@ -248,6 +255,8 @@ def _chunk(env: Envelope, choices: list[dict[str, Any]], *, usage: dict[str, Any
     chunk: dict[str, Any] = {
              "id": env.id, "object": "chat.completion.chunk" if env.chat else "text_completion",
              "created": env.created, "model": env.model, "choices": choices}
+    if env.chat:
+        chunk["service_tier"] = SERVICE_TIER
     if with_usage_key:
         chunk["usage"] = usage  # OpenAI sends `usage: null` on every chunk but the last
     return chunk

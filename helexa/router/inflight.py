@@ -1,16 +1,19 @@
 """Calls in flight on a neuron, so the router can end them when the neuron stops answering.
 
 Each Generate or Complete call the dispatcher opens is a `Flight` on its
-neuron's link. The registry's health loop ends a stream that is overdue, and
-a call with no clock of its own (`clocked`: a unary call, a stream queued or
-waiting for a row) once its neuron's Watch has been silent as long and it
-left rotation: a hung
-host (SIGSTOP, a wedged engine) is then an `upstream_error` event on the
-stream once a token went out, a retry on another neuron before that
-(dispatch.py), or a 503 with none left, within `timeouts.stream_idle_secs`,
-not when gRPC keepalive gives up (a minute) nor at the request's deadline. A neuron that only leaves rotation (silent past
-`timeouts.unhealthy_after_secs`, as a neuron busy for a few seconds is) gets
-no new work, but its calls go on (registry.py).
+neuron's link. A hung host (SIGSTOP, a frozen VM, a pulled cable) answers no
+keepalive ping, and gRPC closes its connection within `timeouts.keepalive_secs`
++ `timeouts.keepalive_timeout_secs` (neuron_channel.py): its calls fail
+UNAVAILABLE, which is an `upstream_error` event on a stream once a token went
+out, a retry on another neuron before that (dispatch.py), or a 503 with none
+left. Behind that, for a neuron that answers pings yet sends nothing (a wedged
+engine), the registry's health loop ends a stream that is overdue, and a call
+with no clock of its own (`clocked`: a unary call, a stream queued or waiting
+for a row) once its neuron's Watch has been silent as long and it left
+rotation, within
+`timeouts.stream_idle_secs`, not at the request's deadline. A neuron that only
+leaves rotation (silent past `timeouts.unhealthy_after_secs`, as a neuron busy
+for a few seconds is) gets no new work, but its calls go on (registry.py).
 
 Overdue knows about prefill. Once tokens flow, a stream is overdue after
 `timeouts.stream_idle_secs` without one while the router waits for it: not

@@ -182,6 +182,14 @@ class RouterMetrics:
                                      "principal_share (429), pool_full (503), or "
                                      "background_full (a schema check dropped)", ["reason"],
                                      registry=r)
+        # The compile pool (work_pool.py): a request's grammars compiled once its body is parsed.
+        self.compile_refusals = Counter("helexa_router_compile_refusals",
+                                        "Grammar compiles the router's compile pool refused, by "
+                                        "reason: principal_share (429) or pool_full (503)",
+                                        ["reason"], registry=r)
+        self.compile_tasks = Gauge("helexa_router_compile_tasks",
+                                   "Requests whose grammars the router's compile pool is "
+                                   "compiling or that wait for it", registry=r)
         self.work_background_failures = Counter(
             "helexa_router_work_background_failures",
             "Background tasks on the router's parsing pool (schema checks of finished "

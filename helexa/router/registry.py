@@ -12,14 +12,21 @@ there. A neuron busy for a few seconds (a large request's work on its loop,
 a loaded host) goes silent as a hung one does, and ending every call on it
 then let one client's request cut every other client's stream (the review's
 finding 4: a 2.55 s gap from four 10,000-token completions cut a bystander).
-A call ends on its own evidence instead (`_health_loop`): a broken channel
-fails it (a dead neuron's at once), a stream that its neuron stops feeding is
-overdue after `timeouts.stream_idle_secs` (inflight.py), and a call with no
-clock of its own (a unary Complete, a stream not yet given a row or waiting
-for one) once its neuron's Watch has been silent that long too and it left
-rotation (a neuron still sent work is not hung; nor is a call cut between two
-beats where that bound is under their interval): a host hung with SIGSTOP
-loses its calls then, not when gRPC keepalive gives up (a minute).
+What tells them apart is the channel's keepalive (neuron_channel.py): gRPC's
+core answers the router's pings without the neuron's Python, so a busy neuron
+answers and a hung host (SIGSTOP, a frozen VM, a pulled cable) does not, and
+its connection is closed within `timeouts.keepalive_secs` +
+`timeouts.keepalive_timeout_secs` (5 s): every call on it fails UNAVAILABLE
+at once (an upstream_error event after tokens, a retry elsewhere before them)
+and the Watch call with them, which takes the neuron out of rotation.
+`_health_loop` keeps the calls' own bounds behind that: a stream that its
+neuron stops feeding is overdue after `timeouts.stream_idle_secs`
+(inflight.py), and a call with no clock of its own (a unary Complete, a
+stream not yet given a row or waiting for one) is ended once its neuron's
+Watch has been silent that long too and it left rotation (a neuron whose
+core answers pings but whose engine is wedged; one still sent work is not
+hung, nor is a call cut between two beats where that bound is under their
+interval).
 
 The registry also remembers the router's own sends that the neuron has not
 reported yet (`PendingSend`): selection adds them to the neuron's load and
@@ -45,12 +52,12 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 from helexa.router.inflight import Flight
 from helexa.router.loop_clock import HEALTH_TICK_SECS, LoopClock
+from helexa.router.neuron_channel import ChannelSettings, channel_options
 from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
-STREAM_WINDOW_BYTES = 64 * 1024  # what a call's unread replies may hold (channel_options)
 
 
 @dataclass
@@ -68,40 +75,19 @@ class PendingSend:
             self.answered_at = at
 
 
-def channel_options(reconnect_max_secs: float) -> list[tuple[str, int]]:
-    return [
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", int(reconnect_max_secs * 1000)),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-        # The window each call grants the neuron stays at STREAM_WINDOW_BYTES: without BDP
-        # probing it does not grow with the link, so a stream the router stops reading (its
-        # client's socket is full: client_stream.py) fills it and the neuron's writes wait,
-        # and the neuron pauses the request (helexa/neuron/engine/flow.py). With probing
-        # on (gRPC's default) it grew to megabytes a call, held here. A reply bigger than
-        # the window still comes whole (gRPC widens the window for a message being read),
-        # and a stream read as it comes moves STREAM_WINDOW_BYTES a round trip (64 MB/s at
-        # 1 ms; a token stream with 20 top logprobs needs about 0.3 KB a token).
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
-    ]
-
-
 class NeuronLink:
     """One neuron: its channel, its last status and the task that keeps it fresh."""
 
     def __init__(self, endpoint: NeuronEndpoint, registry: Registry, *,
-                 config_file: Path | None = None, reconnect_max_secs: float | None = None) -> None:
+                 config_file: Path | None = None, channel: ChannelSettings | None = None) -> None:
         """Open the channel (nothing runs until start()); raises ConfigError when a file the
-        endpoint names cannot be read. config_file and reconnect_max_secs default to the
-        registry's (a reload passes the new config's before it is applied)."""
+        endpoint names cannot be read. config_file and channel default to the registry's (a
+        reload passes the new config's before it is applied)."""
         self.endpoint = endpoint
         self.name = endpoint.name
         self.registry = registry
-        options = channel_options(reconnect_max_secs or registry.reconnect_max_secs)
+        self.settings = channel or registry.channel
+        options = channel_options(self.settings)
         if endpoint.tls:
             roots = None
             if endpoint.ca_file:
@@ -227,6 +213,7 @@ class Registry:
         self.config_file = Path("router.toml")  # paths in endpoints are relative to it
         self.unhealthy_after_secs = unhealthy_after_secs
         self.reconnect_max_secs = reconnect_max_secs
+        self.channel = ChannelSettings(reconnect_max_secs=reconnect_max_secs)
         self.first_report_secs = 5.0
         self.stream_idle_secs = 30.0
         self.links: dict[str, NeuronLink] = {}
@@ -251,16 +238,18 @@ class Registry:
         self.swap_links(self.build_links(endpoints))
 
     def build_links(self, endpoints: Iterable[NeuronEndpoint], *, config_file: Path | None = None,
-                    reconnect_max_secs: float | None = None) -> dict[str, NeuronLink]:
+                    channel: ChannelSettings | None = None) -> dict[str, NeuronLink]:
         """The links for a config, reusing the unchanged ones, without touching the running
         set: a reload builds every new link first (ConfigError when one cannot be built, with
         nothing changed) and swaps only when all succeeded."""
         out: dict[str, NeuronLink] = {}
+        settings = channel or self.channel
         try:
             for e in endpoints:
                 old = self.links.get(e.name)
-                out[e.name] = old if old is not None and old.endpoint == e else NeuronLink(
-                    e, self, config_file=config_file, reconnect_max_secs=reconnect_max_secs)
+                same = old is not None and old.endpoint == e and old.settings == settings
+                out[e.name] = old if same and old is not None else NeuronLink(
+                    e, self, config_file=config_file, channel=settings)
         except ConfigError:
             for link in out.values():
                 if link.task is None:  # built here, never started: close its channel

@@ -25,16 +25,12 @@ from msgspec import Meta
 from helexa.router.errors import ApiError, bad_request, clip, unsupported
 from helexa.router.json_depth import json_depth_error
 
+# stop strings and ids: the neuron checks them by the same rule (stop_caps.py)
+from helexa.stop_caps import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
 INT32_MAX = 2**31 - 1  # the proto's int32 fields: max_tokens, top_k, token ids
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # the proto's int64 seed
 MAX_N = 16
-MAX_STOP = 16
-# A stop string's length: the neuron holds back from a stream what may begin one (docs/api.md,
-# "Chat and completions: shared fields"), so this bounds that wait and what it holds.
-MAX_STOP_CHARS = 1024
-# stop_token_ids: each neuron call carries them and its neuron builds their set on the event
-# loop that carries every stream; 3.9M ids held one 2.35 s (docs/api.md, the same section).
-MAX_STOP_TOKEN_IDS = 1024
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETION = 5
 # A model id or alias: Hugging Face repo ids are at most 96 characters a part. A 4 MB name was
@@ -275,6 +271,7 @@ def _refuse_unsupported(obj: msgspec.Struct, prefix: str) -> None:
 
 
 _AT = re.compile(r"^(.*) - at `\$(.*)`$", re.DOTALL)  # a key may hold a line break
+_KEY_AT = re.compile(r"^(.*) - at `key` in `\$(.*)`$", re.DOTALL)  # a map's key is wrong
 
 
 def decode_as(raw: bytes, t: type) -> Any:
@@ -292,6 +289,11 @@ def decode_as(raw: bytes, t: type) -> Any:
 def _validation_error(text: str) -> ApiError:
     """msgspec's `Expected `int` <= 2147483647 - at `$.max_tokens`` as a 400 naming the
     field (`max_tokens`, `messages[0].role`, `stream_options.include_usage`)."""
+    key_at = _KEY_AT.match(text)
+    if key_at:  # `metadata`'s keys: "a key of `metadata`: expected str of length <= 64"
+        where = key_at.group(2).lstrip(".")
+        detail = clip(key_at.group(1)).replace("`", "")
+        return bad_request(f"a key of `{where}`: {detail[0].lower()}{detail[1:]}", where)
     m = _AT.match(text)
     msg, where = (m.group(1), m.group(2).lstrip(".")) if m else (text, "")
     for prefix, what in (("Object contains unknown field ", "unknown"),

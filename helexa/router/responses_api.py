@@ -130,6 +130,12 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verbosity: Any = None  # accepted: the model's length is its own
 
 
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, string values of 512.
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
+                          Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
+MAX_USER_CHARS = 256  # OpenAI states none; a user id is short (safety_identifier's is 128)
+
+
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     model: ModelName
     input: str | list[Item]
@@ -154,10 +160,12 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     safety_identifier: SafetyIdentifier | None = None
     service_tier: ServiceTier | None = None  # one tier here: "default" is echoed
     max_tool_calls: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None  # built-in tools'
+    # Echoed in every response object a stream sends, so bounded: `metadata` as OpenAI
+    # bounds it, `user` by MAX_USER_CHARS (a megabyte of each made a 6 MB stream of 30 tokens).
+    metadata: Metadata | None = None
+    user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     # Accepted and ignored: storage, tracking and caching hints.
     store: Any = None
-    metadata: Any = None
-    user: Any = None
     prompt_cache_retention: Any = None
     truncation: Any = None
     client_metadata: Any = None  # codex's
@@ -209,8 +217,7 @@ def echoed(b: ResponsesBody) -> dict[str, Any]:
                        else {"type": "object"}, description=fmt.description, strict=fmt.strict)
     r = b.reasoning or Reasoning()
     return {"instructions": b.instructions,
-            "metadata": b.metadata if isinstance(b.metadata, dict) else {},
-            "user": b.user if isinstance(b.user, str) else None,
+            "metadata": b.metadata or {}, "user": b.user,
             "reasoning": {"effort": r.effort, "summary": r.summary or r.generate_summary},
             "format": fmt_out,
             "strict": {t.name: t.strict for _, t in _functions(b.tools or [])

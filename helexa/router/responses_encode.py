@@ -67,7 +67,8 @@ class ResponseEncoder:
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item being written
         self.calls: dict[int, dict[str, Any]] = {}  # a call piece's index -> its item
-        self.arguments: dict[str, str] = {}  # a custom call's item id -> its arguments' text
+        # a custom call's item id -> its arguments as they stream, decoded as they come
+        self.arguments: dict[str, custom_tools.PartialInput] = {}
         self.seq = 0
         self.texts: list[str] = []  # the open item's text not yet joined into its part
         self.tokens = Tokens() if req.logprobs else None  # the answer's logprobs, asked for
@@ -299,7 +300,7 @@ class ResponseEncoder:
                 if c.name in self.req.custom_tools:
                     self.calls[c.index] = {"type": "custom_tool_call", "id": _item_id("ctc"),
                                            "call_id": c.id, "name": c.name, "input": ""}
-                    self.arguments[self.calls[c.index]["id"]] = ""
+                    self.arguments[self.calls[c.index]["id"]] = custom_tools.PartialInput()
                 out += self._begin(self.calls[c.index], stream)
             call = self.calls.get(c.index)
             if call is not None and c.arguments and call["type"] == "custom_tool_call":
@@ -321,10 +322,10 @@ class ResponseEncoder:
     def _custom_input(self, call: dict[str, Any], arguments: str, stream: bool) -> bytes:
         """A custom call's arguments so far; its input grows by what of the `input` string
         they decode to (a delta event while it streams)."""
-        self.arguments[call["id"]] += arguments
-        sofar = custom_tools.partial_input(self.arguments[call["id"]]) or ""
-        delta = sofar[len(call["input"]):] if sofar.startswith(call["input"]) else ""
-        call["input"] = sofar if delta else call["input"]
+        decoding = self.arguments[call["id"]]
+        delta = decoding.feed(arguments)
+        if delta:
+            call["input"] = decoding.decoded()
         if not (delta and stream and call is self.open):
             return b""
         return self._event("response.custom_tool_call_input.delta", **self._where(),
@@ -333,7 +334,8 @@ class ResponseEncoder:
     def _finish_input(self, item: dict[str, Any]) -> str:
         """Set a closing custom call's whole input (custom_tools.input_of); return what of
         it did not stream yet (nothing when it does not extend what streamed)."""
-        whole = custom_tools.input_of(self.arguments.pop(item["id"], ""))
+        decoding = self.arguments.pop(item["id"], None)
+        whole = custom_tools.input_of(decoding.text if decoding is not None else "")
         rest = whole[len(item["input"]):] if whole.startswith(item["input"]) else ""
         item["input"] = whole
         return rest

@@ -90,7 +90,7 @@ def _estimate(req: ParsedRequest) -> tuple[Estimate, bytes]:
 async def _merge(streams: list[OpenStream]) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
     """Messages of all choices as they come, as (choice index, message). Each choice's pump
     reads at most one message ahead of the consumer, so a client that stops reading stops
-    the reads, and gRPC's flow control then the neuron (registry.channel_options)."""
+    the reads, and gRPC's flow control then the neuron (neuron_channel.channel_options)."""
     if len(streams) == 1:
         async for msg in streams[0].messages():
             yield 0, msg

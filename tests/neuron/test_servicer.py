@@ -412,6 +412,31 @@ def test_malformed_prompts_are_400_naming_the_param(config_path: Path, tok: Toke
     assert seen == 0
 
 
+def test_stop_strings_and_ids_past_the_caps_are_400_naming_the_field(config_path: Path,
+                                                                     tok: Tokenizer) -> None:
+    """The neuron checks the router's stop caps itself: a caller that is not a router (or a
+    router of another version) cannot hand it 3.9M stop ids or a megabyte stop string."""
+    from helexa.stop_caps import MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+    async def body(stub, daemon, engine):
+        ids = await refusal(stub, chat(stop_token_ids=list(range(MAX_STOP_TOKEN_IDS + 1))))
+        long = await refusal(stub, chat(stop=["a", "x" * (MAX_STOP_CHARS + 1)]))
+        many = await refusal(stub, chat(stop=[str(i) for i in range(MAX_STOP + 1)]))
+        seen = len(engine.requests)  # none of them reached the engine
+        at_caps = await collect(stub, chat(stop=["y" * MAX_STOP_CHARS] * MAX_STOP,
+                                           stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)),
+                                           max_tokens=2))
+        return ids, long, many, at_caps, seen
+
+    ids, long, many, at_caps, seen = serve(config_path, tok, body)
+    for (code, md, msg), field in ((ids, "stop_token_ids:"), (long, "stop[1]:"),
+                                   (many, "stop:")):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, msg
+        assert md["helexa-code"] == "invalid_request_error" and msg.startswith(field), msg
+    assert at_caps[-1].finish_reason, at_caps[-1]  # at the caps: served to its end
+    assert seen == 0
+
+
 # ------------------------------------------------------------------ Complete
 
 

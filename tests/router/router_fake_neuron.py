@@ -14,6 +14,9 @@ act alike on both RPCs:
     [[tokens:5]]                                    produce 5 tokens (default 8, capped by max_tokens)
     [[emit:3:<b>]]                                  the reply is `<b>` 3 times, one message
                                                     (a model that writes what it is told)
+    [[hold:6]]                                      after the first token, the server's
+                                                    Python holds the GIL (and its loop) 6 s:
+                                                    a neuron busy, not hung
 
 With `kv_wait_secs` set, a request waits for its reservation to fit the pool (its
 first message only then), as a neuron's admission does; it is refused overloaded
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from helexa.neuron.daemon import server_options
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 from helexa.responses import merge_responses
@@ -154,7 +158,7 @@ class FakeNeuron(pbg.NeuronServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad neuron token")
 
     async def start(self, address: str = "127.0.0.1:0") -> str:
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(options=server_options())  # the neuron's own
         pbg.add_NeuronServicer_to_server(self, self.server)
         port = self.server.add_insecure_port(address)
         await self.server.start()
@@ -320,6 +324,8 @@ class FakeNeuron(pbg.NeuronServicer):
                 yield msg
                 self.sent[request.req_id] = i + 1
                 m.progress_at = time.monotonic()
+                if i == 0 and "hold" in marks:
+                    hold_gil(float(marks["hold"]))
                 if i == 0 and self.b.row_lost_secs is not None:
                     if self.b.row_lost_said:
                         yield pb.GenerateResponse(waiting_for_row=True)
@@ -336,6 +342,18 @@ class FakeNeuron(pbg.NeuronServicer):
             m.in_flight -= 1
             m.progress_at = time.monotonic()
             self.changed()
+
+
+def hold_gil(secs: float) -> None:
+    """Hold the GIL for at least `secs`, each stretch one C call (sum over a range never
+    releases it), so no Python thread of this process runs meanwhile: only gRPC's core
+    threads can. The first stretch is sized for all of it from a short measured one."""
+    end = time.perf_counter() + secs
+    t0 = time.perf_counter()
+    sum(range(5_000_000))
+    rate = 5_000_000 / max(time.perf_counter() - t0, 1e-6)
+    while (left := end - time.perf_counter()) > 0:
+        sum(range(int(rate * left) + 1))
 
 
 def _prompt_text(request: pb.GenerateRequest | pb.TokenizeRequest) -> str:

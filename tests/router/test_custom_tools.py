@@ -7,6 +7,8 @@ import json
 
 import llguidance
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helexa import grammar, tool_grammar
 from helexa.neuron import agent
@@ -123,6 +125,31 @@ def test_the_input_decodes_as_it_streams_never_splitting_an_escape():
     assert seen[:10] == [None] * 10 and seen[-1] == "a\né😀"
     grown = [s for s in seen if s is not None]
     assert all(b.startswith(a) for a, b in zip(grown, grown[1:], strict=False))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(), st.lists(st.integers(1, 12), min_size=1, max_size=40), st.booleans(),
+       st.booleans())
+def test_streamed_in_any_pieces_the_input_decodes_to_what_was_written(text, cuts, bare, ascii_):
+    """Each piece of the arguments adds exactly what it decodes to, whatever the split, with
+    escapes (\\uXXXX and surrogate pairs when ascii_) held until they are whole."""
+    body = json.dumps(text, ensure_ascii=ascii_)
+    args = body if bare else '{ "input" : ' + body + "}"
+    decoding, i, out = custom_tools.PartialInput(), 0, []
+    while i < len(args):
+        step = cuts[len(out) % len(cuts)]
+        out.append(decoding.feed(args[i:i + step]))
+        assert text.startswith(decoding.decoded())
+        i += step
+    assert "".join(out) == decoding.decoded() == text
+    assert decoding.text == args and custom_tools.input_of(decoding.text) == text
+
+
+def test_arguments_of_another_shape_decode_to_nothing():
+    for args in ('{"inputs": "x"}', '{"a": "input"}', "[1]", '{"input" "x"}', '{"in put": "'):
+        decoding = custom_tools.PartialInput()
+        assert [decoding.feed(c) for c in args] == [""] * len(args)
+        assert custom_tools.partial_input(args) is None
 
 
 def _run(req, text: str, step: int) -> tuple[dict, list[dict]]:

@@ -96,3 +96,15 @@ def test_a_schema_no_finite_value_satisfies_is_a_400_not_a_failed_generation():
     # `not {}` below the root forbids an optional key: served
     parse_request({"model": "m", "messages": MSG, **schema_format(
         {"type": "object", "properties": {"a": {"not": {}}}})}, "chat")
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"anyOf": [{"$ref": "#"}]}])
+def test_a_schema_whose_references_lead_only_to_each_other_is_a_400(schema):
+    """It compiles, but nothing it allows can be written: served, it was a 200 with empty
+    content and finish_reason stop, not JSON at all."""
+    e = refused(schema_format(schema))
+    assert e.status == 400 and "no value satisfies it" in e.message, e.message
+    assert e.param == "response_format.json_schema.schema"

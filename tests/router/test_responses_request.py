@@ -59,3 +59,32 @@ def test_a_tool_output_may_hold_an_image(kind):
     with pytest.raises(ApiError) as e:
         responses_api.parse_request(json.dumps(body).encode())
     assert e.value.param == "input[2].output[1].type"
+
+
+def _refusal(**fields) -> ApiError:
+    raw = json.dumps({"model": "m", "input": "hi", **fields}).encode()
+    with pytest.raises(ApiError) as e:
+        responses_api.parse_request(raw)
+    return e.value
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "length <= 16"),
+    ({"metadata": {"k" * 65: "v"}}, "metadata", "a key of `metadata`"),
+    ({"metadata": {"k": "v" * 513}}, "metadata[...]", "length <= 512"),
+    ({"metadata": {"k": 1}}, "metadata[...]", "expected str"),
+    ({"user": "u" * (responses_api.MAX_USER_CHARS + 1)}, "user", "length <= 256")])
+def test_what_every_response_object_echoes_is_bounded_as_openai_bounds_it(fields, param, says):
+    """`metadata` and `user` come back in each streamed response object: a megabyte of each
+    made a 30-token stream 6 MB. Past OpenAI's bounds they are a 400 naming the field."""
+    e = _refusal(**fields)
+    assert (e.status, e.param) == (400, param) and says in e.message, e.message
+
+
+def test_metadata_and_user_within_the_bounds_are_echoed_as_sent():
+    meta = {f"k{i}": "v" * 512 for i in range(16)}
+    req = responses_api.parse_request(json.dumps(
+        {"model": "m", "input": "hi", "metadata": meta, "user": "u" * 256}).encode())
+    assert req.echoed["metadata"] == meta and req.echoed["user"] == "u" * 256
+    bare = responses_api.parse_request(b'{"model": "m", "input": "hi", "metadata": null}')
+    assert bare.echoed["metadata"] == {} and bare.echoed["user"] is None

@@ -110,8 +110,10 @@ def test_an_echo_with_logprobs_starts_with_the_prompts_whole_or_streamed():
     msgs = [pb.GenerateResponse(prompt_text="abé", prompt_tokens=3),
             pb.GenerateResponse(text="x", token_ids=[9], logprobs=[entry(9, "x", -0.5, 0)],
                                 prompt_logprobs=prompt),
-            pb.GenerateResponse(text="yz", token_ids=[10], logprobs=[entry(10, "yz", -0.25, 0)],
-                                finish_reason=pb.FINISH_REASON_LENGTH)]
+            pb.GenerateResponse(text="yz", token_ids=[10], finish_reason=pb.FINISH_REASON_LENGTH,
+                                logprobs=[pb.TokenLogprob(  # sampled outside its top k
+                                    token_id=10, token="yz", logprob=-2.5, top=[pb.TopLogprob(
+                                        token_id=11, token="w", logprob=-0.125)])])]
     env = encode.Envelope(id="c", created=0, model="m", req=req)
     whole = SimpleNamespace(reply=merge_responses(msgs))
     choice = encode.Choice(index=0, echo=completion_logprobs.echo_text(req, whole))
@@ -120,9 +122,9 @@ def test_an_echo_with_logprobs_starts_with_the_prompts_whole_or_streamed():
     assert body["text"] == "abéxyz"
     assert body["logprobs"] == {
         "tokens": ["ab", "\ufffd", "\ufffd", "x", "yz"],
-        "token_logprobs": [None, -9999.0, -1.0, -0.5, -0.25],
+        "token_logprobs": [None, -9999.0, -1.0, -0.5, -2.5],
         "top_logprobs": [None, {"\ufffd": -9999.0}, {"\ufffd": -1.0}, {"x": -0.5},
-                         {"yz": -0.25}],
+                         {"w": -0.125, "yz": -2.5}],  # the token itself beside its top k
         "text_offset": [0, 2, 2, 3, 4]}
     streamed = encode.Choice(index=0, echo=completion_logprobs.echo_text(
         req, SimpleNamespace(first=msgs[0])))
@@ -136,3 +138,24 @@ def test_an_echo_with_logprobs_starts_with_the_prompts_whole_or_streamed():
     assert [c["logprobs"]["text_offset"] for c in chunks] == [[0, 2, 2, 3], [4]]
     assert sum((c["logprobs"]["token_logprobs"] for c in chunks), []) == \
         body["logprobs"]["token_logprobs"]
+
+
+def test_a_chat_completion_and_its_chunks_name_the_tier_that_served_it():
+    """OpenAI's chat completion says which service_tier served it; a client that asked for
+    `flex` reads `default`, the one tier here. A legacy completion has no such field."""
+    from helexa.router import encode
+    from helexa.router.openai_api import parse_request
+
+    for kind, body in (("chat", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("completion", {"prompt": "hi"})):
+        req = parse_request({"model": "m", "service_tier": "flex", **body}, kind)
+        env = encode.Envelope(id="c", created=0, model="m", req=req)
+        choice = encode.Choice(index=0, echo="")
+        msg = pb.GenerateResponse(text="x", token_ids=[1], finish_reason=pb.FINISH_REASON_STOP)
+        chunk = encode.delta_chunk(env, choice, msg, first=True)
+        encode.add_delta(choice, msg)
+        whole = encode.full_body(env, [choice])
+        if kind == "chat":
+            assert whole["service_tier"] == chunk["service_tier"] == "default"
+        else:
+            assert "service_tier" not in whole and "service_tier" not in chunk

@@ -45,7 +45,7 @@ def test_a_client_that_stops_reading_stops_every_choices_reads():
 
 
 # 20 logprobs a token: ~330 bytes a message, so 1,000 tokens overfill the router's 64 KiB
-# gRPC window (registry.channel_options) many times over.
+# gRPC window (neuron_channel.channel_options) many times over.
 LONG = {"stream": True, "n": 2, "logprobs": True, "top_logprobs": 20}
 
 

@@ -62,3 +62,24 @@ def test_a_reload_with_an_alias_chain_is_refused_and_the_old_aliases_serve(fl, t
     finally:  # the fleet is the session's: its own config again
         fl.lt.run(fl.state.reload())
     assert fl.state.aliases.items() == before
+
+
+def test_a_reload_that_changes_the_keepalive_rebuilds_the_links_with_it(fl, tmp_path):
+    links = dict(fl.state.registry.links)
+    current = tomllib.loads(fl.state.config_path.read_text())
+    timeouts = current.get("timeouts", {})
+    reload_with(fl, tmp_path, tomli_w.dumps(current).encode())
+    assert fl.state.registry.links == links  # nothing changed: the very same links
+    try:
+        reload_with(fl, tmp_path, tomli_w.dumps({**current, "timeouts": {
+            **timeouts, "keepalive_secs": 7.0, "keepalive_timeout_secs": 4.0}}).encode())
+        new = fl.state.registry.links
+        assert new.keys() == links.keys() and not set(new.values()) & set(links.values())
+        assert {(link.settings.keepalive_secs, link.settings.keepalive_timeout_secs)
+                for link in new.values()} == {(7.0, 4.0)}
+        fl.wait_healthy()
+        r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        assert r.choices[0].message.content == "w0 "
+    finally:
+        reload_with(fl, tmp_path, tomli_w.dumps(current).encode())
+        fl.wait_healthy()

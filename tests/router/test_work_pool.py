@@ -279,6 +279,42 @@ def test_the_share_is_reloadable_and_its_refusals_are_counted(tmp_path):
         state.work_pool.close()
 
 
+def test_the_compile_pools_refusals_and_tasks_have_their_own_metrics():
+    """A grammar compile the compile pool refuses is counted as the compile pool's, not the
+    parsing pool's, and the compile pool's tasks show while they run."""
+    import msgspec
+
+    from helexa.config.router import LimitsConfig, RouterConfig
+    from helexa.router.app import RouterState
+
+    state = RouterState(RouterConfig(limits=LimitsConfig(compile_workers=1,
+                                                          schema_queue_depth=0)), None)
+    state.apply(msgspec.structs.replace(state.cfg, limits=msgspec.structs.replace(
+        state.cfg.limits, schema_per_principal=1)))
+    gate = threading.Event()
+    try:
+        async def main() -> str:
+            held = asyncio.ensure_future(state.compile_pool.run("a", gate.wait))
+            await _until(lambda: state.compile_pool.tasks == 1)
+            during = state.metrics.render().decode()
+            with pytest.raises(ApiError) as refused:
+                await state.compile_pool.run("a", sum, [1])
+            assert "having their grammars compiled" in refused.value.message
+            gate.set()
+            await held
+            return during
+        during = asyncio.run(main())
+        assert "helexa_router_compile_tasks 1.0" in during
+        text = state.metrics.render().decode()
+        assert 'helexa_router_compile_refusals_total{reason="principal_share"} 1.0' in text
+        assert "helexa_router_compile_tasks 0.0" in text
+        assert 'helexa_router_work_refusals_total{reason="principal_share"}' not in text
+    finally:
+        gate.set()
+        state.work_pool.close()
+        state.compile_pool.close()
+
+
 def test_with_keys_one_principal_leaves_a_thread_to_the_others(tmp_path):
     """Two threads: a key's slow bodies run on one of them, so another key's parse starts at
     once instead of waiting for one of them to finish; without keys (every caller the one

@@ -1,7 +1,8 @@
 """Driving an EngineCore in-process and checking what it leaves behind: the one driver and
 the one ledger check of every engine test (dense, hybrid, speculation, MTP) and bench.
 
-`drive(core, first)` steps until the engine is idle, checking the pool after every step,
+`drive(core, first)` steps until the engine is idle, checking the pool after every step
+(and waiting for grammars that compile where nothing else runs: `grammars_compiled`),
 and returns what each request got; `assert_whole(core)` says every block, reservation and
 state slot came back. `with_drafter` pins a test's drafter; `truth_from` reads the
 target's greedy continuation off a run without speculation (the oracle drafters' truth).
@@ -10,6 +11,7 @@ target's greedy continuation off a run without speculation (the oracle drafters'
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import NamedTuple
 
 from helexa.neuron.engine import messages as m
@@ -49,7 +51,19 @@ def drive(core: EngineCore, first: m.ToEngine | Sequence[m.NewRequest] | None = 
         core.pool.check()
         if not core.has_work:
             return run._replace(steps=steps)
+        if not (core.running or core.waiting or core.paused):
+            grammars_compiled(core, FIRST_COMPLETED, 0.01)  # as the engine process polls
     raise AssertionError("engine did not go idle")
+
+
+def grammars_compiled(core: EngineCore, return_when: str = "ALL_COMPLETED",
+                      timeout: float = 60.0) -> None:
+    """Wait (at most `timeout`) until the grammars the engine compiles (engine/grammar.py)
+    have compiled: a step then gives their requests their matchers. A loop of steps with
+    nothing else to do would otherwise spin through its bound while a compile runs."""
+    futures = [r.compiling for r in core.grammars.compiling.values()]
+    if futures:
+        wait(futures, timeout, return_when)
 
 
 def assert_whole(core: EngineCore, *, hybrid: bool = False) -> None:

@@ -23,7 +23,11 @@ budget.py's):
   (anonymous callers too) holds at most `max_in_flight_per_principal` in
   flight where that is set (None: no cap but max_in_flight), skipped the same
   way at it: without it, since nothing is preempted, one key's long requests
-  may hold every place for as long as they run.
+  may hold every place for as long as they run. A request whose grammar still
+  compiles (grammar.py, off the step loop) is passed over: its principal's
+  head is the first queued request whose matcher is ready, and a principal
+  with none skips its turn. Queued, it holds no place, KV or row, and keeps
+  its place in its principal's queue until its matcher is ready.
 - `expire`: a queued request older than `kv_max_wait_secs` is refused 503
   overloaded, saying what it waited for: an in-flight place (all held, or its
   principal's all held) or KV (blocks needed against blocks free); any request
@@ -164,14 +168,15 @@ class Admission:
             if principal is None:
                 break
             queue = self._queues[principal]
-            req = queue[0]
+            req = _head(queue)
+            assert req is not None  # _next_principal passes no queue without one
             reuse, restore, host_blocks, host_snapshot = self._prefix_hits(req)
             need = self.reservation_blocks(req) - len(reuse)
             if not self.pool.reserve(req.req_id, need, reuse, restore, host_blocks,
                                      host_snapshot):
                 self._stopped_at = (req, need)
                 break  # no bypass: the head waits, and everyone behind it
-            queue.popleft()
+            queue.remove(req)  # its head: the first whose grammar is not compiling
             self._num_queued -= 1
             del self._queues[principal]
             if queue:
@@ -216,6 +221,8 @@ class Admission:
         lim = self.limits
         if not self.admitting:
             return "admission to resume (the model is not admitting now)"
+        if req.compiling is not None:
+            return "its grammar to compile"
         if len(self.in_flight) >= lim.max_in_flight:
             return f"an in-flight place (max_in_flight {lim.max_in_flight}, all held)"
         if (cap := self._cap_reached(req.principal)) is not None:
@@ -271,9 +278,11 @@ class Admission:
 
     def _next_principal(self) -> str | None:
         """The first principal in rotation that may take an in-flight place now."""
-        for principal in self._queues:
+        for principal, queue in self._queues.items():
             if self._cap_reached(principal) is not None:
                 continue  # at its cap: skip its turn, never block the others
+            if _head(queue) is None:
+                continue  # every one's grammar compiles (grammar.py): the same
             return principal
         return None
 
@@ -325,3 +334,9 @@ class Admission:
 
     def _deficit(self, blocks_wanted: int) -> int:
         return blocks_wanted - self.pool.num_free_blocks
+
+
+def _head(queue: deque[Request]) -> Request | None:
+    """The first request of a principal's queue that may be admitted: its grammar, if
+    it has one, compiled (grammar.py); None where every one's still compiles."""
+    return next((r for r in queue if r.compiling is None), None)

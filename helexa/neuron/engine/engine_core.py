@@ -370,6 +370,7 @@ class EngineCore:
             self.admission.remove(req)
             self.speculator.release(req)
             self.pool.release(req.req_id)
+            self.grammars.forget(req)  # it may have been waiting for its grammar to compile
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:

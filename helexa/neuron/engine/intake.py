@@ -5,9 +5,12 @@
    speculation's knobs; the pool is not touched);
 2. admitting on or off; a drain refuses what is queued (shutting_down) at once;
 3. new requests: checked (duplicate id, images against their tokens, context:
-   helexa/budget.py, grammar),
-   then queued (admission.py) or refused, each admitted as far as it fits before
-   the next arrives, so the queue depth a newcomer meets is the real one;
+   helexa/budget.py), then queued (admission.py) or refused, each admitted as far
+   as it fits before the next arrives, so the queue depth a newcomer meets is the
+   real one; a request with a grammar is queued while its grammar compiles off
+   the step loop (grammar.py), not admitted until its matcher is ready, and
+   refused with llguidance's message where the grammar does not compile
+   (`compiled`, each step);
 4. pauses and resumes (flow control: `pause`), aborts, a re-planned pool (`reset_kv`,
    only while nothing is in flight), shutdown;
 5. queued requests that waited too long for KV are refused, those past their
@@ -48,6 +51,7 @@ def take(core: EngineCore, inbound: messages.ToEngine | None) -> None:
     """Everything the daemon sent since the last step, then expiry and admission."""
     if inbound is not None:
         apply(core, inbound)
+    compiled(core)
     core.admission.observe_pool()
     timed_out, late = core.admission.expire()
     for req, refusal in timed_out:
@@ -188,12 +192,6 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     if problem is not None:
         core.refuse(req, Refusal(problem.code, problem.message))
         return
-    if new.grammar is not None:
-        try:
-            req.matcher = core.grammars.matcher(new.grammar)
-        except (ValueError, GrammarUnavailable) as e:
-            core.refuse(req, Refusal("invalid_request_error", f"response_format: {e}"))
-            return
     if new.thinking is not None:
         req.thought = ThoughtTracker(new.thinking)
     if core.prefix_cache:
@@ -209,6 +207,22 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
     req.sampling_state = SamplingState.for_request(req.sampling, req.prompt_token_ids,
                                                    req.output_token_ids)
     core.requests[req.req_id] = req
+    if new.grammar is not None:  # queued, it waits for its matcher (`compiled`)
+        try:  # the cache's salt is the prefix cache's: no key learns what another compiled
+            core.grammars.compile(req, new.grammar, cache_salt(core.prefix_sharing,
+                                                               new.principal))
+        except GrammarUnavailable as e:
+            core.refuse(req, Refusal("invalid_request_error", f"response_format: {e}"))
+
+
+def compiled(core: EngineCore) -> None:
+    """Queued requests whose grammar compiled (off the step loop: grammar.py) take their
+    matchers and may be admitted; a grammar llguidance refused refuses its request."""
+    for req, matcher, error in core.grammars.ready():
+        if error:
+            core.refuse(req, Refusal("invalid_request_error", f"response_format: {error}"))
+        else:
+            req.matcher = matcher
 
 
 def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:

@@ -90,6 +90,7 @@ class Request:
     gen_snapshot: tuple[int, BlockKey] | None = None
     sampling_state: SamplingState | None = None  # the sampler's per-request state
     matcher: Any = None  # its grammar's llguidance matcher (constrained decoding), or None
+    compiling: Any = None  # the Future of its matcher while its grammar compiles (grammar.py)
     thought: Any = None  # its thinking.ThoughtTracker when the model thinks, or None
     # Speculation (engine/speculative/): this step's draft, and how well drafts fare.
     draft: Draft | None = None

@@ -1,12 +1,14 @@
 """A real router over a real neuron, as a client who means harm would use it: generated bodies
 (valid, near-valid, hostile) earn no 5xx and leave the ledger whole; a neuron hung with SIGSTOP
-mid-stream leaves rotation at once and its stream is ended with an upstream_error event once
-it has sent nothing for stream_idle_secs."""
+mid-stream answers no keepalive ping, and its stream is ended with an upstream_error event
+within the keepalive bound (keepalive_secs + keepalive_timeout_secs, 5 s), long before
+stream_idle_secs; a neuron stopped for less than that keeps its stream."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,9 +43,9 @@ def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, Rout
         "server": {"listen": "127.0.0.1:0", "max_body_bytes": 64 * 1024},
         "neurons": {"endpoints": [{"name": "nf", "address": neuron.address}]},
         "aliases": {"helexa/balanced": "tiny"},
-        # a hung neuron's stream ends after stream_idle_secs (leaving rotation ends no call)
+        # a hung neuron's stream ends by keepalive (2 s + 3 s by default), not by this
         "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
-                     "stream_idle_secs": 8.0}}))
+                     "stream_idle_secs": 120.0}}))
     router = start_router(d / "router.toml")
     try:
         yield neuron, router
@@ -120,8 +122,8 @@ def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
             for _ in chunks:
                 pass
         assert e.value.body["code"] == "upstream_error"
-        assert "no message from neuron nf for 8 s" in e.value.body["message"]
-        assert time.monotonic() - t0 < 20  # not the minute gRPC keepalive would take
+        assert "ping timeout" in e.value.body["message"]
+        assert time.monotonic() - t0 < 30  # well before stream_idle_secs (120 s)
         # A new request while it is hung: 503 at once, not a wait on the hung host.
         with pytest.raises(openai.InternalServerError) as e:
             router.client(None).chat.completions.create(model="tiny", messages=MSG,
@@ -135,11 +137,43 @@ def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
     assert r.choices[0].finish_reason in ("length", "stop")
 
 
+def test_a_non_streaming_call_on_a_hung_neuron_is_answered_by_keepalive(pair):
+    """A non-streaming call has no token clock: before keepalive ended it, it waited for the
+    Watch bound (stream_idle_secs, 120 s here) or gRPC's minute-long ping timeout."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    got: dict[str, object] = {}
+
+    def call() -> None:
+        try:
+            router.client(None).with_options(timeout=150).chat.completions.create(
+                model="tiny", messages=MSG, max_tokens=1500, extra_body={"ignore_eos": True})
+        except openai.APIError as e:
+            got["error"] = e
+        got["at"] = time.monotonic()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    wait_for(lambda: router.metric("helexa_neuron_in_flight", model="tiny", neuron="nf") > 0,
+             timeout=15, every=0.01)
+    neuron.signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    try:
+        caller.join(150)
+        assert isinstance(got.get("error"), openai.InternalServerError), got
+        assert got["error"].code == "service_unavailable"
+        assert "ping timeout" in got["error"].message
+        assert got["at"] - t0 < 30  # well before stream_idle_secs (120 s)
+    finally:
+        neuron.signal(signal.SIGCONT)
+    wait_for(lambda: ledger_whole(router), timeout=30)
+
+
 def test_a_neuron_paused_past_its_watch_bound_keeps_its_streams(pair):
-    """The neuron stops for 2.5 s (SIGSTOP, then SIGCONT), as a neuron whose loop one large
-    request holds: it leaves rotation (Watch silent past 1 s) but its stream is not cut; it
-    goes on to its last token once the neuron runs again. (The router used to end every call
-    on a neuron at that silence: the review's finding 4, a bystander's stream cut.)"""
+    """The neuron stops for about 2 s (SIGSTOP, then SIGCONT), less than the keepalive bound
+    (5 s): it leaves rotation (Watch silent past 1 s) but its stream is not cut; it goes on to
+    its last token once the neuron runs again. (The router used to end every call on a neuron
+    at that silence: the review's finding 4, a bystander's stream cut.)"""
     neuron, router = pair
     wait_for(lambda: ledger_whole(router), timeout=15)
     downs = router.log_path.read_text().count('"neuron.down"')

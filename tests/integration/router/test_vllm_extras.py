@@ -123,8 +123,10 @@ def test_lm_eval_loglikelihood_gets_the_prompts_logprobs(router, tiny_model_dir)
             len(lp.text_offset) == len(prompt)
         assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
         assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], ref, strict=True)) < 1e-4
-        assert all(len(top) == 1 and max(top.values()) >= got - 1e-6
-                   for top, got in zip(lp.top_logprobs[1:], lp.token_logprobs[1:], strict=True))
+        # the best and the token itself (k + 1 at most, as OpenAI's legacy API)
+        assert all(1 <= len(top) <= 2 and max(top.values()) >= got - 1e-6 and top[tok] == got
+                   for top, got, tok in zip(lp.top_logprobs[1:], lp.token_logprobs[1:],
+                                            lp.tokens[1:], strict=True))
         # the echo is the prompt decoded, and each token's offset indexes it
         assert ch.text == "".join(lp.tokens)
         assert [ch.text[o:o + len(t)] for o, t in zip(lp.text_offset, lp.tokens,
@@ -156,8 +158,9 @@ def test_echo_with_logprobs_is_the_prompt_then_the_generated(router):
     # (the LM head over every prompt row, not the last alone: a rounding step apart)
     assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
     # two alternatives each (a dict by text: byte pieces that both read U+FFFD are one key)
-    assert all(x <= 0 and (len(top) == 2 or "\ufffd" in top)
-               for x, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True))
+    assert all(x <= 0 and (2 <= len(top) <= 3 or "\ufffd" in top) and t in top
+               for x, top, t in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], lp.tokens[1:],
+                                    strict=True))
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[n] == len(prompt)
     for o, t in zip(lp.text_offset, lp.tokens, strict=True):
         assert ch.text.startswith(t, o) or "\ufffd" in t  # a piece of a split character

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 import pytest
-from support.engine import assert_whole, drive, with_drafter
+from support.engine import assert_whole, drive, grammars_compiled, with_drafter
 from support.fake_runner import FakeRunner, fake_continuation
 
 from helexa import grammar
@@ -267,7 +267,10 @@ def test_a_paused_constrained_request_resumes_inside_its_grammar(monkeypatch, tm
     core = make_core(monkeypatch, model_dir=str(d))
     tokens: dict[str, list[int]] = {}
     step(core, tokens, m.ToEngine(new=[request()]))
+    grammars_compiled(core)  # off the step loop: the next step admits it
     step(core, tokens)
+    step(core, tokens)
+    assert tokens.get("g")
     step(core, tokens, m.ToEngine(paused={"g": True}))
     for _ in range(3):
         assert not step(core, tokens).get("g")
