@@ -52,7 +52,14 @@ def _print_logger(*args: object) -> structlog.PrintLogger:
     return structlog.PrintLogger(sys.stdout if main else sys.__stderr__)
 
 
-structlog.configure(logger_factory=_print_logger)
+# Tracebacks plain, as the daemons' JSON lines have them (helexa/log.py): structlog's default
+# renders them with rich and every frame's locals, which the in-process router
+# (tests/router/conftest.py) did on its event loop: 0.2-0.7 s a traceback on this 2-core
+# host, 3.2 s under load, long enough for its Watch readers to give up on both fakes and
+# for a client's 5 s read timeout to pass.
+structlog.configure(logger_factory=_print_logger, processors=[
+    *structlog.get_config()["processors"][:-1],
+    structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)])
 
 
 @pytest.fixture(autouse=True)

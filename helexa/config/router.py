@@ -97,9 +97,10 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "not cut; nor is a wait for a row after tokens flowed, which the neuron says "
         "(waiting_for_row: resumed after a pause behind a full batch), bounded by the "
         "request's deadline. A call with no such clock (a non-streaming call, a stream queued "
-        "or waiting for a row) is ended once its neuron's Watch has been silent this long; "
-        "leaving rotation (unhealthy_after_secs) ends no call. A call ended so before its "
-        "first token is retried once on another neuron (docs/errors.md).",
+        "or waiting for a row) is ended once its neuron's Watch has been silent this long and "
+        "it left rotation (unhealthy_after_secs); leaving rotation alone ends no call. A "
+        "call ended so before its first token is retried once on another neuron "
+        "(docs/errors.md).",
         RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client reads nothing for this long (the router's bounded send buffer "

@@ -9,7 +9,8 @@ out, a retry on another neuron before that (dispatch.py), or a 503 with none
 left. Behind that, for a neuron that answers pings yet sends nothing (a wedged
 engine), the registry's health loop ends a stream that is overdue, and a call
 with no clock of its own (`clocked`: a unary call, a stream queued or waiting
-for a row) once its neuron's Watch has been silent as long, within
+for a row) once its neuron's Watch has been silent as long and it left
+rotation, within
 `timeouts.stream_idle_secs`, not at the request's deadline. A neuron that only
 leaves rotation (silent past `timeouts.unhealthy_after_secs`, as a neuron busy
 for a few seconds is) gets no new work, but its calls go on (registry.py).

@@ -23,8 +23,10 @@ and the Watch call with them, which takes the neuron out of rotation.
 neuron stops feeding is overdue after `timeouts.stream_idle_secs`
 (inflight.py), and a call with no clock of its own (a unary Complete, a
 stream not yet given a row or waiting for one) is ended once its neuron's
-Watch has been silent that long too (a neuron whose core answers pings but
-whose engine is wedged).
+Watch has been silent that long too and it left rotation (a neuron whose
+core answers pings but whose engine is wedged; one still sent work is not
+hung, nor is a call cut between two beats where that bound is under their
+interval).
 
 The registry also remembers the router's own sends that the neuron has not
 reported yet (`PendingSend`): selection adds them to the neuron's load and
@@ -49,14 +51,13 @@ from helexa.config.schema import ConfigError, NeuronEndpoint, resolve_path
 from helexa.proto import neuron_pb2 as pb
 from helexa.proto import neuron_pb2_grpc as pbg
 from helexa.router.inflight import Flight
+from helexa.router.loop_clock import HEALTH_TICK_SECS, LoopClock
 from helexa.router.neuron_channel import ChannelSettings, channel_options
 from helexa.router.selection import DEFAULT_OUTPUT_TOKENS, Candidate
 
 # lazy: bound at first use, after setup_logging() configured structlog
 log = structlog.get_logger(component="router")
 PENDING_TTL_SECS = 10.0  # a send the neuron never reports stops counting after this
-HEALTH_TICK_SECS = 0.1
-LOOP_STALL_SECS = 0.25  # a health tick this late means the router itself was not running
 
 
 @dataclass
@@ -106,7 +107,7 @@ class NeuronLink:
         self.opened_at = time.monotonic()
         self.first_try_done = False  # a first report came, or the first attempt failed
         self.connected = False
-        self.last_seen = 0.0
+        self.last_seen = self.held_at_seen = 0.0  # (the router's loop_clock.held() then)
         self.was_healthy = False
         self.pending: list[PendingSend] = []
         # Per model: the router's calls that ended since the last report, which that report
@@ -126,7 +127,11 @@ class NeuronLink:
     def healthy(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
         return (self.connected and self.status is not None
-                and now - self.last_seen <= self.registry.unhealthy_after_secs)
+                and self.silent_secs(now) <= self.registry.unhealthy_after_secs)
+
+    def silent_secs(self, now: float) -> float:
+        """How long its Watch has been silent while the router listened (loop_clock.py)."""
+        return now - self.last_seen - (self.registry.loop_clock.held(now) - self.held_at_seen)
 
     def open_flight(self, *, streaming: bool, model: str = "") -> Flight:
         status = self.model_status(model)
@@ -184,7 +189,7 @@ class NeuronLink:
         now = time.monotonic()
         self.status = status
         self.first_try_done = True
-        self.last_seen = now
+        self.last_seen, self.held_at_seen = now, self.registry.loop_clock.held(now)
         self.connected = True
         self.ended = {}
         # Sends the neuron had seen before this report are now in its counters.
@@ -215,6 +220,7 @@ class Registry:
         self._endpoints = list(endpoints)
         self._changed = asyncio.Event()
         self._health_task: asyncio.Task[None] | None = None
+        self.loop_clock = LoopClock()
 
     async def start(self) -> None:
         await self.set_endpoints(self._endpoints)
@@ -280,13 +286,12 @@ class Registry:
                 await self._changed.wait()
 
     async def _health_loop(self) -> None:
-        last = time.monotonic()
+        self.loop_clock.tick_at = time.monotonic()
         while True:
             await asyncio.sleep(HEALTH_TICK_SECS)
             now = time.monotonic()
-            stalled, last = now - last > HEALTH_TICK_SECS + LOOP_STALL_SECS, now
-            if stalled:  # our own loop stalled: Watch reports may be waiting unread, and a
-                continue  # neuron must not lose its calls for the router's pause
+            if self.loop_clock.tick(now):  # our own loop stalled: Watch reports may wait
+                continue  # unread, and a neuron must not lose its calls for our pause
             idle = self.stream_idle_secs
             for link in self.links.values():
                 healthy = link.healthy(now)
@@ -295,7 +300,7 @@ class Registry:
                     log.info("neuron.up" if healthy else "neuron.down", neuron=link.name,
                              open_calls=len(link.flights))
                     self.notify()
-                silent = now - link.last_seen > idle  # its Watch, as long as a stream may be
+                silent = not healthy and link.silent_secs(now) > idle  # out of rotation too
                 for f in list(link.flights):
                     why = f.overdue(now, idle)
                     if why is None and silent and not f.clocked():

@@ -19,7 +19,9 @@ act alike on both RPCs:
                                                     a neuron busy, not hung
 
 With `kv_wait_secs` set, a request waits for its reservation to fit the pool (its
-first message only then), as a neuron's admission does.
+first message only then), as a neuron's admission does; it is refused overloaded
+once the requests holding the pool have sent nothing for that long (a holder
+whose reads stopped holds it for ever; one streaming on a loaded host frees it).
 
 Generated tokens are "w0 ", "w1 ", ... with ids 100, 101, ...; a prompt's
 tokens are estimated as one per 4 characters (token-id prompts are exact). A
@@ -71,6 +73,7 @@ class FakeModel:
     ready_unix_ms: int = 0  # 0 as a neuron older than the field reports it
     tool_parser: str = ""  # the formats a real neuron reports for its model (hermes, think)
     reasoning_parser: str = ""
+    progress_at: float = 0.0  # monotonic time a request last sent a token or let its KV go
 
     def status(self) -> pb.ModelStatus:
         total = self.num_blocks * self.block_size * self.bytes_per_token
@@ -109,8 +112,9 @@ class Behaviour:
     row_lost_secs: float | None = None
     row_lost_said: bool = True
     default_tokens: int = 8
-    # a request whose reservation does not fit the pool's free bytes waits for them this
-    # long (its first message only then), then is refused overloaded (kv_max_wait_secs)
+    # a request whose reservation does not fit the pool's free bytes waits for them (its
+    # first message only then), refused overloaded (kv_max_wait_secs) once the requests
+    # holding the pool have sent no token and let no KV go for this long: they stopped
     kv_wait_secs: float | None = None
     late_choice_secs: float = 0.0  # an n > 1 request's second choice (`-1`) admitted this late
     silent: bool = False  # Watch stops sending (the neuron looks hung)
@@ -273,9 +277,9 @@ class FakeNeuron(pbg.NeuronServicer):
         delay = float(marks.get("slow", self.b.token_delay_secs))
         if self.b.kv_wait_secs is not None:
             total = m.num_blocks * m.block_size * m.bytes_per_token
-            deadline = time.monotonic() + self.b.kv_wait_secs
+            since = time.monotonic()
             while m.used_bytes + reserve > total:
-                if time.monotonic() > deadline:
+                if time.monotonic() - max(since, m.progress_at) > self.b.kv_wait_secs:
                     context.set_trailing_metadata([("helexa-code", "overloaded")])
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                         "fake: no KV for it within kv_wait_secs")
@@ -327,6 +331,7 @@ class FakeNeuron(pbg.NeuronServicer):
                     msg.prompt_text = _decoded(request, text, prompt_ids)
                 yield msg
                 self.sent[request.req_id] = i + 1
+                m.progress_at = time.monotonic()
                 if i == 0 and "hold" in marks:
                     hold_gil(float(marks["hold"]))
                 if i == 0 and self.b.row_lost_secs is not None:
@@ -345,6 +350,7 @@ class FakeNeuron(pbg.NeuronServicer):
         finally:
             m.used_bytes -= reserve
             m.in_flight -= 1
+            m.progress_at = time.monotonic()
             self.changed()
 
 

@@ -82,6 +82,25 @@ def test_a_neuron_out_of_rotation_keeps_its_streams_while_they_flow(fl):
     assert text.endswith("w23 w24 ")  # to its last token: 2.5 s, its neuron silent from 0.1
 
 
+def test_a_request_right_after_the_routers_own_loop_was_held_finds_its_neurons(fl):
+    """The router's loop held past unhealthy_after_secs (0.6 s here: a burst of work on it, a
+    host short of CPU) read no Watch report meanwhile: that silence is the router's, not the
+    neurons'. Counted as theirs, a request run first after the hold, before the Watch
+    readers took the reports waiting for them, found no neuron in rotation: a 503 "no neuron
+    is reachable" (with one out, a 400 for an `n` the other alone could not hold)."""
+    import concurrent.futures
+
+    def held() -> list[str]:  # hold the loop, then look as the next request on it does
+        time.sleep(1.0)
+        return sorted(c.neuron for c in fl.state.registry.candidates("tiny"))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hold = pool.submit(fl.lt.call, held)
+        time.sleep(0.1)  # the request comes while the loop is held
+        r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+        assert hold.result() == ["n1", "n2"]
+    assert r.choices[0].message.content == "w0 "
+
+
 def test_a_non_streaming_call_outlives_a_brief_silence_not_a_long_one(fl):
     """A Complete call has no messages to time it: its neuron's Watch does. Silent for 1.5 s
     (out of rotation at 0.6 s), the neuron answers it itself; silent past stream_idle_secs
@@ -118,6 +137,24 @@ def test_a_non_streaming_call_outlives_a_brief_silence_not_a_long_one(fl):
             assert other.requests and other.requests[-1].req_id == hung.requests[-1].req_id
     finally:
         fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+
+
+def test_a_call_on_a_neuron_in_rotation_is_not_ended_for_its_watchs_silence(fl):
+    """A call with no clock of its own is ended for its neuron's Watch silence only once the
+    neuron left rotation too: a neuron the router still sends work to is not hung. With
+    stream_idle_secs under the heartbeat (here 0.1 s; beats every 0.25 s), every such call
+    on a healthy neuron was cut between two beats (and its retry, then a 503)."""
+    def sent() -> int:
+        return len(fl.n1.requests) + len(fl.n2.requests)
+
+    fl.state.registry.stream_idle_secs = 0.1
+    set_b(fl, first_delay_secs=1.0)
+    try:
+        r = fl.client().chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
+    finally:
+        fl.state.registry.stream_idle_secs = fl.state.cfg.timeouts.stream_idle_secs
+        set_b(fl, first_delay_secs=0.0)
+    assert r.choices[0].message.content == "w0 w1 " and sent() == 1  # answered, no retry
 
 
 def test_a_stream_silent_past_the_idle_bound_ends_with_an_error_event(fl):
