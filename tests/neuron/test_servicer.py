@@ -499,7 +499,9 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
 def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: Tokenizer) -> None:
     import threading
 
-    huge = "many words " * 100_000  # 1.1 MB: seconds of tokenising, then context_length_exceeded
+    # 1.1 MB with no space to count it in pieces at (token_bound.py): seconds of tokenising
+    # whole, then context_length_exceeded
+    huge = "many.words." * 100_000
     order: list[str] = []
     started = threading.Event()
 
@@ -512,14 +514,16 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
         def __getattr__(self, name: str) -> Any:
             return getattr(self._real, name)
 
-        def encode_chat(self, messages: list[dict], *a: Any, **kw: Any) -> list[int]:
+        def encode_chat_within(self, limit: int | None, messages: list[dict], *a: Any,
+                               **kw: Any) -> list[int]:
             is_huge = len(messages[0]["content"]) > 100_000
             if is_huge:
                 started.set()
-            ids = self._real.encode_chat(messages, *a, **kw)
-            if is_huge:
-                order.append("huge tokenised")
-            return ids
+            try:  # (past the context: token_bound.PastLimit)
+                return self._real.encode_chat_within(limit, messages, *a, **kw)
+            finally:
+                if is_huge:
+                    order.append("huge tokenised")
 
     async def body(stub: Any, daemon: Any, engine: Any) -> tuple[Any, dict[str, str]]:
         r = daemon.residency.models["tiny"]
