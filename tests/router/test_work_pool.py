@@ -64,6 +64,10 @@ def test_a_refused_tasks_arguments_are_freed_without_the_cycle_collector():
     try:
         asyncio.run(main(prompt))
         del prompt
+        for _ in range(500):  # until the worker thread has left the task's frame
+            if held() is None:
+                break
+            threading.Event().wait(0.01)
         assert held() is None
     finally:
         gc.enable()
