@@ -85,10 +85,7 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
     if prompt_tokens < 1:
         return Refusal("invalid_request_error", "prompt: expected at least one token")
     if prompt_tokens >= context:
-        return Refusal(
-            "context_length_exceeded",
-            f"This model's maximum context length is {context} tokens; "
-            f"the prompt has {prompt_tokens} tokens, which leaves no room for output.")
+        return prompt_past_context(prompt_tokens, context)
     if max_tokens is None:
         return None
     if max_tokens < 0:  # 0: the prompt alone, nothing generated (its logprobs: echo)
@@ -105,6 +102,15 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
                        f"max_tokens: this model generates at most {output_limit} tokens "
                        f"per request, got {max_tokens}")
     return None
+
+
+def prompt_past_context(prompt_tokens: int, context: int, counted_all: bool = True) -> Refusal:
+    """The refusal of a prompt of `prompt_tokens` >= `context` tokens; not `counted_all`: the
+    neuron stopped counting there (helexa/neuron/token_bound.py), and says "at least"."""
+    has = f"{prompt_tokens} tokens" if counted_all else f"at least {prompt_tokens} tokens"
+    return Refusal("context_length_exceeded",
+                   f"This model's maximum context length is {context} tokens; "
+                   f"the prompt has {has}, which leaves no room for output.")
 
 
 def host_tier_size(host_bytes_per_card: int, num_blocks: int, bytes_per_block: int,

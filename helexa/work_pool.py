@@ -238,6 +238,11 @@ class WorkPool:
             if task.fut.cancelled() and task in self._lane.waiting.get(task.principal, ()):
                 self._lane.remove(task)  # its caller left while it waited: its body goes now
         task.fn, task.args = None, ()
+        # the future's callbacks hold this task, the task the future, the future its error,
+        # whose traceback the caller's frames: a cycle only the collector's rare full pass
+        # frees (a refused 7.8 MB prompt's request and text). Nothing reads it now (_run_one
+        # stops at fn None).
+        del task.fut
 
     def _held(self, principal: str) -> bool:
         return self._running_of.get(principal, 0) >= self.max_running
@@ -278,19 +283,23 @@ class WorkPool:
                     task.fn, task.args = None, ()
 
     def _run_one(self, task: _Task) -> None:
+        # its future first: a cancel on another thread may finish the task (_finished drops
+        # task.fut) between this thread taking it from the queue and here
+        fut: Future[Any] | None = getattr(task, "fut", None)
         fn, args = task.fn, task.args
-        if fn is None or not task.fut.set_running_or_notify_cancel():
+        if fut is None or fn is None or not fut.set_running_or_notify_cancel():
             return  # cancelled between leaving the queue and here: already uncounted
         try:
             result = fn(*args)
         except BaseException as e:
             if task.on_drop is None:  # as ThreadPoolExecutor: the caller gets it
-                task.fut.set_exception(e)
+                fut.set_exception(e)
             else:  # background work: nobody reads its future
-                task.fut.set_result(None)
+                fut.set_result(None)
                 self._report(task.principal, fn, e)
         else:
-            task.fut.set_result(result)
+            fut.set_result(result)
+        del fut  # (set_exception: the error's traceback holds this frame)
 
     def _report(self, principal: str, fn: Callable[..., Any], error: BaseException) -> None:
         name = getattr(fn, "__qualname__", None) or repr(fn)
@@ -310,7 +319,10 @@ class WorkPool:
         if isinstance(got, str):
             self.on_refuse(got, principal)
             raise self.refusal(got, principal)
-        result: T = await asyncio.wrap_future(got)
+        try:
+            result: T = await asyncio.wrap_future(got)
+        finally:  # a raised e's traceback holds this frame, and got holds e: no cycle
+            del got
         return result
 
     def submit(self, principal: str, fn: Callable[..., Any], *args: Any,

@@ -13,11 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from helexa.budget import fitted_max_tokens
+from helexa.budget import fitted_max_tokens, prompt_past_context
 from helexa.neuron import agent
 from helexa.neuron.detokenizer import decode_with_offsets
 from helexa.neuron.engine import messages
 from helexa.neuron.limits import check_context
+from helexa.neuron.token_bound import PastLimit
 from helexa.neuron.vision.prompt import with_images
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
@@ -26,8 +27,10 @@ from helexa.stop_caps import stop_problem
 MAX_PROMPT_LOGPROBS = 20  # alternatives a prompt token may ask for, as top_logprobs' most
 
 
-def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
-    """The prompt's token ids: chat via the chat template, text as is, or ids given."""
+def tokenise(tokenizer: Any, request: pb.GenerateRequest, limit: int | None = None) -> list[int]:
+    """The prompt's token ids: chat via the chat template, text as is, or ids given;
+    token_bound.PastLimit, without tokenising all of it, for a text of `limit` tokens or
+    more."""
     which = request.WhichOneof("prompt")
     if which == "chat":
         msgs, kwargs = agent.template_inputs(request.chat, request.reasoning_effort,
@@ -35,13 +38,16 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest) -> list[int]:
         if not msgs:
             raise Refusal("invalid_request_error", "messages: expected at least one message")
         try:
-            return list(tokenizer.encode_chat(
-                msgs, continue_final_message=request.chat.continue_final_message, **kwargs))
+            return list(tokenizer.encode_chat_within(
+                limit, msgs, continue_final_message=request.chat.continue_final_message,
+                **kwargs))
+        except PastLimit:
+            raise
         except Exception as e:  # the checkpoint's template refused these messages
             raise Refusal("invalid_request_error",
                           f"messages: the model's chat template failed: {e}") from None
     if which == "text":
-        ids = list(tokenizer.encode(request.text))
+        ids = list(tokenizer.encode(request.text, limit=limit))
         if not ids:
             raise Refusal("invalid_request_error", "prompt: expected at least one token")
         return ids
@@ -63,7 +69,11 @@ def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | Non
     releases the GIL for long texts, Pillow while it decodes). Returns the ids, the
     max_tokens in force (`fit_max_tokens` lowers it to what the context leaves) and the
     images."""
-    ids, images = with_images(tokenizer, request, tokenise(tokenizer, request))
+    try:  # a prompt the context cannot hold is refused as soon as that is certain
+        ids = tokenise(tokenizer, request, limits.context if limits is not None else None)
+    except PastLimit as e:
+        raise prompt_past_context(e.at_least, limits.context, counted_all=False) from None
+    ids, images = with_images(tokenizer, request, ids)
     if request.fit_max_tokens and max_tokens is not None and limits is not None:
         max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
                                        max_output_tokens=limits.output)

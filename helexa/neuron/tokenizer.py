@@ -31,6 +31,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from helexa.neuron import token_bound
+
 
 class TemplateError(Exception):
     """The chat template refused the messages (its raise_exception), or is missing."""
@@ -127,13 +129,6 @@ def _replace_strings(value: Any, swap: Any) -> Any:
     return value
 
 
-# Beyond this many characters encode through encode_batch_fast, which releases the GIL while
-# it works (encode holds it: seconds for a megabyte, freezing every other thread's Python).
-# The fast form (tokenizers >= 0.20) skips offsets: freeing a 7 MB text's Encoding with
-# them held the GIL 2.5 s, without them 0.07 s. The ids are the same.
-_LONG_TEXT_CHARS = 16384
-
-
 @functools.cache
 def _byte_of_char() -> dict[str, int]:
     """The inverse of GPT-2's bytes_to_unicode: byte-level BPE character -> byte."""
@@ -147,13 +142,6 @@ def _byte_of_char() -> dict[str, int]:
             chars.append(256 + n)
             n += 1
     return {chr(c): b for b, c in zip(printable, chars, strict=True)}
-
-
-def _encode(tok: Any, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > _LONG_TEXT_CHARS:
-        batch = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        return batch([text], add_special_tokens=add_special_tokens)[0].ids
-    return tok.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def eos_token_ids(model_dir: str | Path,
@@ -213,6 +201,7 @@ class Tokenizer:
         self._tok = tok  # tokenizers.Tokenizer
         spec = tok.to_str()
         self._byte_level = '"ByteLevel"' in json.dumps(json.loads(spec).get("decoder"))
+        self._pieces = token_bound.splittable(json.loads(spec))  # a long text counted in pieces
         self._token_bytes: dict[int, bytes] = {}
         # The same vocabulary with special tokens read as plain text, for message content.
         self._plain = HfTokenizer.from_str(spec)
@@ -273,8 +262,13 @@ class Tokenizer:
 
     # ---------------------------------------------------------------- tokens
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return _encode(self._tok, text, add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True,
+               limit: int | None = None) -> list[int]:
+        """The text's ids; token_bound.PastLimit, the text not tokenised whole, when it has
+        `limit` tokens or more (counted in pieces where the tokenizer allows)."""
+        if limit is not None and self._pieces:
+            token_bound.check(self._tok, text, add_special_tokens, limit)
+        return token_bound.encode(self._tok, text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -339,6 +333,14 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
         """The prompt's ids; special tokens come only from the template's markup."""
+        return self.encode_chat_within(None, messages, add_generation_prompt,
+                                       continue_final_message, **kwargs)
+
+    def encode_chat_within(self, limit: int | None, messages: list[dict], /,
+                           add_generation_prompt: bool = True,
+                           continue_final_message: bool = False, **kwargs: Any) -> list[int]:
+        """encode_chat, raising token_bound.PastLimit as `encode` does past `limit` (an
+        argument apart from the template's keywords: a client's chat_template_kwargs)."""
         # The template writes any bos itself, so the text is encoded without
         # adding special tokens (as transformers does for chat).
         pattern = self._special_text_re
@@ -347,7 +349,7 @@ class Tokenizer:
         if pattern is None or not any(t in s for s in caller_text for t in self._special_ids):
             text = self.apply_chat_template(messages, add_generation_prompt,
                                             continue_final_message, **kwargs)
-            return self.encode(text, add_special_tokens=False)
+            return self.encode(text, add_special_tokens=False, limit=limit)
         sentinel_of, text_of = self._sentinels("".join(caller_text))
 
         def quote(s: str) -> str:
@@ -361,14 +363,17 @@ class Tokenizer:
         pos = 0
         assert self._special_re is not None
         for m in self._special_re.finditer(text):
-            ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:m.start()]))
+            ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)],
+                                                  text[pos:m.start()]), limit, len(ids))
             ids.append(self._special_ids[m.group(0).strip()])
             pos = m.end()
-        ids += self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:]))
-        return ids
+        return ids + self._encode_plain(restore.sub(lambda x: text_of[x.group(0)], text[pos:]),
+                                        limit, len(ids))
 
-    def _encode_plain(self, text: str) -> list[int]:
-        return _encode(self._plain, text, False) if text else []
+    def _encode_plain(self, text: str, limit: int | None = None, before: int = 0) -> list[int]:
+        if limit is not None and self._pieces and text:
+            token_bound.check(self._plain, text, False, limit, before)
+        return token_bound.encode(self._plain, text, False) if text else []
 
     def _sentinels(self, caller_text: str) -> tuple[dict[str, str], dict[str, str]]:
         """special text -> sentinel char, and back; chars neither the caller nor the

@@ -522,7 +522,9 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
 def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: Tokenizer) -> None:
     import threading
 
-    huge = "many words " * 100_000  # 1.1 MB: seconds of tokenising, then context_length_exceeded
+    # 1.1 MB with no space to count it in pieces at (token_bound.py): seconds of tokenising
+    # whole, then context_length_exceeded
+    huge = "many.words." * 100_000
     order: list[str] = []
     started = threading.Event()
 
@@ -535,14 +537,16 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
         def __getattr__(self, name: str) -> Any:
             return getattr(self._real, name)
 
-        def encode_chat(self, messages: list[dict], *a: Any, **kw: Any) -> list[int]:
+        def encode_chat_within(self, limit: int | None, messages: list[dict], *a: Any,
+                               **kw: Any) -> list[int]:
             is_huge = len(messages[0]["content"]) > 100_000
             if is_huge:
                 started.set()
-            ids = self._real.encode_chat(messages, *a, **kw)
-            if is_huge:
-                order.append("huge tokenised")
-            return ids
+            try:  # (past the context: token_bound.PastLimit)
+                return self._real.encode_chat_within(limit, messages, *a, **kw)
+            finally:
+                if is_huge:
+                    order.append("huge tokenised")
 
     async def body(stub: Any, daemon: Any, engine: Any) -> tuple[Any, dict[str, str]]:
         r = daemon.residency.models["tiny"]
@@ -564,6 +568,38 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
     code, md = serve(config_path, tok, body)
     assert order == ["small streamed", "watch", "huge tokenised"]
     assert code == grpc.StatusCode.INVALID_ARGUMENT and md["helexa-code"] == "context_length_exceeded"
+
+
+def test_a_refused_request_is_freed_without_the_cycle_collector(config_path: Path,
+                                                                tok: Tokenizer) -> None:
+    # grpc keeps an abort's AbortError on the call, whose traceback holds the frames that
+    # hold the call: a cycle that kept each refused request (its prompt, the refusal's frames)
+    # until the collector's rare full pass; the neuron's RSS grew ~10 MB a refused 7.8 MB prompt
+    import gc
+    from types import FrameType
+
+    too_long = "many words " * 1000
+
+    async def body(stub: Any, daemon: Any, engine: Any) -> list[str]:
+        await complete(stub, chat())  # the first call's own set-up is not the refusal's
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for call in (collect, complete):
+                code, md, _ = await refusal(stub, chat(too_long), call=call)
+                assert md["helexa-code"] == "context_length_exceeded"
+            await asyncio.sleep(0.2)  # the calls' done callbacks
+            gc.collect()
+            # the neuron's frames (which hold the request) in cycles; the client's are its own
+            return sorted({o.f_code.co_qualname for o in gc.garbage if isinstance(o, FrameType)
+                           and "/helexa/" in o.f_code.co_filename})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+
+    assert serve(config_path, tok, body) == []
 
 
 def test_a_paced_requests_pauses_are_logged_once_at_info_and_counted_at_its_end(monkeypatch):

@@ -57,6 +57,11 @@ class Gated:
         self._gate(str(messages[-1]["content"]))
         return self._real.encode_chat(messages, *a, **kw)
 
+    def encode_chat_within(self, limit: int | None, messages: list[dict], *a: Any,
+                           **kw: Any) -> list[int]:
+        self._gate(str(messages[-1]["content"]))
+        return self._real.encode_chat_within(limit, messages, *a, **kw)
+
     def encode(self, text: str, *a: Any, **kw: Any) -> list[int]:
         self._gate(text)
         return self._real.encode(text, *a, **kw)
