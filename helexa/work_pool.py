@@ -221,9 +221,11 @@ class WorkPool:
             # its principal had none waiting) before the other principals' turns
             self._lane.put(task, first=not share)
             self._cv.notify()
-        # Added outside the lock: a callback run at once (the task already done) takes it.
-        task.fut.add_done_callback(lambda _: self._finished(task))
-        return task.fut
+        # Added outside the lock: a callback run at once (the task already done) takes it,
+        # and _finished drops task.fut: the future is read first
+        fut = task.fut
+        fut.add_done_callback(lambda _: self._finished(task))
+        return fut
 
     def _finished(self, task: _Task) -> None:
         """A request's task's future is done (result, error or cancelled): its place is
@@ -369,4 +371,6 @@ class WorkPool:
             waiting = self._lane.all() + background
             self._cv.notify_all()
         for t in waiting:
-            t.fut.cancel()
+            fut = getattr(t, "fut", None)  # None: a worker took it and it finished meanwhile
+            if fut is not None:
+                fut.cancel()
