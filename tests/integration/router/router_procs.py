@@ -3,13 +3,14 @@ the test principals' keys, the configs (imported by conftest.py and the tests)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 TOKEN = "router-integration-token"
+FAKE_NEURON = Path(__file__).resolve().parents[2] / "router" / "router_fake_neuron.py"
 PRINCIPALS = ["alice", "bob", "carol", "dave", *[f"p{i}" for i in range(8)]]
 
 
@@ -86,6 +88,34 @@ def start_router(config_path: Path, timeout_secs: float = 60.0) -> RouterProcess
         proc.kill()
         raise RuntimeError("router did not start:\n" + log_path.read_text()[-3000:])
     return RouterProcess(proc, lines[-1].split()[-1], config_path, log_path, lines)
+
+
+@contextlib.contextmanager
+def router_over_fake(tmp_path: Path, name: str, *fake_args: str,
+                     timeouts: dict[str, float] | None = None) -> Iterator[RouterProcess]:
+    """A fake neuron process (tests/router/router_fake_neuron.py, serving `tiny`, started as
+    `helexa up` starts its neuron: first) and a router process over it; both stopped after."""
+    neuron = subprocess.Popen([sys.executable, str(FAKE_NEURON), "--name", name, "--models",
+                               "tiny", *fake_args], stdout=subprocess.PIPE, text=True)
+    try:
+        assert neuron.stdout is not None
+        line = neuron.stdout.readline()
+        assert line.startswith("NEURON LISTENING "), line
+        conf: dict[str, Any] = {
+            "server": {"listen": "127.0.0.1:0"},
+            "neurons": {"endpoints": [{"name": name, "address": line.split()[-1]}]}}
+        if timeouts:
+            conf["timeouts"] = timeouts
+        cfg = tmp_path / "router.toml"
+        cfg.write_text(tomli_w.dumps(conf))
+        router = start_router(cfg)
+        try:
+            yield router
+        finally:
+            assert router.stop() == 0
+    finally:
+        neuron.kill()
+        neuron.wait()
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.05) -> Any:

@@ -7,55 +7,35 @@ loses its stream within that bound: test_router_hostile.py.)"""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx2
-import tomli_w
-from router_procs import start_router
+from router_procs import router_over_fake
 
-FAKE = Path(__file__).resolve().parents[2] / "router" / "router_fake_neuron.py"
 KEEPALIVE_SECS, KEEPALIVE_TIMEOUT_SECS = 1.0, 1.0
 HOLD_SECS = 6.0  # three times the router's keepalive bound
 
 
 def test_a_neuron_holding_its_gil_past_the_keepalive_bound_keeps_its_stream(tmp_path):
-    neuron = subprocess.Popen([sys.executable, str(FAKE), "--name", "busy", "--models", "tiny"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        line = neuron.stdout.readline()
-        assert line.startswith("NEURON LISTENING "), line
-        cfg = tmp_path / "router.toml"
-        cfg.write_text(tomli_w.dumps({
-            "server": {"listen": "127.0.0.1:0"},
-            "neurons": {"endpoints": [{"name": "busy", "address": line.split()[-1]}]},
-            "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
-                         "stream_idle_secs": 120.0, "keepalive_secs": KEEPALIVE_SECS,
-                         "keepalive_timeout_secs": KEEPALIVE_TIMEOUT_SECS}}))
-        router = start_router(cfg)
-        try:
-            texts, gaps, last = [], [], None
-            with httpx2.stream("POST", router.url + "/v1/completions", timeout=120, json={
-                    "model": "tiny", "prompt": f"[[tokens:4]] [[hold:{HOLD_SECS}]] go",
-                    "max_tokens": 4, "stream": True}) as r:
-                for raw in r.iter_lines():
-                    if not raw.startswith("data: {"):
-                        continue
-                    body = json.loads(raw.removeprefix("data: "))
-                    assert "error" not in body, body
-                    texts.append(body["choices"][0]["text"])
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append(now - last)
-                    last = now
-            assert "".join(texts) == "w0 w1 w2 w3 "
-            # the neuron was silent past the keepalive bound: its pings had to be answered
-            assert max(gaps) > KEEPALIVE_SECS + KEEPALIVE_TIMEOUT_SECS
-            assert "ping timeout" not in router.log_path.read_text()
-        finally:
-            router.stop()
-    finally:
-        neuron.kill()
-        neuron.wait()
+    with router_over_fake(tmp_path, "busy", timeouts={
+            "unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5, "stream_idle_secs": 120.0,
+            "keepalive_secs": KEEPALIVE_SECS,
+            "keepalive_timeout_secs": KEEPALIVE_TIMEOUT_SECS}) as router:
+        texts, gaps, last = [], [], None
+        with httpx2.stream("POST", router.url + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": f"[[tokens:4]] [[hold:{HOLD_SECS}]] go",
+                "max_tokens": 4, "stream": True}) as r:
+            for raw in r.iter_lines():
+                if not raw.startswith("data: {"):
+                    continue
+                body = json.loads(raw.removeprefix("data: "))
+                assert "error" not in body, body
+                texts.append(body["choices"][0]["text"])
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+        assert "".join(texts) == "w0 w1 w2 w3 "
+        # the neuron was silent past the keepalive bound: its pings had to be answered
+        assert max(gaps) > KEEPALIVE_SECS + KEEPALIVE_TIMEOUT_SECS
+        assert "ping timeout" not in router.log_path.read_text()
