@@ -72,8 +72,9 @@ def splittable(spec: dict) -> bool:
 
 
 def pieces(text: str, size: int = PIECE_CHARS) -> Iterator[tuple[int, int]]:
-    """(start, end) of each piece of `text`: about `size` characters, cut only after an ASCII
-    letter or digit that whitespace follows (a text with no such place: one piece)."""
+    """(start, end) of each piece of `text`: about `size` characters, cut only where `_CUT`
+    allows, before a space after a non-space character or before a newline after an ASCII
+    letter or digit (a text with no such place: one piece)."""
     start = 0
     while len(text) - start > size:
         m = _CUT.search(text, start + size)
@@ -89,11 +90,9 @@ def check(tok: Any, text: str, add_special_tokens: bool, limit: int, before: int
     piece at a time and stopping there. A text whose UTF-8 bytes and special tokens come short
     of the limit is not counted (a byte-level token holds a byte at least). Only for a `tok`
     that `splittable` accepts: of any other, the caller's whole tokenisation decides."""
-    specials = tok.num_special_tokens_to_add(False) if add_special_tokens else 0
-    fits = before + specials
-    if fits + len(text) < limit and fits + len(text.encode()) < limit:  # chars <= bytes
+    count = before + (tok.num_special_tokens_to_add(False) if add_special_tokens else 0)
+    if count + len(text) < limit and count + len(text.encode()) < limit:  # chars <= bytes
         return
-    count = before + specials
     for start, end in pieces(text):
         count += len(encode(tok, text[start:end], False))
         if count >= limit:

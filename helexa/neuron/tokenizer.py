@@ -200,8 +200,9 @@ class Tokenizer:
 
         self._tok = tok  # tokenizers.Tokenizer
         spec = tok.to_str()
-        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(spec).get("decoder"))
-        self._pieces = token_bound.splittable(json.loads(spec))  # a long text counted in pieces
+        parsed = json.loads(spec)  # (a large vocabulary's JSON: parsed once)
+        self._byte_level = '"ByteLevel"' in json.dumps(parsed.get("decoder"))
+        self._pieces = token_bound.splittable(parsed)  # a long text counted in pieces
         self._token_bytes: dict[int, bytes] = {}
         # The same vocabulary with special tokens read as plain text, for message content.
         self._plain = HfTokenizer.from_str(spec)
