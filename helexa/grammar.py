@@ -20,6 +20,9 @@ drops the ones the library does not implement (`UNENFORCED_KEYWORDS`, a
 it dropped; the JSON the grammar then produces is still valid for every
 other keyword, and the router checks the reply against the whole schema
 after generation (helexa/router/schema_check.py). docs/api.md has the table.
+
+What is computed for a schema is cached per principal (helexa/principal_cache.py): a
+caller's repeated schema compiles once, and no key can time whether another sent it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from functools import lru_cache
 from typing import Any, Literal
 
 import msgspec
+
+from helexa.principal_cache import per_principal
 
 Kind = Literal["json_schema", "json_object", "regex", "lark"]
 KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "lark")
@@ -136,7 +141,7 @@ def _reduce(s: Any, path: str, dropped: list[str], extra: set[str], formats: set
     return out
 
 
-@lru_cache(maxsize=1024)
+@per_principal(1024)
 def _regex_ok(pattern: str) -> bool:
     try:
         check(Constraint(kind="regex", source=pattern))
@@ -190,7 +195,7 @@ def check(c: Constraint) -> None:
 _FORCED_ROUNDS = 64
 
 
-@lru_cache(maxsize=256)
+@per_principal(256, 64 * 2**20)
 def _refuse_endless(grammar: str) -> None:
     """Raise GrammarError when the grammar forces an endless output, like a schema whose
     required property is the schema itself (`{"a": {"a": ...`): it compiles, but no finite
@@ -224,7 +229,7 @@ def _byte_tokenizer() -> Any:
     return llguidance.LLTokenizer("byte")  # token id = byte value
 
 
-@lru_cache(maxsize=256)
+@per_principal(256, 64 * 2**20)
 def _grammar(kind: str, source: str) -> str:
     import llguidance
 

@@ -52,6 +52,9 @@ the client's answer. Nobody awaits background work, so an exception it raises is
 told to `on_background_error` (the router counts it and logs it with its
 traceback), never kept on a future nobody reads; the thread goes on to the next
 task.
+
+A task runs as its principal (helexa/principal_cache.py): the grammar work it caches is
+filed under that principal, never found by another's task.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
+
+from helexa.principal_cache import as_principal
 
 T = TypeVar("T")
 # What a refusal was for: a principal over its share, or the pool as a whole full.
@@ -292,7 +297,7 @@ class WorkPool:
         if fut is None or fn is None or not fut.set_running_or_notify_cancel():
             return  # cancelled between leaving the queue and here: already uncounted
         try:
-            result = fn(*args)
+            result = as_principal(task.principal, fn, *args)  # its grammar caches' owner
         except BaseException as e:
             if task.on_drop is None:  # as ThreadPoolExecutor: the caller gets it
                 fut.set_exception(e)

@@ -17,18 +17,30 @@ whole text lies in one piece and each piece's pre-tokens are the whole text's (n
 the last ends in whitespace, so the `\s+(?!\S)` look-ahead sees the same); NFC composes
 nothing across a space or newline; BPE merges only within a pre-token. So the pieces' ids,
 end to end, are the whole text's (tests/neuron/test_token_bound.py compares them), and the
-count of a prefix of pieces is a count the whole text has at least. A text with nowhere to
-cut (no spaces: CJK, say) is one piece; any other tokenizer's text is not counted in pieces:
-either is tokenised whole, as before.
+count of a prefix of pieces is a count the whole text has at least. Any other tokenizer's
+text is not counted in pieces: it is tokenised whole, as before.
+
+A piece with nowhere to cut for `LONG_PIECE_CHARS` (no spaces: "a.b" repeated, a CJK text)
+is not tokenised at all: `ByteBound` gives a count it has at least from its bytes alone.
+Each token of a byte-level BPE stands for bytes of the (normalised) text, the tokens' bytes
+end to end are the text's, and no token of the vocabulary holds more than `most[b]` of byte
+`b` (nor more than its longest, ASCII or not, of all bytes, ASCII bytes or others), so the
+piece has at least count(b) / most[b] tokens for every byte and class: 7.8 MB of "a.b" or
+6 MB of CJK cost a pass over their bytes, not seconds and 1.6 GB of the library's Encoding.
+A text that fits is still tokenised whole by its caller, so its ids are the whole text's.
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
+
 PIECE_CHARS = 1 << 16  # characters a piece holds about: ~16k tokens of English, a few MB held
+LONG_PIECE_CHARS = 4 * PIECE_CHARS  # a piece past this, cut nowhere, is bounded (ByteBound)
 
 # A piece ends at a character that is not whitespace before a space, or at an ASCII letter
 # or digit before a newline (after punctuation, the patterns keep the newline with it).
@@ -85,18 +97,73 @@ def pieces(text: str, size: int = PIECE_CHARS) -> Iterator[tuple[int, int]]:
     yield start, len(text)
 
 
-def check(tok: Any, text: str, add_special_tokens: bool, limit: int, before: int = 0) -> None:
+def check(tok: Any, text: str, add_special_tokens: bool, limit: int, before: int = 0,
+          bound: ByteBound | None = None) -> None:
     """Raise PastLimit when `before` tokens and the text's reach `limit`, counting the text a
-    piece at a time and stopping there. A text whose UTF-8 bytes and special tokens come short
-    of the limit is not counted (a byte-level token holds a byte at least). Only for a `tok`
-    that `splittable` accepts: of any other, the caller's whole tokenisation decides."""
+    piece at a time and stopping there; a piece longer than LONG_PIECE_CHARS counts what
+    `bound` says it has at least, untokenised. A text whose UTF-8 bytes and special tokens
+    come short of the limit is not counted (a byte-level token holds a byte at least). Only
+    for a `tok` that `splittable` accepts: of any other, the caller's whole tokenisation
+    decides, as it does where the count stays short of the limit."""
     count = before + (tok.num_special_tokens_to_add(False) if add_special_tokens else 0)
     if count + len(text) < limit and count + len(text.encode()) < limit:  # chars <= bytes
         return
-    for start, end in pieces(text):
-        count += len(encode(tok, text[start:end], False))
+    for start, end in pieces(text, PIECE_CHARS):
+        if bound is not None and end - start > LONG_PIECE_CHARS:
+            count += bound.at_least(text[start:end])
+        else:
+            count += len(encode(tok, text[start:end], False))
         if count >= limit:
             raise PastLimit(count)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> the byte it stands for."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable},
+            **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+class ByteBound:
+    """The most of each byte (and of all bytes, ASCII bytes, other bytes) one token of a
+    byte-level BPE vocabulary holds: a lower bound on a text's tokens, untokenised."""
+
+    def __init__(self, most: np.ndarray, nfc: bool) -> None:
+        self.most, self.nfc = most, nfc  # most: [256 bytes, all, ASCII, other]
+
+    @classmethod
+    def of(cls, spec: dict) -> ByteBound | None:
+        """The bound of a tokenizer.json `splittable` accepts, or None where its vocabulary
+        lacks a byte's own token or a token is more than its bytes (a subword prefix)."""
+        model = spec.get("model") or {}
+        if model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") \
+                or not isinstance(model.get("vocab"), dict):
+            return None
+        decoder, most = _byte_decoder(), np.zeros(259, dtype=np.int64)
+        if any(c not in model["vocab"] for c in decoder):
+            return None  # a byte with no token of its own: BPE could drop it
+        texts = [t.get("content", "").encode() for t in spec.get("added_tokens") or ()]
+        for piece in model["vocab"]:
+            if all(c in decoder for c in piece):  # else no byte-level text makes it
+                texts.append(bytes(decoder[c] for c in piece))
+        # every token's bytes end to end, each byte tagged with its token's index
+        data = np.frombuffer(b"".join(texts), dtype=np.uint8).astype(np.int64)
+        owner = np.repeat(np.arange(len(texts)), [len(t) for t in texts])
+        pairs, counts = np.unique(owner * 256 + data, return_counts=True)
+        np.maximum.at(most, pairs % 256, counts)  # the most of byte b in one token
+        for column, which in ((256, data >= 0), (257, data < 128), (258, data >= 128)):
+            most[column] = np.bincount(owner[which], minlength=1).max()
+        return cls(np.maximum(most, 1), (spec.get("normalizer") or {}).get("type") == "NFC")
+
+    def at_least(self, text: str) -> int:
+        """Tokens `text` has at least, whole (after the normaliser, which the pieces of
+        `pieces` keep apart)."""
+        raw = (unicodedata.normalize("NFC", text) if self.nfc else text).encode()
+        counts = np.bincount(np.frombuffer(raw, dtype=np.uint8), minlength=256)
+        ascii_ = int(counts[:128].sum())
+        have = np.array([*counts, len(raw), ascii_, len(raw) - ascii_], dtype=np.int64)
+        return int((-(-have // self.most)).max()) if len(raw) else 0
 
 
 # Beyond this many characters encode through encode_batch_fast, which releases the GIL while

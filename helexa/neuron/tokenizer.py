@@ -203,6 +203,8 @@ class Tokenizer:
         parsed = json.loads(spec)  # (a large vocabulary's JSON: parsed once)
         self._byte_level = '"ByteLevel"' in json.dumps(parsed.get("decoder"))
         self._pieces = token_bound.splittable(parsed)  # a long text counted in pieces
+        # a piece with nowhere to cut: a count it has at least, from its bytes
+        self._bound = token_bound.ByteBound.of(parsed) if self._pieces else None
         self._token_bytes: dict[int, bytes] = {}
         # The same vocabulary with special tokens read as plain text, for message content.
         self._plain = HfTokenizer.from_str(spec)
@@ -268,7 +270,7 @@ class Tokenizer:
         """The text's ids; token_bound.PastLimit, the text not tokenised whole, when it has
         `limit` tokens or more (counted in pieces where the tokenizer allows)."""
         if limit is not None and self._pieces:
-            token_bound.check(self._tok, text, add_special_tokens, limit)
+            token_bound.check(self._tok, text, add_special_tokens, limit, bound=self._bound)
         return token_bound.encode(self._tok, text, add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
@@ -373,7 +375,7 @@ class Tokenizer:
 
     def _encode_plain(self, text: str, limit: int | None = None, before: int = 0) -> list[int]:
         if limit is not None and self._pieces and text:
-            token_bound.check(self._plain, text, False, limit, before)
+            token_bound.check(self._plain, text, False, limit, before, self._bound)
         return token_bound.encode(self._plain, text, False) if text else []
 
     def _sentinels(self, caller_text: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import json
 import re
-from functools import lru_cache
 from typing import Any
 
+from helexa.principal_cache import per_principal
 from helexa.router.json_depth import MAX_JSON_DEPTH, json_depth_error
 
 _TYPES: dict[str, Any] = {
@@ -204,7 +204,7 @@ def _search(pattern: str, text: str) -> bool | None:
     return None if compiled is None else compiled.search(text) is not None
 
 
-@lru_cache(maxsize=256)
+@per_principal(256)
 def _compiled(pattern: str) -> re.Pattern[str] | None:
     if backtracks(pattern):
         return None
@@ -214,7 +214,7 @@ def _compiled(pattern: str) -> re.Pattern[str] | None:
         return None
 
 
-@lru_cache(maxsize=256)
+@per_principal(256)
 def backtracks(pattern: str) -> bool:
     """Whether a group that repeats (`*`, `+`, `{n,}`) holds a repetition or a branch of
     its own (`(a+)+`, `(\\w+\\s?)*`, `(a|aa)+`): the shapes that make a backtracking matcher

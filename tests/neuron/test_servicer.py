@@ -522,11 +522,11 @@ def test_complete_refuses_with_the_statuses_and_metadata_of_generate(config_path
 def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: Tokenizer) -> None:
     import threading
 
-    # 1.1 MB with no space to count it in pieces at (token_bound.py): seconds of tokenising
-    # whole, then context_length_exceeded
+    # 1.1 MB, then context_length_exceeded; its tokenising is held until the small request
+    # has streamed (had it run on the event loop, nothing would stream meanwhile)
     huge = "many.words." * 100_000
     order: list[str] = []
-    started = threading.Event()
+    started, go = threading.Event(), threading.Event()
 
     class Observed:
         """The model's tokenizer, saying when the huge prompt's tokenising starts and ends."""
@@ -542,6 +542,7 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
             is_huge = len(messages[0]["content"]) > 100_000
             if is_huge:
                 started.set()
+                go.wait(30)
             try:  # (past the context: token_bound.PastLimit)
                 return self._real.encode_chat_within(limit, messages, *a, **kw)
             finally:
@@ -561,6 +562,7 @@ def test_a_huge_prompt_is_tokenised_off_the_event_loop(config_path: Path, tok: T
         assert small[-1].finish_reason == pb.FINISH_REASON_STOP
         await watch.read()  # the small request's own changes reach Watch
         order.append("watch")
+        go.set()
         code, md, _ = await big
         watch.cancel()
         return code, md

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from helexa.neuron import token_bound
 from helexa.neuron.limits import ModelLimits
@@ -120,3 +123,61 @@ def test_a_tokenizer_whose_pieces_could_differ_is_not_counted_in_pieces(
     rstrip = {**spec, "added_tokens": [{**spec["added_tokens"][0], "rstrip": True}]}
     for other in (metaspace, rstrip):
         assert not token_bound.splittable(other)
+
+
+def cjk(chars: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return "".join(chr(rng.randint(0x4E00, 0x9FFF)) for _ in range(chars))
+
+
+NO_CUT = {"a.b": "a.b" * 2_600_000,  # 7.8 MB, nowhere a piece may end (no space)
+          "cjk": cjk(2_000_000)}  # 6 MB of CJK, no space either
+
+
+@pytest.mark.parametrize("name", NO_CUT)
+@pytest.mark.parametrize("as_chat", [False, True], ids=["text", "chat"])
+def test_a_prompt_past_the_context_with_nowhere_to_cut_is_refused_untokenised(
+        tok: Tokenizer, name: str, as_chat: bool) -> None:
+    text = NO_CUT[name]
+    request_ = chat(text) if as_chat else pb.GenerateRequest(text=text, max_tokens=1)
+    with pytest.raises(Refusal) as e:
+        prompt_of(tok, request_, 1, LIMITS)
+    assert e.value.code == "context_length_exceeded"
+    counted = int(e.value.message.split("at least ")[1].split()[0])
+    whole = tok._tok._real.encode_batch_fast([text], add_special_tokens=False)[0].ids
+    assert CONTEXT <= counted <= len(whole)  # a true lower bound
+    assert watched(tok) <= 2 * token_bound.PIECE_CHARS  # whole, all of it was tokenised
+
+
+@functools.cache
+def _tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_dir(model_dir)
+
+
+# Texts with long stretches a piece may not end in (no spaces), and places it may.
+_TEXT = st.lists(st.sampled_from([*"ab.,Z9\n\t'é中文", " ", "  ", "a.b.", "e\u0301", "中。",
+                                  "<|im_end|>", "ａｂ", "\u00a0", "1234", "...."]),
+                 max_size=300).map("".join)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                        HealthCheck.function_scoped_fixture])
+@given(text=_TEXT, slack=st.integers(-3, 3))
+def test_a_prompt_that_fits_keeps_its_whole_texts_ids_however_it_is_counted(
+        text: str, slack: int, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of a few characters, and any piece past 8 bounded untokenised: a prompt that
+    fits is never refused and keeps the whole text's ids; one that does not is refused."""
+    monkeypatch.setattr(token_bound, "PIECE_CHARS", 4)
+    monkeypatch.setattr(token_bound, "LONG_PIECE_CHARS", 8)
+    t = _tokenizer(tiny_model_dir)
+    whole = t._tok.encode(text).ids
+    limit = max(1, len(whole) + slack)
+    if len(whole) < limit:
+        assert t.encode(text, limit=limit) == whole
+    else:
+        with pytest.raises(token_bound.PastLimit) as e:
+            t.encode(text, limit=limit)  # refused in pieces, or its whole count decides
+            raise token_bound.PastLimit(len(whole))
+        assert limit <= e.value.at_least <= len(whole)
+    assert t._bound is not None and t._bound.at_least(text) <= len(
+        t._plain.encode(text, add_special_tokens=False).ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import threading
 
 import httpx2
@@ -76,3 +77,32 @@ def test_schemas_compiling_on_every_thread_never_hold_up_a_plain_request(fl, mon
         finally:
             release.set()
         assert [f.result().status_code for f in slow_ones] == [200, 200]
+
+
+def test_a_schema_another_key_sent_is_compiled_again_and_a_keys_repeat_is_not(fl, monkeypatch):
+    """The router's compiled grammars are kept per principal (helexa/principal_cache.py):
+    where they were shared, the caller without a key got alice's compiled schema at once
+    and could time that she had sent it."""
+    import llguidance
+
+    real, compiled = llguidance.LLMatcher, []
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def __call__(self, *a, **kw):
+            return real(*a, **kw)
+
+        def grammar_from_json_schema(self, schema, *a, **kw):
+            compiled.append(json.dumps(schema))
+            return real.grammar_from_json_schema(schema, *a, **kw)
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    own = {"type": "object", "properties": {"alices_own": {"type": "integer"}}}
+    body = {"model": "tiny", "messages": MSG, "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "o", "schema": own}}}
+    alice = {"Authorization": f"Bearer {ALICE_KEY}"}
+    for headers, total in ((alice, 1), (alice, 1), ({}, 2), ({}, 2), (alice, 2)):
+        r = httpx2.post(fl.url + "/v1/chat/completions", timeout=30, json=body, headers=headers)
+        assert r.status_code == 200, r.text[:300]
+        assert sum("alices_own" in s for s in compiled) == total, (headers, compiled)
