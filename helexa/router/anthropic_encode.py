@@ -4,8 +4,9 @@ Content blocks come from the parsed parts of the output (agent_output.py):
 `thinking` (with an empty signature: there is nothing to sign here),
 `text`, and `tool_use` (input as an object). Stop reasons: `end_turn`,
 `stop_sequence` (with the sequence), `max_tokens`, `tool_use`. Streaming
-opens a block when its first piece arrives and closes it when another kind
-starts or the message ends: message_start, then per block
+opens a block when its first piece arrives (a thought the prompt opened: at
+admission, docs/api.md, "`POST /v1/messages` (Anthropic)") and closes it when
+another kind starts or the message ends: message_start, then per block
 content_block_start / content_block_delta (text_delta, thinking_delta,
 input_json_delta; a thinking block's last is its signature_delta) /
 content_block_stop, then message_delta (stop reason, usage) and message_stop; a
@@ -28,6 +29,8 @@ from helexa.router.json_depth import json_depth_error
 from helexa.router.tool_parsers import whole_calls
 
 _STOP: dict[int, str] = {pb.FINISH_REASON_STOP: "end_turn", pb.FINISH_REASON_LENGTH: "max_tokens"}
+_EMPTY_DELTA: dict[str, dict[str, str]] = {"thinking": {"type": "thinking_delta", "thinking": ""},
+                                          "text": {"type": "text_delta", "text": ""}}
 
 
 def message_id() -> str:
@@ -117,7 +120,12 @@ class StreamEncoder:
         return full_message(self.msg_id, self.model, reply, self.parser, self.stop)
 
     def ping(self) -> bytes:
-        """A keep-alive while the neuron is silent (Anthropic's own `ping` event)."""
+        """A keep-alive while the neuron is silent: inside a thinking or text block, an empty
+        delta of it, else Anthropic's own `ping` event. Claude Code (2.1.197) skips `ping`
+        when it resets its stream watchdog (300 s, `CLAUDE_STREAM_IDLE_TIMEOUT_MS`), so a
+        prefill longer than that inside a thought would be dropped and started over."""
+        if self.kind in _EMPTY_DELTA:
+            return self._delta(_EMPTY_DELTA[self.kind])
         return event("ping", {"type": "ping"})
 
     def failed(self, err: ApiError) -> bytes:
@@ -167,13 +175,19 @@ class StreamEncoder:
 
     def feed(self, msg: pb.GenerateResponse) -> bytes:
         """The events one neuron message makes (the closing ones included on the last)."""
+        out = b""
         if self.parser is None:
             pieces = [Parts(content=msg.text)]
         else:
             if msg.thought_open:
                 self.parser.thought_opened()
+                if self.parser.phase == "thinking" and self.kind is None:
+                    # the thought is open from admission on: its block opens now, so the
+                    # prefill's keep-alives are its deltas (ping())
+                    out = self._open("thinking", {"type": "thinking", "thinking": "",
+                                                  "signature": ""})
             pieces = self.parser.feed_in_order(msg.text)  # a call, then text after it
-        out = b"".join([self._parts(p) for p in pieces])
+        out += b"".join([self._parts(p) for p in pieces])
         if msg.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
             return out
         if self.parser is not None:

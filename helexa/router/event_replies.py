@@ -12,9 +12,10 @@ with that event, so a client never sees a stream simply stop. While the
 neuron is silent (a long prompt's prefill: minutes on a CPU; the neuron's
 first message comes at admission, so the stream is open by then) the stream
 sends a keep-alive every PING_SECS (`ping()`: Anthropic's `ping` event, as
-Anthropic's API does; Responses' `response.in_progress` again). Each is an
-event, never an SSE comment, because agents time out per event: Claude Code
-drops a stream after 300 s without one, codex after its
+Anthropic's API does, or an empty delta of the open block; Responses'
+`response.in_progress` again). Each is an event, never an SSE comment,
+because agents time out per event: Claude Code drops a stream after 300 s
+without one (and counts no `ping`: anthropic_encode.py), codex after its
 `stream_idle_timeout`, and both then start the request over (its prefill
 too). Chat streams send SSE comments (`with_pings`, serve.py): chat has no
 event that clients skip.

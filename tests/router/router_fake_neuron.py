@@ -403,11 +403,20 @@ async def _main(argv: list[str]) -> None:
     p.add_argument("--token-delay", type=float, default=0.0)
     p.add_argument("--first-report-delay", type=float, default=0.0,
                    help="seconds the first Watch call waits before its first report")
+    p.add_argument("--context", type=int, default=0,
+                   help="each model's context (a quarter of it: its output limit)")
+    p.add_argument("--formats", default="",
+                   help="reasoning,tool parser each model reports (think,hermes), as a neuron")
     args = p.parse_args(argv)
     neuron = FakeNeuron(args.name, [m for m in args.models.split(",") if m],
                         [m for m in args.catalogue.split(",") if m], token=args.token)
     neuron.b.token_delay_secs = args.token_delay
     neuron.b.first_report_delay_secs = args.first_report_delay
+    for m in neuron.models.values():
+        if args.context:
+            m.context, m.output = args.context, args.context // 4
+            m.num_blocks = max(m.num_blocks, 2 * args.context // m.block_size)
+        m.reasoning_parser, _, m.tool_parser = args.formats.partition(",")
     address = await neuron.start(args.listen)
     print(f"NEURON LISTENING {address}", flush=True)
     await neuron.server.wait_for_termination()

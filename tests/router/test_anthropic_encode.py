@@ -110,3 +110,33 @@ def test_a_calls_arguments_nested_too_deep_are_an_empty_input_not_a_500(depth):
     assert [(b["type"], b["name"], b["input"]) for b in msg["content"]] == [
         ("tool_use", "f", {})]
     json.dumps(msg)  # the reply can be written
+
+
+def test_a_silent_prefill_inside_an_open_thought_keeps_claude_code_waiting():
+    # Claude Code 2.1.197 resets its 300 s stream watchdog on every event but `ping`: a
+    # prefill longer than that with only pings was dropped and started over (seen live, a
+    # 47k-token prompt on the tiny model). The neuron says at admission that the prompt
+    # opened a thought; its block opens then, and the keep-alives are its empty deltas.
+    enc = StreamEncoder("msg", "m", OutputParser(reasoning_parser="think"), [])
+    raw = enc.start() + enc.feed(pb.GenerateResponse(thought_open=True, prompt_tokens=9))
+    raw += enc.ping() + enc.ping()  # the prefill
+    raw += enc.feed(pb.GenerateResponse(text="hm</think>\n\nHi."))
+    raw += enc.ping()  # a pause inside the answer
+    raw += enc.feed(pb.GenerateResponse(finish_reason=pb.FINISH_REASON_STOP))
+    evs = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    assert "ping" not in [e["type"] for e in evs]
+    assert [e["type"] for e in evs[:4]] == ["message_start", "content_block_start",
+                                            "content_block_delta", "content_block_delta"]
+    assert evs[2]["delta"] == {"type": "thinking_delta", "thinking": ""}
+    final = sdk_final(raw)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in final.content] == [
+        ("thinking", "hm"), ("text", "Hi.")]
+
+
+def test_a_silent_prefill_with_no_thought_open_sends_pings():
+    enc = StreamEncoder("msg", "m", OutputParser(reasoning_parser="think"), [])
+    raw = enc.start() + enc.feed(pb.GenerateResponse(prompt_tokens=9)) + enc.ping()
+    assert raw.endswith(b'event: ping\ndata: {"type":"ping"}\n\n')
+    enc = StreamEncoder("msg", "m", OutputParser(), [])  # a model with no thought
+    raw = enc.feed(pb.GenerateResponse(thought_open=True, prompt_tokens=9)) + enc.ping()
+    assert raw == b'event: ping\ndata: {"type":"ping"}\n\n'

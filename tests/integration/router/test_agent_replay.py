@@ -1,8 +1,10 @@
 """The requests real agents send, replayed through a real router and neuron.
 
 tests/fixtures/agents/ holds request bodies captured from Claude Code, codex
-and opencode run unchanged against a loopback capture server (README.md
-there says how). Each is sent as captured, but for the model (the tiny
+and opencode run unchanged against a loopback capture server, or against a
+router over a scripted fake neuron (claude_code-3, claude_code-explore,
+codex-3: test_agent_cli_turns.py replays those sessions; README.md there
+says how). Each is sent as captured, but for the model (the tiny
 checkpoint, whose 128k context holds them) and a smaller output budget (the
 random-weight model would write thousands of noise tokens), and its answer
 is checked for the shape that client accepts: Anthropic's event sequence,
@@ -112,12 +114,17 @@ def check_anthropic_stream(events: list) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["claude_code-1", "claude_code-2"])
+@pytest.mark.parametrize("name", ["claude_code-1", "claude_code-2", "claude_code-3",
+                                  "claude_code-explore"])
 def test_claude_codes_requests_get_a_stream_it_accepts(replay, name):
+    # -3 and -explore (asked for as helexa/balanced, -1 and -2 as claude-sonnet-4-5) carry a
+    # system message after the user's, `output_config.effort` and `thinking: adaptive` (the
+    # catalogue budget); the Explore subagent sends no thinking and 17 tools
     f = fixture(name)
-    body = {**f["body"], "model": MODEL, "max_tokens": 48,
-            "thinking": {**f["body"]["thinking"], "budget_tokens": 16}}
-    assert body["stream"] and len(body["tools"]) > 20
+    body = {**f["body"], "model": MODEL, "max_tokens": 48}
+    if "thinking" in body:
+        body["thinking"] = {**body["thinking"], "budget_tokens": 16}
+    assert body["stream"] and len(body["tools"]) > 15
     check_anthropic_stream(sse(replay, f["path"], body))
 
 
@@ -150,7 +157,7 @@ def check_responses_stream(events: list) -> dict:
     return final
 
 
-@pytest.mark.parametrize("name", ["codex-1", "codex-2"])
+@pytest.mark.parametrize("name", ["codex-1", "codex-2", "codex-3"])
 def test_codexs_requests_get_a_stream_it_accepts(replay, name):
     f = fixture(name)
     body = {**f["body"], "model": MODEL, "max_output_tokens": 48}
