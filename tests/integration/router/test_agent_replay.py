@@ -157,7 +157,10 @@ def check_responses_stream(events: list) -> dict:
     return final
 
 
-@pytest.mark.parametrize("name", ["codex-1", "codex-2", "codex-3"])
+# codex-3 (a reasoning item sent back) runs its session turn by turn over a fake neuron in
+# the default run (test_agent_cli_turns.py); on the tiny model it is a slow check
+@pytest.mark.parametrize("name", ["codex-1", "codex-2",
+                                  pytest.param("codex-3", marks=pytest.mark.slow)])
 def test_codexs_requests_get_a_stream_it_accepts(replay, name):
     f = fixture(name)
     body = {**f["body"], "model": MODEL, "max_output_tokens": 48}
