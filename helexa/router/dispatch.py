@@ -54,7 +54,7 @@ from helexa.router.forward import (
 from helexa.router.inflight import UpstreamLost
 from helexa.router.metrics import RouterMetrics
 from helexa.router.registry import NeuronLink, Registry
-from helexa.router.rpc_errors import RETRYABLE, map_rpc_error, withheld
+from helexa.router.rpc_errors import DEADLINE_MARGIN_SECS, RETRYABLE, map_rpc_error, withheld
 from helexa.router.selection import (
     Candidate,
     Estimate,
@@ -177,7 +177,7 @@ class Dispatcher:
     def _timeout_secs(self, greq: pb.GenerateRequest) -> float:
         """The gRPC deadline of a call: the request's own (the neuron aborts it then) and a
         margin for its abort to arrive."""
-        return max(0.0, self._left_secs(greq)) + 5
+        return max(0.0, self._left_secs(greq)) + DEADLINE_MARGIN_SECS
 
     def _refused(self, greq: pb.GenerateRequest, name: str, e: Exception, kind: str, *,
                  retry: bool | None) -> ApiError:

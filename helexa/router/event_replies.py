@@ -36,6 +36,7 @@ from helexa.router import encode
 from helexa.router.client_stream import ClientStream, send_whole
 from helexa.router.errors import ApiError
 from helexa.router.inflight import UpstreamLost
+from helexa.router.rpc_errors import PAST_DEADLINE
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -86,6 +87,8 @@ def mid_stream_error(e: grpc.aio.AioRpcError | UpstreamFailed | UpstreamLost) ->
     """The event that ends a stream the neuron ended short, failed or was lost under."""
     if isinstance(e, UpstreamFailed):
         return ApiError(502, str(e), code="upstream_error")
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return ApiError(502, PAST_DEADLINE, code="upstream_error")
     detail = e.details() if isinstance(e, grpc.aio.AioRpcError) else str(e)
     return ApiError(502, f"the neuron failed mid-stream: {detail}", code="upstream_error")
 

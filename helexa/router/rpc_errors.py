@@ -46,6 +46,13 @@ _FALLBACK = {
     grpc.StatusCode.PERMISSION_DENIED: (503, "service_unavailable"),
 }
 
+# The gRPC deadline of a call is the request's own plus this margin, for the neuron's abort
+# (it checks the deadline between steps) to arrive first (dispatch.py, `_timeout_secs`).
+DEADLINE_MARGIN_SECS = 5.0
+PAST_DEADLINE = ("the request ran past its deadline (timeouts.request_secs) and the neuron "
+                 f"did not end it within {DEADLINE_MARGIN_SECS:g} s of it (one of its steps "
+                 "took longer), so the router ended the call")
+
 # A call that ended so with no helexa code is a fault, not a refusal: its words stay in logs.
 _UNEXPLAINED = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
 
@@ -71,7 +78,9 @@ def map_rpc_error(e: grpc.aio.AioRpcError, kind: str = "chat") -> ApiError:
     if code == "context_length_exceeded" and not param:
         param = {"chat": "messages", "responses": "input"}.get(kind, "prompt")
     message = e.details() or f"neuron answered {e.code().name}"
-    if e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+    if not refused and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        message = PAST_DEADLINE  # gRPC's own words ("Deadline Exceeded") name no cause
+    elif e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
         message = "no neuron accepted the router's credentials"
     elif not refused and e.code() in _UNEXPLAINED:
         # not a refusal but a fault (an exception the neuron did not expect): its text may

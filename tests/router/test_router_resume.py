@@ -181,3 +181,30 @@ def test_a_second_loss_before_the_first_token_is_counted_and_not_retried(fl):
     set_b(fl, silent=False)
     wait_for(lambda: fl.lt.call(lambda: all(n.models["tiny"].used_bytes == 0
                                             for n in (fl.n1, fl.n2))))
+
+
+def test_a_neuron_that_does_not_end_a_request_at_its_deadline_is_named_so(fl, monkeypatch):
+    # the neuron checks the deadline between steps; one whose step outlasts the router's
+    # margin is cut by the call's gRPC deadline, whose own words ("Deadline Exceeded") say
+    # nothing a client can act on: streamed or not, the error names the deadline
+    import helexa.router.dispatch as dispatch
+    monkeypatch.setattr(dispatch, "DEADLINE_MARGIN_SECS", 0.2)
+    set_b(fl, token_delay_secs=0.15, default_tokens=40)
+    fl.state.request_secs = 0.5
+    try:
+        with httpx2.stream("POST", fl.url + "/v1/chat/completions", timeout=30,
+                           json={"model": "tiny", "messages": MSG, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = [line for line in r.iter_lines() if line]
+        whole = httpx2.post(fl.url + "/v1/completions", timeout=30,
+                            json={"model": "tiny", "prompt": "hi"})
+    finally:
+        fl.state.request_secs = fl.state.cfg.timeouts.request_secs
+    err = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert err["code"] == "upstream_error", err
+    assert "ran past its deadline" in err["message"] and "Deadline Exceeded" not in \
+        err["message"], err["message"]
+    assert whole.status_code == 504, whole.text
+    assert "ran past its deadline" in whole.json()["error"]["message"], whole.text
+    wait_for(lambda: fl.lt.call(lambda: all(n.models["tiny"].used_bytes == 0
+                                            for n in (fl.n1, fl.n2))))
