@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from helexa.checkpoint.vision_shape import VisionShape, read_vision_shape
-from helexa.image_decode import ImageError, ImageLimits, decode_image
+from helexa.image_decode import ImageError, ImageLimits, decode_image, image_size
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.vision.processor import ImageProcessor, PreparedImage
 from helexa.proto import neuron_pb2 as pb
@@ -79,10 +79,17 @@ class VisionPrompt:
         out = []
         for i, data in enumerate(images):
             try:
-                out.append(self.processor.prepare(decode_image(data, NEURON_LIMITS)))
+                out.append(self.prepare_one(data))
             except ImageError as e:
                 raise Refusal("invalid_request_error", f"image {i + 1}: {e}") from None
         return out
+
+    def prepare_one(self, data: bytes) -> PreparedImage:
+        """One image decoded no larger than its resize needs (image_decode.py, `fit`) and
+        resized for the tower, as from its full size."""
+        size = image_size(data, NEURON_LIMITS)  # a header parse: cheap beside the decode
+        fit = self.processor.fitted(*size)
+        return self.processor.prepare(decode_image(data, NEURON_LIMITS, fit=fit), size)
 
     def expand(self, ids: list[int], images: list[PreparedImage]
                ) -> tuple[list[int], list[ImageInput]]:
