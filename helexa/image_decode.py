@@ -14,6 +14,20 @@ which limit the image broke. It never decodes more than it must to find out:
 - an animated GIF or WebP gives its first frame;
 - transparency is composited onto white, as Qwen's image processor does.
 
+`check_image(data, limits)` is the router's: everything above but the decode, so it
+costs a header parse and, for a PNG, a walk over its chunks' checksums (Pillow's
+`verify`), never a buffer of the image's pixels. A file that passes it and is still
+corrupt (a JPEG cut short, a PNG whose compressed rows are damaged) is refused where it
+is decoded, by the neuron, as the same 400.
+
+Where the caller will shrink the image anyway (the neuron resizes every image to the
+vision tower's at most ~1 M pixels), `decode_image(..., fit=(width, height))`, the size
+it will be resized to, decodes a large one smaller: a JPEG at 1/2, 1/4 or 1/8 scale in libjpeg's own IDCT (`draft`), any image
+then averaged down by a whole factor (`reduce`, in premultiplied alpha), and composited
+on white at that size. It always keeps at least `REDUCING_GAP` times the final size on
+each side, as Pillow's own `resize(reducing_gap=)` does; an image within that of its
+final size is decoded exactly as without `fit`.
+
 Decoding is CPU-bound (milliseconds to a second for a large photo): callers on an
 event loop run it in a worker thread.
 """
@@ -21,6 +35,7 @@ event loop run it in a worker thread.
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +44,14 @@ FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG",
               "image/webp": "WEBP", "image/gif": "GIF"}
 FORMAT_MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+# A decode with `fit` keeps at least this many times the final size on each side (Pillow's
+# resize(reducing_gap=2.0): the final resample then still averages 2x2 or more source
+# pixels into one, which hides the box filter's and the scaled IDCT's differences).
+REDUCING_GAP = 2.0
+# Pixels composited onto white at a time, the GIL held meanwhile (~50 ms on a loaded core).
+COMPOSITE_BAND_PIXELS = 1 << 20
+# The modes `reduce` averages as they are (the others are converted first, as the tail would).
+_REDUCIBLE = ("RGB", "RGBA", "L", "LA")
 
 
 class ImageError(ValueError):
@@ -50,16 +73,36 @@ def image_size(data: bytes, limits: ImageLimits) -> tuple[int, int]:
     return img.size
 
 
-def decode_image(data: bytes, limits: ImageLimits, media_type: str | None = None) -> Any:
+def check_image(data: bytes, limits: ImageLimits, media_type: str | None = None
+                ) -> tuple[int, int]:
+    """(width, height) of an image that passes every check short of decoding it: bytes,
+    format (and the declared `media_type`), header pixels, aspect ratio, and Pillow's
+    `verify` (a PNG's chunk checksums and its end: a file cut short is caught here)."""
+    img = _open(data, limits)
+    _check_type(img, media_type)
+    size = img.size
+    try:
+        img.verify()
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(f"the {img.format} image is corrupt or truncated ({e})") from None
+    return size
+
+
+def decode_image(data: bytes, limits: ImageLimits, media_type: str | None = None,
+                 fit: tuple[int, int] | None = None) -> Any:
     """The image as an RGB PIL.Image (first frame, transparency on white); media_type: the
     type the client declared for it, which must be the format Pillow finds (Anthropic's
-    rule for a base64 source's `media_type`), else ImageError naming both."""
+    rule for a base64 source's `media_type`), else ImageError naming both. fit: the (width,
+    height) the caller will resize it to; given, a large image comes back smaller, but at
+    least REDUCING_GAP times that on each side."""
     from PIL import Image
 
     img = _open(data, limits)
-    if media_type is not None and MIME_TYPES.get(media_type.lower()) != img.format:
-        raise ImageError(f"the image was specified using the {media_type} media type, but "
-                         f"the image appears to be an {FORMAT_MIME[img.format]} image")
+    _check_type(img, media_type)
+    if fit is not None and img.format == "JPEG":
+        want = _gap_size(fit)
+        if img.size[0] >= 2 * want[0] and img.size[1] >= 2 * want[1]:
+            img.draft(None, want)  # decodes at the largest 1/2^k scale at least `want`
     try:
         with warnings.catch_warnings():  # max_pixels was checked from the header
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -68,11 +111,51 @@ def decode_image(data: bytes, limits: ImageLimits, media_type: str | None = None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"the {img.format} image is corrupt or truncated ({e})") from None
     has_alpha = "A" in img.getbands() or "transparency" in img.info
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return img.convert("RGB")
+    if fit is not None:
+        img = _reduced(img, fit, has_alpha)
+    return _on_white(img) if has_alpha else img.convert("RGB")
+
+
+def _on_white(img: Any) -> Any:
+    """`img` composited onto white, as Qwen's processor does (alpha_composite on an opaque
+    white RGBA, then RGB), a band of rows at a time: Pillow holds the GIL through an
+    alpha_composite (1.5 s for 33 M pixels on a loaded core, every other thread of the
+    process stopped meanwhile, the neuron's event loop and Watch among them), and a
+    pixel's result depends on that pixel alone, so the bands give the same image."""
+    from PIL import Image
+
+    rgba = img.convert("RGBA")
+    width, height = rgba.size
+    out = Image.new("RGB", rgba.size)
+    rows = max(1, COMPOSITE_BAND_PIXELS // width)
+    for top in range(0, height, rows):
+        box = (0, top, width, min(height, top + rows))
+        band = rgba.crop(box)
+        white = Image.new("RGBA", band.size, (255, 255, 255, 255))
+        out.paste(Image.alpha_composite(white, band).convert("RGB"), box)
+    return out
+
+
+def _check_type(img: Any, media_type: str | None) -> None:
+    if media_type is not None and MIME_TYPES.get(media_type.lower()) != img.format:
+        raise ImageError(f"the image was specified using the {media_type} media type, but "
+                         f"the image appears to be an {FORMAT_MIME[img.format]} image")
+
+
+def _gap_size(size: tuple[int, int]) -> tuple[int, int]:
+    return math.ceil(size[0] * REDUCING_GAP), math.ceil(size[1] * REDUCING_GAP)
+
+
+def _reduced(img: Any, fit: tuple[int, int], has_alpha: bool) -> Any:
+    """`img` (loaded) averaged down by the largest whole factor that keeps REDUCING_GAP
+    times its fitted size on each side; itself where that factor is 1."""
+    want = _gap_size(fit)
+    factor = min(img.size[0] // want[0], img.size[1] // want[1])
+    if factor < 2:
+        return img
+    if img.mode not in _REDUCIBLE:  # a palette's indices cannot be averaged
+        img = img.convert("RGBA" if has_alpha else "RGB")
+    return img.reduce(factor)  # LA and RGBA in premultiplied alpha, as resize does
 
 
 def _open(data: bytes, limits: ImageLimits) -> Any:

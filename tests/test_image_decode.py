@@ -81,3 +81,59 @@ def test_an_animated_gif_gives_its_first_frame():
     frames[0].save(buf, format="GIF", save_all=True, append_images=frames[1:], duration=50)
     r, g, b = decode_image(buf.getvalue(), ImageLimits()).getpixel((8, 8))
     assert r > 200 and b < 50
+
+
+def _encoded(img, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def _smooth(width: int, height: int, mode: str) -> Image.Image:
+    """Smooth colour with a gradient of transparency where the mode has alpha."""
+    import numpy as np
+    rng = np.random.RandomState(7)
+    small = (rng.rand(height // 50, width // 50, 4) * 255).astype("uint8")
+    return Image.fromarray(small, "RGBA").resize((width, height), Image.BILINEAR).convert(mode)
+
+
+@pytest.mark.parametrize(("fmt", "mode"), [("JPEG", "RGB"), ("PNG", "RGBA"), ("PNG", "P")])
+def test_a_large_image_decodes_no_larger_than_its_resize_needs(fmt, mode):
+    # The neuron resizes every image to at most ~1 M pixels: a 2400 x 1600 image it will
+    # make 300 x 200 is decoded at 600 x 400 (REDUCING_GAP x), not whole, and resizes to
+    # nearly the same pixels as the whole image would.
+    from helexa.image_decode import REDUCING_GAP
+    data = _encoded(_smooth(2400, 1600, mode), fmt)
+    fit = (300, 200)
+    small = decode_image(data, ImageLimits(), fit=fit)
+    assert small.size == (int(300 * REDUCING_GAP), int(200 * REDUCING_GAP)) and small.mode == "RGB"
+    whole = decode_image(data, ImageLimits())
+    assert whole.size == (2400, 1600)
+    a, b = (im.resize(fit, Image.BICUBIC).tobytes() for im in (small, whole))
+    assert sum(abs(x - y) for x, y in zip(a, b, strict=True)) / len(a) < 2.0  # of 255
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_an_image_near_its_resize_decodes_as_without_fit(fmt):
+    data = _encoded(_smooth(500, 400, "RGBA" if fmt == "PNG" else "RGB"), fmt)
+    assert decode_image(data, ImageLimits(), fit=(300, 240)).tobytes() == \
+        decode_image(data, ImageLimits()).tobytes()
+
+
+def test_transparency_is_composited_a_band_at_a_time(monkeypatch):
+    # Pillow holds the GIL through an alpha_composite: a whole 33 M pixel image held every
+    # other thread of the neuron (its event loop, Watch) for a second or more.
+    from helexa import image_decode
+    sizes: list[int] = []
+    real = Image.alpha_composite
+
+    def spy(a, b):
+        sizes.append(a.size[0] * a.size[1])
+        return real(a, b)
+    monkeypatch.setattr(Image, "alpha_composite", spy)
+    monkeypatch.setattr(image_decode, "COMPOSITE_BAND_PIXELS", 600 * 50)
+    img = _smooth(600, 430, "RGBA")
+    got = decode_image(_encoded(img, "PNG"), ImageLimits())
+    assert len(sizes) == 9 and max(sizes) <= 600 * 50  # 430 rows, 50 a band
+    expected = real(Image.new("RGBA", img.size, (255, 255, 255, 255)), img).convert("RGB")
+    assert got.tobytes() == expected.tobytes()  # the same pixels as in one piece

@@ -136,7 +136,7 @@ class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         RESTART, ge=1)] = 2
     schema_per_principal: Annotated[optional(int, ge=1), field_meta(
         "Tasks of one principal (an API key's; callers without a key are one principal) that "
-        "may be running on the schema workers or waiting for one (parsing a body, decoding its "
+        "may be running on the schema workers or waiting for one (parsing a body, checking its "
         "images, building its neuron requests, /tokenize), and again on the compile workers; "
         "beyond it that principal gets 429 rate_limit_exceeded "
         "while others still get in, and waiting tasks are served round robin between "

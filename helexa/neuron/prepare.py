@@ -10,6 +10,7 @@ never on the event loop that carries every stream and Watch.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,16 +65,17 @@ def tokenise(tokenizer: Any, request: pb.GenerateRequest, limit: int | None = No
 
 
 def prompt_of(tokenizer: Any, request: pb.GenerateRequest, max_tokens: int | None,
-              limits: Any) -> tuple[list[int], int | None, list[messages.ImageInput]]:
+              limits: Any, gone: threading.Event | None = None
+              ) -> tuple[list[int], int | None, list[messages.ImageInput]]:
     """Tokenise (images decoded, their tokens placed) and check the context (the tokenizer
     releases the GIL for long texts, Pillow while it decodes). Returns the ids, the
     max_tokens in force (`fit_max_tokens` lowers it to what the context leaves) and the
-    images."""
+    images; work.CallerGone between images once `gone` is set."""
     try:  # a prompt the context cannot hold is refused as soon as that is certain
         ids = tokenise(tokenizer, request, limits.context if limits is not None else None)
     except PastLimit as e:
         raise prompt_past_context(e.at_least, limits.context, counted_all=False) from None
-    ids, images = with_images(tokenizer, request, ids)
+    ids, images = with_images(tokenizer, request, ids, gone)
     if request.fit_max_tokens and max_tokens is not None and limits is not None:
         max_tokens = fitted_max_tokens(len(ids), max_tokens, context=limits.context,
                                        max_output_tokens=limits.output)
@@ -96,10 +98,11 @@ class Prepared:
     text_offsets: list[int] = field(default_factory=list)
 
 
-def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest) -> Prepared:
+def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest,
+            gone: threading.Event | None = None) -> Prepared:
     """The request's prompt, output bound, images, grammar and thinking bounds; a Refusal
     naming what is wrong. The model's tokenizer, catalogue entry and limits as the call
-    found them."""
+    found them; `gone`: set when the caller left (work.run_stoppable)."""
     problem = stop_problem(request.stop, request.stop_token_ids)
     if problem is not None:  # the router's caps, checked for every caller
         raise Refusal("invalid_request_error", problem)
@@ -108,7 +111,7 @@ def prepare(tokenizer: Any, entry: Any, limits: Any, request: pb.GenerateRequest
     if scored and not 0 <= request.sampling.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
         raise Refusal("invalid_request_error", f"sampling.prompt_logprobs: expected 0.."
                       f"{MAX_PROMPT_LOGPROBS}, got {request.sampling.prompt_logprobs}")
-    ids, max_tokens, images = prompt_of(tokenizer, request, max_tokens, limits)
+    ids, max_tokens, images = prompt_of(tokenizer, request, max_tokens, limits, gone)
     grammar = agent.constraint_grammar(request,
                                        agent.tool_parser(entry, tokenizer.chat_template))
     thinking = agent.thinking(tokenizer, entry, request, ids, _enable_thinking(request))

@@ -91,8 +91,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             try:
                 r = self._take(request.model, req_id)
                 # the caller leaving cancels this await: its task, still waiting, never runs
-                p = await self.work.run(principal, prepare, r.tokenizer, r.entry, r.limits,
-                                        request)
+                p = await self.work.run_stoppable(principal, prepare, r.tokenizer, r.entry,
+                                                  r.limits, request)
                 self._check(request.model, r)  # a drain or an unload while it was made
             except Refusal as e:
                 await self._refuse(context, blog, request.model, e)
@@ -273,7 +273,7 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
         try:
             r = self.residency.serving(request.model)
             check_size(request, self.residency.cfg.server.max_tokenize_bytes)
-            return await self.work.run(request.principal, tokenize_reply, r, request)
+            return await self.work.run_stoppable(request.principal, tokenize_reply, r, request)
         except Refusal as e:
             await abort(context, e)
 

@@ -10,6 +10,7 @@ run. `check_size` first holds it to server.max_tokenize_bytes.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from helexa.neuron import agent
@@ -27,8 +28,10 @@ def check_size(request: pb.TokenizeRequest, max_bytes: int) -> None:
                       f"neuron tokenizes at most {max_bytes} (server.max_tokenize_bytes)")
 
 
-def tokenize_reply(r: Any, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-    """Ids for text or a chat, or text for ids; a Refusal naming what is wrong."""
+def tokenize_reply(r: Any, request: pb.TokenizeRequest, gone: threading.Event | None = None
+                   ) -> pb.TokenizeResponse:
+    """Ids for text or a chat, or text for ids; a Refusal naming what is wrong; `gone`: set
+    when the caller left (its images' work stops: work.run_stoppable)."""
     out = pb.TokenizeResponse(max_model_len=r.limits.context if r.limits else 0)
     which = request.WhichOneof("input")
     if which == "token_ids":
@@ -44,7 +47,7 @@ def tokenize_reply(r: Any, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
             ids = r.tokenizer.encode_chat(msgs, request.add_generation_prompt,
                                           request.chat.continue_final_message, **kwargs)
             # images: their pads count as the prompt's tokens do (vision/prompt.py)
-            out.token_ids.extend(with_images(r.tokenizer, request, list(ids))[0])
+            out.token_ids.extend(with_images(r.tokenizer, request, list(ids), gone)[0])
         except Refusal:
             raise
         except Exception as e:

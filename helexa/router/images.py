@@ -10,16 +10,19 @@ fetch. `resolve(req, cfg, pool, principal)` then, before a neuron is chosen:
    base64 image's length against `images.max_bytes` or fetches a URL where the
    operator allows it (`images.fetch_urls`, only the hosts in `images.fetch_hosts`, no
    redirects, `fetch_timeout_secs`, `max_bytes`), then turns base64 into bytes and
-   decodes the image (helexa/image_decode.py: format, which must be an Anthropic base64
-   source's declared `media_type`, header pixels against `images.max_pixels`,
-   truncation) as one task on the router's work pool
+   checks the image without decoding its pixels (helexa/image_decode.py, `check_image`:
+   format, which must be an Anthropic base64 source's declared `media_type`, header
+   pixels against `images.max_pixels`, a PNG's chunk checksums and end) as one task on the router's work pool
    (work_pool.py), the caller's principal's: the event loop never waits on Pillow, and
    a key sending many large images has only its share of the pool's threads (429 past
    it, 503 when the pool is full) and takes its turn between the other principals'
    parses, an image at a time. The 400 therefore names the first image that fails,
    and no URL after it is fetched. Each image keeps its size for the router's token
    estimate.
-The neuron receives the files themselves and decodes them again under its own limits.
+The neuron receives the files themselves and decodes them, no larger than its vision
+tower's resize needs, under its own limits; a file the header check passed and the decode
+finds corrupt is its 400 (docs/errors.md, "The table"). Decoding here only to learn the size cost a
+144 KB PNG of 5792 x 5792 pixels some 630 MB of the router's memory and seconds of CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from helexa.config.images import ImagesConfig
-from helexa.image_decode import MIME_TYPES, ImageError, ImageLimits, decode_image
+from helexa.image_decode import MIME_TYPES, ImageError, ImageLimits, check_image
 from helexa.proto import neuron_pb2 as pb
 from helexa.router.errors import ApiError, bad_request, unsupported
 
@@ -123,7 +126,7 @@ def _check_b64_size(img: ImagePart, max_bytes: int) -> None:
 
 
 def _decode(img: ImagePart, limits: ImageLimits) -> None:
-    """On a worker: the image's bytes from its base64, then its size from Pillow."""
+    """On a worker: the image's bytes from its base64, then its size from its header."""
     if img.b64 is not None:
         try:
             img.data = base64.b64decode(img.b64.strip(), validate=True)
@@ -131,7 +134,7 @@ def _decode(img: ImagePart, limits: ImageLimits) -> None:
             raise bad_request(f"`{img.param}`: the image's base64 data is not valid base64",
                               img.param) from None
     try:
-        img.width, img.height = decode_image(img.data, limits, img.media_type).size
+        img.width, img.height = check_image(img.data, limits, img.media_type)
     except ImageError as e:
         raise bad_request(f"`{img.param}`: {e}", img.param) from None
 

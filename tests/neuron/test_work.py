@@ -288,3 +288,34 @@ def test_a_tokenize_call_over_the_byte_cap_is_refused_naming_the_key() -> None:
         check_size(tokenize("alice", "x" * 2000), 1000)
     assert e.value.code == "invalid_request_error"
     assert "server.max_tokenize_bytes" in e.value.message and "at most 1000" in e.value.message
+
+
+def test_work_already_running_is_told_its_caller_left():
+    # Generate's and Tokenize's prompt work (its images: seconds each) learns that its
+    # caller went away and stops at the next image, instead of finishing for nobody.
+    from helexa.neuron.work import NeuronWork
+
+    work = NeuronWork(ServerConfig())
+    started, saw = threading.Event(), []
+
+    def long_work(x: int, gone: threading.Event) -> int:
+        started.set()
+        saw.append(gone.wait(30))  # True once told
+        return x
+
+    async def main() -> None:
+        assert await work.run_stoppable("alice", lambda x, gone: x + 1, 1) == 2
+        call = asyncio.ensure_future(work.run_stoppable("alice", long_work, 1))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 30)
+        call.cancel()  # the caller leaves while its work runs
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    try:
+        asyncio.run(main())
+        for _ in range(300):
+            if saw:
+                break
+            threading.Event().wait(0.1)
+        assert saw == [True]
+    finally:
+        work.close()

@@ -188,12 +188,12 @@ def test_anthropic_tool_result_images():
 
 def test_images_decode_on_the_work_pool_within_the_callers_share(monkeypatch):
     decoded_on: list[tuple[str, int]] = []
-    real = images.decode_image
+    real = images.check_image
 
     def spy(data, limits, media_type=None):
         decoded_on.append((threading.current_thread().name, pool.tasks_of("bob")))
         return real(data, limits, media_type)
-    monkeypatch.setattr(images, "decode_image", spy)
+    monkeypatch.setattr(images, "check_image", spy)
     req = parse_request(json.dumps(chat(img_part(data_url(png(8, 8))),
                                         img_part(data_url(png(9, 9))))).encode(), "chat")
     gate = threading.Event()
@@ -222,3 +222,24 @@ def test_images_decode_on_the_work_pool_within_the_callers_share(monkeypatch):
     assert decoded_on == [("router-work-0", 1), ("router-work-0", 1)]
     sizes = [(p.width, p.height) for p in images.parts_of(req)]
     assert sizes == [(8, 8), (9, 9)] and pool.tasks == 0
+
+
+def test_the_router_reads_an_images_header_never_its_pixels(monkeypatch):
+    # Decoding a 144 KB PNG of 5792 x 5792 pixels only to learn its size took the router
+    # from 63 MB to 690 MB and seconds of CPU: the size is in the header.
+    from PIL import ImageFile
+
+    def no_decode(self):
+        raise AssertionError("the router decoded an image's pixels")
+    monkeypatch.setattr(ImageFile.ImageFile, "load", no_decode)
+    jpeg, rgba = io.BytesIO(), io.BytesIO()
+    Image.new("RGB", (300, 200), (9, 9, 9)).save(jpeg, format="JPEG")
+    Image.new("RGBA", (120, 80), (9, 9, 9, 9)).save(rgba, format="PNG")
+    req = parse_request(json.dumps(chat(img_part(data_url(jpeg.getvalue(), "image/jpeg")),
+                                        img_part(data_url(rgba.getvalue())))).encode(), "chat")
+    resolve(req)
+    assert [(p.width, p.height) for p in images.parts_of(req)] == [(300, 200), (120, 80)]
+    # a PNG cut short is still refused here, from its chunks (a cut JPEG: by the neuron)
+    cut = parse_request(json.dumps(chat(img_part(data_url(rgba.getvalue()[:-20])))).encode(),
+                        "chat")
+    assert "corrupt or truncated" in refusal(cut).message

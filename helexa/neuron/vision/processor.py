@@ -124,9 +124,19 @@ class ImageProcessor:
         h, w = self.target_size(height, width)
         return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
 
-    def prepare(self, image: Any) -> PreparedImage:
-        """An RGB PIL image (image_decode.decode_image's) resized for the tower."""
-        width, height = image.size
+    def fitted(self, width: int, height: int) -> tuple[int, int]:
+        """(width, height) an image of this size is resized to; its own size when the
+        processor does not resize (prepare then says why it cannot take it)."""
+        if not self.do_resize:
+            return width, height
+        h, w = self.target_size(height, width)
+        return w, h
+
+    def prepare(self, image: Any, size: tuple[int, int] | None = None) -> PreparedImage:
+        """An RGB PIL image (image_decode.decode_image's) resized for the tower; size: the
+        (width, height) the image was sent at, where it was decoded smaller (`fitted` of
+        that size is what it becomes)."""
+        width, height = size or image.size
         h, w = self.target_size(height, width)
         # transformers resizes even to the same size: PIL then copies, the pixels stay
         resized = image.resize((w, h), resample=self.resample)

@@ -14,14 +14,16 @@ router checks first, a direct gRPC caller is checked here.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from helexa.checkpoint.vision_shape import VisionShape, read_vision_shape
-from helexa.image_decode import ImageError, ImageLimits, decode_image
+from helexa.image_decode import ImageError, ImageLimits, decode_image, image_size
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.vision.processor import ImageProcessor, PreparedImage
+from helexa.neuron.work import CallerGone
 from helexa.proto import neuron_pb2 as pb
 from helexa.refusal import Refusal
 
@@ -71,18 +73,33 @@ class VisionPrompt:
                              f"tower's ({shape.patch_size}/{shape.spatial_merge_size})")
         return cls(processor, shape)
 
-    def prepare(self, images: list[bytes]) -> list[PreparedImage]:
-        """Each image decoded and resized, or a Refusal naming the image and its fault."""
+    def prepare(self, images: list[bytes], gone: threading.Event | None = None
+                ) -> list[PreparedImage]:
+        """Each image decoded and resized, or a Refusal naming the image and its fault;
+        CallerGone before the next image, or the next image's resize, once `gone` is set."""
         if len(images) > MAX_IMAGES:
             raise Refusal("invalid_request_error",
                           f"messages: {len(images)} images; at most {MAX_IMAGES} are accepted")
         out = []
         for i, data in enumerate(images):
             try:
-                out.append(self.processor.prepare(decode_image(data, NEURON_LIMITS)))
+                out.append(self.prepare_one(data, gone))
             except ImageError as e:
                 raise Refusal("invalid_request_error", f"image {i + 1}: {e}") from None
         return out
+
+    def prepare_one(self, data: bytes, gone: threading.Event | None = None
+                    ) -> PreparedImage:
+        """One image decoded no larger than its resize needs (image_decode.py, `fit`) and
+        resized for the tower, as from its full size."""
+        if gone is not None and gone.is_set():
+            raise CallerGone
+        size = image_size(data, NEURON_LIMITS)  # a header parse: cheap beside the decode
+        fit = self.processor.fitted(*size)
+        image = decode_image(data, NEURON_LIMITS, fit=fit)
+        if gone is not None and gone.is_set():
+            raise CallerGone
+        return self.processor.prepare(image, size)
 
     def expand(self, ids: list[int], images: list[PreparedImage]
                ) -> tuple[list[int], list[ImageInput]]:
@@ -115,7 +132,8 @@ class VisionPrompt:
 
 
 def with_images(tokenizer: Any, request: pb.GenerateRequest | pb.TokenizeRequest,
-                ids: list[int]) -> tuple[list[int], list[ImageInput]]:
+                ids: list[int], gone: threading.Event | None = None
+                ) -> tuple[list[int], list[ImageInput]]:
     """A chat's prompt ids with its images' tokens in place, and its ImageInputs; a Refusal
     when the model takes no images or an image cannot be used."""
     if request.WhichOneof("prompt" if isinstance(request, pb.GenerateRequest) else "input") \
@@ -128,4 +146,4 @@ def with_images(tokenizer: Any, request: pb.GenerateRequest | pb.TokenizeRequest
     if vision is None:
         raise Refusal("invalid_request_error",
                       f"messages: `{request.model}` takes no images (it has no vision tower)")
-    return vision.expand(ids, vision.prepare(images))
+    return vision.expand(ids, vision.prepare(images, gone))

@@ -314,3 +314,15 @@ def test_hostile_images_are_refused_fast_naming_the_part(stack):
         async with NeuronClient(address, TOKEN) as c:
             await c.watch_until(lambda st: ledger_whole(st, "vl") and ledger_whole(st, "text"))
     asyncio.run(whole())
+
+
+def test_a_jpeg_cut_short_passes_the_routers_header_check_and_is_a_400(stack):
+    # The router reads an image's header only; the neuron, decoding it, finds it cut short
+    # and refuses it as the client's error, not a 5xx.
+    url, _ = stack
+    buf = io.BytesIO()
+    make_image(300, 200, 4).save(buf, format="JPEG", quality=90)
+    cut = buf.getvalue()[:len(buf.getvalue()) // 2]
+    e = refused(url, image_part("data:image/jpeg;base64," + base64.b64encode(cut).decode()))
+    assert e.status_code == 400 and e.body["type"] == "invalid_request_error", e.body
+    assert "image 1: the JPEG image is corrupt or truncated" in e.body["message"], e.body

@@ -94,3 +94,25 @@ def test_legacy_min_max_pixels_keys_and_content_hash(vision_dir):
     assert ckpt.prepare(a).content_hash != ckpt.prepare(b).content_hash
     with pytest.raises(ValueError, match="min_pixels"):
         ImageProcessor.from_dict({"min_pixels": 10, "max_pixels": 5})
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG"])
+def test_a_large_image_decoded_small_keeps_its_full_sizes_tokens(vision_dir, fmt):
+    # The neuron decodes an image no larger than twice what the processor resizes it to
+    # (image_decode.py, `fit`); the grid, and so the prompt's tokens and the router's
+    # estimate, stay those of the size the client sent; the pixels differ by rounding.
+    import dataclasses
+
+    from helexa.neuron.vision.prompt import VisionPrompt
+    proc = ImageProcessor.from_dict({"min_pixels": 3136, "max_pixels": 12544,
+                                     "patch_size": 16, "merge_size": 2})
+    vp = dataclasses.replace(VisionPrompt.from_dir(vision_dir), processor=proc)
+    from PIL import Image
+    img = make_image(151, 99, seed=8).resize((1210, 790), Image.BILINEAR)  # smooth at 1/10
+    data = _encoded(img, fmt)
+    ours, whole = vp.prepare_one(data), proc.prepare(decode_image(data, ImageLimits()))
+    assert (ours.grid_h, ours.grid_w, ours.num_tokens) == (whole.grid_h, whole.grid_w,
+                                                          whole.num_tokens)
+    assert proc.num_tokens(790, 1210) == ours.num_tokens
+    diff = sum(abs(a - b) for a, b in zip(ours.pixels, whole.pixels, strict=True))
+    assert diff / len(ours.pixels) < 2.0  # of 255

@@ -80,3 +80,29 @@ def test_pad_text_from_a_caller_stays_text(vl_dir):
     tok = Tokenizer.from_dir(vl_dir)
     ids, images = prompt(tok, chat_request(("user", ["<|vision_start|><|image_pad|>hi"])))
     assert images == [] and tok.vision.shape.image_token_id not in ids
+
+
+def test_image_work_stops_once_the_caller_is_gone(vl_dir, monkeypatch):
+    # 4 images of 5792 x 5792 pixels went on for 20 s of CPU after their client had gone
+    import threading
+
+    from helexa.neuron.vision import prompt as vision_prompt
+    from helexa.neuron.work import CallerGone
+    tok = Tokenizer.from_dir(vl_dir)
+    gone, decoded = threading.Event(), []
+    real = vision_prompt.decode_image
+
+    def leaving(data, limits, media_type=None, fit=None):
+        decoded.append(data)
+        gone.set()  # the caller leaves while the first image decodes
+        return real(data, limits, media_type, fit)
+    monkeypatch.setattr(vision_prompt, "decode_image", leaving)
+    req = chat_request(("user", ["x", *[make_image(64, 64, i) for i in range(4)]]))
+    msgs, kwargs = agent.template_inputs(req.chat, "")
+    ids = tok.encode_chat(msgs, **kwargs)
+    with pytest.raises(CallerGone):
+        with_images(tok, req, ids, gone)
+    assert len(decoded) == 1  # the other three never decoded
+    monkeypatch.undo()
+    gone.clear()
+    assert len(with_images(tok, req, ids, gone)[1]) == 4  # a caller still there: all four
