@@ -33,6 +33,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     faster_device_calls()  # its repeated work skipped, nothing it computes changed
 measure_once_per_shape()  # tests/support/cpu_matmul_once.py says why
+# Under xdist (`make test`: -n 2 on a 2-core machine) each worker has its share of the cores,
+# not all of them: torch's default of a thread per core gave each worker, and each process a
+# test starts (which inherit OMP_NUM_THREADS), OpenMP threads that spin waiting for a core
+# the other worker holds (the GPU check's dry-run parity stage: 160 s at torch's default,
+# 66 s at one thread, side by side on the loaded box). A test wanting more threads sets them.
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # The engine processes and tensor-parallel ranks the tests start themselves fork from a
 # server that imported torch once (helexa/neuron/engine/start_method.py): a rank starts in
 # under a second, not the seconds a spawned interpreter takes. Daemons the tests run start

@@ -1,6 +1,9 @@
 """Thousands of generated bodies (valid, near-valid, hostile; nested past the depth limit, with
 special-token text in object keys and schema property names) against the router: never a 5xx,
-every 4xx in the OpenAI envelope, and the fake neurons' ledgers whole afterwards."""
+every 4xx in the OpenAI envelope, and the fake neurons' ledgers whole afterwards. The default
+run sends 250 bodies to each endpoint (13 s on the 2-core box); `-m slow` sends the 1,000
+each the issue asked for (52 s, which the default run spent until the suite outgrew its
+10 minutes)."""
 
 from __future__ import annotations
 
@@ -11,19 +14,29 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from request_bodies import bodies, check_reply
 
-# 2 x 1,000 bodies: the issue asks for at least 2,000 over both endpoints.
-FUZZ = settings(max_examples=1000, deadline=None, derandomize=True, database=None,
-                suppress_health_check=list(HealthCheck))
+ENDPOINTS = [("chat", "/v1/chat/completions"), ("completion", "/v1/completions")]
 
 
-@pytest.mark.parametrize("kind,path", [("chat", "/v1/chat/completions"),
-                                       ("completion", "/v1/completions")])
+@pytest.mark.parametrize("kind,path", ENDPOINTS)
 def test_generated_bodies_never_earn_a_5xx(fl, http, kind, path):
+    _fuzz(fl, http, kind, path, 250)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,path", ENDPOINTS)
+def test_thousands_of_generated_bodies_never_earn_a_5xx(fl, http, kind, path):
+    """2 x 1,000 bodies: the issue asks for at least 2,000 over both endpoints (the
+    default run's test above sends 250 to each)."""
+    _fuzz(fl, http, kind, path, 1000)
+
+
+def _fuzz(fl, http, kind: str, path: str, examples: int) -> None:
     statuses: dict[int, int] = {}
     flaps = [0]
     fives_before = _counted_5xx(http)
 
-    @FUZZ
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
     @given(bodies(kind))
     def one(raw: bytes) -> None:
         r = http.post(path, content=raw, headers={"Content-Type": "application/json"})
@@ -42,9 +55,10 @@ def test_generated_bodies_never_earn_a_5xx(fl, http, kind, path):
         check_reply(r.status_code, r.headers, r.content)
 
     one()
-    assert sum(statuses.values()) >= 1000
-    # The mix is meaningful: both served requests and refusals among them.
-    assert statuses.get(200, 0) >= 100 and statuses.get(400, 0) >= 100, statuses
+    assert sum(statuses.values()) >= examples
+    # The mix is meaningful: both served requests and refusals among them (a tenth each).
+    assert statuses.get(200, 0) >= examples // 10 and statuses.get(400, 0) >= examples // 10, \
+        statuses
     end = time.monotonic() + 10
     while not fl.ledgers_whole():
         assert time.monotonic() < end, "a reservation never came back"
