@@ -13,7 +13,8 @@ envelope and, where a client may match on them, its reference's words
   (at the end of the messages too);
 - Anthropic Messages (`check_messages`): each `tool_use` of an assistant
   message has its `tool_result` in the next message, and each `tool_result`
-  names a `tool_use` of the message before (a final assistant message's
+  names a `tool_use` of the message before; consecutive messages of one role
+  count as one, as Anthropic combines them (a final assistant message's
   calls are left to the prefill rule, `anthropic._prefill`, which refuses
   them);
 - Responses (`check_input`): each `function_call_output` /
@@ -102,24 +103,20 @@ def check_messages(messages: list[Any]) -> None:
                            "`tool_use` block must have a corresponding `tool_result` block in "
                            "the next message.", where)
     pending = _Open(missing)
-    last = len(messages) - 1
+    last, role = len(messages) - 1, ""
     for i, m in enumerate(messages):
-        blocks = [] if isinstance(m.content, str) else m.content
-        if m.role == "assistant":
-            pending.close()
-            if i == last:
-                return  # a final assistant message: the prefill rule's (anthropic._prefill)
-            for j, b in enumerate(blocks):
-                if b.type == "tool_use":
-                    pending.call(b.id, f"messages[{i}]", f"messages[{i}].content[{j}].id")
-            continue
-        for j, b in enumerate(blocks):
-            if b.type == "tool_result" and not pending.answer(b.tool_use_id):
+        if m.role != role and (role, m.role) != ("assistant", "user"):
+            pending.close()  # a new turn, not the results' (consecutive messages are one)
+        role = m.role
+        for j, b in enumerate([] if isinstance(m.content, str) else m.content):
+            if b.type == "tool_use" and i < last:  # a final message's: the prefill rule's
+                pending.call(b.id, f"messages[{i}]", f"messages[{i}].content[{j}].id")
+            elif b.type == "tool_result" and not pending.answer(b.tool_use_id):
                 raise bad_request(f"messages.{i}.content.{j}: unexpected `tool_use_id` found in "
                                   f"`tool_result` blocks: {b.tool_use_id}. Each `tool_result` "
                                   "block must have a corresponding `tool_use` block in the "
                                   "previous message.", f"messages[{i}].content[{j}].tool_use_id")
-        pending.close()
+    pending.close()
 
 
 _OUTPUTS = {"function_call_output": "function call", "custom_tool_call_output": "custom tool call"}

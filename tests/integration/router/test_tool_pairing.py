@@ -143,6 +143,15 @@ def test_anthropic_paired_tool_use_is_served(fake):
     assert r.content[0].text
 
 
+def test_anthropic_consecutive_messages_of_one_role_pair_as_one_turn(fake):
+    # Anthropic combines consecutive messages of one role: a call's result may be in the
+    # second user message after it, the call in the first of two assistant messages
+    r = _anthropic(fake).messages.create(model="tiny", max_tokens=2, tools=[ATOOL], messages=[
+        AUSER, _use("toolu_a"), {"role": "assistant", "content": "Reading it."},
+        AUSER, _result("toolu_a")])
+    assert r.content[0].text
+
+
 def _fc(i: str, kind: str = "function_call") -> dict:
     if kind == "custom_tool_call":
         return {"type": kind, "call_id": i, "name": "patch", "input": "x"}
