@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from helexa.router import agent_request, images
+from helexa.router import agent_request, images, tool_pairing
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
@@ -208,6 +208,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                               tool_calls_json=json.dumps(calls) if calls else "",
                               reasoning="".join(thought),
                               parts=parts if len(parts) > len(text) else None))
+    tool_pairing.check_messages(body.messages)
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from helexa.grammar import Constraint
-from helexa.router import agent_request, images
+from helexa.router import agent_request, images, tool_pairing
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import ChatBody, CompletionBody, Message, RequestBody, decode
@@ -140,6 +140,7 @@ def parse_request(body: bytes | Any, kind: Kind,
 
 def _chat(b: ChatBody, req: ParsedRequest, caps: RequestCaps) -> None:
     req.messages = [_message(m, i, req.repaired_calls) for i, m in enumerate(b.messages)]
+    tool_pairing.check_chat(b.messages)
     add_prompt, continue_final_message = agent_request.apply(b, req, caps)
     req.logprobs = bool(b.logprobs)
     req.top_logprobs = b.top_logprobs or 0

@@ -43,7 +43,7 @@ import msgspec
 from msgspec import Meta
 
 from helexa import grammar
-from helexa.router import agent_request, custom_tools, images
+from helexa.router import agent_request, custom_tools, images, tool_pairing
 from helexa.router.errors import bad_request, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
@@ -312,6 +312,7 @@ def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
             raise unsupported(f"{p}.type", f"input items of type `{it.type}`")
     if calls:
         _close_calls(turns, calls, thought)
+    tool_pairing.check_input(items)
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     if not any(t.role != "system" for t in turns):

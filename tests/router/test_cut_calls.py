@@ -114,7 +114,8 @@ def chat_history(*arguments: str) -> list[dict]:
             {"role": "assistant", "content": None, "tool_calls": [
                 {"id": f"c{i}", "type": "function",
                  "function": {"name": "read", "arguments": a}} for i, a in enumerate(arguments)]},
-            {"role": "tool", "tool_call_id": "c0", "content": "error: bad JSON arguments"}]
+            *({"role": "tool", "tool_call_id": f"c{i}", "content": "error: bad JSON arguments"}
+              for i in range(len(arguments)))]
 
 
 def test_a_chat_history_with_a_cut_call_is_served_and_says_which_call():
