@@ -305,3 +305,13 @@ def test_two_different_keys_are_refused_naming_both_headers(router):
     same = {"x-api-key": key_of("alice"), "Authorization": f"Bearer {key_of('alice')}"}
     assert httpx2.post(router.url + "/v1/messages", headers=same, json=body).status_code == 200
 
+
+def test_a_thinking_budget_of_zero_is_400_naming_it(router):
+    """`enabled` with budget 0 would allow the thought no token: a 400 in Anthropic's
+    envelope naming the field, as Anthropic refuses a budget under its minimum."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(router).messages.create(model="tiny", max_tokens=50, messages=MSGS,
+                                       thinking={"type": "enabled", "budget_tokens": 0})
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in e.value.body["error"]["message"]
