@@ -107,19 +107,18 @@ class Residency:
         self._profiles.pop(model_id, None)
 
     def serving(self, model_id: str) -> ResidentModel:
-        """The model a request may go to now, or the refusal that says why not."""
+        """The model a request may go to now, or the refusal that says why not. One switching
+        profile takes it: its engine holds it queued until the switch ends, switched or
+        abandoned (docs/errors.md, "The table"), as the router holds its own."""
         r = self.models.get(model_id)
         if r is None:
             self.entry(model_id)  # model_not_found when not in the catalogue
             raise Refusal("service_unavailable",
                           f"The model `{model_id}` is not loaded on this neuron.", 1000)
-        if r.state == ModelState.READY:
+        if r.state in (ModelState.READY, ModelState.SWITCHING):
             return r
         if r.state == ModelState.LOADING:
             raise Refusal("model_loading", f"The model `{model_id}` is loading.", 2000)
-        if r.state == ModelState.SWITCHING:
-            raise Refusal("service_unavailable",
-                          f"The model `{model_id}` is switching profile.", 1000)
         if r.state == ModelState.DRAINING:
             raise Refusal("shutting_down", f"The model `{model_id}` is draining.",
                           int(self.cfg.server.drain_secs * 1000))

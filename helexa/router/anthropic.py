@@ -89,7 +89,7 @@ class AThinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """enabled / between_tools: a budget; adaptive: the model's own (catalogue) budget."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: Annotated[int, Meta(ge=0, le=INT32_MAX)] | None = None
+    budget_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
     display: Literal["summarized", "omitted"] | None = None
 
 

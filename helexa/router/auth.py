@@ -26,6 +26,8 @@ import re
 import sys
 from pathlib import Path
 
+from multidict import CIMultiDictProxy
+
 from helexa.config.schema import ConfigError, read_toml
 from helexa.router.errors import ApiError
 
@@ -84,6 +86,30 @@ class Authenticator:
             raise ApiError(401, what, code="invalid_api_key")
         return ANONYMOUS
 
+
+
+def authorization(headers: CIMultiDictProxy[str]) -> str | None:
+    """The caller's key as an Authorization header: its `Authorization: Bearer`, or
+    Anthropic's `x-api-key`. Two different keys (one in each, or a header given twice with
+    two values) are refused 400 naming the headers, not one picked: each API honours its
+    own header (OpenAI Authorization, Anthropic x-api-key), so a pick would run someone's
+    call as the other key, and RFC 6750 (section 3.1) makes a token sent more than one way
+    an invalid_request. The same key in both is one key."""
+    auths = set(headers.getall("Authorization", []))
+    keys = {k for k in headers.getall("x-api-key", []) if k}
+    for name, values in (("Authorization", auths), ("x-api-key", keys)):
+        if len(values) > 1:
+            raise ApiError(400, f"{name}: given {len(values)} times with different values;"
+                           " send one key", code="invalid_request_error")
+    header = next(iter(auths), None)
+    if not keys:
+        return header
+    key = next(iter(keys))
+    scheme, _, bearer = (header or "").partition(" ")
+    if scheme.lower() == "bearer" and bearer.strip() and bearer.strip() != key:
+        raise ApiError(400, "x-api-key and Authorization: Bearer carry two different keys;"
+                       " send one of them", code="invalid_request_error")
+    return f"Bearer {key}"
 
 
 def may_load(principal: str, load_principals: list[str]) -> bool:

@@ -54,7 +54,9 @@ Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 class ImageUrl(msgspec.Struct, kw_only=True):
     url: str  # a base64 data: URL, or an http(s) URL the router may fetch (router/images.py)
-    detail: Harmless = None  # auto / low / high: the model has one resolution rule
+    # OpenAI's three, checked as OpenAI does (a 400 naming it), then ignored: the model
+    # has one resolution rule
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

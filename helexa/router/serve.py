@@ -44,6 +44,7 @@ from helexa.router import (
     responses_encode,
 )
 from helexa.router.agent_output import OutputParser
+from helexa.router.auth import authorization as auth_header
 from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
 from helexa.router.errors import MAX_MESSAGE_CHARS, ApiError, clip
 from helexa.router.event_replies import (
@@ -289,11 +290,8 @@ def metric_label(state: RouterState, model: str) -> str:
 
 
 def authorization(request: web.Request) -> str | None:
-    """The Authorization header, or Anthropic's x-api-key as a bearer token."""
-    header = request.headers.get("Authorization")
-    if header is None and (key := request.headers.get("x-api-key")):
-        return f"Bearer {key}"
-    return header
+    """The caller's key as an Authorization header (auth.authorization: 400 for two)."""
+    return auth_header(request.headers)
 
 
 def error_response(kind: str, e: ApiError, headers: dict[str, str]) -> web.Response:

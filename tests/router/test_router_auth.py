@@ -65,3 +65,28 @@ def test_by_default_only_named_principals_cause_loads(tmp_path):
     f.write_text('[auth]\nload_principals = ["alice"]\n')
     named = load_router_config(f).auth.load_principals
     assert may_load("alice", named) and not may_load(ANONYMOUS, named)
+
+
+def test_the_key_comes_from_one_header_and_two_different_keys_are_refused():
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from helexa.router.auth import authorization
+
+    def of(*pairs: tuple[str, str]) -> str | None:
+        return authorization(CIMultiDictProxy(CIMultiDict(pairs)))
+
+    assert of() is None
+    assert of(("Authorization", "Bearer a")) == "Bearer a"
+    assert of(("x-api-key", "a")) == "Bearer a"
+    assert of(("x-api-key", "a"), ("Authorization", "Bearer a")) == "Bearer a"
+    # a non-bearer Authorization carries no key: x-api-key's is the one
+    assert of(("x-api-key", "a"), ("Authorization", "Basic Z29vZA==")) == "Bearer a"
+    assert of(("Authorization", "Bearer a"), ("Authorization", "Bearer a")) == "Bearer a"
+    conflicts = [([("x-api-key", "a"), ("Authorization", "Bearer b")], "x-api-key"),
+                 ([("Authorization", "Bearer a"), ("Authorization", "Bearer b")], "Authorization"),
+                 ([("x-api-key", "a"), ("x-api-key", "b")], "x-api-key")]
+    for pairs, named in conflicts:
+        with pytest.raises(ApiError) as e:
+            of(*pairs)
+        assert (e.value.status, e.value.code) == (400, "invalid_request_error")
+        assert named in e.value.message

@@ -45,6 +45,7 @@ class FakeEngineClient:
         self.on_fatal = on_fatal or (lambda _m: None)
         self.limits = spec.limits
         self.admitting = True
+        self.refusing = False  # a drain: refuse newcomers; a switch's stop holds them
         self.fail_before_token: str | None = None  # fail each request after admitting it
         self.refuse: tuple[str, str, int] | None = None
         self.aborts: dict[str, str] = {}
@@ -92,7 +93,9 @@ class FakeEngineClient:
     async def generate(self, req: m.NewRequest, on_flow: Any = None
                        ) -> AsyncIterator[m.RequestUpdate]:
         self.requests.append(req)  # no flow control: a generator is never ahead of its reader
-        if not self.admitting or self.refuse:
+        while not self.admitting and not self.refusing:  # a switch: queued until it ends
+            await asyncio.sleep(0.005)
+        if self.refusing or self.refuse:
             code, msg, retry = self.refuse or ("shutting_down", "not admitting", 1000)
             self.refuse = None
             yield m.RequestUpdate(req_id=req.req_id, refused_code=code, refused_message=msg,
@@ -145,7 +148,8 @@ class FakeEngineClient:
         self.limits = limits
 
     def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
-        self.admitting = not flag  # nothing ever waits queued here: refuse_queued has no work
+        self.admitting = not flag
+        self.refusing = flag and (self.refusing or refuse_queued)  # as the engine's intake
         self._changed()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,

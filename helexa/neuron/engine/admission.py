@@ -7,10 +7,13 @@ applies what it decides (and alone releases blocks, in one place).
 The rules (docs/architecture.md, "A request's states"; what a request reserves is
 budget.py's):
 
-- `submit`: refused at once when admission is stopped (503 shutting_down),
-  when the principal already has `max_per_principal` queued + in flight
+- `submit`: refused at once while the model drains (`refusing`: 503
+  shutting_down, so the caller goes elsewhere), when the principal already has `max_per_principal` queued + in flight
   (429 rate_limit_exceeded), or when `max_queue_depth` requests are queued
-  (503 overloaded). Otherwise queued.
+  (503 overloaded). Otherwise queued, also while admission is only stopped
+  (`admitting` off without `refusing`: a profile switch waiting for its
+  in-flight work), so what arrives during a switch is admitted once it ends,
+  switched or abandoned (docs/errors.md, "The table").
 - `admit`: principals with queued work take turns (round-robin, in the
   order they first queued; a principal that was served goes to the back).
   The principal whose turn it is offers the head of its queue; it is
@@ -97,6 +100,9 @@ class Admission:
         self.clock = clock
         self.wall_clock = wall_clock
         self.admitting = True
+        # a drain: newcomers are refused (shutting_down); without it a stopped admission
+        # (a profile switch) holds them queued until it resumes
+        self.refusing = False
         self.drain = DrainMeter()
         self._queues: OrderedDict[str, deque[Request]] = OrderedDict()  # rotation order
         self._num_queued = 0
@@ -138,7 +144,7 @@ class Admission:
             return Refusal("context_length_exceeded",
                            f"{req.max_total_tokens} tokens need {need} KV blocks;"
                            f" the pool has {self.pool.num_blocks}")
-        if not self.admitting:
+        if self.refusing:
             return Refusal("shutting_down", "the model is not admitting requests now",
                            self.retry_after_ms(self.pool.num_blocks - self.pool.num_free_blocks))
         held = self._per_principal.get(req.principal, 0)

@@ -193,7 +193,9 @@ class EngineClient:
 
     def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
         """Stop (or resume) admitting; with `refuse_queued` (a drain) the engine also
-        refuses what is queued, `shutting_down`, so its callers can go elsewhere at once."""
+        refuses what is queued, and what comes until admission resumes, `shutting_down`, so
+        its callers can go elsewhere at once; without it (a profile switch) they are held
+        queued."""
         self._stop_admitting = flag
         self._pending_refuse_queued = self._pending_refuse_queued or refuse_queued
         self._schedule_flush()

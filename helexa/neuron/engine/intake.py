@@ -3,7 +3,8 @@
 `take(core, inbound)` is the first part of every step (engine_core.py):
 1. the limits in force (the whole set: admission's, the scheduler's and the
    speculation's knobs; the pool is not touched);
-2. admitting on or off; a drain refuses what is queued (shutting_down) at once;
+2. admitting on or off; a drain refuses what is queued (shutting_down) at once,
+   and what comes until admission resumes; a switch's stop holds it queued;
 3. new requests: checked (duplicate id, images against their tokens, context:
    helexa/budget.py), then queued (admission.py) or refused, each admitted as far
    as it fits before the next arrives, so the queue depth a newcomer meets is the
@@ -68,6 +69,9 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
         set_limits(core, inbound.limits)
     adm = core.admission
     adm.admitting = not inbound.stop_admitting
+    # a drain refuses newcomers as long as admission stays stopped; a profile switch only
+    # stops admitting: what comes meanwhile queues and is admitted when it ends
+    adm.refusing = inbound.stop_admitting and (adm.refusing or inbound.refuse_queued)
     if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
         for req in adm.queued():
             core.refuse(req, Refusal("shutting_down", "This model is shutting down.",

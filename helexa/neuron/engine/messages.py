@@ -155,8 +155,10 @@ class ToEngine(msgspec.Struct, kw_only=True):
     new: list[NewRequest] = []
     aborts: list[Abort] = []
     limits: Limits | None = None  # the whole set in force from now on
-    stop_admitting: bool = False  # drain / switching: refuse new, finish in flight
-    refuse_queued: bool = False  # drain: refuse what is queued (shutting_down) at once
+    stop_admitting: bool = False  # drain / switching: admit none, finish in flight
+    # drain: refuse what is queued (shutting_down) at once, and what comes while admission
+    # stays stopped; a switch (without it) holds newcomers queued until admission resumes
+    refuse_queued: bool = False
     shutdown: bool = False  # exit after aborting everything
     reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
     # Flow control (client.py): req_id -> True where its caller stopped taking its tokens

@@ -283,3 +283,35 @@ def test_a_prefill_is_continued_as_the_open_prompt_would_be(router):
     assert chat.choices[0].message.content == want
     assert client(router).messages.count_tokens(model="tiny",
                                                 messages=prefill).input_tokens == len(ids)
+
+
+def test_two_different_keys_are_refused_naming_both_headers(router):
+    """Anthropic authenticates by x-api-key, OpenAI by Authorization: a call bearing two
+    different keys is refused 400 (RFC 6750, a token sent more than one way), in the
+    endpoint's envelope, never run as either key. The same key twice is one key."""
+    body = {"model": "tiny", "max_tokens": 2, "messages": MSGS}
+    two = {"x-api-key": key_of("alice"), "Authorization": f"Bearer {key_of('bob')}"}
+    r = httpx2.post(router.url + "/v1/messages", headers=two, json=body)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "x-api-key" in error["message"] and "Authorization" in error["message"]
+    r = httpx2.post(router.url + "/v1/chat/completions", headers=two, json=body)
+    assert r.status_code == 400 and "x-api-key" in r.json()["error"]["message"], r.text
+    twice = [("Authorization", f"Bearer {key_of('alice')}"),
+             ("Authorization", f"Bearer {key_of('bob')}")]
+    r = httpx2.post(router.url + "/v1/chat/completions", headers=twice, json=body)
+    assert r.status_code == 400 and "Authorization" in r.json()["error"]["message"], r.text
+    same = {"x-api-key": key_of("alice"), "Authorization": f"Bearer {key_of('alice')}"}
+    assert httpx2.post(router.url + "/v1/messages", headers=same, json=body).status_code == 200
+
+
+def test_a_thinking_budget_of_zero_is_400_naming_it(router):
+    """`enabled` with budget 0 would allow the thought no token: a 400 in Anthropic's
+    envelope naming the field, as Anthropic refuses a budget under its minimum."""
+    with pytest.raises(anthropic.BadRequestError) as e:
+        client(router).messages.create(model="tiny", max_tokens=50, messages=MSGS,
+                                       thinking={"type": "enabled", "budget_tokens": 0})
+    assert e.value.body["type"] == "error"
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "thinking.budget_tokens" in e.value.body["error"]["message"]

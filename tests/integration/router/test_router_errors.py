@@ -29,6 +29,18 @@ def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_an_image_detail_openai_does_not_know_is_400_naming_it(router):
+    """OpenAI takes `detail` auto, low or high; anything else is its 400, not ignored."""
+    pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4AAAAAElFTkSuQmCC"
+    part = {"type": "image_url", "image_url": {"url": pixel, "detail": "ultra"}}
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": [part]}])
+    assert e.value.code == "invalid_request_error"
+    assert e.value.param == "messages[0].content[0].image_url.detail"
+    assert "ultra" in e.value.message
+
+
 def test_json_nested_1000_deep_is_400_naming_the_limit_in_each_envelope(router):
     auth = {"Authorization": f"Bearer {key_of('alice')}", "Content-Type": "application/json"}
     deep = "[" * 1000 + "1" + "]" * 1000

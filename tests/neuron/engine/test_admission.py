@@ -253,15 +253,27 @@ def test_deadlines_of_queued_and_in_flight_requests():
     assert sorted(ids(adm.expire()[1])) == ["run", "wait"]
 
 
-def test_stop_admitting_refuses_and_holds_the_queue():
+def test_a_drain_refuses_newcomers_and_holds_the_queue():
     adm, _, _ = make()
     adm.submit(r("q"))
-    adm.admitting = False
+    adm.admitting, adm.refusing = False, True
     refusal = adm.submit(r("new"))
     assert refusal is not None and refusal.code == "shutting_down"
     assert adm.admit() == []
-    adm.admitting = True
+    adm.admitting, adm.refusing = True, False
     assert ids(adm.admit()) == ["q"]
+
+
+def test_a_stopped_admission_without_a_drain_queues_newcomers_until_it_resumes():
+    """A profile switch stops admitting while its in-flight work ends: what comes then
+    waits in the queue, in turn, and is admitted once admission resumes."""
+    adm, _, _ = make()
+    adm.submit(r("q"))
+    adm.admitting = False
+    assert adm.submit(r("new", "Q")) is None
+    assert adm.admit() == [] and adm.num_queued == 2
+    adm.admitting = True
+    assert ids(adm.admit()) == ["q", "new"]
 
 
 def test_remove_from_queue_and_unknown():

@@ -138,10 +138,17 @@ def test_streams_aborts_limits_and_shutdown():
         assert (await second)[0] == expected([4], 5)
 
         # draining: new requests are refused shutting_down, then admitted again
-        client.stop_admitting(True)
+        client.stop_admitting(True, refuse_queued=True)
         _, last = await collect(client, m.NewRequest(req_id="d", prompt_token_ids=[1]))
         assert last.refused_code == "shutting_down" and last.retry_after_ms > 0
         client.stop_admitting(False)
+        # a switch's stop: a newcomer waits queued and is served once admission resumes
+        client.stop_admitting(True)
+        held = asyncio.ensure_future(collect(client, m.NewRequest(
+            req_id="h", prompt_token_ids=[1], max_tokens=2, sampling=GREEDY)))
+        await until(lambda: client.status.queued == 1)
+        client.stop_admitting(False)
+        assert (await held)[1].finished == m.FinishReason.LENGTH
         tokens, last = await collect(client, m.NewRequest(req_id="d2", prompt_token_ids=[1],
                                                           max_tokens=2, sampling=GREEDY))
         assert last.finished == m.FinishReason.LENGTH

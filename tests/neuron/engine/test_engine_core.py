@@ -165,9 +165,15 @@ def test_set_limits_and_stop_admitting_through_messages():
     ledger = core.pool.ledger()
     core.step(m.ToEngine(limits=msgspec.structs.replace(core.limits, max_in_flight=4)))
     assert core.status().in_flight == 2 and core.pool.num_blocks * 8 == ledger.total_bytes
+    # a switch's stop holds a newcomer queued; a drain's refuses the queue, and newcomers
+    # for as long as admission stays stopped
     out = core.step(m.ToEngine(new=[new("c", [3], 4)], stop_admitting=True))
-    assert [u.refused_code for u in out.updates if u.req_id == "c"] == ["shutting_down"]
+    assert not any(u.refused_code for u in out.updates) and core.status().queued == 1
     assert core.status().admitting is False
+    out = core.step(m.ToEngine(stop_admitting=True, refuse_queued=True))
+    assert [u.refused_code for u in out.updates if u.req_id == "c"] == ["shutting_down"]
+    out = core.step(m.ToEngine(new=[new("d", [3], 4)], stop_admitting=True))
+    assert [u.refused_code for u in out.updates if u.req_id == "d"] == ["shutting_down"]
     out = core.step(m.ToEngine(shutdown=True))
     assert {u.req_id: u.error for u in out.updates if u.finished} == {"a": "shutdown", "b": "shutdown"}
     assert_whole(core)
