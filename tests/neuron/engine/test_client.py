@@ -67,7 +67,10 @@ async def falls_behind(client: EngineClient) -> None:
     await until(lambda: client.status is not None and client.status.paused == 1)
     assert client.flow.num_paused == 1 and told[0][0] is True
     unread = client.flow._unread["slow"]
-    assert PAUSE_TOKENS <= unread < PAUSE_TOKENS + 16  # a step or two past the word
+    # a step or two past the word on an idle machine; the word crosses a process boundary,
+    # so on a loaded one (load 10 on 2 cores: 273-292 seen) more steps run before it lands.
+    # Still well short of the 400 an unpaused stream would leave unread.
+    assert PAUSE_TOKENS <= unread < PAUSE_TOKENS + 96
     other, _ = await collect(client, m.NewRequest(req_id="other", prompt_token_ids=[9],
                                                   max_tokens=100, sampling=GREEDY))
     assert other == expected([9], 100)  # it ran meanwhile
