@@ -149,7 +149,7 @@ class FakeEngineClient:
 
     def stop_admitting(self, flag: bool = True, *, refuse_queued: bool = False) -> None:
         self.admitting = not flag
-        self.refusing = flag and (self.refusing or refuse_queued)  # as the engine's intake
+        self.refusing = flag and (self.refusing or refuse_queued)  # as the engine's client
         self._changed()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,

@@ -100,6 +100,7 @@ class EngineClient:
         self._flush_scheduled = False
         self._stop_admitting = False
         self._pending_refuse_queued = False
+        self._refuse_new = False
         self._ready: asyncio.Future[None] = loop.create_future()
         self._last_heard = loop.time()
         self._watchdog: asyncio.Task[None] | None = None
@@ -198,6 +199,10 @@ class EngineClient:
         queued."""
         self._stop_admitting = flag
         self._pending_refuse_queued = self._pending_refuse_queued or refuse_queued
+        # a level, sent with every message: a resume and a switch's stop that follow a drain
+        # before the next flush must not leave the engine refusing (a latch in the engine
+        # would, the three being one message); a switch's stop during a drain keeps refusing
+        self._refuse_new = flag and (refuse_queued or self._refuse_new)
         self._schedule_flush()
 
     async def reset_kv(self, *, num_blocks: int, kv_dtype: str, bytes_per_token: int,
@@ -261,6 +266,7 @@ class EngineClient:
                                 limits=self._pending_limits, stop_admitting=self._stop_admitting,
                                 shutdown=self._pending_shutdown, reset_kv=self._pending_reset,
                                 refuse_queued=self._pending_refuse_queued,
+                                refuse_new=self._refuse_new,
                                 paused=self.flow.take())
         self._pending_new, self._pending_aborts, self._pending_limits = [], [], None
         self._pending_reset, self._pending_refuse_queued = None, False

@@ -71,7 +71,7 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
     adm.admitting = not inbound.stop_admitting
     # a drain refuses newcomers as long as admission stays stopped; a profile switch only
     # stops admitting: what comes meanwhile queues and is admitted when it ends
-    adm.refusing = inbound.stop_admitting and (adm.refusing or inbound.refuse_queued)
+    adm.refusing = inbound.stop_admitting and inbound.refuse_new
     if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
         for req in adm.queued():
             core.refuse(req, Refusal("shutting_down", "This model is shutting down.",

@@ -156,9 +156,12 @@ class ToEngine(msgspec.Struct, kw_only=True):
     aborts: list[Abort] = []
     limits: Limits | None = None  # the whole set in force from now on
     stop_admitting: bool = False  # drain / switching: admit none, finish in flight
-    # drain: refuse what is queued (shutting_down) at once, and what comes while admission
-    # stays stopped; a switch (without it) holds newcomers queued until admission resumes
+    # drain: refuse what is queued (shutting_down) at once
     refuse_queued: bool = False
+    # drain: refuse newcomers too while admission stays stopped (a level, as stop_admitting:
+    # each message carries the current one); a switch's stop without it holds them queued
+    # until admission resumes
+    refuse_new: bool = False
     shutdown: bool = False  # exit after aborting everything
     reset_kv: ResetKv | None = None  # answered by FromEngine.kv_reset (added by the engine helper)
     # Flow control (client.py): req_id -> True where its caller stopped taking its tokens

@@ -61,7 +61,8 @@ def merge_inbound(batch: list[messages.ToEngine]) -> messages.ToEngine:
         merged.shutdown = merged.shutdown or msg.shutdown
         merged.refuse_queued = merged.refuse_queued or msg.refuse_queued
         merged.reset_kv = msg.reset_kv or merged.reset_kv
-    merged.stop_admitting = batch[-1].stop_admitting  # each message carries the current flag
+    merged.stop_admitting = batch[-1].stop_admitting  # each message carries the current flags
+    merged.refuse_new = batch[-1].refuse_new
     return merged
 
 

@@ -170,12 +170,17 @@ def test_set_limits_and_stop_admitting_through_messages():
     out = core.step(m.ToEngine(new=[new("c", [3], 4)], stop_admitting=True))
     assert not any(u.refused_code for u in out.updates) and core.status().queued == 1
     assert core.status().admitting is False
-    out = core.step(m.ToEngine(stop_admitting=True, refuse_queued=True))
+    out = core.step(m.ToEngine(stop_admitting=True, refuse_queued=True, refuse_new=True))
     assert [u.refused_code for u in out.updates if u.req_id == "c"] == ["shutting_down"]
-    out = core.step(m.ToEngine(new=[new("d", [3], 4)], stop_admitting=True))
+    out = core.step(m.ToEngine(new=[new("d", [3], 4)], stop_admitting=True, refuse_new=True))
     assert [u.refused_code for u in out.updates if u.req_id == "d"] == ["shutting_down"]
+    # the drain over and a switch's stop in the same message (the daemon's words since the
+    # last step, merged): the newcomer is held, not refused
+    out = core.step(m.ToEngine(new=[new("e", [3], 4)], stop_admitting=True))
+    assert not any(u.refused_code for u in out.updates) and core.status().queued == 1
     out = core.step(m.ToEngine(shutdown=True))
-    assert {u.req_id: u.error for u in out.updates if u.finished} == {"a": "shutdown", "b": "shutdown"}
+    assert {u.req_id: u.error for u in out.updates if u.finished} == {"a": "shutdown", "b": "shutdown",
+                                                                      "e": "shutdown"}
     assert_whole(core)
 
 

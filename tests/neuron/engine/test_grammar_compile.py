@@ -209,7 +209,8 @@ def test_a_request_that_ends_while_its_grammar_compiles_leaves_nothing(tiny, mon
         now[0] += 6
         final = core.step().updates
     elif end == "drain":
-        final = core.step(m.ToEngine(stop_admitting=True, refuse_queued=True)).updates
+        final = core.step(m.ToEngine(stop_admitting=True, refuse_queued=True,
+                                          refuse_new=True)).updates
     else:
         final = core.step(m.ToEngine(shutdown=True)).updates
     g2 = next(u for u in final if u.req_id == "g2")
