@@ -4,6 +4,7 @@ the test principals' keys, the configs (imported by conftest.py and the tests)."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -116,6 +117,25 @@ def router_over_fake(tmp_path: Path, name: str, *fake_args: str,
     finally:
         neuron.kill()
         neuron.wait()
+
+
+def sse_events(url: str, path: str, body: dict, timeout: float = 600
+               ) -> list[tuple[str | None, object]]:
+    """(event name or None, data) of each SSE event a router at `url` sends for body (sent
+    with an Anthropic key and version header, which the other APIs ignore)."""
+    events: list[tuple[str | None, object]] = []
+    name = None
+    with httpx2.stream("POST", url + path, json=body, timeout=timeout,
+                       headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) as r:
+        assert r.status_code == 200, r.read().decode()
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                name = line.removeprefix("event: ")
+            elif line.startswith("data: "):
+                data = line.removeprefix("data: ")
+                events.append((name, data if data == "[DONE]" else json.loads(data)))
+                name = None
+    return events
 
 
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.05) -> Any:

@@ -20,9 +20,8 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx2
 import pytest
-from router_procs import RouterProcess, router_over_fake
+from router_procs import RouterProcess, router_over_fake, sse_events
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "agents"
 ANSWER = "The notes say the answer is 42."
@@ -42,18 +41,11 @@ def router(tmp_path_factory) -> Iterator[RouterProcess]:
 
 def sse(router: RouterProcess, path: str, body: dict) -> list[dict]:
     """The data of each SSE event, its name checked against its type."""
-    events, name = [], None
-    with httpx2.stream("POST", router.url + path, json={**body, "model": "tiny"}, timeout=60,
-                       headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) as r:
-        assert r.status_code == 200, r.read().decode()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = json.loads(line.removeprefix("data: "))
-                assert data["type"] == name
-                events.append(data)
-    return events
+    out: list[dict] = []
+    for name, data in sse_events(router.url, path, {**body, "model": "tiny"}, timeout=60):
+        assert isinstance(data, dict) and data["type"] == name, (name, data)
+        out.append(data)
+    return out
 
 
 def test_claude_codes_first_turn_gets_its_thought_and_bash_call(router):

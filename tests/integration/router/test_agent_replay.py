@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, start_router, wait_for
+from router_procs import RouterProcess, sse_events, start_router, wait_for
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "agents"
@@ -71,19 +71,7 @@ def replay(tmp_path_factory, tiny_model_dir) -> Iterator[RouterProcess]:
 
 def sse(router: RouterProcess, path: str, body: dict) -> list[tuple[str | None, object]]:
     """(event name or None, data) of each SSE event the router sends for body."""
-    events: list[tuple[str | None, object]] = []
-    name = None
-    with httpx2.stream("POST", router.url + path, json=body, timeout=600,
-                       headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) as r:
-        assert r.status_code == 200, r.read().decode()
-        for line in r.iter_lines():
-            if line.startswith("event: "):
-                name = line.removeprefix("event: ")
-            elif line.startswith("data: "):
-                data = line.removeprefix("data: ")
-                events.append((name, data if data == "[DONE]" else json.loads(data)))
-                name = None
-    return events
+    return sse_events(router.url, path, body)
 
 
 # ------------------------------------------------------------------ Claude Code
