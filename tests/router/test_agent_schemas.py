@@ -4,18 +4,12 @@ served: as prompt text under auto, and as a grammar under a forced choice of tha
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from support.agent_fixtures import fixture
 
 from helexa.router import anthropic, responses_api
 from helexa.router.openai_api import parse_request
-
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "agents"
-
-
-def fixture(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
 def _tool_sets() -> list[tuple[str, list]]:

@@ -18,17 +18,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from router_procs import RouterProcess, router_over_fake, sse_events
+from support.agent_fixtures import fixture
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "agents"
 ANSWER = "The notes say the answer is 42."
-
-
-def fixture(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
 @pytest.fixture(scope="module")

@@ -23,21 +23,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx2
 import pytest
 import tomli_w
 from router_procs import RouterProcess, sse_events, start_router, wait_for
+from support.agent_fixtures import fixture
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
-FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "agents"
 MODEL = "agent-tiny"
 TOKEN = "replay-token"
-
-
-def fixture(name: str) -> dict:
-    return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
 @pytest.fixture(scope="module")
