@@ -153,6 +153,12 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
         "was built for rebuilds it in place (switching).", RELOAD, ge=1)] = 2048
     prefill_chunk_tokens: Annotated[int, field_meta(
         "Largest prefill chunk of one request in one step.", RELOAD, ge=1)] = 512
+    vision_step_budget: Annotated[int, field_meta(
+        "Vision models: the most vision-tower work one engine step runs, in patches × tower "
+        "blocks (an image of P patches through a tower of D blocks is P × D). A larger "
+        "image's tower runs a few blocks a step, so the other streams' tokens go on between "
+        "them; a step runs at least one block of one image. 0 = each image's whole tower in "
+        "one step. At tp > 1 images run whole.", RELOAD, ge=0)] = 65536
     torch_threads: Annotated[optional(int, ge=1), field_meta(
         "torch threads of an engine process on CPU; none = torch's default.", RESTART)] = None
     attention_backend: Annotated[Literal["auto", "torch", "cpu", "cuda"], field_meta(

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from typing import Any
 
 from helexa.budget import blocks_for_tokens
+from helexa.neuron.engine import encoder_steps as enc
 from helexa.neuron.engine import growth, intake, lookahead, messages, prompt_logprobs, snapshots
 from helexa.neuron.engine.admission import Admission
 from helexa.neuron.engine.block_pool import BlockPool
@@ -69,8 +70,7 @@ class EngineCore:
         self.runner = runners.target
         self._runners = runners
         self.spec = spec = check_pool(spec, self.runner)
-        self.prefix_cache = spec.prefix_cache
-        self.prefix_sharing = spec.prefix_sharing
+        self.prefix_cache, self.prefix_sharing = spec.prefix_cache, spec.prefix_sharing
         self.attention_backend = self.runner.attention_backend
         self.sampler = sampler or Sampler()
         # first: a draft model's layers take the target's block count here, before the host
@@ -82,7 +82,9 @@ class EngineCore:
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens, scoring_rows=prompt_logprobs
-                                   .allowance(self.runner, self.limits.max_slots))
+                                   .allowance(self.runner, self.limits.max_slots),
+                                   vision_budget=self.limits.vision_step_budget,
+                                   vision_depth=enc.tower_depth(self.runner, spec.tp))
         if self.pool.snapshots is not None:  # hybrids: chunks end where snapshots are kept
             self.scheduler.snapshot_block_tokens = spec.block_size
             self.scheduler.snapshot_every_tokens = spec.snapshot_every_tokens
@@ -91,15 +93,11 @@ class EngineCore:
         self.running: list[Request] = []  # batch rows, in order
         self.waiting: list[Request] = []  # in flight, no batch row yet (admission order)
         self.paused: dict[str, Request] = {}  # in flight, left out of steps (intake.pause)
-        self.decode_tokens_per_sec = 0.0
-        self.prefill_tokens_per_sec = 0.0
-        self.num_failed_steps = 0
-        self.consecutive_failed_steps = 0  # the engine process gives up past a bound
+        self.decode_tokens_per_sec = self.prefill_tokens_per_sec = 0.0
+        self.num_failed_steps = self.consecutive_failed_steps = 0  # too many in a row: exit
         self.last_error = ""
         self.growth = growth.GrowthCounts()  # growable reservations' growths (growth.py)
-        self.prefix_query_tokens = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_host_hit_tokens = 0
+        self.prefix_query_tokens = self.prefix_hit_tokens = self.prefix_host_hit_tokens = 0
         self._last_step_end = clock()
         self._updates: dict[str, messages.RequestUpdate] = {}
         self.kv_reset_answer = ""  # to this step's ResetKv (intake.reset_kv)
@@ -154,6 +152,7 @@ class EngineCore:
             upd.started, upd.waiting_for_row = True, False
         reqs = [self.requests[c.req_id] for c in plan.chunks]
         try:
+            enc.run(self, plan.encode)  # its images' tower work, before its rows
             inputs = lay_out(plan, reqs, self.pool, self.ensure_blocks)
             snapshots.take_slots(self.pool, inputs.reqs, inputs.chunks, inputs.seqs,
                                  self.spec.snapshot_every_tokens)
@@ -174,7 +173,7 @@ class EngineCore:
                 self.move_kv()  # a slot taken may have evicted a snapshot: out before reuse
                 self.runner.save_held(saves)
         except Exception as e:  # the step's requests fail; the engine goes on
-            self.fail(reqs, e)
+            self.fail(reqs + enc.only(self, plan.encode, reqs), e)
             return None
         self.consecutive_failed_steps = 0
         return StepResult(inputs, out, new_tokens, logprobs, scored)
@@ -372,6 +371,7 @@ class EngineCore:
             self.speculator.release(req)
             self.pool.release(req.req_id)
             self.grammars.forget(req)  # it may have been waiting for its grammar to compile
+            enc.forget(self, req)  # an image's tower part-way
             if req in self.running:
                 self.running.remove(req)
             elif req in self.waiting:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from helexa.budget import check_request, output_budget
-from helexa.neuron.engine import messages
+from helexa.neuron.engine import encoder_steps, messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
 from helexa.neuron.engine.images import PromptImages, check_images
@@ -110,6 +110,7 @@ def pause(core: EngineCore, req_id: str) -> None:
         return  # queued: it has made no token a caller could leave unread
     req.status = RequestStatus.IN_FLIGHT
     req.draft = None  # drafted for this step; the scheduler gives a resumed row none
+    encoder_steps.forget(core, req)  # an image part-way starts over once it has a row
     core.paused[req_id] = req
     core.update(req).waiting_for_row = False  # resumed and paused again before a step
 
@@ -153,6 +154,7 @@ def set_limits(core: EngineCore, limits: messages.Limits) -> None:
     sched = core.scheduler
     sched.max_slots, sched.max_batched_tokens = limits.max_slots, limits.max_batched_tokens
     sched.prefill_chunk_tokens = limits.prefill_chunk_tokens
+    sched.vision_budget = limits.vision_step_budget
     core.speculator.configure(limits)
 
 

@@ -98,6 +98,10 @@ class Request:
     spec_drafted_tokens: int = 0  # drafted tokens verified for it, and of those accepted
     spec_accepted_tokens: int = 0
     images: PromptImages | None = None  # a vision-language prompt's images (images.py)
+    # its images' towers run over several steps (encoder_steps.py): the images encoded so
+    # far, in prompt order, and the blocks run of the next (its runner state part-way)
+    encoded_images: int = 0
+    encoded_blocks: int = 0
 
     # --- derived -----------------------------------------------------------
 

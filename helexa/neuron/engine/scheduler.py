@@ -6,6 +6,9 @@ out; it touches no tensors and no pool, and mutates nothing.
 
 The algorithm, under a token budget of `max_batched_tokens` per step:
 
+0. Vision models: the step's tower work, within `vision_budget` (encoder_steps.py): the
+   next blocks of each prefilling request's next image not yet encoded (the one
+   part-way first), whose tokens no chunk reaches before the image's last block ran.
 1. Decode first: every running request whose prompt is fully in the cache
    gets its one next token, in batch order, while budget lasts.
 2. Then the requests resumed after a pause (intake.py `pause`: a paused
@@ -22,7 +25,7 @@ The algorithm, under a token budget of `max_batched_tokens` per step:
 5. Then, while fewer than `max_slots` requests are running and budget is
    left, promote waiting in-flight requests (admission order: resumed ones
    wait ahead of new prompts) to running and give each its first prefill
-   chunk.
+   chunk (or, a prompt that starts with an image, that image's first blocks alone).
 
 Before a step is scheduled, `reclaims` names the running requests whose rows
 go back to requests that had a row before them (intake.py `reclaim`): a
@@ -56,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from helexa.neuron.engine.encoder_steps import EncoderBudget, EncodeSlice
 from helexa.neuron.engine.prompt_logprobs import ROWS_PER_SLOT, shares, wants
 from helexa.neuron.engine.request import Request
 from helexa.neuron.engine.snapshots import next_stop
@@ -73,6 +77,7 @@ class ScheduledChunk:
 class StepPlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # decodes first, then prefills
     promoted: list[str] = field(default_factory=list)  # in flight -> running this step
+    encode: list[EncodeSlice] = field(default_factory=list)  # tower work (encoder_steps.py)
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +93,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not self.chunks
+        return not self.chunks and not self.encode
 
 
 @dataclass
@@ -99,6 +104,8 @@ class Scheduler:
     snapshot_block_tokens: int = 0  # hybrids' prefix snapshots: the block size (0: none)
     snapshot_every_tokens: int = 0  # and their checkpoint spacing inside a prompt
     scoring_rows: int = 0  # prompt-logprobs rows a step (0: ROWS_PER_SLOT × max_slots)
+    vision_budget: int = 0  # tower work a step, patches × blocks (0: images whole)
+    vision_depth: int = 0  # the tower's blocks where steps may split it (encoder_steps.py)
 
     def schedule(self, running: Sequence[Request], waiting: Sequence[Request]) -> StepPlan:
         plan = StepPlan()
@@ -122,12 +129,15 @@ class Scheduler:
                                                 num_draft=k)
                 budget -= k
         share = self._shares(running, waiting, budget, num_running)  # module doc
+        enc = EncoderBudget(self.vision_budget, self.vision_depth)  # 0. tower work
+        for req in enc.first_partway([r for r in running if r.is_prefilling]):
+            enc.take(req)
         spare = 0  # shares a request took less of (the budget ran short): the next one's
         for req in running:  # 4. prefill already running
             if budget == 0:
                 break
             if req.is_prefilling:
-                n = self._chunk(req, budget, share.get(req.req_id, 0) + spare)
+                n = self._chunk(req, budget, share.get(req.req_id, 0) + spare, enc)
                 if n == 0:
                     continue  # its prompt's logprobs: none left this step
                 plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
@@ -139,15 +149,21 @@ class Scheduler:
                 break
             if not req.is_prefilling:
                 continue  # resumed (step 2), or nothing to compute
-            n = self._chunk(req, budget, share.get(req.req_id, 0) + spare)
+            encodes = enc.take(req)
+            n = self._chunk(req, budget, share.get(req.req_id, 0) + spare, enc)
+            if n == 0 and encodes:  # its image's first blocks, no token yet: a row for them
+                plan.promoted.append(req.req_id)
+                num_running += 1
+                continue
             if n == 0:
-                break  # its prompt's logprobs: none left this step, and no one overtakes
+                break  # its prompt's logprobs or image: none this step, and no one overtakes
             if wants(req):
                 spare += share.get(req.req_id, 0) - n
             plan.chunks.append(ScheduledChunk(req.req_id, n, is_prefill=True))
             plan.promoted.append(req.req_id)
             budget -= n
             num_running += 1
+        plan.encode = enc.slices
         return plan
 
     def reclaims(self, running: Sequence[Request], waiting: Sequence[Request]) -> list[Request]:
@@ -185,11 +201,13 @@ class Scheduler:
         rows = self.scoring_rows or ROWS_PER_SLOT * self.max_slots
         return {r.req_id: n for r, n in zip(scorers, shares(need, rows), strict=True)}
 
-    def _chunk(self, req: Request, budget: int, scoring: int) -> int:
+    def _chunk(self, req: Request, budget: int, scoring: int,
+               enc: EncoderBudget | None = None) -> int:
         # Prefill covers the prompt only; the first output token comes from
-        # the logits of the chunk that ends the prompt.
+        # the logits of the chunk that ends the prompt; never an image not yet encoded.
         computed = req.num_computed_tokens
-        n = min(req.num_prompt_tokens - computed, self.prefill_chunk_tokens, budget)
+        ready = enc.ready(req) if enc is not None else req.num_prompt_tokens
+        n = min(ready - computed, self.prefill_chunk_tokens, budget)
         if wants(req):  # every row's logits: within the step's share (prompt_logprobs.py)
             n = min(n, scoring)
         if self.snapshot_block_tokens:

@@ -12,6 +12,10 @@ the tower once. The cache is bounded (`max_cached` images, and the bytes of two 
 largest image's embeddings, oldest first out, never an image the step reads): an image
 whose request was aborted mid-image is dropped in time, and one evicted early is
 recomputed.
+
+With a per-step budget (engine/encoder_steps.py) the engine runs each image's tower a few
+blocks a step instead (`advance`), the hidden state part-way kept here between steps
+(`partial`), and the embeddings cached once whole, before any chunk reads them.
 """
 
 from __future__ import annotations
@@ -27,10 +31,12 @@ from helexa.kernels.backends.base import to_device
 from helexa.neuron.engine.images import chunk_positions
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.models.mrope import MmStep
+from helexa.neuron.models.vision import TowerState
 from helexa.neuron.vision.patches import pixel_patches, value_table
 from helexa.neuron.vision.processor import ImageProcessor, PreparedImage
 
 if TYPE_CHECKING:
+    from helexa.neuron.engine.encoder_steps import EncodeSlice
     from helexa.neuron.engine.model_runner import SeqInput
 
 
@@ -44,6 +50,8 @@ class VisionStep:
         self._table = value_table(processor, device) if processor is not None else None
         self._cache: OrderedDict[bytes, torch.Tensor] = OrderedDict()
         self.tower_runs = 0  # tower calls so far (tests: chunked prefill runs it once)
+        self.blocks_run = 0  # tower blocks run so far, over every image (tests: per step)
+        self.partial: dict[tuple[str, int], TowerState] = {}  # (req_id, image): part-way
 
     @property
     def max_cached_bytes(self) -> int:
@@ -146,11 +154,50 @@ class VisionStep:
         for group in _groups(prepared, self.processor.max_patches):
             self._run_tower(group)
 
+    def advance(self, slices: Sequence[EncodeSlice]) -> None:
+        """This step's tower work (encoder_steps.py): each slice's blocks of its image, from
+        its patches (start 0) or its state part-way; an image whose blocks are all run is
+        merged into its embeddings, cached. A state no slice names is dropped (its request
+        left the batch or ended)."""
+        named = {(s.req_id, s.index) for s in slices}
+        for key in [k for k in self.partial if k not in named]:
+            del self.partial[key]
+        for s in slices:
+            key, img = (s.req_id, s.index), s.image
+            if img.content_hash in self._cache:  # whole already (another request's)
+                self.partial.pop(key, None)
+                continue
+            state = self.partial.get(key)
+            if s.start == 0:
+                if not self.takes_images or self._table is None or self.processor is None:
+                    raise ValueError("this model takes no images")
+                p = PreparedImage(img.pixels, img.grid_h, img.grid_w, img.num_tokens,
+                                  img.content_hash)
+                state = self.model.visual.embed(pixel_patches(p, self.processor, self._table),
+                                                [(1, img.grid_h, img.grid_w)])
+            elif state is None:
+                raise ValueError(f"image {s.index} of {s.req_id}: blocks from {s.start} "
+                                 "but no state part-way")
+            self.model.visual.run_blocks(state, s.start, s.end)
+            self.blocks_run += s.end - s.start
+            if s.end < len(self.model.visual.blocks):
+                self.partial[key] = state
+                continue
+            self.partial.pop(key, None)
+            self._cache[img.content_hash] = self.model.visual.merger(state.x)
+            self.tower_runs += 1
+
+    def forget(self, req_id: str) -> None:
+        """A request's states part-way, dropped (it finished or left the batch)."""
+        for key in [k for k in self.partial if k[0] == req_id]:
+            del self.partial[key]
+
     def _run_tower(self, prepared: list[PreparedImage]) -> None:
         assert self.processor is not None and self._table is not None
         patches = torch.cat([pixel_patches(p, self.processor, self._table) for p in prepared])
         out = self.model.visual(patches, [(1, p.grid_h, p.grid_w) for p in prepared])
         self.tower_runs += 1
+        self.blocks_run += len(self.model.visual.blocks)
         parts = out.split([p.num_tokens for p in prepared])
         for p, part in zip(prepared, parts, strict=True):
             # each image its own memory: a view would keep the whole call's output alive

@@ -17,6 +17,7 @@ qkv is split per rank by its q | k | v thirds.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,6 +147,17 @@ class Merger(VisionMLP):
         return super().forward(self.norm(x).view(-1, self.merged))
 
 
+@dataclass
+class TowerState:
+    """An encoding part-way: the hidden state after `done` blocks, and what blocks read."""
+
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    lengths: list[int]
+    done: int = 0  # blocks run so far
+
+
 class VisionTower(nn.Module):
     """patches [N, C × T × P × P] of images with patch grids `grids` -> [N / merge², out]."""
 
@@ -178,13 +190,29 @@ class VisionTower(nn.Module):
         return None
 
     def forward(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
+        state = self.embed(patches, grids)
+        self.run_blocks(state, 0, len(self.blocks))
+        return self.merger(state.x)
+
+    def embed(self, patches: torch.Tensor, grids: list[tuple[int, int, int]]) -> TowerState:
+        """The tower's input (patch embedding and position grid) and what every block reads:
+        `forward` is embed, run_blocks over all blocks, merger. The engine runs the blocks a
+        few at a time over several steps (engine/encoder_steps.py): the same operations in
+        the same order, so the same output."""
         x = self.patch_embed(patches)
         x = x + self.position_grid(grids).to(x.dtype)
         cos, sin_signed = self.rotary(grids, x.device)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # one frame attends to itself
-        for block in self.blocks:
-            x = block(x, cos, sin_signed, lengths)
-        return self.merger(x)
+        return TowerState(x, cos, sin_signed, lengths)
+
+    def run_blocks(self, state: TowerState, start: int, end: int) -> None:
+        """Blocks [start, end) over `state`, which must have run exactly blocks [0, start)."""
+        if state.done != start or not 0 <= start <= end <= len(self.blocks):
+            raise ValueError(f"vision tower: blocks [{start}, {end}) after {state.done} of "
+                             f"{len(self.blocks)}")
+        for block in self.blocks[start:end]:
+            state.x = block(state.x, state.cos, state.sin_signed, state.lengths)
+        state.done = end
 
     def position_grid(self, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """The learned grid resampled to each image's (h, w) patches, in merge-block order."""
