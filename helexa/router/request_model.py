@@ -48,6 +48,10 @@ Harmless = Any  # accepted and ignored: it changes nothing we produce
 CacheKey = Annotated[str, Meta(max_length=64)]
 SafetyIdentifier = Annotated[str, Meta(max_length=128)]
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority", "fast", "ultrafast"]
+# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, string values of 512.
+Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
+                          Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
+MAX_USER_CHARS = 256  # OpenAI states none; a user id is short (safety_identifier's is 128)
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
@@ -153,7 +157,7 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] | None = None
-    user: str | None = None
+    user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     return_token_ids: bool | None = None
     # vLLM extensions the proto carries as they are; top_k -1 means off, as in vLLM.
     top_k: Annotated[int, Meta(ge=-1, le=INT32_MAX)] | None = None
@@ -172,8 +176,9 @@ class RequestBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     min_tokens: Harmless = None
     prompt_logprobs: Harmless = None
 
-    metadata: Harmless = None
-    store: Harmless = None
+    # ignored, but typed and bounded as OpenAI types and bounds them
+    metadata: Metadata | None = None
+    store: bool | None = None
     parallel_tool_calls: Harmless = None
     # bounded as OpenAI bounds them; the cache key picks the neuron (docs/api.md, "Chat and
     # completions: shared fields")

@@ -49,9 +49,11 @@ from helexa.router.openai_api import ParsedRequest, Turn
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
+    MAX_USER_CHARS,
     CacheKey,
     ChatBody,
     FunctionDef,
+    Metadata,
     ModelName,
     NamedFunction,
     NamedToolChoice,
@@ -130,10 +132,6 @@ class TextConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     verbosity: Any = None  # accepted: the model's length is its own
 
 
-# OpenAI's bounds on `metadata`: 16 pairs, keys of 64 characters, string values of 512.
-Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)],
-                          Annotated[str, Meta(max_length=512)]], Meta(max_length=16)]
-MAX_USER_CHARS = 256  # OpenAI states none; a user id is short (safety_identifier's is 128)
 
 
 class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -165,9 +163,9 @@ class ResponsesBody(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     metadata: Metadata | None = None
     user: Annotated[str, Meta(max_length=MAX_USER_CHARS)] | None = None
     # Accepted and ignored: storage, tracking and caching hints.
-    store: Any = None
-    prompt_cache_retention: Any = None
-    truncation: Any = None
+    store: bool | None = None  # OpenAI's types, though nothing changes with them
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
     client_metadata: Any = None  # codex's
     stream_options: Any = None
 

@@ -81,6 +81,18 @@ def test_what_every_response_object_echoes_is_bounded_as_openai_bounds_it(fields
     assert (e.status, e.param) == (400, param) and says in e.message, e.message
 
 
+@pytest.mark.parametrize("fields,param,says", [
+    ({"store": "yes"}, "store", "expected bool"),
+    ({"truncation": "sometimes"}, "truncation", "invalid value 'sometimes'"),
+    ({"prompt_cache_retention": 3}, "prompt_cache_retention", "expected str")])
+def test_fields_that_change_nothing_are_still_typed_as_openai_types_them(fields, param, says):
+    """`store: "yes"` was a 200 (the field was Any); OpenAI answers it with a 400."""
+    e = _refusal(**fields)
+    assert (e.status, e.param) == (400, param) and says in e.message, e.message
+    for ok in ({"store": True}, {"truncation": "auto"}, {"prompt_cache_retention": "24h"}):
+        responses_api.parse_request(json.dumps({"model": "m", "input": "hi", **ok}).encode())
+
+
 def test_metadata_and_user_within_the_bounds_are_echoed_as_sent():
     meta = {f"k{i}": "v" * 512 for i in range(16)}
     req = responses_api.parse_request(json.dumps(

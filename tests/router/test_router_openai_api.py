@@ -149,6 +149,13 @@ def test_body_must_be_an_object():
     ({"model": "m", "prompt": [1, "a"]}, "completion", "prompt"),
     ({"model": "m", "prompt": "x", "max_tokens": 2**31}, "completion", "max_tokens"),
     ({"model": ["m"], "prompt": "x"}, "completion", "model"),
+    # ignored, but typed and bounded as OpenAI's own API types and bounds them
+    ({"model": "m", "messages": MSG, "store": "yes"}, "chat", "store"),
+    ({"model": "m", "messages": MSG, "metadata": {str(i): "v" for i in range(17)}}, "chat",
+     "metadata"),
+    ({"model": "m", "messages": MSG, "metadata": {"k": "v" * 513}}, "chat", "metadata[...]"),
+    ({"model": "m", "messages": MSG, "user": "u" * 257}, "chat", "user"),
+    ({"model": "m", "prompt": "x", "user": "u" * 10_000}, "completion", "user"),
 ])
 def test_hostile_values_are_400_naming_the_field(body, kind, param):
     e = refused(body, kind)
