@@ -68,10 +68,9 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
     if inbound.limits is not None:
         set_limits(core, inbound.limits)
     adm = core.admission
-    adm.admitting = not inbound.stop_admitting
     # a drain refuses newcomers as long as admission stays stopped; a profile switch only
-    # stops admitting: what comes meanwhile queues and is admitted when it ends
-    adm.refusing = inbound.stop_admitting and inbound.refuse_new
+    # stops admitting: what comes meanwhile is held queued and admitted when it ends
+    adm.hold(not inbound.stop_admitting, inbound.stop_admitting and inbound.refuse_new)
     if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
         for req in adm.queued():
             core.refuse(req, Refusal("shutting_down", "This model is shutting down.",

@@ -71,6 +71,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     deadline_unix: float = 0.0  # 0 = none
     queued_at: float = 0.0  # monotonic time it entered the queue
+    held_secs: float = 0.0  # of its time queued, held by a profile switch (admission.hold)
     seq: int = 0  # admission order (1, 2, ...): its seniority for a batch row (intake.reclaim)
     had_row: bool = False  # it has had a batch row: waiting, it waits for one again
 
