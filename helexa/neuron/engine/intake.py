@@ -153,6 +153,7 @@ def set_limits(core: EngineCore, limits: messages.Limits) -> None:
     sched.max_slots, sched.max_batched_tokens = limits.max_slots, limits.max_batched_tokens
     sched.prefill_chunk_tokens = limits.prefill_chunk_tokens
     core.speculator.configure(limits)
+    refit(core)  # a queued request without max_tokens takes the new default_output_tokens
 
 
 def admit(core: EngineCore) -> None:
@@ -258,12 +259,25 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
     adm.drain = DrainMeter()
     if failed:
         return failed
-    for req in adm.queued():  # queued under the old context, refused if too long now
-        problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
-                                max_output_tokens=r.max_output_tokens)
-        if problem is None and adm.reservation_blocks(req) > blocks:
-            problem = Refusal("context_length_exceeded",
-                              f"{req.max_total_tokens} tokens do not fit the re-planned pool")
-        if problem is not None:
-            core.refuse(req, Refusal(problem.code, problem.message))
+    refit(core)  # queued (held by the switch) under the old pool and context
     return "ok"
+
+
+def refit(core: EngineCore) -> None:
+    """Queued requests sized again, as `add_request` sizes a new one, for the context, the
+    output limit and the pool in force now (a profile switch re-planned them) and the
+    limits (its default_output_tokens): one that no longer fits is refused as a new one
+    would be, with the arithmetic; one that asked no max_tokens takes the budget a new
+    one would. Queued, they hold nothing: there is nothing to give back."""
+    context, max_output = core.spec.context, core.spec.max_output_tokens
+    for req in core.admission.queued():
+        asked = None if req.growable else req.output_budget
+        problem = check_request(req.num_prompt_tokens, asked, context=context,
+                                max_output_tokens=max_output)
+        if problem is None and asked is None:
+            req.output_budget = output_budget(
+                req.num_prompt_tokens, None, context=context, max_output_tokens=max_output,
+                default_output_tokens=core.limits.default_output_tokens)
+        problem = problem or core.admission.too_big(req)
+        if problem is not None:
+            core.refuse(req, problem)
