@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from helexa.budget import check_request, output_budget
+from helexa.budget import check_request, fitted_max_tokens, output_budget
 from helexa.neuron.engine import messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
@@ -163,6 +163,7 @@ def admit(core: EngineCore) -> None:
         upd = core.update(req)
         upd.admitted = True
         upd.prompt_tokens = req.num_prompt_tokens
+        upd.output_budget = req.output_budget
         upd.cached_tokens = req.num_cached_tokens
         core.waiting.append(req)
         if core.prefix_cache:
@@ -179,7 +180,8 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
                            default_output_tokens=core.limits.default_output_tokens,
                            max_output_tokens=max_output)
     req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
-                  growable=new.max_tokens is None, sampling=new.sampling, principal=new.principal,
+                  growable=new.max_tokens is None, ceiling=new.max_tokens_ceiling,
+                  sampling=new.sampling, principal=new.principal,
                   stop_token_ids=frozenset(new.stop_token_ids),
                   deadline_unix=new.deadline_unix)
     if new.req_id in core.requests:
@@ -268,10 +270,15 @@ def refit(core: EngineCore) -> None:
     output limit and the pool in force now (a profile switch re-planned them) and the
     limits (its default_output_tokens): one that no longer fits is refused as a new one
     would be, with the arithmetic; one that asked no max_tokens takes the budget a new
-    one would. Queued, they hold nothing: there is nothing to give back."""
+    one would, and one whose max_tokens is a ceiling is fitted to the context again (the
+    daemon's prepare.prompt_of). Queued, they hold nothing: there is nothing to give back."""
     context, max_output = core.spec.context, core.spec.max_output_tokens
     for req in core.admission.queued():
         asked = None if req.growable else req.output_budget
+        if req.ceiling is not None:
+            asked = req.output_budget = fitted_max_tokens(
+                req.num_prompt_tokens, req.ceiling, context=context,
+                max_output_tokens=max_output)
         problem = check_request(req.num_prompt_tokens, asked, context=context,
                                 max_output_tokens=max_output)
         if problem is None and asked is None:

@@ -66,6 +66,7 @@ class Request:
     prompt_token_ids: list[int]
     output_budget: int  # most new tokens it may produce (its reservation covers them)
     growable: bool = False  # its client named no max_tokens: the budget may grow (growth.py)
+    ceiling: int | None = None  # its max_tokens a ceiling fitted to the context (intake.refit)
     sampling: messages.SamplingParams = field(default_factory=messages.SamplingParams)
     principal: str = ""  # "" = anonymous
     stop_token_ids: frozenset[int] = frozenset()

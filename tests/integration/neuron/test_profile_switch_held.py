@@ -5,8 +5,10 @@ A real daemon serves a tiny Qwen3.5 on a bf16 pool (context 28,544 in 4 MiB); it
 without max_tokens 8 tokens, not the base's 20,000. One long request in flight holds the
 switch (it waits for in-flight work, up to drain_secs) while requests that came meanwhile
 wait in the engine's queue, longer than kv_max_wait_secs. They used to be refused
-`overloaded` by that bound, "waited 1.0 s for admission to resume", and, sized for the old
-pool, one without max_tokens was then refused as asking 20,000 max_tokens it never asked.
+`overloaded` by that bound, "waited 2.0 s for admission to resume", and, sized for the old
+pool, one without max_tokens was then refused as asking 20,000 max_tokens it never asked,
+and one whose max_tokens is a ceiling (Anthropic's, fit_max_tokens) as asking the old
+context's worth.
 docs/architecture.md, "A request's states".
 """
 
@@ -23,8 +25,8 @@ from support.neuron import NeuronClient, NeuronProcess, chat_request, ledger_who
 
 from helexa.proto import neuron_pb2 as pb
 
-KV_MAX_WAIT_SECS = 1.0
-HELD_SECS = 3.0  # how long the test keeps the switch waiting once the newcomers queued
+KV_MAX_WAIT_SECS = 2.0
+HELD_SECS = 4.0  # how long the test keeps the switch waiting once the newcomers queued
 NARROW_OUTPUT = 8
 
 
@@ -56,9 +58,25 @@ async def _outcome(c: NeuronClient, req: pb.GenerateRequest) -> str:
     return f"served {last.usage.completion_tokens} {pb.FinishReason.Name(last.finish_reason)}"
 
 
+async def _fitted(c: NeuronClient, req: pb.GenerateRequest) -> str:
+    """`fitted N`: the max_tokens its first message says it was fitted to (the call then
+    cancelled), or the refusal as `_outcome` gives it."""
+    call = c.stub.Generate(req, metadata=c.md)
+    try:
+        first = await call.read()
+    except grpc.aio.AioRpcError as e:
+        code = dict(e.trailing_metadata() or ()).get("helexa-code")
+        return f"{e.code().name} {code} {e.details()}"
+    call.cancel()
+    return f"fitted {first.fitted_max_tokens}"
+
+
 def test_requests_held_by_a_switch_wait_for_it_and_are_sized_for_the_new_profile(
         hybrid: NeuronProcess, neuron_token: str) -> None:
     too_long = chat_request("held-too-long", max_tokens=20000)  # fits 28,544, not 14,272
+
+    def ceiling(req_id: str) -> pb.GenerateRequest:
+        return chat_request(req_id, max_tokens=32000, fit_max_tokens=True)
 
     async def run() -> tuple[object, dict[str, str], str, pb.NeuronStatus, float]:
         async with NeuronClient(hybrid.address, neuron_token) as c:
@@ -80,7 +98,9 @@ def test_requests_held_by_a_switch_wait_for_it_and_are_sized_for_the_new_profile
                     (time.time() + HELD_SECS / 2) * 1000)),
             }
             outs = {k: asyncio.ensure_future(_outcome(c, r)) for k, r in held.items()}
-            await c.watch_until(lambda st: model_of(st).queued == len(held)
+            # a ceiling fitted to the old context: 28,522 tokens; 14,250 under `narrow`
+            outs["ceiling"] = asyncio.ensure_future(_fitted(c, ceiling("held-ceiling")))
+            await c.watch_until(lambda st: model_of(st).queued == len(outs)
                                 or any(o.done() for o in outs.values()), timeout_secs=30)
             t0 = time.monotonic()
             await asyncio.sleep(HELD_SECS)  # past kv_max_wait_secs, the switch still waiting
@@ -95,13 +115,14 @@ def test_requests_held_by_a_switch_wait_for_it_and_are_sized_for_the_new_profile
             held_secs = time.monotonic() - t0
             # a new request as the held one was, after the switch
             _, _, fresh = await c.refusal_message(chat_request("fresh", max_tokens=20000))
+            fresh_fit = await _fitted(c, ceiling("fresh-ceiling"))
             st = await c.watch_until(ledger_whole, timeout_secs=60)
             await c.stub.SetProfile(pb.SetProfileRequest(model="tiny", profile=""),
                                     metadata=c.md)  # back to the base for any test after
             assert ctx == 28544, ctx
-            return res, results, fresh, st, held_secs
+            return res, results, (fresh, fresh_fit), st, held_secs
 
-    res, results, fresh, st, held_secs = asyncio.run(run())
+    res, results, (fresh, fresh_fit), st, held_secs = asyncio.run(run())
     assert isinstance(res, pb.SetProfileResponse), res
     assert "kv_dtype: bf16 -> fp32" in res.changed and "context: 28544 -> 14272" in res.changed
     assert held_secs > KV_MAX_WAIT_SECS
@@ -112,5 +133,6 @@ def test_requests_held_by_a_switch_wait_for_it_and_are_sized_for_the_new_profile
     assert results["too_long"] == f"INVALID_ARGUMENT context_length_exceeded {fresh}", results
     assert results["deadline"].startswith("UNAVAILABLE service_unavailable the model was "
                                           "switching profile"), results
+    assert fresh_fit == "fitted 14250" and results["ceiling"] == fresh_fit, results
     m = model_of(st)
     assert m.profile == "narrow" and m.kv_dtype == "fp32"  # ledger_whole: nothing held
