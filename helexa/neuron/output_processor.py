@@ -159,9 +159,11 @@ class OutputProcessor:
             if not self._sent_first:  # the prompt's size, and the max_tokens fitted to the context
                 resp.prompt_tokens = len(self.new.prompt_token_ids)
                 resp.cached_tokens = self.cached_tokens
-                if (self.new.max_tokens is not None
-                        and self.new.max_tokens != self._requested_max_tokens):
-                    resp.fitted_max_tokens = self.new.max_tokens
+                fitted = self.new.max_tokens  # the engine's, where it fitted it again (a switch)
+                if upd.admitted and self.new.max_tokens_ceiling is not None:
+                    fitted = upd.output_budget
+                if fitted is not None and fitted != self._requested_max_tokens:
+                    resp.fitted_max_tokens = fitted
             self._sent_first = True
             out.response = resp
         return out

@@ -112,6 +112,8 @@ class NeuronServicer(neuron_pb2_grpc.NeuronServicer):
             new = messages.NewRequest(
                 req_id=req_id, prompt_token_ids=p.prompt_ids,
                 sampling=sampling_params(request.sampling), max_tokens=p.max_tokens,
+                max_tokens_ceiling=(request.max_tokens if request.fit_max_tokens
+                                    and p.max_tokens is not None else None),
                 principal=principal, stop_token_ids=list(stop_ids), deadline_unix=deadline,
                 arrival_unix=arrival, grammar=p.grammar, thinking=p.thinking, images=p.images)
             blog.info("request.start", prompt_tokens=len(p.prompt_ids),

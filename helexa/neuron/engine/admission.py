@@ -31,10 +31,13 @@ budget.py's):
   head is the first queued request whose matcher is ready, and a principal
   with none skips its turn. Queued, it holds no place, KV or row, and keeps
   its place in its principal's queue until its matcher is ready.
-- `expire`: a queued request older than `kv_max_wait_secs` is refused 503
-  overloaded, saying what it waited for: an in-flight place (all held, or its
-  principal's all held) or KV (blocks needed against blocks free); any request
-  past its deadline is aborted (reason deadline).
+- `expire`: a queued request that waited longer than `kv_max_wait_secs` is
+  refused 503 overloaded, saying what it waited for: an in-flight place (all
+  held, or its principal's all held) or KV (blocks needed against blocks free);
+  any request past its deadline is aborted (reason deadline). Time held by a
+  profile switch (`hold`) is not such a wait: a held request is bounded by the
+  switch (server.drain_secs, then its re-plan) and by its deadline, and one whose
+  deadline passes while held is refused 503 service_unavailable naming the switch.
 
 Retry-after figures come from the pool's drain rate (blocks made free per
 second, measured over a sliding window): the blocks the caller would need
@@ -103,6 +106,7 @@ class Admission:
         # a drain: newcomers are refused (shutting_down); without it a stopped admission
         # (a profile switch) holds them queued until it resumes
         self.refusing = False
+        self._held_since: float | None = None  # when a switch's stop began holding the queue
         self.drain = DrainMeter()
         self._queues: OrderedDict[str, deque[Request]] = OrderedDict()  # rotation order
         self._num_queued = 0
@@ -137,13 +141,33 @@ class Admission:
 
     # --- decisions ---------------------------------------------------------
 
+    def hold(self, admitting: bool, refusing: bool) -> None:
+        """Admission on or off; off without `refusing` (a profile switch waiting for its
+        in-flight work) holds the queue. When the hold ends, each queued request's
+        `held_secs` grows by the part of it that request waited through: its wait for
+        an in-flight place or KV (`kv_max_wait_secs`) counts from there."""
+        now, held = self.clock(), not admitting and not refusing
+        if held and self._held_since is None:
+            self._held_since = now
+        elif not held and self._held_since is not None:
+            for req in self.queued():
+                req.held_secs += now - max(req.queued_at, self._held_since)
+            self._held_since = None
+        self.admitting, self.refusing = admitting, refusing
+
+    def too_big(self, req: Request) -> Refusal | None:
+        """Why `req`'s whole reservation can never fit this pool, with the arithmetic."""
+        need = self.reservation_blocks(req)
+        if need <= self.pool.num_blocks:
+            return None
+        return Refusal("context_length_exceeded", f"{req.max_total_tokens} tokens need {need}"
+                       f" KV blocks; the pool has {self.pool.num_blocks}")
+
     def submit(self, req: Request) -> Refusal | None:
         """Queue `req`, or say why not (it is then not queued)."""
+        if (too_big := self.too_big(req)) is not None:
+            return too_big
         need = self.reservation_blocks(req)
-        if need > self.pool.num_blocks:
-            return Refusal("context_length_exceeded",
-                           f"{req.max_total_tokens} tokens need {need} KV blocks;"
-                           f" the pool has {self.pool.num_blocks}")
         if self.refusing:
             return Refusal("shutting_down", "the model is not admitting requests now",
                            self.retry_after_ms(self.pool.num_blocks - self.pool.num_free_blocks))
@@ -209,24 +233,33 @@ class Admission:
                          if r.deadline_unix and wall >= r.deadline_unix]
         past_deadline += [r for r in self.in_flight.values()
                           if r.deadline_unix and wall >= r.deadline_unix]
+        if self._held_since is not None:  # a switch holds the queue: no wait of theirs is
+            # for a place or KV; one past its deadline is told it waited for the switch
+            held = [r for r in past_deadline if r.status == RequestStatus.QUEUED]
+            past_deadline = [r for r in past_deadline if r.status != RequestStatus.QUEUED]
+            return [(r, Refusal(
+                "service_unavailable", f"the model was switching profile: the request waited "
+                f"{now - r.queued_at:.1f} s in its queue for the switch to end and its "
+                "deadline passed; retry shortly", 1000)) for r in held], past_deadline
         late = {id(r) for r in past_deadline}
         wait = self.limits.kv_max_wait_secs
         for queue in self._queues.values():
-            for req in queue:  # FIFO within a principal: the oldest are at the front
-                if now - req.queued_at <= wait:
+            for req in queue:  # FIFO within a principal: the oldest waited longest (a hold
+                waited = now - req.queued_at - req.held_secs  # took the most from the oldest)
+                if waited <= wait:
                     break
                 if id(req) not in late:
+                    after = (f", after {req.held_secs:.1f} s held by a profile switch"
+                             if req.held_secs else "")
                     timed_out.append((req, Refusal(
-                        "overloaded", f"waited {now - req.queued_at:.1f} s for "
-                        f"{self._waiting_for(req)} (kv_max_wait_secs {wait:g})",
+                        "overloaded", f"waited {waited:.1f} s for {self._waiting_for(req)}"
+                        f" (kv_max_wait_secs {wait:g}){after}",
                         self.retry_after_ms(self._deficit(self.queued_blocks())))))
         return timed_out, past_deadline
 
     def _waiting_for(self, req: Request) -> str:
         """What queued `req` waits for now, as its refusal names it."""
         lim = self.limits
-        if not self.admitting:
-            return "admission to resume (the model is not admitting now)"
         if req.compiling is not None:
             return "its grammar to compile"
         if len(self.in_flight) >= lim.max_in_flight:

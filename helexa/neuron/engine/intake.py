@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from helexa.budget import check_request, output_budget
+from helexa.budget import check_request, fitted_max_tokens, output_budget
 from helexa.neuron.engine import encoder_steps, messages
 from helexa.neuron.engine.admission import DrainMeter
 from helexa.neuron.engine.grammar import GrammarUnavailable
@@ -68,10 +68,9 @@ def apply(core: EngineCore, inbound: messages.ToEngine) -> None:
     if inbound.limits is not None:
         set_limits(core, inbound.limits)
     adm = core.admission
-    adm.admitting = not inbound.stop_admitting
     # a drain refuses newcomers as long as admission stays stopped; a profile switch only
-    # stops admitting: what comes meanwhile queues and is admitted when it ends
-    adm.refusing = inbound.stop_admitting and inbound.refuse_new
+    # stops admitting: what comes meanwhile is held queued and admitted when it ends
+    adm.hold(not inbound.stop_admitting, inbound.stop_admitting and inbound.refuse_new)
     if inbound.refuse_queued:  # draining: what waits is refused now, so callers go elsewhere
         for req in adm.queued():
             core.refuse(req, Refusal("shutting_down", "This model is shutting down.",
@@ -156,6 +155,7 @@ def set_limits(core: EngineCore, limits: messages.Limits) -> None:
     sched.prefill_chunk_tokens = limits.prefill_chunk_tokens
     sched.vision_budget = limits.vision_step_budget
     core.speculator.configure(limits)
+    refit(core)  # a queued request without max_tokens takes the new default_output_tokens
 
 
 def admit(core: EngineCore) -> None:
@@ -165,6 +165,7 @@ def admit(core: EngineCore) -> None:
         upd = core.update(req)
         upd.admitted = True
         upd.prompt_tokens = req.num_prompt_tokens
+        upd.output_budget = req.output_budget
         upd.cached_tokens = req.num_cached_tokens
         core.waiting.append(req)
         if core.prefix_cache:
@@ -181,7 +182,8 @@ def add_request(core: EngineCore, new: messages.NewRequest) -> None:
                            default_output_tokens=core.limits.default_output_tokens,
                            max_output_tokens=max_output)
     req = Request(req_id=new.req_id, prompt_token_ids=prompt, output_budget=budget,
-                  growable=new.max_tokens is None, sampling=new.sampling, principal=new.principal,
+                  growable=new.max_tokens is None, ceiling=new.max_tokens_ceiling,
+                  sampling=new.sampling, principal=new.principal,
                   stop_token_ids=frozenset(new.stop_token_ids),
                   deadline_unix=new.deadline_unix)
     if new.req_id in core.requests:
@@ -261,12 +263,30 @@ def reset_kv(core: EngineCore, r: messages.ResetKv) -> str:
     adm.drain = DrainMeter()
     if failed:
         return failed
-    for req in adm.queued():  # queued under the old context, refused if too long now
-        problem = check_request(req.num_prompt_tokens, req.output_budget, context=r.context,
-                                max_output_tokens=r.max_output_tokens)
-        if problem is None and adm.reservation_blocks(req) > blocks:
-            problem = Refusal("context_length_exceeded",
-                              f"{req.max_total_tokens} tokens do not fit the re-planned pool")
-        if problem is not None:
-            core.refuse(req, Refusal(problem.code, problem.message))
+    refit(core)  # queued (held by the switch) under the old pool and context
     return "ok"
+
+
+def refit(core: EngineCore) -> None:
+    """Queued requests sized again, as `add_request` sizes a new one, for the context, the
+    output limit and the pool in force now (a profile switch re-planned them) and the
+    limits (its default_output_tokens): one that no longer fits is refused as a new one
+    would be, with the arithmetic; one that asked no max_tokens takes the budget a new
+    one would, and one whose max_tokens is a ceiling is fitted to the context again (the
+    daemon's prepare.prompt_of). Queued, they hold nothing: there is nothing to give back."""
+    context, max_output = core.spec.context, core.spec.max_output_tokens
+    for req in core.admission.queued():
+        asked = None if req.growable else req.output_budget
+        if req.ceiling is not None:
+            asked = req.output_budget = fitted_max_tokens(
+                req.num_prompt_tokens, req.ceiling, context=context,
+                max_output_tokens=max_output)
+        problem = check_request(req.num_prompt_tokens, asked, context=context,
+                                max_output_tokens=max_output)
+        if problem is None and asked is None:
+            req.output_budget = output_budget(
+                req.num_prompt_tokens, None, context=context, max_output_tokens=max_output,
+                default_output_tokens=core.limits.default_output_tokens)
+        problem = problem or core.admission.too_big(req)
+        if problem is not None:
+            core.refuse(req, problem)

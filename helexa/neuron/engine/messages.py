@@ -87,6 +87,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingParams = SamplingParams()
     # None = min(default_output_tokens, context - prompt), growable (growth.py)
     max_tokens: int | None = None
+    # fit_max_tokens: the caller's max_tokens, a ceiling `max_tokens` was fitted under to the
+    # context; a queued request is fitted again where a profile switch changes the context
+    max_tokens_ceiling: int | None = None
     principal: str = ""  # "" = anonymous
     # eos ids are added by the daemon unless ignore_eos; the caller's are left out where
     # the reply's tool calls are tagged (the daemon stops at them outside calls)
@@ -194,6 +197,7 @@ class RequestUpdate(msgspec.Struct, kw_only=True):
     admitted: bool = False  # became in flight in this step (reservation held)
     prompt_tokens: int = 0  # set when admitted
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache (set when admitted)
+    output_budget: int = 0  # the most new tokens it may produce, as admitted (set then)
     # Got a batch row in this step (its prefill begins; or, resumed from a pause, its
     # decode goes on): until then an admitted request waits for one (max_slots).
     started: bool = False

@@ -66,11 +66,13 @@ class Request:
     prompt_token_ids: list[int]
     output_budget: int  # most new tokens it may produce (its reservation covers them)
     growable: bool = False  # its client named no max_tokens: the budget may grow (growth.py)
+    ceiling: int | None = None  # its max_tokens a ceiling fitted to the context (intake.refit)
     sampling: messages.SamplingParams = field(default_factory=messages.SamplingParams)
     principal: str = ""  # "" = anonymous
     stop_token_ids: frozenset[int] = frozenset()
     deadline_unix: float = 0.0  # 0 = none
     queued_at: float = 0.0  # monotonic time it entered the queue
+    held_secs: float = 0.0  # of its time queued, held by a profile switch (admission.hold)
     seq: int = 0  # admission order (1, 2, ...): its seniority for a batch row (intake.reclaim)
     had_row: bool = False  # it has had a batch row: waiting, it waits for one again
 

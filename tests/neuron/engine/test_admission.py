@@ -276,6 +276,36 @@ def test_a_stopped_admission_without_a_drain_queues_newcomers_until_it_resumes()
     assert ids(adm.admit()) == ["q", "new"]
 
 
+def test_a_switch_holding_the_queue_is_no_wait_for_kv_and_a_deadline_in_it_names_it():
+    """Held by a profile switch (`hold`), queued requests are not timed out by
+    kv_max_wait_secs, however long the switch takes; their wait for KV counts again from
+    its end, and one whose deadline passes while held is told it waited for the switch."""
+    adm, pool, clock = make(num_blocks=10, kv_max_wait_secs=5.0)
+    adm.submit(r("h", "H", blocks=8))
+    adm.admit()
+    adm.submit(r("w", "W", blocks=5))  # waits for KV from t 0
+    assert adm.admit() == []
+    clock.t += 2.0
+    adm.hold(False, False)  # the switch stops admitting, t 2
+    adm.submit(r("d", "D", deadline=clock.t + 3.0))
+    clock.t += 28.0
+    [(req, refusal)] = adm.expire()[0]  # t 30: "w" is not timed out, 30 s queued
+    assert req.req_id == "d" and refusal.code == "service_unavailable"
+    assert refusal.message == ("the model was switching profile: the request waited 28.0 s "
+                               "in its queue for the switch to end and its deadline passed; "
+                               "retry shortly")
+    adm.remove(req)
+    adm.hold(True, False)  # the switch ends, t 30; "w" still does not fit
+    assert adm.admit() == []
+    clock.t += 2.9
+    assert adm.expire() == ([], [])  # 2 s before the hold + 2.9 after it
+    clock.t += 0.2
+    [(req, refusal)] = adm.expire()[0]
+    assert req.req_id == "w" and refusal.code == "overloaded"
+    assert refusal.message == ("waited 5.1 s for KV (5 blocks needed, 2 free) "
+                               "(kv_max_wait_secs 5), after 28.0 s held by a profile switch")
+
+
 def test_remove_from_queue_and_unknown():
     adm, _, _ = make()
     a, b = r("a"), r("b")

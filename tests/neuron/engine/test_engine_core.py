@@ -376,6 +376,39 @@ def test_reset_kv_replans_the_pool_only_when_nothing_is_in_flight():
     assert_whole(core)
 
 
+def test_requests_held_by_a_switch_are_sized_again_for_its_pool_and_limits():
+    """Queued while a switch waits for its in-flight work, requests are sized again for
+    the re-planned pool and the profile's limits, as new requests would be: refused with
+    the arithmetic where they no longer fit, and one without max_tokens takes the budget
+    a new one would (not the old context's, as if it had asked that many), one whose
+    max_tokens is a ceiling is fitted to the new context."""
+    core = make_core(num_blocks=64, context=256, max_in_flight=4, default_output_tokens=1000)
+    core.step(m.ToEngine(new=[new("a", [1, 2], 20)]))
+    held = [new("free", [3] * 10, None, principal="q"), new("asked", [4] * 10, 200,
+                                                            principal="r"),
+            # Anthropic's max_tokens 1000: a ceiling the daemon fitted to the context
+            new("fit", [5] * 10, 246, principal="s", max_tokens_ceiling=1000)]
+    out = core.step(m.ToEngine(new=held, stop_admitting=True))
+    assert not [u for u in out.updates if u.admitted or u.refused_code]
+    assert core.admission.reservation_blocks(core.requests["free"]) == 64  # 246 + 10 tokens
+    out = core.step(m.ToEngine(aborts=[m.Abort(req_id="a")], stop_admitting=True,
+                               reset_kv=m.ResetKv(num_blocks=32, kv_dtype="int8",
+                                                  bytes_per_token=1, context=128)))
+    assert out.kv_reset == "ok"
+    refused = {u.req_id: (u.refused_code, u.refused_message) for u in out.updates
+               if u.refused_code}
+    assert refused == {"asked": ("context_length_exceeded", (
+        "This model's maximum context length is 128 tokens; the request asks for 210 "
+        "tokens (10 in the prompt + 200 max_tokens)."))}
+    assert core.requests["free"].output_budget == 118  # the new context's
+    # the switch ends: admission resumes under the profile's limits, in one message
+    tokens, final, admitted, _ = drive(core, m.ToEngine(limits=m.Limits(
+        anon_max_in_flight=64, default_output_tokens=6, grow_output=False)))
+    assert tokens["free"] == expected([3] * 10, 6)  # the new default_output_tokens
+    assert admitted["fit"].output_budget == 118 and len(tokens["fit"]) == 118
+    assert_whole(core)
+
+
 def test_a_prefix_digest_collision_serves_no_other_tenants_kv(monkeypatch):
     from helexa.neuron.engine import block_key
 
