@@ -28,10 +28,22 @@ def _layer(n: int, k: int, group: int, dtype: torch.dtype, zeros: bool, seed: in
     return q, s, z, g
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize(("group", "zeros"), [(16, True), (32, False), (128, True), (256, True),
-                                              (96, False), (None, False)])
-@pytest.mark.parametrize("m", [1, 3, 16])
+# The default run takes 7 of the 54 cases (each interpreted case 0.3-4 s on a 2-core CPU):
+# every group size, every row count, and each dtype at each way its steps read scales
+# (_int8g_triton.grouping: fp32's 32-wide steps never take a scale per value); `-m slow`
+# runs them all
+_INT8G_DEFAULT = {(torch.float32, 32, 1), (torch.float32, 256, 3), (torch.bfloat16, 16, 16),
+                  (torch.bfloat16, 256, 1), (torch.bfloat16, 96, 3), (torch.float16, 128, 3),
+                  (torch.float16, None, 16)}
+
+
+@pytest.mark.parametrize(("m", "group", "zeros", "dtype"), [
+    pytest.param(m, group, zeros, dtype, marks=[pytest.mark.slow] * (
+        (dtype, group, m) not in _INT8G_DEFAULT), id=f"{m}-{group}-{zeros}-dtype{i}")
+    for m in (1, 3, 16)
+    for group, zeros in ((16, True), (32, False), (128, True), (256, True), (96, False),
+                         (None, False))
+    for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16))])
 def test_kernel_is_the_matmul_of_the_dequantised_weight(dtype, group, zeros, m):
     # 133 outputs: three blocks of 64, the last ragged; K about 1,344 inputs, whole groups:
     # 128-wide steps, the last ragged where K is not a multiple of 128; sms=8: K split in

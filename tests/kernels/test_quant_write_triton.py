@@ -38,9 +38,21 @@ def _same(want: PagedKV, got: PagedKV) -> None:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
 
-@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "int4"])
-@pytest.mark.parametrize(("kvh", "d"), [(2, 64), (1, 80), (3, 33), (2, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+# the default run: each KV dtype from each activation dtype, every head layout at least
+# twice, 9 of the 36 cases (interpreted, a case is ~1 s on a 2-core CPU); `-m slow` all
+_WRITE_DEFAULT = {("int8", 64, torch.bfloat16), ("int8", 80, torch.float16),
+                  ("int8", 33, torch.float32), ("fp8_e4m3", 80, torch.bfloat16),
+                  ("fp8_e4m3", 33, torch.float16), ("fp8_e4m3", 128, torch.float32),
+                  ("int4", 33, torch.bfloat16), ("int4", 128, torch.float16),
+                  ("int4", 64, torch.float32)}
+
+
+@pytest.mark.parametrize(("dtype", "kvh", "d", "kv_dtype"), [
+    pytest.param(dtype, kvh, d, kv, marks=[pytest.mark.slow] * (
+        (kv, d, dtype) not in _WRITE_DEFAULT), id=f"dtype{i}-{kvh}-{d}-{kv}")
+    for i, dtype in enumerate((torch.bfloat16, torch.float16, torch.float32))
+    for kvh, d in ((2, 64), (1, 80), (3, 33), (2, 128))
+    for kv in ("int8", "fp8_e4m3", "int4")])
 def test_the_kernel_writes_the_references_bytes(kv_dtype, kvh, d, dtype):
     # the load probe's inputs: an all-zero token, one with a 1e4 outlier, rows at a stride
     assert qw.probe(CPU, kv_dtype, kvh, d, dtype, interpret=True) == ""
