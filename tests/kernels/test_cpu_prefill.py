@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_attention import BLOCK, build_step  # tests/kernels/ is on sys.path (pytest)
 
 from helexa.kernels.attention import paged_attention, paged_attention_reference
 from helexa.kernels.cpu import prefill as cpu_prefill
-from tests.kernels.test_attention import BLOCK, build_step
 
 
 def _prefill(q, k, v, kv, meta):
