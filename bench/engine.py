@@ -28,6 +28,8 @@ figures print side by side (default: auto, the one the engine would pick); a
 kernels, helexa/kernels/cpu/kquant.py) and at bf16 (torch's weight-only ops), and on the
 float checkpoint ``--model`` when given, interleaved.
 
+Agent-sized prompts (4k-32k tokens) have their own TTFT ratios: bench/long_prefill.py.
+
 Benchmarks print figures; they assert nothing.
 """
 

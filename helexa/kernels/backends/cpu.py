@@ -15,6 +15,7 @@ The matmul kernels and the native whole-step decode are the executor's, not this
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,8 @@ from helexa.kernels.attention import PrefillChunk, paged_attention
 from helexa.kernels.backends.base import AttentionBackend, StepMeta, StepPlan, used_blocks
 from helexa.kernels.backends.torch_ref import TorchBackend, TorchMetadata
 from helexa.kernels.cpu.mirror import DecodeMirrors, PaddedDecode, padded_decode
+from helexa.kernels.cpu.prefill import available as prefill_available
+from helexa.kernels.cpu.prefill import context_prefill
 from helexa.kernels.paged_kv import PagedKV
 
 
@@ -54,6 +57,8 @@ class CpuAttention(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.reference = TorchBackend(device)
+        # prefill chunks over cached context: kernels/cpu/prefill.py (set per pool dtype)
+        self.context_prefill: Callable[..., torch.Tensor] | None = None
         self.mirrors = DecodeMirrors()
         # Set by the cpu executor (kv_allocated) while it can run a pure-decode step whole.
         self.native_decode = False
@@ -63,6 +68,8 @@ class CpuAttention(AttentionBackend):
         self.native_decode = False
         self.pools = self.reference.allocate_kv(layers, num_blocks, block_size, storage=storage,
                                                 compute=compute)
+        self.context_prefill = context_prefill if prefill_available(compute) else None
+        self.reference.context_prefill = self.context_prefill
         self.mirrors.reset(len(self.pools))
         return self.pools
 
@@ -91,9 +98,11 @@ class CpuAttention(AttentionBackend):
         kv = self.pools[layer]
         kv.write(meta.slot_mapping, k, v)
         mirror = self.mirrors.layers[layer]
+        ahead = self.context_prefill
         return paged_attention(q, k, v, kv, meta.num_decode,
                                lambda q, k, v: padded_decode(q, kv, meta.decode, k, v, mirror),
-                               meta.prefills)
+                               meta.prefills,
+                               None if ahead is None else lambda q, chunk: ahead(q, kv, chunk))
 
     def step_failed(self) -> None:
         self.mirrors.forget()

@@ -65,6 +65,9 @@ class TorchBackend(AttentionBackend):
     quant_write: Callable[..., None] | None = None
     # and one for a prefill chunk over cached context, (q, kv, chunk) -> out
     quant_prefill: Callable[..., torch.Tensor] | None = None
+    # A kernel for every prefill chunk over cached context, whatever the pool, (q, kv,
+    # chunk) -> out, set by the backend that composes this one (cpu: kernels/cpu/prefill.py)
+    context_prefill: Callable[..., torch.Tensor] | None = None
     reach = 0  # the positions a row can hold where graphs are captured (0: the pool's)
 
     def __init__(self, device: torch.device, graph_rows: int = 0) -> None:
@@ -124,9 +127,9 @@ class TorchBackend(AttentionBackend):
         else:
             kv.write(meta.slot_mapping, k, v)
         groups, rows, kernel = meta.decode_groups, meta.decode_rows, self.quant_decode
-        ahead = self.quant_prefill
-        prefill = (None if ahead is None or not kv.quantized else
-                   lambda q, chunk: ahead(q, kv, chunk))
+        ahead = self.quant_prefill if kv.quantized else None
+        ahead = ahead or self.context_prefill
+        prefill = None if ahead is None else lambda q, chunk: ahead(q, kv, chunk)
         if rows is not None and kernel is not None:
             return paged_attention(q, k, v, kv, meta.num_decode,
                                    lambda q, k, v: kernel(q, kv, *rows), meta.prefills, prefill)
@@ -223,9 +226,10 @@ class TorchBackend(AttentionBackend):
         else:
             chunk.context_slots = to_device(token_slots(table, 0, c + n, bs), torch.long,
                                             self.device)
-        # no [n, T] mask over a long context (keys a chunk at a time) or for the quantised
-        # prefill kernel (it masks each row as it goes)
-        kernel = self.quant_prefill is not None and self.pools[0].quantized
+        # no [n, T] mask over a long context (keys a chunk at a time) or for a prefill
+        # kernel (the quantised one masks each row as it goes; context_prefill needs none)
+        kernel = ((self.quant_prefill is not None and self.pools[0].quantized)
+                  or self.context_prefill is not None)
         if c + n <= DECODE_CHUNK_TOKENS and not kernel:
             ctx = torch.arange(c + n, device=self.device)
             chunk.mask = ctx[None, :] <= ctx[c:, None]
