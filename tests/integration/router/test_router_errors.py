@@ -30,7 +30,8 @@ def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
 
 
 def test_an_image_detail_openai_does_not_know_is_400_naming_it(router):
-    """OpenAI takes `detail` auto, low or high; anything else is its 400, not ignored."""
+    """OpenAI takes `detail` auto, low, high or original (its SDK's ImageDetail), on chat's
+    image_url and Responses' input_image alike; anything else is its 400, not ignored."""
     pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4AAAAAElFTkSuQmCC"
     part = {"type": "image_url", "image_url": {"url": pixel, "detail": "ultra"}}
     with pytest.raises(openai.BadRequestError) as e:
@@ -39,6 +40,19 @@ def test_an_image_detail_openai_does_not_know_is_400_naming_it(router):
     assert e.value.code == "invalid_request_error"
     assert e.value.param == "messages[0].content[0].image_url.detail"
     assert "ultra" in e.value.message
+    shot = {"type": "input_image", "image_url": pixel, "detail": "ultra"}
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().responses.create(model="tiny", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, shot]}])
+    assert e.value.code == "invalid_request_error"
+    assert e.value.param == "input[0].content[1].detail"
+    assert "ultra" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a tool's output: the same rule
+        router.client().responses.create(model="tiny", input=[
+            {"role": "user", "content": "Look at a.png."},
+            {"type": "function_call", "call_id": "c1", "name": "view", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [shot]}])
+    assert e.value.param == "input[2].output[0].detail"
 
 
 def test_json_nested_1000_deep_is_400_naming_the_limit_in_each_envelope(router):

@@ -193,10 +193,13 @@ def test_a_declared_type_the_bytes_are_not_is_refused_on_anthropic_served_on_ope
 def test_openai_sdk_responses_input_image(stack):
     url, _ = stack
     img = png(make_image(100, 70, 22))
-    chat = ask(url, image_part(data_url(img)))
+    # `detail: original` is OpenAI's fourth value (its SDK's ImageDetail): served, ignored
+    chat = ask(url, {"type": "image_url", "image_url": {"url": data_url(img),
+                                                        "detail": "original"}})
     r = oa(url).responses.create(model="vl", max_output_tokens=6, temperature=0, input=[{
         "role": "user", "content": [{"type": "input_text", "text": "Look:"},
-                                    {"type": "input_image", "image_url": data_url(img)}]}])
+                                    {"type": "input_image", "image_url": data_url(img),
+                                     "detail": "original"}]}])
     assert r.output_text == chat.choices[0].message.content  # the same prompt, greedy
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
