@@ -36,7 +36,7 @@ from helexa.router.request_model import (
     decode_as,
 )
 from helexa.router.rpc_errors import map_rpc_error, withheld
-from helexa.router.serve import STATE, authorization
+from helexa.router.serve import STATE
 
 log = structlog.get_logger(component="router")
 
@@ -100,7 +100,7 @@ def _principal(request: web.Request) -> str:
     once a request: the body's check and each task on the work pool ask for it."""
     if (principal := request.get(_PRINCIPAL)) is None:
         principal = request[_PRINCIPAL] = \
-            request.app[STATE].auth.principal(authorization(request))
+            request.app[STATE].auth.of(request.headers)
     return str(principal)
 
 

@@ -7,11 +7,15 @@ import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx2
 import openai
 import pytest
-from router_procs import key_of, wait_for
+from router_procs import RouterProcess, key_of, router_over_fake, wait_for
+from support.lazy_import import Lazy
+
+anthropic = Lazy("anthropic")
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -92,6 +96,44 @@ def test_unknown_model_is_404(router):
     with pytest.raises(openai.NotFoundError) as e:
         router.client().chat.completions.create(model="no-such-model", messages=MSG)
     assert e.value.code == "model_not_found"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> Iterator[RouterProcess]:
+    """A router with keys and auth.require_auth off: callers without a key are anonymous."""
+    with router_over_fake(tmp_path_factory.mktemp("keyed"), "keyed",
+                          principals=["alice"]) as r:
+        yield r
+
+
+def test_a_wrong_key_is_401_naming_its_header_even_without_require_auth(keyed):
+    """A key the router does not know is a 401, not an anonymous call: a typo'd key would
+    lose its principal's limits and prefix cache unseen. No key at all stays anonymous."""
+    def ask(key: str) -> str | None:
+        oa = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        return oa.chat.completions.create(model="tiny", messages=MSG,
+                                          max_tokens=2).choices[0].finish_reason
+    assert ask(key_of("alice")) is not None
+    # no key at all is anonymous (the openai SDK refuses to send none: a raw request here)
+    assert httpx2.post(keyed.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 2}).status_code == 200
+    with pytest.raises(openai.AuthenticationError) as e:
+        ask(key_of("alice") + "x")
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    assert "Incorrect API key provided in the Authorization header" in e.value.message
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=key_of("alice") + "x", max_retries=0,
+                            timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as ae:
+        a.messages.create(model="tiny", max_tokens=2, messages=MSG)
+    assert ae.value.body["error"]["type"] == "authentication_error"
+    r = httpx2.post(keyed.url + "/v1/messages", headers={"x-api-key": "sk-typo"},
+                    json={"model": "tiny", "max_tokens": 2, "messages": MSG})
+    assert r.status_code == 401 and r.json()["error"] == {
+        "type": "authentication_error",
+        "message": "invalid x-api-key: it matches no key of this router"}
+    r = httpx2.post(keyed.url + "/tokenize", headers={"x-api-key": "sk-typo"},
+                    json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
 
 
 def test_body_too_large_is_413(router):
