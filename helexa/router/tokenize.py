@@ -76,7 +76,8 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
                                                             timeout=30)
         return out
     except grpc.aio.AioRpcError as e:
-        err = map_rpc_error(e)
+        # past the context: `param` names the messages or the prompt (rpc_errors.py)
+        err = map_rpc_error(e, "chat" if treq.WhichOneof("input") == "chat" else "text")
         log.info("request.refused", endpoint=request.path, neuron=candidates[0].neuron,
                  model=treq.model, grpc=e.code().name, code=err.code, reason=err.message,
                  detail=withheld(e, err))
