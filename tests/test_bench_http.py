@@ -248,3 +248,41 @@ def test_long_prompts_fill_the_advertised_context_and_rate_is_recorded(fake, tmp
     assert {r.prompt_tokens_asked for r in recs if r.scenario == "long"} == {100 - 10 - 1}
     poisson = [r for r in recs if r.scenario == "chat:8,rate:40"]
     assert len(poisson) == 6 and all(r.rate == 40 and r.concurrency is None for r in poisson)
+
+
+def test_a_prompt_near_the_context_is_found_through_a_tokenize_that_refuses_past_it():
+    """helexa's /tokenize refuses a chat past the context, saying "at least N tokens" (the
+    count it reached): the bench reads that as a count over its target, not as no count,
+    and still finds the longest prompt under the target (a word a token here)."""
+    import aiohttp
+
+    from helexa.loadgen.prompts import exact_prompt, remote_counter
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await request.json()
+        n = sum(len(m["content"].split()) for m in body["messages"])
+        if n > 100:  # counted up to the context and a little past it, as helexa does
+            return web.json_response({"error": {
+                "message": "This model's maximum context length is 100 tokens; the chat has "
+                           "at least 101 tokens (counted no further …)",
+                "code": "context_length_exceeded", "param": "messages"}}, status=400)
+        return web.json_response({"count": n, "max_model_len": 100, "tokens": [1] * n})
+
+    async def run() -> int | None:
+        app = web.Application()
+        app.router.add_post("/tokenize", tokenize)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            async with aiohttp.ClientSession() as session:
+                count = await remote_counter(session, url, "m")
+                assert count is not None
+                _, got = await exact_prompt(count, [], 90, salt=1)
+                return got
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == 90

@@ -37,7 +37,9 @@ class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_onl
     keys_file: Annotated[str | None, field_meta(
         "TOML file mapping hashed API keys to principals (see docs/operating.md).", RELOAD)] = None
     require_auth: Annotated[bool, field_meta(
-        "Refuse callers without a known key (401) instead of serving them anonymously.", RELOAD)] = False
+        "Refuse callers without a key (401) instead of serving them anonymously. A key the "
+        "keys file does not hold is a 401 either way (without a keys_file: with this off, "
+        "any key is anonymous).", RELOAD)] = False
     load_principals: Annotated[list[str], field_meta(
         "Principals that may cause an on-demand model load (and so evict another); none by "
         "default. \"*\" = anyone, \"anonymous\" = callers without a key.",

@@ -16,6 +16,7 @@ the last token or two.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,9 @@ async def remote_counter(session: aiohttp.ClientSession, base_url: str, model: s
     async def count(messages: list[dict[str, str]]) -> int | None:
         async with session.post(url, json={"model": model, "messages": messages}) as r:
             if r.status != 200:
-                return None
+                # helexa refuses a chat past the context with the count it reached, "at
+                # least N tokens" (docs/api.md): a count above any target that fits
+                return _at_least(await r.text()) if r.status == 400 else None
             body: Any = await r.json()
         if isinstance(body, dict):
             if isinstance(body.get("count"), int):
@@ -69,6 +72,11 @@ async def remote_counter(session: aiohttp.ClientSession, base_url: str, model: s
     except (aiohttp.ClientError, ValueError, TimeoutError):
         return None
     return count if probe else None
+
+
+def _at_least(text: str) -> int | None:
+    m = re.search(r"has at least (\d+) tokens", text)
+    return int(m.group(1)) if m else None
 
 
 async def exact_prompt(count: Counter | None, history: list[dict[str, str]], tokens: int,

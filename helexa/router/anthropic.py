@@ -30,7 +30,7 @@ import msgspec
 from msgspec import Meta
 
 from helexa.router import agent_request, images, tool_pairing
-from helexa.router.errors import bad_request, unsupported
+from helexa.router.errors import bad_request, clip, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
@@ -154,6 +154,9 @@ def _text(content: str | list[Block] | None, param: str) -> str:
 # of the request, so kept, it starts every session's prompt differently and no session's
 # request finds the ~50k-token system prompt and tools another left in the prefix cache.
 BILLING_HEADER = "x-anthropic-billing-header:"
+# An image block's base64 `media_type`, as Anthropic's API types it (its SDK's
+# Base64ImageSourceParam): these four exactly; `image/jpg` is a 400 there and here.
+ANTHROPIC_MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp")
 
 
 def _system(system: str | list[Block]) -> str:
@@ -261,8 +264,11 @@ def _image(source: Any, param: str) -> images.ImagePart:
     """An image block's source: base64 (with its media_type) or a url."""
     kind = source.get("type") if isinstance(source, dict) else None
     if kind == "base64" and isinstance(source.get("data"), str):
-        media = str(source.get("media_type", ""))
-        images.check_media_type(media, f"{param}.media_type")
+        media = source.get("media_type")
+        if media not in ANTHROPIC_MEDIA_TYPES:  # Anthropic's enum, exactly: no image/jpg
+            raise bad_request(f"`{param}.media_type`: Input should be 'image/jpeg', "
+                              "'image/png', 'image/gif' or 'image/webp' (got "
+                              f"{clip(repr(media))})", f"{param}.media_type")
         return images.ImagePart(param, b64=source["data"], media_type=media)
     if kind == "url" and isinstance(source.get("url"), str):
         return images.from_url(source["url"], f"{param}.url")

@@ -200,7 +200,7 @@ def _api_of(request: web.Request) -> str:
 
 async def models(request: web.Request) -> web.Response:
     state: RouterState = request.app[STATE]
-    state.auth.principal(serve.authorization(request))  # 401 when auth is required
+    state.auth.of(request.headers)  # 401 when auth is required
     limits = fleet_view.ready_limits(state.registry)
     costs = fleet_view.ready_state_costs(state.registry)
     drafters = fleet_view.drafters(state.registry)
@@ -317,7 +317,7 @@ def build_app(state: RouterState) -> web.Application:
     app.router.add_get("/metrics", metrics)
     app.router.add_routes(status_routes(
         lambda r: r.app[STATE].status,
-        lambda r: r.app[STATE].auth.principal(serve.authorization(r))))
+        lambda r: r.app[STATE].auth.of(r.headers)))
     return app
 
 

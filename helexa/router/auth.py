@@ -11,9 +11,14 @@ acts for; several keys may map to one principal:
 
 A principal is a short name (letters, digits, `-`, `_`, `.`, `@`), used by
 the neurons for fairness and per-principal caps and carried in logs; the
-name `anonymous` is reserved for callers without a key. A request whose
-`Authorization: Bearer <key>` matches no entry is refused 401 when
-`auth.require_auth` is set and served anonymously otherwise. The principal
+name `anonymous` is reserved for callers without a key. A request whose key
+(`Authorization: Bearer <key>` or `x-api-key`) matches no entry is refused 401
+naming the header, whether or not `auth.require_auth` is set: a mistyped key
+served anonymously would lose its principal's limits, share and prefix cache
+unseen. Without a key a caller is anonymous unless `auth.require_auth` is set.
+A router with no keys at all (no `auth.keys_file`, as `helexa up` runs) and
+`require_auth` off serves every key anonymously: the SDKs and agents need some
+key to start, and docs/operating.md tells them any value does. The principal
 comes only from this table: any principal header a client sends is ignored.
 `python -m helexa.router.auth KEY PRINCIPAL` prints the line to add.
 SIGHUP re-reads the file.
@@ -69,8 +74,9 @@ class Authenticator:
         self.hashed_keys = dict(hashed_keys or {})
         self.require_auth = require_auth
 
-    def principal(self, authorization: str | None) -> str:
-        """The principal for a request's Authorization header (ANONYMOUS when none)."""
+    def principal(self, authorization: str | None, header: str = "Authorization") -> str:
+        """The principal for a request's Authorization header (ANONYMOUS when none); `header`:
+        the one the key came in, as a 401 names it."""
         key = None
         if authorization:
             scheme, _, rest = authorization.partition(" ")
@@ -81,10 +87,24 @@ class Authenticator:
             principal = self.hashed_keys.get(hash_key(key))
             if principal is not None:
                 return principal
+            if self.hashed_keys or self.require_auth:  # a key, and not one of ours
+                raise ApiError(401, "invalid x-api-key: it matches no key of this router"
+                               if header == "x-api-key" else "Incorrect API key provided in "
+                               f"the {header} header: it matches no key of this router",
+                               code="invalid_api_key")
+            return ANONYMOUS  # a router without keys: any key will do (module docstring)
         if self.require_auth:
-            what = "Incorrect API key provided" if key else "Missing API key (Authorization: Bearer)"
-            raise ApiError(401, what, code="invalid_api_key")
+            raise ApiError(401, "Missing API key (Authorization: Bearer)", code="invalid_api_key")
         return ANONYMOUS
+
+    def of(self, headers: CIMultiDictProxy[str]) -> str:
+        """The principal of a request's headers (authorization(); a 401 names the header)."""
+        return self.principal(authorization(headers), key_header(headers))
+
+
+def key_header(headers: CIMultiDictProxy[str]) -> str:
+    """The header the caller's key came in, as a refusal names it."""
+    return "x-api-key" if any(headers.getall("x-api-key", [])) else "Authorization"
 
 
 

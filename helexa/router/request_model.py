@@ -56,11 +56,15 @@ MAX_USER_CHARS = 256  # OpenAI states none; a user id is short (safety_identifie
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+# An image's `detail`, chat's and Responses' alike: OpenAI's values (its SDK's ImageDetail:
+# auto, low, high, original), checked as OpenAI does (a 400 naming it), then ignored: the
+# model has one resolution rule
+ImageDetail = Literal["auto", "low", "high", "original"]
+
+
 class ImageUrl(msgspec.Struct, kw_only=True):
     url: str  # a base64 data: URL, or an http(s) URL the router may fetch (router/images.py)
-    # OpenAI's three, checked as OpenAI does (a 400 naming it), then ignored: the model
-    # has one resolution rule
-    detail: Literal["auto", "low", "high"] | None = None
+    detail: ImageDetail | None = None
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

@@ -53,6 +53,7 @@ from helexa.router.request_model import (
     CacheKey,
     ChatBody,
     FunctionDef,
+    ImageDetail,
     Metadata,
     ModelName,
     NamedFunction,
@@ -74,7 +75,7 @@ class Part(msgspec.Struct, kw_only=True):
     text: str | None = None
     image_url: str | None = None  # input_image: a data: URL or an http(s) URL
     file_id: str | None = None  # input_image from OpenAI's Files API: refused by name
-    detail: Any = None  # input_image: ignored (the model has one resolution rule)
+    detail: ImageDetail | None = None  # input_image: checked as chat's, then ignored
 
 
 class Item(msgspec.Struct, kw_only=True):

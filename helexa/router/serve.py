@@ -44,7 +44,6 @@ from helexa.router import (
     responses_encode,
 )
 from helexa.router.agent_output import OutputParser
-from helexa.router.auth import authorization as auth_header
 from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
 from helexa.router.errors import MAX_MESSAGE_CHARS, ApiError, clip
 from helexa.router.event_replies import (
@@ -142,7 +141,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
     calls: list[OpenStream | Completed] = []
     state.metrics.in_progress.inc()
     try:
-        principal = ctx["principal"] = state.auth.principal(authorization(request))
+        principal = ctx["principal"] = state.auth.of(request.headers)
         raw = await read_body(request, state.max_body_bytes, state.read_timeout_secs)
         # Off the loop (work_pool.py): decoding and schema compiling grow with the body. Each
         # task counts against the principal's share of the pool (429 beyond it).
@@ -287,11 +286,6 @@ def metric_label(state: RouterState, model: str) -> str:
     if model in state.aliases.targets() or model in state.registry.known_models():
         return model
     return "unknown"
-
-
-def authorization(request: web.Request) -> str | None:
-    """The caller's key as an Authorization header (auth.authorization: 400 for two)."""
-    return auth_header(request.headers)
 
 
 def error_response(kind: str, e: ApiError, headers: dict[str, str]) -> web.Response:

@@ -36,7 +36,7 @@ from helexa.router.request_model import (
     decode_as,
 )
 from helexa.router.rpc_errors import map_rpc_error, withheld
-from helexa.router.serve import STATE, authorization
+from helexa.router.serve import STATE
 
 log = structlog.get_logger(component="router")
 
@@ -76,7 +76,8 @@ async def _call(request: web.Request, treq: pb.TokenizeRequest) -> pb.TokenizeRe
                                                             timeout=30)
         return out
     except grpc.aio.AioRpcError as e:
-        err = map_rpc_error(e)
+        # past the context: `param` names the messages or the prompt (rpc_errors.py)
+        err = map_rpc_error(e, "chat" if treq.WhichOneof("input") == "chat" else "text")
         log.info("request.refused", endpoint=request.path, neuron=candidates[0].neuron,
                  model=treq.model, grpc=e.code().name, code=err.code, reason=err.message,
                  detail=withheld(e, err))
@@ -100,7 +101,7 @@ def _principal(request: web.Request) -> str:
     once a request: the body's check and each task on the work pool ask for it."""
     if (principal := request.get(_PRINCIPAL)) is None:
         principal = request[_PRINCIPAL] = \
-            request.app[STATE].auth.principal(authorization(request))
+            request.app[STATE].auth.of(request.headers)
     return str(principal)
 
 

@@ -16,7 +16,10 @@ envelope and, where a client may match on them, its reference's words
   names a `tool_use` of the message before; consecutive messages of one role
   count as one, as Anthropic combines them (a final assistant message's
   calls are left to the prefill rule, `anthropic._prefill`, which refuses
-  them);
+  them). In the user turn that answers calls the `tool_result` blocks come
+  first: a block of another kind (text, image), or a message whose content
+  is a string, while a call is still unanswered is refused, as Anthropic
+  refuses it ("the tool_result blocks must come FIRST in the content array");
 - Responses (`check_input`): each `function_call_output` /
   `custom_tool_call_output` answers an earlier call item by `call_id`, once,
   and each call is answered before the next user message or the end of
@@ -108,7 +111,11 @@ def check_messages(messages: list[Any]) -> None:
         if m.role != role and (role, m.role) != ("assistant", "user"):
             pending.close()  # a new turn, not the results' (consecutive messages are one)
         role = m.role
+        if m.role == "user" and pending.calls and isinstance(m.content, str):
+            raise _results_first(missing, pending, f"messages[{i}].content", "text")
         for j, b in enumerate([] if isinstance(m.content, str) else m.content):
+            if m.role == "user" and pending.calls and b.type != "tool_result":
+                raise _results_first(missing, pending, f"messages[{i}].content[{j}]", b.type)
             if b.type == "tool_use" and i < last:  # a final message's: the prefill rule's
                 pending.call(b.id, f"messages[{i}]", f"messages[{i}].content[{j}].id")
             elif b.type == "tool_result" and not pending.answer(b.tool_use_id):
@@ -117,6 +124,16 @@ def check_messages(messages: list[Any]) -> None:
                                   "block must have a corresponding `tool_use` block in the "
                                   "previous message.", f"messages[{i}].content[{j}].tool_use_id")
     pending.close()
+
+
+def _results_first(missing: Missing, pending: _Open, where: str, kind: str) -> ApiError:
+    """A `kind` block at `where` before the results of the calls still open: Anthropic's
+    refusal of unanswered calls, and the rule its documentation words, naming the block."""
+    e = missing(list((w, i) for i, w in pending.calls.items()))
+    block = where.replace("[", ".").replace("]", "")
+    return bad_request(f"{e.message} In the user message containing tool results, the "
+                       "tool_result blocks must come FIRST in the content array: "
+                       f"{block} is a `{kind}` block before them.", where)
 
 
 _OUTPUTS = {"function_call_output": "function call", "custom_tool_call_output": "custom tool call"}

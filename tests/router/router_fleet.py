@@ -45,7 +45,7 @@ class Fleet:
     state: router_app.RouterState
     url: str
 
-    def client(self, key: str = "sk-anything", **kw) -> openai.OpenAI:
+    def client(self, key: str = ALICE_KEY, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=15, **kw)
 
     def reset(self) -> None:

@@ -42,11 +42,17 @@ def test_require_auth_refuses_missing_or_unknown_keys_401():
         assert (e.value.status, e.value.code) == (401, "invalid_api_key")
 
 
-def test_without_require_auth_unknown_callers_are_anonymous():
+def test_without_require_auth_keyless_callers_are_anonymous_and_wrong_keys_401():
     auth = Authenticator({hash_key("good"): "alice"}, require_auth=False)
     assert auth.principal(None) == ANONYMOUS
-    assert auth.principal("Bearer sk-whatever") == ANONYMOUS
     assert auth.principal("Bearer good") == "alice"
+    for header in ("Authorization", "x-api-key"):  # a typo'd key: not silently anonymous
+        with pytest.raises(ApiError) as e:
+            auth.principal("Bearer sk-whatever", header)
+        assert (e.value.status, e.value.code) == (401, "invalid_api_key")
+        assert header in e.value.message
+    # a router with no keys at all (`helexa up`): any key is anonymous (docs/operating.md)
+    assert Authenticator({}, require_auth=False).principal("Bearer sk-whatever") == ANONYMOUS
 
 
 def test_may_load():

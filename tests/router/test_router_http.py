@@ -83,7 +83,10 @@ def test_n_fans_out_into_choices(fl):
 def test_principal_comes_from_the_key_only(fl):
     fl.client(ALICE_KEY, default_headers={"X-Helexa-Principal": "mallory"}).chat.completions.create(
         model="tiny", messages=MSG, max_tokens=1)
-    fl.client("sk-unknown").chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):  # a key of no one: 401, not anonymous
+        fl.client("sk-unknown").chat.completions.create(model="tiny", messages=MSG, max_tokens=1)
+    assert httpx2.post(fl.url + "/v1/chat/completions", timeout=15, json={  # no key: anonymous
+        "model": "tiny", "messages": MSG, "max_tokens": 1}).status_code == 200
     principals = [q.principal for q in fl.n1.requests + fl.n2.requests]
     assert sorted(principals) == ["", "alice"]
 

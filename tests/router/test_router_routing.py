@@ -264,7 +264,7 @@ def test_slow_load_is_503_model_loading_with_retry_after(fl):
 
 def test_principal_not_allowed_to_load(fl):
     old = fl.state.dispatcher.settings
-    fl.state.dispatcher.settings = DispatchSettings(["alice"], 1.0, 30)
+    fl.state.dispatcher.settings = DispatchSettings(["bob"], 1.0, 30)  # the client is alice
     try:
         with pytest.raises(openai.InternalServerError) as e:
             fl.client().chat.completions.create(model="lazy", messages=MSG, max_tokens=1)

@@ -45,7 +45,7 @@ def test_status_page_shows_both_neurons_and_a_request_moves_the_bar(ops, chromiu
         assert idle["parts"]["reserved"]["bytes"] + idle["parts"]["used"]["bytes"] == 0
 
         # A long request on `slow`: its reservation must show within 2 s of admission.
-        client = openai.OpenAI(base_url=ops.url + "/v1", api_key="sk-none", max_retries=0,
+        client = openai.OpenAI(base_url=ops.url + "/v1", api_key=ops.keys["alice"], max_retries=0,
                                timeout=60)
         stream = client.chat.completions.create(
             model="slow", messages=[{"role": "user", "content": "a long story please"}],

@@ -22,6 +22,8 @@ import tomli_w
 from prometheus_client.parser import text_string_to_metric_families
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
+from helexa.router.auth import hash_key
+
 TOKEN = "router-integration-token"
 FAKE_NEURON = Path(__file__).resolve().parents[2] / "router" / "router_fake_neuron.py"
 PRINCIPALS = ["alice", "bob", "carol", "dave", *[f"p{i}" for i in range(8)]]
@@ -93,9 +95,11 @@ def start_router(config_path: Path, timeout_secs: float = 60.0) -> RouterProcess
 
 @contextlib.contextmanager
 def router_over_fake(tmp_path: Path, name: str, *fake_args: str,
-                     timeouts: dict[str, float] | None = None) -> Iterator[RouterProcess]:
+                     timeouts: dict[str, float] | None = None,
+                     principals: list[str] | None = None) -> Iterator[RouterProcess]:
     """A fake neuron process (tests/router/router_fake_neuron.py, serving `tiny`, started as
-    `helexa up` starts its neuron: first) and a router process over it; both stopped after."""
+    `helexa up` starts its neuron: first) and a router process over it; both stopped after.
+    `principals`: a keys file with their keys (key_of), auth.require_auth left off."""
     neuron = subprocess.Popen([sys.executable, str(FAKE_NEURON), "--name", name, "--models",
                                "tiny", *fake_args], stdout=subprocess.PIPE, text=True)
     try:
@@ -107,6 +111,10 @@ def router_over_fake(tmp_path: Path, name: str, *fake_args: str,
             "neurons": {"endpoints": [{"name": name, "address": line.split()[-1]}]}}
         if timeouts:
             conf["timeouts"] = timeouts
+        if principals:
+            (tmp_path / "keys.toml").write_text(tomli_w.dumps(
+                {"keys": {hash_key(key_of(p)): p for p in principals}}))
+            conf["auth"] = {"keys_file": "keys.toml"}
         cfg = tmp_path / "router.toml"
         cfg.write_text(tomli_w.dumps(conf))
         router = start_router(cfg)

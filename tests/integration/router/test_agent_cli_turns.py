@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import pytest
 from router_procs import RouterProcess, router_over_fake, sse_events
 from support.agent_fixtures import fixture
+from support.responses_stream import check_responses_stream
 
 ANSWER = "The notes say the answer is 42."
 
@@ -83,10 +84,13 @@ def test_claude_codes_explore_subagent_request_is_taken(router):
                    if e["type"] == "content_block_delta").startswith("w0 ")
 
 
-def responses_output(events: list[dict]) -> list[dict]:
-    assert events[-1]["type"] == "response.completed"
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
-    return events[-1]["response"]["output"]
+def responses_output(router: RouterProcess, body: dict) -> list[dict]:
+    """The output of a Responses stream, the stream checked whole as the replay checks it
+    (support/responses_stream.py) and completed."""
+    final = check_responses_stream(sse_events(router.url, "/v1/responses",
+                                              {**body, "model": "tiny"}, timeout=60))
+    assert final["status"] == "completed", final["status"]
+    return final["output"]
 
 
 def test_codexs_first_turn_gets_its_reasoning_and_exec_command_call(router):
@@ -94,7 +98,7 @@ def test_codexs_first_turn_gets_its_reasoning_and_exec_command_call(router):
     first = body["input"][:-3]  # before its reasoning item, call and the call's output
     assert [i["type"] for i in body["input"][-3:]] == ["reasoning", "function_call",
                                                        "function_call_output"]
-    out = responses_output(sse(router, "/v1/responses", {**body, "input": first}))
+    out = responses_output(router, {**body, "input": first})
     assert [i["type"] for i in out] == ["reasoning", "function_call"]
     assert out[0]["summary"] == [{"type": "summary_text", "text": "I should read it."}]
     assert out[1]["name"] == "exec_command"
@@ -105,6 +109,6 @@ def test_codexs_turn_after_its_reasoning_and_call_is_taken(router):
     body = fixture("codex-3")["body"]
     reasoning = body["input"][-3]  # helexa's own item, sent back with no encrypted content
     assert reasoning["encrypted_content"] is None and reasoning["summary"]
-    out = responses_output(sse(router, "/v1/responses", body))
+    out = responses_output(router, body)
     assert [i["type"] for i in out] == ["message"]
     assert out[0]["content"][0]["text"] == ANSWER

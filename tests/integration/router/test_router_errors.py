@@ -7,11 +7,15 @@ import contextlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import httpx2
 import openai
 import pytest
-from router_procs import key_of, wait_for
+from router_procs import RouterProcess, key_of, router_over_fake, wait_for
+from support.lazy_import import Lazy
+
+anthropic = Lazy("anthropic")
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -30,7 +34,8 @@ def test_bad_json_and_unsupported_fields_are_400_naming_the_param(router):
 
 
 def test_an_image_detail_openai_does_not_know_is_400_naming_it(router):
-    """OpenAI takes `detail` auto, low or high; anything else is its 400, not ignored."""
+    """OpenAI takes `detail` auto, low, high or original (its SDK's ImageDetail), on chat's
+    image_url and Responses' input_image alike; anything else is its 400, not ignored."""
     pixel = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4//8/AAX+Av4N70a4AAAAAElFTkSuQmCC"
     part = {"type": "image_url", "image_url": {"url": pixel, "detail": "ultra"}}
     with pytest.raises(openai.BadRequestError) as e:
@@ -39,6 +44,19 @@ def test_an_image_detail_openai_does_not_know_is_400_naming_it(router):
     assert e.value.code == "invalid_request_error"
     assert e.value.param == "messages[0].content[0].image_url.detail"
     assert "ultra" in e.value.message
+    shot = {"type": "input_image", "image_url": pixel, "detail": "ultra"}
+    with pytest.raises(openai.BadRequestError) as e:
+        router.client().responses.create(model="tiny", input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "Look:"}, shot]}])
+    assert e.value.code == "invalid_request_error"
+    assert e.value.param == "input[0].content[1].detail"
+    assert "ultra" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:  # a tool's output: the same rule
+        router.client().responses.create(model="tiny", input=[
+            {"role": "user", "content": "Look at a.png."},
+            {"type": "function_call", "call_id": "c1", "name": "view", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [shot]}])
+    assert e.value.param == "input[2].output[0].detail"
 
 
 def test_json_nested_1000_deep_is_400_naming_the_limit_in_each_envelope(router):
@@ -78,6 +96,44 @@ def test_unknown_model_is_404(router):
     with pytest.raises(openai.NotFoundError) as e:
         router.client().chat.completions.create(model="no-such-model", messages=MSG)
     assert e.value.code == "model_not_found"
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory) -> Iterator[RouterProcess]:
+    """A router with keys and auth.require_auth off: callers without a key are anonymous."""
+    with router_over_fake(tmp_path_factory.mktemp("keyed"), "keyed",
+                          principals=["alice"]) as r:
+        yield r
+
+
+def test_a_wrong_key_is_401_naming_its_header_even_without_require_auth(keyed):
+    """A key the router does not know is a 401, not an anonymous call: a typo'd key would
+    lose its principal's limits and prefix cache unseen. No key at all stays anonymous."""
+    def ask(key: str) -> str | None:
+        oa = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        return oa.chat.completions.create(model="tiny", messages=MSG,
+                                          max_tokens=2).choices[0].finish_reason
+    assert ask(key_of("alice")) is not None
+    # no key at all is anonymous (the openai SDK refuses to send none: a raw request here)
+    assert httpx2.post(keyed.url + "/v1/chat/completions", timeout=60, json={
+        "model": "tiny", "messages": MSG, "max_tokens": 2}).status_code == 200
+    with pytest.raises(openai.AuthenticationError) as e:
+        ask(key_of("alice") + "x")
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+    assert "Incorrect API key provided in the Authorization header" in e.value.message
+    a = anthropic.Anthropic(base_url=keyed.url, api_key=key_of("alice") + "x", max_retries=0,
+                            timeout=60)
+    with pytest.raises(anthropic.AuthenticationError) as ae:
+        a.messages.create(model="tiny", max_tokens=2, messages=MSG)
+    assert ae.value.body["error"]["type"] == "authentication_error"
+    r = httpx2.post(keyed.url + "/v1/messages", headers={"x-api-key": "sk-typo"},
+                    json={"model": "tiny", "max_tokens": 2, "messages": MSG})
+    assert r.status_code == 401 and r.json()["error"] == {
+        "type": "authentication_error",
+        "message": "invalid x-api-key: it matches no key of this router"}
+    r = httpx2.post(keyed.url + "/tokenize", headers={"x-api-key": "sk-typo"},
+                    json={"model": "tiny", "prompt": "hi"})
+    assert r.status_code == 401 and "x-api-key" in r.json()["error"]["message"]
 
 
 def test_body_too_large_is_413(router):

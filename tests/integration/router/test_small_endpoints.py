@@ -5,9 +5,13 @@ from __future__ import annotations
 import time
 
 import httpx2
+import pytest
 from router_procs import key_of
+from support.lazy_import import Lazy
 
 from helexa import __version__
+
+anthropic = Lazy("anthropic")
 
 AUTH = {"Authorization": f"Bearer {key_of('alice')}"}
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
@@ -61,3 +65,29 @@ def test_version_models_max_model_len_and_a_404_naming_the_path(router):
     assert [m["created"] for m in again] == [m["created"] for m in models]
     r = httpx2.post(router.url + "/v1/chat/completion", headers=AUTH, json={})
     assert r.status_code == 404 and "/v1/chat/completion" in r.json()["error"]["message"]
+
+
+def test_a_text_past_the_context_is_refused_without_counting_it_all(router):
+    """`tiny-grow` holds 64 tokens: /tokenize and count_tokens refuse a longer text or chat
+    as a prompt is refused (400 context_length_exceeded, "at least": counting stopped past
+    the context), rather than tokenise all of it to report the count; a text of the context
+    or less is counted as before."""
+    long = "the sea is wide and deep " * 40
+    for body, param in (({"prompt": long}, "prompt"),
+                        ({"messages": [{"role": "user", "content": long}]}, "messages")):
+        r = httpx2.post(router.url + "/tokenize", headers=AUTH,
+                        json={"model": "tiny-grow", **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+        assert err["param"] == param, err
+        assert "maximum context length is 64 tokens" in err["message"], err
+        assert "at least" in err["message"], err
+    ok = httpx2.post(router.url + "/tokenize", headers=AUTH,
+                     json={"model": "tiny-grow", "prompt": "the sea"}).json()
+    assert ok["count"] == len(ok["tokens"]) > 0 and ok["max_model_len"] == 64
+    a = anthropic.Anthropic(base_url=router.url, api_key=key_of("alice"), max_retries=0,
+                            timeout=60)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.count_tokens(model="tiny-grow", messages=[{"role": "user", "content": long}])
+    assert e.value.body["error"]["type"] == "invalid_request_error"
+    assert "maximum context length is 64 tokens" in e.value.body["error"]["message"]

@@ -104,6 +104,16 @@ ATOOL = {"name": "read", "input_schema": {"type": "object"}}
       _result("toolu_b", text="and the other?")],
      "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: "
      "toolu_a."),
+    ([AUSER, _use("toolu_a"), {"role": "user", "content": [
+        {"type": "text", "text": "Here it is:"},
+        {"type": "tool_result", "tool_use_id": "toolu_a", "content": "done"}]}],
+     "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: "
+     "toolu_a. Each `tool_use` block must have a corresponding `tool_result` block in the next "
+     "message. In the user message containing tool results, the tool_result blocks must come "
+     "FIRST in the content array: messages.2.content.0 is a `text` block before them."),
+    ([AUSER, _use("toolu_a"), AUSER, _result("toolu_a")],  # combined, the text comes first
+     "the tool_result blocks must come FIRST in the content array: messages.2.content is a "
+     "`text` block before them."),
     ([_result("toolu_x")],
      "messages.0.content.0: unexpected `tool_use_id` found in `tool_result` blocks: toolu_x. "
      "Each `tool_result` block must have a corresponding `tool_use` block in the previous "
@@ -144,11 +154,12 @@ def test_anthropic_paired_tool_use_is_served(fake):
 
 
 def test_anthropic_consecutive_messages_of_one_role_pair_as_one_turn(fake):
-    # Anthropic combines consecutive messages of one role: a call's result may be in the
-    # second user message after it, the call in the first of two assistant messages
+    # Anthropic combines consecutive messages of one role: the call may be in the first of
+    # two assistant messages, and a user message may follow the one holding its result
+    # (before it, its text would come first in the combined turn: refused above)
     r = _anthropic(fake).messages.create(model="tiny", max_tokens=2, tools=[ATOOL], messages=[
         AUSER, _use("toolu_a"), {"role": "assistant", "content": "Reading it."},
-        AUSER, _result("toolu_a")])
+        _result("toolu_a"), AUSER])
     assert r.content[0].text
 
 

@@ -190,13 +190,45 @@ def test_a_declared_type_the_bytes_are_not_is_refused_on_anthropic_served_on_ope
         ask(url, image_part(data_url(img))).usage.prompt_tokens
 
 
+def test_image_jpg_is_refused_on_anthropic_and_served_on_openai(stack):
+    # Anthropic's media_type is one of four exactly (its SDK's Literal; the API's 400 says
+    # "Input should be 'image/jpeg', ..."); OpenAI reads a data: URL's bytes, and clients
+    # commonly label a JPEG `data:image/jpg`: served on chat and Responses
+    url, _ = stack
+    buf = io.BytesIO()
+    make_image(100, 70, 22).save(buf, format="JPEG", quality=90)
+    jpeg = base64.b64encode(buf.getvalue()).decode()
+    a = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0, timeout=60)
+    for media in ("image/jpg", "IMAGE/JPEG"):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            a.messages.create(model="vl", max_tokens=4, messages=[{"role": "user", "content": [
+                {"type": "text", "text": "Look:"},
+                {"type": "image", "source": {"type": "base64", "media_type": media,
+                                             "data": jpeg}}]}])
+        err = e.value.body["error"]
+        assert err["type"] == "invalid_request_error", err
+        assert "`messages[0].content[1].source.media_type`: Input should be 'image/jpeg', " \
+            "'image/png', 'image/gif' or 'image/webp'" in err["message"], err
+    jpeg_tokens = ask(url, image_part("data:image/jpeg;base64," + jpeg)).usage.prompt_tokens
+    assert ask(url, image_part("data:image/jpg;base64," + jpeg)).usage.prompt_tokens == \
+        jpeg_tokens
+    r = oa(url).responses.create(model="vl", max_output_tokens=4, input=[{
+        "role": "user", "content": [{"type": "input_text", "text": "Look:"},
+                                    {"type": "input_image",
+                                     "image_url": "data:image/jpg;base64," + jpeg}]}])
+    assert r.usage.input_tokens == jpeg_tokens
+
+
 def test_openai_sdk_responses_input_image(stack):
     url, _ = stack
     img = png(make_image(100, 70, 22))
-    chat = ask(url, image_part(data_url(img)))
+    # `detail: original` is OpenAI's fourth value (its SDK's ImageDetail): served, ignored
+    chat = ask(url, {"type": "image_url", "image_url": {"url": data_url(img),
+                                                        "detail": "original"}})
     r = oa(url).responses.create(model="vl", max_output_tokens=6, temperature=0, input=[{
         "role": "user", "content": [{"type": "input_text", "text": "Look:"},
-                                    {"type": "input_image", "image_url": data_url(img)}]}])
+                                    {"type": "input_image", "image_url": data_url(img),
+                                     "detail": "original"}]}])
     assert r.output_text == chat.choices[0].message.content  # the same prompt, greedy
     assert r.usage.input_tokens == chat.usage.prompt_tokens
 
