@@ -105,9 +105,18 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "(docs/errors.md).",
         RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
-        "A stream whose client reads nothing for this long (the router's bounded send buffer "
-        "stays full) is ended and its neuron call cancelled, which returns the request's KV.",
+        "A stream whose client takes nothing of what waits for it for this long (the router's "
+        "bounded send buffer stays full) is ended and its neuron call cancelled, which returns "
+        "the request's KV; the window client_min_bytes_per_sec is measured over.",
         RELOAD, gt=0)] = 30.0
+    client_min_bytes_per_sec: Annotated[float, field_meta(
+        "Of what waited for it at the start of each client_write_secs, a stream's or whole "
+        "reply's client must take this many bytes a second (all of it, if less waited), or it "
+        "is ended as one that reads nothing; 0: only taking nothing ends it. The default is a "
+        "32 kbit/s link's: a client reading a token stream (a few KB/s, more with logprobs) "
+        "as it comes is not behind it at all, one on a slow mobile link (2G EDGE, 25 KB/s) "
+        "takes several times this, and a trickle of 200 bytes every 18 s is a 300th of it.",
+        RELOAD, ge=0)] = 4096.0
 
 
 class LimitsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

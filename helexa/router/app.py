@@ -35,6 +35,7 @@ from helexa.log import get_logger, setup_logging
 from helexa.router import cors, fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
+from helexa.router.client_stream import Pace
 from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError, bad_request
 from helexa.router.http_edge import RouterRunner
@@ -102,7 +103,8 @@ class RouterState:
         self.auth = Authenticator(keys, cfg.auth.require_auth)
         self.aliases = aliases
         self.request_secs = cfg.timeouts.request_secs
-        self.client_write_secs = cfg.timeouts.client_write_secs
+        self.client_pace = Pace(cfg.timeouts.client_write_secs,
+                                cfg.timeouts.client_min_bytes_per_sec)
         self.caps = RequestCaps.of(cfg.limits)
         for pool in (self.work_pool, self.compile_pool):
             # without keys every caller is the one principal: all of it
@@ -328,7 +330,7 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
     await state.registry.start()
     await state.registry.set_endpoints(cfg.neurons.endpoints)
     state.status.start()
-    runner = RouterRunner(build_app(state), write_secs=lambda: state.client_write_secs,
+    runner = RouterRunner(build_app(state), write_secs=lambda: state.client_pace.window_secs,
                           handler_cancellation=True, access_log=None,
                           shutdown_timeout=SHUTDOWN_GRACE_SECS,
                           keepalive_timeout=cfg.server.read_timeout_secs,

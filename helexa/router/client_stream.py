@@ -1,5 +1,5 @@
 """A client's event stream with back-pressure: a client that stops reading pauses its
-request, and is ended if it does not read again.
+request, and is ended if it does not read again, or reads too little.
 
 aiohttp waits for the socket to drain once 64 KiB sit unsent (its writer's
 limit, over the transport's 64 KiB high-water mark), and the stream's socket
@@ -11,17 +11,34 @@ grow (neuron_channel.channel_options), so the neuron's writes wait in turn and t
 neuron pauses the request (helexa/neuron/engine/flow.py): it leaves the decode
 batch, keeping its KV, and resumes when the client reads again (docs/http.md,
 "Generation requests"). What the wait lacked was an end: a client that reads
-nothing would hold its request's KV until the deadline. `ClientStream.write`
-waits at most `timeouts.client_write_secs`; past it the connection is aborted
-and `ClientStalled` raised, which ends the handler the way a client that left
+nothing would hold its request's KV until the deadline; and a per-write timer
+(each write waiting at most client_write_secs) was restarted by a trickle that
+let a write finish now and then. So the bound is a rate, kept across writes:
+of what waited for it at the start of each window (`Pace.window_secs`,
+`timeouts.client_write_secs`) the client must take `Pace.min_bytes_per_sec`
+(`timeouts.client_min_bytes_per_sec`) a second, or all of it if less waited;
+else the write waiting on it is cancelled, the connection aborted and
+`ClientStalled` raised, which ends the handler the way a client that left
 does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
-them on the neuron and returns their KV.
+them on the neuron and returns their KV. What the client took is what left the
+router: the bytes written, less those the transport and the kernel still hold
+(SIOCOUTQ: unsent or unacknowledged). The transport's buffer alone moves only
+when the kernel's has a third of itself free again (Linux's rule for a TCP
+socket to be writable: about 170 KB of SEND_BUFFER_BYTES' 512 KiB), so it
+would see a steady reader of a few KB/s take nothing for half a minute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import struct
+import termios
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -31,25 +48,55 @@ from aiohttp.abc import AbstractStreamWriter
 # needs. It stays so for later requests on the connection: the kernel sizes it no more.
 SEND_BUFFER_BYTES = 256 * 1024
 WHOLE_CHUNK_BYTES = 256 * 1024  # send_whole's writes
+# How often a write that waits looks at what its client took (at most, a window's eighth),
+# and how many marks of it a window keeps at most (its rate is measured between them).
+LOOK_SECS = 1.0
+MARKS_A_WINDOW = 32
+_OUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux's SIOCOUTQ for a TCP socket
+
+
+@dataclass(frozen=True)
+class Pace:
+    """What a client behind its stream must take: min_bytes_per_sec over each window_secs."""
+
+    window_secs: float
+    min_bytes_per_sec: float = 0.0
 
 
 class ClientStalled(ConnectionResetError):
-    """The client read nothing for client_write_secs; its connection was aborted."""
+    """The client took too little of its reply for a window; its connection was aborted."""
+
+
+def _kernel_held(sock: socket.socket | None) -> int:
+    """Bytes the kernel holds for the socket, unsent or unacknowledged; 0 where unknown."""
+    if sock is None:
+        return 0
+    try:
+        held: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0" * 4))[0]
+        return held
+    except (OSError, ValueError):
+        return 0
 
 
 class ClientStream(web.StreamResponse):
-    """A StreamResponse whose writes give up after `write_secs` without progress."""
+    """A StreamResponse whose writes end the connection when its client, behind, takes
+    less than `pace` asks (nothing at all for a window, when min_bytes_per_sec is 0)."""
 
-    def __init__(self, request: web.Request, *, headers: dict[str, str],
-                 write_secs: float) -> None:
+    def __init__(self, request: web.Request, *, headers: dict[str, str], pace: Pace) -> None:
         super().__init__(headers=headers)
         self.request = request
-        self.write_secs = write_secs
+        self.pace = pace
+        self._sock: socket.socket | None = None
+        # (loop time, bytes the client had taken, bytes waiting for it) over the last window
+        self._marks: deque[tuple[float, int, int]] = deque()
+        self._why: str | None = None  # why the connection was aborted
+        self._timer: asyncio.TimerHandle | None = None
 
     async def prepare(self, request: web.BaseRequest) -> AbstractStreamWriter | None:
         transport = request.transport
         sock = transport.get_extra_info("socket") if transport is not None else None
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            self._sock = sock
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
             except OSError:
@@ -57,22 +104,71 @@ class ClientStream(web.StreamResponse):
         return await super().prepare(request)
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            async with asyncio.timeout(self.write_secs):
-                await super().write(data)
-        except TimeoutError:
-            self._abort()
-            raise ClientStalled(f"the client read nothing for {self.write_secs:g} s "
-                                f"(timeouts.client_write_secs)") from None
+        await self._watched(super().write, data)
 
     async def write_eof(self, data: bytes = b"") -> None:
+        await self._watched(super().write_eof, data)
+
+    async def _watched(self, write: Callable[[bytes], Awaitable[None]], data: Any) -> None:
+        """`write(data)`, looked after while it waits as asyncio.timeout would, its deadline
+        moved on while the client takes enough: cancelled, its connection aborted and
+        ClientStalled raised when the client takes too little. (An abort alone would not do:
+        the lost connection cancels the handler, aiohttp's handler_cancellation.)"""
+        if (why := self._look()) is not None:
+            self._stall(why)
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick, task)
         try:
-            async with asyncio.timeout(self.write_secs):
-                await super().write_eof(data)
-        except TimeoutError:
-            self._abort()
-            raise ClientStalled(f"the client read nothing for {self.write_secs:g} s "
-                                f"(timeouts.client_write_secs)") from None
+            await write(data)
+        except asyncio.CancelledError:
+            if self._why is None or task.uncancel() > cancelling:
+                raise  # not ours, or not only ours
+            self._stall(self._why)
+        finally:
+            self._timer.cancel()
+
+    def _look_secs(self) -> float:
+        return min(LOOK_SECS, self.pace.window_secs / 8)
+
+    def _tick(self, task: asyncio.Task[Any]) -> None:
+        if (why := self._look()) is None:
+            self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick,
+                                                                task)
+        elif self._why is None:
+            self._why = why
+            task.cancel()
+
+    def _look(self) -> str | None:
+        """Mark what the client has taken and what waits for it; why it is to be ended when
+        over the last window it took less than the pace asks of what waited at its start."""
+        transport, writer = self.request.transport, self._payload_writer
+        if transport is None or writer is None:
+            return None
+        marks, now, window = self._marks, asyncio.get_running_loop().time(), self.pace.window_secs
+        if marks and now - marks[-1][0] < window / MARKS_A_WINDOW:
+            return None
+        held = transport.get_write_buffer_size() + _kernel_held(self._sock)
+        taken = writer.output_size - held
+        marks.append((now, taken, held))
+        while len(marks) > 1 and marks[1][0] <= now - window:
+            marks.popleft()  # the last mark a window old stays: the rate is measured from it
+        since, then, waiting = marks[0]
+        floor = self.pace.min_bytes_per_sec * window
+        # A client that keeps up has little waiting, and takes it at once.
+        if now - since < window or taken - then >= min(max(floor, 1), waiting):
+            return None
+        if taken == then:
+            return f"the client read nothing for {now - since:.0f} s (timeouts.client_write_secs)"
+        return (f"the client read {taken - then} bytes in {now - since:.0f} s, under "
+                f"{floor:.0f} (timeouts.client_min_bytes_per_sec over "
+                f"timeouts.client_write_secs)")
+
+    def _stall(self, why: str) -> NoReturn:
+        self._why = why
+        self._abort()
+        raise ClientStalled(why)
 
     def _abort(self) -> None:
         """Drop the connection and what it still buffers (a close would wait to flush)."""
@@ -82,12 +178,13 @@ class ClientStream(web.StreamResponse):
 
 
 async def send_whole(request: web.Request, body: bytes | bytearray, headers: dict[str, str],
-                     write_secs: float) -> ClientStream:
+                     pace: Pace) -> ClientStream:
     """A non-streaming JSON reply, written WHOLE_CHUNK_BYTES at a time, each write waiting
-    for the socket as a stream's do. Handed to aiohttp whole, the body was joined with the
-    headers and what the socket did not take at once copied into the transport's buffer:
-    the reply held twice more (an 81 MB reply of 16 choices with 20 top logprobs)."""
-    resp = ClientStream(request, headers=headers, write_secs=write_secs)
+    for the socket as a stream's do (and its client held to the same pace). Handed to
+    aiohttp whole, the body was joined with the headers and what the socket did not take
+    at once copied into the transport's buffer: the reply held twice more (an 81 MB reply
+    of 16 choices with 20 top logprobs)."""
+    resp = ClientStream(request, headers=headers, pace=pace)
     resp.content_type = "application/json"
     resp.content_length = len(body)
     await resp.prepare(request)

@@ -33,7 +33,7 @@ from aiohttp import web
 
 from helexa.proto import neuron_pb2 as pb
 from helexa.router import encode
-from helexa.router.client_stream import ClientStream, send_whole
+from helexa.router.client_stream import ClientStream, Pace, send_whole
 from helexa.router.errors import ApiError
 from helexa.router.inflight import UpstreamLost
 from helexa.router.rpc_errors import PAST_DEADLINE
@@ -100,18 +100,18 @@ async def reply(request: web.Request, stream: bool, choice: encode.Choice, call:
                 enc: Encoder, headers: dict[str, str], log: Any, req_id: str,
                 off_loop: OffLoop,
                 on_message: Callable[[pb.GenerateResponse], None] | None = None,
-                write_secs: float = 30.0, deadline_secs: float = 0.0) -> web.StreamResponse:
+                pace: Pace = Pace(30.0), deadline_secs: float = 0.0) -> web.StreamResponse:
     """One choice's reply, whole (call is forward.Completed; its body built by off_loop, the
     work pool's run) or as the encoder's event stream (call is forward.OpenStream;
-    on_message sees each of its messages: timing), whose writes give up after write_secs
-    (client_stream.py); deadline_secs: ended_short's."""
+    on_message sees each of its messages: timing), whose client is ended when it takes
+    less than `pace` asks (client_stream.py); deadline_secs: ended_short's."""
     if not stream:
         whole = call.reply
         if (why := ended_short(whole, deadline_secs)) is not None:
             raise ApiError(502, why, code="upstream_error")
         body = await off_loop(lambda: _whole_body(choice, enc, whole))
-        return await send_whole(request, body, headers, write_secs)
-    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, write_secs=write_secs)
+        return await send_whole(request, body, headers, pace)
+    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, pace=pace)
     await resp.prepare(request)
     await resp.write(enc.start())
     try:

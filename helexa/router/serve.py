@@ -189,7 +189,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
                 functools.partial(state.work_pool.run, principal, share=False),
                 on_message=lambda msg: _timing(series, t0, last, msg),
-                write_secs=state.client_write_secs, deadline_secs=state.request_secs)
+                pace=state.client_pace, deadline_secs=state.request_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
                                  state.metrics.model(label), t0, req_id, headers)
@@ -199,7 +199,7 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
             body = await state.work_pool.run(
                 principal, _reply, env, choices, [c for c in calls if isinstance(c, Completed)],
                 state.request_secs, share=False)
-            resp = await send_whole(request, body, headers, state.client_write_secs)
+            resp = await send_whole(request, body, headers, state.client_pace)
         reply_check.check_schema(state, req, model, calls, choices, ctx)
         usage = encode.usage_dict(choices)
         state.metrics.model(label).tokens(usage["prompt_tokens"], usage["completion_tokens"])
@@ -345,8 +345,7 @@ def _reply(env: encode.Envelope, choices: list[encode.Choice],
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
                   streams: list[OpenStream], state: RouterState, series: ModelSeries,
                   t0: float, req_id: str, headers: dict[str, str]) -> web.StreamResponse:
-    resp = ClientStream(request, headers={**SSE_HEADERS, **headers},
-                        write_secs=state.client_write_secs)
+    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, pace=state.client_pace)
     await resp.prepare(request)
     for c in choices:
         if (chunk := encode.first_chunk(env, c)) is not None:

@@ -20,6 +20,8 @@ import pytest
 import structlog.testing
 from support.stalled_client import post_to_a_small_window
 
+from helexa.router.client_stream import Pace
+
 # A tick of the loop may hold it this much CPU. Measured on the test machine (2 loaded cores):
 # with the reply built on the work pool the fleet's worst tick held 3-4 ms during these
 # requests; built on the loop, 0.28-0.59 s (8,000 calls), and 3.9 s for 8,000 unclosed
@@ -119,8 +121,8 @@ def test_a_whole_reply_nobody_reads_is_ended_as_a_stalled_stream(fl, path):
     """Written a piece at a time, as chat's is: a client that reads none of its 4 MB is ended
     after timeouts.client_write_secs, and request.done says so (client_stalled, a 499)."""
     _, b = body(path.rsplit("/", 1)[1], 400_000, "xxxxxxxxxx", False)
-    write_secs = fl.state.client_write_secs
-    fl.state.client_write_secs = 0.5
+    pace = fl.state.client_pace
+    fl.state.client_pace = Pace(0.5, pace.min_bytes_per_sec)
     try:
         with structlog.testing.capture_logs() as logs:
             sock = post_to_a_small_window(fl.url, json.dumps(b).encode(), path)
@@ -132,6 +134,6 @@ def test_a_whole_reply_nobody_reads_is_ended_as_a_stalled_stream(fl, path):
             finally:
                 sock.close()
     finally:
-        fl.state.client_write_secs = write_secs
+        fl.state.client_pace = pace
     done = [e for e in logs if e["event"] == "request.done"]
     assert [e.get("outcome") for e in done] == ["client_stalled"], done

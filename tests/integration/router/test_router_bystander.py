@@ -44,29 +44,30 @@ def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, Rout
         neuron.stop(timeout_secs=15)
 
 
-def router_config(neuron: NeuronProcess, write_secs: float) -> dict:
+def router_config(neuron: NeuronProcess, write_secs: float, min_rate: float = 0.0) -> dict:
     return {
         "server": {"listen": "127.0.0.1:0", "max_body_bytes": 8 * 1024 * 1024},
         "neurons": {"endpoints": [{"name": "nb", "address": neuron.address}]},
         # A neuron silent for 1 s leaves rotation: a loop held that long would show.
         "timeouts": {"unhealthy_after_secs": 1.0, "reconnect_max_secs": 0.5,
-                     "client_write_secs": write_secs}}
+                     "client_write_secs": write_secs, "client_min_bytes_per_sec": min_rate}}
 
 
 @contextlib.contextmanager
-def client_write_secs(neuron: NeuronProcess, router: RouterProcess, secs: float
-                      ) -> Iterator[None]:
-    """The router's timeouts.client_write_secs at `secs` (a reload) for the block."""
-    def reload(write_secs: float) -> None:
+def client_write_secs(neuron: NeuronProcess, router: RouterProcess, secs: float,
+                      min_rate: float = 0.0) -> Iterator[None]:
+    """The router's timeouts.client_write_secs at `secs` and client_min_bytes_per_sec at
+    `min_rate` (a reload) for the block."""
+    def reload(write_secs: float, rate: float) -> None:
         before = router.log_path.read_text().count('"config.reloaded"')
-        router.reload(router_config(neuron, write_secs))
+        router.reload(router_config(neuron, write_secs, rate))
         wait_for(lambda: router.log_path.read_text().count('"config.reloaded"') > before,
                  timeout=15)
-    reload(secs)
+    reload(secs, min_rate)
     try:
         yield
     finally:
-        reload(WRITE_SECS)
+        reload(WRITE_SECS, 0.0)
 
 
 def healthy(router: RouterProcess) -> bool:
@@ -424,10 +425,10 @@ def _dechunk(raw: bytes) -> bytes | None:
     return None
 
 
-def _read_to_the_end(sock: socket.socket) -> tuple[bytes, bytes]:
-    """The response's head and whole (chunked) body, read from the start."""
+def _read_to_the_end(sock: socket.socket, buf: bytes = b"") -> tuple[bytes, bytes]:
+    """The response's head and whole (chunked) body, read from the start (`buf`: what was
+    read of it before)."""
     sock.settimeout(30)
-    buf = b""
     while chunk := sock.recv(1 << 16):
         buf += chunk
         head, sep, rest = buf.partition(b"\r\n\r\n")
@@ -559,3 +560,93 @@ def test_a_stream_of_two_choices_completes_when_one_must_wait_for_the_others_kv(
         finally:
             holder.close()  # its call is cancelled: its KV back
         wait_for(lambda: ledger_whole(router), timeout=30)
+
+
+# A trickle, scaled to run in seconds: the window is 8 s and the floor 256 KiB/s (2 MiB a
+# window); the trickle takes 12 KiB every 0.25 s (48 KiB/s), a fifth of the floor. That is
+# enough to let each of the router's writes finish well within the window: the kernel frees
+# the router's send buffer for it a third at a time (some 170 KB), every 3.5 s here. The tiny
+# model with 20 top logprobs makes more than the trickle takes, so much waits for it.
+TRICKLE_WINDOW_SECS = 8.0
+TRICKLE_FLOOR = 256 * 1024
+
+
+def _trickle(sock: socket.socket, piece: int, every_secs: float, for_secs: float
+             ) -> tuple[int, float | None]:
+    """Read `piece` bytes every `every_secs` for `for_secs`: (bytes read, when the router
+    ended the connection, or None)."""
+    got, end = 0, time.monotonic() + for_secs
+    sock.settimeout(2)
+    while time.monotonic() < end:
+        want = piece
+        try:
+            while want > 0:
+                chunk = sock.recv(want)
+                if not chunk:
+                    return got, time.monotonic()
+                got += len(chunk)
+                want -= len(chunk)
+        except ConnectionResetError:
+            return got, time.monotonic()
+        except TimeoutError:
+            pass  # nothing more in the window yet: try again at the next tick
+        time.sleep(every_secs)
+    return got, None
+
+
+def test_a_client_that_reads_a_trickle_is_ended_and_its_kv_returned(pair):
+    """A client that reads, but under timeouts.client_min_bytes_per_sec once it is behind,
+    is ended within a window (client_write_secs) and a few seconds, and its KV comes back.
+    Before, each write waited client_write_secs afresh: a trickle that let one finish now
+    and then held the request, and its KV, until its deadline."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
+                       "stream": True, "ignore_eos": True, "logprobs": True,
+                       "top_logprobs": 20}).encode()
+    with client_write_secs(neuron, router, TRICKLE_WINDOW_SECS, TRICKLE_FLOOR):
+        sock = post_to_a_small_window(router.url, body)
+        try:
+            # behind: its buffers full, the neuron paused the request
+            wait_for(lambda: _paused(router) >= 1, timeout=30)
+            behind = time.monotonic()
+            got, ended = _trickle(sock, 12 * 1024, 0.25, for_secs=TRICKLE_WINDOW_SECS + 20)
+            assert got > 256 * 1024, got  # it did read: more than a window's worth of drains
+            assert ended is not None, f"a trickle of {got} bytes was not ended"
+            assert ended - behind < TRICKLE_WINDOW_SECS + 10, ended - behind
+            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=30)
+            assert '"outcome":"client_stalled"' in router.log_path.read_text()
+        finally:
+            sock.close()
+    assert healthy(router)
+
+
+def test_a_client_that_pauses_under_a_window_and_reads_on_is_not_ended(pair):
+    """The same floor: a client that stops reading a long stream for half a window, twice,
+    and reads as it comes otherwise gets all of it; the floor counts only while it is
+    behind, and what it takes when it reads again counts for it."""
+    neuron, router = pair
+    wait_for(lambda: ledger_whole(router), timeout=15)
+    n = 3000
+    body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": n, "stream": True,
+                       "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
+                       "stream_options": {"include_usage": True}}).encode()
+    with client_write_secs(neuron, router, TRICKLE_WINDOW_SECS, TRICKLE_FLOOR):
+        sock = post_to_a_small_window(router.url, body)
+        sock.settimeout(30)
+        try:
+            read = sock.recv(1 << 16)
+            for _ in range(2):
+                wait_for(lambda: _paused(router) >= 1, timeout=30)  # behind
+                time.sleep(TRICKLE_WINDOW_SECS / 2)
+                end = time.monotonic() + 1.0
+                while time.monotonic() < end:  # reads on, a while
+                    read += sock.recv(1 << 16)
+            head, whole = _read_to_the_end(sock, read)
+        finally:
+            sock.close()
+    assert head.startswith(b"HTTP/1.1 200")
+    events = _events(whole)
+    assert events[-1]["usage"]["completion_tokens"] == n
+    assert len(_tokens(events)) == n
+    wait_for(lambda: ledger_whole(router), timeout=15)
