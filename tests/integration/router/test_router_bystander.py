@@ -608,13 +608,13 @@ def test_a_client_that_reads_a_trickle_is_ended_and_its_kv_returned(pair):
         sock = post_to_a_small_window(router.url, body)
         try:
             # behind: its buffers full, the neuron paused the request
-            wait_for(lambda: _paused(router) >= 1, timeout=30)
+            wait_for(lambda: _paused(router) >= 1, timeout=60)
             behind = time.monotonic()
             got, ended = _trickle(sock, 12 * 1024, 0.25, for_secs=TRICKLE_WINDOW_SECS + 20)
             assert got > 256 * 1024, got  # it did read: more than a window's worth of drains
             assert ended is not None, f"a trickle of {got} bytes was not ended"
             assert ended - behind < TRICKLE_WINDOW_SECS + 10, ended - behind
-            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=30)
+            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=60)
             assert '"outcome":"client_stalled"' in router.log_path.read_text()
         finally:
             sock.close()
@@ -631,16 +631,23 @@ def test_a_client_that_pauses_under_a_window_and_reads_on_is_not_ended(pair):
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": n, "stream": True,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
                        "stream_options": {"include_usage": True}}).encode()
-    with client_write_secs(neuron, router, TRICKLE_WINDOW_SECS, TRICKLE_FLOOR):
+    # A longer window than the trickle's: the pause is counted from the client's last read,
+    # and seeing it behind (the paused gauge, through the neuron's Watch) took over 4 s of
+    # it on a loaded box, so half of 8 s was no pause under a window.
+    window = 2 * TRICKLE_WINDOW_SECS
+    with client_write_secs(neuron, router, window, TRICKLE_FLOOR):
         sock = post_to_a_small_window(router.url, body)
         sock.settimeout(30)
         try:
             read = sock.recv(1 << 16)
             for _ in range(2):
-                wait_for(lambda: _paused(router) >= 1, timeout=30)  # behind
-                time.sleep(TRICKLE_WINDOW_SECS / 2)
-                end = time.monotonic() + 1.0
-                while time.monotonic() < end:  # reads on, a while
+                stopped = time.monotonic()
+                wait_for(lambda: _paused(router) >= 1, timeout=window * 0.7)  # behind
+                time.sleep(max(0.0, stopped + window / 2 - time.monotonic()))
+                # reads on, a while: long enough on a loaded box to take what waited (the
+                # buffers, some 600 KB) through its small window
+                end = time.monotonic() + 3.0
+                while time.monotonic() < end:
                     read += sock.recv(1 << 16)
             head, whole = _read_to_the_end(sock, read)
         finally:
