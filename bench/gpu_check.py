@@ -38,7 +38,8 @@ failing stage still leaves the others' figures:
 The decode, profile and ttft stages share one runner of each big model (``Models.big``):
 a 16 GB load and its graph capture once for the three, not once each. The report's
 ``models_s`` is the seconds each checkpoint took to make, ``loads_s`` those of every
-runner load by checkpoint: where the check's time went.
+runner load by checkpoint, and ``stage_loads`` how many each stage made, by checkpoint:
+where the check's time went.
 - ``spec_vision``: (``mtp``) speculation with an MTP head through the engine, against plain
   decoding, and (``vision``) a prompt with an image against transformers' Qwen3.5 and its
   processor.
@@ -1219,7 +1220,7 @@ def run(dry: bool, out_path: Path, budget_secs: float,
                     out_path.write_text(json.dumps(report, indent=2, default=str))
 
                 progress = on_record
-                t = time.perf_counter()
+                t, loaded = time.perf_counter(), {k: len(v) for k, v in LOADS.items()}
                 try:
                     got = fns[name](ctx)
                     result = {"ok": not got.get("failed"), **got}
@@ -1229,6 +1230,10 @@ def run(dry: bool, out_path: Path, budget_secs: float,
                 free_device()
                 result["secs"] = time.perf_counter() - t
                 report["stages"][name] = result
+                # beside, not in, the stage's result: compare reads decode's dicts as models
+                report.setdefault("stage_loads", {})[name] = {
+                    k: len(v) - loaded.get(k, 0) for k, v in LOADS.items()
+                    if len(v) > loaded.get(k, 0)}
                 report["models_s"] = ctx.made_s  # each checkpoint's making, in its first stage
                 report["loads_s"] = LOADS  # each runner's load, by checkpoint
                 print(f"== {name}: {json.dumps(result, default=str)[:2000]}", flush=True)
