@@ -172,3 +172,33 @@ def full_attention_copy(src: Path, dst: Path, seed: int = 1) -> Path:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+# The engine over a tiny vision checkpoint, as its tests drive it.
+VISION_GREEDY: dict[str, Any] = {"temperature": 0.0}
+ASK_ABOUT_AN_IMAGE = [{"role": "user", "content": [
+    {"type": "text", "text": "Look:"}, {"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+
+
+def vision_core(model_dir: Path, *, prefix_cache: bool = True, **limits: Any) -> Any:
+    """An EngineCore on `model_dir` with a small pool (96 blocks of 8, context 512) and
+    `limits` over 16 anonymous places."""
+    from helexa.neuron.engine import messages as m
+    from helexa.neuron.engine.engine_core import EngineCore
+    from helexa.neuron.engine.spec import EngineSpec
+
+    spec = EngineSpec(model_id="vl", model_dir=str(model_dir), num_blocks=96, block_size=8,
+                      context=512, prefix_cache=prefix_cache, bytes_per_token=0,
+                      limits=m.Limits(anon_max_in_flight=16, **limits))
+    return EngineCore(spec)
+
+
+def image_request(model_dir: Path, rid: str, image: Any, max_tokens: int = 10) -> Any:
+    """A greedy NewRequest asking about `image`, its prompt as transformers' processor
+    makes it."""
+    from helexa.neuron.engine import messages as m
+
+    prompt = hf_inputs(model_dir, ASK_ABOUT_AN_IMAGE, [image])["input_ids"][0].tolist()
+    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
+                        sampling=m.SamplingParams(**VISION_GREEDY),
+                        images=image_inputs(model_dir, prompt, [image]))

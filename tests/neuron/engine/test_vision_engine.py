@@ -7,16 +7,20 @@ whatever ends it, and images refused by a model without a tower."""
 from __future__ import annotations
 
 import pytest
-from support.vision import full_attention_copy, hf_inputs, image_inputs, make_image
+from support.vision import (
+    full_attention_copy,
+    hf_inputs,
+    image_inputs,
+    image_request,
+    make_image,
+    vision_core,
+)
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.engine_core import EngineCore
-from helexa.neuron.engine.spec import EngineSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = m.SamplingParams(temperature=0.0)
-ASK = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
-                                    {"type": "text", "text": "What is it?"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -27,19 +31,6 @@ def vl_dir(tiny_checkpoint):
 @pytest.fixture(scope="module")
 def dense_vl(vl_dir, tmp_path_factory):
     return full_attention_copy(vl_dir, tmp_path_factory.mktemp("dense") / "vl")
-
-
-def core_for(model_dir, *, prefix_cache: bool = True, chunk: int = 512) -> EngineCore:
-    spec = EngineSpec(model_id="vl", model_dir=str(model_dir), num_blocks=96, block_size=8,
-                      context=512, prefix_cache=prefix_cache, bytes_per_token=0,
-                      limits=m.Limits(anon_max_in_flight=16, prefill_chunk_tokens=chunk))
-    return EngineCore(spec)
-
-
-def request(model_dir, rid: str, image, max_tokens: int = 10) -> m.NewRequest:
-    prompt = hf_inputs(model_dir, ASK, [image])["input_ids"][0].tolist()
-    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
-                        sampling=GREEDY, images=image_inputs(model_dir, prompt, [image]))
 
 
 def run(core: EngineCore, *reqs: m.NewRequest) -> tuple[dict[str, list[int]], dict]:
@@ -67,16 +58,17 @@ def test_different_images_of_one_size_never_share_kv(dense_vl):
     from PIL import Image
 
     x, y = (Image.new("RGB", (100, 70), c) for c in ((0, 0, 0), (255, 255, 255)))  # 6 tokens
-    cold = {name: run(core_for(dense_vl, prefix_cache=False), request(dense_vl, name, img))[0][name]
+    cold = {name: run(vision_core(dense_vl, prefix_cache=False),
+                      image_request(dense_vl, name, img))[0][name]
             for name, img in (("x", x), ("y", y))}
     assert cold["x"] != cold["y"]
-    core = core_for(dense_vl)
-    first, _ = run(core, request(dense_vl, "x1", x))
-    second, adm = run(core, request(dense_vl, "y1", y))  # same tokens, other pixels
+    core = vision_core(dense_vl)
+    first, _ = run(core, image_request(dense_vl, "x1", x))
+    second, adm = run(core, image_request(dense_vl, "y1", y))  # same tokens, other pixels
     assert first["x1"] == cold["x"] and second["y1"] == cold["y"]
-    image_at = request(dense_vl, "q", x).images[0].offset
+    image_at = image_request(dense_vl, "q", x).images[0].offset
     assert adm["y1"].cached_tokens <= image_at  # nothing from the image on was reused
-    again, adm = run(core, request(dense_vl, "x2", x))
+    again, adm = run(core, image_request(dense_vl, "x2", x))
     assert again["x2"] == cold["x"]
     assert adm["x2"].cached_tokens > image_at  # the same image is a hit, past its tokens
     assert_whole(core)
@@ -84,29 +76,30 @@ def test_different_images_of_one_size_never_share_kv(dense_vl):
 
 def test_image_tokens_count_and_chunked_prefill_runs_the_tower_once(vl_dir):
     img = make_image(200, 130, 3)  # 24 image tokens, prefilled in chunks of 5
-    req = request(vl_dir, "a", img)
-    core = core_for(vl_dir, chunk=5)
+    req = image_request(vl_dir, "a", img)
+    core = vision_core(vl_dir, prefill_chunk_tokens=5)
     tokens, adm = run(core, req)
     assert adm["a"].prompt_tokens == len(req.prompt_token_ids) >= 24 + 5
     assert core.runner.vision.tower_runs == 1
-    assert tokens["a"] == run(core_for(vl_dir), request(vl_dir, "b", img))[0]["b"]
+    assert tokens["a"] == run(vision_core(vl_dir), image_request(vl_dir, "b", img))[0]["b"]
     assert_whole(core)
 
 
 def test_aborted_mid_image_and_refused_images_leave_the_pool_whole(vl_dir, tiny_checkpoint):
-    core = core_for(vl_dir, chunk=3)
-    core.step(m.ToEngine(new=[request(vl_dir, "a", make_image(200, 130, 4), max_tokens=50)]))
+    core = vision_core(vl_dir, prefill_chunk_tokens=3)
+    core.step(m.ToEngine(new=[image_request(vl_dir, "a", make_image(200, 130, 4), max_tokens=50)]))
     core.step(None)  # one chunk in: the image's embeddings are cached
     core.step(m.ToEngine(aborts=[m.Abort(req_id="a")]))
     assert not core.has_work
     assert_whole(core)
-    bad = request(vl_dir, "b", make_image(64, 64, 5))
+    bad = image_request(vl_dir, "b", make_image(64, 64, 5))
     shifted = m.NewRequest(req_id="b", prompt_token_ids=bad.prompt_token_ids, sampling=GREEDY,
                            images=[m.ImageInput(**{**_fields(bad.images[0]), "offset": 0})])
     upd = core.step(m.ToEngine(new=[shifted])).updates[0]
     assert upd.refused_code == "invalid_request_error" and "not image tokens" in upd.refused_message
-    text_only = core_for(tiny_checkpoint("qwen3_5"))
-    upd = text_only.step(m.ToEngine(new=[request(vl_dir, "c", make_image(64, 64, 6))])).updates[0]
+    text_only = vision_core(tiny_checkpoint("qwen3_5"))
+    ask = image_request(vl_dir, "c", make_image(64, 64, 6))
+    upd = text_only.step(m.ToEngine(new=[ask])).updates[0]
     assert "takes no images" in upd.refused_message
     assert_whole(core)
     assert_whole(text_only)
@@ -128,11 +121,11 @@ def test_one_tower_call_holds_at_most_the_largest_image(vl_dir, tmp_path):
     proc["size"] = {"shortest_edge": 64 * 64, "longest_edge": 128 * 128}
     (small / "preprocessor_config.json").write_text(json.dumps(proc))
     a, b = make_image(128, 128, 5), make_image(128, 128, 6)  # 64 patches: max_pixels each
-    core = core_for(small)
-    both, _ = run(core, request(small, "a", a), request(small, "b", b))
+    core = vision_core(small)
+    both, _ = run(core, image_request(small, "a", a), image_request(small, "b", b))
     assert core.runner.vision.tower_runs == 2
-    assert both["a"] == run(core_for(small), request(small, "a", a))[0]["a"]
-    assert both["b"] == run(core_for(small), request(small, "b", b))[0]["b"]
+    assert both["a"] == run(vision_core(small), image_request(small, "a", a))[0]["a"]
+    assert both["b"] == run(vision_core(small), image_request(small, "b", b))[0]["b"]
     assert_whole(core)
 
 
@@ -145,7 +138,7 @@ def test_an_image_requests_decode_steps_run_on_shifted_1d_positions(vl_dir, monk
     from helexa.neuron.engine.vision_step import VisionStep
 
     img = make_image(200, 130, 3)
-    core = core_for(vl_dir)
+    core = vision_core(vl_dir)
     seen: list[tuple[bool, list[int]]] = []
     executor, real_run = core.runner.backend.executor, core.runner.backend.executor.run
 
@@ -154,7 +147,7 @@ def test_an_image_requests_decode_steps_run_on_shifted_1d_positions(vl_dir, monk
         return real_run(model, ids, positions, *rest)
 
     monkeypatch.setattr(executor, "run", run_step)
-    req = request(vl_dir, "a", img)
+    req = image_request(vl_dir, "a", img)
     tokens = run(core, req)[0]["a"]
     image = req.images[0]
     delta = max(image.rows, image.cols) - image.rows * image.cols
@@ -170,7 +163,7 @@ def test_an_image_requests_decode_steps_run_on_shifted_1d_positions(vl_dir, monk
         return positions
 
     monkeypatch.setattr(VisionStep, "attach", mrope_attach)
-    assert run(core_for(vl_dir), request(vl_dir, "b", img))[0]["b"] == tokens
+    assert run(vision_core(vl_dir), image_request(vl_dir, "b", img))[0]["b"] == tokens
 
 
 def test_a_step_reading_more_images_than_the_cache_holds(vl_dir):
@@ -189,7 +182,7 @@ def test_a_step_reading_more_images_than_the_cache_holds(vl_dir):
                                  sampling=GREEDY, images=image_inputs(vl_dir, prompt, mine)))
     reqs.append(m.NewRequest(req_id="text", prompt_token_ids=[5, 6, 7], max_tokens=3,
                              sampling=GREEDY))
-    core = core_for(vl_dir, chunk=1024)
+    core = vision_core(vl_dir, prefill_chunk_tokens=1024)
     assert sum(len(r.images) for r in reqs if r.images) > core.runner.vision.max_cached
     tokens, _ = run(core, *reqs)
     assert {k: len(v) for k, v in tokens.items()} == {"nine0": 3, "nine1": 3, "text": 3}
@@ -200,7 +193,7 @@ def test_the_embedding_cache_holds_no_more_than_two_largest_images(vl_dir):
     """Images encoded and never finished (their requests aborted mid-image) stay cached
     until pushed out: the cache keeps at most two of the largest image's embeddings
     between steps (max_cached_bytes), whatever their count, newest kept."""
-    core = core_for(vl_dir)
+    core = vision_core(vl_dir)
     vision = core.runner.vision
     images = [make_image(448 + 16 * i, 448, seed=i) for i in range(12)]  # ~800-1,100 patches each
     ask = [{"role": "user", "content": [{"type": "image"} for _ in images]}]
@@ -228,7 +221,7 @@ def test_an_unfinished_image_outlives_a_step_that_finishes_others(vl_dir):
     from helexa.neuron.engine.images import PromptImages
     from helexa.neuron.engine.seq_input import SeqInput
 
-    core = core_for(vl_dir)
+    core = vision_core(vl_dir)
     vision = core.runner.vision
     big = [make_image(1024, 1024, seed=60 + i) for i in range(3)]  # the processor's largest
 

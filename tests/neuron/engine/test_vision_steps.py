@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from support.vision import hf_inputs, image_inputs, make_image
+from support.vision import image_inputs, image_request, make_image, vision_core
 
 from helexa.neuron.engine import messages as m
 from helexa.neuron.engine.encoder_steps import EncodeSlice
@@ -18,33 +18,17 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.images import PromptImages
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.scheduler import Scheduler
-from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.vision.patches import pixel_patches
 from helexa.neuron.vision.processor import PreparedImage
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 GREEDY = m.SamplingParams(temperature=0.0)
-ASK = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
-                                    {"type": "text", "text": "What is it?"}]}]
 IMAGE = (256, 192)  # 16 × 12 patches: 192 patches, 48 image tokens
 
 
 @pytest.fixture(scope="module")
 def vl_dir(tiny_checkpoint):
     return tiny_checkpoint("qwen3_5", vision=True)
-
-
-def core_for(model_dir, budget: int) -> EngineCore:
-    spec = EngineSpec(model_id="vl", model_dir=str(model_dir), num_blocks=96, block_size=8,
-                      context=512, bytes_per_token=0,
-                      limits=m.Limits(anon_max_in_flight=16, vision_step_budget=budget))
-    return EngineCore(spec)
-
-
-def image_request(model_dir, rid: str, image, max_tokens: int = 6) -> m.NewRequest:
-    prompt = hf_inputs(model_dir, ASK, [image])["input_ids"][0].tolist()
-    return m.NewRequest(req_id=rid, prompt_token_ids=prompt, max_tokens=max_tokens,
-                        sampling=GREEDY, images=image_inputs(model_dir, prompt, [image]))
 
 
 def text_request(rid: str, max_tokens: int) -> m.NewRequest:
@@ -71,14 +55,15 @@ def drain(core: EngineCore, inbound: m.ToEngine | None = None) -> list[tuple[dic
 
 def test_the_tower_a_block_a_step_beside_a_bystander_answers_as_the_whole_tower(vl_dir):
     img = make_image(*IMAGE, seed=3)
-    whole = core_for(vl_dir, budget=0)  # the tower in one step, as before the budget
-    ref = [tok for t, _ in drain(whole, m.ToEngine(new=[image_request(vl_dir, "img", img)]))
+    whole = vision_core(vl_dir, vision_step_budget=0)  # the tower in one step, as before the budget
+    ask = image_request(vl_dir, "img", img, max_tokens=6)
+    ref = [tok for t, _ in drain(whole, m.ToEngine(new=[ask]))
            for tok in t.get("img", [])]
     assert whole.runner.vision.blocks_run == depth(whole) >= 2
-    core = core_for(vl_dir, budget=1)  # less than one block: one block a step
+    core = vision_core(vl_dir, vision_step_budget=1)  # less than one block: one block a step
     one(core, m.ToEngine(new=[text_request("by", 40)]))
     one(core)  # the bystander is decoding
-    seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "img", img)]))
+    seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "img", img, max_tokens=6)]))
     assert [tok for t, _ in seen for tok in t.get("img", [])] == ref
     blocks = [b for _, b in seen]
     assert max(blocks) == 1 and sum(blocks) == depth(core)  # never more than one a step
@@ -97,8 +82,8 @@ def test_a_prompt_that_starts_with_its_image_waits_for_its_blocks_alone(vl_dir):
     prompt = [cfg["image_token_id"]] * 48 + [5, 6, 7]
     new = m.NewRequest(req_id="a", prompt_token_ids=prompt, max_tokens=4, sampling=GREEDY,
                        images=image_inputs(vl_dir, prompt, [img]))
-    ref = drain(core_for(vl_dir, budget=0), m.ToEngine(new=[new]))
-    core = core_for(vl_dir, budget=1)
+    ref = drain(vision_core(vl_dir, vision_step_budget=0), m.ToEngine(new=[new]))
+    core = vision_core(vl_dir, vision_step_budget=1)
     seen = drain(core, m.ToEngine(new=[new]))
     assert [b for _, b in seen[:depth(core)]] == [1] * depth(core)
     assert not any(t.get("a") for t, _ in seen[:depth(core) - 1])
@@ -107,9 +92,9 @@ def test_a_prompt_that_starts_with_its_image_waits_for_its_blocks_alone(vl_dir):
 
 
 def test_split_encoding_equals_the_whole_towers_embeddings(vl_dir):
-    core = core_for(vl_dir, budget=1)
+    core = vision_core(vl_dir, vision_step_budget=1)
     vision = core.runner.vision
-    img = image_request(vl_dir, "a", make_image(*IMAGE, seed=4)).images[0]
+    img = image_request(vl_dir, "a", make_image(*IMAGE, seed=4), max_tokens=6).images[0]
     depth = vision.model.visual.shape.depth
     for b in range(depth):
         vision.advance([EncodeSlice("a", 0, img, b, b + 1)])
@@ -124,8 +109,9 @@ def test_split_encoding_equals_the_whole_towers_embeddings(vl_dir):
 
 def test_aborted_part_way_leaves_no_state_and_the_pool_whole(vl_dir):
     """Dropped at the abort itself: no later step need come (none does: nothing else runs)."""
-    core = core_for(vl_dir, budget=1)
-    one(core, m.ToEngine(new=[image_request(vl_dir, "img", make_image(*IMAGE, seed=5))]))
+    core = vision_core(vl_dir, vision_step_budget=1)
+    ask = image_request(vl_dir, "img", make_image(*IMAGE, seed=5), max_tokens=6)
+    one(core, m.ToEngine(new=[ask]))
     assert core.requests["img"].encoded_blocks == 1 and core.runner.vision.partial  # part-way
     core.step(m.ToEngine(aborts=[m.Abort(req_id="img")]))
     assert not core.has_work and not core.runner.vision.partial
