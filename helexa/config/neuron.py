@@ -158,7 +158,10 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
         "blocks (an image of P patches through a tower of D blocks is P × D). A larger "
         "image's tower runs a few blocks a step, so the other streams' tokens go on between "
         "them; a step runs at least one block of one image. 0 = each image's whole tower in "
-        "one step. At tp > 1 images run whole.", RELOAD, ge=0)] = 65536
+        "one step. At tp > 1 images run whole. 65536 is arithmetic, not a measurement: a "
+        "1024x1024 image (4,096 patches) through a 27-block tower (110,592) in two steps; on "
+        "CPU, where one such block takes seconds, set it lower (bench/vision_gaps.py).",
+        RELOAD, ge=0)] = 65536
     torch_threads: Annotated[optional(int, ge=1), field_meta(
         "torch threads of an engine process on CPU; none = torch's default.", RESTART)] = None
     attention_backend: Annotated[Literal["auto", "torch", "cpu", "cuda"], field_meta(
