@@ -472,7 +472,10 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
     body = json.dumps({**stall, "max_tokens": n}).encode()
     paused_before = {r["req_id"] for r in neuron.logs("request.paused")}
     socks: list[socket.socket] = []
-    with client_write_secs(neuron, router, 5.0):
+    # 15 s: the window now runs from the client's last byte taken (for these, the stream's
+    # first), not from when the buffers filled; on a loaded box filling them and seeing
+    # both paused (the gauge comes through Watch) took more than 5 s
+    with client_write_secs(neuron, router, 15.0):
         reference: list[bytes] = []
         arrivals: list[float] = []
 
@@ -631,9 +634,9 @@ def test_a_client_that_pauses_under_a_window_and_reads_on_is_not_ended(pair):
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": n, "stream": True,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
                        "stream_options": {"include_usage": True}}).encode()
-    # A longer window than the trickle's: the pause is counted from the client's last read,
-    # and seeing it behind (the paused gauge, through the neuron's Watch) took over 4 s of
-    # it on a loaded box, so half of 8 s was no pause under a window.
+    # The pause is counted from the client's last read. It is behind from then on (its 4 KiB
+    # window is full at once); waiting to see the neuron pause it (the gauge, through
+    # Watch) took most of a window on a loaded box, so the test does not.
     window = 2 * TRICKLE_WINDOW_SECS
     with client_write_secs(neuron, router, window, TRICKLE_FLOOR):
         sock = post_to_a_small_window(router.url, body)
@@ -641,9 +644,7 @@ def test_a_client_that_pauses_under_a_window_and_reads_on_is_not_ended(pair):
         try:
             read = sock.recv(1 << 16)
             for _ in range(2):
-                stopped = time.monotonic()
-                wait_for(lambda: _paused(router) >= 1, timeout=window * 0.7)  # behind
-                time.sleep(max(0.0, stopped + window / 2 - time.monotonic()))
+                time.sleep(window / 2)
                 # reads on, a while: long enough on a loaded box to take what waited (the
                 # buffers, some 600 KB) through its small window
                 end = time.monotonic() + 3.0
