@@ -429,11 +429,13 @@ def _read_to_the_end(sock: socket.socket, buf: bytes = b"") -> tuple[bytes, byte
     """The response's head and whole (chunked) body, read from the start (`buf`: what was
     read of it before)."""
     sock.settimeout(30)
-    while chunk := sock.recv(1 << 16):
-        buf += chunk
+    while True:  # `buf` may hold it all already (a stream that ended as it was read)
         head, sep, rest = buf.partition(b"\r\n\r\n")
         if sep and (body := _dechunk(rest)) is not None:
             return head, body
+        if not (chunk := sock.recv(1 << 16)):
+            break
+        buf += chunk
     raise AssertionError(f"the stream was closed before its end: {buf[-300:]!r}")
 
 
