@@ -21,7 +21,7 @@ blocks a step instead (`advance`), the hidden state part-way kept here between s
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -147,12 +147,17 @@ class VisionStep:
                 todo.setdefault(img.content_hash, img)
         if not todo:
             return
-        if not self.takes_images or self._table is None or self.processor is None:
-            raise ValueError("this model takes no images")
-        prepared = [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
-                    for i in todo.values()]
+        prepared = self._prepared(todo.values())
+        assert self.processor is not None
         for group in _groups(prepared, self.processor.max_patches):
             self._run_tower(group)
+
+    def _prepared(self, images: Iterable[ImageInput]) -> list[PreparedImage]:
+        """`images` as the tower's input; ValueError where this model takes none."""
+        if not self.takes_images or self._table is None or self.processor is None:
+            raise ValueError("this model takes no images")
+        return [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
+                for i in images]
 
     def advance(self, slices: Sequence[EncodeSlice]) -> None:
         """This step's tower work (encoder_steps.py): each slice's blocks of its image, from
@@ -169,10 +174,8 @@ class VisionStep:
                 continue
             state = self.partial.get(key)
             if s.start == 0:
-                if not self.takes_images or self._table is None or self.processor is None:
-                    raise ValueError("this model takes no images")
-                p = PreparedImage(img.pixels, img.grid_h, img.grid_w, img.num_tokens,
-                                  img.content_hash)
+                p = self._prepared([img])[0]
+                assert self.processor is not None and self._table is not None
                 state = self.model.visual.embed(pixel_patches(p, self.processor, self._table),
                                                 [(1, img.grid_h, img.grid_w)])
             elif state is None:
