@@ -29,6 +29,7 @@ standard library and helexa/refusal.py, so the router pays nothing for calling i
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from helexa.refusal import Refusal
@@ -104,13 +105,28 @@ def check_request(prompt_tokens: int, max_tokens: int | None, *, context: int,
     return None
 
 
-def prompt_past_context(prompt_tokens: int, context: int, counted_all: bool = True) -> Refusal:
-    """The refusal of a prompt of `prompt_tokens` >= `context` tokens; not `counted_all`: the
-    neuron stopped counting there (helexa/neuron/token_bound.py), and says "at least"."""
+def prompt_past_context(prompt_tokens: int, context: int, counted_all: bool = True, *,
+                        subject: str = "prompt",
+                        tail: str = ", which leaves no room for output.") -> Refusal:
+    """The refusal of a `subject` ("prompt"; /tokenize's "chat" or "text") of
+    `prompt_tokens` >= `context` tokens; not `counted_all`: the neuron stopped counting there
+    (helexa/neuron/token_bound.py), and says "at least". The one builder of this message:
+    `tokens_past_context` reads its count back (`helexa bench` sizes prompts by it)."""
     has = f"{prompt_tokens} tokens" if counted_all else f"at least {prompt_tokens} tokens"
     return Refusal("context_length_exceeded",
                    f"This model's maximum context length is {context} tokens; "
-                   f"the prompt has {has}, which leaves no room for output.")
+                   f"the {subject} has {has}{tail}")
+
+
+_PAST_CONTEXT = re.compile(r"maximum context length is \d+ tokens; the \w+ has "
+                           r"(?:at least )?(\d+) tokens")
+
+
+def tokens_past_context(message: str) -> int | None:
+    """The count in a `prompt_past_context` message (a count the text has at least), or None
+    when `message` is not one."""
+    m = _PAST_CONTEXT.search(message)
+    return int(m.group(1)) if m else None
 
 
 def host_tier_size(host_bytes_per_card: int, num_blocks: int, bytes_per_block: int,

@@ -16,12 +16,13 @@ the last token or two.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from helexa.budget import tokens_past_context
 
 _WORDS = ("the quiet harbour keeps its lights burning while ships come home across the grey "
           "water and sailors tell stories of distant islands where winter never reaches and "
@@ -59,7 +60,7 @@ async def remote_counter(session: aiohttp.ClientSession, base_url: str, model: s
             if r.status != 200:
                 # helexa refuses a chat past the context with the count it reached, "at
                 # least N tokens" (docs/api.md): a count above any target that fits
-                return _at_least(await r.text()) if r.status == 400 else None
+                return tokens_past_context(await r.text()) if r.status == 400 else None
             body: Any = await r.json()
         if isinstance(body, dict):
             if isinstance(body.get("count"), int):
@@ -72,11 +73,6 @@ async def remote_counter(session: aiohttp.ClientSession, base_url: str, model: s
     except (aiohttp.ClientError, ValueError, TimeoutError):
         return None
     return count if probe else None
-
-
-def _at_least(text: str) -> int | None:
-    m = re.search(r"has at least (\d+) tokens", text)
-    return int(m.group(1)) if m else None
 
 
 async def exact_prompt(count: Counter | None, history: list[dict[str, str]], tokens: int,

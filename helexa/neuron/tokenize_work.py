@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from helexa.budget import prompt_past_context
 from helexa.neuron import agent
 from helexa.neuron.token_bound import PastLimit
 from helexa.neuron.vision.prompt import with_images
@@ -75,7 +76,7 @@ def tokenize_reply(r: Any, request: pb.TokenizeRequest, gone: threading.Event | 
 
 
 def _past_context(e: PastLimit, context: int, what: str) -> Refusal:
-    return Refusal("context_length_exceeded",
-                   f"This model's maximum context length is {context} tokens; the {what} "
-                   f"has at least {e.at_least} tokens (counted no further: a text past the "
-                   "context is not tokenised whole)")
+    # a /tokenize text of exactly the context is counted and shown, so no "room for output"
+    return prompt_past_context(e.at_least, context, counted_all=False, subject=what,
+                               tail=" (counted no further: a text past the context is not "
+                                    "tokenised whole)")

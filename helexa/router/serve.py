@@ -216,7 +216,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
         code = "499"  # nginx's "client closed request"
         stalled = isinstance(e, ClientStalled)  # it stopped reading: we ended it
         log.info("request.done", **ctx, outcome="client_stalled" if stalled else "client_gone",
-                 client_gone=True, secs=round(time.monotonic() - t0, 4))
+                 client_gone=True, secs=round(time.monotonic() - t0, 4),
+                 **({"reason": str(e)} if stalled else {}))
         if isinstance(e, asyncio.CancelledError):
             raise
         return web.Response(status=499)  # a write to a client that has gone

@@ -137,3 +137,4 @@ def test_a_whole_reply_nobody_reads_is_ended_as_a_stalled_stream(fl, path):
         fl.state.client_pace = pace
     done = [e for e in logs if e["event"] == "request.done"]
     assert [e.get("outcome") for e in done] == ["client_stalled"], done
+    assert done[0]["reason"].startswith("the client read nothing for "), done  # the cut's why

@@ -620,7 +620,10 @@ def test_a_client_that_reads_a_trickle_is_ended_and_its_kv_returned(pair):
             assert ended is not None, f"a trickle of {got} bytes was not ended"
             assert ended - behind < TRICKLE_WINDOW_SECS + 10, ended - behind
             wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=60)
-            assert '"outcome":"client_stalled"' in router.log_path.read_text()
+            log = router.log_path.read_text()
+            assert '"outcome":"client_stalled"' in log
+            # the log says it was a trickle, and the floor it missed
+            assert "timeouts.client_min_bytes_per_sec over timeouts.client_write_secs" in log
         finally:
             sock.close()
     assert healthy(router)

@@ -92,3 +92,28 @@ def test_a_growth_fills_whole_blocks_and_stops_at_the_context_and_the_output_lim
     assert grow(8) == 19  # 5 + 8 + 8 = 21 tokens round up to 24: 6 whole blocks
     assert grow(51) == grow(56) == 59  # the context's last token, no further
     assert grow(19, max_output=21) == 21 and grow(21, max_output=21) == 21
+
+
+def test_every_past_context_refusal_carries_a_count_bench_can_read_back() -> None:
+    """The generation refusal, the neuron's "at least" one and /tokenize's chat and text
+    ones are one builder's: `helexa bench` sizes its prompts by the count they carry."""
+    from helexa.budget import prompt_past_context, tokens_past_context
+    from helexa.neuron.token_bound import PastLimit
+    from helexa.neuron.tokenize_work import _past_context
+
+    whole = check_request(70, 1, context=64)
+    assert whole is not None and whole.code == "context_length_exceeded"
+    assert whole.message == ("This model's maximum context length is 64 tokens; the prompt "
+                             "has 70 tokens, which leaves no room for output.")
+    assert tokens_past_context(whole.message) == 70
+    partial = prompt_past_context(65, 64, counted_all=False)
+    assert "the prompt has at least 65 tokens" in partial.message
+    assert tokens_past_context(partial.message) == 65
+    for what in ("chat", "text"):
+        r = _past_context(PastLimit(129), 128, what)
+        assert r.code == "context_length_exceeded"
+        assert f"the {what} has at least 129 tokens (counted no further" in r.message
+        assert "room for output" not in r.message  # a text of the context itself is shown
+        assert tokens_past_context(r.message) == 129
+    too_long = check_request(10, 100, context=64)
+    assert too_long is not None and tokens_past_context(too_long.message) is None
