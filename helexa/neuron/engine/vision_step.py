@@ -159,11 +159,13 @@ class VisionStep:
         return [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
                 for i in images]
 
-    def advance(self, slices: Sequence[EncodeSlice]) -> None:
+    def advance(self, slices: Sequence[EncodeSlice]) -> int:
         """This step's tower work (encoder_steps.py): each slice's blocks of its image, from
         its patches (start 0) or its state part-way; an image whose blocks are all run is
         merged into its embeddings, cached. A state no slice names is dropped (its request
-        left the batch or ended)."""
+        left the batch or ended). Returns the patch-blocks it ran (an image cached whole
+        already runs none)."""
+        ran = 0
         named = {(s.req_id, s.index) for s in slices}
         for key in [k for k in self.partial if k not in named]:
             del self.partial[key]
@@ -183,12 +185,14 @@ class VisionStep:
                                  "but no state part-way")
             self.model.visual.run_blocks(state, s.start, s.end)
             self.blocks_run += s.end - s.start
+            ran += (s.end - s.start) * img.grid_h * img.grid_w
             if s.end < len(self.model.visual.blocks):
                 self.partial[key] = state
                 continue
             self.partial.pop(key, None)
             self._cache[img.content_hash] = self.model.visual.merger(state.x)
             self.tower_runs += 1
+        return ran
 
     def forget(self, req_id: str) -> None:
         """A request's states part-way, dropped (it finished or left the batch)."""
