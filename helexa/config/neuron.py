@@ -166,7 +166,7 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
         "image's tower runs a few blocks a step, so the other streams' tokens go on between "
         "them; a step runs at least one block of one image. Unset = auto: vision_step_ms "
         "over the tower's measured cost (logged as engine.vision_budget); 0 = each image's "
-        "whole tower in one step. At tp > 1 images run whole.", RELOAD)] = None
+        "whole tower in one step.", RELOAD)] = None
     torch_threads: Annotated[optional(int, ge=1), field_meta(
         "torch threads of an engine process on CPU; none = torch's default.", RESTART)] = None
     attention_backend: Annotated[Literal["auto", "torch", "cpu", "cuda"], field_meta(

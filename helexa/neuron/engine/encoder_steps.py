@@ -24,8 +24,10 @@ progress is its own (`Request.encoded_images`, `encoded_blocks`): a request leav
 batch part-way (paused) starts that image over, and one finished part-way has its state
 dropped at once (`forget`); the runner also drops a state no step names.
 
-Tensor parallelism (tp > 1) runs images whole, as before: the ranks would need the slices
-with the step (not carried yet).
+Tensor parallelism (tp > 1) splits images the same way: each rank holds a shard of the
+tower, so rank 0's VisionStep.advance sends the step's slices to the other ranks first
+(TpEncode, tp_worker.py) and every rank runs the same blocks, their collectives in step,
+keeping the same states part-way and the same cache of embeddings.
 """
 
 from __future__ import annotations
@@ -116,9 +118,9 @@ def _pending(req: Request, encoded: int) -> int | None:
     return None
 
 
-def load_pace(core: EngineCore, tp: int, logger: Any = None) -> VisionPace | None:
+def load_pace(core: EngineCore, logger: Any = None) -> VisionPace | None:
     """At load: the tower's depth where steps split it, and its measured budget a step."""
-    return load(core, tp, logger)
+    return load(core, logger)
 
 
 def run(core: EngineCore, slices: list[EncodeSlice]) -> None:

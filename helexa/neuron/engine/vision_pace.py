@@ -17,7 +17,9 @@ this machine, measured twice over:
 The budget is logged (`engine.vision_budget`) at load and again whenever the running
 mean moves it by half or double since it was last logged. An explicit budget overrides
 (0 = each image whole, in one step), and the figures are still measured, so a reload back
-to auto has them. vLLM and SGLang bound the encoder's work per step but never split an
+to auto has them. At tp > 1 nothing is measured at load (the tower's blocks are
+collectives over the ranks, which take tower work only with a step's slices): the first
+step with tower work runs one block, and the budget follows from its time. vLLM and SGLang bound the encoder's work per step but never split an
 image, so this pacing is ours (docs/architecture.md, "An image's tower over steps").
 """
 
@@ -35,10 +37,10 @@ DUMMY_SIDE = 16  # the load's dummy image: 16 × 16 patches (a 448 × 448 image 
 _ALPHA = 0.5  # the running mean's weight of the latest step: two steps forget the dummy
 
 
-def tower_depth(runner: object, tp: int) -> int:
-    """The tower's blocks where steps can split it (a vision model at tp 1), else 0."""
+def tower_depth(runner: object) -> int:
+    """The tower's blocks where steps can split it (a vision model's), else 0."""
     vision = getattr(runner, "vision", None)
-    if tp != 1 or vision is None or not vision.takes_images:
+    if vision is None or not vision.takes_images:
         return 0
     return int(vision.model.visual.shape.depth)
 
@@ -85,18 +87,20 @@ class VisionPace:
     @property
     def budget(self) -> int:
         """Patch-blocks a step (0: images whole): the override, else the target over the
-        cost (at least 1: a step runs one block of one image at the least anyway)."""
+        cost (at least 1: a step runs one block of one image at the least anyway; 1 while
+        nothing is measured yet)."""
         if self.override is not None:
             return int(self.override)
         if self.cost <= 0:
-            return 0
+            return 1
         return max(1, round(self.target_ms / 1000 / self.cost))
 
     def observe(self, patch_blocks: int, seconds: float) -> None:
         """A step ran `patch_blocks` of tower work in `seconds`: into the running mean."""
         if patch_blocks <= 0 or seconds <= 0:
             return
-        self.cost += _ALPHA * (seconds / patch_blocks - self.cost)
+        cost = seconds / patch_blocks
+        self.cost += _ALPHA * (cost - self.cost) if self.cost > 0 else cost
         if self.override is None and not self.logged / 2 < self.budget < self.logged * 2:
             self._log("steps")
 
@@ -107,14 +111,17 @@ class VisionPace:
                       us_per_patch_block=round(self.cost * 1e6, 3))
 
 
-def load(core: Any, tp: int, logger: Any = None) -> VisionPace | None:
-    """At load: the scheduler's tower depth and, for a tower steps can split, its measured
-    pace and budget; None where images run whole (no tower, or tp > 1)."""
-    depth = tower_depth(core.runner, tp)
+def load(core: Any, logger: Any = None) -> VisionPace | None:
+    """At load: the scheduler's tower depth and, for a vision model, its measured pace and
+    budget; None without a tower. At tp > 1 the load measures nothing (the tower's blocks
+    are collectives over the ranks, which take work only with a step): the first step
+    runs one block, and the budget follows from what it took."""
+    depth = tower_depth(core.runner)
     core.scheduler.vision_depth = depth
     if not depth:
         return None
     vision = core.runner.vision
-    pace = VisionPace(core.limits, measure(vision.model.visual, vision.device), logger)
+    cost = measure(vision.model.visual, vision.device) if vision.ranks is None else 0.0
+    pace = VisionPace(core.limits, cost, logger)
     core.scheduler.vision_budget = pace.budget
     return pace

@@ -73,3 +73,11 @@ def test_an_explicit_budget_overrides_and_a_reload_retargets():
     assert pace.budget == 0  # each image whole
     pace.configure(m.Limits(vision_step_ms=50.0))  # unset again: measured
     assert pace.budget == 5000
+
+
+def test_unmeasured_one_block_a_step_until_the_first_step_measures():
+    """tp > 1: the load measures nothing; the first step's figure is taken whole."""
+    pace = VisionPace(m.Limits(vision_step_ms=20.0), 0.0)
+    assert pace.budget == 1
+    pace.observe(1024, 1024 * 4e-6)
+    assert pace.budget == 5000

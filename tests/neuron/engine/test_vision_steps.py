@@ -20,6 +20,7 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.images import PromptImages
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.scheduler import Scheduler
+from helexa.neuron.engine.spec import EngineSpec
 from helexa.neuron.models.vision import VisionBlock
 from helexa.neuron.vision.patches import pixel_patches
 from helexa.neuron.vision.processor import PreparedImage
@@ -199,3 +200,28 @@ def test_a_slow_tower_under_the_auto_budget_splits_an_image_beside_a_bystander(
     assert [tok for t, _ in seen for tok in t.get("img", [])] == ref
     key = ask.images[0].content_hash
     assert torch.equal(cache.put[key], ref_cache.put[key])
+
+
+def test_at_tp2_every_rank_runs_the_steps_blocks_and_the_answer_is_the_whole_towers(vl_dir):
+    """Two ranks over gloo: the image whole (budget 0), then, reloaded to one block a step,
+    the same image again over several steps beside a bystander, to the same answer."""
+    spec = EngineSpec(model_id="vl", model_dir=str(vl_dir), num_blocks=96, block_size=8,
+                      context=512, prefix_cache=False, bytes_per_token=0, tp=2,
+                      devices=["cpu", "cpu"],
+                      limits=m.Limits(anon_max_in_flight=16, vision_step_budget=0))
+    core = EngineCore(spec)
+    try:
+        img = make_image(*IMAGE, seed=9)
+        seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "a", img, max_tokens=6)]))
+        assert [b for _, b in seen if b] == [depth(core)]  # whole, in one step
+        ref = [tok for t, _ in seen for tok in t.get("a", [])]
+        one(core, m.ToEngine(new=[text_request("by", 40)],
+                             limits=m.Limits(anon_max_in_flight=16, vision_step_budget=1)))
+        one(core)
+        seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "b", img, max_tokens=6)]))
+        blocks = [b for _, b in seen if b]
+        assert blocks == [1] * depth(core)  # a block a step, on every rank
+        assert all("by" in t for t, b in seen if b)
+        assert [tok for t, _ in seen for tok in t.get("b", [])] == ref
+    finally:
+        core.close()
