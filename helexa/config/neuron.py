@@ -158,7 +158,8 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
         "vision_step_budget: this over the tower's cost per patch × block, measured at load "
         "and in every step that runs it). A bystander's gap is a step's tower time plus its "
         "own decode step; 25 ms is about one decode step beside it, so an image at most "
-        "doubles a gap (bench/vision_gaps.py prints the bystander's decode step). At least "
+        "doubles a gap: bench/vision_gaps.py's bystander decoded in 15-22 ms a step on a "
+        "shared 2-core CPU (a GPU's decode step was not measured). At least "
         "one block of one image runs a step, however long it takes.", RELOAD, gt=0)] = 25.0
     vision_step_budget: Annotated[optional(int, ge=0), field_meta(
         "Vision models: the most vision-tower work one engine step runs, in patches × tower "
