@@ -34,7 +34,7 @@ import torch
 
 log = structlog.get_logger(component="engine")
 DUMMY_SIDE = 16  # the load's dummy image: 16 × 16 patches (a 448 × 448 image at patch 14)
-_ALPHA = 0.5  # the running mean's weight of the latest step: two steps forget the dummy
+_ALPHA = 0.5  # the latest step's weight in the running mean: two steps on, the load's is 1/4
 
 
 def tower_depth(runner: object) -> int:
