@@ -1,8 +1,9 @@
 """Bystander gap benchmark: how long a decoding stream waits for its next token while another
 request's largest image goes through the vision tower, with the tower in one step
-(engine.vision_step_budget = 0, as before the budget) and spread over steps.
+(engine.vision_step_budget = 0, as before the budget) and spread over steps: by the auto
+budget (engine.vision_step_ms over the tower's measured cost, vision_pace.py) or a fixed one.
 
-    .venv/bin/python bench/vision_gaps.py [--threads 1] [--repeats 3] [--budgets 0,4096,16384]
+    .venv/bin/python bench/vision_gaps.py [--threads 1] [--repeats 3] [--budgets 0,auto,1]
 
 The model (built once, cached): an init-tiny qwen3_5 --vision with hidden 256, 4 layers
 (3 Gated DeltaNet, 1 full attention), whose tower is made deeper and wider than
@@ -15,7 +16,9 @@ request decoding (the bystander), then the image request; the engine steps until
 image request has its first token. Printed per budget: the bystander's largest gap
 between two tokens from the image's arrival to that first token (median over repeats),
 its median gap, the steps and the tower blocks the largest step ran, and the image
-request's time to first token; then each budget's largest gap over budget 0's.
+request's time to first token; then each budget's largest gap over budget 0's, and the
+bystander's decode step alone before the image came (what the auto budget's
+engine.vision_step_ms is set beside).
 
 Benchmarks print figures; they assert nothing. GPU figures are not measured here.
 """
@@ -57,7 +60,7 @@ def default_model() -> Path:
     return out
 
 
-def one_run(model_dir: Path, budget: int, image: object) -> dict[str, float]:
+def one_run(model_dir: Path, budget: int | None, image: object) -> dict[str, float]:
     from support.vision import image_inputs
 
     from helexa.neuron.engine import messages as m
@@ -75,8 +78,11 @@ def one_run(model_dir: Path, budget: int, image: object) -> dict[str, float]:
                        images=image_inputs(model_dir, prompt, [image]))
     core.step(m.ToEngine(new=[m.NewRequest(req_id="by", prompt_token_ids=list(range(10, 40)),
                                            max_tokens=1500, sampling=greedy)]))
-    for _ in range(5):  # the bystander decodes
+    core.step(None)
+    start = time.perf_counter()
+    for _ in range(5):  # the bystander decodes: its step alone, the image not yet come
         core.step(None)
+    before_gap = (time.perf_counter() - start) / 5
     vision = core.runner.vision
     last = arrived = time.perf_counter()
     gaps: list[float] = []
@@ -96,7 +102,8 @@ def one_run(model_dir: Path, budget: int, image: object) -> dict[str, float]:
         if "img" in got:
             core.close()
             return {"max_gap": max(gaps), "median_gap": statistics.median(gaps),
-                    "ttft": now - arrived, "steps": steps, "blocks": most_blocks}
+                    "ttft": now - arrived, "steps": steps, "blocks": most_blocks,
+                    "decode": before_gap}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -104,19 +111,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", type=Path, default=None)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budgets", default="0,4096,16384")
+    ap.add_argument("--budgets", default="0,auto,1",
+                    help="patch-blocks a step; auto = unset (measured); 0 = whole")
     args = ap.parse_args(argv)
     from helexa.log import setup_logging
 
     setup_logging("bench", level="warning")  # the engines' load lines would bury the table
     torch.set_num_threads(args.threads)
     model_dir = args.model or default_model()
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = [None if b == "auto" else int(b) for b in args.budgets.split(",")]
     from support.vision import make_image
 
     image = make_image(1024, 1024, seed=7)
     one_run(model_dir, budgets[0], image)  # warm (kernel choices, allocator)
-    runs: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
+    runs: dict[int | None, list[dict[str, float]]] = {b: [] for b in budgets}
     for _ in range(args.repeats):  # interleaved: a shared machine's drift hits all alike
         for b in budgets:
             runs[b].append(one_run(model_dir, b, image))
@@ -127,11 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     for b in budgets:
         rs = runs[b]
         worst = med(r["max_gap"] for r in rs)
-        print(f"  budget {b:>6}  bystander max gap {worst * 1000:8.1f} ms  median gap "
+        print(f"  budget {'auto' if b is None else b:>6}  bystander max gap {worst * 1000:8.1f} ms  median gap "
               f"{med(r['median_gap'] for r in rs) * 1000:6.1f} ms  image ttft "
               f"{med(r['ttft'] for r in rs) * 1000:8.1f} ms  steps {med(r['steps'] for r in rs):.0f}"
               f"  most blocks a step {max(r['blocks'] for r in rs)}  max gap / budget "
-              f"{budgets[0]}'s {worst / base:5.2f}")
+              f"{budgets[0]}'s {worst / base:5.2f}  decode step before the image "
+              f"{med(r['decode'] for r in rs) * 1000:5.1f} ms")
 
 
 if __name__ == "__main__":

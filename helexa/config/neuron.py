@@ -153,15 +153,21 @@ class EngineConfig(Speculation, frozen=True, forbid_unknown_fields=True, kw_only
         "was built for rebuilds it in place (switching).", RELOAD, ge=1)] = 2048
     prefill_chunk_tokens: Annotated[int, field_meta(
         "Largest prefill chunk of one request in one step.", RELOAD, ge=1)] = 512
-    vision_step_budget: Annotated[int, field_meta(
+    vision_step_ms: Annotated[float, field_meta(
+        "Vision models: the vision-tower time one engine step aims at (the auto "
+        "vision_step_budget: this over the tower's cost per patch × block, measured at load "
+        "and in every step that runs it). A bystander's gap is a step's tower time plus its "
+        "own decode step; 25 ms is about one decode step beside it, so an image at most "
+        "doubles a gap: bench/vision_gaps.py's bystander decoded in 15-22 ms a step on a "
+        "shared 2-core CPU (a GPU's decode step was not measured). At least "
+        "one block of one image runs a step, however long it takes.", RELOAD, gt=0)] = 25.0
+    vision_step_budget: Annotated[optional(int, ge=0), field_meta(
         "Vision models: the most vision-tower work one engine step runs, in patches × tower "
         "blocks (an image of P patches through a tower of D blocks is P × D). A larger "
         "image's tower runs a few blocks a step, so the other streams' tokens go on between "
-        "them; a step runs at least one block of one image. 0 = each image's whole tower in "
-        "one step. At tp > 1 images run whole. 65536 is arithmetic, not a measurement: a "
-        "1024x1024 image (4,096 patches) through a 27-block tower (110,592) in two steps; on "
-        "CPU, where one such block takes seconds, set it lower (bench/vision_gaps.py).",
-        RELOAD, ge=0)] = 65536
+        "them; a step runs at least one block of one image. Unset = auto: vision_step_ms "
+        "over the tower's measured cost (logged as engine.vision_budget); 0 = each image's "
+        "whole tower in one step.", RELOAD)] = None
     torch_threads: Annotated[optional(int, ge=1), field_meta(
         "torch threads of an engine process on CPU; none = torch's default.", RESTART)] = None
     attention_backend: Annotated[Literal["auto", "torch", "cpu", "cuda"], field_meta(

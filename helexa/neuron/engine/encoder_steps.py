@@ -10,7 +10,9 @@ its hidden state kept between them by the runner (VisionStep.advance), and its t
 are prefilled only once its embeddings are whole. A step runs at least one block, of the
 image part-way (else the first waiting), however large: one block of the largest image is
 the least tower work a step can carry (its attention spans the whole image). vLLM bounds
-its encoder work per step the same way, but never splits an image.
+its encoder work per step the same way, but never splits an image. The budget is chosen
+by measuring the tower (vision_pace.py: `engine.vision_step_ms` over its cost per
+patch-block, which `run` times in every step with tower work) unless one is configured.
 
 Which images (scheduler.py calls `EncoderBudget`): a running request still prefilling
 whose next image is not encoded yet has its chunk end before that image's tokens and gets
@@ -22,12 +24,15 @@ progress is its own (`Request.encoded_images`, `encoded_blocks`): a request leav
 batch part-way (paused) starts that image over, and one finished part-way has its state
 dropped at once (`forget`); the runner also drops a state no step names.
 
-Tensor parallelism (tp > 1) runs images whole, as before: the ranks would need the slices
-with the step (not carried yet).
+Tensor parallelism (tp > 1) splits images the same way: each rank holds a shard of the
+tower, so rank 0's VisionStep.advance sends the step's slices to the other ranks first
+(TpEncode, tp_worker.py) and every rank runs the same blocks, their collectives in step,
+keeping the same states part-way and the same cache of embeddings.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +40,7 @@ import msgspec
 
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.engine.request import Request
+from helexa.neuron.engine.vision_pace import VisionPace, load, sync
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
@@ -49,14 +55,6 @@ class EncodeSlice(msgspec.Struct, frozen=True, array_like=True):
     image: ImageInput
     start: int
     end: int
-
-
-def tower_depth(runner: object, tp: int) -> int:
-    """The tower's blocks where steps can split it (a vision model at tp 1), else 0."""
-    vision = getattr(runner, "vision", None)
-    if tp != 1 or vision is None or not vision.takes_images:
-        return 0
-    return int(vision.model.visual.shape.depth)
 
 
 class EncoderBudget:
@@ -120,13 +118,23 @@ def _pending(req: Request, encoded: int) -> int | None:
     return None
 
 
+def load_pace(core: EngineCore, logger: Any = None) -> VisionPace | None:
+    """At load: the tower's depth where steps split it, and its measured budget a step."""
+    return load(core, logger)
+
+
 def run(core: EngineCore, slices: list[EncodeSlice]) -> None:
     """The step's tower work on the runner, then each request's progress. A step without
     slices drops any state the runner still holds (its request left the batch)."""
     vision: Any = getattr(core.runner, "vision", None)
     if vision is None or not core.scheduler.vision_depth:
         return
-    vision.advance(slices)
+    start = time.perf_counter()
+    ran = vision.advance(slices)
+    if ran and core.vision_pace is not None:  # the budget follows the tower's pace
+        sync(vision.device)
+        core.vision_pace.observe(ran, time.perf_counter() - start)
+        core.scheduler.vision_budget = core.vision_pace.budget
     for s in slices:
         req = core.requests[s.req_id]
         whole = s.end == core.scheduler.vision_depth

@@ -82,9 +82,8 @@ class EngineCore:
                                    clock=clock, wall_clock=wall_clock)
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens, scoring_rows=prompt_logprobs
-                                   .allowance(self.runner, self.limits.max_slots),
-                                   vision_budget=self.limits.vision_step_budget,
-                                   vision_depth=enc.tower_depth(self.runner, spec.tp))
+                                   .allowance(self.runner, self.limits.max_slots))
+        self.vision_pace = enc.load_pace(self, logger)  # the tower's budget a step
         if self.pool.snapshots is not None:  # hybrids: chunks end where snapshots are kept
             self.scheduler.snapshot_block_tokens = spec.block_size
             self.scheduler.snapshot_every_tokens = spec.snapshot_every_tokens

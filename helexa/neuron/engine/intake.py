@@ -153,7 +153,9 @@ def set_limits(core: EngineCore, limits: messages.Limits) -> None:
     sched = core.scheduler
     sched.max_slots, sched.max_batched_tokens = limits.max_slots, limits.max_batched_tokens
     sched.prefill_chunk_tokens = limits.prefill_chunk_tokens
-    sched.vision_budget = limits.vision_step_budget
+    if core.vision_pace is not None:  # images split over steps: the new target or override
+        core.vision_pace.configure(limits)
+        sched.vision_budget = core.vision_pace.budget
     core.speculator.configure(limits)
     refit(core)  # a queued request without max_tokens takes the new default_output_tokens
 

@@ -126,7 +126,8 @@ class Limits(Speculation, frozen=True, kw_only=True):
     max_slots: int = _ENGINE.max_slots
     max_batched_tokens: int = _ENGINE.max_batched_tokens
     prefill_chunk_tokens: int = _ENGINE.prefill_chunk_tokens
-    vision_step_budget: int = _ENGINE.vision_step_budget
+    vision_step_ms: float = _ENGINE.vision_step_ms
+    vision_step_budget: int | None = _ENGINE.vision_step_budget
     default_output_tokens: int = _KV.default_output_tokens
     grow_output: bool = _KV.grow_output
 

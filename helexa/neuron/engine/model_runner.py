@@ -139,7 +139,7 @@ class ModelRunner:
         self.vocab_size = self.config.vocab_size
         self.vision = VisionStep(self.model, ImageProcessor.from_dir(model_dir)
                                  if getattr(self.model, "visual", None) is not None else None,
-                                 self.device)
+                                 self.device, ranks=self._tp)
         self._attn = self.model.attention_layers
         self._linear = list(getattr(self.model, "linear_layers", []))
         if self._linear and num_state_slots < 1:

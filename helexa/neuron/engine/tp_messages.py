@@ -1,7 +1,8 @@
 """What tensor-parallel ranks are built from and the messages on their pipes.
 
 Rank 0 (helexa/neuron/engine/tp_worker.py) sends each extra rank
-(helexa/neuron/engine/tp_rank.py) one `ToRank` message per step or MTP pass
+(helexa/neuron/engine/tp_rank.py) one `ToRank` message per step (after its tower work's,
+TpEncode, where it has any) or MTP pass
 over a dedicated pipe, msgpack-encoded, never through the compute group; a
 rank answers only while starting (with the kernel kinds its card refused, which
 rank 0 then has every rank refuse: `TpAgree`), after the host tier's copies and after
@@ -18,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from helexa.neuron.engine.encoder_steps import EncodeSlice
 from helexa.neuron.engine.host_tier import KvMoves
 from helexa.neuron.engine.images import ImageSpan
 
@@ -62,6 +64,10 @@ class TpRefused(msgspec.Struct, array_like=True):
 
 class TpAgree(msgspec.Struct, tag=True):
     refused: list[TpRefused]  # every rank's, once the group formed: each rank refuses them
+
+
+class TpEncode(msgspec.Struct, tag=True):
+    slices: list[EncodeSlice]  # a step's tower work, before its TpStep (encoder_steps.py)
 
 
 class TpMtp(msgspec.Struct, tag=True):
@@ -152,7 +158,7 @@ class TpMeasured(msgspec.Struct, tag=True):
     broken: bool = False
 
 
-ToRank = (TpStep | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
+ToRank = (TpStep | TpEncode | TpMtp | TpMtpLogits | TpResetKv | TpMeasure | TpAllocHost | TpMoveKv
           | TpStop | TpJoin | TpAgree | TpAskGraphs | TpSaveHeld)
 FromRank = TpLoaded | TpReady | TpFailed | TpMoved | TpMeasured | TpGraphs
 

@@ -33,6 +33,7 @@ from helexa.neuron.engine.tp_messages import (
     TpAgree,
     TpAllocHost,
     TpAskGraphs,
+    TpEncode,
     TpFailed,
     TpGraphs,
     TpJoin,
@@ -221,6 +222,9 @@ def worker_main(conn: Connection, args: RunnerArgs, rank: int, world: int) -> No
                 except Exception as e:  # noqa: BLE001 - rank 0 decides what it costs
                     error = f"{type(e).__name__}: {e}"
                 conn.send_bytes(encoder.encode(TpMoved(error)))
+                continue
+            if isinstance(msg, TpEncode):  # a step's tower work, as rank 0 runs it
+                runner.vision.advance(msg.slices)
                 continue
             if isinstance(msg, TpMtpLogits):
                 runner.mtp_logits(None, msg.rows)

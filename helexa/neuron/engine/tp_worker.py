@@ -66,6 +66,7 @@ from helexa.neuron.engine.tp_messages import (
     ToRank,
     TpAllocHost,
     TpAskGraphs,
+    TpEncode,
     TpError,
     TpFailed,
     TpGraphs,
@@ -231,6 +232,11 @@ class TpWorkers:
         self._stale = []
         self._tables = {k: v for k, v in self._tables.items() if k in seen}
         self._send(TpStep(out, dropped, device_tokens, graph))
+
+    def send_encode(self, slices: list[Any]) -> None:
+        """A step's tower work (VisionStep.advance): every rank runs the same blocks."""
+        self.check()
+        self._send(TpEncode(slices))
 
     def send_mtp(self, seqs: list[Any], device_tokens: bool = False) -> None:
         """Send an MTP head pass's sequences (their tables as send_step does; no table is

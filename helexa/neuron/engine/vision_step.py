@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 class VisionStep:
     def __init__(self, model: Any, processor: ImageProcessor | None, device: torch.device,
-                 max_cached: int = 16) -> None:
+                 max_cached: int = 16, ranks: Any = None) -> None:
         self.model = model  # has .visual (the tower) when it takes images
         self.processor = processor
         self.device = device
@@ -52,6 +52,7 @@ class VisionStep:
         self.tower_runs = 0  # tower calls so far (tests: chunked prefill runs it once)
         self.blocks_run = 0  # tower blocks run so far, over every image (tests: per step)
         self.partial: dict[tuple[str, int], TowerState] = {}  # (req_id, image): part-way
+        self.ranks = ranks  # rank 0 at tp > 1: its TpWorkers, told each step's tower work
 
     @property
     def max_cached_bytes(self) -> int:
@@ -159,11 +160,26 @@ class VisionStep:
         return [PreparedImage(i.pixels, i.grid_h, i.grid_w, i.num_tokens, i.content_hash)
                 for i in images]
 
-    def advance(self, slices: Sequence[EncodeSlice]) -> None:
+    def advance(self, slices: Sequence[EncodeSlice]) -> int:
         """This step's tower work (encoder_steps.py): each slice's blocks of its image, from
         its patches (start 0) or its state part-way; an image whose blocks are all run is
         merged into its embeddings, cached. A state no slice names is dropped (its request
-        left the batch or ended)."""
+        left the batch or ended). Returns the patch-blocks it ran (an image cached whole
+        already runs none). At tp > 1 rank 0 sends the slices first: every rank runs the
+        same blocks of its shard of the tower, their collectives in step, and holds the
+        same states and cache."""
+        if self.ranks is not None and (slices or self.partial):
+            self.ranks.send_encode(list(slices))
+            try:
+                return self._advance(slices)
+            except (RuntimeError, ValueError) as e:  # as a step's: a rank died or wedged
+                if isinstance(e, RuntimeError) or self.ranks.failed:
+                    self.ranks.fail_step(e)
+                raise
+        return self._advance(slices)
+
+    def _advance(self, slices: Sequence[EncodeSlice]) -> int:
+        ran = 0
         named = {(s.req_id, s.index) for s in slices}
         for key in [k for k in self.partial if k not in named]:
             del self.partial[key]
@@ -183,12 +199,14 @@ class VisionStep:
                                  "but no state part-way")
             self.model.visual.run_blocks(state, s.start, s.end)
             self.blocks_run += s.end - s.start
+            ran += (s.end - s.start) * img.grid_h * img.grid_w
             if s.end < len(self.model.visual.blocks):
                 self.partial[key] = state
                 continue
             self.partial.pop(key, None)
             self._cache[img.content_hash] = self.model.visual.merger(state.x)
             self.tower_runs += 1
+        return ran
 
     def forget(self, req_id: str) -> None:
         """A request's states part-way, dropped (it finished or left the batch)."""

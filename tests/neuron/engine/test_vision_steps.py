@@ -7,6 +7,8 @@ state behind."""
 from __future__ import annotations
 
 import json
+import time
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -18,6 +20,8 @@ from helexa.neuron.engine.engine_core import EngineCore
 from helexa.neuron.engine.images import PromptImages
 from helexa.neuron.engine.request import Request, RequestStatus
 from helexa.neuron.engine.scheduler import Scheduler
+from helexa.neuron.engine.spec import EngineSpec
+from helexa.neuron.models.vision import VisionBlock
 from helexa.neuron.vision.patches import pixel_patches
 from helexa.neuron.vision.processor import PreparedImage
 
@@ -151,3 +155,72 @@ def test_the_scheduler_holds_an_images_tokens_until_its_blocks_ran():
     plan = sched.schedule([a], [b])
     assert [(s.req_id, s.start, s.end) for s in plan.encode] == [("b", 0, 2)]
     assert plan.promoted == ["b"] and plan.prefill == []  # its first token is its image's
+
+
+class _Seen(OrderedDict):
+    """A VisionStep's embedding cache that keeps what was put in it (the cache lets an
+    image go once its tokens are prefilled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.put: dict[bytes, torch.Tensor] = {}
+
+    def __setitem__(self, key: bytes, value: torch.Tensor) -> None:
+        self.put[key] = value
+        super().__setitem__(key, value)
+
+
+def test_a_slow_tower_under_the_auto_budget_splits_an_image_beside_a_bystander(
+        vl_dir, monkeypatch):
+    """The default budget (auto: engine.vision_step_ms over the tower's measured cost) on a
+    tower whose every block takes longer than a step's target: the image runs a block a
+    step while the bystander decodes, to the whole tower's embeddings and answer."""
+    img = make_image(*IMAGE, seed=8)
+    whole = vision_core(vl_dir, vision_step_budget=0)
+    whole.runner.vision._cache = ref_cache = _Seen()
+    ask = image_request(vl_dir, "img", img, max_tokens=6)
+    ref = [tok for t, _ in drain(whole, m.ToEngine(new=[ask])) for tok in t.get("img", [])]
+    block_forward = VisionBlock.forward
+
+    def slow(self, *args):  # a block a CPU takes seconds over, shortened: twice the target
+        time.sleep(0.050)  # of a step (engine.vision_step_ms, 25 by default)
+        return block_forward(self, *args)
+
+    monkeypatch.setattr(VisionBlock, "forward", slow)
+    core = vision_core(vl_dir)  # the defaults: the budget unset, measured
+    core.runner.vision._cache = cache = _Seen()
+    one(core, m.ToEngine(new=[text_request("by", 40)]))
+    one(core)
+    seen = drain(core, m.ToEngine(new=[ask]))
+    blocks = [b for _, b in seen if b]
+    assert len(blocks) == depth(core) >= 2 and max(blocks) == 1  # over several steps
+    assert all("by" in t for t, b in seen if b)  # the bystander decoded in each
+    assert [tok for t, _ in seen for tok in t.get("img", [])] == ref
+    key = ask.images[0].content_hash
+    assert torch.equal(cache.put[key], ref_cache.put[key])
+    assert core.limits.vision_step_budget is None  # it was the auto budget that split it
+
+
+def test_at_tp2_every_rank_runs_the_steps_blocks_and_the_answer_is_the_whole_towers(vl_dir):
+    """Two ranks over gloo: the image whole (budget 0), then, reloaded to one block a step,
+    the same image again over several steps beside a bystander, to the same answer."""
+    spec = EngineSpec(model_id="vl", model_dir=str(vl_dir), num_blocks=96, block_size=8,
+                      context=512, prefix_cache=False, bytes_per_token=0, tp=2,
+                      devices=["cpu", "cpu"],
+                      limits=m.Limits(anon_max_in_flight=16, vision_step_budget=0))
+    core = EngineCore(spec)
+    try:
+        img = make_image(*IMAGE, seed=9)
+        seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "a", img, max_tokens=6)]))
+        assert [b for _, b in seen if b] == [depth(core)]  # whole, in one step
+        ref = [tok for t, _ in seen for tok in t.get("a", [])]
+        one(core, m.ToEngine(new=[text_request("by", 40)],
+                             limits=m.Limits(anon_max_in_flight=16, vision_step_budget=1)))
+        one(core)
+        seen = drain(core, m.ToEngine(new=[image_request(vl_dir, "b", img, max_tokens=6)]))
+        blocks = [b for _, b in seen if b]
+        assert blocks == [1] * depth(core)  # a block a step, on every rank
+        assert all("by" in t for t, b in seen if b)
+        assert [tok for t, _ in seen for tok in t.get("b", [])] == ref
+    finally:
+        core.close()
