@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -37,7 +36,7 @@ from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.client_stream import Pace
 from helexa.router.dispatch import Dispatcher, DispatchSettings
-from helexa.router.errors import ApiError, bad_request
+from helexa.router.errors import ApiError
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.neuron_channel import ChannelSettings
@@ -49,7 +48,6 @@ from helexa.router.work_pool import WorkPool, default_share, log_background_fail
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = serve.STATE
-_LIMIT = re.compile(r"[0-9]{1,9}")  # the page size: ASCII decimal, int() of few digits
 
 
 class RouterState:
@@ -244,30 +242,8 @@ async def models(request: web.Request) -> web.Response:
                            code="model_not_found", param="model")
         return web.json_response(found)
     if anthropic_client:
-        return web.json_response(anthropic_page(data, request.query))
+        return web.json_response(fleet_view.anthropic_page(data, request.query))
     return web.json_response({"object": "list", "data": data})
-
-
-def anthropic_page(data: list[dict[str, Any]], query: Any) -> dict[str, Any]:
-    """One page of Anthropic's model list: `limit` (1 to 1,000, default 20) entries after
-    `after_id` or before `before_id`, with `has_more`, `first_id` and `last_id`."""
-    raw = query.get("limit", "20")
-    # ASCII digits only, and few: str.isdigit() takes `²` and `١`, and int() of 5,000
-    # digits raises; both are the same 400 as `limit=0`
-    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= 1000:
-        raise bad_request("`limit` must be an integer from 1 to 1000", "limit")
-    limit, ids = int(raw), [e["id"] for e in data]
-    for name in ("after_id", "before_id"):
-        if name in query and query[name] not in ids:
-            raise bad_request(f"`{name}`: no model `{query[name]}`", name)
-    if "before_id" in query:
-        end = ids.index(query["before_id"])
-        page, more = data[max(0, end - limit):end], end > limit
-    else:
-        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
-        page, more = data[start:start + limit], start + limit < len(data)
-    return {"data": page, "has_more": more, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None}
 
 
 async def health(request: web.Request) -> web.Response:
