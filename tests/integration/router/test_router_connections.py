@@ -199,20 +199,26 @@ def test_a_cap_the_fd_limit_cannot_hold_is_refused_with_the_arithmetic(pair, tmp
                      rf"may open {hard} .* at most {hard} - \d+ = \d+", out.stderr), out.stderr
 
 
-def test_the_router_raises_its_soft_fd_limit_to_the_hard_one(tmp_path):
+@pytest.mark.parametrize("daemon", ["router", "neuron"])
+def test_each_daemon_raises_its_soft_fd_limit_to_the_hard_one(tmp_path, tiny_model_dir, daemon):
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    (tmp_path / "router.toml").write_text(tomli_w.dumps({"server": {"listen": "127.0.0.1:0"}}))
+    config = {"server": {"listen": "127.0.0.1:0"}} if daemon == "router" else {
+        "server": {"name": "nl", "listen": "127.0.0.1:0"}, "engine": {"torch_threads": 1},
+        "kv": {"kv_budget_mb": 2, "activation_headroom_mb": 0},
+        "models": [{"id": "tiny", "path": str(tiny_model_dir)}]}
+    (tmp_path / "d.toml").write_text(tomli_w.dumps(config))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "helexa.cli", "router", "--config", str(tmp_path / "router.toml")],
+        [sys.executable, "-m", "helexa.cli", daemon, "--config", str(tmp_path / "d.toml")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("ROUTER LISTENING ")
+        listening = f"{daemon.upper()} LISTENING "
+        assert any(line.startswith(listening) for line in proc.stdout), daemon
         limits = Path(f"/proc/{proc.pid}/limits").read_text()
         assert re.search(rf"Max open files\s+{hard}\s+{hard}", limits), limits
     finally:
         os.kill(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
     line = next(json.loads(x) for x in err.splitlines() if '"process.fd_limit"' in x)
     assert (line["soft_before"], line["limit"], line["hard"]) == (256, hard, hard)
