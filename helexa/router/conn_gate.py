@@ -12,9 +12,9 @@ arrives while `server.max_connections` are open (or, when set,
 `server.max_connections_per_address` from its address) is answered at once
 with a 503 `too_many_connections` naming the cap and its setting, unread,
 and closed (`Refusal`): the response, then FIN, then what the client sent
-meanwhile is read and dropped for at most LINGER_SECS before the socket
-closes, so its request in flight does not turn the close into a reset that
-would lose the 503. Connections already open are untouched
+meanwhile is dropped until it closes, for at most LINGER_SECS, so its
+request on the way does not turn the close into a reset that would lose the
+503. Connections already open are untouched
 (docs/http.md, "Connections").
 """
 
@@ -39,8 +39,10 @@ from helexa.router.metrics import RouterMetrics
 # rest (320 at most, 48 under a limit of 256) for the router's own files: its neuron links,
 # the log, the keys file on reload, its threads' (an idle router over one neuron holds 14).
 RESERVE_MAX = 512
-LINGER_SECS = 1.0  # a refused connection's request is read and dropped at most this long
-LINGER_MAX_BYTES = 64 * 1024  # and at most this much of it; past either, the socket is reset
+# A refused connection's request is read and dropped at most this long, then the socket is
+# reset. Time, not bytes: a client that sends its whole body before it reads (an 8 MiB one,
+# the default server.max_body_bytes) met a reset, not the 503, under a 64 KiB bound.
+LINGER_SECS = 2.0
 LOG_EVERY_SECS = 1.0  # one http.connection_refused line at most this often, with a count
 
 
@@ -153,24 +155,24 @@ class Refusal(asyncio.Protocol):
     def __init__(self, gate: ConnectionGate, linger: bool) -> None:
         self.gate = gate
         self.linger = linger
-        self.dropped = 0
         self.transport: asyncio.Transport | None = None
         self.timer: asyncio.TimerHandle | None = None
 
     def start(self, transport: asyncio.Transport, reply: bytes) -> None:
         self.transport = transport
-        self.gate.lingering += 1
-        transport.write(reply)
-        if self.linger and transport.can_write_eof():
-            transport.write_eof()
-            self.timer = asyncio.get_running_loop().call_later(LINGER_SECS, transport.abort)
-        else:
-            transport.close()
+        self.gate.lingering += 1  # until connection_lost, which every end below brings
+        try:
+            transport.write(reply)
+            if self.linger and transport.can_write_eof():
+                transport.write_eof()  # ENOTCONN when the client already reset
+                self.timer = asyncio.get_running_loop().call_later(LINGER_SECS, transport.abort)
+            else:
+                transport.close()
+        except OSError:
+            transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        self.dropped += len(data)
-        if self.dropped > LINGER_MAX_BYTES and self.transport is not None:
-            self.transport.abort()
+        pass  # the request is not read, only taken off the socket
 
     def eof_received(self) -> bool:
         if self.transport is not None:
