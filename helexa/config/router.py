@@ -25,6 +25,21 @@ class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         "opening or its last response: also the keep-alive idle time) is closed, and a body "
         "that stops arriving for this long, or arrives slower than 8 KiB/s after it, is "
         "answered 408 and closed.", RESTART, gt=0)] = 15.0
+    max_connections: Annotated[optional(int, ge=1), field_meta(
+        "Client connections the router holds open at once; one more is answered at once "
+        "with 503 too_many_connections, its request unread, and closed, while those open "
+        "(and their streams) go on (docs/http.md, \"Connections\"). Unset = the process's "
+        "file-descriptor limit (its soft RLIMIT_NOFILE, which the router raises to the hard "
+        "limit at start, logging both: process.fd_limit) minus a reserve for the router's "
+        "own files (neuron links, logs, the keys file, refusals being answered) of half the "
+        "limit, at most 512: 19,488 under a limit of 20,000, 512 under 1,024. A figure the "
+        "limit cannot hold so is refused, at start and on reload, with the arithmetic.",
+        RELOAD)] = None
+    max_connections_per_address: Annotated[optional(int, ge=1), field_meta(
+        "Client connections one client address (IP) may hold open at once; one more is "
+        "answered as one over max_connections is. Unset = no cap per address (a proxy in "
+        "front of the router is one address: set it only where clients connect directly).",
+        RELOAD)] = None
     cors_allowed_origins: Annotated[list[str], field_meta(
         "Browser origins (`scheme://host[:port]`) whose pages may call the API: their CORS "
         "preflights are answered without a key and every reply carries "

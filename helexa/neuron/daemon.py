@@ -31,6 +31,7 @@ from helexa.config.schema import (
     read_secret,
     resolve_path,
 )
+from helexa.fd_limit import raise_fd_limit
 from helexa.log import setup_logging
 from helexa.neuron.auth import TokenAuthInterceptor, server_credentials
 from helexa.neuron.metrics import NeuronMetrics
@@ -280,6 +281,7 @@ def main(argv: list[str]) -> int:
     except ConfigError as e:  # PlanError is a ConfigError: the message shows the arithmetic
         print(f"helexa neuron: {e}", file=sys.stderr)
         return 2
+    log.info("process.fd_limit", **raise_fd_limit())  # each gRPC connection is a descriptor
     return asyncio.run(_serve(Path(args.config), cfg))
 
 

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -31,13 +30,15 @@ from helexa.config.schema import (
     read_secret,
     resolve_path,
 )
+from helexa.fd_limit import raise_fd_limit
 from helexa.log import get_logger, setup_logging
 from helexa.router import cors, fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.client_stream import Pace
+from helexa.router.conn_gate import ConnectionGate, check_caps, restart_part
 from helexa.router.dispatch import Dispatcher, DispatchSettings
-from helexa.router.errors import ApiError, bad_request
+from helexa.router.errors import ApiError
 from helexa.router.http_edge import RouterRunner
 from helexa.router.metrics import CONTENT_TYPE, RouterMetrics
 from helexa.router.neuron_channel import ChannelSettings
@@ -49,7 +50,6 @@ from helexa.router.work_pool import WorkPool, default_share, log_background_fail
 SHUTDOWN_GRACE_SECS = 10.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STATE = serve.STATE
-_LIMIT = re.compile(r"[0-9]{1,9}")  # the page size: ASCII decimal, int() of few digits
 
 
 class RouterState:
@@ -60,6 +60,7 @@ class RouterState:
         self.log = get_logger("router")
         self.registry = Registry([], token=None, unhealthy_after_secs=2.0, reconnect_max_secs=5.0)
         self.metrics = RouterMetrics(lambda: list(self.registry.links.values()))
+        self.connections = ConnectionGate(self.metrics)  # server.max_connections (conn_gate.py)
         self.dispatcher = Dispatcher(self.registry, self.metrics, DispatchSettings(["*"], 60, 600))
         self.status = StatusBoard(self.registry, self.metrics.refusals, self.metrics.requests,
                                   self.metrics.in_progress)
@@ -94,12 +95,14 @@ class RouterState:
             token = read_secret(base, cfg.neurons.token_file)
         except OSError as e:
             raise ConfigError(f"{base}: cannot read {e.filename}: {e.strerror}") from None
+        check_caps(cfg.server.max_connections)
         return keys, token, Aliases(cfg.aliases)  # RouterConfig checked the table
 
     def _commit(self, cfg: RouterConfig, keys: dict[str, str], token: str | None,
                 aliases: Aliases) -> None:
         """Apply what _build made; nothing here can fail."""
         self.cfg = cfg
+        self.connections.configure(cfg.server)
         self.auth = Authenticator(keys, cfg.auth.require_auth)
         self.aliases = aliases
         self.request_secs = cfg.timeouts.request_secs
@@ -159,7 +162,7 @@ class RouterState:
         old = self.cfg
         self._commit(cfg, *built)
         self.registry.swap_links(links)
-        if cfg.server != old.server:
+        if restart_part(cfg.server) != restart_part(old.server):
             self.log.warning("config.restart_needed", section="server")
         sized = ("schema_workers", "schema_queue_depth", "compile_workers")
         if any(getattr(cfg.limits, f) != getattr(old.limits, f) for f in sized):
@@ -244,30 +247,8 @@ async def models(request: web.Request) -> web.Response:
                            code="model_not_found", param="model")
         return web.json_response(found)
     if anthropic_client:
-        return web.json_response(anthropic_page(data, request.query))
+        return web.json_response(fleet_view.anthropic_page(data, request.query))
     return web.json_response({"object": "list", "data": data})
-
-
-def anthropic_page(data: list[dict[str, Any]], query: Any) -> dict[str, Any]:
-    """One page of Anthropic's model list: `limit` (1 to 1,000, default 20) entries after
-    `after_id` or before `before_id`, with `has_more`, `first_id` and `last_id`."""
-    raw = query.get("limit", "20")
-    # ASCII digits only, and few: str.isdigit() takes `²` and `١`, and int() of 5,000
-    # digits raises; both are the same 400 as `limit=0`
-    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= 1000:
-        raise bad_request("`limit` must be an integer from 1 to 1000", "limit")
-    limit, ids = int(raw), [e["id"] for e in data]
-    for name in ("after_id", "before_id"):
-        if name in query and query[name] not in ids:
-            raise bad_request(f"`{name}`: no model `{query[name]}`", name)
-    if "before_id" in query:
-        end = ids.index(query["before_id"])
-        page, more = data[max(0, end - limit):end], end > limit
-    else:
-        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
-        page, more = data[start:start + limit], start + limit < len(data)
-    return {"data": page, "has_more": more, "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None}
 
 
 async def health(request: web.Request) -> web.Response:
@@ -331,6 +312,7 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
     await state.registry.set_endpoints(cfg.neurons.endpoints)
     state.status.start()
     runner = RouterRunner(build_app(state), write_secs=lambda: state.client_pace.window_secs,
+                          gate=state.connections,
                           handler_cancellation=True, access_log=None,
                           shutdown_timeout=SHUTDOWN_GRACE_SECS,
                           keepalive_timeout=cfg.server.read_timeout_secs,
@@ -338,7 +320,8 @@ async def start(cfg: RouterConfig, config_path: Path | None = None
                           lingering_time=cfg.server.read_timeout_secs)
     await runner.setup()
     host, _, port = cfg.server.listen.rpartition(":")
-    site = web.TCPSite(runner, host or "127.0.0.1", int(port))
+    site = web.TCPSite(runner, host or "127.0.0.1", int(port),
+                       backlog=state.connections.backlog)  # the fd reserve holds a burst
     await site.start()
     bound = runner.addresses[0]
     return runner, state, f"{bound[0]}:{bound[1]}"
@@ -388,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging("router", args.log_level)
     try:
         cfg = load_router_config(args.config)
+        # before the router starts: server.max_connections' default follows it
+        get_logger("router").info("process.fd_limit", **raise_fd_limit())
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(_serve(cfg, Path(args.config)))
     except (ConfigError, OSError) as e:

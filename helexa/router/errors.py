@@ -35,7 +35,7 @@ _TYPES = {
 # Codes that always tell the client when to come back (docs/errors.md).
 RETRYABLE_CODES = frozenset(
     {"rate_limit_exceeded", "overloaded", "model_loading", "shutting_down", "service_unavailable",
-     "model_failed"})
+     "model_failed", "too_many_connections"})
 DEFAULT_RETRY_AFTER_SECS = 1
 MAX_MESSAGE_CHARS = 2048  # an error's message, longer only by clip's note of what it left out
 MAX_ECHO_CHARS = 256  # a client's string quoted on its own: a param, a key, a log field

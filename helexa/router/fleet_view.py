@@ -7,12 +7,17 @@ per-request state, the prefix cache only where every neuron has it.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from helexa.proto import neuron_pb2 as pb
+from helexa.router.errors import bad_request
 from helexa.router.registry import Registry
+
+_LIMIT = re.compile(r"[0-9]{1,9}")  # the page size: ASCII decimal, int() of few digits
 
 
 def _ready(registry: Registry) -> Iterator[pb.ModelStatus]:
@@ -88,3 +93,24 @@ def rfc3339(unix_secs: int) -> str:
     """A `created` as Anthropic's `created_at` writes it."""
     return datetime.fromtimestamp(unix_secs, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
+
+def anthropic_page(data: list[dict[str, Any]], query: Any) -> dict[str, Any]:
+    """One page of Anthropic's model list: `limit` (1 to 1,000, default 20) entries after
+    `after_id` or before `before_id`, with `has_more`, `first_id` and `last_id`."""
+    raw = query.get("limit", "20")
+    # ASCII digits only, and few: str.isdigit() takes `²` and `١`, and int() of 5,000
+    # digits raises; both are the same 400 as `limit=0`
+    if not _LIMIT.fullmatch(raw) or not 1 <= int(raw) <= 1000:
+        raise bad_request("`limit` must be an integer from 1 to 1000", "limit")
+    limit, ids = int(raw), [e["id"] for e in data]
+    for name in ("after_id", "before_id"):
+        if name in query and query[name] not in ids:
+            raise bad_request(f"`{name}`: no model `{query[name]}`", name)
+    if "before_id" in query:
+        end = ids.index(query["before_id"])
+        page, more = data[max(0, end - limit):end], end > limit
+    else:
+        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
+        page, more = data[start:start + limit], start + limit < len(data)
+    return {"data": page, "has_more": more, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None}

@@ -25,6 +25,11 @@ memory for as long as it kept its sockets open. `_EnvelopeHandler` watches
 each reply's write: when the transport's buffer has not shrunk for
 `timeouts.client_write_secs`, the connection is aborted and its buffer freed
 (docs/http.md, "Generation requests").
+
+And no client may hold every socket: each connection is counted in by the
+router's `ConnectionGate` (conn_gate.py) as it opens, and one over
+`server.max_connections` is answered 503 there, unread (docs/http.md,
+"Connections").
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 
+from helexa.router.conn_gate import ConnectionGate, address_of
 from helexa.router.errors import ApiError
 
 # lazy: bound at first use, after setup_logging() configured structlog
@@ -47,6 +53,24 @@ log = structlog.get_logger(component="router")
 class _EnvelopeHandler(RequestHandler):
     # timeouts.client_write_secs as now configured (a reload changes it), set by RouterRunner
     write_secs: Callable[[], float] = staticmethod(lambda: 30.0)
+    gate: ConnectionGate | None = None
+    _address: str | None = None  # set once the gate counted this connection in
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if self.gate is not None:
+            address = address_of(transport)
+            refused = self.gate.admit(address)
+            if refused:  # answered and closed by the gate; this handler never starts
+                self.gate.refuse(transport, address, refused)  # type: ignore[arg-type]
+                return
+            self._address = address
+        super().connection_made(transport)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.gate is not None and self._address is not None:
+            self.gate.release(self._address)
+            self._address = None
+        super().connection_lost(exc)
 
     async def finish_response(self, request: BaseRequest, resp: web.StreamResponse,
                               start_time: float | None) -> tuple[web.StreamResponse, bool]:
@@ -95,28 +119,32 @@ class _EnvelopeHandler(RequestHandler):
 
 class _EnvelopeServer(web.Server):
     write_secs: Callable[[], float] = staticmethod(lambda: 30.0)
+    gate: ConnectionGate | None = None
 
     def __call__(self) -> RequestHandler:
         # Server.__call__ builds RequestHandler(self, loop=..., **kwargs); only the class differs.
         handler = _EnvelopeHandler(self, loop=self._loop, **self._kwargs)
         handler.write_secs = self.write_secs
+        handler.gate = self.gate
         return handler
 
 
 class RouterRunner(web.AppRunner):
-    """An AppRunner whose connections answer malformed HTTP in the OpenAI envelope and
-    end a reply its client does not read for `write_secs`."""
+    """An AppRunner whose connections answer malformed HTTP in the OpenAI envelope, end a
+    reply its client does not read for `write_secs`, and are counted in by `gate`."""
 
     def __init__(self, app: web.Application, *, write_secs: Callable[[], float],
-                 **kwargs: Any) -> None:
+                 gate: ConnectionGate | None = None, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self.write_secs = write_secs
+        self.gate = gate
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _EnvelopeServer  # same state, one overridden factory method
         assert isinstance(server, _EnvelopeServer)
         server.write_secs = self.write_secs
+        server.gate = self.gate
         return server
 
 

@@ -176,6 +176,14 @@ class RouterMetrics:
                                   "Requests sent to each neuron", ["neuron", "model"], registry=r)
         self.in_progress = Gauge("helexa_router_requests_in_progress",
                                  "Requests the router is serving now", registry=r)
+        # The client connections (conn_gate.py): open now, and refused over a cap.
+        self.connections_open = Gauge("helexa_router_connections_open",
+                                      "Client connections the router holds open now",
+                                      registry=r)
+        self.connections_refused = Counter(
+            "helexa_router_connections_refused",
+            "Client connections answered 503 too_many_connections and closed unread, by the "
+            "cap they met: max_connections or per_address", ["reason"], registry=r)
         # The work pool (work_pool.py): its refusals, and the tasks it holds now.
         self.work_refusals = Counter("helexa_router_work_refusals",
                                      "Work the router's parsing pool refused, by reason: "
