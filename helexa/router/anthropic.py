@@ -90,7 +90,9 @@ class AThinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    # ignored (the thought is returned whole), so any value is served: Anthropic's
+    # summarized / omitted, and the values Claude Code 2.1.337 asks for (updates; highlights)
+    display: str | None = None
 
 
 class AOutputFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

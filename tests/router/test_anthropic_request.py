@@ -70,6 +70,17 @@ def test_between_tools_in_the_sdks_shape_takes_the_catalogue_budget():
     assert not req.thinking_budget_tokens  # the model's own, as under adaptive
 
 
+@pytest.mark.parametrize("display", ["summarized", "omitted", "updates", "highlights"])
+def test_any_thinking_display_is_served_and_the_thought_comes_whole(display):
+    # Claude Code 2.1.337 asks `display: "updates"` first (beta thinking-display-updates) and,
+    # refused, sends the request twice more: two 400s in the router's log per session
+    for parse, extra in ((anthropic.parse_request, {"max_tokens": 9}),
+                         (anthropic.parse_count_request, {})):
+        req = parse(json.dumps({"model": "m", "messages": MSG, **extra, "thinking": {
+            "type": "adaptive", "display": display}}).encode())
+        assert req.template_kwargs["enable_thinking"] is True
+
+
 @pytest.mark.parametrize("field", [{"cache_control": {"type": "ephemeral"}},
                                    {"output_config": {"effort": "low"}},
                                    {"context_management": {"edits": []}}, {"speed": "fast"},
