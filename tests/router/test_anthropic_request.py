@@ -149,3 +149,42 @@ def test_an_image_source_without_its_data_says_it_is_missing(source, says):
     with pytest.raises(ApiError) as e:
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.status == 400 and e.value.message == says
+
+
+SEARCH = [{"role": "user", "content": "find it"}, {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "select:A,B"}}]}]
+DEFERRED = [{"name": "ToolSearch", "input_schema": {"type": "object"}},
+            {"name": "A", "description": "does a", "defer_loading": True,
+             "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}},
+            {"name": "B", "defer_loading": True, "input_schema": {"type": "object"}}]
+
+
+def searched(content: list[dict], tools: list[dict] = DEFERRED):
+    """The tool turn a tool search's result becomes (Claude Code's ToolSearch, 2.1.337)."""
+    body = {"model": "m", "max_tokens": 9, "tools": tools, "messages": SEARCH + [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": content}]}]}
+    return anthropic.parse_request(json.dumps(body).encode()).messages[-1]
+
+
+def test_a_tool_reference_is_the_referenced_tools_definition_in_the_tool_turn():
+    # as the ToolSearch tool's description promises the model: one <function> line a
+    # tool, inside a <functions> block, the same encoding as the prompt's tool list
+    turn = searched([{"type": "text", "text": "Found:"},
+                     {"type": "tool_reference", "tool_name": "A"},
+                     {"type": "tool_reference", "tool_name": "B"},
+                     {"type": "text", "text": "Done."}])
+    assert (turn.role, turn.tool_call_id, turn.parts) == ("tool", "t1", None)
+    a = {"description": "does a", "name": "A",
+         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}
+    b = {"description": "", "name": "B", "parameters": {"type": "object"}}
+    assert turn.content == (f"Found:<functions>\n<function>{json.dumps(a)}</function>\n"
+                            f"<function>{json.dumps(b)}</function>\n</functions>Done.")
+
+
+@pytest.mark.parametrize("ref", [{"tool_name": "C"}, {}])
+def test_a_reference_to_a_tool_not_listed_names_it(ref):
+    with pytest.raises(ApiError) as e:
+        searched([{"type": "tool_reference", "tool_name": "A"}, {"type": "tool_reference", **ref}])
+    assert e.value.status == 400
+    assert e.value.param == "messages[2].content[0].content[1].tool_name"
