@@ -78,6 +78,7 @@ class ATool(msgspec.Struct, kw_only=True):
     description: str | None = None
     type: str | None = None  # "custom" or absent; server tools are refused below
     cache_control: Any = None
+    defer_loading: bool = False  # out of the prompt's tool list (tool_reference.py)
 
 
 class AToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -174,7 +175,6 @@ def _system(system: str | list[Block]) -> str:
 def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     turns: list[Turn] = []
     system = [] if body.system is None else [_system(body.system)]
-    tools = {t.name: t for t in body.tools or []}
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
         if m.role == "system":
@@ -198,7 +198,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                 if not b.tool_use_id:
                     raise bad_request(f"`{p}[{j}].tool_use_id` is required",
                                       f"{p}[{j}].tool_use_id")
-                turns.append(_tool_result(b, f"{p}[{j}].content", tools))
+                turns.append(_tool_result(b, f"{p}[{j}].content", body.tools or []))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
@@ -244,9 +244,8 @@ def _check_system_placement(messages: list[AMessage], i: int) -> None:
     raise bad_request(f"`{param}`: a `system` message {why}", param)
 
 
-def _tool_result(b: Block, param: str, tools: dict[str, ATool]) -> Turn:
-    """A tool_result block as a tool turn: its text (`tool_reference` blocks: tool_reference.py),
-    and its parts in order where it holds image blocks (a screenshot an agent's tool took)."""
+def _tool_result(b: Block, param: str, tools: list[ATool]) -> Turn:
+    """A tool_result block as a tool turn: its text, with images its parts (tool_reference.py)."""
     assert b.tool_use_id is not None
     head = ["Error: "] if b.is_error else []
     if not isinstance(b.content, list) or all(x.type == "text" for x in b.content):
@@ -319,6 +318,7 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
                                        "none": "none"}[c.type]  # type: ignore[assignment]
     agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
                            "input_schema")
+    req.deferred_tools = frozenset(t.name for t in tools if t.defer_loading)
 
 
 def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

@@ -7,28 +7,31 @@ the matched tools in `tools`. Anthropic's API puts each referenced tool's defini
 prompt where the block stands, in the encoding the ToolSearch tool's description promises
 the model (one `<function>{"description", "name", "parameters"}</function>` line a tool,
 inside a `<functions>` block). A reference to a tool the request does not list is a 400
-naming its `tool_name` (docs/api.md, "`POST /v1/messages` (Anthropic)").
+naming its `tool_name` (docs/api.md, "`POST /v1/messages` (Anthropic)"). A deferred tool is
+in the prompt only there, as Anthropic's API places it: `ParsedRequest.prompt_tools` leaves
+it out of the prompt's tool list, so loading one changes no earlier token of the prompt and
+the next request finds all of it in the prefix cache.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Sequence
 from typing import Any
 
 from helexa.router.errors import bad_request
 
 
-def functions_block(refs: list[tuple[str | None, str]], tools: Mapping[str, Any],
+def functions_block(refs: list[tuple[str | None, str]], tools: Sequence[Any],
                     clear: bool = False) -> str:
     """The `<functions>` text of consecutive references, each (tool_name, its block's param),
-    emptying refs where clear says so (the caller collects the next run in it); tools maps a
-    listed tool's name to it (`name`, `description`, `input_schema`)."""
+    emptying refs where clear says so (the caller collects the next run in it), from the
+    tools the request lists (`name`, `description`, `input_schema`)."""
     lines = []
     for name, param in refs:
         if not name:
             raise bad_request(f"`{param}.tool_name` is required", f"{param}.tool_name")
-        t = tools.get(name)
+        t = next((t for t in tools if t.name == name), None)
         if t is None:
             raise bad_request(f"`{param}.tool_name`: tool `{name}` is not in `tools`; a "
                               "referenced tool must be listed (with `defer_loading`)",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.agent_fixtures import fixture
 
 from helexa.router import anthropic
 from helexa.router.errors import ApiError
 from helexa.router.forward import chat_proto
+from helexa.router.tokenize import _count_chat
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -188,3 +190,26 @@ def test_a_reference_to_a_tool_not_listed_names_it(ref):
         searched([{"type": "tool_reference", "tool_name": "A"}, {"type": "tool_reference", **ref}])
     assert e.value.status == 400
     assert e.value.param == "messages[2].content[0].content[1].tool_name"
+
+
+def test_deferred_tools_stay_out_of_the_prompts_tool_list():
+    # Claude Code lists a tool its ToolSearch found with `defer_loading` from the next turn
+    # on: kept out of the tool list (it stands in the tool turn), the prompt before that
+    # turn is the previous turn's, token for token, and the prefix cache holds it
+    body = fixture("claude_code-4")["body"]
+    before = {**body, "messages": body["messages"][:2],
+              "tools": [t for t in body["tools"] if t["name"] != "WebFetch"]}
+    for parse, drop in ((anthropic.parse_request, ()),
+                        (anthropic.parse_count_request, ("max_tokens", "stream"))):
+        after, first = (parse(json.dumps({k: v for k, v in b.items() if k not in drop}).encode())
+                        for b in (body, before))
+        for chat in (chat_proto, _count_chat):  # a reply's prompt, and count_tokens'
+            names = [t["function"]["name"] for t in json.loads(chat(after).tools_json)]
+            assert "ToolSearch" in names and "WebFetch" not in names
+            assert "DeferredToolPlaceholder" not in names
+            assert chat(after).tools_json == chat(first).tools_json
+        assert [t["function"]["name"] for t in after.tools].count("WebFetch") == 1
+    everything = {"model": "m", "max_tokens": 9, "messages": MSG, "tools": [
+        {"name": "A", "defer_loading": True, "input_schema": {"type": "object"}}]}
+    only = anthropic.parse_request(json.dumps(everything).encode())
+    assert json.loads(chat_proto(only).tools_json)[0]["function"]["name"] == "A"
