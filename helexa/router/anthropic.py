@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from helexa.router import agent_request, images, tool_pairing
+from helexa.router import agent_request, images, tool_pairing, tool_reference
 from helexa.router.errors import bad_request, clip, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
@@ -64,6 +64,7 @@ class Block(msgspec.Struct, kw_only=True):
     cache_control: Any = None  # accepted: changes nothing here (the prefix cache is automatic)
     citations: Any = None
     source: Any = None  # image: {type: base64, media_type, data} or {type: url, url}
+    tool_name: str | None = None  # tool_reference (tool_reference.py)
 
 
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -77,6 +78,7 @@ class ATool(msgspec.Struct, kw_only=True):
     description: str | None = None
     type: str | None = None  # "custom" or absent; server tools are refused below
     cache_control: Any = None
+    defer_loading: bool = False  # out of the prompt's tool list (tool_reference.py)
 
 
 class AToolChoice(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -90,7 +92,9 @@ class AThinking(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
     budget_tokens: Annotated[int, Meta(ge=1, le=INT32_MAX)] | None = None
-    display: Literal["summarized", "omitted"] | None = None
+    # ignored (the thought is returned whole), so any value is served: Anthropic's
+    # summarized / omitted, and the values Claude Code 2.1.337 asks for (updates; highlights)
+    display: str | None = None
 
 
 class AOutputFormat(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -194,7 +198,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                 if not b.tool_use_id:
                     raise bad_request(f"`{p}[{j}].tool_use_id` is required",
                                       f"{p}[{j}].tool_use_id")
-                turns.append(_tool_result(b, f"{p}[{j}].content"))
+                turns.append(_tool_result(b, f"{p}[{j}].content", body.tools or []))
             elif b.type == "tool_use" and m.role == "assistant":
                 if not b.id or not b.name:
                     raise bad_request(f"`{p}[{j}]` needs `id` and `name`", f"{p}[{j}]")
@@ -240,24 +244,29 @@ def _check_system_placement(messages: list[AMessage], i: int) -> None:
     raise bad_request(f"`{param}`: a `system` message {why}", param)
 
 
-def _tool_result(b: Block, param: str) -> Turn:
-    """A tool_result block as a tool turn: its text, and its parts in order where it holds
-    image blocks (a screenshot an agent's tool took)."""
+def _tool_result(b: Block, param: str, tools: list[ATool]) -> Turn:
+    """A tool_result block as a tool turn: its text, with images its parts (tool_reference.py)."""
     assert b.tool_use_id is not None
     head = ["Error: "] if b.is_error else []
     if not isinstance(b.content, list) or all(x.type == "text" for x in b.content):
         return Turn(role="tool", tool_call_id=b.tool_use_id,
                     content="".join(head) + _text(b.content, param))
     parts: list[str | images.ImagePart] = list(head)
-    for j, x in enumerate(b.content):
+    refs: list[tuple[str | None, str]] = []  # consecutive references: one <functions> block
+    for j, x in enumerate([*b.content, Block(type="")]):
+        if refs and x.type != "tool_reference":
+            parts.append(tool_reference.functions_block(refs, tools, clear=True))
         if x.type == "text":
             parts.append(x.text or "")
         elif x.type == "image":
             parts.append(_image(x.source, f"{param}[{j}].source"))
-        else:
+        elif x.type == "tool_reference":
+            refs.append((x.tool_name, f"{param}[{j}]"))
+        elif j < len(b.content):  # not the end marker
             raise unsupported(f"{param}[{j}].type", f"blocks of type `{x.type}` here")
-    return Turn(role="tool", tool_call_id=b.tool_use_id,
-                content="".join(x for x in parts if isinstance(x, str)), parts=parts)
+    texts = [x for x in parts if isinstance(x, str)]
+    return Turn(role="tool", tool_call_id=b.tool_use_id, content="".join(texts),
+                parts=parts if len(texts) < len(parts) else None)  # None: text alone
 
 
 def _image(source: Any, param: str) -> images.ImagePart:
@@ -309,6 +318,7 @@ def _tools(body: MessagesBody | CountTokensBody, req: ParsedRequest,
                                        "none": "none"}[c.type]  # type: ignore[assignment]
     agent_request.apply_as(openai_body, req, caps, [f"tools[{i}]" for i in range(len(tools))],
                            "input_schema")
+    req.deferred_tools = frozenset(t.name for t in tools if t.defer_loading)
 
 
 def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:

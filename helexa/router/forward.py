@@ -129,7 +129,7 @@ def chat_proto(req: ParsedRequest) -> pb.Chat:
                else pb.ContentPart(image=pb.Image(data=x.data)) for x in t.parts or []])
         for t in req.messages or []])
     if req.tools and req.tool_choice != "none":
-        chat.tools_json = json.dumps(req.tools)
+        chat.tools_json = json.dumps(req.prompt_tools())
     if req.template_kwargs:
         chat.template_kwargs_json = json.dumps(req.template_kwargs)
     chat.continue_final_message = req.continue_final  # a prefill: the reply continues it

@@ -82,6 +82,9 @@ class ParsedRequest:
     tool_choice: str = "none"  # none | auto | required | function
     tool_name: str | None = None  # tool_choice "function": which one
     custom_tools: dict[str, Any] = field(default_factory=dict)  # Responses: name -> the tool
+    # Anthropic's tools listed with `defer_loading`: left out of the prompt's tool list, in
+    # it only where a tool_reference places them (tool_reference.py); callable all the same
+    deferred_tools: frozenset[str] = frozenset()
     parallel_tool_calls: bool = True
     constraint: Constraint | None = None  # the grammar the output follows
     # The grammar work parsing left for the compile pool (agent_request.py): `compile()`.
@@ -108,6 +111,12 @@ class ParsedRequest:
         for fn in todo:
             fn()
         return self
+
+    def prompt_tools(self) -> list[dict[str, Any]]:
+        """The tools the prompt lists: all but the deferred ones (all, where every one is:
+        the template writes its tool-call instructions only beside a tool list)."""
+        return [t for t in self.tools if t["function"]["name"] not in self.deferred_tools] \
+            or self.tools
 
     def per_prompt(self) -> list[ParsedRequest]:
         """One request per prompt of a batch (itself when there is one prompt)."""

@@ -191,7 +191,7 @@ async def detokenize(request: web.Request) -> web.Response:
 def _count_chat(req: ParsedRequest) -> pb.Chat:
     chat = chat_proto(req)
     if req.tools:  # tool_choice none hides tools from a reply, but they are still sent
-        chat.tools_json = msgspec.json.encode(req.tools).decode()
+        chat.tools_json = msgspec.json.encode(req.prompt_tools()).decode()
     return chat
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.agent_fixtures import fixture
 
 from helexa.router import anthropic
 from helexa.router.errors import ApiError
 from helexa.router.forward import chat_proto
+from helexa.router.tokenize import _count_chat
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -68,6 +70,17 @@ def test_between_tools_in_the_sdks_shape_takes_the_catalogue_budget():
     req = anthropic.parse_request(json.dumps(body).encode())
     assert req.template_kwargs["enable_thinking"] is True
     assert not req.thinking_budget_tokens  # the model's own, as under adaptive
+
+
+@pytest.mark.parametrize("display", ["summarized", "omitted", "updates", "highlights"])
+def test_any_thinking_display_is_served_and_the_thought_comes_whole(display):
+    # Claude Code 2.1.337 asks `display: "updates"` first (beta thinking-display-updates) and,
+    # refused, sends the request twice more: two 400s in the router's log per session
+    for parse, extra in ((anthropic.parse_request, {"max_tokens": 9}),
+                         (anthropic.parse_count_request, {})):
+        req = parse(json.dumps({"model": "m", "messages": MSG, **extra, "thinking": {
+            "type": "adaptive", "display": display}}).encode())
+        assert req.template_kwargs["enable_thinking"] is True
 
 
 @pytest.mark.parametrize("field", [{"cache_control": {"type": "ephemeral"}},
@@ -138,3 +151,65 @@ def test_an_image_source_without_its_data_says_it_is_missing(source, says):
     with pytest.raises(ApiError) as e:
         anthropic.parse_request(json.dumps(body).encode())
     assert e.value.status == 400 and e.value.message == says
+
+
+SEARCH = [{"role": "user", "content": "find it"}, {"role": "assistant", "content": [
+    {"type": "tool_use", "id": "t1", "name": "ToolSearch", "input": {"query": "select:A,B"}}]}]
+DEFERRED = [{"name": "ToolSearch", "input_schema": {"type": "object"}},
+            {"name": "A", "description": "does a", "defer_loading": True,
+             "input_schema": {"type": "object", "properties": {"x": {"type": "string"}}}},
+            {"name": "B", "defer_loading": True, "input_schema": {"type": "object"}}]
+
+
+def searched(content: list[dict], tools: list[dict] = DEFERRED):
+    """The tool turn a tool search's result becomes (Claude Code's ToolSearch, 2.1.337)."""
+    body = {"model": "m", "max_tokens": 9, "tools": tools, "messages": SEARCH + [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": content}]}]}
+    return anthropic.parse_request(json.dumps(body).encode()).messages[-1]
+
+
+def test_a_tool_reference_is_the_referenced_tools_definition_in_the_tool_turn():
+    # as the ToolSearch tool's description promises the model: one <function> line a
+    # tool, inside a <functions> block, the same encoding as the prompt's tool list
+    turn = searched([{"type": "text", "text": "Found:"},
+                     {"type": "tool_reference", "tool_name": "A"},
+                     {"type": "tool_reference", "tool_name": "B"},
+                     {"type": "text", "text": "Done."}])
+    assert (turn.role, turn.tool_call_id, turn.parts) == ("tool", "t1", None)
+    a = {"description": "does a", "name": "A",
+         "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}
+    b = {"description": "", "name": "B", "parameters": {"type": "object"}}
+    assert turn.content == (f"Found:<functions>\n<function>{json.dumps(a)}</function>\n"
+                            f"<function>{json.dumps(b)}</function>\n</functions>Done.")
+
+
+@pytest.mark.parametrize("ref", [{"tool_name": "C"}, {}])
+def test_a_reference_to_a_tool_not_listed_names_it(ref):
+    with pytest.raises(ApiError) as e:
+        searched([{"type": "tool_reference", "tool_name": "A"}, {"type": "tool_reference", **ref}])
+    assert e.value.status == 400
+    assert e.value.param == "messages[2].content[0].content[1].tool_name"
+
+
+def test_deferred_tools_stay_out_of_the_prompts_tool_list():
+    # Claude Code lists a tool its ToolSearch found with `defer_loading` from the next turn
+    # on: kept out of the tool list (it stands in the tool turn), the prompt before that
+    # turn is the previous turn's, token for token, and the prefix cache holds it
+    body = fixture("claude_code-4")["body"]
+    before = {**body, "messages": body["messages"][:2],
+              "tools": [t for t in body["tools"] if t["name"] != "WebFetch"]}
+    for parse, drop in ((anthropic.parse_request, ()),
+                        (anthropic.parse_count_request, ("max_tokens", "stream"))):
+        after, first = (parse(json.dumps({k: v for k, v in b.items() if k not in drop}).encode())
+                        for b in (body, before))
+        for chat in (chat_proto, _count_chat):  # a reply's prompt, and count_tokens'
+            names = [t["function"]["name"] for t in json.loads(chat(after).tools_json)]
+            assert "ToolSearch" in names and "WebFetch" not in names
+            assert "DeferredToolPlaceholder" not in names
+            assert chat(after).tools_json == chat(first).tools_json
+        assert [t["function"]["name"] for t in after.tools].count("WebFetch") == 1
+    everything = {"model": "m", "max_tokens": 9, "messages": MSG, "tools": [
+        {"name": "A", "defer_loading": True, "input_schema": {"type": "object"}}]}
+    only = anthropic.parse_request(json.dumps(everything).encode())
+    assert json.loads(chat_proto(only).tools_json)[0]["function"]["name"] == "A"

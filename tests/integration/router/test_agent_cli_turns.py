@@ -3,7 +3,8 @@
 tests/fixtures/agents/claude_code-3.json, claude_code-explore.json and codex-3.json
 were captured (README.md there) from Claude Code 2.1.197 (`claude -p ... --model
 helexa/balanced`) and codex-cli 0.171.0 (`codex exec`) run against a router over the
-fake neuron (tests/router/router_fake_neuron.py) with a logging proxy between them.
+fake neuron (tests/router/router_fake_neuron.py) with a logging proxy between them;
+claude_code-4.json so from Claude Code 2.1.337, the turn after its tool search.
 Their prompts carry the fake's `[[emit:...]]` markers, so the fake answered as a model
 would: the user's prompt asks for a thought and a shell call, the file that call
 reads asks for the final answer (the last marker in a prompt wins). Both CLIs ran the
@@ -82,6 +83,26 @@ def test_claude_codes_explore_subagent_request_is_taken(router):
     assert events[-2]["delta"]["stop_reason"] == "end_turn"
     assert "".join(e["delta"].get("text", "") for e in events
                    if e["type"] == "content_block_delta").startswith("w0 ")
+
+
+def test_claude_codes_turn_after_a_tool_search_is_taken(router):
+    # claude_code-4 (2.1.337): the turn after a ToolSearch call, whose result is a
+    # tool_reference to the deferred WebFetch, listed with `defer_loading`; it asks
+    # `thinking.display: "updates"`. Refused, Claude Code sent it five times, then gave up
+    # tool search for the session. A marker in WebFetch's description is the prompt's last
+    # only where its definition stands in the tool turn, after the user's prompt.
+    body = fixture("claude_code-4")["body"]
+    assert body["thinking"] == {"type": "adaptive", "display": "updates"}
+    result = body["messages"][-1]["content"][0]
+    assert result["content"] == [{"type": "tool_reference", "tool_name": "WebFetch"}]
+    tools = [{**t, "description": t["description"] + " [[emit:1:WebFetch is loaded.]]"}
+             if t["name"] == "WebFetch" and t.get("defer_loading") else t
+             for t in body["tools"]]
+    events = sse(router, "/v1/messages", {**body, "tools": tools})
+    assert "error" not in [e["type"] for e in events]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == "WebFetch is loaded."
+    assert events[-2]["delta"]["stop_reason"] == "end_turn"
 
 
 def responses_output(router: RouterProcess, body: dict) -> list[dict]:
