@@ -176,6 +176,11 @@ class RouterMetrics:
                                   "Requests sent to each neuron", ["neuron", "model"], registry=r)
         self.in_progress = Gauge("helexa_router_requests_in_progress",
                                  "Requests the router is serving now", registry=r)
+        # dispatch.Held: requests waiting here, before any neuron, for their model to be ready
+        self.held = Gauge("helexa_router_held_requests",
+                          "Requests the router holds until their model is ready on a neuron "
+                          "(a load or a profile switch): in no neuron's queue yet", ["model"],
+                          registry=r)
         # The work pool (work_pool.py): its refusals, and the tasks it holds now.
         self.work_refusals = Counter("helexa_router_work_refusals",
                                      "Work the router's parsing pool refused, by reason: "
