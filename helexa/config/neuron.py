@@ -194,7 +194,11 @@ class ProfileConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_
     kv_dtype: Annotated[KvDtype | None, field_meta(
         "Overrides kv.kv_dtype; switching it re-plans the pool without reloading weights.", RELOAD)] = None
     default_output_tokens: Annotated[optional(int, ge=1), field_meta(
-        "Overrides kv.default_output_tokens.", RELOAD)] = None
+        "Overrides kv.default_output_tokens. With grow_output (the default) a request "
+        "without max_tokens is not cut there: its budget grows by as much again while the "
+        "pool has room, up to the context; set grow_output = false to end it there.",
+        RELOAD)] = None
+    grow_output: Annotated[bool | None, field_meta("Overrides kv.grow_output.", RELOAD)] = None
     speculation: Annotated[str | None, field_meta(
         "Overrides engine.speculation.", RELOAD)] = None
     spec_k: Annotated[optional(int, ge=0, le=16), field_meta("Overrides engine.spec_k.", RELOAD)] = None

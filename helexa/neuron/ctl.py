@@ -87,6 +87,11 @@ def format_status(st: pb.ModelsResponse) -> str:
         attn = m.attention_backend.split(" ", 1)[0] or "-"  # the name; details below
         lines.append(f"{m.model:<32} {state:<10} {m.profile or '-':<10} {m.kv_dtype:<9} "
                      f"{attn:<6} {m.limits.context:>7} {m.in_flight:>5} {m.queued:>5} {kv:>18}")
+        if m.state in (pb.MODEL_STATE_SWITCHING, pb.MODEL_STATE_LOADING):
+            # a router sends it nothing until it is ready: what comes meanwhile waits there
+            lines.append(f"    {state}: requests sent meanwhile wait at each router, in no "
+                         "queue here (helexa_router_held_requests; `held by router` on the "
+                         "router's /status page)")
         if " " in m.attention_backend:
             lines.append(f"    attention: {m.attention_backend}")
         if m.activations:

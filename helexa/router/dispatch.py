@@ -74,6 +74,25 @@ UNARY_SEEN_SECS = 0.1
 _WAITING = (pb.MODEL_STATE_LOADING, pb.MODEL_STATE_SWITCHING)
 
 
+class Held:
+    """One request counted in `helexa_router_held_requests` from its first wait here for its
+    model (a load, a profile switch: no neuron's queue sees it) until it stops waiting."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self.child: Any = None
+
+    def start(self, model: str) -> None:
+        if self.child is None:
+            self.child = self.metrics.held.labels(model)
+            self.child.inc()
+
+    def end(self) -> None:
+        if self.child is not None:
+            self.child.dec()
+            self.child = None
+
+
 class ModelFailed(RuntimeError):
     """The neuron answered a Load with the model FAILED; the message says why."""
 
@@ -109,33 +128,39 @@ class Dispatcher:
         wait = self._wait_bound(greq)
         tried: set[str] = set()
         refusal: ApiError | None = None
-        while True:
-            candidates = [c for c in self.registry.candidates(model) if c.neuron not in tried]
-            if not candidates:
-                if refusal is not None:
-                    raise refusal  # nobody else to try: the client sees the neuron's answer
-                await self._await_model(model, principal, wait)
-                continue
-            name = rank(candidates, est, key)[0]
-            cand = next(c for c in candidates if c.neuron == name)
-            try:
-                result = await self._call(rpc, greq, est, cand, stream)
-            except (UpstreamLost, grpc.aio.AioRpcError) as e:
-                retry = refusal is None and (not isinstance(e, grpc.aio.AioRpcError)
-                                             or e.code() in RETRYABLE)
-                err = self._refused(greq, name, e, kind, retry=retry)
-                if not retry:
-                    raise err from None
-                refusal = err
-                tried.add(name)
-                continue
-            except UpstreamClosed as e:
-                raise ApiError(502, str(e), code="upstream_error") from None
-            if isinstance(result, OpenStream):  # a loss before its first token: _resume
-                result.resume = functools.partial(self._resume, greq, est, key, kind,
-                                                  set(tried | {name}))
-                result.resumed = refusal is not None  # a refusal used its one retry
-            return result
+        held = Held(self.metrics)
+        try:
+            while True:
+                candidates = [c for c in self.registry.candidates(model)
+                              if c.neuron not in tried]
+                if not candidates:
+                    if refusal is not None:
+                        raise refusal  # nobody else to try: the client sees the neuron's answer
+                    await self._await_model(model, principal, wait, held)
+                    continue
+                held.end()  # it waited no longer: sent on now
+                name = rank(candidates, est, key)[0]
+                cand = next(c for c in candidates if c.neuron == name)
+                try:
+                    result = await self._call(rpc, greq, est, cand, stream)
+                except (UpstreamLost, grpc.aio.AioRpcError) as e:
+                    retry = refusal is None and (not isinstance(e, grpc.aio.AioRpcError)
+                                                 or e.code() in RETRYABLE)
+                    err = self._refused(greq, name, e, kind, retry=retry)
+                    if not retry:
+                        raise err from None
+                    refusal = err
+                    tried.add(name)
+                    continue
+                except UpstreamClosed as e:
+                    raise ApiError(502, str(e), code="upstream_error") from None
+                if isinstance(result, OpenStream):  # a loss before its first token: _resume
+                    result.resume = functools.partial(self._resume, greq, est, key, kind,
+                                                      set(tried | {name}))
+                    result.resumed = refusal is not None  # a refusal used its one retry
+                return result
+        finally:  # refused, or its client gone (cancelled) while it waited
+            held.end()
 
     async def _call(self, rpc: Any, greq: pb.GenerateRequest, est: Estimate, cand: Candidate,
                     stream: bool) -> OpenStream | Completed:
@@ -226,9 +251,11 @@ class Dispatcher:
         assert isinstance(stream, OpenStream)
         return stream
 
-    async def _await_model(self, model: str, principal: str, wait: tuple[float, str]) -> None:
+    async def _await_model(self, model: str, principal: str, wait: tuple[float, str],
+                           held: Held) -> None:
         """Return when the registry changed (the caller re-checks), or raise the right 4xx/5xx;
-        `wait`: until when (monotonic) the request may wait, and what bounds it."""
+        `wait`: until when (monotonic) the request may wait, and what bounds it; `held`
+        counts the request while it waits for a model the fleet has (loading, switching)."""
         reg = self.registry
         if reg.awaiting_first_report():  # just started or reloaded: hear every neuron first
             await reg.wait_changed(0.5)
@@ -267,6 +294,7 @@ class Dispatcher:
             raise ApiError(503, f"`{model}` is loading and was not ready within {wait[1]}; "
                            "retry shortly", code="model_loading",
                            retry_after_secs=LOAD_RETRY_AFTER_SECS)
+        held.start(model)
         await reg.wait_changed(min(remaining, 0.5))
 
     def _maybe_start_load(self, model: str, principal: str) -> None:

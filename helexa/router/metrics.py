@@ -184,6 +184,11 @@ class RouterMetrics:
             "helexa_router_connections_refused",
             "Client connections answered 503 too_many_connections and closed unread, by the "
             "cap they met: max_connections or per_address", ["reason"], registry=r)
+        # dispatch.Held: requests waiting here, before any neuron, for their model to be ready
+        self.held = Gauge("helexa_router_held_requests",
+                          "Requests the router holds until their model is ready on a neuron "
+                          "(a load or a profile switch): in no neuron's queue yet", ["model"],
+                          registry=r)
         # The work pool (work_pool.py): its refusals, and the tasks it holds now.
         self.work_refusals = Counter("helexa_router_work_refusals",
                                      "Work the router's parsing pool refused, by reason: "

@@ -28,7 +28,8 @@ def config_path(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) 
         "kv": {"kv_budget_mb": 1},
         "models": [{"id": "tiny", "path": str(tiny_model_dir)}],
         "profiles": {"batch": {"max_in_flight": 32, "max_slots": 8},
-                     "long": {"kv_dtype": "int8"}},
+                     "long": {"kv_dtype": "int8"},
+                     "exact": {"default_output_tokens": 8, "grow_output": False}},
     })
 
 
@@ -52,6 +53,23 @@ def test_a_profile_without_kv_changes_applies_at_once(config_path: Path) -> None
     m = st.models[0]
     assert m.profile == "batch" and m.admission.max_in_flight == 32
     assert m.state == pb.MODEL_STATE_READY
+
+
+def test_a_profile_sets_grow_output(config_path: Path) -> None:
+    """A profile's default_output_tokens is a budget that grows (kv.grow_output, the
+    default) unless the profile says grow_output = false: then it is where such a reply
+    ends (docs/operating.md, "Tuning admission and profiles")."""
+    async def body(stub, daemon, engine):
+        res = await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile="exact"),
+                                    metadata=MD)
+        exact = engine.limits
+        await stub.SetProfile(pb.SetProfileRequest(model="tiny", profile=""), metadata=MD)
+        return res, exact, engine.limits
+
+    res, exact, base = run_fake_neuron(config_path, body, script=lambda _p, _i: 7)
+    assert "grow_output: True -> False" in res.changed, res.changed
+    assert exact.grow_output is False and exact.default_output_tokens == 8
+    assert base.grow_output is True
 
 
 def test_a_kv_dtype_switch_lets_in_flight_work_finish_and_advertises_new_limits(

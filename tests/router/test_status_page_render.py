@@ -1,5 +1,6 @@
 """The status page's script in headless Chromium over a scripted /status.json: fields a neuron
-may add (a backend, a hybrid's fixed state), refusal rows, and the key form on a 401."""
+may add (a backend, a hybrid's fixed state), the requests the router holds for a model,
+refusal rows, and the key form on a 401."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _status() -> dict[str, Any]:
              "admission": {"max_in_flight": 16, "max_queue_depth": 512, "max_slots": 16},
              "limits": {"context": 262144, "input": 262143, "output": 262143}}
     return {"router": {"version": "0.1.0", "unix_ms": 0, "uptime_secs": 900.0,
-                       "in_progress": 4},
+                       "in_progress": 4, "held": {"Qwen/Qwen3.5-27B": 7}},
             "neurons": [{"name": "beast", "address": "beast:7070", "tls": True, "up": True,
                          "connected": True, "last_report_age_secs": 0.2, "draining": False,
                          "seq": 9, "catalogue": ["Qwen/Qwen3.5-27B", "Qwen/Qwen3-8B"],
@@ -103,6 +104,10 @@ def test_the_page_asks_for_a_key_then_shows_what_a_neuron_reports(page_server, c
         assert "state total 4.0 MiB" in text and "state free 2.0 MiB" in text
         assert "loads on demand: Qwen/Qwen3-8B" in text and "beast:7070 (tls)" in text
         assert "3 / 16" in text and "1 / 512" in text and "812.5" in text
+        # requests the router holds for the model (helexa_router_held_requests), by its queue
+        held = page.eval("[...document.querySelectorAll('dt')].filter(d => d.textContent === "
+                         "'held by router').map(d => d.nextSibling.textContent)")
+        assert held == ["7"]
         codes = page.eval("[...document.querySelectorAll('[data-code]')].map(r => r.dataset.code)")
         assert codes == ["overloaded", "HTTP 503"]
         widths = page.eval("Object.fromEntries([...document.querySelectorAll('.bar span')]"
