@@ -94,6 +94,25 @@ def start_router(config_path: Path, timeout_secs: float = 60.0) -> RouterProcess
 
 
 @contextlib.contextmanager
+def router_over(neuron: NeuronProcess, d: Path, conf: dict[str, Any]
+                ) -> Iterator[RouterProcess]:
+    """A router process from `conf` (written to d/router.toml) over a started `neuron`,
+    yielded once its /health is 200; both stopped after (the neuron also when the router
+    fails to start)."""
+    try:
+        (d / "router.toml").write_text(tomli_w.dumps(conf))
+        router = start_router(d / "router.toml")
+        try:
+            wait_for(lambda: httpx2.get(router.url + "/health", timeout=5).status_code == 200,
+                     timeout=30)
+            yield router
+        finally:
+            router.stop()
+    finally:
+        neuron.stop(timeout_secs=15)
+
+
+@contextlib.contextmanager
 def router_over_fake(tmp_path: Path, name: str, *fake_args: str,
                      timeouts: dict[str, float] | None = None,
                      principals: list[str] | None = None) -> Iterator[RouterProcess]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, start_router, tiny_neuron, wait_for
+from router_procs import RouterProcess, router_over, tiny_neuron, wait_for
 from support.neuron import NeuronProcess
 
 CAP = 6
@@ -34,15 +34,8 @@ MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
 def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, RouterProcess]]:
     d = tmp_path_factory.mktemp("conncap")
     neuron = tiny_neuron(d, "nc", tiny_model_dir, kv_mb=8)
-    (d / "router.toml").write_text(tomli_w.dumps(router_config(neuron)))
-    router = start_router(d / "router.toml")
-    try:
-        wait_for(lambda: httpx2.get(router.url + "/health", timeout=5).status_code == 200,
-                 timeout=30)
+    with router_over(neuron, d, router_config(neuron)) as router:
         yield neuron, router
-    finally:
-        router.stop()
-        neuron.stop(timeout_secs=15)
 
 
 def router_config(neuron: NeuronProcess, **server: int) -> dict:

@@ -23,8 +23,7 @@ from typing import Any
 
 import httpx2
 import pytest
-import tomli_w
-from router_procs import RouterProcess, start_router, wait_for
+from router_procs import RouterProcess, router_over, wait_for
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 LOAD_WAIT_SECS = 3.0
@@ -43,19 +42,12 @@ def pair(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Callable[...
         "profiles": {"narrow": {"kv_dtype": "fp32"}},
         "models": [{"id": "tiny", "path": str(tiny_checkpoint("qwen3_5"))}],
     }), log_path=d / "ns.log")
-    (d / "router.toml").write_text(tomli_w.dumps({
+    with router_over(neuron, d, {
         "server": {"listen": "127.0.0.1:0"},
         "neurons": {"endpoints": [{"name": "ns", "address": neuron.address}]},
         "timeouts": {"load_wait_secs": LOAD_WAIT_SECS, "request_secs": 120,
-                     "reconnect_max_secs": 0.5}}))
-    router = start_router(d / "router.toml")
-    try:
-        wait_for(lambda: httpx2.get(router.url + "/health", timeout=5).status_code == 200,
-                 timeout=30)
+                     "reconnect_max_secs": 0.5}}) as router:
         yield neuron, router
-    finally:
-        router.stop()
-        neuron.stop(timeout_secs=15)
 
 
 def _ctl(neuron: NeuronProcess, *args: str) -> subprocess.CompletedProcess[str]:

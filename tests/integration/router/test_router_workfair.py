@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, key_of, start_router, tiny_neuron, wait_for
+from router_procs import RouterProcess, key_of, router_over, tiny_neuron, wait_for
 from support.neuron import NeuronProcess
 
 from helexa.router.auth import hash_key
@@ -38,21 +38,14 @@ def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, Rout
     neuron = tiny_neuron(d, "nw", tiny_model_dir, kv_mb=4)
     (d / "keys.toml").write_text(tomli_w.dumps(
         {"keys": {hash_key(key_of(p)): p for p in ("alice", "bob")}}))
-    (d / "router.toml").write_text(tomli_w.dumps({
+    with router_over(neuron, d, {
         "server": {"listen": "127.0.0.1:0"},
         "auth": {"keys_file": "keys.toml"},
         "neurons": {"endpoints": [{"name": "nw", "address": neuron.address}]},
         "timeouts": {"unhealthy_after_secs": 2.0, "reconnect_max_secs": 0.5},
         "limits": {"schema_workers": 1, "schema_queue_depth": 4,
-                   "schema_per_principal": SHARE}}))
-    router = start_router(d / "router.toml")
-    try:
-        wait_for(lambda: httpx2.get(router.url + "/health", timeout=5).status_code == 200,
-                 timeout=30)
+                   "schema_per_principal": SHARE}}) as router:
         yield neuron, router
-    finally:
-        router.stop()
-        neuron.stop(timeout_secs=15)
 
 
 def headers(principal: str) -> dict[str, str]:
