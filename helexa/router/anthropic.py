@@ -29,7 +29,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from helexa.router import agent_request, images, tool_pairing, tool_reference
+from helexa.router import agent_request, anthropic_system, images, tool_pairing, tool_reference
 from helexa.router.errors import bad_request, clip, unsupported
 from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
@@ -65,6 +65,7 @@ class Block(msgspec.Struct, kw_only=True):
     citations: Any = None
     source: Any = None  # image: {type: base64, media_type, data} or {type: url, url}
     tool_name: str | None = None  # tool_reference (tool_reference.py)
+    tool: Any = None  # tool_addition / tool_removal (anthropic_system.py)
 
 
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -178,8 +179,12 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
         if m.role == "system":
-            _check_system_placement(body.messages, i)
-            system.append(_text(m.content, p))
+            anthropic_system.check_placement(body.messages, i)
+            rest, note = anthropic_system.split(m.content, p, body.tools or [], ATool)
+            if rest or not note:  # a message of changes alone leaves the system prompt be
+                system.append(_text(rest, p))
+            if note:
+                anthropic_system.place(turns, note)
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
@@ -219,29 +224,6 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
     return turns
-
-
-def _check_system_placement(messages: list[AMessage], i: int) -> None:
-    """Anthropic's placement rules for a `system` message in `messages` (its mid-conversation
-    system messages; docs/api.md, "`POST /v1/messages` (Anthropic)"): never the first
-    entry, right after a user message (helexa runs no server tools, whose use an assistant
-    message could end in), never beside another, and last or followed by an assistant
-    turn; a request that breaks one is a 400, as Anthropic's is."""
-    param = f"messages[{i}].role"
-    before = messages[i - 1].role if i else None
-    after = messages[i + 1].role if i + 1 < len(messages) else None
-    if before is None:
-        why = ("cannot be the first entry in `messages`; instructions that apply from the "
-               "start go in the top-level `system` field")
-    elif "system" in (before, after):
-        why = "cannot be next to another `system` message"
-    elif before != "user":
-        why = f"must follow a `user` message, not an `{before}` one"
-    elif after not in (None, "assistant"):
-        why = "must be the last entry in `messages` or be followed by an `assistant` message"
-    else:
-        return
-    raise bad_request(f"`{param}`: a `system` message {why}", param)
 
 
 def _tool_result(b: Block, param: str, tools: list[ATool]) -> Turn:
@@ -377,6 +359,7 @@ def _prefill(body: CountTokensBody, req: ParsedRequest) -> None:
 def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest:
     """A /v1/messages body as the internal request, or ApiError(400) naming the field."""
     b: MessagesBody = decode_as(raw, MessagesBody)
+    b.tools = anthropic_system.inline_tools(b.messages, b.tools or [], ATool) or None
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b), max_tokens=b.max_tokens,
                         temperature=b.temperature, top_p=b.top_p, top_k=b.top_k or None,
                         stop=list(b.stop_sequences or []), stream=bool(b.stream),
@@ -392,6 +375,7 @@ def parse_count_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedR
     """A count_tokens body, its caps checked; its grammars are left uncompiled (req.compiles):
     they do not change the prompt."""
     b: CountTokensBody = decode_as(raw, CountTokensBody)
+    b.tools = anthropic_system.inline_tools(b.messages, b.tools or [], ATool) or None
     req = ParsedRequest(kind="chat", model=b.model, messages=_turns(b))
     _tools(b, req, caps)
     _thinking(b, req)

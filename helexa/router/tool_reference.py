@@ -36,9 +36,17 @@ def functions_block(refs: list[tuple[str | None, str]], tools: Sequence[Any],
             raise bad_request(f"`{param}.tool_name`: tool `{name}` is not in `tools`; a "
                               "referenced tool must be listed (with `defer_loading`)",
                               f"{param}.tool_name")
-        fn = {"description": t.description or "", "name": t.name,
-              "parameters": t.input_schema or {}}
-        lines.append(f"<function>{json.dumps(fn, ensure_ascii=False)}</function>")
+        lines.append(function_line(t))
     if clear:
         refs.clear()
+    return functions(lines)
+
+
+def function_line(t: Any) -> str:
+    """One tool (`name`, `description`, `input_schema`) as its `<function>` line."""
+    fn = {"description": t.description or "", "name": t.name, "parameters": t.input_schema or {}}
+    return f"<function>{json.dumps(fn, ensure_ascii=False)}</function>"
+
+
+def functions(lines: list[str]) -> str:
     return "<functions>\n" + "\n".join(lines) + "\n</functions>"

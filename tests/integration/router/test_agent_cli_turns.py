@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import httpx2
 import pytest
 from router_procs import RouterProcess, router_over_fake, sse_events
 from support.agent_fixtures import fixture
@@ -133,3 +134,30 @@ def test_codexs_turn_after_its_reasoning_and_call_is_taken(router):
     out = responses_output(router, body)
     assert [i["type"] for i in out] == ["message"]
     assert out[0]["content"][0]["text"] == ANSWER
+
+
+def test_claude_codes_tool_changes_are_taken_and_read_where_they_stand(router):
+    # the system message Claude Code 2.1.337 sends when its tool set changes mid-session
+    # (beta mid-conversation-tool-changes-2026-07-01), built as its code builds it: removals,
+    # then additions, the cache marker on the last. Refused, it resends without them and
+    # sticks to that until /clear. A marker in the added tool's description is the prompt's
+    # last only where the note stands, after the tool result.
+    body = fixture("claude_code-4")["body"]
+    late = {"name": "mcp__docs__fetch", "input_schema": {"type": "object"},
+            "description": "Fetch a docs page. [[emit:1:The docs tool is here.]]"}
+    change = {"role": "system", "content": [
+        {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "WebFetch"}},
+        {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": late},
+         "cache_control": {"type": "ephemeral"}}]}
+    body = {**body, "messages": [*body["messages"], change]}
+    events = sse(router, "/v1/messages", body)
+    assert "error" not in [e["type"] for e in events]
+    text = "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta")
+    assert text == "The docs tool is here."
+    # count_tokens takes it too, and counts the note
+    counts = [httpx2.post(router.url + "/v1/messages/count_tokens", timeout=60, json={
+        k: v for k, v in {**b, "model": "tiny"}.items() if k not in ("max_tokens", "stream")},
+        headers={"x-api-key": "sk-any", "anthropic-version": "2023-06-01"}) for b in (
+        body, {**body, "messages": body["messages"][:-1]})]
+    assert [c.status_code for c in counts] == [200, 200], counts[0].text
+    assert counts[0].json()["input_tokens"] > counts[1].json()["input_tokens"]

@@ -1,0 +1,158 @@
+"""Anthropic's mid-conversation `system` messages: where one may stand, and the tool
+changes (`tool_addition` / `tool_removal` blocks) one may carry.
+
+Claude Code (2.1.337, beta `mid-conversation-tool-changes-2026-07-01`) sends them in a
+`system` message when its tool set changes mid-session (an MCP server connecting late):
+`{"type": "tool_removal", "tool": {"type": "tool_reference", "name"}}` and
+`{"type": "tool_addition", "tool": {"type": "tool_reference", "name"}}`, the named tool
+listed in `tools`, or, with beta `inline-tools-2026-09-15`, `{"type": "tool_addition",
+"tool": {"type": "tool_definition", "definition": {"name", "description",
+"input_schema"}}}`, a tool `tools` does not list. Anthropic's API offers an added tool to the
+model from that point on and withdraws a removed one. Here the changes become a note at that
+point of the prompt, in the user turn before it (a system turn can stand only at the start
+of a chat template), naming the removed tools and giving each added one's definition in
+the `<functions>` encoding of tool_reference.py; so the prompt before it is unchanged and
+the prefix cache still holds it. A tool defined by value is callable from then on, as a
+deferred tool (out of the prompt's tool list). docs/api.md, "`POST /v1/messages`
+(Anthropic)".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from helexa.router.errors import ApiError, bad_request, unsupported
+from helexa.router.openai_api import Turn
+from helexa.router.request_model import decode_as
+from helexa.router.tool_reference import function_line, functions
+
+CHANGES = ("tool_addition", "tool_removal")
+
+
+def check_placement(messages: Sequence[Any], i: int) -> None:
+    """Anthropic's placement rules for a `system` message in `messages` (its mid-conversation
+    system messages; docs/api.md, "`POST /v1/messages` (Anthropic)"): never the first
+    entry, right after a user message (helexa runs no server tools, whose use an assistant
+    message could end in), never beside another, and last or followed by an assistant
+    turn; a request that breaks one is a 400, as Anthropic's is."""
+    param = f"messages[{i}].role"
+    before = messages[i - 1].role if i else None
+    after = messages[i + 1].role if i + 1 < len(messages) else None
+    if before is None:
+        why = ("cannot be the first entry in `messages`; instructions that apply from the "
+               "start go in the top-level `system` field")
+    elif "system" in (before, after):
+        why = "cannot be next to another `system` message"
+    elif before != "user":
+        why = f"must follow a `user` message, not an `{before}` one"
+    elif after not in (None, "assistant"):
+        why = "must be the last entry in `messages` or be followed by an `assistant` message"
+    else:
+        return
+    raise bad_request(f"`{param}`: a `system` message {why}", param)
+
+
+def _target(b: Any, param: str) -> tuple[str, Any]:
+    """A change block's `tool`: ("tool_reference", its name) or ("tool_definition", its
+    definition), else a 400 naming the field."""
+    tool = b.tool
+    if not isinstance(tool, dict):
+        what = "must be an object" if tool is not None else "is required"
+        raise bad_request(f"`{param}.tool` {what}", f"{param}.tool")
+    kind = tool.get("type")
+    if kind == "tool_reference":
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise bad_request(f"`{param}.tool.name` is required (a string)", f"{param}.tool.name")
+        return kind, name
+    if kind == "tool_definition" and b.type == "tool_addition":
+        if not isinstance(tool.get("definition"), dict):
+            raise bad_request(f"`{param}.tool.definition` is required (an object)",
+                              f"{param}.tool.definition")
+        return kind, tool["definition"]
+    if kind in ("mcp_tool_reference", "mcp_toolset_reference"):
+        raise unsupported(f"{param}.tool.type", f"MCP tool references (`{kind}`)")
+    allowed = "`tool_reference` or `tool_definition`" if b.type == "tool_addition" \
+        else "`tool_reference`"
+    raise bad_request(f"`{param}.tool.type` must be {allowed}", f"{param}.tool.type")
+
+
+def inline_tools(messages: Sequence[Any], tools: list[Any], tool_type: type) -> list[Any]:
+    """`tools` and, deferred, each tool a `tool_addition` defines by value (the latest
+    definition of a name), so a call to one parses; a name `tools` lists is a 400."""
+    listed, added = {t.name for t in tools}, {}
+    for i, m in enumerate(messages):
+        if m.role != "system" or isinstance(m.content, str):
+            continue
+        for j, b in enumerate(m.content):
+            if b.type != "tool_addition":
+                continue
+            param = f"messages[{i}].content[{j}]"
+            kind, target = _target(b, param)
+            if kind == "tool_definition":
+                t = _definition(target, f"{param}.tool.definition", tool_type)
+                if t.name in listed:
+                    raise bad_request(f"`{param}.tool.definition.name`: `{t.name}` is already "
+                                      "used by a tool in `tools`", f"{param}.tool.definition.name")
+                added[t.name] = t
+    return [*tools, *added.values()]
+
+
+def _definition(d: dict[str, Any], param: str, tool_type: type) -> Any:
+    try:
+        t = decode_as(msgspec.json.encode(d), tool_type)
+    except ApiError as e:
+        raise bad_request(f"`{param}`: {e.message}",
+                          f"{param}.{e.param}" if e.param else param) from None
+    if t.type not in (None, "custom"):
+        raise unsupported(f"{param}.type", f"server tools (`{t.type}`)")
+    if t.input_schema is None:
+        raise bad_request(f"`{param}.input_schema` is required", f"{param}.input_schema")
+    t.defer_loading = True
+    return t
+
+
+def split(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> tuple[Any, str]:
+    """A system message's content: (its other blocks, the note its changes make; "" if none)."""
+    if isinstance(content, str):
+        return content, ""
+    rest, lines = [], []
+    adding: list[str] = []  # consecutive additions: one <functions> block
+    for j, b in enumerate([*content, None]):
+        if adding and (b is None or b.type != "tool_addition"):
+            lines += ["Tools added here, callable from now on:", functions(adding)]
+            adding = []
+        if b is None:
+            break
+        if b.type not in CHANGES:
+            rest.append(b)
+            continue
+        kind, target = _target(b, f"{param}[{j}]")
+        if kind == "tool_definition":
+            adding.append(function_line(_definition(target, f"{param}[{j}].tool.definition",
+                                                    tool_type)))
+            continue
+        t = next((t for t in tools if t.name == target), None)
+        if t is None:
+            raise bad_request(f"`{param}[{j}].tool.name`: tool `{target}` is not in `tools`; "
+                              "a tool a change references must be listed",
+                              f"{param}[{j}].tool.name")
+        if b.type == "tool_addition":
+            adding.append(function_line(t))
+        else:
+            lines.append(f"Tool removed here, not callable from now on: {target}")
+    return rest, "<system>\n" + "\n".join(lines) + "\n</system>" if lines else ""
+
+
+def place(turns: list[Turn], note: str) -> None:
+    """The note at the end of the user turn before it (a new user turn after a tool turn)."""
+    last = turns[-1] if turns else None
+    if last is None or last.role != "user":
+        turns.append(Turn(role="user", content=note))
+        return
+    last.content = f"{last.content}\n\n{note}" if last.content else note
+    if last.parts is not None:
+        last.parts.append(("\n\n" if last.content != note else "") + note)

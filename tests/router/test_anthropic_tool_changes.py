@@ -1,0 +1,108 @@
+"""Claude Code's mid-conversation tool changes (router/anthropic_system.py): a `system`
+message of `tool_removal` / `tool_addition` blocks, in the shape Claude Code 2.1.337 builds
+it (beta mid-conversation-tool-changes-2026-07-01; by value: inline-tools-2026-09-15)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from support.agent_fixtures import fixture
+
+from helexa.router import anthropic
+from helexa.router.errors import ApiError
+from helexa.router.forward import chat_proto
+from helexa.router.tokenize import _count_chat
+
+LATE = {"name": "mcp__docs__search", "description": "search the docs", "defer_loading": True,
+        "input_schema": {"type": "object", "properties": {"q": {"type": "string"}}}}
+INLINE = {"name": "mcp__docs__fetch", "description": "fetch a page",
+          "input_schema": {"type": "object"}}
+# Claude Code's order: removals, then additions; its cache marker on the last block
+CHANGES = {"role": "system", "content": [
+    {"type": "tool_removal", "tool": {"type": "tool_reference", "name": "WebFetch"}},
+    {"type": "tool_addition", "tool": {"type": "tool_reference", "name": LATE["name"]}},
+    {"type": "tool_addition", "tool": {"type": "tool_definition", "definition": INLINE},
+     "cache_control": {"type": "ephemeral"}}]}
+
+
+def line(t: dict) -> str:
+    fn = {"description": t["description"], "name": t["name"], "parameters": t["input_schema"]}
+    return f"<function>{json.dumps(fn)}</function>"
+
+
+def bodies() -> tuple[dict, dict]:
+    """Claude Code's turn after its tool search (claude_code-4), and the same turn with an MCP
+    server's tools arriving late: listed (deferred) in `tools`, announced by a system message."""
+    before = fixture("claude_code-4")["body"]
+    after = {**before, "tools": [*before["tools"], LATE],
+             "messages": [*before["messages"], CHANGES]}
+    return before, after
+
+
+@pytest.mark.parametrize("parse, drop", [(anthropic.parse_request, ()),
+                                         (anthropic.parse_count_request, ("max_tokens", "stream"))])
+def test_tool_changes_are_a_note_where_they_stand_and_the_prompt_before_is_kept(parse, drop):
+    before, after = (parse(json.dumps({k: v for k, v in b.items() if k not in drop}).encode())
+                     for b in bodies())
+    note = ("<system>\nTool removed here, not callable from now on: WebFetch\n"
+            "Tools added here, callable from now on:\n<functions>\n"
+            f"{line(LATE)}\n{line(INLINE)}\n</functions>\n</system>")
+    # the last message made tool turns (its tool_result): the note is a user turn after them
+    assert after.messages[:-1] == before.messages
+    assert (after.messages[-1].role, after.messages[-1].content) == ("user", note)
+    for chat in (chat_proto, _count_chat):  # a reply's prompt, and count_tokens'
+        assert chat(after).tools_json == chat(before).tools_json  # the system prompt's tools
+        assert list(chat(after).messages)[:-1] == list(chat(before).messages)
+    # both added tools are callable; the one defined by value stays out of the tool list
+    names = [t["function"]["name"] for t in after.tools]
+    assert LATE["name"] in names and INLINE["name"] in names
+    assert INLINE["name"] in after.deferred_tools
+
+
+def test_a_note_after_a_users_text_ends_that_turn():
+    body = {"model": "m", "max_tokens": 9, "system": "S", "tools": [LATE], "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "look it up"}]},
+        {"role": "system", "content": [{"type": "text", "text": "be brief"},
+                                       CHANGES["content"][1]]}]}
+    req = anthropic.parse_request(json.dumps(body).encode())
+    # text in a system message joins the system prompt, as before; the change stays put
+    assert [(t.role, t.content) for t in req.messages] == [
+        ("system", "S\n\nbe brief"),
+        ("user", "look it up\n\n<system>\nTools added here, callable from now on:\n"
+                 f"<functions>\n{line(LATE)}\n</functions>\n</system>")]
+
+
+def addition(tool) -> dict:
+    return {"type": "tool_addition", "tool": tool}
+
+
+@pytest.mark.parametrize("block, param", [
+    ({"type": "tool_addition"}, "tool"),
+    (addition("Read"), "tool"),
+    (addition({"type": "tool"}), "tool.type"),
+    (addition({"type": "tool_reference"}), "tool.name"),
+    (addition({"type": "tool_reference", "name": "Nope"}), "tool.name"),
+    (addition({"type": "mcp_toolset_reference", "server_name": "docs"}), "tool.type"),
+    (addition({"type": "tool_definition"}), "tool.definition"),
+    (addition({"type": "tool_definition", "definition": {"name": "X"}}),
+     "tool.definition.input_schema"),
+    (addition({"type": "tool_definition", "definition": {"name": "a b", "input_schema": {}}}),
+     "tool.definition.name"),
+    (addition({"type": "tool_definition", "definition": {"name": "Read", "input_schema": {}}}),
+     "tool.definition.name"),  # a name `tools` lists
+    ({"type": "tool_removal", "tool": {"type": "tool_definition", "definition": INLINE}},
+     "tool.type"),
+    ({"type": "tool_removal", "tool": {"type": "tool_reference", "name": "Nope"}},
+     "tool.name"),
+])
+def test_a_malformed_tool_change_is_a_400_naming_its_field(block, param):
+    body = {"model": "m", "tools": [{"name": "Read", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "system", "content": [CHANGES["content"][0], block]}]}
+    body["tools"].append({"name": "WebFetch", "input_schema": {"type": "object"}})
+    for parse, extra in ((anthropic.parse_request, {"max_tokens": 4}),
+                         (anthropic.parse_count_request, {})):
+        with pytest.raises(ApiError) as e:
+            parse(json.dumps({**body, **extra}).encode())
+        assert (e.value.status, e.value.param) == (400, f"messages[1].content[1].{param}")
