@@ -71,6 +71,7 @@ class Block(msgspec.Struct, kw_only=True):
 class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: AOutputConfig | None = None  # a system message's: effort from there on
 
 
 class ATool(msgspec.Struct, kw_only=True):
@@ -325,16 +326,27 @@ def _thinking(body: MessagesBody | CountTokensBody, req: ParsedRequest) -> None:
 def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
                    caps: RequestCaps) -> None:
     o = body.output_config
-    if o is None:
-        return
-    if o.effort is not None:
-        req.reasoning_effort = {"xhigh": "high", "max": "high"}.get(o.effort, o.effort)
-    if o.format is not None:
+    if o is not None and o.effort is not None:
+        req.reasoning_effort = _effort(o.effort)
+    for i, m in enumerate(body.messages):  # Claude Code's per-turn effort: the latest holds
+        if m.output_config is None:
+            continue
+        param = f"messages[{i}].output_config"
+        if m.role != "system" or m.output_config.format is not None:
+            raise unsupported(param if m.role != "system" else param + ".format",
+                              "an `output_config` other than a `system` message's `effort`")
+        if m.output_config.effort is not None:
+            req.reasoning_effort = _effort(m.output_config.effort)
+    if o is not None and o.format is not None:
         if req.constraint is not None:
             raise bad_request("`output_config.format` cannot be combined with a forced "
                               "`tool_choice`", "output_config.format")
         agent_request.constrain_to_schema(req, o.format.schema, "output_config.format.schema",
                                           caps)
+
+
+def _effort(effort: str) -> str:
+    return {"xhigh": "high", "max": "high"}.get(effort, effort)
 
 
 def _prefill(body: CountTokensBody, req: ParsedRequest) -> None:

@@ -106,3 +106,39 @@ def test_a_malformed_tool_change_is_a_400_naming_its_field(block, param):
         with pytest.raises(ApiError) as e:
             parse(json.dumps({**body, **extra}).encode())
         assert (e.value.status, e.value.param) == (400, f"messages[1].content[1].{param}")
+
+
+@pytest.mark.parametrize("parse, drop", [(anthropic.parse_request, ()),
+                                         (anthropic.parse_count_request, ("max_tokens", "stream"))])
+def test_a_system_messages_effort_holds_from_there_on(parse, drop):
+    """Claude Code's per-turn effort: a mid-conversation `system` message (its content may be
+    empty) carrying `output_config.effort`; the latest one holds over the top-level one, for
+    the reply and for count_tokens alike."""
+    before, _ = bodies()
+    for content in ("", CHANGES["content"]):
+        msgs = [*before["messages"], {"role": "system", "content": content,
+                                      "output_config": {"effort": "low"}}]
+        body = {k: v for k, v in {**before, "messages": msgs,
+                                  "output_config": {"effort": "high"}}.items()
+                if k not in drop}
+        if content:
+            body["tools"] = [*before["tools"], LATE]
+        assert parse(json.dumps(body).encode()).reasoning_effort == "low"
+
+
+HI = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+@pytest.mark.parametrize("msgs, param", [
+    ([*HI, {"role": "user", "content": "go", "output_config": {"effort": "low"}}],
+     "messages[2].output_config"),
+    ([*HI, {"role": "user", "content": "go"}, {"role": "system", "content": "x",
+                                               "output_config": {"format": {
+                                                   "type": "json_schema",
+                                                   "schema": {"type": "object"}}}}],
+     "messages[3].output_config.format")])
+def test_an_output_config_elsewhere_is_a_400_naming_it(msgs, param):
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps({"model": "m", "max_tokens": 9,
+                                            "messages": msgs}).encode())
+    assert e.value.status == 400 and param in e.value.message, e.value.message
