@@ -15,7 +15,6 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -27,12 +26,10 @@ def main() -> None:
         raise SystemExit("set TRITON_INTERPRET=1: fla's kernels run here in Triton's interpreter")
     from helexa.checkpoint.shape import read_model_shape
     from helexa.checkpoint.step_memory import layer_token_bytes, step_activations
-    from helexa.fixtures import tiny
-    from helexa.fixtures.tiny import init_tiny
     from helexa.kernels import fla_gdn as fla
     from helexa.neuron.engine.model_runner import ModelRunner
     from helexa.neuron.engine.seq_input import SeqInput
-    from support.fla_real import interpreter_shims
+    from support.fla_real import interpreter_shims, two_layer_qwen3_5
     from support.live_bytes import LiveBytes
 
     if fla._fla_chunk is None:
@@ -43,20 +40,10 @@ def main() -> None:
     # tests/kernels/test_fla_real.py's to check, and they run before the step, outside
     # what is measured (interpreted, they were most of this script's time)
     fla.probe_fla_chunked = fla.probe_fla_varlen = lambda *args, **kwargs: ""
-    # one layer of each kind, not init_tiny's three Gated DeltaNet layers to one attention:
-    # the peak is one layer's, and each Gated DeltaNet layer's interpreted prefill was ~5 s
-    made = tiny.hybrid_config
-
-    def one_of_each(arch: str, **kw: Any) -> dict:
-        cfg = made(arch, **kw)
-        cfg["text_config"].update(layer_types=["linear_attention", "full_attention"],
-                                  full_attention_interval=2)
-        return cfg
-
-    tiny.hybrid_config = one_of_each
     # wide linear-attention heads beside a narrow MLP and attention: the Gated DeltaNet
     # layer is the step's largest, as the flagship's is
-    path = init_tiny(Path(tempfile.mkdtemp()) / "m", arch="qwen3_5", num_layers=2, hidden_size=64,
+    # and one layer of each kind: the peak is one layer's (the estimate is per layer)
+    path = two_layer_qwen3_5(Path(tempfile.mkdtemp()) / "m", hidden_size=64,
                      num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=64,
                      vocab_size=512, linear_heads=(2, 6), dtype="float16")
     runner = ModelRunner(path, num_blocks=TOKENS // 16 + 2, block_size=16, max_num_seqs=1,
