@@ -76,6 +76,12 @@ def one_line_error(out: subprocess.CompletedProcess, says: str) -> None:
     assert says in out.stderr, out.stderr
 
 
+# The three CLIs' handling is one path whatever field is corrupt (each catches the one
+# GgufError the reader raises; which field says what is tested above, in process): by
+# default one field, three interpreters; `-m slow` all three fields (~20 s of CPU each).
+@pytest.mark.parametrize("bad_gguf", ["tensor_count", *(
+    pytest.param(f, marks=pytest.mark.slow) for f in ("metadata_kv_count", "key_length"))],
+    indirect=True)
 def test_config_check_up_and_neuron_name_a_corrupt_gguf(bad_gguf, tmp_path):
     path, says = bad_gguf
     cfg = neuron_toml(tmp_path, path)

@@ -113,16 +113,37 @@ def _counted(fn: Any, calls: list[dict[str, Any]], kind: str) -> Any:
     return call
 
 
+def two_layer_qwen3_5(out: Path, **kw: Any) -> Path:
+    """init_tiny's qwen3_5 with one Gated DeltaNet layer and one attention layer (its config's
+    layer_types given, its weights made from them), not init_tiny's three of the first to one
+    of the second: each Gated DeltaNet layer's fla kernels, interpreted, take seconds."""
+    from helexa.fixtures import tiny
+
+    made = tiny.hybrid_config
+
+    def one_of_each(arch: str, **kw: Any) -> dict:
+        cfg = made(arch, **kw)
+        cfg["text_config"].update(layer_types=["linear_attention", "full_attention"],
+                                  full_attention_interval=2)
+        return cfg
+
+    tiny.hybrid_config = one_of_each
+    try:
+        return tiny.init_tiny(out, arch="qwen3_5", num_layers=2, **kw)
+    finally:
+        tiny.hybrid_config = made
+
+
 def model(fla: Any) -> dict[str, Any]:
-    """A 4-layer qwen3_5 (3 Gated DeltaNet layers; 2 key heads, 6 value heads of 32: the
-    flagship's group of 3) in fp16: _steps on the torch forms, then on fla's kernels."""
-    from helexa.fixtures.tiny import init_tiny
+    """A 2-layer qwen3_5 (a Gated DeltaNet layer, 2 key heads and 6 value heads of 32: the
+    flagship's group of 3; an attention layer) in fp16: _steps on the torch forms, then on
+    fla's kernels."""
     from helexa.kernels import fla_norm
     from helexa.kernels.backends import gdn
     from helexa.neuron.engine.model_runner import ModelRunner
 
-    path = init_tiny(Path(tempfile.mkdtemp()) / "m", arch="qwen3_5", head_dim=32,
-                     num_layers=4, linear_heads=(2, 6), dtype="float16")
+    path = two_layer_qwen3_5(Path(tempfile.mkdtemp()) / "m", head_dim=32, linear_heads=(2, 6),
+                             dtype="float16")
 
     def runner() -> ModelRunner:
         return ModelRunner(path, num_blocks=16, block_size=8, max_num_seqs=2,

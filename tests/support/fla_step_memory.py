@@ -26,11 +26,10 @@ def main() -> None:
         raise SystemExit("set TRITON_INTERPRET=1: fla's kernels run here in Triton's interpreter")
     from helexa.checkpoint.shape import read_model_shape
     from helexa.checkpoint.step_memory import layer_token_bytes, step_activations
-    from helexa.fixtures.tiny import init_tiny
     from helexa.kernels import fla_gdn as fla
     from helexa.neuron.engine.model_runner import ModelRunner
     from helexa.neuron.engine.seq_input import SeqInput
-    from support.fla_real import interpreter_shims
+    from support.fla_real import interpreter_shims, two_layer_qwen3_5
     from support.live_bytes import LiveBytes
 
     if fla._fla_chunk is None:
@@ -43,7 +42,8 @@ def main() -> None:
     fla.probe_fla_chunked = fla.probe_fla_varlen = lambda *args, **kwargs: ""
     # wide linear-attention heads beside a narrow MLP and attention: the Gated DeltaNet
     # layer is the step's largest, as the flagship's is
-    path = init_tiny(Path(tempfile.mkdtemp()) / "m", arch="qwen3_5", hidden_size=64,
+    # and one layer of each kind: the peak is one layer's (the estimate is per layer)
+    path = two_layer_qwen3_5(Path(tempfile.mkdtemp()) / "m", hidden_size=64,
                      num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=64,
                      vocab_size=512, linear_heads=(2, 6), dtype="float16")
     runner = ModelRunner(path, num_blocks=TOKENS // 16 + 2, block_size=16, max_num_seqs=1,

@@ -30,26 +30,18 @@ def _with_the_sessions_cpu_kernels(cache: Path) -> None:
         shutil.copy2(built, cache / "kernels" / built.name)
 
 
-def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
-    env = {**os.environ, "HELEXA_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    _with_the_sessions_cpu_kernels(tmp_path / "cache")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "helexa.cli", "up", "--port", "0", "--run-dir", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    out: list[str] = []
+def test_up_serves_the_printed_examples_and_ctrl_c_ends_a_stream_and_stops_both(tmp_path):
+    """One `up` from nothing (the tiny default model made in an empty cache) serves what it
+    prints; its neuron batches eight anonymous streams; Ctrl-C twice with a stream in flight
+    ends the stream and stops both daemons gracefully."""
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    _with_the_sessions_cpu_kernels(cache)
+    up = Up("--run-dir", str(run), env={"HELEXA_CACHE": str(cache)})
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            out.append(line)
-            if line.startswith("Ctrl-C stops both."):
-                break
-        text = "".join(out)
+        text = up.read_until("Ctrl-C stops both.")
         assert "HELEXA UP http://127.0.0.1:" in text, text
         assert " model helexa/tiny-qwen3 " in text  # the id local.toml and models.toml use
-        assert (tmp_path / "cache" / "tiny-qwen3" / "config.json").exists()
+        assert (cache / "tiny-qwen3" / "config.json").exists()
         assert "helexa up --model /path/to/checkpoint" in text  # how to serve a real one
         base = re.search(r"HELEXA UP (\S+)/v1", text).group(1)
         import httpx2
@@ -69,21 +61,82 @@ def test_up_serves_the_printed_examples_and_stops_on_ctrl_c(tmp_path):
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=60)
         assert r.returncode == 0 and r.stdout.strip(), r.stderr
-        port = int(re.search(r"127\.0\.0\.1:(\d+)/v1", text).group(1))
+        host, port = re.search(r"HELEXA UP http://([\d.]+):(\d+)/v1", text).groups()
+        assert _anonymous_streams_in_one_batch(run, "helexa/tiny-qwen3") == 8
+        events = _ctrl_c_twice_with_a_stream_in_flight(up, host, int(port))
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rc = proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail("helexa up did not stop on SIGINT")
-    assert rc == 0
+        rc = up.stop()
+    out = "".join(up.lines)
+    # the client is told: [DONE], or an error event; never a stream cut off silently
+    assert events[-1] == "[DONE]" or '"error"' in events[-1], events[-3:]
+    assert rc == 0 and "killed" not in out, out
+    assert "router.stopped" in (run / "router.log").read_text()  # stopped, not killed
+    assert (run / "neuron.token").exists()  # --run-dir given: the folder stays
+    assert run.stat().st_mode & 0o777 == 0o700
     with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
-    neuron_addr = (tmp_path / "run" / "neuron.addr").read_text().strip()
-    host, _, nport = neuron_addr.rpartition(":")
+        socket.create_connection(("127.0.0.1", int(port)), timeout=1).close()
+    neuron_addr = (run / "neuron.addr").read_text().strip()
+    nhost, _, nport = neuron_addr.rpartition(":")
     with pytest.raises(OSError):
-        socket.create_connection((host, int(nport)), timeout=1).close()
+        socket.create_connection((nhost, int(nport)), timeout=1).close()
+
+
+def _anonymous_streams_in_one_batch(run: Path, model: str) -> int:
+    """Eight anonymous 2,000-token streams sent straight to `up`'s neuron: how many it runs
+    at once. Every caller of `helexa up` is anonymous (it configures no API keys): the
+    anonymous cap must not hold the batch to 4 of 8 streams."""
+    import asyncio
+
+    from support.neuron import NeuronClient, chat_request, model_of
+
+    address = (run / "neuron.addr").read_text().strip()
+    token = (run / "neuron.token").read_text().strip()
+
+    async def streams() -> int:
+        async with NeuronClient(address, token) as c:
+            calls = [c.stub.Generate(chat_request(f"anon-{i}", model=model, principal="",
+                                                  max_tokens=2000, ignore_eos=True),
+                                     metadata=c.md)
+                     for i in range(8)]
+            try:
+                st = await c.watch_until(
+                    lambda st: model_of(st, model).running == 8
+                    or model_of(st, model).queued > 0 and model_of(st, model).running >= 4,
+                    timeout_secs=60)
+                return model_of(st, model).running
+            finally:
+                for call in calls:
+                    call.cancel()
+
+    return asyncio.run(streams())
+
+
+def _ctrl_c_twice_with_a_stream_in_flight(up: Up, host: str, port: int) -> list[str]:
+    """A long stream started and flowing, then Ctrl-C twice at once (an impatient user, or
+    `timeout` forwarding its own beside the terminal's): one stop, not a deadlock. The
+    stream's data events, read to its end."""
+    import http.client
+
+    conn = http.client.HTTPConnection(host, port, timeout=120)
+    # long enough that the stream is still going whatever the machine's speed
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "helexa/balanced", "stream": True, "max_tokens": 60000, "ignore_eos": True,
+        "messages": [{"role": "user", "content": "Count forever."}]}),
+        {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events: list[str] = []
+    while not any('"content"' in e for e in events):  # tokens are flowing
+        line = resp.readline().decode()
+        assert line, events
+        if line.startswith("data: "):
+            events.append(line[6:].strip())
+    up.proc.send_signal(signal.SIGINT)
+    up.proc.send_signal(signal.SIGINT)
+    while line := resp.readline().decode():
+        if line.startswith("data: "):
+            events.append(line[6:].strip())
+    return events
 
 
 def test_up_configs_are_valid_and_bad_model_dirs_are_refused(tmp_path, capsys):
@@ -322,48 +375,6 @@ def test_a_failed_model_is_503_model_failed_at_once_and_never_retried_in_a_loop(
     assert len(failed) == 1, failed  # the preload's failure, remembered: no retry storm
 
 
-def test_ctrl_c_with_a_stream_in_flight_ends_the_stream_and_stops_both_gracefully(
-        tmp_path, tiny_checkpoint):
-    import http.client
-
-    # long enough positions that the stream is still going whatever the machine's speed
-    model = tiny_checkpoint("qwen3", max_position_embeddings=65536)
-    run = tmp_path / "run"
-    up = Up("--model", str(model), "--device", "cpu", "--kv-budget-mb", "64", "--run-dir", str(run))
-    try:
-        text = up.read_until("Ctrl-C stops both.")
-        host, port = re.search(r"HELEXA UP http://([\d.]+):(\d+)/v1", text).groups()
-        conn = http.client.HTTPConnection(host, int(port), timeout=120)
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "helexa/balanced", "stream": True, "max_tokens": 60000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "Count forever."}]}),
-            {"Content-Type": "application/json"})
-        resp = conn.getresponse()
-        assert resp.status == 200
-        events: list[str] = []
-        while not any('"content"' in e for e in events):  # tokens are flowing
-            line = resp.readline().decode()
-            assert line, events
-            if line.startswith("data: "):
-                events.append(line[6:].strip())
-        # Ctrl-C twice at once, the stream in flight (an impatient user, or `timeout`
-        # forwarding its own beside the terminal's): one stop, not a deadlock
-        up.proc.send_signal(signal.SIGINT)
-        up.proc.send_signal(signal.SIGINT)
-        while line := resp.readline().decode():
-            if line.startswith("data: "):
-                events.append(line[6:].strip())
-    finally:
-        rc = up.stop()
-    out = "".join(up.lines)
-    # the client is told: [DONE], or an error event; never a stream cut off silently
-    assert events[-1] == "[DONE]" or '"error"' in events[-1], events[-3:]
-    assert rc == 0 and "killed" not in out, out
-    assert "router.stopped" in (run / "router.log").read_text()  # stopped, not killed
-    assert (run / "neuron.token").exists()  # --run-dir given: the folder stays
-    assert run.stat().st_mode & 0o777 == 0o700
-
-
 def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
     # Qwen/Qwen3.5-27B's layout (the multimodal wrapper, Gated DeltaNet + gated attention)
     # at tiny size, through `helexa up --model` with no KV budget given.
@@ -402,39 +413,6 @@ def test_up_serves_a_tiny_model_of_beasts_family_on_cpu(tmp_path):
     finally:
         rc = up.stop()
     assert rc == 0, "".join(up.lines)
-
-
-def test_up_with_no_keys_runs_eight_anonymous_streams_in_one_batch(tmp_path, tiny_model_dir):
-    # every caller of `helexa up` is anonymous (it configures no API keys): the anonymous cap
-    # must not hold the batch to 4 of 8 streams
-    import asyncio
-
-    from support.neuron import NeuronClient, chat_request, model_of, start_neuron
-
-    from helexa.cli.up import write_configs
-
-    neuron_cfg, _ = write_configs(tmp_path, tiny_model_dir, "tiny", 0, "cpu", 64)
-    neuron = start_neuron(neuron_cfg)
-    token = (tmp_path / "neuron.token").read_text().strip()
-
-    async def run() -> int:
-        async with NeuronClient(neuron.address, token) as c:
-            calls = [c.stub.Generate(chat_request(f"anon-{i}", principal="", max_tokens=2000,
-                                                  ignore_eos=True), metadata=c.md)
-                     for i in range(8)]
-            try:
-                st = await c.watch_until(lambda st: model_of(st).running == 8
-                                         or model_of(st).queued > 0 and model_of(st).running >= 4,
-                                         timeout_secs=60)
-                return model_of(st).running
-            finally:
-                for call in calls:
-                    call.cancel()
-
-    try:
-        assert asyncio.run(run()) == 8
-    finally:
-        assert neuron.stop() == 0
 
 
 def test_the_stop_flag_wakes_on_signals_that_land_while_it_wakes():
