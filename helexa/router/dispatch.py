@@ -99,6 +99,7 @@ class Dispatcher:
         self.metrics = metrics
         self.settings = settings
         self._loads: dict[str, asyncio.Task[None]] = {}  # model -> the one Load call this router made
+        self.held: dict[str, int] = {}  # model -> requests waiting here for it to be ready
 
     async def open(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, *,
                    principal: str, kind: str, stream: bool = True) -> OpenStream | Completed:
@@ -114,7 +115,11 @@ class Dispatcher:
             if not candidates:
                 if refusal is not None:
                     raise refusal  # nobody else to try: the client sees the neuron's answer
-                await self._await_model(model, principal, wait)
+                self.held[model] = self.held.get(model, 0) + 1  # stream_pressure.py
+                try:
+                    await self._await_model(model, principal, wait)
+                finally:
+                    self.held[model] -= 1
                 continue
             name = rank(candidates, est, key)[0]
             cand = next(c for c in candidates if c.neuron == name)
