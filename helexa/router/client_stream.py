@@ -104,9 +104,10 @@ class PaceMeter:
 
     def look(self, now: float, taken: int, waiting: int) -> str | None:
         """Mark `taken` (all the client took so far) and `waiting` at `now`; why the client is
-        to be ended: over the last window it took nothing of what waited at its start, or,
-        the floor applying (Pace.floor_applies), less than the floor asks of it, less one
-        TAKEN_STEP_BYTES (a steady reader's taking shows in such steps)."""
+        to be ended: over the last window it took nothing of what waited at its start; or,
+        behind all the window (over TAKEN_STEP_BYTES waiting at each mark) and the floor
+        applying (Pace.floor_applies), less than the floor asks, less one TAKEN_STEP_BYTES (a
+        steady reader's taking shows in such steps)."""
         marks, window = self.marks, self.pace.window_secs
         if marks and now - marks[-1][0] < window / MARKS_A_WINDOW:
             return None
@@ -115,13 +116,17 @@ class PaceMeter:
             marks.popleft()  # the last mark a window old stays: the rate is measured from it
         since, then, waited = marks[0]
         got = taken - then
-        # A client that keeps up has little waiting, and takes it at once.
-        if now - since < window or got >= waited:
+        if now - since < window:
             return None
         if got == 0:
-            return f"the client read nothing for {now - since:.0f} s (timeouts.client_write_secs)"
+            return (f"the client read nothing for {now - since:.0f} s "
+                    "(timeouts.client_write_secs)") if waited > 0 else None
+        # A client that caught up in the window (a step or less waited for it at a mark) is
+        # not behind: it takes what the model makes as it comes, however little that is.
+        if min(m[2] for m in marks) <= TAKEN_STEP_BYTES or not self.pace.floor_applies():
+            return None
         floor = self.pace.min_bytes_per_sec * window
-        if got + TAKEN_STEP_BYTES >= min(floor, waited) or not self.pace.floor_applies():
+        if got + TAKEN_STEP_BYTES >= floor:
             return None
         return (f"the client read {got} bytes in {now - since:.0f} s, under {floor:.0f} "
                 f"(less a {TAKEN_STEP_BYTES}-byte step) while requests waited for admission "
@@ -163,12 +168,11 @@ class ClientStream(web.StreamResponse):
         moved on while the client takes enough: cancelled, its connection aborted and
         ClientStalled raised when the client takes too little. (An abort alone would not do:
         the lost connection cancels the handler, aiohttp's handler_cancellation.)"""
-        if (why := self._look()) is not None:
-            self._stall(why)
+        self.check()
         task = asyncio.current_task()
         assert task is not None
         cancelling = task.cancelling()
-        self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick, task)
+        self._timer = asyncio.get_running_loop().call_later(self.look_secs(), self._tick, task)
         try:
             await write(data)
         except asyncio.CancelledError:
@@ -178,12 +182,18 @@ class ClientStream(web.StreamResponse):
         finally:
             self._timer.cancel()
 
-    def _look_secs(self) -> float:
+    def look_secs(self) -> float:
         return min(LOOK_SECS, self.pace.window_secs / 8)
+
+    def check(self) -> None:
+        """What a waiting write does: ClientStalled, the connection aborted, where the
+        client took too little (`_look`)."""
+        if (why := self._look()) is not None:
+            self._stall(why)
 
     def _tick(self, task: asyncio.Task[Any]) -> None:
         if (why := self._look()) is None:
-            self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick,
+            self._timer = asyncio.get_running_loop().call_later(self.look_secs(), self._tick,
                                                                 task)
         elif self._why is None:
             self._why = why

@@ -63,3 +63,10 @@ def test_a_client_that_took_all_that_waited_is_not_cut():
     meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: True))
     assert meter.look(0.0, 0, 100) is None
     assert meter.look(40.0, 100, 0) is None  # it took the 100 bytes; nothing waits
+
+
+def test_a_client_that_keeps_up_with_a_slow_model_is_not_cut_while_requests_wait():
+    # 1 KB/s made, all of it taken at once: under the floor, but never behind
+    meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: True))
+    for t in range(121):
+        assert meter.look(float(t), 1000 * t, 1000 if t % 3 else 0) is None
