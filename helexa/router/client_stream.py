@@ -13,17 +13,20 @@ batch, keeping its KV, and resumes when the client reads again (docs/http.md,
 "Generation requests"). What the wait lacked was an end: a client that reads
 nothing would hold its request's KV until the deadline; and a per-write timer
 (each write waiting at most client_write_secs) was restarted by a trickle that
-let a write finish now and then. So the bound is kept across writes: of what
-waited for it at the start of each window (`Pace.window_secs`,
-`timeouts.client_write_secs`) the client must take something, or all of it if
-less waited; and, while requests wait for admission to its model on its neuron
-or in the router (`Pace.pressed`, stream_pressure.py), `Pace.min_bytes_per_sec`
-(`timeouts.client_min_bytes_per_sec`) a second, less one TAKEN_STEP_BYTES. A
-slow reader nobody waits behind is left alone (a client doing 50 ms of work a
-chunk reads ~3 KB/s, under the default floor, and was cut with no other load).
-Else the write waiting on it is cancelled, the connection aborted and
-`ClientStalled` raised, which ends the handler the way a client that left
-does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
+let a write finish now and then. So the bound is kept across writes, and
+looked at while the stream waits for its paused request too
+(event_replies.with_pings, `check`): over each window (`Pace.window_secs`,
+`timeouts.client_write_secs`) the client must take something of what waited
+for it at the window's start; and, while requests wait for admission to its
+model on its neuron or in the router (`Pace.pressed`, stream_pressure.py), a
+client behind all the window (over TAKEN_STEP_BYTES waiting at each mark) must
+take `Pace.min_bytes_per_sec` (`timeouts.client_min_bytes_per_sec`) a second,
+less one TAKEN_STEP_BYTES (PaceMeter). A slow reader nobody waits behind is
+only paced (a client doing 50 ms of work a chunk reads ~3 KB/s, under the
+default floor, and was cut with no other load). A client that falls short
+has the write waiting on it (or the wait for its request's next message)
+cancelled, its connection aborted and `ClientStalled` raised, which ends the
+handler the way a client that left does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
 them on the neuron and returns their KV. What the client took is what left the
 router: the bytes written, less those the transport and the kernel still hold
 (SIOCOUTQ: unsent or unacknowledged). The transport's buffer alone moves only
