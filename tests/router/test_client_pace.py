@@ -8,7 +8,12 @@ wait for admission behind the stream's (stream_pressure.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
+from typing import Any
+
+from helexa.proto import neuron_pb2 as pb
 from helexa.router.client_stream import Pace, PaceMeter
+from helexa.router.stream_pressure import pressed
 
 WINDOW, FLOOR = 30.0, 4096.0  # the defaults
 LOOPBACK_STEP = 66_560  # bytes, the acknowledgement step measured on loopback
@@ -70,3 +75,17 @@ def test_a_client_that_keeps_up_with_a_slow_model_is_not_cut_while_requests_wait
     meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: True))
     for t in range(121):
         assert meter.look(float(t), 1000 * t, 1000 if t % 3 else 0) is None
+
+
+def test_requests_wait_when_queued_on_the_streams_neuron_or_held_by_the_router():
+    def link(queued: int) -> NS:
+        return NS(model_status=lambda m: pb.ModelStatus(model=m, queued=queued))
+    registry: Any = NS(links={"a": link(0), "b": link(2)})
+    held = {"tiny": 0}
+    on_a, on_b = [NS(neuron="a")], [NS(neuron="b")]
+    assert not pressed(registry, held.__getitem__, "tiny", on_a)
+    assert pressed(registry, held.__getitem__, "tiny", on_b)  # queued where it runs
+    on_a[0].neuron = "b"  # a stream moved (lost before its first token)
+    assert pressed(registry, held.__getitem__, "tiny", on_a)
+    held["tiny"] = 1  # the router holds one for the model (a load, a switch)
+    assert pressed(registry, held.__getitem__, "tiny", [NS(neuron="gone")])
