@@ -120,7 +120,8 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "only taking nothing ends a client. The default is a 32 kbit/s link's: a client on a "
         "slow mobile link (2G EDGE, 25 KB/s) takes several times this, one doing 50 ms of "
         "work on each chunk of a plain token stream takes about 3 KB/s (under it: ended only "
-        "while others wait), and a trickle of 200 bytes every 18 s is a 300th of it.",
+        "while others wait; but its TCP may show it taking nothing for over 30 s, see "
+        "docs/http.md), and a trickle of 200 bytes every 18 s is a 300th of it.",
         RELOAD, ge=0)] = 4096.0
 
 
