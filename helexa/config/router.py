@@ -122,15 +122,21 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client takes nothing of what waits for it for this long (the router's "
         "bounded send buffer stays full) is ended and its neuron call cancelled, which returns "
-        "the request's KV; the window client_min_bytes_per_sec is measured over.",
+        "the request's KV, whether or not other requests wait; the window "
+        "client_min_bytes_per_sec is measured over.",
         RELOAD, gt=0)] = 30.0
     client_min_bytes_per_sec: Annotated[float, field_meta(
-        "Of what waited for it at the start of each client_write_secs, a stream's or whole "
-        "reply's client must take this many bytes a second (all of it, if less waited), or it "
-        "is ended as one that reads nothing; 0: only taking nothing ends it. The default is a "
-        "32 kbit/s link's: a client reading a token stream (a few KB/s, more with logprobs) "
-        "as it comes is not behind it at all, one on a slow mobile link (2G EDGE, 25 KB/s) "
-        "takes several times this, and a trickle of 200 bytes every 18 s is a 300th of it.",
+        "While requests wait for admission behind a stream (its model on its neuron has "
+        "requests queued, or the router holds requests for the model), a client that was "
+        "behind it (over 64 KiB waiting) all of the last client_write_secs must have taken "
+        "this many bytes a second of it, less one 64 KiB step (a slow reader's TCP "
+        "acknowledges in such steps), or it is ended; with nobody waiting a slow reader is "
+        "only paced, never ended for it. A whole reply's client is held to it always. 0: "
+        "only taking nothing ends a client. The default is a 32 kbit/s link's: a client on a "
+        "slow mobile link (2G EDGE, 25 KB/s) takes several times this, one doing 50 ms of "
+        "work on each chunk of a plain token stream takes about 3 KB/s (under it: ended only "
+        "while others wait; but its TCP may show it taking nothing for over 30 s, see "
+        "docs/http.md), and a trickle of 200 bytes every 18 s is a 300th of it.",
         RELOAD, ge=0)] = 4096.0
 
 

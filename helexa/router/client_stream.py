@@ -13,13 +13,20 @@ batch, keeping its KV, and resumes when the client reads again (docs/http.md,
 "Generation requests"). What the wait lacked was an end: a client that reads
 nothing would hold its request's KV until the deadline; and a per-write timer
 (each write waiting at most client_write_secs) was restarted by a trickle that
-let a write finish now and then. So the bound is a rate, kept across writes:
-of what waited for it at the start of each window (`Pace.window_secs`,
-`timeouts.client_write_secs`) the client must take `Pace.min_bytes_per_sec`
-(`timeouts.client_min_bytes_per_sec`) a second, or all of it if less waited;
-else the write waiting on it is cancelled, the connection aborted and
-`ClientStalled` raised, which ends the handler the way a client that left
-does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
+let a write finish now and then. So the bound is kept across writes, and
+looked at while the stream waits for its paused request too
+(event_replies.with_pings, `check`): over each window (`Pace.window_secs`,
+`timeouts.client_write_secs`) the client must take something of what waited
+for it at the window's start; and, while requests wait for admission to its
+model on its neuron or in the router (`Pace.pressed`, stream_pressure.py), a
+client behind all the window (over TAKEN_STEP_BYTES waiting at each mark) must
+take `Pace.min_bytes_per_sec` (`timeouts.client_min_bytes_per_sec`) a second,
+less one TAKEN_STEP_BYTES (PaceMeter). A slow reader nobody waits behind is
+only paced (a client doing 50 ms of work a chunk reads ~3 KB/s, under the
+default floor, and was cut with no other load). A client that falls short
+has the write waiting on it (or the wait for its request's next message)
+cancelled, its connection aborted and `ClientStalled` raised, which ends the
+handler the way a client that left does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
 them on the neuron and returns their KV. What the client took is what left the
 router: the bytes written, less those the transport and the kernel still hold
 (SIOCOUTQ: unsent or unacknowledged). The transport's buffer alone moves only
@@ -31,6 +38,7 @@ would see a steady reader of a few KB/s take nothing for half a minute.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import fcntl
 import socket
 import struct
@@ -52,15 +60,26 @@ WHOLE_CHUNK_BYTES = 256 * 1024  # send_whole's writes
 # and how many marks of it a window keeps at most (its rate is measured between them).
 LOOK_SECS = 1.0
 MARKS_A_WINDOW = 32
+# What a steady reader has taken shows in steps: its kernel reopens its receive window, and
+# so acknowledges more, only once a segment's worth is free (loopback: 66,560-byte steps for
+# a reader of 3.4 KB/s, tcpi_bytes_acked moving with them), so a window may see one step less
+# than it read. The floor is asked less one such step.
+TAKEN_STEP_BYTES = 64 * 1024
 _OUTQ = getattr(termios, "TIOCOUTQ", 0x5411)  # Linux's SIOCOUTQ for a TCP socket
 
 
 @dataclass(frozen=True)
 class Pace:
-    """What a client behind its stream must take: min_bytes_per_sec over each window_secs."""
+    """What a client behind its stream must take: something over each window_secs, and
+    min_bytes_per_sec while `pressed()` says others wait for what its request holds (None:
+    always; stream_pressure.py)."""
 
     window_secs: float
     min_bytes_per_sec: float = 0.0
+    pressed: Callable[[], bool] | None = None
+
+    def floor_applies(self) -> bool:
+        return self.min_bytes_per_sec > 0 and (self.pressed is None or self.pressed())
 
 
 class ClientStalled(ConnectionResetError):
@@ -78,6 +97,45 @@ def _kernel_held(sock: socket.socket | None) -> int:
         return 0
 
 
+class PaceMeter:
+    """A stream's client's taking over the last window, against its Pace."""
+
+    def __init__(self, pace: Pace) -> None:
+        self.pace = pace
+        # (loop time, bytes the client had taken, bytes waiting for it) over the last window
+        self.marks: deque[tuple[float, int, int]] = deque()
+
+    def look(self, now: float, taken: int, waiting: int) -> str | None:
+        """Mark `taken` (all the client took so far) and `waiting` at `now`; why the client is
+        to be ended: over the last window it took nothing of what waited at its start; or,
+        behind all the window (over TAKEN_STEP_BYTES waiting at each mark) and the floor
+        applying (Pace.floor_applies), less than the floor asks, less one TAKEN_STEP_BYTES (a
+        steady reader's taking shows in such steps)."""
+        marks, window = self.marks, self.pace.window_secs
+        if marks and now - marks[-1][0] < window / MARKS_A_WINDOW:
+            return None
+        marks.append((now, taken, waiting))
+        while len(marks) > 1 and marks[1][0] <= now - window:
+            marks.popleft()  # the last mark a window old stays: the rate is measured from it
+        since, then, waited = marks[0]
+        got = taken - then
+        if now - since < window:
+            return None
+        if got == 0:
+            return (f"the client read nothing for {now - since:.0f} s "
+                    "(timeouts.client_write_secs)") if waited > 0 else None
+        # A client that caught up in the window (a step or less waited for it at a mark) is
+        # not behind: it takes what the model makes as it comes, however little that is.
+        if min(m[2] for m in marks) <= TAKEN_STEP_BYTES or not self.pace.floor_applies():
+            return None
+        floor = self.pace.min_bytes_per_sec * window
+        if got + TAKEN_STEP_BYTES >= floor:
+            return None
+        return (f"the client read {got} bytes in {now - since:.0f} s, under {floor:.0f} "
+                f"(less a {TAKEN_STEP_BYTES}-byte step) while requests waited for admission "
+                "(timeouts.client_min_bytes_per_sec over timeouts.client_write_secs)")
+
+
 class ClientStream(web.StreamResponse):
     """A StreamResponse whose writes end the connection when its client, behind, takes
     less than `pace` asks (nothing at all for a window, when min_bytes_per_sec is 0)."""
@@ -87,8 +145,7 @@ class ClientStream(web.StreamResponse):
         self.request = request
         self.pace = pace
         self._sock: socket.socket | None = None
-        # (loop time, bytes the client had taken, bytes waiting for it) over the last window
-        self._marks: deque[tuple[float, int, int]] = deque()
+        self._meter = PaceMeter(pace)
         self._why: str | None = None  # why the connection was aborted
         self._timer: asyncio.TimerHandle | None = None
 
@@ -114,12 +171,11 @@ class ClientStream(web.StreamResponse):
         moved on while the client takes enough: cancelled, its connection aborted and
         ClientStalled raised when the client takes too little. (An abort alone would not do:
         the lost connection cancels the handler, aiohttp's handler_cancellation.)"""
-        if (why := self._look()) is not None:
-            self._stall(why)
+        self.check()
         task = asyncio.current_task()
         assert task is not None
         cancelling = task.cancelling()
-        self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick, task)
+        self._timer = asyncio.get_running_loop().call_later(self.look_secs(), self._tick, task)
         try:
             await write(data)
         except asyncio.CancelledError:
@@ -129,41 +185,32 @@ class ClientStream(web.StreamResponse):
         finally:
             self._timer.cancel()
 
-    def _look_secs(self) -> float:
+    def look_secs(self) -> float:
         return min(LOOK_SECS, self.pace.window_secs / 8)
+
+    def check(self) -> None:
+        """What a waiting write does: ClientStalled, the connection aborted, where the
+        client took too little (`_look`)."""
+        if (why := self._look()) is not None:
+            self._stall(why)
 
     def _tick(self, task: asyncio.Task[Any]) -> None:
         if (why := self._look()) is None:
-            self._timer = asyncio.get_running_loop().call_later(self._look_secs(), self._tick,
+            self._timer = asyncio.get_running_loop().call_later(self.look_secs(), self._tick,
                                                                 task)
         elif self._why is None:
             self._why = why
             task.cancel()
 
     def _look(self) -> str | None:
-        """Mark what the client has taken and what waits for it; why it is to be ended when
-        over the last window it took less than the pace asks of what waited at its start."""
+        """Mark what the client has taken and what waits for it; why it is to be ended
+        (PaceMeter.look), if it is."""
         transport, writer = self.request.transport, self._payload_writer
         if transport is None or writer is None:
             return None
-        marks, now, window = self._marks, asyncio.get_running_loop().time(), self.pace.window_secs
-        if marks and now - marks[-1][0] < window / MARKS_A_WINDOW:
-            return None
         held = transport.get_write_buffer_size() + _kernel_held(self._sock)
-        taken = writer.output_size - held
-        marks.append((now, taken, held))
-        while len(marks) > 1 and marks[1][0] <= now - window:
-            marks.popleft()  # the last mark a window old stays: the rate is measured from it
-        since, then, waiting = marks[0]
-        floor = self.pace.min_bytes_per_sec * window
-        # A client that keeps up has little waiting, and takes it at once.
-        if now - since < window or taken - then >= min(max(floor, 1), waiting):
-            return None
-        if taken == then:
-            return f"the client read nothing for {now - since:.0f} s (timeouts.client_write_secs)"
-        return (f"the client read {taken - then} bytes in {now - since:.0f} s, under "
-                f"{floor:.0f} (timeouts.client_min_bytes_per_sec over "
-                f"timeouts.client_write_secs)")
+        return self._meter.look(asyncio.get_running_loop().time(), writer.output_size - held,
+                                held)
 
     def _stall(self, why: str) -> NoReturn:
         self._why = why
@@ -183,8 +230,9 @@ async def send_whole(request: web.Request, body: bytes | bytearray, headers: dic
     for the socket as a stream's do (and its client held to the same pace). Handed to
     aiohttp whole, the body was joined with the headers and what the socket did not take
     at once copied into the transport's buffer: the reply held twice more (an 81 MB reply
-    of 16 choices with 20 top logprobs)."""
-    resp = ClientStream(request, headers=headers, pace=pace)
+    of 16 choices with 20 top logprobs). Its request has ended, its KV back: what it holds is
+    the router's memory, so the floor applies whether or not requests wait."""
+    resp = ClientStream(request, headers=headers, pace=dataclasses.replace(pace, pressed=None))
     resp.content_type = "application/json"
     resp.content_length = len(body)
     await resp.prepare(request)

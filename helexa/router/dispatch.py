@@ -78,19 +78,23 @@ class Held:
     """One request counted in `helexa_router_held_requests` from its first wait here for its
     model (a load, a profile switch: no neuron's queue sees it) until it stops waiting."""
 
-    def __init__(self, metrics: RouterMetrics) -> None:
+    def __init__(self, metrics: RouterMetrics, counts: dict[str, int]) -> None:
         self.metrics = metrics
+        self.counts = counts  # Dispatcher.held: model -> requests held (stream_pressure.py)
         self.child: Any = None
+        self.model = ""
 
     def start(self, model: str) -> None:
         if self.child is None:
-            self.child = self.metrics.held.labels(model)
+            self.child, self.model = self.metrics.held.labels(model), model
             self.child.inc()
+            self.counts[model] = self.counts.get(model, 0) + 1
 
     def end(self) -> None:
         if self.child is not None:
             self.child.dec()
             self.child = None
+            self.counts[self.model] -= 1
 
 
 class ModelFailed(RuntimeError):
@@ -118,6 +122,7 @@ class Dispatcher:
         self.metrics = metrics
         self.settings = settings
         self._loads: dict[str, asyncio.Task[None]] = {}  # model -> the one Load call this router made
+        self.held: dict[str, int] = {}  # model -> requests waiting here for it to be ready
 
     async def open(self, greq: pb.GenerateRequest, est: Estimate, key: bytes, *,
                    principal: str, kind: str, stream: bool = True) -> OpenStream | Completed:
@@ -128,7 +133,7 @@ class Dispatcher:
         wait = self._wait_bound(greq)
         tried: set[str] = set()
         refusal: ApiError | None = None
-        held = Held(self.metrics)
+        held = Held(self.metrics, self.held)
         try:
             while True:
                 candidates = [c for c in self.registry.candidates(model)

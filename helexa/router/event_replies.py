@@ -147,13 +147,22 @@ def _whole_body(choice: encode.Choice, enc: Encoder, whole: pb.GenerateResponse)
 async def with_pings(messages: AsyncIterator[T], resp: web.StreamResponse,
                      ping: Callable[[], bytes]) -> AsyncIterator[T]:
     """The messages, writing ping() to the client each PING_SECS none arrives. The read
-    runs in a task of its own so that a ping never cancels it halfway."""
-    it = aiter(messages)
+    runs in a task of its own so that a ping never cancels it halfway. Meanwhile a
+    ClientStream's client is looked at as a waiting write's is (ClientStream.check): a
+    paused request waits here, not in a write, while its client drains what was written."""
+    it, loop = aiter(messages), asyncio.get_running_loop()
+    checked = resp if isinstance(resp, ClientStream) else None
+    every = checked.look_secs() if checked is not None else PING_SECS
     while True:
         nxt = asyncio.ensure_future(anext(it))
         try:
-            while not (await asyncio.wait({nxt}, timeout=PING_SECS))[0]:
-                await resp.write(ping())
+            ping_at = loop.time() + PING_SECS
+            while not (await asyncio.wait({nxt}, timeout=min(every, PING_SECS)))[0]:
+                if checked is not None:
+                    checked.check()
+                if loop.time() >= ping_at:
+                    await resp.write(ping())
+                    ping_at = loop.time() + PING_SECS
             msg = nxt.result()
         except StopAsyncIteration:
             return

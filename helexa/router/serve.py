@@ -42,9 +42,10 @@ from helexa.router import (
     reply_check,
     responses_api,
     responses_encode,
+    stream_pressure,
 )
 from helexa.router.agent_output import OutputParser
-from helexa.router.client_stream import ClientStalled, ClientStream, send_whole
+from helexa.router.client_stream import ClientStalled, ClientStream, Pace, send_whole
 from helexa.router.errors import MAX_MESSAGE_CHARS, ApiError, clip
 from helexa.router.event_replies import (
     SSE_HEADERS,
@@ -181,6 +182,8 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                    for k, sub in enumerate(prompts) for i in range(req.n)]
         streams = [c for c in calls if isinstance(c, OpenStream)]
         headers = _headers(req, calls[0], req_id)
+        pace = stream_pressure.pace_for(state.client_pace, state.registry,
+                                        lambda m: state.dispatcher.held.get(m, 0), model, calls)
         if kind in _PARSERS:
             enc = _encoder(kind, req, model, calls[0], choices[0].parser)
             series, last = state.metrics.model(label), [0.0]
@@ -189,10 +192,10 @@ async def handle(request: web.Request, kind: Kind) -> web.StreamResponse:
                 request, req.stream, choices[0], calls[0], enc, headers, log, req_id,
                 functools.partial(state.work_pool.run, principal, share=False),
                 on_message=lambda msg: _timing(series, t0, last, msg),
-                pace=state.client_pace, deadline_secs=state.request_secs)
+                pace=pace, deadline_secs=state.request_secs)
         elif req.stream:
             resp = await _stream(request, env, choices, streams, state,
-                                 state.metrics.model(label), t0, req_id, headers)
+                                 state.metrics.model(label), t0, req_id, headers, pace)
         else:
             # Off the loop: 16 choices with top_logprobs are tens of MB of JSON. Counted, never
             # refused for the principal's share: the tokens are made (work_pool.py).
@@ -345,8 +348,9 @@ def _reply(env: encode.Envelope, choices: list[encode.Choice],
 
 async def _stream(request: web.Request, env: encode.Envelope, choices: list[encode.Choice],
                   streams: list[OpenStream], state: RouterState, series: ModelSeries,
-                  t0: float, req_id: str, headers: dict[str, str]) -> web.StreamResponse:
-    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, pace=state.client_pace)
+                  t0: float, req_id: str, headers: dict[str, str],
+                  pace: Pace) -> web.StreamResponse:
+    resp = ClientStream(request, headers={**SSE_HEADERS, **headers}, pace=pace)
     await resp.prepare(request)
     for c in choices:
         if (chunk := encode.first_chunk(env, c)) is not None:
