@@ -63,7 +63,7 @@ class RouterState:
         self.connections = ConnectionGate(self.metrics)  # server.max_connections (conn_gate.py)
         self.dispatcher = Dispatcher(self.registry, self.metrics, DispatchSettings(["*"], 60, 600))
         self.status = StatusBoard(self.registry, self.metrics.refusals, self.metrics.requests,
-                                  self.metrics.in_progress, self.metrics.held)
+                                  self.metrics.in_progress, self.dispatcher.held)
         self.max_body_bytes = cfg.server.max_body_bytes
         self.models_created: dict[str, int] = {}  # /v1/models' `created` (fleet_view.created)
         self.read_timeout_secs = cfg.server.read_timeout_secs

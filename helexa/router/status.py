@@ -56,15 +56,6 @@ def counter_values(counter: Counter) -> Counts:
     return out
 
 
-def held_counts(gauge: Gauge | None) -> dict[str, int]:
-    """{model: requests the router holds for it now} of helexa_router_held_requests, the
-    models with none left out."""
-    if gauge is None:
-        return {}
-    return {s.labels["model"]: int(s.value) for family in gauge.collect()
-            for s in family.samples if s.value > 0}
-
-
 def gauge_value(gauge: Gauge) -> float:
     """The value of an unlabelled prometheus Gauge."""
     return next(s.value for family in gauge.collect() for s in family.samples)
@@ -167,13 +158,14 @@ class StatusBoard:
     """What /status.json says, from the registry and the router's metrics."""
 
     def __init__(self, registry: Registry, refusals: Counter, answers: Counter,
-                 in_progress: Gauge, held: Gauge | None = None) -> None:
+                 in_progress: Gauge, held: dict[str, int] | None = None) -> None:
         self.registry = registry
         self.started = time.monotonic()
         self.neuron_refusals = CounterWindow(refusals)  # labels neuron, model, code
         self.answers = CounterWindow(answers)  # labels model, code (HTTP status)
         self.in_progress = in_progress
-        self.held = held  # labels model: requests waiting here for their model (dispatch.Held)
+        # model -> requests waiting here for it (Dispatcher.held, counted by dispatch.Held)
+        self.held = held if held is not None else {}
         self._task: asyncio.Task[None] | None = None
 
     def snapshot(self) -> dict[str, Any]:
@@ -186,7 +178,7 @@ class StatusBoard:
             "router": {"version": __version__, "unix_ms": int(time.time() * 1000),
                        "uptime_secs": round(now - self.started, 1),
                        "in_progress": int(gauge_value(self.in_progress)),
-                       "held": held_counts(self.held)},
+                       "held": {m: n for m, n in self.held.items() if n > 0}},
             "neurons": [neuron_view(link, now)
                         for _, link in sorted(self.registry.links.items())],
             "refusals": {"neuron": _refusals(self.neuron_refusals, ("neuron", "model", "code"),

@@ -40,7 +40,7 @@ import msgspec
 
 from helexa.neuron.engine.messages import ImageInput
 from helexa.neuron.engine.request import Request
-from helexa.neuron.engine.vision_pace import VisionPace, load, sync
+from helexa.neuron.engine.vision_pace import sync
 
 if TYPE_CHECKING:
     from helexa.neuron.engine.engine_core import EngineCore
@@ -116,11 +116,6 @@ def _pending(req: Request, encoded: int) -> int | None:
         if req.images.spans[j].image.end > req.num_computed_tokens:
             return j
     return None
-
-
-def load_pace(core: EngineCore, logger: Any = None) -> VisionPace | None:
-    """At load: the tower's depth where steps split it, and its measured budget a step."""
-    return load(core, logger)
 
 
 def run(core: EngineCore, slices: list[EncodeSlice]) -> None:

@@ -51,6 +51,7 @@ from helexa.neuron.engine.scheduler import Scheduler, StepPlan
 from helexa.neuron.engine.spec import EngineSpec, check_pool
 from helexa.neuron.engine.speculative.speculator import Speculator
 from helexa.neuron.engine.step_inputs import StepResult, lay_out, pick_tokens
+from helexa.neuron.engine.vision_pace import load as load_vision_pace
 from helexa.refusal import Refusal
 
 _EWMA_ALPHA = 0.2
@@ -83,7 +84,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.limits.max_slots, self.limits.max_batched_tokens,
                                    self.limits.prefill_chunk_tokens, scoring_rows=prompt_logprobs
                                    .allowance(self.runner, self.limits.max_slots))
-        self.vision_pace = enc.load_pace(self, logger)  # the tower's budget a step
+        self.vision_pace = load_vision_pace(self, logger)  # the tower's budget a step
         if self.pool.snapshots is not None:  # hybrids: chunks end where snapshots are kept
             self.scheduler.snapshot_block_tokens = spec.block_size
             self.scheduler.snapshot_every_tokens = spec.snapshot_every_tokens
