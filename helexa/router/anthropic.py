@@ -238,7 +238,8 @@ def _tool_result(b: Block, param: str, tools: list[ATool]) -> Turn:
     refs: list[tuple[str | None, str]] = []  # consecutive references: one <functions> block
     for j, x in enumerate([*b.content, Block(type="")]):
         if refs and x.type != "tool_reference":
-            parts.append(tool_reference.functions_block(refs, tools, clear=True))
+            parts.append(tool_reference.functions_block(refs, tools))
+            refs = []
         if x.type == "text":
             parts.append(x.text or "")
         elif x.type == "image":

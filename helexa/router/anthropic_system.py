@@ -27,7 +27,7 @@ import msgspec
 from helexa.router.errors import ApiError, bad_request, unsupported
 from helexa.router.openai_api import Turn
 from helexa.router.request_model import decode_as
-from helexa.router.tool_reference import function_line, functions
+from helexa.router.tool_reference import function_line, functions, listed
 
 CHANGES = ("tool_addition", "tool_removal")
 
@@ -135,11 +135,8 @@ def split(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> tu
             adding.append(function_line(_definition(target, f"{param}[{j}].tool.definition",
                                                     tool_type)))
             continue
-        t = next((t for t in tools if t.name == target), None)
-        if t is None:
-            raise bad_request(f"`{param}[{j}].tool.name`: tool `{target}` is not in `tools`; "
-                              "a tool a change references must be listed",
-                              f"{param}[{j}].tool.name")
+        t = listed(tools, target, f"{param}[{j}].tool.name",
+                   "a tool a change references must be listed")
         if b.type == "tool_addition":
             adding.append(function_line(t))
         else:

@@ -22,24 +22,25 @@ from typing import Any
 from helexa.router.errors import bad_request
 
 
-def functions_block(refs: list[tuple[str | None, str]], tools: Sequence[Any],
-                    clear: bool = False) -> str:
+def functions_block(refs: list[tuple[str | None, str]], tools: Sequence[Any]) -> str:
     """The `<functions>` text of consecutive references, each (tool_name, its block's param),
-    emptying refs where clear says so (the caller collects the next run in it), from the
-    tools the request lists (`name`, `description`, `input_schema`)."""
+    from the tools the request lists (`name`, `description`, `input_schema`)."""
     lines = []
     for name, param in refs:
         if not name:
             raise bad_request(f"`{param}.tool_name` is required", f"{param}.tool_name")
-        t = next((t for t in tools if t.name == name), None)
-        if t is None:
-            raise bad_request(f"`{param}.tool_name`: tool `{name}` is not in `tools`; a "
-                              "referenced tool must be listed (with `defer_loading`)",
-                              f"{param}.tool_name")
+        t = listed(tools, name, f"{param}.tool_name",
+                   "a referenced tool must be listed (with `defer_loading`)")
         lines.append(function_line(t))
-    if clear:
-        refs.clear()
     return functions(lines)
+
+
+def listed(tools: Sequence[Any], name: str, param: str, rule: str) -> Any:
+    """The tool of `tools` named `name`, else a 400 naming `param` and the `rule` it broke."""
+    t = next((t for t in tools if t.name == name), None)
+    if t is None:
+        raise bad_request(f"`{param}`: tool `{name}` is not in `tools`; {rule}", param)
+    return t
 
 
 def function_line(t: Any) -> str:
