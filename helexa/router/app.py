@@ -107,7 +107,8 @@ class RouterState:
         self.aliases = aliases
         self.request_secs = cfg.timeouts.request_secs
         self.client_pace = Pace(cfg.timeouts.client_write_secs,
-                                cfg.timeouts.client_min_bytes_per_sec)
+                                cfg.timeouts.client_min_bytes_per_sec,
+                                idle_secs=cfg.timeouts.client_idle_secs)
         self.caps = RequestCaps.of(cfg.limits)
         for pool in (self.work_pool, self.compile_pool):
             # without keys every caller is the one principal: all of it
