@@ -26,16 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import msgspec.inspect as mi
 import tomli_w
 
 from helexa.cli.deploy_targets import LocalTarget, SshTarget, Target
+from helexa.config.diff import Change, changes
 from helexa.config.schema import (
     RESTART,
     ConfigError,
     NeuronConfig,
     RouterConfig,
-    field_apply,
     load_config,
     to_plain,
 )
@@ -132,77 +131,13 @@ def render(source: Path, cfg: msgspec.Struct) -> tuple[str, list[str]]:
 # ------------------------------------------------------------------ comparing
 
 
-def _unwrap(t: Any) -> Any:
-    if isinstance(t, mi.Metadata):
-        t = t.type
-    if isinstance(t, mi.UnionType):
-        arms = [a for a in t.types if not isinstance(a, mi.NoneType)]
-        t = arms[0] if len(arms) == 1 else t
-    return t
-
-
-def leaves(value: Any, t: Any, shown: str = "", path: str = "",
-           out: dict[str, tuple[str, Any]] | None = None) -> dict[str, tuple[str, Any]]:
-    """Flatten plain config data: shown key (`models[Qwen/Qwen3-8B].tp`) -> (schema key, value).
-
-    The schema key (`models.tp`) is what `field_apply` takes; list items are
-    named by their `id` or `name` so inserting a model does not shift the others.
-    """
-    out = {} if out is None else out
-    t = _unwrap(t)
-    if isinstance(t, mi.StructType) and isinstance(value, dict):
-        known = {f.encode_name: f.type for f in t.fields}
-        for k, v in value.items():
-            leaves(v, known.get(k), join(shown, k), join(path, k), out)
-    elif isinstance(t, mi.ListType) and _is_struct(t.item_type) and isinstance(value, list):
-        for i, item in enumerate(value):
-            label = item.get("id", item.get("name", i)) if isinstance(item, dict) else i
-            leaves(item, t.item_type, f"{shown}[{label}]", path, out)
-    elif isinstance(t, mi.DictType) and _is_struct(t.value_type) and isinstance(value, dict):
-        for k, v in value.items():
-            leaves(v, t.value_type, join(shown, k), path, out)
-    else:
-        out[shown] = (path, value)
-    return out
-
-
-def join(a: str, b: str) -> str:
-    return f"{a}.{b}" if a else b
-
-
-def _is_struct(t: Any) -> bool:
-    return isinstance(_unwrap(t), mi.StructType)
-
-
-@dataclass
-class Change:
-    key: str
-    before: Any
-    after: Any
-    apply: str
-
-
 def compare(kind: str, current: str, rendered: str) -> list[Change]:
     """Fields that differ between the host's config and the rendered one."""
-    schema = SCHEMAS[kind]
-    info = mi.type_info(schema)
     try:
-        old = leaves(tomllib.loads(current), info)
+        old = tomllib.loads(current)
     except tomllib.TOMLDecodeError:
-        old = {"(unreadable file on the host)": ("", None)}
-    new = leaves(tomllib.loads(rendered), info)
-    changes = []
-    for key in sorted(old.keys() | new.keys()):
-        (path, before), (_, after) = old.get(key, ("", None)), new.get(key, ("", None))
-        if before == after:
-            continue
-        path = path or new.get(key, ("", None))[0]
-        try:
-            apply = field_apply(schema, path) if path else RESTART
-        except KeyError:  # a key the schema does not know (hand-edited on the host)
-            apply = RESTART
-        changes.append(Change(key, before, after, apply))
-    return changes
+        return [Change("(unreadable file on the host)", None, None, RESTART)]
+    return changes(SCHEMAS[kind], old, tomllib.loads(rendered))
 
 
 def decide(current: str | None, changes: list[Change]) -> tuple[str | None, str]:

@@ -121,10 +121,20 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         RELOAD, gt=0)] = 30.0
     client_write_secs: Annotated[float, field_meta(
         "A stream whose client takes nothing of what waits for it for this long (the router's "
-        "bounded send buffer stays full) is ended and its neuron call cancelled, which returns "
-        "the request's KV, whether or not other requests wait; the window "
-        "client_min_bytes_per_sec is measured over.",
+        "bounded send buffer stays full) while requests wait for admission behind it (as for "
+        "client_min_bytes_per_sec; with nobody waiting: client_idle_secs), or a whole reply's "
+        "client, is ended and its neuron call cancelled, which returns the request's KV; the "
+        "window client_min_bytes_per_sec is measured over.",
         RELOAD, gt=0)] = 30.0
+    client_idle_secs: Annotated[float, field_meta(
+        "A stream whose client takes nothing of what waits for it for this long while nobody "
+        "waits behind it is ended (at least client_write_secs). Its request is paused meanwhile "
+        "and its KV costs nobody anything; once a request waits, client_write_secs and "
+        "client_min_bytes_per_sec apply at once. A slow reader's TCP shows its taking in "
+        "steps (the openai SDK on loopback: 95,232 bytes, 28-38 s apart at 3.4 KB/s), so at "
+        "the default a reader of 320 bytes a second or more is never ended for taking "
+        "nothing while nobody waits (it was at 30 s).",
+        RELOAD, gt=0)] = 300.0
     client_min_bytes_per_sec: Annotated[float, field_meta(
         "While requests wait for admission behind a stream (its model on its neuron has "
         "requests queued, or the router holds requests for the model), a client that was "
@@ -135,8 +145,7 @@ class TimeoutsConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw
         "only taking nothing ends a client. The default is a 32 kbit/s link's: a client on a "
         "slow mobile link (2G EDGE, 25 KB/s) takes several times this, one doing 50 ms of "
         "work on each chunk of a plain token stream takes about 3 KB/s (under it: ended only "
-        "while others wait; but its TCP may show it taking nothing for over 30 s, see "
-        "docs/http.md), and a trickle of 200 bytes every 18 s is a 300th of it.",
+        "while others wait), and a trickle of 200 bytes every 18 s is a 300th of it.",
         RELOAD, ge=0)] = 4096.0
 
 

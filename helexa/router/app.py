@@ -23,7 +23,9 @@ from typing import Any
 
 from aiohttp import web
 
+from helexa.config.diff import changes
 from helexa.config.schema import (
+    RESTART,
     ConfigError,
     RouterConfig,
     load_router_config,
@@ -36,7 +38,7 @@ from helexa.router import cors, fleet_view, serve, tokenize
 from helexa.router.aliases import Aliases
 from helexa.router.auth import Authenticator, load_keys_file
 from helexa.router.client_stream import Pace
-from helexa.router.conn_gate import ConnectionGate, check_caps, restart_part
+from helexa.router.conn_gate import ConnectionGate, check_caps
 from helexa.router.dispatch import Dispatcher, DispatchSettings
 from helexa.router.errors import ApiError
 from helexa.router.http_edge import RouterRunner
@@ -107,7 +109,8 @@ class RouterState:
         self.aliases = aliases
         self.request_secs = cfg.timeouts.request_secs
         self.client_pace = Pace(cfg.timeouts.client_write_secs,
-                                cfg.timeouts.client_min_bytes_per_sec)
+                                cfg.timeouts.client_min_bytes_per_sec,
+                                idle_secs=cfg.timeouts.client_idle_secs)
         self.caps = RequestCaps.of(cfg.limits)
         for pool in (self.work_pool, self.compile_pool):
             # without keys every caller is the one principal: all of it
@@ -162,11 +165,8 @@ class RouterState:
         old = self.cfg
         self._commit(cfg, *built)
         self.registry.swap_links(links)
-        if restart_part(cfg.server) != restart_part(old.server):
-            self.log.warning("config.restart_needed", section="server")
-        sized = ("schema_workers", "schema_queue_depth", "compile_workers")
-        if any(getattr(cfg.limits, f) != getattr(old.limits, f) for f in sized):
-            self.log.warning("config.restart_needed", section="limits", fields=list(sized))
+        if waiting := [c.key for c in changes(RouterConfig, old, cfg) if c.apply == RESTART]:
+            self.log.warning("config.restart_needed", fields=waiting)  # the rest applied
         self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],
                       aliases=len(cfg.aliases))
 

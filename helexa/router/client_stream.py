@@ -15,15 +15,17 @@ nothing would hold its request's KV until the deadline; and a per-write timer
 (each write waiting at most client_write_secs) was restarted by a trickle that
 let a write finish now and then. So the bound is kept across writes, and
 looked at while the stream waits for its paused request too
-(event_replies.with_pings, `check`): over each window (`Pace.window_secs`,
-`timeouts.client_write_secs`) the client must take something of what waited
-for it at the window's start; and, while requests wait for admission to its
-model on its neuron or in the router (`Pace.pressed`, stream_pressure.py), a
-client behind all the window (over TAKEN_STEP_BYTES waiting at each mark) must
-take `Pace.min_bytes_per_sec` (`timeouts.client_min_bytes_per_sec`) a second,
-less one TAKEN_STEP_BYTES (PaceMeter). A slow reader nobody waits behind is
-only paced (a client doing 50 ms of work a chunk reads ~3 KB/s, under the
-default floor, and was cut with no other load). A client that falls short
+(event_replies.with_pings, `check`): while requests wait for admission to its
+model on its neuron or in the router (`Pace.pressed`, stream_pressure.py), the
+client must take something of what waits for it within each window
+(`Pace.window_secs`, `timeouts.client_write_secs`) and, behind all the window
+(over TAKEN_STEP_BYTES waiting at each mark), `Pace.min_bytes_per_sec`
+(`timeouts.client_min_bytes_per_sec`) a second, less one TAKEN_STEP_BYTES
+(PaceMeter). A slow reader nobody waits behind is only paced (a client doing
+50 ms of work a chunk reads ~3 KB/s, under the default floor, and was cut with
+no other load), and ended only for taking nothing for `Pace.idle_secs`
+(`timeouts.client_idle_secs`): its TCP may show a steady 3 KB/s as nothing for
+over 30 s (TAKEN_STEP_BYTES), and such a reader was cut. A client that falls short
 has the write waiting on it (or the wait for its request's next message)
 cancelled, its connection aborted and `ClientStalled` raised, which ends the
 handler the way a client that left does: its neuron calls are cancelled (serve.handle's `finally`), which aborts
@@ -77,9 +79,21 @@ class Pace:
     window_secs: float
     min_bytes_per_sec: float = 0.0
     pressed: Callable[[], bool] | None = None
+    idle_secs: float | None = None  # how long taking nothing ends it unpressed (None: a window)
+
+    def waited_for(self) -> bool:
+        return self.pressed is None or self.pressed()
 
     def floor_applies(self) -> bool:
-        return self.min_bytes_per_sec > 0 and (self.pressed is None or self.pressed())
+        return self.min_bytes_per_sec > 0 and self.waited_for()
+
+    def nothing_secs(self) -> float:
+        """How long a client behind may take nothing: a window while others wait for what
+        its request holds (`pressed`), else idle_secs (a slow reader's TCP may show nothing
+        for longer than a window: module docstring)."""
+        if self.idle_secs is None or self.waited_for():
+            return self.window_secs
+        return max(self.window_secs, self.idle_secs)
 
 
 class ClientStalled(ConnectionResetError):
@@ -104,26 +118,36 @@ class PaceMeter:
         self.pace = pace
         # (loop time, bytes the client had taken, bytes waiting for it) over the last window
         self.marks: deque[tuple[float, int, int]] = deque()
+        # (since when, what it had taken then): the client has taken nothing since, something
+        # waiting for it at each mark
+        self.still: tuple[float, int] | None = None
 
     def look(self, now: float, taken: int, waiting: int) -> str | None:
         """Mark `taken` (all the client took so far) and `waiting` at `now`; why the client is
-        to be ended: over the last window it took nothing of what waited at its start; or,
-        behind all the window (over TAKEN_STEP_BYTES waiting at each mark) and the floor
-        applying (Pace.floor_applies), less than the floor asks, less one TAKEN_STEP_BYTES (a
-        steady reader's taking shows in such steps)."""
+        to be ended: it took nothing of what waited for it for Pace.nothing_secs (a window
+        while others wait, else timeouts.client_idle_secs); or, behind all the last window
+        (over TAKEN_STEP_BYTES waiting at each mark) and the floor applying
+        (Pace.floor_applies), less than the floor asks, less one TAKEN_STEP_BYTES (a steady
+        reader's taking shows in such steps)."""
         marks, window = self.marks, self.pace.window_secs
         if marks and now - marks[-1][0] < window / MARKS_A_WINDOW:
             return None
+        if waiting == 0:
+            self.still = None  # caught up: not behind
+        elif self.still is None or taken != self.still[1]:
+            self.still = (now, taken)  # behind, from here
         marks.append((now, taken, waiting))
         while len(marks) > 1 and marks[1][0] <= now - window:
             marks.popleft()  # the last mark a window old stays: the rate is measured from it
-        since, then, waited = marks[0]
+        if self.still is not None and (idle := now - self.still[0]) >= window:
+            if idle >= (bound := self.pace.nothing_secs()):
+                knob = ("client_write_secs" if bound <= window
+                        else "client_idle_secs, nobody waiting behind it")
+                return f"the client read nothing for {idle:.0f} s (timeouts.{knob})"
+        since, then, _ = marks[0]
         got = taken - then
-        if now - since < window:
+        if now - since < window or got == 0:
             return None
-        if got == 0:
-            return (f"the client read nothing for {now - since:.0f} s "
-                    "(timeouts.client_write_secs)") if waited > 0 else None
         # A client that caught up in the window (a step or less waited for it at a mark) is
         # not behind: it takes what the model makes as it comes, however little that is.
         if min(m[2] for m in marks) <= TAKEN_STEP_BYTES or not self.pace.floor_applies():

@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import msgspec
-
 from helexa.config.router import RouterServerConfig
 from helexa.config.schema import ConfigError
 from helexa.fd_limit import fd_limit
@@ -197,8 +195,3 @@ def check_caps(max_connections: int | None) -> None:
     if problem:
         raise ConfigError(problem)
 
-
-def restart_part(server: RouterServerConfig) -> RouterServerConfig:
-    """The server section less what a reload applies (the connection caps)."""
-    return msgspec.structs.replace(server, max_connections=None,
-                                   max_connections_per_address=None)

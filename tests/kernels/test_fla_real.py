@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def report() -> dict:
     if not (FLA / ".installed").exists():
         pytest.skip(f"fla-core is not installed in {FLA} (make setup installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(FLA)}
+    # the checkout's own helexa first (from a worktree the venv's editable install names
+    # another), then fla
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(FLA)])}
     done = subprocess.run([sys.executable, "-P", "-W", "ignore",
                            str(ROOT / "tests/support/fla_real.py")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)

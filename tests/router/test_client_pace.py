@@ -15,8 +15,9 @@ from helexa.proto import neuron_pb2 as pb
 from helexa.router.client_stream import Pace, PaceMeter
 from helexa.router.stream_pressure import pressed
 
-WINDOW, FLOOR = 30.0, 4096.0  # the defaults
+WINDOW, FLOOR, IDLE = 30.0, 4096.0, 300.0  # the defaults
 LOOPBACK_STEP = 66_560  # bytes, the acknowledgement step measured on loopback
+SDK_STEP = 95_232  # the openai SDK's (httpx reads 64 KiB at a time), on loopback
 
 
 def _run(meter: PaceMeter, rate: float, step: int, secs: float = 600.0) -> str | None:
@@ -56,12 +57,55 @@ def test_a_slow_reader_nobody_waits_behind_is_left_alone():
     assert meter.look(61.0, int(1500 * 61) // 1448 * 1448, 1 << 20) is not None
 
 
-def test_a_client_that_reads_nothing_is_cut_with_no_one_waiting():
-    meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: False))
+def test_a_client_that_reads_nothing_is_cut_after_the_idle_bound_with_no_one_waiting():
+    meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: False, idle_secs=IDLE))
     assert meter.look(0.0, 5000, 1 << 20) is None
-    assert meter.look(29.0, 5000, 1 << 20) is None  # not a window yet
-    why = meter.look(31.0, 5000, 1 << 20)
+    assert meter.look(31.0, 5000, 1 << 20) is None  # a window: not yet, nobody waits
+    assert meter.look(299.0, 5000, 1 << 20) is None
+    why = meter.look(301.0, 5000, 1 << 20)
+    assert why is not None and "read nothing for 301 s" in why, why
+    assert "timeouts.client_idle_secs" in why, why
+
+
+def test_a_client_that_reads_nothing_is_cut_after_a_window_once_a_request_waits():
+    waiting = [False]
+    meter = PaceMeter(Pace(WINDOW, 0.0, pressed=lambda: waiting[0], idle_secs=IDLE))
+    assert meter.look(0.0, 5000, 1 << 20) is None
+    assert meter.look(29.0, 5000, 1 << 20) is None
+    assert meter.look(40.0, 5000, 1 << 20) is None  # over a window, nobody waiting
+    waiting[0] = True  # a request waits: taking nothing for a window is enough, at once
+    why = meter.look(41.0, 5000, 1 << 20)
+    assert why is not None and "timeouts.client_write_secs" in why, why
+
+
+def test_a_steady_sdk_reader_whose_steps_are_over_a_window_apart_is_not_cut_unwaited():
+    # The openai SDK on loopback: 95,232-byte steps 28-38 s apart at 3.4 KB/s. It was cut
+    # at 31 s with nobody waiting when the window bounded taking nothing for everyone.
+    for rate in (3400, 2500, 400):
+        meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: False, idle_secs=IDLE))
+        assert _run(meter, rate, SDK_STEP, secs=1200) is None, rate
+    # slower than a step in the idle bound: its taking shows as nothing, and it is cut
+    meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: False, idle_secs=IDLE))
+    why = _run(meter, 250, SDK_STEP, secs=1200)
     assert why is not None and "read nothing" in why, why
+
+
+def test_a_whole_replys_client_is_cut_after_a_window_of_nothing():
+    # pressed=None (client_stream.send_whole): the router's memory holds it, so the window
+    meter = PaceMeter(Pace(WINDOW, FLOOR, idle_secs=IDLE))
+    assert meter.look(0.0, 5000, 1 << 20) is None
+    why = meter.look(31.0, 5000, 1 << 20)
+    assert why is not None and "timeouts.client_write_secs" in why, why
+
+
+def test_taking_nothing_counts_only_while_something_waits():
+    meter = PaceMeter(Pace(WINDOW, FLOOR, pressed=lambda: True, idle_secs=IDLE))
+    assert meter.look(0.0, 5000, 1 << 20) is None
+    assert meter.look(20.0, 5000, 0) is None  # it caught up: nothing waits
+    assert meter.look(21.0, 5000, 100) is None  # a token, not taken yet
+    assert meter.look(45.0, 5000, 100) is None  # 24 s of it: not a window
+    why = meter.look(52.0, 5000, 100)
+    assert why is not None and "read nothing for 31 s" in why, why
 
 
 def test_a_client_that_took_all_that_waited_is_not_cut():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import tomllib
 
+import structlog.testing
 import tomli_w
 
 MSG = [{"role": "user", "content": "hello there"}]
@@ -83,3 +84,28 @@ def test_a_reload_that_changes_the_keepalive_rebuilds_the_links_with_it(fl, tmp_
     finally:
         reload_with(fl, tmp_path, tomli_w.dumps(current).encode())
         fl.wait_healthy()
+
+
+def test_a_reload_names_the_fields_that_wait_for_a_restart_and_applies_the_rest(fl, tmp_path):
+    """Which fields wait is read off the schema's marks (docs/config.md, "apply"), not a list
+    kept by hand: server.max_body_bytes and limits.schema_workers wait, and are named;
+    limits.max_tools and the connection cap apply at once."""
+    current = tomllib.loads(fl.state.config_path.read_text())
+    server, limits = current.get("server", {}), current.get("limits", {})
+    changed = {**current,
+               "server": {**server, "max_body_bytes": 4 * 1024 * 1024, "max_connections": 900},
+               "limits": {**limits, "schema_workers": 3, "max_tools": 7}}
+    try:
+        with structlog.testing.capture_logs() as logs:
+            reload_with(fl, tmp_path, tomli_w.dumps(changed).encode())
+        waiting = [e for e in logs if e["event"] == "config.restart_needed"]
+        assert [e["fields"] for e in waiting] == [["limits.schema_workers",
+                                                   "server.max_body_bytes"]], logs
+        assert fl.state.caps.max_tools == 7 and fl.state.cfg.limits.max_tools == 7
+        assert fl.state.connections.max_connections == 900
+        with structlog.testing.capture_logs() as logs:  # the same file again: nothing waits
+            reload_with(fl, tmp_path, tomli_w.dumps(changed).encode())
+        assert not [e for e in logs if e["event"] == "config.restart_needed"], logs
+    finally:
+        fl.lt.run(fl.state.reload())  # the fleet is the session's: its own config again
+    assert fl.state.cfg.limits.max_tools == limits.get("max_tools", 128)
