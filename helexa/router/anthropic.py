@@ -3,10 +3,10 @@
 The body decodes into msgspec structs (`MessagesBody`) and translates into
 the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
 admission, aliases, limits, the engine's constraints and the template's tool
-rendering are shared: `system` (less Claude Code's billing header), and `system` messages in
-`messages` (Anthropic's mid-conversation system messages, which Claude Code sends; placed
-as Anthropic's rules say, else a 400), become the one system turn, in order (chat templates
-take a system prompt only at the start); `tool_use` blocks an
+rendering are shared: `system` (less Claude Code's billing header) becomes the system
+turn, and `system` messages in `messages` (Anthropic's mid-conversation system messages,
+which Claude Code sends; placed as Anthropic's rules say, else a 400) a `<system>` note where
+each stands (anthropic_system.py); `tool_use` blocks an
 assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
 functions; `tool_choice` auto / any / tool / none the OpenAI choices auto /
@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from helexa.router import agent_request, anthropic_system, images, tool_pairing, tool_reference
 from helexa.router.errors import bad_request, clip, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn, continue_final
+from helexa.router.openai_api import ParsedRequest, Turn, continue_final, place_note
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -176,16 +176,13 @@ def _system(system: str | list[Block]) -> str:
 
 def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     turns: list[Turn] = []
-    system = [] if body.system is None else [_system(body.system)]
+    system = "" if body.system is None else _system(body.system)
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
         if m.role == "system":
             anthropic_system.check_placement(body.messages, i)
-            rest, note = anthropic_system.split(m.content, p, body.tools or [], ATool)
-            if rest or not note:  # a message of changes alone leaves the system prompt be
-                system.append(_text(rest, p))
-            if note:
-                anthropic_system.place(turns, note)
+            if note := anthropic_system.note(m.content, p, body.tools or [], ATool):
+                place_note(turns, note)  # where it stands: the prefix is kept
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
@@ -222,8 +219,8 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
                               reasoning="".join(thought),
                               parts=parts if len(parts) > len(text) else None))
     tool_pairing.check_messages(body.messages)
-    if system:
-        turns.insert(0, Turn(role="system", content="\n\n".join(system)))
+    if body.system is not None:
+        turns.insert(0, Turn(role="system", content=system))
     return turns
 
 

@@ -10,9 +10,13 @@ listed in `tools`, or, with beta `inline-tools-2026-09-15`, `{"type": "tool_addi
 "input_schema"}}}`, a tool `tools` does not list. Anthropic's API offers an added tool to the
 model from that point on and withdraws a removed one. Here the changes become a note at that
 point of the prompt, in the user turn before it (a system turn can stand only at the start
-of a chat template), naming the removed tools and giving each added one's definition in
+of many chat templates), naming the removed tools and giving each added one's definition in
 the `<functions>` encoding of tool_reference.py; so the prompt before it is unchanged and
-the prefix cache still holds it. A tool defined by value is callable from then on, as a
+the prefix cache still holds it. The message's text is in the same note, in order: Anthropic
+places a mid-conversation system message where it stands so that later instructions keep
+the earlier turns' cache; joined to the system prompt at the start, one arriving late
+(or an effort-only one, which added an empty paragraph) changed the prompt's first tokens
+and the whole conversation was prefilled again. A tool defined by value is callable from then on, as a
 deferred tool (out of the prompt's tool list). docs/api.md, "`POST /v1/messages`
 (Anthropic)".
 """
@@ -25,7 +29,6 @@ from typing import Any
 import msgspec
 
 from helexa.router.errors import ApiError, bad_request, unsupported
-from helexa.router.openai_api import Turn
 from helexa.router.request_model import decode_as
 from helexa.router.tool_reference import function_line, functions, listed
 
@@ -115,11 +118,12 @@ def _definition(d: dict[str, Any], param: str, tool_type: type) -> Any:
     return t
 
 
-def split(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> tuple[Any, str]:
-    """A system message's content: (its other blocks, the note its changes make; "" if none)."""
+def note(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> str:
+    """A system message's content as the note it makes where it stands ("" when it has none:
+    an effort alone): its text and its tool changes, in order, in one `<system>` block."""
     if isinstance(content, str):
-        return content, ""
-    rest, lines = [], []
+        return f"<system>\n{content}\n</system>" if content else ""
+    lines = []
     adding: list[str] = []  # consecutive additions: one <functions> block
     for j, b in enumerate([*content, None]):
         if adding and (b is None or b.type != "tool_addition"):
@@ -127,9 +131,12 @@ def split(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> tu
             adding = []
         if b is None:
             break
-        if b.type not in CHANGES:
-            rest.append(b)
+        if b.type == "text":
+            if b.text:
+                lines.append(b.text)
             continue
+        if b.type not in CHANGES:
+            raise unsupported(f"{param}[{j}].type", f"blocks of type `{b.type}` here")
         kind, target = _target(b, f"{param}[{j}]")
         if kind == "tool_definition":
             adding.append(function_line(_definition(target, f"{param}[{j}].tool.definition",
@@ -141,15 +148,4 @@ def split(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> tu
             adding.append(function_line(t))
         else:
             lines.append(f"Tool removed here, not callable from now on: {target}")
-    return rest, "<system>\n" + "\n".join(lines) + "\n</system>" if lines else ""
-
-
-def place(turns: list[Turn], note: str) -> None:
-    """The note at the end of the user turn before it (a new user turn after a tool turn)."""
-    last = turns[-1] if turns else None
-    if last is None or last.role != "user":
-        turns.append(Turn(role="user", content=note))
-        return
-    last.content = f"{last.content}\n\n{note}" if last.content else note
-    if last.parts is not None:
-        last.parts.append(("\n\n" if last.content != note else "") + note)
+    return "<system>\n" + "\n".join(lines) + "\n</system>" if lines else ""

@@ -44,6 +44,21 @@ class Turn:
     parts: list[str | images.ImagePart] | None = None
 
 
+
+def place_note(turns: list[Turn], note: str) -> None:
+    """`note` (a `<system>` block: a mid-conversation system message, tool changes) where it
+    stands: at the end of the user turn before it, else as a user turn of its own (after an
+    assistant's or a tool's). Chat templates take a system turn only at the start, and one
+    joined to the system prompt there would change the prompt's first tokens: each later
+    note would have every earlier turn prefilled again."""
+    last = turns[-1] if turns else None
+    if last is None or last.role != "user":
+        turns.append(Turn(role="user", content=note))
+        return
+    last.content = f"{last.content}\n\n{note}" if last.content else note
+    if last.parts is not None:
+        last.parts.append(("\n\n" if last.content != note else "") + note)
+
 @dataclass
 class ParsedRequest:
     """One validated chat or completion request, independent of the wire format."""

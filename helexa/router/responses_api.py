@@ -4,8 +4,11 @@ The body decodes into msgspec structs (`ResponsesBody`) and translates into
 the one `openai_api.ParsedRequest` the chat front end makes, so admission,
 limits, constraints and the template's tool rendering are shared:
 
-- `instructions`, and `system` / `developer` messages anywhere in `input`,
+- `instructions`, and the `system` / `developer` messages `input` opens with,
   become the one system turn, in order (templates take it only at the start);
+  one after any other item, a `<system>` note where it stands, so the prompt
+  before it is kept and the prefix cache holds it (responses_input.py turns
+  the items into turns);
 - `input` is a string (one user turn) or items: `message` (content a string
   or `input_text` / `output_text` parts, and in a user message `input_image`
   parts with an `image_url`, a data: or http(s) URL, as chat's image_url parts:
@@ -36,16 +39,15 @@ The reply is encoded by responses_encode.py.
 from __future__ import annotations
 
 import functools
-import json
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
 from helexa import grammar
-from helexa.router import agent_request, custom_tools, images, tool_pairing
+from helexa.router import agent_request, custom_tools
 from helexa.router.errors import bad_request, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn
+from helexa.router.openai_api import ParsedRequest
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -53,7 +55,6 @@ from helexa.router.request_model import (
     CacheKey,
     ChatBody,
     FunctionDef,
-    ImageDetail,
     Metadata,
     ModelName,
     NamedFunction,
@@ -63,38 +64,7 @@ from helexa.router.request_model import (
     Tool,
     decode_as,
 )
-
-_TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
-
-
-class Part(msgspec.Struct, kw_only=True):
-    """One content part of an input item: text, or (user messages, tool outputs) an
-    input_image."""
-
-    type: str
-    text: str | None = None
-    image_url: str | None = None  # input_image: a data: URL or an http(s) URL
-    file_id: str | None = None  # input_image from OpenAI's Files API: refused by name
-    detail: ImageDetail | None = None  # input_image: checked as chat's, then ignored
-
-
-class Item(msgspec.Struct, kw_only=True):
-    """One input item; which fields matter depends on `type` (a message may omit it)."""
-
-    type: str = "message"
-    role: str | None = None  # message
-    content: str | list[Part] | None = None  # message, reasoning
-    call_id: str | None = None  # function_call, function_call_output
-    name: str | None = None  # function_call
-    arguments: str | None = None  # function_call
-    input: str | None = None  # custom_tool_call
-    output: str | list[Part] | None = None  # function_call_output, custom_tool_call_output
-    summary: list[Part] | None = None  # reasoning
-    id: Any = None  # accepted: ids of earlier output items
-    status: Any = None
-    phase: Any = None
-    namespace: Any = None
-    encrypted_content: Any = None
+from helexa.router.responses_input import Item, turns_of
 
 
 class RTool(msgspec.Struct, kw_only=True):
@@ -181,7 +151,8 @@ def parse_request(raw: bytes, caps: RequestCaps = DEFAULT_CAPS) -> ParsedRequest
     if b.background:
         raise unsupported("background", "responses are answered in the request")
     repaired: list[str] = []
-    req = ParsedRequest(kind="responses", model=b.model, messages=_turns(b, repaired),
+    turns = turns_of(b.instructions, b.input, repaired)
+    req = ParsedRequest(kind="responses", model=b.model, messages=turns,
                         repaired_calls=repaired, max_tokens=b.max_output_tokens, fit_max_tokens=True,
                         temperature=b.temperature, top_p=b.top_p, stream=bool(b.stream),
                         include_usage=True)
@@ -223,115 +194,6 @@ def echoed(b: ResponsesBody) -> dict[str, Any]:
                        if t.type == "function"},
             "prompt_cache_key": b.prompt_cache_key, "safety_identifier": b.safety_identifier,
             "max_tool_calls": b.max_tool_calls, "top_logprobs": b.top_logprobs or 0}
-
-
-def _text(content: str | list[Part] | None, param: str) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    out = []
-    for j, p in enumerate(content):
-        if p.type not in _TEXT_PARTS and p.type != "refusal":
-            raise unsupported(f"{param}[{j}].type", f"content parts of type `{p.type}`")
-        out.append(p.text or "")
-    return "".join(out)
-
-
-def _parts_turn(role: str, content: str | list[Part] | None, param: str,
-                call_id: str = "") -> Turn:
-    """A user message or a tool's output (a screenshot codex's view_image took): its text,
-    and its parts in order where it holds input_image parts."""
-    if content is None or isinstance(content, str):
-        return Turn(role=role, content=content or "", tool_call_id=call_id)
-    parts: list[str | images.ImagePart] = []
-    for j, part in enumerate(content):
-        q = f"{param}[{j}]"
-        if part.type == "input_image":
-            if part.image_url is None:
-                if part.file_id is not None:
-                    raise unsupported(f"{q}.file_id", "images by file_id (this router has no "
-                                      "Files API); send image_url")
-                raise bad_request(f"`{q}.image_url` is required", f"{q}.image_url")
-            parts.append(images.from_url(part.image_url, f"{q}.image_url"))
-        elif part.type in images.VIDEO_PART_TYPES:
-            raise unsupported(f"{q}.type", f"video content parts (`{part.type}`)")
-        elif part.type in _TEXT_PARTS or part.type == "refusal":
-            parts.append(part.text or "")
-        else:
-            raise unsupported(f"{q}.type", f"content parts of type `{part.type}`")
-    text = "".join(x for x in parts if isinstance(x, str))
-    has_images = any(isinstance(x, images.ImagePart) for x in parts)
-    return Turn(role=role, content=text, tool_call_id=call_id,
-                parts=parts if has_images else None)
-
-
-def _turns(b: ResponsesBody, repaired: list[str]) -> list[Turn]:
-    system = [b.instructions] if b.instructions else []
-    items = [Item(role="user", content=b.input)] if isinstance(b.input, str) else b.input
-    turns: list[Turn] = []
-    calls: list[dict[str, Any]] = []  # the open assistant turn's calls
-    thought: list[str] = []  # reasoning for the next assistant turn
-    for i, it in enumerate(items):
-        p = f"input[{i}]"
-        if it.type not in _CALLS and calls:
-            _close_calls(turns, calls, thought)
-        if it.type == "message":
-            role = it.role or "user"
-            if role in ("system", "developer"):
-                system.append(_text(it.content, f"{p}.content"))
-            elif role == "user":
-                turns.append(_parts_turn("user", it.content, f"{p}.content"))
-            elif role == "assistant":
-                turns.append(Turn(role=role, content=_text(it.content, f"{p}.content"),
-                                  reasoning="".join(thought)))
-                thought.clear()
-            else:
-                raise bad_request(f"`{p}.role`: invalid value `{role}`", f"{p}.role")
-        elif it.type == "function_call":
-            if not it.call_id or not it.name:
-                raise bad_request(f"`{p}` needs `call_id` and `name`", p)
-            args = agent_request.call_arguments(it.arguments or "", f"{p}.arguments", repaired)
-            calls.append({"id": it.call_id, "type": "function", "function": {
-                "name": it.name, "arguments": args or "{}"}})
-        elif it.type == "custom_tool_call":
-            if not it.call_id or not it.name:
-                raise bad_request(f"`{p}` needs `call_id` and `name`", p)
-            calls.append({"id": it.call_id, "type": "function", "function": {
-                "name": it.name, "arguments": custom_tools.arguments_of(it.input or "")}})
-        elif it.type in ("function_call_output", "custom_tool_call_output"):
-            if not it.call_id:
-                raise bad_request(f"`{p}.call_id` is required", f"{p}.call_id")
-            turns.append(_parts_turn("tool", it.output, f"{p}.output", it.call_id))
-        elif it.type == "reasoning":
-            text = _text(it.content, f"{p}.content") or _text(it.summary, f"{p}.summary")
-            thought.append(text)
-        elif it.type == "item_reference":
-            raise bad_request(f"`{p}`: this router keeps no state, so no item can be "
-                              f"referenced; send the item itself", p)
-        else:
-            raise unsupported(f"{p}.type", f"input items of type `{it.type}`")
-    if calls:
-        _close_calls(turns, calls, thought)
-    tool_pairing.check_input(items)
-    if system:
-        turns.insert(0, Turn(role="system", content="\n\n".join(system)))
-    if not any(t.role != "system" for t in turns):
-        raise bad_request("`input` holds no user, assistant or tool item", "input")
-    return turns
-
-
-_CALLS = ("function_call", "custom_tool_call")
-
-
-def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[str]) -> None:
-    """The calls since the last item as one assistant turn (merged into an assistant message
-    right before them: a reply's text and calls are one turn)."""
-    if turns and turns[-1].role == "assistant" and not turns[-1].tool_calls_json:
-        turns[-1].tool_calls_json = json.dumps(calls)
-    else:
-        turns.append(Turn(role="assistant", content="", tool_calls_json=json.dumps(calls),
-                          reasoning="".join(thought)))
-        thought.clear()
-    calls.clear()
 
 
 def _functions(tools: list[RTool], at: str = "tools") -> list[tuple[str, RTool]]:

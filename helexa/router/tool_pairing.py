@@ -141,7 +141,7 @@ _CALLS = {"function_call": "function call", "custom_tool_call": "custom tool cal
 
 
 def check_input(items: list[Any]) -> None:
-    """Responses' `input` items (responses_api.Item): a 400 in OpenAI's words, naming the
+    """Responses' `input` items (responses_input.Item): a 400 in OpenAI's words, naming the
     item (`input[N]`) and the call_id."""
     kinds: dict[str, str] = {}
 

@@ -66,11 +66,41 @@ def test_a_note_after_a_users_text_ends_that_turn():
         {"role": "system", "content": [{"type": "text", "text": "be brief"},
                                        CHANGES["content"][1]]}]}
     req = anthropic.parse_request(json.dumps(body).encode())
-    # text in a system message joins the system prompt, as before; the change stays put
+    # the message's text and its change, in order, in one note where it stands
     assert [(t.role, t.content) for t in req.messages] == [
-        ("system", "S\n\nbe brief"),
-        ("user", "look it up\n\n<system>\nTools added here, callable from now on:\n"
+        ("system", "S"),
+        ("user", "look it up\n\n<system>\nbe brief\nTools added here, callable from now on:\n"
                  f"<functions>\n{line(LATE)}\n</functions>\n</system>")]
+
+
+@pytest.mark.parametrize("parse, drop", [(anthropic.parse_request, ()),
+                                         (anthropic.parse_count_request, ("max_tokens", "stream"))])
+def test_a_later_system_message_keeps_every_token_before_it(parse, drop):
+    """Claude Code's turn (claude_code-4: its environment and skills in a `system` message
+    after the first user message), then the next turn with an instruction and a per-turn
+    effort in later system messages: the first prompt is a prefix of the second, token for
+    message as the template gets them, so the prefix cache holds it all. Joined to the system
+    prompt at the start, each changed the first tokens (an effort-only one added an empty
+    paragraph) and the whole conversation was prefilled again."""
+    first = fixture("claude_code-4")["body"]
+    later = {**first, "messages": [
+        *first["messages"], {"role": "assistant", "content": "Done."},
+        {"role": "user", "content": "now the tests"},
+        {"role": "system", "content": [{"type": "text", "text": "Prefer small commits."}]},
+        {"role": "assistant", "content": "On it."},
+        {"role": "user", "content": "and the docs"},
+        {"role": "system", "content": "", "output_config": {"effort": "low"}}]}
+    a, b = (parse(json.dumps({k: v for k, v in x.items() if k not in drop}).encode())
+            for x in (first, later))
+    for chat in (chat_proto, _count_chat):
+        pa, pb = list(chat(a).messages), list(chat(b).messages)
+        assert pb[:len(pa)] == pa and chat(b).tools_json == chat(a).tools_json
+    system = first["messages"][1]["content"]  # its environment: where it stands, whole
+    assert a.messages[0].role == "system" and system not in a.messages[0].content
+    assert f"<system>\n{system}\n</system>" in a.messages[1].content
+    assert b.messages[-1].content == "and the docs"  # the effort alone is no note
+    assert b.messages[-3].content == "now the tests\n\n<system>\nPrefer small commits.\n</system>"
+    assert b.reasoning_effort == "low"
 
 
 def addition(tool) -> dict:

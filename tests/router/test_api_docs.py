@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from helexa.router import anthropic, request_model, responses_api, tokenize
+from helexa.router import anthropic, request_model, responses_api, responses_input, tokenize
 from helexa.router.app import RouterState, build_app
 
 DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
@@ -15,7 +15,8 @@ STRUCTS = [request_model.ChatBody, request_model.CompletionBody, request_model.M
            request_model.ResponseFormat, request_model.JsonSchemaFormat,
            anthropic.MessagesBody, anthropic.Block, anthropic.AToolChoice, anthropic.AThinking,
            anthropic.AOutputConfig, anthropic.CountTokensBody, tokenize.TokenizeBody,
-           tokenize.DetokenizeBody, responses_api.ResponsesBody, responses_api.Item,
+           tokenize.DetokenizeBody, responses_api.ResponsesBody, responses_input.Item,
+           responses_input.Part,
            responses_api.RTool, responses_api.Reasoning, responses_api.TextFormat,
            responses_api.TextConfig]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from support.agent_fixtures import fixture
 
 from helexa.router import responses_api
 from helexa.router.errors import ApiError
@@ -100,3 +101,37 @@ def test_metadata_and_user_within_the_bounds_are_echoed_as_sent():
     assert req.echoed["metadata"] == meta and req.echoed["user"] == "u" * 256
     bare = responses_api.parse_request(b'{"model": "m", "input": "hi", "metadata": null}')
     assert bare.echoed["metadata"] == {} and bare.echoed["user"] is None
+
+
+def _prompt(raw: dict) -> list[tuple[str, str]]:
+    return [(t.role, t.content) for t in responses_api.parse_request(json.dumps(raw).encode())
+            .messages or []]
+
+
+def test_a_later_developer_message_is_a_note_where_it_stands_and_keeps_the_prompt_before():
+    """codex's opening developer messages make the system turn; one it sends mid-session (new
+    permissions, a changed mode) stands where it was sent, so the prompt before it is the
+    previous request's and the prefix cache holds it. Joined to the system prompt at the
+    start, it changed the first tokens and the whole session was prefilled again."""
+    first = fixture("codex-2")["body"]
+    later = {**first, "input": [
+        *first["input"], {"type": "message", "role": "assistant",
+                          "content": [{"type": "output_text", "text": "Listed."}]},
+        {"type": "message", "role": "developer", "content": "Approvals are now on-request."},
+        {"type": "message", "role": "user", "content": "now read it"}]}
+    a, b = _prompt(first), _prompt(later)
+    assert b[:len(a)] == a
+    assert b[len(a):] == [("assistant", "Listed."),
+                          ("user", "<system>\nApprovals are now on-request.\n</system>"),
+                          ("user", "now read it")]
+
+
+def test_a_note_between_calls_and_their_outputs_waits_for_the_outputs():
+    body = {"model": "m", "input": [
+        {"role": "user", "content": "go"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"role": "developer", "content": "be brief"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
+        "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
+    assert [r for r, _ in _prompt(body)] == ["user", "assistant", "tool", "user"]
+    assert _prompt(body)[-1] == ("user", "<system>\nbe brief\n</system>")

@@ -115,18 +115,21 @@ def test_count_tokens_matches_what_a_request_is_admitted_with(router):
     assert c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens < n
 
 
-def test_system_messages_anywhere_join_the_system_prompt(router):
+def test_a_system_message_is_a_note_where_it_stands(router):
     c = client(router)
-    # Anthropic's mid-conversation system message (Claude Code sends them): one more system
-    # instruction, in order
+    # Anthropic's mid-conversation system message (Claude Code sends them): an instruction
+    # from that point, in the user turn before it, the system prompt untouched
     with_mid = c.messages.create(model="tiny", max_tokens=3, system="Be brief.", messages=[
         *MSGS, {"role": "system", "content": "Answer in French."}])
     assert with_mid.content and with_mid.usage.output_tokens > 0
     n_mid = c.messages.count_tokens(model="tiny", system="Be brief.", messages=[
         *MSGS, {"role": "system", "content": "Answer in French."}]).input_tokens
-    n_top = c.messages.count_tokens(model="tiny", system="Be brief.\n\nAnswer in French.",
-                                    messages=MSGS).input_tokens
-    assert n_mid == n_top  # the same prompt as one system prompt of both, in order
+    *before, last = MSGS
+    noted = [*before, {**last, "content": f"{last['content']}\n\n<system>\nAnswer in French."
+                                          "\n</system>"}]
+    n_note = c.messages.count_tokens(model="tiny", system="Be brief.",
+                                     messages=noted).input_tokens
+    assert n_mid == n_note
 
 
 @pytest.mark.parametrize(("messages", "at", "why"), [

@@ -190,8 +190,11 @@ def test_answer_logprobs_come_on_output_text_whole_and_streamed(router, reasonin
     with c.responses.stream(**kw) as s:
         events = list(s)
     deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
-    assert [(t.token, t.logprob) for t in deltas] == \
-        [(t.token, t.logprob) for t in text.logprobs]  # greedy: the same tokens
+    # greedy: the same tokens; their logprobs to float noise (the second run's prompt comes
+    # from the prefix cache, its prefill a different shape of matmul: not bit for bit)
+    assert [t.token for t in deltas] == [t.token for t in text.logprobs]
+    assert [t.logprob for t in deltas] == pytest.approx([t.logprob for t in text.logprobs],
+                                                        abs=1e-3)
     (done,) = [e for e in events if e.type == "response.output_text.done"]
     assert [t.token for t in done.logprobs] == [t.token for t in text.logprobs]
     without = c.responses.create(**{**kw, "include": []})
