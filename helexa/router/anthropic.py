@@ -72,6 +72,7 @@ class AMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
     output_config: AOutputConfig | None = None  # a system message's: effort from there on
+    clear_at: str | None = None  # a system message's: "next_user_message" (anthropic_system.py)
 
 
 class ATool(msgspec.Struct, kw_only=True):
@@ -179,8 +180,11 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
     system = "" if body.system is None else _system(body.system)
     for i, m in enumerate(body.messages):
         p = f"messages[{i}].content"
+        anthropic_system.check_clear_at(m, i)
         if m.role == "system":
             anthropic_system.check_placement(body.messages, i)
+            if anthropic_system.cleared(body.messages, i):
+                continue  # a reminder for the turn a later user message ended
             if note := anthropic_system.note(m.content, p, body.tools or [], ATool):
                 place_note(turns, note)  # where it stands: the prefix is kept
             continue

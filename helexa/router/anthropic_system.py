@@ -33,6 +33,7 @@ from helexa.router.request_model import decode_as
 from helexa.router.tool_reference import function_line, functions, listed
 
 CHANGES = ("tool_addition", "tool_removal")
+CLEAR_AT = "next_user_message"  # the one `clear_at` a system message may carry
 
 
 def check_placement(messages: Sequence[Any], i: int) -> None:
@@ -40,14 +41,21 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
     system messages; docs/api.md, "`POST /v1/messages` (Anthropic)"): never the first
     entry, right after a user message (helexa runs no server tools, whose use an assistant
     message could end in), never beside another, and last or followed by an assistant
-    turn; a request that breaks one is a 400, as Anthropic's is."""
+    turn; a request that breaks one is a 400, as Anthropic's is. A run of them that holds
+    a turn-scoped one (`clear_at`) stands as one: Claude Code sends its reminder right
+    after the system message it belongs to, and a per-turn effort after both."""
     param = f"messages[{i}].role"
-    before = messages[i - 1].role if i else None
-    after = messages[i + 1].role if i + 1 < len(messages) else None
+    start, end = i, i + 1
+    while start > 0 and messages[start - 1].role == "system":
+        start -= 1
+    while end < len(messages) and messages[end].role == "system":
+        end += 1
+    before = messages[start - 1].role if start else None
+    after = messages[end].role if end < len(messages) else None
     if before is None:
         why = ("cannot be the first entry in `messages`; instructions that apply from the "
                "start go in the top-level `system` field")
-    elif "system" in (before, after):
+    elif end - start > 1 and not any(messages[j].clear_at for j in range(start, end)):
         why = "cannot be next to another `system` message"
     elif before != "user":
         why = f"must follow a `user` message, not an `{before}` one"
@@ -56,6 +64,24 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
     else:
         return
     raise bad_request(f"`{param}`: a `system` message {why}", param)
+
+
+def check_clear_at(m: Any, i: int) -> None:
+    """A 400 naming `messages[i].clear_at` unless it is absent, or `next_user_message` on a
+    system message."""
+    if m.clear_at is None or (m.clear_at == CLEAR_AT and m.role == "system"):
+        return
+    why = (f"expected `{CLEAR_AT}`, not `{m.clear_at}`" if m.role == "system"
+           else "clear_at is only permitted on a `system` message")
+    raise bad_request(f"`messages[{i}].clear_at`: {why}", f"messages[{i}].clear_at")
+
+
+def cleared(messages: Sequence[Any], i: int) -> bool:
+    """Whether `messages[i]` is a turn-scoped system message (`clear_at:
+    "next_user_message"`, Claude Code's reminders) that a later user message cleared: it
+    held for the turn it was sent in, and is no longer in the prompt."""
+    return messages[i].clear_at == CLEAR_AT and any(
+        m.role == "user" for m in messages[i + 1:])
 
 
 def _target(b: Any, param: str) -> tuple[str, Any]:

@@ -172,3 +172,48 @@ def test_an_output_config_elsewhere_is_a_400_naming_it(msgs, param):
         anthropic.parse_request(json.dumps({"model": "m", "max_tokens": 9,
                                             "messages": msgs}).encode())
     assert e.value.status == 400 and param in e.value.message, e.value.message
+
+
+def _reminder(text: str) -> dict:
+    # Claude Code's turn-scoped reminder (beta mid-conversation-system-clear-at-2026-08-21):
+    # pushed right after the system message it belongs to
+    return {"role": "system", "content": text, "clear_at": "next_user_message"}
+
+
+def test_a_turn_scoped_reminder_holds_for_its_turn_and_is_cleared_by_the_next():
+    """Claude Code 2.1.337 sends a reminder for one turn as a `system` message with
+    `clear_at: "next_user_message"`, right after a system message, then a per-turn effort
+    after both: a run of three. The reminder is in the prompt for its own turn; once a user
+    message follows it, it is gone. Before, the field was a 400 that Claude Code did not
+    take for the beta's refusal, and the session stopped."""
+    base = {"role": "system", "content": "Tools changed."}
+    effort = {"role": "system", "content": [], "output_config": {"effort": "low"}}
+    turn = [{"role": "user", "content": "fix it"}, base, _reminder("Plan mode is on."), effort]
+    body = {"model": "m", "max_tokens": 9, "system": "S", "messages": turn}
+    now = anthropic.parse_request(json.dumps(body).encode())
+    assert [(t.role, t.content) for t in now.messages] == [
+        ("system", "S"), ("user", "fix it\n\n<system>\nTools changed.\n</system>\n\n"
+                                  "<system>\nPlan mode is on.\n</system>")]
+    assert now.reasoning_effort == "low"
+    later = {**body, "messages": [*turn, {"role": "assistant", "content": "Done."},
+                                  {"role": "user", "content": "thanks"}]}
+    cleared = anthropic.parse_request(json.dumps(later).encode())
+    assert [(t.role, t.content) for t in cleared.messages] == [
+        ("system", "S"), ("user", "fix it\n\n<system>\nTools changed.\n</system>"),
+        ("assistant", "Done."), ("user", "thanks")]
+
+
+@pytest.mark.parametrize("msgs, param, words", [
+    ([{"role": "user", "content": "hi", "clear_at": "next_user_message"}],
+     "messages[0].clear_at", "only permitted on a `system` message"),
+    ([{"role": "user", "content": "hi"},
+      {"role": "system", "content": "x", "clear_at": "end_of_time"}],
+     "messages[1].clear_at", "expected `next_user_message`"),
+    # without a turn-scoped one, two system messages side by side are still refused
+    ([{"role": "user", "content": "hi"}, {"role": "system", "content": "a"},
+      {"role": "system", "content": "b"}], "messages[1].role", "next to another")])
+def test_a_clear_at_anthropic_would_refuse_is_a_400_naming_it(msgs, param, words):
+    with pytest.raises(ApiError) as e:
+        anthropic.parse_request(json.dumps({"model": "m", "max_tokens": 9,
+                                            "messages": msgs}).encode())
+    assert (e.value.status, e.value.param) == (400, param) and words in e.value.message
