@@ -26,29 +26,12 @@ import functools
 import json
 import re
 from collections.abc import Callable
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from helexa.neuron import token_bound
-
-
-class TemplateError(Exception):
-    """The chat template refused the messages (its raise_exception), or is missing."""
-
-
-def _open_final(text: str, final: dict) -> str:
-    """The rendered chat cut right after its final message's text (transformers'
-    continue_final_message): that message stays open, its end of turn dropped."""
-    content = final.get("content")
-    if isinstance(content, list):  # parts: the last text part
-        content = next((p["text"] for p in reversed(content) if "text" in p), None)
-    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
-        raise TemplateError("the final message to continue has no text the template renders")
-    at = text.rindex(content.strip())
-    whole = text[at:at + len(content.lstrip())] == content  # its trailing space kept
-    return text[:at + len(content.lstrip() if whole else content.strip())]
+from helexa.neuron import system_turns, token_bound
+from helexa.neuron.chat_template import TemplateError, compile_template, open_final
 
 
 def _token_text(value: Any) -> str | None:
@@ -69,30 +52,6 @@ def _read_json(path: Path) -> dict:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-
-
-def _compile_template(source: str) -> Any:
-    """The jinja2 environment of transformers' apply_chat_template."""
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-               separators: Any = None, sort_keys: bool = False) -> str:
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
 
 
 # Sentinels for special-token text inside messages: CJK Extension B ideographs, skipping any
@@ -315,7 +274,7 @@ class Tokenizer:
     def _template(self) -> Any:
         if not self.chat_template:
             raise TemplateError("this model has no chat template; send a plain prompt instead")
-        return _compile_template(self.chat_template)
+        return compile_template(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
                             continue_final_message: bool = False, **kwargs: Any) -> str:
@@ -327,11 +286,21 @@ class Tokenizer:
         continue_final_message: the last message is left open (cut after its text, no
         generation prompt) for the output to continue it, as transformers does.
         """
+        if not self.takes_later_system:  # later system messages as notes (system_turns.py)
+            messages = system_turns.fold(messages)
+        text = self._render(messages, add_generation_prompt and not continue_final_message,
+                            kwargs)
+        return open_final(text, messages[-1]) if continue_final_message else text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool,
+                kwargs: dict[str, Any] | None = None) -> str:
         ctx = {k: v for k, v in self.special_tokens.items() if v is not None}
-        ctx.update(kwargs)
-        text = self._template.render({**ctx, "messages": messages, "add_generation_prompt": (
-            add_generation_prompt and not continue_final_message)})  # (a dict: any key)
-        return _open_final(text, messages[-1]) if continue_final_message else text
+        return self._template.render({**ctx, **(kwargs or {}), "messages": messages,
+                                      "add_generation_prompt": add_generation_prompt})
+
+    @cached_property
+    def takes_later_system(self) -> bool:
+        return system_turns.takes_later_system(lambda messages: self._render(messages, True))
 
     def encode_chat(self, messages: list[dict], /, add_generation_prompt: bool = True,
                     continue_final_message: bool = False, **kwargs: Any) -> list[int]:
