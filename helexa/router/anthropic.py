@@ -183,10 +183,9 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
         anthropic_system.check_clear_at(m, i)
         if m.role == "system":
             anthropic_system.check_placement(body.messages, i)
-            if anthropic_system.cleared(body.messages, i):
-                continue  # a reminder for the turn a later user message ended
-            if text := anthropic_system.text_of(m.content, p, body.tools or [], ATool):
-                place_system(turns, text)  # where it stands: the prefix is kept
+            text = anthropic_system.text_of(m.content, p, body.tools or [], ATool)
+            if text and not anthropic_system.cleared(body.messages, i):  # (else: its turn
+                place_system(turns, text)  # is over) where it stands: the prefix is kept
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
@@ -337,7 +336,7 @@ def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
         if m.role != "system" or m.output_config.format is not None:
             raise unsupported(param if m.role != "system" else param + ".format",
                               "an `output_config` other than a `system` message's `effort`")
-        if m.output_config.effort is not None:
+        if m.output_config.effort is not None and not anthropic_system.cleared(body.messages, i):
             req.reasoning_effort = _effort(m.output_config.effort)
     if o is not None and o.format is not None:
         if req.constraint is not None:

@@ -34,7 +34,8 @@ from helexa.router.request_model import decode_as
 from helexa.router.tool_reference import function_line, functions, listed
 
 CHANGES = ("tool_addition", "tool_removal")
-CLEAR_AT = "next_user_message"  # the one `clear_at` a system message may carry
+CLEAR_AT = "next_user_message"  # a turn-scoped system message's `clear_at`
+KEPT = "never"  # the other value: the message stays (as one without `clear_at`)
 
 
 def check_placement(messages: Sequence[Any], i: int) -> None:
@@ -56,7 +57,8 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
     if before is None:
         why = ("cannot be the first entry in `messages`; instructions that apply from the "
                "start go in the top-level `system` field")
-    elif end - start > 1 and not any(messages[j].clear_at for j in range(start, end)):
+    elif end - start > 1 and not any(messages[j].clear_at == CLEAR_AT
+                                     for j in range(start, end)):
         why = "cannot be next to another `system` message"
     elif before != "user":
         why = f"must follow a `user` message, not an `{before}` one"
@@ -70,9 +72,9 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
 def check_clear_at(m: Any, i: int) -> None:
     """A 400 naming `messages[i].clear_at` unless it is absent, or `next_user_message` on a
     system message."""
-    if m.clear_at is None or (m.clear_at == CLEAR_AT and m.role == "system"):
+    if m.clear_at is None or (m.clear_at in (CLEAR_AT, KEPT) and m.role == "system"):
         return
-    why = (f"expected `{CLEAR_AT}`, not `{m.clear_at}`" if m.role == "system"
+    why = (f"expected `{CLEAR_AT}` or `{KEPT}`, not `{m.clear_at}`" if m.role == "system"
            else "clear_at is only permitted on a `system` message")
     raise bad_request(f"`messages[{i}].clear_at`: {why}", f"messages[{i}].clear_at")
 

@@ -103,7 +103,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
         p = f"input[{i}]"
         if it.type not in _CALLS and calls:
             _close_calls(turns, calls, thought)
-        if notes and it.type == "message" and (it.role or "user") in ("user", "assistant"):
+        if notes and it.type not in _OUTPUTS:  # held past the outputs, no further
             _place(turns, notes)
         if it.type == "message":
             role = it.role or "user"
@@ -157,6 +157,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
 
 
 _CALLS = ("function_call", "custom_tool_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 def _answering(turns: list[Turn]) -> bool:

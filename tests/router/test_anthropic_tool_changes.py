@@ -203,6 +203,13 @@ def test_a_turn_scoped_reminder_holds_for_its_turn_and_is_cleared_by_the_next():
     assert [(t.role, t.content) for t in cleared.messages] == [
         ("system", "S"), ("user", "fix it"), ("system", "Tools changed."),
         ("assistant", "Done."), ("user", "thanks")]
+    # "never": the message stays, as one without clear_at
+    kept = {**body, "messages": [{"role": "user", "content": "fix it"},
+                                 {**_reminder("Plan mode is on."), "clear_at": "never"},
+                                 {"role": "assistant", "content": "Done."},
+                                 {"role": "user", "content": "thanks"}]}
+    assert ("system", "Plan mode is on.") in [
+        (t.role, t.content) for t in anthropic.parse_request(json.dumps(kept).encode()).messages]
 
 
 @pytest.mark.parametrize("msgs, param, words", [

@@ -134,3 +134,19 @@ def test_a_system_message_between_calls_and_their_outputs_waits_for_the_outputs(
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
     assert [r for r, _ in _prompt(body)] == ["user", "assistant", "tool", "system"]
     assert _prompt(body)[-1] == ("system", "be brief")
+
+
+def test_a_developer_message_after_an_output_stays_put_as_the_tool_loop_goes_on():
+    """Request k ends with a call's output and a developer message; request k+1 goes on
+    with another call: the message stands where it was in both (it moved past the next call
+    and its output, so each step of the loop was prefilled again from there)."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    k = [{"role": "user", "content": "go"},
+         {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+         {"type": "function_call_output", "call_id": "a", "output": "1"},
+         {"role": "developer", "content": "be brief"}]
+    k1 = [*k, {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+          {"type": "function_call_output", "call_id": "b", "output": "2"}]
+    first, then = (_prompt({"model": "m", "input": x, "tools": tools}) for x in (k, k1))
+    assert then[:len(first)] == first
+    assert [r for r, _ in then] == ["user", "assistant", "tool", "system", "assistant", "tool"]
