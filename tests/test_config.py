@@ -253,3 +253,14 @@ def test_a_drafter_name_reads_the_same_everywhere():
         Speculation(speculation="eagle")
     with pytest.raises(ValueError, match="--speculation: 'draft:x'.*set per model"):
         parse_drafter("draft:x", "--speculation", per_model=False)
+
+
+def test_two_neurons_of_one_name_are_refused_naming_the_second(tmp_path, capsys):
+    # metrics, logs, the status page and a reload's diff name a neuron by it: two of one
+    # name read as one, and a change to either went unseen
+    path = tmp_path / "router.toml"
+    path.write_text('[[neurons.endpoints]]\nname = "a"\naddress = "127.0.0.1:1"\n'
+                    '[[neurons.endpoints]]\nname = "a"\naddress = "127.0.0.1:2"\n')
+    rc, lines = check(path, capsys)
+    assert rc == 2 and lines == [
+        f"{path}: neurons.endpoints[1].name: expected unique neuron names, a repeats"]

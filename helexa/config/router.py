@@ -45,7 +45,7 @@ class RouterServerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True
         "preflights are answered without a key and every reply carries "
         "Access-Control-Allow-Origin; \"*\" = any page. None by default (vLLM allows any): "
         "a router serving callers without a key would serve every web page its users open "
-        "(docs/http.md, \"CORS\").", RESTART)] = msgspec.field(default_factory=list)
+        "(docs/http.md, \"CORS\").", RELOAD)] = msgspec.field(default_factory=list)
 
 
 class AuthConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -203,6 +203,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
         problem = alias_problem(self.aliases)
         if problem:
             raise ValueError(problem)
+        names = [e.name for e in self.neurons.endpoints]
+        for i, name in enumerate(names):
+            if name in names[:i]:  # metrics, logs and the status page name a neuron by it
+                raise ValueError(f"neurons.endpoints[{i}].name: expected unique neuron names, "
+                                 f"`{name}` repeats")
 
 
 def alias_problem(table: dict[str, str]) -> str:

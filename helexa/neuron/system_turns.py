@@ -7,8 +7,8 @@ it stands (Qwen3's, Llama 3's); others refuse it (Qwen3.5's, the flagship's: "Sy
 message must be at the beginning.", which failed the request) or drop it without a word.
 For those, `fold` keeps the leading system messages as the one system turn and makes each
 later one a `<system>` note where it stands: at the end of the user turn before it, else at
-the start of the next user turn (so an assistant's calls and their tool turns stay
-together, and turns still alternate), else a user turn of its own at the end. The router
+the start of the user message right after it, else a user turn of its own there (after an
+assistant's calls, once their tool turns are done, so they stay together). The router
 renders Anthropic's and Responses' later system messages as the same note
 (helexa/router/openai_api.py, place_note), whatever the template.
 """
@@ -24,20 +24,27 @@ PROBE = "\u2063later system message\u2063"
 
 
 def takes_later_system(render: Callable[[list[dict]], str]) -> bool:
-    """Whether the template renders a system message after a user and an assistant turn
-    (`render`: the template on messages); a refusal or a silent drop: False."""
+    """Whether the template renders a system message after a user and an assistant turn,
+    where it stands (`render`: the template on messages); a refusal, a silent drop, or one
+    moved ahead of the turns before it (to the system prompt, changing the prompt's first
+    tokens): False."""
+    answer = "\u2063an earlier answer\u2063"
     try:
         text = render([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                       {"role": "assistant", "content": "a"},
+                       {"role": "assistant", "content": answer},
                        {"role": "system", "content": PROBE}, {"role": "user", "content": "v"}])
     except Exception:  # the template's raise_exception, or a template that breaks on it
         return False
-    return PROBE in text
+    return PROBE in text and answer in text and text.index(PROBE) > text.index(answer)
 
 
 def fold(messages: list[dict]) -> list[dict]:
     """`messages` with the system messages after the first non-system one as notes
-    (module docstring); the leading ones joined into one. The input is not changed."""
+    (module docstring); the leading ones joined into one. Each note stays where it stands
+    in every later request too (the prefix cache holds the prompt before it): after a user
+    message, at its end; else a user turn of its own there, or the start of the user
+    message right after it; after an assistant's calls, once their tool turns are done.
+    The input is not changed."""
     lead = 0
     while lead < len(messages) and messages[lead].get("role") == "system":
         lead += 1
@@ -47,19 +54,22 @@ def fold(messages: list[dict]) -> list[dict]:
     if lead:
         out.append({**messages[0], "content": "\n\n".join(
             _text(m.get("content")) for m in messages[:lead])} if lead > 1 else messages[0])
-    held: list[str] = []  # notes for the next user turn
+    held: list[str] = []  # notes waiting for the tool turns before them to end
     for m in messages[lead:]:
-        if m.get("role") == "system":
-            note = f"<system>\n{_text(m.get('content'))}\n</system>"
-            if out and out[-1].get("role") == "user" and not held:
-                out[-1] = _with(out[-1], note, at_end=True)
-            else:
-                held.append(note)
-            continue
-        if m.get("role") == "user" and held:
-            m = _with(m, "\n\n".join(held), at_end=False)
+        role = m.get("role")
+        if held and role != "tool" and role != "system":
+            if role == "user":  # the next message: the note opens it
+                m = _with(m, "\n\n".join(held), at_end=False)
+            else:  # an assistant's: the note is a user turn of its own before it
+                out.append({"role": "user", "content": "\n\n".join(held)})
             held = []
-        out.append(m)
+        if role != "system":
+            out.append(m)
+        elif out and out[-1].get("role") == "user" and not held:
+            out[-1] = _with(out[-1], f"<system>\n{_text(m.get('content'))}\n</system>",
+                            at_end=True)
+        else:
+            held.append(f"<system>\n{_text(m.get('content'))}\n</system>")
     if held:
         out.append({"role": "user", "content": "\n\n".join(held)})
     return out

@@ -5,7 +5,7 @@ the one `openai_api.ParsedRequest` the OpenAI chat front end makes, so
 admission, aliases, limits, the engine's constraints and the template's tool
 rendering are shared: `system` (less Claude Code's billing header) becomes the system
 turn, and `system` messages in `messages` (Anthropic's mid-conversation system messages,
-which Claude Code sends; placed as Anthropic's rules say, else a 400) a `<system>` note where
+which Claude Code sends; placed as Anthropic's rules say, else a 400) a system turn where
 each stands (anthropic_system.py); `tool_use` blocks an
 assistant turn's tool calls; `tool_result` blocks tool turns; `thinking`
 blocks the assistant's earlier thought; `tools` (`input_schema`) the
@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from helexa.router import agent_request, anthropic_system, images, tool_pairing, tool_reference
 from helexa.router.errors import bad_request, clip, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn, continue_final, place_note
+from helexa.router.openai_api import ParsedRequest, Turn, continue_final, place_system
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -183,10 +183,9 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
         anthropic_system.check_clear_at(m, i)
         if m.role == "system":
             anthropic_system.check_placement(body.messages, i)
-            if anthropic_system.cleared(body.messages, i):
-                continue  # a reminder for the turn a later user message ended
-            if note := anthropic_system.note(m.content, p, body.tools or [], ATool):
-                place_note(turns, note)  # where it stands: the prefix is kept
+            text = anthropic_system.text_of(m.content, p, body.tools or [], ATool)
+            if text and not anthropic_system.cleared(body.messages, i):  # (else: its turn
+                place_system(turns, text)  # is over) where it stands: the prefix is kept
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
@@ -337,7 +336,7 @@ def _output_config(body: MessagesBody | CountTokensBody, req: ParsedRequest,
         if m.role != "system" or m.output_config.format is not None:
             raise unsupported(param if m.role != "system" else param + ".format",
                               "an `output_config` other than a `system` message's `effort`")
-        if m.output_config.effort is not None:
+        if m.output_config.effort is not None and not anthropic_system.cleared(body.messages, i):
             req.reasoning_effort = _effort(m.output_config.effort)
     if o is not None and o.format is not None:
         if req.constraint is not None:

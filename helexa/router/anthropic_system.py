@@ -8,15 +8,16 @@ Claude Code (2.1.337, beta `mid-conversation-tool-changes-2026-07-01`) sends the
 listed in `tools`, or, with beta `inline-tools-2026-09-15`, `{"type": "tool_addition",
 "tool": {"type": "tool_definition", "definition": {"name", "description",
 "input_schema"}}}`, a tool `tools` does not list. Anthropic's API offers an added tool to the
-model from that point on and withdraws a removed one. Here the changes become a note at that
-point of the prompt, in the user turn before it (a system turn can stand only at the start
-of many chat templates), naming the removed tools and giving each added one's definition in
-the `<functions>` encoding of tool_reference.py; so the prompt before it is unchanged and
-the prefix cache still holds it. The message's text is in the same note, in order: Anthropic
+model from that point on and withdraws a removed one. Here the changes become a system turn
+at that point of the prompt, naming the removed tools and giving each added one's definition
+in the `<functions>` encoding of tool_reference.py, so the prompt before it is unchanged and
+the prefix cache still holds it; the message's text is in the same turn, in order. Anthropic
 places a mid-conversation system message where it stands so that later instructions keep
-the earlier turns' cache; joined to the system prompt at the start, one arriving late
-(or an effort-only one, which added an empty paragraph) changed the prompt's first tokens
-and the whole conversation was prefilled again. A tool defined by value is callable from then on, as a
+the earlier turns' cache; joined to the system prompt at the start, one arriving late (or
+an effort-only one, which added an empty paragraph) changed the prompt's first tokens and
+the whole conversation was prefilled again. A template that takes a system turn only at the
+start gets it as a `<system>` note in the user turn before it (neuron/system_turns.py).
+A tool defined by value is callable from then on, as a
 deferred tool (out of the prompt's tool list). docs/api.md, "`POST /v1/messages`
 (Anthropic)".
 """
@@ -33,7 +34,8 @@ from helexa.router.request_model import decode_as
 from helexa.router.tool_reference import function_line, functions, listed
 
 CHANGES = ("tool_addition", "tool_removal")
-CLEAR_AT = "next_user_message"  # the one `clear_at` a system message may carry
+CLEAR_AT = "next_user_message"  # a turn-scoped system message's `clear_at`
+KEPT = "never"  # the other value: the message stays (as one without `clear_at`)
 
 
 def check_placement(messages: Sequence[Any], i: int) -> None:
@@ -55,7 +57,8 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
     if before is None:
         why = ("cannot be the first entry in `messages`; instructions that apply from the "
                "start go in the top-level `system` field")
-    elif end - start > 1 and not any(messages[j].clear_at for j in range(start, end)):
+    elif end - start > 1 and not any(messages[j].clear_at == CLEAR_AT
+                                     for j in range(start, end)):
         why = "cannot be next to another `system` message"
     elif before != "user":
         why = f"must follow a `user` message, not an `{before}` one"
@@ -69,9 +72,9 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
 def check_clear_at(m: Any, i: int) -> None:
     """A 400 naming `messages[i].clear_at` unless it is absent, or `next_user_message` on a
     system message."""
-    if m.clear_at is None or (m.clear_at == CLEAR_AT and m.role == "system"):
+    if m.clear_at is None or (m.clear_at in (CLEAR_AT, KEPT) and m.role == "system"):
         return
-    why = (f"expected `{CLEAR_AT}`, not `{m.clear_at}`" if m.role == "system"
+    why = (f"expected `{CLEAR_AT}` or `{KEPT}`, not `{m.clear_at}`" if m.role == "system"
            else "clear_at is only permitted on a `system` message")
     raise bad_request(f"`messages[{i}].clear_at`: {why}", f"messages[{i}].clear_at")
 
@@ -144,11 +147,11 @@ def _definition(d: dict[str, Any], param: str, tool_type: type) -> Any:
     return t
 
 
-def note(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> str:
-    """A system message's content as the note it makes where it stands ("" when it has none:
-    an effort alone): its text and its tool changes, in order, in one `<system>` block."""
+def text_of(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> str:
+    """A system message's content as the system turn it makes where it stands ("" when it has
+    none: an effort alone): its text and its tool changes, in order."""
     if isinstance(content, str):
-        return f"<system>\n{content}\n</system>" if content else ""
+        return content
     lines = []
     adding: list[str] = []  # consecutive additions: one <functions> block
     for j, b in enumerate([*content, None]):
@@ -174,4 +177,4 @@ def note(content: Any, param: str, tools: Sequence[Any], tool_type: type) -> str
             adding.append(function_line(t))
         else:
             lines.append(f"Tool removed here, not callable from now on: {target}")
-    return "<system>\n" + "\n".join(lines) + "\n</system>" if lines else ""
+    return "\n".join(lines)

@@ -59,6 +59,7 @@ class RouterState:
 
     def __init__(self, cfg: RouterConfig, config_path: Path | None) -> None:
         self.config_path = config_path
+        self.started = cfg  # what the restart fields run with until a restart (reload)
         self.log = get_logger("router")
         self.registry = Registry([], token=None, unhealthy_after_secs=2.0, reconnect_max_secs=5.0)
         self.metrics = RouterMetrics(lambda: list(self.registry.links.values()))
@@ -162,10 +163,11 @@ class RouterState:
         except ConfigError as e:
             self.log.error("config.reload_refused", error=str(e), kept="running config")
             return
-        old = self.cfg
         self._commit(cfg, *built)
         self.registry.swap_links(links)
-        if waiting := [c.key for c in changes(RouterConfig, old, cfg) if c.apply == RESTART]:
+        # against what it started with: a second reload still names what waits
+        if waiting := [c.key for c in changes(RouterConfig, self.started, cfg)
+                       if c.apply == RESTART]:
             self.log.warning("config.restart_needed", fields=waiting)  # the rest applied
         self.log.info("config.reloaded", neurons=[e.name for e in cfg.neurons.endpoints],
                       aliases=len(cfg.aliases))

@@ -45,19 +45,15 @@ class Turn:
 
 
 
-def place_note(turns: list[Turn], note: str) -> None:
-    """`note` (a `<system>` block: a mid-conversation system message, tool changes) where it
-    stands: at the end of the user turn before it, else as a user turn of its own (after an
-    assistant's or a tool's). Chat templates take a system turn only at the start, and one
-    joined to the system prompt there would change the prompt's first tokens: each later
-    note would have every earlier turn prefilled again."""
-    last = turns[-1] if turns else None
-    if last is None or last.role != "user":
-        turns.append(Turn(role="user", content=note))
-        return
-    last.content = f"{last.content}\n\n{note}" if last.content else note
-    if last.parts is not None:
-        last.parts.append(("\n\n" if last.content != note else "") + note)
+def place_system(turns: list[Turn], text: str) -> None:
+    """A later system message (Anthropic's mid-conversation one, tool changes, a Responses
+    developer message) where it stands: a system turn of its own there, never joined to the
+    system prompt at the start, which would change the prompt's first tokens and have every
+    earlier turn prefilled again. Where the model's template takes a system turn only at
+    the start, the neuron makes it a `<system>` note in the user turn next to it
+    (helexa/neuron/system_turns.py)."""
+    turns.append(Turn(role="system", content=text))
+
 
 @dataclass
 class ParsedRequest:

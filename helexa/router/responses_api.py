@@ -6,7 +6,7 @@ limits, constraints and the template's tool rendering are shared:
 
 - `instructions`, and the `system` / `developer` messages `input` opens with,
   become the one system turn, in order (templates take it only at the start);
-  one after any other item, a `<system>` note where it stands, so the prompt
+  one after any other item, a system turn where it stands, so the prompt
   before it is kept and the prefix cache holds it (responses_input.py turns
   the items into turns);
 - `input` is a string (one user turn) or items: `message` (content a string

@@ -1,7 +1,7 @@
 """Responses' `input` as the turns a chat template takes (responses_api.py's docstring says the
 mapping): its items' structs, and the translation, in order. `instructions` and the `system` /
-`developer` messages `input` opens with make the system turn; a later one is a `<system>`
-note where it stands (openai_api.place_note), held while calls wait for their outputs, so
+`developer` messages `input` opens with make the system turn; a later one is a system turn
+where it stands (openai_api.place_system), held while calls wait for their outputs, so
 the prompt before it is kept and the prefix cache holds it: joined to the system prompt,
 a developer message codex sends mid-session changed the prompt's first tokens.
 """
@@ -15,7 +15,7 @@ import msgspec
 
 from helexa.router import agent_request, custom_tools, images, tool_pairing
 from helexa.router.errors import bad_request, unsupported
-from helexa.router.openai_api import Turn, place_note
+from helexa.router.openai_api import Turn, place_system
 from helexa.router.request_model import ImageDetail
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -103,7 +103,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
         p = f"input[{i}]"
         if it.type not in _CALLS and calls:
             _close_calls(turns, calls, thought)
-        if notes and it.type == "message" and (it.role or "user") in ("user", "assistant"):
+        if notes and it.type not in _OUTPUTS:  # held past the outputs, no further
             _place(turns, notes)
         if it.type == "message":
             role = it.role or "user"
@@ -111,7 +111,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
                 system.append(_text(it.content, f"{p}.content"))
             elif role in ("system", "developer"):
                 if text := _text(it.content, f"{p}.content"):
-                    notes.append(f"<system>\n{text}\n</system>")
+                    notes.append(text)
                     if not _answering(turns):
                         _place(turns, notes)
             elif role == "user":
@@ -157,17 +157,19 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
 
 
 _CALLS = ("function_call", "custom_tool_call")
+_OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 def _answering(turns: list[Turn]) -> bool:
-    """Whether the last turn is calls or their outputs: a note waits for the next message, so
-    no user turn stands between an assistant's calls and the tool turns answering them."""
+    """Whether the last turn is calls or their outputs: a later system message waits for the
+    next message, so nothing stands between an assistant's calls and the tool turns
+    answering them."""
     return bool(turns) and (turns[-1].role == "tool" or bool(turns[-1].tool_calls_json))
 
 
 def _place(turns: list[Turn], notes: list[str]) -> None:
-    for note in notes:
-        place_note(turns, note)
+    for text in notes:
+        place_system(turns, text)
     notes.clear()
 
 

@@ -24,6 +24,13 @@ DROPS = ("{%- for m in messages %}{%- if m.role != 'system' or loop.first %}"
          "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# a template that gathers every system message at the start (DeepSeek-V3's way)
+HOISTS = ("{%- for m in messages if m.role == 'system' %}{{ m.content }}\n{% endfor %}"
+          "{%- for m in messages if m.role != 'system' %}"
+          "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.fixture(scope="module")
 def base(tiny_model_dir: Path) -> Tokenizer:
     return Tokenizer.from_dir(tiny_model_dir)
@@ -55,14 +62,18 @@ def test_a_template_that_renders_them_keeps_its_own_form(base):
     assert "<system>" not in text
 
 
-def test_a_template_that_drops_them_without_a_word_is_given_notes(base):
-    tok = with_template(base, DROPS)
+@pytest.mark.parametrize("template", [DROPS, HOISTS], ids=["drops", "hoists"])
+def test_a_template_that_drops_or_hoists_them_is_given_notes_where_they_stand(base, template):
+    # dropped: the instruction lost; hoisted to the start: the prompt's first tokens change
+    # with each new one, and the whole conversation is prefilled again
+    tok = with_template(base, template)
     assert not tok.takes_later_system
     text = tok.apply_chat_template(CHAT)
-    assert "Answer in French." in text and "Plan mode is on." in text
+    assert text.index("Answer in French.") > text.index("Hi.")
+    assert text.index("Plan mode is on.") > text.index("And now?")
 
 
-def test_fold_keeps_calls_with_their_outputs_and_turns_alternating():
+def test_fold_keeps_calls_with_their_outputs_and_each_note_where_it_stands():
     call = {"role": "assistant", "content": "", "tool_calls": [{"id": "a"}]}
     out = {"role": "tool", "content": "42", "tool_call_id": "a"}
     msgs = [{"role": "system", "content": "S"}, {"role": "system", "content": "T"},
@@ -80,3 +91,26 @@ def test_fold_keeps_calls_with_their_outputs_and_turns_alternating():
     assert msgs[2]["content"] == [{"type": "text", "text": "go"}]  # the input is not changed
     plain = [{"role": "system", "content": "S"}, {"role": "user", "content": "u"}]
     assert system_turns.fold(plain) is plain
+
+
+def test_a_note_stays_put_when_the_conversation_grows_and_before_an_answer_begun(base):
+    """The next request extends the conversation past a note: the note is where it was,
+    not moved past the reply the model wrote after it (which reordered the conversation and
+    changed the prompt before it); and an answer begun (continue_final_message) after a
+    note is what continues, not the note."""
+    tok = with_template(base, QWEN3_5_CHAT_TEMPLATE)
+    call = {"role": "assistant", "content": "",
+            "tool_calls": [{"id": "a", "type": "function",
+                            "function": {"name": "f", "arguments": {}}}]}
+    out = {"role": "tool", "content": "42", "tool_call_id": "a"}
+    k = [{"role": "system", "content": "S"}, {"role": "user", "content": "go"}, call, out,
+         {"role": "system", "content": "Be careful."}]
+    k1 = [*k, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "more"}]
+    first = system_turns.fold(k)
+    assert system_turns.fold(k1)[:len(first)] == first
+    assert [m["role"] for m in system_turns.fold(k1)] == [
+        "system", "user", "assistant", "tool", "user", "assistant", "user"]
+    begun = tok.apply_chat_template([*k, {"role": "assistant", "content": "The answer is"}],
+                                    continue_final_message=True)
+    assert begun.endswith("The answer is")
+    assert begun.index("Be careful.") < begun.index("The answer is")

@@ -42,15 +42,16 @@ def bodies() -> tuple[dict, dict]:
 
 @pytest.mark.parametrize("parse, drop", [(anthropic.parse_request, ()),
                                          (anthropic.parse_count_request, ("max_tokens", "stream"))])
-def test_tool_changes_are_a_note_where_they_stand_and_the_prompt_before_is_kept(parse, drop):
+def test_tool_changes_are_a_system_turn_where_they_stand_and_the_prompt_before_is_kept(
+        parse, drop):
     before, after = (parse(json.dumps({k: v for k, v in b.items() if k not in drop}).encode())
                      for b in bodies())
-    note = ("<system>\nTool removed here, not callable from now on: WebFetch\n"
-            "Tools added here, callable from now on:\n<functions>\n"
-            f"{line(LATE)}\n{line(INLINE)}\n</functions>\n</system>")
-    # the last message made tool turns (its tool_result): the note is a user turn after them
+    changes = ("Tool removed here, not callable from now on: WebFetch\n"
+               "Tools added here, callable from now on:\n<functions>\n"
+               f"{line(LATE)}\n{line(INLINE)}\n</functions>")
+    # after the tool turns its last message made (its tool_result)
     assert after.messages[:-1] == before.messages
-    assert (after.messages[-1].role, after.messages[-1].content) == ("user", note)
+    assert (after.messages[-1].role, after.messages[-1].content) == ("system", changes)
     for chat in (chat_proto, _count_chat):  # a reply's prompt, and count_tokens'
         assert chat(after).tools_json == chat(before).tools_json  # the system prompt's tools
         assert list(chat(after).messages)[:-1] == list(chat(before).messages)
@@ -60,17 +61,17 @@ def test_tool_changes_are_a_note_where_they_stand_and_the_prompt_before_is_kept(
     assert INLINE["name"] in after.deferred_tools
 
 
-def test_a_note_after_a_users_text_ends_that_turn():
+def test_a_system_messages_text_and_changes_are_one_turn_in_order():
     body = {"model": "m", "max_tokens": 9, "system": "S", "tools": [LATE], "messages": [
         {"role": "user", "content": [{"type": "text", "text": "look it up"}]},
         {"role": "system", "content": [{"type": "text", "text": "be brief"},
                                        CHANGES["content"][1]]}]}
     req = anthropic.parse_request(json.dumps(body).encode())
-    # the message's text and its change, in order, in one note where it stands
+    # the message's text and its change, in order, in one system turn where it stands
     assert [(t.role, t.content) for t in req.messages] == [
-        ("system", "S"),
-        ("user", "look it up\n\n<system>\nbe brief\nTools added here, callable from now on:\n"
-                 f"<functions>\n{line(LATE)}\n</functions>\n</system>")]
+        ("system", "S"), ("user", "look it up"),
+        ("system", "be brief\nTools added here, callable from now on:\n"
+                   f"<functions>\n{line(LATE)}\n</functions>")]
 
 
 @pytest.mark.parametrize("parse, drop", [(anthropic.parse_request, ()),
@@ -97,9 +98,10 @@ def test_a_later_system_message_keeps_every_token_before_it(parse, drop):
         assert pb[:len(pa)] == pa and chat(b).tools_json == chat(a).tools_json
     system = first["messages"][1]["content"]  # its environment: where it stands, whole
     assert a.messages[0].role == "system" and system not in a.messages[0].content
-    assert f"<system>\n{system}\n</system>" in a.messages[1].content
-    assert b.messages[-1].content == "and the docs"  # the effort alone is no note
-    assert b.messages[-3].content == "now the tests\n\n<system>\nPrefer small commits.\n</system>"
+    assert (a.messages[2].role, a.messages[2].content) == ("system", system)
+    assert b.messages[-1].content == "and the docs"  # the effort alone makes no turn
+    assert [(t.role, t.content) for t in b.messages[-4:-1]] == [
+        ("user", "now the tests"), ("system", "Prefer small commits."), ("assistant", "On it.")]
     assert b.reasoning_effort == "low"
 
 
@@ -192,15 +194,22 @@ def test_a_turn_scoped_reminder_holds_for_its_turn_and_is_cleared_by_the_next():
     body = {"model": "m", "max_tokens": 9, "system": "S", "messages": turn}
     now = anthropic.parse_request(json.dumps(body).encode())
     assert [(t.role, t.content) for t in now.messages] == [
-        ("system", "S"), ("user", "fix it\n\n<system>\nTools changed.\n</system>\n\n"
-                                  "<system>\nPlan mode is on.\n</system>")]
+        ("system", "S"), ("user", "fix it"), ("system", "Tools changed."),
+        ("system", "Plan mode is on.")]
     assert now.reasoning_effort == "low"
     later = {**body, "messages": [*turn, {"role": "assistant", "content": "Done."},
                                   {"role": "user", "content": "thanks"}]}
     cleared = anthropic.parse_request(json.dumps(later).encode())
     assert [(t.role, t.content) for t in cleared.messages] == [
-        ("system", "S"), ("user", "fix it\n\n<system>\nTools changed.\n</system>"),
+        ("system", "S"), ("user", "fix it"), ("system", "Tools changed."),
         ("assistant", "Done."), ("user", "thanks")]
+    # "never": the message stays, as one without clear_at
+    kept = {**body, "messages": [{"role": "user", "content": "fix it"},
+                                 {**_reminder("Plan mode is on."), "clear_at": "never"},
+                                 {"role": "assistant", "content": "Done."},
+                                 {"role": "user", "content": "thanks"}]}
+    assert ("system", "Plan mode is on.") in [
+        (t.role, t.content) for t in anthropic.parse_request(json.dumps(kept).encode()).messages]
 
 
 @pytest.mark.parametrize("msgs, param, words", [

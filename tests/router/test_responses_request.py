@@ -108,7 +108,7 @@ def _prompt(raw: dict) -> list[tuple[str, str]]:
             .messages or []]
 
 
-def test_a_later_developer_message_is_a_note_where_it_stands_and_keeps_the_prompt_before():
+def test_a_later_developer_message_stands_where_it_was_sent_and_keeps_the_prompt_before():
     """codex's opening developer messages make the system turn; one it sends mid-session (new
     permissions, a changed mode) stands where it was sent, so the prompt before it is the
     previous request's and the prefix cache holds it. Joined to the system prompt at the
@@ -122,16 +122,31 @@ def test_a_later_developer_message_is_a_note_where_it_stands_and_keeps_the_promp
     a, b = _prompt(first), _prompt(later)
     assert b[:len(a)] == a
     assert b[len(a):] == [("assistant", "Listed."),
-                          ("user", "<system>\nApprovals are now on-request.\n</system>"),
-                          ("user", "now read it")]
+                          ("system", "Approvals are now on-request."), ("user", "now read it")]
 
 
-def test_a_note_between_calls_and_their_outputs_waits_for_the_outputs():
+def test_a_system_message_between_calls_and_their_outputs_waits_for_the_outputs():
     body = {"model": "m", "input": [
         {"role": "user", "content": "go"},
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
         {"role": "developer", "content": "be brief"},
         {"type": "function_call_output", "call_id": "c1", "output": "ok"}],
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
-    assert [r for r, _ in _prompt(body)] == ["user", "assistant", "tool", "user"]
-    assert _prompt(body)[-1] == ("user", "<system>\nbe brief\n</system>")
+    assert [r for r, _ in _prompt(body)] == ["user", "assistant", "tool", "system"]
+    assert _prompt(body)[-1] == ("system", "be brief")
+
+
+def test_a_developer_message_after_an_output_stays_put_as_the_tool_loop_goes_on():
+    """Request k ends with a call's output and a developer message; request k+1 goes on
+    with another call: the message stands where it was in both (it moved past the next call
+    and its output, so each step of the loop was prefilled again from there)."""
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    k = [{"role": "user", "content": "go"},
+         {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
+         {"type": "function_call_output", "call_id": "a", "output": "1"},
+         {"role": "developer", "content": "be brief"}]
+    k1 = [*k, {"type": "function_call", "call_id": "b", "name": "f", "arguments": "{}"},
+          {"type": "function_call_output", "call_id": "b", "output": "2"}]
+    first, then = (_prompt({"model": "m", "input": x, "tools": tools}) for x in (k, k1))
+    assert then[:len(first)] == first
+    assert [r for r, _ in then] == ["user", "assistant", "tool", "system", "assistant", "tool"]

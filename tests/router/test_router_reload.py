@@ -89,23 +89,29 @@ def test_a_reload_that_changes_the_keepalive_rebuilds_the_links_with_it(fl, tmp_
 def test_a_reload_names_the_fields_that_wait_for_a_restart_and_applies_the_rest(fl, tmp_path):
     """Which fields wait is read off the schema's marks (docs/config.md, "apply"), not a list
     kept by hand: server.max_body_bytes and limits.schema_workers wait, and are named;
-    limits.max_tools and the connection cap apply at once."""
+    limits.max_tools, the connection cap and the CORS origins apply at once. They wait until
+    a restart: a second reload names them again, and the started file's values none."""
     current = tomllib.loads(fl.state.config_path.read_text())
     server, limits = current.get("server", {}), current.get("limits", {})
     changed = {**current,
-               "server": {**server, "max_body_bytes": 4 * 1024 * 1024, "max_connections": 900},
+               "server": {**server, "max_body_bytes": 4 * 1024 * 1024, "max_connections": 900,
+                          "cors_allowed_origins": ["https://app.example.com"]},
                "limits": {**limits, "schema_workers": 3, "max_tools": 7}}
+
+    def waiting() -> list[list[str]]:
+        return [e["fields"] for e in logs if e["event"] == "config.restart_needed"]
     try:
         with structlog.testing.capture_logs() as logs:
             reload_with(fl, tmp_path, tomli_w.dumps(changed).encode())
-        waiting = [e for e in logs if e["event"] == "config.restart_needed"]
-        assert [e["fields"] for e in waiting] == [["limits.schema_workers",
-                                                   "server.max_body_bytes"]], logs
+        assert waiting() == [["limits.schema_workers", "server.max_body_bytes"]], logs
         assert fl.state.caps.max_tools == 7 and fl.state.cfg.limits.max_tools == 7
         assert fl.state.connections.max_connections == 900
-        with structlog.testing.capture_logs() as logs:  # the same file again: nothing waits
+        assert fl.state.cfg.server.cors_allowed_origins == ["https://app.example.com"]
+        with structlog.testing.capture_logs() as logs:  # the same file again: still waiting
             reload_with(fl, tmp_path, tomli_w.dumps(changed).encode())
-        assert not [e for e in logs if e["event"] == "config.restart_needed"], logs
+        assert waiting() == [["limits.schema_workers", "server.max_body_bytes"]], logs
     finally:
-        fl.lt.run(fl.state.reload())  # the fleet is the session's: its own config again
+        with structlog.testing.capture_logs() as logs:  # the session's own config again
+            fl.lt.run(fl.state.reload())
+    assert waiting() == [], logs  # what it started with: nothing waits
     assert fl.state.cfg.limits.max_tools == limits.get("max_tools", 128)

@@ -115,21 +115,24 @@ def test_count_tokens_matches_what_a_request_is_admitted_with(router):
     assert c.messages.count_tokens(model="tiny", messages=MSGS).input_tokens < n
 
 
-def test_a_system_message_is_a_note_where_it_stands(router):
+def test_a_system_message_stands_where_it_was_sent_and_the_prefix_cache_holds(router):
     c = client(router)
     # Anthropic's mid-conversation system message (Claude Code sends them): an instruction
-    # from that point, in the user turn before it, the system prompt untouched
+    # from that point, the system prompt untouched, so the conversation before it is the
+    # previous request's and comes from the prefix cache (joined to the system prompt at the
+    # start, it changed the prompt's first tokens: nothing was cached)
+    long = [{"role": "user", "content": "Tell me about the sea. " * 40}]
+    first = c.messages.create(model="tiny", max_tokens=2, system="Be brief.", messages=long)
     with_mid = c.messages.create(model="tiny", max_tokens=3, system="Be brief.", messages=[
-        *MSGS, {"role": "system", "content": "Answer in French."}])
+        *long, {"role": "system", "content": "Answer in French."}])
     assert with_mid.content and with_mid.usage.output_tokens > 0
+    assert with_mid.usage.cache_read_input_tokens >= first.usage.input_tokens - 32, (
+        first.usage, with_mid.usage)
     n_mid = c.messages.count_tokens(model="tiny", system="Be brief.", messages=[
-        *MSGS, {"role": "system", "content": "Answer in French."}]).input_tokens
-    *before, last = MSGS
-    noted = [*before, {**last, "content": f"{last['content']}\n\n<system>\nAnswer in French."
-                                          "\n</system>"}]
-    n_note = c.messages.count_tokens(model="tiny", system="Be brief.",
-                                     messages=noted).input_tokens
-    assert n_mid == n_note
+        *long, {"role": "system", "content": "Answer in French."}]).input_tokens
+    n_without = c.messages.count_tokens(model="tiny", system="Be brief.",
+                                        messages=long).input_tokens
+    assert n_mid > n_without  # the instruction is in the prompt
 
 
 @pytest.mark.parametrize(("messages", "at", "why"), [
