@@ -183,9 +183,9 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
         anthropic_system.check_clear_at(m, i)
         if m.role == "system":
             anthropic_system.check_placement(body.messages, i)
-            text = anthropic_system.text_of(m.content, p, body.tools or [], ATool)
-            if text and not anthropic_system.cleared(body.messages, i):  # (else: its turn
-                place_system(turns, text)  # is over) where it stands: the prefix is kept
+            said = anthropic_system.text_of(m.content, p, body.tools or [], ATool)
+            if said and not anthropic_system.cleared(body.messages, i):  # (else: its turn
+                place_system(turns, said)  # is over) where it stands: the prefix is kept
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))
