@@ -9,8 +9,9 @@ For those, `fold` keeps the leading system messages as the one system turn and m
 later one a `<system>` note where it stands: at the end of the user turn before it, else at
 the start of the user message right after it, else a user turn of its own there (after an
 assistant's calls, once their tool turns are done, so they stay together). The router
-renders Anthropic's and Responses' later system messages as the same note
-(helexa/router/openai_api.py, place_note), whatever the template.
+sends Anthropic's and Responses' later system messages as system turns where they stand
+(helexa/router/anthropic_system.py, helexa/router/responses_input.py), so they come here
+too.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def fold(messages: list[dict]) -> list[dict]:
     held: list[str] = []  # notes waiting for the tool turns before them to end
     for m in messages[lead:]:
         role = m.get("role")
-        if held and role != "tool" and role != "system":
+        if held and role not in ("tool", "system"):
             if role == "user":  # the next message: the note opens it
                 m = _with(m, "\n\n".join(held), at_end=False)
             else:  # an assistant's: the note is a user turn of its own before it
@@ -65,11 +66,12 @@ def fold(messages: list[dict]) -> list[dict]:
             held = []
         if role != "system":
             out.append(m)
-        elif out and out[-1].get("role") == "user" and not held:
-            out[-1] = _with(out[-1], f"<system>\n{_text(m.get('content'))}\n</system>",
-                            at_end=True)
+            continue
+        note = f"<system>\n{_text(m.get('content'))}\n</system>"
+        if out and out[-1].get("role") == "user" and not held:
+            out[-1] = _with(out[-1], note, at_end=True)
         else:
-            held.append(f"<system>\n{_text(m.get('content'))}\n</system>")
+            held.append(note)
     if held:
         out.append({"role": "user", "content": "\n\n".join(held)})
     return out

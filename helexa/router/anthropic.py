@@ -31,7 +31,7 @@ from msgspec import Meta
 
 from helexa.router import agent_request, anthropic_system, images, tool_pairing, tool_reference
 from helexa.router.errors import bad_request, clip, unsupported
-from helexa.router.openai_api import ParsedRequest, Turn, continue_final, place_system
+from helexa.router.openai_api import ParsedRequest, Turn, continue_final
 from helexa.router.request_caps import DEFAULT_CAPS, RequestCaps
 from helexa.router.request_model import (
     INT32_MAX,
@@ -185,7 +185,7 @@ def _turns(body: MessagesBody | CountTokensBody) -> list[Turn]:
             anthropic_system.check_placement(body.messages, i)
             said = anthropic_system.text_of(m.content, p, body.tools or [], ATool)
             if said and not anthropic_system.cleared(body.messages, i):  # (else: its turn
-                place_system(turns, said)  # is over) where it stands: the prefix is kept
+                turns.append(Turn(role="system", content=said))  # is over) where it stands
             continue
         if isinstance(m.content, str):
             turns.append(Turn(role=m.role, content=m.content))

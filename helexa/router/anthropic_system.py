@@ -16,7 +16,7 @@ places a mid-conversation system message where it stands so that later instructi
 the earlier turns' cache; joined to the system prompt at the start, one arriving late (or
 an effort-only one, which added an empty paragraph) changed the prompt's first tokens and
 the whole conversation was prefilled again. A template that takes a system turn only at the
-start gets it as a `<system>` note in the user turn before it (neuron/system_turns.py).
+start gets it as a `<system>` note in the user turn next to it (neuron/system_turns.py).
 A tool defined by value is callable from then on, as a
 deferred tool (out of the prompt's tool list). docs/api.md, "`POST /v1/messages`
 (Anthropic)".
@@ -70,8 +70,8 @@ def check_placement(messages: Sequence[Any], i: int) -> None:
 
 
 def check_clear_at(m: Any, i: int) -> None:
-    """A 400 naming `messages[i].clear_at` unless it is absent, or `next_user_message` on a
-    system message."""
+    """A 400 naming `messages[i].clear_at` unless it is absent, or `next_user_message` or
+    `never` on a system message."""
     if m.clear_at is None or (m.clear_at in (CLEAR_AT, KEPT) and m.role == "system"):
         return
     why = (f"expected `{CLEAR_AT}` or `{KEPT}`, not `{m.clear_at}`" if m.role == "system"

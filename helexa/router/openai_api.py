@@ -45,16 +45,6 @@ class Turn:
 
 
 
-def place_system(turns: list[Turn], text: str) -> None:
-    """A later system message (Anthropic's mid-conversation one, tool changes, a Responses
-    developer message) where it stands: a system turn of its own there, never joined to the
-    system prompt at the start, which would change the prompt's first tokens and have every
-    earlier turn prefilled again. Where the model's template takes a system turn only at
-    the start, the neuron makes it a `<system>` note in the user turn next to it
-    (helexa/neuron/system_turns.py)."""
-    turns.append(Turn(role="system", content=text))
-
-
 @dataclass
 class ParsedRequest:
     """One validated chat or completion request, independent of the wire format."""

@@ -1,9 +1,11 @@
 """Responses' `input` as the turns a chat template takes (responses_api.py's docstring says the
 mapping): its items' structs, and the translation, in order. `instructions` and the `system` /
 `developer` messages `input` opens with make the system turn; a later one is a system turn
-where it stands (openai_api.place_system), held while calls wait for their outputs, so
-the prompt before it is kept and the prefix cache holds it: joined to the system prompt,
-a developer message codex sends mid-session changed the prompt's first tokens.
+where it stands, held past any call outputs that follow it (so nothing stands between calls
+and the tool turns answering them), so the prompt before it is kept and the prefix cache
+holds it: joined to the system prompt, a developer message codex sends mid-session changed
+the prompt's first tokens. Where the model's template takes a system turn only at the
+start, the neuron makes it a `<system>` note (helexa/neuron/system_turns.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import msgspec
 
 from helexa.router import agent_request, custom_tools, images, tool_pairing
 from helexa.router.errors import bad_request, unsupported
-from helexa.router.openai_api import Turn, place_system
+from helexa.router.openai_api import Turn
 from helexa.router.request_model import ImageDetail
 
 _TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -98,22 +100,20 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
     turns: list[Turn] = []
     calls: list[dict[str, Any]] = []  # the open assistant turn's calls
     thought: list[str] = []  # reasoning for the next assistant turn
-    notes: list[str] = []  # later system messages', held while calls wait for their outputs
+    held: list[str] = []  # later system messages' text, held past the outputs after them
     for i, it in enumerate(items):
         p = f"input[{i}]"
         if it.type not in _CALLS and calls:
             _close_calls(turns, calls, thought)
-        if notes and it.type not in _OUTPUTS:  # held past the outputs, no further
-            _place(turns, notes)
+        if held and it.type not in _OUTPUTS:
+            _place(turns, held)
         if it.type == "message":
             role = it.role or "user"
             if role in ("system", "developer") and not turns:
                 system.append(_text(it.content, f"{p}.content"))
             elif role in ("system", "developer"):
                 if text := _text(it.content, f"{p}.content"):
-                    notes.append(text)
-                    if not _answering(turns):
-                        _place(turns, notes)
+                    held.append(text)
             elif role == "user":
                 turns.append(_parts_turn("user", it.content, f"{p}.content"))
             elif role == "assistant":
@@ -133,7 +133,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
                 raise bad_request(f"`{p}` needs `call_id` and `name`", p)
             calls.append({"id": it.call_id, "type": "function", "function": {
                 "name": it.name, "arguments": custom_tools.arguments_of(it.input or "")}})
-        elif it.type in ("function_call_output", "custom_tool_call_output"):
+        elif it.type in _OUTPUTS:
             if not it.call_id:
                 raise bad_request(f"`{p}.call_id` is required", f"{p}.call_id")
             turns.append(_parts_turn("tool", it.output, f"{p}.output", it.call_id))
@@ -147,7 +147,7 @@ def turns_of(instructions: str | None, input: str | list[Item], repaired: list[s
             raise unsupported(f"{p}.type", f"input items of type `{it.type}`")
     if calls:
         _close_calls(turns, calls, thought)
-    _place(turns, notes)
+    _place(turns, held)
     tool_pairing.check_input(items)
     if system:
         turns.insert(0, Turn(role="system", content="\n\n".join(system)))
@@ -160,17 +160,9 @@ _CALLS = ("function_call", "custom_tool_call")
 _OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
-def _answering(turns: list[Turn]) -> bool:
-    """Whether the last turn is calls or their outputs: a later system message waits for the
-    next message, so nothing stands between an assistant's calls and the tool turns
-    answering them."""
-    return bool(turns) and (turns[-1].role == "tool" or bool(turns[-1].tool_calls_json))
-
-
-def _place(turns: list[Turn], notes: list[str]) -> None:
-    for text in notes:
-        place_system(turns, text)
-    notes.clear()
+def _place(turns: list[Turn], held: list[str]) -> None:
+    turns.extend(Turn(role="system", content=text) for text in held)
+    held.clear()
 
 
 def _close_calls(turns: list[Turn], calls: list[dict[str, Any]], thought: list[str]) -> None:

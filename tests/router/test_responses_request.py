@@ -134,6 +134,10 @@ def test_a_system_message_between_calls_and_their_outputs_waits_for_the_outputs(
         "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}
     assert [r for r, _ in _prompt(body)] == ["user", "assistant", "tool", "system"]
     assert _prompt(body)[-1] == ("system", "be brief")
+    # with the reply's text between the call and the message (as codex echoes a reply)
+    body["input"].insert(2, {"role": "assistant",
+                             "content": [{"type": "output_text", "text": "Reading."}]})
+    assert [r for r, _ in _prompt(body)] == ["user", "assistant", "assistant", "tool", "system"]
 
 
 def test_a_developer_message_after_an_output_stays_put_as_the_tool_loop_goes_on():
