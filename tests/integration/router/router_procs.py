@@ -165,6 +165,18 @@ def sse_events(url: str, path: str, body: dict, timeout: float = 600
     return events
 
 
+def ledger_whole(router: RouterProcess, neuron: str, model: str = "tiny") -> bool:
+    """Whether `neuron`'s pool for `model`, as the router's metrics show it, is whole again:
+    no KV used or reserved, nothing in flight or queued, every block free."""
+    m = router.metrics()
+
+    def g(name: str) -> float | None:
+        return m.get((name, (("model", model), ("neuron", neuron))))
+    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
+            and g("helexa_neuron_in_flight") == 0 and g("helexa_neuron_queued") == 0
+            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
+
+
 def wait_for(cond: Callable[[], Any], timeout: float = 10.0, every: float = 0.05) -> Any:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -3,19 +3,9 @@ neuron grows its reservation while the pool has room (helexa/neuron/engine/growt
 
 from __future__ import annotations
 
-from router_procs import RouterProcess, wait_for
+from router_procs import ledger_whole, wait_for
 
 MSG = [{"role": "user", "content": "Tell me about the sea."}]
-
-
-def ledger_whole(router: RouterProcess) -> bool:
-    m = router.metrics()
-
-    def g(name: str) -> float | None:
-        return m.get((name, (("model", "tiny-grow"), ("neuron", "nt"))))
-    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
-            and g("helexa_neuron_in_flight") == 0
-            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
 
 
 def test_a_reply_without_max_tokens_goes_past_the_default_output_budget(router):
@@ -29,4 +19,4 @@ def test_a_reply_without_max_tokens_goes_past_the_default_output_budget(router):
     named = c.chat.completions.create(model="tiny-grow", messages=MSG, temperature=0,
                                       max_tokens=8, extra_body={"ignore_eos": True})
     assert named.usage.completion_tokens == 8 and named.choices[0].finish_reason == "length"
-    wait_for(lambda: ledger_whole(router), timeout=10)
+    wait_for(lambda: ledger_whole(router, "nt", "tiny-grow"), timeout=10)

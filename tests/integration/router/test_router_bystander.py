@@ -20,7 +20,7 @@ import httpx2
 import openai
 import pytest
 import tomli_w
-from router_procs import RouterProcess, start_router, tiny_neuron, wait_for
+from router_procs import RouterProcess, ledger_whole, start_router, tiny_neuron, wait_for
 from support.neuron import NeuronProcess
 from support.stalled_client import post_to_a_small_window
 
@@ -77,16 +77,6 @@ def client_write_secs(neuron: NeuronProcess, router: RouterProcess, secs: float,
 
 def healthy(router: RouterProcess) -> bool:
     return httpx2.get(router.url + "/health", timeout=5).json()["neurons"]["nb"]["healthy"]
-
-
-def ledger_whole(router: RouterProcess) -> bool:
-    m = router.metrics()
-
-    def g(name: str) -> float | None:
-        return m.get((name, (("model", "tiny"), ("neuron", "nb"))))
-    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
-            and g("helexa_neuron_in_flight") == 0
-            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
 
 
 def output_limit(router: RouterProcess) -> int:
@@ -185,7 +175,7 @@ def test_the_engines_first_constrained_request_stalls_no_stream(pair):
     (that took every running stream 3-6 s): the module's neuron has served no constrained
     request yet, and the bystander's chunks keep coming while one is compiled and decoded."""
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     by = Bystander(router, output_limit(router) // 4)  # room in the pool for one more
     thread = threading.Thread(target=by.run, daemon=True)
     thread.start()
@@ -206,12 +196,12 @@ def test_the_engines_first_constrained_request_stalls_no_stream(pair):
     thread.join(30)
     assert by.error is None and not by.finished, (by.error, by.lines[-3:])
     assert by.longest_gap_secs(t0, t1 + 0.5) < 1.0
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
 
 
 def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     attacks = _attacks()
     by = Bystander(router, output_limit(router) - 64)
     thread = threading.Thread(target=by.run, daemon=True)
@@ -237,7 +227,7 @@ def test_each_attack_is_refused_fast_while_a_bystander_streams_on(pair):
     assert by.error is None and not by.finished, (by.error, by.lines[-3:])
     assert not any('"error"' in line for line in by.lines), by.lines[-3:]
     assert by.longest_gap_secs(t_first, t_last) < 1.0
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
 
 
 @pytest.mark.slow  # 12 s alone, 30 s in a loaded run
@@ -246,7 +236,7 @@ def test_200000_turns_stall_no_stream(pair):
     their messages' protos (and /tokenize the JSON of 1.6 million ids) on the loop that
     carries every stream, which held the bystander's chunks for over a second."""
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     by = Bystander(router, output_limit(router) - 64)
     thread = threading.Thread(target=by.run, daemon=True)
     thread.start()
@@ -271,12 +261,12 @@ def test_200000_turns_stall_no_stream(pair):
     assert codes == {"/v1/chat/completions": 400, "/tokenize": 200}, codes
     assert by.error is None and not by.finished, (by.error, by.lines[-3:])
     assert by.longest_gap_secs(t0, t1) < 1.0
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
 
 
 def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
                        "stream": True, "ignore_eos": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
@@ -285,8 +275,8 @@ def test_a_client_that_stops_reading_is_ended_and_its_kv_returned(pair):
         assert sock.recv(256).startswith(b"HTTP/1.1 200")
         # Read nothing more. The neuron generates, the buffers fill, then within
         # client_write_secs of that the router ends the stream and the call.
-        wait_for(lambda: not ledger_whole(router), timeout=10)
-        wait_for(lambda: ledger_whole(router), timeout=60)
+        wait_for(lambda: not ledger_whole(router, "nb"), timeout=10)
+        wait_for(lambda: ledger_whole(router, "nb"), timeout=60)
         assert '"client_stalled"' in router.log_path.read_text()
         assert healthy(router)
     finally:
@@ -299,7 +289,7 @@ def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
     and frees the reply. It kept every such reply in its memory for as long as the client
     kept the socket open, so a client sending request after request grew it without end."""
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 200, "n": 16,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20}).encode()
 
@@ -328,7 +318,7 @@ def test_a_whole_reply_nobody_reads_is_dropped_not_held(pair):
         assert healthy(router)
     finally:
         sock.close()
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
 
 
 def _rss_mb(pid: int) -> float:
@@ -476,7 +466,7 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
     request; the other never does, and is ended after client_write_secs with every KV
     block back. Before, both kept generating into the router's gRPC channel."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     n = 1000
     stall = {"model": "tiny", "messages": MSG, "stream": True, "ignore_eos": True,
              "temperature": 0, "logprobs": True, "top_logprobs": 20,
@@ -525,7 +515,7 @@ def test_a_client_that_stops_reading_pauses_its_request_until_it_reads(pair):
             text = _text(events)
             assert text and _text(_events(b"".join(reference))).startswith(text)  # in order
             # the other never reads again: ended, its KV back
-            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=30)
+            wait_for(lambda: ledger_whole(router, "nb") and _paused(router) == 0, timeout=30)
         finally:
             for s in socks:
                 s.close()
@@ -553,7 +543,7 @@ def test_a_stream_of_two_choices_completes_when_one_must_wait_for_the_others_kv(
     that KV. Before, nobody read it until every choice was admitted: the neuron paused it,
     and choice 1 got 503 after kv_max_wait_secs (10 s here)."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     n = 1000
     hog = json.dumps({"model": "tiny", "messages": MSG, "ignore_eos": True, "stream": True,
                       "logprobs": True, "top_logprobs": 20,
@@ -574,7 +564,7 @@ def test_a_stream_of_two_choices_completes_when_one_must_wait_for_the_others_kv(
             assert got == [n, n]
         finally:
             holder.close()  # its call is cancelled: its KV back
-        wait_for(lambda: ledger_whole(router), timeout=30)
+        wait_for(lambda: ledger_whole(router, "nb"), timeout=30)
 
 
 # A trickle, scaled to run in seconds: the window is 8 s and the floor 256 KiB/s (2 MiB a
@@ -620,7 +610,7 @@ def test_a_trickle_is_ended_once_a_request_waits_for_its_kv(pair):
     trickle that let one finish now and then held its KV until its deadline; and then the
     floor cut every slow reader, waited for or not."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": output_limit(router) - 64,
                        "stream": True, "ignore_eos": True, "logprobs": True,
                        "top_logprobs": 20}).encode()
@@ -660,7 +650,7 @@ def test_a_trickle_is_ended_once_a_request_waits_for_its_kv(pair):
             assert trickled and trickled[0][1] is not None, trickled
             assert answer and answer[0].status_code == 200, answer and answer[0].text[:300]
             assert answer[0].json()["usage"]["completion_tokens"] == 200
-            wait_for(lambda: ledger_whole(router) and _paused(router) == 0, timeout=60)
+            wait_for(lambda: ledger_whole(router, "nb") and _paused(router) == 0, timeout=60)
             log = router.log_path.read_text()
             assert '"outcome":"client_stalled"' in log
             # the log says it was a trickle, and the floor it missed
@@ -680,7 +670,7 @@ def test_an_sdk_client_slower_than_the_floor_is_not_ended_when_nobody_waits(pair
     stream (1 MB) is more than the router's buffers hold (some 600 KB: a shorter one is
     all in its kernel's send buffer once made, its request done, and nothing is judged)."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     n = 600  # 12 s of reading at 50 chunks a second, behind for three windows and more
     # A 16 KiB receive buffer (a phone's, a proxy's): loopback's own sizing took most of
     # the stream into this process's kernel, where it counted as read.
@@ -714,7 +704,7 @@ def test_an_sdk_client_slower_than_the_floor_is_not_ended_when_nobody_waits(pair
     assert done and done[0]["completion_tokens"] == n, done
     finished = datetime.datetime.fromisoformat(done[0]["ts"].replace("Z", "+00:00"))
     assert finished.timestamp() < half_at, (done[0]["ts"], half_at)
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
 
 
 def test_a_client_that_pauses_over_a_window_with_nobody_waiting_reads_on(pair):
@@ -724,7 +714,7 @@ def test_a_client_that_pauses_over_a_window_with_nobody_waiting_reads_on(pair):
     shows its taking in steps over a window apart). Before, taking nothing for a window
     ended it whoever waited."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)
     n = 1500  # 2.5 MB with its logprobs: far more than the buffers hold
     body = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": n, "stream": True,
                        "ignore_eos": True, "logprobs": True, "top_logprobs": 20,
@@ -751,4 +741,4 @@ def test_a_client_that_pauses_over_a_window_with_nobody_waiting_reads_on(pair):
     # it was behind: the neuron paused its request for most of the two windows
     done = [r for r in neuron.logs("request.done") if r["req_id"] not in done_before]
     assert len(done) == 1 and done[0].get("paused_ms", 0) > 1000 * window, done
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nb"), timeout=15)

@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx2
 import pytest
 import tomli_w
-from router_procs import RouterProcess, router_over, tiny_neuron, wait_for
+from router_procs import RouterProcess, ledger_whole, router_over, tiny_neuron, wait_for
 from support.neuron import NeuronProcess
 
 CAP = 6
@@ -53,16 +53,6 @@ def reload(router: RouterProcess, config: dict) -> None:
              timeout=15)
 
 
-def ledger_whole(router: RouterProcess) -> bool:
-    m = router.metrics()
-
-    def g(name: str) -> float | None:
-        return m.get((name, (("model", "tiny"), ("neuron", "nc"))))
-    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
-            and g("helexa_neuron_in_flight") == 0
-            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
-
-
 def idle_sockets(router: RouterProcess, n: int, source: str = "127.0.0.1") -> list[socket.socket]:
     host, port = router.url.removeprefix("http://").split(":")
     return [socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
@@ -79,7 +69,7 @@ def refused(router: RouterProcess, source: str = "127.0.0.1") -> tuple[int, dict
 
 def test_a_connection_over_the_cap_gets_a_503_and_an_open_stream_finishes(pair):
     _, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nc"), timeout=15)
     refused_before = router.metric("helexa_router_connections_refused_total",
                                    reason="max_connections")
     # A stream in flight (its first chunk read), then the rest of the cap taken by idle sockets.
@@ -112,7 +102,7 @@ def test_a_connection_over_the_cap_gets_a_503_and_an_open_stream_finishes(pair):
     assert router.metric("helexa_router_connections_open") == 1  # this scrape's
     log = router.log_path.read_text()
     assert '"http.connection_refused"' in log and '"reason":"max_connections"' in log
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nc"), timeout=15)
 
 
 def test_a_flood_held_open_is_refused_and_new_requests_are_served_after_it(pair):
@@ -140,7 +130,7 @@ def test_a_flood_held_open_is_refused_and_new_requests_are_served_after_it(pair)
         for s in flood:
             s.close()
     wait_for(lambda: refused(router)[0] == 200, timeout=15)
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nc"), timeout=15)
     assert router.metric("helexa_router_connections_open") == 1
 
 

@@ -13,20 +13,10 @@ import socket
 import httpx2
 import openai
 import pytest
-from router_procs import key_of, neuron_cfg, router_config, wait_for
+from router_procs import key_of, ledger_whole, neuron_cfg, router_config, wait_for
 from support.neuron import start_neuron, start_neurons, stop_all, write_neuron_config
 
 MSG = [{"role": "user", "content": "Write a long story about a lighthouse."}]
-
-
-def kv_whole(router, neuron: str, model: str = "tiny") -> bool:
-    m = router.metrics()
-
-    def g(name):
-        return m.get((name, (("model", model), ("neuron", neuron))))
-    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
-            and g("helexa_neuron_in_flight") == 0 and g("helexa_neuron_queued") == 0
-            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
 
 
 def test_client_disconnect_frees_kv_on_the_neuron(router):
@@ -41,7 +31,7 @@ def test_client_disconnect_frees_kv_on_the_neuron(router):
         busy = wait_for(lambda: [n for n in ("na", "nb") if router.metric(
             "helexa_neuron_in_flight", neuron=n, model="tiny") == 1], timeout=5)
     # Gone: the router cancels the call, the neuron releases every block.
-    wait_for(lambda: kv_whole(router, busy[0]), timeout=10)
+    wait_for(lambda: ledger_whole(router, busy[0]), timeout=10)
     assert router.metric("helexa_router_requests_total", model="tiny", code="499") >= 1
     # The span closes as docs/observability.md says: request.done with client_gone, for the journal.
     done = [json.loads(line) for line in router.log_path.read_text().splitlines()
@@ -67,7 +57,7 @@ def test_client_disconnect_of_a_non_streaming_request_frees_kv_on_the_neuron(rou
         # Running on some neuron (over Complete: nothing comes back until the end).
         busy = wait_for(lambda: [n for n in ("na", "nb") if router.metric(
             "helexa_neuron_in_flight", neuron=n, model="tiny") == 1], timeout=5)
-    wait_for(lambda: kv_whole(router, busy[0]), timeout=10)
+    wait_for(lambda: ledger_whole(router, busy[0]), timeout=10)
     assert router.metric("helexa_router_requests_total", model="tiny", code="499") == before + 1
     wait_for(lambda: gone_lines() == gone_before + 1, timeout=5)
 
@@ -277,7 +267,7 @@ def test_streams_whose_neuron_dies_before_their_first_token_go_on_on_another(
         lost = [json.loads(line) for line in router.log_path.read_text().splitlines()
                 if '"request.neuron_lost"' in line and '"neuron":"nv"' in line]
         assert len(lost) == 2 and all(r["retry_on"] == "ns" for r in lost), lost
-        wait_for(lambda: kv_whole(router, "ns", "resumable"), timeout=10)
+        wait_for(lambda: ledger_whole(router, "ns", "resumable"), timeout=10)
     finally:
         router.reload(base)
         stop_all(pair.values(), timeout_secs=5)

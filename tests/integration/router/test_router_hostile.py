@@ -18,7 +18,7 @@ import openai
 import pytest
 import tomli_w
 from hypothesis import HealthCheck, given, settings
-from router_procs import RouterProcess, start_router, wait_for
+from router_procs import RouterProcess, ledger_whole, start_router, wait_for
 from support.neuron import NeuronProcess, start_neuron, write_neuron_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))
@@ -55,16 +55,6 @@ def pair(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[NeuronProcess, Rout
         neuron.stop(timeout_secs=15)
 
 
-def ledger_whole(router: RouterProcess) -> bool:
-    m = router.metrics()
-
-    def g(name: str) -> float | None:
-        return m.get((name, (("model", "tiny"), ("neuron", "nf"))))
-    return (g("helexa_neuron_kv_used_bytes") == 0 and g("helexa_neuron_kv_reserved_bytes") == 0
-            and g("helexa_neuron_in_flight") == 0 and g("helexa_neuron_queued") == 0
-            and g("helexa_neuron_kv_free_bytes") == g("helexa_neuron_kv_total_bytes") > 0)
-
-
 @pytest.mark.parametrize("kind,path", [("chat", "/v1/chat/completions"),
                                        ("completion", "/v1/completions")])
 def test_generated_bodies_against_a_real_neuron(pair, kind, path):
@@ -84,7 +74,7 @@ def test_generated_bodies_against_a_real_neuron(pair, kind, path):
 
         one()
     assert seen.get(200, 0) >= 10 and seen.get(400, 0) >= 10, seen
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=15)
 
 
 def test_special_token_text_as_a_schema_key_is_generated_as_text(pair):
@@ -109,7 +99,7 @@ def test_special_token_text_as_a_schema_key_is_generated_as_text(pair):
 
 def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=15)
     stream = router.client(None).chat.completions.create(
         model="tiny", messages=MSG, max_tokens=1500, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
@@ -132,7 +122,7 @@ def test_a_neuron_hung_mid_stream_is_ended_with_an_upstream_error(pair):
     finally:
         neuron.signal(signal.SIGCONT)
     # Back: the ended call was aborted on the neuron and every block came back.
-    wait_for(lambda: ledger_whole(router), timeout=30)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=30)
     r = router.client(None).chat.completions.create(model="tiny", messages=MSG, max_tokens=2)
     assert r.choices[0].finish_reason in ("length", "stop")
 
@@ -141,7 +131,7 @@ def test_a_non_streaming_call_on_a_hung_neuron_is_answered_by_keepalive(pair):
     """A non-streaming call has no token clock: before keepalive ended it, it waited for the
     Watch bound (stream_idle_secs, 120 s here) or gRPC's minute-long ping timeout."""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=15)
     got: dict[str, object] = {}
 
     def call() -> None:
@@ -166,7 +156,7 @@ def test_a_non_streaming_call_on_a_hung_neuron_is_answered_by_keepalive(pair):
         assert got["at"] - t0 < 30  # well before stream_idle_secs (120 s)
     finally:
         neuron.signal(signal.SIGCONT)
-    wait_for(lambda: ledger_whole(router), timeout=30)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=30)
 
 
 def test_a_neuron_paused_past_its_watch_bound_keeps_its_streams(pair):
@@ -175,7 +165,7 @@ def test_a_neuron_paused_past_its_watch_bound_keeps_its_streams(pair):
     its last token once the neuron runs again. (The router used to end every call on a neuron
     at that silence: the review's finding 4, a bystander's stream cut.)"""
     neuron, router = pair
-    wait_for(lambda: ledger_whole(router), timeout=15)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=15)
     downs = router.log_path.read_text().count('"neuron.down"')
     stream = router.client(None).chat.completions.create(
         model="tiny", messages=MSG, max_tokens=300, stream=True, extra_body={"ignore_eos": True},
@@ -191,7 +181,7 @@ def test_a_neuron_paused_past_its_watch_bound_keeps_its_streams(pair):
         neuron.signal(signal.SIGCONT)
     rest = list(chunks)  # no error: openai raises APIError on an error event
     assert rest[-1].usage.completion_tokens == 300
-    wait_for(lambda: ledger_whole(router), timeout=30)
+    wait_for(lambda: ledger_whole(router, "nf"), timeout=30)
 
 
 def test_a_sighup_with_a_file_that_is_not_utf8_is_one_line_and_keeps_serving(pair):
